@@ -1,0 +1,165 @@
+/* backend.h - the compute seam: memory, copies, events and the kernels of the
+ * forward pass, behind one small vtable (backend_impl.h).
+ *
+ * Every pointer a kernel takes is a *device address* returned by
+ * be_buffer_data() of a device buffer, or weight memory the backend said it
+ * can read (caps.unified_memory: the CPU backend reads mmapped weights in
+ * place).  Activations are always f32; weights are f32, f16 or bf16.
+ *
+ * Streams: kernels run on the backend's compute stream, in call order.
+ * be_copy_async() runs on a separate copy stream; be_event_record() marks
+ * the copy stream, be_event_wait() makes the compute stream wait for it and
+ * be_event_sync() makes the host wait.  The CPU backend computes on the
+ * calling thread (so "compute stream" = caller) and copies on its own thread.
+ *
+ * Device memory is a pool with a hard byte budget.  An allocation over budget
+ * returns BE_ENOMEM_DEV and never aborts: every out-of-memory path above this
+ * seam is real and testable on a machine without a GPU.
+ */
+#ifndef KVTIER_BACKEND_H
+#define KVTIER_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum be_status {
+    BE_OK = 0,
+    BE_ENOMEM_DEV = 1,  /* device pool budget exhausted (or injected fault) */
+    BE_ENOMEM_HOST = 2, /* host memory (pinned or plain) could not be had */
+    BE_EINVAL = 3,      /* bad argument: a programming error above the seam */
+    BE_ENOTSUP = 4,     /* the backend lacks this op / dtype / capability */
+    BE_ENODEV = 5,      /* backend not available (no plugin, no device) */
+    BE_EIO = 6,         /* device or driver error */
+};
+const char *be_strerror(enum be_status st);
+
+enum be_dtype { BE_F32 = 0, BE_F16 = 1, BE_BF16 = 2 };
+size_t be_dtype_size(enum be_dtype dt);
+const char *be_dtype_name(enum be_dtype dt);
+
+typedef struct be_backend be_backend; /* one device and its streams */
+typedef struct be_buffer be_buffer;   /* one allocation, device or host */
+typedef struct be_event be_event;     /* a fence on the copy stream */
+
+struct be_params {
+    int n_threads;        /* CPU threads for the math; 0 = physical cores (hwloc) */
+    size_t device_mem;    /* device pool budget in bytes; 0 = backend default */
+    size_t host_mem;      /* pinned-host budget in bytes; 0 = unlimited */
+    int device_index;     /* which GPU (CUDA) */
+};
+
+struct be_caps {
+    const char *name;     /* "cpu", "cuda" */
+    bool async_copy;      /* copies overlap compute */
+    bool pinned_host;     /* host buffers are page-locked */
+    bool unified_memory;  /* kernels can read host memory (mmapped weights) directly */
+    int n_threads;        /* compute threads (CPU) */
+    const char *simd;     /* "avx512", "avx2", "scalar" (CPU) */
+};
+
+/* Opens a backend by name: "cpu" is built in; "cuda" is loaded from the
+ * plugin build/libkvtier-cuda.so when present (BE_ENODEV otherwise). */
+enum be_status be_open(const char *name, const struct be_params *p, be_backend **out);
+void be_free(be_backend *be); /* accepts NULL */
+struct be_caps be_get_caps(const be_backend *be);
+
+/* ---- memory ------------------------------------------------------------ */
+enum be_status be_dev_alloc(be_backend *be, size_t size, be_buffer **out);
+enum be_status be_host_alloc(be_backend *be, size_t size, be_buffer **out);
+void be_buffer_free(be_buffer *buf); /* accepts NULL */
+void *be_buffer_data(const be_buffer *buf);
+size_t be_buffer_size(const be_buffer *buf);
+
+struct be_mem_stats {
+    size_t dev_budget, dev_used, dev_peak;
+    size_t host_used, host_peak;
+    uint64_t dev_allocs;  /* device allocations attempted so far */
+    uint64_t dev_failures;
+};
+struct be_mem_stats be_mem_stats(const be_backend *be);
+void be_reset_peak(be_backend *be);
+
+/* Fault injection (tests): the device allocation with ordinal fail_at
+ * (1-based, counted from this call) fails with BE_ENOMEM_DEV; with repeat,
+ * every later one fails too.  fail_at = 0 disarms. */
+void be_fault_dev_alloc(be_backend *be, uint64_t fail_at, bool repeat);
+
+/* ---- copies and events ----------------------------------------------------- */
+enum be_copy_dir { BE_H2D, BE_D2H, BE_D2D };
+enum be_status be_copy_async(be_backend *be, void *dst, const void *src, size_t n, enum be_copy_dir dir);
+enum be_status be_copy(be_backend *be, void *dst, const void *src, size_t n, enum be_copy_dir dir);
+enum be_status be_event_create(be_backend *be, be_event **out);
+void be_event_free(be_event *ev); /* accepts NULL */
+enum be_status be_event_record(be_backend *be, be_event *ev); /* marks the copy stream */
+enum be_status be_event_wait(be_backend *be, be_event *ev);   /* compute stream waits */
+enum be_status be_event_sync(be_event *ev);                  /* host waits */
+enum be_status be_sync(be_backend *be);                      /* all streams drained */
+
+/* ---- kernels ------------------------------------------------------------ */
+/* y[n,out] = x[n,in] . W[out,in]^T (+ bias[out] when bias != NULL).
+ * W is row-major as in a Hugging Face Linear; bias is f32. */
+enum be_status be_matmul(be_backend *be, float *y, const float *x, const void *w, enum be_dtype wt,
+                         const float *bias, int n, int in, int out);
+
+/* y[n,dim] = x / rms(x) * w ; w is f32. y may alias x. */
+enum be_status be_rmsnorm(be_backend *be, float *y, const float *x, const float *w, int n, int dim, float eps);
+
+enum be_rope_layout {
+    BE_ROPE_NEOX = 0,        /* HF rotate_half: pairs (i, i + rot_dim/2) */
+    BE_ROPE_INTERLEAVED = 1, /* GPT-J / Meta: pairs (2i, 2i+1) */
+};
+/* Rotates x[n_tok, n_heads, head_dim] in place; token t is at absolute
+ * position pos[t]; angle = pos * inv_freq[i] for i < rot_dim/2 (the caller
+ * folds rope_theta and rope_scaling into inv_freq). */
+enum be_status be_rope(be_backend *be, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+                       const float *inv_freq, int rot_dim, enum be_rope_layout layout);
+
+/* One sequence's KV for one layer, as attention reads it.  Block b holds the
+ * positions [base + b*block_tokens, base + (b+1)*block_tokens); within a
+ * block K is (n_kv_heads, block_tokens, head_dim) at the block's start and V
+ * the same at +v_offset bytes.  Positions in [lo, hi) are valid. */
+struct be_kv_view {
+    void *const *blocks; /* [n_blocks] device addresses */
+    int n_blocks;
+    int block_tokens;
+    size_t v_offset;
+    int64_t base, lo, hi;
+};
+
+struct be_attn_params {
+    int n_heads, n_kv_heads, head_dim; /* GQA: query head h reads kv head h / (n_heads/n_kv_heads) */
+    float scale;                       /* usually 1/sqrt(head_dim) */
+    int window;                        /* 0: full causal; else key k visible to query q iff q - k < window */
+    enum be_dtype kv_dtype;            /* storage type of the blocks */
+};
+
+/* Where token t of a batch lives: which view and which absolute position. */
+struct be_tok {
+    int view;
+    int64_t pos;
+};
+
+/* Scatters k, v [n_tok, n_kv_heads*head_dim] into the blocks at each token's
+ * position (the caller has reserved the blocks). */
+enum be_status be_kv_store(be_backend *be, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
+                           const float *k, const float *v, const struct be_attn_params *p);
+
+/* out[n_tok, n_heads*head_dim] = softmax(q k^T * scale + mask) v over each
+ * token's view, causal (k_pos <= q_pos), windowed, restricted to [lo, hi). */
+enum be_status be_attention(be_backend *be, float *out, const float *q, const struct be_kv_view *views,
+                            const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
+
+/* y[n] = silu(gate[n]) * up[n] */
+enum be_status be_silu_mul(be_backend *be, float *y, const float *gate, const float *up, size_t n);
+/* y[n] += x[n] */
+enum be_status be_add(be_backend *be, float *y, const float *x, size_t n);
+/* Row-wise softmax of x[rows, cols] in place. */
+enum be_status be_softmax(be_backend *be, float *x, int rows, int cols);
+/* y[n, dim] = table[ids[t], :] converted to f32 */
+enum be_status be_embed(be_backend *be, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+                        int dim);
+/* out[r] = argmax over x[r, :] (first index on ties) */
+enum be_status be_argmax(be_backend *be, const float *x, int rows, int cols, int32_t *out);
+
+#endif

@@ -1,0 +1,139 @@
+/* model.h - a Hugging Face decoder-only model: its configuration, its
+ * (mmapped, borrowed) weights, and the batched forward pass.
+ *
+ * Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+ * Qwen3ForCausalLM.  Errors come back as enum model_status plus a message in
+ * a caller buffer of MODEL_ERR_LEN bytes naming the file and the tensor or
+ * field that was wrong.
+ */
+#ifndef KVTIER_MODEL_H
+#define KVTIER_MODEL_H
+
+#include "../tiers/kvstore.h"
+#include "backend.h"
+
+#define MODEL_ERR_LEN 512
+#define MODEL_MAX_EOS 8
+
+enum model_status {
+    MODEL_OK = 0,
+    MODEL_ENOENT = 1,       /* a required file is missing */
+    MODEL_EFORMAT = 2,      /* a file is malformed (truncated, bad header, offsets out of range) */
+    MODEL_ECONFIG = 3,      /* a config field is missing or nonsensical */
+    MODEL_EUNSUPPORTED = 4, /* architecture, dtype or feature not supported */
+    MODEL_ENOMEM = 5,       /* host memory */
+    MODEL_EDEVMEM = 6,      /* device memory budget (the request may continue offloaded) */
+    MODEL_EIO = 7,
+    MODEL_EINVAL = 8,       /* bad argument (token id out of range, empty input) */
+    MODEL_EKVFULL = 9,      /* the KV strategy cannot take more tokens (static max_cache_len) */
+    MODEL_EBACKEND = 10,    /* any other backend failure */
+};
+const char *model_strerror(enum model_status st);
+
+enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3 };
+enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3 };
+
+struct model_config {
+    enum model_arch arch;
+    const char *arch_name;   /* "LlamaForCausalLM", ... (static string) */
+    int vocab_size;
+    int hidden_size;         /* dim */
+    int intermediate_size;
+    int n_layers;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;            /* explicit head_dim or hidden_size / n_heads */
+    int max_position_embeddings;
+    float rms_norm_eps;
+    float rope_theta;
+    enum rope_scaling rope_scaling;
+    float rope_factor;                 /* linear and llama3 */
+    float rope_low_freq_factor;        /* llama3 */
+    float rope_high_freq_factor;       /* llama3 */
+    int rope_original_max_pos;         /* llama3 original_max_position_embeddings */
+    enum be_rope_layout rope_layout;   /* NEOX for HF checkpoints */
+    bool tie_word_embeddings;
+    bool attention_bias;               /* q/k/v bias (Qwen2) */
+    bool qk_norm;                      /* per-head RMSNorm on q and k (Qwen3) */
+    int sliding_window;                /* 0 = none */
+    int *layer_window;                 /* [n_layers] 0 = full, else the window (owned) */
+    enum be_dtype dtype;               /* torch_dtype */
+    /* tokens (from config.json, overridden by generation_config.json) */
+    int32_t bos_token_id;              /* -1 = none */
+    int32_t pad_token_id;              /* -1 = none */
+    int32_t eos_token_ids[MODEL_MAX_EOS];
+    int n_eos;
+};
+
+/* A weight matrix (row-major [rows, cols]) as stored in the checkpoint. */
+struct model_mat {
+    const void *data; /* borrowed from the mmap (or owned conversion) */
+    enum be_dtype dtype;
+    int rows, cols;
+};
+
+struct model_layer {
+    const float *attn_norm;  /* (dim)            input_layernorm */
+    struct model_mat wq;     /* (n_heads*head_dim, dim) */
+    struct model_mat wk;     /* (n_kv_heads*head_dim, dim) */
+    struct model_mat wv;     /* (n_kv_heads*head_dim, dim) */
+    struct model_mat wo;     /* (dim, n_heads*head_dim) */
+    const float *bq, *bk, *bv; /* (q_dim), (kv_dim), (kv_dim) or NULL */
+    const float *q_norm, *k_norm; /* (head_dim) or NULL (Qwen3) */
+    const float *ffn_norm;   /* (dim)            post_attention_layernorm */
+    struct model_mat w_gate; /* (hidden, dim) */
+    struct model_mat w_up;   /* (hidden, dim) */
+    struct model_mat w_down; /* (dim, hidden) */
+};
+
+struct model_weights {
+    struct model_mat tok_embed;  /* (vocab, dim) */
+    const float *final_norm;     /* (dim) */
+    struct model_mat lm_head;    /* (vocab, dim), = tok_embed when tied */
+    struct model_layer *layers;  /* [n_layers] */
+};
+
+/* Parses config.json (+ generation_config.json when present) of dir. */
+enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err);
+void model_config_release(struct model_config *cfg); /* frees layer_window */
+
+typedef struct model_files model_files; /* the mmapped safetensors of a directory */
+
+/* Maps model.safetensors or the shards named by model.safetensors.index.json
+ * and binds every tensor the config needs, checking dtype and shape.  The 1-D
+ * tensors (norms, biases) are converted to f32 copies owned by files. */
+enum model_status model_files_open(const char *dir, const struct model_config *cfg, model_files **out,
+                                   struct model_weights *w, char *err);
+void model_files_close(model_files *f); /* accepts NULL */
+
+/* ---- the model: config + weights + run state on a backend --------------- */
+typedef struct model model;
+
+struct model_params {
+    int max_batch_tokens; /* tokens per forward chunk (activations sized for it); 0 = 256 */
+};
+
+enum model_status model_load(const char *dir, be_backend *be, const struct model_params *p, model **out, char *err);
+void model_free(model *m); /* accepts NULL */
+const struct model_config *model_get_config(const model *m);
+be_backend *model_backend(const model *m);
+/* The KV geometry a kv_store for this model needs (dtype f32). */
+struct kv_geom model_kv_geom(const model *m);
+
+/* One entry of a batched forward: feed tokens[0..n_tokens) to a sequence at
+ * its current length.  logits: host buffer; when want_all_logits it receives
+ * [n_tokens, vocab], else [1, vocab] for the last token; NULL = no logits. */
+struct fw_seq {
+    kv_seq *kv;
+    const int32_t *tokens;
+    int n_tokens;
+    float *logits;
+    bool want_all_logits;
+};
+
+/* Runs the forward pass for every entry in one batch (weights read once per
+ * chunk).  Transactional: on failure no sequence's KV changes.
+ * MODEL_EDEVMEM means the KV (or activations) did not fit the device tier. */
+enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs);
+
+#endif

@@ -1,0 +1,64 @@
+/* tokenizer.h - Hugging Face tokenizer.json BPE tokenizers.
+ *
+ * Two families: byte-level BPE (GPT-2 / Llama-3 / Qwen: ByteLevel
+ * pre-tokenizer with the model's Split regex, run through PCRE2) and
+ * SentencePiece-style BPE (Llama-2 / Mistral / TinyLlama: "▁" normalisation,
+ * byte_fallback).  Added and special tokens are matched before the model
+ * runs.  Decoding streams: it never emits half a UTF-8 character.
+ */
+#ifndef KVTIER_TOKENIZER_H
+#define KVTIER_TOKENIZER_H
+
+#include "model.h"
+
+typedef struct tokenizer tokenizer;
+
+/* A growable id array owned by the caller (free ids with free()). */
+struct tok_ids {
+    int32_t *ids;
+    size_t n, cap;
+};
+
+/* Loads dir/tokenizer.json and dir/tokenizer_config.json (the latter for
+ * add_bos_token / add_eos_token / bos and eos tokens / chat_template). */
+enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err);
+void tokenizer_free(tokenizer *t); /* accepts NULL */
+
+int tokenizer_vocab_size(const tokenizer *t);
+int32_t tokenizer_bos_id(const tokenizer *t); /* -1 when none */
+int32_t tokenizer_eos_id(const tokenizer *t); /* -1 when none */
+/* Looks up a token's id by its exact string (vocab or added token); -1 if absent. */
+int32_t tokenizer_token_id(const tokenizer *t, const char *piece);
+/* tokenizer_config.json's chat_template, or NULL. */
+const char *tokenizer_chat_template(const tokenizer *t);
+bool tokenizer_is_special(const tokenizer *t, int32_t id);
+
+/* Appends the ids of text[0..len) to out.  add_special: add BOS/EOS as the
+ * tokenizer's post-processor / tokenizer_config.json say (add_bos_token).
+ * Special-token text in the input ("<|im_start|>") becomes its id.
+ * Errors: MODEL_ENOMEM (out unchanged beyond its old n), MODEL_EINVAL for
+ * invalid UTF-8 (err names the byte offset). */
+enum model_status tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_special,
+                                   struct tok_ids *out, char *err);
+
+/* Streaming decoder state; zero-initialise it before the first token. */
+struct tok_stream {
+    unsigned char pending[8]; /* bytes of an incomplete UTF-8 character */
+    int n_pending;
+    bool started;             /* a token was emitted (SentencePiece strips the first space) */
+};
+
+/* Decodes one token, writing only complete UTF-8 characters to out
+ * (at most cap bytes; 64 is always enough for one token plus pending bytes
+ * unless a single piece is longer, in which case the return value is the
+ * size needed and nothing is written).  skip_special drops special tokens.
+ * Returns the number of bytes written. */
+size_t tokenizer_decode_stream(const tokenizer *t, struct tok_stream *st, int32_t id, bool skip_special, char *out,
+                               size_t cap);
+
+/* Decodes ids to a NUL-terminated malloc'd string (*out); invalid bytes at
+ * the very end are dropped. */
+enum model_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip_special, char **out,
+                                   size_t *len);
+
+#endif

@@ -1,0 +1,26 @@
+#!/bin/sh
+# deps.sh build|test - installs the Debian packages kvtier needs, but only
+# those that are missing, so a configured machine pays one dpkg query.
+set -e
+build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libzstd-dev liburing-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread"
+test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs"
+case "$1" in
+  build) want=$build_pkgs ;;
+  test) want="$build_pkgs $test_pkgs" ;;
+  *) echo "usage: $0 build|test" >&2; exit 2 ;;
+esac
+missing=""
+for p in $want; do
+  # nodejs may come from another source than Debian; a working `node` is enough.
+  if [ "$p" = nodejs ] && command -v node >/dev/null 2>&1; then continue; fi
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+if [ "$(id -u)" != 0 ]; then
+  echo "deps.sh: missing Debian packages:$missing (run as root, or install them)" >&2
+  exit 1
+fi
+echo "deps.sh: installing$missing" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends $missing >&2
