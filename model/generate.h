@@ -49,6 +49,9 @@ struct gen_params {
     bool use_cache;           /* false: recompute the whole prefix every step (HF use_cache=False) */
     const char *const *stops; /* stop strings */
     int n_stops;
+    /* (optional) sees each step's raw logits before sampling (tests, dumps) */
+    void (*on_logits)(void *ud, const float *logits, int vocab);
+    void *logits_ud;
 };
 void gen_params_default(struct gen_params *p);
 

@@ -1,0 +1,399 @@
+/* model.c - the forward pass of the Llama family (Llama, Mistral, Qwen2,
+ * Qwen3), batched over sequences, reading its KV from the paged store.
+ *
+ * Read it top to bottom like the maths: embed -> per layer [RMSNorm -> QKV
+ * (+bias) -> (Qwen3: per-head q/k RMSNorm) -> RoPE -> store K,V -> attention
+ * -> output projection -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
+ * final RMSNorm -> lm_head.  Every kernel runs on the backend (backend.h).
+ *
+ * Batching: one call feeds every sequence of the batch; the tokens of all
+ * sequences are concatenated into chunks of at most max_batch_tokens rows,
+ * so each weight matrix is read once per chunk, not once per sequence.
+ */
+#include "model/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------------------
+ * The model: config, borrowed weights, run state
+ * ------------------------------------------------------------------------- */
+
+struct run_state {
+    int cap;             /* rows every buffer below holds (max_batch_tokens) */
+    int logit_rows;      /* rows of the logits buffer */
+    be_buffer *bufs[11]; /* owners of the pointers below */
+    float *x;            /* (cap, dim)      residual stream */
+    float *xb;           /* (cap, dim)      normed input of a block / gathered rows */
+    float *q;            /* (cap, q_dim) */
+    float *k;            /* (cap, kv_dim) */
+    float *v;            /* (cap, kv_dim) */
+    float *att;          /* (cap, q_dim)    attention output */
+    float *hb;           /* (cap, ffn)      gate, then silu(gate) * up */
+    float *hb2;          /* (cap, ffn)      up */
+    float *logits;       /* (logit_rows, vocab) */
+    float *inv_freq;     /* (head_dim / 2)  RoPE frequencies, scaling folded in */
+    int32_t *ids;        /* (cap)           device copy of the chunk's token ids */
+    /* host-side chunk description */
+    struct be_tok *toks; /* (cap) */
+    int64_t *pos;        /* (cap) */
+    int *row_seq;        /* (cap)           which batch entry a row belongs to */
+    int *row_tok;        /* (cap)           index of the row's token within its entry */
+    int32_t *host_ids;   /* (cap) */
+    struct be_kv_view *views; /* (cap)      one per sequence present in the chunk */
+};
+
+struct model {
+    struct model_config cfg;
+    struct model_weights w;
+    model_files *files;
+    be_backend *be;
+    struct run_state rs;
+};
+
+const struct model_config *model_get_config(const model *m)
+{
+    return &m->cfg;
+}
+
+be_backend *model_backend(const model *m)
+{
+    return m->be;
+}
+
+struct kv_geom model_kv_geom(const model *m)
+{
+    return (struct kv_geom){
+        .n_layers = m->cfg.n_layers,
+        .n_kv_heads = m->cfg.n_kv_heads,
+        .head_dim = m->cfg.head_dim,
+        .layer_window = m->cfg.layer_window,
+        .dtype = BE_F32,
+    };
+}
+
+/* RoPE inverse frequencies as Hugging Face computes them (f32 maths, as in
+ * modeling_rope_utils.py), with linear or llama3 scaling folded in. */
+static void rope_inv_freq(const struct model_config *c, float *inv_freq)
+{
+    int half = c->head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float f = 1.0f / powf(c->rope_theta, (float)(2 * i) / (float)c->head_dim);
+        if (c->rope_scaling == ROPE_SCALING_LINEAR) {
+            f /= c->rope_factor;
+        } else if (c->rope_scaling == ROPE_SCALING_LLAMA3) {
+            float old = (float)c->rope_original_max_pos;
+            float low_wavelen = old / c->rope_low_freq_factor;
+            float high_wavelen = old / c->rope_high_freq_factor;
+            float wavelen = 2.0f * (float)M_PI / f;
+            if (wavelen > low_wavelen) {
+                f /= c->rope_factor;
+            } else if (wavelen >= high_wavelen) {
+                float smooth = (old / wavelen - c->rope_low_freq_factor) /
+                               (c->rope_high_freq_factor - c->rope_low_freq_factor);
+                f = (1.0f - smooth) * f / c->rope_factor + smooth * f;
+            }
+        }
+        inv_freq[i] = f;
+    }
+}
+
+static void run_state_free(struct run_state *rs)
+{
+    for (size_t i = 0; i < sizeof(rs->bufs) / sizeof(rs->bufs[0]); i++)
+        be_buffer_free(rs->bufs[i]);
+    free(rs->toks);
+    free(rs->pos);
+    free(rs->row_seq);
+    free(rs->row_tok);
+    free(rs->host_ids);
+    free(rs->views);
+    memset(rs, 0, sizeof(*rs));
+}
+
+static enum model_status run_state_alloc(model *m, int cap, char *err)
+{
+    const struct model_config *c = &m->cfg;
+    struct run_state *rs = &m->rs;
+    size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
+    rs->cap = cap;
+    rs->logit_rows = cap < 16 ? cap : 16; /* lm_head runs in slices: vocab can be 150k */
+    size_t sizes[11] = {
+        (size_t)cap * c->hidden_size * 4, (size_t)cap * c->hidden_size * 4, cap * q_dim * 4,
+        cap * kv_dim * 4, cap * kv_dim * 4, cap * q_dim * 4,
+        (size_t)cap * c->intermediate_size * 4, (size_t)cap * c->intermediate_size * 4,
+        (size_t)rs->logit_rows * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4, (size_t)cap * 4,
+    };
+    float **ptrs[10] = {&rs->x, &rs->xb, &rs->q, &rs->k, &rs->v, &rs->att, &rs->hb, &rs->hb2, &rs->logits,
+                        &rs->inv_freq};
+    for (int i = 0; i < 11; i++) {
+        enum be_status st = be_dev_alloc(m->be, sizes[i], &rs->bufs[i]);
+        if (st != BE_OK) {
+            snprintf(err, MODEL_ERR_LEN, "run state: cannot allocate %zu bytes of activations: %s", sizes[i],
+                     be_strerror(st));
+            return st == BE_ENOMEM_DEV ? MODEL_EDEVMEM : MODEL_ENOMEM;
+        }
+        if (i < 10)
+            *ptrs[i] = be_buffer_data(rs->bufs[i]);
+    }
+    rs->ids = be_buffer_data(rs->bufs[10]);
+    rs->toks = malloc((size_t)cap * sizeof(*rs->toks));
+    rs->pos = malloc((size_t)cap * sizeof(*rs->pos));
+    rs->row_seq = malloc((size_t)cap * sizeof(*rs->row_seq));
+    rs->row_tok = malloc((size_t)cap * sizeof(*rs->row_tok));
+    rs->host_ids = malloc((size_t)cap * sizeof(*rs->host_ids));
+    rs->views = malloc((size_t)cap * sizeof(*rs->views));
+    if (!rs->toks || !rs->pos || !rs->row_seq || !rs->row_tok || !rs->host_ids || !rs->views) {
+        snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
+        return MODEL_ENOMEM;
+    }
+    float *inv = malloc((size_t)c->head_dim / 2 * sizeof(float));
+    if (!inv) {
+        snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
+        return MODEL_ENOMEM;
+    }
+    rope_inv_freq(c, inv);
+    enum be_status st = be_copy(m->be, rs->inv_freq, inv, (size_t)c->head_dim / 2 * sizeof(float), BE_H2D);
+    free(inv);
+    if (st != BE_OK) {
+        snprintf(err, MODEL_ERR_LEN, "run state: %s", be_strerror(st));
+        return MODEL_EBACKEND;
+    }
+    return MODEL_OK;
+}
+
+enum model_status model_load(const char *dir, be_backend *be, const struct model_params *p, model **out, char *err)
+{
+    char scratch[MODEL_ERR_LEN];
+    if (!err)
+        err = scratch;
+    err[0] = '\0';
+    *out = NULL;
+    if (!be_get_caps(be).unified_memory) {
+        snprintf(err, MODEL_ERR_LEN, "backend %s cannot read host weights; weight upload is not implemented",
+                 be_get_caps(be).name);
+        return MODEL_EUNSUPPORTED;
+    }
+    model *m = calloc(1, sizeof(*m));
+    if (!m) {
+        snprintf(err, MODEL_ERR_LEN, "out of host memory");
+        return MODEL_ENOMEM;
+    }
+    m->be = be;
+    enum model_status st = model_config_load(dir, &m->cfg, err);
+    if (st == MODEL_OK)
+        st = model_files_open(dir, &m->cfg, &m->files, &m->w, err);
+    int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;
+    if (st == MODEL_OK)
+        st = run_state_alloc(m, cap, err);
+    if (st != MODEL_OK) {
+        model_free(m);
+        return st;
+    }
+    *out = m;
+    return MODEL_OK;
+}
+
+void model_free(model *m)
+{
+    if (!m)
+        return;
+    run_state_free(&m->rs);
+    model_files_close(m->files);
+    model_config_release(&m->cfg);
+    free(m);
+}
+
+/* ---------------------------------------------------------------------------
+ * The forward pass
+ * ------------------------------------------------------------------------- */
+
+/* Failures of the kernels below are programming errors or device faults,
+ * not input errors: the inputs were validated before the first kernel. */
+#define BE_TRY(expr)                                                                                           \
+    do {                                                                                                       \
+        enum be_status be_try_st_ = (expr);                                                                    \
+        if (be_try_st_ != BE_OK)                                                                               \
+            return be_try_st_;                                                                                 \
+    } while (0)
+
+static enum be_status matmul(model *m, float *y, const float *x, const struct model_mat *w, const float *bias,
+                             int n)
+{
+    return be_matmul(m->be, y, x, w->data, w->dtype, bias, n, w->cols, w->rows);
+}
+
+/* One transformer block over the chunk's n rows, in place on rs->x. */
+static enum be_status layer_forward(model *m, int l, int n)
+{
+    const struct model_config *c = &m->cfg;
+    const struct model_layer *L = &m->w.layers[l];
+    struct run_state *rs = &m->rs;
+    be_backend *be = m->be;
+    int dim = c->hidden_size, hd = c->head_dim;
+    struct be_attn_params ap = {
+        .n_heads = c->n_heads,
+        .n_kv_heads = c->n_kv_heads,
+        .head_dim = hd,
+        .scale = 1.0f / sqrtf((float)hd),
+        .window = c->layer_window[l],
+        .kv_dtype = BE_F32,
+    };
+
+    /* attention */
+    BE_TRY(be_rmsnorm(be, rs->xb, rs->x, L->attn_norm, n, dim, c->rms_norm_eps)); /* xb (n, dim) */
+    BE_TRY(matmul(m, rs->q, rs->xb, &L->wq, L->bq, n));                          /* q (n, n_heads*hd) */
+    BE_TRY(matmul(m, rs->k, rs->xb, &L->wk, L->bk, n));                          /* k (n, n_kv*hd) */
+    BE_TRY(matmul(m, rs->v, rs->xb, &L->wv, L->bv, n));                          /* v (n, n_kv*hd) */
+    if (L->q_norm) { /* Qwen3: RMSNorm over each head's vector, before RoPE */
+        BE_TRY(be_rmsnorm(be, rs->q, rs->q, L->q_norm, n * c->n_heads, hd, c->rms_norm_eps));
+        BE_TRY(be_rmsnorm(be, rs->k, rs->k, L->k_norm, n * c->n_kv_heads, hd, c->rms_norm_eps));
+    }
+    BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->pos, rs->inv_freq, hd, c->rope_layout));
+    BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->pos, rs->inv_freq, hd, c->rope_layout));
+    BE_TRY(be_kv_store(be, rs->views, rs->toks, n, rs->k, rs->v, &ap));      /* paged KV += k, v */
+    BE_TRY(be_attention(be, rs->att, rs->q, rs->views, rs->toks, n, &ap));   /* att (n, n_heads*hd) */
+    BE_TRY(matmul(m, rs->xb, rs->att, &L->wo, NULL, n));                     /* xb (n, dim) */
+    BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * dim));                      /* x += attn */
+
+    /* MLP: down(silu(gate(x)) * up(x)) */
+    BE_TRY(be_rmsnorm(be, rs->xb, rs->x, L->ffn_norm, n, dim, c->rms_norm_eps));
+    BE_TRY(matmul(m, rs->hb, rs->xb, &L->w_gate, NULL, n));                  /* hb (n, ffn) */
+    BE_TRY(matmul(m, rs->hb2, rs->xb, &L->w_up, NULL, n));                   /* hb2 (n, ffn) */
+    BE_TRY(be_silu_mul(be, rs->hb, rs->hb, rs->hb2, (size_t)n * c->intermediate_size));
+    BE_TRY(matmul(m, rs->xb, rs->hb, &L->w_down, NULL, n));                  /* xb (n, dim) */
+    BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * dim));                      /* x += mlp */
+    return BE_OK;
+}
+
+/* Writes the logits of the chunk rows that asked for them into each
+ * entry's host buffer.  Rows are gathered into xb so lm_head runs once per
+ * slice of logit_rows rows. */
+static enum be_status chunk_logits(model *m, struct fw_seq *seqs, int n)
+{
+    const struct model_config *c = &m->cfg;
+    struct run_state *rs = &m->rs;
+    size_t dim = (size_t)c->hidden_size, vocab = (size_t)c->vocab_size;
+    BE_TRY(be_rmsnorm(m->be, rs->x, rs->x, m->w.final_norm, n, c->hidden_size, c->rms_norm_eps));
+    int r = 0;
+    while (r < n) {
+        int sel[64], n_sel = 0; /* rows of this slice; logit_rows <= 16 */
+        for (; r < n && n_sel < rs->logit_rows; r++) {
+            const struct fw_seq *s = &seqs[rs->row_seq[r]];
+            if (s->logits && (s->want_all_logits || rs->row_tok[r] == s->n_tokens - 1))
+                sel[n_sel++] = r;
+        }
+        if (!n_sel)
+            continue;
+        for (int i = 0; i < n_sel; i++)
+            BE_TRY(be_copy(m->be, rs->xb + i * dim, rs->x + sel[i] * dim, dim * 4, BE_D2D));
+        BE_TRY(matmul(m, rs->logits, rs->xb, &m->w.lm_head, NULL, n_sel)); /* logits (n_sel, vocab) */
+        for (int i = 0; i < n_sel; i++) {
+            const struct fw_seq *s = &seqs[rs->row_seq[sel[i]]];
+            float *dst = s->logits + (s->want_all_logits ? (size_t)rs->row_tok[sel[i]] * vocab : 0);
+            BE_TRY(be_copy(m->be, dst, rs->logits + i * vocab, vocab * 4, BE_D2H));
+        }
+    }
+    return BE_OK;
+}
+
+static enum model_status from_tier(enum tier_status st)
+{
+    switch (st) {
+    case TIER_OK: return MODEL_OK;
+    case TIER_ENOMEM_DEV: return MODEL_EDEVMEM;
+    case TIER_ENOMEM_HOST: return MODEL_ENOMEM;
+    case TIER_EFULL: return MODEL_EKVFULL;
+    case TIER_EINVAL: return MODEL_EINVAL;
+    default: return MODEL_EBACKEND;
+    }
+}
+
+static enum model_status from_be(enum be_status st)
+{
+    switch (st) {
+    case BE_OK: return MODEL_OK;
+    case BE_ENOMEM_DEV: return MODEL_EDEVMEM;
+    case BE_ENOMEM_HOST: return MODEL_ENOMEM;
+    default: return MODEL_EBACKEND;
+    }
+}
+
+/* Runs the next n rows of the batch's token stream through the whole
+ * model; (*s, *t) is the entry and token the chunk starts at and is
+ * advanced past it. */
+static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *t, int n, const int64_t *start)
+{
+    const struct model_config *c = &m->cfg;
+    struct run_state *rs = &m->rs;
+    int n_views = 0;
+    for (int r = 0; r < n; r++) {
+        while (*t == seqs[*s].n_tokens) {
+            (*s)++;
+            *t = 0;
+        }
+        if (r == 0 || rs->row_seq[r - 1] != *s)
+            n_views++;
+        rs->row_seq[r] = *s;
+        rs->row_tok[r] = *t;
+        rs->host_ids[r] = seqs[*s].tokens[*t];
+        rs->pos[r] = start[*s] + *t;
+        rs->toks[r] = (struct be_tok){.view = n_views - 1, .pos = rs->pos[r]};
+        (*t)++;
+    }
+    BE_TRY(be_copy(m->be, rs->ids, rs->host_ids, (size_t)n * sizeof(int32_t), BE_H2D));
+    BE_TRY(be_embed(m->be, rs->x, m->w.tok_embed.data, m->w.tok_embed.dtype, rs->ids, n, c->hidden_size));
+    for (int l = 0; l < c->n_layers; l++) {
+        for (int r = 0, v = 0; r < n; r++)
+            if (r == 0 || rs->row_seq[r - 1] != rs->row_seq[r])
+                kv_seq_view(seqs[rs->row_seq[r]].kv, l, &rs->views[v++]);
+        BE_TRY(layer_forward(m, l, n));
+    }
+    return chunk_logits(m, seqs, n);
+}
+
+enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs)
+{
+    const struct model_config *c = &m->cfg;
+    int64_t total = 0;
+    if (n_seqs <= 0)
+        return MODEL_EINVAL;
+    for (int i = 0; i < n_seqs; i++) {
+        if (!seqs[i].kv || seqs[i].n_tokens <= 0 || !seqs[i].tokens)
+            return MODEL_EINVAL;
+        for (int t = 0; t < seqs[i].n_tokens; t++)
+            if (seqs[i].tokens[t] < 0 || seqs[i].tokens[t] >= c->vocab_size)
+                return MODEL_EINVAL;
+        total += seqs[i].n_tokens;
+    }
+    int64_t *start = malloc((size_t)n_seqs * sizeof(int64_t));
+    if (!start)
+        return MODEL_ENOMEM;
+
+    /* Reserve every sequence's new tokens up front and commit only at the
+     * end: a failure anywhere leaves every KV exactly as it was. */
+    enum model_status st = MODEL_OK;
+    int reserved = 0;
+    for (; reserved < n_seqs; reserved++) {
+        start[reserved] = kv_seq_length(seqs[reserved].kv);
+        st = from_tier(kv_seq_reserve(seqs[reserved].kv, seqs[reserved].n_tokens));
+        if (st != MODEL_OK)
+            break;
+    }
+    int s = 0, t = 0;
+    for (int64_t done = 0; st == MODEL_OK && done < total;) {
+        int n = total - done < m->rs.cap ? (int)(total - done) : m->rs.cap;
+        st = from_be(chunk_forward(m, seqs, &s, &t, n, start));
+        done += n;
+    }
+    for (int i = 0; i < reserved; i++) {
+        if (st == MODEL_OK)
+            kv_seq_commit(seqs[i].kv);
+        else
+            kv_seq_abort(seqs[i].kv);
+    }
+    free(start);
+    return st;
+}

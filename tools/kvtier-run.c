@@ -1,0 +1,215 @@
+/* kvtier-run - loads a Hugging Face model directory and streams a
+ * completion to stdout, without the daemon.
+ *
+ *   kvtier-run -m DIR -p "text" [-n N] [sampling options]
+ *   kvtier-run -m DIR --ids 1,2,3 -n N --greedy --dump FILE [--no-cache]
+ *
+ * --dump writes what the reference tests compare (little-endian): "KVTL",
+ * int32 n_prompt, int32 n_gen, int32 vocab, int32 tokens[n_prompt+n_gen],
+ * float32 logits[n_gen][vocab], row i being the logits that chose
+ * generated token i.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/generate.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: kvtier-run -m DIR (-p TEXT | --ids 1,2,3) [-n N] [--greedy | --temp T] [--top-k K]\n"
+               "       [--top-p P] [--min-p P] [--rep-pen R] [--seed S] [--stop STR]... [--ignore-eos]\n"
+               "       [--no-cache] [--threads N] [--dump FILE] [--quiet]\n");
+}
+
+/* Logits rows kept in memory until the dump is written. */
+struct dump {
+    float *rows;
+    size_t n, cap; /* in rows */
+    bool failed;
+};
+
+static void dump_logits(void *ud, const float *logits, int vocab)
+{
+    struct dump *d = ud;
+    if (d->n == d->cap) {
+        size_t cap = d->cap ? 2 * d->cap : 64;
+        float *p = realloc(d->rows, cap * (size_t)vocab * sizeof(float));
+        if (!p) {
+            d->failed = true;
+            return;
+        }
+        d->rows = p;
+        d->cap = cap;
+    }
+    memcpy(d->rows + d->n++ * (size_t)vocab, logits, (size_t)vocab * sizeof(float));
+}
+
+static bool print_text(void *ud, const char *text, size_t len)
+{
+    (void)ud;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    return true;
+}
+
+static int parse_ids(const char *s, struct tok_ids *out)
+{
+    while (*s) {
+        char *end;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (end == s || errno || v < 0 || v > INT32_MAX)
+            return -1;
+        if (out->n == out->cap) {
+            size_t cap = out->cap ? 2 * out->cap : 64;
+            int32_t *p = realloc(out->ids, cap * sizeof(*p));
+            if (!p)
+                return -1;
+            out->ids = p;
+            out->cap = cap;
+        }
+        out->ids[out->n++] = (int32_t)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',')
+            return -1;
+    }
+    return 0;
+}
+
+static bool write_dump(const char *path, const struct tok_ids *prompt, const struct tok_ids *gen, int vocab,
+                       const struct dump *d)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        return false;
+    int32_t hdr[4] = {0, (int32_t)prompt->n, (int32_t)gen->n, vocab};
+    memcpy(hdr, "KVTL", 4);
+    size_t cells = d->n * (size_t)vocab;
+    bool ok = !d->failed && d->n == gen->n && fwrite(hdr, 4, 4, f) == 4 &&
+              fwrite(prompt->ids, 4, prompt->n, f) == prompt->n && fwrite(gen->ids, 4, gen->n, f) == gen->n &&
+              fwrite(d->rows, 4, cells, f) == cells;
+    return fclose(f) == 0 && ok;
+}
+
+int main(int argc, char **argv)
+{
+    const char *dir = NULL, *text = NULL, *ids_arg = NULL, *dump_path = NULL;
+    const char *stops[16];
+    struct gen_params gp;
+    gen_params_default(&gp);
+    gp.max_new_tokens = 64;
+    gp.stops = stops;
+    struct be_params bp = {0};
+    bool quiet = false;
+    enum { O_IDS = 256, O_GREEDY, O_TEMP, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_IGN, O_NOCACHE,
+           O_THREADS, O_DUMP, O_QUIET };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
+        {"max-new", required_argument, 0, 'n'}, {"ids", required_argument, 0, O_IDS},
+        {"greedy", no_argument, 0, O_GREEDY}, {"temp", required_argument, 0, O_TEMP},
+        {"top-k", required_argument, 0, O_TOPK}, {"top-p", required_argument, 0, O_TOPP},
+        {"min-p", required_argument, 0, O_MINP}, {"rep-pen", required_argument, 0, O_REP},
+        {"seed", required_argument, 0, O_SEED}, {"stop", required_argument, 0, O_STOP},
+        {"ignore-eos", no_argument, 0, O_IGN}, {"no-cache", no_argument, 0, O_NOCACHE},
+        {"threads", required_argument, 0, O_THREADS}, {"dump", required_argument, 0, O_DUMP},
+        {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
+    };
+    int c;
+    while ((c = getopt_long(argc, argv, "m:p:n:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': dir = optarg; break;
+        case 'p': text = optarg; break;
+        case 'n': gp.max_new_tokens = atoi(optarg); break;
+        case O_IDS: ids_arg = optarg; break;
+        case O_GREEDY: gp.sampling.temperature = 0; break;
+        case O_TEMP: gp.sampling.temperature = strtof(optarg, NULL); break;
+        case O_TOPK: gp.sampling.top_k = atoi(optarg); break;
+        case O_TOPP: gp.sampling.top_p = strtof(optarg, NULL); break;
+        case O_MINP: gp.sampling.min_p = strtof(optarg, NULL); break;
+        case O_REP: gp.sampling.repetition_penalty = strtof(optarg, NULL); break;
+        case O_SEED: gp.sampling.seed = strtoull(optarg, NULL, 10); break;
+        case O_STOP:
+            if (gp.n_stops == (int)(sizeof(stops) / sizeof(stops[0]))) {
+                fprintf(stderr, "kvtier-run: at most 16 --stop strings\n");
+                return 2;
+            }
+            stops[gp.n_stops++] = optarg;
+            break;
+        case O_IGN: gp.ignore_eos = true; break;
+        case O_NOCACHE: gp.use_cache = false; break;
+        case O_THREADS: bp.n_threads = atoi(optarg); break;
+        case O_DUMP: dump_path = optarg; break;
+        case O_QUIET: quiet = true; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (!dir || (!text == !ids_arg) || gp.max_new_tokens <= 0) {
+        usage(stderr);
+        return 2;
+    }
+
+    char err[MODEL_ERR_LEN] = "";
+    be_backend *be = NULL;
+    model *m = NULL;
+    tokenizer *tok = NULL;
+    kv_store *store = NULL;
+    struct tok_ids prompt = {0};
+    struct gen_result res = {0};
+    struct dump d = {0};
+    int rc = 1;
+    enum be_status bst = be_open("cpu", &bp, &be);
+    if (bst != BE_OK) {
+        fprintf(stderr, "kvtier-run: backend: %s\n", be_strerror(bst));
+        return 1;
+    }
+    enum model_status st = model_load(dir, be, NULL, &m, err);
+    if (st == MODEL_OK)
+        st = tokenizer_load(dir, &tok, err);
+    if (st != MODEL_OK) {
+        fprintf(stderr, "kvtier-run: %s: %s\n", model_strerror(st), err);
+        goto out;
+    }
+    struct kv_geom g = model_kv_geom(m);
+    if (kv_store_create(be, &g, 0, &store) != TIER_OK) {
+        fprintf(stderr, "kvtier-run: cannot create the KV store\n");
+        goto out;
+    }
+    if (ids_arg ? parse_ids(ids_arg, &prompt) != 0
+                : tokenizer_encode(tok, text, strlen(text), true, &prompt, err) != MODEL_OK) {
+        fprintf(stderr, "kvtier-run: bad prompt: %s\n", ids_arg ? "--ids wants comma-separated token ids" : err);
+        goto out;
+    }
+    if (dump_path) {
+        gp.on_logits = dump_logits;
+        gp.logits_ud = &d;
+    }
+    st = generate(m, tok, store, prompt.ids, prompt.n, &gp, quiet ? NULL : print_text, NULL, &res, err);
+    if (!quiet)
+        putchar('\n');
+    if (st != MODEL_OK) {
+        fprintf(stderr, "kvtier-run: %s\n", err);
+        goto out;
+    }
+    if (dump_path && !write_dump(dump_path, &prompt, &res.tokens, model_get_config(m)->vocab_size, &d)) {
+        fprintf(stderr, "kvtier-run: writing %s failed\n", dump_path);
+        goto out;
+    }
+    if (!quiet)
+        fprintf(stderr, "[%zu prompt tokens, %zu generated, prefill %.1f ms, decode %.1f ms (%.2f tok/s)]\n",
+                prompt.n, res.tokens.n, res.prefill_ms, res.decode_ms,
+                res.decode_ms > 0 ? res.tokens.n * 1e3 / res.decode_ms : 0.0);
+    rc = 0;
+out:
+    free(d.rows);
+    free(res.tokens.ids);
+    free(prompt.ids);
+    kv_store_free(store);
+    tokenizer_free(tok);
+    model_free(m);
+    be_free(be);
+    return rc;
+}
