@@ -1,0 +1,173 @@
+/* Description: the sampler against hand-computed Hugging Face processor
+ * results (repetition penalty, top-k ties, top-p, min-p), sampling
+ * frequencies against the softmax, seeding, and the stop-string matcher.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "model/generate.h"
+
+static sampler *make(float temp, int top_k, float top_p, float min_p, float rep, uint64_t seed, int vocab)
+{
+    struct sampler_params p;
+    sampler_params_default(&p);
+    p.temperature = temp;
+    p.top_k = top_k;
+    p.top_p = top_p;
+    p.min_p = min_p;
+    p.repetition_penalty = rep;
+    p.seed = seed;
+    sampler *s;
+    assert_int_equal(sampler_create(&p, vocab, &s), MODEL_OK);
+    return s;
+}
+
+/* Frequencies of each token over n draws from fixed logits. */
+static void draw(sampler *s, const float *logits, int vocab, int n, double *freq)
+{
+    float tmp[8];
+    memset(freq, 0, (size_t)vocab * sizeof(double));
+    for (int i = 0; i < n; i++) {
+        memcpy(tmp, logits, (size_t)vocab * sizeof(float));
+        freq[sampler_sample(s, tmp, NULL, 0)] += 1.0 / n;
+    }
+}
+
+static void test_greedy_first_of_ties(void **state)
+{
+    (void)state;
+    sampler *s = make(0, 0, 1, 0, 1, 0, 4);
+    float l[4] = {1, 3, 3, 2};
+    assert_int_equal(sampler_sample(s, l, NULL, 0), 1);
+    sampler_free(s);
+}
+
+static void test_repetition_penalty(void **state)
+{
+    (void)state;
+    sampler *s = make(0, 0, 1, 0, 2, 0, 3);
+    float l[3] = {2, -2, 1.5f};
+    int32_t hist[3] = {0, 1, 0}; /* token 0 twice: penalised once */
+    assert_int_equal(sampler_sample(s, l, hist, 3), 2);
+    assert_float_equal(l[0], 1, 0);
+    assert_float_equal(l[1], -4, 0);
+    assert_float_equal(l[2], 1.5f, 0);
+    sampler_free(s);
+}
+
+static void test_distribution_matches_softmax(void **state)
+{
+    (void)state;
+    float l[3] = {logf(0.5f), logf(0.3f), logf(0.2f)};
+    double f[3];
+    sampler *s = make(1, 0, 1, 0, 1, 42, 3);
+    draw(s, l, 3, 40000, f);
+    assert_true(fabs(f[0] - 0.5) < 0.015 && fabs(f[1] - 0.3) < 0.015 && fabs(f[2] - 0.2) < 0.015);
+    sampler_free(s);
+    /* temperature 2 flattens: p ~ sqrt(p) normalised */
+    double z = sqrt(0.5) + sqrt(0.3) + sqrt(0.2);
+    s = make(2, 0, 1, 0, 1, 7, 3);
+    draw(s, l, 3, 40000, f);
+    assert_true(fabs(f[0] - sqrt(0.5) / z) < 0.015 && fabs(f[2] - sqrt(0.2) / z) < 0.015);
+    sampler_free(s);
+}
+
+static void test_filters(void **state)
+{
+    (void)state;
+    float l[4] = {logf(0.4f), logf(0.3f), logf(0.2f), logf(0.1f)};
+    double f[4];
+    /* top_p 0.6: keep the smallest prefix reaching 0.6 -> {0,1}, renormalised 4:3 */
+    sampler *s = make(1, 0, 0.6f, 0, 1, 1, 4);
+    draw(s, l, 4, 30000, f);
+    assert_true(f[2] == 0 && f[3] == 0);
+    assert_true(fabs(f[0] - 4.0 / 7) < 0.02);
+    sampler_free(s);
+    /* min_p 0.4: keep p >= 0.16 -> {0,1,2} */
+    s = make(1, 0, 1, 0.4f, 1, 2, 4);
+    draw(s, l, 4, 30000, f);
+    assert_true(f[3] == 0 && fabs(f[2] - 0.2 / 0.9) < 0.02);
+    sampler_free(s);
+    /* top_k 2 keeps the k-th logit's ties (HF: remove scores < kth) */
+    float t[4] = {3, 1, 1, 0};
+    s = make(1, 2, 1, 0, 1, 3, 4);
+    draw(s, t, 4, 20000, f);
+    assert_true(f[1] > 0 && f[2] > 0 && f[3] == 0);
+    sampler_free(s);
+}
+
+static void test_seed_reproducible(void **state)
+{
+    (void)state;
+    float l[8] = {0, 0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f};
+    int32_t a[64], b[64], c[64];
+    sampler *s1 = make(1, 0, 1, 0, 1, 99, 8), *s2 = make(1, 0, 1, 0, 1, 99, 8), *s3 = make(1, 0, 1, 0, 1, 100, 8);
+    for (int i = 0; i < 64; i++) {
+        float t1[8], t2[8], t3[8];
+        memcpy(t1, l, sizeof(l));
+        memcpy(t2, l, sizeof(l));
+        memcpy(t3, l, sizeof(l));
+        a[i] = sampler_sample(s1, t1, NULL, 0);
+        b[i] = sampler_sample(s2, t2, NULL, 0);
+        c[i] = sampler_sample(s3, t3, NULL, 0);
+    }
+    assert_memory_equal(a, b, sizeof(a));
+    assert_memory_not_equal(a, c, sizeof(a));
+    sampler_free(s1);
+    sampler_free(s2);
+    sampler_free(s3);
+}
+
+static void test_bad_params(void **state)
+{
+    (void)state;
+    struct sampler_params p;
+    sampler *s = NULL;
+    sampler_params_default(&p);
+    p.top_p = 0;
+    assert_int_equal(sampler_create(&p, 4, &s), MODEL_EINVAL);
+    sampler_params_default(&p);
+    p.temperature = -1;
+    assert_int_equal(sampler_create(&p, 4, &s), MODEL_EINVAL);
+    sampler_params_default(&p);
+    p.repetition_penalty = 0;
+    assert_int_equal(sampler_create(&p, 4, &s), MODEL_EINVAL);
+    assert_null(s);
+    sampler_free(NULL);
+}
+
+static void test_stop_strings(void **state)
+{
+    (void)state;
+    const char *stops[] = {"world", "\n\n"};
+    struct stop_matcher m = {.stops = stops, .n_stops = 2};
+    size_t emit;
+    assert_false(stop_check(&m, "hello wor", 9, &emit));
+    assert_int_equal(emit, 6); /* "wor" may still become "world" */
+    assert_true(stop_check(&m, "hello world!", 12, &emit));
+    assert_int_equal(emit, 6);
+    assert_false(stop_check(&m, "a\n", 2, &emit));
+    assert_int_equal(emit, 1);
+    assert_false(stop_check(&m, "plain", 5, &emit));
+    assert_int_equal(emit, 5);
+    struct stop_matcher none = {0};
+    assert_false(stop_check(&none, "x", 1, &emit));
+    assert_int_equal(emit, 1);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_greedy_first_of_ties), cmocka_unit_test(test_repetition_penalty),
+        cmocka_unit_test(test_distribution_matches_softmax), cmocka_unit_test(test_filters),
+        cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_bad_params),
+        cmocka_unit_test(test_stop_strings),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
