@@ -125,9 +125,9 @@ def rope_inv_freq(cfg):
 # Building blocks
 # --------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    def __init__(self, dim, eps, device=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
         self.eps = eps
 
     def forward(self, x):
@@ -169,7 +169,7 @@ def causal_mask(t, window, device):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, window):
+    def __init__(self, cfg, window, device=None):
         super().__init__()
         arch = arch_of(cfg)
         dim = cfg["hidden_size"]
@@ -181,14 +181,14 @@ class Attention(nn.Module):
         # four.  Mistral: none.
         qkv_bias = arch == "Qwen2ForCausalLM" or (arch != "MistralForCausalLM" and cfg.get("attention_bias", False))
         o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.get("attention_bias", False)
-        self.q_proj = nn.Linear(dim, self.n_heads * self.hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, dim, bias=o_bias)
+        self.q_proj = nn.Linear(dim, self.n_heads * self.hd, bias=qkv_bias, device=device)
+        self.k_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
+        self.v_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, dim, bias=o_bias, device=device)
         if arch == "Qwen3ForCausalLM":
             eps = cfg.get("rms_norm_eps", 1e-6)
-            self.q_norm = RMSNorm(self.hd, eps)
-            self.k_norm = RMSNorm(self.hd, eps)
+            self.q_norm = RMSNorm(self.hd, eps, device)
+            self.k_norm = RMSNorm(self.hd, eps, device)
         else:
             self.q_norm = self.k_norm = None
 
@@ -212,26 +212,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, device=None):
         super().__init__()
         dim, ffn = cfg["hidden_size"], cfg["intermediate_size"]
         bias = arch_of(cfg) == "LlamaForCausalLM" and cfg.get("mlp_bias", False)
-        self.gate_proj = nn.Linear(dim, ffn, bias=bias)
-        self.up_proj = nn.Linear(dim, ffn, bias=bias)
-        self.down_proj = nn.Linear(ffn, dim, bias=bias)
+        self.gate_proj = nn.Linear(dim, ffn, bias=bias, device=device)
+        self.up_proj = nn.Linear(dim, ffn, bias=bias, device=device)
+        self.down_proj = nn.Linear(ffn, dim, bias=bias, device=device)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, window):
+    def __init__(self, cfg, window, device=None):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.self_attn = Attention(cfg, window)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, device)
+        self.self_attn = Attention(cfg, window, device)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, device)
+        self.mlp = MLP(cfg, device)
 
     def forward(self, x, cos, sin, masks):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks)
@@ -241,12 +241,12 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """The HF `model.` prefix: embeddings, layers, final norm."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, device=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], device=device)
         self.windows = layer_windows(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in self.windows)
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, device) for w in self.windows)
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), device)
         # not persistent: HF checkpoints carry no inv_freq
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
@@ -268,17 +268,19 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, device=None):
+        """device="meta" builds the parameter layout without memory (used
+        to list a realistic model's tensors)."""
         super().__init__()
         self.cfg = cfg
         self.arch = arch_of(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} not supported (silu)")
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, device)
         # HF's default for tie_word_embeddings is False for these four classes
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False, device=device)
 
     def forward(self, input_ids):
         """input_ids [B, T] (positions 0..T-1, full causal) -> logits [B, T, V]."""
@@ -370,6 +372,11 @@ def load_checkpoint(d):
     for fn in files:
         out.update(load_safetensors(os.path.join(d, fn)))
     return out
+
+
+def param_shapes(cfg):
+    """[(HF tensor name, shape)] in state-dict order, without allocating."""
+    return [(k, tuple(v.shape)) for k, v in CausalLM(cfg, device="meta").state_dict().items()]
 
 
 def load_config(d):
