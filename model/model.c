@@ -58,6 +58,11 @@ const struct model_config *model_get_config(const model *m)
     return &m->cfg;
 }
 
+const struct model_weights *model_get_weights(const model *m)
+{
+    return &m->w;
+}
+
 be_backend *model_backend(const model *m)
 {
     return m->be;
@@ -255,7 +260,7 @@ static enum be_status layer_forward(model *m, int l, int n)
     BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->pos, rs->inv_freq, hd, c->rope_layout));
     BE_TRY(be_kv_store(be, rs->views, rs->toks, n, rs->k, rs->v, &ap));      /* paged KV += k, v */
     BE_TRY(be_attention(be, rs->att, rs->q, rs->views, rs->toks, n, &ap));   /* att (n, n_heads*hd) */
-    BE_TRY(matmul(m, rs->xb, rs->att, &L->wo, NULL, n));                     /* xb (n, dim) */
+    BE_TRY(matmul(m, rs->xb, rs->att, &L->wo, L->bo, n));                    /* xb (n, dim) */
     BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * dim));                      /* x += attn */
 
     /* MLP: down(silu(gate(x)) * up(x)) */

@@ -79,6 +79,7 @@ struct model_layer {
     struct model_mat wv;     /* (n_kv_heads*head_dim, dim) */
     struct model_mat wo;     /* (dim, n_heads*head_dim) */
     const float *bq, *bk, *bv; /* (q_dim), (kv_dim), (kv_dim) or NULL */
+    const float *bo;         /* (dim) or NULL: o_proj bias (attention_bias on Llama/Qwen3) */
     const float *q_norm, *k_norm; /* (head_dim) or NULL (Qwen3) */
     const float *ffn_norm;   /* (dim)            post_attention_layernorm */
     struct model_mat w_gate; /* (hidden, dim) */
@@ -116,6 +117,7 @@ struct model_params {
 enum model_status model_load(const char *dir, be_backend *be, const struct model_params *p, model **out, char *err);
 void model_free(model *m); /* accepts NULL */
 const struct model_config *model_get_config(const model *m);
+const struct model_weights *model_get_weights(const model *m);
 be_backend *model_backend(const model *m);
 /* The KV geometry a kv_store for this model needs (dtype f32). */
 struct kv_geom model_kv_geom(const model *m);

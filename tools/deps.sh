@@ -3,7 +3,7 @@
 # those that are missing, so a configured machine pays one dpkg query.
 set -e
 build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libzstd-dev liburing-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread"
-test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs"
+test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm"
 case "$1" in
   build) want=$build_pkgs ;;
   test) want="$build_pkgs $test_pkgs" ;;
@@ -11,8 +11,9 @@ case "$1" in
 esac
 missing=""
 for p in $want; do
-  # nodejs may come from another source than Debian; a working `node` is enough.
+  # node and npm may come from another source than Debian; working commands are enough.
   if [ "$p" = nodejs ] && command -v node >/dev/null 2>&1; then continue; fi
+  if [ "$p" = npm ] && command -v npm >/dev/null 2>&1; then continue; fi
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
 done
 [ -z "$missing" ] && exit 0

@@ -1,0 +1,236 @@
+/* kvtier-bench - measures the forward pass against what this machine can do,
+ * in one run, so that the figures are ratios that survive a noisy machine:
+ *
+ *   decode efficiency  = bytes read per token (weights + KV) x tokens/s
+ *                        / memory read bandwidth measured here
+ *   prefill efficiency = prefill GFLOP/s / OpenBLAS sgemm GFLOP/s measured here
+ *
+ *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
+ *
+ * Each figure is the best of --repeat runs (the least disturbed one).
+ */
+#include <cblas.h>
+#include <getopt.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "model/model.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- memory read bandwidth: every thread sums its slice of a buffer far
+ * larger than the last-level cache ---------------------------------------- */
+
+struct bw_job {
+    const uint64_t *p;
+    size_t n;
+    uint64_t sum;
+};
+
+__attribute__((optimize("O3"))) static void *bw_read(void *arg)
+{
+    struct bw_job *j = arg;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i + 4 <= j->n; i += 4) {
+        s0 += j->p[i];
+        s1 += j->p[i + 1];
+        s2 += j->p[i + 2];
+        s3 += j->p[i + 3];
+    }
+    j->sum = s0 + s1 + s2 + s3;
+    return NULL;
+}
+
+static double read_bandwidth(int threads, int repeat)
+{
+    size_t bytes = (size_t)1 << 30, n = bytes / 8;
+    uint64_t *buf = malloc(bytes);
+    if (!buf)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        buf[i] = i;
+    double best = 0;
+    struct bw_job jobs[64];
+    pthread_t tid[64];
+    for (int r = 0; r < repeat; r++) {
+        double t0 = now_s();
+        for (int t = 0; t < threads; t++) {
+            jobs[t] = (struct bw_job){.p = buf + n / threads * t, .n = n / threads};
+            pthread_create(&tid[t], NULL, bw_read, &jobs[t]);
+        }
+        uint64_t sum = 0;
+        for (int t = 0; t < threads; t++) {
+            pthread_join(tid[t], NULL);
+            sum += jobs[t].sum;
+        }
+        double gbs = bytes / (now_s() - t0) / 1e9;
+        if (gbs > best && sum != 1) /* sum keeps the reads alive */
+            best = gbs;
+    }
+    free(buf);
+    return best;
+}
+
+static double sgemm_gflops(int threads, int repeat)
+{
+    const int M = 512, N = 2048, K = 2048; /* the shape of a 512-token prefill chunk */
+    float *a = malloc(sizeof(float) * M * K), *b = malloc(sizeof(float) * K * N), *c = malloc(sizeof(float) * M * N);
+    double best = 0;
+    if (a && b && c) {
+        for (size_t i = 0; i < (size_t)M * K; i++)
+            a[i] = (float)(i % 7) * 0.1f;
+        for (size_t i = 0; i < (size_t)K * N; i++)
+            b[i] = (float)(i % 5) * 0.1f;
+        openblas_set_num_threads(threads);
+        for (int r = 0; r < repeat + 1; r++) { /* the first run warms up */
+            double t0 = now_s();
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1, a, K, b, K, 0, c, N);
+            double g = 2.0 * M * N * K / (now_s() - t0) / 1e9;
+            if (r && g > best)
+                best = g;
+        }
+    }
+    free(a);
+    free(b);
+    free(c);
+    return best;
+}
+
+/* Bytes and elements one decode step streams: every matrix once, lm_head
+ * once (the embedding row is negligible). */
+static void weight_totals(const struct model_config *c, const struct model_weights *w, size_t *bytes,
+                          double *elems)
+{
+    *bytes = 0;
+    *elems = 0;
+    for (int l = -1; l < c->n_layers; l++) {
+        const struct model_layer *L = l >= 0 ? &w->layers[l] : NULL;
+        const struct model_mat *ms[7] = {&w->lm_head};
+        if (L) {
+            const struct model_mat *lm[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+            memcpy(ms, lm, sizeof(ms));
+        }
+        for (int i = 0; i < 7 && ms[i]; i++) {
+            *elems += (double)ms[i]->rows * ms[i]->cols;
+            *bytes += (size_t)ms[i]->rows * ms[i]->cols * be_dtype_size(ms[i]->dtype);
+        }
+    }
+}
+
+int main(int argc, char **argv)
+{
+    const char *dir = NULL;
+    int n_prompt = 256, n_decode = 32, repeat = 3;
+    struct be_params bp = {0};
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
+        {"decode", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
+        {"repeat", required_argument, 0, 'r'}, {0, 0, 0, 0},
+    };
+    int o;
+    while ((o = getopt_long(argc, argv, "m:p:d:t:r:", opts, NULL)) != -1) {
+        switch (o) {
+        case 'm': dir = optarg; break;
+        case 'p': n_prompt = atoi(optarg); break;
+        case 'd': n_decode = atoi(optarg); break;
+        case 't': bp.n_threads = atoi(optarg); break;
+        case 'r': repeat = atoi(optarg); break;
+        default: return 2;
+        }
+    }
+    if (!dir || n_prompt < 1 || n_decode < 1 || repeat < 1) {
+        fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N]\n");
+        return 2;
+    }
+    char err[MODEL_ERR_LEN];
+    be_backend *be;
+    model *m;
+    kv_store *store;
+    if (be_open("cpu", &bp, &be) != BE_OK)
+        return 1;
+    struct model_params mp = {.max_batch_tokens = n_prompt < 512 ? n_prompt : 512};
+    enum model_status st = model_load(dir, be, &mp, &m, err);
+    if (st != MODEL_OK) {
+        fprintf(stderr, "kvtier-bench: %s: %s\n", model_strerror(st), err);
+        return 1;
+    }
+    const struct model_config *c = model_get_config(m);
+    struct kv_geom g = model_kv_geom(m);
+    if (kv_store_create(be, &g, 0, &store) != TIER_OK)
+        return 1;
+    struct be_caps caps = be_get_caps(be);
+    int threads = caps.n_threads;
+
+    double bw = read_bandwidth(threads, repeat);
+    double sgemm = sgemm_gflops(threads, repeat);
+
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
+    float *logits = malloc(sizeof(float) * (size_t)c->vocab_size);
+    if (!ids || !logits)
+        return 1;
+    for (int i = 0; i < n_prompt; i++)
+        ids[i] = (int32_t)((i * 7919) % c->vocab_size);
+
+    /* FLOPs of one token through every matmul (2 per multiply-add) */
+    const struct model_weights *w = model_get_weights(m);
+    size_t wbytes;
+    double welems;
+    weight_totals(c, w, &wbytes, &welems);
+    double flops_tok = 2.0 * welems; /* one multiply-add per weight per token */
+
+    double best_prefill = 1e30, best_decode = 1e30;
+    for (int r = 0; r < repeat; r++) {
+        kv_seq *q;
+        if (kv_seq_create(store, NULL, &q) != TIER_OK)
+            return 1;
+        struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = n_prompt, .logits = logits};
+        double t0 = now_s();
+        st = model_forward(m, &fs, 1);
+        double tp = now_s() - t0;
+        if (st != MODEL_OK) {
+            fprintf(stderr, "kvtier-bench: prefill: %s\n", model_strerror(st));
+            return 1;
+        }
+        t0 = now_s();
+        for (int i = 0; i < n_decode && st == MODEL_OK; i++) {
+            int32_t next = (int32_t)((i * 31 + 7) % c->vocab_size);
+            fs = (struct fw_seq){.kv = q, .tokens = &next, .n_tokens = 1, .logits = logits};
+            st = model_forward(m, &fs, 1);
+        }
+        double td = now_s() - t0;
+        kv_seq_free(q);
+        if (tp < best_prefill)
+            best_prefill = tp;
+        if (td < best_decode)
+            best_decode = td;
+    }
+    /* KV read per decode token at the mean context of the decode run */
+    double ctx = n_prompt + n_decode / 2.0;
+    double kv_bytes = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * 4 * ctx;
+    double prefill_tps = n_prompt / best_prefill, decode_tps = n_decode / best_decode;
+    double prefill_gflops = flops_tok * n_prompt / best_prefill / 1e9;
+    double decode_gbs = (wbytes + kv_bytes) * decode_tps / 1e9;
+    printf("model            %s (%s, %d layers, dim %d, %s weights, %.2f GB of matrices)\n", dir, c->arch_name,
+           c->n_layers, c->hidden_size, be_dtype_name(c->dtype), wbytes / 1e9);
+    printf("backend          %s, %d threads, simd %s\n", caps.name, threads, caps.simd);
+    printf("read bandwidth   %.2f GB/s\n", bw);
+    printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads)\n", sgemm, threads);
+    printf("prefill          %d tokens: %.1f tokens/s, %.1f GFLOP/s = %.0f %% of sgemm\n", n_prompt, prefill_tps,
+           prefill_gflops, 100 * prefill_gflops / sgemm);
+    printf("decode           %d tokens: %.2f tokens/s, %.2f GB/s = %.0f %% of read bandwidth\n", n_decode, decode_tps,
+           decode_gbs, 100 * decode_gbs / bw);
+    free(ids);
+    free(logits);
+    kv_store_free(store);
+    model_free(m);
+    be_free(be);
+    return 0;
+}
