@@ -1,0 +1,535 @@
+/* config.c - config.json (+ generation_config.json) of a Hugging Face model
+ * directory, read field by field with the defaults of the matching
+ * transformers config class, and checked before anything is sized by it.
+ * Also this layer's error strings and the loader's shared helpers.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "model/model.h"
+#include "model/safetensors.h"
+
+/* ---- errors and helpers shared with safetensors.c ------------------------ */
+
+const char *model_strerror(enum model_status st)
+{
+    switch (st) {
+    case MODEL_OK: return "ok";
+    case MODEL_ENOENT: return "required file missing";
+    case MODEL_EFORMAT: return "malformed file";
+    case MODEL_ECONFIG: return "bad config field";
+    case MODEL_EUNSUPPORTED: return "not supported";
+    case MODEL_ENOMEM: return "out of host memory";
+    case MODEL_EDEVMEM: return "out of device memory";
+    case MODEL_EIO: return "I/O error";
+    case MODEL_EINVAL: return "invalid argument";
+    case MODEL_EKVFULL: return "KV cache full";
+    case MODEL_EBACKEND: return "backend failure";
+    }
+    return "unknown model status";
+}
+
+enum model_status model_errf(char *err, enum model_status st, const char *fmt, ...)
+{
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, MODEL_ERR_LEN, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+enum model_status model_path(char path[PATH_MAX], const char *dir, const char *name, char *err)
+{
+    int n = snprintf(path, PATH_MAX, "%s/%s", dir, name);
+    if (n < 0 || n >= PATH_MAX)
+        return model_errf(err, MODEL_EINVAL, "%s/%s: path too long", dir, name);
+    return MODEL_OK;
+}
+
+/* JSON side files (config, generation config, shard index) are kilobytes;
+ * the cap keeps a wrong file from being parsed into gigabytes of tree. */
+#define JSON_FILE_MAX ((off_t)64 << 20)
+
+enum model_status model_json_load(const char *dir, const char *name, bool optional, json_t **out, char *err)
+{
+    char path[PATH_MAX];
+    enum model_status st = model_path(path, dir, name, err);
+    *out = NULL;
+    if (st != MODEL_OK)
+        return st;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        if (errno == ENOENT)
+            return optional ? MODEL_OK : model_errf(err, MODEL_ENOENT, "%s: missing in %s", name, dir);
+        return model_errf(err, MODEL_EIO, "%s: %s", path, strerror(errno));
+    }
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0) {
+        st = model_errf(err, MODEL_EIO, "%s: %s", path, strerror(errno));
+    } else if (sb.st_size > JSON_FILE_MAX) {
+        st = model_errf(err, MODEL_EFORMAT, "%s: %lld bytes, more than a JSON side file may be",
+                        name, (long long)sb.st_size);
+    } else {
+        json_error_t je;
+        json_t *root = json_loadf(f, JSON_REJECT_DUPLICATES, &je);
+        if (!root) {
+            st = json_error_code(&je) == json_error_out_of_memory
+                     ? model_errf(err, MODEL_ENOMEM, "%s: out of memory parsing it", name)
+                     : model_errf(err, MODEL_EFORMAT, "%s: line %d column %d: %s", name, je.line, je.column,
+                                  je.text);
+        } else if (!json_is_object(root)) {
+            json_decref(root);
+            st = model_errf(err, MODEL_EFORMAT, "%s: not a JSON object", name);
+        } else {
+            *out = root;
+        }
+    }
+    fclose(f);
+    return st;
+}
+
+/* ---- typed field access ------------------------------------------------ */
+
+/* One JSON object being read, and the file its messages name. */
+struct jctx {
+    json_t *obj;
+    const char *file;
+    const char *prefix; /* "" or "rope_scaling." for nested objects */
+    char *err;
+};
+
+/* A JSON null means "not set" in these files, as Python's None does in the
+ * transformers config classes. */
+static json_t *field(const struct jctx *c, const char *key)
+{
+    json_t *v = json_object_get(c->obj, key);
+    return json_is_null(v) ? NULL : v;
+}
+
+static enum model_status missing(const struct jctx *c, const char *key)
+{
+    return model_errf(c->err, MODEL_ECONFIG, "%s: missing field %s%s", c->file, c->prefix, key);
+}
+
+/* An integer field in [lo, hi]; absent means def when !required. */
+static enum model_status get_int(const struct jctx *c, const char *key, bool required, long long def, long long lo,
+                                 long long hi, int *out)
+{
+    json_t *v = field(c, key);
+    if (!v) {
+        if (required)
+            return missing(c, key);
+        *out = (int)def;
+        return MODEL_OK;
+    }
+    if (!json_is_integer(v))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be an integer", c->file, c->prefix, key);
+    long long x = json_integer_value(v);
+    if (x < lo || x > hi)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%lld out of range [%lld, %lld]", c->file, c->prefix, key,
+                          x, lo, hi);
+    *out = (int)x;
+    return MODEL_OK;
+}
+
+/* A number in (lo, hi]; absent means def when !required. */
+static enum model_status get_num(const struct jctx *c, const char *key, bool required, double def, double lo,
+                                 double hi, float *out)
+{
+    json_t *v = field(c, key);
+    if (!v) {
+        if (required)
+            return missing(c, key);
+        *out = (float)def;
+        return MODEL_OK;
+    }
+    if (!json_is_number(v))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be a number", c->file, c->prefix, key);
+    double x = json_number_value(v);
+    if (!(x > lo && x <= hi))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%g out of range (%g, %g]", c->file, c->prefix, key, x,
+                          lo, hi);
+    *out = (float)x;
+    return MODEL_OK;
+}
+
+static enum model_status get_bool(const struct jctx *c, const char *key, bool def, bool *out)
+{
+    json_t *v = field(c, key);
+    if (!v) {
+        *out = def;
+        return MODEL_OK;
+    }
+    if (!json_is_boolean(v))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be true or false", c->file, c->prefix, key);
+    *out = json_is_true(v);
+    return MODEL_OK;
+}
+
+/* An optional string field; *out = NULL when absent. */
+static enum model_status get_str(const struct jctx *c, const char *key, const char **out)
+{
+    json_t *v = field(c, key);
+    *out = NULL;
+    if (!v)
+        return MODEL_OK;
+    if (!json_is_string(v))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be a string", c->file, c->prefix, key);
+    *out = json_string_value(v);
+    return MODEL_OK;
+}
+
+/* ---- architectures ------------------------------------------------------ */
+
+enum window_rule {
+    WINDOW_NONE,  /* Llama: no sliding window */
+    WINDOW_ALL,   /* Mistral: every layer slides when sliding_window is set */
+    WINDOW_QWEN,  /* Qwen2/3: use_sliding_window, max_window_layers, layer_types */
+};
+
+/* The defaults of each transformers config class (configuration_*.py). */
+static const struct arch_info {
+    const char *name;
+    enum model_arch arch;
+    int32_t bos, eos;        /* class defaults; -1 = None */
+    int head_dim;            /* default head_dim; 0 = hidden_size / heads */
+    bool has_bias_field;     /* reads attention_bias (else fixed by the class) */
+    bool qkv_bias;           /* q/k/v bias regardless of attention_bias (Qwen2) */
+    bool qk_norm;
+    enum window_rule window;
+} ARCHS[] = {
+    {"LlamaForCausalLM", ARCH_LLAMA, 1, 2, 0, true, false, false, WINDOW_NONE},
+    {"MistralForCausalLM", ARCH_MISTRAL, 1, 2, 0, false, false, false, WINDOW_ALL},
+    {"Qwen2ForCausalLM", ARCH_QWEN2, -1, -1, 0, false, true, false, WINDOW_QWEN},
+    {"Qwen3ForCausalLM", ARCH_QWEN3, -1, -1, 128, true, false, true, WINDOW_QWEN},
+};
+
+static enum model_status read_arch(const struct jctx *c, const struct arch_info **out)
+{
+    json_t *a = field(c, "architectures");
+    if (!a)
+        return missing(c, "architectures");
+    json_t *a0 = json_array_get(a, 0);
+    if (!json_is_string(a0))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: architectures must be a non-empty list of strings", c->file);
+    const char *name = json_string_value(a0);
+    for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++) {
+        if (strcmp(name, ARCHS[i].name) == 0) {
+            *out = &ARCHS[i];
+            return MODEL_OK;
+        }
+    }
+    return model_errf(c->err, MODEL_EUNSUPPORTED,
+                      "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3 ForCausalLM)",
+                      c->file, name);
+}
+
+/* ---- sizes --------------------------------------------------------------- */
+
+/* Upper bounds well above every released checkpoint; they keep every
+ * product the loader forms (vocab * hidden, heads * head_dim) inside int
+ * rows/cols and size_t. */
+#define MAX_HIDDEN (1 << 16)
+#define MAX_FFN (1 << 20)
+#define MAX_LAYERS 1024
+#define MAX_HEADS 1024
+#define MAX_HEAD_DIM 1024
+#define MAX_QDIM (1 << 17)
+#define MAX_VOCAB (1 << 24)
+#define MAX_POS (1 << 24)
+
+static enum model_status read_sizes(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+{
+    enum model_status st;
+    if ((st = get_int(c, "vocab_size", true, 0, 1, MAX_VOCAB, &cfg->vocab_size)) ||
+        (st = get_int(c, "hidden_size", true, 0, 1, MAX_HIDDEN, &cfg->hidden_size)) ||
+        (st = get_int(c, "intermediate_size", true, 0, 1, MAX_FFN, &cfg->intermediate_size)) ||
+        (st = get_int(c, "num_hidden_layers", true, 0, 1, MAX_LAYERS, &cfg->n_layers)) ||
+        (st = get_int(c, "num_attention_heads", true, 0, 1, MAX_HEADS, &cfg->n_heads)) ||
+        (st = get_int(c, "num_key_value_heads", false, cfg->n_heads, 1, MAX_HEADS, &cfg->n_kv_heads)) ||
+        (st = get_int(c, "max_position_embeddings", true, 0, 1, MAX_POS, &cfg->max_position_embeddings)))
+        return st;
+    if (cfg->n_heads % cfg->n_kv_heads != 0)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: num_key_value_heads=%d does not divide num_attention_heads=%d",
+                          c->file, cfg->n_kv_heads, cfg->n_heads);
+    if (!field(c, "head_dim") && !ai->head_dim && cfg->hidden_size % cfg->n_heads != 0)
+        return model_errf(c->err, MODEL_ECONFIG,
+                          "%s: no head_dim and num_attention_heads=%d does not divide hidden_size=%d", c->file,
+                          cfg->n_heads, cfg->hidden_size);
+    int def_hd = ai->head_dim ? ai->head_dim : cfg->hidden_size / cfg->n_heads;
+    if ((st = get_int(c, "head_dim", false, def_hd, 1, MAX_HEAD_DIM, &cfg->head_dim)))
+        return st;
+    /* RoPE rotates pairs of dimensions. */
+    if (cfg->head_dim % 2 != 0)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: head_dim=%d is odd (RoPE needs pairs)", c->file,
+                          cfg->head_dim);
+    if ((long long)cfg->n_heads * cfg->head_dim > MAX_QDIM)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: num_attention_heads=%d * head_dim=%d exceeds %d", c->file,
+                          cfg->n_heads, cfg->head_dim, MAX_QDIM);
+    return MODEL_OK;
+}
+
+/* ---- RoPE ----------------------------------------------------------------- */
+
+/* rope_scaling (transformers <= 4.x) or rope_parameters (5.x, which also
+ * carries rope_theta).  Only the types whose inv_freq we compute are let
+ * through; anything else would silently produce wrong positions. */
+static enum model_status read_rope(const struct jctx *c, struct model_config *cfg)
+{
+    enum model_status st;
+    json_t *rs = field(c, "rope_scaling");
+    const char *rs_key = "rope_scaling";
+    if (!rs) {
+        rs = field(c, "rope_parameters");
+        rs_key = "rope_parameters";
+    }
+    if (rs && !json_is_object(rs))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s must be an object", c->file, rs_key);
+
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "%s.", rs_key);
+    struct jctx r = {.obj = rs, .file = c->file, .prefix = prefix, .err = c->err};
+    float theta_nested = 0;
+    if ((st = get_num(&r, "rope_theta", false, 10000.0, 0.0, 1e12, &theta_nested)) ||
+        (st = get_num(c, "rope_theta", false, theta_nested, 0.0, 1e12, &cfg->rope_theta)))
+        return st;
+
+    cfg->rope_scaling = ROPE_SCALING_NONE;
+    cfg->rope_factor = 1.0f;
+    if (!rs)
+        return MODEL_OK;
+    const char *type;
+    if ((st = get_str(&r, "rope_type", &type)))
+        return st;
+    if (!type && (st = get_str(&r, "type", &type)))
+        return st;
+    if (!type || strcmp(type, "default") == 0)
+        return MODEL_OK;
+    if (strcmp(type, "linear") == 0) {
+        cfg->rope_scaling = ROPE_SCALING_LINEAR;
+        return get_num(&r, "factor", true, 0, 0.0, 1e6, &cfg->rope_factor);
+    }
+    if (strcmp(type, "llama3") == 0) {
+        cfg->rope_scaling = ROPE_SCALING_LLAMA3;
+        if ((st = get_num(&r, "factor", true, 0, 0.0, 1e6, &cfg->rope_factor)) ||
+            (st = get_num(&r, "low_freq_factor", true, 0, 0.0, 1e6, &cfg->rope_low_freq_factor)) ||
+            (st = get_num(&r, "high_freq_factor", true, 0, 0.0, 1e6, &cfg->rope_high_freq_factor)) ||
+            (st = get_int(&r, "original_max_position_embeddings", true, 0, 1, MAX_POS, &cfg->rope_original_max_pos)))
+            return st;
+        /* llama3 scaling divides by high_freq_factor - low_freq_factor. */
+        if (cfg->rope_high_freq_factor <= cfg->rope_low_freq_factor)
+            return model_errf(c->err, MODEL_ECONFIG, "%s: %s.high_freq_factor=%g must exceed low_freq_factor=%g",
+                              c->file, rs_key, cfg->rope_high_freq_factor, cfg->rope_low_freq_factor);
+        return MODEL_OK;
+    }
+    return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s type \"%s\" is not supported (default, linear, llama3)",
+                      c->file, rs_key, type);
+}
+
+/* ---- features ----------------------------------------------------------- */
+
+static enum model_status read_features(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+{
+    enum model_status st;
+    if (field(c, "quantization_config"))
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: quantization_config: quantized checkpoints are not supported",
+                          c->file);
+    const char *act;
+    if ((st = get_str(c, "hidden_act", &act)))
+        return st;
+    if (act && strcmp(act, "silu") != 0)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: hidden_act=\"%s\" is not supported (silu)", c->file, act);
+    bool mlp_bias = false;
+    if ((st = get_bool(c, "mlp_bias", false, &mlp_bias)))
+        return st;
+    if (mlp_bias)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: mlp_bias=true is not supported", c->file);
+
+    /* Every one of the four classes defaults tie_word_embeddings to false
+     * (PretrainedConfig's own default is true). */
+    if ((st = get_bool(c, "tie_word_embeddings", false, &cfg->tie_word_embeddings)))
+        return st;
+    cfg->attention_bias = ai->qkv_bias;
+    if (ai->has_bias_field && (st = get_bool(c, "attention_bias", false, &cfg->attention_bias)))
+        return st;
+    cfg->qk_norm = ai->qk_norm;
+    if ((st = get_num(c, "rms_norm_eps", true, 0, 0.0, 1.0, &cfg->rms_norm_eps)))
+        return st;
+
+    /* transformers 5 writes "dtype", older releases "torch_dtype". */
+    const char *key = field(c, "dtype") ? "dtype" : "torch_dtype";
+    const char *dt;
+    if ((st = get_str(c, key, &dt)))
+        return st;
+    if (!dt)
+        return missing(c, "torch_dtype");
+    static const struct {
+        const char *name;
+        enum be_dtype dt;
+    } DTYPES[] = {{"float32", BE_F32}, {"float16", BE_F16}, {"bfloat16", BE_BF16}};
+    for (size_t i = 0; i < sizeof DTYPES / sizeof DTYPES[0]; i++) {
+        if (strcmp(dt, DTYPES[i].name) == 0) {
+            cfg->dtype = DTYPES[i].dt;
+            return MODEL_OK;
+        }
+    }
+    return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s=\"%s\" is not supported (float32, float16, bfloat16)",
+                      c->file, key, dt);
+}
+
+/* ---- sliding windows ----------------------------------------------------- */
+
+/* sliding_window as the config classes read it: absent is the class default
+ * 4096, null is "no window". */
+static enum model_status read_window_size(const struct jctx *c, int *out)
+{
+    if (json_is_null(json_object_get(c->obj, "sliding_window"))) {
+        *out = 0;
+        return MODEL_OK;
+    }
+    return get_int(c, "sliding_window", false, 4096, 1, INT32_MAX, out);
+}
+
+/* Fills cfg->layer_window as transformers decides each layer's attention:
+ * Mistral slides on every layer; Qwen2/3 keep sliding_window only with
+ * use_sliding_window, derive layer_types from max_window_layers unless the
+ * config lists them, and give a "sliding_attention" layer no window when
+ * sliding_window ended up unset. */
+static enum model_status read_windows(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+{
+    enum model_status st;
+    int window = 0, max_window_layers = 0;
+    bool use_sw = false;
+    json_t *types = NULL;
+    if (ai->window == WINDOW_ALL && (st = read_window_size(c, &window)))
+        return st;
+    if (ai->window == WINDOW_QWEN) {
+        if ((st = get_bool(c, "use_sliding_window", false, &use_sw)) || (use_sw && (st = read_window_size(c, &window))) ||
+            (st = get_int(c, "max_window_layers", false, 28, 0, INT32_MAX, &max_window_layers)))
+            return st;
+        types = field(c, "layer_types");
+        if (types && (!json_is_array(types) || json_array_size(types) != (size_t)cfg->n_layers))
+            return model_errf(c->err, MODEL_ECONFIG, "%s: layer_types must be a list of num_hidden_layers=%d strings",
+                              c->file, cfg->n_layers);
+    }
+    cfg->sliding_window = window;
+    cfg->layer_window = calloc((size_t)cfg->n_layers, sizeof *cfg->layer_window);
+    if (!cfg->layer_window)
+        return model_errf(c->err, MODEL_ENOMEM, "%s: out of memory for %d layer windows", c->file, cfg->n_layers);
+    for (int i = 0; i < cfg->n_layers; i++) {
+        bool sliding = ai->window == WINDOW_ALL || (ai->window == WINDOW_QWEN && i >= max_window_layers);
+        if (types) {
+            const char *t = json_string_value(json_array_get(types, (size_t)i));
+            if (!t || (strcmp(t, "full_attention") != 0 && strcmp(t, "sliding_attention") != 0))
+                return model_errf(c->err, MODEL_ECONFIG,
+                                  "%s: layer_types[%d] must be \"full_attention\" or \"sliding_attention\"", c->file,
+                                  i);
+            sliding = strcmp(t, "sliding_attention") == 0;
+        }
+        cfg->layer_window[i] = sliding ? window : 0;
+    }
+    return MODEL_OK;
+}
+
+/* ---- special tokens ------------------------------------------------------ */
+
+static enum model_status token_id(const struct jctx *c, const char *key, json_t *v, int vocab, int32_t *out)
+{
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= vocab)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s must be a token id in [0, vocab_size=%d)", c->file, key,
+                          vocab);
+    *out = (int32_t)json_integer_value(v);
+    return MODEL_OK;
+}
+
+/* bos/pad/eos ids present in this file replace the ones already in cfg, the
+ * way generation_config.json replaces config.json's in transformers. */
+static enum model_status read_tokens(const struct jctx *c, struct model_config *cfg)
+{
+    enum model_status st;
+    json_t *v;
+    if ((v = field(c, "bos_token_id")) && (st = token_id(c, "bos_token_id", v, cfg->vocab_size, &cfg->bos_token_id)))
+        return st;
+    if ((v = field(c, "pad_token_id")) && (st = token_id(c, "pad_token_id", v, cfg->vocab_size, &cfg->pad_token_id)))
+        return st;
+    if (!(v = field(c, "eos_token_id")))
+        return MODEL_OK;
+    if (!json_is_array(v)) {
+        cfg->n_eos = 1;
+        return token_id(c, "eos_token_id", v, cfg->vocab_size, &cfg->eos_token_ids[0]);
+    }
+    if (json_array_size(v) > MODEL_MAX_EOS)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: eos_token_id lists %zu ids, more than %d", c->file,
+                          json_array_size(v), MODEL_MAX_EOS);
+    cfg->n_eos = (int)json_array_size(v);
+    for (int i = 0; i < cfg->n_eos; i++)
+        if ((st = token_id(c, "eos_token_id", json_array_get(v, (size_t)i), cfg->vocab_size, &cfg->eos_token_ids[i])))
+            return st;
+    return MODEL_OK;
+}
+
+static void default_tokens(const struct arch_info *ai, struct model_config *cfg)
+{
+    cfg->bos_token_id = ai->bos < cfg->vocab_size ? ai->bos : -1;
+    cfg->pad_token_id = -1;
+    cfg->n_eos = 0;
+    if (ai->eos >= 0 && ai->eos < cfg->vocab_size)
+        cfg->eos_token_ids[cfg->n_eos++] = ai->eos;
+}
+
+/* ---- the whole config ----------------------------------------------------- */
+
+static enum model_status parse_config(json_t *root, const char *dir, struct model_config *cfg, char *err)
+{
+    struct jctx c = {.obj = root, .file = "config.json", .prefix = "", .err = err};
+    const struct arch_info *ai = NULL;
+    enum model_status st;
+    if ((st = read_arch(&c, &ai)))
+        return st;
+    cfg->arch = ai->arch;
+    cfg->arch_name = ai->name;
+    cfg->rope_layout = BE_ROPE_NEOX;
+    if ((st = read_sizes(&c, ai, cfg)) || (st = read_rope(&c, cfg)) || (st = read_features(&c, ai, cfg)) ||
+        (st = read_windows(&c, ai, cfg)))
+        return st;
+    default_tokens(ai, cfg);
+    if ((st = read_tokens(&c, cfg)))
+        return st;
+
+    json_t *gen;
+    if ((st = model_json_load(dir, "generation_config.json", true, &gen, err)) || !gen)
+        return st;
+    struct jctx g = {.obj = gen, .file = "generation_config.json", .prefix = "", .err = err};
+    st = read_tokens(&g, cfg);
+    json_decref(gen);
+    return st;
+}
+
+enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err)
+{
+    memset(cfg, 0, sizeof *cfg);
+    json_t *root;
+    enum model_status st = model_json_load(dir, "config.json", false, &root, err);
+    if (st != MODEL_OK)
+        return st;
+    st = parse_config(root, dir, cfg, err);
+    json_decref(root);
+    if (st != MODEL_OK)
+        model_config_release(cfg);
+    return st;
+}
+
+void model_config_release(struct model_config *cfg)
+{
+    if (!cfg)
+        return;
+    free(cfg->layer_window);
+    cfg->layer_window = NULL;
+}

@@ -1,0 +1,603 @@
+/* safetensors.c - maps model.safetensors (or the shards that
+ * model.safetensors.index.json names), validates every header against the
+ * file before trusting it, and binds the tensors a config needs by their
+ * Hugging Face names.
+ *
+ * File layout: u64 little-endian header length N, N bytes of JSON
+ * {name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {...}},
+ * then the data section the offsets are relative to.
+ *
+ * Alignment: the format promises none, but kernels read matrices in place
+ * as typed f32/f16/bf16 arrays.  A matrix whose address in the map is not a
+ * multiple of its element size is therefore copied into an owned buffer;
+ * files written by the safetensors library pad the header to 8 bytes, so
+ * real checkpoints are read in place.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "model/model.h"
+#include "model/safetensors.h"
+
+/* Tensor bytes are used in place as host numbers. */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is little-endian");
+
+#define INDEX_NAME "model.safetensors.index.json"
+#define SINGLE_NAME "model.safetensors"
+/* The cap the safetensors library itself puts on the header. */
+#define HEADER_MAX ((uint64_t)100 << 20)
+#define MAX_RANK 8
+
+/* Every dtype the format defines, so extra tensors we never bind still get
+ * their sizes checked; be < 0 marks the ones we cannot compute with. */
+static const struct st_dtype {
+    const char *name;
+    unsigned size;
+    int be;
+} DTYPES[] = {
+    {"F32", 4, BE_F32},   {"F16", 2, BE_F16},  {"BF16", 2, BE_BF16}, {"F64", 8, -1},    {"I64", 8, -1},
+    {"U64", 8, -1},       {"I32", 4, -1},      {"U32", 4, -1},       {"I16", 2, -1},    {"U16", 2, -1},
+    {"I8", 1, -1},        {"U8", 1, -1},       {"BOOL", 1, -1},      {"F8_E5M2", 1, -1}, {"F8_E4M3", 1, -1},
+};
+
+struct st_tensor {
+    const char *name; /* a key of the file's header (lives as long as it) */
+    const struct st_dtype *dtype;
+    int rank;
+    uint64_t shape[MAX_RANK];
+    uint64_t begin, end; /* [begin, end) in the data section */
+};
+
+struct st_file {
+    char *name;            /* as in the directory, for messages */
+    uint8_t *map;
+    size_t map_size;
+    const uint8_t *data;   /* the data section */
+    uint64_t data_size;
+    json_t *header;        /* released once the weights are bound */
+    struct st_tensor *tensors; /* sorted by name */
+    size_t n_tensors;
+};
+
+struct model_files {
+    struct st_file *files;
+    int n_files;
+    struct model_layer *layers; /* weights->layers */
+    float *vectors;             /* f32 copies of every 1-D tensor */
+    void **copies;              /* owned copies of unaligned matrices */
+    int n_copies;
+};
+
+/* ---- one file ------------------------------------------------------------- */
+
+static int cmp_by_offset(const void *a, const void *b)
+{
+    const struct st_tensor *x = a, *y = b;
+    if (x->begin != y->begin)
+        return x->begin < y->begin ? -1 : 1;
+    return (x->end > y->end) - (x->end < y->end);
+}
+
+static int cmp_by_name(const void *a, const void *b)
+{
+    return strcmp(((const struct st_tensor *)a)->name, ((const struct st_tensor *)b)->name);
+}
+
+static const struct st_tensor *st_find(const struct st_file *f, const char *name)
+{
+    struct st_tensor key = {.name = name};
+    return bsearch(&key, f->tensors, f->n_tensors, sizeof key, cmp_by_name);
+}
+
+/* Reads a non-negative JSON integer as u64. */
+static bool json_u64(json_t *v, uint64_t *out)
+{
+    if (!json_is_integer(v) || json_integer_value(v) < 0)
+        return false;
+    *out = (uint64_t)json_integer_value(v);
+    return true;
+}
+
+/* Parses one header entry and checks it against the data section. */
+static enum model_status parse_tensor(const struct st_file *f, const char *name, json_t *v, struct st_tensor *t,
+                                      char *err)
+{
+    t->name = name;
+    const char *dt = json_string_value(json_object_get(v, "dtype"));
+    json_t *shape = json_object_get(v, "shape");
+    json_t *offs = json_object_get(v, "data_offsets");
+    if (!json_is_object(v) || !dt || !json_is_array(shape) || json_array_size(offs) != 2)
+        return model_errf(err, MODEL_EFORMAT, "%s: tensor %s: header entry needs dtype, shape and data_offsets",
+                          f->name, name);
+    t->dtype = NULL;
+    for (size_t i = 0; i < sizeof DTYPES / sizeof DTYPES[0]; i++)
+        if (strcmp(dt, DTYPES[i].name) == 0)
+            t->dtype = &DTYPES[i];
+    if (!t->dtype)
+        return model_errf(err, MODEL_EUNSUPPORTED, "%s: tensor %s: unknown dtype \"%s\"", f->name, name, dt);
+    if (json_array_size(shape) > MAX_RANK)
+        return model_errf(err, MODEL_EFORMAT, "%s: tensor %s: rank %zu exceeds %d", f->name, name,
+                          json_array_size(shape), MAX_RANK);
+    t->rank = (int)json_array_size(shape);
+    uint64_t bytes = t->dtype->size;
+    for (int d = 0; d < t->rank; d++) {
+        if (!json_u64(json_array_get(shape, (size_t)d), &t->shape[d]))
+            return model_errf(err, MODEL_EFORMAT, "%s: tensor %s: shape[%d] is not a non-negative integer", f->name,
+                              name, d);
+        if (__builtin_mul_overflow(bytes, t->shape[d], &bytes))
+            return model_errf(err, MODEL_EFORMAT, "%s: tensor %s: shape overflows 64 bits", f->name, name);
+    }
+    if (!json_u64(json_array_get(offs, 0), &t->begin) || !json_u64(json_array_get(offs, 1), &t->end))
+        return model_errf(err, MODEL_EFORMAT, "%s: tensor %s: data_offsets are not non-negative integers", f->name,
+                          name);
+    if (t->begin > t->end || t->end > f->data_size)
+        return model_errf(err, MODEL_EFORMAT,
+                          "%s: tensor %s: data_offsets [%llu, %llu) out of range of the %llu-byte data section",
+                          f->name, name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                          (unsigned long long)f->data_size);
+    if (t->end - t->begin != bytes)
+        return model_errf(err, MODEL_EFORMAT,
+                          "%s: tensor %s: data_offsets span %llu bytes but its shape and dtype %s need %llu", f->name,
+                          name, (unsigned long long)(t->end - t->begin), dt, (unsigned long long)bytes);
+    return MODEL_OK;
+}
+
+/* Fills f->tensors from the header, rejecting overlapping data (gaps are
+ * allowed: writers may pad tensors for alignment). */
+static enum model_status parse_header(struct st_file *f, char *err)
+{
+    size_t n = json_object_size(f->header);
+    f->tensors = calloc(n ? n : 1, sizeof *f->tensors);
+    if (!f->tensors)
+        return model_errf(err, MODEL_ENOMEM, "%s: out of memory for %zu tensor entries", f->name, n);
+    const char *name;
+    json_t *v;
+    json_object_foreach(f->header, name, v)
+    {
+        if (strcmp(name, "__metadata__") == 0)
+            continue;
+        enum model_status st = parse_tensor(f, name, v, &f->tensors[f->n_tensors], err);
+        if (st != MODEL_OK)
+            return st;
+        f->n_tensors++;
+    }
+    qsort(f->tensors, f->n_tensors, sizeof *f->tensors, cmp_by_offset);
+    for (size_t i = 1; i < f->n_tensors; i++) {
+        const struct st_tensor *a = &f->tensors[i - 1], *b = &f->tensors[i];
+        if (b->begin < a->end)
+            return model_errf(err, MODEL_EFORMAT, "%s: tensors %s [%llu, %llu) and %s [%llu, %llu) overlap", f->name,
+                              a->name, (unsigned long long)a->begin, (unsigned long long)a->end, b->name,
+                              (unsigned long long)b->begin, (unsigned long long)b->end);
+    }
+    qsort(f->tensors, f->n_tensors, sizeof *f->tensors, cmp_by_name);
+    return MODEL_OK;
+}
+
+/* Maps dir/name read-only and parses its header.  f->name is set first so
+ * the caller can close a half-opened file. */
+static enum model_status st_open(const char *dir, const char *name, struct st_file *f, char *err)
+{
+    char path[PATH_MAX];
+    enum model_status st = model_path(path, dir, name, err);
+    if (st != MODEL_OK)
+        return st;
+    if (!(f->name = strdup(name)))
+        return model_errf(err, MODEL_ENOMEM, "%s: out of memory", name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return errno == ENOENT ? model_errf(err, MODEL_ENOENT, "%s: missing in %s", name, dir)
+                               : model_errf(err, MODEL_EIO, "%s: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        st = model_errf(err, MODEL_EIO, "%s: %s", path, strerror(errno));
+    } else if (!S_ISREG(sb.st_mode)) {
+        st = model_errf(err, MODEL_EFORMAT, "%s: not a regular file", name);
+    } else if (sb.st_size < 8) {
+        st = model_errf(err, MODEL_EFORMAT, "%s: truncated: %lld bytes, shorter than the 8-byte header length",
+                        name, (long long)sb.st_size);
+    } else {
+        f->map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (f->map == MAP_FAILED) {
+            f->map = NULL;
+            st = model_errf(err, errno == ENOMEM ? MODEL_ENOMEM : MODEL_EIO, "%s: mmap: %s", name, strerror(errno));
+        } else {
+            f->map_size = (size_t)sb.st_size;
+        }
+    }
+    close(fd);
+    if (st != MODEL_OK)
+        return st;
+    /* Every byte will be read while the weights are bound or at the first
+     * forward; start the read-ahead now.  Advice only: failure is harmless. */
+    madvise(f->map, f->map_size, MADV_WILLNEED);
+
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--)
+        hlen = hlen << 8 | f->map[i];
+    if (hlen > f->map_size - 8)
+        return model_errf(err, MODEL_EFORMAT, "%s: header length %llu runs past the end of the %zu-byte file", name,
+                          (unsigned long long)hlen, f->map_size);
+    if (hlen > HEADER_MAX)
+        return model_errf(err, MODEL_EFORMAT, "%s: header length %llu exceeds the %llu-byte limit", name,
+                          (unsigned long long)hlen, (unsigned long long)HEADER_MAX);
+    f->data = f->map + 8 + hlen;
+    f->data_size = f->map_size - 8 - hlen;
+    json_error_t je;
+    f->header = json_loadb((const char *)f->map + 8, (size_t)hlen, JSON_REJECT_DUPLICATES, &je);
+    if (!f->header)
+        return json_error_code(&je) == json_error_out_of_memory
+                   ? model_errf(err, MODEL_ENOMEM, "%s: out of memory parsing the header", name)
+                   : model_errf(err, MODEL_EFORMAT, "%s: header JSON at byte %d: %s", name, je.position, je.text);
+    if (!json_is_object(f->header))
+        return model_errf(err, MODEL_EFORMAT, "%s: header is not a JSON object", name);
+    return parse_header(f, err);
+}
+
+/* What binding needs no longer once it is done. */
+static void st_drop_header(struct st_file *f)
+{
+    free(f->tensors);
+    f->tensors = NULL;
+    f->n_tensors = 0;
+    json_decref(f->header);
+    f->header = NULL;
+}
+
+static void st_close(struct st_file *f)
+{
+    st_drop_header(f);
+    if (f->map)
+        munmap(f->map, f->map_size);
+    free(f->name);
+}
+
+/* ---- the files of a directory --------------------------------------------- */
+
+void model_files_close(model_files *mf)
+{
+    if (!mf)
+        return;
+    for (int i = 0; i < mf->n_files; i++)
+        st_close(&mf->files[i]);
+    for (int i = 0; i < mf->n_copies; i++)
+        free(mf->copies[i]);
+    free(mf->files);
+    free(mf->copies);
+    free(mf->vectors);
+    free(mf->layers);
+    free(mf);
+}
+
+static struct st_file *file_named(model_files *mf, const char *name)
+{
+    for (int i = 0; i < mf->n_files; i++)
+        if (strcmp(mf->files[i].name, name) == 0)
+            return &mf->files[i];
+    return NULL;
+}
+
+/* A shard name from the index must stay inside the model directory. */
+static bool shard_name_ok(const char *s)
+{
+    return s[0] && !strchr(s, '/') && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+}
+
+/* Opens every shard the weight map names, each once. */
+static enum model_status open_shards(model_files *mf, const char *dir, json_t *map, char *err)
+{
+    if (!json_is_object(map))
+        return model_errf(err, MODEL_EFORMAT, INDEX_NAME ": missing weight_map object");
+    mf->files = calloc(json_object_size(map) ? json_object_size(map) : 1, sizeof *mf->files);
+    if (!mf->files)
+        return model_errf(err, MODEL_ENOMEM, INDEX_NAME ": out of memory for the shard table");
+    const char *tensor;
+    json_t *v;
+    json_object_foreach(map, tensor, v)
+    {
+        const char *shard = json_string_value(v);
+        if (!shard || !shard_name_ok(shard))
+            return model_errf(err, MODEL_EFORMAT, INDEX_NAME ": weight_map[%s] is not a file name in the directory",
+                              tensor);
+        if (file_named(mf, shard))
+            continue;
+        enum model_status st = st_open(dir, shard, &mf->files[mf->n_files++], err);
+        if (st != MODEL_OK)
+            return st;
+    }
+    return MODEL_OK;
+}
+
+static enum model_status open_files(model_files *mf, const char *dir, json_t **weight_map, char *err)
+{
+    json_t *index;
+    enum model_status st = model_json_load(dir, INDEX_NAME, true, &index, err);
+    if (st != MODEL_OK)
+        return st;
+    if (!index) {
+        *weight_map = NULL;
+        if (!(mf->files = calloc(1, sizeof *mf->files)))
+            return model_errf(err, MODEL_ENOMEM, SINGLE_NAME ": out of memory");
+        mf->n_files = 1;
+        st = st_open(dir, SINGLE_NAME, &mf->files[0], err);
+        if (st == MODEL_ENOENT)
+            model_errf(err, st, SINGLE_NAME " and " INDEX_NAME ": both missing in %s", dir);
+        return st;
+    }
+    *weight_map = json_incref(json_object_get(index, "weight_map"));
+    json_decref(index);
+    return open_shards(mf, dir, *weight_map, err);
+}
+
+/* ---- binding --------------------------------------------------------------- */
+
+struct binder {
+    model_files *mf;
+    const struct model_config *cfg;
+    json_t *weight_map; /* NULL: the single model.safetensors */
+    float *next_vector; /* where the next 1-D tensor's f32 copy goes */
+    char *err;
+};
+
+static enum model_status locate(const struct binder *b, const char *name, const struct st_file **file,
+                                const struct st_tensor **t)
+{
+    const struct st_file *f = &b->mf->files[0];
+    if (b->weight_map) {
+        const char *shard = json_string_value(json_object_get(b->weight_map, name));
+        if (!shard)
+            return model_errf(b->err, MODEL_EFORMAT, INDEX_NAME ": weight_map has no tensor %s", name);
+        f = file_named(b->mf, shard);
+    }
+    *file = f;
+    *t = st_find(f, name);
+    if (!*t)
+        return model_errf(b->err, MODEL_EFORMAT, "%s: missing tensor %s", f->name, name);
+    return MODEL_OK;
+}
+
+static void format_shape(const struct st_tensor *t, char *buf, size_t size)
+{
+    size_t len = (size_t)snprintf(buf, size, "[");
+    for (int d = 0; d < t->rank && len < size; d++)
+        len += (size_t)snprintf(buf + len, size - len, "%s%llu", d ? ", " : "", (unsigned long long)t->shape[d]);
+    if (len < size)
+        snprintf(buf + len, size - len, "]");
+}
+
+/* Finds a tensor and checks that it has a computable dtype and the shape
+ * (rows[, cols]) the config implies. */
+static enum model_status find_checked(const struct binder *b, const char *name, int rows, int cols,
+                                      const struct st_file **file, const struct st_tensor **t)
+{
+    enum model_status st = locate(b, name, file, t);
+    if (st != MODEL_OK)
+        return st;
+    const struct st_tensor *x = *t;
+    if (x->dtype->be < 0)
+        return model_errf(b->err, MODEL_EUNSUPPORTED, "%s: tensor %s has dtype %s (supported: F32, F16, BF16)",
+                          (*file)->name, name, x->dtype->name);
+    bool ok = cols ? x->rank == 2 && x->shape[0] == (uint64_t)rows && x->shape[1] == (uint64_t)cols
+                   : x->rank == 1 && x->shape[0] == (uint64_t)rows;
+    if (!ok) {
+        char shape[160], want[48];
+        format_shape(x, shape, sizeof shape);
+        if (cols)
+            snprintf(want, sizeof want, "[%d, %d]", rows, cols);
+        else
+            snprintf(want, sizeof want, "[%d]", rows);
+        return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has shape %s, config.json implies %s", (*file)->name,
+                          name, shape, want);
+    }
+    return MODEL_OK;
+}
+
+static enum model_status bind_mat(struct binder *b, const char *name, int rows, int cols, struct model_mat *m)
+{
+    const struct st_file *f;
+    const struct st_tensor *t;
+    enum model_status st = find_checked(b, name, rows, cols, &f, &t);
+    if (st != MODEL_OK)
+        return st;
+    /* One dtype per checkpoint: the kernels, the memory budget and the
+     * reference all take torch_dtype at its word. */
+    if (t->dtype->be != (int)b->cfg->dtype)
+        return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has dtype %s but config.json says %s", f->name, name,
+                          t->dtype->name, be_dtype_name(b->cfg->dtype));
+    const uint8_t *p = f->data + t->begin;
+    size_t bytes = (size_t)(t->end - t->begin);
+    if ((uintptr_t)p % t->dtype->size != 0) {
+        void *copy = malloc(bytes ? bytes : 1);
+        if (!copy)
+            return model_errf(b->err, MODEL_ENOMEM, "%s: out of memory for an aligned copy of %s (%zu bytes)",
+                              f->name, name, bytes);
+        memcpy(copy, p, bytes);
+        b->mf->copies[b->mf->n_copies++] = copy;
+        p = copy;
+    }
+    *m = (struct model_mat){.data = p, .dtype = (enum be_dtype)t->dtype->be, .rows = rows, .cols = cols};
+    return MODEL_OK;
+}
+
+/* Norm weights and biases are small and read by every token: they are kept
+ * as f32 whatever the checkpoint's dtype. */
+static enum model_status bind_vec(struct binder *b, const char *name, int len, const float **out)
+{
+    const struct st_file *f;
+    const struct st_tensor *t;
+    enum model_status st = find_checked(b, name, len, 0, &f, &t);
+    if (st != MODEL_OK)
+        return st;
+    const uint8_t *src = f->data + t->begin;
+    float *dst = b->next_vector;
+    for (int i = 0; i < len; i++) {
+        if (t->dtype->be == BE_F32) {
+            memcpy(&dst[i], src + 4 * (size_t)i, 4);
+        } else if (t->dtype->be == BE_F16) {
+            _Float16 h;
+            memcpy(&h, src + 2 * (size_t)i, 2);
+            dst[i] = (float)h;
+        } else {
+            /* bf16 is the top half of an f32. */
+            uint32_t u = (uint32_t)(src[2 * (size_t)i] | src[2 * (size_t)i + 1] << 8) << 16;
+            memcpy(&dst[i], &u, 4);
+        }
+    }
+    b->next_vector += len;
+    *out = dst;
+    return MODEL_OK;
+}
+
+/* The sizes a per-layer tensor's dimensions come from. */
+enum dim { D_DIM, D_QDIM, D_KVDIM, D_FFN, D_HEAD };
+
+/* When a per-layer vector exists. */
+enum need { ALWAYS, QKV_BIAS, O_BIAS, QK_NORM };
+
+static const struct layer_mat {
+    const char *suffix;
+    size_t off;
+    enum dim rows, cols;
+} LAYER_MATS[] = {
+    {"self_attn.q_proj.weight", offsetof(struct model_layer, wq), D_QDIM, D_DIM},
+    {"self_attn.k_proj.weight", offsetof(struct model_layer, wk), D_KVDIM, D_DIM},
+    {"self_attn.v_proj.weight", offsetof(struct model_layer, wv), D_KVDIM, D_DIM},
+    {"self_attn.o_proj.weight", offsetof(struct model_layer, wo), D_DIM, D_QDIM},
+    {"mlp.gate_proj.weight", offsetof(struct model_layer, w_gate), D_FFN, D_DIM},
+    {"mlp.up_proj.weight", offsetof(struct model_layer, w_up), D_FFN, D_DIM},
+    {"mlp.down_proj.weight", offsetof(struct model_layer, w_down), D_DIM, D_FFN},
+};
+
+static const struct layer_vec {
+    const char *suffix;
+    size_t off;
+    enum dim len;
+    enum need need;
+} LAYER_VECS[] = {
+    {"input_layernorm.weight", offsetof(struct model_layer, attn_norm), D_DIM, ALWAYS},
+    {"post_attention_layernorm.weight", offsetof(struct model_layer, ffn_norm), D_DIM, ALWAYS},
+    {"self_attn.q_proj.bias", offsetof(struct model_layer, bq), D_QDIM, QKV_BIAS},
+    {"self_attn.k_proj.bias", offsetof(struct model_layer, bk), D_KVDIM, QKV_BIAS},
+    {"self_attn.v_proj.bias", offsetof(struct model_layer, bv), D_KVDIM, QKV_BIAS},
+    {"self_attn.o_proj.bias", offsetof(struct model_layer, bo), D_DIM, O_BIAS},
+    {"self_attn.q_norm.weight", offsetof(struct model_layer, q_norm), D_HEAD, QK_NORM},
+    {"self_attn.k_norm.weight", offsetof(struct model_layer, k_norm), D_HEAD, QK_NORM},
+};
+
+static int dim_of(const struct model_config *c, enum dim d)
+{
+    switch (d) {
+    case D_DIM: return c->hidden_size;
+    case D_QDIM: return c->n_heads * c->head_dim;
+    case D_KVDIM: return c->n_kv_heads * c->head_dim;
+    case D_FFN: return c->intermediate_size;
+    case D_HEAD: return c->head_dim;
+    }
+    return 0;
+}
+
+static bool needed(const struct model_config *c, enum need n)
+{
+    switch (n) {
+    case ALWAYS: return true;
+    case QKV_BIAS: return c->attention_bias;
+    /* Qwen2's q/k/v bias is fixed by the class and leaves o_proj bare;
+     * attention_bias on Llama and Qwen3 biases o_proj too. */
+    case O_BIAS: return c->attention_bias && (c->arch == ARCH_LLAMA || c->arch == ARCH_QWEN3);
+    case QK_NORM: return c->qk_norm;
+    }
+    return false;
+}
+
+/* Floats of f32 copies one layer's vectors take. */
+static size_t layer_vector_floats(const struct model_config *c)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof LAYER_VECS / sizeof LAYER_VECS[0]; i++)
+        if (needed(c, LAYER_VECS[i].need))
+            n += (size_t)dim_of(c, LAYER_VECS[i].len);
+    return n;
+}
+
+static enum model_status bind_layer(struct binder *b, int l, struct model_layer *L)
+{
+    char name[128];
+    enum model_status st;
+    for (size_t i = 0; i < sizeof LAYER_MATS / sizeof LAYER_MATS[0]; i++) {
+        const struct layer_mat *m = &LAYER_MATS[i];
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, m->suffix);
+        st = bind_mat(b, name, dim_of(b->cfg, m->rows), dim_of(b->cfg, m->cols),
+                      (struct model_mat *)((char *)L + m->off));
+        if (st != MODEL_OK)
+            return st;
+    }
+    for (size_t i = 0; i < sizeof LAYER_VECS / sizeof LAYER_VECS[0]; i++) {
+        const struct layer_vec *v = &LAYER_VECS[i];
+        if (!needed(b->cfg, v->need))
+            continue;
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, v->suffix);
+        st = bind_vec(b, name, dim_of(b->cfg, v->len), (const float **)((char *)L + v->off));
+        if (st != MODEL_OK)
+            return st;
+    }
+    return MODEL_OK;
+}
+
+static enum model_status bind_all(struct binder *b, struct model_weights *w)
+{
+    const struct model_config *c = b->cfg;
+    model_files *mf = b->mf;
+    size_t floats = (size_t)c->n_layers * layer_vector_floats(c) + (size_t)c->hidden_size;
+    mf->vectors = malloc(floats * sizeof *mf->vectors);
+    mf->layers = calloc((size_t)c->n_layers, sizeof *mf->layers);
+    size_t max_copies = (size_t)c->n_layers * (sizeof LAYER_MATS / sizeof LAYER_MATS[0]) + 2;
+    mf->copies = calloc(max_copies, sizeof *mf->copies);
+    if (!mf->vectors || !mf->layers || !mf->copies)
+        return model_errf(b->err, MODEL_ENOMEM, "out of memory binding %d layers", c->n_layers);
+    b->next_vector = mf->vectors;
+
+    enum model_status st = bind_mat(b, "model.embed_tokens.weight", c->vocab_size, c->hidden_size, &w->tok_embed);
+    for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
+        st = bind_layer(b, l, &mf->layers[l]);
+    if (st == MODEL_OK)
+        st = bind_vec(b, "model.norm.weight", c->hidden_size, &w->final_norm);
+    if (st != MODEL_OK)
+        return st;
+    if (c->tie_word_embeddings)
+        w->lm_head = w->tok_embed;
+    else if ((st = bind_mat(b, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head)))
+        return st;
+    w->layers = mf->layers;
+    return MODEL_OK;
+}
+
+enum model_status model_files_open(const char *dir, const struct model_config *cfg, model_files **out,
+                                   struct model_weights *w, char *err)
+{
+    *out = NULL;
+    memset(w, 0, sizeof *w);
+    model_files *mf = calloc(1, sizeof *mf);
+    if (!mf)
+        return model_errf(err, MODEL_ENOMEM, "out of memory opening the weights of %s", dir);
+    struct binder b = {.mf = mf, .cfg = cfg, .err = err};
+    enum model_status st = open_files(mf, dir, &b.weight_map, err);
+    if (st == MODEL_OK)
+        st = bind_all(&b, w);
+    json_decref(b.weight_map);
+    for (int i = 0; i < mf->n_files; i++)
+        st_drop_header(&mf->files[i]);
+    if (st != MODEL_OK) {
+        memset(w, 0, sizeof *w);
+        model_files_close(mf);
+        return st;
+    }
+    *out = mf;
+    return MODEL_OK;
+}
