@@ -1,0 +1,499 @@
+/* backend.c - the generic side of the compute seam: opening a backend,
+ * argument checks, device-pool accounting and fault injection, done once
+ * here so that every implementation behind backend_impl.h gets them.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "model/backend_impl.h"
+
+#define BE_ALIGN 64
+
+const char *be_strerror(enum be_status st)
+{
+    switch (st) {
+    case BE_OK: return "ok";
+    case BE_ENOMEM_DEV: return "device memory budget exhausted";
+    case BE_ENOMEM_HOST: return "out of host memory";
+    case BE_EINVAL: return "invalid argument";
+    case BE_ENOTSUP: return "not supported by this backend";
+    case BE_ENODEV: return "backend not available";
+    case BE_EIO: return "device or driver error";
+    }
+    return "unknown backend status";
+}
+
+size_t be_dtype_size(enum be_dtype dt)
+{
+    switch (dt) {
+    case BE_F32: return 4;
+    case BE_F16: return 2;
+    case BE_BF16: return 2;
+    }
+    return 0;
+}
+
+const char *be_dtype_name(enum be_dtype dt)
+{
+    switch (dt) {
+    case BE_F32: return "f32";
+    case BE_F16: return "f16";
+    case BE_BF16: return "bf16";
+    }
+    return "?";
+}
+
+/* ---- opening ------------------------------------------------------------ */
+
+#define CUDA_PLUGIN_NAME "libkvtier-cuda.so"
+
+/* Candidates in order: $KVTIER_CUDA_PLUGIN (a file, or a directory holding
+ * the plugin), then next to the running executable and one level up (tests
+ * run from build/tests/, the plugin sits in build/). */
+static void *open_cuda_plugin(void)
+{
+    char exe[PATH_MAX], path[PATH_MAX + sizeof(CUDA_PLUGIN_NAME) + 8];
+    const char *env = getenv("KVTIER_CUDA_PLUGIN");
+    void *h;
+
+    if (env && *env) {
+        if ((h = dlopen(env, RTLD_NOW | RTLD_LOCAL)))
+            return h;
+        snprintf(path, sizeof(path), "%s/%s", env, CUDA_PLUGIN_NAME);
+        if ((h = dlopen(path, RTLD_NOW | RTLD_LOCAL)))
+            return h;
+    }
+    ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (len <= 0)
+        return NULL;
+    exe[len] = '\0';
+    for (int up = 0; up < 2; up++) {
+        char *slash = strrchr(exe, '/');
+        if (!slash)
+            return NULL;
+        *slash = '\0';
+        snprintf(path, sizeof(path), "%s/%s", exe, CUDA_PLUGIN_NAME);
+        if ((h = dlopen(path, RTLD_NOW | RTLD_LOCAL)))
+            return h;
+    }
+    return NULL;
+}
+
+static bool ops_complete(const struct be_ops *o)
+{
+    return o && o->api_version == BE_API_VERSION && o->name && o->free && o->caps && o->dev_alloc && o->dev_free &&
+           o->host_alloc && o->host_free && o->copy_async && o->copy && o->event_create && o->event_free &&
+           o->event_record && o->event_sync && o->sync && o->matmul && o->rmsnorm && o->rope && o->kv_store &&
+           o->attention && o->silu_mul && o->add && o->softmax && o->embed && o->argmax;
+}
+
+enum be_status be_open(const char *name, const struct be_params *p, be_backend **out)
+{
+    static const struct be_params defaults;
+    be_init_fn init;
+    void *plugin = NULL;
+
+    if (!name || !out)
+        return BE_EINVAL;
+    *out = NULL;
+    if (!p)
+        p = &defaults;
+    if (p->n_threads < 0 || p->device_index < 0)
+        return BE_EINVAL;
+    if (strcmp(name, "cpu") == 0) {
+        init = be_cpu_init;
+    } else if (strcmp(name, "cuda") == 0) {
+        if (!(plugin = open_cuda_plugin()))
+            return BE_ENODEV;
+        *(void **)&init = dlsym(plugin, BE_PLUGIN_INIT_SYMBOL);
+        if (!init) {
+            dlclose(plugin);
+            return BE_ENODEV;
+        }
+    } else {
+        return BE_ENODEV;
+    }
+
+    be_backend *be = calloc(1, sizeof(*be));
+    if (!be) {
+        if (plugin)
+            dlclose(plugin);
+        return BE_ENOMEM_HOST;
+    }
+    size_t budget = 0;
+    enum be_status st = init(p, &be->ops, &be->ctx, &budget);
+    if (st == BE_OK && !ops_complete(be->ops)) {
+        /* A plugin from another build: its ctx is still released through
+         * its own free, which exists in every version of the table. */
+        if (be->ops && be->ops->free)
+            be->ops->free(be->ctx);
+        st = BE_ENODEV;
+    }
+    if (st != BE_OK) {
+        free(be);
+        if (plugin)
+            dlclose(plugin);
+        return st;
+    }
+    pthread_mutex_init(&be->lock, NULL);
+    be->plugin = plugin;
+    be->stats.dev_budget = budget;
+    *out = be;
+    return BE_OK;
+}
+
+void be_free(be_backend *be)
+{
+    if (!be)
+        return;
+    be->ops->free(be->ctx);
+    if (be->plugin)
+        dlclose(be->plugin);
+    pthread_mutex_destroy(&be->lock);
+    free(be);
+}
+
+struct be_caps be_get_caps(const be_backend *be)
+{
+    if (!be)
+        return (struct be_caps){.name = "none", .simd = "scalar"};
+    return be->ops->caps(be->ctx);
+}
+
+/* ---- memory ------------------------------------------------------------ */
+
+/* Charges size to the device pool, or says why not: the budget, or the
+ * injected fault.  Both count as a failed attempt. */
+static enum be_status dev_charge(be_backend *be, size_t size)
+{
+    enum be_status st = BE_OK;
+    pthread_mutex_lock(&be->lock);
+    struct be_mem_stats *s = &be->stats;
+    s->dev_allocs++;
+    if (be->fault_countdown && --be->fault_countdown == 0) {
+        be->faulting = be->fault_repeat;
+        st = BE_ENOMEM_DEV;
+    } else if (be->faulting || size > s->dev_budget - s->dev_used) {
+        st = BE_ENOMEM_DEV;
+    }
+    if (st == BE_OK) {
+        s->dev_used += size;
+        if (s->dev_used > s->dev_peak)
+            s->dev_peak = s->dev_used;
+    } else {
+        s->dev_failures++;
+    }
+    pthread_mutex_unlock(&be->lock);
+    return st;
+}
+
+static void uncharge(be_backend *be, size_t size, bool device)
+{
+    pthread_mutex_lock(&be->lock);
+    if (device)
+        be->stats.dev_used -= size;
+    else
+        be->stats.host_used -= size;
+    pthread_mutex_unlock(&be->lock);
+}
+
+static void host_charge(be_backend *be, size_t size)
+{
+    pthread_mutex_lock(&be->lock);
+    be->stats.host_used += size;
+    if (be->stats.host_used > be->stats.host_peak)
+        be->stats.host_peak = be->stats.host_used;
+    pthread_mutex_unlock(&be->lock);
+}
+
+static enum be_status buffer_alloc(be_backend *be, size_t size, bool device, be_buffer **out)
+{
+    if (!be || !out || size == 0 || size > SIZE_MAX - BE_ALIGN)
+        return BE_EINVAL;
+    *out = NULL;
+    size_t charged = (size + BE_ALIGN - 1) & ~(size_t)(BE_ALIGN - 1);
+    be_buffer *buf = malloc(sizeof(*buf));
+    if (!buf)
+        return BE_ENOMEM_HOST;
+    void *data = NULL;
+    enum be_status st;
+    if (device) {
+        if ((st = dev_charge(be, charged)) == BE_OK && (st = be->ops->dev_alloc(be->ctx, charged, &data)) != BE_OK)
+            uncharge(be, charged, true);
+    } else {
+        if ((st = be->ops->host_alloc(be->ctx, charged, &data)) == BE_OK)
+            host_charge(be, charged);
+    }
+    if (st != BE_OK) {
+        free(buf);
+        return st;
+    }
+    *buf = (be_buffer){.be = be, .data = data, .size = size, .charged = charged, .device = device};
+    *out = buf;
+    return BE_OK;
+}
+
+enum be_status be_dev_alloc(be_backend *be, size_t size, be_buffer **out)
+{
+    return buffer_alloc(be, size, true, out);
+}
+
+enum be_status be_host_alloc(be_backend *be, size_t size, be_buffer **out)
+{
+    return buffer_alloc(be, size, false, out);
+}
+
+void be_buffer_free(be_buffer *buf)
+{
+    if (!buf)
+        return;
+    be_backend *be = buf->be;
+    if (buf->device)
+        be->ops->dev_free(be->ctx, buf->data, buf->charged);
+    else
+        be->ops->host_free(be->ctx, buf->data, buf->charged);
+    uncharge(be, buf->charged, buf->device);
+    free(buf);
+}
+
+void *be_buffer_data(const be_buffer *buf)
+{
+    return buf ? buf->data : NULL;
+}
+
+size_t be_buffer_size(const be_buffer *buf)
+{
+    return buf ? buf->size : 0;
+}
+
+struct be_mem_stats be_mem_stats(const be_backend *be)
+{
+    struct be_mem_stats s = {0};
+    if (!be)
+        return s;
+    pthread_mutex_lock((pthread_mutex_t *)&be->lock);
+    s = be->stats;
+    pthread_mutex_unlock((pthread_mutex_t *)&be->lock);
+    return s;
+}
+
+void be_reset_peak(be_backend *be)
+{
+    if (!be)
+        return;
+    pthread_mutex_lock(&be->lock);
+    be->stats.dev_peak = be->stats.dev_used;
+    be->stats.host_peak = be->stats.host_used;
+    pthread_mutex_unlock(&be->lock);
+}
+
+void be_fault_dev_alloc(be_backend *be, uint64_t fail_at, bool repeat)
+{
+    if (!be)
+        return;
+    pthread_mutex_lock(&be->lock);
+    be->fault_countdown = fail_at;
+    be->fault_repeat = repeat;
+    be->faulting = false;
+    pthread_mutex_unlock(&be->lock);
+}
+
+/* ---- copies and events --------------------------------------------------- */
+
+static bool copy_args_ok(const be_backend *be, void *dst, const void *src, size_t n, enum be_copy_dir dir)
+{
+    if (!be || (n && (!dst || !src)) || (dir != BE_H2D && dir != BE_D2H && dir != BE_D2D))
+        return false;
+    const char *d = dst, *s = src;
+    return n == 0 || d + n <= s || s + n <= d;
+}
+
+enum be_status be_copy_async(be_backend *be, void *dst, const void *src, size_t n, enum be_copy_dir dir)
+{
+    if (!copy_args_ok(be, dst, src, n, dir))
+        return BE_EINVAL;
+    return n ? be->ops->copy_async(be->ctx, dst, src, n, dir) : BE_OK;
+}
+
+enum be_status be_copy(be_backend *be, void *dst, const void *src, size_t n, enum be_copy_dir dir)
+{
+    if (!copy_args_ok(be, dst, src, n, dir))
+        return BE_EINVAL;
+    return n ? be->ops->copy(be->ctx, dst, src, n, dir) : BE_OK;
+}
+
+enum be_status be_event_create(be_backend *be, be_event **out)
+{
+    if (!be || !out)
+        return BE_EINVAL;
+    *out = NULL;
+    be_event *ev = malloc(sizeof(*ev));
+    if (!ev)
+        return BE_ENOMEM_HOST;
+    ev->be = be;
+    enum be_status st = be->ops->event_create(be->ctx, &ev->h);
+    if (st != BE_OK) {
+        free(ev);
+        return st;
+    }
+    *out = ev;
+    return BE_OK;
+}
+
+void be_event_free(be_event *ev)
+{
+    if (!ev)
+        return;
+    ev->be->ops->event_free(ev->be->ctx, ev->h);
+    free(ev);
+}
+
+enum be_status be_event_record(be_backend *be, be_event *ev)
+{
+    if (!be || !ev || ev->be != be)
+        return BE_EINVAL;
+    return be->ops->event_record(be->ctx, ev->h);
+}
+
+enum be_status be_event_wait(be_backend *be, be_event *ev)
+{
+    if (!be || !ev || ev->be != be)
+        return BE_EINVAL;
+    if (!be->ops->event_wait)
+        return be->ops->event_sync(be->ctx, ev->h);
+    return be->ops->event_wait(be->ctx, ev->h);
+}
+
+enum be_status be_event_sync(be_event *ev)
+{
+    if (!ev)
+        return BE_EINVAL;
+    return ev->be->ops->event_sync(ev->be->ctx, ev->h);
+}
+
+enum be_status be_sync(be_backend *be)
+{
+    if (!be)
+        return BE_EINVAL;
+    return be->ops->sync(be->ctx);
+}
+
+/* ---- kernels ------------------------------------------------------------ */
+
+static bool dtype_ok(enum be_dtype dt)
+{
+    return dt == BE_F32 || dt == BE_F16 || dt == BE_BF16;
+}
+
+enum be_status be_matmul(be_backend *be, float *y, const float *x, const void *w, enum be_dtype wt,
+                         const float *bias, int n, int in, int out)
+{
+    if (!be || !y || !x || !w || !dtype_ok(wt) || n < 0 || in <= 0 || out <= 0)
+        return BE_EINVAL;
+    return n ? be->ops->matmul(be->ctx, y, x, w, wt, bias, n, in, out) : BE_OK;
+}
+
+enum be_status be_rmsnorm(be_backend *be, float *y, const float *x, const float *w, int n, int dim, float eps)
+{
+    if (!be || !y || !x || !w || n < 0 || dim <= 0 || !(eps >= 0.0f))
+        return BE_EINVAL;
+    return n ? be->ops->rmsnorm(be->ctx, y, x, w, n, dim, eps) : BE_OK;
+}
+
+enum be_status be_rope(be_backend *be, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+                       const float *inv_freq, int rot_dim, enum be_rope_layout layout)
+{
+    if (!be || !x || !pos || !inv_freq || n_tok < 0 || n_heads <= 0 || head_dim <= 0 || rot_dim <= 0 ||
+        rot_dim % 2 || rot_dim > head_dim || (layout != BE_ROPE_NEOX && layout != BE_ROPE_INTERLEAVED))
+        return BE_EINVAL;
+    return n_tok ? be->ops->rope(be->ctx, x, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, layout) : BE_OK;
+}
+
+static bool attn_params_ok(const struct be_attn_params *p)
+{
+    return p && p->n_heads > 0 && p->n_kv_heads > 0 && p->n_heads % p->n_kv_heads == 0 && p->head_dim > 0 &&
+           p->window >= 0 && dtype_ok(p->kv_dtype);
+}
+
+/* Every token names a view whose blocks cover [lo, hi) and, for a store,
+ * its own position.  The views array has no length in the API, so a view
+ * index is only checked for sign; the caller sizes the array. */
+static bool toks_ok(const struct be_kv_view *views, const struct be_tok *toks, int n_tok, bool storing)
+{
+    for (int t = 0; t < n_tok; t++) {
+        if (toks[t].view < 0)
+            return false;
+        const struct be_kv_view *v = &views[toks[t].view];
+        if ((!v->blocks && v->n_blocks) || v->n_blocks < 0 || v->block_tokens <= 0)
+            return false;
+        int64_t end = v->base + (int64_t)v->n_blocks * v->block_tokens;
+        if (v->lo > v->hi || v->lo < v->base || v->hi > end)
+            return false;
+        if (storing && (toks[t].pos < v->base || toks[t].pos >= end))
+            return false;
+        if (!storing && toks[t].pos < 0)
+            return false;
+    }
+    return true;
+}
+
+enum be_status be_kv_store(be_backend *be, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
+                           const float *k, const float *v, const struct be_attn_params *p)
+{
+    if (!be || !views || !toks || !k || !v || n_tok < 0 || !attn_params_ok(p) || !toks_ok(views, toks, n_tok, true))
+        return BE_EINVAL;
+    return n_tok ? be->ops->kv_store(be->ctx, views, toks, n_tok, k, v, p) : BE_OK;
+}
+
+enum be_status be_attention(be_backend *be, float *out, const float *q, const struct be_kv_view *views,
+                            const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
+{
+    if (!be || !out || !q || !views || !toks || n_tok < 0 || !attn_params_ok(p) ||
+        !toks_ok(views, toks, n_tok, false))
+        return BE_EINVAL;
+    return n_tok ? be->ops->attention(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
+}
+
+enum be_status be_silu_mul(be_backend *be, float *y, const float *gate, const float *up, size_t n)
+{
+    if (!be || !y || !gate || !up)
+        return BE_EINVAL;
+    return n ? be->ops->silu_mul(be->ctx, y, gate, up, n) : BE_OK;
+}
+
+enum be_status be_add(be_backend *be, float *y, const float *x, size_t n)
+{
+    if (!be || !y || !x)
+        return BE_EINVAL;
+    return n ? be->ops->add(be->ctx, y, x, n) : BE_OK;
+}
+
+enum be_status be_softmax(be_backend *be, float *x, int rows, int cols)
+{
+    if (!be || !x || rows < 0 || cols <= 0)
+        return BE_EINVAL;
+    return rows ? be->ops->softmax(be->ctx, x, rows, cols) : BE_OK;
+}
+
+enum be_status be_embed(be_backend *be, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+                        int dim)
+{
+    if (!be || !y || !table || !ids || !dtype_ok(dt) || n < 0 || dim <= 0)
+        return BE_EINVAL;
+    for (int t = 0; t < n; t++)
+        if (ids[t] < 0)
+            return BE_EINVAL;
+    return n ? be->ops->embed(be->ctx, y, table, dt, ids, n, dim) : BE_OK;
+}
+
+enum be_status be_argmax(be_backend *be, const float *x, int rows, int cols, int32_t *out)
+{
+    if (!be || !x || !out || rows < 0 || cols <= 0)
+        return BE_EINVAL;
+    return rows ? be->ops->argmax(be->ctx, x, rows, cols, out) : BE_OK;
+}

@@ -1,0 +1,101 @@
+/* backend_impl.h - the private side of the compute seam: the vtable every
+ * backend fills and the base objects the generic wrappers (backend.c) hang
+ * it on.  Only model/backend.c, model/cpu/ and model/cuda/ include this.
+ *
+ * Division of labour: the wrappers validate arguments once (NULL, bounds,
+ * dtype), keep the device-pool budget, peak and fault-injection counters,
+ * and turn an empty call into a no-op, so an implementation only moves
+ * bytes and does maths on arguments it may trust.
+ */
+#ifndef KVTIER_BACKEND_IMPL_H
+#define KVTIER_BACKEND_IMPL_H
+
+#include <pthread.h>
+
+#include "model/backend.h"
+
+/* Bumped whenever a slot is added, removed or changes meaning; be_open()
+ * refuses a plugin built against another version. */
+#define BE_API_VERSION 1
+
+/* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
+#define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
+
+struct be_ops {
+    int api_version; // initialize to BE_API_VERSION
+    const char *name; // "cpu", "cuda"
+
+    void (*free)(void *ctx);        // releases ctx and everything it owns; outstanding copies are drained first
+    struct be_caps (*caps)(void *ctx); // capabilities; the strings are static
+
+    // device memory: size > 0, a multiple of 64; the wrapper has already charged the budget
+    enum be_status (*dev_alloc)(void *ctx, size_t size, void **ptr);
+    void (*dev_free)(void *ctx, void *ptr, size_t size); // ptr is never NULL
+    // host memory for staging copies (pinned when the backend can): size > 0, a multiple of 64
+    enum be_status (*host_alloc)(void *ctx, size_t size, void **ptr);
+    void (*host_free)(void *ctx, void *ptr, size_t size); // ptr is never NULL
+
+    // n > 0; dst and src do not overlap
+    enum be_status (*copy_async)(void *ctx, void *dst, const void *src, size_t n, enum be_copy_dir dir);
+    enum be_status (*copy)(void *ctx, void *dst, const void *src, size_t n, enum be_copy_dir dir);
+
+    enum be_status (*event_create)(void *ctx, void **ev);
+    void (*event_free)(void *ctx, void *ev); // ev is never NULL
+    enum be_status (*event_record)(void *ctx, void *ev);
+    enum be_status (*event_wait)(void *ctx, void *ev); // (optional) NULL: the compute stream is the host, so event_sync
+    enum be_status (*event_sync)(void *ctx, void *ev);
+    enum be_status (*sync)(void *ctx);
+
+    // kernels: shapes > 0, pointers non-NULL (bias may be NULL), dtypes valid,
+    // every token's position inside its view's blocks (see backend.h)
+    enum be_status (*matmul)(void *ctx, float *y, const float *x, const void *w, enum be_dtype wt, const float *bias,
+                             int n, int in, int out);
+    enum be_status (*rmsnorm)(void *ctx, float *y, const float *x, const float *w, int n, int dim, float eps);
+    enum be_status (*rope)(void *ctx, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+                           const float *inv_freq, int rot_dim, enum be_rope_layout layout);
+    enum be_status (*kv_store)(void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
+                               const float *k, const float *v, const struct be_attn_params *p);
+    enum be_status (*attention)(void *ctx, float *out, const float *q, const struct be_kv_view *views,
+                                const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
+    enum be_status (*silu_mul)(void *ctx, float *y, const float *gate, const float *up, size_t n);
+    enum be_status (*add)(void *ctx, float *y, const float *x, size_t n);
+    enum be_status (*softmax)(void *ctx, float *x, int rows, int cols);
+    enum be_status (*embed)(void *ctx, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+                            int dim);
+    enum be_status (*argmax)(void *ctx, const float *x, int rows, int cols, int32_t *out);
+};
+
+/* What a backend's init returns: its table, its context and the device
+ * budget it will enforce (params->device_mem, or its own default for 0). */
+typedef enum be_status (*be_init_fn)(const struct be_params *p, const struct be_ops **ops, void **ctx,
+                                     size_t *dev_budget);
+
+/* The built-in CPU backend (model/cpu/cpu.c). */
+enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget);
+
+struct be_backend {
+    const struct be_ops *ops;
+    void *ctx;            // owned by ops, released by ops->free
+    void *plugin;         // dlopen handle of a plugin backend, NULL for built-ins
+
+    pthread_mutex_t lock; // guards the accounting below; buffers are freed from any thread
+    struct be_mem_stats stats;
+    uint64_t fault_countdown; // device allocations left before the injected failure; 0 = disarmed
+    bool fault_repeat;        // keep failing once the countdown hit zero
+    bool faulting;            // repeat mode has fired
+};
+
+struct be_buffer {
+    be_backend *be;
+    void *data;
+    size_t size;    // as asked for
+    size_t charged; // rounded size charged to the pool it came from
+    bool device;
+};
+
+struct be_event {
+    be_backend *be;
+    void *h; // backend's handle
+};
+
+#endif

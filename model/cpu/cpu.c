@@ -1,0 +1,316 @@
+/* cpu.c - the CPU backend: "device" memory is a separate pool of aligned
+ * host memory whose budget backend.c enforces, host buffers are mlocked
+ * when the system allows it, the copy stream is one thread draining a
+ * ring of copies, and the compute stream is the calling thread helped by
+ * a persistent pool (pool.c) running the kernels of ops.c.
+ *
+ * Events need no queue entry: copies complete in order, so an event is the
+ * number of copies enqueued when it was recorded, and it has fired once
+ * that many have completed.
+ */
+#include <cblas.h>
+#include <errno.h>
+#include <hwloc.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "model/cpu/cpu.h"
+
+/* Copies in flight before be_copy_async blocks the caller: deep enough to
+ * queue every block of a long sequence's swap-in, small enough to be a
+ * fixed array. */
+#define COPY_RING 1024
+
+/* Far above any machine we run on; keeps the scratch size from overflowing. */
+#define CPU_MAX_THREADS 1024
+
+struct copy_item {
+    void *dst;
+    const void *src;
+    size_t n;
+};
+
+struct cpu_ctx {
+    struct cpu_pool *pool;
+    const struct cpu_kern *kern;
+    float *scratch; /* [n_threads][CPU_SCRATCH_FLOATS] */
+
+    pthread_t copier;
+    pthread_mutex_t mu;
+    pthread_cond_t has_work, progress;
+    struct copy_item ring[COPY_RING];
+    uint64_t enqueued, completed; /* copies ever queued / finished, under mu */
+    bool stop;
+    bool copier_started;
+
+    _Atomic bool pinned; /* every host buffer so far could be locked */
+};
+
+struct cpu_pool *cpu_ctx_pool(struct cpu_ctx *c)
+{
+    return c->pool;
+}
+
+const struct cpu_kern *cpu_ctx_kern(struct cpu_ctx *c)
+{
+    return c->kern;
+}
+
+float *cpu_ctx_scratch(struct cpu_ctx *c, int ith)
+{
+    return c->scratch + (size_t)ith * CPU_SCRATCH_FLOATS;
+}
+
+/* ---- memory ------------------------------------------------------------- */
+
+static enum be_status cpu_dev_alloc(void *ctx, size_t size, void **ptr)
+{
+    (void)ctx;
+    /* the budget was charged already; running out of real memory is
+     * still an out-of-device-memory condition for the caller */
+    return (*ptr = aligned_alloc(64, size)) ? BE_OK : BE_ENOMEM_DEV;
+}
+
+static void cpu_dev_free(void *ctx, void *ptr, size_t size)
+{
+    (void)ctx;
+    (void)size;
+    free(ptr);
+}
+
+/* Host buffers are whole pages of their own so that munlock (implied by
+ * munmap) never unlocks a neighbour's page. */
+static enum be_status cpu_host_alloc(void *ctx, size_t size, void **ptr)
+{
+    struct cpu_ctx *c = ctx;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return BE_ENOMEM_HOST;
+    if (mlock(p, size) != 0 && atomic_exchange(&c->pinned, false))
+        fprintf(stderr, "kvtier: cpu backend: mlock of %zu bytes failed (%s); host buffers are not pinned\n", size,
+                strerror(errno));
+    *ptr = p;
+    return BE_OK;
+}
+
+static void cpu_host_free(void *ctx, void *ptr, size_t size)
+{
+    (void)ctx;
+    munmap(ptr, size);
+}
+
+/* ---- copy stream -------------------------------------------------------- */
+
+static void *copier_main(void *arg)
+{
+    struct cpu_ctx *c = arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (c->completed == c->enqueued && !c->stop)
+            pthread_cond_wait(&c->has_work, &c->mu);
+        if (c->completed == c->enqueued)
+            break;
+        struct copy_item it = c->ring[c->completed % COPY_RING];
+        pthread_mutex_unlock(&c->mu);
+        memcpy(it.dst, it.src, it.n);
+        pthread_mutex_lock(&c->mu);
+        c->completed++;
+        pthread_cond_broadcast(&c->progress);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+static enum be_status cpu_copy_async(void *ctx, void *dst, const void *src, size_t n, enum be_copy_dir dir)
+{
+    struct cpu_ctx *c = ctx;
+    (void)dir;
+    pthread_mutex_lock(&c->mu);
+    while (c->enqueued - c->completed == COPY_RING)
+        pthread_cond_wait(&c->progress, &c->mu);
+    c->ring[c->enqueued++ % COPY_RING] = (struct copy_item){.dst = dst, .src = src, .n = n};
+    pthread_cond_signal(&c->has_work);
+    pthread_mutex_unlock(&c->mu);
+    return BE_OK;
+}
+
+static enum be_status cpu_copy(void *ctx, void *dst, const void *src, size_t n, enum be_copy_dir dir)
+{
+    (void)ctx;
+    (void)dir;
+    memcpy(dst, src, n);
+    return BE_OK;
+}
+
+static void wait_completed(struct cpu_ctx *c, uint64_t target)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->completed < target)
+        pthread_cond_wait(&c->progress, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static enum be_status cpu_event_create(void *ctx, void **ev)
+{
+    (void)ctx;
+    /* 0 = never recorded, which has always fired */
+    return (*ev = calloc(1, sizeof(uint64_t))) ? BE_OK : BE_ENOMEM_HOST;
+}
+
+static void cpu_event_free(void *ctx, void *ev)
+{
+    (void)ctx;
+    free(ev);
+}
+
+static enum be_status cpu_event_record(void *ctx, void *ev)
+{
+    struct cpu_ctx *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    *(uint64_t *)ev = c->enqueued;
+    pthread_mutex_unlock(&c->mu);
+    return BE_OK;
+}
+
+static enum be_status cpu_event_sync(void *ctx, void *ev)
+{
+    struct cpu_ctx *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    uint64_t target = *(uint64_t *)ev;
+    pthread_mutex_unlock(&c->mu);
+    wait_completed(c, target);
+    return BE_OK;
+}
+
+static enum be_status cpu_sync(void *ctx)
+{
+    struct cpu_ctx *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    uint64_t target = c->enqueued;
+    pthread_mutex_unlock(&c->mu);
+    wait_completed(c, target);
+    return BE_OK;
+}
+
+/* ---- life cycle --------------------------------------------------------- */
+
+static struct be_caps cpu_caps(void *ctx)
+{
+    struct cpu_ctx *c = ctx;
+    return (struct be_caps){
+        .name = "cpu",
+        .async_copy = true,
+        .pinned_host = atomic_load(&c->pinned),
+        .unified_memory = true,
+        .n_threads = cpu_pool_size(c->pool),
+        .simd = c->kern->name,
+    };
+}
+
+static int physical_cores(void)
+{
+    hwloc_topology_t topo;
+    int n = 0;
+    if (hwloc_topology_init(&topo) == 0) {
+        if (hwloc_topology_load(topo) == 0)
+            n = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
+        hwloc_topology_destroy(topo);
+    }
+    if (n <= 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        n = online > 0 ? (int)online : 1;
+    }
+    return n;
+}
+
+/* Also unwinds a context be_cpu_init built only partly. */
+static void cpu_free(void *ctx)
+{
+    struct cpu_ctx *c = ctx;
+    if (c->copier_started) {
+        pthread_mutex_lock(&c->mu);
+        c->stop = true;
+        pthread_cond_signal(&c->has_work);
+        pthread_mutex_unlock(&c->mu);
+        pthread_join(c->copier, NULL);
+    }
+    pthread_cond_destroy(&c->progress);
+    pthread_cond_destroy(&c->has_work);
+    pthread_mutex_destroy(&c->mu);
+    cpu_pool_free(c->pool);
+    free(c->scratch);
+    free(c);
+}
+
+static const struct be_ops cpu_ops = {
+    .api_version = BE_API_VERSION,
+    .name = "cpu",
+    .free = cpu_free,
+    .caps = cpu_caps,
+    .dev_alloc = cpu_dev_alloc,
+    .dev_free = cpu_dev_free,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_host_free,
+    .copy_async = cpu_copy_async,
+    .copy = cpu_copy,
+    .event_create = cpu_event_create,
+    .event_free = cpu_event_free,
+    .event_record = cpu_event_record,
+    .event_wait = NULL, /* the compute stream is the calling thread: waiting is a host sync */
+    .event_sync = cpu_event_sync,
+    .sync = cpu_sync,
+    .matmul = cpu_matmul,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .kv_store = cpu_kv_store,
+    .attention = cpu_attention,
+    .silu_mul = cpu_silu_mul,
+    .add = cpu_add,
+    .softmax = cpu_softmax,
+    .embed = cpu_embed,
+    .argmax = cpu_argmax,
+};
+
+enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget)
+{
+    const struct cpu_kern *kern = cpu_kern_select();
+    if (!kern)
+        return BE_ENOTSUP;
+    int n_threads = p->n_threads ? p->n_threads : physical_cores();
+    if (n_threads > CPU_MAX_THREADS)
+        return BE_EINVAL;
+    struct cpu_ctx *c = calloc(1, sizeof(*c));
+    if (!c)
+        return BE_ENOMEM_HOST;
+    c->kern = kern;
+    atomic_init(&c->pinned, true);
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->has_work, NULL);
+    pthread_cond_init(&c->progress, NULL);
+    c->scratch = aligned_alloc(64, (size_t)n_threads * CPU_SCRATCH_FLOATS * sizeof(float));
+    enum be_status st = c->scratch ? cpu_pool_create(n_threads, &c->pool) : BE_ENOMEM_HOST;
+    if (st == BE_OK && pthread_create(&c->copier, NULL, copier_main, c) != 0)
+        st = BE_ENOMEM_HOST;
+    c->copier_started = st == BE_OK;
+    if (st != BE_OK) {
+        cpu_free(c);
+        return st;
+    }
+    /* our pool already splits every matmul across the cores; a second
+     * level of OpenBLAS threads would only fight it */
+    openblas_set_num_threads(1);
+
+    size_t budget = p->device_mem;
+    if (!budget) {
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        budget = pages > 0 && page > 0 ? (size_t)pages * (size_t)page / 2 : (size_t)1 << 30;
+    }
+    *ops = &cpu_ops;
+    *ctx = c;
+    *dev_budget = budget;
+    return BE_OK;
+}

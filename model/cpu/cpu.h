@@ -1,0 +1,108 @@
+/* cpu.h - internals of the CPU backend shared by its files: the thread
+ * pool, the per-SIMD-level kernel tables and the op drivers.
+ *
+ * The ops in ops.c own threading and the loops over tokens, heads and
+ * rows; the tables below hold only the inner loops that differ per
+ * instruction set.  The scalar table is the reference every other level is
+ * tested against (tests/test_backend.c).
+ */
+#ifndef KVTIER_CPU_H
+#define KVTIER_CPU_H
+
+#include <stddef.h>
+
+#include "model/backend_impl.h"
+
+/* ---- thread pool (pool.c) ----------------------------------------------- */
+
+/* A job: called once per thread with ith in [0, nth); ith 0 is the caller. */
+typedef void cpu_job_fn(void *arg, int ith, int nth);
+
+struct cpu_pool;
+/* n_threads >= 1 counts the caller; n_threads - 1 workers are started. */
+enum be_status cpu_pool_create(int n_threads, struct cpu_pool **out);
+void cpu_pool_free(struct cpu_pool *p); /* accepts NULL */
+int cpu_pool_size(const struct cpu_pool *p);
+/* Runs fn on every thread and returns when all are done.  One job at a
+ * time: calls must not overlap (the compute stream is one caller). */
+void cpu_pool_run(struct cpu_pool *p, cpu_job_fn *fn, void *arg);
+
+/* ---- kernel tables (kern_*.c) ------------------------------------------- */
+
+/* One matmul call, as the op driver hands it to a table. */
+struct cpu_mm {
+    float *y;        /* [n, out] */
+    const float *x;  /* [n, in] */
+    const void *w;   /* [out, in] of wt */
+    enum be_dtype wt;
+    const float *bias; /* [out] or NULL */
+    int n, in, out;
+};
+
+/* Floats of matmul scratch per thread: room for a panel of weight rows
+ * converted to f32 (levels that use it size their panels to fit). */
+#define CPU_SCRATCH_FLOATS (256 * 1024)
+
+struct cpu_kern {
+    const char *name; /* "scalar", "avx2", "avx512" */
+    /* y[:, r0:r1] for rows r0..r1 of W, all n tokens, bias included;
+     * scratch holds CPU_SCRATCH_FLOATS floats private to the thread */
+    void (*matmul_rows)(const struct cpu_mm *a, int r0, int r1, float *scratch);
+    /* sum q[i] * k[i], k stored as dt */
+    float (*dot)(const float *q, const void *k, enum be_dtype dt, int n);
+    /* y[i] += a * x[i], x stored as dt */
+    void (*axpy)(float *y, float a, const void *x, enum be_dtype dt, int n);
+    /* y[i] *= a */
+    void (*scale)(float *y, float a, int n);
+    /* sum x[i]^2 */
+    float (*sumsq)(const float *x, int n);
+    /* y[i] = (x[i] * s) * w[i]: the order Hugging Face's RMSNorm rounds in */
+    void (*norm_mul)(float *y, const float *x, float s, const float *w, int n);
+    /* y[i] += x[i] */
+    void (*add)(float *y, const float *x, size_t n);
+    /* y[i] = x[i] converted from dt */
+    void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n);
+    /* y[i] = x[i] converted to dt, round to nearest even */
+    void (*from_f32)(void *y, enum be_dtype dt, const float *x, size_t n);
+};
+
+extern const struct cpu_kern cpu_kern_scalar;
+extern const struct cpu_kern cpu_kern_avx2;
+extern const struct cpu_kern cpu_kern_avx512;
+
+/* The scalar inner loops, for SIMD tables that keep some of them. */
+void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scratch);
+float cpu_dot_scalar(const float *q, const void *k, enum be_dtype dt, int n);
+void cpu_axpy_scalar(float *y, float a, const void *x, enum be_dtype dt, int n);
+void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n);
+void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
+
+/* Picks the table: $KVTIER_SIMD (scalar|avx2|avx512) when set and the CPU
+ * can run it, else the best the CPU supports.  NULL when $KVTIER_SIMD
+ * names a level this CPU cannot run or an unknown one. */
+const struct cpu_kern *cpu_kern_select(void);
+
+/* ---- op drivers (ops.c) ------------------------------------------------- */
+
+struct cpu_ctx;
+struct cpu_pool *cpu_ctx_pool(struct cpu_ctx *c);
+const struct cpu_kern *cpu_ctx_kern(struct cpu_ctx *c);
+float *cpu_ctx_scratch(struct cpu_ctx *c, int ith); /* CPU_SCRATCH_FLOATS floats */
+
+enum be_status cpu_matmul(void *ctx, float *y, const float *x, const void *w, enum be_dtype wt, const float *bias,
+                          int n, int in, int out);
+enum be_status cpu_rmsnorm(void *ctx, float *y, const float *x, const float *w, int n, int dim, float eps);
+enum be_status cpu_rope(void *ctx, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+                        const float *inv_freq, int rot_dim, enum be_rope_layout layout);
+enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
+                            const float *k, const float *v, const struct be_attn_params *p);
+enum be_status cpu_attention(void *ctx, float *out, const float *q, const struct be_kv_view *views,
+                             const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
+enum be_status cpu_silu_mul(void *ctx, float *y, const float *gate, const float *up, size_t n);
+enum be_status cpu_add(void *ctx, float *y, const float *x, size_t n);
+enum be_status cpu_softmax(void *ctx, float *x, int rows, int cols);
+enum be_status cpu_embed(void *ctx, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+                         int dim);
+enum be_status cpu_argmax(void *ctx, const float *x, int rows, int cols, int32_t *out);
+
+#endif

@@ -1,0 +1,99 @@
+/* kern_scalar.c - the portable inner loops: the fallback on CPUs without
+ * AVX2 and the reference the SIMD levels are tested against, so they are
+ * written for obviousness, not speed.
+ */
+#include "model/cpu/cpu.h"
+#include "model/cpu/half.h"
+
+static inline float load_as_f32(const void *p, enum be_dtype dt, size_t i)
+{
+    switch (dt) {
+    case BE_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+    case BE_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case BE_F32: break;
+    }
+    return ((const float *)p)[i];
+}
+
+void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scratch)
+{
+    (void)scratch;
+    size_t row_bytes = (size_t)a->in * be_dtype_size(a->wt);
+    for (int t = 0; t < a->n; t++) {
+        const float *x = a->x + (size_t)t * a->in;
+        for (int r = r0; r < r1; r++) {
+            float acc = cpu_dot_scalar(x, (const char *)a->w + (size_t)r * row_bytes, a->wt, a->in);
+            a->y[(size_t)t * a->out + r] = a->bias ? acc + a->bias[r] : acc;
+        }
+    }
+}
+
+float cpu_dot_scalar(const float *q, const void *k, enum be_dtype dt, int n)
+{
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++)
+        acc += q[i] * load_as_f32(k, dt, (size_t)i);
+    return acc;
+}
+
+void cpu_axpy_scalar(float *y, float a, const void *x, enum be_dtype dt, int n)
+{
+    for (int i = 0; i < n; i++)
+        y[i] += a * load_as_f32(x, dt, (size_t)i);
+}
+
+static void scale_scalar(float *y, float a, int n)
+{
+    for (int i = 0; i < n; i++)
+        y[i] *= a;
+}
+
+static float sumsq_scalar(const float *x, int n)
+{
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++)
+        acc += x[i] * x[i];
+    return acc;
+}
+
+static void norm_mul_scalar(float *y, const float *x, float s, const float *w, int n)
+{
+    for (int i = 0; i < n; i++)
+        y[i] = (x[i] * s) * w[i];
+}
+
+static void add_scalar(float *y, const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        y[i] += x[i];
+}
+
+void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        y[i] = load_as_f32(x, dt, i);
+}
+
+void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        switch (dt) {
+        case BE_F32: ((float *)y)[i] = x[i]; break;
+        case BE_F16: ((uint16_t *)y)[i] = f32_to_f16(x[i]); break;
+        case BE_BF16: ((uint16_t *)y)[i] = f32_to_bf16(x[i]); break;
+        }
+    }
+}
+
+const struct cpu_kern cpu_kern_scalar = {
+    .name = "scalar",
+    .matmul_rows = cpu_matmul_rows_scalar,
+    .dot = cpu_dot_scalar,
+    .axpy = cpu_axpy_scalar,
+    .scale = scale_scalar,
+    .sumsq = sumsq_scalar,
+    .norm_mul = norm_mul_scalar,
+    .add = add_scalar,
+    .to_f32 = cpu_to_f32_scalar,
+    .from_f32 = cpu_from_f32_scalar,
+};

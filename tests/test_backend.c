@@ -1,0 +1,712 @@
+/* Description: conformance of the compute seam (model/backend.h) and the
+ * CPU backend.  Every kernel runs on random inputs at every SIMD level the
+ * CPU supports and is compared with dense computations written here, in
+ * double, independent of the kernel code, and with the scalar level (the
+ * in-tree reference).  Also: the device budget, peak tracking, fault
+ * injection, async copies and events, the missing CUDA plugin, free(NULL).
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "model/backend.h"
+
+/* ---- fixtures ----------------------------------------------------------- */
+
+static const char *const level_names[] = {"scalar", "avx2", "avx512"};
+#define N_LEVELS 3
+static be_backend *levels[N_LEVELS]; /* NULL where the CPU lacks the level */
+
+static be_backend *open_level(const char *simd, size_t device_mem)
+{
+    be_backend *be = NULL;
+    struct be_params p = {.n_threads = 2, .device_mem = device_mem};
+    setenv("KVTIER_SIMD", simd, 1);
+    enum be_status st = be_open("cpu", &p, &be);
+    unsetenv("KVTIER_SIMD");
+    if (st == BE_ENOTSUP)
+        return NULL;
+    assert_int_equal(st, BE_OK);
+    assert_string_equal(be_get_caps(be).simd, simd);
+    return be;
+}
+
+static int setup_levels(void **state)
+{
+    (void)state;
+    for (int i = 0; i < N_LEVELS; i++)
+        levels[i] = open_level(level_names[i], 0);
+    return levels[0] ? 0 : -1;
+}
+
+static int teardown_levels(void **state)
+{
+    (void)state;
+    for (int i = 0; i < N_LEVELS; i++)
+        be_free(levels[i]);
+    return 0;
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15u;
+
+static float frand(void) /* uniform in [-1, 1) */
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (float)((double)(rng_state >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+static void fill(float *x, size_t n, float scale)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = frand() * scale;
+}
+
+/* Buffers of the test live in device memory of the backend under test
+ * (the CPU backend's device addresses are host addresses). */
+static void *dev(be_backend *be, size_t bytes, be_buffer **keep)
+{
+    assert_int_equal(be_dev_alloc(be, bytes, keep), BE_OK);
+    return be_buffer_data(*keep);
+}
+
+/* The test's own 16-bit conversions: the compiler's _Float16 for f16, and
+ * truncation for bf16 applied to values that are exact in bf16. */
+static float f16_value(uint16_t h)
+{
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static uint16_t f16_bits(float f)
+{
+    _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+
+static uint16_t bf16_bits_trunc(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+static float bf16_value(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Fills n elements of dt at dst with random values and returns them as
+ * the exact f32 values the kernels must see. */
+static void random_typed(void *dst, enum be_dtype dt, float *exact, size_t n, float scale)
+{
+    for (size_t i = 0; i < n; i++) {
+        float f = frand() * scale;
+        switch (dt) {
+        case BE_F32: ((float *)dst)[i] = exact[i] = f; break;
+        case BE_F16: ((uint16_t *)dst)[i] = f16_bits(f); exact[i] = f16_value(f16_bits(f)); break;
+        case BE_BF16: ((uint16_t *)dst)[i] = bf16_bits_trunc(f); exact[i] = bf16_value(bf16_bits_trunc(f)); break;
+        }
+    }
+}
+
+/* |got - want| <= tol, with tol a bound on the rounding of a sum whose
+ * terms have absolute values summing to mag. */
+static void assert_close(const char *what, const char *level, size_t i, double got, double want, double mag)
+{
+    double tol = 2e-6 * mag + 1e-6;
+    if (!(fabs(got - want) <= tol))
+        fail_msg("%s [%s] at %zu: got %.9g want %.9g (tol %.3g)", what, level, i, got, want, tol);
+}
+
+/* ---- matmul ------------------------------------------------------------- */
+
+static void check_matmul(enum be_dtype wt, int n, int in, int out, bool with_bias)
+{
+    size_t nw = (size_t)in * out;
+    void *w = malloc(nw * be_dtype_size(wt));
+    float *wf = malloc(nw * sizeof(float)), *x = malloc((size_t)n * in * sizeof(float));
+    float *bias = malloc((size_t)out * sizeof(float)), *y_scalar = malloc((size_t)n * out * sizeof(float));
+    double *ref = malloc((size_t)n * out * sizeof(double)), *mag = malloc((size_t)n * out * sizeof(double));
+    assert_non_null(w && wf && x && bias && y_scalar && ref && mag);
+    random_typed(w, wt, wf, nw, 0.5f);
+    fill(x, (size_t)n * in, 2.0f);
+    fill(bias, (size_t)out, 1.0f);
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < out; r++) {
+            double acc = with_bias ? bias[r] : 0.0, m = fabs(acc);
+            for (int i = 0; i < in; i++) {
+                acc += (double)x[(size_t)t * in + i] * wf[(size_t)r * in + i];
+                m += fabs((double)x[(size_t)t * in + i] * wf[(size_t)r * in + i]);
+            }
+            ref[(size_t)t * out + r] = acc;
+            mag[(size_t)t * out + r] = m;
+        }
+    for (int l = 0; l < N_LEVELS; l++) {
+        if (!levels[l])
+            continue;
+        be_buffer *yb;
+        float *y = dev(levels[l], (size_t)n * out * sizeof(float), &yb);
+        assert_int_equal(be_matmul(levels[l], y, x, w, wt, with_bias ? bias : NULL, n, in, out), BE_OK);
+        if (l == 0)
+            memcpy(y_scalar, y, (size_t)n * out * sizeof(float));
+        for (size_t i = 0; i < (size_t)n * out; i++) {
+            assert_close("matmul vs dense", level_names[l], i, y[i], ref[i], mag[i]);
+            assert_close("matmul vs scalar", level_names[l], i, y[i], y_scalar[i], mag[i]);
+        }
+        be_buffer_free(yb);
+    }
+    free(w), free(wf), free(x), free(bias), free(y_scalar), free(ref), free(mag);
+}
+
+static void test_matmul(void **state)
+{
+    (void)state;
+    static const int shapes[][3] = {
+        {1, 16, 16}, {1, 37, 19}, {1, 256, 70}, {1, 1000, 33}, {2, 64, 17},
+        {3, 100, 33}, {5, 129, 48}, {16, 96, 130}, {64, 160, 96}, {70, 33, 21},
+    };
+    for (int dt = BE_F32; dt <= BE_BF16; dt++)
+        for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+            check_matmul((enum be_dtype)dt, shapes[s][0], shapes[s][1], shapes[s][2], s % 2 == 0);
+            check_matmul((enum be_dtype)dt, shapes[s][0], shapes[s][1], shapes[s][2], s % 2 == 1);
+        }
+}
+
+/* ---- rmsnorm, rope, element-wise ---------------------------------------- */
+
+static void test_rmsnorm(void **state)
+{
+    (void)state;
+    static const int shapes[][2] = {{1, 16}, {1, 2048}, {3, 37}, {7, 100}, {40, 1000}};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int n = shapes[s][0], dim = shapes[s][1];
+        size_t len = (size_t)n * dim;
+        float *x = malloc(len * sizeof(float)), *w = malloc((size_t)dim * sizeof(float));
+        float *y = malloc(len * sizeof(float));
+        assert_non_null(x && w && y);
+        fill(x, len, 3.0f);
+        fill(w, (size_t)dim, 1.5f);
+        for (int l = 0; l < N_LEVELS; l++) {
+            if (!levels[l])
+                continue;
+            for (int alias = 0; alias < 2; alias++) {
+                if (alias) /* y = x in place */
+                    memcpy(y, x, len * sizeof(float));
+                assert_int_equal(be_rmsnorm(levels[l], y, alias ? y : x, w, n, dim, 1e-5f), BE_OK);
+                for (int r = 0; r < n; r++) {
+                    double ss = 0;
+                    for (int i = 0; i < dim; i++)
+                        ss += (double)x[(size_t)r * dim + i] * x[(size_t)r * dim + i];
+                    double inv = 1.0 / sqrt(ss / dim + 1e-5);
+                    for (int i = 0; i < dim; i++) {
+                        size_t k = (size_t)r * dim + i;
+                        double want = x[k] * inv * w[i];
+                        assert_close("rmsnorm", level_names[l], k, y[k], want, 4 * fabs(want));
+                    }
+                }
+            }
+        }
+        free(x), free(w), free(y);
+    }
+}
+
+static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int head_dim, int rot_dim)
+{
+    size_t len = (size_t)n_tok * n_heads * head_dim;
+    float *x = malloc(len * sizeof(float)), *y = malloc(len * sizeof(float));
+    float *inv_freq = malloc((size_t)rot_dim / 2 * sizeof(float));
+    int64_t *pos = malloc((size_t)n_tok * sizeof(int64_t));
+    assert_non_null(x && y && inv_freq && pos);
+    fill(x, len, 2.0f);
+    for (int i = 0; i < rot_dim / 2; i++)
+        inv_freq[i] = (float)pow(10000.0, -2.0 * i / rot_dim);
+    for (int t = 0; t < n_tok; t++)
+        pos[t] = (t * 37 + 5) % 4099;
+    int half = rot_dim / 2;
+    for (int l = 0; l < N_LEVELS; l++) {
+        if (!levels[l])
+            continue;
+        memcpy(y, x, len * sizeof(float));
+        assert_int_equal(be_rope(levels[l], y, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, layout), BE_OK);
+        for (int t = 0; t < n_tok; t++)
+            for (int h = 0; h < n_heads; h++) {
+                const float *xi = x + ((size_t)t * n_heads + h) * head_dim;
+                const float *yo = y + ((size_t)t * n_heads + h) * head_dim;
+                for (int d = 0; d < head_dim; d++) {
+                    double want = xi[d];
+                    if (d < rot_dim) {
+                        int i = layout == BE_ROPE_NEOX ? d % half : d / 2;
+                        bool first = layout == BE_ROPE_NEOX ? d < half : d % 2 == 0;
+                        int partner = layout == BE_ROPE_NEOX ? (first ? d + half : d - half) : (first ? d + 1 : d - 1);
+                        double a = (double)(float)((float)pos[t] * inv_freq[i]);
+                        want = first ? xi[d] * cos(a) - xi[partner] * sin(a) : xi[d] * cos(a) + xi[partner] * sin(a);
+                    }
+                    assert_close("rope", level_names[l], (size_t)d, yo[d], want, 4.0);
+                }
+            }
+    }
+    free(x), free(y), free(inv_freq), free(pos);
+}
+
+static void test_rope(void **state)
+{
+    (void)state;
+    for (int layout = 0; layout < 2; layout++) {
+        check_rope((enum be_rope_layout)layout, 1, 4, 64, 64);
+        check_rope((enum be_rope_layout)layout, 3, 5, 80, 80);
+        check_rope((enum be_rope_layout)layout, 9, 2, 128, 32);
+        check_rope((enum be_rope_layout)layout, 2, 3, 96, 70);
+    }
+}
+
+static void test_elementwise(void **state)
+{
+    (void)state;
+    static const size_t sizes[] = {1, 15, 16, 17, 1000, 70001};
+    for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+        size_t n = sizes[s];
+        float *g = malloc(n * sizeof(float)), *u = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
+        assert_non_null(g && u && y);
+        fill(g, n, 8.0f);
+        fill(u, n, 2.0f);
+        for (int l = 0; l < N_LEVELS; l++) {
+            if (!levels[l])
+                continue;
+            assert_int_equal(be_silu_mul(levels[l], y, g, u, n), BE_OK);
+            for (size_t i = 0; i < n; i++) {
+                double want = g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+                assert_close("silu_mul", level_names[l], i, y[i], want, 4 * fabs(want));
+            }
+            memcpy(y, u, n * sizeof(float));
+            assert_int_equal(be_add(levels[l], y, g, n), BE_OK);
+            for (size_t i = 0; i < n; i++)
+                assert_true(y[i] == u[i] + g[i]);
+        }
+        free(g), free(u), free(y);
+    }
+}
+
+static void test_softmax_argmax(void **state)
+{
+    (void)state;
+    static const int shapes[][2] = {{1, 1}, {1, 17}, {4, 32000}, {9, 33}};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int rows = shapes[s][0], cols = shapes[s][1];
+        size_t len = (size_t)rows * cols;
+        float *x = malloc(len * sizeof(float)), *y = malloc(len * sizeof(float));
+        int32_t *am = malloc((size_t)rows * sizeof(int32_t));
+        assert_non_null(x && y && am);
+        fill(x, len, 30.0f);
+        if (cols > 3)
+            x[cols - 1] = x[2] = 100.0f; /* a tie: the first index wins */
+        for (int l = 0; l < N_LEVELS; l++) {
+            if (!levels[l])
+                continue;
+            assert_int_equal(be_argmax(levels[l], x, rows, cols, am), BE_OK);
+            memcpy(y, x, len * sizeof(float));
+            assert_int_equal(be_softmax(levels[l], y, rows, cols), BE_OK);
+            for (int r = 0; r < rows; r++) {
+                const float *xr = x + (size_t)r * cols;
+                double m = xr[0], sum = 0;
+                int best = 0;
+                for (int i = 1; i < cols; i++)
+                    if (xr[i] > m)
+                        m = xr[i], best = i;
+                assert_int_equal(am[r], best);
+                for (int i = 0; i < cols; i++)
+                    sum += exp(xr[i] - m);
+                for (int i = 0; i < cols; i++) {
+                    double want = exp(xr[i] - m) / sum;
+                    assert_close("softmax", level_names[l], (size_t)i, y[(size_t)r * cols + i], want, 8 * want);
+                }
+            }
+        }
+        free(x), free(y), free(am);
+    }
+}
+
+static void test_embed(void **state)
+{
+    (void)state;
+    enum { VOCAB = 50, DIM = 37, N = 6 };
+    static const int32_t ids[N] = {0, 49, 3, 3, 17, 48};
+    float exact[VOCAB * DIM], y[N * DIM];
+    uint16_t table16[VOCAB * DIM];
+    float table32[VOCAB * DIM];
+    for (int dt = BE_F32; dt <= BE_BF16; dt++) {
+        void *table = dt == BE_F32 ? (void *)table32 : (void *)table16;
+        random_typed(table, (enum be_dtype)dt, exact, VOCAB * DIM, 4.0f);
+        for (int l = 0; l < N_LEVELS; l++) {
+            if (!levels[l])
+                continue;
+            assert_int_equal(be_embed(levels[l], y, table, (enum be_dtype)dt, ids, N, DIM), BE_OK);
+            for (int t = 0; t < N; t++)
+                assert_memory_equal(y + t * DIM, exact + ids[t] * DIM, DIM * sizeof(float));
+        }
+    }
+}
+
+/* ---- paged KV: store and attention --------------------------------------- */
+
+struct kv_case {
+    int n_heads, n_kv_heads, head_dim, block_tokens, window;
+    enum be_dtype dt;
+    int64_t base, lo, hi; /* one sequence's view; queries are its last n_q positions */
+    int n_q;
+};
+
+/* Runs kv_store of positions [lo, hi) and attention for the last n_q
+ * positions of two sequences (the second one shorter) at every level;
+ * checks the stored bytes are identical across levels and the output
+ * against a dense softmax(q k^T) v in double over the visible keys. */
+static void check_attention(const struct kv_case *c)
+{
+    const int n_views = 2;
+    int hd = c->head_dim, kvd = c->n_kv_heads * hd, qd = c->n_heads * hd;
+    size_t esz = be_dtype_size(c->dt);
+    int n_blocks = (int)((c->hi - c->base + c->block_tokens - 1) / c->block_tokens);
+    size_t half_block = (size_t)c->n_kv_heads * c->block_tokens * hd * esz;
+    int64_t hi[2] = {c->hi, c->hi - 3 > c->lo ? c->hi - 3 : c->hi};
+    int n_store = (int)((hi[0] - c->lo) + (hi[1] - c->lo));
+    int n_tok = 2 * c->n_q;
+
+    float *k = malloc((size_t)n_store * kvd * sizeof(float)), *v = malloc((size_t)n_store * kvd * sizeof(float));
+    float *q = malloc((size_t)n_tok * qd * sizeof(float)), *out0 = malloc((size_t)n_tok * qd * sizeof(float));
+    struct be_tok *st = malloc((size_t)n_store * sizeof(*st)), *qt = malloc((size_t)n_tok * sizeof(*qt));
+    void *kbits = malloc(esz), *blocks0 = malloc((size_t)n_views * n_blocks * 2 * half_block);
+    assert_non_null(k && v && q && out0 && st && qt && kbits && blocks0);
+    /* keys and values exact in the storage dtype, so storing loses nothing */
+    for (size_t i = 0; i < (size_t)n_store * kvd; i++) {
+        random_typed(kbits, c->dt, &k[i], 1, 1.0f);
+        random_typed(kbits, c->dt, &v[i], 1, 1.0f);
+    }
+    fill(q, (size_t)n_tok * qd, 1.0f);
+    int s = 0;
+    for (int vi = 0; vi < n_views; vi++)
+        for (int64_t p = c->lo; p < hi[vi]; p++)
+            st[s++] = (struct be_tok){.view = vi, .pos = p};
+    for (int t = 0; t < n_tok; t++)
+        qt[t] = (struct be_tok){.view = t / c->n_q, .pos = hi[t / c->n_q] - c->n_q + t % c->n_q};
+
+    for (int l = 0; l < N_LEVELS; l++) {
+        be_backend *be = levels[l];
+        if (!be)
+            continue;
+        be_buffer *bufs[2 * 64], *ob;
+        void *blocks[2][64];
+        assert_true(n_blocks <= 64);
+        struct be_kv_view views[2];
+        for (int vi = 0; vi < n_views; vi++) {
+            for (int b = 0; b < n_blocks; b++) {
+                blocks[vi][b] = dev(be, 2 * half_block, &bufs[vi * n_blocks + b]);
+                /* NaN everywhere: a read outside [lo, hi) poisons the output */
+                memset(blocks[vi][b], 0xff, 2 * half_block);
+            }
+            views[vi] = (struct be_kv_view){.blocks = blocks[vi], .n_blocks = n_blocks,
+                                            .block_tokens = c->block_tokens, .v_offset = half_block,
+                                            .base = c->base, .lo = c->lo, .hi = hi[vi]};
+        }
+        struct be_attn_params p = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
+                                   .scale = 1.0f / sqrtf((float)hd), .window = c->window, .kv_dtype = c->dt};
+        assert_int_equal(be_kv_store(be, views, st, n_store, k, v, &p), BE_OK);
+        for (int vi = 0; vi < n_views; vi++)
+            for (int b = 0; b < n_blocks; b++) {
+                if (l == 0)
+                    memcpy((char *)blocks0 + (size_t)(vi * n_blocks + b) * 2 * half_block, blocks[vi][b],
+                           2 * half_block);
+                else
+                    assert_memory_equal((char *)blocks0 + (size_t)(vi * n_blocks + b) * 2 * half_block,
+                                        blocks[vi][b], 2 * half_block);
+            }
+        float *out = dev(be, (size_t)n_tok * qd * sizeof(float), &ob);
+        assert_int_equal(be_attention(be, out, q, views, qt, n_tok, &p), BE_OK);
+        if (l == 0)
+            memcpy(out0, out, (size_t)n_tok * qd * sizeof(float));
+
+        for (int t = 0; t < n_tok; t++) {
+            int vi = qt[t].view;
+            int64_t qp = qt[t].pos;
+            int first_store = vi == 0 ? 0 : (int)(hi[0] - c->lo);
+            for (int h = 0; h < c->n_heads; h++) {
+                int kvh = h / (c->n_heads / c->n_kv_heads);
+                const float *qh = q + (size_t)t * qd + (size_t)h * hd;
+                double m = -INFINITY, sum = 0, acc[256] = {0}, mag[256] = {0};
+                assert_true(hd <= 256);
+                for (int pass = 0; pass < 2; pass++)
+                    for (int64_t kp = c->lo; kp <= qp; kp++) {
+                        if (c->window && qp - kp >= c->window)
+                            continue;
+                        size_t row = (size_t)(first_store + (kp - c->lo)) * kvd + (size_t)kvh * hd;
+                        double sc = 0;
+                        for (int d = 0; d < hd; d++)
+                            sc += (double)qh[d] * k[row + d];
+                        sc *= 1.0 / sqrt((double)hd);
+                        if (pass == 0) {
+                            m = sc > m ? sc : m;
+                            continue;
+                        }
+                        double e = exp(sc - m);
+                        sum += e;
+                        for (int d = 0; d < hd; d++) {
+                            acc[d] += e * v[row + d];
+                            mag[d] += e * fabs(v[row + d]);
+                        }
+                    }
+                const float *o = out + (size_t)t * qd + (size_t)h * hd;
+                const float *o0 = out0 + (size_t)t * qd + (size_t)h * hd;
+                for (int d = 0; d < hd; d++) {
+                    /* scores carry an error of ~hd ulps each, which the
+                     * softmax turns into a relative error of the weights */
+                    double tolmag = 8.0 * hd * mag[d] / sum + 1.0;
+                    assert_close("attention vs dense", level_names[l], (size_t)d, o[d], acc[d] / sum, tolmag);
+                    assert_close("attention vs scalar", level_names[l], (size_t)d, o[d], o0[d], tolmag);
+                }
+            }
+        }
+        be_buffer_free(ob);
+        for (int b = 0; b < n_views * n_blocks; b++)
+            be_buffer_free(bufs[b]);
+    }
+    free(k), free(v), free(q), free(out0), free(st), free(qt), free(kbits), free(blocks0);
+}
+
+static void test_attention(void **state)
+{
+    (void)state;
+    static const struct kv_case cases[] = {
+        /* heads, kv heads, head_dim, block, window, dtype, base, lo, hi, n_q */
+        {4, 4, 64, 16, 0, BE_F32, 0, 0, 40, 1},       /* GQA 1, decode */
+        {8, 2, 64, 16, 0, BE_F32, 0, 0, 50, 7},       /* GQA 4, prefill tail, partial block */
+        {16, 2, 40, 8, 0, BE_F32, 0, 5, 37, 3},       /* GQA 8, odd head_dim, lo > base */
+        {8, 1, 80, 32, 13, BE_F32, 32, 40, 130, 20},  /* window < sequence, base > 0 */
+        {4, 2, 64, 16, 0, BE_F16, 0, 0, 70, 5},
+        {4, 2, 64, 16, 9, BE_BF16, 16, 20, 90, 4},
+        {2, 2, 33, 5, 0, BE_F16, 0, 3, 23, 2},        /* tiny odd blocks */
+        {4, 4, 64, 16, 0, BE_F32, 0, 0, 200, 1},      /* several softmax chunks */
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        check_attention(&cases[i]);
+}
+
+/* ---- memory, faults, copies --------------------------------------------- */
+
+static void test_device_budget(void **state)
+{
+    (void)state;
+    be_backend *be = open_level("scalar", 1 << 20);
+    be_buffer *a, *b, *c;
+    assert_int_equal(be_dev_alloc(be, 600000, &a), BE_OK);
+    assert_int_equal(be_dev_alloc(be, 600000, &b), BE_ENOMEM_DEV);
+    assert_null(b);
+    struct be_mem_stats s = be_mem_stats(be);
+    assert_int_equal(s.dev_budget, 1 << 20);
+    assert_true(s.dev_used >= 600000 && s.dev_used < 600064 + 64);
+    assert_int_equal(s.dev_allocs, 2);
+    assert_int_equal(s.dev_failures, 1);
+    be_buffer_free(a);
+    assert_int_equal(be_mem_stats(be).dev_used, 0);
+    assert_int_equal(be_dev_alloc(be, 1 << 20, &b), BE_OK); /* the whole budget, once restored */
+    assert_int_equal(be_buffer_size(b), 1 << 20);
+    assert_int_equal(be_dev_alloc(be, 1, &c), BE_ENOMEM_DEV);
+    be_buffer_free(b);
+    s = be_mem_stats(be);
+    assert_int_equal(s.dev_peak, 1 << 20);
+    be_reset_peak(be);
+    assert_int_equal(be_mem_stats(be).dev_peak, 0);
+    assert_int_equal(be_dev_alloc(be, 1000, &a), BE_OK);
+    assert_int_equal(be_mem_stats(be).dev_peak, 1024);
+    assert_int_equal(((uintptr_t)be_buffer_data(a)) % 64, 0);
+    assert_int_equal(be_host_alloc(be, 5000, &b), BE_OK); /* host memory is outside the device budget */
+    s = be_mem_stats(be);
+    assert_int_equal(s.dev_used, 1024);
+    assert_true(s.host_used >= 5000 && s.host_peak >= 5000);
+    be_buffer_free(b);
+    be_buffer_free(a);
+    assert_int_equal(be_dev_alloc(be, 0, &a), BE_EINVAL);
+    assert_int_equal(be_dev_alloc(be, SIZE_MAX, &a), BE_EINVAL);
+    be_free(be);
+}
+
+static void test_fault_injection(void **state)
+{
+    (void)state;
+    be_backend *be = open_level("scalar", 1 << 20);
+    be_buffer *b[4];
+    be_fault_dev_alloc(be, 2, false);
+    assert_int_equal(be_dev_alloc(be, 64, &b[0]), BE_OK);
+    assert_int_equal(be_dev_alloc(be, 64, &b[1]), BE_ENOMEM_DEV);
+    assert_int_equal(be_dev_alloc(be, 64, &b[2]), BE_OK);
+    assert_int_equal(be_mem_stats(be).dev_failures, 1);
+    assert_int_equal(be_mem_stats(be).dev_used, 128);
+    be_fault_dev_alloc(be, 1, true);
+    assert_int_equal(be_dev_alloc(be, 64, &b[1]), BE_ENOMEM_DEV);
+    assert_int_equal(be_dev_alloc(be, 64, &b[1]), BE_ENOMEM_DEV);
+    assert_int_equal(be_dev_alloc(be, 64, &b[1]), BE_ENOMEM_DEV);
+    be_fault_dev_alloc(be, 0, false);
+    assert_int_equal(be_dev_alloc(be, 64, &b[1]), BE_OK);
+    assert_int_equal(be_host_alloc(be, 64, &b[3]), BE_OK); /* host allocations are not device ordinals */
+    struct be_mem_stats s = be_mem_stats(be);
+    assert_int_equal(s.dev_failures, 4);
+    assert_int_equal(s.dev_allocs, 7);
+    assert_int_equal(s.dev_used, 192);
+    for (int i = 0; i < 4; i++)
+        be_buffer_free(b[i]);
+    be_free(be);
+}
+
+static void test_copies_events(void **state)
+{
+    (void)state;
+    be_backend *be = levels[0];
+    enum { N = 1 << 20, CHUNKS = 64 };
+    be_buffer *hb, *db, *db2, *hb2;
+    assert_int_equal(be_host_alloc(be, N, &hb), BE_OK);
+    assert_int_equal(be_host_alloc(be, N, &hb2), BE_OK);
+    assert_int_equal(be_dev_alloc(be, N, &db), BE_OK);
+    assert_int_equal(be_dev_alloc(be, N, &db2), BE_OK);
+    unsigned char *h = be_buffer_data(hb), *h2 = be_buffer_data(hb2), *d = be_buffer_data(db);
+    unsigned char *d2 = be_buffer_data(db2);
+    be_event *ev, *never;
+    assert_int_equal(be_event_create(be, &ev), BE_OK);
+    assert_int_equal(be_event_create(be, &never), BE_OK);
+    assert_int_equal(be_event_sync(never), BE_OK); /* never recorded: already complete */
+    for (int round = 0; round < 3; round++) {
+        for (size_t i = 0; i < N; i++)
+            h[i] = (unsigned char)(i * 7 + round);
+        memset(h2, 0, N);
+        /* chained in stream order: H2D in chunks, then D2D, then D2H */
+        for (int c = 0; c < CHUNKS; c++)
+            assert_int_equal(be_copy_async(be, d + c * (N / CHUNKS), h + c * (N / CHUNKS), N / CHUNKS, BE_H2D),
+                             BE_OK);
+        assert_int_equal(be_copy_async(be, d2, d, N, BE_D2D), BE_OK);
+        assert_int_equal(be_event_record(be, ev), BE_OK);
+        assert_int_equal(be_copy_async(be, h2, d2, N, BE_D2H), BE_OK);
+        assert_int_equal(be_event_wait(be, ev), BE_OK);
+        assert_memory_equal(d2, h, N);
+        assert_int_equal(be_sync(be), BE_OK);
+        assert_memory_equal(h2, h, N);
+    }
+    /* more copies than the ring holds, all to one place: the last wins */
+    for (int i = 0; i < 3000; i++) {
+        h[i] = (unsigned char)i;
+        assert_int_equal(be_copy_async(be, d, h + i, 1, BE_H2D), BE_OK);
+    }
+    assert_int_equal(be_event_record(be, ev), BE_OK);
+    assert_int_equal(be_event_sync(ev), BE_OK);
+    assert_int_equal(d[0], (unsigned char)2999);
+    assert_int_equal(be_copy(be, d, h + 5, 1, BE_H2D), BE_OK);
+    assert_int_equal(d[0], 5);
+    assert_int_equal(be_copy_async(be, d, d + 2, 2, BE_D2D), BE_OK);
+    assert_int_equal(be_copy_async(be, d, d + 1, 0, BE_D2D), BE_OK);
+    assert_int_equal(be_copy_async(be, d, d + 1, 4, (enum be_copy_dir)9), BE_EINVAL);
+    assert_int_equal(be_copy(be, d, d + 1, 2, BE_D2D), BE_EINVAL); /* overlap */
+    assert_int_equal(be_sync(be), BE_OK);
+    be_event_free(ev);
+    be_event_free(never);
+    be_buffer_free(hb);
+    be_buffer_free(hb2);
+    be_buffer_free(db);
+    be_buffer_free(db2);
+    assert_int_equal(be_mem_stats(be).host_used, 0);
+}
+
+static void test_open_and_nulls(void **state)
+{
+    (void)state;
+    be_backend *be = (be_backend *)1;
+    setenv("KVTIER_CUDA_PLUGIN", "/nonexistent/libkvtier-cuda.so", 1);
+    assert_int_equal(be_open("cuda", NULL, &be), BE_ENODEV);
+    assert_null(be);
+    unsetenv("KVTIER_CUDA_PLUGIN");
+    assert_int_equal(be_open("tpu", NULL, &be), BE_ENODEV);
+    assert_int_equal(be_open(NULL, NULL, &be), BE_EINVAL);
+    setenv("KVTIER_SIMD", "mmx", 1);
+    assert_int_equal(be_open("cpu", NULL, &be), BE_ENOTSUP);
+    unsetenv("KVTIER_SIMD");
+    struct be_params bad = {.n_threads = -1};
+    assert_int_equal(be_open("cpu", &bad, &be), BE_EINVAL);
+
+    assert_int_equal(be_open("cpu", NULL, &be), BE_OK);
+    struct be_caps caps = be_get_caps(be);
+    assert_string_equal(caps.name, "cpu");
+    assert_true(caps.n_threads >= 1 && caps.unified_memory && caps.async_copy);
+    assert_true(be_mem_stats(be).dev_budget > 0);
+    be_free(be);
+
+    be_free(NULL);
+    be_buffer_free(NULL);
+    be_event_free(NULL);
+    assert_null(be_buffer_data(NULL));
+    assert_int_equal(be_buffer_size(NULL), 0);
+    assert_int_equal(be_event_sync(NULL), BE_EINVAL);
+    assert_int_equal(be_sync(NULL), BE_EINVAL);
+    for (int st = BE_OK; st <= BE_EIO; st++)
+        assert_non_null(be_strerror((enum be_status)st));
+    assert_string_equal(be_dtype_name(BE_BF16), "bf16");
+    assert_int_equal(be_dtype_size(BE_F16), 2);
+}
+
+static void test_bad_kernel_args(void **state)
+{
+    (void)state;
+    be_backend *be = levels[0];
+    float x[64] = {0}, y[64];
+    int64_t pos[1] = {0};
+    int32_t ids[1] = {-1}, am[1];
+    assert_int_equal(be_matmul(be, y, x, x, (enum be_dtype)7, NULL, 1, 8, 8), BE_EINVAL);
+    assert_int_equal(be_matmul(be, y, x, NULL, BE_F32, NULL, 1, 8, 8), BE_EINVAL);
+    assert_int_equal(be_matmul(be, y, x, x, BE_F32, NULL, 0, 8, 8), BE_OK);
+    assert_int_equal(be_matmul(be, y, x, x, BE_F32, NULL, 1, 0, 8), BE_EINVAL);
+    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 9, BE_ROPE_NEOX), BE_EINVAL);
+    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 3, BE_ROPE_NEOX), BE_EINVAL);
+    assert_int_equal(be_embed(be, y, x, BE_F32, ids, 1, 8), BE_EINVAL);
+    assert_int_equal(be_argmax(be, x, 1, 0, am), BE_EINVAL);
+    assert_int_equal(be_softmax(be, x, -1, 4), BE_EINVAL);
+
+    void *blocks[1] = {y};
+    struct be_kv_view view = {.blocks = blocks, .n_blocks = 1, .block_tokens = 4, .v_offset = 64, .lo = 0, .hi = 4};
+    struct be_attn_params p = {.n_heads = 3, .n_kv_heads = 2, .head_dim = 4, .scale = 0.5f};
+    struct be_tok tok = {.view = 0, .pos = 4};
+    assert_int_equal(be_attention(be, y, x, &view, &tok, 1, &p), BE_EINVAL); /* 3 heads over 2 kv heads */
+    p.n_heads = 2;
+    assert_int_equal(be_kv_store(be, &view, &tok, 1, x, x, &p), BE_EINVAL); /* past the blocks */
+    view.hi = 5;
+    tok.pos = 3;
+    assert_int_equal(be_attention(be, y, x, &view, &tok, 1, &p), BE_EINVAL); /* hi past the blocks */
+    view.hi = 4;
+    view.lo = -1;
+    assert_int_equal(be_attention(be, y, x, &view, &tok, 1, &p), BE_EINVAL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_elementwise),
+        cmocka_unit_test(test_softmax_argmax),
+        cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_device_budget),
+        cmocka_unit_test(test_fault_injection),
+        cmocka_unit_test(test_copies_events),
+        cmocka_unit_test(test_open_and_nulls),
+        cmocka_unit_test(test_bad_kernel_args),
+    };
+    return cmocka_run_group_tests(tests, setup_levels, teardown_levels);
+}
