@@ -1,0 +1,293 @@
+#!/usr/bin/python3
+"""ref_selfcheck - checks the PyTorch reference (tools/torchref.py) and the
+model generator (tools/mkmodel.py) against hand computations, so the oracle
+the C forward pass is compared with is itself checked.
+
+  * a second, deliberately naive forward pass (float64 numpy, one token and
+    one head at a time, RoPE as a rotation of the pairs (i, i + hd/2), GQA
+    by index h // group, the window as an explicit range) must match
+    CausalLM for every architecture and feature;
+  * RoPE against the complex-number rotation, llama3 inv_freq against
+    values worked out by hand, repeat_kv, the sliding mask;
+  * which layers slide under HF's per-architecture rules;
+  * safetensors bytes written by hand, and a save/load round trip;
+  * mkmodel: shards hold the same weights as one file, the tokenizer's ids
+    and merges are consistent, the config matches its options.
+
+Usage: /usr/bin/python3 tests/ref_selfcheck.py   (exit 0 = all passed)
+"""
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOLS = os.path.join(HERE, "..", "tools")
+sys.path.insert(0, TOOLS)
+import torchref as tr  # noqa: E402
+
+torch.set_num_threads(2)
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def close(a, b, tol, what):
+    err = float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+    check(err <= tol, f"{what} (max err {err:.3g} <= {tol:g})")
+
+
+# ---------------------------------------------------------------------------
+# The naive forward: float64, loops, direct formulas.
+# ---------------------------------------------------------------------------
+def naive_rmsnorm(x, w, eps):
+    return w * (x / math.sqrt(float(np.mean(x * x)) + eps))
+
+
+def naive_rope(v, pos, inv_freq):
+    """Rotates pair (v[i], v[i + hd/2]) by angle pos * inv_freq[i]."""
+    h = len(v) // 2
+    out = v.copy()
+    for i in range(h):
+        c, s = math.cos(pos * inv_freq[i]), math.sin(pos * inv_freq[i])
+        out[i] = v[i] * c - v[i + h] * s
+        out[i + h] = v[i] * s + v[i + h] * c
+    return out
+
+
+def naive_forward(cfg, sd, ids, inv_freq, windows):
+    P = {k: v.double().numpy() for k, v in sd.items()}
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    H, Hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], tr.head_dim_of(cfg)
+    T = len(ids)
+    x = [P["model.embed_tokens.weight"][t].copy() for t in ids]
+
+    def lin(name, v):
+        y = P[name + ".weight"] @ v
+        return y + P[name + ".bias"] if name + ".bias" in P else y
+
+    for li, win in enumerate(windows):
+        pre = f"model.layers.{li}."
+        qs, ks, vs = [], [], []
+        for t in range(T):
+            hN = naive_rmsnorm(x[t], P[pre + "input_layernorm.weight"], eps)
+            q = lin(pre + "self_attn.q_proj", hN).reshape(H, hd)
+            k = lin(pre + "self_attn.k_proj", hN).reshape(Hkv, hd)
+            if pre + "self_attn.q_norm.weight" in P:
+                q = np.stack([naive_rmsnorm(r, P[pre + "self_attn.q_norm.weight"], eps) for r in q])
+                k = np.stack([naive_rmsnorm(r, P[pre + "self_attn.k_norm.weight"], eps) for r in k])
+            qs.append(np.stack([naive_rope(r, t, inv_freq) for r in q]))
+            ks.append(np.stack([naive_rope(r, t, inv_freq) for r in k]))
+            vs.append(lin(pre + "self_attn.v_proj", hN).reshape(Hkv, hd))
+        new_x = []
+        for t in range(T):
+            first = 0 if win is None else max(0, t - win + 1)
+            heads = []
+            for h in range(H):
+                g = h // (H // Hkv)
+                sc = [float(qs[t][h] @ ks[j][g]) / math.sqrt(hd) for j in range(first, t + 1)]
+                m = max(sc)
+                e = [math.exp(s - m) for s in sc]
+                heads.append(sum(e[j - first] / sum(e) * vs[j][g] for j in range(first, t + 1)))
+            xt = x[t] + lin(pre + "self_attn.o_proj", np.concatenate(heads))
+            hN = naive_rmsnorm(xt, P[pre + "post_attention_layernorm.weight"], eps)
+            gate = lin(pre + "mlp.gate_proj", hN)
+            new_x.append(xt + lin(pre + "mlp.down_proj", gate / (1 + np.exp(-gate)) * lin(pre + "mlp.up_proj", hN)))
+        x = new_x
+    head = P["lm_head.weight"] if "lm_head.weight" in P else P["model.embed_tokens.weight"]
+    return np.stack([head @ naive_rmsnorm(v, P["model.norm.weight"], eps) for v in x])
+
+
+def randomize(model, seed):
+    """Non-trivial values everywhere (norm weights not 1, biases not 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.5 if p.dim() == 1 else 1 / math.sqrt(p.shape[-1])
+            p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if name.endswith("norm.weight") else 0.0))
+
+
+def base_cfg(arch, **kw):
+    cfg = {"architectures": [arch], "vocab_size": 50, "hidden_size": 24, "intermediate_size": 40,
+           "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+           "rope_theta": 100.0}
+    cfg.update(kw)
+    return cfg
+
+
+NAIVE_CASES = [
+    ("llama GQA", base_cfg("LlamaForCausalLM")),
+    ("llama tied + llama3 rope", base_cfg("LlamaForCausalLM", tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
+    ("llama linear rope + attention_bias", base_cfg("LlamaForCausalLM", attention_bias=True,
+                                                    rope_scaling={"type": "linear", "factor": 2.0})),
+    ("mistral window 3", base_cfg("MistralForCausalLM", sliding_window=3)),
+    ("qwen2 bias, layer 1 slides", base_cfg("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=1)),
+    ("qwen3 head_dim 8 != 24/4, q/k norm", base_cfg("Qwen3ForCausalLM", head_dim=8, num_attention_heads=4,
+                                                       layer_types=["sliding_attention", "full_attention"],
+                                                       use_sliding_window=True, sliding_window=5)),
+]
+
+
+def check_naive_forward():
+    ids = [3, 17, 9, 41, 0, 22, 22, 8, 49, 30, 5, 11]
+    for i, (what, cfg) in enumerate(NAIVE_CASES):
+        m = tr.CausalLM(cfg).double()
+        randomize(m, 100 + i)
+        with torch.no_grad():
+            got = m(torch.tensor([ids, ids[::-1]]))  # batch of 2: rows must not mix
+        sd = m.state_dict()
+        inv = m.model.inv_freq.double().numpy()
+        for b, seq in enumerate((ids, ids[::-1])):
+            want = naive_forward(cfg, sd, seq, inv, tr.layer_windows(cfg))
+            # not 1e-12: CausalLM builds its RoPE tables in f32, as HF does
+            close(got[b].numpy(), want, 2e-5, f"naive forward == CausalLM: {what}, batch row {b}")
+
+
+# ---------------------------------------------------------------------------
+# Pieces by hand
+# ---------------------------------------------------------------------------
+def check_pieces():
+    # RoPE: the NeoX halves are the real and imaginary parts of hd/2 complex
+    # numbers, each multiplied by e^{i pos theta_j}.
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1, 5, 8, generator=g, dtype=torch.float64)
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    ang = torch.outer(torch.arange(5, dtype=torch.float64), inv)
+    emb = torch.cat((ang, ang), -1)
+    got = tr.apply_rope(x, emb.cos(), emb.sin())
+    z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones_like(ang), ang)
+    close(got.numpy(), torch.cat((z.real, z.imag), -1).numpy(), 1e-12, "RoPE == complex rotation of (x_i, x_i+hd/2)")
+
+    # llama3: theta 1e4, head_dim 8 -> inv_freq 1, .1, .01, .001, wavelengths
+    # 2pi/inv = 6.3, 63, 628, 6283 against the band [1024/high, 1024/low] =
+    # [256, 1024] (original 1024, factor 8): the first two are kept, the last
+    # divided by 8, and 628 interpolated with s = (1024/628.3 - 1) / 3:
+    # (1 - s) * 0.01 / 8 + s * 0.01.
+    cfg = base_cfg("LlamaForCausalLM", hidden_size=16, num_attention_heads=2, rope_theta=10000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024})
+    close(tr.rope_inv_freq(cfg).numpy(), [1.0, 0.1, 0.003086760967011274, 0.000125], 1e-7,
+          "llama3 inv_freq == hand-computed values")
+    cfg["rope_scaling"] = {"type": "linear", "factor": 4.0}
+    close(tr.rope_inv_freq(cfg).numpy(), [0.25, 0.025, 0.0025, 0.00025], 1e-9, "linear inv_freq == inv/4")
+    cfg = base_cfg("Qwen3ForCausalLM", hidden_size=16, num_attention_heads=2, head_dim=4, rope_theta=100.0)
+    close(tr.rope_inv_freq(cfg).numpy(), [1.0, 0.1], 1e-7, "qwen3 inv_freq uses explicit head_dim")
+
+    # GQA: query head h reads kv head h // group
+    kv = torch.arange(3, dtype=torch.float32).view(1, 3, 1, 1).expand(1, 3, 2, 4)
+    rep = tr.repeat_kv(kv, 4)
+    check([int(rep[0, h, 0, 0]) for h in range(12)] == [h // 4 for h in range(12)], "repeat_kv: head h -> kv h // 4")
+
+    # the sliding mask: q sees k iff k <= q and q - k < window
+    m = tr.causal_mask(6, 3, "cpu")
+    vis = [[int(m[q, k] == 0) for k in range(6)] for q in range(6)]
+    check(vis == [[1 if 0 <= q - k < 3 else 0 for k in range(6)] for q in range(6)] and vis[5] == [0, 0, 0, 1, 1, 1],
+          "sliding mask, window 3: row 5 sees keys 3, 4, 5")
+
+    # RMSNorm: x / sqrt(mean x^2 + eps) * w
+    n = tr.RMSNorm(4, 1e-6)
+    with torch.no_grad():
+        n.weight.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    close(n(torch.tensor([1.0, -1.0, 1.0, -1.0])).detach().numpy(), [1, -2, 3, -4], 1e-5, "RMSNorm of (1,-1,1,-1)")
+
+
+def check_windows():
+    L = lambda arch, **kw: tr.layer_windows(base_cfg(arch, num_hidden_layers=4, **kw))  # noqa: E731
+    check(L("MistralForCausalLM") == [4096] * 4, "mistral: absent sliding_window -> HF default 4096 on all layers")
+    check(L("MistralForCausalLM", sliding_window=None) == [None] * 4, "mistral: sliding_window null -> full")
+    check(L("Qwen2ForCausalLM", sliding_window=8) == [None] * 4, "qwen2: no use_sliding_window -> full")
+    check(L("Qwen2ForCausalLM", sliding_window=8, use_sliding_window=True, max_window_layers=2)
+          == [None, None, 8, 8], "qwen2: layers >= max_window_layers slide")
+    check(L("Qwen3ForCausalLM", sliding_window=8, use_sliding_window=True,
+            layer_types=["sliding_attention", "full_attention"] * 2) == [8, None, 8, None],
+          "qwen3: explicit layer_types")
+    check(L("LlamaForCausalLM", sliding_window=8) == [None] * 4, "llama: never slides")
+
+
+# ---------------------------------------------------------------------------
+# safetensors and mkmodel
+# ---------------------------------------------------------------------------
+def check_safetensors(tmp):
+    # bf16 0x3F80 = 1.0, 0xC040 = -3.0; f16 0x3C00 = 1.0; f32 0.5
+    hdr = json.dumps({"b": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]},
+                      "h": {"dtype": "F16", "shape": [1], "data_offsets": [4, 6]},
+                      "f": {"dtype": "F32", "shape": [1, 1], "data_offsets": [6, 10]},
+                      "__metadata__": {"format": "pt"}}).encode()
+    path = os.path.join(tmp, "hand.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hdr)) + hdr + struct.pack("<HHHf", 0x3F80, 0xC040, 0x3C00, 0.5))
+    t = tr.load_safetensors(path)
+    check(t["b"].dtype == torch.bfloat16 and t["b"].float().tolist() == [1.0, -3.0], "load BF16 bytes by hand")
+    check(t["h"].dtype == torch.float16 and t["h"].tolist() == [1.0], "load F16 bytes by hand")
+    check(t["f"].shape == (1, 1) and t["f"].item() == 0.5, "load F32 bytes by hand")
+    src = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.randn(2, 2).half()}
+    tr.save_safetensors(path, src, {"format": "pt"})
+    with open(path, "rb") as f:
+        (hl,) = struct.unpack("<Q", f.read(8))
+    back = tr.load_safetensors(path)
+    check(hl % 8 == 0 and all(torch.equal(src[k], back[k]) and src[k].dtype == back[k].dtype for k in src),
+          "save/load round trip, header padded to 8 bytes")
+
+
+def mkmodel(out, *args):
+    subprocess.run([sys.executable, os.path.join(TOOLS, "mkmodel.py"), "--out", out, *args], check=True)
+
+
+def check_mkmodel(tmp):
+    one, three = os.path.join(tmp, "one"), os.path.join(tmp, "three")
+    args = ["--arch", "qwen3", "--dtype", "bf16", "--layers", "3", "--head-dim", "24", "--vocab", "300",
+            "--window", "6", "--max-window-layers", "1", "--seed", "7"]
+    mkmodel(one, *args)
+    mkmodel(three, *args, "--shards", "3")
+    a, b = tr.load_checkpoint(one), tr.load_checkpoint(three)
+    check(os.path.exists(os.path.join(three, "model-00003-of-00003.safetensors"))
+          and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+          "mkmodel --shards 3 holds the same tensors as one file")
+    cfg = tr.load_config(one)
+    check(cfg["head_dim"] == 24 and a["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 24, 64)
+          and a["model.layers.0.self_attn.q_norm.weight"].shape == (24,) and tr.layer_windows(cfg) == [None, 6, 6],
+          "mkmodel qwen3: explicit head_dim, q_norm, windows on layers >= 1")
+    check(all(v.dtype == torch.bfloat16 for v in a.values()) and cfg["torch_dtype"] == "bfloat16", "bf16 weights")
+    with open(os.path.join(one, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab, merges = tok["model"]["vocab"], tok["model"]["merges"]
+    ids = sorted(list(vocab.values()) + [t["id"] for t in tok["added_tokens"]])
+    check(ids == list(range(300)), "tokenizer ids are exactly 0..vocab-1")
+    check(all(m.count(" ") == 1 and m.replace(" ", "") in vocab and all(p in vocab for p in m.split(" "))
+              for m in merges), "every merge joins two vocab tokens into a vocab token")
+    check(cfg["eos_token_id"] == 299 and cfg["bos_token_id"] == 298
+          and tok["added_tokens"][1]["content"] == "<|end_of_text|>", "bos/eos ids point at the specials")
+    m = tr.load_model(one)
+    with torch.no_grad():
+        logits = m(torch.tensor([list(range(0, 300, 15))]))[0]
+    top2 = logits.topk(2, -1).values
+    check(float(logits.std()) > 1.0 and float((top2[:, 0] - top2[:, 1]).min()) > 1e-3,
+          f"random model has spread logits (std {float(logits.std()):.2f}, no near ties)")
+
+
+def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        check_pieces()
+        check_windows()
+        check_naive_forward()
+        check_safetensors(tmp)
+        check_mkmodel(tmp)
+    print(f"ref_selfcheck: {len(failures)} failure(s)" + ("" if not failures else ": " + "; ".join(failures)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
