@@ -12,7 +12,8 @@ the C forward pass is compared with is itself checked.
   * which layers slide under HF's per-architecture rules;
   * safetensors bytes written by hand, and a save/load round trip;
   * mkmodel: shards hold the same weights as one file, the tokenizer's ids
-    and merges are consistent, the config matches its options.
+    and merges are consistent, the config matches its options;
+  * ref_compare: accepts a faithful dump, rejects each kind of wrong one.
 
 Usage: /usr/bin/python3 tests/ref_selfcheck.py   (exit 0 = all passed)
 """
@@ -278,13 +279,58 @@ def check_mkmodel(tmp):
           f"random model has spread logits (std {float(logits.std()):.2f}, no near ties)")
 
 
+def write_dump(path, prompt, gen, rows):
+    with open(path, "wb") as f:
+        f.write(b"KVTL" + struct.pack("<3i", len(prompt), len(gen), rows.shape[1]))
+        f.write(np.asarray(list(prompt) + list(gen), "<i4").tobytes() + np.asarray(rows, "<f4").tobytes())
+
+
+def check_ref_compare(tmp):
+    """The comparer must accept a faithful dump and reject each kind of
+    wrong one (so reference.test.sh can fail)."""
+    import ref_compare
+    d = os.path.join(tmp, "one")  # the qwen3 model check_mkmodel wrote
+    m = tr.load_model(d)
+    prompt, gen, rows = [5, 80, 13, 200, 7], [], []
+    with torch.no_grad():
+        for _ in range(6):  # greedy, recomputing the prefix each step
+            r = m(torch.tensor([prompt + gen]))[0, -1]
+            rows.append(r.numpy())
+            gen.append(int(r.argmax()))
+    rows = np.stack(rows)
+    good = os.path.join(tmp, "good.kvtl")
+    write_dump(good, prompt, gen, rows)
+
+    def verdict(path, *extra):
+        return ref_compare.main([d, path, "--tol", "1e-4", *extra])
+    check(verdict(good, "--expect-gen", "6", "--same-tokens", good) == 0, "ref_compare accepts a faithful dump")
+    bumped = rows.copy()
+    bumped[3, 17] += 3e-4
+    write_dump(os.path.join(tmp, "bumped.kvtl"), prompt, gen, bumped)
+    check(verdict(os.path.join(tmp, "bumped.kvtl")) == 1, "ref_compare rejects one logit off by 3e-4")
+    # the last token feeds no row, so only the argmax check can catch it
+    worst = int(rows[-1].argmin())
+    write_dump(os.path.join(tmp, "token.kvtl"), prompt, gen[:-1] + [worst], rows)
+    check(verdict(os.path.join(tmp, "token.kvtl")) == 1, "ref_compare rejects a token that is not the argmax")
+    check(verdict(good, "--same-tokens", os.path.join(tmp, "token.kvtl")) == 1,
+          "ref_compare --same-tokens rejects different tokens")
+    check(verdict(good, "--expect-gen", "7") == 1, "ref_compare --expect-gen rejects a short run")
+    with open(good, "rb") as f:
+        data = f.read()
+    with open(os.path.join(tmp, "cut.kvtl"), "wb") as f:
+        f.write(data[:-4])
+    check(verdict(os.path.join(tmp, "cut.kvtl")) == 2, "ref_compare rejects a truncated dump")
+
+
 def main():
+    sys.path.insert(0, HERE)
     with tempfile.TemporaryDirectory() as tmp:
         check_pieces()
         check_windows()
         check_naive_forward()
         check_safetensors(tmp)
         check_mkmodel(tmp)
+        check_ref_compare(tmp)
     print(f"ref_selfcheck: {len(failures)} failure(s)" + ("" if not failures else ": " + "; ".join(failures)))
     return 1 if failures else 0
 

@@ -1,0 +1,136 @@
+#!/usr/bin/python3
+"""ref_compare - compares a kvtier-run --dump with the PyTorch reference.
+
+    /usr/bin/python3 tests/ref_compare.py DIR DUMP --tol X [--expect-gen N] [--same-tokens DUMP2]...
+
+The dump (little-endian): "KVTL", int32 n_prompt, n_gen, vocab,
+int32 tokens[n_prompt + n_gen] (prompt, then generated), float32
+logits[n_gen][vocab], row i holding the logits that chose generated token i.
+
+The model of DIR is loaded by tools/torchref.py in f32 (bf16/f16 weights
+upcast: same weights, f32 math) and run ONCE over prompt + generated[:-1];
+its rows n_prompt-1 ... n_prompt+n_gen-2 are what kvtier should have
+produced for the prefill and each decode step.  Passes when
+  * every logit is within --tol of the reference (max abs error), and
+  * every generated token is the reference's argmax, or within --tol of the
+    reference maximum (a near tie the two sides may break differently).
+--same-tokens DUMP2: DUMP2 (e.g. the --no-cache run) must hold exactly the
+same tokens, and its logits are checked against the reference too.
+Prints one verdict line per dump; exit 0 = pass, 1 = mismatch, 2 = bad input.
+"""
+import argparse
+import os
+import struct
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import torchref  # noqa: E402
+
+
+class BadDump(Exception):
+    pass
+
+
+def read_dump(path):
+    """(tokens [n_prompt+n_gen] int64, n_prompt, logits [n_gen, vocab] f32)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 16 or data[:4] != b"KVTL":
+        raise BadDump(f"{path}: not a KVTL dump (bad magic or shorter than its header)")
+    n_prompt, n_gen, vocab = struct.unpack("<3i", data[4:16])
+    if n_prompt < 1 or n_gen < 1 or vocab < 1:
+        raise BadDump(f"{path}: header n_prompt={n_prompt} n_gen={n_gen} vocab={vocab}")
+    want = 16 + 4 * (n_prompt + n_gen) + 4 * n_gen * vocab
+    if len(data) != want:
+        raise BadDump(f"{path}: {len(data)} bytes, the header implies {want}")
+    tokens = np.frombuffer(data, "<i4", n_prompt + n_gen, 16).astype(np.int64)
+    logits = np.frombuffer(data, "<f4", n_gen * vocab, 16 + 4 * (n_prompt + n_gen)).reshape(n_gen, vocab)
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        raise BadDump(f"{path}: token id out of range 0..{vocab - 1}")
+    return tokens, n_prompt, logits
+
+
+def reference_rows(model, tokens, n_prompt):
+    """The reference's logits for each generated position: [n_gen, vocab]."""
+    with torch.no_grad():
+        out = model(torch.from_numpy(tokens[None, :-1].copy()))[0]  # [n_prompt+n_gen-1, vocab]
+    return out[n_prompt - 1:].double().numpy()
+
+
+def compare(name, tokens, n_prompt, got, ref, tol):
+    """Returns (ok, verdict line)."""
+    if not np.all(np.isfinite(got)):
+        bad = int(np.argwhere(~np.isfinite(got))[0][0])
+        return False, f"FAIL {name}: non-finite logits in row {bad}"
+    err = np.abs(got.astype(np.float64) - ref)
+    row_err = err.max(axis=1)
+    worst = int(row_err.argmax())
+    gen = tokens[n_prompt:]
+    ref_max = ref.max(axis=1)
+    chosen = ref[np.arange(len(gen)), gen]
+    # a token other than the reference argmax is only acceptable when its
+    # reference logit is within tol of the maximum (a near tie)
+    wrong = [i for i in range(len(gen)) if chosen[i] < ref_max[i] - tol]
+    ties = sum(1 for i in range(len(gen)) if gen[i] != ref[i].argmax() and i not in wrong)
+    ok = row_err[worst] <= tol and not wrong
+    line = (f"{'PASS' if ok else 'FAIL'} {name}: {len(gen)} rows (prefill + {len(gen) - 1} decode steps), "
+            f"max abs err {row_err[worst]:.3g} in row {worst} (tol {tol:g}); ")
+    if wrong:
+        i = wrong[0]
+        line += (f"{len(wrong)} token(s) not the reference argmax, first at step {i}: got {gen[i]}, "
+                 f"reference {int(ref[i].argmax())} (margin {ref_max[i] - chosen[i]:.3g})")
+    else:
+        line += f"every token is the reference argmax ({ties} near tie(s))"
+    if row_err[worst] > tol:
+        over = np.flatnonzero(row_err > tol)
+        line += f"; rows over tol: {over[:10].tolist()}{' ...' if len(over) > 10 else ''}"
+    return ok, line
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir")
+    ap.add_argument("dump")
+    ap.add_argument("--tol", type=float, required=True)
+    ap.add_argument("--expect-gen", type=int, help="require exactly this many generated tokens")
+    ap.add_argument("--same-tokens", action="append", default=[], metavar="DUMP2")
+    ap.add_argument("--name", help="label for the verdict lines (default: the directory name)")
+    o = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    name = o.name or os.path.basename(os.path.normpath(o.dir))
+    try:
+        dumps = [(o.dump, *read_dump(o.dump))] + [(p, *read_dump(p)) for p in o.same_tokens]
+        model = torchref.load_model(o.dir, torch.float32)
+    except (BadDump, OSError, ValueError, KeyError, RuntimeError) as e:
+        print(f"FAIL {name}: {e}")
+        return 2
+    ok = True
+    tokens0 = dumps[0][1]
+    for path, tokens, n_prompt, logits in dumps:
+        label = f"{name} [{os.path.basename(path)}]"
+        if logits.shape[1] != model.cfg["vocab_size"]:
+            print(f"FAIL {label}: dump vocab {logits.shape[1]} != config vocab_size {model.cfg['vocab_size']}")
+            ok = False
+            continue
+        if o.expect_gen is not None and logits.shape[0] != o.expect_gen:
+            print(f"FAIL {label}: {logits.shape[0]} generated tokens, expected {o.expect_gen}")
+            ok = False
+            continue
+        if path != o.dump and not np.array_equal(tokens, tokens0):
+            n = min(len(tokens), len(tokens0))
+            diff = np.flatnonzero(tokens[:n] != tokens0[:n])
+            print(f"FAIL {label}: tokens differ from {os.path.basename(o.dump)} at position "
+                  f"{int(diff[0]) if len(diff) else n}")
+            ok = False
+            continue
+        row_ok, line = compare(label, tokens, n_prompt, logits, reference_rows(model, tokens, n_prompt), o.tol)
+        print(line)
+        ok = ok and row_ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
