@@ -77,6 +77,14 @@ void cpu_axpy_scalar(float *y, float a, const void *x, enum be_dtype dt, int n);
 void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n);
 void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
 
+/* Batched matmul for the SIMD levels (gemm.c): panels of W converted to
+ * f32 by to_f32 into scratch, multiplied by OpenBLAS sgemm.  Needs
+ * a->in <= CPU_SCRATCH_FLOATS.  Worth it from CPU_GEMM_MIN_TOKENS tokens;
+ * below that the levels stream W once per token. */
+#define CPU_GEMM_MIN_TOKENS 4
+void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
+                       void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n));
+
 /* Picks the table: $KVTIER_SIMD (scalar|avx2|avx512) when set and the CPU
  * can run it, else the best the CPU supports.  NULL when $KVTIER_SIMD
  * names a level this CPU cannot run or an unknown one. */

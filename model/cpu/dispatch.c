@@ -7,10 +7,28 @@
 
 #include "model/cpu/cpu.h"
 
+static bool can_avx2(void)
+{
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+static bool can_avx512(void)
+{
+    return can_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
 const struct cpu_kern *cpu_kern_select(void)
 {
+    __builtin_cpu_init();
     const char *want = getenv("KVTIER_SIMD");
-    if (!want || !*want || strcmp(want, "scalar") == 0)
+    if (!want || !*want)
+        return can_avx512() ? &cpu_kern_avx512 : can_avx2() ? &cpu_kern_avx2 : &cpu_kern_scalar;
+    if (strcmp(want, "scalar") == 0)
         return &cpu_kern_scalar;
+    if (strcmp(want, "avx2") == 0)
+        return can_avx2() ? &cpu_kern_avx2 : NULL;
+    if (strcmp(want, "avx512") == 0)
+        return can_avx512() ? &cpu_kern_avx512 : NULL;
     return NULL;
 }

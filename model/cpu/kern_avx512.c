@@ -1,0 +1,190 @@
+/* kern_avx512.c - inner loops for AVX-512 (F/BW/VL/DQ), compiled with
+ * their own flags and only called after dispatch.c checked the CPU.
+ *
+ * Matvec (decode) is bound by reading the weights: rows are streamed once,
+ * four at a time against the same x registers, bf16/f16 widened to f32 in
+ * registers (bf16 is the high half of an f32), f32 FMAs, and masked loads
+ * for the column tail so odd sizes need no scalar loop.
+ */
+#include <immintrin.h>
+
+#include "model/cpu/cpu.h"
+
+/* 16 weights from element i of a row, as f32; lanes outside m read as 0. */
+static inline __attribute__((always_inline)) __m512 load16(const void *w, enum be_dtype dt, size_t i, __mmask16 m)
+{
+    switch (dt) {
+    case BE_BF16: {
+        __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case BE_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i));
+    case BE_F32: break;
+    }
+    return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+}
+
+static inline __mmask16 tail_mask(size_t left)
+{
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* y[r0:r1] = W[r0:r1] . x for one token; dt is a constant after inlining. */
+static inline __attribute__((always_inline)) void matvec(float *y, const float *x, const void *w, enum be_dtype dt,
+                                                         const float *bias, int in, int r0, int r1)
+{
+    size_t esz = be_dtype_size(dt), row = (size_t)in * esz;
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        const char *w0 = (const char *)w + (size_t)r * row;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < in; i += 16) {
+            __mmask16 m = tail_mask((size_t)(in - i));
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+            a0 = _mm512_fmadd_ps(load16(w0, dt, (size_t)i, m), xv, a0);
+            a1 = _mm512_fmadd_ps(load16(w0 + row, dt, (size_t)i, m), xv, a1);
+            a2 = _mm512_fmadd_ps(load16(w0 + 2 * row, dt, (size_t)i, m), xv, a2);
+            a3 = _mm512_fmadd_ps(load16(w0 + 3 * row, dt, (size_t)i, m), xv, a3);
+        }
+        y[r] = _mm512_reduce_add_ps(a0);
+        y[r + 1] = _mm512_reduce_add_ps(a1);
+        y[r + 2] = _mm512_reduce_add_ps(a2);
+        y[r + 3] = _mm512_reduce_add_ps(a3);
+    }
+    for (; r < r1; r++) {
+        const char *w0 = (const char *)w + (size_t)r * row;
+        __m512 a0 = _mm512_setzero_ps();
+        for (int i = 0; i < in; i += 16) {
+            __mmask16 m = tail_mask((size_t)(in - i));
+            a0 = _mm512_fmadd_ps(load16(w0, dt, (size_t)i, m), _mm512_maskz_loadu_ps(m, x + i), a0);
+        }
+        y[r] = _mm512_reduce_add_ps(a0);
+    }
+    if (bias)
+        for (r = r0; r < r1; r++)
+            y[r] += bias[r];
+}
+
+static void to_f32_avx512(float *y, const void *x, enum be_dtype dt, size_t n)
+{
+    for (size_t i = 0; i < n; i += 16) {
+        __mmask16 m = tail_mask((size_t)(n - i));
+        _mm512_mask_storeu_ps(y + i, m, load16(x, dt, i, m));
+    }
+}
+
+static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *scratch)
+{
+    if (a->n >= CPU_GEMM_MIN_TOKENS && a->in <= CPU_SCRATCH_FLOATS) {
+        cpu_matmul_panels(a, r0, r1, scratch, to_f32_avx512);
+        return;
+    }
+    for (int t = 0; t < a->n; t++) {
+        float *y = a->y + (size_t)t * a->out;
+        const float *x = a->x + (size_t)t * a->in;
+        switch (a->wt) {
+        case BE_BF16: matvec(y, x, a->w, BE_BF16, a->bias, a->in, r0, r1); break;
+        case BE_F16: matvec(y, x, a->w, BE_F16, a->bias, a->in, r0, r1); break;
+        case BE_F32: matvec(y, x, a->w, BE_F32, a->bias, a->in, r0, r1); break;
+        }
+    }
+}
+
+static float dot_avx512(const float *q, const void *k, enum be_dtype dt, int n)
+{
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = tail_mask((size_t)(n - i));
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), load16(k, dt, (size_t)i, m), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static void axpy_avx512(float *y, float a, const void *x, enum be_dtype dt, int n)
+{
+    __m512 av = _mm512_set1_ps(a);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = tail_mask((size_t)(n - i));
+        __m512 yv = _mm512_maskz_loadu_ps(m, y + i);
+        _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, load16(x, dt, (size_t)i, m), yv));
+    }
+}
+
+static void scale_avx512(float *y, float a, int n)
+{
+    __m512 av = _mm512_set1_ps(a);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = tail_mask((size_t)(n - i));
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, y + i), av));
+    }
+}
+
+static float sumsq_avx512(const float *x, int n)
+{
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __m512 v = _mm512_maskz_loadu_ps(tail_mask((size_t)(n - i)), x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static void norm_mul_avx512(float *y, const float *x, float s, const float *w, int n)
+{
+    __m512 sv = _mm512_set1_ps(s);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = tail_mask((size_t)(n - i));
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), sv);
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+    }
+}
+
+static void add_avx512(float *y, const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i += 16) {
+        __mmask16 m = tail_mask((size_t)(n - i));
+        __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i), _mm512_maskz_loadu_ps(m, x + i));
+        _mm512_mask_storeu_ps(y + i, m, v);
+    }
+}
+
+/* bf16 rounding done on the integers, as half.h does, because the
+ * hardware conversion (vcvtneps2bf16) flushes subnormals to zero. */
+static __m256i f32_to_bf16_16(__m512 v)
+{
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static void from_f32_avx512(void *y, enum be_dtype dt, const float *x, size_t n)
+{
+    if (dt == BE_F32) {
+        cpu_from_f32_scalar(y, dt, x, n);
+        return;
+    }
+    uint16_t *h = y;
+    for (size_t i = 0; i < n; i += 16) {
+        __mmask16 m = tail_mask((size_t)(n - i));
+        __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+        __m256i r = dt == BE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                 : f32_to_bf16_16(v);
+        _mm256_mask_storeu_epi16(h + i, m, r);
+    }
+}
+
+const struct cpu_kern cpu_kern_avx512 = {
+    .name = "avx512",
+    .matmul_rows = matmul_rows_avx512,
+    .dot = dot_avx512,
+    .axpy = axpy_avx512,
+    .scale = scale_avx512,
+    .sumsq = sumsq_avx512,
+    .norm_mul = norm_mul_avx512,
+    .add = add_avx512,
+    .to_f32 = to_f32_avx512,
+    .from_f32 = from_f32_avx512,
+};
