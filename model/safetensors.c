@@ -29,6 +29,7 @@
 
 /* Tensor bytes are used in place as host numbers. */
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is little-endian");
+_Static_assert(BE_F32 == 0 && BE_F16 == 1 && BE_BF16 == 2, "DTYPES starts in be_dtype order");
 
 #define INDEX_NAME "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
@@ -38,6 +39,7 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is l
 
 /* Every dtype the format defines, so extra tensors we never bind still get
  * their sizes checked; be < 0 marks the ones we cannot compute with. */
+/* The first three are indexed by enum be_dtype. */
 static const struct st_dtype {
     const char *name;
     unsigned size;
@@ -410,7 +412,7 @@ static enum model_status bind_mat(struct binder *b, const char *name, int rows, 
      * reference all take torch_dtype at its word. */
     if (t->dtype->be != (int)b->cfg->dtype)
         return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has dtype %s but config.json says %s", f->name, name,
-                          t->dtype->name, be_dtype_name(b->cfg->dtype));
+                          t->dtype->name, DTYPES[b->cfg->dtype].name);
     const uint8_t *p = f->data + t->begin;
     size_t bytes = (size_t)(t->end - t->begin);
     if ((uintptr_t)p % t->dtype->size != 0) {
