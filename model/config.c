@@ -278,8 +278,7 @@ static enum model_status read_sizes(const struct jctx *c, const struct arch_info
 
 /* ---- RoPE ----------------------------------------------------------------- */
 
-/* rope_scaling (transformers <= 4.x) or rope_parameters (5.x, which also
- * carries rope_theta).  Only the types whose inv_freq we compute are let
+/* rope_scaling (transformers <= 4.x) or rope_parameters (5.x).  Only the types whose inv_freq we compute are let
  * through; anything else would silently produce wrong positions. */
 static enum model_status read_rope(const struct jctx *c, struct model_config *cfg)
 {
@@ -296,9 +295,9 @@ static enum model_status read_rope(const struct jctx *c, struct model_config *cf
     char prefix[32];
     snprintf(prefix, sizeof prefix, "%s.", rs_key);
     struct jctx r = {.obj = rs, .file = c->file, .prefix = prefix, .err = c->err};
-    float theta_nested = 0;
-    if ((st = get_num(&r, "rope_theta", false, 10000.0, 0.0, 1e12, &theta_nested)) ||
-        (st = get_num(c, "rope_theta", false, theta_nested, 0.0, 1e12, &cfg->rope_theta)))
+    /* transformers 5 folds rope_theta into rope_parameters, which wins. */
+    if ((st = get_num(c, "rope_theta", false, 10000.0, 0.0, 1e12, &cfg->rope_theta)) ||
+        (st = get_num(&r, "rope_theta", false, cfg->rope_theta, 0.0, 1e12, &cfg->rope_theta)))
         return st;
 
     cfg->rope_scaling = ROPE_SCALING_NONE;

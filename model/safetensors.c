@@ -317,22 +317,26 @@ static enum model_status open_shards(model_files *mf, const char *dir, json_t *m
     return MODEL_OK;
 }
 
+/* model.safetensors when present (transformers prefers it too), else the
+ * shards of model.safetensors.index.json. */
 static enum model_status open_files(model_files *mf, const char *dir, json_t **weight_map, char *err)
 {
-    json_t *index;
-    enum model_status st = model_json_load(dir, INDEX_NAME, true, &index, err);
+    char path[PATH_MAX];
+    enum model_status st = model_path(path, dir, SINGLE_NAME, err);
+    *weight_map = NULL;
     if (st != MODEL_OK)
         return st;
-    if (!index) {
-        *weight_map = NULL;
+    if (access(path, F_OK) == 0 || errno != ENOENT) {
         if (!(mf->files = calloc(1, sizeof *mf->files)))
             return model_errf(err, MODEL_ENOMEM, SINGLE_NAME ": out of memory");
         mf->n_files = 1;
-        st = st_open(dir, SINGLE_NAME, &mf->files[0], err);
-        if (st == MODEL_ENOENT)
-            model_errf(err, st, SINGLE_NAME " and " INDEX_NAME ": both missing in %s", dir);
-        return st;
+        return st_open(dir, SINGLE_NAME, &mf->files[0], err);
     }
+    json_t *index;
+    if ((st = model_json_load(dir, INDEX_NAME, true, &index, err)))
+        return st;
+    if (!index)
+        return model_errf(err, MODEL_ENOENT, SINGLE_NAME " and " INDEX_NAME ": both missing in %s", dir);
     *weight_map = json_incref(json_object_get(index, "weight_map"));
     json_decref(index);
     return open_shards(mf, dir, *weight_map, err);

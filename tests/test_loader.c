@@ -591,9 +591,8 @@ static void test_rope_scaling(void **state)
     assert_float_equal(cfg.rope_factor, 2.0f, 0);
     model_config_release(&cfg);
 
-    /* transformers 5: rope_parameters carries rope_theta */
+    /* transformers 5: rope_parameters carries rope_theta, over the top level's */
     json_object_del(c, "rope_scaling");
-    json_object_del(c, "rope_theta");
     json_object_set_new(c, "rope_parameters", json_pack("{s:s, s:f}", "rope_type", "default", "rope_theta", 1e6));
     write_json("config.json", c);
     assert_int_equal(model_config_load(g_dir, &cfg, err), MODEL_OK);
@@ -675,6 +674,12 @@ static void test_sharded(void **state)
     write_json("model.safetensors.index.json", index);
     expect_fail(MODEL_EFORMAT, "model.safetensors.index.json", "weight_map", NULL);
     json_decref(index);
+
+    /* model.safetensors, when present, is used and the index not read */
+    write_model(&s);
+    load_ok(&m);
+    check_mat(&m.w.tok_embed, "model.embed_tokens.weight", BE_BF16, 40, 16);
+    unload(&m);
 }
 
 /* A leading odd-sized tensor shifts every matrix off its alignment: they
