@@ -118,19 +118,41 @@ static enum model_status missing(const struct jctx *c, const char *key)
     return model_errf(c->err, MODEL_ECONFIG, "%s: missing field %s%s", c->file, c->prefix, key);
 }
 
+enum kind { K_INT, K_NUM, K_BOOL, K_STR };
+
+static bool is_kind(const json_t *v, enum kind k)
+{
+    switch (k) {
+    case K_INT: return json_is_integer(v);
+    case K_NUM: return json_is_number(v);
+    case K_BOOL: return json_is_boolean(v);
+    case K_STR: return json_is_string(v);
+    }
+    return false;
+}
+
+/* *v = the value of key, NULL when it is absent (an error if required); an
+ * error when it is not of kind k. */
+static enum model_status typed(const struct jctx *c, const char *key, enum kind k, bool required, json_t **v)
+{
+    static const char *const KIND_NAME[] = {"an integer", "a number", "true or false", "a string"};
+    *v = field(c, key);
+    if (!*v)
+        return required ? missing(c, key) : MODEL_OK;
+    if (!is_kind(*v, k))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be %s", c->file, c->prefix, key, KIND_NAME[k]);
+    return MODEL_OK;
+}
+
 /* An integer field in [lo, hi]; absent means def when !required. */
 static enum model_status get_int(const struct jctx *c, const char *key, bool required, long long def, long long lo,
                                  long long hi, int *out)
 {
-    json_t *v = field(c, key);
-    if (!v) {
-        if (required)
-            return missing(c, key);
-        *out = (int)def;
-        return MODEL_OK;
-    }
-    if (!json_is_integer(v))
-        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be an integer", c->file, c->prefix, key);
+    json_t *v;
+    enum model_status st = typed(c, key, K_INT, required, &v);
+    *out = (int)def;
+    if (st != MODEL_OK || !v)
+        return st;
     long long x = json_integer_value(v);
     if (x < lo || x > hi)
         return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%lld out of range [%lld, %lld]", c->file, c->prefix, key,
@@ -143,15 +165,11 @@ static enum model_status get_int(const struct jctx *c, const char *key, bool req
 static enum model_status get_num(const struct jctx *c, const char *key, bool required, double def, double lo,
                                  double hi, float *out)
 {
-    json_t *v = field(c, key);
-    if (!v) {
-        if (required)
-            return missing(c, key);
-        *out = (float)def;
-        return MODEL_OK;
-    }
-    if (!json_is_number(v))
-        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be a number", c->file, c->prefix, key);
+    json_t *v;
+    enum model_status st = typed(c, key, K_NUM, required, &v);
+    *out = (float)def;
+    if (st != MODEL_OK || !v)
+        return st;
     double x = json_number_value(v);
     if (!(x > lo && x <= hi))
         return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%g out of range (%g, %g]", c->file, c->prefix, key, x,
@@ -162,28 +180,19 @@ static enum model_status get_num(const struct jctx *c, const char *key, bool req
 
 static enum model_status get_bool(const struct jctx *c, const char *key, bool def, bool *out)
 {
-    json_t *v = field(c, key);
-    if (!v) {
-        *out = def;
-        return MODEL_OK;
-    }
-    if (!json_is_boolean(v))
-        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be true or false", c->file, c->prefix, key);
-    *out = json_is_true(v);
-    return MODEL_OK;
+    json_t *v;
+    enum model_status st = typed(c, key, K_BOOL, false, &v);
+    *out = v ? json_is_true(v) : def;
+    return st;
 }
 
 /* An optional string field; *out = NULL when absent. */
 static enum model_status get_str(const struct jctx *c, const char *key, const char **out)
 {
-    json_t *v = field(c, key);
-    *out = NULL;
-    if (!v)
-        return MODEL_OK;
-    if (!json_is_string(v))
-        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s must be a string", c->file, c->prefix, key);
+    json_t *v;
+    enum model_status st = typed(c, key, K_STR, false, &v);
     *out = json_string_value(v);
-    return MODEL_OK;
+    return st;
 }
 
 /* ---- architectures ------------------------------------------------------ */
