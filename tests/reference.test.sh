@@ -1,0 +1,76 @@
+#!/bin/sh
+# reference.test.sh - the forward pass against the independent PyTorch
+# reference (issue 2 §6).  Run by tests/run.sh from the repository root with
+# the build directory in $KVTIER_BUILD.
+#
+# 1. tests/ref_selfcheck.py checks the reference itself (torchref against a
+#    naive float64 forward and hand values, mkmodel, ref_compare).
+# 2. For each architecture and each of f32 / bf16 weights: a random model
+#    from tools/mkmodel.py, a 20-token prompt + 32 greedy steps with
+#    kvtier-run (dynamic cache, then --no-cache), and tests/ref_compare.py:
+#    every logit row within 1e-4 (f32) / 2e-2 (bf16) of one reference
+#    forward, every token the reference argmax, and identical tokens from
+#    both runs.
+# Exit 77 (skip) only when kvtier-run is not built.
+set -u
+build=${KVTIER_BUILD:-build}
+py=/usr/bin/python3
+tmp=$(mktemp -d) || exit 1
+trap 'rm -rf "$tmp"' EXIT INT TERM
+
+$py tests/ref_selfcheck.py > "$tmp/selfcheck.log" 2>&1 || {
+    cat "$tmp/selfcheck.log"; echo "reference.test: ref_selfcheck FAILED"; exit 1; }
+tail -n 1 "$tmp/selfcheck.log"
+
+run=$build/kvtier-run
+if [ ! -x "$run" ]; then
+    echo "reference.test: $run not built, skipping the comparison"
+    exit 77
+fi
+
+# Shapes chosen so each case exercises its feature with few weights:
+#  llama:    GQA 6:2, llama3 rope whose band [32/4, 32/1] splits head_dim 16
+#            into kept, interpolated and slowed frequencies
+#  llamatie: tied embeddings, MQA (1 kv head), linear rope
+#  mistral:  window 8 on every layer, smaller than the 52 tokens
+#  qwen2:    q/k/v biases; layers >= 1 slide with window 8, layer 0 full
+#  qwen3:    head_dim 32 != 64/4, per-head q/k norm
+cases='
+llama    --arch llama --layers 3 --dim 96 --heads 6 --kv-heads 2 --ffn 256 --vocab 512 --rope-scaling llama3:8:32
+llamatie --arch llama --layers 2 --dim 64 --heads 4 --kv-heads 1 --ffn 160 --vocab 320 --tie --rope-scaling linear:2
+mistral  --arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 384 --window 8
+qwen2    --arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 448 --window 8 --max-window-layers 1
+qwen3    --arch qwen3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --head-dim 32 --ffn 176 --vocab 384
+'
+prompt=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
+
+# one_case NAME DTYPE TOL MKMODEL-ARGS...: returns nonzero on any failure
+one_case() {
+    name=$1-$2; dtype=$2; tol=$3; shift 3
+    dir=$tmp/$name
+    $py tools/mkmodel.py --out "$dir" --dtype "$dtype" --seed 11 "$@" || { echo "FAIL $name: mkmodel"; return 1; }
+    for mode in cache no-cache; do
+        flag=; [ $mode = no-cache ] && flag=--no-cache
+        # shellcheck disable=SC2086 # $flag is empty or one option
+        "$run" -m "$dir" --ids "$prompt" -n 32 --greedy --ignore-eos --quiet $flag \
+               --dump "$dir/$mode.kvtl" > "$dir/$mode.log" 2>&1
+        rc=$?
+        [ $rc -eq 0 ] || { cat "$dir/$mode.log"; echo "FAIL $name: kvtier-run $flag exited $rc"; return 1; }
+    done
+    $py tests/ref_compare.py "$dir" "$dir/cache.kvtl" --tol "$tol" --expect-gen 32 \
+        --same-tokens "$dir/no-cache.kvtl" --name "$name"
+}
+
+for dtype in f32 bf16; do
+    case $dtype in f32) tol=1e-4 ;; bf16) tol=2e-2 ;; esac
+    echo "$cases" | while read -r name args; do
+        [ -n "$name" ] || continue
+        # shellcheck disable=SC2086 # $args is a list of options
+        one_case "$name" "$dtype" "$tol" $args || touch "$tmp/failed"
+    done
+done
+if [ -e "$tmp/failed" ]; then
+    echo "reference.test: FAILED"
+    exit 1
+fi
+echo "reference.test: all architectures match the reference"
