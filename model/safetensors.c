@@ -12,6 +12,9 @@
  * multiple of its element size is therefore copied into an owned buffer;
  * files written by the safetensors library pad the header to 8 bytes, so
  * real checkpoints are read in place.
+ *
+ * The maps are shared with the page cache: a checkpoint must not be rewritten
+ * in place while a model uses it (a truncated mapping faults on access).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -38,8 +41,8 @@ _Static_assert(BE_F32 == 0 && BE_F16 == 1 && BE_BF16 == 2, "DTYPES starts in be_
 #define MAX_RANK 8
 
 /* Every dtype the format defines, so extra tensors we never bind still get
- * their sizes checked; be < 0 marks the ones we cannot compute with. */
-/* The first three are indexed by enum be_dtype. */
+ * their sizes checked; be < 0 marks the ones we cannot compute with.  The
+ * first three are indexed by enum be_dtype. */
 static const struct st_dtype {
     const char *name;
     unsigned size;
@@ -420,7 +423,7 @@ static enum model_status bind_mat(struct binder *b, const char *name, int rows, 
     const uint8_t *p = f->data + t->begin;
     size_t bytes = (size_t)(t->end - t->begin);
     if ((uintptr_t)p % t->dtype->size != 0) {
-        void *copy = malloc(bytes ? bytes : 1);
+        void *copy = malloc(bytes);
         if (!copy)
             return model_errf(b->err, MODEL_ENOMEM, "%s: out of memory for an aligned copy of %s (%zu bytes)",
                               f->name, name, bytes);

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "model/model.h"
@@ -721,6 +722,10 @@ static void test_missing_files(void **state)
     struct spec s = spec_of("LlamaForCausalLM");
     write_config(&s);
     expect_fail(MODEL_ENOENT, "model.safetensors", NULL);
+    char path[256];
+    snprintf(path, sizeof path, "%s/model.safetensors", g_dir);
+    assert_int_equal(mkdir(path, 0700), 0);
+    expect_fail(MODEL_EFORMAT, "model.safetensors", "not a regular file", NULL);
 }
 
 static void test_truncated(void **state)
