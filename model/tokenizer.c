@@ -1,0 +1,1007 @@
+/* tokenizer.c - loading a Hugging Face tokenizer.json (+ tokenizer_config.json)
+ * into the tables model/tokenizer_encode.c and model/tokenizer_decode.c use.
+ *
+ * Everything read from the files is checked before use: ids against
+ * TOK_MAX_IDS, merges against the vocabulary, every component type against
+ * what the encoder implements (an unknown one is MODEL_EUNSUPPORTED rather
+ * than a silently different tokenisation).
+ */
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <sys/stat.h>
+#include <xxhash.h>
+
+#include "model/tokenizer_internal.h"
+
+/* GPT-2's pre-tokenizer regex, used by ByteLevel when use_regex is true. */
+static const char GPT2_REGEX[] =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+enum model_status tok_fail(char *err, enum model_status st, const char *fmt, ...)
+{
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, MODEL_ERR_LEN, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+/* A loading session: the tokenizer being built, the file name for
+ * messages and the caller's error buffer. */
+enum dec_op_kind { DEC_BYTE_LEVEL, DEC_REPLACE, DEC_BYTE_FALLBACK };
+struct dec_op {
+    enum dec_op_kind kind;
+    struct tok_span from, to; /* DEC_REPLACE */
+};
+#define MAX_DEC_OPS 8
+
+struct loader {
+    tokenizer *t;
+    const char *file;
+    char *err;
+    bool has_template;    /* the post-processor decides BOS/EOS */
+    struct dec_op ops[MAX_DEC_OPS]; /* per-token decoder steps, in order */
+    int n_ops;
+    bool fused;           /* a Fuse step was seen: later steps see the whole text */
+};
+
+#define LFAIL(L, st, ...) tok_fail((L)->err, (st), __VA_ARGS__)
+#define TRY(expr)                                                                                                    \
+    do {                                                                                                             \
+        enum model_status st_ = (expr);                                                                              \
+        if (st_ != MODEL_OK)                                                                                         \
+            return st_;                                                                                              \
+    } while (0)
+
+static enum model_status oom(struct loader *L)
+{
+    return LFAIL(L, MODEL_ENOMEM, "%s: out of memory", L->file);
+}
+
+/* Copies s[0..n) into the arena. */
+static enum model_status intern(struct loader *L, const char *s, size_t n, struct tok_span *out)
+{
+    if (n > UINT32_MAX || L->t->str.n > UINT32_MAX - n)
+        return LFAIL(L, MODEL_EFORMAT, "%s: strings exceed 4 GiB", L->file);
+    out->off = (uint32_t)L->t->str.n;
+    out->len = (uint32_t)n;
+    return tok_buf_append(&L->t->str, s, n) ? MODEL_OK : oom(L);
+}
+
+static const char *span_str(const tokenizer *t, struct tok_span s)
+{
+    return t->str.p + s.off;
+}
+
+/* ---- JSON field access with messages naming the field ------------------ */
+
+static enum model_status get_string(struct loader *L, json_t *obj, const char *key, const char *where, bool required,
+                                    const char **out, size_t *len)
+{
+    json_t *v = json_object_get(obj, key);
+    *out = NULL;
+    *len = 0;
+    if (!v || json_is_null(v)) {
+        if (required)
+            return LFAIL(L, MODEL_EFORMAT, "%s: %s.%s is missing", L->file, where, key);
+        return MODEL_OK;
+    }
+    if (!json_is_string(v))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s.%s is not a string", L->file, where, key);
+    *out = json_string_value(v);
+    *len = json_string_length(v);
+    return MODEL_OK;
+}
+
+static enum model_status get_bool(struct loader *L, json_t *obj, const char *key, const char *where, bool dflt,
+                                  bool *out)
+{
+    json_t *v = json_object_get(obj, key);
+    *out = dflt;
+    if (!v || json_is_null(v))
+        return MODEL_OK;
+    if (!json_is_boolean(v))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s.%s is not a boolean", L->file, where, key);
+    *out = json_is_true(v);
+    return MODEL_OK;
+}
+
+static enum model_status get_type(struct loader *L, json_t *obj, const char *where, const char **type)
+{
+    size_t len;
+    if (!json_is_object(obj))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s is not an object", L->file, where);
+    return get_string(L, obj, "type", where, true, type, &len);
+}
+
+static enum model_status get_id(struct loader *L, json_t *v, const char *where, size_t index, int32_t *out)
+{
+    if (!json_is_integer(v))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s[%zu] is not an integer id", L->file, where, index);
+    json_int_t id = json_integer_value(v);
+    if (id < 0 || id >= TOK_MAX_IDS)
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s[%zu]: id %lld out of range [0, %d)", L->file, where, index,
+                     (long long)id, TOK_MAX_IDS);
+    *out = (int32_t)id;
+    return MODEL_OK;
+}
+
+/* "String" or "Regex" pattern object of Split / Replace. */
+static enum model_status get_pattern(struct loader *L, json_t *obj, const char *where, const char **s, size_t *len,
+                                     bool *is_regex)
+{
+    json_t *p = json_object_get(obj, "pattern");
+    if (!json_is_object(p))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s.pattern is missing or not an object", L->file, where);
+    *is_regex = json_object_get(p, "Regex") != NULL;
+    TRY(get_string(L, p, *is_regex ? "Regex" : "String", where, true, s, len));
+    return MODEL_OK;
+}
+
+/* ---- vocabulary and merges --------------------------------------------- */
+
+static uint32_t hash_bytes(const char *s, size_t n)
+{
+    return (uint32_t)XXH3_64bits(s, n);
+}
+
+int32_t tok_vocab_find(const tokenizer *t, const char *s, size_t n)
+{
+    if (!t->vocab_tab)
+        return -1;
+    for (uint32_t h = hash_bytes(s, n) & t->vocab_mask;; h = (h + 1) & t->vocab_mask) {
+        int32_t id = t->vocab_tab[h];
+        if (id < 0)
+            return -1;
+        struct tok_span p = t->piece[id];
+        if (p.len == n && memcmp(t->str.p + p.off, s, n) == 0)
+            return id;
+    }
+}
+
+static uint32_t table_mask(size_t n)
+{
+    uint32_t cap = 16;
+    while (cap < 2 * n)
+        cap *= 2;
+    return cap - 1;
+}
+
+static enum model_status load_vocab(struct loader *L, json_t *vocab, int32_t *max_id)
+{
+    tokenizer *t = L->t;
+    if (!json_is_object(vocab))
+        return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab is missing or not an object", L->file);
+    size_t n = json_object_size(vocab), bytes = 0;
+    if (n == 0)
+        return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab is empty", L->file);
+    if (n >= TOK_MAX_IDS)
+        return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab has %zu entries (limit %d)", L->file, n, TOK_MAX_IDS);
+    /* First pass: check the ids and size the tables. */
+    const char *key;
+    json_t *v;
+    *max_id = -1;
+    json_object_foreach(vocab, key, v) {
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= TOK_MAX_IDS)
+            return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab[\"%.64s\"] is not an id in [0, %d)", L->file, key,
+                         TOK_MAX_IDS);
+        if (json_integer_value(v) > *max_id)
+            *max_id = (int32_t)json_integer_value(v);
+        bytes += strlen(key);
+    }
+    if (!tok_buf_reserve(&t->str, bytes + 1024))
+        return oom(L);
+    t->vocab_mask = table_mask(n);
+    t->vocab_tab = malloc(((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
+    t->piece = calloc((size_t)*max_id + 1, sizeof *t->piece);
+    if (!t->vocab_tab || !t->piece)
+        return oom(L);
+    memset(t->vocab_tab, 0xFF, ((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
+    /* Until finish_tables() sizes the flags, off == UINT32_MAX marks an id
+     * the vocabulary does not use. */
+    for (int32_t i = 0; i <= *max_id; i++)
+        t->piece[i].off = UINT32_MAX;
+    json_object_foreach(vocab, key, v) {
+        int32_t id = (int32_t)json_integer_value(v);
+        size_t len = strlen(key);
+        if (t->piece[id].off != UINT32_MAX)
+            return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab: id %d is given to both \"%.64s\" and \"%.64s\"",
+                         L->file, id, span_str(t, t->piece[id]), key);
+        TRY(intern(L, key, len, &t->piece[id]));
+        uint32_t h = hash_bytes(key, len) & t->vocab_mask;
+        while (t->vocab_tab[h] >= 0)
+            h = (h + 1) & t->vocab_mask;
+        t->vocab_tab[h] = id;
+    }
+    return MODEL_OK;
+}
+
+static struct tok_merge_slot *merge_slot(const tokenizer *t, uint64_t key)
+{
+    uint32_t h = (uint32_t)XXH3_64bits(&key, sizeof key) & t->merge_mask;
+    while (t->merge_tab[h].key != UINT64_MAX && t->merge_tab[h].key != key)
+        h = (h + 1) & t->merge_mask;
+    return &t->merge_tab[h];
+}
+
+const struct tok_merge_slot *tok_merge_find(const tokenizer *t, int32_t left, int32_t right)
+{
+    if (!t->merge_tab)
+        return NULL;
+    const struct tok_merge_slot *s = merge_slot(t, (uint64_t)left << 32 | (uint32_t)right);
+    return s->key == UINT64_MAX ? NULL : s;
+}
+
+/* One merge "a b" or ["a", "b"] into its two halves. */
+static enum model_status merge_halves(struct loader *L, json_t *m, size_t i, const char **a, size_t *na,
+                                      const char **b, size_t *nb)
+{
+    if (json_is_string(m)) {
+        const char *s = json_string_value(m);
+        const char *sp = strchr(s, ' ');
+        if (!sp || strchr(sp + 1, ' ') || sp == s || !sp[1])
+            return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu] \"%.64s\" is not two pieces separated by one space",
+                         L->file, i, s);
+        *a = s, *na = (size_t)(sp - s), *b = sp + 1, *nb = strlen(sp + 1);
+        return MODEL_OK;
+    }
+    if (json_is_array(m) && json_array_size(m) == 2 && json_is_string(json_array_get(m, 0)) &&
+        json_is_string(json_array_get(m, 1))) {
+        *a = json_string_value(json_array_get(m, 0)), *na = json_string_length(json_array_get(m, 0));
+        *b = json_string_value(json_array_get(m, 1)), *nb = json_string_length(json_array_get(m, 1));
+        return MODEL_OK;
+    }
+    return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", L->file, i);
+}
+
+static enum model_status load_merges(struct loader *L, json_t *merges)
+{
+    tokenizer *t = L->t;
+    if (!merges || json_is_null(merges))
+        return MODEL_OK; /* a vocabulary of single characters */
+    if (!json_is_array(merges))
+        return LFAIL(L, MODEL_EFORMAT, "%s: model.merges is not an array", L->file);
+    size_t n = json_array_size(merges);
+    if (n >= TOK_MAX_IDS)
+        return LFAIL(L, MODEL_EFORMAT, "%s: model.merges has %zu entries (limit %d)", L->file, n, TOK_MAX_IDS);
+    t->merge_mask = table_mask(n);
+    t->merge_tab = malloc(((size_t)t->merge_mask + 1) * sizeof *t->merge_tab);
+    if (!t->merge_tab)
+        return oom(L);
+    for (size_t i = 0; i <= t->merge_mask; i++)
+        t->merge_tab[i].key = UINT64_MAX;
+    struct tok_buf cat = {0};
+    enum model_status st = MODEL_OK;
+    for (size_t i = 0; i < n && st == MODEL_OK; i++) {
+        const char *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        st = merge_halves(L, json_array_get(merges, i), i, &a, &na, &b, &nb);
+        if (st != MODEL_OK)
+            break;
+        cat.n = 0;
+        if (!tok_buf_append(&cat, a, na) || !tok_buf_append(&cat, b, nb)) {
+            st = oom(L);
+            break;
+        }
+        int32_t ia = tok_vocab_find(t, a, na), ib = tok_vocab_find(t, b, nb);
+        int32_t im = tok_vocab_find(t, cat.p, cat.n);
+        if (ia < 0 || ib < 0 || im < 0) {
+            const char *missing = ia < 0 ? a : ib < 0 ? b : cat.p;
+            int missing_len = (int)(ia < 0 ? na : ib < 0 ? nb : cat.n);
+            st = LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu]: \"%.*s\" is not in model.vocab", L->file, i,
+                       missing_len > 64 ? 64 : missing_len, missing);
+            break;
+        }
+        /* A repeated pair keeps its last rank, as Hugging Face's loader does. */
+        struct tok_merge_slot *s = merge_slot(t, (uint64_t)ia << 32 | (uint32_t)ib);
+        *s = (struct tok_merge_slot){(uint64_t)ia << 32 | (uint32_t)ib, (uint32_t)i, im};
+    }
+    free(cat.p);
+    return st;
+}
+
+static enum model_status load_model(struct loader *L, json_t *mj, int32_t *max_id)
+{
+    tokenizer *t = L->t;
+    if (!json_is_object(mj))
+        return LFAIL(L, MODEL_EFORMAT, "%s: model is missing or not an object", L->file);
+    const char *type, *s;
+    size_t len;
+    /* Old files leave out "type"; vocab + merges is then BPE. */
+    TRY(get_string(L, mj, "type", "model", false, &type, &len));
+    if (type && strcmp(type, "BPE") != 0)
+        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: model.type \"%s\" (only BPE is supported)", L->file, type);
+    json_t *dropout = json_object_get(mj, "dropout");
+    if (dropout && !json_is_null(dropout) && !(json_is_number(dropout) && json_number_value(dropout) == 0))
+        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: model.dropout is set (BPE dropout is a training feature)", L->file);
+    static const char *const affixes[] = {"continuing_subword_prefix", "end_of_word_suffix"};
+    for (size_t i = 0; i < 2; i++) {
+        TRY(get_string(L, mj, affixes[i], "model", false, &s, &len));
+        if (len)
+            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: model.%s \"%s\" is not supported", L->file, affixes[i], s);
+    }
+    TRY(get_bool(L, mj, "byte_fallback", "model", false, &t->byte_fallback));
+    TRY(get_bool(L, mj, "ignore_merges", "model", false, &t->ignore_merges));
+    TRY(get_bool(L, mj, "fuse_unk", "model", false, &t->fuse_unk));
+    TRY(load_vocab(L, json_object_get(mj, "vocab"), max_id));
+    TRY(load_merges(L, json_object_get(mj, "merges")));
+    TRY(get_string(L, mj, "unk_token", "model", false, &s, &len));
+    t->unk_id = -1;
+    if (s && (t->unk_id = tok_vocab_find(t, s, len)) < 0)
+        return LFAIL(L, MODEL_EFORMAT, "%s: model.unk_token \"%.64s\" is not in model.vocab", L->file, s);
+    for (int b = 0; b < 256; b++) {
+        char name[8];
+        snprintf(name, sizeof name, "<0x%02X>", b);
+        t->byte_token[b] = tok_vocab_find(t, name, 6);
+    }
+    return MODEL_OK;
+}
+
+/* ---- added tokens -------------------------------------------------------- */
+
+static int added_cmp(const void *pa, const void *pb, void *arena)
+{
+    const struct tok_added *a = pa, *b = pb;
+    unsigned char fa = (unsigned char)((char *)arena)[a->s.off], fb = (unsigned char)((char *)arena)[b->s.off];
+    if (fa != fb)
+        return fa < fb ? -1 : 1;
+    return a->s.len > b->s.len ? -1 : a->s.len < b->s.len ? 1 : 0;
+}
+
+static enum model_status load_added(struct loader *L, json_t *arr, int32_t *max_id)
+{
+    tokenizer *t = L->t;
+    if (!arr || json_is_null(arr))
+        return MODEL_OK;
+    if (!json_is_array(arr))
+        return LFAIL(L, MODEL_EFORMAT, "%s: added_tokens is not an array", L->file);
+    size_t n = json_array_size(arr);
+    if (n > UINT16_MAX)
+        return LFAIL(L, MODEL_EFORMAT, "%s: added_tokens has %zu entries (limit %d)", L->file, n, UINT16_MAX);
+    t->added = calloc(n ? n : 1, sizeof *t->added);
+    if (!t->added)
+        return oom(L);
+    for (size_t i = 0; i < n; i++) {
+        json_t *o = json_array_get(arr, i);
+        struct tok_added *a = &t->added[i];
+        char where[48];
+        snprintf(where, sizeof where, "added_tokens[%zu]", i);
+        if (!json_is_object(o))
+            return LFAIL(L, MODEL_EFORMAT, "%s: %s is not an object", L->file, where);
+        const char *content;
+        size_t len;
+        TRY(get_id(L, json_object_get(o, "id"), "added_tokens.id", i, &a->id));
+        TRY(get_string(L, o, "content", where, true, &content, &len));
+        if (len == 0)
+            return LFAIL(L, MODEL_EFORMAT, "%s: %s.content is empty", L->file, where);
+        TRY(get_bool(L, o, "special", where, false, &a->special));
+        TRY(get_bool(L, o, "lstrip", where, false, &a->lstrip));
+        TRY(get_bool(L, o, "rstrip", where, false, &a->rstrip));
+        TRY(get_bool(L, o, "single_word", where, false, &a->single_word));
+        TRY(intern(L, content, len, &a->s));
+        if (a->id > *max_id)
+            *max_id = a->id;
+        t->n_added++;
+    }
+    /* Leftmost-longest matching looks at the tokens sharing the byte under
+     * the cursor, longest first. */
+    qsort_r(t->added, (size_t)t->n_added, sizeof *t->added, added_cmp, t->str.p);
+    int k = 0;
+    for (int b = 0; b <= 256; b++) {
+        while (k < t->n_added && (unsigned char)t->str.p[t->added[k].s.off] < b)
+            k++;
+        t->added_first[b] = (uint16_t)k;
+    }
+    return MODEL_OK;
+}
+
+/* ---- normaliser and pre-tokenizer ---------------------------------------- */
+
+static enum model_status push_norm(struct loader *L, enum tok_norm_op op, struct tok_span from, struct tok_span to)
+{
+    tokenizer *t = L->t;
+    struct tok_norm *n = realloc(t->norm, ((size_t)t->n_norm + 1) * sizeof *n);
+    if (!n)
+        return oom(L);
+    t->norm = n;
+    n[t->n_norm++] = (struct tok_norm){op, from, to};
+    return MODEL_OK;
+}
+
+/* Walks a component that may be a "Sequence" of components (listed under
+ * list_key), calling one() on each leaf with a path naming it. */
+typedef enum model_status (*component_fn)(struct loader *L, json_t *obj, const char *type, const char *where);
+
+static enum model_status walk(struct loader *L, json_t *obj, const char *where, const char *list_key,
+                              component_fn one)
+{
+    if (!obj || json_is_null(obj))
+        return MODEL_OK;
+    const char *type;
+    TRY(get_type(L, obj, where, &type));
+    if (strcmp(type, "Sequence") != 0)
+        return one(L, obj, type, where);
+    json_t *list = json_object_get(obj, list_key);
+    if (!json_is_array(list))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s.%s is missing or not an array", L->file, where, list_key);
+    for (size_t i = 0; i < json_array_size(list); i++) {
+        char sub[160];
+        snprintf(sub, sizeof sub, "%s.%s[%zu]", where, list_key, i);
+        TRY(walk(L, json_array_get(list, i), sub, list_key, one));
+    }
+    return MODEL_OK;
+}
+
+static enum model_status unsupported(struct loader *L, const char *where, const char *type)
+{
+    return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s.type \"%s\" is not supported", L->file, where, type);
+}
+
+static enum model_status one_normalizer(struct loader *L, json_t *o, const char *type, const char *where)
+{
+    const char *s;
+    size_t len;
+    struct tok_span from = {0, 0}, to = {0, 0};
+    if (strcmp(type, "NFC") == 0)
+        return push_norm(L, TOK_NORM_NFC, from, to);
+    if (strcmp(type, "Prepend") == 0) {
+        TRY(get_string(L, o, "prepend", where, true, &s, &len));
+        TRY(intern(L, s, len, &to));
+        return push_norm(L, TOK_NORM_PREPEND, from, to);
+    }
+    if (strcmp(type, "Replace") == 0) {
+        bool is_regex;
+        TRY(get_pattern(L, o, where, &s, &len, &is_regex));
+        if (is_regex)
+            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s.pattern: Regex replacement is not supported", L->file,
+                         where);
+        if (len == 0)
+            return LFAIL(L, MODEL_EFORMAT, "%s: %s.pattern.String is empty", L->file, where);
+        TRY(intern(L, s, len, &from));
+        TRY(get_string(L, o, "content", where, true, &s, &len));
+        TRY(intern(L, s, len, &to));
+        return push_norm(L, TOK_NORM_REPLACE, from, to);
+    }
+    return unsupported(L, where, type);
+}
+
+static enum model_status push_split(struct loader *L, const char *pattern, size_t len, uint32_t extra_flags,
+                                    const char *where)
+{
+    tokenizer *t = L->t;
+    int code;
+    PCRE2_SIZE at;
+    pcre2_code *re =
+        pcre2_compile((PCRE2_SPTR)pattern, len, PCRE2_UTF | PCRE2_UCP | extra_flags, &code, &at, NULL);
+    if (!re) {
+        PCRE2_UCHAR msg[128];
+        pcre2_get_error_message(code, msg, sizeof msg);
+        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s.pattern: regex does not compile at offset %zu: %s", L->file,
+                     where, (size_t)at, (const char *)msg);
+    }
+    /* The interpreter is the fallback where JIT is unavailable. */
+    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);
+    pcre2_code **s = realloc(t->splits, ((size_t)t->n_splits + 1) * sizeof *s);
+    if (!s) {
+        pcre2_code_free(re);
+        return oom(L);
+    }
+    t->splits = s;
+    s[t->n_splits++] = re;
+    return MODEL_OK;
+}
+
+static enum model_status one_pretokenizer(struct loader *L, json_t *o, const char *type, const char *where)
+{
+    tokenizer *t = L->t;
+    const char *s;
+    size_t len;
+    if (strcmp(type, "Split") == 0) {
+        bool is_regex, invert;
+        TRY(get_pattern(L, o, where, &s, &len, &is_regex));
+        TRY(get_bool(L, o, "invert", where, false, &invert));
+        const char *behavior;
+        size_t blen;
+        TRY(get_string(L, o, "behavior", where, true, &behavior, &blen));
+        if (invert || strcmp(behavior, "Isolated") != 0)
+            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: only behavior Isolated without invert is supported",
+                         L->file, where);
+        return push_split(L, s, len, is_regex ? 0 : PCRE2_LITERAL, where);
+    }
+    if (strcmp(type, "ByteLevel") == 0) {
+        bool use_regex;
+        if (t->byte_level || t->metaspace)
+            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: a second ByteLevel/Metaspace pre-tokenizer", L->file, where);
+        t->byte_level = true;
+        TRY(get_bool(L, o, "add_prefix_space", where, true, &t->prefix_space));
+        TRY(get_bool(L, o, "use_regex", where, true, &use_regex));
+        /* The prefix space is added per piece; only before any split is
+         * that the same as once per text section. */
+        if (t->prefix_space && t->n_splits)
+            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: add_prefix_space after a Split is not supported", L->file,
+                         where);
+        return use_regex ? push_split(L, GPT2_REGEX, sizeof GPT2_REGEX - 1, 0, where) : MODEL_OK;
+    }
+    if (strcmp(type, "Metaspace") == 0) {
+        if (t->byte_level || t->metaspace || t->n_splits)
+            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: Metaspace must be the only pre-tokenizer", L->file, where);
+        t->metaspace = true;
+        uint32_t cp;
+        TRY(get_string(L, o, "replacement", where, true, &s, &len));
+        if (len == 0 || tok_utf8_next((const unsigned char *)s, len, &cp) != len)
+            return LFAIL(L, MODEL_EFORMAT, "%s: %s.replacement is not one character", L->file, where);
+        TRY(intern(L, s, len, &t->meta_repl));
+        const char *scheme;
+        TRY(get_string(L, o, "prepend_scheme", where, false, &scheme, &len));
+        if (scheme) {
+            if (strcmp(scheme, "always") == 0)
+                t->meta_prepend = TOK_PREPEND_ALWAYS;
+            else if (strcmp(scheme, "first") == 0)
+                t->meta_prepend = TOK_PREPEND_FIRST;
+            else if (strcmp(scheme, "never") == 0)
+                t->meta_prepend = TOK_PREPEND_NEVER;
+            else
+                return LFAIL(L, MODEL_EFORMAT, "%s: %s.prepend_scheme \"%s\" is unknown", L->file, where, scheme);
+        } else {
+            bool add;
+            TRY(get_bool(L, o, "add_prefix_space", where, true, &add));
+            t->meta_prepend = add ? TOK_PREPEND_ALWAYS : TOK_PREPEND_NEVER;
+        }
+        bool split;
+        TRY(get_bool(L, o, "split", where, true, &split));
+        if (!split)
+            return MODEL_OK;
+        /* Splitting before each replacement character, which stays at the
+         * start of its piece, is an Isolated split on "R[^R]*". */
+        char re[64];
+        int n = snprintf(re, sizeof re, "\\x{%X}[^\\x{%X}]*", (unsigned)cp, (unsigned)cp);
+        return push_split(L, re, (size_t)n, 0, where);
+    }
+    return unsupported(L, where, type);
+}
+
+/* ---- post-processor ------------------------------------------------------- */
+
+static enum model_status ids_push(struct loader *L, int32_t **ids, int *n, int32_t id)
+{
+    if (id < 0 || id >= L->t->n_ids)
+        return LFAIL(L, MODEL_EFORMAT, "%s: post_processor: id %d out of range [0, %d)", L->file, id, L->t->n_ids);
+    int32_t *p = realloc(*ids, ((size_t)*n + 1) * sizeof *p);
+    if (!p)
+        return oom(L);
+    *ids = p;
+    p[(*n)++] = id;
+    return MODEL_OK;
+}
+
+static enum model_status template_item(struct loader *L, json_t *specials, json_t *item, const char *where,
+                                       bool *seen_a)
+{
+    tokenizer *t = L->t;
+    json_t *seq = json_object_get(item, "Sequence"), *sp = json_object_get(item, "SpecialToken");
+    if (json_is_object(seq)) {
+        const char *id;
+        size_t len;
+        TRY(get_string(L, seq, "id", where, true, &id, &len));
+        if (strcmp(id, "A") != 0 || *seen_a)
+            return LFAIL(L, MODEL_EFORMAT, "%s: %s: the single template must hold sequence A once", L->file, where);
+        *seen_a = true;
+        return MODEL_OK;
+    }
+    if (!json_is_object(sp))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s is neither Sequence nor SpecialToken", L->file, where);
+    const char *name;
+    size_t len;
+    TRY(get_string(L, sp, "id", where, true, &name, &len));
+    json_t *ids = json_object_get(json_object_get(specials, name), "ids");
+    if (!json_is_array(ids))
+        return LFAIL(L, MODEL_EFORMAT, "%s: post_processor.special_tokens[\"%.64s\"].ids is missing", L->file, name);
+    for (size_t k = 0; k < json_array_size(ids); k++) {
+        int32_t id;
+        TRY(get_id(L, json_array_get(ids, k), "post_processor.special_tokens.ids", k, &id));
+        TRY(*seen_a ? ids_push(L, &t->suffix_ids, &t->n_suffix, id) : ids_push(L, &t->prefix_ids, &t->n_prefix, id));
+    }
+    return MODEL_OK;
+}
+
+static enum model_status one_postprocessor(struct loader *L, json_t *o, const char *type, const char *where)
+{
+    if (strcmp(type, "ByteLevel") == 0)
+        return MODEL_OK; /* offsets only */
+    if (strcmp(type, "TemplateProcessing") != 0)
+        return unsupported(L, where, type);
+    json_t *single = json_object_get(o, "single"), *specials = json_object_get(o, "special_tokens");
+    if (!json_is_array(single))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s.single is missing or not an array", L->file, where);
+    if (L->t->n_prefix || L->t->n_suffix)
+        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: a second TemplateProcessing", L->file, where);
+    bool seen_a = false;
+    for (size_t i = 0; i < json_array_size(single); i++) {
+        char sub[160];
+        snprintf(sub, sizeof sub, "%s.single[%zu]", where, i);
+        TRY(template_item(L, specials, json_array_get(single, i), sub, &seen_a));
+    }
+    if (!seen_a)
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s.single has no sequence A", L->file, where);
+    L->has_template = true;
+    return MODEL_OK;
+}
+
+/* ---- decoder: per-token steps are applied once at load (tok_span dec) ---- */
+
+static enum model_status push_dec(struct loader *L, enum dec_op_kind kind, const char *from, size_t nfrom,
+                                  const char *to, size_t nto, const char *where)
+{
+    struct dec_op *op = &L->ops[L->n_ops];
+    if (L->n_ops == MAX_DEC_OPS)
+        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: more than %d decoder steps", L->file, where, MAX_DEC_OPS);
+    if (L->fused)
+        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: per-token decoder step after Fuse", L->file, where);
+    op->kind = kind;
+    if (kind == DEC_REPLACE) {
+        TRY(intern(L, from, nfrom, &op->from));
+        TRY(intern(L, to, nto, &op->to));
+    }
+    L->n_ops++;
+    return MODEL_OK;
+}
+
+static enum model_status one_decoder(struct loader *L, json_t *o, const char *type, const char *where)
+{
+    const char *s, *c;
+    size_t len, clen;
+    if (strcmp(type, "ByteLevel") == 0)
+        return push_dec(L, DEC_BYTE_LEVEL, NULL, 0, NULL, 0, where);
+    if (strcmp(type, "ByteFallback") == 0)
+        return push_dec(L, DEC_BYTE_FALLBACK, NULL, 0, NULL, 0, where);
+    if (strcmp(type, "Fuse") == 0) {
+        L->fused = true;
+        return MODEL_OK;
+    }
+    if (strcmp(type, "Replace") == 0) {
+        bool is_regex;
+        TRY(get_pattern(L, o, where, &s, &len, &is_regex));
+        TRY(get_string(L, o, "content", where, true, &c, &clen));
+        if (is_regex || len == 0)
+            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s.pattern: only a non-empty String is supported", L->file,
+                         where);
+        return push_dec(L, DEC_REPLACE, s, len, c, clen, where);
+    }
+    if (strcmp(type, "Metaspace") == 0) {
+        const char *scheme;
+        bool add;
+        TRY(get_string(L, o, "replacement", where, true, &s, &len));
+        TRY(get_string(L, o, "prepend_scheme", where, false, &scheme, &clen));
+        TRY(get_bool(L, o, "add_prefix_space", where, true, &add));
+        if (len == 0)
+            return LFAIL(L, MODEL_EFORMAT, "%s: %s.replacement is empty", L->file, where);
+        L->t->strip_first_space = scheme ? strcmp(scheme, "never") != 0 : add;
+        return push_dec(L, DEC_REPLACE, s, len, " ", 1, where);
+    }
+    if (strcmp(type, "Strip") == 0) {
+        json_t *start = json_object_get(o, "start"), *stop = json_object_get(o, "stop");
+        TRY(get_string(L, o, "content", where, true, &c, &clen));
+        /* Streaming can only drop the very first space of the output. */
+        if (!L->fused || clen != 1 || c[0] != ' ' || !json_is_integer(start) || json_integer_value(start) > 1 ||
+            json_integer_value(start) < 0 || !json_is_integer(stop) || json_integer_value(stop) != 0)
+            return LFAIL(L, MODEL_EUNSUPPORTED,
+                         "%s: %s: only Strip(content \" \", start 0 or 1, stop 0) after Fuse is supported", L->file,
+                         where);
+        L->t->strip_first_space = json_integer_value(start) == 1;
+        return MODEL_OK;
+    }
+    return unsupported(L, where, type);
+}
+
+static int hex_digit(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* Applies the per-token decoder steps to one vocab piece, into out. */
+static enum model_status decode_piece(struct loader *L, const char *p, size_t n, struct tok_buf *out,
+                                      struct tok_buf *tmp)
+{
+    const tokenizer *t = L->t;
+    out->n = 0;
+    if (!tok_buf_append(out, p, n))
+        return oom(L);
+    for (int k = 0; k < L->n_ops; k++) {
+        const struct dec_op *op = &L->ops[k];
+        tmp->n = 0;
+        if (op->kind == DEC_BYTE_FALLBACK) {
+            int hi = out->n == 6 ? hex_digit(out->p[3]) : -1, lo = out->n == 6 ? hex_digit(out->p[4]) : -1;
+            if (hi >= 0 && lo >= 0 && memcmp(out->p, "<0x", 3) == 0 && out->p[5] == '>') {
+                out->p[0] = (char)(hi << 4 | lo);
+                out->n = 1;
+            }
+            continue;
+        }
+        if (op->kind == DEC_BYTE_LEVEL) {
+            /* A piece with a character outside the byte table (an added
+             * token's text) stays as it is, as in Hugging Face's decoder. */
+            size_t i = 0;
+            while (i < out->n) {
+                uint32_t cp;
+                size_t len = tok_utf8_next((const unsigned char *)out->p + i, out->n - i, &cp);
+                int b = len ? tok_cp_to_byte(cp) : -1;
+                if (b < 0)
+                    break;
+                char c = (char)b;
+                if (!tok_buf_append(tmp, &c, 1))
+                    return oom(L);
+                i += len;
+            }
+            if (i < out->n)
+                continue;
+        } else {
+            const char *from = span_str(t, op->from), *to = span_str(t, op->to);
+            for (size_t i = 0; i < out->n;) {
+                bool hit = out->n - i >= op->from.len && memcmp(out->p + i, from, op->from.len) == 0;
+                if (!(hit ? tok_buf_append(tmp, to, op->to.len) : tok_buf_append(tmp, out->p + i, 1)))
+                    return oom(L);
+                i += hit ? op->from.len : 1;
+            }
+        }
+        struct tok_buf swap = *out;
+        *out = *tmp;
+        *tmp = swap;
+    }
+    return MODEL_OK;
+}
+
+/* ---- tokenizer_config.json ----------------------------------------------- */
+
+/* bos_token / eos_token: a string, {"content": ...} (AddedToken) or null. */
+static enum model_status config_token(struct loader *L, json_t *cfg, const char *key, int32_t *id)
+{
+    json_t *v = json_object_get(cfg, key);
+    if (json_is_object(v))
+        v = json_object_get(v, "content");
+    *id = -1;
+    if (!v || json_is_null(v))
+        return MODEL_OK;
+    if (!json_is_string(v))
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s is not a string", L->file, key);
+    *id = tokenizer_token_id(L->t, json_string_value(v));
+    if (*id < 0)
+        return LFAIL(L, MODEL_EFORMAT, "%s: %s \"%.64s\" is not a token of tokenizer.json", L->file, key,
+                     json_string_value(v));
+    return MODEL_OK;
+}
+
+static enum model_status load_config(struct loader *L, json_t *cfg)
+{
+    tokenizer *t = L->t;
+    bool add_bos, add_eos;
+    if (!json_is_object(cfg))
+        return LFAIL(L, MODEL_EFORMAT, "%s: not a JSON object", L->file);
+    TRY(config_token(L, cfg, "bos_token", &t->bos_id));
+    TRY(config_token(L, cfg, "eos_token", &t->eos_id));
+    TRY(get_bool(L, cfg, "add_bos_token", "tokenizer_config", false, &add_bos));
+    TRY(get_bool(L, cfg, "add_eos_token", "tokenizer_config", false, &add_eos));
+    /* Without a TemplateProcessing post-processor these flags decide. */
+    if (!L->has_template && add_bos && t->bos_id >= 0)
+        TRY(ids_push(L, &t->prefix_ids, &t->n_prefix, t->bos_id));
+    if (!L->has_template && add_eos && t->eos_id >= 0)
+        TRY(ids_push(L, &t->suffix_ids, &t->n_suffix, t->eos_id));
+
+    json_t *tpl = json_object_get(cfg, "chat_template");
+    if (json_is_array(tpl)) {
+        /* A list of named templates: "default" or else the first. */
+        json_t *pick = json_array_get(tpl, 0), *e;
+        size_t i;
+        json_array_foreach(tpl, i, e) {
+            if (json_is_string(json_object_get(e, "name")) && !strcmp(json_string_value(json_object_get(e, "name")), "default"))
+                pick = e;
+        }
+        tpl = json_object_get(pick, "template");
+    }
+    if (tpl && !json_is_null(tpl)) {
+        if (!json_is_string(tpl))
+            return LFAIL(L, MODEL_EFORMAT, "%s: chat_template is not a string", L->file);
+        if (!(t->chat_template = strdup(json_string_value(tpl))))
+            return oom(L);
+    }
+    return MODEL_OK;
+}
+
+/* ---- the whole load -------------------------------------------------------- */
+
+/* tokenizer_config.json holds integers beyond 64 bits (model_max_length
+ * 1e30), which it reads as reals (optional = the config). */
+static enum model_status read_json(struct loader *L, const char *path, bool optional, json_t **out)
+{
+    struct stat sb;
+    *out = NULL;
+    if (stat(path, &sb) != 0) {
+        if (optional && errno == ENOENT)
+            return MODEL_OK;
+        return LFAIL(L, errno == ENOENT ? MODEL_ENOENT : MODEL_EIO, "%s: %s", path, strerror(errno));
+    }
+    json_error_t je;
+    *out = json_load_file(path, optional ? JSON_DECODE_INT_AS_REAL : 0, &je);
+    if (!*out)
+        return LFAIL(L, MODEL_EFORMAT, "%s:%d:%d: %s", path, je.line, je.column, je.text);
+    return MODEL_OK;
+}
+
+static enum model_status finish_tables(struct loader *L, int32_t max_id)
+{
+    tokenizer *t = L->t;
+    /* piece[] was sized for the vocab; added tokens may reach beyond it. */
+    struct tok_span *p = realloc(t->piece, ((size_t)max_id + 1) * sizeof *p);
+    if (!p)
+        return oom(L);
+    t->piece = p;
+    for (int32_t i = t->n_ids; i <= max_id; i++)
+        p[i].off = UINT32_MAX;
+    t->n_ids = max_id + 1;
+    t->flags = calloc((size_t)t->n_ids, 1);
+    t->dec = calloc((size_t)t->n_ids, sizeof *t->dec);
+    if (!t->flags || !t->dec)
+        return oom(L);
+    for (int32_t i = 0; i < t->n_ids; i++) {
+        if (p[i].off != UINT32_MAX)
+            t->flags[i] = TOKF_VOCAB;
+        else
+            p[i] = (struct tok_span){0, 0};
+    }
+    for (int k = 0; k < t->n_added; k++) {
+        const struct tok_added *a = &t->added[k];
+        t->flags[a->id] |= TOKF_ADDED | (a->special ? TOKF_SPECIAL : 0);
+        t->dec[a->id] = a->s;
+    }
+    return MODEL_OK;
+}
+
+static enum model_status build_decoded(struct loader *L)
+{
+    tokenizer *t = L->t;
+    struct tok_buf out = {0}, tmp = {0};
+    enum model_status st = MODEL_OK;
+    for (int32_t i = 0; i < t->n_ids && st == MODEL_OK; i++) {
+        if ((t->flags[i] & (TOKF_VOCAB | TOKF_ADDED)) != TOKF_VOCAB)
+            continue;
+        struct tok_span p = t->piece[i];
+        st = decode_piece(L, span_str(t, p), p.len, &out, &tmp);
+        if (st != MODEL_OK)
+            break;
+        /* Most pieces decode to themselves: share the bytes. */
+        if (out.n == p.len && memcmp(out.p, span_str(t, p), p.len) == 0)
+            t->dec[i] = p;
+        else
+            st = intern(L, out.p, out.n, &t->dec[i]);
+    }
+    free(out.p);
+    free(tmp.p);
+    return st;
+}
+
+static enum model_status load_tokenizer_json(struct loader *L, json_t *root)
+{
+    tokenizer *t = L->t;
+    int32_t max_id = -1;
+    if (!json_is_object(root))
+        return LFAIL(L, MODEL_EFORMAT, "%s: not a JSON object", L->file);
+    TRY(load_model(L, json_object_get(root, "model"), &max_id));
+    t->n_ids = max_id + 1;
+    TRY(load_added(L, json_object_get(root, "added_tokens"), &max_id));
+    TRY(finish_tables(L, max_id));
+    TRY(walk(L, json_object_get(root, "normalizer"), "normalizer", "normalizers", one_normalizer));
+    TRY(walk(L, json_object_get(root, "pre_tokenizer"), "pre_tokenizer", "pretokenizers", one_pretokenizer));
+    TRY(walk(L, json_object_get(root, "post_processor"), "post_processor", "processors", one_postprocessor));
+    TRY(walk(L, json_object_get(root, "decoder"), "decoder", "decoders", one_decoder));
+    return build_decoded(L);
+}
+
+enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err)
+{
+    char path[PATH_MAX];
+    json_t *root = NULL;
+    *out = NULL;
+    tokenizer *t = calloc(1, sizeof *t);
+    if (!t)
+        return tok_fail(err, MODEL_ENOMEM, "tokenizer: out of memory");
+    t->unk_id = t->bos_id = t->eos_id = -1;
+    struct loader L = {.t = t, .file = path, .err = err};
+    enum model_status st;
+    if (snprintf(path, sizeof path, "%s/tokenizer.json", dir) >= (int)sizeof path) {
+        st = tok_fail(err, MODEL_EINVAL, "%s: path too long", dir);
+        goto out;
+    }
+    st = read_json(&L, path, false, &root);
+    if (st == MODEL_OK)
+        st = load_tokenizer_json(&L, root);
+    json_decref(root);
+    root = NULL;
+    if (st != MODEL_OK)
+        goto out;
+
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    st = read_json(&L, path, true, &root);
+    if (st == MODEL_OK && root) {
+        st = load_config(&L, root);
+    } else if (st == MODEL_OK) {
+        /* No tokenizer_config.json: the template's tokens are the best guess. */
+        t->bos_id = t->n_prefix ? t->prefix_ids[0] : -1;
+        t->eos_id = t->n_suffix ? t->suffix_ids[t->n_suffix - 1] : -1;
+    }
+out:
+    json_decref(root);
+    if (st != MODEL_OK) {
+        tokenizer_free(t);
+        return st;
+    }
+    *out = t;
+    return MODEL_OK;
+}
+
+void tokenizer_free(tokenizer *t)
+{
+    if (!t)
+        return;
+    for (int i = 0; i < t->n_splits; i++)
+        pcre2_code_free(t->splits[i]);
+    free(t->splits);
+    free(t->str.p);
+    free(t->piece);
+    free(t->dec);
+    free(t->flags);
+    free(t->vocab_tab);
+    free(t->merge_tab);
+    free(t->added);
+    free(t->norm);
+    free(t->prefix_ids);
+    free(t->suffix_ids);
+    free(t->chat_template);
+    free(t);
+}
+
+int tokenizer_vocab_size(const tokenizer *t)
+{
+    return t->n_ids;
+}
+
+int32_t tokenizer_bos_id(const tokenizer *t)
+{
+    return t->bos_id;
+}
+
+int32_t tokenizer_eos_id(const tokenizer *t)
+{
+    return t->eos_id;
+}
+
+const char *tokenizer_chat_template(const tokenizer *t)
+{
+    return t->chat_template;
+}
+
+bool tokenizer_is_special(const tokenizer *t, int32_t id)
+{
+    return id >= 0 && id < t->n_ids && (t->flags[id] & TOKF_SPECIAL);
+}
+
+int32_t tokenizer_token_id(const tokenizer *t, const char *piece)
+{
+    size_t n = strlen(piece);
+    if (n == 0)
+        return -1;
+    unsigned char b = (unsigned char)piece[0];
+    for (int k = t->added_first[b]; k < t->added_first[b + 1]; k++) {
+        const struct tok_added *a = &t->added[k];
+        if (a->s.len == n && memcmp(t->str.p + a->s.off, piece, n) == 0)
+            return a->id;
+    }
+    return tok_vocab_find(t, piece, n);
+}

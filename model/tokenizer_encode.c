@@ -1,0 +1,417 @@
+/* tokenizer_encode.c - text to ids, in Hugging Face's order: added tokens
+ * are cut out of the raw text first; each section between them is
+ * normalised, pre-tokenized (Metaspace / byte-level prefix, then the
+ * Isolated regex splits in order) and each piece goes through BPE. */
+#include "model/tokenizer_internal.h"
+
+struct bpe_sym {
+    int32_t id, prev, next; /* id -1: merged into its left neighbour */
+};
+
+struct bpe_item {
+    uint32_t rank;
+    int32_t pos; /* left symbol of the pair */
+};
+
+/* Per-call state: encode allocates only these buffers, grown geometrically. */
+struct work {
+    const tokenizer *t;
+    struct tok_ids *out;
+    char *err;
+    struct tok_buf a, b;     /* normalised text, alternating source/target */
+    struct tok_buf scratch;  /* NFC code points */
+    struct tok_buf mapped;   /* a piece in the byte-level alphabet */
+    struct tok_buf sym, heap;
+    pcre2_match_data *md;
+};
+
+static enum model_status push_id(struct work *w, int32_t id)
+{
+    struct tok_ids *o = w->out;
+    if (o->n == o->cap) {
+        size_t cap = o->cap ? o->cap * 2 : 64;
+        int32_t *p = cap <= SIZE_MAX / sizeof *p ? realloc(o->ids, cap * sizeof *p) : NULL;
+        if (!p)
+            return MODEL_ENOMEM;
+        o->ids = p;
+        o->cap = cap;
+    }
+    o->ids[o->n++] = id;
+    return MODEL_OK;
+}
+
+/* ---- BPE ------------------------------------------------------------------ */
+
+static bool item_before(const struct bpe_item *x, const struct bpe_item *y)
+{
+    return x->rank < y->rank || (x->rank == y->rank && x->pos < y->pos);
+}
+
+static void heap_push(struct bpe_item *h, size_t *n, struct bpe_item it)
+{
+    size_t i = (*n)++;
+    while (i > 0 && item_before(&it, &h[(i - 1) / 2])) {
+        h[i] = h[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h[i] = it;
+}
+
+static struct bpe_item heap_pop(struct bpe_item *h, size_t *n)
+{
+    struct bpe_item top = h[0], last = h[--*n];
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= *n)
+            break;
+        if (c + 1 < *n && item_before(&h[c + 1], &h[c]))
+            c++;
+        if (!item_before(&h[c], &last))
+            break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = last;
+    return top;
+}
+
+static void push_pair(const tokenizer *t, const struct bpe_sym *sym, int32_t l, struct bpe_item *h, size_t *nh)
+{
+    const struct tok_merge_slot *m = tok_merge_find(t, sym[l].id, sym[sym[l].next].id);
+    if (m)
+        heap_push(h, nh, (struct bpe_item){m->rank, l});
+}
+
+/* Merges the lowest-ranked adjacent pair (leftmost among equals) until
+ * none is left.  A queued pair is stale when its left symbol was merged
+ * away or its neighbours changed; ranks are unique per pair, so comparing
+ * the rank of the pair now at pos with the queued one detects that. */
+static void bpe_merge(const tokenizer *t, struct bpe_sym *sym, size_t n, struct bpe_item *h)
+{
+    size_t nh = 0;
+    for (size_t i = 0; i + 1 < n; i++)
+        push_pair(t, sym, (int32_t)i, h, &nh);
+    while (nh) {
+        struct bpe_item it = heap_pop(h, &nh);
+        int32_t l = it.pos, r = sym[l].next;
+        if (sym[l].id < 0 || r < 0)
+            continue;
+        const struct tok_merge_slot *m = tok_merge_find(t, sym[l].id, sym[r].id);
+        if (!m || m->rank != it.rank)
+            continue;
+        sym[l].id = m->merged;
+        sym[l].next = sym[r].next;
+        if (sym[r].next >= 0)
+            sym[sym[r].next].prev = l;
+        sym[r].id = -1;
+        if (sym[l].prev >= 0)
+            push_pair(t, sym, sym[l].prev, h, &nh);
+        if (sym[l].next >= 0)
+            push_pair(t, sym, l, h, &nh);
+    }
+}
+
+static void add_sym(struct bpe_sym *sym, size_t *n, int32_t id)
+{
+    sym[*n] = (struct bpe_sym){id, (int32_t)*n - 1, -1};
+    if (*n)
+        sym[*n - 1].next = (int32_t)*n;
+    (*n)++;
+}
+
+/* One symbol per character: its vocab id, else its <0xNN> byte tokens
+ * (byte_fallback), else unk (consecutive ones fused when fuse_unk), else
+ * nothing - Hugging Face's BPE::merge_word. */
+static size_t word_symbols(const tokenizer *t, const char *s, size_t n, struct bpe_sym *sym)
+{
+    size_t ns = 0;
+    bool prev_unk = false;
+    for (size_t i = 0; i < n;) {
+        uint32_t cp;
+        size_t len = tok_utf8_next((const unsigned char *)s + i, n - i, &cp);
+        len = len ? len : 1;
+        int32_t id = tok_vocab_find(t, s + i, len);
+        bool bytes_ok = t->byte_fallback;
+        for (size_t k = 0; id < 0 && bytes_ok && k < len; k++)
+            bytes_ok = t->byte_token[(unsigned char)s[i + k]] >= 0;
+        if (id >= 0) {
+            add_sym(sym, &ns, id);
+        } else if (bytes_ok) {
+            for (size_t k = 0; k < len; k++)
+                add_sym(sym, &ns, t->byte_token[(unsigned char)s[i + k]]);
+        } else if (t->unk_id >= 0 && !(t->fuse_unk && prev_unk)) {
+            add_sym(sym, &ns, t->unk_id);
+        }
+        prev_unk = id < 0 && !bytes_ok;
+        i += len;
+    }
+    return ns;
+}
+
+static enum model_status model_word(struct work *w, const char *s, size_t n)
+{
+    const tokenizer *t = w->t;
+    if (t->byte_level) {
+        w->mapped.n = 0;
+        if (!tok_buf_reserve(&w->mapped, 2 * n))
+            return MODEL_ENOMEM;
+        for (size_t i = 0; i < n; i++)
+            w->mapped.n += tok_utf8_put(tok_byte_to_cp((unsigned char)s[i]), w->mapped.p + w->mapped.n);
+        s = w->mapped.p;
+        n = w->mapped.n;
+    }
+    if (t->ignore_merges) {
+        int32_t id = tok_vocab_find(t, s, n);
+        if (id >= 0)
+            return push_id(w, id);
+    }
+    /* A character yields at most one symbol per byte; each merge queues at
+     * most two pairs after the first n - 1. */
+    w->sym.n = w->heap.n = 0;
+    if (n > SIZE_MAX / (3 * sizeof(struct bpe_item)) || !tok_buf_reserve(&w->sym, n * sizeof(struct bpe_sym)) ||
+        !tok_buf_reserve(&w->heap, 3 * n * sizeof(struct bpe_item)))
+        return MODEL_ENOMEM;
+    struct bpe_sym *sym = (struct bpe_sym *)(void *)w->sym.p;
+    size_t ns = word_symbols(t, s, n, sym);
+    if (ns == 0)
+        return MODEL_OK;
+    bpe_merge(t, sym, ns, (struct bpe_item *)(void *)w->heap.p);
+    /* Symbol 0 absorbs its right neighbours and is never deleted. */
+    for (int32_t i = 0; i >= 0; i = sym[i].next) {
+        enum model_status st = push_id(w, sym[i].id);
+        if (st != MODEL_OK)
+            return st;
+    }
+    return MODEL_OK;
+}
+
+/* ---- pre-tokenizer ------------------------------------------------------- */
+
+static int run_match(struct work *w, const pcre2_code *re, const char *s, size_t n, size_t pos)
+{
+    int rc = pcre2_match(re, (PCRE2_SPTR)s, n, pos, PCRE2_NO_UTF_CHECK, w->md, NULL);
+    /* JIT's fixed stack can run out on long runs; the interpreter uses the heap. */
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT)
+        rc = pcre2_match(re, (PCRE2_SPTR)s, n, pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, w->md, NULL);
+    return rc;
+}
+
+/* Splits s[0..n) with split k (matches and the gaps between them both
+ * become pieces), then hands each piece to split k + 1 or to BPE. */
+static enum model_status split_level(struct work *w, int k, const char *s, size_t n)
+{
+    if (n == 0)
+        return MODEL_OK;
+    if (k == w->t->n_splits)
+        return model_word(w, s, n);
+    size_t pos = 0, gap = 0;
+    enum model_status st = MODEL_OK;
+    while (pos < n && st == MODEL_OK) {
+        int rc = run_match(w, w->t->splits[k], s, n, pos);
+        if (rc == PCRE2_ERROR_NOMATCH)
+            break;
+        if (rc < 0) {
+            PCRE2_UCHAR msg[128];
+            pcre2_get_error_message(rc, msg, sizeof msg);
+            return tok_fail(w->err, rc == PCRE2_ERROR_NOMEMORY ? MODEL_ENOMEM : MODEL_EINVAL,
+                            "pre_tokenizer split %d failed on a %zu-byte piece: %s", k, n, (const char *)msg);
+        }
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(w->md);
+        size_t ms = ov[0], me = ov[1];
+        if (me == ms) { /* an empty match splits nothing: step one character */
+            uint32_t cp;
+            size_t len = tok_utf8_next((const unsigned char *)s + ms, n - ms, &cp);
+            pos = ms + (len ? len : 1);
+            continue;
+        }
+        st = split_level(w, k + 1, s + gap, ms - gap);
+        if (st == MODEL_OK)
+            st = split_level(w, k + 1, s + ms, me - ms);
+        gap = pos = me;
+    }
+    return st == MODEL_OK ? split_level(w, k + 1, s + gap, n - gap) : st;
+}
+
+/* The buffer of the two that does not hold s. */
+static struct tok_buf *target(struct work *w, const char *s)
+{
+    return s == w->a.p ? &w->b : &w->a;
+}
+
+/* dst = prefix + s[0..n) with every `from` replaced by `to` (from may be empty). */
+static enum model_status rewrite(struct tok_buf *dst, const char *prefix, size_t np, const char *s, size_t n,
+                                 const char *from, size_t nfrom, const char *to, size_t nto)
+{
+    dst->n = 0;
+    if (!tok_buf_append(dst, prefix, np))
+        return MODEL_ENOMEM;
+    size_t i = 0, run = 0;
+    while (i < n) {
+        if (nfrom && n - i >= nfrom && memcmp(s + i, from, nfrom) == 0) {
+            if (!tok_buf_append(dst, s + run, i - run) || !tok_buf_append(dst, to, nto))
+                return MODEL_ENOMEM;
+            i += nfrom;
+            run = i;
+        } else {
+            i++;
+        }
+    }
+    return tok_buf_append(dst, s + run, n - run) ? MODEL_OK : MODEL_ENOMEM;
+}
+
+static enum model_status encode_section(struct work *w, const char *s, size_t n, bool at_start)
+{
+    const tokenizer *t = w->t;
+    const char *str = t->str.p;
+    enum model_status st = MODEL_OK;
+    if (n == 0)
+        return MODEL_OK;
+    for (int k = 0; k < t->n_norm && st == MODEL_OK; k++) {
+        const struct tok_norm *nm = &t->norm[k];
+        struct tok_buf *dst = target(w, s);
+        bool changed = true;
+        if (nm->op == TOK_NORM_NFC)
+            st = tok_nfc(s, n, dst, &w->scratch, &changed);
+        else if (nm->op == TOK_NORM_PREPEND)
+            st = n ? rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0) : MODEL_OK;
+        else
+            st = rewrite(dst, NULL, 0, s, n, str + nm->from.off, nm->from.len, str + nm->to.off, nm->to.len);
+        if (changed && (nm->op != TOK_NORM_PREPEND || n)) {
+            s = dst->p;
+            n = dst->n;
+        }
+    }
+    if (st != MODEL_OK || n == 0)
+        return st;
+    if (t->metaspace) {
+        const char *r = str + t->meta_repl.off;
+        size_t nr = t->meta_repl.len;
+        struct tok_buf *dst = target(w, s);
+        bool prepend = (t->meta_prepend == TOK_PREPEND_ALWAYS || (t->meta_prepend == TOK_PREPEND_FIRST && at_start)) &&
+                       !(n >= nr && memcmp(s, r, nr) == 0);
+        st = rewrite(dst, r, prepend ? nr : 0, s, n, " ", 1, r, nr);
+        s = dst->p;
+        n = dst->n;
+    }
+    if (st == MODEL_OK && t->prefix_space && s[0] != ' ') {
+        struct tok_buf *dst = target(w, s);
+        st = rewrite(dst, " ", 1, s, n, NULL, 0, NULL, 0);
+        s = dst->p;
+        n = dst->n;
+    }
+    return st == MODEL_OK ? split_level(w, 0, s, n) : st;
+}
+
+/* ---- added tokens ---------------------------------------------------------- */
+
+/* Unicode White_Space. */
+static bool is_space(uint32_t c)
+{
+    return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+           (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+/* Word characters for single_word: ASCII letters, digits and '_', and any
+ * non-ASCII character that is not whitespace or general punctuation (an
+ * approximation of \w that avoids Unicode tables). */
+static bool is_word(uint32_t c)
+{
+    if (c < 0x80)
+        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+    return !is_space(c) && !(c >= 0x2010 && c <= 0x2E7F) && !(c >= 0x3000 && c <= 0x303F);
+}
+
+/* The character ending right before s[i] (s[lo..i) is valid UTF-8). */
+static size_t char_before(const char *s, size_t lo, size_t i, uint32_t *cp)
+{
+    size_t j = i - 1;
+    while (j > lo && ((unsigned char)s[j] & 0xC0) == 0x80)
+        j--;
+    return tok_utf8_next((const unsigned char *)s + j, i - j, cp);
+}
+
+static bool at_word_edge(const char *s, size_t n, size_t start, size_t end)
+{
+    uint32_t cp;
+    if (start > 0 && char_before(s, 0, start, &cp) && is_word(cp))
+        return false;
+    return !(end < n && tok_utf8_next((const unsigned char *)s + end, n - end, &cp) && is_word(cp));
+}
+
+/* The longest added token starting at s[i], or NULL. */
+static const struct tok_added *added_at(const tokenizer *t, const char *s, size_t n, size_t i)
+{
+    unsigned char b = (unsigned char)s[i];
+    for (int k = t->added_first[b]; k < t->added_first[b + 1]; k++) {
+        const struct tok_added *a = &t->added[k];
+        if (a->s.len <= n - i && memcmp(t->str.p + a->s.off, s + i, a->s.len) == 0 &&
+            (!a->single_word || at_word_edge(s, n, i, i + a->s.len)))
+            return a;
+    }
+    return NULL;
+}
+
+static enum model_status encode_text(struct work *w, const char *text, size_t len)
+{
+    const tokenizer *t = w->t;
+    size_t sec = 0, i = 0;
+    while (i < len) {
+        const struct tok_added *a = t->n_added ? added_at(t, text, len, i) : NULL;
+        if (!a) {
+            i++;
+            continue;
+        }
+        /* lstrip / rstrip: the token swallows the whitespace beside it. */
+        size_t ms = i, me = i + a->s.len, cl;
+        uint32_t cp;
+        while (a->lstrip && ms > sec && (cl = char_before(text, sec, ms, &cp)) && is_space(cp))
+            ms -= cl;
+        while (a->rstrip && me < len && (cl = tok_utf8_next((const unsigned char *)text + me, len - me, &cp)) &&
+               is_space(cp))
+            me += cl;
+        enum model_status st = encode_section(w, text + sec, ms - sec, sec == 0);
+        if (st == MODEL_OK)
+            st = push_id(w, a->id);
+        if (st != MODEL_OK)
+            return st;
+        i = sec = me;
+    }
+    return encode_section(w, text + sec, len - sec, sec == 0);
+}
+
+enum model_status tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_special,
+                                   struct tok_ids *out, char *err)
+{
+    for (size_t i = 0; i < len;) {
+        uint32_t cp;
+        size_t l = tok_utf8_next((const unsigned char *)text + i, len - i, &cp);
+        if (!l)
+            return tok_fail(err, MODEL_EINVAL, "text: invalid UTF-8 at byte offset %zu", i);
+        i += l;
+    }
+    size_t old_n = out->n;
+    struct work w = {.t = t, .out = out, .err = err};
+    enum model_status st = MODEL_OK;
+    if (t->n_splits && !(w.md = pcre2_match_data_create(1, NULL)))
+        st = MODEL_ENOMEM;
+    for (int k = 0; add_special && st == MODEL_OK && k < t->n_prefix; k++)
+        st = push_id(&w, t->prefix_ids[k]);
+    if (st == MODEL_OK)
+        st = encode_text(&w, text, len);
+    for (int k = 0; add_special && st == MODEL_OK && k < t->n_suffix; k++)
+        st = push_id(&w, t->suffix_ids[k]);
+    pcre2_match_data_free(w.md);
+    free(w.a.p);
+    free(w.b.p);
+    free(w.scratch.p);
+    free(w.mapped.p);
+    free(w.sym.p);
+    free(w.heap.p);
+    if (st != MODEL_OK) {
+        out->n = old_n;
+        if (st == MODEL_ENOMEM)
+            tok_fail(err, st, "tokenizer_encode: out of memory on a %zu-byte text", len);
+    }
+    return st;
+}

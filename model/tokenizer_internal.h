@@ -1,0 +1,117 @@
+/* tokenizer_internal.h - what model/tokenizer*.c share; not a public API.
+ *
+ * Every string the tokenizer keeps (vocab pieces, added tokens, decoded
+ * pieces, normaliser arguments) lives in one arena and is referred to by
+ * (offset, length), so loading 150k pieces costs a handful of allocations.
+ */
+#ifndef KVTIER_TOKENIZER_INTERNAL_H
+#define KVTIER_TOKENIZER_INTERNAL_H
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/tokenizer.h"
+
+/* Ids at or above this are refused at load: it bounds the per-id tables a
+ * hostile file can make us allocate (the largest real vocabularies are ~260k). */
+#define TOK_MAX_IDS (1 << 22)
+
+enum { TOKF_VOCAB = 1, TOKF_ADDED = 2, TOKF_SPECIAL = 4 };
+
+struct tok_span {
+    uint32_t off, len;
+};
+
+/* A growable byte buffer (also used as uint32_t scratch: malloc aligns it). */
+struct tok_buf {
+    char *p;
+    size_t n, cap;
+};
+bool tok_buf_reserve(struct tok_buf *b, size_t extra);
+bool tok_buf_append(struct tok_buf *b, const void *data, size_t len);
+
+struct tok_added {
+    struct tok_span s;
+    int32_t id;
+    bool special, lstrip, rstrip, single_word;
+};
+
+enum tok_norm_op { TOK_NORM_NFC, TOK_NORM_PREPEND, TOK_NORM_REPLACE };
+struct tok_norm {
+    enum tok_norm_op op;
+    struct tok_span from, to; /* Replace: from -> to; Prepend: to */
+};
+
+enum tok_prepend { TOK_PREPEND_NEVER, TOK_PREPEND_FIRST, TOK_PREPEND_ALWAYS };
+
+struct tok_merge_slot {
+    uint64_t key; /* left id << 32 | right id; UINT64_MAX = empty */
+    uint32_t rank;
+    int32_t merged;
+};
+
+struct tokenizer {
+    struct tok_buf str; /* the arena */
+    int32_t n_ids;      /* highest id + 1 */
+    struct tok_span *piece; /* [n_ids] model-vocab string (flags say if any) */
+    struct tok_span *dec;   /* [n_ids] the bytes the token decodes to */
+    uint8_t *flags;         /* [n_ids] TOKF_* */
+    int32_t *vocab_tab;     /* string -> id, open addressing, -1 = empty */
+    uint32_t vocab_mask;
+    struct tok_merge_slot *merge_tab;
+    uint32_t merge_mask;
+
+    struct tok_added *added; /* sorted by first byte, then longest first */
+    int n_added;
+    uint16_t added_first[257]; /* added[added_first[b] .. added_first[b+1]) start with byte b */
+
+    struct tok_norm *norm;
+    int n_norm;
+    bool metaspace;           /* Metaspace pre-tokenizer: ' ' -> meta_repl */
+    struct tok_span meta_repl;
+    enum tok_prepend meta_prepend;
+    bool byte_level;          /* ByteLevel pre-tokenizer: model sees mapped bytes */
+    bool prefix_space;        /* its add_prefix_space */
+    pcre2_code **splits;      /* Isolated splits applied in order */
+    int n_splits;
+
+    bool byte_fallback, ignore_merges, fuse_unk;
+    int32_t unk_id;
+    int32_t byte_token[256]; /* <0xNN> ids for byte_fallback (-1 = absent) */
+
+    int32_t *prefix_ids, *suffix_ids; /* added around the text when add_special */
+    int n_prefix, n_suffix;
+    bool strip_first_space; /* the decoder drops the output's leading space */
+
+    int32_t bos_id, eos_id;
+    char *chat_template;
+};
+
+/* Writes "msg" into err (MODEL_ERR_LEN bytes, may be NULL) and returns st. */
+enum model_status tok_fail(char *err, enum model_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Id of the model-vocab piece s[0..n), or -1. */
+int32_t tok_vocab_find(const tokenizer *t, const char *s, size_t n);
+
+/* The merge of the pair (left, right), or NULL. */
+const struct tok_merge_slot *tok_merge_find(const tokenizer *t, int32_t left, int32_t right);
+
+/* GPT-2's reversible byte <-> printable code point table. */
+uint32_t tok_byte_to_cp(unsigned b);
+int tok_cp_to_byte(uint32_t cp); /* -1 if cp is not one of the 256 */
+
+/* Length of the valid UTF-8 character at s[0..n), 0 if invalid (overlong,
+ * surrogate, > U+10FFFF or truncated); *cp receives the code point. */
+size_t tok_utf8_next(const unsigned char *s, size_t n, uint32_t *cp);
+size_t tok_utf8_put(uint32_t cp, char *out); /* writes 1..4 bytes */
+
+/* NFC: when s[0..n) could change, writes its NFC form to out (replacing
+ * its contents) and returns true; scratch is reused between calls. */
+enum model_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed);
+
+#endif
