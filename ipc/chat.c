@@ -1,0 +1,227 @@
+#include "ipc/chat.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *role_names[] = {[IPC_ROLE_SYSTEM] = "system", [IPC_ROLE_USER] = "user",
+                                   [IPC_ROLE_ASSISTANT] = "assistant"};
+
+const char *ipc_chat_family_name(enum ipc_chat_family f)
+{
+    static const char *names[] = {"none", "llama2", "llama3", "mistral", "chatml", "zephyr"};
+    return (unsigned)f < sizeof(names) / sizeof(names[0]) ? names[f] : "none";
+}
+
+/* Qwen2-style ChatML templates insert a default system message when the
+ * conversation has none; it is the text between the first system header and
+ * its end marker. */
+static void chatml_default_system(const char *jinja, char *out, size_t cap)
+{
+    out[0] = '\0';
+    const char *hdr = "<|im_start|>system\\n";
+    const char *p = strstr(jinja, hdr);
+    if (!p || !strstr(jinja, "!= 'system'"))
+        return;
+    p += strlen(hdr);
+    const char *end = strstr(p, "<|im_end|>");
+    if (end && (size_t)(end - p) < cap)
+        snprintf(out, cap, "%.*s", (int)(end - p), p);
+}
+
+void ipc_chat_detect(const char *jinja, struct ipc_chat_template *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (!jinja) {
+        snprintf(out->why, sizeof(out->why), "the model has no chat_template in tokenizer_config.json");
+        return;
+    }
+    if (strstr(jinja, "<|start_header_id|>")) {
+        if (strstr(jinja, "Cutting Knowledge"))
+            snprintf(out->why, sizeof(out->why), "Llama-3.1-style templates (date and tool preamble) are not supported");
+        else
+            out->family = IPC_CHAT_LLAMA3;
+    } else if (strstr(jinja, "<|im_start|>")) {
+        if (strstr(jinja, "<think>"))
+            snprintf(out->why, sizeof(out->why), "ChatML templates with thinking blocks (Qwen3) are not supported");
+        else
+            out->family = IPC_CHAT_CHATML;
+        chatml_default_system(jinja, out->default_system, sizeof(out->default_system));
+    } else if (strstr(jinja, "[INST]")) {
+        out->family = strstr(jinja, "<<SYS>>") ? IPC_CHAT_LLAMA2 : IPC_CHAT_MISTRAL;
+    } else if (strstr(jinja, "<|user|>") && strstr(jinja, "<|assistant|>")) {
+        out->family = IPC_CHAT_ZEPHYR;
+    } else {
+        snprintf(out->why, sizeof(out->why), "the chat_template matches no family kvtier renders (llama2, llama3, "
+                 "mistral, chatml, zephyr)");
+    }
+}
+
+struct sbuf {
+    char *p;
+    size_t n, cap;
+    bool oom;
+};
+
+static void put(struct sbuf *b, const char *s, size_t n)
+{
+    if (b->oom)
+        return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            b->oom = true;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = '\0';
+}
+
+static void puts_(struct sbuf *b, const char *s)
+{
+    put(b, s, strlen(s));
+}
+
+/* Jinja's |trim / .strip(): ASCII whitespace at the end, and at the start
+ * when lead (false where the text is not the start of the stripped string). */
+static void put_trimmed(struct sbuf *b, const char *s, size_t n, bool lead)
+{
+    while (lead && n && strchr(" \t\n\r\f\v", s[0]))
+        s++, n--;
+    while (n && strchr(" \t\n\r\f\v", s[n - 1]))
+        n--;
+    put(b, s, n);
+}
+
+/* Llama-2 and Mistral demand user/assistant alternation starting with user
+ * (after an optional leading system message for Llama-2). */
+static enum ipc_status check_alternation(const struct ipc_msg *m, size_t n, size_t first, struct ipc_error *err)
+{
+    for (size_t i = first; i < n; i++) {
+        enum ipc_role want = (i - first) % 2 == 0 ? IPC_ROLE_USER : IPC_ROLE_ASSISTANT;
+        if (m[i].role != want)
+            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu] is %s; this model's template needs roles to "
+                            "alternate user/assistant", i, role_names[m[i].role]);
+    }
+    return IPC_OK;
+}
+
+static enum ipc_status render_inst(const struct ipc_chat_template *t, const struct ipc_msg *m, size_t n,
+                                   const char *bos, const char *eos, struct sbuf *b, struct ipc_error *err)
+{
+    bool llama2 = t->family == IPC_CHAT_LLAMA2;
+    size_t first = llama2 && n && m[0].role == IPC_ROLE_SYSTEM ? 1 : 0;
+    if (!llama2 && n && m[0].role == IPC_ROLE_SYSTEM)
+        return ipc_fail(err, IPC_EINVAL, "messages", "this model's template (mistral) has no system role");
+    enum ipc_status st = check_alternation(m, n, first, err);
+    if (st != IPC_OK)
+        return st;
+    if (!llama2)
+        puts_(b, bos);
+    for (size_t i = first; i < n; i++) {
+        if (m[i].role == IPC_ROLE_USER) {
+            if (llama2)
+                puts_(b, bos);
+            puts_(b, "[INST] ");
+            if (llama2 && i == first && first) {
+                puts_(b, "<<SYS>>\n");
+                put(b, m[0].content, m[0].len);
+                puts_(b, "\n<</SYS>>\n\n");
+                /* Llama-2 strips the joined system+user content: only its end is trimmed */
+                put_trimmed(b, m[i].content, m[i].len, false);
+            } else if (llama2) {
+                put_trimmed(b, m[i].content, m[i].len, true);
+            } else {
+                put(b, m[i].content, m[i].len);
+            }
+            puts_(b, " [/INST]");
+        } else {
+            if (llama2) {
+                puts_(b, " ");
+                put_trimmed(b, m[i].content, m[i].len, true);
+                puts_(b, " ");
+            } else {
+                put(b, m[i].content, m[i].len);
+            }
+            puts_(b, eos);
+        }
+    }
+    return IPC_OK;
+}
+
+enum ipc_status ipc_chat_render(const struct ipc_chat_template *t, const struct ipc_msg *m, size_t n,
+                                bool add_generation_prompt, const char *bos, const char *eos, char **out, size_t *len,
+                                struct ipc_error *err)
+{
+    *out = NULL;
+    *len = 0;
+    struct sbuf b = {0};
+    enum ipc_status st = IPC_OK;
+    switch (t->family) {
+    case IPC_CHAT_NONE:
+        return ipc_fail(err, IPC_ENOTIMPL, "messages", "cannot render chat: %s", t->why);
+    case IPC_CHAT_LLAMA2:
+    case IPC_CHAT_MISTRAL:
+        /* the [/INST] closing the last user turn is the generation prompt */
+        st = render_inst(t, m, n, bos, eos, &b, err);
+        break;
+    case IPC_CHAT_LLAMA3:
+        puts_(&b, bos);
+        for (size_t i = 0; i < n; i++) {
+            puts_(&b, "<|start_header_id|>");
+            puts_(&b, role_names[m[i].role]);
+            puts_(&b, "<|end_header_id|>\n\n");
+            put_trimmed(&b, m[i].content, m[i].len, true);
+            puts_(&b, "<|eot_id|>");
+        }
+        if (add_generation_prompt)
+            puts_(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+        break;
+    case IPC_CHAT_CHATML:
+        if (t->default_system[0] && (!n || m[0].role != IPC_ROLE_SYSTEM)) {
+            puts_(&b, "<|im_start|>system\n");
+            puts_(&b, t->default_system);
+            puts_(&b, "<|im_end|>\n");
+        }
+        for (size_t i = 0; i < n; i++) {
+            puts_(&b, "<|im_start|>");
+            puts_(&b, role_names[m[i].role]);
+            puts_(&b, "\n");
+            put(&b, m[i].content, m[i].len);
+            puts_(&b, "<|im_end|>\n");
+        }
+        if (add_generation_prompt)
+            puts_(&b, "<|im_start|>assistant\n");
+        break;
+    case IPC_CHAT_ZEPHYR:
+        for (size_t i = 0; i < n; i++) {
+            puts_(&b, "<|");
+            puts_(&b, role_names[m[i].role]);
+            puts_(&b, "|>\n");
+            put(&b, m[i].content, m[i].len);
+            puts_(&b, eos);
+            puts_(&b, "\n");
+        }
+        if (add_generation_prompt)
+            puts_(&b, "<|assistant|>\n");
+        break;
+    }
+    if (st == IPC_OK && !b.p)
+        put(&b, "", 0);
+    if (st == IPC_OK && b.oom)
+        st = ipc_fail(err, IPC_ENOMEM, "messages", "no memory to render the chat template");
+    if (st != IPC_OK) {
+        free(b.p);
+        return st;
+    }
+    *out = b.p;
+    *len = b.n;
+    return IPC_OK;
+}

@@ -1,0 +1,553 @@
+#include "ipc/request.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- typed field readers: each names the field in its error ---------------- */
+
+static enum ipc_status get_int(const json_t *v, const char *field, long long lo, long long hi, long long *out,
+                               struct ipc_error *err)
+{
+    if (!json_is_integer(v))
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be an integer", field);
+    long long x = json_integer_value(v);
+    if (x < lo || x > hi)
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be between %lld and %lld (got %lld)", field, lo, hi, x);
+    *out = x;
+    return IPC_OK;
+}
+
+static enum ipc_status get_num(const json_t *v, const char *field, double lo, double hi, double *out,
+                               struct ipc_error *err)
+{
+    if (!json_is_number(v))
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be a number", field);
+    double x = json_number_value(v);
+    if (!isfinite(x) || x < lo || x > hi)
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be between %g and %g", field, lo, hi);
+    *out = x;
+    return IPC_OK;
+}
+
+static enum ipc_status get_bool(const json_t *v, const char *field, bool *out, struct ipc_error *err)
+{
+    if (!json_is_boolean(v))
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be true or false", field);
+    *out = json_is_true(v);
+    return IPC_OK;
+}
+
+enum ipc_status ipc_parse_ids(const json_t *arr, const char *field, const struct ipc_limits *lim, int32_t **out,
+                              size_t *n, struct ipc_error *err)
+{
+    *out = NULL;
+    *n = 0;
+    if (!json_is_array(arr))
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be an array of token ids", field);
+    size_t len = json_array_size(arr);
+    if (len > (size_t)lim->max_context)
+        return ipc_fail(err, IPC_ECONTEXT, field, "%s has %zu tokens; the context holds %d", field, len,
+                        lim->max_context);
+    for (size_t i = 0; i < len; i++) {
+        const json_t *e = json_array_get(arr, i);
+        if (!json_is_integer(e) || json_integer_value(e) < 0 || json_integer_value(e) >= lim->vocab)
+            return ipc_fail(err, IPC_EINVAL, field, "%s[%zu] must be a token id in [0, %d)", field, i, lim->vocab);
+    }
+    if (!len)
+        return IPC_OK;
+    int32_t *ids = malloc(len * sizeof(*ids));
+    if (!ids)
+        return ipc_fail(err, IPC_ENOMEM, field, "no memory for %zu token ids", len);
+    for (size_t i = 0; i < len; i++)
+        ids[i] = (int32_t)json_integer_value(json_array_get(arr, i));
+    *out = ids;
+    *n = len;
+    return IPC_OK;
+}
+
+/* A prompt is text, token ids, or a one-element array of either (OpenAI's
+ * batch form, which kvtier serves one prompt per request). */
+static enum ipc_status parse_prompt(const json_t *v, const char *field, const struct ipc_limits *lim,
+                                    const char **text, size_t *text_len, int32_t **ids, size_t *n_ids,
+                                    struct ipc_error *err)
+{
+    if (json_is_string(v)) {
+        *text = json_string_value(v);
+        *text_len = json_string_length(v);
+        return IPC_OK;
+    }
+    if (!json_is_array(v))
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be a string or an array of token ids", field);
+    const json_t *first = json_array_get(v, 0);
+    if (first && (json_is_string(first) || json_is_array(first))) {
+        if (json_array_size(v) != 1)
+            return ipc_fail(err, IPC_ENOTIMPL, field, "%s: several prompts in one request are not supported; send one "
+                            "request per prompt", field);
+        return parse_prompt(first, field, lim, text, text_len, ids, n_ids, err);
+    }
+    if (!first)
+        return ipc_fail(err, IPC_EINVAL, field, "%s is an empty array", field);
+    return ipc_parse_ids(v, field, lim, ids, n_ids, err);
+}
+
+static enum ipc_status parse_stops(const json_t *v, struct ipc_gen_req *r, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (json_is_string(v)) {
+        if (!json_string_length(v) || json_string_length(v) > IPC_MAX_STOP_LEN)
+            return ipc_fail(err, IPC_EINVAL, "stop", "stop must be 1 to %d bytes", IPC_MAX_STOP_LEN);
+        r->stops[r->n_stops++] = json_string_value(v);
+        return IPC_OK;
+    }
+    if (!json_is_array(v))
+        return ipc_fail(err, IPC_EINVAL, "stop", "stop must be a string or an array of strings");
+    if (json_array_size(v) > IPC_MAX_STOPS)
+        return ipc_fail(err, IPC_EINVAL, "stop", "stop has more than %d strings", IPC_MAX_STOPS);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        const json_t *s = json_array_get(v, i);
+        if (!json_is_string(s) || !json_string_length(s) || json_string_length(s) > IPC_MAX_STOP_LEN)
+            return ipc_fail(err, IPC_EINVAL, "stop", "stop[%zu] must be a string of 1 to %d bytes", i,
+                            IPC_MAX_STOP_LEN);
+        r->stops[r->n_stops++] = json_string_value(s);
+    }
+    return IPC_OK;
+}
+
+static enum ipc_status parse_role(const json_t *v, size_t i, enum ipc_role *role, struct ipc_error *err)
+{
+    static const struct {
+        const char *name;
+        int role; /* -1: known but not supported */
+    } roles[] = {{"system", IPC_ROLE_SYSTEM}, {"developer", IPC_ROLE_SYSTEM}, {"user", IPC_ROLE_USER},
+                 {"assistant", IPC_ROLE_ASSISTANT}, {"tool", -1}, {"function", -1}};
+    const char *s = json_string_value(v);
+    if (!s)
+        return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].role must be a string", i);
+    for (size_t k = 0; k < sizeof(roles) / sizeof(roles[0]); k++) {
+        if (strcmp(s, roles[k].name) != 0)
+            continue;
+        if (roles[k].role < 0)
+            return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu]: role \"%s\" (tool calling) is not supported",
+                            i, s);
+        *role = (enum ipc_role)roles[k].role;
+        return IPC_OK;
+    }
+    return ipc_fail(err, IPC_EINVAL, "messages",
+                    "messages[%zu].role \"%.32s\" is not one of system, developer, user, assistant", i, s);
+}
+
+/* content: a string, or an array of {"type":"text","text":...} parts joined. */
+static enum ipc_status parse_content(const json_t *v, size_t i, struct ipc_msg *m, struct ipc_error *err)
+{
+    if (json_is_string(v)) {
+        m->content = json_string_value(v);
+        m->len = json_string_length(v);
+        return IPC_OK;
+    }
+    if (json_is_null(v) && m->role == IPC_ROLE_ASSISTANT) {
+        m->content = "";
+        return IPC_OK;
+    }
+    if (!json_is_array(v))
+        return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].content must be a string or an array of parts", i);
+    size_t total = 0;
+    for (size_t k = 0; k < json_array_size(v); k++) {
+        const json_t *part = json_array_get(v, k);
+        const char *type = json_string_value(json_object_get(part, "type"));
+        if (!json_is_object(part) || !type)
+            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].content[%zu] must be an object with a type", i,
+                            k);
+        if (strcmp(type, "text") != 0)
+            return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu].content[%zu]: part type \"%.32s\" is not "
+                            "supported (text only)", i, k, type);
+        const json_t *t = json_object_get(part, "text");
+        if (!json_is_string(t))
+            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].content[%zu].text must be a string", i, k);
+        total += json_string_length(t);
+    }
+    m->owned = malloc(total + 1);
+    if (!m->owned)
+        return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
+    size_t off = 0;
+    for (size_t k = 0; k < json_array_size(v); k++) {
+        const json_t *t = json_object_get(json_array_get(v, k), "text");
+        memcpy(m->owned + off, json_string_value(t), json_string_length(t));
+        off += json_string_length(t);
+    }
+    m->owned[off] = '\0';
+    m->content = m->owned;
+    m->len = off;
+    return IPC_OK;
+}
+
+static enum ipc_status parse_messages(const json_t *v, const struct ipc_limits *lim, struct ipc_gen_req *r,
+                                      struct ipc_error *err)
+{
+    if (!json_is_array(v) || !json_array_size(v))
+        return ipc_fail(err, IPC_EINVAL, "messages", "messages must be a non-empty array");
+    size_t n = json_array_size(v);
+    if (n > (size_t)lim->max_messages)
+        return ipc_fail(err, IPC_EINVAL, "messages", "messages has %zu entries; the limit is %d", n, lim->max_messages);
+    r->msgs = calloc(n, sizeof(*r->msgs));
+    if (!r->msgs)
+        return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for %zu messages", n);
+    for (size_t i = 0; i < n; i++) {
+        const json_t *m = json_array_get(v, i);
+        if (!json_is_object(m))
+            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu] must be an object", i);
+        const char *key;
+        json_t *val;
+        json_object_foreach((json_t *)m, key, val)
+        {
+            if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name"))
+                return ipc_fail(err, strcmp(key, "tool_calls") ? IPC_EINVAL : IPC_ENOTIMPL, "messages",
+                                "messages[%zu]: field \"%.32s\" is not supported", i, key);
+        }
+        enum ipc_status st = parse_role(json_object_get(m, "role"), i, &r->msgs[i].role, err);
+        r->n_msgs = i + 1; /* from here on release() frees this entry */
+        if (st == IPC_OK)
+            st = parse_content(json_object_get(m, "content"), i, &r->msgs[i], err);
+        if (st != IPC_OK)
+            return st;
+    }
+    return IPC_OK;
+}
+
+/* ---- the field table -------------------------------------------------------- */
+
+enum { F_COMPL = 1, F_CHAT = 2, F_BOTH = 3 };
+
+struct field_ctx {
+    struct ipc_gen_req *r;
+    const struct ipc_limits *lim;
+    const json_t *root;
+};
+
+typedef enum ipc_status (*field_fn)(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err);
+
+static enum ipc_status f_ignore(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)v, (void)name, (void)c, (void)err;
+    return IPC_OK;
+}
+
+static enum ipc_status f_string(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)c;
+    if (!json_is_string(v) && !json_is_null(v))
+        return ipc_fail(err, IPC_EINVAL, name, "%s must be a string", name);
+    return IPC_OK;
+}
+
+static enum ipc_status f_prompt(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    return parse_prompt(v, name, c->lim, &c->r->text, &c->r->text_len, &c->r->ids, &c->r->n_ids, err);
+}
+
+static enum ipc_status f_messages(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)name;
+    return parse_messages(v, c->lim, c->r, err);
+}
+
+static enum ipc_status f_max_tokens(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    long long x;
+    enum ipc_status st = get_int(v, name, 1, c->lim->max_context, &x, err);
+    c->r->max_tokens = (int)x;
+    return st;
+}
+
+static enum ipc_status f_temperature(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    double x = 1;
+    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 2, &x, err);
+    c->r->sampling.temperature = (float)x;
+    return st;
+}
+
+static enum ipc_status f_top_p(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    double x = 1;
+    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 1, &x, err);
+    if (st == IPC_OK && x <= 0)
+        return ipc_fail(err, IPC_EINVAL, name, "%s must be above 0", name);
+    c->r->sampling.top_p = (float)x;
+    return st;
+}
+
+static enum ipc_status f_min_p(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    double x = 0;
+    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 1, &x, err);
+    c->r->sampling.min_p = (float)x;
+    return st;
+}
+
+static enum ipc_status f_top_k(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    long long x = 0;
+    /* -1 is vLLM's "off", 0 is HF's */
+    enum ipc_status st = json_is_null(v) ? IPC_OK : get_int(v, name, -1, c->lim->vocab, &x, err);
+    c->r->sampling.top_k = x < 0 ? 0 : (int)x;
+    return st;
+}
+
+static enum ipc_status f_rep_penalty(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    double x = 1;
+    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0.01, 10, &x, err);
+    c->r->sampling.repetition_penalty = (float)x;
+    return st;
+}
+
+static enum ipc_status f_seed(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (!json_is_integer(v))
+        return ipc_fail(err, IPC_EINVAL, name, "%s must be an integer", name);
+    c->r->sampling.seed = (uint64_t)json_integer_value(v);
+    c->r->has_seed = true;
+    return IPC_OK;
+}
+
+static enum ipc_status f_stop(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)name;
+    return parse_stops(v, c->r, err);
+}
+
+static enum ipc_status f_n(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    long long x = 1;
+    enum ipc_status st = json_is_null(v) ? IPC_OK : get_int(v, name, 1, c->lim->max_n, &x, err);
+    c->r->n = (int)x;
+    return st;
+}
+
+static enum ipc_status f_flag(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    bool x = false;
+    enum ipc_status st = json_is_null(v) ? IPC_OK : get_bool(v, name, &x, err);
+    if (!strcmp(name, "stream"))
+        c->r->stream = x;
+    else if (!strcmp(name, "ignore_eos"))
+        c->r->ignore_eos = x;
+    else
+        c->r->return_tokens = x;
+    return st;
+}
+
+static enum ipc_status f_stream_options(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (!json_is_object(v))
+        return ipc_fail(err, IPC_EINVAL, name, "stream_options must be an object");
+    const char *key;
+    json_t *val;
+    json_object_foreach((json_t *)v, key, val)
+    {
+        if (strcmp(key, "include_usage") != 0)
+            return ipc_fail(err, IPC_EINVAL, name, "stream_options.%.32s is not a known option (include_usage)", key);
+        enum ipc_status st = get_bool(val, "stream_options.include_usage", &c->r->include_usage, err);
+        if (st != IPC_OK)
+            return st;
+    }
+    return IPC_OK;
+}
+
+/* completions: logprobs is the number of alternatives (0..20); chat: a
+ * boolean with top_logprobs beside it. */
+static enum ipc_status f_logprobs(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (c->r->chat)
+        return get_bool(v, name, &c->r->logprobs, err);
+    long long x;
+    enum ipc_status st = get_int(v, name, 0, IPC_MAX_TOP_LOGPROBS, &x, err);
+    c->r->logprobs = true;
+    c->r->top_logprobs = (int)x;
+    return st;
+}
+
+static enum ipc_status f_top_logprobs(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    long long x;
+    enum ipc_status st = get_int(v, name, 0, IPC_MAX_TOP_LOGPROBS, &x, err);
+    c->r->top_logprobs = (int)x;
+    if (st == IPC_OK && !json_is_true(json_object_get(c->root, "logprobs")))
+        return ipc_fail(err, IPC_EINVAL, name, "top_logprobs needs \"logprobs\": true");
+    return st;
+}
+
+static enum ipc_status f_session(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (!json_is_string(v) || !json_string_length(v) || json_string_length(v) > IPC_SESSION_ID_MAX)
+        return ipc_fail(err, IPC_EINVAL, name, "session must be a session id string");
+    c->r->session = json_string_value(v);
+    return IPC_OK;
+}
+
+static enum ipc_status f_cache(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)v, (void)name, (void)err;
+    c->r->cache_given = true;
+    return IPC_OK; /* both cache fields are read together once the walk is done */
+}
+
+static bool str_is(const json_t *v, const char *s)
+{
+    return json_is_string(v) && !strcmp(json_string_value(v), s);
+}
+
+/* Known fields that would change the output: accepted only with the value
+ * that means "off", so nothing is silently ignored. */
+static enum ipc_status f_must_be_off(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)c;
+    bool off = json_is_null(v) || json_is_false(v) || (json_is_number(v) && json_number_value(v) == 0) ||
+               (json_is_string(v) && !json_string_length(v)) || (json_is_object(v) && !json_object_size(v)) ||
+               (json_is_array(v) && !json_array_size(v)) ||
+               (!strcmp(name, "best_of") && json_is_integer(v) && json_integer_value(v) == 1) ||
+               (!strcmp(name, "tool_choice") && str_is(v, "none")) ||
+               (!strcmp(name, "response_format") && str_is(json_object_get(v, "type"), "text"));
+    if (off)
+        return IPC_OK;
+    return ipc_fail(err, IPC_ENOTIMPL, name, "%s is not supported by kvtier", name);
+}
+
+static const struct {
+    const char *name;
+    int where;
+    field_fn fn;
+} fields[] = {
+    {"model", F_BOTH, f_string},
+    {"user", F_BOTH, f_string},
+    {"prompt", F_COMPL, f_prompt},
+    {"messages", F_CHAT, f_messages},
+    {"max_tokens", F_BOTH, f_max_tokens},
+    {"max_completion_tokens", F_CHAT, f_max_tokens},
+    {"temperature", F_BOTH, f_temperature},
+    {"top_p", F_BOTH, f_top_p},
+    {"top_k", F_BOTH, f_top_k},
+    {"min_p", F_BOTH, f_min_p},
+    {"repetition_penalty", F_BOTH, f_rep_penalty},
+    {"seed", F_BOTH, f_seed},
+    {"stop", F_BOTH, f_stop},
+    {"n", F_BOTH, f_n},
+    {"stream", F_BOTH, f_flag},
+    {"ignore_eos", F_BOTH, f_flag},
+    {"return_tokens", F_BOTH, f_flag},
+    {"stream_options", F_BOTH, f_stream_options},
+    {"logprobs", F_BOTH, f_logprobs},
+    {"top_logprobs", F_CHAT, f_top_logprobs},
+    {"session", F_BOTH, f_session},
+    {"cache", F_BOTH, f_cache},
+    {"use_cache", F_BOTH, f_cache},
+    {"metadata", F_BOTH, f_ignore},
+    {"store", F_BOTH, f_ignore},
+    {"service_tier", F_BOTH, f_ignore},
+    {"parallel_tool_calls", F_CHAT, f_ignore},
+    {"presence_penalty", F_BOTH, f_must_be_off},
+    {"frequency_penalty", F_BOTH, f_must_be_off},
+    {"logit_bias", F_BOTH, f_must_be_off},
+    {"echo", F_COMPL, f_must_be_off},
+    {"suffix", F_COMPL, f_must_be_off},
+    {"best_of", F_COMPL, f_must_be_off},
+    {"tools", F_CHAT, f_must_be_off},
+    {"functions", F_CHAT, f_must_be_off},
+    {"tool_choice", F_CHAT, f_must_be_off},
+    {"response_format", F_CHAT, f_must_be_off},
+};
+
+enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,
+                                  struct ipc_error *err)
+{
+    memset(out, 0, sizeof(*out));
+    out->chat = chat;
+    out->max_tokens = -1;
+    out->n = 1;
+    sampler_params_default(&out->sampling);
+    out->sampling.temperature = 1; /* OpenAI's default; greedy needs temperature 0 */
+    if (!json_is_object(root))
+        return ipc_fail(err, IPC_EINVAL, "", "the request body must be a JSON object");
+    struct field_ctx c = {out, lim, root};
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)root, key, v)
+    {
+        size_t i = 0;
+        while (i < sizeof(fields) / sizeof(fields[0]) &&
+               !(strcmp(fields[i].name, key) == 0 && (fields[i].where & (chat ? F_CHAT : F_COMPL))))
+            i++;
+        if (i == sizeof(fields) / sizeof(fields[0]))
+            return ipc_fail(err, IPC_EINVAL, key, "unknown field \"%.48s\"", key);
+        enum ipc_status st = fields[i].fn(v, fields[i].name, &c, err);
+        if (st != IPC_OK)
+            return st;
+    }
+    if (chat ? !out->msgs : !out->text && !out->ids)
+        return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
+    if (out->session && out->n != 1)
+        return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
+    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"), &out->cache, err);
+}
+
+void ipc_gen_req_release(struct ipc_gen_req *r)
+{
+    free(r->ids);
+    for (size_t i = 0; i < r->n_msgs; i++)
+        free(r->msgs[i].owned);
+    free(r->msgs);
+    r->ids = NULL;
+    r->msgs = NULL;
+    r->n_msgs = 0;
+}
+
+enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limits *lim, struct ipc_session_req *out,
+                                      struct ipc_error *err)
+{
+    memset(out, 0, sizeof(*out));
+    if (root && !json_is_object(root))
+        return ipc_fail(err, IPC_EINVAL, "", "the request body must be a JSON object");
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)root, key, v)
+    {
+        enum ipc_status st = IPC_OK;
+        if (!strcmp(key, "prefix") || !strcmp(key, "prompt")) {
+            if (out->prefix || out->ids)
+                return ipc_fail(err, IPC_EINVAL, key, "give one of prefix and prompt");
+            st = parse_prompt(v, key, lim, &out->prefix, &out->prefix_len, &out->ids, &out->n_ids, err);
+        } else if (!strcmp(key, "system")) {
+            if (!json_is_string(v))
+                return ipc_fail(err, IPC_EINVAL, key, "system must be a string");
+            out->system = json_string_value(v);
+            out->system_len = json_string_length(v);
+        } else if (strcmp(key, "cache") && strcmp(key, "use_cache") && strcmp(key, "model")) {
+            return ipc_fail(err, IPC_EINVAL, key, "unknown field \"%.48s\" (prefix, system, cache)", key);
+        }
+        if (st != IPC_OK)
+            return st;
+    }
+    if (out->system && (out->prefix || out->ids))
+        return ipc_fail(err, IPC_EINVAL, "system", "give either system or prefix, not both");
+    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"), &out->cache, err);
+}
+
+void ipc_session_req_release(struct ipc_session_req *r)
+{
+    free(r->ids);
+    r->ids = NULL;
+}

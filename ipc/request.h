@@ -1,0 +1,92 @@
+/* request.h - decoding and validating the JSON bodies of the generation
+ * endpoints (/v1/completions, /v1/chat/completions, /v1/sessions).
+ *
+ * Every check that needs no model state happens here, before anything sized
+ * by the client is allocated: types, ranges, unknown fields, token ids
+ * against the vocabulary, array lengths against the context.  Fields kvtier
+ * knows but does not implement (tools, echo, logit_bias, ...) give 501 when
+ * they ask for something, rather than being ignored.  Strings in a parsed
+ * request are borrowed from the JSON tree, which must outlive it.
+ */
+#ifndef KVTIER_IPC_REQUEST_H
+#define KVTIER_IPC_REQUEST_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+#include "ipc/cache.h"
+#include "ipc/status.h"
+#include "model/generate.h"
+
+#define IPC_MAX_STOPS 16
+#define IPC_MAX_STOP_LEN 256
+#define IPC_MAX_TOP_LOGPROBS 20
+#define IPC_SESSION_ID_MAX 64
+
+struct ipc_limits {
+    int vocab;        /* token ids must be below it */
+    int max_context;  /* bounds token arrays and max_tokens */
+    int max_n;        /* choices per request */
+    int max_messages; /* chat messages per request */
+};
+
+enum ipc_role { IPC_ROLE_SYSTEM = 0, IPC_ROLE_USER, IPC_ROLE_ASSISTANT };
+
+struct ipc_msg {
+    enum ipc_role role;
+    const char *content; /* borrowed, or `owned` when joined from content parts */
+    size_t len;
+    char *owned;
+};
+
+struct ipc_gen_req {
+    bool chat;
+    /* the prompt: text (borrowed) or token ids (owned), or messages (chat) */
+    const char *text;
+    size_t text_len;
+    int32_t *ids;
+    size_t n_ids;
+    struct ipc_msg *msgs;
+    size_t n_msgs;
+    int max_tokens; /* -1: not given */
+    struct sampler_params sampling;
+    bool has_seed;
+    const char *stops[IPC_MAX_STOPS];
+    int n_stops;
+    int n;
+    bool stream, include_usage, ignore_eos, return_tokens;
+    bool logprobs;
+    int top_logprobs;
+    const char *session; /* NULL: none */
+    bool cache_given;    /* "cache" or "use_cache" was in the request */
+    struct ipc_cache_choice cache;
+};
+
+enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,
+                                  struct ipc_error *err);
+void ipc_gen_req_release(struct ipc_gen_req *r); /* accepts a zeroed or released request */
+
+/* POST /v1/sessions: an optional prefix (text or ids, prefilled at once) or
+ * system prompt (rendered by the chat template), and the cache strategy. */
+struct ipc_session_req {
+    const char *prefix;
+    size_t prefix_len;
+    int32_t *ids;
+    size_t n_ids;
+    const char *system;
+    size_t system_len;
+    struct ipc_cache_choice cache;
+};
+enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limits *lim, struct ipc_session_req *out,
+                                      struct ipc_error *err);
+void ipc_session_req_release(struct ipc_session_req *r);
+
+/* Decodes an array of token ids (checked against lim before allocating);
+ * *out is malloc'd (NULL when the array is empty). */
+enum ipc_status ipc_parse_ids(const json_t *arr, const char *field, const struct ipc_limits *lim, int32_t **out,
+                              size_t *n, struct ipc_error *err);
+
+#endif
