@@ -65,6 +65,72 @@ static inline __attribute__((always_inline)) void matvec(float *y, const float *
             y[r] += bias[r];
 }
 
+/* bf16 decode without widening shuffles: a 64-byte load of 32 weights
+ * holds the even elements' f32 values in the high halves after a shift
+ * and the odd ones' after a mask, so x is deinterleaved once per call
+ * into xp (even x of each 32-column block, then odd) and every weight
+ * costs one load, one shift or and, and one FMA. */
+static void deinterleave32(float *xp, const float *x, int body)
+{
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int i = 0; i < body; i += 32) {
+        __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        _mm512_store_ps(xp + i, _mm512_permutex2var_ps(a, even, b));
+        _mm512_store_ps(xp + i + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+}
+
+static inline __m512 bf16_dot32(__m512 acc, const uint16_t *w, const float *xp)
+{
+    __m512i v = _mm512_loadu_si512(w);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), _mm512_load_ps(xp), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))),
+                           _mm512_load_ps(xp + 16), acc);
+}
+
+/* Columns [from, in) of one row against x, by masked 16-wide loads. */
+static inline __m512 bf16_dot_tail(__m512 acc, const uint16_t *w, const float *x, int from, int in)
+{
+    for (int i = from; i < in; i += 16) {
+        __mmask16 m = tail_mask((size_t)(in - i));
+        acc = _mm512_fmadd_ps(load16(w, BE_BF16, (size_t)i, m), _mm512_maskz_loadu_ps(m, x + i), acc);
+    }
+    return acc;
+}
+
+static void matvec_bf16(float *y, const float *x, const uint16_t *w, const float *bias, int in, int r0, int r1,
+                        float *xp)
+{
+    int body = in / 32 * 32;
+    deinterleave32(xp, x, body);
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        const uint16_t *w0 = w + (size_t)r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < body; i += 32) {
+            a0 = bf16_dot32(a0, w0 + i, xp + i);
+            a1 = bf16_dot32(a1, w1 + i, xp + i);
+            a2 = bf16_dot32(a2, w2 + i, xp + i);
+            a3 = bf16_dot32(a3, w3 + i, xp + i);
+        }
+        y[r] = _mm512_reduce_add_ps(bf16_dot_tail(a0, w0, x, body, in));
+        y[r + 1] = _mm512_reduce_add_ps(bf16_dot_tail(a1, w1, x, body, in));
+        y[r + 2] = _mm512_reduce_add_ps(bf16_dot_tail(a2, w2, x, body, in));
+        y[r + 3] = _mm512_reduce_add_ps(bf16_dot_tail(a3, w3, x, body, in));
+    }
+    for (; r < r1; r++) {
+        const uint16_t *w0 = w + (size_t)r * in;
+        __m512 a0 = _mm512_setzero_ps();
+        for (int i = 0; i < body; i += 32)
+            a0 = bf16_dot32(a0, w0 + i, xp + i);
+        y[r] = _mm512_reduce_add_ps(bf16_dot_tail(a0, w0, x, body, in));
+    }
+    if (bias)
+        for (r = r0; r < r1; r++)
+            y[r] += bias[r];
+}
+
 static void to_f32_avx512(float *y, const void *x, enum be_dtype dt, size_t n)
 {
     for (size_t i = 0; i < n; i += 16) {
@@ -75,7 +141,8 @@ static void to_f32_avx512(float *y, const void *x, enum be_dtype dt, size_t n)
 
 static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
-    if (a->n >= CPU_GEMM_MIN_TOKENS && a->in <= CPU_SCRATCH_FLOATS) {
+    bool fits = a->in <= CPU_SCRATCH_FLOATS; /* a converted row or the deinterleaved x fits the scratch */
+    if (fits && a->n >= CPU_GEMM_MIN_TOKENS) {
         cpu_matmul_panels(a, r0, r1, scratch, to_f32_avx512);
         return;
     }
@@ -83,7 +150,12 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
         float *y = a->y + (size_t)t * a->out;
         const float *x = a->x + (size_t)t * a->in;
         switch (a->wt) {
-        case BE_BF16: matvec(y, x, a->w, BE_BF16, a->bias, a->in, r0, r1); break;
+        case BE_BF16:
+            if (fits)
+                matvec_bf16(y, x, a->w, a->bias, a->in, r0, r1, scratch);
+            else
+                matvec(y, x, a->w, BE_BF16, a->bias, a->in, r0, r1);
+            break;
         case BE_F16: matvec(y, x, a->w, BE_F16, a->bias, a->in, r0, r1); break;
         case BE_F32: matvec(y, x, a->w, BE_F32, a->bias, a->in, r0, r1); break;
         }
