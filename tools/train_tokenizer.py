@@ -25,7 +25,7 @@ import regex
 # -f turns pretty-printing off, which also puts each verse on one line).
 BIBLE_CMD = ["bible", "-f", "Gen1:1-Rev22:21"]
 # Every VAL_EVERY-th chapter (the last of each group of VAL_EVERY) is held out.
-VAL_EVERY = 20
+VAL_EVERY = 40
 
 # The GPT-2 split regex: contractions, letter runs, digit runs, punctuation
 # runs (each with at most one leading space), then whitespace.  \s+(?!\S)
