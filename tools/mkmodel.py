@@ -14,8 +14,8 @@ change the weights.  The tensor names and shapes come from torchref (the
 HF layout); the initialisation keeps every sublayer's output at unit scale so
 a random model has spread logits (greedy decoding is not a sea of ties):
   2-D weights [out, in]   N(0, 1/in)
-  embed_tokens            N(0, 1)
-  lm_head (untied)        N(0, 9/dim)  -> logits with std ~3
+  embed_tokens            N(0, 1); tied: N(0, 9/dim), as lm_head
+  lm_head                 N(0, 9/dim)  -> logits with std ~3
   norm weights            1 + N(0, 0.1^2)  (not all ones, so a missed norm shows)
   biases                  N(0, 0.5^2)
 """
@@ -261,22 +261,23 @@ def make_config(o, bos, eos):
 CHUNK = 1 << 22  # elements generated per step: bounds memory for any shape
 
 
-def init_kind(name, shape, dim):
+def init_kind(name, shape, cfg):
     """(mean, std) of a tensor by its role (see the module docstring)."""
     if name.endswith("norm.weight"):
         return 1.0, 0.1
     if name.endswith(".bias"):
         return 0.0, 0.5
+    head_std = 3.0 / math.sqrt(cfg["hidden_size"])  # final-normed h has unit RMS
     if name == "model.embed_tokens.weight":
-        return 0.0, 1.0
+        return 0.0, head_std if cfg["tie_word_embeddings"] else 1.0
     if name == "lm_head.weight":
-        return 0.0, 3.0 / math.sqrt(dim)
+        return 0.0, head_std
     return 0.0, 1.0 / math.sqrt(shape[-1])
 
 
-def write_tensor(f, name, shape, idx, o, dim):
+def write_tensor(f, name, shape, idx, o, cfg):
     """Streams one tensor: rows in chunks of ~CHUNK elements."""
-    mean, std = init_kind(name, shape, dim)
+    mean, std = init_kind(name, shape, cfg)
     gen = torch.Generator().manual_seed(o.seed * 1000003 + idx)
     dt = ST_DTYPE[o.dtype][1]
     row = int(math.prod(shape[1:]))
@@ -309,7 +310,7 @@ def write_weights(out, cfg, o):
         with open(os.path.join(out, fn), "wb") as f:
             f.write(head)
             for n, s in group:
-                write_tensor(f, n, s, index[n], o, cfg["hidden_size"])
+                write_tensor(f, n, s, index[n], o, cfg)
     if o.shards > 1:
         wm = {n: fn for fn, group in zip(names, groups) for n, _ in group}
         dump_json(os.path.join(out, "model.safetensors.index.json"),
