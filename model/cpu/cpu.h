@@ -35,7 +35,6 @@ struct cpu_mm {
     const float *x;  /* [n, in] */
     const void *w;   /* [out, in] of wt */
     enum be_dtype wt;
-    const float *bias; /* [out] or NULL */
     int n, in, out;
 };
 
@@ -45,7 +44,7 @@ struct cpu_mm {
 
 struct cpu_kern {
     const char *name; /* "scalar", "avx2", "avx512" */
-    /* y[:, r0:r1] for rows r0..r1 of W, all n tokens, bias included;
+    /* y[:, r0:r1] for rows r0..r1 of W, all n tokens (the driver adds the bias);
      * scratch holds CPU_SCRATCH_FLOATS floats private to the thread */
     void (*matmul_rows)(const struct cpu_mm *a, int r0, int r1, float *scratch);
     /* sum q[i] * k[i], k stored as dt */

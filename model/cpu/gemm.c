@@ -24,9 +24,5 @@ void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->n, rows, a->in, 1.0f, a->x, a->in, wf, a->in,
                     0.0f, a->y + r, a->out);
-        if (a->bias)
-            for (int t = 0; t < a->n; t++)
-                for (int i = 0; i < rows; i++)
-                    a->y[(size_t)t * a->out + (size_t)(r + i)] += a->bias[r + i];
     }
 }

@@ -45,7 +45,7 @@ static inline float hsum(__m256 v)
 
 /* y[r0:r1] = W[r0:r1] . x for one token; dt is a constant after inlining. */
 static inline __attribute__((always_inline)) void matvec(float *y, const float *x, const void *w, enum be_dtype dt,
-                                                         const float *bias, int in, int r0, int r1)
+                                                         int in, int r0, int r1)
 {
     size_t esz = be_dtype_size(dt), row = (size_t)in * esz;
     size_t body = (size_t)in / 8 * 8, left = (size_t)in - body;
@@ -81,9 +81,6 @@ static inline __attribute__((always_inline)) void matvec(float *y, const float *
             a0 = _mm256_fmadd_ps(load8_tail(w0, dt, body, left), xt, a0);
         y[r] = hsum(a0);
     }
-    if (bias)
-        for (r = r0; r < r1; r++)
-            y[r] += bias[r];
 }
 
 static void to_f32_avx2(float *y, const void *x, enum be_dtype dt, size_t n)
@@ -104,9 +101,9 @@ static void matmul_rows_avx2(const struct cpu_mm *a, int r0, int r1, float *scra
         float *y = a->y + (size_t)t * a->out;
         const float *x = a->x + (size_t)t * a->in;
         switch (a->wt) {
-        case BE_BF16: matvec(y, x, a->w, BE_BF16, a->bias, a->in, r0, r1); break;
-        case BE_F16: matvec(y, x, a->w, BE_F16, a->bias, a->in, r0, r1); break;
-        case BE_F32: matvec(y, x, a->w, BE_F32, a->bias, a->in, r0, r1); break;
+        case BE_BF16: matvec(y, x, a->w, BE_BF16, a->in, r0, r1); break;
+        case BE_F16: matvec(y, x, a->w, BE_F16, a->in, r0, r1); break;
+        case BE_F32: matvec(y, x, a->w, BE_F32, a->in, r0, r1); break;
         }
     }
 }

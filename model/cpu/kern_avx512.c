@@ -31,7 +31,7 @@ static inline __mmask16 tail_mask(size_t left)
 
 /* y[r0:r1] = W[r0:r1] . x for one token; dt is a constant after inlining. */
 static inline __attribute__((always_inline)) void matvec(float *y, const float *x, const void *w, enum be_dtype dt,
-                                                         const float *bias, int in, int r0, int r1)
+                                                         int in, int r0, int r1)
 {
     size_t esz = be_dtype_size(dt), row = (size_t)in * esz;
     int r = r0;
@@ -60,9 +60,6 @@ static inline __attribute__((always_inline)) void matvec(float *y, const float *
         }
         y[r] = _mm512_reduce_add_ps(a0);
     }
-    if (bias)
-        for (r = r0; r < r1; r++)
-            y[r] += bias[r];
 }
 
 /* bf16 decode without widening shuffles: a 64-byte load of 32 weights
@@ -99,7 +96,7 @@ static inline __m512 bf16_dot_tail(__m512 acc, const uint16_t *w, const float *x
     return acc;
 }
 
-static void matvec_bf16(float *y, const float *x, const uint16_t *w, const float *bias, int in, int r0, int r1,
+static void matvec_bf16(float *y, const float *x, const uint16_t *w, int in, int r0, int r1,
                         float *xp)
 {
     int body = in / 32 * 32;
@@ -126,9 +123,6 @@ static void matvec_bf16(float *y, const float *x, const uint16_t *w, const float
             a0 = bf16_dot32(a0, w0 + i, xp + i);
         y[r] = _mm512_reduce_add_ps(bf16_dot_tail(a0, w0, x, body, in));
     }
-    if (bias)
-        for (r = r0; r < r1; r++)
-            y[r] += bias[r];
 }
 
 static void to_f32_avx512(float *y, const void *x, enum be_dtype dt, size_t n)
@@ -152,12 +146,12 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
         switch (a->wt) {
         case BE_BF16:
             if (fits)
-                matvec_bf16(y, x, a->w, a->bias, a->in, r0, r1, scratch);
+                matvec_bf16(y, x, a->w, a->in, r0, r1, scratch);
             else
-                matvec(y, x, a->w, BE_BF16, a->bias, a->in, r0, r1);
+                matvec(y, x, a->w, BE_BF16, a->in, r0, r1);
             break;
-        case BE_F16: matvec(y, x, a->w, BE_F16, a->bias, a->in, r0, r1); break;
-        case BE_F32: matvec(y, x, a->w, BE_F32, a->bias, a->in, r0, r1); break;
+        case BE_F16: matvec(y, x, a->w, BE_F16, a->in, r0, r1); break;
+        case BE_F32: matvec(y, x, a->w, BE_F32, a->in, r0, r1); break;
         }
     }
 }

@@ -22,8 +22,7 @@ void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scrat
     for (int t = 0; t < a->n; t++) {
         const float *x = a->x + (size_t)t * a->in;
         for (int r = r0; r < r1; r++) {
-            float acc = cpu_dot_scalar(x, (const char *)a->w + (size_t)r * row_bytes, a->wt, a->in);
-            a->y[(size_t)t * a->out + r] = a->bias ? acc + a->bias[r] : acc;
+            a->y[(size_t)t * a->out + r] = cpu_dot_scalar(x, (const char *)a->w + (size_t)r * row_bytes, a->wt, a->in);
         }
     }
 }

@@ -37,6 +37,7 @@ static void run(struct cpu_ctx *c, cpu_job_fn *fn, void *arg, size_t work)
 struct matmul_job {
     struct cpu_ctx *c;
     struct cpu_mm mm;
+    const float *bias;
 };
 
 static void matmul_job(void *arg, int ith, int nth)
@@ -44,8 +45,12 @@ static void matmul_job(void *arg, int ith, int nth)
     struct matmul_job *j = arg;
     size_t r0, r1;
     split((size_t)j->mm.out, ith, nth, 16, &r0, &r1);
-    if (r0 < r1)
-        cpu_ctx_kern(j->c)->matmul_rows(&j->mm, (int)r0, (int)r1, cpu_ctx_scratch(j->c, ith));
+    if (r0 >= r1)
+        return;
+    cpu_ctx_kern(j->c)->matmul_rows(&j->mm, (int)r0, (int)r1, cpu_ctx_scratch(j->c, ith));
+    if (j->bias)
+        for (int t = 0; t < j->mm.n; t++)
+            cpu_ctx_kern(j->c)->add(j->mm.y + (size_t)t * (size_t)j->mm.out + r0, j->bias + r0, r1 - r0);
 }
 
 enum be_status cpu_matmul(void *ctx, float *y, const float *x, const void *w, enum be_dtype wt, const float *bias,
@@ -53,7 +58,8 @@ enum be_status cpu_matmul(void *ctx, float *y, const float *x, const void *w, en
 {
     struct matmul_job j = {
         .c = ctx,
-        .mm = {.y = y, .x = x, .w = w, .wt = wt, .bias = bias, .n = n, .in = in, .out = out},
+        .mm = {.y = y, .x = x, .w = w, .wt = wt, .n = n, .in = in, .out = out},
+        .bias = bias,
     };
     run(j.c, matmul_job, &j, (size_t)in * (size_t)out);
     return BE_OK;
