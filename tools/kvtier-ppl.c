@@ -1,0 +1,203 @@
+/* kvtier-ppl - token-level perplexity of a text file, computed by kvtier.
+ *
+ *   kvtier-ppl -m DIR -f FILE [--window N] [--threads N]
+ *
+ * The windowing is the one tools/train.py records in metrics.json (so the two
+ * numbers are comparable): FILE is encoded without special tokens, the ids
+ * are cut into consecutive chunks of N tokens (default 512, the last chunk
+ * may be shorter), and each chunk c is fed to a fresh KV sequence as
+ * [BOS] + c[:-1] in one forward pass with all logits; the logits at position
+ * i predict c[i].  Log-softmax and the sum of log-likelihoods are in double.
+ *
+ * Prints one line on stdout:
+ *   perplexity P tokens N windows W seconds S
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "model/tokenizer.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: kvtier-ppl -m DIR -f FILE [--window N] [--threads N]\n");
+}
+
+/* Reads a whole file into a NUL-terminated malloc'd buffer. */
+static char *read_text(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "kvtier-ppl: %s: %s\n", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        n += fread(buf + n, 1, cap - n - 1, f);
+        if (n < cap - 1)
+            break;
+        char *p = realloc(buf, cap * 2);
+        if (!p) {
+            free(buf);
+            buf = NULL;
+        } else {
+            buf = p;
+            cap *= 2;
+        }
+    }
+    bool bad = !buf || ferror(f);
+    fclose(f);
+    if (bad) {
+        fprintf(stderr, "kvtier-ppl: %s: %s\n", path, buf ? "read error" : "out of memory");
+        free(buf);
+        return NULL;
+    }
+    buf[n] = '\0';
+    *len = n;
+    return buf;
+}
+
+/* -log softmax(logits)[target] in double: the max is subtracted first so exp
+ * cannot overflow whatever the logits' scale. */
+static double token_nll(const float *logits, int vocab, int32_t target)
+{
+    double mx = logits[0];
+    for (int v = 1; v < vocab; v++)
+        mx = logits[v] > mx ? logits[v] : mx;
+    double sum = 0;
+    for (int v = 0; v < vocab; v++)
+        sum += exp((double)logits[v] - mx);
+    return -((double)logits[target] - mx - log(sum));
+}
+
+/* Scores one chunk c[0..n) as [bos] + c[:-1] in a fresh sequence; adds the
+ * summed NLL to *nll.  in and logits are scratch of window and
+ * window*vocab elements. */
+static enum model_status score_chunk(model *m, kv_store *store, int32_t bos, const int32_t *c, int n, int32_t *in,
+                                     float *logits, double *nll, char *err)
+{
+    int vocab = model_get_config(m)->vocab_size;
+    kv_seq *seq = NULL;
+    enum tier_status ts = kv_seq_create(store, &(struct kv_seq_params){KV_DYNAMIC}, &seq);
+    if (ts != TIER_OK) {
+        snprintf(err, MODEL_ERR_LEN, "kv_seq_create: %s", tier_strerror(ts));
+        return MODEL_ENOMEM;
+    }
+    in[0] = bos;
+    memcpy(in + 1, c, (size_t)(n - 1) * sizeof(*in));
+    struct fw_seq fs = {.kv = seq, .tokens = in, .n_tokens = n, .logits = logits, .want_all_logits = true};
+    enum model_status st = model_forward(m, &fs, 1);
+    if (st != MODEL_OK)
+        snprintf(err, MODEL_ERR_LEN, "model_forward: %s", model_strerror(st));
+    for (int i = 0; st == MODEL_OK && i < n; i++)
+        *nll += token_nll(logits + (size_t)i * vocab, vocab, c[i]);
+    kv_seq_free(seq);
+    return st;
+}
+
+int main(int argc, char **argv)
+{
+    const char *dir = NULL, *path = NULL;
+    long window = 512;
+    struct be_params bp = {0};
+    enum { O_WINDOW = 256, O_THREADS };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"file", required_argument, 0, 'f'},
+        {"window", required_argument, 0, O_WINDOW}, {"threads", required_argument, 0, O_THREADS},
+        {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
+    };
+    int c;
+    while ((c = getopt_long(argc, argv, "m:f:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': dir = optarg; break;
+        case 'f': path = optarg; break;
+        case O_WINDOW: window = strtol(optarg, NULL, 10); break;
+        case O_THREADS: bp.n_threads = atoi(optarg); break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (!dir || !path || optind != argc || window < 2 || window > 1 << 20) {
+        usage(stderr);
+        return 2;
+    }
+
+    char err[MODEL_ERR_LEN] = "";
+    be_backend *be = NULL;
+    model *m = NULL;
+    tokenizer *tok = NULL;
+    kv_store *store = NULL;
+    struct tok_ids ids = {0};
+    int32_t *in = NULL;
+    float *logits = NULL;
+    int rc = 1;
+    size_t len = 0;
+    char *text = read_text(path, &len);
+    if (!text)
+        return 1;
+    enum be_status bst = be_open("cpu", &bp, &be);
+    if (bst != BE_OK) {
+        fprintf(stderr, "kvtier-ppl: backend cpu: %s\n", be_strerror(bst));
+        goto out;
+    }
+    /* Activations for a whole window, so each window is one forward chunk. */
+    struct model_params mp = {.max_batch_tokens = (int)window};
+    enum model_status st = model_load(dir, be, &mp, &m, err);
+    if (st == MODEL_OK)
+        st = tokenizer_load(dir, &tok, err);
+    if (st == MODEL_OK)
+        st = tokenizer_encode(tok, text, len, false, &ids, err);
+    if (st != MODEL_OK) {
+        fprintf(stderr, "kvtier-ppl: %s: %s\n", model_strerror(st), err);
+        goto out;
+    }
+    const struct model_config *cfg = model_get_config(m);
+    int32_t bos = tokenizer_bos_id(tok) >= 0 ? tokenizer_bos_id(tok) : cfg->bos_token_id;
+    if (bos < 0 || ids.n == 0 || window > cfg->max_position_embeddings) {
+        fprintf(stderr, "kvtier-ppl: %s\n",
+                bos < 0      ? "the tokenizer and config.json name no BOS token to start each window with"
+                : ids.n == 0 ? "the file encodes to no tokens"
+                             : "--window is longer than max_position_embeddings");
+        goto out;
+    }
+    struct kv_geom g = model_kv_geom(m);
+    enum tier_status ts = kv_store_create(be, &g, 0, &store);
+    in = malloc((size_t)window * sizeof(*in));
+    logits = malloc((size_t)window * (size_t)cfg->vocab_size * sizeof(*logits));
+    if (ts != TIER_OK || !in || !logits) {
+        fprintf(stderr, "kvtier-ppl: %s\n", ts != TIER_OK ? tier_strerror(ts) : "out of memory");
+        goto out;
+    }
+
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double nll = 0;
+    size_t n_windows = 0;
+    for (size_t s = 0; s < ids.n; s += (size_t)window, n_windows++) {
+        int n = (int)(ids.n - s < (size_t)window ? ids.n - s : (size_t)window);
+        st = score_chunk(m, store, bos, ids.ids + s, n, in, logits, &nll, err);
+        if (st != MODEL_OK) {
+            fprintf(stderr, "kvtier-ppl: window %zu: %s\n", n_windows, err);
+            goto out;
+        }
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    printf("perplexity %.4f tokens %zu windows %zu seconds %.2f\n", exp(nll / (double)ids.n), ids.n, n_windows,
+           (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9);
+    rc = 0;
+out:
+    free(logits);
+    free(in);
+    free(ids.ids);
+    kv_store_free(store);
+    tokenizer_free(tok);
+    model_free(m);
+    be_free(be);
+    free(text);
+    return rc;
+}
