@@ -162,7 +162,7 @@ def main():
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--steps", type=int, default=1400)
     ap.add_argument("--batch", type=int, default=4, help="rows of 512 tokens per step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
