@@ -288,8 +288,10 @@ static enum model_status encode_section(struct work *w, const char *s, size_t n,
         const char *r = str + t->meta_repl.off;
         size_t nr = t->meta_repl.len;
         struct tok_buf *dst = target(w, s);
+        /* The text starts with the replacement after replacing if it starts
+         * with a space or with the replacement itself. */
         bool prepend = (t->meta_prepend == TOK_PREPEND_ALWAYS || (t->meta_prepend == TOK_PREPEND_FIRST && at_start)) &&
-                       !(n >= nr && memcmp(s, r, nr) == 0);
+                       s[0] != ' ' && !(n >= nr && memcmp(s, r, nr) == 0);
         st = rewrite(dst, r, prepend ? nr : 0, s, n, " ", 1, r, nr);
         s = dst->p;
         n = dst->n;

@@ -1,0 +1,631 @@
+/* test_tokenizer.c - the tokenizer on small hand-built tokenizer.json files
+ * (merges, ignore_merges, byte_fallback, added tokens, NFC, BOS rules,
+ * malformed files, invalid UTF-8, streaming decode).
+ *
+ * With KVTIER_TOKENIZER_ORACLE=expected.json (written by
+ * tests/tokenizer/oracle.mjs, run by tests/tokenizer.test.sh) it instead
+ * checks every corpus case against the real tokenizers' ids and decodes.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "model/tokenizer.h"
+#include "model/tokenizer_internal.h"
+
+/* ---- building tokenizer directories ---------------------------------------- */
+
+static void write_file(const char *dir, const char *name, const char *text)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    assert_int_equal(fputs(text, f) >= 0, 1);
+    assert_int_equal(fclose(f), 0);
+}
+
+/* Loads a tokenizer from tokenizer.json text (and tokenizer_config.json
+ * text unless NULL) written to a fresh temporary directory. */
+static enum model_status load_text(const char *json, const char *config, tokenizer **t, char *err)
+{
+    char dir[] = "/tmp/kvtier-tok-XXXXXX";
+    char path[256];
+    assert_non_null(mkdtemp(dir));
+    write_file(dir, "tokenizer.json", json);
+    if (config)
+        write_file(dir, "tokenizer_config.json", config);
+    err[0] = '\0';
+    enum model_status st = tokenizer_load(dir, t, err);
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    unlink(path);
+    rmdir(dir);
+    return st;
+}
+
+/* As load_text, from JSON objects (both consumed; config may be NULL). */
+static tokenizer *load_json(json_t *root, json_t *config)
+{
+    char err[MODEL_ERR_LEN];
+    tokenizer *t = NULL;
+    char *json = json_dumps(root, 0), *cfg = config ? json_dumps(config, 0) : NULL;
+    assert_non_null(json);
+    enum model_status st = load_text(json, cfg, &t, err);
+    if (st != MODEL_OK)
+        fail_msg("tokenizer_load: %s (%s)", model_strerror(st), err);
+    free(json);
+    free(cfg);
+    json_decref(root);
+    json_decref(config);
+    return t;
+}
+
+/* A byte-level BPE: ids 0..255 are the byte symbols, 256 + i the result of
+ * merges[i] (written in the byte-level alphabet, "Ġ" for a space). */
+static json_t *byte_level_json(const char *const *merges, size_t n_merges)
+{
+    json_t *vocab = json_object(), *m = json_array();
+    for (unsigned b = 0; b < 256; b++) {
+        char s[5];
+        s[tok_utf8_put(tok_byte_to_cp(b), s)] = '\0';
+        json_object_set_new(vocab, s, json_integer(b));
+    }
+    for (size_t i = 0; i < n_merges; i++) {
+        char joined[64];
+        const char *sp = strchr(merges[i], ' ');
+        snprintf(joined, sizeof joined, "%.*s%s", (int)(sp - merges[i]), merges[i], sp + 1);
+        json_object_set_new(vocab, joined, json_integer((json_int_t)(256 + i)));
+        json_array_append_new(m, json_string(merges[i]));
+    }
+    return json_pack("{s:{s:s, s:o, s:o}, s:{s:s, s:b, s:b}, s:{s:s}}", "model", "type", "BPE", "vocab", vocab,
+                     "merges", m, "pre_tokenizer", "type", "ByteLevel", "add_prefix_space", 0, "use_regex", 1,
+                     "decoder", "type", "ByteLevel");
+}
+
+static const char *const HELLO_MERGES[] = {"l l", "h e", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "a a"};
+enum { M_LL = 256, M_HE, M_HELL, M_HELLO, M_GW, M_OR, M_GWOR, M_LD, M_AA, N_HELLO_MERGES = 9 };
+
+/* A SentencePiece-style BPE in Llama-2's layout: <unk> <s> </s>, the 256
+ * <0xNN> tokens (ids 3..258), then pieces[] from id 259. */
+static json_t *sentencepiece_json(const char *const *pieces, size_t n, json_t *merges)
+{
+    json_t *vocab = json_pack("{s:i, s:i, s:i}", "<unk>", 0, "<s>", 1, "</s>", 2);
+    for (int b = 0; b < 256; b++) {
+        char name[8];
+        snprintf(name, sizeof name, "<0x%02X>", b);
+        json_object_set_new(vocab, name, json_integer(3 + b));
+    }
+    for (size_t i = 0; i < n; i++)
+        json_object_set_new(vocab, pieces[i], json_integer((json_int_t)(259 + i)));
+    return json_pack(
+        "{s:{s:s, s:o, s:o, s:s, s:b, s:b}, s:[{s:i, s:s, s:b}, {s:i, s:s, s:b}, {s:i, s:s, s:b}],"
+        " s:{s:s, s:[{s:s, s:s}, {s:s, s:{s:s}, s:s}]},"
+        " s:{s:s, s:[{s:{s:s, s:i}}, {s:{s:s, s:i}}], s:{s:{s:s, s:[i]}}},"
+        " s:{s:s, s:[{s:s, s:{s:s}, s:s}, {s:s}, {s:s}, {s:s, s:s, s:i, s:i}]}}",
+        "model", "type", "BPE", "vocab", vocab, "merges", merges, "unk_token", "<unk>", "byte_fallback", 1, "fuse_unk",
+        1, "added_tokens", "id", 0, "content", "<unk>", "special", 1, "id", 1, "content", "<s>", "special", 1, "id", 2,
+        "content", "</s>", "special", 1, "normalizer", "type", "Sequence", "normalizers", "type", "Prepend",
+        "prepend", "\u2581", "type", "Replace", "pattern", "String", " ", "content", "\u2581", "post_processor",
+        "type", "TemplateProcessing", "single", "SpecialToken", "id", "<s>", "type_id", 0, "Sequence", "id", "A",
+        "type_id", 0, "special_tokens", "<s>", "id", "<s>", "ids", 1, "decoder", "type", "Sequence", "decoders", "type",
+        "Replace", "pattern", "String", "\u2581", "content", " ", "type", "ByteFallback", "type", "Fuse", "type",
+        "Strip", "content", " ", "start", 1, "stop", 0);
+}
+
+static const char *const SP_PIECES[] = {"\u2581", "a", "b", "\u2581a", "ab", "\u2581ab", "\u2581\u2581"};
+enum { SP_SPACE = 259, SP_A, SP_B, SP_SA, SP_AB, SP_SAB, SP_SS };
+
+static json_t *sp_merges(void)
+{
+    return json_pack("[s, s, s, [s, s]]", "\u2581 a", "a b", "\u2581a b", "\u2581", "\u2581");
+}
+
+/* ---- encode / decode helpers ------------------------------------------------- */
+
+static struct tok_ids encode(const tokenizer *t, const char *text, bool add_special)
+{
+    struct tok_ids ids = {0};
+    char err[MODEL_ERR_LEN];
+    enum model_status st = tokenizer_encode(t, text, strlen(text), add_special, &ids, err);
+    if (st != MODEL_OK)
+        fail_msg("encode \"%s\": %s (%s)", text, model_strerror(st), err);
+    return ids;
+}
+
+static void expect_ids(const tokenizer *t, const char *text, bool add_special, const int32_t *want, size_t n)
+{
+    struct tok_ids ids = encode(t, text, add_special);
+    if (ids.n != n || memcmp(ids.ids, want, n * sizeof *want) != 0) {
+        char got[512];
+        size_t k = 0;
+        for (size_t i = 0; i < ids.n && k < sizeof got - 16; i++)
+            k += (size_t)snprintf(got + k, sizeof got - k, " %d", ids.ids[i]);
+        got[k] = '\0';
+        fail_msg("encode \"%s\": got%s (%zu ids, want %zu)", text, got, ids.n, n);
+    }
+    free(ids.ids);
+}
+#define EXPECT_IDS(t, text, special, ...)                                                                          \
+    do {                                                                                                             \
+        const int32_t want_[] = {__VA_ARGS__};                                                                       \
+        expect_ids(t, text, special, want_, sizeof want_ / sizeof want_[0]);                                         \
+    } while (0)
+
+static char *decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip)
+{
+    char *s = NULL;
+    size_t len = 0;
+    assert_int_equal(tokenizer_decode(t, ids, n, skip, &s, &len), MODEL_OK);
+    assert_int_equal(strlen(s), len);
+    return s;
+}
+
+static bool valid_utf8(const char *s, size_t n)
+{
+    uint32_t cp;
+    for (size_t i = 0, l; i < n; i += l)
+        if (!(l = tok_utf8_next((const unsigned char *)s + i, n - i, &cp)))
+            return false;
+    return true;
+}
+
+/* Feeds ids one at a time (64-byte buffer, retried larger when the decoder
+ * asks), checks every chunk is whole UTF-8 and returns the concatenation. */
+static char *decode_streamed(const tokenizer *t, const int32_t *ids, size_t n, bool skip)
+{
+    struct tok_stream st = {0};
+    size_t len = 0, cap = 64;
+    char *all = malloc(1), *chunk = malloc(cap);
+    assert_non_null(all);
+    assert_non_null(chunk);
+    for (size_t i = 0; i < n; i++) {
+        size_t k = tokenizer_decode_stream(t, &st, ids[i], skip, chunk, cap);
+        if (k > cap) {
+            cap = k;
+            chunk = realloc(chunk, cap);
+            assert_non_null(chunk);
+            assert_int_equal(tokenizer_decode_stream(t, &st, ids[i], skip, chunk, cap), k);
+        }
+        if (!valid_utf8(chunk, k))
+            fail_msg("stream chunk %zu (id %d) is not whole UTF-8", i, ids[i]);
+        all = realloc(all, len + k + 1);
+        assert_non_null(all);
+        memcpy(all + len, chunk, k);
+        len += k;
+    }
+    all[len] = '\0';
+    free(chunk);
+    return all;
+}
+
+/* decode(encode(text)) == want, whole and streamed. */
+static void expect_round_trip(const tokenizer *t, const char *text, const char *want)
+{
+    struct tok_ids ids = encode(t, text, true);
+    char *whole = decode(t, ids.ids, ids.n, true), *streamed = decode_streamed(t, ids.ids, ids.n, true);
+    assert_string_equal(whole, want);
+    assert_string_equal(streamed, want);
+    free(whole);
+    free(streamed);
+    free(ids.ids);
+}
+
+/* ---- unit tests ---------------------------------------------------------------- */
+
+static void test_byte_level_merges(void **state)
+{
+    (void)state;
+    tokenizer *t = load_json(byte_level_json(HELLO_MERGES, N_HELLO_MERGES), NULL);
+    assert_int_equal(tokenizer_vocab_size(t), 256 + N_HELLO_MERGES);
+    assert_int_equal(tokenizer_bos_id(t), -1);
+    EXPECT_IDS(t, "hello world", true, M_HELLO, M_GWOR, M_LD);
+    /* Equal ranks merge leftmost first. */
+    EXPECT_IDS(t, "aaa", true, M_AA, 'a');
+    EXPECT_IDS(t, "aaaa", true, M_AA, M_AA);
+    /* The GPT-2 regex splits " hello" from "!!" and keeps the space with the word. */
+    EXPECT_IDS(t, "!! hello", true, '!', '!', ' ', M_HELLO);
+    expect_round_trip(t, "hello world \n\t 日本 🤷\u200d♂️", "hello world \n\t 日本 🤷\u200d♂️");
+    assert_int_equal(tokenizer_token_id(t, "hell"), M_HELL);
+    assert_int_equal(tokenizer_token_id(t, "nope"), -1);
+    tokenizer_free(t);
+}
+
+static void test_ignore_merges(void **state)
+{
+    (void)state;
+    /* "hellod" is a vocab entry no merge sequence reaches. */
+    json_t *j = byte_level_json(HELLO_MERGES, N_HELLO_MERGES);
+    json_object_set_new(json_object_get(json_object_get(j, "model"), "vocab"), "hellod", json_integer(300));
+    tokenizer *plain = load_json(json_deep_copy(j), NULL);
+    json_object_set_new(json_object_get(j, "model"), "ignore_merges", json_true());
+    tokenizer *ignore = load_json(j, NULL);
+    EXPECT_IDS(plain, "hellod", true, M_HELLO, 'd');
+    EXPECT_IDS(ignore, "hellod", true, 300);
+    EXPECT_IDS(ignore, "hello", true, M_HELLO);
+    tokenizer_free(plain);
+    tokenizer_free(ignore);
+}
+
+static void test_sentencepiece_byte_fallback(void **state)
+{
+    (void)state;
+    tokenizer *t = load_json(sentencepiece_json(SP_PIECES, 7, sp_merges()), NULL);
+    assert_int_equal(tokenizer_bos_id(t), 1);
+    /* "ü" is not in the vocabulary: its two UTF-8 bytes become <0xC3> <0xBC>. */
+    EXPECT_IDS(t, "ab a\u00fc", true, 1, SP_SAB, SP_SA, 3 + 0xC3, 3 + 0xBC);
+    EXPECT_IDS(t, "ab a\u00fc", false, SP_SAB, SP_SA, 3 + 0xC3, 3 + 0xBC);
+    EXPECT_IDS(t, "  b", true, 1, SP_SS, SP_SPACE, SP_B);
+    expect_round_trip(t, "ab a\u00fc 日本", "ab a\u00fc 日本");
+    expect_round_trip(t, "  leading", "  leading");
+    /* Without skipping, <s> is printed and the first space still goes. */
+    const int32_t ids[] = {1, SP_SA, SP_B};
+    char *s = decode(t, ids, 3, false);
+    assert_string_equal(s, "<s> ab");
+    free(s);
+    s = decode(t, ids, 3, true);
+    assert_string_equal(s, "ab");
+    free(s);
+    tokenizer_free(t);
+}
+
+static void test_metaspace_layout(void **state)
+{
+    (void)state;
+    /* The older layout: no normaliser, a Metaspace pre-tokenizer. */
+    json_t *j = sentencepiece_json(SP_PIECES, 7, sp_merges());
+    json_object_set_new(j, "normalizer", json_null());
+    json_object_set_new(j, "pre_tokenizer", json_pack("{s:s, s:s, s:s, s:b}", "type", "Metaspace", "replacement",
+                                                      "\u2581", "prepend_scheme", "first", "split", 0));
+    json_t *split = json_deep_copy(j);
+    json_object_set_new(json_object_get(split, "pre_tokenizer"), "split", json_true());
+    tokenizer *t = load_json(j, NULL), *ts = load_json(split, NULL);
+    EXPECT_IDS(t, "ab a\u00fc", true, 1, SP_SAB, SP_SA, 3 + 0xC3, 3 + 0xBC);
+    /* Unlike Prepend, no "▁" is added to text that starts with a space. */
+    EXPECT_IDS(t, "  b", true, 1, SP_SS, SP_B);
+    /* Split before each "▁": "▁▁b" becomes "▁" "▁b", and "▁▁" cannot form. */
+    EXPECT_IDS(ts, "  b", true, 1, SP_SPACE, SP_SPACE, SP_B);
+    expect_round_trip(t, "a b  ab", "a b  ab");
+    tokenizer_free(t);
+    tokenizer_free(ts);
+}
+
+static void test_added_tokens(void **state)
+{
+    (void)state;
+    json_t *j = byte_level_json(HELLO_MERGES, N_HELLO_MERGES);
+    json_object_set_new(j, "added_tokens",
+                        json_pack("[{s:i, s:s, s:b}, {s:i, s:s, s:b}, {s:i, s:s, s:b}, {s:i, s:s, s:b}, {s:i, s:s, "
+                                  "s:b}]",
+                                  "id", 300, "content", "<|x|>", "special", 1, "id", 301, "content", "<|x|>y",
+                                  "special", 0, "id", 302, "content", "[L]", "lstrip", 1, "id", 303, "content", "[R]",
+                                  "rstrip", 1, "id", 304, "content", "ab", "single_word", 1));
+    tokenizer *t = load_json(j, json_pack("{s:s, s:s}", "bos_token", "<|x|>", "eos_token", "[R]"));
+    assert_int_equal(tokenizer_vocab_size(t), 305);
+    assert_int_equal(tokenizer_bos_id(t), 300);
+    assert_int_equal(tokenizer_eos_id(t), 303);
+    assert_true(tokenizer_is_special(t, 300));
+    assert_false(tokenizer_is_special(t, 301));
+    assert_false(tokenizer_is_special(t, 'a'));
+    assert_false(tokenizer_is_special(t, -1));
+    assert_false(tokenizer_is_special(t, 305));
+    assert_int_equal(tokenizer_token_id(t, "<|x|>"), 300);
+    assert_int_equal(tokenizer_token_id(t, "<|x|>y"), 301);
+    /* Longest match first; text on both sides is encoded on its own. */
+    EXPECT_IDS(t, "h<|x|>y<|x|>he", true, 'h', 301, 300, M_HE);
+    EXPECT_IDS(t, "<|x|", true, '<', '|', 'x', '|');
+    /* lstrip / rstrip swallow the whitespace beside the token. */
+    EXPECT_IDS(t, "a  [L]", true, 'a', 302);
+    EXPECT_IDS(t, "[R] \n b", true, 303, 'b');
+    EXPECT_IDS(t, "a [R]", true, 'a', tok_cp_to_byte(0x120), 303);
+    /* single_word: only where no word character touches it. */
+    EXPECT_IDS(t, "ab", true, 304);
+    EXPECT_IDS(t, "cab", true, 'c', 'a', 'b');
+    const int32_t ids[] = {'h', 300, 301, 'o'};
+    char *s = decode(t, ids, 4, true);
+    assert_string_equal(s, "h<|x|>yo");
+    free(s);
+    s = decode(t, ids, 4, false);
+    assert_string_equal(s, "h<|x|><|x|>yo");
+    free(s);
+    tokenizer_free(t);
+}
+
+static void test_nfc(void **state)
+{
+    (void)state;
+    json_t *j = byte_level_json(HELLO_MERGES, N_HELLO_MERGES);
+    json_object_set_new(j, "normalizer", json_pack("{s:s}", "type", "NFC"));
+    tokenizer *t = load_json(j, NULL);
+    static const char *const same[][2] = {
+        {"e\u0301", "\u00e9"},                    /* composition */
+        {"a\u0323\u0302", "\u1ead"},              /* ordered marks compose in order */
+        {"a\u0302\u0323", "\u1ead"},              /* canonical reordering first */
+        {"\u212b \u2126", "\u00c5 \u03a9"},       /* singletons */
+        {"\u1100\u1161\u11a8", "\uac01"},         /* Hangul LVT */
+        {"q\u0307\u0323", "q\u0323\u0307"},       /* no composite: reorder only */
+    };
+    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+        struct tok_ids a = encode(t, same[i][0], true), b = encode(t, same[i][1], true);
+        assert_int_equal(a.n, b.n);
+        assert_memory_equal(a.ids, b.ids, a.n * sizeof *a.ids);
+        free(a.ids);
+        free(b.ids);
+    }
+    tokenizer_free(t);
+}
+
+static void test_bos_rules(void **state)
+{
+    (void)state;
+    json_t *j = byte_level_json(HELLO_MERGES, N_HELLO_MERGES);
+    json_object_set_new(j, "added_tokens", json_pack("[{s:i, s:s, s:b}, {s:i, s:s, s:b}]", "id", 300, "content",
+                                                     "<bos>", "special", 1, "id", 301, "content", "<eos>", "special",
+                                                     1));
+    json_t *bare = json_deep_copy(j);
+    json_object_set_new(j, "post_processor",
+                        json_pack("{s:s, s:[{s:{s:s}}, {s:{s:s}}, {s:{s:s}}], s:{s:{s:[i]}, s:{s:[i]}}}", "type",
+                                  "TemplateProcessing", "single", "SpecialToken", "id", "<bos>", "Sequence", "id", "A",
+                                  "SpecialToken", "id", "<eos>", "special_tokens", "<bos>", "ids", 300, "<eos>", "ids",
+                                  301));
+    tokenizer *tpl = load_json(j, NULL);
+    EXPECT_IDS(tpl, "he", true, 300, M_HE, 301);
+    EXPECT_IDS(tpl, "he", false, M_HE);
+    assert_int_equal(tokenizer_bos_id(tpl), 300);
+    /* No template: tokenizer_config.json's add_bos_token decides. */
+    tokenizer *cfg = load_json(json_deep_copy(bare), json_pack("{s:b, s:s, s:s, s:s}", "add_bos_token", 1,
+                                                               "bos_token", "<bos>", "eos_token", "<eos>",
+                                                               "chat_template", "{{ messages }}"));
+    EXPECT_IDS(cfg, "he", true, 300, M_HE);
+    assert_string_equal(tokenizer_chat_template(cfg), "{{ messages }}");
+    tokenizer *none = load_json(bare, NULL);
+    EXPECT_IDS(none, "he", true, M_HE);
+    assert_null(tokenizer_chat_template(none));
+    tokenizer_free(tpl);
+    tokenizer_free(cfg);
+    tokenizer_free(none);
+}
+
+/* Each malformed file gives the status and names the field. */
+static void test_malformed(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *json, *config;
+        enum model_status st;
+        const char *msg;
+    } cases[] = {
+        {"{}", NULL, MODEL_EFORMAT, "model is missing"},
+        {"[1, 2]", NULL, MODEL_EFORMAT, "not a JSON object"},
+        {"{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0", NULL, MODEL_EFORMAT, "tokenizer.json:1:"},
+        {"{\"model\": {\"type\": \"BPE\"}}", NULL, MODEL_EFORMAT, "model.vocab is missing"},
+        {"{\"model\": {\"vocab\": {\"a\": -1}}}", NULL, MODEL_EFORMAT, "model.vocab[\"a\"]"},
+        {"{\"model\": {\"vocab\": {\"a\": 99999999}}}", NULL, MODEL_EFORMAT, "model.vocab[\"a\"]"},
+        {"{\"model\": {\"vocab\": {\"a\": \"0\"}}}", NULL, MODEL_EFORMAT, "model.vocab[\"a\"]"},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 0}}}", NULL, MODEL_EFORMAT, "id 0 is given to both"},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b c\"]}}", NULL, MODEL_EFORMAT,
+         "model.merges[0]"},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\", \"a z\"]}}", NULL,
+         MODEL_EFORMAT, "model.merges[1]: \"z\""},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": [\"a b\"]}}", NULL, MODEL_EFORMAT,
+         "model.merges[0]: \"ab\""},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [[\"a\"]]}}", NULL, MODEL_EFORMAT,
+         "model.merges[0]"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}, \"merges\": 5}}", NULL, MODEL_EFORMAT, "model.merges is not an array"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}, \"unk_token\": \"<unk>\"}}", NULL, MODEL_EFORMAT, "model.unk_token"},
+        {"{\"model\": {\"type\": \"WordPiece\", \"vocab\": {\"a\": 0}}}", NULL, MODEL_EUNSUPPORTED, "model.type"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"added_tokens\": [{\"id\": 99999999, \"content\": \"x\"}]}", NULL,
+         MODEL_EFORMAT, "added_tokens.id[0]"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"added_tokens\": [{\"id\": 1}]}", NULL, MODEL_EFORMAT,
+         "added_tokens[0].content is missing"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": \"NFKC\"}}", NULL, MODEL_EUNSUPPORTED,
+         "normalizer.type \"NFKC\""},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [{\"type\": "
+         "\"Lowercase\"}]}}",
+         NULL, MODEL_EUNSUPPORTED, "normalizer.normalizers[0].type"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": "
+         "\"(\"}, \"behavior\": \"Isolated\"}}",
+         NULL, MODEL_EUNSUPPORTED, "pre_tokenizer.pattern"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": "
+         "\"a\"}, \"behavior\": \"Removed\"}}",
+         NULL, MODEL_EUNSUPPORTED, "behavior Isolated"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": "
+         "[{\"SpecialToken\": {\"id\": \"<s>\"}}, {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {}}}",
+         NULL, MODEL_EFORMAT, "special_tokens[\"<s>\"]"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": "
+         "[{\"SpecialToken\": {\"id\": \"<s>\"}}, {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {\"<s>\": "
+         "{\"ids\": [7]}}}}",
+         NULL, MODEL_EFORMAT, "id 7 out of range"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": \"Strip\", \"content\": \" \", \"start\": 2, "
+         "\"stop\": 0}}",
+         NULL, MODEL_EUNSUPPORTED, "decoder"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", MODEL_EFORMAT, "bos_token \"<s>\""},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"add_bos_token\": ", MODEL_EFORMAT, "tokenizer_config.json:1:"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char err[MODEL_ERR_LEN];
+        tokenizer *t = (tokenizer *)&err; /* must come back NULL */
+        enum model_status st = load_text(cases[i].json, cases[i].config, &t, err);
+        if (st != cases[i].st || !strstr(err, cases[i].msg) || t)
+            fail_msg("case %zu: got %s \"%s\", want %s \"%s\"", i, model_strerror(st), err,
+                     model_strerror(cases[i].st), cases[i].msg);
+    }
+    char err[MODEL_ERR_LEN];
+    tokenizer *t;
+    assert_int_equal(tokenizer_load("/nonexistent/kvtier", &t, err), MODEL_ENOENT);
+    assert_non_null(strstr(err, "/nonexistent/kvtier/tokenizer.json"));
+    assert_null(t);
+    tokenizer_free(NULL);
+}
+
+static void test_invalid_utf8(void **state)
+{
+    (void)state;
+    tokenizer *t = load_json(byte_level_json(HELLO_MERGES, N_HELLO_MERGES), NULL);
+    static const struct {
+        const char *text;
+        size_t len, offset;
+    } cases[] = {
+        {"\xff", 1, 0},              {"ab\xc3", 3, 2},          /* truncated */
+        {"a\xed\xa0\x80", 4, 1},     /* surrogate */           {"\xc0\xaf", 2, 0}, /* overlong */
+        {"xyz\xf4\x90\x80\x80", 7, 3}, /* above U+10FFFF */     {"ok\x80", 3, 2},   /* stray continuation */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char err[MODEL_ERR_LEN], want[64];
+        struct tok_ids ids = {0};
+        assert_int_equal(tokenizer_encode(t, "he", 2, false, &ids, err), MODEL_OK);
+        assert_int_equal(tokenizer_encode(t, cases[i].text, cases[i].len, true, &ids, err), MODEL_EINVAL);
+        snprintf(want, sizeof want, "offset %zu", cases[i].offset);
+        if (!strstr(err, want))
+            fail_msg("case %zu: \"%s\" does not name %s", i, err, want);
+        assert_int_equal(ids.n, 1); /* unchanged beyond its old length */
+        free(ids.ids);
+    }
+    /* Embedded NUL is a character like any other. */
+    struct tok_ids ids = {0};
+    char err[MODEL_ERR_LEN];
+    assert_int_equal(tokenizer_encode(t, "a\0b", 3, true, &ids, err), MODEL_OK);
+    assert_int_equal(ids.n, 3);
+    free(ids.ids);
+    tokenizer_free(t);
+}
+
+static void test_stream_decode(void **state)
+{
+    (void)state;
+    tokenizer *t = load_json(byte_level_json(HELLO_MERGES, N_HELLO_MERGES), NULL);
+    /* Byte symbols only: every multi-byte character is split over tokens. */
+    const char *text = "\u65e5\u00e9\U0001F937\u200d\u2642\ufe0f!";
+    struct tok_ids ids = encode(t, text, true);
+    assert_int_equal(ids.n, strlen(text));
+    char *s = decode_streamed(t, ids.ids, ids.n, true);
+    assert_string_equal(s, text);
+    free(s);
+
+    /* The first byte of 日 gives nothing and is held back... */
+    struct tok_stream st = {0};
+    char out[64];
+    assert_int_equal(tokenizer_decode_stream(t, &st, ids.ids[0], true, out, sizeof out), 0);
+    assert_int_equal(tokenizer_decode_stream(t, &st, ids.ids[1], true, out, sizeof out), 0);
+    assert_int_equal(st.n_pending, 2);
+    /* ...a buffer too small is told the size and nothing changes... */
+    assert_int_equal(tokenizer_decode_stream(t, &st, ids.ids[2], true, out, 2), 3);
+    assert_int_equal(st.n_pending, 2);
+    /* ...and the third byte completes it. */
+    assert_int_equal(tokenizer_decode_stream(t, &st, ids.ids[2], true, out, sizeof out), 3);
+    assert_memory_equal(out, "\u65e5", 3);
+    assert_int_equal(st.n_pending, 0);
+    assert_int_equal(tokenizer_decode_stream(t, &st, -5, true, out, sizeof out), 0);
+    free(ids.ids);
+
+    /* A broken sequence becomes one U+FFFD; a dangling lead byte at the end is dropped. */
+    const int32_t bad[] = {0xE6, 0x97, 'A', 0xFF, 0xE6};
+    s = decode(t, bad, 5, true);
+    assert_string_equal(s, "\ufffdA\ufffd");
+    free(s);
+    char *streamed = decode_streamed(t, bad, 5, true);
+    assert_string_equal(streamed, "\ufffdA\ufffd");
+    free(streamed);
+    const int32_t out_of_range[] = {'a', 4000};
+    char *never = NULL;
+    assert_int_equal(tokenizer_decode(t, out_of_range, 2, true, &never, NULL), MODEL_EINVAL);
+    assert_null(never);
+    s = decode(t, NULL, 0, true);
+    assert_string_equal(s, "");
+    free(s);
+    tokenizer_free(t);
+}
+
+/* ---- the oracle: real tokenizers' ids and decodes -------------------------- */
+
+static json_t *oracle;
+
+static void check_oracle_tokenizer(void **state)
+{
+    json_t *tj = *state, *corpus = json_object_get(oracle, "corpus");
+    const char *name = json_string_value(json_object_get(tj, "name"));
+    char err[MODEL_ERR_LEN];
+    tokenizer *t;
+    enum model_status st = tokenizer_load(json_string_value(json_object_get(tj, "dir")), &t, err);
+    if (st != MODEL_OK)
+        fail_msg("%s: %s (%s)", name, model_strerror(st), err);
+    size_t i, failures = 0, round_trips = 0;
+    json_t *c;
+    json_array_foreach(json_object_get(tj, "cases"), i, c) {
+        const char *text = json_string_value(json_array_get(corpus, i));
+        json_t *want = json_object_get(c, "ids");
+        struct tok_ids ids = encode(t, text, true);
+        bool same = ids.n == json_array_size(want);
+        for (size_t k = 0; same && k < ids.n; k++)
+            same = ids.ids[k] == json_integer_value(json_array_get(want, k));
+        char *skip = decode(t, ids.ids, ids.n, true), *all = decode(t, ids.ids, ids.n, false);
+        char *streamed = decode_streamed(t, ids.ids, ids.n, true);
+        const char *want_skip = json_string_value(json_object_get(c, "decoded_skip"));
+        const char *want_all = json_string_value(json_object_get(c, "decoded_all"));
+        if (!same || strcmp(skip, want_skip) || strcmp(all, want_all) || strcmp(streamed, skip)) {
+            failures++;
+            print_message("%s case %zu \"%s\":%s%s%s%s\n", name, i, text, same ? "" : " ids differ",
+                          strcmp(skip, want_skip) ? " decode differs" : "",
+                          strcmp(all, want_all) ? " decode (specials kept) differs" : "",
+                          strcmp(streamed, skip) ? " streamed decode differs" : "");
+        }
+        round_trips += strcmp(skip, text) == 0;
+        free(skip);
+        free(all);
+        free(streamed);
+        free(ids.ids);
+    }
+    print_message("%s: %zu cases, %zu identical, %zu exact round trips\n", name, i, i - failures, round_trips);
+    tokenizer_free(t);
+    assert_int_equal(failures, 0);
+}
+
+static int run_oracle(const char *path)
+{
+    json_error_t je;
+    oracle = json_load_file(path, 0, &je);
+    if (!oracle) {
+        fprintf(stderr, "%s:%d: %s\n", path, je.line, je.text);
+        return 1;
+    }
+    json_t *toks = json_object_get(oracle, "tokenizers");
+    size_t n = json_array_size(toks);
+    struct CMUnitTest *tests = calloc(n ? n : 1, sizeof *tests);
+    if (!tests || n == 0 || json_array_size(json_object_get(oracle, "corpus")) < 60) {
+        fprintf(stderr, "%s: no tokenizers or fewer than 60 cases\n", path);
+        return 1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *tj = json_array_get(toks, i);
+        tests[i] = (struct CMUnitTest){.name = json_string_value(json_object_get(tj, "name")),
+                                       .test_func = check_oracle_tokenizer, .initial_state = tj};
+    }
+    int rc = _cmocka_run_group_tests("tokenizer_oracle", tests, n, NULL, NULL);
+    free(tests);
+    json_decref(oracle);
+    return rc;
+}
+
+int main(void)
+{
+    const char *oracle_path = getenv("KVTIER_TOKENIZER_ORACLE");
+    if (oracle_path)
+        return run_oracle(oracle_path);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_byte_level_merges),  cmocka_unit_test(test_ignore_merges),
+        cmocka_unit_test(test_sentencepiece_byte_fallback), cmocka_unit_test(test_metaspace_layout),
+        cmocka_unit_test(test_added_tokens),       cmocka_unit_test(test_nfc),
+        cmocka_unit_test(test_bos_rules),          cmocka_unit_test(test_malformed),
+        cmocka_unit_test(test_invalid_utf8),       cmocka_unit_test(test_stream_decode),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,32 @@
+#!/bin/sh
+# tokenizer.test.sh - kvtier's tokenizer against the real Llama-2, Llama-3
+# and Qwen3 tokenizers (the transformers.js port on npm, pinned in
+# tests/tokenizer/package-lock.json): the same ids for every case of
+# tests/tokenizer/corpus.json, the same decoded text, and a streaming decode
+# equal to the whole one.  Builds nothing: `make test` builds test_tokenizer.
+build=${KVTIER_BUILD:-build}
+here=$(cd "$(dirname "$0")/tokenizer" && pwd)
+bin=$build/tests/test_tokenizer
+if [ ! -x "$bin" ]; then
+  echo "tokenizer.test.sh: $bin is not built (make test builds it)"
+  exit 1
+fi
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  echo "tokenizer.test.sh: node/npm not installed, skipping"
+  exit 77
+fi
+out=$(mktemp -d) || exit 1
+trap 'rm -rf "$out"' EXIT
+if [ ! -d "$here/node_modules/@lenml/tokenizers" ]; then
+  if ! (cd "$here" && npm ci --no-audit --no-fund --loglevel=error) >"$out/npm.log" 2>&1; then
+    # Only an unreachable registry is a reason to skip; anything else fails.
+    if ! (cd "$here" && npm ping --loglevel=error) >/dev/null 2>&1; then
+      echo "tokenizer.test.sh: the npm registry is unreachable, skipping"
+      exit 77
+    fi
+    cat "$out/npm.log"
+    exit 1
+  fi
+fi
+node "$here/oracle.mjs" "$out" || exit 1
+KVTIER_TOKENIZER_ORACLE="$out/expected.json" "$bin"
