@@ -17,7 +17,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "model/model.h"
+#include "model/runtime.h"
 
 static double now_s(void)
 {
@@ -129,7 +129,7 @@ int main(int argc, char **argv)
 {
     const char *dir = NULL;
     int n_prompt = 256, n_decode = 32, repeat = 3;
-    struct be_params bp = {0};
+    struct runtime_params rp = {0};
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"decode", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
@@ -141,7 +141,7 @@ int main(int argc, char **argv)
         case 'm': dir = optarg; break;
         case 'p': n_prompt = atoi(optarg); break;
         case 'd': n_decode = atoi(optarg); break;
-        case 't': bp.n_threads = atoi(optarg); break;
+        case 't': rp.be.n_threads = atoi(optarg); break;
         case 'r': repeat = atoi(optarg); break;
         default: return 2;
         }
@@ -151,21 +151,17 @@ int main(int argc, char **argv)
         return 2;
     }
     char err[MODEL_ERR_LEN];
-    be_backend *be;
-    model *m;
-    kv_store *store;
-    if (be_open("cpu", &bp, &be) != BE_OK)
-        return 1;
-    struct model_params mp = {.max_batch_tokens = n_prompt < 512 ? n_prompt : 512};
-    enum model_status st = model_load(dir, be, &mp, &m, err);
+    struct runtime rt;
+    rp.model.max_batch_tokens = n_prompt < 512 ? n_prompt : 512;
+    enum model_status st = runtime_open(dir, &rp, &rt, err);
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-bench: %s: %s\n", model_strerror(st), err);
         return 1;
     }
+    model *m = rt.m;
     const struct model_config *c = model_get_config(m);
-    struct kv_geom g = model_kv_geom(m);
-    if (kv_store_create(be, &g, 0, &store) != TIER_OK)
-        return 1;
+    be_backend *be = rt.be;
+    kv_store *store = rt.store;
     struct be_caps caps = be_get_caps(be);
     int threads = caps.n_threads;
 
@@ -229,8 +225,6 @@ int main(int argc, char **argv)
            decode_gbs, 100 * decode_gbs / bw);
     free(ids);
     free(logits);
-    kv_store_free(store);
-    model_free(m);
-    be_free(be);
+    runtime_close(&rt);
     return 0;
 }

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/generate.h"
+#include "model/runtime.h"
 
 static void usage(FILE *f)
 {
@@ -102,7 +102,7 @@ int main(int argc, char **argv)
     gen_params_default(&gp);
     gp.max_new_tokens = 64;
     gp.stops = stops;
-    struct be_params bp = {0};
+    struct runtime_params rp = {0};
     bool quiet = false;
     enum { O_IDS = 256, O_GREEDY, O_TEMP, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_IGN, O_NOCACHE,
            O_THREADS, O_DUMP, O_QUIET };
@@ -140,7 +140,7 @@ int main(int argc, char **argv)
             break;
         case O_IGN: gp.ignore_eos = true; break;
         case O_NOCACHE: gp.use_cache = false; break;
-        case O_THREADS: bp.n_threads = atoi(optarg); break;
+        case O_THREADS: rp.be.n_threads = atoi(optarg); break;
         case O_DUMP: dump_path = optarg; break;
         case O_QUIET: quiet = true; break;
         case 'h': usage(stdout); return 0;
@@ -153,33 +153,18 @@ int main(int argc, char **argv)
     }
 
     char err[MODEL_ERR_LEN] = "";
-    be_backend *be = NULL;
-    model *m = NULL;
-    tokenizer *tok = NULL;
-    kv_store *store = NULL;
+    struct runtime rt;
     struct tok_ids prompt = {0};
     struct gen_result res = {0};
     struct dump d = {0};
     int rc = 1;
-    enum be_status bst = be_open("cpu", &bp, &be);
-    if (bst != BE_OK) {
-        fprintf(stderr, "kvtier-run: backend: %s\n", be_strerror(bst));
-        return 1;
-    }
-    enum model_status st = model_load(dir, be, NULL, &m, err);
-    if (st == MODEL_OK)
-        st = tokenizer_load(dir, &tok, err);
+    enum model_status st = runtime_open(dir, &rp, &rt, err);
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-run: %s: %s\n", model_strerror(st), err);
-        goto out;
-    }
-    struct kv_geom g = model_kv_geom(m);
-    if (kv_store_create(be, &g, 0, &store) != TIER_OK) {
-        fprintf(stderr, "kvtier-run: cannot create the KV store\n");
-        goto out;
+        return 1;
     }
     if (ids_arg ? parse_ids(ids_arg, &prompt) != 0
-                : tokenizer_encode(tok, text, strlen(text), true, &prompt, err) != MODEL_OK) {
+                : tokenizer_encode(rt.tok, text, strlen(text), true, &prompt, err) != MODEL_OK) {
         fprintf(stderr, "kvtier-run: bad prompt: %s\n", ids_arg ? "--ids wants comma-separated token ids" : err);
         goto out;
     }
@@ -187,14 +172,14 @@ int main(int argc, char **argv)
         gp.on_logits = dump_logits;
         gp.logits_ud = &d;
     }
-    st = generate(m, tok, store, prompt.ids, prompt.n, &gp, quiet ? NULL : print_text, NULL, &res, err);
+    st = generate(rt.m, rt.tok, rt.store, prompt.ids, prompt.n, &gp, quiet ? NULL : print_text, NULL, &res, err);
     if (!quiet)
         putchar('\n');
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-run: %s\n", err);
         goto out;
     }
-    if (dump_path && !write_dump(dump_path, &prompt, &res.tokens, model_get_config(m)->vocab_size, &d)) {
+    if (dump_path && !write_dump(dump_path, &prompt, &res.tokens, model_get_config(rt.m)->vocab_size, &d)) {
         fprintf(stderr, "kvtier-run: writing %s failed\n", dump_path);
         goto out;
     }
@@ -207,9 +192,6 @@ out:
     free(d.rows);
     free(res.tokens.ids);
     free(prompt.ids);
-    kv_store_free(store);
-    tokenizer_free(tok);
-    model_free(m);
-    be_free(be);
+    runtime_close(&rt);
     return rc;
 }
