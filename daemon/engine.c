@@ -1,0 +1,1002 @@
+#include "daemon/engine.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "model/runtime.h"
+
+struct session {
+    char id[IPC_SESSION_ID_MAX + 1];
+    uid_t uid;
+    time_t created;
+    struct ipc_cache_choice cache;
+    bool busy;
+    int32_t *toks; /* the ids whose KV is in kv */
+    size_t n_toks;
+    size_t bytes;
+    struct kv_seq *kv; /* engine thread only */
+    struct session *next;
+};
+
+struct engine {
+    struct engine_config cfg;
+    int wake_fd;
+    pthread_t thread;
+    bool thread_started;
+
+    /* ---- under mu ---- */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    enum engine_state state;
+    char state_msg[MODEL_ERR_LEN];
+    bool stopping, draining;
+    struct job *queue, **queue_tail; /* waiting for admission */
+    int n_queued;
+    struct job *active;              /* admitted, in admission order */
+    int active_seqs;
+    struct session *sessions, *dead; /* dead: deleted, KV to free on the engine thread */
+    int n_sessions;
+    struct engine_stats st;
+    uint64_t order;
+
+    /* ---- set before READY, read-only afterwards ---- */
+    struct runtime rt;
+    model *m;
+    tokenizer *tok;
+    kv_store *store;
+    const struct model_config *mc;
+    int ctx, vocab;
+    char model_id[128];
+    char bos[64], eos[64];
+    struct ipc_chat_template chat;
+
+    /* ---- engine thread: per-step scratch, sized once at load ---- */
+    struct fw_seq *batch;
+    struct job_choice **batch_ch;
+    struct job **batch_job;
+    float *logits;  /* [max_seqs, vocab] */
+    float *scratch; /* [vocab]: raw logits kept for logprobs */
+    int rr;         /* round-robin start among prefills */
+    bool prefill_blocked; /* device memory ran out: no new prefill until a job retires */
+};
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void wake(engine *e)
+{
+    uint64_t one = 1;
+    /* a full eventfd counter still wakes the loop, so EAGAIN is harmless */
+    if (write(e->wake_fd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+        log_msg(LOG_WARN, "engine: wake-up write failed: %s", strerror(errno));
+}
+
+struct job *job_new(int n, const char *const *stops, int n_stops)
+{
+    struct job *j = calloc(1, sizeof(*j) + (size_t)n * sizeof(j->ch[0]));
+    if (!j)
+        return NULL;
+    j->n = n;
+    j->refs = 1;
+    size_t total = 0;
+    for (int i = 0; i < n_stops; i++)
+        total += strlen(stops[i]) + 1;
+    if (n_stops) {
+        j->stop_buf = malloc(total);
+        if (!j->stop_buf) {
+            free(j);
+            return NULL;
+        }
+        char *p = j->stop_buf;
+        for (int i = 0; i < n_stops; i++) {
+            size_t l = strlen(stops[i]) + 1;
+            memcpy(p, stops[i], l);
+            j->stops[i] = p;
+            p += l;
+        }
+        j->n_stops = n_stops;
+    }
+    return j;
+}
+
+static void job_free(struct job *j)
+{
+    for (int i = 0; i < j->n; i++) {
+        free(j->ch[i].text);
+        free(j->ch[i].toks);
+        free(j->ch[i].lps);
+    }
+    free(j->prompt);
+    free(j->stop_buf);
+    free(j);
+}
+
+/* Drops one reference; the caller holds mu. */
+static void job_unref_locked(struct job *j)
+{
+    if (--j->refs == 0)
+        job_free(j);
+}
+
+void job_release(engine *e, struct job *j)
+{
+    if (!j)
+        return;
+    pthread_mutex_lock(&e->mu);
+    job_unref_locked(j);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void engine_lock(engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+}
+
+void engine_unlock(engine *e)
+{
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- sessions ------------------------------------------------------------- */
+
+static struct session *session_find(engine *e, const char *id)
+{
+    for (struct session *s = e->sessions; s; s = s->next)
+        if (!strcmp(s->id, id))
+            return s;
+    return NULL;
+}
+
+/* Owner check shared by every session endpoint: 404 unknown, 403 not yours. */
+static enum ipc_status session_get(engine *e, uid_t uid, const char *id, struct session **out, struct ipc_error *err)
+{
+    struct session *s = session_find(e, id);
+    if (!s)
+        return ipc_fail(err, IPC_ENOTFOUND, "session", "no session \"%.64s\"", id);
+    if (s->uid != uid)
+        return ipc_fail(err, IPC_EFORBIDDEN, "session", "session \"%.64s\" belongs to another user", id);
+    *out = s;
+    return IPC_OK;
+}
+
+enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, char *id, size_t cap,
+                                      struct ipc_error *err)
+{
+    struct session *s = calloc(1, sizeof(*s));
+    if (!s)
+        return ipc_fail(err, IPC_ENOMEM, "", "no memory for a session");
+    unsigned char rnd[8];
+    if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
+        free(s);
+        return ipc_fail(err, IPC_EINTERNAL, "", "getrandom failed: %s", strerror(errno));
+    }
+    int n = snprintf(s->id, sizeof(s->id), "sess-");
+    for (size_t i = 0; i < sizeof(rnd); i++)
+        n += snprintf(s->id + n, sizeof(s->id) - (size_t)n, "%02x", rnd[i]);
+    s->uid = uid;
+    s->created = time(NULL);
+    s->cache = *cache;
+    pthread_mutex_lock(&e->mu);
+    enum ipc_status st = IPC_OK;
+    if (e->draining)
+        st = ipc_fail(err, IPC_EUNAVAIL, "", "kvtierd is shutting down");
+    else if (e->n_sessions >= e->cfg.max_sessions)
+        st = ipc_fail(err, IPC_EBUSY, "", "the session table is full (%d sessions; --max-sessions)",
+                      e->cfg.max_sessions);
+    if (st == IPC_OK) {
+        s->next = e->sessions;
+        e->sessions = s;
+        e->n_sessions++;
+        snprintf(id, cap, "%s", s->id);
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (st != IPC_OK)
+        free(s);
+    return st;
+}
+
+enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, struct ipc_error *err)
+{
+    pthread_mutex_lock(&e->mu);
+    struct session *s;
+    enum ipc_status st = session_get(e, uid, id, &s, err);
+    if (st == IPC_OK && s->busy)
+        st = ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" is busy with a request", id);
+    if (st == IPC_OK) {
+        struct session **pp = &e->sessions;
+        while (*pp != s)
+            pp = &(*pp)->next;
+        *pp = s->next;
+        e->n_sessions--;
+        s->next = e->dead;
+        e->dead = s;
+        pthread_cond_signal(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+static json_t *session_to_json(const struct session *s)
+{
+    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:i, s:i}, s:s, s:b}", "id", s->id, "object", "session", "created",
+                     (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device", (json_int_t)s->bytes,
+                     "host", 0, "disk", 0, "strategy", s->cache.name, "busy", s->busy);
+}
+
+enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err)
+{
+    pthread_mutex_lock(&e->mu);
+    struct session *s;
+    enum ipc_status st = session_get(e, uid, id, &s, err);
+    if (st == IPC_OK && !(*out = session_to_json(s)))
+        st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the reply");
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+json_t *engine_session_list(engine *e, uid_t uid)
+{
+    json_t *arr = json_array();
+    pthread_mutex_lock(&e->mu);
+    for (struct session *s = e->sessions; s && arr; s = s->next) {
+        if (s->uid == uid && json_array_append_new(arr, session_to_json(s)) != 0) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return arr;
+}
+
+/* ---- submission and cancellation (loop thread) ------------------------------ */
+
+enum ipc_status engine_submit(engine *e, struct job *j, struct ipc_error *err)
+{
+    enum ipc_status st = IPC_OK;
+    pthread_mutex_lock(&e->mu);
+    if (e->draining)
+        st = ipc_fail(err, IPC_EUNAVAIL, "", "kvtierd is shutting down");
+    else if (e->n_queued >= e->cfg.max_queue)
+        st = ipc_fail(err, IPC_EBUSY, "", "too many requests waiting (%d queued; --max-queue)", e->n_queued);
+    else if (j->session_id[0]) {
+        struct session *s;
+        st = session_get(e, j->uid, j->session_id, &s, err);
+        if (st == IPC_OK && s->busy)
+            st = ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" is busy with another request", s->id);
+        if (st == IPC_OK) {
+            s->busy = true;
+            j->sess = s;
+            j->cache = s->cache;
+        }
+    }
+    if (st == IPC_OK) {
+        j->refs++;
+        j->next = NULL;
+        j->order = ++e->order;
+        *e->queue_tail = j;
+        e->queue_tail = &j->next;
+        e->n_queued++;
+        e->st.requests++;
+        pthread_cond_signal(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+void engine_cancel(engine *e, struct job *j)
+{
+    pthread_mutex_lock(&e->mu);
+    if (!j->done) {
+        j->cancelled = true;
+        pthread_cond_signal(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+void engine_drain(engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    e->draining = true;
+    pthread_mutex_unlock(&e->mu);
+}
+
+int engine_pending(engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    int n = e->n_queued;
+    for (struct job *j = e->active; j; j = j->next)
+        n++;
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+void engine_abort_all(engine *e, enum ipc_status st, const char *msg)
+{
+    pthread_mutex_lock(&e->mu);
+    for (struct job *j = e->active; j; j = j->next)
+        if (j->err.st == IPC_OK)
+            ipc_fail(&j->err, st, "", "%s", msg);
+    for (struct job *j = e->queue; j; j = j->next)
+        if (j->err.st == IPC_OK)
+            ipc_fail(&j->err, st, "", "%s", msg);
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+struct engine_stats engine_get_stats(engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    struct engine_stats s = e->st;
+    s.queued = e->n_queued;
+    s.running = e->active_seqs;
+    s.sessions = e->n_sessions;
+    pthread_mutex_unlock(&e->mu);
+    return s;
+}
+
+void engine_count_error(engine *e, enum ipc_status st)
+{
+    pthread_mutex_lock(&e->mu);
+    if ((unsigned)st < sizeof(e->st.errors) / sizeof(e->st.errors[0]))
+        e->st.errors[st]++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- admission and retirement (engine thread) --------------------------------- */
+
+static bool is_eos(const engine *e, int32_t id)
+{
+    for (int i = 0; i < e->mc->n_eos; i++)
+        if (e->mc->eos_token_ids[i] == id)
+            return true;
+    return id == tokenizer_eos_id(e->tok);
+}
+
+/* Tokens of the session's KV that are a real prefix of the new input (HF
+ * checks only the length).  At least the last prompt token is recomputed:
+ * its logits start the generation. */
+static size_t common_prefix(const struct session *s, const int32_t *p, size_t n)
+{
+    size_t k = 0;
+    while (k < s->n_toks && k < n && s->toks[k] == p[k])
+        k++;
+    return k == n && k ? k - 1 : k;
+}
+
+static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
+{
+    size_t cap = j->n_prompt + (size_t)j->max_new + 1;
+    c->toks = malloc(cap * sizeof(*c->toks));
+    c->text_cap = 256;
+    c->text = malloc(c->text_cap);
+    if (j->logprobs)
+        c->lps = malloc((size_t)j->max_new * (size_t)(1 + j->top_logprobs) * sizeof(*c->lps));
+    if (!c->toks || !c->text || (j->logprobs && !c->lps))
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the request's buffers");
+    memcpy(c->toks, j->prompt, j->n_prompt * sizeof(*c->toks));
+    c->n_toks = j->n_prompt;
+    struct sampler_params sp = j->sampling;
+    sp.seed += (uint64_t)idx; /* the n choices of one request differ */
+    if (sampler_create(&sp, e->vocab, &c->smp) != MODEL_OK)
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the sampler");
+    struct session *s = j->sess;
+    if (s) {
+        size_t keep = common_prefix(s, j->prompt, j->n_prompt);
+        if (keep < s->n_toks) {
+            /* The KV holds tokens the new input does not start with.  Without
+             * a crop in the KV store the only safe rewind is a fresh sequence. */
+            kv_seq_free(s->kv);
+            s->kv = NULL;
+            keep = 0;
+        }
+        c->n_fed = keep;
+        if (!s->kv && kv_seq_create(e->store, &s->cache.params, &s->kv) != TIER_OK)
+            return ipc_fail(err, IPC_EUNAVAIL, "", "cannot create a KV sequence");
+        c->kv = s->kv;
+        return IPC_OK;
+    }
+    enum tier_status ts = kv_seq_create(e->store, &j->cache.params, &c->kv);
+    if (ts != TIER_OK)
+        return ipc_fail(err, ts == TIER_ENOTSUP ? IPC_ENOTIMPL : IPC_EUNAVAIL, "cache", "cannot create a KV "
+                        "sequence: %s", tier_strerror(ts));
+    return IPC_OK;
+}
+
+/* Frees what the engine owns of a finished job and hands a session its KV
+ * back.  Then publishes done and drops the engine's reference (caller holds
+ * no lock). */
+static void retire(engine *e, struct job *j)
+{
+    size_t bytes = 0;
+    for (int i = 0; i < j->n; i++) {
+        struct job_choice *c = &j->ch[i];
+        sampler_free(c->smp);
+        c->smp = NULL;
+        if (c->kv)
+            bytes += kv_seq_bytes(c->kv);
+        if (!j->sess)
+            kv_seq_free(c->kv);
+        c->kv = NULL;
+    }
+    /* A session keeps its KV together with the ids in it; when the two
+     * disagree (setup failed half-way) the KV is dropped and recomputed. */
+    struct session *s = j->sess;
+    struct job_choice *c0 = &j->ch[0];
+    bool admitted = c0->toks != NULL;
+    int32_t *keep = NULL;
+    size_t n_keep = 0;
+    if (s && admitted) {
+        n_keep = s->kv ? (size_t)kv_seq_length(s->kv) : 0;
+        if (n_keep != c0->n_fed || (n_keep && !(keep = malloc(n_keep * sizeof(*keep))))) {
+            kv_seq_free(s->kv);
+            s->kv = NULL;
+            n_keep = 0;
+        } else if (keep) {
+            memcpy(keep, c0->toks, n_keep * sizeof(*keep));
+        }
+    }
+    double t = now_ms();
+    pthread_mutex_lock(&e->mu);
+    if (s && admitted) {
+        free(s->toks);
+        s->toks = keep;
+        s->n_toks = n_keep;
+        s->bytes = s->kv ? kv_seq_bytes(s->kv) : 0;
+    }
+    if (s)
+        s->busy = false;
+    j->kv_bytes = bytes;
+    if (j->t_first > 0)
+        j->decode_ms = t - j->t_first;
+    else if (j->t_admit > 0)
+        j->prefill_ms = t - j->t_admit;
+    for (int i = 0; i < j->n; i++) {
+        j->ch[i].done = true;
+        if (j->ch[i].finish == FINISH_NONE)
+            j->ch[i].finish = FINISH_LENGTH;
+    }
+    j->done = true;
+    struct job **pp = &e->active;
+    while (*pp && *pp != j)
+        pp = &(*pp)->next;
+    if (*pp) {
+        *pp = j->next;
+        e->active_seqs -= j->n;
+    }
+    e->prefill_blocked = false;
+    job_unref_locked(j);
+    pthread_mutex_unlock(&e->mu);
+    wake(e);
+}
+
+/* Records err as the job's failure (first one wins); the engine retires it
+ * at the next step. */
+static void job_fail(engine *e, struct job *j, const struct ipc_error *err)
+{
+    pthread_mutex_lock(&e->mu);
+    if (j->err.st == IPC_OK)
+        j->err = *err;
+    j->kill = true;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void job_fail_msg(engine *e, struct job *j, enum ipc_status st, const char *msg)
+{
+    struct ipc_error err;
+    ipc_fail(&err, st, "", "%s", msg);
+    job_fail(e, j, &err);
+}
+
+static void start_job(engine *e, struct job *j)
+{
+    j->t_admit = now_ms();
+    for (int i = 0; i < j->n; i++) {
+        struct ipc_error err;
+        if (seq_setup(e, j, &j->ch[i], i, &err) != IPC_OK) {
+            job_fail(e, j, &err);
+            return;
+        }
+    }
+    if (j->kind == JOB_PREFILL && j->ch[0].n_fed == j->ch[0].n_toks)
+        j->ch[0].fin = FINISH_LENGTH; /* nothing to compute */
+    pthread_mutex_lock(&e->mu);
+    j->n_cached = (int)j->ch[0].n_fed;
+    e->st.prompt_tokens += j->n_prompt * (size_t)j->n;
+    e->st.cached_tokens += (uint64_t)j->n_cached;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Grows a choice's text buffer to hold need bytes; the loop thread reads
+ * the buffer under the lock, so the move happens under it too. */
+static bool text_reserve(engine *e, struct job_choice *c, size_t need)
+{
+    if (need <= c->text_cap)
+        return true;
+    size_t cap = c->text_cap * 2;
+    while (cap < need)
+        cap *= 2;
+    pthread_mutex_lock(&e->mu);
+    char *p = realloc(c->text, cap);
+    if (p) {
+        c->text = p;
+        c->text_cap = cap;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return p != NULL;
+}
+
+/* Log-probabilities of the chosen id and the top alternatives, from the raw
+ * logits in e->scratch (OpenAI reports the model's distribution, before
+ * temperature and filters). */
+static void record_logprobs(engine *e, struct job *j, struct job_choice *c, int32_t id)
+{
+    const float *x = e->scratch;
+    float mx = x[0];
+    for (int i = 1; i < e->vocab; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    double sum = 0;
+    for (int i = 0; i < e->vocab; i++)
+        sum += exp((double)x[i] - mx);
+    float lse = mx + (float)log(sum);
+    int k = j->top_logprobs;
+    struct tok_logprob *out = c->lps + (size_t)c->gen * (size_t)(1 + k);
+    out[0] = (struct tok_logprob){id, x[id] - lse};
+    struct tok_logprob *top = out + 1;
+    int n = 0;
+    for (int i = 0; i < e->vocab && k; i++) { /* insertion into a sorted top-k: k <= 20 */
+        if (n == k && x[i] <= top[n - 1].logprob)
+            continue;
+        int p = n < k ? n++ : n - 1;
+        while (p > 0 && top[p - 1].logprob < x[i]) {
+            top[p] = top[p - 1];
+            p--;
+        }
+        top[p] = (struct tok_logprob){i, x[i]};
+    }
+    for (int i = 0; i < n; i++)
+        top[i].logprob -= lse;
+}
+
+/* Appends id's text and applies the stop strings.  False on out-of-memory. */
+static bool append_text(engine *e, struct job *j, struct job_choice *c, int32_t id)
+{
+    if (!text_reserve(e, c, c->raw + 65))
+        return false;
+    size_t room = c->text_cap - c->raw - 1;
+    size_t n = tokenizer_decode_stream(e->tok, &c->ts, id, true, c->text + c->raw, room);
+    if (n > room) { /* one very long piece: nothing was written, make room and redo */
+        if (!text_reserve(e, c, c->raw + n + 1))
+            return false;
+        n = tokenizer_decode_stream(e->tok, &c->ts, id, true, c->text + c->raw, c->text_cap - c->raw - 1);
+    }
+    c->raw += n;
+    if (!j->n_stops) {
+        c->vis = c->raw;
+        return true;
+    }
+    struct stop_matcher m = {j->stops, j->n_stops};
+    size_t emit;
+    if (stop_check(&m, c->text + c->scan, c->raw - c->scan, &emit)) {
+        c->raw = c->vis = c->scan + emit;
+        c->fin = FINISH_STOP;
+    } else {
+        /* text before vis cannot start a stop string, so matching resumes there */
+        c->vis = c->scan = c->scan + emit;
+    }
+    return true;
+}
+
+static void sample_one(engine *e, struct job *j, struct job_choice *c, float *logits, double t)
+{
+    if (j->t_first == 0) {
+        j->t_first = t;
+        j->prefill_ms = t - j->t_admit;
+    }
+    if (j->logprobs)
+        memcpy(e->scratch, logits, (size_t)e->vocab * sizeof(*logits));
+    int32_t id = sampler_sample(c->smp, logits, c->toks, c->n_toks);
+    if (j->logprobs)
+        record_logprobs(e, j, c, id);
+    c->toks[c->n_toks++] = id;
+    c->gen++;
+    if (!j->ignore_eos && is_eos(e, id))
+        c->fin = FINISH_EOS;
+    else if (!append_text(e, j, c, id))
+        job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the generated text");
+    if (c->fin == FINISH_NONE && (c->gen >= j->max_new || (int)c->n_toks >= e->ctx))
+        c->fin = FINISH_LENGTH;
+    if (c->fin != FINISH_NONE && c->fin != FINISH_STOP)
+        c->vis = c->raw; /* text held back for a stop string that can no longer come */
+}
+
+/* The step's batch: one decode token per running sequence, then prefill
+ * chunks round-robin until the token budget is spent.  Returns the number
+ * of entries; *n_decode gets how many are decode tokens. */
+static int build_batch(engine *e, int *n_decode)
+{
+    int nb = 0, n_pre = 0;
+    for (struct job *j = e->active; j; j = j->next) {
+        if (j->kill)
+            continue;
+        for (int i = 0; i < j->n; i++) {
+            struct job_choice *c = &j->ch[i];
+            if (c->fin != FINISH_NONE || !c->toks)
+                continue;
+            if (c->n_toks - c->n_fed == 1) {
+                float *logits = j->kind == JOB_GENERATE ? e->logits + (size_t)nb * e->vocab : NULL;
+                e->batch[nb] = (struct fw_seq){c->kv, c->toks + c->n_fed, 1, logits, false};
+                e->batch_ch[nb] = c;
+                e->batch_job[nb++] = j;
+            } else {
+                n_pre++;
+            }
+        }
+    }
+    *n_decode = nb;
+    int budget = e->cfg.batch_tokens - nb;
+    if (budget < e->cfg.batch_tokens / 4)
+        budget = e->cfg.batch_tokens / 4; /* decode-heavy steps still move prefills along */
+    if (!n_pre || (e->prefill_blocked && nb))
+        return nb;
+    int skip = e->rr++ % n_pre, seen = 0;
+    for (int pass = 0; pass < 2 && budget > 0; pass++) {
+        for (struct job *j = e->active; j && budget > 0; j = j->next) {
+            for (int i = 0; i < j->n && budget > 0 && !j->kill; i++) {
+                struct job_choice *c = &j->ch[i];
+                if (c->fin != FINISH_NONE || !c->toks || c->n_toks - c->n_fed <= 1)
+                    continue;
+                int ord = seen++;
+                /* first pass: those at or after the round-robin start; second: the rest */
+                if ((pass == 0) != (ord % n_pre >= skip))
+                    continue;
+                size_t left = c->n_toks - c->n_fed;
+                int chunk = left < (size_t)budget ? (int)left : budget;
+                bool last = (size_t)chunk == left;
+                bool logits = last && j->kind == JOB_GENERATE;
+                e->batch[nb] = (struct fw_seq){c->kv, c->toks + c->n_fed, chunk,
+                                               logits ? e->logits + (size_t)nb * e->vocab : NULL, false};
+                e->batch_ch[nb] = c;
+                e->batch_job[nb++] = j;
+                budget -= chunk;
+            }
+        }
+    }
+    return nb;
+}
+
+/* Device memory ran out: first stop admitting prefill work so the running
+ * streams continue; when decoding alone does not fit, the newest job fails
+ * with 503 so everyone older keeps going. */
+static void handle_oom(engine *e, int nb, int n_decode, enum model_status st)
+{
+    if (nb > n_decode && n_decode > 0 && !e->prefill_blocked) {
+        e->prefill_blocked = true;
+        log_msg(LOG_WARN, "engine: %s with %d sequences; pausing prefills", model_strerror(st), nb);
+        return;
+    }
+    struct job *newest = e->batch_job[0];
+    for (int i = 1; i < nb; i++)
+        if (e->batch_job[i]->order > newest->order)
+            newest = e->batch_job[i];
+    log_msg(LOG_WARN, "engine: %s; failing the newest request", model_strerror(st));
+    job_fail_msg(e, newest, IPC_EUNAVAIL, "the KV cache does not fit the device memory budget (--device-mem)");
+}
+
+static void publish(engine *e, int nb)
+{
+    struct kv_store_stats ks = kv_store_stats(e->store);
+    pthread_mutex_lock(&e->mu);
+    e->st.kv_dev_bytes = ks.dev_bytes;
+    e->st.kv_host_bytes = ks.host_bytes;
+    for (int i = 0; i < nb; i++) {
+        struct job_choice *c = e->batch_ch[i];
+        e->st.gen_tokens += (uint64_t)(c->gen - c->n_gen);
+        c->n_text = c->vis;
+        c->n_gen = c->gen;
+        c->finish = c->fin;
+    }
+    e->st.steps += nb > 0;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void step(engine *e)
+{
+    int n_decode;
+    int nb = build_batch(e, &n_decode);
+    if (!nb)
+        return;
+    enum model_status st = model_forward(e->m, e->batch, nb);
+    if (st == MODEL_EDEVMEM || st == MODEL_EKVFULL) {
+        handle_oom(e, nb, n_decode, st);
+        return;
+    }
+    if (st != MODEL_OK) {
+        log_msg(LOG_ERR, "engine: forward pass failed: %s", model_strerror(st));
+        for (int i = 0; i < nb; i++)
+            job_fail_msg(e, e->batch_job[i], IPC_EINTERNAL, model_strerror(st));
+        return;
+    }
+    double t = now_ms();
+    for (int i = 0; i < nb; i++) {
+        struct job_choice *c = e->batch_ch[i];
+        struct job *j = e->batch_job[i];
+        c->n_fed += (size_t)e->batch[i].n_tokens;
+        if (e->batch[i].logits)
+            sample_one(e, j, c, e->batch[i].logits, t);
+        else if (j->kind == JOB_PREFILL && c->n_fed == c->n_toks)
+            c->fin = FINISH_LENGTH;
+    }
+    publish(e, nb);
+    wake(e);
+}
+
+static bool job_finished(const struct job *j)
+{
+    for (int i = 0; i < j->n; i++)
+        if (j->ch[i].fin == FINISH_NONE)
+            return false;
+    return true;
+}
+
+/* ---- the thread ------------------------------------------------------------ */
+
+static void free_dead_sessions(struct session *s)
+{
+    while (s) {
+        struct session *next = s->next;
+        kv_seq_free(s->kv);
+        free(s->toks);
+        free(s);
+        s = next;
+    }
+}
+
+/* Moves admissible queued jobs to the tail of the active list (under mu);
+ * returns the first newly admitted job. */
+static struct job *admit_locked(engine *e)
+{
+    struct job **tail = &e->active;
+    while (*tail)
+        tail = &(*tail)->next;
+    struct job *first = NULL;
+    while (e->queue && (e->active_seqs + e->queue->n <= e->cfg.max_seqs || !e->active)) {
+        struct job *j = e->queue;
+        e->queue = j->next;
+        if (!e->queue)
+            e->queue_tail = &e->queue;
+        e->n_queued--;
+        j->next = NULL;
+        *tail = j;
+        tail = &j->next;
+        e->active_seqs += j->n;
+        if (!first)
+            first = j;
+    }
+    return first;
+}
+
+static void loop(engine *e)
+{
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->stopping && !e->queue && !e->active && !e->dead)
+            pthread_cond_wait(&e->cv, &e->mu);
+        if (e->stopping) {
+            pthread_mutex_unlock(&e->mu);
+            return;
+        }
+        struct session *dead = e->dead;
+        e->dead = NULL;
+        struct job *fresh = admit_locked(e);
+        for (struct job *j = e->active; j; j = j->next)
+            j->kill = j->kill || j->cancelled || j->err.st != IPC_OK;
+        pthread_mutex_unlock(&e->mu);
+
+        if (dead) {
+            free_dead_sessions(dead);
+            publish(e, 0); /* the freed KV shows in the metrics */
+        }
+        for (struct job *j = fresh; j; j = j->next)
+            if (!j->kill)
+                start_job(e, j);
+        step(e);
+        for (struct job *j = e->active, *next; j; j = next) {
+            next = j->next;
+            if (j->kill || job_finished(j))
+                retire(e, j);
+        }
+    }
+}
+
+/* Shutdown: every job still known fails, so no client waits forever. */
+static void fail_everything(engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    for (struct job *j = e->queue; j; j = j->next)
+        e->active_seqs += j->n;
+    struct job **tail = &e->active;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = e->queue;
+    e->queue = NULL;
+    e->queue_tail = &e->queue;
+    e->n_queued = 0;
+    for (struct job *j = e->active; j; j = j->next)
+        if (j->err.st == IPC_OK)
+            ipc_fail(&j->err, IPC_EUNAVAIL, "", "kvtierd is shutting down");
+    pthread_mutex_unlock(&e->mu);
+    while (e->active)
+        retire(e, e->active);
+}
+
+static bool load(engine *e)
+{
+    char err[MODEL_ERR_LEN] = "";
+    struct runtime_params rp = {.backend = e->cfg.backend,
+                                .be = {.n_threads = e->cfg.n_threads, .device_mem = e->cfg.device_mem},
+                                .model = {.max_batch_tokens = e->cfg.batch_tokens}};
+    if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
+        pthread_mutex_lock(&e->mu);
+        e->state = ENGINE_FAILED;
+        snprintf(e->state_msg, sizeof(e->state_msg), "%s", err[0] ? err : "model load failed");
+        pthread_mutex_unlock(&e->mu);
+        return false;
+    }
+    e->m = e->rt.m;
+    e->tok = e->rt.tok;
+    e->store = e->rt.store;
+    e->mc = model_get_config(e->m);
+    e->vocab = e->mc->vocab_size;
+    int max_pos = e->mc->max_position_embeddings > 0 ? e->mc->max_position_embeddings : 2048;
+    e->ctx = e->cfg.ctx > 0 && e->cfg.ctx < max_pos ? e->cfg.ctx : max_pos;
+    /* the model's id is its directory's name */
+    char dir[sizeof(e->model_id)];
+    snprintf(dir, sizeof(dir), "%s", e->cfg.model_dir);
+    size_t dl = strlen(dir);
+    while (dl > 1 && dir[dl - 1] == '/')
+        dir[--dl] = '\0';
+    const char *slash = strrchr(dir, '/');
+    snprintf(e->model_id, sizeof(e->model_id), "%s", slash && slash[1] ? slash + 1 : dir);
+    int32_t ids[2] = {tokenizer_bos_id(e->tok), tokenizer_eos_id(e->tok)};
+    char *dst[2] = {e->bos, e->eos};
+    for (int i = 0; i < 2; i++) {
+        char *s = NULL;
+        size_t len;
+        if (ids[i] >= 0 && tokenizer_decode(e->tok, &ids[i], 1, false, &s, &len) == MODEL_OK)
+            snprintf(dst[i], sizeof(e->bos), "%s", s);
+        free(s);
+    }
+    ipc_chat_detect(tokenizer_chat_template(e->tok), &e->chat);
+    size_t n = (size_t)e->cfg.max_seqs;
+    e->batch = calloc(n, sizeof(*e->batch));
+    e->batch_ch = calloc(n, sizeof(*e->batch_ch));
+    e->batch_job = calloc(n, sizeof(*e->batch_job));
+    e->logits = malloc(n * (size_t)e->vocab * sizeof(*e->logits));
+    e->scratch = malloc((size_t)e->vocab * sizeof(*e->scratch));
+    pthread_mutex_lock(&e->mu);
+    if (e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch) {
+        e->state = ENGINE_READY;
+    } else {
+        e->state = ENGINE_FAILED;
+        snprintf(e->state_msg, sizeof(e->state_msg), "no host memory for %d sequences' logits", e->cfg.max_seqs);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return e->state == ENGINE_READY;
+}
+
+static void *engine_main(void *arg)
+{
+    engine *e = arg;
+    double t = now_ms();
+    bool ok = load(e);
+    if (ok)
+        log_msg(LOG_INFO, "model %s loaded in %.1f s: %s, %d layers, vocab %d, context %d, chat template %s",
+                e->model_id, (now_ms() - t) / 1e3, e->mc->arch_name, e->mc->n_layers, e->vocab, e->ctx,
+                ipc_chat_family_name(e->chat.family));
+    wake(e);
+    if (ok)
+        loop(e);
+    fail_everything(e);
+    return NULL;
+}
+
+enum ipc_status engine_create(const struct engine_config *cfg, int wake_fd, engine **out, struct ipc_error *err)
+{
+    engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return ipc_fail(err, IPC_ENOMEM, "", "no memory for the engine");
+    e->cfg = *cfg;
+    e->wake_fd = wake_fd;
+    e->queue_tail = &e->queue;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    int rc = pthread_create(&e->thread, NULL, engine_main, e);
+    if (rc) {
+        engine_free(e);
+        return ipc_fail(err, IPC_EINTERNAL, "", "cannot start the inference thread: %s", strerror(rc));
+    }
+    e->thread_started = true;
+    *out = e;
+    return IPC_OK;
+}
+
+void engine_free(engine *e)
+{
+    if (!e)
+        return;
+    if (e->thread_started) {
+        pthread_mutex_lock(&e->mu);
+        e->stopping = true;
+        pthread_cond_signal(&e->cv);
+        pthread_mutex_unlock(&e->mu);
+        pthread_join(e->thread, NULL);
+    }
+    free_dead_sessions(e->dead);
+    free_dead_sessions(e->sessions);
+    runtime_close(&e->rt);
+    free(e->batch);
+    free(e->batch_ch);
+    free(e->batch_job);
+    free(e->logits);
+    free(e->scratch);
+    pthread_cond_destroy(&e->cv);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+}
+
+enum engine_state engine_state(engine *e, char *msg, size_t cap)
+{
+    pthread_mutex_lock(&e->mu);
+    enum engine_state s = e->state;
+    if (msg)
+        snprintf(msg, cap, "%s", e->state_msg);
+    pthread_mutex_unlock(&e->mu);
+    return s;
+}
+
+const tokenizer *engine_tokenizer(const engine *e)
+{
+    return e->tok;
+}
+
+const struct model_config *engine_model_config(const engine *e)
+{
+    return e->mc;
+}
+
+int engine_context(const engine *e)
+{
+    return e->ctx;
+}
+
+const char *engine_model_id(const engine *e)
+{
+    return e->model_id;
+}
+
+const char *engine_bos_text(const engine *e)
+{
+    return e->bos;
+}
+
+const char *engine_eos_text(const engine *e)
+{
+    return e->eos;
+}
+
+const struct ipc_chat_template *engine_chat_template(const engine *e)
+{
+    return &e->chat;
+}

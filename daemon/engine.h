@@ -1,0 +1,173 @@
+/* engine.h - the inference thread: it owns the model, the KV store and the
+ * sessions' KV sequences, and runs continuous batching over every admitted
+ * request.
+ *
+ * Threads: the event loop thread submits jobs and reads their output; the
+ * engine thread does everything else.  They share one mutex (engine_lock):
+ * a job's published output (choice text up to n_text, tokens up to n_gen,
+ * finish, done) and the session table are read and written only under it.
+ * The engine writes the wake fd (an eventfd) after every step that
+ * published something, so the loop can resume suspended connections.
+ *
+ * Scheduling: each step builds ONE model_forward batch from every active
+ * sequence: one decode token for each running sequence, then chunks of
+ * pending prefills (round-robin) until the step's token budget is spent,
+ * so a long prompt never stalls the others' streams.  Admission is FIFO up
+ * to max_seqs sequences; the queue beyond that is bounded (429).
+ */
+#ifndef KVTIER_DAEMON_ENGINE_H
+#define KVTIER_DAEMON_ENGINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <jansson.h>
+
+#include "ipc/cache.h"
+#include "ipc/chat.h"
+#include "ipc/request.h"
+#include "ipc/status.h"
+#include "model/tokenizer.h"
+
+struct engine_config {
+    const char *model_dir;
+    const char *backend;     /* "cpu" or "cuda" */
+    int n_threads;           /* 0: physical cores */
+    size_t device_mem;       /* 0: backend default */
+    int ctx;                 /* 0: the model's max_position_embeddings */
+    int max_seqs;            /* sequences decoded together */
+    int batch_tokens;        /* tokens per forward step */
+    int max_queue;           /* jobs waiting for admission */
+    int max_sessions;
+};
+
+typedef struct engine engine;
+
+enum finish_reason { FINISH_NONE = 0, FINISH_LENGTH, FINISH_STOP, FINISH_EOS };
+
+struct tok_logprob {
+    int32_t id;
+    float logprob;
+};
+
+/* One generated sequence of a job (OpenAI's "choice").  Fields above the
+ * marker are published under the engine lock; the rest is engine-private. */
+struct job_choice {
+    char *text;           /* visible text [0, n_text); never shows a partial stop string */
+    size_t n_text;
+    int n_gen;            /* generated tokens published: toks[n_prompt .. n_prompt + n_gen) */
+    int32_t *toks;        /* prompt + generated ids (allocated once, never moved) */
+    struct tok_logprob *lps; /* per generated token: [1 + top_logprobs] entries, chosen first */
+    enum finish_reason finish;
+    bool done;
+    /* ---- engine-private ---- */
+    size_t text_cap, raw, scan; /* decoded bytes; where stop matching resumes */
+    size_t vis;                 /* visible text, published as n_text */
+    int gen;                    /* generated ids, published as n_gen */
+    enum finish_reason fin;     /* published as finish */
+    size_t n_toks, n_fed;       /* ids known; ids whose KV is in kv */
+    struct kv_seq *kv;
+    struct sampler *smp;
+    struct tok_stream ts;
+};
+
+enum job_kind { JOB_GENERATE = 0, JOB_PREFILL };
+
+struct session;
+
+struct job {
+    /* ---- set by the submitter, read-only afterwards ---- */
+    enum job_kind kind;
+    uid_t uid;
+    int32_t *prompt; /* owned */
+    size_t n_prompt;
+    int max_new;
+    struct sampler_params sampling;
+    const char *stops[IPC_MAX_STOPS]; /* into stop_buf */
+    int n_stops;
+    char *stop_buf;
+    bool ignore_eos, logprobs;
+    int top_logprobs;
+    struct ipc_cache_choice cache;
+    char session_id[IPC_SESSION_ID_MAX + 1]; /* "" = none */
+    void *owner;                             /* the HTTP request, loop thread only */
+    /* ---- shared, under the engine lock ---- */
+    int refs;
+    bool cancelled, done;
+    struct ipc_error err; /* err.st != IPC_OK: failed */
+    int n_cached;         /* prompt tokens reused from the session's KV */
+    double prefill_ms, decode_ms;
+    size_t kv_bytes;      /* KV bytes held at the end (all choices) */
+    /* ---- engine-private ---- */
+    struct job *next;
+    struct session *sess;
+    double t_admit, t_first;
+    bool kill; /* cancelled or failed, seen under the lock at the step's start */
+    uint64_t order;
+    int n;
+    struct job_choice ch[];
+};
+
+/* Allocates a job with n choices and a copy of stops (borrowed strings). */
+struct job *job_new(int n, const char *const *stops, int n_stops);
+
+enum ipc_status engine_create(const struct engine_config *cfg, int wake_fd, engine **out, struct ipc_error *err);
+/* Cancels everything, joins the thread, frees models and sessions.  Accepts NULL. */
+void engine_free(engine *e);
+
+enum engine_state { ENGINE_LOADING = 0, ENGINE_READY, ENGINE_FAILED };
+enum engine_state engine_state(engine *e, char *msg, size_t cap);
+
+/* Valid once ENGINE_READY; the tokenizer is read-only and safe from any thread. */
+const tokenizer *engine_tokenizer(const engine *e);
+const struct model_config *engine_model_config(const engine *e);
+int engine_context(const engine *e);
+const char *engine_model_id(const engine *e);
+/* Special-token texts for chat templates ("" when the model has none). */
+const char *engine_bos_text(const engine *e);
+const char *engine_eos_text(const engine *e);
+const struct ipc_chat_template *engine_chat_template(const engine *e);
+
+void engine_lock(engine *e);
+void engine_unlock(engine *e);
+
+/* Queues j (the engine takes a reference).  Resolves j->session_id: 404
+ * unknown, 403 another uid's, 409 busy.  429 when the queue is full, 503
+ * while draining. */
+enum ipc_status engine_submit(engine *e, struct job *j, struct ipc_error *err);
+/* The client went away: stop generating; the KV is freed unless a session
+ * holds it.  Takes the lock. */
+void engine_cancel(engine *e, struct job *j);
+/* Drops the caller's reference (takes the lock); accepts NULL. */
+void job_release(engine *e, struct job *j);
+
+/* Refuse new jobs from now on (SIGTERM). */
+void engine_drain(engine *e);
+/* Jobs queued or running. */
+int engine_pending(engine *e);
+/* Fail every job with st and message (drain timeout). */
+void engine_abort_all(engine *e, enum ipc_status st, const char *msg);
+
+/* Sessions.  create: registers an empty session owned by uid (429 when the
+ * table is full); its prefix, if any, is prefilled by a JOB_PREFILL job the
+ * caller submits with session_id set. */
+enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, char *id, size_t cap,
+                                      struct ipc_error *err);
+enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, struct ipc_error *err);
+/* {"id","object":"session","created","tokens","bytes":{...},"strategy","busy"} */
+enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err);
+/* The caller's sessions as a JSON array (NULL on allocation failure). */
+json_t *engine_session_list(engine *e, uid_t uid);
+
+/* Prometheus text for the engine's counters, appended to *buf (malloc'd). */
+struct engine_stats {
+    uint64_t requests, prompt_tokens, cached_tokens, gen_tokens, steps;
+    uint64_t errors[16]; /* by ipc_status */
+    int queued, running, sessions;
+    size_t kv_dev_bytes, kv_host_bytes;
+};
+struct engine_stats engine_get_stats(engine *e);
+void engine_count_error(engine *e, enum ipc_status st);
+
+#endif

@@ -1,0 +1,204 @@
+/* kvtierd - the kvtier daemon: loads one model, owns the KV store, and
+ * serves local programs over HTTP/1.1 on a Unix socket until SIGTERM.
+ * Exit codes (docs/operations.md): 0 clean stop, 1 runtime failure,
+ * 2 usage error, 3 model load failure, 4 socket error. */
+#include <errno.h>
+#include <getopt.h>
+#include <grp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include "daemon/engine.h"
+#include "daemon/log.h"
+#include "daemon/server.h"
+#include "daemon/sock.h"
+#include "ipc/sockpath.h"
+
+enum { EXIT_USAGE = 2, EXIT_MODEL = 3, EXIT_SOCKET = 4 };
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvtierd [options]\n"
+            "  --model DIR          Hugging Face model directory (default $KVTIER_MODEL, else model/builtin)\n"
+            "  --socket PATH        listen here (default $KVTIER_SOCKET, else $XDG_RUNTIME_DIR/kvtier/kvtierd.sock)\n"
+            "  --system             default to " IPC_SYSTEM_SOCKET " (system service)\n"
+            "  --allow-group NAME   also accept members of this group (socket mode 0660)\n"
+            "  --backend NAME       cpu (default) or cuda\n"
+            "  --threads N          math threads (default: physical cores)\n"
+            "  --device-mem BYTES   device memory budget, k/M/G suffixes (default: backend's)\n"
+            "  --ctx-size N         context tokens per sequence (default: the model's)\n"
+            "  --parallel N         sequences decoded together (default 32)\n"
+            "  --batch-tokens N     tokens per forward step (default 256)\n"
+            "  --max-queue N        requests waiting for a slot before 429 (default 256)\n"
+            "  --max-clients N      open connections before 503 (default 256)\n"
+            "  --max-body BYTES     request body limit before 413 (default 4M)\n"
+            "  --max-output BYTES   text queued for a slow stream reader (default 1M)\n"
+            "  --max-sessions N     sessions before 429 (default 64)\n"
+            "  --drain-timeout S    SIGTERM: seconds in-flight requests may finish (default 30)\n"
+            "  --idle-timeout S     close idle connections after S seconds (default 300)\n"
+            "  --log FILE           log here instead of stderr (reopened on SIGHUP)\n"
+            "  --verbose            debug log lines\n"
+            "  --help\n");
+}
+
+static bool parse_size(const char *s, size_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    unsigned long long mul = 1;
+    if (*end == 'k' || *end == 'K')
+        mul = 1ull << 10, end++;
+    else if (*end == 'm' || *end == 'M')
+        mul = 1ull << 20, end++;
+    else if (*end == 'g' || *end == 'G')
+        mul = 1ull << 30, end++;
+    if (errno || end == s || *end || s[0] == '-' || v > SIZE_MAX / mul)
+        return false;
+    *out = (size_t)(v * mul);
+    return true;
+}
+
+static bool parse_int(const char *s, int lo, int hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return false;
+    *out = (int)v;
+    return true;
+}
+
+int main(int argc, char **argv)
+{
+    const char *env_model = getenv("KVTIER_MODEL");
+    struct engine_config ec = {.model_dir = env_model && *env_model ? env_model : "model/builtin", .backend = "cpu",
+                               .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64};
+    struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = 8,
+                               .max_messages = 1024, .drain_timeout_s = 30, .idle_timeout_s = 300,
+                               .allow_gid = (gid_t)-1};
+    const char *sock_flag = NULL, *log_path = NULL, *group = NULL;
+    bool system = false, verbose = false;
+    enum {
+        O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_CTX, O_PARALLEL, O_BATCH,
+        O_QUEUE, O_CLIENTS, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP
+    };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
+        {"system", no_argument, 0, O_SYSTEM}, {"allow-group", required_argument, 0, O_GROUP},
+        {"backend", required_argument, 0, O_BACKEND}, {"threads", required_argument, 0, O_THREADS},
+        {"device-mem", required_argument, 0, O_DEVMEM}, {"ctx-size", required_argument, 0, O_CTX},
+        {"parallel", required_argument, 0, O_PARALLEL}, {"batch-tokens", required_argument, 0, O_BATCH},
+        {"max-queue", required_argument, 0, O_QUEUE}, {"max-clients", required_argument, 0, O_CLIENTS},
+        {"max-body", required_argument, 0, O_BODY}, {"max-output", required_argument, 0, O_OUTPUT},
+        {"max-sessions", required_argument, 0, O_SESSIONS}, {"drain-timeout", required_argument, 0, O_DRAIN},
+        {"idle-timeout", required_argument, 0, O_IDLE}, {"log", required_argument, 0, O_LOG},
+        {"verbose", no_argument, 0, O_VERBOSE}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+    int c;
+    bool ok = true;
+    while (ok && (c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case O_MODEL: ec.model_dir = optarg; break;
+        case O_SOCKET: sock_flag = optarg; break;
+        case O_SYSTEM: system = true; break;
+        case O_GROUP: group = optarg; break;
+        case O_BACKEND: ec.backend = optarg; break;
+        case O_THREADS: ok = parse_int(optarg, 0, 1024, &ec.n_threads); break;
+        case O_DEVMEM: ok = parse_size(optarg, &ec.device_mem); break;
+        case O_CTX: ok = parse_int(optarg, 16, 1 << 24, &ec.ctx); break;
+        case O_PARALLEL: ok = parse_int(optarg, 1, 1024, &ec.max_seqs); break;
+        case O_BATCH: ok = parse_int(optarg, 16, 65536, &ec.batch_tokens); break;
+        case O_QUEUE: ok = parse_int(optarg, 0, 1 << 20, &ec.max_queue); break;
+        case O_CLIENTS: ok = parse_int(optarg, 1, 1 << 16, &sc.max_clients); break;
+        case O_BODY: ok = parse_size(optarg, &sc.max_body) && sc.max_body > 0; break;
+        case O_OUTPUT: ok = parse_size(optarg, &sc.max_output); break;
+        case O_SESSIONS: ok = parse_int(optarg, 0, 1 << 20, &ec.max_sessions); break;
+        case O_DRAIN: ok = parse_int(optarg, 0, 86400, &sc.drain_timeout_s); break;
+        case O_IDLE: ok = parse_int(optarg, 1, 86400, &sc.idle_timeout_s); break;
+        case O_LOG: log_path = optarg; break;
+        case O_VERBOSE: verbose = true; break;
+        case O_HELP: usage(stdout); return 0;
+        default: ok = false;
+        }
+        if (!ok && c >= O_MODEL)
+            fprintf(stderr, "kvtierd: invalid value \"%s\" for --%s\n", optarg, opts[c - O_MODEL].name);
+    }
+    if (!ok || optind != argc) {
+        usage(stderr);
+        return EXIT_USAGE;
+    }
+    if (sc.max_n > ec.max_seqs)
+        sc.max_n = ec.max_seqs;
+    if (group) {
+        struct group *gr = getgrnam(group);
+        if (!gr) {
+            fprintf(stderr, "kvtierd: no group \"%s\"\n", group);
+            return EXIT_USAGE;
+        }
+        sc.allow_gid = gr->gr_gid;
+    }
+    int rc = log_open(log_path, verbose ? LOG_DEBUG : LOG_INFO);
+    if (rc) {
+        fprintf(stderr, "kvtierd: cannot open the log %s: %s\n", log_path, strerror(-rc));
+        return EXIT_FAILURE;
+    }
+
+    /* signals arrive through the loop's signalfd, never asynchronously */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
+    signal(SIGPIPE, SIG_IGN);
+    if (pthread_sigmask(SIG_BLOCK, &set, NULL) != 0) {
+        log_msg(LOG_ERR, "cannot block signals");
+        return EXIT_FAILURE;
+    }
+    int sig_fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    int wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (sig_fd < 0 || wake_fd < 0) {
+        log_msg(LOG_ERR, "signalfd/eventfd: %s", strerror(errno));
+        return EXIT_FAILURE;
+    }
+
+    char err[512], path[256];
+    int listen_fd = sock_activated(err, sizeof(err));
+    sc.socket_activated = listen_fd >= 0;
+    if (listen_fd == -1) {
+        struct ipc_error ie;
+        if (ipc_socket_path(sock_flag, system, path, sizeof(path), &ie) != IPC_OK) {
+            log_msg(LOG_ERR, "%s", ie.msg);
+            return EXIT_SOCKET;
+        }
+        listen_fd = sock_listen(path, sc.allow_gid, err, sizeof(err));
+        sc.sock_path = path;
+    }
+    if (listen_fd < 0) {
+        log_msg(LOG_ERR, "%s", err);
+        return EXIT_SOCKET;
+    }
+    log_msg(LOG_INFO, "listening on %s; loading %s", sc.socket_activated ? "the socket systemd passed" : path,
+            ec.model_dir);
+    sd_notify_msg("STATUS=Loading model");
+
+    engine *e;
+    struct ipc_error ie;
+    if (engine_create(&ec, wake_fd, &e, &ie) != IPC_OK) {
+        log_msg(LOG_ERR, "%s", ie.msg);
+        return EXIT_FAILURE;
+    }
+    enum server_exit se = server_run(e, &sc, listen_fd, sig_fd, wake_fd);
+    engine_free(e);
+    close(sig_fd);
+    close(wake_fd);
+    log_msg(se == SERVER_OK ? LOG_INFO : LOG_ERR, "kvtierd exits (%d)", (int)se);
+    return se == SERVER_ELOAD ? EXIT_MODEL : se == SERVER_OK ? 0 : EXIT_FAILURE;
+}

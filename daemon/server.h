@@ -1,0 +1,47 @@
+/* server.h - kvtierd's event loop and HTTP front end.
+ *
+ * One thread runs an epoll loop over: the listening socket (kvtierd
+ * accepts, checks SO_PEERCRED and the client limit, then hands the fd to
+ * libmicrohttpd with MHD_add_connection), the signalfd, the engine's
+ * eventfd, libmicrohttpd's own epoll fd, and the fds of suspended
+ * connections (EPOLLRDHUP: a client that hangs up while its request waits
+ * cancels the generation).  libmicrohttpd runs in "external polling" mode
+ * inside this thread, so every MHD call, suspend and resume happens here.
+ *
+ * A request waiting for the engine is suspended; the engine's eventfd
+ * wakes the loop, which resumes the connections that have news.  Streams
+ * are chunked responses whose reader formats SSE events straight into the
+ * socket buffer and suspends when it has nothing to send.
+ */
+#ifndef KVTIER_DAEMON_SERVER_H
+#define KVTIER_DAEMON_SERVER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <sys/types.h>
+
+#include "daemon/engine.h"
+
+#define SERVER_MAX_N 16 /* choices per request */
+
+struct server_config {
+    int max_clients;      /* open connections */
+    size_t max_body;      /* request body bytes (413 above) */
+    size_t max_output;    /* generated text queued for a slow stream reader */
+    int max_n;            /* choices per request, <= SERVER_MAX_N */
+    int max_messages;     /* chat messages per request */
+    int drain_timeout_s;  /* SIGTERM: how long in-flight requests may finish */
+    int idle_timeout_s;   /* idle keep-alive connections are closed */
+    gid_t allow_gid;      /* (gid_t)-1: only the daemon's uid */
+    const char *sock_path;   /* unlinked at exit unless socket-activated */
+    bool socket_activated;
+};
+
+enum server_exit { SERVER_OK = 0, SERVER_ELOAD = 3, SERVER_EFATAL = 1 };
+
+/* Serves until SIGTERM/SIGINT (drain, then SERVER_OK) or a model load
+ * failure (SERVER_ELOAD).  The signals must already be blocked; sig_fd is
+ * their signalfd, wake_fd the engine's eventfd. */
+enum server_exit server_run(engine *e, const struct server_config *cfg, int listen_fd, int sig_fd, int wake_fd);
+
+#endif

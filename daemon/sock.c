@@ -1,0 +1,175 @@
+#include "daemon/sock.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+
+static int fail(char *err, size_t cap, int fd, const char *fmt, const char *path)
+{
+    int e = errno;
+    snprintf(err, cap, fmt, path, strerror(e));
+    if (fd >= 0)
+        close(fd);
+    return -1;
+}
+
+/* The parent must exist (created here when missing) and be writable by no
+ * one but us: the socket's own mode is not a reliable guard everywhere. */
+static int check_dir(const char *path, gid_t gid, char *err, size_t cap)
+{
+    char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    snprintf(dir, sizeof(dir), "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash)
+        snprintf(dir, sizeof(dir), ".");
+    else if (slash == dir)
+        slash[1] = '\0';
+    else
+        *slash = '\0';
+    mode_t mode = gid != (gid_t)-1 ? 0750 : 0700;
+    if (mkdir(dir, mode) == 0) {
+        if (gid != (gid_t)-1 && chown(dir, (uid_t)-1, gid) != 0)
+            return fail(err, cap, -1, "cannot give %s to the allowed group: %s", dir);
+    } else if (errno != EEXIST) {
+        return fail(err, cap, -1, "cannot create the socket directory %s: %s", dir);
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return fail(err, cap, -1, "cannot stat %s: %s", dir);
+    if (!S_ISDIR(st.st_mode) || (st.st_mode & S_IWOTH && !(st.st_mode & S_ISVTX))) {
+        snprintf(err, cap, "%s is not a directory only its owner can write to", dir);
+        return -1;
+    }
+    return 0;
+}
+
+int sock_listen(const char *path, gid_t gid, char *err, size_t cap)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof(sa.sun_path)) {
+        snprintf(err, cap, "socket path %s is longer than the %zu bytes a Unix socket path holds", path,
+                 sizeof(sa.sun_path) - 1);
+        return -1;
+    }
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    if (check_dir(path, gid, err, cap) != 0)
+        return -1;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return fail(err, cap, -1, "socket() for %s: %s", path);
+    struct stat st;
+    if (lstat(path, &st) == 0) {
+        if (!S_ISSOCK(st.st_mode)) {
+            snprintf(err, cap, "%s exists and is not a socket", path);
+            close(fd);
+            return -1;
+        }
+        int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int rc = probe < 0 ? -1 : connect(probe, (struct sockaddr *)&sa, sizeof(sa));
+        int e = errno;
+        if (probe >= 0)
+            close(probe);
+        if (rc == 0) {
+            snprintf(err, cap, "another kvtierd is listening on %s", path);
+            close(fd);
+            return -1;
+        }
+        if (e != ECONNREFUSED) {
+            errno = e;
+            return fail(err, cap, fd, "cannot probe the existing socket %s: %s", path);
+        }
+        if (unlink(path) != 0)
+            return fail(err, cap, fd, "cannot remove the stale socket %s: %s", path);
+        log_msg(LOG_INFO, "removed stale socket %s", path);
+    }
+    /* the mode is right from the start: no window with a wider one */
+    mode_t old = umask(gid != (gid_t)-1 ? 0117 : 0177);
+    int rc = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+    umask(old);
+    if (rc != 0)
+        return fail(err, cap, fd, "cannot bind %s: %s", path);
+    if (gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) != 0)
+        return fail(err, cap, fd, "cannot give %s to the allowed group: %s", path);
+    if (listen(fd, 128) != 0)
+        return fail(err, cap, fd, "cannot listen on %s: %s", path);
+    return fd;
+}
+
+int sock_activated(char *err, size_t cap)
+{
+    const char *pid = getenv("LISTEN_PID"), *fds = getenv("LISTEN_FDS");
+    if (!pid || !fds || strtol(pid, NULL, 10) != (long)getpid() || strtol(fds, NULL, 10) < 1)
+        return -1;
+    unsetenv("LISTEN_PID");
+    unsetenv("LISTEN_FDS");
+    unsetenv("LISTEN_FDNAMES");
+    int fd = 3; /* SD_LISTEN_FDS_START; only the first socket is used */
+    int type = 0;
+    socklen_t tl = sizeof(type);
+    struct sockaddr_un sa;
+    socklen_t sl = sizeof(sa);
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tl) != 0 || type != SOCK_STREAM ||
+        getsockname(fd, (struct sockaddr *)&sa, &sl) != 0 || sa.sun_family != AF_UNIX) {
+        snprintf(err, cap, "the socket systemd passed (fd 3) is not a Unix stream socket");
+        return -2;
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0 || fcntl(fd, F_SETFD, FD_CLOEXEC) != 0) {
+        snprintf(err, cap, "cannot configure the passed socket: %s", strerror(errno));
+        return -2;
+    }
+    return fd;
+}
+
+bool sock_peer_allowed(uid_t uid, gid_t peer_gid, gid_t allow_gid)
+{
+    if (uid == geteuid())
+        return true;
+    if (allow_gid == (gid_t)-1)
+        return false;
+    if (peer_gid == allow_gid)
+        return true;
+    char buf[4096];
+    struct passwd pw, *res = NULL;
+    if (getpwuid_r(uid, &pw, buf, sizeof(buf), &res) != 0 || !res)
+        return false;
+    gid_t groups[256];
+    int n = 256;
+    if (getgrouplist(pw.pw_name, pw.pw_gid, groups, &n) < 0)
+        return false;
+    for (int i = 0; i < n; i++)
+        if (groups[i] == allow_gid)
+            return true;
+    return false;
+}
+
+void sd_notify_msg(const char *msg)
+{
+    const char *path = getenv("NOTIFY_SOCKET");
+    if (!path || !*path)
+        return;
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    size_t len = strlen(path);
+    if (len >= sizeof(sa.sun_path))
+        return;
+    memcpy(sa.sun_path, path, len);
+    if (sa.sun_path[0] == '@') /* systemd's notation for its abstract socket */
+        sa.sun_path[0] = '\0';
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return;
+    socklen_t sl = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len);
+    if (sendto(fd, msg, strlen(msg), MSG_NOSIGNAL, (struct sockaddr *)&sa, sl) < 0)
+        log_msg(LOG_WARN, "sd_notify to %s failed: %s", path, strerror(errno));
+    close(fd);
+}

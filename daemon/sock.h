@@ -1,0 +1,29 @@
+/* sock.h - the listening socket (bound by kvtierd or passed by systemd),
+ * peer credentials, and the sd_notify protocol, written in-house so the
+ * daemon runs the same with and without systemd. */
+#ifndef KVTIER_DAEMON_SOCK_H
+#define KVTIER_DAEMON_SOCK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <sys/types.h>
+
+/* Binds path (0600, or 0660 with group gid when gid != (gid_t)-1) and
+ * listens.  The parent directory is created 0700 (0750 with a group) when
+ * missing and must not be writable by others.  A stale socket is replaced
+ * only after a connect() is refused; a live one is an error.  Returns the
+ * non-blocking fd, or -1 with err filled. */
+int sock_listen(const char *path, gid_t gid, char *err, size_t cap);
+
+/* The socket systemd passed (LISTEN_PID/LISTEN_FDS), or -1 when none;
+ * -2 with err filled when the passed fd is not a Unix stream socket. */
+int sock_activated(char *err, size_t cap);
+
+/* SO_PEERCRED allow rule: the daemon's uid, or a member of gid (primary or
+ * supplementary) when gid != (gid_t)-1. */
+bool sock_peer_allowed(uid_t uid, gid_t peer_gid, gid_t allow_gid);
+
+/* Sends msg ("READY=1", ...) to $NOTIFY_SOCKET; a no-op without it. */
+void sd_notify_msg(const char *msg);
+
+#endif
