@@ -170,53 +170,90 @@ static uint32_t table_mask(size_t n)
     return cap - 1;
 }
 
-static enum model_status load_vocab(struct loader *L, json_t *vocab, int32_t *max_id)
+/* A syntax error at the cursor, as "file:line:col: expected ...". */
+static enum model_status syntax(struct loader *L, const struct tok_json *j, const char *member)
+{
+    int line, col;
+    if (j->error && strcmp(j->error, "memory") == 0)
+        return oom(L);
+    tj_where(j, &line, &col);
+    return LFAIL(L, MODEL_EFORMAT, "%s:%d:%d: %s: expected %s", L->file, line, col, member,
+                 j->error ? j->error : "valid JSON");
+}
+
+struct vocab_entry {
+    int32_t id;
+    struct tok_span s;
+};
+
+/* model.vocab, an object of piece -> id, read straight from the text at
+ * `at` (NULL: absent). */
+static enum model_status load_vocab(struct loader *L, const struct tok_json *json, const char *at, int32_t *max_id)
 {
     tokenizer *t = L->t;
-    if (!json_is_object(vocab))
+    struct tok_json j = *json;
+    struct tok_buf key = {0}, list = {0};
+    enum model_status st = MODEL_OK;
+    bool first = true;
+    int r = 0;
+    if (!at || *at != '{')
         return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab is missing or not an object", L->file);
-    size_t n = json_object_size(vocab), bytes = 0;
-    if (n == 0)
-        return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab is empty", L->file);
-    if (n >= TOK_MAX_IDS)
-        return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab has %zu entries (limit %d)", L->file, n, TOK_MAX_IDS);
-    /* First pass: check the ids and size the tables. */
-    const char *key;
-    json_t *v;
+    j.p = at;
     *max_id = -1;
-    json_object_foreach(vocab, key, v) {
-        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= TOK_MAX_IDS)
-            return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab[\"%.64s\"] is not an id in [0, %d)", L->file, key,
-                         TOK_MAX_IDS);
-        if (json_integer_value(v) > *max_id)
-            *max_id = (int32_t)json_integer_value(v);
-        bytes += strlen(key);
+    while (st == MODEL_OK && (r = tj_member(&j, &first, &key)) == 1) {
+        long long id;
+        struct vocab_entry e;
+        if (!tj_int(&j, &id) || id < 0 || id >= TOK_MAX_IDS) {
+            st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab[\"%.*s\"] is not an id in [0, %d)", L->file,
+                       (int)(key.n > 64 ? 64 : key.n), key.p, TOK_MAX_IDS);
+        } else if ((st = intern(L, key.p, key.n, &e.s)) == MODEL_OK) {
+            e.id = (int32_t)id;
+            *max_id = e.id > *max_id ? e.id : *max_id;
+            if (list.n / sizeof e >= TOK_MAX_IDS)
+                st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab has more than %d entries", L->file, TOK_MAX_IDS);
+            else if (!tok_buf_append(&list, &e, sizeof e))
+                st = oom(L);
+        }
     }
-    if (!tok_buf_reserve(&t->str, bytes + 1024))
-        return oom(L);
-    t->vocab_mask = table_mask(n);
-    t->vocab_tab = malloc(((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
-    t->piece = calloc((size_t)*max_id + 1, sizeof *t->piece);
-    if (!t->vocab_tab || !t->piece)
-        return oom(L);
-    memset(t->vocab_tab, 0xFF, ((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
-    /* Until finish_tables() sizes the flags, off == UINT32_MAX marks an id
-     * the vocabulary does not use. */
-    for (int32_t i = 0; i <= *max_id; i++)
-        t->piece[i].off = UINT32_MAX;
-    json_object_foreach(vocab, key, v) {
-        int32_t id = (int32_t)json_integer_value(v);
-        size_t len = strlen(key);
-        if (t->piece[id].off != UINT32_MAX)
-            return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab: id %d is given to both \"%.64s\" and \"%.64s\"",
-                         L->file, id, span_str(t, t->piece[id]), key);
-        TRY(intern(L, key, len, &t->piece[id]));
-        uint32_t h = hash_bytes(key, len) & t->vocab_mask;
+    if (st == MODEL_OK && r < 0)
+        st = syntax(L, &j, "model.vocab");
+    size_t n = list.n / sizeof(struct vocab_entry);
+    if (st == MODEL_OK && n == 0)
+        st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab is empty", L->file);
+    if (st == MODEL_OK) {
+        t->vocab_mask = table_mask(n);
+        t->vocab_tab = malloc(((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
+        t->piece = malloc(((size_t)*max_id + 1) * sizeof *t->piece);
+        if (!t->vocab_tab || !t->piece)
+            st = oom(L);
+    }
+    if (st == MODEL_OK) {
+        memset(t->vocab_tab, 0xFF, ((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
+        /* Until finish_tables() sizes the flags, off == UINT32_MAX marks an id
+         * the vocabulary does not use. */
+        for (int32_t i = 0; i <= *max_id; i++)
+            t->piece[i].off = UINT32_MAX;
+    }
+    const struct vocab_entry *e = (const struct vocab_entry *)(void *)list.p;
+    for (size_t i = 0; st == MODEL_OK && i < n; i++) {
+        const char *str = span_str(t, e[i].s);
+        if (t->piece[e[i].id].off != UINT32_MAX)
+            st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab: id %d is given to both \"%.64s\" and \"%.*s\"", L->file,
+                       e[i].id, span_str(t, t->piece[e[i].id]), (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
+        else if (tok_vocab_find(t, str, e[i].s.len) >= 0)
+            st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab: \"%.*s\" appears twice", L->file,
+                       (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
+        if (st != MODEL_OK)
+            break;
+        t->piece[e[i].id] = e[i].s;
+        uint32_t h = hash_bytes(str, e[i].s.len) & t->vocab_mask;
         while (t->vocab_tab[h] >= 0)
             h = (h + 1) & t->vocab_mask;
-        t->vocab_tab[h] = id;
+        t->vocab_tab[h] = e[i].id;
     }
-    return MODEL_OK;
+    free(key.p);
+    free(list.p);
+    return st;
 }
 
 static struct tok_merge_slot *merge_slot(const tokenizer *t, uint64_t key)
@@ -235,79 +272,93 @@ const struct tok_merge_slot *tok_merge_find(const tokenizer *t, int32_t left, in
     return s->key == UINT64_MAX ? NULL : s;
 }
 
-/* One merge "a b" or ["a", "b"] into its two halves. */
-static enum model_status merge_halves(struct loader *L, json_t *m, size_t i, const char **a, size_t *na,
-                                      const char **b, size_t *nb)
+/* One merge, "a b" or ["a", "b"], as the ids of its halves and result. */
+static enum model_status read_merge(struct loader *L, struct tok_json *j, size_t i, struct tok_buf *a,
+                                    struct tok_buf *b, int32_t ids[3])
 {
-    if (json_is_string(m)) {
-        const char *s = json_string_value(m);
-        const char *sp = strchr(s, ' ');
-        if (!sp || strchr(sp + 1, ' ') || sp == s || !sp[1])
-            return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu] \"%.64s\" is not two pieces separated by one space",
-                         L->file, i, s);
-        *a = s, *na = (size_t)(sp - s), *b = sp + 1, *nb = strlen(sp + 1);
-        return MODEL_OK;
+    const tokenizer *t = L->t;
+    tj_ws(j);
+    if (j->p < j->end && *j->p == '"') {
+        if (!tj_string(j, a))
+            return syntax(L, j, "model.merges");
+        char *sp = memchr(a->p, ' ', a->n);
+        if (!sp || sp == a->p || sp == a->p + a->n - 1 || memchr(sp + 1, ' ', (size_t)(a->p + a->n - sp - 1)))
+            return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu] \"%.*s\" is not two pieces separated by one space",
+                         L->file, i, (int)(a->n > 64 ? 64 : a->n), a->p);
+        b->n = 0;
+        if (!tok_buf_append(b, sp + 1, (size_t)(a->p + a->n - sp - 1)))
+            return oom(L);
+        a->n = (size_t)(sp - a->p);
+    } else {
+        bool first = true;
+        if (j->p == j->end || *j->p != '[' || tj_next(j, '[', ']', &first) != 1 || !tj_string(j, a) ||
+            tj_next(j, '[', ']', &first) != 1 || !tj_string(j, b) || tj_next(j, '[', ']', &first) != 0)
+            return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", L->file,
+                         i);
     }
-    if (json_is_array(m) && json_array_size(m) == 2 && json_is_string(json_array_get(m, 0)) &&
-        json_is_string(json_array_get(m, 1))) {
-        *a = json_string_value(json_array_get(m, 0)), *na = json_string_length(json_array_get(m, 0));
-        *b = json_string_value(json_array_get(m, 1)), *nb = json_string_length(json_array_get(m, 1));
+    size_t na = a->n;
+    ids[0] = tok_vocab_find(t, a->p, na);
+    ids[1] = tok_vocab_find(t, b->p, b->n);
+    if (!tok_buf_append(a, b->p, b->n))
+        return oom(L);
+    ids[2] = tok_vocab_find(t, a->p, a->n);
+    if (ids[0] >= 0 && ids[1] >= 0 && ids[2] >= 0)
         return MODEL_OK;
-    }
-    return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", L->file, i);
+    const char *missing = ids[1] < 0 && ids[0] >= 0 ? b->p : a->p;
+    size_t len = ids[0] < 0 ? na : ids[1] < 0 ? b->n : a->n;
+    return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu]: \"%.*s\" is not in model.vocab", L->file, i,
+                 (int)(len > 64 ? 64 : len), missing);
 }
 
-static enum model_status load_merges(struct loader *L, json_t *merges)
+/* model.merges from the text at `at` (NULL or null: none). */
+static enum model_status load_merges(struct loader *L, const struct tok_json *json, const char *at)
 {
     tokenizer *t = L->t;
-    if (!merges || json_is_null(merges))
+    if (!at || (json->end - at >= 4 && memcmp(at, "null", 4) == 0))
         return MODEL_OK; /* a vocabulary of single characters */
-    if (!json_is_array(merges))
+    if (*at != '[')
         return LFAIL(L, MODEL_EFORMAT, "%s: model.merges is not an array", L->file);
-    size_t n = json_array_size(merges);
-    if (n >= TOK_MAX_IDS)
-        return LFAIL(L, MODEL_EFORMAT, "%s: model.merges has %zu entries (limit %d)", L->file, n, TOK_MAX_IDS);
-    t->merge_mask = table_mask(n);
-    t->merge_tab = malloc(((size_t)t->merge_mask + 1) * sizeof *t->merge_tab);
-    if (!t->merge_tab)
-        return oom(L);
-    for (size_t i = 0; i <= t->merge_mask; i++)
-        t->merge_tab[i].key = UINT64_MAX;
-    struct tok_buf cat = {0};
+    struct tok_json j = *json;
+    struct tok_buf a = {0}, b = {0}, list = {0};
     enum model_status st = MODEL_OK;
-    for (size_t i = 0; i < n && st == MODEL_OK; i++) {
-        const char *a = NULL, *b = NULL;
-        size_t na = 0, nb = 0;
-        st = merge_halves(L, json_array_get(merges, i), i, &a, &na, &b, &nb);
-        if (st != MODEL_OK)
-            break;
-        cat.n = 0;
-        if (!tok_buf_append(&cat, a, na) || !tok_buf_append(&cat, b, nb)) {
+    bool first = true;
+    int r = 0;
+    j.p = at;
+    for (size_t i = 0; st == MODEL_OK && (r = tj_next(&j, '[', ']', &first)) == 1; i++) {
+        int32_t ids[3];
+        if (i >= TOK_MAX_IDS)
+            st = LFAIL(L, MODEL_EFORMAT, "%s: model.merges has more than %d entries", L->file, TOK_MAX_IDS);
+        else if ((st = read_merge(L, &j, i, &a, &b, ids)) == MODEL_OK && !tok_buf_append(&list, ids, sizeof ids))
             st = oom(L);
-            break;
-        }
-        int32_t ia = tok_vocab_find(t, a, na), ib = tok_vocab_find(t, b, nb);
-        int32_t im = tok_vocab_find(t, cat.p, cat.n);
-        if (ia < 0 || ib < 0 || im < 0) {
-            const char *missing = ia < 0 ? a : ib < 0 ? b : cat.p;
-            int missing_len = (int)(ia < 0 ? na : ib < 0 ? nb : cat.n);
-            st = LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu]: \"%.*s\" is not in model.vocab", L->file, i,
-                       missing_len > 64 ? 64 : missing_len, missing);
-            break;
-        }
-        /* A repeated pair keeps its last rank, as Hugging Face's loader does. */
-        struct tok_merge_slot *s = merge_slot(t, (uint64_t)ia << 32 | (uint32_t)ib);
-        *s = (struct tok_merge_slot){(uint64_t)ia << 32 | (uint32_t)ib, (uint32_t)i, im};
     }
-    free(cat.p);
+    if (st == MODEL_OK && r < 0)
+        st = syntax(L, &j, "model.merges");
+    size_t n = list.n / (3 * sizeof(int32_t));
+    if (st == MODEL_OK) {
+        t->merge_mask = table_mask(n);
+        if (!(t->merge_tab = malloc(((size_t)t->merge_mask + 1) * sizeof *t->merge_tab)))
+            st = oom(L);
+    }
+    const int32_t *ids = (const int32_t *)(void *)list.p;
+    for (size_t i = 0; st == MODEL_OK && i <= t->merge_mask; i++)
+        t->merge_tab[i].key = UINT64_MAX;
+    for (size_t i = 0; st == MODEL_OK && i < n; i++) {
+        /* A repeated pair keeps its last rank, as Hugging Face's loader does. */
+        uint64_t key = (uint64_t)ids[3 * i] << 32 | (uint32_t)ids[3 * i + 1];
+        *merge_slot(t, key) = (struct tok_merge_slot){key, (uint32_t)i, ids[3 * i + 2]};
+    }
+    free(a.p);
+    free(b.p);
+    free(list.p);
     return st;
 }
 
-static enum model_status load_model(struct loader *L, json_t *mj, int32_t *max_id)
+/* The model object: mj holds its small members; vocab and merges point at
+ * those two members' text in json. */
+static enum model_status load_model(struct loader *L, json_t *mj, const struct tok_json *json, const char *vocab,
+                                    const char *merges, int32_t *max_id)
 {
     tokenizer *t = L->t;
-    if (!json_is_object(mj))
-        return LFAIL(L, MODEL_EFORMAT, "%s: model is missing or not an object", L->file);
     const char *type, *s;
     size_t len;
     /* Old files leave out "type"; vocab + merges is then BPE. */
@@ -326,8 +377,8 @@ static enum model_status load_model(struct loader *L, json_t *mj, int32_t *max_i
     TRY(get_bool(L, mj, "byte_fallback", "model", false, &t->byte_fallback));
     TRY(get_bool(L, mj, "ignore_merges", "model", false, &t->ignore_merges));
     TRY(get_bool(L, mj, "fuse_unk", "model", false, &t->fuse_unk));
-    TRY(load_vocab(L, json_object_get(mj, "vocab"), max_id));
-    TRY(load_merges(L, json_object_get(mj, "merges")));
+    TRY(load_vocab(L, json, vocab, max_id));
+    TRY(load_merges(L, json, merges));
     TRY(get_string(L, mj, "unk_token", "model", false, &s, &len));
     t->unk_id = -1;
     if (s && (t->unk_id = tok_vocab_find(t, s, len)) < 0)
@@ -696,17 +747,6 @@ static enum model_status one_decoder(struct loader *L, json_t *o, const char *ty
     return unsupported(L, where, type);
 }
 
-static int hex_digit(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
 /* Applies the per-token decoder steps to one vocab piece, into out. */
 static enum model_status decode_piece(struct loader *L, const char *p, size_t n, struct tok_buf *out,
                                       struct tok_buf *tmp)
@@ -719,7 +759,7 @@ static enum model_status decode_piece(struct loader *L, const char *p, size_t n,
         const struct dec_op *op = &L->ops[k];
         tmp->n = 0;
         if (op->kind == DEC_BYTE_FALLBACK) {
-            int hi = out->n == 6 ? hex_digit(out->p[3]) : -1, lo = out->n == 6 ? hex_digit(out->p[4]) : -1;
+            int hi = out->n == 6 ? tok_hex_digit(out->p[3]) : -1, lo = out->n == 6 ? tok_hex_digit(out->p[4]) : -1;
             if (hi >= 0 && lo >= 0 && memcmp(out->p, "<0x", 3) == 0 && out->p[5] == '>') {
                 out->p[0] = (char)(hi << 4 | lo);
                 out->n = 1;
@@ -817,19 +857,16 @@ static enum model_status load_config(struct loader *L, json_t *cfg)
 
 /* ---- the whole load -------------------------------------------------------- */
 
-/* tokenizer_config.json holds integers beyond 64 bits (model_max_length
- * 1e30), which it reads as reals (optional = the config). */
-static enum model_status read_json(struct loader *L, const char *path, bool optional, json_t **out)
+/* tokenizer_config.json, absent (*out NULL) or parsed; it holds integers
+ * beyond 64 bits (model_max_length 1e30), read as reals. */
+static enum model_status read_config(struct loader *L, const char *path, json_t **out)
 {
     struct stat sb;
     *out = NULL;
-    if (stat(path, &sb) != 0) {
-        if (optional && errno == ENOENT)
-            return MODEL_OK;
-        return LFAIL(L, errno == ENOENT ? MODEL_ENOENT : MODEL_EIO, "%s: %s", path, strerror(errno));
-    }
+    if (stat(path, &sb) != 0)
+        return errno == ENOENT ? MODEL_OK : LFAIL(L, MODEL_EIO, "%s: %s", path, strerror(errno));
     json_error_t je;
-    *out = json_load_file(path, optional ? JSON_DECODE_INT_AS_REAL : 0, &je);
+    *out = json_load_file(path, JSON_DECODE_INT_AS_REAL, &je);
     if (!*out)
         return LFAIL(L, MODEL_EFORMAT, "%s:%d:%d: %s", path, je.line, je.column, je.text);
     return MODEL_OK;
@@ -887,26 +924,120 @@ static enum model_status build_decoded(struct loader *L)
     return st;
 }
 
-static enum model_status load_tokenizer_json(struct loader *L, json_t *root)
+/* Reads the members of the object at j's cursor; the ones named in big[]
+ * are only located (*at), the others parsed by jansson into obj. */
+static enum model_status scan_object(struct loader *L, struct tok_json *j, const char *where, json_t *obj,
+                                     const char *const *big, const char **at, int n_big)
+{
+    struct tok_buf key = {0};
+    enum model_status st = MODEL_OK;
+    bool first = true;
+    int r;
+    while (st == MODEL_OK && (r = tj_member(j, &first, &key)) == 1) {
+        tj_ws(j);
+        const char *start = j->p;
+        if (!tok_buf_append(&key, "", 1) || !tj_skip(j)) {
+            st = syntax(L, j, where);
+            break;
+        }
+        int k = 0;
+        while (k < n_big && strcmp(key.p, big[k]) != 0)
+            k++;
+        if (k < n_big) {
+            at[k] = start;
+            continue;
+        }
+        json_error_t je;
+        json_t *v = json_loadb(start, (size_t)(j->p - start), JSON_DECODE_ANY, &je);
+        if (!v)
+            st = LFAIL(L, MODEL_EFORMAT, "%s: %s%s%s: %s", L->file, where, *where ? "." : "", key.p, je.text);
+        else if (json_object_set_new(obj, key.p, v) != 0)
+            st = oom(L);
+    }
+    if (st == MODEL_OK && r < 0)
+        st = syntax(L, j, *where ? where : "top level");
+    free(key.p);
+    return st;
+}
+
+static enum model_status load_tokenizer_json(struct loader *L, const char *text, size_t len)
 {
     tokenizer *t = L->t;
     int32_t max_id = -1;
-    if (!json_is_object(root))
-        return LFAIL(L, MODEL_EFORMAT, "%s: not a JSON object", L->file);
-    TRY(load_model(L, json_object_get(root, "model"), &max_id));
-    t->n_ids = max_id + 1;
-    TRY(load_added(L, json_object_get(root, "added_tokens"), &max_id));
-    TRY(finish_tables(L, max_id));
-    TRY(walk(L, json_object_get(root, "normalizer"), "normalizer", "normalizers", one_normalizer));
-    TRY(walk(L, json_object_get(root, "pre_tokenizer"), "pre_tokenizer", "pretokenizers", one_pretokenizer));
-    TRY(walk(L, json_object_get(root, "post_processor"), "post_processor", "processors", one_postprocessor));
-    TRY(walk(L, json_object_get(root, "decoder"), "decoder", "decoders", one_decoder));
-    return build_decoded(L);
+    struct tok_json j = {text, text, text + len, NULL};
+    static const char *const model_key[] = {"model"}, *const big[] = {"vocab", "merges"};
+    const char *model_at = NULL, *big_at[2] = {NULL, NULL};
+    json_t *root = json_object(), *mj = json_object();
+    enum model_status st = root && mj ? MODEL_OK : oom(L);
+    tj_ws(&j);
+    if (st == MODEL_OK && (j.p == j.end || *j.p != '{'))
+        st = LFAIL(L, MODEL_EFORMAT, "%s: not a JSON object", L->file);
+    if (st == MODEL_OK)
+        st = scan_object(L, &j, "", root, model_key, &model_at, 1);
+    tj_ws(&j);
+    if (st == MODEL_OK && j.p != j.end)
+        st = LFAIL(L, MODEL_EFORMAT, "%s: text after the top-level object", L->file);
+    if (st == MODEL_OK && (!model_at || *model_at != '{'))
+        st = LFAIL(L, MODEL_EFORMAT, "%s: model is missing or not an object", L->file);
+    if (st == MODEL_OK) {
+        j.p = model_at;
+        st = scan_object(L, &j, "model", mj, big, big_at, 2);
+    }
+    if (st == MODEL_OK)
+        st = load_model(L, mj, &j, big_at[0], big_at[1], &max_id);
+    if (st == MODEL_OK) {
+        t->n_ids = max_id + 1;
+        st = load_added(L, json_object_get(root, "added_tokens"), &max_id);
+    }
+    if (st == MODEL_OK)
+        st = finish_tables(L, max_id);
+    if (st == MODEL_OK)
+        st = walk(L, json_object_get(root, "normalizer"), "normalizer", "normalizers", one_normalizer);
+    if (st == MODEL_OK)
+        st = walk(L, json_object_get(root, "pre_tokenizer"), "pre_tokenizer", "pretokenizers", one_pretokenizer);
+    if (st == MODEL_OK)
+        st = walk(L, json_object_get(root, "post_processor"), "post_processor", "processors", one_postprocessor);
+    if (st == MODEL_OK)
+        st = walk(L, json_object_get(root, "decoder"), "decoder", "decoders", one_decoder);
+    if (st == MODEL_OK)
+        st = build_decoded(L);
+    json_decref(root);
+    json_decref(mj);
+    return st;
+}
+
+/* The whole of a file, NUL-terminated, in *data. */
+static enum model_status read_file(struct loader *L, const char *path, char **data, size_t *len)
+{
+    *data = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return LFAIL(L, errno == ENOENT ? MODEL_ENOENT : MODEL_EIO, "%s: %s", path, strerror(errno));
+    struct stat sb;
+    enum model_status st = MODEL_OK;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode))
+        st = LFAIL(L, MODEL_EIO, "%s: not a regular file", path);
+    else if ((uint64_t)sb.st_size >= UINT32_MAX)
+        st = LFAIL(L, MODEL_EFORMAT, "%s: %lld bytes is too large for a tokenizer", path, (long long)sb.st_size);
+    else if (!(*data = malloc((size_t)sb.st_size + 1)))
+        st = oom(L);
+    else if (fread(*data, 1, (size_t)sb.st_size, f) != (size_t)sb.st_size)
+        st = LFAIL(L, MODEL_EIO, "%s: read error", path);
+    fclose(f);
+    if (st != MODEL_OK) {
+        free(*data);
+        *data = NULL;
+        return st;
+    }
+    (*data)[sb.st_size] = '\0';
+    *len = (size_t)sb.st_size;
+    return MODEL_OK;
 }
 
 enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err)
 {
-    char path[PATH_MAX];
+    char path[PATH_MAX], *text = NULL;
+    size_t len = 0;
     json_t *root = NULL;
     *out = NULL;
     tokenizer *t = calloc(1, sizeof *t);
@@ -919,16 +1050,15 @@ enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err)
         st = tok_fail(err, MODEL_EINVAL, "%s: path too long", dir);
         goto out;
     }
-    st = read_json(&L, path, false, &root);
+    st = read_file(&L, path, &text, &len);
     if (st == MODEL_OK)
-        st = load_tokenizer_json(&L, root);
-    json_decref(root);
-    root = NULL;
+        st = load_tokenizer_json(&L, text, len);
+    free(text);
     if (st != MODEL_OK)
         goto out;
 
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    st = read_json(&L, path, true, &root);
+    st = read_config(&L, path, &root);
     if (st == MODEL_OK && root) {
         st = load_config(&L, root);
     } else if (st == MODEL_OK) {

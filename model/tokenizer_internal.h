@@ -110,6 +110,23 @@ int tok_cp_to_byte(uint32_t cp); /* -1 if cp is not one of the 256 */
 size_t tok_utf8_next(const unsigned char *s, size_t n, uint32_t *cp);
 size_t tok_utf8_put(uint32_t cp, char *out); /* writes 1..4 bytes */
 
+/* A cursor over JSON text (model/tokenizer_json.c).  Calls return false
+ * (or -1) on malformed input with error naming what was expected at p. */
+struct tok_json {
+    const char *s, *p, *end;
+    const char *error;
+};
+void tj_ws(struct tok_json *j);
+bool tj_string(struct tok_json *j, struct tok_buf *out); /* decoded, not NUL-terminated */
+bool tj_int(struct tok_json *j, long long *v);
+bool tj_skip(struct tok_json *j);                        /* one value, any kind */
+/* Steps through an array (open '[') or object ('{'): 1 when an element
+ * follows, 0 after the closing bracket, -1 on error; *first starts true. */
+int tj_next(struct tok_json *j, char open, char close, bool *first);
+int tj_member(struct tok_json *j, bool *first, struct tok_buf *key); /* also reads "key": */
+void tj_where(const struct tok_json *j, int *line, int *col);
+int tok_hex_digit(char c); /* -1 if c is not one */
+
 /* NFC: when s[0..n) could change, writes its NFC form to out (replacing
  * its contents) and returns true; scratch is reused between calls. */
 enum model_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed);

@@ -58,7 +58,8 @@ static tokenizer *load_json(json_t *root, json_t *config)
 {
     char err[MODEL_ERR_LEN];
     tokenizer *t = NULL;
-    char *json = json_dumps(root, 0), *cfg = config ? json_dumps(config, 0) : NULL;
+    /* ASCII-only output: every non-ASCII piece goes through \u escapes. */
+    char *json = json_dumps(root, JSON_ENSURE_ASCII), *cfg = config ? json_dumps(config, 0) : NULL;
     assert_non_null(json);
     enum model_status st = load_text(json, cfg, &t, err);
     if (st != MODEL_OK)
@@ -122,8 +123,8 @@ static json_t *sentencepiece_json(const char *const *pieces, size_t n, json_t *m
         "Strip", "content", " ", "start", 1, "stop", 0);
 }
 
-static const char *const SP_PIECES[] = {"\u2581", "a", "b", "\u2581a", "ab", "\u2581ab", "\u2581\u2581"};
-enum { SP_SPACE = 259, SP_A, SP_B, SP_SA, SP_AB, SP_SAB, SP_SS };
+static const char *const SP_PIECES[] = {"\u2581", "a", "b", "\u2581a", "ab", "\u2581ab", "\u2581\u2581", "\U0001F600"};
+enum { SP_SPACE = 259, SP_A, SP_B, SP_SA, SP_AB, SP_SAB, SP_SS, SP_SMILE, N_SP_PIECES = 8 };
 
 static json_t *sp_merges(void)
 {
@@ -259,12 +260,13 @@ static void test_ignore_merges(void **state)
 static void test_sentencepiece_byte_fallback(void **state)
 {
     (void)state;
-    tokenizer *t = load_json(sentencepiece_json(SP_PIECES, 7, sp_merges()), NULL);
+    tokenizer *t = load_json(sentencepiece_json(SP_PIECES, N_SP_PIECES, sp_merges()), NULL);
     assert_int_equal(tokenizer_bos_id(t), 1);
     /* "ü" is not in the vocabulary: its two UTF-8 bytes become <0xC3> <0xBC>. */
     EXPECT_IDS(t, "ab a\u00fc", true, 1, SP_SAB, SP_SA, 3 + 0xC3, 3 + 0xBC);
     EXPECT_IDS(t, "ab a\u00fc", false, SP_SAB, SP_SA, 3 + 0xC3, 3 + 0xBC);
     EXPECT_IDS(t, "  b", true, 1, SP_SS, SP_SPACE, SP_B);
+    EXPECT_IDS(t, "a\U0001F600", true, 1, SP_SA, SP_SMILE); /* a surrogate pair in the file */
     expect_round_trip(t, "ab a\u00fc 日本", "ab a\u00fc 日本");
     expect_round_trip(t, "  leading", "  leading");
     /* Without skipping, <s> is printed and the first space still goes. */
@@ -282,7 +284,7 @@ static void test_metaspace_layout(void **state)
 {
     (void)state;
     /* The older layout: no normaliser, a Metaspace pre-tokenizer. */
-    json_t *j = sentencepiece_json(SP_PIECES, 7, sp_merges());
+    json_t *j = sentencepiece_json(SP_PIECES, N_SP_PIECES, sp_merges());
     json_object_set_new(j, "normalizer", json_null());
     json_object_set_new(j, "pre_tokenizer", json_pack("{s:s, s:s, s:s, s:b}", "type", "Metaspace", "replacement",
                                                       "\u2581", "prepend_scheme", "first", "split", 0));
@@ -448,6 +450,13 @@ static void test_malformed(void **state)
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": \"Strip\", \"content\": \" \", \"start\": 2, "
          "\"stop\": 0}}",
          NULL, MODEL_EUNSUPPORTED, "decoder"},
+        {"{\"model\": {\"vocab\": {\"a\x01\": 0}}}", NULL, MODEL_EFORMAT, "model.vocab: expected no control character"},
+        {"{\"model\": {\"vocab\": {\"\\ud800\": 0}}}", NULL, MODEL_EFORMAT, "expected a low surrogate"},
+        {"{\"model\": {\"vocab\": {\"\\q\": 0}}}", NULL, MODEL_EFORMAT, "expected a valid escape"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}} x", NULL, MODEL_EFORMAT, "text after the top-level object"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": }}", NULL, MODEL_EFORMAT, "decoder:"},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\" \"a b\"]}}", NULL,
+         MODEL_EFORMAT, "tokenizer.json:1:"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", MODEL_EFORMAT, "bos_token \"<s>\""},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"add_bos_token\": ", MODEL_EFORMAT, "tokenizer_config.json:1:"},
     };
