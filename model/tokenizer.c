@@ -18,17 +18,6 @@
 static const char GPT2_REGEX[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
-enum model_status tok_fail(char *err, enum model_status st, const char *fmt, ...)
-{
-    if (err) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, MODEL_ERR_LEN, fmt, ap);
-        va_end(ap);
-    }
-    return st;
-}
-
 /* A loading session: the tokenizer being built, the file name for
  * messages and the caller's error buffer. */
 enum dec_op_kind { DEC_BYTE_LEVEL, DEC_REPLACE, DEC_BYTE_FALLBACK };
@@ -48,7 +37,7 @@ struct loader {
     bool fused;           /* a Fuse step was seen: later steps see the whole text */
 };
 
-#define LFAIL(L, st, ...) tok_fail((L)->err, (st), __VA_ARGS__)
+#define LFAIL(L, st, ...) model_errf((L)->err, (st), __VA_ARGS__)
 #define TRY(expr)                                                                                                    \
     do {                                                                                                             \
         enum model_status st_ = (expr);                                                                              \
@@ -1042,23 +1031,22 @@ enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err)
     *out = NULL;
     tokenizer *t = calloc(1, sizeof *t);
     if (!t)
-        return tok_fail(err, MODEL_ENOMEM, "tokenizer: out of memory");
+        return model_errf(err, MODEL_ENOMEM, "tokenizer: out of memory");
     t->unk_id = t->bos_id = t->eos_id = -1;
     struct loader L = {.t = t, .file = path, .err = err};
     enum model_status st;
-    if (snprintf(path, sizeof path, "%s/tokenizer.json", dir) >= (int)sizeof path) {
-        st = tok_fail(err, MODEL_EINVAL, "%s: path too long", dir);
-        goto out;
-    }
-    st = read_file(&L, path, &text, &len);
+    st = model_path(path, dir, "tokenizer.json", err);
+    if (st == MODEL_OK)
+        st = read_file(&L, path, &text, &len);
     if (st == MODEL_OK)
         st = load_tokenizer_json(&L, text, len);
     free(text);
     if (st != MODEL_OK)
         goto out;
 
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    st = read_config(&L, path, &root);
+    st = model_path(path, dir, "tokenizer_config.json", err);
+    if (st == MODEL_OK)
+        st = read_config(&L, path, &root);
     if (st == MODEL_OK && root) {
         st = load_config(&L, root);
     } else if (st == MODEL_OK) {

@@ -214,7 +214,7 @@ static enum model_status split_level(struct work *w, int k, const char *s, size_
         if (rc < 0) {
             PCRE2_UCHAR msg[128];
             pcre2_get_error_message(rc, msg, sizeof msg);
-            return tok_fail(w->err, rc == PCRE2_ERROR_NOMEMORY ? MODEL_ENOMEM : MODEL_EINVAL,
+            return model_errf(w->err, rc == PCRE2_ERROR_NOMEMORY ? MODEL_ENOMEM : MODEL_EINVAL,
                             "pre_tokenizer split %d failed on a %zu-byte piece: %s", k, n, (const char *)msg);
         }
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(w->md);
@@ -389,7 +389,7 @@ enum model_status tokenizer_encode(const tokenizer *t, const char *text, size_t 
         uint32_t cp;
         size_t l = tok_utf8_next((const unsigned char *)text + i, len - i, &cp);
         if (!l)
-            return tok_fail(err, MODEL_EINVAL, "text: invalid UTF-8 at byte offset %zu", i);
+            return model_errf(err, MODEL_EINVAL, "text: invalid UTF-8 at byte offset %zu", i);
         i += l;
     }
     size_t old_n = out->n;
@@ -413,7 +413,7 @@ enum model_status tokenizer_encode(const tokenizer *t, const char *text, size_t 
     if (st != MODEL_OK) {
         out->n = old_n;
         if (st == MODEL_ENOMEM)
-            tok_fail(err, st, "tokenizer_encode: out of memory on a %zu-byte text", len);
+            model_errf(err, st, "tokenizer_encode: out of memory on a %zu-byte text", len);
     }
     return st;
 }

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "model/safetensors.h" /* model_errf, model_path */
 #include "model/tokenizer.h"
 
 /* Ids at or above this are refused at load: it bounds the per-id tables a
@@ -90,10 +91,6 @@ struct tokenizer {
     int32_t bos_id, eos_id;
     char *chat_template;
 };
-
-/* Writes "msg" into err (MODEL_ERR_LEN bytes, may be NULL) and returns st. */
-enum model_status tok_fail(char *err, enum model_status st, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
 
 /* Id of the model-vocab piece s[0..n), or -1. */
 int32_t tok_vocab_find(const tokenizer *t, const char *s, size_t n);

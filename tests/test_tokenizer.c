@@ -171,6 +171,13 @@ static char *decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip)
     return s;
 }
 
+static void expect_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip, const char *want)
+{
+    char *s = decode(t, ids, n, skip);
+    assert_string_equal(s, want);
+    free(s);
+}
+
 static bool valid_utf8(const char *s, size_t n)
 {
     uint32_t cp;
@@ -271,12 +278,8 @@ static void test_sentencepiece_byte_fallback(void **state)
     expect_round_trip(t, "  leading", "  leading");
     /* Without skipping, <s> is printed and the first space still goes. */
     const int32_t ids[] = {1, SP_SA, SP_B};
-    char *s = decode(t, ids, 3, false);
-    assert_string_equal(s, "<s> ab");
-    free(s);
-    s = decode(t, ids, 3, true);
-    assert_string_equal(s, "ab");
-    free(s);
+    expect_decode(t, ids, 3, false, "<s> ab");
+    expect_decode(t, ids, 3, true, "ab");
     tokenizer_free(t);
 }
 
@@ -333,12 +336,8 @@ static void test_added_tokens(void **state)
     EXPECT_IDS(t, "ab", true, 304);
     EXPECT_IDS(t, "cab", true, 'c', 'a', 'b');
     const int32_t ids[] = {'h', 300, 301, 'o'};
-    char *s = decode(t, ids, 4, true);
-    assert_string_equal(s, "h<|x|>yo");
-    free(s);
-    s = decode(t, ids, 4, false);
-    assert_string_equal(s, "h<|x|><|x|>yo");
-    free(s);
+    expect_decode(t, ids, 4, true, "h<|x|>yo");
+    expect_decode(t, ids, 4, false, "h<|x|><|x|>yo");
     tokenizer_free(t);
 }
 
@@ -538,9 +537,7 @@ static void test_stream_decode(void **state)
 
     /* A broken sequence becomes one U+FFFD; a dangling lead byte at the end is dropped. */
     const int32_t bad[] = {0xE6, 0x97, 'A', 0xFF, 0xE6};
-    s = decode(t, bad, 5, true);
-    assert_string_equal(s, "\ufffdA\ufffd");
-    free(s);
+    expect_decode(t, bad, 5, true, "\ufffdA\ufffd");
     char *streamed = decode_streamed(t, bad, 5, true);
     assert_string_equal(streamed, "\ufffdA\ufffd");
     free(streamed);
@@ -548,9 +545,7 @@ static void test_stream_decode(void **state)
     char *never = NULL;
     assert_int_equal(tokenizer_decode(t, out_of_range, 2, true, &never, NULL), MODEL_EINVAL);
     assert_null(never);
-    s = decode(t, NULL, 0, true);
-    assert_string_equal(s, "");
-    free(s);
+    expect_decode(t, NULL, 0, true, "");
     tokenizer_free(t);
 }
 
