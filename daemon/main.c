@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/signalfd.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "daemon/engine.h"
@@ -75,6 +75,18 @@ static bool parse_int(const char *s, int lo, int hi, int *out)
         return false;
     *out = (int)v;
     return true;
+}
+
+static int sig_write_fd = -1;
+
+static void on_signal(int sig)
+{
+    int saved = errno;
+    unsigned char b = (unsigned char)sig;
+    /* a full pipe already holds enough wake-ups */
+    if (write(sig_write_fd, &b, 1) < 0)
+        (void)0;
+    errno = saved;
 }
 
 int main(int argc, char **argv)
@@ -151,23 +163,24 @@ int main(int argc, char **argv)
         return EXIT_FAILURE;
     }
 
-    /* signals arrive through the loop's signalfd, never asynchronously */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGHUP);
-    signal(SIGPIPE, SIG_IGN);
-    if (pthread_sigmask(SIG_BLOCK, &set, NULL) != 0) {
-        log_msg(LOG_ERR, "cannot block signals");
-        return EXIT_FAILURE;
-    }
-    int sig_fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    /* Signals reach the loop through a pipe written by the handler: libraries
+     * start threads before main (OpenBLAS), so blocking them for a
+     * signalfd would leave a thread where SIGTERM still kills. */
+    int sig_pipe[2];
     int wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (sig_fd < 0 || wake_fd < 0) {
-        log_msg(LOG_ERR, "signalfd/eventfd: %s", strerror(errno));
+    if (pipe2(sig_pipe, O_NONBLOCK | O_CLOEXEC) != 0 || wake_fd < 0) {
+        log_msg(LOG_ERR, "pipe/eventfd: %s", strerror(errno));
         return EXIT_FAILURE;
     }
+    sig_write_fd = sig_pipe[1];
+    struct sigaction sa = {.sa_handler = on_signal, .sa_flags = SA_RESTART};
+    sigemptyset(&sa.sa_mask);
+    signal(SIGPIPE, SIG_IGN);
+    if (sigaction(SIGTERM, &sa, NULL) || sigaction(SIGINT, &sa, NULL) || sigaction(SIGHUP, &sa, NULL)) {
+        log_msg(LOG_ERR, "sigaction: %s", strerror(errno));
+        return EXIT_FAILURE;
+    }
+    int sig_fd = sig_pipe[0];
 
     char err[512], path[256];
     int listen_fd = sock_activated(err, sizeof(err));
@@ -197,7 +210,8 @@ int main(int argc, char **argv)
     }
     enum server_exit se = server_run(e, &sc, listen_fd, sig_fd, wake_fd);
     engine_free(e);
-    close(sig_fd);
+    close(sig_pipe[0]);
+    close(sig_pipe[1]);
     close(wake_fd);
     log_msg(se == SERVER_OK ? LOG_INFO : LOG_ERR, "kvtierd exits (%d)", (int)se);
     return se == SERVER_ELOAD ? EXIT_MODEL : se == SERVER_OK ? 0 : EXIT_FAILURE;

@@ -8,7 +8,6 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/random.h>
-#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -1256,21 +1255,21 @@ static void stop_listening(struct server *s)
 
 static void on_signal(struct server *s)
 {
-    struct signalfd_siginfo si;
-    while (read(s->sig_fd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
-        if (si.ssi_signo == SIGHUP) {
+    unsigned char sig;
+    while (read(s->sig_fd, &sig, 1) == 1) {
+        if (sig == SIGHUP) {
             int rc = log_reopen();
             log_msg(rc ? LOG_ERR : LOG_INFO, "SIGHUP: log reopened%s%s", rc ? ": " : "", rc ? strerror(-rc) : "");
             continue;
         }
         if (s->draining) { /* a second TERM/INT: stop now */
-            log_msg(LOG_WARN, "second signal %u: exiting without waiting", si.ssi_signo);
+            log_msg(LOG_WARN, "second signal %u: exiting without waiting", sig);
             engine_abort_all(s->eng, IPC_EUNAVAIL, "kvtierd is shutting down");
             s->quit = true;
             continue;
         }
         int n = engine_pending(s->eng);
-        log_msg(LOG_INFO, "signal %u: draining %d request(s), at most %d s", si.ssi_signo, n, s->cfg->drain_timeout_s);
+        log_msg(LOG_INFO, "signal %u: draining %d request(s), at most %d s", sig, n, s->cfg->drain_timeout_s);
         char msg[96];
         snprintf(msg, sizeof(msg), "STOPPING=1\nSTATUS=Draining %d requests", n);
         sd_notify_msg(msg);

@@ -2,7 +2,7 @@
  *
  * One thread runs an epoll loop over: the listening socket (kvtierd
  * accepts, checks SO_PEERCRED and the client limit, then hands the fd to
- * libmicrohttpd with MHD_add_connection), the signalfd, the engine's
+ * libmicrohttpd with MHD_add_connection), the signal pipe, the engine's
  * eventfd, libmicrohttpd's own epoll fd, and the fds of suspended
  * connections (EPOLLRDHUP: a client that hangs up while its request waits
  * cancels the generation).  libmicrohttpd runs in "external polling" mode
@@ -40,8 +40,8 @@ struct server_config {
 enum server_exit { SERVER_OK = 0, SERVER_ELOAD = 3, SERVER_EFATAL = 1 };
 
 /* Serves until SIGTERM/SIGINT (drain, then SERVER_OK) or a model load
- * failure (SERVER_ELOAD).  The signals must already be blocked; sig_fd is
- * their signalfd, wake_fd the engine's eventfd. */
+ * failure (SERVER_ELOAD).  sig_fd is the read end of a pipe that carries
+ * one byte per signal number; wake_fd is the engine's eventfd. */
 enum server_exit server_run(engine *e, const struct server_config *cfg, int listen_fd, int sig_fd, int wake_fd);
 
 #endif

@@ -1,0 +1,179 @@
+"""daemon_harness - starts kvtierd on a temporary socket with a tiny random
+model and talks HTTP/1.1 to it over the Unix socket (stdlib only).  Used by
+tests/daemon*.test.sh; exits 77 (skip) when kvtierd or the model tool is
+missing.  The daemon is killed and the temp dir removed on exit."""
+import atexit
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+BUILD = os.environ.get("KVTIER_BUILD", "build")
+KVTIERD = os.path.join(BUILD, "kvtierd")
+
+
+class UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path, timeout=30):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self.path)
+        self.sock = s
+
+
+def skip(why):
+    print("skip:", why)
+    sys.exit(77)
+
+
+def make_model(tmp):
+    """A tiny random llama with the built-in tokenizer (or $KVTIER_TEST_MODEL)."""
+    if os.environ.get("KVTIER_TEST_MODEL"):
+        return os.environ["KVTIER_TEST_MODEL"]
+    out = os.path.join(tmp, "model")
+    if not os.path.exists("tools/mkmodel.py") or not os.path.exists("model/builtin/tokenizer.json"):
+        skip("tools/mkmodel.py or model/builtin/tokenizer.json missing")
+    r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "llama", "--preset", "tiny", "--vocab", "2048",
+                        "--tokenizer-from", "model/builtin", "--out", out], capture_output=True, text=True)
+    if r.returncode != 0:
+        skip("mkmodel failed: " + r.stderr[-300:])
+    return out
+
+
+class Daemon:
+    def __init__(self, *args, model=None, tmp=None):
+        if not os.access(KVTIERD, os.X_OK):
+            skip(KVTIERD + " not built")
+        self.tmp = tmp or tempfile.mkdtemp(prefix="kvtier-test.")
+        self.own_tmp = tmp is None
+        self.model = model or make_model(self.tmp)
+        self.sock = os.path.join(self.tmp, "kvtierd.sock")
+        self.log = os.path.join(self.tmp, "kvtierd.log")
+        self.args = list(args)
+        self.proc = None
+        atexit.register(self.cleanup)
+
+    def start(self, wait=True, extra_env=None):
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        self.logf = open(self.log, "ab")
+        self.proc = subprocess.Popen([KVTIERD, "--model", self.model, "--socket", self.sock, "--threads", "1"] +
+                                     self.args, stdout=self.logf, stderr=self.logf, env=env)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout=20):
+        t = time.time() + timeout
+        while time.time() < t:
+            if self.proc.poll() is not None:
+                raise AssertionError("kvtierd exited %d:\n%s" % (self.proc.returncode, self.logtext()))
+            try:
+                code, _ = self.get("/health")
+                if code == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError("kvtierd not ready:\n" + self.logtext())
+
+    def logtext(self):
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def conn(self, timeout=60):
+        return UnixHTTP(self.sock, timeout)
+
+    def request(self, method, path, body=None, headers=None):
+        c = self.conn()
+        try:
+            data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+            c.request(method, path, body=data, headers=headers or {})
+            r = c.getresponse()
+            raw = r.read()
+            try:
+                return r.status, json.loads(raw)
+            except ValueError:
+                return r.status, raw
+        finally:
+            c.close()
+
+    def get(self, path):
+        return self.request("GET", path)
+
+    def post(self, path, body):
+        return self.request("POST", path, body, {"Content-Type": "application/json"})
+
+    def stream(self, path, body):
+        """POST with stream: the list of parsed SSE data payloads ('[DONE]' kept as a string)."""
+        c = self.conn()
+        c.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200, (r.status, r.read())
+        assert r.getheader("Content-Type", "").startswith("text/event-stream")
+        events = []
+        for block in r.read().decode().split("\n\n"):
+            if not block:
+                continue
+            assert block.startswith("data: "), block
+            payload = block[6:]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        c.close()
+        return events
+
+    def raw(self, data, timeout=5):
+        """Sends raw bytes; returns the status code of the reply (0 when the connection closed without one)."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        s.connect(self.sock)
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        buf = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        except (OSError, socket.timeout):
+            pass
+        s.close()
+        if not buf.startswith(b"HTTP/1."):
+            return 0
+        return int(buf.split(b" ", 2)[1])
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("kvtierd did not stop on signal %d" % sig)
+        return self.proc.returncode
+
+    def cleanup(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.own_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print("ok -", what.split("\n")[0][:120])
