@@ -124,8 +124,9 @@ int tj_member(struct tok_json *j, bool *first, struct tok_buf *key); /* also rea
 void tj_where(const struct tok_json *j, int *line, int *col);
 int tok_hex_digit(char c); /* -1 if c is not one */
 
-/* NFC: when s[0..n) could change, writes its NFC form to out (replacing
- * its contents) and returns true; scratch is reused between calls. */
+/* NFC: when s[0..n) (valid UTF-8) could change, writes its NFC form to out
+ * (replacing its contents) and sets *changed; scratch is reused between
+ * calls.  MODEL_ENOMEM is the only failure. */
 enum model_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed);
 
 #endif
