@@ -1,0 +1,231 @@
+"""kvtierd end to end over its Unix socket: endpoints, streaming, sessions
+(the second turn computes only the new tokens), cache strategy errors,
+cancellation on disconnect, limits, peer credentials, sd_notify, SIGTERM
+drain and socket rules."""
+import json
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, "tests")
+from daemon_harness import KVTIERD, Daemon, check  # noqa: E402
+
+notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+d = Daemon("--max-sessions", "3", "--max-body", "100000")
+notify_path = os.path.join(d.tmp, "notify.sock")
+notify.bind(notify_path)
+notify.settimeout(10)
+d.start(extra_env={"NOTIFY_SOCKET": notify_path})
+msgs = []
+while not any("READY=1" in m for m in msgs):
+    msgs.append(notify.recv(4096).decode())
+check(True, "sd_notify READY=1 after the model loaded")
+check(oct(os.stat(d.sock).st_mode & 0o777) == "0o600", "socket mode 0600")
+
+code, h = d.get("/health")
+check(code == 200 and h == {"status": "ok"}, "/health")
+code, m = d.get("/v1/models")
+check(code == 200 and m["data"][0]["object"] == "model" and m["data"][0]["meta"]["n_ctx"] == 2048, "/v1/models")
+
+code, t = d.post("/tokenize", {"content": "Hello world"})
+check(code == 200 and t["count"] == len(t["tokens"]) > 0, "/tokenize")
+code, dt = d.post("/detokenize", {"tokens": t["tokens"]})
+check(code == 200 and dt["content"] == "Hello world", "/detokenize round trip")
+code, t2 = d.post("/tokenize", {"prompt": "Hello world"})
+check(code == 200 and t2["tokens"][1:] == t["tokens"], "vLLM shape adds BOS by default")
+
+greedy = {"prompt": "In the beginning", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+code, r = d.post("/v1/completions", greedy)
+check(code == 200 and r["object"] == "text_completion" and r["usage"]["completion_tokens"] == 12 and
+      r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and len(r["choices"][0]["tokens"]) == 12,
+      "completion: usage and tokens")
+k = r["kvtier"]
+check(k["strategy"] == "dynamic" and k["bytes"]["device"] > 0 and k["fallback"] is None and k["decode_ms"] >= 0,
+      "completion: kvtier object")
+code, r2 = d.post("/v1/completions", dict(greedy, prompt=r["choices"][0]["tokens"][:3]))
+check(code == 200 and r2["usage"]["prompt_tokens"] == 3, "prompt as token ids")
+
+ev = d.stream("/v1/completions", dict(greedy, stream=True, stream_options={"include_usage": True}))
+check(ev[-1] == "[DONE]", "stream ends with [DONE]")
+text = "".join(e["choices"][0]["text"] for e in ev[:-1] if e.get("choices"))
+toks = [t for e in ev[:-1] if e.get("choices") for t in e["choices"][0]["tokens"]]
+check(text == r["choices"][0]["text"] and toks == r["choices"][0]["tokens"], "streamed text == non-streamed text")
+check(ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == 12, "include_usage chunk")
+check(ev[-3]["choices"][0]["finish_reason"] == "length" and "kvtier" in ev[-3], "final chunk: finish_reason, kvtier")
+
+code, r = d.post("/v1/completions", dict(greedy, n=3, temperature=1.0, seed=7, return_tokens=False))
+check(code == 200 and [c["index"] for c in r["choices"]] == [0, 1, 2] and r["usage"]["completion_tokens"] == 36, "n=3")
+code, r3 = d.post("/v1/completions", dict(greedy, n=3, temperature=1.0, seed=7, return_tokens=False))
+check(r3["choices"] == r["choices"], "seed makes sampling repeatable")
+code, r = d.post("/v1/completions", dict(greedy, stop=[r2["choices"][0]["text"][2:5] or "e"]))
+check(code == 200 and r["choices"][0]["finish_reason"] in ("stop", "length"), "stop strings")
+code, r = d.post("/v1/completions", dict(greedy, logprobs=2, max_tokens=3))
+lp = r["choices"][0]["logprobs"]
+check(len(lp["tokens"]) == 3 and all(x <= 0 for x in lp["token_logprobs"]) and len(lp["top_logprobs"][0]) <= 2,
+      "completions logprobs")
+
+chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+code, c = d.post("/v1/chat/completions", chat)
+check(code == 200 and c["object"] == "chat.completion" and c["choices"][0]["message"]["role"] == "assistant",
+      "chat completion")
+ev = d.stream("/v1/chat/completions", dict(chat, stream=True))
+check(ev[0]["choices"][0]["delta"]["role"] == "assistant" and ev[-1] == "[DONE]", "chat stream")
+check("".join(e["choices"][0]["delta"].get("content", "") for e in ev[:-1]) == c["choices"][0]["message"]["content"],
+      "chat stream text == chat text")
+code, p = d.post("/apply-template", {"messages": chat["messages"]})
+check(code == 200 and p["prompt"].endswith("<|im_start|>assistant\n"), "apply-template (ChatML)")
+code, c = d.post("/v1/chat/completions", dict(chat, logprobs=True, top_logprobs=2))
+check(len(c["choices"][0]["logprobs"]["content"]) == 6, "chat logprobs")
+
+for impl in ("static", "offloaded", "offloaded_static", "quantized", "sliding_window", "sink"):
+    code, e = d.post("/v1/completions", dict(greedy, cache={"implementation": impl}))
+    check(code == 501 and impl in e["error"]["message"], "cache %s -> 501 naming it" % impl)
+code, e = d.post("/v1/completions", dict(greedy, cache={"implementation": "fancy"}))
+check(code == 400 and "dynamic" in e["error"]["message"] and "static" in e["error"]["message"],
+      "unknown cache -> 400 listing the valid values")
+code, e = d.post("/v1/completions", dict(greedy, use_cache=False))
+check(code == 501 and e["error"]["param"] == "use_cache", "use_cache=false -> 501")
+code, e = d.post("/v1/chat/completions", dict(chat, tools=[{"type": "function"}]))
+check(code == 501, "tools -> 501")
+
+# sessions: the second turn computes only its new tokens
+system = "You are terse."
+code, s = d.post("/v1/sessions", {"system": system})
+sid = s["id"]
+check(code == 200 and s["tokens"] > 0 and s["strategy"] == "dynamic", "session with a system prompt, prefilled")
+turn = {"session": sid, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}]
+code, c1 = d.post("/v1/chat/completions", dict(turn, messages=msgs))
+check(code == 200 and c1["usage"]["prompt_tokens_details"]["cached_tokens"] == s["tokens"], "turn 1 reuses the prefix")
+code, info = d.get("/v1/sessions/" + sid)
+held = info["tokens"]
+check(held == c1["usage"]["prompt_tokens"] + 4, "session holds prompt + generated - 1 tokens")
+msgs += [{"role": "assistant", "content": c1["choices"][0]["message"]["content"]}, {"role": "user", "content": "More"}]
+code, c2 = d.post("/v1/chat/completions", dict(turn, messages=msgs))
+cached = c2["usage"]["prompt_tokens_details"]["cached_tokens"]
+check(code == 200 and cached == held, "turn 2: cached_tokens %d == tokens held %d" % (cached, held))
+fresh = dict(turn)
+del fresh["session"]
+code, c2f = d.post("/v1/chat/completions", dict(fresh, messages=msgs))
+check(c2f["choices"][0]["message"]["content"] == c2["choices"][0]["message"]["content"],
+      "a session turn generates what a fresh request does")
+code, c3 = d.post("/v1/chat/completions", dict(turn, messages=[{"role": "user", "content": "Other"}]))
+check(code == 200 and c3["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+      "a prompt that is not a continuation is recomputed (prefix check)")
+code, e = d.post("/v1/completions", dict(greedy, session=sid, cache={"implementation": "dynamic"}))
+check(code == 400 and e["error"]["param"] == "cache", "session + cache -> 400")
+code, lst = d.get("/v1/sessions")
+check(code == 200 and [x["id"] for x in lst["data"]] == [sid], "GET /v1/sessions")
+ids = [d.post("/v1/sessions", {})[1]["id"] for _ in range(2)]
+code, e = d.post("/v1/sessions", {})
+check(code == 429, "--max-sessions: 429")
+code, _ = d.request("DELETE", "/v1/sessions/" + sid)
+check(code == 200 and d.get("/v1/sessions/" + sid)[0] == 404, "DELETE session")
+for i in ids:
+    d.request("DELETE", "/v1/sessions/" + i)
+
+
+def metric(name):
+    text = d.get("/metrics")[1].decode()
+    for line in text.splitlines():
+        if line.startswith("kvtier_" + name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+# a client that disconnects cancels its generation
+for stream in (False, True):
+    before = metric("generation_tokens_total")
+    conn = d.conn()
+    conn.request("POST", "/v1/completions", json.dumps(dict(greedy, max_tokens=2000, stream=stream)))
+    if stream:
+        resp = conn.getresponse()
+        resp.fp.readline()
+    else:
+        time.sleep(0.3)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    t = time.time()
+    while metric("requests_running") > 0 and time.time() < t + 10:
+        time.sleep(0.05)
+    made = metric("generation_tokens_total") - before
+    check(metric("requests_running") == 0 and made < 2000, "disconnect cancels (%s): %d of 2000 tokens made" %
+          ("stream" if stream else "plain", made))
+
+# peer credentials: another uid is refused; with --allow-group its member gets in but not into our sessions
+if os.geteuid() == 0:
+    nobody = pwd.getpwnam("nobody")
+
+    def as_nobody(path):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(d.sock)
+                s.sendall(("GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path).encode())
+                data = s.recv(100)
+                os.write(w, data.split(b" ")[1] if data.startswith(b"HTTP") else b"0")
+            except OSError as e:
+                os.write(w, ("E%d" % e.errno).encode())
+            os._exit(0)
+        os.close(w)
+        out = os.read(r, 16).decode()
+        os.waitpid(pid, 0)
+        return out
+
+    os.chmod(d.tmp, 0o755)
+    os.chmod(d.sock, 0o777)  # the filesystem lets nobody in; SO_PEERCRED must not
+    check(as_nobody("/health") == "403", "SO_PEERCRED: another uid is refused with 403")
+    d.stop()
+    os.chown(d.tmp, 0, nobody.pw_gid)
+    g = Daemon("--allow-group", "nogroup", model=d.model, tmp=d.tmp).start()
+    d = g
+    code, s = d.post("/v1/sessions", {})
+    check(oct(os.stat(d.sock).st_mode & 0o777) == "0o660", "--allow-group: socket 0660")
+    check(as_nobody("/health") == "200", "--allow-group: a member is accepted")
+    check(as_nobody("/v1/sessions/" + s["id"]) == "403", "another uid cannot read our session (403)")
+
+# SIGTERM drains: the running generation completes, then exit 0 and the socket is gone
+result = {}
+
+
+def long_request():
+    result["r"] = d.post("/v1/completions", dict(greedy, max_tokens=300))
+
+
+th = threading.Thread(target=long_request)
+th.start()
+time.sleep(0.3)
+d.proc.send_signal(signal.SIGTERM)
+th.join(60)
+code, r = result["r"]
+check(code == 200 and r["usage"]["completion_tokens"] == 300, "SIGTERM: the in-flight request completes")
+check(d.proc.wait(30) == 0 and not os.path.exists(d.sock), "SIGTERM: exit 0, socket removed")
+
+# socket rules
+d2 = Daemon(model=d.model, tmp=d.tmp)
+d2.start()
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+d2.proc.kill()
+d2.proc.wait()
+check(os.path.exists(d2.sock), "kill -9 leaves a stale socket")
+d2.start()
+check(True, "a stale socket is replaced")
+r = subprocess.run([KVTIERD, "--model", d.model, "--socket", d2.sock], capture_output=True, text=True, timeout=30)
+check(r.returncode == 4 and "another kvtierd" in r.stderr, "a live socket is not taken over (exit 4)")
+r = subprocess.run([KVTIERD, "--model", d.model, "--socket", "/tmp/" + "x" * 120], capture_output=True, text=True)
+check(r.returncode == 4 and "at most" in r.stderr, "a path longer than sun_path is a clear error (exit 4)")
+r = subprocess.run([KVTIERD, "--model", d.tmp + "/nothing", "--socket", d.tmp + "/other.sock"], capture_output=True,
+                   text=True, timeout=30)
+check(r.returncode == 3, "a model that cannot load: exit 3")
+r = subprocess.run([KVTIERD, "--parallel", "zero"], capture_output=True, text=True)
+check(r.returncode == 2, "usage error: exit 2")
+check(d2.stop() == 0, "stop")
