@@ -33,13 +33,14 @@ fi
 #            into kept, interpolated and slowed frequencies
 #  llamatie: tied embeddings, MQA (1 kv head), linear rope
 #  mistral:  window 8 on every layer, smaller than the 52 tokens
-#  qwen2:    q/k/v biases; layers >= 1 slide with window 8, layer 0 full
+#  qwen2:    q/k/v biases; layers >= 1 slide with window 8, layer 0 full;
+#            weights in 2 shards (model.safetensors.index.json)
 #  qwen3:    head_dim 32 != 64/4, per-head q/k norm
 cases='
 llama    --arch llama --layers 3 --dim 96 --heads 6 --kv-heads 2 --ffn 256 --vocab 512 --rope-scaling llama3:8:32
 llamatie --arch llama --layers 2 --dim 64 --heads 4 --kv-heads 1 --ffn 160 --vocab 320 --tie --rope-scaling linear:2
 mistral  --arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 384 --window 8
-qwen2    --arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 448 --window 8 --max-window-layers 1
+qwen2    --arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 448 --window 8 --max-window-layers 1 --shards 2
 qwen3    --arch qwen3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --head-dim 32 --ffn 176 --vocab 384
 '
 prompt=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
