@@ -6,7 +6,7 @@
 # 1. tests/ref_selfcheck.py checks the reference itself (torchref against a
 #    naive float64 forward and hand values, mkmodel, ref_compare).
 # 2. For each architecture and each of f32 / bf16 weights: a random model
-#    from tools/mkmodel.py, a 20-token prompt + 32 greedy steps with
+#    from tools/mkmodel.py, a 20-token prompt, its prefill and 32 decode steps (33 tokens) with
 #    kvtier-run (dynamic cache, then --no-cache), and tests/ref_compare.py:
 #    every logit row within 1e-4 (f32) / 2e-2 (bf16) of one reference
 #    forward, every token the reference argmax, and identical tokens from
@@ -53,12 +53,12 @@ one_case() {
     for mode in cache no-cache; do
         flag=; [ $mode = no-cache ] && flag=--no-cache
         # shellcheck disable=SC2086 # $flag is empty or one option
-        "$run" -m "$dir" --ids "$prompt" -n 32 --greedy --ignore-eos --quiet $flag \
+        "$run" -m "$dir" --ids "$prompt" -n 33 --greedy --ignore-eos --quiet $flag \
                --dump "$dir/$mode.kvtl" > "$dir/$mode.log" 2>&1
         rc=$?
         [ $rc -eq 0 ] || { cat "$dir/$mode.log"; echo "FAIL $name: kvtier-run $flag exited $rc"; return 1; }
     done
-    $py tests/ref_compare.py "$dir" "$dir/cache.kvtl" --tol "$tol" --expect-gen 32 \
+    $py tests/ref_compare.py "$dir" "$dir/cache.kvtl" --tol "$tol" --expect-gen 33 \
         --same-tokens "$dir/no-cache.kvtl" --name "$name"
 }
 
