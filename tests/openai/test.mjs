@@ -1,0 +1,105 @@
+// kvtierd through the official openai npm package, pointed at the Unix
+// socket with an undici Agent: completions, chat, streams, sessions, errors,
+// and a stream the client aborts.  Usage: node test.mjs SOCKET
+import assert from 'node:assert/strict';
+import OpenAI from 'openai';
+import { Agent, fetch as undiciFetch } from 'undici';
+
+const sock = process.argv[2];
+const agent = new Agent({ connect: { socketPath: sock } });
+const client = new OpenAI({
+  apiKey: 'unused',
+  baseURL: 'http://localhost/v1',
+  maxRetries: 0,
+  fetch: (url, init) => undiciFetch(url, { ...init, dispatcher: agent }),
+});
+let passed = 0;
+function ok(what) {
+  passed++;
+  console.log('ok -', what);
+}
+
+const models = await client.models.list();
+assert.equal(models.data.length, 1);
+ok('models.list: ' + models.data[0].id);
+const model = models.data[0].id;
+
+const params = { model, prompt: 'In the beginning', max_tokens: 10, temperature: 0, ignore_eos: true };
+const c = await client.completions.create(params);
+assert.equal(c.object, 'text_completion');
+assert.equal(c.usage.completion_tokens, 10);
+assert.equal(c.kvtier.strategy, 'dynamic');
+ok('completions.create');
+
+let streamed = '';
+let last;
+for await (const chunk of await client.completions.create({ ...params, stream: true })) {
+  streamed += chunk.choices[0]?.text ?? '';
+  last = chunk;
+}
+assert.equal(streamed, c.choices[0].text);
+assert.equal(last.choices[0].finish_reason, 'length');
+ok('completions stream == non-stream');
+
+const messages = [{ role: 'user', content: 'Hello there' }];
+const chat = await client.chat.completions.create({ model, messages, max_tokens: 8, temperature: 0, ignore_eos: true });
+assert.equal(chat.choices[0].message.role, 'assistant');
+let chatStreamed = '';
+const stream = await client.chat.completions.create({
+  model, messages, max_tokens: 8, temperature: 0, ignore_eos: true, stream: true,
+  stream_options: { include_usage: true },
+});
+let usage;
+for await (const chunk of stream) {
+  chatStreamed += chunk.choices[0]?.delta?.content ?? '';
+  if (chunk.usage) usage = chunk.usage;
+}
+assert.equal(chatStreamed, chat.choices[0].message.content);
+assert.equal(usage.completion_tokens, 8);
+ok('chat.completions stream == non-stream, include_usage');
+
+const session = await client.post('/sessions', { body: { system: 'You are terse.' } });
+const conv = [{ role: 'system', content: 'You are terse.' }, { role: 'user', content: 'Hi' }];
+const t1 = await client.chat.completions.create({
+  model, messages: conv, max_tokens: 5, temperature: 0, ignore_eos: true, session: session.id,
+});
+assert.equal(t1.usage.prompt_tokens_details.cached_tokens, session.tokens);
+conv.push({ role: 'assistant', content: t1.choices[0].message.content }, { role: 'user', content: 'More' });
+const held = (await client.get(`/sessions/${session.id}`)).tokens;
+const t2 = await client.chat.completions.create({
+  model, messages: conv, max_tokens: 5, temperature: 0, ignore_eos: true, session: session.id,
+});
+assert.equal(t2.usage.prompt_tokens_details.cached_tokens, held);
+assert.ok(t2.usage.prompt_tokens > held);
+await client.delete(`/sessions/${session.id}`);
+ok(`session: turn 2 computed ${t2.usage.prompt_tokens - held} new tokens, ${held} cached`);
+
+await assert.rejects(client.completions.create({ ...params, temperature: 5 }),
+  (e) => e instanceof OpenAI.BadRequestError && /temperature/.test(e.message));
+ok('invalid temperature: BadRequestError naming the field');
+await assert.rejects(client.completions.create({ ...params, cache: { implementation: 'static' } }),
+  (e) => e.status === 501 && /static/.test(e.message));
+ok('cache static: 501');
+
+const controller = new AbortController();
+const long = await client.completions.create({ ...params, max_tokens: 1500, stream: true },
+  { signal: controller.signal });
+let chunks = 0;
+try {
+  for await (const chunk of long) {
+    if (++chunks === 3) controller.abort();
+  }
+} catch (e) {
+  assert.ok(e.name === 'APIUserAbortError' || e.name === 'AbortError', e.name);
+}
+let running = -1;
+for (let i = 0; i < 100 && running !== 0; i++) {
+  const r = await undiciFetch('http://localhost/metrics', { dispatcher: agent });
+  running = Number((await r.text()).match(/^kvtier_requests_running (\d+)/m)[1]);
+  if (running) await new Promise((res) => setTimeout(res, 50));
+}
+assert.equal(running, 0);
+ok('an aborted stream cancels its generation');
+
+await agent.close();
+console.log(`${passed} passed`);
