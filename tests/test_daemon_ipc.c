@@ -1,0 +1,280 @@
+/* Description: the protocol pieces kvtierd and kvtier share (ipc/): chat
+ * templates against renders by @huggingface/jinja of the canonical
+ * templates, the cache strategy table, request validation, the JSON writer,
+ * and the client's HTTP/SSE reply parser under hostile input. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ipc/cache.h"
+#include "ipc/chat.h"
+#include "ipc/httpc.h"
+#include "ipc/jsonw.h"
+#include "ipc/request.h"
+
+/* family, template, render of `sys`, render of `nosys` (NULL: the template raises) */
+static const struct {
+    const char *family, *jinja, *with_system, *without_system;
+} goldens[] = {
+    {"llama2", "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}", "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\n Hi there [/INST] Hello! </s><s>[INST] Bye [/INST]", "<s>[INST] Hi [/INST] Yo </s><s>[INST] Bye [/INST]"},
+    {"mistral", "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}", NULL, "<s>[INST] Hi [/INST]Yo</s>[INST] Bye [/INST]"},
+    {"llama3", "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nYo<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"},
+    {"chatml", "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi there <|im_end|>\n<|im_start|>assistant\nHello! <|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"},
+    {"zephyr", "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}", "<|system|>\nBe brief.</s>\n<|user|>\n Hi there </s>\n<|assistant|>\nHello! </s>\n<|user|>\nBye</s>\n<|assistant|>\n", "<|user|>\nHi</s>\n<|assistant|>\nYo</s>\n<|user|>\nBye</s>\n<|assistant|>\n"},
+};
+
+static const char *bos_of(const char *f)
+{
+    return !strcmp(f, "llama3") ? "<|begin_of_text|>" : !strcmp(f, "chatml") ? "" : "<s>";
+}
+
+static const char *eos_of(const char *f)
+{
+    return !strcmp(f, "llama3") ? "<|eot_id|>" : !strcmp(f, "chatml") ? "<|im_end|>" : "</s>";
+}
+
+static void test_chat_goldens(void **state)
+{
+    (void)state;
+    const struct ipc_msg sys[] = {{IPC_ROLE_SYSTEM, "Be brief.", 9, NULL},
+                                  {IPC_ROLE_USER, " Hi there ", 10, NULL},
+                                  {IPC_ROLE_ASSISTANT, "Hello! ", 7, NULL},
+                                  {IPC_ROLE_USER, "Bye", 3, NULL}};
+    const struct ipc_msg nosys[] = {{IPC_ROLE_USER, "Hi", 2, NULL},
+                                    {IPC_ROLE_ASSISTANT, "Yo", 2, NULL},
+                                    {IPC_ROLE_USER, "Bye", 3, NULL}};
+    for (size_t i = 0; i < sizeof(goldens) / sizeof(goldens[0]); i++) {
+        struct ipc_chat_template t;
+        ipc_chat_detect(goldens[i].jinja, &t);
+        assert_string_equal(ipc_chat_family_name(t.family), goldens[i].family);
+        const char *want[2] = {goldens[i].with_system, goldens[i].without_system};
+        const struct ipc_msg *conv[2] = {sys, nosys};
+        size_t n[2] = {4, 3};
+        for (int k = 0; k < 2; k++) {
+            char *out = NULL;
+            size_t len;
+            struct ipc_error err;
+            enum ipc_status st = ipc_chat_render(&t, conv[k], n[k], true, bos_of(goldens[i].family),
+                                                 eos_of(goldens[i].family), &out, &len, &err);
+            if (!want[k]) {
+                assert_int_equal(st, IPC_EINVAL);
+                assert_non_null(strstr(err.msg, "system"));
+                continue;
+            }
+            assert_int_equal(st, IPC_OK);
+            assert_string_equal(out, want[k]);
+            assert_int_equal(len, strlen(want[k]));
+            free(out);
+        }
+    }
+}
+
+static void test_chat_refusals(void **state)
+{
+    (void)state;
+    struct ipc_chat_template t;
+    const char *bad[] = {NULL, "{{ 'Cutting Knowledge Date' }}<|start_header_id|>", "<|im_start|>{% if x %}<think>",
+                         "{{ messages }}"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        ipc_chat_detect(bad[i], &t);
+        assert_int_equal(t.family, IPC_CHAT_NONE);
+        assert_true(t.why[0]);
+        struct ipc_msg m = {IPC_ROLE_USER, "x", 1, NULL};
+        char *out;
+        size_t len;
+        struct ipc_error err;
+        assert_int_equal(ipc_chat_render(&t, &m, 1, true, "", "", &out, &len, &err), IPC_ENOTIMPL);
+        assert_null(out);
+    }
+    /* Llama-2 needs user/assistant alternation */
+    ipc_chat_detect("[INST] <<SYS>>", &t);
+    struct ipc_msg two_users[] = {{IPC_ROLE_USER, "a", 1, NULL}, {IPC_ROLE_USER, "b", 1, NULL}};
+    char *out;
+    size_t len;
+    struct ipc_error err;
+    assert_int_equal(ipc_chat_render(&t, two_users, 2, true, "<s>", "</s>", &out, &len, &err), IPC_EINVAL);
+}
+
+static enum ipc_status cache_of(const char *json, struct ipc_cache_choice *c, struct ipc_error *err)
+{
+    json_t *o = json_loads(json, 0, NULL);
+    enum ipc_status st = ipc_cache_parse(json_object_get(o, "cache"), json_object_get(o, "use_cache"), c, err);
+    json_decref(o);
+    return st;
+}
+
+static void test_cache_table(void **state)
+{
+    (void)state;
+    struct ipc_cache_choice c;
+    struct ipc_error err;
+    assert_int_equal(cache_of("{}", &c, &err), IPC_OK);
+    assert_string_equal(c.name, "dynamic");
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\"},\"use_cache\":true}", &c, &err), IPC_OK);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\"}}", &c, &err), IPC_ENOTIMPL);
+    assert_non_null(strstr(err.msg, "\"offloaded\""));
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"warp\"}}", &c, &err), IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "dynamic, static, offloaded"));
+    assert_string_equal(err.param, "cache.implementation");
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\",\"max_cache_len\":4}}", &c, &err),
+                     IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "max_cache_len"));
+    assert_int_equal(cache_of("{\"use_cache\":false}", &c, &err), IPC_ENOTIMPL);
+    assert_int_equal(cache_of("{\"cache\":[]}", &c, &err), IPC_EINVAL);
+}
+
+static const struct ipc_limits lim = {.vocab = 100, .max_context = 64, .max_n = 4, .max_messages = 8};
+
+static enum ipc_status parse(const char *json, bool chat, struct ipc_gen_req *r, struct ipc_error *err, json_t **root)
+{
+    *root = json_loads(json, JSON_REJECT_DUPLICATES, NULL);
+    assert_non_null(*root);
+    return ipc_gen_req_parse(*root, chat, &lim, r, err);
+}
+
+static void test_request(void **state)
+{
+    (void)state;
+    struct ipc_gen_req r;
+    struct ipc_error err;
+    json_t *root;
+    assert_int_equal(parse("{\"prompt\":\"hi\",\"stop\":[\"a\",\"b\"],\"seed\":5,\"n\":2}", false, &r, &err, &root),
+                     IPC_OK);
+    assert_int_equal(r.n_stops, 2);
+    assert_true(r.has_seed);
+    assert_int_equal(r.sampling.seed, 5);
+    assert_float_equal(r.sampling.temperature, 1, 0);
+    assert_int_equal(r.max_tokens, -1);
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    static const struct {
+        const char *json;
+        bool chat;
+        enum ipc_status st;
+        const char *param;
+    } bad[] = {
+        {"{\"prompt\":[1,100]}", false, IPC_EINVAL, "prompt"},
+        {"{\"prompt\":[1],\"max_tokens\":65}", false, IPC_EINVAL, "max_tokens"},
+        {"{\"prompt\":\"x\",\"n\":5}", false, IPC_EINVAL, "n"},
+        {"{\"prompt\":\"x\",\"bogus\":1}", false, IPC_EINVAL, "bogus"},
+        {"{\"prompt\":\"x\",\"messages\":[]}", false, IPC_EINVAL, "messages"},
+        {"{\"prompt\":\"x\",\"session\":\"s\",\"n\":2}", false, IPC_EINVAL, "n"},
+        {"{\"prompt\":\"x\",\"echo\":true}", false, IPC_ENOTIMPL, "echo"},
+        {"{\"prompt\":[\"a\",\"b\"]}", false, IPC_ENOTIMPL, "prompt"},
+        {"{\"prompt\":\"x\",\"logprobs\":21}", false, IPC_EINVAL, "logprobs"},
+        {"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", true, IPC_ENOTIMPL, "messages"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":1}", true, IPC_EINVAL,
+         "top_logprobs"},
+        {"{\"messages\":[1,2,3,4,5,6,7,8,9]}", true, IPC_EINVAL, "messages"},
+        {"{\"prompt\":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,"
+         "35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63,64,65]}",
+         false, IPC_ECONTEXT, "prompt"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        enum ipc_status st = parse(bad[i].json, bad[i].chat, &r, &err, &root);
+        if (st != bad[i].st || strcmp(err.param, bad[i].param))
+            fail_msg("%s: got %d param %s (%s)", bad[i].json, st, err.param, err.msg);
+        ipc_gen_req_release(&r);
+        json_decref(root);
+    }
+    /* content parts are joined */
+    assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"ab\"},"
+                           "{\"type\":\"text\",\"text\":\"cd\"}]}]}", true, &r, &err, &root), IPC_OK);
+    assert_string_equal(r.msgs[0].content, "abcd");
+    ipc_gen_req_release(&r);
+    json_decref(root);
+}
+
+static void test_jsonw(void **state)
+{
+    (void)state;
+    struct jw w;
+    jw_dynamic(&w);
+    jw_str(&w, "a\"b\\c\n\x01\xC3\xA9\xFF\xED\xA0\x80z", 14);
+    assert_false(w.failed);
+    /* é kept, 0xFF and the encoded surrogate become U+FFFD */
+    assert_string_equal(w.p, "\"a\\\"b\\\\c\\n\\u0001\xC3\xA9\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBDz\"");
+    json_t *back = json_loads(w.p, JSON_DECODE_ANY, NULL);
+    assert_non_null(back); /* valid JSON whatever the bytes */
+    json_decref(back);
+    free(w.p);
+    assert_int_equal(jw_fit("ab\xC3\xA9", 4, 3), 2); /* never splits a character */
+    assert_int_equal(jw_fit("ab\xC3\xA9", 4, 4), 4);
+    assert_int_equal(jw_fit("\n\n", 2, 3), 1);
+    char buf[8];
+    jw_fixed(&w, buf, sizeof(buf));
+    jw_lit(&w, "1234567");
+    assert_false(w.failed);
+    jw_lit(&w, "8");
+    assert_true(w.failed);
+}
+
+struct events {
+    int n;
+    char last[64];
+};
+
+static bool on_event(void *ud, const char *data, size_t len)
+{
+    struct events *e = ud;
+    e->n++;
+    snprintf(e->last, sizeof(e->last), "%.*s", (int)len, data);
+    return true;
+}
+
+static void test_reply_parser(void **state)
+{
+    (void)state;
+    struct ipc_reply r;
+    struct ipc_error err;
+    const char *plain = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nhello";
+    assert_int_equal(ipc_parse_reply(plain, strlen(plain), NULL, NULL, &r, &err), IPC_OK);
+    assert_int_equal(r.status, 404);
+    assert_string_equal(r.body, "hello");
+    ipc_reply_free(&r);
+    const char *sse = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      "a\r\ndata: {}\n\n\r\n1\r\nd\r\n5\r\nata: \r\n8\r\n[DONE]\n\n\r\n0\r\n\r\n";
+    struct events ev = {0};
+    assert_int_equal(ipc_parse_reply(sse, strlen(sse), on_event, &ev, &r, &err), IPC_OK);
+    assert_int_equal(ev.n, 2);
+    assert_string_equal(ev.last, "[DONE]");
+    ipc_reply_free(&r);
+    const char *bad[] = {"", "SSH-2.0\r\n", "HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+                         "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                         "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffff\r\n",
+                         "HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\nab", "HTTP/1.1 200 OK\r\nNoColon\r\n\r\n"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        assert_int_not_equal(ipc_parse_reply(bad[i], strlen(bad[i]), NULL, NULL, &r, &err), IPC_OK);
+        assert_null(r.body);
+    }
+    /* mutations of a valid stream: any result is fine, a crash or leak is not */
+    size_t n = strlen(sse);
+    char *m = malloc(n);
+    uint64_t x = 88172645463325252ull;
+    for (int it = 0; it < 20000; it++) {
+        memcpy(m, sse, n);
+        for (int k = 0; k < 3; k++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            m[x % n] = (char)(x >> 32);
+        }
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        if (ipc_parse_reply(m, x % (n + 1), on_event, &ev, &r, &err) == IPC_OK)
+            ipc_reply_free(&r);
+    }
+    free(m);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_chat_goldens), cmocka_unit_test(test_chat_refusals), cmocka_unit_test(test_cache_table),
+        cmocka_unit_test(test_request),      cmocka_unit_test(test_jsonw),         cmocka_unit_test(test_reply_parser),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
