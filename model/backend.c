@@ -376,6 +376,17 @@ enum be_status be_event_sync(be_event *ev)
     return ev->be->ops->event_sync(ev->be->ctx, ev->h);
 }
 
+enum be_status be_event_elapsed(be_event *start, be_event *end, double *seconds)
+{
+    if (!start || !end || !seconds || start->be != end->be)
+        return BE_EINVAL;
+    be_backend *be = end->be;
+    if (!be->ops->event_elapsed)
+        return BE_ENOTSUP;
+    enum be_status st = be->ops->event_sync(be->ctx, end->h);
+    return st == BE_OK ? be->ops->event_elapsed(be->ctx, start->h, end->h, seconds) : st;
+}
+
 enum be_status be_sync(be_backend *be)
 {
     if (!be)

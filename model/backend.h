@@ -94,6 +94,10 @@ void be_event_free(be_event *ev); /* accepts NULL */
 enum be_status be_event_record(be_backend *be, be_event *ev); /* marks the copy stream */
 enum be_status be_event_wait(be_backend *be, be_event *ev);   /* compute stream waits */
 enum be_status be_event_sync(be_event *ev);                  /* host waits */
+/* Seconds between the moments the copy stream reached start and end (end
+ * recorded after start); waits for end.  BE_ENOTSUP where the backend
+ * cannot time its copy stream. */
+enum be_status be_event_elapsed(be_event *start, be_event *end, double *seconds);
 enum be_status be_sync(be_backend *be);                      /* all streams drained */
 
 /* ---- kernels ------------------------------------------------------------ */

@@ -16,7 +16,7 @@
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
-#define BE_API_VERSION 1
+#define BE_API_VERSION 2
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
@@ -44,6 +44,7 @@ struct be_ops {
     enum be_status (*event_record)(void *ctx, void *ev);
     enum be_status (*event_wait)(void *ctx, void *ev); // (optional) NULL: the compute stream is the host, so event_sync
     enum be_status (*event_sync)(void *ctx, void *ev);
+    enum be_status (*event_elapsed)(void *ctx, void *start, void *end, double *seconds); // (optional) both fired
     enum be_status (*sync)(void *ctx);
 
     // kernels: shapes > 0, pointers non-NULL (bias may be NULL), dtypes valid,

@@ -348,15 +348,84 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
         rs->toks[r] = (struct be_tok){.view = n_views - 1, .pos = rs->pos[r]};
         (*t)++;
     }
+    for (int r = 0, first = 0; r < n; r++) {
+        if (r + 1 == n || rs->row_seq[r + 1] != rs->row_seq[r]) {
+            kv_seq_chunk(seqs[rs->row_seq[r]].kv, rs->pos[first], rs->pos[r] + 1);
+            first = r + 1;
+        }
+    }
     BE_TRY(be_copy(m->be, rs->ids, rs->host_ids, (size_t)n * sizeof(int32_t), BE_H2D));
     BE_TRY(be_embed(m->be, rs->x, m->w.tok_embed.data, m->w.tok_embed.dtype, rs->ids, n, c->hidden_size));
+    kv_store *store = kv_seq_store(seqs[0].kv);
     for (int l = 0; l < c->n_layers; l++) {
+        BE_TRY(kv_store_layer_begin(store, l)); /* a streamed layer l is in its slot, the next is on its way */
         for (int r = 0, v = 0; r < n; r++)
             if (r == 0 || rs->row_seq[r - 1] != rs->row_seq[r])
                 kv_seq_view(seqs[rs->row_seq[r]].kv, l, &rs->views[v++]);
         BE_TRY(layer_forward(m, l, n));
+        BE_TRY(kv_store_layer_end(store, l)); /* the blocks this chunk wrote go back to the host tier */
     }
     return chunk_logits(m, seqs, n);
+}
+
+/* One attempt at the step: reserve every sequence's new tokens up front
+ * and commit only at the end, so a failure anywhere leaves every KV
+ * exactly as it was.  *culprit: the sequence whose reserve failed, or -1. */
+static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs, int64_t total, int64_t *start,
+                                      int *culprit)
+{
+    kv_store *store = kv_seq_store(seqs[0].kv);
+    enum model_status st = MODEL_OK;
+    int reserved = 0;
+    *culprit = -1;
+    for (; reserved < n_seqs; reserved++) {
+        start[reserved] = kv_seq_length(seqs[reserved].kv);
+        st = from_tier(kv_seq_reserve(seqs[reserved].kv, seqs[reserved].n_tokens));
+        if (st != MODEL_OK) {
+            *culprit = reserved;
+            break;
+        }
+    }
+    if (st == MODEL_OK)
+        st = from_tier(kv_store_step_begin(store)); /* device slots for the streamed layers */
+    int s = 0, t = 0;
+    for (int64_t done = 0; st == MODEL_OK && done < total;) {
+        int n = total - done < m->rs.cap ? (int)(total - done) : m->rs.cap;
+        st = from_be(chunk_forward(m, seqs, &s, &t, n, start));
+        done += n;
+    }
+    enum be_status drained = kv_store_step_end(store); /* write-backs land before the commit */
+    if (st == MODEL_OK)
+        st = from_be(drained);
+    for (int i = 0; i < reserved; i++) {
+        if (st == MODEL_OK)
+            kv_seq_commit(seqs[i].kv);
+        else
+            kv_seq_abort(seqs[i].kv);
+    }
+    return st;
+}
+
+/* After a step ran out of device memory: moves one sequence's KV to the
+ * host tier (the one whose reserve failed first, else the first holding
+ * device KV that may fall back) so the step can be redone.  False when
+ * nothing could move; *st is then MODEL_ENOMEM if the host tier is full
+ * too (kv_store_errmsg names the budget). */
+static bool continue_offloaded(struct fw_seq *seqs, int n_seqs, int culprit, enum model_status *st)
+{
+    for (int k = -1; k < n_seqs; k++) {
+        int i = k < 0 ? culprit : k;
+        if (i < 0 || (k >= 0 && i == culprit) || !kv_seq_stats(seqs[i].kv).dev_bytes)
+            continue;
+        enum tier_status ts = kv_seq_offload(seqs[i].kv, KV_FALLBACK_OOM);
+        if (ts == TIER_OK)
+            return true;
+        if (ts != TIER_ENOTSUP) { /* no_fallback sequences refuse; try the next */
+            *st = from_tier(ts);
+            return false;
+        }
+    }
+    return false;
 }
 
 enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs)
@@ -366,7 +435,8 @@ enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs)
     if (n_seqs <= 0)
         return MODEL_EINVAL;
     for (int i = 0; i < n_seqs; i++) {
-        if (!seqs[i].kv || seqs[i].n_tokens <= 0 || !seqs[i].tokens)
+        if (!seqs[i].kv || seqs[i].n_tokens <= 0 || !seqs[i].tokens ||
+            kv_seq_store(seqs[i].kv) != kv_seq_store(seqs[0].kv))
             return MODEL_EINVAL;
         for (int t = 0; t < seqs[i].n_tokens; t++)
             if (seqs[i].tokens[t] < 0 || seqs[i].tokens[t] >= c->vocab_size)
@@ -376,29 +446,15 @@ enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs)
     int64_t *start = malloc((size_t)n_seqs * sizeof(int64_t));
     if (!start)
         return MODEL_ENOMEM;
-
-    /* Reserve every sequence's new tokens up front and commit only at the
-     * end: a failure anywhere leaves every KV exactly as it was. */
-    enum model_status st = MODEL_OK;
-    int reserved = 0;
-    for (; reserved < n_seqs; reserved++) {
-        start[reserved] = kv_seq_length(seqs[reserved].kv);
-        st = from_tier(kv_seq_reserve(seqs[reserved].kv, seqs[reserved].n_tokens));
-        if (st != MODEL_OK)
-            break;
-    }
-    int s = 0, t = 0;
-    for (int64_t done = 0; st == MODEL_OK && done < total;) {
-        int n = total - done < m->rs.cap ? (int)(total - done) : m->rs.cap;
-        st = from_be(chunk_forward(m, seqs, &s, &t, n, start));
-        done += n;
-    }
-    for (int i = 0; i < reserved; i++) {
-        if (st == MODEL_OK)
-            kv_seq_commit(seqs[i].kv);
-        else
-            kv_seq_abort(seqs[i].kv);
-    }
+    /* Out of device memory is not the end of the request (issue 4): the
+     * step is redone with KV moved to the host tier, nothing recomputed,
+     * until it fits or nothing is left to move.  Each round moves one
+     * more sequence, so this ends. */
+    enum model_status st;
+    int culprit;
+    while ((st = forward_step(m, seqs, n_seqs, total, start, &culprit)) == MODEL_EDEVMEM &&
+           continue_offloaded(seqs, n_seqs, culprit, &st))
+        ;
     free(start);
     return st;
 }

@@ -1,13 +1,17 @@
 /* Description: the paged KV store - block accounting, the HF sliding-window
  * vectors of cache-semantics.md §10.1/§10.3 (storage W-1, seq_length
  * absolute), bounded memory, and transactional reserve under injected
- * device-allocation failures.
+ * device-allocation failures; the tiers - the static vectors of §2.1/§2.2
+ * and §10.5/§10.6 (returned vs stored rows, overflow), no device
+ * allocation in a static decode loop, offload residency (§10.10), the move
+ * to the host tier and the host-tier budget.
  */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <cmocka.h>
 
 #include "tiers/kvstore.h"
@@ -207,6 +211,207 @@ static void test_budget_exhausted(void **state)
     teardown(&st);
 }
 
+static kv_seq *seq_new(struct fixture *f, enum kv_strategy st, int64_t max_cache_len)
+{
+    kv_seq *q;
+    struct kv_seq_params p = {.strategy = st, .max_cache_len = max_cache_len};
+    assert_int_equal(kv_seq_create(f->store, &p, &q), TIER_OK);
+    return q;
+}
+
+/* Reserves n tokens, writes them and checks what attention is given for
+ * the sliding layer (HF's "returned" rows) before committing. */
+static void step_returning(kv_seq *q, int n, int64_t ret_lo)
+{
+    int64_t len = kv_seq_length(q);
+    assert_int_equal(kv_seq_reserve(q, n), TIER_OK);
+    write_positions(q, 0, len, len + n);
+    write_positions(q, 1, len, len + n);
+    check_positions(q, 1, ret_lo, len + n);
+    kv_seq_commit(q);
+}
+
+/* §2.1 / §10.5: StaticLayer, max_cache_len 4: [1,2] +3 -> [1,2,3,0],
+ * +4 -> [1,2,3,4], +5 -> the reference's IndexError, here TIER_EFULL. */
+static void test_static_full_layer(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q = seq_new(f, KV_STATIC, 4);
+    assert_int_equal(step(q, 2), TIER_OK);
+    assert_int_equal(step(q, 1), TIER_OK);
+    check_positions(q, 0, 0, 3);
+    assert_int_equal(step(q, 1), TIER_OK);
+    check_positions(q, 0, 0, 4);
+    assert_int_equal(kv_seq_reserve(q, 1), TIER_EFULL);
+    assert_non_null(strstr(kv_store_errmsg(f->store), "max_cache_len 4"));
+    assert_int_equal(kv_seq_length(q), 4);
+    check_positions(q, 0, 0, 4);
+    kv_seq_free(q);
+}
+
+/* §2.2, W=4: the sliding layer stores W rows (not W-1) and returns the
+ * last W-1 stored plus the new ones. */
+static void test_static_sliding_vectors(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q = seq_new(f, KV_STATIC, 16);
+    step_returning(q, 2, 0);
+    step_returning(q, 1, 0);
+    check_positions(q, 1, 0, 3); /* prefill [1,2] +3: stored [1,2,3,0] */
+    step_returning(q, 1, 0);
+    check_positions(q, 1, 0, 4); /* [1,2,3,4] */
+    step_returning(q, 1, 1);     /* +5 returns [2,3,4,5] ... */
+    check_positions(q, 1, 1, 5); /* ... and stores [2,3,4,5] */
+    kv_seq_free(q);
+
+    q = seq_new(f, KV_STATIC, 16);
+    step_returning(q, 6, 0);     /* prefill [1..6] returns all six ... */
+    check_positions(q, 1, 2, 6); /* ... stores [3,4,5,6] */
+    step_returning(q, 3, 3);     /* n>1 when full: W-1 stored + 3 new */
+    check_positions(q, 1, 5, 9);
+    kv_seq_free(q);
+}
+
+/* §2.2 hybrid, layer_types [full, sliding], W=2, max_cache_len 4. */
+static void test_static_hybrid_vectors(void **state)
+{
+    (void)state;
+    void *st;
+    setup_with(&st, 2, 1 << 20);
+    struct fixture *f = st;
+    kv_seq *q = seq_new(f, KV_STATIC, 4);
+    step_returning(q, 3, 0);     /* sliding returns [10,20,30] */
+    check_positions(q, 0, 0, 3); /* full: [1,2,3,0] */
+    check_positions(q, 1, 1, 3); /* sliding stores [20,30] */
+    step_returning(q, 1, 2);     /* +1: sliding returns [30,50] */
+    check_positions(q, 0, 0, 4); /* full: [1,2,3,5] */
+    check_positions(q, 1, 2, 4); /* sliding stores [30,50] */
+    assert_int_equal(kv_seq_reserve(q, 1), TIER_EFULL);
+    check_positions(q, 1, 2, 4);
+    kv_seq_free(q);
+    teardown(&st);
+}
+
+/* Static: everything the decode loop needs exists after creation. */
+static void test_static_decode_never_allocates(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q = seq_new(f, KV_STATIC, 200);
+    uint64_t allocs = be_mem_stats(f->be).dev_allocs;
+    assert_int_equal(step(q, 1), TIER_OK);
+    for (int i = 0; i < 150; i++)
+        assert_int_equal(step(q, 1), TIER_OK);
+    assert_int_equal(be_mem_stats(f->be).dev_allocs, allocs);
+    check_positions(q, 0, 0, 151);
+    check_positions(q, 1, 151 - 4, 151);
+    kv_seq_free(q);
+    assert_int_equal(kv_store_stats(f->store).dev_bytes, 0);
+}
+
+static struct kv_seq_stats residency(struct fixture *f, enum kv_strategy st, enum kv_offload_sliding o)
+{
+    kv_seq *q;
+    struct kv_seq_params p = {.strategy = st, .max_cache_len = 64, .offload_sliding = o};
+    assert_int_equal(kv_seq_create(f->store, &p, &q), TIER_OK);
+    for (int i = 0; i < 10; i++)
+        assert_int_equal(step(q, 3), TIER_OK);
+    check_positions(q, 0, 0, 30);
+    check_positions(q, 1, 30 - (st == KV_OFFLOADED ? 3 : 4), 30);
+    struct kv_seq_stats s = kv_seq_stats(q);
+    kv_seq_free(q);
+    return s;
+}
+
+/* §3.1 / §10.10: offloaded streams every layer (offload_only_non_sliding
+ * False), offloaded_static keeps the sliding layer on the device (True);
+ * both defaults can be overridden. */
+static void test_offload_residency(void **state)
+{
+    struct fixture *f = *state;
+    struct kv_seq_stats s = residency(f, KV_OFFLOADED, KV_OFFLOAD_SLIDING_DEFAULT);
+    assert_int_equal(s.streamed_layers, 2);
+    assert_int_equal(s.dev_bytes, 0);
+    assert_true(s.host_bytes > 0);
+    s = residency(f, KV_OFFLOADED_STATIC, KV_OFFLOAD_SLIDING_DEFAULT);
+    assert_int_equal(s.streamed_layers, 1);
+    assert_int_equal(s.resident_layers, 1);
+    s = residency(f, KV_OFFLOADED_STATIC, KV_OFFLOAD_SLIDING_YES);
+    assert_int_equal(s.streamed_layers, 2);
+    s = residency(f, KV_OFFLOADED, KV_OFFLOAD_SLIDING_NO);
+    assert_int_equal(s.streamed_layers, 1);
+    assert_int_equal(kv_store_stats(f->store).host_bytes, 0);
+}
+
+/* Moving a dynamic sequence to the host tier keeps every position, frees
+ * its device blocks and is reported. */
+static void test_offload_moves_everything(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q = seq_new(f, KV_DYNAMIC, 0);
+    assert_int_equal(step(q, 9), TIER_OK);
+    assert_int_equal(step(q, 2), TIER_OK);
+    assert_int_equal(kv_seq_offload(q, KV_FALLBACK_OOM), TIER_OK);
+    struct kv_seq_stats s = kv_seq_stats(q);
+    assert_int_equal(s.strategy, KV_OFFLOADED);
+    assert_int_equal(s.requested, KV_DYNAMIC);
+    assert_int_equal(s.fallback, KV_FALLBACK_OOM);
+    assert_int_equal(s.dev_bytes, 0);
+    assert_int_equal(kv_store_stats(f->store).blocks_used, 0);
+    assert_int_equal(kv_store_stats(f->store).fallbacks, 1);
+    check_positions(q, 0, 0, 11);
+    check_positions(q, 1, 8, 11);
+    for (int i = 0; i < 20; i++)
+        assert_int_equal(step(q, 1 + i % 3), TIER_OK);
+    assert_int_equal(kv_seq_length(q), 50);
+    check_positions(q, 0, 0, 50);
+    check_positions(q, 1, 47, 50);
+    kv_seq_free(q);
+}
+
+/* The host tier's budget: a refusal names it and changes nothing, and the
+ * same call succeeds once memory is returned. */
+static void test_host_budget(void **state)
+{
+    struct fixture *f = *state;
+    size_t block = 2 * HEADS * BT * HD * sizeof(float);
+    kv_store *s;
+    struct kv_geom g = {.n_layers = 2, .n_kv_heads = HEADS, .head_dim = HD, .layer_window = f->windows};
+    struct kv_store_params sp = {.block_tokens = BT, .host_mem = 8 * block};
+    assert_int_equal(kv_store_open(f->be, &g, &sp, &s), TIER_OK);
+    kv_seq *a, *b;
+    struct kv_seq_params p = {.strategy = KV_OFFLOADED};
+    assert_int_equal(kv_seq_create(s, &p, &a), TIER_OK);
+    assert_int_equal(kv_seq_create(s, &p, &b), TIER_OK);
+    assert_int_equal(step(a, 12), TIER_OK);
+    assert_int_equal(step(b, 3), TIER_OK);
+    assert_int_equal(kv_seq_reserve(b, 12), TIER_ENOMEM_HOST);
+    assert_non_null(strstr(kv_store_errmsg(s), "host tier budget"));
+    assert_int_equal(kv_seq_length(b), 3);
+    check_positions(b, 0, 0, 3);
+    assert_true(kv_store_stats(s).host_bytes <= 8 * block);
+    kv_seq_free(a);
+    /* growing copies, so an extent briefly exists twice: 3 + 3 blocks */
+    assert_int_equal(step(b, 8), TIER_OK);
+    check_positions(b, 0, 0, 11);
+    kv_seq_free(b);
+    assert_int_equal(kv_store_stats(s).host_bytes, 0);
+    kv_store_free(s);
+}
+
+static void test_bad_params(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q;
+    struct kv_seq_params p = {.strategy = KV_STATIC};
+    assert_int_equal(kv_seq_create(f->store, &p, &q), TIER_EINVAL);
+    assert_non_null(strstr(kv_store_errmsg(f->store), "max_cache_len"));
+    p = (struct kv_seq_params){.strategy = KV_OFFLOADED, .adaptive = true};
+    assert_int_equal(kv_seq_create(f->store, &p, &q), TIER_EINVAL);
+    p = (struct kv_seq_params){.strategy = KV_DYNAMIC, .adaptive = true, .max_cache_len = 8};
+    assert_int_equal(kv_seq_create(f->store, &p, &q), TIER_EINVAL);
+    assert_null(q);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -215,6 +420,14 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_sliding_memory_bounded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_reserve_transactional, setup_w4, teardown),
         cmocka_unit_test(test_budget_exhausted),
+        cmocka_unit_test_setup_teardown(test_static_full_layer, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_static_sliding_vectors, setup_w4, teardown),
+        cmocka_unit_test(test_static_hybrid_vectors),
+        cmocka_unit_test_setup_teardown(test_static_decode_never_allocates, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_offload_residency, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_offload_moves_everything, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_host_budget, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,63 +1,67 @@
-/* kvstore.c - the paged KV store: a block pool on the device tier and, per
- * sequence and layer, a table of blocks.
+/* kvstore.c - the KV store: the device pool of paged blocks, extents on the
+ * device and in the host tier, the strategies as choices of a home per
+ * layer, the step transaction and the migration to the host tier.
  *
  * NOTES
- * Blocks come from chunks allocated on the backend's device pool.  A chunk
- * is never returned while the store lives: blocks cycle through the free
- * list, so the decode loop never allocates device memory except when the
- * store has to grow.
+ * Homes (kvstore_impl.h).  A dynamic sequence's layers are paged: blocks
+ * from chunks allocated on the backend's device pool, recycled through a
+ * free list, so the decode loop never allocates device memory except when
+ * the pool has to grow.  Every other layer lives in an extent: one buffer
+ * (device or host tier) used as a ring of ext_blocks blocks, logical block
+ * b (positions [b*bt, (b+1)*bt)) in ring block b % ext_blocks.  One copy
+ * moves a layer (two where the ring wraps).
  *
- * Per sequence and layer the table holds blocks[0..n_blocks); block b
- * covers the positions [base + b*bt, base + (b+1)*bt).  Invariants:
- *   (1) every position in [lo, len) is stored; lo only grows (sliding
- *       layers drop what no later query can see, HF keeps W-1 tokens).
- *   (2) n_blocks is exactly what [base, len + pending) needs, so abort can
- *       recompute what to release from len alone.
- *   (3) base is a multiple of bt and base <= lo (whole blocks are dropped
- *       from the front once all their positions fall below lo).
+ * Strategies -> homes, per layer (docs/strategies.md):
+ *   dynamic            paged
+ *   static             device extent; a full layer's is sized for
+ *                      max_cache_len at creation and never grows
+ *   offloaded          host extent, grown by doubling; sliding layers too
+ *                      unless offload_sliding says NO (then device extent)
+ *   offloaded_static   host extent sized at creation; sliding layers stay
+ *                      on the device unless offload_sliding says YES
+ *   adaptive           the first R streamable layers on the device, R the
+ *                      most the device budget holds at max_cache_len
+ *
+ * Sequence states: idle (pending == 0) -> reserved (pending > 0, listed in
+ * s->active) -> idle by commit or abort.  Offload only while idle.
+ *
+ * Invariants:
+ *   (1) every position in [lo, len) is stored; lo only grows.  Sliding
+ *       layers keep `keep` tokens: W-1 for dynamic strategies (HF
+ *       DynamicSlidingWindowLayer), W for static ones
+ *       (StaticSlidingWindowLayer); attention during a step sees from
+ *       len - (W-1) in both (the "returned" rows of cache-semantics §2.2).
+ *   (2) paged: n_blocks is exactly what [base, len + pending) needs, so
+ *       abort can recompute what to release from len alone; base is a
+ *       multiple of bt and base <= lo.
+ *   (3) extent: [floor(lo/bt), ceil((len + pending)/bt)) spans at most
+ *       ext_blocks blocks, so no two live positions share a ring slot and
+ *       writing the step's tokens never touches a stored one (abort needs
+ *       no undo).
+ *   (4) a failed call leaves every sequence's positions and contents as
+ *       they were.  It may leave an extent larger (capacity is not state).
+ *   (5) s->host_used is the sum of host extent sizes and never exceeds a
+ *       non-zero host_budget.
  * All functions run on one thread (the inference thread).
  */
-#include "tiers/kvstore.h"
+#include "tiers/kvstore_impl.h"
 
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define KV_DEFAULT_BLOCK_TOKENS 32
-#define KV_CHUNK_BLOCKS 64 /* blocks per device allocation when growing */
-
-struct kv_store {
-    be_backend *be;
-    struct kv_geom g;
-    int *layer_window;  /* owned copy of g.layer_window */
-    int bt;             /* tokens per block */
-    size_t block_bytes; /* K and V of one block */
-    be_buffer **chunks;
-    size_t n_chunks, cap_chunks;
-    void **free_blocks; /* stack of unused blocks */
-    size_t n_free;
-    size_t n_total;     /* blocks owned by the store */
-};
-
-struct kv_layer {
-    void **blocks;
-    int n_blocks, cap;
-    int64_t base, lo;
-};
-
-struct kv_seq {
-    kv_store *s;
-    struct kv_seq_params p;
-    int64_t len;     /* committed tokens (HF get_seq_length) */
-    int pending;     /* reserved, not yet committed */
-    struct kv_layer *layers;
-};
+#define KV_CHUNK_BLOCKS 64 /* blocks per device allocation when the pool grows */
+#define MIB(x) ((double)(x) / (1024.0 * 1024.0))
 
 const char *tier_strerror(enum tier_status st)
 {
     switch (st) {
     case TIER_OK: return "ok";
     case TIER_ENOMEM_DEV: return "device tier budget exhausted";
-    case TIER_ENOMEM_HOST: return "host memory exhausted";
+    case TIER_ENOMEM_HOST: return "host tier exhausted";
     case TIER_EINVAL: return "invalid KV store parameter";
     case TIER_EFULL: return "KV cache is full";
     case TIER_ENOTSUP: return "KV strategy not supported";
@@ -66,10 +70,54 @@ const char *tier_strerror(enum tier_status st)
     return "unknown tier status";
 }
 
-enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out)
+const char *kv_strategy_name(enum kv_strategy st)
 {
+    switch (st) {
+    case KV_DYNAMIC: return "dynamic";
+    case KV_STATIC: return "static";
+    case KV_OFFLOADED: return "offloaded";
+    case KV_OFFLOADED_STATIC: return "offloaded_static";
+    }
+    return "?";
+}
+
+enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->err, sizeof(s->err), fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+double kv_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static bool is_static(enum kv_strategy st)
+{
+    return st == KV_STATIC || st == KV_OFFLOADED_STATIC;
+}
+
+static bool is_offloaded(enum kv_strategy st)
+{
+    return st == KV_OFFLOADED || st == KV_OFFLOADED_STATIC;
+}
+
+/* ---- the store ------------------------------------------------------------ */
+
+enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const struct kv_store_params *p,
+                               kv_store **out)
+{
+    static const struct kv_store_params defaults;
+    if (!p)
+        p = &defaults;
     *out = NULL;
-    if (!be || !g || g->n_layers <= 0 || g->n_kv_heads <= 0 || g->head_dim <= 0 || block_tokens < 0)
+    if (!be || !g || g->n_layers <= 0 || g->n_kv_heads <= 0 || g->head_dim <= 0 || p->block_tokens < 0 ||
+        !be_dtype_size(g->dtype))
         return TIER_EINVAL;
     kv_store *s = calloc(1, sizeof(*s));
     if (!s)
@@ -84,20 +132,33 @@ enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int bl
     s->be = be;
     s->g = *g;
     s->g.layer_window = s->layer_window;
-    s->bt = block_tokens ? block_tokens : KV_DEFAULT_BLOCK_TOKENS;
+    s->bt = p->block_tokens ? p->block_tokens : KV_DEFAULT_BLOCK_TOKENS;
     s->block_bytes = 2 * (size_t)g->n_kv_heads * (size_t)s->bt * (size_t)g->head_dim * be_dtype_size(g->dtype);
+    s->host_budget = p->host_mem;
+    enum tier_status st = kv_stream_init(s);
+    if (st != TIER_OK) {
+        kv_store_free(s);
+        return st;
+    }
     *out = s;
     return TIER_OK;
+}
+
+enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out)
+{
+    return kv_store_open(be, g, &(struct kv_store_params){.block_tokens = block_tokens}, out);
 }
 
 void kv_store_free(kv_store *s)
 {
     if (!s)
         return;
+    kv_stream_release(s);
     for (size_t i = 0; i < s->n_chunks; i++)
         be_buffer_free(s->chunks[i]);
     free(s->chunks);
     free(s->free_blocks);
+    free(s->active);
     free(s->layer_window);
     free(s);
 }
@@ -107,20 +168,30 @@ int kv_store_block_tokens(const kv_store *s)
     return s->bt;
 }
 
+const char *kv_store_errmsg(const kv_store *s)
+{
+    return s->err;
+}
+
 struct kv_store_stats kv_store_stats(const kv_store *s)
 {
     uint64_t used = s->n_total - s->n_free;
     return (struct kv_store_stats){
-        .dev_bytes = (size_t)used * s->block_bytes,
-        .host_bytes = 0,
+        .dev_bytes = (size_t)used * s->block_bytes + s->dev_ext_bytes + 2 * s->slot_cap,
+        .host_bytes = s->host_used,
+        .host_budget = s->host_budget,
+        .slot_bytes = 2 * s->slot_cap,
         .blocks_used = used,
+        .fallbacks = s->fallbacks,
+        .xfer = s->total,
+        .last_step = s->step,
     };
 }
 
 /* Adds one chunk of blocks to the free list.  Under a tight budget a full
  * chunk may not fit while a smaller one does, so the size halves down to a
  * single block before giving up. */
-static enum tier_status store_grow(kv_store *s)
+static enum tier_status pool_grow(kv_store *s)
 {
     if (s->n_chunks == s->cap_chunks) {
         size_t cap = s->cap_chunks ? 2 * s->cap_chunks : 16;
@@ -148,14 +219,352 @@ static enum tier_status store_grow(kv_store *s)
         s->n_total += nb;
         return TIER_OK;
     }
-    return TIER_ENOMEM_DEV;
+    struct be_mem_stats ms = be_mem_stats(s->be);
+    return kv_fail(s, TIER_ENOMEM_DEV,
+                   "device tier budget %.1f MiB exhausted (%.1f MiB in use) growing the KV pool by a %zu-byte block",
+                   MIB(ms.dev_budget), MIB(ms.dev_used), s->block_bytes);
+}
+
+/* Returns the pool chunks none of whose blocks is in use to the device, so
+ * that a sequence moved to the host tier really frees device budget. */
+void kv_store_trim(kv_store *s)
+{
+    size_t keep = 0;
+    for (size_t c = 0; c < s->n_chunks; c++) {
+        char *lo = be_buffer_data(s->chunks[c]);
+        size_t nb = be_buffer_size(s->chunks[c]) / s->block_bytes;
+        char *hi = lo + nb * s->block_bytes;
+        size_t n_in = 0;
+        for (size_t i = 0; i < s->n_free; i++)
+            n_in += (char *)s->free_blocks[i] >= lo && (char *)s->free_blocks[i] < hi;
+        if (n_in < nb) {
+            s->chunks[keep++] = s->chunks[c];
+            continue;
+        }
+        size_t k = 0;
+        for (size_t i = 0; i < s->n_free; i++)
+            if ((char *)s->free_blocks[i] < lo || (char *)s->free_blocks[i] >= hi)
+                s->free_blocks[k++] = s->free_blocks[i];
+        s->n_free = k;
+        s->n_total -= nb;
+        be_buffer_free(s->chunks[c]);
+    }
+    s->n_chunks = keep;
+}
+
+/* ---- extents -------------------------------------------------------------- */
+
+/* An extent of nb blocks in the home's tier, charged to the host budget
+ * when it is a host extent. */
+static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, be_buffer **out)
+{
+    size_t bytes = (size_t)nb * s->block_bytes;
+    enum be_status st;
+    if (home == KV_HOME_HOST) {
+        if (s->host_budget && bytes > s->host_budget - s->host_used) {
+            return kv_fail(s, TIER_ENOMEM_HOST, "host tier budget %.1f MiB exhausted: %.1f MiB in use, %.1f MiB more needed",
+                           MIB(s->host_budget), MIB(s->host_used), MIB(bytes));
+        }
+        st = be_host_alloc(s->be, bytes, out);
+    } else {
+        st = be_dev_alloc(s->be, bytes, out);
+    }
+    if (st == BE_ENOMEM_DEV) {
+        struct be_mem_stats ms = be_mem_stats(s->be);
+        return kv_fail(s, TIER_ENOMEM_DEV,
+                       "device tier budget %.1f MiB exhausted: %.1f MiB in use, %.1f MiB more needed for a KV extent",
+                       MIB(ms.dev_budget), MIB(ms.dev_used), MIB(bytes));
+    }
+    if (st != BE_OK) {
+        return kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
+                       "host memory: cannot allocate a %.1f MiB KV extent: %s", MIB(bytes), be_strerror(st));
+    }
+    if (home == KV_HOME_HOST)
+        s->host_used += bytes;
+    else
+        s->dev_ext_bytes += bytes;
+    return TIER_OK;
+}
+
+static void ext_release(kv_store *s, enum kv_home home, be_buffer *b)
+{
+    if (!b)
+        return;
+    if (home == KV_HOME_HOST)
+        s->host_used -= be_buffer_size(b);
+    else
+        s->dev_ext_bytes -= be_buffer_size(b);
+    be_buffer_free(b);
+}
+
+/* Address of logical block b of a layer (b must be live in it). */
+static char *layer_block(const kv_store *s, const struct kv_layer *L, int64_t b)
+{
+    if (L->home == KV_HOME_PAGED)
+        return L->blocks[b - L->base / s->bt];
+    return (char *)be_buffer_data(L->ext) + (size_t)(b % L->ext_blocks) * s->block_bytes;
+}
+
+/* Copies logical blocks [b0, b1) between two layers' storage (growth and
+ * migration, never the decode path: one synchronous copy per block). */
+static enum tier_status copy_blocks(kv_store *s, const struct kv_layer *to, const struct kv_layer *from, int64_t b0,
+                                    int64_t b1)
+{
+    for (int64_t b = b0; b < b1; b++) {
+        char *d = layer_block(s, to, b), *src = layer_block(s, from, b);
+        if (to->home == KV_HOME_HOST && from->home == KV_HOME_HOST) {
+            memcpy(d, src, s->block_bytes);
+            continue;
+        }
+        enum be_copy_dir dir = to->home == KV_HOME_HOST ? BE_D2H : from->home == KV_HOME_HOST ? BE_H2D : BE_D2D;
+        enum be_status st = be_copy(s->be, d, src, s->block_bytes, dir);
+        if (st != BE_OK) {
+            return kv_fail(s, TIER_EIO, "copying KV blocks between tiers: %s", be_strerror(st));
+        }
+    }
+    return TIER_OK;
+}
+
+int64_t layer_view_lo(const kv_seq *q, const struct kv_layer *L)
+{
+    if (!L->window || !q->pending)
+        return L->lo;
+    int64_t from = q->len - (L->window - 1);
+    return from > L->lo ? from : L->lo;
+}
+
+/* Blocks an extent must span for [floor(lo/bt), ceil(end/bt)) (invariant 3). */
+static int ext_need(const kv_store *s, const struct kv_layer *L, int64_t end)
+{
+    return (int)((end + s->bt - 1) / s->bt - L->lo / s->bt);
+}
+
+void ext_view_refresh(const kv_seq *q, struct kv_layer *L)
+{
+    const kv_store *s = q->s;
+    if (L->home == KV_HOME_PAGED)
+        return;
+    int64_t b0 = L->lo / s->bt;
+    L->base = b0 * s->bt;
+    L->n_blocks = L->ext ? ext_need(s, L, q->len + q->pending) : 0;
+    for (int i = 0; i < L->n_blocks; i++)
+        L->blocks[i] = layer_block(s, L, b0 + i);
+}
+
+/* Frees whatever storage L holds (pool blocks, extent, table). */
+static void layer_storage_release(kv_store *s, struct kv_layer *L)
+{
+    if (L->home == KV_HOME_PAGED) {
+        while (L->n_blocks > 0)
+            s->free_blocks[s->n_free++] = L->blocks[--L->n_blocks];
+    } else {
+        ext_release(s, L->home, L->ext);
+    }
+    free(L->blocks);
+    L->blocks = NULL;
+    L->ext = NULL;
+    L->n_blocks = L->cap = L->ext_blocks = 0;
+}
+
+/* Builds in *n a copy of layer L whose storage is a new extent of nb
+ * blocks in home, holding L's live blocks.  L is not touched. */
+static enum tier_status ext_build(kv_seq *q, const struct kv_layer *L, enum kv_home home, int nb,
+                                  struct kv_layer *n)
+{
+    kv_store *s = q->s;
+    *n = *L;
+    n->home = home;
+    n->ext = NULL;
+    n->ext_blocks = n->cap = nb;
+    n->blocks = malloc((size_t)nb * sizeof(void *));
+    if (!n->blocks)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a KV block table of %d entries", nb);
+    enum tier_status st = ext_alloc(s, home, nb, &n->ext);
+    if (st == TIER_OK && L->n_blocks > 0)
+        st = copy_blocks(s, n, L, L->base / s->bt, L->base / s->bt + L->n_blocks);
+    if (st != TIER_OK) {
+        ext_release(s, home, n->ext);
+        free(n->blocks);
+    }
+    return st;
+}
+
+/* Puts the storage ext_build made in place of L's. */
+static void layer_install(kv_seq *q, struct kv_layer *L, const struct kv_layer *n)
+{
+    layer_storage_release(q->s, L);
+    *L = *n;
+    ext_view_refresh(q, L);
+}
+
+static enum tier_status ext_resize(kv_seq *q, struct kv_layer *L, int nb)
+{
+    struct kv_layer n;
+    enum tier_status st = ext_build(q, L, L->home, nb, &n);
+    if (st == TIER_OK)
+        layer_install(q, L, &n);
+    return st;
+}
+
+/* Makes an extent span [lo, end): a growable full layer at least doubles
+ * (host memory for fewer copies), falling back to the exact need when the
+ * doubled size does not fit. */
+static enum tier_status ext_reserve(kv_seq *q, struct kv_layer *L, int64_t end)
+{
+    int need = ext_need(q->s, L, end);
+    if (need <= L->ext_blocks)
+        return TIER_OK;
+    if (!L->window && L->ext_blocks && 2 * L->ext_blocks > need &&
+        ext_resize(q, L, 2 * L->ext_blocks) == TIER_OK)
+        return TIER_OK;
+    return ext_resize(q, L, need);
+}
+
+/* ---- sequences ------------------------------------------------------------ */
+
+kv_store *kv_seq_store(const kv_seq *q)
+{
+    return q->s;
+}
+
+int64_t kv_seq_length(const kv_seq *q)
+{
+    return q->len;
+}
+
+/* Does layer l stream from the host tier under strategy st (before the
+ * adaptive choice)? */
+static bool layer_streamable(const kv_seq *q, enum kv_strategy st, int l)
+{
+    if (!is_offloaded(st))
+        return false;
+    if (!q->s->layer_window[l])
+        return true;
+    enum kv_offload_sliding o = q->p.offload_sliding;
+    if (o == KV_OFFLOAD_SLIDING_DEFAULT)
+        o = st == KV_OFFLOADED ? KV_OFFLOAD_SLIDING_YES : KV_OFFLOAD_SLIDING_NO;
+    return o == KV_OFFLOAD_SLIDING_YES;
+}
+
+/* Blocks a layer holds at most for n tokens in one-token steps. */
+static int layer_blocks_for(const kv_store *s, int keep, int64_t n)
+{
+    int64_t span = keep && keep < n ? keep + 1 : n;
+    return (int)((span + s->bt - 1) / s->bt) + (keep ? 1 : 0);
+}
+
+/* Device bytes free to the store: the budget left plus its free pool blocks. */
+static size_t dev_available(const kv_store *s)
+{
+    struct be_mem_stats ms = be_mem_stats(s->be);
+    return ms.dev_budget - ms.dev_used + s->n_free * s->block_bytes;
+}
+
+/* The adaptive choice: how many streamable layers (from the front) stay on
+ * the device so that they, the non-streamed layers and the two slots fit. */
+static int adaptive_resident(const kv_seq *q, enum kv_strategy st)
+{
+    const kv_store *s = q->s;
+    size_t fixed = 0, biggest = 0;
+    int n_stream = 0;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        size_t b = (size_t)layer_blocks_for(s, q->layers[l].keep, q->p.max_cache_len) * s->block_bytes;
+        if (!layer_streamable(q, st, l))
+            fixed += b;
+        else if (b > biggest)
+            biggest = b;
+        n_stream += layer_streamable(q, st, l);
+    }
+    size_t avail = dev_available(s);
+    for (int r = n_stream; r > 0; r--) {
+        size_t need = fixed + (size_t)r * biggest + (r < n_stream ? 2 * biggest : 0);
+        if (need <= avail)
+            return r;
+    }
+    return 0;
+}
+
+/* Chooses every layer's home for strategy st; all_host streams every layer
+ * (the fallback after a device allocation failed at creation). */
+static void plan_homes(kv_seq *q, enum kv_strategy st, bool all_host)
+{
+    kv_store *s = q->s;
+    int resident = q->p.adaptive && !all_host ? adaptive_resident(q, st) : 0;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        struct kv_layer *L = &q->layers[l];
+        if (st == KV_DYNAMIC)
+            L->home = KV_HOME_PAGED;
+        else if (all_host || (layer_streamable(q, st, l) && resident-- <= 0))
+            L->home = KV_HOME_HOST;
+        else
+            L->home = KV_HOME_DEV;
+        L->ext_fixed = is_static(st) && !L->window;
+    }
+    q->strategy = all_host ? (is_static(st) ? KV_OFFLOADED_STATIC : KV_OFFLOADED) : st;
+}
+
+static void layers_release(kv_seq *q)
+{
+    for (int l = 0; l < q->s->g.n_layers; l++)
+        layer_storage_release(q->s, &q->layers[l]);
+}
+
+/* Preallocates the extents of a static strategy and of adaptive resident
+ * layers for max_cache_len tokens in one-token steps, so that decode never
+ * allocates. */
+static enum tier_status layers_prealloc(kv_seq *q)
+{
+    kv_store *s = q->s;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        struct kv_layer *L = &q->layers[l];
+        if (L->home == KV_HOME_PAGED || !(is_static(q->strategy) || (q->p.adaptive && L->home == KV_HOME_DEV)))
+            continue;
+        enum tier_status st = ext_resize(q, L, layer_blocks_for(s, L->keep, q->p.max_cache_len));
+        if (st != TIER_OK)
+            return st;
+    }
+    return TIER_OK;
+}
+
+static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
+{
+    if ((unsigned)p->strategy > KV_OFFLOADED_STATIC)
+        return kv_fail(s, TIER_EINVAL, "unknown KV strategy %d", (int)p->strategy);
+    if ((unsigned)p->offload_sliding > KV_OFFLOAD_SLIDING_NO)
+        return kv_fail(s, TIER_EINVAL, "unknown offload_sliding value %d", (int)p->offload_sliding);
+    if (p->max_cache_len < 0 || p->max_cache_len > INT32_MAX)
+        return kv_fail(s, TIER_EINVAL, "max_cache_len %lld out of range", (long long)p->max_cache_len);
+    if (is_static(p->strategy) && !p->max_cache_len)
+        return kv_fail(s, TIER_EINVAL, "%s needs max_cache_len > 0", kv_strategy_name(p->strategy));
+    if (p->adaptive && !is_offloaded(p->strategy))
+        return kv_fail(s, TIER_EINVAL, "adaptive residency applies to offloaded strategies, not %s",
+                       kv_strategy_name(p->strategy));
+    if (p->adaptive && !p->max_cache_len)
+        return kv_fail(s, TIER_EINVAL, "adaptive residency needs max_cache_len (the expected length) to size the device share");
+    int min_window = 0;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        if (!s->layer_window[l])
+            return TIER_OK;
+        if (!min_window || s->layer_window[l] < min_window)
+            min_window = s->layer_window[l];
+    }
+    /* every layer slides: HF would narrow the window to max_cache_len */
+    if (is_static(p->strategy) && p->max_cache_len < min_window)
+        return kv_fail(s, TIER_EINVAL, "max_cache_len %lld is below the sliding window %d of a model whose every layer slides",
+                       (long long)p->max_cache_len, min_window);
+    return TIER_OK;
 }
 
 enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_seq **out)
 {
+    static const struct kv_seq_params defaults;
     *out = NULL;
-    if (p && p->strategy != KV_DYNAMIC)
-        return TIER_ENOTSUP;
+    s->err[0] = '\0';
+    if (!p)
+        p = &defaults;
+    enum tier_status st = check_params(s, p);
+    if (st != TIER_OK)
+        return st;
     kv_seq *q = calloc(1, sizeof(*q));
     if (!q)
         return TIER_ENOMEM_HOST;
@@ -165,88 +574,215 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
         return TIER_ENOMEM_HOST;
     }
     q->s = s;
-    if (p)
-        q->p = *p;
+    q->p = *p;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        int w = s->layer_window[l];
+        int64_t keep = !w ? 0 : is_static(p->strategy) ? (p->max_cache_len < w ? p->max_cache_len : w) : w - 1;
+        q->layers[l] = (struct kv_layer){.window = w, .keep = (int)keep};
+    }
+    /* A dynamic request that announces its length and cannot fit the
+     * device starts offloaded instead of failing part-way (issue 4). */
+    enum kv_strategy want = p->strategy;
+    bool all_host = false;
+    if (want == KV_DYNAMIC && p->max_cache_len && !p->no_fallback) {
+        size_t need = 0;
+        for (int l = 0; l < s->g.n_layers; l++)
+            need += (size_t)layer_blocks_for(s, q->layers[l].keep, p->max_cache_len) * s->block_bytes;
+        if (need > dev_available(s)) {
+            want = KV_OFFLOADED;
+            all_host = true;
+            q->fallback = KV_FALLBACK_SIZED;
+        }
+    }
+    plan_homes(q, want, all_host);
+    st = layers_prealloc(q);
+    if (st == TIER_ENOMEM_DEV && !p->no_fallback) {
+        layers_release(q);
+        plan_homes(q, want, true);
+        q->fallback = KV_FALLBACK_SIZED;
+        st = layers_prealloc(q);
+    }
+    if (st != TIER_OK) {
+        kv_seq_free(q);
+        return st;
+    }
+    if (q->fallback)
+        s->fallbacks++;
     *out = q;
     return TIER_OK;
-}
-
-/* Returns blocks [keep, n_blocks) of a layer to the free list. */
-static void layer_truncate(kv_store *s, struct kv_layer *L, int keep)
-{
-    while (L->n_blocks > keep)
-        s->free_blocks[s->n_free++] = L->blocks[--L->n_blocks];
 }
 
 void kv_seq_free(kv_seq *q)
 {
     if (!q)
         return;
-    for (int l = 0; l < q->s->g.n_layers; l++) {
-        layer_truncate(q->s, &q->layers[l], 0);
-        free(q->layers[l].blocks);
-    }
+    if (q->pending)
+        kv_seq_abort(q);
+    layers_release(q);
     free(q->layers);
     free(q);
 }
 
-int64_t kv_seq_length(const kv_seq *q)
-{
-    return q->len;
-}
-
 size_t kv_seq_bytes(const kv_seq *q)
 {
-    size_t n = 0;
-    for (int l = 0; l < q->s->g.n_layers; l++)
-        n += (size_t)q->layers[l].n_blocks;
-    return n * q->s->block_bytes;
+    struct kv_seq_stats st = kv_seq_stats(q);
+    return st.dev_bytes + st.host_bytes;
 }
 
-/* Blocks a layer needs to cover [base, end). */
-static int blocks_for(const kv_store *s, const struct kv_layer *L, int64_t end)
+struct kv_seq_stats kv_seq_stats(const kv_seq *q)
+{
+    struct kv_seq_stats st = {.requested = q->p.strategy, .strategy = q->strategy, .fallback = q->fallback,
+                              .xfer = q->xfer};
+    for (int l = 0; l < q->s->g.n_layers; l++) {
+        const struct kv_layer *L = &q->layers[l];
+        if (L->home == KV_HOME_HOST) {
+            st.streamed_layers++;
+            st.host_bytes += be_buffer_size(L->ext);
+        } else {
+            st.resident_layers++;
+            st.dev_bytes += L->home == KV_HOME_PAGED ? (size_t)L->n_blocks * q->s->block_bytes
+                                                     : be_buffer_size(L->ext);
+        }
+    }
+    return st;
+}
+
+enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
+{
+    kv_store *s = q->s;
+    if (q->pending)
+        return kv_fail(s, TIER_EINVAL, "kv_seq_offload during a step");
+    if (why == KV_FALLBACK_OOM && q->p.no_fallback)
+        return kv_fail(s, TIER_ENOTSUP, "the sequence asked for no fallback to the host tier");
+    int n = s->g.n_layers;
+    struct kv_layer *moved = calloc((size_t)n, sizeof(*moved));
+    if (!moved)
+        return TIER_ENOMEM_HOST;
+    /* Every host extent exists and holds its copy before the sequence
+     * changes (invariant 4). */
+    enum tier_status st = TIER_OK;
+    int built = 0;
+    for (; built < n && st == TIER_OK; built++) {
+        const struct kv_layer *L = &q->layers[built];
+        if (L->home == KV_HOME_HOST)
+            continue;
+        int nb = L->ext_fixed ? L->ext_blocks : layer_blocks_for(s, L->keep, q->len + 1);
+        int need = ext_need(s, L, q->len + 1);
+        st = ext_build(q, L, KV_HOME_HOST, nb > need ? nb : need, &moved[built]);
+    }
+    for (int l = 0; l < n; l++) {
+        if (q->layers[l].home == KV_HOME_HOST || (st != TIER_OK && l >= built - 1))
+            continue;
+        if (st == TIER_OK)
+            layer_install(q, &q->layers[l], &moved[l]);
+        else
+            layer_storage_release(s, &moved[l]);
+    }
+    free(moved);
+    if (st != TIER_OK)
+        return st;
+    kv_store_trim(s);
+    q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+    if (why != KV_FALLBACK_NONE) {
+        if (q->fallback == KV_FALLBACK_NONE)
+            s->fallbacks++;
+        q->fallback = why;
+    }
+    return TIER_OK;
+}
+
+/* ---- the step transaction ------------------------------------------------- */
+
+/* Blocks a paged layer needs to cover [base, end). */
+static int paged_blocks_for(const kv_store *s, const struct kv_layer *L, int64_t end)
 {
     return (int)((end - L->base + s->bt - 1) / s->bt);
+}
+
+static enum tier_status paged_reserve(kv_store *s, struct kv_layer *L, int64_t end)
+{
+    int need = paged_blocks_for(s, L, end);
+    if (need > L->cap) {
+        int cap = L->cap ? L->cap : 4;
+        while (cap < need)
+            cap *= 2;
+        void **b = realloc(L->blocks, (size_t)cap * sizeof(void *));
+        if (!b)
+            return TIER_ENOMEM_HOST;
+        L->blocks = b;
+        L->cap = cap;
+    }
+    while (L->n_blocks < need) {
+        if (s->n_free == 0) {
+            enum tier_status st = pool_grow(s);
+            if (st != TIER_OK)
+                return st;
+        }
+        L->blocks[L->n_blocks++] = s->free_blocks[--s->n_free];
+    }
+    return TIER_OK;
+}
+
+static bool has_full_layer(const kv_store *s)
+{
+    for (int l = 0; l < s->g.n_layers; l++)
+        if (!s->layer_window[l])
+            return true;
+    return false;
+}
+
+static enum tier_status active_add(kv_store *s, kv_seq *q)
+{
+    if (s->n_active == s->cap_active) {
+        int cap = s->cap_active ? 2 * s->cap_active : 8;
+        kv_seq **a = realloc(s->active, (size_t)cap * sizeof(*a));
+        if (!a)
+            return TIER_ENOMEM_HOST;
+        s->active = a;
+        s->cap_active = cap;
+    }
+    s->active[s->n_active++] = q;
+    return TIER_OK;
+}
+
+static void active_remove(kv_store *s, kv_seq *q)
+{
+    for (int i = 0; i < s->n_active; i++) {
+        if (s->active[i] == q) {
+            s->active[i] = s->active[--s->n_active];
+            return;
+        }
+    }
 }
 
 enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
 {
     kv_store *s = q->s;
+    s->err[0] = '\0';
     if (n_new <= 0 || q->pending)
-        return TIER_EINVAL;
+        return kv_fail(s, TIER_EINVAL, "kv_seq_reserve of %d tokens%s", n_new, q->pending ? " inside a step" : "");
     int64_t end = q->len + n_new;
-    /* Table capacity first, so that taking blocks below cannot fail half-way
-     * for a reason other than the pool itself. */
-    for (int l = 0; l < s->g.n_layers; l++) {
-        struct kv_layer *L = &q->layers[l];
-        int need = blocks_for(s, L, end);
-        if (need > L->cap) {
-            int cap = L->cap ? L->cap : 4;
-            while (cap < need)
-                cap *= 2;
-            void **b = realloc(L->blocks, (size_t)cap * sizeof(void *));
-            if (!b)
-                return TIER_ENOMEM_HOST;
-            L->blocks = b;
-            L->cap = cap;
-        }
-    }
-    for (int l = 0; l < s->g.n_layers; l++) {
-        struct kv_layer *L = &q->layers[l];
-        int need = blocks_for(s, L, end);
-        while (L->n_blocks < need) {
-            if (s->n_free == 0) {
-                enum tier_status st = store_grow(s);
-                if (st != TIER_OK) {
-                    q->pending = n_new; /* let abort release what was taken (invariant 2) */
-                    kv_seq_abort(q);
-                    return st;
-                }
-            }
-            L->blocks[L->n_blocks++] = s->free_blocks[--s->n_free];
-        }
-    }
+    if (is_static(q->strategy) && end > q->p.max_cache_len && has_full_layer(s))
+        return kv_fail(s, TIER_EFULL, "static cache is full: max_cache_len %lld, %lld cached + %d new tokens",
+                       (long long)q->p.max_cache_len, (long long)q->len, n_new);
+    enum tier_status st = active_add(s, q);
+    if (st != TIER_OK)
+        return st;
+    /* pending is set first so that abort releases whatever paged blocks
+     * were taken when a later layer fails (invariant 2) */
     q->pending = n_new;
+    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
+        struct kv_layer *L = &q->layers[l];
+        st = L->home == KV_HOME_PAGED ? paged_reserve(s, L, end) : ext_reserve(q, L, end);
+    }
+    if (st != TIER_OK) {
+        kv_seq_abort(q);
+        return st;
+    }
+    for (int l = 0; l < s->g.n_layers; l++)
+        ext_view_refresh(q, &q->layers[l]);
+    q->chunk_from = q->len;
+    q->chunk_to = end;
     return TIER_OK;
 }
 
@@ -259,7 +795,7 @@ void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out)
         .block_tokens = q->s->bt,
         .v_offset = q->s->block_bytes / 2,
         .base = L->base,
-        .lo = L->lo,
+        .lo = layer_view_lo(q, L),
         .hi = q->len + q->pending,
     };
 }
@@ -269,17 +805,18 @@ void kv_seq_commit(kv_seq *q)
     kv_store *s = q->s;
     q->len += q->pending;
     q->pending = 0;
+    active_remove(s, q);
     for (int l = 0; l < s->g.n_layers; l++) {
-        int w = s->layer_window[l];
-        if (!w)
-            continue;
         struct kv_layer *L = &q->layers[l];
         /* The next query sits at position len and sees keys k with
-         * len - k < w, so positions below len - (w - 1) are dead. */
-        int64_t keep_from = q->len - (w - 1);
-        if (keep_from > L->lo)
-            L->lo = keep_from;
-        int drop = (int)((L->lo - L->base) / s->bt); /* invariant 3 */
+         * len - k < w; `keep` says how many of those are stored. */
+        if (L->keep && q->len - L->keep > L->lo)
+            L->lo = q->len - L->keep;
+        if (L->home != KV_HOME_PAGED) {
+            ext_view_refresh(q, L);
+            continue;
+        }
+        int drop = (int)((L->lo - L->base) / s->bt); /* invariant 2 */
         if (drop <= 0)
             continue;
         for (int b = 0; b < drop; b++)
@@ -293,9 +830,16 @@ void kv_seq_commit(kv_seq *q)
 void kv_seq_abort(kv_seq *q)
 {
     kv_store *s = q->s;
+    q->pending = 0;
+    active_remove(s, q);
     for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_layer *L = &q->layers[l];
-        layer_truncate(s, L, blocks_for(s, L, q->len));
+        if (L->home != KV_HOME_PAGED) {
+            ext_view_refresh(q, L);
+            continue;
+        }
+        int keep = paged_blocks_for(s, L, q->len);
+        while (L->n_blocks > keep)
+            s->free_blocks[s->n_free++] = L->blocks[--L->n_blocks];
     }
-    q->pending = 0;
 }

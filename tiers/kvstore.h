@@ -1,15 +1,26 @@
-/* kvstore.h - the paged KV store.
+/* kvstore.h - the memory-tiered paged KV store.
  *
  * Per layer and per sequence, keys and values live in fixed-size blocks of
- * tokens addressed through a block table.  Every cache strategy (dynamic,
- * static, offloaded, quantized, sliding, sinks, prefix sharing, disk) is a
- * policy over this one store.
+ * tokens.  A layer's blocks sit in one of three homes:
+ *   - paged: blocks from the store's device pool (dynamic strategy);
+ *   - a device extent: one contiguous device buffer used as a ring of
+ *     blocks (static strategy, and the resident layers of an adaptive one);
+ *   - a host extent: the same, in the pinned-host tier (offloaded
+ *     strategies).  Such a layer is streamed: during a forward step it is
+ *     copied into one of two device slots while the previous layer
+ *     computes, and only the blocks the step wrote go back.
+ * Every cache strategy is a policy over this one store (docs/strategies.md).
  *
  * A forward step is a transaction: kv_seq_reserve(n) makes room for n new
  * tokens in every layer (all or nothing), the forward pass writes and reads
  * them through kv_seq_view(), then kv_seq_commit() makes them part of the
  * sequence or kv_seq_abort() returns the sequence exactly to its state
- * before the reserve.
+ * before the reserve.  Between reserve and commit the forward pass drives
+ * the streaming with kv_store_step_begin / kv_store_layer_begin /
+ * kv_store_layer_end / kv_store_step_end (model/model.c).
+ *
+ * Errors come back as enum tier_status; kv_store_errmsg() names what was
+ * wrong (which budget, how many bytes) for the last failure.
  */
 #ifndef KVTIER_KVSTORE_H
 #define KVTIER_KVSTORE_H
@@ -19,7 +30,7 @@
 enum tier_status {
     TIER_OK = 0,
     TIER_ENOMEM_DEV = 1,  /* the device tier's budget is exhausted */
-    TIER_ENOMEM_HOST = 2, /* the host tier's budget is exhausted */
+    TIER_ENOMEM_HOST = 2, /* the host tier's budget (or host memory) is exhausted */
     TIER_EINVAL = 3,      /* bad parameter (named in the error text) */
     TIER_EFULL = 4,       /* static cache: writing past max_cache_len */
     TIER_ENOTSUP = 5,     /* strategy or combination not available */
@@ -39,40 +50,134 @@ struct kv_geom {
     enum be_dtype dtype;     /* storage type (f32 default) */
 };
 
+/* Hugging Face's cache_implementation names, same semantics (cache-semantics.md §1-§3). */
 enum kv_strategy {
-    KV_DYNAMIC = 0, /* grows block by block; sliding layers keep <= W-1 (+ one block) tokens */
+    KV_DYNAMIC = 0,          /* device, grows block by block; sliding layers keep W-1 tokens */
+    KV_STATIC = 1,           /* device, max_cache_len preallocated; sliding layers keep W */
+    KV_OFFLOADED = 2,        /* dynamic, layers in the host tier, streamed per layer */
+    KV_OFFLOADED_STATIC = 3, /* static, layers in the host tier, streamed per layer */
+};
+const char *kv_strategy_name(enum kv_strategy s); /* "dynamic", "static", ... */
+
+/* offload_only_non_sliding as a tri-state so that a zeroed struct means
+ * HF's default: False for offloaded, True for offloaded_static. */
+enum kv_offload_sliding {
+    KV_OFFLOAD_SLIDING_DEFAULT = 0,
+    KV_OFFLOAD_SLIDING_YES = 1, /* sliding layers are streamed too */
+    KV_OFFLOAD_SLIDING_NO = 2,  /* sliding layers stay on the device (offload_only_non_sliding) */
 };
 
 struct kv_seq_params {
     enum kv_strategy strategy;
+    /* Static strategies: the capacity in tokens (required).  Dynamic ones:
+     * 0, or the length the request expects to reach; it sizes the request
+     * up front (a dynamic request that cannot fit starts offloaded) and the
+     * adaptive residency. */
+    int64_t max_cache_len;
+    enum kv_offload_sliding offload_sliding;
+    /* Offloaded strategies: keep as many layers on the device as the budget
+     * allows for max_cache_len tokens (chosen at creation, reported in the
+     * stats) and stream only the rest. */
+    bool adaptive;
+    /* Fail with TIER_ENOMEM_DEV instead of continuing offloaded when the
+     * device tier runs out (reliability.md T4 "allow_offload=false"). */
+    bool no_fallback;
 };
 
-/* block_tokens: tokens per block (0 = default 32). */
+struct kv_store_params {
+    int block_tokens; /* tokens per block; 0 = 32 */
+    size_t host_mem;  /* host-tier budget in bytes; 0 = unlimited */
+};
+
 enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out);
+/* The same with a host-tier budget; p = NULL means all defaults. */
+enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const struct kv_store_params *p,
+                               kv_store **out);
 void kv_store_free(kv_store *s); /* accepts NULL; all sequences must be freed first */
 int kv_store_block_tokens(const kv_store *s);
+/* What the last failing call on this store (or one of its sequences) was
+ * refused for, e.g. "host tier budget 64.0 MiB exhausted: ..."; "" if none. */
+const char *kv_store_errmsg(const kv_store *s);
+
+/* Streaming figures.  Transfer time is the time the copy stream spent on
+ * the step's copies (from the first issue to the last completion, measured
+ * with events), stall the time compute waited for a copy, overlap =
+ * 1 - stall / transfer. */
+struct kv_xfer_stats {
+    uint64_t steps;          /* forward steps that streamed at least one layer */
+    uint64_t tokens;         /* tokens those steps fed */
+    uint64_t bytes_h2d;      /* host tier -> device slots */
+    uint64_t bytes_d2h;      /* written-back blocks */
+    double transfer_s, stall_s, compute_s;
+};
 
 struct kv_store_stats {
-    size_t dev_bytes;     /* device bytes held by blocks */
-    size_t host_bytes;
-    uint64_t blocks_used; /* blocks referenced by some sequence */
+    size_t dev_bytes;      /* device bytes held by KV (pool blocks in use, extents, slots) */
+    size_t host_bytes;     /* host-tier bytes held by extents */
+    size_t host_budget;    /* 0 = unlimited */
+    size_t slot_bytes;     /* the two streaming slots */
+    uint64_t blocks_used;  /* pool blocks referenced by some sequence */
+    uint64_t fallbacks;    /* sequences moved to the host tier after a device OOM */
+    struct kv_xfer_stats xfer;      /* since the store was created */
+    struct kv_xfer_stats last_step; /* the last step that streamed */
 };
 struct kv_store_stats kv_store_stats(const kv_store *s);
 
 enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_seq **out);
-void kv_seq_free(kv_seq *q); /* accepts NULL; returns its blocks to the store */
+void kv_seq_free(kv_seq *q); /* accepts NULL; returns its memory to the store */
+kv_store *kv_seq_store(const kv_seq *q);
 
 /* Tokens seen by the sequence (HF get_seq_length(): absolute, sliding layers included). */
 int64_t kv_seq_length(const kv_seq *q);
-/* Bytes this sequence's blocks occupy. */
+/* Bytes this sequence's KV occupies, both tiers. */
 size_t kv_seq_bytes(const kv_seq *q);
+
+enum kv_fallback {
+    KV_FALLBACK_NONE = 0,
+    KV_FALLBACK_SIZED = 1, /* would not fit the device at creation: started offloaded */
+    KV_FALLBACK_OOM = 2,   /* a step ran out of device memory: KV moved to the host tier */
+};
+
+struct kv_seq_stats {
+    enum kv_strategy requested, strategy; /* strategy differs after a fallback */
+    enum kv_fallback fallback;
+    int resident_layers;  /* layers whose KV stays on the device */
+    int streamed_layers;  /* layers streamed from the host tier */
+    size_t dev_bytes, host_bytes;
+    struct kv_xfer_stats xfer; /* the steps this sequence streamed in (whole-step figures) */
+};
+struct kv_seq_stats kv_seq_stats(const kv_seq *q);
+
+/* Moves every device-resident layer of a sequence to the host tier and
+ * makes it offloaded (static -> offloaded_static); nothing is recomputed.
+ * All or nothing: on TIER_ENOMEM_HOST the sequence is untouched.  Only
+ * between steps; TIER_ENOTSUP for a KV_FALLBACK_OOM of a no_fallback one. */
+enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why);
 
 enum tier_status kv_seq_reserve(kv_seq *q, int n_new);
 /* The view of layer l covering committed tokens plus the reserved ones
- * (positions [length, length + n_new)).  Valid until the next reserve,
- * commit or abort. */
+ * (positions [length, length + n_new)).  Between kv_store_step_begin and
+ * kv_store_step_end a streamed layer's view points into its device slot;
+ * otherwise it is where the KV lives (host memory for a streamed layer).
+ * Valid until the next reserve, commit, abort or layer_begin. */
 void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out);
 void kv_seq_commit(kv_seq *q);
 void kv_seq_abort(kv_seq *q);
+
+/* ---- streaming hooks of the forward pass (tiers/stream.c) ---------------
+ * After every sequence of the step is reserved: plan the device slots for
+ * the step's streamed layers (may allocate them: TIER_ENOMEM_DEV). */
+enum tier_status kv_store_step_begin(kv_store *s);
+/* Before a chunk: the positions [from, to) of q this chunk writes; a
+ * streamed layer writes back exactly the blocks they touch. */
+void kv_seq_chunk(kv_seq *q, int64_t from, int64_t to);
+/* Around layer l of each chunk (layer 0 starts a chunk): begin waits for
+ * l's slot and starts copying the next streamed layer in; end starts the
+ * write-back of l's new blocks.  The status is the backend's. */
+enum be_status kv_store_layer_begin(kv_store *s, int layer);
+enum be_status kv_store_layer_end(kv_store *s, int layer);
+/* Waits for the write-backs and records the step's figures; before the
+ * commit or abort of the step's sequences. */
+enum be_status kv_store_step_end(kv_store *s);
 
 #endif

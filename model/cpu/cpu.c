@@ -6,7 +6,8 @@
  *
  * Events need no queue entry: copies complete in order, so an event is the
  * number of copies enqueued when it was recorded, and it has fired once
- * that many have completed.
+ * that many have completed.  The copier stamps each completion, so an
+ * event's moment is the later of its recording and its last copy's end.
  */
 #include <cblas.h>
 #include <errno.h>
@@ -16,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "model/cpu/cpu.h"
@@ -43,6 +45,7 @@ struct cpu_ctx {
     pthread_mutex_t mu;
     pthread_cond_t has_work, progress;
     struct copy_item ring[COPY_RING];
+    double done_at[COPY_RING];    /* when copy i finished, at i % COPY_RING */
     uint64_t enqueued, completed; /* copies ever queued / finished, under mu */
     bool stop;
     bool copier_started;
@@ -105,6 +108,19 @@ static void cpu_host_free(void *ctx, void *ptr, size_t size)
 
 /* ---- copy stream -------------------------------------------------------- */
 
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A recorded event: the copies before it and when it was recorded. */
+struct cpu_event {
+    uint64_t target;
+    double recorded;
+};
+
 static void *copier_main(void *arg)
 {
     struct cpu_ctx *c = arg;
@@ -117,7 +133,9 @@ static void *copier_main(void *arg)
         struct copy_item it = c->ring[c->completed % COPY_RING];
         pthread_mutex_unlock(&c->mu);
         memcpy(it.dst, it.src, it.n);
+        double t = now_s();
         pthread_mutex_lock(&c->mu);
+        c->done_at[c->completed % COPY_RING] = t;
         c->completed++;
         pthread_cond_broadcast(&c->progress);
     }
@@ -157,8 +175,8 @@ static void wait_completed(struct cpu_ctx *c, uint64_t target)
 static enum be_status cpu_event_create(void *ctx, void **ev)
 {
     (void)ctx;
-    /* 0 = never recorded, which has always fired */
-    return (*ev = calloc(1, sizeof(uint64_t))) ? BE_OK : BE_ENOMEM_HOST;
+    /* target 0 = never recorded, which has always fired */
+    return (*ev = calloc(1, sizeof(struct cpu_event))) ? BE_OK : BE_ENOMEM_HOST;
 }
 
 static void cpu_event_free(void *ctx, void *ev)
@@ -170,8 +188,10 @@ static void cpu_event_free(void *ctx, void *ev)
 static enum be_status cpu_event_record(void *ctx, void *ev)
 {
     struct cpu_ctx *c = ctx;
+    struct cpu_event *e = ev;
     pthread_mutex_lock(&c->mu);
-    *(uint64_t *)ev = c->enqueued;
+    e->target = c->enqueued;
+    e->recorded = now_s();
     pthread_mutex_unlock(&c->mu);
     return BE_OK;
 }
@@ -180,9 +200,37 @@ static enum be_status cpu_event_sync(void *ctx, void *ev)
 {
     struct cpu_ctx *c = ctx;
     pthread_mutex_lock(&c->mu);
-    uint64_t target = *(uint64_t *)ev;
+    uint64_t target = ((struct cpu_event *)ev)->target;
     pthread_mutex_unlock(&c->mu);
     wait_completed(c, target);
+    return BE_OK;
+}
+
+/* When the copy stream reached a fired event; false once its last copy's
+ * stamp has been overwritten (COPY_RING copies later). */
+static bool event_moment(struct cpu_ctx *c, const struct cpu_event *e, double *t)
+{
+    *t = e->recorded;
+    if (e->target == 0)
+        return true;
+    if (c->completed - (e->target - 1) > COPY_RING)
+        return false;
+    double done = c->done_at[(e->target - 1) % COPY_RING];
+    if (done > *t)
+        *t = done;
+    return true;
+}
+
+static enum be_status cpu_event_elapsed(void *ctx, void *start, void *end, double *seconds)
+{
+    struct cpu_ctx *c = ctx;
+    double t0, t1;
+    pthread_mutex_lock(&c->mu);
+    bool ok = event_moment(c, start, &t0) && event_moment(c, end, &t1);
+    pthread_mutex_unlock(&c->mu);
+    if (!ok)
+        return BE_EINVAL;
+    *seconds = t1 > t0 ? t1 - t0 : 0.0;
     return BE_OK;
 }
 
@@ -262,6 +310,7 @@ static const struct be_ops cpu_ops = {
     .event_record = cpu_event_record,
     .event_wait = NULL, /* the compute stream is the calling thread: waiting is a host sync */
     .event_sync = cpu_event_sync,
+    .event_elapsed = cpu_event_elapsed,
     .sync = cpu_sync,
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,
