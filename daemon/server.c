@@ -556,6 +556,13 @@ static enum MHD_Result parse_body(struct req *r, bool empty_ok, bool *ok)
     return MHD_YES;
 }
 
+static enum MHD_Result unknown_field(struct req *r, const char *key, const char *known)
+{
+    struct ipc_error e;
+    ipc_fail(&e, IPC_EINVAL, key, "unknown field \"%.48s\" (known: %s)", key, known);
+    return reply_error(r, &e);
+}
+
 static struct ipc_limits limits(const struct server *s)
 {
     const engine *e = s->eng;
@@ -575,13 +582,19 @@ static enum ipc_status encode(struct server *s, const char *text, size_t len, bo
     return ipc_fail(err, ms == MODEL_ENOMEM ? IPC_ENOMEM : IPC_EINVAL, field, "%s: %s", field, msg);
 }
 
+static enum ipc_status render_text(struct server *s, const struct ipc_msg *m, size_t n, bool gen_prompt, char **text,
+                                   size_t *len, struct ipc_error *err)
+{
+    return ipc_chat_render(engine_chat_template(s->eng), m, n, gen_prompt, engine_bos_text(s->eng),
+                           engine_eos_text(s->eng), text, len, err);
+}
+
 static enum ipc_status render(struct server *s, const struct ipc_msg *m, size_t n, bool gen_prompt, struct tok_ids *ids,
                               struct ipc_error *err)
 {
     char *text;
     size_t len;
-    enum ipc_status st = ipc_chat_render(engine_chat_template(s->eng), m, n, gen_prompt, engine_bos_text(s->eng),
-                                         engine_eos_text(s->eng), &text, &len, err);
+    enum ipc_status st = render_text(s, m, n, gen_prompt, &text, &len, err);
     if (st != IPC_OK)
         return st;
     /* the template spells the special tokens out, so none are added */
@@ -641,12 +654,6 @@ static enum MHD_Result submit(struct req *r, struct job *j)
 static enum MHD_Result h_generate(struct req *r, bool chat)
 {
     struct server *s = r->srv;
-    bool ok;
-    enum MHD_Result res = need_ready(r, &ok);
-    if (ok)
-        res = parse_body(r, false, &ok);
-    if (!ok)
-        return res;
     struct ipc_limits lim = limits(s);
     struct ipc_gen_req g;
     struct ipc_error err;
@@ -731,10 +738,6 @@ static enum MHD_Result h_health(struct req *r, const char *arg)
 static enum MHD_Result h_models(struct req *r, const char *arg)
 {
     (void)arg;
-    bool ok;
-    enum MHD_Result res = need_ready(r, &ok);
-    if (!ok)
-        return res;
     engine *e = r->srv->eng;
     const struct model_config *mc = engine_model_config(e);
     return reply_json(r, 200, json_pack("{s:s,s:[{s:s,s:s,s:I,s:s,s:{s:i,s:i,s:i,s:i,s:s,s:s}}]}", "object", "list",
@@ -748,12 +751,6 @@ static enum MHD_Result h_models(struct req *r, const char *arg)
 static enum MHD_Result h_tokenize(struct req *r, const char *arg)
 {
     (void)arg;
-    bool ok;
-    enum MHD_Result res = need_ready(r, &ok);
-    if (ok)
-        res = parse_body(r, false, &ok);
-    if (!ok)
-        return res;
     /* llama.cpp's {"content", "add_special"} and vLLM's {"prompt", "add_special_tokens"} */
     const json_t *text = NULL;
     bool add = false, pieces = false, vllm = false;
@@ -774,9 +771,7 @@ static enum MHD_Result h_tokenize(struct req *r, const char *arg)
                 return fail(r, IPC_EINVAL, key, "this field must be true or false");
             *flag = json_is_true(v);
         } else if (strcmp(key, "model") != 0) {
-            struct ipc_error e;
-            ipc_fail(&e, IPC_EINVAL, key, "unknown field \"%.48s\" (content, add_special, with_pieces)", key);
-            return reply_error(r, &e);
+            return unknown_field(r, key, "content, add_special, with_pieces");
         }
     }
     if (!text)
@@ -808,24 +803,32 @@ static enum MHD_Result h_tokenize(struct req *r, const char *arg)
     return reply_jw(r, 200, &w);
 }
 
+/* {"<key1>": text[, "<key2>": text]} (keys given with their punctuation); frees text. */
+static enum MHD_Result reply_text(struct req *r, const char *key1, const char *key2, char *text, size_t len)
+{
+    struct jw w;
+    jw_dynamic(&w);
+    for (int i = 0; i < 2; i++) {
+        const char *key = i ? key2 : key1;
+        if (key) {
+            jw_lit(&w, key);
+            jw_str(&w, text, len);
+        }
+    }
+    jw_lit(&w, "}");
+    free(text);
+    return reply_jw(r, 200, &w);
+}
+
 static enum MHD_Result h_detokenize(struct req *r, const char *arg)
 {
     (void)arg;
-    bool ok;
-    enum MHD_Result res = need_ready(r, &ok);
-    if (ok)
-        res = parse_body(r, false, &ok);
-    if (!ok)
-        return res;
     const char *key;
     json_t *v;
     json_object_foreach(r->root, key, v)
     {
-        if (strcmp(key, "tokens") && strcmp(key, "model")) {
-            struct ipc_error e;
-            ipc_fail(&e, IPC_EINVAL, key, "unknown field \"%.48s\" (tokens)", key);
-            return reply_error(r, &e);
-        }
+        if (strcmp(key, "tokens") && strcmp(key, "model"))
+            return unknown_field(r, key, "tokens");
     }
     struct ipc_limits lim = limits(r->srv);
     struct ipc_error err;
@@ -842,26 +845,12 @@ static enum MHD_Result h_detokenize(struct req *r, const char *arg)
     free(ids);
     if (ms != MODEL_OK)
         return fail(r, IPC_ENOMEM, "tokens", "cannot decode the tokens");
-    struct jw w;
-    jw_dynamic(&w);
-    jw_lit(&w, "{\"content\":");
-    jw_str(&w, text, len);
-    jw_lit(&w, ",\"prompt\":");
-    jw_str(&w, text, len);
-    jw_lit(&w, "}");
-    free(text);
-    return reply_jw(r, 200, &w);
+    return reply_text(r, "{\"content\":", ",\"prompt\":", text, len); /* llama.cpp's and vLLM's names */
 }
 
 static enum MHD_Result h_apply_template(struct req *r, const char *arg)
 {
     (void)arg;
-    bool ok;
-    enum MHD_Result res = need_ready(r, &ok);
-    if (ok)
-        res = parse_body(r, false, &ok);
-    if (!ok)
-        return res;
     struct ipc_limits lim = limits(r->srv);
     struct ipc_gen_req g;
     struct ipc_error err;
@@ -869,30 +858,17 @@ static enum MHD_Result h_apply_template(struct req *r, const char *arg)
     size_t len = 0;
     enum ipc_status st = ipc_gen_req_parse(r->root, true, &lim, &g, &err);
     if (st == IPC_OK)
-        st = ipc_chat_render(engine_chat_template(r->srv->eng), g.msgs, g.n_msgs, true, engine_bos_text(r->srv->eng),
-                             engine_eos_text(r->srv->eng), &text, &len, &err);
+        st = render_text(r->srv, g.msgs, g.n_msgs, true, &text, &len, &err);
     ipc_gen_req_release(&g);
     if (st != IPC_OK)
         return reply_error(r, &err);
-    struct jw w;
-    jw_dynamic(&w);
-    jw_lit(&w, "{\"prompt\":");
-    jw_str(&w, text, len);
-    jw_lit(&w, "}");
-    free(text);
-    return reply_jw(r, 200, &w);
+    return reply_text(r, "{\"prompt\":", NULL, text, len);
 }
 
 static enum MHD_Result h_session_create(struct req *r, const char *arg)
 {
     (void)arg;
     struct server *s = r->srv;
-    bool ok;
-    enum MHD_Result res = need_ready(r, &ok);
-    if (ok)
-        res = parse_body(r, true, &ok);
-    if (!ok)
-        return res;
     struct ipc_limits lim = limits(s);
     struct ipc_session_req q;
     struct ipc_error err;
@@ -1022,27 +998,34 @@ static enum MHD_Result h_metrics(struct req *r, const char *arg)
 
 typedef enum MHD_Result (*handler_fn)(struct req *r, const char *arg);
 
+enum route_needs {
+    NEEDS_NOTHING = 0,
+    NEEDS_MODEL = 1,              /* 503 until the model is loaded */
+    NEEDS_BODY = 2 | NEEDS_MODEL, /* a JSON object body, parsed into r->root */
+    NEEDS_ANY_BODY = 4 | NEEDS_BODY, /* ... or an empty one */
+};
+
 struct route {
     const char *method;
     const char *path; /* a trailing '/' matches a prefix; the rest is the handler's arg */
     handler_fn fn;
-    bool body;        /* takes a JSON body */
+    enum route_needs needs; /* checked before the handler runs: model loaded, JSON object body (or none) */
 };
 
 static const struct route routes[] = {
-    {"GET", "/health", h_health, false},
-    {"GET", "/v1/health", h_health, false},
-    {"GET", "/v1/models", h_models, false},
-    {"GET", "/metrics", h_metrics, false},
-    {"POST", "/v1/completions", h_completions, true},
-    {"POST", "/v1/chat/completions", h_chat, true},
-    {"POST", "/tokenize", h_tokenize, true},
-    {"POST", "/detokenize", h_detokenize, true},
-    {"POST", "/apply-template", h_apply_template, true},
-    {"POST", "/v1/sessions", h_session_create, true},
-    {"GET", "/v1/sessions", h_session_list, false},
-    {"GET", "/v1/sessions/", h_session_get, false},
-    {"DELETE", "/v1/sessions/", h_session_delete, false},
+    {"GET", "/health", h_health, NEEDS_NOTHING},
+    {"GET", "/v1/health", h_health, NEEDS_NOTHING},
+    {"GET", "/v1/models", h_models, NEEDS_MODEL},
+    {"GET", "/metrics", h_metrics, NEEDS_NOTHING},
+    {"POST", "/v1/completions", h_completions, NEEDS_BODY},
+    {"POST", "/v1/chat/completions", h_chat, NEEDS_BODY},
+    {"POST", "/tokenize", h_tokenize, NEEDS_BODY},
+    {"POST", "/detokenize", h_detokenize, NEEDS_BODY},
+    {"POST", "/apply-template", h_apply_template, NEEDS_BODY},
+    {"POST", "/v1/sessions", h_session_create, NEEDS_ANY_BODY},
+    {"GET", "/v1/sessions", h_session_list, NEEDS_NOTHING},
+    {"GET", "/v1/sessions/", h_session_get, NEEDS_NOTHING},
+    {"DELETE", "/v1/sessions/", h_session_delete, NEEDS_NOTHING},
 };
 
 /* The route for method+url; *path_ok tells a wrong method (405) from an
@@ -1077,7 +1060,13 @@ static enum MHD_Result dispatch(struct req *r, const char *method)
                                                                         : "no endpoint %.16s %.128s", method, r->url);
         return reply_error(r, &e);
     }
-    return rt->fn(r, arg);
+    bool ok = true;
+    enum MHD_Result res = MHD_YES;
+    if (rt->needs & NEEDS_MODEL)
+        res = need_ready(r, &ok);
+    if (ok && (rt->needs & NEEDS_BODY) == NEEDS_BODY)
+        res = parse_body(r, rt->needs == NEEDS_ANY_BODY, &ok);
+    return ok ? rt->fn(r, arg) : res;
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
