@@ -470,6 +470,52 @@ enum be_status be_attention(be_backend *be, float *out, const float *q, const st
     return n_tok ? be->ops->attention(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
 }
 
+/* Quantized views (issue 6): a format consistent with p, and the same
+ * coverage rules as a be_kv_view for the quantized blocks and for the
+ * full-precision rest that follows them. */
+static bool kvq_half_ok(const struct be_kvq_format *f, const struct be_kvq_half *h)
+{
+    if (f->kind == BE_KVQ_E4M3)
+        return true; /* no groups: one scale per tensor */
+    /* per-channel: gt x 1; per-token: 1 x gd, each group's codes on whole bytes */
+    if (h->gt > 1)
+        return h->gd == 1 && f->block_tokens % h->gt == 0;
+    return h->gt == 1 && h->gd > 0 && f->head_dim % h->gd == 0 && (h->gd * f->nbits) % 8 == 0;
+}
+
+static bool kvq_view_ok(const struct be_kvq_view *v, const struct be_attn_params *p)
+{
+    const struct be_kvq_format *f = v->fmt;
+    if (!f || f->n_kv_heads != p->n_kv_heads || f->head_dim != p->head_dim || f->block_tokens <= 0 ||
+        f->nbits < 1 || f->nbits > 8 || (f->head_dim * f->nbits) % 8 ||
+        (f->kind != BE_KVQ_AFFINE_SHIFT && f->kind != BE_KVQ_AFFINE_ZERO && f->kind != BE_KVQ_E4M3) ||
+        (f->kind == BE_KVQ_E4M3 && f->nbits != 8) || !kvq_half_ok(f, &f->k) || !kvq_half_ok(f, &f->v))
+        return false;
+    if ((!v->blocks && v->n_blocks) || v->n_blocks < 0)
+        return false;
+    int64_t end = v->base + (int64_t)v->n_blocks * f->block_tokens;
+    if (v->lo > v->hi || v->lo < v->base || v->hi > end)
+        return false;
+    const struct be_kv_view *r = &v->rest;
+    if (r->lo != v->hi || r->lo > r->hi || (!r->blocks && r->n_blocks) || r->n_blocks < 0)
+        return false;
+    return r->hi == r->lo || (r->block_tokens > 0 && r->lo >= r->base &&
+                              r->hi <= r->base + (int64_t)r->n_blocks * r->block_tokens);
+}
+
+enum be_status be_attention_quant(be_backend *be, float *out, const float *q, const struct be_kvq_view *views,
+                                  const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
+{
+    if (!be || !out || !q || !views || !toks || n_tok < 0 || !attn_params_ok(p))
+        return BE_EINVAL;
+    for (int t = 0; t < n_tok; t++)
+        if (toks[t].view < 0 || toks[t].pos < 0 || !kvq_view_ok(&views[toks[t].view], p))
+            return BE_EINVAL;
+    if (!be->ops->attention_quant)
+        return BE_ENOTSUP;
+    return n_tok ? be->ops->attention_quant(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
+}
+
 enum be_status be_silu_mul(be_backend *be, float *y, const float *gate, const float *up, size_t n)
 {
     if (!be || !y || !gate || !up)

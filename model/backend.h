@@ -154,6 +154,56 @@ enum be_status be_kv_store(be_backend *be, const struct be_kv_view *views, const
 enum be_status be_attention(be_backend *be, float *out, const float *q, const struct be_kv_view *views,
                             const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
 
+/* ---- quantized KV (issue 6; the formats are built by tiers/quant.c) -------- */
+
+/* How a block's codes turn back into numbers. */
+enum be_kvq_codes {
+    BE_KVQ_AFFINE_SHIFT = 0, /* quanto:  x = c * scale - shift   (c unsigned, nbits wide) */
+    BE_KVQ_AFFINE_ZERO = 1,  /* hqq:     x = (c - zero) * scale */
+    BE_KVQ_E4M3 = 2,         /* fp8:     x = e4m3(c) * tensor scale (one per layer and K/V) */
+};
+
+/* One half (K or V) of a quantized block of T = block_tokens tokens, H =
+ * n_kv_heads, D = head_dim.  Codes: code (h, t, d) is element (h*T + t)*D + d
+ * of a little-endian bit string of nbits-wide codes starting `codes` bytes
+ * into the block (code i occupies bits [i*nbits, (i+1)*nbits)), so a token's
+ * row of one head is contiguous and starts on a byte.  Affine parameters:
+ * the group holding (h, t, d) spans gt tokens x gd channels (per-token
+ * groups 1 x G, per-channel groups G x 1), and its (scale, zero) pair of f16
+ * is pair number (h*(T/gt) + t/gt)*(D/gd) + d/gd at `params` bytes. */
+struct be_kvq_half {
+    int gt, gd;
+    size_t codes, params;
+};
+
+struct be_kvq_format {
+    enum be_kvq_codes kind;
+    int nbits; /* 1..8; 8 for e4m3 */
+    int block_tokens, n_kv_heads, head_dim;
+    struct be_kvq_half k, v;
+    size_t block_bytes;
+};
+
+/* One sequence's quantized KV for one layer: quantized block b holds the
+ * positions [base + b*T, base + (b+1)*T) and [lo, hi) of them are valid;
+ * the positions [hi, rest.hi) that follow are full precision in `rest`
+ * (rest.lo == hi; an empty rest has rest.lo == rest.hi). */
+struct be_kvq_view {
+    const struct be_kvq_format *fmt;
+    void *const *blocks;
+    int n_blocks;
+    int64_t base, lo, hi;
+    float scale_k, scale_v; /* e4m3 tensor scales (unused by the affine kinds) */
+    struct be_kv_view rest;
+};
+
+/* be_attention over quantized views: the quantized blocks are decoded in
+ * registers, block by block (never into a full-precision copy), then the
+ * full-precision rest (p->kv_dtype) is read as be_attention reads a view.
+ * BE_ENOTSUP when the backend has no quantized attention. */
+enum be_status be_attention_quant(be_backend *be, float *out, const float *q, const struct be_kvq_view *views,
+                                  const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
+
 /* y[n] = silu(gate[n]) * up[n] */
 enum be_status be_silu_mul(be_backend *be, float *y, const float *gate, const float *up, size_t n);
 /* y[n] += x[n] */

@@ -16,7 +16,7 @@
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
-#define BE_API_VERSION 2
+#define BE_API_VERSION 3
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
@@ -64,6 +64,9 @@ struct be_ops {
     enum be_status (*embed)(void *ctx, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
                             int dim);
     enum be_status (*argmax)(void *ctx, const float *x, int rows, int cols, int32_t *out);
+    // (optional) NULL: no quantized KV on this backend; views checked by be_attention_quant
+    enum be_status (*attention_quant)(void *ctx, float *out, const float *q, const struct be_kvq_view *views,
+                                      const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
 };
 
 /* What a backend's init returns: its table, its context and the device

@@ -322,6 +322,7 @@ static const struct be_ops cpu_ops = {
     .softmax = cpu_softmax,
     .embed = cpu_embed,
     .argmax = cpu_argmax,
+    .attention_quant = cpu_attention_quant,
 };
 
 enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget)

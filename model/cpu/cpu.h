@@ -112,4 +112,39 @@ enum be_status cpu_embed(void *ctx, float *y, const void *table, enum be_dtype d
                          int dim);
 enum be_status cpu_argmax(void *ctx, const float *x, int rows, int cols, int32_t *out);
 
+/* Address of the K row of (kv head, position) in a view; V is at
+ * + v_offset.  The caller checked that pos lies inside the blocks. */
+char *cpu_kv_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz);
+
+/* ---- quantized KV (attn_quant*.c) ------------------------------------------ */
+
+/* Inner loops over the codes of backend.h's quantized blocks: n codes
+ * nbits wide (1..8), packed little-endian from the first bit of c. */
+struct cpu_qkern {
+    const char *name;
+    /* sum x[i] * code_i */
+    float (*qdot)(const float *x, const uint8_t *c, int nbits, int n);
+    /* y[i] += a * code_i */
+    void (*qaxpy)(float *y, float a, const uint8_t *c, int nbits, int n);
+    /* sum x[i] * e4m3(c[i]) */
+    float (*e4m3_dot)(const float *x, const uint8_t *c, int n);
+    /* y[i] += a * e4m3(c[i]) */
+    void (*e4m3_axpy)(float *y, float a, const uint8_t *c, int n);
+};
+
+extern const struct cpu_qkern cpu_qkern_scalar;
+extern const struct cpu_qkern cpu_qkern_avx512;
+
+/* The scalar loops, for the bit widths and tails a SIMD table leaves. */
+float cpu_qdot_scalar(const float *x, const uint8_t *c, int nbits, int n);
+void cpu_qaxpy_scalar(float *y, float a, const uint8_t *c, int nbits, int n);
+float cpu_e4m3_dot_scalar(const float *x, const uint8_t *c, int n);
+void cpu_e4m3_axpy_scalar(float *y, float a, const uint8_t *c, int n);
+
+/* The quantized table of the same level as k (scalar below AVX-512). */
+const struct cpu_qkern *cpu_qkern_for(const struct cpu_kern *k);
+
+enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const struct be_kvq_view *views,
+                                   const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
+
 #endif

@@ -151,9 +151,7 @@ enum be_status cpu_rope(void *ctx, float *x, int n_tok, int n_heads, int head_di
 
 /* ---- paged KV ----------------------------------------------------------- */
 
-/* Address of the K row of (kv head, position) in a view; V is at
- * + v_offset.  The caller checked that pos lies inside the blocks. */
-static char *kv_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz)
+char *cpu_kv_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz)
 {
     int64_t rel = pos - v->base;
     int64_t blk = rel / v->block_tokens, slot = rel % v->block_tokens;
@@ -168,7 +166,7 @@ enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const str
     for (int t = 0; t < n_tok; t++) {
         const struct be_kv_view *view = &views[toks[t].view];
         for (int h = 0; h < p->n_kv_heads; h++) {
-            char *dst = kv_row(view, toks[t].pos, h, p->head_dim, esz);
+            char *dst = cpu_kv_row(view, toks[t].pos, h, p->head_dim, esz);
             size_t src = (size_t)t * row + (size_t)h * (size_t)p->head_dim;
             kern->from_f32(dst, p->kv_dtype, k + src, (size_t)p->head_dim);
             kern->from_f32(dst + view->v_offset, p->kv_dtype, v + src, (size_t)p->head_dim);
@@ -205,7 +203,7 @@ static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p,
         int nc = k1 - c0 < ATTN_CHUNK ? (int)(k1 - c0) : ATTN_CHUNK;
         float cm = m;
         for (int i = 0; i < nc; i++) {
-            s[i] = k->dot(q, kv_row(v, c0 + i, kvh, p->head_dim, esz), p->kv_dtype, p->head_dim) * p->scale;
+            s[i] = k->dot(q, cpu_kv_row(v, c0 + i, kvh, p->head_dim, esz), p->kv_dtype, p->head_dim) * p->scale;
             if (s[i] > cm)
                 cm = s[i];
         }
@@ -218,7 +216,7 @@ static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p,
         for (int i = 0; i < nc; i++) {
             float e = expf(s[i] - m);
             l += e;
-            k->axpy(o, e, kv_row(v, c0 + i, kvh, p->head_dim, esz) + v->v_offset, p->kv_dtype, p->head_dim);
+            k->axpy(o, e, cpu_kv_row(v, c0 + i, kvh, p->head_dim, esz) + v->v_offset, p->kv_dtype, p->head_dim);
         }
     }
     if (l > 0.0f)

@@ -1,0 +1,305 @@
+/* attn_quant.c - attention over quantized KV blocks (backend.h's
+ * be_kvq_view): the driver, and the scalar code loops that are the
+ * reference for the SIMD tables (attn_quant_avx512.c).
+ *
+ * NOTES
+ * Nothing is dequantized into memory.  An affine code c with group
+ * parameters (s, b) means c*s + b (quanto: b = -shift; hqq: b = -zero*s),
+ * so the loops work on the raw codes and apply s and b per group:
+ *   per-token K:   q.k = sum_g s_g * (q_g . c_g) + b_g * sum(q_g)
+ *   per-channel K: q.k = (q*s) . c + q . b      (q*s, q.b once per group row)
+ *   per-token V:   o_g += (p*s_g) c_g, and p*b_g summed per group
+ *   per-channel V: acc += p c over a group row, then o += s*acc + b*sum(p)
+ * Keys are visited in chunks that never straddle a group row, and the
+ * online softmax (running max m and sum l, rescaling o when m grows) is
+ * folded once per chunk, so the per-chunk accumulators need no rescaling.
+ * The full-precision rest of the view continues the same softmax.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "model/cpu/cpu.h"
+#include "model/cpu/kvq_format.h"
+
+/* Keys per chunk when no per-channel group fixes it. */
+#define QATTN_CHUNK 64
+
+/* ---- scalar code loops -------------------------------------------------- */
+
+float cpu_qdot_scalar(const float *x, const uint8_t *c, int nbits, int n)
+{
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++)
+        acc += x[i] * (float)kvq_code_get(c, nbits, i);
+    return acc;
+}
+
+void cpu_qaxpy_scalar(float *y, float a, const uint8_t *c, int nbits, int n)
+{
+    for (int i = 0; i < n; i++)
+        y[i] += a * (float)kvq_code_get(c, nbits, i);
+}
+
+float cpu_e4m3_dot_scalar(const float *x, const uint8_t *c, int n)
+{
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++)
+        acc += x[i] * e4m3_to_f32(c[i]);
+    return acc;
+}
+
+void cpu_e4m3_axpy_scalar(float *y, float a, const uint8_t *c, int n)
+{
+    for (int i = 0; i < n; i++)
+        y[i] += a * e4m3_to_f32(c[i]);
+}
+
+const struct cpu_qkern cpu_qkern_scalar = {
+    .name = "scalar",
+    .qdot = cpu_qdot_scalar,
+    .qaxpy = cpu_qaxpy_scalar,
+    .e4m3_dot = cpu_e4m3_dot_scalar,
+    .e4m3_axpy = cpu_e4m3_axpy_scalar,
+};
+
+const struct cpu_qkern *cpu_qkern_for(const struct cpu_kern *k)
+{
+    return k == &cpu_kern_avx512 ? &cpu_qkern_avx512 : &cpu_qkern_scalar;
+}
+
+/* The (s, b) of group (group row gr, group column gc) of head kvh, in the
+ * c*s + b form. */
+static void group_sb(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk, int kvh, int gr,
+                     int gc, float *s, float *b)
+{
+    const uint16_t *pr = kvq_group_params(f, h, blk, kvh, gr, gc);
+    float scale = f16_to_f32(pr[0]), zero = f16_to_f32(pr[1]);
+    *s = scale;
+    *b = f->kind == BE_KVQ_AFFINE_SHIFT ? -zero : -zero * scale;
+}
+
+/* ---- the driver ---------------------------------------------------------- */
+
+/* Per-thread scratch, carved from cpu_ctx_scratch: chunk scores, q*s of a
+ * group row, per-group sums of q, and the V accumulators. */
+struct qattn {
+    const struct cpu_kern *k;
+    const struct cpu_qkern *qk;
+    const struct be_attn_params *p;
+    const struct be_kvq_view *v;
+    int kvh;
+    const float *q;
+    float *o;
+    float m, l;
+    float *s, *qs, *qsum, *acc, *bacc;
+};
+
+/* Folds the chunk's scores s[0..n) into the running max and sum, rescaling
+ * o, and leaves each key's softmax weight (unnormalised) in s. */
+static void fold_chunk(struct qattn *a, int n)
+{
+    float cm = a->m;
+    for (int i = 0; i < n; i++)
+        cm = a->s[i] > cm ? a->s[i] : cm;
+    if (cm > a->m) {
+        float f = expf(a->m - cm);
+        a->l *= f;
+        a->k->scale(a->o, f, a->p->head_dim);
+        a->m = cm;
+    }
+    for (int i = 0; i < n; i++) {
+        a->s[i] = expf(a->s[i] - a->m);
+        a->l += a->s[i];
+    }
+}
+
+static void key_scores(struct qattn *a, const void *blk, int t0, int n)
+{
+    const struct be_kvq_format *f = a->v->fmt;
+    const struct be_kvq_half *h = &f->k;
+    int D = f->head_dim;
+    if (f->kind == BE_KVQ_E4M3) {
+        for (int i = 0; i < n; i++)
+            a->s[i] = a->qk->e4m3_dot(a->q, kvq_code_row(f, h, blk, a->kvh, t0 + i), D) * a->v->scale_k * a->p->scale;
+        return;
+    }
+    if (h->gt > 1) { /* per-channel: one group row for the whole chunk */
+        float qb = 0.0f, s, b;
+        for (int d = 0; d < D; d++) {
+            group_sb(f, h, blk, a->kvh, t0 / h->gt, d, &s, &b);
+            a->qs[d] = a->q[d] * s;
+            qb += a->q[d] * b;
+        }
+        for (int i = 0; i < n; i++)
+            a->s[i] = (a->qk->qdot(a->qs, kvq_code_row(f, h, blk, a->kvh, t0 + i), f->nbits, D) + qb) * a->p->scale;
+        return;
+    }
+    size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
+    for (int i = 0; i < n; i++) {
+        const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
+        float dot = 0.0f, s, b;
+        for (int g = 0; g < D / h->gd; g++) {
+            group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
+            dot += s * a->qk->qdot(a->q + g * h->gd, c + (size_t)g * gbytes, f->nbits, h->gd) + b * a->qsum[g];
+        }
+        a->s[i] = dot * a->p->scale;
+    }
+}
+
+static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
+{
+    const struct be_kvq_format *f = a->v->fmt;
+    const struct be_kvq_half *h = &f->v;
+    int D = f->head_dim;
+    if (f->kind == BE_KVQ_E4M3) {
+        for (int i = 0; i < n; i++)
+            a->qk->e4m3_axpy(a->o, a->s[i] * a->v->scale_v, kvq_code_row(f, h, blk, a->kvh, t0 + i), D);
+        return;
+    }
+    if (h->gt > 1) {
+        float psum = 0.0f, s, b;
+        memset(a->acc, 0, (size_t)D * sizeof(float));
+        for (int i = 0; i < n; i++) {
+            a->qk->qaxpy(a->acc, a->s[i], kvq_code_row(f, h, blk, a->kvh, t0 + i), f->nbits, D);
+            psum += a->s[i];
+        }
+        for (int d = 0; d < D; d++) {
+            group_sb(f, h, blk, a->kvh, t0 / h->gt, d, &s, &b);
+            a->o[d] += s * a->acc[d] + b * psum;
+        }
+        return;
+    }
+    int ng = D / h->gd;
+    size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
+    memset(a->bacc, 0, (size_t)ng * sizeof(float));
+    for (int i = 0; i < n; i++) {
+        const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
+        for (int g = 0; g < ng; g++) {
+            float s, b;
+            group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
+            a->qk->qaxpy(a->o + g * h->gd, a->s[i] * s, c + (size_t)g * gbytes, f->nbits, h->gd);
+            a->bacc[g] += a->s[i] * b;
+        }
+    }
+    for (int d = 0; d < D; d++)
+        a->o[d] += a->bacc[d / h->gd];
+}
+
+/* Keys [k0, k1) of the quantized part, chunk by chunk. */
+static void attend_quantized(struct qattn *a, int64_t k0, int64_t k1)
+{
+    const struct be_kvq_view *v = a->v;
+    const struct be_kvq_format *f = v->fmt;
+    int T = f->block_tokens;
+    int chunk = f->kind == BE_KVQ_E4M3 ? QATTN_CHUNK : f->k.gt > f->v.gt ? f->k.gt : f->v.gt;
+    if (chunk == 1)
+        chunk = QATTN_CHUNK;
+    for (int64_t pos = k0; pos < k1;) {
+        int64_t rel = pos - v->base;
+        int blk = (int)(rel / T), t0 = (int)(rel % T);
+        /* the chunk ends at the next multiple of `chunk` within the block */
+        int end = (t0 / chunk + 1) * chunk;
+        if (end > T)
+            end = T;
+        if (k1 - pos < end - t0)
+            end = t0 + (int)(k1 - pos);
+        key_scores(a, v->blocks[blk], t0, end - t0);
+        fold_chunk(a, end - t0);
+        value_accumulate(a, v->blocks[blk], t0, end - t0);
+        pos += end - t0;
+    }
+}
+
+/* Keys [k0, k1) of the full-precision rest. */
+static void attend_rest(struct qattn *a, int64_t k0, int64_t k1)
+{
+    const struct be_kv_view *r = &a->v->rest;
+    const struct be_attn_params *p = a->p;
+    size_t esz = be_dtype_size(p->kv_dtype);
+    for (int64_t c0 = k0; c0 < k1; c0 += QATTN_CHUNK) {
+        int n = k1 - c0 < QATTN_CHUNK ? (int)(k1 - c0) : QATTN_CHUNK;
+        for (int i = 0; i < n; i++)
+            a->s[i] = a->k->dot(a->q, cpu_kv_row(r, c0 + i, a->kvh, p->head_dim, esz), p->kv_dtype, p->head_dim) *
+                      p->scale;
+        fold_chunk(a, n);
+        for (int i = 0; i < n; i++)
+            a->k->axpy(a->o, a->s[i], cpu_kv_row(r, c0 + i, a->kvh, p->head_dim, esz) + r->v_offset, p->kv_dtype,
+                       p->head_dim);
+    }
+}
+
+static void attend_quant_one(struct qattn *a, int64_t qpos)
+{
+    const struct be_kvq_view *v = a->v;
+    const struct be_attn_params *p = a->p;
+    int64_t k0 = v->lo, k1 = qpos + 1;
+    if (p->window > 0 && qpos - p->window + 1 > k0)
+        k0 = qpos - p->window + 1;
+    memset(a->o, 0, (size_t)p->head_dim * sizeof(float));
+    a->m = -INFINITY;
+    a->l = 0.0f;
+    const struct be_kvq_half *kh = &v->fmt->k;
+    if (v->fmt->kind != BE_KVQ_E4M3 && kh->gt == 1)
+        for (int g = 0; g < p->head_dim / kh->gd; g++) {
+            a->qsum[g] = 0.0f;
+            for (int d = 0; d < kh->gd; d++)
+                a->qsum[g] += a->q[g * kh->gd + d];
+        }
+    attend_quantized(a, k0, k1 < v->hi ? k1 : v->hi);
+    int64_t r0 = k0 > v->rest.lo ? k0 : v->rest.lo;
+    attend_rest(a, r0, k1 < v->rest.hi ? k1 : v->rest.hi);
+    if (a->l > 0.0f)
+        a->k->scale(a->o, 1.0f / a->l, p->head_dim);
+}
+
+struct qattn_job {
+    struct cpu_ctx *c;
+    float *out;
+    const float *q;
+    const struct be_kvq_view *views;
+    const struct be_tok *toks;
+    int n_tok;
+    const struct be_attn_params *p;
+};
+
+static void qattn_job(void *arg, int ith, int nth)
+{
+    struct qattn_job *j = arg;
+    const struct be_attn_params *p = j->p;
+    int D = p->head_dim, group = p->n_heads / p->n_kv_heads;
+    float *scratch = cpu_ctx_scratch(j->c, ith);
+    /* scores are at most one group row (q_group_size <= block_tokens) */
+    struct qattn a = {.k = cpu_ctx_kern(j->c), .qk = cpu_qkern_for(cpu_ctx_kern(j->c)), .p = p};
+    size_t i0, i1, n = (size_t)j->n_tok * (size_t)p->n_heads;
+    i0 = n * (size_t)ith / (size_t)nth;
+    i1 = n * (size_t)(ith + 1) / (size_t)nth;
+    for (size_t i = i0; i < i1; i++) {
+        size_t t = i / (size_t)p->n_heads;
+        int h = (int)(i % (size_t)p->n_heads);
+        a.v = &j->views[j->toks[t].view];
+        a.kvh = h / group;
+        a.q = j->q + i * (size_t)D;
+        a.o = j->out + i * (size_t)D;
+        int rows = a.v->fmt->block_tokens > QATTN_CHUNK ? a.v->fmt->block_tokens : QATTN_CHUNK;
+        a.s = scratch;
+        a.qs = a.s + rows;
+        a.qsum = a.qs + D;
+        a.acc = a.qsum + D;
+        a.bacc = a.acc + D;
+        attend_quant_one(&a, j->toks[t].pos);
+    }
+}
+
+enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const struct be_kvq_view *views,
+                                   const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
+{
+    for (int t = 0; t < n_tok; t++) {
+        const struct be_kvq_format *f = views[toks[t].view].fmt;
+        int rows = f->block_tokens > QATTN_CHUNK ? f->block_tokens : QATTN_CHUNK;
+        if ((size_t)rows + 4 * (size_t)p->head_dim > CPU_SCRATCH_FLOATS)
+            return BE_ENOTSUP; /* far beyond any model: a block of 200k tokens */
+    }
+    struct qattn_job j = {.c = ctx, .out = out, .q = q, .views = views, .toks = toks, .n_tok = n_tok, .p = p};
+    cpu_pool_run(cpu_ctx_pool(j.c), qattn_job, &j);
+    return BE_OK;
+}
