@@ -1,0 +1,704 @@
+/* quant.c - quantized KV: parameters, formats, the host codec and the KIVI
+ * layer (quant.h; docs/quantization.md).
+ *
+ * NOTES
+ * Numerics follow the reference quantizers on f32 tensors, per group:
+ *   quanto (MaxOptimizer + quantize_affine):  s = (max - min) / (2^b - 1),
+ *     shift = -min, c = clamp(round((x + shift) / s)), x' = c*s - shift
+ *   hqq (Quantizer.quantize, optimize=False): i = min((2^b - 1) / (max - min),
+ *     2e4), zero = -min * i, c = clamp(round(x*i + zero)), s = 1/i,
+ *     x' = (c - zero) * s
+ * round is half to even (torch.round).  The pair (s, shift|zero) is stored
+ * as f16, the reference's storage for a half-precision model: quanto's
+ * optimizer returns it in the model dtype before quantize_affine uses it, so
+ * quanto codes are computed with the rounded pair; hqq quantizes in f32 and
+ * casts its meta to compute_dtype afterwards, so hqq codes use the f32 pair
+ * and only dequantization sees the rounded one.  tests/quant_oracle.py
+ * replays both in PyTorch and compares bit for bit.
+ *
+ * The KIVI layer keeps HF's counting exactly.  Where HF re-quantizes the
+ * whole dequantized history at every flush, the layer quantizes only the new
+ * tokens, plus the earlier tokens of a per-channel group row that a previous
+ * flush left partly filled (decoded and quantized again with the new ones).
+ */
+#include "tiers/quant.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/cpu/kvq_format.h"
+
+#define KVQ_ALIGN 64
+
+static enum tier_status fail(struct kvq_error *err, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static enum tier_status fail(struct kvq_error *err, const char *param, const char *fmt, ...)
+{
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        snprintf(err->param, sizeof(err->param), "%s", param);
+        vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+        va_end(ap);
+    }
+    return TIER_EINVAL;
+}
+
+/* ---- parameters --------------------------------------------------------- */
+
+static const char *const backend_names[] = {[KVQ_QUANTO] = "quanto", [KVQ_HQQ] = "hqq", [KVQ_FP8] = "fp8"};
+
+const char *kv_quant_backend_name(enum kv_quant_backend b)
+{
+    return (unsigned)b < sizeof(backend_names) / sizeof(backend_names[0]) ? backend_names[b] : "?";
+}
+
+struct kv_quant_params kv_quant_defaults(enum kv_quant_backend b)
+{
+    if (b == KVQ_FP8) /* e4m3 codes, no groups, no residual */
+        return (struct kv_quant_params){.backend = b, .nbits = 8};
+    return (struct kv_quant_params){
+        .backend = b, .nbits = 4, .axis_key = 0, .axis_value = 0, .q_group_size = 64, .residual_length = 128};
+}
+
+static bool in_set(int v, const int *set, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (set[i] == v)
+            return true;
+    return false;
+}
+
+enum tier_status kv_quant_validate(const struct kv_quant_params *p, struct kvq_error *err)
+{
+    static const int quanto_bits[] = {2, 4, 8}, hqq_bits[] = {1, 2, 3, 4, 8};
+    static const int quanto_axes[] = {0, -1}, hqq_axes[] = {0, 1};
+    if (!p)
+        return fail(err, "cache", "no quantized cache parameters");
+    switch (p->backend) {
+    case KVQ_FP8:
+        return TIER_OK;
+    case KVQ_QUANTO:
+        if (!in_set(p->nbits, quanto_bits, 3))
+            return fail(err, "cache.nbits",
+                        "cache.nbits for the quanto backend has to be one of [2, 4] (8 is a kvtier extension) but got %d",
+                        p->nbits);
+        if (!in_set(p->axis_key, quanto_axes, 2))
+            return fail(err, "cache.axis_key", "cache.axis_key for the quanto backend has to be one of [0, -1] but got %d",
+                        p->axis_key);
+        if (!in_set(p->axis_value, quanto_axes, 2))
+            return fail(err, "cache.axis_value",
+                        "cache.axis_value for the quanto backend has to be one of [0, -1] but got %d", p->axis_value);
+        break;
+    case KVQ_HQQ:
+        if (!in_set(p->nbits, hqq_bits, 5))
+            return fail(err, "cache.nbits", "cache.nbits for the hqq backend has to be one of [1, 2, 3, 4, 8] but got %d",
+                        p->nbits);
+        if (!in_set(p->axis_key, hqq_axes, 2))
+            return fail(err, "cache.axis_key", "cache.axis_key for the hqq backend has to be one of [0, 1] but got %d",
+                        p->axis_key);
+        if (!in_set(p->axis_value, hqq_axes, 2))
+            return fail(err, "cache.axis_value", "cache.axis_value for the hqq backend has to be one of [0, 1] but got %d",
+                        p->axis_value);
+        break;
+    default:
+        return fail(err, "cache.backend", "cache.backend: unknown quantization backend %d; valid values: quanto, hqq, fp8",
+                    (int)p->backend);
+    }
+    if (p->q_group_size < 1 || p->q_group_size > KVQ_MAX_GROUP)
+        return fail(err, "cache.q_group_size", "cache.q_group_size has to be between 1 and %d but got %d",
+                    KVQ_MAX_GROUP, p->q_group_size);
+    if (p->residual_length < 0 || p->residual_length > KVQ_MAX_RESIDUAL)
+        return fail(err, "cache.residual_length", "cache.residual_length has to be between 0 and %d but got %d",
+                    KVQ_MAX_RESIDUAL, p->residual_length);
+    return TIER_OK;
+}
+
+static const char *const int_keys[] = {"nbits", "axis_key", "axis_value", "q_group_size", "residual_length"};
+#define N_INT_KEYS (sizeof(int_keys) / sizeof(int_keys[0]))
+
+static int *int_field(struct kv_quant_params *p, size_t i)
+{
+    int *fields[N_INT_KEYS] = {&p->nbits, &p->axis_key, &p->axis_value, &p->q_group_size, &p->residual_length};
+    return fields[i];
+}
+
+enum tier_status kv_quant_parse(const json_t *cache, struct kv_quant_params *out, struct kvq_error *err)
+{
+    enum kv_quant_backend b = KVQ_QUANTO; /* HF: cache_config.pop("backend", "quanto") */
+    const json_t *jb = cache ? json_object_get(cache, "backend") : NULL;
+    if (jb) {
+        if (!json_is_string(jb))
+            return fail(err, "cache.backend", "cache.backend must be a string: one of quanto, hqq, fp8");
+        const char *name = json_string_value(jb);
+        size_t i = 0;
+        while (i < sizeof(backend_names) / sizeof(backend_names[0]) && strcmp(name, backend_names[i]) != 0)
+            i++;
+        if (i == sizeof(backend_names) / sizeof(backend_names[0]))
+            return fail(err, "cache.backend", "cache.backend: unknown quantization backend \"%.40s\"; valid values: quanto, hqq, fp8",
+                        name);
+        b = (enum kv_quant_backend)i;
+    }
+    struct kv_quant_params p = kv_quant_defaults(b);
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)cache, key, v)
+    {
+        if (strcmp(key, "implementation") == 0 || strcmp(key, "backend") == 0)
+            continue;
+        size_t i = 0;
+        while (i < N_INT_KEYS && strcmp(key, int_keys[i]) != 0)
+            i++;
+        if (i == N_INT_KEYS)
+            return fail(err, "cache", "cache.%.40s is not a parameter of \"quantized\"; valid: backend, nbits, axis_key, "
+                        "axis_value, q_group_size, residual_length", key);
+        char param[KVQ_PARAM_LEN];
+        snprintf(param, sizeof(param), "cache.%s", int_keys[i]);
+        if (b == KVQ_FP8)
+            return fail(err, param, "%s is not a parameter of the fp8 backend (e4m3 with one scale per tensor takes "
+                        "none of nbits, axis_key, axis_value, q_group_size, residual_length)", param);
+        if (!json_is_integer(v) || json_integer_value(v) < INT32_MIN || json_integer_value(v) > INT32_MAX)
+            return fail(err, param, "%s must be an integer", param);
+        *int_field(&p, i) = (int)json_integer_value(v);
+    }
+    enum tier_status st = kv_quant_validate(&p, err);
+    if (st == TIER_OK)
+        *out = p;
+    return st;
+}
+
+/* ---- formats -------------------------------------------------------------- */
+
+/* Whether an axis value means per-channel groups (KIVI keys): quanto -1,
+ * hqq 0.  The other value of each backend groups along one token's channels. */
+static bool per_channel(enum kv_quant_backend b, int axis)
+{
+    return b == KVQ_QUANTO ? axis == -1 : b == KVQ_HQQ && axis == 0;
+}
+
+int kvq_block_tokens(const struct kv_quant_params *p, int store_bt)
+{
+    if (p->backend == KVQ_FP8 || (!per_channel(p->backend, p->axis_key) && !per_channel(p->backend, p->axis_value)))
+        return store_bt;
+    int g = p->q_group_size;
+    return (store_bt + g - 1) / g * g;
+}
+
+static size_t align_up(size_t n)
+{
+    return (n + KVQ_ALIGN - 1) / KVQ_ALIGN * KVQ_ALIGN;
+}
+
+static enum tier_status half_init(struct be_kvq_half *h, const struct kv_quant_params *p, int axis, int head_dim,
+                                  int block_tokens, const char *which, struct kvq_error *err)
+{
+    int g = p->q_group_size;
+    if (per_channel(p->backend, axis)) {
+        if (block_tokens % g)
+            return fail(err, "cache.q_group_size",
+                        "cache.q_group_size (%d) must divide the quantized block (%d tokens) for per-channel %s groups",
+                        g, block_tokens, which);
+        h->gt = g;
+        h->gd = 1;
+    } else {
+        h->gt = 1;
+        h->gd = g < head_dim ? g : head_dim;
+        if (head_dim % h->gd || (h->gd * p->nbits) % 8)
+            return fail(err, "cache.q_group_size",
+                        "cache.q_group_size (%d) must divide head_dim (%d) in groups of whole bytes of %d-bit codes, or "
+                        "be at least head_dim, for per-token %s groups", g, head_dim, p->nbits, which);
+    }
+    return TIER_OK;
+}
+
+enum tier_status kvq_format_init(struct be_kvq_format *f, const struct kv_quant_params *p, int n_kv_heads,
+                                 int head_dim, int block_tokens, struct kvq_error *err)
+{
+    enum tier_status st = kv_quant_validate(p, err);
+    if (st != TIER_OK)
+        return st;
+    if (n_kv_heads <= 0 || head_dim <= 0 || head_dim % 8 || block_tokens <= 0)
+        return fail(err, "head_dim", "quantized KV needs n_kv_heads > 0, head_dim a positive multiple of 8 and "
+                    "blocks > 0 (got %d, %d, %d)", n_kv_heads, head_dim, block_tokens);
+    memset(f, 0, sizeof(*f));
+    f->kind = p->backend == KVQ_FP8 ? BE_KVQ_E4M3 : p->backend == KVQ_QUANTO ? BE_KVQ_AFFINE_SHIFT : BE_KVQ_AFFINE_ZERO;
+    f->nbits = p->backend == KVQ_FP8 ? 8 : p->nbits;
+    f->block_tokens = block_tokens;
+    f->n_kv_heads = n_kv_heads;
+    f->head_dim = head_dim;
+    size_t codes = (size_t)n_kv_heads * (size_t)block_tokens * (size_t)head_dim * (size_t)f->nbits / 8;
+    if (f->kind == BE_KVQ_E4M3) {
+        f->k = (struct be_kvq_half){.gt = 1, .gd = head_dim, .codes = 0, .params = codes};
+        f->v = (struct be_kvq_half){.gt = 1, .gd = head_dim, .codes = align_up(codes), .params = align_up(codes) + codes};
+        f->block_bytes = align_up(f->v.params);
+        return TIER_OK;
+    }
+    if ((st = half_init(&f->k, p, p->axis_key, head_dim, block_tokens, "key", err)) != TIER_OK ||
+        (st = half_init(&f->v, p, p->axis_value, head_dim, block_tokens, "value", err)) != TIER_OK)
+        return st;
+    size_t off = 0;
+    struct be_kvq_half *parts[2] = {&f->k, &f->v};
+    for (int i = 0; i < 2; i++) {
+        size_t groups = (size_t)n_kv_heads * (size_t)(block_tokens / parts[i]->gt) * (size_t)(head_dim / parts[i]->gd);
+        parts[i]->codes = off;
+        parts[i]->params = align_up(off + codes);
+        off = align_up(parts[i]->params + groups * 2 * sizeof(uint16_t));
+    }
+    f->block_bytes = off;
+    return TIER_OK;
+}
+
+/* ---- host codec ----------------------------------------------------------- */
+
+/* f16 saturating at +-65504 rather than overflowing to inf, so an extreme
+ * group degrades instead of turning into NaNs. */
+static uint16_t param_f16(float x)
+{
+    return f32_to_f16(x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x);
+}
+
+static unsigned clamp_code(float r, int nbits)
+{
+    float top = (float)((1 << nbits) - 1);
+    return !(r >= 0.0f) ? 0u : r > top ? (unsigned)top : (unsigned)r; /* NaN -> 0 */
+}
+
+/* One affine group of n values x[i*stride]: writes its f16 pair to pr and
+ * code i through put(i, code). */
+struct group_io {
+    uint8_t *const *rows; /* code row of each value's token (per-channel) or one row (per-token) */
+    int first;            /* code index of value 0 within its row */
+    bool per_row;         /* value i lives in rows[i] at `first`; else rows[0] at first + i */
+};
+
+static void quantize_group(const struct be_kvq_format *f, const float *x, size_t stride, int n, uint16_t *pr,
+                           const struct group_io *io)
+{
+    float mn = x[0], mx = x[0];
+    for (int i = 1; i < n; i++) {
+        float e = x[(size_t)i * stride];
+        mn = e < mn ? e : mn;
+        mx = e > mx ? e : mx;
+    }
+    float top = (float)((1 << f->nbits) - 1), s, z;
+    bool quanto = f->kind == BE_KVQ_AFFINE_SHIFT;
+    if (quanto) {
+        pr[0] = param_f16((mx - mn) / top);
+        pr[1] = param_f16(-mn);
+        s = f16_to_f32(pr[0]);
+        z = f16_to_f32(pr[1]);
+    } else {
+        s = top / (mx - mn); /* hqq works with the inverse scale */
+        if (!(s <= 2e4f))
+            s = 2e4f;
+        z = -mn * s;
+        pr[0] = param_f16(1.0f / s);
+        pr[1] = param_f16(z);
+    }
+    for (int i = 0; i < n; i++) {
+        float e = x[(size_t)i * stride];
+        /* quanto with a constant group divides 0 by 0; code 0 decodes to min */
+        unsigned c = quanto ? (s == 0.0f ? 0u : clamp_code(rintf((e + z) / s), f->nbits))
+                            : clamp_code(rintf(e * s + z), f->nbits);
+        if (io->per_row)
+            kvq_code_put(io->rows[i], f->nbits, io->first, c);
+        else
+            kvq_code_put(io->rows[0], f->nbits, io->first + i, c);
+    }
+}
+
+static float dequant_code(const struct be_kvq_format *f, unsigned c, const uint16_t *pr)
+{
+    float s = f16_to_f32(pr[0]), z = f16_to_f32(pr[1]);
+    return f->kind == BE_KVQ_AFFINE_SHIFT ? (float)c * s - z : ((float)c - z) * s;
+}
+
+static void quantize_half(const struct be_kvq_format *f, const struct be_kvq_half *h, void *blk, int t0, int t1,
+                          const float *x, size_t stride, float scale)
+{
+    int D = f->head_dim, H = f->n_kv_heads;
+    for (int kvh = 0; kvh < H; kvh++) {
+        if (f->kind == BE_KVQ_E4M3) {
+            for (int t = t0; t < t1; t++) {
+                const float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
+                uint8_t *c = kvq_code_row(f, h, blk, kvh, t);
+                for (int d = 0; d < D; d++)
+                    c[d] = f32_to_e4m3(r[d] / scale);
+            }
+        } else if (h->gt == 1) {
+            for (int t = t0; t < t1; t++) {
+                uint8_t *row = kvq_code_row(f, h, blk, kvh, t);
+                const float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
+                for (int g = 0; g < D / h->gd; g++) {
+                    struct group_io io = {.rows = &row, .first = g * h->gd};
+                    quantize_group(f, r + g * h->gd, 1, h->gd, kvq_group_params(f, h, blk, kvh, t, g), &io);
+                }
+            }
+        } else {
+            uint8_t *rows[KVQ_MAX_GROUP];
+            for (int r0 = t0; r0 < t1; r0 += h->gt) {
+                int n = t1 - r0 < h->gt ? t1 - r0 : h->gt;
+                for (int i = 0; i < n; i++)
+                    rows[i] = kvq_code_row(f, h, blk, kvh, r0 + i);
+                const float *r = x + (size_t)(r0 - t0) * stride + (size_t)kvh * (size_t)D;
+                for (int d = 0; d < D; d++) {
+                    struct group_io io = {.rows = rows, .first = d, .per_row = true};
+                    quantize_group(f, r + d, stride, n, kvq_group_params(f, h, blk, kvh, r0 / h->gt, d), &io);
+                }
+            }
+        }
+    }
+}
+
+static void dequantize_half(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk, int t0,
+                            int t1, float *x, size_t stride, float scale)
+{
+    int D = f->head_dim;
+    for (int kvh = 0; kvh < f->n_kv_heads; kvh++)
+        for (int t = t0; t < t1; t++) {
+            const uint8_t *c = kvq_code_row(f, h, blk, kvh, t);
+            float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
+            for (int d = 0; d < D; d++)
+                r[d] = f->kind == BE_KVQ_E4M3
+                           ? e4m3_to_f32(c[d]) * scale
+                           : dequant_code(f, kvq_code_get(c, f->nbits, d),
+                                          kvq_group_params(f, h, blk, kvh, t / h->gt, d / h->gd));
+        }
+}
+
+void kvq_quantize(const struct be_kvq_format *f, void *block, int t0, int t1, const float *k, const float *v,
+                  size_t row_stride, float scale_k, float scale_v)
+{
+    quantize_half(f, &f->k, block, t0, t1, k, row_stride, scale_k);
+    quantize_half(f, &f->v, block, t0, t1, v, row_stride, scale_v);
+}
+
+void kvq_dequantize(const struct be_kvq_format *f, const void *block, int t0, int t1, float *k, float *v,
+                    size_t row_stride, float scale_k, float scale_v)
+{
+    dequantize_half(f, &f->k, block, t0, t1, k, row_stride, scale_k);
+    dequantize_half(f, &f->v, block, t0, t1, v, row_stride, scale_v);
+}
+
+/* max|x| / 448 maps the largest value onto the largest e4m3; an all-zero
+ * tensor gets 1 so later tokens still quantize. */
+static float e4m3_scale_of(float amax)
+{
+    return amax > 0.0f ? amax / E4M3_MAX : 1.0f;
+}
+
+float kvq_e4m3_scale(const float *x, size_t n)
+{
+    float amax = 0.0f;
+    for (size_t i = 0; i < n; i++)
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return e4m3_scale_of(amax);
+}
+
+/* ---- the KIVI layer ------------------------------------------------------- */
+
+struct kvq_ctx {
+    struct kv_quant_params p;
+    struct be_kvq_format fmt;
+    struct kvq_alloc a;
+    int fbt;              /* tokens per full-precision block */
+    size_t fblock_bytes;  /* K then V, each (n_kv_heads, fbt, head_dim) f32 */
+    float *rows_k, *rows_v; /* one quantized block of token rows, for the flush */
+};
+
+/* A growable table of blocks of one kind; `mark` is its length before the
+ * pending reserve, so abort knows what to return. */
+struct blocks {
+    void **b;
+    int n, cap, mark;
+};
+
+struct kvq_layer {
+    kvq_ctx *c;
+    int64_t len;       /* committed tokens (HF cumulative_length) */
+    int64_t nq;        /* positions [0, nq) are quantized */
+    int pending;       /* reserved, not yet committed */
+    bool reserved;
+    bool started;      /* the first update is committed */
+    bool flush;        /* the pending commit quantizes [nq, len + pending) */
+    float scale_k, scale_v;
+    struct blocks q;   /* quantized blocks from position 0 */
+    struct blocks f;   /* full-precision blocks from position fbase */
+    int64_t fbase;
+};
+
+enum tier_status kvq_ctx_create(const struct kv_quant_params *p, int n_kv_heads, int head_dim, int store_bt,
+                                const struct kvq_alloc *a, kvq_ctx **out, struct kvq_error *err)
+{
+    *out = NULL;
+    if (!a || !a->get || !a->put || store_bt <= 0)
+        return fail(err, "cache", "quantized KV needs a block allocator and a block size > 0");
+    kvq_ctx *c = calloc(1, sizeof(*c));
+    if (!c)
+        return TIER_ENOMEM_HOST;
+    enum tier_status st = kvq_format_init(&c->fmt, p, n_kv_heads, head_dim, kvq_block_tokens(p, store_bt), err);
+    if (st != TIER_OK) {
+        free(c);
+        return st;
+    }
+    c->p = *p;
+    c->a = *a;
+    c->fbt = store_bt;
+    c->fblock_bytes = 2 * (size_t)n_kv_heads * (size_t)store_bt * (size_t)head_dim * sizeof(float);
+    size_t rows = (size_t)c->fmt.block_tokens * (size_t)n_kv_heads * (size_t)head_dim;
+    c->rows_k = malloc(2 * rows * sizeof(float));
+    if (!c->rows_k) {
+        free(c);
+        return TIER_ENOMEM_HOST;
+    }
+    c->rows_v = c->rows_k + rows;
+    *out = c;
+    return TIER_OK;
+}
+
+void kvq_ctx_free(kvq_ctx *c)
+{
+    if (!c)
+        return;
+    free(c->rows_k);
+    free(c);
+}
+
+const struct be_kvq_format *kvq_ctx_format(const kvq_ctx *c)
+{
+    return &c->fmt;
+}
+
+size_t kvq_full_block_bytes(const kvq_ctx *c)
+{
+    return c->fblock_bytes;
+}
+
+enum tier_status kvq_layer_create(kvq_ctx *c, kvq_layer **out)
+{
+    *out = calloc(1, sizeof(**out));
+    if (!*out)
+        return TIER_ENOMEM_HOST;
+    (*out)->c = c;
+    (*out)->scale_k = (*out)->scale_v = 1.0f;
+    return TIER_OK;
+}
+
+static void put_from(kvq_ctx *c, enum kvq_block_kind kind, struct blocks *t, int from)
+{
+    while (t->n > from)
+        c->a.put(c->a.ctx, kind, t->b[--t->n]);
+}
+
+void kvq_layer_free(kvq_layer *l)
+{
+    if (!l)
+        return;
+    put_from(l->c, KVQ_BLOCK_QUANT, &l->q, 0);
+    put_from(l->c, KVQ_BLOCK_FULL, &l->f, 0);
+    free(l->q.b);
+    free(l->f.b);
+    free(l);
+}
+
+int64_t kvq_layer_length(const kvq_layer *l)
+{
+    return l->len;
+}
+
+int64_t kvq_layer_quantized(const kvq_layer *l)
+{
+    return l->nq;
+}
+
+int64_t kvq_layer_residual(const kvq_layer *l)
+{
+    return l->len - l->nq;
+}
+
+size_t kvq_layer_bytes(const kvq_layer *l)
+{
+    return (size_t)l->q.n * l->c->fmt.block_bytes + (size_t)l->f.n * l->c->fblock_bytes;
+}
+
+/* Takes blocks until t holds `want`; on failure returns what this call took. */
+static enum tier_status take(kvq_ctx *c, enum kvq_block_kind kind, struct blocks *t, int64_t want)
+{
+    if (want > INT32_MAX / 2)
+        return TIER_ENOMEM_HOST;
+    if (want > t->cap) {
+        int cap = t->cap ? t->cap : 8;
+        while (cap < want)
+            cap *= 2;
+        void **nb = realloc(t->b, (size_t)cap * sizeof(*nb));
+        if (!nb)
+            return TIER_ENOMEM_HOST;
+        t->b = nb;
+        t->cap = cap;
+    }
+    int from = t->n;
+    while (t->n < want) {
+        void *b = c->a.get(c->a.ctx, kind);
+        if (!b) {
+            put_from(c, kind, t, from);
+            return TIER_ENOMEM_DEV;
+        }
+        t->b[t->n++] = b;
+    }
+    return TIER_OK;
+}
+
+enum tier_status kvq_layer_reserve(kvq_layer *l, int n_new)
+{
+    kvq_ctx *c = l->c;
+    if (n_new < 0 || l->reserved)
+        return TIER_EINVAL;
+    int64_t res = l->len - l->nq, end = l->len + n_new;
+    /* HF's QuantizedLayer.update: the first update quantizes everything;
+     * later the residual is flushed when it is non-empty and one short of
+     * residual_length (keys.dim() == 4 is false for the empty residual). */
+    l->flush = !l->started || c->p.backend == KVQ_FP8 || (res > 0 && res + 1 >= c->p.residual_length);
+    l->q.mark = l->q.n;
+    l->f.mark = l->f.n;
+    int64_t T = c->fmt.block_tokens;
+    enum tier_status st = take(c, KVQ_BLOCK_FULL, &l->f, (end - l->fbase + c->fbt - 1) / c->fbt);
+    if (st == TIER_OK && l->flush)
+        st = take(c, KVQ_BLOCK_QUANT, &l->q, (end + T - 1) / T);
+    if (st != TIER_OK) {
+        put_from(c, KVQ_BLOCK_FULL, &l->f, l->f.mark);
+        return st;
+    }
+    l->pending = n_new;
+    l->reserved = true;
+    return TIER_OK;
+}
+
+void kvq_layer_view(const kvq_layer *l, struct be_kvq_view *out)
+{
+    const kvq_ctx *c = l->c;
+    *out = (struct be_kvq_view){
+        .fmt = &c->fmt,
+        .blocks = l->q.b,
+        .n_blocks = l->q.n,
+        .base = 0,
+        .lo = 0,
+        .hi = l->nq,
+        .scale_k = l->scale_k,
+        .scale_v = l->scale_v,
+        .rest = {.blocks = l->f.b,
+                 .n_blocks = l->f.n,
+                 .block_tokens = c->fbt,
+                 .v_offset = c->fblock_bytes / 2,
+                 .base = l->fbase,
+                 .lo = l->nq,
+                 .hi = l->len + l->pending},
+    };
+}
+
+/* Copies the full-precision rows of positions [p0, p1) into rows (token-major,
+ * n_kv_heads * head_dim floats per token). */
+static void gather_rows(const kvq_layer *l, int64_t p0, int64_t p1, float *rk, float *rv)
+{
+    const kvq_ctx *c = l->c;
+    int H = c->fmt.n_kv_heads, D = c->fmt.head_dim;
+    size_t hd = (size_t)D * sizeof(float);
+    for (int64_t pos = p0; pos < p1; pos++) {
+        int64_t rel = pos - l->fbase;
+        const char *blk = l->f.b[rel / c->fbt];
+        size_t slot = (size_t)(rel % c->fbt);
+        for (int h = 0; h < H; h++) {
+            size_t src = ((size_t)h * (size_t)c->fbt + slot) * hd, dst = ((size_t)(pos - p0) * (size_t)H + (size_t)h) * (size_t)D;
+            memcpy(rk + dst, blk + src, hd);
+            memcpy(rv + dst, blk + c->fblock_bytes / 2 + src, hd);
+        }
+    }
+}
+
+/* The fp8 tensor scales from the first update's tokens [0, end). */
+static void calibrate_e4m3(kvq_layer *l, int64_t end)
+{
+    const kvq_ctx *c = l->c;
+    size_t per_block = (size_t)c->fmt.n_kv_heads * (size_t)c->fbt * (size_t)c->fmt.head_dim;
+    float amax_k = 0.0f, amax_v = 0.0f;
+    for (int64_t b = 0; b * c->fbt < end; b++) {
+        const float *k = l->f.b[b], *v = k + per_block;
+        int n = end - b * c->fbt < c->fbt ? (int)(end - b * c->fbt) : c->fbt;
+        for (int h = 0; h < c->fmt.n_kv_heads; h++)
+            for (size_t i = 0; i < (size_t)n * (size_t)c->fmt.head_dim; i++) {
+                size_t at = (size_t)h * (size_t)c->fbt * (size_t)c->fmt.head_dim + i;
+                amax_k = fabsf(k[at]) > amax_k ? fabsf(k[at]) : amax_k;
+                amax_v = fabsf(v[at]) > amax_v ? fabsf(v[at]) : amax_v;
+            }
+    }
+    l->scale_k = e4m3_scale_of(amax_k);
+    l->scale_v = e4m3_scale_of(amax_v);
+}
+
+/* First position a flush from nq must re-quantize in half h: the start of
+ * nq's group row for per-channel groups (its earlier tokens are decoded and
+ * quantized again with the new ones), nq itself otherwise. */
+static int64_t reopen_from(const struct be_kvq_half *h, enum be_kvq_codes kind, int64_t nq)
+{
+    return kind != BE_KVQ_E4M3 && h->gt > 1 ? nq / h->gt * h->gt : nq;
+}
+
+/* Quantizes [nq, end) block by block from the full-precision blocks. */
+static void flush(kvq_layer *l, int64_t end)
+{
+    kvq_ctx *c = l->c;
+    const struct be_kvq_format *f = &c->fmt;
+    int64_t T = f->block_tokens;
+    size_t stride = (size_t)f->n_kv_heads * (size_t)f->head_dim;
+    for (int64_t b = l->nq / T; b * T < end; b++) {
+        int64_t lo = l->nq > b * T ? l->nq : b * T, hi = end < (b + 1) * T ? end : (b + 1) * T;
+        int64_t k0 = reopen_from(&f->k, f->kind, lo), v0 = reopen_from(&f->v, f->kind, lo);
+        int64_t r0 = k0 < v0 ? k0 : v0; /* rows[0] is position r0 */
+        void *blk = l->q.b[b];
+        if (k0 < lo)
+            dequantize_half(f, &f->k, blk, (int)(k0 - b * T), (int)(lo - b * T), c->rows_k + (size_t)(k0 - r0) * stride,
+                            stride, l->scale_k);
+        if (v0 < lo)
+            dequantize_half(f, &f->v, blk, (int)(v0 - b * T), (int)(lo - b * T), c->rows_v + (size_t)(v0 - r0) * stride,
+                            stride, l->scale_v);
+        gather_rows(l, lo, hi, c->rows_k + (size_t)(lo - r0) * stride, c->rows_v + (size_t)(lo - r0) * stride);
+        quantize_half(f, &f->k, blk, (int)(k0 - b * T), (int)(hi - b * T), c->rows_k + (size_t)(k0 - r0) * stride,
+                      stride, l->scale_k);
+        quantize_half(f, &f->v, blk, (int)(v0 - b * T), (int)(hi - b * T), c->rows_v + (size_t)(v0 - r0) * stride,
+                      stride, l->scale_v);
+    }
+}
+
+void kvq_layer_commit(kvq_layer *l)
+{
+    if (!l->reserved)
+        return;
+    kvq_ctx *c = l->c;
+    int64_t end = l->len + l->pending;
+    if (l->flush) {
+        if (!l->started && c->p.backend == KVQ_FP8)
+            calibrate_e4m3(l, end);
+        flush(l, end);
+        l->nq = end;
+        /* the residual is empty: every full-precision block goes back */
+        put_from(c, KVQ_BLOCK_FULL, &l->f, 0);
+        l->fbase = end / c->fbt * c->fbt;
+    }
+    l->len = end;
+    l->started = true;
+    l->pending = 0;
+    l->reserved = false;
+}
+
+void kvq_layer_abort(kvq_layer *l)
+{
+    if (!l->reserved)
+        return;
+    put_from(l->c, KVQ_BLOCK_QUANT, &l->q, l->q.mark);
+    put_from(l->c, KVQ_BLOCK_FULL, &l->f, l->f.mark);
+    l->pending = 0;
+    l->reserved = false;
+}

@@ -1,0 +1,143 @@
+/* quant.h - quantized KV (issue 6): the "quantized" cache strategy's
+ * parameters, the packed block formats (backend.h's be_kvq_format), the
+ * host codec that writes and reads them, and the KIVI layer - one layer of
+ * one sequence as Hugging Face's QuantizedLayer keeps it, over paged blocks.
+ * docs/quantization.md explains the formats and every deviation from the
+ * reference.
+ *
+ * The layer follows the store's transaction: kvq_layer_reserve(n) takes
+ * every block the step could need (all or nothing), the forward pass writes
+ * the new tokens with be_kv_store into view.rest and reads with
+ * be_attention_quant, then kvq_layer_commit() applies the KIVI rule (it
+ * cannot fail) or kvq_layer_abort() undoes the reserve.
+ */
+#ifndef KVTIER_QUANT_H
+#define KVTIER_QUANT_H
+
+#include <jansson.h>
+
+#include "model/backend.h"
+#include "tiers/kvstore.h"
+
+enum kv_quant_backend { KVQ_QUANTO = 0, KVQ_HQQ = 1, KVQ_FP8 = 2 };
+
+/* The reference's QuantizedCache arguments.  axis_* are in the backend's own
+ * numbering (quanto 0 = per token, -1 = per channel; hqq 1 = per token,
+ * 0 = per channel).  fp8 uses none of the other fields. */
+struct kv_quant_params {
+    enum kv_quant_backend backend;
+    int nbits;
+    int axis_key, axis_value;
+    int q_group_size;
+    int residual_length;
+};
+
+#define KVQ_PARAM_LEN 40
+#define KVQ_MSG_LEN 240
+
+/* An invalid parameter: the request field ("cache.nbits") and a message
+ * naming it and its allowed values. */
+struct kvq_error {
+    char param[KVQ_PARAM_LEN];
+    char msg[KVQ_MSG_LEN];
+};
+
+/* Bounds kvtier adds to the reference's "> 0" / ">= 0" so that sizes stay
+ * small: a group is at most one block's scratch, the residual at most what
+ * a long prompt holds anyway. */
+#define KVQ_MAX_GROUP 1024
+#define KVQ_MAX_RESIDUAL 65536
+
+const char *kv_quant_backend_name(enum kv_quant_backend b);
+/* The reference defaults for backend b: nbits 4, axes 0, group 64, residual 128. */
+struct kv_quant_params kv_quant_defaults(enum kv_quant_backend b);
+/* TIER_EINVAL with *err filled when p breaks the reference validation (plus
+ * the kvtier extension quanto nbits 8). */
+enum tier_status kv_quant_validate(const struct kv_quant_params *p, struct kvq_error *err);
+/* Reads a request's "cache" object ({"implementation": "quantized",
+ * "backend": ..., ...}; NULL: all defaults) into *out and validates it.
+ * Unknown keys, wrong JSON types and, for fp8, any of nbits, axis_key,
+ * axis_value, q_group_size, residual_length are errors. */
+enum tier_status kv_quant_parse(const json_t *cache, struct kv_quant_params *out, struct kvq_error *err);
+
+/* ---- formats -------------------------------------------------------------- */
+
+/* Tokens per quantized block for a store whose blocks hold store_bt tokens:
+ * store_bt, rounded up to whole per-channel groups when an axis is per
+ * channel. */
+int kvq_block_tokens(const struct kv_quant_params *p, int store_bt);
+/* Resolves p's packed layout for n_kv_heads x head_dim and blocks of
+ * block_tokens tokens.  TIER_EINVAL naming q_group_size (or head_dim) when
+ * the groups do not tile the block: per-token groups must divide head_dim
+ * (a group larger than head_dim is one whole head row) and hold a whole
+ * number of bytes of codes; per-channel groups must divide block_tokens. */
+enum tier_status kvq_format_init(struct be_kvq_format *f, const struct kv_quant_params *p, int n_kv_heads,
+                                 int head_dim, int block_tokens, struct kvq_error *err);
+
+/* ---- host codec ----------------------------------------------------------- */
+
+/* Quantizes tokens [t0, t1) of a block from rows k and v (token i of the
+ * range at k + i*row_stride, n_kv_heads*head_dim floats, head-major as the
+ * forward pass produces them).  Per-channel groups are computed over the
+ * tokens given, so t0 must start a group row (kvq_layer re-reads the earlier
+ * tokens of a reopened row and passes them again); a range ending inside a
+ * row gives that row parameters over its present tokens.  scale_k/scale_v
+ * are the e4m3 tensor scales (ignored by the affine kinds). */
+void kvq_quantize(const struct be_kvq_format *f, void *block, int t0, int t1, const float *k, const float *v,
+                  size_t row_stride, float scale_k, float scale_v);
+/* The inverse: rows of tokens [t0, t1) decoded into k and v. */
+void kvq_dequantize(const struct be_kvq_format *f, const void *block, int t0, int t1, float *k, float *v,
+                    size_t row_stride, float scale_k, float scale_v);
+/* The fp8 tensor scale of x[n]: max|x| / 448, or 1 when x is all zeros. */
+float kvq_e4m3_scale(const float *x, size_t n);
+
+/* ---- the KIVI layer ------------------------------------------------------- */
+
+enum kvq_block_kind {
+    KVQ_BLOCK_QUANT = 0, /* fmt->block_bytes */
+    KVQ_BLOCK_FULL = 1,  /* f32 K and V of store_bt tokens, the store's layout (be_kv_view) */
+};
+
+/* Where blocks come from (the store's tiers, later).  get returns NULL when
+ * out of memory; blocks are returned with put. */
+struct kvq_alloc {
+    void *ctx;
+    void *(*get)(void *ctx, enum kvq_block_kind kind);
+    void (*put)(void *ctx, enum kvq_block_kind kind, void *block);
+};
+
+typedef struct kvq_ctx kvq_ctx;     /* per store: format, allocator, scratch */
+typedef struct kvq_layer kvq_layer; /* one layer of one sequence */
+
+/* store_bt: tokens per full-precision block (the store's block size). */
+enum tier_status kvq_ctx_create(const struct kv_quant_params *p, int n_kv_heads, int head_dim, int store_bt,
+                                const struct kvq_alloc *a, kvq_ctx **out, struct kvq_error *err);
+void kvq_ctx_free(kvq_ctx *c); /* accepts NULL; every layer must be freed first */
+const struct be_kvq_format *kvq_ctx_format(const kvq_ctx *c);
+size_t kvq_full_block_bytes(const kvq_ctx *c);
+
+enum tier_status kvq_layer_create(kvq_ctx *c, kvq_layer **out);
+void kvq_layer_free(kvq_layer *l); /* accepts NULL; returns its blocks */
+
+/* HF get_seq_length(): every committed token. */
+int64_t kvq_layer_length(const kvq_layer *l);
+/* Committed tokens held quantized / in the full-precision residual. */
+int64_t kvq_layer_quantized(const kvq_layer *l);
+int64_t kvq_layer_residual(const kvq_layer *l);
+/* Bytes of the blocks the layer holds. */
+size_t kvq_layer_bytes(const kvq_layer *l);
+
+/* Room for n_new tokens at positions [length, length + n_new) in view.rest,
+ * plus the quantized blocks the commit may fill.  TIER_ENOMEM_DEV leaves the
+ * layer as it was. */
+enum tier_status kvq_layer_reserve(kvq_layer *l, int n_new);
+/* The view attention reads; valid until the next reserve, commit or abort. */
+void kvq_layer_view(const kvq_layer *l, struct be_kvq_view *out);
+/* Makes the reserved tokens part of the layer.  The first update quantizes
+ * everything; after it, when the residual is non-empty and residual + 1 >=
+ * residual_length, the residual and the new tokens are quantized (HF's test),
+ * else the new tokens join the residual.  fp8 quantizes at every commit. */
+void kvq_layer_commit(kvq_layer *l);
+void kvq_layer_abort(kvq_layer *l);
+
+#endif
