@@ -5,8 +5,8 @@
  * Numerics follow the reference quantizers on f32 tensors, per group:
  *   quanto (MaxOptimizer + quantize_affine):  s = (max - min) / (2^b - 1),
  *     shift = -min, c = clamp(round((x + shift) / s)), x' = c*s - shift
- *   hqq (Quantizer.quantize, optimize=False): i = min((2^b - 1) / (max - min),
- *     2e4), zero = -min * i, c = clamp(round(x*i + zero)), s = 1/i,
+ *   hqq (Quantizer.quantize, optimize=False): i = min((1 / (max - min)) *
+ *     (2^b - 1), 2e4), zero = -min * i, c = clamp(round(x*i + zero)), s = 1/i,
  *     x' = (c - zero) * s
  * round is half to even (torch.round).  The pair (s, shift|zero) is stored
  * as f16, the reference's storage for a half-precision model: quanto's
@@ -292,7 +292,10 @@ static void quantize_group(const struct be_kvq_format *f, const float *x, size_t
         s = f16_to_f32(pr[0]);
         z = f16_to_f32(pr[1]);
     } else {
-        s = top / (mx - mn); /* hqq works with the inverse scale */
+        /* hqq works with the inverse scale; torch evaluates its
+         * max_v / (max - min) (a number over a tensor) as a reciprocal times
+         * max_v, which rounds differently from a division */
+        s = (1.0f / (mx - mn)) * top;
         if (!(s <= 2e4f))
             s = 2e4f;
         z = -mn * s;
