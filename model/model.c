@@ -415,7 +415,7 @@ static bool continue_offloaded(struct fw_seq *seqs, int n_seqs, int culprit, enu
 {
     for (int k = -1; k < n_seqs; k++) {
         int i = k < 0 ? culprit : k;
-        if (i < 0 || (k >= 0 && i == culprit) || !kv_seq_stats(seqs[i].kv).dev_bytes)
+        if (i < 0 || (k >= 0 && i == culprit) || !kv_seq_stats(seqs[i].kv).resident_layers)
             continue;
         enum tier_status ts = kv_seq_offload(seqs[i].kv, KV_FALLBACK_OOM);
         if (ts == TIER_OK)

@@ -54,7 +54,6 @@
 
 #define KV_DEFAULT_BLOCK_TOKENS 32
 #define KV_CHUNK_BLOCKS 64 /* blocks per device allocation when the pool grows */
-#define MIB(x) ((double)(x) / (1024.0 * 1024.0))
 
 const char *tier_strerror(enum tier_status st)
 {
@@ -221,8 +220,8 @@ static enum tier_status pool_grow(kv_store *s)
     }
     struct be_mem_stats ms = be_mem_stats(s->be);
     return kv_fail(s, TIER_ENOMEM_DEV,
-                   "device tier budget %.1f MiB exhausted (%.1f MiB in use) growing the KV pool by a %zu-byte block",
-                   MIB(ms.dev_budget), MIB(ms.dev_used), s->block_bytes);
+                   "device tier budget of %zu bytes exhausted (%zu in use) growing the KV pool by a %zu-byte block",
+                   ms.dev_budget, ms.dev_used, s->block_bytes);
 }
 
 /* Returns the pool chunks none of whose blocks is in use to the device, so
@@ -252,6 +251,13 @@ void kv_store_trim(kv_store *s)
     s->n_chunks = keep;
 }
 
+/* Device bytes free to the store: the budget left plus its free pool blocks. */
+static size_t dev_available(const kv_store *s)
+{
+    struct be_mem_stats ms = be_mem_stats(s->be);
+    return ms.dev_budget - ms.dev_used + s->n_free * s->block_bytes;
+}
+
 /* ---- extents -------------------------------------------------------------- */
 
 /* An extent of nb blocks in the home's tier, charged to the host budget
@@ -262,8 +268,8 @@ static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, be_buf
     enum be_status st;
     if (home == KV_HOME_HOST) {
         if (s->host_budget && bytes > s->host_budget - s->host_used) {
-            return kv_fail(s, TIER_ENOMEM_HOST, "host tier budget %.1f MiB exhausted: %.1f MiB in use, %.1f MiB more needed",
-                           MIB(s->host_budget), MIB(s->host_used), MIB(bytes));
+            return kv_fail(s, TIER_ENOMEM_HOST, "host tier budget of %zu bytes exhausted: %zu in use, %zu more needed",
+                           s->host_budget, s->host_used, bytes);
         }
         st = be_host_alloc(s->be, bytes, out);
     } else {
@@ -272,12 +278,12 @@ static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, be_buf
     if (st == BE_ENOMEM_DEV) {
         struct be_mem_stats ms = be_mem_stats(s->be);
         return kv_fail(s, TIER_ENOMEM_DEV,
-                       "device tier budget %.1f MiB exhausted: %.1f MiB in use, %.1f MiB more needed for a KV extent",
-                       MIB(ms.dev_budget), MIB(ms.dev_used), MIB(bytes));
+                       "device tier budget of %zu bytes exhausted: %zu in use, %zu more needed for a KV extent",
+                       ms.dev_budget, ms.dev_used, bytes);
     }
     if (st != BE_OK) {
         return kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
-                       "host memory: cannot allocate a %.1f MiB KV extent: %s", MIB(bytes), be_strerror(st));
+                       "host memory: cannot allocate a KV extent of %zu bytes: %s", bytes, be_strerror(st));
     }
     if (home == KV_HOME_HOST)
         s->host_used += bytes;
@@ -406,16 +412,20 @@ static enum tier_status ext_resize(kv_seq *q, struct kv_layer *L, int nb)
     return st;
 }
 
-/* Makes an extent span [lo, end): a growable full layer at least doubles
- * (host memory for fewer copies), falling back to the exact need when the
- * doubled size does not fit. */
+/* Makes an extent span [lo, end).  A growable full layer doubles (fewer
+ * copies) when that leaves room for every layer to grow to the exact need
+ * after it; otherwise, near a budget, it takes the exact need so that the
+ * first layers do not starve the last ones. */
 static enum tier_status ext_reserve(kv_seq *q, struct kv_layer *L, int64_t end)
 {
-    int need = ext_need(q->s, L, end);
+    kv_store *s = q->s;
+    int need = ext_need(s, L, end);
     if (need <= L->ext_blocks)
         return TIER_OK;
-    if (!L->window && L->ext_blocks && 2 * L->ext_blocks > need &&
-        ext_resize(q, L, 2 * L->ext_blocks) == TIER_OK)
+    size_t headroom = ((size_t)2 * L->ext_blocks + (size_t)s->g.n_layers * need) * s->block_bytes;
+    bool room = L->home == KV_HOME_HOST ? !s->host_budget || s->host_used + headroom <= s->host_budget
+                                        : headroom <= dev_available(s);
+    if (!L->window && 2 * L->ext_blocks > need && room && ext_resize(q, L, 2 * L->ext_blocks) == TIER_OK)
         return TIER_OK;
     return ext_resize(q, L, need);
 }
@@ -451,13 +461,6 @@ static int layer_blocks_for(const kv_store *s, int keep, int64_t n)
 {
     int64_t span = keep && keep < n ? keep + 1 : n;
     return (int)((span + s->bt - 1) / s->bt) + (keep ? 1 : 0);
-}
-
-/* Device bytes free to the store: the budget left plus its free pool blocks. */
-static size_t dev_available(const kv_store *s)
-{
-    struct be_mem_stats ms = be_mem_stats(s->be);
-    return ms.dev_budget - ms.dev_used + s->n_free * s->block_bytes;
 }
 
 /* The adaptive choice: how many streamable layers (from the front) stay on

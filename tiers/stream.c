@@ -90,36 +90,37 @@ static void xfer_add(struct kv_xfer_stats *a, const struct kv_xfer_stats *b)
     a->compute_s += b->compute_s;
 }
 
-/* Two slots of at least `need` bytes; on failure the store holds none. */
+/* Two slots of at least `need` bytes, rounded up when the budget allows,
+ * exact when only that fits, after returning free pool chunks when even
+ * that does not.  On failure the store holds none. */
 static enum tier_status slots_alloc(kv_store *s, size_t need)
 {
     size_t round = KV_SLOT_ROUND_BLOCKS * s->block_bytes;
-    size_t cap = (need + round - 1) / round * round;
+    size_t caps[2] = {(need + round - 1) / round * round, need};
     be_buffer_free(s->slot[0]);
     be_buffer_free(s->slot[1]);
     s->slot[0] = s->slot[1] = NULL;
     s->slot_cap = 0;
-    enum be_status st = BE_OK;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        st = be_dev_alloc(s->be, cap, &s->slot[0]);
+    enum be_status st = BE_ENOMEM_DEV;
+    for (int attempt = 0; attempt < 4 && st == BE_ENOMEM_DEV; attempt++) {
+        if (attempt == 2)
+            kv_store_trim(s);
+        st = be_dev_alloc(s->be, caps[attempt % 2], &s->slot[0]);
         if (st == BE_OK)
-            st = be_dev_alloc(s->be, cap, &s->slot[1]);
+            st = be_dev_alloc(s->be, caps[attempt % 2], &s->slot[1]);
         if (st == BE_OK) {
-            s->slot_cap = cap;
+            s->slot_cap = caps[attempt % 2];
             return TIER_OK;
         }
         be_buffer_free(s->slot[0]);
         s->slot[0] = NULL;
-        if (st != BE_ENOMEM_DEV)
-            break;
-        kv_store_trim(s); /* free pool chunks may be what stands in the way */
     }
     if (st != BE_ENOMEM_DEV)
         return kv_fail(s, TIER_EIO, "streaming slots: %s", be_strerror(st));
     struct be_mem_stats ms = be_mem_stats(s->be);
     return kv_fail(s, TIER_ENOMEM_DEV,
-                   "device tier budget %.1f MiB exhausted: %.1f MiB in use, two streaming slots of %.1f MiB needed",
-                   (double)ms.dev_budget / 1048576.0, (double)ms.dev_used / 1048576.0, (double)cap / 1048576.0);
+                   "device tier budget of %zu bytes exhausted: %zu in use, two streaming slots of %zu bytes needed",
+                   ms.dev_budget, ms.dev_used, need);
 }
 
 enum tier_status kv_store_step_begin(kv_store *s)

@@ -1,0 +1,464 @@
+/* Description: the tiers under a real forward pass (issue 4 tests 1-4, 6):
+ * identical tokens and bit-identical logits for dynamic, static, offloaded,
+ * offloaded_static and adaptive residency, with full, all-sliding and
+ * hybrid models, multi-chunk prefills and mixed batches; the SQLite-style
+ * device-allocation fault sweep (fail once, fail from N on); a request
+ * needing 4x the device budget; the peak device bytes of offloaded mode;
+ * host-tier exhaustion; the measured prefetch figures.
+ * The models are random ones from tools/mkmodel.py (skip without it).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "model/model.h"
+
+#define N_PROMPT 20
+#define N_GEN 64
+#define CHUNK 8 /* rows per forward chunk: the prompt takes three */
+
+static char g_dir[] = "/tmp/kvtier-tiers-XXXXXX";
+
+enum { M_LLAMA, M_MISTRAL, M_QWEN2, M_DEEP, N_MODELS };
+static const char *const model_args[N_MODELS] = {
+    [M_LLAMA] = "--arch llama --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320",
+    [M_MISTRAL] = "--arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8",
+    [M_QWEN2] = "--arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8 "
+                "--max-window-layers 1",
+    [M_DEEP] = "--arch llama --layers 8 --dim 32 --heads 2 --kv-heads 1 --ffn 64 --vocab 320",
+};
+
+static void model_path(int which, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s/m%d", g_dir, which);
+}
+
+static int make_models(void)
+{
+    if (!mkdtemp(g_dir))
+        return -1;
+    for (int i = 0; i < N_MODELS; i++) {
+        char dir[128], cmd[512];
+        model_path(i, dir, sizeof(dir));
+        snprintf(cmd, sizeof(cmd), "/usr/bin/python3 tools/mkmodel.py --out %s --seed %d %s > /dev/null 2>&1", dir,
+                 7 + i, model_args[i]);
+        if (system(cmd) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* A backend with a device budget and the model loaded on it. */
+struct rig {
+    be_backend *be;
+    model *m;
+    kv_store *store;
+    size_t act_bytes; /* device bytes of the model's activations */
+};
+
+static void rig_open(struct rig *r, int which, size_t device_mem, size_t host_mem)
+{
+    char dir[128], err[MODEL_ERR_LEN];
+    model_path(which, dir, sizeof(dir));
+    struct be_params bp = {.n_threads = 1, .device_mem = device_mem};
+    assert_int_equal(be_open("cpu", &bp, &r->be), BE_OK);
+    struct model_params mp = {.max_batch_tokens = CHUNK};
+    enum model_status st = model_load(dir, r->be, &mp, &r->m, err);
+    if (st != MODEL_OK)
+        fail_msg("model_load %s: %s", dir, err);
+    r->act_bytes = be_mem_stats(r->be).dev_used;
+    struct kv_geom g = model_kv_geom(r->m);
+    struct kv_store_params sp = {.host_mem = host_mem};
+    assert_int_equal(kv_store_open(r->be, &g, &sp, &r->store), TIER_OK);
+}
+
+static void rig_close(struct rig *r)
+{
+    kv_store_free(r->store);
+    model_free(r->m);
+    be_free(r->be);
+}
+
+static int vocab(const struct rig *r)
+{
+    return model_get_config(r->m)->vocab_size;
+}
+
+static int32_t argmax(const float *x, int n)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+static void prompt_of(int salt, int32_t *ids)
+{
+    for (int i = 0; i < N_PROMPT; i++)
+        ids[i] = (int32_t)((i * 37 + salt * 101 + 3) % 300 + 4);
+}
+
+/* Greedy prefill + N_GEN decode steps on q: toks[N_GEN], logits[N_GEN][vocab]
+ * (NULL = not kept).  Returns the first failing status. */
+static enum model_status greedy(struct rig *r, kv_seq *q, int salt, int32_t *toks, float *logits)
+{
+    int V = vocab(r);
+    float *row = malloc((size_t)V * sizeof(float));
+    assert_non_null(row);
+    int32_t ids[N_PROMPT];
+    prompt_of(salt, ids);
+    struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = N_PROMPT, .logits = row};
+    enum model_status st = model_forward(r->m, &fs, 1);
+    for (int i = 0; i < N_GEN && st == MODEL_OK; i++) {
+        toks[i] = argmax(row, V);
+        if (logits)
+            memcpy(logits + (size_t)i * V, row, (size_t)V * sizeof(float));
+        fs = (struct fw_seq){.kv = q, .tokens = &toks[i], .n_tokens = 1, .logits = row};
+        if (i + 1 < N_GEN)
+            st = model_forward(r->m, &fs, 1);
+    }
+    free(row);
+    return st;
+}
+
+struct clean {
+    int32_t toks[N_GEN];
+    float *logits;
+};
+
+static void clean_run(int which, int salt, struct clean *c)
+{
+    struct rig r;
+    rig_open(&r, which, 0, 0);
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, NULL, &q), TIER_OK);
+    c->logits = malloc((size_t)N_GEN * vocab(&r) * sizeof(float));
+    assert_non_null(c->logits);
+    assert_int_equal(greedy(&r, q, salt, c->toks, c->logits), MODEL_OK);
+    kv_seq_free(q);
+    rig_close(&r);
+}
+
+static const struct kv_seq_params variants[] = {
+    {.strategy = KV_STATIC, .max_cache_len = N_PROMPT + N_GEN},
+    {.strategy = KV_OFFLOADED},
+    {.strategy = KV_OFFLOADED_STATIC, .max_cache_len = N_PROMPT + N_GEN},
+    {.strategy = KV_OFFLOADED, .offload_sliding = KV_OFFLOAD_SLIDING_NO},
+    {.strategy = KV_OFFLOADED_STATIC, .max_cache_len = 100, .offload_sliding = KV_OFFLOAD_SLIDING_YES},
+    {.strategy = KV_OFFLOADED, .adaptive = true, .max_cache_len = N_PROMPT + N_GEN},
+};
+#define N_VARIANTS (sizeof(variants) / sizeof(variants[0]))
+
+/* Test 1: every strategy gives the dynamic run's tokens and logits, bit
+ * for bit (the same values reach attention in the same order). */
+static void test_strategies_identical(void **state)
+{
+    (void)state;
+    for (int which = M_LLAMA; which <= M_QWEN2; which++) {
+        struct clean c;
+        clean_run(which, which, &c);
+        struct rig r;
+        rig_open(&r, which, 0, 0);
+        size_t bytes = (size_t)N_GEN * vocab(&r) * sizeof(float);
+        float *logits = malloc(bytes);
+        assert_non_null(logits);
+        for (size_t v = 0; v < N_VARIANTS; v++) {
+            kv_seq *q;
+            int32_t toks[N_GEN];
+            assert_int_equal(kv_seq_create(r.store, &variants[v], &q), TIER_OK);
+            assert_int_equal(greedy(&r, q, which, toks, logits), MODEL_OK);
+            if (memcmp(toks, c.toks, sizeof(toks)) || memcmp(logits, c.logits, bytes))
+                fail_msg("model %d, %s variant %zu differs from dynamic", which,
+                         kv_strategy_name(variants[v].strategy), v);
+            struct kv_seq_stats ss = kv_seq_stats(q);
+            assert_int_equal(ss.fallback, KV_FALLBACK_NONE);
+            if (v == 1) { /* plain offloaded streams every layer of every step */
+                assert_true(ss.xfer.steps == N_GEN);
+                assert_true(ss.xfer.bytes_h2d > 0 && ss.xfer.bytes_d2h > 0);
+            }
+            kv_seq_free(q);
+        }
+        free(logits);
+        free(c.logits);
+        rig_close(&r);
+    }
+}
+
+/* Test 1, batched: one forward step over sequences with different
+ * strategies (one slot holds every streamed sequence's layer) gives each
+ * the tokens it gets alone. */
+static void test_mixed_batch(void **state)
+{
+    (void)state;
+    enum { B = 3 };
+    struct clean c[B];
+    for (int i = 0; i < B; i++)
+        clean_run(M_QWEN2, 10 + i, &c[i]);
+    struct rig r;
+    rig_open(&r, M_QWEN2, 0, 0);
+    int V = vocab(&r);
+    const struct kv_seq_params ps[B] = {
+        {.strategy = KV_OFFLOADED},
+        {.strategy = KV_DYNAMIC},
+        {.strategy = KV_OFFLOADED_STATIC, .max_cache_len = 128, .offload_sliding = KV_OFFLOAD_SLIDING_YES},
+    };
+    kv_seq *q[B];
+    int32_t ids[B][N_PROMPT], toks[B][N_GEN];
+    float *rows = malloc((size_t)B * V * sizeof(float));
+    assert_non_null(rows);
+    struct fw_seq fs[B];
+    for (int i = 0; i < B; i++) {
+        assert_int_equal(kv_seq_create(r.store, &ps[i], &q[i]), TIER_OK);
+        prompt_of(10 + i, ids[i]);
+        fs[i] = (struct fw_seq){.kv = q[i], .tokens = ids[i], .n_tokens = N_PROMPT, .logits = rows + i * V};
+    }
+    assert_int_equal(model_forward(r.m, fs, B), MODEL_OK);
+    for (int t = 0; t < N_GEN; t++) {
+        for (int i = 0; i < B; i++) {
+            toks[i][t] = argmax(rows + i * V, V);
+            fs[i] = (struct fw_seq){.kv = q[i], .tokens = &toks[i][t], .n_tokens = 1, .logits = rows + i * V};
+        }
+        if (t + 1 < N_GEN)
+            assert_int_equal(model_forward(r.m, fs, B), MODEL_OK);
+    }
+    for (int i = 0; i < B; i++) {
+        assert_memory_equal(toks[i], c[i].toks, sizeof(toks[i]));
+        kv_seq_free(q[i]);
+        free(c[i].logits);
+    }
+    free(rows);
+    rig_close(&r);
+}
+
+static int64_t is_static_len(enum kv_strategy st)
+{
+    return st == KV_STATIC || st == KV_OFFLOADED_STATIC ? N_PROMPT + N_GEN : 0;
+}
+
+/* Test 2: fail the Nth device allocation of a whole request for every N it
+ * reaches, once and from N on.  Each run gives the clean tokens or stops
+ * with the device error and a message; nothing leaks (ASan run). */
+static void sweep(enum kv_strategy strategy, bool repeat, const struct clean *c)
+{
+    int32_t toks[N_GEN];
+    for (uint64_t n = 1;; n++) {
+        struct rig r;
+        rig_open(&r, M_LLAMA, 0, 0);
+        kv_seq *q = NULL;
+        struct kv_seq_params p = {.strategy = strategy, .max_cache_len = is_static_len(strategy)};
+        uint64_t failures = be_mem_stats(r.be).dev_failures;
+        be_fault_dev_alloc(r.be, n, repeat);
+        enum tier_status ts = kv_seq_create(r.store, &p, &q);
+        enum model_status st = ts == TIER_OK ? greedy(&r, q, M_LLAMA, toks, NULL) : MODEL_EDEVMEM;
+        bool reached = be_mem_stats(r.be).dev_failures > failures;
+        be_fault_dev_alloc(r.be, 0, false);
+        if (st == MODEL_OK) {
+            if (memcmp(toks, c->toks, sizeof(toks)))
+                fail_msg("%s, fault at allocation %llu%s: tokens differ", kv_strategy_name(strategy),
+                         (unsigned long long)n, repeat ? " on" : "");
+        } else {
+            assert_true(repeat);
+            assert_int_equal(st, MODEL_EDEVMEM);
+            assert_true(strlen(kv_store_errmsg(r.store)) > 0);
+        }
+        kv_seq_free(q);
+        assert_int_equal(kv_store_stats(r.store).host_bytes, 0);
+        assert_int_equal(kv_store_stats(r.store).blocks_used, 0);
+        rig_close(&r);
+        if (!reached)
+            break;
+    }
+}
+
+static void test_fault_sweep(void **state)
+{
+    (void)state;
+    struct clean c;
+    clean_run(M_LLAMA, M_LLAMA, &c);
+    const enum kv_strategy sts[] = {KV_DYNAMIC, KV_STATIC, KV_OFFLOADED, KV_OFFLOADED_STATIC};
+    for (size_t i = 0; i < sizeof(sts) / sizeof(sts[0]); i++) {
+        sweep(sts[i], false, &c);
+        sweep(sts[i], true, &c);
+    }
+    free(c.logits);
+}
+
+/* KV bytes of one layer of the deep model holding n tokens. */
+static size_t layer_kv_bytes(const struct rig *r, int64_t n)
+{
+    const struct model_config *c = model_get_config(r->m);
+    int bt = kv_store_block_tokens(r->store);
+    size_t block = 2 * (size_t)c->n_kv_heads * (size_t)bt * (size_t)c->head_dim * sizeof(float);
+    return (size_t)((n + bt - 1) / bt) * block;
+}
+
+/* Test 3: a request whose KV is 4x what the device has left after the
+ * activations completes, moved to the host tier, with the clean tokens. */
+static void test_four_times_the_budget(void **state)
+{
+    (void)state;
+    struct clean c;
+    clean_run(M_DEEP, 1, &c);
+    struct rig probe;
+    rig_open(&probe, M_DEEP, 0, 0);
+    size_t kv = (size_t)model_get_config(probe.m)->n_layers * layer_kv_bytes(&probe, N_PROMPT + N_GEN);
+    size_t act = probe.act_bytes;
+    rig_close(&probe);
+
+    struct rig r;
+    rig_open(&r, M_DEEP, act + kv / 4, 0);
+    kv_seq *q;
+    int32_t toks[N_GEN];
+    assert_int_equal(kv_seq_create(r.store, NULL, &q), TIER_OK);
+    assert_int_equal(greedy(&r, q, 1, toks, NULL), MODEL_OK);
+    assert_memory_equal(toks, c.toks, sizeof(toks));
+    struct kv_seq_stats ss = kv_seq_stats(q);
+    assert_int_equal(ss.fallback, KV_FALLBACK_OOM);
+    assert_int_equal(ss.strategy, KV_OFFLOADED);
+    assert_int_equal(kv_store_stats(r.store).fallbacks, 1);
+    assert_true(be_mem_stats(r.be).dev_peak <= act + kv / 4);
+    kv_seq_free(q);
+    rig_close(&r);
+
+    /* announced up front: starts offloaded without a failed step */
+    rig_open(&r, M_DEEP, act + kv / 4, 0);
+    struct kv_seq_params p = {.max_cache_len = N_PROMPT + N_GEN};
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    assert_int_equal(kv_seq_stats(q).fallback, KV_FALLBACK_SIZED);
+    assert_int_equal(greedy(&r, q, 1, toks, NULL), MODEL_OK);
+    assert_memory_equal(toks, c.toks, sizeof(toks));
+    assert_int_equal(kv_seq_stats(q).fallback, KV_FALLBACK_SIZED);
+    assert_int_equal(kv_store_stats(r.store).fallbacks, 1);
+    kv_seq_free(q);
+    rig_close(&r);
+    free(c.logits);
+}
+
+/* Test 4: offloaded, the device holds the activations and two layers of
+ * KV at most (the pool measures the peak).  N_PROMPT + N_GEN is a whole
+ * number of slot rounding units (4 blocks of 32), so no rounding slack. */
+static void test_offloaded_peak(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_DEEP, 0, 0);
+    int64_t n = N_PROMPT + N_GEN;
+    assert_true(n % (4 * kv_store_block_tokens(r.store)) == 0 || n < 4 * kv_store_block_tokens(r.store));
+    kv_seq *q;
+    int32_t toks[N_GEN];
+    struct kv_seq_params p = {.strategy = KV_OFFLOADED};
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    be_reset_peak(r.be);
+    assert_int_equal(greedy(&r, q, 2, toks, NULL), MODEL_OK);
+    size_t two_layers = 2 * layer_kv_bytes(&r, 4 * kv_store_block_tokens(r.store) > n ? 4 * kv_store_block_tokens(r.store) : n);
+    assert_true(be_mem_stats(r.be).dev_peak <= r.act_bytes + two_layers);
+    assert_int_equal(kv_seq_stats(q).dev_bytes, 0);
+    kv_seq_free(q);
+    rig_close(&r);
+}
+
+/* Test 6: when the host tier cannot take the KV either, the step fails
+ * with an error naming the host budget, the sequence is as it was, and
+ * the same step succeeds once host memory is returned. */
+static void test_host_exhausted(void **state)
+{
+    (void)state;
+    struct rig probe;
+    rig_open(&probe, M_DEEP, 0, 0);
+    int L = model_get_config(probe.m)->n_layers;
+    size_t act = probe.act_bytes, layer = layer_kv_bytes(&probe, N_PROMPT + N_GEN);
+    size_t block = layer_kv_bytes(&probe, 1);
+    rig_close(&probe);
+
+    /* the device holds two slots but not one block per layer; the host
+     * holds one offloaded_static request plus half a block per layer */
+    struct rig r;
+    rig_open(&r, M_DEEP, act + 2 * layer + block, (size_t)L * layer + (size_t)L * block / 2);
+    kv_seq *a, *b;
+    struct kv_seq_params off = {.strategy = KV_OFFLOADED_STATIC, .max_cache_len = N_PROMPT + N_GEN};
+    int32_t toks[N_GEN];
+    assert_int_equal(kv_seq_create(r.store, &off, &a), TIER_OK);
+    assert_int_equal(greedy(&r, a, 3, toks, NULL), MODEL_OK);
+    assert_int_equal(kv_seq_create(r.store, NULL, &b), TIER_OK);
+    int32_t ids[N_PROMPT];
+    prompt_of(4, ids);
+    float *row = malloc((size_t)vocab(&r) * sizeof(float));
+    assert_non_null(row);
+    struct fw_seq fs = {.kv = b, .tokens = ids, .n_tokens = N_PROMPT, .logits = row};
+    enum model_status st = model_forward(r.m, &fs, 1);
+    assert_int_equal(st, MODEL_ENOMEM);
+    assert_non_null(strstr(kv_store_errmsg(r.store), "host tier budget"));
+    assert_int_equal(kv_seq_length(b), 0);
+    kv_seq_free(a);
+    kv_seq_free(b);
+
+    /* the same request on a fresh sequence now fits and is the clean run */
+    struct clean c;
+    clean_run(M_DEEP, 4, &c);
+    assert_int_equal(kv_seq_create(r.store, NULL, &b), TIER_OK);
+    assert_int_equal(greedy(&r, b, 4, toks, NULL), MODEL_OK);
+    assert_memory_equal(toks, c.toks, sizeof(toks));
+    kv_seq_free(b);
+    free(c.logits);
+    free(row);
+    rig_close(&r);
+}
+
+/* The figures: every streamed step moves about one read of the KV in
+ * (plus the written blocks out), and the copy time is measured. */
+static void test_prefetch_figures(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_DEEP, 0, 0);
+    kv_seq *q;
+    int32_t toks[N_GEN];
+    struct kv_seq_params p = {.strategy = KV_OFFLOADED};
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    assert_int_equal(greedy(&r, q, 5, toks, NULL), MODEL_OK);
+    struct kv_store_stats s = kv_store_stats(r.store);
+    int L = model_get_config(r.m)->n_layers;
+    /* the last step read ceil(84/32) = 3 blocks per layer and wrote one */
+    assert_int_equal(s.last_step.bytes_h2d, (uint64_t)L * layer_kv_bytes(&r, N_PROMPT + N_GEN - 1));
+    assert_int_equal(s.last_step.bytes_d2h, (uint64_t)L * layer_kv_bytes(&r, 1));
+    assert_int_equal(s.last_step.tokens, 1);
+    assert_true(s.xfer.transfer_s > 0);
+    assert_true(s.xfer.compute_s > 0);
+    kv_seq_free(q);
+    rig_close(&r);
+}
+
+static int cleanup(void)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
+    return system(cmd);
+}
+
+int main(void)
+{
+    if (make_models() != 0) {
+        fprintf(stderr, "test_tiers: tools/mkmodel.py failed (no torch?): skipping\n");
+        cleanup();
+        return 77;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_strategies_identical),
+        cmocka_unit_test(test_mixed_batch),
+        cmocka_unit_test(test_fault_sweep),
+        cmocka_unit_test(test_four_times_the_budget),
+        cmocka_unit_test(test_offloaded_peak),
+        cmocka_unit_test(test_host_exhausted),
+        cmocka_unit_test(test_prefetch_figures),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    cleanup();
+    return rc;
+}
