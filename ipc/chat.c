@@ -36,6 +36,7 @@ void ipc_chat_detect(const char *jinja, struct ipc_chat_template *out)
         snprintf(out->why, sizeof(out->why), "the model has no chat_template in tokenizer_config.json");
         return;
     }
+    out->bos = strstr(jinja, "bos_token") != NULL;
     if (strstr(jinja, "<|start_header_id|>")) {
         if (strstr(jinja, "Cutting Knowledge"))
             snprintf(out->why, sizeof(out->why), "Llama-3.1-style templates (date and tool preamble) are not supported");
@@ -185,6 +186,8 @@ enum ipc_status ipc_chat_render(const struct ipc_chat_template *t, const struct 
             puts_(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
         break;
     case IPC_CHAT_CHATML:
+        if (t->bos)
+            puts_(&b, bos);
         if (t->default_system[0] && (!n || m[0].role != IPC_ROLE_SYSTEM)) {
             puts_(&b, "<|im_start|>system\n");
             puts_(&b, t->default_system);
@@ -201,6 +204,8 @@ enum ipc_status ipc_chat_render(const struct ipc_chat_template *t, const struct 
             puts_(&b, "<|im_start|>assistant\n");
         break;
     case IPC_CHAT_ZEPHYR:
+        if (t->bos)
+            puts_(&b, bos);
         for (size_t i = 0; i < n; i++) {
             puts_(&b, "<|");
             puts_(&b, role_names[m[i].role]);

@@ -20,6 +20,7 @@ enum ipc_chat_family {
 
 struct ipc_chat_template {
     enum ipc_chat_family family;
+    bool bos;                 /* ChatML/Zephyr: the template starts with bos_token */
     char default_system[256]; /* ChatML's system message when the conversation has none ("" = none) */
     char why[128];            /* for IPC_CHAT_NONE: why the template was refused */
 };

@@ -256,7 +256,7 @@ static enum ipc_status f_max_tokens(const json_t *v, const char *name, struct fi
 {
     if (json_is_null(v))
         return IPC_OK;
-    long long x;
+    long long x = 0;
     enum ipc_status st = get_int(v, name, 1, c->lim->max_context, &x, err);
     c->r->max_tokens = (int)x;
     return st;
@@ -370,7 +370,7 @@ static enum ipc_status f_logprobs(const json_t *v, const char *name, struct fiel
         return IPC_OK;
     if (c->r->chat)
         return get_bool(v, name, &c->r->logprobs, err);
-    long long x;
+    long long x = 0;
     enum ipc_status st = get_int(v, name, 0, IPC_MAX_TOP_LOGPROBS, &x, err);
     c->r->logprobs = true;
     c->r->top_logprobs = (int)x;
@@ -381,7 +381,7 @@ static enum ipc_status f_top_logprobs(const json_t *v, const char *name, struct 
 {
     if (json_is_null(v))
         return IPC_OK;
-    long long x;
+    long long x = 0;
     enum ipc_status st = get_int(v, name, 0, IPC_MAX_TOP_LOGPROBS, &x, err);
     c->r->top_logprobs = (int)x;
     if (st == IPC_OK && !json_is_true(json_object_get(c->root, "logprobs")))
