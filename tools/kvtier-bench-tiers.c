@@ -1,0 +1,205 @@
+/* kvtier-bench-tiers - decode speed with the KV resident on the device,
+ * streamed from the host tier (offloaded) and split by adaptive residency,
+ * at several context lengths, measured in one run so that the figures are
+ * ratios that survive a noisy machine:
+ *
+ *   kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode 8] [--repeat 2] [--threads N]
+ *
+ * For each context the three sequences are filled to that length and then
+ * decode --decode tokens each, interleaved, best of --repeat rounds.  The
+ * context is reserved and committed without computing it: a decode step's
+ * work does not depend on the values in its KV.  Adaptive runs on a second
+ * backend whose device budget holds the activations, two slots and half of
+ * the layers' KV.  Reported per mode: tokens/s and the ratio to resident;
+ * for streamed modes overlap = 1 - stall / transfer and the bytes moved per
+ * token against the KV bytes the step reads.
+ */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "model/model.h"
+
+enum { RESIDENT, OFFLOADED, ADAPTIVE, N_MODES };
+static const char *const mode_name[N_MODES] = {"resident", "offloaded", "adaptive"};
+
+struct rig {
+    be_backend *be;
+    model *m;
+    kv_store *store;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int rig_open(struct rig *r, const char *dir, int threads, size_t device_mem)
+{
+    char err[MODEL_ERR_LEN];
+    struct be_params bp = {.n_threads = threads, .device_mem = device_mem};
+    if (be_open("cpu", &bp, &r->be) != BE_OK)
+        return -1;
+    struct model_params mp = {.max_batch_tokens = 16};
+    enum model_status st = model_load(dir, r->be, &mp, &r->m, err);
+    if (st != MODEL_OK) {
+        fprintf(stderr, "kvtier-bench-tiers: %s: %s\n", model_strerror(st), err);
+        return -1;
+    }
+    struct kv_geom g = model_kv_geom(r->m);
+    return kv_store_open(r->be, &g, NULL, &r->store) == TIER_OK ? 0 : -1;
+}
+
+static void rig_close(struct rig *r)
+{
+    kv_store_free(r->store);
+    model_free(r->m);
+    be_free(r->be);
+}
+
+/* A sequence holding ctx tokens whose KV was never computed. */
+static kv_seq *filled(struct rig *r, const struct kv_seq_params *p, int ctx)
+{
+    kv_seq *q;
+    enum tier_status st = kv_seq_create(r->store, p, &q);
+    if (st == TIER_OK && (st = kv_seq_reserve(q, ctx)) == TIER_OK)
+        kv_seq_commit(q);
+    if (st != TIER_OK) {
+        fprintf(stderr, "kvtier-bench-tiers: filling %d tokens: %s: %s\n", ctx, tier_strerror(st),
+                kv_store_errmsg(r->store));
+        kv_seq_free(q);
+        return NULL;
+    }
+    return q;
+}
+
+struct result {
+    double tps;
+    struct kv_xfer_stats x; /* of the timed steps */
+};
+
+/* One warm-up step (slots, caches), then n timed decode steps. */
+static int decode(struct rig *r, kv_seq *q, int n, float *logits, struct result *out)
+{
+    int32_t tok = 7;
+    struct fw_seq fs = {.kv = q, .tokens = &tok, .n_tokens = 1, .logits = logits};
+    if (model_forward(r->m, &fs, 1) != MODEL_OK)
+        return -1;
+    struct kv_xfer_stats x0 = kv_seq_stats(q).xfer;
+    double t0 = now_s();
+    for (int i = 0; i < n; i++) {
+        tok = (int32_t)(i * 31 + 11) % model_get_config(r->m)->vocab_size;
+        if (model_forward(r->m, &fs, 1) != MODEL_OK)
+            return -1;
+    }
+    double t = now_s() - t0;
+    struct kv_xfer_stats x1 = kv_seq_stats(q).xfer;
+    struct result res = {.tps = n / t};
+    res.x = (struct kv_xfer_stats){
+        .steps = x1.steps - x0.steps,
+        .tokens = x1.tokens - x0.tokens,
+        .bytes_h2d = x1.bytes_h2d - x0.bytes_h2d,
+        .bytes_d2h = x1.bytes_d2h - x0.bytes_d2h,
+        .transfer_s = x1.transfer_s - x0.transfer_s,
+        .stall_s = x1.stall_s - x0.stall_s,
+        .compute_s = x1.compute_s - x0.compute_s,
+    };
+    if (res.tps > out->tps)
+        *out = res;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *dir = NULL, *ctx_list = "1024,4096,16384";
+    int n_decode = 8, repeat = 2, threads = 0;
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"ctx", required_argument, 0, 'c'},
+        {"decode", required_argument, 0, 'd'}, {"repeat", required_argument, 0, 'r'},
+        {"threads", required_argument, 0, 't'}, {0, 0, 0, 0},
+    };
+    int o;
+    while ((o = getopt_long(argc, argv, "m:c:d:r:t:", opts, NULL)) != -1) {
+        switch (o) {
+        case 'm': dir = optarg; break;
+        case 'c': ctx_list = optarg; break;
+        case 'd': n_decode = atoi(optarg); break;
+        case 'r': repeat = atoi(optarg); break;
+        case 't': threads = atoi(optarg); break;
+        default: return 2;
+        }
+    }
+    if (!dir || n_decode < 1 || repeat < 1) {
+        fprintf(stderr, "usage: kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode N] [--repeat N] "
+                        "[--threads N]\n");
+        return 2;
+    }
+    struct rig full;
+    if (rig_open(&full, dir, threads, 0) != 0)
+        return 1;
+    const struct model_config *c = model_get_config(full.m);
+    size_t act = be_mem_stats(full.be).dev_used;
+    float *logits = malloc((size_t)c->vocab_size * sizeof(float));
+    if (!logits)
+        return 1;
+    printf("model %s: %d layers, %d kv heads x %d, %s weights; KV f32; backend cpu, %d threads, %s\n", dir,
+           c->n_layers, c->n_kv_heads, c->head_dim, be_dtype_name(c->dtype), be_get_caps(full.be).n_threads,
+           be_get_caps(full.be).pinned_host ? "pinned host tier" : "host tier not pinned");
+    printf("%7s %-10s %9s %7s %9s %8s %8s %8s %12s %10s\n", "ctx", "mode", "tok/s", "ratio", "resident", "xfer ms",
+           "stall ms", "overlap", "moved/token", "moved/read");
+    for (const char *p = ctx_list; *p;) {
+        int ctx = atoi(p);
+        p += strcspn(p, ",");
+        p += *p == ',';
+        if (ctx < 1)
+            continue;
+        size_t per_tok = 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * sizeof(float);
+        size_t layer = per_tok * (size_t)(ctx + n_decode + 64);
+        struct rig half;
+        if (rig_open(&half, dir, threads, act + (size_t)(c->n_layers / 2 + 2) * layer) != 0)
+            return 1;
+        struct rig *rigs[N_MODES] = {&full, &full, &half};
+        const struct kv_seq_params ps[N_MODES] = {
+            {.strategy = KV_DYNAMIC},
+            {.strategy = KV_OFFLOADED},
+            {.strategy = KV_OFFLOADED, .adaptive = true, .max_cache_len = ctx + (repeat + 1) * (n_decode + 1)},
+        };
+        kv_seq *q[N_MODES];
+        struct result res[N_MODES] = {{0}};
+        for (int k = 0; k < N_MODES; k++)
+            if (!(q[k] = filled(rigs[k], &ps[k], ctx)))
+                return 1;
+        for (int r = 0; r < repeat; r++)
+            for (int k = 0; k < N_MODES; k++)
+                if (decode(rigs[k], q[k], n_decode, logits, &res[k]) != 0) {
+                    fprintf(stderr, "kvtier-bench-tiers: %s decode failed: %s\n", mode_name[k],
+                            kv_store_errmsg(rigs[k]->store));
+                    return 1;
+                }
+        for (int k = 0; k < N_MODES; k++) {
+            struct kv_seq_stats ss = kv_seq_stats(q[k]);
+            const struct kv_xfer_stats *x = &res[k].x;
+            double kv_read = (double)per_tok * (double)(ctx + n_decode) * ss.streamed_layers;
+            printf("%7d %-10s %9.3f %7.3f %5d/%-3d", ctx, mode_name[k], res[k].tps, res[k].tps / res[RESIDENT].tps,
+                   ss.resident_layers, c->n_layers);
+            if (x->steps)
+                printf(" %8.2f %8.2f %7.1f%% %10.2fMB %10.3f\n", 1e3 * x->transfer_s / x->steps,
+                       1e3 * x->stall_s / x->steps, 100.0 * (1.0 - x->stall_s / x->transfer_s),
+                       (double)(x->bytes_h2d + x->bytes_d2h) / x->tokens / 1e6,
+                       (double)(x->bytes_h2d + x->bytes_d2h) / x->tokens / kv_read);
+            else
+                printf(" %8s %8s %8s %12s %10s\n", "-", "-", "-", "-", "-");
+        }
+        for (int k = 0; k < N_MODES; k++)
+            kv_seq_free(q[k]);
+        rig_close(&half);
+        fflush(stdout);
+    }
+    free(logits);
+    rig_close(&full);
+    return 0;
+}
