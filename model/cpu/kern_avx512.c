@@ -29,39 +29,6 @@ static inline __mmask16 tail_mask(size_t left)
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-/* y[r0:r1] = W[r0:r1] . x for one token; dt is a constant after inlining. */
-static inline __attribute__((always_inline)) void matvec(float *y, const float *x, const void *w, enum be_dtype dt,
-                                                         int in, int r0, int r1)
-{
-    size_t esz = be_dtype_size(dt), row = (size_t)in * esz;
-    int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const char *w0 = (const char *)w + (size_t)r * row;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < in; i += 16) {
-            __mmask16 m = tail_mask((size_t)(in - i));
-            __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-            a0 = _mm512_fmadd_ps(load16(w0, dt, (size_t)i, m), xv, a0);
-            a1 = _mm512_fmadd_ps(load16(w0 + row, dt, (size_t)i, m), xv, a1);
-            a2 = _mm512_fmadd_ps(load16(w0 + 2 * row, dt, (size_t)i, m), xv, a2);
-            a3 = _mm512_fmadd_ps(load16(w0 + 3 * row, dt, (size_t)i, m), xv, a3);
-        }
-        y[r] = _mm512_reduce_add_ps(a0);
-        y[r + 1] = _mm512_reduce_add_ps(a1);
-        y[r + 2] = _mm512_reduce_add_ps(a2);
-        y[r + 3] = _mm512_reduce_add_ps(a3);
-    }
-    for (; r < r1; r++) {
-        const char *w0 = (const char *)w + (size_t)r * row;
-        __m512 a0 = _mm512_setzero_ps();
-        for (int i = 0; i < in; i += 16) {
-            __mmask16 m = tail_mask((size_t)(in - i));
-            a0 = _mm512_fmadd_ps(load16(w0, dt, (size_t)i, m), _mm512_maskz_loadu_ps(m, x + i), a0);
-        }
-        y[r] = _mm512_reduce_add_ps(a0);
-    }
-}
-
 /* bf16 decode without widening shuffles: a 64-byte load of 32 weights
  * holds the even elements' f32 values in the high halves after a shift
  * and the odd ones' after a mask, so x is deinterleaved once per call
@@ -125,6 +92,77 @@ static void matvec_bf16(float *y, const float *x, const uint16_t *w, int in, int
     }
 }
 
+/* y[t0 .. t0+TN) = W[r0:r1] . x for TN <= 4 tokens at once: each weight
+ * vector is widened once and feeds every token, so a batch of decode
+ * tokens (continuous batching) streams W once per 4 tokens instead of once
+ * per token.  TN is a constant after inlining. */
+static inline __attribute__((always_inline)) void matvec_tokens(const struct cpu_mm *a, const enum be_dtype dt,
+                                                                int t0, const int TN, int r0, int r1)
+{
+    size_t esz = be_dtype_size(dt), row = (size_t)a->in * esz;
+    const float *x = a->x + (size_t)t0 * a->in;
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        const char *w0 = (const char *)a->w + (size_t)r * row;
+        __m512 acc[4][4];
+        #pragma GCC unroll 4
+        for (int t = 0; t < TN; t++)
+            #pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                acc[t][k] = _mm512_setzero_ps();
+        for (int i = 0; i < a->in; i += 16) {
+            __mmask16 m = tail_mask((size_t)(a->in - i));
+            __m512 wv[4];
+            #pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                wv[k] = load16(w0 + k * row, dt, (size_t)i, m);
+            #pragma GCC unroll 4
+            for (int t = 0; t < TN; t++) {
+                __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)t * a->in + i);
+                #pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+                    acc[t][k] = _mm512_fmadd_ps(wv[k], xv, acc[t][k]);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int t = 0; t < TN; t++)
+            #pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                a->y[(size_t)(t0 + t) * a->out + r + k] = _mm512_reduce_add_ps(acc[t][k]);
+    }
+    for (; r < r1; r++) {
+        const char *w0 = (const char *)a->w + (size_t)r * row;
+        __m512 acc[4];
+        #pragma GCC unroll 4
+        for (int t = 0; t < TN; t++)
+            acc[t] = _mm512_setzero_ps();
+        for (int i = 0; i < a->in; i += 16) {
+            __mmask16 m = tail_mask((size_t)(a->in - i));
+            __m512 wv = load16(w0, dt, (size_t)i, m);
+            #pragma GCC unroll 4
+            for (int t = 0; t < TN; t++)
+                acc[t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + (size_t)t * a->in + i), acc[t]);
+        }
+        #pragma GCC unroll 4
+        for (int t = 0; t < TN; t++)
+            a->y[(size_t)(t0 + t) * a->out + r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+
+/* Every token of a, four at a time; dt is a constant after inlining. */
+static inline __attribute__((always_inline)) void matmul_tokens(const struct cpu_mm *a, const enum be_dtype dt,
+                                                                int r0, int r1)
+{
+    int t = 0;
+    for (; t + 4 <= a->n; t += 4)
+        matvec_tokens(a, dt, t, 4, r0, r1);
+    switch (a->n - t) {
+    case 3: matvec_tokens(a, dt, t, 3, r0, r1); break;
+    case 2: matvec_tokens(a, dt, t, 2, r0, r1); break;
+    case 1: matvec_tokens(a, dt, t, 1, r0, r1); break;
+    }
+}
+
 static void to_f32_avx512(float *y, const void *x, enum be_dtype dt, size_t n)
 {
     for (size_t i = 0; i < n; i += 16) {
@@ -140,19 +178,14 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
         cpu_matmul_panels(a, r0, r1, scratch, to_f32_avx512);
         return;
     }
-    for (int t = 0; t < a->n; t++) {
-        float *y = a->y + (size_t)t * a->out;
-        const float *x = a->x + (size_t)t * a->in;
-        switch (a->wt) {
-        case BE_BF16:
-            if (fits)
-                matvec_bf16(y, x, a->w, a->in, r0, r1, scratch);
-            else
-                matvec(y, x, a->w, BE_BF16, a->in, r0, r1);
-            break;
-        case BE_F16: matvec(y, x, a->w, BE_F16, a->in, r0, r1); break;
-        case BE_F32: matvec(y, x, a->w, BE_F32, a->in, r0, r1); break;
-        }
+    if (a->n == 1 && a->wt == BE_BF16 && fits) {
+        matvec_bf16(a->y, a->x, a->w, a->in, r0, r1, scratch);
+        return;
+    }
+    switch (a->wt) {
+    case BE_BF16: matmul_tokens(a, BE_BF16, r0, r1); break;
+    case BE_F16: matmul_tokens(a, BE_F16, r0, r1); break;
+    case BE_F32: matmul_tokens(a, BE_F32, r0, r1); break;
     }
 }
 
