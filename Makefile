@@ -36,7 +36,10 @@ DAEMON   := $(if $(DAEMON_SRC),$(BUILD)/kvtierd)
 TOOLS    := $(TOOL_SRC:tools/%.c=$(BUILD)/%)
 TESTS    := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 
-.PHONY: all deps deps-test test test-c check-sanitize run bench clean cuda
+.PHONY: all deps deps-test test check-sanitize run bench clean cuda
+# Objects are intermediates of the pattern rules; keep them so a second
+# `make test` rebuilds nothing.
+.SECONDARY:
 all: deps $(LIB) $(DAEMON) $(TOOLS) $(if $(filter 1,$(CUDA)),cuda)
 
 deps:

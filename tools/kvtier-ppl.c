@@ -20,7 +20,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "model/tokenizer.h"
+#include "model/runtime.h"
 
 static void usage(FILE *f)
 {
@@ -104,7 +104,7 @@ int main(int argc, char **argv)
 {
     const char *dir = NULL, *path = NULL;
     long window = 512;
-    struct be_params bp = {0};
+    struct runtime_params rp = {0};
     enum { O_WINDOW = 256, O_THREADS };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"file", required_argument, 0, 'f'},
@@ -117,7 +117,7 @@ int main(int argc, char **argv)
         case 'm': dir = optarg; break;
         case 'f': path = optarg; break;
         case O_WINDOW: window = strtol(optarg, NULL, 10); break;
-        case O_THREADS: bp.n_threads = atoi(optarg); break;
+        case O_THREADS: rp.be.n_threads = atoi(optarg); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -128,10 +128,7 @@ int main(int argc, char **argv)
     }
 
     char err[MODEL_ERR_LEN] = "";
-    be_backend *be = NULL;
-    model *m = NULL;
-    tokenizer *tok = NULL;
-    kv_store *store = NULL;
+    struct runtime rt = {0};
     struct tok_ids ids = {0};
     int32_t *in = NULL;
     float *logits = NULL;
@@ -140,22 +137,17 @@ int main(int argc, char **argv)
     char *text = read_text(path, &len);
     if (!text)
         return 1;
-    enum be_status bst = be_open("cpu", &bp, &be);
-    if (bst != BE_OK) {
-        fprintf(stderr, "kvtier-ppl: backend cpu: %s\n", be_strerror(bst));
-        goto out;
-    }
     /* Activations for a whole window, so each window is one forward chunk. */
-    struct model_params mp = {.max_batch_tokens = (int)window};
-    enum model_status st = model_load(dir, be, &mp, &m, err);
+    rp.model.max_batch_tokens = (int)window;
+    enum model_status st = runtime_open(dir, &rp, &rt, err);
     if (st == MODEL_OK)
-        st = tokenizer_load(dir, &tok, err);
-    if (st == MODEL_OK)
-        st = tokenizer_encode(tok, text, len, false, &ids, err);
+        st = tokenizer_encode(rt.tok, text, len, false, &ids, err);
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-ppl: %s: %s\n", model_strerror(st), err);
         goto out;
     }
+    model *m = rt.m;
+    tokenizer *tok = rt.tok;
     const struct model_config *cfg = model_get_config(m);
     int32_t bos = tokenizer_bos_id(tok) >= 0 ? tokenizer_bos_id(tok) : cfg->bos_token_id;
     if (bos < 0 || ids.n == 0 || window > cfg->max_position_embeddings) {
@@ -165,12 +157,10 @@ int main(int argc, char **argv)
                              : "--window is longer than max_position_embeddings");
         goto out;
     }
-    struct kv_geom g = model_kv_geom(m);
-    enum tier_status ts = kv_store_create(be, &g, 0, &store);
     in = malloc((size_t)window * sizeof(*in));
     logits = malloc((size_t)window * (size_t)cfg->vocab_size * sizeof(*logits));
-    if (ts != TIER_OK || !in || !logits) {
-        fprintf(stderr, "kvtier-ppl: %s\n", ts != TIER_OK ? tier_strerror(ts) : "out of memory");
+    if (!in || !logits) {
+        fprintf(stderr, "kvtier-ppl: out of memory\n");
         goto out;
     }
 
@@ -180,7 +170,7 @@ int main(int argc, char **argv)
     size_t n_windows = 0;
     for (size_t s = 0; s < ids.n; s += (size_t)window, n_windows++) {
         int n = (int)(ids.n - s < (size_t)window ? ids.n - s : (size_t)window);
-        st = score_chunk(m, store, bos, ids.ids + s, n, in, logits, &nll, err);
+        st = score_chunk(m, rt.store, bos, ids.ids + s, n, in, logits, &nll, err);
         if (st != MODEL_OK) {
             fprintf(stderr, "kvtier-ppl: window %zu: %s\n", n_windows, err);
             goto out;
@@ -194,10 +184,7 @@ out:
     free(logits);
     free(in);
     free(ids.ids);
-    kv_store_free(store);
-    tokenizer_free(tok);
-    model_free(m);
-    be_free(be);
+    runtime_close(&rt);
     free(text);
     return rc;
 }
