@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchref  # noqa: E402
+from bytelevel import bytes_to_unicode  # noqa: E402
 
 ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -98,24 +99,10 @@ _LEARN_SPLIT = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d|[^\r\n\w]?[^\W\d_]+|\d{1,3}|
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
 
 
-def byte_to_unicode():
-    """GPT-2's reversible byte -> printable character map: printable Latin-1
-    bytes map to themselves, the rest to U+0100 upwards in byte order."""
-    keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def learn_merges(n_merges):
     """Classic BPE training on CORPUS: repeatedly merge the most frequent
     adjacent pair (ties broken by first appearance, so it is deterministic)."""
-    b2u = byte_to_unicode()
+    b2u = bytes_to_unicode()
     words = collections.Counter(
         tuple(b2u[b] for b in piece.encode()) for piece in _LEARN_SPLIT.findall(CORPUS))
     words = {w: c for w, c in words.items()}
@@ -152,7 +139,7 @@ def build_tokenizer(vocab_size, max_learned=2000):
     n_regular = vocab_size - len(SPECIALS)
     if n_regular < 256:
         raise SystemExit(f"mkmodel: --vocab {vocab_size} too small for a byte-level tokenizer (>= 258)")
-    b2u = byte_to_unicode()
+    b2u = bytes_to_unicode()
     vocab = {b2u[b]: b for b in range(256)}
     merges = []
     for a, b in learn_merges(min(n_regular - 256, max_learned)):

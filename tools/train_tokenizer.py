@@ -21,6 +21,9 @@ import sys
 
 import regex
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bytelevel import bytes_to_unicode  # noqa: E402
+
 # The whole book, one verse per line, "Ge1:1 In the beginning ..." (bible(1):
 # -f turns pretty-printing off, which also puts each verse on one line).
 BIBLE_CMD = ["bible", "-f", "Gen1:1-Rev22:21"]
@@ -39,20 +42,6 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-def bytes_to_unicode():
-    """GPT-2's reversible map from bytes to printable characters, so that a
-    byte-level token is a plain string (space -> 'Ġ', newline -> 'Ċ')."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 BYTE_CHARS = bytes_to_unicode()
