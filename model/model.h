@@ -134,8 +134,11 @@ struct fw_seq {
 };
 
 /* Runs the forward pass for every entry in one batch (weights read once per
- * chunk).  Transactional: on failure no sequence's KV changes.
- * MODEL_EDEVMEM means the KV (or activations) did not fit the device tier. */
+ * chunk).  Transactional: on failure no sequence's KV changes.  When the
+ * device tier runs out, sequences are moved to the host tier and the step is
+ * redone (kv_seq_stats().fallback reports it), so MODEL_EDEVMEM means that
+ * even the streaming slots did not fit, and MODEL_ENOMEM that the host tier
+ * is exhausted too (kv_store_errmsg() names the budget). */
 enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs);
 
 #endif
