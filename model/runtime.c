@@ -19,7 +19,7 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
         st = tokenizer_load(dir, &rt->tok, err);
     if (st == MODEL_OK) {
         struct kv_geom g = model_kv_geom(rt->m);
-        enum tier_status ts = kv_store_create(rt->be, &g, 0, &rt->store);
+        enum tier_status ts = kv_store_open(rt->be, &g, p ? &p->kv : NULL, &rt->store);
         if (ts != TIER_OK) {
             snprintf(err, MODEL_ERR_LEN, "KV store: %s", tier_strerror(ts));
             st = ts == TIER_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;

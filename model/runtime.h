@@ -10,6 +10,7 @@ struct runtime_params {
     const char *backend;       /* "cpu" (NULL) or "cuda" */
     struct be_params be;
     struct model_params model;
+    struct kv_store_params kv; /* zeroed: the store's defaults (no host-tier budget) */
 };
 
 struct runtime {
