@@ -21,7 +21,7 @@ struct session {
     bool busy;
     int32_t *toks; /* the ids whose KV is in kv */
     size_t n_toks;
-    size_t bytes;
+    struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */
     struct kv_seq *kv; /* engine thread only */
     struct session *next;
 };
@@ -65,7 +65,6 @@ struct engine {
     float *logits;  /* [max_seqs, vocab] */
     float *scratch; /* [vocab]: raw logits kept for logprobs */
     int rr;         /* round-robin start among prefills */
-    bool prefill_blocked; /* device memory ran out: no new prefill until a job retires */
 };
 
 static double now_ms(void)
@@ -228,11 +227,21 @@ enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, stru
     return st;
 }
 
+const char *engine_fallback_name(enum kv_fallback f)
+{
+    /* both kinds end with the KV in the host tier; how is in the log */
+    return f == KV_FALLBACK_NONE ? NULL : "offloaded";
+}
+
 static json_t *session_to_json(const struct session *s)
 {
-    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:i, s:i}, s:s, s:b}", "id", s->id, "object", "session", "created",
-                     (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device", (json_int_t)s->bytes,
-                     "host", 0, "disk", 0, "strategy", s->cache.name, "busy", s->busy);
+    /* before its first request a session has no KV: it will use what it asked for */
+    const char *used = s->n_toks ? kv_strategy_name(s->kvs.strategy) : s->cache.name;
+    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:i}, s:s, s:s, s:s?, s:b}", "id", s->id, "object", "session",
+                     "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
+                     (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk", 0, "strategy", used,
+                     "requested_strategy", s->cache.name, "fallback", engine_fallback_name(s->kvs.fallback), "busy",
+                     s->busy);
 }
 
 enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err)
@@ -375,6 +384,22 @@ static size_t common_prefix(const struct session *s, const int32_t *p, size_t n)
     return k == n && k ? k - 1 : k;
 }
 
+/* The store's refusal as a client error; kv_store_errmsg names the budget
+ * or the parameter. */
+static enum ipc_status kv_error(engine *e, enum tier_status ts, struct ipc_error *err)
+{
+    const char *why = kv_store_errmsg(e->store);
+    if (!why[0])
+        why = tier_strerror(ts);
+    switch (ts) {
+    case TIER_EINVAL: return ipc_fail(err, IPC_EINVAL, "cache", "%s", why);
+    case TIER_ENOTSUP: return ipc_fail(err, IPC_ENOTIMPL, "cache", "%s", why);
+    case TIER_ENOMEM_DEV:
+    case TIER_ENOMEM_HOST: return ipc_fail(err, IPC_ESTORAGE, "", "%s", why);
+    default: return ipc_fail(err, IPC_EINTERNAL, "", "KV store: %s", why);
+    }
+}
+
 static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
 {
     size_t cap = j->n_prompt + (size_t)j->max_new + 1;
@@ -402,30 +427,52 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
             keep = 0;
         }
         c->n_fed = keep;
-        if (!s->kv && kv_seq_create(e->store, &s->cache.params, &s->kv) != TIER_OK)
-            return ipc_fail(err, IPC_EUNAVAIL, "", "cannot create a KV sequence");
+        enum tier_status ts = s->kv ? TIER_OK : kv_seq_create(e->store, &s->cache.params, &s->kv);
         c->kv = s->kv;
-        return IPC_OK;
+        return ts == TIER_OK ? IPC_OK : kv_error(e, ts, err);
     }
     enum tier_status ts = kv_seq_create(e->store, &j->cache.params, &c->kv);
-    if (ts != TIER_OK)
-        return ipc_fail(err, ts == TIER_ENOTSUP ? IPC_ENOTIMPL : IPC_EUNAVAIL, "cache", "cannot create a KV "
-                        "sequence: %s", tier_strerror(ts));
-    return IPC_OK;
+    return ts == TIER_OK ? IPC_OK : kv_error(e, ts, err);
 }
 
 /* Frees what the engine owns of a finished job and hands a session its KV
  * back.  Then publishes done and drops the engine's reference (caller holds
  * no lock). */
+/* What the response's kvtier object reports: choice 0's strategy and layer
+ * split, any choice's fallback, bytes and transfers summed. */
+static void add_kv_stats(struct kv_seq_stats *sum, const kv_seq *q, bool first)
+{
+    struct kv_seq_stats k = kv_seq_stats(q);
+    if (first) {
+        *sum = k;
+        return;
+    }
+    if (k.fallback > sum->fallback)
+        sum->fallback = k.fallback;
+    sum->dev_bytes += k.dev_bytes;
+    sum->host_bytes += k.host_bytes;
+    struct kv_xfer_stats *x = &sum->xfer;
+    x->steps += k.xfer.steps;
+    x->tokens += k.xfer.tokens;
+    x->bytes_h2d += k.xfer.bytes_h2d;
+    x->bytes_d2h += k.xfer.bytes_d2h;
+    x->transfer_s += k.xfer.transfer_s;
+    x->stall_s += k.xfer.stall_s;
+    x->compute_s += k.xfer.compute_s;
+}
+
 static void retire(engine *e, struct job *j)
 {
-    size_t bytes = 0;
+    struct kv_seq_stats kvs = {0};
+    bool any = false;
     for (int i = 0; i < j->n; i++) {
         struct job_choice *c = &j->ch[i];
         sampler_free(c->smp);
         c->smp = NULL;
-        if (c->kv)
-            bytes += kv_seq_bytes(c->kv);
+        if (c->kv) {
+            add_kv_stats(&kvs, c->kv, !any);
+            any = true;
+        }
         if (!j->sess)
             kv_seq_free(c->kv);
         c->kv = NULL;
@@ -453,11 +500,11 @@ static void retire(engine *e, struct job *j)
         free(s->toks);
         s->toks = keep;
         s->n_toks = n_keep;
-        s->bytes = s->kv ? kv_seq_bytes(s->kv) : 0;
+        s->kvs = s->kv ? kv_seq_stats(s->kv) : (struct kv_seq_stats){0};
     }
     if (s)
         s->busy = false;
-    j->kv_bytes = bytes;
+    j->kv = kvs;
     if (j->t_first > 0)
         j->decode_ms = t - j->t_first;
     else if (j->t_admit > 0)
@@ -475,7 +522,6 @@ static void retire(engine *e, struct job *j)
         *pp = j->next;
         e->active_seqs -= j->n;
     }
-    e->prefill_blocked = false;
     job_unref_locked(j);
     pthread_mutex_unlock(&e->mu);
     wake(e);
@@ -623,8 +669,8 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
 
 /* The step's batch: one decode token per running sequence, then prefill
  * chunks round-robin until the token budget is spent.  Returns the number
- * of entries; *n_decode gets how many are decode tokens. */
-static int build_batch(engine *e, int *n_decode)
+ * of entries. */
+static int build_batch(engine *e)
 {
     int nb = 0, n_pre = 0;
     for (struct job *j = e->active; j; j = j->next) {
@@ -644,11 +690,10 @@ static int build_batch(engine *e, int *n_decode)
             }
         }
     }
-    *n_decode = nb;
     int budget = e->cfg.batch_tokens - nb;
     if (budget < e->cfg.batch_tokens / 4)
         budget = e->cfg.batch_tokens / 4; /* decode-heavy steps still move prefills along */
-    if (!n_pre || (e->prefill_blocked && nb))
+    if (!n_pre)
         return nb;
     int skip = e->rr++ % n_pre, seen = 0;
     for (int pass = 0; pass < 2 && budget > 0; pass++) {
@@ -676,30 +721,16 @@ static int build_batch(engine *e, int *n_decode)
     return nb;
 }
 
-/* Device memory ran out: first stop admitting prefill work so the running
- * streams continue; when decoding alone does not fit, the newest job fails
- * with 503 so everyone older keeps going. */
-static void handle_oom(engine *e, int nb, int n_decode, enum model_status st)
-{
-    if (nb > n_decode && n_decode > 0 && !e->prefill_blocked) {
-        e->prefill_blocked = true;
-        log_msg(LOG_WARN, "engine: %s with %d sequences; pausing prefills", model_strerror(st), nb);
-        return;
-    }
-    struct job *newest = e->batch_job[0];
-    for (int i = 1; i < nb; i++)
-        if (e->batch_job[i]->order > newest->order)
-            newest = e->batch_job[i];
-    log_msg(LOG_WARN, "engine: %s; failing the newest request", model_strerror(st));
-    job_fail_msg(e, newest, IPC_EUNAVAIL, "the KV cache does not fit the device memory budget (--device-mem)");
-}
-
 static void publish(engine *e, int nb)
 {
     struct kv_store_stats ks = kv_store_stats(e->store);
+    struct be_mem_stats ms = be_mem_stats(e->rt.be);
     pthread_mutex_lock(&e->mu);
+    e->st.dev_budget = ms.dev_budget;
+    e->st.dev_used = ms.dev_used;
     e->st.kv_dev_bytes = ks.dev_bytes;
     e->st.kv_host_bytes = ks.host_bytes;
+    e->st.kv_fallbacks = ks.fallbacks;
     for (int i = 0; i < nb; i++) {
         struct job_choice *c = e->batch_ch[i];
         e->st.gen_tokens += (uint64_t)(c->gen - c->n_gen);
@@ -711,25 +742,30 @@ static void publish(engine *e, int nb)
     pthread_mutex_unlock(&e->mu);
 }
 
-static void step(engine *e)
+/* A forward pass over batch entries [from, to) failed; they changed no KV. */
+static void fail_forward(engine *e, int from, int to, enum model_status st)
 {
-    int n_decode;
-    int nb = build_batch(e, &n_decode);
-    if (!nb)
-        return;
-    enum model_status st = model_forward(e->m, e->batch, nb);
-    if (st == MODEL_EDEVMEM || st == MODEL_EKVFULL) {
-        handle_oom(e, nb, n_decode, st);
-        return;
-    }
-    if (st != MODEL_OK) {
-        log_msg(LOG_ERR, "engine: forward pass failed: %s", model_strerror(st));
-        for (int i = 0; i < nb; i++)
-            job_fail_msg(e, e->batch_job[i], IPC_EINTERNAL, model_strerror(st));
-        return;
-    }
+    struct ipc_error err;
+    const char *why = kv_store_errmsg(e->store);
+    if (st == MODEL_ENOMEM) /* the host tier's message names its budget (--host-mem) */
+        ipc_fail(&err, IPC_ESTORAGE, "", "%s", why[0] ? why : model_strerror(st));
+    else if (st == MODEL_EDEVMEM) /* no fallback allowed, or not even the streaming slots fit */
+        ipc_fail(&err, IPC_ESTORAGE, "", "device memory budget of %zu bytes (--device-mem) exhausted: %s",
+                 be_mem_stats(e->rt.be).dev_budget, why[0] ? why : model_strerror(st));
+    else if (st == MODEL_EKVFULL)
+        ipc_fail(&err, IPC_EINVAL, "cache.max_cache_len", "%s", why[0] ? why : model_strerror(st));
+    else
+        ipc_fail(&err, IPC_EINTERNAL, "", "forward pass failed: %s", model_strerror(st));
+    log_msg(err.st == IPC_EINTERNAL ? LOG_ERR : LOG_WARN, "engine: %d sequence(s): %s", to - from, err.msg);
+    for (int i = from; i < to; i++)
+        job_fail(e, e->batch_job[i], &err);
+}
+
+/* Entries [from, to) were computed: take their tokens and sample. */
+static void advance(engine *e, int from, int to)
+{
     double t = now_ms();
-    for (int i = 0; i < nb; i++) {
+    for (int i = from; i < to; i++) {
         struct job_choice *c = e->batch_ch[i];
         struct job *j = e->batch_job[i];
         c->n_fed += (size_t)e->batch[i].n_tokens;
@@ -737,6 +773,31 @@ static void step(engine *e)
             sample_one(e, j, c, e->batch[i].logits, t);
         else if (j->kind == JOB_PREFILL && c->n_fed == c->n_toks)
             c->fin = FINISH_LENGTH;
+    }
+}
+
+static void step(engine *e)
+{
+    int nb = build_batch(e);
+    if (!nb)
+        return;
+    enum model_status st = model_forward(e->m, e->batch, nb);
+    if (st == MODEL_OK) {
+        advance(e, 0, nb);
+    } else if (nb == 1) {
+        fail_forward(e, 0, 1, st);
+    } else {
+        /* The failed step changed no KV (model_forward is transactional),
+         * so redoing it one sequence at a time finds whose tokens do not
+         * fit; the others advance as if the step had succeeded. */
+        log_msg(LOG_DEBUG, "engine: a %d-sequence step failed (%s); redoing it one by one", nb, model_strerror(st));
+        for (int i = 0; i < nb; i++) {
+            st = model_forward(e->m, &e->batch[i], 1);
+            if (st == MODEL_OK)
+                advance(e, i, i + 1);
+            else
+                fail_forward(e, i, i + 1, st);
+        }
     }
     publish(e, nb);
     wake(e);
@@ -846,7 +907,8 @@ static bool load(engine *e)
     char err[MODEL_ERR_LEN] = "";
     struct runtime_params rp = {.backend = e->cfg.backend,
                                 .be = {.n_threads = e->cfg.n_threads, .device_mem = e->cfg.device_mem},
-                                .model = {.max_batch_tokens = e->cfg.batch_tokens}};
+                                .model = {.max_batch_tokens = e->cfg.batch_tokens},
+                                .kv = {.host_mem = e->cfg.host_mem}};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);
         e->state = ENGINE_FAILED;
@@ -901,10 +963,12 @@ static void *engine_main(void *arg)
     engine *e = arg;
     double t = now_ms();
     bool ok = load(e);
-    if (ok)
+    if (ok) {
+        publish(e, 0); /* /metrics shows the device bytes the model holds from the start */
         log_msg(LOG_INFO, "model %s loaded in %.1f s: %s, %d layers, vocab %d, context %d, chat template %s",
                 e->model_id, (now_ms() - t) / 1e3, e->mc->arch_name, e->mc->n_layers, e->vocab, e->ctx,
                 ipc_chat_family_name(e->chat.family));
+    }
     wake(e);
     if (ok)
         loop(e);

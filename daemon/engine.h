@@ -14,6 +14,13 @@
  * pending prefills (round-robin) until the step's token budget is spent,
  * so a long prompt never stalls the others' streams.  Admission is FIFO up
  * to max_seqs sequences; the queue beyond that is bounded (429).
+ *
+ * Memory: model_forward itself continues a sequence offloaded when the
+ * device tier runs out (issue 4), so the engine never pauses or sheds work
+ * for device memory.  A step that still fails (host tier full too, static
+ * cache full) changed no KV; it is redone one sequence at a time so only
+ * the sequences whose tokens do not fit fail (507 / 400 naming the budget)
+ * and a session keeps its KV for a retry.
  */
 #ifndef KVTIER_DAEMON_ENGINE_H
 #define KVTIER_DAEMON_ENGINE_H
@@ -35,6 +42,7 @@ struct engine_config {
     const char *backend;     /* "cpu" or "cuda" */
     int n_threads;           /* 0: physical cores */
     size_t device_mem;       /* 0: backend default */
+    size_t host_mem;         /* host-tier budget of the KV store; 0: unlimited */
     int ctx;                 /* 0: the model's max_position_embeddings */
     int max_seqs;            /* sequences decoded together */
     int batch_tokens;        /* tokens per forward step */
@@ -98,7 +106,9 @@ struct job {
     struct ipc_error err; /* err.st != IPC_OK: failed */
     int n_cached;         /* prompt tokens reused from the session's KV */
     double prefill_ms, decode_ms;
-    size_t kv_bytes;      /* KV bytes held at the end (all choices) */
+    /* The KV at the end: choice 0's strategy, fallback and layer split;
+     * bytes and transfer figures summed over the choices. */
+    struct kv_seq_stats kv;
     /* ---- engine-private ---- */
     struct job *next;
     struct session *sess;
@@ -155,17 +165,23 @@ void engine_abort_all(engine *e, enum ipc_status st, const char *msg);
 enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, char *id, size_t cap,
                                       struct ipc_error *err);
 enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, struct ipc_error *err);
-/* {"id","object":"session","created","tokens","bytes":{...},"strategy","busy"} */
+/* {"id","object":"session","created","tokens","bytes":{"device","host","disk"},
+ *  "strategy" (in use),"requested_strategy","fallback","busy"} */
 enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err);
 /* The caller's sessions as a JSON array (NULL on allocation failure). */
 json_t *engine_session_list(engine *e, uid_t uid);
 
+/* The kvtier object's "fallback" value for f: "offloaded", or NULL (none). */
+const char *engine_fallback_name(enum kv_fallback f);
+
 /* Prometheus text for the engine's counters, appended to *buf (malloc'd). */
 struct engine_stats {
     uint64_t requests, prompt_tokens, cached_tokens, gen_tokens, steps;
-    uint64_t errors[16]; /* by ipc_status */
+    uint64_t errors[IPC_N_STATUS]; /* by ipc_status */
     int queued, running, sessions;
     size_t kv_dev_bytes, kv_host_bytes;
+    uint64_t kv_fallbacks; /* sequences moved to the host tier (kv_store_stats().fallbacks) */
+    size_t dev_budget, dev_used; /* the backend's device memory: weights, activations, KV, slots */
 };
 struct engine_stats engine_get_stats(engine *e);
 void engine_count_error(engine *e, enum ipc_status st);

@@ -292,11 +292,49 @@ static void write_usage(struct jw *w, const struct job *j)
     jw_fmt(w, "\"prompt_tokens_details\":{\"cached_tokens\":%d}}", j->n_cached);
 }
 
+/* The measured prefetch of the steps that streamed this request's KV
+ * (null when none did): overlap = 1 - stall / transfer. */
+static void write_prefetch(struct jw *w, const struct kv_xfer_stats *x)
+{
+    if (!x->steps) {
+        jw_lit(w, "null");
+        return;
+    }
+    jw_fmt(w, "{\"steps\":%llu,\"tokens\":%llu,\"transfer_ms\":%.3f,\"compute_ms\":%.3f,\"stall_ms\":%.3f,",
+           (unsigned long long)x->steps, (unsigned long long)x->tokens, x->transfer_s * 1e3, x->compute_s * 1e3,
+           x->stall_s * 1e3);
+    if (x->transfer_s > 0)
+        jw_fmt(w, "\"overlap\":%.4f,", 1.0 - x->stall_s / x->transfer_s);
+    else
+        jw_lit(w, "\"overlap\":null,");
+    jw_fmt(w, "\"bytes_h2d\":%llu,\"bytes_d2h\":%llu,\"bytes_per_token\":%.1f}", (unsigned long long)x->bytes_h2d,
+           (unsigned long long)x->bytes_d2h,
+           x->tokens ? (double)(x->bytes_h2d + x->bytes_d2h) / (double)x->tokens : 0.0);
+}
+
+/* The response's kvtier object: the strategy in use (it differs from the
+ * requested one after a fallback), bytes per tier, timings, prefetch. */
+static void write_kvtier_obj(struct jw *w, const struct job *j)
+{
+    const struct kv_seq_stats *k = &j->kv;
+    jw_fmt(w, "{\"strategy\":\"%s\",\"requested_strategy\":\"%s\",", kv_strategy_name(k->strategy), j->cache.name);
+    jw_fmt(w, "\"bytes\":{\"device\":%zu,\"host\":%zu,\"disk\":0},\"resident_layers\":%d,\"streamed_layers\":%d,",
+           k->dev_bytes, k->host_bytes, k->resident_layers, k->streamed_layers);
+    jw_fmt(w, "\"prefill_ms\":%.3f,\"decode_ms\":%.3f,\"fallback\":", j->prefill_ms, j->decode_ms);
+    const char *fb = engine_fallback_name(k->fallback);
+    if (fb)
+        jw_fmt(w, "\"%s\"", fb);
+    else
+        jw_lit(w, "null");
+    jw_lit(w, ",\"prefetch\":");
+    write_prefetch(w, &k->xfer);
+    jw_lit(w, "}");
+}
+
 static void write_kvtier(struct jw *w, const struct job *j)
 {
-    jw_fmt(w, "\"kvtier\":{\"strategy\":\"%s\",\"bytes\":{\"device\":%zu,\"host\":0,\"disk\":0},",
-           j->cache.name ? j->cache.name : "dynamic", j->kv_bytes);
-    jw_fmt(w, "\"prefill_ms\":%.3f,\"decode_ms\":%.3f,\"fallback\":null}", j->prefill_ms, j->decode_ms);
+    jw_lit(w, "\"kvtier\":");
+    write_kvtier_obj(w, j);
 }
 
 static void write_head(struct jw *w, struct req *r, const char *object)
@@ -358,8 +396,15 @@ static enum MHD_Result reply_done(struct req *r)
             return reply_error(r, &err);
         json_object_set_new(o, "usage", json_pack("{s:I,s:i}", "prompt_tokens", (json_int_t)j->n_prompt,
                                                   "cached_tokens", j->n_cached));
-        json_object_set_new(o, "kvtier", json_pack("{s:s,s:f}", "strategy", j->cache.name, "prefill_ms",
-                                                   j->prefill_ms));
+        struct jw w;
+        jw_dynamic(&w);
+        write_kvtier_obj(&w, j);
+        json_t *k = w.failed ? NULL : json_loadb(w.p, w.n, 0, NULL);
+        free(w.p);
+        if (!k || json_object_set_new(o, "kvtier", k) != 0) {
+            json_decref(o);
+            return MHD_NO; /* out of memory even for the reply: drop the connection */
+        }
         return reply_json(r, 200, o);
     }
     struct jw w;
@@ -981,10 +1026,17 @@ static enum MHD_Result h_metrics(struct req *r, const char *arg)
            (double)st.kv_dev_bytes);
     metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"host\"}", (double)st.kv_host_bytes);
     metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"disk\"}", 0);
+    metric(&w, "device_memory_bytes", "gauge", "Device memory budget (--device-mem) and bytes in use.",
+           "{kind=\"budget\"}", (double)st.dev_budget);
+    metric(&w, "device_memory_bytes", "gauge", NULL, "{kind=\"used\"}", (double)st.dev_used);
+    metric(&w, "kv_fallbacks_total", "counter",
+           "Sequences moved to the host tier because the device tier could not hold them.", NULL,
+           (double)st.kv_fallbacks);
     jw_lit(&w, "# HELP kvtier_errors_total Error replies by kind.\n# TYPE kvtier_errors_total counter\n");
-    for (int k = IPC_EINVAL; k <= IPC_ENOMEM; k++)
-        jw_fmt(&w, "kvtier_errors_total{kind=\"%s\"} %llu\n", ipc_status_name((enum ipc_status)k),
-               (unsigned long long)st.errors[k]);
+    for (int k = IPC_EINVAL; k < IPC_N_STATUS; k++)
+        if (k != IPC_EPROTO && k != IPC_EIO) /* the client's own kinds */
+            jw_fmt(&w, "kvtier_errors_total{kind=\"%s\"} %llu\n", ipc_status_name((enum ipc_status)k),
+                   (unsigned long long)st.errors[k]);
     metric(&w, "process_start_time_seconds", "gauge", "Start time of kvtierd (Unix seconds).", NULL,
            (double)s->started);
     if (w.failed) {

@@ -1,41 +1,130 @@
 #include "ipc/cache.h"
 
+#include <stdio.h>
 #include <string.h>
 
-typedef enum ipc_status (*cache_parse_fn)(const json_t *cache, struct kv_seq_params *p, struct ipc_error *err);
+/* The cache_config parameters a strategy may take, as bits of a row's
+ * `takes` mask.  Names are Hugging Face's where HF has the parameter;
+ * adaptive and allow_offload are kvtier's (docs/strategies.md). */
+enum cache_key {
+    K_MAX_CACHE_LEN = 1u << 0,
+    K_OFFLOAD_ONLY_NON_SLIDING = 1u << 1,
+    K_ADAPTIVE = 1u << 2,
+    K_ALLOW_OFFLOAD = 1u << 3,
+};
 
-/* "dynamic" takes no cache_config parameters: any key but the name is a
- * mistake worth reporting (HF would warn and ignore it). */
-static enum ipc_status parse_dynamic(const json_t *cache, struct kv_seq_params *p, struct ipc_error *err)
+enum key_type { KEY_LEN, KEY_BOOL };
+
+static const struct {
+    const char *name;
+    enum cache_key key;
+    enum key_type type;
+} cache_keys[] = {
+    {"max_cache_len", K_MAX_CACHE_LEN, KEY_LEN},
+    {"offload_only_non_sliding", K_OFFLOAD_ONLY_NON_SLIDING, KEY_BOOL},
+    {"adaptive", K_ADAPTIVE, KEY_BOOL},
+    {"allow_offload", K_ALLOW_OFFLOAD, KEY_BOOL},
+};
+#define N_KEYS (sizeof(cache_keys) / sizeof(cache_keys[0]))
+
+#define K_OFFLOADED_KEYS (K_MAX_CACHE_LEN | K_OFFLOAD_ONLY_NON_SLIDING | K_ADAPTIVE | K_ALLOW_OFFLOAD)
+
+/* THE table.  A row that is not built answers 501; `takes` lists the
+ * parameters it accepts and `needs` those it requires.  A dynamic
+ * request's max_cache_len is the length it expects to reach: the store
+ * sizes it up front and starts it offloaded when that cannot fit. */
+static const struct {
+    const char *name;
+    bool built;
+    enum kv_strategy strategy;
+    unsigned takes, needs;
+} strategies[] = {
+    {"dynamic", true, KV_DYNAMIC, K_MAX_CACHE_LEN | K_ALLOW_OFFLOAD, 0},
+    {"static", true, KV_STATIC, K_MAX_CACHE_LEN | K_ALLOW_OFFLOAD, K_MAX_CACHE_LEN},
+    {"offloaded", true, KV_OFFLOADED, K_OFFLOADED_KEYS, 0},
+    {"offloaded_static", true, KV_OFFLOADED_STATIC, K_OFFLOADED_KEYS, K_MAX_CACHE_LEN},
+    {"quantized", false, KV_DYNAMIC, 0, 0},
+    {"sliding_window", false, KV_DYNAMIC, 0, 0},
+    {"sink", false, KV_DYNAMIC, 0, 0},
+};
+#define N_STRATEGIES (sizeof(strategies) / sizeof(strategies[0]))
+
+/* "a, b, c": the names of the keys in mask (or every strategy's name). */
+static void list_names(unsigned mask, bool keys, char *out, size_t cap)
 {
+    size_t n = 0;
+    out[0] = '\0';
+    size_t count = keys ? N_KEYS : N_STRATEGIES;
+    for (size_t i = 0; i < count && n < cap; i++) {
+        if (keys && !(cache_keys[i].key & mask))
+            continue;
+        n += (size_t)snprintf(out + n, cap - n, "%s%s", n ? ", " : "", keys ? cache_keys[i].name : strategies[i].name);
+    }
+    if (!out[0])
+        snprintf(out, cap, "none");
+}
+
+static enum ipc_status parse_key(const char *strategy, size_t k, const json_t *v, int max_len,
+                                 struct kv_seq_params *p, struct ipc_error *err)
+{
+    char param[IPC_PARAM_LEN];
+    snprintf(param, sizeof(param), "cache.%s", cache_keys[k].name);
+    if (cache_keys[k].type == KEY_BOOL && !json_is_boolean(v))
+        return ipc_fail(err, IPC_EINVAL, param, "%s must be true or false", param);
+    if (cache_keys[k].type == KEY_LEN &&
+        (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > max_len))
+        return ipc_fail(err, IPC_EINVAL, param, "%s must be an integer from 1 to %d (the context size) for \"%s\"",
+                        param, max_len, strategy);
+    bool on = json_is_true(v);
+    switch (cache_keys[k].key) {
+    case K_MAX_CACHE_LEN: p->max_cache_len = json_integer_value(v); break;
+    case K_OFFLOAD_ONLY_NON_SLIDING: p->offload_sliding = on ? KV_OFFLOAD_SLIDING_NO : KV_OFFLOAD_SLIDING_YES; break;
+    case K_ADAPTIVE: p->adaptive = on; break;
+    case K_ALLOW_OFFLOAD: p->no_fallback = !on; break;
+    }
+    return IPC_OK;
+}
+
+/* The row's parameters from the cache object (NULL: none given). */
+static enum ipc_status parse_params(size_t row, const json_t *cache, int max_len, struct kv_seq_params *p,
+                                    struct ipc_error *err)
+{
+    const char *name = strategies[row].name;
+    unsigned given = 0;
+    char list[IPC_MSG_LEN / 2];
     const char *key;
     json_t *v;
     json_object_foreach((json_t *)cache, key, v)
     {
-        if (strcmp(key, "implementation") != 0)
-            return ipc_fail(err, IPC_EINVAL, "cache", "cache.%.40s is not a parameter of \"dynamic\" (it takes none)",
-                            key);
+        if (!strcmp(key, "implementation"))
+            continue;
+        size_t k = 0;
+        while (k < N_KEYS && strcmp(cache_keys[k].name, key) != 0)
+            k++;
+        if (k == N_KEYS || !(cache_keys[k].key & strategies[row].takes)) {
+            list_names(strategies[row].takes, true, list, sizeof(list));
+            return ipc_fail(err, IPC_EINVAL, "cache", "cache.%.40s is not a parameter of \"%s\"; valid: %s", key, name,
+                            list);
+        }
+        enum ipc_status st = parse_key(name, k, v, max_len, p, err);
+        if (st != IPC_OK)
+            return st;
+        given |= cache_keys[k].key;
     }
-    p->strategy = KV_DYNAMIC;
+    unsigned missing = strategies[row].needs & ~given;
+    if (missing) {
+        list_names(missing, true, list, sizeof(list));
+        return ipc_fail(err, IPC_EINVAL, "cache", "\"%s\" needs cache.%s", name, list);
+    }
+    if (p->adaptive && !(given & K_MAX_CACHE_LEN))
+        return ipc_fail(err, IPC_EINVAL, "cache.adaptive",
+                        "cache.adaptive needs cache.max_cache_len (the expected length) to size the device share");
+    p->strategy = strategies[row].strategy;
     return IPC_OK;
 }
 
-static const struct {
-    const char *name;
-    cache_parse_fn parse; /* NULL: known, not built yet (501) */
-} strategies[] = {
-    {"dynamic", parse_dynamic},
-    {"static", NULL},
-    {"offloaded", NULL},
-    {"offloaded_static", NULL},
-    {"quantized", NULL},
-    {"sliding_window", NULL},
-    {"sink", NULL},
-};
-#define N_STRATEGIES (sizeof(strategies) / sizeof(strategies[0]))
-
-enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, struct ipc_cache_choice *out,
-                                struct ipc_error *err)
+enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, int max_len,
+                                struct ipc_cache_choice *out, struct ipc_error *err)
 {
     if (use_cache && !json_is_null(use_cache)) {
         if (!json_is_boolean(use_cache))
@@ -56,18 +145,15 @@ enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, st
     for (size_t i = 0; i < N_STRATEGIES; i++) {
         if (strcmp(strategies[i].name, name) != 0)
             continue;
-        if (!strategies[i].parse)
+        if (!strategies[i].built)
             return ipc_fail(err, IPC_ENOTIMPL, "cache.implementation", "cache strategy \"%s\" is not implemented yet",
                             strategies[i].name);
         out->name = strategies[i].name;
         memset(&out->params, 0, sizeof(out->params));
-        /* parse functions see NULL for "no cache object" (json_object_foreach skips it) */
-        return strategies[i].parse(json_is_object(cache) ? cache : NULL, &out->params, err);
+        return parse_params(i, json_is_object(cache) ? cache : NULL, max_len, &out->params, err);
     }
-    char list[IPC_MSG_LEN / 2] = "";
-    size_t n = 0;
-    for (size_t i = 0; i < N_STRATEGIES && n < sizeof(list); i++)
-        n += (size_t)snprintf(list + n, sizeof(list) - n, "%s%s", i ? ", " : "", strategies[i].name);
+    char list[IPC_MSG_LEN / 2];
+    list_names(0, false, list, sizeof(list));
     return ipc_fail(err, IPC_EINVAL, "cache.implementation", "unknown cache strategy \"%.48s\"; valid values: %s", name,
                     list);
 }

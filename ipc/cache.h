@@ -1,9 +1,10 @@
 /* cache.h - the KV cache strategies a request or session may name, in ONE
- * table (cache.c) mirroring Hugging Face's cache_implementation strings.  A
- * strategy whose row has no parse function is known but not built yet: a
- * request naming it gets 501; a name not in the table gets 400 listing the
- * valid ones.  Issues that build a strategy flip its row on by giving it a
- * parse function for its cache_config parameters.  Never a silent fallback.
+ * table (cache.c) mirroring Hugging Face's cache_implementation strings and
+ * cache_config parameters.  A strategy whose row is not built yet answers
+ * 501 naming it; a name not in the table, a parameter the strategy does not
+ * take, a missing required one or a bad value gets 400 listing the valid
+ * values.  Issues that build a strategy flip its row on and list the
+ * parameters it takes.  Never a silent fallback.
  */
 #ifndef KVTIER_IPC_CACHE_H
 #define KVTIER_IPC_CACHE_H
@@ -19,9 +20,11 @@ struct ipc_cache_choice {
 };
 
 /* Reads the request's "cache" object (NULL or JSON null: "dynamic") and
- * "use_cache" (NULL: true).  Errors: IPC_EINVAL naming cache.implementation or
- * the parameter, IPC_ENOTIMPL naming the strategy. */
-enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, struct ipc_cache_choice *out,
-                                struct ipc_error *err);
+ * "use_cache" (NULL: true).  Lengths (max_cache_len) must lie in
+ * [1, max_len], the context size, so nothing is sized by the client beyond
+ * it.  Errors: IPC_EINVAL naming cache.implementation or the parameter,
+ * IPC_ENOTIMPL naming the strategy. */
+enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, int max_len,
+                                struct ipc_cache_choice *out, struct ipc_error *err);
 
 #endif

@@ -24,6 +24,7 @@ static const struct {
     [IPC_ENOMEM] = {503, "unavailable_error", "no_memory", "out of memory"},
     [IPC_EPROTO] = {502, "server_error", "protocol", "malformed reply from the daemon"},
     [IPC_EIO] = {503, "unavailable_error", "io", "cannot reach the daemon"},
+    [IPC_ESTORAGE] = {507, "insufficient_storage_error", "kv_memory", "the KV cache does not fit the memory budgets"},
 };
 
 static int valid(enum ipc_status st)
@@ -65,6 +66,7 @@ enum ipc_status ipc_status_from_http(int code)
     case 429: return IPC_EBUSY;
     case 501: return IPC_ENOTIMPL;
     case 503: return IPC_EUNAVAIL;
+    case 507: return IPC_ESTORAGE;
     default: return code >= 400 && code < 500 ? IPC_EINVAL : IPC_EINTERNAL;
     }
 }

@@ -24,7 +24,9 @@ enum ipc_status {
     IPC_ENOMEM = 12,    /* 503: host memory ran out for this request */
     IPC_EPROTO = 13,    /* client side: the daemon's reply could not be understood */
     IPC_EIO = 14,       /* client side: cannot reach the socket */
+    IPC_ESTORAGE = 15,  /* 507: the KV fits neither tier's budget (the message names it) */
 };
+#define IPC_N_STATUS (IPC_ESTORAGE + 1)
 const char *ipc_strerror(enum ipc_status st);
 int ipc_http_status(enum ipc_status st);
 /* The OpenAI envelope's error.type for st ("invalid_request_error", ...). */

@@ -104,7 +104,7 @@ static void test_chat_refusals(void **state)
 static enum ipc_status cache_of(const char *json, struct ipc_cache_choice *c, struct ipc_error *err)
 {
     json_t *o = json_loads(json, 0, NULL);
-    enum ipc_status st = ipc_cache_parse(json_object_get(o, "cache"), json_object_get(o, "use_cache"), c, err);
+    enum ipc_status st = ipc_cache_parse(json_object_get(o, "cache"), json_object_get(o, "use_cache"), 4096, c, err);
     json_decref(o);
     return st;
 }
@@ -117,16 +117,71 @@ static void test_cache_table(void **state)
     assert_int_equal(cache_of("{}", &c, &err), IPC_OK);
     assert_string_equal(c.name, "dynamic");
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\"},\"use_cache\":true}", &c, &err), IPC_OK);
-    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\"}}", &c, &err), IPC_ENOTIMPL);
-    assert_non_null(strstr(err.msg, "\"offloaded\""));
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\"}}", &c, &err), IPC_ENOTIMPL);
+    assert_non_null(strstr(err.msg, "\"quantized\""));
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"warp\"}}", &c, &err), IPC_EINVAL);
     assert_non_null(strstr(err.msg, "dynamic, static, offloaded"));
     assert_string_equal(err.param, "cache.implementation");
-    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\",\"max_cache_len\":4}}", &c, &err),
-                     IPC_EINVAL);
-    assert_non_null(strstr(err.msg, "max_cache_len"));
     assert_int_equal(cache_of("{\"use_cache\":false}", &c, &err), IPC_ENOTIMPL);
     assert_int_equal(cache_of("{\"cache\":[]}", &c, &err), IPC_EINVAL);
+}
+
+/* The parameters of the built strategies land in kv_seq_params with HF's
+ * meaning; everything else is a 400 that lists what is valid. */
+static void test_cache_params(void **state)
+{
+    (void)state;
+    struct ipc_cache_choice c;
+    struct ipc_error err;
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"static\",\"max_cache_len\":100}}", &c, &err), IPC_OK);
+    assert_int_equal(c.params.strategy, KV_STATIC);
+    assert_int_equal(c.params.max_cache_len, 100);
+    assert_false(c.params.no_fallback);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"static\",\"max_cache_len\":8,"
+                              "\"allow_offload\":false}}", &c, &err), IPC_OK);
+    assert_true(c.params.no_fallback);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\"}}", &c, &err), IPC_OK);
+    assert_int_equal(c.params.strategy, KV_OFFLOADED);
+    assert_int_equal(c.params.offload_sliding, KV_OFFLOAD_SLIDING_DEFAULT);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\",\"offload_only_non_sliding\":true}}",
+                              &c, &err), IPC_OK);
+    assert_int_equal(c.params.offload_sliding, KV_OFFLOAD_SLIDING_NO);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded_static\",\"max_cache_len\":64,"
+                              "\"offload_only_non_sliding\":false,\"adaptive\":true}}", &c, &err), IPC_OK);
+    assert_int_equal(c.params.strategy, KV_OFFLOADED_STATIC);
+    assert_int_equal(c.params.offload_sliding, KV_OFFLOAD_SLIDING_YES);
+    assert_true(c.params.adaptive);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\",\"max_cache_len\":4}}", &c, &err), IPC_OK);
+    assert_int_equal(c.params.max_cache_len, 4);
+
+    /* static without its capacity: names the parameter */
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"static\"}}", &c, &err), IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "needs cache.max_cache_len"));
+    /* a parameter of another strategy: lists this one's */
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"static\",\"max_cache_len\":8,\"adaptive\":true}}",
+                              &c, &err), IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "valid: max_cache_len, allow_offload"));
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\",\"offload_only_non_sliding\":true}}",
+                              &c, &err), IPC_EINVAL);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\",\"windows\":1}}", &c, &err),
+                     IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "max_cache_len, offload_only_non_sliding, adaptive, allow_offload"));
+    /* lengths are bounded by the context before anything is sized by them */
+    const char *bad_len[] = {"0", "-1", "4097", "1e3", "\"8\"", "true", "99999999999999"};
+    for (size_t i = 0; i < sizeof(bad_len) / sizeof(bad_len[0]); i++) {
+        char json[128];
+        snprintf(json, sizeof(json), "{\"cache\":{\"implementation\":\"static\",\"max_cache_len\":%s}}", bad_len[i]);
+        assert_int_equal(cache_of(json, &c, &err), IPC_EINVAL);
+        assert_string_equal(err.param, "cache.max_cache_len");
+        assert_non_null(strstr(err.msg, "from 1 to 4096"));
+    }
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\",\"adaptive\":1}}", &c, &err),
+                     IPC_EINVAL);
+    assert_string_equal(err.param, "cache.adaptive");
+    assert_non_null(strstr(err.msg, "true or false"));
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\",\"adaptive\":true}}", &c, &err),
+                     IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "needs cache.max_cache_len"));
 }
 
 static const struct ipc_limits lim = {.vocab = 100, .max_context = 64, .max_n = 4, .max_messages = 8};
@@ -274,6 +329,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat_goldens), cmocka_unit_test(test_chat_refusals), cmocka_unit_test(test_cache_table),
+        cmocka_unit_test(test_cache_params),
         cmocka_unit_test(test_request),      cmocka_unit_test(test_jsonw),         cmocka_unit_test(test_reply_parser),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

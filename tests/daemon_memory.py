@@ -1,0 +1,127 @@
+"""kvtierd under memory budgets (issue 4): a request whose KV is several
+times what --device-mem leaves after the model continues offloaded with
+the unconstrained run's tokens and reports the fallback (response, /metrics);
+the offloaded strategies give the same tokens with their prefetch figures;
+host-tier exhaustion (--host-mem) is a 507 naming the budget, the session's
+KV stays intact and the daemon keeps serving."""
+import os
+import subprocess
+import sys
+import threading
+
+sys.path.insert(0, "tests")
+from daemon_harness import Daemon, check, skip  # noqa: E402
+
+# a deeper model than the harness's (8 layers) so two streaming slots are a
+# small part of the KV: 8 layers x 2 KV heads x 16 dims x 4 bytes x 2 = 2 KiB a token
+probe = Daemon()
+model = os.path.join(probe.tmp, "deep")
+r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "llama", "--preset", "tiny", "--layers", "8",
+                    "--vocab", "2048", "--tokenizer-from", "model/builtin", "--out", model],
+                   capture_output=True, text=True)
+if r.returncode:
+    skip("mkmodel failed: " + r.stderr[-300:])
+KV_PER_TOKEN = 8 * 2 * 16 * 4 * 2
+
+
+def metric(d, name, labels=""):
+    text = d.get("/metrics")[1].decode()
+    for line in text.splitlines():
+        if line.startswith("kvtier_" + name + labels + " "):
+            return float(line.split()[1])
+    raise KeyError(name + labels)
+
+
+# the prompt: ~400 tokens of ids, so the KV is ~1 MiB
+prompt = [(i * 37 + 11) % 1900 + 50 for i in range(400)]
+req = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+n_tok = len(prompt) + 24
+kv = n_tok * KV_PER_TOKEN
+
+free = Daemon(model=model, tmp=probe.tmp).start()
+model_bytes = metric(free, "device_memory_bytes", '{kind="used"}')
+check(model_bytes > 0 and metric(free, "device_memory_bytes", '{kind="budget"}') > model_bytes,
+      "/metrics: device bytes used by the model and the budget")
+code, clean = free.post("/v1/completions", req)
+check(code == 200 and clean["kvtier"]["fallback"] is None and clean["kvtier"]["prefetch"] is None and
+      clean["kvtier"]["bytes"]["device"] >= kv and clean["kvtier"]["bytes"]["host"] == 0,
+      "unconstrained: all KV on the device, no fallback")
+want = clean["choices"][0]["tokens"]
+small_want = free.post("/v1/completions", dict(req, prompt=prompt[:20]))[1]["choices"][0]["tokens"]
+same = {}
+for impl, extra in (("offloaded", {}), ("offloaded_static", {"max_cache_len": 512}),
+                    ("static", {"max_cache_len": 512}),
+                    ("offloaded", {"max_cache_len": 512, "adaptive": True, "offload_only_non_sliding": True})):
+    code, r = free.post("/v1/completions", dict(req, cache=dict(extra, implementation=impl)))
+    k = r.get("kvtier", {})
+    name = impl + (" adaptive" if extra.get("adaptive") else "")
+    check(code == 200 and r["choices"][0]["tokens"] == want and k["requested_strategy"] == impl and
+          k["strategy"] == impl, "%s: the dynamic run's tokens (%s)" % (name, k.get("bytes")))
+    same[name] = k
+for name in ("offloaded", "offloaded_static"):
+    p = same[name]["prefetch"]
+    check(same[name]["bytes"]["host"] >= kv and p["steps"] > 0 and p["transfer_ms"] > 0 and
+          p["overlap"] is not None and p["overlap"] <= 1 and p["bytes_per_token"] > 0 and p["bytes_d2h"] > 0,
+          "%s: KV in the host tier, prefetch figures %s" % (name, p))
+check(same["static"]["bytes"]["device"] >= 512 * KV_PER_TOKEN and same["static"]["prefetch"] is None,
+      "static: max_cache_len preallocated on the device")
+check(same["offloaded adaptive"]["resident_layers"] == 8 and same["offloaded adaptive"]["streamed_layers"] == 0,
+      "adaptive with room for everything keeps every layer resident")
+code, e = free.post("/v1/completions", dict(req, cache={"implementation": "static", "max_cache_len": 64}))
+check(code == 400 and "max_cache_len" in e["error"]["message"] and e["error"]["param"] == "cache.max_cache_len",
+      "static: writing past max_cache_len -> 400 naming it: " + e["error"]["message"])
+code, e = free.post("/v1/completions", dict(req, cache={"implementation": "static"}))
+check(code == 400 and "max_cache_len" in e["error"]["message"], "static without max_cache_len -> 400")
+code, e = free.post("/v1/completions", dict(req, cache={"implementation": "offloaded", "window_length": 4}))
+check(code == 400 and "valid: max_cache_len, offload_only_non_sliding, adaptive, allow_offload" in
+      e["error"]["message"], "unknown parameter -> 400 listing the valid ones")
+code, e = free.post("/v1/completions", dict(req, cache={"implementation": "static", "max_cache_len": 10 ** 9}))
+check(code == 400 and e["error"]["param"] == "cache.max_cache_len", "max_cache_len beyond the context -> 400")
+free.stop()
+
+# --device-mem: the model plus a third of the request's KV
+budget = int(model_bytes + kv / 3)
+d = Daemon("--device-mem", str(budget), model=model, tmp=probe.tmp).start()
+code, r = d.post("/v1/completions", req)
+k = r.get("kvtier", {})
+check(code == 200 and r["choices"][0]["tokens"] == want,
+      "KV 3x the device budget: the unconstrained run's %d tokens" % len(want))
+check(k["fallback"] == "offloaded" and k["strategy"] == "offloaded" and k["requested_strategy"] == "dynamic" and
+      k["bytes"]["host"] >= kv and k["prefetch"]["steps"] > 0, "the response reports the fallback: %s" % k)
+check(metric(d, "kv_fallbacks_total") >= 1, "/metrics counts the fallback")
+code, e = d.post("/v1/completions", dict(req, cache={"implementation": "dynamic", "allow_offload": False}))
+check(code == 507 and "device" in e["error"]["message"],
+      "allow_offload=false: 507 naming the device budget: " + e["error"]["message"])
+code, r = d.post("/v1/completions", dict(req, prompt=prompt[:20]))
+check(code == 200 and len(r["choices"][0]["tokens"]) == 24, "the daemon keeps serving (%s)" % r["kvtier"]["strategy"])
+d.stop()
+
+# --host-mem too small for the request: 507 naming the host budget; sessions keep their KV
+d = Daemon("--device-mem", str(budget), "--host-mem", str(kv // 4), model=model, tmp=probe.tmp).start()
+code, e = d.post("/v1/completions", req)
+check(code == 507 and "host tier budget" in e["error"]["message"],
+      "host tier exhausted: 507 naming the budget: " + e["error"]["message"])
+check(metric(d, "errors_total", '{kind="kv_memory"}') == 1, "/metrics counts the 507")
+code, s = d.post("/v1/sessions", {"prompt": prompt[:40]})
+sid = s["id"]
+held = s["tokens"]
+check(code == 200 and held == 40 and s["bytes"]["device"] > 0 and s["strategy"] == "dynamic",
+      "session prefilled on the device: %s" % s["bytes"])
+code, e = d.post("/v1/completions", dict(req, session=sid, prompt=prompt))
+check(code == 507, "a session turn that cannot fit: 507")
+code, s2 = d.get("/v1/sessions/" + sid)
+check(s2["tokens"] == held and not s2["busy"], "the session's KV is intact (%d tokens)" % s2["tokens"])
+code, r = d.post("/v1/completions", dict(req, session=sid, prompt=prompt[:60], max_tokens=4))
+check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == held,
+      "the session continues from its KV after the 507")
+# in one batch with a request that fits, only the one that does not fit fails
+out = {}
+big = threading.Thread(target=lambda: out.update(big=d.post("/v1/completions", dict(req, max_tokens=40))))
+small = threading.Thread(target=lambda: out.update(small=d.post("/v1/completions", dict(req, prompt=prompt[:20]))))
+big.start()
+small.start()
+big.join(60)
+small.join(60)
+check(out["big"][0] == 507 and out["small"][0] == 200 and out["small"][1]["choices"][0]["tokens"] == small_want,
+      "concurrent: the request that does not fit gets 507, the other its tokens")
+check(d.stop() == 0, "stop")
