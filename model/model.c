@@ -312,6 +312,7 @@ static enum model_status from_tier(enum tier_status st)
     case TIER_ENOMEM_HOST: return MODEL_ENOMEM;
     case TIER_EFULL: return MODEL_EKVFULL;
     case TIER_EINVAL: return MODEL_EINVAL;
+    case TIER_ENOTSUP: return MODEL_EUNSUPPORTED;
     default: return MODEL_EBACKEND;
     }
 }
@@ -385,6 +386,7 @@ static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs,
             *culprit = reserved;
             break;
         }
+        kv_seq_tokens(seqs[reserved].kv, seqs[reserved].tokens); /* the prefix cache publishes by token ids */
     }
     if (st == MODEL_OK)
         st = from_tier(kv_store_step_begin(store)); /* device slots for the streamed layers */

@@ -26,7 +26,7 @@ struct fixture {
     int windows[2];
 };
 
-static int setup_with(void **state, int window, size_t budget)
+static int setup_store(void **state, int window, size_t budget, const struct kv_store_params *sp)
 {
     struct fixture *f = calloc(1, sizeof(*f));
     struct be_params p = {.n_threads = 1, .device_mem = budget};
@@ -34,9 +34,14 @@ static int setup_with(void **state, int window, size_t budget)
     f->windows[0] = 0;      /* layer 0: full attention */
     f->windows[1] = window; /* layer 1: sliding */
     struct kv_geom g = {.n_layers = 2, .n_kv_heads = HEADS, .head_dim = HD, .layer_window = f->windows};
-    assert_int_equal(kv_store_create(f->be, &g, BT, &f->store), TIER_OK);
+    assert_int_equal(kv_store_open(f->be, &g, sp, &f->store), TIER_OK);
     *state = f;
     return 0;
+}
+
+static int setup_with(void **state, int window, size_t budget)
+{
+    return setup_store(state, window, budget, &(struct kv_store_params){.block_tokens = BT});
 }
 
 static int setup_w4(void **state)
@@ -78,17 +83,25 @@ static void check_positions(kv_seq *q, int layer, int64_t lo, int64_t hi)
     }
 }
 
-/* Appends n tokens to both layers the way the forward pass does. */
-static enum tier_status step(kv_seq *q, int n)
+/* Appends n tokens to both layers the way the forward pass does; with
+ * ids, tells the store their token ids (the prefix cache). */
+static enum tier_status step_ids(kv_seq *q, int n, const int32_t *ids)
 {
     int64_t len = kv_seq_length(q);
     enum tier_status st = kv_seq_reserve(q, n);
     if (st != TIER_OK)
         return st;
+    if (ids)
+        kv_seq_tokens(q, ids);
     write_positions(q, 0, len, len + n);
     write_positions(q, 1, len, len + n);
     kv_seq_commit(q);
     return TIER_OK;
+}
+
+static enum tier_status step(kv_seq *q, int n)
+{
+    return step_ids(q, n, NULL);
 }
 
 static void test_dynamic_append(void **state)
@@ -412,6 +425,344 @@ static void test_bad_params(void **state)
     assert_null(q);
 }
 
+/* §10.2 on the full layer (the sliding one is below its window, where it
+ * behaves the same): v5.15+ crop(tokens_to_remove). */
+static void test_crop_dynamic(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step(q, 3), TIER_OK);
+    assert_int_equal(kv_seq_crop(q, -1), TIER_OK); /* [1,2,3] -> [1,2] */
+    assert_int_equal(kv_seq_length(q), 2);
+    check_positions(q, 0, 0, 2);
+    check_positions(q, 1, 0, 2);
+    assert_int_equal(kv_seq_crop(q, 0), TIER_OK); /* no-op */
+    assert_int_equal(kv_seq_length(q), 2);
+    assert_int_equal(step(q, 1), TIER_OK);
+    assert_int_equal(kv_seq_crop(q, 2), TIER_OK); /* deprecated absolute length: keeps [1,2] */
+    assert_int_equal(kv_seq_length(q), 2);
+    assert_int_equal(kv_seq_crop(q, 5), TIER_OK); /* absolute length beyond: no-op */
+    assert_int_equal(kv_seq_length(q), 2);
+    assert_int_equal(kv_seq_crop(q, -5), TIER_OK); /* over-crop empties (no stale remainder) */
+    assert_int_equal(kv_seq_length(q), 0);
+    assert_int_equal(kv_store_stats(f->store).blocks_used, 0);
+    /* the emptied sequence is as good as new */
+    assert_int_equal(step(q, 3), TIER_OK);
+    check_positions(q, 0, 0, 3);
+    kv_seq_free(q);
+}
+
+/* §10.3: once the sliding layer has seen W tokens without recording, any
+ * crop is refused with the reference's explanation and changes nothing. */
+static void test_crop_sliding_unrecorded(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step(q, 6), TIER_OK);
+    int64_t crops[] = {-1, 0, 2, -6};
+    for (size_t i = 0; i < sizeof(crops) / sizeof(crops[0]); i++) {
+        assert_int_equal(kv_seq_crop(q, crops[i]), TIER_ECONFLICT);
+        assert_non_null(strstr(kv_store_errmsg(f->store), "Call `activate_past_recording` before `crop`"));
+        assert_int_equal(kv_seq_length(q), 6);
+        check_positions(q, 0, 0, 6);
+        check_positions(q, 1, 3, 6);
+    }
+    kv_seq_free(q);
+}
+
+/* §10.4: with past recording the sliding layer keeps every state until the
+ * next crop; crop(0) shrinks to W-1, crop(-2) of 6 keeps [2,3,4], crop(+1)
+ * is refused, and a crop deeper than what was recorded since the last one
+ * is refused (the reference would lose states silently). */
+static void test_crop_sliding_recorded(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_activate_past_recording(q), TIER_OK);
+    assert_int_equal(step(q, 6), TIER_OK);
+    check_positions(q, 1, 0, 6); /* all 6 stored */
+    assert_int_equal(kv_seq_crop(q, 1), TIER_EINVAL);
+    assert_non_null(strstr(kv_store_errmsg(f->store), "negative int"));
+    assert_int_equal(kv_seq_crop(q, 0), TIER_OK);
+    assert_int_equal(kv_seq_length(q), 6);
+    check_positions(q, 1, 3, 6); /* [4,5,6] */
+    assert_int_equal(kv_seq_crop(q, -1), TIER_ECONFLICT); /* needs position 2, recorded from 3 */
+    assert_int_equal(kv_seq_length(q), 6);
+    check_positions(q, 1, 3, 6);
+    kv_seq_free(q);
+
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_activate_past_recording(q), TIER_OK);
+    assert_int_equal(step(q, 6), TIER_OK);
+    assert_int_equal(kv_seq_crop(q, -2), TIER_OK);
+    assert_int_equal(kv_seq_length(q), 4);
+    check_positions(q, 1, 1, 4); /* keys[-5:-2] = tokens [2,3,4] */
+    check_positions(q, 0, 0, 4);
+    /* decoding on after the rollback: recording goes on until the next crop */
+    assert_int_equal(step(q, 3), TIER_OK);
+    check_positions(q, 1, 1, 7);
+    assert_int_equal(kv_seq_crop(q, -3), TIER_OK);
+    check_positions(q, 1, 1, 4);
+    kv_seq_free(q);
+    assert_int_equal(kv_store_stats(f->store).blocks_used, 0);
+}
+
+/* Static strategies: crop works on full layers (the reference has no crop
+ * there); past recording is refused where sliding layers have a fixed size. */
+static void test_crop_static(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q = seq_new(f, KV_STATIC, 8);
+    assert_int_equal(kv_seq_activate_past_recording(q), TIER_ENOTSUP);
+    assert_int_equal(step(q, 3), TIER_OK);
+    assert_int_equal(kv_seq_crop(q, -2), TIER_OK);
+    check_positions(q, 0, 0, 1);
+    assert_int_equal(step(q, 2), TIER_OK);
+    check_positions(q, 0, 0, 3);
+    kv_seq_free(q);
+}
+
+/* The §7.3 edge: a cache holding the whole input is cropped to n - 1 so
+ * that the last token is fed again and gives logits. */
+static void test_reuse(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q;
+    int64_t skip;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step(q, 3), TIER_OK);
+    assert_int_equal(kv_seq_reuse(q, 5, &skip), TIER_OK);
+    assert_int_equal(skip, 3);
+    assert_int_equal(kv_seq_reuse(q, 3, &skip), TIER_OK);
+    assert_int_equal(skip, 2);
+    assert_int_equal(kv_seq_length(q), 2);
+    assert_int_equal(kv_seq_reuse(q, 0, &skip), TIER_EINVAL);
+    kv_seq_free(q);
+}
+
+/* A fork shares every block; the partly filled last block is copied by
+ * whichever side writes first, the other keeps its contents; freeing in
+ * either order returns everything. */
+static void test_fork_cow(void **state)
+{
+    struct fixture *f = *state;
+    for (int order = 0; order < 2; order++) {
+        kv_seq *a, *b;
+        assert_int_equal(kv_seq_create(f->store, NULL, &a), TIER_OK);
+        assert_int_equal(step(a, 10), TIER_OK); /* layer 0: 3 blocks; layer 1: [7,10) in 1 block */
+        uint64_t used = kv_store_stats(f->store).blocks_used;
+        assert_int_equal(kv_seq_fork(a, &b), TIER_OK);
+        assert_int_equal(kv_store_stats(f->store).blocks_used, used); /* nothing copied */
+        assert_int_equal(kv_seq_length(b), 10);
+        check_positions(b, 0, 0, 10);
+        check_positions(b, 1, 7, 10);
+        /* b writes position 10 into the shared last block: one copy per layer */
+        assert_int_equal(kv_seq_reserve(b, 1), TIER_OK);
+        assert_int_equal(kv_store_stats(f->store).blocks_used, used + 2);
+        struct be_kv_view v;
+        kv_seq_view(b, 0, &v);
+        ((float *)v.blocks[2])[2 * HD] = 1000.0f; /* position 10 of b */
+        ((float *)v.blocks[2])[1 * HD] = 1000.0f; /* scribble on b's copy of position 9 */
+        kv_seq_commit(b);
+        check_positions(a, 0, 0, 10); /* a is untouched */
+        /* a writes its own position 10 in place: its block is private now;
+         * its sliding layer lets go of [4,8), which b already dropped */
+        assert_int_equal(step(a, 1), TIER_OK);
+        assert_int_equal(kv_store_stats(f->store).blocks_used, used + 1);
+        check_positions(a, 0, 0, 11);
+        kv_seq_free(order ? b : a);
+        kv_seq_free(order ? a : b);
+        assert_int_equal(kv_store_stats(f->store).blocks_used, 0);
+    }
+}
+
+/* A fork of an offloaded sequence copies its host extents. */
+static void test_fork_offloaded(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *a = seq_new(f, KV_OFFLOADED, 0), *b;
+    assert_int_equal(step(a, 9), TIER_OK);
+    size_t host = kv_store_stats(f->store).host_bytes;
+    assert_int_equal(kv_seq_fork(a, &b), TIER_OK);
+    assert_int_equal(kv_store_stats(f->store).host_bytes, 2 * host);
+    check_positions(b, 0, 0, 9);
+    check_positions(b, 1, 6, 9);
+    assert_int_equal(step(b, 2), TIER_OK);
+    check_positions(b, 0, 0, 11);
+    check_positions(a, 0, 0, 9);
+    kv_seq_free(a);
+    check_positions(b, 1, 8, 11);
+    kv_seq_free(b);
+    assert_int_equal(kv_store_stats(f->store).host_bytes, 0);
+}
+
+static int setup_prefix(void **state)
+{
+    return setup_store(state, 0, 1 << 20, &(struct kv_store_params){.block_tokens = BT, .prefix_cache = true});
+}
+
+static void ids_of(int32_t *ids, int n, int salt)
+{
+    for (int i = 0; i < n; i++)
+        ids[i] = i * 7 + salt;
+}
+
+/* Full blocks are published at commit and found again by token ids: a
+ * second sequence with the same prefix attaches them (never the last
+ * token), equal blocks computed twice are deduplicated, the entries become
+ * evictable once no sequence holds them, and a different chain (or a
+ * different parent) never matches. */
+static void test_prefix_match(void **state)
+{
+    struct fixture *f = *state;
+    int32_t ids[16], other[16];
+    ids_of(ids, 16, 1);
+    memcpy(other, ids, sizeof(ids));
+    other[5] = 999; /* differs in block 1 */
+    kv_seq *a, *b, *c;
+    assert_int_equal(kv_seq_create(f->store, NULL, &a), TIER_OK);
+    assert_int_equal(step_ids(a, 10, ids), TIER_OK);
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 2);
+    assert_int_equal(step_ids(a, 2, ids + 10), TIER_OK); /* block 2 fills */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 3);
+    int64_t n;
+    assert_int_equal(kv_seq_create(f->store, NULL, &b), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(b, ids, 12, &n), TIER_OK);
+    assert_int_equal(n, 8); /* 12 would leave nothing to feed */
+    assert_int_equal(kv_seq_length(b), 8);
+    check_positions(b, 0, 0, 8);
+    check_positions(b, 1, 0, 8);
+    assert_int_equal(kv_seq_match_prefix(b, ids, 12, &n), TIER_EINVAL); /* not empty */
+    uint64_t used = kv_store_stats(f->store).blocks_used;
+    assert_int_equal(step_ids(b, 4, ids + 8), TIER_OK); /* recomputes block 2: deduplicated */
+    assert_int_equal(kv_store_stats(f->store).blocks_used, used);
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 3);
+    assert_int_equal(kv_seq_create(f->store, NULL, &c), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(c, other, 16, &n), TIER_OK);
+    assert_int_equal(n, 4); /* block 0 only */
+    kv_seq_free(c);
+    assert_int_equal(kv_seq_create(f->store, NULL, &c), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(c, ids + 4, 12, &n), TIER_OK);
+    assert_int_equal(n, 0); /* block 1's ids at block 0: another chain */
+    kv_seq_free(c);
+    kv_seq_free(a);
+    assert_int_equal(kv_store_stats(f->store).prefix_evictable, 0);
+    kv_seq_free(b);
+    assert_int_equal(kv_store_stats(f->store).prefix_evictable, 3);
+    assert_int_equal(kv_store_stats(f->store).blocks_used, 6); /* 3 entries x 2 layers, cached */
+    /* a crop back into published blocks republishes consistently */
+    assert_int_equal(kv_seq_create(f->store, NULL, &a), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(a, ids, 16, &n), TIER_OK);
+    assert_int_equal(n, 12);
+    assert_int_equal(kv_seq_crop(a, -6), TIER_OK);
+    int32_t fresh[9];
+    memcpy(fresh, ids, 6 * sizeof(int32_t));
+    fresh[6] = 77;
+    fresh[7] = 78;
+    fresh[8] = 79;
+    assert_int_equal(step_ids(a, 2, fresh + 6), TIER_OK); /* block 1 takes new ids: copied, published */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 4);
+    check_positions(a, 0, 0, 8);
+    kv_seq_free(a);
+    assert_int_equal(kv_seq_create(f->store, NULL, &c), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(c, fresh, 9, &n), TIER_OK);
+    assert_int_equal(n, 8);
+    check_positions(c, 0, 0, 8);
+    kv_seq_free(c);
+    assert_int_equal(kv_seq_create(f->store, NULL, &c), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(c, ids, 9, &n), TIER_OK); /* the old block 1 is still cached */
+    assert_int_equal(n, 8);
+    kv_seq_free(c);
+}
+
+/* With a 1-bit hash every entry collides; lookups still compare ids and
+ * parents, so only the true chains match. */
+static void test_prefix_collisions(void **state)
+{
+    (void)state;
+    void *st;
+    setup_store(&st, 0, 1 << 20,
+                &(struct kv_store_params){.block_tokens = BT, .prefix_cache = true, .prefix_hash_mask = 1});
+    struct fixture *f = st;
+    int32_t ids[4][13];
+    kv_seq *q[4];
+    for (int i = 0; i < 4; i++) {
+        ids_of(ids[i], 13, i);
+        ids[i][0] = 5; /* the same first token, different blocks */
+        assert_int_equal(kv_seq_create(f->store, NULL, &q[i]), TIER_OK);
+        assert_int_equal(step_ids(q[i], 13, ids[i]), TIER_OK);
+        /* marks the sequence in its KV: position 0 of layer 1 holds i */
+        struct be_kv_view v;
+        kv_seq_view(q[i], 1, &v);
+        assert_float_equal(((float *)v.blocks[0])[0], 0.0f, 0);
+    }
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 12);
+    for (int i = 0; i < 4; i++) {
+        kv_seq *c;
+        int64_t n;
+        assert_int_equal(kv_seq_create(f->store, NULL, &c), TIER_OK);
+        assert_int_equal(kv_seq_match_prefix(c, ids[i], 13, &n), TIER_OK);
+        assert_int_equal(n, 12);
+        for (int l = 0; l < 2; l++) {
+            struct be_kv_view mine, theirs;
+            kv_seq_view(c, l, &mine);
+            kv_seq_view(q[i], l, &theirs);
+            for (int b = 0; b < 3; b++)
+                assert_ptr_equal(mine.blocks[b], theirs.blocks[b]);
+        }
+        kv_seq_free(c);
+    }
+    for (int i = 0; i < 4; i++)
+        kv_seq_free(q[i]);
+    teardown(&st);
+}
+
+/* Under a tight device budget the unreferenced cached blocks are what the
+ * pool gives up first, oldest chain first, tail block first. */
+static void test_prefix_eviction(void **state)
+{
+    (void)state;
+    void *st;
+    /* room for 8 blocks of 256 bytes: 4 token blocks of 2 layers */
+    setup_store(&st, 0, 8 * 256, &(struct kv_store_params){.block_tokens = BT, .prefix_cache = true});
+    struct fixture *f = st;
+    int32_t a_ids[9], b_ids[9];
+    ids_of(a_ids, 9, 1);
+    ids_of(b_ids, 9, 2);
+    kv_seq *q;
+    int64_t n;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, a_ids), TIER_OK); /* 2 entries */
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, b_ids), TIER_OK); /* 2 more: the pool is full */
+    kv_seq_free(q);
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 4);
+    assert_int_equal(kv_store_stats(f->store).prefix_evictable, 4);
+    /* a new sequence needing 2 token blocks evicts a's chain (the oldest) */
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step(q, 5), TIER_OK);
+    assert_int_equal(kv_store_stats(f->store).prefix_evictions, 2);
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, a_ids, 9, &n), TIER_OK);
+    assert_int_equal(n, 0);
+    assert_int_equal(kv_seq_match_prefix(q, b_ids, 9, &n), TIER_OK);
+    assert_int_equal(n, 8);
+    /* referenced entries are never evicted: the budget error is real */
+    kv_seq *r;
+    assert_int_equal(kv_seq_create(f->store, NULL, &r), TIER_OK);
+    assert_int_equal(kv_seq_reserve(r, 12), TIER_ENOMEM_DEV);
+    assert_int_equal(kv_seq_length(q), 8);
+    check_positions(q, 0, 0, 8);
+    kv_seq_free(r);
+    kv_seq_free(q);
+    teardown(&st);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -428,6 +779,16 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_offload_moves_everything, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_host_budget, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_crop_static, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_reuse, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_fork_cow, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_fork_offloaded, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_match, setup_prefix, teardown),
+        cmocka_unit_test(test_prefix_collisions),
+        cmocka_unit_test(test_prefix_eviction),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

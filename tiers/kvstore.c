@@ -23,7 +23,13 @@
  *                      most the device budget holds at max_cache_len
  *
  * Sequence states: idle (pending == 0) -> reserved (pending > 0, listed in
- * s->active) -> idle by commit or abort.  Offload only while idle.
+ * s->active) -> idle by commit or abort.  Offload, crop, fork and prefix
+ * match only while idle.  Orthogonally, recording (record_past): sliding
+ * layers stop dropping states at commit until the next crop shrinks them.
+ *
+ * Sharing: pool blocks carry a reference count (struct kv_block); a fork
+ * and a prefix match put the same blocks in several tables, and the prefix
+ * cache (prefix.c) keeps published blocks after their last table lets go.
  *
  * Invariants:
  *   (1) every position in [lo, len) is stored; lo only grows.  Sliding
@@ -39,7 +45,12 @@
  *       writing the step's tokens never touches a stored one (abort needs
  *       no undo).
  *   (4) a failed call leaves every sequence's positions and contents as
- *       they were.  It may leave an extent larger (capacity is not state).
+ *       they were.  It may leave an extent larger (capacity is not state)
+ *       and a formerly shared block private (a copy with equal contents).
+ *   (6) a step writes only into blocks with ref == 1 that are not
+ *       published: the block holding position len is copied first
+ *       otherwise (copy on write); blocks after it are fresh.
+ *   (7) a block is on the free list iff ref == 0 and it is not published.
  *   (5) s->host_used is the sum of host extent sizes and never exceeds a
  *       non-zero host_budget.
  * All functions run on one thread (the inference thread).
@@ -65,6 +76,7 @@ const char *tier_strerror(enum tier_status st)
     case TIER_EFULL: return "KV cache is full";
     case TIER_ENOTSUP: return "KV strategy not supported";
     case TIER_EIO: return "KV tier I/O error";
+    case TIER_ECONFLICT: return "KV cache state conflict";
     }
     return "unknown tier status";
 }
@@ -134,6 +146,8 @@ enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const st
     s->bt = p->block_tokens ? p->block_tokens : KV_DEFAULT_BLOCK_TOKENS;
     s->block_bytes = 2 * (size_t)g->n_kv_heads * (size_t)s->bt * (size_t)g->head_dim * be_dtype_size(g->dtype);
     s->host_budget = p->host_mem;
+    s->prefix_on = p->prefix_cache;
+    s->hash_mask = p->prefix_hash_mask ? p->prefix_hash_mask : UINT64_MAX;
     enum tier_status st = kv_stream_init(s);
     if (st != TIER_OK) {
         kv_store_free(s);
@@ -152,10 +166,14 @@ void kv_store_free(kv_store *s)
 {
     if (!s)
         return;
+    prefix_release_all(s);
     kv_stream_release(s);
-    for (size_t i = 0; i < s->n_chunks; i++)
+    for (size_t i = 0; i < s->n_chunks; i++) {
         be_buffer_free(s->chunks[i]);
+        free(s->chunk_desc[i]);
+    }
     free(s->chunks);
+    free(s->chunk_desc);
     free(s->free_blocks);
     free(s->active);
     free(s->layer_window);
@@ -182,6 +200,10 @@ struct kv_store_stats kv_store_stats(const kv_store *s)
         .slot_bytes = 2 * s->slot_cap,
         .blocks_used = used,
         .fallbacks = s->fallbacks,
+        .prefix_entries = s->n_entries,
+        .prefix_evictable = s->n_unref,
+        .prefix_hit_tokens = s->prefix_hits,
+        .prefix_evictions = s->prefix_evictions,
         .xfer = s->total,
         .last_step = s->step,
     };
@@ -198,23 +220,35 @@ static enum tier_status pool_grow(kv_store *s)
         if (!c)
             return TIER_ENOMEM_HOST;
         s->chunks = c;
+        struct kv_block **d = realloc(s->chunk_desc, cap * sizeof(*d));
+        if (!d)
+            return TIER_ENOMEM_HOST;
+        s->chunk_desc = d;
         s->cap_chunks = cap;
     }
     for (size_t nb = KV_CHUNK_BLOCKS; nb >= 1; nb /= 2) {
-        void **fb = realloc(s->free_blocks, (s->n_total + nb) * sizeof(void *));
+        struct kv_block **fb = realloc(s->free_blocks, (s->n_total + nb) * sizeof(*fb));
         if (!fb)
             return TIER_ENOMEM_HOST;
         s->free_blocks = fb;
+        struct kv_block *desc = calloc(nb, sizeof(*desc));
+        if (!desc)
+            return TIER_ENOMEM_HOST;
         be_buffer *buf;
         enum be_status st = be_dev_alloc(s->be, nb * s->block_bytes, &buf);
+        if (st != BE_OK)
+            free(desc);
         if (st == BE_ENOMEM_DEV)
             continue;
         if (st != BE_OK)
             return st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO;
+        s->chunk_desc[s->n_chunks] = desc;
         s->chunks[s->n_chunks++] = buf;
         char *base = be_buffer_data(buf);
-        for (size_t i = 0; i < nb; i++)
-            s->free_blocks[s->n_free++] = base + (nb - 1 - i) * s->block_bytes;
+        for (size_t i = 0; i < nb; i++) {
+            desc[nb - 1 - i].data = base + (nb - 1 - i) * s->block_bytes;
+            s->free_blocks[s->n_free++] = &desc[nb - 1 - i];
+        }
         s->n_total += nb;
         return TIER_OK;
     }
@@ -230,32 +264,79 @@ void kv_store_trim(kv_store *s)
 {
     size_t keep = 0;
     for (size_t c = 0; c < s->n_chunks; c++) {
-        char *lo = be_buffer_data(s->chunks[c]);
+        const struct kv_block *lo = s->chunk_desc[c];
         size_t nb = be_buffer_size(s->chunks[c]) / s->block_bytes;
-        char *hi = lo + nb * s->block_bytes;
+        const struct kv_block *hi = lo + nb;
         size_t n_in = 0;
         for (size_t i = 0; i < s->n_free; i++)
-            n_in += (char *)s->free_blocks[i] >= lo && (char *)s->free_blocks[i] < hi;
+            n_in += s->free_blocks[i] >= lo && s->free_blocks[i] < hi;
         if (n_in < nb) {
+            s->chunk_desc[keep] = s->chunk_desc[c];
             s->chunks[keep++] = s->chunks[c];
             continue;
         }
         size_t k = 0;
         for (size_t i = 0; i < s->n_free; i++)
-            if ((char *)s->free_blocks[i] < lo || (char *)s->free_blocks[i] >= hi)
+            if (s->free_blocks[i] < lo || s->free_blocks[i] >= hi)
                 s->free_blocks[k++] = s->free_blocks[i];
         s->n_free = k;
         s->n_total -= nb;
         be_buffer_free(s->chunks[c]);
+        free(s->chunk_desc[c]);
     }
     s->n_chunks = keep;
+}
+
+/* Evicts every unreferenced prefix-cache entry and returns the emptied
+ * chunks: what a device allocation outside the pool tries before failing. */
+bool kv_store_reclaim(kv_store *s)
+{
+    bool any = false;
+    while (prefix_evict_one(s))
+        any = true;
+    kv_store_trim(s);
+    return any;
+}
+
+void blk_get(kv_store *s, struct kv_block *b)
+{
+    b->ref++;
+    if (b->pub)
+        prefix_hold(s, b->pub);
+}
+
+void blk_put(kv_store *s, struct kv_block *b)
+{
+    b->ref--;
+    if (b->pub)
+        prefix_unhold(s, b->pub); /* the cache keeps it until evicted */
+    else if (!b->ref)
+        s->free_blocks[s->n_free++] = b;
+}
+
+/* One block for a sequence's table (ref 1): from the free list, else a
+ * new chunk, else, when the device budget refuses, the least recently used
+ * unreferenced prefix-cache entry's blocks. */
+static enum tier_status pool_take(kv_store *s, struct kv_block **out)
+{
+    while (!s->n_free) {
+        enum tier_status st = pool_grow(s);
+        if (st == TIER_OK)
+            break;
+        if (st != TIER_ENOMEM_DEV || !prefix_evict_one(s))
+            return st;
+        s->err[0] = '\0';
+    }
+    *out = s->free_blocks[--s->n_free];
+    (*out)->ref = 1;
+    return TIER_OK;
 }
 
 /* Device bytes free to the store: the budget left plus its free pool blocks. */
 static size_t dev_available(const kv_store *s)
 {
     struct be_mem_stats ms = be_mem_stats(s->be);
-    return ms.dev_budget - ms.dev_used + s->n_free * s->block_bytes;
+    return ms.dev_budget - ms.dev_used + (s->n_free + s->n_unref * (size_t)s->g.n_layers) * s->block_bytes;
 }
 
 /* ---- extents -------------------------------------------------------------- */
@@ -274,6 +355,8 @@ static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, be_buf
         st = be_host_alloc(s->be, bytes, out);
     } else {
         st = be_dev_alloc(s->be, bytes, out);
+        if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
+            st = be_dev_alloc(s->be, bytes, out);
     }
     if (st == BE_ENOMEM_DEV) {
         struct be_mem_stats ms = be_mem_stats(s->be);
@@ -362,12 +445,14 @@ static void layer_storage_release(kv_store *s, struct kv_layer *L)
 {
     if (L->home == KV_HOME_PAGED) {
         while (L->n_blocks > 0)
-            s->free_blocks[s->n_free++] = L->blocks[--L->n_blocks];
+            blk_put(s, L->pb[--L->n_blocks]);
     } else {
         ext_release(s, L->home, L->ext);
     }
     free(L->blocks);
+    free(L->pb);
     L->blocks = NULL;
+    L->pb = NULL;
     L->ext = NULL;
     L->n_blocks = L->cap = L->ext_blocks = 0;
 }
@@ -381,6 +466,7 @@ static enum tier_status ext_build(kv_seq *q, const struct kv_layer *L, enum kv_h
     *n = *L;
     n->home = home;
     n->ext = NULL;
+    n->pb = NULL;
     n->ext_blocks = n->cap = nb;
     n->blocks = malloc((size_t)nb * sizeof(void *));
     if (!n->blocks)
@@ -611,6 +697,7 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
     }
     if (q->fallback)
         s->fallbacks++;
+    prefix_init(q);
     *out = q;
     return TIER_OK;
 }
@@ -623,6 +710,7 @@ void kv_seq_free(kv_seq *q)
         kv_seq_abort(q);
     layers_release(q);
     free(q->layers);
+    free(q->ids);
     free(q);
 }
 
@@ -685,6 +773,7 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
     if (st != TIER_OK)
         return st;
     kv_store_trim(s);
+    prefix_stop(q);
     q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
     if (why != KV_FALLBACK_NONE) {
         if (q->fallback == KV_FALLBACK_NONE)
@@ -702,28 +791,87 @@ static int paged_blocks_for(const kv_store *s, const struct kv_layer *L, int64_t
     return (int)((end - L->base + s->bt - 1) / s->bt);
 }
 
-static enum tier_status paged_reserve(kv_store *s, struct kv_layer *L, int64_t end)
+static void paged_set(struct kv_layer *L, int i, struct kv_block *b)
 {
-    int need = paged_blocks_for(s, L, end);
-    if (need > L->cap) {
-        int cap = L->cap ? L->cap : 4;
-        while (cap < need)
-            cap *= 2;
-        void **b = realloc(L->blocks, (size_t)cap * sizeof(void *));
-        if (!b)
-            return TIER_ENOMEM_HOST;
-        L->blocks = b;
-        L->cap = cap;
-    }
-    while (L->n_blocks < need) {
-        if (s->n_free == 0) {
-            enum tier_status st = pool_grow(s);
-            if (st != TIER_OK)
-                return st;
-        }
-        L->blocks[L->n_blocks++] = s->free_blocks[--s->n_free];
-    }
+    L->pb[i] = b;
+    L->blocks[i] = b->data;
+}
+
+/* Makes a paged layer's tables hold at least need entries. */
+static enum tier_status paged_table(struct kv_layer *L, int need)
+{
+    if (need <= L->cap)
+        return TIER_OK;
+    int cap = L->cap ? L->cap : 4;
+    while (cap < need)
+        cap *= 2;
+    void **b = realloc(L->blocks, (size_t)cap * sizeof(*b));
+    if (!b)
+        return TIER_ENOMEM_HOST;
+    L->blocks = b;
+    struct kv_block **pb = realloc(L->pb, (size_t)cap * sizeof(*pb));
+    if (!pb)
+        return TIER_ENOMEM_HOST;
+    L->pb = pb;
+    L->cap = cap;
     return TIER_OK;
+}
+
+/* Copy on write: the block holding position len, which the step writes
+ * into, becomes private if another table shares it or the prefix cache
+ * holds it (a published block never changes).  The copy has the same
+ * contents, so an abort needs no undo (invariant 4). */
+static enum tier_status paged_own_tail(kv_store *s, struct kv_layer *L, int64_t len)
+{
+    if (len % s->bt == 0 || len < L->base)
+        return TIER_OK;
+    int i = (int)((len - L->base) / s->bt);
+    struct kv_block *old = L->pb[i], *b;
+    if (old->ref == 1 && !old->pub)
+        return TIER_OK;
+    enum tier_status st = pool_take(s, &b);
+    if (st != TIER_OK)
+        return st;
+    enum be_status bs = be_copy(s->be, b->data, old->data, s->block_bytes, BE_D2D);
+    if (bs != BE_OK) {
+        blk_put(s, b);
+        return kv_fail(s, TIER_EIO, "copying a shared KV block before writing into it: %s", be_strerror(bs));
+    }
+    paged_set(L, i, b);
+    blk_put(s, old);
+    return TIER_OK;
+}
+
+static enum tier_status paged_reserve(kv_store *s, struct kv_layer *L, int64_t len, int64_t end)
+{
+    enum tier_status st = paged_table(L, paged_blocks_for(s, L, end));
+    if (st == TIER_OK)
+        st = paged_own_tail(s, L, len);
+    while (st == TIER_OK && L->n_blocks < paged_blocks_for(s, L, end)) {
+        struct kv_block *b;
+        st = pool_take(s, &b);
+        if (st == TIER_OK)
+            paged_set(L, L->n_blocks++, b);
+    }
+    return st;
+}
+
+/* Releases a paged layer's blocks outside [lo, end): those before the
+ * block holding lo and those after the one holding end - 1. */
+static void paged_trim(kv_store *s, struct kv_layer *L, int64_t end)
+{
+    int keep = paged_blocks_for(s, L, end);
+    while (L->n_blocks > keep)
+        blk_put(s, L->pb[--L->n_blocks]);
+    int drop = (int)((L->lo - L->base) / s->bt); /* invariant 2 */
+    if (drop <= 0)
+        return;
+    for (int b = 0; b < drop; b++)
+        blk_put(s, L->pb[b]);
+    memmove(L->blocks, L->blocks + drop, (size_t)(L->n_blocks - drop) * sizeof(*L->blocks));
+    memmove(L->pb, L->pb + drop, (size_t)(L->n_blocks - drop) * sizeof(*L->pb));
+    L->n_blocks -= drop;
+    L->base += (int64_t)drop * s->bt;
 }
 
 static bool has_full_layer(const kv_store *s)
@@ -776,7 +924,7 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
     q->pending = n_new;
     for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
         struct kv_layer *L = &q->layers[l];
-        st = L->home == KV_HOME_PAGED ? paged_reserve(s, L, end) : ext_reserve(q, L, end);
+        st = L->home == KV_HOME_PAGED ? paged_reserve(s, L, q->len, end) : ext_reserve(q, L, end);
     }
     if (st != TIER_OK) {
         kv_seq_abort(q);
@@ -784,6 +932,7 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
     }
     for (int l = 0; l < s->g.n_layers; l++)
         ext_view_refresh(q, &q->layers[l]);
+    prefix_reserve(q, end);
     q->chunk_from = q->len;
     q->chunk_to = end;
     return TIER_OK;
@@ -812,22 +961,16 @@ void kv_seq_commit(kv_seq *q)
     for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_layer *L = &q->layers[l];
         /* The next query sits at position len and sees keys k with
-         * len - k < w; `keep` says how many of those are stored. */
-        if (L->keep && q->len - L->keep > L->lo)
+         * len - k < w; `keep` says how many of those are stored (all of
+         * them while recording: the next crop shrinks them). */
+        if (L->keep && !q->record_past && q->len - L->keep > L->lo)
             L->lo = q->len - L->keep;
-        if (L->home != KV_HOME_PAGED) {
+        if (L->home != KV_HOME_PAGED)
             ext_view_refresh(q, L);
-            continue;
-        }
-        int drop = (int)((L->lo - L->base) / s->bt); /* invariant 2 */
-        if (drop <= 0)
-            continue;
-        for (int b = 0; b < drop; b++)
-            s->free_blocks[s->n_free++] = L->blocks[b];
-        memmove(L->blocks, L->blocks + drop, (size_t)(L->n_blocks - drop) * sizeof(void *));
-        L->n_blocks -= drop;
-        L->base += (int64_t)drop * s->bt;
+        else
+            paged_trim(s, L, q->len);
     }
+    prefix_publish(q);
 }
 
 void kv_seq_abort(kv_seq *q)
@@ -837,12 +980,140 @@ void kv_seq_abort(kv_seq *q)
     active_remove(s, q);
     for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_layer *L = &q->layers[l];
-        if (L->home != KV_HOME_PAGED) {
+        if (L->home != KV_HOME_PAGED)
             ext_view_refresh(q, L);
+        else
+            paged_trim(s, L, q->len);
+    }
+}
+
+/* ---- cache surgery -------------------------------------------------------- */
+
+enum tier_status kv_seq_activate_past_recording(kv_seq *q)
+{
+    kv_store *s = q->s;
+    s->err[0] = '\0';
+    if (q->pending)
+        return kv_fail(s, TIER_EINVAL, "activate_past_recording during a step");
+    for (int l = 0; l < s->g.n_layers; l++)
+        if (is_static(q->strategy) && q->layers[l].window)
+            return kv_fail(s, TIER_ENOTSUP,
+                           "past recording needs a dynamic strategy: the sliding layers of %s keep a fixed %d states",
+                           kv_strategy_name(q->strategy), q->layers[l].keep);
+    q->record_past = true;
+    return TIER_OK;
+}
+
+enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
+{
+    kv_store *s = q->s;
+    s->err[0] = '\0';
+    if (q->pending)
+        return kv_fail(s, TIER_EINVAL, "kv_seq_crop during a step");
+    /* every refusal comes before the first change (invariant 4) */
+    for (int l = 0; l < s->g.n_layers; l++) {
+        const struct kv_layer *L = &q->layers[l];
+        if (!L->window || q->len < L->window)
+            continue;
+        if (!q->record_past)
+            return kv_fail(s, TIER_ECONFLICT,
+                           "`crop` was called, but the current layer does not track past states, and the sliding "
+                           "window size was already reached. Call `activate_past_recording` before `crop` to be able "
+                           "to rollback the cache. (layer %d, window %d, %lld tokens seen)",
+                           l, L->window, (long long)q->len);
+        if (n > 0)
+            return kv_fail(s, TIER_EINVAL,
+                           "Once the sliding window size has been reached, `DynamicSlidingWindowLayer` can only be "
+                           "cropped by passing a negative int, to specify how many tokens to remove (layer %d, "
+                           "window %d, crop(%lld))",
+                           l, L->window, (long long)n);
+    }
+    if (n > 0 && n >= q->len)
+        return TIER_OK;
+    int64_t remove = n > 0 ? q->len - n : -n;
+    int64_t len = remove < q->len ? q->len - remove : 0;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        const struct kv_layer *L = &q->layers[l];
+        int64_t need = L->keep && len > L->keep ? len - L->keep : 0;
+        if (L->lo > need)
+            return kv_fail(s, TIER_ECONFLICT,
+                           "crop(%lld) needs the states of layer %d from position %lld, but it recorded only from "
+                           "position %lld (recording restarts at every crop)",
+                           (long long)n, l, (long long)need, (long long)L->lo);
+    }
+    prefix_crop(q, len);
+    q->len = len;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        struct kv_layer *L = &q->layers[l];
+        if (L->keep && len - L->keep > L->lo) /* crop(0) shrinks recorded states back to keep */
+            L->lo = len - L->keep;
+        if (L->home == KV_HOME_PAGED)
+            paged_trim(s, L, len);
+        else
+            ext_view_refresh(q, L);
+    }
+    return TIER_OK;
+}
+
+enum tier_status kv_seq_reuse(kv_seq *q, int64_t n_input, int64_t *n_skip)
+{
+    *n_skip = 0;
+    if (n_input <= 0)
+        return kv_fail(q->s, TIER_EINVAL, "kv_seq_reuse of an empty input");
+    if (q->len >= n_input) {
+        enum tier_status st = kv_seq_crop(q, -(q->len - n_input + 1));
+        if (st != TIER_OK)
+            return st;
+    }
+    *n_skip = q->len;
+    return TIER_OK;
+}
+
+enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
+{
+    kv_store *s = q->s;
+    s->err[0] = '\0';
+    *out = NULL;
+    if (q->pending)
+        return kv_fail(s, TIER_EINVAL, "kv_seq_fork during a step");
+    kv_seq *c = calloc(1, sizeof(*c));
+    if (!c)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a sequence");
+    c->layers = calloc((size_t)s->g.n_layers, sizeof(*c->layers));
+    if (!c->layers) {
+        free(c);
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a sequence");
+    }
+    c->s = s;
+    c->p = q->p;
+    c->strategy = q->strategy;
+    c->fallback = q->fallback;
+    c->len = q->len;
+    c->record_past = q->record_past;
+    enum tier_status st = TIER_OK;
+    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
+        const struct kv_layer *L = &q->layers[l];
+        struct kv_layer *C = &c->layers[l];
+        if (L->home != KV_HOME_PAGED) {
+            st = ext_build(c, L, L->home, L->ext_blocks, C);
+            if (st == TIER_OK)
+                ext_view_refresh(c, C);
             continue;
         }
-        int keep = paged_blocks_for(s, L, q->len);
-        while (L->n_blocks > keep)
-            s->free_blocks[s->n_free++] = L->blocks[--L->n_blocks];
+        *C = (struct kv_layer){.home = KV_HOME_PAGED, .window = L->window, .keep = L->keep, .base = L->base,
+                               .lo = L->lo};
+        st = paged_table(C, L->n_blocks);
+        for (int b = 0; b < L->n_blocks && st == TIER_OK; b++) {
+            blk_get(s, L->pb[b]);
+            paged_set(C, C->n_blocks++, L->pb[b]);
+        }
     }
+    if (st == TIER_OK)
+        st = prefix_fork(q, c);
+    if (st != TIER_OK) {
+        kv_seq_free(c);
+        return st == TIER_ENOMEM_HOST && !s->err[0] ? kv_fail(s, st, "host memory: forking a sequence") : st;
+    }
+    *out = c;
+    return TIER_OK;
 }

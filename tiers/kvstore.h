@@ -35,6 +35,7 @@ enum tier_status {
     TIER_EFULL = 4,       /* static cache: writing past max_cache_len */
     TIER_ENOTSUP = 5,     /* strategy or combination not available */
     TIER_EIO = 6,
+    TIER_ECONFLICT = 7,   /* the cache's state forbids it (crop into dropped states); HTTP 409 */
 };
 const char *tier_strerror(enum tier_status st);
 
@@ -82,11 +83,21 @@ struct kv_seq_params {
     /* Fail with TIER_ENOMEM_DEV instead of continuing offloaded when the
      * device tier runs out (reliability.md T4 "allow_offload=false"). */
     bool no_fallback;
+    /* Opt out of the store's prefix cache (see kv_seq_match_prefix). */
+    bool no_prefix_cache;
 };
 
 struct kv_store_params {
     int block_tokens; /* tokens per block; 0 = 32 */
     size_t host_mem;  /* host-tier budget in bytes; 0 = unlimited */
+    /* Automatic prefix cache: full blocks of dynamic sequences on
+     * full-attention models are published by content hash at commit and
+     * found again by kv_seq_match_prefix; unreferenced ones are evicted
+     * LRU-first when the device budget runs out. */
+    bool prefix_cache;
+    /* Tests only: the chain hash is and-ed with this (0 = all 64 bits), so
+     * that a small mask forces collisions. */
+    uint64_t prefix_hash_mask;
 };
 
 enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out);
@@ -118,6 +129,10 @@ struct kv_store_stats {
     size_t slot_bytes;     /* the two streaming slots */
     uint64_t blocks_used;  /* pool blocks referenced by some sequence */
     uint64_t fallbacks;    /* sequences moved to the host tier after a device OOM */
+    uint64_t prefix_entries;   /* token blocks in the prefix cache (each one pool block per layer) */
+    uint64_t prefix_evictable; /* of those, referenced by no sequence */
+    uint64_t prefix_hit_tokens;/* tokens attached by kv_seq_match_prefix so far */
+    uint64_t prefix_evictions;
     struct kv_xfer_stats xfer;      /* since the store was created */
     struct kv_xfer_stats last_step; /* the last step that streamed */
 };
@@ -153,6 +168,45 @@ struct kv_seq_stats kv_seq_stats(const kv_seq *q);
  * All or nothing: on TIER_ENOMEM_HOST the sequence is untouched.  Only
  * between steps; TIER_ENOTSUP for a KV_FALLBACK_OOM of a no_fallback one. */
 enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why);
+
+/* ---- cache surgery (docs/strategies.md "Crop, forks, prefix cache") ----
+ * Only between steps.
+ *
+ * kv_seq_crop: Hugging Face v5.15+ crop(tokens_to_remove).  n < 0 removes
+ * -n tokens (more than the length empties the sequence); n == 0 is a no-op
+ * on full layers and shrinks sliding layers' recorded states back to what
+ * they will read (keep); n > 0 is the deprecated absolute length (n >= len:
+ * no-op), refused once a sliding layer has seen its window.  Once a
+ * sliding layer has seen its window, every crop needs past recording:
+ * TIER_ECONFLICT with the reference's message; removing more than was
+ * recorded since the last crop is TIER_ECONFLICT too (the reference loses
+ * states silently there).  All or nothing. */
+enum tier_status kv_seq_crop(kv_seq *q, int64_t n);
+/* Sliding layers keep every state until the next crop (HF
+ * activate_past_recording).  TIER_ENOTSUP on a static strategy with
+ * sliding layers (their capacity is fixed). */
+enum tier_status kv_seq_activate_past_recording(kv_seq *q);
+/* For a request whose n_input tokens extend what q holds (the caller
+ * checked the ids): how many leading tokens need not be fed again.  When
+ * q holds all n_input tokens (or more) it is cropped to n_input - 1 so the
+ * last token is recomputed and yields logits (cache-semantics §7.3 edge). */
+enum tier_status kv_seq_reuse(kv_seq *q, int64_t n_input, int64_t *n_skip);
+
+/* A new sequence equal to q that shares q's device blocks copy-on-write:
+ * nothing is copied until one of them writes into a shared block (the
+ * partly filled last block, on the first step).  Extent layers (static,
+ * offloaded) are copied: a ring has no blocks to share. */
+enum tier_status kv_seq_fork(kv_seq *q, kv_seq **child);
+
+/* Attaches to a fresh sequence (length 0) the longest chain of cached full
+ * blocks equal to tokens[0, n) and sets *n_cached to the tokens attached
+ * (a multiple of the block size, at most n - 1 so the caller still feeds
+ * one token and gets logits; 0 when the sequence does not take part).
+ * Matches compare the token ids, never only the hash. */
+enum tier_status kv_seq_match_prefix(kv_seq *q, const int32_t *tokens, int64_t n, int64_t *n_cached);
+/* The token ids of the reserved positions (after kv_seq_reserve, before
+ * the commit); a step without them stops the sequence publishing. */
+void kv_seq_tokens(kv_seq *q, const int32_t *ids);
 
 enum tier_status kv_seq_reserve(kv_seq *q, int n_new);
 /* The view of layer l covering committed tokens plus the reserved ones

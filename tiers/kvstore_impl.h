@@ -15,6 +15,28 @@ enum kv_home {
     KV_HOME_HOST = 2,  /* a host-tier extent used as a ring of blocks; streamed */
 };
 
+/* A pool block.  ref counts the sequence tables holding it (forks and
+ * prefix matches share blocks); a block in the prefix cache (pub set) is
+ * immutable and stays out of the free list while the cache keeps it. */
+struct kv_block {
+    void *data;
+    int ref;
+    struct kv_pentry *pub;
+};
+
+/* A prefix-cache entry (prefix.c): one full token block of a chain, with
+ * the pool block of every layer holding its KV. */
+struct kv_pentry {
+    uint64_t hash;              /* xxh3(tokens, seed = parent's hash) */
+    struct kv_pentry *parent;   /* the previous block of the chain, NULL for block 0 */
+    struct kv_pentry *next;     /* hash bucket chain */
+    struct kv_pentry *lru_prev, *lru_next; /* on the LRU list iff refs == 0 && children == 0 */
+    int refs;                   /* sequence references to its blocks, all layers summed */
+    int children;               /* cached entries whose parent this is */
+    struct kv_block **blocks;   /* [n_layers] */
+    int32_t *tokens;            /* [bt] */
+};
+
 struct kv_layer {
     enum kv_home home;
     int window; /* 0 = full attention */
@@ -23,6 +45,7 @@ struct kv_layer {
      * ring's blocks in logical order, rebuilt by ext_view_refresh (or, for
      * a streamed layer during a step, pointers into its device slot). */
     void **blocks;
+    struct kv_block **pb; /* paged: the descriptors of blocks[] (same length) */
     int n_blocks, cap;
     int64_t base; /* block 0 of the view covers [base, base + bt) */
     int64_t lo;   /* oldest stored position */
@@ -44,6 +67,16 @@ struct kv_seq {
     int64_t len;  /* committed tokens (HF get_seq_length) */
     int pending;  /* reserved, not yet committed */
     int64_t chunk_from, chunk_to; /* positions the current chunk writes */
+    bool record_past; /* sliding layers keep every state until the next crop */
+    /* prefix cache (prefix.c): the first pub_blocks blocks are published,
+     * the last of them is pub_tail; ids[] holds the token ids of the
+     * positions [pub_blocks * bt, len + pending) when `publish` is set */
+    bool publish;
+    int64_t pub_blocks;
+    struct kv_pentry *pub_tail;
+    int32_t *ids;
+    int64_t ids_cap;
+    bool ids_set; /* kv_seq_tokens was called for the pending step */
     struct kv_xfer_stats xfer;
     struct kv_layer *layers;
 };
@@ -57,12 +90,21 @@ struct kv_store {
     char err[KV_ERR_LEN];
     /* the device pool of paged blocks */
     be_buffer **chunks;
+    struct kv_block **chunk_desc; /* [n_chunks] the descriptors of each chunk's blocks */
     size_t n_chunks, cap_chunks;
-    void **free_blocks; /* stack of unused blocks */
+    struct kv_block **free_blocks; /* stack of unused blocks */
     size_t n_free;
     size_t n_total;     /* blocks owned by the pool */
     /* extents */
     size_t host_budget, host_used, dev_ext_bytes;
+    /* the prefix cache (prefix.c) */
+    bool prefix_on;
+    uint64_t hash_mask;
+    struct kv_pentry **buckets;
+    size_t n_buckets, n_entries;
+    struct kv_pentry *lru_head, *lru_tail; /* oldest first */
+    size_t n_unref;
+    uint64_t prefix_hits, prefix_evictions;
     uint64_t fallbacks;
     /* sequences with a reservation (the current step's batch) */
     kv_seq **active;
@@ -81,6 +123,22 @@ struct kv_store {
     struct kv_xfer_stats step, total;
 };
 
+/* kvstore.c: block references */
+void blk_get(kv_store *s, struct kv_block *b);
+void blk_put(kv_store *s, struct kv_block *b);
+
+/* prefix.c */
+void prefix_release_all(kv_store *s);
+bool prefix_evict_one(kv_store *s); /* frees the LRU unreferenced entry; false if none */
+void prefix_hold(kv_store *s, struct kv_pentry *e);
+void prefix_unhold(kv_store *s, struct kv_pentry *e);
+void prefix_init(kv_seq *q);    /* at creation: does q take part? */
+void prefix_stop(kv_seq *q);    /* q stops taking part (moved off paged device blocks) */
+void prefix_reserve(kv_seq *q, int64_t end); /* room for the ids of [.., end) */
+void prefix_publish(kv_seq *q); /* at commit: publishes q's newly full blocks */
+void prefix_crop(kv_seq *q, int64_t new_len);
+enum tier_status prefix_fork(const kv_seq *q, kv_seq *child);
+
 /* stream.c */
 enum tier_status kv_stream_init(kv_store *s);
 void kv_stream_release(kv_store *s);
@@ -89,6 +147,7 @@ void kv_stream_release(kv_store *s);
 void ext_view_refresh(const kv_seq *q, struct kv_layer *L);
 int64_t layer_view_lo(const kv_seq *q, const struct kv_layer *L);
 void kv_store_trim(kv_store *s);
+bool kv_store_reclaim(kv_store *s);
 /* Records the message for kv_store_errmsg and returns st. */
 enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 double kv_now(void);

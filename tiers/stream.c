@@ -103,8 +103,8 @@ static enum tier_status slots_alloc(kv_store *s, size_t need)
     s->slot_cap = 0;
     enum be_status st = BE_ENOMEM_DEV;
     for (int attempt = 0; attempt < 4 && st == BE_ENOMEM_DEV; attempt++) {
-        if (attempt == 2)
-            kv_store_trim(s);
+        if (attempt == 2) /* unreferenced prefix-cache blocks and empty pool chunks go first */
+            kv_store_reclaim(s);
         st = be_dev_alloc(s->be, caps[attempt % 2], &s->slot[0]);
         if (st == BE_OK)
             st = be_dev_alloc(s->be, caps[attempt % 2], &s->slot[1]);

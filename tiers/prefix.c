@@ -1,0 +1,365 @@
+/* prefix.c - the automatic prefix cache: full token blocks shared across
+ * sequences by the content hash of their token-id chain.
+ *
+ * NOTES
+ * A cache entry stands for one full block of bt tokens at a block boundary
+ * of some sequence, identified by its chain: the parent entry (the block
+ * before it, NULL for block 0) and its bt token ids.  Its hash is
+ * xxh3(token ids, seed = parent's hash), so equal hashes mean equal chains
+ * with overwhelming probability, and a lookup still compares the parent
+ * pointer and the ids: a collision can only miss, never attach the wrong
+ * KV.  The entry owns one pool block per layer holding that block's KV.
+ *
+ * Who takes part: sequences whose every layer is paged (dynamic strategy,
+ * on the device) and full attention.  A sliding layer drops blocks as its
+ * window moves, so a cached prefix could not be restored for it; static
+ * and offloaded layers live in rings, not shareable blocks.
+ *
+ * Entry states: referenced (refs > 0: some sequence table holds one of its
+ * blocks, or children > 0: a cached entry continues its chain) -> evictable
+ * (both 0; on the LRU list, oldest first) -> evicted (its blocks return to
+ * the free list).  A sequence attaching to it (match, dedupe, fork) makes
+ * it referenced again.
+ *
+ * Invariants:
+ *   (1) an entry is on the LRU list iff refs == 0 and children == 0, so
+ *       a parent outlives its children and every cached chain is complete
+ *       back to block 0.  n_unref counts the entries with refs == 0: all
+ *       of them can go, leaves first.
+ *   (2) e->refs is the sum of ref over e->blocks; a block with pub set is
+ *       never written (kvstore.c copies it first) and never on the free
+ *       list while its entry exists.
+ *   (3) for a publishing sequence, blocks [0, pub_blocks) of every layer
+ *       are the blocks of the chain ending at pub_tail, and ids[] holds the
+ *       token ids of the positions [pub_blocks * bt, len + pending).
+ *   (4) publishing never fails a commit: without memory for an entry the
+ *       sequence just stops publishing.
+ * All functions run on the inference thread.
+ */
+#include "tiers/kvstore_impl.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+static uint64_t chain_hash(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens)
+{
+    return XXH3_64bits_withSeed(tokens, (size_t)s->bt * sizeof(int32_t), parent ? parent->hash : 0) & s->hash_mask;
+}
+
+static struct kv_pentry *lookup(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens)
+{
+    if (!s->n_buckets)
+        return NULL;
+    uint64_t h = chain_hash(s, parent, tokens);
+    for (struct kv_pentry *e = s->buckets[h & (s->n_buckets - 1)]; e; e = e->next)
+        if (e->hash == h && e->parent == parent && !memcmp(e->tokens, tokens, (size_t)s->bt * sizeof(int32_t)))
+            return e;
+    return NULL;
+}
+
+/* ---- the LRU list of evictable entries ----------------------------------- */
+
+static void lru_unlink(kv_store *s, struct kv_pentry *e)
+{
+    *(e->lru_prev ? &e->lru_prev->lru_next : &s->lru_head) = e->lru_next;
+    *(e->lru_next ? &e->lru_next->lru_prev : &s->lru_tail) = e->lru_prev;
+    e->lru_prev = e->lru_next = NULL;
+}
+
+/* Appends e as the most recently used; oldest = true puts it first instead. */
+static void lru_link(kv_store *s, struct kv_pentry *e, bool oldest)
+{
+    if (oldest) {
+        e->lru_next = s->lru_head;
+        *(s->lru_head ? &s->lru_head->lru_prev : &s->lru_tail) = e;
+        s->lru_head = e;
+    } else {
+        e->lru_prev = s->lru_tail;
+        *(s->lru_tail ? &s->lru_tail->lru_next : &s->lru_head) = e;
+        s->lru_tail = e;
+    }
+}
+
+void prefix_hold(kv_store *s, struct kv_pentry *e)
+{
+    if (e->refs++ > 0)
+        return;
+    s->n_unref--;
+    if (!e->children)
+        lru_unlink(s, e);
+}
+
+void prefix_unhold(kv_store *s, struct kv_pentry *e)
+{
+    if (--e->refs > 0)
+        return;
+    s->n_unref++;
+    if (!e->children)
+        lru_link(s, e, false);
+}
+
+/* ---- entries -------------------------------------------------------------- */
+
+static void bucket_unlink(kv_store *s, struct kv_pentry *e)
+{
+    struct kv_pentry **p = &s->buckets[e->hash & (s->n_buckets - 1)];
+    while (*p != e)
+        p = &(*p)->next;
+    *p = e->next;
+}
+
+/* Doubles the bucket array; on failure the table stays as it is (longer
+ * chains, still correct). */
+static void buckets_grow(kv_store *s)
+{
+    size_t n = s->n_buckets ? 2 * s->n_buckets : 64;
+    struct kv_pentry **b = calloc(n, sizeof(*b));
+    if (!b)
+        return;
+    for (size_t i = 0; i < s->n_buckets; i++) {
+        for (struct kv_pentry *e = s->buckets[i], *next; e; e = next) {
+            next = e->next;
+            e->next = b[e->hash & (n - 1)];
+            b[e->hash & (n - 1)] = e;
+        }
+    }
+    free(s->buckets);
+    s->buckets = b;
+    s->n_buckets = n;
+}
+
+bool prefix_evict_one(kv_store *s)
+{
+    struct kv_pentry *e = s->lru_head;
+    if (!e)
+        return false;
+    lru_unlink(s, e);
+    bucket_unlink(s, e);
+    for (int l = 0; l < s->g.n_layers; l++) {
+        e->blocks[l]->pub = NULL;
+        s->free_blocks[s->n_free++] = e->blocks[l];
+    }
+    struct kv_pentry *p = e->parent;
+    if (p && --p->children == 0 && p->refs == 0)
+        lru_link(s, p, true); /* the chain goes tail first */
+    s->n_entries--;
+    s->n_unref--;
+    s->prefix_evictions++;
+    free(e);
+    return true;
+}
+
+void prefix_release_all(kv_store *s)
+{
+    while (prefix_evict_one(s))
+        ;
+    free(s->buckets);
+    s->buckets = NULL;
+    s->n_buckets = 0;
+}
+
+/* A new entry for block b of q (the chain continues q's pub_tail), taking
+ * q's blocks; NULL without memory. */
+static struct kv_pentry *entry_new(kv_seq *q, int64_t b)
+{
+    kv_store *s = q->s;
+    int nl = s->g.n_layers;
+    if (s->n_entries >= s->n_buckets)
+        buckets_grow(s);
+    if (!s->n_buckets)
+        return NULL;
+    struct kv_pentry *e = calloc(1, sizeof(*e) + (size_t)nl * sizeof(struct kv_block *) +
+                                        (size_t)s->bt * sizeof(int32_t));
+    if (!e)
+        return NULL;
+    e->blocks = (struct kv_block **)(e + 1);
+    e->tokens = (int32_t *)(e->blocks + nl);
+    memcpy(e->tokens, q->ids, (size_t)s->bt * sizeof(int32_t));
+    e->parent = q->pub_tail;
+    e->hash = chain_hash(s, e->parent, e->tokens);
+    for (int l = 0; l < nl; l++) {
+        struct kv_block *blk = q->layers[l].pb[b]; /* full paged layers: base 0 */
+        blk->pub = e;
+        e->blocks[l] = blk;
+        e->refs += blk->ref;
+    }
+    if (e->parent)
+        e->parent->children++;
+    struct kv_pentry **bucket = &s->buckets[e->hash & (s->n_buckets - 1)];
+    e->next = *bucket;
+    *bucket = e;
+    s->n_entries++;
+    return e;
+}
+
+/* ---- sequences ------------------------------------------------------------ */
+
+void prefix_init(kv_seq *q)
+{
+    const kv_store *s = q->s;
+    q->publish = s->prefix_on && !q->p.no_prefix_cache;
+    for (int l = 0; l < s->g.n_layers; l++)
+        q->publish = q->publish && q->layers[l].home == KV_HOME_PAGED && !q->layers[l].window;
+}
+
+void prefix_stop(kv_seq *q)
+{
+    q->publish = false;
+    q->pub_blocks = 0;
+    q->pub_tail = NULL;
+}
+
+void prefix_reserve(kv_seq *q, int64_t end)
+{
+    q->ids_set = false;
+    if (!q->publish)
+        return;
+    int64_t need = end - q->pub_blocks * q->s->bt;
+    if (need <= q->ids_cap)
+        return;
+    int64_t cap = q->ids_cap ? 2 * q->ids_cap : 4 * q->s->bt;
+    while (cap < need)
+        cap *= 2;
+    int32_t *ids = realloc(q->ids, (size_t)cap * sizeof(*ids));
+    if (!ids) {
+        prefix_stop(q); /* invariant 4 */
+        return;
+    }
+    q->ids = ids;
+    q->ids_cap = cap;
+}
+
+void kv_seq_tokens(kv_seq *q, const int32_t *ids)
+{
+    if (!q->publish || !q->pending)
+        return;
+    memcpy(q->ids + (q->len - q->pub_blocks * q->s->bt), ids, (size_t)q->pending * sizeof(*ids));
+    q->ids_set = true;
+}
+
+/* Puts the cached entry e's blocks in place of q's block b (same contents:
+ * the chain is equal), so equal prefixes share memory. */
+static void dedupe(kv_seq *q, int64_t b, struct kv_pentry *e)
+{
+    kv_store *s = q->s;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        struct kv_layer *L = &q->layers[l];
+        struct kv_block *mine = L->pb[b];
+        if (mine == e->blocks[l])
+            continue;
+        blk_get(s, e->blocks[l]);
+        L->pb[b] = e->blocks[l];
+        L->blocks[b] = e->blocks[l]->data;
+        blk_put(s, mine);
+    }
+}
+
+void prefix_publish(kv_seq *q)
+{
+    kv_store *s = q->s;
+    if (!q->publish)
+        return;
+    if (!q->ids_set) { /* a step without ids: the chain is unknown from here */
+        prefix_stop(q);
+        return;
+    }
+    q->ids_set = false;
+    while ((q->pub_blocks + 1) * s->bt <= q->len) {
+        int64_t b = q->pub_blocks;
+        struct kv_pentry *e = lookup(s, q->pub_tail, q->ids);
+        if (e)
+            dedupe(q, b, e);
+        else if (!(e = entry_new(q, b))) {
+            prefix_stop(q);
+            return;
+        }
+        q->pub_tail = e;
+        q->pub_blocks++;
+        memmove(q->ids, q->ids + s->bt, (size_t)(q->len - q->pub_blocks * s->bt) * sizeof(*q->ids));
+    }
+}
+
+void prefix_crop(kv_seq *q, int64_t len)
+{
+    kv_store *s = q->s;
+    if (!q->publish || len >= q->pub_blocks * s->bt)
+        return;
+    /* the blocks from len / bt on are no longer the sequence's; the ids of
+     * the kept part of block len / bt are in its entry */
+    int64_t nb = len / s->bt;
+    struct kv_pentry *e = q->layers[0].pb[nb]->pub;
+    memcpy(q->ids, e->tokens, (size_t)(len - nb * s->bt) * sizeof(*q->ids));
+    q->pub_tail = e->parent;
+    q->pub_blocks = nb;
+}
+
+enum tier_status prefix_fork(const kv_seq *q, kv_seq *c)
+{
+    c->publish = q->publish;
+    c->pub_blocks = q->pub_blocks;
+    c->pub_tail = q->pub_tail;
+    if (!q->publish)
+        return TIER_OK;
+    int64_t n = q->len - q->pub_blocks * q->s->bt;
+    c->ids_cap = q->ids_cap;
+    c->ids = malloc((size_t)c->ids_cap * sizeof(*c->ids));
+    if (!c->ids)
+        return TIER_ENOMEM_HOST;
+    memcpy(c->ids, q->ids, (size_t)n * sizeof(*c->ids));
+    return TIER_OK;
+}
+
+enum tier_status kv_seq_match_prefix(kv_seq *q, const int32_t *tokens, int64_t n, int64_t *n_cached)
+{
+    kv_store *s = q->s;
+    s->err[0] = '\0';
+    *n_cached = 0;
+    if (q->pending || q->len)
+        return kv_fail(s, TIER_EINVAL, "kv_seq_match_prefix needs an empty sequence (it holds %lld tokens%s)",
+                       (long long)q->len, q->pending ? " and is inside a step" : "");
+    if (!q->publish || n <= 0)
+        return TIER_OK;
+    /* whole blocks only, and never the last token: its logits are needed */
+    int64_t nb = 0;
+    struct kv_pentry *tail = NULL, *e;
+    while ((nb + 1) * s->bt < n && (e = lookup(s, tail, tokens + nb * s->bt))) {
+        tail = e;
+        nb++;
+    }
+    if (!nb)
+        return TIER_OK;
+    prefix_reserve(q, nb * s->bt);
+    if (!q->publish)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: token ids of a %lld-token prefix", (long long)(nb * s->bt));
+    for (int l = 0; l < s->g.n_layers; l++) {
+        struct kv_layer *L = &q->layers[l];
+        if (nb > L->cap) {
+            void **bl = realloc(L->blocks, (size_t)nb * sizeof(*bl));
+            if (bl)
+                L->blocks = bl;
+            struct kv_block **pb = bl ? realloc(L->pb, (size_t)nb * sizeof(*pb)) : NULL;
+            if (!pb)
+                return kv_fail(s, TIER_ENOMEM_HOST, "host memory: block tables of a %lld-block prefix", (long long)nb);
+            L->pb = pb;
+            L->cap = (int)nb;
+        }
+    }
+    e = tail;
+    for (int64_t b = nb - 1; b >= 0; b--, e = e->parent) {
+        for (int l = 0; l < s->g.n_layers; l++) {
+            struct kv_layer *L = &q->layers[l];
+            blk_get(s, e->blocks[l]);
+            L->pb[b] = e->blocks[l];
+            L->blocks[b] = e->blocks[l]->data;
+        }
+    }
+    for (int l = 0; l < s->g.n_layers; l++)
+        q->layers[l].n_blocks = (int)nb;
+    q->len = nb * s->bt;
+    q->pub_blocks = nb;
+    q->pub_tail = tail;
+    s->prefix_hits += (uint64_t)q->len;
+    *n_cached = q->len;
+    return TIER_OK;
+}
