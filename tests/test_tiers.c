@@ -435,6 +435,171 @@ static void test_prefetch_figures(void **state)
     rig_close(&r);
 }
 
+/* Feeds tokens[0, n) to q in one step; row gets the last token's logits. */
+static void feed(struct rig *r, kv_seq *q, const int32_t *tokens, int n, float *row)
+{
+    struct fw_seq fs = {.kv = q, .tokens = tokens, .n_tokens = n, .logits = row};
+    assert_int_equal(model_forward(r->m, &fs, 1), MODEL_OK);
+}
+
+/* Greedy decoding of n tokens from the logits in row (which it reuses). */
+static void decode(struct rig *r, kv_seq *q, float *row, int n, int32_t *toks)
+{
+    for (int i = 0; i < n; i++) {
+        toks[i] = argmax(row, vocab(r));
+        feed(r, q, &toks[i], 1, row);
+    }
+}
+
+/* Crop then regenerate gives the tokens and logits of never having
+ * generated the cropped tokens, for every strategy crop applies to; a
+ * sliding model needs past recording (refused without it, and on static
+ * strategies whose sliding layers are fixed). */
+static void test_crop_regenerate(void **state)
+{
+    (void)state;
+    enum { K = 12, J = 7 };
+    static const struct kv_seq_params crop_variants[] = {
+        {.strategy = KV_DYNAMIC},
+        {.strategy = KV_STATIC, .max_cache_len = N_PROMPT + N_GEN},
+        {.strategy = KV_OFFLOADED},
+        {.strategy = KV_OFFLOADED_STATIC, .max_cache_len = N_PROMPT + N_GEN},
+    };
+    for (int which = M_LLAMA; which <= M_MISTRAL; which++) {
+        struct clean c;
+        clean_run(which, which, &c);
+        struct rig r;
+        rig_open(&r, which, 0, 0);
+        int V = vocab(&r);
+        float *row = malloc((size_t)V * sizeof(float));
+        assert_non_null(row);
+        int32_t ids[N_PROMPT], garbage[J];
+        prompt_of(which, ids);
+        for (int j = 0; j < J; j++)
+            garbage[j] = (int32_t)(j * 13 + 5);
+        for (size_t v = 0; v < sizeof(crop_variants) / sizeof(crop_variants[0]); v++) {
+            kv_seq *q;
+            assert_int_equal(kv_seq_create(r.store, &crop_variants[v], &q), TIER_OK);
+            enum tier_status rec = kv_seq_activate_past_recording(q);
+            bool sliding = which == M_MISTRAL, fixed = crop_variants[v].strategy == KV_STATIC ||
+                                                       crop_variants[v].strategy == KV_OFFLOADED_STATIC;
+            assert_int_equal(rec, sliding && fixed ? TIER_ENOTSUP : TIER_OK);
+            feed(&r, q, ids, N_PROMPT, row);
+            feed(&r, q, c.toks, K, row);
+            feed(&r, q, garbage, J, row); /* then taken back */
+            assert_int_equal(kv_seq_crop(q, -J), rec == TIER_OK ? TIER_OK : TIER_ECONFLICT);
+            if (rec == TIER_OK) {
+                assert_int_equal(kv_seq_length(q), N_PROMPT + K);
+                for (int i = K; i < N_GEN - 1; i++) {
+                    feed(&r, q, &c.toks[i], 1, row);
+                    if (memcmp(row, c.logits + (size_t)(i + 1) * V, (size_t)V * sizeof(float)))
+                        fail_msg("model %d, %s: logits after the crop differ at token %d", which,
+                                 kv_strategy_name(crop_variants[v].strategy), i);
+                }
+            }
+            kv_seq_free(q);
+        }
+        free(row);
+        free(c.logits);
+        rig_close(&r);
+    }
+}
+
+/* Forks of a 2k-token prefix share its blocks (block size 16, so one fork's
+ * first new block is 1/128 of the prefix), and decoding from a fork gives
+ * the tokens of a fresh prefill of the same text, parent freed first. */
+static void test_forks_share(void **state)
+{
+    (void)state;
+    enum { P = 2048, F = 8, G = 16 };
+    struct rig r;
+    rig_open(&r, M_LLAMA, 0, 0);
+    kv_store_free(r.store);
+    struct kv_geom g = model_kv_geom(r.m);
+    assert_int_equal(kv_store_open(r.be, &g, &(struct kv_store_params){.block_tokens = 16}, &r.store), TIER_OK);
+    int V = vocab(&r);
+    float *row = malloc((size_t)V * sizeof(float)), *prow = malloc((size_t)V * sizeof(float));
+    int32_t *ids = malloc(P * sizeof(int32_t)), fresh[G], forked[G];
+    assert_true(row && prow && ids);
+    for (int i = 0; i < P; i++)
+        ids[i] = (int32_t)((i * 37 + i / 7) % 300 + 4);
+    kv_seq *ref, *parent, *kids[F];
+    assert_int_equal(kv_seq_create(r.store, NULL, &ref), TIER_OK);
+    feed(&r, ref, ids, P, row);
+    decode(&r, ref, row, G, fresh);
+    kv_seq_free(ref);
+    assert_int_equal(kv_store_stats(r.store).blocks_used, 0);
+
+    assert_int_equal(kv_seq_create(r.store, NULL, &parent), TIER_OK);
+    feed(&r, parent, ids, P, prow);
+    size_t one = kv_seq_bytes(parent), block = one / (size_t)(P / 16 * model_get_config(r.m)->n_layers);
+    for (int k = 0; k < F; k++)
+        assert_int_equal(kv_seq_fork(parent, &kids[k]), TIER_OK);
+    size_t all = kv_store_stats(r.store).blocks_used * block;
+    assert_int_equal(all, one); /* nothing copied by forking */
+    int32_t first = argmax(prow, V);
+    for (int k = 0; k < F; k++)
+        feed(&r, kids[k], &first, 1, row);
+    all = kv_store_stats(r.store).blocks_used * block;
+    print_message("8 forks of %d tokens after one decode step each: %.4fx the KV bytes of one\n", P,
+                  (double)all / (double)one);
+    assert_true((double)all <= 1.1 * (double)one);
+    kv_seq_free(parent);
+    memcpy(row, prow, (size_t)V * sizeof(float));
+    kv_seq *k0;
+    assert_int_equal(kv_seq_fork(kids[F - 1], &k0), TIER_OK); /* a fork of a fork, after its first step */
+    assert_int_equal(kv_seq_crop(k0, -1), TIER_OK);            /* back to the bare prefix */
+    decode(&r, k0, row, G, forked);
+    assert_memory_equal(forked, fresh, sizeof(fresh));
+    kv_seq_free(k0);
+    for (int k = 0; k < F; k++)
+        kv_seq_free(kids[k]);
+    assert_int_equal(kv_store_stats(r.store).blocks_used, 0);
+    free(ids);
+    free(row);
+    free(prow);
+    rig_close(&r);
+}
+
+/* The prefix cache: a second request with the same 2k-token prefix feeds
+ * only its suffix and gets the first request's logits and tokens. */
+static void test_prefix_cache(void **state)
+{
+    (void)state;
+    enum { P = 2048, S = 9, G = 16 };
+    struct rig r;
+    rig_open(&r, M_LLAMA, 0, 0);
+    kv_store_free(r.store);
+    struct kv_geom g = model_kv_geom(r.m);
+    assert_int_equal(kv_store_open(r.be, &g, &(struct kv_store_params){.prefix_cache = true}, &r.store), TIER_OK);
+    int V = vocab(&r);
+    float *row = malloc((size_t)V * sizeof(float)), *row2 = malloc((size_t)V * sizeof(float));
+    int32_t *ids = malloc((P + S) * sizeof(int32_t)), t1[G], t2[G];
+    assert_true(row && row2 && ids);
+    for (int i = 0; i < P + S; i++)
+        ids[i] = (int32_t)((i * 53 + i / 5) % 300 + 4);
+    kv_seq *a, *b;
+    int64_t cached;
+    assert_int_equal(kv_seq_create(r.store, NULL, &a), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(a, ids, P + S, &cached), TIER_OK);
+    assert_int_equal(cached, 0);
+    feed(&r, a, ids, P + S, row);
+    decode(&r, a, row, G, t1);
+    kv_seq_free(a);
+    assert_int_equal(kv_seq_create(r.store, NULL, &b), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(b, ids, P + S, &cached), TIER_OK);
+    assert_int_equal(cached, P);
+    feed(&r, b, ids + cached, (int)(P + S - cached), row2);
+    decode(&r, b, row2, G, t2);
+    assert_memory_equal(t1, t2, sizeof(t1));
+    assert_memory_equal(row, row2, (size_t)V * sizeof(float));
+    kv_seq_free(b);
+    free(ids);
+    free(row);
+    free(row2);
+    rig_close(&r);
+}
+
 static int cleanup(void)
 {
     char cmd[128];
@@ -457,6 +622,9 @@ int main(void)
         cmocka_unit_test(test_offloaded_peak),
         cmocka_unit_test(test_host_exhausted),
         cmocka_unit_test(test_prefetch_figures),
+        cmocka_unit_test(test_crop_regenerate),
+        cmocka_unit_test(test_forks_share),
+        cmocka_unit_test(test_prefix_cache),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     cleanup();
