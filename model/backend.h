@@ -129,6 +129,9 @@ struct be_kv_view {
     int block_tokens;
     size_t v_offset;
     int64_t base, lo, hi;
+    /* 0: be_attn_params.window applies; else this sequence's own window
+     * (the sliding_window strategy gives each sequence its own). */
+    int window;
 };
 
 struct be_attn_params {

@@ -25,13 +25,16 @@
 
 static char g_dir[] = "/tmp/kvtier-tiers-XXXXXX";
 
-enum { M_LLAMA, M_MISTRAL, M_QWEN2, M_DEEP, N_MODELS };
+enum { M_LLAMA, M_MISTRAL, M_QWEN2, M_DEEP, M_LLAMA_W8, N_MODELS };
 static const char *const model_args[N_MODELS] = {
     [M_LLAMA] = "--arch llama --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320",
     [M_MISTRAL] = "--arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8",
     [M_QWEN2] = "--arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8 "
                 "--max-window-layers 1",
     [M_DEEP] = "--arch llama --layers 8 --dim 32 --heads 2 --kv-heads 1 --ffn 64 --vocab 320",
+    /* M_LLAMA's weights (its seed) as a Mistral sliding every layer by 8:
+     * the reference for M_LLAMA under the sliding_window strategy */
+    [M_LLAMA_W8] = "--arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8 --seed 7",
 };
 
 static void model_path(int which, char *out, size_t cap)
@@ -600,6 +603,50 @@ static void test_prefix_cache(void **state)
     rig_close(&r);
 }
 
+/* The sliding_window strategy on a full-attention model: window_length 8
+ * gives, bit for bit, what the same weights give as a model whose config
+ * slides by 8 (checked against PyTorch by tests/reference.test.sh), for
+ * dynamic, static and offloaded storage; storage stays bounded while the
+ * length counts every token. */
+static void test_sliding_window_strategy(void **state)
+{
+    (void)state;
+    struct clean c;
+    clean_run(M_LLAMA_W8, 0, &c);
+    struct rig r;
+    rig_open(&r, M_LLAMA, 0, 0);
+    size_t bytes = (size_t)N_GEN * vocab(&r) * sizeof(float);
+    float *logits = malloc(bytes);
+    assert_non_null(logits);
+    static const struct kv_seq_params sw[] = {
+        {.strategy = KV_DYNAMIC, .window_length = 8},
+        {.strategy = KV_STATIC, .max_cache_len = 8, .window_length = 8},
+        {.strategy = KV_OFFLOADED, .window_length = 8},
+        {.strategy = KV_OFFLOADED_STATIC, .max_cache_len = 8, .window_length = 8,
+         .offload_sliding = KV_OFFLOAD_SLIDING_YES},
+    };
+    for (size_t v = 0; v < sizeof(sw) / sizeof(sw[0]); v++) {
+        kv_seq *q;
+        int32_t toks[N_GEN];
+        assert_int_equal(kv_seq_create(r.store, &sw[v], &q), TIER_OK);
+        assert_int_equal(greedy(&r, q, 0, toks, logits), MODEL_OK);
+        if (memcmp(toks, c.toks, sizeof(toks)) || memcmp(logits, c.logits, bytes))
+            fail_msg("sliding_window over %s differs from the sliding model", kv_strategy_name(sw[v].strategy));
+        assert_int_equal(kv_seq_length(q), N_PROMPT + N_GEN - 1);
+        /* 8 tokens of 2 layers in blocks of 32: at most two blocks a layer */
+        assert_true(kv_seq_bytes(q) <= (size_t)2 * 2 * 2 * 2 * 32 * 16 * sizeof(float));
+        kv_seq_free(q);
+    }
+    kv_seq *q;
+    struct kv_seq_params bad = {.strategy = KV_STATIC, .max_cache_len = 4, .window_length = 8};
+    assert_int_equal(kv_seq_create(r.store, &bad, &q), TIER_EINVAL);
+    bad = (struct kv_seq_params){.window_length = -1};
+    assert_int_equal(kv_seq_create(r.store, &bad, &q), TIER_EINVAL);
+    free(logits);
+    free(c.logits);
+    rig_close(&r);
+}
+
 static int cleanup(void)
 {
     char cmd[128];
@@ -625,6 +672,7 @@ int main(void)
         cmocka_unit_test(test_crop_regenerate),
         cmocka_unit_test(test_forks_share),
         cmocka_unit_test(test_prefix_cache),
+        cmocka_unit_test(test_sliding_window_strategy),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     cleanup();

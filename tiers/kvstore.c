@@ -534,7 +534,7 @@ static bool layer_streamable(const kv_seq *q, enum kv_strategy st, int l)
 {
     if (!is_offloaded(st))
         return false;
-    if (!q->s->layer_window[l])
+    if (!q->layers[l].window)
         return true;
     enum kv_offload_sliding o = q->p.offload_sliding;
     if (o == KV_OFFLOAD_SLIDING_DEFAULT)
@@ -615,6 +615,13 @@ static enum tier_status layers_prealloc(kv_seq *q)
     return TIER_OK;
 }
 
+/* Layer l's window for a sequence: the model's, narrowed to window_length. */
+static int layer_window_of(const kv_store *s, const struct kv_seq_params *p, int l)
+{
+    int w = s->layer_window[l];
+    return p->window_length && (!w || p->window_length < w) ? p->window_length : w;
+}
+
 static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
 {
     if ((unsigned)p->strategy > KV_OFFLOADED_STATIC)
@@ -628,14 +635,17 @@ static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
     if (p->adaptive && !is_offloaded(p->strategy))
         return kv_fail(s, TIER_EINVAL, "adaptive residency applies to offloaded strategies, not %s",
                        kv_strategy_name(p->strategy));
+    if (p->window_length < 0)
+        return kv_fail(s, TIER_EINVAL, "window_length %d must be positive (0: the model's windows)", p->window_length);
     if (p->adaptive && !p->max_cache_len)
         return kv_fail(s, TIER_EINVAL, "adaptive residency needs max_cache_len (the expected length) to size the device share");
     int min_window = 0;
     for (int l = 0; l < s->g.n_layers; l++) {
-        if (!s->layer_window[l])
+        int w = layer_window_of(s, p, l);
+        if (!w)
             return TIER_OK;
-        if (!min_window || s->layer_window[l] < min_window)
-            min_window = s->layer_window[l];
+        if (!min_window || w < min_window)
+            min_window = w;
     }
     /* every layer slides: HF would narrow the window to max_cache_len */
     if (is_static(p->strategy) && p->max_cache_len < min_window)
@@ -665,7 +675,7 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
     q->s = s;
     q->p = *p;
     for (int l = 0; l < s->g.n_layers; l++) {
-        int w = s->layer_window[l];
+        int w = layer_window_of(s, p, l);
         int64_t keep = !w ? 0 : is_static(p->strategy) ? (p->max_cache_len < w ? p->max_cache_len : w) : w - 1;
         q->layers[l] = (struct kv_layer){.window = w, .keep = (int)keep};
     }
@@ -874,10 +884,10 @@ static void paged_trim(kv_store *s, struct kv_layer *L, int64_t end)
     L->base += (int64_t)drop * s->bt;
 }
 
-static bool has_full_layer(const kv_store *s)
+static bool has_full_layer(const kv_seq *q)
 {
-    for (int l = 0; l < s->g.n_layers; l++)
-        if (!s->layer_window[l])
+    for (int l = 0; l < q->s->g.n_layers; l++)
+        if (!q->layers[l].window)
             return true;
     return false;
 }
@@ -913,7 +923,7 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
     if (n_new <= 0 || q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_reserve of %d tokens%s", n_new, q->pending ? " inside a step" : "");
     int64_t end = q->len + n_new;
-    if (is_static(q->strategy) && end > q->p.max_cache_len && has_full_layer(s))
+    if (is_static(q->strategy) && end > q->p.max_cache_len && has_full_layer(q))
         return kv_fail(s, TIER_EFULL, "static cache is full: max_cache_len %lld, %lld cached + %d new tokens",
                        (long long)q->p.max_cache_len, (long long)q->len, n_new);
     enum tier_status st = active_add(s, q);
@@ -949,6 +959,7 @@ void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out)
         .base = L->base,
         .lo = layer_view_lo(q, L),
         .hi = q->len + q->pending,
+        .window = L->window,
     };
 }
 

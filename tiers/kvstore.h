@@ -83,6 +83,11 @@ struct kv_seq_params {
     /* Fail with TIER_ENOMEM_DEV instead of continuing offloaded when the
      * device tier runs out (reliability.md T4 "allow_offload=false"). */
     bool no_fallback;
+    /* The sliding_window strategy on top of any of the above: every layer
+     * slides with this window (a layer the model already slides narrower
+     * keeps its own).  0 = the model's layer windows.  The daemon passes
+     * the request's window_length, else the model's sliding_window. */
+    int window_length;
     /* Opt out of the store's prefix cache (see kv_seq_match_prefix). */
     bool no_prefix_cache;
 };

@@ -195,8 +195,9 @@ static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p,
 {
     size_t esz = be_dtype_size(p->kv_dtype);
     int64_t k0 = v->lo, k1 = qpos + 1 < v->hi ? qpos + 1 : v->hi;
-    if (p->window > 0 && qpos - p->window + 1 > k0)
-        k0 = qpos - p->window + 1;
+    int window = v->window ? v->window : p->window;
+    if (window > 0 && qpos - window + 1 > k0)
+        k0 = qpos - window + 1;
     memset(o, 0, (size_t)p->head_dim * sizeof(float));
     float m = -INFINITY, l = 0.0f, s[ATTN_CHUNK];
     for (int64_t c0 = k0; c0 < k1; c0 += ATTN_CHUNK) {
