@@ -7,7 +7,8 @@
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *
- * Each figure is the best of --repeat runs (the least disturbed one).
+ * Each round measures the limits and the model back to back and gives its
+ * own ratios; the figures reported are the medians over --repeat rounds.
  */
 #include <cblas.h>
 #include <getopt.h>
@@ -51,61 +52,53 @@ __attribute__((optimize("O3"), target_clones("avx512f", "avx2", "default"))) sta
     return NULL;
 }
 
-static double read_bandwidth(int threads, int repeat)
+/* One timed pass of every thread over buf (n words), in GB/s. */
+static double read_bandwidth(const uint64_t *buf, size_t n, int threads)
 {
-    size_t bytes = (size_t)1 << 30, n = bytes / 8;
-    uint64_t *buf = malloc(bytes);
-    if (!buf)
-        return 0;
-    for (size_t i = 0; i < n; i++)
-        buf[i] = i;
-    double best = 0;
     struct bw_job jobs[64];
     pthread_t tid[64];
-    for (int r = 0; r < repeat; r++) {
-        double t0 = now_s();
-        for (int t = 0; t < threads; t++) {
-            jobs[t] = (struct bw_job){.p = buf + n / threads * t, .n = n / threads};
-            pthread_create(&tid[t], NULL, bw_read, &jobs[t]);
-        }
-        uint64_t sum = 0;
-        for (int t = 0; t < threads; t++) {
-            pthread_join(tid[t], NULL);
-            sum += jobs[t].sum;
-        }
-        double gbs = bytes / (now_s() - t0) / 1e9;
-        if (gbs > best && sum != 1) /* sum keeps the reads alive */
-            best = gbs;
+    if (threads > 64)
+        threads = 64;
+    double t0 = now_s();
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = (struct bw_job){.p = buf + n / threads * t, .n = n / threads};
+        pthread_create(&tid[t], NULL, bw_read, &jobs[t]);
     }
-    free(buf);
-    return best;
+    uint64_t sum = 0;
+    for (int t = 0; t < threads; t++) {
+        pthread_join(tid[t], NULL);
+        sum += jobs[t].sum;
+    }
+    double gbs = n * 8.0 / (now_s() - t0) / 1e9;
+    return sum == 1 ? 0 : gbs; /* using sum keeps the reads alive */
 }
 
-static double sgemm_gflops(int threads, int repeat)
+#define SG_M 512 /* the shape of a 512-token prefill chunk */
+#define SG_N 2048
+#define SG_K 2048
+
+/* One timed OpenBLAS sgemm of SG_M x SG_N x SG_K on threads threads. */
+static double sgemm_gflops(const float *a, const float *b, float *c, int threads)
 {
-    const int M = 512, N = 2048, K = 2048; /* the shape of a 512-token prefill chunk */
-    float *a = malloc(sizeof(float) * M * K), *b = malloc(sizeof(float) * K * N), *c = malloc(sizeof(float) * M * N);
-    double best = 0;
-    if (a && b && c) {
-        for (size_t i = 0; i < (size_t)M * K; i++)
-            a[i] = (float)(i % 7) * 0.1f;
-        for (size_t i = 0; i < (size_t)K * N; i++)
-            b[i] = (float)(i % 5) * 0.1f;
-        openblas_set_num_threads(threads);
-        for (int r = 0; r < repeat + 1; r++) { /* the first run warms up */
-            double t0 = now_s();
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1, a, K, b, K, 0, c, N);
-            double g = 2.0 * M * N * K / (now_s() - t0) / 1e9;
-            if (r && g > best)
-                best = g;
-        }
-    }
+    openblas_set_num_threads(threads);
+    double t0 = now_s();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, SG_M, SG_N, SG_K, 1, a, SG_K, b, SG_K, 0, c, SG_N);
+    double g = 2.0 * SG_M * SG_N * SG_K / (now_s() - t0) / 1e9;
     /* the CPU backend calls sgemm from each of its own workers, single-threaded */
     openblas_set_num_threads(1);
-    free(a);
-    free(b);
-    free(c);
-    return best;
+    return g;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(*v), cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 /* Bytes and elements one decode step streams: every matrix once, lm_head
@@ -169,25 +162,43 @@ int main(int argc, char **argv)
     struct be_caps caps = be_get_caps(be);
     int threads = caps.n_threads;
 
-    double bw = read_bandwidth(threads, repeat);
-    double sgemm = sgemm_gflops(threads, repeat);
-
+    /* Limits and model are measured in alternation, round by round, and
+     * each round gives its own ratios: on a shared machine a disturbance
+     * then hits both sides of a ratio, and the median drops the outliers. */
+    size_t bw_words = ((size_t)1 << 30) / 8;
+    uint64_t *bw_buf = malloc(bw_words * 8);
+    float *sa = malloc(sizeof(float) * SG_M * SG_K), *sb = malloc(sizeof(float) * SG_K * SG_N),
+          *sc = malloc(sizeof(float) * SG_M * SG_N);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
     float *logits = malloc(sizeof(float) * (size_t)c->vocab_size);
-    if (!ids || !logits)
+    double *r_bw = calloc((size_t)repeat, sizeof(double)), *r_sg = calloc((size_t)repeat, sizeof(double));
+    double *r_dec = calloc((size_t)repeat, sizeof(double)), *r_pre = calloc((size_t)repeat, sizeof(double));
+    if (!bw_buf || !sa || !sb || !sc || !ids || !logits || !r_bw || !r_sg || !r_dec || !r_pre) {
+        fprintf(stderr, "kvtier-bench: out of memory\n");
         return 1;
+    }
+    for (size_t i = 0; i < bw_words; i++)
+        bw_buf[i] = i;
+    for (size_t i = 0; i < (size_t)SG_M * SG_K; i++)
+        sa[i] = (float)(i % 7) * 0.1f;
+    for (size_t i = 0; i < (size_t)SG_K * SG_N; i++)
+        sb[i] = (float)(i % 5) * 0.1f;
+    sgemm_gflops(sa, sb, sc, threads); /* warm-up: OpenBLAS starts its threads */
     for (int i = 0; i < n_prompt; i++)
         ids[i] = (int32_t)((i * 7919) % c->vocab_size);
 
-    /* FLOPs of one token through every matmul (2 per multiply-add) */
     const struct model_weights *w = model_get_weights(m);
     size_t wbytes;
     double welems;
     weight_totals(c, w, &wbytes, &welems);
     double flops_tok = 2.0 * welems; /* one multiply-add per weight per token */
+    /* KV read per decode token at the mean context of the decode run */
+    double kv_bytes = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * 4 * (n_prompt + n_decode / 2.0);
 
     double best_prefill = 1e30, best_decode = 1e30;
     for (int r = 0; r < repeat; r++) {
+        r_bw[r] = read_bandwidth(bw_buf, bw_words, threads);
+        r_sg[r] = sgemm_gflops(sa, sb, sc, threads);
         kv_seq *q;
         if (kv_seq_create(store, NULL, &q) != TIER_OK)
             return 1;
@@ -195,10 +206,6 @@ int main(int argc, char **argv)
         double t0 = now_s();
         st = model_forward(m, &fs, 1);
         double tp = now_s() - t0;
-        if (st != MODEL_OK) {
-            fprintf(stderr, "kvtier-bench: prefill: %s\n", model_strerror(st));
-            return 1;
-        }
         t0 = now_s();
         for (int i = 0; i < n_decode && st == MODEL_OK; i++) {
             int32_t next = (int32_t)((i * 31 + 7) % c->vocab_size);
@@ -207,26 +214,35 @@ int main(int argc, char **argv)
         }
         double td = now_s() - t0;
         kv_seq_free(q);
-        if (tp < best_prefill)
-            best_prefill = tp;
-        if (td < best_decode)
-            best_decode = td;
+        if (st != MODEL_OK) {
+            fprintf(stderr, "kvtier-bench: forward: %s\n", model_strerror(st));
+            return 1;
+        }
+        best_prefill = tp < best_prefill ? tp : best_prefill;
+        best_decode = td < best_decode ? td : best_decode;
+        r_pre[r] = flops_tok * n_prompt / tp / 1e9 / r_sg[r];
+        r_dec[r] = (wbytes + kv_bytes) * n_decode / td / 1e9 / r_bw[r];
+        fprintf(stderr, "round %d: read %.1f GB/s, sgemm %.1f GFLOP/s, prefill %.0f %%, decode %.0f %%\n", r, r_bw[r],
+                r_sg[r], 100 * r_pre[r], 100 * r_dec[r]);
     }
-    /* KV read per decode token at the mean context of the decode run */
-    double ctx = n_prompt + n_decode / 2.0;
-    double kv_bytes = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * 4 * ctx;
     double prefill_tps = n_prompt / best_prefill, decode_tps = n_decode / best_decode;
-    double prefill_gflops = flops_tok * n_prompt / best_prefill / 1e9;
-    double decode_gbs = (wbytes + kv_bytes) * decode_tps / 1e9;
     printf("model            %s (%s, %d layers, dim %d, %s weights, %.2f GB of matrices)\n", dir, c->arch_name,
            c->n_layers, c->hidden_size, be_dtype_name(c->dtype), wbytes / 1e9);
-    printf("backend          %s, %d threads, simd %s\n", caps.name, threads, caps.simd);
-    printf("read bandwidth   %.2f GB/s\n", bw);
-    printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads)\n", sgemm, threads);
-    printf("prefill          %d tokens: %.1f tokens/s, %.1f GFLOP/s = %.0f %% of sgemm\n", n_prompt, prefill_tps,
-           prefill_gflops, 100 * prefill_gflops / sgemm);
-    printf("decode           %d tokens: %.2f tokens/s, %.2f GB/s = %.0f %% of read bandwidth\n", n_decode, decode_tps,
-           decode_gbs, 100 * decode_gbs / bw);
+    printf("backend          %s, %d threads, simd %s, %d rounds\n", caps.name, threads, caps.simd, repeat);
+    printf("read bandwidth   %.2f GB/s (median)\n", median(r_bw, repeat));
+    printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads, median)\n", median(r_sg, repeat), threads);
+    printf("prefill          %d tokens: %.1f tokens/s (best), %.0f %% of sgemm (median of rounds)\n", n_prompt,
+           prefill_tps, 100 * median(r_pre, repeat));
+    printf("decode           %d tokens: %.2f tokens/s (best), %.0f %% of read bandwidth (median of rounds)\n", n_decode,
+           decode_tps, 100 * median(r_dec, repeat));
+    free(bw_buf);
+    free(sa);
+    free(sb);
+    free(sc);
+    free(r_bw);
+    free(r_sg);
+    free(r_dec);
+    free(r_pre);
     free(ids);
     free(logits);
     runtime_close(&rt);
