@@ -47,12 +47,12 @@
  *   (4) a failed call leaves every sequence's positions and contents as
  *       they were.  It may leave an extent larger (capacity is not state)
  *       and a formerly shared block private (a copy with equal contents).
+ *   (5) s->host_used is the sum of host extent sizes and never exceeds a
+ *       non-zero host_budget.
  *   (6) a step writes only into blocks with ref == 1 that are not
  *       published: the block holding position len is copied first
  *       otherwise (copy on write); blocks after it are fresh.
  *   (7) a block is on the free list iff ref == 0 and it is not published.
- *   (5) s->host_used is the sum of host extent sizes and never exceeds a
- *       non-zero host_budget.
  * All functions run on one thread (the inference thread).
  */
 #include "tiers/kvstore_impl.h"
