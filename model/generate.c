@@ -21,26 +21,12 @@ static double now_ms(void)
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-static bool ids_push(struct tok_ids *v, int32_t id)
-{
-    if (v->n == v->cap) {
-        size_t cap = v->cap ? 2 * v->cap : 64;
-        int32_t *p = realloc(v->ids, cap * sizeof(*p));
-        if (!p)
-            return false;
-        v->ids = p;
-        v->cap = cap;
-    }
-    v->ids[v->n++] = id;
-    return true;
-}
-
-static bool is_eos(const struct model_config *c, int32_t id)
+bool gen_is_eos(const struct model_config *c, const tokenizer *tok, int32_t id)
 {
     for (int i = 0; i < c->n_eos; i++)
         if (c->eos_token_ids[i] == id)
             return true;
-    return false;
+    return id == tokenizer_eos_id(tok);
 }
 
 /* Text decoded but not yet emitted, held back while it could still turn
@@ -113,7 +99,7 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
     if (st == MODEL_OK && (!logits || kv_seq_create(store, NULL, &seq) != TIER_OK))
         st = MODEL_ENOMEM;
     for (size_t i = 0; st == MODEL_OK && i < n; i++)
-        if (!ids_push(&hist, prompt[i]))
+        if (tok_ids_push(&hist, prompt[i]) != MODEL_OK)
             st = MODEL_ENOMEM;
     if (st != MODEL_OK) {
         snprintf(err, MODEL_ERR_LEN, "%s", st == MODEL_EINVAL ? "invalid sampling parameters" : "out of memory");
@@ -129,11 +115,11 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
         if (p->on_logits)
             p->on_logits(p->logits_ud, logits, c->vocab_size);
         int32_t id = sampler_sample(smp, logits, hist.ids, hist.n);
-        if (!ids_push(&hist, id) || !ids_push(&res->tokens, id)) {
+        if (tok_ids_push(&hist, id) != MODEL_OK || tok_ids_push(&res->tokens, id) != MODEL_OK) {
             st = MODEL_ENOMEM;
             break;
         }
-        if (!p->ignore_eos && is_eos(c, id)) {
+        if (!p->ignore_eos && gen_is_eos(c, tok, id)) {
             res->finish = GEN_FINISH_EOS;
             break;
         }

@@ -40,6 +40,10 @@ struct stop_matcher {
  * can be emitted without risking a partial stop string. */
 bool stop_check(const struct stop_matcher *m, const char *text, size_t len, size_t *emit_len);
 
+/* Whether id ends generation: one of the eos ids of config.json /
+ * generation_config.json, or the tokenizer's own eos token. */
+bool gen_is_eos(const struct model_config *c, const tokenizer *tok, int32_t id);
+
 enum gen_finish { GEN_FINISH_LENGTH = 0, GEN_FINISH_EOS, GEN_FINISH_STOP, GEN_FINISH_CALLBACK };
 
 struct gen_params {

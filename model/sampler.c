@@ -8,12 +8,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+struct cand {
+    float logit;
+    float prob; /* exp((logit - max) / temperature), unnormalised */
+    int32_t id;
+};
+
 struct sampler {
     struct sampler_params p;
     int vocab;
     uint64_t rng[4];  /* xoshiro256** state */
-    int32_t *idx;     /* (vocab) candidate ids, sorted by logit descending */
-    float *prob;      /* (vocab) */
+    struct cand *cand; /* (vocab) the candidates still in the running */
+    float *heap;       /* (vocab) min-heap of the top_k largest logits */
     uint32_t *seen;   /* (vocab) epoch in which the repetition penalty last hit a token */
     uint32_t epoch;
 };
@@ -63,10 +69,10 @@ enum model_status sampler_create(const struct sampler_params *p, int vocab, samp
     sampler *s = calloc(1, sizeof(*s));
     if (!s)
         return MODEL_ENOMEM;
-    s->idx = malloc((size_t)vocab * sizeof(*s->idx));
-    s->prob = malloc((size_t)vocab * sizeof(*s->prob));
+    s->cand = malloc((size_t)vocab * sizeof(*s->cand));
+    s->heap = malloc((size_t)vocab * sizeof(*s->heap));
     s->seen = calloc((size_t)vocab, sizeof(*s->seen));
-    if (!s->idx || !s->prob || !s->seen) {
+    if (!s->cand || !s->heap || !s->seen) {
         sampler_free(s);
         return MODEL_ENOMEM;
     }
@@ -83,8 +89,8 @@ void sampler_free(sampler *s)
 {
     if (!s)
         return;
-    free(s->idx);
-    free(s->prob);
+    free(s->cand);
+    free(s->heap);
     free(s->seen);
     free(s);
 }
@@ -98,14 +104,44 @@ static int argmax(const float *x, int n)
     return best;
 }
 
-static const float *cmp_logits; /* qsort has no context argument in C11 */
-
 static int by_logit_desc(const void *a, const void *b)
 {
-    float x = cmp_logits[*(const int32_t *)a], y = cmp_logits[*(const int32_t *)b];
-    if (x != y)
-        return x > y ? -1 : 1;
-    return *(const int32_t *)a - *(const int32_t *)b; /* stable order for equal logits */
+    const struct cand *x = a, *y = b;
+    if (x->logit != y->logit)
+        return x->logit > y->logit ? -1 : 1;
+    return x->id - y->id; /* equal logits keep vocabulary order */
+}
+
+static void sift_down(float *h, int n, int i)
+{
+    for (;;) {
+        int l = 2 * i + 1, m = i;
+        if (l < n && h[l] < h[m])
+            m = l;
+        if (l + 1 < n && h[l + 1] < h[m])
+            m = l + 1;
+        if (m == i)
+            return;
+        float t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+/* The k-th largest of x[0..n) with a size-k min-heap: O(n log k). */
+static float kth_largest(float *heap, const float *x, int n, int k)
+{
+    memcpy(heap, x, (size_t)k * sizeof(*heap));
+    for (int i = k / 2 - 1; i >= 0; i--)
+        sift_down(heap, k, i);
+    for (int i = k; i < n; i++) {
+        if (x[i] > heap[0]) {
+            heap[0] = x[i];
+            sift_down(heap, k, 0);
+        }
+    }
+    return heap[0];
 }
 
 int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t n_hist)
@@ -130,53 +166,56 @@ int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t
     if (p->temperature == 0)
         return argmax(logits, V);
 
-    /* Candidates sorted by logit, descending; filters shrink n. */
-    for (int i = 0; i < V; i++)
-        s->idx[i] = i;
-    cmp_logits = logits;
-    qsort(s->idx, (size_t)V, sizeof(*s->idx), by_logit_desc);
-    int n = V;
-    if (p->top_k > 0 && p->top_k < n) { /* keep ties with the k-th logit, as HF's `scores < kth` does */
-        float kth = logits[s->idx[p->top_k - 1]];
-        n = p->top_k;
-        while (n < V && logits[s->idx[n]] == kth)
-            n++;
+    /* Candidates in vocabulary order.  top_k keeps every logit >= the k-th
+     * (HF removes `scores < kth`, so ties stay); only top_p needs them
+     * sorted, so a plain temperature draw costs O(vocab), not a sort. */
+    float floor_logit = -INFINITY;
+    if (p->top_k > 0 && p->top_k < V)
+        floor_logit = kth_largest(s->heap, logits, V, p->top_k);
+    int n = 0;
+    float mx = -INFINITY;
+    for (int i = 0; i < V; i++) {
+        if (logits[i] >= floor_logit) {
+            s->cand[n++] = (struct cand){.logit = logits[i], .id = i};
+            if (logits[i] > mx)
+                mx = logits[i];
+        }
     }
-    /* softmax of logit / temperature over the candidates */
-    double mx = logits[s->idx[0]] / p->temperature, sum = 0;
+    if (n == 0) /* every logit NaN or -inf */
+        return argmax(logits, V);
+    double sum = 0;
     for (int i = 0; i < n; i++) {
-        s->prob[i] = (float)exp(logits[s->idx[i]] / p->temperature - mx);
-        sum += s->prob[i];
+        s->cand[i].prob = (float)exp((s->cand[i].logit - mx) / p->temperature);
+        sum += s->cand[i].prob;
     }
     if (p->top_p < 1) { /* smallest prefix whose mass reaches top_p (HF removes cum <= 1 - top_p from the tail) */
+        qsort(s->cand, (size_t)n, sizeof(*s->cand), by_logit_desc);
         double cum = 0;
-        int keep = n;
         for (int i = 0; i < n; i++) {
-            cum += s->prob[i] / sum;
+            cum += s->cand[i].prob / sum;
             if (cum >= p->top_p) {
-                keep = i + 1;
+                n = i + 1;
                 break;
             }
         }
-        n = keep;
     }
-    if (p->min_p > 0) { /* drop tokens below min_p times the top probability */
-        float floor_p = s->prob[0] * p->min_p;
-        int keep = 1;
-        while (keep < n && s->prob[keep] >= floor_p)
-            keep++;
+    if (p->min_p > 0) { /* drop tokens below min_p times the top probability (which is exp(0) = 1) */
+        int keep = 0;
+        for (int i = 0; i < n; i++)
+            if (s->cand[i].prob >= p->min_p)
+                s->cand[keep++] = s->cand[i];
         n = keep;
     }
     sum = 0;
     for (int i = 0; i < n; i++)
-        sum += s->prob[i];
+        sum += s->cand[i].prob;
     double u = next_unit(s->rng) * sum, acc = 0;
     for (int i = 0; i < n; i++) {
-        acc += s->prob[i];
+        acc += s->cand[i].prob;
         if (u < acc)
-            return s->idx[i];
+            return s->cand[i].id;
     }
-    return s->idx[n - 1];
+    return s->cand[n - 1].id;
 }
 
 bool stop_check(const struct stop_matcher *m, const char *text, size_t len, size_t *emit_len)

@@ -19,6 +19,9 @@ struct tok_ids {
     size_t n, cap;
 };
 
+/* Appends id to v, growing it; MODEL_ENOMEM leaves v as it was. */
+enum model_status tok_ids_push(struct tok_ids *v, int32_t id);
+
 /* Loads dir/tokenizer.json and dir/tokenizer_config.json (the latter for
  * add_bos_token / add_eos_token / bos and eos tokens / chat_template). */
 enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err);

@@ -25,9 +25,8 @@ struct work {
     pcre2_match_data *md;
 };
 
-static enum model_status push_id(struct work *w, int32_t id)
+enum model_status tok_ids_push(struct tok_ids *o, int32_t id)
 {
-    struct tok_ids *o = w->out;
     if (o->n == o->cap) {
         size_t cap = o->cap ? o->cap * 2 : 64;
         int32_t *p = cap <= SIZE_MAX / sizeof *p ? realloc(o->ids, cap * sizeof *p) : NULL;
@@ -164,7 +163,7 @@ static enum model_status model_word(struct work *w, const char *s, size_t n)
     if (t->ignore_merges) {
         int32_t id = tok_vocab_find(t, s, n);
         if (id >= 0)
-            return push_id(w, id);
+            return tok_ids_push(w->out, id);
     }
     /* A character yields at most one symbol per byte; each merge queues at
      * most two pairs after the first n - 1. */
@@ -179,7 +178,7 @@ static enum model_status model_word(struct work *w, const char *s, size_t n)
     bpe_merge(t, sym, ns, (struct bpe_item *)(void *)w->heap.p);
     /* Symbol 0 absorbs its right neighbours and is never deleted. */
     for (int32_t i = 0; i >= 0; i = sym[i].next) {
-        enum model_status st = push_id(w, sym[i].id);
+        enum model_status st = tok_ids_push(w->out, sym[i].id);
         if (st != MODEL_OK)
             return st;
     }
@@ -374,7 +373,7 @@ static enum model_status encode_text(struct work *w, const char *text, size_t le
             me += cl;
         enum model_status st = encode_section(w, text + sec, ms - sec, sec == 0);
         if (st == MODEL_OK)
-            st = push_id(w, a->id);
+            st = tok_ids_push(w->out, a->id);
         if (st != MODEL_OK)
             return st;
         i = sec = me;
@@ -398,11 +397,11 @@ enum model_status tokenizer_encode(const tokenizer *t, const char *text, size_t 
     if (t->n_splits && !(w.md = pcre2_match_data_create(1, NULL)))
         st = MODEL_ENOMEM;
     for (int k = 0; add_special && st == MODEL_OK && k < t->n_prefix; k++)
-        st = push_id(&w, t->prefix_ids[k]);
+        st = tok_ids_push(w.out, t->prefix_ids[k]);
     if (st == MODEL_OK)
         st = encode_text(&w, text, len);
     for (int k = 0; add_special && st == MODEL_OK && k < t->n_suffix; k++)
-        st = push_id(&w, t->suffix_ids[k]);
+        st = tok_ids_push(w.out, t->suffix_ids[k]);
     pcre2_match_data_free(w.md);
     free(w.a.p);
     free(w.b.p);

@@ -63,15 +63,8 @@ static int parse_ids(const char *s, struct tok_ids *out)
         long v = strtol(s, &end, 10);
         if (end == s || errno || v < 0 || v > INT32_MAX)
             return -1;
-        if (out->n == out->cap) {
-            size_t cap = out->cap ? 2 * out->cap : 64;
-            int32_t *p = realloc(out->ids, cap * sizeof(*p));
-            if (!p)
-                return -1;
-            out->ids = p;
-            out->cap = cap;
-        }
-        out->ids[out->n++] = (int32_t)v;
+        if (tok_ids_push(out, (int32_t)v) != MODEL_OK)
+            return -1;
         s = *end == ',' ? end + 1 : end;
         if (*end && *end != ',')
             return -1;
