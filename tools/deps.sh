@@ -2,7 +2,7 @@
 # deps.sh build|test - installs the Debian packages kvtier needs, but only
 # those that are missing, so a configured machine pays one dpkg query.
 set -e
-build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libzstd-dev liburing-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread"
+build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread"
 test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm"
 case "$1" in
   build) want=$build_pkgs ;;
