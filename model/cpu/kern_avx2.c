@@ -2,7 +2,8 @@
  * flags and only called after dispatch.c checked the CPU.
  *
  * Same plan as kern_avx512.c at 8 lanes: matvec streams four weight rows
- * against the same x registers, widening bf16/f16 in registers.  AVX2 has
+ * against the same x registers (two rows against four tokens for small
+ * batches), widening bf16/f16 in registers.  AVX2 has
  * no 16-bit masked loads, so a column tail goes through a zero-padded
  * copy of at most 7 elements.
  */
@@ -43,43 +44,76 @@ static inline float hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* y[r0:r1] = W[r0:r1] . x for one token; dt is a constant after inlining. */
-static inline __attribute__((always_inline)) void matvec(float *y, const float *x, const void *w, enum be_dtype dt,
-                                                         int in, int r0, int r1)
+/* Rows [r0, r1) of W times tokens t0 .. t0+TN of x, ROWS rows at a time:
+ * each weight vector is widened once and feeds all TN tokens, so a batch of
+ * decode tokens streams W once per TN tokens.  ROWS x TN accumulators must
+ * fit the 16 ymm registers with the weights and x: 4x1 for one token
+ * (more rows in flight), 2x4 for batches.  dt, ROWS and TN are constants
+ * after inlining. */
+static inline __attribute__((always_inline)) void matvec_tokens(const struct cpu_mm *a, const enum be_dtype dt,
+                                                                int t0, const int TN, const int ROWS, int r0,
+                                                                int r1)
 {
-    size_t esz = be_dtype_size(dt), row = (size_t)in * esz;
-    size_t body = (size_t)in / 8 * 8, left = (size_t)in - body;
-    __m256 xt = left ? load8_tail(x, BE_F32, body, left) : _mm256_setzero_ps();
-    int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const char *w0 = (const char *)w + (size_t)r * row;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (size_t i = 0; i < body; i += 8) {
-            __m256 xv = _mm256_loadu_ps(x + i);
-            a0 = _mm256_fmadd_ps(load8(w0, dt, i), xv, a0);
-            a1 = _mm256_fmadd_ps(load8(w0 + row, dt, i), xv, a1);
-            a2 = _mm256_fmadd_ps(load8(w0 + 2 * row, dt, i), xv, a2);
-            a3 = _mm256_fmadd_ps(load8(w0 + 3 * row, dt, i), xv, a3);
+    size_t esz = be_dtype_size(dt), row = (size_t)a->in * esz;
+    size_t body = (size_t)a->in / 8 * 8, left = (size_t)a->in - body;
+    const float *x = a->x + (size_t)t0 * a->in;
+    for (int r = r0; r < r1; r += ROWS) {
+        int nr = r1 - r < ROWS ? r1 - r : ROWS;
+        const char *w0 = (const char *)a->w + (size_t)r * row;
+        __m256 acc[4][4];
+#pragma GCC unroll 4
+        for (int t = 0; t < TN; t++)
+#pragma GCC unroll 4
+            for (int k = 0; k < ROWS; k++)
+                acc[t][k] = _mm256_setzero_ps();
+        if (nr == ROWS) {
+            for (size_t i = 0; i < body; i += 8) {
+                __m256 wv[4];
+#pragma GCC unroll 4
+                for (int k = 0; k < ROWS; k++)
+                    wv[k] = load8(w0 + k * row, dt, i);
+#pragma GCC unroll 4
+                for (int t = 0; t < TN; t++) {
+                    __m256 xv = _mm256_loadu_ps(x + (size_t)t * a->in + i);
+#pragma GCC unroll 4
+                    for (int k = 0; k < ROWS; k++)
+                        acc[t][k] = _mm256_fmadd_ps(wv[k], xv, acc[t][k]);
+                }
+            }
+        } else { /* the last rows of a range: one at a time, no spills */
+            for (int k = 0; k < nr; k++)
+                for (size_t i = 0; i < body; i += 8) {
+                    __m256 wv = load8(w0 + k * row, dt, i);
+                    for (int t = 0; t < TN; t++)
+                        acc[t][k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)t * a->in + i), acc[t][k]);
+                }
         }
-        if (left) {
-            a0 = _mm256_fmadd_ps(load8_tail(w0, dt, body, left), xt, a0);
-            a1 = _mm256_fmadd_ps(load8_tail(w0 + row, dt, body, left), xt, a1);
-            a2 = _mm256_fmadd_ps(load8_tail(w0 + 2 * row, dt, body, left), xt, a2);
-            a3 = _mm256_fmadd_ps(load8_tail(w0 + 3 * row, dt, body, left), xt, a3);
-        }
-        y[r] = hsum(a0);
-        y[r + 1] = hsum(a1);
-        y[r + 2] = hsum(a2);
-        y[r + 3] = hsum(a3);
+        for (int k = 0; k < nr; k++)
+            for (int t = 0; t < TN; t++) {
+                if (left)
+                    acc[t][k] = _mm256_fmadd_ps(load8_tail(w0 + k * row, dt, body, left),
+                                                load8_tail(x + (size_t)t * a->in, BE_F32, body, left), acc[t][k]);
+                a->y[(size_t)(t0 + t) * a->out + r + k] = hsum(acc[t][k]);
+            }
     }
-    for (; r < r1; r++) {
-        const char *w0 = (const char *)w + (size_t)r * row;
-        __m256 a0 = _mm256_setzero_ps();
-        for (size_t i = 0; i < body; i += 8)
-            a0 = _mm256_fmadd_ps(load8(w0, dt, i), _mm256_loadu_ps(x + i), a0);
-        if (left)
-            a0 = _mm256_fmadd_ps(load8_tail(w0, dt, body, left), xt, a0);
-        y[r] = hsum(a0);
+}
+
+/* Every token of a: one at a time with four rows in flight, or four at a
+ * time against two rows; dt is a constant after inlining. */
+static inline __attribute__((always_inline)) void matmul_tokens(const struct cpu_mm *a, const enum be_dtype dt,
+                                                                int r0, int r1)
+{
+    if (a->n == 1) {
+        matvec_tokens(a, dt, 0, 1, 4, r0, r1);
+        return;
+    }
+    int t = 0;
+    for (; t + 4 <= a->n; t += 4)
+        matvec_tokens(a, dt, t, 4, 2, r0, r1);
+    switch (a->n - t) {
+    case 3: matvec_tokens(a, dt, t, 3, 2, r0, r1); break;
+    case 2: matvec_tokens(a, dt, t, 2, 2, r0, r1); break;
+    case 1: matvec_tokens(a, dt, t, 1, 4, r0, r1); break;
     }
 }
 
@@ -97,14 +131,10 @@ static void matmul_rows_avx2(const struct cpu_mm *a, int r0, int r1, float *scra
         cpu_matmul_panels(a, r0, r1, scratch, to_f32_avx2);
         return;
     }
-    for (int t = 0; t < a->n; t++) {
-        float *y = a->y + (size_t)t * a->out;
-        const float *x = a->x + (size_t)t * a->in;
-        switch (a->wt) {
-        case BE_BF16: matvec(y, x, a->w, BE_BF16, a->in, r0, r1); break;
-        case BE_F16: matvec(y, x, a->w, BE_F16, a->in, r0, r1); break;
-        case BE_F32: matvec(y, x, a->w, BE_F32, a->in, r0, r1); break;
-        }
+    switch (a->wt) {
+    case BE_BF16: matmul_tokens(a, BE_BF16, r0, r1); break;
+    case BE_F16: matmul_tokens(a, BE_F16, r0, r1); break;
+    case BE_F32: matmul_tokens(a, BE_F32, r0, r1); break;
     }
 }
 
