@@ -19,6 +19,7 @@ struct session {
     time_t created;
     struct ipc_cache_choice cache;
     bool busy;
+    bool record; /* activate_past_recording on every KV sequence it gets */
     int32_t *toks; /* the ids whose KV is in kv */
     size_t n_toks;
     struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */
@@ -170,16 +171,32 @@ static enum ipc_status session_get(engine *e, uid_t uid, const char *id, struct 
     return IPC_OK;
 }
 
-enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, char *id, size_t cap,
-                                      struct ipc_error *err)
+/* Frees a list of sessions and their KV (engine thread, or after it ended). */
+static void free_dead_sessions(struct session *s)
+{
+    while (s) {
+        struct session *next = s->next;
+        kv_seq_free(s->kv);
+        free(s->toks);
+        free(s);
+        s = next;
+    }
+}
+
+/* A session not in the table yet, with a fresh random id. */
+static struct session *session_alloc(uid_t uid, const struct ipc_cache_choice *cache, bool record,
+                                     struct ipc_error *err)
 {
     struct session *s = calloc(1, sizeof(*s));
-    if (!s)
-        return ipc_fail(err, IPC_ENOMEM, "", "no memory for a session");
+    if (!s) {
+        ipc_fail(err, IPC_ENOMEM, "", "no memory for a session");
+        return NULL;
+    }
     unsigned char rnd[8];
     if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
+        ipc_fail(err, IPC_EINTERNAL, "", "getrandom failed: %s", strerror(errno));
         free(s);
-        return ipc_fail(err, IPC_EINTERNAL, "", "getrandom failed: %s", strerror(errno));
+        return NULL;
     }
     int n = snprintf(s->id, sizeof(s->id), "sess-");
     for (size_t i = 0; i < sizeof(rnd); i++)
@@ -187,6 +204,14 @@ enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cac
     s->uid = uid;
     s->created = time(NULL);
     s->cache = *cache;
+    s->record = record;
+    return s;
+}
+
+/* Puts s in the table (429 when full, 503 while draining); on failure the
+ * caller still owns s. */
+static enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *err)
+{
     pthread_mutex_lock(&e->mu);
     enum ipc_status st = IPC_OK;
     if (e->draining)
@@ -198,10 +223,21 @@ enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cac
         s->next = e->sessions;
         e->sessions = s;
         e->n_sessions++;
-        snprintf(id, cap, "%s", s->id);
     }
     pthread_mutex_unlock(&e->mu);
-    if (st != IPC_OK)
+    return st;
+}
+
+enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
+                                      char *id, size_t cap, struct ipc_error *err)
+{
+    struct session *s = session_alloc(uid, cache, record, err);
+    if (!s)
+        return err->st;
+    enum ipc_status st = session_insert(e, s, err);
+    if (st == IPC_OK)
+        snprintf(id, cap, "%s", s->id);
+    else
         free(s);
     return st;
 }
@@ -237,11 +273,11 @@ static json_t *session_to_json(const struct session *s)
 {
     /* before its first request a session has no KV: it will use what it asked for */
     const char *used = s->n_toks ? kv_strategy_name(s->kvs.strategy) : s->cache.name;
-    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:i}, s:s, s:s, s:s?, s:b}", "id", s->id, "object", "session",
-                     "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
+    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:i}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
+                     "session", "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
                      (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk", 0, "strategy", used,
-                     "requested_strategy", s->cache.name, "fallback", engine_fallback_name(s->kvs.fallback), "busy",
-                     s->busy);
+                     "requested_strategy", s->cache.name, "fallback", engine_fallback_name(s->kvs.fallback),
+                     "past_recording", s->record, "busy", s->busy);
 }
 
 enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err)
@@ -384,20 +420,46 @@ static size_t common_prefix(const struct session *s, const int32_t *p, size_t n)
     return k == n && k ? k - 1 : k;
 }
 
-/* The store's refusal as a client error; kv_store_errmsg names the budget
- * or the parameter. */
-static enum ipc_status kv_error(engine *e, enum tier_status ts, struct ipc_error *err)
+/* The store's refusal as a client error; kv_store_errmsg names the budget,
+ * the parameter or (409) the reference's explanation.  param: the request
+ * field the call came from. */
+static enum ipc_status kv_error(engine *e, enum tier_status ts, const char *param, struct ipc_error *err)
 {
     const char *why = kv_store_errmsg(e->store);
     if (!why[0])
         why = tier_strerror(ts);
     switch (ts) {
-    case TIER_EINVAL: return ipc_fail(err, IPC_EINVAL, "cache", "%s", why);
-    case TIER_ENOTSUP: return ipc_fail(err, IPC_ENOTIMPL, "cache", "%s", why);
+    case TIER_EINVAL: return ipc_fail(err, IPC_EINVAL, param, "%s", why);
+    case TIER_ENOTSUP: return ipc_fail(err, IPC_EINVAL, param, "%s", why);
+    case TIER_ECONFLICT: return ipc_fail(err, IPC_ECONFLICT, param, "%s", why);
     case TIER_ENOMEM_DEV:
     case TIER_ENOMEM_HOST: return ipc_fail(err, IPC_ESTORAGE, "", "%s", why);
     default: return ipc_fail(err, IPC_EINTERNAL, "", "KV store: %s", why);
     }
+}
+
+/* A new KV sequence for ids[0, n): the strategy, past recording when the
+ * session asks for it, and the prefix cache's blocks for the start of ids
+ * (*n_cached tokens that need not be computed). */
+static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, bool record, const int32_t *ids, size_t n,
+                               kv_seq **out, size_t *n_cached, struct ipc_error *err)
+{
+    int64_t cached = 0;
+    const char *param = "cache";
+    enum tier_status ts = kv_seq_create(e->store, p, out);
+    if (ts == TIER_OK && record) {
+        param = "activate_past_recording";
+        ts = kv_seq_activate_past_recording(*out);
+    }
+    if (ts == TIER_OK)
+        ts = kv_seq_match_prefix(*out, ids, (int64_t)n, &cached); /* fails only for host memory */
+    if (ts != TIER_OK) {
+        kv_seq_free(*out);
+        *out = NULL;
+        return kv_error(e, ts, param, err);
+    }
+    *n_cached = (size_t)cached;
+    return IPC_OK;
 }
 
 static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
@@ -417,27 +479,31 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     if (sampler_create(&sp, e->vocab, &c->smp) != MODEL_OK)
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the sampler");
     struct session *s = j->sess;
-    if (s) {
-        size_t keep = common_prefix(s, j->prompt, j->n_prompt);
-        if (keep < s->n_toks) {
-            /* The KV holds tokens the new input does not start with.  Without
-             * a crop in the KV store the only safe rewind is a fresh sequence. */
+    if (!s)
+        return kv_open(e, &j->cache.params, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
+    size_t keep = common_prefix(s, j->prompt, j->n_prompt);
+    if (s->kv && keep < s->n_toks) {
+        /* The KV holds tokens the new input does not continue (an edited
+         * turn, or the whole input re-sent: its last token is recomputed).
+         * Rewind to the common prefix; a sliding layer that already dropped
+         * those states without past recording cannot, and the session
+         * starts over. */
+        enum tier_status ts = kv_seq_crop(s->kv, -(int64_t)(s->n_toks - keep));
+        if (ts != TIER_OK) {
+            log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
             kv_seq_free(s->kv);
             s->kv = NULL;
-            keep = 0;
         }
-        c->n_fed = keep;
-        enum tier_status ts = s->kv ? TIER_OK : kv_seq_create(e->store, &s->cache.params, &s->kv);
-        c->kv = s->kv;
-        return ts == TIER_OK ? IPC_OK : kv_error(e, ts, err);
     }
-    enum tier_status ts = kv_seq_create(e->store, &j->cache.params, &c->kv);
-    return ts == TIER_OK ? IPC_OK : kv_error(e, ts, err);
+    c->n_fed = keep;
+    c->kv = s->kv;
+    if (s->kv)
+        return IPC_OK;
+    enum ipc_status st = kv_open(e, &s->cache.params, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed, err);
+    c->kv = s->kv;
+    return st;
 }
 
-/* Frees what the engine owns of a finished job and hands a session its KV
- * back.  Then publishes done and drops the engine's reference (caller holds
- * no lock). */
 /* What the response's kvtier object reports: choice 0's strategy and layer
  * split, any choice's fallback, bytes and transfers summed. */
 static void add_kv_stats(struct kv_seq_stats *sum, const kv_seq *q, bool first)
@@ -461,6 +527,9 @@ static void add_kv_stats(struct kv_seq_stats *sum, const kv_seq *q, bool first)
     x->compute_s += k.xfer.compute_s;
 }
 
+/* Frees what the engine owns of a finished job and hands a session its KV
+ * back.  Then publishes done and drops the engine's reference (caller holds
+ * no lock). */
 static void retire(engine *e, struct job *j)
 {
     struct kv_seq_stats kvs = {0};
@@ -545,9 +614,81 @@ static void job_fail_msg(engine *e, struct job *j, enum ipc_status st, const cha
     job_fail(e, j, &err);
 }
 
+/* The session's state after an operation, for GET and the loop thread. */
+static void session_publish(engine *e, struct session *s)
+{
+    size_t n = s->kv ? (size_t)kv_seq_length(s->kv) : 0;
+    struct kv_seq_stats kvs = s->kv ? kv_seq_stats(s->kv) : (struct kv_seq_stats){0};
+    pthread_mutex_lock(&e->mu);
+    s->n_toks = n < s->n_toks ? n : s->n_toks; /* a crop keeps a prefix of the ids */
+    s->kvs = kvs;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* A session that shares s's KV blocks copy-on-write (extents are copied),
+ * in the table under a new id. */
+static enum ipc_status session_fork(engine *e, struct session *s, struct session **out, struct ipc_error *err)
+{
+    struct session *c = session_alloc(s->uid, &s->cache, s->record, err);
+    if (!c)
+        return err->st;
+    enum ipc_status st = IPC_OK;
+    if (s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks))))
+        st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
+    enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;
+    if (ts != TIER_OK)
+        st = kv_error(e, ts, "", err);
+    if (st == IPC_OK) {
+        memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
+        c->n_toks = s->n_toks;
+        c->kvs = c->kv ? kv_seq_stats(c->kv) : (struct kv_seq_stats){0};
+        st = session_insert(e, c, err);
+    }
+    if (st != IPC_OK) {
+        free_dead_sessions(c);
+        return st;
+    }
+    *out = c;
+    return IPC_OK;
+}
+
+/* Crop, fork or past recording on the job's session.  They run here, on
+ * the engine thread, because the store is not shared with the loop thread;
+ * the job ends at once. */
+static void session_op(engine *e, struct job *j)
+{
+    struct session *s = j->sess, *child = NULL;
+    struct ipc_error err = {0};
+    enum tier_status ts = TIER_OK;
+    if (j->kind == JOB_CROP && s->kv) { /* an empty session has nothing to crop */
+        ts = kv_seq_crop(s->kv, j->op_n);
+        if (ts != TIER_OK)
+            kv_error(e, ts, "n", &err);
+    } else if (j->kind == JOB_RECORD) {
+        if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
+            kv_error(e, ts, "", &err);
+    } else if (j->kind == JOB_FORK) {
+        session_fork(e, s, &child, &err);
+    }
+    session_publish(e, s);
+    pthread_mutex_lock(&e->mu);
+    if (j->kind == JOB_RECORD && err.st == IPC_OK)
+        s->record = true;
+    if (child)
+        snprintf(j->reply_id, sizeof(j->reply_id), "%s", child->id);
+    pthread_mutex_unlock(&e->mu);
+    if (err.st != IPC_OK)
+        job_fail(e, j, &err);
+    j->ch[0].fin = FINISH_LENGTH;
+}
+
 static void start_job(engine *e, struct job *j)
 {
     j->t_admit = now_ms();
+    if (j->kind >= JOB_CROP) {
+        session_op(e, j);
+        return;
+    }
     for (int i = 0; i < j->n; i++) {
         struct ipc_error err;
         if (seq_setup(e, j, &j->ch[i], i, &err) != IPC_OK) {
@@ -731,6 +872,9 @@ static void publish(engine *e, int nb)
     e->st.kv_dev_bytes = ks.dev_bytes;
     e->st.kv_host_bytes = ks.host_bytes;
     e->st.kv_fallbacks = ks.fallbacks;
+    e->st.prefix_hit_tokens = ks.prefix_hit_tokens;
+    e->st.prefix_entries = ks.prefix_entries;
+    e->st.prefix_evictions = ks.prefix_evictions;
     for (int i = 0; i < nb; i++) {
         struct job_choice *c = e->batch_ch[i];
         e->st.gen_tokens += (uint64_t)(c->gen - c->n_gen);
@@ -812,17 +956,6 @@ static bool job_finished(const struct job *j)
 }
 
 /* ---- the thread ------------------------------------------------------------ */
-
-static void free_dead_sessions(struct session *s)
-{
-    while (s) {
-        struct session *next = s->next;
-        kv_seq_free(s->kv);
-        free(s->toks);
-        free(s);
-        s = next;
-    }
-}
 
 /* Moves admissible queued jobs to the tail of the active list (under mu);
  * returns the first newly admitted job. */
@@ -908,7 +1041,7 @@ static bool load(engine *e)
     struct runtime_params rp = {.backend = e->cfg.backend,
                                 .be = {.n_threads = e->cfg.n_threads, .device_mem = e->cfg.device_mem},
                                 .model = {.max_batch_tokens = e->cfg.batch_tokens},
-                                .kv = {.host_mem = e->cfg.host_mem}};
+                                .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache}};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);
         e->state = ENGINE_FAILED;

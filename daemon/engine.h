@@ -43,6 +43,7 @@ struct engine_config {
     int n_threads;           /* 0: physical cores */
     size_t device_mem;       /* 0: backend default */
     size_t host_mem;         /* host-tier budget of the KV store; 0: unlimited */
+    bool no_prefix_cache;    /* turn off sharing of identical prompt prefixes between requests */
     int ctx;                 /* 0: the model's max_position_embeddings */
     int max_seqs;            /* sequences decoded together */
     int batch_tokens;        /* tokens per forward step */
@@ -80,7 +81,10 @@ struct job_choice {
     struct tok_stream ts;
 };
 
-enum job_kind { JOB_GENERATE = 0, JOB_PREFILL };
+/* JOB_CROP and later are operations on the job's session that the engine
+ * thread performs at admission (the store belongs to it), without a
+ * forward step. */
+enum job_kind { JOB_GENERATE = 0, JOB_PREFILL, JOB_CROP, JOB_FORK, JOB_RECORD };
 
 struct session;
 
@@ -99,12 +103,14 @@ struct job {
     int top_logprobs;
     struct ipc_cache_choice cache;
     char session_id[IPC_SESSION_ID_MAX + 1]; /* "" = none */
+    int64_t op_n;                            /* JOB_CROP: kv_seq_crop's n */
     void *owner;                             /* the HTTP request, loop thread only */
     /* ---- shared, under the engine lock ---- */
     int refs;
     bool cancelled, done;
     struct ipc_error err; /* err.st != IPC_OK: failed */
-    int n_cached;         /* prompt tokens reused from the session's KV */
+    int n_cached;         /* prompt tokens reused from the session's KV or the prefix cache */
+    char reply_id[IPC_SESSION_ID_MAX + 1]; /* JOB_FORK: the new session */
     double prefill_ms, decode_ms;
     /* The KV at the end: choice 0's strategy, fallback and layer split;
      * bytes and transfer figures summed over the choices. */
@@ -161,9 +167,11 @@ void engine_abort_all(engine *e, enum ipc_status st, const char *msg);
 
 /* Sessions.  create: registers an empty session owned by uid (429 when the
  * table is full); its prefix, if any, is prefilled by a JOB_PREFILL job the
- * caller submits with session_id set. */
-enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, char *id, size_t cap,
-                                      struct ipc_error *err);
+ * caller submits with session_id set.  record: activate_past_recording on
+ * its KV.  Crop, fork and recording later are JOB_CROP / JOB_FORK /
+ * JOB_RECORD jobs naming the session. */
+enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
+                                      char *id, size_t cap, struct ipc_error *err);
 enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, struct ipc_error *err);
 /* {"id","object":"session","created","tokens","bytes":{"device","host","disk"},
  *  "strategy" (in use),"requested_strategy","fallback","busy"} */
@@ -181,6 +189,7 @@ struct engine_stats {
     int queued, running, sessions;
     size_t kv_dev_bytes, kv_host_bytes;
     uint64_t kv_fallbacks; /* sequences moved to the host tier (kv_store_stats().fallbacks) */
+    uint64_t prefix_hit_tokens, prefix_entries, prefix_evictions; /* the store's prefix cache */
     size_t dev_budget, dev_used; /* the backend's device memory: weights, activations, KV, slots */
 };
 struct engine_stats engine_get_stats(engine *e);

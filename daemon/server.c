@@ -24,7 +24,7 @@ struct ev_src {
     enum src_kind kind;
 };
 
-enum reply_kind { REPLY_COMPLETION = 0, REPLY_CHAT, REPLY_SESSION };
+enum reply_kind { REPLY_COMPLETION = 0, REPLY_CHAT, REPLY_SESSION, REPLY_SESSION_OP };
 
 struct req {
     struct ev_src src; /* SRC_CONN while suspended */
@@ -389,6 +389,13 @@ static enum MHD_Result reply_done(struct req *r)
     struct job *j = r->job;
     if (j->err.st != IPC_OK)
         return reply_error(r, &j->err);
+    if (r->kind == REPLY_SESSION_OP) { /* the session as it is now (a fork: the new one) */
+        json_t *o;
+        struct ipc_error err;
+        if (engine_session_json(r->srv->eng, r->uid, j->reply_id[0] ? j->reply_id : j->session_id, &o, &err) != IPC_OK)
+            return reply_error(r, &err);
+        return reply_json(r, 200, o);
+    }
     if (r->kind == REPLY_SESSION) {
         json_t *o;
         struct ipc_error err;
@@ -934,7 +941,7 @@ static enum MHD_Result h_session_create(struct req *r, const char *arg)
         st = ipc_fail(&err, IPC_ECONTEXT, "prefix", "the prefix has %zu tokens; the context holds %d", ids.n,
                       engine_context(s->eng));
     if (st == IPC_OK)
-        st = engine_session_create(s->eng, r->uid, &q.cache, id, sizeof(id), &err);
+        st = engine_session_create(s->eng, r->uid, &q.cache, q.record, id, sizeof(id), &err);
     ipc_session_req_release(&q);
     struct job *j = NULL;
     if (st == IPC_OK && ids.n && !(j = job_new(1, NULL, 0))) {
@@ -986,6 +993,46 @@ static enum MHD_Result h_session_get(struct req *r, const char *id)
     return reply_json(r, 200, o);
 }
 
+/* Crop, fork and past recording run on the engine thread as jobs naming
+ * the session (404, 403 and 409 busy come from engine_submit). */
+static enum MHD_Result session_op(struct req *r, const char *id, enum job_kind kind, int64_t n)
+{
+    struct job *j = job_new(1, NULL, 0);
+    if (!j)
+        return fail(r, IPC_ENOMEM, "", "no memory for the request");
+    j->kind = kind;
+    j->uid = r->uid;
+    j->op_n = n;
+    j->owner = r;
+    snprintf(j->session_id, sizeof(j->session_id), "%s", id);
+    r->kind = REPLY_SESSION_OP;
+    return submit(r, j);
+}
+
+static enum MHD_Result h_session_crop(struct req *r, const char *id)
+{
+    int64_t n;
+    struct ipc_error err;
+    if (ipc_crop_req_parse(r->root, &n, &err) != IPC_OK)
+        return reply_error(r, &err);
+    return session_op(r, id, JOB_CROP, n);
+}
+
+static enum MHD_Result h_session_fork(struct req *r, const char *id)
+{
+    if (json_object_size(r->root))
+        return fail(r, IPC_EINVAL, json_object_iter_key(json_object_iter(r->root)), "fork takes no fields");
+    return session_op(r, id, JOB_FORK, 0);
+}
+
+static enum MHD_Result h_session_record(struct req *r, const char *id)
+{
+    if (json_object_size(r->root))
+        return fail(r, IPC_EINVAL, json_object_iter_key(json_object_iter(r->root)),
+                    "activate_past_recording takes no fields");
+    return session_op(r, id, JOB_RECORD, 0);
+}
+
 static enum MHD_Result h_session_delete(struct req *r, const char *id)
 {
     struct ipc_error err;
@@ -1026,6 +1073,11 @@ static enum MHD_Result h_metrics(struct req *r, const char *arg)
            (double)st.kv_dev_bytes);
     metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"host\"}", (double)st.kv_host_bytes);
     metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"disk\"}", 0);
+    metric(&w, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the automatic prefix cache.", NULL,
+           (double)st.prefix_hit_tokens);
+    metric(&w, "prefix_cache_blocks", "gauge", "Token blocks in the prefix cache.", NULL, (double)st.prefix_entries);
+    metric(&w, "prefix_cache_evictions_total", "counter", "Unreferenced prefix-cache blocks freed for room.", NULL,
+           (double)st.prefix_evictions);
     metric(&w, "device_memory_bytes", "gauge", "Device memory budget (--device-mem) and bytes in use.",
            "{kind=\"budget\"}", (double)st.dev_budget);
     metric(&w, "device_memory_bytes", "gauge", NULL, "{kind=\"used\"}", (double)st.dev_used);
@@ -1059,7 +1111,7 @@ enum route_needs {
 
 struct route {
     const char *method;
-    const char *path; /* a trailing '/' matches a prefix; the rest is the handler's arg */
+    const char *path; /* a '*' matches one path segment (a session id): the handler's arg */
     handler_fn fn;
     enum route_needs needs; /* checked before the handler runs: model loaded, JSON object body (or none) */
 };
@@ -1076,27 +1128,44 @@ static const struct route routes[] = {
     {"POST", "/apply-template", h_apply_template, NEEDS_BODY},
     {"POST", "/v1/sessions", h_session_create, NEEDS_ANY_BODY},
     {"GET", "/v1/sessions", h_session_list, NEEDS_NOTHING},
-    {"GET", "/v1/sessions/", h_session_get, NEEDS_NOTHING},
-    {"DELETE", "/v1/sessions/", h_session_delete, NEEDS_NOTHING},
+    {"GET", "/v1/sessions/*", h_session_get, NEEDS_NOTHING},
+    {"DELETE", "/v1/sessions/*", h_session_delete, NEEDS_NOTHING},
+    {"POST", "/v1/sessions/*/crop", h_session_crop, NEEDS_BODY},
+    {"POST", "/v1/sessions/*/fork", h_session_fork, NEEDS_ANY_BODY},
+    {"POST", "/v1/sessions/*/activate_past_recording", h_session_record, NEEDS_ANY_BODY},
 };
 
 /* The route for method+url; *path_ok tells a wrong method (405) from an
  * unknown path (404). */
-static const struct route *route_find(const char *method, const char *url, bool *path_ok, const char **arg)
+/* Whether url matches pattern; a '*' matches one non-empty segment of at
+ * most IPC_SESSION_ID_MAX bytes, copied into seg. */
+static bool path_match(const char *pattern, const char *url, char *seg)
+{
+    const char *star = strchr(pattern, '*');
+    if (!star)
+        return !strcmp(url, pattern);
+    size_t pre = (size_t)(star - pattern);
+    if (strncmp(url, pattern, pre) != 0)
+        return false;
+    const char *a = url + pre, *b = strchrnul(a, '/');
+    size_t len = (size_t)(b - a);
+    if (!len || len > IPC_SESSION_ID_MAX || strcmp(b, star + 1) != 0)
+        return false;
+    memcpy(seg, a, len);
+    seg[len] = '\0';
+    return true;
+}
+
+static const struct route *route_find(const char *method, const char *url, bool *path_ok, char *seg)
 {
     *path_ok = false;
     for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
         const struct route *rt = &routes[i];
-        size_t n = strlen(rt->path);
-        bool prefix = rt->path[n - 1] == '/';
-        bool match = prefix ? !strncmp(url, rt->path, n) && url[n] && !strchr(url + n, '/') : !strcmp(url, rt->path);
-        if (!match)
+        if (!path_match(rt->path, url, seg))
             continue;
         *path_ok = true;
-        if (!strcmp(method, rt->method)) {
-            *arg = prefix ? url + n : NULL;
+        if (!strcmp(method, rt->method))
             return rt;
-        }
     }
     return NULL;
 }
@@ -1104,8 +1173,8 @@ static const struct route *route_find(const char *method, const char *url, bool 
 static enum MHD_Result dispatch(struct req *r, const char *method)
 {
     bool path_ok;
-    const char *arg = NULL;
-    const struct route *rt = route_find(method, r->url, &path_ok, &arg);
+    char arg[IPC_SESSION_ID_MAX + 1] = "";
+    const struct route *rt = route_find(method, r->url, &path_ok, arg);
     if (!rt) {
         struct ipc_error e;
         ipc_fail(&e, path_ok ? IPC_EMETHOD : IPC_ENOTFOUND, "", path_ok ? "method %.16s is not allowed on %.128s"

@@ -536,8 +536,13 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
                 return ipc_fail(err, IPC_EINVAL, key, "system must be a string");
             out->system = json_string_value(v);
             out->system_len = json_string_length(v);
+        } else if (!strcmp(key, "activate_past_recording")) {
+            if (!json_is_boolean(v))
+                return ipc_fail(err, IPC_EINVAL, key, "activate_past_recording must be true or false");
+            out->record = json_is_true(v);
         } else if (strcmp(key, "cache") && strcmp(key, "use_cache") && strcmp(key, "model")) {
-            return ipc_fail(err, IPC_EINVAL, key, "unknown field \"%.48s\" (prefix, system, cache)", key);
+            return ipc_fail(err, IPC_EINVAL, key,
+                            "unknown field \"%.48s\" (prefix, system, cache, activate_past_recording)", key);
         }
         if (st != IPC_OK)
             return st;
@@ -552,4 +557,22 @@ void ipc_session_req_release(struct ipc_session_req *r)
 {
     free(r->ids);
     r->ids = NULL;
+}
+
+enum ipc_status ipc_crop_req_parse(const json_t *root, int64_t *n, struct ipc_error *err)
+{
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)root, key, v)
+    {
+        if (strcmp(key, "n") != 0)
+            return ipc_fail(err, IPC_EINVAL, key, "unknown field \"%.48s\" (n)", key);
+    }
+    const json_t *jn = json_object_get(root, "n");
+    if (!json_is_integer(jn))
+        return ipc_fail(err, IPC_EINVAL, "n",
+                        "n must be an integer: negative removes that many tokens, 0 frees what sliding layers "
+                        "will not read");
+    *n = json_integer_value(jn);
+    return IPC_OK;
 }

@@ -78,11 +78,16 @@ struct ipc_session_req {
     size_t n_ids;
     const char *system;
     size_t system_len;
+    bool record; /* "activate_past_recording": true */
     struct ipc_cache_choice cache;
 };
 enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limits *lim, struct ipc_session_req *out,
                                       struct ipc_error *err);
 void ipc_session_req_release(struct ipc_session_req *r);
+
+/* POST /v1/sessions/{id}/crop: {"n": N}, Hugging Face's crop() argument
+ * (negative: tokens to remove; the store checks the rest). */
+enum ipc_status ipc_crop_req_parse(const json_t *root, int64_t *n, struct ipc_error *err);
 
 /* Decodes an array of token ids (checked against lim before allocating);
  * *out is malloc'd (NULL when the array is empty). */

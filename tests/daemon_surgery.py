@@ -1,0 +1,147 @@
+"""kvtierd cache surgery (issue 7): POST /v1/sessions/{id}/crop with HF's
+crop(n) semantics, crop-then-regenerate equal to never having generated,
+the partial rewind of a session whose input diverges (only the suffix after
+the common prefix is computed, §7.3's "whole input re-sent" included),
+copy-on-write forks (generating from a fork == a fresh prefill), past
+recording on a sliding model (409 with the reference's explanation without
+it), and the automatic prefix cache (usage.cached_tokens for requests that
+share a prefix)."""
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, "tests")
+from daemon_harness import Daemon, check, skip  # noqa: E402
+
+d = Daemon()
+d.start()
+prompt = [(i * 53 + 7) % 1900 + 50 for i in range(100)]
+gen = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+
+
+def complete(ids, **kw):
+    code, r = d.post("/v1/completions", dict(gen, prompt=ids, **kw))
+    assert code == 200, (code, r)
+    return r
+
+
+def session(**body):
+    code, s = d.post("/v1/sessions", body)
+    assert code == 200, (code, s)
+    return s
+
+
+def crop(sid, n):
+    return d.post("/v1/sessions/%s/crop" % sid, {"n": n})
+
+
+def tokens_of(sid):
+    return d.get("/v1/sessions/" + sid)[1]["tokens"]
+
+
+# ---- automatic prefix cache -------------------------------------------------
+cold = complete(prompt, cache=None)
+warm = complete(prompt[:96] + [11, 12, 13])
+check(cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "prefix cache: the first request computes all")
+check(warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 96,
+      "prefix cache: a request sharing 96 tokens reuses 3 blocks (cached_tokens %d)" %
+      warm["usage"]["prompt_tokens_details"]["cached_tokens"])
+fresh = Daemon("--no-prefix-cache", model=d.model, tmp=d.tmp)
+fresh.sock = os.path.join(d.tmp, "fresh.sock")
+fresh.start()
+code, want = fresh.post("/v1/completions", dict(gen, prompt=prompt[:96] + [11, 12, 13]))
+check(want["choices"][0]["tokens"] == warm["choices"][0]["tokens"] and
+      want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+      "prefix cache: the same tokens as computing everything (--no-prefix-cache)")
+fresh.stop()
+metrics = d.get("/metrics")[1].decode()
+check("kvtier_prefix_cache_hit_tokens_total 96" in metrics, "/metrics: prefix cache hits")
+
+# ---- crop -------------------------------------------------------------------
+s = session(prompt=prompt[:40])
+sid = s["id"]
+r1 = complete(prompt[:40], session=sid)
+held = tokens_of(sid)
+check(held == 47, "session holds 40 + 8 - 1 tokens")
+code, c = crop(sid, -7)
+check(code == 200 and c["tokens"] == 40 and tokens_of(sid) == 40, "crop -7: 40 tokens left")
+r2 = complete(prompt[:40], session=sid)
+check(r2["choices"][0]["tokens"] == r1["choices"][0]["tokens"] and
+      r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 39,
+      "crop then regenerate == the first generation (39 tokens reused)")
+code, c = crop(sid, 0)
+check(code == 200 and c["tokens"] == 47, "crop 0 is a no-op on full attention")
+code, c = crop(sid, -1000)
+check(code == 200 and c["tokens"] == 0, "cropping more than exists empties the session")
+for bad in ({"n": "3"}, {"n": 1.5}, {}, {"n": -1, "x": 1}):
+    code, e = d.post("/v1/sessions/%s/crop" % sid, bad)
+    check(code == 400, "crop %s -> 400 (%s)" % (bad, e["error"]["message"][:60]))
+check(crop("sess-nope", -1)[0] == 404, "crop of an unknown session -> 404")
+
+# ---- partial rewind on a diverging input ---------------------------------------
+s = session()
+sid = s["id"]
+complete(prompt[:60], session=sid)  # holds 67
+r = complete(prompt[:50] + [9, 9, 9], session=sid)
+check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 50,
+      "an input diverging at token 50 recomputes only from there (cached_tokens %d)" %
+      r["usage"]["prompt_tokens_details"]["cached_tokens"])
+want = complete(prompt[:50] + [9, 9, 9], cache={"implementation": "static", "max_cache_len": 64})
+check(r["choices"][0]["tokens"] == want["choices"][0]["tokens"], "the rewound session generates a fresh run's tokens")
+held = tokens_of(sid)
+ids_held = prompt[:50] + [9, 9, 9] + r["choices"][0]["tokens"][:7]
+r = complete(ids_held, session=sid)
+check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == held - 1 and tokens_of(sid) == held - 1 + 8,
+      "re-sending exactly the cached tokens recomputes only the last one (§7.3)")
+
+# ---- forks --------------------------------------------------------------------
+s = session(prompt=prompt)
+sid = s["id"]
+code, f = d.post("/v1/sessions/%s/fork" % sid, {})
+check(code == 200 and f["id"] != sid and f["tokens"] == 100, "fork: a new session holding the parent's 100 tokens")
+code, f2 = d.post("/v1/sessions/%s/fork" % sid, None)
+check(f2["bytes"]["device"] > 0, "fork: bytes reported per tier")
+cont = prompt + [21, 22]
+a = complete(cont, session=f["id"])
+b = complete(cont)
+check(a["choices"][0]["tokens"] == b["choices"][0]["tokens"] and
+      a["usage"]["prompt_tokens_details"]["cached_tokens"] == 100,
+      "generating from a fork == a fresh prefill of the same text")
+c = complete(prompt + [23], session=sid)
+check(c["usage"]["prompt_tokens_details"]["cached_tokens"] == 100 and tokens_of(f2["id"]) == 100,
+      "the parent and the other fork are untouched by the first fork's writes")
+code, e = d.post("/v1/sessions/%s/fork" % sid, {"deep": True})
+check(code == 400, "fork takes no fields")
+for x in (f["id"], f2["id"], sid):
+    d.request("DELETE", "/v1/sessions/" + x)
+d.stop()
+
+# ---- past recording on a sliding-window model -----------------------------------
+model = os.path.join(d.tmp, "mistral")
+r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "mistral", "--preset", "tiny", "--window", "16",
+                    "--vocab", "2048", "--tokenizer-from", "model/builtin", "--out", model], capture_output=True, text=True)
+if r.returncode:
+    skip("mkmodel mistral failed: " + r.stderr[-300:])
+m = Daemon(model=model, tmp=d.tmp)
+m.sock = os.path.join(d.tmp, "mistral.sock")
+m.start()
+d = m
+s = session(prompt=prompt[:40])
+code, e = crop(s["id"], -3)
+check(code == 409 and "activate_past_recording" in e["error"]["message"],
+      "sliding model without recording: crop -> 409 with the reference's explanation")
+check(tokens_of(s["id"]) == 40, "the refused crop changed nothing")
+r = complete(prompt[:30] + [5, 5], session=s["id"])
+check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+      "a diverging input on a sliding session without recording starts over")
+s = session(prompt=prompt[:40], activate_past_recording=True)
+check(s["past_recording"], "activate_past_recording at creation")
+r1 = complete(prompt[:40], session=s["id"])
+code, c = crop(s["id"], -7)
+check(code == 200 and c["tokens"] == 40, "with recording, crop works on a sliding model")
+r2 = complete(prompt[:40], session=s["id"])
+check(r2["choices"][0]["tokens"] == r1["choices"][0]["tokens"], "with recording, crop then regenerate is identical")
+s2 = session()
+code, x = d.post("/v1/sessions/%s/activate_past_recording" % s2["id"], {})
+check(code == 200 and x["past_recording"], "POST /v1/sessions/{id}/activate_past_recording")
+check(d.stop() == 0, "stop")
