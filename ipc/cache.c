@@ -11,6 +11,7 @@ enum cache_key {
     K_OFFLOAD_ONLY_NON_SLIDING = 1u << 1,
     K_ADAPTIVE = 1u << 2,
     K_ALLOW_OFFLOAD = 1u << 3,
+    K_WINDOW_LENGTH = 1u << 4,
 };
 
 enum key_type { KEY_LEN, KEY_BOOL };
@@ -24,28 +25,35 @@ static const struct {
     {"offload_only_non_sliding", K_OFFLOAD_ONLY_NON_SLIDING, KEY_BOOL},
     {"adaptive", K_ADAPTIVE, KEY_BOOL},
     {"allow_offload", K_ALLOW_OFFLOAD, KEY_BOOL},
+    {"window_length", K_WINDOW_LENGTH, KEY_LEN},
 };
 #define N_KEYS (sizeof(cache_keys) / sizeof(cache_keys[0]))
 
-#define K_OFFLOADED_KEYS (K_MAX_CACHE_LEN | K_OFFLOAD_ONLY_NON_SLIDING | K_ADAPTIVE | K_ALLOW_OFFLOAD)
+#define K_STORAGE_KEYS (K_MAX_CACHE_LEN | K_ALLOW_OFFLOAD | K_WINDOW_LENGTH)
+#define K_OFFLOADED_KEYS (K_STORAGE_KEYS | K_OFFLOAD_ONLY_NON_SLIDING | K_ADAPTIVE)
 
 /* THE table.  A row that is not built answers 501; `takes` lists the
  * parameters it accepts and `needs` those it requires.  A dynamic
  * request's max_cache_len is the length it expects to reach: the store
- * sizes it up front and starts it offloaded when that cannot fit. */
+ * sizes it up front and starts it offloaded when that cannot fit.
+ * window_length makes every layer slide on any storage (sliding_window +
+ * offloaded is {"implementation": "offloaded", "window_length": W});
+ * "sliding_window" itself is dynamic storage whose window defaults to the
+ * model's. */
 static const struct {
     const char *name;
     bool built;
     enum kv_strategy strategy;
     unsigned takes, needs;
+    bool model_window;
 } strategies[] = {
-    {"dynamic", true, KV_DYNAMIC, K_MAX_CACHE_LEN | K_ALLOW_OFFLOAD, 0},
-    {"static", true, KV_STATIC, K_MAX_CACHE_LEN | K_ALLOW_OFFLOAD, K_MAX_CACHE_LEN},
-    {"offloaded", true, KV_OFFLOADED, K_OFFLOADED_KEYS, 0},
-    {"offloaded_static", true, KV_OFFLOADED_STATIC, K_OFFLOADED_KEYS, K_MAX_CACHE_LEN},
-    {"quantized", false, KV_DYNAMIC, 0, 0},
-    {"sliding_window", false, KV_DYNAMIC, 0, 0},
-    {"sink", false, KV_DYNAMIC, 0, 0},
+    {"dynamic", true, KV_DYNAMIC, K_STORAGE_KEYS, 0, false},
+    {"static", true, KV_STATIC, K_STORAGE_KEYS, K_MAX_CACHE_LEN, false},
+    {"offloaded", true, KV_OFFLOADED, K_OFFLOADED_KEYS, 0, false},
+    {"offloaded_static", true, KV_OFFLOADED_STATIC, K_OFFLOADED_KEYS, K_MAX_CACHE_LEN, false},
+    {"quantized", false, KV_DYNAMIC, 0, 0, false},
+    {"sliding_window", true, KV_DYNAMIC, K_STORAGE_KEYS, 0, true},
+    {"sink", false, KV_DYNAMIC, 0, 0, false},
 };
 #define N_STRATEGIES (sizeof(strategies) / sizeof(strategies[0]))
 
@@ -81,13 +89,14 @@ static enum ipc_status parse_key(const char *strategy, size_t k, const json_t *v
     case K_OFFLOAD_ONLY_NON_SLIDING: p->offload_sliding = on ? KV_OFFLOAD_SLIDING_NO : KV_OFFLOAD_SLIDING_YES; break;
     case K_ADAPTIVE: p->adaptive = on; break;
     case K_ALLOW_OFFLOAD: p->no_fallback = !on; break;
+    case K_WINDOW_LENGTH: p->window_length = (int)json_integer_value(v); break;
     }
     return IPC_OK;
 }
 
 /* The row's parameters from the cache object (NULL: none given). */
-static enum ipc_status parse_params(size_t row, const json_t *cache, int max_len, struct kv_seq_params *p,
-                                    struct ipc_error *err)
+static enum ipc_status parse_params(size_t row, const json_t *cache, const struct ipc_cache_model *m,
+                                    struct kv_seq_params *p, struct ipc_error *err)
 {
     const char *name = strategies[row].name;
     unsigned given = 0;
@@ -106,7 +115,7 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, int max_len
             return ipc_fail(err, IPC_EINVAL, "cache", "cache.%.40s is not a parameter of \"%s\"; valid: %s", key, name,
                             list);
         }
-        enum ipc_status st = parse_key(name, k, v, max_len, p, err);
+        enum ipc_status st = parse_key(name, k, v, m->max_len, p, err);
         if (st != IPC_OK)
             return st;
         given |= cache_keys[k].key;
@@ -119,11 +128,17 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, int max_len
     if (p->adaptive && !(given & K_MAX_CACHE_LEN))
         return ipc_fail(err, IPC_EINVAL, "cache.adaptive",
                         "cache.adaptive needs cache.max_cache_len (the expected length) to size the device share");
+    if (strategies[row].model_window && !p->window_length) {
+        if (m->sliding_window <= 0)
+            return ipc_fail(err, IPC_EINVAL, "cache.window_length",
+                            "\"%s\" needs cache.window_length: the model has no sliding_window of its own", name);
+        p->window_length = m->sliding_window;
+    }
     p->strategy = strategies[row].strategy;
     return IPC_OK;
 }
 
-enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, int max_len,
+enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, const struct ipc_cache_model *m,
                                 struct ipc_cache_choice *out, struct ipc_error *err)
 {
     if (use_cache && !json_is_null(use_cache)) {
@@ -150,10 +165,11 @@ enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, in
                             strategies[i].name);
         out->name = strategies[i].name;
         memset(&out->params, 0, sizeof(out->params));
-        return parse_params(i, json_is_object(cache) ? cache : NULL, max_len, &out->params, err);
+        return parse_params(i, json_is_object(cache) ? cache : NULL, m, &out->params, err);
     }
     char list[IPC_MSG_LEN / 2];
     list_names(0, false, list, sizeof(list));
     return ipc_fail(err, IPC_EINVAL, "cache.implementation", "unknown cache strategy \"%.48s\"; valid values: %s", name,
                     list);
 }
+

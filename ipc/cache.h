@@ -19,12 +19,17 @@ struct ipc_cache_choice {
     struct kv_seq_params params; /* what kv_seq_create gets */
 };
 
+/* What the table checks against the loaded model. */
+struct ipc_cache_model {
+    int max_len;        /* lengths (max_cache_len, window_length) lie in [1, max_len], the context */
+    int sliding_window; /* the model's window, "sliding_window"'s default; 0 = none */
+};
+
 /* Reads the request's "cache" object (NULL or JSON null: "dynamic") and
- * "use_cache" (NULL: true).  Lengths (max_cache_len) must lie in
- * [1, max_len], the context size, so nothing is sized by the client beyond
- * it.  Errors: IPC_EINVAL naming cache.implementation or the parameter,
- * IPC_ENOTIMPL naming the strategy. */
-enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, int max_len,
+ * "use_cache" (NULL: true).  Nothing is sized by the client beyond the
+ * context.  Errors: IPC_EINVAL naming cache.implementation or the
+ * parameter, IPC_ENOTIMPL naming the strategy. */
+enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, const struct ipc_cache_model *m,
                                 struct ipc_cache_choice *out, struct ipc_error *err);
 
 #endif

@@ -501,8 +501,8 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
-    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"), lim->max_context,
-                           &out->cache, err);
+    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
+                           &(struct ipc_cache_model){lim->max_context, lim->sliding_window}, &out->cache, err);
 }
 
 void ipc_gen_req_release(struct ipc_gen_req *r)
@@ -549,8 +549,8 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
     }
     if (out->system && (out->prefix || out->ids))
         return ipc_fail(err, IPC_EINVAL, "system", "give either system or prefix, not both");
-    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"), lim->max_context,
-                           &out->cache, err);
+    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
+                           &(struct ipc_cache_model){lim->max_context, lim->sliding_window}, &out->cache, err);
 }
 
 void ipc_session_req_release(struct ipc_session_req *r)

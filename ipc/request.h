@@ -31,6 +31,7 @@ struct ipc_limits {
     int max_context;  /* bounds token arrays and max_tokens */
     int max_n;        /* choices per request */
     int max_messages; /* chat messages per request */
+    int sliding_window; /* the model's, the "sliding_window" strategy's default window (0: none) */
 };
 
 enum ipc_role { IPC_ROLE_SYSTEM = 0, IPC_ROLE_USER, IPC_ROLE_ASSISTANT };

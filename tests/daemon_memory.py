@@ -72,8 +72,8 @@ check(code == 400 and "max_cache_len" in e["error"]["message"] and e["error"]["p
       "static: writing past max_cache_len -> 400 naming it: " + e["error"]["message"])
 code, e = free.post("/v1/completions", dict(req, cache={"implementation": "static"}))
 check(code == 400 and "max_cache_len" in e["error"]["message"], "static without max_cache_len -> 400")
-code, e = free.post("/v1/completions", dict(req, cache={"implementation": "offloaded", "window_length": 4}))
-check(code == 400 and "valid: max_cache_len, offload_only_non_sliding, adaptive, allow_offload" in
+code, e = free.post("/v1/completions", dict(req, cache={"implementation": "offloaded", "num_sink_tokens": 4}))
+check(code == 400 and "valid: max_cache_len, offload_only_non_sliding, adaptive, allow_offload, window_length" in
       e["error"]["message"], "unknown parameter -> 400 listing the valid ones")
 code, e = free.post("/v1/completions", dict(req, cache={"implementation": "static", "max_cache_len": 10 ** 9}))
 check(code == 400 and e["error"]["param"] == "cache.max_cache_len", "max_cache_len beyond the context -> 400")

@@ -125,6 +125,7 @@ if r.returncode:
 m = Daemon(model=model, tmp=d.tmp)
 m.sock = os.path.join(d.tmp, "mistral.sock")
 m.start()
+llama = d
 d = m
 s = session(prompt=prompt[:40])
 code, e = crop(s["id"], -3)
@@ -144,4 +145,25 @@ check(r2["choices"][0]["tokens"] == r1["choices"][0]["tokens"], "with recording,
 s2 = session()
 code, x = d.post("/v1/sessions/%s/activate_past_recording" % s2["id"], {})
 check(code == 200 and x["past_recording"], "POST /v1/sessions/{id}/activate_past_recording")
+
+# ---- sliding_window: any model slides; the same weights as a Mistral sliding by 16 -------
+long_gen = dict(gen, max_tokens=40)
+code, want = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30]))
+code, r = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30], cache={"implementation": "sliding_window"}))
+check(code == 200 and r["choices"][0]["tokens"] == want["choices"][0]["tokens"],
+      "sliding_window without window_length takes the model's window")
+d.stop()
+d = llama
+d.start()
+code, full = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30]))
+check(full["choices"][0]["tokens"] != want["choices"][0]["tokens"], "a full-attention run differs from a sliding one")
+for cache in ({"implementation": "sliding_window", "window_length": 16},
+              {"implementation": "offloaded", "window_length": 16},
+              {"implementation": "static", "max_cache_len": 70, "window_length": 16}):
+    code, r = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30], cache=cache))
+    check(code == 200 and r["choices"][0]["tokens"] == want["choices"][0]["tokens"] and
+          sum(r["kvtier"]["bytes"].values()) < sum(full["kvtier"]["bytes"].values()),
+          "%s: a Llama sliding by 16 == the Mistral, in less KV (%s)" % (cache, r["kvtier"]["bytes"]))
+code, e = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30], cache={"implementation": "sliding_window"}))
+check(code == 400 and e["error"]["param"] == "cache.window_length", "sliding_window on a model without one -> 400")
 check(d.stop() == 0, "stop")

@@ -104,7 +104,8 @@ static void test_chat_refusals(void **state)
 static enum ipc_status cache_of(const char *json, struct ipc_cache_choice *c, struct ipc_error *err)
 {
     json_t *o = json_loads(json, 0, NULL);
-    enum ipc_status st = ipc_cache_parse(json_object_get(o, "cache"), json_object_get(o, "use_cache"), 4096, c, err);
+    enum ipc_status st = ipc_cache_parse(json_object_get(o, "cache"), json_object_get(o, "use_cache"),
+                                         &(struct ipc_cache_model){4096, 0}, c, err);
     json_decref(o);
     return st;
 }
@@ -160,12 +161,12 @@ static void test_cache_params(void **state)
     /* a parameter of another strategy: lists this one's */
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"static\",\"max_cache_len\":8,\"adaptive\":true}}",
                               &c, &err), IPC_EINVAL);
-    assert_non_null(strstr(err.msg, "valid: max_cache_len, allow_offload"));
+    assert_non_null(strstr(err.msg, "valid: max_cache_len, allow_offload, window_length"));
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\",\"offload_only_non_sliding\":true}}",
                               &c, &err), IPC_EINVAL);
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\",\"windows\":1}}", &c, &err),
                      IPC_EINVAL);
-    assert_non_null(strstr(err.msg, "max_cache_len, offload_only_non_sliding, adaptive, allow_offload"));
+    assert_non_null(strstr(err.msg, "max_cache_len, offload_only_non_sliding, adaptive, allow_offload, window_length"));
     /* lengths are bounded by the context before anything is sized by them */
     const char *bad_len[] = {"0", "-1", "4097", "1e3", "\"8\"", "true", "99999999999999"};
     for (size_t i = 0; i < sizeof(bad_len) / sizeof(bad_len[0]); i++) {
@@ -182,6 +183,23 @@ static void test_cache_params(void **state)
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\",\"adaptive\":true}}", &c, &err),
                      IPC_EINVAL);
     assert_non_null(strstr(err.msg, "needs cache.max_cache_len"));
+    /* sliding_window: the window from the request, else the model's; none at all is a 400 */
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"sliding_window\"}}", &c, &err), IPC_EINVAL);
+    assert_string_equal(err.param, "cache.window_length");
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"sliding_window\",\"window_length\":64}}", &c, &err),
+                     IPC_OK);
+    assert_int_equal(c.params.strategy, KV_DYNAMIC);
+    assert_int_equal(c.params.window_length, 64);
+    json_t *o = json_loads("{\"implementation\":\"sliding_window\"}", 0, NULL);
+    assert_int_equal(ipc_cache_parse(o, NULL, &(struct ipc_cache_model){4096, 128}, &c, &err), IPC_OK);
+    assert_int_equal(c.params.window_length, 128);
+    json_decref(o);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\",\"window_length\":16}}", &c, &err),
+                     IPC_OK);
+    assert_int_equal(c.params.strategy, KV_OFFLOADED);
+    assert_int_equal(c.params.window_length, 16);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"sliding_window\",\"window_length\":0}}", &c, &err),
+                     IPC_EINVAL);
 }
 
 static const struct ipc_limits lim = {.vocab = 100, .max_context = 64, .max_n = 4, .max_messages = 8};
