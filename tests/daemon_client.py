@@ -41,6 +41,13 @@ check(usage[1]["prompt_tokens_details"]["cached_tokens"] > usage[0]["prompt_toke
       "chat: the second turn reuses the session's KV")
 check(usage[2]["prompt_tokens_details"]["cached_tokens"] < usage[1]["prompt_tokens_details"]["cached_tokens"],
       "chat: /reset starts a new session")
+r = kv("--json", "chat", "-n", "4", "-t", "0", stdin="hello\nand more\n/undo\nand more\n/undo\n/undo\n/undo\n")
+usage = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+answers = r.stdout.splitlines()
+check(r.returncode == 0 and len(usage) == 3 and r.stderr.count("undone:") == 3 and "nothing to undo" in r.stderr,
+      "chat: /undo crops the last turn (three times, then nothing to undo)")
+check(answers[2] == answers[1] and usage[2]["prompt_tokens_details"]["cached_tokens"] ==
+      usage[1]["prompt_tokens_details"]["cached_tokens"], "chat: the turn after /undo is the undone turn again")
 r = kv("--json", "sessions")
 check(r.returncode == 0 and json.loads(r.stdout) == [], "chat deletes its session at the end")
 code, s = d.post("/v1/sessions", {"prefix": "Once upon"})

@@ -1,7 +1,7 @@
 /* kvtier - the client of kvtierd.
  *
  *   kvtier [--socket PATH] [--json] generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT|-
- *   kvtier [...] chat [--system TEXT] [-n N] [-t T]        interactive; /reset, /bye
+ *   kvtier [...] chat [--system TEXT] [-n N] [-t T]        interactive; /undo, /reset, /bye
  *   kvtier [...] sessions [rm ID]
  *   kvtier [...] status
  *   kvtier [...] batch IN.jsonl [-o OUT.jsonl] [-j N]      OpenAI batch lines, results in input order
@@ -270,6 +270,44 @@ static void delete_session(const char *id)
     call_json("DELETE", path, NULL, NULL);
 }
 
+/* Tokens the session's KV holds, or -1 (the error is printed). */
+static json_int_t session_tokens(const char *id)
+{
+    char path[160];
+    snprintf(path, sizeof(path), "/v1/sessions/%s", id);
+    json_t *r = NULL;
+    json_int_t n = call_json("GET", path, NULL, &r) ? -1 : json_integer_value(json_object_get(r, "tokens"));
+    json_decref(r);
+    return n;
+}
+
+/* /undo: crops the session back to where the last turn started and drops
+ * the turn from the history.  turns[] holds the session's length before
+ * each turn. */
+static int chat_undo(const char *id, json_t *msgs, json_t *turns)
+{
+    size_t t = json_array_size(turns);
+    if (!t) {
+        fprintf(stderr, "nothing to undo\n");
+        return 0;
+    }
+    json_int_t before = json_integer_value(json_array_get(turns, t - 1)), now = session_tokens(id);
+    if (now < 0)
+        return EXIT_DAEMON;
+    char path[160];
+    snprintf(path, sizeof(path), "/v1/sessions/%s/crop", id);
+    json_t *b = json_pack("{s:I}", "n", before - now);
+    int rc = b ? call_json("POST", path, b, NULL) : EXIT_DAEMON;
+    json_decref(b);
+    if (rc)
+        return rc;
+    json_array_remove(turns, t - 1);
+    json_array_remove(msgs, json_array_size(msgs) - 1); /* the answer */
+    json_array_remove(msgs, json_array_size(msgs) - 1); /* the question */
+    fprintf(stderr, "undone: %lld tokens dropped\n", (long long)(now - before));
+    return 0;
+}
+
 static json_t *chat_history(const char *system)
 {
     json_t *m = json_array();
@@ -292,8 +330,8 @@ static int cmd_chat(int argc, char **argv)
         return rc;
     bool tty = isatty(STDIN_FILENO);
     if (tty)
-        fprintf(stderr, "session %s. /reset starts over, /bye (or Ctrl-D) quits.\n", id);
-    json_t *msgs = chat_history(o.system);
+        fprintf(stderr, "session %s. /undo drops the last turn, /reset starts over, /bye (or Ctrl-D) quits.\n", id);
+    json_t *msgs = chat_history(o.system), *turns = json_array();
     char *line = NULL;
     size_t cap = 0;
     for (;;) {
@@ -308,16 +346,28 @@ static int cmd_chat(int argc, char **argv)
             continue;
         if (!strcmp(line, "/bye"))
             break;
+        if (!strcmp(line, "/undo")) {
+            if ((rc = chat_undo(id, msgs, turns)))
+                break;
+            continue;
+        }
         if (!strcmp(line, "/reset")) {
             delete_session(id);
             json_decref(msgs);
             msgs = chat_history(o.system);
+            json_array_clear(turns);
             if ((rc = new_session(o.system, id, sizeof(id))))
                 break;
             if (tty)
                 fprintf(stderr, "new session %s\n", id);
             continue;
         }
+        json_int_t held = session_tokens(id);
+        if (held < 0) {
+            rc = EXIT_DAEMON;
+            break;
+        }
+        json_array_append_new(turns, json_integer(held));
         json_array_append_new(msgs, json_pack("{s:s,s:s}", "role", "user", "content", line));
         o.session = id;
         json_t *b = gen_body(&o);
@@ -336,6 +386,7 @@ static int cmd_chat(int argc, char **argv)
     }
     free(line);
     json_decref(msgs);
+    json_decref(turns);
     json_decref(o.stops);
     delete_session(id);
     return rc;
@@ -634,7 +685,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier [--socket PATH] [--json] COMMAND ...\n"
                "  generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT|-   stream a completion\n"
-               "  chat [--system TEXT] [-n N] [-t T]        interactive chat in one session (/reset, /bye)\n"
+               "  chat [--system TEXT] [-n N] [-t T]        interactive chat in one session (/undo, /reset, /bye)\n"
                "  sessions [rm ID]                          list or delete your sessions\n"
                "  status                                    daemon health and model\n"
                "  batch IN.jsonl [-o OUT.jsonl] [-j N]      OpenAI batch lines, results in input order\n"
