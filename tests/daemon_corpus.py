@@ -61,19 +61,26 @@ json_cases = [
     (H, {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}),
     (H, {"messages": [{"role": "user", "content": "x"}], "prompt": "x"}),
     (H, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}),
-    (H, {"messages": [{"role": "user", "content": "x"}] * 2000}),
+    (H, {"messages": [{"role": "user", "content": "x"}] * 1100}),  # over --max-messages, under --max-body
     ("/tokenize", {}), ("/tokenize", {"content": 5}), ("/tokenize", {"content": "a", "add_special": "yes"}),
     ("/tokenize", {"content": "a", "bogus": 1}), ("/detokenize", {"tokens": "abc"}), ("/detokenize", {"tokens": [-5]}),
     ("/detokenize", {}), ("/v1/sessions", {"prefix": 5}), ("/v1/sessions", {"system": "a", "prefix": "b"}),
     ("/v1/sessions", {"bogus": 1}), ("/v1/sessions", {"system": 7}), ("/v1/sessions", b"[1]"),
     ("/v1/sessions", {"prefix": [1] * 5000}), ("/v1/sessions", {"cache": {"implementation": "nope"}}),
     ("/apply-template", {"messages": [{"role": "x"}]}),
+    ("/v1/sessions/unknown/crop", {"n": -1}), ("/v1/sessions/unknown/crop", {"n": "x"}),
+    ("/v1/sessions/unknown/crop", {"n": 10 ** 30}), ("/v1/sessions/unknown/crop", {}),
+    ("/v1/sessions/unknown/fork", {"x": 1}), ("/v1/sessions", {"activate_past_recording": "yes"}),
 ]
 
 http_cases = [
     ("GET", "/nope", None), ("DELETE", "/v1/completions", None), ("GET", "/v1/completions", None),
     ("PUT", "/health", None), ("GET", "/v1/sessions/unknown", None), ("DELETE", "/v1/sessions/unknown", None),
     ("GET", "/v1/sessions/../../etc/passwd", None), ("GET", "/v1/sessions/a/b", None),
+    ("POST", "/v1/sessions/unknown/fork", None), ("GET", "/v1/sessions/unknown/crop", None),
+    ("POST", "/v1/sessions//crop", None), ("POST", "/v1/sessions/" + "a" * 100 + "/fork", None),
+    ("POST", "/v1/sessions/unknown/crop/x", None), ("DELETE", "/v1/sessions/unknown/fork", None),
+    ("POST", "/v1/sessions/unknown/activate_past_recording", None),
 ]
 
 raw_cases = [
