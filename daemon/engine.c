@@ -401,14 +401,6 @@ void engine_count_error(engine *e, enum ipc_status st)
 
 /* ---- admission and retirement (engine thread) --------------------------------- */
 
-static bool is_eos(const engine *e, int32_t id)
-{
-    for (int i = 0; i < e->mc->n_eos; i++)
-        if (e->mc->eos_token_ids[i] == id)
-            return true;
-    return id == tokenizer_eos_id(e->tok);
-}
-
 /* Tokens of the session's KV that are a real prefix of the new input (HF
  * checks only the length).  At least the last prompt token is recomputed:
  * its logits start the generation. */
@@ -798,7 +790,7 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
         record_logprobs(e, j, c, id);
     c->toks[c->n_toks++] = id;
     c->gen++;
-    if (!j->ignore_eos && is_eos(e, id))
+    if (!j->ignore_eos && gen_is_eos(e->mc, e->tok, id))
         c->fin = FINISH_EOS;
     else if (!append_text(e, j, c, id))
         job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the generated text");
