@@ -486,14 +486,15 @@ static bool kvq_half_ok(const struct be_kvq_format *f, const struct be_kvq_half 
 static bool kvq_view_ok(const struct be_kvq_view *v, const struct be_attn_params *p)
 {
     const struct be_kvq_format *f = v->fmt;
-    if (!f || f->n_kv_heads != p->n_kv_heads || f->head_dim != p->head_dim || f->block_tokens <= 0 ||
+    if (f && (f->n_kv_heads != p->n_kv_heads || f->head_dim != p->head_dim || f->block_tokens <= 0 ||
         f->nbits < 1 || f->nbits > 8 || (f->head_dim * f->nbits) % 8 ||
         (f->kind != BE_KVQ_AFFINE_SHIFT && f->kind != BE_KVQ_AFFINE_ZERO && f->kind != BE_KVQ_E4M3) ||
-        (f->kind == BE_KVQ_E4M3 && f->nbits != 8) || !kvq_half_ok(f, &f->k) || !kvq_half_ok(f, &f->v))
+        (f->kind == BE_KVQ_E4M3 && f->nbits != 8) || !kvq_half_ok(f, &f->k) || !kvq_half_ok(f, &f->v)))
         return false;
-    if ((!v->blocks && v->n_blocks) || v->n_blocks < 0)
+    if ((!v->blocks && v->n_blocks) || v->n_blocks < 0 || (!f && v->n_blocks))
         return false;
-    int64_t end = v->base + (int64_t)v->n_blocks * f->block_tokens;
+    /* no format: a dense sequence of a mixed batch, nothing quantized */
+    int64_t end = f ? v->base + (int64_t)v->n_blocks * f->block_tokens : v->hi;
     if (v->lo > v->hi || v->lo < v->base || v->hi > end)
         return false;
     const struct be_kv_view *r = &v->rest;

@@ -190,7 +190,9 @@ struct be_kvq_format {
 /* One sequence's quantized KV for one layer: quantized block b holds the
  * positions [base + b*T, base + (b+1)*T) and [lo, hi) of them are valid;
  * the positions [hi, rest.hi) that follow are full precision in `rest`
- * (rest.lo == hi; an empty rest has rest.lo == rest.hi). */
+ * (rest.lo == hi; an empty rest has rest.lo == rest.hi).  fmt NULL: nothing
+ * is quantized (lo == hi == rest.lo), a dense sequence batched with
+ * quantized ones. */
 struct be_kvq_view {
     const struct be_kvq_format *fmt;
     void *const *blocks;

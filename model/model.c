@@ -43,6 +43,9 @@ struct run_state {
     int *row_tok;        /* (cap)           index of the row's token within its entry */
     int32_t *host_ids;   /* (cap) */
     struct be_kv_view *views; /* (cap)      one per sequence present in the chunk */
+    struct be_kvq_view *qviews; /* (cap)    the same as be_attention_quant reads them */
+    bool any_quant;           /* a sequence of the chunk is quantized: attention reads qviews */
+    enum be_dtype kv_dtype;   /* the store's dense KV type */
 };
 
 struct model {
@@ -115,6 +118,7 @@ static void run_state_free(struct run_state *rs)
     free(rs->row_tok);
     free(rs->host_ids);
     free(rs->views);
+    free(rs->qviews);
     memset(rs, 0, sizeof(*rs));
 }
 
@@ -150,7 +154,8 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     rs->row_tok = malloc((size_t)cap * sizeof(*rs->row_tok));
     rs->host_ids = malloc((size_t)cap * sizeof(*rs->host_ids));
     rs->views = malloc((size_t)cap * sizeof(*rs->views));
-    if (!rs->toks || !rs->pos || !rs->row_seq || !rs->row_tok || !rs->host_ids || !rs->views) {
+    rs->qviews = malloc((size_t)cap * sizeof(*rs->qviews));
+    if (!rs->toks || !rs->pos || !rs->row_seq || !rs->row_tok || !rs->host_ids || !rs->views || !rs->qviews) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
@@ -244,7 +249,7 @@ static enum be_status layer_forward(model *m, int l, int n)
         .head_dim = hd,
         .scale = 1.0f / sqrtf((float)hd),
         .window = c->layer_window[l],
-        .kv_dtype = BE_F32,
+        .kv_dtype = rs->kv_dtype,
     };
 
     /* attention */
@@ -259,7 +264,8 @@ static enum be_status layer_forward(model *m, int l, int n)
     BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->pos, rs->inv_freq, hd, c->rope_layout));
     BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->pos, rs->inv_freq, hd, c->rope_layout));
     BE_TRY(be_kv_store(be, rs->views, rs->toks, n, rs->k, rs->v, &ap));      /* paged KV += k, v */
-    BE_TRY(be_attention(be, rs->att, rs->q, rs->views, rs->toks, n, &ap));   /* att (n, n_heads*hd) */
+    BE_TRY(rs->any_quant ? be_attention_quant(be, rs->att, rs->q, rs->qviews, rs->toks, n, &ap) /* codes read in place */
+                         : be_attention(be, rs->att, rs->q, rs->views, rs->toks, n, &ap)); /* att (n, n_heads*hd) */
     BE_TRY(matmul(m, rs->xb, rs->att, &L->wo, L->bo, n));                    /* xb (n, dim) */
     BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * dim));                      /* x += attn */
 
@@ -358,11 +364,16 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
     BE_TRY(be_copy(m->be, rs->ids, rs->host_ids, (size_t)n * sizeof(int32_t), BE_H2D));
     BE_TRY(be_embed(m->be, rs->x, m->w.tok_embed.data, m->w.tok_embed.dtype, rs->ids, n, c->hidden_size));
     kv_store *store = kv_seq_store(seqs[0].kv);
+    rs->kv_dtype = kv_store_dtype(store);
     for (int l = 0; l < c->n_layers; l++) {
         BE_TRY(kv_store_layer_begin(store, l)); /* a streamed layer l is in its slot, the next is on its way */
+        rs->any_quant = false;
         for (int r = 0, v = 0; r < n; r++)
-            if (r == 0 || rs->row_seq[r - 1] != rs->row_seq[r])
-                kv_seq_view(seqs[rs->row_seq[r]].kv, l, &rs->views[v++]);
+            if (r == 0 || rs->row_seq[r - 1] != rs->row_seq[r]) {
+                kv_seq_qview(seqs[rs->row_seq[r]].kv, l, &rs->qviews[v]);
+                rs->views[v] = rs->qviews[v].rest; /* where be_kv_store writes */
+                rs->any_quant |= rs->qviews[v++].fmt != NULL;
+            }
         BE_TRY(layer_forward(m, l, n));
         BE_TRY(kv_store_layer_end(store, l)); /* the blocks this chunk wrote go back to the host tier */
     }

@@ -88,6 +88,7 @@ const char *kv_strategy_name(enum kv_strategy st)
     case KV_STATIC: return "static";
     case KV_OFFLOADED: return "offloaded";
     case KV_OFFLOADED_STATIC: return "offloaded_static";
+    case KV_QUANTIZED: return "quantized";
     }
     return "?";
 }
@@ -183,6 +184,11 @@ void kv_store_free(kv_store *s)
 int kv_store_block_tokens(const kv_store *s)
 {
     return s->bt;
+}
+
+enum be_dtype kv_store_dtype(const kv_store *s)
+{
+    return s->g.dtype;
 }
 
 const char *kv_store_errmsg(const kv_store *s)
@@ -581,7 +587,7 @@ static void plan_homes(kv_seq *q, enum kv_strategy st, bool all_host)
     int resident = q->p.adaptive && !all_host ? adaptive_resident(q, st) : 0;
     for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_layer *L = &q->layers[l];
-        if (st == KV_DYNAMIC)
+        if (st == KV_DYNAMIC || st == KV_QUANTIZED) /* quantized: no blocks of its own (kvquant.c) */
             L->home = KV_HOME_PAGED;
         else if (all_host || (layer_streamable(q, st, l) && resident-- <= 0))
             L->home = KV_HOME_HOST;
@@ -624,7 +630,7 @@ static int layer_window_of(const kv_store *s, const struct kv_seq_params *p, int
 
 static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
 {
-    if ((unsigned)p->strategy > KV_OFFLOADED_STATIC)
+    if ((unsigned)p->strategy > KV_QUANTIZED)
         return kv_fail(s, TIER_EINVAL, "unknown KV strategy %d", (int)p->strategy);
     if ((unsigned)p->offload_sliding > KV_OFFLOAD_SLIDING_NO)
         return kv_fail(s, TIER_EINVAL, "unknown offload_sliding value %d", (int)p->offload_sliding);
@@ -693,6 +699,10 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
             q->fallback = KV_FALLBACK_SIZED;
         }
     }
+    if (want == KV_QUANTIZED && (st = kvq_seq_init(q)) != TIER_OK) {
+        kv_seq_free(q);
+        return st;
+    }
     plan_homes(q, want, all_host);
     st = layers_prealloc(q);
     if (st == TIER_ENOMEM_DEV && !p->no_fallback) {
@@ -707,7 +717,8 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
     }
     if (q->fallback)
         s->fallbacks++;
-    prefix_init(q);
+    if (!q->kvq)
+        prefix_init(q);
     *out = q;
     return TIER_OK;
 }
@@ -719,6 +730,7 @@ void kv_seq_free(kv_seq *q)
     if (q->pending)
         kv_seq_abort(q);
     layers_release(q);
+    kvq_seq_release(q);
     free(q->layers);
     free(q->ids);
     free(q);
@@ -745,6 +757,8 @@ struct kv_seq_stats kv_seq_stats(const kv_seq *q)
                                                      : be_buffer_size(L->ext);
         }
     }
+    if (q->kvq)
+        st.dev_bytes += kvq_seq_bytes(q);
     return st;
 }
 
@@ -755,6 +769,8 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
         return kv_fail(s, TIER_EINVAL, "kv_seq_offload during a step");
     if (why == KV_FALLBACK_OOM && q->p.no_fallback)
         return kv_fail(s, TIER_ENOTSUP, "the sequence asked for no fallback to the host tier");
+    if (q->kvq)
+        return kvq_unsupported(q, "offloading");
     int n = s->g.n_layers;
     struct kv_layer *moved = calloc((size_t)n, sizeof(*moved));
     if (!moved)
@@ -932,7 +948,9 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
     /* pending is set first so that abort releases whatever paged blocks
      * were taken when a later layer fails (invariant 2) */
     q->pending = n_new;
-    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
+    if (q->kvq)
+        st = kvq_seq_reserve(q, n_new);
+    for (int l = 0; l < s->g.n_layers && st == TIER_OK && !q->kvq; l++) {
         struct kv_layer *L = &q->layers[l];
         st = L->home == KV_HOME_PAGED ? paged_reserve(s, L, q->len, end) : ext_reserve(q, L, end);
     }
@@ -951,6 +969,12 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
 void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out)
 {
     const struct kv_layer *L = &q->layers[layer];
+    if (q->kvq) { /* the full-precision rest, where the step writes */
+        struct be_kvq_view qv;
+        kv_seq_qview(q, layer, &qv);
+        *out = qv.rest;
+        return;
+    }
     *out = (struct be_kv_view){
         .blocks = L->blocks,
         .n_blocks = L->n_blocks,
@@ -978,9 +1002,11 @@ void kv_seq_commit(kv_seq *q)
             L->lo = q->len - L->keep;
         if (L->home != KV_HOME_PAGED)
             ext_view_refresh(q, L);
-        else
+        else if (!q->kvq)
             paged_trim(s, L, q->len);
     }
+    if (q->kvq)
+        kvq_seq_commit(q);
     prefix_publish(q);
 }
 
@@ -989,11 +1015,13 @@ void kv_seq_abort(kv_seq *q)
     kv_store *s = q->s;
     q->pending = 0;
     active_remove(s, q);
+    if (q->kvq)
+        kvq_seq_abort(q);
     for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_layer *L = &q->layers[l];
         if (L->home != KV_HOME_PAGED)
             ext_view_refresh(q, L);
-        else
+        else if (!q->kvq)
             paged_trim(s, L, q->len);
     }
 }
@@ -1006,6 +1034,8 @@ enum tier_status kv_seq_activate_past_recording(kv_seq *q)
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "activate_past_recording during a step");
+    if (q->kvq)
+        return kvq_unsupported(q, "past recording");
     for (int l = 0; l < s->g.n_layers; l++)
         if (is_static(q->strategy) && q->layers[l].window)
             return kv_fail(s, TIER_ENOTSUP,
@@ -1021,6 +1051,8 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_crop during a step");
+    if (q->kvq)
+        return kvq_unsupported(q, "crop");
     /* every refusal comes before the first change (invariant 4) */
     for (int l = 0; l < s->g.n_layers; l++) {
         const struct kv_layer *L = &q->layers[l];
@@ -1087,6 +1119,8 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
     *out = NULL;
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_fork during a step");
+    if (q->kvq)
+        return kvq_unsupported(q, "fork");
     kv_seq *c = calloc(1, sizeof(*c));
     if (!c)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a sequence");

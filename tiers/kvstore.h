@@ -26,6 +26,7 @@
 #define KVTIER_KVSTORE_H
 
 #include "../model/backend.h"
+#include "quant_params.h"
 
 enum tier_status {
     TIER_OK = 0,
@@ -57,6 +58,7 @@ enum kv_strategy {
     KV_STATIC = 1,           /* device, max_cache_len preallocated; sliding layers keep W */
     KV_OFFLOADED = 2,        /* dynamic, layers in the host tier, streamed per layer */
     KV_OFFLOADED_STATIC = 3, /* static, layers in the host tier, streamed per layer */
+    KV_QUANTIZED = 4,        /* device, KIVI-quantized blocks + a full-precision residual (tiers/quant.h) */
 };
 const char *kv_strategy_name(enum kv_strategy s); /* "dynamic", "static", ... */
 
@@ -90,6 +92,9 @@ struct kv_seq_params {
     int window_length;
     /* Opt out of the store's prefix cache (see kv_seq_match_prefix). */
     bool no_prefix_cache;
+    /* KV_QUANTIZED: the backend, nbits, axes, group and residual
+     * (kv_quant_parse / kv_quant_defaults); validated at creation. */
+    struct kv_quant_params quant;
 };
 
 struct kv_store_params {
@@ -111,6 +116,7 @@ enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const st
                                kv_store **out);
 void kv_store_free(kv_store *s); /* accepts NULL; all sequences must be freed first */
 int kv_store_block_tokens(const kv_store *s);
+enum be_dtype kv_store_dtype(const kv_store *s); /* kv_geom.dtype: how dense blocks store K and V */
 /* What the last failing call on this store (or one of its sequences) was
  * refused for, e.g. "host tier budget 64.0 MiB exhausted: ..."; "" if none. */
 const char *kv_store_errmsg(const kv_store *s);
@@ -220,6 +226,12 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new);
  * otherwise it is where the KV lives (host memory for a streamed layer).
  * Valid until the next reserve, commit, abort or layer_begin. */
 void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out);
+/* The same as be_attention_quant reads it (tiers/kvquant.c): a quantized
+ * sequence's quantized blocks and full-precision rest; any other sequence
+ * as a view with no quantized part (fmt NULL) whose rest is kv_seq_view, so
+ * one call serves a mixed batch.  kv_seq_view of a quantized sequence is
+ * this view's rest (where the step's tokens are written). */
+void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out);
 void kv_seq_commit(kv_seq *q);
 void kv_seq_abort(kv_seq *q);
 

@@ -79,6 +79,7 @@ struct kv_seq {
     bool ids_set; /* kv_seq_tokens was called for the pending step */
     struct kv_xfer_stats xfer;
     struct kv_layer *layers;
+    struct kvq_seq *kvq; /* KV_QUANTIZED: the quantized layers (kvquant.c); NULL otherwise */
 };
 
 struct kv_store {
@@ -138,6 +139,17 @@ void prefix_reserve(kv_seq *q, int64_t end); /* room for the ids of [.., end) */
 void prefix_publish(kv_seq *q); /* at commit: publishes q's newly full blocks */
 void prefix_crop(kv_seq *q, int64_t new_len);
 enum tier_status prefix_fork(const kv_seq *q, kv_seq *child);
+
+/* kvquant.c: the KV_QUANTIZED sequence's side of creation, the step
+ * transaction (all layers or none), release and size */
+enum tier_status kvq_seq_init(kv_seq *q);
+void kvq_seq_release(kv_seq *q); /* accepts q->kvq == NULL */
+enum tier_status kvq_seq_reserve(kv_seq *q, int n_new);
+void kvq_seq_commit(kv_seq *q); /* after the store's commit set each layer's lo */
+void kvq_seq_abort(kv_seq *q);
+size_t kvq_seq_bytes(const kv_seq *q); /* device bytes of its blocks, free ones included */
+/* TIER_ENOTSUP naming `what` ("crop", "offloading", ...) */
+enum tier_status kvq_unsupported(kv_seq *q, const char *what);
 
 /* stream.c */
 enum tier_status kv_stream_init(kv_store *s);

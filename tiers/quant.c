@@ -429,7 +429,8 @@ struct kvq_layer {
     bool started;      /* the first update is committed */
     bool flush;        /* the pending commit quantizes [nq, len + pending) */
     float scale_k, scale_v;
-    struct blocks q;   /* quantized blocks from position 0 */
+    struct blocks q;   /* quantized blocks from block qoff (position qoff * T) */
+    int64_t qoff;      /* blocks dropped below a sliding window (kvq_layer_drop) */
     struct blocks f;   /* full-precision blocks from position fbase */
     int64_t fbase;
 };
@@ -570,7 +571,7 @@ enum tier_status kvq_layer_reserve(kvq_layer *l, int n_new)
     int64_t T = c->fmt.block_tokens;
     enum tier_status st = take(c, KVQ_BLOCK_FULL, &l->f, (end - l->fbase + c->fbt - 1) / c->fbt);
     if (st == TIER_OK && l->flush)
-        st = take(c, KVQ_BLOCK_QUANT, &l->q, (end + T - 1) / T);
+        st = take(c, KVQ_BLOCK_QUANT, &l->q, (end + T - 1) / T - l->qoff);
     if (st != TIER_OK) {
         put_from(c, KVQ_BLOCK_FULL, &l->f, l->f.mark);
         return st;
@@ -587,8 +588,8 @@ void kvq_layer_view(const kvq_layer *l, struct be_kvq_view *out)
         .fmt = &c->fmt,
         .blocks = l->q.b,
         .n_blocks = l->q.n,
-        .base = 0,
-        .lo = 0,
+        .base = l->qoff * c->fmt.block_tokens,
+        .lo = l->qoff * c->fmt.block_tokens,
         .hi = l->nq,
         .scale_k = l->scale_k,
         .scale_v = l->scale_v,
@@ -660,7 +661,7 @@ static void flush(kvq_layer *l, int64_t end)
         int64_t lo = l->nq > b * T ? l->nq : b * T, hi = end < (b + 1) * T ? end : (b + 1) * T;
         int64_t k0 = reopen_from(&f->k, f->kind, lo), v0 = reopen_from(&f->v, f->kind, lo);
         int64_t r0 = k0 < v0 ? k0 : v0; /* rows[0] is position r0 */
-        void *blk = l->q.b[b];
+        void *blk = l->q.b[b - l->qoff];
         if (k0 < lo)
             dequantize_half(f, &f->k, blk, (int)(k0 - b * T), (int)(lo - b * T), c->rows_k + (size_t)(k0 - r0) * stride,
                             stride, l->scale_k);
@@ -694,6 +695,24 @@ void kvq_layer_commit(kvq_layer *l)
     l->started = true;
     l->pending = 0;
     l->reserved = false;
+}
+
+void kvq_layer_drop(kvq_layer *l, int64_t lo)
+{
+    if (l->reserved)
+        return;
+    int64_t T = l->c->fmt.block_tokens;
+    /* the block holding nq stays: the next flush may reopen its partial
+     * group row */
+    int64_t keep_from = lo / T < l->nq / T ? lo / T : l->nq / T;
+    int drop = (int)(keep_from - l->qoff);
+    if (drop <= 0)
+        return;
+    for (int i = 0; i < drop; i++)
+        l->c->a.put(l->c->a.ctx, KVQ_BLOCK_QUANT, l->q.b[i]);
+    memmove(l->q.b, l->q.b + drop, (size_t)(l->q.n - drop) * sizeof(*l->q.b));
+    l->q.n -= drop;
+    l->qoff = keep_from;
 }
 
 void kvq_layer_abort(kvq_layer *l)

@@ -18,19 +18,7 @@
 
 #include "model/backend.h"
 #include "tiers/kvstore.h"
-
-enum kv_quant_backend { KVQ_QUANTO = 0, KVQ_HQQ = 1, KVQ_FP8 = 2 };
-
-/* The reference's QuantizedCache arguments.  axis_* are in the backend's own
- * numbering (quanto 0 = per token, -1 = per channel; hqq 1 = per token,
- * 0 = per channel).  fp8 uses none of the other fields. */
-struct kv_quant_params {
-    enum kv_quant_backend backend;
-    int nbits;
-    int axis_key, axis_value;
-    int q_group_size;
-    int residual_length;
-};
+#include "tiers/quant_params.h"
 
 #define KVQ_PARAM_LEN 40
 #define KVQ_MSG_LEN 240
@@ -139,5 +127,9 @@ void kvq_layer_view(const kvq_layer *l, struct be_kvq_view *out);
  * else the new tokens join the residual.  fp8 quantizes at every commit. */
 void kvq_layer_commit(kvq_layer *l);
 void kvq_layer_abort(kvq_layer *l);
+/* Between steps: returns the quantized blocks wholly below position lo (a
+ * sliding layer's oldest kept position), except the block a later flush
+ * reopens.  The view then starts at the first block kept. */
+void kvq_layer_drop(kvq_layer *l, int64_t lo);
 
 #endif

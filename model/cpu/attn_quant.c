@@ -233,19 +233,22 @@ static void attend_quant_one(struct qattn *a, int64_t qpos)
     const struct be_kvq_view *v = a->v;
     const struct be_attn_params *p = a->p;
     int64_t k0 = v->lo, k1 = qpos + 1;
-    if (p->window > 0 && qpos - p->window + 1 > k0)
-        k0 = qpos - p->window + 1;
+    int window = v->rest.window ? v->rest.window : p->window; /* a sequence's own window first */
+    if (window > 0 && qpos - window + 1 > k0)
+        k0 = qpos - window + 1;
     memset(a->o, 0, (size_t)p->head_dim * sizeof(float));
     a->m = -INFINITY;
     a->l = 0.0f;
-    const struct be_kvq_half *kh = &v->fmt->k;
-    if (v->fmt->kind != BE_KVQ_E4M3 && kh->gt == 1)
-        for (int g = 0; g < p->head_dim / kh->gd; g++) {
-            a->qsum[g] = 0.0f;
-            for (int d = 0; d < kh->gd; d++)
-                a->qsum[g] += a->q[g * kh->gd + d];
-        }
-    attend_quantized(a, k0, k1 < v->hi ? k1 : v->hi);
+    if (v->fmt) { /* NULL: a dense sequence of a mixed batch, all rest */
+        const struct be_kvq_half *kh = &v->fmt->k;
+        if (v->fmt->kind != BE_KVQ_E4M3 && kh->gt == 1)
+            for (int g = 0; g < p->head_dim / kh->gd; g++) {
+                a->qsum[g] = 0.0f;
+                for (int d = 0; d < kh->gd; d++)
+                    a->qsum[g] += a->q[g * kh->gd + d];
+            }
+        attend_quantized(a, k0, k1 < v->hi ? k1 : v->hi);
+    }
     int64_t r0 = k0 > v->rest.lo ? k0 : v->rest.lo;
     attend_rest(a, r0, k1 < v->rest.hi ? k1 : v->rest.hi);
     if (a->l > 0.0f)
@@ -280,7 +283,7 @@ static void qattn_job(void *arg, int ith, int nth)
         a.kvh = h / group;
         a.q = j->q + i * (size_t)D;
         a.o = j->out + i * (size_t)D;
-        int rows = a.v->fmt->block_tokens > QATTN_CHUNK ? a.v->fmt->block_tokens : QATTN_CHUNK;
+        int rows = a.v->fmt && a.v->fmt->block_tokens > QATTN_CHUNK ? a.v->fmt->block_tokens : QATTN_CHUNK;
         a.s = scratch;
         a.qs = a.s + rows;
         a.qsum = a.qs + D;
@@ -295,7 +298,7 @@ enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const 
 {
     for (int t = 0; t < n_tok; t++) {
         const struct be_kvq_format *f = views[toks[t].view].fmt;
-        int rows = f->block_tokens > QATTN_CHUNK ? f->block_tokens : QATTN_CHUNK;
+        int rows = f && f->block_tokens > QATTN_CHUNK ? f->block_tokens : QATTN_CHUNK;
         if ((size_t)rows + 4 * (size_t)p->head_dim > CPU_SCRATCH_FLOATS)
             return BE_ENOTSUP; /* far beyond any model: a block of 200k tokens */
     }
