@@ -449,8 +449,23 @@ static bool toks_ok(const struct be_kv_view *views, const struct be_tok *toks, i
             return false;
         if (!storing && toks[t].pos < 0)
             return false;
+        if (!v->key_rope && v->sinks)
+            return false;
     }
     return true;
+}
+
+/* A view whose keys attention rotates: its sinks lie in sink_block, the
+ * rest sit after them in the cache, and the table covers every index. */
+static bool key_rope_ok(const struct be_kv_view *v, const struct be_attn_params *p)
+{
+    if (!v->key_rope)
+        return true;
+    if (!p->key_rope || (p->key_rope_layout != BE_ROPE_NEOX && p->key_rope_layout != BE_ROPE_INTERLEAVED) ||
+        v->sinks < 0 || v->sinks > v->block_tokens || (v->sinks && !v->sink_block) || v->shift < 0)
+        return false;
+    int64_t rows = v->hi - v->shift > v->sinks ? v->hi - v->shift : v->sinks;
+    return (v->sinks == 0 || v->lo - v->shift >= v->sinks) && rows <= p->key_rope_rows;
 }
 
 enum be_status be_kv_store(be_backend *be, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
@@ -467,6 +482,9 @@ enum be_status be_attention(be_backend *be, float *out, const float *q, const st
     if (!be || !out || !q || !views || !toks || n_tok < 0 || !attn_params_ok(p) ||
         !toks_ok(views, toks, n_tok, false))
         return BE_EINVAL;
+    for (int t = 0; t < n_tok; t++)
+        if (!key_rope_ok(&views[toks[t].view], p))
+            return BE_EINVAL;
     return n_tok ? be->ops->attention(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
 }
 
@@ -510,7 +528,8 @@ enum be_status be_attention_quant(be_backend *be, float *out, const float *q, co
     if (!be || !out || !q || !views || !toks || n_tok < 0 || !attn_params_ok(p))
         return BE_EINVAL;
     for (int t = 0; t < n_tok; t++)
-        if (toks[t].view < 0 || toks[t].pos < 0 || !kvq_view_ok(&views[toks[t].view], p))
+        if (toks[t].view < 0 || toks[t].pos < 0 || !kvq_view_ok(&views[toks[t].view], p) ||
+            views[toks[t].view].rest.key_rope) /* the quantized kernel does not rotate keys */
             return BE_EINVAL;
     if (!be->ops->attention_quant)
         return BE_ENOTSUP;

@@ -132,6 +132,16 @@ struct be_kv_view {
     /* 0: be_attn_params.window applies; else this sequence's own window
      * (the sliding_window strategy gives each sequence its own). */
     int window;
+    /* The sink strategy (StreamingLLM): keys are stored before RoPE and
+     * rotated as attention reads them, at their index in the cache (the
+     * table be_attn_params.key_rope).  A key at position p < sinks is read
+     * from sink_block (laid out as block 0) at index p, any other from the
+     * blocks at index p - shift.  key_rope false: keys are stored rotated,
+     * sinks must be 0. */
+    bool key_rope;
+    int sinks;
+    const void *sink_block;
+    int64_t shift;
 };
 
 struct be_attn_params {
@@ -139,6 +149,13 @@ struct be_attn_params {
     float scale;                       /* usually 1/sqrt(head_dim) */
     int window;                        /* 0: full causal; else key k visible to query q iff q - k < window */
     enum be_dtype kv_dtype;            /* storage type of the blocks */
+    /* For views with key_rope: row j (head_dim floats) of key_rope holds
+     * what be_rope makes of (1, 0) pairs at position j, i.e. cos and sin in
+     * the two slots of each rotated pair; key_rope_rows rows, at least the
+     * largest cache index a view reads. */
+    const float *key_rope;
+    int64_t key_rope_rows;
+    enum be_rope_layout key_rope_layout;
 };
 
 /* Where token t of a batch lives: which view and which absolute position. */

@@ -38,7 +38,8 @@ struct run_state {
     int32_t *ids;        /* (cap)           device copy of the chunk's token ids */
     /* host-side chunk description */
     struct be_tok *toks; /* (cap) */
-    int64_t *pos;        /* (cap) */
+    int64_t *pos;        /* (cap)           absolute positions */
+    int64_t *qpos, *kpos;/* (cap)           RoPE positions of queries and keys (kv_seq_rope_pos) */
     int *row_seq;        /* (cap)           which batch entry a row belongs to */
     int *row_tok;        /* (cap)           index of the row's token within its entry */
     int32_t *host_ids;   /* (cap) */
@@ -46,6 +47,9 @@ struct run_state {
     struct be_kvq_view *qviews; /* (cap)    the same as be_attention_quant reads them */
     bool any_quant;           /* a sequence of the chunk is quantized: attention reads qviews */
     enum be_dtype kv_dtype;   /* the store's dense KV type */
+    /* the sink strategy's key rotation table (be_attn_params.key_rope) */
+    be_buffer *key_rope_buf;
+    int64_t key_rope_rows;
 };
 
 struct model {
@@ -114,6 +118,9 @@ static void run_state_free(struct run_state *rs)
         be_buffer_free(rs->bufs[i]);
     free(rs->toks);
     free(rs->pos);
+    free(rs->qpos);
+    free(rs->kpos);
+    be_buffer_free(rs->key_rope_buf);
     free(rs->row_seq);
     free(rs->row_tok);
     free(rs->host_ids);
@@ -150,12 +157,14 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     rs->ids = be_buffer_data(rs->bufs[10]);
     rs->toks = malloc((size_t)cap * sizeof(*rs->toks));
     rs->pos = malloc((size_t)cap * sizeof(*rs->pos));
+    rs->qpos = malloc((size_t)cap * sizeof(*rs->qpos));
+    rs->kpos = malloc((size_t)cap * sizeof(*rs->kpos));
     rs->row_seq = malloc((size_t)cap * sizeof(*rs->row_seq));
     rs->row_tok = malloc((size_t)cap * sizeof(*rs->row_tok));
     rs->host_ids = malloc((size_t)cap * sizeof(*rs->host_ids));
     rs->views = malloc((size_t)cap * sizeof(*rs->views));
     rs->qviews = malloc((size_t)cap * sizeof(*rs->qviews));
-    if (!rs->toks || !rs->pos || !rs->row_seq || !rs->row_tok || !rs->host_ids || !rs->views || !rs->qviews) {
+    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->host_ids || !rs->views || !rs->qviews) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
@@ -250,6 +259,9 @@ static enum be_status layer_forward(model *m, int l, int n)
         .scale = 1.0f / sqrtf((float)hd),
         .window = c->layer_window[l],
         .kv_dtype = rs->kv_dtype,
+        .key_rope = rs->key_rope_buf ? be_buffer_data(rs->key_rope_buf) : NULL,
+        .key_rope_rows = rs->key_rope_rows,
+        .key_rope_layout = c->rope_layout,
     };
 
     /* attention */
@@ -261,8 +273,8 @@ static enum be_status layer_forward(model *m, int l, int n)
         BE_TRY(be_rmsnorm(be, rs->q, rs->q, L->q_norm, n * c->n_heads, hd, c->rms_norm_eps));
         BE_TRY(be_rmsnorm(be, rs->k, rs->k, L->k_norm, n * c->n_kv_heads, hd, c->rms_norm_eps));
     }
-    BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->pos, rs->inv_freq, hd, c->rope_layout));
-    BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->pos, rs->inv_freq, hd, c->rope_layout));
+    BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->qpos, rs->inv_freq, hd, c->rope_layout));
+    BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->kpos, rs->inv_freq, hd, c->rope_layout));
     BE_TRY(be_kv_store(be, rs->views, rs->toks, n, rs->k, rs->v, &ap));      /* paged KV += k, v */
     BE_TRY(rs->any_quant ? be_attention_quant(be, rs->att, rs->q, rs->qviews, rs->toks, n, &ap) /* codes read in place */
                          : be_attention(be, rs->att, rs->q, rs->views, rs->toks, n, &ap)); /* att (n, n_heads*hd) */
@@ -352,6 +364,7 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
         rs->row_tok[r] = *t;
         rs->host_ids[r] = seqs[*s].tokens[*t];
         rs->pos[r] = start[*s] + *t;
+        kv_seq_rope_pos(seqs[*s].kv, rs->pos[r], &rs->qpos[r], &rs->kpos[r]); /* sink: cache indices */
         rs->toks[r] = (struct be_tok){.view = n_views - 1, .pos = rs->pos[r]};
         (*t)++;
     }
@@ -380,6 +393,60 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
     return chunk_logits(m, seqs, n);
 }
 
+/* Makes the key rotation table of the sink strategy cover cache index
+ * rows - 1: row j is be_rope applied to (1, 0) pairs at position j, so
+ * attention rotates a key with the very cos and sin be_rope would use.  It
+ * doubles, so steady decoding (rows bounded by the window) never
+ * allocates; a failure leaves the old table. */
+static enum model_status key_rope_reserve(model *m, int64_t rows)
+{
+    struct run_state *rs = &m->rs;
+    if (rows <= rs->key_rope_rows)
+        return MODEL_OK;
+    int64_t n = rs->key_rope_rows ? 2 * rs->key_rope_rows : 64;
+    while (n < rows)
+        n *= 2;
+    int hd = m->cfg.head_dim;
+    size_t bytes = (size_t)n * (size_t)hd * sizeof(float);
+    float *ones = malloc(bytes);
+    int64_t *pos = malloc((size_t)n * sizeof(*pos));
+    be_buffer *buf = NULL;
+    enum be_status st = ones && pos ? be_dev_alloc(m->be, bytes, &buf) : BE_ENOMEM_HOST;
+    if (st == BE_OK) {
+        for (int64_t j = 0; j < n; j++) {
+            pos[j] = j;
+            for (int i = 0; i < hd; i++) /* 1 in the first slot of each rotated pair */
+                ones[j * hd + i] = (m->cfg.rope_layout == BE_ROPE_NEOX ? i < hd / 2 : i % 2 == 0) ? 1.0f : 0.0f;
+        }
+        st = be_copy(m->be, be_buffer_data(buf), ones, bytes, BE_H2D);
+    }
+    if (st == BE_OK)
+        st = be_rope(m->be, be_buffer_data(buf), (int)n, 1, hd, pos, rs->inv_freq, hd, m->cfg.rope_layout);
+    free(ones);
+    free(pos);
+    if (st != BE_OK) {
+        be_buffer_free(buf);
+        return from_be(st);
+    }
+    be_buffer_free(rs->key_rope_buf);
+    rs->key_rope_buf = buf;
+    rs->key_rope_rows = n;
+    return MODEL_OK;
+}
+
+/* The cache indices this step's sink sequences read (0 when none). */
+static int64_t key_rope_rows_needed(const struct fw_seq *seqs, int n_seqs)
+{
+    int64_t rows = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        struct be_kv_view v;
+        kv_seq_view(seqs[i].kv, 0, &v);
+        if (v.key_rope && v.hi - v.shift > rows)
+            rows = v.hi - v.shift;
+    }
+    return rows;
+}
+
 /* One attempt at the step: reserve every sequence's new tokens up front
  * and commit only at the end, so a failure anywhere leaves every KV
  * exactly as it was.  *culprit: the sequence whose reserve failed, or -1. */
@@ -399,6 +466,8 @@ static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs,
         }
         kv_seq_tokens(seqs[reserved].kv, seqs[reserved].tokens); /* the prefix cache publishes by token ids */
     }
+    if (st == MODEL_OK)
+        st = key_rope_reserve(m, key_rope_rows_needed(seqs, n_seqs));
     if (st == MODEL_OK)
         st = from_tier(kv_store_step_begin(store)); /* device slots for the streamed layers */
     int s = 0, t = 0;

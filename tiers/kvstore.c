@@ -26,6 +26,9 @@
  * s->active) -> idle by commit or abort.  Offload, crop, fork and prefix
  * match only while idle.  Orthogonally, recording (record_past): sliding
  * layers stop dropping states at commit until the next crop shrinks them.
+ * A sink sequence (dynamic only) is growing while len <= W (crop allowed),
+ * then evicting (lo > 0: crop, recording, offload and the prefix cache
+ * refused); it never goes back.
  *
  * Sharing: pool blocks carry a reference count (struct kv_block); a fork
  * and a prefix match put the same blocks in several tables, and the prefix
@@ -53,6 +56,13 @@
  *       published: the block holding position len is copied first
  *       otherwise (copy on write); blocks after it are fresh.
  *   (7) a block is on the free list iff ref == 0 and it is not published.
+ *   (8) sink strategy (S sinks, window W): a layer stores [0, S) and
+ *       [lo, len), lo = 0 until len > W, then len - (W-S).  The positions
+ *       [0, S) sit in table block 0 while base == 0, else in sink_blk,
+ *       which the layer references from the commit that lets lo reach the
+ *       second block on; that block is never written again (the sinks
+ *       were written by earlier steps, crop is refused once lo > 0).
+ *       Keys are stored unrotated; RoPE uses indices in the cache.
  * All functions run on one thread (the inference thread).
  */
 #include "tiers/kvstore_impl.h"
@@ -452,6 +462,9 @@ static void layer_storage_release(kv_store *s, struct kv_layer *L)
     if (L->home == KV_HOME_PAGED) {
         while (L->n_blocks > 0)
             blk_put(s, L->pb[--L->n_blocks]);
+        if (L->sink_blk)
+            blk_put(s, L->sink_blk);
+        L->sink_blk = NULL;
     } else {
         ext_release(s, L->home, L->ext);
     }
@@ -625,7 +638,34 @@ static enum tier_status layers_prealloc(kv_seq *q)
 static int layer_window_of(const kv_store *s, const struct kv_seq_params *p, int l)
 {
     int w = s->layer_window[l];
+    if (p->sink) /* window_length is the sink cache's size, not a sliding window */
+        return w;
     return p->window_length && (!w || p->window_length < w) ? p->window_length : w;
+}
+
+/* The sink strategy's own limits (see kv_seq_params.sink): why each
+ * combination is refused is in docs/strategies.md "Sinks". */
+static enum tier_status check_sink(kv_store *s, const struct kv_seq_params *p)
+{
+    if (p->strategy != KV_DYNAMIC)
+        return kv_fail(s, TIER_ENOTSUP,
+                       "sink + %s is not supported: attention sinks keep their bounded KV paged on the device "
+                       "(dynamic storage)",
+                       kv_strategy_name(p->strategy));
+    if (p->window_length <= 0)
+        return kv_fail(s, TIER_EINVAL, "sink needs window_length > 0 (got %d)", p->window_length);
+    if (p->num_sink_tokens < 0 || p->num_sink_tokens >= p->window_length)
+        return kv_fail(s, TIER_EINVAL, "sink: num_sink_tokens %d must be in [0, window_length %d)",
+                       p->num_sink_tokens, p->window_length);
+    if (p->num_sink_tokens > s->bt)
+        return kv_fail(s, TIER_EINVAL, "sink: num_sink_tokens %d exceeds the KV block of %d tokens",
+                       p->num_sink_tokens, s->bt);
+    for (int l = 0; l < s->g.n_layers; l++)
+        if (s->layer_window[l])
+            return kv_fail(s, TIER_ENOTSUP,
+                           "sink + sliding layers is not supported: layer %d of the model slides by %d tokens", l,
+                           s->layer_window[l]);
+    return TIER_OK;
 }
 
 static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
@@ -645,6 +685,11 @@ static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
         return kv_fail(s, TIER_EINVAL, "window_length %d must be positive (0: the model's windows)", p->window_length);
     if (p->adaptive && !p->max_cache_len)
         return kv_fail(s, TIER_EINVAL, "adaptive residency needs max_cache_len (the expected length) to size the device share");
+    if (p->sink) {
+        enum tier_status st = check_sink(s, p);
+        if (st != TIER_OK)
+            return st;
+    }
     int min_window = 0;
     for (int l = 0; l < s->g.n_layers; l++) {
         int w = layer_window_of(s, p, l);
@@ -689,7 +734,7 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
      * device starts offloaded instead of failing part-way (issue 4). */
     enum kv_strategy want = p->strategy;
     bool all_host = false;
-    if (want == KV_DYNAMIC && p->max_cache_len && !p->no_fallback) {
+    if (want == KV_DYNAMIC && p->max_cache_len && !p->no_fallback && !p->sink) {
         size_t need = 0;
         for (int l = 0; l < s->g.n_layers; l++)
             need += (size_t)layer_blocks_for(s, q->layers[l].keep, p->max_cache_len) * s->block_bytes;
@@ -719,6 +764,8 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
         s->fallbacks++;
     if (!q->kvq)
         prefix_init(q);
+    if (p->sink) /* a sink sequence's blocks past the sinks hold keys at shifting positions */
+        prefix_stop(q);
     *out = q;
     return TIER_OK;
 }
@@ -753,7 +800,7 @@ struct kv_seq_stats kv_seq_stats(const kv_seq *q)
             st.host_bytes += be_buffer_size(L->ext);
         } else {
             st.resident_layers++;
-            st.dev_bytes += L->home == KV_HOME_PAGED ? (size_t)L->n_blocks * q->s->block_bytes
+            st.dev_bytes += L->home == KV_HOME_PAGED ? (size_t)(L->n_blocks + !!L->sink_blk) * q->s->block_bytes
                                                      : be_buffer_size(L->ext);
         }
     }
@@ -771,6 +818,9 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
         return kv_fail(s, TIER_ENOTSUP, "the sequence asked for no fallback to the host tier");
     if (q->kvq)
         return kvq_unsupported(q, "offloading");
+    if (q->p.sink)
+        return kv_fail(s, TIER_ENOTSUP, "sink + offloaded is not supported: a sink sequence stays on the device "
+                                        "(its KV is bounded by window_length)");
     int n = s->g.n_layers;
     struct kv_layer *moved = calloc((size_t)n, sizeof(*moved));
     if (!moved)
@@ -966,6 +1016,19 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
     return TIER_OK;
 }
 
+/* Sink strategy: the oldest non-sink position the step reads, which sits
+ * at index S of the cache (HF SinkCache: a step of n tokens keeps the last
+ * W-S-n cached ones; all of them while the cache grows, S+n <= W; and a
+ * first input is attended whole).  Between steps: the oldest one kept. */
+static int64_t sink_recent(const kv_seq *q)
+{
+    int64_t S = q->p.num_sink_tokens;
+    int64_t r = q->len + q->pending - q->p.window_length + S;
+    if (r > q->len)
+        r = q->len;
+    return r > S ? r : S;
+}
+
 void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out)
 {
     const struct kv_layer *L = &q->layers[layer];
@@ -985,6 +1048,41 @@ void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out)
         .hi = q->len + q->pending,
         .window = L->window,
     };
+    if (!q->p.sink)
+        return;
+    /* keys unrotated; sinks at their own index, the rest moved down to
+     * follow them (nothing moves until the first eviction) */
+    out->key_rope = true;
+    out->shift = sink_recent(q) - q->p.num_sink_tokens;
+    if (out->shift > 0) {
+        out->lo = sink_recent(q);
+        out->sinks = q->p.num_sink_tokens;
+        out->sink_block = L->sink_blk ? L->sink_blk->data : L->blocks[0]; /* invariant 8 */
+    }
+}
+
+void kv_seq_rope_pos(const kv_seq *q, int64_t pos, int64_t *q_pos, int64_t *k_pos)
+{
+    if (!q->p.sink) {
+        *q_pos = *k_pos = pos;
+        return;
+    }
+    *q_pos = pos - (sink_recent(q) - q->p.num_sink_tokens);
+    *k_pos = 0;
+}
+
+/* Sink strategy at commit: keep the sinks and the last W-S tokens (what
+ * HF's cache holds after a step); the block of the sinks is kept by a
+ * reference of its own before the table lets go of it (invariant 8). */
+static void sink_commit(kv_seq *q, struct kv_layer *L)
+{
+    int64_t W = q->p.window_length, S = q->p.num_sink_tokens;
+    if (q->len > W)
+        L->lo = q->len - (W - S);
+    if (S && !L->sink_blk && L->base == 0 && L->lo >= q->s->bt) {
+        L->sink_blk = L->pb[0];
+        blk_get(q->s, L->sink_blk);
+    }
 }
 
 void kv_seq_commit(kv_seq *q)
@@ -1000,6 +1098,8 @@ void kv_seq_commit(kv_seq *q)
          * them while recording: the next crop shrinks them). */
         if (L->keep && !q->record_past && q->len - L->keep > L->lo)
             L->lo = q->len - L->keep;
+        if (q->p.sink)
+            sink_commit(q, L);
         if (L->home != KV_HOME_PAGED)
             ext_view_refresh(q, L);
         else if (!q->kvq)
@@ -1034,6 +1134,9 @@ enum tier_status kv_seq_activate_past_recording(kv_seq *q)
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "activate_past_recording during a step");
+    if (q->p.sink)
+        return kv_fail(s, TIER_ENOTSUP, "past recording + sink is not supported: a sink sequence drops evicted "
+                                        "tokens at commit (crop works until the first eviction)");
     if (q->kvq)
         return kvq_unsupported(q, "past recording");
     for (int l = 0; l < s->g.n_layers; l++)
@@ -1075,6 +1178,11 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
         return TIER_OK;
     int64_t remove = n > 0 ? q->len - n : -n;
     int64_t len = remove < q->len ? q->len - remove : 0;
+    if (q->p.sink && q->layers[0].lo > 0 && len != q->len)
+        return kv_fail(s, TIER_ECONFLICT,
+                       "crop + sink: the sink cache already evicted tokens %d..%lld (window_length %d, %lld tokens "
+                       "seen) and cannot roll back; crop works only until the first eviction",
+                       q->p.num_sink_tokens, (long long)q->layers[0].lo - 1, q->p.window_length, (long long)q->len);
     for (int l = 0; l < s->g.n_layers; l++) {
         const struct kv_layer *L = &q->layers[l];
         int64_t need = L->keep && len > L->keep ? len - L->keep : 0;
@@ -1146,7 +1254,9 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
             continue;
         }
         *C = (struct kv_layer){.home = KV_HOME_PAGED, .window = L->window, .keep = L->keep, .base = L->base,
-                               .lo = L->lo};
+                               .lo = L->lo, .sink_blk = L->sink_blk};
+        if (C->sink_blk)
+            blk_get(s, C->sink_blk);
         st = paged_table(C, L->n_blocks);
         for (int b = 0; b < L->n_blocks && st == TIER_OK; b++) {
             blk_get(s, L->pb[b]);

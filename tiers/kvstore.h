@@ -95,6 +95,16 @@ struct kv_seq_params {
     /* KV_QUANTIZED: the backend, nbits, axes, group and residual
      * (kv_quant_parse / kv_quant_defaults); validated at creation. */
     struct kv_quant_params quant;
+    /* The sink strategy (StreamingLLM attention sinks; docs/strategies.md
+     * "Sinks"): every layer keeps the first num_sink_tokens tokens and the
+     * most recent window_length - num_sink_tokens (window_length > 0, 0 <=
+     * num_sink_tokens < window_length, at most a block).  RoPE positions
+     * are indices in the cache, not in the text (kv_seq_rope_pos).  Dynamic
+     * storage only, on a model without sliding layers; no past recording,
+     * no host-tier fallback, no prefix cache; crop only until the first
+     * token is evicted. */
+    bool sink;
+    int num_sink_tokens;
 };
 
 struct kv_store_params {
@@ -226,6 +236,12 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new);
  * otherwise it is where the KV lives (host memory for a streamed layer).
  * Valid until the next reserve, commit, abort or layer_begin. */
 void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out);
+/* The RoPE positions of the reserved token at absolute position pos:
+ * *q_pos for its query, *k_pos for the key it stores.  pos and pos for
+ * every strategy but sink, whose query sits at its index in the cache and
+ * whose key is stored unrotated (*k_pos = 0: RoPE at 0 is the identity)
+ * for attention to rotate at its index in the cache of each later step. */
+void kv_seq_rope_pos(const kv_seq *q, int64_t pos, int64_t *q_pos, int64_t *k_pos);
 /* The same as be_attention_quant reads it (tiers/kvquant.c): a quantized
  * sequence's quantized blocks and full-precision rest; any other sequence
  * as a view with no quantized part (fmt NULL) whose rest is kv_seq_view, so

@@ -53,6 +53,9 @@ struct kv_layer {
     be_buffer *ext;
     int ext_blocks;
     bool ext_fixed; /* static full layer: sized for max_cache_len, never grows */
+    /* sink strategy: a reference to the block holding positions [0, S),
+     * taken when the window leaves it (the table then starts later) */
+    struct kv_block *sink_blk;
     /* this step's device slot region (streamed layers, stream.c) */
     size_t slot_off;
     int64_t slot_b0;

@@ -190,21 +190,61 @@ struct attn_job {
     const struct be_attn_params *p;
 };
 
+/* The row of kv head kvh at position pos: a sink (pos < sinks) in the sink
+ * block, laid out as block 0; any other through the view's blocks. */
+static const char *key_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz)
+{
+    if (pos >= v->sinks)
+        return cpu_kv_row(v, pos, kvh, head_dim, esz);
+    return (const char *)v->sink_block +
+           ((size_t)kvh * (size_t)v->block_tokens + (size_t)pos) * (size_t)head_dim * esz;
+}
+
+/* A key stored before RoPE, rotated into out at its index in the cache
+ * with the same products as cpu_rope, so it equals the key be_rope would
+ * have stored at that position; tmp holds head_dim floats. */
+static void key_rotate(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v,
+                       int64_t pos, const char *row, float *tmp, float *out)
+{
+    int hd = p->head_dim, half = hd / 2;
+    const float *t = p->key_rope + (size_t)(pos < v->sinks ? pos : pos - v->shift) * (size_t)hd;
+    k->to_f32(tmp, row, p->kv_dtype, (size_t)hd);
+    for (int i = 0; i < half; i++) {
+        int a = p->key_rope_layout == BE_ROPE_NEOX ? i : 2 * i;
+        int b = p->key_rope_layout == BE_ROPE_NEOX ? i + half : a + 1;
+        out[a] = tmp[a] * t[a] - tmp[b] * t[b];
+        out[b] = tmp[b] * t[a] + tmp[a] * t[b];
+    }
+}
+
+/* One query against its keys: the view's sinks, then [k0, k1) (causal,
+ * windowed, within [lo, hi)).  scratch: 2 * head_dim floats for a key
+ * rotated at read time (key_rope views). */
 static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v,
-                       int64_t qpos, int kvh, const float *q, float *o)
+                       int64_t qpos, int kvh, const float *q, float *o, float *scratch)
 {
     size_t esz = be_dtype_size(p->kv_dtype);
     int64_t k0 = v->lo, k1 = qpos + 1 < v->hi ? qpos + 1 : v->hi;
     int window = v->window ? v->window : p->window;
     if (window > 0 && qpos - window + 1 > k0)
         k0 = qpos - window + 1;
+    int64_t n_keys = v->sinks + (k1 > k0 ? k1 - k0 : 0);
+    float *rot = scratch + p->head_dim;
     memset(o, 0, (size_t)p->head_dim * sizeof(float));
     float m = -INFINITY, l = 0.0f, s[ATTN_CHUNK];
-    for (int64_t c0 = k0; c0 < k1; c0 += ATTN_CHUNK) {
-        int nc = k1 - c0 < ATTN_CHUNK ? (int)(k1 - c0) : ATTN_CHUNK;
+    const char *rows[ATTN_CHUNK];
+    for (int64_t c0 = 0; c0 < n_keys; c0 += ATTN_CHUNK) {
+        int nc = n_keys - c0 < ATTN_CHUNK ? (int)(n_keys - c0) : ATTN_CHUNK;
         float cm = m;
         for (int i = 0; i < nc; i++) {
-            s[i] = k->dot(q, cpu_kv_row(v, c0 + i, kvh, p->head_dim, esz), p->kv_dtype, p->head_dim) * p->scale;
+            int64_t pos = c0 + i < v->sinks ? c0 + i : k0 + (c0 + i - v->sinks);
+            rows[i] = key_row(v, pos, kvh, p->head_dim, esz);
+            if (v->key_rope) {
+                key_rotate(k, p, v, pos, rows[i], scratch, rot);
+                s[i] = k->dot(q, rot, BE_F32, p->head_dim) * p->scale;
+            } else {
+                s[i] = k->dot(q, rows[i], p->kv_dtype, p->head_dim) * p->scale;
+            }
             if (s[i] > cm)
                 cm = s[i];
         }
@@ -217,7 +257,7 @@ static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p,
         for (int i = 0; i < nc; i++) {
             float e = expf(s[i] - m);
             l += e;
-            k->axpy(o, e, cpu_kv_row(v, c0 + i, kvh, p->head_dim, esz) + v->v_offset, p->kv_dtype, p->head_dim);
+            k->axpy(o, e, rows[i] + v->v_offset, p->kv_dtype, p->head_dim);
         }
     }
     if (l > 0.0f)
@@ -229,6 +269,7 @@ static void attn_job(void *arg, int ith, int nth)
     struct attn_job *j = arg;
     const struct be_attn_params *p = j->p;
     const struct cpu_kern *k = cpu_ctx_kern(j->c);
+    float *scratch = cpu_ctx_scratch(j->c, ith);
     int group = p->n_heads / p->n_kv_heads;
     size_t i0, i1;
     split((size_t)j->n_tok * (size_t)p->n_heads, ith, nth, 1, &i0, &i1);
@@ -236,7 +277,8 @@ static void attn_job(void *arg, int ith, int nth)
         size_t t = i / (size_t)p->n_heads;
         int h = (int)(i % (size_t)p->n_heads);
         size_t off = i * (size_t)p->head_dim;
-        attend_one(k, p, &j->views[j->toks[t].view], j->toks[t].pos, h / group, j->q + off, j->out + off);
+        attend_one(k, p, &j->views[j->toks[t].view], j->toks[t].pos, h / group, j->q + off, j->out + off,
+                   scratch);
     }
 }
 

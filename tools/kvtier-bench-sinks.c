@@ -1,0 +1,179 @@
+/* kvtier-bench-sinks - greedy generation with the sink strategy
+ * (StreamingLLM attention sinks), one token per step after the prompt.
+ *
+ *   kvtier-bench-sinks -m DIR [--window W] [--sinks S] [--ids 1,2,3] [-n N]
+ *                      [--dump FILE] [--every K]
+ *
+ * Prints, every K generated tokens (default 1000), the tokens/s of the last
+ * K tokens and the sequence's KV bytes, then the ratio of the last rate to
+ * the first: flat generation speed and flat memory are what the sink
+ * strategy promises.  Fails (exit 1) on a NaN or infinite logit or when the
+ * KV bytes ever exceed what the window needs: per layer, the blocks that
+ * W-S consecutive tokens can touch plus the block of the sinks.
+ * --dump writes the KVTL file of kvtier-run (its header comment) for
+ * tests/sinks_oracle.py.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "model/runtime.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int parse_ids(const char *s, struct tok_ids *out)
+{
+    for (char *end; *s; s = *end ? end + 1 : end) {
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (end == s || errno || v < 0 || v > INT32_MAX || (*end && *end != ','))
+            return -1;
+        if (tok_ids_push(out, (int32_t)v) != MODEL_OK)
+            return -1;
+    }
+    return 0;
+}
+
+/* The logits rows of a --dump: every generated token's. */
+struct rows {
+    FILE *f;      /* a temporary file: n_gen x vocab floats can be large */
+    size_t n;
+};
+
+static bool dump_write(const char *path, const struct tok_ids *ids, size_t n_prompt, int vocab, struct rows *r)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        return false;
+    int32_t hdr[3] = {(int32_t)n_prompt, (int32_t)r->n, vocab};
+    bool ok = fwrite("KVTL", 1, 4, f) == 4 && fwrite(hdr, 4, 3, f) == 3 && fwrite(ids->ids, 4, ids->n, f) == ids->n;
+    float buf[4096];
+    rewind(r->f);
+    for (size_t got; ok && (got = fread(buf, 4, 4096, r->f)) > 0;)
+        ok = fwrite(buf, 4, got, f) == got;
+    return fclose(f) == 0 && ok;
+}
+
+int main(int argc, char **argv)
+{
+    const char *dir = NULL, *ids_arg = "1", *dump_path = NULL;
+    long n_gen = 1000, every = 1000, window = 256, sinks = 4;
+    enum { O_WINDOW = 256, O_SINKS, O_IDS, O_DUMP, O_EVERY };
+    static const struct option opts[] = {
+        {"window", required_argument, 0, O_WINDOW}, {"sinks", required_argument, 0, O_SINKS},
+        {"ids", required_argument, 0, O_IDS},       {"dump", required_argument, 0, O_DUMP},
+        {"every", required_argument, 0, O_EVERY},   {0, 0, 0, 0},
+    };
+    for (int c; (c = getopt_long(argc, argv, "m:n:", opts, NULL)) != -1;) {
+        switch (c) {
+        case 'm': dir = optarg; break;
+        case 'n': n_gen = strtol(optarg, NULL, 10); break;
+        case O_WINDOW: window = strtol(optarg, NULL, 10); break;
+        case O_SINKS: sinks = strtol(optarg, NULL, 10); break;
+        case O_IDS: ids_arg = optarg; break;
+        case O_DUMP: dump_path = optarg; break;
+        case O_EVERY: every = strtol(optarg, NULL, 10); break;
+        default:
+            fprintf(stderr, "usage: kvtier-bench-sinks -m DIR [--window W] [--sinks S] [--ids 1,2,3] [-n N] "
+                            "[--dump FILE] [--every K]\n");
+            return 2;
+        }
+    }
+    struct tok_ids ids = {0};
+    if (!dir || n_gen < 1 || every < 1 || window < 1 || window > INT32_MAX || sinks < 0 || sinks > INT32_MAX ||
+        parse_ids(ids_arg, &ids) || !ids.n) {
+        fprintf(stderr, "kvtier-bench-sinks: need -m DIR, -n >= 1, --every >= 1, a window, sinks >= 0 and ids\n");
+        return 2;
+    }
+    size_t n_prompt = ids.n;
+    char err[MODEL_ERR_LEN];
+    struct runtime rt = {0};
+    enum model_status ms = runtime_open(dir, &(struct runtime_params){0}, &rt, err);
+    if (ms != MODEL_OK) {
+        fprintf(stderr, "kvtier-bench-sinks: %s\n", err);
+        return 1;
+    }
+    kv_seq *q = NULL;
+    struct kv_seq_params kp = {.strategy = KV_DYNAMIC, .sink = true, .window_length = (int)window,
+                               .num_sink_tokens = (int)sinks};
+    int vocab = model_get_config(rt.m)->vocab_size;
+    float *logits = malloc((size_t)vocab * sizeof(float));
+    struct rows rows = {.f = dump_path ? tmpfile() : NULL};
+    int rc = 1;
+    if (!logits || (dump_path && !rows.f)) {
+        fprintf(stderr, "kvtier-bench-sinks: out of memory\n");
+        goto out;
+    }
+    if (kv_seq_create(rt.store, &kp, &q) != TIER_OK) {
+        fprintf(stderr, "kvtier-bench-sinks: %s\n", kv_store_errmsg(rt.store));
+        goto out;
+    }
+    printf("window %ld, %ld sinks, prompt %zu tokens\n%10s %12s %12s\n", window, sinks, n_prompt, "generated",
+           "tokens/s", "KV bytes");
+    struct kv_geom geo = model_kv_geom(rt.m);
+    size_t bt = (size_t)kv_store_block_tokens(rt.store);
+    size_t block = 2 * (size_t)geo.n_kv_heads * bt * (size_t)geo.head_dim * be_dtype_size(geo.dtype);
+    size_t bound = (size_t)geo.n_layers * ((size_t)(window - sinks + (long)bt - 1) / bt + 2) * block;
+    double first_rate = 0, rate = 0, t0 = now_s();
+    const int32_t *feed = ids.ids;
+    int n_feed = (int)n_prompt;
+    for (long g = 1; g <= n_gen; g++) {
+        struct fw_seq fs = {.kv = q, .tokens = feed, .n_tokens = n_feed, .logits = logits};
+        if ((ms = model_forward(rt.m, &fs, 1)) != MODEL_OK) {
+            fprintf(stderr, "kvtier-bench-sinks: step %ld: %s %s\n", g, model_strerror(ms), kv_store_errmsg(rt.store));
+            goto out;
+        }
+        int32_t best = 0;
+        for (int i = 0; i < vocab; i++) {
+            if (!isfinite(logits[i])) {
+                fprintf(stderr, "kvtier-bench-sinks: logit %d of generated token %ld is %f\n", i, g, logits[i]);
+                goto out;
+            }
+            best = logits[i] > logits[best] ? i : best;
+        }
+        if (rows.f && fwrite(logits, 4, (size_t)vocab, rows.f) != (size_t)vocab)
+            goto out;
+        rows.n++;
+        if (tok_ids_push(&ids, best) != MODEL_OK)
+            goto out;
+        feed = &ids.ids[ids.n - 1];
+        n_feed = 1;
+        if (g % every == 0) {
+            double t1 = now_s();
+            rate = (double)every / (t1 - t0);
+            size_t bytes = kv_seq_bytes(q);
+            if (!first_rate)
+                first_rate = rate;
+            printf("%10ld %12.1f %12zu\n", g, rate, bytes);
+            if (bytes > bound) {
+                fprintf(stderr, "kvtier-bench-sinks: KV bytes %zu above the window's %zu\n", bytes, bound);
+                goto out;
+            }
+            t0 = now_s(); /* the report itself is not timed */
+        }
+    }
+    if (first_rate)
+        printf("tokens/s at %ld generated / at %ld generated: %.3f\n", n_gen, every, rate / first_rate);
+    if (dump_path && !dump_write(dump_path, &ids, n_prompt, vocab, &rows)) {
+        fprintf(stderr, "kvtier-bench-sinks: writing %s failed\n", dump_path);
+        goto out;
+    }
+    rc = 0;
+out:
+    if (rows.f)
+        fclose(rows.f);
+    kv_seq_free(q);
+    free(logits);
+    free(ids.ids);
+    runtime_close(&rt);
+    return rc;
+}
