@@ -7,6 +7,7 @@
  * host-tier exhaustion; the measured prefetch figures.
  * The models are random ones from tools/mkmodel.py (skip without it).
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -18,6 +19,7 @@
 #include <cmocka.h>
 
 #include "model/model.h"
+#include "tiers/quant.h"
 
 #define N_PROMPT 20
 #define N_GEN 64
@@ -65,10 +67,9 @@ struct rig {
     size_t act_bytes; /* device bytes of the model's activations */
 };
 
-static void rig_open(struct rig *r, int which, size_t device_mem, size_t host_mem)
+static void rig_open_dir(struct rig *r, const char *dir, size_t device_mem, size_t host_mem)
 {
-    char dir[128], err[MODEL_ERR_LEN];
-    model_path(which, dir, sizeof(dir));
+    char err[MODEL_ERR_LEN];
     struct be_params bp = {.n_threads = 1, .device_mem = device_mem};
     assert_int_equal(be_open("cpu", &bp, &r->be), BE_OK);
     struct model_params mp = {.max_batch_tokens = CHUNK};
@@ -79,6 +80,13 @@ static void rig_open(struct rig *r, int which, size_t device_mem, size_t host_me
     struct kv_geom g = model_kv_geom(r->m);
     struct kv_store_params sp = {.host_mem = host_mem};
     assert_int_equal(kv_store_open(r->be, &g, &sp, &r->store), TIER_OK);
+}
+
+static void rig_open(struct rig *r, int which, size_t device_mem, size_t host_mem)
+{
+    char dir[128];
+    model_path(which, dir, sizeof(dir));
+    rig_open_dir(r, dir, device_mem, host_mem);
 }
 
 static void rig_close(struct rig *r)
@@ -647,6 +655,189 @@ static void test_sliding_window_strategy(void **state)
     rig_close(&r);
 }
 
+/* Sink strategy: 3000 tokens of the built-in model through a window of 64
+ * with 4 sinks.  Once the window has filled (and its edge has crossed
+ * every block phase) the KV bytes never exceed what they reached then nor
+ * the window's blocks, the device holds no new byte (pool, rotation table),
+ * and no logit is NaN or infinite. */
+static void test_sink_bounded(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open_dir(&r, "model/builtin", 0, 0);
+    struct kv_seq_params p = {.sink = true, .window_length = 64, .num_sink_tokens = 4};
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    float *row = malloc((size_t)vocab(&r) * sizeof(float));
+    assert_non_null(row);
+    struct kv_geom g = model_kv_geom(r.m);
+    size_t block = 2 * (size_t)g.n_kv_heads * 32 * (size_t)g.head_dim * sizeof(float);
+    size_t bound = (size_t)g.n_layers * ((64 - 4 + 31) / 32 + 2) * block, settled = 0, dev_settled = 0;
+    int32_t tok = 2044;
+    feed(&r, q, &tok, 1, row);
+    for (int i = 1; i < 3000; i++) {
+        for (int v = 0; v < vocab(&r); v++)
+            if (!isfinite(row[v]))
+                fail_msg("logit %d after %d tokens is %f", v, i, row[v]);
+        tok = argmax(row, vocab(&r));
+        feed(&r, q, &tok, 1, row);
+        size_t bytes = kv_seq_bytes(q);
+        assert_true(bytes <= bound);
+        if (i <= 64 + 2 * 32)
+            settled = bytes > settled ? bytes : settled;
+        else
+            assert_true(bytes <= settled);
+        if (i == 64 + 2 * 32)
+            dev_settled = be_mem_stats(r.be).dev_used;
+    }
+    assert_int_equal(be_mem_stats(r.be).dev_used, dev_settled);
+    assert_int_equal(kv_seq_length(q), 3000);
+    kv_seq_free(q);
+    free(row);
+    rig_close(&r);
+}
+
+/* Forks of a sink sequence, before its first eviction (block 0 shared,
+ * copied on write) and after it (the sink block shared by reference),
+ * decode exactly like their parent; any can be freed first. */
+static void test_sink_forks(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_LLAMA, 0, 0);
+    int nv = vocab(&r), n = 120, at = 100;
+    struct kv_seq_params p = {.sink = true, .window_length = 16, .num_sink_tokens = 2};
+    kv_seq *parent, *early, *late = NULL;
+    assert_int_equal(kv_seq_create(r.store, &p, &parent), TIER_OK);
+    int32_t prompt[N_PROMPT], toks[120];
+    prompt_of(3, prompt);
+    float *rows = malloc((size_t)(n + 1) * (size_t)nv * sizeof(float)), *row = malloc((size_t)nv * sizeof(float));
+    assert_true(rows && row);
+    feed(&r, parent, prompt, N_PROMPT, rows);
+    assert_int_equal(kv_seq_fork(parent, &early), TIER_OK);
+    for (int i = 0; i < n; i++) {
+        if (i == at)
+            assert_int_equal(kv_seq_fork(parent, &late), TIER_OK);
+        toks[i] = argmax(rows + (size_t)i * nv, nv);
+        feed(&r, parent, &toks[i], 1, rows + (size_t)(i + 1) * nv);
+    }
+    kv_seq_free(parent);
+    for (int i = 0; i < n; i++) {
+        feed(&r, early, &toks[i], 1, row);
+        assert_memory_equal(row, rows + (size_t)(i + 1) * nv, (size_t)nv * sizeof(float));
+    }
+    kv_seq_free(early);
+    for (int i = at; i < n; i++) {
+        feed(&r, late, &toks[i], 1, row);
+        assert_memory_equal(row, rows + (size_t)(i + 1) * nv, (size_t)nv * sizeof(float));
+    }
+    kv_seq_free(late);
+    assert_int_equal(kv_store_stats(r.store).blocks_used, 0);
+    free(rows);
+    free(row);
+    rig_close(&r);
+}
+
+/* What the sink strategy refuses, each with a message naming the
+ * combination (the daemon's 400/409 body), and what it allows. */
+static void expect_refused(kv_store *s, const struct kv_seq_params *p, enum tier_status want, const char *what)
+{
+    kv_seq *q = NULL;
+    assert_int_equal(kv_seq_create(s, p, &q), want);
+    assert_null(q);
+    if (!strstr(kv_store_errmsg(s), what))
+        fail_msg("expected \"%s\" in \"%s\"", what, kv_store_errmsg(s));
+}
+
+static void test_sink_refusals(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_LLAMA, 0, 0);
+    struct kv_seq_params p = {.sink = true, .window_length = 16, .num_sink_tokens = 2};
+    p.strategy = KV_STATIC;
+    p.max_cache_len = 64;
+    expect_refused(r.store, &p, TIER_ENOTSUP, "sink + static");
+    p.strategy = KV_OFFLOADED;
+    expect_refused(r.store, &p, TIER_ENOTSUP, "sink + offloaded");
+    p.strategy = KV_OFFLOADED_STATIC;
+    expect_refused(r.store, &p, TIER_ENOTSUP, "sink + offloaded_static");
+    p.strategy = KV_QUANTIZED;
+    p.max_cache_len = 0;
+    p.quant = kv_quant_defaults(KVQ_QUANTO);
+    expect_refused(r.store, &p, TIER_ENOTSUP, "sink + quantized");
+    p = (struct kv_seq_params){.sink = true, .window_length = 0, .num_sink_tokens = 2};
+    expect_refused(r.store, &p, TIER_EINVAL, "window_length");
+    p.window_length = 16;
+    p.num_sink_tokens = 16;
+    expect_refused(r.store, &p, TIER_EINVAL, "num_sink_tokens");
+    p.window_length = 64;
+    p.num_sink_tokens = 33; /* more than a block */
+    expect_refused(r.store, &p, TIER_EINVAL, "num_sink_tokens");
+
+    /* crop works until the first eviction, then 409 */
+    p = (struct kv_seq_params){.sink = true, .window_length = 16, .num_sink_tokens = 2};
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    assert_int_equal(kv_seq_activate_past_recording(q), TIER_ENOTSUP);
+    assert_non_null(strstr(kv_store_errmsg(r.store), "past recording + sink"));
+    int32_t prompt[N_PROMPT];
+    prompt_of(5, prompt);
+    float *row = malloc((size_t)vocab(&r) * sizeof(float));
+    assert_non_null(row);
+    feed(&r, q, prompt, 10, row);
+    assert_int_equal(kv_seq_crop(q, -3), TIER_OK);
+    assert_int_equal(kv_seq_length(q), 7);
+    feed(&r, q, prompt + 7, 13, row); /* 20 tokens: past the window */
+    assert_int_equal(kv_seq_crop(q, -1), TIER_ECONFLICT);
+    assert_non_null(strstr(kv_store_errmsg(r.store), "crop + sink"));
+    assert_int_equal(kv_seq_crop(q, 0), TIER_OK); /* a no-op is no rollback */
+    assert_int_equal(kv_seq_length(q), 20);
+    /* the OOM continuation cannot move it to the host tier */
+    assert_int_equal(kv_seq_offload(q, KV_FALLBACK_OOM), TIER_ENOTSUP);
+    assert_non_null(strstr(kv_store_errmsg(r.store), "sink + offloaded"));
+    kv_seq_free(q);
+    free(row);
+
+    /* a model with sliding layers */
+    struct rig w;
+    rig_open(&w, M_MISTRAL, 0, 0);
+    expect_refused(w.store, &p, TIER_ENOTSUP, "sink + sliding layers");
+    rig_close(&w);
+    rig_close(&r);
+}
+
+/* Sinks + the prefix cache: the sequence takes no part (nothing matched,
+ * nothing published) and runs normally. */
+static void test_sink_prefix_cache(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_LLAMA, 0, 0);
+    kv_store *pc;
+    struct kv_geom g = model_kv_geom(r.m);
+    assert_int_equal(kv_store_open(r.be, &g, &(struct kv_store_params){.prefix_cache = true}, &pc), TIER_OK);
+    int32_t ids[80];
+    for (int i = 0; i < 80; i++)
+        ids[i] = (int32_t)(i * 7 % 300);
+    float *row = malloc((size_t)vocab(&r) * sizeof(float));
+    assert_non_null(row);
+    struct kv_seq_params p = {.sink = true, .window_length = 16, .num_sink_tokens = 2};
+    for (int round = 0; round < 2; round++) {
+        kv_seq *q;
+        int64_t cached = -1;
+        assert_int_equal(kv_seq_create(pc, &p, &q), TIER_OK);
+        assert_int_equal(kv_seq_match_prefix(q, ids, 80, &cached), TIER_OK);
+        assert_int_equal(cached, 0);
+        feed(&r, q, ids, 80, row);
+        kv_seq_free(q);
+    }
+    assert_int_equal(kv_store_stats(pc).prefix_entries, 0);
+    kv_store_free(pc);
+    free(row);
+    rig_close(&r);
+}
+
 static int cleanup(void)
 {
     char cmd[128];
@@ -673,6 +864,10 @@ int main(void)
         cmocka_unit_test(test_forks_share),
         cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_sliding_window_strategy),
+        cmocka_unit_test(test_sink_bounded),
+        cmocka_unit_test(test_sink_forks),
+        cmocka_unit_test(test_sink_refusals),
+        cmocka_unit_test(test_sink_prefix_cache),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     cleanup();

@@ -1178,7 +1178,9 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
         return TIER_OK;
     int64_t remove = n > 0 ? q->len - n : -n;
     int64_t len = remove < q->len ? q->len - remove : 0;
-    if (q->p.sink && q->layers[0].lo > 0 && len != q->len)
+    if (q->p.sink && q->layers[0].lo > 0 && len == q->len)
+        return TIER_OK; /* nothing to free: the sink layers hold only what they read */
+    if (q->p.sink && q->layers[0].lo > 0)
         return kv_fail(s, TIER_ECONFLICT,
                        "crop + sink: the sink cache already evicted tokens %d..%lld (window_length %d, %lld tokens "
                        "seen) and cannot roll back; crop works only until the first eviction",
