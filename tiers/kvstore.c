@@ -21,6 +21,8 @@
  *                      on the device unless offload_sliding says YES
  *   adaptive           the first R streamable layers on the device, R the
  *                      most the device budget holds at max_cache_len
+ *   sink               paged (dynamic only): sinks + the last W-S tokens,
+ *                      keys unrotated (invariant 8)
  *
  * Sequence states: idle (pending == 0) -> reserved (pending > 0, listed in
  * s->active) -> idle by commit or abort.  Offload, crop, fork and prefix
