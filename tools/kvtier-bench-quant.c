@@ -90,8 +90,11 @@ static int bench_open(struct bench *b, const char *dir, int threads, int batch)
     return 0;
 }
 
-static void bench_close(struct bench *b)
+/* Frees the n sequences of q (NULL ones too), then whatever bench_open opened. */
+static void bench_close(struct bench *b, kv_seq **q, int n)
 {
+    for (int i = 0; i < n; i++)
+        kv_seq_free(q[i]);
     for (int i = 0; i < 2; i++)
         kv_store_free(b->store[i]);
     model_free(b->m);
@@ -277,10 +280,7 @@ static int accuracy(const char *dir, const char *file, const char *tokdir, long 
     }
     rc = 0;
 out:
-    for (int i = 0; i < N_ACC; i++)
-        kv_seq_free(q[i]);
-    if (b.m)
-        bench_close(&b);
+    bench_close(&b, q, N_ACC);
     free(logits);
     free(lp_ref);
     free(lp);
@@ -350,10 +350,7 @@ static int speed(const char *dir, int context, int steps, int rounds, int thread
     }
     rc = 0;
 out:
-    for (int i = 0; i < N_SPEED; i++)
-        kv_seq_free(q[i]);
-    if (b.m)
-        bench_close(&b);
+    bench_close(&b, q, N_SPEED);
     free(row);
     free(ids);
     return rc;
