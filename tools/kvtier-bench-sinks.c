@@ -94,6 +94,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvtier-bench-sinks: need -m DIR, -n >= 1, --every >= 1, a window, sinks >= 0 and ids\n");
         return 2;
     }
+    setvbuf(stdout, NULL, _IOLBF, 0); /* reports show up while a long run goes on */
     size_t n_prompt = ids.n;
     char err[MODEL_ERR_LEN];
     struct runtime rt = {0};
