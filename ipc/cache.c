@@ -12,9 +12,10 @@ enum cache_key {
     K_ADAPTIVE = 1u << 2,
     K_ALLOW_OFFLOAD = 1u << 3,
     K_WINDOW_LENGTH = 1u << 4,
+    K_NUM_SINK_TOKENS = 1u << 5,
 };
 
-enum key_type { KEY_LEN, KEY_BOOL };
+enum key_type { KEY_LEN, KEY_COUNT, KEY_BOOL }; /* lengths from 1, counts from 0, both up to the context */
 
 static const struct {
     const char *name;
@@ -26,6 +27,7 @@ static const struct {
     {"adaptive", K_ADAPTIVE, KEY_BOOL},
     {"allow_offload", K_ALLOW_OFFLOAD, KEY_BOOL},
     {"window_length", K_WINDOW_LENGTH, KEY_LEN},
+    {"num_sink_tokens", K_NUM_SINK_TOKENS, KEY_COUNT},
 };
 #define N_KEYS (sizeof(cache_keys) / sizeof(cache_keys[0]))
 
@@ -39,22 +41,27 @@ static const struct {
  * window_length makes every layer slide on any storage (sliding_window +
  * offloaded is {"implementation": "offloaded", "window_length": W});
  * "sliding_window" itself is dynamic storage whose window defaults to the
- * model's. */
+ * model's.  "sink" (StreamingLLM) is dynamic storage keeping the first
+ * num_sink_tokens and the rest of window_length, with HF SinkCache's
+ * defaults (256, 4); the store refuses what it cannot combine it with. */
+enum row_window { WINDOW_GIVEN = 0, WINDOW_MODEL, WINDOW_SINK };
 static const struct {
     const char *name;
     bool built;
     enum kv_strategy strategy;
     unsigned takes, needs;
-    bool model_window;
+    enum row_window window;
 } strategies[] = {
-    {"dynamic", true, KV_DYNAMIC, K_STORAGE_KEYS, 0, false},
-    {"static", true, KV_STATIC, K_STORAGE_KEYS, K_MAX_CACHE_LEN, false},
-    {"offloaded", true, KV_OFFLOADED, K_OFFLOADED_KEYS, 0, false},
-    {"offloaded_static", true, KV_OFFLOADED_STATIC, K_OFFLOADED_KEYS, K_MAX_CACHE_LEN, false},
-    {"quantized", false, KV_DYNAMIC, 0, 0, false},
-    {"sliding_window", true, KV_DYNAMIC, K_STORAGE_KEYS, 0, true},
-    {"sink", false, KV_DYNAMIC, 0, 0, false},
+    {"dynamic", true, KV_DYNAMIC, K_STORAGE_KEYS, 0, WINDOW_GIVEN},
+    {"static", true, KV_STATIC, K_STORAGE_KEYS, K_MAX_CACHE_LEN, WINDOW_GIVEN},
+    {"offloaded", true, KV_OFFLOADED, K_OFFLOADED_KEYS, 0, WINDOW_GIVEN},
+    {"offloaded_static", true, KV_OFFLOADED_STATIC, K_OFFLOADED_KEYS, K_MAX_CACHE_LEN, WINDOW_GIVEN},
+    {"quantized", false, KV_DYNAMIC, 0, 0, WINDOW_GIVEN},
+    {"sliding_window", true, KV_DYNAMIC, K_STORAGE_KEYS, 0, WINDOW_MODEL},
+    {"sink", true, KV_DYNAMIC, K_WINDOW_LENGTH | K_NUM_SINK_TOKENS, 0, WINDOW_SINK},
 };
+#define SINK_WINDOW_DEFAULT 256
+#define SINK_TOKENS_DEFAULT 4
 #define N_STRATEGIES (sizeof(strategies) / sizeof(strategies[0]))
 
 /* "a, b, c": the names of the keys in mask (or every strategy's name). */
@@ -79,10 +86,11 @@ static enum ipc_status parse_key(const char *strategy, size_t k, const json_t *v
     snprintf(param, sizeof(param), "cache.%s", cache_keys[k].name);
     if (cache_keys[k].type == KEY_BOOL && !json_is_boolean(v))
         return ipc_fail(err, IPC_EINVAL, param, "%s must be true or false", param);
-    if (cache_keys[k].type == KEY_LEN &&
-        (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > max_len))
-        return ipc_fail(err, IPC_EINVAL, param, "%s must be an integer from 1 to %d (the context size) for \"%s\"",
-                        param, max_len, strategy);
+    int lo = cache_keys[k].type == KEY_LEN;
+    if (cache_keys[k].type != KEY_BOOL &&
+        (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > max_len))
+        return ipc_fail(err, IPC_EINVAL, param, "%s must be an integer from %d to %d (the context size) for \"%s\"",
+                        param, lo, max_len, strategy);
     bool on = json_is_true(v);
     switch (cache_keys[k].key) {
     case K_MAX_CACHE_LEN: p->max_cache_len = json_integer_value(v); break;
@@ -90,6 +98,7 @@ static enum ipc_status parse_key(const char *strategy, size_t k, const json_t *v
     case K_ADAPTIVE: p->adaptive = on; break;
     case K_ALLOW_OFFLOAD: p->no_fallback = !on; break;
     case K_WINDOW_LENGTH: p->window_length = (int)json_integer_value(v); break;
+    case K_NUM_SINK_TOKENS: p->num_sink_tokens = (int)json_integer_value(v); break;
     }
     return IPC_OK;
 }
@@ -128,11 +137,18 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
     if (p->adaptive && !(given & K_MAX_CACHE_LEN))
         return ipc_fail(err, IPC_EINVAL, "cache.adaptive",
                         "cache.adaptive needs cache.max_cache_len (the expected length) to size the device share");
-    if (strategies[row].model_window && !p->window_length) {
+    if (strategies[row].window == WINDOW_MODEL && !p->window_length) {
         if (m->sliding_window <= 0)
             return ipc_fail(err, IPC_EINVAL, "cache.window_length",
                             "\"%s\" needs cache.window_length: the model has no sliding_window of its own", name);
         p->window_length = m->sliding_window;
+    }
+    if (strategies[row].window == WINDOW_SINK) {
+        p->sink = true;
+        if (!(given & K_WINDOW_LENGTH))
+            p->window_length = SINK_WINDOW_DEFAULT;
+        if (!(given & K_NUM_SINK_TOKENS))
+            p->num_sink_tokens = SINK_TOKENS_DEFAULT;
     }
     p->strategy = strategies[row].strategy;
     return IPC_OK;

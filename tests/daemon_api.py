@@ -82,7 +82,7 @@ check(code == 200 and p["prompt"].endswith("<|im_start|>assistant\n"), "apply-te
 code, c = d.post("/v1/chat/completions", dict(chat, logprobs=True, top_logprobs=2))
 check(len(c["choices"][0]["logprobs"]["content"]) == 6, "chat logprobs")
 
-for impl in ("quantized", "sink"):
+for impl in ("quantized",):
     code, e = d.post("/v1/completions", dict(greedy, cache={"implementation": impl}))
     check(code == 501 and impl in e["error"]["message"], "cache %s -> 501 naming it" % impl)
 code, e = d.post("/v1/completions", dict(greedy, cache={"implementation": "fancy"}))

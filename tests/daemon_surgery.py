@@ -152,6 +152,9 @@ code, want = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30]))
 code, r = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30], cache={"implementation": "sliding_window"}))
 check(code == 200 and r["choices"][0]["tokens"] == want["choices"][0]["tokens"],
       "sliding_window without window_length takes the model's window")
+code, e = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30], cache={"implementation": "sink"}))
+check(code == 400 and "sink" in e["error"]["message"], "sink on a model with sliding layers -> 400: " +
+      e["error"]["message"])
 d.stop()
 d = llama
 d.start()
@@ -166,4 +169,22 @@ for cache in ({"implementation": "sliding_window", "window_length": 16},
           "%s: a Llama sliding by 16 == the Mistral, in less KV (%s)" % (cache, r["kvtier"]["bytes"]))
 code, e = d.post("/v1/completions", dict(long_gen, prompt=prompt[:30], cache={"implementation": "sliding_window"}))
 check(code == 400 and e["error"]["param"] == "cache.window_length", "sliding_window on a model without one -> 400")
+
+# ---- sink: bounded KV however long the generation ---------------------------------------
+sink = {"implementation": "sink", "window_length": 64, "num_sink_tokens": 4}
+code, short = d.post("/v1/completions", dict(gen, max_tokens=100, prompt=prompt[:30], cache=sink))
+code, long_ = d.post("/v1/completions", dict(gen, max_tokens=600, prompt=prompt[:30], cache=sink))
+code, dyn = d.post("/v1/completions", dict(gen, max_tokens=600, prompt=prompt[:30]))
+check(code == 200 and len(long_["choices"][0]["tokens"]) == 600 and
+      long_["kvtier"]["bytes"] == short["kvtier"]["bytes"] and
+      long_["kvtier"]["bytes"]["device"] * 4 < dyn["kvtier"]["bytes"]["device"],
+      "sink: the same KV bytes after 100 and 600 tokens (%s), a fraction of dynamic's (%s)" %
+      (long_["kvtier"]["bytes"]["device"], dyn["kvtier"]["bytes"]["device"]))
+check(long_["choices"][0]["tokens"][:30] == dyn["choices"][0]["tokens"][:30],
+      "sink: identical to dynamic while everything fits the window")
+code, e = d.post("/v1/sessions", {"prompt": prompt[:10], "cache": sink, "activate_past_recording": True})
+check(code == 400 and "sink" in e["error"]["message"], "sink + past recording -> 400: " + e["error"]["message"])
+code, e = d.post("/v1/completions", dict(gen, prompt=prompt[:30], cache=dict(sink, num_sink_tokens=64)))
+check(code == 400 and e["error"]["param"] == "cache", "num_sink_tokens >= window_length -> 400: " +
+      e["error"]["message"])
 check(d.stop() == 0, "stop")

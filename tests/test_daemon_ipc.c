@@ -200,6 +200,22 @@ static void test_cache_params(void **state)
     assert_int_equal(c.params.window_length, 16);
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"sliding_window\",\"window_length\":0}}", &c, &err),
                      IPC_EINVAL);
+    /* sink: HF SinkCache's defaults, or the request's; a window of 0 is refused here, the rest by the store */
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"sink\"}}", &c, &err), IPC_OK);
+    assert_true(c.params.sink);
+    assert_int_equal(c.params.strategy, KV_DYNAMIC);
+    assert_int_equal(c.params.window_length, 256);
+    assert_int_equal(c.params.num_sink_tokens, 4);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"sink\",\"window_length\":64,\"num_sink_tokens\":0}}",
+                              &c, &err), IPC_OK);
+    assert_int_equal(c.params.window_length, 64);
+    assert_int_equal(c.params.num_sink_tokens, 0);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"sink\",\"num_sink_tokens\":-1}}", &c, &err),
+                     IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "from 0 to 4096"));
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"sink\",\"max_cache_len\":64}}", &c, &err),
+                     IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "valid: window_length, num_sink_tokens"));
 }
 
 static const struct ipc_limits lim = {.vocab = 100, .max_context = 64, .max_n = 4, .max_messages = 8};
