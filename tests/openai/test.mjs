@@ -78,8 +78,11 @@ await assert.rejects(client.completions.create({ ...params, temperature: 5 }),
   (e) => e instanceof OpenAI.BadRequestError && /temperature/.test(e.message));
 ok('invalid temperature: BadRequestError naming the field');
 await assert.rejects(client.completions.create({ ...params, cache: { implementation: 'static' } }),
-  (e) => e.status === 501 && /static/.test(e.message));
-ok('cache static: 501');
+  (e) => e instanceof OpenAI.BadRequestError && /max_cache_len/.test(e.message));
+ok('cache static without max_cache_len: BadRequestError naming it');
+const st = await client.completions.create({ ...params, cache: { implementation: 'static', max_cache_len: 64 } });
+assert.equal(st.kvtier.strategy, 'static');
+ok('cache static with max_cache_len: the kvtier object reports it');
 
 const controller = new AbortController();
 const long = await client.completions.create({ ...params, max_tokens: 1500, stream: true },
