@@ -43,6 +43,8 @@ struct run_state {
     int *row_seq;        /* (cap)           which batch entry a row belongs to */
     int *row_tok;        /* (cap)           index of the row's token within its entry */
     int32_t *host_ids;   /* (cap) */
+    int64_t *start;      /* (start_cap)     each batch entry's length before the step */
+    int start_cap;
     struct be_kv_view *views; /* (cap)      one per sequence present in the chunk */
     struct be_kvq_view *qviews; /* (cap)    the same as be_attention_quant reads them */
     bool any_quant;           /* a sequence of the chunk is quantized: attention reads qviews */
@@ -124,6 +126,7 @@ static void run_state_free(struct run_state *rs)
     free(rs->row_seq);
     free(rs->row_tok);
     free(rs->host_ids);
+    free(rs->start);
     free(rs->views);
     free(rs->qviews);
     memset(rs, 0, sizeof(*rs));
@@ -525,18 +528,22 @@ enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs)
                 return MODEL_EINVAL;
         total += seqs[i].n_tokens;
     }
-    int64_t *start = malloc((size_t)n_seqs * sizeof(int64_t));
-    if (!start)
-        return MODEL_ENOMEM;
+    struct run_state *rs = &m->rs;
+    if (n_seqs > rs->start_cap) { /* grows with the largest batch seen, not per call */
+        int64_t *p = realloc(rs->start, (size_t)n_seqs * sizeof(*p));
+        if (!p)
+            return MODEL_ENOMEM;
+        rs->start = p;
+        rs->start_cap = n_seqs;
+    }
     /* Out of device memory is not the end of the request (issue 4): the
      * step is redone with KV moved to the host tier, nothing recomputed,
      * until it fits or nothing is left to move.  Each round moves one
      * more sequence, so this ends. */
     enum model_status st;
     int culprit;
-    while ((st = forward_step(m, seqs, n_seqs, total, start, &culprit)) == MODEL_EDEVMEM &&
+    while ((st = forward_step(m, seqs, n_seqs, total, rs->start, &culprit)) == MODEL_EDEVMEM &&
            continue_offloaded(seqs, n_seqs, culprit, &st))
         ;
-    free(start);
     return st;
 }
