@@ -65,7 +65,7 @@ struct engine {
     struct job **batch_job;
     float *logits;  /* [max_seqs, vocab] */
     float *scratch; /* [vocab]: raw logits kept for logprobs */
-    int rr;         /* round-robin start among prefills */
+    unsigned rr;    /* round-robin start among prefills; unsigned so it wraps after 2^32 steps */
 };
 
 static double now_ms(void)
@@ -828,7 +828,7 @@ static int build_batch(engine *e)
         budget = e->cfg.batch_tokens / 4; /* decode-heavy steps still move prefills along */
     if (!n_pre)
         return nb;
-    int skip = e->rr++ % n_pre, seen = 0;
+    int skip = (int)(e->rr++ % (unsigned)n_pre), seen = 0;
     for (int pass = 0; pass < 2 && budget > 0; pass++) {
         for (struct job *j = e->active; j && budget > 0; j = j->next) {
             for (int i = 0; i < j->n && budget > 0 && !j->kill; i++) {
@@ -1046,7 +1046,7 @@ static bool load(engine *e)
     e->store = e->rt.store;
     e->mc = model_get_config(e->m);
     e->vocab = e->mc->vocab_size;
-    int max_pos = e->mc->max_position_embeddings > 0 ? e->mc->max_position_embeddings : 2048;
+    int max_pos = e->mc->max_position_embeddings; /* config.c guarantees >= 1 */
     e->ctx = e->cfg.ctx > 0 && e->cfg.ctx < max_pos ? e->cfg.ctx : max_pos;
     /* the model's id is its directory's name */
     char dir[sizeof(e->model_id)];
