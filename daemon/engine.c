@@ -242,6 +242,19 @@ enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cac
     return st;
 }
 
+/* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
+static void session_unlink_locked(engine *e, struct session *s)
+{
+    struct session **pp = &e->sessions;
+    while (*pp != s)
+        pp = &(*pp)->next;
+    *pp = s->next;
+    e->n_sessions--;
+    s->next = e->dead;
+    e->dead = s;
+    pthread_cond_signal(&e->cv);
+}
+
 enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, struct ipc_error *err)
 {
     pthread_mutex_lock(&e->mu);
@@ -249,16 +262,8 @@ enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, stru
     enum ipc_status st = session_get(e, uid, id, &s, err);
     if (st == IPC_OK && s->busy)
         st = ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" is busy with a request", id);
-    if (st == IPC_OK) {
-        struct session **pp = &e->sessions;
-        while (*pp != s)
-            pp = &(*pp)->next;
-        *pp = s->next;
-        e->n_sessions--;
-        s->next = e->dead;
-        e->dead = s;
-        pthread_cond_signal(&e->cv);
-    }
+    if (st == IPC_OK)
+        session_unlink_locked(e, s);
     pthread_mutex_unlock(&e->mu);
     return st;
 }
@@ -565,6 +570,10 @@ static void retire(engine *e, struct job *j)
     }
     if (s)
         s->busy = false;
+    /* A session whose creating prefill failed or was abandoned was never
+     * handed to its client: it must not keep a --max-sessions slot. */
+    if (s && j->kind == JOB_PREFILL && (j->cancelled || j->err.st != IPC_OK))
+        session_unlink_locked(e, s);
     j->kv = kvs;
     if (j->t_first > 0)
         j->decode_ms = t - j->t_first;

@@ -102,6 +102,9 @@ code, e = d.post("/v1/completions", req)
 check(code == 507 and "host tier budget" in e["error"]["message"],
       "host tier exhausted: 507 naming the budget: " + e["error"]["message"])
 check(metric(d, "errors_total", '{kind="kv_memory"}') == 1, "/metrics counts the 507")
+code, e = d.post("/v1/sessions", {"prompt": prompt})
+check(code == 507 and d.get("/v1/sessions")[1]["data"] == [] and metric(d, "sessions") == 0,
+      "a session whose prefix prefill fails is not kept (no --max-sessions slot held)")
 code, s = d.post("/v1/sessions", {"prompt": prompt[:40]})
 sid = s["id"]
 held = s["tokens"]
