@@ -134,7 +134,7 @@ int main(int argc, char **argv)
         case O_CTX: ok = parse_int(optarg, 16, 1 << 24, &ec.ctx); break;
         case O_PARALLEL: ok = parse_int(optarg, 1, 1024, &ec.max_seqs); break;
         case O_BATCH: ok = parse_int(optarg, 16, 65536, &ec.batch_tokens); break;
-        case O_QUEUE: ok = parse_int(optarg, 0, 1 << 20, &ec.max_queue); break;
+        case O_QUEUE: ok = parse_int(optarg, 1, 1 << 20, &ec.max_queue); break; /* 0 would refuse every request: each one queues first */
         case O_CLIENTS: ok = parse_int(optarg, 1, 1 << 16, &sc.max_clients); break;
         case O_BODY: ok = parse_size(optarg, &sc.max_body) && sc.max_body > 0; break;
         case O_OUTPUT: ok = parse_size(optarg, &sc.max_output); break;

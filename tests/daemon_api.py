@@ -237,4 +237,6 @@ r = subprocess.run([KVTIERD, "--model", d.tmp + "/nothing", "--socket", d.tmp + 
 check(r.returncode == 3, "a model that cannot load: exit 3")
 r = subprocess.run([KVTIERD, "--parallel", "zero"], capture_output=True, text=True)
 check(r.returncode == 2, "usage error: exit 2")
+r = subprocess.run([KVTIERD, "--max-queue", "0"], capture_output=True, text=True)
+check(r.returncode == 2 and "--max-queue" in r.stderr, "--max-queue 0 (every request would be 429) is a usage error")
 check(d2.stop() == 0, "stop")
