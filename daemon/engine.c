@@ -55,6 +55,7 @@ struct engine {
     kv_store *store;
     const struct model_config *mc;
     int ctx, vocab;
+    size_t max_piece;
     char model_id[128];
     char bos[64], eos[64];
     struct ipc_chat_template chat;
@@ -1075,6 +1076,13 @@ static bool load(engine *e)
         free(s);
     }
     ipc_chat_detect(tokenizer_chat_template(e->tok), &e->chat);
+    /* With no room, decode_stream returns the size a token's text needs. */
+    char none[1];
+    for (int32_t id = 0; id < tokenizer_vocab_size(e->tok); id++) {
+        struct tok_stream ts = {.started = true};
+        size_t need = tokenizer_decode_stream(e->tok, &ts, id, false, none, 0);
+        e->max_piece = need > e->max_piece ? need : e->max_piece;
+    }
     size_t n = (size_t)e->cfg.max_seqs;
     e->batch = calloc(n, sizeof(*e->batch));
     e->batch_ch = calloc(n, sizeof(*e->batch_ch));
@@ -1182,6 +1190,11 @@ int engine_context(const engine *e)
 const char *engine_model_id(const engine *e)
 {
     return e->model_id;
+}
+
+size_t engine_max_piece(const engine *e)
+{
+    return e->max_piece;
 }
 
 const char *engine_bos_text(const engine *e)

@@ -140,6 +140,8 @@ const tokenizer *engine_tokenizer(const engine *e);
 const struct model_config *engine_model_config(const engine *e);
 int engine_context(const engine *e);
 const char *engine_model_id(const engine *e);
+/* Bytes of the tokenizer's longest single-token text (a logprobs piece never needs more). */
+size_t engine_max_piece(const engine *e);
 /* Special-token texts for chat templates ("" when the model has none). */
 const char *engine_bos_text(const engine *e);
 const char *engine_eos_text(const engine *e);

@@ -52,6 +52,7 @@ struct req {
     size_t sent_text[SERVER_MAX_N], text_offset[SERVER_MAX_N];
     int sent_gen[SERVER_MAX_N];
     int phase; /* 0: choices, 1: usage chunk, 2: [DONE], 3: ended */
+    char *snap; /* STREAM_BLOCK bytes: unsent text copied under the engine lock */
 };
 
 struct server {
@@ -65,6 +66,8 @@ struct server {
     double drain_deadline;
     time_t started;
     uint64_t ids, http_requests, refused;
+    char *piece; /* one token's text for logprobs: engine_max_piece bytes (loop thread) */
+    size_t piece_cap;
 };
 
 static double mono_ms(void)
@@ -198,12 +201,13 @@ static void untrack(struct req *r)
 
 /* ---- response bodies shared by whole replies and stream events ----------------- */
 
-/* The text of one token for logprobs, as the tokenizer spells it alone. */
-static size_t piece(engine *e, int32_t id, char *buf, size_t cap)
+/* The text of one token for logprobs, as the tokenizer spells it alone, in
+ * s->piece (sized for the longest token, so it always fits; valid until
+ * the next call). */
+static size_t piece(struct server *s, int32_t id)
 {
     struct tok_stream ts = {.started = true};
-    size_t n = tokenizer_decode_stream(engine_tokenizer(e), &ts, id, false, buf, cap);
-    return n <= cap ? n : 0;
+    return tokenizer_decode_stream(engine_tokenizer(s->eng), &ts, id, false, s->piece, s->piece_cap);
 }
 
 static const char *finish_name(enum finish_reason f)
@@ -217,7 +221,8 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
     const struct job *j = r->job;
     const struct job_choice *c = &j->ch[i];
     int k = j->top_logprobs;
-    char buf[256];
+    struct server *s = r->srv;
+    const char *buf = s->piece;
     if (!r->logprobs) {
         jw_lit(w, "null");
         return;
@@ -227,7 +232,7 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
         for (int t = from; t < to; t++) {
             const struct tok_logprob *lp = c->lps + (size_t)t * (size_t)(1 + k);
             for (int a = 0; a <= k; a++) {
-                size_t n = piece(r->srv->eng, lp[a].id, buf, sizeof(buf));
+                size_t n = piece(s, lp[a].id);
                 jw_lit(w, a == 0 ? (t > from ? ",{\"token\":" : "{\"token\":") : a == 1 ? "\"top_logprobs\":[{\"token\":"
                                                                                        : ",{\"token\":");
                 jw_str(w, buf, n);
@@ -248,7 +253,7 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
         size_t off = r->text_offset[i];
         for (int t = from; t < to; t++) {
             const struct tok_logprob *lp = c->lps + (size_t)t * (size_t)(1 + k);
-            size_t n = piece(r->srv->eng, lp[0].id, buf, sizeof(buf));
+            size_t n = piece(s, lp[0].id);
             if (t > from)
                 jw_lit(w, ",");
             if (part == 0)
@@ -260,7 +265,7 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
             else {
                 jw_lit(w, "{");
                 for (int a = 1; a <= k; a++) {
-                    size_t m = piece(r->srv->eng, lp[a].id, buf, sizeof(buf));
+                    size_t m = piece(s, lp[a].id);
                     if (a > 1)
                         jw_lit(w, ",");
                     jw_str(w, buf, m);
@@ -347,9 +352,9 @@ static void write_head(struct jw *w, struct req *r, const char *object)
     jw_lit(w, ",\"choices\":[");
 }
 
-/* One choice: text [t0, t1) and generated tokens [g0, g1). */
-static void write_choice(struct jw *w, struct req *r, int i, size_t t0, size_t t1, int g0, int g1, const char *finish,
-                         bool delta, bool role)
+/* One choice: text[0, n) and generated tokens [g0, g1). */
+static void write_choice(struct jw *w, struct req *r, int i, const char *text, size_t n, int g0, int g1,
+                         const char *finish, bool delta, bool role)
 {
     const struct job_choice *c = &r->job->ch[i];
     jw_fmt(w, "{\"index\":%d,", i);
@@ -357,16 +362,16 @@ static void write_choice(struct jw *w, struct req *r, int i, size_t t0, size_t t
         jw_lit(w, delta ? "\"delta\":{" : "\"message\":{\"role\":\"assistant\",");
         if (role)
             jw_lit(w, "\"role\":\"assistant\",");
-        if (!delta || role || t1 > t0) {
+        if (!delta || role || n) {
             jw_lit(w, "\"content\":");
-            jw_str(w, c->text + t0, t1 - t0);
+            jw_str(w, text, n);
         } else if (w->p[w->n - 1] == ',') {
             w->n--;
         }
         jw_lit(w, "},");
     } else {
         jw_lit(w, "\"text\":");
-        jw_str(w, c->text + t0, t1 - t0);
+        jw_str(w, text, n);
         jw_lit(w, ",");
     }
     jw_lit(w, "\"logprobs\":");
@@ -420,7 +425,8 @@ static enum MHD_Result reply_done(struct req *r)
     for (int i = 0; i < j->n; i++) {
         if (i)
             jw_lit(&w, ",");
-        write_choice(&w, r, i, 0, j->ch[i].n_text, 0, j->ch[i].n_gen, finish_name(j->ch[i].finish), false, false);
+        write_choice(&w, r, i, j->ch[i].text, j->ch[i].n_text, 0, j->ch[i].n_gen, finish_name(j->ch[i].finish), false,
+                     false);
     }
     jw_lit(&w, "],");
     write_usage(&w, j);
@@ -453,57 +459,119 @@ static bool event_end(struct jw *w, size_t mark)
     return false;
 }
 
-/* Writes as many pending events as fit in buf[0..max); called under the
- * engine lock.  Returns the bytes written. */
-static size_t stream_events(struct req *r, char *buf, size_t max)
+/* What the stream needs of the job's shared state, taken under the engine
+ * lock so that the JSON is formatted after unlocking (the engine thread
+ * takes the lock to publish every step).  Tokens and logprobs below n_gen
+ * never change once published, and nothing changes after done; the text
+ * buffer may move, so the unsent text is copied (into r->snap). */
+struct stream_view {
+    bool done;
+    struct ipc_error err;
+    const char *text[SERVER_MAX_N]; /* the text from base[i] on */
+    size_t base[SERVER_MAX_N], n_text[SERVER_MAX_N];
+    bool partial[SERVER_MAX_N]; /* n_text is short of the published text: more to come */
+    int n_gen[SERVER_MAX_N];
+    enum finish_reason finish[SERVER_MAX_N];
+};
+
+/* Called under the engine lock.  Copies at most max bytes of text: no
+ * more fits in one read's buffer anyway. */
+static void stream_snapshot(const struct req *r, struct stream_view *v, size_t max)
+{
+    const struct job *j = r->job;
+    size_t left = max < STREAM_BLOCK ? max : STREAM_BLOCK, at = 0;
+    v->done = j->done;
+    v->err = j->err;
+    for (int i = 0; i < j->n; i++) {
+        const struct job_choice *c = &j->ch[i];
+        size_t want = c->n_text - r->sent_text[i], take = want < left ? want : left;
+        memcpy(r->snap + at, c->text + r->sent_text[i], take);
+        v->text[i] = r->snap + at;
+        v->base[i] = r->sent_text[i];
+        v->n_text[i] = r->sent_text[i] + take;
+        v->partial[i] = take < want;
+        v->n_gen[i] = c->n_gen;
+        v->finish[i] = c->finish;
+        at += take;
+        left -= take;
+    }
+}
+
+/* Writes as many pending events as fit in buf[0..max) (no lock held).
+ * Returns the bytes written; *stuck when an event cannot fit even an
+ * empty buffer. */
+static size_t stream_events(struct req *r, const struct stream_view *v, char *buf, size_t max, bool *stuck)
 {
     struct job *j = r->job;
     struct jw w;
     jw_fixed(&w, buf, max);
+    *stuck = false;
     const char *object = r->kind == REPLY_CHAT ? "chat.completion.chunk" : "text_completion";
     bool need_toks = r->return_tokens || r->logprobs;
+    /* a first guess; an event that does not fit is retried smaller */
     size_t per_tok = 16 + (r->logprobs ? (size_t)(1 + j->top_logprobs) * 96 : 0);
-    if (r->phase == 0 && j->done && j->err.st != IPC_OK) {
+    if (r->phase == 0 && v->done && v->err.st != IPC_OK) {
         size_t mark = event_begin(&w);
         jw_lit(&w, "{\"error\":");
-        write_error_body(&w, &j->err);
+        write_error_body(&w, &v->err);
         jw_lit(&w, "}");
-        if (event_end(&w, mark))
+        if (event_end(&w, mark)) {
             r->phase = 2;
-        engine_count_error(r->srv->eng, j->err.st);
+            engine_count_error(r->srv->eng, v->err.st);
+        }
     }
     bool all_fin = true;
     for (int i = 0; i < j->n && r->phase == 0; i++) {
-        const struct job_choice *c = &j->ch[i];
         for (;;) {
             bool role = r->kind == REPLY_CHAT && !r->role_sent[i];
             size_t t0 = r->sent_text[i];
             int g0 = r->sent_gen[i];
-            bool news = role || c->n_text > t0 || (need_toks && c->n_gen > g0);
-            bool fin = !news && j->done && !r->fin_sent[i];
+            bool news = role || v->n_text[i] > t0 || (need_toks && v->n_gen[i] > g0);
+            bool fin = !news && v->done && !v->partial[i] && !r->fin_sent[i];
             if (!news && !fin)
                 break;
             size_t room = w.cap > w.n + EVENT_SLACK ? w.cap - w.n - EVENT_SLACK : 0;
-            int g1 = c->n_gen;
+            int g1 = v->n_gen[i];
             if (need_toks && per_tok * (size_t)(g1 - g0) > room / 2)
                 g1 = g0 + (int)(room / 2 / per_tok);
-            size_t t1 = t0 + jw_fit(c->text + t0, c->n_text - t0, need_toks ? room / 2 : room);
-            if (news && !role && t1 == t0 && g1 == g0)
-                break; /* not even one piece fits: wait for the socket to drain */
-            bool last = fin && i == j->n - 1;
-            size_t mark = event_begin(&w);
-            write_head(&w, r, object);
-            write_choice(&w, r, i, t0, t1, g0, g1, fin ? finish_name(c->finish) : NULL, true, role);
-            jw_lit(&w, "]");
-            if (last) {
-                jw_lit(&w, ",");
-                write_usage(&w, j);
-                jw_lit(&w, ",");
-                write_kvtier(&w, j);
+            if (w.n == 0 && g1 == g0 && need_toks && v->n_gen[i] > g0)
+                g1 = g0 + 1; /* an empty buffer always gets a try with one token */
+            size_t t1 = t0 + jw_fit(v->text[i] + (t0 - v->base[i]), v->n_text[i] - t0, need_toks ? room / 2 : room);
+            if (news && !role && t1 == t0 && g1 == g0) {
+                *stuck = w.n == 0;
+                return w.n; /* not even one piece fits: wait for the socket to drain */
             }
-            jw_lit(&w, "}");
-            if (!event_end(&w, mark))
-                return w.n;
+            size_t offset = r->text_offset[i]; /* write_logprobs moves it on */
+            for (;;) {
+                bool last = fin && i == j->n - 1;
+                size_t mark = event_begin(&w);
+                write_head(&w, r, object);
+                write_choice(&w, r, i, v->text[i] + (t0 - v->base[i]), t1 - t0, g0, g1,
+                             fin ? finish_name(v->finish[i]) : NULL, true, role);
+                jw_lit(&w, "]");
+                if (last) {
+                    jw_lit(&w, ",");
+                    write_usage(&w, j);
+                    jw_lit(&w, ",");
+                    write_kvtier(&w, j);
+                }
+                jw_lit(&w, "}");
+                if (event_end(&w, mark))
+                    break;
+                r->text_offset[i] = offset;
+                if (mark > 0)
+                    return w.n; /* send what is there; the retry gets an empty buffer */
+                /* Longer token texts than guessed: fewer tokens, then the
+                 * text alone in a later event. */
+                if (g1 - g0 > 1) {
+                    g1 = g0 + (g1 - g0) / 2;
+                } else if (g1 > g0 && t1 > t0) {
+                    t1 = t0;
+                } else {
+                    *stuck = true;
+                    return 0;
+                }
+            }
             r->role_sent[i] = true;
             r->sent_text[i] = t1;
             r->sent_gen[i] = g1;
@@ -539,13 +607,22 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
     struct req *r = cls;
     if (r->hup || r->overflow)
         return MHD_CONTENT_READER_END_WITH_ERROR;
+    if (r->phase == 3)
+        return MHD_CONTENT_READER_END_OF_STREAM;
+    struct stream_view v;
     engine_lock(r->srv->eng);
-    size_t n = r->phase < 3 ? stream_events(r, buf, max) : 0;
-    bool ended = r->phase == 3;
+    stream_snapshot(r, &v, max);
     engine_unlock(r->srv->eng);
+    bool stuck;
+    size_t n = stream_events(r, &v, buf, max, &stuck);
+    if (stuck) {
+        log_msg(LOG_ERR, "uid %u pid %d: a stream event does not fit %zu bytes; stream ended", (unsigned)r->uid,
+                (int)r->pid, max);
+        return MHD_CONTENT_READER_END_WITH_ERROR;
+    }
     if (n)
         return (ssize_t)n;
-    if (ended)
+    if (r->phase == 3)
         return MHD_CONTENT_READER_END_OF_STREAM;
     suspend(r);
     return 0;
@@ -582,10 +659,11 @@ static enum MHD_Result need_ready(struct req *r, bool *ok)
 {
     char msg[256];
     enum engine_state st = engine_state(r->srv->eng, msg, sizeof(msg));
-    *ok = st == ENGINE_READY;
+    /* ready once the loop has seen it too: it sizes s->piece then */
+    *ok = st == ENGINE_READY && r->srv->ready;
     if (*ok)
         return MHD_YES;
-    return fail(r, IPC_EUNAVAIL, "", st == ENGINE_LOADING ? "the model is loading" : "the model failed to load");
+    return fail(r, IPC_EUNAVAIL, "", st != ENGINE_FAILED ? "the model is loading" : "the model failed to load");
 }
 
 static enum MHD_Result parse_body(struct req *r, bool empty_ok, bool *ok)
@@ -683,6 +761,10 @@ static void new_id(struct req *r, const char *prefix)
 static enum MHD_Result submit(struct req *r, struct job *j)
 {
     struct ipc_error err;
+    if (r->stream && !(r->snap = malloc(STREAM_BLOCK))) {
+        job_release(r->srv->eng, j);
+        return fail(r, IPC_ENOMEM, "", "no memory for the stream's buffer");
+    }
     if (engine_submit(r->srv->eng, j, &err) != IPC_OK) {
         job_release(r->srv->eng, j);
         return reply_error(r, &err);
@@ -779,6 +861,8 @@ static enum MHD_Result h_health(struct req *r, const char *arg)
     (void)arg;
     char msg[256];
     enum engine_state st = engine_state(r->srv->eng, msg, sizeof(msg));
+    if (st == ENGINE_READY && !r->srv->ready)
+        st = ENGINE_LOADING; /* until the loop has seen it (need_ready) */
     if (st == ENGINE_READY && !r->srv->draining)
         return reply_json(r, 200, json_pack("{s:s}", "status", "ok"));
     const char *what = st == ENGINE_LOADING ? "loading" : st == ENGINE_FAILED ? "failed" : "draining";
@@ -838,7 +922,6 @@ static enum MHD_Result h_tokenize(struct req *r, const char *arg)
     struct jw w;
     jw_dynamic(&w);
     jw_lit(&w, "{\"tokens\":[");
-    char buf[256];
     for (size_t i = 0; i < ids.n; i++) {
         if (i)
             jw_lit(&w, ",");
@@ -846,9 +929,9 @@ static enum MHD_Result h_tokenize(struct req *r, const char *arg)
             jw_fmt(&w, "%d", ids.ids[i]);
             continue;
         }
-        size_t n = piece(r->srv->eng, ids.ids[i], buf, sizeof(buf));
+        size_t n = piece(r->srv, ids.ids[i]);
         jw_fmt(&w, "{\"id\":%d,\"piece\":", ids.ids[i]);
-        jw_str(&w, buf, n);
+        jw_str(&w, r->srv->piece, n);
         jw_lit(&w, "}");
     }
     jw_fmt(&w, "],\"count\":%zu,\"max_model_len\":%d}", ids.n, engine_context(r->srv->eng));
@@ -1284,6 +1367,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enu
         epoll_ctl(s->ep, EPOLL_CTL_DEL, r->fd, NULL);
     json_decref(r->root);
     free(r->body);
+    free(r->snap);
     free(r);
     *ctx = NULL;
 }
@@ -1405,6 +1489,11 @@ static enum server_exit on_wake(struct server *s)
             return SERVER_ELOAD;
         }
         if (st == ENGINE_READY) {
+            s->piece_cap = engine_max_piece(s->eng);
+            if (!(s->piece = malloc(s->piece_cap + 1))) {
+                log_msg(LOG_ERR, "no memory for a %zu-byte token text buffer", s->piece_cap);
+                return SERVER_EFATAL;
+            }
             s->ready = true;
             snprintf(msg, sizeof(msg), "READY=1\nSTATUS=Ready: %s, context %d", engine_model_id(s->eng),
                      engine_context(s->eng));
@@ -1518,5 +1607,6 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
     MHD_stop_daemon(s.mhd);
     stop_listening(&s);
     close(s.ep);
+    free(s.piece);
     return rc;
 }

@@ -5,6 +5,7 @@ drain and socket rules."""
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
@@ -240,3 +241,34 @@ check(r.returncode == 2, "usage error: exit 2")
 r = subprocess.run([KVTIERD, "--max-queue", "0"], capture_output=True, text=True)
 check(r.returncode == 2 and "--max-queue" in r.stderr, "--max-queue 0 (every request would be 429) is a usage error")
 check(d2.stop() == 0, "stop")
+
+# Token texts far longer than the stream's per-token guess (and than 256
+# bytes): logprobs spell them out whole, and a streamed chat with 20
+# alternatives per token still completes (it used to stall once two such
+# tokens were pending, since not even one event fit the empty buffer).
+lm = os.path.join(d.tmp, "longpieces")
+shutil.copytree(d.model, lm)
+with open(os.path.join(lm, "tokenizer.json")) as f:
+    tj = json.load(f)
+vocab = tj["model"]["vocab"]
+for k, i in list(vocab.items()):
+    if i >= 256:  # keep the byte alphabet so prompts still encode
+        del vocab[k]
+        vocab["q" * 400 + str(i)] = i
+tj["model"]["merges"] = []
+with open(os.path.join(lm, "tokenizer.json"), "w") as f:
+    json.dump(tj, f)
+dl = Daemon(model=lm).start()
+lchat = dict(chat, max_tokens=8, logprobs=True, top_logprobs=20)
+code, c = dl.post("/v1/chat/completions", lchat)
+content = c["choices"][0]["logprobs"]["content"]
+check(code == 200 and len(content) == 8 and
+      all(t["token"].encode() == bytes(t["bytes"]) for t in content) and
+      max(len(a["token"]) for t in content for a in t["top_logprobs"]) > 400,
+      "logprobs spell out tokens longer than 256 bytes")
+ev = dl.stream("/v1/chat/completions", dict(lchat, stream=True))
+toks = [t for e in ev[:-1] for t in (e["choices"][0]["logprobs"] or {}).get("content", [])]
+check(ev[-1] == "[DONE]" and toks == content and
+      "".join(e["choices"][0]["delta"].get("content", "") for e in ev[:-1]) == c["choices"][0]["message"]["content"],
+      "a streamed chat with top_logprobs 20 on long tokens completes with the whole reply")
+check(dl.stop() == 0, "stop")
