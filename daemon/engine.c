@@ -67,6 +67,7 @@ struct engine {
     float *logits;  /* [max_seqs, vocab] */
     float *scratch; /* [vocab]: raw logits kept for logprobs */
     unsigned rr;    /* round-robin start among prefills; unsigned so it wraps after 2^32 steps */
+    bool mix_turn;  /* which of sink / quantized waits when both are active (build_batch) */
 };
 
 static double now_ms(void)
@@ -810,14 +811,38 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
         c->vis = c->raw; /* text held back for a stop string that can no longer come */
 }
 
+/* Sequences that cannot share a forward batch: the quantized attention
+ * kernel does not rotate keys, which the sink strategy needs. */
+enum mix_kind { MIX_ANY = 0, MIX_SINK, MIX_QUANT };
+
+static enum mix_kind mix_kind(const struct job *j)
+{
+    return j->cache.params.sink ? MIX_SINK : j->cache.params.strategy == KV_QUANTIZED ? MIX_QUANT : MIX_ANY;
+}
+
+/* The kind this step leaves out: when sink and quantized sequences are both
+ * active, each waits every other step. */
+static enum mix_kind mix_banned(engine *e)
+{
+    bool has[3] = {false, false, false};
+    for (struct job *j = e->active; j; j = j->next)
+        if (!j->kill)
+            has[mix_kind(j)] = true;
+    if (!has[MIX_SINK] || !has[MIX_QUANT])
+        return MIX_ANY;
+    e->mix_turn = !e->mix_turn;
+    return e->mix_turn ? MIX_SINK : MIX_QUANT;
+}
+
 /* The step's batch: one decode token per running sequence, then prefill
  * chunks round-robin until the token budget is spent.  Returns the number
  * of entries. */
 static int build_batch(engine *e)
 {
     int nb = 0, n_pre = 0;
+    enum mix_kind banned = mix_banned(e);
     for (struct job *j = e->active; j; j = j->next) {
-        if (j->kill)
+        if (j->kill || (banned != MIX_ANY && mix_kind(j) == banned))
             continue;
         for (int i = 0; i < j->n; i++) {
             struct job_choice *c = &j->ch[i];
@@ -841,6 +866,8 @@ static int build_batch(engine *e)
     int skip = (int)(e->rr++ % (unsigned)n_pre), seen = 0;
     for (int pass = 0; pass < 2 && budget > 0; pass++) {
         for (struct job *j = e->active; j && budget > 0; j = j->next) {
+            if (banned != MIX_ANY && mix_kind(j) == banned)
+                continue;
             for (int i = 0; i < j->n && budget > 0 && !j->kill; i++) {
                 struct job_choice *c = &j->ch[i];
                 if (c->fin != FINISH_NONE || !c->toks || c->n_toks - c->n_fed <= 1)

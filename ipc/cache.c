@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "tiers/quant.h"
+
 /* The cache_config parameters a strategy may take, as bits of a row's
  * `takes` mask.  Names are Hugging Face's where HF has the parameter;
  * adaptive and allow_offload are kvtier's (docs/strategies.md). */
@@ -34,9 +36,8 @@ static const struct {
 #define K_STORAGE_KEYS (K_MAX_CACHE_LEN | K_ALLOW_OFFLOAD | K_WINDOW_LENGTH)
 #define K_OFFLOADED_KEYS (K_STORAGE_KEYS | K_OFFLOAD_ONLY_NON_SLIDING | K_ADAPTIVE)
 
-/* THE table.  A row that is not built answers 501; `takes` lists the
- * parameters it accepts and `needs` those it requires.  A dynamic
- * request's max_cache_len is the length it expects to reach: the store
+/* THE table.  `takes` lists the parameters a row accepts and `needs`
+ * those it requires.  A dynamic request's max_cache_len is the length it expects to reach: the store
  * sizes it up front and starts it offloaded when that cannot fit.
  * window_length makes every layer slide on any storage (sliding_window +
  * offloaded is {"implementation": "offloaded", "window_length": W});
@@ -47,18 +48,17 @@ static const struct {
 enum row_window { WINDOW_GIVEN = 0, WINDOW_MODEL, WINDOW_SINK };
 static const struct {
     const char *name;
-    bool built;
     enum kv_strategy strategy;
     unsigned takes, needs;
     enum row_window window;
 } strategies[] = {
-    {"dynamic", true, KV_DYNAMIC, K_STORAGE_KEYS, 0, WINDOW_GIVEN},
-    {"static", true, KV_STATIC, K_STORAGE_KEYS, K_MAX_CACHE_LEN, WINDOW_GIVEN},
-    {"offloaded", true, KV_OFFLOADED, K_OFFLOADED_KEYS, 0, WINDOW_GIVEN},
-    {"offloaded_static", true, KV_OFFLOADED_STATIC, K_OFFLOADED_KEYS, K_MAX_CACHE_LEN, WINDOW_GIVEN},
-    {"quantized", false, KV_DYNAMIC, 0, 0, WINDOW_GIVEN},
-    {"sliding_window", true, KV_DYNAMIC, K_STORAGE_KEYS, 0, WINDOW_MODEL},
-    {"sink", true, KV_DYNAMIC, K_WINDOW_LENGTH | K_NUM_SINK_TOKENS, 0, WINDOW_SINK},
+    {"dynamic", KV_DYNAMIC, K_STORAGE_KEYS, 0, WINDOW_GIVEN},
+    {"static", KV_STATIC, K_STORAGE_KEYS, K_MAX_CACHE_LEN, WINDOW_GIVEN},
+    {"offloaded", KV_OFFLOADED, K_OFFLOADED_KEYS, 0, WINDOW_GIVEN},
+    {"offloaded_static", KV_OFFLOADED_STATIC, K_OFFLOADED_KEYS, K_MAX_CACHE_LEN, WINDOW_GIVEN},
+    {"quantized", KV_QUANTIZED, 0, 0, WINDOW_GIVEN}, /* its parameters: parse_quant */
+    {"sliding_window", KV_DYNAMIC, K_STORAGE_KEYS, 0, WINDOW_MODEL},
+    {"sink", KV_DYNAMIC, K_WINDOW_LENGTH | K_NUM_SINK_TOKENS, 0, WINDOW_SINK},
 };
 #define SINK_WINDOW_DEFAULT 256
 #define SINK_TOKENS_DEFAULT 4
@@ -154,6 +154,27 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
     return IPC_OK;
 }
 
+/* The quantized strategy's parameters are the store's (tiers/quant.h), so
+ * kv_quant_parse reads them.  A quantized KV stays on the device: the
+ * offloading keys are refused, and a full device is a 507 rather than a
+ * continuation in the host tier. */
+static enum ipc_status parse_quant(const json_t *cache, struct kv_seq_params *p, struct ipc_error *err)
+{
+    static const char *const offload_keys[] = {"allow_offload", "offload_only_non_sliding", "adaptive"};
+    for (size_t i = 0; i < sizeof(offload_keys) / sizeof(offload_keys[0]); i++) {
+        char param[IPC_PARAM_LEN];
+        snprintf(param, sizeof(param), "cache.%s", offload_keys[i]);
+        if (cache && json_object_get(cache, offload_keys[i]))
+            return ipc_fail(err, IPC_EINVAL, param, "%s: offloading a quantized KV is not supported yet", param);
+    }
+    struct kvq_error e;
+    if (kv_quant_parse(cache, &p->quant, &e) != TIER_OK)
+        return ipc_fail(err, IPC_EINVAL, e.param, "%s", e.msg);
+    p->strategy = KV_QUANTIZED;
+    p->no_fallback = true;
+    return IPC_OK;
+}
+
 enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, const struct ipc_cache_model *m,
                                 struct ipc_cache_choice *out, struct ipc_error *err)
 {
@@ -176,11 +197,10 @@ enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, co
     for (size_t i = 0; i < N_STRATEGIES; i++) {
         if (strcmp(strategies[i].name, name) != 0)
             continue;
-        if (!strategies[i].built)
-            return ipc_fail(err, IPC_ENOTIMPL, "cache.implementation", "cache strategy \"%s\" is not implemented yet",
-                            strategies[i].name);
         out->name = strategies[i].name;
         memset(&out->params, 0, sizeof(out->params));
+        if (strategies[i].strategy == KV_QUANTIZED)
+            return parse_quant(json_is_object(cache) ? cache : NULL, &out->params, err);
         return parse_params(i, json_is_object(cache) ? cache : NULL, m, &out->params, err);
     }
     char list[IPC_MSG_LEN / 2];

@@ -83,9 +83,42 @@ check(code == 200 and p["prompt"].endswith("<|im_start|>assistant\n"), "apply-te
 code, c = d.post("/v1/chat/completions", dict(chat, logprobs=True, top_logprobs=2))
 check(len(c["choices"][0]["logprobs"]["content"]) == 6, "chat logprobs")
 
-for impl in ("quantized",):
-    code, e = d.post("/v1/completions", dict(greedy, cache={"implementation": impl}))
-    check(code == 501 and impl in e["error"]["message"], "cache %s -> 501 naming it" % impl)
+# the quantized strategy: int8 keeps greedy decoding on dynamic's tokens
+q8 = {"implementation": "quantized", "backend": "quanto", "nbits": 8}
+code, dyn = d.post("/v1/completions", greedy)
+code, q = d.post("/v1/completions", dict(greedy, cache=q8))
+k = q.get("kvtier", {})
+check(code == 200 and q["choices"][0]["tokens"][:6] == dyn["choices"][0]["tokens"][:6] and
+      k["strategy"] == "quantized" and k["requested_strategy"] == "quantized" and k["bytes"]["device"] > 0 and
+      q["usage"]["completion_tokens"] == 12, "quantized int8: dynamic's first greedy tokens, reported as quantized")
+code, q4 = d.post("/v1/completions", dict(greedy, cache={"implementation": "quantized"}))
+check(code == 200 and q4["kvtier"]["strategy"] == "quantized", "quantized with the reference defaults")
+for extra, param in (({"nbits": 3}, "cache.nbits"), ({"backend": "gptq"}, "cache.backend"),
+                     ({"max_cache_len": 64}, "cache"), ({"allow_offload": True}, "cache.allow_offload")):
+    code, e = d.post("/v1/completions", dict(greedy, cache=dict(extra, implementation="quantized")))
+    check(code == 400 and e["error"]["param"] == param, "quantized %s -> 400 naming %s: %s" %
+          (extra, param, e["error"]["message"]))
+check("not supported yet" in e["error"]["message"], "quantized + allow_offload: not supported yet")
+code, s = d.post("/v1/sessions", {"prompt": "In the beginning was", "cache": q8})
+check(code == 200 and s["strategy"] == "quantized" and s["tokens"] > 0, "a quantized session")
+for op, body in (("crop", {"n": 1}), ("fork", {})):
+    code, e = d.post("/v1/sessions/%s/%s" % (s["id"], op), body)
+    check(code == 400 and op in e["error"]["message"], "%s of a quantized session -> 400 naming it: %s" %
+          (op, e["error"]["message"]))
+check(d.request("DELETE", "/v1/sessions/" + s["id"])[0] == 200, "delete the quantized session")
+# sink and quantized sequences never share a forward batch (the quantized
+# kernel does not rotate keys): concurrent requests of both kinds all succeed
+out = {}
+kinds = [q8, {"implementation": "sink", "window_length": 8, "num_sink_tokens": 2}] * 3
+long = dict(greedy, max_tokens=64)
+threads = [threading.Thread(target=lambda i=i, c=c: out.update({i: d.post("/v1/completions", dict(long, cache=c))}))
+           for i, c in enumerate(kinds)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(60)
+check(all(out[i][0] == 200 and out[i][1]["kvtier"]["strategy"] == ("quantized" if i % 2 == 0 else "dynamic")
+          for i in range(len(kinds))), "concurrent sink and quantized requests: %s" % [out[i][0] for i in out])
 code, e = d.post("/v1/completions", dict(greedy, cache={"implementation": "fancy"}))
 check(code == 400 and "dynamic" in e["error"]["message"] and "static" in e["error"]["message"],
       "unknown cache -> 400 listing the valid values")

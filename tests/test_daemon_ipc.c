@@ -118,8 +118,16 @@ static void test_cache_table(void **state)
     assert_int_equal(cache_of("{}", &c, &err), IPC_OK);
     assert_string_equal(c.name, "dynamic");
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\"},\"use_cache\":true}", &c, &err), IPC_OK);
-    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\"}}", &c, &err), IPC_ENOTIMPL);
-    assert_non_null(strstr(err.msg, "\"quantized\""));
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"nbits\":8}}", &c, &err), IPC_OK);
+    assert_int_equal(c.params.strategy, KV_QUANTIZED);
+    assert_int_equal(c.params.quant.nbits, 8);
+    assert_true(c.params.no_fallback);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"nbits\":3}}", &c, &err), IPC_EINVAL);
+    assert_string_equal(err.param, "cache.nbits");
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"allow_offload\":true}}", &c, &err),
+                     IPC_EINVAL);
+    assert_string_equal(err.param, "cache.allow_offload");
+    assert_non_null(strstr(err.msg, "not supported yet"));
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"warp\"}}", &c, &err), IPC_EINVAL);
     assert_non_null(strstr(err.msg, "dynamic, static, offloaded"));
     assert_string_equal(err.param, "cache.implementation");
