@@ -63,32 +63,52 @@ static inline __m512 bf16_dot_tail(__m512 acc, const uint16_t *w, const float *x
     return acc;
 }
 
-static void matvec_bf16(float *y, const float *x, const uint16_t *w, int in, int r0, int r1,
-                        float *xp)
+/* bf16 rows [r0, r1) of W times tokens t0 .. t0+TN (TN <= 4) of x: each
+ * 64-byte weight load feeds every token, so a batch of decode tokens
+ * (continuous batching) streams W once per 4 tokens.  xp: scratch for the
+ * TN deinterleaved x.  TN is a constant after inlining. */
+static inline __attribute__((always_inline)) void matvec_bf16_tokens(const struct cpu_mm *a, int t0, const int TN,
+                                                                     int r0, int r1, float *xp)
 {
-    int body = in / 32 * 32;
-    deinterleave32(xp, x, body);
+    int in = a->in, body = in / 32 * 32;
+    const uint16_t *w = a->w;
+    const float *x = a->x + (size_t)t0 * in;
+    for (int t = 0; t < TN; t++)
+        deinterleave32(xp + (size_t)t * body, x + (size_t)t * in, body);
     int r = r0;
     for (; r + 4 <= r1; r += 4) {
-        const uint16_t *w0 = w + (size_t)r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const uint16_t *w0 = w + (size_t)r * in;
+        __m512 acc[4][4];
+#pragma GCC unroll 4
+        for (int t = 0; t < TN; t++)
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                acc[t][k] = _mm512_setzero_ps();
         for (int i = 0; i < body; i += 32) {
-            a0 = bf16_dot32(a0, w0 + i, xp + i);
-            a1 = bf16_dot32(a1, w1 + i, xp + i);
-            a2 = bf16_dot32(a2, w2 + i, xp + i);
-            a3 = bf16_dot32(a3, w3 + i, xp + i);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const uint16_t *wk = w0 + (size_t)k * in + i;
+#pragma GCC unroll 4
+                for (int t = 0; t < TN; t++)
+                    acc[t][k] = bf16_dot32(acc[t][k], wk, xp + (size_t)t * body + i);
+            }
         }
-        y[r] = _mm512_reduce_add_ps(bf16_dot_tail(a0, w0, x, body, in));
-        y[r + 1] = _mm512_reduce_add_ps(bf16_dot_tail(a1, w1, x, body, in));
-        y[r + 2] = _mm512_reduce_add_ps(bf16_dot_tail(a2, w2, x, body, in));
-        y[r + 3] = _mm512_reduce_add_ps(bf16_dot_tail(a3, w3, x, body, in));
+#pragma GCC unroll 4
+        for (int t = 0; t < TN; t++)
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                a->y[(size_t)(t0 + t) * a->out + r + k] = _mm512_reduce_add_ps(
+                    bf16_dot_tail(acc[t][k], w0 + (size_t)k * in, x + (size_t)t * in, body, in));
     }
     for (; r < r1; r++) {
         const uint16_t *w0 = w + (size_t)r * in;
-        __m512 a0 = _mm512_setzero_ps();
-        for (int i = 0; i < body; i += 32)
-            a0 = bf16_dot32(a0, w0 + i, xp + i);
-        y[r] = _mm512_reduce_add_ps(bf16_dot_tail(a0, w0, x, body, in));
+        for (int t = 0; t < TN; t++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int i = 0; i < body; i += 32)
+                acc = bf16_dot32(acc, w0 + i, xp + (size_t)t * body + i);
+            a->y[(size_t)(t0 + t) * a->out + r] =
+                _mm512_reduce_add_ps(bf16_dot_tail(acc, w0, x + (size_t)t * in, body, in));
+        }
     }
 }
 
@@ -178,8 +198,15 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
         cpu_matmul_panels(a, r0, r1, scratch, to_f32_avx512);
         return;
     }
-    if (a->n == 1 && a->wt == BE_BF16 && fits) {
-        matvec_bf16(a->y, a->x, a->w, a->in, r0, r1, scratch);
+    if (a->wt == BE_BF16 && 4 * (size_t)a->in <= CPU_SCRATCH_FLOATS) {
+        int t = 0;
+        for (; t + 4 <= a->n; t += 4)
+            matvec_bf16_tokens(a, t, 4, r0, r1, scratch);
+        switch (a->n - t) {
+        case 3: matvec_bf16_tokens(a, t, 3, r0, r1, scratch); break;
+        case 2: matvec_bf16_tokens(a, t, 2, r0, r1, scratch); break;
+        case 1: matvec_bf16_tokens(a, t, 1, r0, r1, scratch); break;
+        }
         return;
     }
     switch (a->wt) {
