@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include <cmocka.h>
+#include <hwloc.h>
 
 #include "model/backend.h"
 
@@ -568,6 +569,34 @@ static void test_fault_injection(void **state)
     be_free(be);
 }
 
+/* Host-tier buffers are bound to the NUMA nodes near the CPUs the process
+ * runs on (issue 4), whatever the first touch would have chosen. */
+static void test_host_numa_binding(void **state)
+{
+    (void)state;
+    be_backend *be;
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1}, &be), BE_OK);
+    be_buffer *buf;
+    assert_int_equal(be_host_alloc(be, 1 << 20, &buf), BE_OK);
+    hwloc_topology_t topo;
+    hwloc_bitmap_t cpus = hwloc_bitmap_alloc(), near = hwloc_bitmap_alloc(), got = hwloc_bitmap_alloc();
+    assert_int_equal(hwloc_topology_init(&topo), 0);
+    assert_int_equal(hwloc_topology_load(topo), 0);
+    assert_int_equal(hwloc_get_cpubind(topo, cpus, HWLOC_CPUBIND_PROCESS), 0);
+    hwloc_cpuset_to_nodeset(topo, cpus, near);
+    hwloc_membind_policy_t policy;
+    assert_int_equal(hwloc_get_area_membind(topo, be_buffer_data(buf), 1 << 20, got, &policy, HWLOC_MEMBIND_BYNODESET),
+                     0);
+    assert_int_equal(policy, HWLOC_MEMBIND_BIND);
+    assert_true(hwloc_bitmap_isequal(got, near));
+    hwloc_bitmap_free(cpus);
+    hwloc_bitmap_free(near);
+    hwloc_bitmap_free(got);
+    hwloc_topology_destroy(topo);
+    be_buffer_free(buf);
+    be_free(be);
+}
+
 static void test_copies_events(void **state)
 {
     (void)state;
@@ -705,6 +734,7 @@ int main(void)
         cmocka_unit_test(test_device_budget),
         cmocka_unit_test(test_fault_injection),
         cmocka_unit_test(test_copies_events),
+        cmocka_unit_test(test_host_numa_binding),
         cmocka_unit_test(test_open_and_nulls),
         cmocka_unit_test(test_bad_kernel_args),
     };

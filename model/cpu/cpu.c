@@ -51,6 +51,9 @@ struct cpu_ctx {
     bool copier_started;
 
     _Atomic bool pinned; /* every host buffer so far could be locked */
+    _Atomic bool bound;  /* every host buffer so far could be bound to `near` */
+    hwloc_topology_t topo; /* NULL when hwloc could not load the machine */
+    hwloc_nodeset_t near;  /* NUMA nodes local to the CPUs this process runs on */
 };
 
 struct cpu_pool *cpu_ctx_pool(struct cpu_ctx *c)
@@ -93,6 +96,13 @@ static enum be_status cpu_host_alloc(void *ctx, size_t size, void **ptr)
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return BE_ENOMEM_HOST;
+    /* Bound before mlock faults the pages in, so they land on the nodes
+     * the compute threads read from (the host tier's pages are streamed by
+     * those threads and by the copy thread, which shares their binding). */
+    if (c->topo && hwloc_set_area_membind(c->topo, p, size, c->near, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET) != 0 &&
+        atomic_exchange(&c->bound, false))
+        fprintf(stderr, "kvtier: cpu backend: binding host buffers to their NUMA node failed (%s); pages go where "
+                        "they are first touched\n", strerror(errno));
     if (mlock(p, size) != 0 && atomic_exchange(&c->pinned, false))
         fprintf(stderr, "kvtier: cpu backend: mlock of %zu bytes failed (%s); host buffers are not pinned\n", size,
                 strerror(errno));
@@ -259,15 +269,26 @@ static struct be_caps cpu_caps(void *ctx)
     };
 }
 
-static int physical_cores(void)
+/* Loads the machine's topology and the NUMA nodes near the CPUs this
+ * process may run on; without hwloc the backend still works, unbound. */
+static void load_topology(struct cpu_ctx *c)
 {
-    hwloc_topology_t topo;
-    int n = 0;
-    if (hwloc_topology_init(&topo) == 0) {
-        if (hwloc_topology_load(topo) == 0)
-            n = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
-        hwloc_topology_destroy(topo);
+    hwloc_bitmap_t cpus = hwloc_bitmap_alloc();
+    c->near = hwloc_bitmap_alloc();
+    if (!cpus || !c->near || hwloc_topology_init(&c->topo) != 0) {
+        c->topo = NULL;
+    } else if (hwloc_topology_load(c->topo) != 0 || hwloc_get_cpubind(c->topo, cpus, HWLOC_CPUBIND_PROCESS) != 0) {
+        hwloc_topology_destroy(c->topo);
+        c->topo = NULL;
+    } else {
+        hwloc_cpuset_to_nodeset(c->topo, cpus, c->near);
     }
+    hwloc_bitmap_free(cpus);
+}
+
+static int physical_cores(const struct cpu_ctx *c)
+{
+    int n = c->topo ? hwloc_get_nbobjs_by_type(c->topo, HWLOC_OBJ_CORE) : 0;
     if (n <= 0) {
         long online = sysconf(_SC_NPROCESSORS_ONLN);
         n = online > 0 ? (int)online : 1;
@@ -291,6 +312,9 @@ static void cpu_free(void *ctx)
     pthread_mutex_destroy(&c->mu);
     cpu_pool_free(c->pool);
     free(c->scratch);
+    if (c->topo)
+        hwloc_topology_destroy(c->topo);
+    hwloc_bitmap_free(c->near);
     free(c);
 }
 
@@ -330,14 +354,18 @@ enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops,
     const struct cpu_kern *kern = cpu_kern_select();
     if (!kern)
         return BE_ENOTSUP;
-    int n_threads = p->n_threads ? p->n_threads : physical_cores();
-    if (n_threads > CPU_MAX_THREADS)
+    if (p->n_threads > CPU_MAX_THREADS)
         return BE_EINVAL;
     struct cpu_ctx *c = calloc(1, sizeof(*c));
     if (!c)
         return BE_ENOMEM_HOST;
     c->kern = kern;
     atomic_init(&c->pinned, true);
+    atomic_init(&c->bound, true);
+    load_topology(c);
+    int n_threads = p->n_threads ? p->n_threads : physical_cores(c);
+    if (n_threads > CPU_MAX_THREADS)
+        n_threads = CPU_MAX_THREADS;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->has_work, NULL);
     pthread_cond_init(&c->progress, NULL);
