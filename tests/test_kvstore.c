@@ -4,17 +4,20 @@
  * device-allocation failures; the tiers - the static vectors of §2.1/§2.2
  * and §10.5/§10.6 (returned vs stored rows, overflow), no device
  * allocation in a static decode loop, offload residency (§10.10), the move
- * to the host tier and the host-tier budget.
+ * to the host tier and the host-tier budget; the host pool's slabs
+ * (carving, coalescing, reuse, release, few backend allocations).
  */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <cmocka.h>
 
 #include "tiers/kvstore.h"
+#include "tiers/kvstore_impl.h" /* the host pool and its counters */
 
 #define HEADS 2
 #define HD 4
@@ -398,7 +401,9 @@ static void test_host_budget(void **state)
     assert_int_equal(step(a, 12), TIER_OK);
     assert_int_equal(step(b, 3), TIER_OK);
     assert_int_equal(kv_seq_reserve(b, 12), TIER_ENOMEM_HOST);
-    assert_non_null(strstr(kv_store_errmsg(s), "host tier budget"));
+    char want[64];
+    snprintf(want, sizeof(want), "host tier budget of %zu bytes exhausted: ", 8 * block);
+    assert_non_null(strstr(kv_store_errmsg(s), want));
     assert_int_equal(kv_seq_length(b), 3);
     check_positions(b, 0, 0, 3);
     assert_true(kv_store_stats(s).host_bytes <= 8 * block);
@@ -409,6 +414,134 @@ static void test_host_budget(void **state)
     kv_seq_free(b);
     assert_int_equal(kv_store_stats(s).host_bytes, 0);
     kv_store_free(s);
+}
+
+/* ---- the host pool ---- */
+
+#define HP_PIECE 1024
+
+/* One slab of budget bytes (the budget caps it) carved into pieces. */
+static void hp_carve(struct kv_hostpool *p, char **piece, int n)
+{
+    for (int i = 0; i < n; i++) {
+        void *ptr;
+        assert_int_equal(hp_alloc(p, HP_PIECE, (size_t)n * HP_PIECE, &ptr), BE_OK);
+        assert_int_equal((uintptr_t)ptr % 64, 0);
+        piece[i] = ptr;
+    }
+}
+
+static void check_one_free_slab(const struct kv_hostpool *p, size_t size)
+{
+    assert_int_equal(p->n_slabs, 1);
+    assert_int_equal(p->slabs[0].n_live, 0);
+    assert_int_equal(p->slabs[0].n_free, 1);
+    assert_int_equal(p->slabs[0].free[0].off, 0);
+    assert_int_equal(p->slabs[0].free[0].len, size);
+}
+
+/* Four neighbouring extents freed in each of the 24 orders always merge
+ * back into one free range, and the warm slab serves every round. */
+static void test_hostpool_coalesce(void **state)
+{
+    struct fixture *f = *state;
+    struct kv_hostpool p;
+    hp_init(&p, f->be);
+    for (int perm = 0; perm < 24; perm++) {
+        char *piece[4];
+        hp_carve(&p, piece, 4);
+        for (int i = 1; i < 4; i++)
+            assert_ptr_equal(piece[i], piece[i - 1] + HP_PIECE);
+        int left[4] = {0, 1, 2, 3}, n = 4;
+        for (int code = perm, base = 24; n > 0; n--) { /* perm in the factorial number system */
+            base /= n;
+            int k = code / base;
+            code %= base;
+            hp_free(&p, piece[left[k]], HP_PIECE);
+            memmove(&left[k], &left[k + 1], (size_t)(n - k - 1) * sizeof(int));
+        }
+        check_one_free_slab(&p, 4 * HP_PIECE);
+    }
+    assert_int_equal(p.slab_allocs, 1);
+    hp_release(&p);
+}
+
+/* A freed middle extent is where the next extent of its size goes. */
+static void test_hostpool_reuse(void **state)
+{
+    struct fixture *f = *state;
+    struct kv_hostpool p;
+    hp_init(&p, f->be);
+    char *piece[3];
+    hp_carve(&p, piece, 3);
+    hp_free(&p, piece[1], HP_PIECE);
+    void *again;
+    assert_int_equal(hp_alloc(&p, HP_PIECE, 3 * HP_PIECE, &again), BE_OK);
+    assert_ptr_equal(again, piece[1]);
+    assert_int_equal(p.slab_allocs, 1);
+    for (int i = 0; i < 3; i++)
+        hp_free(&p, piece[i], HP_PIECE);
+    check_one_free_slab(&p, 3 * HP_PIECE);
+    hp_release(&p);
+}
+
+/* A slab goes back to the backend when it empties, except the last one,
+ * which the next extent that fits reuses; release returns it too. */
+static void test_hostpool_slab_release(void **state)
+{
+    struct fixture *f = *state;
+    size_t base = be_mem_stats(f->be).host_used;
+    struct kv_hostpool p;
+    hp_init(&p, f->be);
+    void *a, *b, *c;
+    assert_int_equal(hp_alloc(&p, 4 * HP_PIECE, 4 * HP_PIECE, &a), BE_OK);
+    assert_int_equal(hp_alloc(&p, HP_PIECE, 4 * HP_PIECE, &b), BE_OK); /* the budget's slab is full */
+    assert_int_equal(p.n_slabs, 2);
+    size_t two = be_mem_stats(f->be).host_used;
+    hp_free(&p, b, HP_PIECE);
+    assert_int_equal(p.n_slabs, 1);
+    size_t one = be_mem_stats(f->be).host_used;
+    assert_true(one < two && one > base);
+    hp_free(&p, a, 4 * HP_PIECE);
+    check_one_free_slab(&p, 4 * HP_PIECE);
+    assert_int_equal(be_mem_stats(f->be).host_used, one);
+    assert_int_equal(hp_alloc(&p, 2 * HP_PIECE, 4 * HP_PIECE, &c), BE_OK);
+    assert_ptr_equal(c, a);
+    assert_int_equal(p.slab_allocs, 2);
+    hp_free(&p, c, 2 * HP_PIECE);
+    hp_release(&p);
+    assert_int_equal(be_mem_stats(f->be).host_used, base);
+}
+
+/* Many offloaded sequences growing by doubling, in turns so that their
+ * extents interleave: hundreds of extents, a handful of backend
+ * allocations (one slab holds them all), and the contents survive. */
+static void test_host_slabs_few(void **state)
+{
+    struct fixture *f = *state;
+    enum { N_SEQ = 32, STEPS = 128 };
+    kv_seq *q[N_SEQ];
+    for (int i = 0; i < N_SEQ; i++)
+        q[i] = seq_new(f, KV_OFFLOADED, 0);
+    size_t base = be_mem_stats(f->be).host_used;
+    for (int t = 0; t < STEPS; t++)
+        for (int i = 0; i < N_SEQ; i++)
+            assert_int_equal(step(q[i], 1), TIER_OK);
+    /* the full layer doubles 1, 2, ..., STEPS/BT blocks: log2(32)+1 extents */
+    int extents = N_SEQ * 6;
+    int log2_extents = 0;
+    while (1 << (log2_extents + 1) <= extents)
+        log2_extents++;
+    const struct kv_hostpool *p = &f->store->hp;
+    assert_true(p->slab_allocs >= 1 && p->slab_allocs <= (uint64_t)log2_extents);
+    assert_int_equal(be_mem_stats(f->be).host_used - base, p->slab_bytes);
+    for (int i = 0; i < N_SEQ; i++) {
+        check_positions(q[i], 0, 0, STEPS);
+        kv_seq_free(q[i]);
+    }
+    assert_int_equal(kv_store_stats(f->store).host_bytes, 0);
+    assert_int_equal(p->n_slabs, 1);
+    assert_int_equal(p->slabs[0].n_free, 1);
 }
 
 static void test_bad_params(void **state)
@@ -778,6 +911,10 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_offload_residency, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_offload_moves_everything, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_host_budget, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_hostpool_coalesce, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_hostpool_reuse, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_hostpool_slab_release, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_host_slabs_few, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),

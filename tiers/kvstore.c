@@ -6,10 +6,11 @@
  * Homes (kvstore_impl.h).  A dynamic sequence's layers are paged: blocks
  * from chunks allocated on the backend's device pool, recycled through a
  * free list, so the decode loop never allocates device memory except when
- * the pool has to grow.  Every other layer lives in an extent: one buffer
- * (device or host tier) used as a ring of ext_blocks blocks, logical block
- * b (positions [b*bt, (b+1)*bt)) in ring block b % ext_blocks.  One copy
- * moves a layer (two where the ring wraps).
+ * the pool has to grow.  Every other layer lives in an extent: one
+ * contiguous range (a device buffer, or a piece of a host-pool slab) used
+ * as a ring of ext_blocks blocks, logical block b (positions
+ * [b*bt, (b+1)*bt)) in ring block b % ext_blocks.  One copy moves a layer
+ * (two where the ring wraps).
  *
  * Strategies -> homes, per layer (docs/strategies.md):
  *   dynamic            paged
@@ -65,6 +66,11 @@
  *       second block on; that block is never written again (the sinks
  *       were written by earlier steps, crop is refused once lo > 0).
  *       Keys are stored unrotated; RoPE uses indices in the cache.
+ *   (9) host extents are ranges of the host pool's slabs (s->hp,
+ *       hostpool.c), never backend buffers of their own: a slab is taken
+ *       from the backend only when no free range fits, and returned when
+ *       it empties unless it is the last.  The backend's host accounting
+ *       counts the slabs, host_used the extents.
  * All functions run on one thread (the inference thread).
  */
 #include "tiers/kvstore_impl.h"
@@ -154,6 +160,7 @@ enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const st
     if (g->layer_window)
         memcpy(s->layer_window, g->layer_window, (size_t)g->n_layers * sizeof(int));
     s->be = be;
+    hp_init(&s->hp, be);
     s->g = *g;
     s->g.layer_window = s->layer_window;
     s->bt = p->block_tokens ? p->block_tokens : KV_DEFAULT_BLOCK_TOKENS;
@@ -181,6 +188,7 @@ void kv_store_free(kv_store *s)
         return;
     prefix_release_all(s);
     kv_stream_release(s);
+    hp_release(&s->hp);
     for (size_t i = 0; i < s->n_chunks; i++) {
         be_buffer_free(s->chunks[i]);
         free(s->chunk_desc[i]);
@@ -359,22 +367,24 @@ static size_t dev_available(const kv_store *s)
 
 /* ---- extents -------------------------------------------------------------- */
 
-/* An extent of nb blocks in the home's tier, charged to the host budget
- * when it is a host extent. */
-static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, be_buffer **out)
+/* An extent of nb blocks in the home's tier: a device buffer, or a range
+ * of the host pool charged to the host budget. */
+static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, struct kv_ext *out)
 {
     size_t bytes = (size_t)nb * s->block_bytes;
     enum be_status st;
+    struct kv_ext e = {.size = bytes};
     if (home == KV_HOME_HOST) {
         if (s->host_budget && bytes > s->host_budget - s->host_used) {
             return kv_fail(s, TIER_ENOMEM_HOST, "host tier budget of %zu bytes exhausted: %zu in use, %zu more needed",
                            s->host_budget, s->host_used, bytes);
         }
-        st = be_host_alloc(s->be, bytes, out);
+        st = hp_alloc(&s->hp, bytes, s->host_budget, &e.data);
     } else {
-        st = be_dev_alloc(s->be, bytes, out);
+        st = be_dev_alloc(s->be, bytes, &e.dev);
         if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
-            st = be_dev_alloc(s->be, bytes, out);
+            st = be_dev_alloc(s->be, bytes, &e.dev);
+        e.data = be_buffer_data(e.dev);
     }
     if (st == BE_ENOMEM_DEV) {
         struct be_mem_stats ms = be_mem_stats(s->be);
@@ -390,18 +400,21 @@ static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, be_buf
         s->host_used += bytes;
     else
         s->dev_ext_bytes += bytes;
+    *out = e;
     return TIER_OK;
 }
 
-static void ext_release(kv_store *s, enum kv_home home, be_buffer *b)
+static void ext_release(kv_store *s, enum kv_home home, const struct kv_ext *e)
 {
-    if (!b)
+    if (!e->data)
         return;
-    if (home == KV_HOME_HOST)
-        s->host_used -= be_buffer_size(b);
-    else
-        s->dev_ext_bytes -= be_buffer_size(b);
-    be_buffer_free(b);
+    if (home == KV_HOME_HOST) {
+        s->host_used -= e->size;
+        hp_free(&s->hp, e->data, e->size);
+    } else {
+        s->dev_ext_bytes -= e->size;
+        be_buffer_free(e->dev);
+    }
 }
 
 /* Address of logical block b of a layer (b must be live in it). */
@@ -409,7 +422,7 @@ static char *layer_block(const kv_store *s, const struct kv_layer *L, int64_t b)
 {
     if (L->home == KV_HOME_PAGED)
         return L->blocks[b - L->base / s->bt];
-    return (char *)be_buffer_data(L->ext) + (size_t)(b % L->ext_blocks) * s->block_bytes;
+    return (char *)L->ext.data + (size_t)(b % L->ext_blocks) * s->block_bytes;
 }
 
 /* Copies logical blocks [b0, b1) between two layers' storage (growth and
@@ -453,7 +466,7 @@ void ext_view_refresh(const kv_seq *q, struct kv_layer *L)
         return;
     int64_t b0 = L->lo / s->bt;
     L->base = b0 * s->bt;
-    L->n_blocks = L->ext ? ext_need(s, L, q->len + q->pending) : 0;
+    L->n_blocks = L->ext.data ? ext_need(s, L, q->len + q->pending) : 0;
     for (int i = 0; i < L->n_blocks; i++)
         L->blocks[i] = layer_block(s, L, b0 + i);
 }
@@ -468,13 +481,13 @@ static void layer_storage_release(kv_store *s, struct kv_layer *L)
             blk_put(s, L->sink_blk);
         L->sink_blk = NULL;
     } else {
-        ext_release(s, L->home, L->ext);
+        ext_release(s, L->home, &L->ext);
     }
     free(L->blocks);
     free(L->pb);
     L->blocks = NULL;
     L->pb = NULL;
-    L->ext = NULL;
+    L->ext = (struct kv_ext){0};
     L->n_blocks = L->cap = L->ext_blocks = 0;
 }
 
@@ -486,7 +499,7 @@ static enum tier_status ext_build(kv_seq *q, const struct kv_layer *L, enum kv_h
     kv_store *s = q->s;
     *n = *L;
     n->home = home;
-    n->ext = NULL;
+    n->ext = (struct kv_ext){0};
     n->pb = NULL;
     n->ext_blocks = n->cap = nb;
     n->blocks = malloc((size_t)nb * sizeof(void *));
@@ -496,7 +509,7 @@ static enum tier_status ext_build(kv_seq *q, const struct kv_layer *L, enum kv_h
     if (st == TIER_OK && L->n_blocks > 0)
         st = copy_blocks(s, n, L, L->base / s->bt, L->base / s->bt + L->n_blocks);
     if (st != TIER_OK) {
-        ext_release(s, home, n->ext);
+        ext_release(s, home, &n->ext);
         free(n->blocks);
     }
     return st;
@@ -799,11 +812,11 @@ struct kv_seq_stats kv_seq_stats(const kv_seq *q)
         const struct kv_layer *L = &q->layers[l];
         if (L->home == KV_HOME_HOST) {
             st.streamed_layers++;
-            st.host_bytes += be_buffer_size(L->ext);
+            st.host_bytes += L->ext.size;
         } else {
             st.resident_layers++;
             st.dev_bytes += L->home == KV_HOME_PAGED ? (size_t)(L->n_blocks + !!L->sink_blk) * q->s->block_bytes
-                                                     : be_buffer_size(L->ext);
+                                                     : L->ext.size;
         }
     }
     if (q->kvq)

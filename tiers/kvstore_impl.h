@@ -15,6 +15,35 @@ enum kv_home {
     KV_HOME_HOST = 2,  /* a host-tier extent used as a ring of blocks; streamed */
 };
 
+/* An extent: a device buffer, or a range carved out of a host-pool slab
+ * (dev NULL).  data == NULL: none. */
+struct kv_ext {
+    be_buffer *dev;
+    void *data;
+    size_t size;
+};
+
+/* hostpool.c: the host tier's slabs (its invariants are there).  A free
+ * range of a slab, offsets in bytes. */
+struct hp_range {
+    size_t off, len;
+};
+
+struct hp_slab {
+    be_buffer *buf;
+    struct hp_range *free; /* sorted by offset, no two touching */
+    size_t n_free, cap_free;
+    size_t n_live; /* extents carved out of it */
+};
+
+struct kv_hostpool {
+    be_backend *be;
+    struct hp_slab *slabs;
+    size_t n_slabs, cap_slabs;
+    size_t slab_bytes;    /* sum of the slabs' sizes */
+    uint64_t slab_allocs; /* slabs taken from the backend so far */
+};
+
 /* A pool block.  ref counts the sequence tables holding it (forks and
  * prefix matches share blocks); a block in the prefix cache (pub set) is
  * immutable and stays out of the free list while the cache keeps it. */
@@ -50,7 +79,7 @@ struct kv_layer {
     int64_t base; /* block 0 of the view covers [base, base + bt) */
     int64_t lo;   /* oldest stored position */
     /* extent homes: logical block b lives in ring block b % ext_blocks */
-    be_buffer *ext;
+    struct kv_ext ext;
     int ext_blocks;
     bool ext_fixed; /* static full layer: sized for max_cache_len, never grows */
     /* sink strategy: a reference to the block holding positions [0, S),
@@ -101,6 +130,7 @@ struct kv_store {
     size_t n_total;     /* blocks owned by the pool */
     /* extents */
     size_t host_budget, host_used, dev_ext_bytes;
+    struct kv_hostpool hp; /* where host extents come from */
     /* the prefix cache (prefix.c) */
     bool prefix_on;
     uint64_t hash_mask;
@@ -153,6 +183,18 @@ void kvq_seq_abort(kv_seq *q);
 size_t kvq_seq_bytes(const kv_seq *q); /* device bytes of its blocks, free ones included */
 /* TIER_ENOTSUP naming `what` ("crop", "offloading", ...) */
 enum tier_status kvq_unsupported(kv_seq *q, const char *what);
+
+/* hostpool.c.  hp_alloc carves bytes (rounded up to 64) out of a slab,
+ * taking a new one when no free range fits: max(64 MiB, bytes rounded up
+ * to 2 MiB), cut to what keeps the slabs within a non-zero budget but
+ * never below bytes.  Failing, it leaves the pool's extents as they were
+ * (BE_ENOMEM_HOST for its own tables, else the backend's status).
+ * hp_free takes the size hp_alloc was given and never fails; a slab left
+ * empty goes back to the backend unless it is the only one. */
+void hp_init(struct kv_hostpool *p, be_backend *be);
+enum be_status hp_alloc(struct kv_hostpool *p, size_t bytes, size_t budget, void **out);
+void hp_free(struct kv_hostpool *p, void *ptr, size_t bytes);
+void hp_release(struct kv_hostpool *p); /* every slab back to the backend */
 
 /* stream.c */
 enum tier_status kv_stream_init(kv_store *s);

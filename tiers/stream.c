@@ -183,7 +183,7 @@ void kv_seq_chunk(kv_seq *q, int64_t from, int64_t to)
  * region, in at most two runs (the ring may wrap). */
 static enum be_status ring_copy(kv_store *s, const struct kv_layer *L, int64_t b0, int64_t b1, enum be_copy_dir dir)
 {
-    char *ring = be_buffer_data(L->ext);
+    char *ring = L->ext.data;
     char *slot = (char *)L->blocks[0];
     for (int64_t b = b0; b < b1;) {
         int64_t r = b % L->ext_blocks, run = b1 - b < L->ext_blocks - r ? b1 - b : L->ext_blocks - r;
