@@ -79,10 +79,11 @@ void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
 /* Batched matmul for the SIMD levels (gemm.c): panels of W converted to
  * f32 by to_f32 into scratch, multiplied by OpenBLAS sgemm.  Needs
  * a->in <= CPU_SCRATCH_FLOATS.  Worth it from CPU_GEMM_MIN_TOKENS tokens
- * (measured with kvtier-bench --prompt N on a TinyLlama shape: below 16 the
- * conversion and small-M sgemm cost more than streaming W); below that the
- * levels stream W directly (AVX-512: once per 4 tokens). */
-#define CPU_GEMM_MIN_TOKENS 16
+ * (measured with kvtier-bench --prompt N on a TinyLlama bf16 shape: below
+ * 32 tokens the conversion and small-M sgemm cost more than streaming W,
+ * at 32 they tie, at 64 the panels win); below that the levels stream W
+ * directly, once per 4 tokens. */
+#define CPU_GEMM_MIN_TOKENS 32
 void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
                        void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n));
 
