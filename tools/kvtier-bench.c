@@ -8,7 +8,8 @@
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *
  * Each round measures the limits and the model back to back and gives its
- * own ratios; the figures reported are the medians over --repeat rounds.
+ * own ratios; reported are the medians of those over --repeat rounds and,
+ * beside them, the best model figure against the best limit figure.
  */
 #include <cblas.h>
 #include <getopt.h>
@@ -231,10 +232,17 @@ int main(int argc, char **argv)
     printf("backend          %s, %d threads, simd %s, %d rounds\n", caps.name, threads, caps.simd, repeat);
     printf("read bandwidth   %.2f GB/s (median)\n", median(r_bw, repeat));
     printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads, median)\n", median(r_sg, repeat), threads);
-    printf("prefill          %d tokens: %.1f tokens/s (best), %.0f %% of sgemm (median of rounds)\n", n_prompt,
-           prefill_tps, 100 * median(r_pre, repeat));
-    printf("decode           %d tokens: %.2f tokens/s (best), %.0f %% of read bandwidth (median of rounds)\n", n_decode,
-           decode_tps, 100 * median(r_dec, repeat));
+    /* best against best: each side's least disturbed round */
+    double best_bw = 0, best_sg = 0;
+    for (int r = 0; r < repeat; r++) {
+        best_bw = r_bw[r] > best_bw ? r_bw[r] : best_bw;
+        best_sg = r_sg[r] > best_sg ? r_sg[r] : best_sg;
+    }
+    printf("prefill          %d tokens: %.1f tokens/s (best), %.0f %% of sgemm (median of rounds), %.0f %% best/best\n",
+           n_prompt, prefill_tps, 100 * median(r_pre, repeat), 100 * flops_tok * prefill_tps / 1e9 / best_sg);
+    printf("decode           %d tokens: %.2f tokens/s (best), %.0f %% of read bandwidth (median of rounds), %.0f %% "
+           "best/best\n",
+           n_decode, decode_tps, 100 * median(r_dec, repeat), 100 * (wbytes + kv_bytes) * decode_tps / 1e9 / best_bw);
     free(bw_buf);
     free(sa);
     free(sb);

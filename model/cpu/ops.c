@@ -3,6 +3,7 @@
  * backend picked (cpu.h).  Arguments were validated by backend.c.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "model/cpu/cpu.h"
@@ -34,23 +35,33 @@ static void run(struct cpu_ctx *c, cpu_job_fn *fn, void *arg, size_t work)
 
 /* ---- matmul ------------------------------------------------------------- */
 
+/* Rows are handed out in chunks from a shared counter rather than split in
+ * equal halves up front: on a shared machine a thread that loses its core
+ * for a while leaves its rows to the others instead of making every one of
+ * them wait at the join (decode runs ~10 joins per layer). */
 struct matmul_job {
     struct cpu_ctx *c;
     struct cpu_mm mm;
     const float *bias;
+    size_t chunk;         /* rows per grab, a multiple of 16 (whole cache lines of y) */
+    _Atomic size_t next;  /* first row not yet handed out */
 };
 
 static void matmul_job(void *arg, int ith, int nth)
 {
     struct matmul_job *j = arg;
-    size_t r0, r1;
-    split((size_t)j->mm.out, ith, nth, 16, &r0, &r1);
-    if (r0 >= r1)
-        return;
-    cpu_ctx_kern(j->c)->matmul_rows(&j->mm, (int)r0, (int)r1, cpu_ctx_scratch(j->c, ith));
-    if (j->bias)
-        for (int t = 0; t < j->mm.n; t++)
-            cpu_ctx_kern(j->c)->add(j->mm.y + (size_t)t * (size_t)j->mm.out + r0, j->bias + r0, r1 - r0);
+    (void)nth;
+    size_t out = (size_t)j->mm.out;
+    for (;;) {
+        size_t r0 = atomic_fetch_add(&j->next, j->chunk);
+        if (r0 >= out)
+            return;
+        size_t r1 = r0 + j->chunk < out ? r0 + j->chunk : out;
+        cpu_ctx_kern(j->c)->matmul_rows(&j->mm, (int)r0, (int)r1, cpu_ctx_scratch(j->c, ith));
+        if (j->bias)
+            for (int t = 0; t < j->mm.n; t++)
+                cpu_ctx_kern(j->c)->add(j->mm.y + (size_t)t * out + r0, j->bias + r0, r1 - r0);
+    }
 }
 
 enum be_status cpu_matmul(void *ctx, float *y, const float *x, const void *w, enum be_dtype wt, const float *bias,
@@ -61,6 +72,12 @@ enum be_status cpu_matmul(void *ctx, float *y, const float *x, const void *w, en
         .mm = {.y = y, .x = x, .w = w, .wt = wt, .n = n, .in = in, .out = out},
         .bias = bias,
     };
+    /* about 8 grabs per thread: small enough to rebalance, large enough
+     * that each grab's per-call setup (x deinterleave, sgemm panel) stays
+     * negligible */
+    size_t per = (size_t)out / (8 * (size_t)cpu_pool_size(cpu_ctx_pool(j.c))) / 16 * 16;
+    j.chunk = per < 64 ? 64 : per;
+    atomic_init(&j.next, 0);
     run(j.c, matmul_job, &j, (size_t)in * (size_t)out);
     return BE_OK;
 }
