@@ -335,7 +335,13 @@ static void test_four_times_the_budget(void **state)
     assert_int_equal(ss.strategy, KV_OFFLOADED);
     assert_int_equal(kv_store_stats(r.store).fallbacks, 1);
     assert_true(be_mem_stats(r.be).dev_peak <= act + kv / 4);
+    /* With nothing left in the host tier the two streaming slots go back
+     * to the device, or one fallback would keep two layers' worth of device
+     * memory and push later requests to the host tier too. */
+    size_t with_slots = be_mem_stats(r.be).dev_used;
     kv_seq_free(q);
+    assert_int_equal(kv_store_stats(r.store).host_bytes, 0);
+    assert_true(be_mem_stats(r.be).dev_used + 2 * layer_kv_bytes(&r, N_PROMPT + N_GEN) <= with_slots);
     rig_close(&r);
 
     /* announced up front: starts offloaded without a failed step */

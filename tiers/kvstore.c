@@ -411,6 +411,12 @@ static void ext_release(kv_store *s, enum kv_home home, const struct kv_ext *e)
     if (home == KV_HOME_HOST) {
         s->host_used -= e->size;
         hp_free(&s->hp, e->data, e->size);
+        /* The last host extent gone, nothing streams any more: the slots
+         * go back to the device (invariant 3), or one out-of-memory fallback
+         * would keep two layers' worth of device memory and push later
+         * requests to the host tier too. */
+        if (s->host_used == 0 && !s->streaming)
+            kv_stream_slots_release(s);
     } else {
         s->dev_ext_bytes -= e->size;
         be_buffer_free(e->dev);

@@ -199,6 +199,7 @@ void hp_release(struct kv_hostpool *p); /* every slab back to the backend */
 /* stream.c */
 enum tier_status kv_stream_init(kv_store *s);
 void kv_stream_release(kv_store *s);
+void kv_stream_slots_release(kv_store *s); /* only between steps (invariant 3) */
 
 /* kvstore.c helpers stream.c uses */
 void ext_view_refresh(const kv_seq *q, struct kv_layer *L);

@@ -28,7 +28,8 @@
  *       stored yet (kvstore.c invariant 3), so an aborted step leaves the
  *       host tier's stored positions as they were.
  *   (3) between steps the slots hold nothing of value: they may be freed
- *       and reallocated at any step_begin.
+ *       and reallocated at any step_begin, and they are freed as soon as
+ *       the last host extent is (kvstore.c ext_release).
  * Figures: the copy stream's busy time per batch of copies is measured
  * with a pair of events around it (be_event_elapsed), stall is the host
  * time spent waiting for a copy-in, compute the rest of the step.
@@ -90,6 +91,14 @@ static void xfer_add(struct kv_xfer_stats *a, const struct kv_xfer_stats *b)
     a->compute_s += b->compute_s;
 }
 
+void kv_stream_slots_release(kv_store *s)
+{
+    be_buffer_free(s->slot[0]);
+    be_buffer_free(s->slot[1]);
+    s->slot[0] = s->slot[1] = NULL;
+    s->slot_cap = 0;
+}
+
 /* Two slots of at least `need` bytes, rounded up when the budget allows,
  * exact when only that fits, after returning free pool chunks when even
  * that does not.  On failure the store holds none. */
@@ -97,10 +106,7 @@ static enum tier_status slots_alloc(kv_store *s, size_t need)
 {
     size_t round = KV_SLOT_ROUND_BLOCKS * s->block_bytes;
     size_t caps[2] = {(need + round - 1) / round * round, need};
-    be_buffer_free(s->slot[0]);
-    be_buffer_free(s->slot[1]);
-    s->slot[0] = s->slot[1] = NULL;
-    s->slot_cap = 0;
+    kv_stream_slots_release(s);
     enum be_status st = BE_ENOMEM_DEV;
     for (int attempt = 0; attempt < 4 && st == BE_ENOMEM_DEV; attempt++) {
         if (attempt == 2) /* unreferenced prefix-cache blocks and empty pool chunks go first */
