@@ -478,8 +478,15 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     if (sampler_create(&sp, e->vocab, &c->smp) != MODEL_OK)
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the sampler");
     struct session *s = j->sess;
-    if (!s)
-        return kv_open(e, &j->cache.params, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
+    if (!s) {
+        /* A one-shot request knows its final length: sized up front, one
+         * that cannot fit the device starts offloaded instead of failing
+         * part-way (issue 4; the store only checks, it reserves nothing). */
+        struct kv_seq_params p = j->cache.params;
+        if (p.strategy == KV_DYNAMIC && !p.max_cache_len)
+            p.max_cache_len = (int64_t)cap - 1;
+        return kv_open(e, &p, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
+    }
     size_t keep = common_prefix(s, j->prompt, j->n_prompt);
     if (s->kv && keep < s->n_toks) {
         /* The KV holds tokens the new input does not continue (an edited
