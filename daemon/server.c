@@ -485,7 +485,8 @@ static void stream_snapshot(const struct req *r, struct stream_view *v, size_t m
     for (int i = 0; i < j->n; i++) {
         const struct job_choice *c = &j->ch[i];
         size_t want = c->n_text - r->sent_text[i], take = want < left ? want : left;
-        memcpy(r->snap + at, c->text + r->sent_text[i], take);
+        if (take) /* c->text is NULL until the first piece of text */
+            memcpy(r->snap + at, c->text + r->sent_text[i], take);
         v->text[i] = r->snap + at;
         v->base[i] = r->sent_text[i];
         v->n_text[i] = r->sent_text[i] + take;
