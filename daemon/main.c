@@ -18,6 +18,7 @@
 #include "daemon/log.h"
 #include "daemon/server.h"
 #include "daemon/sock.h"
+#include "ipc/args.h"
 #include "ipc/sockpath.h"
 
 enum { EXIT_USAGE = 2, EXIT_MODEL = 3, EXIT_SOCKET = 4 };
@@ -48,35 +49,6 @@ static void usage(FILE *f)
             "  --log FILE           log here instead of stderr (reopened on SIGHUP)\n"
             "  --verbose            debug log lines\n"
             "  --help\n");
-}
-
-static bool parse_size(const char *s, size_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    unsigned long long mul = 1;
-    if (*end == 'k' || *end == 'K')
-        mul = 1ull << 10, end++;
-    else if (*end == 'm' || *end == 'M')
-        mul = 1ull << 20, end++;
-    else if (*end == 'g' || *end == 'G')
-        mul = 1ull << 30, end++;
-    if (errno || end == s || *end || s[0] == '-' || v > SIZE_MAX / mul)
-        return false;
-    *out = (size_t)(v * mul);
-    return true;
-}
-
-static bool parse_int(const char *s, int lo, int hi, int *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        return false;
-    *out = (int)v;
-    return true;
 }
 
 static int sig_write_fd = -1;
@@ -127,20 +99,20 @@ int main(int argc, char **argv)
         case O_SYSTEM: system = true; break;
         case O_GROUP: group = optarg; break;
         case O_BACKEND: ec.backend = optarg; break;
-        case O_THREADS: ok = parse_int(optarg, 0, 1024, &ec.n_threads); break;
-        case O_DEVMEM: ok = parse_size(optarg, &ec.device_mem); break;
-        case O_HOSTMEM: ok = parse_size(optarg, &ec.host_mem); break;
+        case O_THREADS: ok = args_int(optarg, 0, 1024, &ec.n_threads); break;
+        case O_DEVMEM: ok = args_size(optarg, &ec.device_mem); break;
+        case O_HOSTMEM: ok = args_size(optarg, &ec.host_mem); break;
         case O_NOPREFIX: ec.no_prefix_cache = true; break;
-        case O_CTX: ok = parse_int(optarg, 16, 1 << 24, &ec.ctx); break;
-        case O_PARALLEL: ok = parse_int(optarg, 1, 1024, &ec.max_seqs); break;
-        case O_BATCH: ok = parse_int(optarg, 16, 65536, &ec.batch_tokens); break;
-        case O_QUEUE: ok = parse_int(optarg, 1, 1 << 20, &ec.max_queue); break; /* 0 would refuse every request: each one queues first */
-        case O_CLIENTS: ok = parse_int(optarg, 1, 1 << 16, &sc.max_clients); break;
-        case O_BODY: ok = parse_size(optarg, &sc.max_body) && sc.max_body > 0; break;
-        case O_OUTPUT: ok = parse_size(optarg, &sc.max_output); break;
-        case O_SESSIONS: ok = parse_int(optarg, 0, 1 << 20, &ec.max_sessions); break;
-        case O_DRAIN: ok = parse_int(optarg, 0, 86400, &sc.drain_timeout_s); break;
-        case O_IDLE: ok = parse_int(optarg, 1, 86400, &sc.idle_timeout_s); break;
+        case O_CTX: ok = args_int(optarg, 16, 1 << 24, &ec.ctx); break;
+        case O_PARALLEL: ok = args_int(optarg, 1, 1024, &ec.max_seqs); break;
+        case O_BATCH: ok = args_int(optarg, 16, 65536, &ec.batch_tokens); break;
+        case O_QUEUE: ok = args_int(optarg, 1, 1 << 20, &ec.max_queue); break; /* 0 would refuse every request: each one queues first */
+        case O_CLIENTS: ok = args_int(optarg, 1, 1 << 16, &sc.max_clients); break;
+        case O_BODY: ok = args_size(optarg, &sc.max_body) && sc.max_body > 0; break;
+        case O_OUTPUT: ok = args_size(optarg, &sc.max_output); break;
+        case O_SESSIONS: ok = args_int(optarg, 0, 1 << 20, &ec.max_sessions); break;
+        case O_DRAIN: ok = args_int(optarg, 0, 86400, &sc.drain_timeout_s); break;
+        case O_IDLE: ok = args_int(optarg, 1, 86400, &sc.idle_timeout_s); break;
         case O_LOG: log_path = optarg; break;
         case O_VERBOSE: verbose = true; break;
         case O_HELP: usage(stdout); return 0;

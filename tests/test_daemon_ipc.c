@@ -12,6 +12,7 @@
 
 #include <cmocka.h>
 
+#include "ipc/args.h"
 #include "ipc/cache.h"
 #include "ipc/chat.h"
 #include "ipc/httpc.h"
@@ -367,11 +368,37 @@ static void test_reply_parser(void **state)
     free(m);
 }
 
+/* Option numbers: the whole string, in range, or a usage error. */
+static void test_args(void **state)
+{
+    (void)state;
+    int i = 7;
+    assert_true(args_int("12", 0, 100, &i) && i == 12);
+    assert_false(args_int("abc", 0, 100, &i));
+    assert_false(args_int("-5", 0, 100, &i));
+    assert_false(args_int("5x", 0, 100, &i));
+    assert_false(args_int("", 0, 100, &i));
+    assert_false(args_int("99999999999999999999", 0, 100, &i));
+    assert_int_equal(i, 12); /* untouched by the failures */
+    float f;
+    assert_true(args_float("0.5", 0, 1, &f) && f == 0.5f);
+    assert_false(args_float("nan", 0, 1, &f));
+    assert_false(args_float("1.5", 0, 1, &f));
+    size_t z;
+    assert_true(args_size("3K", &z) && z == 3072);
+    assert_true(args_size("2G", &z) && z == (size_t)2 << 30);
+    assert_false(args_size("-1", &z));
+    assert_false(args_size("1T", &z));
+    uint64_t u;
+    assert_true(args_u64("18446744073709551615", &u) && u == UINT64_MAX);
+    assert_false(args_u64("-1", &u));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat_goldens), cmocka_unit_test(test_chat_refusals), cmocka_unit_test(test_cache_table),
-        cmocka_unit_test(test_cache_params),
+        cmocka_unit_test(test_cache_params), cmocka_unit_test(test_args),
         cmocka_unit_test(test_request),      cmocka_unit_test(test_jsonw),         cmocka_unit_test(test_reply_parser),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

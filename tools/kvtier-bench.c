@@ -19,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ipc/args.h"
 #include "model/runtime.h"
 
 static double now_s(void)
@@ -135,13 +136,18 @@ int main(int argc, char **argv)
     };
     int o;
     while ((o = getopt_long(argc, argv, "m:p:d:t:r:", opts, NULL)) != -1) {
+        bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
-        case 'p': n_prompt = atoi(optarg); break;
-        case 'd': n_decode = atoi(optarg); break;
-        case 't': rp.be.n_threads = atoi(optarg); break;
-        case 'r': repeat = atoi(optarg); break;
+        case 'p': ok = args_int(optarg, 1, 1 << 20, &n_prompt); break;
+        case 'd': ok = args_int(optarg, 1, 1 << 20, &n_decode); break;
+        case 't': ok = args_int(optarg, 0, 1024, &rp.be.n_threads); break;
+        case 'r': ok = args_int(optarg, 1, 1000, &repeat); break;
         default: return 2;
+        }
+        if (!ok) {
+            fprintf(stderr, "kvtier-bench: invalid value '%s' for -%c\n", optarg, o);
+            return 2;
         }
     }
     if (!dir || n_prompt < 1 || n_decode < 1 || repeat < 1) {

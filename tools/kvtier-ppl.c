@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ipc/args.h"
 #include "model/runtime.h"
 
 static void usage(FILE *f)
@@ -103,7 +104,7 @@ static enum model_status score_chunk(model *m, kv_store *store, int32_t bos, con
 int main(int argc, char **argv)
 {
     const char *dir = NULL, *path = NULL;
-    long window = 512;
+    int window = 512;
     struct runtime_params rp = {0};
     enum { O_WINDOW = 256, O_THREADS };
     static const struct option opts[] = {
@@ -116,13 +117,19 @@ int main(int argc, char **argv)
         switch (c) {
         case 'm': dir = optarg; break;
         case 'f': path = optarg; break;
-        case O_WINDOW: window = strtol(optarg, NULL, 10); break;
-        case O_THREADS: rp.be.n_threads = atoi(optarg); break;
+        case O_WINDOW:
+        case O_THREADS:
+            if (!args_int(optarg, c == O_WINDOW ? 2 : 0, c == O_WINDOW ? 1 << 20 : 1024,
+                          c == O_WINDOW ? &window : &rp.be.n_threads)) {
+                fprintf(stderr, "kvtier-ppl: invalid value '%s' for --%s\n", optarg, c == O_WINDOW ? "window" : "threads");
+                return 2;
+            }
+            break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
     }
-    if (!dir || !path || optind != argc || window < 2 || window > 1 << 20) {
+    if (!dir || !path || optind != argc) {
         usage(stderr);
         return 2;
     }

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ipc/args.h"
 #include "model/runtime.h"
 
 static void usage(FILE *f)
@@ -110,20 +111,21 @@ int main(int argc, char **argv)
         {"threads", required_argument, 0, O_THREADS}, {"dump", required_argument, 0, O_DUMP},
         {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
-    int c;
-    while ((c = getopt_long(argc, argv, "m:p:n:h", opts, NULL)) != -1) {
+    int c, li = -1;
+    while ((c = getopt_long(argc, argv, "m:p:n:h", opts, &li)) != -1) {
+        bool ok = true;
         switch (c) {
         case 'm': dir = optarg; break;
         case 'p': text = optarg; break;
-        case 'n': gp.max_new_tokens = atoi(optarg); break;
+        case 'n': ok = args_int(optarg, 1, 1 << 24, &gp.max_new_tokens); break;
         case O_IDS: ids_arg = optarg; break;
         case O_GREEDY: gp.sampling.temperature = 0; break;
-        case O_TEMP: gp.sampling.temperature = strtof(optarg, NULL); break;
-        case O_TOPK: gp.sampling.top_k = atoi(optarg); break;
-        case O_TOPP: gp.sampling.top_p = strtof(optarg, NULL); break;
-        case O_MINP: gp.sampling.min_p = strtof(optarg, NULL); break;
-        case O_REP: gp.sampling.repetition_penalty = strtof(optarg, NULL); break;
-        case O_SEED: gp.sampling.seed = strtoull(optarg, NULL, 10); break;
+        case O_TEMP: ok = args_float(optarg, 0, 100, &gp.sampling.temperature); break;
+        case O_TOPK: ok = args_int(optarg, 0, 1 << 24, &gp.sampling.top_k); break;
+        case O_TOPP: ok = args_float(optarg, 0, 1, &gp.sampling.top_p) && gp.sampling.top_p > 0; break;
+        case O_MINP: ok = args_float(optarg, 0, 1, &gp.sampling.min_p); break;
+        case O_REP: ok = args_float(optarg, 0, 100, &gp.sampling.repetition_penalty) && gp.sampling.repetition_penalty > 0; break;
+        case O_SEED: ok = args_u64(optarg, &gp.sampling.seed); break;
         case O_STOP:
             if (gp.n_stops == (int)(sizeof(stops) / sizeof(stops[0]))) {
                 fprintf(stderr, "kvtier-run: at most 16 --stop strings\n");
@@ -133,14 +135,20 @@ int main(int argc, char **argv)
             break;
         case O_IGN: gp.ignore_eos = true; break;
         case O_NOCACHE: gp.use_cache = false; break;
-        case O_THREADS: rp.be.n_threads = atoi(optarg); break;
+        case O_THREADS: ok = args_int(optarg, 0, 1024, &rp.be.n_threads); break;
         case O_DUMP: dump_path = optarg; break;
         case O_QUIET: quiet = true; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
+        if (!ok) {
+            fprintf(stderr, "kvtier-run: invalid value '%s' for %s%s\n", optarg, li >= 0 ? "--" : "-",
+                    li >= 0 ? opts[li].name : (const char[]){(char)c, 0});
+            return 2;
+        }
+        li = -1;
     }
-    if (!dir || (!text == !ids_arg) || gp.max_new_tokens <= 0) {
+    if (!dir || (!text == !ids_arg)) {
         usage(stderr);
         return 2;
     }

@@ -1,0 +1,57 @@
+/* args.c - checked number parsing for command-line options. */
+#include "ipc/args.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+
+bool args_int(const char *s, int lo, int hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return false;
+    *out = (int)v;
+    return true;
+}
+
+bool args_u64(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end || s[0] == '-')
+        return false;
+    *out = v;
+    return true;
+}
+
+bool args_float(const char *s, float lo, float hi, float *out)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(v) || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+bool args_size(const char *s, size_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    unsigned long long mul = 1;
+    if (*end == 'k' || *end == 'K')
+        mul = 1ull << 10, end++;
+    else if (*end == 'm' || *end == 'M')
+        mul = 1ull << 20, end++;
+    else if (*end == 'g' || *end == 'G')
+        mul = 1ull << 30, end++;
+    if (errno || end == s || *end || s[0] == '-' || v > SIZE_MAX / mul)
+        return false;
+    *out = (size_t)(v * mul);
+    return true;
+}
