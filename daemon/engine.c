@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "daemon/log.h"
+#include "model/clock.h"
 #include "model/runtime.h"
 
 struct session {
@@ -69,13 +70,6 @@ struct engine {
     unsigned rr;    /* round-robin start among prefills; unsigned so it wraps after 2^32 steps */
     bool mix_turn;  /* which of sink / quantized waits when both are active (build_batch) */
 };
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 static void wake(engine *e)
 {
@@ -569,7 +563,7 @@ static void retire(engine *e, struct job *j)
             memcpy(keep, c0->toks, n_keep * sizeof(*keep));
         }
     }
-    double t = now_ms();
+    double t = clock_ms();
     pthread_mutex_lock(&e->mu);
     if (s && admitted) {
         free(s->toks);
@@ -694,7 +688,7 @@ static void session_op(engine *e, struct job *j)
 
 static void start_job(engine *e, struct job *j)
 {
-    j->t_admit = now_ms();
+    j->t_admit = clock_ms();
     if (j->kind >= JOB_CROP) {
         session_op(e, j);
         return;
@@ -944,7 +938,7 @@ static void fail_forward(engine *e, int from, int to, enum model_status st)
 /* Entries [from, to) were computed: take their tokens and sample. */
 static void advance(engine *e, int from, int to)
 {
-    double t = now_ms();
+    double t = clock_ms();
     for (int i = from; i < to; i++) {
         struct job_choice *c = e->batch_ch[i];
         struct job *j = e->batch_job[i];
@@ -1137,12 +1131,12 @@ static bool load(engine *e)
 static void *engine_main(void *arg)
 {
     engine *e = arg;
-    double t = now_ms();
+    double t = clock_ms();
     bool ok = load(e);
     if (ok) {
         publish(e, 0); /* /metrics shows the device bytes the model holds from the start */
         log_msg(LOG_INFO, "model %s loaded in %.1f s: %s, %d layers, vocab %d, context %d, chat template %s",
-                e->model_id, (now_ms() - t) / 1e3, e->mc->arch_name, e->mc->n_layers, e->vocab, e->ctx,
+                e->model_id, (clock_ms() - t) / 1e3, e->mc->arch_name, e->mc->n_layers, e->vocab, e->ctx,
                 ipc_chat_family_name(e->chat.family));
     }
     wake(e);

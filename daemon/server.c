@@ -17,6 +17,7 @@
 #include "daemon/sock.h"
 #include "ipc/chat.h"
 #include "ipc/jsonw.h"
+#include "model/clock.h"
 
 /* What an epoll event belongs to; the first member of everything registered. */
 enum src_kind { SRC_LISTEN = 1, SRC_SIGNAL, SRC_WAKE, SRC_MHD, SRC_CONN };
@@ -69,13 +70,6 @@ struct server {
     char *piece; /* one token's text for logprobs: engine_max_piece bytes (loop thread) */
     size_t piece_cap;
 };
-
-static double mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 /* ---- replies ----------------------------------------------------------------- */
 
@@ -1470,7 +1464,7 @@ static void on_signal(struct server *s)
         snprintf(msg, sizeof(msg), "STOPPING=1\nSTATUS=Draining %d requests", n);
         sd_notify_msg(msg);
         s->draining = true;
-        s->drain_deadline = mono_ms() + s->cfg->drain_timeout_s * 1e3;
+        s->drain_deadline = clock_ms() + s->cfg->drain_timeout_s * 1e3;
         stop_listening(s);
         engine_drain(s->eng);
     }
@@ -1567,12 +1561,12 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
         if (MHD_get_timeout(s.mhd, &mt) == MHD_YES)
             timeout = mt > 60000 ? 60000 : (int)mt;
         if (s.draining) {
-            double left = s.drain_deadline - mono_ms();
+            double left = s.drain_deadline - clock_ms();
             if (left <= 0 && !aborted) {
                 log_msg(LOG_WARN, "drain timeout: cancelling %d request(s)", engine_pending(e));
                 engine_abort_all(e, IPC_EUNAVAIL, "kvtierd is shutting down (drain timeout)");
                 aborted = true;
-                s.drain_deadline = mono_ms() + 2000; /* time for the error replies to go out */
+                s.drain_deadline = clock_ms() + 2000; /* time for the error replies to go out */
             } else if (left <= 0) {
                 break;
             }

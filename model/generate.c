@@ -8,17 +8,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "model/clock.h"
+
 void gen_params_default(struct gen_params *p)
 {
     *p = (struct gen_params){.max_new_tokens = 0, .use_cache = true};
     sampler_params_default(&p->sampling);
-}
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
 bool gen_is_eos(const struct model_config *c, const tokenizer *tok, int32_t id)
@@ -106,11 +101,11 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
         goto out;
     }
 
-    double t0 = now_ms();
+    double t0 = clock_ms();
     st = step(m, store, &seq, p->use_cache, hist.ids, hist.n, n, logits);
-    res->prefill_ms = now_ms() - t0;
+    res->prefill_ms = clock_ms() - t0;
     res->finish = GEN_FINISH_LENGTH;
-    double t1 = now_ms();
+    double t1 = clock_ms();
     for (size_t i = 0; st == MODEL_OK && i < max_new; i++) {
         if (p->on_logits)
             p->on_logits(p->logits_ud, logits, c->vocab_size);
@@ -151,7 +146,7 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
     }
     if (st == MODEL_OK && text.len && cb && res->finish != GEN_FINISH_CALLBACK)
         cb(ud, text.buf, text.len); /* held-back text that never became a stop string */
-    res->decode_ms = now_ms() - t1;
+    res->decode_ms = clock_ms() - t1;
     if (st != MODEL_OK)
         snprintf(err, MODEL_ERR_LEN, "generation step %zu: %s", res->tokens.n, model_strerror(st));
 out:

@@ -81,6 +81,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "model/clock.h"
+
 #define KV_DEFAULT_BLOCK_TOKENS 32
 #define KV_CHUNK_BLOCKS 64 /* blocks per device allocation when the pool grows */
 
@@ -118,13 +120,6 @@ enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...)
     vsnprintf(s->err, sizeof(s->err), fmt, ap);
     va_end(ap);
     return st;
-}
-
-double kv_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static bool is_static(enum kv_strategy st)

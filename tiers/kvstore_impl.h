@@ -208,6 +208,5 @@ void kv_store_trim(kv_store *s);
 bool kv_store_reclaim(kv_store *s);
 /* Records the message for kv_store_errmsg and returns st. */
 enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-double kv_now(void);
 
 #endif

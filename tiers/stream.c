@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "model/clock.h"
+
 /* Slots grow in steps of this many blocks so that a growing context
  * reallocates them every few hundred tokens, not every block. */
 #define KV_SLOT_ROUND_BLOCKS 4
@@ -175,7 +177,7 @@ enum tier_status kv_store_step_begin(kv_store *s)
         }
     }
     memset(s->wb_rec, 0, (size_t)s->g.n_layers * sizeof(*s->wb_rec));
-    s->step_t0 = kv_now();
+    s->step_t0 = clock_s();
     return TIER_OK;
 }
 
@@ -248,10 +250,10 @@ enum be_status kv_store_layer_begin(kv_store *s, int layer)
     if (s->slot_of[layer] >= 0) {
         if (!s->issued[layer])
             st = copy_in(s, layer);
-        double t0 = kv_now();
+        double t0 = clock_s();
         if (st == BE_OK)
             st = be_event_wait(s->be, ev(s, layer, EV_IN_END));
-        s->step.stall_s += kv_now() - t0;
+        s->step.stall_s += clock_s() - t0;
         if (st == BE_OK)
             st = add_transfer(s, layer, EV_IN_START);
         /* write-backs queued before this copy-in have finished too */
@@ -295,7 +297,7 @@ enum be_status kv_store_step_end(kv_store *s)
     for (int m = 0; m < s->g.n_layers && st == BE_OK; m++)
         if (s->wb_rec[m])
             st = add_transfer(s, m, EV_WB_START);
-    s->step.compute_s = kv_now() - s->step_t0 - s->step.stall_s;
+    s->step.compute_s = clock_s() - s->step_t0 - s->step.stall_s;
     xfer_add(&s->total, &s->step);
     for (int i = 0; i < s->n_active; i++) {
         kv_seq *q = s->active[i];

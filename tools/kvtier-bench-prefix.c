@@ -13,14 +13,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "model/clock.h"
 #include "model/model.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static int die(const char *what, const char *msg)
 {
@@ -32,13 +26,13 @@ static int die(const char *what, const char *msg)
  * rest; returns the seconds to the logits and leaves the sequence in *out. */
 static double request(model *m, kv_store *st, const int32_t *ids, int n, float *row, kv_seq **out, int64_t *cached)
 {
-    double t0 = now_s();
+    double t0 = clock_s();
     if (kv_seq_create(st, NULL, out) != TIER_OK || kv_seq_match_prefix(*out, ids, n, cached) != TIER_OK)
         return -1;
     struct fw_seq fs = {.kv = *out, .tokens = ids + *cached, .n_tokens = n - (int)*cached, .logits = row};
     if (model_forward(m, &fs, 1) != MODEL_OK)
         return -1;
-    return now_s() - t0;
+    return clock_s() - t0;
 }
 
 int main(int argc, char **argv)

@@ -26,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "model/clock.h"
 #include "model/tokenizer.h"
 #include "tiers/quant.h"
 
@@ -48,13 +49,6 @@ static struct cfg quant_cfg(const char *name, enum kv_quant_backend b, int nbits
         c.q.residual_length = residual;
     }
     return c;
-}
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 struct bench {
@@ -225,7 +219,7 @@ static int accuracy(const char *dir, const char *file, const char *tokdir, long 
         goto out;
     }
     size_t total = ids.n < (size_t)max_tokens ? ids.n : (size_t)max_tokens;
-    double t0 = now();
+    double t0 = clock_s();
     for (size_t w0 = 0; w0 + (size_t)W <= total; w0 += (size_t)W, n_win++) {
         const int32_t *c = ids.ids + w0;
         for (int i = 0; i < N_ACC; i++) {
@@ -270,7 +264,7 @@ static int accuracy(const char *dir, const char *file, const char *tokdir, long 
         fprintf(stderr, "kvtier-bench-quant: fewer than --window (%d) tokens\n", W);
         goto out;
     }
-    printf("%d windows of %d tokens (prompt %d, %ld decode positions), %.0f s\n\n", n_win, W, P, n_pos, now() - t0);
+    printf("%d windows of %d tokens (prompt %d, %ld decode positions), %.0f s\n\n", n_win, W, P, n_pos, clock_s() - t0);
     printf("| cache | ppl | ΔPPL | mean KL vs f32 | same top token | KV bytes/token vs bf16 |\n|---|---|---|---|---|---|\n");
     double ppl0 = exp(nll[0] / (double)n_pos);
     for (int i = 0; i < N_ACC; i++) {
@@ -318,7 +312,7 @@ static int speed(const char *dir, int context, int steps, int rounds, int thread
     srand(7);
     for (int i = 0; i < context + steps; i++)
         ids[i] = rand() % b.V;
-    double t0 = now();
+    double t0 = clock_s();
     for (int i = 0; i < N_SPEED; i++) {
         if (seq_new(&b, &cfgs[i], &q[i]) != 0)
             goto out;
@@ -326,17 +320,17 @@ static int speed(const char *dir, int context, int steps, int rounds, int thread
         if (model_forward(b.m, &fs, 1) != MODEL_OK)
             goto out;
     }
-    printf("prefill of %d tokens x %d caches: %.0f s\n", context, N_SPEED, now() - t0);
+    printf("prefill of %d tokens x %d caches: %.0f s\n", context, N_SPEED, clock_s() - t0);
     for (int r = 0; r < rounds; r++) {
         for (int k = 0; k < N_SPEED; k++) {
             int i = (k + r) % N_SPEED;
-            double t = now();
+            double t = clock_s();
             for (int s = 0; s < steps; s++) {
                 struct fw_seq fs = {.kv = q[i], .tokens = &ids[context + s], .n_tokens = 1, .logits = row};
                 if (model_forward(b.m, &fs, 1) != MODEL_OK)
                     goto out;
             }
-            tps[i][r] = steps / (now() - t);
+            tps[i][r] = steps / (clock_s() - t);
         }
         for (int i = 0; i < N_SPEED; i++)
             ratio[i][r] = tps[i][r] / tps[0][r];

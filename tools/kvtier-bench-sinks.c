@@ -21,14 +21,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "model/clock.h"
 #include "model/runtime.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static int parse_ids(const char *s, struct tok_ids *out)
 {
@@ -124,7 +118,7 @@ int main(int argc, char **argv)
     size_t bt = (size_t)kv_store_block_tokens(rt.store);
     size_t block = 2 * (size_t)geo.n_kv_heads * bt * (size_t)geo.head_dim * be_dtype_size(geo.dtype);
     size_t bound = (size_t)geo.n_layers * ((size_t)(window - sinks + (long)bt - 1) / bt + 2) * block;
-    double first_rate = 0, rate = 0, t0 = now_s();
+    double first_rate = 0, rate = 0, t0 = clock_s();
     const int32_t *feed = ids.ids;
     int n_feed = (int)n_prompt;
     for (long g = 1; g <= n_gen; g++) {
@@ -149,7 +143,7 @@ int main(int argc, char **argv)
         feed = &ids.ids[ids.n - 1];
         n_feed = 1;
         if (g % every == 0) {
-            double t1 = now_s();
+            double t1 = clock_s();
             rate = (double)every / (t1 - t0);
             size_t bytes = kv_seq_bytes(q);
             if (!first_rate)
@@ -159,7 +153,7 @@ int main(int argc, char **argv)
                 fprintf(stderr, "kvtier-bench-sinks: KV bytes %zu above the window's %zu\n", bytes, bound);
                 goto out;
             }
-            t0 = now_s(); /* the report itself is not timed */
+            t0 = clock_s(); /* the report itself is not timed */
         }
     }
     if (first_rate)

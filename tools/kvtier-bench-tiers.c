@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "model/clock.h"
 #include "model/model.h"
 
 enum { RESIDENT, OFFLOADED, ADAPTIVE, N_MODES };
@@ -30,13 +31,6 @@ struct rig {
     model *m;
     kv_store *store;
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static int rig_open(struct rig *r, const char *dir, int threads, size_t device_mem)
 {
@@ -90,13 +84,13 @@ static int decode(struct rig *r, kv_seq *q, int n, float *logits, struct result 
     if (model_forward(r->m, &fs, 1) != MODEL_OK)
         return -1;
     struct kv_xfer_stats x0 = kv_seq_stats(q).xfer;
-    double t0 = now_s();
+    double t0 = clock_s();
     for (int i = 0; i < n; i++) {
         tok = (int32_t)(i * 31 + 11) % model_get_config(r->m)->vocab_size;
         if (model_forward(r->m, &fs, 1) != MODEL_OK)
             return -1;
     }
-    double t = now_s() - t0;
+    double t = clock_s() - t0;
     struct kv_xfer_stats x1 = kv_seq_stats(q).xfer;
     struct result res = {.tps = n / t};
     res.x = (struct kv_xfer_stats){

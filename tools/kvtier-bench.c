@@ -19,15 +19,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "model/clock.h"
 #include "ipc/args.h"
 #include "model/runtime.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* ---- memory read bandwidth: every thread sums its slice of a buffer far
  * larger than the last-level cache ---------------------------------------- */
@@ -61,7 +55,7 @@ static double read_bandwidth(const uint64_t *buf, size_t n, int threads)
     pthread_t tid[64];
     if (threads > 64)
         threads = 64;
-    double t0 = now_s();
+    double t0 = clock_s();
     for (int t = 0; t < threads; t++) {
         jobs[t] = (struct bw_job){.p = buf + n / threads * t, .n = n / threads};
         pthread_create(&tid[t], NULL, bw_read, &jobs[t]);
@@ -71,7 +65,7 @@ static double read_bandwidth(const uint64_t *buf, size_t n, int threads)
         pthread_join(tid[t], NULL);
         sum += jobs[t].sum;
     }
-    double gbs = n * 8.0 / (now_s() - t0) / 1e9;
+    double gbs = n * 8.0 / (clock_s() - t0) / 1e9;
     return sum == 1 ? 0 : gbs; /* using sum keeps the reads alive */
 }
 
@@ -83,9 +77,9 @@ static double read_bandwidth(const uint64_t *buf, size_t n, int threads)
 static double sgemm_gflops(const float *a, const float *b, float *c, int threads)
 {
     openblas_set_num_threads(threads);
-    double t0 = now_s();
+    double t0 = clock_s();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, SG_M, SG_N, SG_K, 1, a, SG_K, b, SG_K, 0, c, SG_N);
-    double g = 2.0 * SG_M * SG_N * SG_K / (now_s() - t0) / 1e9;
+    double g = 2.0 * SG_M * SG_N * SG_K / (clock_s() - t0) / 1e9;
     /* the CPU backend calls sgemm from each of its own workers, single-threaded */
     openblas_set_num_threads(1);
     return g;
@@ -210,16 +204,16 @@ int main(int argc, char **argv)
         if (kv_seq_create(store, NULL, &q) != TIER_OK)
             return 1;
         struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = n_prompt, .logits = logits};
-        double t0 = now_s();
+        double t0 = clock_s();
         st = model_forward(m, &fs, 1);
-        double tp = now_s() - t0;
-        t0 = now_s();
+        double tp = clock_s() - t0;
+        t0 = clock_s();
         for (int i = 0; i < n_decode && st == MODEL_OK; i++) {
             int32_t next = (int32_t)((i * 31 + 7) % c->vocab_size);
             fs = (struct fw_seq){.kv = q, .tokens = &next, .n_tokens = 1, .logits = logits};
             st = model_forward(m, &fs, 1);
         }
-        double td = now_s() - t0;
+        double td = clock_s() - t0;
         kv_seq_free(q);
         if (st != MODEL_OK) {
             fprintf(stderr, "kvtier-bench: forward: %s\n", model_strerror(st));

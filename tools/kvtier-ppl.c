@@ -21,6 +21,7 @@
 #include <time.h>
 
 #include "ipc/args.h"
+#include "model/clock.h"
 #include "model/runtime.h"
 
 static void usage(FILE *f)
@@ -171,8 +172,7 @@ int main(int argc, char **argv)
         goto out;
     }
 
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t0 = clock_s();
     double nll = 0;
     size_t n_windows = 0;
     for (size_t s = 0; s < ids.n; s += (size_t)window, n_windows++) {
@@ -183,9 +183,8 @@ int main(int argc, char **argv)
             goto out;
         }
     }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
     printf("perplexity %.4f tokens %zu windows %zu seconds %.2f\n", exp(nll / (double)ids.n), ids.n, n_windows,
-           (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9);
+           clock_s() - t0);
     rc = 0;
 out:
     free(logits);

@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "model/clock.h"
 #include "ipc/httpc.h"
 #include "ipc/sockpath.h"
 
@@ -540,16 +541,9 @@ static void *batch_worker(void *arg)
     return NULL;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 static void progress(struct batch *b, size_t start, double t0, bool final)
 {
-    double dt = now_s() - t0;
+    double dt = clock_s() - t0;
     size_t done = b->written - start, total = b->n - start;
     int width = 30, fill = total ? (int)(width * done / total) : width;
     double eta = done ? dt / done * (total - done) : 0;
@@ -644,7 +638,7 @@ static int cmd_batch(int argc, char **argv)
     for (int i = 0; i < jobs; i++)
         pthread_create(&th[i], NULL, batch_worker, &b);
     bool bar = isatty(STDERR_FILENO);
-    double t0 = now_s(), last = 0;
+    double t0 = clock_s(), last = 0;
     pthread_mutex_lock(&b.mu);
     while (b.written < b.n) {
         while (b.written < b.n && b.out[b.written]) {
@@ -654,9 +648,9 @@ static int cmd_batch(int argc, char **argv)
             b.out[b.written++] = NULL;
             pthread_cond_broadcast(&b.cv);
         }
-        if (bar && now_s() - last > 0.1) {
+        if (bar && clock_s() - last > 0.1) {
             progress(&b, start, t0, false);
-            last = now_s();
+            last = clock_s();
         }
         if (b.written < b.n) {
             struct timespec ts;

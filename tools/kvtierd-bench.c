@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "model/clock.h"
 #include "ipc/httpc.h"
 #include "model/runtime.h"
 
@@ -41,18 +42,11 @@ struct client {
     bool ok;
 };
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 static bool on_event(void *ud, const char *data, size_t len)
 {
     struct client *c = ud;
     if (!c->t_first)
-        c->t_first = now_s();
+        c->t_first = clock_s();
     json_t *ev = json_loadb(data, len, 0, NULL);
     const json_t *u = json_object_get(json_object_get(ev, "usage"), "completion_tokens");
     if (json_is_integer(u))
@@ -65,7 +59,7 @@ static void *run_client(void *arg)
 {
     struct client *c = arg;
     pthread_barrier_wait(c->start);
-    c->t0 = now_s();
+    c->t0 = clock_s();
     struct ipc_reply r;
     struct ipc_error err;
     c->ok = ipc_call(c->sock, "POST", "/v1/completions", c->body, strlen(c->body), on_event, c, &r, &err) == IPC_OK &&
@@ -73,7 +67,7 @@ static void *run_client(void *arg)
     if (!c->ok)
         fprintf(stderr, "kvtierd-bench: request failed: %s\n", r.status ? r.body : err.msg);
     ipc_reply_free(&r);
-    c->t_end = now_s();
+    c->t_end = clock_s();
     return NULL;
 }
 

@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "model/clock.h"
 #include "model/cpu/cpu.h"
 
 /* Copies in flight before be_copy_async blocks the caller: deep enough to
@@ -118,13 +119,6 @@ static void cpu_host_free(void *ctx, void *ptr, size_t size)
 
 /* ---- copy stream -------------------------------------------------------- */
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* A recorded event: the copies before it and when it was recorded. */
 struct cpu_event {
     uint64_t target;
@@ -143,7 +137,7 @@ static void *copier_main(void *arg)
         struct copy_item it = c->ring[c->completed % COPY_RING];
         pthread_mutex_unlock(&c->mu);
         memcpy(it.dst, it.src, it.n);
-        double t = now_s();
+        double t = clock_s();
         pthread_mutex_lock(&c->mu);
         c->done_at[c->completed % COPY_RING] = t;
         c->completed++;
@@ -201,7 +195,7 @@ static enum be_status cpu_event_record(void *ctx, void *ev)
     struct cpu_event *e = ev;
     pthread_mutex_lock(&c->mu);
     e->target = c->enqueued;
-    e->recorded = now_s();
+    e->recorded = clock_s();
     pthread_mutex_unlock(&c->mu);
     return BE_OK;
 }
