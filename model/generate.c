@@ -79,6 +79,13 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
                  c->max_position_embeddings - 1);
         return MODEL_EINVAL;
     }
+    for (size_t i = 0; i < n; i++) {
+        if (prompt[i] < 0 || prompt[i] >= c->vocab_size) {
+            snprintf(err, MODEL_ERR_LEN, "prompt: token id %d at position %zu is outside the vocabulary [0, %d)",
+                     prompt[i], i, c->vocab_size);
+            return MODEL_EINVAL;
+        }
+    }
     size_t max_new = (size_t)c->max_position_embeddings - n;
     if (p->max_new_tokens > 0 && (size_t)p->max_new_tokens < max_new)
         max_new = (size_t)p->max_new_tokens;

@@ -76,4 +76,11 @@ print("builtin.test: kvtier-ppl %.4f over %s tokens; recorded %.4f over %d" % (p
                                                                           m["validation_tokens"]))
 sys.exit(0 if int(got["tokens"]) == m["validation_tokens"] and abs(ppl - want) <= 0.01 * want else 1)
 PY
+# 5. a prompt id outside the vocabulary is refused with the position named, not computed
+if "$run" -m "$dir" --ids 1,99999 -n 2 --quiet > "$tmp/bad.log" 2>&1 ||
+   ! grep -q "token id 99999 at position 1 is outside the vocabulary" "$tmp/bad.log"; then
+    cat "$tmp/bad.log"
+    fail "an out-of-vocabulary prompt id was not refused clearly"
+fi
+
 echo "builtin.test: loads, generates, matches the reference and the recorded perplexity"
