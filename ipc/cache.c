@@ -155,23 +155,44 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
 }
 
 /* The quantized strategy's parameters are the store's (tiers/quant.h), so
- * kv_quant_parse reads them.  A quantized KV stays on the device: the
- * offloading keys are refused, and a full device is a 507 rather than a
- * continuation in the host tier. */
+ * kv_quant_parse reads them, after the two storage keys a quantized KV
+ * takes: offload (kvtier's: its blocks live in the host tier from the
+ * start and stream, quantized + offloaded) and allow_offload (a full
+ * device moves it there instead of failing).  Layer-level residency
+ * (offload_only_non_sliding, adaptive) does not apply: a quantized KV
+ * streams every layer or none. */
 static enum ipc_status parse_quant(const json_t *cache, struct kv_seq_params *p, struct ipc_error *err)
 {
-    static const char *const offload_keys[] = {"allow_offload", "offload_only_non_sliding", "adaptive"};
-    for (size_t i = 0; i < sizeof(offload_keys) / sizeof(offload_keys[0]); i++) {
+    static const char *const layer_keys[] = {"offload_only_non_sliding", "adaptive"};
+    static const char *const storage_keys[] = {"offload", "allow_offload"};
+    bool on[2] = {false, true};
+    for (size_t i = 0; i < 2 && cache; i++) {
         char param[IPC_PARAM_LEN];
-        snprintf(param, sizeof(param), "cache.%s", offload_keys[i]);
-        if (cache && json_object_get(cache, offload_keys[i]))
-            return ipc_fail(err, IPC_EINVAL, param, "%s: offloading a quantized KV is not supported yet", param);
+        snprintf(param, sizeof(param), "cache.%s", layer_keys[i]);
+        if (json_object_get(cache, layer_keys[i]))
+            return ipc_fail(err, IPC_EINVAL, param,
+                            "%s is not a parameter of \"quantized\": a quantized KV streams every layer or none "
+                            "(cache.offload)", param);
+        snprintf(param, sizeof(param), "cache.%s", storage_keys[i]);
+        const json_t *v = json_object_get(cache, storage_keys[i]);
+        if (v && !json_is_boolean(v))
+            return ipc_fail(err, IPC_EINVAL, param, "%s must be true or false", param);
+        if (v)
+            on[i] = json_is_true(v);
     }
+    json_t *rest = cache ? json_copy((json_t *)cache) : NULL;
+    if (cache && !rest)
+        return ipc_fail(err, IPC_ENOMEM, "cache", "out of memory reading the cache object");
+    for (size_t i = 0; rest && i < 2; i++)
+        json_object_del(rest, storage_keys[i]);
     struct kvq_error e;
-    if (kv_quant_parse(cache, &p->quant, &e) != TIER_OK)
+    enum tier_status st = kv_quant_parse(rest, &p->quant, &e);
+    json_decref(rest);
+    if (st != TIER_OK)
         return ipc_fail(err, IPC_EINVAL, e.param, "%s", e.msg);
     p->strategy = KV_QUANTIZED;
-    p->no_fallback = true;
+    p->offload = on[0];
+    p->no_fallback = !on[1];
     return IPC_OK;
 }
 

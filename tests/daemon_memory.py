@@ -67,6 +67,21 @@ check(same["static"]["bytes"]["device"] >= 512 * KV_PER_TOKEN and same["static"]
       "static: max_cache_len preallocated on the device")
 check(same["offloaded adaptive"]["resident_layers"] == 8 and same["offloaded adaptive"]["streamed_layers"] == 0,
       "adaptive with room for everything keeps every layer resident")
+# quantized + offloaded: the blocks in the host tier, streamed, the resident run's tokens
+q8 = {"implementation": "quantized", "backend": "quanto", "nbits": 8}
+code, r = free.post("/v1/completions", dict(req, cache=q8))
+q8_want = r["choices"][0]["tokens"]
+check(code == 200 and r["kvtier"]["bytes"]["host"] == 0 and r["kvtier"]["prefetch"] is None, "quantized int8, resident")
+code, r = free.post("/v1/completions", dict(req, cache=dict(q8, offload=True)))
+k = r.get("kvtier", {})
+check(code == 200 and r["choices"][0]["tokens"] == q8_want and k["strategy"] == "quantized" and
+      k["fallback"] is None and k["bytes"]["device"] == 0 and 0 < k["bytes"]["host"] < kv / 2 and
+      k["streamed_layers"] == 8 and k["prefetch"]["steps"] > 0 and k["prefetch"]["bytes_d2h"] > 0,
+      "quantized int8 + offload: the resident run's tokens, KV in the host tier (%s)" % k)
+for extra, param in (({"offload": "yes"}, "cache.offload"), ({"adaptive": True}, "cache.adaptive")):
+    code, e = free.post("/v1/completions", dict(req, cache=dict(q8, **extra)))
+    check(code == 400 and e["error"]["param"] == param, "quantized %s -> 400 naming %s: %s" %
+          (extra, param, e["error"]["message"]))
 code, e = free.post("/v1/completions", dict(req, cache={"implementation": "static", "max_cache_len": 64}))
 check(code == 400 and "max_cache_len" in e["error"]["message"] and e["error"]["param"] == "cache.max_cache_len",
       "static: writing past max_cache_len -> 400 naming it: " + e["error"]["message"])
@@ -92,6 +107,14 @@ check(metric(d, "kv_fallbacks_total") >= 1, "/metrics counts the fallback")
 code, e = d.post("/v1/completions", dict(req, cache={"implementation": "dynamic", "allow_offload": False}))
 check(code == 507 and "device" in e["error"]["message"],
       "allow_offload=false: 507 naming the device budget: " + e["error"]["message"])
+code, r = d.post("/v1/completions", dict(req, cache=q8))
+k = r.get("kvtier", {})
+check(code == 200 and r["choices"][0]["tokens"] == q8_want and k["strategy"] == "quantized" and
+      k["fallback"] == "offloaded" and k["bytes"]["host"] > 0 and k["bytes"]["device"] == 0,
+      "quantized int8 over the device budget: continues from the host tier with the resident run's tokens (%s)" % k)
+code, e = d.post("/v1/completions", dict(req, cache=dict(q8, allow_offload=False)))
+check(code == 507 and "device tier budget" in e["error"]["message"],
+      "quantized, allow_offload=false: 507 naming the device budget: " + e["error"]["message"])
 code, r = d.post("/v1/completions", dict(req, prompt=prompt[:20]))
 check(code == 200 and len(r["choices"][0]["tokens"]) == 24, "the daemon keeps serving (%s)" % r["kvtier"]["strategy"])
 d.stop()

@@ -4,8 +4,9 @@
  * bite); HF's residual counting (cache-semantics §10.7) observed through
  * kv_seq_qview; the step transaction under injected device-allocation
  * faults (bit-identical to a clean run afterwards); sliding layers dropping
- * quantized blocks; mixed batches; the refusals (bad parameters, offload,
- * crop, fork, a bf16 store); a bf16 dense store against f32.
+ * quantized blocks; mixed batches; the refusals (bad parameters, crop,
+ * fork, a bf16 store); quantized + offloaded and the out-of-memory
+ * continuation, bit-identical to resident; a bf16 dense store against f32.
  * The models are random ones from tools/mkmodel.py (skip without it).
  */
 #include <math.h>
@@ -260,8 +261,9 @@ static void test_residual_counting(void **state)
 /* The step transaction under device faults: for every step, fail the Nth
  * device allocation (N = 1, 2, ... until the step no longer reaches it), once
  * and from N on.  A failed step leaves length, counts and bytes as they
- * were (the OOM continuation refuses a quantized sequence); the run then
- * ends with the clean run's logits, bit for bit. */
+ * were (the sequence opts out of the out-of-memory continuation, which
+ * test_offloaded covers); the run then ends with the clean run's logits,
+ * bit for bit. */
 static void test_fault_sweep(void **state)
 {
     (void)state;
@@ -269,6 +271,7 @@ static void test_fault_sweep(void **state)
     rig_open(&r, M_HYBRID, BE_F32);
     struct kv_seq_params p = qparams(KVQ_QUANTO, 4, -1, 0, 8);
     float *clean = run(&r, &p);
+    p.no_fallback = true;
     for (int repeat = 0; repeat < 2; repeat++) {
         const int32_t *ids = input_ids();
         float *row = malloc((size_t)r.V * sizeof(float));
@@ -289,7 +292,8 @@ static void test_fault_sweep(void **state)
                 if (st == MODEL_OK)
                     break;
                 assert_int_equal(st, MODEL_EDEVMEM);
-                assert_non_null(strstr(kv_store_errmsg(r.store), "offloading of a quantized cache"));
+                if (!strstr(kv_store_errmsg(r.store), "device tier budget"))
+                    fail_msg("step at %d: \"%s\"", t, kv_store_errmsg(r.store));
                 counts(q, 2, &nq1, &res1);
                 assert_int_equal(kv_seq_length(q), len);
                 assert_int_equal(nq1, nq0);
@@ -416,7 +420,6 @@ static void test_refusals(void **state)
     assert_non_null(row);
     struct fw_seq fs = {.kv = q, .tokens = input_ids(), .n_tokens = 5, .logits = row};
     assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
-    expect_refusal(r.store, kv_seq_offload(q, KV_FALLBACK_NONE), TIER_ENOTSUP, "offloading of a quantized cache");
     expect_refusal(r.store, kv_seq_crop(q, -1), TIER_ENOTSUP, "crop of a quantized cache");
     kv_seq *child;
     expect_refusal(r.store, kv_seq_fork(q, &child), TIER_ENOTSUP, "fork of a quantized cache");
@@ -429,6 +432,108 @@ static void test_refusals(void **state)
     rig_close(&r);
     rig_open(&r, M_LLAMA, BE_BF16);
     expect_refusal(r.store, kv_seq_create(r.store, &p, &q), TIER_ENOTSUP, "bf16");
+    rig_close(&r);
+}
+
+/* Quantized + offloaded.  A sequence whose blocks live in the host tier
+ * from the start streams every layer through the device slots and gives
+ * the resident sequence's logits bit for bit (the kernel reads the same
+ * bytes, copied), with the prompt in three chunks, residual flushes every
+ * 8 tokens and, on the hybrid model, sliding layers dropping blocks; it
+ * moves fewer bytes than a dense offloaded sequence.  A resident sequence
+ * whose step runs out of device memory half-way through the generation
+ * moves to the host tier and goes on, again bit for bit; when the host
+ * budget cannot take it, the step fails and the sequence is as it was. */
+static void test_offloaded(void **state)
+{
+    (void)state;
+    for (int which = 0; which < N_MODELS; which++) {
+        struct rig r;
+        rig_open(&r, which, BE_F32);
+        int n_layers = model_get_config(r.m)->n_layers;
+        struct kv_seq_params p = qparams(KVQ_QUANTO, 4, -1, 0, 8);
+        float *resident = run(&r, &p);
+        float *rows = malloc((size_t)N_ROWS * r.V * sizeof(float));
+        assert_non_null(rows);
+
+        p.offload = true;
+        kv_seq *q;
+        assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+        feed(&r, q, rows);
+        struct kv_seq_stats st = kv_seq_stats(q);
+        assert_int_equal(st.strategy, KV_QUANTIZED);
+        assert_int_equal(st.streamed_layers, n_layers);
+        assert_int_equal(st.resident_layers, 0);
+        assert_int_equal(st.dev_bytes, 0);
+        assert_true(st.host_bytes > 0 && st.host_bytes == kv_seq_bytes(q));
+        assert_int_equal(st.xfer.steps, N_ROWS);
+        assert_true(st.xfer.bytes_d2h > 0);
+        uint64_t quant_h2d = st.xfer.bytes_h2d;
+        kv_seq_free(q);
+        assert_memory_equal(rows, resident, (size_t)N_ROWS * r.V * sizeof(float));
+
+        kv_seq *d;
+        assert_int_equal(kv_seq_create(r.store, &(struct kv_seq_params){.strategy = KV_OFFLOADED}, &d), TIER_OK);
+        feed(&r, d, rows);
+        uint64_t dense_h2d = kv_seq_stats(d).xfer.bytes_h2d;
+        kv_seq_free(d);
+        print_message("model %d: bytes copied in, quantized int4 %llu vs dense %llu (%.2fx)\n", which,
+                      (unsigned long long)quant_h2d, (unsigned long long)dense_h2d,
+                      (double)quant_h2d / (double)dense_h2d);
+        assert_true(quant_h2d < dense_h2d);
+
+        /* the out-of-memory continuation: from decode step 60 on, the
+         * first device allocation of each step fails until one step
+         * needs a new block (at position 128) and falls back */
+        p.offload = false;
+        assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+        const int32_t *ids = input_ids();
+        struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = N_PROMPT, .logits = rows};
+        assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+        for (int t = N_PROMPT; t < N_ALL - 1; t++) {
+            fs = (struct fw_seq){.kv = q, .tokens = &ids[t], .n_tokens = 1,
+                                 .logits = rows + (size_t)(t - N_PROMPT + 1) * r.V};
+            bool on_dev = kv_seq_stats(q).fallback == KV_FALLBACK_NONE;
+            if (on_dev && t >= N_PROMPT + 60)
+                be_fault_dev_alloc(r.be, 1, false);
+            assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+            be_fault_dev_alloc(r.be, 0, false);
+            if (on_dev && kv_seq_stats(q).fallback != KV_FALLBACK_NONE)
+                print_message("model %d: out of device memory at position %d, continued from the host tier\n",
+                              which, t);
+        }
+        assert_int_equal(kv_seq_stats(q).fallback, KV_FALLBACK_OOM);
+        assert_int_equal(kv_seq_stats(q).streamed_layers, n_layers);
+        kv_seq_free(q);
+        assert_memory_equal(rows, resident, (size_t)N_ROWS * r.V * sizeof(float));
+        free(rows);
+        free(resident);
+        rig_close(&r);
+    }
+
+    /* a host tier too small for the blocks: the continuation fails and
+     * leaves the resident sequence as it was */
+    struct rig r;
+    rig_open(&r, M_LLAMA, BE_F32);
+    kv_store_free(r.store);
+    struct kv_geom g = model_kv_geom(r.m);
+    assert_int_equal(kv_store_open(r.be, &g, &(struct kv_store_params){.host_mem = 4096}, &r.store), TIER_OK);
+    struct kv_seq_params p = qparams(KVQ_QUANTO, 4, -1, 0, 8);
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    float *row = malloc((size_t)r.V * sizeof(float));
+    assert_non_null(row);
+    struct fw_seq fs = {.kv = q, .tokens = input_ids(), .n_tokens = N_PROMPT, .logits = row};
+    assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+    size_t bytes = kv_seq_bytes(q);
+    expect_refusal(r.store, kv_seq_offload(q, KV_FALLBACK_NONE), TIER_ENOMEM_HOST, "host tier budget");
+    struct kv_seq_stats st = kv_seq_stats(q);
+    assert_int_equal(st.resident_layers, g.n_layers);
+    assert_int_equal(st.host_bytes, 0);
+    assert_int_equal(kv_seq_bytes(q), bytes);
+    assert_int_equal(kv_store_stats(r.store).host_bytes, 0);
+    kv_seq_free(q);
+    free(row);
     rig_close(&r);
 }
 
@@ -467,6 +572,7 @@ int main(void)
         cmocka_unit_test(test_logits_vs_dense), cmocka_unit_test(test_residual_counting),
         cmocka_unit_test(test_fault_sweep),     cmocka_unit_test(test_sliding),
         cmocka_unit_test(test_mixed_batch),     cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_offloaded),
         cmocka_unit_test(test_bf16_store),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

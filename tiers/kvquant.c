@@ -5,32 +5,43 @@
  *
  * NOTES
  * - Blocks.  Quantized blocks (fmt->block_bytes) and the residual's f32
- *   blocks (the store's dense layout) are device buffers of one block each,
- *   from the device tier's budget like every KV block: an allocation over
- *   budget first evicts unreferenced prefix-cache blocks (kv_store_reclaim),
- *   then fails the step with TIER_ENOMEM_DEV.  A returned block goes on the
- *   sequence's free list of its kind, so after the first flush the decode
- *   loop allocates nothing (each flush returns the residual's blocks, which
- *   the next tokens take again).  Buffers are freed with the sequence; their
- *   bytes count in the store's dev_ext_bytes (device bytes outside the pool).
+ *   blocks (the store's dense layout) are buffers of one block each.  A
+ *   resident sequence takes device buffers from the device tier's budget
+ *   like every KV block: an allocation over budget first evicts
+ *   unreferenced prefix-cache blocks (kv_store_reclaim), then fails the
+ *   step with TIER_ENOMEM_DEV; their bytes count in the store's
+ *   dev_ext_bytes (device bytes outside the pool).  A returned block goes
+ *   on the sequence's free list of its kind, so the decode loop reuses
+ *   blocks (each flush returns the residual's, which the next tokens take
+ *   again); after a commit the free lists keep one block per layer, not
+ *   the f32 blocks of a whole prompt.
+ * - Offloaded (host set: kv_seq_params.offload, or kv_seq_offload after the
+ *   device ran out): blocks are host-tier ranges (kv_host_alloc), and each
+ *   layer streams through the store's device slots (stream.c): its
+ *   quantized blocks up to nq and its residual blocks are copied into the
+ *   layer's slot region, kv_seq_qview points the view there, and the
+ *   residual blocks a chunk wrote go back.  The commit's flush quantizes on
+ *   the host blocks after the step's copies have drained.
  * - The store's kv_layer of a quantized layer is paged with no blocks: it
  *   keeps window, keep and lo, so the sliding rule (NOTES invariant 1 of
  *   kvstore.c) is the store's own; after each commit the quantized blocks
  *   wholly below lo are returned (kvq_layer_drop).
- * - Not supported yet, each refused with TIER_ENOTSUP naming it: offloading
- *   (kv_seq_offload, so an out-of-memory step fails cleanly), crop, fork
+ * - Not supported yet, each refused with TIER_ENOTSUP naming it: crop, fork
  *   and past recording; the prefix cache skips quantized sequences.
  */
 #include "tiers/kvstore_impl.h"
 
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "tiers/quant.h"
 
-/* One kind of block: every buffer allocated (own) and the free ones. */
+/* One kind of block: every block allocated (own) and the free ones. */
 struct kvq_pool {
     size_t bytes;
-    be_buffer **own;
+    void **own;       /* the blocks' data */
+    be_buffer **buf;  /* device blocks: own[i]'s buffer (unused on the host) */
     void **free_list; /* same capacity as own, so a put never allocates */
     size_t n_own, n_free, cap;
 };
@@ -40,48 +51,85 @@ struct kvq_seq {
     kvq_ctx *ctx;
     kvq_layer **layers;          /* [n_layers] */
     struct kvq_pool pool[2];     /* by enum kvq_block_kind */
+    bool host;                   /* quantized + offloaded: blocks in the host tier, streamed */
+    void **slot_blocks;          /* streaming: the current layer's blocks in its slot */
+    int slot_cap;
     enum tier_status why;        /* what the last failed get ran out of */
 };
+
+static enum tier_status pool_grow(struct kvq_pool *p)
+{
+    size_t cap = p->cap ? 2 * p->cap : 16;
+    void **own = realloc(p->own, cap * sizeof(*own));
+    if (own)
+        p->own = own;
+    be_buffer **buf = own ? realloc(p->buf, cap * sizeof(*buf)) : NULL;
+    if (buf)
+        p->buf = buf;
+    void **fl = buf ? realloc(p->free_list, cap * sizeof(*fl)) : NULL;
+    if (!fl)
+        return TIER_ENOMEM_HOST;
+    p->free_list = fl;
+    p->cap = cap;
+    return TIER_OK;
+}
+
+/* A new block in the sequence's tier: the host tier once offloaded, else
+ * the device's (reclaiming prefix-cache blocks before giving up). */
+static void *block_alloc(struct kvq_seq *k, enum kvq_block_kind kind, be_buffer **buf)
+{
+    kv_store *s = k->s;
+    size_t bytes = k->pool[kind].bytes;
+    void *data = NULL;
+    *buf = NULL;
+    if (k->host) {
+        k->why = kv_host_alloc(s, bytes, &data);
+        return k->why == TIER_OK ? data : NULL;
+    }
+    enum be_status st = be_dev_alloc(s->be, bytes, buf);
+    if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
+        st = be_dev_alloc(s->be, bytes, buf);
+    if (st == BE_ENOMEM_DEV) {
+        struct be_mem_stats ms = be_mem_stats(s->be);
+        k->why = kv_fail(s, TIER_ENOMEM_DEV,
+                         "device tier budget of %zu bytes exhausted (%zu in use) taking a %zu-byte %s KV block",
+                         ms.dev_budget, ms.dev_used, bytes, kind == KVQ_BLOCK_QUANT ? "quantized" : "residual");
+        return NULL;
+    }
+    if (st != BE_OK) {
+        k->why = kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
+                         "cannot allocate a %zu-byte quantized KV block: %s", bytes, be_strerror(st));
+        return NULL;
+    }
+    s->dev_ext_bytes += bytes;
+    return be_buffer_data(*buf);
+}
+
+static void block_free(struct kvq_seq *k, enum kvq_block_kind kind, size_t i)
+{
+    struct kvq_pool *p = &k->pool[kind];
+    if (k->host) {
+        kv_host_free(k->s, p->own[i], p->bytes);
+    } else {
+        be_buffer_free(p->buf[i]);
+        k->s->dev_ext_bytes -= p->bytes;
+    }
+}
 
 static void *pool_get(void *ctx, enum kvq_block_kind kind)
 {
     struct kvq_seq *k = ctx;
     struct kvq_pool *p = &k->pool[kind];
-    kv_store *s = k->s;
     if (p->n_free)
         return p->free_list[--p->n_free];
-    if (p->n_own == p->cap) {
-        size_t cap = p->cap ? 2 * p->cap : 16;
-        be_buffer **own = realloc(p->own, cap * sizeof(*own));
-        if (own)
-            p->own = own;
-        void **fl = own ? realloc(p->free_list, cap * sizeof(*fl)) : NULL;
-        if (!fl) {
-            k->why = kv_fail(s, TIER_ENOMEM_HOST, "host memory: a table of %zu quantized KV blocks", cap);
-            return NULL;
-        }
-        p->free_list = fl;
-        p->cap = cap;
-    }
-    be_buffer *b;
-    enum be_status st = be_dev_alloc(s->be, p->bytes, &b);
-    if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
-        st = be_dev_alloc(s->be, p->bytes, &b);
-    if (st == BE_ENOMEM_DEV) {
-        struct be_mem_stats ms = be_mem_stats(s->be);
-        k->why = kv_fail(s, TIER_ENOMEM_DEV,
-                         "device tier budget of %zu bytes exhausted (%zu in use) taking a %zu-byte %s KV block",
-                         ms.dev_budget, ms.dev_used, p->bytes, kind == KVQ_BLOCK_QUANT ? "quantized" : "residual");
+    if (p->n_own == p->cap && pool_grow(p) != TIER_OK) {
+        k->why = kv_fail(k->s, TIER_ENOMEM_HOST, "host memory: a table of %zu quantized KV blocks", 2 * p->cap);
         return NULL;
     }
-    if (st != BE_OK) {
-        k->why = kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
-                         "cannot allocate a %zu-byte quantized KV block: %s", p->bytes, be_strerror(st));
-        return NULL;
-    }
-    p->own[p->n_own++] = b;
-    s->dev_ext_bytes += p->bytes;
-    return be_buffer_data(b);
+    void *data = block_alloc(k, kind, &p->buf[p->n_own]);
+    if (data)
+        p->own[p->n_own++] = data;
+    return data;
 }
 
 static void pool_put(void *ctx, enum kvq_block_kind kind, void *block)
@@ -101,12 +149,13 @@ void kvq_seq_release(kv_seq *q)
     for (int i = 0; i < 2; i++) {
         struct kvq_pool *p = &k->pool[i];
         for (size_t b = 0; b < p->n_own; b++)
-            be_buffer_free(p->own[b]);
-        q->s->dev_ext_bytes -= p->n_own * p->bytes;
+            block_free(k, i, b);
         free(p->own);
+        free(p->buf);
         free(p->free_list);
     }
     free(k->layers);
+    free(k->slot_blocks);
     free(k);
     q->kvq = NULL;
 }
@@ -125,6 +174,7 @@ enum tier_status kvq_seq_init(kv_seq *q)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a quantized sequence");
     q->kvq = k;
     k->s = s;
+    k->host = q->p.offload;
     k->layers = calloc((size_t)s->g.n_layers, sizeof(*k->layers));
     if (!k->layers) {
         kvq_seq_release(q);
@@ -162,12 +212,34 @@ enum tier_status kvq_seq_reserve(kv_seq *q, int n_new)
     return TIER_OK;
 }
 
+/* Returns free blocks beyond `keep` to their tier. */
+static void pool_trim(struct kvq_seq *k, enum kvq_block_kind kind, size_t keep)
+{
+    struct kvq_pool *p = &k->pool[kind];
+    while (p->n_free > keep) {
+        void *b = p->free_list[--p->n_free];
+        size_t i = p->n_own;
+        while (p->own[--i] != b)
+            ;
+        block_free(k, kind, i);
+        p->own[i] = p->own[--p->n_own];
+        p->buf[i] = p->buf[p->n_own];
+    }
+}
+
 void kvq_seq_commit(kv_seq *q)
 {
-    for (int l = 0; l < q->s->g.n_layers; l++) {
-        kvq_layer_commit(q->kvq->layers[l]);
-        kvq_layer_drop(q->kvq->layers[l], q->layers[l].lo);
+    struct kvq_seq *k = q->kvq;
+    int n = q->s->g.n_layers;
+    for (int l = 0; l < n; l++) {
+        kvq_layer_commit(k->layers[l]);
+        kvq_layer_drop(k->layers[l], q->layers[l].lo);
     }
+    /* A prompt's step takes f32 blocks for all its tokens and its flush
+     * hands them back: keep one block of each kind per layer, which is
+     * what a decode step can take, not a full-precision prompt's worth. */
+    pool_trim(k, KVQ_BLOCK_FULL, (size_t)n);
+    pool_trim(k, KVQ_BLOCK_QUANT, (size_t)n);
 }
 
 void kvq_seq_abort(kv_seq *q)
@@ -182,6 +254,207 @@ size_t kvq_seq_bytes(const kv_seq *q)
     return k->pool[0].n_own * k->pool[0].bytes + k->pool[1].n_own * k->pool[1].bytes;
 }
 
+bool kvq_seq_on_host(const kv_seq *q)
+{
+    return q->kvq && q->kvq->host;
+}
+
+/* ---- quantized + offloaded -------------------------------------------------- */
+
+/* A device block and the host block that replaces it. */
+struct moved {
+    void *dev, *host;
+};
+
+static int cmp_ptr(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)*(void *const *)a, y = (uintptr_t)*(void *const *)b;
+    return (x > y) - (x < y);
+}
+
+static int cmp_moved(const void *a, const void *b)
+{
+    return cmp_ptr(&((const struct moved *)a)->dev, &((const struct moved *)b)->dev);
+}
+
+struct move_plan {
+    struct moved *m[2]; /* by kind, sorted by dev */
+    size_t n[2];
+};
+
+static void *moved_to(void *ctx, enum kvq_block_kind kind, void *block)
+{
+    const struct move_plan *plan = ctx;
+    struct moved key = {.dev = block};
+    const struct moved *hit = bsearch(&key, plan->m[kind], plan->n[kind], sizeof(key), cmp_moved);
+    return hit->host; /* every block a layer holds is in use, so it was moved */
+}
+
+/* Copies every block in use (owned, not on the free list) of one kind into
+ * a new host block.  On failure the host blocks taken are returned. */
+static enum tier_status move_kind(struct kvq_seq *k, enum kvq_block_kind kind, struct move_plan *plan)
+{
+    struct kvq_pool *p = &k->pool[kind];
+    kv_store *s = k->s;
+    void **free_sorted = malloc((p->n_free + 1) * sizeof(*free_sorted));
+    struct moved *m = malloc((p->n_own + 1) * sizeof(*m));
+    if (!free_sorted || !m) {
+        free(free_sorted);
+        free(m);
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: moving %zu quantized KV blocks", p->n_own);
+    }
+    memcpy(free_sorted, p->free_list, p->n_free * sizeof(*free_sorted));
+    qsort(free_sorted, p->n_free, sizeof(*free_sorted), cmp_ptr);
+    size_t n = 0;
+    enum tier_status st = TIER_OK;
+    for (size_t i = 0; i < p->n_own && st == TIER_OK; i++) {
+        if (bsearch(&p->own[i], free_sorted, p->n_free, sizeof(*free_sorted), cmp_ptr))
+            continue;
+        st = kv_host_alloc(s, p->bytes, &m[n].host);
+        if (st != TIER_OK)
+            break;
+        m[n].dev = p->own[i];
+        enum be_status bs = be_copy(s->be, m[n].host, m[n].dev, p->bytes, BE_D2H);
+        n++;
+        if (bs != BE_OK)
+            st = kv_fail(s, TIER_EIO, "copying a quantized KV block to the host tier: %s", be_strerror(bs));
+    }
+    free(free_sorted);
+    if (st != TIER_OK) {
+        while (n-- > 0)
+            kv_host_free(s, m[n].host, p->bytes);
+        free(m);
+        return st;
+    }
+    qsort(m, n, sizeof(*m), cmp_moved);
+    plan->m[kind] = m;
+    plan->n[kind] = n;
+    return TIER_OK;
+}
+
+enum tier_status kvq_seq_offload(kv_seq *q)
+{
+    struct kvq_seq *k = q->kvq;
+    if (k->host)
+        return TIER_OK;
+    struct move_plan plan = {0};
+    enum tier_status st = move_kind(k, KVQ_BLOCK_QUANT, &plan);
+    if (st == TIER_OK && (st = move_kind(k, KVQ_BLOCK_FULL, &plan)) != TIER_OK) {
+        for (size_t i = 0; i < plan.n[KVQ_BLOCK_QUANT]; i++)
+            kv_host_free(k->s, plan.m[KVQ_BLOCK_QUANT][i].host, k->pool[KVQ_BLOCK_QUANT].bytes);
+    }
+    if (st != TIER_OK) {
+        free(plan.m[KVQ_BLOCK_QUANT]);
+        return st;
+    }
+    /* Nothing can fail from here: the layers point at the host copies, the
+     * device blocks (free ones included) go back. */
+    for (int l = 0; l < k->s->g.n_layers; l++)
+        kvq_layer_remap(k->layers[l], moved_to, &plan);
+    for (int kind = 0; kind < 2; kind++) {
+        struct kvq_pool *p = &k->pool[kind];
+        for (size_t i = 0; i < p->n_own; i++)
+            block_free(k, kind, i);
+        for (size_t i = 0; i < plan.n[kind]; i++)
+            p->own[i] = plan.m[kind][i].host;
+        p->n_own = plan.n[kind];
+        p->n_free = 0;
+        free(plan.m[kind]);
+    }
+    k->host = true;
+    return TIER_OK;
+}
+
+/* The blocks of a layer's step that a slot holds: the quantized ones up to
+ * the last quantized position (those the commit may fill are written on
+ * the host, after the step) and every full-precision one. */
+static void slot_counts(const struct be_kvq_view *v, int *nq, int *nf)
+{
+    int64_t T = v->fmt->block_tokens;
+    *nq = v->hi > v->base ? (int)((v->hi - v->base + T - 1) / T) : 0;
+    *nf = v->rest.n_blocks;
+}
+
+size_t kvq_seq_slot_bytes(const kv_seq *q, int layer)
+{
+    const struct kvq_seq *k = q->kvq;
+    struct be_kvq_view v;
+    int nq, nf;
+    kvq_layer_view(k->layers[layer], &v);
+    slot_counts(&v, &nq, &nf);
+    return (size_t)nq * k->pool[KVQ_BLOCK_QUANT].bytes + (size_t)nf * k->pool[KVQ_BLOCK_FULL].bytes;
+}
+
+enum tier_status kvq_seq_slot_table(kv_seq *q)
+{
+    struct kvq_seq *k = q->kvq;
+    int need = 0;
+    for (int l = 0; l < q->s->g.n_layers; l++) {
+        struct be_kvq_view v;
+        int nq, nf;
+        kvq_layer_view(k->layers[l], &v);
+        slot_counts(&v, &nq, &nf);
+        need = nq + nf > need ? nq + nf : need;
+    }
+    if (need <= k->slot_cap)
+        return TIER_OK;
+    int cap = k->slot_cap ? k->slot_cap : 16;
+    while (cap < need)
+        cap *= 2;
+    void **b = realloc(k->slot_blocks, (size_t)cap * sizeof(*b));
+    if (!b)
+        return kv_fail(q->s, TIER_ENOMEM_HOST, "host memory: a table of %d streamed quantized KV blocks", cap);
+    k->slot_blocks = b;
+    k->slot_cap = cap;
+    return TIER_OK;
+}
+
+/* One copy per block: a layer's blocks are separate allocations. */
+static enum be_status copy_blocks(kv_store *s, void *const *host, int n, char *region, size_t bytes,
+                                  enum be_copy_dir dir, struct kv_xfer_stats *x)
+{
+    for (int i = 0; i < n; i++) {
+        char *d = region + (size_t)i * bytes;
+        enum be_status st = dir == BE_H2D ? be_copy_async(s->be, d, host[i], bytes, dir)
+                                          : be_copy_async(s->be, host[i], d, bytes, dir);
+        if (st != BE_OK)
+            return st;
+        if (dir == BE_H2D)
+            x->bytes_h2d += bytes;
+        else
+            x->bytes_d2h += bytes;
+    }
+    return BE_OK;
+}
+
+enum be_status kvq_seq_copy_in(kv_seq *q, int layer, char *region, struct kv_xfer_stats *x)
+{
+    const struct kvq_seq *k = q->kvq;
+    size_t qb = k->pool[KVQ_BLOCK_QUANT].bytes, fb = k->pool[KVQ_BLOCK_FULL].bytes;
+    struct be_kvq_view v;
+    int nq, nf;
+    kvq_layer_view(k->layers[layer], &v);
+    slot_counts(&v, &nq, &nf);
+    enum be_status st = copy_blocks(q->s, v.blocks, nq, region, qb, BE_H2D, x);
+    if (st == BE_OK)
+        st = copy_blocks(q->s, v.rest.blocks, nf, region + (size_t)nq * qb, fb, BE_H2D, x);
+    return st;
+}
+
+enum be_status kvq_seq_write_back(kv_seq *q, int layer, char *region, int64_t from, int64_t to,
+                                  struct kv_xfer_stats *x)
+{
+    const struct kvq_seq *k = q->kvq;
+    size_t qb = k->pool[KVQ_BLOCK_QUANT].bytes, fb = k->pool[KVQ_BLOCK_FULL].bytes;
+    struct be_kvq_view v;
+    int nq, nf;
+    kvq_layer_view(k->layers[layer], &v);
+    slot_counts(&v, &nq, &nf);
+    int64_t fbt = v.rest.block_tokens, b0 = (from - v.rest.base) / fbt, b1 = (to - v.rest.base + fbt - 1) / fbt;
+    return copy_blocks(q->s, v.rest.blocks + b0, (int)(b1 - b0), region + (size_t)nq * qb + (size_t)b0 * fb, fb,
+                       BE_D2H, x);
+}
+
 void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out)
 {
     const struct kv_layer *L = &q->layers[layer];
@@ -192,6 +465,21 @@ void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out)
         return;
     }
     kvq_layer_view(q->kvq->layers[layer], out);
+    const kv_store *s = q->s;
+    if (q->kvq->host && s->streaming) { /* the step reads and writes the copies in the layer's slot */
+        struct kvq_seq *k = q->kvq;
+        size_t qb = k->pool[KVQ_BLOCK_QUANT].bytes, fb = k->pool[KVQ_BLOCK_FULL].bytes;
+        char *region = kv_slot_region(s, layer, L);
+        int nq, nf;
+        slot_counts(out, &nq, &nf);
+        for (int i = 0; i < nq; i++)
+            k->slot_blocks[i] = region + (size_t)i * qb;
+        for (int i = 0; i < nf; i++)
+            k->slot_blocks[nq + i] = region + (size_t)nq * qb + (size_t)i * fb;
+        out->blocks = k->slot_blocks;
+        out->n_blocks = nq;
+        out->rest.blocks = k->slot_blocks + nq;
+    }
     /* a sliding layer reads from its window: the blocks below it may be gone */
     int64_t lo = layer_view_lo(q, L);
     if (lo > out->lo)
@@ -201,6 +489,5 @@ void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out)
 
 enum tier_status kvq_unsupported(kv_seq *q, const char *what)
 {
-    return kv_fail(q->s, TIER_ENOTSUP, "%s of a quantized cache is not supported yet (quantized blocks stay on the device)",
-                   what);
+    return kv_fail(q->s, TIER_ENOTSUP, "%s of a quantized cache is not supported yet", what);
 }

@@ -367,20 +367,17 @@ static size_t dev_available(const kv_store *s)
 static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, struct kv_ext *out)
 {
     size_t bytes = (size_t)nb * s->block_bytes;
-    enum be_status st;
     struct kv_ext e = {.size = bytes};
     if (home == KV_HOME_HOST) {
-        if (s->host_budget && bytes > s->host_budget - s->host_used) {
-            return kv_fail(s, TIER_ENOMEM_HOST, "host tier budget of %zu bytes exhausted: %zu in use, %zu more needed",
-                           s->host_budget, s->host_used, bytes);
-        }
-        st = hp_alloc(&s->hp, bytes, s->host_budget, &e.data);
-    } else {
-        st = be_dev_alloc(s->be, bytes, &e.dev);
-        if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
-            st = be_dev_alloc(s->be, bytes, &e.dev);
-        e.data = be_buffer_data(e.dev);
+        enum tier_status ts = kv_host_alloc(s, bytes, &e.data);
+        if (ts == TIER_OK)
+            *out = e;
+        return ts;
     }
+    enum be_status st = be_dev_alloc(s->be, bytes, &e.dev);
+    if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
+        st = be_dev_alloc(s->be, bytes, &e.dev);
+    e.data = be_buffer_data(e.dev);
     if (st == BE_ENOMEM_DEV) {
         struct be_mem_stats ms = be_mem_stats(s->be);
         return kv_fail(s, TIER_ENOMEM_DEV,
@@ -389,14 +386,36 @@ static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, struct
     }
     if (st != BE_OK) {
         return kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
-                       "host memory: cannot allocate a KV extent of %zu bytes: %s", bytes, be_strerror(st));
+                       "cannot allocate a device KV extent of %zu bytes: %s", bytes, be_strerror(st));
     }
-    if (home == KV_HOME_HOST)
-        s->host_used += bytes;
-    else
-        s->dev_ext_bytes += bytes;
+    s->dev_ext_bytes += bytes;
     *out = e;
     return TIER_OK;
+}
+
+enum tier_status kv_host_alloc(kv_store *s, size_t bytes, void **out)
+{
+    if (s->host_budget && bytes > s->host_budget - s->host_used)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host tier budget of %zu bytes exhausted: %zu in use, %zu more needed",
+                       s->host_budget, s->host_used, bytes);
+    enum be_status st = hp_alloc(&s->hp, bytes, s->host_budget, out);
+    if (st != BE_OK)
+        return kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
+                       "host memory: cannot allocate %zu bytes of host-tier KV: %s", bytes, be_strerror(st));
+    s->host_used += bytes;
+    return TIER_OK;
+}
+
+void kv_host_free(kv_store *s, void *ptr, size_t bytes)
+{
+    s->host_used -= bytes;
+    hp_free(&s->hp, ptr, bytes);
+    /* The last host bytes gone, nothing streams any more: the slots go
+     * back to the device (invariant 3), or one out-of-memory fallback
+     * would keep two layers' worth of device memory and push later
+     * requests to the host tier too. */
+    if (s->host_used == 0 && !s->streaming)
+        kv_stream_slots_release(s);
 }
 
 static void ext_release(kv_store *s, enum kv_home home, const struct kv_ext *e)
@@ -404,14 +423,7 @@ static void ext_release(kv_store *s, enum kv_home home, const struct kv_ext *e)
     if (!e->data)
         return;
     if (home == KV_HOME_HOST) {
-        s->host_used -= e->size;
-        hp_free(&s->hp, e->data, e->size);
-        /* The last host extent gone, nothing streams any more: the slots
-         * go back to the device (invariant 3), or one out-of-memory fallback
-         * would keep two layers' worth of device memory and push later
-         * requests to the host tier too. */
-        if (s->host_used == 0 && !s->streaming)
-            kv_stream_slots_release(s);
+        kv_host_free(s, e->data, e->size);
     } else {
         s->dev_ext_bytes -= e->size;
         be_buffer_free(e->dev);
@@ -694,6 +706,10 @@ static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
         return kv_fail(s, TIER_EINVAL, "max_cache_len %lld out of range", (long long)p->max_cache_len);
     if (is_static(p->strategy) && !p->max_cache_len)
         return kv_fail(s, TIER_EINVAL, "%s needs max_cache_len > 0", kv_strategy_name(p->strategy));
+    if (p->offload && p->strategy != KV_QUANTIZED)
+        return kv_fail(s, TIER_EINVAL, "offload applies to the quantized strategy, not %s (%s is offloaded already)",
+                       kv_strategy_name(p->strategy),
+                       kv_strategy_name(is_static(p->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED));
     if (p->adaptive && !is_offloaded(p->strategy))
         return kv_fail(s, TIER_EINVAL, "adaptive residency applies to offloaded strategies, not %s",
                        kv_strategy_name(p->strategy));
@@ -809,6 +825,11 @@ struct kv_seq_stats kv_seq_stats(const kv_seq *q)
 {
     struct kv_seq_stats st = {.requested = q->p.strategy, .strategy = q->strategy, .fallback = q->fallback,
                               .xfer = q->xfer};
+    if (kvq_seq_on_host(q)) {
+        st.streamed_layers = q->s->g.n_layers;
+        st.host_bytes = kvq_seq_bytes(q);
+        return st;
+    }
     for (int l = 0; l < q->s->g.n_layers; l++) {
         const struct kv_layer *L = &q->layers[l];
         if (L->home == KV_HOME_HOST) {
@@ -825,18 +846,35 @@ struct kv_seq_stats kv_seq_stats(const kv_seq *q)
     return st;
 }
 
+static void note_fallback(kv_seq *q, enum kv_fallback why)
+{
+    if (why == KV_FALLBACK_NONE)
+        return;
+    if (q->fallback == KV_FALLBACK_NONE)
+        q->s->fallbacks++;
+    q->fallback = why;
+}
+
 enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
 {
     kv_store *s = q->s;
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_offload during a step");
-    if (why == KV_FALLBACK_OOM && q->p.no_fallback)
-        return kv_fail(s, TIER_ENOTSUP, "the sequence asked for no fallback to the host tier");
-    if (q->kvq)
-        return kvq_unsupported(q, "offloading");
+    if (why == KV_FALLBACK_OOM && q->p.no_fallback) { /* the message still names what ran out */
+        char was[KV_ERR_LEN];
+        snprintf(was, sizeof(was), "%s", s->err);
+        return kv_fail(s, TIER_ENOTSUP, "%s%sthe sequence asked for no fallback to the host tier", was,
+                       was[0] ? "; " : "");
+    }
     if (q->p.sink)
         return kv_fail(s, TIER_ENOTSUP, "sink + offloaded is not supported: a sink sequence stays on the device "
                                         "(its KV is bounded by window_length)");
+    if (q->kvq) {
+        enum tier_status st = kvq_seq_offload(q);
+        if (st == TIER_OK)
+            note_fallback(q, why);
+        return st;
+    }
     int n = s->g.n_layers;
     struct kv_layer *moved = calloc((size_t)n, sizeof(*moved));
     if (!moved)
@@ -867,11 +905,7 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
     kv_store_trim(s);
     prefix_stop(q);
     q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
-    if (why != KV_FALLBACK_NONE) {
-        if (q->fallback == KV_FALLBACK_NONE)
-            s->fallbacks++;
-        q->fallback = why;
-    }
+    note_fallback(q, why);
     return TIER_OK;
 }
 

@@ -95,6 +95,10 @@ struct kv_seq_params {
     /* KV_QUANTIZED: the backend, nbits, axes, group and residual
      * (kv_quant_parse / kv_quant_defaults); validated at creation. */
     struct kv_quant_params quant;
+    /* KV_QUANTIZED only: the blocks live in the host tier from the start
+     * and every layer streams through the device slots as an offloaded
+     * one does (quantized + offloaded; kv_seq_offload gets there later). */
+    bool offload;
     /* The sink strategy (StreamingLLM attention sinks; docs/strategies.md
      * "Sinks"): every layer keeps the first num_sink_tokens tokens and the
      * most recent window_length - num_sink_tokens (window_length > 0, 0 <=
@@ -185,9 +189,10 @@ struct kv_seq_stats {
 struct kv_seq_stats kv_seq_stats(const kv_seq *q);
 
 /* Moves every device-resident layer of a sequence to the host tier and
- * makes it offloaded (static -> offloaded_static); nothing is recomputed.
- * All or nothing: on TIER_ENOMEM_HOST the sequence is untouched.  Only
- * between steps; TIER_ENOTSUP for a KV_FALLBACK_OOM of a no_fallback one. */
+ * makes it offloaded (static -> offloaded_static; a quantized one keeps
+ * its strategy, its blocks move); nothing is recomputed.  All or nothing:
+ * on TIER_ENOMEM_HOST the sequence is untouched.  Only between steps;
+ * TIER_ENOTSUP for a KV_FALLBACK_OOM of a no_fallback one. */
 enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why);
 
 /* ---- cache surgery (docs/strategies.md "Crop, forks, prefix cache") ----

@@ -181,8 +181,23 @@ enum tier_status kvq_seq_reserve(kv_seq *q, int n_new);
 void kvq_seq_commit(kv_seq *q); /* after the store's commit set each layer's lo */
 void kvq_seq_abort(kv_seq *q);
 size_t kvq_seq_bytes(const kv_seq *q); /* device bytes of its blocks, free ones included */
-/* TIER_ENOTSUP naming `what` ("crop", "offloading", ...) */
+/* TIER_ENOTSUP naming `what` ("crop", "fork", ...) */
 enum tier_status kvq_unsupported(kv_seq *q, const char *what);
+/* Quantized + offloaded: moves every block to the host tier (all or
+ * nothing; only between steps); from then on new blocks come from there
+ * and each layer streams through the device slots. */
+enum tier_status kvq_seq_offload(kv_seq *q);
+bool kvq_seq_on_host(const kv_seq *q); /* false for a dense sequence */
+/* Streaming a host-tier quantized sequence (stream.c), after its reserve:
+ * the slot bytes a layer's step needs, room for the table of slot blocks
+ * kv_seq_qview hands out, the copy of a layer's blocks into its slot
+ * region, and the write-back of the full-precision blocks holding
+ * positions [from, to). */
+size_t kvq_seq_slot_bytes(const kv_seq *q, int layer);
+enum tier_status kvq_seq_slot_table(kv_seq *q);
+enum be_status kvq_seq_copy_in(kv_seq *q, int layer, char *region, struct kv_xfer_stats *x);
+enum be_status kvq_seq_write_back(kv_seq *q, int layer, char *region, int64_t from, int64_t to,
+                                  struct kv_xfer_stats *x);
 
 /* hostpool.c.  hp_alloc carves bytes (rounded up to 64) out of a slab,
  * taking a new one when no free range fits: max(64 MiB, bytes rounded up
@@ -200,12 +215,22 @@ void hp_release(struct kv_hostpool *p); /* every slab back to the backend */
 enum tier_status kv_stream_init(kv_store *s);
 void kv_stream_release(kv_store *s);
 void kv_stream_slots_release(kv_store *s); /* only between steps (invariant 3) */
+/* During a step: where a streamed layer's region of this sequence starts
+ * in the layer's slot. */
+char *kv_slot_region(const kv_store *s, int layer, const struct kv_layer *L);
 
 /* kvstore.c helpers stream.c uses */
 void ext_view_refresh(const kv_seq *q, struct kv_layer *L);
 int64_t layer_view_lo(const kv_seq *q, const struct kv_layer *L);
+/* The sink strategy's part of a layer's view (kvstore.c invariant 8):
+ * key_rope, shift, the sinks and their block; raises out->lo past them. */
+void sink_view(const kv_seq *q, const struct kv_layer *L, struct be_kv_view *out);
 void kv_store_trim(kv_store *s);
 bool kv_store_reclaim(kv_store *s);
+/* Host-tier memory charged to the host budget (invariant 5 of kvstore.c);
+ * kv_host_free returns the slots once no host bytes are left. */
+enum tier_status kv_host_alloc(kv_store *s, size_t bytes, void **out);
+void kv_host_free(kv_store *s, void *ptr, size_t bytes);
 /* Records the message for kv_store_errmsg and returns st. */
 enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 

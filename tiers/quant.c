@@ -715,6 +715,14 @@ void kvq_layer_drop(kvq_layer *l, int64_t lo)
     l->qoff = keep_from;
 }
 
+void kvq_layer_remap(kvq_layer *l, void *(*map)(void *ctx, enum kvq_block_kind kind, void *block), void *ctx)
+{
+    for (int i = 0; i < l->q.n; i++)
+        l->q.b[i] = map(ctx, KVQ_BLOCK_QUANT, l->q.b[i]);
+    for (int i = 0; i < l->f.n; i++)
+        l->f.b[i] = map(ctx, KVQ_BLOCK_FULL, l->f.b[i]);
+}
+
 void kvq_layer_abort(kvq_layer *l)
 {
     if (!l->reserved)

@@ -131,5 +131,8 @@ void kvq_layer_abort(kvq_layer *l);
  * sliding layer's oldest kept position), except the block a later flush
  * reopens.  The view then starts at the first block kept. */
 void kvq_layer_drop(kvq_layer *l, int64_t lo);
+/* Between steps: replaces every block pointer b the layer holds by
+ * map(ctx, kind, b) (moving its blocks to another tier). */
+void kvq_layer_remap(kvq_layer *l, void *(*map)(void *ctx, enum kvq_block_kind kind, void *block), void *ctx);
 
 #endif

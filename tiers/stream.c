@@ -131,15 +131,32 @@ static enum tier_status slots_alloc(kv_store *s, size_t need)
                    ms.dev_budget, ms.dev_used, need);
 }
 
+char *kv_slot_region(const kv_store *s, int layer, const struct kv_layer *L)
+{
+    return (char *)be_buffer_data(s->slot[s->slot_of[layer]]) + L->slot_off;
+}
+
 enum tier_status kv_store_step_begin(kv_store *s)
 {
     size_t need = 0;
     int ordinal = 0;
+    for (int i = 0; i < s->n_active; i++) {
+        if (kvq_seq_on_host(s->active[i])) {
+            enum tier_status st = kvq_seq_slot_table(s->active[i]);
+            if (st != TIER_OK)
+                return st;
+        }
+    }
     for (int l = 0; l < s->g.n_layers; l++) {
         size_t off = 0;
         for (int i = 0; i < s->n_active; i++) {
             kv_seq *q = s->active[i];
             struct kv_layer *L = &q->layers[l];
+            if (kvq_seq_on_host(q)) {
+                L->slot_off = off;
+                off += kvq_seq_slot_bytes(q, l);
+                continue;
+            }
             if (L->home != KV_HOME_HOST)
                 continue;
             L->slot_b0 = layer_view_lo(q, L) / s->bt;
@@ -169,7 +186,7 @@ enum tier_status kv_store_step_begin(kv_store *s)
             struct kv_layer *L = &q->layers[l];
             if (L->home != KV_HOME_HOST)
                 continue;
-            char *region = (char *)be_buffer_data(s->slot[s->slot_of[l]]) + L->slot_off;
+            char *region = kv_slot_region(s, l, L);
             L->base = L->slot_b0 * s->bt;
             L->n_blocks = L->slot_nb;
             for (int b = 0; b < L->slot_nb; b++)
@@ -230,8 +247,11 @@ static enum be_status copy_in(kv_store *s, int l)
 {
     enum be_status st = record(s, l, EV_IN_START, &s->in_rec[l]);
     for (int i = 0; i < s->n_active && st == BE_OK; i++) {
-        const struct kv_layer *L = &s->active[i]->layers[l];
-        if (L->home == KV_HOME_HOST)
+        kv_seq *q = s->active[i];
+        const struct kv_layer *L = &q->layers[l];
+        if (kvq_seq_on_host(q))
+            st = kvq_seq_copy_in(q, l, kv_slot_region(s, l, L), &s->step);
+        else if (L->home == KV_HOME_HOST)
             st = ring_copy(s, L, L->slot_b0, L->slot_b0 + L->slot_nb, BE_H2D);
     }
     if (st == BE_OK)
@@ -279,9 +299,13 @@ enum be_status kv_store_layer_end(kv_store *s, int layer)
     /* layer_begin timed the previous chunk's write-back of this layer */
     enum be_status st = record(s, layer, EV_WB_START, &s->wb_rec[layer]);
     for (int i = 0; i < s->n_active && st == BE_OK; i++) {
-        const kv_seq *q = s->active[i];
+        kv_seq *q = s->active[i];
         const struct kv_layer *L = &q->layers[layer];
-        if (L->home == KV_HOME_HOST && q->chunk_to > q->chunk_from)
+        if (q->chunk_to <= q->chunk_from)
+            continue;
+        if (kvq_seq_on_host(q))
+            st = kvq_seq_write_back(q, layer, kv_slot_region(s, layer, L), q->chunk_from, q->chunk_to, &s->step);
+        else if (L->home == KV_HOME_HOST)
             st = ring_copy(s, L, q->chunk_from / s->bt, (q->chunk_to + s->bt - 1) / s->bt, BE_D2H);
     }
     if (st == BE_OK)
@@ -301,7 +325,7 @@ enum be_status kv_store_step_end(kv_store *s)
     xfer_add(&s->total, &s->step);
     for (int i = 0; i < s->n_active; i++) {
         kv_seq *q = s->active[i];
-        bool streamed = false;
+        bool streamed = kvq_seq_on_host(q);
         for (int l = 0; l < s->g.n_layers; l++) {
             if (q->layers[l].home == KV_HOME_HOST) {
                 streamed = true;
