@@ -68,7 +68,6 @@ struct engine {
     float *logits;  /* [max_seqs, vocab] */
     float *scratch; /* [vocab]: raw logits kept for logprobs */
     unsigned rr;    /* round-robin start among prefills; unsigned so it wraps after 2^32 steps */
-    bool mix_turn;  /* which of sink / quantized waits when both are active (build_batch) */
 };
 
 static void wake(engine *e)
@@ -812,27 +811,21 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
         c->vis = c->raw; /* text held back for a stop string that can no longer come */
 }
 
-/* Sequences that cannot share a forward batch: the quantized attention
- * kernel does not rotate keys, which the sink strategy needs. */
-enum mix_kind { MIX_ANY = 0, MIX_SINK, MIX_QUANT };
-
-static enum mix_kind mix_kind(const struct job *j)
+/* use_cache=false (HF semantics): a choice about to decode drops its KV
+ * and feeds its whole history again, as a prefill.  False when the new
+ * sequence cannot be made (the job then fails). */
+static bool restart_uncached(engine *e, struct job *j, struct job_choice *c)
 {
-    return j->cache.params.sink ? MIX_SINK : j->cache.params.strategy == KV_QUANTIZED ? MIX_QUANT : MIX_ANY;
-}
-
-/* The kind this step leaves out: when sink and quantized sequences are both
- * active, each waits every other step. */
-static enum mix_kind mix_banned(engine *e)
-{
-    bool has[3] = {false, false, false};
-    for (struct job *j = e->active; j; j = j->next)
-        if (!j->kill)
-            has[mix_kind(j)] = true;
-    if (!has[MIX_SINK] || !has[MIX_QUANT])
-        return MIX_ANY;
-    e->mix_turn = !e->mix_turn;
-    return e->mix_turn ? MIX_SINK : MIX_QUANT;
+    kv_seq_free(c->kv);
+    c->kv = NULL;
+    c->n_fed = 0;
+    enum tier_status ts = kv_seq_create(e->store, &j->cache.params, &c->kv);
+    if (ts == TIER_OK)
+        return true;
+    struct ipc_error err;
+    kv_error(e, ts, "use_cache", &err);
+    job_fail(e, j, &err);
+    return false;
 }
 
 /* The step's batch: one decode token per running sequence, then prefill
@@ -841,13 +834,12 @@ static enum mix_kind mix_banned(engine *e)
 static int build_batch(engine *e)
 {
     int nb = 0, n_pre = 0;
-    enum mix_kind banned = mix_banned(e);
     for (struct job *j = e->active; j; j = j->next) {
-        if (j->kill || (banned != MIX_ANY && mix_kind(j) == banned))
-            continue;
-        for (int i = 0; i < j->n; i++) {
+        for (int i = 0; i < j->n && !j->kill; i++) {
             struct job_choice *c = &j->ch[i];
             if (c->fin != FINISH_NONE || !c->toks)
+                continue;
+            if (!j->cache.use_cache && c->n_fed && c->n_toks - c->n_fed == 1 && !restart_uncached(e, j, c))
                 continue;
             if (c->n_toks - c->n_fed == 1) {
                 float *logits = j->kind == JOB_GENERATE ? e->logits + (size_t)nb * e->vocab : NULL;
@@ -867,8 +859,6 @@ static int build_batch(engine *e)
     int skip = (int)(e->rr++ % (unsigned)n_pre), seen = 0;
     for (int pass = 0; pass < 2 && budget > 0; pass++) {
         for (struct job *j = e->active; j && budget > 0; j = j->next) {
-            if (banned != MIX_ANY && mix_kind(j) == banned)
-                continue;
             for (int i = 0; i < j->n && budget > 0 && !j->kill; i++) {
                 struct job_choice *c = &j->ch[i];
                 if (c->fin != FINISH_NONE || !c->toks || c->n_toks - c->n_fed <= 1)

@@ -516,7 +516,16 @@ static bool kvq_view_ok(const struct be_kvq_view *v, const struct be_attn_params
     if (v->lo > v->hi || v->lo < v->base || v->hi > end)
         return false;
     const struct be_kv_view *r = &v->rest;
-    if (r->lo != v->hi || r->lo > r->hi || (!r->blocks && r->n_blocks) || r->n_blocks < 0)
+    if (r->lo < v->hi || (r->lo > v->hi && v->lo != v->hi) || r->lo > r->hi || (!r->blocks && r->n_blocks) ||
+        r->n_blocks < 0)
+        return false;
+    if (!r->key_rope && r->sinks)
+        return false;
+    /* the first position past the sinks that attention reads, for the
+     * key_rope rules of a be_kv_view */
+    struct be_kv_view first = *r;
+    first.lo = v->lo < v->hi ? v->lo : r->lo;
+    if (!key_rope_ok(&first, p))
         return false;
     return r->hi == r->lo || (r->block_tokens > 0 && r->lo >= r->base &&
                               r->hi <= r->base + (int64_t)r->n_blocks * r->block_tokens);
@@ -528,8 +537,7 @@ enum be_status be_attention_quant(be_backend *be, float *out, const float *q, co
     if (!be || !out || !q || !views || !toks || n_tok < 0 || !attn_params_ok(p))
         return BE_EINVAL;
     for (int t = 0; t < n_tok; t++)
-        if (toks[t].view < 0 || toks[t].pos < 0 || !kvq_view_ok(&views[toks[t].view], p) ||
-            views[toks[t].view].rest.key_rope) /* the quantized kernel does not rotate keys */
+        if (toks[t].view < 0 || toks[t].pos < 0 || !kvq_view_ok(&views[toks[t].view], p))
             return BE_EINVAL;
     if (!be->ops->attention_quant)
         return BE_ENOTSUP;

@@ -209,7 +209,11 @@ struct be_kvq_format {
  * the positions [hi, rest.hi) that follow are full precision in `rest`
  * (rest.lo == hi; an empty rest has rest.lo == rest.hi).  fmt NULL: nothing
  * is quantized (lo == hi == rest.lo), a dense sequence batched with
- * quantized ones. */
+ * quantized ones.  rest carries the sink strategy's fields for both parts
+ * (key_rope, sinks, sink_block, shift: quantized keys are stored before
+ * RoPE too, and the sinks are full precision in sink_block); with nothing
+ * quantized to read (lo == hi), rest.lo may lie past hi: a sink window
+ * that starts inside the residual. */
 struct be_kvq_view {
     const struct be_kvq_format *fmt;
     void *const *blocks;

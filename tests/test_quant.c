@@ -524,7 +524,22 @@ static void layer_contents(struct layer_fixture *fx, const float *k, const float
     }
 }
 
-static void attention_case(be_backend *be, const struct kv_quant_params *p, int window)
+/* Key x (head_dim D) rotated as be_rope would at the cache index of table
+ * row t (NEOX pairs: cos in the first half, sin in the second). */
+static void rope_row(const float *t, const float *x, int D, float *out)
+{
+    for (int i = 0; i < D / 2; i++) {
+        double c = t[i], sn = t[i + D / 2];
+        out[i] = (float)(x[i] * c - x[i + D / 2] * sn);
+        out[i + D / 2] = (float)(x[i + D / 2] * c + x[i] * sn);
+    }
+}
+
+/* rope: the sink strategy's view (keys stored before RoPE, rotated at
+ * read time): 3 full-precision sinks in a sink block, then the window from
+ * position 30 on, quantized and rest, at cache indices 3, 4, ...  The
+ * reference is the dense attention over the same keys decoded, rotated. */
+static void attention_case(be_backend *be, const struct kv_quant_params *p, int window, bool rope)
 {
     const int H = 2, NH = 4, D = 32, BT = 8, N_TOK = 83, N_Q = 3;
     struct layer_fixture fx;
@@ -554,22 +569,59 @@ static void attention_case(be_backend *be, const struct kv_quant_params *p, int 
         toks[i] = (struct be_tok){.view = 0, .pos = at + i};
     struct be_attn_params ap = {.n_heads = NH, .n_kv_heads = H, .head_dim = D, .scale = 1.0f / sqrtf((float)D),
                                 .window = window, .kv_dtype = BE_F32};
+    const int S = 3, L0 = 30;
+    float table[N_TOK * D], sink_kv[2 * H * BT * D];
+    if (rope) {
+        for (int j = 0; j < N_TOK; j++)
+            for (int i = 0; i < D / 2; i++) {
+                double a = j * pow(10000.0, -2.0 * i / D);
+                table[j * D + i] = (float)cos(a);
+                table[j * D + i + D / 2] = (float)sin(a);
+            }
+        fill_rows(sink_kv, 2 * BT, H, D); /* any rows: (H, BT, D) K then V */
+        view.rest.key_rope = true;
+        view.rest.sinks = S;
+        view.rest.sink_block = sink_kv;
+        view.rest.shift = L0 - S;
+        view.lo = view.lo > L0 ? view.lo : L0 < view.hi ? L0 : view.hi;
+        view.rest.lo = view.rest.lo > L0 ? view.rest.lo : L0;
+        ap.key_rope = table;
+        ap.key_rope_rows = N_TOK;
+        ap.key_rope_layout = BE_ROPE_NEOX;
+    }
     assert_int_equal(be_attention_quant(be, out, q, &view, toks, N_Q, &ap), BE_OK);
     /* reference: the contents attention saw, decoded, dense (before the
      * commit, which may quantize a reopened group row again) */
     layer_contents(&fx, k, v, at + N_Q, K, V);
     kvq_layer_commit(fx.l);
+    if (rope) { /* in cache order: the sinks, then the window, rotated */
+        float *Kc = malloc((size_t)N_TOK * stride * sizeof(float)), *Vc = malloc((size_t)N_TOK * stride * sizeof(float));
+        assert_true(Kc && Vc);
+        for (int c = 0; c < S + at + N_Q - L0; c++)
+            for (int h = 0; h < H; h++) {
+                size_t dst = ((size_t)c * H + (size_t)h) * D;
+                const float *kr = c < S ? sink_kv + ((size_t)h * BT + (size_t)c) * D : K + ((size_t)(L0 + c - S) * H + (size_t)h) * D;
+                const float *vr = c < S ? sink_kv + ((size_t)(H + h) * BT + (size_t)c) * D : V + ((size_t)(L0 + c - S) * H + (size_t)h) * D;
+                rope_row(table + (size_t)c * D, kr, D, Kc + dst);
+                memcpy(Vc + dst, vr, (size_t)D * sizeof(float));
+            }
+        memcpy(K, Kc, (size_t)N_TOK * stride * sizeof(float));
+        memcpy(V, Vc, (size_t)N_TOK * stride * sizeof(float));
+        free(Kc);
+        free(Vc);
+    }
     double o[64], worst = 0.0;
     for (int i = 0; i < N_Q; i++)
         for (int h = 0; h < NH; h++) {
-            int64_t qpos = at + i, k0 = window ? (qpos - window + 1 > 0 ? qpos - window + 1 : 0) : 0;
+            int64_t qpos = rope ? at + i - (L0 - S) : at + i, k0 = window ? (qpos - window + 1 > 0 ? qpos - window + 1 : 0) : 0;
             dense_attention(q + ((size_t)i * NH + (size_t)h) * D, K, V, k0, qpos, H, D, h / (NH / H), ap.scale, o);
             for (int d = 0; d < D; d++)
                 worst = fmax(worst, fabs(o[d] - out[((size_t)i * NH + (size_t)h) * D + (size_t)d]) / (1.0 + fabs(o[d])));
         }
     if (worst > 2e-5)
-        fail_msg("%s int%d axes %d/%d window %d: quantized attention differs from dense by %g",
-                 kv_quant_backend_name(p->backend), p->nbits, p->axis_key, p->axis_value, window, worst);
+        fail_msg("%s int%d axes %d/%d window %d%s: quantized attention differs from dense by %g",
+                 kv_quant_backend_name(p->backend), p->nbits, p->axis_key, p->axis_value, window,
+                 rope ? " key_rope" : "", worst);
     free(k);
     free(v);
     free(K);
@@ -599,8 +651,9 @@ static void attention_all(const char *simd)
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         struct kv_quant_params p = params(cases[i].b, cases[i].nbits, cases[i].ak, cases[i].av, cases[i].g, cases[i].r);
-        attention_case(be, &p, 0);
-        attention_case(be, &p, 19);
+        attention_case(be, &p, 0, false);
+        attention_case(be, &p, 19, false);
+        attention_case(be, &p, 0, true);
     }
     be_free(be);
 }

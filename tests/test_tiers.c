@@ -359,22 +359,21 @@ static void test_four_times_the_budget(void **state)
 }
 
 /* Test 4: offloaded, the device holds the activations and two layers of
- * KV at most (the pool measures the peak).  N_PROMPT + N_GEN is a whole
- * number of slot rounding units (4 blocks of 32), so no rounding slack. */
+ * KV at most (the pool measures the peak), each streaming slot rounded up
+ * to a whole number of 4 blocks when the budget allows (tiers/stream.c). */
 static void test_offloaded_peak(void **state)
 {
     (void)state;
     struct rig r;
     rig_open(&r, M_DEEP, 0, 0);
-    int64_t n = N_PROMPT + N_GEN;
-    assert_true(n % (4 * kv_store_block_tokens(r.store)) == 0 || n < 4 * kv_store_block_tokens(r.store));
+    int64_t unit = 4 * kv_store_block_tokens(r.store), n = N_PROMPT + N_GEN;
     kv_seq *q;
     int32_t toks[N_GEN];
     struct kv_seq_params p = {.strategy = KV_OFFLOADED};
     assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
     be_reset_peak(r.be);
     assert_int_equal(greedy(&r, q, 2, toks, NULL), MODEL_OK);
-    size_t two_layers = 2 * layer_kv_bytes(&r, 4 * kv_store_block_tokens(r.store) > n ? 4 * kv_store_block_tokens(r.store) : n);
+    size_t two_layers = 2 * layer_kv_bytes(&r, (n + unit - 1) / unit * unit);
     assert_true(be_mem_stats(r.be).dev_peak <= r.act_bytes + two_layers);
     assert_int_equal(kv_seq_stats(q).dev_bytes, 0);
     kv_seq_free(q);
@@ -442,7 +441,8 @@ static void test_prefetch_figures(void **state)
     assert_int_equal(greedy(&r, q, 5, toks, NULL), MODEL_OK);
     struct kv_store_stats s = kv_store_stats(r.store);
     int L = model_get_config(r.m)->n_layers;
-    /* the last step read ceil(84/32) = 3 blocks per layer and wrote one */
+    /* the last step read the blocks of the 83 tokens before it per layer
+     * and wrote one */
     assert_int_equal(s.last_step.bytes_h2d, (uint64_t)L * layer_kv_bytes(&r, N_PROMPT + N_GEN - 1));
     assert_int_equal(s.last_step.bytes_d2h, (uint64_t)L * layer_kv_bytes(&r, 1));
     assert_int_equal(s.last_step.tokens, 1);
@@ -522,18 +522,16 @@ static void test_crop_regenerate(void **state)
     }
 }
 
-/* Forks of a 2k-token prefix share its blocks (block size 16, so one fork's
- * first new block is 1/128 of the prefix), and decoding from a fork gives
- * the tokens of a fresh prefill of the same text, parent freed first. */
+/* Forks of a 2k-token prefix share its blocks (at the default block size,
+ * 16, one fork's first new block is 1/128 of the prefix: 8 forks hold
+ * 1.0625x the bytes of one, within issue 7's 1.1x), and decoding from a fork
+ * gives the tokens of a fresh prefill of the same text, parent freed first. */
 static void test_forks_share(void **state)
 {
     (void)state;
     enum { P = 2048, F = 8, G = 16 };
     struct rig r;
     rig_open(&r, M_LLAMA, 0, 0);
-    kv_store_free(r.store);
-    struct kv_geom g = model_kv_geom(r.m);
-    assert_int_equal(kv_store_open(r.be, &g, &(struct kv_store_params){.block_tokens = 16}, &r.store), TIER_OK);
     int V = vocab(&r);
     float *row = malloc((size_t)V * sizeof(float)), *prow = malloc((size_t)V * sizeof(float));
     int32_t *ids = malloc(P * sizeof(int32_t)), fresh[G], forked[G];
@@ -549,7 +547,8 @@ static void test_forks_share(void **state)
 
     assert_int_equal(kv_seq_create(r.store, NULL, &parent), TIER_OK);
     feed(&r, parent, ids, P, prow);
-    size_t one = kv_seq_bytes(parent), block = one / (size_t)(P / 16 * model_get_config(r.m)->n_layers);
+    size_t one = kv_seq_bytes(parent),
+           block = one / (size_t)(P / kv_store_block_tokens(r.store) * model_get_config(r.m)->n_layers);
     for (int k = 0; k < F; k++)
         assert_int_equal(kv_seq_fork(parent, &kids[k]), TIER_OK);
     size_t all = kv_store_stats(r.store).blocks_used * block;
@@ -663,43 +662,200 @@ static void test_sliding_window_strategy(void **state)
 
 /* Sink strategy: 3000 tokens of the built-in model through a window of 64
  * with 4 sinks.  Once the window has filled (and its edge has crossed
- * every block phase) the KV bytes never exceed what they reached then nor
- * the window's blocks, the device holds no new byte (pool, rotation table),
- * and no logit is NaN or infinite. */
+ * every block phase, and for a quantized cache every residual phase: after
+ * `settle` tokens) the KV bytes never exceed what they reached then nor
+ * `bound`, neither do the device's bytes (pool, rotation table), and no
+ * logit is NaN or infinite. */
+static void sink_bounded(struct rig *r, const struct kv_seq_params *p, size_t bound, int settle)
+{
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r->store, p, &q), TIER_OK);
+    float *row = malloc((size_t)vocab(r) * sizeof(float));
+    assert_non_null(row);
+    size_t settled = 0, dev_settled = 0;
+    int32_t tok = 2044;
+    feed(r, q, &tok, 1, row);
+    for (int i = 1; i < 3000; i++) {
+        for (int v = 0; v < vocab(r); v++)
+            if (!isfinite(row[v]))
+                fail_msg("logit %d after %d tokens is %f", v, i, row[v]);
+        tok = argmax(row, vocab(r));
+        feed(r, q, &tok, 1, row);
+        size_t bytes = kv_seq_bytes(q);
+        if (bytes > bound)
+            fail_msg("%zu KV bytes after %d tokens, above the bound of %zu", bytes, i, bound);
+        if (i <= settle)
+            settled = bytes > settled ? bytes : settled;
+        else if (bytes > settled)
+            fail_msg("%zu KV bytes after %d tokens, above the %zu reached by token %d", bytes, i, settled, settle);
+        size_t dev = be_mem_stats(r->be).dev_used;
+        if (i <= settle)
+            dev_settled = dev > dev_settled ? dev : dev_settled;
+        else if (dev > dev_settled)
+            fail_msg("%zu device bytes after %d tokens, above the %zu reached by token %d", dev, i, dev_settled, settle);
+    }
+    assert_int_equal(kv_seq_length(q), 3000);
+    kv_seq_free(q);
+    free(row);
+}
+
 static void test_sink_bounded(void **state)
 {
     (void)state;
     struct rig r;
     rig_open_dir(&r, "model/builtin", 0, 0);
     struct kv_seq_params p = {.sink = true, .window_length = 64, .num_sink_tokens = 4};
-    kv_seq *q;
-    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
-    float *row = malloc((size_t)vocab(&r) * sizeof(float));
-    assert_non_null(row);
     struct kv_geom g = model_kv_geom(r.m);
     size_t block = 2 * (size_t)g.n_kv_heads * 32 * (size_t)g.head_dim * sizeof(float);
-    size_t bound = (size_t)g.n_layers * ((64 - 4 + 31) / 32 + 2) * block, settled = 0, dev_settled = 0;
-    int32_t tok = 2044;
-    feed(&r, q, &tok, 1, row);
-    for (int i = 1; i < 3000; i++) {
-        for (int v = 0; v < vocab(&r); v++)
-            if (!isfinite(row[v]))
-                fail_msg("logit %d after %d tokens is %f", v, i, row[v]);
-        tok = argmax(row, vocab(&r));
-        feed(&r, q, &tok, 1, row);
-        size_t bytes = kv_seq_bytes(q);
-        assert_true(bytes <= bound);
-        if (i <= 64 + 2 * 32)
-            settled = bytes > settled ? bytes : settled;
-        else
-            assert_true(bytes <= settled);
-        if (i == 64 + 2 * 32)
-            dev_settled = be_mem_stats(r.be).dev_used;
+    sink_bounded(&r, &p, (size_t)g.n_layers * ((64 - 4 + 31) / 32 + 2) * block, 64 + 2 * 32);
+    rig_close(&r);
+}
+
+/* The same over a quantized cache (KIVI int4, residual_length 128, twice
+ * the window, so the window often starts inside the residual).  Per layer
+ * the bound is the sink block, the quantized blocks W-S tokens touch plus
+ * the one a flush reopens, and the residual's blocks. */
+static void test_sink_quantized_bounded(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open_dir(&r, "model/builtin", 0, 0);
+    struct kv_seq_params p = {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_QUANTO), .sink = true,
+                              .window_length = 64, .num_sink_tokens = 4};
+    p.quant.axis_key = -1; /* KIVI: keys per channel */
+    struct kv_geom g = model_kv_geom(r.m);
+    struct be_kvq_format f;
+    struct kvq_error e;
+    int T = kvq_block_tokens(&p.quant, 32);
+    assert_int_equal(kvq_format_init(&f, &p.quant, g.n_kv_heads, g.head_dim, T, &e), TIER_OK);
+    size_t block = 2 * (size_t)g.n_kv_heads * 32 * (size_t)g.head_dim * sizeof(float);
+    size_t per_layer = block + (size_t)((64 - 4 + T - 1) / T + 2) * f.block_bytes +
+                       (size_t)((p.quant.residual_length + 31) / 32 + 2) * block;
+    sink_bounded(&r, &p, (size_t)g.n_layers * per_layer, 64 + 3 * p.quant.residual_length);
+    rig_close(&r);
+}
+
+/* Sinks over a quantized cache against the same tokens through the dense
+ * sink cache (M_LLAMA, window 24, 2 sinks, 200 decode steps, each step's
+ * logits): KIVI int8 (keys per channel, residual 8, so the window is
+ * mostly quantized) stays within the int8 bound of tests/test_kvquant.c,
+ * relative to the largest logit; int2 must break it, or the comparison
+ * could not tell a quantized window from a dense one. */
+static double sink_quantized_error(struct rig *r, const int32_t *toks, int n, const float *dense, int nbits)
+{
+    int nv = vocab(r);
+    struct kv_seq_params p = {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_QUANTO), .sink = true,
+                              .window_length = 24, .num_sink_tokens = 2};
+    p.quant.nbits = nbits;
+    p.quant.axis_key = -1;
+    p.quant.q_group_size = 16;
+    p.quant.residual_length = 8;
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r->store, &p, &q), TIER_OK);
+    float *row = malloc((size_t)nv * sizeof(float));
+    assert_non_null(row);
+    double worst = 0.0;
+    feed(r, q, toks, N_PROMPT, row);
+    for (int i = 0; i <= n; i++) {
+        const float *want = dense + (size_t)i * nv;
+        double top = 0.0, err = 0.0;
+        for (int v = 0; v < nv; v++) {
+            top = fmax(top, fabs(want[v]));
+            err = fmax(err, fabs((double)want[v] - row[v]));
+        }
+        worst = fmax(worst, err / top);
+        if (i < n)
+            feed(r, q, &toks[N_PROMPT + i], 1, row);
     }
-    assert_int_equal(be_mem_stats(r.be).dev_used, dev_settled);
-    assert_int_equal(kv_seq_length(q), 3000);
     kv_seq_free(q);
     free(row);
+    return worst;
+}
+
+static void test_sink_quantized_logits(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_LLAMA, 0, 0);
+    int nv = vocab(&r), n = 200;
+    struct kv_seq_params p = {.sink = true, .window_length = 24, .num_sink_tokens = 2};
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    int32_t toks[N_PROMPT + 200];
+    prompt_of(9, toks);
+    float *dense = malloc((size_t)(n + 1) * (size_t)nv * sizeof(float));
+    assert_non_null(dense);
+    feed(&r, q, toks, N_PROMPT, dense);
+    for (int i = 0; i < n; i++) {
+        toks[N_PROMPT + i] = argmax(dense + (size_t)i * nv, nv);
+        feed(&r, q, &toks[N_PROMPT + i], 1, dense + (size_t)(i + 1) * nv);
+    }
+    kv_seq_free(q);
+    double e8 = sink_quantized_error(&r, toks, n, dense, 8), e2 = sink_quantized_error(&r, toks, n, dense, 2);
+    print_message("sink + quantized vs dense sink logits: int8 %.2g, int2 %.2g of the largest logit\n", e8, e2);
+    if (e8 > 1e-2 || e2 <= 1e-2)
+        fail_msg("int8 error %g (bound 1e-2), int2 error %g (must exceed it)", e8, e2);
+    free(dense);
+    rig_close(&r);
+}
+
+/* One forward batch holding a dense sink, a quantized sink, a plain
+ * quantized and a plain dense sequence (so be_attention_quant reads
+ * rotated and unrotated keys, dense and quantized, in one call): each
+ * sequence's logits equal its run alone. */
+static void test_sink_quantized_batch(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_LLAMA, 0, 0);
+    int nv = vocab(&r), n = 60;
+    struct kv_quant_params qp = kv_quant_defaults(KVQ_QUANTO);
+    qp.q_group_size = 16;
+    qp.residual_length = 8;
+    const struct kv_seq_params ps[4] = {
+        {.sink = true, .window_length = 16, .num_sink_tokens = 2},
+        {.strategy = KV_QUANTIZED, .quant = qp, .sink = true, .window_length = 16, .num_sink_tokens = 2},
+        {.strategy = KV_QUANTIZED, .quant = qp},
+        {0},
+    };
+    int32_t toks[4][N_PROMPT + 60];
+    float *alone = malloc((size_t)4 * (size_t)(n + 1) * (size_t)nv * sizeof(float));
+    float *rows = malloc((size_t)4 * (size_t)nv * sizeof(float));
+    assert_true(alone && rows);
+    for (int k = 0; k < 4; k++) {
+        kv_seq *q;
+        assert_int_equal(kv_seq_create(r.store, &ps[k], &q), TIER_OK);
+        prompt_of(k, toks[k]);
+        float *a = alone + (size_t)k * (size_t)(n + 1) * (size_t)nv;
+        feed(&r, q, toks[k], N_PROMPT, a);
+        for (int i = 0; i < n; i++) {
+            toks[k][N_PROMPT + i] = argmax(a + (size_t)i * nv, nv);
+            feed(&r, q, &toks[k][N_PROMPT + i], 1, a + (size_t)(i + 1) * nv);
+        }
+        kv_seq_free(q);
+    }
+    kv_seq *qs[4];
+    for (int k = 0; k < 4; k++)
+        assert_int_equal(kv_seq_create(r.store, &ps[k], &qs[k]), TIER_OK);
+    double worst = 0.0;
+    for (int i = 0; i <= n; i++) {
+        struct fw_seq fs[4];
+        for (int k = 0; k < 4; k++)
+            fs[k] = (struct fw_seq){.kv = qs[k], .tokens = i ? &toks[k][N_PROMPT + i - 1] : toks[k],
+                                    .n_tokens = i ? 1 : N_PROMPT, .logits = rows + (size_t)k * nv};
+        assert_int_equal(model_forward(r.m, fs, 4), MODEL_OK);
+        for (int k = 0; k < 4; k++) {
+            const float *a = alone + ((size_t)k * (size_t)(n + 1) + (size_t)i) * (size_t)nv;
+            for (int v = 0; v < nv; v++)
+                worst = fmax(worst, fabs((double)a[v] - rows[(size_t)k * nv + v]) / (1.0 + fabs(a[v])));
+        }
+    }
+    if (worst > 1e-5)
+        fail_msg("a mixed batch differs from each sequence alone by %g", worst);
+    for (int k = 0; k < 4; k++)
+        kv_seq_free(qs[k]);
+    free(alone);
+    free(rows);
     rig_close(&r);
 }
 
@@ -768,10 +924,15 @@ static void test_sink_refusals(void **state)
     expect_refused(r.store, &p, TIER_ENOTSUP, "sink + offloaded");
     p.strategy = KV_OFFLOADED_STATIC;
     expect_refused(r.store, &p, TIER_ENOTSUP, "sink + offloaded_static");
-    p.strategy = KV_QUANTIZED;
+    p.strategy = KV_QUANTIZED; /* allowed: the sinks stay full precision, the window is quantized */
     p.max_cache_len = 0;
     p.quant = kv_quant_defaults(KVQ_QUANTO);
-    expect_refused(r.store, &p, TIER_ENOTSUP, "sink + quantized");
+    kv_seq *sq;
+    assert_int_equal(kv_seq_create(r.store, &p, &sq), TIER_OK);
+    kv_seq_free(sq);
+    p.offload = true;
+    expect_refused(r.store, &p, TIER_ENOTSUP, "sink + offloaded quantized");
+    p.offload = false;
     p = (struct kv_seq_params){.sink = true, .window_length = 0, .num_sink_tokens = 2};
     expect_refused(r.store, &p, TIER_EINVAL, "window_length");
     p.window_length = 16;
@@ -871,6 +1032,9 @@ int main(void)
         cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_sliding_window_strategy),
         cmocka_unit_test(test_sink_bounded),
+        cmocka_unit_test(test_sink_quantized_bounded),
+        cmocka_unit_test(test_sink_quantized_logits),
+        cmocka_unit_test(test_sink_quantized_batch),
         cmocka_unit_test(test_sink_forks),
         cmocka_unit_test(test_sink_refusals),
         cmocka_unit_test(test_sink_prefix_cache),

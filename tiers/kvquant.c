@@ -26,6 +26,10 @@
  *   keeps window, keep and lo, so the sliding rule (NOTES invariant 1 of
  *   kvstore.c) is the store's own; after each commit the quantized blocks
  *   wholly below lo are returned (kvq_layer_drop).
+ * - Sinks (kv_seq_params.sink): the window is quantized like a sliding
+ *   layer's (the store's lo, kvq_layer_drop), keys before RoPE; the sinks
+ *   stay full precision in the store's sink block (kvstore.c invariant 8),
+ *   which kv_seq_qview puts in the view's rest for be_attention_quant.
  * - Not supported yet, each refused with TIER_ENOTSUP naming it: crop, fork
  *   and past recording; the prefix cache skips quantized sequences.
  */
@@ -485,6 +489,14 @@ void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out)
     if (lo > out->lo)
         out->lo = lo < out->hi ? lo : out->hi;
     out->rest.window = L->window;
+    if (!q->p.sink)
+        return;
+    /* the sinks in full precision, then the window after them (kvstore.c
+     * invariant 8); the window may start inside the residual */
+    sink_view(q, L, &out->rest);
+    int64_t first = out->rest.shift + out->rest.sinks;
+    if (first > out->lo)
+        out->lo = first < out->hi ? first : out->hi;
 }
 
 enum tier_status kvq_unsupported(kv_seq *q, const char *what)

@@ -22,14 +22,15 @@
  *                      on the device unless offload_sliding says YES
  *   adaptive           the first R streamable layers on the device, R the
  *                      most the device budget holds at max_cache_len
- *   sink               paged (dynamic only): sinks + the last W-S tokens,
- *                      keys unrotated (invariant 8)
+ *   sink               paged (dynamic) or quantized (kvquant.c): sinks +
+ *                      the last W-S tokens, keys unrotated (invariant 8)
  *
  * Sequence states: idle (pending == 0) -> reserved (pending > 0, listed in
  * s->active) -> idle by commit or abort.  Offload, crop, fork and prefix
  * match only while idle.  Orthogonally, recording (record_past): sliding
  * layers stop dropping states at commit until the next crop shrinks them.
- * A sink sequence (dynamic only) is growing while len <= W (crop allowed),
+ * A sink sequence (dynamic or quantized) is growing while len <= W (crop
+ * allowed unless quantized),
  * then evicting (lo > 0: crop, recording, offload and the prefix cache
  * refused); it never goes back.
  *
@@ -66,6 +67,10 @@
  *       second block on; that block is never written again (the sinks
  *       were written by earlier steps, crop is refused once lo > 0).
  *       Keys are stored unrotated; RoPE uses indices in the cache.
+ *       Quantized: sink_blk is a pool block taken at creation, filled
+ *       at the commits that bring positions [0, S), and read for every
+ *       committed sink from then on (a sink is never read quantized);
+ *       the window is the quantized layer's, with lo as above.
  *   (9) host extents are ranges of the host pool's slabs (s->hp,
  *       hostpool.c), never backend buffers of their own: a slab is taken
  *       from the backend only when no free range fits, and returned when
@@ -675,11 +680,14 @@ static int layer_window_of(const kv_store *s, const struct kv_seq_params *p, int
  * combination is refused is in docs/strategies.md "Sinks". */
 static enum tier_status check_sink(kv_store *s, const struct kv_seq_params *p)
 {
-    if (p->strategy != KV_DYNAMIC)
+    if (p->strategy != KV_DYNAMIC && p->strategy != KV_QUANTIZED)
         return kv_fail(s, TIER_ENOTSUP,
-                       "sink + %s is not supported: attention sinks keep their bounded KV paged on the device "
-                       "(dynamic storage)",
+                       "sink + %s is not supported: attention sinks keep their bounded KV on the device, paged "
+                       "(dynamic) or quantized",
                        kv_strategy_name(p->strategy));
+    if (p->offload)
+        return kv_fail(s, TIER_ENOTSUP, "sink + offloaded quantized is not supported: a sink sequence stays on the "
+                                        "device (its KV is bounded by window_length)");
     if (p->window_length <= 0)
         return kv_fail(s, TIER_EINVAL, "sink needs window_length > 0 (got %d)", p->window_length);
     if (p->num_sink_tokens < 0 || p->num_sink_tokens >= p->window_length)
@@ -693,6 +701,18 @@ static enum tier_status check_sink(kv_store *s, const struct kv_seq_params *p)
             return kv_fail(s, TIER_ENOTSUP,
                            "sink + sliding layers is not supported: layer %d of the model slides by %d tokens", l,
                            s->layer_window[l]);
+    return TIER_OK;
+}
+
+/* A quantized sink sequence's sink blocks, one per layer, taken at
+ * creation so that the commit that fills them cannot fail. */
+static enum tier_status sink_blocks_take(kv_seq *q)
+{
+    for (int l = 0; l < q->s->g.n_layers && q->p.num_sink_tokens; l++) {
+        enum tier_status st = pool_take(q->s, &q->layers[l].sink_blk);
+        if (st != TIER_OK)
+            return st;
+    }
     return TIER_OK;
 }
 
@@ -777,6 +797,10 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
         }
     }
     if (want == KV_QUANTIZED && (st = kvq_seq_init(q)) != TIER_OK) {
+        kv_seq_free(q);
+        return st;
+    }
+    if (want == KV_QUANTIZED && p->sink && (st = sink_blocks_take(q)) != TIER_OK) {
         kv_seq_free(q);
         return st;
     }
@@ -1098,17 +1122,26 @@ void kv_seq_view(const kv_seq *q, int layer, struct be_kv_view *out)
         .hi = q->len + q->pending,
         .window = L->window,
     };
-    if (!q->p.sink)
-        return;
+    if (q->p.sink)
+        sink_view(q, L, out);
+}
+
+void sink_view(const kv_seq *q, const struct kv_layer *L, struct be_kv_view *out)
+{
+    int64_t S = q->p.num_sink_tokens;
     /* keys unrotated; sinks at their own index, the rest moved down to
      * follow them (nothing moves until the first eviction) */
     out->key_rope = true;
-    out->shift = sink_recent(q) - q->p.num_sink_tokens;
-    if (out->shift > 0) {
-        out->lo = sink_recent(q);
-        out->sinks = q->p.num_sink_tokens;
-        out->sink_block = L->sink_blk ? L->sink_blk->data : L->blocks[0]; /* invariant 8 */
-    }
+    out->shift = sink_recent(q) - S;
+    if (out->shift > 0)
+        out->sinks = (int)S;
+    else if (q->kvq) /* from the first commit on, never read quantized (invariant 8) */
+        out->sinks = (int)(q->len < S ? q->len : S);
+    if (!out->sinks)
+        return;
+    out->sink_block = L->sink_blk ? L->sink_blk->data : L->blocks[0]; /* invariant 8 */
+    if (out->lo < out->shift + out->sinks)
+        out->lo = out->shift + out->sinks;
 }
 
 void kv_seq_rope_pos(const kv_seq *q, int64_t pos, int64_t *q_pos, int64_t *k_pos)
@@ -1121,14 +1154,40 @@ void kv_seq_rope_pos(const kv_seq *q, int64_t pos, int64_t *q_pos, int64_t *k_po
     *k_pos = 0;
 }
 
+/* Copies the sinks among positions [from, len) of layer l from the
+ * quantized sequence's residual, where the step wrote them, into the sink
+ * block before the KIVI commit may quantize them (invariant 8).  A plain
+ * copy: quantized blocks live in host-addressable device memory
+ * (docs/quantization.md, "Not done yet"). */
+static void sink_keep_full(kv_seq *q, int l, int64_t from)
+{
+    kv_store *s = q->s;
+    int64_t S = q->p.num_sink_tokens;
+    struct be_kvq_view v;
+    kv_seq_qview(q, l, &v);
+    size_t row = (size_t)s->g.head_dim * sizeof(float);
+    for (int64_t pos = from; pos < S && pos < q->len; pos++)
+        for (int h = 0; h < s->g.n_kv_heads; h++) {
+            const char *src = (const char *)v.rest.blocks[(pos - v.rest.base) / v.rest.block_tokens] +
+                              ((size_t)h * (size_t)v.rest.block_tokens + (size_t)((pos - v.rest.base) % v.rest.block_tokens)) * row;
+            char *dst = (char *)q->layers[l].sink_blk->data + ((size_t)h * (size_t)s->bt + (size_t)pos) * row;
+            memcpy(dst, src, row);
+            memcpy(dst + s->block_bytes / 2, src + v.rest.v_offset, row);
+        }
+}
+
 /* Sink strategy at commit: keep the sinks and the last W-S tokens (what
  * HF's cache holds after a step); the block of the sinks is kept by a
- * reference of its own before the table lets go of it (invariant 8). */
-static void sink_commit(kv_seq *q, struct kv_layer *L)
+ * reference of its own before the table lets go of it (invariant 8).
+ * from: the length before the step. */
+static void sink_commit(kv_seq *q, int l, int64_t from)
 {
+    struct kv_layer *L = &q->layers[l];
     int64_t W = q->p.window_length, S = q->p.num_sink_tokens;
     if (q->len > W)
         L->lo = q->len - (W - S);
+    if (q->kvq && from < S)
+        sink_keep_full(q, l, from);
     if (S && !L->sink_blk && L->base == 0 && L->lo >= q->s->bt) {
         L->sink_blk = L->pb[0];
         blk_get(q->s, L->sink_blk);
@@ -1138,6 +1197,7 @@ static void sink_commit(kv_seq *q, struct kv_layer *L)
 void kv_seq_commit(kv_seq *q)
 {
     kv_store *s = q->s;
+    int64_t from = q->len;
     q->len += q->pending;
     q->pending = 0;
     active_remove(s, q);
@@ -1149,7 +1209,7 @@ void kv_seq_commit(kv_seq *q)
         if (L->keep && !q->record_past && q->len - L->keep > L->lo)
             L->lo = q->len - L->keep;
         if (q->p.sink)
-            sink_commit(q, L);
+            sink_commit(q, l, from);
         if (L->home != KV_HOME_PAGED)
             ext_view_refresh(q, L);
         else if (!q->kvq)

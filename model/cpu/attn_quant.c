@@ -14,6 +14,12 @@
  * online softmax (running max m and sum l, rescaling o when m grows) is
  * folded once per chunk, so the per-chunk accumulators need no rescaling.
  * The full-precision rest of the view continues the same softmax.
+ * Views whose keys are stored before RoPE (rest.key_rope, the sink
+ * strategy) are the exception: a rotation mixes the channels of a pair, so
+ * each key is decoded into a row of its own (c*s + b per code, through the
+ * same code loops), rotated at its index in the cache as be_attention
+ * rotates a full-precision key, then dotted; values are read as above.
+ * The sinks (rest.sinks, full precision in rest.sink_block) come first.
  */
 #include <math.h>
 #include <string.h>
@@ -92,6 +98,7 @@ struct qattn {
     float *o;
     float m, l;
     float *s, *qs, *qsum, *acc, *bacc;
+    float *ks, *kb, *krow, *krot; /* key_rope views: a group row's (s, b), one key decoded and rotated */
 };
 
 /* Folds the chunk's scores s[0..n) into the running max and sum, rescaling
@@ -113,11 +120,50 @@ static void fold_chunk(struct qattn *a, int n)
     }
 }
 
-static void key_scores(struct qattn *a, const void *blk, int t0, int n)
+/* Scores of keys stored before RoPE: key t0 + i (position pos0 + i) is
+ * decoded into krow, rotated into krot, then dotted with q. */
+static void key_scores_rope(struct qattn *a, const void *blk, int64_t pos0, int t0, int n)
 {
     const struct be_kvq_format *f = a->v->fmt;
     const struct be_kvq_half *h = &f->k;
     int D = f->head_dim;
+    bool affine = f->kind != BE_KVQ_E4M3;
+    if (affine && h->gt > 1) /* per-channel: one group row for the whole chunk */
+        for (int d = 0; d < D; d++)
+            group_sb(f, h, blk, a->kvh, t0 / h->gt, d, &a->ks[d], &a->kb[d]);
+    size_t gbytes = affine && h->gt == 1 ? (size_t)h->gd * (size_t)f->nbits / 8 : 0;
+    for (int i = 0; i < n; i++) {
+        const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
+        memset(a->krow, 0, (size_t)D * sizeof(float));
+        if (!affine) {
+            a->qk->e4m3_axpy(a->krow, a->v->scale_k, c, D);
+        } else if (h->gt > 1) {
+            a->qk->qaxpy(a->krow, 1.0f, c, f->nbits, D);
+            for (int d = 0; d < D; d++)
+                a->krow[d] = a->krow[d] * a->ks[d] + a->kb[d];
+        } else {
+            for (int g = 0; g < D / h->gd; g++) {
+                float s, b;
+                group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
+                a->qk->qaxpy(a->krow + g * h->gd, s, c + (size_t)g * gbytes, f->nbits, h->gd);
+                for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
+                    a->krow[d] += b;
+            }
+        }
+        cpu_key_rope(a->p, &a->v->rest, pos0 + i, a->krow, a->krot);
+        a->s[i] = a->k->dot(a->q, a->krot, BE_F32, D) * a->p->scale;
+    }
+}
+
+static void key_scores(struct qattn *a, const void *blk, int64_t pos0, int t0, int n)
+{
+    const struct be_kvq_format *f = a->v->fmt;
+    const struct be_kvq_half *h = &f->k;
+    int D = f->head_dim;
+    if (a->v->rest.key_rope) {
+        key_scores_rope(a, blk, pos0, t0, n);
+        return;
+    }
     if (f->kind == BE_KVQ_E4M3) {
         for (int i = 0; i < n; i++)
             a->s[i] = a->qk->e4m3_dot(a->q, kvq_code_row(f, h, blk, a->kvh, t0 + i), D) * a->v->scale_k * a->p->scale;
@@ -203,14 +249,15 @@ static void attend_quantized(struct qattn *a, int64_t k0, int64_t k1)
             end = T;
         if (k1 - pos < end - t0)
             end = t0 + (int)(k1 - pos);
-        key_scores(a, v->blocks[blk], t0, end - t0);
+        key_scores(a, v->blocks[blk], pos, t0, end - t0);
         fold_chunk(a, end - t0);
         value_accumulate(a, v->blocks[blk], t0, end - t0);
         pos += end - t0;
     }
 }
 
-/* Keys [k0, k1) of the full-precision rest. */
+/* Keys [k0, k1) of the full-precision rest (positions below rest.sinks:
+ * the sinks). */
 static void attend_rest(struct qattn *a, int64_t k0, int64_t k1)
 {
     const struct be_kv_view *r = &a->v->rest;
@@ -218,12 +265,19 @@ static void attend_rest(struct qattn *a, int64_t k0, int64_t k1)
     size_t esz = be_dtype_size(p->kv_dtype);
     for (int64_t c0 = k0; c0 < k1; c0 += QATTN_CHUNK) {
         int n = k1 - c0 < QATTN_CHUNK ? (int)(k1 - c0) : QATTN_CHUNK;
-        for (int i = 0; i < n; i++)
-            a->s[i] = a->k->dot(a->q, cpu_kv_row(r, c0 + i, a->kvh, p->head_dim, esz), p->kv_dtype, p->head_dim) *
-                      p->scale;
+        for (int i = 0; i < n; i++) {
+            const char *row = cpu_key_row(r, c0 + i, a->kvh, p->head_dim, esz);
+            if (r->key_rope) {
+                a->k->to_f32(a->krow, row, p->kv_dtype, (size_t)p->head_dim);
+                cpu_key_rope(p, r, c0 + i, a->krow, a->krot);
+                a->s[i] = a->k->dot(a->q, a->krot, BE_F32, p->head_dim) * p->scale;
+            } else {
+                a->s[i] = a->k->dot(a->q, row, p->kv_dtype, p->head_dim) * p->scale;
+            }
+        }
         fold_chunk(a, n);
         for (int i = 0; i < n; i++)
-            a->k->axpy(a->o, a->s[i], cpu_kv_row(r, c0 + i, a->kvh, p->head_dim, esz) + r->v_offset, p->kv_dtype,
+            a->k->axpy(a->o, a->s[i], cpu_key_row(r, c0 + i, a->kvh, p->head_dim, esz) + r->v_offset, p->kv_dtype,
                        p->head_dim);
     }
 }
@@ -239,6 +293,7 @@ static void attend_quant_one(struct qattn *a, int64_t qpos)
     memset(a->o, 0, (size_t)p->head_dim * sizeof(float));
     a->m = -INFINITY;
     a->l = 0.0f;
+    attend_rest(a, 0, v->rest.sinks);
     if (v->fmt) { /* NULL: a dense sequence of a mixed batch, all rest */
         const struct be_kvq_half *kh = &v->fmt->k;
         if (v->fmt->kind != BE_KVQ_E4M3 && kh->gt == 1)
@@ -289,6 +344,10 @@ static void qattn_job(void *arg, int ith, int nth)
         a.qsum = a.qs + D;
         a.acc = a.qsum + D;
         a.bacc = a.acc + D;
+        a.ks = a.bacc + D;
+        a.kb = a.ks + D;
+        a.krow = a.kb + D;
+        a.krot = a.krow + D;
         attend_quant_one(&a, j->toks[t].pos);
     }
 }
@@ -299,7 +358,7 @@ enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const 
     for (int t = 0; t < n_tok; t++) {
         const struct be_kvq_format *f = views[toks[t].view].fmt;
         int rows = f && f->block_tokens > QATTN_CHUNK ? f->block_tokens : QATTN_CHUNK;
-        if ((size_t)rows + 4 * (size_t)p->head_dim > CPU_SCRATCH_FLOATS)
+        if ((size_t)rows + 8 * (size_t)p->head_dim > CPU_SCRATCH_FLOATS)
             return BE_ENOTSUP; /* far beyond any model: a block of 200k tokens */
     }
     struct qattn_job j = {.c = ctx, .out = out, .q = q, .views = views, .toks = toks, .n_tok = n_tok, .p = p};

@@ -118,6 +118,14 @@ enum be_status cpu_argmax(void *ctx, const float *x, int rows, int cols, int32_t
 /* Address of the K row of (kv head, position) in a view; V is at
  * + v_offset.  The caller checked that pos lies inside the blocks. */
 char *cpu_kv_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz);
+/* The same for a key_rope view: a sink (pos < sinks) is in the sink block,
+ * laid out as block 0; any other position through the view's blocks. */
+const char *cpu_key_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz);
+/* Rotates x, the f32 key stored before RoPE at pos, into out at its index
+ * in the cache (pos for a sink, else pos - shift) with the same products as
+ * cpu_rope, so out equals the key be_rope would have stored there. */
+void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, int64_t pos, const float *x,
+                  float *out);
 
 /* ---- quantized KV (attn_quant*.c) ------------------------------------------ */
 

@@ -207,9 +207,7 @@ struct attn_job {
     const struct be_attn_params *p;
 };
 
-/* The row of kv head kvh at position pos: a sink (pos < sinks) in the sink
- * block, laid out as block 0; any other through the view's blocks. */
-static const char *key_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz)
+const char *cpu_key_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz)
 {
     if (pos >= v->sinks)
         return cpu_kv_row(v, pos, kvh, head_dim, esz);
@@ -217,20 +215,16 @@ static const char *key_row(const struct be_kv_view *v, int64_t pos, int kvh, int
            ((size_t)kvh * (size_t)v->block_tokens + (size_t)pos) * (size_t)head_dim * esz;
 }
 
-/* A key stored before RoPE, rotated into out at its index in the cache
- * with the same products as cpu_rope, so it equals the key be_rope would
- * have stored at that position; tmp holds head_dim floats. */
-static void key_rotate(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v,
-                       int64_t pos, const char *row, float *tmp, float *out)
+void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, int64_t pos, const float *x,
+                  float *out)
 {
     int hd = p->head_dim, half = hd / 2;
     const float *t = p->key_rope + (size_t)(pos < v->sinks ? pos : pos - v->shift) * (size_t)hd;
-    k->to_f32(tmp, row, p->kv_dtype, (size_t)hd);
     for (int i = 0; i < half; i++) {
         int a = p->key_rope_layout == BE_ROPE_NEOX ? i : 2 * i;
         int b = p->key_rope_layout == BE_ROPE_NEOX ? i + half : a + 1;
-        out[a] = tmp[a] * t[a] - tmp[b] * t[b];
-        out[b] = tmp[b] * t[a] + tmp[a] * t[b];
+        out[a] = x[a] * t[a] - x[b] * t[b];
+        out[b] = x[b] * t[a] + x[a] * t[b];
     }
 }
 
@@ -255,9 +249,10 @@ static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p,
         float cm = m;
         for (int i = 0; i < nc; i++) {
             int64_t pos = c0 + i < v->sinks ? c0 + i : k0 + (c0 + i - v->sinks);
-            rows[i] = key_row(v, pos, kvh, p->head_dim, esz);
+            rows[i] = cpu_key_row(v, pos, kvh, p->head_dim, esz);
             if (v->key_rope) {
-                key_rotate(k, p, v, pos, rows[i], scratch, rot);
+                k->to_f32(scratch, rows[i], p->kv_dtype, (size_t)p->head_dim);
+                cpu_key_rope(p, v, pos, scratch, rot);
                 s[i] = k->dot(q, rot, BE_F32, p->head_dim) * p->scale;
             } else {
                 s[i] = k->dot(q, rows[i], p->kv_dtype, p->head_dim) * p->scale;
