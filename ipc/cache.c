@@ -199,12 +199,8 @@ static enum ipc_status parse_quant(const json_t *cache, struct kv_seq_params *p,
 enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, const struct ipc_cache_model *m,
                                 struct ipc_cache_choice *out, struct ipc_error *err)
 {
-    if (use_cache && !json_is_null(use_cache)) {
-        if (!json_is_boolean(use_cache))
-            return ipc_fail(err, IPC_EINVAL, "use_cache", "use_cache must be a boolean");
-        if (json_is_false(use_cache))
-            return ipc_fail(err, IPC_ENOTIMPL, "use_cache", "use_cache=false (recompute every step) is not implemented yet");
-    }
+    if (use_cache && !json_is_null(use_cache) && !json_is_boolean(use_cache))
+        return ipc_fail(err, IPC_EINVAL, "use_cache", "use_cache must be a boolean");
     const char *name = "dynamic";
     if (cache && !json_is_null(cache)) {
         if (!json_is_object(cache))
@@ -220,6 +216,10 @@ enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, co
             continue;
         out->name = strategies[i].name;
         memset(&out->params, 0, sizeof(out->params));
+        /* without a cache each step starts from an empty KV: nothing may
+         * come from the prefix cache either */
+        out->use_cache = !json_is_false(use_cache);
+        out->params.no_prefix_cache = !out->use_cache;
         if (strategies[i].strategy == KV_QUANTIZED)
             return parse_quant(json_is_object(cache) ? cache : NULL, &out->params, err);
         return parse_params(i, json_is_object(cache) ? cache : NULL, m, &out->params, err);

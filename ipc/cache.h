@@ -17,6 +17,7 @@
 struct ipc_cache_choice {
     const char *name;            /* the table's name (static) */
     struct kv_seq_params params; /* what kv_seq_create gets */
+    bool use_cache;              /* false: every step recomputes the whole history (HF use_cache=False) */
 };
 
 /* What the table checks against the loaded model. */
@@ -28,7 +29,7 @@ struct ipc_cache_model {
 /* Reads the request's "cache" object (NULL or JSON null: "dynamic") and
  * "use_cache" (NULL: true).  Nothing is sized by the client beyond the
  * context.  Errors: IPC_EINVAL naming cache.implementation or the
- * parameter, IPC_ENOTIMPL for use_cache=false. */
+ * parameter. */
 enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, const struct ipc_cache_model *m,
                                 struct ipc_cache_choice *out, struct ipc_error *err);
 

@@ -549,8 +549,12 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
     }
     if (out->system && (out->prefix || out->ids))
         return ipc_fail(err, IPC_EINVAL, "system", "give either system or prefix, not both");
-    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
-                           &(struct ipc_cache_model){lim->max_context, lim->sliding_window}, &out->cache, err);
+    enum ipc_status st = ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
+                                         &(struct ipc_cache_model){lim->max_context, lim->sliding_window},
+                                         &out->cache, err);
+    if (st == IPC_OK && !out->cache.use_cache)
+        return ipc_fail(err, IPC_EINVAL, "use_cache", "a session is its KV cache: use_cache=false cannot create one");
+    return st;
 }
 
 void ipc_session_req_release(struct ipc_session_req *r)

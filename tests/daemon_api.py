@@ -121,8 +121,12 @@ check(all(out[i][0] == 200 and out[i][1]["kvtier"]["strategy"] == ("quantized" i
 code, e = d.post("/v1/completions", dict(greedy, cache={"implementation": "fancy"}))
 check(code == 400 and "dynamic" in e["error"]["message"] and "static" in e["error"]["message"],
       "unknown cache -> 400 listing the valid values")
-code, e = d.post("/v1/completions", dict(greedy, use_cache=False))
-check(code == 501 and e["error"]["param"] == "use_cache", "use_cache=false -> 501")
+# use_cache=false recomputes the whole history every step: dynamic's tokens, nothing cached
+code, nc = d.post("/v1/completions", dict(greedy, use_cache=False))
+check(code == 200 and nc["choices"][0]["tokens"] == dyn["choices"][0]["tokens"] and
+      nc["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "use_cache=false: the dynamic run's tokens")
+code, e = d.post("/v1/sessions", {"prompt": "In the beginning", "use_cache": False})
+check(code == 400 and e["error"]["param"] == "use_cache", "a session with use_cache=false -> 400")
 code, e = d.post("/v1/chat/completions", dict(chat, tools=[{"type": "function"}]))
 check(code == 501, "tools -> 501")
 

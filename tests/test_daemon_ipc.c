@@ -122,17 +122,28 @@ static void test_cache_table(void **state)
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"nbits\":8}}", &c, &err), IPC_OK);
     assert_int_equal(c.params.strategy, KV_QUANTIZED);
     assert_int_equal(c.params.quant.nbits, 8);
-    assert_true(c.params.no_fallback);
+    assert_false(c.params.no_fallback); /* allow_offload defaults to true */
+    assert_false(c.params.offload);
+    assert_true(c.use_cache);
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"nbits\":3}}", &c, &err), IPC_EINVAL);
     assert_string_equal(err.param, "cache.nbits");
-    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"allow_offload\":true}}", &c, &err),
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"offload\":true,"
+                              "\"allow_offload\":false}}", &c, &err), IPC_OK);
+    assert_true(c.params.offload && c.params.no_fallback);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"adaptive\":true}}", &c, &err),
                      IPC_EINVAL);
-    assert_string_equal(err.param, "cache.allow_offload");
-    assert_non_null(strstr(err.msg, "not supported yet"));
+    assert_string_equal(err.param, "cache.adaptive");
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\",\"offload\":true}}", &c, &err),
+                     IPC_EINVAL);
+    assert_non_null(strstr(err.msg, "offload is not a parameter of \"dynamic\""));
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"warp\"}}", &c, &err), IPC_EINVAL);
     assert_non_null(strstr(err.msg, "dynamic, static, offloaded"));
     assert_string_equal(err.param, "cache.implementation");
-    assert_int_equal(cache_of("{\"use_cache\":false}", &c, &err), IPC_ENOTIMPL);
+    assert_int_equal(cache_of("{\"use_cache\":false}", &c, &err), IPC_OK);
+    assert_false(c.use_cache);
+    assert_true(c.params.no_prefix_cache); /* each step starts from nothing */
+    assert_int_equal(cache_of("{\"use_cache\":0}", &c, &err), IPC_EINVAL);
+    assert_string_equal(err.param, "use_cache");
     assert_int_equal(cache_of("{\"cache\":[]}", &c, &err), IPC_EINVAL);
 }
 
@@ -392,6 +403,16 @@ static void test_args(void **state)
     uint64_t u;
     assert_true(args_u64("18446744073709551615", &u) && u == UINT64_MAX);
     assert_false(args_u64("-1", &u));
+    int l[3] = {0}, n = 0;
+    assert_true(args_int_list("1,4,16", 1, 1024, l, 3, &n) && n == 3 && l[0] == 1 && l[1] == 4 && l[2] == 16);
+    assert_true(args_int_list("7", 1, 1024, l, 3, &n) && n == 1 && l[0] == 7);
+    assert_false(args_int_list("1,2,3,4", 1, 1024, l, 3, &n)); /* more than max */
+    assert_false(args_int_list("1,,2", 1, 1024, l, 3, &n));
+    assert_false(args_int_list("1,", 1, 1024, l, 3, &n));
+    assert_false(args_int_list("", 1, 1024, l, 3, &n));
+    assert_false(args_int_list("1,abc", 1, 1024, l, 3, &n));
+    assert_false(args_int_list("0", 1, 1024, l, 3, &n));
+    assert_int_equal(n, 1); /* untouched by the failures */
 }
 
 int main(void)
