@@ -15,6 +15,7 @@ enum cache_key {
     K_ALLOW_OFFLOAD = 1u << 3,
     K_WINDOW_LENGTH = 1u << 4,
     K_NUM_SINK_TOKENS = 1u << 5,
+    K_OFFLOAD = 1u << 6,
 };
 
 enum key_type { KEY_LEN, KEY_COUNT, KEY_BOOL }; /* lengths from 1, counts from 0, both up to the context */
@@ -30,11 +31,15 @@ static const struct {
     {"allow_offload", K_ALLOW_OFFLOAD, KEY_BOOL},
     {"window_length", K_WINDOW_LENGTH, KEY_LEN},
     {"num_sink_tokens", K_NUM_SINK_TOKENS, KEY_COUNT},
+    {"offload", K_OFFLOAD, KEY_BOOL},
 };
 #define N_KEYS (sizeof(cache_keys) / sizeof(cache_keys[0]))
 
 #define K_STORAGE_KEYS (K_MAX_CACHE_LEN | K_ALLOW_OFFLOAD | K_WINDOW_LENGTH)
 #define K_OFFLOADED_KEYS (K_STORAGE_KEYS | K_OFFLOAD_ONLY_NON_SLIDING | K_ADAPTIVE)
+/* a quantized KV streams every layer or none, so it takes offload, not the
+ * layer-level keys; its format parameters are kv_quant_parse's */
+#define K_QUANT_KEYS (K_OFFLOAD | K_ALLOW_OFFLOAD | K_WINDOW_LENGTH | K_NUM_SINK_TOKENS)
 
 /* THE table.  `takes` lists the parameters a row accepts and `needs`
  * those it requires.  A dynamic request's max_cache_len is the length it expects to reach: the store
@@ -44,8 +49,10 @@ static const struct {
  * "sliding_window" itself is dynamic storage whose window defaults to the
  * model's.  "sink" (StreamingLLM) is dynamic storage keeping the first
  * num_sink_tokens and the rest of window_length, with HF SinkCache's
- * defaults (256, 4); the store refuses what it cannot combine it with. */
-enum row_window { WINDOW_GIVEN = 0, WINDOW_MODEL, WINDOW_SINK };
+ * defaults (256, 4); the store refuses what it cannot combine it with.
+ * "quantized" takes sinks when num_sink_tokens is given (sinks +
+ * quantized), else window_length is a sliding window. */
+enum row_window { WINDOW_GIVEN = 0, WINDOW_MODEL, WINDOW_SINK, WINDOW_SINK_IF_GIVEN };
 static const struct {
     const char *name;
     enum kv_strategy strategy;
@@ -56,7 +63,7 @@ static const struct {
     {"static", KV_STATIC, K_STORAGE_KEYS, K_MAX_CACHE_LEN, WINDOW_GIVEN},
     {"offloaded", KV_OFFLOADED, K_OFFLOADED_KEYS, 0, WINDOW_GIVEN},
     {"offloaded_static", KV_OFFLOADED_STATIC, K_OFFLOADED_KEYS, K_MAX_CACHE_LEN, WINDOW_GIVEN},
-    {"quantized", KV_QUANTIZED, 0, 0, WINDOW_GIVEN}, /* its parameters: parse_quant */
+    {"quantized", KV_QUANTIZED, K_QUANT_KEYS, 0, WINDOW_SINK_IF_GIVEN}, /* and parse_quant's */
     {"sliding_window", KV_DYNAMIC, K_STORAGE_KEYS, 0, WINDOW_MODEL},
     {"sink", KV_DYNAMIC, K_WINDOW_LENGTH | K_NUM_SINK_TOKENS, 0, WINDOW_SINK},
 };
@@ -99,6 +106,7 @@ static enum ipc_status parse_key(const char *strategy, size_t k, const json_t *v
     case K_ALLOW_OFFLOAD: p->no_fallback = !on; break;
     case K_WINDOW_LENGTH: p->window_length = (int)json_integer_value(v); break;
     case K_NUM_SINK_TOKENS: p->num_sink_tokens = (int)json_integer_value(v); break;
+    case K_OFFLOAD: p->offload = on; break;
     }
     return IPC_OK;
 }
@@ -119,10 +127,13 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
         size_t k = 0;
         while (k < N_KEYS && strcmp(cache_keys[k].name, key) != 0)
             k++;
+        bool quant = strategies[row].strategy == KV_QUANTIZED;
+        if (k == N_KEYS && quant && kv_quant_is_param(key))
+            continue;
         if (k == N_KEYS || !(cache_keys[k].key & strategies[row].takes)) {
             list_names(strategies[row].takes, true, list, sizeof(list));
-            return ipc_fail(err, IPC_EINVAL, "cache", "cache.%.40s is not a parameter of \"%s\"; valid: %s", key, name,
-                            list);
+            return ipc_fail(err, IPC_EINVAL, "cache", "cache.%.40s is not a parameter of \"%s\"; valid: %s%s%s", key,
+                            name, quant ? KV_QUANT_PARAM_NAMES : "", quant ? ", " : "", list);
         }
         enum ipc_status st = parse_key(name, k, v, m->max_len, p, err);
         if (st != IPC_OK)
@@ -143,7 +154,8 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
                             "\"%s\" needs cache.window_length: the model has no sliding_window of its own", name);
         p->window_length = m->sliding_window;
     }
-    if (strategies[row].window == WINDOW_SINK) {
+    if (strategies[row].window == WINDOW_SINK ||
+        (strategies[row].window == WINDOW_SINK_IF_GIVEN && (given & K_NUM_SINK_TOKENS))) {
         p->sink = true;
         if (!(given & K_WINDOW_LENGTH))
             p->window_length = SINK_WINDOW_DEFAULT;
@@ -154,45 +166,20 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
     return IPC_OK;
 }
 
-/* The quantized strategy's parameters are the store's (tiers/quant.h), so
- * kv_quant_parse reads them, after the two storage keys a quantized KV
- * takes: offload (kvtier's: its blocks live in the host tier from the
- * start and stream, quantized + offloaded) and allow_offload (a full
- * device moves it there instead of failing).  Layer-level residency
- * (offload_only_non_sliding, adaptive) does not apply: a quantized KV
- * streams every layer or none. */
+/* The quantized format's parameters are the store's (tiers/quant.h):
+ * kv_quant_parse reads what parse_params left, the storage keys taken out. */
 static enum ipc_status parse_quant(const json_t *cache, struct kv_seq_params *p, struct ipc_error *err)
 {
-    static const char *const layer_keys[] = {"offload_only_non_sliding", "adaptive"};
-    static const char *const storage_keys[] = {"offload", "allow_offload"};
-    bool on[2] = {false, true};
-    for (size_t i = 0; i < 2 && cache; i++) {
-        char param[IPC_PARAM_LEN];
-        snprintf(param, sizeof(param), "cache.%s", layer_keys[i]);
-        if (json_object_get(cache, layer_keys[i]))
-            return ipc_fail(err, IPC_EINVAL, param,
-                            "%s is not a parameter of \"quantized\": a quantized KV streams every layer or none "
-                            "(cache.offload)", param);
-        snprintf(param, sizeof(param), "cache.%s", storage_keys[i]);
-        const json_t *v = json_object_get(cache, storage_keys[i]);
-        if (v && !json_is_boolean(v))
-            return ipc_fail(err, IPC_EINVAL, param, "%s must be true or false", param);
-        if (v)
-            on[i] = json_is_true(v);
-    }
     json_t *rest = cache ? json_copy((json_t *)cache) : NULL;
     if (cache && !rest)
         return ipc_fail(err, IPC_ENOMEM, "cache", "out of memory reading the cache object");
-    for (size_t i = 0; rest && i < 2; i++)
-        json_object_del(rest, storage_keys[i]);
+    for (size_t k = 0; rest && k < N_KEYS; k++)
+        json_object_del(rest, cache_keys[k].name);
     struct kvq_error e;
     enum tier_status st = kv_quant_parse(rest, &p->quant, &e);
     json_decref(rest);
     if (st != TIER_OK)
         return ipc_fail(err, IPC_EINVAL, e.param, "%s", e.msg);
-    p->strategy = KV_QUANTIZED;
-    p->offload = on[0];
-    p->no_fallback = !on[1];
     return IPC_OK;
 }
 
@@ -220,9 +207,11 @@ enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, co
          * come from the prefix cache either */
         out->use_cache = !json_is_false(use_cache);
         out->params.no_prefix_cache = !out->use_cache;
-        if (strategies[i].strategy == KV_QUANTIZED)
-            return parse_quant(json_is_object(cache) ? cache : NULL, &out->params, err);
-        return parse_params(i, json_is_object(cache) ? cache : NULL, m, &out->params, err);
+        const json_t *obj = json_is_object(cache) ? cache : NULL;
+        enum ipc_status st = parse_params(i, obj, m, &out->params, err);
+        if (st == IPC_OK && strategies[i].strategy == KV_QUANTIZED)
+            st = parse_quant(obj, &out->params, err);
+        return st;
     }
     char list[IPC_MSG_LEN / 2];
     list_names(0, false, list, sizeof(list));

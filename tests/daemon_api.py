@@ -105,11 +105,24 @@ for op, body in (("crop", {"n": 1}), ("fork", {})):
     check(code == 400 and op in e["error"]["message"], "%s of a quantized session -> 400 naming it: %s" %
           (op, e["error"]["message"]))
 check(d.request("DELETE", "/v1/sessions/" + s["id"])[0] == 200, "delete the quantized session")
-# sink and quantized sequences never share a forward batch (the quantized
-# kernel does not rotate keys): concurrent requests of both kinds all succeed
+# sinks + quantized: num_sink_tokens on a quantized cache; the window bounds its KV
+qsink = dict(q8, window_length=32, num_sink_tokens=4, residual_length=16)
+long = dict(greedy, max_tokens=64)
+code, qs1 = d.post("/v1/completions", dict(long, cache=qsink))
+code2, qs2 = d.post("/v1/completions", dict(long, max_tokens=192, cache=qsink))
+code, ds = d.post("/v1/completions", dict(long, cache={"implementation": "sink", "window_length": 32,
+                                                        "num_sink_tokens": 4}))
+b1, b2 = qs1["kvtier"]["bytes"]["device"], qs2["kvtier"]["bytes"]["device"]
+check(code == code2 == 200 and qs2["usage"]["completion_tokens"] == 192 and qs1["kvtier"]["strategy"] == "quantized" and
+      qs1["choices"][0]["tokens"][:6] == ds["choices"][0]["tokens"][:6] and 0 < b2 <= b1,
+      "sinks + quantized int8: the dense sink cache's first tokens, KV bounded (%d bytes after 64 tokens, %d after 192)"
+      % (b1, b2))
+code, e = d.post("/v1/completions", dict(long, cache=dict(qsink, offload=True)))
+check(code == 400 and "sink" in e["error"]["message"], "sinks + offloaded quantized -> 400: " + e["error"]["message"])
+# sink and quantized sequences share forward batches (the quantized kernel
+# rotates sink keys): concurrent requests of both kinds all succeed
 out = {}
 kinds = [q8, {"implementation": "sink", "window_length": 8, "num_sink_tokens": 2}] * 3
-long = dict(greedy, max_tokens=64)
 threads = [threading.Thread(target=lambda i=i, c=c: out.update({i: d.post("/v1/completions", dict(long, cache=c))}))
            for i, c in enumerate(kinds)]
 for t in threads:

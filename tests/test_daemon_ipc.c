@@ -132,7 +132,23 @@ static void test_cache_table(void **state)
     assert_true(c.params.offload && c.params.no_fallback);
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"adaptive\":true}}", &c, &err),
                      IPC_EINVAL);
-    assert_string_equal(err.param, "cache.adaptive");
+    assert_non_null(strstr(err.msg, "cache.adaptive is not a parameter of \"quantized\"; valid: backend, nbits"));
+    assert_non_null(strstr(err.msg, "residual_length, allow_offload, window_length, num_sink_tokens, offload"));
+    /* sinks + quantized: num_sink_tokens turns the sinks on (window 256 by default) */
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"nbits\":2,\"num_sink_tokens\":4}}", &c,
+                              &err), IPC_OK);
+    assert_true(c.params.sink);
+    assert_int_equal(c.params.window_length, 256);
+    assert_int_equal(c.params.num_sink_tokens, 4);
+    assert_int_equal(c.params.quant.nbits, 2);
+    /* window_length alone: a sliding window over the quantized cache */
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"window_length\":64}}", &c, &err),
+                     IPC_OK);
+    assert_false(c.params.sink);
+    assert_int_equal(c.params.window_length, 64);
+    assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"window_length\":0}}", &c, &err),
+                     IPC_EINVAL);
+    assert_string_equal(err.param, "cache.window_length");
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\",\"offload\":true}}", &c, &err),
                      IPC_EINVAL);
     assert_non_null(strstr(err.msg, "offload is not a parameter of \"dynamic\""));

@@ -127,6 +127,14 @@ static int *int_field(struct kv_quant_params *p, size_t i)
     return fields[i];
 }
 
+bool kv_quant_is_param(const char *key)
+{
+    for (size_t i = 0; i < N_INT_KEYS; i++)
+        if (!strcmp(key, int_keys[i]))
+            return true;
+    return !strcmp(key, "backend");
+}
+
 enum tier_status kv_quant_parse(const json_t *cache, struct kv_quant_params *out, struct kvq_error *err)
 {
     enum kv_quant_backend b = KVQ_QUANTO; /* HF: cache_config.pop("backend", "quanto") */
@@ -154,8 +162,8 @@ enum tier_status kv_quant_parse(const json_t *cache, struct kv_quant_params *out
         while (i < N_INT_KEYS && strcmp(key, int_keys[i]) != 0)
             i++;
         if (i == N_INT_KEYS)
-            return fail(err, "cache", "cache.%.40s is not a parameter of \"quantized\"; valid: backend, nbits, axis_key, "
-                        "axis_value, q_group_size, residual_length", key);
+            return fail(err, "cache", "cache.%.40s is not a parameter of \"quantized\"; valid: " KV_QUANT_PARAM_NAMES,
+                        key);
         char param[KVQ_PARAM_LEN];
         snprintf(param, sizeof(param), "cache.%s", int_keys[i]);
         if (b == KVQ_FP8)
