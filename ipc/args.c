@@ -2,8 +2,11 @@
 #include "ipc/args.h"
 
 #include <errno.h>
+#include <getopt.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 bool args_int(const char *s, int lo, int hi, int *out)
 {
@@ -54,4 +57,35 @@ bool args_size(const char *s, size_t *out)
         return false;
     *out = (size_t)(v * mul);
     return true;
+}
+
+bool args_int_list(const char *s, int lo, int hi, int *out, int max, int *n)
+{
+    int k = 0;
+    for (;;) {
+        char item[32];
+        size_t len = strcspn(s, ",");
+        if (k == max || len >= sizeof(item))
+            return false;
+        memcpy(item, s, len);
+        item[len] = 0;
+        if (!args_int(item, lo, hi, &out[k++]))
+            return false;
+        if (!s[len])
+            break;
+        s += len + 1;
+    }
+    *n = k;
+    return true;
+}
+
+int args_invalid(const char *prog, const struct option *opts, int c, const char *val)
+{
+    for (; opts->name; opts++)
+        if (opts->val == c && !opts->flag) {
+            fprintf(stderr, "%s: invalid value '%s' for --%s\n", prog, val, opts->name);
+            return 2;
+        }
+    fprintf(stderr, "%s: invalid value '%s' for -%c\n", prog, val, c);
+    return 2;
 }

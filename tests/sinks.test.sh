@@ -10,6 +10,7 @@
 #   a 100-token prompt past a window of 48 with 4 sinks (a first input is
 #     attended whole, then evicted down to the window), 40 tokens;
 #   no sinks at all (window 32), 80 tokens.
+# And --window abc is refused with exit 2.
 # Run by tests/run.sh from the repository root with $KVTIER_BUILD set.
 set -u
 build=${KVTIER_BUILD:-build}
@@ -25,6 +26,13 @@ trap 'rm -rf "$tmp"' EXIT INT TERM
 prompt20=2044,100,200,300,400,500,600,700,800,900,17,33,44,55,66,77,88,99,111,222
 prompt100=$($py -c 'print(",".join(str((i * 37 + 11) % 2000) for i in range(100)))')
 fail=0
+# A value that is not a number is a usage error naming the flag, not a
+# silent 0 (the tools' option numbers go through ipc/args.c).
+out=$("$bench" -m model/builtin --window abc 2>&1)
+rc=$?
+if [ $rc != 2 ] || ! printf '%s\n' "$out" | grep -q -- "invalid value 'abc' for --window"; then
+    echo "sinks.test: --window abc: exit $rc, '$out' (want 2 and a message naming --window)"; fail=1
+fi
 check() { # name window sinks ids n
     "$bench" -m model/builtin --window "$2" --sinks "$3" --ids "$4" -n "$5" --every "$5" \
         --dump "$tmp/$1.kvtl" > "$tmp/$1.log" 2>&1 || {

@@ -2,6 +2,7 @@
  * measured in one run so the figures are ratios:
  *
  *   kvtier-bench-prefix -m DIR [--prefix 2048] [--suffix 16] [--forks 64] [--threads N]
+ *                       [--block-tokens N]
  *
  * TTFT: time from a request's tokens to its first logits, cold (the whole
  * prompt computed) vs warm (the same prefix attached from the cache, only
@@ -13,6 +14,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "ipc/args.h"
 #include "model/clock.h"
 #include "model/model.h"
 
@@ -39,24 +41,27 @@ int main(int argc, char **argv)
 {
     const char *dir = NULL;
     int prefix = 2048, suffix = 16, forks = 64, threads = 0;
-    static const struct option opts[] = {{"prefix", 1, 0, 'p'}, {"suffix", 1, 0, 's'}, {"forks", 1, 0, 'f'},
-                                         {"threads", 1, 0, 't'}, {0, 0, 0, 0}};
+    struct kv_store_params sp = {.prefix_cache = true};
+    static const struct option opts[] = {{"prefix", 1, 0, 'p'},  {"suffix", 1, 0, 's'},
+                                         {"forks", 1, 0, 'f'},   {"threads", 1, 0, 't'},
+                                         {"block-tokens", 1, 0, 'b'}, {0, 0, 0, 0}};
     for (int c; (c = getopt_long(argc, argv, "m:", opts, NULL)) != -1;) {
-        if (c == 'm')
-            dir = optarg;
-        else if (c == 'p')
-            prefix = atoi(optarg);
-        else if (c == 's')
-            suffix = atoi(optarg);
-        else if (c == 'f')
-            forks = atoi(optarg);
-        else if (c == 't')
-            threads = atoi(optarg);
-        else
-            return 2;
+        bool ok = true;
+        switch (c) {
+        case 'm': dir = optarg; break;
+        case 'p': ok = args_int(optarg, 1, 1 << 24, &prefix); break;
+        case 's': ok = args_int(optarg, 1, 1 << 24, &suffix); break;
+        case 'f': ok = args_int(optarg, 1, 1 << 16, &forks); break;
+        case 't': ok = args_int(optarg, 0, 1024, &threads); break;
+        case 'b': ok = args_int(optarg, 1, 1 << 16, &sp.block_tokens); break;
+        default: return 2;
+        }
+        if (!ok)
+            return args_invalid("kvtier-bench-prefix", opts, c, optarg);
     }
-    if (!dir || prefix <= 0 || suffix <= 0 || forks <= 0) {
-        fprintf(stderr, "usage: kvtier-bench-prefix -m DIR [--prefix N] [--suffix N] [--forks N] [--threads N]\n");
+    if (!dir || optind != argc) {
+        fprintf(stderr, "usage: kvtier-bench-prefix -m DIR [--prefix N] [--suffix N] [--forks N] [--threads N] "
+                        "[--block-tokens N]\n");
         return 2;
     }
     be_backend *be;
@@ -68,7 +73,7 @@ int main(int argc, char **argv)
     if (model_load(dir, be, NULL, &m, err) != MODEL_OK)
         return die(dir, err);
     struct kv_geom g = model_kv_geom(m);
-    if (kv_store_open(be, &g, &(struct kv_store_params){.prefix_cache = true}, &st) != TIER_OK)
+    if (kv_store_open(be, &g, &sp, &st) != TIER_OK)
         return die("store", "cannot open");
     const struct model_config *c = model_get_config(m);
     int n = prefix + suffix;

@@ -26,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ipc/args.h"
 #include "model/clock.h"
 #include "model/tokenizer.h"
 #include "tiers/quant.h"
@@ -176,7 +177,7 @@ static int read_ids(const char *path, const char *tokdir, struct tok_ids *ids)
 
 #define N_ACC 17
 
-static int accuracy(const char *dir, const char *file, const char *tokdir, long max_tokens, int W, int P, int threads)
+static int accuracy(const char *dir, const char *file, const char *tokdir, int max_tokens, int W, int P, int threads)
 {
     struct cfg cfgs[N_ACC] = {
         {.name = "f32 (reference)"},
@@ -360,8 +361,7 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     const char *dir = NULL, *file = NULL, *tokdir = NULL;
-    long tokens = 4096;
-    int window = 512, prompt = 64, threads = 0, context = 4096, steps = 16, rounds = 5;
+    int tokens = 4096, window = 512, prompt = 64, threads = 0, context = 4096, steps = 16, rounds = 5;
     enum { O_TOKENS = 256, O_WINDOW, O_PROMPT, O_THREADS, O_CONTEXT, O_STEPS, O_ROUNDS };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},       {"file", required_argument, 0, 'f'},
@@ -379,28 +379,31 @@ int main(int argc, char **argv)
     optind = 2;
     int c;
     while ((c = getopt_long(argc, argv, "m:f:t:h", opts, NULL)) != -1) {
+        bool ok = true;
         switch (c) {
         case 'm': dir = optarg; break;
         case 'f': file = optarg; break;
         case 't': tokdir = optarg; break;
-        case O_TOKENS: tokens = strtol(optarg, NULL, 10); break;
-        case O_WINDOW: window = atoi(optarg); break;
-        case O_PROMPT: prompt = atoi(optarg); break;
-        case O_THREADS: threads = atoi(optarg); break;
-        case O_CONTEXT: context = atoi(optarg); break;
-        case O_STEPS: steps = atoi(optarg); break;
-        case O_ROUNDS: rounds = atoi(optarg); break;
+        case O_TOKENS: ok = args_int(optarg, 1, INT32_MAX, &tokens); break;
+        case O_WINDOW: ok = args_int(optarg, 3, 1 << 24, &window); break;
+        case O_PROMPT: ok = args_int(optarg, 1, 1 << 24, &prompt); break;
+        case O_THREADS: ok = args_int(optarg, 0, 1024, &threads); break;
+        case O_CONTEXT: ok = args_int(optarg, 1, 1 << 24, &context); break;
+        case O_STEPS: ok = args_int(optarg, 1, 1 << 20, &steps); break;
+        case O_ROUNDS: ok = args_int(optarg, 1, MAX_ROUNDS, &rounds); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
+        if (!ok)
+            return args_invalid("kvtier-bench-quant", opts, c, optarg);
     }
     if (!dir || optind != argc) {
         usage(stderr);
         return 2;
     }
-    if (!strcmp(mode, "accuracy") && file && prompt >= 1 && window > prompt + 1 && tokens > 0)
+    if (!strcmp(mode, "accuracy") && file && window > prompt + 1)
         return accuracy(dir, file, tokdir, tokens, window, prompt, threads);
-    if (!strcmp(mode, "speed") && context >= 1 && steps >= 1 && rounds >= 1 && rounds <= MAX_ROUNDS)
+    if (!strcmp(mode, "speed"))
         return speed(dir, context, steps, rounds, threads);
     usage(stderr);
     return 2;

@@ -21,6 +21,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ipc/args.h"
 #include "model/clock.h"
 #include "model/runtime.h"
 
@@ -60,7 +61,7 @@ static bool dump_write(const char *path, const struct tok_ids *ids, size_t n_pro
 int main(int argc, char **argv)
 {
     const char *dir = NULL, *ids_arg = "1", *dump_path = NULL;
-    long n_gen = 1000, every = 1000, window = 256, sinks = 4;
+    int n_gen = 1000, every = 1000, window = 256, sinks = 4;
     enum { O_WINDOW = 256, O_SINKS, O_IDS, O_DUMP, O_EVERY };
     static const struct option opts[] = {
         {"window", required_argument, 0, O_WINDOW}, {"sinks", required_argument, 0, O_SINKS},
@@ -68,24 +69,26 @@ int main(int argc, char **argv)
         {"every", required_argument, 0, O_EVERY},   {0, 0, 0, 0},
     };
     for (int c; (c = getopt_long(argc, argv, "m:n:", opts, NULL)) != -1;) {
+        bool ok = true;
         switch (c) {
         case 'm': dir = optarg; break;
-        case 'n': n_gen = strtol(optarg, NULL, 10); break;
-        case O_WINDOW: window = strtol(optarg, NULL, 10); break;
-        case O_SINKS: sinks = strtol(optarg, NULL, 10); break;
+        case 'n': ok = args_int(optarg, 1, INT32_MAX, &n_gen); break;
+        case O_WINDOW: ok = args_int(optarg, 1, INT32_MAX, &window); break;
+        case O_SINKS: ok = args_int(optarg, 0, INT32_MAX, &sinks); break;
         case O_IDS: ids_arg = optarg; break;
         case O_DUMP: dump_path = optarg; break;
-        case O_EVERY: every = strtol(optarg, NULL, 10); break;
+        case O_EVERY: ok = args_int(optarg, 1, INT32_MAX, &every); break;
         default:
             fprintf(stderr, "usage: kvtier-bench-sinks -m DIR [--window W] [--sinks S] [--ids 1,2,3] [-n N] "
                             "[--dump FILE] [--every K]\n");
             return 2;
         }
+        if (!ok)
+            return args_invalid("kvtier-bench-sinks", opts, c, optarg);
     }
     struct tok_ids ids = {0};
-    if (!dir || n_gen < 1 || every < 1 || window < 1 || window > INT32_MAX || sinks < 0 || sinks > INT32_MAX ||
-        parse_ids(ids_arg, &ids) || !ids.n) {
-        fprintf(stderr, "kvtier-bench-sinks: need -m DIR, -n >= 1, --every >= 1, a window, sinks >= 0 and ids\n");
+    if (!dir || optind != argc || parse_ids(ids_arg, &ids) || !ids.n) {
+        fprintf(stderr, "kvtier-bench-sinks: need -m DIR and --ids of token ids\n");
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0); /* reports show up while a long run goes on */
@@ -98,8 +101,7 @@ int main(int argc, char **argv)
         return 1;
     }
     kv_seq *q = NULL;
-    struct kv_seq_params kp = {.strategy = KV_DYNAMIC, .sink = true, .window_length = (int)window,
-                               .num_sink_tokens = (int)sinks};
+    struct kv_seq_params kp = {.strategy = KV_DYNAMIC, .sink = true, .window_length = window, .num_sink_tokens = sinks};
     int vocab = model_get_config(rt.m)->vocab_size;
     float *logits = malloc((size_t)vocab * sizeof(float));
     struct rows rows = {.f = dump_path ? tmpfile() : NULL};
@@ -112,25 +114,25 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvtier-bench-sinks: %s\n", kv_store_errmsg(rt.store));
         goto out;
     }
-    printf("window %ld, %ld sinks, prompt %zu tokens\n%10s %12s %12s\n", window, sinks, n_prompt, "generated",
+    printf("window %d, %d sinks, prompt %zu tokens\n%10s %12s %12s\n", window, sinks, n_prompt, "generated",
            "tokens/s", "KV bytes");
     struct kv_geom geo = model_kv_geom(rt.m);
     size_t bt = (size_t)kv_store_block_tokens(rt.store);
     size_t block = 2 * (size_t)geo.n_kv_heads * bt * (size_t)geo.head_dim * be_dtype_size(geo.dtype);
-    size_t bound = (size_t)geo.n_layers * ((size_t)(window - sinks + (long)bt - 1) / bt + 2) * block;
+    size_t bound = (size_t)geo.n_layers * (((size_t)window - (size_t)sinks + bt - 1) / bt + 2) * block;
     double first_rate = 0, rate = 0, t0 = clock_s();
     const int32_t *feed = ids.ids;
     int n_feed = (int)n_prompt;
-    for (long g = 1; g <= n_gen; g++) {
+    for (int g = 1; g <= n_gen; g++) {
         struct fw_seq fs = {.kv = q, .tokens = feed, .n_tokens = n_feed, .logits = logits};
         if ((ms = model_forward(rt.m, &fs, 1)) != MODEL_OK) {
-            fprintf(stderr, "kvtier-bench-sinks: step %ld: %s %s\n", g, model_strerror(ms), kv_store_errmsg(rt.store));
+            fprintf(stderr, "kvtier-bench-sinks: step %d: %s %s\n", g, model_strerror(ms), kv_store_errmsg(rt.store));
             goto out;
         }
         int32_t best = 0;
         for (int i = 0; i < vocab; i++) {
             if (!isfinite(logits[i])) {
-                fprintf(stderr, "kvtier-bench-sinks: logit %d of generated token %ld is %f\n", i, g, logits[i]);
+                fprintf(stderr, "kvtier-bench-sinks: logit %d of generated token %d is %f\n", i, g, logits[i]);
                 goto out;
             }
             best = logits[i] > logits[best] ? i : best;
@@ -148,7 +150,7 @@ int main(int argc, char **argv)
             size_t bytes = kv_seq_bytes(q);
             if (!first_rate)
                 first_rate = rate;
-            printf("%10ld %12.1f %12zu\n", g, rate, bytes);
+            printf("%10d %12.1f %12zu\n", g, rate, bytes);
             if (bytes > bound) {
                 fprintf(stderr, "kvtier-bench-sinks: KV bytes %zu above the window's %zu\n", bytes, bound);
                 goto out;
@@ -157,7 +159,7 @@ int main(int argc, char **argv)
         }
     }
     if (first_rate)
-        printf("tokens/s at %ld generated / at %ld generated: %.3f\n", n_gen, every, rate / first_rate);
+        printf("tokens/s at %d generated / at %d generated: %.3f\n", n_gen, every, rate / first_rate);
     if (dump_path && !dump_write(dump_path, &ids, n_prompt, vocab, &rows)) {
         fprintf(stderr, "kvtier-bench-sinks: writing %s failed\n", dump_path);
         goto out;

@@ -4,6 +4,7 @@
  * ratios that survive a noisy machine:
  *
  *   kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode 8] [--repeat 2] [--threads N]
+ *                      [--block-tokens N]
  *
  * For each context the three sequences are filled to that length and then
  * decode --decode tokens each, interleaved, best of --repeat rounds.  The
@@ -17,9 +18,9 @@
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
+#include "ipc/args.h"
 #include "model/clock.h"
 #include "model/model.h"
 
@@ -32,7 +33,7 @@ struct rig {
     kv_store *store;
 };
 
-static int rig_open(struct rig *r, const char *dir, int threads, size_t device_mem)
+static int rig_open(struct rig *r, const char *dir, int threads, size_t device_mem, int block_tokens)
 {
     char err[MODEL_ERR_LEN];
     struct be_params bp = {.n_threads = threads, .device_mem = device_mem};
@@ -45,7 +46,8 @@ static int rig_open(struct rig *r, const char *dir, int threads, size_t device_m
         return -1;
     }
     struct kv_geom g = model_kv_geom(r->m);
-    return kv_store_open(r->be, &g, NULL, &r->store) == TIER_OK ? 0 : -1;
+    struct kv_store_params sp = {.block_tokens = block_tokens};
+    return kv_store_open(r->be, &g, &sp, &r->store) == TIER_OK ? 0 : -1;
 }
 
 static void rig_close(struct rig *r)
@@ -109,52 +111,54 @@ static int decode(struct rig *r, kv_seq *q, int n, float *logits, struct result 
 
 int main(int argc, char **argv)
 {
-    const char *dir = NULL, *ctx_list = "1024,4096,16384";
-    int n_decode = 8, repeat = 2, threads = 0;
+    const char *dir = NULL;
+    int ctxs[16] = {1024, 4096, 16384}, n_ctx = 3, n_decode = 8, repeat = 2, threads = 0, block_tokens = 0;
     static const struct option opts[] = {
-        {"model", required_argument, 0, 'm'}, {"ctx", required_argument, 0, 'c'},
-        {"decode", required_argument, 0, 'd'}, {"repeat", required_argument, 0, 'r'},
-        {"threads", required_argument, 0, 't'}, {0, 0, 0, 0},
+        {"model", required_argument, 0, 'm'},   {"ctx", required_argument, 0, 'c'},
+        {"decode", required_argument, 0, 'd'},  {"repeat", required_argument, 0, 'r'},
+        {"threads", required_argument, 0, 't'}, {"block-tokens", required_argument, 0, 'b'},
+        {0, 0, 0, 0},
     };
     int o;
-    while ((o = getopt_long(argc, argv, "m:c:d:r:t:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "m:c:d:r:t:b:", opts, NULL)) != -1) {
+        bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
-        case 'c': ctx_list = optarg; break;
-        case 'd': n_decode = atoi(optarg); break;
-        case 'r': repeat = atoi(optarg); break;
-        case 't': threads = atoi(optarg); break;
+        case 'c': ok = args_int_list(optarg, 1, 1 << 24, ctxs, 16, &n_ctx); break;
+        case 'd': ok = args_int(optarg, 1, 1 << 20, &n_decode); break;
+        case 'r': ok = args_int(optarg, 1, 1000, &repeat); break;
+        case 't': ok = args_int(optarg, 0, 1024, &threads); break;
+        case 'b': ok = args_int(optarg, 1, 1 << 16, &block_tokens); break;
         default: return 2;
         }
+        if (!ok)
+            return args_invalid("kvtier-bench-tiers", opts, o, optarg);
     }
-    if (!dir || n_decode < 1 || repeat < 1) {
+    if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode N] [--repeat N] "
-                        "[--threads N]\n");
+                        "[--threads N] [--block-tokens N]\n");
         return 2;
     }
     struct rig full;
-    if (rig_open(&full, dir, threads, 0) != 0)
+    if (rig_open(&full, dir, threads, 0, block_tokens) != 0)
         return 1;
     const struct model_config *c = model_get_config(full.m);
     size_t act = be_mem_stats(full.be).dev_used;
     float *logits = malloc((size_t)c->vocab_size * sizeof(float));
     if (!logits)
         return 1;
-    printf("model %s: %d layers, %d kv heads x %d, %s weights; KV f32; backend cpu, %d threads, %s\n", dir,
-           c->n_layers, c->n_kv_heads, c->head_dim, be_dtype_name(c->dtype), be_get_caps(full.be).n_threads,
-           be_get_caps(full.be).pinned_host ? "pinned host tier" : "host tier not pinned");
+    printf("model %s: %d layers, %d kv heads x %d, %s weights; KV f32 in blocks of %d tokens; backend cpu, %d "
+           "threads, %s\n",
+           dir, c->n_layers, c->n_kv_heads, c->head_dim, be_dtype_name(c->dtype), kv_store_block_tokens(full.store),
+           be_get_caps(full.be).n_threads, be_get_caps(full.be).pinned_host ? "pinned host tier" : "host tier not pinned");
     printf("%7s %-10s %9s %7s %9s %8s %8s %8s %12s %10s\n", "ctx", "mode", "tok/s", "ratio", "resident", "xfer ms",
            "stall ms", "overlap", "moved/token", "moved/read");
-    for (const char *p = ctx_list; *p;) {
-        int ctx = atoi(p);
-        p += strcspn(p, ",");
-        p += *p == ',';
-        if (ctx < 1)
-            continue;
+    for (int i = 0; i < n_ctx; i++) {
+        int ctx = ctxs[i];
         size_t per_tok = 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * sizeof(float);
         size_t layer = per_tok * (size_t)(ctx + n_decode + 64);
         struct rig half;
-        if (rig_open(&half, dir, threads, act + (size_t)(c->n_layers / 2 + 2) * layer) != 0)
+        if (rig_open(&half, dir, threads, act + (size_t)(c->n_layers / 2 + 2) * layer, block_tokens) != 0)
             return 1;
         struct rig *rigs[N_MODES] = {&full, &full, &half};
         const struct kv_seq_params ps[N_MODES] = {

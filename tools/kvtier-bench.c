@@ -6,10 +6,17 @@
  *   prefill efficiency = prefill GFLOP/s / OpenBLAS sgemm GFLOP/s measured here
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
+ *                [--block-tokens N[,N...]] [--fill N]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
- * beside them, the best model figure against the best limit figure.
+ * beside them, the best model figure against the best limit figure.  With
+ * several KV block sizes, every round runs the model once per size (in an
+ * order rotated round by round) and each size's tokens/s is also given as
+ * the median of the per-round ratios to the first size's.  --fill N puts N
+ * positions before the prompt, reserved and committed without computing
+ * them (a step's work does not depend on the KV's values), so that prefill
+ * and decode run at a long context without paying for its prefill.
  */
 #include <cblas.h>
 #include <getopt.h>
@@ -69,6 +76,8 @@ static double read_bandwidth(const uint64_t *buf, size_t n, int threads)
     return sum == 1 ? 0 : gbs; /* using sum keeps the reads alive */
 }
 
+#define MAX_BLOCK_SIZES 4
+
 #define SG_M 512 /* the shape of a 512-token prefill chunk */
 #define SG_N 2048
 #define SG_K 2048
@@ -121,15 +130,16 @@ static void weight_totals(const struct model_config *c, const struct model_weigh
 int main(int argc, char **argv)
 {
     const char *dir = NULL;
-    int n_prompt = 256, n_decode = 32, repeat = 3;
+    int n_prompt = 256, n_decode = 32, repeat = 3, bts[MAX_BLOCK_SIZES] = {0}, nb = 1, n_fill = 0;
     struct runtime_params rp = {0};
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"decode", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
-        {"repeat", required_argument, 0, 'r'}, {0, 0, 0, 0},
+        {"repeat", required_argument, 0, 'r'}, {"block-tokens", required_argument, 0, 'b'},
+        {"fill", required_argument, 0, 'f'},   {0, 0, 0, 0},
     };
     int o;
-    while ((o = getopt_long(argc, argv, "m:p:d:t:r:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:", opts, NULL)) != -1) {
         bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
@@ -137,20 +147,22 @@ int main(int argc, char **argv)
         case 'd': ok = args_int(optarg, 1, 1 << 20, &n_decode); break;
         case 't': ok = args_int(optarg, 0, 1024, &rp.be.n_threads); break;
         case 'r': ok = args_int(optarg, 1, 1000, &repeat); break;
+        case 'b': ok = args_int_list(optarg, 1, 1 << 16, bts, MAX_BLOCK_SIZES, &nb); break;
+        case 'f': ok = args_int(optarg, 0, 1 << 24, &n_fill); break;
         default: return 2;
         }
-        if (!ok) {
-            fprintf(stderr, "kvtier-bench: invalid value '%s' for -%c\n", optarg, o);
-            return 2;
-        }
+        if (!ok)
+            return args_invalid("kvtier-bench", opts, o, optarg);
     }
-    if (!dir || n_prompt < 1 || n_decode < 1 || repeat < 1) {
-        fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N]\n");
+    if (!dir || optind != argc) {
+        fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
+                        "[--block-tokens N[,N...]] [--fill N]\n");
         return 2;
     }
     char err[MODEL_ERR_LEN];
     struct runtime rt;
     rp.model.max_batch_tokens = n_prompt < 512 ? n_prompt : 512;
+    rp.kv.block_tokens = bts[0];
     enum model_status st = runtime_open(dir, &rp, &rt, err);
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-bench: %s: %s\n", model_strerror(st), err);
@@ -159,22 +171,30 @@ int main(int argc, char **argv)
     model *m = rt.m;
     const struct model_config *c = model_get_config(m);
     be_backend *be = rt.be;
-    kv_store *store = rt.store;
     struct be_caps caps = be_get_caps(be);
     int threads = caps.n_threads;
+    kv_store *stores[MAX_BLOCK_SIZES] = {rt.store};
+    struct kv_geom g = model_kv_geom(m);
+    for (int b = 1; b < nb; b++)
+        if (kv_store_open(be, &g, &(struct kv_store_params){.block_tokens = bts[b]}, &stores[b]) != TIER_OK) {
+            fprintf(stderr, "kvtier-bench: cannot open a KV store with blocks of %d tokens\n", bts[b]);
+            return 1;
+        }
 
     /* Limits and model are measured in alternation, round by round, and
      * each round gives its own ratios: on a shared machine a disturbance
      * then hits both sides of a ratio, and the median drops the outliers. */
-    size_t bw_words = ((size_t)1 << 30) / 8;
+    size_t bw_words = ((size_t)1 << 30) / 8, runs = (size_t)repeat * (size_t)nb;
     uint64_t *bw_buf = malloc(bw_words * 8);
     float *sa = malloc(sizeof(float) * SG_M * SG_K), *sb = malloc(sizeof(float) * SG_K * SG_N),
           *sc = malloc(sizeof(float) * SG_M * SG_N);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
     float *logits = malloc(sizeof(float) * (size_t)c->vocab_size);
     double *r_bw = calloc((size_t)repeat, sizeof(double)), *r_sg = calloc((size_t)repeat, sizeof(double));
-    double *r_dec = calloc((size_t)repeat, sizeof(double)), *r_pre = calloc((size_t)repeat, sizeof(double));
-    if (!bw_buf || !sa || !sb || !sc || !ids || !logits || !r_bw || !r_sg || !r_dec || !r_pre) {
+    /* per round and block size: tokens/s, then the ratios made of them */
+    double *t_pre = calloc(runs, sizeof(double)), *t_dec = calloc(runs, sizeof(double));
+    double *ratio = calloc((size_t)repeat, sizeof(double));
+    if (!bw_buf || !sa || !sb || !sc || !ids || !logits || !r_bw || !r_sg || !t_pre || !t_dec || !ratio) {
         fprintf(stderr, "kvtier-bench: out of memory\n");
         return 1;
     }
@@ -194,65 +214,104 @@ int main(int argc, char **argv)
     weight_totals(c, w, &wbytes, &welems);
     double flops_tok = 2.0 * welems; /* one multiply-add per weight per token */
     /* KV read per decode token at the mean context of the decode run */
-    double kv_bytes = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * 4 * (n_prompt + n_decode / 2.0);
+    double kv_bytes = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * 4 * (n_fill + n_prompt + n_decode / 2.0);
 
-    double best_prefill = 1e30, best_decode = 1e30;
     for (int r = 0; r < repeat; r++) {
         r_bw[r] = read_bandwidth(bw_buf, bw_words, threads);
         r_sg[r] = sgemm_gflops(sa, sb, sc, threads);
-        kv_seq *q;
-        if (kv_seq_create(store, NULL, &q) != TIER_OK)
-            return 1;
-        struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = n_prompt, .logits = logits};
-        double t0 = clock_s();
-        st = model_forward(m, &fs, 1);
-        double tp = clock_s() - t0;
-        t0 = clock_s();
-        for (int i = 0; i < n_decode && st == MODEL_OK; i++) {
-            int32_t next = (int32_t)((i * 31 + 7) % c->vocab_size);
-            fs = (struct fw_seq){.kv = q, .tokens = &next, .n_tokens = 1, .logits = logits};
+        for (int k = 0; k < nb; k++) {
+            int b = (k + r) % nb;
+            kv_seq *q;
+            if (kv_seq_create(stores[b], NULL, &q) != TIER_OK || (n_fill && kv_seq_reserve(q, n_fill) != TIER_OK)) {
+                fprintf(stderr, "kvtier-bench: KV store: %s\n", kv_store_errmsg(stores[b]));
+                return 1;
+            }
+            if (n_fill)
+                kv_seq_commit(q);
+            struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = n_prompt, .logits = logits};
+            double t0 = clock_s();
             st = model_forward(m, &fs, 1);
+            double tp = clock_s() - t0;
+            t0 = clock_s();
+            for (int i = 0; i < n_decode && st == MODEL_OK; i++) {
+                int32_t next = (int32_t)((i * 31 + 7) % c->vocab_size);
+                fs = (struct fw_seq){.kv = q, .tokens = &next, .n_tokens = 1, .logits = logits};
+                st = model_forward(m, &fs, 1);
+            }
+            double td = clock_s() - t0;
+            kv_seq_free(q);
+            if (st != MODEL_OK) {
+                fprintf(stderr, "kvtier-bench: forward: %s\n", model_strerror(st));
+                return 1;
+            }
+            t_pre[r * nb + b] = n_prompt / tp;
+            t_dec[r * nb + b] = n_decode / td;
+            fprintf(stderr, "round %d, blocks of %d: read %.1f GB/s, sgemm %.1f GFLOP/s, prefill %.0f %%, decode %.0f %%\n",
+                    r, kv_store_block_tokens(stores[b]), r_bw[r], r_sg[r],
+                    100 * flops_tok * t_pre[r * nb + b] / 1e9 / r_sg[r],
+                    100 * (wbytes + kv_bytes) * t_dec[r * nb + b] / 1e9 / r_bw[r]);
         }
-        double td = clock_s() - t0;
-        kv_seq_free(q);
-        if (st != MODEL_OK) {
-            fprintf(stderr, "kvtier-bench: forward: %s\n", model_strerror(st));
-            return 1;
-        }
-        best_prefill = tp < best_prefill ? tp : best_prefill;
-        best_decode = td < best_decode ? td : best_decode;
-        r_pre[r] = flops_tok * n_prompt / tp / 1e9 / r_sg[r];
-        r_dec[r] = (wbytes + kv_bytes) * n_decode / td / 1e9 / r_bw[r];
-        fprintf(stderr, "round %d: read %.1f GB/s, sgemm %.1f GFLOP/s, prefill %.0f %%, decode %.0f %%\n", r, r_bw[r],
-                r_sg[r], 100 * r_pre[r], 100 * r_dec[r]);
     }
-    double prefill_tps = n_prompt / best_prefill, decode_tps = n_decode / best_decode;
     printf("model            %s (%s, %d layers, dim %d, %s weights, %.2f GB of matrices)\n", dir, c->arch_name,
            c->n_layers, c->hidden_size, be_dtype_name(c->dtype), wbytes / 1e9);
-    printf("backend          %s, %d threads, simd %s, %d rounds\n", caps.name, threads, caps.simd, repeat);
-    printf("read bandwidth   %.2f GB/s (median)\n", median(r_bw, repeat));
-    printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads, median)\n", median(r_sg, repeat), threads);
+    printf("backend          %s, %d threads, simd %s, %d rounds, %d context tokens before the prompt\n", caps.name,
+           threads, caps.simd, repeat, n_fill);
     /* best against best: each side's least disturbed round */
     double best_bw = 0, best_sg = 0;
     for (int r = 0; r < repeat; r++) {
         best_bw = r_bw[r] > best_bw ? r_bw[r] : best_bw;
         best_sg = r_sg[r] > best_sg ? r_sg[r] : best_sg;
     }
-    printf("prefill          %d tokens: %.1f tokens/s (best), %.0f %% of sgemm (median of rounds), %.0f %% best/best\n",
-           n_prompt, prefill_tps, 100 * median(r_pre, repeat), 100 * flops_tok * prefill_tps / 1e9 / best_sg);
-    printf("decode           %d tokens: %.2f tokens/s (best), %.0f %% of read bandwidth (median of rounds), %.0f %% "
-           "best/best\n",
-           n_decode, decode_tps, 100 * median(r_dec, repeat), 100 * (wbytes + kv_bytes) * decode_tps / 1e9 / best_bw);
+    for (int b = 0; b < nb; b++) {
+        double prefill_tps = 0, decode_tps = 0;
+        for (int r = 0; r < repeat; r++) {
+            prefill_tps = t_pre[r * nb + b] > prefill_tps ? t_pre[r * nb + b] : prefill_tps;
+            decode_tps = t_dec[r * nb + b] > decode_tps ? t_dec[r * nb + b] : decode_tps;
+        }
+        printf("KV blocks        %d tokens\n", kv_store_block_tokens(stores[b]));
+        for (int r = 0; r < repeat; r++)
+            ratio[r] = flops_tok * t_pre[r * nb + b] / 1e9 / r_sg[r];
+        printf("prefill          %d tokens: %.1f tokens/s (best), %.0f %% of sgemm (median of rounds), %.0f %% "
+               "best/best\n",
+               n_prompt, prefill_tps, 100 * median(ratio, repeat), 100 * flops_tok * prefill_tps / 1e9 / best_sg);
+        for (int r = 0; r < repeat; r++)
+            ratio[r] = (wbytes + kv_bytes) * t_dec[r * nb + b] / 1e9 / r_bw[r];
+        printf("decode           %d tokens: %.2f tokens/s (best), %.0f %% of read bandwidth (median of rounds), %.0f %% "
+               "best/best\n",
+               n_decode, decode_tps, 100 * median(ratio, repeat), 100 * (wbytes + kv_bytes) * decode_tps / 1e9 / best_bw);
+        if (b > 0) {
+            double lo[2], hi[2], med[2];
+            for (int d = 0; d < 2; d++) {
+                const double *t = d ? t_dec : t_pre;
+                for (int r = 0; r < repeat; r++)
+                    ratio[r] = t[r * nb + b] / t[r * nb];
+                lo[d] = hi[d] = ratio[0];
+                for (int r = 1; r < repeat; r++) {
+                    lo[d] = ratio[r] < lo[d] ? ratio[r] : lo[d];
+                    hi[d] = ratio[r] > hi[d] ? ratio[r] : hi[d];
+                }
+                med[d] = median(ratio, repeat);
+            }
+            printf("vs %d-token blocks: prefill %.3fx (median of rounds, %.3f-%.3f), decode %.3fx (%.3f-%.3f)\n",
+                   kv_store_block_tokens(stores[0]), med[0], lo[0], hi[0], med[1], lo[1], hi[1]);
+        }
+    }
+    /* last: median() sorts, and the ratios above pair the rounds */
+    printf("read bandwidth   %.2f GB/s (median)\n", median(r_bw, repeat));
+    printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads, median)\n", median(r_sg, repeat), threads);
     free(bw_buf);
     free(sa);
     free(sb);
     free(sc);
     free(r_bw);
     free(r_sg);
-    free(r_dec);
-    free(r_pre);
+    free(t_pre);
+    free(t_dec);
+    free(ratio);
     free(ids);
     free(logits);
+    for (int b = 1; b < nb; b++)
+        kv_store_free(stores[b]);
     runtime_close(&rt);
     return 0;
 }

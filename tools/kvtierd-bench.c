@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ipc/args.h"
 #include "model/clock.h"
 #include "ipc/httpc.h"
 #include "model/runtime.h"
@@ -206,33 +207,28 @@ static double median(const double *x, int n)
 
 int main(int argc, char **argv)
 {
-    const char *sock = NULL, *clients = "1,4,16", *prompt = "In the beginning", *model_dir = NULL;
-    int n_tok = 128, threads = 0, reps = 5, c;
+    const char *sock = NULL, *prompt = "In the beginning", *model_dir = NULL;
+    int n_tok = 128, threads = 0, reps = 5, c, counts[MAX_COUNTS] = {1, 4, 16}, n_counts = 3;
     static const struct option opts[] = {{"socket", required_argument, 0, 's'}, {"clients", required_argument, 0, 'c'},
                                          {"prompt", required_argument, 0, 'p'}, {"model", required_argument, 0, 'm'},
                                          {"threads", required_argument, 0, 't'}, {"reps", required_argument, 0, 'r'},
                                          {0, 0, 0, 0}};
     while ((c = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
+        bool ok = true;
         switch (c) {
         case 's': sock = optarg; break;
-        case 'c': clients = optarg; break;
+        case 'c': ok = args_int_list(optarg, 1, 1024, counts, MAX_COUNTS, &n_counts); break;
         case 'p': prompt = optarg; break;
         case 'm': model_dir = optarg; break;
-        case 't': threads = atoi(optarg); break;
-        case 'n': n_tok = atoi(optarg); break;
-        case 'r': reps = atoi(optarg); break;
+        case 't': ok = args_int(optarg, 0, 1024, &threads); break;
+        case 'n': ok = args_int(optarg, 1, 1 << 24, &n_tok); break;
+        case 'r': ok = args_int(optarg, 1, MAX_REPS, &reps); break;
         default: sock = NULL, optind = argc + 1;
         }
+        if (!ok)
+            return args_invalid("kvtierd-bench", opts, c, optarg);
     }
-    int counts[MAX_COUNTS], n_counts = 0;
-    for (const char *p = clients; *p && n_counts < MAX_COUNTS;) {
-        counts[n_counts++] = atoi(p);
-        p = strchr(p, ',') ? strchr(p, ',') + 1 : p + strlen(p);
-    }
-    bool bad_counts = n_counts == 0;
-    for (int k = 0; k < n_counts; k++)
-        bad_counts = bad_counts || counts[k] < 1 || counts[k] > 1024;
-    if (!sock || optind != argc || n_tok < 1 || reps < 1 || reps > MAX_REPS || bad_counts) {
+    if (!sock || optind != argc) {
         fprintf(stderr, "usage: kvtierd-bench --socket PATH [--clients 1,4,16] [-n TOKENS] [--reps 1-%d] "
                         "[--prompt TEXT] [--model DIR [--threads N]]\n", MAX_REPS);
         return 2;
