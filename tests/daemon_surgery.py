@@ -44,7 +44,7 @@ cold = complete(prompt, cache=None)
 warm = complete(prompt[:96] + [11, 12, 13])
 check(cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "prefix cache: the first request computes all")
 check(warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 96,
-      "prefix cache: a request sharing 96 tokens reuses 3 blocks (cached_tokens %d)" %
+      "prefix cache: a request sharing 96 tokens reuses 6 blocks (cached_tokens %d)" %
       warm["usage"]["prompt_tokens_details"]["cached_tokens"])
 fresh = Daemon("--no-prefix-cache", model=d.model, tmp=d.tmp)
 fresh.sock = os.path.join(d.tmp, "fresh.sock")

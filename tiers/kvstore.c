@@ -88,7 +88,7 @@
 
 #include "model/clock.h"
 
-#define KV_DEFAULT_BLOCK_TOKENS 32
+#define KV_DEFAULT_BLOCK_TOKENS 16 /* vLLM's default too; docs/architecture.md "Block size" */
 #define KV_CHUNK_BLOCKS 64 /* blocks per device allocation when the pool grows */
 
 const char *tier_strerror(enum tier_status st)

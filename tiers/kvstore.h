@@ -112,7 +112,7 @@ struct kv_seq_params {
 };
 
 struct kv_store_params {
-    int block_tokens; /* tokens per block; 0 = 32 */
+    int block_tokens; /* tokens per block; 0 = 16 */
     size_t host_mem;  /* host-tier budget in bytes; 0 = unlimited */
     /* Automatic prefix cache: full blocks of dynamic sequences on
      * full-attention models are published by content hash at commit and
