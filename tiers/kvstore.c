@@ -1137,9 +1137,9 @@ void sink_view(const kv_seq *q, const struct kv_layer *L, struct be_kv_view *out
         out->sinks = (int)S;
     else if (q->kvq) /* from the first commit on, never read quantized (invariant 8) */
         out->sinks = (int)(q->len < S ? q->len : S);
-    if (!out->sinks)
-        return;
-    out->sink_block = L->sink_blk ? L->sink_blk->data : L->blocks[0]; /* invariant 8 */
+    if (out->sinks)
+        out->sink_block = L->sink_blk ? L->sink_blk->data : L->blocks[0]; /* invariant 8 */
+    /* the window starts after the sinks, without sinks too (S = 0) */
     if (out->lo < out->shift + out->sinks)
         out->lo = out->shift + out->sinks;
 }
