@@ -2,14 +2,19 @@
  * (StreamingLLM attention sinks), one token per step after the prompt.
  *
  *   kvtier-bench-sinks -m DIR [--window W] [--sinks S] [--ids 1,2,3] [-n N]
- *                      [--dump FILE] [--every K]
+ *                      [--dump FILE] [--every K] [--threads N] [--nbits B]
  *
  * Prints, every K generated tokens (default 1000), the tokens/s of the last
- * K tokens and the sequence's KV bytes, then the ratio of the last rate to
- * the first: flat generation speed and flat memory are what the sink
- * strategy promises.  Fails (exit 1) on a NaN or infinite logit or when the
- * KV bytes ever exceed what the window needs: per layer, the blocks that
- * W-S consecutive tokens can touch plus the block of the sinks.
+ * K tokens, the process CPU milliseconds they took per token and the
+ * sequence's KV bytes, then the ratios of the last interval to the first:
+ * flat generation speed and flat memory are what the sink strategy
+ * promises.  CPU time per token is the figure to read on a shared machine
+ * (another process taking the cores slows the wall rate, not it), with
+ * --threads 1 so that no pool thread waits on another.  --nbits 2, 4 or 8
+ * runs sinks + quantized (quanto, KIVI axes, residual 128).  Fails (exit 1)
+ * on a NaN or infinite logit or when the KV bytes ever exceed what the
+ * window needs in f32: per layer, the blocks that W-S consecutive tokens
+ * can touch plus the block of the sinks.
  * --dump writes the KVTL file of kvtier-run (its header comment) for
  * tests/sinks_oracle.py.
  */
@@ -24,6 +29,14 @@
 #include "ipc/args.h"
 #include "model/clock.h"
 #include "model/runtime.h"
+#include "tiers/quant.h"
+
+static double cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
 
 static int parse_ids(const char *s, struct tok_ids *out)
 {
@@ -61,12 +74,13 @@ static bool dump_write(const char *path, const struct tok_ids *ids, size_t n_pro
 int main(int argc, char **argv)
 {
     const char *dir = NULL, *ids_arg = "1", *dump_path = NULL;
-    int n_gen = 1000, every = 1000, window = 256, sinks = 4;
-    enum { O_WINDOW = 256, O_SINKS, O_IDS, O_DUMP, O_EVERY };
+    int n_gen = 1000, every = 1000, window = 256, sinks = 4, threads = 0, nbits = 0;
+    enum { O_WINDOW = 256, O_SINKS, O_IDS, O_DUMP, O_EVERY, O_THREADS, O_NBITS };
     static const struct option opts[] = {
         {"window", required_argument, 0, O_WINDOW}, {"sinks", required_argument, 0, O_SINKS},
         {"ids", required_argument, 0, O_IDS},       {"dump", required_argument, 0, O_DUMP},
-        {"every", required_argument, 0, O_EVERY},   {0, 0, 0, 0},
+        {"every", required_argument, 0, O_EVERY},   {"threads", required_argument, 0, O_THREADS},
+        {"nbits", required_argument, 0, O_NBITS},   {0, 0, 0, 0},
     };
     for (int c; (c = getopt_long(argc, argv, "m:n:", opts, NULL)) != -1;) {
         bool ok = true;
@@ -78,9 +92,11 @@ int main(int argc, char **argv)
         case O_IDS: ids_arg = optarg; break;
         case O_DUMP: dump_path = optarg; break;
         case O_EVERY: ok = args_int(optarg, 1, INT32_MAX, &every); break;
+        case O_THREADS: ok = args_int(optarg, 1, 1024, &threads); break;
+        case O_NBITS: ok = args_int(optarg, 2, 8, &nbits) && (nbits == 2 || nbits == 4 || nbits == 8); break;
         default:
             fprintf(stderr, "usage: kvtier-bench-sinks -m DIR [--window W] [--sinks S] [--ids 1,2,3] [-n N] "
-                            "[--dump FILE] [--every K]\n");
+                            "[--dump FILE] [--every K] [--threads N] [--nbits 2|4|8]\n");
             return 2;
         }
         if (!ok)
@@ -95,13 +111,19 @@ int main(int argc, char **argv)
     size_t n_prompt = ids.n;
     char err[MODEL_ERR_LEN];
     struct runtime rt = {0};
-    enum model_status ms = runtime_open(dir, &(struct runtime_params){0}, &rt, err);
+    enum model_status ms = runtime_open(dir, &(struct runtime_params){.be = {.n_threads = threads}}, &rt, err);
     if (ms != MODEL_OK) {
         fprintf(stderr, "kvtier-bench-sinks: %s\n", err);
         return 1;
     }
     kv_seq *q = NULL;
     struct kv_seq_params kp = {.strategy = KV_DYNAMIC, .sink = true, .window_length = window, .num_sink_tokens = sinks};
+    if (nbits) {
+        kp.strategy = KV_QUANTIZED;
+        kp.quant = kv_quant_defaults(KVQ_QUANTO);
+        kp.quant.nbits = nbits;
+        kp.quant.axis_key = -1; /* KIVI: keys per channel, values per token */
+    }
     int vocab = model_get_config(rt.m)->vocab_size;
     float *logits = malloc((size_t)vocab * sizeof(float));
     struct rows rows = {.f = dump_path ? tmpfile() : NULL};
@@ -114,13 +136,14 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvtier-bench-sinks: %s\n", kv_store_errmsg(rt.store));
         goto out;
     }
-    printf("window %d, %d sinks, prompt %zu tokens\n%10s %12s %12s\n", window, sinks, n_prompt, "generated",
-           "tokens/s", "KV bytes");
+    printf("window %d, %d sinks, %s KV, prompt %zu tokens\n%10s %12s %14s %12s\n", window, sinks,
+           nbits == 8 ? "int8" : nbits == 4 ? "int4" : nbits == 2 ? "int2" : "f32", n_prompt, "generated", "tokens/s",
+           "CPU ms/token", "KV bytes");
     struct kv_geom geo = model_kv_geom(rt.m);
     size_t bt = (size_t)kv_store_block_tokens(rt.store);
     size_t block = 2 * (size_t)geo.n_kv_heads * bt * (size_t)geo.head_dim * be_dtype_size(geo.dtype);
     size_t bound = (size_t)geo.n_layers * (((size_t)window - (size_t)sinks + bt - 1) / bt + 2) * block;
-    double first_rate = 0, rate = 0, t0 = clock_s();
+    double first_rate = 0, rate = 0, first_cpu = 0, cpu = 0, t0 = clock_s(), c0 = cpu_s();
     const int32_t *feed = ids.ids;
     int n_feed = (int)n_prompt;
     for (int g = 1; g <= n_gen; g++) {
@@ -147,19 +170,24 @@ int main(int argc, char **argv)
         if (g % every == 0) {
             double t1 = clock_s();
             rate = (double)every / (t1 - t0);
+            cpu = (cpu_s() - c0) * 1e3 / every;
             size_t bytes = kv_seq_bytes(q);
-            if (!first_rate)
+            if (!first_rate) {
                 first_rate = rate;
-            printf("%10d %12.1f %12zu\n", g, rate, bytes);
+                first_cpu = cpu;
+            }
+            printf("%10d %12.1f %14.4f %12zu\n", g, rate, cpu, bytes);
             if (bytes > bound) {
                 fprintf(stderr, "kvtier-bench-sinks: KV bytes %zu above the window's %zu\n", bytes, bound);
                 goto out;
             }
             t0 = clock_s(); /* the report itself is not timed */
+            c0 = cpu_s();
         }
     }
     if (first_rate)
-        printf("tokens/s at %d generated / at %d generated: %.3f\n", n_gen, every, rate / first_rate);
+        printf("at %d generated / at %d generated: tokens/s %.3f, CPU per token %.3f\n", n_gen, every,
+               rate / first_rate, cpu / first_cpu);
     if (dump_path && !dump_write(dump_path, &ids, n_prompt, vocab, &rows)) {
         fprintf(stderr, "kvtier-bench-sinks: writing %s failed\n", dump_path);
         goto out;
