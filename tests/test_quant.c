@@ -677,23 +677,33 @@ static void test_code_loops(void **state)
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
         skip();
-    uint8_t c[256];
-    float x[200], y0[200], y1[200];
-    for (int i = 0; i < 256; i++)
+    enum { ROWS = 5 };
+    uint8_t c[ROWS * 200];
+    float x[200], y0[200], y1[200], w[ROWS], s0[ROWS], s1[ROWS];
+    for (int i = 0; i < ROWS * 200; i++)
         c[i] = (uint8_t)(frand() * 128.0f + 128.0f);
     for (int i = 0; i < 200; i++)
         x[i] = frand();
-    for (int nbits = 1; nbits <= 8; nbits++)
-        for (int n = 8; n <= 200; n += 8) {
-            float a = cpu_qkern_scalar.qdot(x, c, nbits, n), b = cpu_qkern_avx512.qdot(x, c, nbits, n);
-            assert_true(fabsf(a - b) <= 1e-4f * (1.0f + fabsf(a)));
-            memcpy(y0, x, sizeof(x));
-            memcpy(y1, x, sizeof(x));
-            cpu_qkern_scalar.qaxpy(y0, 0.37f, c, nbits, n);
-            cpu_qkern_avx512.qaxpy(y1, 0.37f, c, nbits, n);
-            for (int i = 0; i < n; i++)
-                assert_true(fabsf(y0[i] - y1[i]) <= 1e-5f * (1.0f + fabsf(y0[i])));
-        }
+    for (int r = 0; r < ROWS; r++)
+        w[r] = frand();
+    /* one row and a chunk of rows, whose codes follow each other */
+    for (int rows = 1; rows <= ROWS; rows += ROWS - 1)
+        for (int nbits = 1; nbits <= 8; nbits++)
+            for (int n = 8; n <= 200; n += 8) {
+                cpu_qkern_scalar.qdot(s0, x, c, nbits, n, rows);
+                cpu_qkern_avx512.qdot(s1, x, c, nbits, n, rows);
+                for (int r = 0; r < rows; r++)
+                    assert_true(fabsf(s0[r] - s1[r]) <= 1e-4f * (1.0f + fabsf(s0[r])));
+                memcpy(y0, x, sizeof(x));
+                memcpy(y1, x, sizeof(x));
+                cpu_qkern_scalar.qaxpy(y0, w, c, nbits, n, rows);
+                cpu_qkern_avx512.qaxpy(y1, w, c, nbits, n, rows);
+                for (int i = 0; i < n; i++)
+                    assert_true(fabsf(y0[i] - y1[i]) <= 1e-5f * rows * (1.0f + fabsf(y0[i])));
+            }
+    /* a row is not a shifted copy of another: the chunk reads each row's codes */
+    cpu_qkern_scalar.qdot(s0, x, c, 8, 64, 2);
+    assert_true(s0[0] != s0[1]);
     for (int n = 1; n <= 200; n += 13) {
         float a = cpu_qkern_scalar.e4m3_dot(x, c, n), b = cpu_qkern_avx512.e4m3_dot(x, c, n);
         assert_true(fabsf(a - b) <= 1e-4f * (1.0f + fabsf(a)));

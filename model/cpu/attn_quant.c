@@ -32,18 +32,23 @@
 
 /* ---- scalar code loops -------------------------------------------------- */
 
-float cpu_qdot_scalar(const float *x, const uint8_t *c, int nbits, int n)
+void cpu_qdot_scalar(float *s, const float *x, const uint8_t *c, int nbits, int n, int rows)
 {
-    float acc = 0.0f;
-    for (int i = 0; i < n; i++)
-        acc += x[i] * (float)kvq_code_get(c, nbits, i);
-    return acc;
+    size_t row = (size_t)n * (size_t)nbits / 8;
+    for (int r = 0; r < rows; r++) {
+        float acc = 0.0f;
+        for (int i = 0; i < n; i++)
+            acc += x[i] * (float)kvq_code_get(c + (size_t)r * row, nbits, i);
+        s[r] = acc;
+    }
 }
 
-void cpu_qaxpy_scalar(float *y, float a, const uint8_t *c, int nbits, int n)
+void cpu_qaxpy_scalar(float *y, const float *a, const uint8_t *c, int nbits, int n, int rows)
 {
-    for (int i = 0; i < n; i++)
-        y[i] += a * (float)kvq_code_get(c, nbits, i);
+    size_t row = (size_t)n * (size_t)nbits / 8;
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < n; i++)
+            y[i] += a[r] * (float)kvq_code_get(c + (size_t)r * row, nbits, i);
 }
 
 float cpu_e4m3_dot_scalar(const float *x, const uint8_t *c, int n)
@@ -138,20 +143,21 @@ static void key_scores_rope(struct qattn *a, const void *blk, int64_t pos0, int 
         if (!affine) {
             a->qk->e4m3_axpy(a->krow, a->v->scale_k, c, D);
         } else if (h->gt > 1) {
-            a->qk->qaxpy(a->krow, 1.0f, c, f->nbits, D);
+            a->qk->qaxpy(a->krow, &(const float){1.0f}, c, f->nbits, D, 1);
             for (int d = 0; d < D; d++)
                 a->krow[d] = a->krow[d] * a->ks[d] + a->kb[d];
         } else {
             for (int g = 0; g < D / h->gd; g++) {
                 float s, b;
                 group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
-                a->qk->qaxpy(a->krow + g * h->gd, s, c + (size_t)g * gbytes, f->nbits, h->gd);
+                a->qk->qaxpy(a->krow + g * h->gd, &s, c + (size_t)g * gbytes, f->nbits, h->gd, 1);
                 for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
                     a->krow[d] += b;
             }
         }
         cpu_key_rope(a->p, &a->v->rest, pos0 + i, a->krow, a->krot);
-        a->s[i] = a->k->dot(a->q, a->krot, BE_F32, D) * a->p->scale;
+        a->k->dot(&a->s[i], a->q, &(const char *){(const char *)a->krot}, BE_F32, D, 1);
+        a->s[i] *= a->p->scale;
     }
 }
 
@@ -176,17 +182,28 @@ static void key_scores(struct qattn *a, const void *blk, int64_t pos0, int t0, i
             a->qs[d] = a->q[d] * s;
             qb += a->q[d] * b;
         }
+        a->qk->qdot(a->s, a->qs, kvq_code_row(f, h, blk, a->kvh, t0), f->nbits, D, n);
         for (int i = 0; i < n; i++)
-            a->s[i] = (a->qk->qdot(a->qs, kvq_code_row(f, h, blk, a->kvh, t0 + i), f->nbits, D) + qb) * a->p->scale;
+            a->s[i] = (a->s[i] + qb) * a->p->scale;
+        return;
+    }
+    if (h->gd == D) { /* one group per row: the chunk's codes in one call, then each row's (s, b) */
+        a->qk->qdot(a->s, a->q, kvq_code_row(f, h, blk, a->kvh, t0), f->nbits, D, n);
+        for (int i = 0; i < n; i++) {
+            float s, b;
+            group_sb(f, h, blk, a->kvh, t0 + i, 0, &s, &b);
+            a->s[i] = (s * a->s[i] + b * a->qsum[0]) * a->p->scale;
+        }
         return;
     }
     size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
     for (int i = 0; i < n; i++) {
         const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
-        float dot = 0.0f, s, b;
+        float dot = 0.0f, s, b, gdot;
         for (int g = 0; g < D / h->gd; g++) {
             group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
-            dot += s * a->qk->qdot(a->q + g * h->gd, c + (size_t)g * gbytes, f->nbits, h->gd) + b * a->qsum[g];
+            a->qk->qdot(&gdot, a->q + g * h->gd, c + (size_t)g * gbytes, f->nbits, h->gd, 1);
+            dot += s * gdot + b * a->qsum[g];
         }
         a->s[i] = dot * a->p->scale;
     }
@@ -205,10 +222,9 @@ static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
     if (h->gt > 1) {
         float psum = 0.0f, s, b;
         memset(a->acc, 0, (size_t)D * sizeof(float));
-        for (int i = 0; i < n; i++) {
-            a->qk->qaxpy(a->acc, a->s[i], kvq_code_row(f, h, blk, a->kvh, t0 + i), f->nbits, D);
+        a->qk->qaxpy(a->acc, a->s, kvq_code_row(f, h, blk, a->kvh, t0), f->nbits, D, n);
+        for (int i = 0; i < n; i++)
             psum += a->s[i];
-        }
         for (int d = 0; d < D; d++) {
             group_sb(f, h, blk, a->kvh, t0 / h->gt, d, &s, &b);
             a->o[d] += s * a->acc[d] + b * psum;
@@ -218,12 +234,23 @@ static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
     int ng = D / h->gd;
     size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
     memset(a->bacc, 0, (size_t)ng * sizeof(float));
+    if (ng == 1) { /* one group per row: the weights become p_i * s_i (the scores are spent), one call */
+        for (int i = 0; i < n; i++) {
+            float s, b;
+            group_sb(f, h, blk, a->kvh, t0 + i, 0, &s, &b);
+            a->bacc[0] += a->s[i] * b;
+            a->s[i] *= s;
+        }
+        a->qk->qaxpy(a->o, a->s, kvq_code_row(f, h, blk, a->kvh, t0), f->nbits, D, n);
+        n = 0;
+    }
     for (int i = 0; i < n; i++) {
         const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
         for (int g = 0; g < ng; g++) {
             float s, b;
             group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
-            a->qk->qaxpy(a->o + g * h->gd, a->s[i] * s, c + (size_t)g * gbytes, f->nbits, h->gd);
+            float w = a->s[i] * s;
+            a->qk->qaxpy(a->o + g * h->gd, &w, c + (size_t)g * gbytes, f->nbits, h->gd, 1);
             a->bacc[g] += a->s[i] * b;
         }
     }
@@ -263,22 +290,23 @@ static void attend_rest(struct qattn *a, int64_t k0, int64_t k1)
     const struct be_kv_view *r = &a->v->rest;
     const struct be_attn_params *p = a->p;
     size_t esz = be_dtype_size(p->kv_dtype);
+    const char *rows[QATTN_CHUNK];
     for (int64_t c0 = k0; c0 < k1; c0 += QATTN_CHUNK) {
         int n = k1 - c0 < QATTN_CHUNK ? (int)(k1 - c0) : QATTN_CHUNK;
         for (int i = 0; i < n; i++) {
-            const char *row = cpu_key_row(r, c0 + i, a->kvh, p->head_dim, esz);
-            if (r->key_rope) {
-                a->k->to_f32(a->krow, row, p->kv_dtype, (size_t)p->head_dim);
+            rows[i] = cpu_key_row(r, c0 + i, a->kvh, p->head_dim, esz);
+            if (r->key_rope) { /* each key rotated at its index before its dot */
+                a->k->to_f32(a->krow, rows[i], p->kv_dtype, (size_t)p->head_dim);
                 cpu_key_rope(p, r, c0 + i, a->krow, a->krot);
-                a->s[i] = a->k->dot(a->q, a->krot, BE_F32, p->head_dim) * p->scale;
-            } else {
-                a->s[i] = a->k->dot(a->q, row, p->kv_dtype, p->head_dim) * p->scale;
+                a->k->dot(&a->s[i], a->q, &(const char *){(const char *)a->krot}, BE_F32, p->head_dim, 1);
             }
         }
-        fold_chunk(a, n);
+        if (!r->key_rope)
+            a->k->dot(a->s, a->q, rows, p->kv_dtype, p->head_dim, n);
         for (int i = 0; i < n; i++)
-            a->k->axpy(a->o, a->s[i], cpu_key_row(r, c0 + i, a->kvh, p->head_dim, esz) + r->v_offset, p->kv_dtype,
-                       p->head_dim);
+            a->s[i] *= p->scale;
+        fold_chunk(a, n);
+        a->k->axpy(a->o, a->s, rows, r->v_offset, p->kv_dtype, p->head_dim, n);
     }
 }
 

@@ -1,7 +1,8 @@
 /* attn_quant_avx512.c - AVX-512 code loops for quantized attention: 16
  * codes at a time are widened to 32-bit lanes and converted in registers.
  * 8-, 4-, 2- and 1-bit codes and e4m3 have vector paths; 3, 5, 6 and 7 bits
- * (codes straddling bytes) and tails shorter than 16 use the scalar loops.
+ * (codes straddling bytes) and rows not a multiple of 16 codes use the
+ * scalar loops.
  * Sums are accumulated in a different order than the scalar loops, so
  * results agree to rounding, not bit for bit (tests/test_quant.c).
  */
@@ -44,29 +45,36 @@ static inline bool vector_bits(int nbits)
     return nbits == 8 || nbits == 4 || nbits == 2 || nbits == 1;
 }
 
-static float qdot_avx512(const float *x, const uint8_t *c, int nbits, int n)
+static void qdot_avx512(float *s, const float *x, const uint8_t *c, int nbits, int n, int rows)
 {
-    if (!vector_bits(nbits))
-        return cpu_qdot_scalar(x, c, nbits, n);
-    __m512 acc = _mm512_setzero_ps();
-    int j = 0;
-    for (; 16 * (j + 1) <= n; j++)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * j), codes16(c, nbits, j), acc);
-    /* 16 codes are 2*nbits bytes, so the tail starts on a byte */
-    return _mm512_reduce_add_ps(acc) + cpu_qdot_scalar(x + 16 * j, c + (size_t)j * 2 * (size_t)nbits, nbits, n - 16 * j);
-}
-
-static void qaxpy_avx512(float *y, float a, const uint8_t *c, int nbits, int n)
-{
-    if (!vector_bits(nbits)) {
-        cpu_qaxpy_scalar(y, a, c, nbits, n);
+    if (!vector_bits(nbits) || n % 16) {
+        cpu_qdot_scalar(s, x, c, nbits, n, rows);
         return;
     }
-    __m512 va = _mm512_set1_ps(a);
-    int j = 0;
-    for (; 16 * (j + 1) <= n; j++)
-        _mm512_storeu_ps(y + 16 * j, _mm512_fmadd_ps(va, codes16(c, nbits, j), _mm512_loadu_ps(y + 16 * j)));
-    cpu_qaxpy_scalar(y + 16 * j, a, c + (size_t)j * 2 * (size_t)nbits, nbits, n - 16 * j);
+    size_t row = (size_t)n * (size_t)nbits / 8;
+    for (int r = 0; r < rows; r++, c += row) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int j = 0; 16 * j < n; j++)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * j), codes16(c, nbits, j), acc);
+        s[r] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+/* Rows inside, 16 columns outside: each 16 floats of y stay in a register
+ * over the whole chunk of rows. */
+static void qaxpy_avx512(float *y, const float *a, const uint8_t *c, int nbits, int n, int rows)
+{
+    if (!vector_bits(nbits) || n % 16) {
+        cpu_qaxpy_scalar(y, a, c, nbits, n, rows);
+        return;
+    }
+    size_t row = (size_t)n * (size_t)nbits / 8;
+    for (int j = 0; 16 * j < n; j++) {
+        __m512 acc = _mm512_loadu_ps(y + 16 * j);
+        for (int r = 0; r < rows; r++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), codes16(c + (size_t)r * row, nbits, j), acc);
+        _mm512_storeu_ps(y + 16 * j, acc);
+    }
 }
 
 /* fp8.h's conversion in vector form: magnitude bits to f32 bit 20, times

@@ -47,10 +47,13 @@ struct cpu_kern {
     /* y[:, r0:r1] for rows r0..r1 of W, all n tokens (the driver adds the bias);
      * scratch holds CPU_SCRATCH_FLOATS floats private to the thread */
     void (*matmul_rows)(const struct cpu_mm *a, int r0, int r1, float *scratch);
-    /* sum q[i] * k[i], k stored as dt */
-    float (*dot)(const float *q, const void *k, enum be_dtype dt, int n);
-    /* y[i] += a * x[i], x stored as dt */
-    void (*axpy)(float *y, float a, const void *x, enum be_dtype dt, int n);
+    /* s[r] = sum q[i] * rows[r][i], n elements stored as dt: attention's
+     * scores for a chunk of keys in one call, not a call per key */
+    void (*dot)(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows);
+    /* y[i] += sum over r of a[r] * (rows[r] + off)[i]: a chunk of values
+     * (off: V after K in a block) into y, which a SIMD level keeps in
+     * registers over the chunk */
+    void (*axpy)(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n, int nrows);
     /* y[i] *= a */
     void (*scale)(float *y, float a, int n);
     /* sum x[i]^2 */
@@ -71,8 +74,9 @@ extern const struct cpu_kern cpu_kern_avx512;
 
 /* The scalar inner loops, for SIMD tables that keep some of them. */
 void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scratch);
-float cpu_dot_scalar(const float *q, const void *k, enum be_dtype dt, int n);
-void cpu_axpy_scalar(float *y, float a, const void *x, enum be_dtype dt, int n);
+void cpu_dot_scalar(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows);
+void cpu_axpy_scalar(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n,
+                     int nrows);
 void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n);
 void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
 
@@ -129,14 +133,17 @@ void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, in
 
 /* ---- quantized KV (attn_quant*.c) ------------------------------------------ */
 
-/* Inner loops over the codes of backend.h's quantized blocks: n codes
- * nbits wide (1..8), packed little-endian from the first bit of c. */
+/* Inner loops over the codes of backend.h's quantized blocks: rows of n
+ * codes nbits wide (1..8), packed little-endian from the first bit of c,
+ * row r at c + r * n * nbits / 8 (the rows of one kv head in a block are
+ * consecutive).  Taking a chunk of rows per call keeps a call and a
+ * reduction per key out of the attention's inner loop. */
 struct cpu_qkern {
     const char *name;
-    /* sum x[i] * code_i */
-    float (*qdot)(const float *x, const uint8_t *c, int nbits, int n);
-    /* y[i] += a * code_i */
-    void (*qaxpy)(float *y, float a, const uint8_t *c, int nbits, int n);
+    /* s[r] = sum x[i] * code_i of row r */
+    void (*qdot)(float *s, const float *x, const uint8_t *c, int nbits, int n, int rows);
+    /* y[i] += sum over rows of a[r] * code_i of row r */
+    void (*qaxpy)(float *y, const float *a, const uint8_t *c, int nbits, int n, int rows);
     /* sum x[i] * e4m3(c[i]) */
     float (*e4m3_dot)(const float *x, const uint8_t *c, int n);
     /* y[i] += a * e4m3(c[i]) */
@@ -147,8 +154,8 @@ extern const struct cpu_qkern cpu_qkern_scalar;
 extern const struct cpu_qkern cpu_qkern_avx512;
 
 /* The scalar loops, for the bit widths and tails a SIMD table leaves. */
-float cpu_qdot_scalar(const float *x, const uint8_t *c, int nbits, int n);
-void cpu_qaxpy_scalar(float *y, float a, const uint8_t *c, int nbits, int n);
+void cpu_qdot_scalar(float *s, const float *x, const uint8_t *c, int nbits, int n, int rows);
+void cpu_qaxpy_scalar(float *y, const float *a, const uint8_t *c, int nbits, int n, int rows);
 float cpu_e4m3_dot_scalar(const float *x, const uint8_t *c, int n);
 void cpu_e4m3_axpy_scalar(float *y, float a, const uint8_t *c, int n);
 

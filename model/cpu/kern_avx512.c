@@ -216,23 +216,27 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
     }
 }
 
-static float dot_avx512(const float *q, const void *k, enum be_dtype dt, int n)
+static void dot_avx512(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows)
 {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 m = tail_mask((size_t)(n - i));
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), load16(k, dt, (size_t)i, m), acc);
+    for (int r = 0; r < nrows; r++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += 16) {
+            __mmask16 m = tail_mask((size_t)(n - i));
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), load16(rows[r], dt, (size_t)i, m), acc);
+        }
+        s[r] = _mm512_reduce_add_ps(acc);
     }
-    return _mm512_reduce_add_ps(acc);
 }
 
-static void axpy_avx512(float *y, float a, const void *x, enum be_dtype dt, int n)
+static void axpy_avx512(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n,
+                        int nrows)
 {
-    __m512 av = _mm512_set1_ps(a);
     for (int i = 0; i < n; i += 16) {
         __mmask16 m = tail_mask((size_t)(n - i));
-        __m512 yv = _mm512_maskz_loadu_ps(m, y + i);
-        _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(av, load16(x, dt, (size_t)i, m), yv));
+        __m512 acc = _mm512_maskz_loadu_ps(m, y + i);
+        for (int r = 0; r < nrows; r++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), load16(rows[r] + off, dt, (size_t)i, m), acc);
+        _mm512_mask_storeu_ps(y + i, m, acc);
     }
 }
 

@@ -22,23 +22,28 @@ void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scrat
     for (int t = 0; t < a->n; t++) {
         const float *x = a->x + (size_t)t * a->in;
         for (int r = r0; r < r1; r++) {
-            a->y[(size_t)t * a->out + r] = cpu_dot_scalar(x, (const char *)a->w + (size_t)r * row_bytes, a->wt, a->in);
+            const char *w = (const char *)a->w + (size_t)r * row_bytes;
+            cpu_dot_scalar(&a->y[(size_t)t * a->out + r], x, &w, a->wt, a->in, 1);
         }
     }
 }
 
-float cpu_dot_scalar(const float *q, const void *k, enum be_dtype dt, int n)
+void cpu_dot_scalar(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows)
 {
-    float acc = 0.0f;
-    for (int i = 0; i < n; i++)
-        acc += q[i] * load_as_f32(k, dt, (size_t)i);
-    return acc;
+    for (int r = 0; r < nrows; r++) {
+        float acc = 0.0f;
+        for (int i = 0; i < n; i++)
+            acc += q[i] * load_as_f32(rows[r], dt, (size_t)i);
+        s[r] = acc;
+    }
 }
 
-void cpu_axpy_scalar(float *y, float a, const void *x, enum be_dtype dt, int n)
+void cpu_axpy_scalar(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n,
+                     int nrows)
 {
-    for (int i = 0; i < n; i++)
-        y[i] += a * load_as_f32(x, dt, (size_t)i);
+    for (int r = 0; r < nrows; r++)
+        for (int i = 0; i < n; i++)
+            y[i] += a[r] * load_as_f32(rows[r] + off, dt, (size_t)i);
 }
 
 static void scale_scalar(float *y, float a, int n)

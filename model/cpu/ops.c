@@ -246,17 +246,20 @@ static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p,
     const char *rows[ATTN_CHUNK];
     for (int64_t c0 = 0; c0 < n_keys; c0 += ATTN_CHUNK) {
         int nc = n_keys - c0 < ATTN_CHUNK ? (int)(n_keys - c0) : ATTN_CHUNK;
-        float cm = m;
         for (int i = 0; i < nc; i++) {
             int64_t pos = c0 + i < v->sinks ? c0 + i : k0 + (c0 + i - v->sinks);
             rows[i] = cpu_key_row(v, pos, kvh, p->head_dim, esz);
-            if (v->key_rope) {
+            if (v->key_rope) { /* each key rotated at its index before its dot */
                 k->to_f32(scratch, rows[i], p->kv_dtype, (size_t)p->head_dim);
                 cpu_key_rope(p, v, pos, scratch, rot);
-                s[i] = k->dot(q, rot, BE_F32, p->head_dim) * p->scale;
-            } else {
-                s[i] = k->dot(q, rows[i], p->kv_dtype, p->head_dim) * p->scale;
+                k->dot(&s[i], q, &(const char *){(const char *)rot}, BE_F32, p->head_dim, 1);
             }
+        }
+        if (!v->key_rope)
+            k->dot(s, q, rows, p->kv_dtype, p->head_dim, nc);
+        float cm = m;
+        for (int i = 0; i < nc; i++) {
+            s[i] *= p->scale;
             if (s[i] > cm)
                 cm = s[i];
         }
@@ -267,10 +270,10 @@ static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p,
             m = cm;
         }
         for (int i = 0; i < nc; i++) {
-            float e = expf(s[i] - m);
-            l += e;
-            k->axpy(o, e, rows[i] + v->v_offset, p->kv_dtype, p->head_dim);
+            s[i] = expf(s[i] - m); /* the score becomes the value's weight */
+            l += s[i];
         }
+        k->axpy(o, s, rows, v->v_offset, p->kv_dtype, p->head_dim, nc);
     }
     if (l > 0.0f)
         k->scale(o, 1.0f / l, p->head_dim);
