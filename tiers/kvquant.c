@@ -307,7 +307,8 @@ static enum tier_status move_kind(struct kvq_seq *k, enum kvq_block_kind kind, s
         free(m);
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: moving %zu quantized KV blocks", p->n_own);
     }
-    memcpy(free_sorted, p->free_list, p->n_free * sizeof(*free_sorted));
+    if (p->n_free) /* free_list is NULL before the first block */
+        memcpy(free_sorted, p->free_list, p->n_free * sizeof(*free_sorted));
     qsort(free_sorted, p->n_free, sizeof(*free_sorted), cmp_ptr);
     size_t n = 0;
     enum tier_status st = TIER_OK;
