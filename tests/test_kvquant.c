@@ -442,8 +442,9 @@ static void test_refusals(void **state)
  * 8 tokens and, on the hybrid model, sliding layers dropping blocks; it
  * moves fewer bytes than a dense offloaded sequence.  A resident sequence
  * whose step runs out of device memory half-way through the generation
- * moves to the host tier and goes on, again bit for bit; when the host
- * budget cannot take it, the step fails and the sequence is as it was. */
+ * moves to the host tier and goes on, again bit for bit, and so does one
+ * that runs out at its first step; when the host budget cannot take it,
+ * the step fails and the sequence is as it was. */
 static void test_offloaded(void **state)
 {
     (void)state;
@@ -506,6 +507,17 @@ static void test_offloaded(void **state)
         assert_int_equal(kv_seq_stats(q).streamed_layers, n_layers);
         kv_seq_free(q);
         assert_memory_equal(rows, resident, (size_t)N_ROWS * r.V * sizeof(float));
+
+        /* out of device memory at the very first step, before the
+         * sequence owns a block: it starts in the host tier */
+        assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+        be_fault_dev_alloc(r.be, 1, false);
+        fs = (struct fw_seq){.kv = q, .tokens = ids, .n_tokens = N_PROMPT, .logits = rows};
+        assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+        be_fault_dev_alloc(r.be, 0, false);
+        assert_int_equal(kv_seq_stats(q).fallback, KV_FALLBACK_OOM);
+        assert_memory_equal(rows, resident, (size_t)r.V * sizeof(float));
+        kv_seq_free(q);
         free(rows);
         free(resident);
         rig_close(&r);
