@@ -70,8 +70,11 @@ static inline __attribute__((always_inline)) void matvec_tokens(const struct cpu
             for (size_t i = 0; i < body; i += 8) {
                 __m256 wv[4];
 #pragma GCC unroll 4
-                for (int k = 0; k < ROWS; k++)
+                for (int k = 0; k < ROWS; k++) {
+                    /* the next row group, one group ahead (see kern_avx512.c) */
+                    _mm_prefetch(w0 + (k + ROWS) * row + i * esz, _MM_HINT_T0);
                     wv[k] = load8(w0 + k * row, dt, i);
+                }
 #pragma GCC unroll 4
                 for (int t = 0; t < TN; t++) {
                     __m256 xv = _mm256_loadu_ps(x + (size_t)t * a->in + i);

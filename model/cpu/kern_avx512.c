@@ -88,6 +88,9 @@ static inline __attribute__((always_inline)) void matvec_bf16_tokens(const struc
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 const uint16_t *wk = w0 + (size_t)k * in + i;
+                /* the next four rows, one row group ahead: a row is often a
+                 * page of its own, where the hardware prefetcher starts over */
+                _mm_prefetch((const char *)(wk + (size_t)4 * in), _MM_HINT_T0);
 #pragma GCC unroll 4
                 for (int t = 0; t < TN; t++)
                     acc[t][k] = bf16_dot32(acc[t][k], wk, xp + (size_t)t * body + i);
@@ -134,8 +137,10 @@ static inline __attribute__((always_inline)) void matvec_tokens(const struct cpu
             __mmask16 m = tail_mask((size_t)(a->in - i));
             __m512 wv[4];
             #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++)
+            for (int k = 0; k < 4; k++) {
+                _mm_prefetch(w0 + (k + 4) * row + (size_t)i * esz, _MM_HINT_T0); /* as in matvec_bf16_tokens */
                 wv[k] = load16(w0 + k * row, dt, (size_t)i, m);
+            }
             #pragma GCC unroll 4
             for (int t = 0; t < TN; t++) {
                 __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)t * a->in + i);
