@@ -370,24 +370,31 @@ enum tier_status kvq_seq_offload(kv_seq *q)
     return TIER_OK;
 }
 
-/* The blocks of a layer's step that a slot holds: the quantized ones up to
- * the last quantized position (those the commit may fill are written on
- * the host, after the step) and every full-precision one. */
-static void slot_counts(const struct be_kvq_view *v, int *nq, int *nf)
+/* A layer's region in its slot: its nq quantized blocks up to the last
+ * quantized position (those the commit may fill are written on the host,
+ * after the step), then its nf full-precision ones; v is the layer's own
+ * view, on its host blocks. */
+struct slot_layout {
+    struct be_kvq_view v;
+    int nq, nf;
+    size_t qb, fb; /* bytes of a block of each kind */
+};
+
+static void slot_layout(const struct kvq_seq *k, int layer, struct slot_layout *o)
 {
-    int64_t T = v->fmt->block_tokens;
-    *nq = v->hi > v->base ? (int)((v->hi - v->base + T - 1) / T) : 0;
-    *nf = v->rest.n_blocks;
+    kvq_layer_view(k->layers[layer], &o->v);
+    int64_t T = o->v.fmt->block_tokens;
+    o->nq = o->v.hi > o->v.base ? (int)((o->v.hi - o->v.base + T - 1) / T) : 0;
+    o->nf = o->v.rest.n_blocks;
+    o->qb = k->pool[KVQ_BLOCK_QUANT].bytes;
+    o->fb = k->pool[KVQ_BLOCK_FULL].bytes;
 }
 
 size_t kvq_seq_slot_bytes(const kv_seq *q, int layer)
 {
-    const struct kvq_seq *k = q->kvq;
-    struct be_kvq_view v;
-    int nq, nf;
-    kvq_layer_view(k->layers[layer], &v);
-    slot_counts(&v, &nq, &nf);
-    return (size_t)nq * k->pool[KVQ_BLOCK_QUANT].bytes + (size_t)nf * k->pool[KVQ_BLOCK_FULL].bytes;
+    struct slot_layout o;
+    slot_layout(q->kvq, layer, &o);
+    return (size_t)o.nq * o.qb + (size_t)o.nf * o.fb;
 }
 
 enum tier_status kvq_seq_slot_table(kv_seq *q)
@@ -395,11 +402,9 @@ enum tier_status kvq_seq_slot_table(kv_seq *q)
     struct kvq_seq *k = q->kvq;
     int need = 0;
     for (int l = 0; l < q->s->g.n_layers; l++) {
-        struct be_kvq_view v;
-        int nq, nf;
-        kvq_layer_view(k->layers[l], &v);
-        slot_counts(&v, &nq, &nf);
-        need = nq + nf > need ? nq + nf : need;
+        struct slot_layout o;
+        slot_layout(k, l, &o);
+        need = o.nq + o.nf > need ? o.nq + o.nf : need;
     }
     if (need <= k->slot_cap)
         return TIER_OK;
@@ -434,29 +439,22 @@ static enum be_status copy_blocks(kv_store *s, void *const *host, int n, char *r
 
 enum be_status kvq_seq_copy_in(kv_seq *q, int layer, char *region, struct kv_xfer_stats *x)
 {
-    const struct kvq_seq *k = q->kvq;
-    size_t qb = k->pool[KVQ_BLOCK_QUANT].bytes, fb = k->pool[KVQ_BLOCK_FULL].bytes;
-    struct be_kvq_view v;
-    int nq, nf;
-    kvq_layer_view(k->layers[layer], &v);
-    slot_counts(&v, &nq, &nf);
-    enum be_status st = copy_blocks(q->s, v.blocks, nq, region, qb, BE_H2D, x);
+    struct slot_layout o;
+    slot_layout(q->kvq, layer, &o);
+    enum be_status st = copy_blocks(q->s, o.v.blocks, o.nq, region, o.qb, BE_H2D, x);
     if (st == BE_OK)
-        st = copy_blocks(q->s, v.rest.blocks, nf, region + (size_t)nq * qb, fb, BE_H2D, x);
+        st = copy_blocks(q->s, o.v.rest.blocks, o.nf, region + (size_t)o.nq * o.qb, o.fb, BE_H2D, x);
     return st;
 }
 
 enum be_status kvq_seq_write_back(kv_seq *q, int layer, char *region, int64_t from, int64_t to,
                                   struct kv_xfer_stats *x)
 {
-    const struct kvq_seq *k = q->kvq;
-    size_t qb = k->pool[KVQ_BLOCK_QUANT].bytes, fb = k->pool[KVQ_BLOCK_FULL].bytes;
-    struct be_kvq_view v;
-    int nq, nf;
-    kvq_layer_view(k->layers[layer], &v);
-    slot_counts(&v, &nq, &nf);
-    int64_t fbt = v.rest.block_tokens, b0 = (from - v.rest.base) / fbt, b1 = (to - v.rest.base + fbt - 1) / fbt;
-    return copy_blocks(q->s, v.rest.blocks + b0, (int)(b1 - b0), region + (size_t)nq * qb + (size_t)b0 * fb, fb,
+    struct slot_layout o;
+    slot_layout(q->kvq, layer, &o);
+    const struct be_kv_view *r = &o.v.rest;
+    int64_t b0 = (from - r->base) / r->block_tokens, b1 = (to - r->base + r->block_tokens - 1) / r->block_tokens;
+    return copy_blocks(q->s, r->blocks + b0, (int)(b1 - b0), region + (size_t)o.nq * o.qb + (size_t)b0 * o.fb, o.fb,
                        BE_D2H, x);
 }
 
@@ -469,21 +467,22 @@ void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out)
         out->lo = out->hi = out->rest.lo;
         return;
     }
-    kvq_layer_view(q->kvq->layers[layer], out);
+    struct kvq_seq *k = q->kvq;
     const kv_store *s = q->s;
-    if (q->kvq->host && s->streaming) { /* the step reads and writes the copies in the layer's slot */
-        struct kvq_seq *k = q->kvq;
-        size_t qb = k->pool[KVQ_BLOCK_QUANT].bytes, fb = k->pool[KVQ_BLOCK_FULL].bytes;
+    if (k->host && s->streaming) { /* the step reads and writes the copies in the layer's slot */
+        struct slot_layout o;
+        slot_layout(k, layer, &o);
         char *region = kv_slot_region(s, layer, L);
-        int nq, nf;
-        slot_counts(out, &nq, &nf);
-        for (int i = 0; i < nq; i++)
-            k->slot_blocks[i] = region + (size_t)i * qb;
-        for (int i = 0; i < nf; i++)
-            k->slot_blocks[nq + i] = region + (size_t)nq * qb + (size_t)i * fb;
+        for (int i = 0; i < o.nq; i++)
+            k->slot_blocks[i] = region + (size_t)i * o.qb;
+        for (int i = 0; i < o.nf; i++)
+            k->slot_blocks[o.nq + i] = region + (size_t)o.nq * o.qb + (size_t)i * o.fb;
+        *out = o.v;
         out->blocks = k->slot_blocks;
-        out->n_blocks = nq;
-        out->rest.blocks = k->slot_blocks + nq;
+        out->n_blocks = o.nq;
+        out->rest.blocks = k->slot_blocks + o.nq;
+    } else {
+        kvq_layer_view(k->layers[layer], out);
     }
     /* a sliding layer reads from its window: the blocks below it may be gone */
     int64_t lo = layer_view_lo(q, L);
