@@ -79,45 +79,27 @@ static enum tier_status pool_grow(struct kvq_pool *p)
 }
 
 /* A new block in the sequence's tier: the host tier once offloaded, else
- * the device's (reclaiming prefix-cache blocks before giving up). */
+ * the device's. */
 static void *block_alloc(struct kvq_seq *k, enum kvq_block_kind kind, be_buffer **buf)
 {
-    kv_store *s = k->s;
     size_t bytes = k->pool[kind].bytes;
-    void *data = NULL;
     *buf = NULL;
     if (k->host) {
-        k->why = kv_host_alloc(s, bytes, &data);
+        void *data;
+        k->why = kv_host_alloc(k->s, bytes, &data);
         return k->why == TIER_OK ? data : NULL;
     }
-    enum be_status st = be_dev_alloc(s->be, bytes, buf);
-    if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
-        st = be_dev_alloc(s->be, bytes, buf);
-    if (st == BE_ENOMEM_DEV) {
-        struct be_mem_stats ms = be_mem_stats(s->be);
-        k->why = kv_fail(s, TIER_ENOMEM_DEV,
-                         "device tier budget of %zu bytes exhausted (%zu in use) taking a %zu-byte %s KV block",
-                         ms.dev_budget, ms.dev_used, bytes, kind == KVQ_BLOCK_QUANT ? "quantized" : "residual");
-        return NULL;
-    }
-    if (st != BE_OK) {
-        k->why = kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
-                         "cannot allocate a %zu-byte quantized KV block: %s", bytes, be_strerror(st));
-        return NULL;
-    }
-    s->dev_ext_bytes += bytes;
-    return be_buffer_data(*buf);
+    k->why = kv_dev_alloc(k->s, bytes, kind == KVQ_BLOCK_QUANT ? "a quantized KV block" : "a residual KV block", buf);
+    return k->why == TIER_OK ? be_buffer_data(*buf) : NULL;
 }
 
 static void block_free(struct kvq_seq *k, enum kvq_block_kind kind, size_t i)
 {
     struct kvq_pool *p = &k->pool[kind];
-    if (k->host) {
+    if (k->host)
         kv_host_free(k->s, p->own[i], p->bytes);
-    } else {
-        be_buffer_free(p->buf[i]);
-        k->s->dev_ext_bytes -= p->bytes;
-    }
+    else
+        kv_dev_free(k->s, p->buf[i], p->bytes);
 }
 
 static void *pool_get(void *ctx, enum kvq_block_kind kind)
@@ -127,7 +109,7 @@ static void *pool_get(void *ctx, enum kvq_block_kind kind)
     if (p->n_free)
         return p->free_list[--p->n_free];
     if (p->n_own == p->cap && pool_grow(p) != TIER_OK) {
-        k->why = kv_fail(k->s, TIER_ENOMEM_HOST, "host memory: a table of %zu quantized KV blocks", 2 * p->cap);
+        k->why = kv_fail(k->s, TIER_ENOMEM_HOST, "host memory: growing the table of %zu quantized KV blocks", p->n_own);
         return NULL;
     }
     void *data = block_alloc(k, kind, &p->buf[p->n_own]);

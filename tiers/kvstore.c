@@ -373,29 +373,37 @@ static enum tier_status ext_alloc(kv_store *s, enum kv_home home, int nb, struct
 {
     size_t bytes = (size_t)nb * s->block_bytes;
     struct kv_ext e = {.size = bytes};
-    if (home == KV_HOME_HOST) {
-        enum tier_status ts = kv_host_alloc(s, bytes, &e.data);
-        if (ts == TIER_OK)
-            *out = e;
+    enum tier_status ts = home == KV_HOME_HOST ? kv_host_alloc(s, bytes, &e.data)
+                                               : kv_dev_alloc(s, bytes, "a KV extent", &e.dev);
+    if (ts != TIER_OK)
         return ts;
-    }
-    enum be_status st = be_dev_alloc(s->be, bytes, &e.dev);
-    if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
-        st = be_dev_alloc(s->be, bytes, &e.dev);
-    e.data = be_buffer_data(e.dev);
-    if (st == BE_ENOMEM_DEV) {
-        struct be_mem_stats ms = be_mem_stats(s->be);
-        return kv_fail(s, TIER_ENOMEM_DEV,
-                       "device tier budget of %zu bytes exhausted: %zu in use, %zu more needed for a KV extent",
-                       ms.dev_budget, ms.dev_used, bytes);
-    }
-    if (st != BE_OK) {
-        return kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
-                       "cannot allocate a device KV extent of %zu bytes: %s", bytes, be_strerror(st));
-    }
-    s->dev_ext_bytes += bytes;
+    if (e.dev)
+        e.data = be_buffer_data(e.dev);
     *out = e;
     return TIER_OK;
+}
+
+enum tier_status kv_dev_alloc(kv_store *s, size_t bytes, const char *what, be_buffer **out)
+{
+    enum be_status st = be_dev_alloc(s->be, bytes, out);
+    if (st == BE_ENOMEM_DEV && kv_store_reclaim(s))
+        st = be_dev_alloc(s->be, bytes, out);
+    if (st == BE_ENOMEM_DEV) {
+        struct be_mem_stats ms = be_mem_stats(s->be);
+        return kv_fail(s, TIER_ENOMEM_DEV, "device tier budget of %zu bytes exhausted: %zu in use, %zu more needed for %s",
+                       ms.dev_budget, ms.dev_used, bytes, what);
+    }
+    if (st != BE_OK)
+        return kv_fail(s, st == BE_ENOMEM_HOST ? TIER_ENOMEM_HOST : TIER_EIO,
+                       "cannot allocate %zu device bytes for %s: %s", bytes, what, be_strerror(st));
+    s->dev_ext_bytes += bytes;
+    return TIER_OK;
+}
+
+void kv_dev_free(kv_store *s, be_buffer *b, size_t bytes)
+{
+    s->dev_ext_bytes -= bytes;
+    be_buffer_free(b);
 }
 
 enum tier_status kv_host_alloc(kv_store *s, size_t bytes, void **out)
@@ -427,12 +435,10 @@ static void ext_release(kv_store *s, enum kv_home home, const struct kv_ext *e)
 {
     if (!e->data)
         return;
-    if (home == KV_HOME_HOST) {
+    if (home == KV_HOME_HOST)
         kv_host_free(s, e->data, e->size);
-    } else {
-        s->dev_ext_bytes -= e->size;
-        be_buffer_free(e->dev);
-    }
+    else
+        kv_dev_free(s, e->dev, e->size);
 }
 
 /* Address of logical block b of a layer (b must be live in it). */

@@ -231,6 +231,11 @@ bool kv_store_reclaim(kv_store *s);
  * kv_host_free returns the slots once no host bytes are left. */
 enum tier_status kv_host_alloc(kv_store *s, size_t bytes, void **out);
 void kv_host_free(kv_store *s, void *ptr, size_t bytes);
+/* A device buffer outside the block pool (counted in dev_ext_bytes): over
+ * budget, unreferenced prefix-cache blocks go first; then TIER_ENOMEM_DEV
+ * with a message naming the budget and `what` the bytes were for. */
+enum tier_status kv_dev_alloc(kv_store *s, size_t bytes, const char *what, be_buffer **out);
+void kv_dev_free(kv_store *s, be_buffer *b, size_t bytes);
 /* Records the message for kv_store_errmsg and returns st. */
 enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
