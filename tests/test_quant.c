@@ -677,32 +677,34 @@ static void test_code_loops(void **state)
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
         skip();
-    enum { ROWS = 5 };
-    uint8_t c[ROWS * 200];
+    enum { ROWS = 5, STRIDE = 200 };
+    uint8_t c[ROWS * STRIDE];
     float x[200], y0[200], y1[200], w[ROWS], s0[ROWS], s1[ROWS];
-    for (int i = 0; i < ROWS * 200; i++)
+    for (int i = 0; i < ROWS * STRIDE; i++)
         c[i] = (uint8_t)(frand() * 128.0f + 128.0f);
     for (int i = 0; i < 200; i++)
         x[i] = frand();
     for (int r = 0; r < ROWS; r++)
         w[r] = frand();
-    /* one row and a chunk of rows, whose codes follow each other */
+    /* one row and a chunk of rows: consecutive ones, and rows STRIDE bytes
+     * apart (one group of each token row) */
     for (int rows = 1; rows <= ROWS; rows += ROWS - 1)
         for (int nbits = 1; nbits <= 8; nbits++)
             for (int n = 8; n <= 200; n += 8) {
-                cpu_qkern_scalar.qdot(s0, x, c, nbits, n, rows);
-                cpu_qkern_avx512.qdot(s1, x, c, nbits, n, rows);
+                size_t stride = rows == 1 ? (size_t)n * (size_t)nbits / 8 : STRIDE;
+                cpu_qkern_scalar.qdot(s0, x, c, stride, nbits, n, rows);
+                cpu_qkern_avx512.qdot(s1, x, c, stride, nbits, n, rows);
                 for (int r = 0; r < rows; r++)
                     assert_true(fabsf(s0[r] - s1[r]) <= 1e-4f * (1.0f + fabsf(s0[r])));
                 memcpy(y0, x, sizeof(x));
                 memcpy(y1, x, sizeof(x));
-                cpu_qkern_scalar.qaxpy(y0, w, c, nbits, n, rows);
-                cpu_qkern_avx512.qaxpy(y1, w, c, nbits, n, rows);
+                cpu_qkern_scalar.qaxpy(y0, w, c, stride, nbits, n, rows);
+                cpu_qkern_avx512.qaxpy(y1, w, c, stride, nbits, n, rows);
                 for (int i = 0; i < n; i++)
                     assert_true(fabsf(y0[i] - y1[i]) <= 1e-5f * rows * (1.0f + fabsf(y0[i])));
             }
     /* a row is not a shifted copy of another: the chunk reads each row's codes */
-    cpu_qkern_scalar.qdot(s0, x, c, 8, 64, 2);
+    cpu_qkern_scalar.qdot(s0, x, c, 64, 8, 64, 2);
     assert_true(s0[0] != s0[1]);
     for (int n = 1; n <= 200; n += 13) {
         float a = cpu_qkern_scalar.e4m3_dot(x, c, n), b = cpu_qkern_avx512.e4m3_dot(x, c, n);

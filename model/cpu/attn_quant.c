@@ -32,23 +32,21 @@
 
 /* ---- scalar code loops -------------------------------------------------- */
 
-void cpu_qdot_scalar(float *s, const float *x, const uint8_t *c, int nbits, int n, int rows)
+void cpu_qdot_scalar(float *s, const float *x, const uint8_t *c, size_t stride, int nbits, int n, int rows)
 {
-    size_t row = (size_t)n * (size_t)nbits / 8;
     for (int r = 0; r < rows; r++) {
         float acc = 0.0f;
         for (int i = 0; i < n; i++)
-            acc += x[i] * (float)kvq_code_get(c + (size_t)r * row, nbits, i);
+            acc += x[i] * (float)kvq_code_get(c + (size_t)r * stride, nbits, i);
         s[r] = acc;
     }
 }
 
-void cpu_qaxpy_scalar(float *y, const float *a, const uint8_t *c, int nbits, int n, int rows)
+void cpu_qaxpy_scalar(float *y, const float *a, const uint8_t *c, size_t stride, int nbits, int n, int rows)
 {
-    size_t row = (size_t)n * (size_t)nbits / 8;
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < n; i++)
-            y[i] += a[r] * (float)kvq_code_get(c + (size_t)r * row, nbits, i);
+            y[i] += a[r] * (float)kvq_code_get(c + (size_t)r * stride, nbits, i);
 }
 
 float cpu_e4m3_dot_scalar(const float *x, const uint8_t *c, int n)
@@ -91,8 +89,9 @@ static void group_sb(const struct be_kvq_format *f, const struct be_kvq_half *h,
 
 /* ---- the driver ---------------------------------------------------------- */
 
-/* Per-thread scratch, carved from cpu_ctx_scratch: chunk scores, q*s of a
- * group row, per-group sums of q, and the V accumulators. */
+/* Per-thread scratch, carved from cpu_ctx_scratch: chunk scores and a
+ * chunk of per-row partials (per-token groups), q*s of a group row,
+ * per-group sums of q, and the V accumulators. */
 struct qattn {
     const struct cpu_kern *k;
     const struct cpu_qkern *qk;
@@ -102,7 +101,7 @@ struct qattn {
     const float *q;
     float *o;
     float m, l;
-    float *s, *qs, *qsum, *acc, *bacc;
+    float *s, *t, *qs, *qsum, *acc; /* s, t: a chunk of rows each */
     float *ks, *kb, *krow, *krot; /* key_rope views: a group row's (s, b), one key decoded and rotated */
 };
 
@@ -143,14 +142,14 @@ static void key_scores_rope(struct qattn *a, const void *blk, int64_t pos0, int 
         if (!affine) {
             a->qk->e4m3_axpy(a->krow, a->v->scale_k, c, D);
         } else if (h->gt > 1) {
-            a->qk->qaxpy(a->krow, &(const float){1.0f}, c, f->nbits, D, 1);
+            a->qk->qaxpy(a->krow, &(const float){1.0f}, c, 0, f->nbits, D, 1);
             for (int d = 0; d < D; d++)
                 a->krow[d] = a->krow[d] * a->ks[d] + a->kb[d];
         } else {
             for (int g = 0; g < D / h->gd; g++) {
                 float s, b;
                 group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
-                a->qk->qaxpy(a->krow + g * h->gd, &s, c + (size_t)g * gbytes, f->nbits, h->gd, 1);
+                a->qk->qaxpy(a->krow + g * h->gd, &s, c + (size_t)g * gbytes, 0, f->nbits, h->gd, 1);
                 for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
                     a->krow[d] += b;
             }
@@ -182,31 +181,26 @@ static void key_scores(struct qattn *a, const void *blk, int64_t pos0, int t0, i
             a->qs[d] = a->q[d] * s;
             qb += a->q[d] * b;
         }
-        a->qk->qdot(a->s, a->qs, kvq_code_row(f, h, blk, a->kvh, t0), f->nbits, D, n);
+        a->qk->qdot(a->s, a->qs, kvq_code_row(f, h, blk, a->kvh, t0), kvq_row_bytes(f), f->nbits, D, n);
         for (int i = 0; i < n; i++)
             a->s[i] = (a->s[i] + qb) * a->p->scale;
         return;
     }
-    if (h->gd == D) { /* one group per row: the chunk's codes in one call, then each row's (s, b) */
-        a->qk->qdot(a->s, a->q, kvq_code_row(f, h, blk, a->kvh, t0), f->nbits, D, n);
-        for (int i = 0; i < n; i++) {
-            float s, b;
-            group_sb(f, h, blk, a->kvh, t0 + i, 0, &s, &b);
-            a->s[i] = (s * a->s[i] + b * a->qsum[0]) * a->p->scale;
-        }
-        return;
-    }
+    /* per-token groups: group g of every row of the chunk in one call, then
+     * each row's (s, b) of that group */
+    const uint8_t *c0 = kvq_code_row(f, h, blk, a->kvh, t0);
     size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
-    for (int i = 0; i < n; i++) {
-        const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
-        float dot = 0.0f, s, b, gdot;
-        for (int g = 0; g < D / h->gd; g++) {
-            group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
-            a->qk->qdot(&gdot, a->q + g * h->gd, c + (size_t)g * gbytes, f->nbits, h->gd, 1);
-            dot += s * gdot + b * a->qsum[g];
+    memset(a->s, 0, (size_t)n * sizeof(float));
+    for (int g = 0; g < D / h->gd; g++) {
+        a->qk->qdot(a->t, a->q + g * h->gd, c0 + (size_t)g * gbytes, kvq_row_bytes(f), f->nbits, h->gd, n);
+        for (int i = 0; i < n; i++) {
+            float sc, b;
+            group_sb(f, h, blk, a->kvh, t0 + i, g, &sc, &b);
+            a->s[i] += sc * a->t[i] + b * a->qsum[g];
         }
-        a->s[i] = dot * a->p->scale;
     }
+    for (int i = 0; i < n; i++)
+        a->s[i] *= a->p->scale;
 }
 
 static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
@@ -222,7 +216,7 @@ static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
     if (h->gt > 1) {
         float psum = 0.0f, s, b;
         memset(a->acc, 0, (size_t)D * sizeof(float));
-        a->qk->qaxpy(a->acc, a->s, kvq_code_row(f, h, blk, a->kvh, t0), f->nbits, D, n);
+        a->qk->qaxpy(a->acc, a->s, kvq_code_row(f, h, blk, a->kvh, t0), kvq_row_bytes(f), f->nbits, D, n);
         for (int i = 0; i < n; i++)
             psum += a->s[i];
         for (int d = 0; d < D; d++) {
@@ -231,31 +225,22 @@ static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
         }
         return;
     }
-    int ng = D / h->gd;
+    /* per-token groups: group g of every row weighted by p_i * s_i in one
+     * call; the zero points add sum p_i * b_i to each channel of the group */
+    const uint8_t *c0 = kvq_code_row(f, h, blk, a->kvh, t0);
     size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
-    memset(a->bacc, 0, (size_t)ng * sizeof(float));
-    if (ng == 1) { /* one group per row: the weights become p_i * s_i (the scores are spent), one call */
+    for (int g = 0; g < D / h->gd; g++) {
+        float bsum = 0.0f;
         for (int i = 0; i < n; i++) {
-            float s, b;
-            group_sb(f, h, blk, a->kvh, t0 + i, 0, &s, &b);
-            a->bacc[0] += a->s[i] * b;
-            a->s[i] *= s;
+            float sc, b;
+            group_sb(f, h, blk, a->kvh, t0 + i, g, &sc, &b);
+            a->t[i] = a->s[i] * sc;
+            bsum += a->s[i] * b;
         }
-        a->qk->qaxpy(a->o, a->s, kvq_code_row(f, h, blk, a->kvh, t0), f->nbits, D, n);
-        n = 0;
+        a->qk->qaxpy(a->o + g * h->gd, a->t, c0 + (size_t)g * gbytes, kvq_row_bytes(f), f->nbits, h->gd, n);
+        for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
+            a->o[d] += bsum;
     }
-    for (int i = 0; i < n; i++) {
-        const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
-        for (int g = 0; g < ng; g++) {
-            float s, b;
-            group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
-            float w = a->s[i] * s;
-            a->qk->qaxpy(a->o + g * h->gd, &w, c + (size_t)g * gbytes, f->nbits, h->gd, 1);
-            a->bacc[g] += a->s[i] * b;
-        }
-    }
-    for (int d = 0; d < D; d++)
-        a->o[d] += a->bacc[d / h->gd];
 }
 
 /* Keys [k0, k1) of the quantized part, chunk by chunk. */
@@ -368,11 +353,11 @@ static void qattn_job(void *arg, int ith, int nth)
         a.o = j->out + i * (size_t)D;
         int rows = a.v->fmt && a.v->fmt->block_tokens > QATTN_CHUNK ? a.v->fmt->block_tokens : QATTN_CHUNK;
         a.s = scratch;
-        a.qs = a.s + rows;
+        a.t = a.s + rows;
+        a.qs = a.t + rows;
         a.qsum = a.qs + D;
         a.acc = a.qsum + D;
-        a.bacc = a.acc + D;
-        a.ks = a.bacc + D;
+        a.ks = a.acc + D;
         a.kb = a.ks + D;
         a.krow = a.kb + D;
         a.krot = a.krow + D;
@@ -386,7 +371,7 @@ enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const 
     for (int t = 0; t < n_tok; t++) {
         const struct be_kvq_format *f = views[toks[t].view].fmt;
         int rows = f && f->block_tokens > QATTN_CHUNK ? f->block_tokens : QATTN_CHUNK;
-        if ((size_t)rows + 8 * (size_t)p->head_dim > CPU_SCRATCH_FLOATS)
+        if (2 * (size_t)rows + 7 * (size_t)p->head_dim > CPU_SCRATCH_FLOATS)
             return BE_ENOTSUP; /* far beyond any model: a block of 200k tokens */
     }
     struct qattn_job j = {.c = ctx, .out = out, .q = q, .views = views, .toks = toks, .n_tok = n_tok, .p = p};

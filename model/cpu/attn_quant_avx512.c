@@ -45,14 +45,13 @@ static inline bool vector_bits(int nbits)
     return nbits == 8 || nbits == 4 || nbits == 2 || nbits == 1;
 }
 
-static void qdot_avx512(float *s, const float *x, const uint8_t *c, int nbits, int n, int rows)
+static void qdot_avx512(float *s, const float *x, const uint8_t *c, size_t stride, int nbits, int n, int rows)
 {
     if (!vector_bits(nbits) || n % 16) {
-        cpu_qdot_scalar(s, x, c, nbits, n, rows);
+        cpu_qdot_scalar(s, x, c, stride, nbits, n, rows);
         return;
     }
-    size_t row = (size_t)n * (size_t)nbits / 8;
-    for (int r = 0; r < rows; r++, c += row) {
+    for (int r = 0; r < rows; r++, c += stride) {
         __m512 acc = _mm512_setzero_ps();
         for (int j = 0; 16 * j < n; j++)
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * j), codes16(c, nbits, j), acc);
@@ -62,17 +61,16 @@ static void qdot_avx512(float *s, const float *x, const uint8_t *c, int nbits, i
 
 /* Rows inside, 16 columns outside: each 16 floats of y stay in a register
  * over the whole chunk of rows. */
-static void qaxpy_avx512(float *y, const float *a, const uint8_t *c, int nbits, int n, int rows)
+static void qaxpy_avx512(float *y, const float *a, const uint8_t *c, size_t stride, int nbits, int n, int rows)
 {
     if (!vector_bits(nbits) || n % 16) {
-        cpu_qaxpy_scalar(y, a, c, nbits, n, rows);
+        cpu_qaxpy_scalar(y, a, c, stride, nbits, n, rows);
         return;
     }
-    size_t row = (size_t)n * (size_t)nbits / 8;
     for (int j = 0; 16 * j < n; j++) {
         __m512 acc = _mm512_loadu_ps(y + 16 * j);
         for (int r = 0; r < rows; r++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), codes16(c + (size_t)r * row, nbits, j), acc);
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), codes16(c + (size_t)r * stride, nbits, j), acc);
         _mm512_storeu_ps(y + 16 * j, acc);
     }
 }

@@ -135,15 +135,15 @@ void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, in
 
 /* Inner loops over the codes of backend.h's quantized blocks: rows of n
  * codes nbits wide (1..8), packed little-endian from the first bit of c,
- * row r at c + r * n * nbits / 8 (the rows of one kv head in a block are
- * consecutive).  Taking a chunk of rows per call keeps a call and a
- * reduction per key out of the attention's inner loop. */
+ * row r at c + r * stride bytes (a kv head's token rows in a block, or one
+ * group of them).  Taking a chunk of rows per call keeps a call per key out
+ * of the attention's inner loop. */
 struct cpu_qkern {
     const char *name;
     /* s[r] = sum x[i] * code_i of row r */
-    void (*qdot)(float *s, const float *x, const uint8_t *c, int nbits, int n, int rows);
+    void (*qdot)(float *s, const float *x, const uint8_t *c, size_t stride, int nbits, int n, int rows);
     /* y[i] += sum over rows of a[r] * code_i of row r */
-    void (*qaxpy)(float *y, const float *a, const uint8_t *c, int nbits, int n, int rows);
+    void (*qaxpy)(float *y, const float *a, const uint8_t *c, size_t stride, int nbits, int n, int rows);
     /* sum x[i] * e4m3(c[i]) */
     float (*e4m3_dot)(const float *x, const uint8_t *c, int n);
     /* y[i] += a * e4m3(c[i]) */
@@ -154,8 +154,8 @@ extern const struct cpu_qkern cpu_qkern_scalar;
 extern const struct cpu_qkern cpu_qkern_avx512;
 
 /* The scalar loops, for the bit widths and tails a SIMD table leaves. */
-void cpu_qdot_scalar(float *s, const float *x, const uint8_t *c, int nbits, int n, int rows);
-void cpu_qaxpy_scalar(float *y, const float *a, const uint8_t *c, int nbits, int n, int rows);
+void cpu_qdot_scalar(float *s, const float *x, const uint8_t *c, size_t stride, int nbits, int n, int rows);
+void cpu_qaxpy_scalar(float *y, const float *a, const uint8_t *c, size_t stride, int nbits, int n, int rows);
 float cpu_e4m3_dot_scalar(const float *x, const uint8_t *c, int n);
 void cpu_e4m3_axpy_scalar(float *y, float a, const uint8_t *c, int n);
 

@@ -13,12 +13,18 @@
 #include "model/backend.h"
 #include "model/cpu/half.h"
 
+/* Bytes of one token's codes: the distance between consecutive code rows. */
+static inline size_t kvq_row_bytes(const struct be_kvq_format *f)
+{
+    return (size_t)f->head_dim * (size_t)f->nbits / 8;
+}
+
 /* Codes of kv head kvh, block-relative token t: head_dim codes from a byte. */
 static inline uint8_t *kvq_code_row(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk,
                                     int kvh, int t)
 {
     size_t row = (size_t)kvh * (size_t)f->block_tokens + (size_t)t;
-    return (uint8_t *)blk + h->codes + row * (size_t)f->head_dim * (size_t)f->nbits / 8;
+    return (uint8_t *)blk + h->codes + row * kvq_row_bytes(f);
 }
 
 /* The f16 (scale, zero) pair of group row gr, group column gc of head kvh. */
