@@ -180,7 +180,7 @@ void kvq_seq_release(kv_seq *q); /* accepts q->kvq == NULL */
 enum tier_status kvq_seq_reserve(kv_seq *q, int n_new);
 void kvq_seq_commit(kv_seq *q); /* after the store's commit set each layer's lo */
 void kvq_seq_abort(kv_seq *q);
-size_t kvq_seq_bytes(const kv_seq *q); /* device bytes of its blocks, free ones included */
+size_t kvq_seq_bytes(const kv_seq *q); /* bytes of its blocks in its tier, free ones included */
 /* TIER_ENOTSUP naming `what` ("crop", "fork", ...) */
 enum tier_status kvq_unsupported(kv_seq *q, const char *what);
 /* Quantized + offloaded: moves every block to the host tier (all or

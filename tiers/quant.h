@@ -47,8 +47,8 @@ enum tier_status kv_quant_validate(const struct kv_quant_params *p, struct kvq_e
  * Unknown keys, wrong JSON types and, for fp8, any of nbits, axis_key,
  * axis_value, q_group_size, residual_length are errors. */
 enum tier_status kv_quant_parse(const json_t *cache, struct kv_quant_params *out, struct kvq_error *err);
-/* Whether key is one of the format's parameters kv_quant_parse reads (the
- * names listed in KV_QUANT_PARAM_NAMES). */
+/* The format's parameters kv_quant_parse reads, for messages that list
+ * them, and whether key is one of them. */
 #define KV_QUANT_PARAM_NAMES "backend, nbits, axis_key, axis_value, q_group_size, residual_length"
 bool kv_quant_is_param(const char *key);
 

@@ -14,7 +14,10 @@
  * order; a slot holds, back to back, the region of every sequence of the
  * batch that streams that layer: the blocks its attention reads,
  * [floor(view lo / bt), ceil(end / bt)), in logical order (one copy per
- * sequence, two where its host ring wraps).
+ * sequence, two where its host ring wraps).  A quantized sequence in the
+ * host tier (kvquant.c) streams every layer: its region is the layer's
+ * quantized blocks then its residual blocks, one copy per block, and only
+ * the residual blocks a chunk wrote go back.
  *
  * Invariants:
  *   (1) copies run in order on the one copy stream, so the copy-in of the
