@@ -498,9 +498,60 @@ static void test_attention(void **state)
         {4, 2, 64, 16, 9, BE_BF16, 16, 20, 90, 4},
         {2, 2, 33, 5, 0, BE_F16, 0, 3, 23, 2},        /* tiny odd blocks */
         {4, 4, 64, 16, 0, BE_F32, 0, 0, 200, 1},      /* several softmax chunks */
+        {4, 2, 64, 64, 0, BE_BF16, 0, 0, 2600, 1},    /* 3 pieces each, spread over the threads */
+        {9, 3, 64, 64, 0, BE_BF16, 0, 0, 2600, 3},    /* GQA 3 (smollm), enough pairs for every thread */
+        {4, 1, 64, 64, 1500, BE_F16, 0, 0, 3000, 2},  /* a window of 2 pieces */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         check_attention(&cases[i]);
+}
+
+/* A token's attention is the same to the bit alone, in a batch, and on
+ * one thread or three: a long context is cut into pieces by its length
+ * only, whether the pieces run on one thread (many pairs) or spread over
+ * all of them (a decode step) and are merged after. */
+static void test_attention_invariance(void **state)
+{
+    (void)state;
+    enum { H = 6, KVH = 2, HD = 64, T = 64, N = 2500, NB = (N + T - 1) / T, BATCH = 12 };
+    size_t half = (size_t)KVH * T * HD * sizeof(uint16_t);
+    float *k = malloc((size_t)N * KVH * HD * sizeof(float)), *v = malloc((size_t)N * KVH * HD * sizeof(float));
+    float *q = malloc((size_t)BATCH * H * HD * sizeof(float)), *out[3];
+    struct be_tok *st = malloc(N * sizeof(*st)), qt[BATCH];
+    assert_non_null(k && v && q && st);
+    fill(k, (size_t)N * KVH * HD, 1.0f);
+    fill(v, (size_t)N * KVH * HD, 1.0f);
+    fill(q, (size_t)BATCH * H * HD, 1.0f);
+    for (int t = 0; t < N; t++)
+        st[t] = (struct be_tok){.view = 0, .pos = t};
+    for (int t = 0; t < BATCH; t++) /* the last token, then earlier ones */
+        qt[t] = (struct be_tok){.view = 0, .pos = N - 1 - 97 * t};
+    struct be_attn_params p = {.n_heads = H, .n_kv_heads = KVH, .head_dim = HD, .scale = 0.125f, .kv_dtype = BE_BF16};
+    const int threads[3] = {2, 1, 3}, batch[3] = {1, BATCH, 1};
+    for (int run = 0; run < 3; run++) {
+        be_backend *be;
+        assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = threads[run]}, &be), BE_OK);
+        be_buffer *bufs[NB], *ob;
+        void *blocks[NB];
+        for (int b = 0; b < NB; b++)
+            blocks[b] = dev(be, 2 * half, &bufs[b]);
+        struct be_kv_view view = {.blocks = blocks, .n_blocks = NB, .block_tokens = T, .v_offset = half, .hi = N};
+        assert_int_equal(be_kv_store(be, &view, st, N, k, v, &p), BE_OK);
+        float *o = dev(be, (size_t)BATCH * H * HD * sizeof(float), &ob);
+        assert_int_equal(be_attention(be, o, q, &view, qt, batch[run], &p), BE_OK);
+        out[run] = malloc((size_t)H * HD * sizeof(float));
+        assert_non_null(out[run]);
+        memcpy(out[run], o, (size_t)H * HD * sizeof(float));
+        be_buffer_free(ob);
+        for (int b = 0; b < NB; b++)
+            be_buffer_free(bufs[b]);
+        be_free(be);
+    }
+    assert_memory_equal(out[0], out[1], (size_t)H * HD * sizeof(float));
+    assert_memory_equal(out[0], out[2], (size_t)H * HD * sizeof(float));
+    for (int i = 0; i < 3; i++)
+        free(out[i]);
+    free(k), free(v), free(q), free(st);
 }
 
 /* ---- memory, faults, copies --------------------------------------------- */
@@ -731,6 +782,7 @@ int main(void)
         cmocka_unit_test(test_softmax_argmax),
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_attention_invariance),
         cmocka_unit_test(test_device_budget),
         cmocka_unit_test(test_fault_injection),
         cmocka_unit_test(test_copies_events),

@@ -670,52 +670,65 @@ static void test_attention_simd(void **state)
     attention_all("avx512");
 }
 
-/* The SIMD code loops against the scalar ones on every width and tail. */
+/* The SIMD code loops against the scalar ones on every width and tail,
+ * for one query head and for several (rows widened once for all), over
+ * chunks of rows that end inside and past a 16-row tile and rows wider
+ * than one 128-column tile. */
 static void test_code_loops(void **state)
 {
     (void)state;
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
         skip();
-    enum { ROWS = 5, STRIDE = 200 };
-    uint8_t c[ROWS * STRIDE];
-    float x[200], y0[200], y1[200], w[ROWS], s0[ROWS], s1[ROWS];
+    enum { ROWS = 21, STRIDE = 200, NQ = 3, XS = 211 };
+    static uint8_t c[ROWS * STRIDE];
+    static float x[NQ * XS], y0[NQ * XS], y1[NQ * XS], w[NQ * ROWS], s0[NQ * ROWS], s1[NQ * ROWS];
     for (int i = 0; i < ROWS * STRIDE; i++)
         c[i] = (uint8_t)(frand() * 128.0f + 128.0f);
-    for (int i = 0; i < 200; i++)
+    for (int i = 0; i < NQ * XS; i++)
         x[i] = frand();
-    for (int r = 0; r < ROWS; r++)
+    for (int r = 0; r < NQ * ROWS; r++)
         w[r] = frand();
-    /* one row and a chunk of rows: consecutive ones, and rows STRIDE bytes
-     * apart (one group of each token row) */
-    for (int rows = 1; rows <= ROWS; rows += ROWS - 1)
-        for (int nbits = 1; nbits <= 8; nbits++)
-            for (int n = 8; n <= 200; n += 8) {
-                size_t stride = rows == 1 ? (size_t)n * (size_t)nbits / 8 : STRIDE;
-                cpu_qkern_scalar.qdot(s0, x, c, stride, nbits, n, rows);
-                cpu_qkern_avx512.qdot(s1, x, c, stride, nbits, n, rows);
-                for (int r = 0; r < rows; r++)
+    const int row_counts[] = {1, 5, 16, 21};
+    for (int nq = 1; nq <= NQ; nq += NQ - 1)
+        for (int ri = 0; ri < 4; ri++)
+            for (int nbits = 1; nbits <= 8; nbits++)
+                for (int n = 8; n <= 200; n += 8) {
+                    int rows = row_counts[ri];
+                    /* one row; else rows STRIDE bytes apart (one group of each token row) */
+                    size_t stride = rows == 1 ? (size_t)n * (size_t)nbits / 8 : STRIDE;
+                    cpu_qkern_scalar.qdot(s0, x, XS, nq, c, stride, nbits, n, rows);
+                    cpu_qkern_avx512.qdot(s1, x, XS, nq, c, stride, nbits, n, rows);
+                    for (int r = 0; r < nq * rows; r++)
+                        assert_true(fabsf(s0[r] - s1[r]) <= 1e-4f * (1.0f + fabsf(s0[r])));
+                    memcpy(y0, x, sizeof(x));
+                    memcpy(y1, x, sizeof(x));
+                    cpu_qkern_scalar.qaxpy(y0, XS, w, nq, c, stride, nbits, n, rows);
+                    cpu_qkern_avx512.qaxpy(y1, XS, w, nq, c, stride, nbits, n, rows);
+                    for (int i = 0; i < NQ * XS; i++) /* and nothing outside the n columns of each head */
+                        assert_true(fabsf(y0[i] - y1[i]) <= 1e-5f * rows * (1.0f + fabsf(y0[i])));
+                }
+    /* a row is not a shifted copy of another: the chunk reads each row's codes */
+    cpu_qkern_scalar.qdot(s0, x, XS, 1, c, 64, 8, 64, 2);
+    assert_true(s0[0] != s0[1]);
+    /* each head uses its own x and its own weights */
+    cpu_qkern_avx512.qdot(s1, x, XS, 2, c, 64, 8, 64, 2);
+    assert_true(s1[0] != s1[2]);
+    for (int nq = 1; nq <= NQ; nq += NQ - 1)
+        for (int ri = 0; ri < 4; ri++)
+            for (int n = 1; n <= 200; n += n % 16 ? 13 : 16) { /* tails, and 144 .. 192 */
+                int rows = row_counts[ri];
+                cpu_qkern_scalar.e4m3_dot(s0, x, nq, c, STRIDE, n, rows);
+                cpu_qkern_avx512.e4m3_dot(s1, x, nq, c, STRIDE, n, rows);
+                for (int r = 0; r < nq * rows; r++)
                     assert_true(fabsf(s0[r] - s1[r]) <= 1e-4f * (1.0f + fabsf(s0[r])));
                 memcpy(y0, x, sizeof(x));
                 memcpy(y1, x, sizeof(x));
-                cpu_qkern_scalar.qaxpy(y0, w, c, stride, nbits, n, rows);
-                cpu_qkern_avx512.qaxpy(y1, w, c, stride, nbits, n, rows);
-                for (int i = 0; i < n; i++)
+                cpu_qkern_scalar.e4m3_axpy(y0, w, nq, c, STRIDE, n, rows);
+                cpu_qkern_avx512.e4m3_axpy(y1, w, nq, c, STRIDE, n, rows);
+                for (int i = 0; i < NQ * XS; i++)
                     assert_true(fabsf(y0[i] - y1[i]) <= 1e-5f * rows * (1.0f + fabsf(y0[i])));
             }
-    /* a row is not a shifted copy of another: the chunk reads each row's codes */
-    cpu_qkern_scalar.qdot(s0, x, c, 64, 8, 64, 2);
-    assert_true(s0[0] != s0[1]);
-    for (int n = 1; n <= 200; n += 13) {
-        float a = cpu_qkern_scalar.e4m3_dot(x, c, n), b = cpu_qkern_avx512.e4m3_dot(x, c, n);
-        assert_true(fabsf(a - b) <= 1e-4f * (1.0f + fabsf(a)));
-        memcpy(y0, x, sizeof(x));
-        memcpy(y1, x, sizeof(x));
-        cpu_qkern_scalar.e4m3_axpy(y0, -1.5f, c, n);
-        cpu_qkern_avx512.e4m3_axpy(y1, -1.5f, c, n);
-        for (int i = 0; i < n; i++)
-            assert_true(y0[i] == y1[i]);
-    }
 }
 
 /* e4m3: every code decodes to the value its fields say, and encoding is

@@ -10,6 +10,8 @@
  *   per-channel K: q.k = (q*s) . c + q . b      (q*s, q.b once per group row)
  *   per-token V:   o_g += (p*s_g) c_g, and p*b_g summed per group
  *   per-channel V: acc += p c over a group row, then o += s*acc + b*sum(p)
+ * All of it for the nq query heads that share a kv head at once, so each
+ * row of codes is widened once for all of them (cpu.h's driver).
  * Keys are visited in chunks that never straddle a group row, and the
  * online softmax (running max m and sum l, rescaling o when m grows) is
  * folded once per chunk, so the per-chunk accumulators need no rescaling.
@@ -32,35 +34,46 @@
 
 /* ---- scalar code loops -------------------------------------------------- */
 
-void cpu_qdot_scalar(float *s, const float *x, const uint8_t *c, size_t stride, int nbits, int n, int rows)
+void cpu_qdot_scalar(float *s, const float *x, size_t xs, int nq, const uint8_t *c, size_t stride, int nbits, int n,
+                     int rows)
 {
-    for (int r = 0; r < rows; r++) {
-        float acc = 0.0f;
-        for (int i = 0; i < n; i++)
-            acc += x[i] * (float)kvq_code_get(c + (size_t)r * stride, nbits, i);
-        s[r] = acc;
-    }
+    for (int g = 0; g < nq; g++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; i++)
+                acc += x[(size_t)g * xs + (size_t)i] * (float)kvq_code_get(c + (size_t)r * stride, nbits, i);
+            s[(size_t)g * (size_t)rows + (size_t)r] = acc;
+        }
 }
 
-void cpu_qaxpy_scalar(float *y, const float *a, const uint8_t *c, size_t stride, int nbits, int n, int rows)
+void cpu_qaxpy_scalar(float *y, size_t ys, const float *a, int nq, const uint8_t *c, size_t stride, int nbits, int n,
+                      int rows)
 {
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < n; i++)
-            y[i] += a[r] * (float)kvq_code_get(c + (size_t)r * stride, nbits, i);
+    for (int g = 0; g < nq; g++)
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < n; i++)
+                y[(size_t)g * ys + (size_t)i] +=
+                    a[(size_t)g * (size_t)rows + (size_t)r] * (float)kvq_code_get(c + (size_t)r * stride, nbits, i);
 }
 
-float cpu_e4m3_dot_scalar(const float *x, const uint8_t *c, int n)
+void cpu_e4m3_dot_scalar(float *s, const float *x, int nq, const uint8_t *c, size_t stride, int n, int rows)
 {
-    float acc = 0.0f;
-    for (int i = 0; i < n; i++)
-        acc += x[i] * e4m3_to_f32(c[i]);
-    return acc;
+    for (int g = 0; g < nq; g++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; i++)
+                acc += x[(size_t)g * (size_t)n + (size_t)i] * e4m3_to_f32(c[(size_t)r * stride + (size_t)i]);
+            s[(size_t)g * (size_t)rows + (size_t)r] = acc;
+        }
 }
 
-void cpu_e4m3_axpy_scalar(float *y, float a, const uint8_t *c, int n)
+void cpu_e4m3_axpy_scalar(float *y, const float *a, int nq, const uint8_t *c, size_t stride, int n, int rows)
 {
-    for (int i = 0; i < n; i++)
-        y[i] += a * e4m3_to_f32(c[i]);
+    for (int g = 0; g < nq; g++)
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < n; i++)
+                y[(size_t)g * (size_t)n + (size_t)i] +=
+                    a[(size_t)g * (size_t)rows + (size_t)r] * e4m3_to_f32(c[(size_t)r * stride + (size_t)i]);
 }
 
 const struct cpu_qkern cpu_qkern_scalar = {
@@ -76,87 +89,82 @@ const struct cpu_qkern *cpu_qkern_for(const struct cpu_kern *k)
     return k == &cpu_kern_avx512 ? &cpu_qkern_avx512 : &cpu_qkern_scalar;
 }
 
-/* The (s, b) of group (group row gr, group column gc) of head kvh, in the
- * c*s + b form. */
-static void group_sb(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk, int kvh, int gr,
-                     int gc, float *s, float *b)
+/* The (s, b) of n groups of head kvh in the c*s + b form, from group (row
+ * gr, column gc): along the group row, or with down (per-token groups) down
+ * the group column, one per token. */
+static void group_params(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk, int kvh, int gr,
+                         int gc, int n, bool down, float *s, float *b)
 {
     const uint16_t *pr = kvq_group_params(f, h, blk, kvh, gr, gc);
-    float scale = f16_to_f32(pr[0]), zero = f16_to_f32(pr[1]);
-    *s = scale;
-    *b = f->kind == BE_KVQ_AFFINE_SHIFT ? -zero : -zero * scale;
+    size_t step = down ? 2 * (size_t)(f->head_dim / h->gd) : 2;
+    for (int i = 0; i < n; i++, pr += step) {
+        float scale = f16_to_f32(pr[0]), zero = f16_to_f32(pr[1]);
+        s[i] = scale;
+        b[i] = f->kind == BE_KVQ_AFFINE_SHIFT ? -zero : -zero * scale;
+    }
 }
 
-/* ---- the driver ---------------------------------------------------------- */
+/* ---- one piece ------------------------------------------------------------- */
 
-/* Per-thread scratch, carved from cpu_ctx_scratch: chunk scores and a
- * chunk of per-row partials (per-token groups), q*s of a group row,
- * per-group sums of q, and the V accumulators. */
+/* A piece of one token's attention for the nq query heads of kv head kvh,
+ * with its scratch (after cpu_attend_span's work area): */
 struct qattn {
     const struct cpu_kern *k;
     const struct cpu_qkern *qk;
     const struct be_attn_params *p;
     const struct be_kvq_view *v;
-    int kvh;
-    const float *q;
-    float *o;
-    float m, l;
-    float *s, *t, *qs, *qsum, *acc; /* s, t: a chunk of rows each */
-    float *ks, *kb, *krow, *krot; /* key_rope views: a group row's (s, b), one key decoded and rotated */
+    int kvh, nq, D;
+    const float *q; /* [nq][D] */
+    struct cpu_attn_part *pt;
+    float *s, *t;         /* [nq][a chunk of rows]: scores then weights; per-row partials */
+    float *qs, *acc;      /* [nq][D]: q*s of a group row; per-channel V accumulators */
+    float *qsum;          /* [nq][D / gd]: per-token K groups' sums of q */
+    float *hv;            /* [nq]: per head q.b, sum of weights, or sum of weight*b */
+    float *ks, *kb, *krow; /* [D]: a group row's (s, b); one key decoded */
+    float *rs, *rb;       /* [a chunk of rows]: (s, b) of one group of each token row */
+    float *krot;          /* [a chunk of rows][D]: keys decoded and rotated (key_rope views) */
 };
 
-/* Folds the chunk's scores s[0..n) into the running max and sum, rescaling
- * o, and leaves each key's softmax weight (unnormalised) in s. */
-static void fold_chunk(struct qattn *a, int n)
-{
-    float cm = a->m;
-    for (int i = 0; i < n; i++)
-        cm = a->s[i] > cm ? a->s[i] : cm;
-    if (cm > a->m) {
-        float f = expf(a->m - cm);
-        a->l *= f;
-        a->k->scale(a->o, f, a->p->head_dim);
-        a->m = cm;
-    }
-    for (int i = 0; i < n; i++) {
-        a->s[i] = expf(a->s[i] - a->m);
-        a->l += a->s[i];
-    }
-}
-
 /* Scores of keys stored before RoPE: key t0 + i (position pos0 + i) is
- * decoded into krow, rotated into krot, then dotted with q. */
+ * decoded into krow and rotated into row i of krot; then one dot per chunk
+ * of rows for all heads. */
 static void key_scores_rope(struct qattn *a, const void *blk, int64_t pos0, int t0, int n)
 {
     const struct be_kvq_format *f = a->v->fmt;
     const struct be_kvq_half *h = &f->k;
-    int D = f->head_dim;
+    int D = a->D;
     bool affine = f->kind != BE_KVQ_E4M3;
     if (affine && h->gt > 1) /* per-channel: one group row for the whole chunk */
-        for (int d = 0; d < D; d++)
-            group_sb(f, h, blk, a->kvh, t0 / h->gt, d, &a->ks[d], &a->kb[d]);
+        group_params(f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
     size_t gbytes = affine && h->gt == 1 ? (size_t)h->gd * (size_t)f->nbits / 8 : 0;
     for (int i = 0; i < n; i++) {
         const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
         memset(a->krow, 0, (size_t)D * sizeof(float));
         if (!affine) {
-            a->qk->e4m3_axpy(a->krow, a->v->scale_k, c, D);
+            a->qk->e4m3_axpy(a->krow, &a->v->scale_k, 1, c, 0, D, 1);
         } else if (h->gt > 1) {
-            a->qk->qaxpy(a->krow, &(const float){1.0f}, c, 0, f->nbits, D, 1);
+            a->qk->qaxpy(a->krow, 0, &(const float){1.0f}, 1, c, 0, f->nbits, D, 1);
             for (int d = 0; d < D; d++)
                 a->krow[d] = a->krow[d] * a->ks[d] + a->kb[d];
         } else {
+            group_params(f, h, blk, a->kvh, t0 + i, 0, D / h->gd, false, a->rs, a->rb);
             for (int g = 0; g < D / h->gd; g++) {
-                float s, b;
-                group_sb(f, h, blk, a->kvh, t0 + i, g, &s, &b);
-                a->qk->qaxpy(a->krow + g * h->gd, &s, c + (size_t)g * gbytes, 0, f->nbits, h->gd, 1);
+                a->qk->qaxpy(a->krow + g * h->gd, 0, &a->rs[g], 1, c + (size_t)g * gbytes, 0, f->nbits, h->gd, 1);
                 for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
-                    a->krow[d] += b;
+                    a->krow[d] += a->rb[g];
             }
         }
-        cpu_key_rope(a->p, &a->v->rest, pos0 + i, a->krow, a->krot);
-        a->k->dot(&a->s[i], a->q, &(const char *){(const char *)a->krot}, BE_F32, D, 1);
-        a->s[i] *= a->p->scale;
+        cpu_key_rope(a->p, &a->v->rest, pos0 + i, a->krow, a->krot + (size_t)i * (size_t)D);
+    }
+    for (int i0 = 0; i0 < n; i0 += QATTN_CHUNK) {
+        int m = n - i0 < QATTN_CHUNK ? n - i0 : QATTN_CHUNK;
+        const char *rows[QATTN_CHUNK];
+        for (int i = 0; i < m; i++)
+            rows[i] = (const char *)(a->krot + (size_t)(i0 + i) * (size_t)D);
+        a->k->dot(a->t, a->q, a->nq, rows, BE_F32, D, m);
+        for (int g = 0; g < a->nq; g++)
+            for (int i = 0; i < m; i++)
+                a->s[g * n + i0 + i] = a->t[g * m + i] * a->p->scale;
     }
 }
 
@@ -164,42 +172,50 @@ static void key_scores(struct qattn *a, const void *blk, int64_t pos0, int t0, i
 {
     const struct be_kvq_format *f = a->v->fmt;
     const struct be_kvq_half *h = &f->k;
-    int D = f->head_dim;
+    int D = a->D, nq = a->nq;
+    size_t stride = kvq_row_bytes(f);
+    const uint8_t *c0 = kvq_code_row(f, h, blk, a->kvh, t0);
     if (a->v->rest.key_rope) {
         key_scores_rope(a, blk, pos0, t0, n);
         return;
     }
     if (f->kind == BE_KVQ_E4M3) {
-        for (int i = 0; i < n; i++)
-            a->s[i] = a->qk->e4m3_dot(a->q, kvq_code_row(f, h, blk, a->kvh, t0 + i), D) * a->v->scale_k * a->p->scale;
+        a->qk->e4m3_dot(a->s, a->q, nq, c0, stride, D, n);
+        for (int i = 0; i < nq * n; i++)
+            a->s[i] = a->s[i] * a->v->scale_k * a->p->scale;
         return;
     }
     if (h->gt > 1) { /* per-channel: one group row for the whole chunk */
-        float qb = 0.0f, s, b;
-        for (int d = 0; d < D; d++) {
-            group_sb(f, h, blk, a->kvh, t0 / h->gt, d, &s, &b);
-            a->qs[d] = a->q[d] * s;
-            qb += a->q[d] * b;
+        group_params(f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
+        for (int g = 0; g < nq; g++) {
+            float qb = 0.0f;
+            for (int d = 0; d < D; d++) {
+                a->qs[g * D + d] = a->q[g * D + d] * a->ks[d];
+                qb += a->q[g * D + d] * a->kb[d];
+            }
+            a->hv[g] = qb;
         }
-        a->qk->qdot(a->s, a->qs, kvq_code_row(f, h, blk, a->kvh, t0), kvq_row_bytes(f), f->nbits, D, n);
-        for (int i = 0; i < n; i++)
-            a->s[i] = (a->s[i] + qb) * a->p->scale;
+        a->qk->qdot(a->s, a->qs, (size_t)D, nq, c0, stride, f->nbits, D, n);
+        for (int g = 0; g < nq; g++)
+            for (int i = 0; i < n; i++)
+                a->s[g * n + i] = (a->s[g * n + i] + a->hv[g]) * a->p->scale;
         return;
     }
-    /* per-token groups: group g of every row of the chunk in one call, then
+    /* per-token groups: group gi of every row of the chunk in one call, then
      * each row's (s, b) of that group */
-    const uint8_t *c0 = kvq_code_row(f, h, blk, a->kvh, t0);
     size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
-    memset(a->s, 0, (size_t)n * sizeof(float));
-    for (int g = 0; g < D / h->gd; g++) {
-        a->qk->qdot(a->t, a->q + g * h->gd, c0 + (size_t)g * gbytes, kvq_row_bytes(f), f->nbits, h->gd, n);
-        for (int i = 0; i < n; i++) {
-            float sc, b;
-            group_sb(f, h, blk, a->kvh, t0 + i, g, &sc, &b);
-            a->s[i] += sc * a->t[i] + b * a->qsum[g];
+    int ng = D / h->gd;
+    memset(a->s, 0, (size_t)nq * (size_t)n * sizeof(float));
+    for (int gi = 0; gi < ng; gi++) {
+        a->qk->qdot(a->t, a->q + gi * h->gd, (size_t)D, nq, c0 + (size_t)gi * gbytes, stride, f->nbits, h->gd, n);
+        group_params(f, h, blk, a->kvh, t0, gi, n, true, a->rs, a->rb);
+        for (int g = 0; g < nq; g++) {
+            float qsum = a->qsum[g * ng + gi];
+            for (int i = 0; i < n; i++)
+                a->s[g * n + i] += a->rs[i] * a->t[g * n + i] + a->rb[i] * qsum;
         }
     }
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < nq * n; i++)
         a->s[i] *= a->p->scale;
 }
 
@@ -207,174 +223,195 @@ static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
 {
     const struct be_kvq_format *f = a->v->fmt;
     const struct be_kvq_half *h = &f->v;
-    int D = f->head_dim;
+    int D = a->D, nq = a->nq;
+    size_t stride = kvq_row_bytes(f);
+    const uint8_t *c0 = kvq_code_row(f, h, blk, a->kvh, t0);
+    float *o = a->pt->o;
     if (f->kind == BE_KVQ_E4M3) {
-        for (int i = 0; i < n; i++)
-            a->qk->e4m3_axpy(a->o, a->s[i] * a->v->scale_v, kvq_code_row(f, h, blk, a->kvh, t0 + i), D);
+        for (int i = 0; i < nq * n; i++)
+            a->t[i] = a->s[i] * a->v->scale_v;
+        a->qk->e4m3_axpy(o, a->t, nq, c0, stride, D, n);
         return;
     }
     if (h->gt > 1) {
-        float psum = 0.0f, s, b;
-        memset(a->acc, 0, (size_t)D * sizeof(float));
-        a->qk->qaxpy(a->acc, a->s, kvq_code_row(f, h, blk, a->kvh, t0), kvq_row_bytes(f), f->nbits, D, n);
-        for (int i = 0; i < n; i++)
-            psum += a->s[i];
-        for (int d = 0; d < D; d++) {
-            group_sb(f, h, blk, a->kvh, t0 / h->gt, d, &s, &b);
-            a->o[d] += s * a->acc[d] + b * psum;
+        memset(a->acc, 0, (size_t)nq * (size_t)D * sizeof(float));
+        a->qk->qaxpy(a->acc, (size_t)D, a->s, nq, c0, stride, f->nbits, D, n);
+        group_params(f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
+        for (int g = 0; g < nq; g++) {
+            float psum = 0.0f;
+            for (int i = 0; i < n; i++)
+                psum += a->s[g * n + i];
+            for (int d = 0; d < D; d++)
+                o[g * D + d] += a->ks[d] * a->acc[g * D + d] + a->kb[d] * psum;
         }
         return;
     }
-    /* per-token groups: group g of every row weighted by p_i * s_i in one
+    /* per-token groups: group gi of every row weighted by p_i * s_i in one
      * call; the zero points add sum p_i * b_i to each channel of the group */
-    const uint8_t *c0 = kvq_code_row(f, h, blk, a->kvh, t0);
     size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
-    for (int g = 0; g < D / h->gd; g++) {
-        float bsum = 0.0f;
-        for (int i = 0; i < n; i++) {
-            float sc, b;
-            group_sb(f, h, blk, a->kvh, t0 + i, g, &sc, &b);
-            a->t[i] = a->s[i] * sc;
-            bsum += a->s[i] * b;
+    for (int gi = 0; gi < D / h->gd; gi++) {
+        group_params(f, h, blk, a->kvh, t0, gi, n, true, a->rs, a->rb);
+        for (int g = 0; g < nq; g++) {
+            float bsum = 0.0f;
+            for (int i = 0; i < n; i++) {
+                a->t[g * n + i] = a->s[g * n + i] * a->rs[i];
+                bsum += a->s[g * n + i] * a->rb[i];
+            }
+            a->hv[g] = bsum;
         }
-        a->qk->qaxpy(a->o + g * h->gd, a->t, c0 + (size_t)g * gbytes, kvq_row_bytes(f), f->nbits, h->gd, n);
-        for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
-            a->o[d] += bsum;
+        a->qk->qaxpy(o + gi * h->gd, (size_t)D, a->t, nq, c0 + (size_t)gi * gbytes, stride, f->nbits, h->gd, n);
+        for (int g = 0; g < nq; g++)
+            for (int d = gi * h->gd; d < (gi + 1) * h->gd; d++)
+                o[g * D + d] += a->hv[g];
     }
 }
 
-/* Keys [k0, k1) of the quantized part, chunk by chunk. */
+/* Rows in a chunk: at most one group row (q_group_size <= block_tokens). */
+static int chunk_rows(const struct be_kvq_format *f)
+{
+    if (!f || f->kind == BE_KVQ_E4M3)
+        return QATTN_CHUNK;
+    int chunk = f->k.gt > f->v.gt ? f->k.gt : f->v.gt;
+    return chunk == 1 ? QATTN_CHUNK : chunk;
+}
+
+/* The chunk at pos, of positions below k1: its block and first row
+ * there; returns its length.  A chunk ends at the next multiple of
+ * chunk_rows within its block, so it never straddles a group row. */
+static int next_chunk(const struct be_kvq_view *v, int chunk, int64_t pos, int64_t k1, int *blk, int *t0)
+{
+    int T = v->fmt->block_tokens;
+    int64_t rel = pos - v->base;
+    *blk = (int)(rel / T);
+    *t0 = (int)(rel % T);
+    int end = (*t0 / chunk + 1) * chunk;
+    if (end > T)
+        end = T;
+    if (k1 - pos < end - *t0)
+        end = *t0 + (int)(k1 - pos);
+    return end - *t0;
+}
+
+/* Prefetches one half's codes and group parameters of rows [t0, t0 + n). */
+static void prefetch_half(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk, int kvh,
+                          int t0, int n)
+{
+    cpu_prefetch(kvq_code_row(f, h, blk, kvh, t0), (size_t)n * kvq_row_bytes(f));
+    if (f->kind != BE_KVQ_E4M3) {
+        int gr0 = t0 / h->gt, gr1 = (t0 + n - 1) / h->gt;
+        cpu_prefetch(kvq_group_params(f, h, blk, kvh, gr0, 0),
+                     (size_t)(gr1 - gr0 + 1) * (size_t)(f->head_dim / h->gd) * 2 * sizeof(uint16_t));
+    }
+}
+
+/* Positions [k0, k1) of the quantized part, chunk by chunk. */
 static void attend_quantized(struct qattn *a, int64_t k0, int64_t k1)
 {
     const struct be_kvq_view *v = a->v;
     const struct be_kvq_format *f = v->fmt;
-    int T = f->block_tokens;
-    int chunk = f->kind == BE_KVQ_E4M3 ? QATTN_CHUNK : f->k.gt > f->v.gt ? f->k.gt : f->v.gt;
-    if (chunk == 1)
-        chunk = QATTN_CHUNK;
-    for (int64_t pos = k0; pos < k1;) {
-        int64_t rel = pos - v->base;
-        int blk = (int)(rel / T), t0 = (int)(rel % T);
-        /* the chunk ends at the next multiple of `chunk` within the block */
-        int end = (t0 / chunk + 1) * chunk;
-        if (end > T)
-            end = T;
-        if (k1 - pos < end - t0)
-            end = t0 + (int)(k1 - pos);
-        key_scores(a, v->blocks[blk], pos, t0, end - t0);
-        fold_chunk(a, end - t0);
-        value_accumulate(a, v->blocks[blk], t0, end - t0);
-        pos += end - t0;
-    }
-}
-
-/* Keys [k0, k1) of the full-precision rest (positions below rest.sinks:
- * the sinks). */
-static void attend_rest(struct qattn *a, int64_t k0, int64_t k1)
-{
-    const struct be_kv_view *r = &a->v->rest;
-    const struct be_attn_params *p = a->p;
-    size_t esz = be_dtype_size(p->kv_dtype);
-    const char *rows[QATTN_CHUNK];
-    for (int64_t c0 = k0; c0 < k1; c0 += QATTN_CHUNK) {
-        int n = k1 - c0 < QATTN_CHUNK ? (int)(k1 - c0) : QATTN_CHUNK;
-        for (int i = 0; i < n; i++) {
-            rows[i] = cpu_key_row(r, c0 + i, a->kvh, p->head_dim, esz);
-            if (r->key_rope) { /* each key rotated at its index before its dot */
-                a->k->to_f32(a->krow, rows[i], p->kv_dtype, (size_t)p->head_dim);
-                cpu_key_rope(p, r, c0 + i, a->krow, a->krot);
-                a->k->dot(&a->s[i], a->q, &(const char *){(const char *)a->krot}, BE_F32, p->head_dim, 1);
+    int chunk = chunk_rows(f);
+    if (f->kind != BE_KVQ_E4M3 && f->k.gt == 1) {
+        int ng = a->D / f->k.gd;
+        for (int g = 0; g < a->nq; g++)
+            for (int gi = 0; gi < ng; gi++) {
+                float sum = 0.0f;
+                for (int d = 0; d < f->k.gd; d++)
+                    sum += a->q[g * a->D + gi * f->k.gd + d];
+                a->qsum[g * ng + gi] = sum;
             }
+    }
+    int blk, t0, n = k0 < k1 ? next_chunk(v, chunk, k0, k1, &blk, &t0) : 0;
+    for (int64_t pos = k0; pos < k1;) {
+        int nblk = 0, nt0 = 0, nn = pos + n < k1 ? next_chunk(v, chunk, pos + n, k1, &nblk, &nt0) : 0;
+        if (nn) { /* the next chunk, while this one computes */
+            prefetch_half(f, &f->k, v->blocks[nblk], a->kvh, nt0, nn);
+            prefetch_half(f, &f->v, v->blocks[nblk], a->kvh, nt0, nn);
         }
-        if (!r->key_rope)
-            a->k->dot(a->s, a->q, rows, p->kv_dtype, p->head_dim, n);
-        for (int i = 0; i < n; i++)
-            a->s[i] *= p->scale;
-        fold_chunk(a, n);
-        a->k->axpy(a->o, a->s, rows, r->v_offset, p->kv_dtype, p->head_dim, n);
+        key_scores(a, v->blocks[blk], pos, t0, n);
+        cpu_attn_fold(a->k, a->pt, a->s, a->nq, n, a->D);
+        value_accumulate(a, v->blocks[blk], t0, n);
+        pos += n;
+        blk = nblk, t0 = nt0, n = nn;
     }
 }
 
-static void attend_quant_one(struct qattn *a, int64_t qpos)
+/* The keys of the token at qpos, in the order attention reads them: the
+ * sinks (positions [0, sinks) of the rest), the quantized positions
+ * [qlo, qhi), then the full-precision rest [rlo, rhi). */
+struct qkeys {
+    int64_t sinks, qlo, qhi, rlo, rhi;
+};
+
+static int64_t qkeys(const struct be_attn_params *p, const struct be_kvq_view *v, int64_t qpos, struct qkeys *kk)
 {
-    const struct be_kvq_view *v = a->v;
-    const struct be_attn_params *p = a->p;
     int64_t k0 = v->lo, k1 = qpos + 1;
     int window = v->rest.window ? v->rest.window : p->window; /* a sequence's own window first */
     if (window > 0 && qpos - window + 1 > k0)
         k0 = qpos - window + 1;
-    memset(a->o, 0, (size_t)p->head_dim * sizeof(float));
-    a->m = -INFINITY;
-    a->l = 0.0f;
-    attend_rest(a, 0, v->rest.sinks);
-    if (v->fmt) { /* NULL: a dense sequence of a mixed batch, all rest */
-        const struct be_kvq_half *kh = &v->fmt->k;
-        if (v->fmt->kind != BE_KVQ_E4M3 && kh->gt == 1)
-            for (int g = 0; g < p->head_dim / kh->gd; g++) {
-                a->qsum[g] = 0.0f;
-                for (int d = 0; d < kh->gd; d++)
-                    a->qsum[g] += a->q[g * kh->gd + d];
-            }
-        attend_quantized(a, k0, k1 < v->hi ? k1 : v->hi);
-    }
-    int64_t r0 = k0 > v->rest.lo ? k0 : v->rest.lo;
-    attend_rest(a, r0, k1 < v->rest.hi ? k1 : v->rest.hi);
-    if (a->l > 0.0f)
-        a->k->scale(a->o, 1.0f / a->l, p->head_dim);
+    kk->sinks = v->rest.sinks;
+    kk->qlo = k0;
+    kk->qhi = v->fmt && k1 < v->hi ? k1 : v->fmt ? v->hi : k0; /* no format: a dense sequence of a mixed batch */
+    kk->rlo = k0 > v->rest.lo ? k0 : v->rest.lo;
+    kk->rhi = k1 < v->rest.hi ? k1 : v->rest.hi;
+    if (kk->qhi < kk->qlo)
+        kk->qhi = kk->qlo;
+    if (kk->rhi < kk->rlo)
+        kk->rhi = kk->rlo;
+    return kk->sinks + (kk->qhi - kk->qlo) + (kk->rhi - kk->rlo);
 }
 
-struct qattn_job {
-    struct cpu_ctx *c;
-    float *out;
-    const float *q;
-    const struct be_kvq_view *views;
-    const struct be_tok *toks;
-    int n_tok;
-    const struct be_attn_params *p;
-};
-
-static void qattn_job(void *arg, int ith, int nth)
+static int64_t quant_n_keys(const struct cpu_attn_src *s, const struct be_tok *t)
 {
-    struct qattn_job *j = arg;
-    const struct be_attn_params *p = j->p;
-    int D = p->head_dim, group = p->n_heads / p->n_kv_heads;
-    float *scratch = cpu_ctx_scratch(j->c, ith);
-    /* scores are at most one group row (q_group_size <= block_tokens) */
-    struct qattn a = {.k = cpu_ctx_kern(j->c), .qk = cpu_qkern_for(cpu_ctx_kern(j->c)), .p = p};
-    size_t i0, i1, n = (size_t)j->n_tok * (size_t)p->n_heads;
-    i0 = n * (size_t)ith / (size_t)nth;
-    i1 = n * (size_t)(ith + 1) / (size_t)nth;
-    for (size_t i = i0; i < i1; i++) {
-        size_t t = i / (size_t)p->n_heads;
-        int h = (int)(i % (size_t)p->n_heads);
-        a.v = &j->views[j->toks[t].view];
-        a.kvh = h / group;
-        a.q = j->q + i * (size_t)D;
-        a.o = j->out + i * (size_t)D;
-        int rows = a.v->fmt && a.v->fmt->block_tokens > QATTN_CHUNK ? a.v->fmt->block_tokens : QATTN_CHUNK;
-        a.s = scratch;
-        a.t = a.s + rows;
-        a.qs = a.t + rows;
-        a.qsum = a.qs + D;
-        a.acc = a.qsum + D;
-        a.ks = a.acc + D;
-        a.kb = a.ks + D;
-        a.krow = a.kb + D;
-        a.krot = a.krow + D;
-        attend_quant_one(&a, j->toks[t].pos);
+    struct qkeys kk;
+    return qkeys(s->p, (const struct be_kvq_view *)s->views + t->view, t->pos, &kk);
+}
+
+static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *t, int kvh,
+                        const float *q, int64_t c0, int64_t c1, struct cpu_attn_part *pt, float *scratch)
+{
+    const struct be_kvq_view *v = (const struct be_kvq_view *)s->views + t->view;
+    const struct be_attn_params *p = s->p;
+    struct qkeys kk;
+    qkeys(p, v, t->pos, &kk);
+    int D = p->head_dim, nq = p->n_heads / p->n_kv_heads, rows = chunk_rows(v->fmt);
+    struct qattn a = {.k = k, .qk = cpu_qkern_for(k), .p = p, .v = v, .kvh = kvh, .nq = nq, .D = D, .q = q, .pt = pt};
+    a.s = scratch + cpu_attend_span_work(p);
+    a.t = a.s + (size_t)nq * (size_t)rows;
+    a.qs = a.t + (size_t)nq * (size_t)rows;
+    a.acc = a.qs + (size_t)nq * (size_t)D;
+    a.qsum = a.acc + (size_t)nq * (size_t)D;
+    a.hv = a.qsum + (size_t)nq * (size_t)D;
+    a.ks = a.hv + nq;
+    a.kb = a.ks + D;
+    a.krow = a.kb + D;
+    a.rs = a.krow + D;
+    a.rb = a.rs + rows;
+    a.krot = a.rb + rows;
+    /* the three runs of the key order, each cut to [c0, c1) */
+    int64_t n_q = kk.qhi - kk.qlo, at[4] = {0, kk.sinks, kk.sinks + n_q, kk.sinks + n_q + (kk.rhi - kk.rlo)};
+    int64_t from[3] = {0, kk.qlo, kk.rlo};
+    for (int run = 0; run < 3; run++) {
+        int64_t lo = c0 > at[run] ? c0 : at[run], hi = c1 < at[run + 1] ? c1 : at[run + 1];
+        if (lo >= hi)
+            continue;
+        lo = from[run] + (lo - at[run]);
+        hi = from[run] + (hi - at[run]);
+        if (run == 1)
+            attend_quantized(&a, lo, hi);
+        else
+            cpu_attend_span(k, p, &v->rest, kvh, q, lo, hi, pt, scratch);
     }
 }
 
 enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const struct be_kvq_view *views,
                                    const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
+    size_t nq = (size_t)(p->n_heads / p->n_kv_heads), D = (size_t)p->head_dim;
     for (int t = 0; t < n_tok; t++) {
-        const struct be_kvq_format *f = views[toks[t].view].fmt;
-        int rows = f && f->block_tokens > QATTN_CHUNK ? f->block_tokens : QATTN_CHUNK;
-        if (2 * (size_t)rows + 7 * (size_t)p->head_dim > CPU_SCRATCH_FLOATS)
-            return BE_ENOTSUP; /* far beyond any model: a block of 200k tokens */
+        size_t rows = (size_t)chunk_rows(views[toks[t].view].fmt);
+        if (cpu_attend_span_work(p) + 2 * nq * rows + 3 * nq * D + nq + 3 * D + 2 * rows + rows * D > CPU_ATTN_WORK)
+            return BE_ENOTSUP; /* far beyond any model: a block of 1000 tokens of 128-wide heads */
     }
-    struct qattn_job j = {.c = ctx, .out = out, .q = q, .views = views, .toks = toks, .n_tok = n_tok, .p = p};
-    cpu_pool_run(cpu_ctx_pool(j.c), qattn_job, &j);
-    return BE_OK;
+    struct cpu_attn_src src = {.p = p, .views = views, .n_keys = quant_n_keys, .piece = quant_piece};
+    return cpu_attn_run(ctx, &src, out, q, toks, n_tok);
 }

@@ -1,5 +1,7 @@
 /* attn_quant_avx512.c - AVX-512 code loops for quantized attention: 16
  * codes at a time are widened to 32-bit lanes and converted in registers.
+ * A chunk of up to 16 rows is widened into an f32 tile once, then read by
+ * kern_avx512.c's tile loops for every query head of the kv head.
  * 8-, 4-, 2- and 1-bit codes and e4m3 have vector paths; 3, 5, 6 and 7 bits
  * (codes straddling bytes) and rows not a multiple of 16 codes use the
  * scalar loops.
@@ -45,33 +47,48 @@ static inline bool vector_bits(int nbits)
     return nbits == 8 || nbits == 4 || nbits == 2 || nbits == 1;
 }
 
-static void qdot_avx512(float *s, const float *x, const uint8_t *c, size_t stride, int nbits, int n, int rows)
+/* Up to 16 rows of codes, codes c0 .. c0+nc of each, widened into w as
+ * cpu_dot16_avx512 and cpu_axpy16_avx512 read them. */
+static void widen16(float *w, const uint8_t *c, size_t stride, int nbits, int nr, int c0, int nc)
+{
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < nc; i += 16)
+            _mm512_store_ps(w + r * CPU_ROWS16_COLS + i, codes16(c + (size_t)r * stride, nbits, (c0 + i) / 16));
+}
+
+static void qdot_avx512(float *s, const float *x, size_t xs, int nq, const uint8_t *c, size_t stride, int nbits, int n,
+                        int rows)
 {
     if (!vector_bits(nbits) || n % 16) {
-        cpu_qdot_scalar(s, x, c, stride, nbits, n, rows);
+        cpu_qdot_scalar(s, x, xs, nq, c, stride, nbits, n, rows);
         return;
     }
-    for (int r = 0; r < rows; r++, c += stride) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int j = 0; 16 * j < n; j++)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * j), codes16(c, nbits, j), acc);
-        s[r] = _mm512_reduce_add_ps(acc);
+    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        int nr = rows - r0 < 16 ? rows - r0 : 16;
+        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
+            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
+            widen16(w, c + (size_t)r0 * stride, stride, nbits, nr, c0, nc);
+            cpu_dot16_avx512(s + r0, (size_t)rows, x + c0, xs, nq, w, nr, nc, c0 > 0);
+        }
     }
 }
 
-/* Rows inside, 16 columns outside: each 16 floats of y stay in a register
- * over the whole chunk of rows. */
-static void qaxpy_avx512(float *y, const float *a, const uint8_t *c, size_t stride, int nbits, int n, int rows)
+static void qaxpy_avx512(float *y, size_t ys, const float *a, int nq, const uint8_t *c, size_t stride, int nbits, int n,
+                         int rows)
 {
     if (!vector_bits(nbits) || n % 16) {
-        cpu_qaxpy_scalar(y, a, c, stride, nbits, n, rows);
+        cpu_qaxpy_scalar(y, ys, a, nq, c, stride, nbits, n, rows);
         return;
     }
-    for (int j = 0; 16 * j < n; j++) {
-        __m512 acc = _mm512_loadu_ps(y + 16 * j);
-        for (int r = 0; r < rows; r++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), codes16(c + (size_t)r * stride, nbits, j), acc);
-        _mm512_storeu_ps(y + 16 * j, acc);
+    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        int nr = rows - r0 < 16 ? rows - r0 : 16;
+        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
+            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
+            widen16(w, c + (size_t)r0 * stride, stride, nbits, nr, c0, nc);
+            cpu_axpy16_avx512(y + c0, ys, a + r0, (size_t)rows, nq, w, nr, nc);
+        }
     }
 }
 
@@ -86,22 +103,46 @@ static inline __m512 e4m3_16(const uint8_t *c)
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 
-static float e4m3_dot_avx512(const float *x, const uint8_t *c, int n)
+/* Up to 16 rows of e4m3 codes, c0 .. c0+nc of each, widened into w. */
+static void widen16_e4m3(float *w, const uint8_t *c, size_t stride, int nr, int c0, int nc)
 {
-    __m512 acc = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), e4m3_16(c + i), acc);
-    return _mm512_reduce_add_ps(acc) + cpu_e4m3_dot_scalar(x + i, c + i, n - i);
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < nc; i += 16)
+            _mm512_store_ps(w + r * CPU_ROWS16_COLS + i, e4m3_16(c + (size_t)r * stride + c0 + i));
 }
 
-static void e4m3_axpy_avx512(float *y, float a, const uint8_t *c, int n)
+static void e4m3_dot_avx512(float *s, const float *x, int nq, const uint8_t *c, size_t stride, int n, int rows)
 {
-    __m512 va = _mm512_set1_ps(a);
-    int i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, e4m3_16(c + i), _mm512_loadu_ps(y + i)));
-    cpu_e4m3_axpy_scalar(y + i, a, c + i, n - i);
+    if (n % 16) {
+        cpu_e4m3_dot_scalar(s, x, nq, c, stride, n, rows);
+        return;
+    }
+    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        int nr = rows - r0 < 16 ? rows - r0 : 16;
+        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
+            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
+            widen16_e4m3(w, c + (size_t)r0 * stride, stride, nr, c0, nc);
+            cpu_dot16_avx512(s + r0, (size_t)rows, x + c0, (size_t)n, nq, w, nr, nc, c0 > 0);
+        }
+    }
+}
+
+static void e4m3_axpy_avx512(float *y, const float *a, int nq, const uint8_t *c, size_t stride, int n, int rows)
+{
+    if (n % 16) {
+        cpu_e4m3_axpy_scalar(y, a, nq, c, stride, n, rows);
+        return;
+    }
+    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        int nr = rows - r0 < 16 ? rows - r0 : 16;
+        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
+            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
+            widen16_e4m3(w, c + (size_t)r0 * stride, stride, nr, c0, nc);
+            cpu_axpy16_avx512(y + c0, (size_t)n, a + r0, (size_t)rows, nq, w, nr, nc);
+        }
+    }
 }
 
 const struct cpu_qkern cpu_qkern_avx512 = {

@@ -47,13 +47,14 @@ struct cpu_kern {
     /* y[:, r0:r1] for rows r0..r1 of W, all n tokens (the driver adds the bias);
      * scratch holds CPU_SCRATCH_FLOATS floats private to the thread */
     void (*matmul_rows)(const struct cpu_mm *a, int r0, int r1, float *scratch);
-    /* s[r] = sum q[i] * rows[r][i], n elements stored as dt: attention's
-     * scores for a chunk of keys in one call, not a call per key */
-    void (*dot)(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows);
-    /* y[i] += sum over r of a[r] * (rows[r] + off)[i]: a chunk of values
-     * (off: V after K in a block) into y, which a SIMD level keeps in
-     * registers over the chunk */
-    void (*axpy)(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n, int nrows);
+    /* s[g * nrows + r] = sum q[g * n + i] * rows[r][i] for nq queries (the
+     * query heads that share a kv head), n elements stored as dt: a chunk
+     * of keys per call, and each row read and widened once for all nq */
+    void (*dot)(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n, int nrows);
+    /* y[g * n + i] += sum over r of a[g * nrows + r] * (rows[r] + off)[i]:
+     * a chunk of values (off: V after K in a block) into nq outputs */
+    void (*axpy)(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
+                 int nrows);
     /* y[i] *= a */
     void (*scale)(float *y, float a, int n);
     /* sum x[i]^2 */
@@ -74,8 +75,8 @@ extern const struct cpu_kern cpu_kern_avx512;
 
 /* The scalar inner loops, for SIMD tables that keep some of them. */
 void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scratch);
-void cpu_dot_scalar(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows);
-void cpu_axpy_scalar(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n,
+void cpu_dot_scalar(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n, int nrows);
+void cpu_axpy_scalar(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
                      int nrows);
 void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n);
 void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
@@ -90,6 +91,17 @@ void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
 #define CPU_GEMM_MIN_TOKENS 32
 void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
                        void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n));
+
+/* AVX-512 loops over up to 16 f32 rows w (row r at r * CPU_ROWS16_COLS,
+ * n <= CPU_ROWS16_COLS columns, 64-byte aligned) for nq vectors, shared by
+ * the dense and the quantized kernels, which first widen a chunk of rows
+ * into w once for all nq query heads:
+ *   dot16:  s[g * ss + r] = (add ? s[g * ss + r] : 0) + sum_i x[g * xs + i] * w[r][i]
+ *   axpy16: y[g * ys + i] += sum over r < nr of a[g * as + r] * w[r][i] */
+#define CPU_ROWS16_COLS 128
+void cpu_dot16_avx512(float *s, size_t ss, const float *x, size_t xs, int nq, const float *w, int nr, int n,
+                      bool add);
+void cpu_axpy16_avx512(float *y, size_t ys, const float *a, size_t as, int nq, const float *w, int nr, int n);
 
 /* Picks the table: $KVTIER_SIMD (scalar|avx2|avx512) when set and the CPU
  * can run it, else the best the CPU supports.  NULL when $KVTIER_SIMD
@@ -131,6 +143,63 @@ const char *cpu_key_row(const struct be_kv_view *v, int64_t pos, int kvh, int he
 void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, int64_t pos, const float *x,
                   float *out);
 
+/* Asks for the cache lines of [p, p + bytes) ahead of their use: attention
+ * reads each block's rows once, a few kilobytes at a time, too little for
+ * the hardware prefetcher to get ahead of. */
+static inline void cpu_prefetch(const void *p, size_t bytes)
+{
+    for (size_t i = 0; i < bytes; i += 64)
+        __builtin_prefetch((const char *)p + i);
+}
+
+/* ---- attention driver (ops.c), for the dense and the quantized caches ---- */
+
+/* Attention runs per (token, kv head) for the nq = n_heads / n_kv_heads
+ * query heads that read it, so each K and V row is read and widened once
+ * for all of them.  A token's keys are cut into pieces of at most
+ * CPU_ATTN_PIECE (the same cut whatever the batch or the thread count, so
+ * a sequence's results do not depend on either), each piece with its own
+ * softmax state, merged in order: a decode step's few (token, kv head)
+ * pairs then spread over every thread. */
+#define CPU_ATTN_PIECE 1024
+
+/* One piece's state: running max m[g] and sum l[g] of the online softmax,
+ * and the unnormalised output o[g * head_dim + i], for nq query heads. */
+struct cpu_attn_part {
+    float *m, *l, *o;
+};
+
+/* Folds the raw scores s[g * n + i] of a chunk of n keys into pt: each
+ * head's max and sum, rescaling its o when the max grows; leaves each
+ * key's unnormalised weight in s. */
+void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, int nq, int n, int head_dim);
+
+/* Floats of scratch a piece may use (the rest holds the pieces' states). */
+#define CPU_ATTN_WORK (CPU_SCRATCH_FLOATS / 2)
+
+/* Positions [lo, hi) of a full-precision view (below v->sinks: its sink
+ * block) of kv head kvh against q[nq][head_dim], folded into pt. */
+void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v, int kvh,
+                     const float *q, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch);
+/* Floats of scratch cpu_attend_span uses. */
+size_t cpu_attend_span_work(const struct be_attn_params *p);
+
+/* What the dense and the quantized caches differ in: how many keys a
+ * token attends to, and attending keys [c0, c1) of them (in the cache's
+ * order) into pt, which the driver has reset. */
+struct cpu_attn_src {
+    const struct be_attn_params *p;
+    const void *views;
+    int64_t (*n_keys)(const struct cpu_attn_src *s, const struct be_tok *t);
+    void (*piece)(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *t, int kvh,
+                  const float *q, int64_t c0, int64_t c1, struct cpu_attn_part *pt, float *scratch);
+};
+
+/* out = attention of every token of toks over src, on the pool.
+ * BE_ENOTSUP when a piece's state does not fit the scratch. */
+enum be_status cpu_attn_run(struct cpu_ctx *c, const struct cpu_attn_src *src, float *out, const float *q,
+                            const struct be_tok *toks, int n_tok);
+
 /* ---- quantized KV (attn_quant*.c) ------------------------------------------ */
 
 /* Inner loops over the codes of backend.h's quantized blocks: rows of n
@@ -140,24 +209,28 @@ void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, in
  * of the attention's inner loop. */
 struct cpu_qkern {
     const char *name;
-    /* s[r] = sum x[i] * code_i of row r */
-    void (*qdot)(float *s, const float *x, const uint8_t *c, size_t stride, int nbits, int n, int rows);
-    /* y[i] += sum over rows of a[r] * code_i of row r */
-    void (*qaxpy)(float *y, const float *a, const uint8_t *c, size_t stride, int nbits, int n, int rows);
-    /* sum x[i] * e4m3(c[i]) */
-    float (*e4m3_dot)(const float *x, const uint8_t *c, int n);
-    /* y[i] += a * e4m3(c[i]) */
-    void (*e4m3_axpy)(float *y, float a, const uint8_t *c, int n);
+    /* s[g * rows + r] = sum x[g * xs + i] * code_i of row r, for nq vectors
+     * x (the query heads of a kv head): each row is widened once for all */
+    void (*qdot)(float *s, const float *x, size_t xs, int nq, const uint8_t *c, size_t stride, int nbits, int n,
+                 int rows);
+    /* y[g * ys + i] += sum over rows of a[g * rows + r] * code_i of row r */
+    void (*qaxpy)(float *y, size_t ys, const float *a, int nq, const uint8_t *c, size_t stride, int nbits, int n,
+                  int rows);
+    /* the same for rows of n e4m3 codes, x and y rows n apart */
+    void (*e4m3_dot)(float *s, const float *x, int nq, const uint8_t *c, size_t stride, int n, int rows);
+    void (*e4m3_axpy)(float *y, const float *a, int nq, const uint8_t *c, size_t stride, int n, int rows);
 };
 
 extern const struct cpu_qkern cpu_qkern_scalar;
 extern const struct cpu_qkern cpu_qkern_avx512;
 
 /* The scalar loops, for the bit widths and tails a SIMD table leaves. */
-void cpu_qdot_scalar(float *s, const float *x, const uint8_t *c, size_t stride, int nbits, int n, int rows);
-void cpu_qaxpy_scalar(float *y, const float *a, const uint8_t *c, size_t stride, int nbits, int n, int rows);
-float cpu_e4m3_dot_scalar(const float *x, const uint8_t *c, int n);
-void cpu_e4m3_axpy_scalar(float *y, float a, const uint8_t *c, int n);
+void cpu_qdot_scalar(float *s, const float *x, size_t xs, int nq, const uint8_t *c, size_t stride, int nbits, int n,
+                     int rows);
+void cpu_qaxpy_scalar(float *y, size_t ys, const float *a, int nq, const uint8_t *c, size_t stride, int nbits, int n,
+                      int rows);
+void cpu_e4m3_dot_scalar(float *s, const float *x, int nq, const uint8_t *c, size_t stride, int n, int rows);
+void cpu_e4m3_axpy_scalar(float *y, const float *a, int nq, const uint8_t *c, size_t stride, int n, int rows);
 
 /* The quantized table of the same level as k (scalar below AVX-512). */
 const struct cpu_qkern *cpu_qkern_for(const struct cpu_kern *k);

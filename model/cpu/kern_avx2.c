@@ -141,37 +141,43 @@ static void matmul_rows_avx2(const struct cpu_mm *a, int r0, int r1, float *scra
     }
 }
 
-static void dot_avx2(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows)
+/* Each query head over the rows in turn: the AVX-512 level's one
+ * widening per row for all heads is not worth its code here. */
+static void dot_avx2(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n, int nrows)
 {
     size_t body = (size_t)n / 8 * 8;
-    for (int r = 0; r < nrows; r++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (size_t i = 0; i < body; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(rows[r], dt, i), acc);
-        if (body < (size_t)n)
-            acc = _mm256_fmadd_ps(load8_tail(q, BE_F32, body, (size_t)n - body),
-                                  load8_tail(rows[r], dt, body, (size_t)n - body), acc);
-        s[r] = hsum(acc);
-    }
+    for (int g = 0; g < nq; g++, q += n, s += nrows)
+        for (int r = 0; r < nrows; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (size_t i = 0; i < body; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(rows[r], dt, i), acc);
+            if (body < (size_t)n)
+                acc = _mm256_fmadd_ps(load8_tail(q, BE_F32, body, (size_t)n - body),
+                                      load8_tail(rows[r], dt, body, (size_t)n - body), acc);
+            s[r] = hsum(acc);
+        }
 }
 
-static void axpy_avx2(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n,
+static void axpy_avx2(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
                       int nrows)
 {
     size_t body = (size_t)n / 8 * 8;
-    for (size_t i = 0; i < body; i += 8) {
-        __m256 acc = _mm256_loadu_ps(y + i);
-        for (int r = 0; r < nrows; r++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[r]), load8(rows[r] + off, dt, i), acc);
-        _mm256_storeu_ps(y + i, acc);
-    }
-    if (body < (size_t)n) {
-        _Alignas(32) float t[8];
-        __m256 acc = load8_tail(y, BE_F32, body, (size_t)n - body);
-        for (int r = 0; r < nrows; r++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(a[r]), load8_tail(rows[r] + off, dt, body, (size_t)n - body), acc);
-        _mm256_store_ps(t, acc);
-        memcpy(y + body, t, ((size_t)n - body) * sizeof(float));
+    for (int g = 0; g < nq; g++, y += n, a += nrows) {
+        for (size_t i = 0; i < body; i += 8) {
+            __m256 acc = _mm256_loadu_ps(y + i);
+            for (int r = 0; r < nrows; r++)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(a[r]), load8(rows[r] + off, dt, i), acc);
+            _mm256_storeu_ps(y + i, acc);
+        }
+        if (body < (size_t)n) {
+            _Alignas(32) float t[8];
+            __m256 acc = load8_tail(y, BE_F32, body, (size_t)n - body);
+            for (int r = 0; r < nrows; r++)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(a[r]), load8_tail(rows[r] + off, dt, body, (size_t)n - body),
+                                      acc);
+            _mm256_store_ps(t, acc);
+            memcpy(y + body, t, ((size_t)n - body) * sizeof(float));
+        }
     }
 }
 

@@ -221,27 +221,119 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
     }
 }
 
-static void dot_avx512(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows)
+/* Row r's sum in lane r: the 16 accumulators added pairwise, each step
+ * halving both the vectors and the lanes still to add (45 instructions
+ * for 16 rows where a reduction per row costs about 8 each). */
+static inline __m512 hsum16(const __m512 a[16])
 {
-    for (int r = 0; r < nrows; r++) {
-        __m512 acc = _mm512_setzero_ps();
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++) /* each 128-bit lane: rows 2i, 2i+1, two partials each */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* each 128-bit lane: rows 4i .. 4i+3, one partial each */
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* the four 128-bit lanes of c[i] summed into lane i of the result */
+    __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+void cpu_dot16_avx512(float *s, size_t ss, const float *x, size_t xs, int nq, const float *w, int nr, int n,
+                      bool add)
+{
+    __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    for (int g = 0; g < nq; g++, x += xs, s += ss) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++)
+            acc[r] = _mm512_setzero_ps();
         for (int i = 0; i < n; i += 16) {
             __mmask16 m = tail_mask((size_t)(n - i));
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), load16(rows[r], dt, (size_t)i, m), acc);
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; r++) /* rows past nr load nothing */
+                acc[r] = _mm512_fmadd_ps(_mm512_maskz_load_ps(r < nr ? m : 0, w + r * CPU_ROWS16_COLS + i), xv, acc[r]);
         }
-        s[r] = _mm512_reduce_add_ps(acc);
+        __m512 sum = hsum16(acc);
+        if (add)
+            sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(keep, s));
+        _mm512_mask_storeu_ps(s, keep, sum);
     }
 }
 
-static void axpy_avx512(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n,
-                        int nrows)
+/* GN heads at once (a constant after inlining): each row of w feeds GN
+ * accumulators held in registers over all nr rows. */
+static inline __attribute__((always_inline)) void axpy16_heads(float *y, size_t ys, const float *a, size_t as,
+                                                                const int GN, const float *w, int nr, int n)
 {
     for (int i = 0; i < n; i += 16) {
         __mmask16 m = tail_mask((size_t)(n - i));
-        __m512 acc = _mm512_maskz_loadu_ps(m, y + i);
-        for (int r = 0; r < nrows; r++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(a[r]), load16(rows[r] + off, dt, (size_t)i, m), acc);
-        _mm512_mask_storeu_ps(y + i, m, acc);
+        __m512 acc[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < GN; g++)
+            acc[g] = _mm512_maskz_loadu_ps(m, y + (size_t)g * ys + i);
+        for (int r = 0; r < nr; r++) {
+            __m512 v = _mm512_load_ps(w + r * CPU_ROWS16_COLS + i);
+#pragma GCC unroll 4
+            for (int g = 0; g < GN; g++)
+                acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(a[(size_t)g * as + (size_t)r]), v, acc[g]);
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < GN; g++)
+            _mm512_mask_storeu_ps(y + (size_t)g * ys + i, m, acc[g]);
+    }
+}
+
+void cpu_axpy16_avx512(float *y, size_t ys, const float *a, size_t as, int nq, const float *w, int nr, int n)
+{
+    int g = 0;
+    for (; g + 4 <= nq; g += 4)
+        axpy16_heads(y + (size_t)g * ys, ys, a + (size_t)g * as, as, 4, w, nr, n);
+    switch (nq - g) {
+    case 3: axpy16_heads(y + (size_t)g * ys, ys, a + (size_t)g * as, as, 3, w, nr, n); break;
+    case 2: axpy16_heads(y + (size_t)g * ys, ys, a + (size_t)g * as, as, 2, w, nr, n); break;
+    case 1: axpy16_heads(y + (size_t)g * ys, ys, a + (size_t)g * as, as, 1, w, nr, n); break;
+    }
+}
+
+/* Rows r0 .. r0+nr (nr <= 16), columns c0 .. c0+nc of rows (+ off), widened
+ * into w (row r at r * CPU_ROWS16_COLS, zero past nc). */
+static void widen16(float *w, const char *const *rows, size_t off, enum be_dtype dt, int nr, int c0, int nc)
+{
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < nc; i += 16)
+            _mm512_store_ps(w + r * CPU_ROWS16_COLS + i,
+                            load16(rows[r] + off, dt, (size_t)(c0 + i), tail_mask((size_t)(nc - i))));
+}
+
+static void dot_avx512(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n, int nrows)
+{
+    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
+    for (int r0 = 0; r0 < nrows; r0 += 16) {
+        int nr = nrows - r0 < 16 ? nrows - r0 : 16;
+        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
+            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
+            widen16(w, rows + r0, 0, dt, nr, c0, nc);
+            cpu_dot16_avx512(s + r0, (size_t)nrows, q + c0, (size_t)n, nq, w, nr, nc, c0 > 0);
+        }
+    }
+}
+
+static void axpy_avx512(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
+                        int nrows)
+{
+    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
+    for (int r0 = 0; r0 < nrows; r0 += 16) {
+        int nr = nrows - r0 < 16 ? nrows - r0 : 16;
+        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
+            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
+            widen16(w, rows + r0, off, dt, nr, c0, nc);
+            cpu_axpy16_avx512(y + c0, (size_t)n, a + r0, (size_t)nrows, nq, w, nr, nc);
+        }
     }
 }
 

@@ -23,27 +23,30 @@ void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scrat
         const float *x = a->x + (size_t)t * a->in;
         for (int r = r0; r < r1; r++) {
             const char *w = (const char *)a->w + (size_t)r * row_bytes;
-            cpu_dot_scalar(&a->y[(size_t)t * a->out + r], x, &w, a->wt, a->in, 1);
+            cpu_dot_scalar(&a->y[(size_t)t * a->out + r], x, 1, &w, a->wt, a->in, 1);
         }
     }
 }
 
-void cpu_dot_scalar(float *s, const float *q, const char *const *rows, enum be_dtype dt, int n, int nrows)
+void cpu_dot_scalar(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n, int nrows)
 {
-    for (int r = 0; r < nrows; r++) {
-        float acc = 0.0f;
-        for (int i = 0; i < n; i++)
-            acc += q[i] * load_as_f32(rows[r], dt, (size_t)i);
-        s[r] = acc;
-    }
+    for (int g = 0; g < nq; g++)
+        for (int r = 0; r < nrows; r++) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; i++)
+                acc += q[(size_t)g * (size_t)n + (size_t)i] * load_as_f32(rows[r], dt, (size_t)i);
+            s[(size_t)g * (size_t)nrows + (size_t)r] = acc;
+        }
 }
 
-void cpu_axpy_scalar(float *y, const float *a, const char *const *rows, size_t off, enum be_dtype dt, int n,
+void cpu_axpy_scalar(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
                      int nrows)
 {
-    for (int r = 0; r < nrows; r++)
-        for (int i = 0; i < n; i++)
-            y[i] += a[r] * load_as_f32(rows[r] + off, dt, (size_t)i);
+    for (int g = 0; g < nq; g++)
+        for (int r = 0; r < nrows; r++)
+            for (int i = 0; i < n; i++)
+                y[(size_t)g * (size_t)n + (size_t)i] +=
+                    a[(size_t)g * (size_t)nrows + (size_t)r] * load_as_f32(rows[r] + off, dt, (size_t)i);
 }
 
 static void scale_scalar(float *y, float a, int n)

@@ -192,20 +192,11 @@ enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const str
     return BE_OK;
 }
 
-/* Online softmax (running max and sum, rescaling the output when the max
- * grows) over chunks of keys, so any context length needs only a small
- * stack array of scores; everything in f32. */
-#define ATTN_CHUNK 64
+/* ---- attention ------------------------------------------------------------ */
 
-struct attn_job {
-    struct cpu_ctx *c;
-    float *out;
-    const float *q;
-    const struct be_kv_view *views;
-    const struct be_tok *toks;
-    int n_tok;
-    const struct be_attn_params *p;
-};
+/* Keys per chunk: a chunk's scores live in a small scratch array, so any
+ * context length needs no more memory; everything in f32. */
+#define ATTN_CHUNK 64
 
 const char *cpu_key_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim, size_t esz)
 {
@@ -228,82 +219,284 @@ void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, in
     }
 }
 
-/* One query against its keys: the view's sinks, then [k0, k1) (causal,
- * windowed, within [lo, hi)).  scratch: 2 * head_dim floats for a key
- * rotated at read time (key_rope views). */
-static void attend_one(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v,
-                       int64_t qpos, int kvh, const float *q, float *o, float *scratch)
+void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, int nq, int n, int head_dim)
 {
-    size_t esz = be_dtype_size(p->kv_dtype);
-    int64_t k0 = v->lo, k1 = qpos + 1 < v->hi ? qpos + 1 : v->hi;
-    int window = v->window ? v->window : p->window;
-    if (window > 0 && qpos - window + 1 > k0)
-        k0 = qpos - window + 1;
-    int64_t n_keys = v->sinks + (k1 > k0 ? k1 - k0 : 0);
-    float *rot = scratch + p->head_dim;
-    memset(o, 0, (size_t)p->head_dim * sizeof(float));
-    float m = -INFINITY, l = 0.0f, s[ATTN_CHUNK];
-    const char *rows[ATTN_CHUNK];
-    for (int64_t c0 = 0; c0 < n_keys; c0 += ATTN_CHUNK) {
-        int nc = n_keys - c0 < ATTN_CHUNK ? (int)(n_keys - c0) : ATTN_CHUNK;
-        for (int i = 0; i < nc; i++) {
-            int64_t pos = c0 + i < v->sinks ? c0 + i : k0 + (c0 + i - v->sinks);
-            rows[i] = cpu_key_row(v, pos, kvh, p->head_dim, esz);
-            if (v->key_rope) { /* each key rotated at its index before its dot */
-                k->to_f32(scratch, rows[i], p->kv_dtype, (size_t)p->head_dim);
-                cpu_key_rope(p, v, pos, scratch, rot);
-                k->dot(&s[i], q, &(const char *){(const char *)rot}, BE_F32, p->head_dim, 1);
-            }
-        }
-        if (!v->key_rope)
-            k->dot(s, q, rows, p->kv_dtype, p->head_dim, nc);
-        float cm = m;
-        for (int i = 0; i < nc; i++) {
-            s[i] *= p->scale;
-            if (s[i] > cm)
-                cm = s[i];
-        }
+    for (int g = 0; g < nq; g++) {
+        float *sg = s + (size_t)g * (size_t)n, m = pt->m[g], cm = m, l = pt->l[g];
+        for (int i = 0; i < n; i++)
+            cm = sg[i] > cm ? sg[i] : cm;
         if (cm > m) {
             float f = expf(m - cm);
             l *= f;
-            k->scale(o, f, p->head_dim);
-            m = cm;
+            k->scale(pt->o + (size_t)g * (size_t)head_dim, f, head_dim);
+            pt->m[g] = m = cm;
         }
-        for (int i = 0; i < nc; i++) {
-            s[i] = expf(s[i] - m); /* the score becomes the value's weight */
-            l += s[i];
+        for (int i = 0; i < n; i++) {
+            sg[i] = expf(sg[i] - m); /* the score becomes the value's weight */
+            l += sg[i];
         }
-        k->axpy(o, s, rows, v->v_offset, p->kv_dtype, p->head_dim, nc);
+        pt->l[g] = l;
     }
-    if (l > 0.0f)
-        k->scale(o, 1.0f / l, p->head_dim);
+}
+
+/* Prefetches the K and V rows of positions [lo, hi) (sinks excepted: a
+ * handful, read by every token) of kv head kvh, one run per block. */
+static void prefetch_rows(const struct be_kv_view *v, int kvh, int D, size_t esz, int64_t lo, int64_t hi)
+{
+    size_t row = (size_t)D * esz;
+    for (int64_t pos = lo > v->sinks ? lo : v->sinks; pos < hi;) {
+        int64_t end = pos + (v->block_tokens - (pos - v->base) % v->block_tokens);
+        end = end < hi ? end : hi;
+        const char *k = cpu_kv_row(v, pos, kvh, D, esz);
+        cpu_prefetch(k, (size_t)(end - pos) * row);
+        cpu_prefetch(k + v->v_offset, (size_t)(end - pos) * row);
+        pos = end;
+    }
+}
+
+size_t cpu_attend_span_work(const struct be_attn_params *p)
+{
+    size_t nq = (size_t)(p->n_heads / p->n_kv_heads), d = (size_t)p->head_dim;
+    return ATTN_CHUNK * (nq + d) + d;
+}
+
+void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v, int kvh,
+                     const float *q, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch)
+{
+    int D = p->head_dim, nq = p->n_heads / p->n_kv_heads;
+    size_t esz = be_dtype_size(p->kv_dtype);
+    float *s = scratch;                            /* [nq][ATTN_CHUNK] scores, then weights */
+    float *rot = s + (size_t)nq * ATTN_CHUNK;      /* [ATTN_CHUNK][D] keys rotated at read time */
+    float *x = rot + (size_t)ATTN_CHUNK * (size_t)D; /* one key before its rotation */
+    const char *rows[ATTN_CHUNK], *keys[ATTN_CHUNK];
+    for (int64_t c0 = lo; c0 < hi; c0 += ATTN_CHUNK) {
+        int n = hi - c0 < ATTN_CHUNK ? (int)(hi - c0) : ATTN_CHUNK;
+        if (c0 + n < hi) /* the next chunk, while this one computes */
+            prefetch_rows(v, kvh, D, esz, c0 + n, hi - c0 - n < ATTN_CHUNK ? hi : c0 + n + ATTN_CHUNK);
+        for (int i = 0; i < n; i++) {
+            rows[i] = keys[i] = cpu_key_row(v, c0 + i, kvh, D, esz);
+            if (v->key_rope) { /* rotated at its index, once for all nq heads */
+                k->to_f32(x, rows[i], p->kv_dtype, (size_t)D);
+                cpu_key_rope(p, v, c0 + i, x, rot + (size_t)i * (size_t)D);
+                keys[i] = (const char *)(rot + (size_t)i * (size_t)D);
+            }
+        }
+        k->dot(s, q, nq, keys, v->key_rope ? BE_F32 : p->kv_dtype, D, n);
+        for (int i = 0; i < nq * n; i++)
+            s[i] *= p->scale;
+        cpu_attn_fold(k, pt, s, nq, n, D);
+        k->axpy(pt->o, s, nq, rows, v->v_offset, p->kv_dtype, D, n);
+    }
+}
+
+/* ---- the driver ---- */
+
+/* At most this many (token, kv head) pairs have their pieces spread over
+ * the threads: a decode step's, or a small batch's.  More pairs keep every
+ * thread busy a pair at a time. */
+#define SPLIT_PAIRS 64
+
+struct attn_run {
+    struct cpu_ctx *c;
+    const struct cpu_attn_src *src;
+    float *out;
+    const float *q;
+    const struct be_tok *toks;
+    int nq, D, n_kv, nth;
+    size_t n_pairs, n_items;   /* items: pairs, or with split, pieces */
+    size_t part;               /* floats of one piece's state */
+    bool split;
+    size_t first[SPLIT_PAIRS + 1]; /* split: pair u's pieces are items [first[u], first[u + 1]) */
+    _Atomic size_t next;
+};
+
+static int64_t n_pieces(int64_t n_keys)
+{
+    return n_keys > CPU_ATTN_PIECE ? (n_keys + CPU_ATTN_PIECE - 1) / CPU_ATTN_PIECE : 1;
+}
+
+/* pt over mem: m and l, then o unless o is given (the output itself). */
+static void part_at(struct cpu_attn_part *pt, float *mem, float *o, int nq)
+{
+    pt->m = mem;
+    pt->l = mem + nq;
+    pt->o = o ? o : mem + 2 * (size_t)nq;
+}
+
+static void part_clear(struct cpu_attn_part *pt, int nq, int D)
+{
+    for (int g = 0; g < nq; g++) {
+        pt->m[g] = -INFINITY;
+        pt->l[g] = 0.0f;
+    }
+    memset(pt->o, 0, (size_t)nq * (size_t)D * sizeof(float));
+}
+
+/* acc becomes the softmax over both pieces' keys. */
+static void part_merge(const struct cpu_kern *k, struct cpu_attn_part *acc, const struct cpu_attn_part *pt, int nq,
+                       int D)
+{
+    for (int g = 0; g < nq; g++) {
+        float m = acc->m[g] > pt->m[g] ? acc->m[g] : pt->m[g];
+        if (m == -INFINITY) /* neither saw a key */
+            continue;
+        float fa = expf(acc->m[g] - m), fb = expf(pt->m[g] - m);
+        float *o = acc->o + (size_t)g * (size_t)D;
+        k->scale(o, fa, D);
+        k->axpy(o, &fb, 1, &(const char *){(const char *)(pt->o + (size_t)g * (size_t)D)}, 0, BE_F32, D, 1);
+        acc->l[g] = acc->l[g] * fa + pt->l[g] * fb;
+        acc->m[g] = m;
+    }
+}
+
+/* out[g] = o[g] / l[g]; a head that saw no key gets zeros. */
+static void part_finish(const struct cpu_kern *k, const struct cpu_attn_part *pt, float *out, int nq, int D)
+{
+    for (int g = 0; g < nq; g++) {
+        float *y = out + (size_t)g * (size_t)D, *o = pt->o + (size_t)g * (size_t)D;
+        if (y != o)
+            memcpy(y, o, (size_t)D * sizeof(float));
+        if (pt->l[g] > 0.0f)
+            k->scale(y, 1.0f / pt->l[g], D);
+    }
+}
+
+/* Keys [n*i/R, n*(i+1)/R) of pair u: piece i of R. */
+static void run_piece(struct attn_run *r, size_t u, int64_t i, int64_t R, struct cpu_attn_part *pt, float *scratch)
+{
+    const struct be_tok *tok = &r->toks[u / (size_t)r->n_kv];
+    int64_t n = r->src->n_keys(r->src, tok);
+    part_clear(pt, r->nq, r->D);
+    r->src->piece(r->src, cpu_ctx_kern(r->c), tok, (int)(u % (size_t)r->n_kv), r->q + u * r->nq * (size_t)r->D,
+                  n * i / R, n * (i + 1) / R, pt, scratch);
+}
+
+/* Where split item i keeps its state: spread over the threads' scratch,
+ * after each one's work area. */
+static float *item_state(const struct attn_run *r, size_t i)
+{
+    return cpu_ctx_scratch(r->c, (int)(i % (size_t)r->nth)) + CPU_ATTN_WORK + i / (size_t)r->nth * r->part;
+}
+
+/* The whole of pair u, its pieces merged in order as the split merge does. */
+static void attend_pair(struct attn_run *r, size_t u, float *scratch)
+{
+    const struct cpu_kern *k = cpu_ctx_kern(r->c);
+    float *out = r->out + u * r->nq * (size_t)r->D, *mem = scratch + CPU_ATTN_WORK;
+    int64_t R = n_pieces(r->src->n_keys(r->src, &r->toks[u / (size_t)r->n_kv]));
+    struct cpu_attn_part acc, pt;
+    part_at(&acc, mem, R == 1 ? out : NULL, r->nq);
+    run_piece(r, u, 0, R, &acc, scratch);
+    for (int64_t i = 1; i < R; i++) {
+        part_at(&pt, mem + r->part, NULL, r->nq);
+        run_piece(r, u, i, R, &pt, scratch);
+        part_merge(k, &acc, &pt, r->nq, r->D);
+    }
+    part_finish(k, &acc, out, r->nq, r->D);
+}
+
+static void attend_item(struct attn_run *r, size_t i, float *scratch)
+{
+    size_t u = 0;
+    while (i >= r->first[u + 1])
+        u++;
+    struct cpu_attn_part pt;
+    part_at(&pt, item_state(r, i), NULL, r->nq);
+    run_piece(r, u, (int64_t)(i - r->first[u]), (int64_t)(r->first[u + 1] - r->first[u]), &pt, scratch);
 }
 
 static void attn_job(void *arg, int ith, int nth)
 {
-    struct attn_job *j = arg;
-    const struct be_attn_params *p = j->p;
-    const struct cpu_kern *k = cpu_ctx_kern(j->c);
-    float *scratch = cpu_ctx_scratch(j->c, ith);
-    int group = p->n_heads / p->n_kv_heads;
-    size_t i0, i1;
-    split((size_t)j->n_tok * (size_t)p->n_heads, ith, nth, 1, &i0, &i1);
-    for (size_t i = i0; i < i1; i++) {
-        size_t t = i / (size_t)p->n_heads;
-        int h = (int)(i % (size_t)p->n_heads);
-        size_t off = i * (size_t)p->head_dim;
-        attend_one(k, p, &j->views[j->toks[t].view], j->toks[t].pos, h / group, j->q + off, j->out + off,
-                   scratch);
+    struct attn_run *r = arg;
+    float *scratch = cpu_ctx_scratch(r->c, ith);
+    (void)nth;
+    /* grabbed one at a time: a causal prompt's later tokens have more keys */
+    for (size_t i; (i = atomic_fetch_add(&r->next, 1)) < r->n_items;) {
+        if (r->split)
+            attend_item(r, i, scratch);
+        else
+            attend_pair(r, i, scratch);
     }
+}
+
+enum be_status cpu_attn_run(struct cpu_ctx *c, const struct cpu_attn_src *src, float *out, const float *q,
+                            const struct be_tok *toks, int n_tok)
+{
+    const struct be_attn_params *p = src->p;
+    struct attn_run r = {.c = c, .src = src, .out = out, .q = q, .toks = toks, .nq = p->n_heads / p->n_kv_heads,
+                         .D = p->head_dim, .n_kv = p->n_kv_heads, .nth = cpu_pool_size(cpu_ctx_pool(c))};
+    size_t room = CPU_SCRATCH_FLOATS - CPU_ATTN_WORK;
+    r.part = (size_t)r.nq * ((size_t)r.D + 2);
+    if (2 * r.part > room)
+        return BE_ENOTSUP; /* far beyond any model: a kv head read by 500 query heads of 256 */
+    r.n_pairs = r.n_items = (size_t)n_tok * (size_t)r.n_kv;
+    /* Too few pairs to keep every thread busy: hand out their pieces,
+     * whose states then wait in the scratch for the merge below. */
+    if (r.nth > 1 && r.n_pairs < 4 * (size_t)r.nth && r.n_pairs <= SPLIT_PAIRS) {
+        r.first[0] = 0;
+        for (size_t u = 0; u < r.n_pairs; u++)
+            r.first[u + 1] = r.first[u] + (size_t)n_pieces(src->n_keys(src, &toks[u / (size_t)r.n_kv]));
+        r.split = r.first[r.n_pairs] > r.n_pairs && r.first[r.n_pairs] <= room / r.part * (size_t)r.nth;
+        if (r.split)
+            r.n_items = r.first[r.n_pairs];
+    }
+    atomic_init(&r.next, 0);
+    /* even one decode token reads its whole context: always worth the pool */
+    cpu_pool_run(cpu_ctx_pool(c), attn_job, &r);
+    if (!r.split)
+        return BE_OK;
+    const struct cpu_kern *k = cpu_ctx_kern(c);
+    for (size_t u = 0; u < r.n_pairs; u++) {
+        struct cpu_attn_part acc, pt;
+        part_at(&acc, item_state(&r, r.first[u]), NULL, r.nq);
+        for (size_t i = r.first[u] + 1; i < r.first[u + 1]; i++) {
+            part_at(&pt, item_state(&r, i), NULL, r.nq);
+            part_merge(k, &acc, &pt, r.nq, r.D);
+        }
+        part_finish(k, &acc, out + u * r.nq * (size_t)r.D, r.nq, r.D);
+    }
+    return BE_OK;
+}
+
+/* ---- the dense cache ---- */
+
+/* The keys of the token at qpos: the view's sinks, then [*k0, k1) (causal,
+ * windowed, within [lo, hi)).  Returns how many. */
+static int64_t dense_keys(const struct be_attn_params *p, const struct be_kv_view *v, int64_t qpos, int64_t *k0)
+{
+    int64_t lo = v->lo, k1 = qpos + 1 < v->hi ? qpos + 1 : v->hi;
+    int window = v->window ? v->window : p->window;
+    if (window > 0 && qpos - window + 1 > lo)
+        lo = qpos - window + 1;
+    *k0 = lo;
+    return v->sinks + (k1 > lo ? k1 - lo : 0);
+}
+
+static int64_t dense_n_keys(const struct cpu_attn_src *s, const struct be_tok *t)
+{
+    int64_t k0;
+    return dense_keys(s->p, (const struct be_kv_view *)s->views + t->view, t->pos, &k0);
+}
+
+static void dense_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *t, int kvh,
+                        const float *q, int64_t c0, int64_t c1, struct cpu_attn_part *pt, float *scratch)
+{
+    const struct be_kv_view *v = (const struct be_kv_view *)s->views + t->view;
+    int64_t k0, S = v->sinks;
+    dense_keys(s->p, v, t->pos, &k0);
+    if (c0 < S)
+        cpu_attend_span(k, s->p, v, kvh, q, c0, c1 < S ? c1 : S, pt, scratch);
+    if (c1 > S)
+        cpu_attend_span(k, s->p, v, kvh, q, k0 + (c0 > S ? c0 - S : 0), k0 + (c1 - S), pt, scratch);
 }
 
 enum be_status cpu_attention(void *ctx, float *out, const float *q, const struct be_kv_view *views,
                              const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
-    struct attn_job j = {.c = ctx, .out = out, .q = q, .views = views, .toks = toks, .n_tok = n_tok, .p = p};
-    /* even one decode token reads its whole context: always worth the pool */
-    cpu_pool_run(cpu_ctx_pool(j.c), attn_job, &j);
-    return BE_OK;
+    if (cpu_attend_span_work(p) > CPU_ATTN_WORK)
+        return BE_ENOTSUP; /* far beyond any model: head_dim above 2000 */
+    struct cpu_attn_src src = {.p = p, .views = views, .n_keys = dense_n_keys, .piece = dense_piece};
+    return cpu_attn_run(ctx, &src, out, q, toks, n_tok);
 }
 
 /* ---- element-wise and row-wise ------------------------------------------- */
