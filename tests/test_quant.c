@@ -731,6 +731,51 @@ static void test_code_loops(void **state)
             }
 }
 
+/* The AVX-512 softmax loops against the scalar ones: the max ignores
+ * NaN, exp is within a few ulp of expf over the whole range down to
+ * underflow, a NaN score stays NaN; and the group parameters convert the
+ * same to the bit, consecutive or strided. */
+static void test_softmax_and_param_loops(void **state)
+{
+    (void)state;
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
+        skip();
+    enum { N = 1000 };
+    static float x[N], s0[N], s1[N], ps0[N], pb0[N], ps1[N], pb1[N];
+    static uint16_t pr[4 * N];
+    for (int i = 0; i < N; i++)
+        x[i] = -110.0f * (frand() * 0.5f + 0.5f) + (i % 7 == 0 ? 100.0f : 0.0f);
+    x[3] = NAN;
+    for (int n = 1; n <= N; n += n < 40 ? 1 : 97) {
+        float m0 = cpu_max_scalar(x, n), m1 = cpu_kern_avx512.max(x, n);
+        assert_true(m0 == m1);
+        memcpy(s0, x, sizeof(x));
+        memcpy(s1, x, sizeof(x));
+        float l0 = cpu_exp_sum_scalar(s0, m0, n), l1 = cpu_kern_avx512.exp_sum(s1, m1, n);
+        for (int i = 0; i < n; i++) {
+            if (i == 3) {
+                assert_true(isnan(s0[i]) && isnan(s1[i]));
+                continue;
+            }
+            assert_true(fabsf(s0[i] - s1[i]) <= 4e-7f * s0[i] + 1e-45f);
+        }
+        assert_true(n > 3 ? isnan(l1) : fabsf(l0 - l1) <= 1e-6f * l0);
+        for (int i = n; i < N; i++) /* nothing past n */
+            assert_true(s1[i] == x[i] || (isnan(s1[i]) && isnan(x[i])));
+    }
+    for (int i = 0; i < 4 * N; i++)
+        pr[i] = f32_to_f16(frand() * (i % 2 ? 8.0f : 0.5f));
+    for (int kind = BE_KVQ_AFFINE_SHIFT; kind <= BE_KVQ_AFFINE_ZERO; kind++)
+        for (size_t step = 2; step <= 4; step += 2)
+            for (int n = 1; n <= 2 * N / (int)step; n += 37) {
+                cpu_qkern_scalar.params(ps0, pb0, pr, step, n, (enum be_kvq_codes)kind);
+                cpu_qkern_avx512.params(ps1, pb1, pr, step, n, (enum be_kvq_codes)kind);
+                assert_memory_equal(ps0, ps1, (size_t)n * sizeof(float));
+                assert_memory_equal(pb0, pb1, (size_t)n * sizeof(float));
+            }
+}
+
 /* e4m3: every code decodes to the value its fields say, and encoding is
  * round-to-nearest-even with saturation. */
 static void test_e4m3_codec(void **state)
@@ -835,6 +880,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_residual_counting),
         cmocka_unit_test(test_reserve_all_or_nothing),
         cmocka_unit_test(test_code_loops),
+        cmocka_unit_test(test_softmax_and_param_loops),
         cmocka_unit_test(test_attention_scalar),
         cmocka_unit_test(test_attention_simd),
     };

@@ -56,6 +56,15 @@ void cpu_qaxpy_scalar(float *y, size_t ys, const float *a, int nq, const uint8_t
                     a[(size_t)g * (size_t)rows + (size_t)r] * (float)kvq_code_get(c + (size_t)r * stride, nbits, i);
 }
 
+void cpu_params_scalar(float *s, float *b, const uint16_t *pr, size_t step, int n, enum be_kvq_codes kind)
+{
+    for (int i = 0; i < n; i++, pr += step) {
+        float scale = f16_to_f32(pr[0]), zero = f16_to_f32(pr[1]);
+        s[i] = scale;
+        b[i] = kind == BE_KVQ_AFFINE_SHIFT ? -zero : -zero * scale;
+    }
+}
+
 void cpu_e4m3_dot_scalar(float *s, const float *x, int nq, const uint8_t *c, size_t stride, int n, int rows)
 {
     for (int g = 0; g < nq; g++)
@@ -80,6 +89,7 @@ const struct cpu_qkern cpu_qkern_scalar = {
     .name = "scalar",
     .qdot = cpu_qdot_scalar,
     .qaxpy = cpu_qaxpy_scalar,
+    .params = cpu_params_scalar,
     .e4m3_dot = cpu_e4m3_dot_scalar,
     .e4m3_axpy = cpu_e4m3_axpy_scalar,
 };
@@ -92,16 +102,11 @@ const struct cpu_qkern *cpu_qkern_for(const struct cpu_kern *k)
 /* The (s, b) of n groups of head kvh in the c*s + b form, from group (row
  * gr, column gc): along the group row, or with down (per-token groups) down
  * the group column, one per token. */
-static void group_params(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk, int kvh, int gr,
-                         int gc, int n, bool down, float *s, float *b)
+static void group_params(const struct cpu_qkern *qk, const struct be_kvq_format *f, const struct be_kvq_half *h,
+                         const void *blk, int kvh, int gr, int gc, int n, bool down, float *s, float *b)
 {
-    const uint16_t *pr = kvq_group_params(f, h, blk, kvh, gr, gc);
     size_t step = down ? 2 * (size_t)(f->head_dim / h->gd) : 2;
-    for (int i = 0; i < n; i++, pr += step) {
-        float scale = f16_to_f32(pr[0]), zero = f16_to_f32(pr[1]);
-        s[i] = scale;
-        b[i] = f->kind == BE_KVQ_AFFINE_SHIFT ? -zero : -zero * scale;
-    }
+    qk->params(s, b, kvq_group_params(f, h, blk, kvh, gr, gc), step, n, f->kind);
 }
 
 /* ---- one piece ------------------------------------------------------------- */
@@ -135,7 +140,7 @@ static void key_scores_rope(struct qattn *a, const void *blk, int64_t pos0, int 
     int D = a->D;
     bool affine = f->kind != BE_KVQ_E4M3;
     if (affine && h->gt > 1) /* per-channel: one group row for the whole chunk */
-        group_params(f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
+        group_params(a->qk, f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
     size_t gbytes = affine && h->gt == 1 ? (size_t)h->gd * (size_t)f->nbits / 8 : 0;
     for (int i = 0; i < n; i++) {
         const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
@@ -147,7 +152,7 @@ static void key_scores_rope(struct qattn *a, const void *blk, int64_t pos0, int 
             for (int d = 0; d < D; d++)
                 a->krow[d] = a->krow[d] * a->ks[d] + a->kb[d];
         } else {
-            group_params(f, h, blk, a->kvh, t0 + i, 0, D / h->gd, false, a->rs, a->rb);
+            group_params(a->qk, f, h, blk, a->kvh, t0 + i, 0, D / h->gd, false, a->rs, a->rb);
             for (int g = 0; g < D / h->gd; g++) {
                 a->qk->qaxpy(a->krow + g * h->gd, 0, &a->rs[g], 1, c + (size_t)g * gbytes, 0, f->nbits, h->gd, 1);
                 for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
@@ -186,7 +191,7 @@ static void key_scores(struct qattn *a, const void *blk, int64_t pos0, int t0, i
         return;
     }
     if (h->gt > 1) { /* per-channel: one group row for the whole chunk */
-        group_params(f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
+        group_params(a->qk, f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
         for (int g = 0; g < nq; g++) {
             float qb = 0.0f;
             for (int d = 0; d < D; d++) {
@@ -208,7 +213,7 @@ static void key_scores(struct qattn *a, const void *blk, int64_t pos0, int t0, i
     memset(a->s, 0, (size_t)nq * (size_t)n * sizeof(float));
     for (int gi = 0; gi < ng; gi++) {
         a->qk->qdot(a->t, a->q + gi * h->gd, (size_t)D, nq, c0 + (size_t)gi * gbytes, stride, f->nbits, h->gd, n);
-        group_params(f, h, blk, a->kvh, t0, gi, n, true, a->rs, a->rb);
+        group_params(a->qk, f, h, blk, a->kvh, t0, gi, n, true, a->rs, a->rb);
         for (int g = 0; g < nq; g++) {
             float qsum = a->qsum[g * ng + gi];
             for (int i = 0; i < n; i++)
@@ -236,7 +241,7 @@ static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
     if (h->gt > 1) {
         memset(a->acc, 0, (size_t)nq * (size_t)D * sizeof(float));
         a->qk->qaxpy(a->acc, (size_t)D, a->s, nq, c0, stride, f->nbits, D, n);
-        group_params(f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
+        group_params(a->qk, f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
         for (int g = 0; g < nq; g++) {
             float psum = 0.0f;
             for (int i = 0; i < n; i++)
@@ -250,7 +255,7 @@ static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
      * call; the zero points add sum p_i * b_i to each channel of the group */
     size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
     for (int gi = 0; gi < D / h->gd; gi++) {
-        group_params(f, h, blk, a->kvh, t0, gi, n, true, a->rs, a->rb);
+        group_params(a->qk, f, h, blk, a->kvh, t0, gi, n, true, a->rs, a->rb);
         for (int g = 0; g < nq; g++) {
             float bsum = 0.0f;
             for (int i = 0; i < n; i++) {

@@ -92,6 +92,25 @@ static void qaxpy_avx512(float *y, size_t ys, const float *a, int nq, const uint
     }
 }
 
+/* Pairs two u16 apart (consecutive): 16 pairs per 64-byte load, the
+ * scales in the low halves, the zeros in the high. */
+static void params_avx512(float *s, float *b, const uint16_t *pr, size_t step, int n, enum be_kvq_codes kind)
+{
+    if (step != 2) {
+        cpu_params_scalar(s, b, pr, step, n, kind);
+        return;
+    }
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512i p = _mm512_maskz_loadu_epi32(m, pr + 2 * i);
+        __m512 sc = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(p));
+        __m512 z = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(p, 16)));
+        __m512 nz = _mm512_sub_ps(_mm512_setzero_ps(), z);
+        _mm512_mask_storeu_ps(s + i, m, sc);
+        _mm512_mask_storeu_ps(b + i, m, kind == BE_KVQ_AFFINE_SHIFT ? nz : _mm512_mul_ps(nz, sc));
+    }
+}
+
 /* fp8.h's conversion in vector form: magnitude bits to f32 bit 20, times
  * 2^120, sign moved to bit 31. */
 static inline __m512 e4m3_16(const uint8_t *c)
@@ -149,6 +168,7 @@ const struct cpu_qkern cpu_qkern_avx512 = {
     .name = "avx512",
     .qdot = qdot_avx512,
     .qaxpy = qaxpy_avx512,
+    .params = params_avx512,
     .e4m3_dot = e4m3_dot_avx512,
     .e4m3_axpy = e4m3_axpy_avx512,
 };

@@ -57,6 +57,10 @@ struct cpu_kern {
                  int nrows);
     /* y[i] *= a */
     void (*scale)(float *y, float a, int n);
+    /* the largest x[i] that is a number, -inf if none: a chunk's softmax max */
+    float (*max)(const float *x, int n);
+    /* s[i] = exp(s[i] - m); returns the sum: a chunk's softmax weights */
+    float (*exp_sum)(float *s, float m, int n);
     /* sum x[i]^2 */
     float (*sumsq)(const float *x, int n);
     /* y[i] = (x[i] * s) * w[i]: the order Hugging Face's RMSNorm rounds in */
@@ -79,6 +83,8 @@ void cpu_dot_scalar(float *s, const float *q, int nq, const char *const *rows, e
 void cpu_axpy_scalar(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
                      int nrows);
 void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n);
+float cpu_max_scalar(const float *x, int n);
+float cpu_exp_sum_scalar(float *s, float m, int n);
 void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
 
 /* Batched matmul for the SIMD levels (gemm.c): panels of W converted to
@@ -216,6 +222,9 @@ struct cpu_qkern {
     /* y[g * ys + i] += sum over rows of a[g * rows + r] * code_i of row r */
     void (*qaxpy)(float *y, size_t ys, const float *a, int nq, const uint8_t *c, size_t stride, int nbits, int n,
                   int rows);
+    /* s[i], b[i]: group i's f16 (scale, zero) pair at pr + i * step as the
+     * c*s + b of codes of kind (affine) */
+    void (*params)(float *s, float *b, const uint16_t *pr, size_t step, int n, enum be_kvq_codes kind);
     /* the same for rows of n e4m3 codes, x and y rows n apart */
     void (*e4m3_dot)(float *s, const float *x, int nq, const uint8_t *c, size_t stride, int n, int rows);
     void (*e4m3_axpy)(float *y, const float *a, int nq, const uint8_t *c, size_t stride, int n, int rows);
@@ -229,6 +238,7 @@ void cpu_qdot_scalar(float *s, const float *x, size_t xs, int nq, const uint8_t 
                      int rows);
 void cpu_qaxpy_scalar(float *y, size_t ys, const float *a, int nq, const uint8_t *c, size_t stride, int nbits, int n,
                       int rows);
+void cpu_params_scalar(float *s, float *b, const uint16_t *pr, size_t step, int n, enum be_kvq_codes kind);
 void cpu_e4m3_dot_scalar(float *s, const float *x, int nq, const uint8_t *c, size_t stride, int n, int rows);
 void cpu_e4m3_axpy_scalar(float *y, const float *a, int nq, const uint8_t *c, size_t stride, int n, int rows);
 

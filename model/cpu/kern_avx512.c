@@ -7,6 +7,7 @@
  * for the column tail so odd sizes need no scalar loop.
  */
 #include <immintrin.h>
+#include <math.h>
 
 #include "model/cpu/cpu.h"
 
@@ -346,6 +347,47 @@ static void scale_avx512(float *y, float a, int n)
     }
 }
 
+static float max_avx512(const float *x, int n)
+{
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < n; i += 16) /* max_ps returns its second operand on a NaN: m */
+        m = _mm512_max_ps(_mm512_mask_loadu_ps(m, tail_mask((size_t)(n - i)), x + i), m);
+    return _mm512_reduce_max_ps(m);
+}
+
+/* exp(x) = 2^k exp(r), k = round(x log2 e), r = x - k ln 2 (ln 2 in two
+ * parts so r keeps its low bits), exp(r) by Cephes expf's polynomial on
+ * |r| <= ln(2)/2: within 2 ulp of expf.  Inputs below -104 give 0, as
+ * expf does, and a NaN stays NaN. */
+static inline __m512 exp16(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+static float exp_sum_avx512(float *s, float m, int n)
+{
+    __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 t = tail_mask((size_t)(n - i));
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, s + i), mv));
+        _mm512_mask_storeu_ps(s + i, t, e);
+        sum = _mm512_mask_add_ps(sum, t, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
 static float sumsq_avx512(const float *x, int n)
 {
     __m512 acc = _mm512_setzero_ps();
@@ -409,6 +451,8 @@ const struct cpu_kern cpu_kern_avx512 = {
     .dot = dot_avx512,
     .axpy = axpy_avx512,
     .scale = scale_avx512,
+    .max = max_avx512,
+    .exp_sum = exp_sum_avx512,
     .sumsq = sumsq_avx512,
     .norm_mul = norm_mul_avx512,
     .add = add_avx512,

@@ -2,6 +2,8 @@
  * AVX2 and the reference the SIMD levels are tested against, so they are
  * written for obviousness, not speed.
  */
+#include <math.h>
+
 #include "model/cpu/cpu.h"
 #include "model/cpu/half.h"
 
@@ -55,6 +57,24 @@ static void scale_scalar(float *y, float a, int n)
         y[i] *= a;
 }
 
+float cpu_max_scalar(const float *x, int n)
+{
+    float m = -INFINITY;
+    for (int i = 0; i < n; i++)
+        m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+float cpu_exp_sum_scalar(float *s, float m, int n)
+{
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return sum;
+}
+
 static float sumsq_scalar(const float *x, int n)
 {
     float acc = 0.0f;
@@ -98,6 +118,8 @@ const struct cpu_kern cpu_kern_scalar = {
     .dot = cpu_dot_scalar,
     .axpy = cpu_axpy_scalar,
     .scale = scale_scalar,
+    .max = cpu_max_scalar,
+    .exp_sum = cpu_exp_sum_scalar,
     .sumsq = sumsq_scalar,
     .norm_mul = norm_mul_scalar,
     .add = add_scalar,

@@ -222,20 +222,14 @@ void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, in
 void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, int nq, int n, int head_dim)
 {
     for (int g = 0; g < nq; g++) {
-        float *sg = s + (size_t)g * (size_t)n, m = pt->m[g], cm = m, l = pt->l[g];
-        for (int i = 0; i < n; i++)
-            cm = sg[i] > cm ? sg[i] : cm;
+        float *sg = s + (size_t)g * (size_t)n, m = pt->m[g], cm = k->max(sg, n);
         if (cm > m) {
             float f = expf(m - cm);
-            l *= f;
+            pt->l[g] *= f;
             k->scale(pt->o + (size_t)g * (size_t)head_dim, f, head_dim);
             pt->m[g] = m = cm;
         }
-        for (int i = 0; i < n; i++) {
-            sg[i] = expf(sg[i] - m); /* the score becomes the value's weight */
-            l += sg[i];
-        }
-        pt->l[g] = l;
+        pt->l[g] += k->exp_sum(sg, m, n); /* the scores become the values' weights */
     }
 }
 
