@@ -325,18 +325,20 @@ static void attend_quantized(struct qattn *a, int64_t k0, int64_t k1)
                 a->qsum[g * ng + gi] = sum;
             }
     }
-    int blk, t0, n = k0 < k1 ? next_chunk(v, chunk, k0, k1, &blk, &t0) : 0;
+    int64_t ahead = k0; /* prefetched below this */
     for (int64_t pos = k0; pos < k1;) {
-        int nblk = 0, nt0 = 0, nn = pos + n < k1 ? next_chunk(v, chunk, pos + n, k1, &nblk, &nt0) : 0;
-        if (nn) { /* the next chunk, while this one computes */
-            prefetch_half(f, &f->k, v->blocks[nblk], a->kvh, nt0, nn);
-            prefetch_half(f, &f->v, v->blocks[nblk], a->kvh, nt0, nn);
+        int blk, t0, n = next_chunk(v, chunk, pos, k1, &blk, &t0);
+        int64_t to = k1 - pos - n > CPU_PREFETCH_KEYS ? pos + n + CPU_PREFETCH_KEYS : k1;
+        for (ahead = ahead > pos + n ? ahead : pos + n; ahead < to;) { /* the next chunks, while this one computes */
+            int pb, pt0, pn = next_chunk(v, chunk, ahead, to, &pb, &pt0);
+            prefetch_half(f, &f->k, v->blocks[pb], a->kvh, pt0, pn);
+            prefetch_half(f, &f->v, v->blocks[pb], a->kvh, pt0, pn);
+            ahead += pn;
         }
         key_scores(a, v->blocks[blk], pos, t0, n);
         cpu_attn_fold(a->k, a->pt, a->s, a->nq, n, a->D);
         value_accumulate(a, v->blocks[blk], t0, n);
         pos += n;
-        blk = nblk, t0 = nt0, n = nn;
     }
 }
 

@@ -158,6 +158,10 @@ static inline void cpu_prefetch(const void *p, size_t bytes)
         __builtin_prefetch((const char *)p + i);
 }
 
+/* How many keys attention prefetches past the chunk it computes: a chunk
+ * of quantized codes computes in less time than memory takes to answer. */
+#define CPU_PREFETCH_KEYS 192
+
 /* ---- attention driver (ops.c), for the dense and the quantized caches ---- */
 
 /* Attention runs per (token, kv head) for the nq = n_heads / n_kv_heads

@@ -263,10 +263,12 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
     float *rot = s + (size_t)nq * ATTN_CHUNK;      /* [ATTN_CHUNK][D] keys rotated at read time */
     float *x = rot + (size_t)ATTN_CHUNK * (size_t)D; /* one key before its rotation */
     const char *rows[ATTN_CHUNK], *keys[ATTN_CHUNK];
+    int64_t ahead = lo; /* prefetched below this */
     for (int64_t c0 = lo; c0 < hi; c0 += ATTN_CHUNK) {
         int n = hi - c0 < ATTN_CHUNK ? (int)(hi - c0) : ATTN_CHUNK;
-        if (c0 + n < hi) /* the next chunk, while this one computes */
-            prefetch_rows(v, kvh, D, esz, c0 + n, hi - c0 - n < ATTN_CHUNK ? hi : c0 + n + ATTN_CHUNK);
+        int64_t from = ahead > c0 + n ? ahead : c0 + n, to = hi - c0 - n > CPU_PREFETCH_KEYS ? c0 + n + CPU_PREFETCH_KEYS : hi;
+        if (from < to) /* the next chunks, while this one computes */
+            prefetch_rows(v, kvh, D, esz, from, ahead = to);
         for (int i = 0; i < n; i++) {
             rows[i] = keys[i] = cpu_key_row(v, c0 + i, kvh, D, esz);
             if (v->key_rope) { /* rotated at its index, once for all nq heads */
