@@ -538,10 +538,12 @@ static void rope_row(const float *t, const float *x, int D, float *out)
 /* rope: the sink strategy's view (keys stored before RoPE, rotated at
  * read time): 3 full-precision sinks in a sink block, then the window from
  * position 30 on, quantized and rest, at cache indices 3, 4, ...  The
- * reference is the dense attention over the same keys decoded, rotated. */
-static void attention_case(be_backend *be, const struct kv_quant_params *p, int window, bool rope)
+ * reference is the dense attention over the same keys decoded, rotated.
+ * N_TOK tokens: a prompt, then 59 decode steps, then 3 queries; past
+ * 1024 keys the attention runs in pieces, spread over the threads. */
+static void attention_case(be_backend *be, const struct kv_quant_params *p, int window, bool rope, const int N_TOK)
 {
-    const int H = 2, NH = 4, D = 32, BT = 8, N_TOK = 83, N_Q = 3;
+    const int H = 2, NH = 4, D = 32, BT = 8, N_Q = 3;
     struct layer_fixture fx;
     layer_open(&fx, p, H, D, BT);
     size_t stride = (size_t)H * D;
@@ -553,11 +555,11 @@ static void attention_case(be_backend *be, const struct kv_quant_params *p, int 
     fill_rows(v, N_TOK, H, D);
     for (int i = 0; i < N_Q * NH * D; i++)
         q[i] = frand();
-    /* prefill 21, then single decodes (flushes every R), then a chunk of 3
+    /* a prompt, then single decodes (flushes every R), then a chunk of 3
      * whose queries are checked */
-    int at = 0;
-    step(&fx, k, v, 21);
-    for (at = 21; at < N_TOK - N_Q; at++)
+    int at = N_TOK - N_Q - 59;
+    step(&fx, k, v, at);
+    for (; at < N_TOK - N_Q; at++)
         step(&fx, k + (size_t)at * stride, v + (size_t)at * stride, 1);
     assert_int_equal(kvq_layer_reserve(fx.l, N_Q), TIER_OK);
     write_rest(&fx, k + (size_t)at * stride, v + (size_t)at * stride, N_Q);
@@ -570,7 +572,8 @@ static void attention_case(be_backend *be, const struct kv_quant_params *p, int 
     struct be_attn_params ap = {.n_heads = NH, .n_kv_heads = H, .head_dim = D, .scale = 1.0f / sqrtf((float)D),
                                 .window = window, .kv_dtype = BE_F32};
     const int S = 3, L0 = 30;
-    float table[N_TOK * D], sink_kv[2 * H * BT * D];
+    float *table = malloc((size_t)N_TOK * D * sizeof(float)), sink_kv[2 * H * BT * D];
+    assert_non_null(table);
     if (rope) {
         for (int j = 0; j < N_TOK; j++)
             for (int i = 0; i < D / 2; i++) {
@@ -626,6 +629,7 @@ static void attention_case(be_backend *be, const struct kv_quant_params *p, int 
     free(v);
     free(K);
     free(V);
+    free(table);
     layer_close(&fx);
 }
 
@@ -651,9 +655,14 @@ static void attention_all(const char *simd)
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         struct kv_quant_params p = params(cases[i].b, cases[i].nbits, cases[i].ak, cases[i].av, cases[i].g, cases[i].r);
-        attention_case(be, &p, 0, false);
-        attention_case(be, &p, 19, false);
-        attention_case(be, &p, 0, true);
+        attention_case(be, &p, 0, false, 83);
+        attention_case(be, &p, 19, false, 83);
+        attention_case(be, &p, 0, true, 83);
+        if (i % 3 == 0 || cases[i].b == KVQ_FP8) { /* quanto 4, hqq 3, hqq 4, fp8, in pieces */
+            attention_case(be, &p, 0, false, 2600);
+            attention_case(be, &p, 1500, false, 2600);
+            attention_case(be, &p, 0, true, 2600);
+        }
     }
     be_free(be);
 }
@@ -668,6 +677,13 @@ static void test_attention_simd(void **state)
 {
     (void)state;
     attention_all("avx512");
+}
+
+/* AVX2: the scalar code loops under the AVX2 dense loops (sinks, rest) */
+static void test_attention_avx2(void **state)
+{
+    (void)state;
+    attention_all("avx2");
 }
 
 /* The SIMD code loops against the scalar ones on every width and tail,
@@ -883,6 +899,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_softmax_and_param_loops),
         cmocka_unit_test(test_attention_scalar),
         cmocka_unit_test(test_attention_simd),
+        cmocka_unit_test(test_attention_avx2),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
