@@ -38,8 +38,9 @@ struct cpu_mm {
     int n, in, out;
 };
 
-/* Floats of matmul scratch per thread: room for a panel of weight rows
- * converted to f32 (levels that use it size their panels to fit). */
+/* Floats of scratch per thread: room for a panel of weight rows converted
+ * to f32 (levels that use it size their panels to fit), or attention's
+ * work area and its pieces' states (CPU_ATTN_WORK below). */
 #define CPU_SCRATCH_FLOATS (256 * 1024)
 
 struct cpu_kern {
