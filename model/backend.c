@@ -462,7 +462,7 @@ static bool key_rope_ok(const struct be_kv_view *v, const struct be_attn_params 
     if (!v->key_rope)
         return true;
     if (!p->key_rope || (p->key_rope_layout != BE_ROPE_NEOX && p->key_rope_layout != BE_ROPE_INTERLEAVED) ||
-        v->sinks < 0 || v->sinks > v->block_tokens || (v->sinks && !v->sink_block) || v->shift < 0)
+        p->head_dim % 2 || v->sinks < 0 || v->sinks > v->block_tokens || (v->sinks && !v->sink_block) || v->shift < 0)
         return false;
     int64_t rows = v->hi - v->shift > v->sinks ? v->hi - v->shift : v->sinks;
     return (v->sinks == 0 || v->lo - v->shift >= v->sinks) && rows <= p->key_rope_rows;

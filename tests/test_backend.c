@@ -554,6 +554,64 @@ static void test_attention_invariance(void **state)
     free(k), free(v), free(q), free(st);
 }
 
+/* Keys whose scores are -inf weigh nothing, even when a whole piece of
+ * them comes first: that piece's state stays empty and the merge takes
+ * the later pieces as they are (it gave NaN before). */
+static void test_attention_inf_piece(void **state)
+{
+    (void)state;
+    enum { HD = 16, T = 64, N = 2600, NB = (N + T - 1) / T, DEAD = 1500 };
+    size_t half = (size_t)T * HD * sizeof(float);
+    float *k = malloc((size_t)N * HD * sizeof(float)), *v = malloc((size_t)N * HD * sizeof(float));
+    float q[HD], out[HD];
+    struct be_tok *st = malloc(N * sizeof(*st));
+    assert_true(k && v && st);
+    fill(v, (size_t)N * HD, 1.0f);
+    fill(k, (size_t)N * HD, 1.0f);
+    for (int t = 0; t < N; t++) {
+        st[t] = (struct be_tok){.view = 0, .pos = t};
+        for (int d = 0; d < HD && t < DEAD; d++) /* q > 0: q.k = -inf for the first DEAD keys */
+            k[(size_t)t * HD + d] = -INFINITY;
+    }
+    for (int d = 0; d < HD; d++)
+        q[d] = 0.5f + 0.03f * (float)d;
+    struct be_attn_params p = {.n_heads = 1, .n_kv_heads = 1, .head_dim = HD, .scale = 0.25f, .kv_dtype = BE_F32};
+    for (int l = 0; l < N_LEVELS; l++) {
+        be_backend *be = levels[l];
+        if (!be)
+            continue;
+        be_buffer *bufs[NB];
+        void *blocks[NB];
+        for (int b = 0; b < NB; b++)
+            blocks[b] = dev(be, 2 * half, &bufs[b]);
+        struct be_kv_view view = {.blocks = blocks, .n_blocks = NB, .block_tokens = T, .v_offset = half, .hi = N};
+        assert_int_equal(be_kv_store(be, &view, st, N, k, v, &p), BE_OK);
+        struct be_tok qt = {.view = 0, .pos = N - 1};
+        assert_int_equal(be_attention(be, out, q, &view, &qt, 1, &p), BE_OK);
+        /* reference: softmax over the live keys only */
+        static double sc[N];
+        double m = -INFINITY, sum = 0.0, o[HD] = {0};
+        for (int t = DEAD; t < N; t++) {
+            sc[t] = 0.0;
+            for (int d = 0; d < HD; d++)
+                sc[t] += (double)q[d] * k[(size_t)t * HD + d];
+            sc[t] *= p.scale;
+            m = sc[t] > m ? sc[t] : m;
+        }
+        for (int t = DEAD; t < N; t++) {
+            double e = exp(sc[t] - m);
+            sum += e;
+            for (int d = 0; d < HD; d++)
+                o[d] += e * v[(size_t)t * HD + d];
+        }
+        for (int d = 0; d < HD; d++)
+            assert_close("attention after a -inf piece", level_names[l], (size_t)d, out[d], o[d] / sum, 8.0 * HD);
+        for (int b = 0; b < NB; b++)
+            be_buffer_free(bufs[b]);
+    }
+    free(k), free(v), free(st);
+}
+
 /* ---- memory, faults, copies --------------------------------------------- */
 
 static void test_device_budget(void **state)
@@ -770,6 +828,16 @@ static void test_bad_kernel_args(void **state)
     view.hi = 4;
     view.lo = -1;
     assert_int_equal(be_attention(be, y, x, &view, &tok, 1, &p), BE_EINVAL);
+    /* keys rotated at read time: a valid view, then an odd head_dim, which has no rotation pairs */
+    float table[4 * 5] = {0};
+    view.lo = 0;
+    view.key_rope = true;
+    p.key_rope = table;
+    p.key_rope_rows = 4;
+    p.key_rope_layout = BE_ROPE_NEOX;
+    assert_int_equal(be_attention(be, y, x, &view, &tok, 1, &p), BE_OK);
+    p.head_dim = 3;
+    assert_int_equal(be_attention(be, y, x, &view, &tok, 1, &p), BE_EINVAL);
 }
 
 int main(void)
@@ -783,6 +851,7 @@ int main(void)
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_invariance),
+        cmocka_unit_test(test_attention_inf_piece),
         cmocka_unit_test(test_device_budget),
         cmocka_unit_test(test_fault_injection),
         cmocka_unit_test(test_copies_events),

@@ -125,14 +125,14 @@ struct qattn {
     float *qs, *acc;      /* [nq][D]: q*s of a group row; per-channel V accumulators */
     float *qsum;          /* [nq][D / gd]: per-token K groups' sums of q */
     float *hv;            /* [nq]: per head q.b, sum of weights, or sum of weight*b */
-    float *ks, *kb, *krow; /* [D]: a group row's (s, b); one key decoded */
+    float *ks, *kb, *krow; /* [D]: a group row's (s, b), or one token row's groups' (s, b); one key decoded */
     float *rs, *rb;       /* [a chunk of rows]: (s, b) of one group of each token row */
-    float *krot;          /* [a chunk of rows][D]: keys decoded and rotated (key_rope views) */
+    float *krot;          /* [QATTN_CHUNK][D]: keys decoded and rotated (key_rope views) */
 };
 
-/* Scores of keys stored before RoPE: key t0 + i (position pos0 + i) is
- * decoded into krow and rotated into row i of krot; then one dot per chunk
- * of rows for all heads. */
+/* Scores of keys stored before RoPE, QATTN_CHUNK keys at a time: key
+ * t0 + i (position pos0 + i) is decoded into krow and rotated into its row
+ * of krot, then one dot for all heads. */
 static void key_scores_rope(struct qattn *a, const void *blk, int64_t pos0, int t0, int n)
 {
     const struct be_kvq_format *f = a->v->fmt;
@@ -142,30 +142,30 @@ static void key_scores_rope(struct qattn *a, const void *blk, int64_t pos0, int 
     if (affine && h->gt > 1) /* per-channel: one group row for the whole chunk */
         group_params(a->qk, f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
     size_t gbytes = affine && h->gt == 1 ? (size_t)h->gd * (size_t)f->nbits / 8 : 0;
-    for (int i = 0; i < n; i++) {
-        const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i);
-        memset(a->krow, 0, (size_t)D * sizeof(float));
-        if (!affine) {
-            a->qk->e4m3_axpy(a->krow, &a->v->scale_k, 1, c, 0, D, 1);
-        } else if (h->gt > 1) {
-            a->qk->qaxpy(a->krow, 0, &(const float){1.0f}, 1, c, 0, f->nbits, D, 1);
-            for (int d = 0; d < D; d++)
-                a->krow[d] = a->krow[d] * a->ks[d] + a->kb[d];
-        } else {
-            group_params(a->qk, f, h, blk, a->kvh, t0 + i, 0, D / h->gd, false, a->rs, a->rb);
-            for (int g = 0; g < D / h->gd; g++) {
-                a->qk->qaxpy(a->krow + g * h->gd, 0, &a->rs[g], 1, c + (size_t)g * gbytes, 0, f->nbits, h->gd, 1);
-                for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
-                    a->krow[d] += a->rb[g];
-            }
-        }
-        cpu_key_rope(a->p, &a->v->rest, pos0 + i, a->krow, a->krot + (size_t)i * (size_t)D);
-    }
     for (int i0 = 0; i0 < n; i0 += QATTN_CHUNK) {
         int m = n - i0 < QATTN_CHUNK ? n - i0 : QATTN_CHUNK;
         const char *rows[QATTN_CHUNK];
-        for (int i = 0; i < m; i++)
-            rows[i] = (const char *)(a->krot + (size_t)(i0 + i) * (size_t)D);
+        for (int i = 0; i < m; i++) {
+            const uint8_t *c = kvq_code_row(f, h, blk, a->kvh, t0 + i0 + i);
+            memset(a->krow, 0, (size_t)D * sizeof(float));
+            if (!affine) {
+                a->qk->e4m3_axpy(a->krow, &a->v->scale_k, 1, c, 0, D, 1);
+            } else if (h->gt > 1) {
+                a->qk->qaxpy(a->krow, 0, &(const float){1.0f}, 1, c, 0, f->nbits, D, 1);
+                for (int d = 0; d < D; d++)
+                    a->krow[d] = a->krow[d] * a->ks[d] + a->kb[d];
+            } else { /* per-token groups: this row's D / gd of them, into ks and kb */
+                group_params(a->qk, f, h, blk, a->kvh, t0 + i0 + i, 0, D / h->gd, false, a->ks, a->kb);
+                for (int g = 0; g < D / h->gd; g++) {
+                    a->qk->qaxpy(a->krow + g * h->gd, 0, &a->ks[g], 1, c + (size_t)g * gbytes, 0, f->nbits, h->gd,
+                                 1);
+                    for (int d = g * h->gd; d < (g + 1) * h->gd; d++)
+                        a->krow[d] += a->kb[g];
+                }
+            }
+            rows[i] = (const char *)(a->krot + (size_t)i * (size_t)D);
+            cpu_key_rope(a->p, &a->v->rest, pos0 + i0 + i, a->krow, a->krot + (size_t)i * (size_t)D);
+        }
         a->k->dot(a->t, a->q, a->nq, rows, BE_F32, D, m);
         for (int g = 0; g < a->nq; g++)
             for (int i = 0; i < m; i++)
@@ -416,8 +416,9 @@ enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const 
     size_t nq = (size_t)(p->n_heads / p->n_kv_heads), D = (size_t)p->head_dim;
     for (int t = 0; t < n_tok; t++) {
         size_t rows = (size_t)chunk_rows(views[toks[t].view].fmt);
-        if (cpu_attend_span_work(p) + 2 * nq * rows + 3 * nq * D + nq + 3 * D + 2 * rows + rows * D > CPU_ATTN_WORK)
-            return BE_ENOTSUP; /* far beyond any model: a block of 1000 tokens of 128-wide heads */
+        if (cpu_attend_span_work(p) + 2 * nq * rows + 3 * nq * D + nq + 3 * D + 2 * rows + QATTN_CHUNK * D >
+            CPU_ATTN_WORK)
+            return BE_ENOTSUP; /* far beyond any model: 60 query heads per kv head and 1024-token groups */
     }
     struct cpu_attn_src src = {.p = p, .views = views, .n_keys = quant_n_keys, .piece = quant_piece};
     return cpu_attn_run(ctx, &src, out, q, toks, n_tok);

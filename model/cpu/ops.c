@@ -229,6 +229,10 @@ void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s,
             k->scale(pt->o + (size_t)g * (size_t)head_dim, f, head_dim);
             pt->m[g] = m = cm;
         }
+        if (m == -INFINITY) { /* no score above -inf yet: these keys weigh nothing */
+            memset(sg, 0, (size_t)n * sizeof(float));
+            continue;
+        }
         pt->l[g] += k->exp_sum(sg, m, n); /* the scores become the values' weights */
     }
 }
@@ -266,7 +270,8 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
     int64_t ahead = lo; /* prefetched below this */
     for (int64_t c0 = lo; c0 < hi; c0 += ATTN_CHUNK) {
         int n = hi - c0 < ATTN_CHUNK ? (int)(hi - c0) : ATTN_CHUNK;
-        int64_t from = ahead > c0 + n ? ahead : c0 + n, to = hi - c0 - n > CPU_PREFETCH_KEYS ? c0 + n + CPU_PREFETCH_KEYS : hi;
+        int64_t from = ahead > c0 + n ? ahead : c0 + n;
+        int64_t to = hi - c0 - n > CPU_PREFETCH_KEYS ? c0 + n + CPU_PREFETCH_KEYS : hi;
         if (from < to) /* the next chunks, while this one computes */
             prefetch_rows(v, kvh, D, esz, from, ahead = to);
         for (int i = 0; i < n; i++) {
