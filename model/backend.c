@@ -507,7 +507,8 @@ static bool kvq_view_ok(const struct be_kvq_view *v, const struct be_attn_params
     if (f && (f->n_kv_heads != p->n_kv_heads || f->head_dim != p->head_dim || f->block_tokens <= 0 ||
         f->nbits < 1 || f->nbits > 8 || (f->head_dim * f->nbits) % 8 ||
         (f->kind != BE_KVQ_AFFINE_SHIFT && f->kind != BE_KVQ_AFFINE_ZERO && f->kind != BE_KVQ_E4M3) ||
-        (f->kind == BE_KVQ_E4M3 && f->nbits != 8) || !kvq_half_ok(f, &f->k) || !kvq_half_ok(f, &f->v)))
+        (f->kind == BE_KVQ_E4M3 && f->nbits != 8) || !kvq_half_ok(f, &f->k) || !kvq_half_ok(f, &f->v) ||
+        (f->k.gt > 1 && f->v.gt > 1 && f->k.gt != f->v.gt))) /* a chunk of keys is one group row of each */
         return false;
     if ((!v->blocks && v->n_blocks) || v->n_blocks < 0 || (!f && v->n_blocks))
         return false;

@@ -190,7 +190,8 @@ enum be_kvq_codes {
  * row of one head is contiguous and starts on a byte.  Affine parameters:
  * the group holding (h, t, d) spans gt tokens x gd channels (per-token
  * groups 1 x G, per-channel groups G x 1), and its (scale, zero) pair of f16
- * is pair number (h*(T/gt) + t/gt)*(D/gd) + d/gd at `params` bytes. */
+ * is pair number (h*(T/gt) + t/gt)*(D/gd) + d/gd at `params` bytes.  When
+ * both halves are per-channel their gt is the same. */
 struct be_kvq_half {
     int gt, gd;
     size_t codes, params;

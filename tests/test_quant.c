@@ -595,6 +595,14 @@ static void attention_shape(be_backend *be, const struct kv_quant_params *p, int
         ap.key_rope_layout = BE_ROPE_NEOX;
     }
     assert_int_equal(be_attention_quant(be, out, q, &view, toks, N_Q, &ap), BE_OK);
+    if (view.fmt && view.fmt->k.gt > 1 && view.fmt->v.gt > 1) { /* per-channel K and V of different heights */
+        struct be_kvq_format odd = *view.fmt;
+        const struct be_kvq_format *fmt = view.fmt;
+        odd.v.gt = odd.k.gt / 2;
+        view.fmt = &odd;
+        assert_int_equal(be_attention_quant(be, out, q, &view, toks, N_Q, &ap), BE_EINVAL);
+        view.fmt = fmt;
+    }
     /* reference: the contents attention saw, decoded, dense (before the
      * commit, which may quantize a reopened group row again) */
     layer_contents(&fx, k, v, at + N_Q, K, V);
