@@ -109,6 +109,21 @@ static void group_params(const struct cpu_qkern *qk, const struct be_kvq_format 
     qk->params(s, b, kvq_group_params(f, h, blk, kvh, gr, gc), step, n, f->kind);
 }
 
+/* For each of nq heads: y[g][i] = x[g][i] * s[i], and hv[g] = sum x[g][i] * b[i]
+ * (len elements a head): the groups' scales folded into x, their zero
+ * points into one sum per head. */
+static void fold_params(float *y, float *hv, const float *x, const float *s, const float *b, int nq, int len)
+{
+    for (int g = 0; g < nq; g++) {
+        float sum = 0.0f;
+        for (int i = 0; i < len; i++) {
+            y[g * len + i] = x[g * len + i] * s[i];
+            sum += x[g * len + i] * b[i];
+        }
+        hv[g] = sum;
+    }
+}
+
 /* ---- one piece ------------------------------------------------------------- */
 
 /* A piece of one token's attention for the nq query heads of kv head kvh,
@@ -192,14 +207,7 @@ static void key_scores(struct qattn *a, const void *blk, int64_t pos0, int t0, i
     }
     if (h->gt > 1) { /* per-channel: one group row for the whole chunk */
         group_params(a->qk, f, h, blk, a->kvh, t0 / h->gt, 0, D, false, a->ks, a->kb);
-        for (int g = 0; g < nq; g++) {
-            float qb = 0.0f;
-            for (int d = 0; d < D; d++) {
-                a->qs[g * D + d] = a->q[g * D + d] * a->ks[d];
-                qb += a->q[g * D + d] * a->kb[d];
-            }
-            a->hv[g] = qb;
-        }
+        fold_params(a->qs, a->hv, a->q, a->ks, a->kb, nq, D);
         a->qk->qdot(a->s, a->qs, (size_t)D, nq, c0, stride, f->nbits, D, n);
         for (int g = 0; g < nq; g++)
             for (int i = 0; i < n; i++)
@@ -256,14 +264,7 @@ static void value_accumulate(struct qattn *a, const void *blk, int t0, int n)
     size_t gbytes = (size_t)h->gd * (size_t)f->nbits / 8;
     for (int gi = 0; gi < D / h->gd; gi++) {
         group_params(a->qk, f, h, blk, a->kvh, t0, gi, n, true, a->rs, a->rb);
-        for (int g = 0; g < nq; g++) {
-            float bsum = 0.0f;
-            for (int i = 0; i < n; i++) {
-                a->t[g * n + i] = a->s[g * n + i] * a->rs[i];
-                bsum += a->s[g * n + i] * a->rb[i];
-            }
-            a->hv[g] = bsum;
-        }
+        fold_params(a->t, a->hv, a->s, a->rs, a->rb, nq, n);
         a->qk->qaxpy(o + gi * h->gd, (size_t)D, a->t, nq, c0 + (size_t)gi * gbytes, stride, f->nbits, h->gd, n);
         for (int g = 0; g < nq; g++)
             for (int d = gi * h->gd; d < (gi + 1) * h->gd; d++)

@@ -47,13 +47,33 @@ static inline bool vector_bits(int nbits)
     return nbits == 8 || nbits == 4 || nbits == 2 || nbits == 1;
 }
 
-/* Up to 16 rows of codes, codes c0 .. c0+nc of each, widened into w as
- * cpu_dot16_avx512 and cpu_axpy16_avx512 read them. */
-static void widen16(float *w, const uint8_t *c, size_t stride, int nbits, int nr, int c0, int nc)
+/* fp8.h's conversion in vector form: magnitude bits to f32 bit 20, times
+ * 2^120, sign moved to bit 31. */
+static inline __m512 e4m3_16(const uint8_t *c)
 {
-    for (int r = 0; r < nr; r++)
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
+/* Rows of codes stride bytes apart; nbits 0: e4m3 bytes. */
+struct code_rows {
+    const uint8_t *c;
+    size_t stride;
+    int nbits;
+};
+
+static void widen_codes(float *w, const void *src, int r0, int nr, int c0, int nc)
+{
+    const struct code_rows *t = src;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *row = t->c + (size_t)(r0 + r) * t->stride;
         for (int i = 0; i < nc; i += 16)
-            _mm512_store_ps(w + r * CPU_ROWS16_COLS + i, codes16(c + (size_t)r * stride, nbits, (c0 + i) / 16));
+            _mm512_store_ps(w + r * CPU_ROWS16_COLS + i,
+                            t->nbits ? codes16(row, t->nbits, (c0 + i) / 16) : e4m3_16(row + c0 + i));
+    }
 }
 
 static void qdot_avx512(float *s, const float *x, size_t xs, int nq, const uint8_t *c, size_t stride, int nbits, int n,
@@ -63,15 +83,8 @@ static void qdot_avx512(float *s, const float *x, size_t xs, int nq, const uint8
         cpu_qdot_scalar(s, x, xs, nq, c, stride, nbits, n, rows);
         return;
     }
-    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
-    for (int r0 = 0; r0 < rows; r0 += 16) {
-        int nr = rows - r0 < 16 ? rows - r0 : 16;
-        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
-            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
-            widen16(w, c + (size_t)r0 * stride, stride, nbits, nr, c0, nc);
-            cpu_dot16_avx512(s + r0, (size_t)rows, x + c0, xs, nq, w, nr, nc, c0 > 0);
-        }
-    }
+    struct code_rows t = {.c = c, .stride = stride, .nbits = nbits};
+    cpu_tiles_avx512(true, s, 0, x, xs, nq, widen_codes, &t, n, rows);
 }
 
 static void qaxpy_avx512(float *y, size_t ys, const float *a, int nq, const uint8_t *c, size_t stride, int nbits, int n,
@@ -81,15 +94,8 @@ static void qaxpy_avx512(float *y, size_t ys, const float *a, int nq, const uint
         cpu_qaxpy_scalar(y, ys, a, nq, c, stride, nbits, n, rows);
         return;
     }
-    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
-    for (int r0 = 0; r0 < rows; r0 += 16) {
-        int nr = rows - r0 < 16 ? rows - r0 : 16;
-        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
-            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
-            widen16(w, c + (size_t)r0 * stride, stride, nbits, nr, c0, nc);
-            cpu_axpy16_avx512(y + c0, ys, a + r0, (size_t)rows, nq, w, nr, nc);
-        }
-    }
+    struct code_rows t = {.c = c, .stride = stride, .nbits = nbits};
+    cpu_tiles_avx512(false, y, ys, a, 0, nq, widen_codes, &t, n, rows);
 }
 
 /* Pairs two u16 apart (consecutive): 16 pairs per 64-byte load, the
@@ -111,40 +117,14 @@ static void params_avx512(float *s, float *b, const uint16_t *pr, size_t step, i
     }
 }
 
-/* fp8.h's conversion in vector form: magnitude bits to f32 bit 20, times
- * 2^120, sign moved to bit 31. */
-static inline __m512 e4m3_16(const uint8_t *c)
-{
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-    __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
-}
-
-/* Up to 16 rows of e4m3 codes, c0 .. c0+nc of each, widened into w. */
-static void widen16_e4m3(float *w, const uint8_t *c, size_t stride, int nr, int c0, int nc)
-{
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < nc; i += 16)
-            _mm512_store_ps(w + r * CPU_ROWS16_COLS + i, e4m3_16(c + (size_t)r * stride + c0 + i));
-}
-
 static void e4m3_dot_avx512(float *s, const float *x, int nq, const uint8_t *c, size_t stride, int n, int rows)
 {
     if (n % 16) {
         cpu_e4m3_dot_scalar(s, x, nq, c, stride, n, rows);
         return;
     }
-    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
-    for (int r0 = 0; r0 < rows; r0 += 16) {
-        int nr = rows - r0 < 16 ? rows - r0 : 16;
-        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
-            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
-            widen16_e4m3(w, c + (size_t)r0 * stride, stride, nr, c0, nc);
-            cpu_dot16_avx512(s + r0, (size_t)rows, x + c0, (size_t)n, nq, w, nr, nc, c0 > 0);
-        }
-    }
+    struct code_rows t = {.c = c, .stride = stride};
+    cpu_tiles_avx512(true, s, 0, x, (size_t)n, nq, widen_codes, &t, n, rows);
 }
 
 static void e4m3_axpy_avx512(float *y, const float *a, int nq, const uint8_t *c, size_t stride, int n, int rows)
@@ -153,15 +133,8 @@ static void e4m3_axpy_avx512(float *y, const float *a, int nq, const uint8_t *c,
         cpu_e4m3_axpy_scalar(y, a, nq, c, stride, n, rows);
         return;
     }
-    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
-    for (int r0 = 0; r0 < rows; r0 += 16) {
-        int nr = rows - r0 < 16 ? rows - r0 : 16;
-        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
-            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
-            widen16_e4m3(w, c + (size_t)r0 * stride, stride, nr, c0, nc);
-            cpu_axpy16_avx512(y + c0, (size_t)n, a + r0, (size_t)rows, nq, w, nr, nc);
-        }
-    }
+    struct code_rows t = {.c = c, .stride = stride};
+    cpu_tiles_avx512(false, y, (size_t)n, a, 0, nq, widen_codes, &t, n, rows);
 }
 
 const struct cpu_qkern cpu_qkern_avx512 = {

@@ -99,16 +99,18 @@ void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
 void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
                        void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n));
 
-/* AVX-512 loops over up to 16 f32 rows w (row r at r * CPU_ROWS16_COLS,
- * n <= CPU_ROWS16_COLS columns, 64-byte aligned) for nq vectors, shared by
- * the dense and the quantized kernels, which first widen a chunk of rows
- * into w once for all nq query heads:
- *   dot16:  s[g * ss + r] = (add ? s[g * ss + r] : 0) + sum_i x[g * xs + i] * w[r][i]
- *   axpy16: y[g * ys + i] += sum over r < nr of a[g * as + r] * w[r][i] */
+/* AVX-512 tiles, shared by the dense and the quantized kernels: rows are
+ * widened 16 at a time, up to CPU_ROWS16_COLS columns each, into an f32
+ * tile (row r at w + r * CPU_ROWS16_COLS, 64-byte aligned; zero past nc)
+ * that every one of the nq query heads then reads.  widen fills a tile
+ * from rows r0 .. r0+nr, columns c0 .. c0+nc of src, whatever src holds. */
 #define CPU_ROWS16_COLS 128
-void cpu_dot16_avx512(float *s, size_t ss, const float *x, size_t xs, int nq, const float *w, int nr, int n,
-                      bool add);
-void cpu_axpy16_avx512(float *y, size_t ys, const float *a, size_t as, int nq, const float *w, int nr, int n);
+typedef void cpu_widen16_fn(float *w, const void *src, int r0, int nr, int c0, int nc);
+/* dot:  out[g * rows + r] = sum_i in[g * is + i] * row r [i]
+ * axpy: out[g * os + i] += sum over r of in[g * rows + r] * row r [i]
+ * for g < nq over rows rows of n columns. */
+void cpu_tiles_avx512(bool dot, float *out, size_t os, const float *in, size_t is, int nq, cpu_widen16_fn *widen,
+                      const void *src, int n, int rows);
 
 /* Picks the table: $KVTIER_SIMD (scalar|avx2|avx512) when set and the CPU
  * can run it, else the best the CPU supports.  NULL when $KVTIER_SIMD

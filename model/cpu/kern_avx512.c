@@ -243,8 +243,8 @@ static inline __m512 hsum16(const __m512 a[16])
                          _mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-void cpu_dot16_avx512(float *s, size_t ss, const float *x, size_t xs, int nq, const float *w, int nr, int n,
-                      bool add)
+/* s[g * ss + r] = (add ? s[g * ss + r] : 0) + x[g] . row r of the tile, r < nr */
+static void dot16(float *s, size_t ss, const float *x, size_t xs, int nq, const float *w, int nr, int n, bool add)
 {
     __mmask16 keep = (__mmask16)((1u << nr) - 1);
     for (int g = 0; g < nq; g++, x += xs, s += ss) {
@@ -289,7 +289,8 @@ static inline __attribute__((always_inline)) void axpy16_heads(float *y, size_t 
     }
 }
 
-void cpu_axpy16_avx512(float *y, size_t ys, const float *a, size_t as, int nq, const float *w, int nr, int n)
+/* y[g * ys + i] += sum over r < nr of a[g * as + r] * row r of the tile [i] */
+static void axpy16(float *y, size_t ys, const float *a, size_t as, int nq, const float *w, int nr, int n)
 {
     int g = 0;
     for (; g + 4 <= nq; g += 4)
@@ -301,41 +302,50 @@ void cpu_axpy16_avx512(float *y, size_t ys, const float *a, size_t as, int nq, c
     }
 }
 
-/* Rows r0 .. r0+nr (nr <= 16), columns c0 .. c0+nc of rows (+ off), widened
- * into w (row r at r * CPU_ROWS16_COLS, zero past nc). */
-static void widen16(float *w, const char *const *rows, size_t off, enum be_dtype dt, int nr, int c0, int nc)
+void cpu_tiles_avx512(bool dot, float *out, size_t os, const float *in, size_t is, int nq, cpu_widen16_fn *widen,
+                      const void *src, int n, int rows)
 {
+    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        int nr = rows - r0 < 16 ? rows - r0 : 16;
+        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
+            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
+            widen(w, src, r0, nr, c0, nc);
+            if (dot)
+                dot16(out + r0, (size_t)rows, in + c0, is, nq, w, nr, nc, c0 > 0);
+            else
+                axpy16(out + c0, os, in + r0, (size_t)rows, nq, w, nr, nc);
+        }
+    }
+}
+
+/* Rows of dt through pointers, V at + off. */
+struct typed_rows {
+    const char *const *rows;
+    size_t off;
+    enum be_dtype dt;
+};
+
+static void widen_typed(float *w, const void *src, int r0, int nr, int c0, int nc)
+{
+    const struct typed_rows *t = src;
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < nc; i += 16)
             _mm512_store_ps(w + r * CPU_ROWS16_COLS + i,
-                            load16(rows[r] + off, dt, (size_t)(c0 + i), tail_mask((size_t)(nc - i))));
+                            load16(t->rows[r0 + r] + t->off, t->dt, (size_t)(c0 + i), tail_mask((size_t)(nc - i))));
 }
 
 static void dot_avx512(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n, int nrows)
 {
-    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
-    for (int r0 = 0; r0 < nrows; r0 += 16) {
-        int nr = nrows - r0 < 16 ? nrows - r0 : 16;
-        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
-            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
-            widen16(w, rows + r0, 0, dt, nr, c0, nc);
-            cpu_dot16_avx512(s + r0, (size_t)nrows, q + c0, (size_t)n, nq, w, nr, nc, c0 > 0);
-        }
-    }
+    struct typed_rows t = {.rows = rows, .dt = dt};
+    cpu_tiles_avx512(true, s, 0, q, (size_t)n, nq, widen_typed, &t, n, nrows);
 }
 
 static void axpy_avx512(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
                         int nrows)
 {
-    _Alignas(64) float w[16 * CPU_ROWS16_COLS];
-    for (int r0 = 0; r0 < nrows; r0 += 16) {
-        int nr = nrows - r0 < 16 ? nrows - r0 : 16;
-        for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
-            int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
-            widen16(w, rows + r0, off, dt, nr, c0, nc);
-            cpu_axpy16_avx512(y + c0, (size_t)n, a + r0, (size_t)nrows, nq, w, nr, nc);
-        }
-    }
+    struct typed_rows t = {.rows = rows, .off = off, .dt = dt};
+    cpu_tiles_avx512(false, y, (size_t)n, a, 0, nq, widen_typed, &t, n, nrows);
 }
 
 static void scale_avx512(float *y, float a, int n)
