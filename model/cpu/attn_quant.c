@@ -374,6 +374,27 @@ static int64_t quant_n_keys(const struct cpu_attn_src *s, const struct be_tok *t
     return qkeys(s->p, (const struct be_kvq_view *)s->views + t->view, t->pos, &kk);
 }
 
+/* Lays a's arrays out from base, after cpu_attend_span's work area (NULL:
+ * only counts); returns the floats they take. */
+static size_t qattn_carve(struct qattn *a, float *base, size_t nq, size_t D, size_t rows)
+{
+    struct {
+        float **at;
+        size_t n;
+    } arrays[] = {
+        {&a->s, nq * rows}, {&a->t, nq * rows}, {&a->qs, nq * D},  {&a->acc, nq * D}, {&a->qsum, nq * D},
+        {&a->hv, nq},       {&a->ks, D},        {&a->kb, D},       {&a->krow, D},     {&a->rs, rows},
+        {&a->rb, rows},     {&a->krot, QATTN_CHUNK * D},
+    };
+    size_t used = 0;
+    for (size_t i = 0; i < sizeof(arrays) / sizeof(arrays[0]); i++) {
+        if (base)
+            *arrays[i].at = base + used;
+        used += arrays[i].n;
+    }
+    return used;
+}
+
 static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *t, int kvh,
                         const float *q, int64_t c0, int64_t c1, struct cpu_attn_part *pt, float *scratch)
 {
@@ -383,18 +404,7 @@ static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
     qkeys(p, v, t->pos, &kk);
     int D = p->head_dim, nq = p->n_heads / p->n_kv_heads, rows = chunk_rows(v->fmt);
     struct qattn a = {.k = k, .qk = cpu_qkern_for(k), .p = p, .v = v, .kvh = kvh, .nq = nq, .D = D, .q = q, .pt = pt};
-    a.s = scratch + cpu_attend_span_work(p);
-    a.t = a.s + (size_t)nq * (size_t)rows;
-    a.qs = a.t + (size_t)nq * (size_t)rows;
-    a.acc = a.qs + (size_t)nq * (size_t)D;
-    a.qsum = a.acc + (size_t)nq * (size_t)D;
-    a.hv = a.qsum + (size_t)nq * (size_t)D;
-    a.ks = a.hv + nq;
-    a.kb = a.ks + D;
-    a.krow = a.kb + D;
-    a.rs = a.krow + D;
-    a.rb = a.rs + rows;
-    a.krot = a.rb + rows;
+    qattn_carve(&a, scratch + cpu_attend_span_work(p), (size_t)nq, (size_t)D, (size_t)rows);
     /* the three runs of the key order, each cut to [c0, c1) */
     int64_t n_q = kk.qhi - kk.qlo, at[4] = {0, kk.sinks, kk.sinks + n_q, kk.sinks + n_q + (kk.rhi - kk.rlo)};
     int64_t from[3] = {0, kk.qlo, kk.rlo};
@@ -416,9 +426,9 @@ enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const 
 {
     size_t nq = (size_t)(p->n_heads / p->n_kv_heads), D = (size_t)p->head_dim;
     for (int t = 0; t < n_tok; t++) {
+        struct qattn a;
         size_t rows = (size_t)chunk_rows(views[toks[t].view].fmt);
-        if (cpu_attend_span_work(p) + 2 * nq * rows + 3 * nq * D + nq + 3 * D + 2 * rows + QATTN_CHUNK * D >
-            CPU_ATTN_WORK)
+        if (cpu_attend_span_work(p) + qattn_carve(&a, NULL, nq, D, rows) > CPU_ATTN_WORK)
             return BE_ENOTSUP; /* far beyond any model: 60 query heads per kv head and 1024-token groups */
     }
     struct cpu_attn_src src = {.p = p, .views = views, .n_keys = quant_n_keys, .piece = quant_piece};

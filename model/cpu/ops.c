@@ -333,9 +333,9 @@ static void part_clear(struct cpu_attn_part *pt, int nq, int D)
     memset(pt->o, 0, (size_t)nq * (size_t)D * sizeof(float));
 }
 
-/* acc becomes the softmax over both pieces' keys. */
-static void part_merge(const struct cpu_kern *k, struct cpu_attn_part *acc, const struct cpu_attn_part *pt, int nq,
-                       int D)
+/* acc becomes the softmax over both pieces' keys (once per piece: a
+ * plain loop). */
+static void part_merge(struct cpu_attn_part *acc, const struct cpu_attn_part *pt, int nq, int D)
 {
     for (int g = 0; g < nq; g++) {
         float m = acc->m[g] > pt->m[g] ? acc->m[g] : pt->m[g];
@@ -343,8 +343,9 @@ static void part_merge(const struct cpu_kern *k, struct cpu_attn_part *acc, cons
             continue;
         float fa = expf(acc->m[g] - m), fb = expf(pt->m[g] - m);
         float *o = acc->o + (size_t)g * (size_t)D;
-        k->scale(o, fa, D);
-        k->axpy(o, &fb, 1, &(const char *){(const char *)(pt->o + (size_t)g * (size_t)D)}, 0, BE_F32, D, 1);
+        const float *po = pt->o + (size_t)g * (size_t)D;
+        for (int i = 0; i < D; i++)
+            o[i] = o[i] * fa + po[i] * fb;
         acc->l[g] = acc->l[g] * fa + pt->l[g] * fb;
         acc->m[g] = m;
     }
@@ -362,11 +363,11 @@ static void part_finish(const struct cpu_kern *k, const struct cpu_attn_part *pt
     }
 }
 
-/* Keys [n*i/R, n*(i+1)/R) of pair u: piece i of R. */
-static void run_piece(struct attn_run *r, size_t u, int64_t i, int64_t R, struct cpu_attn_part *pt, float *scratch)
+/* Keys [n*i/R, n*(i+1)/R) of pair u's n keys: piece i of R. */
+static void run_piece(struct attn_run *r, size_t u, int64_t n, int64_t i, int64_t R, struct cpu_attn_part *pt,
+                      float *scratch)
 {
     const struct be_tok *tok = &r->toks[u / (size_t)r->n_kv];
-    int64_t n = r->src->n_keys(r->src, tok);
     part_clear(pt, r->nq, r->D);
     r->src->piece(r->src, cpu_ctx_kern(r->c), tok, (int)(u % (size_t)r->n_kv), r->q + u * r->nq * (size_t)r->D,
                   n * i / R, n * (i + 1) / R, pt, scratch);
@@ -384,14 +385,14 @@ static void attend_pair(struct attn_run *r, size_t u, float *scratch)
 {
     const struct cpu_kern *k = cpu_ctx_kern(r->c);
     float *out = r->out + u * r->nq * (size_t)r->D, *mem = scratch + CPU_ATTN_WORK;
-    int64_t R = n_pieces(r->src->n_keys(r->src, &r->toks[u / (size_t)r->n_kv]));
+    int64_t n = r->src->n_keys(r->src, &r->toks[u / (size_t)r->n_kv]), R = n_pieces(n);
     struct cpu_attn_part acc, pt;
     part_at(&acc, mem, R == 1 ? out : NULL, r->nq);
-    run_piece(r, u, 0, R, &acc, scratch);
+    run_piece(r, u, n, 0, R, &acc, scratch);
     for (int64_t i = 1; i < R; i++) {
         part_at(&pt, mem + r->part, NULL, r->nq);
-        run_piece(r, u, i, R, &pt, scratch);
-        part_merge(k, &acc, &pt, r->nq, r->D);
+        run_piece(r, u, n, i, R, &pt, scratch);
+        part_merge(&acc, &pt, r->nq, r->D);
     }
     part_finish(k, &acc, out, r->nq, r->D);
 }
@@ -403,7 +404,8 @@ static void attend_item(struct attn_run *r, size_t i, float *scratch)
         u++;
     struct cpu_attn_part pt;
     part_at(&pt, item_state(r, i), NULL, r->nq);
-    run_piece(r, u, (int64_t)(i - r->first[u]), (int64_t)(r->first[u + 1] - r->first[u]), &pt, scratch);
+    run_piece(r, u, r->src->n_keys(r->src, &r->toks[u / (size_t)r->n_kv]), (int64_t)(i - r->first[u]),
+              (int64_t)(r->first[u + 1] - r->first[u]), &pt, scratch);
 }
 
 static void attn_job(void *arg, int ith, int nth)
@@ -452,7 +454,7 @@ enum be_status cpu_attn_run(struct cpu_ctx *c, const struct cpu_attn_src *src, f
         part_at(&acc, item_state(&r, r.first[u]), NULL, r.nq);
         for (size_t i = r.first[u] + 1; i < r.first[u + 1]; i++) {
             part_at(&pt, item_state(&r, i), NULL, r.nq);
-            part_merge(k, &acc, &pt, r.nq, r.D);
+            part_merge(&acc, &pt, r.nq, r.D);
         }
         part_finish(k, &acc, out + u * r.nq * (size_t)r.D, r.nq, r.D);
     }
