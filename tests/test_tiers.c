@@ -470,6 +470,18 @@ static void decode(struct rig *r, kv_seq *q, float *row, int n, int32_t *toks)
     }
 }
 
+/* The prompt toks[0, N_PROMPT), then n greedy tokens appended to toks,
+ * keeping every step's logits: logits[n + 1][vocab]. */
+static void greedy_logits(struct rig *r, kv_seq *q, int32_t *toks, int n, float *logits)
+{
+    int nv = vocab(r);
+    feed(r, q, toks, N_PROMPT, logits);
+    for (int i = 0; i < n; i++) {
+        toks[N_PROMPT + i] = argmax(logits + (size_t)i * nv, nv);
+        feed(r, q, &toks[N_PROMPT + i], 1, logits + (size_t)(i + 1) * nv);
+    }
+}
+
 /* Crop then regenerate gives the tokens and logits of never having
  * generated the cropped tokens, for every strategy crop applies to; a
  * sliding model needs past recording (refused without it, and on static
@@ -708,8 +720,9 @@ static void test_sink_bounded(void **state)
     rig_open_dir(&r, "model/builtin", 0, 0);
     struct kv_seq_params p = {.sink = true, .window_length = 64, .num_sink_tokens = 4};
     struct kv_geom g = model_kv_geom(r.m);
-    size_t block = 2 * (size_t)g.n_kv_heads * 32 * (size_t)g.head_dim * sizeof(float);
-    sink_bounded(&r, &p, (size_t)g.n_layers * ((64 - 4 + 31) / 32 + 2) * block, 64 + 2 * 32);
+    int bt = kv_store_block_tokens(r.store);
+    size_t block = 2 * (size_t)g.n_kv_heads * (size_t)bt * (size_t)g.head_dim * sizeof(float);
+    sink_bounded(&r, &p, (size_t)g.n_layers * (size_t)((64 - 4 + bt - 1) / bt + 2) * block, 64 + 2 * bt);
     rig_close(&r);
 }
 
@@ -728,11 +741,11 @@ static void test_sink_quantized_bounded(void **state)
     struct kv_geom g = model_kv_geom(r.m);
     struct be_kvq_format f;
     struct kvq_error e;
-    int T = kvq_block_tokens(&p.quant, 32);
+    int bt = kv_store_block_tokens(r.store), T = kvq_block_tokens(&p.quant, bt);
     assert_int_equal(kvq_format_init(&f, &p.quant, g.n_kv_heads, g.head_dim, T, &e), TIER_OK);
-    size_t block = 2 * (size_t)g.n_kv_heads * 32 * (size_t)g.head_dim * sizeof(float);
+    size_t block = 2 * (size_t)g.n_kv_heads * (size_t)bt * (size_t)g.head_dim * sizeof(float);
     size_t per_layer = block + (size_t)((64 - 4 + T - 1) / T + 2) * f.block_bytes +
-                       (size_t)((p.quant.residual_length + 31) / 32 + 2) * block;
+                       (size_t)((p.quant.residual_length + bt - 1) / bt + 2) * block;
     sink_bounded(&r, &p, (size_t)g.n_layers * per_layer, 64 + 3 * p.quant.residual_length);
     rig_close(&r);
 }
@@ -787,11 +800,7 @@ static void test_sink_quantized_logits(void **state)
     prompt_of(9, toks);
     float *dense = malloc((size_t)(n + 1) * (size_t)nv * sizeof(float));
     assert_non_null(dense);
-    feed(&r, q, toks, N_PROMPT, dense);
-    for (int i = 0; i < n; i++) {
-        toks[N_PROMPT + i] = argmax(dense + (size_t)i * nv, nv);
-        feed(&r, q, &toks[N_PROMPT + i], 1, dense + (size_t)(i + 1) * nv);
-    }
+    greedy_logits(&r, q, toks, n, dense);
     kv_seq_free(q);
     double e8 = sink_quantized_error(&r, toks, n, dense, 8), e2 = sink_quantized_error(&r, toks, n, dense, 2);
     print_message("sink + quantized vs dense sink logits: int8 %.2g, int2 %.2g of the largest logit\n", e8, e2);
@@ -828,12 +837,7 @@ static void test_sink_quantized_batch(void **state)
         kv_seq *q;
         assert_int_equal(kv_seq_create(r.store, &ps[k], &q), TIER_OK);
         prompt_of(k, toks[k]);
-        float *a = alone + (size_t)k * (size_t)(n + 1) * (size_t)nv;
-        feed(&r, q, toks[k], N_PROMPT, a);
-        for (int i = 0; i < n; i++) {
-            toks[k][N_PROMPT + i] = argmax(a + (size_t)i * nv, nv);
-            feed(&r, q, &toks[k][N_PROMPT + i], 1, a + (size_t)(i + 1) * nv);
-        }
+        greedy_logits(&r, q, toks[k], n, alone + (size_t)k * (size_t)(n + 1) * (size_t)nv);
         kv_seq_free(q);
     }
     kv_seq *qs[4];
