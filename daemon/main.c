@@ -119,7 +119,7 @@ int main(int argc, char **argv)
         default: ok = false;
         }
         if (!ok && c >= O_MODEL)
-            fprintf(stderr, "kvtierd: invalid value \"%s\" for --%s\n", optarg, opts[c - O_MODEL].name);
+            args_invalid("kvtierd", opts, c, optarg);
     }
     if (!ok || optind != argc) {
         usage(stderr);
