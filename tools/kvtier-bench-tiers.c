@@ -155,8 +155,10 @@ int main(int argc, char **argv)
            "stall ms", "overlap", "moved/token", "moved/read");
     for (int i = 0; i < n_ctx; i++) {
         int ctx = ctxs[i];
+        /* a layer holding the context in whole blocks, whatever their size */
+        size_t bt = (size_t)kv_store_block_tokens(full.store);
         size_t per_tok = 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * sizeof(float);
-        size_t layer = per_tok * (size_t)(ctx + n_decode + 64);
+        size_t layer = per_tok * (((size_t)(ctx + n_decode + 64) + bt - 1) / bt * bt);
         struct rig half;
         if (rig_open(&half, dir, threads, act + (size_t)(c->n_layers / 2 + 2) * layer, block_tokens) != 0)
             return 1;
