@@ -43,5 +43,10 @@ check() { # name window sinks ids n
 check long300 64 4 "$prompt20" 300
 check prompt100 48 4 "$prompt100" 40
 check nosinks 32 0 "$prompt20" 80
+# Sinks + quantized (no dense oracle): finite logits and the KV bytes
+# within the quantized window's bound at every report, with a residual
+# (128) longer than the window.
+"$bench" -m model/builtin --window 64 --sinks 4 --nbits 4 --ids "$prompt20" -n 600 --every 100 \
+    > "$tmp/quant.log" 2>&1 || { cat "$tmp/quant.log"; echo "sinks.test: quantized FAILED"; fail=1; }
 [ $fail = 0 ] && echo "sinks.test: ok"
 exit $fail

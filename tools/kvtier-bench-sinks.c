@@ -13,8 +13,10 @@
  * --threads 1 so that no pool thread waits on another.  --nbits 2, 4 or 8
  * runs sinks + quantized (quanto, KIVI axes, residual 128).  Fails (exit 1)
  * on a NaN or infinite logit or when the KV bytes ever exceed what the
- * window needs in f32: per layer, the blocks that W-S consecutive tokens
- * can touch plus the block of the sinks.
+ * window needs: per layer, the blocks that W-S consecutive tokens can
+ * touch plus the block of the sinks; quantized, the sink block, the
+ * quantized blocks W-S tokens touch plus the one a flush reopens, and the
+ * residual's f32 blocks (the bound of tests/test_tiers.c).
  * --dump writes the KVTL file of kvtier-run (its header comment) for
  * tests/sinks_oracle.py.
  */
@@ -92,7 +94,7 @@ int main(int argc, char **argv)
         case O_IDS: ids_arg = optarg; break;
         case O_DUMP: dump_path = optarg; break;
         case O_EVERY: ok = args_int(optarg, 1, INT32_MAX, &every); break;
-        case O_THREADS: ok = args_int(optarg, 1, 1024, &threads); break;
+        case O_THREADS: ok = args_int(optarg, 0, 1024, &threads); break;
         case O_NBITS: ok = args_int(optarg, 2, 8, &nbits) && (nbits == 2 || nbits == 4 || nbits == 8); break;
         default:
             fprintf(stderr, "usage: kvtier-bench-sinks -m DIR [--window W] [--sinks S] [--ids 1,2,3] [-n N] "
@@ -142,7 +144,18 @@ int main(int argc, char **argv)
     struct kv_geom geo = model_kv_geom(rt.m);
     size_t bt = (size_t)kv_store_block_tokens(rt.store);
     size_t block = 2 * (size_t)geo.n_kv_heads * bt * (size_t)geo.head_dim * be_dtype_size(geo.dtype);
-    size_t bound = (size_t)geo.n_layers * (((size_t)window - (size_t)sinks + bt - 1) / bt + 2) * block;
+    size_t live = (size_t)window - (size_t)sinks, layer = ((live + bt - 1) / bt + 2) * block;
+    if (nbits) {
+        struct be_kvq_format f;
+        struct kvq_error e;
+        size_t T = (size_t)kvq_block_tokens(&kp.quant, (int)bt), R = (size_t)kp.quant.residual_length;
+        if (kvq_format_init(&f, &kp.quant, geo.n_kv_heads, geo.head_dim, (int)T, &e) != TIER_OK) {
+            fprintf(stderr, "kvtier-bench-sinks: %s\n", e.msg);
+            goto out;
+        }
+        layer = block + ((live + T - 1) / T + 2) * f.block_bytes + ((R + bt - 1) / bt + 2) * block;
+    }
+    size_t bound = (size_t)geo.n_layers * layer;
     double first_rate = 0, rate = 0, first_cpu = 0, cpu = 0, t0 = clock_s(), c0 = cpu_s();
     const int32_t *feed = ids.ids;
     int n_feed = (int)n_prompt;
