@@ -258,6 +258,40 @@ static void test_residual_counting(void **state)
     rig_close(&r);
 }
 
+/* Decoding takes its f32 residual blocks back from the sequence's free
+ * list after each flush instead of the device: over a residual's worth of
+ * steps (residual 48, three 16-token blocks a layer) the device sees only
+ * the quantized blocks the history grows by. */
+static void test_decode_reuses_blocks(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_LLAMA, BE_F32);
+    const int32_t *ids = input_ids();
+    float *row = malloc((size_t)r.V * sizeof(float));
+    assert_non_null(row);
+    struct kv_seq_params p = qparams(KVQ_QUANTO, 4, -1, 0, 48);
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = N_PROMPT, .logits = row};
+    assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+    uint64_t before = 0;
+    for (int t = N_PROMPT; t < N_PROMPT + 96; t++) {
+        if (t == N_PROMPT + 48) /* one residual cycle in: the free lists hold what decoding needs */
+            before = be_mem_stats(r.be).dev_allocs;
+        fs = (struct fw_seq){.kv = q, .tokens = &ids[t], .n_tokens = 1, .logits = row};
+        assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+    }
+    int L = model_kv_geom(r.m).n_layers, T = kvq_block_tokens(&p.quant, kv_store_block_tokens(r.store));
+    uint64_t got = be_mem_stats(r.be).dev_allocs - before, bound = (uint64_t)L * (uint64_t)(48 / T + 1);
+    if (got > bound)
+        fail_msg("%llu device allocations over 48 decode steps, above the %llu quantized blocks they add",
+                 (unsigned long long)got, (unsigned long long)bound);
+    kv_seq_free(q);
+    free(row);
+    rig_close(&r);
+}
+
 /* The step transaction under device faults: for every step, fail the Nth
  * device allocation (N = 1, 2, ... until the step no longer reaches it), once
  * and from N on.  A failed step leaves length, counts and bytes as they
@@ -584,7 +618,7 @@ int main(void)
         cmocka_unit_test(test_logits_vs_dense), cmocka_unit_test(test_residual_counting),
         cmocka_unit_test(test_fault_sweep),     cmocka_unit_test(test_sliding),
         cmocka_unit_test(test_mixed_batch),     cmocka_unit_test(test_refusals),
-        cmocka_unit_test(test_offloaded),
+        cmocka_unit_test(test_offloaded),     cmocka_unit_test(test_decode_reuses_blocks),
         cmocka_unit_test(test_bf16_store),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

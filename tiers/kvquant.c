@@ -13,8 +13,9 @@
  *   dev_ext_bytes (device bytes outside the pool).  A returned block goes
  *   on the sequence's free list of its kind, so the decode loop reuses
  *   blocks (each flush returns the residual's, which the next tokens take
- *   again); after a commit the free lists keep one block per layer, not
- *   the f32 blocks of a whole prompt.
+ *   again); after a commit the free lists keep a residual's f32 blocks
+ *   and one quantized block per layer, not the f32 blocks of a whole
+ *   prompt.
  * - Offloaded (host set: kv_seq_params.offload, or kv_seq_offload after the
  *   device ran out): blocks are host-tier ranges (kv_host_alloc), and each
  *   layer streams through the store's device slots (stream.c): its
@@ -222,9 +223,11 @@ void kvq_seq_commit(kv_seq *q)
         kvq_layer_drop(k->layers[l], q->layers[l].lo);
     }
     /* A prompt's step takes f32 blocks for all its tokens and its flush
-     * hands them back: keep one block of each kind per layer, which is
-     * what a decode step can take, not a full-precision prompt's worth. */
-    pool_trim(k, KVQ_BLOCK_FULL, (size_t)n);
+     * hands them back: keep what decoding takes again, a residual's f32
+     * blocks (plus the one a flush leaves partly filled) and one quantized
+     * block per layer, not a full-precision prompt's worth. */
+    size_t bt = (size_t)q->s->bt, R = (size_t)q->p.quant.residual_length;
+    pool_trim(k, KVQ_BLOCK_FULL, (size_t)n * ((R + bt - 1) / bt + 1));
     pool_trim(k, KVQ_BLOCK_QUANT, (size_t)n);
 }
 
