@@ -21,11 +21,11 @@ ifeq ($(SANITIZE),1)
 endif
 
 # SIMD variants are separate files compiled with their own flags and chosen
-# at run time (model/cpu/dispatch), so one binary runs on every x86-64.
+# at run time (backend/cpu/dispatch), so one binary runs on every x86-64.
 AVX2_FLAGS   := -mavx2 -mfma -mf16c
 AVX512_FLAGS := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
 
-LIB_SRC    := $(wildcard model/*.c model/cpu/*.c tiers/*.c ipc/*.c)
+LIB_SRC    := $(wildcard util/*.c text/*.c backend/*.c backend/cpu/*.c tiers/*.c model/*.c ipc/*.c)
 DAEMON_SRC := $(wildcard daemon/*.c)
 TOOL_SRC   := $(wildcard tools/*.c)
 TEST_SRC   := $(wildcard tests/test_*.c)
@@ -44,6 +44,11 @@ all: deps $(LIB) $(DAEMON) $(TOOLS) $(if $(filter 1,$(CUDA)),cuda)
 
 deps:
 	@tools/deps.sh build
+
+# Headers come from the packages deps installs, so nothing compiles before
+# it has run (make -j would otherwise race the install on a fresh machine).
+$(LIB_OBJ) $(DAEMON_SRC:%.c=$(BUILD)/obj/%.o) $(TOOL_SRC:%.c=$(BUILD)/obj/%.o): | deps
+$(TEST_SRC:%.c=$(BUILD)/obj/%.o): | deps-test
 
 deps-test:
 	@tools/deps.sh test
@@ -77,13 +82,13 @@ $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(LIB)
 # A CUDA backend is a plugin (build/libkvtier-cuda.so) that be_open("cuda")
 # loads with dlopen, so the core never links against CUDA.  No CUDA backend
 # is written yet: the switch says so instead of calling nvcc on nothing.
-CUDA_SRC := $(wildcard model/cuda/*.cu)
+CUDA_SRC := $(wildcard backend/cuda/*.cu)
 ifeq ($(CUDA_SRC),)
 cuda:
-	@echo "make CUDA=1: no CUDA backend sources yet (model/cuda/*.cu); the plugin seam is model/backend_impl.h" >&2; exit 1
+	@echo "make CUDA=1: no CUDA backend sources yet (backend/cuda/*.cu); the plugin seam is backend/backend_impl.h" >&2; exit 1
 else
 cuda: $(BUILD)/libkvtier-cuda.so
-$(BUILD)/libkvtier-cuda.so: $(CUDA_SRC) $(wildcard model/cuda/*.h) model/backend_impl.h
+$(BUILD)/libkvtier-cuda.so: $(CUDA_SRC) $(wildcard backend/cuda/*.h) backend/backend_impl.h
 	@mkdir -p $(dir $@)
 	$(NVCC) -O2 -std=c++17 -shared -Xcompiler -fPIC -I. $(CUDA_SRC) -o $@ -lcublas -lcudart
 endif

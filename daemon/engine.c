@@ -10,8 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon/log.h"
-#include "model/clock.h"
+#include "util/log.h"
+#include "util/clock.h"
 #include "model/runtime.h"
 
 struct session {
@@ -59,7 +59,7 @@ struct engine {
     size_t max_piece;
     char model_id[128];
     char bos[64], eos[64];
-    struct ipc_chat_template chat;
+    struct chat_template chat;
 
     /* ---- engine thread: per-step scratch, sized once at load ---- */
     struct fw_seq *batch;
@@ -1089,11 +1089,11 @@ static bool load(engine *e)
     for (int i = 0; i < 2; i++) {
         char *s = NULL;
         size_t len;
-        if (ids[i] >= 0 && tokenizer_decode(e->tok, &ids[i], 1, false, &s, &len) == MODEL_OK)
+        if (ids[i] >= 0 && tokenizer_decode(e->tok, &ids[i], 1, false, &s, &len) == TEXT_OK)
             snprintf(dst[i], sizeof(e->bos), "%s", s);
         free(s);
     }
-    ipc_chat_detect(tokenizer_chat_template(e->tok), &e->chat);
+    chat_detect(tokenizer_chat_template(e->tok), &e->chat);
     /* With no room, decode_stream returns the size a token's text needs. */
     char none[1];
     for (int32_t id = 0; id < tokenizer_vocab_size(e->tok); id++) {
@@ -1127,7 +1127,7 @@ static void *engine_main(void *arg)
         publish(e, 0); /* /metrics shows the device bytes the model holds from the start */
         log_msg(LOG_INFO, "model %s loaded in %.1f s: %s, %d layers, vocab %d, context %d, chat template %s",
                 e->model_id, (clock_ms() - t) / 1e3, e->mc->arch_name, e->mc->n_layers, e->vocab, e->ctx,
-                ipc_chat_family_name(e->chat.family));
+                chat_family_name(e->chat.family));
     }
     wake(e);
     if (ok)
@@ -1225,7 +1225,7 @@ const char *engine_eos_text(const engine *e)
     return e->eos;
 }
 
-const struct ipc_chat_template *engine_chat_template(const engine *e)
+const struct chat_template *engine_chat_template(const engine *e)
 {
     return &e->chat;
 }

@@ -32,10 +32,10 @@
 #include <jansson.h>
 
 #include "ipc/cache.h"
-#include "ipc/chat.h"
+#include "text/chat.h"
 #include "ipc/request.h"
 #include "ipc/status.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 struct engine_config {
     const char *model_dir;
@@ -145,7 +145,7 @@ size_t engine_max_piece(const engine *e);
 /* Special-token texts for chat templates ("" when the model has none). */
 const char *engine_bos_text(const engine *e);
 const char *engine_eos_text(const engine *e);
-const struct ipc_chat_template *engine_chat_template(const engine *e);
+const struct chat_template *engine_chat_template(const engine *e);
 
 void engine_lock(engine *e);
 void engine_unlock(engine *e);

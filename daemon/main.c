@@ -15,10 +15,10 @@
 #include <unistd.h>
 
 #include "daemon/engine.h"
-#include "daemon/log.h"
+#include "util/log.h"
 #include "daemon/server.h"
 #include "daemon/sock.h"
-#include "ipc/args.h"
+#include "util/args.h"
 #include "ipc/sockpath.h"
 
 enum { EXIT_USAGE = 2, EXIT_MODEL = 3, EXIT_SOCKET = 4 };

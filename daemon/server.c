@@ -13,11 +13,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon/log.h"
+#include "util/log.h"
 #include "daemon/sock.h"
-#include "ipc/chat.h"
+#include "text/chat.h"
 #include "ipc/jsonw.h"
-#include "model/clock.h"
+#include "util/clock.h"
 
 /* What an epoll event belongs to; the first member of everything registered. */
 enum src_kind { SRC_LISTEN = 1, SRC_SIGNAL, SRC_WAKE, SRC_MHD, SRC_CONN };
@@ -701,21 +701,26 @@ static struct ipc_limits limits(const struct server *s)
 static enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,
                               struct tok_ids *ids, struct ipc_error *err)
 {
-    char msg[MODEL_ERR_LEN];
-    enum model_status ms = tokenizer_encode(engine_tokenizer(s->eng), text, len, add_special, ids, msg);
-    if (ms == MODEL_OK)
+    char msg[TEXT_ERR_LEN];
+    enum text_status ts = tokenizer_encode(engine_tokenizer(s->eng), text, len, add_special, ids, msg);
+    if (ts == TEXT_OK)
         return IPC_OK;
-    return ipc_fail(err, ms == MODEL_ENOMEM ? IPC_ENOMEM : IPC_EINVAL, field, "%s: %s", field, msg);
+    return ipc_fail(err, ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL, field, "%s: %s", field, msg);
 }
 
-static enum ipc_status render_text(struct server *s, const struct ipc_msg *m, size_t n, bool gen_prompt, char **text,
+static enum ipc_status render_text(struct server *s, const struct chat_msg *m, size_t n, bool gen_prompt, char **text,
                                    size_t *len, struct ipc_error *err)
 {
-    return ipc_chat_render(engine_chat_template(s->eng), m, n, gen_prompt, engine_bos_text(s->eng),
-                           engine_eos_text(s->eng), text, len, err);
+    char msg[TEXT_ERR_LEN];
+    enum text_status ts = chat_render(engine_chat_template(s->eng), m, n, gen_prompt, engine_bos_text(s->eng),
+                                      engine_eos_text(s->eng), text, len, msg);
+    if (ts == TEXT_OK)
+        return IPC_OK;
+    enum ipc_status st = ts == TEXT_EUNSUPPORTED ? IPC_ENOTIMPL : ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL;
+    return ipc_fail(err, st, "messages", "%s", msg);
 }
 
-static enum ipc_status render(struct server *s, const struct ipc_msg *m, size_t n, bool gen_prompt, struct tok_ids *ids,
+static enum ipc_status render(struct server *s, const struct chat_msg *m, size_t n, bool gen_prompt, struct tok_ids *ids,
                               struct ipc_error *err)
 {
     char *text;
@@ -877,7 +882,7 @@ static enum MHD_Result h_models(struct req *r, const char *arg)
                                         (json_int_t)r->srv->started, "owned_by", "kvtier", "meta", "n_vocab",
                                         mc->vocab_size, "n_ctx_train", mc->max_position_embeddings, "n_ctx",
                                         engine_context(e), "n_embd", mc->hidden_size, "architecture", mc->arch_name,
-                                        "chat_template", ipc_chat_family_name(engine_chat_template(e)->family)));
+                                        "chat_template", chat_family_name(engine_chat_template(e)->family)));
 }
 
 static enum MHD_Result h_tokenize(struct req *r, const char *arg)
@@ -972,9 +977,9 @@ static enum MHD_Result h_detokenize(struct req *r, const char *arg)
         return reply_error(r, &err);
     char *text = NULL;
     size_t len = 0;
-    enum model_status ms = tokenizer_decode(engine_tokenizer(r->srv->eng), ids, n, false, &text, &len);
+    enum text_status ms = tokenizer_decode(engine_tokenizer(r->srv->eng), ids, n, false, &text, &len);
     free(ids);
-    if (ms != MODEL_OK)
+    if (ms != TEXT_OK)
         return fail(r, IPC_ENOMEM, "tokens", "cannot decode the tokens");
     return reply_text(r, "{\"content\":", ",\"prompt\":", text, len); /* llama.cpp's and vLLM's names */
 }
@@ -1007,7 +1012,7 @@ static enum MHD_Result h_session_create(struct req *r, const char *arg)
     char id[IPC_SESSION_ID_MAX + 1];
     enum ipc_status st = ipc_session_req_parse(r->root, &lim, &q, &err);
     if (st == IPC_OK && q.system) {
-        struct ipc_msg m = {IPC_ROLE_SYSTEM, q.system, q.system_len, NULL};
+        struct chat_msg m = {CHAT_ROLE_SYSTEM, q.system, q.system_len, NULL};
         st = render(s, &m, 1, false, &ids, &err);
     } else if (st == IPC_OK && q.prefix) {
         st = encode(s, q.prefix, q.prefix_len, true, "prefix", &ids, &err);

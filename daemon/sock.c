@@ -12,7 +12,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "daemon/log.h"
+#include "util/log.h"
 
 static int fail(char *err, size_t cap, int fd, const char *fmt, const char *path)
 {

@@ -115,13 +115,13 @@ static enum ipc_status parse_stops(const json_t *v, struct ipc_gen_req *r, struc
     return IPC_OK;
 }
 
-static enum ipc_status parse_role(const json_t *v, size_t i, enum ipc_role *role, struct ipc_error *err)
+static enum ipc_status parse_role(const json_t *v, size_t i, enum chat_role *role, struct ipc_error *err)
 {
     static const struct {
         const char *name;
         int role; /* -1: known but not supported */
-    } roles[] = {{"system", IPC_ROLE_SYSTEM}, {"developer", IPC_ROLE_SYSTEM}, {"user", IPC_ROLE_USER},
-                 {"assistant", IPC_ROLE_ASSISTANT}, {"tool", -1}, {"function", -1}};
+    } roles[] = {{"system", CHAT_ROLE_SYSTEM}, {"developer", CHAT_ROLE_SYSTEM}, {"user", CHAT_ROLE_USER},
+                 {"assistant", CHAT_ROLE_ASSISTANT}, {"tool", -1}, {"function", -1}};
     const char *s = json_string_value(v);
     if (!s)
         return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].role must be a string", i);
@@ -131,7 +131,7 @@ static enum ipc_status parse_role(const json_t *v, size_t i, enum ipc_role *role
         if (roles[k].role < 0)
             return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu]: role \"%s\" (tool calling) is not supported",
                             i, s);
-        *role = (enum ipc_role)roles[k].role;
+        *role = (enum chat_role)roles[k].role;
         return IPC_OK;
     }
     return ipc_fail(err, IPC_EINVAL, "messages",
@@ -139,14 +139,14 @@ static enum ipc_status parse_role(const json_t *v, size_t i, enum ipc_role *role
 }
 
 /* content: a string, or an array of {"type":"text","text":...} parts joined. */
-static enum ipc_status parse_content(const json_t *v, size_t i, struct ipc_msg *m, struct ipc_error *err)
+static enum ipc_status parse_content(const json_t *v, size_t i, struct chat_msg *m, struct ipc_error *err)
 {
     if (json_is_string(v)) {
         m->content = json_string_value(v);
         m->len = json_string_length(v);
         return IPC_OK;
     }
-    if (json_is_null(v) && m->role == IPC_ROLE_ASSISTANT) {
+    if (json_is_null(v) && m->role == CHAT_ROLE_ASSISTANT) {
         m->content = "";
         return IPC_OK;
     }

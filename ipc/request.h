@@ -19,6 +19,7 @@
 
 #include "ipc/cache.h"
 #include "ipc/status.h"
+#include "text/chat.h"
 #include "model/generate.h"
 
 #define IPC_MAX_STOPS 16
@@ -34,15 +35,6 @@ struct ipc_limits {
     int sliding_window; /* the model's, the "sliding_window" strategy's default window (0: none) */
 };
 
-enum ipc_role { IPC_ROLE_SYSTEM = 0, IPC_ROLE_USER, IPC_ROLE_ASSISTANT };
-
-struct ipc_msg {
-    enum ipc_role role;
-    const char *content; /* borrowed, or `owned` when joined from content parts */
-    size_t len;
-    char *owned;
-};
-
 struct ipc_gen_req {
     bool chat;
     /* the prompt: text (borrowed) or token ids (owned), or messages (chat) */
@@ -50,7 +42,7 @@ struct ipc_gen_req {
     size_t text_len;
     int32_t *ids;
     size_t n_ids;
-    struct ipc_msg *msgs;
+    struct chat_msg *msgs;
     size_t n_msgs;
     int max_tokens; /* -1: not given */
     struct sampler_params sampling;

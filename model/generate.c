@@ -8,7 +8,21 @@
 #include <string.h>
 #include <time.h>
 
-#include "model/clock.h"
+#include "util/clock.h"
+
+enum model_status model_from_text(enum text_status st)
+{
+    switch (st) {
+    case TEXT_OK: return MODEL_OK;
+    case TEXT_ENOENT: return MODEL_ENOENT;
+    case TEXT_EFORMAT: return MODEL_EFORMAT;
+    case TEXT_EUNSUPPORTED: return MODEL_EUNSUPPORTED;
+    case TEXT_ENOMEM: return MODEL_ENOMEM;
+    case TEXT_EIO: return MODEL_EIO;
+    case TEXT_EINVAL: return MODEL_EINVAL;
+    }
+    return MODEL_EINVAL;
+}
 
 void gen_params_default(struct gen_params *p)
 {
@@ -101,7 +115,7 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
     if (st == MODEL_OK && (!logits || kv_seq_create(store, NULL, &seq) != TIER_OK))
         st = MODEL_ENOMEM;
     for (size_t i = 0; st == MODEL_OK && i < n; i++)
-        if (tok_ids_push(&hist, prompt[i]) != MODEL_OK)
+        if (tok_ids_push(&hist, prompt[i]) != TEXT_OK)
             st = MODEL_ENOMEM;
     if (st != MODEL_OK) {
         snprintf(err, MODEL_ERR_LEN, "%s", st == MODEL_EINVAL ? "invalid sampling parameters" : "out of memory");
@@ -117,7 +131,7 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
         if (p->on_logits)
             p->on_logits(p->logits_ud, logits, c->vocab_size);
         int32_t id = sampler_sample(smp, logits, hist.ids, hist.n);
-        if (tok_ids_push(&hist, id) != MODEL_OK || tok_ids_push(&res->tokens, id) != MODEL_OK) {
+        if (tok_ids_push(&hist, id) != TEXT_OK || tok_ids_push(&res->tokens, id) != TEXT_OK) {
             st = MODEL_ENOMEM;
             break;
         }

@@ -7,8 +7,11 @@
 #ifndef KVTIER_GENERATE_H
 #define KVTIER_GENERATE_H
 
-#include "model.h"
-#include "tokenizer.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
+
+/* The model layer's reading of a tokenizer failure. */
+enum model_status model_from_text(enum text_status st);
 
 struct sampler_params {
     float temperature;        /* 0 = greedy */

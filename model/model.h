@@ -9,8 +9,8 @@
 #ifndef KVTIER_MODEL_H
 #define KVTIER_MODEL_H
 
-#include "../tiers/kvstore.h"
-#include "backend.h"
+#include "tiers/kvstore.h"
+#include "backend/backend.h"
 
 #define MODEL_ERR_LEN 512
 #define MODEL_MAX_EOS 8

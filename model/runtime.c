@@ -16,7 +16,7 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
     }
     enum model_status st = model_load(dir, rt->be, p ? &p->model : NULL, &rt->m, err);
     if (st == MODEL_OK)
-        st = tokenizer_load(dir, &rt->tok, err);
+        st = model_from_text(tokenizer_load(dir, &rt->tok, err));
     if (st == MODEL_OK) {
         struct kv_geom g = model_kv_geom(rt->m);
         enum tier_status ts = kv_store_open(rt->be, &g, p ? &p->kv : NULL, &rt->store);

@@ -27,7 +27,7 @@ prompt20=2044,100,200,300,400,500,600,700,800,900,17,33,44,55,66,77,88,99,111,22
 prompt100=$($py -c 'print(",".join(str((i * 37 + 11) % 2000) for i in range(100)))')
 fail=0
 # A value that is not a number is a usage error naming the flag, not a
-# silent 0 (the tools' option numbers go through ipc/args.c).
+# silent 0 (the tools' option numbers go through util/args.c).
 out=$("$bench" -m model/builtin --window abc 2>&1)
 rc=$?
 if [ $rc != 2 ] || ! printf '%s\n' "$out" | grep -q -- "invalid value 'abc' for --window"; then

@@ -1,4 +1,4 @@
-/* Description: conformance of the compute seam (model/backend.h) and the
+/* Description: conformance of the compute seam (backend/backend.h) and the
  * CPU backend.  Every kernel runs on random inputs at every SIMD level the
  * CPU supports and is compared with dense computations written here, in
  * double, independent of the kernel code, and with the scalar level (the
@@ -16,7 +16,7 @@
 #include <cmocka.h>
 #include <hwloc.h>
 
-#include "model/backend.h"
+#include "backend/backend.h"
 
 /* ---- fixtures ----------------------------------------------------------- */
 

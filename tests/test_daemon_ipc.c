@@ -12,9 +12,9 @@
 
 #include <cmocka.h>
 
-#include "ipc/args.h"
+#include "util/args.h"
 #include "ipc/cache.h"
-#include "ipc/chat.h"
+#include "text/chat.h"
 #include "ipc/httpc.h"
 #include "ipc/jsonw.h"
 #include "ipc/request.h"
@@ -43,32 +43,32 @@ static const char *eos_of(const char *f)
 static void test_chat_goldens(void **state)
 {
     (void)state;
-    const struct ipc_msg sys[] = {{IPC_ROLE_SYSTEM, "Be brief.", 9, NULL},
-                                  {IPC_ROLE_USER, " Hi there ", 10, NULL},
-                                  {IPC_ROLE_ASSISTANT, "Hello! ", 7, NULL},
-                                  {IPC_ROLE_USER, "Bye", 3, NULL}};
-    const struct ipc_msg nosys[] = {{IPC_ROLE_USER, "Hi", 2, NULL},
-                                    {IPC_ROLE_ASSISTANT, "Yo", 2, NULL},
-                                    {IPC_ROLE_USER, "Bye", 3, NULL}};
+    const struct chat_msg sys[] = {{CHAT_ROLE_SYSTEM, "Be brief.", 9, NULL},
+                                  {CHAT_ROLE_USER, " Hi there ", 10, NULL},
+                                  {CHAT_ROLE_ASSISTANT, "Hello! ", 7, NULL},
+                                  {CHAT_ROLE_USER, "Bye", 3, NULL}};
+    const struct chat_msg nosys[] = {{CHAT_ROLE_USER, "Hi", 2, NULL},
+                                    {CHAT_ROLE_ASSISTANT, "Yo", 2, NULL},
+                                    {CHAT_ROLE_USER, "Bye", 3, NULL}};
     for (size_t i = 0; i < sizeof(goldens) / sizeof(goldens[0]); i++) {
-        struct ipc_chat_template t;
-        ipc_chat_detect(goldens[i].jinja, &t);
-        assert_string_equal(ipc_chat_family_name(t.family), goldens[i].family);
+        struct chat_template t;
+        chat_detect(goldens[i].jinja, &t);
+        assert_string_equal(chat_family_name(t.family), goldens[i].family);
         const char *want[2] = {goldens[i].with_system, goldens[i].without_system};
-        const struct ipc_msg *conv[2] = {sys, nosys};
+        const struct chat_msg *conv[2] = {sys, nosys};
         size_t n[2] = {4, 3};
         for (int k = 0; k < 2; k++) {
             char *out = NULL;
             size_t len;
-            struct ipc_error err;
-            enum ipc_status st = ipc_chat_render(&t, conv[k], n[k], true, bos_of(goldens[i].family),
-                                                 eos_of(goldens[i].family), &out, &len, &err);
+            char err[TEXT_ERR_LEN];
+            enum text_status st = chat_render(&t, conv[k], n[k], true, bos_of(goldens[i].family),
+                                                 eos_of(goldens[i].family), &out, &len,  err);
             if (!want[k]) {
-                assert_int_equal(st, IPC_EINVAL);
-                assert_non_null(strstr(err.msg, "system"));
+                assert_int_equal(st, TEXT_EINVAL);
+                assert_non_null(strstr(err, "system"));
                 continue;
             }
-            assert_int_equal(st, IPC_OK);
+            assert_int_equal(st, TEXT_OK);
             assert_string_equal(out, want[k]);
             assert_int_equal(len, strlen(want[k]));
             free(out);
@@ -79,27 +79,27 @@ static void test_chat_goldens(void **state)
 static void test_chat_refusals(void **state)
 {
     (void)state;
-    struct ipc_chat_template t;
+    struct chat_template t;
     const char *bad[] = {NULL, "{{ 'Cutting Knowledge Date' }}<|start_header_id|>", "<|im_start|>{% if x %}<think>",
                          "{{ messages }}"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        ipc_chat_detect(bad[i], &t);
-        assert_int_equal(t.family, IPC_CHAT_NONE);
+        chat_detect(bad[i], &t);
+        assert_int_equal(t.family, CHAT_NONE);
         assert_true(t.why[0]);
-        struct ipc_msg m = {IPC_ROLE_USER, "x", 1, NULL};
+        struct chat_msg m = {CHAT_ROLE_USER, "x", 1, NULL};
         char *out;
         size_t len;
-        struct ipc_error err;
-        assert_int_equal(ipc_chat_render(&t, &m, 1, true, "", "", &out, &len, &err), IPC_ENOTIMPL);
+        char err[TEXT_ERR_LEN];
+        assert_int_equal(chat_render(&t, &m, 1, true, "", "", &out, &len,  err), TEXT_EUNSUPPORTED);
         assert_null(out);
     }
     /* Llama-2 needs user/assistant alternation */
-    ipc_chat_detect("[INST] <<SYS>>", &t);
-    struct ipc_msg two_users[] = {{IPC_ROLE_USER, "a", 1, NULL}, {IPC_ROLE_USER, "b", 1, NULL}};
+    chat_detect("[INST] <<SYS>>", &t);
+    struct chat_msg two_users[] = {{CHAT_ROLE_USER, "a", 1, NULL}, {CHAT_ROLE_USER, "b", 1, NULL}};
     char *out;
     size_t len;
-    struct ipc_error err;
-    assert_int_equal(ipc_chat_render(&t, two_users, 2, true, "<s>", "</s>", &out, &len, &err), IPC_EINVAL);
+    char err[TEXT_ERR_LEN];
+    assert_int_equal(chat_render(&t, two_users, 2, true, "<s>", "</s>", &out, &len,  err), TEXT_EINVAL);
 }
 
 static enum ipc_status cache_of(const char *json, struct ipc_cache_choice *c, struct ipc_error *err)

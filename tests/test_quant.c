@@ -19,8 +19,8 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "model/cpu/cpu.h"
-#include "model/cpu/kvq_format.h"
+#include "backend/cpu/cpu.h"
+#include "backend/cpu/kvq_format.h"
 #include "tiers/quant.h"
 
 /* ---- helpers -------------------------------------------------------------- */

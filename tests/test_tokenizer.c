@@ -18,8 +18,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "model/tokenizer.h"
-#include "model/tokenizer_internal.h"
+#include "text/tokenizer.h"
+#include "text/tokenizer_internal.h"
 
 /* ---- building tokenizer directories ---------------------------------------- */
 
@@ -35,7 +35,7 @@ static void write_file(const char *dir, const char *name, const char *text)
 
 /* Loads a tokenizer from tokenizer.json text (and tokenizer_config.json
  * text unless NULL) written to a fresh temporary directory. */
-static enum model_status load_text(const char *json, const char *config, tokenizer **t, char *err)
+static enum text_status load_text(const char *json, const char *config, tokenizer **t, char *err)
 {
     char dir[] = "/tmp/kvtier-tok-XXXXXX";
     char path[256];
@@ -44,7 +44,7 @@ static enum model_status load_text(const char *json, const char *config, tokeniz
     if (config)
         write_file(dir, "tokenizer_config.json", config);
     err[0] = '\0';
-    enum model_status st = tokenizer_load(dir, t, err);
+    enum text_status st = tokenizer_load(dir, t, err);
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     unlink(path);
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
@@ -56,14 +56,14 @@ static enum model_status load_text(const char *json, const char *config, tokeniz
 /* As load_text, from JSON objects (both consumed; config may be NULL). */
 static tokenizer *load_json(json_t *root, json_t *config)
 {
-    char err[MODEL_ERR_LEN];
+    char err[TEXT_ERR_LEN];
     tokenizer *t = NULL;
     /* ASCII-only output: every non-ASCII piece goes through \u escapes. */
     char *json = json_dumps(root, JSON_ENSURE_ASCII), *cfg = config ? json_dumps(config, 0) : NULL;
     assert_non_null(json);
-    enum model_status st = load_text(json, cfg, &t, err);
-    if (st != MODEL_OK)
-        fail_msg("tokenizer_load: %s (%s)", model_strerror(st), err);
+    enum text_status st = load_text(json, cfg, &t, err);
+    if (st != TEXT_OK)
+        fail_msg("tokenizer_load: %s (%s)", text_strerror(st), err);
     free(json);
     free(cfg);
     json_decref(root);
@@ -136,10 +136,10 @@ static json_t *sp_merges(void)
 static struct tok_ids encode(const tokenizer *t, const char *text, bool add_special)
 {
     struct tok_ids ids = {0};
-    char err[MODEL_ERR_LEN];
-    enum model_status st = tokenizer_encode(t, text, strlen(text), add_special, &ids, err);
-    if (st != MODEL_OK)
-        fail_msg("encode \"%s\": %s (%s)", text, model_strerror(st), err);
+    char err[TEXT_ERR_LEN];
+    enum text_status st = tokenizer_encode(t, text, strlen(text), add_special, &ids, err);
+    if (st != TEXT_OK)
+        fail_msg("encode \"%s\": %s (%s)", text, text_strerror(st), err);
     return ids;
 }
 
@@ -166,7 +166,7 @@ static char *decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip)
 {
     char *s = NULL;
     size_t len = 0;
-    assert_int_equal(tokenizer_decode(t, ids, n, skip, &s, &len), MODEL_OK);
+    assert_int_equal(tokenizer_decode(t, ids, n, skip, &s, &len), TEXT_OK);
     assert_int_equal(strlen(s), len);
     return s;
 }
@@ -402,74 +402,74 @@ static void test_malformed(void **state)
     (void)state;
     static const struct {
         const char *json, *config;
-        enum model_status st;
+        enum text_status st;
         const char *msg;
     } cases[] = {
-        {"{}", NULL, MODEL_EFORMAT, "model is missing"},
-        {"[1, 2]", NULL, MODEL_EFORMAT, "not a JSON object"},
-        {"{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0", NULL, MODEL_EFORMAT, "tokenizer.json:1:"},
-        {"{\"model\": {\"type\": \"BPE\"}}", NULL, MODEL_EFORMAT, "model.vocab is missing"},
-        {"{\"model\": {\"vocab\": {\"a\": -1}}}", NULL, MODEL_EFORMAT, "model.vocab[\"a\"]"},
-        {"{\"model\": {\"vocab\": {\"a\": 99999999}}}", NULL, MODEL_EFORMAT, "model.vocab[\"a\"]"},
-        {"{\"model\": {\"vocab\": {\"a\": \"0\"}}}", NULL, MODEL_EFORMAT, "model.vocab[\"a\"]"},
-        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 0}}}", NULL, MODEL_EFORMAT, "id 0 is given to both"},
-        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b c\"]}}", NULL, MODEL_EFORMAT,
+        {"{}", NULL, TEXT_EFORMAT, "model is missing"},
+        {"[1, 2]", NULL, TEXT_EFORMAT, "not a JSON object"},
+        {"{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0", NULL, TEXT_EFORMAT, "tokenizer.json:1:"},
+        {"{\"model\": {\"type\": \"BPE\"}}", NULL, TEXT_EFORMAT, "model.vocab is missing"},
+        {"{\"model\": {\"vocab\": {\"a\": -1}}}", NULL, TEXT_EFORMAT, "model.vocab[\"a\"]"},
+        {"{\"model\": {\"vocab\": {\"a\": 99999999}}}", NULL, TEXT_EFORMAT, "model.vocab[\"a\"]"},
+        {"{\"model\": {\"vocab\": {\"a\": \"0\"}}}", NULL, TEXT_EFORMAT, "model.vocab[\"a\"]"},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 0}}}", NULL, TEXT_EFORMAT, "id 0 is given to both"},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b c\"]}}", NULL, TEXT_EFORMAT,
          "model.merges[0]"},
         {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\", \"a z\"]}}", NULL,
-         MODEL_EFORMAT, "model.merges[1]: \"z\""},
-        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": [\"a b\"]}}", NULL, MODEL_EFORMAT,
+         TEXT_EFORMAT, "model.merges[1]: \"z\""},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": [\"a b\"]}}", NULL, TEXT_EFORMAT,
          "model.merges[0]: \"ab\""},
-        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [[\"a\"]]}}", NULL, MODEL_EFORMAT,
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [[\"a\"]]}}", NULL, TEXT_EFORMAT,
          "model.merges[0]"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}, \"merges\": 5}}", NULL, MODEL_EFORMAT, "model.merges is not an array"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}, \"unk_token\": \"<unk>\"}}", NULL, MODEL_EFORMAT, "model.unk_token"},
-        {"{\"model\": {\"type\": \"WordPiece\", \"vocab\": {\"a\": 0}}}", NULL, MODEL_EUNSUPPORTED, "model.type"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}, \"merges\": 5}}", NULL, TEXT_EFORMAT, "model.merges is not an array"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}, \"unk_token\": \"<unk>\"}}", NULL, TEXT_EFORMAT, "model.unk_token"},
+        {"{\"model\": {\"type\": \"WordPiece\", \"vocab\": {\"a\": 0}}}", NULL, TEXT_EUNSUPPORTED, "model.type"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"added_tokens\": [{\"id\": 99999999, \"content\": \"x\"}]}", NULL,
-         MODEL_EFORMAT, "added_tokens.id[0]"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"added_tokens\": [{\"id\": 1}]}", NULL, MODEL_EFORMAT,
+         TEXT_EFORMAT, "added_tokens.id[0]"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"added_tokens\": [{\"id\": 1}]}", NULL, TEXT_EFORMAT,
          "added_tokens[0].content is missing"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": \"NFKC\"}}", NULL, MODEL_EUNSUPPORTED,
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": \"NFKC\"}}", NULL, TEXT_EUNSUPPORTED,
          "normalizer.type \"NFKC\""},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [{\"type\": "
          "\"Lowercase\"}]}}",
-         NULL, MODEL_EUNSUPPORTED, "normalizer.normalizers[0].type"},
+         NULL, TEXT_EUNSUPPORTED, "normalizer.normalizers[0].type"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": "
          "\"(\"}, \"behavior\": \"Isolated\"}}",
-         NULL, MODEL_EUNSUPPORTED, "pre_tokenizer.pattern"},
+         NULL, TEXT_EUNSUPPORTED, "pre_tokenizer.pattern"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": "
          "\"a\"}, \"behavior\": \"Removed\"}}",
-         NULL, MODEL_EUNSUPPORTED, "behavior Isolated"},
+         NULL, TEXT_EUNSUPPORTED, "behavior Isolated"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": "
          "[{\"SpecialToken\": {\"id\": \"<s>\"}}, {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {}}}",
-         NULL, MODEL_EFORMAT, "special_tokens[\"<s>\"]"},
+         NULL, TEXT_EFORMAT, "special_tokens[\"<s>\"]"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": "
          "[{\"SpecialToken\": {\"id\": \"<s>\"}}, {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {\"<s>\": "
          "{\"ids\": [7]}}}}",
-         NULL, MODEL_EFORMAT, "id 7 out of range"},
+         NULL, TEXT_EFORMAT, "id 7 out of range"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": \"Strip\", \"content\": \" \", \"start\": 2, "
          "\"stop\": 0}}",
-         NULL, MODEL_EUNSUPPORTED, "decoder"},
-        {"{\"model\": {\"vocab\": {\"a\x01\": 0}}}", NULL, MODEL_EFORMAT, "model.vocab: expected no control character"},
-        {"{\"model\": {\"vocab\": {\"\\ud800\": 0}}}", NULL, MODEL_EFORMAT, "expected a low surrogate"},
-        {"{\"model\": {\"vocab\": {\"\\q\": 0}}}", NULL, MODEL_EFORMAT, "expected a valid escape"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}}} x", NULL, MODEL_EFORMAT, "text after the top-level object"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": }}", NULL, MODEL_EFORMAT, "decoder:"},
+         NULL, TEXT_EUNSUPPORTED, "decoder"},
+        {"{\"model\": {\"vocab\": {\"a\x01\": 0}}}", NULL, TEXT_EFORMAT, "model.vocab: expected no control character"},
+        {"{\"model\": {\"vocab\": {\"\\ud800\": 0}}}", NULL, TEXT_EFORMAT, "expected a low surrogate"},
+        {"{\"model\": {\"vocab\": {\"\\q\": 0}}}", NULL, TEXT_EFORMAT, "expected a valid escape"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}} x", NULL, TEXT_EFORMAT, "text after the top-level object"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": }}", NULL, TEXT_EFORMAT, "decoder:"},
         {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\" \"a b\"]}}", NULL,
-         MODEL_EFORMAT, "tokenizer.json:1:"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", MODEL_EFORMAT, "bos_token \"<s>\""},
-        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"add_bos_token\": ", MODEL_EFORMAT, "tokenizer_config.json:1:"},
+         TEXT_EFORMAT, "tokenizer.json:1:"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", TEXT_EFORMAT, "bos_token \"<s>\""},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"add_bos_token\": ", TEXT_EFORMAT, "tokenizer_config.json:1:"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char err[MODEL_ERR_LEN];
+        char err[TEXT_ERR_LEN];
         tokenizer *t = (tokenizer *)&err; /* must come back NULL */
-        enum model_status st = load_text(cases[i].json, cases[i].config, &t, err);
+        enum text_status st = load_text(cases[i].json, cases[i].config, &t, err);
         if (st != cases[i].st || !strstr(err, cases[i].msg) || t)
-            fail_msg("case %zu: got %s \"%s\", want %s \"%s\"", i, model_strerror(st), err,
-                     model_strerror(cases[i].st), cases[i].msg);
+            fail_msg("case %zu: got %s \"%s\", want %s \"%s\"", i, text_strerror(st), err,
+                     text_strerror(cases[i].st), cases[i].msg);
     }
-    char err[MODEL_ERR_LEN];
+    char err[TEXT_ERR_LEN];
     tokenizer *t;
-    assert_int_equal(tokenizer_load("/nonexistent/kvtier", &t, err), MODEL_ENOENT);
+    assert_int_equal(tokenizer_load("/nonexistent/kvtier", &t, err), TEXT_ENOENT);
     assert_non_null(strstr(err, "/nonexistent/kvtier/tokenizer.json"));
     assert_null(t);
     tokenizer_free(NULL);
@@ -488,10 +488,10 @@ static void test_invalid_utf8(void **state)
         {"xyz\xf4\x90\x80\x80", 7, 3}, /* above U+10FFFF */     {"ok\x80", 3, 2},   /* stray continuation */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char err[MODEL_ERR_LEN], want[64];
+        char err[TEXT_ERR_LEN], want[64];
         struct tok_ids ids = {0};
-        assert_int_equal(tokenizer_encode(t, "he", 2, false, &ids, err), MODEL_OK);
-        assert_int_equal(tokenizer_encode(t, cases[i].text, cases[i].len, true, &ids, err), MODEL_EINVAL);
+        assert_int_equal(tokenizer_encode(t, "he", 2, false, &ids, err), TEXT_OK);
+        assert_int_equal(tokenizer_encode(t, cases[i].text, cases[i].len, true, &ids, err), TEXT_EINVAL);
         snprintf(want, sizeof want, "offset %zu", cases[i].offset);
         if (!strstr(err, want))
             fail_msg("case %zu: \"%s\" does not name %s", i, err, want);
@@ -500,8 +500,8 @@ static void test_invalid_utf8(void **state)
     }
     /* Embedded NUL is a character like any other. */
     struct tok_ids ids = {0};
-    char err[MODEL_ERR_LEN];
-    assert_int_equal(tokenizer_encode(t, "a\0b", 3, true, &ids, err), MODEL_OK);
+    char err[TEXT_ERR_LEN];
+    assert_int_equal(tokenizer_encode(t, "a\0b", 3, true, &ids, err), TEXT_OK);
     assert_int_equal(ids.n, 3);
     free(ids.ids);
     tokenizer_free(t);
@@ -543,7 +543,7 @@ static void test_stream_decode(void **state)
     free(streamed);
     const int32_t out_of_range[] = {'a', 4000};
     char *never = NULL;
-    assert_int_equal(tokenizer_decode(t, out_of_range, 2, true, &never, NULL), MODEL_EINVAL);
+    assert_int_equal(tokenizer_decode(t, out_of_range, 2, true, &never, NULL), TEXT_EINVAL);
     assert_null(never);
     expect_decode(t, NULL, 0, true, "");
     tokenizer_free(t);
@@ -557,11 +557,11 @@ static void check_oracle_tokenizer(void **state)
 {
     json_t *tj = *state, *corpus = json_object_get(oracle, "corpus");
     const char *name = json_string_value(json_object_get(tj, "name"));
-    char err[MODEL_ERR_LEN];
+    char err[TEXT_ERR_LEN];
     tokenizer *t;
-    enum model_status st = tokenizer_load(json_string_value(json_object_get(tj, "dir")), &t, err);
-    if (st != MODEL_OK)
-        fail_msg("%s: %s (%s)", name, model_strerror(st), err);
+    enum text_status st = tokenizer_load(json_string_value(json_object_get(tj, "dir")), &t, err);
+    if (st != TEXT_OK)
+        fail_msg("%s: %s (%s)", name, text_strerror(st), err);
     size_t i, failures = 0, round_trips = 0;
     json_t *c;
     json_array_foreach(json_object_get(tj, "cases"), i, c) {

@@ -86,7 +86,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "model/clock.h"
+#include "util/clock.h"
 
 #define KV_DEFAULT_BLOCK_TOKENS 16 /* vLLM's default too; docs/architecture.md "Block size" */
 #define KV_CHUNK_BLOCKS 64 /* blocks per device allocation when the pool grows */

@@ -25,8 +25,8 @@
 #ifndef KVTIER_KVSTORE_H
 #define KVTIER_KVSTORE_H
 
-#include "../model/backend.h"
-#include "quant_params.h"
+#include "backend/backend.h"
+#include "tiers/quant_params.h"
 
 enum tier_status {
     TIER_OK = 0,

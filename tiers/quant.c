@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/cpu/kvq_format.h"
+#include "backend/cpu/kvq_format.h"
 
 #define KVQ_ALIGN 64
 

@@ -16,7 +16,7 @@
 
 #include <jansson.h>
 
-#include "model/backend.h"
+#include "backend/backend.h"
 #include "tiers/kvstore.h"
 #include "tiers/quant_params.h"
 

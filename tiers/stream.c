@@ -42,7 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/clock.h"
+#include "util/clock.h"
 
 /* Slots grow in steps of this many blocks so that a growing context
  * reallocates them every few hundred tokens, not every block. */

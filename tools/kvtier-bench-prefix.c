@@ -14,8 +14,8 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "ipc/args.h"
-#include "model/clock.h"
+#include "util/args.h"
+#include "util/clock.h"
 #include "model/model.h"
 
 static int die(const char *what, const char *msg)

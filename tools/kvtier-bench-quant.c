@@ -26,9 +26,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "ipc/args.h"
-#include "model/clock.h"
-#include "model/tokenizer.h"
+#include "util/args.h"
+#include "util/clock.h"
+#include "model/generate.h"
+#include "text/tokenizer.h"
 #include "tiers/quant.h"
 
 struct cfg {
@@ -163,9 +164,9 @@ static int read_ids(const char *path, const char *tokdir, struct tok_ids *ids)
     bool ok = text && fread(text, 1, (size_t)len, f) == (size_t)len;
     fclose(f);
     tokenizer *tok = NULL;
-    enum model_status st = ok ? tokenizer_load(tokdir, &tok, err) : MODEL_ENOMEM;
+    enum model_status st = ok ? model_from_text(tokenizer_load(tokdir, &tok, err)) : MODEL_ENOMEM;
     if (st == MODEL_OK)
-        st = tokenizer_encode(tok, text, (size_t)len, false, ids, err);
+        st = model_from_text(tokenizer_encode(tok, text, (size_t)len, false, ids, err));
     tokenizer_free(tok);
     free(text);
     if (st != MODEL_OK) {

@@ -28,8 +28,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "ipc/args.h"
-#include "model/clock.h"
+#include "util/args.h"
+#include "util/clock.h"
 #include "model/runtime.h"
 #include "tiers/quant.h"
 
@@ -47,7 +47,7 @@ static int parse_ids(const char *s, struct tok_ids *out)
         long v = strtol(s, &end, 10);
         if (end == s || errno || v < 0 || v > INT32_MAX || (*end && *end != ','))
             return -1;
-        if (tok_ids_push(out, (int32_t)v) != MODEL_OK)
+        if (tok_ids_push(out, (int32_t)v) != TEXT_OK)
             return -1;
     }
     return 0;
@@ -176,7 +176,7 @@ int main(int argc, char **argv)
         if (rows.f && fwrite(logits, 4, (size_t)vocab, rows.f) != (size_t)vocab)
             goto out;
         rows.n++;
-        if (tok_ids_push(&ids, best) != MODEL_OK)
+        if (tok_ids_push(&ids, best) != TEXT_OK)
             goto out;
         feed = &ids.ids[ids.n - 1];
         n_feed = 1;

@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "ipc/args.h"
-#include "model/clock.h"
+#include "util/args.h"
+#include "util/clock.h"
 #include "model/model.h"
 
 enum { RESIDENT, OFFLOADED, ADAPTIVE, N_MODES };

@@ -26,8 +26,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "model/clock.h"
-#include "ipc/args.h"
+#include "util/clock.h"
+#include "util/args.h"
 #include "model/runtime.h"
 
 /* ---- memory read bandwidth: every thread sums its slice of a buffer far

@@ -20,8 +20,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "ipc/args.h"
-#include "model/clock.h"
+#include "util/args.h"
+#include "util/clock.h"
 #include "model/runtime.h"
 
 static void usage(FILE *f)
@@ -149,7 +149,7 @@ int main(int argc, char **argv)
     rp.model.max_batch_tokens = (int)window;
     enum model_status st = runtime_open(dir, &rp, &rt, err);
     if (st == MODEL_OK)
-        st = tokenizer_encode(rt.tok, text, len, false, &ids, err);
+        st = model_from_text(tokenizer_encode(rt.tok, text, len, false, &ids, err));
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-ppl: %s: %s\n", model_strerror(st), err);
         goto out;

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ipc/args.h"
+#include "util/args.h"
 #include "model/runtime.h"
 
 static void usage(FILE *f)
@@ -64,7 +64,7 @@ static int parse_ids(const char *s, struct tok_ids *out)
         long v = strtol(s, &end, 10);
         if (end == s || errno || v < 0 || v > INT32_MAX)
             return -1;
-        if (tok_ids_push(out, (int32_t)v) != MODEL_OK)
+        if (tok_ids_push(out, (int32_t)v) != TEXT_OK)
             return -1;
         s = *end == ',' ? end + 1 : end;
         if (*end && *end != ',')
@@ -165,7 +165,7 @@ int main(int argc, char **argv)
         return 1;
     }
     if (ids_arg ? parse_ids(ids_arg, &prompt) != 0
-                : tokenizer_encode(rt.tok, text, strlen(text), true, &prompt, err) != MODEL_OK) {
+                : tokenizer_encode(rt.tok, text, strlen(text), true, &prompt, err) != TEXT_OK) {
         fprintf(stderr, "kvtier-run: bad prompt: %s\n", ids_arg ? "--ids wants comma-separated token ids" : err);
         goto out;
     }

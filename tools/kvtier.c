@@ -19,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "model/clock.h"
+#include "util/clock.h"
 #include "ipc/httpc.h"
 #include "ipc/sockpath.h"
 

@@ -27,8 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ipc/args.h"
-#include "model/clock.h"
+#include "util/args.h"
+#include "util/clock.h"
 #include "ipc/httpc.h"
 #include "model/runtime.h"
 
@@ -157,7 +157,7 @@ static bool local_open(struct local *l, const char *dir, int threads, const char
         fprintf(stderr, "kvtierd-bench: %s\n", err);
         return false;
     }
-    if (tokenizer_encode(l->rt.tok, prompt, strlen(prompt), true, &l->ids, err) != MODEL_OK) {
+    if (tokenizer_encode(l->rt.tok, prompt, strlen(prompt), true, &l->ids, err) != TEXT_OK) {
         fprintf(stderr, "kvtierd-bench: %s\n", err);
         runtime_close(&l->rt);
         return false;

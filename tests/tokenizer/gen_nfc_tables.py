@@ -1,8 +1,8 @@
 #!/usr/bin/python3
-"""Writes model/tokenizer_nfc_tables.h, the Unicode data kvtier's NFC
+"""Writes text/tokenizer_nfc_tables.h, the Unicode data kvtier's NFC
 normaliser needs (Qwen2/3 tokenizer.json asks for NFC), from Python's
 unicodedata.  Run from the repository root:
-    /usr/bin/python3 tests/tokenizer/gen_nfc_tables.py > model/tokenizer_nfc_tables.h
+    /usr/bin/python3 tests/tokenizer/gen_nfc_tables.py > text/tokenizer_nfc_tables.h
 Hangul syllables are left out: they compose and decompose arithmetically."""
 import unicodedata as ud
 

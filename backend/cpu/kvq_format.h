@@ -10,8 +10,8 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "model/backend.h"
-#include "model/cpu/half.h"
+#include "backend/backend.h"
+#include "backend/cpu/half.h"
 
 /* Bytes of one token's codes: the distance between consecutive code rows. */
 static inline size_t kvq_row_bytes(const struct be_kvq_format *f)

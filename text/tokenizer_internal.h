@@ -1,4 +1,4 @@
-/* tokenizer_internal.h - what model/tokenizer*.c share; not a public API.
+/* tokenizer_internal.h - what the tokenizer files share; not a public API.
  *
  * Every string the tokenizer keeps (vocab pieces, added tokens, decoded
  * pieces, normaliser arguments) lives in one arena and is referred to by
@@ -14,8 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/safetensors.h" /* model_errf, model_path */
-#include "model/tokenizer.h"
+#include "text/status.h"
+#include "text/tokenizer.h"
 
 /* Ids at or above this are refused at load: it bounds the per-id tables a
  * hostile file can make us allocate (the largest real vocabularies are ~260k). */
@@ -107,7 +107,7 @@ int tok_cp_to_byte(uint32_t cp); /* -1 if cp is not one of the 256 */
 size_t tok_utf8_next(const unsigned char *s, size_t n, uint32_t *cp);
 size_t tok_utf8_put(uint32_t cp, char *out); /* writes 1..4 bytes */
 
-/* A cursor over JSON text (model/tokenizer_json.c).  Calls return false
+/* A cursor over JSON text (tokenizer_json.c).  Calls return false
  * (or -1) on malformed input with error naming what was expected at p. */
 struct tok_json {
     const char *s, *p, *end;
@@ -126,7 +126,7 @@ int tok_hex_digit(char c); /* -1 if c is not one */
 
 /* NFC: when s[0..n) (valid UTF-8) could change, writes its NFC form to out
  * (replacing its contents) and sets *changed; scratch is reused between
- * calls.  MODEL_ENOMEM is the only failure. */
-enum model_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed);
+ * calls.  TEXT_ENOMEM is the only failure. */
+enum text_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed);
 
 #endif

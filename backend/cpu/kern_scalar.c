@@ -4,8 +4,8 @@
  */
 #include <math.h>
 
-#include "model/cpu/cpu.h"
-#include "model/cpu/half.h"
+#include "backend/cpu/cpu.h"
+#include "backend/cpu/half.h"
 
 static inline float load_as_f32(const void *p, enum be_dtype dt, size_t i)
 {

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/cpu/cpu.h"
+#include "backend/cpu/cpu.h"
 
 static bool can_avx2(void)
 {

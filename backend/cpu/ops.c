@@ -6,7 +6,7 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#include "model/cpu/cpu.h"
+#include "backend/cpu/cpu.h"
 
 /* Below this many elements of work a job runs on the caller alone: waking
  * the pool costs more than the loop. */

@@ -1,6 +1,6 @@
 /* backend_impl.h - the private side of the compute seam: the vtable every
  * backend fills and the base objects the generic wrappers (backend.c) hang
- * it on.  Only model/backend.c, model/cpu/ and model/cuda/ include this.
+ * it on.  Only backend/backend.c, backend/cpu/ and backend/cuda/ include this.
  *
  * Division of labour: the wrappers validate arguments once (NULL, bounds,
  * dtype), keep the device-pool budget, peak and fault-injection counters,
@@ -12,7 +12,7 @@
 
 #include <pthread.h>
 
-#include "model/backend.h"
+#include "backend/backend.h"
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
@@ -74,7 +74,7 @@ struct be_ops {
 typedef enum be_status (*be_init_fn)(const struct be_params *p, const struct be_ops **ops, void **ctx,
                                      size_t *dev_budget);
 
-/* The built-in CPU backend (model/cpu/cpu.c). */
+/* The built-in CPU backend (backend/cpu/cpu.c). */
 enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget);
 
 struct be_backend {

@@ -1,5 +1,5 @@
 /* args.c - checked number parsing for command-line options. */
-#include "ipc/args.h"
+#include "util/args.h"
 
 #include <errno.h>
 #include <getopt.h>

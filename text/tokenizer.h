@@ -9,7 +9,11 @@
 #ifndef KVTIER_TOKENIZER_H
 #define KVTIER_TOKENIZER_H
 
-#include "model.h"
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "text/status.h"
 
 typedef struct tokenizer tokenizer;
 
@@ -19,12 +23,12 @@ struct tok_ids {
     size_t n, cap;
 };
 
-/* Appends id to v, growing it; MODEL_ENOMEM leaves v as it was. */
-enum model_status tok_ids_push(struct tok_ids *v, int32_t id);
+/* Appends id to v, growing it; TEXT_ENOMEM leaves v as it was. */
+enum text_status tok_ids_push(struct tok_ids *v, int32_t id);
 
 /* Loads dir/tokenizer.json and dir/tokenizer_config.json (the latter for
  * add_bos_token / add_eos_token / bos and eos tokens / chat_template). */
-enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err);
+enum text_status tokenizer_load(const char *dir, tokenizer **out, char *err);
 void tokenizer_free(tokenizer *t); /* accepts NULL */
 
 int tokenizer_vocab_size(const tokenizer *t);
@@ -39,9 +43,9 @@ bool tokenizer_is_special(const tokenizer *t, int32_t id);
 /* Appends the ids of text[0..len) to out.  add_special: add BOS/EOS as the
  * tokenizer's post-processor / tokenizer_config.json say (add_bos_token).
  * Special-token text in the input ("<|im_start|>") becomes its id.
- * Errors: MODEL_ENOMEM (out unchanged beyond its old n), MODEL_EINVAL for
+ * Errors: TEXT_ENOMEM (out unchanged beyond its old n), TEXT_EINVAL for
  * invalid UTF-8 (err names the byte offset). */
-enum model_status tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_special,
+enum text_status tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_special,
                                    struct tok_ids *out, char *err);
 
 /* Streaming decoder state; zero-initialise it before the first token. */
@@ -61,7 +65,7 @@ size_t tokenizer_decode_stream(const tokenizer *t, struct tok_stream *st, int32_
 
 /* Decodes ids to a NUL-terminated malloc'd string (*out); invalid bytes at
  * the very end are dropped. */
-enum model_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip_special, char **out,
+enum text_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip_special, char **out,
                                    size_t *len);
 
 #endif

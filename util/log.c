@@ -1,4 +1,4 @@
-#include "daemon/log.h"
+#include "util/log.h"
 
 #include <errno.h>
 #include <fcntl.h>

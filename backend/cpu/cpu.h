@@ -11,7 +11,7 @@
 
 #include <stddef.h>
 
-#include "model/backend_impl.h"
+#include "backend/backend_impl.h"
 
 /* ---- thread pool (pool.c) ----------------------------------------------- */
 

@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "model/cpu/cpu.h"
+#include "backend/cpu/cpu.h"
 
 /* 16 codes, starting at code 16*j of c, as floats. */
 static inline __m512 codes16(const uint8_t *c, int nbits, int j)

@@ -2,7 +2,7 @@
  * are cut out of the raw text first; each section between them is
  * normalised, pre-tokenized (Metaspace / byte-level prefix, then the
  * Isolated regex splits in order) and each piece goes through BPE. */
-#include "model/tokenizer_internal.h"
+#include "text/tokenizer_internal.h"
 
 struct bpe_sym {
     int32_t id, prev, next; /* id -1: merged into its left neighbour */
@@ -25,18 +25,18 @@ struct work {
     pcre2_match_data *md;
 };
 
-enum model_status tok_ids_push(struct tok_ids *o, int32_t id)
+enum text_status tok_ids_push(struct tok_ids *o, int32_t id)
 {
     if (o->n == o->cap) {
         size_t cap = o->cap ? o->cap * 2 : 64;
         int32_t *p = cap <= SIZE_MAX / sizeof *p ? realloc(o->ids, cap * sizeof *p) : NULL;
         if (!p)
-            return MODEL_ENOMEM;
+            return TEXT_ENOMEM;
         o->ids = p;
         o->cap = cap;
     }
     o->ids[o->n++] = id;
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* ---- BPE ------------------------------------------------------------------ */
@@ -148,13 +148,13 @@ static size_t word_symbols(const tokenizer *t, const char *s, size_t n, struct b
     return ns;
 }
 
-static enum model_status model_word(struct work *w, const char *s, size_t n)
+static enum text_status model_word(struct work *w, const char *s, size_t n)
 {
     const tokenizer *t = w->t;
     if (t->byte_level) {
         w->mapped.n = 0;
         if (!tok_buf_reserve(&w->mapped, 2 * n))
-            return MODEL_ENOMEM;
+            return TEXT_ENOMEM;
         for (size_t i = 0; i < n; i++)
             w->mapped.n += tok_utf8_put(tok_byte_to_cp((unsigned char)s[i]), w->mapped.p + w->mapped.n);
         s = w->mapped.p;
@@ -170,19 +170,19 @@ static enum model_status model_word(struct work *w, const char *s, size_t n)
     w->sym.n = w->heap.n = 0;
     if (n > SIZE_MAX / (3 * sizeof(struct bpe_item)) || !tok_buf_reserve(&w->sym, n * sizeof(struct bpe_sym)) ||
         !tok_buf_reserve(&w->heap, 3 * n * sizeof(struct bpe_item)))
-        return MODEL_ENOMEM;
+        return TEXT_ENOMEM;
     struct bpe_sym *sym = (struct bpe_sym *)(void *)w->sym.p;
     size_t ns = word_symbols(t, s, n, sym);
     if (ns == 0)
-        return MODEL_OK;
+        return TEXT_OK;
     bpe_merge(t, sym, ns, (struct bpe_item *)(void *)w->heap.p);
     /* Symbol 0 absorbs its right neighbours and is never deleted. */
     for (int32_t i = 0; i >= 0; i = sym[i].next) {
-        enum model_status st = tok_ids_push(w->out, sym[i].id);
-        if (st != MODEL_OK)
+        enum text_status st = tok_ids_push(w->out, sym[i].id);
+        if (st != TEXT_OK)
             return st;
     }
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* ---- pre-tokenizer ------------------------------------------------------- */
@@ -198,22 +198,22 @@ static int run_match(struct work *w, const pcre2_code *re, const char *s, size_t
 
 /* Splits s[0..n) with split k (matches and the gaps between them both
  * become pieces), then hands each piece to split k + 1 or to BPE. */
-static enum model_status split_level(struct work *w, int k, const char *s, size_t n)
+static enum text_status split_level(struct work *w, int k, const char *s, size_t n)
 {
     if (n == 0)
-        return MODEL_OK;
+        return TEXT_OK;
     if (k == w->t->n_splits)
         return model_word(w, s, n);
     size_t pos = 0, gap = 0;
-    enum model_status st = MODEL_OK;
-    while (pos < n && st == MODEL_OK) {
+    enum text_status st = TEXT_OK;
+    while (pos < n && st == TEXT_OK) {
         int rc = run_match(w, w->t->splits[k], s, n, pos);
         if (rc == PCRE2_ERROR_NOMATCH)
             break;
         if (rc < 0) {
             PCRE2_UCHAR msg[128];
             pcre2_get_error_message(rc, msg, sizeof msg);
-            return model_errf(w->err, rc == PCRE2_ERROR_NOMEMORY ? MODEL_ENOMEM : MODEL_EINVAL,
+            return text_errf(w->err, rc == PCRE2_ERROR_NOMEMORY ? TEXT_ENOMEM : TEXT_EINVAL,
                             "pre_tokenizer split %d failed on a %zu-byte piece: %s", k, n, (const char *)msg);
         }
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(w->md);
@@ -225,11 +225,11 @@ static enum model_status split_level(struct work *w, int k, const char *s, size_
             continue;
         }
         st = split_level(w, k + 1, s + gap, ms - gap);
-        if (st == MODEL_OK)
+        if (st == TEXT_OK)
             st = split_level(w, k + 1, s + ms, me - ms);
         gap = pos = me;
     }
-    return st == MODEL_OK ? split_level(w, k + 1, s + gap, n - gap) : st;
+    return st == TEXT_OK ? split_level(w, k + 1, s + gap, n - gap) : st;
 }
 
 /* The buffer of the two that does not hold s. */
@@ -239,41 +239,41 @@ static struct tok_buf *target(struct work *w, const char *s)
 }
 
 /* dst = prefix + s[0..n) with every `from` replaced by `to` (from may be empty). */
-static enum model_status rewrite(struct tok_buf *dst, const char *prefix, size_t np, const char *s, size_t n,
+static enum text_status rewrite(struct tok_buf *dst, const char *prefix, size_t np, const char *s, size_t n,
                                  const char *from, size_t nfrom, const char *to, size_t nto)
 {
     dst->n = 0;
     if (!tok_buf_append(dst, prefix, np))
-        return MODEL_ENOMEM;
+        return TEXT_ENOMEM;
     size_t i = 0, run = 0;
     while (i < n) {
         if (nfrom && n - i >= nfrom && memcmp(s + i, from, nfrom) == 0) {
             if (!tok_buf_append(dst, s + run, i - run) || !tok_buf_append(dst, to, nto))
-                return MODEL_ENOMEM;
+                return TEXT_ENOMEM;
             i += nfrom;
             run = i;
         } else {
             i++;
         }
     }
-    return tok_buf_append(dst, s + run, n - run) ? MODEL_OK : MODEL_ENOMEM;
+    return tok_buf_append(dst, s + run, n - run) ? TEXT_OK : TEXT_ENOMEM;
 }
 
-static enum model_status encode_section(struct work *w, const char *s, size_t n, bool at_start)
+static enum text_status encode_section(struct work *w, const char *s, size_t n, bool at_start)
 {
     const tokenizer *t = w->t;
     const char *str = t->str.p;
-    enum model_status st = MODEL_OK;
+    enum text_status st = TEXT_OK;
     if (n == 0)
-        return MODEL_OK;
-    for (int k = 0; k < t->n_norm && st == MODEL_OK; k++) {
+        return TEXT_OK;
+    for (int k = 0; k < t->n_norm && st == TEXT_OK; k++) {
         const struct tok_norm *nm = &t->norm[k];
         struct tok_buf *dst = target(w, s);
         bool changed = true;
         if (nm->op == TOK_NORM_NFC)
             st = tok_nfc(s, n, dst, &w->scratch, &changed);
         else if (nm->op == TOK_NORM_PREPEND)
-            st = n ? rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0) : MODEL_OK;
+            st = n ? rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0) : TEXT_OK;
         else
             st = rewrite(dst, NULL, 0, s, n, str + nm->from.off, nm->from.len, str + nm->to.off, nm->to.len);
         if (changed && (nm->op != TOK_NORM_PREPEND || n)) {
@@ -281,7 +281,7 @@ static enum model_status encode_section(struct work *w, const char *s, size_t n,
             n = dst->n;
         }
     }
-    if (st != MODEL_OK || n == 0)
+    if (st != TEXT_OK || n == 0)
         return st;
     if (t->metaspace) {
         const char *r = str + t->meta_repl.off;
@@ -295,13 +295,13 @@ static enum model_status encode_section(struct work *w, const char *s, size_t n,
         s = dst->p;
         n = dst->n;
     }
-    if (st == MODEL_OK && t->prefix_space && s[0] != ' ') {
+    if (st == TEXT_OK && t->prefix_space && s[0] != ' ') {
         struct tok_buf *dst = target(w, s);
         st = rewrite(dst, " ", 1, s, n, NULL, 0, NULL, 0);
         s = dst->p;
         n = dst->n;
     }
-    return st == MODEL_OK ? split_level(w, 0, s, n) : st;
+    return st == TEXT_OK ? split_level(w, 0, s, n) : st;
 }
 
 /* ---- added tokens ---------------------------------------------------------- */
@@ -353,7 +353,7 @@ static const struct tok_added *added_at(const tokenizer *t, const char *s, size_
     return NULL;
 }
 
-static enum model_status encode_text(struct work *w, const char *text, size_t len)
+static enum text_status encode_text(struct work *w, const char *text, size_t len)
 {
     const tokenizer *t = w->t;
     size_t sec = 0, i = 0;
@@ -371,36 +371,36 @@ static enum model_status encode_text(struct work *w, const char *text, size_t le
         while (a->rstrip && me < len && (cl = tok_utf8_next((const unsigned char *)text + me, len - me, &cp)) &&
                is_space(cp))
             me += cl;
-        enum model_status st = encode_section(w, text + sec, ms - sec, sec == 0);
-        if (st == MODEL_OK)
+        enum text_status st = encode_section(w, text + sec, ms - sec, sec == 0);
+        if (st == TEXT_OK)
             st = tok_ids_push(w->out, a->id);
-        if (st != MODEL_OK)
+        if (st != TEXT_OK)
             return st;
         i = sec = me;
     }
     return encode_section(w, text + sec, len - sec, sec == 0);
 }
 
-enum model_status tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_special,
+enum text_status tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool add_special,
                                    struct tok_ids *out, char *err)
 {
     for (size_t i = 0; i < len;) {
         uint32_t cp;
         size_t l = tok_utf8_next((const unsigned char *)text + i, len - i, &cp);
         if (!l)
-            return model_errf(err, MODEL_EINVAL, "text: invalid UTF-8 at byte offset %zu", i);
+            return text_errf(err, TEXT_EINVAL, "text: invalid UTF-8 at byte offset %zu", i);
         i += l;
     }
     size_t old_n = out->n;
     struct work w = {.t = t, .out = out, .err = err};
-    enum model_status st = MODEL_OK;
+    enum text_status st = TEXT_OK;
     if (t->n_splits && !(w.md = pcre2_match_data_create(1, NULL)))
-        st = MODEL_ENOMEM;
-    for (int k = 0; add_special && st == MODEL_OK && k < t->n_prefix; k++)
+        st = TEXT_ENOMEM;
+    for (int k = 0; add_special && st == TEXT_OK && k < t->n_prefix; k++)
         st = tok_ids_push(w.out, t->prefix_ids[k]);
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = encode_text(&w, text, len);
-    for (int k = 0; add_special && st == MODEL_OK && k < t->n_suffix; k++)
+    for (int k = 0; add_special && st == TEXT_OK && k < t->n_suffix; k++)
         st = tok_ids_push(w.out, t->suffix_ids[k]);
     pcre2_match_data_free(w.md);
     free(w.a.p);
@@ -409,10 +409,10 @@ enum model_status tokenizer_encode(const tokenizer *t, const char *text, size_t 
     free(w.mapped.p);
     free(w.sym.p);
     free(w.heap.p);
-    if (st != MODEL_OK) {
+    if (st != TEXT_OK) {
         out->n = old_n;
-        if (st == MODEL_ENOMEM)
-            model_errf(err, st, "tokenizer_encode: out of memory on a %zu-byte text", len);
+        if (st == TEXT_ENOMEM)
+            text_errf(err, st, "tokenizer_encode: out of memory on a %zu-byte text", len);
     }
     return st;
 }

@@ -4,7 +4,7 @@
  * the file is handed to jansson member by member. */
 #include <limits.h>
 
-#include "model/tokenizer_internal.h"
+#include "text/tokenizer_internal.h"
 
 int tok_hex_digit(char c)
 {

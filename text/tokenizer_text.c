@@ -1,7 +1,7 @@
 /* tokenizer_text.c - text plumbing for the tokenizer: growable buffers,
  * strict UTF-8, GPT-2's byte <-> code point table and NFC normalisation. */
-#include "model/tokenizer_internal.h"
-#include "model/tokenizer_nfc_tables.h"
+#include "text/tokenizer_internal.h"
+#include "text/tokenizer_nfc_tables.h"
 
 bool tok_buf_reserve(struct tok_buf *b, size_t extra)
 {
@@ -190,7 +190,7 @@ static uint32_t compose(uint32_t a, uint32_t b)
     return 0;
 }
 
-enum model_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed)
+enum text_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed)
 {
     /* Below U+0300 (lead bytes < 0xCC) nothing decomposes into something
      * that recomposes differently and nothing combines: already NFC. */
@@ -199,13 +199,13 @@ enum model_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct t
         i++;
     *changed = false;
     if (i == n)
-        return MODEL_OK;
+        return TEXT_OK;
 
     /* A UTF-8 byte never decomposes into more than 1.5 code points (U+01D5). */
     size_t max_cps = n + n / 2 + 4;
     scratch->n = 0;
     if (max_cps > SIZE_MAX / sizeof(uint32_t) || !tok_buf_reserve(scratch, max_cps * sizeof(uint32_t)))
-        return MODEL_ENOMEM;
+        return TEXT_ENOMEM;
     uint32_t *cp = (uint32_t *)(void *)scratch->p;
     size_t m = 0;
     for (i = 0; i < n;) {
@@ -245,9 +245,9 @@ enum model_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct t
     }
     out->n = 0;
     if (!tok_buf_reserve(out, w * 4))
-        return MODEL_ENOMEM;
+        return TEXT_ENOMEM;
     for (size_t k = 0; k < w; k++)
         out->n += tok_utf8_put(cp[k], out->p + out->n);
     *changed = true;
-    return MODEL_OK;
+    return TEXT_OK;
 }

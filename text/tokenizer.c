@@ -1,9 +1,9 @@
 /* tokenizer.c - loading a Hugging Face tokenizer.json (+ tokenizer_config.json)
- * into the tables model/tokenizer_encode.c and model/tokenizer_decode.c use.
+ * into the tables tokenizer_encode.c and tokenizer_decode.c use.
  *
  * Everything read from the files is checked before use: ids against
  * TOK_MAX_IDS, merges against the vocabulary, every component type against
- * what the encoder implements (an unknown one is MODEL_EUNSUPPORTED rather
+ * what the encoder implements (an unknown one is TEXT_EUNSUPPORTED rather
  * than a silently different tokenisation).
  */
 #include <errno.h>
@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <xxhash.h>
 
-#include "model/tokenizer_internal.h"
+#include "text/tokenizer_internal.h"
 
 /* GPT-2's pre-tokenizer regex, used by ByteLevel when use_regex is true. */
 static const char GPT2_REGEX[] =
@@ -37,27 +37,27 @@ struct loader {
     bool fused;           /* a Fuse step was seen: later steps see the whole text */
 };
 
-#define LFAIL(L, st, ...) model_errf((L)->err, (st), __VA_ARGS__)
+#define LFAIL(L, st, ...) text_errf((L)->err, (st), __VA_ARGS__)
 #define TRY(expr)                                                                                                    \
     do {                                                                                                             \
-        enum model_status st_ = (expr);                                                                              \
-        if (st_ != MODEL_OK)                                                                                         \
+        enum text_status st_ = (expr);                                                                              \
+        if (st_ != TEXT_OK)                                                                                         \
             return st_;                                                                                              \
     } while (0)
 
-static enum model_status oom(struct loader *L)
+static enum text_status oom(struct loader *L)
 {
-    return LFAIL(L, MODEL_ENOMEM, "%s: out of memory", L->file);
+    return LFAIL(L, TEXT_ENOMEM, "%s: out of memory", L->file);
 }
 
 /* Copies s[0..n) into the arena. */
-static enum model_status intern(struct loader *L, const char *s, size_t n, struct tok_span *out)
+static enum text_status intern(struct loader *L, const char *s, size_t n, struct tok_span *out)
 {
     if (n > UINT32_MAX || L->t->str.n > UINT32_MAX - n)
-        return LFAIL(L, MODEL_EFORMAT, "%s: strings exceed 4 GiB", L->file);
+        return LFAIL(L, TEXT_EFORMAT, "%s: strings exceed 4 GiB", L->file);
     out->off = (uint32_t)L->t->str.n;
     out->len = (uint32_t)n;
-    return tok_buf_append(&L->t->str, s, n) ? MODEL_OK : oom(L);
+    return tok_buf_append(&L->t->str, s, n) ? TEXT_OK : oom(L);
 }
 
 static const char *span_str(const tokenizer *t, struct tok_span s)
@@ -67,7 +67,7 @@ static const char *span_str(const tokenizer *t, struct tok_span s)
 
 /* ---- JSON field access with messages naming the field ------------------ */
 
-static enum model_status get_string(struct loader *L, json_t *obj, const char *key, const char *where, bool required,
+static enum text_status get_string(struct loader *L, json_t *obj, const char *key, const char *where, bool required,
                                     const char **out, size_t *len)
 {
     json_t *v = json_object_get(obj, key);
@@ -75,59 +75,59 @@ static enum model_status get_string(struct loader *L, json_t *obj, const char *k
     *len = 0;
     if (!v || json_is_null(v)) {
         if (required)
-            return LFAIL(L, MODEL_EFORMAT, "%s: %s.%s is missing", L->file, where, key);
-        return MODEL_OK;
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s.%s is missing", L->file, where, key);
+        return TEXT_OK;
     }
     if (!json_is_string(v))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s.%s is not a string", L->file, where, key);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s.%s is not a string", L->file, where, key);
     *out = json_string_value(v);
     *len = json_string_length(v);
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status get_bool(struct loader *L, json_t *obj, const char *key, const char *where, bool dflt,
+static enum text_status get_bool(struct loader *L, json_t *obj, const char *key, const char *where, bool dflt,
                                   bool *out)
 {
     json_t *v = json_object_get(obj, key);
     *out = dflt;
     if (!v || json_is_null(v))
-        return MODEL_OK;
+        return TEXT_OK;
     if (!json_is_boolean(v))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s.%s is not a boolean", L->file, where, key);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s.%s is not a boolean", L->file, where, key);
     *out = json_is_true(v);
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status get_type(struct loader *L, json_t *obj, const char *where, const char **type)
+static enum text_status get_type(struct loader *L, json_t *obj, const char *where, const char **type)
 {
     size_t len;
     if (!json_is_object(obj))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s is not an object", L->file, where);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s is not an object", L->file, where);
     return get_string(L, obj, "type", where, true, type, &len);
 }
 
-static enum model_status get_id(struct loader *L, json_t *v, const char *where, size_t index, int32_t *out)
+static enum text_status get_id(struct loader *L, json_t *v, const char *where, size_t index, int32_t *out)
 {
     if (!json_is_integer(v))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s[%zu] is not an integer id", L->file, where, index);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s[%zu] is not an integer id", L->file, where, index);
     json_int_t id = json_integer_value(v);
     if (id < 0 || id >= TOK_MAX_IDS)
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s[%zu]: id %lld out of range [0, %d)", L->file, where, index,
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s[%zu]: id %lld out of range [0, %d)", L->file, where, index,
                      (long long)id, TOK_MAX_IDS);
     *out = (int32_t)id;
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* "String" or "Regex" pattern object of Split / Replace. */
-static enum model_status get_pattern(struct loader *L, json_t *obj, const char *where, const char **s, size_t *len,
+static enum text_status get_pattern(struct loader *L, json_t *obj, const char *where, const char **s, size_t *len,
                                      bool *is_regex)
 {
     json_t *p = json_object_get(obj, "pattern");
     if (!json_is_object(p))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s.pattern is missing or not an object", L->file, where);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s.pattern is missing or not an object", L->file, where);
     *is_regex = json_object_get(p, "Regex") != NULL;
     TRY(get_string(L, p, *is_regex ? "Regex" : "String", where, true, s, len));
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* ---- vocabulary and merges --------------------------------------------- */
@@ -160,13 +160,13 @@ static uint32_t table_mask(size_t n)
 }
 
 /* A syntax error at the cursor, as "file:line:col: expected ...". */
-static enum model_status syntax(struct loader *L, const struct tok_json *j, const char *member)
+static enum text_status syntax(struct loader *L, const struct tok_json *j, const char *member)
 {
     int line, col;
     if (j->error && strcmp(j->error, "memory") == 0)
         return oom(L);
     tj_where(j, &line, &col);
-    return LFAIL(L, MODEL_EFORMAT, "%s:%d:%d: %s: expected %s", L->file, line, col, member,
+    return LFAIL(L, TEXT_EFORMAT, "%s:%d:%d: %s: expected %s", L->file, line, col, member,
                  j->error ? j->error : "valid JSON");
 }
 
@@ -177,46 +177,46 @@ struct vocab_entry {
 
 /* model.vocab, an object of piece -> id, read straight from the text at
  * `at` (NULL: absent). */
-static enum model_status load_vocab(struct loader *L, const struct tok_json *json, const char *at, int32_t *max_id)
+static enum text_status load_vocab(struct loader *L, const struct tok_json *json, const char *at, int32_t *max_id)
 {
     tokenizer *t = L->t;
     struct tok_json j = *json;
     struct tok_buf key = {0}, list = {0};
-    enum model_status st = MODEL_OK;
+    enum text_status st = TEXT_OK;
     bool first = true;
     int r = 0;
     if (!at || *at != '{')
-        return LFAIL(L, MODEL_EFORMAT, "%s: model.vocab is missing or not an object", L->file);
+        return LFAIL(L, TEXT_EFORMAT, "%s: model.vocab is missing or not an object", L->file);
     j.p = at;
     *max_id = -1;
-    while (st == MODEL_OK && (r = tj_member(&j, &first, &key)) == 1) {
+    while (st == TEXT_OK && (r = tj_member(&j, &first, &key)) == 1) {
         long long id;
         struct vocab_entry e;
         if (!tj_int(&j, &id) || id < 0 || id >= TOK_MAX_IDS) {
-            st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab[\"%.*s\"] is not an id in [0, %d)", L->file,
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab[\"%.*s\"] is not an id in [0, %d)", L->file,
                        (int)(key.n > 64 ? 64 : key.n), key.p, TOK_MAX_IDS);
-        } else if ((st = intern(L, key.p, key.n, &e.s)) == MODEL_OK) {
+        } else if ((st = intern(L, key.p, key.n, &e.s)) == TEXT_OK) {
             e.id = (int32_t)id;
             *max_id = e.id > *max_id ? e.id : *max_id;
             if (list.n / sizeof e >= TOK_MAX_IDS)
-                st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab has more than %d entries", L->file, TOK_MAX_IDS);
+                st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab has more than %d entries", L->file, TOK_MAX_IDS);
             else if (!tok_buf_append(&list, &e, sizeof e))
                 st = oom(L);
         }
     }
-    if (st == MODEL_OK && r < 0)
+    if (st == TEXT_OK && r < 0)
         st = syntax(L, &j, "model.vocab");
     size_t n = list.n / sizeof(struct vocab_entry);
-    if (st == MODEL_OK && n == 0)
-        st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab is empty", L->file);
-    if (st == MODEL_OK) {
+    if (st == TEXT_OK && n == 0)
+        st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab is empty", L->file);
+    if (st == TEXT_OK) {
         t->vocab_mask = table_mask(n);
         t->vocab_tab = malloc(((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
         t->piece = malloc(((size_t)*max_id + 1) * sizeof *t->piece);
         if (!t->vocab_tab || !t->piece)
             st = oom(L);
     }
-    if (st == MODEL_OK) {
+    if (st == TEXT_OK) {
         memset(t->vocab_tab, 0xFF, ((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
         /* Until finish_tables() sizes the flags, off == UINT32_MAX marks an id
          * the vocabulary does not use. */
@@ -224,15 +224,15 @@ static enum model_status load_vocab(struct loader *L, const struct tok_json *jso
             t->piece[i].off = UINT32_MAX;
     }
     const struct vocab_entry *e = (const struct vocab_entry *)(void *)list.p;
-    for (size_t i = 0; st == MODEL_OK && i < n; i++) {
+    for (size_t i = 0; st == TEXT_OK && i < n; i++) {
         const char *str = span_str(t, e[i].s);
         if (t->piece[e[i].id].off != UINT32_MAX)
-            st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab: id %d is given to both \"%.64s\" and \"%.*s\"", L->file,
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: id %d is given to both \"%.64s\" and \"%.*s\"", L->file,
                        e[i].id, span_str(t, t->piece[e[i].id]), (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
         else if (tok_vocab_find(t, str, e[i].s.len) >= 0)
-            st = LFAIL(L, MODEL_EFORMAT, "%s: model.vocab: \"%.*s\" appears twice", L->file,
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: \"%.*s\" appears twice", L->file,
                        (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
-        if (st != MODEL_OK)
+        if (st != TEXT_OK)
             break;
         t->piece[e[i].id] = e[i].s;
         uint32_t h = hash_bytes(str, e[i].s.len) & t->vocab_mask;
@@ -262,7 +262,7 @@ const struct tok_merge_slot *tok_merge_find(const tokenizer *t, int32_t left, in
 }
 
 /* One merge, "a b" or ["a", "b"], as the ids of its halves and result. */
-static enum model_status read_merge(struct loader *L, struct tok_json *j, size_t i, struct tok_buf *a,
+static enum text_status read_merge(struct loader *L, struct tok_json *j, size_t i, struct tok_buf *a,
                                     struct tok_buf *b, int32_t ids[3])
 {
     const tokenizer *t = L->t;
@@ -272,7 +272,7 @@ static enum model_status read_merge(struct loader *L, struct tok_json *j, size_t
             return syntax(L, j, "model.merges");
         char *sp = memchr(a->p, ' ', a->n);
         if (!sp || sp == a->p || sp == a->p + a->n - 1 || memchr(sp + 1, ' ', (size_t)(a->p + a->n - sp - 1)))
-            return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu] \"%.*s\" is not two pieces separated by one space",
+            return LFAIL(L, TEXT_EFORMAT, "%s: model.merges[%zu] \"%.*s\" is not two pieces separated by one space",
                          L->file, i, (int)(a->n > 64 ? 64 : a->n), a->p);
         b->n = 0;
         if (!tok_buf_append(b, sp + 1, (size_t)(a->p + a->n - sp - 1)))
@@ -282,7 +282,7 @@ static enum model_status read_merge(struct loader *L, struct tok_json *j, size_t
         bool first = true;
         if (j->p == j->end || *j->p != '[' || tj_next(j, '[', ']', &first) != 1 || !tj_string(j, a) ||
             tj_next(j, '[', ']', &first) != 1 || !tj_string(j, b) || tj_next(j, '[', ']', &first) != 0)
-            return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", L->file,
+            return LFAIL(L, TEXT_EFORMAT, "%s: model.merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", L->file,
                          i);
     }
     size_t na = a->n;
@@ -292,46 +292,46 @@ static enum model_status read_merge(struct loader *L, struct tok_json *j, size_t
         return oom(L);
     ids[2] = tok_vocab_find(t, a->p, a->n);
     if (ids[0] >= 0 && ids[1] >= 0 && ids[2] >= 0)
-        return MODEL_OK;
+        return TEXT_OK;
     const char *missing = ids[1] < 0 && ids[0] >= 0 ? b->p : a->p;
     size_t len = ids[0] < 0 ? na : ids[1] < 0 ? b->n : a->n;
-    return LFAIL(L, MODEL_EFORMAT, "%s: model.merges[%zu]: \"%.*s\" is not in model.vocab", L->file, i,
+    return LFAIL(L, TEXT_EFORMAT, "%s: model.merges[%zu]: \"%.*s\" is not in model.vocab", L->file, i,
                  (int)(len > 64 ? 64 : len), missing);
 }
 
 /* model.merges from the text at `at` (NULL or null: none). */
-static enum model_status load_merges(struct loader *L, const struct tok_json *json, const char *at)
+static enum text_status load_merges(struct loader *L, const struct tok_json *json, const char *at)
 {
     tokenizer *t = L->t;
     if (!at || (json->end - at >= 4 && memcmp(at, "null", 4) == 0))
-        return MODEL_OK; /* a vocabulary of single characters */
+        return TEXT_OK; /* a vocabulary of single characters */
     if (*at != '[')
-        return LFAIL(L, MODEL_EFORMAT, "%s: model.merges is not an array", L->file);
+        return LFAIL(L, TEXT_EFORMAT, "%s: model.merges is not an array", L->file);
     struct tok_json j = *json;
     struct tok_buf a = {0}, b = {0}, list = {0};
-    enum model_status st = MODEL_OK;
+    enum text_status st = TEXT_OK;
     bool first = true;
     int r = 0;
     j.p = at;
-    for (size_t i = 0; st == MODEL_OK && (r = tj_next(&j, '[', ']', &first)) == 1; i++) {
+    for (size_t i = 0; st == TEXT_OK && (r = tj_next(&j, '[', ']', &first)) == 1; i++) {
         int32_t ids[3];
         if (i >= TOK_MAX_IDS)
-            st = LFAIL(L, MODEL_EFORMAT, "%s: model.merges has more than %d entries", L->file, TOK_MAX_IDS);
-        else if ((st = read_merge(L, &j, i, &a, &b, ids)) == MODEL_OK && !tok_buf_append(&list, ids, sizeof ids))
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.merges has more than %d entries", L->file, TOK_MAX_IDS);
+        else if ((st = read_merge(L, &j, i, &a, &b, ids)) == TEXT_OK && !tok_buf_append(&list, ids, sizeof ids))
             st = oom(L);
     }
-    if (st == MODEL_OK && r < 0)
+    if (st == TEXT_OK && r < 0)
         st = syntax(L, &j, "model.merges");
     size_t n = list.n / (3 * sizeof(int32_t));
-    if (st == MODEL_OK) {
+    if (st == TEXT_OK) {
         t->merge_mask = table_mask(n);
         if (!(t->merge_tab = malloc(((size_t)t->merge_mask + 1) * sizeof *t->merge_tab)))
             st = oom(L);
     }
     const int32_t *ids = (const int32_t *)(void *)list.p;
-    for (size_t i = 0; st == MODEL_OK && i <= t->merge_mask; i++)
+    for (size_t i = 0; st == TEXT_OK && i <= t->merge_mask; i++)
         t->merge_tab[i].key = UINT64_MAX;
-    for (size_t i = 0; st == MODEL_OK && i < n; i++) {
+    for (size_t i = 0; st == TEXT_OK && i < n; i++) {
         /* A repeated pair keeps its last rank, as Hugging Face's loader does. */
         uint64_t key = (uint64_t)ids[3 * i] << 32 | (uint32_t)ids[3 * i + 1];
         *merge_slot(t, key) = (struct tok_merge_slot){key, (uint32_t)i, ids[3 * i + 2]};
@@ -344,7 +344,7 @@ static enum model_status load_merges(struct loader *L, const struct tok_json *js
 
 /* The model object: mj holds its small members; vocab and merges point at
  * those two members' text in json. */
-static enum model_status load_model(struct loader *L, json_t *mj, const struct tok_json *json, const char *vocab,
+static enum text_status load_model(struct loader *L, json_t *mj, const struct tok_json *json, const char *vocab,
                                     const char *merges, int32_t *max_id)
 {
     tokenizer *t = L->t;
@@ -353,15 +353,15 @@ static enum model_status load_model(struct loader *L, json_t *mj, const struct t
     /* Old files leave out "type"; vocab + merges is then BPE. */
     TRY(get_string(L, mj, "type", "model", false, &type, &len));
     if (type && strcmp(type, "BPE") != 0)
-        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: model.type \"%s\" (only BPE is supported)", L->file, type);
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: model.type \"%s\" (only BPE is supported)", L->file, type);
     json_t *dropout = json_object_get(mj, "dropout");
     if (dropout && !json_is_null(dropout) && !(json_is_number(dropout) && json_number_value(dropout) == 0))
-        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: model.dropout is set (BPE dropout is a training feature)", L->file);
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: model.dropout is set (BPE dropout is a training feature)", L->file);
     static const char *const affixes[] = {"continuing_subword_prefix", "end_of_word_suffix"};
     for (size_t i = 0; i < 2; i++) {
         TRY(get_string(L, mj, affixes[i], "model", false, &s, &len));
         if (len)
-            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: model.%s \"%s\" is not supported", L->file, affixes[i], s);
+            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: model.%s \"%s\" is not supported", L->file, affixes[i], s);
     }
     TRY(get_bool(L, mj, "byte_fallback", "model", false, &t->byte_fallback));
     TRY(get_bool(L, mj, "ignore_merges", "model", false, &t->ignore_merges));
@@ -371,13 +371,13 @@ static enum model_status load_model(struct loader *L, json_t *mj, const struct t
     TRY(get_string(L, mj, "unk_token", "model", false, &s, &len));
     t->unk_id = -1;
     if (s && (t->unk_id = tok_vocab_find(t, s, len)) < 0)
-        return LFAIL(L, MODEL_EFORMAT, "%s: model.unk_token \"%.64s\" is not in model.vocab", L->file, s);
+        return LFAIL(L, TEXT_EFORMAT, "%s: model.unk_token \"%.64s\" is not in model.vocab", L->file, s);
     for (int b = 0; b < 256; b++) {
         char name[8];
         snprintf(name, sizeof name, "<0x%02X>", b);
         t->byte_token[b] = tok_vocab_find(t, name, 6);
     }
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* ---- added tokens -------------------------------------------------------- */
@@ -391,16 +391,16 @@ static int added_cmp(const void *pa, const void *pb, void *arena)
     return a->s.len > b->s.len ? -1 : a->s.len < b->s.len ? 1 : 0;
 }
 
-static enum model_status load_added(struct loader *L, json_t *arr, int32_t *max_id)
+static enum text_status load_added(struct loader *L, json_t *arr, int32_t *max_id)
 {
     tokenizer *t = L->t;
     if (!arr || json_is_null(arr))
-        return MODEL_OK;
+        return TEXT_OK;
     if (!json_is_array(arr))
-        return LFAIL(L, MODEL_EFORMAT, "%s: added_tokens is not an array", L->file);
+        return LFAIL(L, TEXT_EFORMAT, "%s: added_tokens is not an array", L->file);
     size_t n = json_array_size(arr);
     if (n > UINT16_MAX)
-        return LFAIL(L, MODEL_EFORMAT, "%s: added_tokens has %zu entries (limit %d)", L->file, n, UINT16_MAX);
+        return LFAIL(L, TEXT_EFORMAT, "%s: added_tokens has %zu entries (limit %d)", L->file, n, UINT16_MAX);
     t->added = calloc(n ? n : 1, sizeof *t->added);
     if (!t->added)
         return oom(L);
@@ -410,13 +410,13 @@ static enum model_status load_added(struct loader *L, json_t *arr, int32_t *max_
         char where[48];
         snprintf(where, sizeof where, "added_tokens[%zu]", i);
         if (!json_is_object(o))
-            return LFAIL(L, MODEL_EFORMAT, "%s: %s is not an object", L->file, where);
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s is not an object", L->file, where);
         const char *content;
         size_t len;
         TRY(get_id(L, json_object_get(o, "id"), "added_tokens.id", i, &a->id));
         TRY(get_string(L, o, "content", where, true, &content, &len));
         if (len == 0)
-            return LFAIL(L, MODEL_EFORMAT, "%s: %s.content is empty", L->file, where);
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s.content is empty", L->file, where);
         TRY(get_bool(L, o, "special", where, false, &a->special));
         TRY(get_bool(L, o, "lstrip", where, false, &a->lstrip));
         TRY(get_bool(L, o, "rstrip", where, false, &a->rstrip));
@@ -435,12 +435,12 @@ static enum model_status load_added(struct loader *L, json_t *arr, int32_t *max_
             k++;
         t->added_first[b] = (uint16_t)k;
     }
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* ---- normaliser and pre-tokenizer ---------------------------------------- */
 
-static enum model_status push_norm(struct loader *L, enum tok_norm_op op, struct tok_span from, struct tok_span to)
+static enum text_status push_norm(struct loader *L, enum tok_norm_op op, struct tok_span from, struct tok_span to)
 {
     tokenizer *t = L->t;
     struct tok_norm *n = realloc(t->norm, ((size_t)t->n_norm + 1) * sizeof *n);
@@ -448,39 +448,39 @@ static enum model_status push_norm(struct loader *L, enum tok_norm_op op, struct
         return oom(L);
     t->norm = n;
     n[t->n_norm++] = (struct tok_norm){op, from, to};
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* Walks a component that may be a "Sequence" of components (listed under
  * list_key), calling one() on each leaf with a path naming it. */
-typedef enum model_status (*component_fn)(struct loader *L, json_t *obj, const char *type, const char *where);
+typedef enum text_status (*component_fn)(struct loader *L, json_t *obj, const char *type, const char *where);
 
-static enum model_status walk(struct loader *L, json_t *obj, const char *where, const char *list_key,
+static enum text_status walk(struct loader *L, json_t *obj, const char *where, const char *list_key,
                               component_fn one)
 {
     if (!obj || json_is_null(obj))
-        return MODEL_OK;
+        return TEXT_OK;
     const char *type;
     TRY(get_type(L, obj, where, &type));
     if (strcmp(type, "Sequence") != 0)
         return one(L, obj, type, where);
     json_t *list = json_object_get(obj, list_key);
     if (!json_is_array(list))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s.%s is missing or not an array", L->file, where, list_key);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s.%s is missing or not an array", L->file, where, list_key);
     for (size_t i = 0; i < json_array_size(list); i++) {
         char sub[160];
         snprintf(sub, sizeof sub, "%s.%s[%zu]", where, list_key, i);
         TRY(walk(L, json_array_get(list, i), sub, list_key, one));
     }
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status unsupported(struct loader *L, const char *where, const char *type)
+static enum text_status unsupported(struct loader *L, const char *where, const char *type)
 {
-    return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s.type \"%s\" is not supported", L->file, where, type);
+    return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.type \"%s\" is not supported", L->file, where, type);
 }
 
-static enum model_status one_normalizer(struct loader *L, json_t *o, const char *type, const char *where)
+static enum text_status one_normalizer(struct loader *L, json_t *o, const char *type, const char *where)
 {
     const char *s;
     size_t len;
@@ -496,10 +496,10 @@ static enum model_status one_normalizer(struct loader *L, json_t *o, const char 
         bool is_regex;
         TRY(get_pattern(L, o, where, &s, &len, &is_regex));
         if (is_regex)
-            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s.pattern: Regex replacement is not supported", L->file,
+            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: Regex replacement is not supported", L->file,
                          where);
         if (len == 0)
-            return LFAIL(L, MODEL_EFORMAT, "%s: %s.pattern.String is empty", L->file, where);
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s.pattern.String is empty", L->file, where);
         TRY(intern(L, s, len, &from));
         TRY(get_string(L, o, "content", where, true, &s, &len));
         TRY(intern(L, s, len, &to));
@@ -508,7 +508,7 @@ static enum model_status one_normalizer(struct loader *L, json_t *o, const char 
     return unsupported(L, where, type);
 }
 
-static enum model_status push_split(struct loader *L, const char *pattern, size_t len, uint32_t extra_flags,
+static enum text_status push_split(struct loader *L, const char *pattern, size_t len, uint32_t extra_flags,
                                     const char *where)
 {
     tokenizer *t = L->t;
@@ -519,7 +519,7 @@ static enum model_status push_split(struct loader *L, const char *pattern, size_
     if (!re) {
         PCRE2_UCHAR msg[128];
         pcre2_get_error_message(code, msg, sizeof msg);
-        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s.pattern: regex does not compile at offset %zu: %s", L->file,
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: regex does not compile at offset %zu: %s", L->file,
                      where, (size_t)at, (const char *)msg);
     }
     /* The interpreter is the fallback where JIT is unavailable. */
@@ -531,10 +531,10 @@ static enum model_status push_split(struct loader *L, const char *pattern, size_
     }
     t->splits = s;
     s[t->n_splits++] = re;
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status one_pretokenizer(struct loader *L, json_t *o, const char *type, const char *where)
+static enum text_status one_pretokenizer(struct loader *L, json_t *o, const char *type, const char *where)
 {
     tokenizer *t = L->t;
     const char *s;
@@ -547,32 +547,32 @@ static enum model_status one_pretokenizer(struct loader *L, json_t *o, const cha
         size_t blen;
         TRY(get_string(L, o, "behavior", where, true, &behavior, &blen));
         if (invert || strcmp(behavior, "Isolated") != 0)
-            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: only behavior Isolated without invert is supported",
+            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: only behavior Isolated without invert is supported",
                          L->file, where);
         return push_split(L, s, len, is_regex ? 0 : PCRE2_LITERAL, where);
     }
     if (strcmp(type, "ByteLevel") == 0) {
         bool use_regex;
         if (t->byte_level || t->metaspace)
-            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: a second ByteLevel/Metaspace pre-tokenizer", L->file, where);
+            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: a second ByteLevel/Metaspace pre-tokenizer", L->file, where);
         t->byte_level = true;
         TRY(get_bool(L, o, "add_prefix_space", where, true, &t->prefix_space));
         TRY(get_bool(L, o, "use_regex", where, true, &use_regex));
         /* The prefix space is added per piece; only before any split is
          * that the same as once per text section. */
         if (t->prefix_space && t->n_splits)
-            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: add_prefix_space after a Split is not supported", L->file,
+            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: add_prefix_space after a Split is not supported", L->file,
                          where);
-        return use_regex ? push_split(L, GPT2_REGEX, sizeof GPT2_REGEX - 1, 0, where) : MODEL_OK;
+        return use_regex ? push_split(L, GPT2_REGEX, sizeof GPT2_REGEX - 1, 0, where) : TEXT_OK;
     }
     if (strcmp(type, "Metaspace") == 0) {
         if (t->byte_level || t->metaspace || t->n_splits)
-            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: Metaspace must be the only pre-tokenizer", L->file, where);
+            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: Metaspace must be the only pre-tokenizer", L->file, where);
         t->metaspace = true;
         uint32_t cp;
         TRY(get_string(L, o, "replacement", where, true, &s, &len));
         if (len == 0 || tok_utf8_next((const unsigned char *)s, len, &cp) != len)
-            return LFAIL(L, MODEL_EFORMAT, "%s: %s.replacement is not one character", L->file, where);
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s.replacement is not one character", L->file, where);
         TRY(intern(L, s, len, &t->meta_repl));
         const char *scheme;
         TRY(get_string(L, o, "prepend_scheme", where, false, &scheme, &len));
@@ -584,7 +584,7 @@ static enum model_status one_pretokenizer(struct loader *L, json_t *o, const cha
             else if (strcmp(scheme, "never") == 0)
                 t->meta_prepend = TOK_PREPEND_NEVER;
             else
-                return LFAIL(L, MODEL_EFORMAT, "%s: %s.prepend_scheme \"%s\" is unknown", L->file, where, scheme);
+                return LFAIL(L, TEXT_EFORMAT, "%s: %s.prepend_scheme \"%s\" is unknown", L->file, where, scheme);
         } else {
             bool add;
             TRY(get_bool(L, o, "add_prefix_space", where, true, &add));
@@ -593,7 +593,7 @@ static enum model_status one_pretokenizer(struct loader *L, json_t *o, const cha
         bool split;
         TRY(get_bool(L, o, "split", where, true, &split));
         if (!split)
-            return MODEL_OK;
+            return TEXT_OK;
         /* Splitting before each replacement character, which stays at the
          * start of its piece, is an Isolated split on "R[^R]*". */
         char re[64];
@@ -605,19 +605,19 @@ static enum model_status one_pretokenizer(struct loader *L, json_t *o, const cha
 
 /* ---- post-processor ------------------------------------------------------- */
 
-static enum model_status ids_push(struct loader *L, int32_t **ids, int *n, int32_t id)
+static enum text_status ids_push(struct loader *L, int32_t **ids, int *n, int32_t id)
 {
     if (id < 0 || id >= L->t->n_ids)
-        return LFAIL(L, MODEL_EFORMAT, "%s: post_processor: id %d out of range [0, %d)", L->file, id, L->t->n_ids);
+        return LFAIL(L, TEXT_EFORMAT, "%s: post_processor: id %d out of range [0, %d)", L->file, id, L->t->n_ids);
     int32_t *p = realloc(*ids, ((size_t)*n + 1) * sizeof *p);
     if (!p)
         return oom(L);
     *ids = p;
     p[(*n)++] = id;
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status template_item(struct loader *L, json_t *specials, json_t *item, const char *where,
+static enum text_status template_item(struct loader *L, json_t *specials, json_t *item, const char *where,
                                        bool *seen_a)
 {
     tokenizer *t = L->t;
@@ -627,37 +627,37 @@ static enum model_status template_item(struct loader *L, json_t *specials, json_
         size_t len;
         TRY(get_string(L, seq, "id", where, true, &id, &len));
         if (strcmp(id, "A") != 0 || *seen_a)
-            return LFAIL(L, MODEL_EFORMAT, "%s: %s: the single template must hold sequence A once", L->file, where);
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s: the single template must hold sequence A once", L->file, where);
         *seen_a = true;
-        return MODEL_OK;
+        return TEXT_OK;
     }
     if (!json_is_object(sp))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s is neither Sequence nor SpecialToken", L->file, where);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s is neither Sequence nor SpecialToken", L->file, where);
     const char *name;
     size_t len;
     TRY(get_string(L, sp, "id", where, true, &name, &len));
     json_t *ids = json_object_get(json_object_get(specials, name), "ids");
     if (!json_is_array(ids))
-        return LFAIL(L, MODEL_EFORMAT, "%s: post_processor.special_tokens[\"%.64s\"].ids is missing", L->file, name);
+        return LFAIL(L, TEXT_EFORMAT, "%s: post_processor.special_tokens[\"%.64s\"].ids is missing", L->file, name);
     for (size_t k = 0; k < json_array_size(ids); k++) {
         int32_t id;
         TRY(get_id(L, json_array_get(ids, k), "post_processor.special_tokens.ids", k, &id));
         TRY(*seen_a ? ids_push(L, &t->suffix_ids, &t->n_suffix, id) : ids_push(L, &t->prefix_ids, &t->n_prefix, id));
     }
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status one_postprocessor(struct loader *L, json_t *o, const char *type, const char *where)
+static enum text_status one_postprocessor(struct loader *L, json_t *o, const char *type, const char *where)
 {
     if (strcmp(type, "ByteLevel") == 0)
-        return MODEL_OK; /* offsets only */
+        return TEXT_OK; /* offsets only */
     if (strcmp(type, "TemplateProcessing") != 0)
         return unsupported(L, where, type);
     json_t *single = json_object_get(o, "single"), *specials = json_object_get(o, "special_tokens");
     if (!json_is_array(single))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s.single is missing or not an array", L->file, where);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s.single is missing or not an array", L->file, where);
     if (L->t->n_prefix || L->t->n_suffix)
-        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: a second TemplateProcessing", L->file, where);
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: a second TemplateProcessing", L->file, where);
     bool seen_a = false;
     for (size_t i = 0; i < json_array_size(single); i++) {
         char sub[160];
@@ -665,31 +665,31 @@ static enum model_status one_postprocessor(struct loader *L, json_t *o, const ch
         TRY(template_item(L, specials, json_array_get(single, i), sub, &seen_a));
     }
     if (!seen_a)
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s.single has no sequence A", L->file, where);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s.single has no sequence A", L->file, where);
     L->has_template = true;
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* ---- decoder: per-token steps are applied once at load (tok_span dec) ---- */
 
-static enum model_status push_dec(struct loader *L, enum dec_op_kind kind, const char *from, size_t nfrom,
+static enum text_status push_dec(struct loader *L, enum dec_op_kind kind, const char *from, size_t nfrom,
                                   const char *to, size_t nto, const char *where)
 {
     struct dec_op *op = &L->ops[L->n_ops];
     if (L->n_ops == MAX_DEC_OPS)
-        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: more than %d decoder steps", L->file, where, MAX_DEC_OPS);
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: more than %d decoder steps", L->file, where, MAX_DEC_OPS);
     if (L->fused)
-        return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s: per-token decoder step after Fuse", L->file, where);
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: per-token decoder step after Fuse", L->file, where);
     op->kind = kind;
     if (kind == DEC_REPLACE) {
         TRY(intern(L, from, nfrom, &op->from));
         TRY(intern(L, to, nto, &op->to));
     }
     L->n_ops++;
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status one_decoder(struct loader *L, json_t *o, const char *type, const char *where)
+static enum text_status one_decoder(struct loader *L, json_t *o, const char *type, const char *where)
 {
     const char *s, *c;
     size_t len, clen;
@@ -699,14 +699,14 @@ static enum model_status one_decoder(struct loader *L, json_t *o, const char *ty
         return push_dec(L, DEC_BYTE_FALLBACK, NULL, 0, NULL, 0, where);
     if (strcmp(type, "Fuse") == 0) {
         L->fused = true;
-        return MODEL_OK;
+        return TEXT_OK;
     }
     if (strcmp(type, "Replace") == 0) {
         bool is_regex;
         TRY(get_pattern(L, o, where, &s, &len, &is_regex));
         TRY(get_string(L, o, "content", where, true, &c, &clen));
         if (is_regex || len == 0)
-            return LFAIL(L, MODEL_EUNSUPPORTED, "%s: %s.pattern: only a non-empty String is supported", L->file,
+            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: only a non-empty String is supported", L->file,
                          where);
         return push_dec(L, DEC_REPLACE, s, len, c, clen, where);
     }
@@ -717,7 +717,7 @@ static enum model_status one_decoder(struct loader *L, json_t *o, const char *ty
         TRY(get_string(L, o, "prepend_scheme", where, false, &scheme, &clen));
         TRY(get_bool(L, o, "add_prefix_space", where, true, &add));
         if (len == 0)
-            return LFAIL(L, MODEL_EFORMAT, "%s: %s.replacement is empty", L->file, where);
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s.replacement is empty", L->file, where);
         L->t->strip_first_space = scheme ? strcmp(scheme, "never") != 0 : add;
         return push_dec(L, DEC_REPLACE, s, len, " ", 1, where);
     }
@@ -727,17 +727,17 @@ static enum model_status one_decoder(struct loader *L, json_t *o, const char *ty
         /* Streaming can only drop the very first space of the output. */
         if (!L->fused || clen != 1 || c[0] != ' ' || !json_is_integer(start) || json_integer_value(start) > 1 ||
             json_integer_value(start) < 0 || !json_is_integer(stop) || json_integer_value(stop) != 0)
-            return LFAIL(L, MODEL_EUNSUPPORTED,
+            return LFAIL(L, TEXT_EUNSUPPORTED,
                          "%s: %s: only Strip(content \" \", start 0 or 1, stop 0) after Fuse is supported", L->file,
                          where);
         L->t->strip_first_space = json_integer_value(start) == 1;
-        return MODEL_OK;
+        return TEXT_OK;
     }
     return unsupported(L, where, type);
 }
 
 /* Applies the per-token decoder steps to one vocab piece, into out. */
-static enum model_status decode_piece(struct loader *L, const char *p, size_t n, struct tok_buf *out,
+static enum text_status decode_piece(struct loader *L, const char *p, size_t n, struct tok_buf *out,
                                       struct tok_buf *tmp)
 {
     const tokenizer *t = L->t;
@@ -785,35 +785,35 @@ static enum model_status decode_piece(struct loader *L, const char *p, size_t n,
         *out = *tmp;
         *tmp = swap;
     }
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* ---- tokenizer_config.json ----------------------------------------------- */
 
 /* bos_token / eos_token: a string, {"content": ...} (AddedToken) or null. */
-static enum model_status config_token(struct loader *L, json_t *cfg, const char *key, int32_t *id)
+static enum text_status config_token(struct loader *L, json_t *cfg, const char *key, int32_t *id)
 {
     json_t *v = json_object_get(cfg, key);
     if (json_is_object(v))
         v = json_object_get(v, "content");
     *id = -1;
     if (!v || json_is_null(v))
-        return MODEL_OK;
+        return TEXT_OK;
     if (!json_is_string(v))
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s is not a string", L->file, key);
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s is not a string", L->file, key);
     *id = tokenizer_token_id(L->t, json_string_value(v));
     if (*id < 0)
-        return LFAIL(L, MODEL_EFORMAT, "%s: %s \"%.64s\" is not a token of tokenizer.json", L->file, key,
+        return LFAIL(L, TEXT_EFORMAT, "%s: %s \"%.64s\" is not a token of tokenizer.json", L->file, key,
                      json_string_value(v));
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status load_config(struct loader *L, json_t *cfg)
+static enum text_status load_config(struct loader *L, json_t *cfg)
 {
     tokenizer *t = L->t;
     bool add_bos, add_eos;
     if (!json_is_object(cfg))
-        return LFAIL(L, MODEL_EFORMAT, "%s: not a JSON object", L->file);
+        return LFAIL(L, TEXT_EFORMAT, "%s: not a JSON object", L->file);
     TRY(config_token(L, cfg, "bos_token", &t->bos_id));
     TRY(config_token(L, cfg, "eos_token", &t->eos_id));
     TRY(get_bool(L, cfg, "add_bos_token", "tokenizer_config", false, &add_bos));
@@ -837,31 +837,31 @@ static enum model_status load_config(struct loader *L, json_t *cfg)
     }
     if (tpl && !json_is_null(tpl)) {
         if (!json_is_string(tpl))
-            return LFAIL(L, MODEL_EFORMAT, "%s: chat_template is not a string", L->file);
+            return LFAIL(L, TEXT_EFORMAT, "%s: chat_template is not a string", L->file);
         if (!(t->chat_template = strdup(json_string_value(tpl))))
             return oom(L);
     }
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 /* ---- the whole load -------------------------------------------------------- */
 
 /* tokenizer_config.json, absent (*out NULL) or parsed; it holds integers
  * beyond 64 bits (model_max_length 1e30), read as reals. */
-static enum model_status read_config(struct loader *L, const char *path, json_t **out)
+static enum text_status read_config(struct loader *L, const char *path, json_t **out)
 {
     struct stat sb;
     *out = NULL;
     if (stat(path, &sb) != 0)
-        return errno == ENOENT ? MODEL_OK : LFAIL(L, MODEL_EIO, "%s: %s", path, strerror(errno));
+        return errno == ENOENT ? TEXT_OK : LFAIL(L, TEXT_EIO, "%s: %s", path, strerror(errno));
     json_error_t je;
     *out = json_load_file(path, JSON_DECODE_INT_AS_REAL, &je);
     if (!*out)
-        return LFAIL(L, MODEL_EFORMAT, "%s:%d:%d: %s", path, je.line, je.column, je.text);
-    return MODEL_OK;
+        return LFAIL(L, TEXT_EFORMAT, "%s:%d:%d: %s", path, je.line, je.column, je.text);
+    return TEXT_OK;
 }
 
-static enum model_status finish_tables(struct loader *L, int32_t max_id)
+static enum text_status finish_tables(struct loader *L, int32_t max_id)
 {
     tokenizer *t = L->t;
     /* piece[] was sized for the vocab; added tokens may reach beyond it. */
@@ -887,20 +887,20 @@ static enum model_status finish_tables(struct loader *L, int32_t max_id)
         t->flags[a->id] |= TOKF_ADDED | (a->special ? TOKF_SPECIAL : 0);
         t->dec[a->id] = a->s;
     }
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-static enum model_status build_decoded(struct loader *L)
+static enum text_status build_decoded(struct loader *L)
 {
     tokenizer *t = L->t;
     struct tok_buf out = {0}, tmp = {0};
-    enum model_status st = MODEL_OK;
-    for (int32_t i = 0; i < t->n_ids && st == MODEL_OK; i++) {
+    enum text_status st = TEXT_OK;
+    for (int32_t i = 0; i < t->n_ids && st == TEXT_OK; i++) {
         if ((t->flags[i] & (TOKF_VOCAB | TOKF_ADDED)) != TOKF_VOCAB)
             continue;
         struct tok_span p = t->piece[i];
         st = decode_piece(L, span_str(t, p), p.len, &out, &tmp);
-        if (st != MODEL_OK)
+        if (st != TEXT_OK)
             break;
         /* Most pieces decode to themselves: share the bytes. */
         if (out.n == p.len && memcmp(out.p, span_str(t, p), p.len) == 0)
@@ -915,14 +915,14 @@ static enum model_status build_decoded(struct loader *L)
 
 /* Reads the members of the object at j's cursor; the ones named in big[]
  * are only located (*at), the others parsed by jansson into obj. */
-static enum model_status scan_object(struct loader *L, struct tok_json *j, const char *where, json_t *obj,
+static enum text_status scan_object(struct loader *L, struct tok_json *j, const char *where, json_t *obj,
                                      const char *const *big, const char **at, int n_big)
 {
     struct tok_buf key = {0};
-    enum model_status st = MODEL_OK;
+    enum text_status st = TEXT_OK;
     bool first = true;
     int r;
-    while (st == MODEL_OK && (r = tj_member(j, &first, &key)) == 1) {
+    while (st == TEXT_OK && (r = tj_member(j, &first, &key)) == 1) {
         tj_ws(j);
         const char *start = j->p;
         if (!tok_buf_append(&key, "", 1) || !tj_skip(j)) {
@@ -939,17 +939,17 @@ static enum model_status scan_object(struct loader *L, struct tok_json *j, const
         json_error_t je;
         json_t *v = json_loadb(start, (size_t)(j->p - start), JSON_DECODE_ANY, &je);
         if (!v)
-            st = LFAIL(L, MODEL_EFORMAT, "%s: %s%s%s: %s", L->file, where, *where ? "." : "", key.p, je.text);
+            st = LFAIL(L, TEXT_EFORMAT, "%s: %s%s%s: %s", L->file, where, *where ? "." : "", key.p, je.text);
         else if (json_object_set_new(obj, key.p, v) != 0)
             st = oom(L);
     }
-    if (st == MODEL_OK && r < 0)
+    if (st == TEXT_OK && r < 0)
         st = syntax(L, j, *where ? where : "top level");
     free(key.p);
     return st;
 }
 
-static enum model_status load_tokenizer_json(struct loader *L, const char *text, size_t len)
+static enum text_status load_tokenizer_json(struct loader *L, const char *text, size_t len)
 {
     tokenizer *t = L->t;
     int32_t max_id = -1;
@@ -957,38 +957,38 @@ static enum model_status load_tokenizer_json(struct loader *L, const char *text,
     static const char *const model_key[] = {"model"}, *const big[] = {"vocab", "merges"};
     const char *model_at = NULL, *big_at[2] = {NULL, NULL};
     json_t *root = json_object(), *mj = json_object();
-    enum model_status st = root && mj ? MODEL_OK : oom(L);
+    enum text_status st = root && mj ? TEXT_OK : oom(L);
     tj_ws(&j);
-    if (st == MODEL_OK && (j.p == j.end || *j.p != '{'))
-        st = LFAIL(L, MODEL_EFORMAT, "%s: not a JSON object", L->file);
-    if (st == MODEL_OK)
+    if (st == TEXT_OK && (j.p == j.end || *j.p != '{'))
+        st = LFAIL(L, TEXT_EFORMAT, "%s: not a JSON object", L->file);
+    if (st == TEXT_OK)
         st = scan_object(L, &j, "", root, model_key, &model_at, 1);
     tj_ws(&j);
-    if (st == MODEL_OK && j.p != j.end)
-        st = LFAIL(L, MODEL_EFORMAT, "%s: text after the top-level object", L->file);
-    if (st == MODEL_OK && (!model_at || *model_at != '{'))
-        st = LFAIL(L, MODEL_EFORMAT, "%s: model is missing or not an object", L->file);
-    if (st == MODEL_OK) {
+    if (st == TEXT_OK && j.p != j.end)
+        st = LFAIL(L, TEXT_EFORMAT, "%s: text after the top-level object", L->file);
+    if (st == TEXT_OK && (!model_at || *model_at != '{'))
+        st = LFAIL(L, TEXT_EFORMAT, "%s: model is missing or not an object", L->file);
+    if (st == TEXT_OK) {
         j.p = model_at;
         st = scan_object(L, &j, "model", mj, big, big_at, 2);
     }
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = load_model(L, mj, &j, big_at[0], big_at[1], &max_id);
-    if (st == MODEL_OK) {
+    if (st == TEXT_OK) {
         t->n_ids = max_id + 1;
         st = load_added(L, json_object_get(root, "added_tokens"), &max_id);
     }
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = finish_tables(L, max_id);
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = walk(L, json_object_get(root, "normalizer"), "normalizer", "normalizers", one_normalizer);
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = walk(L, json_object_get(root, "pre_tokenizer"), "pre_tokenizer", "pretokenizers", one_pretokenizer);
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = walk(L, json_object_get(root, "post_processor"), "post_processor", "processors", one_postprocessor);
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = walk(L, json_object_get(root, "decoder"), "decoder", "decoders", one_decoder);
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = build_decoded(L);
     json_decref(root);
     json_decref(mj);
@@ -996,34 +996,34 @@ static enum model_status load_tokenizer_json(struct loader *L, const char *text,
 }
 
 /* The whole of a file, NUL-terminated, in *data. */
-static enum model_status read_file(struct loader *L, const char *path, char **data, size_t *len)
+static enum text_status read_file(struct loader *L, const char *path, char **data, size_t *len)
 {
     *data = NULL;
     FILE *f = fopen(path, "rb");
     if (!f)
-        return LFAIL(L, errno == ENOENT ? MODEL_ENOENT : MODEL_EIO, "%s: %s", path, strerror(errno));
+        return LFAIL(L, errno == ENOENT ? TEXT_ENOENT : TEXT_EIO, "%s: %s", path, strerror(errno));
     struct stat sb;
-    enum model_status st = MODEL_OK;
+    enum text_status st = TEXT_OK;
     if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode))
-        st = LFAIL(L, MODEL_EIO, "%s: not a regular file", path);
+        st = LFAIL(L, TEXT_EIO, "%s: not a regular file", path);
     else if ((uint64_t)sb.st_size >= UINT32_MAX)
-        st = LFAIL(L, MODEL_EFORMAT, "%s: %lld bytes is too large for a tokenizer", path, (long long)sb.st_size);
+        st = LFAIL(L, TEXT_EFORMAT, "%s: %lld bytes is too large for a tokenizer", path, (long long)sb.st_size);
     else if (!(*data = malloc((size_t)sb.st_size + 1)))
         st = oom(L);
     else if (fread(*data, 1, (size_t)sb.st_size, f) != (size_t)sb.st_size)
-        st = LFAIL(L, MODEL_EIO, "%s: read error", path);
+        st = LFAIL(L, TEXT_EIO, "%s: read error", path);
     fclose(f);
-    if (st != MODEL_OK) {
+    if (st != TEXT_OK) {
         free(*data);
         *data = NULL;
         return st;
     }
     (*data)[sb.st_size] = '\0';
     *len = (size_t)sb.st_size;
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
-enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err)
+enum text_status tokenizer_load(const char *dir, tokenizer **out, char *err)
 {
     char path[PATH_MAX], *text = NULL;
     size_t len = 0;
@@ -1031,37 +1031,37 @@ enum model_status tokenizer_load(const char *dir, tokenizer **out, char *err)
     *out = NULL;
     tokenizer *t = calloc(1, sizeof *t);
     if (!t)
-        return model_errf(err, MODEL_ENOMEM, "tokenizer: out of memory");
+        return text_errf(err, TEXT_ENOMEM, "tokenizer: out of memory");
     t->unk_id = t->bos_id = t->eos_id = -1;
     struct loader L = {.t = t, .file = path, .err = err};
-    enum model_status st;
-    st = model_path(path, dir, "tokenizer.json", err);
-    if (st == MODEL_OK)
+    enum text_status st;
+    st = text_path(path, dir, "tokenizer.json", err);
+    if (st == TEXT_OK)
         st = read_file(&L, path, &text, &len);
-    if (st == MODEL_OK)
+    if (st == TEXT_OK)
         st = load_tokenizer_json(&L, text, len);
     free(text);
-    if (st != MODEL_OK)
+    if (st != TEXT_OK)
         goto out;
 
-    st = model_path(path, dir, "tokenizer_config.json", err);
-    if (st == MODEL_OK)
+    st = text_path(path, dir, "tokenizer_config.json", err);
+    if (st == TEXT_OK)
         st = read_config(&L, path, &root);
-    if (st == MODEL_OK && root) {
+    if (st == TEXT_OK && root) {
         st = load_config(&L, root);
-    } else if (st == MODEL_OK) {
+    } else if (st == TEXT_OK) {
         /* No tokenizer_config.json: the template's tokens are the best guess. */
         t->bos_id = t->n_prefix ? t->prefix_ids[0] : -1;
         t->eos_id = t->n_suffix ? t->suffix_ids[t->n_suffix - 1] : -1;
     }
 out:
     json_decref(root);
-    if (st != MODEL_OK) {
+    if (st != TEXT_OK) {
         tokenizer_free(t);
         return st;
     }
     *out = t;
-    return MODEL_OK;
+    return TEXT_OK;
 }
 
 void tokenizer_free(tokenizer *t)

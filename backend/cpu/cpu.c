@@ -20,8 +20,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "model/clock.h"
-#include "model/cpu/cpu.h"
+#include "util/clock.h"
+#include "backend/cpu/cpu.h"
 
 /* Copies in flight before be_copy_async blocks the caller: deep enough to
  * queue every block of a long sequence's swap-in, small enough to be a

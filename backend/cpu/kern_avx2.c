@@ -10,7 +10,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "model/cpu/cpu.h"
+#include "backend/cpu/cpu.h"
 
 /* 8 elements from element i of a row of dt, as f32. */
 static inline __attribute__((always_inline)) __m256 load8(const void *w, enum be_dtype dt, size_t i)

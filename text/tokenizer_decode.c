@@ -3,7 +3,7 @@
  * reassembling UTF-8 across tokens: a character split over byte tokens is
  * held back until complete, and bytes that cannot form one become U+FFFD
  * (one per maximal invalid subsequence, as the WHATWG decoder does). */
-#include "model/tokenizer_internal.h"
+#include "text/tokenizer_internal.h"
 
 struct utf8_state {
     unsigned char cur[4];
@@ -88,7 +88,7 @@ size_t tokenizer_decode_stream(const tokenizer *t, struct tok_stream *st, int32_
     return need;
 }
 
-enum model_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip_special, char **out,
+enum text_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip_special, char **out,
                                    size_t *len)
 {
     struct tok_stream st = {0};
@@ -99,23 +99,23 @@ enum model_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_
     for (size_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= t->n_ids) {
             free(b.p);
-            return MODEL_EINVAL;
+            return TEXT_EINVAL;
         }
         /* Each byte yields at most 3 (U+FFFD), pending ones included. */
         size_t room = 3 * ((size_t)t->dec[ids[i]].len + sizeof st.pending);
         if (!tok_buf_reserve(&b, room)) {
             free(b.p);
-            return MODEL_ENOMEM;
+            return TEXT_ENOMEM;
         }
         b.n += tokenizer_decode_stream(t, &st, ids[i], skip_special, b.p + b.n, room);
     }
     if (!tok_buf_reserve(&b, 1)) {
         free(b.p);
-        return MODEL_ENOMEM;
+        return TEXT_ENOMEM;
     }
     b.p[b.n] = '\0';
     *out = b.p;
     if (len)
         *len = b.n;
-    return MODEL_OK;
+    return TEXT_OK;
 }

@@ -1,13 +1,13 @@
-#include "ipc/chat.h"
+#include "text/chat.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static const char *role_names[] = {[IPC_ROLE_SYSTEM] = "system", [IPC_ROLE_USER] = "user",
-                                   [IPC_ROLE_ASSISTANT] = "assistant"};
+static const char *role_names[] = {[CHAT_ROLE_SYSTEM] = "system", [CHAT_ROLE_USER] = "user",
+                                   [CHAT_ROLE_ASSISTANT] = "assistant"};
 
-const char *ipc_chat_family_name(enum ipc_chat_family f)
+const char *chat_family_name(enum chat_family f)
 {
     static const char *names[] = {"none", "llama2", "llama3", "mistral", "chatml", "zephyr"};
     return (unsigned)f < sizeof(names) / sizeof(names[0]) ? names[f] : "none";
@@ -29,7 +29,7 @@ static void chatml_default_system(const char *jinja, char *out, size_t cap)
         snprintf(out, cap, "%.*s", (int)(end - p), p);
 }
 
-void ipc_chat_detect(const char *jinja, struct ipc_chat_template *out)
+void chat_detect(const char *jinja, struct chat_template *out)
 {
     memset(out, 0, sizeof(*out));
     if (!jinja) {
@@ -41,17 +41,17 @@ void ipc_chat_detect(const char *jinja, struct ipc_chat_template *out)
         if (strstr(jinja, "Cutting Knowledge"))
             snprintf(out->why, sizeof(out->why), "Llama-3.1-style templates (date and tool preamble) are not supported");
         else
-            out->family = IPC_CHAT_LLAMA3;
+            out->family = CHAT_LLAMA3;
     } else if (strstr(jinja, "<|im_start|>")) {
         if (strstr(jinja, "<think>"))
             snprintf(out->why, sizeof(out->why), "ChatML templates with thinking blocks (Qwen3) are not supported");
         else
-            out->family = IPC_CHAT_CHATML;
+            out->family = CHAT_CHATML;
         chatml_default_system(jinja, out->default_system, sizeof(out->default_system));
     } else if (strstr(jinja, "[INST]")) {
-        out->family = strstr(jinja, "<<SYS>>") ? IPC_CHAT_LLAMA2 : IPC_CHAT_MISTRAL;
+        out->family = strstr(jinja, "<<SYS>>") ? CHAT_LLAMA2 : CHAT_MISTRAL;
     } else if (strstr(jinja, "<|user|>") && strstr(jinja, "<|assistant|>")) {
-        out->family = IPC_CHAT_ZEPHYR;
+        out->family = CHAT_ZEPHYR;
     } else {
         snprintf(out->why, sizeof(out->why), "the chat_template matches no family kvtier renders (llama2, llama3, "
                  "mistral, chatml, zephyr)");
@@ -103,31 +103,31 @@ static void put_trimmed(struct sbuf *b, const char *s, size_t n, bool lead)
 
 /* Llama-2 and Mistral demand user/assistant alternation starting with user
  * (after an optional leading system message for Llama-2). */
-static enum ipc_status check_alternation(const struct ipc_msg *m, size_t n, size_t first, struct ipc_error *err)
+static enum text_status check_alternation(const struct chat_msg *m, size_t n, size_t first, char *err)
 {
     for (size_t i = first; i < n; i++) {
-        enum ipc_role want = (i - first) % 2 == 0 ? IPC_ROLE_USER : IPC_ROLE_ASSISTANT;
+        enum chat_role want = (i - first) % 2 == 0 ? CHAT_ROLE_USER : CHAT_ROLE_ASSISTANT;
         if (m[i].role != want)
-            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu] is %s; this model's template needs roles to "
+            return text_errf(err, TEXT_EINVAL, "messages[%zu] is %s; this model's template needs roles to "
                             "alternate user/assistant", i, role_names[m[i].role]);
     }
-    return IPC_OK;
+    return TEXT_OK;
 }
 
-static enum ipc_status render_inst(const struct ipc_chat_template *t, const struct ipc_msg *m, size_t n,
-                                   const char *bos, const char *eos, struct sbuf *b, struct ipc_error *err)
+static enum text_status render_inst(const struct chat_template *t, const struct chat_msg *m, size_t n,
+                                   const char *bos, const char *eos, struct sbuf *b, char *err)
 {
-    bool llama2 = t->family == IPC_CHAT_LLAMA2;
-    size_t first = llama2 && n && m[0].role == IPC_ROLE_SYSTEM ? 1 : 0;
-    if (!llama2 && n && m[0].role == IPC_ROLE_SYSTEM)
-        return ipc_fail(err, IPC_EINVAL, "messages", "this model's template (mistral) has no system role");
-    enum ipc_status st = check_alternation(m, n, first, err);
-    if (st != IPC_OK)
+    bool llama2 = t->family == CHAT_LLAMA2;
+    size_t first = llama2 && n && m[0].role == CHAT_ROLE_SYSTEM ? 1 : 0;
+    if (!llama2 && n && m[0].role == CHAT_ROLE_SYSTEM)
+        return text_errf(err, TEXT_EINVAL, "this model's template (mistral) has no system role");
+    enum text_status st = check_alternation(m, n, first, err);
+    if (st != TEXT_OK)
         return st;
     if (!llama2)
         puts_(b, bos);
     for (size_t i = first; i < n; i++) {
-        if (m[i].role == IPC_ROLE_USER) {
+        if (m[i].role == CHAT_ROLE_USER) {
             if (llama2)
                 puts_(b, bos);
             puts_(b, "[INST] ");
@@ -154,26 +154,26 @@ static enum ipc_status render_inst(const struct ipc_chat_template *t, const stru
             puts_(b, eos);
         }
     }
-    return IPC_OK;
+    return TEXT_OK;
 }
 
-enum ipc_status ipc_chat_render(const struct ipc_chat_template *t, const struct ipc_msg *m, size_t n,
+enum text_status chat_render(const struct chat_template *t, const struct chat_msg *m, size_t n,
                                 bool add_generation_prompt, const char *bos, const char *eos, char **out, size_t *len,
-                                struct ipc_error *err)
+                                char *err)
 {
     *out = NULL;
     *len = 0;
     struct sbuf b = {0};
-    enum ipc_status st = IPC_OK;
+    enum text_status st = TEXT_OK;
     switch (t->family) {
-    case IPC_CHAT_NONE:
-        return ipc_fail(err, IPC_ENOTIMPL, "messages", "cannot render chat: %s", t->why);
-    case IPC_CHAT_LLAMA2:
-    case IPC_CHAT_MISTRAL:
+    case CHAT_NONE:
+        return text_errf(err, TEXT_EUNSUPPORTED, "cannot render chat: %s", t->why);
+    case CHAT_LLAMA2:
+    case CHAT_MISTRAL:
         /* the [/INST] closing the last user turn is the generation prompt */
         st = render_inst(t, m, n, bos, eos, &b, err);
         break;
-    case IPC_CHAT_LLAMA3:
+    case CHAT_LLAMA3:
         puts_(&b, bos);
         for (size_t i = 0; i < n; i++) {
             puts_(&b, "<|start_header_id|>");
@@ -185,10 +185,10 @@ enum ipc_status ipc_chat_render(const struct ipc_chat_template *t, const struct 
         if (add_generation_prompt)
             puts_(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
         break;
-    case IPC_CHAT_CHATML:
+    case CHAT_CHATML:
         if (t->bos)
             puts_(&b, bos);
-        if (t->default_system[0] && (!n || m[0].role != IPC_ROLE_SYSTEM)) {
+        if (t->default_system[0] && (!n || m[0].role != CHAT_ROLE_SYSTEM)) {
             puts_(&b, "<|im_start|>system\n");
             puts_(&b, t->default_system);
             puts_(&b, "<|im_end|>\n");
@@ -203,7 +203,7 @@ enum ipc_status ipc_chat_render(const struct ipc_chat_template *t, const struct 
         if (add_generation_prompt)
             puts_(&b, "<|im_start|>assistant\n");
         break;
-    case IPC_CHAT_ZEPHYR:
+    case CHAT_ZEPHYR:
         if (t->bos)
             puts_(&b, bos);
         for (size_t i = 0; i < n; i++) {
@@ -218,15 +218,15 @@ enum ipc_status ipc_chat_render(const struct ipc_chat_template *t, const struct 
             puts_(&b, "<|assistant|>\n");
         break;
     }
-    if (st == IPC_OK && !b.p)
+    if (st == TEXT_OK && !b.p)
         put(&b, "", 0);
-    if (st == IPC_OK && b.oom)
-        st = ipc_fail(err, IPC_ENOMEM, "messages", "no memory to render the chat template");
-    if (st != IPC_OK) {
+    if (st == TEXT_OK && b.oom)
+        st = text_errf(err, TEXT_ENOMEM, "no memory to render the chat template");
+    if (st != TEXT_OK) {
         free(b.p);
         return st;
     }
     *out = b.p;
     *len = b.n;
-    return IPC_OK;
+    return TEXT_OK;
 }

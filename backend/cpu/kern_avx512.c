@@ -9,7 +9,7 @@
 #include <immintrin.h>
 #include <math.h>
 
-#include "model/cpu/cpu.h"
+#include "backend/cpu/cpu.h"
 
 /* 16 weights from element i of a row, as f32; lanes outside m read as 0. */
 static inline __attribute__((always_inline)) __m512 load16(const void *w, enum be_dtype dt, size_t i, __mmask16 m)

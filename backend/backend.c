@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "model/backend_impl.h"
+#include "backend/backend_impl.h"
 
 #define BE_ALIGN 64
 

@@ -26,8 +26,8 @@
 #include <math.h>
 #include <string.h>
 
-#include "model/cpu/cpu.h"
-#include "model/cpu/kvq_format.h"
+#include "backend/cpu/cpu.h"
+#include "backend/cpu/kvq_format.h"
 
 /* Keys per chunk when no per-channel group fixes it. */
 #define QATTN_CHUNK 64

@@ -17,7 +17,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "model/cpu/cpu.h"
+#include "backend/cpu/cpu.h"
 
 /* Spin iterations before sleeping: about 20-50 us, longer than the gap
  * between two kernels of one decode step, shorter than a scheduler tick. */

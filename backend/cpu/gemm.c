@@ -6,7 +6,7 @@
  */
 #include <cblas.h>
 
-#include "model/cpu/cpu.h"
+#include "backend/cpu/cpu.h"
 
 void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
                        void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n))
