@@ -105,8 +105,15 @@ enum be_status be_open(const char *name, const struct be_params *p, be_backend *
         p = &defaults;
     if (p->n_threads < 0 || p->device_index < 0)
         return BE_EINVAL;
+    /* The test suite runs once more with every "cpu" backend strict
+     * (tests/run.sh), so no test has to name it. */
+    const char *strict = getenv("KVTIER_BACKEND_STRICT");
+    if (strcmp(name, "cpu") == 0 && strict && strcmp(strict, "1") == 0)
+        name = "cpu-strict";
     if (strcmp(name, "cpu") == 0) {
         init = be_cpu_init;
+    } else if (strcmp(name, "cpu-strict") == 0) {
+        init = be_strict_init;
     } else if (strcmp(name, "cuda") == 0) {
         if (!(plugin = open_cuda_plugin()))
             return BE_ENODEV;
@@ -401,22 +408,22 @@ static bool dtype_ok(enum be_dtype dt)
     return dt == BE_F32 || dt == BE_F16 || dt == BE_BF16;
 }
 
-enum be_status be_matmul(be_backend *be, float *y, const float *x, const void *w, enum be_dtype wt,
+enum be_status be_matmul(be_backend *be, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt,
                          const float *bias, int n, int in, int out)
 {
-    if (!be || !y || !x || !w || !dtype_ok(wt) || n < 0 || in <= 0 || out <= 0)
+    if (!be || !y || !x || !w || !dtype_ok(wt) || !dtype_ok(yt) || n < 0 || in <= 0 || out <= 0)
         return BE_EINVAL;
-    return n ? be->ops->matmul(be->ctx, y, x, w, wt, bias, n, in, out) : BE_OK;
+    return n ? be->ops->matmul(be->ctx, y, yt, x, w, wt, bias, n, in, out) : BE_OK;
 }
 
-enum be_status be_rmsnorm(be_backend *be, float *y, const float *x, const float *w, int n, int dim, float eps)
+enum be_status be_rmsnorm(be_backend *be, void *y, const void *x, const float *w, int n, int dim, float eps)
 {
     if (!be || !y || !x || !w || n < 0 || dim <= 0 || !(eps >= 0.0f))
         return BE_EINVAL;
     return n ? be->ops->rmsnorm(be->ctx, y, x, w, n, dim, eps) : BE_OK;
 }
 
-enum be_status be_rope(be_backend *be, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+enum be_status be_rope(be_backend *be, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
                        const float *inv_freq, int rot_dim, enum be_rope_layout layout)
 {
     if (!be || !x || !pos || !inv_freq || n_tok < 0 || n_heads <= 0 || head_dim <= 0 || rot_dim <= 0 ||
@@ -469,14 +476,14 @@ static bool key_rope_ok(const struct be_kv_view *v, const struct be_attn_params 
 }
 
 enum be_status be_kv_store(be_backend *be, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
-                           const float *k, const float *v, const struct be_attn_params *p)
+                           const void *k, const void *v, const struct be_attn_params *p)
 {
     if (!be || !views || !toks || !k || !v || n_tok < 0 || !attn_params_ok(p) || !toks_ok(views, toks, n_tok, true))
         return BE_EINVAL;
     return n_tok ? be->ops->kv_store(be->ctx, views, toks, n_tok, k, v, p) : BE_OK;
 }
 
-enum be_status be_attention(be_backend *be, float *out, const float *q, const struct be_kv_view *views,
+enum be_status be_attention(be_backend *be, void *out, const void *q, const struct be_kv_view *views,
                             const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
     if (!be || !out || !q || !views || !toks || n_tok < 0 || !attn_params_ok(p) ||
@@ -501,14 +508,20 @@ static bool kvq_half_ok(const struct be_kvq_format *f, const struct be_kvq_half 
     return h->gt == 1 && h->gd > 0 && f->head_dim % h->gd == 0 && (h->gd * f->nbits) % 8 == 0;
 }
 
+/* A format whose groups tile its blocks. */
+static bool kvq_format_ok(const struct be_kvq_format *f)
+{
+    return f->block_tokens > 0 && f->n_kv_heads > 0 && f->head_dim > 0 && f->nbits >= 1 && f->nbits <= 8 &&
+           (f->head_dim * f->nbits) % 8 == 0 &&
+           (f->kind == BE_KVQ_AFFINE_SHIFT || f->kind == BE_KVQ_AFFINE_ZERO || f->kind == BE_KVQ_E4M3) &&
+           (f->kind != BE_KVQ_E4M3 || f->nbits == 8) && kvq_half_ok(f, &f->k) && kvq_half_ok(f, &f->v) &&
+           !(f->k.gt > 1 && f->v.gt > 1 && f->k.gt != f->v.gt); /* a chunk of keys is one group row of each */
+}
+
 static bool kvq_view_ok(const struct be_kvq_view *v, const struct be_attn_params *p)
 {
     const struct be_kvq_format *f = v->fmt;
-    if (f && (f->n_kv_heads != p->n_kv_heads || f->head_dim != p->head_dim || f->block_tokens <= 0 ||
-        f->nbits < 1 || f->nbits > 8 || (f->head_dim * f->nbits) % 8 ||
-        (f->kind != BE_KVQ_AFFINE_SHIFT && f->kind != BE_KVQ_AFFINE_ZERO && f->kind != BE_KVQ_E4M3) ||
-        (f->kind == BE_KVQ_E4M3 && f->nbits != 8) || !kvq_half_ok(f, &f->k) || !kvq_half_ok(f, &f->v) ||
-        (f->k.gt > 1 && f->v.gt > 1 && f->k.gt != f->v.gt))) /* a chunk of keys is one group row of each */
+    if (f && (f->n_kv_heads != p->n_kv_heads || f->head_dim != p->head_dim || !kvq_format_ok(f)))
         return false;
     if ((!v->blocks && v->n_blocks) || v->n_blocks < 0 || (!f && v->n_blocks))
         return false;
@@ -532,7 +545,7 @@ static bool kvq_view_ok(const struct be_kvq_view *v, const struct be_attn_params
                               r->hi <= r->base + (int64_t)r->n_blocks * r->block_tokens);
 }
 
-enum be_status be_attention_quant(be_backend *be, float *out, const float *q, const struct be_kvq_view *views,
+enum be_status be_attention_quant(be_backend *be, void *out, const void *q, const struct be_kvq_view *views,
                                   const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
     if (!be || !out || !q || !views || !toks || n_tok < 0 || !attn_params_ok(p))
@@ -545,28 +558,70 @@ enum be_status be_attention_quant(be_backend *be, float *out, const float *q, co
     return n_tok ? be->ops->attention_quant(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
 }
 
-enum be_status be_silu_mul(be_backend *be, float *y, const float *gate, const float *up, size_t n)
+/* v's blocks hold every position of [p0, p1). */
+static bool view_covers(const struct be_kv_view *v, int64_t p0, int64_t p1)
+{
+    return v && v->block_tokens > 0 && v->n_blocks >= 0 && (v->blocks || !v->n_blocks) && p0 <= p1 &&
+           (p0 == p1 || (p0 >= v->base && p1 <= v->base + (int64_t)v->n_blocks * v->block_tokens));
+}
+
+enum be_status be_kvq_quantize(be_backend *be, const struct be_kvq_view *v, int64_t end)
+{
+    if (!be || !v || !v->fmt || !kvq_format_ok(v->fmt) || v->lo > v->hi || v->hi > end || v->n_blocks < 0 ||
+        (!v->blocks && v->n_blocks) || !view_covers(&v->rest, v->hi, end))
+        return BE_EINVAL;
+    int64_t T = v->fmt->block_tokens;
+    /* the blocks from the one holding hi (a reopened group row starts in it) to end's */
+    if (v->hi < end && (v->base % T || v->hi / T * T < v->base || (end - 1 - v->base) / T >= v->n_blocks))
+        return BE_EINVAL;
+    if (!be->ops->kvq_quantize)
+        return BE_ENOTSUP;
+    return v->hi < end ? be->ops->kvq_quantize(be->ctx, v, end) : BE_OK;
+}
+
+enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
+                            int64_t p1, float amax[2])
+{
+    if (!be || !amax || n_kv_heads <= 0 || head_dim <= 0 || !view_covers(v, p0, p1))
+        return BE_EINVAL;
+    if (!be->ops->kv_absmax)
+        return BE_ENOTSUP;
+    amax[0] = amax[1] = 0.0f;
+    return p0 < p1 ? be->ops->kv_absmax(be->ctx, v, n_kv_heads, head_dim, p0, p1, amax) : BE_OK;
+}
+
+enum be_status be_kv_copy(be_backend *be, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
+                          int64_t p1, const struct be_attn_params *p)
+{
+    if (!be || !attn_params_ok(p) || !view_covers(dst, p0, p1) || !view_covers(src, p0, p1))
+        return BE_EINVAL;
+    if (!be->ops->kv_copy)
+        return BE_ENOTSUP;
+    return p0 < p1 ? be->ops->kv_copy(be->ctx, dst, src, p0, p1, p) : BE_OK;
+}
+
+enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n)
 {
     if (!be || !y || !gate || !up)
         return BE_EINVAL;
     return n ? be->ops->silu_mul(be->ctx, y, gate, up, n) : BE_OK;
 }
 
-enum be_status be_add(be_backend *be, float *y, const float *x, size_t n)
+enum be_status be_add(be_backend *be, void *y, const void *x, size_t n)
 {
     if (!be || !y || !x)
         return BE_EINVAL;
     return n ? be->ops->add(be->ctx, y, x, n) : BE_OK;
 }
 
-enum be_status be_softmax(be_backend *be, float *x, int rows, int cols)
+enum be_status be_softmax(be_backend *be, void *x, int rows, int cols)
 {
     if (!be || !x || rows < 0 || cols <= 0)
         return BE_EINVAL;
     return rows ? be->ops->softmax(be->ctx, x, rows, cols) : BE_OK;
 }
 
-enum be_status be_embed(be_backend *be, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+enum be_status be_embed(be_backend *be, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
                         int dim)
 {
     if (!be || !y || !table || !ids || !dtype_ok(dt) || n < 0 || dim <= 0)
@@ -577,7 +632,7 @@ enum be_status be_embed(be_backend *be, float *y, const void *table, enum be_dty
     return n ? be->ops->embed(be->ctx, y, table, dt, ids, n, dim) : BE_OK;
 }
 
-enum be_status be_argmax(be_backend *be, const float *x, int rows, int cols, int32_t *out)
+enum be_status be_argmax(be_backend *be, const void *x, int rows, int cols, int32_t *out)
 {
     if (!be || !x || !out || rows < 0 || cols <= 0)
         return BE_EINVAL;

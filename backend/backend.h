@@ -4,7 +4,19 @@
  * Every pointer a kernel takes is a *device address* returned by
  * be_buffer_data() of a device buffer, or weight memory the backend said it
  * can read (caps.unified_memory: the CPU backend reads mmapped weights in
- * place).  Activations are always f32; weights are f32, f16 or bf16.
+ * place; any other backend gets the weights uploaded).  The exceptions are
+ * host metadata, named as such below: the be_kv_view / be_kvq_view / be_tok
+ * structs and the block tables they point to, be_rope's positions,
+ * be_embed's token ids, be_argmax's and be_kv_absmax's results.  A backend
+ * that needs them on the device uploads them itself.  Nothing above the
+ * seam reads or writes device memory except through be_copy*: the strict
+ * CPU backend ("cpu-strict") faults on any such access.
+ *
+ * Activations (the void pointers of the kernels) are of caps.act_dtype:
+ * f32 on the CPU, bf16 or f16 where a GPU computes faster in them; a
+ * matmul's output may instead be f32 (yt), which is how the logits reach
+ * the host in full precision.  Weights are f32, f16 or bf16; norm weights,
+ * biases and the RoPE tables are f32.
  *
  * Streams: kernels run on the backend's compute stream, in call order.
  * be_copy_async() runs on a separate copy stream; be_event_record() marks
@@ -56,6 +68,7 @@ struct be_caps {
     bool unified_memory;  /* kernels can read host memory (mmapped weights) directly */
     int n_threads;        /* compute threads (CPU) */
     const char *simd;     /* "avx512", "avx2", "scalar" (CPU) */
+    enum be_dtype act_dtype; /* what activations are stored as */
 };
 
 /* Opens a backend by name: "cpu" is built in; "cuda" is loaded from the
@@ -102,21 +115,23 @@ enum be_status be_sync(be_backend *be);                      /* all streams drai
 
 /* ---- kernels ------------------------------------------------------------ */
 /* y[n,out] = x[n,in] . W[out,in]^T (+ bias[out] when bias != NULL).
- * W is row-major as in a Hugging Face Linear; bias is f32. */
-enum be_status be_matmul(be_backend *be, float *y, const float *x, const void *w, enum be_dtype wt,
+ * W is row-major as in a Hugging Face Linear; bias is f32; y is of yt
+ * (caps.act_dtype or f32: BE_ENOTSUP for one the backend cannot write). */
+enum be_status be_matmul(be_backend *be, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt,
                          const float *bias, int n, int in, int out);
 
 /* y[n,dim] = x / rms(x) * w ; w is f32. y may alias x. */
-enum be_status be_rmsnorm(be_backend *be, float *y, const float *x, const float *w, int n, int dim, float eps);
+enum be_status be_rmsnorm(be_backend *be, void *y, const void *x, const float *w, int n, int dim, float eps);
 
 enum be_rope_layout {
     BE_ROPE_NEOX = 0,        /* HF rotate_half: pairs (i, i + rot_dim/2) */
     BE_ROPE_INTERLEAVED = 1, /* GPT-J / Meta: pairs (2i, 2i+1) */
 };
 /* Rotates x[n_tok, n_heads, head_dim] in place; token t is at absolute
- * position pos[t]; angle = pos * inv_freq[i] for i < rot_dim/2 (the caller
- * folds rope_theta and rope_scaling into inv_freq). */
-enum be_status be_rope(be_backend *be, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+ * position pos[t] (host metadata); angle = pos * inv_freq[i] for i <
+ * rot_dim/2 (the caller folds rope_theta and rope_scaling into inv_freq,
+ * a device table). */
+enum be_status be_rope(be_backend *be, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
                        const float *inv_freq, int rot_dim, enum be_rope_layout layout);
 
 /* One sequence's KV for one layer, as attention reads it.  Block b holds the
@@ -149,7 +164,7 @@ struct be_attn_params {
     float scale;                       /* usually 1/sqrt(head_dim) */
     int window;                        /* 0: full causal; else key k visible to query q iff q - k < window */
     enum be_dtype kv_dtype;            /* storage type of the blocks */
-    /* For views with key_rope: row j (head_dim floats) of key_rope holds
+    /* For views with key_rope: row j (head_dim activations) of key_rope holds
      * what be_rope makes of (1, 0) pairs at position j, i.e. cos and sin in
      * the two slots of each rotated pair; key_rope_rows rows, at least the
      * largest cache index a view reads. */
@@ -167,11 +182,11 @@ struct be_tok {
 /* Scatters k, v [n_tok, n_kv_heads*head_dim] into the blocks at each token's
  * position (the caller has reserved the blocks). */
 enum be_status be_kv_store(be_backend *be, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
-                           const float *k, const float *v, const struct be_attn_params *p);
+                           const void *k, const void *v, const struct be_attn_params *p);
 
 /* out[n_tok, n_heads*head_dim] = softmax(q k^T * scale + mask) v over each
  * token's view, causal (k_pos <= q_pos), windowed, restricted to [lo, hi). */
-enum be_status be_attention(be_backend *be, float *out, const float *q, const struct be_kv_view *views,
+enum be_status be_attention(be_backend *be, void *out, const void *q, const struct be_kv_view *views,
                             const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
 
 /* ---- quantized KV (issue 6; the formats are built by tiers/quant.c) -------- */
@@ -228,19 +243,38 @@ struct be_kvq_view {
  * registers, block by block (never into a full-precision copy), then the
  * full-precision rest (p->kv_dtype) is read as be_attention reads a view.
  * BE_ENOTSUP when the backend has no quantized attention. */
-enum be_status be_attention_quant(be_backend *be, float *out, const float *q, const struct be_kvq_view *views,
+enum be_status be_attention_quant(be_backend *be, void *out, const void *q, const struct be_kvq_view *views,
                                   const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
 
+/* Quantizes positions [v->hi, end) of v's full-precision rest into v's
+ * quantized blocks (block i holds [base + i*T, base + (i+1)*T)), with the
+ * e4m3 scales in v.  A per-channel group row that v->hi leaves partly
+ * filled is decoded and quantized again with the new tokens, so groups are
+ * computed over whole rows.  BE_ENOTSUP without quantized KV. */
+enum be_status be_kvq_quantize(be_backend *be, const struct be_kvq_view *v, int64_t end);
+
+/* amax[0], amax[1] (host) = max |K|, max |V| over positions [p0, p1) of an
+ * f32 view: what the e4m3 tensor scales are computed from. */
+enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
+                            int64_t p1, float amax[2]);
+
+/* Copies the K and V rows of positions [p0, p1) from view src to view dst
+ * (p->n_kv_heads, p->head_dim, p->kv_dtype): how the sink strategy keeps
+ * its sinks' full-precision rows.  BE_ENOTSUP where the backend lacks it. */
+enum be_status be_kv_copy(be_backend *be, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
+                          int64_t p1, const struct be_attn_params *p);
+
 /* y[n] = silu(gate[n]) * up[n] */
-enum be_status be_silu_mul(be_backend *be, float *y, const float *gate, const float *up, size_t n);
+enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n);
 /* y[n] += x[n] */
-enum be_status be_add(be_backend *be, float *y, const float *x, size_t n);
+enum be_status be_add(be_backend *be, void *y, const void *x, size_t n);
 /* Row-wise softmax of x[rows, cols] in place. */
-enum be_status be_softmax(be_backend *be, float *x, int rows, int cols);
-/* y[n, dim] = table[ids[t], :] converted to f32 */
-enum be_status be_embed(be_backend *be, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+enum be_status be_softmax(be_backend *be, void *x, int rows, int cols);
+/* y[n, dim] = table[ids[t], :] converted to the activation type; ids is
+ * host metadata (checked against 0 here, against the table by the caller) */
+enum be_status be_embed(be_backend *be, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
                         int dim);
-/* out[r] = argmax over x[r, :] (first index on ties) */
-enum be_status be_argmax(be_backend *be, const float *x, int rows, int cols, int32_t *out);
+/* out[r] (host) = argmax over x[r, :] (first index on ties) */
+enum be_status be_argmax(be_backend *be, const void *x, int rows, int cols, int32_t *out);
 
 #endif

@@ -16,7 +16,7 @@
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
-#define BE_API_VERSION 3
+#define BE_API_VERSION 4
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
@@ -49,24 +49,31 @@ struct be_ops {
 
     // kernels: shapes > 0, pointers non-NULL (bias may be NULL), dtypes valid,
     // every token's position inside its view's blocks (see backend.h)
-    enum be_status (*matmul)(void *ctx, float *y, const float *x, const void *w, enum be_dtype wt, const float *bias,
+    enum be_status (*matmul)(void *ctx, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt, const float *bias,
                              int n, int in, int out);
-    enum be_status (*rmsnorm)(void *ctx, float *y, const float *x, const float *w, int n, int dim, float eps);
-    enum be_status (*rope)(void *ctx, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+    enum be_status (*rmsnorm)(void *ctx, void *y, const void *x, const float *w, int n, int dim, float eps);
+    enum be_status (*rope)(void *ctx, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
                            const float *inv_freq, int rot_dim, enum be_rope_layout layout);
     enum be_status (*kv_store)(void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
-                               const float *k, const float *v, const struct be_attn_params *p);
-    enum be_status (*attention)(void *ctx, float *out, const float *q, const struct be_kv_view *views,
+                               const void *k, const void *v, const struct be_attn_params *p);
+    enum be_status (*attention)(void *ctx, void *out, const void *q, const struct be_kv_view *views,
                                 const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
-    enum be_status (*silu_mul)(void *ctx, float *y, const float *gate, const float *up, size_t n);
-    enum be_status (*add)(void *ctx, float *y, const float *x, size_t n);
-    enum be_status (*softmax)(void *ctx, float *x, int rows, int cols);
-    enum be_status (*embed)(void *ctx, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+    enum be_status (*silu_mul)(void *ctx, void *y, const void *gate, const void *up, size_t n);
+    enum be_status (*add)(void *ctx, void *y, const void *x, size_t n);
+    enum be_status (*softmax)(void *ctx, void *x, int rows, int cols);
+    enum be_status (*embed)(void *ctx, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
                             int dim);
-    enum be_status (*argmax)(void *ctx, const float *x, int rows, int cols, int32_t *out);
+    enum be_status (*argmax)(void *ctx, const void *x, int rows, int cols, int32_t *out);
     // (optional) NULL: no quantized KV on this backend; views checked by be_attention_quant
-    enum be_status (*attention_quant)(void *ctx, float *out, const float *q, const struct be_kvq_view *views,
+    enum be_status (*attention_quant)(void *ctx, void *out, const void *q, const struct be_kvq_view *views,
                                       const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
+    // (optional, with attention_quant) the quantized block writer; arguments checked by the wrappers
+    enum be_status (*kvq_quantize)(void *ctx, const struct be_kvq_view *v, int64_t end);
+    enum be_status (*kv_absmax)(void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
+                                int64_t p1, float amax[2]);
+    // (optional) NULL: no sink strategy over quantized KV
+    enum be_status (*kv_copy)(void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
+                              int64_t p1, const struct be_attn_params *p);
 };
 
 /* What a backend's init returns: its table, its context and the device
@@ -76,6 +83,8 @@ typedef enum be_status (*be_init_fn)(const struct be_params *p, const struct be_
 
 /* The built-in CPU backend (backend/cpu/cpu.c). */
 enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget);
+/* The CPU backend with its device memory unreadable outside its ops (strict.c). */
+enum be_status be_strict_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget);
 
 struct be_backend {
     const struct be_ops *ops;

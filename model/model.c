@@ -24,25 +24,28 @@
 struct run_state {
     int cap;             /* rows every buffer below holds (max_batch_tokens) */
     int logit_rows;      /* rows of the logits buffer */
-    be_buffer *bufs[11]; /* owners of the pointers below */
-    float *x;            /* (cap, dim)      residual stream */
-    float *xb;           /* (cap, dim)      normed input of a block / gathered rows */
-    float *q;            /* (cap, q_dim) */
-    float *k;            /* (cap, kv_dim) */
-    float *v;            /* (cap, kv_dim) */
-    float *att;          /* (cap, q_dim)    attention output */
-    float *hb;           /* (cap, ffn)      gate, then silu(gate) * up */
-    float *hb2;          /* (cap, ffn)      up */
-    float *logits;       /* (logit_rows, vocab) */
-    float *inv_freq;     /* (head_dim / 2)  RoPE frequencies, scaling folded in */
-    int32_t *ids;        /* (cap)           device copy of the chunk's token ids */
-    /* host-side chunk description */
+    be_buffer *bufs[10]; /* owners of the device pointers below */
+    enum be_dtype act;   /* the backend's activation type (caps.act_dtype) */
+    size_t esz;          /* its size */
+    /* device buffers, of act unless said otherwise */
+    void *x;             /* (cap, dim)      residual stream */
+    void *xb;            /* (cap, dim)      normed input of a block / gathered rows */
+    void *q;             /* (cap, q_dim) */
+    void *k;             /* (cap, kv_dim) */
+    void *v;             /* (cap, kv_dim) */
+    void *att;           /* (cap, q_dim)    attention output */
+    void *hb;            /* (cap, ffn)      gate, then silu(gate) * up */
+    void *hb2;           /* (cap, ffn)      up */
+    void *logits;        /* (logit_rows, vocab) f32 */
+    void *inv_freq;      /* (head_dim / 2)  f32 RoPE frequencies, scaling folded in */
+    /* host-side chunk description (be_embed, be_rope and the views take
+     * it as host metadata) */
     struct be_tok *toks; /* (cap) */
     int64_t *pos;        /* (cap)           absolute positions */
     int64_t *qpos, *kpos;/* (cap)           RoPE positions of queries and keys (kv_seq_rope_pos) */
     int *row_seq;        /* (cap)           which batch entry a row belongs to */
     int *row_tok;        /* (cap)           index of the row's token within its entry */
-    int32_t *host_ids;   /* (cap) */
+    int32_t *ids;        /* (cap)           token ids */
     int64_t *start;      /* (start_cap)     each batch entry's length before the step */
     int start_cap;
     struct be_kv_view *views; /* (cap)      one per sequence present in the chunk */
@@ -56,10 +59,14 @@ struct run_state {
 
 struct model {
     struct model_config cfg;
-    struct model_weights w;
+    struct model_weights w; /* where the kernels read them: the mmap, or device copies */
     model_files *files;
     be_backend *be;
     struct run_state rs;
+    /* device copies of the weights when the backend cannot read host memory */
+    be_buffer **wbufs;
+    int n_wbufs;
+    struct model_layer *dev_layers;
 };
 
 const struct model_config *model_get_config(const model *m)
@@ -125,7 +132,7 @@ static void run_state_free(struct run_state *rs)
     be_buffer_free(rs->key_rope_buf);
     free(rs->row_seq);
     free(rs->row_tok);
-    free(rs->host_ids);
+    free(rs->ids);
     free(rs->start);
     free(rs->views);
     free(rs->qviews);
@@ -138,36 +145,37 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     struct run_state *rs = &m->rs;
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     rs->cap = cap;
+    rs->act = be_get_caps(m->be).act_dtype;
+    rs->esz = be_dtype_size(rs->act);
     rs->logit_rows = cap < 16 ? cap : 16; /* lm_head runs in slices: vocab can be 150k */
-    size_t sizes[11] = {
-        (size_t)cap * c->hidden_size * 4, (size_t)cap * c->hidden_size * 4, cap * q_dim * 4,
-        cap * kv_dim * 4, cap * kv_dim * 4, cap * q_dim * 4,
-        (size_t)cap * c->intermediate_size * 4, (size_t)cap * c->intermediate_size * 4,
-        (size_t)rs->logit_rows * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4, (size_t)cap * 4,
+    size_t e = rs->esz;
+    size_t sizes[10] = {
+        (size_t)cap * c->hidden_size * e, (size_t)cap * c->hidden_size * e, cap * q_dim * e,
+        cap * kv_dim * e, cap * kv_dim * e, cap * q_dim * e,
+        (size_t)cap * c->intermediate_size * e, (size_t)cap * c->intermediate_size * e,
+        (size_t)rs->logit_rows * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4,
     };
-    float **ptrs[10] = {&rs->x, &rs->xb, &rs->q, &rs->k, &rs->v, &rs->att, &rs->hb, &rs->hb2, &rs->logits,
-                        &rs->inv_freq};
-    for (int i = 0; i < 11; i++) {
+    void **ptrs[10] = {&rs->x, &rs->xb, &rs->q, &rs->k, &rs->v, &rs->att, &rs->hb, &rs->hb2, &rs->logits,
+                       &rs->inv_freq};
+    for (int i = 0; i < 10; i++) {
         enum be_status st = be_dev_alloc(m->be, sizes[i], &rs->bufs[i]);
         if (st != BE_OK) {
             snprintf(err, MODEL_ERR_LEN, "run state: cannot allocate %zu bytes of activations: %s", sizes[i],
                      be_strerror(st));
             return st == BE_ENOMEM_DEV ? MODEL_EDEVMEM : MODEL_ENOMEM;
         }
-        if (i < 10)
-            *ptrs[i] = be_buffer_data(rs->bufs[i]);
+        *ptrs[i] = be_buffer_data(rs->bufs[i]);
     }
-    rs->ids = be_buffer_data(rs->bufs[10]);
     rs->toks = malloc((size_t)cap * sizeof(*rs->toks));
     rs->pos = malloc((size_t)cap * sizeof(*rs->pos));
     rs->qpos = malloc((size_t)cap * sizeof(*rs->qpos));
     rs->kpos = malloc((size_t)cap * sizeof(*rs->kpos));
     rs->row_seq = malloc((size_t)cap * sizeof(*rs->row_seq));
     rs->row_tok = malloc((size_t)cap * sizeof(*rs->row_tok));
-    rs->host_ids = malloc((size_t)cap * sizeof(*rs->host_ids));
+    rs->ids = malloc((size_t)cap * sizeof(*rs->ids));
     rs->views = malloc((size_t)cap * sizeof(*rs->views));
     rs->qviews = malloc((size_t)cap * sizeof(*rs->qviews));
-    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->host_ids || !rs->views || !rs->qviews) {
+    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->ids || !rs->views || !rs->qviews) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
@@ -186,6 +194,80 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     return MODEL_OK;
 }
 
+/* One tensor of n bytes into device memory; *p then names the copy. */
+static enum model_status upload(model *m, const void **p, size_t n, char *err)
+{
+    be_buffer *buf = NULL;
+    enum be_status st = be_dev_alloc(m->be, n, &buf);
+    if (st == BE_OK)
+        st = be_copy(m->be, be_buffer_data(buf), *p, n, BE_H2D);
+    if (st != BE_OK) {
+        be_buffer_free(buf);
+        snprintf(err, MODEL_ERR_LEN, "uploading %zu bytes of weights: %s", n, be_strerror(st));
+        return st == BE_ENOMEM_DEV ? MODEL_EDEVMEM : st == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
+    }
+    m->wbufs[m->n_wbufs++] = buf;
+    *p = be_buffer_data(buf);
+    return MODEL_OK;
+}
+
+static enum model_status upload_mat(model *m, struct model_mat *w, char *err)
+{
+    return upload(m, &w->data, (size_t)w->rows * (size_t)w->cols * be_dtype_size(w->dtype), err);
+}
+
+/* An optional f32 vector of n floats (NULL stays NULL). */
+static enum model_status upload_vec(model *m, const float **v, int n, char *err)
+{
+    return *v ? upload(m, (const void **)v, (size_t)n * sizeof(float), err) : MODEL_OK;
+}
+
+/* A backend that cannot read host memory gets its own copy of every
+ * weight, charged to its device budget like any other allocation. */
+static enum model_status weights_upload(model *m, char *err)
+{
+    const struct model_config *c = &m->cfg;
+    struct model_weights *w = &m->w;
+    int per_layer = 15; /* 7 matrices, at most 8 vectors */
+    m->wbufs = calloc((size_t)c->n_layers * per_layer + 3, sizeof(*m->wbufs));
+    m->dev_layers = malloc((size_t)c->n_layers * sizeof(*m->dev_layers));
+    if (!m->wbufs || !m->dev_layers) {
+        snprintf(err, MODEL_ERR_LEN, "out of host memory for the weight table");
+        return MODEL_ENOMEM;
+    }
+    bool tied = w->lm_head.data == w->tok_embed.data;
+    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, dim = c->hidden_size;
+    enum model_status st = upload_mat(m, &w->tok_embed, err);
+    if (st == MODEL_OK)
+        st = tied ? MODEL_OK : upload_mat(m, &w->lm_head, err);
+    if (tied)
+        w->lm_head = w->tok_embed;
+    if (st == MODEL_OK)
+        st = upload_vec(m, &w->final_norm, dim, err);
+    for (int l = 0; l < c->n_layers && st == MODEL_OK; l++) {
+        struct model_layer *L = &m->dev_layers[l];
+        *L = w->layers[l];
+        struct model_mat *mats[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < sizeof(mats) / sizeof(mats[0]) && st == MODEL_OK; i++)
+            st = upload_mat(m, mats[i], err);
+        const float **vecs[] = {&L->attn_norm, &L->ffn_norm, &L->bq, &L->bk, &L->bv, &L->bo, &L->q_norm, &L->k_norm};
+        int lens[] = {dim, dim, q_dim, kv_dim, kv_dim, dim, c->head_dim, c->head_dim};
+        for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]) && st == MODEL_OK; i++)
+            st = upload_vec(m, vecs[i], lens[i], err);
+    }
+    if (st == MODEL_OK)
+        w->layers = m->dev_layers;
+    return st;
+}
+
+static void weights_free(model *m)
+{
+    for (int i = 0; i < m->n_wbufs; i++)
+        be_buffer_free(m->wbufs[i]);
+    free(m->wbufs);
+    free(m->dev_layers);
+}
+
 enum model_status model_load(const char *dir, be_backend *be, const struct model_params *p, model **out, char *err)
 {
     char scratch[MODEL_ERR_LEN];
@@ -193,11 +275,6 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
         err = scratch;
     err[0] = '\0';
     *out = NULL;
-    if (!be_get_caps(be).unified_memory) {
-        snprintf(err, MODEL_ERR_LEN, "backend %s cannot read host weights; weight upload is not implemented",
-                 be_get_caps(be).name);
-        return MODEL_EUNSUPPORTED;
-    }
     model *m = calloc(1, sizeof(*m));
     if (!m) {
         snprintf(err, MODEL_ERR_LEN, "out of host memory");
@@ -207,6 +284,8 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     enum model_status st = model_config_load(dir, &m->cfg, err);
     if (st == MODEL_OK)
         st = model_files_open(dir, &m->cfg, &m->files, &m->w, err);
+    if (st == MODEL_OK && !be_get_caps(be).unified_memory)
+        st = weights_upload(m, err);
     int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;
     if (st == MODEL_OK)
         st = run_state_alloc(m, cap, err);
@@ -223,6 +302,7 @@ void model_free(model *m)
     if (!m)
         return;
     run_state_free(&m->rs);
+    weights_free(m);
     model_files_close(m->files);
     model_config_release(&m->cfg);
     free(m);
@@ -241,10 +321,9 @@ void model_free(model *m)
             return be_try_st_;                                                                                 \
     } while (0)
 
-static enum be_status matmul(model *m, float *y, const float *x, const struct model_mat *w, const float *bias,
-                             int n)
+static enum be_status matmul(model *m, void *y, const void *x, const struct model_mat *w, const float *bias, int n)
 {
-    return be_matmul(m->be, y, x, w->data, w->dtype, bias, n, w->cols, w->rows);
+    return be_matmul(m->be, y, m->rs.act, x, w->data, w->dtype, bias, n, w->cols, w->rows);
 }
 
 /* One transformer block over the chunk's n rows, in place on rs->x. */
@@ -313,13 +392,16 @@ static enum be_status chunk_logits(model *m, struct fw_seq *seqs, int n)
         }
         if (!n_sel)
             continue;
+        size_t row = dim * rs->esz;
         for (int i = 0; i < n_sel; i++)
-            BE_TRY(be_copy(m->be, rs->xb + i * dim, rs->x + sel[i] * dim, dim * 4, BE_D2D));
-        BE_TRY(matmul(m, rs->logits, rs->xb, &m->w.lm_head, NULL, n_sel)); /* logits (n_sel, vocab) */
+            BE_TRY(be_copy(m->be, (char *)rs->xb + i * row, (char *)rs->x + sel[i] * row, row, BE_D2D));
+        const struct model_mat *head = &m->w.lm_head; /* logits (n_sel, vocab), f32 whatever act is */
+        BE_TRY(be_matmul(m->be, rs->logits, BE_F32, rs->xb, head->data, head->dtype, NULL, n_sel, head->cols,
+                         head->rows));
         for (int i = 0; i < n_sel; i++) {
             const struct fw_seq *s = &seqs[rs->row_seq[sel[i]]];
             float *dst = s->logits + (s->want_all_logits ? (size_t)rs->row_tok[sel[i]] * vocab : 0);
-            BE_TRY(be_copy(m->be, dst, rs->logits + i * vocab, vocab * 4, BE_D2H));
+            BE_TRY(be_copy(m->be, dst, (float *)rs->logits + i * vocab, vocab * 4, BE_D2H));
         }
     }
     return BE_OK;
@@ -365,7 +447,7 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
             n_views++;
         rs->row_seq[r] = *s;
         rs->row_tok[r] = *t;
-        rs->host_ids[r] = seqs[*s].tokens[*t];
+        rs->ids[r] = seqs[*s].tokens[*t];
         rs->pos[r] = start[*s] + *t;
         kv_seq_rope_pos(seqs[*s].kv, rs->pos[r], &rs->qpos[r], &rs->kpos[r]); /* sink: cache indices */
         rs->toks[r] = (struct be_tok){.view = n_views - 1, .pos = rs->pos[r]};
@@ -377,7 +459,6 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
             first = r + 1;
         }
     }
-    BE_TRY(be_copy(m->be, rs->ids, rs->host_ids, (size_t)n * sizeof(int32_t), BE_H2D));
     BE_TRY(be_embed(m->be, rs->x, m->w.tok_embed.data, m->w.tok_embed.dtype, rs->ids, n, c->hidden_size));
     kv_store *store = kv_seq_store(seqs[0].kv);
     rs->kv_dtype = kv_store_dtype(store);
@@ -406,6 +487,9 @@ static enum model_status key_rope_reserve(model *m, int64_t rows)
     struct run_state *rs = &m->rs;
     if (rows <= rs->key_rope_rows)
         return MODEL_OK;
+    /* the (1, 0) pairs are written on the host, as f32 */
+    if (rs->act != BE_F32)
+        return MODEL_EUNSUPPORTED;
     int64_t n = rs->key_rope_rows ? 2 * rs->key_rope_rows : 64;
     while (n < rows)
         n *= 2;
@@ -482,13 +566,16 @@ static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs,
     enum be_status drained = kv_store_step_end(store); /* write-backs land before the commit */
     if (st == MODEL_OK)
         st = from_be(drained);
+    /* A commit fails only on a device fault, which no retry mends: the
+     * step reports it, the other sequences commit as computed. */
+    enum model_status committed = MODEL_OK;
     for (int i = 0; i < reserved; i++) {
-        if (st == MODEL_OK)
-            kv_seq_commit(seqs[i].kv);
-        else
+        if (st != MODEL_OK)
             kv_seq_abort(seqs[i].kv);
+        else if (kv_seq_commit(seqs[i].kv) != TIER_OK)
+            committed = MODEL_EBACKEND;
     }
-    return st;
+    return st == MODEL_OK ? committed : st;
 }
 
 /* After a step ran out of device memory: moves one sequence's KV to the

@@ -5,6 +5,8 @@
 # place the order is written down (docs/architecture.md draws it):
 LAYERS="util text backend tiers model ipc daemon tools tests"
 # util and text are leaves: any layer may use them, they use only util.
+# Above backend/, only the seam (backend/backend.h) is visible: a backend's
+# own files and the plugin table are private to it (tests may look inside).
 
 rank() {
     r=0
@@ -30,6 +32,9 @@ check() {
             esac
             layer=${inc%%/*}
             [ "$layer" = "$own" ] && continue
+            if [ "$layer" = backend ] && [ "$inc" != backend/backend.h ] && [ "$own" != tests ]; then
+                echo "$f: includes \"$inc\", private to the backend layer"; bad=1; continue
+            fi
             ri=$(rank "$layer")
             if [ "$ri" -lt 0 ]; then
                 echo "$f: includes \"$inc\" from no known layer"; bad=1
@@ -56,6 +61,9 @@ printf '#include "model/model.h"\n' > "$tmp/tiers/up.c"
 out=$(check "$tmp") && { echo "layers: tiers -> model was not caught"; exit 1; }
 echo "$out" | grep -q 'tiers/up.c: layer tiers includes "model/model.h"' || { echo "layers: wrong report: $out"; exit 1; }
 rm "$tmp/tiers/up.c"
+printf '#include "backend/cpu/cpu.h"\n' > "$tmp/tiers/private.c"
+check "$tmp" >/dev/null && { echo "layers: a backend-private include was not caught"; exit 1; }
+rm "$tmp/tiers/private.c"
 printf '#include "../model/model.h"\n' > "$tmp/model/rel.c"
 check "$tmp" >/dev/null && { echo "layers: a ../ include was not caught"; exit 1; }
 echo "layers: ok ($(echo $LAYERS | tr ' ' '<'))"

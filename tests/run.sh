@@ -1,7 +1,8 @@
 #!/bin/sh
 # run.sh BUILD - runs every test program in BUILD/tests and every oracle
 # script tests/*.test.sh (which get BUILD in $KVTIER_BUILD), each under a
-# timeout.  Exit 77 means "skipped" (a missing capability, e.g. no GPU).
+# timeout, on the CPU backend and again on the strict one.  Exit 77 means
+# "skipped" (a missing capability, e.g. no GPU).
 # Ends with the line "N passed, N failed, N skipped".
 build=${1:-build}
 export KVTIER_BUILD="$build"
@@ -18,15 +19,30 @@ run_one() {
     *) fail=$((fail+1)); failed="$failed $name"; echo "-- $name: FAILED (exit $rc)" ;;
   esac
 }
-for t in "$build"/tests/test_*; do
-  [ -x "$t" ] || continue
-  case $t in *.d|*.o) continue ;; esac
-  run_one "$(basename "$t")" "$t"
+# The suite runs twice: on the CPU backend, then with every "cpu" backend
+# replaced by the strict one (backend/strict.c), whose device memory faults
+# on any access from outside the backend: the same tests, the same expected
+# tokens.  Tests that open no backend run once, and so does test_backend:
+# it is the CPU backend's own conformance test, which fills and reads its
+# buffers directly, and it checks the strict backend itself.
+no_backend=" test_backend test_tokenizer test_daemon_ipc test_sampler layers.test.sh tokenizer.test.sh "
+for backend in cpu cpu-strict; do
+  if [ $backend = cpu-strict ]; then export KVTIER_BACKEND_STRICT=1; tag=" [cpu-strict]"; else tag=""; fi
+  for t in "$build"/tests/test_*; do
+    [ -x "$t" ] || continue
+    case $t in *.d|*.o) continue ;; esac
+    name=$(basename "$t")
+    [ -n "$tag" ] && case $no_backend in *" $name "*) continue ;; esac
+    run_one "$name$tag" "$t"
+  done
+  for s in tests/*.test.sh; do
+    [ -f "$s" ] || continue
+    name=$(basename "$s")
+    [ -n "$tag" ] && case $no_backend in *" $name "*) continue ;; esac
+    run_one "$name$tag" sh "$s"
+  done
 done
-for s in tests/*.test.sh; do
-  [ -f "$s" ] || continue
-  run_one "$(basename "$s")" sh "$s"
-done
+unset KVTIER_BACKEND_STRICT
 [ -n "$failed" ] && echo "failed:$failed"
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]

@@ -29,11 +29,14 @@ struct fixture {
     int windows[2];
 };
 
+static be_backend *g_be; /* the fixture's, for put_f and get_f */
+
 static int setup_store(void **state, int window, size_t budget, const struct kv_store_params *sp)
 {
     struct fixture *f = calloc(1, sizeof(*f));
     struct be_params p = {.n_threads = 1, .device_mem = budget};
     assert_int_equal(be_open("cpu", &p, &f->be), BE_OK);
+    g_be = f->be;
     f->windows[0] = 0;      /* layer 0: full attention */
     f->windows[1] = window; /* layer 1: sliding */
     struct kv_geom g = {.n_layers = 2, .n_kv_heads = HEADS, .head_dim = HD, .layer_window = f->windows};
@@ -61,6 +64,21 @@ static int teardown(void **state)
     return 0;
 }
 
+/* The blocks are device memory: the test reads and writes them through
+ * the seam, as anything above it must (the strict backend faults else). */
+static void put_f(void *block, size_t i, float x)
+{
+    assert_int_equal(be_copy(g_be, (float *)block + i, &x, sizeof(x), BE_H2D), BE_OK);
+}
+
+static float get_f(const void *block, size_t i)
+{
+    float x;
+    assert_int_equal(be_copy(g_be, &x, (const float *)block + i, sizeof(x), BE_D2H),
+                     BE_OK);
+    return x;
+}
+
 /* Stores each token's position as the first K element of head 0, so the
  * test can read back which positions a view really holds. */
 static void write_positions(kv_seq *q, int layer, int64_t from, int64_t to)
@@ -70,7 +88,7 @@ static void write_positions(kv_seq *q, int layer, int64_t from, int64_t to)
     for (int64_t p = from; p < to; p++) {
         int64_t b = (p - v.base) / v.block_tokens, s = (p - v.base) % v.block_tokens;
         assert_true(b >= 0 && b < v.n_blocks);
-        ((float *)v.blocks[b])[s * HD] = (float)p;
+        put_f(v.blocks[b], (size_t)(s * HD), (float)p);
     }
 }
 
@@ -82,7 +100,7 @@ static void check_positions(kv_seq *q, int layer, int64_t lo, int64_t hi)
     assert_int_equal(v.hi, hi);
     for (int64_t p = lo; p < hi; p++) {
         int64_t b = (p - v.base) / v.block_tokens, s = (p - v.base) % v.block_tokens;
-        assert_float_equal(((float *)v.blocks[b])[s * HD], (float)p, 0);
+        assert_float_equal(get_f(v.blocks[b], (size_t)(s * HD)), (float)p, 0);
     }
 }
 
@@ -697,8 +715,8 @@ static void test_fork_cow(void **state)
         assert_int_equal(kv_store_stats(f->store).blocks_used, used + 2);
         struct be_kv_view v;
         kv_seq_view(b, 0, &v);
-        ((float *)v.blocks[2])[2 * HD] = 1000.0f; /* position 10 of b */
-        ((float *)v.blocks[2])[1 * HD] = 1000.0f; /* scribble on b's copy of position 9 */
+        put_f(v.blocks[2], 2 * HD, 1000.0f); /* position 10 of b */
+        put_f(v.blocks[2], 1 * HD, 1000.0f); /* scribble on b's copy of position 9 */
         kv_seq_commit(b);
         check_positions(a, 0, 0, 10); /* a is untouched */
         /* a writes its own position 10 in place: its block is private now;
@@ -830,7 +848,7 @@ static void test_prefix_collisions(void **state)
         /* marks the sequence in its KV: position 0 of layer 1 holds i */
         struct be_kv_view v;
         kv_seq_view(q[i], 1, &v);
-        assert_float_equal(((float *)v.blocks[0])[0], 0.0f, 0);
+        assert_float_equal(get_f(v.blocks[0], 0), 0.0f, 0);
     }
     assert_int_equal(kv_store_stats(f->store).prefix_entries, 12);
     for (int i = 0; i < 4; i++) {

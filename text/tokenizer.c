@@ -1,5 +1,7 @@
 /* tokenizer.c - loading a Hugging Face tokenizer.json (+ tokenizer_config.json)
- * into the tables tokenizer_encode.c and tokenizer_decode.c use.
+ * into the tables tokenizer_encode.c and tokenizer_decode.c use.  One file
+ * over 1,000 lines: every component of tokenizer.json is read through the
+ * same loader state and checks, and reads top to bottom in file order.
  *
  * Everything read from the files is checked before use: ids against
  * TOK_MAX_IDS, merges against the vocabulary, every component type against

@@ -168,7 +168,7 @@ enum tier_status kvq_seq_init(kv_seq *q)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a quantized sequence");
     }
     struct kvq_alloc a = {.ctx = k, .get = pool_get, .put = pool_put};
-    enum tier_status st = kvq_ctx_create(&q->p.quant, s->g.n_kv_heads, s->g.head_dim, s->bt, &a, &k->ctx, &e);
+    enum tier_status st = kvq_ctx_create(s->be, &q->p.quant, s->g.n_kv_heads, s->g.head_dim, s->bt, &a, &k->ctx, &e);
     if (st == TIER_EINVAL)
         st = kv_fail(s, st, "%s", e.msg);
     if (st == TIER_OK) {
@@ -214,12 +214,14 @@ static void pool_trim(struct kvq_seq *k, enum kvq_block_kind kind, size_t keep)
     }
 }
 
-void kvq_seq_commit(kv_seq *q)
+enum tier_status kvq_seq_commit(kv_seq *q)
 {
     struct kvq_seq *k = q->kvq;
     int n = q->s->g.n_layers;
     for (int l = 0; l < n; l++) {
-        kvq_layer_commit(k->layers[l]);
+        enum be_status st = kvq_layer_commit(k->layers[l]);
+        if (st != BE_OK)
+            return kv_fail(q->s, TIER_EIO, "quantizing KV: %s", be_strerror(st));
         kvq_layer_drop(k->layers[l], q->layers[l].lo);
     }
     /* A prompt's step takes f32 blocks for all its tokens and its flush
@@ -229,6 +231,7 @@ void kvq_seq_commit(kv_seq *q)
     size_t bt = (size_t)q->s->bt, R = (size_t)q->p.quant.residual_length;
     pool_trim(k, KVQ_BLOCK_FULL, (size_t)n * ((R + bt - 1) / bt + 1));
     pool_trim(k, KVQ_BLOCK_QUANT, (size_t)n);
+    return TIER_OK;
 }
 
 void kvq_seq_abort(kv_seq *q)

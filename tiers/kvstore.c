@@ -1,6 +1,10 @@
 /* kvstore.c - the KV store: the device pool of paged blocks, extents on the
  * device and in the host tier, the strategies as choices of a home per
- * layer, the step transaction and the migration to the host tier.
+ * layer, the step transaction and the migration to the host tier.  It is
+ * longer than the other files because all of these keep the invariants of
+ * one struct kv_layer (kvstore_impl.h) at every step; the parts with an
+ * interface of their own (streaming, the host pool, quantized layers, the
+ * prefix cache) live in their own files.
  *
  * NOTES
  * Homes (kvstore_impl.h).  A dynamic sequence's layers are paged: blocks
@@ -1162,47 +1166,47 @@ void kv_seq_rope_pos(const kv_seq *q, int64_t pos, int64_t *q_pos, int64_t *k_po
 
 /* Copies the sinks among positions [from, len) of layer l from the
  * quantized sequence's residual, where the step wrote them, into the sink
- * block before the KIVI commit may quantize them (invariant 8).  A plain
- * copy: quantized blocks live in host-addressable device memory
- * (docs/quantization.md, "Not done yet"). */
-static void sink_keep_full(kv_seq *q, int l, int64_t from)
+ * block before the KIVI commit may quantize them (invariant 8). */
+static enum tier_status sink_keep_full(kv_seq *q, int l, int64_t from)
 {
     kv_store *s = q->s;
-    int64_t S = q->p.num_sink_tokens;
+    int64_t S = q->p.num_sink_tokens, end = q->len < S ? q->len : S;
     struct be_kvq_view v;
     kv_seq_qview(q, l, &v);
-    size_t row = (size_t)s->g.head_dim * sizeof(float);
-    for (int64_t pos = from; pos < S && pos < q->len; pos++)
-        for (int h = 0; h < s->g.n_kv_heads; h++) {
-            const char *src = (const char *)v.rest.blocks[(pos - v.rest.base) / v.rest.block_tokens] +
-                              ((size_t)h * (size_t)v.rest.block_tokens + (size_t)((pos - v.rest.base) % v.rest.block_tokens)) * row;
-            char *dst = (char *)q->layers[l].sink_blk->data + ((size_t)h * (size_t)s->bt + (size_t)pos) * row;
-            memcpy(dst, src, row);
-            memcpy(dst + s->block_bytes / 2, src + v.rest.v_offset, row);
-        }
+    void *sink = q->layers[l].sink_blk->data;
+    struct be_kv_view dst = {.blocks = &sink, .n_blocks = 1, .block_tokens = s->bt, .v_offset = s->block_bytes / 2};
+    struct be_attn_params p = {.n_heads = s->g.n_kv_heads, .n_kv_heads = s->g.n_kv_heads, .head_dim = s->g.head_dim,
+                               .kv_dtype = BE_F32};
+    enum be_status st = from < end ? be_kv_copy(s->be, &dst, &v.rest, from, end, &p) : BE_OK;
+    return st == BE_OK ? TIER_OK : kv_fail(s, TIER_EIO, "keeping the sinks: %s", be_strerror(st));
 }
 
 /* Sink strategy at commit: keep the sinks and the last W-S tokens (what
  * HF's cache holds after a step); the block of the sinks is kept by a
  * reference of its own before the table lets go of it (invariant 8).
  * from: the length before the step. */
-static void sink_commit(kv_seq *q, int l, int64_t from)
+static enum tier_status sink_commit(kv_seq *q, int l, int64_t from)
 {
     struct kv_layer *L = &q->layers[l];
     int64_t W = q->p.window_length, S = q->p.num_sink_tokens;
     if (q->len > W)
         L->lo = q->len - (W - S);
-    if (q->kvq && from < S)
-        sink_keep_full(q, l, from);
+    if (q->kvq && from < S) {
+        enum tier_status st = sink_keep_full(q, l, from);
+        if (st != TIER_OK)
+            return st;
+    }
     if (S && !L->sink_blk && L->base == 0 && L->lo >= q->s->bt) {
         L->sink_blk = L->pb[0];
         blk_get(q->s, L->sink_blk);
     }
+    return TIER_OK;
 }
 
-void kv_seq_commit(kv_seq *q)
+enum tier_status kv_seq_commit(kv_seq *q)
 {
     kv_store *s = q->s;
+    enum tier_status st = TIER_OK;
     int64_t from = q->len;
     q->len += q->pending;
     q->pending = 0;
@@ -1214,16 +1218,17 @@ void kv_seq_commit(kv_seq *q)
          * them while recording: the next crop shrinks them). */
         if (L->keep && !q->record_past && q->len - L->keep > L->lo)
             L->lo = q->len - L->keep;
-        if (q->p.sink)
-            sink_commit(q, l, from);
+        if (q->p.sink && st == TIER_OK)
+            st = sink_commit(q, l, from);
         if (L->home != KV_HOME_PAGED)
             ext_view_refresh(q, L);
         else if (!q->kvq)
             paged_trim(s, L, q->len);
     }
-    if (q->kvq)
-        kvq_seq_commit(q);
+    if (q->kvq && st == TIER_OK)
+        st = kvq_seq_commit(q);
     prefix_publish(q);
+    return st;
 }
 
 void kv_seq_abort(kv_seq *q)

@@ -253,7 +253,9 @@ void kv_seq_rope_pos(const kv_seq *q, int64_t pos, int64_t *q_pos, int64_t *k_po
  * one call serves a mixed batch.  kv_seq_view of a quantized sequence is
  * this view's rest (where the step's tokens are written). */
 void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out);
-void kv_seq_commit(kv_seq *q);
+/* TIER_EIO only on a device fault while writing the step's KV (quantized
+ * codes, kept sinks); kv_store_errmsg() names it. */
+enum tier_status kv_seq_commit(kv_seq *q);
 void kv_seq_abort(kv_seq *q);
 
 /* ---- streaming hooks of the forward pass (tiers/stream.c) ---------------

@@ -178,7 +178,7 @@ enum tier_status prefix_fork(const kv_seq *q, kv_seq *child);
 enum tier_status kvq_seq_init(kv_seq *q);
 void kvq_seq_release(kv_seq *q); /* accepts q->kvq == NULL */
 enum tier_status kvq_seq_reserve(kv_seq *q, int n_new);
-void kvq_seq_commit(kv_seq *q); /* after the store's commit set each layer's lo */
+enum tier_status kvq_seq_commit(kv_seq *q); /* after the store's commit set each layer's lo */
 void kvq_seq_abort(kv_seq *q);
 size_t kvq_seq_bytes(const kv_seq *q); /* bytes of its blocks in its tier, free ones included */
 /* TIER_ENOTSUP naming `what` ("crop", "fork", ...) */

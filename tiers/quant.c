@@ -1,21 +1,8 @@
-/* quant.c - quantized KV: parameters, formats, the host codec and the KIVI
- * layer (quant.h; docs/quantization.md).
+/* quant.c - quantized KV: parameters, formats and the KIVI layer (quant.h;
+ * docs/quantization.md).  The codes themselves are written by the backend
+ * (be_kvq_quantize), where the blocks live.
  *
  * NOTES
- * Numerics follow the reference quantizers on f32 tensors, per group:
- *   quanto (MaxOptimizer + quantize_affine):  s = (max - min) / (2^b - 1),
- *     shift = -min, c = clamp(round((x + shift) / s)), x' = c*s - shift
- *   hqq (Quantizer.quantize, optimize=False): i = min((1 / (max - min)) *
- *     (2^b - 1), 2e4), zero = -min * i, c = clamp(round(x*i + zero)), s = 1/i,
- *     x' = (c - zero) * s
- * round is half to even (torch.round).  The pair (s, shift|zero) is stored
- * as f16, the reference's storage for a half-precision model: quanto's
- * optimizer returns it in the model dtype before quantize_affine uses it, so
- * quanto codes are computed with the rounded pair; hqq quantizes in f32 and
- * casts its meta to compute_dtype afterwards, so hqq codes use the f32 pair
- * and only dequantization sees the rounded one.  tests/quant_oracle.py
- * replays both in PyTorch and compares bit for bit.
- *
  * The KIVI layer keeps HF's counting exactly.  Where HF re-quantizes the
  * whole dequantized history at every flush, the layer quantizes only the new
  * tokens, plus the earlier tokens of a per-channel group row that a previous
@@ -23,15 +10,15 @@
  */
 #include "tiers/quant.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/cpu/kvq_format.h"
-
 #define KVQ_ALIGN 64
+#define E4M3_MAX 448.0f /* the largest finite e4m3 (torch.float8_e4m3fn) */
 
 static enum tier_status fail(struct kvq_error *err, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -260,141 +247,6 @@ enum tier_status kvq_format_init(struct be_kvq_format *f, const struct kv_quant_
     return TIER_OK;
 }
 
-/* ---- host codec ----------------------------------------------------------- */
-
-/* f16 saturating at +-65504 rather than overflowing to inf, so an extreme
- * group degrades instead of turning into NaNs. */
-static uint16_t param_f16(float x)
-{
-    return f32_to_f16(x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x);
-}
-
-static unsigned clamp_code(float r, int nbits)
-{
-    float top = (float)((1 << nbits) - 1);
-    return !(r >= 0.0f) ? 0u : r > top ? (unsigned)top : (unsigned)r; /* NaN -> 0 */
-}
-
-/* One affine group of n values x[i*stride]: writes its f16 pair to pr and
- * code i through put(i, code). */
-struct group_io {
-    uint8_t *const *rows; /* code row of each value's token (per-channel) or one row (per-token) */
-    int first;            /* code index of value 0 within its row */
-    bool per_row;         /* value i lives in rows[i] at `first`; else rows[0] at first + i */
-};
-
-static void quantize_group(const struct be_kvq_format *f, const float *x, size_t stride, int n, uint16_t *pr,
-                           const struct group_io *io)
-{
-    float mn = x[0], mx = x[0];
-    for (int i = 1; i < n; i++) {
-        float e = x[(size_t)i * stride];
-        mn = e < mn ? e : mn;
-        mx = e > mx ? e : mx;
-    }
-    float top = (float)((1 << f->nbits) - 1), s, z;
-    bool quanto = f->kind == BE_KVQ_AFFINE_SHIFT;
-    if (quanto) {
-        pr[0] = param_f16((mx - mn) / top);
-        pr[1] = param_f16(-mn);
-        s = f16_to_f32(pr[0]);
-        z = f16_to_f32(pr[1]);
-    } else {
-        /* hqq works with the inverse scale; torch evaluates its
-         * max_v / (max - min) (a number over a tensor) as a reciprocal times
-         * max_v, which rounds differently from a division */
-        s = (1.0f / (mx - mn)) * top;
-        if (!(s <= 2e4f))
-            s = 2e4f;
-        z = -mn * s;
-        pr[0] = param_f16(1.0f / s);
-        pr[1] = param_f16(z);
-    }
-    for (int i = 0; i < n; i++) {
-        float e = x[(size_t)i * stride];
-        /* quanto with a constant group divides 0 by 0; code 0 decodes to min */
-        unsigned c = quanto ? (s == 0.0f ? 0u : clamp_code(rintf((e + z) / s), f->nbits))
-                            : clamp_code(rintf(e * s + z), f->nbits);
-        if (io->per_row)
-            kvq_code_put(io->rows[i], f->nbits, io->first, c);
-        else
-            kvq_code_put(io->rows[0], f->nbits, io->first + i, c);
-    }
-}
-
-static float dequant_code(const struct be_kvq_format *f, unsigned c, const uint16_t *pr)
-{
-    float s = f16_to_f32(pr[0]), z = f16_to_f32(pr[1]);
-    return f->kind == BE_KVQ_AFFINE_SHIFT ? (float)c * s - z : ((float)c - z) * s;
-}
-
-static void quantize_half(const struct be_kvq_format *f, const struct be_kvq_half *h, void *blk, int t0, int t1,
-                          const float *x, size_t stride, float scale)
-{
-    int D = f->head_dim, H = f->n_kv_heads;
-    for (int kvh = 0; kvh < H; kvh++) {
-        if (f->kind == BE_KVQ_E4M3) {
-            for (int t = t0; t < t1; t++) {
-                const float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
-                uint8_t *c = kvq_code_row(f, h, blk, kvh, t);
-                for (int d = 0; d < D; d++)
-                    c[d] = f32_to_e4m3(r[d] / scale);
-            }
-        } else if (h->gt == 1) {
-            for (int t = t0; t < t1; t++) {
-                uint8_t *row = kvq_code_row(f, h, blk, kvh, t);
-                const float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
-                for (int g = 0; g < D / h->gd; g++) {
-                    struct group_io io = {.rows = &row, .first = g * h->gd};
-                    quantize_group(f, r + g * h->gd, 1, h->gd, kvq_group_params(f, h, blk, kvh, t, g), &io);
-                }
-            }
-        } else {
-            uint8_t *rows[KVQ_MAX_GROUP];
-            for (int r0 = t0; r0 < t1; r0 += h->gt) {
-                int n = t1 - r0 < h->gt ? t1 - r0 : h->gt;
-                for (int i = 0; i < n; i++)
-                    rows[i] = kvq_code_row(f, h, blk, kvh, r0 + i);
-                const float *r = x + (size_t)(r0 - t0) * stride + (size_t)kvh * (size_t)D;
-                for (int d = 0; d < D; d++) {
-                    struct group_io io = {.rows = rows, .first = d, .per_row = true};
-                    quantize_group(f, r + d, stride, n, kvq_group_params(f, h, blk, kvh, r0 / h->gt, d), &io);
-                }
-            }
-        }
-    }
-}
-
-static void dequantize_half(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk, int t0,
-                            int t1, float *x, size_t stride, float scale)
-{
-    int D = f->head_dim;
-    for (int kvh = 0; kvh < f->n_kv_heads; kvh++)
-        for (int t = t0; t < t1; t++) {
-            const uint8_t *c = kvq_code_row(f, h, blk, kvh, t);
-            float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
-            for (int d = 0; d < D; d++)
-                r[d] = f->kind == BE_KVQ_E4M3
-                           ? e4m3_to_f32(c[d]) * scale
-                           : dequant_code(f, kvq_code_get(c, f->nbits, d),
-                                          kvq_group_params(f, h, blk, kvh, t / h->gt, d / h->gd));
-        }
-}
-
-void kvq_quantize(const struct be_kvq_format *f, void *block, int t0, int t1, const float *k, const float *v,
-                  size_t row_stride, float scale_k, float scale_v)
-{
-    quantize_half(f, &f->k, block, t0, t1, k, row_stride, scale_k);
-    quantize_half(f, &f->v, block, t0, t1, v, row_stride, scale_v);
-}
-
-void kvq_dequantize(const struct be_kvq_format *f, const void *block, int t0, int t1, float *k, float *v,
-                    size_t row_stride, float scale_k, float scale_v)
-{
-    dequantize_half(f, &f->k, block, t0, t1, k, row_stride, scale_k);
-    dequantize_half(f, &f->v, block, t0, t1, v, row_stride, scale_v);
-}
-
 /* max|x| / 448 maps the largest value onto the largest e4m3; an all-zero
  * tensor gets 1 so later tokens still quantize. */
 static float e4m3_scale_of(float amax)
@@ -416,9 +268,9 @@ struct kvq_ctx {
     struct kv_quant_params p;
     struct be_kvq_format fmt;
     struct kvq_alloc a;
+    be_backend *be;       /* writes the codes */
     int fbt;              /* tokens per full-precision block */
     size_t fblock_bytes;  /* K then V, each (n_kv_heads, fbt, head_dim) f32 */
-    float *rows_k, *rows_v; /* one quantized block of token rows, for the flush */
 };
 
 /* A growable table of blocks of one kind; `mark` is its length before the
@@ -443,11 +295,11 @@ struct kvq_layer {
     int64_t fbase;
 };
 
-enum tier_status kvq_ctx_create(const struct kv_quant_params *p, int n_kv_heads, int head_dim, int store_bt,
-                                const struct kvq_alloc *a, kvq_ctx **out, struct kvq_error *err)
+enum tier_status kvq_ctx_create(be_backend *be, const struct kv_quant_params *p, int n_kv_heads, int head_dim,
+                                int store_bt, const struct kvq_alloc *a, kvq_ctx **out, struct kvq_error *err)
 {
     *out = NULL;
-    if (!a || !a->get || !a->put || store_bt <= 0)
+    if (!be || !a || !a->get || !a->put || store_bt <= 0)
         return fail(err, "cache", "quantized KV needs a block allocator and a block size > 0");
     kvq_ctx *c = calloc(1, sizeof(*c));
     if (!c)
@@ -459,24 +311,15 @@ enum tier_status kvq_ctx_create(const struct kv_quant_params *p, int n_kv_heads,
     }
     c->p = *p;
     c->a = *a;
+    c->be = be;
     c->fbt = store_bt;
     c->fblock_bytes = 2 * (size_t)n_kv_heads * (size_t)store_bt * (size_t)head_dim * sizeof(float);
-    size_t rows = (size_t)c->fmt.block_tokens * (size_t)n_kv_heads * (size_t)head_dim;
-    c->rows_k = malloc(2 * rows * sizeof(float));
-    if (!c->rows_k) {
-        free(c);
-        return TIER_ENOMEM_HOST;
-    }
-    c->rows_v = c->rows_k + rows;
     *out = c;
     return TIER_OK;
 }
 
 void kvq_ctx_free(kvq_ctx *c)
 {
-    if (!c)
-        return;
-    free(c->rows_k);
     free(c);
 }
 
@@ -611,89 +454,32 @@ void kvq_layer_view(const kvq_layer *l, struct be_kvq_view *out)
     };
 }
 
-/* Copies the full-precision rows of positions [p0, p1) into rows (token-major,
- * n_kv_heads * head_dim floats per token). */
-static void gather_rows(const kvq_layer *l, int64_t p0, int64_t p1, float *rk, float *rv)
-{
-    const kvq_ctx *c = l->c;
-    int H = c->fmt.n_kv_heads, D = c->fmt.head_dim;
-    size_t hd = (size_t)D * sizeof(float);
-    for (int64_t pos = p0; pos < p1; pos++) {
-        int64_t rel = pos - l->fbase;
-        const char *blk = l->f.b[rel / c->fbt];
-        size_t slot = (size_t)(rel % c->fbt);
-        for (int h = 0; h < H; h++) {
-            size_t src = ((size_t)h * (size_t)c->fbt + slot) * hd, dst = ((size_t)(pos - p0) * (size_t)H + (size_t)h) * (size_t)D;
-            memcpy(rk + dst, blk + src, hd);
-            memcpy(rv + dst, blk + c->fblock_bytes / 2 + src, hd);
-        }
-    }
-}
-
 /* The fp8 tensor scales from the first update's tokens [0, end). */
-static void calibrate_e4m3(kvq_layer *l, int64_t end)
+static enum be_status calibrate_e4m3(kvq_layer *l, int64_t end)
 {
-    const kvq_ctx *c = l->c;
-    size_t per_block = (size_t)c->fmt.n_kv_heads * (size_t)c->fbt * (size_t)c->fmt.head_dim;
-    float amax_k = 0.0f, amax_v = 0.0f;
-    for (int64_t b = 0; b * c->fbt < end; b++) {
-        const float *k = l->f.b[b], *v = k + per_block;
-        int n = end - b * c->fbt < c->fbt ? (int)(end - b * c->fbt) : c->fbt;
-        for (int h = 0; h < c->fmt.n_kv_heads; h++)
-            for (size_t i = 0; i < (size_t)n * (size_t)c->fmt.head_dim; i++) {
-                size_t at = (size_t)h * (size_t)c->fbt * (size_t)c->fmt.head_dim + i;
-                amax_k = fabsf(k[at]) > amax_k ? fabsf(k[at]) : amax_k;
-                amax_v = fabsf(v[at]) > amax_v ? fabsf(v[at]) : amax_v;
-            }
-    }
-    l->scale_k = e4m3_scale_of(amax_k);
-    l->scale_v = e4m3_scale_of(amax_v);
+    struct be_kvq_view v;
+    kvq_layer_view(l, &v);
+    float amax[2];
+    enum be_status st = be_kv_absmax(l->c->be, &v.rest, l->c->fmt.n_kv_heads, l->c->fmt.head_dim, 0, end, amax);
+    l->scale_k = e4m3_scale_of(amax[0]);
+    l->scale_v = e4m3_scale_of(amax[1]);
+    return st;
 }
 
-/* First position a flush from nq must re-quantize in half h: the start of
- * nq's group row for per-channel groups (its earlier tokens are decoded and
- * quantized again with the new ones), nq itself otherwise. */
-static int64_t reopen_from(const struct be_kvq_half *h, enum be_kvq_codes kind, int64_t nq)
-{
-    return kind != BE_KVQ_E4M3 && h->gt > 1 ? nq / h->gt * h->gt : nq;
-}
-
-/* Quantizes [nq, end) block by block from the full-precision blocks. */
-static void flush(kvq_layer *l, int64_t end)
-{
-    kvq_ctx *c = l->c;
-    const struct be_kvq_format *f = &c->fmt;
-    int64_t T = f->block_tokens;
-    size_t stride = (size_t)f->n_kv_heads * (size_t)f->head_dim;
-    for (int64_t b = l->nq / T; b * T < end; b++) {
-        int64_t lo = l->nq > b * T ? l->nq : b * T, hi = end < (b + 1) * T ? end : (b + 1) * T;
-        int64_t k0 = reopen_from(&f->k, f->kind, lo), v0 = reopen_from(&f->v, f->kind, lo);
-        int64_t r0 = k0 < v0 ? k0 : v0; /* rows[0] is position r0 */
-        void *blk = l->q.b[b - l->qoff];
-        if (k0 < lo)
-            dequantize_half(f, &f->k, blk, (int)(k0 - b * T), (int)(lo - b * T), c->rows_k + (size_t)(k0 - r0) * stride,
-                            stride, l->scale_k);
-        if (v0 < lo)
-            dequantize_half(f, &f->v, blk, (int)(v0 - b * T), (int)(lo - b * T), c->rows_v + (size_t)(v0 - r0) * stride,
-                            stride, l->scale_v);
-        gather_rows(l, lo, hi, c->rows_k + (size_t)(lo - r0) * stride, c->rows_v + (size_t)(lo - r0) * stride);
-        quantize_half(f, &f->k, blk, (int)(k0 - b * T), (int)(hi - b * T), c->rows_k + (size_t)(k0 - r0) * stride,
-                      stride, l->scale_k);
-        quantize_half(f, &f->v, blk, (int)(v0 - b * T), (int)(hi - b * T), c->rows_v + (size_t)(v0 - r0) * stride,
-                      stride, l->scale_v);
-    }
-}
-
-void kvq_layer_commit(kvq_layer *l)
+enum be_status kvq_layer_commit(kvq_layer *l)
 {
     if (!l->reserved)
-        return;
+        return BE_OK;
     kvq_ctx *c = l->c;
     int64_t end = l->len + l->pending;
     if (l->flush) {
-        if (!l->started && c->p.backend == KVQ_FP8)
-            calibrate_e4m3(l, end);
-        flush(l, end);
+        enum be_status st = !l->started && c->p.backend == KVQ_FP8 ? calibrate_e4m3(l, end) : BE_OK;
+        struct be_kvq_view v;
+        kvq_layer_view(l, &v);
+        if (st == BE_OK)
+            st = be_kvq_quantize(c->be, &v, end);
+        if (st != BE_OK)
+            return st;
         l->nq = end;
         /* the residual is empty: every full-precision block goes back */
         put_from(c, KVQ_BLOCK_FULL, &l->f, 0);
@@ -703,6 +489,7 @@ void kvq_layer_commit(kvq_layer *l)
     l->started = true;
     l->pending = 0;
     l->reserved = false;
+    return BE_OK;
 }
 
 void kvq_layer_drop(kvq_layer *l, int64_t lo)

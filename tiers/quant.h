@@ -1,15 +1,15 @@
-/* quant.h - quantized KV (issue 6): the "quantized" cache strategy's
- * parameters, the packed block formats (backend.h's be_kvq_format), the
- * host codec that writes and reads them, and the KIVI layer - one layer of
- * one sequence as Hugging Face's QuantizedLayer keeps it, over paged blocks.
+/* quant.h - quantized KV: the "quantized" cache strategy's parameters, the
+ * packed block formats (backend.h's be_kvq_format), and the KIVI layer -
+ * one layer of one sequence as Hugging Face's QuantizedLayer keeps it, over
+ * paged blocks whose codes the backend writes (be_kvq_quantize).
  * docs/quantization.md explains the formats and every deviation from the
  * reference.
  *
  * The layer follows the store's transaction: kvq_layer_reserve(n) takes
  * every block the step could need (all or nothing), the forward pass writes
  * the new tokens with be_kv_store into view.rest and reads with
- * be_attention_quant, then kvq_layer_commit() applies the KIVI rule (it
- * cannot fail) or kvq_layer_abort() undoes the reserve.
+ * be_attention_quant, then kvq_layer_commit() applies the KIVI rule (only a
+ * device error can fail it) or kvq_layer_abort() undoes the reserve.
  */
 #ifndef KVTIER_QUANT_H
 #define KVTIER_QUANT_H
@@ -66,20 +66,6 @@ int kvq_block_tokens(const struct kv_quant_params *p, int store_bt);
 enum tier_status kvq_format_init(struct be_kvq_format *f, const struct kv_quant_params *p, int n_kv_heads,
                                  int head_dim, int block_tokens, struct kvq_error *err);
 
-/* ---- host codec ----------------------------------------------------------- */
-
-/* Quantizes tokens [t0, t1) of a block from rows k and v (token i of the
- * range at k + i*row_stride, n_kv_heads*head_dim floats, head-major as the
- * forward pass produces them).  Per-channel groups are computed over the
- * tokens given, so t0 must start a group row (kvq_layer re-reads the earlier
- * tokens of a reopened row and passes them again); a range ending inside a
- * row gives that row parameters over its present tokens.  scale_k/scale_v
- * are the e4m3 tensor scales (ignored by the affine kinds). */
-void kvq_quantize(const struct be_kvq_format *f, void *block, int t0, int t1, const float *k, const float *v,
-                  size_t row_stride, float scale_k, float scale_v);
-/* The inverse: rows of tokens [t0, t1) decoded into k and v. */
-void kvq_dequantize(const struct be_kvq_format *f, const void *block, int t0, int t1, float *k, float *v,
-                    size_t row_stride, float scale_k, float scale_v);
 /* The fp8 tensor scale of x[n]: max|x| / 448, or 1 when x is all zeros. */
 float kvq_e4m3_scale(const float *x, size_t n);
 
@@ -101,9 +87,10 @@ struct kvq_alloc {
 typedef struct kvq_ctx kvq_ctx;     /* per store: format, allocator, scratch */
 typedef struct kvq_layer kvq_layer; /* one layer of one sequence */
 
-/* store_bt: tokens per full-precision block (the store's block size). */
-enum tier_status kvq_ctx_create(const struct kv_quant_params *p, int n_kv_heads, int head_dim, int store_bt,
-                                const struct kvq_alloc *a, kvq_ctx **out, struct kvq_error *err);
+/* store_bt: tokens per full-precision block (the store's block size); be
+ * writes the codes into the blocks a hands out. */
+enum tier_status kvq_ctx_create(be_backend *be, const struct kv_quant_params *p, int n_kv_heads, int head_dim,
+                                int store_bt, const struct kvq_alloc *a, kvq_ctx **out, struct kvq_error *err);
 void kvq_ctx_free(kvq_ctx *c); /* accepts NULL; every layer must be freed first */
 const struct be_kvq_format *kvq_ctx_format(const kvq_ctx *c);
 size_t kvq_full_block_bytes(const kvq_ctx *c);
@@ -128,8 +115,9 @@ void kvq_layer_view(const kvq_layer *l, struct be_kvq_view *out);
 /* Makes the reserved tokens part of the layer.  The first update quantizes
  * everything; after it, when the residual is non-empty and residual + 1 >=
  * residual_length, the residual and the new tokens are quantized (HF's test),
- * else the new tokens join the residual.  fp8 quantizes at every commit. */
-void kvq_layer_commit(kvq_layer *l);
+ * else the new tokens join the residual.  fp8 quantizes at every commit.
+ * A backend failure is a device fault: the layer is then not usable. */
+enum be_status kvq_layer_commit(kvq_layer *l);
 void kvq_layer_abort(kvq_layer *l);
 /* Between steps: returns the quantized blocks wholly below position lo (a
  * sliding layer's oldest kept position), except the block a later flush

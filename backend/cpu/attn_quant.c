@@ -421,9 +421,11 @@ static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
     }
 }
 
-enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const struct be_kvq_view *views,
+enum be_status cpu_attention_quant(void *ctx, void *out_, const void *q_, const struct be_kvq_view *views,
                                    const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
+    float *out = out_;
+    const float *q = q_;
     size_t nq = (size_t)(p->n_heads / p->n_kv_heads), D = (size_t)p->head_dim;
     for (int t = 0; t < n_tok; t++) {
         struct qattn a;

@@ -41,6 +41,8 @@ struct cpu_ctx {
     struct cpu_pool *pool;
     const struct cpu_kern *kern;
     float *scratch; /* [n_threads][CPU_SCRATCH_FLOATS] */
+    float *rows;    /* cpu_ctx_rows */
+    size_t rows_cap;
 
     pthread_t copier;
     pthread_mutex_t mu;
@@ -70,6 +72,18 @@ const struct cpu_kern *cpu_ctx_kern(struct cpu_ctx *c)
 float *cpu_ctx_scratch(struct cpu_ctx *c, int ith)
 {
     return c->scratch + (size_t)ith * CPU_SCRATCH_FLOATS;
+}
+
+float *cpu_ctx_rows(struct cpu_ctx *c, size_t n)
+{
+    if (n > c->rows_cap) {
+        float *p = realloc(c->rows, n * sizeof(float));
+        if (!p)
+            return NULL;
+        c->rows = p;
+        c->rows_cap = n;
+    }
+    return c->rows;
 }
 
 /* ---- memory ------------------------------------------------------------- */
@@ -260,6 +274,7 @@ static struct be_caps cpu_caps(void *ctx)
         .unified_memory = true,
         .n_threads = cpu_pool_size(c->pool),
         .simd = c->kern->name,
+        .act_dtype = BE_F32,
     };
 }
 
@@ -306,6 +321,7 @@ static void cpu_free(void *ctx)
     pthread_mutex_destroy(&c->mu);
     cpu_pool_free(c->pool);
     free(c->scratch);
+    free(c->rows);
     if (c->topo)
         hwloc_topology_destroy(c->topo);
     hwloc_bitmap_free(c->near);
@@ -341,6 +357,9 @@ static const struct be_ops cpu_ops = {
     .embed = cpu_embed,
     .argmax = cpu_argmax,
     .attention_quant = cpu_attention_quant,
+    .kvq_quantize = cpu_kvq_quantize,
+    .kv_absmax = cpu_kv_absmax,
+    .kv_copy = cpu_kv_copy,
 };
 
 enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget)

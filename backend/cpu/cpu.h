@@ -123,22 +123,25 @@ struct cpu_ctx;
 struct cpu_pool *cpu_ctx_pool(struct cpu_ctx *c);
 const struct cpu_kern *cpu_ctx_kern(struct cpu_ctx *c);
 float *cpu_ctx_scratch(struct cpu_ctx *c, int ith); /* CPU_SCRATCH_FLOATS floats */
+/* A caller-thread work area of at least n floats, grown (never shrunk) on
+ * demand: NULL when host memory runs out. */
+float *cpu_ctx_rows(struct cpu_ctx *c, size_t n);
 
-enum be_status cpu_matmul(void *ctx, float *y, const float *x, const void *w, enum be_dtype wt, const float *bias,
+enum be_status cpu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt, const float *bias,
                           int n, int in, int out);
-enum be_status cpu_rmsnorm(void *ctx, float *y, const float *x, const float *w, int n, int dim, float eps);
-enum be_status cpu_rope(void *ctx, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+enum be_status cpu_rmsnorm(void *ctx, void *y, const void *x, const float *w, int n, int dim, float eps);
+enum be_status cpu_rope(void *ctx, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
                         const float *inv_freq, int rot_dim, enum be_rope_layout layout);
 enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
-                            const float *k, const float *v, const struct be_attn_params *p);
-enum be_status cpu_attention(void *ctx, float *out, const float *q, const struct be_kv_view *views,
+                            const void *k, const void *v, const struct be_attn_params *p);
+enum be_status cpu_attention(void *ctx, void *out, const void *q, const struct be_kv_view *views,
                              const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
-enum be_status cpu_silu_mul(void *ctx, float *y, const float *gate, const float *up, size_t n);
-enum be_status cpu_add(void *ctx, float *y, const float *x, size_t n);
-enum be_status cpu_softmax(void *ctx, float *x, int rows, int cols);
-enum be_status cpu_embed(void *ctx, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+enum be_status cpu_silu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
+enum be_status cpu_add(void *ctx, void *y, const void *x, size_t n);
+enum be_status cpu_softmax(void *ctx, void *x, int rows, int cols);
+enum be_status cpu_embed(void *ctx, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
                          int dim);
-enum be_status cpu_argmax(void *ctx, const float *x, int rows, int cols, int32_t *out);
+enum be_status cpu_argmax(void *ctx, const void *x, int rows, int cols, int32_t *out);
 
 /* Address of the K row of (kv head, position) in a view; V is at
  * + v_offset.  The caller checked that pos lies inside the blocks. */
@@ -252,7 +255,14 @@ void cpu_e4m3_axpy_scalar(float *y, const float *a, int nq, const uint8_t *c, si
 /* The quantized table of the same level as k (scalar below AVX-512). */
 const struct cpu_qkern *cpu_qkern_for(const struct cpu_kern *k);
 
-enum be_status cpu_attention_quant(void *ctx, float *out, const float *q, const struct be_kvq_view *views,
+enum be_status cpu_attention_quant(void *ctx, void *out, const void *q, const struct be_kvq_view *views,
                                    const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
+
+/* The block writer (kvq_codec.c). */
+enum be_status cpu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t end);
+enum be_status cpu_kv_absmax(void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
+                             int64_t p1, float amax[2]);
+enum be_status cpu_kv_copy(void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
+                           int64_t p1, const struct be_attn_params *p);
 
 #endif

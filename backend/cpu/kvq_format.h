@@ -1,7 +1,7 @@
 /* kvq_format.h - accessors of the quantized KV blocks laid out as
  * backend.h's be_kvq_format describes: code rows, group parameters, packed
- * codes and the e4m3 codec.  One copy for the writer on the host
- * (tiers/quant.c) and the CPU kernels that read the blocks, so both agree
+ * codes and the e4m3 codec.  Private to the CPU backend: one copy for its
+ * writer (kvq_codec.c) and its kernels that read the blocks, so both agree
  * bit for bit.
  */
 #ifndef KVTIER_CPU_KVQ_FORMAT_H
@@ -86,5 +86,18 @@ static inline uint8_t f32_to_e4m3(float x)
     u += 0x7ffffu + ((u >> 20) & 1); /* round the 23-bit mantissa to 3 bits, ties to even */
     return (uint8_t)(sign | ((u - (120u << 23)) >> 20));
 }
+
+/* The writer's two halves, for the codec's own tests.  kvq_quantize
+ * quantizes tokens [t0, t1) of a block from rows k and v (token i of the
+ * range at k + i*row_stride, n_kv_heads*head_dim floats, head-major as the
+ * forward pass produces them).  Per-channel groups are computed over the
+ * tokens given, so t0 must start a group row; a range ending inside a row
+ * gives that row parameters over its present tokens.  scale_k/scale_v are
+ * the e4m3 tensor scales (ignored by the affine kinds).  kvq_dequantize is
+ * the inverse. */
+void kvq_quantize(const struct be_kvq_format *f, void *block, int t0, int t1, const float *k, const float *v,
+                  size_t row_stride, float scale_k, float scale_v);
+void kvq_dequantize(const struct be_kvq_format *f, const void *block, int t0, int t1, float *k, float *v,
+                    size_t row_stride, float scale_k, float scale_v);
 
 #endif

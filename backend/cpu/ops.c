@@ -64,9 +64,13 @@ static void matmul_job(void *arg, int ith, int nth)
     }
 }
 
-enum be_status cpu_matmul(void *ctx, float *y, const float *x, const void *w, enum be_dtype wt, const float *bias,
+enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_, const void *w, enum be_dtype wt, const float *bias,
                           int n, int in, int out)
 {
+    if (yt != BE_F32) /* activations and logits are f32 here */
+        return BE_ENOTSUP;
+    float *y = y_;
+    const float *x = x_;
     struct matmul_job j = {
         .c = ctx,
         .mm = {.y = y, .x = x, .w = w, .wt = wt, .n = n, .in = in, .out = out},
@@ -105,8 +109,10 @@ static void rmsnorm_job(void *arg, int ith, int nth)
     }
 }
 
-enum be_status cpu_rmsnorm(void *ctx, float *y, const float *x, const float *w, int n, int dim, float eps)
+enum be_status cpu_rmsnorm(void *ctx, void *y_, const void *x_, const float *w, int n, int dim, float eps)
 {
+    float *y = y_;
+    const float *x = x_;
     struct rows_job j = {.c = ctx, .y = y, .x = x, .w = w, .rows = n, .cols = dim, .eps = eps};
     run(j.c, rmsnorm_job, &j, (size_t)n * (size_t)dim);
     return BE_OK;
@@ -157,9 +163,10 @@ static void rope_job(void *arg, int ith, int nth)
     }
 }
 
-enum be_status cpu_rope(void *ctx, float *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
+enum be_status cpu_rope(void *ctx, void *x_, int n_tok, int n_heads, int head_dim, const int64_t *pos,
                         const float *inv_freq, int rot_dim, enum be_rope_layout layout)
 {
+    float *x = x_;
     struct rope_job j = {.x = x, .n_tok = n_tok, .n_heads = n_heads, .head_dim = head_dim, .rot_dim = rot_dim,
                          .pos = pos, .inv_freq = inv_freq, .layout = layout};
     run(ctx, rope_job, &j, (size_t)n_tok * (size_t)n_heads * (size_t)rot_dim * 4);
@@ -176,8 +183,10 @@ char *cpu_kv_row(const struct be_kv_view *v, int64_t pos, int kvh, int head_dim,
 }
 
 enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
-                            const float *k, const float *v, const struct be_attn_params *p)
+                            const void *k_, const void *v_, const struct be_attn_params *p)
 {
+    const float *k = k_;
+    const float *v = v_;
     const struct cpu_kern *kern = cpu_ctx_kern(ctx);
     size_t esz = be_dtype_size(p->kv_dtype), row = (size_t)p->n_kv_heads * (size_t)p->head_dim;
     for (int t = 0; t < n_tok; t++) {
@@ -493,9 +502,11 @@ static void dense_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
         cpu_attend_span(k, s->p, v, kvh, q, k0 + (c0 > S ? c0 - S : 0), k0 + (c1 - S), pt, scratch);
 }
 
-enum be_status cpu_attention(void *ctx, float *out, const float *q, const struct be_kv_view *views,
+enum be_status cpu_attention(void *ctx, void *out_, const void *q_, const struct be_kv_view *views,
                              const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
+    float *out = out_;
+    const float *q = q_;
     if (cpu_attend_span_work(p) > CPU_ATTN_WORK)
         return BE_ENOTSUP; /* far beyond any model: head_dim above 2000 */
     struct cpu_attn_src src = {.p = p, .views = views, .n_keys = dense_n_keys, .piece = dense_piece};
@@ -522,8 +533,11 @@ static void silu_mul_job(void *arg, int ith, int nth)
     }
 }
 
-enum be_status cpu_silu_mul(void *ctx, float *y, const float *gate, const float *up, size_t n)
+enum be_status cpu_silu_mul(void *ctx, void *y_, const void *gate_, const void *up_, size_t n)
 {
+    float *y = y_;
+    const float *gate = gate_;
+    const float *up = up_;
     struct elem_job j = {.c = ctx, .y = y, .a = gate, .b = up, .n = n};
     run(j.c, silu_mul_job, &j, n * 8);
     return BE_OK;
@@ -538,8 +552,10 @@ static void add_job(void *arg, int ith, int nth)
         cpu_ctx_kern(j->c)->add(j->y + lo, j->a + lo, hi - lo);
 }
 
-enum be_status cpu_add(void *ctx, float *y, const float *x, size_t n)
+enum be_status cpu_add(void *ctx, void *y_, const void *x_, size_t n)
 {
+    float *y = y_;
+    const float *x = x_;
     struct elem_job j = {.c = ctx, .y = y, .a = x, .n = n};
     run(j.c, add_job, &j, n);
     return BE_OK;
@@ -560,16 +576,18 @@ static void softmax_job(void *arg, int ith, int nth)
     }
 }
 
-enum be_status cpu_softmax(void *ctx, float *x, int rows, int cols)
+enum be_status cpu_softmax(void *ctx, void *x_, int rows, int cols)
 {
+    float *x = x_;
     struct rows_job j = {.c = ctx, .y = x, .rows = rows, .cols = cols};
     run(j.c, softmax_job, &j, (size_t)rows * (size_t)cols * 8);
     return BE_OK;
 }
 
-enum be_status cpu_embed(void *ctx, float *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
+enum be_status cpu_embed(void *ctx, void *y_, const void *table, enum be_dtype dt, const int32_t *ids, int n,
                          int dim)
 {
+    float *y = y_;
     const struct cpu_kern *k = cpu_ctx_kern(ctx);
     size_t row = (size_t)dim * be_dtype_size(dt);
     for (int t = 0; t < n; t++)
@@ -577,8 +595,9 @@ enum be_status cpu_embed(void *ctx, float *y, const void *table, enum be_dtype d
     return BE_OK;
 }
 
-enum be_status cpu_argmax(void *ctx, const float *x, int rows, int cols, int32_t *out)
+enum be_status cpu_argmax(void *ctx, const void *x_, int rows, int cols, int32_t *out)
 {
+    const float *x = x_;
     (void)ctx;
     for (int r = 0; r < rows; r++) {
         const float *v = x + (size_t)r * (size_t)cols;

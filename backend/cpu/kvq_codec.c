@@ -1,0 +1,247 @@
+/* kvq_codec.c - the CPU backend's writer of quantized KV blocks: the
+ * affine (quanto, hqq) and e4m3 quantizers, the flush that turns a run of
+ * full-precision positions into codes (be_kvq_quantize), the e4m3 tensor
+ * scales' input (be_kv_absmax) and the row copy the sink strategy keeps its
+ * sinks with (be_kv_copy).  It shares the block accessors with the kernels
+ * that read the codes (kvq_format.h), so both agree bit for bit.
+ *
+ * NOTES
+ * Numerics follow the reference quantizers on f32 tensors, per group:
+ *   quanto (MaxOptimizer + quantize_affine):  s = (max - min) / (2^b - 1),
+ *     shift = -min, c = clamp(round((x + shift) / s)), x' = c*s - shift
+ *   hqq (Quantizer.quantize, optimize=False): i = min((1 / (max - min)) *
+ *     (2^b - 1), 2e4), zero = -min * i, c = clamp(round(x*i + zero)), s = 1/i,
+ *     x' = (c - zero) * s
+ * round is half to even (torch.round).  The pair (s, shift|zero) is stored
+ * as f16, the reference's storage for a half-precision model: quanto's
+ * optimizer returns it in the model dtype before quantize_affine uses it, so
+ * quanto codes are computed with the rounded pair; hqq quantizes in f32 and
+ * casts its meta to compute_dtype afterwards, so hqq codes use the f32 pair
+ * and only dequantization sees the rounded one.  tests/quant_oracle.py
+ * replays both in PyTorch and compares bit for bit.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "backend/cpu/cpu.h"
+#include "backend/cpu/kvq_format.h"
+
+#define KVQ_MAX_GROUP_ROWS 1024 /* the largest per-channel group tiers accept */
+
+
+/* f16 saturating at +-65504 rather than overflowing to inf, so an extreme
+ * group degrades instead of turning into NaNs. */
+static uint16_t param_f16(float x)
+{
+    return f32_to_f16(x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x);
+}
+
+static unsigned clamp_code(float r, int nbits)
+{
+    float top = (float)((1 << nbits) - 1);
+    return !(r >= 0.0f) ? 0u : r > top ? (unsigned)top : (unsigned)r; /* NaN -> 0 */
+}
+
+/* One affine group of n values x[i*stride]: writes its f16 pair to pr and
+ * code i through put(i, code). */
+struct group_io {
+    uint8_t *const *rows; /* code row of each value's token (per-channel) or one row (per-token) */
+    int first;            /* code index of value 0 within its row */
+    bool per_row;         /* value i lives in rows[i] at `first`; else rows[0] at first + i */
+};
+
+static void quantize_group(const struct be_kvq_format *f, const float *x, size_t stride, int n, uint16_t *pr,
+                           const struct group_io *io)
+{
+    float mn = x[0], mx = x[0];
+    for (int i = 1; i < n; i++) {
+        float e = x[(size_t)i * stride];
+        mn = e < mn ? e : mn;
+        mx = e > mx ? e : mx;
+    }
+    float top = (float)((1 << f->nbits) - 1), s, z;
+    bool quanto = f->kind == BE_KVQ_AFFINE_SHIFT;
+    if (quanto) {
+        pr[0] = param_f16((mx - mn) / top);
+        pr[1] = param_f16(-mn);
+        s = f16_to_f32(pr[0]);
+        z = f16_to_f32(pr[1]);
+    } else {
+        /* hqq works with the inverse scale; torch evaluates its
+         * max_v / (max - min) (a number over a tensor) as a reciprocal times
+         * max_v, which rounds differently from a division */
+        s = (1.0f / (mx - mn)) * top;
+        if (!(s <= 2e4f))
+            s = 2e4f;
+        z = -mn * s;
+        pr[0] = param_f16(1.0f / s);
+        pr[1] = param_f16(z);
+    }
+    for (int i = 0; i < n; i++) {
+        float e = x[(size_t)i * stride];
+        /* quanto with a constant group divides 0 by 0; code 0 decodes to min */
+        unsigned c = quanto ? (s == 0.0f ? 0u : clamp_code(rintf((e + z) / s), f->nbits))
+                            : clamp_code(rintf(e * s + z), f->nbits);
+        if (io->per_row)
+            kvq_code_put(io->rows[i], f->nbits, io->first, c);
+        else
+            kvq_code_put(io->rows[0], f->nbits, io->first + i, c);
+    }
+}
+
+static float dequant_code(const struct be_kvq_format *f, unsigned c, const uint16_t *pr)
+{
+    float s = f16_to_f32(pr[0]), z = f16_to_f32(pr[1]);
+    return f->kind == BE_KVQ_AFFINE_SHIFT ? (float)c * s - z : ((float)c - z) * s;
+}
+
+static void quantize_half(const struct be_kvq_format *f, const struct be_kvq_half *h, void *blk, int t0, int t1,
+                          const float *x, size_t stride, float scale)
+{
+    int D = f->head_dim, H = f->n_kv_heads;
+    for (int kvh = 0; kvh < H; kvh++) {
+        if (f->kind == BE_KVQ_E4M3) {
+            for (int t = t0; t < t1; t++) {
+                const float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
+                uint8_t *c = kvq_code_row(f, h, blk, kvh, t);
+                for (int d = 0; d < D; d++)
+                    c[d] = f32_to_e4m3(r[d] / scale);
+            }
+        } else if (h->gt == 1) {
+            for (int t = t0; t < t1; t++) {
+                uint8_t *row = kvq_code_row(f, h, blk, kvh, t);
+                const float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
+                for (int g = 0; g < D / h->gd; g++) {
+                    struct group_io io = {.rows = &row, .first = g * h->gd};
+                    quantize_group(f, r + g * h->gd, 1, h->gd, kvq_group_params(f, h, blk, kvh, t, g), &io);
+                }
+            }
+        } else {
+            uint8_t *rows[KVQ_MAX_GROUP_ROWS];
+            for (int r0 = t0; r0 < t1; r0 += h->gt) {
+                int n = t1 - r0 < h->gt ? t1 - r0 : h->gt;
+                for (int i = 0; i < n; i++)
+                    rows[i] = kvq_code_row(f, h, blk, kvh, r0 + i);
+                const float *r = x + (size_t)(r0 - t0) * stride + (size_t)kvh * (size_t)D;
+                for (int d = 0; d < D; d++) {
+                    struct group_io io = {.rows = rows, .first = d, .per_row = true};
+                    quantize_group(f, r + d, stride, n, kvq_group_params(f, h, blk, kvh, r0 / h->gt, d), &io);
+                }
+            }
+        }
+    }
+}
+
+static void dequantize_half(const struct be_kvq_format *f, const struct be_kvq_half *h, const void *blk, int t0,
+                            int t1, float *x, size_t stride, float scale)
+{
+    int D = f->head_dim;
+    for (int kvh = 0; kvh < f->n_kv_heads; kvh++)
+        for (int t = t0; t < t1; t++) {
+            const uint8_t *c = kvq_code_row(f, h, blk, kvh, t);
+            float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
+            for (int d = 0; d < D; d++)
+                r[d] = f->kind == BE_KVQ_E4M3
+                           ? e4m3_to_f32(c[d]) * scale
+                           : dequant_code(f, kvq_code_get(c, f->nbits, d),
+                                          kvq_group_params(f, h, blk, kvh, t / h->gt, d / h->gd));
+        }
+}
+
+void kvq_quantize(const struct be_kvq_format *f, void *block, int t0, int t1, const float *k, const float *v,
+                  size_t row_stride, float scale_k, float scale_v)
+{
+    quantize_half(f, &f->k, block, t0, t1, k, row_stride, scale_k);
+    quantize_half(f, &f->v, block, t0, t1, v, row_stride, scale_v);
+}
+
+void kvq_dequantize(const struct be_kvq_format *f, const void *block, int t0, int t1, float *k, float *v,
+                    size_t row_stride, float scale_k, float scale_v)
+{
+    dequantize_half(f, &f->k, block, t0, t1, k, row_stride, scale_k);
+    dequantize_half(f, &f->v, block, t0, t1, v, row_stride, scale_v);
+}
+
+/* First position a flush from nq must re-quantize in half h: the start of
+ * nq's group row for per-channel groups (its earlier tokens are decoded and
+ * quantized again with the new ones), nq itself otherwise. */
+static int64_t reopen_from(const struct be_kvq_half *h, enum be_kvq_codes kind, int64_t nq)
+{
+    return kind != BE_KVQ_E4M3 && h->gt > 1 ? nq / h->gt * h->gt : nq;
+}
+
+/* Copies the f32 rows of positions [p0, p1) of a full-precision view into
+ * rows (token-major, n_kv_heads * head_dim floats per token). */
+static void gather_rows(const struct be_kv_view *v, int H, int D, int64_t p0, int64_t p1, float *rk, float *rv)
+{
+    size_t hd = (size_t)D * sizeof(float);
+    for (int64_t pos = p0; pos < p1; pos++)
+        for (int h = 0; h < H; h++) {
+            const char *k = cpu_kv_row(v, pos, h, D, sizeof(float));
+            size_t dst = ((size_t)(pos - p0) * (size_t)H + (size_t)h) * (size_t)D;
+            memcpy(rk + dst, k, hd);
+            memcpy(rv + dst, k + v->v_offset, hd);
+        }
+}
+
+enum be_status cpu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t end)
+{
+    const struct be_kvq_format *f = v->fmt;
+    int64_t T = f->block_tokens, nq = v->hi;
+    size_t stride = (size_t)f->n_kv_heads * (size_t)f->head_dim;
+    float *rows_k = cpu_ctx_rows(ctx, 2 * (size_t)T * stride);
+    if (!rows_k)
+        return BE_ENOMEM_HOST;
+    float *rows_v = rows_k + (size_t)T * stride;
+    for (int64_t b = nq / T; b * T < end; b++) {
+        int64_t lo = nq > b * T ? nq : b * T, hi = end < (b + 1) * T ? end : (b + 1) * T;
+        int64_t k0 = reopen_from(&f->k, f->kind, lo), v0 = reopen_from(&f->v, f->kind, lo);
+        int64_t r0 = k0 < v0 ? k0 : v0; /* rows[0] is position r0 */
+        void *blk = v->blocks[(b * T - v->base) / T];
+        if (k0 < lo)
+            dequantize_half(f, &f->k, blk, (int)(k0 - b * T), (int)(lo - b * T), rows_k + (size_t)(k0 - r0) * stride,
+                            stride, v->scale_k);
+        if (v0 < lo)
+            dequantize_half(f, &f->v, blk, (int)(v0 - b * T), (int)(lo - b * T), rows_v + (size_t)(v0 - r0) * stride,
+                            stride, v->scale_v);
+        gather_rows(&v->rest, f->n_kv_heads, f->head_dim, lo, hi, rows_k + (size_t)(lo - r0) * stride,
+                    rows_v + (size_t)(lo - r0) * stride);
+        quantize_half(f, &f->k, blk, (int)(k0 - b * T), (int)(hi - b * T), rows_k + (size_t)(k0 - r0) * stride,
+                      stride, v->scale_k);
+        quantize_half(f, &f->v, blk, (int)(v0 - b * T), (int)(hi - b * T), rows_v + (size_t)(v0 - r0) * stride,
+                      stride, v->scale_v);
+    }
+    return BE_OK;
+}
+
+enum be_status cpu_kv_absmax(void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
+                             int64_t p1, float amax[2])
+{
+    (void)ctx;
+    amax[0] = amax[1] = 0.0f;
+    for (int64_t pos = p0; pos < p1; pos++)
+        for (int h = 0; h < n_kv_heads; h++) {
+            const float *k = (const float *)cpu_kv_row(v, pos, h, head_dim, sizeof(float));
+            const float *x = (const float *)((const char *)k + v->v_offset);
+            for (int d = 0; d < head_dim; d++) {
+                amax[0] = fabsf(k[d]) > amax[0] ? fabsf(k[d]) : amax[0];
+                amax[1] = fabsf(x[d]) > amax[1] ? fabsf(x[d]) : amax[1];
+            }
+        }
+    return BE_OK;
+}
+
+enum be_status cpu_kv_copy(void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
+                           int64_t p1, const struct be_attn_params *p)
+{
+    (void)ctx;
+    size_t esz = be_dtype_size(p->kv_dtype), row = (size_t)p->head_dim * esz;
+    for (int64_t pos = p0; pos < p1; pos++)
+        for (int h = 0; h < p->n_kv_heads; h++) {
+            char *d = cpu_kv_row(dst, pos, h, p->head_dim, esz);
+            const char *s = cpu_kv_row(src, pos, h, p->head_dim, esz);
+            memcpy(d, s, row);
+            memcpy(d + dst->v_offset, s + src->v_offset, row);
+        }
+    return BE_OK;
+}
