@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <ftw.h>
 #include <unistd.h>
 
 /* A broken invariant: say which, then abort so libFuzzer saves the input. */
@@ -23,19 +24,34 @@
         }                                                                                                            \
     } while (0)
 
+static char fuzz_dir_path[128];
+
+static inline int fuzz_rm_one(const char *path, const struct stat *sb, int type, struct FTW *ftw)
+{
+    (void)sb, (void)type, (void)ftw;
+    return remove(path);
+}
+
+static inline void fuzz_rm_dir(void)
+{
+    nftw(fuzz_dir_path, fuzz_rm_one, 8, FTW_DEPTH | FTW_PHYS);
+}
+
 /* A fresh directory for the whole run, in /dev/shm when there is one (the
- * loaders read files: memory keeps that cheap). */
+ * loaders read files: memory keeps that cheap); removed when the run ends
+ * normally (a crashing run leaves it for a look). */
 static inline const char *fuzz_dir(const char *tag)
 {
-    static char dir[128];
+    char *dir = fuzz_dir_path;
     if (dir[0])
         return dir;
     const char *base = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
-    snprintf(dir, sizeof dir, "%s/kvtier-fuzz-%s-XXXXXX", base, tag);
+    snprintf(dir, sizeof fuzz_dir_path, "%s/kvtier-fuzz-%s-XXXXXX", base, tag);
     if (!mkdtemp(dir)) {
         perror("mkdtemp");
         abort();
     }
+    atexit(fuzz_rm_dir);
     return dir;
 }
 
