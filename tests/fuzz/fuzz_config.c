@@ -53,14 +53,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (size > 1 << 16)
         return 0;
     const char *dir = fuzz_dir("config");
-    size_t cfg_len, gen_len;
-    const uint8_t *gen;
-    fuzz_split(data, size, &cfg_len, &gen, &gen_len);
-    fuzz_write(dir, "config.json", data, cfg_len);
-    if (gen)
-        fuzz_write(dir, "generation_config.json", gen, gen_len);
-    else
-        fuzz_unlink(dir, "generation_config.json");
+    fuzz_write_pair(dir, data, size, "config.json", "generation_config.json");
 
     struct model_config c;
     char err[MODEL_ERR_LEN];

@@ -61,14 +61,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (size > 1 << 17)
         return 0;
     const char *dir = fuzz_dir("tokenizer");
-    size_t tok_len, cfg_len;
-    const uint8_t *cfg;
-    fuzz_split(data, size, &tok_len, &cfg, &cfg_len);
-    fuzz_write(dir, "tokenizer.json", data, tok_len);
-    if (cfg)
-        fuzz_write(dir, "tokenizer_config.json", cfg, cfg_len);
-    else
-        fuzz_unlink(dir, "tokenizer_config.json");
+    fuzz_write_pair(dir, data, size, "tokenizer.json", "tokenizer_config.json");
     tokenizer *t = NULL;
     char err[TEXT_ERR_LEN];
     err[0] = '\0';

@@ -119,4 +119,19 @@ static inline void fuzz_split(const uint8_t *data, size_t n, size_t *a_len, cons
     *b_len = z ? n - *a_len - 1 : 0;
 }
 
+/* The two-file inputs of the loaders: data up to its first NUL becomes
+ * dir/first, the rest dir/second (removed when there is no NUL). */
+static inline void fuzz_write_pair(const char *dir, const uint8_t *data, size_t n, const char *first,
+                                   const char *second)
+{
+    size_t a_len, b_len;
+    const uint8_t *b;
+    fuzz_split(data, n, &a_len, &b, &b_len);
+    fuzz_write(dir, first, data, a_len);
+    if (b)
+        fuzz_write(dir, second, b, b_len);
+    else
+        fuzz_unlink(dir, second);
+}
+
 #endif
