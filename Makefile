@@ -110,4 +110,7 @@ bench: all
 clean:
 	rm -rf build
 
+# make fuzz / make fuzz-ci: libFuzzer harnesses (tests/fuzz/fuzz.mk says how).
+include tests/fuzz/fuzz.mk
+
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

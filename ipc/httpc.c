@@ -185,6 +185,8 @@ static enum ipc_status parse(struct src *s, ipc_event_fn on_event, void *ud, str
             continue;
         struct sink k = {.on_event = on_event, .ud = ud, .sse = sse && on_event, .err = err};
         enum ipc_status st = grow(&k, 1);
+        if (st == IPC_OK)
+            k.p[0] = '\0'; /* an empty body is "" too */
         if (st == IPC_OK && chunked) {
             for (;;) {
                 char *end;

@@ -171,9 +171,10 @@ static enum model_status get_num(const struct jctx *c, const char *key, bool req
     if (st != MODEL_OK || !v)
         return st;
     double x = json_number_value(v);
-    if (!(x > lo && x <= hi))
-        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%g out of range (%g, %g]", c->file, c->prefix, key, x,
-                          lo, hi);
+    /* the bounds hold for the float kept, too: 1e-50 would become 0 */
+    if (!(x > lo && x <= hi) || !((float)x > lo))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%g out of range (%g, %g] for a 32-bit float", c->file,
+                          c->prefix, key, x, lo, hi);
     *out = (float)x;
     return MODEL_OK;
 }

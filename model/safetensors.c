@@ -27,6 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "backend/cpu/half.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 
@@ -450,9 +451,9 @@ static enum model_status bind_vec(struct binder *b, const char *name, int len, c
         if (t->dtype->be == BE_F32) {
             memcpy(&dst[i], src + 4 * (size_t)i, 4);
         } else if (t->dtype->be == BE_F16) {
-            _Float16 h;
+            uint16_t h;
             memcpy(&h, src + 2 * (size_t)i, 2);
-            dst[i] = (float)h;
+            dst[i] = f16_to_f32(h);
         } else {
             /* bf16 is the top half of an f32. */
             uint32_t u = (uint32_t)(src[2 * (size_t)i] | src[2 * (size_t)i + 1] << 8) << 16;

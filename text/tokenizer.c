@@ -229,8 +229,9 @@ static enum text_status load_vocab(struct loader *L, const struct tok_json *json
     for (size_t i = 0; st == TEXT_OK && i < n; i++) {
         const char *str = span_str(t, e[i].s);
         if (t->piece[e[i].id].off != UINT32_MAX)
-            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: id %d is given to both \"%.64s\" and \"%.*s\"", L->file,
-                       e[i].id, span_str(t, t->piece[e[i].id]), (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: id %d is given to both \"%.*s\" and \"%.*s\"", L->file,
+                       e[i].id, (int)(t->piece[e[i].id].len > 64 ? 64 : t->piece[e[i].id].len),
+                       span_str(t, t->piece[e[i].id]), (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
         else if (tok_vocab_find(t, str, e[i].s.len) >= 0)
             st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: \"%.*s\" appears twice", L->file,
                        (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);

@@ -1,0 +1,74 @@
+/* fuzz_config.c - config.json and generation_config.json of a model
+ * directory (model_config_load).  The input is config.json, then
+ * optionally a NUL and generation_config.json; both are written to a
+ * scratch directory, since the loader reads a directory.
+ *
+ * Invariants: an error has a message naming the file; an accepted config
+ * is one the rest of the loader can size things by: every dimension in
+ * range, head_dim even, num_attention_heads a multiple of
+ * num_key_value_heads, one window per layer (none wider than
+ * sliding_window), special token ids inside the vocabulary. */
+#include <math.h>
+
+#include "model/model.h"
+#include "tests/fuzz/fuzz_util.h"
+
+static void check_config(const struct model_config *c)
+{
+    FUZZ_CHECK(c->arch_name && c->arch_name[0], "no architecture name");
+    FUZZ_CHECK(c->vocab_size >= 1 && c->vocab_size <= 1 << 24, "vocab_size %d", c->vocab_size);
+    FUZZ_CHECK(c->hidden_size >= 1 && c->hidden_size <= 1 << 16, "hidden_size %d", c->hidden_size);
+    FUZZ_CHECK(c->intermediate_size >= 1 && c->intermediate_size <= 1 << 20, "intermediate_size %d",
+               c->intermediate_size);
+    FUZZ_CHECK(c->n_layers >= 1 && c->n_layers <= 1024, "n_layers %d", c->n_layers);
+    FUZZ_CHECK(c->n_heads >= 1 && c->n_kv_heads >= 1 && c->n_heads % c->n_kv_heads == 0, "heads %d / %d",
+               c->n_heads, c->n_kv_heads);
+    FUZZ_CHECK(c->head_dim >= 2 && c->head_dim % 2 == 0 && c->head_dim <= 1024, "head_dim %d", c->head_dim);
+    FUZZ_CHECK((long long)c->n_heads * c->head_dim <= 1 << 17, "q dim %d * %d", c->n_heads, c->head_dim);
+    FUZZ_CHECK(c->max_position_embeddings >= 1, "max_position_embeddings %d", c->max_position_embeddings);
+    FUZZ_CHECK(isfinite(c->rms_norm_eps) && c->rms_norm_eps > 0 && c->rms_norm_eps <= 1, "rms_norm_eps %g",
+               c->rms_norm_eps);
+    FUZZ_CHECK(isfinite(c->rope_theta) && c->rope_theta > 0, "rope_theta %g", c->rope_theta);
+    FUZZ_CHECK(isfinite(c->rope_factor) && c->rope_factor > 0, "rope_factor %g", c->rope_factor);
+    if (c->rope_scaling == ROPE_SCALING_LLAMA3)
+        FUZZ_CHECK(c->rope_high_freq_factor > c->rope_low_freq_factor && c->rope_original_max_pos >= 1,
+                   "llama3 rope %g %g %d", c->rope_low_freq_factor, c->rope_high_freq_factor,
+                   c->rope_original_max_pos);
+    FUZZ_CHECK(c->dtype == BE_F32 || c->dtype == BE_F16 || c->dtype == BE_BF16, "dtype %d", (int)c->dtype);
+    FUZZ_CHECK(c->sliding_window >= 0, "sliding_window %d", c->sliding_window);
+    FUZZ_CHECK(c->layer_window, "no layer windows");
+    for (int i = 0; i < c->n_layers; i++)
+        FUZZ_CHECK(c->layer_window[i] == 0 || c->layer_window[i] == c->sliding_window, "layer_window[%d] = %d", i,
+                   c->layer_window[i]);
+    FUZZ_CHECK(c->bos_token_id >= -1 && c->bos_token_id < c->vocab_size, "bos %d", c->bos_token_id);
+    FUZZ_CHECK(c->pad_token_id >= -1 && c->pad_token_id < c->vocab_size, "pad %d", c->pad_token_id);
+    FUZZ_CHECK(c->n_eos >= 0 && c->n_eos <= MODEL_MAX_EOS, "n_eos %d", c->n_eos);
+    for (int i = 0; i < c->n_eos; i++)
+        FUZZ_CHECK(c->eos_token_ids[i] >= 0 && c->eos_token_ids[i] < c->vocab_size, "eos[%d] = %d", i,
+                   c->eos_token_ids[i]);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size > 1 << 16)
+        return 0;
+    const char *dir = fuzz_dir("config");
+    fuzz_write_pair(dir, data, size, "config.json", "generation_config.json");
+
+    struct model_config c;
+    char err[MODEL_ERR_LEN];
+    err[0] = '\0';
+    enum model_status st = model_config_load(dir, &c, err);
+    if (getenv("KVTIER_FUZZ_VERBOSE")) /* say what each input did */
+        fprintf(stderr, "status %d: %s\n", st, st ? err : "ok");
+    if (st == MODEL_OK) {
+        check_config(&c);
+    } else {
+        FUZZ_CHECK(st == MODEL_EFORMAT || st == MODEL_ECONFIG || st == MODEL_EUNSUPPORTED || st == MODEL_ENOMEM,
+                   "status %d (%s)", st, err);
+        FUZZ_CHECK(strstr(err, "config.json"), "message \"%s\" does not name the file", err);
+        FUZZ_CHECK(!c.layer_window, "layer windows left after an error");
+    }
+    model_config_release(&c);
+    return 0;
+}

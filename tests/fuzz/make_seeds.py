@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""make_seeds.py - writes the hand-made seed inputs of the file-format
+harnesses (config, safetensors, tokenizer, tokenize, chat, reply) into
+tests/fuzz/<harness>/seed.  Run from the repository root; libFuzzer grows
+the corpus from these, and `-merge=1` keeps it small before committing."""
+import json, os, struct
+
+def put(h, name, data):
+    d = f"tests/fuzz/{h}/seed"
+    os.makedirs(d, exist_ok=True)
+    with open(f"{d}/{name}", "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+# ---- config.json (+ NUL + generation_config.json) ---------------------------
+builtin = open("model/builtin/config.json", "rb").read()
+put("config", "builtin", builtin + b"\0" + open("model/builtin/generation_config.json", "rb").read())
+base = json.loads(builtin)
+def cfg(name, **kw):
+    c = dict(base); c.update(kw)
+    c = {k: v for k, v in c.items() if v is not None}
+    put("config", name, json.dumps(c))
+cfg("qwen2_window", architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
+    max_window_layers=3, bos_token_id=None, eos_token_id=2045)
+cfg("qwen3_types", architectures=["Qwen3ForCausalLM"], head_dim=None, use_sliding_window=True, sliding_window=32,
+    layer_types=["full_attention", "sliding_attention"] * 3, attention_bias=True)
+cfg("mistral", architectures=["MistralForCausalLM"], sliding_window=None, torch_dtype=None, dtype="bfloat16")
+cfg("llama3_rope", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+cfg("rope_params", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}, torch_dtype="float16")
+
+# ---- safetensors (mode byte + file) -----------------------------------------
+def safetensors(tensors, pad=True, dtype="F32"):
+    size = {"F32": 4, "F16": 2, "BF16": 2}[dtype]
+    hdr, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in tensors:
+        n = size
+        for d in shape: n *= d
+        hdr[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    h = json.dumps(hdr, separators=(",", ":")).encode()
+    while pad and len(h) % 8: h += b" "
+    one = struct.pack("<f", 0.5) if size == 4 else (b"\x00\x38" if dtype == "F16" else b"\x00\x3f")
+    return struct.pack("<Q", len(h)) + h + one * (off // size)
+L = "model.layers.0."
+llama = [("model.embed_tokens.weight", (4, 2))] + [(L + "self_attn.%s_proj.weight" % p, (2, 2)) for p in "qkvo"] + \
+    [(L + "mlp.%s_proj.weight" % p, (2, 2)) for p in ("gate", "up", "down")] + \
+    [(L + "input_layernorm.weight", (2,)), (L + "post_attention_layernorm.weight", (2,)), ("model.norm.weight", (2,))]
+put("safetensors", "llama_f32", b"\x00" + safetensors(llama))
+put("safetensors", "llama_unaligned", b"\x00" + safetensors(llama, pad=False))
+qwen = llama + [(L + "self_attn.%s_proj.bias" % p, (2,)) for p in "qkv"] + [("lm_head.weight", (4, 2))]
+put("safetensors", "qwen2_f16", b"\x01" + safetensors(qwen, dtype="F16"))
+put("safetensors", "bad_overlap", b"\x00" + safetensors([("a", (2,)), ("b", (2,))]).replace(b'"data_offsets":[8,16]', b'"data_offsets":[4,12]'))
+wm = {n: "model-00001-of-00002.safetensors" for n, _ in llama[:5]}
+wm.update({n: "model-00002-of-00002.safetensors" for n, _ in llama[5:]})
+put("safetensors", "index", b"\x02" + json.dumps({"metadata": {"total_size": 160}, "weight_map": wm}).encode())
+
+# ---- tokenizer.json (+ NUL + tokenizer_config.json) -------------------------
+for d, name in (("model/builtin", "byte_level"), ("tests/fuzz/tokenize/sp", "sentencepiece")):
+    put("tokenizer", name, open(f"{d}/tokenizer.json", "rb").read() + b"\0" + open(f"{d}/tokenizer_config.json", "rb").read())
+small = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "<0x41>": 3}, "merges": [["a", "b"]],
+         "byte_fallback": True, "ignore_merges": True},
+         "added_tokens": [{"id": 5, "content": "<x>", "special": True, "lstrip": True, "rstrip": True}],
+         "normalizer": {"type": "NFC"},
+         "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+         "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}}
+put("tokenizer", "small_metaspace", json.dumps(small))
+
+# ---- tokenize: mode byte + text, or + 16-bit ids ----------------------------
+put("tokenize", "bl_text", b"\x00Hello world, <|im_start|>user\n caf\xc3\xa9 \xf0\x9f\x98\x80 123  \t\n")
+put("tokenize", "bl_special", b"\x04<|begin_of_text|>x<|im_end|>")
+put("tokenize", "bl_invalid", b"\x00ok \xc3\x28 \xed\xa0\x80 \xf4\x90\x80\x80")
+put("tokenize", "sp_text", b"\x01 the cab \xc3\xa9\xf0\x9f\x98\x80  x")
+put("tokenize", "sp_special", b"\x05<s>a</s>\xe2\x96\x81b")
+put("tokenize", "bl_ids", b"\x02" + struct.pack("<8H", 1, 200, 2044, 2046, 150, 151, 2047, 5))
+put("tokenize", "sp_ids", b"\x07" + struct.pack("<8H", 1, 0xC3 + 3, 0xA9 + 3, 0xF0 + 3, 259, 260, 0xFFFF, 2))
+
+# ---- chat: template NUL (role byte + content NUL)* -------------------------
+conv = b"\x00You are terse.\0\x01  Hi there \0\x02Hello!\0\x01What now?"
+for name, tpl in (("chatml", "{{ bos_token }}<|im_start|>system\\nYou are Qwen.<|im_end|> {% if messages[0]['role'] != 'system' %}"),
+                  ("llama2", "{{ bos_token }}[INST] <<SYS>>"), ("mistral", "[INST] {{ m }} [/INST]"),
+                  ("llama3", "<|start_header_id|>{{ role }}<|end_header_id|>"), ("zephyr", "<|user|> <|assistant|> bos_token"),
+                  ("qwen3", "<|im_start|><think>"), ("llama31", "<|start_header_id|>Cutting Knowledge")):
+    put("chat", name, tpl.encode() + b"\0" + conv)
+put("chat", "mistral_alternating", b"[INST]\0\x01q1\0\x02a1\0\x01q2")
+
+# ---- reply: what kvtierd sends back -----------------------------------------
+put("reply", "plain", b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}")
+put("reply", "chunked", b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n5;x=y\r\n{\"a\":\r\n2\r\n1}\r\n0\r\n\r\n")
+put("reply", "sse", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    b"data: {\"x\":1}\n\n: comment\ndata:{\"x\":2}\n\ndata: [DONE]\n\n")
+put("reply", "close", b"HTTP/1.0 503 Service Unavailable\r\nX: y\r\n\r\nbody until close")
