@@ -197,6 +197,7 @@ enum be_kvq_codes {
     BE_KVQ_AFFINE_ZERO = 1,  /* hqq:     x = (c - zero) * scale */
     BE_KVQ_E4M3 = 2,         /* fp8:     x = e4m3(c) * tensor scale (one per layer and K/V) */
 };
+#define BE_E4M3_MAX 448.0f /* the largest finite e4m3 (torch.float8_e4m3fn) */
 
 /* One half (K or V) of a quantized block of T = block_tokens tokens, H =
  * n_kv_heads, D = head_dim.  Codes: code (h, t, d) is element (h*T + t)*D + d

@@ -27,7 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "backend/cpu/half.h"
+#include "util/half.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 

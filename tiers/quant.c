@@ -18,7 +18,6 @@
 #include <string.h>
 
 #define KVQ_ALIGN 64
-#define E4M3_MAX 448.0f /* the largest finite e4m3 (torch.float8_e4m3fn) */
 
 static enum tier_status fail(struct kvq_error *err, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -251,7 +250,7 @@ enum tier_status kvq_format_init(struct be_kvq_format *f, const struct kv_quant_
  * tensor gets 1 so later tokens still quantize. */
 static float e4m3_scale_of(float amax)
 {
-    return amax > 0.0f ? amax / E4M3_MAX : 1.0f;
+    return amax > 0.0f ? amax / BE_E4M3_MAX : 1.0f;
 }
 
 float kvq_e4m3_scale(const float *x, size_t n)

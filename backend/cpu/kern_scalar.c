@@ -5,7 +5,7 @@
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
-#include "backend/cpu/half.h"
+#include "util/half.h"
 
 static inline float load_as_f32(const void *p, enum be_dtype dt, size_t i)
 {

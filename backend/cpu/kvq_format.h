@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
-#include "backend/cpu/half.h"
+#include "util/half.h"
 
 /* Bytes of one token's codes: the distance between consecutive code rows. */
 static inline size_t kvq_row_bytes(const struct be_kvq_format *f)
@@ -56,7 +56,6 @@ static inline void kvq_code_put(uint8_t *c, int nbits, int i, unsigned code)
 /* e4m3 "fn" (torch.float8_e4m3fn): 1 sign, 4 exponent bits (bias 7), 3
  * mantissa bits, no infinities, S.1111.111 is NaN, largest finite 448. */
 
-#define E4M3_MAX 448.0f
 
 /* Placing the 7 magnitude bits at f32 bit 20 makes an f32 whose exponent
  * field is the e4m3 exponent and whose mantissa starts with the 3 e4m3 bits;
@@ -78,7 +77,7 @@ static inline uint8_t f32_to_e4m3(float x)
     float a = fabsf(x);
     if (a != a)
         return 0x7f;
-    if (a >= E4M3_MAX)
+    if (a >= BE_E4M3_MAX)
         return (uint8_t)(sign | 0x7e);
     if (a < 0x1p-6f) /* subnormal: a multiple of 2^-9; 8 * 2^-9 is the smallest normal, code 0x08 */
         return (uint8_t)(sign | (uint8_t)rintf(a * 0x1p9f));

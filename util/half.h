@@ -2,8 +2,8 @@
  * bit for bit what F16C and the AVX-512 code produce (round to nearest
  * even, NaN kept quiet), so every SIMD level stores identical KV bytes.
  */
-#ifndef KVTIER_CPU_HALF_H
-#define KVTIER_CPU_HALF_H
+#ifndef KVTIER_UTIL_HALF_H
+#define KVTIER_UTIL_HALF_H
 
 #include <stdint.h>
 #include <string.h>
