@@ -495,7 +495,7 @@ enum be_status be_attention(be_backend *be, void *out, const void *q, const stru
     return n_tok ? be->ops->attention(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
 }
 
-/* Quantized views (issue 6): a format consistent with p, and the same
+/* Quantized views: a format consistent with p, and the same
  * coverage rules as a be_kv_view for the quantized blocks and for the
  * full-precision rest that follows them. */
 static bool kvq_half_ok(const struct be_kvq_format *f, const struct be_kvq_half *h)

@@ -189,7 +189,7 @@ enum be_status be_kv_store(be_backend *be, const struct be_kv_view *views, const
 enum be_status be_attention(be_backend *be, void *out, const void *q, const struct be_kv_view *views,
                             const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
 
-/* ---- quantized KV (issue 6; the formats are built by tiers/quant.c) -------- */
+/* ---- quantized KV (the formats are laid out by tiers/quant.c) -------------- */
 
 /* How a block's codes turn back into numbers. */
 enum be_kvq_codes {

@@ -1,4 +1,4 @@
-"""kvtierd under memory budgets (issue 4): a request whose KV is several
+"""kvtierd under memory budgets: a request whose KV is several
 times what --device-mem leaves after the model continues offloaded with
 the unconstrained run's tokens and reports the fallback (response, /metrics);
 the offloaded strategies give the same tokens with their prefetch figures;

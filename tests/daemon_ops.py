@@ -1,4 +1,4 @@
-"""kvtierd operations (issue 3): socket activation through LISTEN_FDS (a
+"""kvtierd operations: socket activation through LISTEN_FDS (a
 small stand-in for systemd creates the listening socket and execs kvtierd
 with it at fd 3), sd_notify READY=1 then STOPPING=1 at SIGTERM, SIGHUP
 reopening the log after rotation, and the --max-output limit cancelling a

@@ -1,4 +1,4 @@
-"""kvtierd cache surgery (issue 7): POST /v1/sessions/{id}/crop with HF's
+"""kvtierd cache surgery: POST /v1/sessions/{id}/crop with HF's
 crop(n) semantics, crop-then-regenerate equal to never having generated,
 the partial rewind of a session whose input diverges (only the suffix after
 the common prefix is computed, §7.3's "whole input re-sent" included),

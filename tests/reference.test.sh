@@ -1,6 +1,6 @@
 #!/bin/sh
 # reference.test.sh - the forward pass against the independent PyTorch
-# reference (issue 2 §6).  Run by tests/run.sh from the repository root with
+# reference.  Run by tests/run.sh from the repository root with
 # the build directory in $KVTIER_BUILD.
 #
 # 1. tests/ref_selfcheck.py checks the reference itself (torchref against a

@@ -7,7 +7,7 @@ FILE is a KVTL dump (tools/kvtier-run.c) of a greedy generation with the
 sink strategy (tools/kvtier-bench-sinks --dump): the prompt fed as one step,
 then one token per step.  The oracle replays the same steps the way
 mit-han-lab/streaming-llm's pos_shift attention does, with HF SinkCache's
-counting (cache-semantics.md §5):
+counting:
 
 - keys are cached before RoPE; before a step of n tokens on a cache of L,
   when L > 0 and L + n > W, the cache keeps its first S entries and its last

@@ -682,7 +682,7 @@ static void test_fault_injection(void **state)
 }
 
 /* Host-tier buffers are bound to the NUMA nodes near the CPUs the process
- * runs on (issue 4), whatever the first touch would have chosen. */
+ * runs on, whatever the first touch would have chosen. */
 static void test_host_numa_binding(void **state)
 {
     (void)state;

@@ -1,5 +1,5 @@
 /* Description: the quantized cache inside the store and the forward pass
- * (issue 6): logits of quantized sequences against the dense cache within
+ *: logits of quantized sequences against the dense cache within
  * per-format bounds (and the int8 bound failing for int2, so the bounds
  * bite); HF's residual counting (cache-semantics §10.7) observed through
  * kv_seq_qview; the step transaction under injected device-allocation

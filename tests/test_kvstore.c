@@ -1,5 +1,5 @@
 /* Description: the paged KV store - block accounting, the HF sliding-window
- * vectors of cache-semantics.md §10.1/§10.3 (storage W-1, seq_length
+ * vectors of Hugging Face's sliding-window cache (storage W-1, seq_length
  * absolute), bounded memory, and transactional reserve under injected
  * device-allocation failures; the tiers - the static vectors of §2.1/§2.2
  * and §10.5/§10.6 (returned vs stored rows, overflow), no device

@@ -1,7 +1,7 @@
-/* Description: quantized KV (issue 6) - parameter parsing and every
+/* Description: quantized KV - parameter parsing and every
  * validation error, block formats and their memory per token against bf16,
  * round-trip error bounds per backend, nbits and axis, the KIVI residual
- * counting of cache-semantics.md §10.7, all-or-nothing reserves, and
+ * counting of Hugging Face's QuantizedCache, all-or-nothing reserves, and
  * attention over quantized views (scalar and SIMD) against dense attention
  * over the dequantized cache.
  *

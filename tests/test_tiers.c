@@ -539,7 +539,7 @@ static void test_crop_regenerate(void **state)
 
 /* Forks of a 2k-token prefix share its blocks (at the default block size,
  * 16, one fork's first new block is 1/128 of the prefix: 8 forks hold
- * 1.0625x the bytes of one, within issue 7's 1.1x), and decoding from a fork
+ * 1.0625x the bytes of one, within the 1.1x target), and decoding from a fork
  * gives the tokens of a fresh prefill of the same text, parent freed first. */
 static void test_forks_share(void **state)
 {

@@ -793,7 +793,7 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
         q->layers[l] = (struct kv_layer){.window = w, .keep = (int)keep};
     }
     /* A dynamic request that announces its length and cannot fit the
-     * device starts offloaded instead of failing part-way (issue 4). */
+     * device starts offloaded instead of failing part-way. */
     enum kv_strategy want = p->strategy;
     bool all_host = false;
     if (want == KV_DYNAMIC && p->max_cache_len && !p->no_fallback && !p->sink) {

@@ -52,7 +52,7 @@ struct kv_geom {
     enum be_dtype dtype;     /* storage type (f32 default) */
 };
 
-/* Hugging Face's cache_implementation names, same semantics (cache-semantics.md §1-§3). */
+/* Hugging Face's cache_implementation names, with the same semantics. */
 enum kv_strategy {
     KV_DYNAMIC = 0,          /* device, grows block by block; sliding layers keep W-1 tokens */
     KV_STATIC = 1,           /* device, max_cache_len preallocated; sliding layers keep W */

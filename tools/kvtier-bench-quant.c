@@ -1,4 +1,4 @@
-/* kvtier-bench-quant - what the quantized KV cache costs (issue 6).
+/* kvtier-bench-quant - what the quantized KV cache costs.
  *
  *   accuracy -m DIR -f FILE [-t TOKDIR] [--tokens N] [--window W] [--prompt P]
  *     Splits FILE's ids (tokenized by TOKDIR's tokenizer, default DIR) into
