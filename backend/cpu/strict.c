@@ -85,9 +85,9 @@ static void leave(struct strict *s)
 
 /* ---- the arena's allocator ------------------------------------------------- */
 
-/* First fit.  A free can split nothing but a later one can leave a hole
- * between two allocations, so the list keeps room for one more extent
- * than there are allocations: strict_dev_free can then never fail. */
+/* First fit.  Free extents never outnumber the allocations plus one (each
+ * lies before an allocation or at the end), so the list is grown here,
+ * where failing is allowed, and strict_dev_free never has to. */
 static enum be_status strict_dev_alloc(void *ctx, size_t size, void **ptr)
 {
     struct strict *s = ctx;
