@@ -658,6 +658,30 @@ static void test_crop_static(void **state)
     kv_seq_free(q);
 }
 
+/* Out-of-range crop arguments are refused before anything changes: -n of
+ * INT64_MIN overflowed into a negative length (a crash in the static ring,
+ * the prefix chain and the paged tables). */
+static void test_crop_out_of_range(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q[2] = {seq_new(f, KV_DYNAMIC, 0), seq_new(f, KV_STATIC, 8)};
+    int64_t bad[] = {INT64_MIN, INT64_MIN + 1, -KV_SEQ_MAX_LEN - 1, KV_SEQ_MAX_LEN + 1, INT64_MAX};
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(step(q[i], 3), TIER_OK);
+        for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+            assert_int_equal(kv_seq_crop(q[i], bad[k]), TIER_EINVAL);
+            assert_non_null(strstr(kv_store_errmsg(f->store), "n must be between"));
+            assert_int_equal(kv_seq_length(q[i]), 3);
+            check_positions(q[i], 0, 0, 3);
+        }
+        assert_int_equal(kv_seq_crop(q[i], -KV_SEQ_MAX_LEN), TIER_OK); /* the bound itself: empties */
+        assert_int_equal(kv_seq_length(q[i]), 0);
+        assert_int_equal(step(q[i], 2), TIER_OK);
+        check_positions(q[i], 0, 0, 2);
+        kv_seq_free(q[i]);
+    }
+}
+
 /* The §7.3 edge: a cache holding the whole input is cropped to n - 1 so
  * that the last token is fed again and gives logits. */
 static void test_reuse(void **state)
@@ -920,6 +944,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_static, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_crop_out_of_range, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_reuse, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_cow, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_offloaded, setup_w4, teardown),

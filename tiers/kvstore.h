@@ -124,6 +124,11 @@ struct kv_store_params {
     uint64_t prefix_hash_mask;
 };
 
+/* The most tokens a sequence may see, and the largest |n| kv_seq_crop
+ * takes: far beyond any context, and small enough that lengths, positions
+ * and crop arguments add and negate in int64_t without overflow. */
+#define KV_SEQ_MAX_LEN ((int64_t)1 << 40)
+
 enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out);
 /* The same with a host-tier budget; p = NULL means all defaults. */
 enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const struct kv_store_params *p,
@@ -206,7 +211,8 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why);
  * sliding layer has seen its window, every crop needs past recording:
  * TIER_ECONFLICT with the reference's message; removing more than was
  * recorded since the last crop is TIER_ECONFLICT too (the reference loses
- * states silently there).  All or nothing. */
+ * states silently there).  |n| > KV_SEQ_MAX_LEN is TIER_EINVAL.  All or
+ * nothing. */
 enum tier_status kv_seq_crop(kv_seq *q, int64_t n);
 /* Sliding layers keep every state until the next crop (HF
  * activate_past_recording).  TIER_ENOTSUP on a static strategy with
