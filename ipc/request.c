@@ -577,6 +577,8 @@ enum ipc_status ipc_crop_req_parse(const json_t *root, int64_t *n, struct ipc_er
         return ipc_fail(err, IPC_EINVAL, "n",
                         "n must be an integer: negative removes that many tokens, 0 frees what sliding layers "
                         "will not read");
-    *n = json_integer_value(jn);
-    return IPC_OK;
+    long long x = 0;
+    enum ipc_status st = get_int(jn, "n", -KV_SEQ_MAX_LEN, KV_SEQ_MAX_LEN, &x, err);
+    *n = x;
+    return st;
 }

@@ -79,7 +79,8 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
 void ipc_session_req_release(struct ipc_session_req *r);
 
 /* POST /v1/sessions/{id}/crop: {"n": N}, Hugging Face's crop() argument
- * (negative: tokens to remove; the store checks the rest). */
+ * (negative: tokens to remove), |N| <= KV_SEQ_MAX_LEN; the store checks
+ * the rest. */
 enum ipc_status ipc_crop_req_parse(const json_t *root, int64_t *n, struct ipc_error *err);
 
 /* Decodes an array of token ids (checked against lim before allocating);

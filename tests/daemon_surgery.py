@@ -77,6 +77,15 @@ for bad in ({"n": "3"}, {"n": 1.5}, {}, {"n": -1, "x": 1}):
     code, e = d.post("/v1/sessions/%s/crop" % sid, bad)
     check(code == 400, "crop %s -> 400 (%s)" % (bad, e["error"]["message"][:60]))
 check(crop("sess-nope", -1)[0] == 404, "crop of an unknown session -> 404")
+# -n of INT64_MIN overflowed in the store (a crash); every |n| past the
+# store's bound is a 400 naming n, and the session is unchanged
+full = session(prompt=prompt[:40])["id"]
+for n in (-2**63, -2**63 + 1, 2**63 - 1, -2**40 - 1, 2**40 + 1):
+    code, e = crop(full, n)
+    check(code == 400 and e["error"]["param"] == "n" and tokens_of(full) == 40,
+          "crop %d -> 400 naming n, session unchanged" % n)
+code, c = crop(full, -2**40)
+check(code == 200 and c["tokens"] == 0, "crop -2^40 (the bound) empties the session")
 
 # ---- partial rewind on a diverging input ---------------------------------------
 s = session()
