@@ -642,7 +642,8 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
     if (ts != TIER_OK)
         st = kv_error(e, ts, "", err);
     if (st == IPC_OK) {
-        memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
+        if (s->n_toks) /* an empty session's toks is NULL, which memcpy may not take even for 0 bytes */
+            memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
         c->n_toks = s->n_toks;
         c->kvs = c->kv ? kv_seq_stats(c->kv) : (struct kv_seq_stats){0};
         st = session_insert(e, c, err);

@@ -77,6 +77,12 @@ for bad in ({"n": "3"}, {"n": 1.5}, {}, {"n": -1, "x": 1}):
     code, e = d.post("/v1/sessions/%s/crop" % sid, bad)
     check(code == 400, "crop %s -> 400 (%s)" % (bad, e["error"]["message"][:60]))
 check(crop("sess-nope", -1)[0] == 404, "crop of an unknown session -> 404")
+# an empty session has no ids and no KV: its fork copies nothing (it
+# passed NULL to memcpy, which the sanitizer build aborts on)
+empty = session()["id"]
+code, f = d.post("/v1/sessions/%s/fork" % empty, {})
+check(code == 200 and f["tokens"] == 0, "fork of an empty session -> an empty session")
+check(complete(prompt[:20], session=f["id"])["usage"]["prompt_tokens"] == 20, "the empty fork serves a request")
 # -n of INT64_MIN overflowed in the store (a crash); every |n| past the
 # store's bound is a 400 naming n, and the session is unchanged
 full = session(prompt=prompt[:40])["id"]
