@@ -468,7 +468,10 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     c->n_toks = j->n_prompt;
     struct sampler_params sp = j->sampling;
     sp.seed += (uint64_t)idx; /* the n choices of one request differ */
-    if (sampler_create(&sp, e->vocab, &c->smp) != MODEL_OK)
+    enum model_status ms = sampler_create(&sp, e->vocab, &c->smp);
+    if (ms == MODEL_EINVAL) /* the parser's ranges make this a bug, still the client's 400 */
+        return ipc_fail(err, IPC_EINVAL, "", "invalid sampling parameters");
+    if (ms != MODEL_OK)
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the sampler");
     struct session *s = j->sess;
     if (!s) {

@@ -30,6 +30,23 @@ static enum ipc_status get_num(const json_t *v, const char *field, double lo, do
     return IPC_OK;
 }
 
+/* A sampling parameter: checked after the conversion to float, the type the
+ * sampler reads, so that nothing the check passes (1e-300 rounding to 0)
+ * is invalid below.  open_lo: the value must stay above lo. */
+static enum ipc_status get_float(const json_t *v, const char *field, float lo, float hi, bool open_lo, float *out,
+                                 struct ipc_error *err)
+{
+    double d = 0;
+    enum ipc_status st = get_num(v, field, lo, hi, &d, err);
+    if (st != IPC_OK)
+        return st;
+    float x = (float)d;
+    if (open_lo && !(x > lo))
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be above %g (as a 32-bit float; got %g)", field, lo, d);
+    *out = x;
+    return IPC_OK;
+}
+
 static enum ipc_status get_bool(const json_t *v, const char *field, bool *out, struct ipc_error *err)
 {
     if (!json_is_boolean(v))
@@ -262,30 +279,20 @@ static enum ipc_status f_max_tokens(const json_t *v, const char *name, struct fi
     return st;
 }
 
+/* null keeps the default (ipc_gen_req_parse set it) */
 static enum ipc_status f_temperature(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    double x = 1;
-    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 2, &x, err);
-    c->r->sampling.temperature = (float)x;
-    return st;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 2, false, &c->r->sampling.temperature, err);
 }
 
 static enum ipc_status f_top_p(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    double x = 1;
-    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 1, &x, err);
-    if (st == IPC_OK && x <= 0)
-        return ipc_fail(err, IPC_EINVAL, name, "%s must be above 0", name);
-    c->r->sampling.top_p = (float)x;
-    return st;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 1, true, &c->r->sampling.top_p, err);
 }
 
 static enum ipc_status f_min_p(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    double x = 0;
-    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 1, &x, err);
-    c->r->sampling.min_p = (float)x;
-    return st;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 1, false, &c->r->sampling.min_p, err);
 }
 
 static enum ipc_status f_top_k(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -299,10 +306,7 @@ static enum ipc_status f_top_k(const json_t *v, const char *name, struct field_c
 
 static enum ipc_status f_rep_penalty(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    double x = 1;
-    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0.01, 10, &x, err);
-    c->r->sampling.repetition_penalty = (float)x;
-    return st;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0.01f, 10, false, &c->r->sampling.repetition_penalty, err);
 }
 
 static enum ipc_status f_seed(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
