@@ -445,6 +445,11 @@ static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, bool re
     }
     if (ts == TIER_OK)
         ts = kv_seq_match_prefix(*out, ids, (int64_t)n, &cached); /* fails only for host memory */
+    char cache_param[IPC_PARAM_LEN];
+    if (ts != TIER_OK && !strcmp(param, "cache")) {
+        ipc_cache_param_of(kv_store_errmsg(e->store), cache_param);
+        param = cache_param;
+    }
     if (ts != TIER_OK) {
         kv_seq_free(*out);
         *out = NULL;

@@ -33,4 +33,11 @@ struct ipc_cache_model {
 enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, const struct ipc_cache_model *m,
                                 struct ipc_cache_choice *out, struct ipc_error *err);
 
+/* The request field a KV store refusal of a parsed cache is about: the
+ * first cache parameter the store's message names ("sink: num_sink_tokens
+ * 17 exceeds ..." -> "cache.num_sink_tokens"), else "cache".  Checks that
+ * need the model or the store's block size are the store's, so its
+ * message is what knows the parameter. */
+void ipc_cache_param_of(const char *msg, char out[IPC_PARAM_LEN]);
+
 #endif
