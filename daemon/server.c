@@ -1022,7 +1022,7 @@ static enum MHD_Result h_session_create(struct req *r, const char *arg)
         q.ids = NULL;
     }
     if (st == IPC_OK && ids.n >= (size_t)engine_context(s->eng))
-        st = ipc_fail(&err, IPC_ECONTEXT, "prefix", "the prefix has %zu tokens; the context holds %d", ids.n,
+        st = ipc_fail(&err, IPC_ECONTEXT, q.field, "%s has %zu tokens; a session's start must be shorter than the context (%d)", q.field, ids.n,
                       engine_context(s->eng));
     if (st == IPC_OK)
         st = engine_session_create(s->eng, r->uid, &q.cache, q.record, id, sizeof(id), &err);

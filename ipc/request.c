@@ -535,11 +535,13 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
             if (out->prefix || out->ids)
                 return ipc_fail(err, IPC_EINVAL, key, "give one of prefix and prompt");
             st = parse_prompt(v, key, lim, &out->prefix, &out->prefix_len, &out->ids, &out->n_ids, err);
+            out->field = key;
         } else if (!strcmp(key, "system")) {
             if (!json_is_string(v))
                 return ipc_fail(err, IPC_EINVAL, key, "system must be a string");
             out->system = json_string_value(v);
             out->system_len = json_string_length(v);
+            out->field = key;
         } else if (!strcmp(key, "activate_past_recording")) {
             if (!json_is_boolean(v))
                 return ipc_fail(err, IPC_EINVAL, key, "activate_past_recording must be true or false");

@@ -71,6 +71,7 @@ struct ipc_session_req {
     size_t n_ids;
     const char *system;
     size_t system_len;
+    const char *field; /* the key that gave the start ("prefix", "prompt", "system"), for errors */
     bool record; /* "activate_past_recording": true */
     struct ipc_cache_choice cache;
 };
