@@ -1069,7 +1069,7 @@ static bool load(engine *e)
     char err[MODEL_ERR_LEN] = "";
     struct runtime_params rp = {.backend = e->cfg.backend,
                                 .be = {.n_threads = e->cfg.n_threads, .device_mem = e->cfg.device_mem},
-                                .model = {.max_batch_tokens = e->cfg.batch_tokens},
+                                .model = {.max_batch_tokens = e->cfg.batch_tokens, .verify_weights = e->cfg.verify_weights},
                                 .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache}};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);

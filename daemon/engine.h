@@ -44,6 +44,7 @@ struct engine_config {
     size_t device_mem;       /* 0: backend default */
     size_t host_mem;         /* host-tier budget of the KV store; 0: unlimited */
     bool no_prefix_cache;    /* turn off sharing of identical prompt prefixes between requests */
+    bool verify_weights;     /* scan every weight for NaN and infinity at load */
     int ctx;                 /* 0: the model's max_position_embeddings */
     int max_seqs;            /* sequences decoded together */
     int batch_tokens;        /* tokens per forward step */
