@@ -272,7 +272,7 @@ const char *engine_fallback_name(enum kv_fallback f)
 static json_t *session_to_json(const struct session *s)
 {
     /* before its first request a session has no KV: it will use what it asked for */
-    const char *used = s->n_toks ? kv_strategy_name(s->kvs.strategy) : s->cache.name;
+    const char *used = s->n_toks ? ipc_cache_strategy_name(&s->cache, s->kvs.strategy) : s->cache.name;
     return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:i}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
                      "session", "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
                      (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk", 0, "strategy", used,
@@ -814,7 +814,7 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
         c->fin = FINISH_EOS;
     else if (!append_text(e, j, c, id))
         job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the generated text");
-    if (c->fin == FINISH_NONE && (c->gen >= j->max_new || (int)c->n_toks >= e->ctx))
+    if (c->fin == FINISH_NONE && (c->gen >= j->max_new || ((int)c->n_toks >= e->ctx && !j->cache.params.sink)))
         c->fin = FINISH_LENGTH;
     if (c->fin != FINISH_NONE && c->fin != FINISH_STOP)
         c->vis = c->raw; /* text held back for a stop string that can no longer come */

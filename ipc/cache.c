@@ -217,6 +217,12 @@ enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, co
         enum ipc_status st = parse_params(i, obj, m, &out->params, err);
         if (st == IPC_OK && strategies[i].strategy == KV_QUANTIZED)
             st = parse_quant(obj, &out->params, err);
+        /* without a cache every step recomputes from full-precision states:
+         * the result would be dynamic's while the reply said otherwise */
+        if (st == IPC_OK && !out->use_cache && (strategies[i].strategy == KV_QUANTIZED || out->params.sink))
+            return ipc_fail(err, IPC_EINVAL, "use_cache",
+                            "use_cache=false recomputes every step without a cache, which cannot give what the "
+                            "\"%s\" cache gives; use the \"dynamic\" cache with it", out->name);
         return st;
     }
     char list[IPC_MSG_LEN / 2];
@@ -247,4 +253,10 @@ void ipc_cache_param_of(const char *msg, char out[IPC_PARAM_LEN])
         }
         p += n ? n : 1;
     }
+}
+
+const char *ipc_cache_strategy_name(const struct ipc_cache_choice *c, enum kv_strategy used)
+{
+    /* a sink KV never falls back: its dynamic storage is the sink strategy */
+    return c->params.sink && used == KV_DYNAMIC ? "sink" : kv_strategy_name(used);
 }

@@ -274,7 +274,10 @@ static enum ipc_status f_max_tokens(const json_t *v, const char *name, struct fi
     if (json_is_null(v))
         return IPC_OK;
     long long x = 0;
-    enum ipc_status st = get_int(v, name, 1, c->lim->max_context, &x, err);
+    /* a sink cache may go past the context: ipc_gen_req_parse checks the
+     * context bound once the cache is known */
+    int hi = c->lim->max_context > IPC_MAX_SINK_TOKENS ? c->lim->max_context : IPC_MAX_SINK_TOKENS;
+    enum ipc_status st = get_int(v, name, 1, hi, &x, err);
     c->r->max_tokens = (int)x;
     return st;
 }
@@ -505,8 +508,15 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
-    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
-                           &(struct ipc_cache_model){lim->max_context, lim->sliding_window}, &out->cache, err);
+    enum ipc_status st = ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
+                                         &(struct ipc_cache_model){lim->max_context, lim->sliding_window},
+                                         &out->cache, err);
+    if (st == IPC_OK && !out->cache.params.sink && out->max_tokens > lim->max_context) {
+        const char *field = json_object_get(root, "max_tokens") ? "max_tokens" : "max_completion_tokens";
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be between 1 and %d (got %d); only a sink cache generates "
+                        "past the context", field, lim->max_context, out->max_tokens);
+    }
+    return st;
 }
 
 void ipc_gen_req_release(struct ipc_gen_req *r)

@@ -25,6 +25,10 @@
 #define IPC_MAX_STOPS 16
 #define IPC_MAX_STOP_LEN 256
 #define IPC_MAX_TOP_LOGPROBS 20
+/* max_tokens of a sink cache, which is bounded in memory and whose
+ * positions stay below its window, so it may generate past the context;
+ * the bound keeps the per-request token and text buffers finite */
+#define IPC_MAX_SINK_TOKENS (1 << 20)
 #define IPC_SESSION_ID_MAX 64
 
 struct ipc_limits {

@@ -200,6 +200,34 @@ check(long_["choices"][0]["tokens"][:30] == dyn["choices"][0]["tokens"][:30],
 code, e = d.post("/v1/sessions", {"prompt": prompt[:10], "cache": sink, "activate_past_recording": True})
 check(code == 400 and "sink" in e["error"]["message"], "sink + past recording -> 400: " + e["error"]["message"])
 code, e = d.post("/v1/completions", dict(gen, prompt=prompt[:30], cache=dict(sink, num_sink_tokens=64)))
-check(code == 400 and e["error"]["param"] == "cache", "num_sink_tokens >= window_length -> 400: " +
+check(code == 400 and e["error"]["param"] == "cache.num_sink_tokens", "num_sink_tokens >= window_length -> 400: " +
       e["error"]["message"])
+check(long_["kvtier"]["strategy"] == "sink" and long_["kvtier"]["requested_strategy"] == "sink",
+      "a sink request reports strategy \"sink\"")
+code, sess = d.post("/v1/sessions", {"prompt": prompt[:10], "cache": sink})
+check(code == 200 and sess["strategy"] == "sink", "a sink session reports strategy \"sink\"")
+
+# ---- what the docs promise about lengths and use_cache ----------------------------------
+d.stop()
+small = Daemon("--ctx-size", "128", model=d.model, tmp=d.tmp)
+small.sock = os.path.join(d.tmp, "small.sock")
+small.start()
+code, r = small.post("/v1/completions", dict(gen, max_tokens=300, prompt=prompt[:10], cache=sink))
+check(code == 200 and len(r["choices"][0]["tokens"]) == 300,
+      "sink: 10 + 300 tokens on a 128-token context (positions stay in the window)")
+code, e = small.post("/v1/completions", dict(gen, max_tokens=300, prompt=prompt[:10]))
+check(code == 400 and e["error"]["param"] == "max_tokens", "dynamic: max_tokens past the context -> 400")
+for impl in ({"implementation": "quantized"}, sink):
+    code, e = small.post("/v1/completions", dict(gen, prompt=prompt[:10], cache=impl, use_cache=False))
+    check(code == 400 and e["error"]["param"] == "use_cache",
+          "use_cache false + %s -> 400 naming use_cache" % impl["implementation"])
+static = {"implementation": "static", "max_cache_len": 20}
+code, r = small.post("/v1/completions", dict(gen, max_tokens=11, prompt=prompt[:10], cache=static))
+check(code == 200 and len(r["choices"][0]["tokens"]) == 11, "static: 10 + 11 - 1 tokens fill max_cache_len 20")
+generated = small.get("/metrics")[1].decode().split("kvtier_generation_tokens_total ")[1].split()[0]
+code, e = small.post("/v1/completions", dict(gen, max_tokens=12, prompt=prompt[:10], cache=static))
+check(code == 400 and e["error"]["param"] == "cache.max_cache_len" and
+      small.get("/metrics")[1].decode().split("kvtier_generation_tokens_total ")[1].split()[0] == generated,
+      "static: 10 + 12 - 1 tokens over max_cache_len 20 -> 400 before any token")
+d = small
 check(d.stop() == 0, "stop")
