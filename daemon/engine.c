@@ -433,12 +433,16 @@ static enum ipc_status kv_error(engine *e, enum tier_status ts, const char *para
 /* A new KV sequence for ids[0, n): the strategy, past recording when the
  * session asks for it, and the prefix cache's blocks for the start of ids
  * (*n_cached tokens that need not be computed). */
-static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, bool record, const int32_t *ids, size_t n,
-                               kv_seq **out, size_t *n_cached, struct ipc_error *err)
+static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, uid_t uid, bool record, const int32_t *ids,
+                               size_t n, kv_seq **out, size_t *n_cached, struct ipc_error *err)
 {
     int64_t cached = 0;
     const char *param = "cache";
-    enum tier_status ts = kv_seq_create(e->store, p, out);
+    /* each uid its own prefix namespace (uid + 1: 0 is the shared one), so
+     * that cached_tokens and timing tell nobody what another user sent */
+    struct kv_seq_params ps = *p;
+    ps.prefix_ns = e->cfg.share_prefix_cache ? 0 : (uint64_t)uid + 1;
+    enum tier_status ts = kv_seq_create(e->store, &ps, out);
     if (ts == TIER_OK && record) {
         param = "activate_past_recording";
         ts = kv_seq_activate_past_recording(*out);
@@ -486,7 +490,7 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
         struct kv_seq_params p = j->cache.params;
         if (p.strategy == KV_DYNAMIC && !p.max_cache_len)
             p.max_cache_len = (int64_t)cap - 1;
-        return kv_open(e, &p, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
+        return kv_open(e, &p, j->uid, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
     }
     size_t keep = common_prefix(s, j->prompt, j->n_prompt);
     if (s->kv && keep < s->n_toks) {
@@ -506,7 +510,8 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     c->kv = s->kv;
     if (s->kv)
         return IPC_OK;
-    enum ipc_status st = kv_open(e, &s->cache.params, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed, err);
+    enum ipc_status st = kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed,
+                                 err);
     c->kv = s->kv;
     return st;
 }
@@ -1081,6 +1086,14 @@ static bool load(engine *e)
     e->m = e->rt.m;
     e->tok = e->rt.tok;
     e->store = e->rt.store;
+    /* default: a quarter of the device budget may hold blocks only the
+     * prefix cache keeps, so they never crowd out the running requests */
+    size_t prefix_mem = e->cfg.prefix_mem ? e->cfg.prefix_mem : be_mem_stats(e->rt.be).dev_budget / 4;
+    if (!e->cfg.no_prefix_cache) {
+        kv_store_set_prefix_mem(e->store, prefix_mem);
+        log_msg(LOG_INFO, "prefix cache: %.1f MiB of unreferenced blocks (--prefix-cache-mem), %s", prefix_mem / 1048576.0,
+                e->cfg.share_prefix_cache ? "shared by every uid (--share-prefix-cache)" : "one namespace per uid");
+    }
     e->mc = model_get_config(e->m);
     e->vocab = e->mc->vocab_size;
     int max_pos = e->mc->max_position_embeddings; /* config.c guarantees >= 1 */

@@ -54,6 +54,16 @@ check(want["choices"][0]["tokens"] == warm["choices"][0]["tokens"] and
       want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
       "prefix cache: the same tokens as computing everything (--no-prefix-cache)")
 fresh.stop()
+check("MiB of unreferenced blocks (--prefix-cache-mem), one namespace per uid" in d.logtext(),
+      "the prefix cache's budget and namespaces are logged at start")
+tight = Daemon("--prefix-cache-mem", "1k", model=d.model, tmp=d.tmp)
+tight.sock = os.path.join(d.tmp, "tight.sock")
+tight.start()
+tight.post("/v1/completions", dict(gen, prompt=prompt))
+code, r = tight.post("/v1/completions", dict(gen, prompt=prompt[:96] + [11, 12, 13]))
+check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+      "--prefix-cache-mem 1k: no finished request's blocks are kept")
+tight.stop()
 metrics = d.get("/metrics")[1].decode()
 check("kvtier_prefix_cache_hit_tokens_total 96" in metrics, "/metrics: prefix cache hits")
 

@@ -920,6 +920,65 @@ static void test_prefix_eviction(void **state)
     teardown(&st);
 }
 
+/* The prefix cache's own budget: unreferenced entries beyond it go least
+ * recently used first as soon as they are unreferenced, referenced ones
+ * never; and namespaces never see each other's blocks. */
+static void test_prefix_budget_and_namespaces(void **state)
+{
+    struct fixture *f = *state;
+    int32_t ids[4][9];
+    kv_seq *q;
+    int64_t n;
+    for (int i = 0; i < 4; i++)
+        ids_of(ids[i], 9, 10 + i);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, ids[0]), TIER_OK); /* 2 entries */
+    kv_seq_free(q);
+    size_t entry = kv_store_stats(f->store).prefix_unref_bytes / 2;
+    assert_true(entry > 0);
+    kv_store_set_prefix_mem(f->store, 3 * entry); /* at once down to the budget: nothing to do */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 2);
+    for (int i = 1; i < 3; i++) {
+        assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+        assert_int_equal(step_ids(q, 8, ids[i]), TIER_OK);
+        kv_seq_free(q);
+        assert_true(kv_store_stats(f->store).prefix_unref_bytes <= 3 * entry);
+    }
+    /* 6 entries were published, 3 fit: ids[0]'s chain went first, then
+     * ids[1]'s tail (leaves first) */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 3);
+    assert_int_equal(kv_store_stats(f->store).prefix_evictions, 3);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids[0], 9, &n), TIER_OK);
+    assert_int_equal(n, 0);
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids[2], 9, &n), TIER_OK);
+    assert_int_equal(n, 8);
+    /* referenced entries stay whatever the budget */
+    kv_store_set_prefix_mem(f->store, 1);
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 2);
+    kv_seq_free(q);
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 0);
+
+    /* namespaces: a chain published in one is found only there */
+    kv_store_set_prefix_mem(f->store, 0);
+    struct kv_seq_params p1 = {.prefix_ns = 1}, p2 = {.prefix_ns = 2};
+    assert_int_equal(kv_seq_create(f->store, &p1, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, ids[3]), TIER_OK);
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(f->store, &p2, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids[3], 9, &n), TIER_OK);
+    assert_int_equal(n, 0);
+    assert_int_equal(step_ids(q, 8, ids[3]), TIER_OK); /* publishes its own copy: no dedupe across */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 4);
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(f->store, &p1, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids[3], 9, &n), TIER_OK);
+    assert_int_equal(n, 8);
+    kv_seq_free(q);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -945,6 +1004,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_static, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_out_of_range, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_budget_and_namespaces, setup_prefix, teardown),
         cmocka_unit_test_setup_teardown(test_reuse, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_cow, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_offloaded, setup_w4, teardown),

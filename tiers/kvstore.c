@@ -228,6 +228,7 @@ struct kv_store_stats kv_store_stats(const kv_store *s)
         .fallbacks = s->fallbacks,
         .prefix_entries = s->n_entries,
         .prefix_evictable = s->n_unref,
+        .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes,
         .prefix_hit_tokens = s->prefix_hits,
         .prefix_evictions = s->prefix_evictions,
         .xfer = s->total,

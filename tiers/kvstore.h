@@ -92,6 +92,11 @@ struct kv_seq_params {
     int window_length;
     /* Opt out of the store's prefix cache (see kv_seq_match_prefix). */
     bool no_prefix_cache;
+    /* The prefix cache's namespace: blocks are shared only between
+     * sequences of the same one (the daemon gives each uid its own, so
+     * that cached_tokens and timing do not tell one user what another
+     * sent).  0 is as good as any other value. */
+    uint64_t prefix_ns;
     /* KV_QUANTIZED: the backend, nbits, axes, group and residual
      * (kv_quant_parse / kv_quant_defaults); validated at creation. */
     struct kv_quant_params quant;
@@ -139,6 +144,11 @@ enum be_dtype kv_store_dtype(const kv_store *s); /* kv_geom.dtype: how dense blo
 /* What the last failing call on this store (or one of its sequences) was
  * refused for, e.g. "host tier budget 64.0 MiB exhausted: ..."; "" if none. */
 const char *kv_store_errmsg(const kv_store *s);
+/* The prefix cache's own budget: the bytes of cached blocks no sequence
+ * references may not exceed it; past it the least recently used go first
+ * (at once, down to the new budget).  0 (the default) sets none: they then
+ * go only when the device budget needs room. */
+void kv_store_set_prefix_mem(kv_store *s, size_t bytes);
 
 /* Streaming figures.  Transfer time is the time the copy stream spent on
  * the step's copies (from the first issue to the last completion, measured
@@ -161,6 +171,7 @@ struct kv_store_stats {
     uint64_t fallbacks;    /* sequences moved to the host tier after a device OOM */
     uint64_t prefix_entries;   /* token blocks in the prefix cache (each one pool block per layer) */
     uint64_t prefix_evictable; /* of those, referenced by no sequence */
+    size_t prefix_unref_bytes;  /* their device bytes, which kv_store_set_prefix_mem bounds */
     uint64_t prefix_hit_tokens;/* tokens attached by kv_seq_match_prefix so far */
     uint64_t prefix_evictions;
     struct kv_xfer_stats xfer;      /* since the store was created */
