@@ -83,7 +83,7 @@ struct kv_seq_params {
      * stats) and stream only the rest. */
     bool adaptive;
     /* Fail with TIER_ENOMEM_DEV instead of continuing offloaded when the
-     * device tier runs out (reliability.md T4 "allow_offload=false"). */
+     * device tier runs out (the request's allow_offload: false; docs/reliability.md). */
     bool no_fallback;
     /* The sliding_window strategy on top of any of the above: every layer
      * slides with this window (a layer the model already slides narrower
