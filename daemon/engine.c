@@ -272,7 +272,7 @@ const char *engine_fallback_name(enum kv_fallback f)
 static json_t *session_to_json(const struct session *s)
 {
     /* before its first request a session has no KV: it will use what it asked for */
-    const char *used = s->n_toks ? kv_strategy_name(s->kvs.strategy) : s->cache.name;
+    const char *used = s->n_toks ? ipc_cache_strategy_name(&s->cache, s->kvs.strategy) : s->cache.name;
     return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:i}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
                      "session", "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
                      (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk", 0, "strategy", used,
@@ -433,18 +433,27 @@ static enum ipc_status kv_error(engine *e, enum tier_status ts, const char *para
 /* A new KV sequence for ids[0, n): the strategy, past recording when the
  * session asks for it, and the prefix cache's blocks for the start of ids
  * (*n_cached tokens that need not be computed). */
-static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, bool record, const int32_t *ids, size_t n,
-                               kv_seq **out, size_t *n_cached, struct ipc_error *err)
+static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, uid_t uid, bool record, const int32_t *ids,
+                               size_t n, kv_seq **out, size_t *n_cached, struct ipc_error *err)
 {
     int64_t cached = 0;
     const char *param = "cache";
-    enum tier_status ts = kv_seq_create(e->store, p, out);
+    /* each uid its own prefix namespace (uid + 1: 0 is the shared one), so
+     * that cached_tokens and timing tell nobody what another user sent */
+    struct kv_seq_params ps = *p;
+    ps.prefix_ns = e->cfg.share_prefix_cache ? 0 : (uint64_t)uid + 1;
+    enum tier_status ts = kv_seq_create(e->store, &ps, out);
     if (ts == TIER_OK && record) {
         param = "activate_past_recording";
         ts = kv_seq_activate_past_recording(*out);
     }
     if (ts == TIER_OK)
         ts = kv_seq_match_prefix(*out, ids, (int64_t)n, &cached); /* fails only for host memory */
+    char cache_param[IPC_PARAM_LEN];
+    if (ts != TIER_OK && !strcmp(param, "cache")) {
+        ipc_cache_param_of(kv_store_errmsg(e->store), cache_param);
+        param = cache_param;
+    }
     if (ts != TIER_OK) {
         kv_seq_free(*out);
         *out = NULL;
@@ -468,7 +477,10 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     c->n_toks = j->n_prompt;
     struct sampler_params sp = j->sampling;
     sp.seed += (uint64_t)idx; /* the n choices of one request differ */
-    if (sampler_create(&sp, e->vocab, &c->smp) != MODEL_OK)
+    enum model_status ms = sampler_create(&sp, e->vocab, &c->smp);
+    if (ms == MODEL_EINVAL) /* the parser's ranges make this a bug, still the client's 400 */
+        return ipc_fail(err, IPC_EINVAL, "", "invalid sampling parameters");
+    if (ms != MODEL_OK)
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the sampler");
     struct session *s = j->sess;
     if (!s) {
@@ -478,7 +490,7 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
         struct kv_seq_params p = j->cache.params;
         if (p.strategy == KV_DYNAMIC && !p.max_cache_len)
             p.max_cache_len = (int64_t)cap - 1;
-        return kv_open(e, &p, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
+        return kv_open(e, &p, j->uid, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
     }
     size_t keep = common_prefix(s, j->prompt, j->n_prompt);
     if (s->kv && keep < s->n_toks) {
@@ -498,7 +510,8 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     c->kv = s->kv;
     if (s->kv)
         return IPC_OK;
-    enum ipc_status st = kv_open(e, &s->cache.params, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed, err);
+    enum ipc_status st = kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed,
+                                 err);
     c->kv = s->kv;
     return st;
 }
@@ -642,7 +655,8 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
     if (ts != TIER_OK)
         st = kv_error(e, ts, "", err);
     if (st == IPC_OK) {
-        memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
+        if (s->n_toks) /* an empty session's toks is NULL, which memcpy may not take even for 0 bytes */
+            memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
         c->n_toks = s->n_toks;
         c->kvs = c->kv ? kv_seq_stats(c->kv) : (struct kv_seq_stats){0};
         st = session_insert(e, c, err);
@@ -805,7 +819,7 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
         c->fin = FINISH_EOS;
     else if (!append_text(e, j, c, id))
         job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the generated text");
-    if (c->fin == FINISH_NONE && (c->gen >= j->max_new || (int)c->n_toks >= e->ctx))
+    if (c->fin == FINISH_NONE && (c->gen >= j->max_new || ((int)c->n_toks >= e->ctx && !j->cache.params.sink)))
         c->fin = FINISH_LENGTH;
     if (c->fin != FINISH_NONE && c->fin != FINISH_STOP)
         c->vis = c->raw; /* text held back for a stop string that can no longer come */
@@ -1060,7 +1074,7 @@ static bool load(engine *e)
     char err[MODEL_ERR_LEN] = "";
     struct runtime_params rp = {.backend = e->cfg.backend,
                                 .be = {.n_threads = e->cfg.n_threads, .device_mem = e->cfg.device_mem},
-                                .model = {.max_batch_tokens = e->cfg.batch_tokens},
+                                .model = {.max_batch_tokens = e->cfg.batch_tokens, .verify_weights = e->cfg.verify_weights},
                                 .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache}};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);
@@ -1072,6 +1086,14 @@ static bool load(engine *e)
     e->m = e->rt.m;
     e->tok = e->rt.tok;
     e->store = e->rt.store;
+    /* default: a quarter of the device budget may hold blocks only the
+     * prefix cache keeps, so they never crowd out the running requests */
+    size_t prefix_mem = e->cfg.prefix_mem ? e->cfg.prefix_mem : be_mem_stats(e->rt.be).dev_budget / 4;
+    if (!e->cfg.no_prefix_cache) {
+        kv_store_set_prefix_mem(e->store, prefix_mem);
+        log_msg(LOG_INFO, "prefix cache: %.1f MiB of unreferenced blocks (--prefix-cache-mem), %s", prefix_mem / 1048576.0,
+                e->cfg.share_prefix_cache ? "shared by every uid (--share-prefix-cache)" : "one namespace per uid");
+    }
     e->mc = model_get_config(e->m);
     e->vocab = e->mc->vocab_size;
     int max_pos = e->mc->max_position_embeddings; /* config.c guarantees >= 1 */

@@ -44,6 +44,9 @@ struct engine_config {
     size_t device_mem;       /* 0: backend default */
     size_t host_mem;         /* host-tier budget of the KV store; 0: unlimited */
     bool no_prefix_cache;    /* turn off sharing of identical prompt prefixes between requests */
+    size_t prefix_mem;       /* bytes of blocks only the prefix cache holds; 0: a quarter of the device budget */
+    bool share_prefix_cache; /* one prefix namespace for every uid instead of one per uid */
+    bool verify_weights;     /* scan every weight for NaN and infinity at load */
     int ctx;                 /* 0: the model's max_position_embeddings */
     int max_seqs;            /* sequences decoded together */
     int batch_tokens;        /* tokens per forward step */

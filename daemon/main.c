@@ -36,6 +36,9 @@ static void usage(FILE *f)
             "  --device-mem BYTES   device memory budget, k/M/G suffixes (default: backend's)\n"
             "  --host-mem BYTES     host-tier budget of the KV cache, k/M/G suffixes (default: unlimited)\n"
             "  --no-prefix-cache    do not share the KV of identical prompt prefixes between requests\n"
+            "  --prefix-cache-mem BYTES  blocks only the prefix cache holds (default: a quarter of --device-mem)\n"
+            "  --share-prefix-cache share cached prefixes across uids (reveals to each user what others sent)\n"
+            "  --verify-weights     read every weight at load and refuse NaN or infinity (slower start)\n"
             "  --ctx-size N         context tokens per sequence (default: the model's)\n"
             "  --parallel N         sequences decoded together (default 32)\n"
             "  --batch-tokens N     tokens per forward step (default 256)\n"
@@ -74,7 +77,7 @@ int main(int argc, char **argv)
     const char *sock_flag = NULL, *log_path = NULL, *group = NULL;
     bool system = false, verbose = false;
     enum {
-        O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_CTX, O_PARALLEL, O_BATCH,
+        O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
         O_QUEUE, O_CLIENTS, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP
     };
     static const struct option opts[] = {
@@ -82,7 +85,8 @@ int main(int argc, char **argv)
         {"system", no_argument, 0, O_SYSTEM}, {"allow-group", required_argument, 0, O_GROUP},
         {"backend", required_argument, 0, O_BACKEND}, {"threads", required_argument, 0, O_THREADS},
         {"device-mem", required_argument, 0, O_DEVMEM}, {"host-mem", required_argument, 0, O_HOSTMEM},
-        {"no-prefix-cache", no_argument, 0, O_NOPREFIX},
+        {"no-prefix-cache", no_argument, 0, O_NOPREFIX}, {"verify-weights", no_argument, 0, O_VERIFY},
+        {"prefix-cache-mem", required_argument, 0, O_PREFIXMEM}, {"share-prefix-cache", no_argument, 0, O_SHAREPREFIX},
         {"ctx-size", required_argument, 0, O_CTX},
         {"parallel", required_argument, 0, O_PARALLEL}, {"batch-tokens", required_argument, 0, O_BATCH},
         {"max-queue", required_argument, 0, O_QUEUE}, {"max-clients", required_argument, 0, O_CLIENTS},
@@ -103,6 +107,9 @@ int main(int argc, char **argv)
         case O_DEVMEM: ok = args_size(optarg, &ec.device_mem); break;
         case O_HOSTMEM: ok = args_size(optarg, &ec.host_mem); break;
         case O_NOPREFIX: ec.no_prefix_cache = true; break;
+        case O_VERIFY: ec.verify_weights = true; break;
+        case O_PREFIXMEM: ok = args_size(optarg, &ec.prefix_mem) && ec.prefix_mem > 0; break;
+        case O_SHAREPREFIX: ec.share_prefix_cache = true; break;
         case O_CTX: ok = args_int(optarg, 16, 1 << 24, &ec.ctx); break;
         case O_PARALLEL: ok = args_int(optarg, 1, 1024, &ec.max_seqs); break;
         case O_BATCH: ok = args_int(optarg, 16, 65536, &ec.batch_tokens); break;

@@ -316,7 +316,8 @@ static void write_prefetch(struct jw *w, const struct kv_xfer_stats *x)
 static void write_kvtier_obj(struct jw *w, const struct job *j)
 {
     const struct kv_seq_stats *k = &j->kv;
-    jw_fmt(w, "{\"strategy\":\"%s\",\"requested_strategy\":\"%s\",", kv_strategy_name(k->strategy), j->cache.name);
+    jw_fmt(w, "{\"strategy\":\"%s\",\"requested_strategy\":\"%s\",", ipc_cache_strategy_name(&j->cache, k->strategy),
+           j->cache.name);
     jw_fmt(w, "\"bytes\":{\"device\":%zu,\"host\":%zu,\"disk\":0},\"resident_layers\":%d,\"streamed_layers\":%d,",
            k->dev_bytes, k->host_bytes, k->resident_layers, k->streamed_layers);
     jw_fmt(w, "\"prefill_ms\":%.3f,\"decode_ms\":%.3f,\"fallback\":", j->prefill_ms, j->decode_ms);
@@ -786,6 +787,16 @@ static enum MHD_Result submit(struct req *r, struct job *j)
 
 /* ---- endpoints -------------------------------------------------------------------- */
 
+/* Whether some layer attends to every token, so that a static cache fills
+ * (sliding layers keep a ring of their window). */
+static bool has_full_layer(const struct model_config *mc)
+{
+    for (int l = 0; l < mc->n_layers; l++)
+        if (!mc->layer_window[l])
+            return true;
+    return false;
+}
+
 static enum MHD_Result h_generate(struct req *r, bool chat)
 {
     struct server *s = r->srv;
@@ -807,9 +818,19 @@ static enum MHD_Result h_generate(struct req *r, bool chat)
     int left = ctx - (int)ids.n;
     /* OpenAI's defaults: 16 tokens for completions, the rest of the context for chat */
     int max_new = g.max_tokens > 0 ? g.max_tokens : chat ? left : left < 16 ? left : 16;
-    if (st == IPC_OK && max_new > left)
+    /* a sink cache's positions are indices in its window: it goes past the context */
+    if (st == IPC_OK && max_new > left && !g.cache.params.sink)
         st = ipc_fail(&err, IPC_ECONTEXT, "max_tokens",
                       "the prompt (%zu tokens) + max_tokens (%d) exceeds the context (%d tokens)", ids.n, max_new, ctx);
+    const struct kv_seq_params *cp = &g.cache.params;
+    bool is_static = cp->strategy == KV_STATIC || cp->strategy == KV_OFFLOADED_STATIC;
+    /* both lengths are known now: refuse before any work what would fail
+     * part-way (the last generated token is never stored) */
+    if (st == IPC_OK && is_static && !cp->window_length && has_full_layer(engine_model_config(s->eng)) &&
+        (int64_t)ids.n + max_new - 1 > cp->max_cache_len)
+        st = ipc_fail(&err, IPC_EINVAL, "cache.max_cache_len",
+                      "cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
+                      (long long)cp->max_cache_len, ids.n, max_new);
     struct job *j = st == IPC_OK ? job_new(g.n, g.stops, g.n_stops) : NULL;
     if (st == IPC_OK && !j)
         st = ipc_fail(&err, IPC_ENOMEM, "", "no memory for the request");
@@ -1022,7 +1043,7 @@ static enum MHD_Result h_session_create(struct req *r, const char *arg)
         q.ids = NULL;
     }
     if (st == IPC_OK && ids.n >= (size_t)engine_context(s->eng))
-        st = ipc_fail(&err, IPC_ECONTEXT, "prefix", "the prefix has %zu tokens; the context holds %d", ids.n,
+        st = ipc_fail(&err, IPC_ECONTEXT, q.field, "%s has %zu tokens; a session's start must be shorter than the context (%d)", q.field, ids.n,
                       engine_context(s->eng));
     if (st == IPC_OK)
         st = engine_session_create(s->eng, r->uid, &q.cache, q.record, id, sizeof(id), &err);

@@ -1,5 +1,6 @@
 #include "ipc/cache.h"
 
+#include <ctype.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -148,6 +149,11 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
     if (p->adaptive && !(given & K_MAX_CACHE_LEN))
         return ipc_fail(err, IPC_EINVAL, "cache.adaptive",
                         "cache.adaptive needs cache.max_cache_len (the expected length) to size the device share");
+    bool is_static = strategies[row].strategy == KV_STATIC || strategies[row].strategy == KV_OFFLOADED_STATIC;
+    if (is_static && (given & K_WINDOW_LENGTH) && p->window_length > p->max_cache_len)
+        return ipc_fail(err, IPC_EINVAL, "cache.window_length",
+                        "cache.window_length (%d) must be at most cache.max_cache_len (%lld): a static cache holds the "
+                        "whole window", p->window_length, (long long)p->max_cache_len);
     if (strategies[row].window == WINDOW_MODEL && !p->window_length) {
         if (m->sliding_window <= 0)
             return ipc_fail(err, IPC_EINVAL, "cache.window_length",
@@ -211,6 +217,12 @@ enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, co
         enum ipc_status st = parse_params(i, obj, m, &out->params, err);
         if (st == IPC_OK && strategies[i].strategy == KV_QUANTIZED)
             st = parse_quant(obj, &out->params, err);
+        /* without a cache every step recomputes from full-precision states:
+         * the result would be dynamic's while the reply said otherwise */
+        if (st == IPC_OK && !out->use_cache && (strategies[i].strategy == KV_QUANTIZED || out->params.sink))
+            return ipc_fail(err, IPC_EINVAL, "use_cache",
+                            "use_cache=false recomputes every step without a cache, which cannot give what the "
+                            "\"%s\" cache gives; use the \"dynamic\" cache with it", out->name);
         return st;
     }
     char list[IPC_MSG_LEN / 2];
@@ -219,3 +231,32 @@ enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, co
                     list);
 }
 
+
+void ipc_cache_param_of(const char *msg, char out[IPC_PARAM_LEN])
+{
+    snprintf(out, IPC_PARAM_LEN, "cache");
+    for (const char *p = msg; *p;) {
+        size_t n = 0;
+        while (isalnum((unsigned char)p[n]) || p[n] == '_')
+            n++;
+        char word[IPC_PARAM_LEN - sizeof("cache.")];
+        if (n && n < sizeof(word)) {
+            memcpy(word, p, n);
+            word[n] = '\0';
+            bool known = kv_quant_is_param(word);
+            for (size_t k = 0; k < N_KEYS && !known; k++)
+                known = !strcmp(cache_keys[k].name, word);
+            if (known) {
+                snprintf(out, IPC_PARAM_LEN, "cache.%s", word);
+                return;
+            }
+        }
+        p += n ? n : 1;
+    }
+}
+
+const char *ipc_cache_strategy_name(const struct ipc_cache_choice *c, enum kv_strategy used)
+{
+    /* a sink KV never falls back: its dynamic storage is the sink strategy */
+    return c->params.sink && used == KV_DYNAMIC ? "sink" : kv_strategy_name(used);
+}

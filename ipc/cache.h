@@ -33,4 +33,15 @@ struct ipc_cache_model {
 enum ipc_status ipc_cache_parse(const json_t *cache, const json_t *use_cache, const struct ipc_cache_model *m,
                                 struct ipc_cache_choice *out, struct ipc_error *err);
 
+/* What a reply's "strategy" says of a KV created from c that is now in
+ * strategy used: kv_strategy_name, except "sink" for a sink cache. */
+const char *ipc_cache_strategy_name(const struct ipc_cache_choice *c, enum kv_strategy used);
+
+/* The request field a KV store refusal of a parsed cache is about: the
+ * first cache parameter the store's message names ("sink: num_sink_tokens
+ * 17 exceeds ..." -> "cache.num_sink_tokens"), else "cache".  Checks that
+ * need the model or the store's block size are the store's, so its
+ * message is what knows the parameter. */
+void ipc_cache_param_of(const char *msg, char out[IPC_PARAM_LEN]);
+
 #endif

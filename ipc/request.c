@@ -30,6 +30,23 @@ static enum ipc_status get_num(const json_t *v, const char *field, double lo, do
     return IPC_OK;
 }
 
+/* A sampling parameter: checked after the conversion to float, the type the
+ * sampler reads, so that nothing the check passes (1e-300 rounding to 0)
+ * is invalid below.  open_lo: the value must stay above lo. */
+static enum ipc_status get_float(const json_t *v, const char *field, float lo, float hi, bool open_lo, float *out,
+                                 struct ipc_error *err)
+{
+    double d = 0;
+    enum ipc_status st = get_num(v, field, lo, hi, &d, err);
+    if (st != IPC_OK)
+        return st;
+    float x = (float)d;
+    if (open_lo && !(x > lo))
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be above %g (as a 32-bit float; got %g)", field, lo, d);
+    *out = x;
+    return IPC_OK;
+}
+
 static enum ipc_status get_bool(const json_t *v, const char *field, bool *out, struct ipc_error *err)
 {
     if (!json_is_boolean(v))
@@ -257,35 +274,28 @@ static enum ipc_status f_max_tokens(const json_t *v, const char *name, struct fi
     if (json_is_null(v))
         return IPC_OK;
     long long x = 0;
-    enum ipc_status st = get_int(v, name, 1, c->lim->max_context, &x, err);
+    /* a sink cache may go past the context: ipc_gen_req_parse checks the
+     * context bound once the cache is known */
+    int hi = c->lim->max_context > IPC_MAX_SINK_TOKENS ? c->lim->max_context : IPC_MAX_SINK_TOKENS;
+    enum ipc_status st = get_int(v, name, 1, hi, &x, err);
     c->r->max_tokens = (int)x;
     return st;
 }
 
+/* null keeps the default (ipc_gen_req_parse set it) */
 static enum ipc_status f_temperature(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    double x = 1;
-    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 2, &x, err);
-    c->r->sampling.temperature = (float)x;
-    return st;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 2, false, &c->r->sampling.temperature, err);
 }
 
 static enum ipc_status f_top_p(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    double x = 1;
-    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 1, &x, err);
-    if (st == IPC_OK && x <= 0)
-        return ipc_fail(err, IPC_EINVAL, name, "%s must be above 0", name);
-    c->r->sampling.top_p = (float)x;
-    return st;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 1, true, &c->r->sampling.top_p, err);
 }
 
 static enum ipc_status f_min_p(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    double x = 0;
-    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0, 1, &x, err);
-    c->r->sampling.min_p = (float)x;
-    return st;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 1, false, &c->r->sampling.min_p, err);
 }
 
 static enum ipc_status f_top_k(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -299,10 +309,7 @@ static enum ipc_status f_top_k(const json_t *v, const char *name, struct field_c
 
 static enum ipc_status f_rep_penalty(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    double x = 1;
-    enum ipc_status st = json_is_null(v) ? IPC_OK : get_num(v, name, 0.01, 10, &x, err);
-    c->r->sampling.repetition_penalty = (float)x;
-    return st;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0.01f, 10, false, &c->r->sampling.repetition_penalty, err);
 }
 
 static enum ipc_status f_seed(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -501,8 +508,15 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
-    return ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
-                           &(struct ipc_cache_model){lim->max_context, lim->sliding_window}, &out->cache, err);
+    enum ipc_status st = ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
+                                         &(struct ipc_cache_model){lim->max_context, lim->sliding_window},
+                                         &out->cache, err);
+    if (st == IPC_OK && !out->cache.params.sink && out->max_tokens > lim->max_context) {
+        const char *field = json_object_get(root, "max_tokens") ? "max_tokens" : "max_completion_tokens";
+        return ipc_fail(err, IPC_EINVAL, field, "%s must be between 1 and %d (got %d); only a sink cache generates "
+                        "past the context", field, lim->max_context, out->max_tokens);
+    }
+    return st;
 }
 
 void ipc_gen_req_release(struct ipc_gen_req *r)
@@ -531,11 +545,13 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
             if (out->prefix || out->ids)
                 return ipc_fail(err, IPC_EINVAL, key, "give one of prefix and prompt");
             st = parse_prompt(v, key, lim, &out->prefix, &out->prefix_len, &out->ids, &out->n_ids, err);
+            out->field = key;
         } else if (!strcmp(key, "system")) {
             if (!json_is_string(v))
                 return ipc_fail(err, IPC_EINVAL, key, "system must be a string");
             out->system = json_string_value(v);
             out->system_len = json_string_length(v);
+            out->field = key;
         } else if (!strcmp(key, "activate_past_recording")) {
             if (!json_is_boolean(v))
                 return ipc_fail(err, IPC_EINVAL, key, "activate_past_recording must be true or false");
@@ -577,6 +593,8 @@ enum ipc_status ipc_crop_req_parse(const json_t *root, int64_t *n, struct ipc_er
         return ipc_fail(err, IPC_EINVAL, "n",
                         "n must be an integer: negative removes that many tokens, 0 frees what sliding layers "
                         "will not read");
-    *n = json_integer_value(jn);
-    return IPC_OK;
+    long long x = 0;
+    enum ipc_status st = get_int(jn, "n", -KV_SEQ_MAX_LEN, KV_SEQ_MAX_LEN, &x, err);
+    *n = x;
+    return st;
 }

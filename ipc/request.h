@@ -25,6 +25,10 @@
 #define IPC_MAX_STOPS 16
 #define IPC_MAX_STOP_LEN 256
 #define IPC_MAX_TOP_LOGPROBS 20
+/* max_tokens of a sink cache, which is bounded in memory and whose
+ * positions stay below its window, so it may generate past the context;
+ * the bound keeps the per-request token and text buffers finite */
+#define IPC_MAX_SINK_TOKENS (1 << 20)
 #define IPC_SESSION_ID_MAX 64
 
 struct ipc_limits {
@@ -71,6 +75,7 @@ struct ipc_session_req {
     size_t n_ids;
     const char *system;
     size_t system_len;
+    const char *field; /* the key that gave the start ("prefix", "prompt", "system"), for errors */
     bool record; /* "activate_past_recording": true */
     struct ipc_cache_choice cache;
 };
@@ -79,7 +84,8 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
 void ipc_session_req_release(struct ipc_session_req *r);
 
 /* POST /v1/sessions/{id}/crop: {"n": N}, Hugging Face's crop() argument
- * (negative: tokens to remove; the store checks the rest). */
+ * (negative: tokens to remove), |N| <= KV_SEQ_MAX_LEN; the store checks
+ * the rest. */
 enum ipc_status ipc_crop_req_parse(const json_t *root, int64_t *n, struct ipc_error *err);
 
 /* Decodes an array of token ids (checked against lim before allocating);

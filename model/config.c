@@ -10,9 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "util/file.h"
 
 /* ---- errors and helpers shared with safetensors.c ------------------------ */
 
@@ -64,16 +66,21 @@ enum model_status model_json_load(const char *dir, const char *name, bool option
     *out = NULL;
     if (st != MODEL_OK)
         return st;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
+    struct stat sb;
+    int fd = file_open_regular(path, &sb);
+    if (fd == FILE_NOT_REGULAR)
+        return model_errf(err, MODEL_EFORMAT, "%s: not a regular file", name);
+    if (fd < 0) {
         if (errno == ENOENT)
             return optional ? MODEL_OK : model_errf(err, MODEL_ENOENT, "%s: missing in %s", name, dir);
         return model_errf(err, MODEL_EIO, "%s: %s", path, strerror(errno));
     }
-    struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) {
-        st = model_errf(err, MODEL_EIO, "%s: %s", path, strerror(errno));
-    } else if (sb.st_size > JSON_FILE_MAX) {
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return model_errf(err, MODEL_ENOMEM, "%s: %s", path, strerror(errno));
+    }
+    if (sb.st_size > JSON_FILE_MAX) {
         st = model_errf(err, MODEL_EFORMAT, "%s: %lld bytes, more than a JSON side file may be",
                         name, (long long)sb.st_size);
     } else {
@@ -171,9 +178,9 @@ static enum model_status get_num(const struct jctx *c, const char *key, bool req
     if (st != MODEL_OK || !v)
         return st;
     double x = json_number_value(v);
-    /* the bounds hold for the float kept, too: 1e-50 would become 0 */
-    if (!(x > lo && x <= hi) || !((float)x > lo))
-        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%g out of range (%g, %g] for a 32-bit float", c->file,
+    /* checked as the float the model reads too: 1e-300 would be 0 */
+    if (!(x > lo && x <= hi && (float)x > lo))
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%g out of range (%g, %g] as a 32-bit float", c->file,
                           c->prefix, key, x, lo, hi);
     *out = (float)x;
     return MODEL_OK;

@@ -284,6 +284,8 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     enum model_status st = model_config_load(dir, &m->cfg, err);
     if (st == MODEL_OK)
         st = model_files_open(dir, &m->cfg, &m->files, &m->w, err);
+    if (st == MODEL_OK && p && p->verify_weights)
+        st = model_weights_verify(&m->cfg, &m->w, err);
     if (st == MODEL_OK && !be_get_caps(be).unified_memory)
         st = weights_upload(m, err);
     int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;

@@ -106,12 +106,19 @@ typedef struct model_files model_files; /* the mmapped safetensors of a director
 enum model_status model_files_open(const char *dir, const struct model_config *cfg, model_files **out,
                                    struct model_weights *w, char *err);
 void model_files_close(model_files *f); /* accepts NULL */
+/* Reads every weight matrix once and refuses a NaN or an infinity, naming
+ * the tensor and the element.  Not part of model_files_open: the matrices
+ * are mapped, not read, so a full scan costs a read of the whole checkpoint
+ * before the first request (model_params.verify_weights, kvtierd
+ * --verify-weights); the 1-D tensors are always checked. */
+enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err);
 
 /* ---- the model: config + weights + run state on a backend --------------- */
 typedef struct model model;
 
 struct model_params {
     int max_batch_tokens; /* tokens per forward chunk (activations sized for it); 0 = 256 */
+    bool verify_weights;  /* model_weights_verify at load */
 };
 
 enum model_status model_load(const char *dir, be_backend *be, const struct model_params *p, model **out, char *err);

@@ -30,6 +30,7 @@
 #include "util/half.h"
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "util/file.h"
 
 /* Tensor bytes are used in place as host numbers. */
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is little-endian");
@@ -197,16 +198,14 @@ static enum model_status st_open(const char *dir, const char *name, struct st_fi
         return st;
     if (!(f->name = strdup(name)))
         return model_errf(err, MODEL_ENOMEM, "%s: out of memory", name);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat sb;
+    int fd = file_open_regular(path, &sb);
+    if (fd == FILE_NOT_REGULAR)
+        return model_errf(err, MODEL_EFORMAT, "%s: not a regular file", name);
     if (fd < 0)
         return errno == ENOENT ? model_errf(err, MODEL_ENOENT, "%s: missing in %s", name, dir)
                                : model_errf(err, MODEL_EIO, "%s: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        st = model_errf(err, MODEL_EIO, "%s: %s", path, strerror(errno));
-    } else if (!S_ISREG(sb.st_mode)) {
-        st = model_errf(err, MODEL_EFORMAT, "%s: not a regular file", name);
-    } else if (sb.st_size < 8) {
+    if (sb.st_size < 8) {
         st = model_errf(err, MODEL_EFORMAT, "%s: truncated: %lld bytes, shorter than the 8-byte header length",
                         name, (long long)sb.st_size);
     } else {
@@ -436,8 +435,29 @@ static enum model_status bind_mat(struct binder *b, const char *name, int rows, 
     return MODEL_OK;
 }
 
+/* The index of the first NaN or infinity of n elements of dtype dt, or n:
+ * an all-ones exponent, read from the bits so the scan is one pass of
+ * integer tests. */
+static size_t first_non_finite(const void *data, enum be_dtype dt, size_t n)
+{
+    if (dt == BE_F32) {
+        const uint32_t *u = data;
+        for (size_t i = 0; i < n; i++)
+            if ((u[i] & 0x7F800000u) == 0x7F800000u)
+                return i;
+        return n;
+    }
+    const uint16_t *h = data; /* bound matrices are aligned to their element */
+    uint16_t exp = dt == BE_F16 ? 0x7C00u : 0x7F80u;
+    for (size_t i = 0; i < n; i++)
+        if ((h[i] & exp) == exp)
+            return i;
+    return n;
+}
+
 /* Norm weights and biases are small and read by every token: they are kept
- * as f32 whatever the checkpoint's dtype. */
+ * as f32 whatever the checkpoint's dtype, and checked for NaN and infinity
+ * at every load (a few thousand values). */
 static enum model_status bind_vec(struct binder *b, const char *name, int len, const float **out)
 {
     const struct st_file *f;
@@ -460,6 +480,10 @@ static enum model_status bind_vec(struct binder *b, const char *name, int len, c
             memcpy(&dst[i], &u, 4);
         }
     }
+    size_t bad = first_non_finite(dst, BE_F32, (size_t)len);
+    if (bad < (size_t)len)
+        return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has a non-finite value (%g) at index %zu", f->name,
+                          name, dst[bad], bad);
     b->next_vector += len;
     *out = dst;
     return MODEL_OK;
@@ -610,4 +634,28 @@ enum model_status model_files_open(const char *dir, const struct model_config *c
     }
     *out = mf;
     return MODEL_OK;
+}
+
+static enum model_status verify_mat(const struct model_mat *m, const char *name, char *err)
+{
+    size_t n = (size_t)m->rows * (size_t)m->cols, bad = first_non_finite(m->data, m->dtype, n);
+    if (bad < n)
+        return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite value (NaN or infinity) at row %zu, column %zu",
+                          name, bad / (size_t)m->cols, bad % (size_t)m->cols);
+    return MODEL_OK;
+}
+
+enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err)
+{
+    enum model_status st = verify_mat(&w->tok_embed, "model.embed_tokens.weight", err);
+    if (st == MODEL_OK && !cfg->tie_word_embeddings)
+        st = verify_mat(&w->lm_head, "lm_head.weight", err);
+    for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
+        for (size_t k = 0; k < sizeof LAYER_MATS / sizeof LAYER_MATS[0] && st == MODEL_OK; k++) {
+            char name[128];
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, LAYER_MATS[k].suffix);
+            st = verify_mat((const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off), name, err);
+        }
+    }
+    return st;
 }

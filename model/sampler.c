@@ -63,8 +63,10 @@ static double next_unit(uint64_t s[4])
 enum model_status sampler_create(const struct sampler_params *p, int vocab, sampler **out)
 {
     *out = NULL;
-    if (vocab <= 0 || p->temperature < 0 || p->top_k < 0 || !(p->top_p > 0 && p->top_p <= 1) ||
-        !(p->min_p >= 0 && p->min_p <= 1) || !(p->repetition_penalty > 0) || !isfinite(p->temperature))
+    /* written so that NaN fails every test */
+    if (vocab <= 0 || !(p->temperature >= 0 && isfinite(p->temperature)) || p->top_k < 0 ||
+        !(p->top_p > 0 && p->top_p <= 1) || !(p->min_p >= 0 && p->min_p <= 1) ||
+        !(p->repetition_penalty > 0 && isfinite(p->repetition_penalty)))
         return MODEL_EINVAL;
     sampler *s = calloc(1, sizeof(*s));
     if (!s)

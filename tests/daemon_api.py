@@ -129,7 +129,7 @@ for t in threads:
     t.start()
 for t in threads:
     t.join(60)
-check(all(out[i][0] == 200 and out[i][1]["kvtier"]["strategy"] == ("quantized" if i % 2 == 0 else "dynamic")
+check(all(out[i][0] == 200 and out[i][1]["kvtier"]["strategy"] == ("quantized" if i % 2 == 0 else "sink")
           for i in range(len(kinds))), "concurrent sink and quantized requests: %s" % [out[i][0] for i in out])
 code, e = d.post("/v1/completions", dict(greedy, cache={"implementation": "fancy"}))
 check(code == 400 and "dynamic" in e["error"]["message"] and "static" in e["error"]["message"],

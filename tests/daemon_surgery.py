@@ -54,6 +54,16 @@ check(want["choices"][0]["tokens"] == warm["choices"][0]["tokens"] and
       want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
       "prefix cache: the same tokens as computing everything (--no-prefix-cache)")
 fresh.stop()
+check("MiB of unreferenced blocks (--prefix-cache-mem), one namespace per uid" in d.logtext(),
+      "the prefix cache's budget and namespaces are logged at start")
+tight = Daemon("--prefix-cache-mem", "1k", model=d.model, tmp=d.tmp)
+tight.sock = os.path.join(d.tmp, "tight.sock")
+tight.start()
+tight.post("/v1/completions", dict(gen, prompt=prompt))
+code, r = tight.post("/v1/completions", dict(gen, prompt=prompt[:96] + [11, 12, 13]))
+check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+      "--prefix-cache-mem 1k: no finished request's blocks are kept")
+tight.stop()
 metrics = d.get("/metrics")[1].decode()
 check("kvtier_prefix_cache_hit_tokens_total 96" in metrics, "/metrics: prefix cache hits")
 
@@ -77,6 +87,21 @@ for bad in ({"n": "3"}, {"n": 1.5}, {}, {"n": -1, "x": 1}):
     code, e = d.post("/v1/sessions/%s/crop" % sid, bad)
     check(code == 400, "crop %s -> 400 (%s)" % (bad, e["error"]["message"][:60]))
 check(crop("sess-nope", -1)[0] == 404, "crop of an unknown session -> 404")
+# an empty session has no ids and no KV: its fork copies nothing (it
+# passed NULL to memcpy, which the sanitizer build aborts on)
+empty = session()["id"]
+code, f = d.post("/v1/sessions/%s/fork" % empty, {})
+check(code == 200 and f["tokens"] == 0, "fork of an empty session -> an empty session")
+check(complete(prompt[:20], session=f["id"])["usage"]["prompt_tokens"] == 20, "the empty fork serves a request")
+# -n of INT64_MIN overflowed in the store (a crash); every |n| past the
+# store's bound is a 400 naming n, and the session is unchanged
+full = session(prompt=prompt[:40])["id"]
+for n in (-2**63, -2**63 + 1, 2**63 - 1, -2**40 - 1, 2**40 + 1):
+    code, e = crop(full, n)
+    check(code == 400 and e["error"]["param"] == "n" and tokens_of(full) == 40,
+          "crop %d -> 400 naming n, session unchanged" % n)
+code, c = crop(full, -2**40)
+check(code == 200 and c["tokens"] == 0, "crop -2^40 (the bound) empties the session")
 
 # ---- partial rewind on a diverging input ---------------------------------------
 s = session()
@@ -185,6 +210,34 @@ check(long_["choices"][0]["tokens"][:30] == dyn["choices"][0]["tokens"][:30],
 code, e = d.post("/v1/sessions", {"prompt": prompt[:10], "cache": sink, "activate_past_recording": True})
 check(code == 400 and "sink" in e["error"]["message"], "sink + past recording -> 400: " + e["error"]["message"])
 code, e = d.post("/v1/completions", dict(gen, prompt=prompt[:30], cache=dict(sink, num_sink_tokens=64)))
-check(code == 400 and e["error"]["param"] == "cache", "num_sink_tokens >= window_length -> 400: " +
+check(code == 400 and e["error"]["param"] == "cache.num_sink_tokens", "num_sink_tokens >= window_length -> 400: " +
       e["error"]["message"])
+check(long_["kvtier"]["strategy"] == "sink" and long_["kvtier"]["requested_strategy"] == "sink",
+      "a sink request reports strategy \"sink\"")
+code, sess = d.post("/v1/sessions", {"prompt": prompt[:10], "cache": sink})
+check(code == 200 and sess["strategy"] == "sink", "a sink session reports strategy \"sink\"")
+
+# ---- what the docs promise about lengths and use_cache ----------------------------------
+d.stop()
+small = Daemon("--ctx-size", "128", model=d.model, tmp=d.tmp)
+small.sock = os.path.join(d.tmp, "small.sock")
+small.start()
+code, r = small.post("/v1/completions", dict(gen, max_tokens=300, prompt=prompt[:10], cache=sink))
+check(code == 200 and len(r["choices"][0]["tokens"]) == 300,
+      "sink: 10 + 300 tokens on a 128-token context (positions stay in the window)")
+code, e = small.post("/v1/completions", dict(gen, max_tokens=300, prompt=prompt[:10]))
+check(code == 400 and e["error"]["param"] == "max_tokens", "dynamic: max_tokens past the context -> 400")
+for impl in ({"implementation": "quantized"}, sink):
+    code, e = small.post("/v1/completions", dict(gen, prompt=prompt[:10], cache=impl, use_cache=False))
+    check(code == 400 and e["error"]["param"] == "use_cache",
+          "use_cache false + %s -> 400 naming use_cache" % impl["implementation"])
+static = {"implementation": "static", "max_cache_len": 20}
+code, r = small.post("/v1/completions", dict(gen, max_tokens=11, prompt=prompt[:10], cache=static))
+check(code == 200 and len(r["choices"][0]["tokens"]) == 11, "static: 10 + 11 - 1 tokens fill max_cache_len 20")
+generated = small.get("/metrics")[1].decode().split("kvtier_generation_tokens_total ")[1].split()[0]
+code, e = small.post("/v1/completions", dict(gen, max_tokens=12, prompt=prompt[:10], cache=static))
+check(code == 400 and e["error"]["param"] == "cache.max_cache_len" and
+      small.get("/metrics")[1].decode().split("kvtier_generation_tokens_total ")[1].split()[0] == generated,
+      "static: 10 + 12 - 1 tokens over max_cache_len 20 -> 400 before any token")
+d = small
 check(d.stop() == 0, "stop")

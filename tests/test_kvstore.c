@@ -676,6 +676,30 @@ static void test_crop_static(void **state)
     kv_seq_free(q);
 }
 
+/* Out-of-range crop arguments are refused before anything changes: -n of
+ * INT64_MIN overflowed into a negative length (a crash in the static ring,
+ * the prefix chain and the paged tables). */
+static void test_crop_out_of_range(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *q[2] = {seq_new(f, KV_DYNAMIC, 0), seq_new(f, KV_STATIC, 8)};
+    int64_t bad[] = {INT64_MIN, INT64_MIN + 1, -KV_SEQ_MAX_LEN - 1, KV_SEQ_MAX_LEN + 1, INT64_MAX};
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(step(q[i], 3), TIER_OK);
+        for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+            assert_int_equal(kv_seq_crop(q[i], bad[k]), TIER_EINVAL);
+            assert_non_null(strstr(kv_store_errmsg(f->store), "n must be between"));
+            assert_int_equal(kv_seq_length(q[i]), 3);
+            check_positions(q[i], 0, 0, 3);
+        }
+        assert_int_equal(kv_seq_crop(q[i], -KV_SEQ_MAX_LEN), TIER_OK); /* the bound itself: empties */
+        assert_int_equal(kv_seq_length(q[i]), 0);
+        assert_int_equal(step(q[i], 2), TIER_OK);
+        check_positions(q[i], 0, 0, 2);
+        kv_seq_free(q[i]);
+    }
+}
+
 /* The §7.3 edge: a cache holding the whole input is cropped to n - 1 so
  * that the last token is fed again and gives logits. */
 static void test_reuse(void **state)
@@ -914,6 +938,65 @@ static void test_prefix_eviction(void **state)
     teardown(&st);
 }
 
+/* The prefix cache's own budget: unreferenced entries beyond it go least
+ * recently used first as soon as they are unreferenced, referenced ones
+ * never; and namespaces never see each other's blocks. */
+static void test_prefix_budget_and_namespaces(void **state)
+{
+    struct fixture *f = *state;
+    int32_t ids[4][9];
+    kv_seq *q;
+    int64_t n;
+    for (int i = 0; i < 4; i++)
+        ids_of(ids[i], 9, 10 + i);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, ids[0]), TIER_OK); /* 2 entries */
+    kv_seq_free(q);
+    size_t entry = kv_store_stats(f->store).prefix_unref_bytes / 2;
+    assert_true(entry > 0);
+    kv_store_set_prefix_mem(f->store, 3 * entry); /* at once down to the budget: nothing to do */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 2);
+    for (int i = 1; i < 3; i++) {
+        assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+        assert_int_equal(step_ids(q, 8, ids[i]), TIER_OK);
+        kv_seq_free(q);
+        assert_true(kv_store_stats(f->store).prefix_unref_bytes <= 3 * entry);
+    }
+    /* 6 entries were published, 3 fit: ids[0]'s chain went first, then
+     * ids[1]'s tail (leaves first) */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 3);
+    assert_int_equal(kv_store_stats(f->store).prefix_evictions, 3);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids[0], 9, &n), TIER_OK);
+    assert_int_equal(n, 0);
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids[2], 9, &n), TIER_OK);
+    assert_int_equal(n, 8);
+    /* referenced entries stay whatever the budget */
+    kv_store_set_prefix_mem(f->store, 1);
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 2);
+    kv_seq_free(q);
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 0);
+
+    /* namespaces: a chain published in one is found only there */
+    kv_store_set_prefix_mem(f->store, 0);
+    struct kv_seq_params p1 = {.prefix_ns = 1}, p2 = {.prefix_ns = 2};
+    assert_int_equal(kv_seq_create(f->store, &p1, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, ids[3]), TIER_OK);
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(f->store, &p2, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids[3], 9, &n), TIER_OK);
+    assert_int_equal(n, 0);
+    assert_int_equal(step_ids(q, 8, ids[3]), TIER_OK); /* publishes its own copy: no dedupe across */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 4);
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(f->store, &p1, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids[3], 9, &n), TIER_OK);
+    assert_int_equal(n, 8);
+    kv_seq_free(q);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -938,6 +1021,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_static, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_crop_out_of_range, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_prefix_budget_and_namespaces, setup_prefix, teardown),
         cmocka_unit_test_setup_teardown(test_reuse, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_cow, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_offloaded, setup_w4, teardown),

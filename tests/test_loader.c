@@ -14,6 +14,7 @@
 #include <cmocka.h>
 
 #include <ftw.h>
+#include <math.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +23,7 @@
 #include <unistd.h>
 
 #include "model/model.h"
+#include "text/tokenizer.h"
 
 /* ---- the temporary model directory ---------------------------------------- */
 
@@ -954,6 +956,12 @@ static void test_bad_config(void **state)
     expect_fail(MODEL_ECONFIG, "config.json", "intermediate_size", NULL);
     config_with("rms_norm_eps", json_real(-1e-5));
     expect_fail(MODEL_ECONFIG, "config.json", "rms_norm_eps", NULL);
+    config_with("rms_norm_eps", json_real(1e-300)); /* 0 as the float the model reads */
+    expect_fail(MODEL_ECONFIG, "config.json", "rms_norm_eps", NULL);
+    config_with("max_position_embeddings", json_integer(0));
+    expect_fail(MODEL_ECONFIG, "config.json", "max_position_embeddings=0", NULL);
+    config_with("num_attention_heads", json_integer(-4));
+    expect_fail(MODEL_ECONFIG, "config.json", "num_attention_heads=-4", NULL);
     config_with("rope_theta", json_real(0));
     expect_fail(MODEL_ECONFIG, "config.json", "rope_theta", NULL);
     config_with("torch_dtype", json_string("int8"));
@@ -1012,6 +1020,102 @@ static void test_bad_windows(void **state)
     write_json("config.json", c);
     expect_fail(MODEL_ECONFIG, "config.json", "sliding_window=0", NULL);
     json_decref(c);
+    s = spec_of("MistralForCausalLM");
+    c = spec_config(&s);
+    json_object_set_new(c, "sliding_window", json_integer(-5));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "sliding_window=-5", NULL);
+    json_object_set_new(c, "sliding_window", json_real(4.5));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "sliding_window must be an integer", NULL);
+    json_decref(c);
+}
+
+/* A FIFO (or any non-regular file) in the model directory is refused at
+ * once: open() without O_NONBLOCK waited for a writer forever. */
+static void test_fifo(void **state)
+{
+    (void)state;
+    alarm(20); /* a hang fails the test instead of the whole run */
+    const char *names[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"};
+    struct spec s = spec_of("LlamaForCausalLM");
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, "%s/%s", g_dir, names[i]);
+        write_model(&s);
+        unlink(path);
+        assert_int_equal(mkfifo(path, 0600), 0);
+        if (i < 3) {
+            expect_fail(MODEL_EFORMAT, names[i], "not a regular file", NULL);
+        } else {
+            char err[MODEL_ERR_LEN] = "";
+            tokenizer *t = NULL;
+            assert_int_equal(tokenizer_load(g_dir, &t, err), TEXT_EIO);
+            assert_non_null(strstr(err, "not a regular file"));
+        }
+        unlink(path);
+    }
+    alarm(0);
+}
+
+/* Writes a NaN over element i of tensor name in model.safetensors. */
+static void poke_nan(const char *name, size_t i)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/model.safetensors", g_dir);
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    uint8_t len[8];
+    assert_int_equal(fread(len, 1, 8, f), 8);
+    uint64_t hlen = 0;
+    for (int k = 7; k >= 0; k--)
+        hlen = hlen << 8 | len[k];
+    char *h = malloc(hlen + 1);
+    assert_non_null(h);
+    assert_int_equal(fread(h, 1, hlen, f), hlen);
+    json_t *root = json_loadb(h, hlen, 0, NULL);
+    free(h);
+    json_t *t = json_object_get(root, name);
+    assert_non_null(t);
+    const char *dt = json_string_value(json_object_get(t, "dtype"));
+    size_t at = 8 + hlen + (size_t)json_integer_value(json_array_get(json_object_get(t, "data_offsets"), 0)) +
+                i * dtype_bytes(dt);
+    uint8_t nan[4];
+    encode(dt, NAN, nan);
+    assert_int_equal(fseek(f, (long)at, SEEK_SET), 0);
+    assert_int_equal(fwrite(nan, 1, dtype_bytes(dt), f), dtype_bytes(dt));
+    assert_int_equal(fclose(f), 0);
+    json_decref(root);
+}
+
+/* NaN and infinity: always refused in the 1-D tensors (converted at load),
+ * in the matrices by model_weights_verify (kvtierd --verify-weights). */
+static void test_non_finite_weights(void **state)
+{
+    (void)state;
+    const char *dtypes[] = {"F32", "F16", "BF16"};
+    for (int d = 0; d < 3; d++) {
+        struct spec s = spec_of("LlamaForCausalLM");
+        s.dtype = dtypes[d];
+        write_model(&s);
+        poke_nan("model.layers.1.post_attention_layernorm.weight", 3);
+        expect_fail(MODEL_EFORMAT, "model.layers.1.post_attention_layernorm.weight", "non-finite", "index 3", NULL);
+
+        write_model(&s);
+        poke_nan("model.layers.2.mlp.down_proj.weight", 30);
+        struct loaded m;
+        load_ok(&m); /* the matrices are mapped, not read */
+        char err[MODEL_ERR_LEN] = "";
+        assert_int_equal(model_weights_verify(&m.cfg, &m.w, err), MODEL_EFORMAT);
+        assert_non_null(strstr(err, "model.layers.2.mlp.down_proj.weight"));
+        assert_non_null(strstr(err, "row 1, column 6")); /* down_proj is (dim 16, ffn 24) */
+        unload(&m);
+
+        write_model(&s);
+        load_ok(&m);
+        assert_int_equal(model_weights_verify(&m.cfg, &m.w, err), MODEL_OK);
+        unload(&m);
+    }
 }
 
 static void test_strerror(void **state)
@@ -1043,6 +1147,8 @@ int main(void)
         T(test_bad_tensors),
         T(test_bad_config),
         T(test_bad_windows),
+        T(test_fifo),
+        T(test_non_finite_weights),
         T(test_strerror),
     };
 #undef T

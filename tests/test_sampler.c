@@ -138,6 +138,16 @@ static void test_bad_params(void **state)
     sampler_params_default(&p);
     p.repetition_penalty = 0;
     assert_int_equal(sampler_create(&p, 4, &s), MODEL_EINVAL);
+    /* non-finite values are invalid parameters, never a memory failure */
+    float odd[] = {NAN, INFINITY, -INFINITY};
+    for (int i = 0; i < 3; i++) {
+        float *fields[] = {&p.temperature, &p.top_p, &p.min_p, &p.repetition_penalty};
+        for (int k = 0; k < 4; k++) {
+            sampler_params_default(&p);
+            *fields[k] = odd[i];
+            assert_int_equal(sampler_create(&p, 4, &s), MODEL_EINVAL);
+        }
+    }
     assert_null(s);
     sampler_free(NULL);
 }

@@ -12,9 +12,11 @@
 #include <jansson.h>
 #include <limits.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include "text/tokenizer_internal.h"
+#include "util/file.h"
 
 /* GPT-2's pre-tokenizer regex, used by ByteLevel when use_regex is true. */
 static const char GPT2_REGEX[] =
@@ -1002,14 +1004,19 @@ static enum text_status load_tokenizer_json(struct loader *L, const char *text, 
 static enum text_status read_file(struct loader *L, const char *path, char **data, size_t *len)
 {
     *data = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return LFAIL(L, errno == ENOENT ? TEXT_ENOENT : TEXT_EIO, "%s: %s", path, strerror(errno));
     struct stat sb;
+    int fd = file_open_regular(path, &sb);
+    if (fd == FILE_NOT_REGULAR)
+        return LFAIL(L, TEXT_EIO, "%s: not a regular file", path);
+    if (fd < 0)
+        return LFAIL(L, errno == ENOENT ? TEXT_ENOENT : TEXT_EIO, "%s: %s", path, strerror(errno));
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return oom(L);
+    }
     enum text_status st = TEXT_OK;
-    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode))
-        st = LFAIL(L, TEXT_EIO, "%s: not a regular file", path);
-    else if ((uint64_t)sb.st_size >= UINT32_MAX)
+    if ((uint64_t)sb.st_size >= UINT32_MAX)
         st = LFAIL(L, TEXT_EFORMAT, "%s: %lld bytes is too large for a tokenizer", path, (long long)sb.st_size);
     else if (!(*data = malloc((size_t)sb.st_size + 1)))
         st = oom(L);

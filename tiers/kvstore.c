@@ -232,6 +232,7 @@ struct kv_store_stats kv_store_stats(const kv_store *s)
         .fallbacks = s->fallbacks,
         .prefix_entries = s->n_entries,
         .prefix_evictable = s->n_unref,
+        .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes,
         .prefix_hit_tokens = s->prefix_hits,
         .prefix_evictions = s->prefix_evictions,
         .xfer = s->total,
@@ -1073,6 +1074,9 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
     if (n_new <= 0 || q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_reserve of %d tokens%s", n_new, q->pending ? " inside a step" : "");
     int64_t end = q->len + n_new;
+    if (end > KV_SEQ_MAX_LEN)
+        return kv_fail(s, TIER_EINVAL, "kv_seq_reserve: %lld + %d tokens is over the %lld a sequence may see",
+                       (long long)q->len, n_new, (long long)KV_SEQ_MAX_LEN);
     if (is_static(q->strategy) && end > q->p.max_cache_len && has_full_layer(q))
         return kv_fail(s, TIER_EFULL, "static cache is full: max_cache_len %lld, %lld cached + %d new tokens",
                        (long long)q->p.max_cache_len, (long long)q->len, n_new);
@@ -1275,6 +1279,10 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_crop during a step");
+    /* bounded first: -n and len - n below must not overflow */
+    if (n < -KV_SEQ_MAX_LEN || n > KV_SEQ_MAX_LEN)
+        return kv_fail(s, TIER_EINVAL, "crop(%lld): n must be between %lld and %lld", (long long)n,
+                       (long long)-KV_SEQ_MAX_LEN, (long long)KV_SEQ_MAX_LEN);
     if (q->kvq)
         return kvq_unsupported(q, "crop");
     /* every refusal comes before the first change (invariant 4) */

@@ -83,7 +83,7 @@ struct kv_seq_params {
      * stats) and stream only the rest. */
     bool adaptive;
     /* Fail with TIER_ENOMEM_DEV instead of continuing offloaded when the
-     * device tier runs out (reliability.md T4 "allow_offload=false"). */
+     * device tier runs out (the request's allow_offload: false; docs/reliability.md). */
     bool no_fallback;
     /* The sliding_window strategy on top of any of the above: every layer
      * slides with this window (a layer the model already slides narrower
@@ -92,6 +92,11 @@ struct kv_seq_params {
     int window_length;
     /* Opt out of the store's prefix cache (see kv_seq_match_prefix). */
     bool no_prefix_cache;
+    /* The prefix cache's namespace: blocks are shared only between
+     * sequences of the same one (the daemon gives each uid its own, so
+     * that cached_tokens and timing do not tell one user what another
+     * sent).  0 is as good as any other value. */
+    uint64_t prefix_ns;
     /* KV_QUANTIZED: the backend, nbits, axes, group and residual
      * (kv_quant_parse / kv_quant_defaults); validated at creation. */
     struct kv_quant_params quant;
@@ -124,6 +129,11 @@ struct kv_store_params {
     uint64_t prefix_hash_mask;
 };
 
+/* The most tokens a sequence may see, and the largest |n| kv_seq_crop
+ * takes: far beyond any context, and small enough that lengths, positions
+ * and crop arguments add and negate in int64_t without overflow. */
+#define KV_SEQ_MAX_LEN ((int64_t)1 << 40)
+
 enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out);
 /* The same with a host-tier budget; p = NULL means all defaults. */
 enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const struct kv_store_params *p,
@@ -134,6 +144,11 @@ enum be_dtype kv_store_dtype(const kv_store *s); /* kv_geom.dtype: how dense blo
 /* What the last failing call on this store (or one of its sequences) was
  * refused for, e.g. "host tier budget 64.0 MiB exhausted: ..."; "" if none. */
 const char *kv_store_errmsg(const kv_store *s);
+/* The prefix cache's own budget: the bytes of cached blocks no sequence
+ * references may not exceed it; past it the least recently used go first
+ * (at once, down to the new budget).  0 (the default) sets none: they then
+ * go only when the device budget needs room. */
+void kv_store_set_prefix_mem(kv_store *s, size_t bytes);
 
 /* Streaming figures.  Transfer time is the time the copy stream spent on
  * the step's copies (from the first issue to the last completion, measured
@@ -156,6 +171,7 @@ struct kv_store_stats {
     uint64_t fallbacks;    /* sequences moved to the host tier after a device OOM */
     uint64_t prefix_entries;   /* token blocks in the prefix cache (each one pool block per layer) */
     uint64_t prefix_evictable; /* of those, referenced by no sequence */
+    size_t prefix_unref_bytes;  /* their device bytes, which kv_store_set_prefix_mem bounds */
     uint64_t prefix_hit_tokens;/* tokens attached by kv_seq_match_prefix so far */
     uint64_t prefix_evictions;
     struct kv_xfer_stats xfer;      /* since the store was created */
@@ -206,7 +222,8 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why);
  * sliding layer has seen its window, every crop needs past recording:
  * TIER_ECONFLICT with the reference's message; removing more than was
  * recorded since the last crop is TIER_ECONFLICT too (the reference loses
- * states silently there).  All or nothing. */
+ * states silently there).  |n| > KV_SEQ_MAX_LEN is TIER_EINVAL.  All or
+ * nothing. */
 enum tier_status kv_seq_crop(kv_seq *q, int64_t n);
 /* Sliding layers keep every state until the next crop (HF
  * activate_past_recording).  TIER_ENOTSUP on a static strategy with

@@ -64,6 +64,7 @@ struct kv_pentry {
     int children;               /* cached entries whose parent this is */
     struct kv_block **blocks;   /* [n_layers] */
     int32_t *tokens;            /* [bt] */
+    uint64_t ns;                /* kv_seq_params.prefix_ns of the sequence that published it */
 };
 
 struct kv_layer {
@@ -138,6 +139,7 @@ struct kv_store {
     size_t n_buckets, n_entries;
     struct kv_pentry *lru_head, *lru_tail; /* oldest first */
     size_t n_unref;
+    size_t prefix_mem; /* budget of the n_unref entries' bytes; 0 = none */
     uint64_t prefix_hits, prefix_evictions;
     uint64_t fallbacks;
     /* sequences with a reservation (the current step's batch) */

@@ -15,6 +15,14 @@
  * window moves, so a cached prefix could not be restored for it; static
  * and offloaded layers live in rings, not shareable blocks.
  *
+ * Namespaces: an entry belongs to the namespace (kv_seq_params.prefix_ns)
+ * of the sequence that published it, and only sequences of that namespace
+ * find it: the daemon keeps users apart this way.
+ *
+ * Budget: the bytes of unreferenced entries are kept within
+ * kv_store_set_prefix_mem's budget, least recently used first, as soon as
+ * an entry becomes unreferenced; the device budget may evict more.
+ *
  * Entry states: referenced (refs > 0: some sequence table holds one of its
  * blocks, or children > 0: a cached entry continues its chain) -> evictable
  * (both 0; on the LRU list, oldest first) -> evicted (its blocks return to
@@ -42,18 +50,22 @@
 #include <string.h>
 #include <xxhash.h>
 
-static uint64_t chain_hash(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens)
+/* Block 0 is seeded with the namespace, so namespaces spread over the
+ * buckets; the lookup compares ns itself, as it does the ids. */
+static uint64_t chain_hash(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens, uint64_t ns)
 {
-    return XXH3_64bits_withSeed(tokens, (size_t)s->bt * sizeof(int32_t), parent ? parent->hash : 0) & s->hash_mask;
+    return XXH3_64bits_withSeed(tokens, (size_t)s->bt * sizeof(int32_t), parent ? parent->hash : ns) & s->hash_mask;
 }
 
-static struct kv_pentry *lookup(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens)
+static struct kv_pentry *lookup(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens,
+                                uint64_t ns)
 {
     if (!s->n_buckets)
         return NULL;
-    uint64_t h = chain_hash(s, parent, tokens);
+    uint64_t h = chain_hash(s, parent, tokens, ns);
     for (struct kv_pentry *e = s->buckets[h & (s->n_buckets - 1)]; e; e = e->next)
-        if (e->hash == h && e->parent == parent && !memcmp(e->tokens, tokens, (size_t)s->bt * sizeof(int32_t)))
+        if (e->hash == h && e->parent == parent && e->ns == ns &&
+            !memcmp(e->tokens, tokens, (size_t)s->bt * sizeof(int32_t)))
             return e;
     return NULL;
 }
@@ -90,6 +102,15 @@ void prefix_hold(kv_store *s, struct kv_pentry *e)
         lru_unlink(s, e);
 }
 
+/* Evicts least recently used entries until the unreferenced ones fit
+ * s->prefix_mem.  Their blocks have no reference, so no table changes. */
+static void fit_budget(kv_store *s)
+{
+    size_t entry_bytes = (size_t)s->g.n_layers * s->block_bytes;
+    while (s->prefix_mem && s->n_unref * entry_bytes > s->prefix_mem && prefix_evict_one(s))
+        ;
+}
+
 void prefix_unhold(kv_store *s, struct kv_pentry *e)
 {
     if (--e->refs > 0)
@@ -97,6 +118,13 @@ void prefix_unhold(kv_store *s, struct kv_pentry *e)
     s->n_unref++;
     if (!e->children)
         lru_link(s, e, false);
+    fit_budget(s);
+}
+
+void kv_store_set_prefix_mem(kv_store *s, size_t bytes)
+{
+    s->prefix_mem = bytes;
+    fit_budget(s);
 }
 
 /* ---- entries -------------------------------------------------------------- */
@@ -177,7 +205,8 @@ static struct kv_pentry *entry_new(kv_seq *q, int64_t b)
     e->tokens = (int32_t *)(e->blocks + nl);
     memcpy(e->tokens, q->ids, (size_t)s->bt * sizeof(int32_t));
     e->parent = q->pub_tail;
-    e->hash = chain_hash(s, e->parent, e->tokens);
+    e->ns = q->p.prefix_ns;
+    e->hash = chain_hash(s, e->parent, e->tokens, e->ns);
     for (int l = 0; l < nl; l++) {
         struct kv_block *blk = q->layers[l].pb[b]; /* full paged layers: base 0 */
         blk->pub = e;
@@ -267,7 +296,7 @@ void prefix_publish(kv_seq *q)
     q->ids_set = false;
     while ((q->pub_blocks + 1) * s->bt <= q->len) {
         int64_t b = q->pub_blocks;
-        struct kv_pentry *e = lookup(s, q->pub_tail, q->ids);
+        struct kv_pentry *e = lookup(s, q->pub_tail, q->ids, q->p.prefix_ns);
         if (e)
             dedupe(q, b, e);
         else if (!(e = entry_new(q, b))) {
@@ -323,7 +352,7 @@ enum tier_status kv_seq_match_prefix(kv_seq *q, const int32_t *tokens, int64_t n
     /* whole blocks only, and never the last token: its logits are needed */
     int64_t nb = 0;
     struct kv_pentry *tail = NULL, *e;
-    while ((nb + 1) * s->bt < n && (e = lookup(s, tail, tokens + nb * s->bt))) {
+    while ((nb + 1) * s->bt < n && (e = lookup(s, tail, tokens + nb * s->bt, q->p.prefix_ns))) {
         tail = e;
         nb++;
     }
