@@ -1,4 +1,6 @@
-/* generate.h - sampling and the single-sequence generation loop.
+/* generate.h - sampling, the per-sequence generation logic (gen_seq) that
+ * the tools' loop and the daemon's batched loop share, and the
+ * single-sequence loop.
  *
  * The sampler follows the Hugging Face logits-processor order:
  * repetition_penalty -> temperature -> top_k -> top_p -> min_p -> sample.
@@ -6,6 +8,8 @@
  */
 #ifndef KVTIER_GENERATE_H
 #define KVTIER_GENERATE_H
+
+#include <pthread.h>
 
 #include "model/model.h"
 #include "text/tokenizer.h"
@@ -43,11 +47,60 @@ struct stop_matcher {
  * can be emitted without risking a partial stop string. */
 bool stop_check(const struct stop_matcher *m, const char *text, size_t len, size_t *emit_len);
 
-/* Whether id ends generation: one of the eos ids of config.json /
- * generation_config.json, or the tokenizer's own eos token. */
-bool gen_is_eos(const struct model_config *c, const tokenizer *tok, int32_t id);
+/* Why a sequence ended; GEN_FINISH_NONE while it goes on. */
+enum gen_finish { GEN_FINISH_NONE = 0, GEN_FINISH_LENGTH, GEN_FINISH_EOS, GEN_FINISH_STOP, GEN_FINISH_CALLBACK };
 
-enum gen_finish { GEN_FINISH_LENGTH = 0, GEN_FINISH_EOS, GEN_FINISH_STOP, GEN_FINISH_CALLBACK };
+struct gen_seq_params {
+    struct sampler_params sampling;
+    int max_new;              /* generated tokens at most; the context bounds them too */
+    int ctx;                  /* prompt + generated tokens at most */
+    bool ignore_eos;
+    const char *const *stops; /* stop strings, borrowed for the sequence's lifetime */
+    int n_stops;
+    /* Held while the text buffer moves, so that another thread may read
+     * text[0, vis) under it (the daemon's event loop); NULL: no reader. */
+    pthread_mutex_t *text_lock;
+};
+
+/* One generated sequence, the per-token logic every generation loop
+ * shares: sampling, end of sequence, the length limit, streaming decode
+ * and stop strings.  The caller runs the forward passes and feeds
+ * toks[fed, n_toks) to its KV. */
+struct gen_seq {
+    int32_t *toks;          /* prompt + generated ids; allocated once, never moves */
+    size_t n_toks, n_prompt;
+    int gen;                /* generated ids */
+    char *text;             /* decoded text of the generated ids (text_lock held when it moves) */
+    size_t vis;             /* text[0, vis) is final: it never holds part of a stop string */
+    enum gen_finish finish; /* the caller may set it for a sequence it ends itself */
+    /* ---- private ---- */
+    size_t raw, scan, text_cap; /* decoded bytes; where stop matching resumes */
+    int max_new;
+    bool ignore_eos;
+    struct stop_matcher stops;
+    pthread_mutex_t *text_lock;
+    const struct model_config *mc;
+    const tokenizer *tok;
+    sampler *smp;
+    struct tok_stream ts;
+};
+
+/* Sets s up for prompt[0, n) (copied; n >= 1).  On failure s is left so
+ * that gen_seq_free accepts it: MODEL_EINVAL for sampling parameters the
+ * sampler refuses, MODEL_ENOMEM. */
+enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, const tokenizer *tok,
+                               const struct gen_seq_params *p, const int32_t *prompt, size_t n);
+/* The next id from the logits of toks[n_toks - 1]; logits are modified
+ * (sampler_sample). */
+int32_t gen_seq_sample(struct gen_seq *s, float *logits);
+/* Appends id and decides whether the sequence ends (s->finish).  The text
+ * grows by what id decodes to; what can no longer become a stop string is
+ * visible (vis), and on any end but a stop string the held-back rest is
+ * too.  MODEL_ENOMEM when the text cannot grow. */
+enum model_status gen_seq_accept(struct gen_seq *s, int32_t id);
+/* Frees the sampler's scratch once no more ids come; ids and text stay. */
+void gen_seq_end(struct gen_seq *s);
+void gen_seq_free(struct gen_seq *s); /* accepts a zeroed one */
 
 struct gen_params {
     struct sampler_params sampling;
@@ -66,8 +119,7 @@ void gen_params_default(struct gen_params *p);
 typedef bool (*gen_text_cb)(void *ud, const char *text, size_t len);
 
 struct gen_result {
-    struct tok_ids tokens;    /* generated ids (caller frees tokens.ids) */
-    enum gen_finish finish;
+    struct gen_seq seq;       /* ids, text and finish; the caller frees it with gen_seq_free */
     double prefill_ms, decode_ms;
 };
 
