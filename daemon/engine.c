@@ -400,17 +400,6 @@ void engine_count_error(engine *e, enum ipc_status st)
 
 /* ---- admission and retirement (engine thread) --------------------------------- */
 
-/* Tokens of the session's KV that are a real prefix of the new input (HF
- * checks only the length).  At least the last prompt token is recomputed:
- * its logits start the generation. */
-static size_t common_prefix(const struct session *s, const int32_t *p, size_t n)
-{
-    size_t k = 0;
-    while (k < s->n_toks && k < n && s->toks[k] == p[k])
-        k++;
-    return k == n && k ? k - 1 : k;
-}
-
 /* The store's refusal as a client error; kv_store_errmsg names the budget,
  * the parameter or (409) the reference's explanation.  param: the request
  * field the call came from. */
@@ -477,21 +466,17 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
             p.max_cache_len = (int64_t)(j->n_prompt + (size_t)j->max_new);
         return kv_open(e, &p, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
     }
-    size_t keep = common_prefix(s, j->prompt, j->n_prompt);
-    if (s->kv && keep < s->n_toks) {
-        /* The KV holds tokens the new input does not continue (an edited
-         * turn, or the whole input re-sent: its last token is recomputed).
-         * Rewind to the common prefix; a sliding layer that already dropped
-         * those states without past recording cannot, and the session
-         * starts over. */
-        enum tier_status ts = kv_seq_crop(s->kv, -(int64_t)(s->n_toks - keep));
-        if (ts != TIER_OK) {
-            log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
-            kv_seq_free(s->kv);
-            s->kv = NULL;
-        }
+    /* The session's KV is reused as far as it is a real prefix of the new
+     * input (HF checks only the length): an edited turn rewinds it.  A
+     * sliding layer that already dropped the states to rewind to without
+     * past recording cannot, and the session starts over. */
+    int64_t keep = 0;
+    if (s->kv && kv_seq_reuse(s->kv, s->toks, j->prompt, (int64_t)j->n_prompt, &keep) != TIER_OK) {
+        log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
+        kv_seq_free(s->kv);
+        s->kv = NULL;
     }
-    c->n_fed = keep;
+    c->n_fed = (size_t)keep;
     c->kv = s->kv;
     if (s->kv)
         return IPC_OK;

@@ -658,21 +658,45 @@ static void test_crop_static(void **state)
     kv_seq_free(q);
 }
 
-/* The §7.3 edge: a cache holding the whole input is cropped to n - 1 so
+/* A session's next input: the KV is kept as far as its ids are a prefix
+ * of the input, and a cache holding the whole input is cropped to n - 1 so
  * that the last token is fed again and gives logits. */
 static void test_reuse(void **state)
 {
     struct fixture *f = *state;
+    const int32_t held[] = {7, 8, 9}, longer[] = {7, 8, 9, 10, 11}, edited[] = {7, 5, 9, 10};
     kv_seq *q;
-    int64_t skip;
+    int64_t keep;
     assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
     assert_int_equal(step(q, 3), TIER_OK);
-    assert_int_equal(kv_seq_reuse(q, 5, &skip), TIER_OK);
-    assert_int_equal(skip, 3);
-    assert_int_equal(kv_seq_reuse(q, 3, &skip), TIER_OK);
-    assert_int_equal(skip, 2);
+    assert_int_equal(kv_seq_reuse(q, held, longer, 5, &keep), TIER_OK);
+    assert_int_equal(keep, 3);
+    assert_int_equal(kv_seq_length(q), 3);
+    assert_int_equal(kv_seq_reuse(q, held, held, 3, &keep), TIER_OK);
+    assert_int_equal(keep, 2);
     assert_int_equal(kv_seq_length(q), 2);
-    assert_int_equal(kv_seq_reuse(q, 0, &skip), TIER_EINVAL);
+    assert_int_equal(kv_seq_reuse(q, held, edited, 4, &keep), TIER_OK);
+    assert_int_equal(keep, 1);
+    check_positions(q, 0, 0, 1);
+    assert_int_equal(kv_seq_reuse(q, held, held, 0, &keep), TIER_EINVAL);
+    assert_int_equal(kv_seq_length(q), 1);
+    kv_seq_free(q);
+}
+
+/* A sliding layer past its window without past recording cannot rewind:
+ * the reuse fails as the crop does and leaves the sequence as it was. */
+static void test_reuse_sliding_unrecorded(void **state)
+{
+    struct fixture *f = *state;
+    const int32_t held[] = {1, 2, 3, 4, 5, 6}, edited[] = {1, 2, 3, 9, 9, 9, 9};
+    kv_seq *q;
+    int64_t keep = -1;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step(q, 6), TIER_OK);
+    assert_int_equal(kv_seq_reuse(q, held, edited, 7, &keep), TIER_ECONFLICT);
+    assert_int_equal(keep, 0);
+    assert_int_equal(kv_seq_length(q), 6);
+    check_positions(q, 1, 3, 6);
     kv_seq_free(q);
 }
 
@@ -921,6 +945,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_static, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_reuse, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_reuse_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_cow, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_offloaded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_match, setup_prefix, teardown),

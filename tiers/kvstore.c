@@ -1324,17 +1324,21 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
     return TIER_OK;
 }
 
-enum tier_status kv_seq_reuse(kv_seq *q, int64_t n_input, int64_t *n_skip)
+enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input,
+                              int64_t *n_keep)
 {
-    *n_skip = 0;
+    *n_keep = 0;
     if (n_input <= 0)
         return kv_fail(q->s, TIER_EINVAL, "kv_seq_reuse of an empty input");
-    if (q->len >= n_input) {
-        enum tier_status st = kv_seq_crop(q, -(q->len - n_input + 1));
+    int64_t k = 0;
+    while (k < q->len && k < n_input - 1 && held[k] == input[k])
+        k++;
+    if (k < q->len) {
+        enum tier_status st = kv_seq_crop(q, -(q->len - k));
         if (st != TIER_OK)
             return st;
     }
-    *n_skip = q->len;
+    *n_keep = k;
     return TIER_OK;
 }
 
