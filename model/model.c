@@ -72,11 +72,6 @@ const struct model_weights *model_get_weights(const model *m)
     return &m->w;
 }
 
-be_backend *model_backend(const model *m)
-{
-    return m->be;
-}
-
 struct kv_geom model_kv_geom(const model *m)
 {
     return (struct kv_geom){

@@ -177,11 +177,6 @@ enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const st
     return TIER_OK;
 }
 
-enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out)
-{
-    return kv_store_open(be, g, &(struct kv_store_params){.block_tokens = block_tokens}, out);
-}
-
 void kv_store_free(kv_store *s)
 {
     if (!s)
@@ -286,7 +281,7 @@ static enum tier_status pool_grow(kv_store *s)
 
 /* Returns the pool chunks none of whose blocks is in use to the device, so
  * that a sequence moved to the host tier really frees device budget. */
-void kv_store_trim(kv_store *s)
+static void kv_store_trim(kv_store *s)
 {
     size_t keep = 0;
     for (size_t c = 0; c < s->n_chunks; c++) {

@@ -124,8 +124,7 @@ struct kv_store_params {
     uint64_t prefix_hash_mask;
 };
 
-enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out);
-/* The same with a host-tier budget; p = NULL means all defaults. */
+/* p = NULL means all defaults. */
 enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const struct kv_store_params *p,
                                kv_store **out);
 void kv_store_free(kv_store *s); /* accepts NULL; all sequences must be freed first */
