@@ -3,6 +3,7 @@
  * batched loop runs gen_seq too.
  */
 #include "model/generate.h"
+#include "model/sampler.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,7 +52,8 @@ enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, 
                           .text_cap = 256,
                           .max_new = (int)(max_new < room ? max_new : room),
                           .ignore_eos = p->ignore_eos,
-                          .stops = {p->stops, p->n_stops},
+                          .stops = p->stops,
+                          .n_stops = p->n_stops,
                           .text_lock = p->text_lock,
                           .mc = c,
                           .tok = tok};
@@ -103,8 +105,9 @@ static bool append_text(struct gen_seq *s, int32_t id)
         n = tokenizer_decode_stream(s->tok, &s->ts, id, true, s->text + s->raw, s->text_cap - s->raw - 1);
     }
     s->raw += n;
+    struct stop_matcher m = {s->stops, s->n_stops};
     size_t emit;
-    if (stop_check(&s->stops, s->text + s->scan, s->raw - s->scan, &emit)) {
+    if (stop_check(&m, s->text + s->scan, s->raw - s->scan, &emit)) {
         s->raw = s->vis = s->scan + emit;
         s->finish = GEN_FINISH_STOP;
     } else {

@@ -1,10 +1,9 @@
-/* generate.h - sampling, the per-sequence generation logic (gen_seq) that
- * the tools' loop and the daemon's batched loop share, and the
- * single-sequence loop.
+/* generate.h - the per-sequence generation logic (gen_seq) that the tools'
+ * loop and the daemon's batched loop share, and the single-sequence loop.
  *
- * The sampler follows the Hugging Face logits-processor order:
- * repetition_penalty -> temperature -> top_k -> top_p -> min_p -> sample.
- * temperature == 0 is greedy (argmax, first index on ties).
+ * The sampler (model/sampler.h) follows the Hugging Face logits-processor
+ * order: repetition_penalty -> temperature -> top_k -> top_p -> min_p ->
+ * sample.  temperature == 0 is greedy (argmax, first index on ties).
  */
 #ifndef KVTIER_GENERATE_H
 #define KVTIER_GENERATE_H
@@ -28,24 +27,6 @@ struct sampler_params {
 void sampler_params_default(struct sampler_params *p); /* greedy, everything off, seed 0 */
 
 typedef struct sampler sampler;
-enum model_status sampler_create(const struct sampler_params *p, int vocab, sampler **out);
-void sampler_free(sampler *s); /* accepts NULL */
-/* Picks the next token.  logits[vocab] is modified in place (penalised,
- * scaled, filtered).  history: tokens seen so far (prompt + generated), for
- * the repetition penalty. */
-int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t n_hist);
-
-/* Stop-string matcher over streamed text: reports how many bytes of the text
- * so far are safe to emit (cannot be the start of a stop string) and whether
- * a stop string was completed. */
-struct stop_matcher {
-    const char *const *stops;
-    int n_stops;
-};
-/* Returns true when text[0..len) contains a stop string; *emit_len is then
- * the length of the text before it.  Otherwise *emit_len is the length that
- * can be emitted without risking a partial stop string. */
-bool stop_check(const struct stop_matcher *m, const char *text, size_t len, size_t *emit_len);
 
 /* Why a sequence ended; GEN_FINISH_NONE while it goes on. */
 enum gen_finish { GEN_FINISH_NONE = 0, GEN_FINISH_LENGTH, GEN_FINISH_EOS, GEN_FINISH_STOP, GEN_FINISH_CALLBACK };
@@ -77,7 +58,8 @@ struct gen_seq {
     size_t raw, scan, text_cap; /* decoded bytes; where stop matching resumes */
     int max_new;
     bool ignore_eos;
-    struct stop_matcher stops;
+    const char *const *stops;
+    int n_stops;
     pthread_mutex_t *text_lock;
     const struct model_config *mc;
     const tokenizer *tok;
