@@ -1,11 +1,11 @@
-/* Description: the paged KV store - block accounting, the HF sliding-window
- * vectors of cache-semantics.md §10.1/§10.3 (storage W-1, seq_length
- * absolute), bounded memory, and transactional reserve under injected
- * device-allocation failures; the tiers - the static vectors of §2.1/§2.2
- * and §10.5/§10.6 (returned vs stored rows, overflow), no device
- * allocation in a static decode loop, offload residency (§10.10), the move
- * to the host tier and the host-tier budget; the host pool's slabs
- * (carving, coalescing, reuse, release, few backend allocations).
+/* Description: the paged KV store - block accounting, HF's dynamic and
+ * sliding-window layers (storage W-1, seq_length absolute), bounded memory,
+ * and transactional reserve under injected device-allocation failures; the
+ * tiers - HF's static layers (returned vs stored rows, overflow), no device
+ * allocation in a static decode loop, offload residency, the move to the
+ * host tier and the host-tier budget; crop, reuse and forks; the host
+ * pool's slabs (carving, coalescing, reuse, release, few backend
+ * allocations).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -115,7 +115,7 @@ static void test_dynamic_append(void **state)
     assert_int_equal(kv_seq_length(q), 0);
     assert_int_equal(step(q, 2), TIER_OK);
     assert_int_equal(step(q, 1), TIER_OK);
-    assert_int_equal(kv_seq_length(q), 3); /* §10.1: [1,2] then [3] -> seq 3 */
+    assert_int_equal(kv_seq_length(q), 3); /* [1,2] then [3] -> seq 3 */
     check_positions(q, 0, 0, 3);
     /* during the next step the view covers the 3 cached + 1 new: mask size (4, 0) */
     assert_int_equal(kv_seq_reserve(q, 1), TIER_OK);
@@ -134,7 +134,7 @@ static void test_sliding_vectors(void **state)
     struct fixture *f = *state;
     kv_seq *q;
     assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
-    /* §10.3, W=4: prefill [1..6] attends over all 6 rows, stores [4,5,6], seq 6 */
+    /* W=4: prefill [1..6] attends over all 6 rows, stores [4,5,6], seq 6 */
     assert_int_equal(kv_seq_reserve(q, 6), TIER_OK);
     write_positions(q, 0, 0, 6);
     write_positions(q, 1, 0, 6);
@@ -247,7 +247,7 @@ static void step_returning(kv_seq *q, int n, int64_t ret_lo)
     kv_seq_commit(q);
 }
 
-/* §2.1 / §10.5: StaticLayer, max_cache_len 4: [1,2] +3 -> [1,2,3,0],
+/* StaticLayer, max_cache_len 4: [1,2] +3 -> [1,2,3,0],
  * +4 -> [1,2,3,4], +5 -> the reference's IndexError, here TIER_EFULL. */
 static void test_static_full_layer(void **state)
 {
@@ -265,8 +265,8 @@ static void test_static_full_layer(void **state)
     kv_seq_free(q);
 }
 
-/* §2.2, W=4: the sliding layer stores W rows (not W-1) and returns the
- * last W-1 stored plus the new ones. */
+/* StaticSlidingWindowLayer, W=4: the sliding layer stores W rows (not
+ * W-1) and returns the last W-1 stored plus the new ones. */
 static void test_static_sliding_vectors(void **state)
 {
     struct fixture *f = *state;
@@ -288,7 +288,7 @@ static void test_static_sliding_vectors(void **state)
     kv_seq_free(q);
 }
 
-/* §2.2 hybrid, layer_types [full, sliding], W=2, max_cache_len 4. */
+/* Static hybrid, layer_types [full, sliding], W=2, max_cache_len 4. */
 static void test_static_hybrid_vectors(void **state)
 {
     (void)state;
@@ -338,7 +338,7 @@ static struct kv_seq_stats residency(struct fixture *f, enum kv_strategy st, enu
     return s;
 }
 
-/* §3.1 / §10.10: offloaded streams every layer (offload_only_non_sliding
+/* Offloaded streams every layer (offload_only_non_sliding
  * False), offloaded_static keeps the sliding layer on the device (True);
  * both defaults can be overridden. */
 static void test_offload_residency(void **state)
@@ -558,7 +558,7 @@ static void test_bad_params(void **state)
     assert_null(q);
 }
 
-/* §10.2 on the full layer (the sliding one is below its window, where it
+/* Crop on the full layer (the sliding one is below its window, where it
  * behaves the same): v5.15+ crop(tokens_to_remove). */
 static void test_crop_dynamic(void **state)
 {
@@ -586,7 +586,7 @@ static void test_crop_dynamic(void **state)
     kv_seq_free(q);
 }
 
-/* §10.3: once the sliding layer has seen W tokens without recording, any
+/* Once the sliding layer has seen W tokens without recording, any
  * crop is refused with the reference's explanation and changes nothing. */
 static void test_crop_sliding_unrecorded(void **state)
 {
@@ -605,7 +605,7 @@ static void test_crop_sliding_unrecorded(void **state)
     kv_seq_free(q);
 }
 
-/* §10.4: with past recording the sliding layer keeps every state until the
+/* With past recording the sliding layer keeps every state until the
  * next crop; crop(0) shrinks to W-1, crop(-2) of 6 keeps [2,3,4], crop(+1)
  * is refused, and a crop deeper than what was recorded since the last one
  * is refused (the reference would lose states silently). */

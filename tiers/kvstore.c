@@ -43,7 +43,7 @@
  *       layers keep `keep` tokens: W-1 for dynamic strategies (HF
  *       DynamicSlidingWindowLayer), W for static ones
  *       (StaticSlidingWindowLayer); attention during a step sees from
- *       len - (W-1) in both (the "returned" rows of cache-semantics §2.2).
+ *       len - (W-1) in both (the rows HF's sliding layers return).
  *   (2) paged: n_blocks is exactly what [base, len + pending) needs, so
  *       abort can recompute what to release from len alone; base is a
  *       multiple of bt and base <= lo.
@@ -784,7 +784,7 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
         q->layers[l] = (struct kv_layer){.window = w, .keep = (int)keep};
     }
     /* A dynamic request that announces its length and cannot fit the
-     * device starts offloaded instead of failing part-way (issue 4). */
+     * device starts offloaded instead of failing part-way. */
     enum kv_strategy want = p->strategy;
     bool all_host = false;
     if (want == KV_DYNAMIC && p->max_cache_len && !p->no_fallback && !p->sink) {

@@ -52,7 +52,7 @@ struct kv_geom {
     enum be_dtype dtype;     /* storage type (f32 default) */
 };
 
-/* Hugging Face's cache_implementation names, same semantics (cache-semantics.md §1-§3). */
+/* Hugging Face's cache_implementation names, same semantics. */
 enum kv_strategy {
     KV_DYNAMIC = 0,          /* device, grows block by block; sliding layers keep W-1 tokens */
     KV_STATIC = 1,           /* device, max_cache_len preallocated; sliding layers keep W */
@@ -83,7 +83,7 @@ struct kv_seq_params {
      * stats) and stream only the rest. */
     bool adaptive;
     /* Fail with TIER_ENOMEM_DEV instead of continuing offloaded when the
-     * device tier runs out (reliability.md T4 "allow_offload=false"). */
+     * device tier runs out (the request's allow_offload: false). */
     bool no_fallback;
     /* The sliding_window strategy on top of any of the above: every layer
      * slides with this window (a layer the model already slides narrower
