@@ -72,8 +72,8 @@ struct gen_seq {
  * sampler refuses, MODEL_ENOMEM. */
 enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, const tokenizer *tok,
                                const struct gen_seq_params *p, const int32_t *prompt, size_t n);
-/* The next id from the logits of toks[n_toks - 1]; logits are modified
- * (sampler_sample). */
+/* The next id from the logits of toks[n_toks - 1], which are penalised,
+ * scaled and filtered in place. */
 int32_t gen_seq_sample(struct gen_seq *s, float *logits);
 /* Appends id and decides whether the sequence ends (s->finish).  The text
  * grows by what id decodes to; what can no longer become a stop string is
