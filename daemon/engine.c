@@ -1,6 +1,7 @@
 #include "daemon/engine.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -109,8 +110,7 @@ struct job *job_new(int n, const char *const *stops, int n_stops)
 static void job_free(struct job *j)
 {
     for (int i = 0; i < j->n; i++) {
-        free(j->ch[i].text);
-        free(j->ch[i].toks);
+        gen_seq_free(&j->ch[i].seq);
         free(j->ch[i].lps);
     }
     free(j->prompt);
@@ -401,17 +401,6 @@ void engine_count_error(engine *e, enum ipc_status st)
 
 /* ---- admission and retirement (engine thread) --------------------------------- */
 
-/* Tokens of the session's KV that are a real prefix of the new input (HF
- * checks only the length).  At least the last prompt token is recomputed:
- * its logits start the generation. */
-static size_t common_prefix(const struct session *s, const int32_t *p, size_t n)
-{
-    size_t k = 0;
-    while (k < s->n_toks && k < n && s->toks[k] == p[k])
-        k++;
-    return k == n && k ? k - 1 : k;
-}
-
 /* The store's refusal as a client error; kv_store_errmsg names the budget,
  * the parameter or (409) the reference's explanation.  param: the request
  * field the call came from. */
@@ -465,48 +454,43 @@ static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, uid_t u
 
 static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
 {
-    size_t cap = j->n_prompt + (size_t)j->max_new + 1;
-    c->toks = malloc(cap * sizeof(*c->toks));
-    c->text_cap = 256;
-    c->text = malloc(c->text_cap);
-    if (j->logprobs)
-        c->lps = malloc((size_t)j->max_new * (size_t)(1 + j->top_logprobs) * sizeof(*c->lps));
-    if (!c->toks || !c->text || (j->logprobs && !c->lps))
+    if (j->logprobs && !(c->lps = malloc((size_t)j->max_new * (size_t)(1 + j->top_logprobs) * sizeof(*c->lps))))
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the request's buffers");
-    memcpy(c->toks, j->prompt, j->n_prompt * sizeof(*c->toks));
-    c->n_toks = j->n_prompt;
-    struct sampler_params sp = j->sampling;
-    sp.seed += (uint64_t)idx; /* the n choices of one request differ */
-    enum model_status ms = sampler_create(&sp, e->vocab, &c->smp);
+    struct gen_seq_params gp = {.sampling = j->sampling,
+                                .max_new = j->max_new,
+                                /* positions of a sink cache stay inside its window */
+                                .ctx = j->cache.params.sink ? INT_MAX : e->ctx,
+                                .ignore_eos = j->ignore_eos,
+                                .stops = j->stops,
+                                .n_stops = j->n_stops,
+                                .text_lock = &e->mu};
+    gp.sampling.seed += (uint64_t)idx; /* the n choices of one request differ */
+    enum model_status ms = gen_seq_init(&c->seq, e->mc, e->tok, &gp, j->prompt, j->n_prompt);
     if (ms == MODEL_EINVAL) /* the parser's ranges make this a bug, still the client's 400 */
         return ipc_fail(err, IPC_EINVAL, "", "invalid sampling parameters");
     if (ms != MODEL_OK)
-        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the sampler");
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the request's buffers");
     struct session *s = j->sess;
     if (!s) {
         /* A one-shot request knows its final length: sized up front, one
          * that cannot fit the device starts offloaded instead of failing
-         * part-way (issue 4; the store only checks, it reserves nothing). */
+         * part-way (the store only checks, it reserves nothing). */
         struct kv_seq_params p = j->cache.params;
         if (p.strategy == KV_DYNAMIC && !p.max_cache_len)
-            p.max_cache_len = (int64_t)cap - 1;
+            p.max_cache_len = (int64_t)(j->n_prompt + (size_t)j->max_new);
         return kv_open(e, &p, j->uid, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
     }
-    size_t keep = common_prefix(s, j->prompt, j->n_prompt);
-    if (s->kv && keep < s->n_toks) {
-        /* The KV holds tokens the new input does not continue (an edited
-         * turn, or the whole input re-sent: its last token is recomputed).
-         * Rewind to the common prefix; a sliding layer that already dropped
-         * those states without past recording cannot, and the session
-         * starts over. */
-        enum tier_status ts = kv_seq_crop(s->kv, -(int64_t)(s->n_toks - keep));
-        if (ts != TIER_OK) {
-            log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
-            kv_seq_free(s->kv);
-            s->kv = NULL;
-        }
+    /* The session's KV is reused as far as it is a real prefix of the new
+     * input (HF checks only the length): an edited turn rewinds it.  A
+     * sliding layer that already dropped the states to rewind to without
+     * past recording cannot, and the session starts over. */
+    int64_t keep = 0;
+    if (s->kv && kv_seq_reuse(s->kv, s->toks, j->prompt, (int64_t)j->n_prompt, &keep) != TIER_OK) {
+        log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
+        kv_seq_free(s->kv);
+        s->kv = NULL;
     }
-    c->n_fed = keep;
+    c->n_fed = (size_t)keep;
     c->kv = s->kv;
     if (s->kv)
         return IPC_OK;
@@ -548,8 +532,7 @@ static void retire(engine *e, struct job *j)
     bool any = false;
     for (int i = 0; i < j->n; i++) {
         struct job_choice *c = &j->ch[i];
-        sampler_free(c->smp);
-        c->smp = NULL;
+        gen_seq_end(&c->seq);
         if (c->kv) {
             add_kv_stats(&kvs, c->kv, !any);
             any = true;
@@ -562,7 +545,7 @@ static void retire(engine *e, struct job *j)
      * disagree (setup failed half-way) the KV is dropped and recomputed. */
     struct session *s = j->sess;
     struct job_choice *c0 = &j->ch[0];
-    bool admitted = c0->toks != NULL;
+    bool admitted = c0->seq.toks != NULL;
     int32_t *keep = NULL;
     size_t n_keep = 0;
     if (s && admitted) {
@@ -572,7 +555,7 @@ static void retire(engine *e, struct job *j)
             s->kv = NULL;
             n_keep = 0;
         } else if (keep) {
-            memcpy(keep, c0->toks, n_keep * sizeof(*keep));
+            memcpy(keep, c0->seq.toks, n_keep * sizeof(*keep));
         }
     }
     double t = clock_ms();
@@ -596,8 +579,8 @@ static void retire(engine *e, struct job *j)
         j->prefill_ms = t - j->t_admit;
     for (int i = 0; i < j->n; i++) {
         j->ch[i].done = true;
-        if (j->ch[i].finish == FINISH_NONE)
-            j->ch[i].finish = FINISH_LENGTH;
+        if (j->ch[i].finish == GEN_FINISH_NONE)
+            j->ch[i].finish = GEN_FINISH_LENGTH;
     }
     j->done = true;
     struct job **pp = &e->active;
@@ -696,7 +679,7 @@ static void session_op(engine *e, struct job *j)
     pthread_mutex_unlock(&e->mu);
     if (err.st != IPC_OK)
         job_fail(e, j, &err);
-    j->ch[0].fin = FINISH_LENGTH;
+    j->ch[0].seq.finish = GEN_FINISH_LENGTH;
 }
 
 static void start_job(engine *e, struct job *j)
@@ -713,32 +696,13 @@ static void start_job(engine *e, struct job *j)
             return;
         }
     }
-    if (j->kind == JOB_PREFILL && j->ch[0].n_fed == j->ch[0].n_toks)
-        j->ch[0].fin = FINISH_LENGTH; /* nothing to compute */
+    if (j->kind == JOB_PREFILL && j->ch[0].n_fed == j->ch[0].seq.n_toks)
+        j->ch[0].seq.finish = GEN_FINISH_LENGTH; /* nothing to compute */
     pthread_mutex_lock(&e->mu);
     j->n_cached = (int)j->ch[0].n_fed;
     e->st.prompt_tokens += j->n_prompt * (size_t)j->n;
     e->st.cached_tokens += (uint64_t)j->n_cached;
     pthread_mutex_unlock(&e->mu);
-}
-
-/* Grows a choice's text buffer to hold need bytes; the loop thread reads
- * the buffer under the lock, so the move happens under it too. */
-static bool text_reserve(engine *e, struct job_choice *c, size_t need)
-{
-    if (need <= c->text_cap)
-        return true;
-    size_t cap = c->text_cap * 2;
-    while (cap < need)
-        cap *= 2;
-    pthread_mutex_lock(&e->mu);
-    char *p = realloc(c->text, cap);
-    if (p) {
-        c->text = p;
-        c->text_cap = cap;
-    }
-    pthread_mutex_unlock(&e->mu);
-    return p != NULL;
 }
 
 /* Log-probabilities of the chosen id and the top alternatives, from the raw
@@ -755,7 +719,7 @@ static void record_logprobs(engine *e, struct job *j, struct job_choice *c, int3
         sum += exp((double)x[i] - mx);
     float lse = mx + (float)log(sum);
     int k = j->top_logprobs;
-    struct tok_logprob *out = c->lps + (size_t)c->gen * (size_t)(1 + k);
+    struct tok_logprob *out = c->lps + (size_t)c->seq.gen * (size_t)(1 + k);
     out[0] = (struct tok_logprob){id, x[id] - lse};
     struct tok_logprob *top = out + 1;
     int n = 0;
@@ -773,35 +737,6 @@ static void record_logprobs(engine *e, struct job *j, struct job_choice *c, int3
         top[i].logprob -= lse;
 }
 
-/* Appends id's text and applies the stop strings.  False on out-of-memory. */
-static bool append_text(engine *e, struct job *j, struct job_choice *c, int32_t id)
-{
-    if (!text_reserve(e, c, c->raw + 65))
-        return false;
-    size_t room = c->text_cap - c->raw - 1;
-    size_t n = tokenizer_decode_stream(e->tok, &c->ts, id, true, c->text + c->raw, room);
-    if (n > room) { /* one very long piece: nothing was written, make room and redo */
-        if (!text_reserve(e, c, c->raw + n + 1))
-            return false;
-        n = tokenizer_decode_stream(e->tok, &c->ts, id, true, c->text + c->raw, c->text_cap - c->raw - 1);
-    }
-    c->raw += n;
-    if (!j->n_stops) {
-        c->vis = c->raw;
-        return true;
-    }
-    struct stop_matcher m = {j->stops, j->n_stops};
-    size_t emit;
-    if (stop_check(&m, c->text + c->scan, c->raw - c->scan, &emit)) {
-        c->raw = c->vis = c->scan + emit;
-        c->fin = FINISH_STOP;
-    } else {
-        /* text before vis cannot start a stop string, so matching resumes there */
-        c->vis = c->scan = c->scan + emit;
-    }
-    return true;
-}
-
 static void sample_one(engine *e, struct job *j, struct job_choice *c, float *logits, double t)
 {
     if (j->t_first == 0) {
@@ -810,19 +745,11 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
     }
     if (j->logprobs)
         memcpy(e->scratch, logits, (size_t)e->vocab * sizeof(*logits));
-    int32_t id = sampler_sample(c->smp, logits, c->toks, c->n_toks);
+    int32_t id = gen_seq_sample(&c->seq, logits);
     if (j->logprobs)
         record_logprobs(e, j, c, id);
-    c->toks[c->n_toks++] = id;
-    c->gen++;
-    if (!j->ignore_eos && gen_is_eos(e->mc, e->tok, id))
-        c->fin = FINISH_EOS;
-    else if (!append_text(e, j, c, id))
+    if (gen_seq_accept(&c->seq, id) != MODEL_OK)
         job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the generated text");
-    if (c->fin == FINISH_NONE && (c->gen >= j->max_new || ((int)c->n_toks >= e->ctx && !j->cache.params.sink)))
-        c->fin = FINISH_LENGTH;
-    if (c->fin != FINISH_NONE && c->fin != FINISH_STOP)
-        c->vis = c->raw; /* text held back for a stop string that can no longer come */
 }
 
 /* use_cache=false (HF semantics): a choice about to decode drops its KV
@@ -851,13 +778,13 @@ static int build_batch(engine *e)
     for (struct job *j = e->active; j; j = j->next) {
         for (int i = 0; i < j->n && !j->kill; i++) {
             struct job_choice *c = &j->ch[i];
-            if (c->fin != FINISH_NONE || !c->toks)
+            if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks)
                 continue;
-            if (!j->cache.use_cache && c->n_fed && c->n_toks - c->n_fed == 1 && !restart_uncached(e, j, c))
+            if (!j->cache.use_cache && c->n_fed && c->seq.n_toks - c->n_fed == 1 && !restart_uncached(e, j, c))
                 continue;
-            if (c->n_toks - c->n_fed == 1) {
+            if (c->seq.n_toks - c->n_fed == 1) {
                 float *logits = j->kind == JOB_GENERATE ? e->logits + (size_t)nb * e->vocab : NULL;
-                e->batch[nb] = (struct fw_seq){c->kv, c->toks + c->n_fed, 1, logits, false};
+                e->batch[nb] = (struct fw_seq){c->kv, c->seq.toks + c->n_fed, 1, logits, false};
                 e->batch_ch[nb] = c;
                 e->batch_job[nb++] = j;
             } else {
@@ -875,17 +802,17 @@ static int build_batch(engine *e)
         for (struct job *j = e->active; j && budget > 0; j = j->next) {
             for (int i = 0; i < j->n && budget > 0 && !j->kill; i++) {
                 struct job_choice *c = &j->ch[i];
-                if (c->fin != FINISH_NONE || !c->toks || c->n_toks - c->n_fed <= 1)
+                if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks || c->seq.n_toks - c->n_fed <= 1)
                     continue;
                 int ord = seen++;
                 /* first pass: those at or after the round-robin start; second: the rest */
                 if ((pass == 0) != (ord % n_pre >= skip))
                     continue;
-                size_t left = c->n_toks - c->n_fed;
+                size_t left = c->seq.n_toks - c->n_fed;
                 int chunk = left < (size_t)budget ? (int)left : budget;
                 bool last = (size_t)chunk == left;
                 bool logits = last && j->kind == JOB_GENERATE;
-                e->batch[nb] = (struct fw_seq){c->kv, c->toks + c->n_fed, chunk,
+                e->batch[nb] = (struct fw_seq){c->kv, c->seq.toks + c->n_fed, chunk,
                                                logits ? e->logits + (size_t)nb * e->vocab : NULL, false};
                 e->batch_ch[nb] = c;
                 e->batch_job[nb++] = j;
@@ -911,10 +838,10 @@ static void publish(engine *e, int nb)
     e->st.prefix_evictions = ks.prefix_evictions;
     for (int i = 0; i < nb; i++) {
         struct job_choice *c = e->batch_ch[i];
-        e->st.gen_tokens += (uint64_t)(c->gen - c->n_gen);
-        c->n_text = c->vis;
-        c->n_gen = c->gen;
-        c->finish = c->fin;
+        e->st.gen_tokens += (uint64_t)(c->seq.gen - c->n_gen);
+        c->n_text = c->seq.vis;
+        c->n_gen = c->seq.gen;
+        c->finish = c->seq.finish;
     }
     e->st.steps += nb > 0;
     pthread_mutex_unlock(&e->mu);
@@ -949,8 +876,8 @@ static void advance(engine *e, int from, int to)
         c->n_fed += (size_t)e->batch[i].n_tokens;
         if (e->batch[i].logits)
             sample_one(e, j, c, e->batch[i].logits, t);
-        else if (j->kind == JOB_PREFILL && c->n_fed == c->n_toks)
-            c->fin = FINISH_LENGTH;
+        else if (j->kind == JOB_PREFILL && c->n_fed == c->seq.n_toks)
+            c->seq.finish = GEN_FINISH_LENGTH;
     }
 }
 
@@ -984,7 +911,7 @@ static void step(engine *e)
 static bool job_finished(const struct job *j)
 {
     for (int i = 0; i < j->n; i++)
-        if (j->ch[i].fin == FINISH_NONE)
+        if (j->ch[i].seq.finish == GEN_FINISH_NONE)
             return false;
     return true;
 }

@@ -16,8 +16,8 @@
  * to max_seqs sequences; the queue beyond that is bounded (429).
  *
  * Memory: model_forward itself continues a sequence offloaded when the
- * device tier runs out (issue 4), so the engine never pauses or sheds work
- * for device memory.  A step that still fails (host tier full too, static
+ * device tier runs out, so the engine never pauses or sheds work for
+ * device memory.  A step that still fails (host tier full too, static
  * cache full) changed no KV; it is redone one sequence at a time so only
  * the sequences whose tokens do not fit fail (507 / 400 naming the budget)
  * and a session keeps its KV for a retry.
@@ -56,32 +56,25 @@ struct engine_config {
 
 typedef struct engine engine;
 
-enum finish_reason { FINISH_NONE = 0, FINISH_LENGTH, FINISH_STOP, FINISH_EOS };
-
 struct tok_logprob {
     int32_t id;
     float logprob;
 };
 
 /* One generated sequence of a job (OpenAI's "choice").  Fields above the
- * marker are published under the engine lock; the rest is engine-private. */
+ * marker are published under the engine lock; the rest is engine-private
+ * but for seq.text, which moves under the lock (gen_seq_params.text_lock)
+ * and which the loop thread reads up to n_text. */
 struct job_choice {
-    char *text;           /* visible text [0, n_text); never shows a partial stop string */
-    size_t n_text;
-    int n_gen;            /* generated tokens published: toks[n_prompt .. n_prompt + n_gen) */
-    int32_t *toks;        /* prompt + generated ids (allocated once, never moved) */
+    size_t n_text;        /* visible text: seq.text[0, n_text) never shows a partial stop string */
+    int n_gen;            /* generated tokens published: seq.toks[n_prompt .. n_prompt + n_gen) */
     struct tok_logprob *lps; /* per generated token: [1 + top_logprobs] entries, chosen first */
-    enum finish_reason finish;
+    enum gen_finish finish;
     bool done;
     /* ---- engine-private ---- */
-    size_t text_cap, raw, scan; /* decoded bytes; where stop matching resumes */
-    size_t vis;                 /* visible text, published as n_text */
-    int gen;                    /* generated ids, published as n_gen */
-    enum finish_reason fin;     /* published as finish */
-    size_t n_toks, n_fed;       /* ids known; ids whose KV is in kv */
+    struct gen_seq seq;   /* prompt + generated ids, text and finish as of the last step */
+    size_t n_fed;         /* ids whose KV is in kv */
     struct kv_seq *kv;
-    struct sampler *smp;
-    struct tok_stream ts;
 };
 
 /* JOB_CROP and later are operations on the job's session that the engine

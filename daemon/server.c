@@ -204,9 +204,9 @@ static size_t piece(struct server *s, int32_t id)
     return tokenizer_decode_stream(engine_tokenizer(s->eng), &ts, id, false, s->piece, s->piece_cap);
 }
 
-static const char *finish_name(enum finish_reason f)
+static const char *finish_name(enum gen_finish f)
 {
-    return f == FINISH_LENGTH ? "length" : f == FINISH_NONE ? NULL : "stop";
+    return f == GEN_FINISH_LENGTH ? "length" : f == GEN_FINISH_NONE ? NULL : "stop";
 }
 
 /* logprobs of generated tokens [from, to) of choice i, in the endpoint's shape */
@@ -374,7 +374,7 @@ static void write_choice(struct jw *w, struct req *r, int i, const char *text, s
     if (r->return_tokens) {
         jw_lit(w, ",\"tokens\":[");
         for (int t = g0; t < g1; t++)
-            jw_fmt(w, t > g0 ? ",%d" : "%d", c->toks[r->job->n_prompt + (size_t)t]);
+            jw_fmt(w, t > g0 ? ",%d" : "%d", c->seq.toks[r->job->n_prompt + (size_t)t]);
         jw_lit(w, "]");
     }
     jw_lit(w, ",\"finish_reason\":");
@@ -420,8 +420,8 @@ static enum MHD_Result reply_done(struct req *r)
     for (int i = 0; i < j->n; i++) {
         if (i)
             jw_lit(&w, ",");
-        write_choice(&w, r, i, j->ch[i].text, j->ch[i].n_text, 0, j->ch[i].n_gen, finish_name(j->ch[i].finish), false,
-                     false);
+        write_choice(&w, r, i, j->ch[i].seq.text, j->ch[i].n_text, 0, j->ch[i].n_gen, finish_name(j->ch[i].finish),
+                     false, false);
     }
     jw_lit(&w, "],");
     write_usage(&w, j);
@@ -466,7 +466,7 @@ struct stream_view {
     size_t base[SERVER_MAX_N], n_text[SERVER_MAX_N];
     bool partial[SERVER_MAX_N]; /* n_text is short of the published text: more to come */
     int n_gen[SERVER_MAX_N];
-    enum finish_reason finish[SERVER_MAX_N];
+    enum gen_finish finish[SERVER_MAX_N];
 };
 
 /* Called under the engine lock.  Copies at most max bytes of text: no
@@ -480,8 +480,8 @@ static void stream_snapshot(const struct req *r, struct stream_view *v, size_t m
     for (int i = 0; i < j->n; i++) {
         const struct job_choice *c = &j->ch[i];
         size_t want = c->n_text - r->sent_text[i], take = want < left ? want : left;
-        if (take) /* c->text is NULL until the first piece of text */
-            memcpy(r->snap + at, c->text + r->sent_text[i], take);
+        if (take) /* c->seq.text is NULL until the job is admitted */
+            memcpy(r->snap + at, c->seq.text + r->sent_text[i], take);
         v->text[i] = r->snap + at;
         v->base[i] = r->sent_text[i];
         v->n_text[i] = r->sent_text[i] + take;

@@ -10,11 +10,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-/* A byte source: a socket, or memory for ipc_parse_reply. */
+/* The daemon's socket, read in blocks. */
 struct src {
     int fd;
-    const char *mem;
-    size_t mem_len, mem_pos;
     char buf[16384];
     size_t pos, len;
     bool eof;
@@ -27,18 +25,11 @@ static bool fill(struct src *s)
     if (s->eof)
         return false;
     s->pos = 0;
-    if (!s->mem) {
-        ssize_t n;
-        do
-            n = read(s->fd, s->buf, sizeof(s->buf));
-        while (n < 0 && errno == EINTR);
-        s->len = n > 0 ? (size_t)n : 0;
-    } else {
-        size_t n = s->mem_len - s->mem_pos < sizeof(s->buf) ? s->mem_len - s->mem_pos : sizeof(s->buf);
-        memcpy(s->buf, s->mem + s->mem_pos, n);
-        s->mem_pos += n;
-        s->len = n;
-    }
+    ssize_t n;
+    do
+        n = read(s->fd, s->buf, sizeof(s->buf));
+    while (n < 0 && errno == EINTR);
+    s->len = n > 0 ? (size_t)n : 0;
     s->eof = s->len == 0;
     return !s->eof;
 }
@@ -221,20 +212,6 @@ static enum ipc_status parse(struct src *s, ipc_event_fn on_event, void *ud, str
             k.p[0] = '\0';
         return IPC_OK;
     } while (1);
-}
-
-enum ipc_status ipc_parse_reply(const char *buf, size_t n, ipc_event_fn on_event, void *ud, struct ipc_reply *reply,
-                                struct ipc_error *err)
-{
-    struct src *s = calloc(1, sizeof(*s));
-    if (!s)
-        return ipc_fail(err, IPC_ENOMEM, "", "no memory");
-    s->fd = -1;
-    s->mem = buf;
-    s->mem_len = n;
-    enum ipc_status st = parse(s, on_event, ud, reply, err);
-    free(s);
-    return st;
 }
 
 static enum ipc_status send_all(int fd, const char *p, size_t n, struct ipc_error *err)

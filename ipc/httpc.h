@@ -33,9 +33,4 @@ enum ipc_status ipc_call(const char *sock_path, const char *method, const char *
                          ipc_event_fn on_event, void *ud, struct ipc_reply *reply, struct ipc_error *err);
 void ipc_reply_free(struct ipc_reply *r); /* accepts a zeroed reply */
 
-/* The parser behind ipc_call, fed from memory (tests, fuzzing): parses a
- * whole reply in buf[0..n). */
-enum ipc_status ipc_parse_reply(const char *buf, size_t n, ipc_event_fn on_event, void *ud, struct ipc_reply *reply,
-                                struct ipc_error *err);
-
 #endif

@@ -27,14 +27,11 @@ enum ipc_status {
     IPC_ESTORAGE = 15,  /* 507: the KV fits neither tier's budget (the message names it) */
 };
 #define IPC_N_STATUS (IPC_ESTORAGE + 1)
-const char *ipc_strerror(enum ipc_status st);
 int ipc_http_status(enum ipc_status st);
 /* The OpenAI envelope's error.type for st ("invalid_request_error", ...). */
 const char *ipc_error_type(enum ipc_status st);
 /* A short stable name for metrics labels ("invalid", "busy", ...). */
 const char *ipc_status_name(enum ipc_status st);
-/* Inverse of ipc_http_status for a client reading a reply. */
-enum ipc_status ipc_status_from_http(int code);
 
 #define IPC_PARAM_LEN 64
 #define IPC_MSG_LEN 320

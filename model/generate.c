@@ -1,12 +1,13 @@
-/* generate.c - the single-sequence generation loop used by the command-line
- * tools (the daemon runs its own batched loop with the same sampler).
+/* generate.c - the per-sequence generation logic (gen_seq) and, on top of
+ * it, the single-sequence loop of the command-line tools; the daemon's
+ * batched loop runs gen_seq too.
  */
 #include "model/generate.h"
+#include "model/sampler.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "util/clock.h"
 
@@ -30,7 +31,10 @@ void gen_params_default(struct gen_params *p)
     sampler_params_default(&p->sampling);
 }
 
-bool gen_is_eos(const struct model_config *c, const tokenizer *tok, int32_t id)
+
+/* Whether id ends generation: one of the eos ids of config.json /
+ * generation_config.json, or the tokenizer's own eos token. */
+static bool is_eos(const struct model_config *c, const tokenizer *tok, int32_t id)
 {
     for (int i = 0; i < c->n_eos; i++)
         if (c->eos_token_ids[i] == id)
@@ -38,28 +42,109 @@ bool gen_is_eos(const struct model_config *c, const tokenizer *tok, int32_t id)
     return id == tokenizer_eos_id(tok);
 }
 
-/* Text decoded but not yet emitted, held back while it could still turn
- * into a stop string. */
-struct pending_text {
-    char *buf;
-    size_t len, cap;
-};
-
-static bool text_append(struct pending_text *t, const char *s, size_t n)
+enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, const tokenizer *tok,
+                               const struct gen_seq_params *p, const int32_t *prompt, size_t n)
 {
-    if (t->len + n + 1 > t->cap) {
-        size_t cap = t->cap ? t->cap : 256;
-        while (cap < t->len + n + 1)
-            cap *= 2;
-        char *b = realloc(t->buf, cap);
-        if (!b)
-            return false;
-        t->buf = b;
-        t->cap = cap;
+    size_t room = n < (size_t)p->ctx ? (size_t)p->ctx - n : 0;
+    size_t max_new = p->max_new > 0 ? (size_t)p->max_new : 0;
+    *s = (struct gen_seq){.n_toks = n,
+                          .n_prompt = n,
+                          .text_cap = 256,
+                          .max_new = (int)(max_new < room ? max_new : room),
+                          .ignore_eos = p->ignore_eos,
+                          .stops = p->stops,
+                          .n_stops = p->n_stops,
+                          .text_lock = p->text_lock,
+                          .mc = c,
+                          .tok = tok};
+    s->toks = malloc((n + (size_t)s->max_new) * sizeof(*s->toks));
+    s->text = malloc(s->text_cap);
+    if (!s->toks || !s->text)
+        return MODEL_ENOMEM;
+    memcpy(s->toks, prompt, n * sizeof(*s->toks));
+    return sampler_create(&p->sampling, c->vocab_size, &s->smp);
+}
+
+int32_t gen_seq_sample(struct gen_seq *s, float *logits)
+{
+    return sampler_sample(s->smp, logits, s->toks, s->n_toks);
+}
+
+/* Grows the text buffer to hold need bytes, under text_lock: a reader on
+ * another thread holds it while it reads. */
+static bool text_reserve(struct gen_seq *s, size_t need)
+{
+    if (need <= s->text_cap)
+        return true;
+    size_t cap = s->text_cap * 2;
+    while (cap < need)
+        cap *= 2;
+    if (s->text_lock)
+        pthread_mutex_lock(s->text_lock);
+    char *p = realloc(s->text, cap);
+    if (p) {
+        s->text = p;
+        s->text_cap = cap;
     }
-    memcpy(t->buf + t->len, s, n);
-    t->len += n;
+    if (s->text_lock)
+        pthread_mutex_unlock(s->text_lock);
+    return p != NULL;
+}
+
+/* Appends id's text and applies the stop strings.  False on out-of-memory. */
+static bool append_text(struct gen_seq *s, int32_t id)
+{
+    /* a piece almost always fits this slack, so it is decoded once */
+    if (!text_reserve(s, s->raw + 65))
+        return false;
+    size_t room = s->text_cap - s->raw - 1;
+    size_t n = tokenizer_decode_stream(s->tok, &s->ts, id, true, s->text + s->raw, room);
+    if (n > room) { /* one very long piece: nothing was written, make room and redo */
+        if (!text_reserve(s, s->raw + n + 1))
+            return false;
+        n = tokenizer_decode_stream(s->tok, &s->ts, id, true, s->text + s->raw, s->text_cap - s->raw - 1);
+    }
+    s->raw += n;
+    struct stop_matcher m = {s->stops, s->n_stops};
+    size_t emit;
+    if (stop_check(&m, s->text + s->scan, s->raw - s->scan, &emit)) {
+        s->raw = s->vis = s->scan + emit;
+        s->finish = GEN_FINISH_STOP;
+    } else {
+        /* text before vis cannot start a stop string, so matching resumes there */
+        s->vis = s->scan = s->scan + emit;
+    }
     return true;
+}
+
+enum model_status gen_seq_accept(struct gen_seq *s, int32_t id)
+{
+    enum model_status st = MODEL_OK;
+    s->toks[s->n_toks++] = id;
+    s->gen++;
+    if (!s->ignore_eos && is_eos(s->mc, s->tok, id))
+        s->finish = GEN_FINISH_EOS;
+    else if (!append_text(s, id))
+        st = MODEL_ENOMEM;
+    if (s->finish == GEN_FINISH_NONE && s->gen >= s->max_new)
+        s->finish = GEN_FINISH_LENGTH;
+    if (s->finish != GEN_FINISH_NONE && s->finish != GEN_FINISH_STOP)
+        s->vis = s->raw; /* text held back for a stop string that can no longer come */
+    return st;
+}
+
+void gen_seq_end(struct gen_seq *s)
+{
+    sampler_free(s->smp);
+    s->smp = NULL;
+}
+
+void gen_seq_free(struct gen_seq *s)
+{
+    gen_seq_end(s);
+    free(s->toks);
+    free(s->text);
+    memset(s, 0, sizeof(*s));
 }
 
 /* One forward step: feeds tokens[0..n) to seq and leaves the last row's
@@ -100,81 +185,50 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
             return MODEL_EINVAL;
         }
     }
-    size_t max_new = (size_t)c->max_position_embeddings - n;
-    if (p->max_new_tokens > 0 && (size_t)p->max_new_tokens < max_new)
-        max_new = (size_t)p->max_new_tokens;
-
-    struct tok_ids hist = {0};
-    struct pending_text text = {0};
-    struct tok_stream ds = {0};
-    struct stop_matcher sm = {.stops = p->stops, .n_stops = p->n_stops};
-    sampler *smp = NULL;
+    struct gen_seq_params gp = {.sampling = p->sampling,
+                                .max_new = p->max_new_tokens > 0 ? p->max_new_tokens : c->max_position_embeddings,
+                                .ctx = c->max_position_embeddings,
+                                .ignore_eos = p->ignore_eos,
+                                .stops = p->stops,
+                                .n_stops = p->n_stops};
+    struct gen_seq *gs = &res->seq;
     kv_seq *seq = NULL;
     float *logits = malloc((size_t)c->vocab_size * sizeof(float));
-    enum model_status st = sampler_create(&p->sampling, c->vocab_size, &smp);
+    enum model_status st = gen_seq_init(gs, c, tok, &gp, prompt, n);
     if (st == MODEL_OK && (!logits || kv_seq_create(store, NULL, &seq) != TIER_OK))
         st = MODEL_ENOMEM;
-    for (size_t i = 0; st == MODEL_OK && i < n; i++)
-        if (tok_ids_push(&hist, prompt[i]) != TEXT_OK)
-            st = MODEL_ENOMEM;
     if (st != MODEL_OK) {
         snprintf(err, MODEL_ERR_LEN, "%s", st == MODEL_EINVAL ? "invalid sampling parameters" : "out of memory");
         goto out;
     }
 
     double t0 = clock_ms();
-    st = step(m, store, &seq, p->use_cache, hist.ids, hist.n, n, logits);
+    st = step(m, store, &seq, p->use_cache, gs->toks, n, n, logits);
     res->prefill_ms = clock_ms() - t0;
-    res->finish = GEN_FINISH_LENGTH;
     double t1 = clock_ms();
-    for (size_t i = 0; st == MODEL_OK && i < max_new; i++) {
+    size_t shown = 0;
+    while (st == MODEL_OK) {
         if (p->on_logits)
             p->on_logits(p->logits_ud, logits, c->vocab_size);
-        int32_t id = sampler_sample(smp, logits, hist.ids, hist.n);
-        if (tok_ids_push(&hist, id) != TEXT_OK || tok_ids_push(&res->tokens, id) != TEXT_OK) {
-            st = MODEL_ENOMEM;
+        st = gen_seq_accept(gs, gen_seq_sample(gs, logits));
+        if (st != MODEL_OK)
+            break;
+        bool more = gs->vis == shown || !cb || cb(ud, gs->text + shown, gs->vis - shown);
+        shown = gs->vis;
+        if (gs->finish != GEN_FINISH_NONE)
+            break;
+        if (!more) {
+            gs->finish = GEN_FINISH_CALLBACK;
             break;
         }
-        if (!p->ignore_eos && gen_is_eos(c, tok, id)) {
-            res->finish = GEN_FINISH_EOS;
-            break;
-        }
-        char piece[1024];
-        size_t len = tokenizer_decode_stream(tok, &ds, id, true, piece, sizeof(piece));
-        if (len > sizeof(piece)) {
-            st = MODEL_EINVAL; /* a single vocabulary entry over 1 KiB: a broken tokenizer */
-            break;
-        }
-        if (!text_append(&text, piece, len)) {
-            st = MODEL_ENOMEM;
-            break;
-        }
-        size_t emit;
-        bool stop = stop_check(&sm, text.buf, text.len, &emit);
-        if (emit && cb && !cb(ud, text.buf, emit)) {
-            res->finish = GEN_FINISH_CALLBACK;
-            break;
-        }
-        memmove(text.buf, text.buf + emit, text.len - emit);
-        text.len -= emit;
-        if (stop) {
-            res->finish = GEN_FINISH_STOP;
-            text.len = 0;
-            break;
-        }
-        if (i + 1 < max_new)
-            st = step(m, store, &seq, p->use_cache, hist.ids, hist.n, 1, logits);
+        st = step(m, store, &seq, p->use_cache, gs->toks, gs->n_toks, 1, logits);
     }
-    if (st == MODEL_OK && text.len && cb && res->finish != GEN_FINISH_CALLBACK)
-        cb(ud, text.buf, text.len); /* held-back text that never became a stop string */
     res->decode_ms = clock_ms() - t1;
     if (st != MODEL_OK)
-        snprintf(err, MODEL_ERR_LEN, "generation step %zu: %s", res->tokens.n, model_strerror(st));
+        snprintf(err, MODEL_ERR_LEN, "generation step %d: %s", gs->gen, model_strerror(st));
 out:
+    gen_seq_end(gs);
     kv_seq_free(seq);
-    sampler_free(smp);
     free(logits);
-    free(hist.ids);
-    free(text.buf);
     return st;
 }

@@ -1,11 +1,14 @@
-/* generate.h - sampling and the single-sequence generation loop.
+/* generate.h - the per-sequence generation logic (gen_seq) that the tools'
+ * loop and the daemon's batched loop share, and the single-sequence loop.
  *
- * The sampler follows the Hugging Face logits-processor order:
- * repetition_penalty -> temperature -> top_k -> top_p -> min_p -> sample.
- * temperature == 0 is greedy (argmax, first index on ties).
+ * The sampler (model/sampler.h) follows the Hugging Face logits-processor
+ * order: repetition_penalty -> temperature -> top_k -> top_p -> min_p ->
+ * sample.  temperature == 0 is greedy (argmax, first index on ties).
  */
 #ifndef KVTIER_GENERATE_H
 #define KVTIER_GENERATE_H
+
+#include <pthread.h>
 
 #include "model/model.h"
 #include "text/tokenizer.h"
@@ -24,30 +27,62 @@ struct sampler_params {
 void sampler_params_default(struct sampler_params *p); /* greedy, everything off, seed 0 */
 
 typedef struct sampler sampler;
-enum model_status sampler_create(const struct sampler_params *p, int vocab, sampler **out);
-void sampler_free(sampler *s); /* accepts NULL */
-/* Picks the next token.  logits[vocab] is modified in place (penalised,
- * scaled, filtered).  history: tokens seen so far (prompt + generated), for
- * the repetition penalty. */
-int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t n_hist);
 
-/* Stop-string matcher over streamed text: reports how many bytes of the text
- * so far are safe to emit (cannot be the start of a stop string) and whether
- * a stop string was completed. */
-struct stop_matcher {
+/* Why a sequence ended; GEN_FINISH_NONE while it goes on. */
+enum gen_finish { GEN_FINISH_NONE = 0, GEN_FINISH_LENGTH, GEN_FINISH_EOS, GEN_FINISH_STOP, GEN_FINISH_CALLBACK };
+
+struct gen_seq_params {
+    struct sampler_params sampling;
+    int max_new;              /* generated tokens at most; the context bounds them too */
+    int ctx;                  /* prompt + generated tokens at most */
+    bool ignore_eos;
+    const char *const *stops; /* stop strings, borrowed for the sequence's lifetime */
+    int n_stops;
+    /* Held while the text buffer moves, so that another thread may read
+     * text[0, vis) under it (the daemon's event loop); NULL: no reader. */
+    pthread_mutex_t *text_lock;
+};
+
+/* One generated sequence, the per-token logic every generation loop
+ * shares: sampling, end of sequence, the length limit, streaming decode
+ * and stop strings.  The caller runs the forward passes and feeds
+ * toks[fed, n_toks) to its KV. */
+struct gen_seq {
+    int32_t *toks;          /* prompt + generated ids; allocated once, never moves */
+    size_t n_toks, n_prompt;
+    int gen;                /* generated ids */
+    char *text;             /* decoded text of the generated ids (text_lock held when it moves) */
+    size_t vis;             /* text[0, vis) is final: it never holds part of a stop string */
+    enum gen_finish finish; /* the caller may set it for a sequence it ends itself */
+    /* ---- private ---- */
+    size_t raw, scan, text_cap; /* decoded bytes; where stop matching resumes */
+    int max_new;
+    bool ignore_eos;
     const char *const *stops;
     int n_stops;
+    pthread_mutex_t *text_lock;
+    const struct model_config *mc;
+    const tokenizer *tok;
+    sampler *smp;
+    struct tok_stream ts;
 };
-/* Returns true when text[0..len) contains a stop string; *emit_len is then
- * the length of the text before it.  Otherwise *emit_len is the length that
- * can be emitted without risking a partial stop string. */
-bool stop_check(const struct stop_matcher *m, const char *text, size_t len, size_t *emit_len);
 
-/* Whether id ends generation: one of the eos ids of config.json /
- * generation_config.json, or the tokenizer's own eos token. */
-bool gen_is_eos(const struct model_config *c, const tokenizer *tok, int32_t id);
-
-enum gen_finish { GEN_FINISH_LENGTH = 0, GEN_FINISH_EOS, GEN_FINISH_STOP, GEN_FINISH_CALLBACK };
+/* Sets s up for prompt[0, n) (copied; n >= 1).  On failure s is left so
+ * that gen_seq_free accepts it: MODEL_EINVAL for sampling parameters the
+ * sampler refuses, MODEL_ENOMEM. */
+enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, const tokenizer *tok,
+                               const struct gen_seq_params *p, const int32_t *prompt, size_t n);
+/* The next id from the logits of toks[n_toks - 1], which are penalised,
+ * scaled and filtered in place. */
+int32_t gen_seq_sample(struct gen_seq *s, float *logits);
+/* Appends id and decides whether the sequence ends (s->finish).  The text
+ * grows by what id decodes to; what can no longer become a stop string is
+ * visible (vis), and on any end but a stop string the held-back rest is
+ * too.  MODEL_ENOMEM when the text cannot grow. */
+enum model_status gen_seq_accept(struct gen_seq *s, int32_t id);
+/* Frees the sampler's scratch once no more ids come; ids and text stay. */
+void gen_seq_end(struct gen_seq *s);
+void gen_seq_free(struct gen_seq *s); /* accepts a zeroed one */
 
 struct gen_params {
     struct sampler_params sampling;
@@ -66,8 +101,7 @@ void gen_params_default(struct gen_params *p);
 typedef bool (*gen_text_cb)(void *ud, const char *text, size_t len);
 
 struct gen_result {
-    struct tok_ids tokens;    /* generated ids (caller frees tokens.ids) */
-    enum gen_finish finish;
+    struct gen_seq seq;       /* ids, text and finish; the caller frees it with gen_seq_free */
     double prefill_ms, decode_ms;
 };
 

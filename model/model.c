@@ -79,11 +79,6 @@ const struct model_weights *model_get_weights(const model *m)
     return &m->w;
 }
 
-be_backend *model_backend(const model *m)
-{
-    return m->be;
-}
-
 struct kv_geom model_kv_geom(const model *m)
 {
     return (struct kv_geom){
@@ -625,8 +620,8 @@ enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs)
         rs->start = p;
         rs->start_cap = n_seqs;
     }
-    /* Out of device memory is not the end of the request (issue 4): the
-     * step is redone with KV moved to the host tier, nothing recomputed,
+    /* Out of device memory is not the end of the request: the step is
+     * redone with KV moved to the host tier, nothing recomputed,
      * until it fits or nothing is left to move.  Each round moves one
      * more sequence, so this ends. */
     enum model_status st;

@@ -125,7 +125,6 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
 void model_free(model *m); /* accepts NULL */
 const struct model_config *model_get_config(const model *m);
 const struct model_weights *model_get_weights(const model *m);
-be_backend *model_backend(const model *m);
 /* The KV geometry a kv_store for this model needs (dtype f32). */
 struct kv_geom model_kv_geom(const model *m);
 

@@ -2,7 +2,7 @@
  * repetition_penalty -> temperature -> top_k -> top_p -> min_p -> sample.
  * All scratch is allocated once per sampler, never per token.
  */
-#include "model/generate.h"
+#include "model/sampler.h"
 
 #include <math.h>
 #include <stdlib.h>

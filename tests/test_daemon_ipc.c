@@ -2,6 +2,7 @@
  * templates against renders by @huggingface/jinja of the canonical
  * templates, the cache strategy table, request validation, the JSON writer,
  * and the client's HTTP/SSE reply parser under hostile input. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -9,6 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -353,20 +357,66 @@ static bool on_event(void *ud, const char *data, size_t len)
     return true;
 }
 
+/* A stand-in for kvtierd that answers each request with its own body, so
+ * a test sends through ipc_call the raw reply it wants parsed. */
+static void *echo_server(void *arg)
+{
+    int lfd = *(int *)arg, fd;
+    while ((fd = accept(lfd, NULL, NULL)) >= 0) {
+        char buf[4096];
+        size_t n = 0;
+        const char *head_end = NULL;
+        ssize_t got;
+        long body = 0;
+        /* the head, then Content-Length bytes of body */
+        while (n < sizeof(buf) && (got = recv(fd, buf + n, sizeof(buf) - n, 0)) > 0) {
+            n += (size_t)got;
+            if (!head_end && (head_end = memmem(buf, n, "\r\n\r\n", 4))) {
+                const char *cl = memmem(buf, (size_t)(head_end - buf), "Content-Length: ", 16);
+                body = cl ? strtol(cl + 16, NULL, 10) : 0;
+            }
+            if (head_end && n >= (size_t)(head_end + 4 - buf) + (size_t)body)
+                break;
+        }
+        if (head_end)
+            send(fd, head_end + 4, (size_t)body, MSG_NOSIGNAL);
+        close(fd);
+    }
+    return NULL;
+}
+
+/* Parses reply[0, n) as ipc_call reads a reply from the daemon. */
+static enum ipc_status call_echo(const char *sock, const char *reply, size_t n, ipc_event_fn cb, void *ud,
+                                 struct ipc_reply *r, struct ipc_error *err)
+{
+    return ipc_call(sock, "POST", "/", reply, n, cb, ud, r, err);
+}
+
 static void test_reply_parser(void **state)
 {
     (void)state;
     struct ipc_reply r;
     struct ipc_error err;
+    char dir[] = "/tmp/kvtier-ipc.XXXXXX", sock[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(sock, sizeof(sock), "%s/s", dir);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
+    int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    assert_true(lfd >= 0);
+    assert_int_equal(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(lfd, 16), 0);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, echo_server, &lfd), 0);
     const char *plain = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nhello";
-    assert_int_equal(ipc_parse_reply(plain, strlen(plain), NULL, NULL, &r, &err), IPC_OK);
+    assert_int_equal(call_echo(sock, plain, strlen(plain), NULL, NULL, &r, &err), IPC_OK);
     assert_int_equal(r.status, 404);
     assert_string_equal(r.body, "hello");
     ipc_reply_free(&r);
     const char *sse = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                       "a\r\ndata: {}\n\n\r\n1\r\nd\r\n5\r\nata: \r\n8\r\n[DONE]\n\n\r\n0\r\n\r\n";
     struct events ev = {0};
-    assert_int_equal(ipc_parse_reply(sse, strlen(sse), on_event, &ev, &r, &err), IPC_OK);
+    assert_int_equal(call_echo(sock, sse, strlen(sse), on_event, &ev, &r, &err), IPC_OK);
     assert_int_equal(ev.n, 2);
     assert_string_equal(ev.last, "[DONE]");
     ipc_reply_free(&r);
@@ -375,7 +425,7 @@ static void test_reply_parser(void **state)
                          "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffff\r\n",
                          "HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\nab", "HTTP/1.1 200 OK\r\nNoColon\r\n\r\n"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        assert_int_not_equal(ipc_parse_reply(bad[i], strlen(bad[i]), NULL, NULL, &r, &err), IPC_OK);
+        assert_int_not_equal(call_echo(sock, bad[i], strlen(bad[i]), NULL, NULL, &r, &err), IPC_OK);
         assert_null(r.body);
     }
     /* mutations of a valid stream: any result is fine, a crash or leak is not */
@@ -389,10 +439,15 @@ static void test_reply_parser(void **state)
             m[x % n] = (char)(x >> 32);
         }
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        if (ipc_parse_reply(m, x % (n + 1), on_event, &ev, &r, &err) == IPC_OK)
+        if (call_echo(sock, m, x % (n + 1), on_event, &ev, &r, &err) == IPC_OK)
             ipc_reply_free(&r);
     }
     free(m);
+    shutdown(lfd, SHUT_RDWR); /* accept fails: the server thread ends */
+    pthread_join(th, NULL);
+    close(lfd);
+    unlink(sock);
+    rmdir(dir);
 }
 
 /* Option numbers: the whole string, in range, or a usage error. */

@@ -1,11 +1,11 @@
-/* Description: the paged KV store - block accounting, the HF sliding-window
- * vectors of Hugging Face's sliding-window cache (storage W-1, seq_length
- * absolute), bounded memory, and transactional reserve under injected
- * device-allocation failures; the tiers - the static vectors of §2.1/§2.2
- * and §10.5/§10.6 (returned vs stored rows, overflow), no device
- * allocation in a static decode loop, offload residency (§10.10), the move
- * to the host tier and the host-tier budget; the host pool's slabs
- * (carving, coalescing, reuse, release, few backend allocations).
+/* Description: the paged KV store - block accounting, HF's dynamic and
+ * sliding-window layers (storage W-1, seq_length absolute), bounded memory,
+ * and transactional reserve under injected device-allocation failures; the
+ * tiers - HF's static layers (returned vs stored rows, overflow), no device
+ * allocation in a static decode loop, offload residency, the move to the
+ * host tier and the host-tier budget; crop, reuse and forks; the host
+ * pool's slabs (carving, coalescing, reuse, release, few backend
+ * allocations).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -133,7 +133,7 @@ static void test_dynamic_append(void **state)
     assert_int_equal(kv_seq_length(q), 0);
     assert_int_equal(step(q, 2), TIER_OK);
     assert_int_equal(step(q, 1), TIER_OK);
-    assert_int_equal(kv_seq_length(q), 3); /* §10.1: [1,2] then [3] -> seq 3 */
+    assert_int_equal(kv_seq_length(q), 3); /* [1,2] then [3] -> seq 3 */
     check_positions(q, 0, 0, 3);
     /* during the next step the view covers the 3 cached + 1 new: mask size (4, 0) */
     assert_int_equal(kv_seq_reserve(q, 1), TIER_OK);
@@ -152,7 +152,7 @@ static void test_sliding_vectors(void **state)
     struct fixture *f = *state;
     kv_seq *q;
     assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
-    /* §10.3, W=4: prefill [1..6] attends over all 6 rows, stores [4,5,6], seq 6 */
+    /* W=4: prefill [1..6] attends over all 6 rows, stores [4,5,6], seq 6 */
     assert_int_equal(kv_seq_reserve(q, 6), TIER_OK);
     write_positions(q, 0, 0, 6);
     write_positions(q, 1, 0, 6);
@@ -265,7 +265,7 @@ static void step_returning(kv_seq *q, int n, int64_t ret_lo)
     kv_seq_commit(q);
 }
 
-/* §2.1 / §10.5: StaticLayer, max_cache_len 4: [1,2] +3 -> [1,2,3,0],
+/* StaticLayer, max_cache_len 4: [1,2] +3 -> [1,2,3,0],
  * +4 -> [1,2,3,4], +5 -> the reference's IndexError, here TIER_EFULL. */
 static void test_static_full_layer(void **state)
 {
@@ -283,8 +283,8 @@ static void test_static_full_layer(void **state)
     kv_seq_free(q);
 }
 
-/* §2.2, W=4: the sliding layer stores W rows (not W-1) and returns the
- * last W-1 stored plus the new ones. */
+/* StaticSlidingWindowLayer, W=4: the sliding layer stores W rows (not
+ * W-1) and returns the last W-1 stored plus the new ones. */
 static void test_static_sliding_vectors(void **state)
 {
     struct fixture *f = *state;
@@ -306,7 +306,7 @@ static void test_static_sliding_vectors(void **state)
     kv_seq_free(q);
 }
 
-/* §2.2 hybrid, layer_types [full, sliding], W=2, max_cache_len 4. */
+/* Static hybrid, layer_types [full, sliding], W=2, max_cache_len 4. */
 static void test_static_hybrid_vectors(void **state)
 {
     (void)state;
@@ -356,7 +356,7 @@ static struct kv_seq_stats residency(struct fixture *f, enum kv_strategy st, enu
     return s;
 }
 
-/* §3.1 / §10.10: offloaded streams every layer (offload_only_non_sliding
+/* Offloaded streams every layer (offload_only_non_sliding
  * False), offloaded_static keeps the sliding layer on the device (True);
  * both defaults can be overridden. */
 static void test_offload_residency(void **state)
@@ -576,7 +576,7 @@ static void test_bad_params(void **state)
     assert_null(q);
 }
 
-/* §10.2 on the full layer (the sliding one is below its window, where it
+/* Crop on the full layer (the sliding one is below its window, where it
  * behaves the same): v5.15+ crop(tokens_to_remove). */
 static void test_crop_dynamic(void **state)
 {
@@ -604,7 +604,7 @@ static void test_crop_dynamic(void **state)
     kv_seq_free(q);
 }
 
-/* §10.3: once the sliding layer has seen W tokens without recording, any
+/* Once the sliding layer has seen W tokens without recording, any
  * crop is refused with the reference's explanation and changes nothing. */
 static void test_crop_sliding_unrecorded(void **state)
 {
@@ -623,7 +623,7 @@ static void test_crop_sliding_unrecorded(void **state)
     kv_seq_free(q);
 }
 
-/* §10.4: with past recording the sliding layer keeps every state until the
+/* With past recording the sliding layer keeps every state until the
  * next crop; crop(0) shrinks to W-1, crop(-2) of 6 keeps [2,3,4], crop(+1)
  * is refused, and a crop deeper than what was recorded since the last one
  * is refused (the reference would lose states silently). */
@@ -700,21 +700,45 @@ static void test_crop_out_of_range(void **state)
     }
 }
 
-/* The §7.3 edge: a cache holding the whole input is cropped to n - 1 so
+/* A session's next input: the KV is kept as far as its ids are a prefix
+ * of the input, and a cache holding the whole input is cropped to n - 1 so
  * that the last token is fed again and gives logits. */
 static void test_reuse(void **state)
 {
     struct fixture *f = *state;
+    const int32_t held[] = {7, 8, 9}, longer[] = {7, 8, 9, 10, 11}, edited[] = {7, 5, 9, 10};
     kv_seq *q;
-    int64_t skip;
+    int64_t keep;
     assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
     assert_int_equal(step(q, 3), TIER_OK);
-    assert_int_equal(kv_seq_reuse(q, 5, &skip), TIER_OK);
-    assert_int_equal(skip, 3);
-    assert_int_equal(kv_seq_reuse(q, 3, &skip), TIER_OK);
-    assert_int_equal(skip, 2);
+    assert_int_equal(kv_seq_reuse(q, held, longer, 5, &keep), TIER_OK);
+    assert_int_equal(keep, 3);
+    assert_int_equal(kv_seq_length(q), 3);
+    assert_int_equal(kv_seq_reuse(q, held, held, 3, &keep), TIER_OK);
+    assert_int_equal(keep, 2);
     assert_int_equal(kv_seq_length(q), 2);
-    assert_int_equal(kv_seq_reuse(q, 0, &skip), TIER_EINVAL);
+    assert_int_equal(kv_seq_reuse(q, held, edited, 4, &keep), TIER_OK);
+    assert_int_equal(keep, 1);
+    check_positions(q, 0, 0, 1);
+    assert_int_equal(kv_seq_reuse(q, held, held, 0, &keep), TIER_EINVAL);
+    assert_int_equal(kv_seq_length(q), 1);
+    kv_seq_free(q);
+}
+
+/* A sliding layer past its window without past recording cannot rewind:
+ * the reuse fails as the crop does and leaves the sequence as it was. */
+static void test_reuse_sliding_unrecorded(void **state)
+{
+    struct fixture *f = *state;
+    const int32_t held[] = {1, 2, 3, 4, 5, 6}, edited[] = {1, 2, 3, 9, 9, 9, 9};
+    kv_seq *q;
+    int64_t keep = -1;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step(q, 6), TIER_OK);
+    assert_int_equal(kv_seq_reuse(q, held, edited, 7, &keep), TIER_ECONFLICT);
+    assert_int_equal(keep, 0);
+    assert_int_equal(kv_seq_length(q), 6);
+    check_positions(q, 1, 3, 6);
     kv_seq_free(q);
 }
 
@@ -1024,6 +1048,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_crop_out_of_range, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_budget_and_namespaces, setup_prefix, teardown),
         cmocka_unit_test_setup_teardown(test_reuse, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_reuse_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_cow, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_offloaded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_match, setup_prefix, teardown),

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "model/generate.h"
+#include "model/sampler.h"
 
 static sampler *make(float temp, int top_k, float top_p, float min_p, float rep, uint64_t seed, int vocab)
 {

@@ -795,6 +795,21 @@ static enum text_status decode_piece(struct loader *L, const char *p, size_t n, 
 
 /* ---- tokenizer_config.json ----------------------------------------------- */
 
+/* A token's id by its exact string (vocab or added token); -1 if absent. */
+static int32_t piece_id(const tokenizer *t, const char *piece)
+{
+    size_t n = strlen(piece);
+    if (n == 0)
+        return -1;
+    unsigned char b = (unsigned char)piece[0];
+    for (int k = t->added_first[b]; k < t->added_first[b + 1]; k++) {
+        const struct tok_added *a = &t->added[k];
+        if (a->s.len == n && memcmp(t->str.p + a->s.off, piece, n) == 0)
+            return a->id;
+    }
+    return tok_vocab_find(t, piece, n);
+}
+
 /* bos_token / eos_token: a string, {"content": ...} (AddedToken) or null. */
 static enum text_status config_token(struct loader *L, json_t *cfg, const char *key, int32_t *id)
 {
@@ -806,7 +821,7 @@ static enum text_status config_token(struct loader *L, json_t *cfg, const char *
         return TEXT_OK;
     if (!json_is_string(v))
         return LFAIL(L, TEXT_EFORMAT, "%s: %s is not a string", L->file, key);
-    *id = tokenizer_token_id(L->t, json_string_value(v));
+    *id = piece_id(L->t, json_string_value(v));
     if (*id < 0)
         return LFAIL(L, TEXT_EFORMAT, "%s: %s \"%.64s\" is not a token of tokenizer.json", L->file, key,
                      json_string_value(v));
@@ -1115,21 +1130,3 @@ const char *tokenizer_chat_template(const tokenizer *t)
     return t->chat_template;
 }
 
-bool tokenizer_is_special(const tokenizer *t, int32_t id)
-{
-    return id >= 0 && id < t->n_ids && (t->flags[id] & TOKF_SPECIAL);
-}
-
-int32_t tokenizer_token_id(const tokenizer *t, const char *piece)
-{
-    size_t n = strlen(piece);
-    if (n == 0)
-        return -1;
-    unsigned char b = (unsigned char)piece[0];
-    for (int k = t->added_first[b]; k < t->added_first[b + 1]; k++) {
-        const struct tok_added *a = &t->added[k];
-        if (a->s.len == n && memcmp(t->str.p + a->s.off, piece, n) == 0)
-            return a->id;
-    }
-    return tok_vocab_find(t, piece, n);
-}

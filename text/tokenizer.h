@@ -34,11 +34,8 @@ void tokenizer_free(tokenizer *t); /* accepts NULL */
 int tokenizer_vocab_size(const tokenizer *t);
 int32_t tokenizer_bos_id(const tokenizer *t); /* -1 when none */
 int32_t tokenizer_eos_id(const tokenizer *t); /* -1 when none */
-/* Looks up a token's id by its exact string (vocab or added token); -1 if absent. */
-int32_t tokenizer_token_id(const tokenizer *t, const char *piece);
 /* tokenizer_config.json's chat_template, or NULL. */
 const char *tokenizer_chat_template(const tokenizer *t);
-bool tokenizer_is_special(const tokenizer *t, int32_t id);
 
 /* Appends the ids of text[0..len) to out.  add_special: add BOS/EOS as the
  * tokenizer's post-processor / tokenizer_config.json say (add_bos_token).

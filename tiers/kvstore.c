@@ -47,7 +47,7 @@
  *       layers keep `keep` tokens: W-1 for dynamic strategies (HF
  *       DynamicSlidingWindowLayer), W for static ones
  *       (StaticSlidingWindowLayer); attention during a step sees from
- *       len - (W-1) in both (the "returned" rows of cache-semantics §2.2).
+ *       len - (W-1) in both (the rows HF's sliding layers return).
  *   (2) paged: n_blocks is exactly what [base, len + pending) needs, so
  *       abort can recompute what to release from len alone; base is a
  *       multiple of bt and base <= lo.
@@ -181,11 +181,6 @@ enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const st
     return TIER_OK;
 }
 
-enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out)
-{
-    return kv_store_open(be, g, &(struct kv_store_params){.block_tokens = block_tokens}, out);
-}
-
 void kv_store_free(kv_store *s)
 {
     if (!s)
@@ -291,7 +286,7 @@ static enum tier_status pool_grow(kv_store *s)
 
 /* Returns the pool chunks none of whose blocks is in use to the device, so
  * that a sequence moved to the host tier really frees device budget. */
-void kv_store_trim(kv_store *s)
+static void kv_store_trim(kv_store *s)
 {
     size_t keep = 0;
     for (size_t c = 0; c < s->n_chunks; c++) {
@@ -1337,17 +1332,21 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
     return TIER_OK;
 }
 
-enum tier_status kv_seq_reuse(kv_seq *q, int64_t n_input, int64_t *n_skip)
+enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input,
+                              int64_t *n_keep)
 {
-    *n_skip = 0;
+    *n_keep = 0;
     if (n_input <= 0)
         return kv_fail(q->s, TIER_EINVAL, "kv_seq_reuse of an empty input");
-    if (q->len >= n_input) {
-        enum tier_status st = kv_seq_crop(q, -(q->len - n_input + 1));
+    int64_t k = 0;
+    while (k < q->len && k < n_input - 1 && held[k] == input[k])
+        k++;
+    if (k < q->len) {
+        enum tier_status st = kv_seq_crop(q, -(q->len - k));
         if (st != TIER_OK)
             return st;
     }
-    *n_skip = q->len;
+    *n_keep = k;
     return TIER_OK;
 }
 

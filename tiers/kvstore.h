@@ -134,8 +134,7 @@ struct kv_store_params {
  * and crop arguments add and negate in int64_t without overflow. */
 #define KV_SEQ_MAX_LEN ((int64_t)1 << 40)
 
-enum tier_status kv_store_create(be_backend *be, const struct kv_geom *g, int block_tokens, kv_store **out);
-/* The same with a host-tier budget; p = NULL means all defaults. */
+/* p = NULL means all defaults. */
 enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const struct kv_store_params *p,
                                kv_store **out);
 void kv_store_free(kv_store *s); /* accepts NULL; all sequences must be freed first */
@@ -229,11 +228,15 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n);
  * activate_past_recording).  TIER_ENOTSUP on a static strategy with
  * sliding layers (their capacity is fixed). */
 enum tier_status kv_seq_activate_past_recording(kv_seq *q);
-/* For a request whose n_input tokens extend what q holds (the caller
- * checked the ids): how many leading tokens need not be fed again.  When
- * q holds all n_input tokens (or more) it is cropped to n_input - 1 so the
- * last token is recomputed and yields logits (cache-semantics §7.3 edge). */
-enum tier_status kv_seq_reuse(kv_seq *q, int64_t n_input, int64_t *n_skip);
+/* A new input[0, n_input) for a sequence that holds the KV of held[0,
+ * kv_seq_length(q)): crops q to the longest common prefix of the two and
+ * sets *n_keep to its length, the tokens that need not be fed again.  At
+ * most n_input - 1 tokens are kept, so the last input token is always
+ * recomputed and yields logits (an input re-sent whole).  On failure (the
+ * crop's, e.g. TIER_ECONFLICT where a sliding layer dropped the states)
+ * q is unchanged and *n_keep is 0. */
+enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input,
+                              int64_t *n_keep);
 
 /* A new sequence equal to q that shares q's device blocks copy-on-write:
  * nothing is copied until one of them writes into a shared block (the

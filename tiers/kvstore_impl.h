@@ -227,7 +227,6 @@ int64_t layer_view_lo(const kv_seq *q, const struct kv_layer *L);
 /* The sink strategy's part of a layer's view (kvstore.c invariant 8):
  * key_rope, shift, the sinks and their block; raises out->lo past them. */
 void sink_view(const kv_seq *q, const struct kv_layer *L, struct be_kv_view *out);
-void kv_store_trim(kv_store *s);
 bool kv_store_reclaim(kv_store *s);
 /* Host-tier memory charged to the host budget (invariant 5 of kvstore.c);
  * kv_host_free returns the slots once no host bytes are left. */

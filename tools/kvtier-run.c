@@ -73,18 +73,16 @@ static int parse_ids(const char *s, struct tok_ids *out)
     return 0;
 }
 
-static bool write_dump(const char *path, const struct tok_ids *prompt, const struct tok_ids *gen, int vocab,
-                       const struct dump *d)
+static bool write_dump(const char *path, const struct gen_seq *gs, int vocab, const struct dump *d)
 {
     FILE *f = fopen(path, "wb");
     if (!f)
         return false;
-    int32_t hdr[4] = {0, (int32_t)prompt->n, (int32_t)gen->n, vocab};
+    int32_t hdr[4] = {0, (int32_t)gs->n_prompt, gs->gen, vocab};
     memcpy(hdr, "KVTL", 4);
     size_t cells = d->n * (size_t)vocab;
-    bool ok = !d->failed && d->n == gen->n && fwrite(hdr, 4, 4, f) == 4 &&
-              fwrite(prompt->ids, 4, prompt->n, f) == prompt->n && fwrite(gen->ids, 4, gen->n, f) == gen->n &&
-              fwrite(d->rows, 4, cells, f) == cells;
+    bool ok = !d->failed && d->n == (size_t)gs->gen && fwrite(hdr, 4, 4, f) == 4 &&
+              fwrite(gs->toks, 4, gs->n_toks, f) == gs->n_toks && fwrite(d->rows, 4, cells, f) == cells;
     return fclose(f) == 0 && ok;
 }
 
@@ -180,18 +178,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvtier-run: %s\n", err);
         goto out;
     }
-    if (dump_path && !write_dump(dump_path, &prompt, &res.tokens, model_get_config(rt.m)->vocab_size, &d)) {
+    if (dump_path && !write_dump(dump_path, &res.seq, model_get_config(rt.m)->vocab_size, &d)) {
         fprintf(stderr, "kvtier-run: writing %s failed\n", dump_path);
         goto out;
     }
     if (!quiet)
-        fprintf(stderr, "[%zu prompt tokens, %zu generated, prefill %.1f ms, decode %.1f ms (%.2f tok/s)]\n",
-                prompt.n, res.tokens.n, res.prefill_ms, res.decode_ms,
-                res.decode_ms > 0 ? res.tokens.n * 1e3 / res.decode_ms : 0.0);
+        fprintf(stderr, "[%zu prompt tokens, %d generated, prefill %.1f ms, decode %.1f ms (%.2f tok/s)]\n",
+                prompt.n, res.seq.gen, res.prefill_ms, res.decode_ms,
+                res.decode_ms > 0 ? res.seq.gen * 1e3 / res.decode_ms : 0.0);
     rc = 0;
 out:
     free(d.rows);
-    free(res.tokens.ids);
+    gen_seq_free(&res.seq);
     free(prompt.ids);
     runtime_close(&rt);
     return rc;

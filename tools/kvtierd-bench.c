@@ -183,10 +183,10 @@ static double local_rate(struct local *l, int n_tok)
     struct gen_result res = {0};
     double rate = 0;
     if (generate(l->rt.m, l->rt.tok, l->rt.store, l->ids.ids, l->ids.n, &gp, NULL, NULL, &res, err) == MODEL_OK)
-        rate = res.tokens.n / ((res.prefill_ms + res.decode_ms) / 1e3);
+        rate = res.seq.gen / ((res.prefill_ms + res.decode_ms) / 1e3);
     else
         fprintf(stderr, "kvtierd-bench: %s\n", err);
-    free(res.tokens.ids);
+    gen_seq_free(&res.seq);
     return rate;
 }
 
