@@ -63,8 +63,7 @@ struct req {
     char *body;
     size_t n_body, cap_body;
     json_t *root;
-    struct work work;
-    bool preparing; /* a worker holds the request */
+    struct work work; /* route_prepare on a worker */
     struct prep prep;
     /* a request waiting for the engine */
     struct job *job;

@@ -34,10 +34,18 @@ static void server_exit(struct server *s, enum server_exit rc)
 
 static void on_hangup(void *data, unsigned events);
 
-void suspend(struct req *r)
+/* Parks the connection without watching it: a worker holds the request.
+ * Its work is bounded, and a client that half-closed its side after the
+ * body still gets the reply. */
+static void park(struct req *r)
 {
     MHD_suspend_connection(r->conn);
     r->suspended = true;
+}
+
+void suspend(struct req *r)
+{
+    park(r);
     /* MHD stops watching a suspended connection; we watch for the hang-up */
     int rc = ev_io_start(r->srv->loop, &r->io, r->fd, EV_RDHUP, on_hangup, r);
     if (rc)
@@ -53,18 +61,15 @@ static void resume(struct req *r)
     MHD_resume_connection(r->conn);
 }
 
-/* The client hung up while its request was parked: a generation stops; a
- * request a worker holds is closed when the worker hands it back. */
+/* The client hung up while its request waited for the engine: the
+ * generation stops. */
 static void on_hangup(void *data, unsigned events)
 {
     (void)events;
     struct req *r = data;
     r->hup = true;
-    ev_io_stop(r->srv->loop, &r->io); /* the hang-up stays readable: watch it once */
-    if (r->job)
-        engine_cancel(r->srv->eng, r->job);
-    if (!r->preparing)
-        resume(r);
+    engine_cancel(r->srv->eng, r->job);
+    resume(r);
 }
 
 void track(struct req *r, struct job *j)
@@ -126,7 +131,6 @@ static void prep_run(void *data)
 static void prep_done(void *data, bool ran)
 {
     struct req *r = data;
-    r->preparing = false;
     if (!ran || r->srv->stopping)
         r->hup = true;
     resume(r);
@@ -134,10 +138,9 @@ static void prep_done(void *data, bool ran)
 
 enum MHD_Result req_offload(struct req *r)
 {
-    r->preparing = true;
     r->work = (struct work){.run = prep_run, .done = prep_done, .data = r};
     workers_submit(r->srv->workers, &r->work);
-    suspend(r);
+    park(r);
     return MHD_YES;
 }
 
