@@ -340,14 +340,43 @@ enum ipc_status engine_submit(engine *e, struct job *j, struct ipc_error *err)
     return st;
 }
 
-void engine_cancel(engine *e, struct job *j)
+void engine_cancel_locked(engine *e, struct job *j)
 {
-    pthread_mutex_lock(&e->mu);
     if (!j->done) {
         j->cancelled = true;
         pthread_cond_signal(&e->cv);
     }
+}
+
+void engine_cancel(engine *e, struct job *j)
+{
+    pthread_mutex_lock(&e->mu);
+    engine_cancel_locked(e, j);
     pthread_mutex_unlock(&e->mu);
+}
+
+bool job_done_locked(const struct job *j)
+{
+    return j->done;
+}
+
+bool job_done(engine *e, const struct job *j)
+{
+    pthread_mutex_lock(&e->mu);
+    bool done = j->done;
+    pthread_mutex_unlock(&e->mu);
+    return done;
+}
+
+struct job_progress job_progress(const struct job *j, int i)
+{
+    const struct job_choice *c = &j->ch[i];
+    return (struct job_progress){c->seq.text, c->n_text, c->n_gen, c->seq.toks, c->lps, c->finish};
+}
+
+const struct job_result *job_result(const struct job *j)
+{
+    return &j->res;
 }
 
 void engine_drain(engine *e)
@@ -371,11 +400,11 @@ void engine_abort_all(engine *e, enum ipc_status st, const char *msg)
 {
     pthread_mutex_lock(&e->mu);
     for (struct job *j = e->active; j; j = j->next)
-        if (j->err.st == IPC_OK)
-            ipc_fail(&j->err, st, "", "%s", msg);
+        if (j->res.err.st == IPC_OK)
+            ipc_fail(&j->res.err, st, "", "%s", msg);
     for (struct job *j = e->queue; j; j = j->next)
-        if (j->err.st == IPC_OK)
-            ipc_fail(&j->err, st, "", "%s", msg);
+        if (j->res.err.st == IPC_OK)
+            ipc_fail(&j->res.err, st, "", "%s", msg);
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }
@@ -570,18 +599,16 @@ static void retire(engine *e, struct job *j)
         s->busy = false;
     /* A session whose creating prefill failed or was abandoned was never
      * handed to its client: it must not keep a --max-sessions slot. */
-    if (s && j->kind == JOB_PREFILL && (j->cancelled || j->err.st != IPC_OK))
+    if (s && j->kind == JOB_PREFILL && (j->cancelled || j->res.err.st != IPC_OK))
         session_unlink_locked(e, s);
-    j->kv = kvs;
+    j->res.kv = kvs;
     if (j->t_first > 0)
-        j->decode_ms = t - j->t_first;
+        j->res.decode_ms = t - j->t_first;
     else if (j->t_admit > 0)
-        j->prefill_ms = t - j->t_admit;
-    for (int i = 0; i < j->n; i++) {
-        j->ch[i].done = true;
+        j->res.prefill_ms = t - j->t_admit;
+    for (int i = 0; i < j->n; i++)
         if (j->ch[i].finish == GEN_FINISH_NONE)
             j->ch[i].finish = GEN_FINISH_LENGTH;
-    }
     j->done = true;
     struct job **pp = &e->active;
     while (*pp && *pp != j)
@@ -600,8 +627,8 @@ static void retire(engine *e, struct job *j)
 static void job_fail(engine *e, struct job *j, const struct ipc_error *err)
 {
     pthread_mutex_lock(&e->mu);
-    if (j->err.st == IPC_OK)
-        j->err = *err;
+    if (j->res.err.st == IPC_OK)
+        j->res.err = *err;
     j->kill = true;
     pthread_mutex_unlock(&e->mu);
 }
@@ -675,7 +702,7 @@ static void session_op(engine *e, struct job *j)
     if (j->kind == JOB_RECORD && err.st == IPC_OK)
         s->record = true;
     if (child)
-        snprintf(j->reply_id, sizeof(j->reply_id), "%s", child->id);
+        snprintf(j->res.reply_id, sizeof(j->res.reply_id), "%s", child->id);
     pthread_mutex_unlock(&e->mu);
     if (err.st != IPC_OK)
         job_fail(e, j, &err);
@@ -699,9 +726,9 @@ static void start_job(engine *e, struct job *j)
     if (j->kind == JOB_PREFILL && j->ch[0].n_fed == j->ch[0].seq.n_toks)
         j->ch[0].seq.finish = GEN_FINISH_LENGTH; /* nothing to compute */
     pthread_mutex_lock(&e->mu);
-    j->n_cached = (int)j->ch[0].n_fed;
+    j->res.n_cached = (int)j->ch[0].n_fed;
     e->st.prompt_tokens += j->n_prompt * (size_t)j->n;
-    e->st.cached_tokens += (uint64_t)j->n_cached;
+    e->st.cached_tokens += (uint64_t)j->res.n_cached;
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -741,7 +768,7 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
 {
     if (j->t_first == 0) {
         j->t_first = t;
-        j->prefill_ms = t - j->t_admit;
+        j->res.prefill_ms = t - j->t_admit;
     }
     if (j->logprobs)
         memcpy(e->scratch, logits, (size_t)e->vocab * sizeof(*logits));
@@ -956,7 +983,7 @@ static void loop(engine *e)
         e->dead = NULL;
         struct job *fresh = admit_locked(e);
         for (struct job *j = e->active; j; j = j->next)
-            j->kill = j->kill || j->cancelled || j->err.st != IPC_OK;
+            j->kill = j->kill || j->cancelled || j->res.err.st != IPC_OK;
         pthread_mutex_unlock(&e->mu);
 
         if (dead) {
@@ -989,8 +1016,8 @@ static void fail_everything(engine *e)
     e->queue_tail = &e->queue;
     e->n_queued = 0;
     for (struct job *j = e->active; j; j = j->next)
-        if (j->err.st == IPC_OK)
-            ipc_fail(&j->err, IPC_EUNAVAIL, "", "kvtierd is shutting down");
+        if (j->res.err.st == IPC_OK)
+            ipc_fail(&j->res.err, IPC_EUNAVAIL, "", "kvtierd is shutting down");
     pthread_mutex_unlock(&e->mu);
     while (e->active)
         retire(e, e->active);

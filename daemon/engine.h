@@ -3,11 +3,13 @@
  * request.
  *
  * Threads: the event loop thread submits jobs and reads their output; the
- * engine thread does everything else.  They share one mutex (engine_lock):
- * a job's published output (choice text up to n_text, tokens up to n_gen,
- * finish, done) and the session table are read and written only under it.
- * The engine writes the wake fd (an eventfd) after every step that
- * published something, so the loop can resume suspended connections.
+ * engine thread does everything else.  They share one mutex (engine_lock).
+ * The fields of a job that both threads touch are listed in struct job
+ * with their owner, and the loop thread reaches them only through the
+ * job_* and engine_* functions below, which take the lock or say that the
+ * caller holds it.  The engine writes the wake fd (an eventfd) after every
+ * step that published something, so the loop can resume suspended
+ * connections.
  *
  * Scheduling: each step builds ONE model_forward batch from every active
  * sequence: one decode token for each running sequence, then chunks of
@@ -61,16 +63,16 @@ struct tok_logprob {
     float logprob;
 };
 
-/* One generated sequence of a job (OpenAI's "choice").  Fields above the
- * marker are published under the engine lock; the rest is engine-private
- * but for seq.text, which moves under the lock (gen_seq_params.text_lock)
- * and which the loop thread reads up to n_text. */
-struct job_choice {
+/* One generated sequence of a job (OpenAI's "choice").  The engine thread
+ * owns every field.  Those above the marker are its published output,
+ * written under the engine lock and read by the loop thread through
+ * job_progress(); tokens and logprobs below n_gen never change once
+ * published, and seq.text moves only under the lock
+ * (gen_seq_params.text_lock).  The rest is engine-private. */struct job_choice {
     size_t n_text;        /* visible text: seq.text[0, n_text) never shows a partial stop string */
     int n_gen;            /* generated tokens published: seq.toks[n_prompt .. n_prompt + n_gen) */
     struct tok_logprob *lps; /* per generated token: [1 + top_logprobs] entries, chosen first */
     enum gen_finish finish;
-    bool done;
     /* ---- engine-private ---- */
     struct gen_seq seq;   /* prompt + generated ids, text and finish as of the last step */
     size_t n_fed;         /* ids whose KV is in kv */
@@ -82,10 +84,24 @@ struct job_choice {
  * forward step. */
 enum job_kind { JOB_GENERATE = 0, JOB_PREFILL, JOB_CROP, JOB_FORK, JOB_RECORD };
 
+/* What a job ends with.  The engine thread owns it and writes it under the
+ * engine lock (err also by engine_abort_all, under the lock, from the loop
+ * thread); it is final once job_done() returned true, and read through
+ * job_result(). */
+struct job_result {
+    struct ipc_error err; /* err.st != IPC_OK: failed */
+    int n_cached;         /* prompt tokens reused from the session's KV or the prefix cache */
+    char reply_id[IPC_SESSION_ID_MAX + 1]; /* JOB_FORK: the new session */
+    double prefill_ms, decode_ms;
+    /* The KV at the end: choice 0's strategy, fallback and layer split;
+     * bytes and transfer figures summed over the choices. */
+    struct kv_seq_stats kv;
+};
+
 struct session;
 
 struct job {
-    /* ---- set by the submitter, read-only afterwards ---- */
+    /* ---- set by the submitter before engine_submit, read-only afterwards ---- */
     enum job_kind kind;
     uid_t uid;
     int32_t *prompt; /* owned */
@@ -97,21 +113,16 @@ struct job {
     char *stop_buf;
     bool ignore_eos, logprobs;
     int top_logprobs;
-    struct ipc_cache_choice cache;
     char session_id[IPC_SESSION_ID_MAX + 1]; /* "" = none */
     int64_t op_n;                            /* JOB_CROP: kv_seq_crop's n */
-    void *owner;                             /* the HTTP request, loop thread only */
-    /* ---- shared, under the engine lock ---- */
-    int refs;
-    bool cancelled, done;
-    struct ipc_error err; /* err.st != IPC_OK: failed */
-    int n_cached;         /* prompt tokens reused from the session's KV or the prefix cache */
-    char reply_id[IPC_SESSION_ID_MAX + 1]; /* JOB_FORK: the new session */
-    double prefill_ms, decode_ms;
-    /* The KV at the end: choice 0's strategy, fallback and layer split;
-     * bytes and transfer figures summed over the choices. */
-    struct kv_seq_stats kv;
-    /* ---- engine-private ---- */
+    /* ---- set by the submitter, replaced by engine_submit with the session's ---- */
+    struct ipc_cache_choice cache;
+    /* ---- shared, under the engine lock; owner and functions per field ---- */
+    int refs;        /* both threads: job_new, engine_submit, job_release */
+    bool cancelled;  /* the loop thread's: engine_cancel, engine_cancel_locked */
+    bool done;       /* the engine thread's: job_done, job_done_locked */
+    struct job_result res; /* the engine thread's: job_result */
+    /* ---- engine-private (engine_submit links it in, under the lock) ---- */
     struct job *next;
     struct session *sess;
     double t_admit, t_first;
@@ -150,11 +161,33 @@ void engine_unlock(engine *e);
  * unknown, 403 another uid's, 409 busy.  429 when the queue is full, 503
  * while draining. */
 enum ipc_status engine_submit(engine *e, struct job *j, struct ipc_error *err);
-/* The client went away: stop generating; the KV is freed unless a session
- * holds it.  Takes the lock. */
+/* The client went away or cannot keep up: stop generating; the KV is freed
+ * unless a session holds it.  engine_cancel takes the lock; the _locked
+ * form is for a caller that holds it. */
 void engine_cancel(engine *e, struct job *j);
+void engine_cancel_locked(engine *e, struct job *j);
 /* Drops the caller's reference (takes the lock); accepts NULL. */
 void job_release(engine *e, struct job *j);
+
+/* Whether the engine is through with j: nothing in it changes any more.
+ * job_done takes the lock; the _locked form is for a caller that holds it. */
+bool job_done(engine *e, const struct job *j);
+bool job_done_locked(const struct job *j);
+
+/* Choice i's published output.  The caller holds the lock (text may move
+ * when it is released), or job_done returned true (nothing moves). */
+struct job_progress {
+    const char *text; /* NULL until the first piece of text */
+    size_t n_text;
+    int n_gen;
+    const int32_t *toks;           /* prompt + generated ids; those published never change */
+    const struct tok_logprob *lps; /* [1 + top_logprobs] per published token */
+    enum gen_finish finish;
+};
+struct job_progress job_progress(const struct job *j, int i);
+
+/* What j ended with; valid once job_done returned true. */
+const struct job_result *job_result(const struct job *j);
 
 /* Refuse new jobs from now on (SIGTERM). */
 void engine_drain(engine *e);

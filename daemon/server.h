@@ -1,14 +1,17 @@
 /* server.h - kvtierd's event loop and HTTP front end.
  *
- * One thread runs an epoll loop over: the listening socket (kvtierd
- * accepts, checks SO_PEERCRED and the client limit, then hands the fd to
- * libmicrohttpd with MHD_add_connection), the signal pipe, the engine's
- * eventfd, libmicrohttpd's own epoll fd, and the fds of suspended
- * connections (EPOLLRDHUP: a client that hangs up while its request waits
- * cancels the generation).  libmicrohttpd runs in "external polling" mode
- * inside this thread, so every MHD call, suspend and resume happens here.
+ * One thread runs the event loop (loop.h) over: the listening socket
+ * (kvtierd accepts, checks SO_PEERCRED and the client limit, then hands the
+ * fd to libmicrohttpd with MHD_add_connection), the signal pipe, the
+ * engine's eventfd, the workers' eventfd, libmicrohttpd's own epoll fd, and
+ * the fds of suspended connections (EPOLLRDHUP: a client that hangs up
+ * while its request waits cancels the generation).  libmicrohttpd runs in
+ * "external polling" mode inside this thread, so every MHD call, suspend
+ * and resume happens here.
  *
- * A request waiting for the engine is suspended; the engine's eventfd
+ * A request with a body is suspended while a worker (workers.h) parses its
+ * JSON and tokenizes its prompt; the workers' eventfd resumes it.  A
+ * request waiting for the engine is suspended too; the engine's eventfd
  * wakes the loop, which resumes the connections that have news.  Streams
  * are chunked responses whose reader formats SSE events straight into the
  * socket buffer and suspends when it has nothing to send.

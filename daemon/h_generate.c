@@ -1,0 +1,131 @@
+/* h_generate.c - POST /v1/completions and /v1/chat/completions.  The
+ * prepare step (a worker) validates the request, renders the chat
+ * template, tokenizes and checks the prompt against the context, and
+ * builds the job; h_generate (the loop thread) names the reply and hands
+ * the job to the engine. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "daemon/http.h"
+
+/* The request's prompt as ids (owned by *ids). */
+static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g, struct tok_ids *ids,
+                                  struct ipc_error *err)
+{
+    if (g->chat)
+        return render(s, g->msgs, g->n_msgs, true, ids, err);
+    if (g->text)
+        return encode(s, g->text, g->text_len, true, "prompt", ids, err);
+    ids->ids = malloc(g->n_ids * sizeof(*ids->ids));
+    if (!ids->ids)
+        return ipc_fail(err, IPC_ENOMEM, "prompt", "no memory for the prompt");
+    memcpy(ids->ids, g->ids, g->n_ids * sizeof(*ids->ids));
+    ids->n = ids->cap = g->n_ids;
+    return IPC_OK;
+}
+
+static void new_id(struct req *r, const char *prefix)
+{
+    snprintf(r->id, sizeof(r->id), "%s-%llx%06llx", prefix, (unsigned long long)r->srv->started,
+             (unsigned long long)++r->srv->ids);
+    r->created = time(NULL);
+}
+
+/* Decodes the request into a job (r->prep.job) and the reply's shape. */
+/* Whether some layer attends to every token, so that a static cache fills
+ * (sliding layers keep a ring of their window). */
+static bool has_full_layer(const struct model_config *mc)
+{
+    for (int l = 0; l < mc->n_layers; l++)
+        if (!mc->layer_window[l])
+            return true;
+    return false;
+}
+
+static enum ipc_status prepare(struct req *r, bool chat)
+{
+    struct server *s = r->srv;
+    struct ipc_limits lim = limits(s);
+    struct ipc_gen_req g;
+    struct ipc_error *err = &r->prep.err;
+    struct tok_ids ids = {0};
+    enum ipc_status st = ipc_gen_req_parse(r->root, chat, &lim, &g, err);
+    if (st == IPC_OK && g.session && g.cache_given)
+        st = ipc_fail(err, IPC_EINVAL, "cache", "a session's cache strategy is fixed when it is created");
+    if (st == IPC_OK)
+        st = prompt_ids(s, &g, &ids, err);
+    int ctx = engine_context(s->eng);
+    if (st == IPC_OK && !ids.n)
+        st = ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "the prompt is empty (no tokens)");
+    else if (st == IPC_OK && ids.n >= (size_t)ctx)
+        st = ipc_fail(err, IPC_ECONTEXT, chat ? "messages" : "prompt",
+                      "the prompt has %zu tokens; the context holds %d", ids.n, ctx);
+    int left = ctx - (int)ids.n;
+    /* OpenAI's defaults: 16 tokens for completions, the rest of the context for chat */
+    int max_new = g.max_tokens > 0 ? g.max_tokens : chat ? left : left < 16 ? left : 16;
+    /* a sink cache's positions are indices in its window: it goes past the context */
+    if (st == IPC_OK && max_new > left && !g.cache.params.sink)
+        st = ipc_fail(err, IPC_ECONTEXT, "max_tokens",
+                      "the prompt (%zu tokens) + max_tokens (%d) exceeds the context (%d tokens)", ids.n, max_new, ctx);
+    const struct kv_seq_params *cp = &g.cache.params;
+    bool is_static = cp->strategy == KV_STATIC || cp->strategy == KV_OFFLOADED_STATIC;
+    /* both lengths are known now: refuse before any work what would fail
+     * part-way (the last generated token is never stored) */
+    if (st == IPC_OK && is_static && !cp->window_length && has_full_layer(engine_model_config(s->eng)) &&
+        (int64_t)ids.n + max_new - 1 > cp->max_cache_len)
+        st = ipc_fail(err, IPC_EINVAL, "cache.max_cache_len",
+                      "cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
+                      (long long)cp->max_cache_len, ids.n, max_new);
+    struct job *j = st == IPC_OK ? job_new(g.n, g.stops, g.n_stops) : NULL;
+    if (st == IPC_OK && !j)
+        st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
+    if (st != IPC_OK) {
+        free(ids.ids);
+        ipc_gen_req_release(&g);
+        return st;
+    }
+    j->kind = JOB_GENERATE;
+    j->uid = r->uid;
+    j->prompt = ids.ids;
+    j->n_prompt = ids.n;
+    j->max_new = max_new;
+    j->sampling = g.sampling;
+    if (!g.has_seed && getrandom(&j->sampling.seed, sizeof(j->sampling.seed), 0) < 0)
+        j->sampling.seed = (uint64_t)time(NULL);
+    j->ignore_eos = g.ignore_eos;
+    j->logprobs = g.logprobs;
+    j->top_logprobs = g.top_logprobs;
+    j->cache = g.cache;
+    if (g.session)
+        snprintf(j->session_id, sizeof(j->session_id), "%s", g.session);
+    r->kind = chat ? REPLY_CHAT : REPLY_COMPLETION;
+    r->stream = g.stream;
+    r->include_usage = g.include_usage;
+    r->return_tokens = g.return_tokens;
+    r->logprobs = g.logprobs;
+    ipc_gen_req_release(&g);
+    r->prep.job = j;
+    return IPC_OK;
+}
+
+enum ipc_status prep_completions(struct req *r)
+{
+    return prepare(r, false);
+}
+
+enum ipc_status prep_chat(struct req *r)
+{
+    return prepare(r, true);
+}
+
+enum MHD_Result h_generate(struct req *r, const char *arg)
+{
+    (void)arg;
+    struct job *j = r->prep.job;
+    r->prep.job = NULL;
+    new_id(r, r->kind == REPLY_CHAT ? "chatcmpl" : "cmpl");
+    return req_submit(r, j);
+}
+

@@ -1,0 +1,93 @@
+/* h_info.c - what the daemon says about itself: /health (200 once the
+ * model is loaded, 503 while loading, failed or draining), /v1/models, and
+ * /metrics in Prometheus text format. */
+#include <stdlib.h>
+
+#include "daemon/http.h"
+
+enum MHD_Result h_health(struct req *r, const char *arg)
+{
+    (void)arg;
+    char msg[256];
+    enum engine_state st = engine_state(r->srv->eng, msg, sizeof(msg));
+    if (st == ENGINE_READY && !r->srv->ready)
+        st = ENGINE_LOADING; /* until the loop has seen it (need_ready) */
+    if (st == ENGINE_READY && !r->srv->draining)
+        return reply_json(r, 200, json_pack("{s:s}", "status", "ok"));
+    const char *what = st == ENGINE_LOADING ? "loading" : st == ENGINE_FAILED ? "failed" : "draining";
+    return reply_json(r, 503, json_pack("{s:s,s:{s:i,s:s,s:s}}", "status", what, "error", "code", 503, "message",
+                                        st == ENGINE_LOADING ? "Loading model" : st == ENGINE_FAILED ? msg
+                                                                                                    : "Shutting down",
+                                        "type", "unavailable_error"));
+}
+
+enum MHD_Result h_models(struct req *r, const char *arg)
+{
+    (void)arg;
+    engine *e = r->srv->eng;
+    const struct model_config *mc = engine_model_config(e);
+    return reply_json(r, 200, json_pack("{s:s,s:[{s:s,s:s,s:I,s:s,s:{s:i,s:i,s:i,s:i,s:s,s:s}}]}", "object", "list",
+                                        "data", "id", engine_model_id(e), "object", "model", "created",
+                                        (json_int_t)r->srv->started, "owned_by", "kvtier", "meta", "n_vocab",
+                                        mc->vocab_size, "n_ctx_train", mc->max_position_embeddings, "n_ctx",
+                                        engine_context(e), "n_embd", mc->hidden_size, "architecture", mc->arch_name,
+                                        "chat_template", chat_family_name(engine_chat_template(e)->family)));
+}
+
+static void metric(struct jw *w, const char *name, const char *type, const char *help, const char *labels, double v)
+{
+    if (help)
+        jw_fmt(w, "# HELP kvtier_%s %s\n# TYPE kvtier_%s %s\n", name, help, name, type);
+    jw_fmt(w, "kvtier_%s%s %.17g\n", name, labels ? labels : "", v);
+}
+
+enum MHD_Result h_metrics(struct req *r, const char *arg)
+{
+    (void)arg;
+    struct server *s = r->srv;
+    struct engine_stats st = engine_get_stats(s->eng);
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+    struct jw w;
+    jw_dynamic(&w);
+    metric(&w, "requests_total", "counter", "Generation and session requests accepted.", NULL, (double)st.requests);
+    metric(&w, "http_requests_total", "counter", "HTTP requests received.", NULL, (double)s->http_requests);
+    metric(&w, "connections_refused_total", "counter", "Connections refused (peer credentials or limits).", NULL,
+           (double)s->refused);
+    metric(&w, "prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", NULL, (double)st.prompt_tokens);
+    metric(&w, "prompt_cached_tokens_total", "counter", "Prompt tokens reused from a session's KV cache.", NULL,
+           (double)st.cached_tokens);
+    metric(&w, "generation_tokens_total", "counter", "Tokens generated.", NULL, (double)st.gen_tokens);
+    metric(&w, "forward_steps_total", "counter", "Batched forward passes.", NULL, (double)st.steps);
+    metric(&w, "requests_running", "gauge", "Sequences being generated.", NULL, st.running);
+    metric(&w, "requests_waiting", "gauge", "Requests queued for admission.", NULL, st.queued);
+    metric(&w, "sessions", "gauge", "Open sessions.", NULL, st.sessions);
+    metric(&w, "connections", "gauge", "Open client connections.", NULL, di ? di->num_connections : 0);
+    metric(&w, "kv_cache_bytes", "gauge", "KV cache bytes resident per tier.", "{tier=\"device\"}",
+           (double)st.kv_dev_bytes);
+    metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"host\"}", (double)st.kv_host_bytes);
+    metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"disk\"}", 0);
+    metric(&w, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the automatic prefix cache.", NULL,
+           (double)st.prefix_hit_tokens);
+    metric(&w, "prefix_cache_blocks", "gauge", "Token blocks in the prefix cache.", NULL, (double)st.prefix_entries);
+    metric(&w, "prefix_cache_evictions_total", "counter", "Unreferenced prefix-cache blocks freed for room.", NULL,
+           (double)st.prefix_evictions);
+    metric(&w, "device_memory_bytes", "gauge", "Device memory budget (--device-mem) and bytes in use.",
+           "{kind=\"budget\"}", (double)st.dev_budget);
+    metric(&w, "device_memory_bytes", "gauge", NULL, "{kind=\"used\"}", (double)st.dev_used);
+    metric(&w, "kv_fallbacks_total", "counter",
+           "Sequences moved to the host tier because the device tier could not hold them.", NULL,
+           (double)st.kv_fallbacks);
+    jw_lit(&w, "# HELP kvtier_errors_total Error replies by kind.\n# TYPE kvtier_errors_total counter\n");
+    for (int k = IPC_EINVAL; k < IPC_N_STATUS; k++)
+        if (k != IPC_EPROTO && k != IPC_EIO) /* the client's own kinds */
+            jw_fmt(&w, "kvtier_errors_total{kind=\"%s\"} %llu\n", ipc_status_name((enum ipc_status)k),
+                   (unsigned long long)st.errors[k]);
+    metric(&w, "process_start_time_seconds", "gauge", "Start time of kvtierd (Unix seconds).", NULL,
+           (double)s->started);
+    if (w.failed) {
+        free(w.p);
+        return MHD_NO;
+    }
+    return queue(r, 200, w.p, w.n, "text/plain; version=0.0.4; charset=utf-8");
+}
+

@@ -1,0 +1,145 @@
+/* h_sessions.c - the /v1/sessions endpoints: create (its prefix is
+ * tokenized by prep_session_create on a worker, then prefilled by the
+ * engine), list, get, delete, and crop, fork and past recording, which run
+ * on the engine thread as jobs naming the session. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "daemon/http.h"
+
+/* POST /v1/sessions on a worker: the prefix as ids (a system prompt goes
+ * through the chat template), checked against the context. */
+enum ipc_status prep_session_create(struct req *r)
+{
+    struct server *s = r->srv;
+    struct ipc_limits lim = limits(s);
+    struct ipc_session_req q;
+    struct ipc_error *err = &r->prep.err;
+    struct tok_ids *ids = &r->prep.ids;
+    enum ipc_status st = ipc_session_req_parse(r->root, &lim, &q, err);
+    if (st == IPC_OK && q.system) {
+        struct chat_msg m = {CHAT_ROLE_SYSTEM, q.system, q.system_len, NULL};
+        st = render(s, &m, 1, false, ids, err);
+    } else if (st == IPC_OK && q.prefix) {
+        st = encode(s, q.prefix, q.prefix_len, true, "prefix", ids, err);
+    } else if (st == IPC_OK && q.ids) {
+        ids->ids = q.ids;
+        ids->n = q.n_ids;
+        q.ids = NULL;
+    }
+    if (st == IPC_OK && ids->n >= (size_t)engine_context(s->eng))
+        st = ipc_fail(err, IPC_ECONTEXT, q.field, "%s has %zu tokens; a session's start must be shorter than the context (%d)",
+                      q.field, ids->n, engine_context(s->eng));
+    r->prep.cache = q.cache;
+    r->prep.record = q.record;
+    ipc_session_req_release(&q);
+    return st;
+}
+
+/* Registers the session; a prefix is prefilled by a JOB_PREFILL job before
+ * the reply. */
+enum MHD_Result h_session_create(struct req *r, const char *arg)
+{
+    (void)arg;
+    struct server *s = r->srv;
+    struct ipc_error err;
+    struct tok_ids ids = r->prep.ids;
+    char id[IPC_SESSION_ID_MAX + 1];
+    r->prep.ids = (struct tok_ids){0};
+    enum ipc_status st = engine_session_create(s->eng, r->uid, &r->prep.cache, r->prep.record, id, sizeof(id), &err);
+    struct job *j = NULL;
+    if (st == IPC_OK && ids.n && !(j = job_new(1, NULL, 0))) {
+        st = ipc_fail(&err, IPC_ENOMEM, "", "no memory for the request");
+        engine_session_delete(s->eng, r->uid, id, &err);
+    }
+    if (st != IPC_OK) {
+        free(ids.ids);
+        return reply_error(r, &err);
+    }
+    if (!j) {
+        json_t *o;
+        if (engine_session_json(s->eng, r->uid, id, &o, &err) != IPC_OK)
+            return reply_error(r, &err);
+        return reply_json(r, 200, o);
+    }
+    j->kind = JOB_PREFILL;
+    j->uid = r->uid;
+    j->prompt = ids.ids;
+    j->n_prompt = ids.n;
+    sampler_params_default(&j->sampling);
+    snprintf(j->session_id, sizeof(j->session_id), "%s", id);
+    r->kind = REPLY_SESSION;
+    struct ipc_error serr;
+    if (engine_submit(s->eng, j, &serr) != IPC_OK) {
+        job_release(s->eng, j);
+        engine_session_delete(s->eng, r->uid, id, &err);
+        return reply_error(r, &serr);
+    }
+    track(r, j);
+    suspend(r);
+    return MHD_YES;
+}
+
+enum MHD_Result h_session_list(struct req *r, const char *arg)
+{
+    (void)arg;
+    json_t *arr = engine_session_list(r->srv->eng, r->uid);
+    return reply_json(r, 200, arr ? json_pack("{s:s,s:o}", "object", "list", "data", arr) : NULL);
+}
+
+enum MHD_Result h_session_get(struct req *r, const char *id)
+{
+    json_t *o;
+    struct ipc_error err;
+    if (engine_session_json(r->srv->eng, r->uid, id, &o, &err) != IPC_OK)
+        return reply_error(r, &err);
+    return reply_json(r, 200, o);
+}
+
+/* Crop, fork and past recording run on the engine thread as jobs naming
+ * the session (404, 403 and 409 busy come from engine_submit). */
+static enum MHD_Result session_op(struct req *r, const char *id, enum job_kind kind, int64_t n)
+{
+    struct job *j = job_new(1, NULL, 0);
+    if (!j)
+        return fail(r, IPC_ENOMEM, "", "no memory for the request");
+    j->kind = kind;
+    j->uid = r->uid;
+    j->op_n = n;
+    snprintf(j->session_id, sizeof(j->session_id), "%s", id);
+    r->kind = REPLY_SESSION_OP;
+    return req_submit(r, j);
+}
+
+enum MHD_Result h_session_crop(struct req *r, const char *id)
+{
+    int64_t n;
+    struct ipc_error err;
+    if (ipc_crop_req_parse(r->root, &n, &err) != IPC_OK)
+        return reply_error(r, &err);
+    return session_op(r, id, JOB_CROP, n);
+}
+
+enum MHD_Result h_session_fork(struct req *r, const char *id)
+{
+    if (json_object_size(r->root))
+        return fail(r, IPC_EINVAL, json_object_iter_key(json_object_iter(r->root)), "fork takes no fields");
+    return session_op(r, id, JOB_FORK, 0);
+}
+
+enum MHD_Result h_session_record(struct req *r, const char *id)
+{
+    if (json_object_size(r->root))
+        return fail(r, IPC_EINVAL, json_object_iter_key(json_object_iter(r->root)),
+                    "activate_past_recording takes no fields");
+    return session_op(r, id, JOB_RECORD, 0);
+}
+
+enum MHD_Result h_session_delete(struct req *r, const char *id)
+{
+    struct ipc_error err;
+    if (engine_session_delete(r->srv->eng, r->uid, id, &err) != IPC_OK)
+        return reply_error(r, &err);
+    return reply_json(r, 200, json_pack("{s:s,s:s,s:b}", "id", id, "object", "session", "deleted", 1));
+}
+

@@ -1,0 +1,174 @@
+/* http.h - what the files of the HTTP front end share: the server and
+ * request state, and the functions each file offers the others.
+ *
+ *   server.c     the loop's sources (accept, signals, engine wake-ups,
+ *                workers), libmicrohttpd's callbacks, suspend/resume
+ *   route.c      the route table, path matching, dispatch
+ *   render.c     replies: errors, OpenAI completion bodies, the kvtier object
+ *   stream.c     SSE streams: snapshots of a job's output, events
+ *   h_generate.c completions and chat
+ *   h_text.c     tokenize, detokenize, apply-template; prompt encoding
+ *   h_sessions.c sessions
+ *   h_info.c     health, models, metrics
+ *
+ * Everything runs on the event loop thread except a route's prepare step
+ * (route_prepare and the prep_* functions), which runs on a worker while
+ * its request is suspended: it reads the request's body and writes only
+ * r->root, r->prep and the reply flags, which the loop thread reads after
+ * the worker handed the request back.
+ */
+#ifndef KVTIER_DAEMON_HTTP_H
+#define KVTIER_DAEMON_HTTP_H
+
+#include <microhttpd.h>
+#include <time.h>
+
+#include "daemon/engine.h"
+#include "daemon/loop.h"
+#include "daemon/server.h"
+#include "daemon/workers.h"
+#include "ipc/jsonw.h"
+#include "ipc/request.h"
+
+enum reply_kind { REPLY_COMPLETION = 0, REPLY_CHAT, REPLY_SESSION, REPLY_SESSION_OP };
+
+/* Where a stream is after its choices: the events left to send. */
+enum stream_phase {
+    STREAM_CHOICES = 0, /* text, tokens and finish reasons of the choices */
+    STREAM_USAGE,       /* the usage chunk (stream_options.include_usage) */
+    STREAM_DONE,        /* "data: [DONE]" */
+    STREAM_ENDED,       /* everything sent */
+};
+
+struct route;
+
+/* A route's prepare output, written on a worker (see above). */
+struct prep {
+    struct ipc_error err;          /* st != IPC_OK: the reply */
+    struct job *job;               /* completions, chat: ready for engine_submit */
+    struct tok_ids ids;            /* session create: the prefix */
+    struct ipc_cache_choice cache; /* session create */
+    bool record;                   /* session create */
+    struct jw out;                 /* tokenize, detokenize, apply-template: the 200 body */
+};
+
+struct req {
+    struct server *srv;
+    struct MHD_Connection *conn;
+    const struct route *route;
+    char arg[IPC_SESSION_ID_MAX + 1]; /* the path segment the route's '*' matched */
+    const char *url;
+    uid_t uid;
+    pid_t pid;
+    char *body;
+    size_t n_body, cap_body;
+    json_t *root;
+    struct work work; /* route_prepare on a worker */
+    struct prep prep;
+    /* a request waiting for the engine */
+    struct job *job;
+    enum reply_kind kind;
+    bool stream, include_usage, return_tokens, logprobs;
+    bool suspended, hup, overflow, wake;
+    int fd;
+    struct ev_io io;         /* the hang-up watch while suspended */
+    struct req *prev, *next; /* server.waiting */
+    char id[48];
+    time_t created;
+    /* stream progress */
+    bool role_sent[SERVER_MAX_N], fin_sent[SERVER_MAX_N];
+    size_t sent_text[SERVER_MAX_N], text_offset[SERVER_MAX_N];
+    int sent_gen[SERVER_MAX_N];
+    enum stream_phase phase;
+    char *snap; /* STREAM_BLOCK bytes: unsent text copied under the engine lock */
+};
+
+struct server {
+    engine *eng;
+    const struct server_config *cfg;
+    struct MHD_Daemon *mhd;
+    ev_loop *loop;
+    workers *workers;
+    int listen_fd, sig_fd, wake_fd;
+    struct ev_io io_listen, io_sig, io_wake, io_mhd, io_workers;
+    struct ev_timer t_mhd, t_drain;
+    struct req *waiting; /* requests holding a job */
+    bool ready, draining, aborted, stopping;
+    enum server_exit rc;
+    time_t started;
+    uint64_t ids, http_requests, refused;
+    char *piece; /* one token's text for logprobs: engine_max_piece bytes */
+    size_t piece_cap;
+};
+
+/* ---- server.c ---- */
+void suspend(struct req *r);
+/* Hands the request to a worker for route_prepare; route_resume continues it. */
+enum MHD_Result req_offload(struct req *r);
+/* Hands j to the engine and parks the request until it has output; a
+ * stream gets its chunked response now. */
+enum MHD_Result req_submit(struct req *r, struct job *j);
+void track(struct req *r, struct job *j);
+
+/* ---- route.c ---- */
+enum MHD_Result dispatch(struct req *r, const char *method);
+void route_prepare(struct req *r);
+enum MHD_Result route_resume(struct req *r);
+
+/* ---- render.c ---- */
+enum MHD_Result queue(struct req *r, unsigned code, char *body, size_t len, const char *type);
+enum MHD_Result reply_jw(struct req *r, unsigned code, struct jw *w);
+enum MHD_Result reply_json(struct req *r, unsigned code, json_t *obj);
+enum MHD_Result reply_error(struct req *r, const struct ipc_error *e);
+enum MHD_Result fail(struct req *r, enum ipc_status st, const char *param, const char *msg);
+enum MHD_Result reply_done(struct req *r);
+void write_error_body(struct jw *w, const struct ipc_error *e);
+void write_head(struct jw *w, struct req *r, const char *object);
+void write_choice(struct jw *w, struct req *r, int i, const char *text, size_t n, int g0, int g1, const char *finish,
+                  bool delta, bool role);
+void write_usage(struct jw *w, const struct job *j);
+void write_kvtier(struct jw *w, const struct job *j);
+const char *finish_name(enum gen_finish f);
+/* The text of one token as the tokenizer spells it alone, into buf (of at
+ * least engine_max_piece bytes, so it always fits); its length. */
+size_t token_piece(const engine *e, int32_t id, char *buf, size_t cap);
+
+/* ---- stream.c ---- */
+#define STREAM_BLOCK (64 * 1024)
+ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max);
+/* both under the engine lock */
+bool has_news(const struct req *r);
+bool over_limit(const struct req *r, size_t max);
+
+/* ---- h_text.c: request decoding on a worker ---- */
+struct ipc_limits limits(const struct server *s);
+enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,
+                       struct tok_ids *ids, struct ipc_error *err);
+enum ipc_status render(struct server *s, const struct chat_msg *m, size_t n, bool gen_prompt, struct tok_ids *ids,
+                       struct ipc_error *err);
+enum ipc_status unknown_field(const char *key, const char *known, struct ipc_error *err);
+
+/* ---- prepare steps (on a worker) and handlers (loop thread) ---- */
+typedef enum ipc_status (*prepare_fn)(struct req *r);
+typedef enum MHD_Result (*handler_fn)(struct req *r, const char *arg);
+
+enum ipc_status prep_completions(struct req *r);
+enum ipc_status prep_chat(struct req *r);
+enum ipc_status prep_tokenize(struct req *r);
+enum ipc_status prep_detokenize(struct req *r);
+enum ipc_status prep_apply_template(struct req *r);
+enum ipc_status prep_session_create(struct req *r);
+enum MHD_Result h_generate(struct req *r, const char *arg);
+enum MHD_Result h_prepared(struct req *r, const char *arg);
+enum MHD_Result h_health(struct req *r, const char *arg);
+enum MHD_Result h_models(struct req *r, const char *arg);
+enum MHD_Result h_metrics(struct req *r, const char *arg);
+enum MHD_Result h_session_create(struct req *r, const char *arg);
+enum MHD_Result h_session_list(struct req *r, const char *arg);
+enum MHD_Result h_session_get(struct req *r, const char *arg);
+enum MHD_Result h_session_delete(struct req *r, const char *arg);
+enum MHD_Result h_session_crop(struct req *r, const char *arg);
+enum MHD_Result h_session_fork(struct req *r, const char *arg);
+enum MHD_Result h_session_record(struct req *r, const char *arg);
+
+#endif
