@@ -254,15 +254,22 @@ enum ipc_status ipc_call(const char *sock_path, const char *method, const char *
         st = send_all(fd, head, (size_t)hn, err);
     if (st == IPC_OK && body)
         st = send_all(fd, body, len, err);
-    struct src *s = st == IPC_OK ? calloc(1, sizeof(*s)) : NULL;
-    if (st == IPC_OK && !s)
-        st = ipc_fail(err, IPC_ENOMEM, "", "no memory");
-    if (s) {
-        s->fd = fd;
-        st = parse(s, on_event, ud, reply, err);
-        free(s);
-    }
+    if (st == IPC_OK)
+        st = ipc_read_reply(fd, on_event, ud, reply, err);
     close(fd);
+    return st;
+}
+
+enum ipc_status ipc_read_reply(int fd, ipc_event_fn on_event, void *ud, struct ipc_reply *reply,
+                               struct ipc_error *err)
+{
+    memset(reply, 0, sizeof(*reply));
+    struct src *s = calloc(1, sizeof(*s));
+    if (!s)
+        return ipc_fail(err, IPC_ENOMEM, "", "no memory");
+    s->fd = fd;
+    enum ipc_status st = parse(s, on_event, ud, reply, err);
+    free(s);
     return st;
 }
 

@@ -31,6 +31,10 @@ struct ipc_reply {
  * here: reply->status says it. */
 enum ipc_status ipc_call(const char *sock_path, const char *method, const char *path, const char *body, size_t len,
                          ipc_event_fn on_event, void *ud, struct ipc_reply *reply, struct ipc_error *err);
+/* The reply half of ipc_call: reads one reply from fd until it ends (the
+ * connection closes after it), with the same bounds and errors. */
+enum ipc_status ipc_read_reply(int fd, ipc_event_fn on_event, void *ud, struct ipc_reply *reply,
+                               struct ipc_error *err);
 void ipc_reply_free(struct ipc_reply *r); /* accepts a zeroed reply */
 
 #endif

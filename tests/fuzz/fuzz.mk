@@ -49,7 +49,7 @@ $(FUZZ_BUILD)/obj/%.o: %.c
 $(FUZZ_LIB): $(FUZZ_LIB_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
-$(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/obj/tests/fuzz/fuzz_%.o $(FUZZ_LIB)
+$(FUZZ_BUILD)/fuzz_%: $(FUZZ_BUILD)/obj/tests/fuzz/fuzz_%.o $(FUZZ_BUILD)/obj/tests/fuzz/no_cpu.o $(FUZZ_LIB)
 	$(FUZZ_CC) $(FUZZ_SAN) -fsanitize=fuzzer $^ -o $@ $(LDLIBS)
 
 fuzz-build: $(FUZZ_BINS)
