@@ -63,7 +63,7 @@ static tokenizer *load_json(json_t *root, json_t *config)
     assert_non_null(json);
     enum text_status st = load_text(json, cfg, &t, err);
     if (st != TEXT_OK)
-        fail_msg("tokenizer_load: status %d (%s)", st, err);
+        fail_msg("tokenizer_load: %s (%s)", text_strerror(st), err);
     free(json);
     free(cfg);
     json_decref(root);
@@ -139,7 +139,7 @@ static struct tok_ids encode(const tokenizer *t, const char *text, bool add_spec
     char err[TEXT_ERR_LEN];
     enum text_status st = tokenizer_encode(t, text, strlen(text), add_special, &ids, err);
     if (st != TEXT_OK)
-        fail_msg("encode \"%s\": status %d (%s)", text, st, err);
+        fail_msg("encode \"%s\": %s (%s)", text, text_strerror(st), err);
     return ids;
 }
 
@@ -460,7 +460,7 @@ static void test_malformed(void **state)
         tokenizer *t = (tokenizer *)&err; /* must come back NULL */
         enum text_status st = load_text(cases[i].json, cases[i].config, &t, err);
         if (st != cases[i].st || !strstr(err, cases[i].msg) || t)
-            fail_msg("case %zu: got status %d \"%s\", want %d \"%s\"", i, st, err, cases[i].st, cases[i].msg);
+            fail_msg("case %zu: got %s \"%s\", want %s \"%s\"", i, text_strerror(st), err, text_strerror(cases[i].st), cases[i].msg);
     }
     char err[TEXT_ERR_LEN];
     tokenizer *t;
@@ -556,7 +556,7 @@ static void check_oracle_tokenizer(void **state)
     tokenizer *t;
     enum text_status st = tokenizer_load(json_string_value(json_object_get(tj, "dir")), &t, err);
     if (st != TEXT_OK)
-        fail_msg("%s: status %d (%s)", name, st, err);
+        fail_msg("%s: %s (%s)", name, text_strerror(st), err);
     size_t i, failures = 0, round_trips = 0;
     json_t *c;
     json_array_foreach(json_object_get(tj, "cases"), i, c) {

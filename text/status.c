@@ -3,6 +3,20 @@
 #include <stdarg.h>
 #include <stdio.h>
 
+const char *text_strerror(enum text_status st)
+{
+    switch (st) {
+    case TEXT_OK: return "ok";
+    case TEXT_ENOENT: return "required file missing";
+    case TEXT_EFORMAT: return "malformed file";
+    case TEXT_EUNSUPPORTED: return "not supported";
+    case TEXT_ENOMEM: return "out of host memory";
+    case TEXT_EIO: return "I/O error";
+    case TEXT_EINVAL: return "invalid input";
+    }
+    return "unknown text status";
+}
+
 enum text_status text_errf(char *err, enum text_status st, const char *fmt, ...)
 {
     if (err) {

@@ -1,5 +1,5 @@
 /* status.h - the errors of the text layer (tokenizer, chat templates): one
- * enum and the message helper every text file reports with (the model
+ * enum, its strerror, and the message helper every text file reports with (the model
  * layer's model_from_text reads the enum for the programs above).
  * A message goes into a caller buffer of TEXT_ERR_LEN bytes (NULL = none)
  * and names the file and field or the byte offset at fault. */
@@ -19,6 +19,8 @@ enum text_status {
     TEXT_EIO = 5,
     TEXT_EINVAL = 6,      /* bad input: invalid UTF-8, a conversation the template rejects */
 };
+
+const char *text_strerror(enum text_status st);
 
 /* Writes the message into err and returns st, so a failure reads
  * `return text_errf(err, TEXT_EFORMAT, ...)`. */
