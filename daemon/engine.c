@@ -1,4 +1,10 @@
-#include "daemon/engine.h"
+/* engine.c - the inference thread (see engine.h): job submission and
+ * cancellation from the loop thread, admission, the batched step and its
+ * failure handling, retirement, model loading and the thread's life.  The
+ * session table and the operations on a session are in sessions.c; the
+ * structures both files use are in engine_impl.h.
+ */
+#include "daemon/engine_impl.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -7,69 +13,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "util/log.h"
 #include "util/clock.h"
-#include "model/runtime.h"
-
-struct session {
-    char id[IPC_SESSION_ID_MAX + 1];
-    uid_t uid;
-    time_t created;
-    struct ipc_cache_choice cache;
-    bool busy;
-    bool record; /* activate_past_recording on every KV sequence it gets */
-    int32_t *toks; /* the ids whose KV is in kv */
-    size_t n_toks;
-    struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */
-    struct kv_seq *kv; /* engine thread only */
-    struct session *next;
-};
-
-struct engine {
-    struct engine_config cfg;
-    int wake_fd;
-    pthread_t thread;
-    bool thread_started;
-
-    /* ---- under mu ---- */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    enum engine_state state;
-    char state_msg[MODEL_ERR_LEN];
-    bool stopping, draining;
-    struct job *queue, **queue_tail; /* waiting for admission */
-    int n_queued;
-    struct job *active;              /* admitted, in admission order */
-    int active_seqs;
-    struct session *sessions, *dead; /* dead: deleted, KV to free on the engine thread */
-    int n_sessions;
-    struct engine_stats st;
-    uint64_t order;
-
-    /* ---- set before READY, read-only afterwards ---- */
-    struct runtime rt;
-    model *m;
-    tokenizer *tok;
-    kv_store *store;
-    const struct model_config *mc;
-    int ctx, vocab;
-    size_t max_piece;
-    char model_id[128];
-    char bos[64], eos[64];
-    struct chat_template chat;
-
-    /* ---- engine thread: per-step scratch, sized once at load ---- */
-    struct fw_seq *batch;
-    struct job_choice **batch_ch;
-    struct job **batch_job;
-    float *logits;  /* [max_seqs, vocab] */
-    float *scratch; /* [vocab]: raw logits kept for logprobs */
-    unsigned rr;    /* round-robin start among prefills; unsigned so it wraps after 2^32 steps */
-};
 
 static void wake(engine *e)
 {
@@ -142,167 +89,6 @@ void engine_lock(engine *e)
 void engine_unlock(engine *e)
 {
     pthread_mutex_unlock(&e->mu);
-}
-
-/* ---- sessions ------------------------------------------------------------- */
-
-static struct session *session_find(engine *e, const char *id)
-{
-    for (struct session *s = e->sessions; s; s = s->next)
-        if (!strcmp(s->id, id))
-            return s;
-    return NULL;
-}
-
-/* Owner check shared by every session endpoint: 404 unknown, 403 not yours. */
-static enum ipc_status session_get(engine *e, uid_t uid, const char *id, struct session **out, struct ipc_error *err)
-{
-    struct session *s = session_find(e, id);
-    if (!s)
-        return ipc_fail(err, IPC_ENOTFOUND, "session", "no session \"%.64s\"", id);
-    if (s->uid != uid)
-        return ipc_fail(err, IPC_EFORBIDDEN, "session", "session \"%.64s\" belongs to another user", id);
-    *out = s;
-    return IPC_OK;
-}
-
-/* Frees a list of sessions and their KV (engine thread, or after it ended). */
-static void free_dead_sessions(struct session *s)
-{
-    while (s) {
-        struct session *next = s->next;
-        kv_seq_free(s->kv);
-        free(s->toks);
-        free(s);
-        s = next;
-    }
-}
-
-/* A session not in the table yet, with a fresh random id. */
-static struct session *session_alloc(uid_t uid, const struct ipc_cache_choice *cache, bool record,
-                                     struct ipc_error *err)
-{
-    struct session *s = calloc(1, sizeof(*s));
-    if (!s) {
-        ipc_fail(err, IPC_ENOMEM, "", "no memory for a session");
-        return NULL;
-    }
-    unsigned char rnd[8];
-    if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
-        ipc_fail(err, IPC_EINTERNAL, "", "getrandom failed: %s", strerror(errno));
-        free(s);
-        return NULL;
-    }
-    int n = snprintf(s->id, sizeof(s->id), "sess-");
-    for (size_t i = 0; i < sizeof(rnd); i++)
-        n += snprintf(s->id + n, sizeof(s->id) - (size_t)n, "%02x", rnd[i]);
-    s->uid = uid;
-    s->created = time(NULL);
-    s->cache = *cache;
-    s->record = record;
-    return s;
-}
-
-/* Puts s in the table (429 when full, 503 while draining); on failure the
- * caller still owns s. */
-static enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *err)
-{
-    pthread_mutex_lock(&e->mu);
-    enum ipc_status st = IPC_OK;
-    if (e->draining)
-        st = ipc_fail(err, IPC_EUNAVAIL, "", "kvtierd is shutting down");
-    else if (e->n_sessions >= e->cfg.max_sessions)
-        st = ipc_fail(err, IPC_EBUSY, "", "the session table is full (%d sessions; --max-sessions)",
-                      e->cfg.max_sessions);
-    if (st == IPC_OK) {
-        s->next = e->sessions;
-        e->sessions = s;
-        e->n_sessions++;
-    }
-    pthread_mutex_unlock(&e->mu);
-    return st;
-}
-
-enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
-                                      char *id, size_t cap, struct ipc_error *err)
-{
-    struct session *s = session_alloc(uid, cache, record, err);
-    if (!s)
-        return err->st;
-    enum ipc_status st = session_insert(e, s, err);
-    if (st == IPC_OK)
-        snprintf(id, cap, "%s", s->id);
-    else
-        free(s);
-    return st;
-}
-
-/* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
-static void session_unlink_locked(engine *e, struct session *s)
-{
-    struct session **pp = &e->sessions;
-    while (*pp != s)
-        pp = &(*pp)->next;
-    *pp = s->next;
-    e->n_sessions--;
-    s->next = e->dead;
-    e->dead = s;
-    pthread_cond_signal(&e->cv);
-}
-
-enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, struct ipc_error *err)
-{
-    pthread_mutex_lock(&e->mu);
-    struct session *s;
-    enum ipc_status st = session_get(e, uid, id, &s, err);
-    if (st == IPC_OK && s->busy)
-        st = ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" is busy with a request", id);
-    if (st == IPC_OK)
-        session_unlink_locked(e, s);
-    pthread_mutex_unlock(&e->mu);
-    return st;
-}
-
-const char *engine_fallback_name(enum kv_fallback f)
-{
-    /* both kinds end with the KV in the host tier; how is in the log */
-    return f == KV_FALLBACK_NONE ? NULL : "offloaded";
-}
-
-static json_t *session_to_json(const struct session *s)
-{
-    /* before its first request a session has no KV: it will use what it asked for */
-    const char *used = s->n_toks ? ipc_cache_strategy_name(&s->cache, s->kvs.strategy) : s->cache.name;
-    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:i}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
-                     "session", "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
-                     (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk", 0, "strategy", used,
-                     "requested_strategy", s->cache.name, "fallback", engine_fallback_name(s->kvs.fallback),
-                     "past_recording", s->record, "busy", s->busy);
-}
-
-enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err)
-{
-    pthread_mutex_lock(&e->mu);
-    struct session *s;
-    enum ipc_status st = session_get(e, uid, id, &s, err);
-    if (st == IPC_OK && !(*out = session_to_json(s)))
-        st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the reply");
-    pthread_mutex_unlock(&e->mu);
-    return st;
-}
-
-json_t *engine_session_list(engine *e, uid_t uid)
-{
-    json_t *arr = json_array();
-    pthread_mutex_lock(&e->mu);
-    for (struct session *s = e->sessions; s && arr; s = s->next) {
-        if (s->uid == uid && json_array_append_new(arr, session_to_json(s)) != 0) {
-            json_decref(arr);
-            arr = NULL;
-        }
-    }
-    pthread_mutex_unlock(&e->mu);
-    return arr;
 }
 
 /* ---- submission and cancellation (loop thread) ------------------------------ */
@@ -433,7 +219,7 @@ void engine_count_error(engine *e, enum ipc_status st)
 /* The store's refusal as a client error; kv_store_errmsg names the budget,
  * the parameter or (409) the reference's explanation.  param: the request
  * field the call came from. */
-static enum ipc_status kv_error(engine *e, enum tier_status ts, const char *param, struct ipc_error *err)
+enum ipc_status kv_error(engine *e, enum tier_status ts, const char *param, struct ipc_error *err)
 {
     const char *why = kv_store_errmsg(e->store);
     if (!why[0])
@@ -624,7 +410,7 @@ static void retire(engine *e, struct job *j)
 
 /* Records err as the job's failure (first one wins); the engine retires it
  * at the next step. */
-static void job_fail(engine *e, struct job *j, const struct ipc_error *err)
+void job_fail(engine *e, struct job *j, const struct ipc_error *err)
 {
     pthread_mutex_lock(&e->mu);
     if (j->res.err.st == IPC_OK)
@@ -638,75 +424,6 @@ static void job_fail_msg(engine *e, struct job *j, enum ipc_status st, const cha
     struct ipc_error err;
     ipc_fail(&err, st, "", "%s", msg);
     job_fail(e, j, &err);
-}
-
-/* The session's state after an operation, for GET and the loop thread. */
-static void session_publish(engine *e, struct session *s)
-{
-    size_t n = s->kv ? (size_t)kv_seq_length(s->kv) : 0;
-    struct kv_seq_stats kvs = s->kv ? kv_seq_stats(s->kv) : (struct kv_seq_stats){0};
-    pthread_mutex_lock(&e->mu);
-    s->n_toks = n < s->n_toks ? n : s->n_toks; /* a crop keeps a prefix of the ids */
-    s->kvs = kvs;
-    pthread_mutex_unlock(&e->mu);
-}
-
-/* A session that shares s's KV blocks copy-on-write (extents are copied),
- * in the table under a new id. */
-static enum ipc_status session_fork(engine *e, struct session *s, struct session **out, struct ipc_error *err)
-{
-    struct session *c = session_alloc(s->uid, &s->cache, s->record, err);
-    if (!c)
-        return err->st;
-    enum ipc_status st = IPC_OK;
-    if (s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks))))
-        st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
-    enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;
-    if (ts != TIER_OK)
-        st = kv_error(e, ts, "", err);
-    if (st == IPC_OK) {
-        if (s->n_toks) /* an empty session's toks is NULL, which memcpy may not take even for 0 bytes */
-            memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
-        c->n_toks = s->n_toks;
-        c->kvs = c->kv ? kv_seq_stats(c->kv) : (struct kv_seq_stats){0};
-        st = session_insert(e, c, err);
-    }
-    if (st != IPC_OK) {
-        free_dead_sessions(c);
-        return st;
-    }
-    *out = c;
-    return IPC_OK;
-}
-
-/* Crop, fork or past recording on the job's session.  They run here, on
- * the engine thread, because the store is not shared with the loop thread;
- * the job ends at once. */
-static void session_op(engine *e, struct job *j)
-{
-    struct session *s = j->sess, *child = NULL;
-    struct ipc_error err = {0};
-    enum tier_status ts = TIER_OK;
-    if (j->kind == JOB_CROP && s->kv) { /* an empty session has nothing to crop */
-        ts = kv_seq_crop(s->kv, j->op_n);
-        if (ts != TIER_OK)
-            kv_error(e, ts, "n", &err);
-    } else if (j->kind == JOB_RECORD) {
-        if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
-            kv_error(e, ts, "", &err);
-    } else if (j->kind == JOB_FORK) {
-        session_fork(e, s, &child, &err);
-    }
-    session_publish(e, s);
-    pthread_mutex_lock(&e->mu);
-    if (j->kind == JOB_RECORD && err.st == IPC_OK)
-        s->record = true;
-    if (child)
-        snprintf(j->res.reply_id, sizeof(j->res.reply_id), "%s", child->id);
-    pthread_mutex_unlock(&e->mu);
-    if (err.st != IPC_OK)
-        job_fail(e, j, &err);
-    j->ch[0].seq.finish = GEN_FINISH_LENGTH;
 }
 
 static void start_job(engine *e, struct job *j)

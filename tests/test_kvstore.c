@@ -1,11 +1,12 @@
-/* Description: the paged KV store - block accounting, HF's dynamic and
- * sliding-window layers (storage W-1, seq_length absolute), bounded memory,
- * and transactional reserve under injected device-allocation failures; the
- * tiers - HF's static layers (returned vs stored rows, overflow), no device
- * allocation in a static decode loop, offload residency, the move to the
- * host tier and the host-tier budget; crop, reuse and forks; the host
- * pool's slabs (carving, coalescing, reuse, release, few backend
- * allocations).
+/* Description: the paged KV store (one file over 1,000 lines: every test
+ * runs on the store fixture and step helpers below) - block accounting,
+ * HF's dynamic and sliding-window layers (storage W-1, seq_length
+ * absolute), bounded memory, and transactional reserve under injected
+ * device-allocation failures; the tiers - HF's static layers (returned vs
+ * stored rows, overflow), no device allocation in a static decode loop,
+ * offload residency, the move to the host tier and the host-tier budget;
+ * crop, reuse and forks; the host pool's slabs (carving, coalescing, reuse,
+ * release, few backend allocations).
  */
 #include <setjmp.h>
 #include <stdarg.h>

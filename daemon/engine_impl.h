@@ -1,0 +1,90 @@
+/* engine_impl.h - the engine's private structures, shared by engine.c
+ * (submission, admission, the scheduler's step, the thread) and
+ * sessions.c (the session table and the operations on a session).  Not
+ * part of the API: only those two files include it; everything else goes
+ * through daemon/engine.h.
+ */
+#ifndef KVTIER_DAEMON_ENGINE_IMPL_H
+#define KVTIER_DAEMON_ENGINE_IMPL_H
+
+#include <pthread.h>
+#include <time.h>
+
+#include "daemon/engine.h"
+#include "model/runtime.h"
+
+struct session {
+    char id[IPC_SESSION_ID_MAX + 1];
+    uid_t uid;
+    time_t created;
+    struct ipc_cache_choice cache;
+    bool busy;
+    bool record; /* activate_past_recording on every KV sequence it gets */
+    int32_t *toks; /* the ids whose KV is in kv */
+    size_t n_toks;
+    struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */
+    struct kv_seq *kv; /* engine thread only */
+    struct session *next;
+};
+
+struct engine {
+    struct engine_config cfg;
+    int wake_fd;
+    pthread_t thread;
+    bool thread_started;
+
+    /* ---- under mu ---- */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    enum engine_state state;
+    char state_msg[MODEL_ERR_LEN];
+    bool stopping, draining;
+    struct job *queue, **queue_tail; /* waiting for admission */
+    int n_queued;
+    struct job *active;              /* admitted, in admission order */
+    int active_seqs;
+    struct session *sessions, *dead; /* dead: deleted, KV to free on the engine thread */
+    int n_sessions;
+    struct engine_stats st;
+    uint64_t order;
+
+    /* ---- set before READY, read-only afterwards ---- */
+    struct runtime rt;
+    model *m;
+    tokenizer *tok;
+    kv_store *store;
+    const struct model_config *mc;
+    int ctx, vocab;
+    size_t max_piece;
+    char model_id[128];
+    char bos[64], eos[64];
+    struct chat_template chat;
+
+    /* ---- engine thread: per-step scratch, sized once at load ---- */
+    struct fw_seq *batch;
+    struct job_choice **batch_ch;
+    struct job **batch_job;
+    float *logits;  /* [max_seqs, vocab] */
+    float *scratch; /* [vocab]: raw logits kept for logprobs */
+    unsigned rr;    /* round-robin start among prefills; unsigned so it wraps after 2^32 steps */
+};
+
+/* ---- sessions.c, for engine.c ---- */
+
+/* Owner check shared by every session endpoint: 404 unknown, 403 not yours (caller holds mu). */
+enum ipc_status session_get(engine *e, uid_t uid, const char *id, struct session **out, struct ipc_error *err);
+/* Frees a list of sessions and their KV (engine thread, or after it ended). */
+void free_dead_sessions(struct session *s);
+/* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
+void session_unlink_locked(engine *e, struct session *s);
+/* Runs a JOB_CROP, JOB_FORK or JOB_RECORD job on its session (engine thread). */
+void session_op(engine *e, struct job *j);
+
+/* ---- engine.c, for sessions.c ---- */
+
+/* The store's refusal ts as a client error naming param. */
+enum ipc_status kv_error(engine *e, enum tier_status ts, const char *param, struct ipc_error *err);
+/* Records err as j's failure (first one wins); the engine retires it at the next step. */
+void job_fail(engine *e, struct job *j, const struct ipc_error *err);
+
+#endif

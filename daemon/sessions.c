@@ -1,0 +1,242 @@
+/* sessions.c - the engine's session table: create, delete, look up, list
+ * and describe sessions (loop thread, under the engine lock), and the
+ * crop, fork and past-recording jobs the engine thread runs on a session.
+ * Split from engine.c, which keeps the jobs, the scheduler and the thread,
+ * so that neither file passes 1,000 lines; both share engine_impl.h.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "daemon/engine_impl.h"
+
+static struct session *session_find(engine *e, const char *id)
+{
+    for (struct session *s = e->sessions; s; s = s->next)
+        if (!strcmp(s->id, id))
+            return s;
+    return NULL;
+}
+
+/* Owner check shared by every session endpoint: 404 unknown, 403 not yours. */
+enum ipc_status session_get(engine *e, uid_t uid, const char *id, struct session **out, struct ipc_error *err)
+{
+    struct session *s = session_find(e, id);
+    if (!s)
+        return ipc_fail(err, IPC_ENOTFOUND, "session", "no session \"%.64s\"", id);
+    if (s->uid != uid)
+        return ipc_fail(err, IPC_EFORBIDDEN, "session", "session \"%.64s\" belongs to another user", id);
+    *out = s;
+    return IPC_OK;
+}
+
+/* Frees a list of sessions and their KV (engine thread, or after it ended). */
+void free_dead_sessions(struct session *s)
+{
+    while (s) {
+        struct session *next = s->next;
+        kv_seq_free(s->kv);
+        free(s->toks);
+        free(s);
+        s = next;
+    }
+}
+
+/* A session not in the table yet, with a fresh random id. */
+static struct session *session_alloc(uid_t uid, const struct ipc_cache_choice *cache, bool record,
+                                     struct ipc_error *err)
+{
+    struct session *s = calloc(1, sizeof(*s));
+    if (!s) {
+        ipc_fail(err, IPC_ENOMEM, "", "no memory for a session");
+        return NULL;
+    }
+    unsigned char rnd[8];
+    if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
+        ipc_fail(err, IPC_EINTERNAL, "", "getrandom failed: %s", strerror(errno));
+        free(s);
+        return NULL;
+    }
+    int n = snprintf(s->id, sizeof(s->id), "sess-");
+    for (size_t i = 0; i < sizeof(rnd); i++)
+        n += snprintf(s->id + n, sizeof(s->id) - (size_t)n, "%02x", rnd[i]);
+    s->uid = uid;
+    s->created = time(NULL);
+    s->cache = *cache;
+    s->record = record;
+    return s;
+}
+
+/* Puts s in the table (429 when full, 503 while draining); on failure the
+ * caller still owns s. */
+static enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *err)
+{
+    pthread_mutex_lock(&e->mu);
+    enum ipc_status st = IPC_OK;
+    if (e->draining)
+        st = ipc_fail(err, IPC_EUNAVAIL, "", "kvtierd is shutting down");
+    else if (e->n_sessions >= e->cfg.max_sessions)
+        st = ipc_fail(err, IPC_EBUSY, "", "the session table is full (%d sessions; --max-sessions)",
+                      e->cfg.max_sessions);
+    if (st == IPC_OK) {
+        s->next = e->sessions;
+        e->sessions = s;
+        e->n_sessions++;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
+                                      char *id, size_t cap, struct ipc_error *err)
+{
+    struct session *s = session_alloc(uid, cache, record, err);
+    if (!s)
+        return err->st;
+    enum ipc_status st = session_insert(e, s, err);
+    if (st == IPC_OK)
+        snprintf(id, cap, "%s", s->id);
+    else
+        free(s);
+    return st;
+}
+
+/* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
+void session_unlink_locked(engine *e, struct session *s)
+{
+    struct session **pp = &e->sessions;
+    while (*pp != s)
+        pp = &(*pp)->next;
+    *pp = s->next;
+    e->n_sessions--;
+    s->next = e->dead;
+    e->dead = s;
+    pthread_cond_signal(&e->cv);
+}
+
+enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, struct ipc_error *err)
+{
+    pthread_mutex_lock(&e->mu);
+    struct session *s;
+    enum ipc_status st = session_get(e, uid, id, &s, err);
+    if (st == IPC_OK && s->busy)
+        st = ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" is busy with a request", id);
+    if (st == IPC_OK)
+        session_unlink_locked(e, s);
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+const char *engine_fallback_name(enum kv_fallback f)
+{
+    /* both kinds end with the KV in the host tier; how is in the log */
+    return f == KV_FALLBACK_NONE ? NULL : "offloaded";
+}
+
+static json_t *session_to_json(const struct session *s)
+{
+    /* before its first request a session has no KV: it will use what it asked for */
+    const char *used = s->n_toks ? ipc_cache_strategy_name(&s->cache, s->kvs.strategy) : s->cache.name;
+    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:i}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
+                     "session", "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
+                     (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk", 0, "strategy", used,
+                     "requested_strategy", s->cache.name, "fallback", engine_fallback_name(s->kvs.fallback),
+                     "past_recording", s->record, "busy", s->busy);
+}
+
+enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err)
+{
+    pthread_mutex_lock(&e->mu);
+    struct session *s;
+    enum ipc_status st = session_get(e, uid, id, &s, err);
+    if (st == IPC_OK && !(*out = session_to_json(s)))
+        st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the reply");
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+json_t *engine_session_list(engine *e, uid_t uid)
+{
+    json_t *arr = json_array();
+    pthread_mutex_lock(&e->mu);
+    for (struct session *s = e->sessions; s && arr; s = s->next) {
+        if (s->uid == uid && json_array_append_new(arr, session_to_json(s)) != 0) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return arr;
+}
+
+/* The session's state after an operation, for GET and the loop thread. */
+static void session_publish(engine *e, struct session *s)
+{
+    size_t n = s->kv ? (size_t)kv_seq_length(s->kv) : 0;
+    struct kv_seq_stats kvs = s->kv ? kv_seq_stats(s->kv) : (struct kv_seq_stats){0};
+    pthread_mutex_lock(&e->mu);
+    s->n_toks = n < s->n_toks ? n : s->n_toks; /* a crop keeps a prefix of the ids */
+    s->kvs = kvs;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* A session that shares s's KV blocks copy-on-write (extents are copied),
+ * in the table under a new id. */
+static enum ipc_status session_fork(engine *e, struct session *s, struct session **out, struct ipc_error *err)
+{
+    struct session *c = session_alloc(s->uid, &s->cache, s->record, err);
+    if (!c)
+        return err->st;
+    enum ipc_status st = IPC_OK;
+    if (s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks))))
+        st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
+    enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;
+    if (ts != TIER_OK)
+        st = kv_error(e, ts, "", err);
+    if (st == IPC_OK) {
+        if (s->n_toks) /* an empty session's toks is NULL, which memcpy may not take even for 0 bytes */
+            memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
+        c->n_toks = s->n_toks;
+        c->kvs = c->kv ? kv_seq_stats(c->kv) : (struct kv_seq_stats){0};
+        st = session_insert(e, c, err);
+    }
+    if (st != IPC_OK) {
+        free_dead_sessions(c);
+        return st;
+    }
+    *out = c;
+    return IPC_OK;
+}
+
+/* Crop, fork or past recording on the job's session.  They run here, on
+ * the engine thread, because the store is not shared with the loop thread;
+ * the job ends at once. */
+void session_op(engine *e, struct job *j)
+{
+    struct session *s = j->sess, *child = NULL;
+    struct ipc_error err = {0};
+    enum tier_status ts = TIER_OK;
+    if (j->kind == JOB_CROP && s->kv) { /* an empty session has nothing to crop */
+        ts = kv_seq_crop(s->kv, j->op_n);
+        if (ts != TIER_OK)
+            kv_error(e, ts, "n", &err);
+    } else if (j->kind == JOB_RECORD) {
+        if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
+            kv_error(e, ts, "", &err);
+    } else if (j->kind == JOB_FORK) {
+        session_fork(e, s, &child, &err);
+    }
+    session_publish(e, s);
+    pthread_mutex_lock(&e->mu);
+    if (j->kind == JOB_RECORD && err.st == IPC_OK)
+        s->record = true;
+    if (child)
+        snprintf(j->res.reply_id, sizeof(j->res.reply_id), "%s", child->id);
+    pthread_mutex_unlock(&e->mu);
+    if (err.st != IPC_OK)
+        job_fail(e, j, &err);
+    j->ch[0].seq.finish = GEN_FINISH_LENGTH;
+}
