@@ -430,7 +430,7 @@ static void start_job(engine *e, struct job *j)
 {
     j->t_admit = clock_ms();
     if (j->kind >= JOB_CROP) {
-        session_op(e, j);
+        session_run_op(e, j);
         return;
     }
     for (int i = 0; i < j->n; i++) {

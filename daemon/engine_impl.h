@@ -78,7 +78,7 @@ void free_dead_sessions(struct session *s);
 /* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
 void session_unlink_locked(engine *e, struct session *s);
 /* Runs a JOB_CROP, JOB_FORK or JOB_RECORD job on its session (engine thread). */
-void session_op(engine *e, struct job *j);
+void session_run_op(engine *e, struct job *j);
 
 /* ---- engine.c, for sessions.c ---- */
 

@@ -214,7 +214,7 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
 /* Crop, fork or past recording on the job's session.  They run here, on
  * the engine thread, because the store is not shared with the loop thread;
  * the job ends at once. */
-void session_op(engine *e, struct job *j)
+void session_run_op(engine *e, struct job *j)
 {
     struct session *s = j->sess, *child = NULL;
     struct ipc_error err = {0};
