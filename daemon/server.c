@@ -46,8 +46,9 @@ static void park(struct req *r)
 void suspend(struct req *r)
 {
     park(r);
-    /* MHD stops watching a suspended connection; we watch for the hang-up */
-    int rc = ev_io_start(r->srv->loop, &r->io, r->fd, EV_RDHUP, on_hangup, r);
+    /* MHD stops watching a suspended connection; we watch for the hang-up
+     * (only: a half-closed client waits for its reply) */
+    int rc = ev_io_start(r->srv->loop, &r->io, r->fd, EV_HUP, on_hangup, r);
     if (rc)
         log_msg(LOG_WARN, "cannot watch connection fd %d: %s", r->fd, strerror(-rc));
 }

@@ -4,7 +4,7 @@
  * (kvtierd accepts, checks SO_PEERCRED and the client limit, then hands the
  * fd to libmicrohttpd with MHD_add_connection), the signal pipe, the
  * engine's eventfd, the workers' eventfd, libmicrohttpd's own epoll fd, and
- * the fds of suspended connections (EPOLLRDHUP: a client that hangs up
+ * the fds of suspended connections (EPOLLHUP: a client that hangs up
  * while its request waits cancels the generation).  libmicrohttpd runs in
  * "external polling" mode inside this thread, so every MHD call, suspend
  * and resume happens here.
