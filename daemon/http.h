@@ -70,6 +70,7 @@ struct req {
     enum reply_kind kind;
     bool stream, include_usage, return_tokens, logprobs;
     bool suspended, hup, overflow, wake;
+    bool close; /* the reply closes the connection: the request's framing cannot be trusted */
     int fd;
     struct ev_io io;         /* the hang-up watch while suspended */
     struct req *prev, *next; /* server.waiting */
@@ -81,6 +82,15 @@ struct req {
     int sent_gen[SERVER_MAX_N];
     enum stream_phase phase;
     char *snap; /* STREAM_BLOCK bytes: unsent text copied under the engine lock */
+};
+
+/* A client's 4xx log lines: one a second, the rest counted. */
+#define LOG_GATES 16
+struct log_gate {
+    uid_t uid;
+    pid_t pid;
+    long sec;           /* the monotonic second of the last line written */
+    unsigned suppressed; /* lines not written since */
 };
 
 struct server {
@@ -97,6 +107,7 @@ struct server {
     enum server_exit rc;
     time_t started;
     uint64_t ids, http_requests, refused;
+    struct log_gate gates[LOG_GATES]; /* render.c: 4xx log lines per client */
     char *piece; /* one token's text for logprobs: engine_max_piece bytes */
     size_t piece_cap;
 };

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -154,10 +155,60 @@ static void on_workers(void *data, unsigned events)
 
 /* ---- libmicrohttpd ---- */
 
+/* libmicrohttpd decodes %00 into a NUL that would cut the path short
+ * ("/health%00x" would reach /health): a URL holding one is left as it
+ * came, and refused by strict_framing. */
+static size_t unescape(void *cls, struct MHD_Connection *conn, char *val)
+{
+    (void)cls;
+    (void)conn;
+    if (strstr(val, "%00"))
+        return strlen(val);
+    return MHD_http_unescape(val);
+}
+
+/* The number of Content-Length and of Transfer-Encoding headers. */
+struct framing {
+    int n_cl, n_te;
+};
+
+static enum MHD_Result count_framing(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
+{
+    (void)kind;
+    (void)value;
+    struct framing *f = cls;
+    f->n_cl += strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH) == 0;
+    f->n_te += strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING) == 0;
+    return MHD_YES;
+}
+
+/* What libmicrohttpd lets through and a request must not be, since a
+ * proxy in front could frame the body differently: a version other than
+ * HTTP/1.0 or 1.1, a NUL (%00) in the path, a transfer coding other than
+ * chunked alone, two Content-Length or Transfer-Encoding headers, or both.
+ * IPC_OK or the error; its reply closes the connection (r->close). */
+static enum ipc_status strict_framing(struct req *r, const char *version, struct ipc_error *e)
+{
+    if (strcmp(version, MHD_HTTP_VERSION_1_1) != 0 && strcmp(version, MHD_HTTP_VERSION_1_0) != 0)
+        return ipc_fail(e, IPC_EINVAL, "", "the request line has no HTTP/1.0 or HTTP/1.1 version");
+    if (strstr(r->url, "%00"))
+        return ipc_fail(e, IPC_EINVAL, "", "the path holds a NUL byte (%%00)");
+    const char *te = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+    if (te && strcasecmp(te, "chunked") != 0)
+        return ipc_fail(e, IPC_EINVAL, "", "Transfer-Encoding \"%.64s\" is not supported (only chunked)", te);
+    struct framing f = {0};
+    MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_framing, &f);
+    if (f.n_te > 1 || f.n_cl > 1 || (te && f.n_cl))
+        return ipc_fail(e, IPC_EINVAL, "", f.n_te > 1 || f.n_cl > 1 ? "the request has two Content-Length or "
+                                                                  "Transfer-Encoding headers"
+                                                                : "the request has both Content-Length and "
+                                                                  "Transfer-Encoding");
+    return IPC_OK;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                   const char *version, const char *upload, size_t *upload_size, void **ctx)
 {
-    (void)version;
     struct server *s = cls;
     struct req *r = *ctx;
     if (!r) {
@@ -177,13 +228,17 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         r->uid = cr.uid;
         r->pid = cr.pid;
         s->http_requests++;
+        struct ipc_error e;
+        if (strict_framing(r, version, &e) != IPC_OK) {
+            r->close = true;
+            return reply_error(r, &e);
+        }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end;
             errno = 0;
             unsigned long long n = strtoull(cl, &end, 10);
             if (errno || *end || n > s->cfg->max_body) {
-                struct ipc_error e;
                 ipc_fail(&e, IPC_ETOOLARGE, "", "the body is %.24s bytes; the limit is %zu (--max-body)", cl,
                          s->cfg->max_body);
                 return reply_error(r, &e);
@@ -476,7 +531,8 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
                              0, NULL, NULL, on_request, &s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, &s,
                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg->max_clients + 16,
                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)64 * 1024, MHD_OPTION_CONNECTION_TIMEOUT,
-                             (unsigned)cfg->idle_timeout_s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL, MHD_OPTION_END);
+                             (unsigned)cfg->idle_timeout_s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+                             MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL, MHD_OPTION_END);
     if (!s.mhd) {
         log_msg(LOG_ERR, "cannot start the HTTP server (libmicrohttpd)");
         return SERVER_EFATAL;
