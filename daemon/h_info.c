@@ -53,6 +53,9 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "http_requests_total", "counter", "HTTP requests received.", NULL, (double)s->http_requests);
     metric(&w, "connections_refused_total", "counter", "Connections refused (peer credentials or limits).", NULL,
            (double)s->refused);
+    metric(&w, "connections_timed_out_total", "counter",
+           "Connections closed for a slow request head or body (--header-timeout, --body-rate).", NULL,
+           (double)s->timed_out);
     metric(&w, "prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", NULL, (double)st.prompt_tokens);
     metric(&w, "prompt_cached_tokens_total", "counter", "Prompt tokens reused from a session's KV cache.", NULL,
            (double)st.cached_tokens);
