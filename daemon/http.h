@@ -122,6 +122,9 @@ struct server {
     struct conn *accepting; /* handed to MHD_add_connection's notify */
     struct req *waiting; /* requests holding a job */
     bool ready, draining, aborted, stopping;
+    bool stalled;        /* work waits and no step completed for --stall-timeout */
+    uint64_t last_steps; /* the engine's step count at progress_at */
+    double progress_at;  /* clock_ms() of the last step seen, or of idleness */
     enum server_exit rc;
     time_t started;
     uint64_t ids, http_requests, refused, timed_out;

@@ -53,6 +53,7 @@ static void usage(FILE *f)
             "  --max-sessions N     sessions before 429 (default 64)\n"
             "  --drain-timeout S    SIGTERM: seconds in-flight requests may finish (default 30)\n"
             "  --idle-timeout S     close idle connections after S seconds (default 300)\n"
+            "  --stall-timeout S    /health says stalled when work waits and no step completes for S s (default 120)\n"
             "  --log FILE           log here instead of stderr (reopened on SIGHUP)\n"
             "  --verbose            debug log lines\n"
             "  --help\n");
@@ -77,13 +78,13 @@ int main(int argc, char **argv)
                                .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64};
     struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = 8,
                                .max_messages = 1024, .drain_timeout_s = 30, .idle_timeout_s = 300,
-                               .header_timeout_s = 10, .body_rate = 16u << 10,
+                               .header_timeout_s = 10, .body_rate = 16u << 10, .stall_timeout_s = 120,
                                .allow_gid = (gid_t)-1};
     const char *sock_flag = NULL, *log_path = NULL, *group = NULL;
     bool system = false, verbose = false;
     enum {
         O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
-        O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP
+        O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -97,6 +98,7 @@ int main(int argc, char **argv)
         {"max-queue", required_argument, 0, O_QUEUE}, {"max-clients", required_argument, 0, O_CLIENTS},
         {"max-clients-per-uid", required_argument, 0, O_PER_UID}, {"max-clients-per-pid", required_argument, 0, O_PER_PID},
         {"header-timeout", required_argument, 0, O_HEADER}, {"body-rate", required_argument, 0, O_RATE},
+        {"stall-timeout", required_argument, 0, O_STALL},
         {"max-body", required_argument, 0, O_BODY}, {"max-output", required_argument, 0, O_OUTPUT},
         {"max-sessions", required_argument, 0, O_SESSIONS}, {"drain-timeout", required_argument, 0, O_DRAIN},
         {"idle-timeout", required_argument, 0, O_IDLE}, {"log", required_argument, 0, O_LOG},
@@ -126,6 +128,7 @@ int main(int argc, char **argv)
         case O_PER_PID: ok = args_int(optarg, 1, 1 << 16, &sc.max_per_pid); break;
         case O_HEADER: ok = args_int(optarg, 1, 86400, &sc.header_timeout_s); break;
         case O_RATE: ok = args_size(optarg, &sc.body_rate); break;
+        case O_STALL: ok = args_int(optarg, 1, 86400, &sc.stall_timeout_s); break;
         case O_BODY: ok = args_size(optarg, &sc.max_body) && sc.max_body > 0; break;
         case O_OUTPUT: ok = args_size(optarg, &sc.max_output); break;
         case O_SESSIONS: ok = args_int(optarg, 0, 1 << 20, &ec.max_sessions); break;

@@ -426,12 +426,32 @@ static void time_out(struct server *s, struct conn *c, const char *what)
     s->timed_out++;
 }
 
+/* Whether the engine moves: with work queued or running, a step must
+ * complete every --stall-timeout, else /health says "stalled" (logged once,
+ * and once again when it moves). */
+static void watch_progress(struct server *s, double now)
+{
+    struct engine_stats st = engine_get_stats(s->eng);
+    if (st.steps != s->last_steps || (!st.queued && !st.running)) {
+        if (s->stalled)
+            log_msg(LOG_WARN, "the engine advances again");
+        s->stalled = false;
+        s->last_steps = st.steps;
+        s->progress_at = now;
+    } else if (!s->stalled && now - s->progress_at > s->cfg->stall_timeout_s * 1e3) {
+        s->stalled = true;
+        log_msg(LOG_ERR, "the engine is stalled: %d running, %d queued, no step for %d s (--stall-timeout)",
+                st.running, st.queued, s->cfg->stall_timeout_s);
+    }
+}
+
 /* Once a second: heads past --header-timeout from their first byte, bodies
- * slower than --body-rate after that same grace. */
+ * slower than --body-rate after that same grace, the engine's progress. */
 static void on_sweep(void *data)
 {
     struct server *s = data;
     double now = clock_ms(), grace = s->cfg->header_timeout_s * 1e3;
+    watch_progress(s, now);
     for (struct conn *c = s->conns; c; c = c->next) {
         struct req *r = c->req;
         if (!r && c->head_since && now - c->head_since > grace)
@@ -647,7 +667,7 @@ static int watch(struct server *s)
 enum server_exit server_run(engine *e, const struct server_config *cfg, int listen_fd, int sig_fd, int wake_fd)
 {
     struct server s = {.eng = e, .cfg = cfg, .listen_fd = listen_fd, .sig_fd = sig_fd, .wake_fd = wake_fd,
-                       .started = time(NULL), .rc = SERVER_OK};
+                       .started = time(NULL), .progress_at = clock_ms(), .rc = SERVER_OK};
     s.mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_NO_LISTEN_SOCKET | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG,
                              0, NULL, NULL, on_request, &s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, &s,
                              MHD_OPTION_NOTIFY_CONNECTION, on_connection, &s,

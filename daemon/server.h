@@ -42,6 +42,7 @@ struct server_config {
     int max_per_pid;      /* open connections of one process */
     int header_timeout_s; /* a request head must arrive within this of its first byte */
     size_t body_rate;     /* bytes/s a body must average after a header_timeout_s grace */
+    int stall_timeout_s;  /* work queued or running and no step completed: /health says "stalled" */
     gid_t allow_gid;      /* (gid_t)-1: only the daemon's uid */
     const char *sock_path;   /* unlinked at exit unless socket-activated */
     bool socket_activated;
