@@ -1,6 +1,7 @@
 /* h_info.c - what the daemon says about itself: /health (200 once the
- * model is loaded, 503 while loading, failed or draining), /v1/models, and
+ * model is loaded, 503 while loading, failed, stalled or draining), /v1/models, and
  * /metrics in Prometheus text format. */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "daemon/http.h"
@@ -12,9 +13,15 @@ enum MHD_Result h_health(struct req *r, const char *arg)
     enum engine_state st = engine_state(r->srv->eng, msg, sizeof(msg));
     if (st == ENGINE_READY && !r->srv->ready)
         st = ENGINE_LOADING; /* until the loop has seen it (need_ready) */
-    if (st == ENGINE_READY && !r->srv->draining)
+    if (st == ENGINE_READY && !r->srv->draining && !r->srv->stalled)
         return reply_json(r, 200, json_pack("{s:s}", "status", "ok"));
-    const char *what = st == ENGINE_LOADING ? "loading" : st == ENGINE_FAILED ? "failed" : "draining";
+    if (st == ENGINE_READY && !r->srv->draining) {
+        snprintf(msg, sizeof(msg), "work is waiting and the engine has completed no step for %d s (--stall-timeout)",
+                 r->srv->cfg->stall_timeout_s);
+        st = ENGINE_FAILED;
+    }
+    const char *what = st == ENGINE_LOADING ? "loading" : r->srv->stalled && !r->srv->draining ? "stalled"
+                       : st == ENGINE_FAILED ? "failed" : "draining";
     return reply_json(r, 503, json_pack("{s:s,s:{s:i,s:s,s:s}}", "status", what, "error", "code", 503, "message",
                                         st == ENGINE_LOADING ? "Loading model" : st == ENGINE_FAILED ? msg
                                                                                                     : "Shutting down",
@@ -53,6 +60,9 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "http_requests_total", "counter", "HTTP requests received.", NULL, (double)s->http_requests);
     metric(&w, "connections_refused_total", "counter", "Connections refused (peer credentials or limits).", NULL,
            (double)s->refused);
+    metric(&w, "connections_timed_out_total", "counter",
+           "Connections closed for a slow request head or body (--header-timeout, --body-rate).", NULL,
+           (double)s->timed_out);
     metric(&w, "prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", NULL, (double)st.prompt_tokens);
     metric(&w, "prompt_cached_tokens_total", "counter", "Prompt tokens reused from a session's KV cache.", NULL,
            (double)st.cached_tokens);

@@ -52,8 +52,24 @@ struct prep {
     struct jw out;                 /* tokenize, detokenize, apply-template: the 200 body */
 };
 
+/* A connection, from accept to close (MHD's socket context): who holds it
+ * and since when it has been sending a request head. */
+struct conn {
+    struct server *srv;
+    uid_t uid;
+    pid_t pid;
+    int fd;
+    bool reserve;       /* past --max-clients: /health and /metrics only */
+    double head_since;  /* clock_ms() of the head's first byte; 0: no head under way */
+    struct req *req;    /* the request whose head arrived; NULL between requests */
+    struct ev_io first; /* between requests: the next head's first byte */
+    struct conn *prev, *next;
+};
+
 struct req {
     struct server *srv;
+    struct conn *c;
+    double started; /* clock_ms() when the head was complete */
     struct MHD_Connection *conn;
     const struct route *route;
     char arg[IPC_SESSION_ID_MAX + 1]; /* the path segment the route's '*' matched */
@@ -70,6 +86,7 @@ struct req {
     enum reply_kind kind;
     bool stream, include_usage, return_tokens, logprobs;
     bool suspended, hup, overflow, wake;
+    bool close; /* the reply closes the connection: the request's framing cannot be trusted */
     int fd;
     struct ev_io io;         /* the hang-up watch while suspended */
     struct req *prev, *next; /* server.waiting */
@@ -83,6 +100,15 @@ struct req {
     char *snap; /* STREAM_BLOCK bytes: unsent text copied under the engine lock */
 };
 
+/* A client's 4xx log lines: one a second, the rest counted. */
+#define LOG_GATES 16
+struct log_gate {
+    uid_t uid;
+    pid_t pid;
+    long sec;           /* the monotonic second of the last line written */
+    unsigned suppressed; /* lines not written since */
+};
+
 struct server {
     engine *eng;
     const struct server_config *cfg;
@@ -91,12 +117,18 @@ struct server {
     workers *workers;
     int listen_fd, sig_fd, wake_fd;
     struct ev_io io_listen, io_sig, io_wake, io_mhd, io_workers;
-    struct ev_timer t_mhd, t_drain;
+    struct ev_timer t_mhd, t_drain, t_sweep;
+    struct conn *conns;     /* every open connection */
+    struct conn *accepting; /* handed to MHD_add_connection's notify */
     struct req *waiting; /* requests holding a job */
     bool ready, draining, aborted, stopping;
+    bool stalled;        /* work waits and no step completed for --stall-timeout */
+    uint64_t last_steps; /* the engine's step count at progress_at */
+    double progress_at;  /* clock_ms() of the last step seen, or of idleness */
     enum server_exit rc;
     time_t started;
-    uint64_t ids, http_requests, refused;
+    uint64_t ids, http_requests, refused, timed_out;
+    struct log_gate gates[LOG_GATES]; /* render.c: 4xx log lines per client */
     char *piece; /* one token's text for logprobs: engine_max_piece bytes */
     size_t piece_cap;
 };

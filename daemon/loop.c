@@ -44,8 +44,7 @@ void ev_loop_free(ev_loop *l)
 
 int ev_io_start(ev_loop *l, struct ev_io *io, int fd, unsigned events, ev_io_fn fn, void *data)
 {
-    struct epoll_event ev = {.events = ((events & EV_READ) ? EPOLLIN : 0) | ((events & EV_RDHUP) ? EPOLLRDHUP : 0),
-                             .data.ptr = io};
+    struct epoll_event ev = {.events = (events & EV_READ) ? EPOLLIN : 0, .data.ptr = io};
     if (epoll_ctl(l->ep, EPOLL_CTL_ADD, fd, &ev) != 0)
         return -errno;
     *io = (struct ev_io){.fd = fd, .fn = fn, .data = data, .active = true};
@@ -133,7 +132,7 @@ int ev_run(ev_loop *l)
         for (int i = 0; i < n && !l->stop; i++) {
             struct ev_io *io = evs[i].data.ptr;
             unsigned e = ((evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) ? EV_READ : 0) |
-                         ((evs[i].events & EPOLLRDHUP) ? EV_RDHUP : 0);
+                         ((evs[i].events & (EPOLLERR | EPOLLHUP)) ? EV_HUP : 0);
             /* an earlier callback of this round may have stopped it */
             if (io->active)
                 io->fn(io->data, e);

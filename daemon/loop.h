@@ -15,8 +15,11 @@
 
 typedef struct ev_loop ev_loop;
 
-/* Event bits: readable, and the peer shut down its writing side. */
-enum { EV_READ = 1, EV_RDHUP = 2 };
+/* Event bits: readable (or hung up), and hung up: the peer closed its
+ * whole socket (EPOLLHUP, EPOLLERR), which epoll always reports.  A peer
+ * that only shut down its writing side (shutdown(SHUT_WR)) is not hung up:
+ * on a Unix socket it can still read the reply. */
+enum { EV_READ = 1, EV_HUP = 2 };
 
 typedef void (*ev_io_fn)(void *data, unsigned events);
 typedef void (*ev_timer_fn)(void *data);

@@ -43,12 +43,17 @@ static void usage(FILE *f)
             "  --parallel N         sequences decoded together (default 32)\n"
             "  --batch-tokens N     tokens per forward step (default 256)\n"
             "  --max-queue N        requests waiting for a slot before 429 (default 256)\n"
-            "  --max-clients N      open connections before 503 (default 256)\n"
+            "  --max-clients N      open connections before 503 (default 256; 8 more for /health and /metrics)\n"
+            "  --max-clients-per-uid N  open connections of one uid (default: 7/8 of --max-clients)\n"
+            "  --max-clients-per-pid N  open connections of one process (default: 1/4 of --max-clients)\n"
+            "  --header-timeout S   a request head must arrive within S seconds of its first byte (default 10)\n"
+            "  --body-rate BYTES    bytes per second a body must average after that grace (default 16k)\n"
             "  --max-body BYTES     request body limit before 413 (default 4M)\n"
             "  --max-output BYTES   text queued for a slow stream reader (default 1M)\n"
             "  --max-sessions N     sessions before 429 (default 64)\n"
             "  --drain-timeout S    SIGTERM: seconds in-flight requests may finish (default 30)\n"
             "  --idle-timeout S     close idle connections after S seconds (default 300)\n"
+            "  --stall-timeout S    /health says stalled when work waits and no step completes for S s (default 120)\n"
             "  --log FILE           log here instead of stderr (reopened on SIGHUP)\n"
             "  --verbose            debug log lines\n"
             "  --help\n");
@@ -73,12 +78,13 @@ int main(int argc, char **argv)
                                .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64};
     struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = 8,
                                .max_messages = 1024, .drain_timeout_s = 30, .idle_timeout_s = 300,
+                               .header_timeout_s = 10, .body_rate = 16u << 10, .stall_timeout_s = 120,
                                .allow_gid = (gid_t)-1};
     const char *sock_flag = NULL, *log_path = NULL, *group = NULL;
     bool system = false, verbose = false;
     enum {
         O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
-        O_QUEUE, O_CLIENTS, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP
+        O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -90,6 +96,9 @@ int main(int argc, char **argv)
         {"ctx-size", required_argument, 0, O_CTX},
         {"parallel", required_argument, 0, O_PARALLEL}, {"batch-tokens", required_argument, 0, O_BATCH},
         {"max-queue", required_argument, 0, O_QUEUE}, {"max-clients", required_argument, 0, O_CLIENTS},
+        {"max-clients-per-uid", required_argument, 0, O_PER_UID}, {"max-clients-per-pid", required_argument, 0, O_PER_PID},
+        {"header-timeout", required_argument, 0, O_HEADER}, {"body-rate", required_argument, 0, O_RATE},
+        {"stall-timeout", required_argument, 0, O_STALL},
         {"max-body", required_argument, 0, O_BODY}, {"max-output", required_argument, 0, O_OUTPUT},
         {"max-sessions", required_argument, 0, O_SESSIONS}, {"drain-timeout", required_argument, 0, O_DRAIN},
         {"idle-timeout", required_argument, 0, O_IDLE}, {"log", required_argument, 0, O_LOG},
@@ -115,6 +124,11 @@ int main(int argc, char **argv)
         case O_BATCH: ok = args_int(optarg, 16, 65536, &ec.batch_tokens); break;
         case O_QUEUE: ok = args_int(optarg, 1, 1 << 20, &ec.max_queue); break; /* 0 would refuse every request: each one queues first */
         case O_CLIENTS: ok = args_int(optarg, 1, 1 << 16, &sc.max_clients); break;
+        case O_PER_UID: ok = args_int(optarg, 1, 1 << 16, &sc.max_per_uid); break;
+        case O_PER_PID: ok = args_int(optarg, 1, 1 << 16, &sc.max_per_pid); break;
+        case O_HEADER: ok = args_int(optarg, 1, 86400, &sc.header_timeout_s); break;
+        case O_RATE: ok = args_size(optarg, &sc.body_rate); break;
+        case O_STALL: ok = args_int(optarg, 1, 86400, &sc.stall_timeout_s); break;
         case O_BODY: ok = args_size(optarg, &sc.max_body) && sc.max_body > 0; break;
         case O_OUTPUT: ok = args_size(optarg, &sc.max_output); break;
         case O_SESSIONS: ok = args_int(optarg, 0, 1 << 20, &ec.max_sessions); break;
@@ -132,6 +146,11 @@ int main(int argc, char **argv)
         usage(stderr);
         return EXIT_USAGE;
     }
+    /* below --max-clients, so that one user or one process cannot take every slot */
+    if (!sc.max_per_uid)
+        sc.max_per_uid = sc.max_clients > 1 ? sc.max_clients - (sc.max_clients + 7) / 8 : 1;
+    if (!sc.max_per_pid)
+        sc.max_per_pid = sc.max_clients >= 4 ? sc.max_clients / 4 : 1;
     if (sc.max_n > ec.max_seqs)
         sc.max_n = ec.max_seqs;
     if (group) {
@@ -176,7 +195,7 @@ int main(int argc, char **argv)
             log_msg(LOG_ERR, "%s", ie.msg);
             return EXIT_SOCKET;
         }
-        listen_fd = sock_listen(path, sc.allow_gid, err, sizeof(err));
+        listen_fd = sock_listen(path, sc.allow_gid, sc.max_clients + HEALTH_RESERVE, err, sizeof(err));
         sc.sock_path = path;
     }
     if (listen_fd < 0) {

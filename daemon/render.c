@@ -4,10 +4,12 @@
  * stream events share.  Loop thread: the logprobs token texts go through
  * the server's one piece buffer.  A job's output is read through
  * job_progress()/job_result() once it is done or under the engine lock. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "daemon/http.h"
+#include "util/clock.h"
 #include "util/log.h"
 
 enum MHD_Result queue(struct req *r, unsigned code, char *body, size_t len, const char *type)
@@ -18,7 +20,7 @@ enum MHD_Result queue(struct req *r, unsigned code, char *body, size_t len, cons
         return MHD_NO;
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, type);
-    if (r->srv->draining)
+    if (r->srv->draining || r->close)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result res = MHD_queue_response(r->conn, code, resp);
     MHD_destroy_response(resp);
@@ -64,12 +66,44 @@ void write_error_body(struct jw *w, const struct ipc_error *e)
     jw_lit(w, "}");
 }
 
+/* Whether a client's 4xx may be logged now: one line a second per client
+ * (uid and pid), so a client that loops on a bad request cannot flood the
+ * log.  *suppressed: how many were not logged since its last line.  Sixteen
+ * clients are remembered; the one silent longest makes room. */
+static bool log_gate(struct server *s, const struct req *r, unsigned *suppressed)
+{
+    long now = (long)(clock_ms() / 1000);
+    struct log_gate *g = &s->gates[0];
+    for (int i = 0; i < LOG_GATES; i++) {
+        struct log_gate *c = &s->gates[i];
+        if (c->uid == r->uid && c->pid == r->pid && c->sec) {
+            g = c;
+            break;
+        }
+        if (c->sec < g->sec)
+            g = c;
+    }
+    if (g->uid == r->uid && g->pid == r->pid && g->sec == now) {
+        g->suppressed++;
+        return false;
+    }
+    *suppressed = g->uid == r->uid && g->pid == r->pid ? g->suppressed : 0;
+    *g = (struct log_gate){.uid = r->uid, .pid = r->pid, .sec = now};
+    return true;
+}
+
 enum MHD_Result reply_error(struct req *r, const struct ipc_error *e)
 {
     int code = ipc_http_status(e->st);
     engine_count_error(r->srv->eng, e->st);
-    log_msg(code >= 500 || code == 413 || code == 429 ? LOG_WARN : LOG_INFO, "uid %u pid %d %s: %d %s",
-            (unsigned)r->uid, (int)r->pid, r->url, code, e->msg);
+    unsigned quiet = 0;
+    if (code >= 500 || log_gate(r->srv, r, &quiet)) {
+        char more[64] = "";
+        if (quiet)
+            snprintf(more, sizeof(more), " (and %u client errors not logged)", quiet);
+        log_msg(code >= 500 || code == 413 || code == 429 ? LOG_WARN : LOG_INFO, "uid %u pid %d %s: %d %s%s",
+                (unsigned)r->uid, (int)r->pid, r->url, code, e->msg, more);
+    }
     struct jw w;
     jw_dynamic(&w);
     jw_lit(&w, "{\"error\":");

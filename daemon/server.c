@@ -12,12 +12,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include "daemon/http.h"
 #include "daemon/sock.h"
+#include "util/clock.h"
 #include "util/log.h"
 
 /* Workers for route_prepare: two, so that one large body being tokenized
@@ -46,8 +48,9 @@ static void park(struct req *r)
 void suspend(struct req *r)
 {
     park(r);
-    /* MHD stops watching a suspended connection; we watch for the hang-up */
-    int rc = ev_io_start(r->srv->loop, &r->io, r->fd, EV_RDHUP, on_hangup, r);
+    /* MHD stops watching a suspended connection; we watch for the hang-up
+     * (only: a half-closed client waits for its reply) */
+    int rc = ev_io_start(r->srv->loop, &r->io, r->fd, EV_HUP, on_hangup, r);
     if (rc)
         log_msg(LOG_WARN, "cannot watch connection fd %d: %s", r->fd, strerror(-rc));
 }
@@ -153,10 +156,60 @@ static void on_workers(void *data, unsigned events)
 
 /* ---- libmicrohttpd ---- */
 
+/* libmicrohttpd decodes %00 into a NUL that would cut the path short
+ * ("/health%00x" would reach /health): a URL holding one is left as it
+ * came, and refused by strict_framing. */
+static size_t unescape(void *cls, struct MHD_Connection *conn, char *val)
+{
+    (void)cls;
+    (void)conn;
+    if (strstr(val, "%00"))
+        return strlen(val);
+    return MHD_http_unescape(val);
+}
+
+/* The number of Content-Length and of Transfer-Encoding headers. */
+struct framing {
+    int n_cl, n_te;
+};
+
+static enum MHD_Result count_framing(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
+{
+    (void)kind;
+    (void)value;
+    struct framing *f = cls;
+    f->n_cl += strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH) == 0;
+    f->n_te += strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING) == 0;
+    return MHD_YES;
+}
+
+/* What libmicrohttpd lets through and a request must not be, since a
+ * proxy in front could frame the body differently: a version other than
+ * HTTP/1.0 or 1.1, a NUL (%00) in the path, a transfer coding other than
+ * chunked alone, two Content-Length or Transfer-Encoding headers, or both.
+ * IPC_OK or the error; its reply closes the connection (r->close). */
+static enum ipc_status strict_framing(struct req *r, const char *version, struct ipc_error *e)
+{
+    if (strcmp(version, MHD_HTTP_VERSION_1_1) != 0 && strcmp(version, MHD_HTTP_VERSION_1_0) != 0)
+        return ipc_fail(e, IPC_EINVAL, "", "the request line has no HTTP/1.0 or HTTP/1.1 version");
+    if (strstr(r->url, "%00"))
+        return ipc_fail(e, IPC_EINVAL, "", "the path holds a NUL byte (%%00)");
+    const char *te = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+    if (te && strcasecmp(te, "chunked") != 0)
+        return ipc_fail(e, IPC_EINVAL, "", "Transfer-Encoding \"%.64s\" is not supported (only chunked)", te);
+    struct framing f = {0};
+    MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_framing, &f);
+    if (f.n_te > 1 || f.n_cl > 1 || (te && f.n_cl))
+        return ipc_fail(e, IPC_EINVAL, "", f.n_te > 1 || f.n_cl > 1 ? "the request has two Content-Length or "
+                                                                  "Transfer-Encoding headers"
+                                                                : "the request has both Content-Length and "
+                                                                  "Transfer-Encoding");
+    return IPC_OK;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                   const char *version, const char *upload, size_t *upload_size, void **ctx)
 {
-    (void)version;
     struct server *s = cls;
     struct req *r = *ctx;
     if (!r) {
@@ -167,6 +220,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         r->srv = s;
         r->conn = conn;
         r->url = url;
+        r->started = clock_ms();
+        const union MHD_ConnectionInfo *sc = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+        r->c = sc ? sc->socket_context : NULL;
+        if (r->c) {
+            ev_io_stop(s->loop, &r->c->first); /* before suspend() watches the same fd */
+            r->c->req = r;
+            r->c->head_since = 0;
+        }
         const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
         r->fd = ci ? ci->connect_fd : -1;
         struct ucred cr = {.pid = 0, .uid = (uid_t)-1, .gid = (gid_t)-1};
@@ -176,13 +237,21 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         r->uid = cr.uid;
         r->pid = cr.pid;
         s->http_requests++;
+        struct ipc_error e;
+        if (strict_framing(r, version, &e) != IPC_OK) {
+            r->close = true;
+            return reply_error(r, &e);
+        }
+        if (r->c && r->c->reserve && strcmp(url, "/health") && strcmp(url, "/v1/health") && strcmp(url, "/metrics")) {
+            r->close = true;
+            return fail(r, IPC_EUNAVAIL, "", "too many clients connected (--max-clients): only /health and /metrics");
+        }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end;
             errno = 0;
             unsigned long long n = strtoull(cl, &end, 10);
             if (errno || *end || n > s->cfg->max_body) {
-                struct ipc_error e;
                 ipc_fail(&e, IPC_ETOOLARGE, "", "the body is %.24s bytes; the limit is %zu (--max-body)", cl,
                          s->cfg->max_body);
                 return reply_error(r, &e);
@@ -226,6 +295,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     return dispatch(r, method);
 }
 
+static void on_first_byte(void *data, unsigned events)
+{
+    (void)events;
+    struct conn *c = data;
+    c->head_since = clock_ms();
+    ev_io_stop(c->srv->loop, &c->first);
+}
+
 static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enum MHD_RequestTerminationCode why)
 {
     (void)conn;
@@ -242,6 +319,11 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enu
         job_release(s->eng, r->job);
     }
     ev_io_stop(s->loop, &r->io);
+    if (r->c) { /* the next request's head: its deadline starts at its first byte */
+        r->c->req = NULL;
+        if (!s->stopping)
+            ev_io_start(s->loop, &r->c->first, r->c->fd, EV_READ, on_first_byte, r->c);
+    }
     job_release(s->eng, r->prep.job);
     free(r->prep.ids.ids);
     free(r->prep.out.p);
@@ -250,6 +332,38 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enu
     free(r->snap);
     free(r);
     *ctx = NULL;
+}
+
+/* MHD_add_connection hands over the conn on_accept made; closed, it goes. */
+static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_ctx,
+                          enum MHD_ConnectionNotificationCode code)
+{
+    (void)conn;
+    struct server *s = cls;
+    struct conn *c = *socket_ctx;
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        c = s->accepting;
+        s->accepting = NULL;
+        *socket_ctx = c;
+        if (!c)
+            return;
+        c->next = s->conns;
+        if (s->conns)
+            s->conns->prev = c;
+        s->conns = c;
+        return;
+    }
+    if (!c)
+        return;
+    ev_io_stop(s->loop, &c->first);
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    free(c);
+    *socket_ctx = NULL;
 }
 
 static void mhd_log(void *cls, const char *fmt, va_list ap)
@@ -265,20 +379,88 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
 
 /* ---- the loop's sources ---- */
 
-/* A refused peer gets a short HTTP answer before the close, so curl says why. */
-static void refuse(int fd, int code, const char *why)
+/* A refused or timed-out peer gets a short HTTP answer before the close,
+ * so curl says why (libmicrohttpd has sent nothing on it yet). */
+static void answer_raw(int fd, int code, const char *why)
 {
     char buf[512];
     char body[256];
+    const char *reason = code == 403 ? "Forbidden" : code == 408 ? "Request Timeout" : "Service Unavailable";
     int bn = snprintf(body, sizeof(body), "{\"error\":{\"code\":%d,\"message\":\"%s\",\"type\":\"%s\"}}\n", code, why,
-                      code == 403 ? "permission_error" : "unavailable_error");
+                      code == 403 ? "permission_error" : code == 408 ? "invalid_request_error" : "unavailable_error");
     int n = snprintf(buf, sizeof(buf),
                      "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n"
                      "\r\n%s",
-                     code, code == 403 ? "Forbidden" : "Service Unavailable", bn, body);
+                     code, reason, bn, body);
     if (send(fd, buf, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
-        log_msg(LOG_DEBUG, "refusal not sent: %s", strerror(errno));
+        log_msg(LOG_DEBUG, "answer not sent: %s", strerror(errno));
+}
+
+static void refuse(int fd, int code, const char *why)
+{
+    answer_raw(fd, code, why);
     close(fd);
+}
+
+/* Connections held by this uid and by this pid. */
+static void count_peer(const struct server *s, const struct ucred *cr, int *by_uid, int *by_pid)
+{
+    *by_uid = *by_pid = 0;
+    for (const struct conn *c = s->conns; c; c = c->next) {
+        *by_uid += c->uid == cr->uid;
+        *by_pid += c->pid == cr->pid;
+    }
+}
+
+/* Past the deadline of its head or the rate of its body: a 408, then
+ * shutdown() -- libmicrohttpd sees the end of the stream and closes the
+ * connection the usual way. */
+static void time_out(struct server *s, struct conn *c, const char *what)
+{
+    char why[96];
+    snprintf(why, sizeof(why), "%s came too slowly (--header-timeout, --body-rate)", what);
+    log_msg(LOG_INFO, "uid %u pid %d: %s, connection closed", (unsigned)c->uid, (int)c->pid, why);
+    answer_raw(c->fd, 408, why);
+    shutdown(c->fd, SHUT_RDWR);
+    c->head_since = 0;
+    s->timed_out++;
+}
+
+/* Whether the engine moves: with work queued or running, a step must
+ * complete every --stall-timeout, else /health says "stalled" (logged once,
+ * and once again when it moves). */
+static void watch_progress(struct server *s, double now)
+{
+    struct engine_stats st = engine_get_stats(s->eng);
+    if (st.steps != s->last_steps || (!st.queued && !st.running)) {
+        if (s->stalled)
+            log_msg(LOG_WARN, "the engine advances again");
+        s->stalled = false;
+        s->last_steps = st.steps;
+        s->progress_at = now;
+    } else if (!s->stalled && now - s->progress_at > s->cfg->stall_timeout_s * 1e3) {
+        s->stalled = true;
+        log_msg(LOG_ERR, "the engine is stalled: %d running, %d queued, no step for %d s (--stall-timeout)",
+                st.running, st.queued, s->cfg->stall_timeout_s);
+    }
+}
+
+/* Once a second: heads past --header-timeout from their first byte, bodies
+ * slower than --body-rate after that same grace, the engine's progress. */
+static void on_sweep(void *data)
+{
+    struct server *s = data;
+    double now = clock_ms(), grace = s->cfg->header_timeout_s * 1e3;
+    watch_progress(s, now);
+    for (struct conn *c = s->conns; c; c = c->next) {
+        struct req *r = c->req;
+        if (!r && c->head_since && now - c->head_since > grace)
+            time_out(s, c, "the request head");
+        else if (r && !r->route && !r->suspended && !r->close && now - r->started > grace &&
+                 (double)r->n_body < (double)s->cfg->body_rate * (now - r->started - grace) / 1e3)
+            time_out(s, c, "the request body");
+    }
+    ev_timer_start(s->loop, &s->t_sweep, 1000, on_sweep, s);
 }
 
 static void on_accept(void *data, unsigned events)
@@ -305,16 +487,31 @@ static void on_accept(void *data, unsigned events)
             continue;
         }
         const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
-        if (di && di->num_connections >= (unsigned)s->cfg->max_clients) {
-            log_msg(LOG_WARN, "refused a connection from uid %u pid %d: %d clients connected (--max-clients)",
-                    (unsigned)cr.uid, (int)cr.pid, s->cfg->max_clients);
+        unsigned open = di ? di->num_connections : 0;
+        int by_uid, by_pid;
+        count_peer(s, &cr, &by_uid, &by_pid);
+        const char *full = open >= (unsigned)s->cfg->max_clients + HEALTH_RESERVE ? "too many clients connected"
+                           : by_pid >= s->cfg->max_per_pid ? "too many connections from this process"
+                           : by_uid >= s->cfg->max_per_uid ? "too many connections from this uid"
+                                                           : NULL;
+        struct conn *c = full ? NULL : calloc(1, sizeof(*c));
+        if (!c) {
+            log_msg(LOG_WARN, "refused a connection from uid %u pid %d: %s (%u open, %d of its uid, %d of its pid; "
+                    "--max-clients %d, --max-clients-per-uid %d, --max-clients-per-pid %d)", (unsigned)cr.uid,
+                    (int)cr.pid, full ? full : "out of memory", open, by_uid, by_pid, s->cfg->max_clients,
+                    s->cfg->max_per_uid, s->cfg->max_per_pid);
             s->refused++;
-            refuse(fd, 503, "too many clients connected");
+            refuse(fd, 503, full ? full : "out of memory");
             continue;
         }
+        *c = (struct conn){.srv = s, .uid = cr.uid, .pid = cr.pid, .fd = fd, .head_since = clock_ms(),
+                           .reserve = open >= (unsigned)s->cfg->max_clients};
+        s->accepting = c;
         struct sockaddr_un sa = {.sun_family = AF_UNIX};
         if (MHD_add_connection(s->mhd, fd, (struct sockaddr *)&sa, sizeof(sa)) != MHD_YES)
             log_msg(LOG_WARN, "cannot serve a connection: %s", strerror(errno));
+        free(s->accepting); /* not taken by on_connection */
+        s->accepting = NULL;
     }
 }
 
@@ -470,12 +667,14 @@ static int watch(struct server *s)
 enum server_exit server_run(engine *e, const struct server_config *cfg, int listen_fd, int sig_fd, int wake_fd)
 {
     struct server s = {.eng = e, .cfg = cfg, .listen_fd = listen_fd, .sig_fd = sig_fd, .wake_fd = wake_fd,
-                       .started = time(NULL), .rc = SERVER_OK};
+                       .started = time(NULL), .progress_at = clock_ms(), .rc = SERVER_OK};
     s.mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_NO_LISTEN_SOCKET | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG,
                              0, NULL, NULL, on_request, &s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, &s,
-                             MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg->max_clients + 16,
+                             MHD_OPTION_NOTIFY_CONNECTION, on_connection, &s,
+                             MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg->max_clients + HEALTH_RESERVE,
                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)64 * 1024, MHD_OPTION_CONNECTION_TIMEOUT,
-                             (unsigned)cfg->idle_timeout_s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL, MHD_OPTION_END);
+                             (unsigned)cfg->idle_timeout_s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+                             MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL, MHD_OPTION_END);
     if (!s.mhd) {
         log_msg(LOG_ERR, "cannot start the HTTP server (libmicrohttpd)");
         return SERVER_EFATAL;
@@ -493,6 +692,7 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
         return SERVER_EFATAL;
     }
     ev_set_before_sleep(s.loop, before_sleep, &s);
+    ev_timer_start(s.loop, &s.t_sweep, 1000, on_sweep, &s);
     rc = ev_run(s.loop);
     if (rc) {
         log_msg(LOG_ERR, "epoll_wait: %s", strerror(-rc));

@@ -4,7 +4,7 @@
  * (kvtierd accepts, checks SO_PEERCRED and the client limit, then hands the
  * fd to libmicrohttpd with MHD_add_connection), the signal pipe, the
  * engine's eventfd, the workers' eventfd, libmicrohttpd's own epoll fd, and
- * the fds of suspended connections (EPOLLRDHUP: a client that hangs up
+ * the fds of suspended connections (EPOLLHUP: a client that hangs up
  * while its request waits cancels the generation).  libmicrohttpd runs in
  * "external polling" mode inside this thread, so every MHD call, suspend
  * and resume happens here.
@@ -26,6 +26,9 @@
 #include "daemon/engine.h"
 
 #define SERVER_MAX_N 16 /* choices per request */
+/* Connections past --max-clients that may still ask /health and /metrics,
+ * so a full daemon can say so; the listen backlog holds them too. */
+#define HEALTH_RESERVE 8
 
 struct server_config {
     int max_clients;      /* open connections */
@@ -35,6 +38,11 @@ struct server_config {
     int max_messages;     /* chat messages per request */
     int drain_timeout_s;  /* SIGTERM: how long in-flight requests may finish */
     int idle_timeout_s;   /* idle keep-alive connections are closed */
+    int max_per_uid;      /* open connections of one uid, below max_clients */
+    int max_per_pid;      /* open connections of one process */
+    int header_timeout_s; /* a request head must arrive within this of its first byte */
+    size_t body_rate;     /* bytes/s a body must average after a header_timeout_s grace */
+    int stall_timeout_s;  /* work queued or running and no step completed: /health says "stalled" */
     gid_t allow_gid;      /* (gid_t)-1: only the daemon's uid */
     const char *sock_path;   /* unlinked at exit unless socket-activated */
     bool socket_activated;

@@ -53,7 +53,7 @@ static int check_dir(const char *path, gid_t gid, char *err, size_t cap)
     return 0;
 }
 
-int sock_listen(const char *path, gid_t gid, char *err, size_t cap)
+int sock_listen(const char *path, gid_t gid, int backlog, char *err, size_t cap)
 {
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     if (strlen(path) >= sizeof(sa.sun_path)) {
@@ -100,7 +100,7 @@ int sock_listen(const char *path, gid_t gid, char *err, size_t cap)
         return fail(err, cap, fd, "cannot bind %s: %s", path);
     if (gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) != 0)
         return fail(err, cap, fd, "cannot give %s to the allowed group: %s", path);
-    if (listen(fd, 128) != 0)
+    if (listen(fd, backlog) != 0)
         return fail(err, cap, fd, "cannot listen on %s: %s", path);
     return fd;
 }

@@ -13,7 +13,7 @@
  * missing and must not be writable by others.  A stale socket is replaced
  * only after a connect() is refused; a live one is an error.  Returns the
  * non-blocking fd, or -1 with err filled. */
-int sock_listen(const char *path, gid_t gid, char *err, size_t cap);
+int sock_listen(const char *path, gid_t gid, int backlog, char *err, size_t cap);
 
 /* The socket systemd passed (LISTEN_PID/LISTEN_FDS), or -1 when none;
  * -2 with err filled when the passed fd is not a Unix stream socket. */
