@@ -36,7 +36,7 @@ DAEMON   := $(if $(DAEMON_SRC),$(BUILD)/kvtierd)
 TOOLS    := $(TOOL_SRC:tools/%.c=$(BUILD)/%)
 TESTS    := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 
-.PHONY: all deps deps-test test check-sanitize run bench clean cuda
+.PHONY: all deps deps-test test soak check-sanitize run bench clean cuda
 # Objects are intermediates of the pattern rules; keep them so a second
 # `make test` rebuilds nothing.
 .SECONDARY:
@@ -96,6 +96,12 @@ endif
 # Quick tier: every test binary plus the oracle tests, each under a timeout.
 test: all deps-test $(TESTS)
 	@tests/run.sh $(BUILD)
+
+# The soak test (tests/daemon_soak.py): kvtierd under mixed load, its RSS,
+# fds and threads checked against the warm-up's; 15 minutes unless told.
+KVTIER_SOAK_SECONDS ?= 900
+soak: all
+	KVTIER_BUILD=$(BUILD) KVTIER_SOAK_SECONDS=$(KVTIER_SOAK_SECONDS) /usr/bin/python3 tests/daemon_soak.py
 
 # The sanitizer run CI performs.
 check-sanitize:

@@ -12,7 +12,6 @@
 
 #include "backend/backend_impl.h"
 
-#define BE_ALIGN 64
 
 const char *be_strerror(enum be_status st)
 {

@@ -78,6 +78,7 @@ void be_free(be_backend *be); /* accepts NULL */
 struct be_caps be_get_caps(const be_backend *be);
 
 /* ---- memory ------------------------------------------------------------ */
+#define BE_ALIGN 64 /* every allocation is aligned to and charged in multiples of this */
 enum be_status be_dev_alloc(be_backend *be, size_t size, be_buffer **out);
 enum be_status be_host_alloc(be_backend *be, size_t size, be_buffer **out);
 void be_buffer_free(be_buffer *buf); /* accepts NULL */

@@ -746,7 +746,8 @@ static bool load(engine *e)
     struct runtime_params rp = {.backend = e->cfg.backend,
                                 .be = {.n_threads = e->cfg.n_threads, .device_mem = e->cfg.device_mem},
                                 .model = {.max_batch_tokens = e->cfg.batch_tokens, .verify_weights = e->cfg.verify_weights},
-                                .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache}};
+                                .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache},
+                                .size_seqs = e->cfg.max_seqs, .size_ctx = e->cfg.ctx};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);
         e->state = ENGINE_FAILED;
@@ -757,9 +758,18 @@ static bool load(engine *e)
     e->m = e->rt.m;
     e->tok = e->rt.tok;
     e->store = e->rt.store;
+    const struct runtime_budget *b = &e->rt.budget;
+    size_t dev_budget = be_mem_stats(e->rt.be).dev_budget;
+    if (b->total)
+        log_msg(LOG_INFO, "device budget %.1f MiB (sized from the model: weights %.1f + activations %.1f + KV %.1f "
+                "for %d sequences of %d tokens + margin %.1f MiB, at least %zu MiB; --device-mem overrides)",
+                dev_budget / 1048576.0, b->weights / 1048576.0, b->activations / 1048576.0, b->kv / 1048576.0,
+                b->seqs, b->ctx, b->margin / 1048576.0, RUNTIME_MIN_DEVICE_MEM >> 20);
+    else
+        log_msg(LOG_INFO, "device budget %.1f MiB (--device-mem)", dev_budget / 1048576.0);
     /* default: a quarter of the device budget may hold blocks only the
      * prefix cache keeps, so they never crowd out the running requests */
-    size_t prefix_mem = e->cfg.prefix_mem ? e->cfg.prefix_mem : be_mem_stats(e->rt.be).dev_budget / 4;
+    size_t prefix_mem = e->cfg.prefix_mem ? e->cfg.prefix_mem : dev_budget / 4;
     if (!e->cfg.no_prefix_cache) {
         kv_store_set_prefix_mem(e->store, prefix_mem);
         log_msg(LOG_INFO, "prefix cache: %.1f MiB of unreferenced blocks (--prefix-cache-mem), %s", prefix_mem / 1048576.0,
@@ -767,8 +777,7 @@ static bool load(engine *e)
     }
     e->mc = model_get_config(e->m);
     e->vocab = e->mc->vocab_size;
-    int max_pos = e->mc->max_position_embeddings; /* config.c guarantees >= 1 */
-    e->ctx = e->cfg.ctx > 0 && e->cfg.ctx < max_pos ? e->cfg.ctx : max_pos;
+    e->ctx = model_context(e->mc, e->cfg.ctx);
     /* the model's id is its directory's name */
     char dir[sizeof(e->model_id)];
     snprintf(dir, sizeof(dir), "%s", e->cfg.model_dir);

@@ -43,7 +43,7 @@ struct engine_config {
     const char *model_dir;
     const char *backend;     /* "cpu" or "cuda" */
     int n_threads;           /* 0: physical cores */
-    size_t device_mem;       /* 0: backend default */
+    size_t device_mem;       /* 0: sized from the model for max_seqs sequences at the full context */
     size_t host_mem;         /* host-tier budget of the KV store; 0: unlimited */
     bool no_prefix_cache;    /* turn off sharing of identical prompt prefixes between requests */
     size_t prefix_mem;       /* bytes of blocks only the prefix cache holds; 0: a quarter of the device budget */

@@ -33,7 +33,7 @@ static void usage(FILE *f)
             "  --allow-group NAME   also accept members of this group (socket mode 0660)\n"
             "  --backend NAME       cpu (default) or cuda\n"
             "  --threads N          math threads (default: physical cores)\n"
-            "  --device-mem BYTES   device memory budget, k/M/G suffixes (default: backend's)\n"
+            "  --device-mem BYTES   device memory budget, k/M/G suffixes (default: sized from the model, --parallel, --ctx-size)\n"
             "  --host-mem BYTES     host-tier budget of the KV cache, k/M/G suffixes (default: unlimited)\n"
             "  --no-prefix-cache    do not share the KV of identical prompt prefixes between requests\n"
             "  --prefix-cache-mem BYTES  blocks only the prefix cache holds (default: a quarter of --device-mem)\n"

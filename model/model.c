@@ -134,22 +134,37 @@ static void run_state_free(struct run_state *rs)
     memset(rs, 0, sizeof(*rs));
 }
 
+/* The bytes of each device buffer of the run state (the order of
+ * run_state.bufs), shared with model_device_bytes so that the budget sized
+ * from a config is what the load then charges. */
+static int logit_rows(int cap)
+{
+    return cap < 16 ? cap : 16; /* lm_head runs in slices: vocab can be 150k */
+}
+
+static void run_state_sizes(const struct model_config *c, size_t e, int cap, size_t sizes[10])
+{
+    size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
+    size_t rows = (size_t)cap;
+    size_t s[10] = {
+        rows * c->hidden_size * e, rows * c->hidden_size * e, rows * q_dim * e,
+        rows * kv_dim * e, rows * kv_dim * e, rows * q_dim * e,
+        rows * c->intermediate_size * e, rows * c->intermediate_size * e,
+        (size_t)logit_rows(cap) * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4,
+    };
+    memcpy(sizes, s, sizeof(s));
+}
+
 static enum model_status run_state_alloc(model *m, int cap, char *err)
 {
     const struct model_config *c = &m->cfg;
     struct run_state *rs = &m->rs;
-    size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     rs->cap = cap;
     rs->act = be_get_caps(m->be).act_dtype;
     rs->esz = be_dtype_size(rs->act);
-    rs->logit_rows = cap < 16 ? cap : 16; /* lm_head runs in slices: vocab can be 150k */
-    size_t e = rs->esz;
-    size_t sizes[10] = {
-        (size_t)cap * c->hidden_size * e, (size_t)cap * c->hidden_size * e, cap * q_dim * e,
-        cap * kv_dim * e, cap * kv_dim * e, cap * q_dim * e,
-        (size_t)cap * c->intermediate_size * e, (size_t)cap * c->intermediate_size * e,
-        (size_t)rs->logit_rows * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4,
-    };
+    rs->logit_rows = logit_rows(cap);
+    size_t sizes[10];
+    run_state_sizes(c, rs->esz, cap, sizes);
     void **ptrs[10] = {&rs->x, &rs->xb, &rs->q, &rs->k, &rs->v, &rs->att, &rs->hb, &rs->hb2, &rs->logits,
                        &rs->inv_freq};
     for (int i = 0; i < 10; i++) {
@@ -255,6 +270,52 @@ static enum model_status weights_upload(model *m, char *err)
     return st;
 }
 
+/* Bytes the backend charges for an allocation of n. */
+static size_t charged(size_t n)
+{
+    return (n + BE_ALIGN - 1) / BE_ALIGN * BE_ALIGN;
+}
+
+/* What weights_upload charges, from the config alone: every matrix is of
+ * torch_dtype (safetensors.c refuses others), every vector f32. */
+static size_t weights_bytes(const struct model_config *c)
+{
+    size_t dsz = be_dtype_size(c->dtype), dim = (size_t)c->hidden_size, ffn = (size_t)c->intermediate_size;
+    size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
+    size_t embed = charged((size_t)c->vocab_size * dim * dsz);
+    size_t total = (c->tie_word_embeddings ? 1 : 2) * embed + charged(dim * 4);
+    size_t mats[] = {q_dim * dim, kv_dim * dim, kv_dim * dim, dim * q_dim, ffn * dim, ffn * dim, dim * ffn};
+    bool o_bias = c->attention_bias && (c->arch == ARCH_LLAMA || c->arch == ARCH_QWEN3);
+    size_t vecs[] = {dim, dim, c->attention_bias ? q_dim : 0, c->attention_bias ? kv_dim : 0,
+                     c->attention_bias ? kv_dim : 0, o_bias ? dim : 0, c->qk_norm ? (size_t)c->head_dim : 0,
+                     c->qk_norm ? (size_t)c->head_dim : 0};
+    size_t layer = 0;
+    for (size_t i = 0; i < sizeof(mats) / sizeof(mats[0]); i++)
+        layer += charged(mats[i] * dsz);
+    for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]); i++)
+        layer += charged(vecs[i] * 4);
+    return total + (size_t)c->n_layers * layer;
+}
+
+struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps, int max_batch_tokens)
+{
+    size_t sizes[10], act = 0;
+    run_state_sizes(c, be_dtype_size(caps.act_dtype), max_batch_tokens > 0 ? max_batch_tokens : 256, sizes);
+    for (int i = 0; i < 10; i++)
+        act += charged(sizes[i]);
+    return (struct model_device_bytes){
+        .weights = caps.unified_memory ? 0 : weights_bytes(c),
+        .activations = act,
+        .kv_per_token = (size_t)c->n_layers * 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * sizeof(float),
+    };
+}
+
+int model_context(const struct model_config *c, int want)
+{
+    int max_pos = c->max_position_embeddings; /* config.c guarantees >= 1 */
+    return want > 0 && want < max_pos ? want : max_pos;
+}
+
 static void weights_free(model *m)
 {
     for (int i = 0; i < m->n_wbufs; i++)
@@ -283,7 +344,7 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
         st = model_weights_verify(&m->cfg, &m->w, err);
     if (st == MODEL_OK && !be_get_caps(be).unified_memory)
         st = weights_upload(m, err);
-    int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;
+    int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256; /* model_device_bytes assumes it too */
     if (st == MODEL_OK)
         st = run_state_alloc(m, cap, err);
     if (st != MODEL_OK) {

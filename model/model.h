@@ -113,6 +113,19 @@ void model_files_close(model_files *f); /* accepts NULL */
  * --verify-weights); the 1-D tensors are always checked. */
 enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err);
 
+/* The context of a sequence: want tokens (0: the model's), at most the
+ * model's max_position_embeddings. */
+int model_context(const struct model_config *c, int want);
+
+/* The device bytes a model of config c charges to a backend of caps: its
+ * weights when the backend cannot read the mmap (caps.unified_memory false;
+ * 0 otherwise), the forward pass's activations for max_batch_tokens rows
+ * (0: 256, as model_load), and the f32 KV of one token over every layer. */
+struct model_device_bytes {
+    size_t weights, activations, kv_per_token;
+};
+struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps, int max_batch_tokens);
+
 /* ---- the model: config + weights + run state on a backend --------------- */
 typedef struct model model;
 

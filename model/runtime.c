@@ -5,11 +5,51 @@
 #include <stdio.h>
 #include <string.h>
 
+/* The budget for p's sequences from dir's config.json.  Whether the weights
+ * count depends on the backend's caps, which only an open backend tells: a
+ * probe is opened for them, with a budget too small to reserve anything. */
+static enum model_status size_budget(const char *dir, const char *name, const struct runtime_params *p,
+                                     struct runtime_budget *b, char *err)
+{
+    struct model_config cfg;
+    enum model_status st = model_config_load(dir, &cfg, err);
+    if (st != MODEL_OK)
+        return st;
+    struct be_params bp = p->be;
+    bp.device_mem = BE_ALIGN;
+    be_backend *probe;
+    enum be_status bs = be_open(name, &bp, &probe);
+    if (bs != BE_OK) {
+        model_config_release(&cfg);
+        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
+        return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
+    }
+    struct model_device_bytes d = model_device_bytes(&cfg, be_get_caps(probe), p->model.max_batch_tokens);
+    be_free(probe);
+    b->seqs = p->size_seqs;
+    b->ctx = model_context(&cfg, p->size_ctx);
+    model_config_release(&cfg);
+    b->weights = d.weights;
+    b->activations = d.activations;
+    b->kv = (size_t)b->seqs * (size_t)b->ctx * d.kv_per_token;
+    size_t sum = b->weights + b->activations + b->kv;
+    b->margin = sum / 8;
+    b->total = sum + b->margin > RUNTIME_MIN_DEVICE_MEM ? sum + b->margin : RUNTIME_MIN_DEVICE_MEM;
+    return MODEL_OK;
+}
+
 enum model_status runtime_open(const char *dir, const struct runtime_params *p, struct runtime *rt, char *err)
 {
     memset(rt, 0, sizeof(*rt));
     const char *name = p && p->backend ? p->backend : "cpu";
-    enum be_status bs = be_open(name, p ? &p->be : NULL, &rt->be);
+    struct be_params bp = p ? p->be : (struct be_params){0};
+    if (p && !bp.device_mem && p->size_seqs > 0) {
+        enum model_status st = size_budget(dir, name, p, &rt->budget, err);
+        if (st != MODEL_OK)
+            return st;
+        bp.device_mem = rt->budget.total;
+    }
+    enum be_status bs = be_open(name, &bp, &rt->be);
     if (bs != BE_OK) {
         snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;

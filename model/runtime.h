@@ -6,11 +6,31 @@
 
 #include "model/generate.h"
 
+#define RUNTIME_MIN_DEVICE_MEM ((size_t)64 << 20) /* the floor of a budget sized from the model */
+
 struct runtime_params {
     const char *backend;       /* "cpu" (NULL) or "cuda" */
     struct be_params be;
     struct model_params model;
     struct kv_store_params kv; /* zeroed: the store's defaults (no host-tier budget) */
+    /* With be.device_mem 0 and size_seqs > 0, the device budget is sized
+     * from the model (struct runtime_budget) instead of the backend's
+     * default, which may be half the machine's memory: size_seqs sequences
+     * of size_ctx tokens (0: the model's context). */
+    int size_seqs, size_ctx;
+};
+
+/* A device budget sized from the model: the sum of the parts and an eighth
+ * on top (the KV pool grows in chunks of blocks, offloaded sequences stream
+ * through slots), at least RUNTIME_MIN_DEVICE_MEM.  All zero when the
+ * budget was given or left to the backend. */
+struct runtime_budget {
+    size_t weights;     /* uploaded weights; 0 where the backend reads the mmap */
+    size_t activations; /* the forward pass's buffers */
+    size_t kv;          /* f32 KV of seqs sequences at ctx tokens each */
+    size_t margin;
+    size_t total;
+    int seqs, ctx;
 };
 
 struct runtime {
@@ -18,6 +38,7 @@ struct runtime {
     model *m;
     tokenizer *tok;
     kv_store *store;
+    struct runtime_budget budget;
 };
 
 /* Opens everything for the model directory dir; on failure nothing is left
