@@ -31,7 +31,7 @@ static void usage(FILE *f)
             "  --socket PATH        listen here (default $KVTIER_SOCKET, else $XDG_RUNTIME_DIR/kvtier/kvtierd.sock)\n"
             "  --system             default to " IPC_SYSTEM_SOCKET " (system service)\n"
             "  --allow-group NAME   also accept members of this group (socket mode 0660)\n"
-            "  --backend NAME       cpu (default) or cuda\n"
+            "  --backend NAME       cpu (default), cpu-strict (tests) or cuda\n"
             "  --threads N          math threads (default: physical cores)\n"
             "  --device-mem BYTES   device memory budget, k/M/G suffixes (default: sized from the model, --parallel, --ctx-size)\n"
             "  --host-mem BYTES     host-tier budget of the KV cache, k/M/G suffixes (default: unlimited)\n"
