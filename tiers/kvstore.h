@@ -278,6 +278,48 @@ void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out);
 enum tier_status kv_seq_commit(kv_seq *q);
 void kv_seq_abort(kv_seq *q);
 
+/* ---- images (tiers/image.c): a sequence as bytes, for the disk tier ----
+ * An image is a sequence's complete state in the form it is stored:
+ * parameters, strategy (after any fallback), lengths, past recording, and
+ * every stored position of every layer (dense blocks, quantized codes and
+ * their residual, kept sinks).  Little-endian, versioned, self-checking
+ * sizes; it names no pointer.  Only between steps.
+ *
+ * kv_seq_image_size: the bytes kv_seq_save needs for q.
+ * kv_seq_save: writes q's image into buf[0, size) (device bytes come
+ *   through the backend's copies); q is unchanged.  TIER_EINVAL if size is
+ *   not kv_seq_image_size(q).
+ * kv_seq_load: a new sequence on s equal to the saved one: it continues
+ *   with the same tokens and logits as the saved one would have.  The
+ *   image is checked before anything is allocated (the store's geometry
+ *   and block size, the version, every length, position and size in
+ *   range): TIER_EINVAL with kv_store_errmsg naming the field.  Memory as
+ *   kv_seq_create and kv_seq_offload: a device-resident image that does not
+ *   fit the device budget loads offloaded (fallback KV_FALLBACK_OOM),
+ *   unless it was saved with no_fallback; TIER_ENOMEM_* otherwise. */
+size_t kv_seq_image_size(const kv_seq *q);
+enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size);
+enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq **out);
+
+/* ---- dense export and import (tiers/dense.c) ----------------------------
+ * kv_seq_layer_rows: the positions layer l holds, in attention order (the
+ *   sink strategy's sinks first, then the window); what a dense K or V of
+ *   the layer has as its sequence axis.
+ * kv_seq_layer_dense: layer l's keys and values as [n_kv_heads, rows,
+ *   head_dim] each, in dtype (BE_F32, or the store's dtype), quantized
+ *   layers dequantized; k and v hold rows * n_kv_heads * head_dim
+ *   elements.  Keys as stored (the sink strategy stores them unrotated).
+ * kv_seq_import_dense: fills a fresh dynamic sequence (length 0) with
+ *   n tokens of KV computed elsewhere: k[l], v[l] are layer l's
+ *   [n_kv_heads, rows_l, head_dim] in dtype, rows_l = n for a full layer
+ *   and min(n, what the layer keeps) for a sliding one, its last rows.
+ *   It then continues exactly as if it had computed those tokens.  All or
+ *   nothing; TIER_EINVAL naming the layer and the expected rows. */
+int64_t kv_seq_layer_rows(const kv_seq *q, int layer);
+enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, void *k, void *v);
+enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, const void *const *k,
+                                     const void *const *v);
+
 /* ---- streaming hooks of the forward pass (tiers/stream.c) ---------------
  * After every sequence of the step is reserved: plan the device slots for
  * the step's streamed layers (may allocate them: TIER_ENOMEM_DEV). */

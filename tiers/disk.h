@@ -1,0 +1,121 @@
+/* disk.h - the disk tier: self-describing, checksummed files under one
+ * directory, written and read by one I/O thread through io_uring, so the
+ * engine thread never blocks on the disk.
+ *
+ * An object is (ns, name) -> the file DIR/ns/name.kvt.  It holds a small
+ * meta blob (the caller's: a session's JSON, a prefix block's tokens),
+ * readable without the data, and a bulk data blob (a sequence image), cut
+ * into chunks that are each checksummed and, when compression pays,
+ * byte-shuffled and zstd-compressed.  A file is written whole under a
+ * temporary name, fsynced, renamed into place and its directory fsynced,
+ * so a crash leaves either the old object, the new one, or none; never a
+ * file that reads as valid but wrong.  Every file records the layout it
+ * was written for (model fingerprint, dtype, block size, heads, head_dim);
+ * one written for another layout or format version is skipped with one
+ * log line, one that fails its checks is moved to DIR/quarantine.
+ *
+ * Operations are asynchronous: kv_disk_put / kv_disk_get queue the work
+ * and return an op; the caller polls kv_disk_op_done (the notify callback
+ * fires from the I/O thread after every completion) or blocks in
+ * kv_disk_op_wait.  Names: ns and name are [A-Za-z0-9_-]{1,64}.
+ */
+#ifndef KVTIER_TIERS_DISK_H
+#define KVTIER_TIERS_DISK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tiers/kvstore.h"
+
+typedef struct kv_disk kv_disk;
+typedef struct kv_disk_op kv_disk_op;
+
+enum kv_disk_compress {
+    KV_DISK_COMPRESS_AUTO = 0, /* cold writes compressed (in the background), hot ones raw */
+    KV_DISK_COMPRESS_ALWAYS = 1,
+    KV_DISK_COMPRESS_NEVER = 2,
+};
+
+/* What the data in a file was written for; a file whose layout differs
+ * from the tier's is never handed out. */
+struct kv_disk_layout {
+    uint64_t fingerprint; /* the model's (model_fingerprint) */
+    uint32_t dtype;       /* enum be_dtype of the KV */
+    uint32_t block_tokens, n_layers, n_kv_heads, head_dim;
+};
+
+struct kv_disk_params {
+    const char *dir;        /* created 0700 if missing (and its parents) */
+    size_t budget;          /* bytes all files may take; 0 = a quarter of the free space at open */
+    enum kv_disk_compress compress;
+    struct kv_disk_layout layout;
+    int compress_threads;   /* 0 = 2 */
+    void (*notify)(void *arg); /* called on the I/O thread after each op completes; may be NULL */
+    void *notify_arg;
+};
+
+/* Creates the directory, removes temporary files a crash left, and
+ * quarantines files whose header does not check.  TIER_EIO naming the
+ * path when the directory cannot be used. */
+enum tier_status kv_disk_open(const struct kv_disk_params *p, kv_disk **out);
+/* Waits for the ops in flight, then frees everything.  Accepts NULL. */
+void kv_disk_free(kv_disk *d);
+/* The last failure's text (which file, which check); "" if none. */
+const char *kv_disk_errmsg(const kv_disk *d);
+
+struct kv_disk_obj {
+    const void *meta;
+    size_t meta_len;  /* at most 16 MiB */
+    const void *data;
+    size_t data_len;
+    bool cold;        /* KV_DISK_COMPRESS_AUTO compresses cold objects only */
+};
+
+/* Queues the write of an object, replacing any of that name once it is
+ * complete.  o's buffers must stay valid and unchanged until the op is
+ * done.  TIER_EFULL when the budget cannot hold it (nothing is written),
+ * TIER_EINVAL for a bad name, TIER_ENOMEM_HOST. */
+enum tier_status kv_disk_put(kv_disk *d, const char *ns, const char *name, const struct kv_disk_obj *o,
+                             kv_disk_op **op);
+/* Queues the read of an object's meta and data; when done, kv_disk_op_data
+ * hands them out.  A missing object is TIER_EINVAL from the op ("no such
+ * object"); a corrupt one TIER_EIO, and its file is quarantined. */
+enum tier_status kv_disk_get(kv_disk *d, const char *ns, const char *name, kv_disk_op **op);
+/* Removes an object (queued; nothing to wait for).  A missing one is fine. */
+void kv_disk_remove(kv_disk *d, const char *ns, const char *name);
+
+bool kv_disk_op_done(kv_disk_op *op);
+/* Blocks until op is done; returns its status. */
+enum tier_status kv_disk_op_wait(kv_disk_op *op);
+/* The status of a done op, and its message (names the file and reason). */
+enum tier_status kv_disk_op_status(const kv_disk_op *op);
+const char *kv_disk_op_errmsg(const kv_disk_op *op);
+/* A done get's meta and data; the caller takes ownership (free()). */
+void kv_disk_op_take(kv_disk_op *op, void **meta, size_t *meta_len, void **data, size_t *data_len);
+/* Waits if still in flight, then frees.  Accepts NULL. */
+void kv_disk_op_free(kv_disk_op *op);
+
+/* Calls fn for every valid object of namespace ns ("" = every namespace)
+ * with its meta; files that do not check are quarantined and skipped.  For
+ * start-up: it blocks the caller until the scan is done. */
+typedef void (*kv_disk_scan_fn)(void *arg, const char *ns, const char *name, const void *meta, size_t meta_len,
+                                size_t data_len);
+enum tier_status kv_disk_scan(kv_disk *d, const char *ns, kv_disk_scan_fn fn, void *arg);
+
+struct kv_disk_stats {
+    size_t budget, used;         /* bytes of files (stored sizes) */
+    uint64_t files;
+    uint64_t puts, gets, failures, quarantined;
+    uint64_t bytes_written, bytes_read;  /* stored bytes */
+    uint64_t raw_compressed, stored_compressed; /* of compressed chunks: the ratio */
+    double compress_s, write_s, read_s;  /* time spent */
+    bool direct;                 /* O_DIRECT in use (else buffered) */
+};
+struct kv_disk_stats kv_disk_stats(kv_disk *d);
+
+/* Tests: make the nth io_uring submission from now (1-based) complete
+ * with -err (e.g. EIO, ENOSPC); 0 turns it off.  every: fail from n on. */
+void kv_disk_fail_nth(kv_disk *d, uint64_t n, int err, bool every);
+
+#endif
