@@ -12,6 +12,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "util/file.h"
@@ -536,6 +538,14 @@ enum model_status model_config_load(const char *dir, struct model_config *cfg, c
     if (st != MODEL_OK)
         return st;
     st = parse_config(root, dir, cfg, err);
+    if (st == MODEL_OK) {
+        char *canon = json_dumps(root, JSON_SORT_KEYS | JSON_COMPACT);
+        if (!canon)
+            st = model_errf(err, MODEL_ENOMEM, "config.json: out of memory");
+        else
+            cfg->config_hash = XXH3_64bits(canon, strlen(canon));
+        free(canon);
+    }
     json_decref(root);
     if (st != MODEL_OK)
         model_config_release(cfg);

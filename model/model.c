@@ -13,6 +13,7 @@
 #include "model/model.h"
 
 #include <math.h>
+#include <xxhash.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +78,12 @@ const struct model_config *model_get_config(const model *m)
 const struct model_weights *model_get_weights(const model *m)
 {
     return &m->w;
+}
+
+uint64_t model_fingerprint(const model *m)
+{
+    uint64_t h[2] = {m->cfg.config_hash, m->w.header_hash};
+    return XXH3_64bits(h, sizeof h);
 }
 
 struct kv_geom model_kv_geom(const model *m)

@@ -63,6 +63,8 @@ struct model_config {
     int32_t pad_token_id;              /* -1 = none */
     int32_t eos_token_ids[MODEL_MAX_EOS];
     int n_eos;
+    /* xxh3 of config.json re-serialized with sorted keys (model_fingerprint) */
+    uint64_t config_hash;
 };
 
 /* A weight matrix (row-major [rows, cols]) as stored in the checkpoint. */
@@ -92,6 +94,8 @@ struct model_weights {
     const float *final_norm;     /* (dim) */
     struct model_mat lm_head;    /* (vocab, dim), = tok_embed when tied */
     struct model_layer *layers;  /* [n_layers] */
+    /* xxh3 over the safetensors headers (names, dtypes, shapes, offsets) */
+    uint64_t header_hash;
 };
 
 /* Parses config.json (+ generation_config.json when present) of dir. */
@@ -140,6 +144,11 @@ const struct model_config *model_get_config(const model *m);
 const struct model_weights *model_get_weights(const model *m);
 /* The KV geometry a kv_store for this model needs (dtype f32). */
 struct kv_geom model_kv_geom(const model *m);
+/* What KV computed by this model is valid for: a hash of its config and
+ * of its weights' metadata (tensor names, dtypes, shapes, offsets; the
+ * weights themselves are not read).  KV saved under another fingerprint
+ * is never loaded. */
+uint64_t model_fingerprint(const model *m);
 
 /* One entry of a batched forward: feed tokens[0..n_tokens) to a sequence at
  * its current length.  logits: host buffer; when want_all_logits it receives

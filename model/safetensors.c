@@ -27,6 +27,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "util/half.h"
 #include "model/model.h"
 #include "model/safetensors.h"
@@ -625,8 +627,14 @@ enum model_status model_files_open(const char *dir, const struct model_config *c
     if (st == MODEL_OK)
         st = bind_all(&b, w);
     json_decref(b.weight_map);
-    for (int i = 0; i < mf->n_files; i++)
+    for (int i = 0; i < mf->n_files; i++) {
+        const struct st_file *f = &mf->files[i];
+        if (f->map) /* the raw header bytes: what changes when any tensor's name, dtype or shape does */
+            w->header_hash = XXH3_64bits_withSeed((const char *)f->map + 8,
+                                                  (size_t)((const char *)f->data - (const char *)f->map - 8),
+                                                  w->header_hash);
         st_drop_header(&mf->files[i]);
+    }
     if (st != MODEL_OK) {
         memset(w, 0, sizeof *w);
         model_files_close(mf);
