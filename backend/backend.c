@@ -578,6 +578,20 @@ enum be_status be_kvq_quantize(be_backend *be, const struct be_kvq_view *v, int6
     return v->hi < end ? be->ops->kvq_quantize(be->ctx, v, end) : BE_OK;
 }
 
+enum be_status be_kvq_dequantize(be_backend *be, const struct be_kvq_view *v, int64_t p0, int64_t p1,
+                                 const struct be_kv_view *dst)
+{
+    if (!be || !v || !v->fmt || !kvq_format_ok(v->fmt) || v->n_blocks < 0 || (!v->blocks && v->n_blocks) ||
+        p0 < v->lo || p0 > p1 || p1 > v->hi || !view_covers(dst, p0, p1))
+        return BE_EINVAL;
+    int64_t T = v->fmt->block_tokens;
+    if (p0 < p1 && (v->base % T || p0 < v->base || (p1 - 1 - v->base) / T >= v->n_blocks))
+        return BE_EINVAL;
+    if (!be->ops->kvq_dequantize)
+        return BE_ENOTSUP;
+    return p0 < p1 ? be->ops->kvq_dequantize(be->ctx, v, p0, p1, dst) : BE_OK;
+}
+
 enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
                             int64_t p1, float amax[2])
 {

@@ -255,6 +255,13 @@ enum be_status be_attention_quant(be_backend *be, void *out, const void *q, cons
  * computed over whole rows.  BE_ENOTSUP without quantized KV. */
 enum be_status be_kvq_quantize(be_backend *be, const struct be_kvq_view *v, int64_t end);
 
+/* Decodes the quantized positions [p0, p1) of v (inside [v->lo, v->hi))
+ * into dst, an f32 view covering them, as be_attention_quant reads them
+ * (keys as stored: before RoPE for a key_rope view).  How a quantized
+ * cache is exported dense.  BE_ENOTSUP without quantized KV. */
+enum be_status be_kvq_dequantize(be_backend *be, const struct be_kvq_view *v, int64_t p0, int64_t p1,
+                                 const struct be_kv_view *dst);
+
 /* amax[0], amax[1] (host) = max |K|, max |V| over positions [p0, p1) of an
  * f32 view: what the e4m3 tensor scales are computed from. */
 enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,

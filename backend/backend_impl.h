@@ -16,7 +16,7 @@
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
-#define BE_API_VERSION 4
+#define BE_API_VERSION 5
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
@@ -69,6 +69,9 @@ struct be_ops {
                                       const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
     // (optional, with attention_quant) the quantized block writer; arguments checked by the wrappers
     enum be_status (*kvq_quantize)(void *ctx, const struct be_kvq_view *v, int64_t end);
+    // (optional, with attention_quant) the reader of the codes into f32 rows; arguments checked by the wrapper
+    enum be_status (*kvq_dequantize)(void *ctx, const struct be_kvq_view *v, int64_t p0, int64_t p1,
+                                     const struct be_kv_view *dst);
     enum be_status (*kv_absmax)(void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
                                 int64_t p1, float amax[2]);
     // (optional) NULL: no sink strategy over quantized KV

@@ -673,8 +673,7 @@ static enum tier_status layers_prealloc(kv_seq *q)
     return TIER_OK;
 }
 
-/* Layer l's window for a sequence: the model's, narrowed to window_length. */
-static int layer_window_of(const kv_store *s, const struct kv_seq_params *p, int l)
+int kv_layer_window(const kv_store *s, const struct kv_seq_params *p, int l)
 {
     int w = s->layer_window[l];
     if (p->sink) /* window_length is the sink cache's size, not a sliding window */
@@ -750,7 +749,7 @@ static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
     }
     int min_window = 0;
     for (int l = 0; l < s->g.n_layers; l++) {
-        int w = layer_window_of(s, p, l);
+        int w = kv_layer_window(s, p, l);
         if (!w)
             return TIER_OK;
         if (!min_window || w < min_window)
@@ -784,7 +783,7 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
     q->s = s;
     q->p = *p;
     for (int l = 0; l < s->g.n_layers; l++) {
-        int w = layer_window_of(s, p, l);
+        int w = kv_layer_window(s, p, l);
         int64_t keep = !w ? 0 : is_static(p->strategy) ? (p->max_cache_len < w ? p->max_cache_len : w) : w - 1;
         q->layers[l] = (struct kv_layer){.window = w, .keep = (int)keep};
     }

@@ -307,16 +307,24 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
  *   the layer has as its sequence axis.
  * kv_seq_layer_dense: layer l's keys and values as [n_kv_heads, rows,
  *   head_dim] each, in dtype (BE_F32, or the store's dtype), quantized
- *   layers dequantized; k and v hold rows * n_kv_heads * head_dim
- *   elements.  Keys as stored (the sink strategy stores them unrotated).
- * kv_seq_import_dense: fills a fresh dynamic sequence (length 0) with
- *   n tokens of KV computed elsewhere: k[l], v[l] are layer l's
- *   [n_kv_heads, rows_l, head_dim] in dtype, rows_l = n for a full layer
- *   and min(n, what the layer keeps) for a sliding one, its last rows.
- *   It then continues exactly as if it had computed those tokens.  All or
- *   nothing; TIER_EINVAL naming the layer and the expected rows. */
+ *   layers dequantized (be_kvq_dequantize); k and v hold rows * n_kv_heads
+ *   * head_dim elements.  Keys as stored (the sink strategy stores them
+ *   unrotated).  Only between steps; TIER_ENOTSUP for a quantized sequence
+ *   offloaded to the host tier.
+ * kv_store_dense_rows: rows_l below for a dynamic sequence created with p
+ *   and n tokens, so that a caller checks a file before creating anything.
+ * kv_seq_import_dense: fills a fresh dynamic sequence (length 0; not sink,
+ *   not fallen back to offloaded) with n tokens of KV computed elsewhere:
+ *   k[l], v[l] are layer l's [n_kv_heads, rows_l, head_dim] in dtype,
+ *   rows_l = n for a full layer and min(n, what the layer keeps) for a
+ *   sliding one, its last rows (kv_store_dense_rows).  One step of n
+ *   tokens (n <= INT_MAX): it then continues exactly as if it had computed
+ *   those tokens, and never publishes them in the prefix cache.  All or
+ *   nothing (on failure q is fresh again); TIER_EINVAL for a sequence that
+ *   is not fresh or dynamic, TIER_ENOMEM_* as kv_seq_reserve. */
 int64_t kv_seq_layer_rows(const kv_seq *q, int layer);
 enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, void *k, void *v);
+int64_t kv_store_dense_rows(const kv_store *s, const struct kv_seq_params *p, int layer, int64_t n);
 enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, const void *const *k,
                                      const void *const *v);
 

@@ -237,6 +237,9 @@ void kv_host_free(kv_store *s, void *ptr, size_t bytes);
  * with a message naming the budget and `what` the bytes were for. */
 enum tier_status kv_dev_alloc(kv_store *s, size_t bytes, const char *what, be_buffer **out);
 void kv_dev_free(kv_store *s, be_buffer *b, size_t bytes);
+/* Layer l's window for a sequence created with p: the model's, narrowed to
+ * p->window_length (0 = full attention). */
+int kv_layer_window(const kv_store *s, const struct kv_seq_params *p, int l);
 /* Records the message for kv_store_errmsg and returns st. */
 enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 

@@ -358,6 +358,7 @@ static const struct be_ops cpu_ops = {
     .argmax = cpu_argmax,
     .attention_quant = cpu_attention_quant,
     .kvq_quantize = cpu_kvq_quantize,
+    .kvq_dequantize = cpu_kvq_dequantize,
     .kv_absmax = cpu_kv_absmax,
     .kv_copy = cpu_kv_copy,
 };

@@ -214,6 +214,32 @@ enum be_status cpu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t 
     return BE_OK;
 }
 
+enum be_status cpu_kvq_dequantize(void *ctx, const struct be_kvq_view *v, int64_t p0, int64_t p1,
+                                  const struct be_kv_view *dst)
+{
+    const struct be_kvq_format *f = v->fmt;
+    int64_t T = f->block_tokens;
+    int H = f->n_kv_heads, D = f->head_dim;
+    size_t stride = (size_t)H * (size_t)D, hd = (size_t)D * sizeof(float);
+    float *rows_k = cpu_ctx_rows(ctx, 2 * (size_t)T * stride);
+    if (!rows_k)
+        return BE_ENOMEM_HOST;
+    float *rows_v = rows_k + (size_t)T * stride;
+    for (int64_t b = p0 / T; b * T < p1; b++) {
+        int64_t lo = p0 > b * T ? p0 : b * T, hi = p1 < (b + 1) * T ? p1 : (b + 1) * T;
+        kvq_dequantize(f, v->blocks[(b * T - v->base) / T], (int)(lo - b * T), (int)(hi - b * T), rows_k, rows_v,
+                       stride, v->scale_k, v->scale_v);
+        for (int64_t pos = lo; pos < hi; pos++)
+            for (int h = 0; h < H; h++) {
+                char *d = cpu_kv_row(dst, pos, h, D, sizeof(float));
+                size_t src = (size_t)(pos - lo) * stride + (size_t)h * (size_t)D;
+                memcpy(d, rows_k + src, hd);
+                memcpy(d + dst->v_offset, rows_v + src, hd);
+            }
+    }
+    return BE_OK;
+}
+
 enum be_status cpu_kv_absmax(void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
                              int64_t p1, float amax[2])
 {

@@ -194,6 +194,8 @@ STRICT_OP(attention_quant, (void *ctx, void *out, const void *q, const struct be
                             const struct be_tok *toks, int n_tok, const struct be_attn_params *p), out, q, views,
           toks, n_tok, p)
 STRICT_OP(kvq_quantize, (void *ctx, const struct be_kvq_view *v, int64_t end), v, end)
+STRICT_OP(kvq_dequantize, (void *ctx, const struct be_kvq_view *v, int64_t p0, int64_t p1,
+                           const struct be_kv_view *dst), v, p0, p1, dst)
 STRICT_OP(kv_absmax, (void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0, int64_t p1,
                       float amax[2]), v, n_kv_heads, head_dim, p0, p1, amax)
 STRICT_OP(kv_copy, (void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0, int64_t p1,
@@ -302,6 +304,7 @@ static const struct be_ops strict_ops = {
     .argmax = strict_argmax,
     .attention_quant = strict_attention_quant,
     .kvq_quantize = strict_kvq_quantize,
+    .kvq_dequantize = strict_kvq_dequantize,
     .kv_absmax = strict_kv_absmax,
     .kv_copy = strict_kv_copy,
 };

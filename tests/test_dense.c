@@ -1,0 +1,376 @@
+/* Description: dense export and import of a sequence's KV (tiers/dense.c)
+ * under a real forward pass: kv_seq_layer_dense returns the rows attention
+ * reads (read back through the view's blocks), and a fresh dynamic
+ * sequence filled by kv_seq_import_dense with an export continues with
+ * bit-identical logits, on full and sliding models (Mistral all sliding,
+ * Qwen2 hybrid) and under the sliding_window strategy; a quantized cache
+ * exports dequantized (layer 0's residual rows equal a dense run's exactly,
+ * its quantized rows stay within the int8 bound) and its import into a
+ * dynamic sequence holds exactly the export.  Refusals leave the sequence
+ * fresh.  The models are random ones from tools/mkmodel.py (skip without).
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "model/model.h"
+#include "tiers/quant.h"
+
+#define N_PROMPT 20
+#define N_GEN 24
+
+static char g_dir[] = "/tmp/kvtier-dense-XXXXXX";
+
+enum { M_LLAMA, M_MISTRAL, M_QWEN2, N_MODELS };
+static const char *const model_args[N_MODELS] = {
+    [M_LLAMA] = "--arch llama --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320",
+    [M_MISTRAL] = "--arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8",
+    [M_QWEN2] = "--arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8 "
+                "--max-window-layers 1",
+};
+
+struct rig {
+    be_backend *be;
+    model *m;
+    kv_store *store;
+    struct kv_geom g;
+    int V;
+};
+
+static void rig_open(struct rig *r, int which)
+{
+    char dir[128], err[MODEL_ERR_LEN];
+    snprintf(dir, sizeof(dir), "%s/m%d", g_dir, which);
+    struct be_params bp = {.n_threads = 1};
+    assert_int_equal(be_open("cpu", &bp, &r->be), BE_OK);
+    struct model_params mp = {.max_batch_tokens = 8};
+    if (model_load(dir, r->be, &mp, &r->m, err) != MODEL_OK)
+        fail_msg("model_load %s: %s", dir, err);
+    r->g = model_kv_geom(r->m);
+    r->V = model_get_config(r->m)->vocab_size;
+    assert_int_equal(kv_store_open(r->be, &r->g, NULL, &r->store), TIER_OK);
+}
+
+static void rig_close(struct rig *r)
+{
+    kv_store_free(r->store);
+    model_free(r->m);
+    be_free(r->be);
+}
+
+static int32_t argmax(const float *x, int n)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+static void feed(struct rig *r, kv_seq *q, const int32_t *tokens, int n, float *row)
+{
+    struct fw_seq fs = {.kv = q, .tokens = tokens, .n_tokens = n, .logits = row};
+    assert_int_equal(model_forward(r->m, &fs, 1), MODEL_OK);
+}
+
+static void prompt(int32_t *ids)
+{
+    for (int i = 0; i < N_PROMPT; i++)
+        ids[i] = (int32_t)((i * 37 + 3) % 300 + 4);
+}
+
+static size_t layer_elems(const struct rig *r, int64_t rows)
+{
+    return (size_t)r->g.n_kv_heads * (size_t)rows * (size_t)r->g.head_dim;
+}
+
+/* Every layer of q, f32: k[l], v[l] (caller frees), rows[l]. */
+static void export_all(struct rig *r, kv_seq *q, float **k, float **v, int64_t *rows)
+{
+    for (int l = 0; l < r->g.n_layers; l++) {
+        rows[l] = kv_seq_layer_rows(q, l);
+        k[l] = malloc(layer_elems(r, rows[l]) * sizeof(float));
+        v[l] = malloc(layer_elems(r, rows[l]) * sizeof(float));
+        assert_true(k[l] && v[l]);
+        assert_int_equal(kv_seq_layer_dense(q, l, BE_F32, k[l], v[l]), TIER_OK);
+    }
+}
+
+static void free_all(struct rig *r, float **k, float **v)
+{
+    for (int l = 0; l < r->g.n_layers; l++) {
+        free(k[l]);
+        free(v[l]);
+    }
+}
+
+/* After a prefill and a few decode steps, each layer's export is the view's
+ * [lo, hi) rows read through the backend's copies (as attention reads
+ * them), head by head; sliding layers hold W-1 rows. */
+static void test_dense_is_the_view(void **state)
+{
+    (void)state;
+    for (int which = 0; which < N_MODELS; which++) {
+        struct rig r;
+        rig_open(&r, which);
+        kv_seq *q;
+        assert_int_equal(kv_seq_create(r.store, NULL, &q), TIER_OK);
+        float *row = malloc((size_t)r.V * sizeof(float));
+        int32_t ids[N_PROMPT + 3];
+        prompt(ids);
+        feed(&r, q, ids, N_PROMPT, row);
+        for (int i = 0; i < 3; i++) {
+            ids[N_PROMPT + i] = argmax(row, r.V);
+            feed(&r, q, &ids[N_PROMPT + i], 1, row);
+        }
+        int bt = kv_store_block_tokens(r.store), D = r.g.head_dim;
+        float *k[8], *v[8], *blk = malloc((size_t)bt * D * sizeof(float));
+        int64_t rows[8];
+        export_all(&r, q, k, v, rows);
+        for (int l = 0; l < r.g.n_layers; l++) {
+            struct be_kv_view view;
+            kv_seq_view(q, l, &view);
+            int w = r.g.layer_window[l];
+            assert_int_equal(rows[l], w ? w - 1 : N_PROMPT + 3);
+            assert_int_equal(rows[l], view.hi - view.lo);
+            for (int64_t p = view.lo; p < view.hi; p++)
+                for (int h = 0; h < r.g.n_kv_heads; h++)
+                    for (int half = 0; half < 2; half++) {
+                        int64_t rel = p - view.base;
+                        const char *src = (const char *)view.blocks[rel / bt] + (half ? view.v_offset : 0) +
+                                          ((size_t)h * bt + (size_t)(rel % bt)) * D * sizeof(float);
+                        assert_int_equal(be_copy(r.be, blk, src, D * sizeof(float), BE_D2H), BE_OK);
+                        const float *got = (half ? v[l] : k[l]) + ((size_t)h * rows[l] + (p - view.lo)) * D;
+                        if (memcmp(got, blk, D * sizeof(float)))
+                            fail_msg("model %d layer %d head %d pos %lld: export differs", which, l, h,
+                                     (long long)p);
+                    }
+        }
+        free_all(&r, k, v);
+        free(blk);
+        free(row);
+        kv_seq_free(q);
+        rig_close(&r);
+    }
+}
+
+/* Imports k/v (the export of a sequence after the prompt) into a fresh
+ * dynamic sequence created with p. */
+static kv_seq *import(struct rig *r, const struct kv_seq_params *p, float **k, float **v)
+{
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r->store, p, &q), TIER_OK);
+    for (int l = 0; l < r->g.n_layers; l++)
+        assert_int_equal(kv_seq_layer_rows(q, l), 0);
+    enum tier_status st = kv_seq_import_dense(q, N_PROMPT, BE_F32, (const void *const *)k, (const void *const *)v);
+    if (st != TIER_OK)
+        fail_msg("import: %s: %s", tier_strerror(st), kv_store_errmsg(r->store));
+    assert_int_equal(kv_seq_length(q), N_PROMPT);
+    return q;
+}
+
+/* The original continues greedily from its prompt; the import of its
+ * export, fed the same tokens, gives bit-identical logits at every step. */
+static void continue_identical(struct rig *r, const struct kv_seq_params *p, const char *what)
+{
+    kv_seq *a;
+    assert_int_equal(kv_seq_create(r->store, p, &a), TIER_OK);
+    float *row = malloc((size_t)r->V * sizeof(float)), *row2 = malloc((size_t)r->V * sizeof(float));
+    int32_t ids[N_PROMPT], toks[N_GEN];
+    prompt(ids);
+    feed(r, a, ids, N_PROMPT, row);
+    float *k[8], *v[8];
+    int64_t rows[8];
+    export_all(r, a, k, v, rows);
+    for (int l = 0; l < r->g.n_layers; l++)
+        assert_int_equal(rows[l], kv_store_dense_rows(r->store, p, l, N_PROMPT));
+    kv_seq *b = import(r, p, k, v);
+    for (int i = 0; i < N_GEN; i++) {
+        toks[i] = argmax(row, r->V);
+        feed(r, a, &toks[i], 1, row);
+        feed(r, b, &toks[i], 1, row2);
+        if (memcmp(row, row2, (size_t)r->V * sizeof(float)))
+            fail_msg("%s: logits of the imported sequence differ at step %d", what, i);
+    }
+    free_all(r, k, v);
+    free(row);
+    free(row2);
+    kv_seq_free(a);
+    kv_seq_free(b);
+}
+
+static void test_import_continues(void **state)
+{
+    (void)state;
+    static const char *const names[N_MODELS] = {"llama", "mistral (sliding)", "qwen2 (hybrid)"};
+    for (int which = 0; which < N_MODELS; which++) {
+        struct rig r;
+        rig_open(&r, which);
+        continue_identical(&r, &(struct kv_seq_params){.strategy = KV_DYNAMIC}, names[which]);
+        if (which == M_LLAMA) /* the sliding_window strategy on a full model */
+            continue_identical(&r, &(struct kv_seq_params){.strategy = KV_DYNAMIC, .window_length = 6},
+                               "llama, window_length 6");
+        rig_close(&r);
+    }
+}
+
+/* A quantized cache (quanto int8, residual 8, so the prompt is mostly
+ * quantized) exports dequantized: layer 0's K and V depend on the prompt
+ * alone, so its residual rows equal a dense run's bit for bit and its
+ * quantized rows are within int8's error (1% of the layer's largest
+ * magnitude).  Imported into a dynamic sequence, the export reads back
+ * bit for bit, and its next logits are close to the quantized sequence's
+ * (attention over the same numbers, decoded in registers there). */
+static void test_quantized_export(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_LLAMA);
+    struct kv_seq_params qp = {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_QUANTO)};
+    qp.quant.nbits = 8;
+    qp.quant.residual_length = 8;
+    qp.quant.q_group_size = 16;
+    kv_seq *qq, *dq;
+    assert_int_equal(kv_seq_create(r.store, &qp, &qq), TIER_OK);
+    assert_int_equal(kv_seq_create(r.store, NULL, &dq), TIER_OK);
+    float *row = malloc((size_t)r.V * sizeof(float)), *row2 = malloc((size_t)r.V * sizeof(float));
+    int32_t ids[N_PROMPT];
+    prompt(ids);
+    feed(&r, qq, ids, N_PROMPT, row);
+    feed(&r, dq, ids, N_PROMPT, row2);
+    float *k[8], *v[8], *dk[8], *dv[8];
+    int64_t rows[8], drows[8];
+    export_all(&r, qq, k, v, rows);
+    export_all(&r, dq, dk, dv, drows);
+    struct be_kvq_view qv;
+    kv_seq_qview(qq, 0, &qv);
+    assert_true(qv.hi - qv.lo > 0); /* something is quantized */
+    assert_int_equal(rows[0], N_PROMPT);
+    float amax = 0, err = 0;
+    for (size_t i = 0; i < layer_elems(&r, N_PROMPT); i++) {
+        amax = fmaxf(amax, fmaxf(fabsf(dk[0][i]), fabsf(dv[0][i])));
+        int64_t pos = (int64_t)(i / r.g.head_dim) % N_PROMPT;
+        if (pos >= qv.hi) { /* the residual */
+            assert_true(k[0][i] == dk[0][i] && v[0][i] == dv[0][i]);
+            continue;
+        }
+        err = fmaxf(err, fmaxf(fabsf(k[0][i] - dk[0][i]), fabsf(v[0][i] - dv[0][i])));
+    }
+    assert_true(err > 0.0f);
+    if (err > 0.01f * amax)
+        fail_msg("dequantized layer 0 off by %g (largest magnitude %g)", (double)err, (double)amax);
+    kv_seq *b = import(&r, NULL, k, v);
+    float *bk[8], *bv[8];
+    int64_t brows[8];
+    export_all(&r, b, bk, bv, brows);
+    for (int l = 0; l < r.g.n_layers; l++) {
+        assert_int_equal(brows[l], rows[l]);
+        assert_memory_equal(bk[l], k[l], layer_elems(&r, rows[l]) * sizeof(float));
+        assert_memory_equal(bv[l], v[l], layer_elems(&r, rows[l]) * sizeof(float));
+    }
+    int32_t t = argmax(row, r.V);
+    feed(&r, qq, &t, 1, row);
+    feed(&r, b, &t, 1, row2);
+    float lmax = 0, ldiff = 0;
+    for (int i = 0; i < r.V; i++) {
+        lmax = fmaxf(lmax, fabsf(row[i]));
+        ldiff = fmaxf(ldiff, fabsf(row[i] - row2[i]));
+    }
+    if (ldiff > 1e-4f * lmax)
+        fail_msg("logits after the import off by %g (largest %g)", (double)ldiff, (double)lmax);
+    free_all(&r, k, v);
+    free_all(&r, dk, dv);
+    free_all(&r, bk, bv);
+    free(row);
+    free(row2);
+    kv_seq_free(b);
+    kv_seq_free(qq);
+    kv_seq_free(dq);
+    rig_close(&r);
+}
+
+/* Refusals: a sequence that is not fresh or not dynamic, 0 tokens; the
+ * sequence is unchanged after each, and a failed reserve (device budget)
+ * leaves it fresh. */
+static void test_import_refusals(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_LLAMA);
+    size_t n = layer_elems(&r, N_PROMPT);
+    float *k[2], *v[2];
+    for (int l = 0; l < 2; l++) {
+        k[l] = calloc(n, sizeof(float));
+        v[l] = calloc(n, sizeof(float));
+        assert_true(k[l] && v[l]);
+    }
+    const void *const *K = (const void *const *)k, *const *Vv = (const void *const *)v;
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, &(struct kv_seq_params){.strategy = KV_STATIC, .max_cache_len = 64}, &q),
+                     TIER_OK);
+    assert_int_equal(kv_seq_import_dense(q, N_PROMPT, BE_F32, K, Vv), TIER_EINVAL);
+    assert_non_null(strstr(kv_store_errmsg(r.store), "fresh dynamic"));
+    kv_seq_free(q);
+    assert_int_equal(kv_seq_create(r.store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_import_dense(q, 0, BE_F32, K, Vv), TIER_EINVAL);
+    assert_int_equal(kv_seq_length(q), 0);
+    be_fault_dev_alloc(r.be, 1, true);
+    assert_int_equal(kv_seq_import_dense(q, N_PROMPT, BE_F32, K, Vv), TIER_ENOMEM_DEV);
+    be_fault_dev_alloc(r.be, 0, false);
+    assert_int_equal(kv_seq_length(q), 0);
+    assert_int_equal(kv_seq_import_dense(q, N_PROMPT, BE_F32, K, Vv), TIER_OK);
+    assert_int_equal(kv_seq_import_dense(q, N_PROMPT, BE_F32, K, Vv), TIER_EINVAL); /* not fresh */
+    assert_int_equal(kv_seq_length(q), N_PROMPT);
+    kv_seq_free(q);
+    for (int l = 0; l < 2; l++) {
+        free(k[l]);
+        free(v[l]);
+    }
+    rig_close(&r);
+}
+
+static int make_models(void)
+{
+    if (!mkdtemp(g_dir))
+        return -1;
+    for (int i = 0; i < N_MODELS; i++) {
+        char cmd[512];
+        snprintf(cmd, sizeof(cmd), "/usr/bin/python3 tools/mkmodel.py --out %s/m%d --seed %d %s > /dev/null 2>&1",
+                 g_dir, i, 7 + i, model_args[i]);
+        if (system(cmd) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int cleanup(void)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
+    return system(cmd);
+}
+
+int main(void)
+{
+    if (make_models() != 0) {
+        fprintf(stderr, "test_dense: tools/mkmodel.py failed (no torch?): skipping\n");
+        cleanup();
+        return 77;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_dense_is_the_view),
+        cmocka_unit_test(test_import_continues),
+        cmocka_unit_test(test_quantized_export),
+        cmocka_unit_test(test_import_refusals),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    cleanup();
+    return rc;
+}
