@@ -62,6 +62,9 @@ static void job_free(struct job *j)
     }
     free(j->prompt);
     free(j->stop_buf);
+    kvfile_release(&j->kvf);
+    free(j->blob);
+    free(j->res.blob);
     free(j);
 }
 
@@ -70,6 +73,15 @@ static void job_unref_locked(struct job *j)
 {
     if (--j->refs == 0)
         job_free(j);
+}
+
+void *job_take_blob(struct job *j, size_t *n)
+{
+    void *b = j->res.blob;
+    *n = j->res.n_blob;
+    j->res.blob = NULL;
+    j->res.n_blob = 0;
+    return b;
 }
 
 void job_release(engine *e, struct job *j)
@@ -383,9 +395,9 @@ static void retire(engine *e, struct job *j)
     }
     if (s)
         s->busy = false;
-    /* A session whose creating prefill failed or was abandoned was never
-     * handed to its client: it must not keep a --max-sessions slot. */
-    if (s && j->kind == JOB_PREFILL && (j->cancelled || j->res.err.st != IPC_OK))
+    /* A session whose creating prefill or import failed or was abandoned
+     * was never handed to its client: it must not keep a --max-sessions slot. */
+    if (s && (j->kind == JOB_PREFILL || j->kind == JOB_IMPORT) && (j->cancelled || j->res.err.st != IPC_OK))
         session_unlink_locked(e, s);
     j->res.kv = kvs;
     if (j->t_first > 0)

@@ -34,6 +34,7 @@
 #include <jansson.h>
 
 #include "ipc/cache.h"
+#include "model/kvfile.h"
 #include "text/chat.h"
 #include "ipc/request.h"
 #include "ipc/status.h"
@@ -82,7 +83,7 @@ struct tok_logprob {
 /* JOB_CROP and later are operations on the job's session that the engine
  * thread performs at admission (the store belongs to it), without a
  * forward step. */
-enum job_kind { JOB_GENERATE = 0, JOB_PREFILL, JOB_CROP, JOB_FORK, JOB_RECORD };
+enum job_kind { JOB_GENERATE = 0, JOB_PREFILL, JOB_CROP, JOB_FORK, JOB_RECORD, JOB_EXPORT, JOB_IMPORT };
 
 /* What a job ends with.  The engine thread owns it and writes it under the
  * engine lock (err also by engine_abort_all, under the lock, from the loop
@@ -92,6 +93,8 @@ struct job_result {
     struct ipc_error err; /* err.st != IPC_OK: failed */
     int n_cached;         /* prompt tokens reused from the session's KV or the prefix cache */
     char reply_id[IPC_SESSION_ID_MAX + 1]; /* JOB_FORK: the new session */
+    void *blob; /* JOB_EXPORT: the safetensors file (owned; the reply takes it) */
+    size_t n_blob;
     double prefill_ms, decode_ms;
     /* The KV at the end: choice 0's strategy, fallback and layer split;
      * bytes and transfer figures summed over the choices. */
@@ -115,6 +118,9 @@ struct job {
     int top_logprobs;
     char session_id[IPC_SESSION_ID_MAX + 1]; /* "" = none */
     int64_t op_n;                            /* JOB_CROP: kv_seq_crop's n */
+    bool raw;                                /* JOB_EXPORT: the stored form (?raw=1) */
+    void *blob;                              /* JOB_IMPORT: the file (owned), which kvf points into */
+    struct kvfile kvf;                       /* JOB_IMPORT: checked by engine_kv_parse (owned) */
     /* ---- set by the submitter, replaced by engine_submit with the session's ---- */
     struct ipc_cache_choice cache;
     /* ---- shared, under the engine lock; owner and functions per field ---- */
@@ -189,6 +195,10 @@ struct job_progress job_progress(const struct job *j, int i);
 /* What j ended with; valid once job_done returned true. */
 const struct job_result *job_result(const struct job *j);
 
+/* JOB_EXPORT's file (res.blob), which the caller then owns; once job_done
+ * returned true. */
+void *job_take_blob(struct job *j, size_t *n);
+
 /* Refuse new jobs from now on (SIGTERM). */
 void engine_drain(engine *e);
 /* Jobs queued or running. */
@@ -209,6 +219,18 @@ enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, stru
 enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err);
 /* The caller's sessions as a JSON array (NULL on allocation failure). */
 json_t *engine_session_list(engine *e, uid_t uid);
+
+/* KV export and import (docs/api.md "KV export and import").  The file an
+ * import may send is at most engine_kv_max_size bytes (every layer holding
+ * the context in f32).  engine_kv_parse checks a file against the model
+ * (kvfile_parse) from any thread once READY: IPC_ECONFLICT for another
+ * model's KV (model_fingerprint), IPC_EINVAL naming what else is wrong.
+ * A JOB_IMPORT job then fills its (new, empty) session with the file's KV
+ * and tokens; a JOB_EXPORT job leaves the session's KV as a file in
+ * res.blob. */
+size_t engine_kv_max_size(const engine *e);
+enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, struct kvfile *out,
+                                struct ipc_error *err);
 
 /* The kvtier object's "fallback" value for f: "offloaded", or NULL (none). */
 const char *engine_fallback_name(enum kv_fallback f);

@@ -77,7 +77,7 @@ enum ipc_status session_get(engine *e, uid_t uid, const char *id, struct session
 void free_dead_sessions(struct session *s);
 /* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
 void session_unlink_locked(engine *e, struct session *s);
-/* Runs a JOB_CROP, JOB_FORK or JOB_RECORD job on its session (engine thread). */
+/* Runs a JOB_CROP, JOB_FORK, JOB_RECORD, JOB_EXPORT or JOB_IMPORT job on its session (engine thread). */
 void session_run_op(engine *e, struct job *j);
 
 /* ---- engine.c, for sessions.c ---- */

@@ -1,9 +1,11 @@
 /* h_sessions.c - the /v1/sessions endpoints: create (its prefix is
  * tokenized by prep_session_create on a worker, then prefilled by the
- * engine), list, get, delete, and crop, fork and past recording, which run
- * on the engine thread as jobs naming the session. */
+ * engine), list, get, delete, and crop, fork, past recording and the KV
+ * export and import, which run on the engine thread as jobs naming the
+ * session. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "daemon/http.h"
 
@@ -133,6 +135,70 @@ enum MHD_Result h_session_record(struct req *r, const char *id)
         return fail(r, IPC_EINVAL, json_object_iter_key(json_object_iter(r->root)),
                     "activate_past_recording takes no fields");
     return session_op(r, id, JOB_RECORD, 0);
+}
+
+/* GET /v1/sessions/{id}/kv: the session's KV as safetensors, built on the
+ * engine thread (?raw=1: the stored form). */
+enum MHD_Result h_session_export(struct req *r, const char *id)
+{
+    const char *raw = MHD_lookup_connection_value(r->conn, MHD_GET_ARGUMENT_KIND, "raw");
+    if (raw && strcmp(raw, "0") && strcmp(raw, "1"))
+        return fail(r, IPC_EINVAL, "raw", "raw must be 0 or 1");
+    struct job *j = job_new(1, NULL, 0);
+    if (!j)
+        return fail(r, IPC_ENOMEM, "", "no memory for the request");
+    j->kind = JOB_EXPORT;
+    j->uid = r->uid;
+    j->raw = raw && !strcmp(raw, "1");
+    snprintf(j->session_id, sizeof(j->session_id), "%s", id);
+    r->kind = REPLY_KV;
+    return req_submit(r, j);
+}
+
+/* POST /v1/sessions/import on a worker: the whole file checked against the
+ * model before anything is allocated for its KV. */
+enum ipc_status prep_session_import(struct req *r)
+{
+    return engine_kv_parse(r->srv->eng, r->body ? r->body : "", r->n_body, &r->prep.kvf, &r->prep.err);
+}
+
+/* A new dynamic session of the caller's, filled by a JOB_IMPORT job from
+ * the checked file (which the job takes with the body it points into). */
+enum MHD_Result h_session_import(struct req *r, const char *arg)
+{
+    (void)arg;
+    struct server *s = r->srv;
+    struct ipc_error err;
+    struct ipc_cache_choice cache;
+    struct ipc_cache_model cm = {.max_len = engine_context(s->eng),
+                                 .sliding_window = engine_model_config(s->eng)->sliding_window};
+    char id[IPC_SESSION_ID_MAX + 1];
+    if (ipc_cache_parse(NULL, NULL, &cm, &cache, &err) != IPC_OK ||
+        engine_session_create(s->eng, r->uid, &cache, false, id, sizeof(id), &err) != IPC_OK)
+        return reply_error(r, &err);
+    struct job *j = job_new(1, NULL, 0);
+    if (!j) {
+        engine_session_delete(s->eng, r->uid, id, &err);
+        return fail(r, IPC_ENOMEM, "", "no memory for the request");
+    }
+    j->kind = JOB_IMPORT;
+    j->uid = r->uid;
+    j->kvf = r->prep.kvf;
+    r->prep.kvf = (struct kvfile){0};
+    j->blob = r->body;
+    r->body = NULL;
+    r->n_body = r->cap_body = 0;
+    snprintf(j->session_id, sizeof(j->session_id), "%s", id);
+    r->kind = REPLY_SESSION_IMPORT;
+    struct ipc_error serr;
+    if (engine_submit(s->eng, j, &serr) != IPC_OK) {
+        job_release(s->eng, j);
+        engine_session_delete(s->eng, r->uid, id, &err);
+        return reply_error(r, &serr);
+    }
+    track(r, j);
+    suspend(r);
+    return MHD_YES;
 }
 
 enum MHD_Result h_session_delete(struct req *r, const char *id)

@@ -30,7 +30,14 @@
 #include "ipc/jsonw.h"
 #include "ipc/request.h"
 
-enum reply_kind { REPLY_COMPLETION = 0, REPLY_CHAT, REPLY_SESSION, REPLY_SESSION_OP };
+enum reply_kind {
+    REPLY_COMPLETION = 0,
+    REPLY_CHAT,
+    REPLY_SESSION,
+    REPLY_SESSION_OP,
+    REPLY_SESSION_IMPORT, /* 201 and the new session */
+    REPLY_KV,             /* the export's safetensors bytes */
+};
 
 /* Where a stream is after its choices: the events left to send. */
 enum stream_phase {
@@ -49,6 +56,7 @@ struct prep {
     struct tok_ids ids;            /* session create: the prefix */
     struct ipc_cache_choice cache; /* session create */
     bool record;                   /* session create */
+    struct kvfile kvf;             /* session import: the body, checked */
     struct jw out;                 /* tokenize, detokenize, apply-template: the 200 body */
 };
 
@@ -78,6 +86,7 @@ struct req {
     pid_t pid;
     char *body;
     size_t n_body, cap_body;
+    size_t max_body; /* 413 above: --max-body, or the KV import's own limit (body_limit) */
     json_t *root;
     struct work work; /* route_prepare on a worker */
     struct prep prep;
@@ -190,6 +199,7 @@ enum ipc_status prep_tokenize(struct req *r);
 enum ipc_status prep_detokenize(struct req *r);
 enum ipc_status prep_apply_template(struct req *r);
 enum ipc_status prep_session_create(struct req *r);
+enum ipc_status prep_session_import(struct req *r);
 enum MHD_Result h_generate(struct req *r, const char *arg);
 enum MHD_Result h_prepared(struct req *r, const char *arg);
 enum MHD_Result h_health(struct req *r, const char *arg);
@@ -202,5 +212,7 @@ enum MHD_Result h_session_delete(struct req *r, const char *arg);
 enum MHD_Result h_session_crop(struct req *r, const char *arg);
 enum MHD_Result h_session_fork(struct req *r, const char *arg);
 enum MHD_Result h_session_record(struct req *r, const char *arg);
+enum MHD_Result h_session_export(struct req *r, const char *arg);
+enum MHD_Result h_session_import(struct req *r, const char *arg);
 
 #endif

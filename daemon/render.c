@@ -320,12 +320,17 @@ enum MHD_Result reply_done(struct req *r)
     const struct job_result *res = job_result(j);
     if (res->err.st != IPC_OK)
         return reply_error(r, &res->err);
-    if (r->kind == REPLY_SESSION_OP) { /* the session as it is now (a fork: the new one) */
+    if (r->kind == REPLY_SESSION_OP || r->kind == REPLY_SESSION_IMPORT) { /* the session now (a fork: the new one) */
         json_t *o;
         struct ipc_error err;
         if (engine_session_json(r->srv->eng, r->uid, res->reply_id[0] ? res->reply_id : j->session_id, &o, &err) != IPC_OK)
             return reply_error(r, &err);
-        return reply_json(r, 200, o);
+        return reply_json(r, r->kind == REPLY_SESSION_IMPORT ? 201 : 200, o);
+    }
+    if (r->kind == REPLY_KV) { /* the reply takes the file: the job is done with it */
+        size_t n;
+        char *blob = job_take_blob(j, &n);
+        return queue(r, 200, blob, n, "application/octet-stream");
     }
     if (r->kind == REPLY_SESSION) {
         json_t *o;

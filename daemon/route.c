@@ -13,6 +13,7 @@ enum route_needs {
     NEEDS_MODEL = 1,              /* 503 until the model is loaded */
     NEEDS_BODY = 2 | NEEDS_MODEL, /* a JSON object body, parsed into r->root on a worker */
     NEEDS_ANY_BODY = 4 | NEEDS_BODY, /* ... or an empty one */
+    NEEDS_RAW_BODY = 8 | NEEDS_MODEL, /* the body as bytes, for the prepare step */
 };
 
 struct route {
@@ -34,9 +35,11 @@ static const struct route routes[] = {
     {"POST", "/detokenize", prep_detokenize, h_prepared, NEEDS_BODY},
     {"POST", "/apply-template", prep_apply_template, h_prepared, NEEDS_BODY},
     {"POST", "/v1/sessions", prep_session_create, h_session_create, NEEDS_ANY_BODY},
+    {"POST", "/v1/sessions/import", prep_session_import, h_session_import, NEEDS_RAW_BODY},
     {"GET", "/v1/sessions", NULL, h_session_list, NEEDS_NOTHING},
     {"GET", "/v1/sessions/*", NULL, h_session_get, NEEDS_NOTHING},
     {"DELETE", "/v1/sessions/*", NULL, h_session_delete, NEEDS_NOTHING},
+    {"GET", "/v1/sessions/*/kv", NULL, h_session_export, NEEDS_MODEL},
     {"POST", "/v1/sessions/*/crop", NULL, h_session_crop, NEEDS_BODY},
     {"POST", "/v1/sessions/*/fork", NULL, h_session_fork, NEEDS_ANY_BODY},
     {"POST", "/v1/sessions/*/activate_past_recording", NULL, h_session_record, NEEDS_ANY_BODY},
@@ -105,7 +108,7 @@ enum MHD_Result dispatch(struct req *r, const char *method)
             return res;
     }
     r->route = rt;
-    if ((rt->needs & NEEDS_BODY) == NEEDS_BODY)
+    if ((rt->needs & NEEDS_BODY) == NEEDS_BODY || (rt->needs & NEEDS_RAW_BODY) == NEEDS_RAW_BODY)
         return req_offload(r);
     return rt->fn(r, r->arg);
 }
@@ -127,7 +130,9 @@ static enum ipc_status parse_body(struct req *r, bool empty_ok, struct ipc_error
 void route_prepare(struct req *r)
 {
     const struct route *rt = r->route;
-    if (parse_body(r, rt->needs == NEEDS_ANY_BODY, &r->prep.err) == IPC_OK && rt->prepare)
+    if ((rt->needs & NEEDS_RAW_BODY) == NEEDS_RAW_BODY)
+        rt->prepare(r);
+    else if (parse_body(r, rt->needs == NEEDS_ANY_BODY, &r->prep.err) == IPC_OK && rt->prepare)
         rt->prepare(r);
 }
 

@@ -207,6 +207,17 @@ static enum ipc_status strict_framing(struct req *r, const char *version, struct
     return IPC_OK;
 }
 
+/* --max-body, except for a KV import, whose file is as large as the KV of
+ * a whole context may be (engine_kv_max_size). */
+static size_t body_limit(const struct server *s, const char *method, const char *url)
+{
+    if (strcmp(method, "POST") || strcmp(url, "/v1/sessions/import") ||
+        engine_state(s->eng, NULL, 0) != ENGINE_READY)
+        return s->cfg->max_body;
+    size_t kv = engine_kv_max_size(s->eng);
+    return kv ? kv : s->cfg->max_body;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                   const char *version, const char *upload, size_t *upload_size, void **ctx)
 {
@@ -246,14 +257,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             r->close = true;
             return fail(r, IPC_EUNAVAIL, "", "too many clients connected (--max-clients): only /health and /metrics");
         }
+        r->max_body = body_limit(s, method, url);
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end;
             errno = 0;
             unsigned long long n = strtoull(cl, &end, 10);
-            if (errno || *end || n > s->cfg->max_body) {
-                ipc_fail(&e, IPC_ETOOLARGE, "", "the body is %.24s bytes; the limit is %zu (--max-body)", cl,
-                         s->cfg->max_body);
+            if (errno || *end || n > r->max_body) {
+                ipc_fail(&e, IPC_ETOOLARGE, "", "the body is %.24s bytes; the limit is %zu%s", cl, r->max_body,
+                         r->max_body == s->cfg->max_body ? " (--max-body)" : " (the KV of the whole context)");
                 return reply_error(r, &e);
             }
             r->cap_body = (size_t)n;
@@ -263,14 +275,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (*upload_size) {
         size_t n = *upload_size;
         *upload_size = 0;
-        if (r->n_body + n > s->cfg->max_body) {
+        if (r->n_body + n > r->max_body) {
             struct ipc_error e;
-            ipc_fail(&e, IPC_ETOOLARGE, "", "the body is over the limit of %zu bytes (--max-body)", s->cfg->max_body);
+            ipc_fail(&e, IPC_ETOOLARGE, "", "the body is over the limit of %zu bytes%s", r->max_body,
+                     r->max_body == s->cfg->max_body ? " (--max-body)" : " (the KV of the whole context)");
             return reply_error(r, &e);
         }
         if (r->n_body + n > r->cap_body || !r->body) {
             size_t cap = r->cap_body > r->n_body + n ? r->cap_body : (r->n_body + n) * 2;
-            cap = cap > s->cfg->max_body ? s->cfg->max_body : cap;
+            cap = cap > r->max_body ? r->max_body : cap;
             char *b = realloc(r->body, cap);
             if (!b)
                 return fail(r, IPC_ENOMEM, "", "no memory for the request body");
@@ -326,6 +339,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enu
     }
     job_release(s->eng, r->prep.job);
     free(r->prep.ids.ids);
+    kvfile_release(&r->prep.kvf);
     free(r->prep.out.p);
     json_decref(r->root);
     free(r->body);

@@ -1,6 +1,7 @@
 /* sessions.c - the engine's session table: create, delete, look up, list
  * and describe sessions (loop thread, under the engine lock), and the
- * crop, fork and past-recording jobs the engine thread runs on a session.
+ * crop, fork, past-recording, KV export and import jobs the engine thread
+ * runs on a session.
  * Split from engine.c, which keeps the jobs, the scheduler and the thread,
  * so that neither file passes 1,000 lines; both share engine_impl.h.
  */
@@ -211,6 +212,111 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
     return IPC_OK;
 }
 
+/* ---- KV export and import ---------------------------------------------------- */
+
+size_t engine_kv_max_size(const engine *e)
+{
+    return kvfile_max_size(e->mc->n_layers, e->mc->n_kv_heads, e->mc->head_dim, e->ctx);
+}
+
+/* The rows an imported layer must have: a dynamic sequence's (the import's
+ * session is a dynamic one, with the model's windows). */
+static int64_t import_rows(void *ctx, int layer, int64_t n)
+{
+    const engine *e = ctx;
+    static const struct kv_seq_params dynamic = {.strategy = KV_DYNAMIC};
+    return kv_store_dense_rows(e->store, &dynamic, layer, n);
+}
+
+enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, struct kvfile *out,
+                                struct ipc_error *err)
+{
+    int tv = tokenizer_vocab_size(e->tok);
+    struct kvfile_expect x = {.fingerprint = model_fingerprint(e->m), .n_layers = e->mc->n_layers,
+                              .n_kv_heads = e->mc->n_kv_heads, .head_dim = e->mc->head_dim,
+                              /* the next request feeds at least one token */
+                              .max_tokens = e->ctx - 1, .vocab_size = tv < e->vocab ? tv : e->vocab,
+                              .rows = import_rows, .rows_ctx = (void *)e};
+    char msg[MODEL_ERR_LEN];
+    switch (kvfile_parse(buf, len, &x, out, msg)) {
+    case MODEL_OK: return IPC_OK;
+    case MODEL_ECONFIG: return ipc_fail(err, IPC_ECONFLICT, "model_fingerprint", "%s", msg);
+    case MODEL_ENOMEM: return ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
+    default: return ipc_fail(err, IPC_EINVAL, "", "%s", msg);
+    }
+}
+
+/* The session's KV as a safetensors file in j->res.blob: dense layers as
+ * stored, quantized ones decoded to f32. */
+static enum ipc_status session_export(engine *e, struct session *s, struct job *j, struct ipc_error *err)
+{
+    if (!s->kv || !s->n_toks)
+        return ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" holds no KV yet", s->id);
+    if (j->raw && s->kvs.strategy == KV_QUANTIZED)
+        return ipc_fail(err, IPC_EINVAL, "raw",
+                        "raw=1: the stored form of a quantized cache (codes, scales, residual) is not exported yet; "
+                        "export without raw for the dequantized KV");
+    int L = e->mc->n_layers;
+    int64_t *rows = calloc((size_t)L, sizeof(*rows));
+    size_t *off = calloc(2 * (size_t)L, sizeof(*off));
+    enum ipc_status st = rows && off ? IPC_OK : ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
+    for (int l = 0; l < L && st == IPC_OK; l++)
+        rows[l] = kv_seq_layer_rows(s->kv, l);
+    enum be_dtype dt = s->kvs.strategy == KV_QUANTIZED ? BE_F32 : kv_store_dtype(e->store);
+    struct kvfile_info in = {.fingerprint = model_fingerprint(e->m),
+                             .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy), .dtype = dt,
+                             .n_layers = L, .n_kv_heads = e->mc->n_kv_heads, .head_dim = e->mc->head_dim,
+                             .rows = rows, .tokens = s->toks, .n_tokens = (int64_t)s->n_toks};
+    char msg[MODEL_ERR_LEN];
+    void *buf = NULL;
+    size_t size = 0;
+    if (st == IPC_OK && kvfile_build(&in, &buf, &size, off, off + L, msg) != MODEL_OK)
+        st = ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
+    for (int l = 0; l < L && st == IPC_OK; l++) {
+        enum tier_status ts = kv_seq_layer_dense(s->kv, l, dt, (char *)buf + off[l], (char *)buf + off[L + l]);
+        if (ts != TIER_OK)
+            st = kv_error(e, ts, "", err);
+    }
+    free(rows);
+    free(off);
+    if (st != IPC_OK) {
+        free(buf);
+        return st;
+    }
+    j->res.blob = buf;
+    j->res.n_blob = size;
+    return IPC_OK;
+}
+
+/* Fills the job's new session with the file's KV and tokens. */
+static enum ipc_status session_import(engine *e, struct session *s, struct job *j, struct ipc_error *err)
+{
+    struct kvfile *f = &j->kvf;
+    if (s->kv || s->n_toks)
+        return ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" is not empty", s->id);
+    int32_t *toks = malloc((size_t)f->n_tokens * sizeof(*toks));
+    if (!toks)
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the imported token ids");
+    struct kv_seq_params p = s->cache.params;
+    p.prefix_ns = e->cfg.share_prefix_cache ? 0 : (uint64_t)s->uid + 1;
+    kv_seq *q = NULL;
+    enum tier_status ts = kv_seq_create(e->store, &p, &q);
+    if (ts == TIER_OK)
+        ts = kv_seq_import_dense(q, f->n_tokens, f->dtype, f->k, f->v);
+    if (ts != TIER_OK) {
+        kv_seq_free(q);
+        free(toks);
+        return kv_error(e, ts, "", err);
+    }
+    memcpy(toks, f->tokens, (size_t)f->n_tokens * sizeof(*toks));
+    pthread_mutex_lock(&e->mu);
+    s->kv = q;
+    s->toks = toks;
+    s->n_toks = (size_t)f->n_tokens;
+    pthread_mutex_unlock(&e->mu);
+    return IPC_OK;
+}
+
 /* Crop, fork or past recording on the job's session.  They run here, on
  * the engine thread, because the store is not shared with the loop thread;
  * the job ends at once. */
@@ -228,6 +334,10 @@ void session_run_op(engine *e, struct job *j)
             kv_error(e, ts, "", &err);
     } else if (j->kind == JOB_FORK) {
         session_fork(e, s, &child, &err);
+    } else if (j->kind == JOB_EXPORT) {
+        session_export(e, s, j, &err);
+    } else if (j->kind == JOB_IMPORT) {
+        session_import(e, s, j, &err);
     }
     session_publish(e, s);
     pthread_mutex_lock(&e->mu);

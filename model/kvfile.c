@@ -1,0 +1,369 @@
+/* kvfile.c - the KV safetensors file (kvfile.h): the writer lays the
+ * header out before the data exists, so the exporter reads each layer
+ * straight into its place; the parser trusts nothing in an uploaded file
+ * until every field has been checked against the model (sizes before
+ * arithmetic, the header length before the JSON, the JSON before any
+ * pointer into the data).
+ */
+#include "model/kvfile.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "model/safetensors.h"
+
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is little-endian");
+
+#define ALIGN 8
+/* the metadata and one entry per tensor, without the token ids */
+#define HEADER_BASE ((size_t)64 << 10)
+#define HEADER_PER_LAYER 256
+#define ID_CHARS 12 /* an int32 id and its comma */
+#define MAX_LAYERS 4096
+
+static const char *const DT_NAME[] = {[BE_F32] = "F32", [BE_F16] = "F16", [BE_BF16] = "BF16"};
+
+size_t kvfile_header_max(int64_t ctx)
+{
+    return HEADER_BASE + (size_t)MAX_LAYERS * 2 * HEADER_PER_LAYER + (size_t)ctx * ID_CHARS;
+}
+
+size_t kvfile_max_size(int n_layers, int n_kv_heads, int head_dim, int64_t ctx)
+{
+    size_t per, total;
+    if (n_layers <= 0 || n_kv_heads <= 0 || head_dim <= 0 || ctx <= 0 || ctx > (int64_t)1 << 40 ||
+        __builtin_mul_overflow((size_t)n_kv_heads * (size_t)head_dim, (size_t)ctx * sizeof(float), &per) ||
+        __builtin_mul_overflow(per + ALIGN, 2 * (size_t)n_layers, &total) ||
+        __builtin_add_overflow(total, kvfile_header_max(ctx) + 8, &total))
+        return 0;
+    return total;
+}
+
+static size_t round_up(size_t x)
+{
+    return (x + ALIGN - 1) / ALIGN * ALIGN;
+}
+
+/* The token ids as the JSON array string of the metadata. */
+static char *tokens_json(const int32_t *t, int64_t n)
+{
+    size_t cap = 3 + (size_t)n * ID_CHARS, at = 0;
+    char *s = malloc(cap);
+    if (!s)
+        return NULL;
+    s[at++] = '[';
+    for (int64_t i = 0; i < n; i++)
+        at += (size_t)snprintf(s + at, cap - at, i ? ",%" PRId32 : "%" PRId32, t[i]);
+    s[at++] = ']';
+    s[at] = '\0';
+    return s;
+}
+
+static int set_str(json_t *o, const char *key, const char *val)
+{
+    return json_object_set_new(o, key, json_string(val));
+}
+
+/* The header JSON; data offsets from the tensor sizes. */
+static json_t *header_json(const struct kvfile_info *in, const size_t *bytes, size_t *data_size)
+{
+    json_t *h = json_object(), *meta = json_object();
+    char fp[17], ver[16], *toks = tokens_json(in->tokens, in->n_tokens);
+    snprintf(fp, sizeof(fp), "%016" PRIx64, in->fingerprint);
+    snprintf(ver, sizeof(ver), "%d", KVFILE_VERSION);
+    int bad = !h || !meta || !toks;
+    bad = bad || set_str(meta, "format", KVFILE_FORMAT) || set_str(meta, "version", ver) ||
+          set_str(meta, "model_fingerprint", fp) || set_str(meta, "tokens", toks) ||
+          set_str(meta, "strategy", in->strategy) || set_str(meta, "dtype", be_dtype_name(in->dtype));
+    free(toks);
+    bad = bad || json_object_set(h, "__metadata__", meta);
+    json_decref(meta);
+    size_t off = 0;
+    for (int l = 0; l < in->n_layers && !bad; l++)
+        for (int half = 0; half < 2 && !bad; half++) {
+            char name[64];
+            snprintf(name, sizeof(name), "past_key_values.%d.%s", l, half ? "value" : "key");
+            json_t *t = json_pack("{s:s, s:[i,i,I,i], s:[I,I]}", "dtype", DT_NAME[in->dtype], "shape", 1,
+                                  in->n_kv_heads, (json_int_t)in->rows[l], in->head_dim, "data_offsets",
+                                  (json_int_t)off, (json_int_t)(off + bytes[l]));
+            bad = !t || json_object_set_new(h, name, t);
+            off = round_up(off + bytes[l]);
+        }
+    if (bad) {
+        json_decref(h);
+        return NULL;
+    }
+    *data_size = off;
+    return h;
+}
+
+enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t *size, size_t *k_off, size_t *v_off,
+                               char *err)
+{
+    *out = NULL;
+    if (in->n_layers <= 0 || in->n_layers > MAX_LAYERS || in->n_tokens <= 0 || in->n_tokens > INT32_MAX ||
+        !be_dtype_size(in->dtype))
+        return model_errf(err, MODEL_EINVAL, "KV file: %d layers, %" PRId64 " tokens", in->n_layers, in->n_tokens);
+    size_t *bytes = malloc((size_t)in->n_layers * sizeof(*bytes));
+    if (!bytes)
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
+    for (int l = 0; l < in->n_layers; l++)
+        if (in->rows[l] < 0 || in->rows[l] > in->n_tokens ||
+            __builtin_mul_overflow((size_t)in->n_kv_heads * (size_t)in->head_dim * be_dtype_size(in->dtype),
+                                   (size_t)in->rows[l], &bytes[l])) {
+            free(bytes);
+            return model_errf(err, MODEL_EINVAL, "KV file: layer %d: %" PRId64 " rows", l, in->rows[l]);
+        }
+    size_t data_size = 0;
+    json_t *h = header_json(in, bytes, &data_size);
+    char *text = h ? json_dumps(h, JSON_COMPACT) : NULL;
+    json_decref(h);
+    if (!text) {
+        free(bytes);
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory for the header");
+    }
+    size_t hlen = round_up(strlen(text)), total = 8 + hlen + data_size;
+    char *buf = calloc(1, total);
+    if (buf) {
+        for (int i = 0; i < 8; i++)
+            buf[i] = (char)((uint64_t)hlen >> (8 * i));
+        memset(buf + 8, ' ', hlen);
+        memcpy(buf + 8, text, strlen(text));
+        size_t off = 8 + hlen;
+        for (int l = 0; l < in->n_layers; l++) {
+            k_off[l] = off;
+            v_off[l] = round_up(off + bytes[l]);
+            off = round_up(v_off[l] + bytes[l]);
+        }
+    }
+    free(text);
+    free(bytes);
+    if (!buf)
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory for %zu bytes", total);
+    *out = buf;
+    *size = total;
+    return MODEL_OK;
+}
+
+/* ---- the parser ------------------------------------------------------------ */
+
+static const char *meta_str(json_t *meta, const char *key)
+{
+    return json_string_value(json_object_get(meta, key));
+}
+
+static enum model_status parse_tokens(json_t *meta, const struct kvfile_expect *e, struct kvfile *f, char *err)
+{
+    const char *s = meta_str(meta, "tokens");
+    if (!s)
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.tokens is missing");
+    json_error_t je;
+    json_t *a = json_loads(s, JSON_DECODE_ANY, &je);
+    if (!json_is_array(a) || !json_array_size(a)) {
+        json_decref(a);
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.tokens is not a non-empty JSON array of ids");
+    }
+    size_t n = json_array_size(a);
+    if ((int64_t)n > e->max_tokens) {
+        json_decref(a);
+        return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.tokens holds %zu tokens, over the context of %" PRId64,
+                          n, e->max_tokens);
+    }
+    f->tokens = malloc(n * sizeof(int32_t));
+    if (!f->tokens) {
+        json_decref(a);
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory for %zu token ids", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(a, i);
+        json_int_t id = json_integer_value(t);
+        if (!json_is_integer(t) || id < 0 || id >= e->vocab_size) {
+            json_decref(a);
+            return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.tokens[%zu] is not a token id in [0, %d)", i,
+                              e->vocab_size);
+        }
+        f->tokens[i] = (int32_t)id;
+    }
+    json_decref(a);
+    f->n_tokens = (int64_t)n;
+    return MODEL_OK;
+}
+
+static enum model_status parse_meta(json_t *h, const struct kvfile_expect *e, struct kvfile *f, char *err)
+{
+    json_t *meta = json_object_get(h, "__metadata__");
+    if (!json_is_object(meta))
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__ is missing");
+    const char *key;
+    json_t *v;
+    json_object_foreach(meta, key, v)
+    {
+        if (!json_is_string(v))
+            return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.%s is not a string", key);
+    }
+    const char *fmt = meta_str(meta, "format"), *ver = meta_str(meta, "version");
+    if (!fmt || strcmp(fmt, KVFILE_FORMAT))
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.format is not \"%s\"", KVFILE_FORMAT);
+    char want[16];
+    snprintf(want, sizeof(want), "%d", KVFILE_VERSION);
+    if (!ver || strcmp(ver, want))
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.version \"%s\" is not %s", ver ? ver : "",
+                          want);
+    const char *fp = meta_str(meta, "model_fingerprint");
+    char have[17];
+    snprintf(have, sizeof(have), "%016" PRIx64, e->fingerprint);
+    if (!fp)
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.model_fingerprint is missing");
+    if (strcmp(fp, have))
+        return model_errf(err, MODEL_ECONFIG,
+                          "KV file: model_fingerprint %.16s is not this model's %s (the KV was computed by another "
+                          "model)",
+                          fp, have);
+    const char *dt = meta_str(meta, "dtype");
+    f->dtype = BE_F32;
+    while (dt && f->dtype <= BE_BF16 && strcmp(dt, be_dtype_name(f->dtype)))
+        f->dtype++;
+    if (!dt || f->dtype > BE_BF16)
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.dtype is not f32, f16 or bf16");
+    return parse_tokens(meta, e, f, err);
+}
+
+static bool json_u64(json_t *v, uint64_t *out)
+{
+    if (!json_is_integer(v) || json_integer_value(v) < 0)
+        return false;
+    *out = (uint64_t)json_integer_value(v);
+    return true;
+}
+
+struct range {
+    uint64_t begin, end;
+    const char *name;
+};
+
+static int cmp_range(const void *a, const void *b)
+{
+    const struct range *x = a, *y = b;
+    return (x->begin > y->begin) - (x->begin < y->begin);
+}
+
+/* One tensor's entry: dtype, shape [1, H, rows, D], offsets in the data. */
+static enum model_status parse_tensor(json_t *h, const char *name, const struct kvfile_expect *e, int64_t rows,
+                                      const struct kvfile *f, uint64_t data_at, uint64_t data_size,
+                                      struct range *r, char *err)
+{
+    json_t *t = json_object_get(h, name);
+    if (!json_is_object(t))
+        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s is missing", name);
+    const char *dt = json_string_value(json_object_get(t, "dtype"));
+    if (!dt || strcmp(dt, DT_NAME[f->dtype]))
+        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: dtype %s, but __metadata__.dtype says %s", name,
+                          dt ? dt : "(none)", DT_NAME[f->dtype]);
+    json_t *shape = json_object_get(t, "shape");
+    uint64_t want[4] = {1, (uint64_t)e->n_kv_heads, (uint64_t)rows, (uint64_t)e->head_dim}, got[4];
+    bool ok = json_array_size(shape) == 4;
+    for (int d = 0; d < 4 && ok; d++)
+        ok = json_u64(json_array_get(shape, (size_t)d), &got[d]) && got[d] == want[d];
+    if (!ok)
+        return model_errf(err, MODEL_EFORMAT,
+                          "KV file: tensor %s: shape must be [1, %d, %" PRId64 ", %d] for this model and %" PRId64
+                          " tokens",
+                          name, e->n_kv_heads, rows, e->head_dim, f->n_tokens);
+    json_t *offs = json_object_get(t, "data_offsets");
+    if (json_array_size(offs) != 2 || !json_u64(json_array_get(offs, 0), &r->begin) ||
+        !json_u64(json_array_get(offs, 1), &r->end))
+        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: data_offsets are not two integers", name);
+    /* the shape is the model's, so this product cannot overflow (max_tokens bounds rows) */
+    uint64_t esz = be_dtype_size(f->dtype), bytes = want[1] * want[2] * want[3] * esz;
+    if (r->begin > r->end || r->end > data_size || r->end - r->begin != bytes)
+        return model_errf(err, MODEL_EFORMAT,
+                          "KV file: tensor %s: data_offsets [%" PRIu64 ", %" PRIu64 ") must span %" PRIu64
+                          " bytes inside the %" PRIu64 "-byte data section",
+                          name, r->begin, r->end, bytes, data_size);
+    if ((data_at + r->begin) % esz)
+        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: data at byte %" PRIu64 " is not aligned to %" PRIu64,
+                          name, data_at + r->begin, esz);
+    r->name = json_object_iter_key(json_object_iter_at(h, name));
+    return MODEL_OK;
+}
+
+static enum model_status parse_tensors(json_t *h, const uint8_t *buf, uint64_t data_at, uint64_t data_size,
+                                       const struct kvfile_expect *e, struct kvfile *f, char *err)
+{
+    size_t n = 2 * (size_t)e->n_layers;
+    if (json_object_size(h) != n + 1)
+        return model_errf(err, MODEL_EFORMAT,
+                          "KV file: %zu tensors, but this model needs exactly %zu (past_key_values.{0..%d}.key and "
+                          ".value)",
+                          json_object_size(h) - 1, n, e->n_layers - 1);
+    struct range *r = malloc(n * sizeof(*r));
+    f->k = calloc((size_t)e->n_layers, sizeof(*f->k));
+    f->v = calloc((size_t)e->n_layers, sizeof(*f->v));
+    if (!r || !f->k || !f->v) {
+        free(r);
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
+    }
+    f->n_layers = e->n_layers;
+    enum model_status st = MODEL_OK;
+    for (size_t i = 0; i < n && st == MODEL_OK; i++) {
+        int l = (int)(i / 2);
+        char name[64];
+        snprintf(name, sizeof(name), "past_key_values.%d.%s", l, i % 2 ? "value" : "key");
+        int64_t rows = e->rows(e->rows_ctx, l, f->n_tokens);
+        st = parse_tensor(h, name, e, rows, f, data_at, data_size, &r[i], err);
+        if (st == MODEL_OK)
+            (i % 2 ? f->v : f->k)[l] = buf + data_at + r[i].begin;
+    }
+    if (st == MODEL_OK) {
+        qsort(r, n, sizeof(*r), cmp_range);
+        for (size_t i = 1; i < n && st == MODEL_OK; i++)
+            if (r[i].begin < r[i - 1].end)
+                st = model_errf(err, MODEL_EFORMAT, "KV file: tensors %s and %s overlap", r[i - 1].name, r[i].name);
+    }
+    free(r);
+    return st;
+}
+
+enum model_status kvfile_parse(const void *buf_, size_t len, const struct kvfile_expect *e, struct kvfile *f,
+                               char *err)
+{
+    const uint8_t *buf = buf_;
+    *f = (struct kvfile){0};
+    if (len < 8)
+        return model_errf(err, MODEL_EFORMAT, "KV file: truncated: %zu bytes, shorter than the header length", len);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--)
+        hlen = hlen << 8 | buf[i];
+    if (hlen > kvfile_header_max(e->max_tokens))
+        return model_errf(err, MODEL_EFORMAT, "KV file: header length %" PRIu64 " exceeds the %zu-byte limit", hlen,
+                          kvfile_header_max(e->max_tokens));
+    if (hlen > len - 8)
+        return model_errf(err, MODEL_EFORMAT, "KV file: truncated: header length %" PRIu64 " runs past the %zu bytes",
+                          hlen, len);
+    json_error_t je;
+    json_t *h = json_loadb((const char *)buf + 8, (size_t)hlen, JSON_REJECT_DUPLICATES, &je);
+    if (!json_is_object(h)) {
+        json_decref(h);
+        return model_errf(err, MODEL_EFORMAT, "KV file: header is not a JSON object (byte %d: %s)", je.position,
+                          h ? "not an object" : je.text);
+    }
+    enum model_status st = parse_meta(h, e, f, err);
+    if (st == MODEL_OK)
+        st = parse_tensors(h, buf, 8 + hlen, len - 8 - hlen, e, f, err);
+    json_decref(h);
+    if (st != MODEL_OK)
+        kvfile_release(f);
+    return st;
+}
+
+void kvfile_release(struct kvfile *f)
+{
+    free(f->tokens);
+    free(f->k);
+    free(f->v);
+    *f = (struct kvfile){0};
+}

@@ -1,0 +1,83 @@
+/* kvfile.h - a sequence's KV as a safetensors file: the format of a
+ * session's export and import (docs/api.md "KV export and import").
+ *
+ * The file is Hugging Face's legacy cache made portable: for every layer l
+ * the tensors past_key_values.{l}.key and past_key_values.{l}.value, shape
+ * [1, n_kv_heads, rows_l, head_dim], dtype F32, F16 or BF16 (as stored),
+ * rows_l the positions the layer holds (a sliding layer's last ones), and
+ * string metadata: format "kvtier-kv", version, model_fingerprint (16 hex
+ * digits), tokens (a JSON array of the token ids, as a string), strategy,
+ * dtype.  The header is padded with spaces to a multiple of 8 bytes and
+ * every tensor starts on an 8-byte boundary of the file, in the order
+ * layer 0 key, layer 0 value, layer 1 key, ...
+ */
+#ifndef KVTIER_KVFILE_H
+#define KVTIER_KVFILE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model/model.h"
+
+#define KVFILE_FORMAT "kvtier-kv"
+#define KVFILE_VERSION 1
+
+/* What a file says about its KV. */
+struct kvfile_info {
+    uint64_t fingerprint; /* model_fingerprint of the model that computed it */
+    const char *strategy; /* the cache strategy it was exported from (informative) */
+    enum be_dtype dtype;
+    int n_layers, n_kv_heads, head_dim;
+    const int64_t *rows;     /* [n_layers] */
+    const int32_t *tokens;   /* [n_tokens] */
+    int64_t n_tokens;
+};
+
+/* The largest header a file for a context of ctx tokens may have: the
+ * token ids dominate it. */
+size_t kvfile_header_max(int64_t ctx);
+/* The largest file of a model's geometry and context: every layer holding
+ * ctx f32 rows, plus the header and padding.  0 when it overflows. */
+size_t kvfile_max_size(int n_layers, int n_kv_heads, int head_dim, int64_t ctx);
+
+/* Lays out a file for info: *out (malloc'ed, *size bytes) holds the header
+ * and zeroed data; k_off[l], v_off[l] are where layer l's K and V start in
+ * it, for the caller to fill ([n_kv_heads, rows_l, head_dim] each).
+ * MODEL_ENOMEM, or MODEL_EINVAL for sizes that overflow. */
+enum model_status kvfile_build(const struct kvfile_info *info, void **out, size_t *size, size_t *k_off,
+                               size_t *v_off, char *err);
+
+/* What a file must match to be imported. */
+struct kvfile_expect {
+    uint64_t fingerprint;
+    int n_layers, n_kv_heads, head_dim;
+    int64_t max_tokens; /* the context */
+    int vocab_size;     /* token ids in [0, vocab_size) */
+    /* rows_l a file of n tokens must have for layer l */
+    int64_t (*rows)(void *ctx, int layer, int64_t n);
+    void *rows_ctx;
+};
+
+/* A parsed file: pointers into the caller's buffer, which must outlive it. */
+struct kvfile {
+    enum be_dtype dtype;
+    int64_t n_tokens;
+    int32_t *tokens;        /* owned */
+    const void **k, **v;    /* [n_layers] into the buffer; owned arrays */
+    int n_layers;
+};
+
+/* Checks buf[0, len) completely against e before anything the KV needs is
+ * allocated: the header length (at most kvfile_header_max), the JSON, the
+ * metadata (format, version, fingerprint, tokens), exactly the expected
+ * tensors with their dtype, shape and data offsets (in range, aligned, not
+ * overlapping, the sizes their shapes need).  MODEL_ECONFIG when the file
+ * was written for another model (model_fingerprint or the geometry),
+ * MODEL_EINVAL for more tokens than the context or an id out of the
+ * vocabulary, MODEL_EFORMAT for anything else malformed, MODEL_ENOMEM;
+ * err names the tensor or field. */
+enum model_status kvfile_parse(const void *buf, size_t len, const struct kvfile_expect *e, struct kvfile *out,
+                               char *err);
+void kvfile_release(struct kvfile *f); /* accepts a zeroed one */
+
+#endif
