@@ -1,0 +1,196 @@
+"""kvtierd KV export and import against PyTorch: GET /v1/sessions/{id}/kv
+of a session equals tools/torchref.py's past_key_values for the same
+prompt, layer by layer (a Mistral with sliding layers: their last W-1 rows,
+as HF's DynamicSlidingWindowLayer keeps them); a file built here from the
+torch reference's KV and the prompt, imported with POST
+/v1/sessions/import, continues greedily with the tokens of a session that
+computed the prompt itself (and the request reuses the KV: cached_tokens);
+an export re-imported is byte for byte the same file; broken files (another
+model's fingerprint, wrong shapes, truncated, a huge header length, more
+tokens than the context, extra tensors) are 4xx naming the field, never 5xx.
+The file is parsed here with a small reader: no safetensors package."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+sys.path.insert(0, "tests")
+sys.path.insert(0, "tools")
+from daemon_harness import Daemon, check, skip  # noqa: E402
+
+try:
+    import torch
+    import torchref
+except ImportError as e:  # torch missing: the reference cannot run
+    skip("torch: %s" % e)
+
+CTX = 256
+WINDOW = 8
+
+
+def make_model(tmp):
+    out = os.path.join(tmp, "model")
+    r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "mistral", "--layers", "2", "--dim", "64",
+                        "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "2048", "--window",
+                        str(WINDOW), "--tokenizer-from", "model/builtin", "--out", out], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        skip("mkmodel failed: " + r.stderr[-300:])
+    return out
+
+
+def parse(blob):
+    """(metadata, {name: (dtype, shape, bytes)}) of a safetensors file."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    h = json.loads(blob[8:8 + n])
+    meta = h.pop("__metadata__")
+    data = blob[8 + n:]
+    return meta, {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in h.items()}
+
+
+def tensor(dtype, shape, raw):
+    assert dtype == "F32", dtype
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
+
+
+def build(meta, tensors):
+    """A safetensors file: tensors {name: torch f32}, 8-byte aligned."""
+    header, data, off = {"__metadata__": meta}, b"", 0
+    for name, t in tensors.items():
+        raw = t.contiguous().to(torch.float32).numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + len(raw)]}
+        pad = (-len(raw)) % 8
+        data += raw + b"\0" * pad
+        off += len(raw) + pad
+    h = json.dumps(header).encode()
+    h += b" " * ((-len(h)) % 8)
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def torch_kv(model, ids):
+    """past_key_values of the torch reference: per layer (K, V) [1, Hkv, T, hd],
+    K after RoPE; sliding layers cut to their last W-1 rows."""
+    kv = []
+
+    def hook(attn, args, out):
+        x, cos, sin, _ = args
+        b, t, _ = x.shape
+        k = attn.k_proj(x).view(b, t, attn.n_kv, attn.hd)
+        if attn.k_norm is not None:
+            k = attn.k_norm(k)
+        k = torchref.apply_rope(k.transpose(1, 2), cos, sin)
+        v = attn.v_proj(x).view(b, t, attn.n_kv, attn.hd).transpose(1, 2)
+        if attn.window:
+            k, v = k[:, :, -(attn.window - 1):], v[:, :, -(attn.window - 1):]
+        kv.append((k.detach(), v.detach()))
+
+    hs = [layer.self_attn.register_forward_hook(hook) for layer in model.model.layers]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hs:
+        h.remove()
+    return kv
+
+
+d = Daemon("--ctx-size", str(CTX))
+d.model = make_model(d.tmp)
+d.start()
+ref = torchref.load_model(d.model)
+prompt = [(i * 53 + 7) % 1900 + 50 for i in range(40)]
+gen = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+
+code, s = d.post("/v1/sessions", {"prompt": prompt})
+check(code == 200 and s["tokens"] == len(prompt), "a session holds the prompt's KV")
+code, blob = d.get("/v1/sessions/%s/kv" % s["id"])
+check(code == 200 and isinstance(blob, bytes), "GET /v1/sessions/{id}/kv returns the file")
+meta, ts = parse(blob)
+check(meta["format"] == "kvtier-kv" and meta["version"] == "1" and json.loads(meta["tokens"]) == prompt and
+      meta["strategy"] == "dynamic" and meta["dtype"] == "f32" and len(meta["model_fingerprint"]) == 16,
+      "metadata: format, version, tokens, strategy, dtype, model_fingerprint")
+check(all(isinstance(v, str) for v in meta.values()), "every metadata value is a string")
+(hlen,) = struct.unpack("<Q", blob[:8])
+check((8 + hlen) % 8 == 0, "the data starts 8-byte aligned")
+
+kv = torch_kv(ref, prompt)
+worst = 0.0
+for l, (k, v) in enumerate(kv):
+    for half, want in (("key", k), ("value", v)):
+        dt, shape, raw = ts["past_key_values.%d.%s" % (l, half)]
+        check(shape == list(want.shape), "layer %d %s: shape %s (sliding: W-1 rows)" % (l, half, shape))
+        got = tensor(dt, shape, raw)
+        err = (got - want).abs().max().item() / max(1e-6, want.abs().max().item())
+        worst = max(worst, err)
+check(worst < 1e-4, "every layer's key and value equal torch's past_key_values (worst relative error %.2e)" % worst)
+
+# A continuation from the session itself: the tokens an import must give.
+# The next request sends the prompt and one more token, as a chat's next
+# turn does: on a sliding model the held KV cannot be cropped, so the
+# request must extend it to reuse it.
+more = prompt + [77]
+code, own = d.post("/v1/completions", dict(gen, prompt=more, session=s["id"]))
+assert code == 200, own
+want_toks = own["choices"][0]["tokens"]
+
+fp = meta["model_fingerprint"]
+base_meta = {"format": "kvtier-kv", "version": "1", "model_fingerprint": fp, "tokens": json.dumps(prompt),
+             "strategy": "dynamic", "dtype": "f32"}
+tensors = {}
+for l, (k, v) in enumerate(kv):
+    tensors["past_key_values.%d.key" % l] = k
+    tensors["past_key_values.%d.value" % l] = v
+code, imp = d.request("POST", "/v1/sessions/import", build(base_meta, tensors),
+                      {"Content-Type": "application/octet-stream"})
+check(code == 201 and imp["tokens"] == len(prompt) and imp["strategy"] == "dynamic",
+      "POST /v1/sessions/import of torch's KV -> 201, a dynamic session holding the prompt")
+code, cont = d.post("/v1/completions", dict(gen, prompt=more, session=imp["id"]))
+check(code == 200 and cont["choices"][0]["tokens"] == want_toks,
+      "the imported session continues with the tokens of one that computed the prompt")
+check(cont["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) ==
+      own["usage"]["prompt_tokens_details"]["cached_tokens"], "the request reuses the imported KV: cached_tokens %d"
+      % cont["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+# export -> import -> export is the same file (tokens and KV)
+code, s2 = d.post("/v1/sessions", {"prompt": prompt})
+code, blob2 = d.get("/v1/sessions/%s/kv" % s2["id"])
+code, imp2 = d.request("POST", "/v1/sessions/import", blob2, {"Content-Type": "application/octet-stream"})
+code, blob3 = d.get("/v1/sessions/%s/kv" % imp2["id"])
+check(code == 200 and blob3 == blob2, "an export re-imported exports the same bytes")
+
+# owner checks
+code, e = d.get("/v1/sessions/sess-0000000000000000/kv")
+check(code == 404, "GET kv of an unknown session -> 404")
+
+
+def refused(blob, what, want_code=(400,), field=None):
+    code, e = d.request("POST", "/v1/sessions/import", blob, {"Content-Type": "application/octet-stream"})
+    msg = json.dumps(e) if not isinstance(e, bytes) else e.decode(errors="replace")
+    check(code in want_code and (field is None or field in msg), "%s -> %d naming %s" % (what, code, field))
+
+
+bad = dict(base_meta, model_fingerprint="0123456789abcdef")
+refused(build(bad, tensors), "another model's fingerprint", (409,), "model_fingerprint")
+t2 = dict(tensors)
+t2["past_key_values.0.key"] = tensors["past_key_values.0.key"][:, :, :-1]
+refused(build(base_meta, t2), "a layer with a row too few", (400,), "past_key_values.0.key")
+t3 = dict(tensors)
+t3["past_key_values.1.value"] = torch.zeros(1, 2, 7, 8)
+refused(build(base_meta, t3), "a wrong head_dim", (400,), "past_key_values.1.value")
+good = build(base_meta, tensors)
+refused(good[:-5], "a truncated file", (400,), "past_key_values")
+refused(good[:6], "a file shorter than its header length", (400,), "truncated")
+refused(struct.pack("<Q", 1 << 62) + good[8:], "a huge header length", (400,), "header length")
+many = dict(base_meta, tokens=json.dumps([5] * CTX))
+refused(build(many, tensors), "more tokens than the context", (400,), "tokens")
+t4 = dict(tensors)
+t4["extra"] = torch.zeros(1)
+refused(build(base_meta, t4), "an extra tensor", (400,), "tensors")
+refused(build(dict(base_meta, format="other"), tensors), "another format", (400,), "format")
+refused(build(dict(base_meta, tokens="[1, -3]"), tensors), "a negative token id", (400,), "tokens")
+refused(b"", "an empty body", (400,), "truncated")
+code, big = d.request("POST", "/v1/sessions/import", b"\0" * 64, {"Content-Length": str(1 << 40)})
+check(code == 413, "a body over the KV size cap -> 413")
+code, lst = d.get("/v1/sessions")
+check(code == 200 and len(lst["data"]) == 4, "failed imports leave no session behind")
+code, _ = d.get("/health")
+check(code == 200, "the daemon is alive")

@@ -1,0 +1,3 @@
+#!/bin/sh
+# kvtierd KV export and import (safetensors) against the PyTorch reference.
+exec /usr/bin/python3 tests/daemon_kvfile.py
