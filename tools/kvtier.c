@@ -3,6 +3,7 @@
  *   kvtier [--socket PATH] [--json] generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT|-
  *   kvtier [...] chat [--system TEXT] [-n N] [-t T]        interactive; /undo, /reset, /bye
  *   kvtier [...] sessions [rm ID]
+ *   kvtier [...] session export ID FILE | session import FILE   KV as safetensors
  *   kvtier [...] status
  *   kvtier [...] batch IN.jsonl [-o OUT.jsonl] [-j N]      OpenAI batch lines, results in input order
  *
@@ -428,6 +429,80 @@ static int cmd_sessions(int argc, char **argv)
     return 0;
 }
 
+/* Reads all of path into *buf (malloc'd). */
+static int read_file(const char *path, char **buf, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    char *b = NULL;
+    size_t n = 0, cap = 0;
+    while (f) {
+        if (n == cap) {
+            char *nb = realloc(b, cap = cap ? 2 * cap : 1 << 20);
+            if (!nb)
+                break;
+            b = nb;
+        }
+        size_t got = fread(b + n, 1, cap - n, f);
+        n += got;
+        if (got == 0 && !ferror(f)) {
+            fclose(f);
+            *buf = b;
+            *len = n;
+            return 0;
+        }
+        if (ferror(f))
+            break;
+    }
+    fprintf(stderr, "kvtier: %s: %s\n", path, f ? "read failed or out of memory" : strerror(errno));
+    if (f)
+        fclose(f);
+    free(b);
+    return EXIT_USAGE;
+}
+
+/* session export ID FILE: the session's KV as safetensors into FILE;
+ * session import FILE: a new session holding FILE's KV (prints its id). */
+static int cmd_session(int argc, char **argv)
+{
+    bool export = argc == 4 && !strcmp(argv[1], "export"), import = argc == 3 && !strcmp(argv[1], "import");
+    if (!export && !import) {
+        fprintf(stderr, "usage: kvtier session export ID FILE | kvtier session import FILE\n");
+        return EXIT_USAGE;
+    }
+    char path[160], *body = NULL;
+    size_t len = 0;
+    int rc = import ? read_file(argv[2], &body, &len) : 0;
+    if (rc)
+        return rc;
+    snprintf(path, sizeof(path), export ? "/v1/sessions/%.64s/kv" : "/v1/sessions/import", argv[2]);
+    struct ipc_reply r;
+    struct ipc_error err;
+    enum ipc_status st = ipc_call(sock, export ? "GET" : "POST", path, body, len, NULL, NULL, &r, &err);
+    free(body);
+    if (st != IPC_OK)
+        return transport_error(&err);
+    if (r.status / 100 != 2) {
+        rc = http_error(&r);
+    } else if (export) {
+        FILE *f = fopen(argv[3], "wb");
+        if (!f || fwrite(r.body, 1, r.len, f) != r.len || fclose(f) != 0) {
+            fprintf(stderr, "kvtier: %s: %s\n", argv[3], strerror(errno));
+            rc = EXIT_USAGE;
+        }
+    } else {
+        json_t *o = json_loadb(r.body, r.len, 0, NULL);
+        const char *id = json_string_value(json_object_get(o, "id"));
+        if (id)
+            printf("%s\n", id);
+        else
+            fprintf(stderr, "kvtier: the daemon's reply names no session\n");
+        rc = id ? 0 : EXIT_PROTO;
+        json_decref(o);
+    }
+    ipc_reply_free(&r);
+    return rc;
+}
+
 static int cmd_status(int argc, char **argv)
 {
     (void)argv;
@@ -681,6 +756,8 @@ static void usage(FILE *f)
                "  generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT|-   stream a completion\n"
                "  chat [--system TEXT] [-n N] [-t T]        interactive chat in one session (/undo, /reset, /bye)\n"
                "  sessions [rm ID]                          list or delete your sessions\n"
+               "  session export ID FILE                    save a session's KV as safetensors\n"
+               "  session import FILE                       a new session from such a file (prints its id)\n"
                "  status                                    daemon health and model\n"
                "  batch IN.jsonl [-o OUT.jsonl] [-j N]      OpenAI batch lines, results in input order\n"
                "exit codes: 0 ok, 1 daemon error, 2 usage, 3 kvtierd unreachable, 4 malformed reply\n");
@@ -716,7 +793,7 @@ int main(int argc, char **argv)
         const char *name;
         int (*fn)(int, char **);
     } cmds[] = {{"generate", cmd_generate}, {"chat", cmd_chat}, {"sessions", cmd_sessions}, {"status", cmd_status},
-                {"batch", cmd_batch}};
+                {"batch", cmd_batch}, {"session", cmd_session}};
     for (size_t k = 0; k < sizeof(cmds) / sizeof(cmds[0]); k++)
         if (!strcmp(argv[i], cmds[k].name))
             return cmds[k].fn(argc - i, argv + i);
