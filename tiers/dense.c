@@ -32,11 +32,6 @@
 
 #include "util/half.h"
 
-static size_t dt_size(enum be_dtype dt)
-{
-    return be_dtype_size(dt);
-}
-
 static float elem_get(const void *p, enum be_dtype dt, size_t i)
 {
     switch (dt) {
@@ -61,7 +56,7 @@ static void elem_put(void *p, enum be_dtype dt, size_t i, float x)
 static void convert(void *dst, enum be_dtype dt, const void *src, enum be_dtype st, size_t n)
 {
     if (dt == st) {
-        memcpy(dst, src, n * dt_size(dt));
+        memcpy(dst, src, n * be_dtype_size(dt));
         return;
     }
     for (size_t i = 0; i < n; i++)
@@ -94,7 +89,7 @@ static enum tier_status read_run(struct dense_out *o, const struct dense_blk *b,
 {
     kv_store *s = o->q->s;
     int H = s->g.n_kv_heads, D = s->g.head_dim;
-    size_t es = dt_size(b->dt), oes = dt_size(o->dt), elems = (size_t)n * (size_t)D;
+    size_t es = be_dtype_size(b->dt), oes = be_dtype_size(o->dt), elems = (size_t)n * (size_t)D;
     for (int half = 0; half < 2; half++)
         for (int h = 0; h < H; h++) {
             const char *src = b->data + (half ? b->v_off : 0) + ((size_t)h * (size_t)b->bt + (size_t)slot) * D * es;
@@ -219,7 +214,7 @@ static enum tier_status write_layer(kv_seq *q, int layer, int64_t n, int64_t row
 {
     kv_store *s = q->s;
     int H = s->g.n_kv_heads, D = s->g.head_dim;
-    size_t es = dt_size(dt), ses = dt_size(s->g.dtype);
+    size_t es = be_dtype_size(dt), ses = be_dtype_size(s->g.dtype);
     struct be_kv_view view;
     kv_seq_view(q, layer, &view);
     for (int64_t p = n - rows; p < n;) {
