@@ -327,6 +327,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enu
     job_release(s->eng, r->prep.job);
     free(r->prep.ids.ids);
     free(r->prep.out.p);
+    json_decref(r->prep.request);
     json_decref(r->root);
     free(r->body);
     free(r->snap);
