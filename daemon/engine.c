@@ -392,9 +392,12 @@ static void retire(engine *e, struct job *j)
         s->toks = keep;
         s->n_toks = n_keep;
         s->kvs = s->kv ? kv_seq_stats(s->kv) : (struct kv_seq_stats){0};
+        s->version++; /* its file, if any, no longer holds its KV */
     }
-    if (s)
+    if (s) {
         s->busy = false;
+        s->t_idle = t;
+    }
     /* A session whose creating prefill or import failed or was abandoned
      * was never handed to its client: it must not keep a --max-sessions slot. */
     if (s && (j->kind == JOB_PREFILL || j->kind == JOB_IMPORT) && (j->cancelled || j->res.err.st != IPC_OK))
@@ -438,9 +441,15 @@ static void job_fail_msg(engine *e, struct job *j, enum ipc_status st, const cha
     job_fail(e, j, &err);
 }
 
-static void start_job(engine *e, struct job *j)
+void start_job(engine *e, struct job *j)
 {
-    j->t_admit = clock_ms();
+    if (j->t_admit == 0)
+        j->t_admit = clock_ms();
+    if (j->sess && disk_needs_restore(e, j->sess)) {
+        j->io_wait = true; /* disk_poll starts it again once the KV is back */
+        disk_restore(e, j->sess);
+        return;
+    }
     if (j->kind >= JOB_CROP) {
         session_run_op(e, j);
         return;
@@ -532,7 +541,7 @@ static int build_batch(engine *e)
 {
     int nb = 0, n_pre = 0;
     for (struct job *j = e->active; j; j = j->next) {
-        for (int i = 0; i < j->n && !j->kill; i++) {
+        for (int i = 0; i < j->n && !j->kill && !j->mem_wait; i++) {
             struct job_choice *c = &j->ch[i];
             if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks)
                 continue;
@@ -556,7 +565,7 @@ static int build_batch(engine *e)
     int skip = (int)(e->rr++ % (unsigned)n_pre), seen = 0;
     for (int pass = 0; pass < 2 && budget > 0; pass++) {
         for (struct job *j = e->active; j && budget > 0; j = j->next) {
-            for (int i = 0; i < j->n && budget > 0 && !j->kill; i++) {
+            for (int i = 0; i < j->n && budget > 0 && !j->kill && !j->mem_wait; i++) {
                 struct job_choice *c = &j->ch[i];
                 if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks || c->seq.n_toks - c->n_fed <= 1)
                     continue;
@@ -583,6 +592,7 @@ static void publish(engine *e, int nb)
 {
     struct kv_store_stats ks = kv_store_stats(e->store);
     struct be_mem_stats ms = be_mem_stats(e->rt.be);
+    struct kv_disk_stats ds = e->disk ? kv_disk_stats(e->disk) : (struct kv_disk_stats){0};
     pthread_mutex_lock(&e->mu);
     e->st.dev_budget = ms.dev_budget;
     e->st.dev_used = ms.dev_used;
@@ -592,6 +602,8 @@ static void publish(engine *e, int nb)
     e->st.prefix_hit_tokens = ks.prefix_hit_tokens;
     e->st.prefix_entries = ks.prefix_entries;
     e->st.prefix_evictions = ks.prefix_evictions;
+    if (e->disk)
+        e->st.disk = ds;
     for (int i = 0; i < nb; i++) {
         struct job_choice *c = e->batch_ch[i];
         e->st.gen_tokens += (uint64_t)(c->seq.gen - c->n_gen);
@@ -622,6 +634,19 @@ static void fail_forward(engine *e, int from, int to, enum model_status st)
         job_fail(e, e->batch_job[i], &err);
 }
 
+/* Entry i found the memory tiers full: with a disk tier, an idle session
+ * goes to disk and the entry's job waits to be retried, else it fails. */
+static void fail_or_wait(engine *e, int i, enum model_status st)
+{
+    if ((st == MODEL_ENOMEM || st == MODEL_EDEVMEM) && disk_spill_for_memory(e)) {
+        log_msg(LOG_DEBUG, "engine: memory tiers full (%s); waiting for a session to spill to disk",
+                kv_store_errmsg(e->store));
+        e->batch_job[i]->mem_wait = true;
+        return;
+    }
+    fail_forward(e, i, i + 1, st);
+}
+
 /* Entries [from, to) were computed: take their tokens and sample. */
 static void advance(engine *e, int from, int to)
 {
@@ -646,18 +671,20 @@ static void step(engine *e)
     if (st == MODEL_OK) {
         advance(e, 0, nb);
     } else if (nb == 1) {
-        fail_forward(e, 0, 1, st);
+        fail_or_wait(e, 0, st);
     } else {
         /* The failed step changed no KV (model_forward is transactional),
          * so redoing it one sequence at a time finds whose tokens do not
          * fit; the others advance as if the step had succeeded. */
         log_msg(LOG_DEBUG, "engine: a %d-sequence step failed (%s); redoing it one by one", nb, model_strerror(st));
         for (int i = 0; i < nb; i++) {
+            if (e->batch_job[i]->mem_wait)
+                continue; /* another choice of its job found memory full */
             st = model_forward(e->m, &e->batch[i], 1);
             if (st == MODEL_OK)
                 advance(e, i, i + 1);
             else
-                fail_forward(e, i, i + 1, st);
+                fail_or_wait(e, i, st);
         }
     }
     publish(e, nb);
@@ -698,12 +725,37 @@ static struct job *admit_locked(engine *e)
     return first;
 }
 
+/* Whether an active job has something for the loop to do: a step, or its
+ * failure to retire.  Jobs waiting for the disk do not (caller holds mu). */
+static bool any_turn_locked(const engine *e)
+{
+    for (const struct job *j = e->active; j; j = j->next)
+        if ((!j->io_wait && !j->mem_wait) || j->cancelled || j->res.err.st != IPC_OK)
+            return true;
+    return false;
+}
+
 static void loop(engine *e)
 {
     for (;;) {
+        disk_poll(e);
+        double due = disk_spill_idle(e, clock_ms());
         pthread_mutex_lock(&e->mu);
-        while (!e->stopping && !e->queue && !e->active && !e->dead)
-            pthread_cond_wait(&e->cv, &e->mu);
+        while (!e->stopping && !e->queue && !any_turn_locked(e) && !e->dead && !e->io_event) {
+            if (due == 0) {
+                pthread_cond_wait(&e->cv, &e->mu);
+                continue;
+            }
+            double left = due - clock_ms();
+            if (left <= 0)
+                break;
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            double ns = (double)ts.tv_nsec + left * 1e6;
+            ts.tv_sec += (time_t)(ns / 1e9);
+            ts.tv_nsec = (long)(ns - (double)(time_t)(ns / 1e9) * 1e9);
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+        }
         if (e->stopping) {
             pthread_mutex_unlock(&e->mu);
             return;
@@ -716,6 +768,8 @@ static void loop(engine *e)
         pthread_mutex_unlock(&e->mu);
 
         if (dead) {
+            for (struct session *s = dead; s; s = s->next)
+                disk_forget(e, s);
             free_dead_sessions(dead);
             publish(e, 0); /* the freed KV shows in the metrics */
         }
@@ -821,6 +875,7 @@ static bool load(engine *e)
     e->batch_job = calloc(n, sizeof(*e->batch_job));
     e->logits = malloc(n * (size_t)e->vocab * sizeof(*e->logits));
     e->scratch = malloc((size_t)e->vocab * sizeof(*e->scratch));
+    disk_open(e);
     pthread_mutex_lock(&e->mu);
     if (e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch) {
         e->state = ENGINE_READY;
@@ -847,6 +902,7 @@ static void *engine_main(void *arg)
     if (ok)
         loop(e);
     fail_everything(e);
+    disk_close(e);
     return NULL;
 }
 
@@ -859,7 +915,12 @@ enum ipc_status engine_create(const struct engine_config *cfg, int wake_fd, engi
     e->wake_fd = wake_fd;
     e->queue_tail = &e->queue;
     pthread_mutex_init(&e->mu, NULL);
-    pthread_cond_init(&e->cv, NULL);
+    /* monotonic: the loop sleeps until the next idle session is due to spill */
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->cv, &ca);
+    pthread_condattr_destroy(&ca);
     int rc = pthread_create(&e->thread, NULL, engine_main, e);
     if (rc) {
         engine_free(e);

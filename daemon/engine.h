@@ -39,6 +39,7 @@
 #include "ipc/request.h"
 #include "ipc/status.h"
 #include "text/tokenizer.h"
+#include "tiers/disk.h"
 
 struct engine_config {
     const char *model_dir;
@@ -55,6 +56,12 @@ struct engine_config {
     int batch_tokens;        /* tokens per forward step */
     int max_queue;           /* jobs waiting for admission */
     int max_sessions;
+    /* The disk tier (docs/persistence.md); disk_dir NULL: sessions live in
+     * memory only and a restart loses them. */
+    const char *disk_dir;
+    size_t disk_mem;         /* 0: a quarter of the free space */
+    int spill_after_s;       /* idle sessions go to disk after this long */
+    int disk_compress;       /* enum kv_disk_compress */
 };
 
 typedef struct engine engine;
@@ -133,6 +140,8 @@ struct job {
     struct session *sess;
     double t_admit, t_first;
     bool kill; /* cancelled or failed, seen under the lock at the step's start */
+    bool io_wait;  /* its session's KV is being read back from disk */
+    bool mem_wait; /* its step found the memory tiers full: waits for a spill to free them */
     uint64_t order;
     int n;
     struct job_choice ch[];
@@ -207,12 +216,13 @@ int engine_pending(engine *e);
 void engine_abort_all(engine *e, enum ipc_status st, const char *msg);
 
 /* Sessions.  create: registers an empty session owned by uid (429 when the
- * table is full); its prefix, if any, is prefilled by a JOB_PREFILL job the
+ * table is full), keeping request ({"cache", "use_cache"} as the client
+ * sent them, or NULL) for its file on disk; its prefix, if any, is prefilled by a JOB_PREFILL job the
  * caller submits with session_id set.  record: activate_past_recording on
  * its KV.  Crop, fork and recording later are JOB_CROP / JOB_FORK /
  * JOB_RECORD jobs naming the session. */
 enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
-                                      char *id, size_t cap, struct ipc_error *err);
+                                      const json_t *request, char *id, size_t cap, struct ipc_error *err);
 enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, struct ipc_error *err);
 /* {"id","object":"session","created","tokens","bytes":{"device","host","disk"},
  *  "strategy" (in use),"requested_strategy","fallback","busy"} */
@@ -244,6 +254,9 @@ struct engine_stats {
     uint64_t kv_fallbacks; /* sequences moved to the host tier (kv_store_stats().fallbacks) */
     uint64_t prefix_hit_tokens, prefix_entries, prefix_evictions; /* the store's prefix cache */
     size_t dev_budget, dev_used; /* the backend's device memory: weights, activations, KV, slots */
+    /* the disk tier: sessions spilled, restored and their failures; files and bytes */
+    uint64_t spills, restores, disk_errors;
+    struct kv_disk_stats disk;
 };
 struct engine_stats engine_get_stats(engine *e);
 void engine_count_error(engine *e, enum ipc_status st);

@@ -12,6 +12,7 @@
 
 #include "daemon/engine.h"
 #include "model/runtime.h"
+#include "tiers/disk.h"
 
 struct session {
     char id[IPC_SESSION_ID_MAX + 1];
@@ -24,6 +25,19 @@ struct session {
     size_t n_toks;
     struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */
     struct kv_seq *kv; /* engine thread only */
+    char *request;     /* {"cache": ..., "use_cache": ...} as the client sent them: the file's meta */
+    size_t disk_bytes; /* under mu: bytes of its file on disk (0: none) */
+    /* ---- engine thread: the disk side (spill.c) ---- */
+    uint64_t version;      /* bumped whenever its KV or ids change */
+    uint64_t disk_version; /* the version its file holds; 0 = no file */
+    double t_idle;         /* clock_ms() when it was last used */
+    kv_disk_op *op;        /* a spill or restore in flight */
+    bool op_restore;
+    uint64_t op_version;   /* the version a spill in flight writes */
+    size_t op_len;         /* the bytes it writes */
+    double spill_retry_at; /* clock_ms() before which no spill is tried (after a failed one) */
+    void *op_img;          /* the op's buffers */
+    char *op_meta;
     struct session *next;
 };
 
@@ -67,18 +81,56 @@ struct engine {
     float *logits;  /* [max_seqs, vocab] */
     float *scratch; /* [vocab]: raw logits kept for logprobs */
     unsigned rr;    /* round-robin start among prefills; unsigned so it wraps after 2^32 steps */
+
+    /* ---- the disk tier (spill.c); NULL: none ---- */
+    kv_disk *disk;
+    bool io_event;   /* under mu: an op completed since the engine last looked */
+    int n_ops;       /* engine thread: spills and restores in flight */
+    int n_spilling;
 };
 
 /* ---- sessions.c, for engine.c ---- */
 
 /* Owner check shared by every session endpoint: 404 unknown, 403 not yours (caller holds mu). */
 enum ipc_status session_get(engine *e, uid_t uid, const char *id, struct session **out, struct ipc_error *err);
+/* A session not in the table yet, with a fresh random id; request is the
+ * client's {"cache", "use_cache"} (NULL: none), kept for its file. */
+struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, bool record, const json_t *request,
+                            struct ipc_error *err);
+/* Puts s in the table (429 when full, 503 while draining); on failure the
+ * caller still owns s. */
+enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *err);
 /* Frees a list of sessions and their KV (engine thread, or after it ended). */
 void free_dead_sessions(struct session *s);
 /* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
 void session_unlink_locked(engine *e, struct session *s);
 /* Runs a JOB_CROP, JOB_FORK, JOB_RECORD, JOB_EXPORT or JOB_IMPORT job on its session (engine thread). */
 void session_run_op(engine *e, struct job *j);
+
+/* ---- spill.c: sessions on disk (engine thread unless noted) ---- */
+
+/* Opens the disk tier (cfg.disk_dir) and lists the sessions a previous run
+ * left there; without one the engine runs in memory alone.  At load. */
+void disk_open(engine *e);
+/* Writes every session whose file is not current, waits, closes. */
+void disk_close(engine *e);
+/* Handles completed ops: a spill frees the KV it wrote (if the session was
+ * not used meanwhile), a restore gives the session its KV back. */
+void disk_poll(engine *e);
+/* Starts spilling sessions idle for cfg.spill_after_s; returns the
+ * clock_ms() at which the next one becomes due (0: none). */
+double disk_spill_idle(engine *e, double now);
+/* The host or device tier is full: starts spilling the least recently used
+ * idle session.  False when there is none to spill and none in flight. */
+bool disk_spill_for_memory(engine *e);
+/* Whether j's session has its KV on disk; disk_restore starts reading it
+ * (the job waits until disk_poll has it back). */
+bool disk_needs_restore(const engine *e, const struct session *s);
+void disk_restore(engine *e, struct session *s);
+/* A deleted session: its op is waited for and its file removed. */
+void disk_forget(engine *e, struct session *s);
+/* ---- engine.c, for spill.c ---- */
+void start_job(engine *e, struct job *j);
 
 /* ---- engine.c, for sessions.c ---- */
 

@@ -75,7 +75,23 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "kv_cache_bytes", "gauge", "KV cache bytes resident per tier.", "{tier=\"device\"}",
            (double)st.kv_dev_bytes);
     metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"host\"}", (double)st.kv_host_bytes);
-    metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"disk\"}", 0);
+    metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"disk\"}", (double)st.disk.used);
+    metric(&w, "disk_budget_bytes", "gauge", "Bytes the disk tier may take (--disk-mem).", NULL,
+           (double)st.disk.budget);
+    metric(&w, "disk_files", "gauge", "Objects in the disk tier.", NULL, (double)st.disk.files);
+    metric(&w, "session_spills_total", "counter", "Sessions written to the disk tier.", NULL, (double)st.spills);
+    metric(&w, "session_restores_total", "counter", "Sessions read back from the disk tier.", NULL,
+           (double)st.restores);
+    metric(&w, "disk_errors_total", "counter",
+           "Spills and restores that failed (disk full, I/O error, corrupt file); the KV stayed or was recomputed.",
+           NULL, (double)st.disk_errors);
+    metric(&w, "disk_quarantined_total", "counter", "Files moved to the quarantine directory as corrupt.", NULL,
+           (double)st.disk.quarantined);
+    metric(&w, "disk_bytes_total", "counter", "Bytes written to and read from disk (as stored).",
+           "{op=\"write\"}", (double)st.disk.bytes_written);
+    metric(&w, "disk_bytes_total", "counter", NULL, "{op=\"read\"}", (double)st.disk.bytes_read);
+    metric(&w, "disk_compression_ratio", "gauge", "Raw over stored bytes of the chunks compressed so far.", NULL,
+           st.disk.stored_compressed ? (double)st.disk.raw_compressed / (double)st.disk.stored_compressed : 1.0);
     metric(&w, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the automatic prefix cache.", NULL,
            (double)st.prefix_hit_tokens);
     metric(&w, "prefix_cache_blocks", "gauge", "Token blocks in the prefix cache.", NULL, (double)st.prefix_entries);

@@ -34,6 +34,9 @@ enum ipc_status prep_session_create(struct req *r)
                       q.field, ids->n, engine_context(s->eng));
     r->prep.cache = q.cache;
     r->prep.record = q.record;
+    if (st == IPC_OK && !(r->prep.request = json_pack("{s:O?, s:O?}", "cache", json_object_get(r->root, "cache"),
+                                                      "use_cache", json_object_get(r->root, "use_cache"))))
+        st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
     ipc_session_req_release(&q);
     return st;
 }
@@ -48,7 +51,8 @@ enum MHD_Result h_session_create(struct req *r, const char *arg)
     struct tok_ids ids = r->prep.ids;
     char id[IPC_SESSION_ID_MAX + 1];
     r->prep.ids = (struct tok_ids){0};
-    enum ipc_status st = engine_session_create(s->eng, r->uid, &r->prep.cache, r->prep.record, id, sizeof(id), &err);
+    enum ipc_status st = engine_session_create(s->eng, r->uid, &r->prep.cache, r->prep.record, r->prep.request, id,
+                                               sizeof(id), &err);
     struct job *j = NULL;
     if (st == IPC_OK && ids.n && !(j = job_new(1, NULL, 0))) {
         st = ipc_fail(&err, IPC_ENOMEM, "", "no memory for the request");
@@ -174,7 +178,7 @@ enum MHD_Result h_session_import(struct req *r, const char *arg)
                                  .sliding_window = engine_model_config(s->eng)->sliding_window};
     char id[IPC_SESSION_ID_MAX + 1];
     if (ipc_cache_parse(NULL, NULL, &cm, &cache, &err) != IPC_OK ||
-        engine_session_create(s->eng, r->uid, &cache, false, id, sizeof(id), &err) != IPC_OK)
+        engine_session_create(s->eng, r->uid, &cache, false, NULL, id, sizeof(id), &err) != IPC_OK)
         return reply_error(r, &err);
     struct job *j = job_new(1, NULL, 0);
     if (!j) {

@@ -57,6 +57,7 @@ struct prep {
     struct ipc_cache_choice cache; /* session create */
     bool record;                   /* session create */
     struct kvfile kvf;             /* session import: the body, checked */
+    json_t *request;               /* session create: its "cache" and "use_cache", for its file on disk */
     struct jw out;                 /* tokenize, detokenize, apply-template: the 200 body */
 };
 

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <grp.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -51,12 +52,37 @@ static void usage(FILE *f)
             "  --max-body BYTES     request body limit before 413 (default 4M)\n"
             "  --max-output BYTES   text queued for a slow stream reader (default 1M)\n"
             "  --max-sessions N     sessions before 429 (default 64)\n"
+            "  --disk-dir DIR       the disk tier: spilled and persisted sessions (default $KVTIER_DISK_DIR, else\n"
+            "                       $XDG_STATE_HOME/kvtier or ~/.local/state/kvtier; /var/lib/kvtier with --system;\n"
+            "                       \"none\": sessions live in memory only)\n"
+            "  --disk-mem BYTES     bytes the disk tier may take (default: a quarter of the free space)\n"
+            "  --spill-after S      idle sessions go to disk after S seconds (default 600)\n"
+            "  --disk-compress M    auto (idle spills compressed, others raw), always or never (default auto)\n"
             "  --drain-timeout S    SIGTERM: seconds in-flight requests may finish (default 30)\n"
             "  --idle-timeout S     close idle connections after S seconds (default 300)\n"
             "  --stall-timeout S    /health says stalled when work waits and no step completes for S s (default 120)\n"
             "  --log FILE           log here instead of stderr (reopened on SIGHUP)\n"
             "  --verbose            debug log lines\n"
             "  --help\n");
+}
+
+/* Where sessions persist unless --disk-dir says: the XDG state directory
+ * of the user, /var/lib for the system service; NULL when none is known. */
+static const char *default_disk_dir(bool system, char *buf, size_t cap)
+{
+    const char *env = getenv("KVTIER_DISK_DIR"), *xdg = getenv("XDG_STATE_HOME"), *home = getenv("HOME");
+    int n;
+    if (env && *env)
+        n = snprintf(buf, cap, "%s", env);
+    else if (system)
+        n = snprintf(buf, cap, "/var/lib/kvtier");
+    else if (xdg && *xdg == '/')
+        n = snprintf(buf, cap, "%s/kvtier", xdg);
+    else if (home && *home == '/')
+        n = snprintf(buf, cap, "%s/.local/state/kvtier", home);
+    else
+        return NULL;
+    return n > 0 && (size_t)n < cap ? buf : NULL;
 }
 
 static int sig_write_fd = -1;
@@ -75,16 +101,18 @@ int main(int argc, char **argv)
 {
     const char *env_model = getenv("KVTIER_MODEL");
     struct engine_config ec = {.model_dir = env_model && *env_model ? env_model : "model/builtin", .backend = "cpu",
-                               .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64};
+                               .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64,
+                               .spill_after_s = 600};
     struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = 8,
                                .max_messages = 1024, .drain_timeout_s = 30, .idle_timeout_s = 300,
                                .header_timeout_s = 10, .body_rate = 16u << 10, .stall_timeout_s = 120,
                                .allow_gid = (gid_t)-1};
-    const char *sock_flag = NULL, *log_path = NULL, *group = NULL;
+    const char *sock_flag = NULL, *log_path = NULL, *group = NULL, *disk_dir = NULL;
     bool system = false, verbose = false;
     enum {
         O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
-        O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP
+        O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
+        O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -102,12 +130,23 @@ int main(int argc, char **argv)
         {"max-body", required_argument, 0, O_BODY}, {"max-output", required_argument, 0, O_OUTPUT},
         {"max-sessions", required_argument, 0, O_SESSIONS}, {"drain-timeout", required_argument, 0, O_DRAIN},
         {"idle-timeout", required_argument, 0, O_IDLE}, {"log", required_argument, 0, O_LOG},
-        {"verbose", no_argument, 0, O_VERBOSE}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+        {"verbose", no_argument, 0, O_VERBOSE}, {"help", no_argument, 0, O_HELP},
+        {"disk-dir", required_argument, 0, O_DISKDIR}, {"disk-mem", required_argument, 0, O_DISKMEM},
+        {"spill-after", required_argument, 0, O_SPILL}, {"disk-compress", required_argument, 0, O_COMPRESS},
+        {0, 0, 0, 0}};
     int c;
     bool ok = true;
     while (ok && (c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
         case O_MODEL: ec.model_dir = optarg; break;
+        case O_DISKDIR: disk_dir = optarg; break;
+        case O_DISKMEM: ok = args_size(optarg, &ec.disk_mem) && ec.disk_mem > 0; break;
+        case O_SPILL: ok = args_int(optarg, 0, 1 << 30, &ec.spill_after_s); break;
+        case O_COMPRESS:
+            ok = !strcmp(optarg, "auto") || !strcmp(optarg, "always") || !strcmp(optarg, "never");
+            ec.disk_compress = !strcmp(optarg, "always") ? KV_DISK_COMPRESS_ALWAYS
+                               : !strcmp(optarg, "never") ? KV_DISK_COMPRESS_NEVER : KV_DISK_COMPRESS_AUTO;
+            break;
         case O_SOCKET: sock_flag = optarg; break;
         case O_SYSTEM: system = true; break;
         case O_GROUP: group = optarg; break;
@@ -161,6 +200,10 @@ int main(int argc, char **argv)
         }
         sc.allow_gid = gr->gr_gid;
     }
+    char disk_buf[PATH_MAX];
+    if (!disk_dir || !*disk_dir)
+        disk_dir = default_disk_dir(system, disk_buf, sizeof(disk_buf));
+    ec.disk_dir = disk_dir && strcmp(disk_dir, "none") != 0 ? disk_dir : NULL;
     int rc = log_open(log_path, verbose ? LOG_DEBUG : LOG_INFO);
     if (rc) {
         fprintf(stderr, "kvtierd: cannot open the log %s: %s\n", log_path, strerror(-rc));

@@ -341,6 +341,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enu
     free(r->prep.ids.ids);
     kvfile_release(&r->prep.kvf);
     free(r->prep.out.p);
+    json_decref(r->prep.request);
     json_decref(r->root);
     free(r->body);
     free(r->snap);

@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "daemon/engine_impl.h"
+#include "util/clock.h"
 
 static struct session *session_find(engine *e, const char *id)
 {
@@ -41,23 +42,25 @@ void free_dead_sessions(struct session *s)
         struct session *next = s->next;
         kv_seq_free(s->kv);
         free(s->toks);
+        free(s->request);
         free(s);
         s = next;
     }
 }
 
-/* A session not in the table yet, with a fresh random id. */
-static struct session *session_alloc(uid_t uid, const struct ipc_cache_choice *cache, bool record,
-                                     struct ipc_error *err)
+struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, bool record, const json_t *request,
+                            struct ipc_error *err)
 {
     struct session *s = calloc(1, sizeof(*s));
-    if (!s) {
+    if (!s || (request && !(s->request = json_dumps(request, JSON_COMPACT)))) {
+        free(s);
         ipc_fail(err, IPC_ENOMEM, "", "no memory for a session");
         return NULL;
     }
     unsigned char rnd[8];
     if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
         ipc_fail(err, IPC_EINTERNAL, "", "getrandom failed: %s", strerror(errno));
+        free(s->request);
         free(s);
         return NULL;
     }
@@ -68,12 +71,12 @@ static struct session *session_alloc(uid_t uid, const struct ipc_cache_choice *c
     s->created = time(NULL);
     s->cache = *cache;
     s->record = record;
+    s->version = 1; /* its file, none yet, holds version 0 */
+    s->t_idle = clock_ms();
     return s;
 }
 
-/* Puts s in the table (429 when full, 503 while draining); on failure the
- * caller still owns s. */
-static enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *err)
+enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *err)
 {
     pthread_mutex_lock(&e->mu);
     enum ipc_status st = IPC_OK;
@@ -92,16 +95,16 @@ static enum ipc_status session_insert(engine *e, struct session *s, struct ipc_e
 }
 
 enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
-                                      char *id, size_t cap, struct ipc_error *err)
+                                      const json_t *request, char *id, size_t cap, struct ipc_error *err)
 {
-    struct session *s = session_alloc(uid, cache, record, err);
+    struct session *s = session_new(uid, cache, record, request, err);
     if (!s)
         return err->st;
     enum ipc_status st = session_insert(e, s, err);
     if (st == IPC_OK)
         snprintf(id, cap, "%s", s->id);
     else
-        free(s);
+        free_dead_sessions(s);
     return st;
 }
 
@@ -141,9 +144,10 @@ static json_t *session_to_json(const struct session *s)
 {
     /* before its first request a session has no KV: it will use what it asked for */
     const char *used = s->n_toks ? ipc_cache_strategy_name(&s->cache, s->kvs.strategy) : s->cache.name;
-    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:i}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
+    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:I}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
                      "session", "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
-                     (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk", 0, "strategy", used,
+                     (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk",
+                     (json_int_t)s->disk_bytes, "strategy", used,
                      "requested_strategy", s->cache.name, "fallback", engine_fallback_name(s->kvs.fallback),
                      "past_recording", s->record, "busy", s->busy);
 }
@@ -188,10 +192,12 @@ static void session_publish(engine *e, struct session *s)
  * in the table under a new id. */
 static enum ipc_status session_fork(engine *e, struct session *s, struct session **out, struct ipc_error *err)
 {
-    struct session *c = session_alloc(s->uid, &s->cache, s->record, err);
+    struct session *c = session_new(s->uid, &s->cache, s->record, NULL, err);
     if (!c)
         return err->st;
     enum ipc_status st = IPC_OK;
+    if (s->request && !(c->request = strdup(s->request)))
+        st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork");
     if (s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks))))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
     enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;
@@ -339,6 +345,8 @@ void session_run_op(engine *e, struct job *j)
     } else if (j->kind == JOB_IMPORT) {
         session_import(e, s, j, &err);
     }
+    if (j->kind != JOB_FORK && j->kind != JOB_EXPORT)
+        s->version++; /* its file, if any, no longer holds its KV */
     session_publish(e, s);
     pthread_mutex_lock(&e->mu);
     if (j->kind == JOB_RECORD && err.st == IPC_OK)

@@ -66,8 +66,10 @@ class Daemon:
         env = dict(os.environ)
         env.update(extra_env or {})
         self.logf = open(self.log, "ab")
+        # each socket its own disk tier, kept across restarts of this daemon
+        disk = [] if "--disk-dir" in self.args else ["--disk-dir", self.sock + ".disk"]
         self.proc = subprocess.Popen([KVTIERD, "--model", self.model, "--socket", self.sock, "--threads", "1"] +
-                                     self.args, stdout=self.logf, stderr=self.logf, env=env)
+                                     disk + self.args, stdout=self.logf, stderr=self.logf, env=env)
         if wait:
             self.wait_ready()
         return self

@@ -7,6 +7,9 @@
 build=${1:-build}
 export KVTIER_BUILD="$build"
 export CMOCKA_MESSAGE_OUTPUT=stdout
+# a daemon a test starts without the harness never touches the user's
+# state directory (the harness gives each daemon a disk tier of its own)
+export KVTIER_DISK_DIR=none
 pass=0; fail=0; skip=0; failed=""
 run_one() {
   name=$1; shift

@@ -1,0 +1,548 @@
+/* spill.c - the sessions' side of the disk tier (docs/persistence.md).
+ *
+ * A session is written to the disk tier as one object: its KV image
+ * (kv_seq_save) and a JSON meta with what the table needs to list it again
+ * (id, owner, creation time, the cache choice as the client sent it, past
+ * recording, the token ids).  Files are kept per owner (namespace
+ * "u<uid>"), so one uid's files are never named by another's requests.
+ *
+ * When: a session idle for --spill-after, or the least recently used idle
+ * one when a step finds the memory tiers full, is written and, once the
+ * write is complete and the session was not used meanwhile, its KV leaves
+ * memory.  The next request on it reads the object back before the request
+ * is admitted to a step; other requests keep running meanwhile, since the
+ * disk tier's own thread does the I/O.  At exit every session whose file is
+ * not current is written; at start the files a previous run left are
+ * listed as sessions again and restored by their first request.
+ *
+ * A write that fails keeps the KV where it was; a read that fails (a file
+ * quarantined as corrupt, an I/O error) costs the session its KV, never its
+ * correctness: the next request computes the tokens again.
+ *
+ * Versions: every change to a session's KV or ids bumps s->version; its
+ * file holds s->disk_version.  A file older than the KV in memory is a
+ * consistent snapshot of an earlier state, replaced by the next spill.
+ * Everything here runs on the engine thread except notify().
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/engine_impl.h"
+#include "model/model.h"
+#include "util/clock.h"
+#include "util/log.h"
+
+#define META_FORMAT 1
+
+/* The disk tier's thread: an op completed, the engine loop looks. */
+static void notify(void *arg)
+{
+    engine *e = arg;
+    pthread_mutex_lock(&e->mu);
+    e->io_event = true;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void ns_of(uid_t uid, char out[24])
+{
+    snprintf(out, 24, "u%u", (unsigned)uid);
+}
+
+/* {"kvtier_session": 1, "id", "uid", "created", "record", "request",
+ *  "tokens": [...]}: what the table needs to list the session again. */
+static char *meta_json(const struct session *s)
+{
+    json_t *req = NULL, *toks = json_array();
+    if (s->request && !(req = json_loads(s->request, 0, NULL))) {
+        json_decref(toks);
+        return NULL;
+    }
+    for (size_t i = 0; toks && i < s->n_toks; i++)
+        if (json_array_append_new(toks, json_integer(s->toks[i])) != 0) {
+            json_decref(toks);
+            toks = NULL;
+        }
+    json_t *o = toks ? json_pack("{s:i, s:s, s:I, s:I, s:b, s:o*, s:o}", "kvtier_session", META_FORMAT, "id", s->id,
+                                 "uid", (json_int_t)s->uid, "created", (json_int_t)s->created, "record", s->record,
+                                 "request", req, "tokens", toks)
+                     : NULL;
+    if (!o)
+        json_decref(req);
+    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return text;
+}
+
+static void op_clear(engine *e, struct session *s)
+{
+    kv_disk_op_free(s->op);
+    s->op = NULL;
+    free(s->op_img);
+    s->op_img = NULL;
+    free(s->op_meta);
+    s->op_meta = NULL;
+    e->n_ops--;
+    if (!s->op_restore)
+        e->n_spilling--;
+}
+
+static void count(engine *e, uint64_t *counter)
+{
+    pthread_mutex_lock(&e->mu);
+    (*counter)++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* A spill that failed is not tried again for a while: the disk is full or
+ * failing, and a step waiting for memory must not spin on it. */
+static void spill_backoff(engine *e, struct session *s)
+{
+    int s_after = e->cfg.spill_after_s > 10 ? e->cfg.spill_after_s : 10;
+    s->t_idle = clock_ms();
+    s->spill_retry_at = s->t_idle + s_after * 1e3;
+}
+
+/* Starts writing s: its image is taken now, so the session may be used
+ * while the write is in flight. */
+static bool spill_start(engine *e, struct session *s, bool cold)
+{
+    size_t n = s->kv ? kv_seq_image_size(s->kv) : 0;
+    void *img = n ? malloc(n) : NULL;
+    char *meta = meta_json(s);
+    const char *why = NULL;
+    if ((n && !img) || !meta)
+        why = "no host memory for its image";
+    else if (n && kv_seq_save(s->kv, img, n) != TIER_OK)
+        why = kv_store_errmsg(e->store);
+    char ns[24];
+    ns_of(s->uid, ns);
+    enum tier_status ts = TIER_OK;
+    if (!why) {
+        struct kv_disk_obj o = {.meta = meta, .meta_len = strlen(meta), .data = img, .data_len = n, .cold = cold};
+        if ((ts = kv_disk_put(e->disk, ns, s->id, &o, &s->op)) != TIER_OK)
+            why = kv_disk_errmsg(e->disk)[0] ? kv_disk_errmsg(e->disk) : tier_strerror(ts);
+    }
+    if (why) {
+        log_msg(ts == TIER_EFULL ? LOG_DEBUG : LOG_WARN, "session %s: not spilled to disk: %s", s->id, why);
+        free(img);
+        free(meta);
+        s->op = NULL;
+        count(e, &e->st.disk_errors);
+        spill_backoff(e, s);
+        return false;
+    }
+    s->op_len = n + strlen(meta);
+    s->op_restore = false;
+    s->op_version = s->version;
+    s->op_img = img;
+    s->op_meta = meta;
+    e->n_ops++;
+    e->n_spilling++;
+    return true;
+}
+
+/* Drops s's KV from memory once its file holds it. */
+static void spill_release(engine *e, struct session *s)
+{
+    kv_seq_free(s->kv);
+    s->kv = NULL;
+    pthread_mutex_lock(&e->mu);
+    s->kvs = (struct kv_seq_stats){0};
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void spill_done(engine *e, struct session *s)
+{
+    enum tier_status ts = kv_disk_op_status(s->op);
+    if (ts != TIER_OK) {
+        log_msg(LOG_WARN, "session %s: spill to disk failed, its KV stays in memory: %s", s->id,
+                kv_disk_op_errmsg(s->op));
+        count(e, &e->st.disk_errors);
+        spill_backoff(e, s);
+        op_clear(e, s);
+        return;
+    }
+    s->disk_version = s->op_version;
+    pthread_mutex_lock(&e->mu);
+    s->disk_bytes = s->op_len;
+    bool unchanged = !s->busy && s->version == s->op_version;
+    e->st.spills++;
+    pthread_mutex_unlock(&e->mu);
+    op_clear(e, s);
+    if (unchanged && s->kv)
+        spill_release(e, s);
+}
+
+/* Jobs waiting for s's restore start now (or fail with err). */
+static void restore_wake(engine *e, struct session *s, const struct ipc_error *err)
+{
+    for (struct job *j = e->active; j; j = j->next) {
+        if (j->sess != s || !j->io_wait)
+            continue;
+        j->io_wait = false;
+        if (err)
+            job_fail(e, j, err);
+        else if (!j->kill)
+            start_job(e, j);
+    }
+}
+
+static void restore_done(engine *e, struct session *s)
+{
+    enum tier_status ts = kv_disk_op_status(s->op);
+    void *meta = NULL, *img = NULL;
+    size_t meta_len = 0, n = 0;
+    kv_seq *kv = NULL;
+    const char *why = NULL;
+    if (ts == TIER_OK) {
+        kv_disk_op_take(s->op, &meta, &meta_len, &img, &n);
+        if (n && (ts = kv_seq_load(e->store, img, n, &kv)) != TIER_OK)
+            why = kv_store_errmsg(e->store);
+        else if (n && (size_t)kv_seq_length(kv) != s->n_toks)
+            ts = TIER_EINVAL, why = "its KV holds another number of tokens than its meta";
+        else if (!n && s->n_toks)
+            ts = TIER_EINVAL, why = "the file holds no KV";
+    } else {
+        why = kv_disk_op_errmsg(s->op);
+    }
+    free(meta);
+    free(img);
+    op_clear(e, s);
+    if ((ts == TIER_ENOMEM_DEV || ts == TIER_ENOMEM_HOST) && disk_spill_for_memory(e))
+        return; /* its jobs wait on; disk_poll reads it again once the spill is done */
+    if (ts == TIER_ENOMEM_DEV || ts == TIER_ENOMEM_HOST) {
+        /* memory, not the file: the session stays on disk for a retry */
+        struct ipc_error err;
+        ipc_fail(&err, IPC_ESTORAGE, "", "no memory to restore session \"%s\" from disk: %s", s->id, why);
+        restore_wake(e, s, &err);
+        return;
+    }
+    if (ts != TIER_OK) {
+        kv_seq_free(kv);
+        kv = NULL;
+        log_msg(LOG_WARN, "session %s: restore from disk failed, its tokens will be computed again: %s", s->id,
+                why ? why : tier_strerror(ts));
+        count(e, &e->st.disk_errors);
+        s->disk_version = 0;
+        s->version++;
+        pthread_mutex_lock(&e->mu);
+        free(s->toks);
+        s->toks = NULL;
+        s->n_toks = 0;
+        s->disk_bytes = 0;
+        pthread_mutex_unlock(&e->mu);
+    }
+    s->kv = kv;
+    pthread_mutex_lock(&e->mu);
+    s->kvs = kv ? kv_seq_stats(kv) : (struct kv_seq_stats){0};
+    if (kv)
+        e->st.restores++;
+    pthread_mutex_unlock(&e->mu);
+    restore_wake(e, s, NULL);
+}
+
+/* The first session (under mu) matching pred, or NULL. */
+static struct session *find_locked(engine *e, bool (*pred)(const engine *, const struct session *, double),
+                                   double now)
+{
+    for (struct session *s = e->sessions; s; s = s->next)
+        if (pred(e, s, now))
+            return s;
+    return NULL;
+}
+
+static bool op_finished(const engine *e, const struct session *s, double now)
+{
+    (void)e, (void)now;
+    return s->op && kv_disk_op_done(s->op);
+}
+
+void disk_poll(engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    e->io_event = false;
+    pthread_mutex_unlock(&e->mu);
+    if (!e->n_ops)
+        return;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        struct session *s = find_locked(e, op_finished, 0);
+        pthread_mutex_unlock(&e->mu);
+        if (!s)
+            break;
+        if (s->op_restore)
+            restore_done(e, s);
+        else
+            spill_done(e, s);
+    }
+    if (e->n_spilling)
+        return;
+    /* memory freed: steps that found it full go again, and so do restores
+     * that could not load */
+    for (struct job *j = e->active; j; j = j->next) {
+        j->mem_wait = false;
+        if (j->io_wait && !j->sess->op) {
+            j->io_wait = false;
+            start_job(e, j);
+        }
+    }
+}
+
+/* Idle, with its KV in memory and nothing in flight: it may go to disk. */
+static bool spillable(const engine *e, const struct session *s, double now)
+{
+    (void)e;
+    return !s->busy && !s->op && (s->kv || s->version != s->disk_version) && now >= s->spill_retry_at;
+}
+
+static bool idle_due(const engine *e, const struct session *s, double now)
+{
+    return spillable(e, s, now) && now - s->t_idle >= e->cfg.spill_after_s * 1e3;
+}
+
+double disk_spill_idle(engine *e, double now)
+{
+    if (!e->disk)
+        return 0;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        struct session *s = find_locked(e, idle_due, now);
+        pthread_mutex_unlock(&e->mu);
+        if (!s)
+            break;
+        if (s->kv && s->version == s->disk_version)
+            spill_release(e, s); /* its file is current: nothing to write */
+        else
+            spill_start(e, s, true);
+    }
+    double next = 0;
+    pthread_mutex_lock(&e->mu);
+    for (struct session *s = e->sessions; s; s = s->next) {
+        double due = s->t_idle + e->cfg.spill_after_s * 1e3;
+        due = due > s->spill_retry_at ? due : s->spill_retry_at;
+        if (!s->busy && !s->op && (s->kv || s->version != s->disk_version) && (next == 0 || due < next))
+            next = due;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return next;
+}
+
+bool disk_spill_for_memory(engine *e)
+{
+    if (!e->disk)
+        return false;
+    if (e->n_spilling)
+        return true;
+    double now = clock_ms();
+    pthread_mutex_lock(&e->mu);
+    struct session *lru = NULL;
+    for (struct session *s = e->sessions; s; s = s->next)
+        if (s->kv && spillable(e, s, now) && (!lru || s->t_idle < lru->t_idle))
+            lru = s;
+    pthread_mutex_unlock(&e->mu);
+    if (!lru)
+        return false;
+    if (lru->version == lru->disk_version) {
+        spill_release(e, lru);
+        return true;
+    }
+    /* hot: it is in the way now, so it goes out uncompressed */
+    return spill_start(e, lru, false);
+}
+
+bool disk_needs_restore(const engine *e, const struct session *s)
+{
+    return e->disk && !s->kv && s->disk_version && s->n_toks;
+}
+
+void disk_restore(engine *e, struct session *s)
+{
+    char ns[24];
+    ns_of(s->uid, ns);
+    enum tier_status ts = kv_disk_get(e->disk, ns, s->id, &s->op);
+    if (ts != TIER_OK) {
+        struct ipc_error err;
+        ipc_fail(&err, IPC_ESTORAGE, "", "cannot read session \"%s\" from disk: %s", s->id, tier_strerror(ts));
+        s->op = NULL;
+        restore_wake(e, s, &err);
+        return;
+    }
+    s->op_restore = true;
+    e->n_ops++;
+}
+
+void disk_forget(engine *e, struct session *s)
+{
+    if (!e->disk)
+        return;
+    if (s->op)
+        op_clear(e, s); /* waits for it */
+    if (s->disk_version) {
+        char ns[24];
+        ns_of(s->uid, ns);
+        kv_disk_remove(e->disk, ns, s->id);
+    }
+}
+
+/* ---- start and exit ------------------------------------------------------ */
+
+static bool valid_id(const char *id)
+{
+    size_t n = strlen(id);
+    if (n < 6 || n > IPC_SESSION_ID_MAX || strncmp(id, "sess-", 5) != 0)
+        return false;
+    for (size_t i = 5; i < n; i++)
+        if (!((id[i] >= '0' && id[i] <= '9') || (id[i] >= 'a' && id[i] <= 'f')))
+            return false;
+    return true;
+}
+
+/* A session from a file's meta, or NULL naming why in *why. */
+static struct session *session_of_meta(engine *e, const char *ns, const char *name, const void *meta,
+                                       size_t meta_len, size_t data_len, const char **why)
+{
+    json_error_t je;
+    json_t *o = json_loadb(meta, meta_len, JSON_REJECT_DUPLICATES, &je);
+    json_t *id = json_object_get(o, "id"), *uid = json_object_get(o, "uid"), *created = json_object_get(o, "created");
+    json_t *record = json_object_get(o, "record"), *req = json_object_get(o, "request");
+    json_t *toks = json_object_get(o, "tokens");
+    char want_ns[24];
+    struct session *s = NULL;
+    *why = NULL;
+    if (!o || json_integer_value(json_object_get(o, "kvtier_session")) != META_FORMAT)
+        *why = "meta is not a session of this format";
+    else if (!json_is_string(id) || !valid_id(json_string_value(id)) || strcmp(json_string_value(id), name) != 0)
+        *why = "meta names another session";
+    else if (!json_is_integer(uid) || json_integer_value(uid) < 0 || json_integer_value(uid) > UINT32_MAX - 1 ||
+             (ns_of((uid_t)json_integer_value(uid), want_ns), strcmp(want_ns, ns) != 0))
+        *why = "meta names another owner";
+    else if (!json_is_integer(created) || !json_is_boolean(record) || !json_is_array(toks) ||
+             json_array_size(toks) >= (size_t)e->ctx || (req && !json_is_object(req) && !json_is_null(req)))
+        *why = "meta fields out of range";
+    else if (data_len == 0 && json_array_size(toks))
+        *why = "tokens without KV";
+    struct ipc_cache_choice cache;
+    struct ipc_error err;
+    if (!*why && ipc_cache_parse(json_object_get(req, "cache"), json_object_get(req, "use_cache"),
+                                 &(struct ipc_cache_model){e->ctx, e->mc->sliding_window}, &cache, &err) != IPC_OK)
+        *why = "its cache choice is not valid for this model";
+    if (!*why && !(s = session_new((uid_t)json_integer_value(uid), &cache, json_is_true(record), req, &err)))
+        *why = "no memory";
+    size_t n = json_array_size(toks);
+    if (s && n && !(s->toks = malloc(n * sizeof(*s->toks)))) {
+        *why = "no memory";
+    } else if (s) {
+        for (size_t i = 0; i < n && !*why; i++) {
+            json_t *v = json_array_get(toks, i);
+            if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= e->vocab)
+                *why = "a token id out of range";
+            else
+                s->toks[i] = (int32_t)json_integer_value(v);
+        }
+        s->n_toks = n;
+    }
+    if (s && !*why) {
+        snprintf(s->id, sizeof(s->id), "%s", name);
+        s->created = (time_t)json_integer_value(created);
+        s->version = s->disk_version = 1;
+        s->disk_bytes = data_len + meta_len;
+    }
+    json_decref(o);
+    if (*why) {
+        free_dead_sessions(s);
+        return NULL;
+    }
+    return s;
+}
+
+struct scan {
+    engine *e;
+    int listed, skipped;
+};
+
+static void on_file(void *arg, const char *ns, const char *name, const void *meta, size_t meta_len, size_t data_len)
+{
+    struct scan *sc = arg;
+    engine *e = sc->e;
+    if (ns[0] != 'u') /* another kind of object (the prefix cache's) */
+        return;
+    const char *why;
+    struct session *s = session_of_meta(e, ns, name, meta, meta_len, data_len, &why);
+    struct ipc_error err;
+    if (s && session_insert(e, s, &err) != IPC_OK) {
+        why = err.msg;
+        free_dead_sessions(s);
+        s = NULL;
+    }
+    if (!s) {
+        log_msg(LOG_WARN, "disk tier: %s/%s.kvt not listed: %s", ns, name, why);
+        sc->skipped++;
+        return;
+    }
+    sc->listed++;
+}
+
+void disk_open(engine *e)
+{
+    if (!e->cfg.disk_dir)
+        return;
+    const struct kv_geom g = model_kv_geom(e->m);
+    struct kv_disk_params p = {.dir = e->cfg.disk_dir,
+                               .budget = e->cfg.disk_mem,
+                               .compress = (enum kv_disk_compress)e->cfg.disk_compress,
+                               .layout = {.fingerprint = model_fingerprint(e->m),
+                                          .dtype = (uint32_t)kv_store_dtype(e->store),
+                                          .block_tokens = (uint32_t)kv_store_block_tokens(e->store),
+                                          .n_layers = (uint32_t)g.n_layers,
+                                          .n_kv_heads = (uint32_t)g.n_kv_heads,
+                                          .head_dim = (uint32_t)g.head_dim},
+                               .notify = notify,
+                               .notify_arg = e};
+    enum tier_status ts = kv_disk_open(&p, &e->disk);
+    if (ts != TIER_OK) {
+        log_msg(LOG_ERR, "disk tier off (sessions live in memory only): %s", kv_disk_errmsg(e->disk));
+        kv_disk_free(e->disk);
+        e->disk = NULL;
+        return;
+    }
+    struct scan sc = {.e = e};
+    kv_disk_scan(e->disk, "", on_file, &sc);
+    struct kv_disk_stats ds = kv_disk_stats(e->disk);
+    log_msg(LOG_INFO, "disk tier %s: budget %.1f MiB (--disk-mem), %s I/O, %d session(s) restored to the table%s",
+            e->cfg.disk_dir, ds.budget / 1048576.0, ds.direct ? "direct" : "buffered", sc.listed,
+            sc.skipped ? ", some skipped (see above)" : "");
+}
+
+void disk_close(engine *e)
+{
+    if (!e->disk)
+        return;
+    /* every session whose file is not current, one at a time so that at
+     * most one image is in memory besides the KV */
+    int written = 0, failed = 0;
+    for (struct session *s = e->sessions; s; s = s->next) {
+        if (s->op) {
+            kv_disk_op_wait(s->op);
+            if (s->op_restore)
+                restore_done(e, s);
+            else
+                spill_done(e, s);
+        }
+        if (s->version == s->disk_version || !spill_start(e, s, false))
+            continue;
+        kv_disk_op_wait(s->op);
+        if (kv_disk_op_status(s->op) == TIER_OK)
+            written++;
+        else
+            failed++;
+        spill_done(e, s);
+    }
+    if (written || failed)
+        log_msg(failed ? LOG_WARN : LOG_INFO, "disk tier: %d session(s) written at exit, %d failed", written, failed);
+    kv_disk_free(e->disk);
+    e->disk = NULL;
+}

@@ -1,0 +1,189 @@
+"""kvtierd's disk tier: a session idle for --spill-after leaves memory for
+disk and its next request continues from the restored KV with the tokens of
+a daemon that never spilled (every strategy); sessions survive a restart;
+a corrupt, truncated, zero-filled or swapped file is quarantined with a log
+line naming it and the daemon keeps serving (a session whose data is bad
+recomputes, with the same tokens); a tiny --disk-mem keeps sessions in
+memory and says why; a full host tier spills an idle session instead of
+answering 507."""
+import glob
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, "tests")
+from daemon_harness import Daemon, check, skip  # noqa: E402
+
+ref = Daemon("--disk-dir", "none")
+ref.start()
+d = Daemon("--spill-after", "1", model=ref.model, tmp=ref.tmp)
+d.sock = os.path.join(ref.tmp, "disk.sock")
+d.start()
+disk_dir = d.sock + ".disk"
+prompt = [(i * 53 + 7) % 1900 + 50 for i in range(70)]
+gen = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+
+
+def metric(dm, name, labels=""):
+    for line in dm.get("/metrics")[1].decode().splitlines():
+        if line.startswith("kvtier_" + name + labels + " "):
+            return float(line.split()[1])
+    raise KeyError(name + labels)
+
+
+def complete(dm, ids, **kw):
+    code, r = dm.post("/v1/completions", dict(gen, prompt=ids, **kw))
+    assert code == 200, (code, r)
+    return r
+
+
+def session(dm, **body):
+    code, s = dm.post("/v1/sessions", body)
+    assert code == 200, (code, s)
+    return s["id"]
+
+
+def wait_spilled(dm, sid, timeout=20):
+    end = time.time() + timeout
+    while time.time() < end:
+        s = dm.get("/v1/sessions/" + sid)[1]
+        if s["bytes"]["disk"] > 0 and s["bytes"]["device"] == 0 and s["bytes"]["host"] == 0:
+            return s
+        time.sleep(0.2)
+    raise AssertionError("session %s never left memory: %s" % (sid, dm.get("/v1/sessions/" + sid)[1]))
+
+
+STRATEGIES = [
+    ("dynamic", None),
+    ("static", {"implementation": "static", "max_cache_len": 256}),
+    ("offloaded", {"implementation": "offloaded"}),
+    ("offloaded_static", {"implementation": "offloaded_static", "max_cache_len": 256}),
+    ("quantized", {"implementation": "quantized", "nbits": 4, "residual_length": 16}),
+    ("sliding_window", {"implementation": "sliding_window", "window_length": 24}),
+    ("sink", {"implementation": "sink", "window_length": 40, "num_sink_tokens": 4}),
+]
+
+# ---- spill on idle, restore on the next request: the tokens of a session that never left memory ----
+pairs = {}
+for name, cache in STRATEGIES:
+    body = {"prompt": prompt[:30]} if cache is None else {"prompt": prompt[:30], "cache": cache}
+    a, b = session(ref, **body), session(d, **body)
+    ra, rb = complete(ref, prompt[:40], session=a), complete(d, prompt[:40], session=b)
+    check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"], name + ": the same tokens before any spill")
+    s = wait_spilled(d, b)
+    held = s["tokens"]
+    nxt = prompt[:40] + ra["choices"][0]["tokens"] + [77, 78]
+    ra, rb = complete(ref, nxt, session=a), complete(d, nxt, session=b)
+    check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and
+          rb["usage"]["prompt_tokens_details"]["cached_tokens"] == ra["usage"]["prompt_tokens_details"]["cached_tokens"]
+          and rb["usage"]["prompt_tokens_details"]["cached_tokens"] > 0,
+          "%s: spilled (%d tokens, %d bytes on disk), restored, continued with the same tokens (%d cached)" %
+          (name, held, s["bytes"]["disk"], rb["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    pairs[name] = (a, b, nxt + ra["choices"][0]["tokens"])
+check(metric(d, "session_spills_total") >= len(STRATEGIES) and
+      metric(d, "session_restores_total") >= len(STRATEGIES), "/metrics counts spills and restores")
+files = glob.glob(os.path.join(disk_dir, "u%d" % os.getuid(), "*.kvt"))
+check(len(files) == len(STRATEGIES) and all(os.stat(f).st_mode & 0o777 == 0o600 for f in files) and
+      os.stat(os.path.join(disk_dir, "u%d" % os.getuid())).st_mode & 0o777 == 0o700,
+      "one file per session under u<uid>/, files 0600 and directories 0700")
+
+# ---- persistence: SIGTERM writes every session, a restart lists them, each continues ----
+check(d.stop() == 0, "SIGTERM: clean exit")
+d.start()
+listed = {s["id"]: s for s in d.get("/v1/sessions")[1]["data"]}
+check(all(b in listed and listed[b]["bytes"]["disk"] > 0 for _, b, _ in pairs.values()),
+      "after a restart every session is listed, on disk")
+for name, (a, b, nxt) in pairs.items():
+    ra, rb = complete(ref, nxt, session=a), complete(d, nxt, session=b)
+    check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and
+          rb["usage"]["prompt_tokens_details"]["cached_tokens"] == ra["usage"]["prompt_tokens_details"]["cached_tokens"],
+          "%s: after the restart the session continues with the same tokens" % name)
+
+# ---- damaged files: quarantined, named in the log, the daemon serves ----
+check(d.stop() == 0, "stop before damaging the files")
+udir = os.path.join(disk_dir, "u%d" % os.getuid())
+victims = {}
+for (name, (a, b, nxt)), how in zip(pairs.items(), ["truncate", "zero", "swap", "data"]):
+    path = os.path.join(udir, b + ".kvt")
+    size = os.path.getsize(path)
+    if how == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+    elif how == "zero":
+        with open(path, "r+b") as f:
+            f.write(b"\0" * size)
+    elif how == "swap":
+        other = pairs["sink"][1]
+        with open(os.path.join(udir, other + ".kvt"), "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(data)
+    else:  # one byte of the KV data, past the header
+        with open(path, "r+b") as f:
+            f.seek(size - 100)
+            byte = f.read(1)
+            f.seek(size - 100)
+            f.write(bytes([byte[0] ^ 0x5A]))
+    victims[name] = (how, b)
+d.start()
+log = d.logtext()
+listed = {s["id"] for s in d.get("/v1/sessions")[1]["data"]}
+for name, (how, b) in victims.items():
+    if how == "data":
+        continue
+    check(b not in listed and b in log and os.path.exists(os.path.join(disk_dir, "quarantine")),
+          "%s file of %s: quarantined at start, named in the log, not listed" % (how, name))
+name = [n for n, (how, _) in victims.items() if how == "data"][0]
+a, b, nxt = pairs[name]
+if b in listed:
+    ra, rb = complete(ref, nxt, session=a), complete(d, nxt, session=b)
+    check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and "quarantine" in d.logtext(),
+          "a session whose KV data is corrupt recomputes: the same tokens, its file quarantined")
+else:
+    check(b in d.logtext(), "a session whose KV data is corrupt is quarantined at start")
+code, r = d.post("/v1/completions", dict(gen, prompt=prompt[:20]))
+check(code == 200, "the daemon keeps serving")
+d.stop()
+
+# ---- a disk tier too small: sessions stay in memory, the log and /metrics say why ----
+tiny = Daemon("--spill-after", "1", "--disk-mem", "4k", model=ref.model, tmp=ref.tmp)
+tiny.sock = os.path.join(ref.tmp, "tiny.sock")
+tiny.start()
+sid = session(tiny, prompt=prompt[:30])
+r1 = complete(tiny, prompt[:40], session=sid)
+time.sleep(3)
+s = tiny.get("/v1/sessions/" + sid)[1]
+check(s["bytes"]["disk"] == 0 and s["bytes"]["device"] > 0 and metric(tiny, "disk_errors_total") >= 1,
+      "--disk-mem 4k: the session stays in memory, /metrics counts the failed spill")
+r2 = complete(tiny, prompt[:40] + r1["choices"][0]["tokens"], session=sid)
+check(r2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "and keeps serving from memory")
+tiny.stop()
+
+# ---- a full host tier spills an idle session instead of answering 507 ----
+deep = os.path.join(ref.tmp, "deep")
+r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "llama", "--preset", "tiny", "--layers", "8",
+                    "--vocab", "2048", "--tokenizer-from", "model/builtin", "--out", deep],
+                   capture_output=True, text=True)
+if r.returncode:
+    skip("mkmodel failed: " + r.stderr[-300:])
+long = [(i * 37 + 11) % 1900 + 50 for i in range(200)]
+off = {"implementation": "offloaded"}
+for disk in ("none", None):
+    args = ["--host-mem", "768k", "--spill-after", "3600"] + (["--disk-dir", disk] if disk else [])
+    h = Daemon(*args, model=deep, tmp=ref.tmp)
+    h.sock = os.path.join(ref.tmp, "host-%s.sock" % (disk or "disk"))
+    h.start()
+    a = session(h, prompt=long, cache=off)
+    code, e = h.post("/v1/sessions", {"prompt": long[::-1], "cache": off})
+    if disk == "none":
+        check(code == 507 and "host tier" in e["error"]["message"],
+              "without a disk tier, a second session the host tier cannot hold: 507")
+    else:
+        s = h.get("/v1/sessions/" + a)[1]
+        check(code == 200 and s["bytes"]["disk"] > 0 and s["bytes"]["host"] == 0,
+              "with one, the idle session goes to disk and the new one is served (%s)" % s["bytes"])
+        r = complete(h, long + [5], session=a)
+        check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 200,
+              "the spilled session comes back when the other one is done with the memory")
+    h.stop()
