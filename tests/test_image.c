@@ -124,6 +124,25 @@ static uint8_t *save(kv_store *s, kv_seq *q, size_t *size)
     return img;
 }
 
+/* With KVTIER_IMAGE_SEEDS=dir, the images of the two-layer models go to
+ * dir as seeds of tests/fuzz/fuzz_image.c: its store selector byte (odd:
+ * sliding layers), then the image. */
+static void write_seed(int which, const uint8_t *img, size_t size)
+{
+    static int n;
+    const char *dir = getenv("KVTIER_IMAGE_SEEDS");
+    if (!dir || which == M_QWEN2)
+        return;
+    char path[512];
+    snprintf(path, sizeof(path), "%s/image-%02d", dir, n++);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    uint8_t sel = which == M_MISTRAL;
+    assert_int_equal(fwrite(&sel, 1, 1, f), 1);
+    assert_int_equal(fwrite(img, 1, size, f), size);
+    assert_int_equal(fclose(f), 0);
+}
+
 enum action { A_NONE, A_RECORD, A_OFFLOAD, A_FORK, A_PREFIX };
 
 struct variant {
@@ -176,6 +195,7 @@ static void run_variant(const struct variant *v)
     struct kv_seq_stats before = kv_seq_stats(q);
     size_t size;
     uint8_t *img = save(r.store, q, &size);
+    write_seed(v->model, img, size);
     kv_seq_free(q);
     kv_seq_free(parent);
     struct kv_store_stats ss = kv_store_stats(r.store);

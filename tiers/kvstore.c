@@ -526,10 +526,12 @@ static enum tier_status ext_build(kv_seq *q, const struct kv_layer *L, enum kv_h
     n->ext = (struct kv_ext){0};
     n->pb = NULL;
     n->ext_blocks = n->cap = nb;
-    n->blocks = malloc((size_t)nb * sizeof(void *));
-    if (!n->blocks)
-        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a KV block table of %d entries", nb);
+    n->blocks = NULL;
+    /* the budgets first: a size they refuse never reaches malloc (an image's
+     * max_cache_len, kv_seq_load) */
     enum tier_status st = ext_alloc(s, home, nb, &n->ext);
+    if (st == TIER_OK && !(n->blocks = malloc((size_t)nb * sizeof(void *))))
+        st = kv_fail(s, TIER_ENOMEM_HOST, "host memory: a KV block table of %d entries", nb);
     if (st == TIER_OK && L->n_blocks > 0)
         st = copy_blocks(s, n, L, L->base / s->bt, L->base / s->bt + L->n_blocks);
     if (st != TIER_OK) {
