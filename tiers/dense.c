@@ -202,8 +202,8 @@ enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, v
 
 int64_t kv_store_dense_rows(const kv_store *s, const struct kv_seq_params *p, int layer, int64_t n)
 {
-    int w = kv_layer_window(s, p, layer);
-    int64_t keep = w ? w - 1 : 0; /* what a dynamic sliding layer keeps (kvstore.c invariant 1) */
+    int w, keep; /* what the layer keeps (kvstore.c invariant 1) */
+    kv_layer_shape(s, p, layer, &w, &keep);
     return keep && n > keep ? keep : n;
 }
 

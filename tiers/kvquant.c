@@ -184,6 +184,26 @@ enum tier_status kvq_seq_init(kv_seq *q)
     return TIER_OK;
 }
 
+struct kvq_layer *kvq_seq_layer(const kv_seq *q, int layer)
+{
+    return q->kvq->layers[layer];
+}
+
+enum tier_status kvq_seq_restore(kv_seq *q, bool host, const struct kvq_layer_state *ls)
+{
+    struct kvq_seq *k = q->kvq;
+    k->host = host;
+    for (int l = 0; l < q->s->g.n_layers; l++) {
+        enum tier_status st = kvq_layer_restore(k->layers[l], q->len, ls[l].nq, ls[l].qoff, ls[l].scale_k,
+                                                ls[l].scale_v);
+        if (st == TIER_ENOMEM_DEV) /* any failed get (kvq_layer_reserve's convention) */
+            return k->why;
+        if (st != TIER_OK)
+            return kv_fail(q->s, st, "restoring quantized layer %d: %s", l, tier_strerror(st));
+    }
+    return TIER_OK;
+}
+
 enum tier_status kvq_seq_reserve(kv_seq *q, int n_new)
 {
     struct kvq_seq *k = q->kvq;

@@ -526,10 +526,12 @@ static enum tier_status ext_build(kv_seq *q, const struct kv_layer *L, enum kv_h
     n->ext = (struct kv_ext){0};
     n->pb = NULL;
     n->ext_blocks = n->cap = nb;
-    n->blocks = malloc((size_t)nb * sizeof(void *));
-    if (!n->blocks)
-        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a KV block table of %d entries", nb);
+    n->blocks = NULL;
+    /* the budgets first: a size they refuse never reaches malloc (an image's
+     * max_cache_len, kv_seq_load) */
     enum tier_status st = ext_alloc(s, home, nb, &n->ext);
+    if (st == TIER_OK && !(n->blocks = malloc((size_t)nb * sizeof(void *))))
+        st = kv_fail(s, TIER_ENOMEM_HOST, "host memory: a KV block table of %d entries", nb);
     if (st == TIER_OK && L->n_blocks > 0)
         st = copy_blocks(s, n, L, L->base / s->bt, L->base / s->bt + L->n_blocks);
     if (st != TIER_OK) {
@@ -673,12 +675,22 @@ static enum tier_status layers_prealloc(kv_seq *q)
     return TIER_OK;
 }
 
-int kv_layer_window(const kv_store *s, const struct kv_seq_params *p, int l)
+/* Layer l's window for a sequence created with p: the model's, narrowed to
+ * p->window_length (0 = full attention). */
+static int layer_window(const kv_store *s, const struct kv_seq_params *p, int l)
 {
     int w = s->layer_window[l];
     if (p->sink) /* window_length is the sink cache's size, not a sliding window */
         return w;
     return p->window_length && (!w || p->window_length < w) ? p->window_length : w;
+}
+
+void kv_layer_shape(const kv_store *s, const struct kv_seq_params *p, int l, int *window, int *keep)
+{
+    int w = layer_window(s, p, l);
+    int64_t k = !w ? 0 : is_static(p->strategy) ? (p->max_cache_len < w ? p->max_cache_len : w) : w - 1;
+    *window = w;
+    *keep = (int)k;
 }
 
 /* The sink strategy's own limits (see kv_seq_params.sink): why each
@@ -721,7 +733,7 @@ static enum tier_status sink_blocks_take(kv_seq *q)
     return TIER_OK;
 }
 
-static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
+enum tier_status kv_check_params(kv_store *s, const struct kv_seq_params *p)
 {
     if ((unsigned)p->strategy > KV_QUANTIZED)
         return kv_fail(s, TIER_EINVAL, "unknown KV strategy %d", (int)p->strategy);
@@ -749,7 +761,7 @@ static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
     }
     int min_window = 0;
     for (int l = 0; l < s->g.n_layers; l++) {
-        int w = kv_layer_window(s, p, l);
+        int w = layer_window(s, p, l);
         if (!w)
             return TIER_OK;
         if (!min_window || w < min_window)
@@ -762,6 +774,24 @@ static enum tier_status check_params(kv_store *s, const struct kv_seq_params *p)
     return TIER_OK;
 }
 
+/* A sequence with p's layers (window, keep) and no storage yet. */
+static kv_seq *seq_new(kv_store *s, const struct kv_seq_params *p)
+{
+    kv_seq *q = calloc(1, sizeof(*q));
+    if (!q)
+        return NULL;
+    q->layers = calloc((size_t)s->g.n_layers, sizeof(*q->layers));
+    if (!q->layers) {
+        free(q);
+        return NULL;
+    }
+    q->s = s;
+    q->p = *p;
+    for (int l = 0; l < s->g.n_layers; l++)
+        kv_layer_shape(s, p, l, &q->layers[l].window, &q->layers[l].keep);
+    return q;
+}
+
 enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_seq **out)
 {
     static const struct kv_seq_params defaults;
@@ -769,24 +799,12 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
     s->err[0] = '\0';
     if (!p)
         p = &defaults;
-    enum tier_status st = check_params(s, p);
+    enum tier_status st = kv_check_params(s, p);
     if (st != TIER_OK)
         return st;
-    kv_seq *q = calloc(1, sizeof(*q));
+    kv_seq *q = seq_new(s, p);
     if (!q)
         return TIER_ENOMEM_HOST;
-    q->layers = calloc((size_t)s->g.n_layers, sizeof(*q->layers));
-    if (!q->layers) {
-        free(q);
-        return TIER_ENOMEM_HOST;
-    }
-    q->s = s;
-    q->p = *p;
-    for (int l = 0; l < s->g.n_layers; l++) {
-        int w = kv_layer_window(s, p, l);
-        int64_t keep = !w ? 0 : is_static(p->strategy) ? (p->max_cache_len < w ? p->max_cache_len : w) : w - 1;
-        q->layers[l] = (struct kv_layer){.window = w, .keep = (int)keep};
-    }
     /* A dynamic request that announces its length and cannot fit the
      * device starts offloaded instead of failing part-way. */
     enum kv_strategy want = p->strategy;
@@ -1399,5 +1417,76 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
         return st == TIER_ENOMEM_HOST && !s->err[0] ? kv_fail(s, st, "host memory: forking a sequence") : st;
     }
     *out = c;
+    return TIER_OK;
+}
+
+/* ---- images: the storage of a restored sequence ---------------------------- */
+
+/* Storage for layer L of a restored sequence covering [lo, len), as
+ * kv_seq_create and kv_seq_offload size it: a static or adaptive resident
+ * extent for max_cache_len, a growable one for the next token. */
+static enum tier_status layer_restore(kv_seq *q, struct kv_layer *L)
+{
+    kv_store *s = q->s;
+    if (L->home == KV_HOME_PAGED) {
+        if (q->kvq) /* the quantized layers hold the blocks (kvquant.c) */
+            return TIER_OK;
+        L->base = L->lo / s->bt * s->bt; /* invariant 2 */
+        int n = q->len > L->base ? paged_blocks_for(s, L, q->len) : 0;
+        enum tier_status st = paged_table(L, n);
+        while (st == TIER_OK && L->n_blocks < n) {
+            struct kv_block *b;
+            st = pool_take(s, &b);
+            if (st == TIER_OK)
+                paged_set(L, L->n_blocks++, b);
+        }
+        /* invariant 8: once the table starts past block 0 the sinks have a
+         * block of their own */
+        if (st == TIER_OK && q->p.sink && q->p.num_sink_tokens && L->base > 0)
+            st = pool_take(s, &L->sink_blk);
+        return st;
+    }
+    bool sized = is_static(q->strategy) || (q->p.adaptive && L->home == KV_HOME_DEV);
+    int nb = layer_blocks_for(s, L->keep, sized ? q->p.max_cache_len : q->len + 1);
+    int need = ext_need(s, L, q->len + 1);
+    return ext_resize(q, L, nb > need ? nb : need);
+}
+
+enum tier_status kv_seq_restore(kv_store *s, const struct kv_seq_state *x, bool all_host, kv_seq **out)
+{
+    *out = NULL;
+    kv_seq *q = seq_new(s, &x->p);
+    if (!q)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a restored sequence");
+    q->strategy = x->strategy;
+    q->fallback = x->fallback;
+    q->len = x->len;
+    q->record_past = x->record_past;
+    bool quant = x->p.strategy == KV_QUANTIZED;
+    if (all_host && !quant)
+        q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+    enum tier_status st = TIER_OK;
+    if (quant && (st = kvq_seq_init(q)) == TIER_OK)
+        st = kvq_seq_restore(q, x->kvq_host || all_host, x->kvq);
+    if (quant && x->p.sink && st == TIER_OK)
+        st = sink_blocks_take(q);
+    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
+        struct kv_layer *L = &q->layers[l];
+        L->home = quant ? KV_HOME_PAGED : all_host ? KV_HOME_HOST : x->home[l];
+        L->lo = x->lo[l];
+        L->ext_fixed = is_static(q->strategy) && !L->window;
+        st = layer_restore(q, L);
+    }
+    if (st != TIER_OK) {
+        kv_seq_free(q);
+        if (all_host) /* the device attempt before may have grown the pool */
+            kv_store_trim(s);
+        return st == TIER_ENOMEM_HOST && !s->err[0] ? kv_fail(s, st, "host memory: a restored sequence") : st;
+    }
+    if (all_host) {
+        kv_store_trim(s);
+        note_fallback(q, KV_FALLBACK_OOM);
+    }
+    *out = q;
     return TIER_OK;
 }

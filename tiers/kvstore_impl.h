@@ -201,6 +201,20 @@ enum be_status kvq_seq_copy_in(kv_seq *q, int layer, char *region, struct kv_xfe
 enum be_status kvq_seq_write_back(kv_seq *q, int layer, char *region, int64_t from, int64_t to,
                                   struct kv_xfer_stats *x);
 
+/* What an image keeps of a quantized layer besides the sequence's length
+ * (kvq_layer_view's base / T, hi and scales): the rest follows from them. */
+struct kvq_layer_state {
+    int64_t nq;   /* positions [0, nq) are quantized */
+    int64_t qoff; /* quantized blocks dropped below a sliding window */
+    float scale_k, scale_v;
+};
+/* image.c: layer l's KIVI layer, for kvq_layer_view */
+struct kvq_layer *kvq_seq_layer(const kv_seq *q, int layer);
+/* image.c: a quantized sequence just made by kvq_seq_init takes the state
+ * of each layer (ls[n_layers]; q->len set) and the blocks it holds, in the
+ * host tier when host; the blocks' contents are the caller's to write. */
+enum tier_status kvq_seq_restore(kv_seq *q, bool host, const struct kvq_layer_state *ls);
+
 /* hostpool.c.  hp_alloc carves bytes (rounded up to 64) out of a slab,
  * taking a new one when no free range fits: max(64 MiB, bytes rounded up
  * to 2 MiB), cut to what keeps the slabs within a non-zero budget but
@@ -237,9 +251,29 @@ void kv_host_free(kv_store *s, void *ptr, size_t bytes);
  * with a message naming the budget and `what` the bytes were for. */
 enum tier_status kv_dev_alloc(kv_store *s, size_t bytes, const char *what, be_buffer **out);
 void kv_dev_free(kv_store *s, be_buffer *b, size_t bytes);
-/* Layer l's window for a sequence created with p: the model's, narrowed to
- * p->window_length (0 = full attention). */
-int kv_layer_window(const kv_store *s, const struct kv_seq_params *p, int l);
+/* kv_seq_create's checks of p (TIER_EINVAL / TIER_ENOTSUP naming the field). */
+enum tier_status kv_check_params(kv_store *s, const struct kv_seq_params *p);
+/* Layer l's window and keep (struct kv_layer) in a sequence with params p. */
+void kv_layer_shape(const kv_store *s, const struct kv_seq_params *p, int l, int *window, int *keep);
+
+/* image.c: a saved sequence's state, checked against the store. */
+struct kv_seq_state {
+    struct kv_seq_params p;
+    enum kv_strategy strategy;
+    enum kv_fallback fallback;
+    int64_t len;
+    bool record_past;
+    bool kvq_host;                    /* quantized: its blocks are in the host tier */
+    const enum kv_home *home;         /* [n_layers] (dense strategies) */
+    const int64_t *lo;                /* [n_layers] each layer's oldest stored position */
+    const struct kvq_layer_state *kvq;/* [n_layers] (quantized) */
+};
+/* A new sequence in state x with storage for every stored position, the
+ * contents not written yet.  all_host: every layer in the host tier
+ * instead (the out-of-memory fallback of kv_seq_offload: the strategy
+ * becomes offloaded, the fallback KV_FALLBACK_OOM).  All or nothing. */
+enum tier_status kv_seq_restore(kv_store *s, const struct kv_seq_state *x, bool all_host, kv_seq **out);
+
 /* Records the message for kv_store_errmsg and returns st. */
 enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 

@@ -509,6 +509,31 @@ void kvq_layer_drop(kvq_layer *l, int64_t lo)
     l->qoff = keep_from;
 }
 
+enum tier_status kvq_layer_restore(kvq_layer *l, int64_t len, int64_t nq, int64_t qoff, float scale_k,
+                                   float scale_v)
+{
+    kvq_ctx *c = l->c;
+    int64_t T = c->fmt.block_tokens;
+    if (l->started || l->reserved || nq < 0 || nq > len || qoff < 0 || qoff > nq / T)
+        return TIER_EINVAL;
+    /* as the last flush left them: the residual's blocks start at the
+     * block holding nq, the quantized ones at qoff (kvq_layer_drop) */
+    int64_t fbase = nq / c->fbt * c->fbt;
+    enum tier_status st = take(c, KVQ_BLOCK_QUANT, &l->q, (nq + T - 1) / T - qoff);
+    if (st == TIER_OK && nq < len && (st = take(c, KVQ_BLOCK_FULL, &l->f, (len - fbase + c->fbt - 1) / c->fbt)) != TIER_OK)
+        put_from(c, KVQ_BLOCK_QUANT, &l->q, 0);
+    if (st != TIER_OK)
+        return st;
+    l->len = len;
+    l->nq = nq;
+    l->qoff = qoff;
+    l->fbase = fbase;
+    l->started = len > 0; /* every commit holds at least one token */
+    l->scale_k = scale_k;
+    l->scale_v = scale_v;
+    return TIER_OK;
+}
+
 void kvq_layer_remap(kvq_layer *l, void *(*map)(void *ctx, enum kvq_block_kind kind, void *block), void *ctx)
 {
     for (int i = 0; i < l->q.n; i++)

@@ -123,6 +123,16 @@ void kvq_layer_abort(kvq_layer *l);
  * sliding layer's oldest kept position), except the block a later flush
  * reopens.  The view then starts at the first block kept. */
 void kvq_layer_drop(kvq_layer *l, int64_t lo);
+/* A fresh layer (never reserved) takes the state of one whose view had
+ * hi = nq, base = qoff * block_tokens, rest.hi = len and these scales
+ * (tiers/image.c), with the blocks that state holds: the quantized ones
+ * from block qoff to the one holding nq - 1 and, when nq < len, the
+ * full-precision ones from the block holding nq to the one holding len - 1.
+ * Their contents are the caller's to write through kvq_layer_view.
+ * TIER_EINVAL unless 0 <= nq <= len and 0 <= qoff <= nq / block_tokens;
+ * TIER_ENOMEM_DEV (any failed get) leaves the layer fresh. */
+enum tier_status kvq_layer_restore(kvq_layer *l, int64_t len, int64_t nq, int64_t qoff, float scale_k,
+                                   float scale_v);
 /* Between steps: replaces every block pointer b the layer holds by
  * map(ctx, kind, b) (moving its blocks to another tier). */
 void kvq_layer_remap(kvq_layer *l, void *(*map)(void *ctx, enum kvq_block_kind kind, void *block), void *ctx);
