@@ -28,7 +28,7 @@ run_one() {
 # tokens.  Tests that open no backend run once, and so does test_backend:
 # it is the CPU backend's own conformance test, which fills and reads its
 # buffers directly, and it checks the strict backend itself.
-no_backend=" test_backend test_tokenizer test_daemon_ipc test_sampler layers.test.sh tokenizer.test.sh "
+no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler layers.test.sh tokenizer.test.sh "
 for backend in cpu cpu-strict; do
   if [ $backend = cpu-strict ]; then export KVTIER_BACKEND_STRICT=1; tag=" [cpu-strict]"; else tag=""; fi
   for t in "$build"/tests/test_*; do

@@ -51,7 +51,7 @@ struct kv_disk_params {
     enum kv_disk_compress compress;
     struct kv_disk_layout layout;
     int compress_threads;   /* 0 = 2 */
-    void (*notify)(void *arg); /* called on the I/O thread after each op completes; may be NULL */
+    void (*notify)(void *arg); /* called on the I/O thread after each put or get completes; may be NULL */
     void *notify_arg;
 };
 
@@ -82,7 +82,9 @@ enum tier_status kv_disk_put(kv_disk *d, const char *ns, const char *name, const
  * hands them out.  A missing object is TIER_EINVAL from the op ("no such
  * object"); a corrupt one TIER_EIO, and its file is quarantined. */
 enum tier_status kv_disk_get(kv_disk *d, const char *ns, const char *name, kv_disk_op **op);
-/* Removes an object (queued; nothing to wait for).  A missing one is fine. */
+/* Removes an object (queued; nothing to wait for).  A missing one is fine.
+ * Its bytes count against the budget until the I/O thread has run it (an
+ * op queued after it, e.g. a get, is done only after it). */
 void kv_disk_remove(kv_disk *d, const char *ns, const char *name);
 
 bool kv_disk_op_done(kv_disk_op *op);

@@ -3,7 +3,7 @@
 harnesses (config, safetensors, tokenizer, tokenize, chat, reply) into
 tests/fuzz/<harness>/seed.  Run from the repository root; libFuzzer grows
 the corpus from these, and `-merge=1` keeps it small before committing."""
-import json, os, struct
+import json, os, struct, sys
 
 def put(h, name, data):
     d = f"tests/fuzz/{h}/seed"
@@ -89,3 +89,15 @@ put("reply", "chunked", b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked
 put("reply", "sse", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
     b"data: {\"x\":1}\n\n: comment\ndata:{\"x\":2}\n\ndata: [DONE]\n\n")
 put("reply", "close", b"HTTP/1.0 503 Service Unavailable\r\nX: y\r\n\r\nbody until close")
+
+# ---- diskhdr: mode byte + file size (u64 LE) + header and chunk table --------
+# From real disk-tier files named on the command line (files a test or
+# kvtier-bench-disk wrote, e.g. under a kept test directory); the header's
+# length is the u32 at offset 12.  Mode 0: as written; mode 1: the harness
+# recomputes the checksum, so mutations get past it.
+for path in sys.argv[1:]:
+    raw = open(path, "rb").read()
+    hdr = raw[:struct.unpack_from("<I", raw, 12)[0]]
+    base = os.path.basename(path).replace(".kvt", "")
+    for mode in (0, 1):
+        put("diskhdr", f"{base}_m{mode}", bytes([mode]) + struct.pack("<Q", len(raw)) + hdr)
