@@ -504,7 +504,8 @@ void disk_open(engine *e)
                                .notify_arg = e};
     enum tier_status ts = kv_disk_open(&p, &e->disk);
     if (ts != TIER_OK) {
-        log_msg(LOG_ERR, "disk tier off (sessions live in memory only): %s", kv_disk_errmsg(e->disk));
+        log_msg(LOG_ERR, "disk tier %s not used (the line above says why): sessions live in memory only",
+                e->cfg.disk_dir);
         kv_disk_free(e->disk);
         e->disk = NULL;
         return;

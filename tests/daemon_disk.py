@@ -187,3 +187,36 @@ for disk in ("none", None):
         check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 200,
               "the spilled session comes back when the other one is done with the memory")
     h.stop()
+
+# ---- kill -9 in the middle of a write: the previous file, never a torn one ----
+# v1 (one 1 MiB chunk) is written whole; v2 (two chunks) is paused after its
+# chunks are down, before its rename, and the daemon is killed there.
+bigger = [(i * 29 + 3) % 1900 + 50 for i in range(700)]
+hook = Daemon("--spill-after", "1", model=deep, tmp=ref.tmp)
+hook.sock = os.path.join(ref.tmp, "hook.sock")
+hook.start(extra_env={"KVTIER_DISK_PAUSE_AFTER_CHUNK": "2"})
+href = Daemon("--disk-dir", "none", model=deep, tmp=ref.tmp)
+href.sock = os.path.join(ref.tmp, "href.sock")
+href.start()
+a, b = session(href, prompt=bigger[:200]), session(hook, prompt=bigger[:200])
+v1 = wait_spilled(hook, b)
+complete(href, bigger, session=a)
+complete(hook, bigger, session=b)
+time.sleep(3)  # idle again: the v2 write starts and stops after its two chunks
+hook.proc.kill()
+hook.proc.wait()
+udir = os.path.join(hook.sock + ".disk", "u%d" % os.getuid())
+check(any(n.startswith(".") for n in os.listdir(udir)), "killed with a temporary file half-way")
+hook.start()
+s = hook.get("/v1/sessions/" + b)[1]
+quarantine = os.path.join(hook.sock + ".disk", "quarantine")
+check(s["tokens"] == v1["tokens"] and not any(n.startswith(".") for n in os.listdir(udir)) and
+      not (os.path.exists(quarantine) and os.listdir(quarantine)),
+      "after the restart: the session as of its last complete write (%d tokens), the temporary file gone" % s["tokens"])
+ids = bigger[:200] + [9, 8, 7]
+ra, rb = complete(href, ids, session=a), complete(hook, ids, session=b)
+check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and
+      rb["usage"]["prompt_tokens_details"]["cached_tokens"] == 200,
+      "and it continues from that state with the tokens of a daemon that never stopped")
+hook.stop()
+href.stop()

@@ -207,7 +207,7 @@ static enum tier_status op_fail(kv_disk_op *op, enum tier_status st, const char 
 
 const char *kv_disk_errmsg(const kv_disk *d)
 {
-    return d->errmsg;
+    return d ? d->errmsg : "";
 }
 
 /* ---- worker pool --------------------------------------------------------- */

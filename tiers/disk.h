@@ -62,7 +62,7 @@ enum tier_status kv_disk_open(const struct kv_disk_params *p, kv_disk **out);
 /* Waits for the ops in flight, then frees everything.  Accepts NULL. */
 void kv_disk_free(kv_disk *d);
 /* The last failure's text (which file, which check); "" if none. */
-const char *kv_disk_errmsg(const kv_disk *d);
+const char *kv_disk_errmsg(const kv_disk *d); /* accepts NULL */
 
 struct kv_disk_obj {
     const void *meta;
