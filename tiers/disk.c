@@ -60,9 +60,11 @@
  * which must not depend on the ring that just failed, are plain calls on
  * the I/O thread.
  *
- * Test hooks: kv_disk_fail_nth, and two environment variables read at
- * open: KVTIER_DISK_PAUSE_AFTER_CHUNK=n makes the I/O thread sleep for
- * good once n chunks of one put are written (for a kill -9 mid-write);
+ * Test hooks: kv_disk_fail_nth, and three environment variables read at
+ * open: KVTIER_DISK_FAIL_NTH=n fails the nth submission after the start-up
+ * scan with EIO (the daemon's fault sweep); KVTIER_DISK_PAUSE_AFTER_CHUNK=n
+ * makes the I/O thread sleep for good once n chunks of one put are written
+ * (for a kill -9 mid-write);
  * KVTIER_DISK_BUFFERED forces the buffered path where O_DIRECT works
  * (tmpfs takes O_DIRECT since Linux 6.6).
  *
@@ -1483,6 +1485,11 @@ enum tier_status kv_disk_open(const struct kv_disk_params *p, kv_disk **out)
         kv_disk_free(d);
         return st;
     }
+    /* the daemon's fault sweep: KVTIER_DISK_FAIL_NTH=n fails the nth
+     * submission after the start-up scan with EIO */
+    const char *fail_env = getenv("KVTIER_DISK_FAIL_NTH");
+    if (fail_env && strtoull(fail_env, NULL, 10))
+        kv_disk_fail_nth(d, strtoull(fail_env, NULL, 10), EIO, false);
     *out = d;
     return TIER_OK;
 fail:
