@@ -629,7 +629,7 @@ enum model_status model_files_open(const char *dir, const struct model_config *c
     json_decref(b.weight_map);
     for (int i = 0; i < mf->n_files; i++) {
         const struct st_file *f = &mf->files[i];
-        if (f->map) /* the raw header bytes: what changes when any tensor's name, dtype or shape does */
+        if (st == MODEL_OK) /* the raw header bytes: what changes when any tensor's name, dtype or shape does */
             w->header_hash = XXH3_64bits_withSeed((const char *)f->map + 8,
                                                   (size_t)((const char *)f->data - (const char *)f->map - 8),
                                                   w->header_hash);

@@ -391,6 +391,34 @@ static void test_llama_bf16(void **state)
     unload(&m);
 }
 
+/* The fingerprint that binds saved KV to a model: stable across loads,
+ * moved by a config change alone and by the tensors' metadata. */
+static void test_fingerprint(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("LlamaForCausalLM");
+    write_model(&s);
+    struct loaded a, b;
+    load_ok(&a);
+    load_ok(&b);
+    assert_true(a.cfg.config_hash != 0 && a.w.header_hash != 0);
+    assert_true(a.cfg.config_hash == b.cfg.config_hash && a.w.header_hash == b.w.header_hash);
+    unload(&b);
+    json_t *c = spec_config(&s); /* the same weights, one config value changed */
+    json_object_set_new(c, "rms_norm_eps", json_real(1e-6));
+    write_json("config.json", c);
+    json_decref(c);
+    load_ok(&b);
+    assert_true(a.cfg.config_hash != b.cfg.config_hash && a.w.header_hash == b.w.header_hash);
+    unload(&b);
+    s.dtype = "F16"; /* the same shapes in another dtype: the tensors' headers differ */
+    write_model(&s);
+    load_ok(&b);
+    assert_true(a.w.header_hash != b.w.header_hash);
+    unload(&b);
+    unload(&a);
+}
+
 static void test_llama_attention_bias(void **state)
 {
     (void)state;
@@ -1133,6 +1161,7 @@ int main(void)
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
     const struct CMUnitTest tests[] = {
         T(test_llama_bf16),
+        T(test_fingerprint),
         T(test_llama_attention_bias),
         T(test_mistral_f16_tied),
         T(test_qwen2_f32_windows),
