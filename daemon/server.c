@@ -394,15 +394,18 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
 
 /* ---- the loop's sources ---- */
 
-/* A refused or timed-out peer gets a short HTTP answer before the close,
- * so curl says why (libmicrohttpd has sent nothing on it yet). */
+/* A refused, timed-out or NUL-sending peer gets a short HTTP answer before
+ * the close, so curl says why (libmicrohttpd has sent nothing on it yet). */
 static void answer_raw(int fd, int code, const char *why)
 {
     char buf[512];
     char body[256];
-    const char *reason = code == 403 ? "Forbidden" : code == 408 ? "Request Timeout" : "Service Unavailable";
+    const char *reason = code == 400   ? "Bad Request"
+                         : code == 403 ? "Forbidden"
+                         : code == 408 ? "Request Timeout"
+                                       : "Service Unavailable";
     int bn = snprintf(body, sizeof(body), "{\"error\":{\"code\":%d,\"message\":\"%s\",\"type\":\"%s\"}}\n", code, why,
-                      code == 403 ? "permission_error" : code == 408 ? "invalid_request_error" : "unavailable_error");
+                      code == 403 ? "permission_error" : code >= 500 ? "unavailable_error" : "invalid_request_error");
     int n = snprintf(buf, sizeof(buf),
                      "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n"
                      "\r\n%s",
@@ -415,6 +418,40 @@ static void refuse(int fd, int code, const char *why)
 {
     answer_raw(fd, code, why);
     close(fd);
+}
+
+/* The running server, for recv() below; NULL outside server_run. */
+static struct server *nul_guard;
+
+/* libmicrohttpd 0.9.75 reads the request head as C strings, so a NUL byte
+ * there ends what it holds: "GET /health\0junk" reaches /health, a NUL in a
+ * value ends the value, a line that starts with one ends the head.  It has
+ * no option that refuses a NUL, and once it has parsed a head the bytes are
+ * gone; peeking at the socket before it reads would miss the heads that
+ * follow on a kept-alive connection.  What it does do is read every byte a
+ * client sends with recv(), which kvtierd defines here: bytes holding a NUL
+ * get a 400, and libmicrohttpd is told the connection was reset, so it
+ * closes it without parsing them.  Bodies are held to it too: every body
+ * kvtierd takes is JSON, which cannot carry a raw NUL (RFC 8259). */
+ssize_t recv(int fd, void *buf, size_t len, int flags)
+{
+    ssize_t n = recvfrom(fd, buf, len, flags, NULL, NULL);
+    struct server *s = nul_guard;
+    if (n <= 0 || !s || (flags & MSG_PEEK) || !memchr(buf, 0, (size_t)n))
+        return n;
+    struct conn *c = s->conns;
+    while (c && c->fd != fd)
+        c = c->next;
+    if (!c)
+        return n; /* not a client's bytes */
+    log_msg(LOG_INFO, "uid %u pid %d: a NUL byte in the request, connection closed", (unsigned)c->uid, (int)c->pid);
+    engine_count_error(s->eng, IPC_EINVAL);
+    const union MHD_ConnectionInfo *st =
+        c->req ? MHD_get_connection_info(c->req->conn, MHD_CONNECTION_INFO_HTTP_STATUS) : NULL;
+    if (!st || !st->http_status) /* a reply already under way keeps its framing */
+        answer_raw(fd, 400, "the request holds a NUL byte");
+    errno = ECONNRESET;
+    return -1;
 }
 
 /* Connections held by this uid and by this pid. */
@@ -707,6 +744,7 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
         return SERVER_EFATAL;
     }
     ev_set_before_sleep(s.loop, before_sleep, &s);
+    nul_guard = &s;
     ev_timer_start(s.loop, &s.t_sweep, 1000, on_sweep, &s);
     rc = ev_run(s.loop);
     if (rc) {
@@ -725,6 +763,7 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
     }
     MHD_run(s.mhd);
     MHD_stop_daemon(s.mhd);
+    nul_guard = NULL;
     stop_listening(&s);
     workers_free(s.workers);
     ev_loop_free(s.loop);

@@ -1,7 +1,11 @@
 """HTTP framing kvtierd refuses: two Content-Lengths, Content-Length with
-chunked, a NUL (%00) in the path, transfer codings other than chunked, a
-garbage request line -- each a 400 and a closed connection (the client
-does not half-close: the daemon must close).  A client looping on bad
+chunked, a NUL (%00) in the path, a raw NUL byte anywhere in the request
+(method, path, version, header names and values, a line of its own, the
+body), on the first request of a connection, a later one on the same kept-
+alive connection, a pipelined one, or split over two writes; transfer
+codings other than chunked, a garbage request line -- each a 400 and a
+closed connection (the client does not half-close: the daemon must close),
+and never the reply of the route a truncated path names.  A client looping on bad
 requests gets one log line a second, with a count of the rest."""
 import re
 import socket
@@ -13,13 +17,25 @@ d = Daemon()
 d.start()
 
 
-def send(data, timeout=5):
-    """(status, closed by the daemon before timeout)."""
+def send(data, timeout=5, first=None):
+    """(status, closed by the daemon before timeout); with first, that
+    request goes ahead on the same connection and its reply is read."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     s.connect(d.sock)
-    s.sendall(data)
-    buf, closed = b"", False
+    pending = b""
+    if first:
+        s.sendall(first)
+        while b"\r\n\r\n" not in pending or len(pending.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"Content-Length: (\d+)", pending).group(1)):
+            pending += s.recv(65536)
+        head, rest = pending.split(b"\r\n\r\n", 1)
+        check(head.startswith(b"HTTP/1.1 200") and b"close" not in head.lower(), "a first request kept alive")
+        pending = rest[int(re.search(rb"Content-Length: (\d+)", head).group(1)):]
+    for part in data if isinstance(data, list) else [data]:
+        s.sendall(part)
+        time.sleep(0.05)
+    buf, closed = pending, False
     try:
         while True:
             chunk = s.recv(65536)
@@ -30,8 +46,8 @@ def send(data, timeout=5):
     except (OSError, socket.timeout):
         pass
     s.close()
-    code = int(buf.split(b" ", 2)[1]) if buf.startswith(b"HTTP/1.") else 0
-    return code, closed
+    codes = re.findall(rb"^HTTP/1\.1 (\d{3}) ", buf, re.M) if buf.startswith(b"HTTP/1.") else []
+    return int(codes[-1]) if codes else 0, closed  # the last reply: a pipelined good request may go first
 
 
 H = b"POST /tokenize HTTP/1.1\r\nHost: x\r\n"
@@ -46,6 +62,43 @@ cases = {
 for what, data in cases.items():
     code, closed = send(data)
     check(code == 400 and closed, "%s -> 400 and closed (%d, %s)" % (what, code, closed))
+
+# A raw NUL: libmicrohttpd would read the strings up to it (GET /health\0junk
+# would be served as /health; a NUL-led line would end the head)
+G = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def invalid_total():
+    m = re.search(r'^kvtier_errors_total\{kind="invalid"\} (\d+)', d.get("/metrics")[1].decode(), re.M)
+    return int(m.group(1))
+
+
+before = invalid_total()
+nul = {
+    "NUL in the path": b"GET /health\x00junk HTTP/1.1\r\nHost: x\r\n\r\n",
+    "NUL in the method": b"GET\x00X /health HTTP/1.1\r\nHost: x\r\n\r\n",
+    "NUL in the version": b"GET /health HTTP/1.1\x00\r\nHost: x\r\n\r\n",
+    "NUL in the query": b"GET /health?a=\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+    "NUL before the request line": b"\x00GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+    "NUL in a header value": b"GET /health HTTP/1.1\r\nHost: x\x00y\r\n\r\n",
+    "NUL in a header name": b"GET /health HTTP/1.1\r\nHost: x\r\nX-A\x00b: y\r\n\r\n",
+    "NUL before a bare LF": b"GET /health HTTP/1.1\nHost: x\x00\n\n",
+    "a header line starting with NUL": b"GET /health HTTP/1.1\r\n\x00Host: x\r\n\r\n",
+    "NUL as the blank line": b"GET /health HTTP/1.1\r\nHost: x\r\n\x00\r\n",
+    "NUL in a JSON body": H + b"Content-Length: 13\r\n\r\n{\"text\":\"\x00\"}",
+    "NUL in a chunk size line": H + b"Transfer-Encoding: chunked\r\n\r\n2\x00\r\n{}\r\n0\r\n\r\n",
+    "pipelined after a good request": G + b"GET /health\x00junk HTTP/1.1\r\nHost: x\r\n\r\n",
+    "split over two writes": [b"GET /health", b"\x00junk HTTP/1.1\r\nHost: x\r\n\r\n"],
+}
+for what, data in nul.items():
+    code, closed = send(data)
+    check(code == 400 and closed, "%s -> 400 and closed (%d, %s)" % (what, code, closed))
+code, closed = send(b"GET /health\x00junk HTTP/1.1\r\nHost: x\r\n\r\n", first=G)
+check(code == 400 and closed, "NUL in the path of a kept-alive connection's second request -> 400 and closed")
+code, closed = send(G, first=G)
+check(code == 200 and not closed, "an ordinary second request on a kept-alive connection is served (%d)" % code)
+check(d.logtext().count("a NUL byte in the request") == len(nul) + 1, "each logged")
+check(invalid_total() - before == len(nul) + 1, "each counted as an invalid request in /metrics")
 
 check(d.get("/health")[0] == 200, "the daemon serves on")
 
