@@ -4,7 +4,19 @@ slots (the rest a 503 at once) and a 408 after --header-timeout, while
 another process's /health and small completions are answered at once.  A
 body that never comes (chunk size 2^64-1) is closed by --body-rate, not the
 idle timeout; a daemon full of slow clients still answers /health from its
-reserve."""
+reserve.
+
+Then, as root only (else exit 77 after the rest): kvtierd runs as root with
+--allow-group, uid A (nobody) opens 1,000 trickling connections from 18
+processes -- one of 150, then 17 of 50 -- and uid B, another uid of the
+group, is served /health, /metrics and small completions within bounds
+meanwhile.  A holds exactly --max-clients-per-pid in its first process and
+--max-clients-per-uid in all; each connection past them gets a 503 and a
+close at once, counted by A and by kvtierd's log."""
+import grp
+import json
+import os
+import resource
 import socket
 import subprocess
 import sys
@@ -112,3 +124,153 @@ check(code == 503, "other routes from the reserve: 503 (%d)" % code)
 p.kill()
 p.wait()
 check(d2.stop() == 0, "clean stop")
+
+
+# ---- two uids: A trickles 1,000 connections, B must be served ----
+if os.geteuid() != 0:
+    print("skip: the two-uid part needs root (kvtierd as root with --allow-group, clients as other uids)")
+    sys.exit(77)
+
+# Each process of A connects its n sockets (blocking: a full backlog waits
+# for kvtierd's accept), then trickles a head a byte a second; a socket
+# that gets a reply or an EOF was refused.  It prints one JSON line of
+# counts once its connects are done and the refusals had time to arrive.
+TRICKLE = r"""
+import json, socket, sys, time
+path, n, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.setblocking(False)
+    socks.append(s)
+head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n\r\n"
+live, refused, replies, end, i, told = set(range(n)), 0, {}, time.time() + secs, 0, False
+t_told = time.time() + 1.5
+while time.time() < end:
+    for k in list(live):
+        try:
+            got = socks[k].recv(4096)
+        except BlockingIOError:
+            got = None
+        except OSError:
+            got = b""
+        if got is None:
+            try:
+                socks[k].send(head[i % len(head):i % len(head) + 1])
+            except BlockingIOError:
+                pass
+            except OSError:
+                pass
+            continue
+        code = got[9:12].decode() if got.startswith(b"HTTP/1.1 ") else "eof"
+        replies[code] = replies.get(code, 0) + 1
+        live.discard(k)
+        refused += 1
+    if not told and time.time() >= t_told:
+        print(json.dumps({"held": len(live), "refused": refused, "replies": replies}), flush=True)
+        told = True
+    i += 1
+    time.sleep(1 if told else 0.1)
+"""
+
+# B: its requests in turn for secs, each on a new connection; the latencies
+B_CLIENT = r"""
+import http.client, json, socket, sys, time
+path, secs = sys.argv[1], float(sys.argv[2])
+
+class C(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(path)
+
+out = {"health": [], "metrics": [], "completions": [], "bad": []}
+body = json.dumps({"prompt": "Hi", "max_tokens": 4, "temperature": 0})
+end = time.time() + secs
+while time.time() < end:
+    for kind, method, url, data in [("health", "GET", "/health", None), ("metrics", "GET", "/metrics", None),
+                                    ("completions", "POST", "/v1/completions", body)]:
+        t = time.time()
+        c = C("localhost", timeout=60)
+        try:
+            c.request(method, url, body=data, headers={"Content-Type": "application/json"} if data else {})
+            r = c.getresponse()
+            r.read()
+            status = r.status
+        except OSError as e:
+            status = str(e)
+        c.close()
+        out[kind].append(time.time() - t)
+        if status != 200:
+            out["bad"].append("%s %s" % (url, status))
+    time.sleep(0.2)
+print(json.dumps(out), flush=True)
+"""
+
+group = next((g for g in ("nogroup", "nobody", "users") if g in {e.gr_name for e in grp.getgrall()}), None)
+if group is None:
+    print("skip: no group nogroup, nobody or users to name in --allow-group")
+    sys.exit(77)
+gid = grp.getgrnam(group).gr_gid
+UID_A, UID_B = 65534, 65533  # allowed through their gid: no account needed
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if soft < 4096:  # kvtierd and A's processes inherit it
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+
+# max 256: per uid 224, per pid 64 (the defaults' shares); heads may take 60 s
+d3 = Daemon("--allow-group", group, "--header-timeout", "60", "--idle-timeout", "300")
+os.chmod(d3.tmp, 0o711)  # the socket's own directory is kvtierd's, 0750 with the group
+d3.sock = os.path.join(d3.tmp, "run", "kvtierd.sock")
+d3.start()
+check(os.stat(d3.sock).st_gid == gid, "kvtierd as root, the socket given to --allow-group " + group)
+
+
+def as_uid(uid, code, *args):
+    return subprocess.Popen([sys.executable, "-c", code] + [str(a) for a in args], user=uid, group=gid,
+                            extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True)
+
+
+def metric(text, name):
+    return float(next(l for l in text.splitlines() if l.startswith(name + " ")).split()[1])
+
+
+base = metric(d3.get("/metrics")[1].decode(), "kvtier_connections_refused_total")
+SECS = 24
+t0 = time.time()
+first = as_uid(UID_A, TRICKLE, d3.sock, 150, SECS)
+r1 = json.loads(first.stdout.readline())
+check(r1["held"] == 64 and r1["refused"] == 86 and r1["replies"] == {"503": 86},
+      "uid A, one process, 150 connections: --max-clients-per-pid 64 held, 86 refused with 503 (%s)" % r1)
+rest = [as_uid(UID_A, TRICKLE, d3.sock, 50, SECS - (time.time() - t0)) for _ in range(17)]
+rs = [json.loads(p.stdout.readline()) for p in rest]
+held = sum(r["held"] for r in rs)
+check(held == 224 - 64,
+      "17 more processes of uid A, 850 connections: %d held, so 224 (--max-clients-per-uid) in all" % held)
+check(sum(r["refused"] for r in rs) == 850 - held and all(set(r["replies"]) <= {"503"} for r in rs),
+      "the other %d refused with 503 at once" % (850 - held))
+log = d3.logtext()
+check(log.count("uid %d pid %d: too many connections from this process" % (UID_A, first.pid)) == 86 and
+      log.count("uid %d pid" % UID_A) == 86 + 850 - held and log.count("too many connections from this uid") ==
+      850 - held, "kvtierd logged each refusal with its reason (86 for the process, %d for the uid)" % (850 - held))
+m = d3.get("/metrics")[1].decode()
+check(metric(m, "kvtier_connections_refused_total") - base == 1000 - 224, "kvtier_connections_refused_total +776")
+check(metric(m, "kvtier_connections") == 224 + 1, "A's 224 trickling connections are open, and this one: " +
+      "kvtier_connections %d" % metric(m, "kvtier_connections"))
+
+b = as_uid(UID_B, B_CLIENT, d3.sock, 8)
+lat = json.loads(b.stdout.readline())
+b.wait()
+check(not lat["bad"], "every request of uid B answered 200 (%s)" % lat["bad"][:3])
+for kind, bound in (("health", 2), ("metrics", 2), ("completions", 5)):
+    worst = max(lat[kind])
+    check(len(lat[kind]) >= 5 and worst < bound, "uid B: %d %s requests, worst %.3f s (bound %d s)" %
+          (len(lat[kind]), kind, worst, bound))
+m = d3.get("/metrics")[1].decode()
+check(metric(m, "kvtier_connections") == 224 + 1 and metric(m, "kvtier_connections_timed_out_total") == 0,
+      "A's connections still held after B's requests, none timed out yet")
+check(time.time() - t0 < SECS, "all within A's trickle (%.1f s)" % (time.time() - t0))
+for p in [first] + rest:
+    p.kill()
+    p.wait()
+check(d3.stop() == 0, "clean stop")
