@@ -72,6 +72,12 @@ struct conn {
     double head_since;  /* clock_ms() of the head's first byte; 0: no head under way */
     struct req *req;    /* the request whose head arrived; NULL between requests */
     struct ev_io first; /* between requests: the next head's first byte */
+    /* recv() follows the byte stream (server.c: head_scan) */
+    bool in_head;       /* the bytes read belong to a request head */
+    bool head_line;     /* the head's request line has begun */
+    unsigned char line_len, line_last; /* the current head line: 0, 1 (its byte) or 2 = more */
+    size_t past_head;   /* bytes read after the head's blank line */
+    size_t body_len;    /* the body those may be (Content-Length) */
     struct conn *prev, *next;
 };
 
@@ -97,6 +103,7 @@ struct req {
     bool stream, include_usage, return_tokens, logprobs;
     bool suspended, hup, overflow, wake;
     bool close; /* the reply closes the connection: the request's framing cannot be trusted */
+    bool last; /* the reply ends the connection: bytes after this request were read unchecked (server.c) */
     int fd;
     struct ev_io io;         /* the hang-up watch while suspended */
     struct req *prev, *next; /* server.waiting */

@@ -119,6 +119,8 @@ enum MHD_Result req_submit(struct req *r, struct job *j)
         return MHD_NO;
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    if (r->close || r->last)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result res = MHD_queue_response(r->conn, MHD_HTTP_OK, resp);
     MHD_destroy_response(resp);
     return res;
@@ -218,6 +220,55 @@ static size_t body_limit(const struct server *s, const char *method, const char 
     return kv ? kv : s->cfg->max_body;
 }
 
+/* Follows the request head through the bytes read, as libmicrohttpd
+ * splits it (lines end at LF or CR LF; empty lines before the request line
+ * are skipped; an empty line after it ends the head): false when a byte of
+ * the head is a NUL.  The bytes after the head are counted in past_head,
+ * until on_completed starts the next head. */
+static bool head_scan(struct conn *c, const unsigned char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!c->in_head) {
+            c->past_head += n - i;
+            return true;
+        }
+        if (!p[i])
+            return false;
+        if (p[i] != '\n') {
+            c->line_len = c->line_len < 2 ? c->line_len + 1 : 2;
+            c->line_last = p[i];
+            continue;
+        }
+        bool empty = !c->line_len || (c->line_len == 1 && c->line_last == '\r');
+        c->line_len = 0;
+        if (!empty)
+            c->head_line = true;
+        else if (c->head_line)
+            c->in_head = false;
+    }
+    return true;
+}
+
+/* The next head starts where this request ends. */
+static void head_reset(struct conn *c)
+{
+    c->in_head = true;
+    c->head_line = false;
+    c->line_len = 0;
+    c->past_head = c->body_len = 0;
+}
+
+/* Bytes past the head beyond its body are a request pipelined behind this
+ * one, read before recv() knew where this one ends: the reply closes the
+ * connection and they are never parsed (r->last, not r->close: the request
+ * itself is sound and keeps its body deadline).  So does the reply to a
+ * chunked body, whose end only libmicrohttpd finds. */
+static void pipelined_close(struct req *r, bool chunked)
+{
+    if (r->c && (chunked || r->c->past_head > r->c->body_len))
+        r->last = true;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                   const char *version, const char *upload, size_t *upload_size, void **ctx)
 {
@@ -269,9 +320,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
                 return reply_error(r, &e);
             }
             r->cap_body = (size_t)n;
+            if (r->c)
+                r->c->body_len = (size_t)n;
         }
+        pipelined_close(r, MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING));
         return MHD_YES;
     }
+    pipelined_close(r, false);
     if (*upload_size) {
         size_t n = *upload_size;
         *upload_size = 0;
@@ -334,6 +389,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enu
     ev_io_stop(s->loop, &r->io);
     if (r->c) { /* the next request's head: its deadline starts at its first byte */
         r->c->req = NULL;
+        head_reset(r->c);
         if (!s->stopping)
             ev_io_start(s->loop, &r->c->first, r->c->fd, EV_READ, on_first_byte, r->c);
     }
@@ -429,27 +485,27 @@ static struct server *nul_guard;
  * no option that refuses a NUL, and once it has parsed a head the bytes are
  * gone; peeking at the socket before it reads would miss the heads that
  * follow on a kept-alive connection.  What it does do is read every byte a
- * client sends with recv(), which kvtierd defines here: bytes holding a NUL
- * get a 400, and libmicrohttpd is told the connection was reset, so it
- * closes it without parsing them.  Bodies are held to it too: every body
- * kvtierd takes is JSON, which cannot carry a raw NUL (RFC 8259). */
+ * client sends with recv(), which kvtierd defines here: a head holding a
+ * NUL gets a 400, and libmicrohttpd is told the connection was reset, so
+ * it closes it without parsing the bytes.  Bodies may hold NULs (a KV
+ * import is binary); a request sent behind another before its reply
+ * (pipelined) would be read with that one's body, so pipelined_close()
+ * ends the connection after that reply instead. */
 ssize_t recv(int fd, void *buf, size_t len, int flags)
 {
     ssize_t n = recvfrom(fd, buf, len, flags, NULL, NULL);
     struct server *s = nul_guard;
-    if (n <= 0 || !s || (flags & MSG_PEEK) || !memchr(buf, 0, (size_t)n))
+    if (n <= 0 || !s || (flags & MSG_PEEK))
         return n;
     struct conn *c = s->conns;
     while (c && c->fd != fd)
         c = c->next;
-    if (!c)
-        return n; /* not a client's bytes */
-    log_msg(LOG_INFO, "uid %u pid %d: a NUL byte in the request, connection closed", (unsigned)c->uid, (int)c->pid);
+    if (!c || head_scan(c, buf, (size_t)n))
+        return n; /* not a client's bytes, or no NUL in a head */
+    log_msg(LOG_INFO, "uid %u pid %d: a NUL byte in the request head, connection closed", (unsigned)c->uid,
+            (int)c->pid);
     engine_count_error(s->eng, IPC_EINVAL);
-    const union MHD_ConnectionInfo *st =
-        c->req ? MHD_get_connection_info(c->req->conn, MHD_CONNECTION_INFO_HTTP_STATUS) : NULL;
-    if (!st || !st->http_status) /* a reply already under way keeps its framing */
-        answer_raw(fd, 400, "the request holds a NUL byte");
+    answer_raw(fd, 400, "the request head holds a NUL byte");
     errno = ECONNRESET;
     return -1;
 }
@@ -557,7 +613,7 @@ static void on_accept(void *data, unsigned events)
             continue;
         }
         *c = (struct conn){.srv = s, .uid = cr.uid, .pid = cr.pid, .fd = fd, .head_since = clock_ms(),
-                           .reserve = open >= (unsigned)s->cfg->max_clients};
+                           .reserve = open >= (unsigned)s->cfg->max_clients, .in_head = true};
         s->accepting = c;
         struct sockaddr_un sa = {.sun_family = AF_UNIX};
         if (MHD_add_connection(s->mhd, fd, (struct sockaddr *)&sa, sizeof(sa)) != MHD_YES)
