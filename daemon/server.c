@@ -8,6 +8,7 @@
 #include "daemon/server.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -476,8 +477,10 @@ static void refuse(int fd, int code, const char *why)
     close(fd);
 }
 
-/* The running server, for recv() below; NULL outside server_run. */
+/* The running server, for recv() below; NULL outside server_run.  Only
+ * its loop thread, where libmicrohttpd reads, may walk its connections. */
 static struct server *nul_guard;
+static pthread_t nul_guard_thread;
 
 /* libmicrohttpd 0.9.75 reads the request head as C strings, so a NUL byte
  * there ends what it holds: "GET /health\0junk" reaches /health, a NUL in a
@@ -495,7 +498,7 @@ ssize_t recv(int fd, void *buf, size_t len, int flags)
 {
     ssize_t n = recvfrom(fd, buf, len, flags, NULL, NULL);
     struct server *s = nul_guard;
-    if (n <= 0 || !s || (flags & MSG_PEEK))
+    if (n <= 0 || !s || (flags & MSG_PEEK) || !pthread_equal(pthread_self(), nul_guard_thread))
         return n;
     struct conn *c = s->conns;
     while (c && c->fd != fd)
@@ -800,6 +803,7 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
         return SERVER_EFATAL;
     }
     ev_set_before_sleep(s.loop, before_sleep, &s);
+    nul_guard_thread = pthread_self();
     nul_guard = &s;
     ev_timer_start(s.loop, &s.t_sweep, 1000, on_sweep, &s);
     rc = ev_run(s.loop);
