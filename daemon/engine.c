@@ -246,6 +246,13 @@ enum ipc_status kv_error(engine *e, enum tier_status ts, const char *param, stru
     }
 }
 
+uint64_t prefix_ns_of(const engine *e, uid_t uid)
+{
+    /* each uid its own prefix namespace (uid + 1: 0 is the shared one), so
+     * that cached_tokens and timing tell nobody what another user sent */
+    return e->cfg.share_prefix_cache ? 0 : (uint64_t)uid + 1;
+}
+
 /* A new KV sequence for ids[0, n): the strategy, past recording when the
  * session asks for it, and the prefix cache's blocks for the start of ids
  * (*n_cached tokens that need not be computed). */
@@ -254,10 +261,8 @@ static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, uid_t u
 {
     int64_t cached = 0;
     const char *param = "cache";
-    /* each uid its own prefix namespace (uid + 1: 0 is the shared one), so
-     * that cached_tokens and timing tell nobody what another user sent */
     struct kv_seq_params ps = *p;
-    ps.prefix_ns = e->cfg.share_prefix_cache ? 0 : (uint64_t)uid + 1;
+    ps.prefix_ns = prefix_ns_of(e, uid);
     enum tier_status ts = kv_seq_create(e->store, &ps, out);
     if (ts == TIER_OK && record) {
         param = "activate_past_recording";
@@ -355,6 +360,7 @@ static void add_kv_stats(struct kv_seq_stats *sum, const kv_seq *q, bool first)
  * no lock). */
 static void retire(engine *e, struct job *j)
 {
+    prefix_disk_forget_job(j);
     struct kv_seq_stats kvs = {0};
     bool any = false;
     for (int i = 0; i < j->n; i++) {
@@ -453,6 +459,13 @@ void start_job(engine *e, struct job *j)
     if (j->kind >= JOB_CROP) {
         session_run_op(e, j);
         return;
+    }
+    if (!j->pfetched) {
+        j->pfetched = true;
+        if (prefix_disk_fetch(e, j)) {
+            j->io_wait = true; /* prefix_disk_poll starts it again once the blocks are in */
+            return;
+        }
     }
     for (int i = 0; i < j->n; i++) {
         struct ipc_error err;

@@ -142,6 +142,8 @@ struct job {
     bool kill; /* cancelled or failed, seen under the lock at the step's start */
     bool io_wait;  /* its session's KV is being read back from disk */
     bool mem_wait; /* its step found the memory tiers full: waits for a spill to free them */
+    bool pfetched; /* its prompt's prefix blocks on disk were looked for */
+    struct prefix_fetch *pfetch; /* their reads in flight (io_wait) */
     uint64_t order;
     int n;
     struct job_choice ch[];
@@ -256,6 +258,9 @@ struct engine_stats {
     size_t dev_budget, dev_used; /* the backend's device memory: weights, activations, KV, slots */
     /* the disk tier: sessions spilled, restored and their failures; files and bytes */
     uint64_t spills, restores, disk_errors;
+    /* prefix-cache blocks written to and read from disk, and the requests
+     * whose prompt found blocks there */
+    uint64_t prefix_disk_written, prefix_disk_read, prefix_disk_hits;
     struct kv_disk_stats disk;
 };
 struct engine_stats engine_get_stats(engine *e);

@@ -87,6 +87,7 @@ struct engine {
     bool io_event;   /* under mu: an op completed since the engine last looked */
     int n_ops;       /* engine thread: spills and restores in flight */
     int n_spilling;
+    struct prefix_disk *pd; /* prefix_disk.c; NULL: no prefix blocks on disk */
 };
 
 /* ---- sessions.c, for engine.c ---- */
@@ -129,8 +130,35 @@ bool disk_needs_restore(const engine *e, const struct session *s);
 void disk_restore(engine *e, struct session *s);
 /* A deleted session: its op is waited for and its file removed. */
 void disk_forget(engine *e, struct session *s);
-/* ---- engine.c, for spill.c ---- */
+/* Counts one event in a counter of e->st (takes the lock). */
+void engine_count(engine *e, uint64_t *counter);
+
+/* ---- prefix_disk.c: the prefix cache's blocks on disk (engine thread) ---- */
+
+/* After the disk tier opened (with the prefix cache on): evicted blocks
+ * are queued for prefix_disk_poll from now on.  The scan hands each
+ * prefix object ("p..." namespaces) to prefix_disk_file; prefix_disk_opened
+ * logs the count. */
+void prefix_disk_open(engine *e);
+void prefix_disk_file(engine *e, const char *ns, const char *name, const void *meta, size_t meta_len,
+                      size_t data_len);
+void prefix_disk_opened(engine *e);
+/* Every cached block not on disk yet is written; then the index goes.
+ * Before the disk tier closes. */
+void prefix_disk_close(engine *e);
+/* Each loop iteration: finished writes and reads (the jobs whose blocks
+ * are in start), and writes of the blocks the store evicted. */
+void prefix_disk_poll(engine *e);
+/* At admission: when j's prompt goes on on disk past the blocks in memory,
+ * starts reading them and returns true (j waits: io_wait, j->pfetch). */
+bool prefix_disk_fetch(engine *e, struct job *j);
+/* j retires: its reads finish without it. */
+void prefix_disk_forget_job(struct job *j);
+
+/* ---- engine.c, for spill.c and prefix_disk.c ---- */
 void start_job(engine *e, struct job *j);
+/* The prefix-cache namespace of uid's sequences. */
+uint64_t prefix_ns_of(const engine *e, uid_t uid);
 
 /* ---- engine.c, for sessions.c ---- */
 

@@ -97,6 +97,11 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "prefix_cache_blocks", "gauge", "Token blocks in the prefix cache.", NULL, (double)st.prefix_entries);
     metric(&w, "prefix_cache_evictions_total", "counter", "Unreferenced prefix-cache blocks freed for room.", NULL,
            (double)st.prefix_evictions);
+    metric(&w, "prefix_disk_blocks_total", "counter", "Prefix-cache blocks written to and read back from the disk tier.",
+           "{op=\"write\"}", (double)st.prefix_disk_written);
+    metric(&w, "prefix_disk_blocks_total", "counter", NULL, "{op=\"read\"}", (double)st.prefix_disk_read);
+    metric(&w, "prefix_disk_hits_total", "counter", "Requests whose prompt went on with prefix-cache blocks from disk.",
+           NULL, (double)st.prefix_disk_hits);
     metric(&w, "device_memory_bytes", "gauge", "Device memory budget (--device-mem) and bytes in use.",
            "{kind=\"budget\"}", (double)st.dev_budget);
     metric(&w, "device_memory_bytes", "gauge", NULL, "{kind=\"used\"}", (double)st.dev_used);

@@ -90,7 +90,7 @@ static void op_clear(engine *e, struct session *s)
         e->n_spilling--;
 }
 
-static void count(engine *e, uint64_t *counter)
+void engine_count(engine *e, uint64_t *counter)
 {
     pthread_mutex_lock(&e->mu);
     (*counter)++;
@@ -131,7 +131,7 @@ static bool spill_start(engine *e, struct session *s, bool cold)
         free(img);
         free(meta);
         s->op = NULL;
-        count(e, &e->st.disk_errors);
+        engine_count(e, &e->st.disk_errors);
         spill_backoff(e, s);
         return false;
     }
@@ -161,7 +161,7 @@ static void spill_done(engine *e, struct session *s)
     if (ts != TIER_OK) {
         log_msg(LOG_WARN, "session %s: spill to disk failed, its KV stays in memory: %s", s->id,
                 kv_disk_op_errmsg(s->op));
-        count(e, &e->st.disk_errors);
+        engine_count(e, &e->st.disk_errors);
         spill_backoff(e, s);
         op_clear(e, s);
         return;
@@ -181,7 +181,7 @@ static void spill_done(engine *e, struct session *s)
 static void restore_wake(engine *e, struct session *s, const struct ipc_error *err)
 {
     for (struct job *j = e->active; j; j = j->next) {
-        if (j->sess != s || !j->io_wait)
+        if (j->sess != s || !j->io_wait || j->pfetch)
             continue;
         j->io_wait = false;
         if (err)
@@ -226,7 +226,7 @@ static void restore_done(engine *e, struct session *s)
         kv = NULL;
         log_msg(LOG_WARN, "session %s: restore from disk failed, its tokens will be computed again: %s", s->id,
                 why ? why : tier_strerror(ts));
-        count(e, &e->st.disk_errors);
+        engine_count(e, &e->st.disk_errors);
         s->disk_version = 0;
         s->version++;
         pthread_mutex_lock(&e->mu);
@@ -266,6 +266,7 @@ void disk_poll(engine *e)
     pthread_mutex_lock(&e->mu);
     e->io_event = false;
     pthread_mutex_unlock(&e->mu);
+    prefix_disk_poll(e);
     if (!e->n_ops)
         return;
     for (;;) {
@@ -285,7 +286,7 @@ void disk_poll(engine *e)
      * that could not load */
     for (struct job *j = e->active; j; j = j->next) {
         j->mem_wait = false;
-        if (j->io_wait && !j->sess->op) {
+        if (j->io_wait && !j->pfetch && !j->sess->op) {
             j->io_wait = false;
             start_job(e, j);
         }
@@ -468,7 +469,11 @@ static void on_file(void *arg, const char *ns, const char *name, const void *met
 {
     struct scan *sc = arg;
     engine *e = sc->e;
-    if (ns[0] != 'u') /* another kind of object (the prefix cache's) */
+    if (ns[0] == 'p') {
+        prefix_disk_file(e, ns, name, meta, meta_len, data_len);
+        return;
+    }
+    if (ns[0] != 'u')
         return;
     const char *why;
     struct session *s = session_of_meta(e, ns, name, meta, meta_len, data_len, &why);
@@ -510,8 +515,10 @@ void disk_open(engine *e)
         e->disk = NULL;
         return;
     }
+    prefix_disk_open(e);
     struct scan sc = {.e = e};
     kv_disk_scan(e->disk, "", on_file, &sc);
+    prefix_disk_opened(e);
     struct kv_disk_stats ds = kv_disk_stats(e->disk);
     log_msg(LOG_INFO, "disk tier %s: budget %.1f MiB (--disk-mem), %s I/O, %d session(s) restored to the table%s",
             e->cfg.disk_dir, ds.budget / 1048576.0, ds.direct ? "direct" : "buffered", sc.listed,
@@ -544,6 +551,7 @@ void disk_close(engine *e)
     }
     if (written || failed)
         log_msg(failed ? LOG_WARN : LOG_INFO, "disk tier: %d session(s) written at exit, %d failed", written, failed);
+    prefix_disk_close(e);
     kv_disk_free(e->disk);
     e->disk = NULL;
 }

@@ -65,6 +65,7 @@
 #include <string.h>
 
 #include "tiers/quant.h"
+#include "util/le.h"
 
 #define IMG_MAGIC "KVTSEQ\r\n"
 #define IMG_VERSION 1
@@ -74,34 +75,6 @@
 
 enum { PF_ADAPTIVE = 1, PF_NO_FALLBACK = 2, PF_NO_PREFIX = 4, PF_OFFLOAD = 8, PF_SINK = 16, PF_ALL = 31 };
 enum { SF_RECORD_PAST = 1, SF_KVQ_HOST = 2, SF_ALL = 3 };
-
-static void put32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get32(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++)
-        v |= (uint32_t)p[i] << (8 * i);
-    return v;
-}
-
-static uint64_t get64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
 
 static uint32_t float_bits(float f)
 {

@@ -230,6 +230,7 @@ struct kv_store_stats kv_store_stats(const kv_store *s)
         .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes,
         .prefix_hit_tokens = s->prefix_hits,
         .prefix_evictions = s->prefix_evictions,
+        .prefix_spill_dropped = s->spill_dropped,
         .xfer = s->total,
         .last_step = s->step,
     };
@@ -343,7 +344,7 @@ void blk_put(kv_store *s, struct kv_block *b)
 /* One block for a sequence's table (ref 1): from the free list, else a
  * new chunk, else, when the device budget refuses, the least recently used
  * unreferenced prefix-cache entry's blocks. */
-static enum tier_status pool_take(kv_store *s, struct kv_block **out)
+enum tier_status pool_take(kv_store *s, struct kv_block **out)
 {
     while (!s->n_free) {
         enum tier_status st = pool_grow(s);

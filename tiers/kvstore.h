@@ -173,6 +173,7 @@ struct kv_store_stats {
     size_t prefix_unref_bytes;  /* their device bytes, which kv_store_set_prefix_mem bounds */
     uint64_t prefix_hit_tokens;/* tokens attached by kv_seq_match_prefix so far */
     uint64_t prefix_evictions;
+    uint64_t prefix_spill_dropped; /* evicted blocks not queued for the caller (bound, memory, device fault) */
     struct kv_xfer_stats xfer;      /* since the store was created */
     struct kv_xfer_stats last_step; /* the last step that streamed */
 };
@@ -250,6 +251,50 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **child);
  * one token and gets logits; 0 when the sequence does not take part).
  * Matches compare the token ids, never only the hash. */
 enum tier_status kv_seq_match_prefix(kv_seq *q, const int32_t *tokens, int64_t n, int64_t *n_cached);
+/* ---- the prefix cache on disk (tiers/prefix.c "On disk") ---------------
+ * A cache entry as bytes: the block's chain hash (the one the cache keys
+ * it by) and a second, independent one, those of its parent, its
+ * namespace, its token ids and every layer's K and V as stored.  The
+ * caller keeps them (the daemon in the disk tier) and hands them back with
+ * kv_store_prefix_insert; the store never touches a file. */
+struct kv_prefix_block {
+    void *buf; /* the serialized entry; the caller owns it (free()) */
+    size_t len;
+    uint64_t ns, hash;
+    bool has_parent; /* false for a chain's first block */
+    uint64_t parent; /* the parent's hash */
+};
+/* From now on every entry the cache evicts (budget, device pressure) is
+ * serialized (device bytes through be_copy) and queued, at most max_bytes
+ * of them: past that the oldest are dropped and counted in
+ * prefix_spill_dropped.  0 (the default) serializes none and frees the
+ * queue.  Entries that came from kv_store_prefix_insert are not queued. */
+void kv_store_set_prefix_spill(kv_store *s, size_t max_bytes);
+/* Hands out the oldest queued entry; false when none is. */
+bool kv_store_prefix_take_evicted(kv_store *s, struct kv_prefix_block *out);
+/* Serializes the next cached entry neither handed out before (evicted or
+ * exported) nor inserted from disk, for a caller that keeps every entry
+ * at exit; *got false when none is left.  Only between steps.
+ * TIER_ENOMEM_HOST / TIER_EIO (device copy) leave that entry for the next
+ * call. */
+enum tier_status kv_store_prefix_export(kv_store *s, struct kv_prefix_block *out, bool *got);
+/* The chain hashes of the full blocks of tokens[0, n) that
+ * kv_seq_match_prefix could attach for a sequence created with p
+ * (hashes[] has room for (n - 1) / block_tokens), and in *n_mem how many
+ * leading ones the cache holds now.  Returns the number of blocks; 0 when
+ * such a sequence would not take part in the cache (strategy, sliding
+ * layers, no_prefix_cache, a store without one). */
+int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, const int32_t *tokens, int64_t n,
+                              uint64_t *hashes, int64_t *n_mem);
+/* Puts a serialized entry back into the cache, unreferenced (evictable
+ * as any other; the prefix-cache budget applies at once).  It is checked
+ * first: format and version, the store's geometry, the size, its parent
+ * cached (same namespace, both hashes), and both hashes equal to what the
+ * chain gives for its tokens; TIER_EINVAL naming the field otherwise.  An
+ * entry already cached is TIER_OK.  TIER_ENOMEM_DEV when no pool block is
+ * free, TIER_EIO on a device fault; the cache is then as it was. */
+enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len);
+
 /* The token ids of the reserved positions (after kv_seq_reserve, before
  * the commit); a step without them stops the sequence publishing. */
 void kv_seq_tokens(kv_seq *q, const int32_t *ids);

@@ -65,6 +65,14 @@ struct kv_pentry {
     struct kv_block **blocks;   /* [n_layers] */
     int32_t *tokens;            /* [bt] */
     uint64_t ns;                /* kv_seq_params.prefix_ns of the sequence that published it */
+    uint64_t check;             /* a second chain hash (prefix.c "On disk"), never masked */
+    bool saved;                 /* read from disk or handed out already: not serialized again */
+};
+
+/* A serialized entry waiting for kv_store_prefix_take_evicted. */
+struct kv_pqueued {
+    struct kv_pqueued *next;
+    struct kv_prefix_block b;
 };
 
 struct kv_layer {
@@ -141,6 +149,11 @@ struct kv_store {
     size_t n_unref;
     size_t prefix_mem; /* budget of the n_unref entries' bytes; 0 = none */
     uint64_t prefix_hits, prefix_evictions;
+    /* evicted entries serialized for the caller (prefix.c "On disk") */
+    size_t spill_max, spill_bytes; /* spill_max 0: none are kept */
+    struct kv_pqueued *spill_head, *spill_tail; /* oldest first */
+    uint64_t spill_dropped;
+    size_t export_at; /* the bucket kv_store_prefix_export looks at next */
     uint64_t fallbacks;
     /* sequences with a reservation (the current step's batch) */
     kv_seq **active;
@@ -162,6 +175,9 @@ struct kv_store {
 /* kvstore.c: block references */
 void blk_get(kv_store *s, struct kv_block *b);
 void blk_put(kv_store *s, struct kv_block *b);
+/* One block for a sequence's table (ref 1): the free list, a new chunk,
+ * or an evicted prefix-cache entry's. */
+enum tier_status pool_take(kv_store *s, struct kv_block **out);
 
 /* prefix.c */
 void prefix_release_all(kv_store *s);

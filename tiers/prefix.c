@@ -43,6 +43,25 @@
  *   (4) publishing never fails a commit: without memory for an entry the
  *       sequence just stops publishing.
  * All functions run on the inference thread.
+ *
+ * On disk (kvstore.h "the prefix cache on disk"): an evicted entry can be
+ * serialized for the caller to keep, and read back later into another
+ * store.  Its parent is then named by hash only, which a 64-bit hash (and
+ * the test mask) could confuse, so every entry also carries a second chain
+ * hash, `check` (other seeds, never masked), and an entry is inserted only
+ * under a cached parent whose two hashes both match: a wrong attachment
+ * then needs a 128-bit collision, where in memory the parent pointer rules
+ * it out.  The ids are still compared at every match.
+ *
+ * FORMAT of a serialized entry (version 1; little-endian):
+ *    0  8  magic "KVTPFX\r\n"
+ *    8  u32 version, 12 n_layers, 16 n_kv_heads, 20 head_dim, 24 dtype,
+ *           28 block_tokens (the store's geometry)
+ *   32  u32 flags: 1 = has a parent; 36 u32 reserved, 0
+ *   40  u64 namespace, 48 hash, 56 check, 64 parent's hash, 72 parent's
+ *           check (both 0 without a parent), 80 size of the whole entry
+ *   88  i32 token ids [block_tokens]
+ *   then each layer's pool block as stored (block_bytes: K then V)
  */
 #include "tiers/kvstore_impl.h"
 
@@ -50,11 +69,28 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "util/le.h"
+
+#define PFX_MAGIC "KVTPFX\r\n"
+#define PFX_VERSION 1
+#define PFX_HDR 88
+#define CHECK_SALT 0x9e3779b97f4a7c15u /* seeds the check chain apart from the hash chain */
+
 /* Block 0 is seeded with the namespace, so namespaces spread over the
  * buckets; the lookup compares ns itself, as it does the ids. */
+static uint64_t seeded_hash(const kv_store *s, uint64_t seed, const int32_t *tokens)
+{
+    return XXH3_64bits_withSeed(tokens, (size_t)s->bt * sizeof(int32_t), seed) & s->hash_mask;
+}
+
 static uint64_t chain_hash(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens, uint64_t ns)
 {
-    return XXH3_64bits_withSeed(tokens, (size_t)s->bt * sizeof(int32_t), parent ? parent->hash : ns) & s->hash_mask;
+    return seeded_hash(s, parent ? parent->hash : ns, tokens);
+}
+
+static uint64_t chain_check(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens, uint64_t ns)
+{
+    return XXH3_64bits_withSeed(tokens, (size_t)s->bt * sizeof(int32_t), (parent ? parent->check : ns) ^ CHECK_SALT);
 }
 
 static struct kv_pentry *lookup(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens,
@@ -157,20 +193,34 @@ static void buckets_grow(kv_store *s)
     s->n_buckets = n;
 }
 
+static void child_add(kv_store *s, struct kv_pentry *p)
+{
+    if (p && p->children++ == 0 && p->refs == 0)
+        lru_unlink(s, p);
+}
+
+static void child_drop(kv_store *s, struct kv_pentry *p)
+{
+    if (p && --p->children == 0 && p->refs == 0)
+        lru_link(s, p, true); /* the chain goes tail first */
+}
+
+static void spill_queue(kv_store *s, const struct kv_pentry *e);
+
 bool prefix_evict_one(kv_store *s)
 {
     struct kv_pentry *e = s->lru_head;
     if (!e)
         return false;
+    if (s->spill_max && !e->saved)
+        spill_queue(s, e);
     lru_unlink(s, e);
     bucket_unlink(s, e);
     for (int l = 0; l < s->g.n_layers; l++) {
         e->blocks[l]->pub = NULL;
         s->free_blocks[s->n_free++] = e->blocks[l];
     }
-    struct kv_pentry *p = e->parent;
-    if (p && --p->children == 0 && p->refs == 0)
-        lru_link(s, p, true); /* the chain goes tail first */
+    child_drop(s, e->parent);
     s->n_entries--;
     s->n_unref--;
     s->prefix_evictions++;
@@ -180,6 +230,7 @@ bool prefix_evict_one(kv_store *s)
 
 void prefix_release_all(kv_store *s)
 {
+    kv_store_set_prefix_spill(s, 0); /* the store goes: nobody would take them */
     while (prefix_evict_one(s))
         ;
     free(s->buckets);
@@ -187,38 +238,55 @@ void prefix_release_all(kv_store *s)
     s->n_buckets = 0;
 }
 
-/* A new entry for block b of q (the chain continues q's pub_tail), taking
- * q's blocks; NULL without memory. */
-static struct kv_pentry *entry_new(kv_seq *q, int64_t b)
+/* An entry with room for its blocks and ids, not linked anywhere; NULL
+ * without memory (for it or for the bucket array). */
+static struct kv_pentry *entry_alloc(kv_store *s)
 {
-    kv_store *s = q->s;
-    int nl = s->g.n_layers;
     if (s->n_entries >= s->n_buckets)
         buckets_grow(s);
     if (!s->n_buckets)
         return NULL;
+    int nl = s->g.n_layers;
     struct kv_pentry *e = calloc(1, sizeof(*e) + (size_t)nl * sizeof(struct kv_block *) +
                                         (size_t)s->bt * sizeof(int32_t));
     if (!e)
         return NULL;
     e->blocks = (struct kv_block **)(e + 1);
     e->tokens = (int32_t *)(e->blocks + nl);
+    return e;
+}
+
+/* Puts e (parent, ns, hash set) in its bucket and under its parent. */
+static void entry_link(kv_store *s, struct kv_pentry *e)
+{
+    struct kv_pentry **bucket = &s->buckets[e->hash & (s->n_buckets - 1)];
+    e->next = *bucket;
+    *bucket = e;
+    s->n_entries++;
+}
+
+/* A new entry for block b of q (the chain continues q's pub_tail), taking
+ * q's blocks; NULL without memory. */
+static struct kv_pentry *entry_new(kv_seq *q, int64_t b)
+{
+    kv_store *s = q->s;
+    struct kv_pentry *e = entry_alloc(s);
+    if (!e)
+        return NULL;
     memcpy(e->tokens, q->ids, (size_t)s->bt * sizeof(int32_t));
     e->parent = q->pub_tail;
     e->ns = q->p.prefix_ns;
     e->hash = chain_hash(s, e->parent, e->tokens, e->ns);
-    for (int l = 0; l < nl; l++) {
+    e->check = chain_check(s, e->parent, e->tokens, e->ns);
+    for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_block *blk = q->layers[l].pb[b]; /* full paged layers: base 0 */
         blk->pub = e;
         e->blocks[l] = blk;
         e->refs += blk->ref;
     }
     if (e->parent)
-        e->parent->children++;
-    struct kv_pentry **bucket = &s->buckets[e->hash & (s->n_buckets - 1)];
-    e->next = *bucket;
-    *bucket = e;
-    s->n_entries++;
+        e->parent->children++; /* referenced by q: not on the LRU list */
+    entry_link(s, e);
     return e;
 }
 
@@ -390,5 +458,242 @@ enum tier_status kv_seq_match_prefix(kv_seq *q, const int32_t *tokens, int64_t n
     q->pub_tail = tail;
     s->prefix_hits += (uint64_t)q->len;
     *n_cached = q->len;
+    return TIER_OK;
+}
+
+/* ---- on disk -------------------------------------------------------------- */
+
+static size_t entry_bytes_on_disk(const kv_store *s)
+{
+    return PFX_HDR + (size_t)s->bt * sizeof(int32_t) + (size_t)s->g.n_layers * s->block_bytes;
+}
+
+/* e serialized into a new buffer; TIER_ENOMEM_HOST or TIER_EIO (a device
+ * copy) with nothing allocated.  No message: eviction calls it from inside
+ * other operations, whose own message must stand. */
+static enum tier_status entry_save(kv_store *s, const struct kv_pentry *e, struct kv_prefix_block *out)
+{
+    size_t n = entry_bytes_on_disk(s);
+    uint8_t *p = malloc(n);
+    if (!p)
+        return TIER_ENOMEM_HOST;
+    const struct kv_pentry *par = e->parent;
+    memcpy(p, PFX_MAGIC, 8);
+    put32(p + 8, PFX_VERSION);
+    put32(p + 12, (uint32_t)s->g.n_layers);
+    put32(p + 16, (uint32_t)s->g.n_kv_heads);
+    put32(p + 20, (uint32_t)s->g.head_dim);
+    put32(p + 24, (uint32_t)s->g.dtype);
+    put32(p + 28, (uint32_t)s->bt);
+    put32(p + 32, par ? 1 : 0);
+    put32(p + 36, 0);
+    put64(p + 40, e->ns);
+    put64(p + 48, e->hash);
+    put64(p + 56, e->check);
+    put64(p + 64, par ? par->hash : 0);
+    put64(p + 72, par ? par->check : 0);
+    put64(p + 80, n);
+    for (int i = 0; i < s->bt; i++)
+        put32(p + PFX_HDR + 4 * (size_t)i, (uint32_t)e->tokens[i]);
+    uint8_t *kv = p + PFX_HDR + (size_t)s->bt * sizeof(int32_t);
+    for (int l = 0; l < s->g.n_layers; l++) {
+        if (be_copy(s->be, kv + (size_t)l * s->block_bytes, e->blocks[l]->data, s->block_bytes, BE_D2H) != BE_OK) {
+            free(p);
+            return TIER_EIO;
+        }
+    }
+    *out = (struct kv_prefix_block){
+        .buf = p, .len = n, .ns = e->ns, .hash = e->hash, .has_parent = par != NULL, .parent = par ? par->hash : 0};
+    return TIER_OK;
+}
+
+static void spill_drop_oldest(kv_store *s)
+{
+    struct kv_pqueued *q = s->spill_head;
+    s->spill_head = q->next;
+    if (!s->spill_head)
+        s->spill_tail = NULL;
+    s->spill_bytes -= q->b.len;
+    s->spill_dropped++;
+    free(q->b.buf);
+    free(q);
+}
+
+static void spill_queue(kv_store *s, const struct kv_pentry *e)
+{
+    size_t n = entry_bytes_on_disk(s);
+    struct kv_pqueued *q = n <= s->spill_max ? malloc(sizeof(*q)) : NULL;
+    if (!q || entry_save(s, e, &q->b) != TIER_OK) {
+        free(q);
+        s->spill_dropped++;
+        return;
+    }
+    while (s->spill_head && s->spill_bytes + n > s->spill_max)
+        spill_drop_oldest(s);
+    q->next = NULL;
+    *(s->spill_tail ? &s->spill_tail->next : &s->spill_head) = q;
+    s->spill_tail = q;
+    s->spill_bytes += n;
+}
+
+void kv_store_set_prefix_spill(kv_store *s, size_t max_bytes)
+{
+    s->spill_max = max_bytes;
+    while (s->spill_head && s->spill_bytes > max_bytes)
+        spill_drop_oldest(s);
+}
+
+bool kv_store_prefix_take_evicted(kv_store *s, struct kv_prefix_block *out)
+{
+    struct kv_pqueued *q = s->spill_head;
+    if (!q)
+        return false;
+    s->spill_head = q->next;
+    if (!s->spill_head)
+        s->spill_tail = NULL;
+    s->spill_bytes -= q->b.len;
+    *out = q->b;
+    free(q);
+    return true;
+}
+
+enum tier_status kv_store_prefix_export(kv_store *s, struct kv_prefix_block *out, bool *got)
+{
+    s->err[0] = '\0';
+    *got = false;
+    for (; s->export_at < s->n_buckets; s->export_at++) {
+        for (struct kv_pentry *e = s->buckets[s->export_at]; e; e = e->next) {
+            if (e->saved)
+                continue;
+            enum tier_status st = entry_save(s, e, out);
+            if (st != TIER_OK)
+                return kv_fail(s, st, st == TIER_EIO ? "device copy of a prefix-cache block failed"
+                                                     : "host memory: a %zu-byte prefix-cache block",
+                               entry_bytes_on_disk(s));
+            e->saved = true;
+            *got = true;
+            return TIER_OK;
+        }
+    }
+    s->export_at = 0;
+    return TIER_OK;
+}
+
+int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, const int32_t *tokens, int64_t n,
+                              uint64_t *hashes, int64_t *n_mem)
+{
+    *n_mem = 0;
+    if (!s->prefix_on || p->no_prefix_cache || p->strategy != KV_DYNAMIC || p->sink || n <= 1)
+        return 0;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        int window, keep;
+        kv_layer_shape(s, p, l, &window, &keep);
+        if (window) /* prefix_init: a sliding layer keeps the sequence out */
+            return 0;
+    }
+    /* the blocks kv_seq_match_prefix could attach: never the last token */
+    int64_t nb = (n - 1) / s->bt;
+    const struct kv_pentry *tail = NULL;
+    bool in_mem = true;
+    for (int64_t b = 0; b < nb; b++) {
+        const int32_t *t = tokens + b * s->bt;
+        hashes[b] = seeded_hash(s, b ? hashes[b - 1] : p->prefix_ns, t);
+        if (in_mem && (tail = lookup(s, tail, t, p->prefix_ns)) != NULL)
+            (*n_mem)++;
+        else
+            in_mem = false;
+    }
+    return nb;
+}
+
+/* The cached entry of namespace ns with both hashes; NULL if none. */
+static struct kv_pentry *find_by_hash(const kv_store *s, uint64_t ns, uint64_t hash, uint64_t check)
+{
+    if (!s->n_buckets)
+        return NULL;
+    for (struct kv_pentry *e = s->buckets[hash & (s->n_buckets - 1)]; e; e = e->next)
+        if (e->hash == hash && e->check == check && e->ns == ns)
+            return e;
+    return NULL;
+}
+
+enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len)
+{
+    s->err[0] = '\0';
+    const uint8_t *p = buf;
+    size_t want = entry_bytes_on_disk(s);
+    if (!s->prefix_on)
+        return kv_fail(s, TIER_EINVAL, "prefix block: the store has no prefix cache");
+    if (len < PFX_HDR || memcmp(p, PFX_MAGIC, 8) != 0)
+        return kv_fail(s, TIER_EINVAL, "prefix block: not a prefix block (magic)");
+    if (get32(p + 8) != PFX_VERSION)
+        return kv_fail(s, TIER_EINVAL, "prefix block: version %u (this build reads %d)", get32(p + 8), PFX_VERSION);
+    static const char *const geom_name[] = {"n_layers", "n_kv_heads", "head_dim", "dtype", "block_tokens"};
+    const uint32_t geom[] = {(uint32_t)s->g.n_layers, (uint32_t)s->g.n_kv_heads, (uint32_t)s->g.head_dim,
+                             (uint32_t)s->g.dtype, (uint32_t)s->bt};
+    for (int i = 0; i < 5; i++)
+        if (get32(p + 12 + 4 * i) != geom[i])
+            return kv_fail(s, TIER_EINVAL, "prefix block: %s %u (the store's is %u)", geom_name[i],
+                           get32(p + 12 + 4 * i), geom[i]);
+    uint32_t flags = get32(p + 32);
+    if (flags > 1 || get32(p + 36) != 0)
+        return kv_fail(s, TIER_EINVAL, "prefix block: flags %#x / reserved %#x", flags, get32(p + 36));
+    if (get64(p + 80) != len || len != want)
+        return kv_fail(s, TIER_EINVAL, "prefix block: size %zu, header says %llu (want %zu)", len,
+                       (unsigned long long)get64(p + 80), want);
+    uint64_t ns = get64(p + 40), hash = get64(p + 48), check = get64(p + 56);
+    uint64_t par_hash = get64(p + 64), par_check = get64(p + 72);
+    if (!flags && (par_hash || par_check))
+        return kv_fail(s, TIER_EINVAL, "prefix block: parent hashes without a parent");
+    struct kv_pentry *parent = NULL;
+    if (flags && !(parent = find_by_hash(s, ns, par_hash, par_check)))
+        return kv_fail(s, TIER_EINVAL, "prefix block: parent %016llx is not cached", (unsigned long long)par_hash);
+    struct kv_pentry *e = entry_alloc(s);
+    if (!e)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a prefix-cache entry");
+    for (int i = 0; i < s->bt; i++)
+        e->tokens[i] = (int32_t)get32(p + PFX_HDR + 4 * (size_t)i);
+    const char *bad = chain_hash(s, parent, e->tokens, ns) != hash     ? "hash"
+                      : chain_check(s, parent, e->tokens, ns) != check ? "check hash"
+                                                                       : NULL;
+    if (bad || lookup(s, parent, e->tokens, ns)) {
+        free(e);
+        return bad ? kv_fail(s, TIER_EINVAL, "prefix block: its %s does not match its tokens and parent", bad)
+                   : TIER_OK; /* cached already */
+    }
+    /* the parent's new child keeps it off the LRU list, so taking pool
+     * blocks cannot evict it */
+    child_add(s, parent);
+    const uint8_t *kv = p + PFX_HDR + (size_t)s->bt * sizeof(int32_t);
+    enum tier_status st = TIER_OK;
+    int l = 0;
+    for (; l < s->g.n_layers && st == TIER_OK; l++) {
+        if ((st = pool_take(s, &e->blocks[l])) != TIER_OK)
+            break;
+        if (be_copy(s->be, e->blocks[l]->data, kv + (size_t)l * s->block_bytes, s->block_bytes, BE_H2D) != BE_OK)
+            st = kv_fail(s, TIER_EIO, "prefix block: device copy failed");
+        else
+            e->blocks[l]->ref = 0;
+    }
+    if (st != TIER_OK) {
+        for (int i = 0; i < l; i++) {
+            e->blocks[i]->ref = 1;
+            blk_put(s, e->blocks[i]);
+        }
+        child_drop(s, parent);
+        free(e);
+        return st;
+    }
+    for (l = 0; l < s->g.n_layers; l++)
+        e->blocks[l]->pub = e;
+    e->parent = parent;
+    e->ns = ns;
+    e->hash = hash;
+    e->check = check;
+    e->saved = true;
+    entry_link(s, e);
+    s->n_unref++;
+    lru_link(s, e, false);
+    fit_budget(s);
     return TIER_OK;
 }

@@ -1,0 +1,117 @@
+"""The prefix cache's blocks on the disk tier: a long prompt computed
+before a SIGTERM is, after the restart, a prefix-cache hit (cached_tokens
+in whole blocks) with the tokens of a daemon without a disk tier; the
+blocks are files of the requester's namespace only, so another uid's same
+prompt finds nothing (as root: a client runs as another uid); a corrupt
+block file is a miss with a log line and the same tokens; /metrics counts
+the blocks written and read and the hits."""
+import glob
+import grp
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, "tests")
+from daemon_harness import Daemon, check  # noqa: E402
+
+BT = 16  # the store's default block
+ref = Daemon("--disk-dir", "none")
+ref.start()
+root = os.geteuid() == 0
+group = next((g for g in ("nogroup", "nobody", "users") if g in {e.gr_name for e in grp.getgrall()}), None)
+args = ["--allow-group", group] if root and group else []
+d = Daemon(*args, model=ref.model, tmp=ref.tmp)
+if args:
+    os.chmod(d.tmp, 0o711)
+d.sock = os.path.join(ref.tmp, "run", "pfx.sock") if args else os.path.join(ref.tmp, "pfx.sock")
+d.start()
+disk_dir = d.sock + ".disk"
+prompt = [(i * 61 + 11) % 1900 + 50 for i in range(90)]  # 5 whole blocks matchable
+gen = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+my_ns = "p%x" % (os.geteuid() + 1)
+
+
+def metric(dm, name, labels=""):
+    for line in dm.get("/metrics")[1].decode().splitlines():
+        if line.startswith("kvtier_" + name + labels + " "):
+            return float(line.split()[1])
+    raise KeyError(name + labels)
+
+
+def complete(dm, ids):
+    code, r = dm.post("/v1/completions", dict(gen, prompt=ids))
+    assert code == 200, (code, r)
+    return r["choices"][0]["tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+want, _ = complete(ref, prompt)
+toks, cached = complete(d, prompt)
+check(toks == want and cached == 0, "a first request computes the prompt (the reference's tokens)")
+check(d.stop() == 0, "SIGTERM: clean exit")
+files = glob.glob(os.path.join(disk_dir, my_ns, "*.kvt"))
+check(len(files) >= len(prompt) // BT and "prefix-cache block(s) written at exit" in d.logtext(),
+      "at exit the cached blocks were written to %s/ (%d files)" % (my_ns, len(files)))
+
+d.start()
+check("%d prefix-cache block(s) on disk" % len(files) in d.logtext(), "the restart lists them")
+if args:
+    gid = grp.getgrnam(group).gr_gid
+    CLIENT = r"""
+import http.client, json, socket, sys
+class C(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(sys.argv[1])
+c = C("localhost", timeout=120)
+c.request("POST", "/v1/completions", body=sys.argv[2], headers={"Content-Type": "application/json"})
+r = json.loads(c.getresponse().read())
+print(json.dumps([r["choices"][0]["tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]]))
+"""
+    r = subprocess.run([sys.executable, "-c", CLIENT, d.sock, json.dumps(dict(gen, prompt=prompt))], user=65534,
+                       group=gid, extra_groups=[], cwd="/", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    other, other_cached = json.loads(r.stdout)
+    check(other == want and other_cached == 0 and metric(d, "prefix_disk_hits_total") == 0,
+          "another uid's same prompt finds none of those blocks (cached_tokens 0, same tokens)")
+else:
+    print("skip: the other-uid part needs root (tests/test_prefix_disk.c covers namespaces in the store)")
+toks, cached = complete(d, prompt)
+check(toks == want and cached > 0 and cached % BT == 0 and cached == (len(prompt) - 1) // BT * BT,
+      "after the restart the prompt is a prefix-cache hit: cached_tokens %d (whole blocks), same tokens" % cached)
+check(metric(d, "prefix_disk_blocks_total", '{op="read"}') == cached // BT and metric(d, "prefix_disk_hits_total") == 1,
+      "/metrics: %d blocks read from disk, one hit" % (cached // BT))
+check(d.stop() == 0, "stop before damaging a block")
+
+# the chain's first block (the only one without a parent), damaged in its data
+root_file = None
+for f in glob.glob(os.path.join(disk_dir, my_ns, "*.kvt")):
+    with open(f, "rb") as fh:
+        if b'"parent":null' in fh.read():
+            root_file = f if root_file is None or os.path.getmtime(f) < os.path.getmtime(root_file) else root_file
+check(root_file is not None, "the chain's first block is " + os.path.basename(root_file or ""))
+with open(root_file, "r+b") as fh:  # a byte of its first chunk (the chunk table's first offset, at 224)
+    fh.seek(224)
+    at = int.from_bytes(fh.read(8), "little") + 100
+    fh.seek(at)
+    b = fh.read(1)
+    fh.seek(at)
+    fh.write(bytes([b[0] ^ 0xFF]))
+d.start()
+toks, cached = complete(d, prompt)
+check(toks == want and cached == 0, "a corrupt first block: a miss (cached_tokens 0), the same tokens")
+check("not used, the chain is a miss from there on" in d.logtext(), "the log names the block that was not used")
+toks, cached = complete(d, prompt)
+check(toks == want and cached > 0, "computed again, the prompt is a hit in memory (cached_tokens %d)" % cached)
+check(d.stop() == 0, "clean stop")
+
+# a daemon with --no-prefix-cache leaves prefix files alone
+n_before = len(glob.glob(os.path.join(disk_dir, my_ns, "*.kvt")))
+nd = Daemon("--no-prefix-cache", *args, model=ref.model, tmp=ref.tmp)
+nd.sock = d.sock
+nd.start()
+toks, cached = complete(nd, prompt)
+check(toks == want and cached == 0, "--no-prefix-cache: no hit from disk")
+check(nd.stop() == 0 and len(glob.glob(os.path.join(disk_dir, my_ns, "*.kvt"))) == n_before,
+      "--no-prefix-cache: no prefix file written or removed")
+ref.stop()
