@@ -193,7 +193,7 @@ static kv_disk_op *make_room(engine *e, size_t need)
     struct prefix_disk *pd = e->pd;
     size_t freed = 0;
     char ns[24], name[24];
-    bool any = false;
+    int n = 0;
     for (struct pfile *f = pd->oldest, *next; f && freed < need; f = next) {
         next = f->newer;
         if (f->writing)
@@ -202,10 +202,12 @@ static kv_disk_op *make_room(engine *e, size_t need)
         kv_disk_remove(e->disk, ns, name);
         freed += f->bytes + FILE_SLACK;
         index_del(pd, f);
-        any = true;
+        n++;
     }
     kv_disk_op *op = NULL;
-    if (any && kv_disk_get(e->disk, ns, name, &op) != TIER_OK)
+    if (n)
+        log_msg(LOG_DEBUG, "disk tier full: %d least recently used prefix file(s) removed for a new one", n);
+    if (n && kv_disk_get(e->disk, ns, name, &op) != TIER_OK)
         op = NULL;
     return op;
 }

@@ -114,4 +114,28 @@ toks, cached = complete(nd, prompt)
 check(toks == want and cached == 0, "--no-prefix-cache: no hit from disk")
 check(nd.stop() == 0 and len(glob.glob(os.path.join(disk_dir, my_ns, "*.kvt"))) == n_before,
       "--no-prefix-cache: no prefix file written or removed")
+
+# a --disk-mem that holds a few blocks: a later run's blocks take the room of
+# the least recently used files of an earlier one; the daemon serves throughout
+per_file = max(os.path.getsize(f) for f in glob.glob(os.path.join(disk_dir, my_ns, "*.kvt")))
+budget = per_file * 3 + per_file // 2
+small = Daemon("--disk-mem", str(budget), "--verbose", model=ref.model, tmp=ref.tmp)
+small.sock = os.path.join(ref.tmp, "small.sock")
+small_dir = os.path.join(small.sock + ".disk", my_ns)
+other = [(i * 37 + 5) % 1900 + 50 for i in range(90)]
+want_other, _ = complete(ref, other)
+small.start()
+complete(small, prompt)
+check(small.stop() == 0, "a tiny disk budget: clean exit")
+first = set(glob.glob(os.path.join(small_dir, "*.kvt")))
+check(0 < len(first) <= 3, "--disk-mem %d: %d blocks of the first prompt fit" % (budget, len(first)))
+small.start()
+toks, _ = complete(small, other)
+check(toks == want_other, "the next run serves the other prompt with the reference's tokens")
+check(small.stop() == 0, "and exits cleanly")
+kept = set(glob.glob(os.path.join(small_dir, "*.kvt")))
+check(kept and not (kept & first) and sum(os.path.getsize(f) for f in kept) <= budget and
+      "prefix file(s) removed for a new one" in small.logtext(),
+      "its blocks took the room of the earlier files (%d kept, none of the first run's, within the budget)" %
+      len(kept))
 ref.stop()
