@@ -592,15 +592,15 @@ enum be_status be_kvq_dequantize(be_backend *be, const struct be_kvq_view *v, in
     return p0 < p1 ? be->ops->kvq_dequantize(be->ctx, v, p0, p1, dst) : BE_OK;
 }
 
-enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
-                            int64_t p1, float amax[2])
+enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads,
+                            int head_dim, int64_t p0, int64_t p1, float amax[2])
 {
-    if (!be || !amax || n_kv_heads <= 0 || head_dim <= 0 || !view_covers(v, p0, p1))
+    if (!be || !amax || n_kv_heads <= 0 || head_dim <= 0 || !be_dtype_size(dt) || !view_covers(v, p0, p1))
         return BE_EINVAL;
     if (!be->ops->kv_absmax)
         return BE_ENOTSUP;
     amax[0] = amax[1] = 0.0f;
-    return p0 < p1 ? be->ops->kv_absmax(be->ctx, v, n_kv_heads, head_dim, p0, p1, amax) : BE_OK;
+    return p0 < p1 ? be->ops->kv_absmax(be->ctx, v, dt, n_kv_heads, head_dim, p0, p1, amax) : BE_OK;
 }
 
 enum be_status be_kv_copy(be_backend *be, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,

@@ -239,6 +239,7 @@ struct be_kvq_view {
     int64_t base, lo, hi;
     float scale_k, scale_v; /* e4m3 tensor scales (unused by the affine kinds) */
     struct be_kv_view rest;
+    enum be_dtype rest_dtype; /* of rest and the sinks: the store's KV dtype */
 };
 
 /* be_attention over quantized views: the quantized blocks are decoded in
@@ -264,8 +265,8 @@ enum be_status be_kvq_dequantize(be_backend *be, const struct be_kvq_view *v, in
 
 /* amax[0], amax[1] (host) = max |K|, max |V| over positions [p0, p1) of an
  * f32 view: what the e4m3 tensor scales are computed from. */
-enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
-                            int64_t p1, float amax[2]);
+enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads,
+                            int head_dim, int64_t p0, int64_t p1, float amax[2]);
 
 /* Copies the K and V rows of positions [p0, p1) from view src to view dst
  * (p->n_kv_heads, p->head_dim, p->kv_dtype): how the sink strategy keeps

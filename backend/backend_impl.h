@@ -72,8 +72,8 @@ struct be_ops {
     // (optional, with attention_quant) the reader of the codes into f32 rows; arguments checked by the wrapper
     enum be_status (*kvq_dequantize)(void *ctx, const struct be_kvq_view *v, int64_t p0, int64_t p1,
                                      const struct be_kv_view *dst);
-    enum be_status (*kv_absmax)(void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
-                                int64_t p1, float amax[2]);
+    enum be_status (*kv_absmax)(void *ctx, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads, int head_dim,
+                                int64_t p0, int64_t p1, float amax[2]);
     // (optional) NULL: no sink strategy over quantized KV
     enum be_status (*kv_copy)(void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
                               int64_t p1, const struct be_attn_params *p);

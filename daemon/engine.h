@@ -51,6 +51,7 @@ struct engine_config {
     size_t prefix_mem;       /* bytes of blocks only the prefix cache holds; 0: a quarter of the device budget */
     bool share_prefix_cache; /* one prefix namespace for every uid instead of one per uid */
     bool verify_weights;     /* scan every weight for NaN and infinity at load */
+    enum model_kv_dtype kv_dtype; /* how the KV store keeps K and V (default: the model's precision) */
     int ctx;                 /* 0: the model's max_position_embeddings */
     int max_seqs;            /* sequences decoded together */
     int batch_tokens;        /* tokens per forward step */

@@ -64,6 +64,7 @@ struct model {
     model_files *files;
     be_backend *be;
     struct run_state rs;
+    enum be_dtype kv_dtype; /* model_params.kv_dtype resolved */
     /* device copies of the weights when the backend cannot read host memory */
     be_buffer **wbufs;
     int n_wbufs;
@@ -93,8 +94,31 @@ struct kv_geom model_kv_geom(const model *m)
         .n_kv_heads = m->cfg.n_kv_heads,
         .head_dim = m->cfg.head_dim,
         .layer_window = m->cfg.layer_window,
-        .dtype = BE_F32,
+        .dtype = m->kv_dtype,
     };
+}
+
+bool model_kv_dtype_parse(const char *s, enum model_kv_dtype *out)
+{
+    static const char *const names[] = {
+        [MODEL_KV_AUTO] = "auto", [MODEL_KV_F32] = "f32", [MODEL_KV_F16] = "f16", [MODEL_KV_BF16] = "bf16"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (!strcmp(s, names[i])) {
+            *out = (enum model_kv_dtype)i;
+            return true;
+        }
+    return false;
+}
+
+enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype dt)
+{
+    switch (choice) {
+    case MODEL_KV_F32: return BE_F32;
+    case MODEL_KV_F16: return BE_F16;
+    case MODEL_KV_BF16: return BE_BF16;
+    case MODEL_KV_AUTO: break;
+    }
+    return dt == BE_BF16 || dt == BE_F16 ? dt : BE_F32;
 }
 
 /* RoPE inverse frequencies as Hugging Face computes them (f32 maths, as in
@@ -304,16 +328,19 @@ static size_t weights_bytes(const struct model_config *c)
     return total + (size_t)c->n_layers * layer;
 }
 
-struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps, int max_batch_tokens)
+struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps,
+                                             const struct model_params *p)
 {
     size_t sizes[10], act = 0;
-    run_state_sizes(c, be_dtype_size(caps.act_dtype), max_batch_tokens > 0 ? max_batch_tokens : 256, sizes);
+    int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;
+    enum be_dtype kv = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, c->dtype);
+    run_state_sizes(c, be_dtype_size(caps.act_dtype), cap, sizes);
     for (int i = 0; i < 10; i++)
         act += charged(sizes[i]);
     return (struct model_device_bytes){
         .weights = caps.unified_memory ? 0 : weights_bytes(c),
         .activations = act,
-        .kv_per_token = (size_t)c->n_layers * 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * sizeof(float),
+        .kv_per_token = (size_t)c->n_layers * 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * be_dtype_size(kv),
     };
 }
 
@@ -345,8 +372,10 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     }
     m->be = be;
     enum model_status st = model_config_load(dir, &m->cfg, err);
-    if (st == MODEL_OK)
+    if (st == MODEL_OK) {
+        m->kv_dtype = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, m->cfg.dtype);
         st = model_files_open(dir, &m->cfg, &m->files, &m->w, err);
+    }
     if (st == MODEL_OK && p && p->verify_weights)
         st = model_weights_verify(&m->cfg, &m->w, err);
     if (st == MODEL_OK && !be_get_caps(be).unified_memory)

@@ -121,14 +121,20 @@ enum model_status model_weights_verify(const struct model_config *cfg, const str
  * model's max_position_embeddings. */
 int model_context(const struct model_config *c, int want);
 
-/* The device bytes a model of config c charges to a backend of caps: its
- * weights when the backend cannot read the mmap (caps.unified_memory false;
- * 0 otherwise), the forward pass's activations for max_batch_tokens rows
- * (0: 256, as model_load), and the f32 KV of one token over every layer. */
-struct model_device_bytes {
-    size_t weights, activations, kv_per_token;
+/* How the KV store keeps K and V (model_params.kv_dtype).  The default
+ * keeps them in the checkpoint's precision, as Hugging Face's cache does:
+ * f32 KV of a 16-bit model would double every sequence's bytes and the
+ * bytes offloaded decode moves, for precision the weights never had. */
+enum model_kv_dtype {
+    MODEL_KV_AUTO = 0, /* torch_dtype when it is bf16 or f16, else f32 */
+    MODEL_KV_F32,
+    MODEL_KV_F16,
+    MODEL_KV_BF16,
 };
-struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps, int max_batch_tokens);
+/* "auto", "f32", "f16" or "bf16"; false (and *out unchanged) otherwise. */
+bool model_kv_dtype_parse(const char *s, enum model_kv_dtype *out);
+/* The element type choice stands for with a checkpoint of torch_dtype dt. */
+enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype dt);
 
 /* ---- the model: config + weights + run state on a backend --------------- */
 typedef struct model model;
@@ -136,13 +142,26 @@ typedef struct model model;
 struct model_params {
     int max_batch_tokens; /* tokens per forward chunk (activations sized for it); 0 = 256 */
     bool verify_weights;  /* model_weights_verify at load */
+    enum model_kv_dtype kv_dtype; /* model_kv_geom's dtype */
 };
+
+/* The device bytes a model of config c loaded with p (NULL: defaults)
+ * charges to a backend of caps: its weights when the backend cannot read
+ * the mmap (caps.unified_memory false; 0 otherwise), the forward pass's
+ * activations for p's max_batch_tokens rows, and the KV (of p's kv_dtype)
+ * of one token over every layer. */
+struct model_device_bytes {
+    size_t weights, activations, kv_per_token;
+};
+struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps,
+                                             const struct model_params *p);
 
 enum model_status model_load(const char *dir, be_backend *be, const struct model_params *p, model **out, char *err);
 void model_free(model *m); /* accepts NULL */
 const struct model_config *model_get_config(const model *m);
 const struct model_weights *model_get_weights(const model *m);
-/* The KV geometry a kv_store for this model needs (dtype f32). */
+/* The KV geometry a kv_store for this model needs, of the dtype
+ * model_params.kv_dtype resolved to at load. */
 struct kv_geom model_kv_geom(const model *m);
 /* What KV computed by this model is valid for: a hash of its config and
  * of its weights' metadata (tensor names, dtypes, shapes, offsets; the

@@ -24,7 +24,7 @@ static enum model_status size_budget(const char *dir, const char *name, const st
         snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
-    struct model_device_bytes d = model_device_bytes(&cfg, be_get_caps(probe), p->model.max_batch_tokens);
+    struct model_device_bytes d = model_device_bytes(&cfg, be_get_caps(probe), &p->model);
     be_free(probe);
     b->seqs = p->size_seqs;
     b->ctx = model_context(&cfg, p->size_ctx);

@@ -27,7 +27,7 @@ struct runtime_params {
 struct runtime_budget {
     size_t weights;     /* uploaded weights; 0 where the backend reads the mmap */
     size_t activations; /* the forward pass's buffers */
-    size_t kv;          /* f32 KV of seqs sequences at ctx tokens each */
+    size_t kv;          /* KV (model_params.kv_dtype) of seqs sequences at ctx tokens each */
     size_t margin;
     size_t total;
     int seqs, ctx;

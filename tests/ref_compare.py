@@ -2,6 +2,7 @@
 """ref_compare - compares a kvtier-run --dump with the PyTorch reference.
 
     /usr/bin/python3 tests/ref_compare.py DIR DUMP --tol X [--expect-gen N] [--same-tokens DUMP2]...
+                                          [--kv-dtype f32|bf16|f16]
 
 The dump (little-endian): "KVTL", int32 n_prompt, n_gen, vocab,
 int32 tokens[n_prompt + n_gen] (prompt, then generated), float32
@@ -10,7 +11,9 @@ logits[n_gen][vocab], row i holding the logits that chose generated token i.
 The model of DIR is loaded by tools/torchref.py in f32 (bf16/f16 weights
 upcast: same weights, f32 math) and run ONCE over prompt + generated[:-1];
 its rows n_prompt-1 ... n_prompt+n_gen-2 are what kvtier should have
-produced for the prefill and each decode step.  Passes when
+produced for the prefill and each decode step.  --kv-dtype bf16/f16: the
+reference rounds K (after RoPE) and V to that type, as a cache of it
+keeps them (kvtier's KV dtype of the dump; default f32, unrounded).  Passes when
   * every logit is within --tol of the reference (max abs error), and
   * every generated token is the reference's argmax, or within --tol of the
     reference maximum (a near tie the two sides may break differently).
@@ -98,12 +101,14 @@ def main(argv=None):
     ap.add_argument("--expect-gen", type=int, help="require exactly this many generated tokens")
     ap.add_argument("--same-tokens", action="append", default=[], metavar="DUMP2")
     ap.add_argument("--name", help="label for the verdict lines (default: the directory name)")
+    ap.add_argument("--kv-dtype", choices=("f32", "bf16", "f16"), default="f32")
     o = ap.parse_args(argv)
     torch.set_num_threads(2)
     name = o.name or os.path.basename(os.path.normpath(o.dir))
     try:
         dumps = [(o.dump, *read_dump(o.dump))] + [(p, *read_dump(p)) for p in o.same_tokens]
-        model = torchref.load_model(o.dir, torch.float32)
+        kv = {"f32": None, "bf16": torch.bfloat16, "f16": torch.float16}[o.kv_dtype]
+        model = torchref.load_model(o.dir, torch.float32, kv)
     except (BadDump, OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"FAIL {name}: {e}")
         return 2

@@ -464,9 +464,40 @@ static void test_refusals(void **state)
     kv_seq_free(q);
     free(row);
     rig_close(&r);
-    rig_open(&r, M_LLAMA, BE_BF16);
-    expect_refusal(r.store, kv_seq_create(r.store, &p, &q), TIER_ENOTSUP, "bf16");
-    rig_close(&r);
+}
+
+/* A bf16 or f16 store (a 16-bit model's default): the residual and the
+ * sinks are kept in that dtype, and the quantized cache is to the dense
+ * cache of the same store what it is in an f32 store (prompt row exact,
+ * decode rows within the format's bound).  fp8 calibrates its scales
+ * from the 16-bit residual. */
+static void test_half_store(void **state)
+{
+    (void)state;
+    static const enum be_dtype dts[] = {BE_BF16, BE_F16};
+    static const struct {
+        enum kv_quant_backend b;
+        int nbits, ak, av, residual;
+        double bound;
+    } cases[] = {{KVQ_QUANTO, 8, -1, 0, 0, 0.01}, {KVQ_FP8, 0, 0, 0, 0, 0.05}, {KVQ_QUANTO, 4, 0, 0, 128, 0.10}};
+    for (int i = 0; i < 2; i++) {
+        struct rig r;
+        rig_open(&r, M_HYBRID, dts[i]);
+        float *dense = run(&r, &(struct kv_seq_params){.strategy = KV_DYNAMIC});
+        for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+            struct kv_seq_params p = qparams(cases[c].b, cases[c].nbits, cases[c].ak, cases[c].av, cases[c].residual);
+            float *ql = run(&r, &p);
+            double first = rel_err(ql, dense, r.V, 0, 1), rest = rel_err(ql, dense, r.V, 1, N_ROWS);
+            print_message("%s store, %s int%d R %d: prompt %.2e, decode %.2e (bound %.2e)\n", be_dtype_name(dts[i]),
+                          kv_quant_backend_name(cases[c].b), p.quant.nbits, cases[c].residual, first, rest,
+                          cases[c].bound);
+            assert_true(first < 1e-5);
+            assert_true(rest > 0 && rest < cases[c].bound);
+            free(ql);
+        }
+        free(dense);
+        rig_close(&r);
+    }
 }
 
 /* Quantized + offloaded.  A sequence whose blocks live in the host tier
@@ -618,6 +649,7 @@ int main(void)
         cmocka_unit_test(test_logits_vs_dense), cmocka_unit_test(test_residual_counting),
         cmocka_unit_test(test_fault_sweep),     cmocka_unit_test(test_sliding),
         cmocka_unit_test(test_mixed_batch),     cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_half_store),
         cmocka_unit_test(test_offloaded),     cmocka_unit_test(test_decode_reuses_blocks),
         cmocka_unit_test(test_bf16_store),
     };

@@ -341,7 +341,7 @@ static void layer_open(struct layer_fixture *fx, const struct kv_quant_params *p
     struct kvq_alloc a = {.ctx = &fx->ta, .get = ta_get, .put = ta_put};
     struct kvq_error e;
     assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1}, &fx->be), BE_OK);
-    assert_int_equal(kvq_ctx_create(fx->be, p, H, D, bt, &a, &fx->c, &e), TIER_OK);
+    assert_int_equal(kvq_ctx_create(fx->be, p, BE_F32, H, D, bt, &a, &fx->c, &e), TIER_OK);
     fx->ta.bytes[KVQ_BLOCK_QUANT] = kvq_ctx_format(fx->c)->block_bytes;
     fx->ta.bytes[KVQ_BLOCK_FULL] = kvq_full_block_bytes(fx->c);
     assert_int_equal(kvq_layer_create(fx->c, &fx->l), TIER_OK);

@@ -7,6 +7,9 @@
  * needing 4x the device budget; the peak device bytes of offloaded mode;
  * host-tier exhaustion; the measured prefetch figures.
  * The models are random ones from tools/mkmodel.py (skip without it).
+ * Every test runs twice: with f32 KV, then with bf16 KV (the default of a
+ * bf16 model), where the strategies store the same bf16 values and must
+ * still agree bit for bit.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -27,6 +30,7 @@
 #define CHUNK 8 /* rows per forward chunk: the prompt takes three */
 
 static char g_dir[] = "/tmp/kvtier-tiers-XXXXXX";
+static enum model_kv_dtype g_kv; /* the pass's KV dtype (the models are f32) */
 
 enum { M_LLAMA, M_MISTRAL, M_QWEN2, M_DEEP, M_LLAMA_W8, N_MODELS };
 static const char *const model_args[N_MODELS] = {
@@ -73,7 +77,7 @@ static void rig_open_dir(struct rig *r, const char *dir, size_t device_mem, size
     char err[MODEL_ERR_LEN];
     struct be_params bp = {.n_threads = 1, .device_mem = device_mem};
     assert_int_equal(be_open("cpu", &bp, &r->be), BE_OK);
-    struct model_params mp = {.max_batch_tokens = CHUNK};
+    struct model_params mp = {.max_batch_tokens = CHUNK, .kv_dtype = g_kv};
     enum model_status st = model_load(dir, r->be, &mp, &r->m, err);
     if (st != MODEL_OK)
         fail_msg("model_load %s: %s", dir, err);
@@ -81,6 +85,7 @@ static void rig_open_dir(struct rig *r, const char *dir, size_t device_mem, size
     struct kv_geom g = model_kv_geom(r->m);
     struct kv_store_params sp = {.host_mem = host_mem};
     assert_int_equal(kv_store_open(r->be, &g, &sp, &r->store), TIER_OK);
+    assert_int_equal(kv_store_dtype(r->store), g_kv == MODEL_KV_BF16 ? BE_BF16 : BE_F32);
 }
 
 static void rig_open(struct rig *r, int which, size_t device_mem, size_t host_mem)
@@ -307,7 +312,7 @@ static size_t layer_kv_bytes(const struct rig *r, int64_t n)
 {
     const struct model_config *c = model_get_config(r->m);
     int bt = kv_store_block_tokens(r->store);
-    size_t block = 2 * (size_t)c->n_kv_heads * (size_t)bt * (size_t)c->head_dim * sizeof(float);
+    size_t block = 2 * (size_t)c->n_kv_heads * (size_t)bt * (size_t)c->head_dim * be_dtype_size(kv_store_dtype(r->store));
     return (size_t)((n + bt - 1) / bt) * block;
 }
 
@@ -662,7 +667,7 @@ static void test_sliding_window_strategy(void **state)
             fail_msg("sliding_window over %s differs from the sliding model", kv_strategy_name(sw[v].strategy));
         assert_int_equal(kv_seq_length(q), N_PROMPT + N_GEN - 1);
         /* 8 tokens of 2 layers in blocks of 32: at most two blocks a layer */
-        assert_true(kv_seq_bytes(q) <= (size_t)2 * 2 * 2 * 2 * 32 * 16 * sizeof(float));
+        assert_true(kv_seq_bytes(q) <= (size_t)2 * 2 * 2 * 2 * 32 * 16 * be_dtype_size(kv_store_dtype(r.store)));
         kv_seq_free(q);
     }
     kv_seq *q;
@@ -722,7 +727,7 @@ static void test_sink_bounded(void **state)
     struct kv_seq_params p = {.sink = true, .window_length = 64, .num_sink_tokens = 4};
     struct kv_geom g = model_kv_geom(r.m);
     int bt = kv_store_block_tokens(r.store);
-    size_t block = 2 * (size_t)g.n_kv_heads * (size_t)bt * (size_t)g.head_dim * sizeof(float);
+    size_t block = 2 * (size_t)g.n_kv_heads * (size_t)bt * (size_t)g.head_dim * be_dtype_size(g.dtype);
     sink_bounded(&r, &p, (size_t)g.n_layers * (size_t)((64 - 4 + bt - 1) / bt + 2) * block, 64 + 2 * bt);
     rig_close(&r);
 }
@@ -744,7 +749,7 @@ static void test_sink_quantized_bounded(void **state)
     struct kvq_error e;
     int bt = kv_store_block_tokens(r.store), T = kvq_block_tokens(&p.quant, bt);
     assert_int_equal(kvq_format_init(&f, &p.quant, g.n_kv_heads, g.head_dim, T, &e), TIER_OK);
-    size_t block = 2 * (size_t)g.n_kv_heads * (size_t)bt * (size_t)g.head_dim * sizeof(float);
+    size_t block = 2 * (size_t)g.n_kv_heads * (size_t)bt * (size_t)g.head_dim * be_dtype_size(g.dtype);
     size_t per_layer = block + (size_t)((64 - 4 + T - 1) / T + 2) * f.block_bytes +
                        (size_t)((p.quant.residual_length + bt - 1) / bt + 2) * block;
     sink_bounded(&r, &p, (size_t)g.n_layers * per_layer, 64 + 3 * p.quant.residual_length);
@@ -1046,7 +1051,10 @@ int main(void)
         cmocka_unit_test(test_sink_refusals),
         cmocka_unit_test(test_sink_prefix_cache),
     };
-    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    g_kv = MODEL_KV_F32;
+    int rc = cmocka_run_group_tests_name("f32 KV", tests, NULL, NULL);
+    g_kv = MODEL_KV_BF16;
+    rc |= cmocka_run_group_tests_name("bf16 KV", tests, NULL, NULL);
     cleanup();
     return rc;
 }

@@ -179,8 +179,7 @@ enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, v
     kv_seq_qview(q, layer, &qv);
     layer_parts(&qv, part);
     int64_t T = qv.fmt ? qv.fmt->block_tokens : 0, bt = s->bt > T ? s->bt : T;
-    /* a quantized sequence's full-precision rows are f32 (kvquant.c) */
-    enum be_dtype rest_dt = q->kvq ? BE_F32 : s->g.dtype;
+    enum be_dtype rest_dt = s->g.dtype;
     struct dense_out o = {.q = q, .k = k, .v = v, .dt = dtype, .rows = part[0] + part[1] + part[2]};
     o.stage = malloc((size_t)bt * (size_t)s->g.head_dim * sizeof(float));
     if (!o.stage)

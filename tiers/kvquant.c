@@ -4,8 +4,8 @@
  * (kvstore_impl.h).
  *
  * NOTES
- * - Blocks.  Quantized blocks (fmt->block_bytes) and the residual's f32
- *   blocks (the store's dense layout) are buffers of one block each.  A
+ * - Blocks.  Quantized blocks (fmt->block_bytes) and the residual's
+ *   blocks (the store's dense layout and dtype) are buffers of one block each.  A
  *   resident sequence takes device buffers from the device tier's budget
  *   like every KV block: an allocation over budget first evicts
  *   unreferenced prefix-cache blocks (kv_store_reclaim), then fails the
@@ -151,9 +151,6 @@ enum tier_status kvq_seq_init(kv_seq *q)
 {
     kv_store *s = q->s;
     struct kvq_error e;
-    if (s->g.dtype != BE_F32)
-        return kv_fail(s, TIER_ENOTSUP, "the quantized cache keeps its residual in f32; this store holds %s KV",
-                       be_dtype_name(s->g.dtype));
     if (kv_quant_validate(&q->p.quant, &e) != TIER_OK)
         return kv_fail(s, TIER_EINVAL, "%s", e.msg);
     struct kvq_seq *k = calloc(1, sizeof(*k));
@@ -168,7 +165,7 @@ enum tier_status kvq_seq_init(kv_seq *q)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a quantized sequence");
     }
     struct kvq_alloc a = {.ctx = k, .get = pool_get, .put = pool_put};
-    enum tier_status st = kvq_ctx_create(s->be, &q->p.quant, s->g.n_kv_heads, s->g.head_dim, s->bt, &a, &k->ctx, &e);
+    enum tier_status st = kvq_ctx_create(s->be, &q->p.quant, s->g.dtype, s->g.n_kv_heads, s->g.head_dim, s->bt, &a, &k->ctx, &e);
     if (st == TIER_EINVAL)
         st = kv_fail(s, st, "%s", e.msg);
     if (st == TIER_OK) {
@@ -470,7 +467,7 @@ void kv_seq_qview(const kv_seq *q, int layer, struct be_kvq_view *out)
 {
     const struct kv_layer *L = &q->layers[layer];
     if (!q->kvq) {
-        *out = (struct be_kvq_view){0};
+        *out = (struct be_kvq_view){.rest_dtype = q->s->g.dtype};
         kv_seq_view(q, layer, &out->rest);
         out->lo = out->hi = out->rest.lo;
         return;

@@ -1193,7 +1193,7 @@ static enum tier_status sink_keep_full(kv_seq *q, int l, int64_t from)
     void *sink = q->layers[l].sink_blk->data;
     struct be_kv_view dst = {.blocks = &sink, .n_blocks = 1, .block_tokens = s->bt, .v_offset = s->block_bytes / 2};
     struct be_attn_params p = {.n_heads = s->g.n_kv_heads, .n_kv_heads = s->g.n_kv_heads, .head_dim = s->g.head_dim,
-                               .kv_dtype = BE_F32};
+                               .kv_dtype = s->g.dtype};
     enum be_status st = from < end ? be_kv_copy(s->be, &dst, &v.rest, from, end, &p) : BE_OK;
     return st == BE_OK ? TIER_OK : kv_fail(s, TIER_EIO, "keeping the sinks: %s", be_strerror(st));
 }

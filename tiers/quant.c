@@ -269,7 +269,8 @@ struct kvq_ctx {
     struct kvq_alloc a;
     be_backend *be;       /* writes the codes */
     int fbt;              /* tokens per full-precision block */
-    size_t fblock_bytes;  /* K then V, each (n_kv_heads, fbt, head_dim) f32 */
+    enum be_dtype dtype;  /* of the full-precision blocks: the store's */
+    size_t fblock_bytes;  /* K then V, each (n_kv_heads, fbt, head_dim) of dtype */
 };
 
 /* A growable table of blocks of one kind; `mark` is its length before the
@@ -294,12 +295,12 @@ struct kvq_layer {
     int64_t fbase;
 };
 
-enum tier_status kvq_ctx_create(be_backend *be, const struct kv_quant_params *p, int n_kv_heads, int head_dim,
+enum tier_status kvq_ctx_create(be_backend *be, const struct kv_quant_params *p, enum be_dtype dtype, int n_kv_heads, int head_dim,
                                 int store_bt, const struct kvq_alloc *a, kvq_ctx **out, struct kvq_error *err)
 {
     *out = NULL;
-    if (!be || !a || !a->get || !a->put || store_bt <= 0)
-        return fail(err, "cache", "quantized KV needs a block allocator and a block size > 0");
+    if (!be || !a || !a->get || !a->put || store_bt <= 0 || !be_dtype_size(dtype))
+        return fail(err, "cache", "quantized KV needs a block allocator, a block size > 0 and a KV dtype");
     kvq_ctx *c = calloc(1, sizeof(*c));
     if (!c)
         return TIER_ENOMEM_HOST;
@@ -312,7 +313,8 @@ enum tier_status kvq_ctx_create(be_backend *be, const struct kv_quant_params *p,
     c->a = *a;
     c->be = be;
     c->fbt = store_bt;
-    c->fblock_bytes = 2 * (size_t)n_kv_heads * (size_t)store_bt * (size_t)head_dim * sizeof(float);
+    c->dtype = dtype;
+    c->fblock_bytes = 2 * (size_t)n_kv_heads * (size_t)store_bt * (size_t)head_dim * be_dtype_size(dtype);
     *out = c;
     return TIER_OK;
 }
@@ -450,6 +452,7 @@ void kvq_layer_view(const kvq_layer *l, struct be_kvq_view *out)
                  .base = l->fbase,
                  .lo = l->nq,
                  .hi = l->len + l->pending},
+        .rest_dtype = c->dtype,
     };
 }
 
@@ -459,7 +462,7 @@ static enum be_status calibrate_e4m3(kvq_layer *l, int64_t end)
     struct be_kvq_view v;
     kvq_layer_view(l, &v);
     float amax[2];
-    enum be_status st = be_kv_absmax(l->c->be, &v.rest, l->c->fmt.n_kv_heads, l->c->fmt.head_dim, 0, end, amax);
+    enum be_status st = be_kv_absmax(l->c->be, &v.rest, v.rest_dtype, l->c->fmt.n_kv_heads, l->c->fmt.head_dim, 0, end, amax);
     l->scale_k = e4m3_scale_of(amax[0]);
     l->scale_v = e4m3_scale_of(amax[1]);
     return st;

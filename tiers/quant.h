@@ -89,7 +89,7 @@ typedef struct kvq_layer kvq_layer; /* one layer of one sequence */
 
 /* store_bt: tokens per full-precision block (the store's block size); be
  * writes the codes into the blocks a hands out. */
-enum tier_status kvq_ctx_create(be_backend *be, const struct kv_quant_params *p, int n_kv_heads, int head_dim,
+enum tier_status kvq_ctx_create(be_backend *be, const struct kv_quant_params *p, enum be_dtype dtype, int n_kv_heads, int head_dim,
                                 int store_bt, const struct kvq_alloc *a, kvq_ctx **out, struct kvq_error *err);
 void kvq_ctx_free(kvq_ctx *c); /* accepts NULL; every layer must be freed first */
 const struct be_kvq_format *kvq_ctx_format(const kvq_ctx *c);

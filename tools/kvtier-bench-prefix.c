@@ -2,7 +2,7 @@
  * measured in one run so the figures are ratios:
  *
  *   kvtier-bench-prefix -m DIR [--prefix 2048] [--suffix 16] [--forks 64] [--threads N]
- *                       [--block-tokens N]
+ *                       [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]
  *
  * TTFT: time from a request's tokens to its first logits, cold (the whole
  * prompt computed) vs warm (the same prefix attached from the cache, only
@@ -44,7 +44,9 @@ int main(int argc, char **argv)
     struct kv_store_params sp = {.prefix_cache = true};
     static const struct option opts[] = {{"prefix", 1, 0, 'p'},  {"suffix", 1, 0, 's'},
                                          {"forks", 1, 0, 'f'},   {"threads", 1, 0, 't'},
-                                         {"block-tokens", 1, 0, 'b'}, {0, 0, 0, 0}};
+                                         {"block-tokens", 1, 0, 'b'}, {"kv-dtype", 1, 0, 'k'},
+                                         {0, 0, 0, 0}};
+    struct model_params mp = {0};
     for (int c; (c = getopt_long(argc, argv, "m:", opts, NULL)) != -1;) {
         bool ok = true;
         switch (c) {
@@ -54,6 +56,7 @@ int main(int argc, char **argv)
         case 'f': ok = args_int(optarg, 1, 1 << 16, &forks); break;
         case 't': ok = args_int(optarg, 0, 1024, &threads); break;
         case 'b': ok = args_int(optarg, 1, 1 << 16, &sp.block_tokens); break;
+        case 'k': ok = model_kv_dtype_parse(optarg, &mp.kv_dtype); break;
         default: return 2;
         }
         if (!ok)
@@ -61,7 +64,7 @@ int main(int argc, char **argv)
     }
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench-prefix -m DIR [--prefix N] [--suffix N] [--forks N] [--threads N] "
-                        "[--block-tokens N]\n");
+                        "[--block-tokens N] [--kv-dtype auto|f32|bf16|f16]\n");
         return 2;
     }
     be_backend *be;
@@ -70,7 +73,7 @@ int main(int argc, char **argv)
     char err[MODEL_ERR_LEN];
     if (be_open("cpu", &(struct be_params){.n_threads = threads}, &be) != BE_OK)
         return die("backend", "cannot open cpu");
-    if (model_load(dir, be, NULL, &m, err) != MODEL_OK)
+    if (model_load(dir, be, &mp, &m, err) != MODEL_OK)
         return die(dir, err);
     struct kv_geom g = model_kv_geom(m);
     if (kv_store_open(be, &g, &sp, &st) != TIER_OK)
@@ -101,8 +104,9 @@ int main(int argc, char **argv)
         warm = t < warm ? t : warm;
         kv_seq_free(b);
     }
-    printf("model %s: %d layers, %d kv heads x %d, prefix %d + suffix %d tokens, block %d\n", dir, c->n_layers,
-           c->n_kv_heads, c->head_dim, prefix, suffix, kv_store_block_tokens(st));
+    printf("model %s: %d layers, %d kv heads x %d, prefix %d + suffix %d tokens, block %d, KV %s\n", dir,
+           c->n_layers, c->n_kv_heads, c->head_dim, prefix, suffix, kv_store_block_tokens(st),
+           be_dtype_name(kv_store_dtype(st)));
     printf("TTFT cold %.2f ms, warm (%lld tokens cached) %.2f ms: %.1fx\n", cold * 1e3, (long long)cached, warm * 1e3,
            cold / warm);
 

@@ -2,7 +2,7 @@
  * (StreamingLLM attention sinks), one token per step after the prompt.
  *
  *   kvtier-bench-sinks -m DIR [--window W] [--sinks S] [--ids 1,2,3] [-n N]
- *                      [--dump FILE] [--every K] [--threads N] [--nbits B]
+ *                      [--dump FILE] [--every K] [--threads N] [--nbits B] [--kv-dtype T]
  *
  * Prints, every K generated tokens (default 1000), the tokens/s of the last
  * K tokens, the process CPU milliseconds they took per token and the
@@ -76,13 +76,15 @@ static bool dump_write(const char *path, const struct tok_ids *ids, size_t n_pro
 int main(int argc, char **argv)
 {
     const char *dir = NULL, *ids_arg = "1", *dump_path = NULL;
-    int n_gen = 1000, every = 1000, window = 256, sinks = 4, threads = 0, nbits = 0;
-    enum { O_WINDOW = 256, O_SINKS, O_IDS, O_DUMP, O_EVERY, O_THREADS, O_NBITS };
+    int n_gen = 1000, every = 1000, window = 256, sinks = 4, nbits = 0;
+    enum { O_WINDOW = 256, O_SINKS, O_IDS, O_DUMP, O_EVERY, O_THREADS, O_NBITS, O_KVDTYPE };
+    struct runtime_params rp = {0};
     static const struct option opts[] = {
         {"window", required_argument, 0, O_WINDOW}, {"sinks", required_argument, 0, O_SINKS},
         {"ids", required_argument, 0, O_IDS},       {"dump", required_argument, 0, O_DUMP},
         {"every", required_argument, 0, O_EVERY},   {"threads", required_argument, 0, O_THREADS},
-        {"nbits", required_argument, 0, O_NBITS},   {0, 0, 0, 0},
+        {"nbits", required_argument, 0, O_NBITS},   {"kv-dtype", required_argument, 0, O_KVDTYPE},
+        {0, 0, 0, 0},
     };
     for (int c; (c = getopt_long(argc, argv, "m:n:", opts, NULL)) != -1;) {
         bool ok = true;
@@ -94,11 +96,12 @@ int main(int argc, char **argv)
         case O_IDS: ids_arg = optarg; break;
         case O_DUMP: dump_path = optarg; break;
         case O_EVERY: ok = args_int(optarg, 1, INT32_MAX, &every); break;
-        case O_THREADS: ok = args_int(optarg, 0, 1024, &threads); break;
+        case O_THREADS: ok = args_int(optarg, 0, 1024, &rp.be.n_threads); break;
+        case O_KVDTYPE: ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
         case O_NBITS: ok = args_int(optarg, 2, 8, &nbits) && (nbits == 2 || nbits == 4 || nbits == 8); break;
         default:
             fprintf(stderr, "usage: kvtier-bench-sinks -m DIR [--window W] [--sinks S] [--ids 1,2,3] [-n N] "
-                            "[--dump FILE] [--every K] [--threads N] [--nbits 2|4|8]\n");
+                            "[--dump FILE] [--every K] [--threads N] [--nbits 2|4|8] [--kv-dtype auto|f32|bf16|f16]\n");
             return 2;
         }
         if (!ok)
@@ -113,7 +116,7 @@ int main(int argc, char **argv)
     size_t n_prompt = ids.n;
     char err[MODEL_ERR_LEN];
     struct runtime rt = {0};
-    enum model_status ms = runtime_open(dir, &(struct runtime_params){.be = {.n_threads = threads}}, &rt, err);
+    enum model_status ms = runtime_open(dir, &rp, &rt, err);
     if (ms != MODEL_OK) {
         fprintf(stderr, "kvtier-bench-sinks: %s\n", err);
         return 1;
@@ -139,7 +142,7 @@ int main(int argc, char **argv)
         goto out;
     }
     printf("window %d, %d sinks, %s KV, prompt %zu tokens\n%10s %12s %14s %12s\n", window, sinks,
-           nbits == 8 ? "int8" : nbits == 4 ? "int4" : nbits == 2 ? "int2" : "f32", n_prompt, "generated", "tokens/s",
+           nbits == 8 ? "int8" : nbits == 4 ? "int4" : nbits == 2 ? "int2" : be_dtype_name(kv_store_dtype(rt.store)), n_prompt, "generated", "tokens/s",
            "CPU ms/token", "KV bytes");
     struct kv_geom geo = model_kv_geom(rt.m);
     size_t bt = (size_t)kv_store_block_tokens(rt.store);

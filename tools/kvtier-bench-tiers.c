@@ -4,20 +4,27 @@
  * ratios that survive a noisy machine:
  *
  *   kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode 8] [--repeat 2] [--threads N]
- *                      [--block-tokens N]
+ *                      [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]...
  *
  * For each context the three sequences are filled to that length and then
- * decode --decode tokens each, interleaved, best of --repeat rounds.  The
+ * decode --decode tokens each, interleaved, over --repeat rounds.  The
  * context is reserved and committed without computing it: a decode step's
  * work does not depend on the values in its KV.  Adaptive runs on a second
  * backend whose device budget holds the activations, two slots and half of
- * the layers' KV.  Reported per mode: tokens/s and the ratio to resident;
- * for streamed modes overlap = 1 - stall / transfer and the bytes moved per
- * token against the KV bytes the step reads.
+ * the layers' KV.  Reported per mode: tokens/s (median and best of the
+ * rounds) and the ratio of the medians to resident; for streamed modes
+ * overlap = 1 - stall / transfer and the bytes moved per token against the
+ * KV bytes the step reads (of the best round).
+ *
+ * --kv-dtype given more than once runs every mode once per KV dtype in
+ * each round, in an order rotated round by round, and reports each later
+ * dtype's tokens/s as the median (and range) of its per-round ratios to
+ * the first's.
  */
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "util/args.h"
@@ -25,6 +32,7 @@
 #include "model/model.h"
 
 enum { RESIDENT, OFFLOADED, ADAPTIVE, N_MODES };
+enum { MAX_DTYPES = 4, MAX_ROUNDS = 1000 };
 static const char *const mode_name[N_MODES] = {"resident", "offloaded", "adaptive"};
 
 struct rig {
@@ -33,13 +41,14 @@ struct rig {
     kv_store *store;
 };
 
-static int rig_open(struct rig *r, const char *dir, int threads, size_t device_mem, int block_tokens)
+static int rig_open(struct rig *r, const char *dir, int threads, size_t device_mem, int block_tokens,
+                    enum model_kv_dtype kv_dtype)
 {
     char err[MODEL_ERR_LEN];
     struct be_params bp = {.n_threads = threads, .device_mem = device_mem};
     if (be_open("cpu", &bp, &r->be) != BE_OK)
         return -1;
-    struct model_params mp = {.max_batch_tokens = 16};
+    struct model_params mp = {.max_batch_tokens = 16, .kv_dtype = kv_dtype};
     enum model_status st = model_load(dir, r->be, &mp, &r->m, err);
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-bench-tiers: %s: %s\n", model_strerror(st), err);
@@ -78,8 +87,23 @@ struct result {
     struct kv_xfer_stats x; /* of the timed steps */
 };
 
-/* One warm-up step (slots, caches), then n timed decode steps. */
-static int decode(struct rig *r, kv_seq *q, int n, float *logits, struct result *out)
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(const double *v, int n)
+{
+    double s[MAX_ROUNDS];
+    memcpy(s, v, (size_t)n * sizeof(*v));
+    qsort(s, (size_t)n, sizeof(*s), cmp_double);
+    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+}
+
+/* One warm-up step (slots, caches), then n timed decode steps: their
+ * tokens/s is returned (< 0 on failure), the best round kept in *out. */
+static double decode(struct rig *r, kv_seq *q, int n, float *logits, struct result *out)
 {
     int32_t tok = 7;
     struct fw_seq fs = {.kv = q, .tokens = &tok, .n_tokens = 1, .logits = logits};
@@ -106,29 +130,32 @@ static int decode(struct rig *r, kv_seq *q, int n, float *logits, struct result 
     };
     if (res.tps > out->tps)
         *out = res;
-    return 0;
+    return res.tps;
 }
 
 int main(int argc, char **argv)
 {
     const char *dir = NULL;
     int ctxs[16] = {1024, 4096, 16384}, n_ctx = 3, n_decode = 8, repeat = 2, threads = 0, block_tokens = 0;
+    enum model_kv_dtype kdts[MAX_DTYPES] = {MODEL_KV_AUTO};
+    int n_dt = 0;
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},   {"ctx", required_argument, 0, 'c'},
         {"decode", required_argument, 0, 'd'},  {"repeat", required_argument, 0, 'r'},
         {"threads", required_argument, 0, 't'}, {"block-tokens", required_argument, 0, 'b'},
-        {0, 0, 0, 0},
+        {"kv-dtype", required_argument, 0, 'k'}, {0, 0, 0, 0},
     };
     int o;
-    while ((o = getopt_long(argc, argv, "m:c:d:r:t:b:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "m:c:d:r:t:b:k:", opts, NULL)) != -1) {
         bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
         case 'c': ok = args_int_list(optarg, 1, 1 << 24, ctxs, 16, &n_ctx); break;
         case 'd': ok = args_int(optarg, 1, 1 << 20, &n_decode); break;
-        case 'r': ok = args_int(optarg, 1, 1000, &repeat); break;
+        case 'r': ok = args_int(optarg, 1, MAX_ROUNDS, &repeat); break;
         case 't': ok = args_int(optarg, 0, 1024, &threads); break;
         case 'b': ok = args_int(optarg, 1, 1 << 16, &block_tokens); break;
+        case 'k': ok = n_dt < MAX_DTYPES && model_kv_dtype_parse(optarg, &kdts[n_dt++]); break;
         default: return 2;
         }
         if (!ok)
@@ -136,70 +163,111 @@ int main(int argc, char **argv)
     }
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode N] [--repeat N] "
-                        "[--threads N] [--block-tokens N]\n");
+                        "[--threads N] [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]...\n");
         return 2;
     }
-    struct rig full;
-    if (rig_open(&full, dir, threads, 0, block_tokens) != 0)
-        return 1;
-    const struct model_config *c = model_get_config(full.m);
-    size_t act = be_mem_stats(full.be).dev_used;
+    n_dt = n_dt ? n_dt : 1;
+    struct rig full[MAX_DTYPES];
+    for (int d = 0; d < n_dt; d++)
+        if (rig_open(&full[d], dir, threads, 0, block_tokens, kdts[d]) != 0)
+            return 1;
+    const struct model_config *c = model_get_config(full[0].m);
+    size_t act = be_mem_stats(full[0].be).dev_used;
     float *logits = malloc((size_t)c->vocab_size * sizeof(float));
-    if (!logits)
+    double *tps = malloc(sizeof(double) * N_MODES * MAX_DTYPES * (size_t)repeat), ratio[MAX_ROUNDS];
+    if (!logits || !tps)
         return 1;
-    printf("model %s: %d layers, %d kv heads x %d, %s weights; KV f32 in blocks of %d tokens; backend cpu, %d "
+    printf("model %s: %d layers, %d kv heads x %d, %s weights; KV in blocks of %d tokens; backend cpu, %d "
            "threads, %s\n",
-           dir, c->n_layers, c->n_kv_heads, c->head_dim, be_dtype_name(c->dtype), kv_store_block_tokens(full.store),
-           be_get_caps(full.be).n_threads, be_get_caps(full.be).pinned_host ? "pinned host tier" : "host tier not pinned");
-    printf("%7s %-10s %9s %7s %9s %8s %8s %8s %12s %10s\n", "ctx", "mode", "tok/s", "ratio", "resident", "xfer ms",
-           "stall ms", "overlap", "moved/token", "moved/read");
+           dir, c->n_layers, c->n_kv_heads, c->head_dim, be_dtype_name(c->dtype), kv_store_block_tokens(full[0].store),
+           be_get_caps(full[0].be).n_threads,
+           be_get_caps(full[0].be).pinned_host ? "pinned host tier" : "host tier not pinned");
+    for (int d = 0; d < n_dt; d++) {
+        enum be_dtype dt = kv_store_dtype(full[d].store);
+        printf("KV %s: %zu bytes per token over all layers\n", be_dtype_name(dt),
+               2 * (size_t)c->n_layers * (size_t)c->n_kv_heads * (size_t)c->head_dim * be_dtype_size(dt));
+    }
+    printf("%d rounds of %d decode steps per mode and KV dtype%s\n", repeat, n_decode,
+           n_dt > 1 ? ", the dtypes' order rotated round by round" : "");
+    printf("%7s %-10s %-4s %9s %9s %7s %9s %8s %8s %8s %12s %10s%s\n", "ctx", "mode", "kv", "tok/s", "best", "ratio",
+           "resident", "xfer ms", "stall ms", "overlap", "moved/token", "moved/read", n_dt > 1 ? "  vs first kv (range)" : "");
     for (int i = 0; i < n_ctx; i++) {
         int ctx = ctxs[i];
         /* a layer holding the context in whole blocks, whatever their size */
-        size_t bt = (size_t)kv_store_block_tokens(full.store);
-        size_t per_tok = 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * sizeof(float);
-        size_t layer = per_tok * (((size_t)(ctx + n_decode + 64) + bt - 1) / bt * bt);
-        struct rig half;
-        if (rig_open(&half, dir, threads, act + (size_t)(c->n_layers / 2 + 2) * layer, block_tokens) != 0)
-            return 1;
-        struct rig *rigs[N_MODES] = {&full, &full, &half};
+        size_t bt = (size_t)kv_store_block_tokens(full[0].store);
+        struct rig half[MAX_DTYPES];
+        size_t per_tok[MAX_DTYPES];
+        for (int d = 0; d < n_dt; d++) {
+            per_tok[d] = 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * be_dtype_size(kv_store_dtype(full[d].store));
+            size_t layer = per_tok[d] * (((size_t)(ctx + n_decode + 64) + bt - 1) / bt * bt);
+            if (rig_open(&half[d], dir, threads, act + (size_t)(c->n_layers / 2 + 2) * layer, block_tokens,
+                         kdts[d]) != 0)
+                return 1;
+        }
         const struct kv_seq_params ps[N_MODES] = {
             {.strategy = KV_DYNAMIC},
             {.strategy = KV_OFFLOADED},
             {.strategy = KV_OFFLOADED, .adaptive = true, .max_cache_len = ctx + (repeat + 1) * (n_decode + 1)},
         };
-        kv_seq *q[N_MODES];
-        struct result res[N_MODES] = {{0}};
+        kv_seq *q[N_MODES][MAX_DTYPES];
+        struct rig *rigs[N_MODES][MAX_DTYPES];
+        struct result res[N_MODES][MAX_DTYPES] = {{{0}}};
         for (int k = 0; k < N_MODES; k++)
-            if (!(q[k] = filled(rigs[k], &ps[k], ctx)))
-                return 1;
+            for (int d = 0; d < n_dt; d++) {
+                rigs[k][d] = k == ADAPTIVE ? &half[d] : &full[d];
+                if (!(q[k][d] = filled(rigs[k][d], &ps[k], ctx)))
+                    return 1;
+            }
+#define TPS(k, d, r) tps[((size_t)(k) * MAX_DTYPES + (size_t)(d)) * (size_t)repeat + (size_t)(r)]
         for (int r = 0; r < repeat; r++)
             for (int k = 0; k < N_MODES; k++)
-                if (decode(rigs[k], q[k], n_decode, logits, &res[k]) != 0) {
-                    fprintf(stderr, "kvtier-bench-tiers: %s decode failed: %s\n", mode_name[k],
-                            kv_store_errmsg(rigs[k]->store));
-                    return 1;
+                for (int j = 0; j < n_dt; j++) {
+                    int d = (j + r) % n_dt;
+                    if ((TPS(k, d, r) = decode(rigs[k][d], q[k][d], n_decode, logits, &res[k][d])) < 0) {
+                        fprintf(stderr, "kvtier-bench-tiers: %s decode failed: %s\n", mode_name[k],
+                                kv_store_errmsg(rigs[k][d]->store));
+                        return 1;
+                    }
                 }
-        for (int k = 0; k < N_MODES; k++) {
-            struct kv_seq_stats ss = kv_seq_stats(q[k]);
-            const struct kv_xfer_stats *x = &res[k].x;
-            double kv_read = (double)per_tok * (double)(ctx + n_decode) * ss.streamed_layers;
-            printf("%7d %-10s %9.3f %7.3f %5d/%-3d", ctx, mode_name[k], res[k].tps, res[k].tps / res[RESIDENT].tps,
-                   ss.resident_layers, c->n_layers);
-            if (x->steps)
-                printf(" %8.2f %8.2f %7.1f%% %10.2fMB %10.3f\n", 1e3 * x->transfer_s / x->steps,
-                       1e3 * x->stall_s / x->steps, 100.0 * (1.0 - x->stall_s / x->transfer_s),
-                       (double)(x->bytes_h2d + x->bytes_d2h) / x->tokens / 1e6,
-                       (double)(x->bytes_h2d + x->bytes_d2h) / x->tokens / kv_read);
-            else
-                printf(" %8s %8s %8s %12s %10s\n", "-", "-", "-", "-", "-");
-        }
         for (int k = 0; k < N_MODES; k++)
-            kv_seq_free(q[k]);
-        rig_close(&half);
+            for (int d = 0; d < n_dt; d++) {
+                struct kv_seq_stats ss = kv_seq_stats(q[k][d]);
+                const struct kv_xfer_stats *x = &res[k][d].x;
+                double kv_read = (double)per_tok[d] * (double)(ctx + n_decode) * ss.streamed_layers;
+                double med = median(&TPS(k, d, 0), repeat);
+                printf("%7d %-10s %-4s %9.3f %9.3f %7.3f %5d/%-3d", ctx, mode_name[k],
+                       be_dtype_name(kv_store_dtype(rigs[k][d]->store)), med, res[k][d].tps,
+                       med / median(&TPS(RESIDENT, d, 0), repeat), ss.resident_layers, c->n_layers);
+                if (x->steps)
+                    printf(" %8.2f %8.2f %7.1f%% %10.2fMB %10.3f", 1e3 * x->transfer_s / x->steps,
+                           1e3 * x->stall_s / x->steps, 100.0 * (1.0 - x->stall_s / x->transfer_s),
+                           (double)(x->bytes_h2d + x->bytes_d2h) / x->tokens / 1e6,
+                           (double)(x->bytes_h2d + x->bytes_d2h) / x->tokens / kv_read);
+                else
+                    printf(" %8s %8s %8s %12s %10s", "-", "-", "-", "-", "-");
+                if (d > 0) {
+                    for (int r = 0; r < repeat; r++)
+                        ratio[r] = TPS(k, d, r) / TPS(k, 0, r);
+                    double lo = ratio[0], hi = ratio[0];
+                    for (int r = 1; r < repeat; r++) {
+                        lo = ratio[r] < lo ? ratio[r] : lo;
+                        hi = ratio[r] > hi ? ratio[r] : hi;
+                    }
+                    printf("  %.3f (%.3f-%.3f)", median(ratio, repeat), lo, hi);
+                }
+                putchar('\n');
+            }
+#undef TPS
+        for (int k = 0; k < N_MODES; k++)
+            for (int d = 0; d < n_dt; d++)
+                kv_seq_free(q[k][d]);
+        for (int d = 0; d < n_dt; d++)
+            rig_close(&half[d]);
         fflush(stdout);
     }
+    free(tps);
     free(logits);
-    rig_close(&full);
+    for (int d = 0; d < n_dt; d++)
+        rig_close(&full[d]);
     return 0;
 }

@@ -6,7 +6,7 @@
  *   prefill efficiency = prefill GFLOP/s / OpenBLAS sgemm GFLOP/s measured here
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
- *                [--block-tokens N[,N...]] [--fill N]
+ *                [--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -166,10 +166,11 @@ int main(int argc, char **argv)
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"decode", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
         {"repeat", required_argument, 0, 'r'}, {"block-tokens", required_argument, 0, 'b'},
-        {"fill", required_argument, 0, 'f'},   {0, 0, 0, 0},
+        {"fill", required_argument, 0, 'f'},   {"kv-dtype", required_argument, 0, 'k'},
+        {0, 0, 0, 0},
     };
     int o;
-    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:", opts, NULL)) != -1) {
         bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
@@ -179,6 +180,7 @@ int main(int argc, char **argv)
         case 'r': ok = args_int(optarg, 1, 1000, &repeat); break;
         case 'b': ok = args_int_list(optarg, 1, 1 << 16, bts, MAX_BLOCK_SIZES, &nb); break;
         case 'f': ok = args_int(optarg, 0, 1 << 24, &n_fill); break;
+        case 'k': ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
         default: return 2;
         }
         if (!ok)
@@ -186,7 +188,7 @@ int main(int argc, char **argv)
     }
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
-                        "[--block-tokens N[,N...]] [--fill N]\n");
+                        "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]\n");
         return 2;
     }
     char err[MODEL_ERR_LEN];
@@ -244,7 +246,8 @@ int main(int argc, char **argv)
     weight_totals(c, w, &wbytes, &welems);
     double flops_tok = 2.0 * welems; /* one multiply-add per weight per token */
     /* KV read per decode token at the mean context of the decode run */
-    double kv_bytes = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * 4 * (n_fill + n_prompt + n_decode / 2.0);
+    double kv_bytes = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * (double)be_dtype_size(g.dtype) *
+                      (n_fill + n_prompt + n_decode / 2.0);
 
     /* untimed, so round 0's first store does not pay for cold pages and caches */
     for (int b = 0; b < nb; b++) {
@@ -272,6 +275,8 @@ int main(int argc, char **argv)
            c->n_layers, c->hidden_size, be_dtype_name(c->dtype), wbytes / 1e9);
     printf("backend          %s, %d threads, simd %s, %d rounds, %d context tokens before the prompt\n", caps.name,
            threads, caps.simd, repeat, n_fill);
+    printf("KV               %s, %.0f bytes per token over all layers\n", be_dtype_name(g.dtype),
+           2.0 * c->n_layers * c->n_kv_heads * c->head_dim * (double)be_dtype_size(g.dtype));
     /* best against best: each side's least disturbed round */
     double best_bw = 0, best_sg = 0;
     for (int r = 0; r < repeat; r++) {

@@ -1,6 +1,6 @@
 /* kvtier-ppl - token-level perplexity of a text file, computed by kvtier.
  *
- *   kvtier-ppl -m DIR -f FILE [--window N] [--threads N]
+ *   kvtier-ppl -m DIR -f FILE [--window N] [--threads N] [--kv-dtype auto|f32|bf16|f16]
  *
  * The windowing is the one tools/train.py records in metrics.json (so the two
  * numbers are comparable): FILE is encoded without special tokens, the ids
@@ -26,7 +26,7 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvtier-ppl -m DIR -f FILE [--window N] [--threads N]\n");
+    fprintf(f, "usage: kvtier-ppl -m DIR -f FILE [--window N] [--threads N] [--kv-dtype auto|f32|bf16|f16]\n");
 }
 
 /* Reads a whole file into a NUL-terminated malloc'd buffer. */
@@ -107,11 +107,11 @@ int main(int argc, char **argv)
     const char *dir = NULL, *path = NULL;
     int window = 512;
     struct runtime_params rp = {0};
-    enum { O_WINDOW = 256, O_THREADS };
+    enum { O_WINDOW = 256, O_THREADS, O_KVDTYPE };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"file", required_argument, 0, 'f'},
         {"window", required_argument, 0, O_WINDOW}, {"threads", required_argument, 0, O_THREADS},
-        {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
+        {"kv-dtype", required_argument, 0, O_KVDTYPE}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c;
     while ((c = getopt_long(argc, argv, "m:f:h", opts, NULL)) != -1) {
@@ -123,6 +123,12 @@ int main(int argc, char **argv)
             if (!args_int(optarg, c == O_WINDOW ? 2 : 0, c == O_WINDOW ? 1 << 20 : 1024,
                           c == O_WINDOW ? &window : &rp.be.n_threads)) {
                 fprintf(stderr, "kvtier-ppl: invalid value '%s' for --%s\n", optarg, c == O_WINDOW ? "window" : "threads");
+                return 2;
+            }
+            break;
+        case O_KVDTYPE:
+            if (!model_kv_dtype_parse(optarg, &rp.model.kv_dtype)) {
+                fprintf(stderr, "kvtier-ppl: invalid value '%s' for --kv-dtype\n", optarg);
                 return 2;
             }
             break;
@@ -154,6 +160,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvtier-ppl: %s: %s\n", model_strerror(st), err);
         goto out;
     }
+    fprintf(stderr, "kvtier-ppl: KV cache %s\n", be_dtype_name(kv_store_dtype(rt.store)));
     model *m = rt.m;
     tokenizer *tok = rt.tok;
     const struct model_config *cfg = model_get_config(m);

@@ -22,7 +22,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier-run -m DIR (-p TEXT | --ids 1,2,3) [-n N] [--greedy | --temp T] [--top-k K]\n"
                "       [--top-p P] [--min-p P] [--rep-pen R] [--seed S] [--stop STR]... [--ignore-eos]\n"
-               "       [--no-cache] [--threads N] [--dump FILE] [--quiet]\n");
+               "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--threads N] [--dump FILE] [--quiet]\n");
 }
 
 /* Logits rows kept in memory until the dump is written. */
@@ -97,7 +97,7 @@ int main(int argc, char **argv)
     struct runtime_params rp = {0};
     bool quiet = false;
     enum { O_IDS = 256, O_GREEDY, O_TEMP, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_IGN, O_NOCACHE,
-           O_THREADS, O_DUMP, O_QUIET };
+           O_THREADS, O_DUMP, O_QUIET, O_KVDTYPE };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"max-new", required_argument, 0, 'n'}, {"ids", required_argument, 0, O_IDS},
@@ -107,7 +107,8 @@ int main(int argc, char **argv)
         {"seed", required_argument, 0, O_SEED}, {"stop", required_argument, 0, O_STOP},
         {"ignore-eos", no_argument, 0, O_IGN}, {"no-cache", no_argument, 0, O_NOCACHE},
         {"threads", required_argument, 0, O_THREADS}, {"dump", required_argument, 0, O_DUMP},
-        {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
+        {"quiet", no_argument, 0, O_QUIET}, {"kv-dtype", required_argument, 0, O_KVDTYPE},
+        {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c, li = -1;
     while ((c = getopt_long(argc, argv, "m:p:n:h", opts, &li)) != -1) {
@@ -136,6 +137,7 @@ int main(int argc, char **argv)
         case O_THREADS: ok = args_int(optarg, 0, 1024, &rp.be.n_threads); break;
         case O_DUMP: dump_path = optarg; break;
         case O_QUIET: quiet = true; break;
+        case O_KVDTYPE: ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -162,6 +164,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvtier-run: %s: %s\n", model_strerror(st), err);
         return 1;
     }
+    if (!quiet)
+        fprintf(stderr, "[KV cache %s, weights %s]\n", be_dtype_name(kv_store_dtype(rt.store)),
+                be_dtype_name(model_get_config(rt.m)->dtype));
     if (ids_arg ? parse_ids(ids_arg, &prompt) != 0
                 : tokenizer_encode(rt.tok, text, strlen(text), true, &prompt, err) != TEXT_OK) {
         fprintf(stderr, "kvtier-run: bad prompt: %s\n", ids_arg ? "--ids wants comma-separated token ids" : err);

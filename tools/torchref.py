@@ -177,6 +177,10 @@ class Attention(nn.Module):
         self.n_kv = cfg.get("num_key_value_heads") or self.n_heads
         self.hd = head_dim_of(cfg)
         self.window = window
+        # The type the cache keeps K (after RoPE) and V in: Hugging Face's
+        # cache holds them in the model's dtype, so f32 math over a 16-bit
+        # cache rounds them once, right here (None: kept as computed).
+        self.kv_dtype = None
         # Qwen2: q/k/v biased, o not.  Llama/Qwen3: attention_bias on all
         # four.  Mistral: none.
         qkv_bias = arch == "Qwen2ForCausalLM" or (arch != "MistralForCausalLM" and cfg.get("attention_bias", False))
@@ -203,6 +207,8 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
         v = v.transpose(1, 2)
+        if self.kv_dtype is not None:
+            k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
         rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, rep), repeat_kv(v, rep)
         s = torch.matmul(q, k.transpose(2, 3)) * (self.hd ** -0.5) + masks[self.window]  # [B, H, T, T]
@@ -384,9 +390,13 @@ def load_config(d):
         return json.load(f)
 
 
-def load_model(d, dtype=torch.float32):
-    """CausalLM of directory d with its weights upcast (or cast) to dtype."""
+def load_model(d, dtype=torch.float32, kv_dtype=None):
+    """CausalLM of directory d with its weights upcast (or cast) to dtype;
+    kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
+    that type keeps them."""
     m = CausalLM(load_config(d))
+    for layer in m.model.layers:
+        layer.self_attn.kv_dtype = kv_dtype
     sd = load_checkpoint(d)
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it

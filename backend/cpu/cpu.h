@@ -262,8 +262,8 @@ enum be_status cpu_attention_quant(void *ctx, void *out, const void *q, const st
 enum be_status cpu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t end);
 enum be_status cpu_kvq_dequantize(void *ctx, const struct be_kvq_view *v, int64_t p0, int64_t p1,
                                   const struct be_kv_view *dst);
-enum be_status cpu_kv_absmax(void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
-                             int64_t p1, float amax[2]);
+enum be_status cpu_kv_absmax(void *ctx, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads, int head_dim,
+                             int64_t p0, int64_t p1, float amax[2]);
 enum be_status cpu_kv_copy(void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
                            int64_t p1, const struct be_attn_params *p);
 

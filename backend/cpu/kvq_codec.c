@@ -170,17 +170,17 @@ static int64_t reopen_from(const struct be_kvq_half *h, enum be_kvq_codes kind, 
     return kind != BE_KVQ_E4M3 && h->gt > 1 ? nq / h->gt * h->gt : nq;
 }
 
-/* Copies the f32 rows of positions [p0, p1) of a full-precision view into
- * rows (token-major, n_kv_heads * head_dim floats per token). */
-static void gather_rows(const struct be_kv_view *v, int H, int D, int64_t p0, int64_t p1, float *rk, float *rv)
+/* The rows of positions [p0, p1) of a full-precision view of dt, as f32
+ * into rows (token-major, n_kv_heads * head_dim floats per token). */
+static void gather_rows(const struct cpu_kern *kern, const struct be_kv_view *v, enum be_dtype dt, int H, int D,
+                        int64_t p0, int64_t p1, float *rk, float *rv)
 {
-    size_t hd = (size_t)D * sizeof(float);
     for (int64_t pos = p0; pos < p1; pos++)
         for (int h = 0; h < H; h++) {
-            const char *k = cpu_kv_row(v, pos, h, D, sizeof(float));
+            const char *k = cpu_kv_row(v, pos, h, D, be_dtype_size(dt));
             size_t dst = ((size_t)(pos - p0) * (size_t)H + (size_t)h) * (size_t)D;
-            memcpy(rk + dst, k, hd);
-            memcpy(rv + dst, k + v->v_offset, hd);
+            kern->to_f32(rk + dst, k, dt, (size_t)D);
+            kern->to_f32(rv + dst, k + v->v_offset, dt, (size_t)D);
         }
 }
 
@@ -204,7 +204,7 @@ enum be_status cpu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t 
         if (v0 < lo)
             dequantize_half(f, &f->v, blk, (int)(v0 - b * T), (int)(lo - b * T), rows_v + (size_t)(v0 - r0) * stride,
                             stride, v->scale_v);
-        gather_rows(&v->rest, f->n_kv_heads, f->head_dim, lo, hi, rows_k + (size_t)(lo - r0) * stride,
+        gather_rows(cpu_ctx_kern(ctx), &v->rest, v->rest_dtype, f->n_kv_heads, f->head_dim, lo, hi, rows_k + (size_t)(lo - r0) * stride,
                     rows_v + (size_t)(lo - r0) * stride);
         quantize_half(f, &f->k, blk, (int)(k0 - b * T), (int)(hi - b * T), rows_k + (size_t)(k0 - r0) * stride,
                       stride, v->scale_k);
@@ -240,15 +240,19 @@ enum be_status cpu_kvq_dequantize(void *ctx, const struct be_kvq_view *v, int64_
     return BE_OK;
 }
 
-enum be_status cpu_kv_absmax(void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0,
-                             int64_t p1, float amax[2])
+enum be_status cpu_kv_absmax(void *ctx, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads, int head_dim,
+                             int64_t p0, int64_t p1, float amax[2])
 {
-    (void)ctx;
+    float *k = cpu_ctx_rows(ctx, 2 * (size_t)head_dim), *x = k + head_dim;
+    if (!k)
+        return BE_ENOMEM_HOST;
+    const struct cpu_kern *kern = cpu_ctx_kern(ctx);
     amax[0] = amax[1] = 0.0f;
     for (int64_t pos = p0; pos < p1; pos++)
         for (int h = 0; h < n_kv_heads; h++) {
-            const float *k = (const float *)cpu_kv_row(v, pos, h, head_dim, sizeof(float));
-            const float *x = (const float *)((const char *)k + v->v_offset);
+            const char *row = cpu_kv_row(v, pos, h, head_dim, be_dtype_size(dt));
+            kern->to_f32(k, row, dt, (size_t)head_dim);
+            kern->to_f32(x, row + v->v_offset, dt, (size_t)head_dim);
             for (int d = 0; d < head_dim; d++) {
                 amax[0] = fabsf(k[d]) > amax[0] ? fabsf(k[d]) : amax[0];
                 amax[1] = fabsf(x[d]) > amax[1] ? fabsf(x[d]) : amax[1];

@@ -196,8 +196,8 @@ STRICT_OP(attention_quant, (void *ctx, void *out, const void *q, const struct be
 STRICT_OP(kvq_quantize, (void *ctx, const struct be_kvq_view *v, int64_t end), v, end)
 STRICT_OP(kvq_dequantize, (void *ctx, const struct be_kvq_view *v, int64_t p0, int64_t p1,
                            const struct be_kv_view *dst), v, p0, p1, dst)
-STRICT_OP(kv_absmax, (void *ctx, const struct be_kv_view *v, int n_kv_heads, int head_dim, int64_t p0, int64_t p1,
-                      float amax[2]), v, n_kv_heads, head_dim, p0, p1, amax)
+STRICT_OP(kv_absmax, (void *ctx, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads, int head_dim, int64_t p0,
+                      int64_t p1, float amax[2]), v, dt, n_kv_heads, head_dim, p0, p1, amax)
 STRICT_OP(kv_copy, (void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0, int64_t p1,
                     const struct be_attn_params *p), dst, src, p0, p1, p)
 STRICT_OP(silu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
