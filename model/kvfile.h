@@ -47,6 +47,24 @@ size_t kvfile_max_size(int n_layers, int n_kv_heads, int head_dim, int64_t ctx);
 enum model_status kvfile_build(const struct kvfile_info *info, void **out, size_t *size, size_t *k_off,
                                size_t *v_off, char *err);
 
+/* One tensor of a file kvfile_build_tensors lays out: its name, its
+ * safetensors dtype ("F32", "F16", "BF16", "U8") and shape; off is set to
+ * where its data starts in the file. */
+#define KVFILE_MAX_DIMS 5
+#define KVFILE_MAX_TENSORS (4096 * 8)
+struct kvfile_tensor {
+    char name[64];
+    const char *dtype;
+    int ndim;
+    int64_t shape[KVFILE_MAX_DIMS];
+    size_t off;
+};
+
+/* kvfile_build with any tensors, in the order given, and metadata beyond
+ * info's: meta_kv holds key, value, key, value, ..., NULL (or is NULL). */
+enum model_status kvfile_build_tensors(const struct kvfile_info *info, const char *const *meta_kv,
+                                       struct kvfile_tensor *t, int n, void **out, size_t *size, char *err);
+
 /* What a file must match to be imported. */
 struct kvfile_expect {
     uint64_t fingerprint;
