@@ -10,6 +10,9 @@
  * dtype.  The header is padded with spaces to a multiple of 8 bytes and
  * every tensor starts on an 8-byte boundary of the file, in the order
  * layer 0 key, layer 0 value, layer 1 key, ...
+ * A quantized cache's raw export (docs/api.md "Raw quantized export") is
+ * laid out by the daemon with kvfile_build_tensors; the parser reads only
+ * the dense layout.
  */
 #ifndef KVTIER_KVFILE_H
 #define KVTIER_KVFILE_H

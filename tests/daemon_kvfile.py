@@ -8,6 +8,9 @@ computed the prompt itself (and the request reuses the KV: cached_tokens);
 an export re-imported is byte for byte the same file; broken files (another
 model's fingerprint, wrong shapes, truncated, a huge header length, more
 tokens than the context, extra tensors) are 4xx naming the field, never 5xx.
+?raw=1 is the same file on a dense session; on quantized ones (quanto,
+hqq per channel, fp8) the stored form, dequantized by the rule docs/api.md
+gives, equals the default export bit for bit.
 The file is parsed here with a small reader: no safetensors package."""
 import json
 import os
