@@ -344,7 +344,7 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
     }
     char *cache = st == IPC_OK ? quant_cache_json(&s->cache.params) : NULL;
     char *lay = st == IPC_OK ? json_dumps(layers, JSON_COMPACT) : NULL, bt[16];
-    snprintf(bt, sizeof(bt), "%d", L && ql[0].fmt ? ql[0].fmt->block_tokens : 0);
+    snprintf(bt, sizeof(bt), "%d", st == IPC_OK ? ql[0].fmt->block_tokens : 0);
     if (st == IPC_OK && (!cache || !lay))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
     const char *meta[] = {"layout", "quantized", "quantization", cache, "q_block_tokens", bt, "q_layers", lay, NULL};
