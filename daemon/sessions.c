@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "daemon/engine_impl.h"
+#include "tiers/quant.h"
 #include "util/clock.h"
 
 static struct session *session_find(engine *e, const char *id)
@@ -252,16 +253,145 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
     }
 }
 
+/* The "quantization" metadata of a raw file: the request's cache object
+ * that creates a cache of the same format. */
+static char *quant_cache_json(const struct kv_seq_params *p)
+{
+    const struct kv_quant_params *q = &p->quant;
+    json_t *c = q->backend == KVQ_FP8
+                    ? json_pack("{s:s, s:s}", "implementation", "quantized", "backend", "fp8")
+                    : json_pack("{s:s, s:s, s:i, s:i, s:i, s:i, s:i}", "implementation", "quantized", "backend",
+                                kv_quant_backend_name(q->backend), "nbits", q->nbits, "axis_key", q->axis_key,
+                                "axis_value", q->axis_value, "q_group_size", q->q_group_size, "residual_length",
+                                q->residual_length);
+    if (c && p->window_length && json_object_set_new(c, "window_length", json_integer(p->window_length))) {
+        json_decref(c);
+        c = NULL;
+    }
+    char *text = c ? json_dumps(c, JSON_COMPACT) : NULL;
+    json_decref(c);
+    return text;
+}
+
+/* Tensors of a raw layer: K then V, each its codes and its scales (affine
+ * pairs or the e4m3 tensor scale), then the residual's K and V. */
+#define RAW_PER_LAYER 6
+
+static void raw_tensors(const struct kv_quant_layer *ql, int l, int H, int D, struct kvfile_tensor *t)
+{
+    const struct be_kvq_format *f = ql->fmt;
+    for (int half = 0; half < 2; half++) {
+        const struct be_kvq_half *h = half ? &f->v : &f->k;
+        const char *kv = half ? "value" : "key";
+        struct kvfile_tensor *c = &t[2 * half], *sc = &t[2 * half + 1];
+        *c = (struct kvfile_tensor){.dtype = "U8", .ndim = 4,
+                                    .shape = {ql->n_blocks, H, f->block_tokens, D * f->nbits / 8}};
+        snprintf(c->name, sizeof(c->name), "past_key_values.%d.%s.qdata", l, kv);
+        if (f->kind == BE_KVQ_E4M3) {
+            *sc = (struct kvfile_tensor){.dtype = "F32", .ndim = 1, .shape = {1}};
+            snprintf(sc->name, sizeof(sc->name), "past_key_values.%d.%s.qscale", l, kv);
+        } else {
+            *sc = (struct kvfile_tensor){.dtype = "F16", .ndim = 5,
+                                         .shape = {ql->n_blocks, H, f->block_tokens / h->gt, D / h->gd, 2}};
+            snprintf(sc->name, sizeof(sc->name), "past_key_values.%d.%s.qparams", l, kv);
+        }
+        t[4 + half] = (struct kvfile_tensor){.dtype = "F32", .ndim = 4, .shape = {1, H, ql->residual, D}};
+        snprintf(t[4 + half].name, sizeof(t[4 + half].name), "past_key_values.%d.%s", l, kv);
+    }
+}
+
+/* Scatters a layer's whole blocks into its code and scale tensors. */
+static void raw_fill(char *file, const struct kv_quant_layer *ql, const struct kvfile_tensor *t, const char *blocks)
+{
+    const struct be_kvq_format *f = ql->fmt;
+    size_t codes = (size_t)f->n_kv_heads * (size_t)f->block_tokens * (size_t)f->head_dim * (size_t)f->nbits / 8;
+    for (int half = 0; half < 2; half++) {
+        const struct be_kvq_half *h = half ? &f->v : &f->k;
+        const struct kvfile_tensor *sc = &t[2 * half + 1];
+        size_t params = f->kind == BE_KVQ_E4M3 ? 0 : (size_t)(sc->shape[1] * sc->shape[2] * sc->shape[3]) * 4;
+        for (int b = 0; b < ql->n_blocks; b++) {
+            const char *blk = blocks + (size_t)b * f->block_bytes;
+            memcpy(file + t[2 * half].off + (size_t)b * codes, blk + h->codes, codes);
+            memcpy(file + sc->off + (size_t)b * params, blk + h->params, params);
+        }
+        if (f->kind == BE_KVQ_E4M3)
+            memcpy(file + sc->off, half ? &ql->scale_v : &ql->scale_k, sizeof(float));
+    }
+}
+
+/* ?raw=1 on a quantized session: the stored form (docs/api.md "Raw
+ * quantized export"). */
+static enum ipc_status session_export_raw(engine *e, struct session *s, struct job *j, struct ipc_error *err)
+{
+    int L = e->mc->n_layers, H = e->mc->n_kv_heads, D = e->mc->head_dim;
+    struct kv_quant_layer *ql = calloc((size_t)L, sizeof(*ql));
+    struct kvfile_tensor *t = calloc((size_t)L * RAW_PER_LAYER, sizeof(*t));
+    json_t *layers = json_array();
+    enum ipc_status st = ql && t && layers ? IPC_OK : ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
+    size_t max_blocks = 0;
+    for (int l = 0; l < L && st == IPC_OK; l++) {
+        enum tier_status ts = kv_seq_layer_quant(s->kv, l, &ql[l]);
+        if (ts != TIER_OK) {
+            st = kv_error(e, ts, "raw", err);
+            break;
+        }
+        raw_tensors(&ql[l], l, H, D, t + (size_t)l * RAW_PER_LAYER);
+        size_t nb = (size_t)ql[l].n_blocks * ql[l].fmt->block_bytes;
+        max_blocks = nb > max_blocks ? nb : max_blocks;
+        if (json_array_append_new(layers, json_pack("[I,I,I]", (json_int_t)ql[l].lo, (json_int_t)ql[l].nq,
+                                                    (json_int_t)ql[l].first_block)))
+            st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
+    }
+    char *cache = st == IPC_OK ? quant_cache_json(&s->cache.params) : NULL;
+    char *lay = st == IPC_OK ? json_dumps(layers, JSON_COMPACT) : NULL, bt[16];
+    snprintf(bt, sizeof(bt), "%d", st == IPC_OK ? ql[0].fmt->block_tokens : 0);
+    if (st == IPC_OK && (!cache || !lay))
+        st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
+    const char *meta[] = {"layout", "quantized", "quantization", cache, "q_block_tokens", bt, "q_layers", lay, NULL};
+    struct kvfile_info in = {.fingerprint = model_fingerprint(e->m),
+                             .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy),
+                             .dtype = kv_store_dtype(e->store), .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                             .tokens = s->toks, .n_tokens = (int64_t)s->n_toks};
+    char msg[MODEL_ERR_LEN];
+    void *buf = NULL, *blocks = NULL;
+    size_t size = 0;
+    if (st == IPC_OK && kvfile_build_tensors(&in, meta, t, L * RAW_PER_LAYER, &buf, &size, msg) != MODEL_OK)
+        st = ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
+    /* a sliding layer may hold no block; malloc(0) may return NULL */
+    if (st == IPC_OK && !(blocks = malloc(max_blocks ? max_blocks : 1)))
+        st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
+    for (int l = 0; l < L && st == IPC_OK; l++) {
+        const struct kvfile_tensor *lt = t + (size_t)l * RAW_PER_LAYER;
+        enum tier_status ts = kv_seq_layer_quant_read(s->kv, l, blocks, (char *)buf + lt[4].off,
+                                                      (char *)buf + lt[5].off);
+        if (ts != TIER_OK)
+            st = kv_error(e, ts, "", err);
+        else
+            raw_fill(buf, &ql[l], lt, blocks);
+    }
+    free(blocks);
+    free(cache);
+    free(lay);
+    json_decref(layers);
+    free(t);
+    free(ql);
+    if (st != IPC_OK) {
+        free(buf);
+        return st;
+    }
+    j->res.blob = buf;
+    j->res.n_blob = size;
+    return IPC_OK;
+}
+
 /* The session's KV as a safetensors file in j->res.blob: dense layers as
- * stored, quantized ones decoded to f32. */
+ * stored, quantized ones decoded to f32 (or in their stored form, raw). */
 static enum ipc_status session_export(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
     if (!s->kv || !s->n_toks)
         return ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" holds no KV yet", s->id);
     if (j->raw && s->kvs.strategy == KV_QUANTIZED)
-        return ipc_fail(err, IPC_EINVAL, "raw",
-                        "raw=1: the stored form of a quantized cache (codes, scales, residual) is not exported yet; "
-                        "export without raw for the dequantized KV");
+        return session_export_raw(e, s, j, err);
     int L = e->mc->n_layers;
     int64_t *rows = calloc((size_t)L, sizeof(*rows));
     size_t *off = calloc(2 * (size_t)L, sizeof(*off));

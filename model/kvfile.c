@@ -68,8 +68,21 @@ static int set_str(json_t *o, const char *key, const char *val)
     return json_object_set_new(o, key, json_string(val));
 }
 
-/* The header JSON; data offsets from the tensor sizes. */
-static json_t *header_json(const struct kvfile_info *in, const size_t *bytes, size_t *data_size)
+static size_t dtype_size(const char *name)
+{
+    static const struct {
+        const char *name;
+        size_t size;
+    } sizes[] = {{"F32", 4}, {"F16", 2}, {"BF16", 2}, {"U8", 1}};
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
+        if (!strcmp(name, sizes[i].name))
+            return sizes[i].size;
+    return 0;
+}
+
+/* The header JSON: the metadata, then every tensor at its data offset. */
+static json_t *header_json(const struct kvfile_info *in, const char *const *meta_kv, const struct kvfile_tensor *t,
+                           int n, const size_t *bytes, size_t *data_size)
 {
     json_t *h = json_object(), *meta = json_object();
     char fp[17], ver[16], *toks = tokens_json(in->tokens, in->n_tokens);
@@ -79,20 +92,25 @@ static json_t *header_json(const struct kvfile_info *in, const size_t *bytes, si
     bad = bad || set_str(meta, "format", KVFILE_FORMAT) || set_str(meta, "version", ver) ||
           set_str(meta, "model_fingerprint", fp) || set_str(meta, "tokens", toks) ||
           set_str(meta, "strategy", in->strategy) || set_str(meta, "dtype", be_dtype_name(in->dtype));
+    for (int i = 0; meta_kv && meta_kv[i] && !bad; i += 2)
+        bad = set_str(meta, meta_kv[i], meta_kv[i + 1]);
     free(toks);
     bad = bad || json_object_set(h, "__metadata__", meta);
     json_decref(meta);
     size_t off = 0;
-    for (int l = 0; l < in->n_layers && !bad; l++)
-        for (int half = 0; half < 2 && !bad; half++) {
-            char name[64];
-            snprintf(name, sizeof(name), "past_key_values.%d.%s", l, half ? "value" : "key");
-            json_t *t = json_pack("{s:s, s:[i,i,I,i], s:[I,I]}", "dtype", DT_NAME[in->dtype], "shape", 1,
-                                  in->n_kv_heads, (json_int_t)in->rows[l], in->head_dim, "data_offsets",
-                                  (json_int_t)off, (json_int_t)(off + bytes[l]));
-            bad = !t || json_object_set_new(h, name, t);
-            off = round_up(off + bytes[l]);
-        }
+    for (int i = 0; i < n && !bad; i++) {
+        json_t *shape = json_array(), *e;
+        for (int d = 0; d < t[i].ndim && shape; d++)
+            if (json_array_append_new(shape, json_integer((json_int_t)t[i].shape[d]))) {
+                json_decref(shape);
+                shape = NULL;
+            }
+        e = shape ? json_pack("{s:s, s:o, s:[I,I]}", "dtype", t[i].dtype, "shape", shape, "data_offsets",
+                              (json_int_t)off, (json_int_t)(off + bytes[i]))
+                  : NULL;
+        bad = !e || json_object_set_new(h, t[i].name, e);
+        off = round_up(off + bytes[i]);
+    }
     if (bad) {
         json_decref(h);
         return NULL;
@@ -101,25 +119,28 @@ static json_t *header_json(const struct kvfile_info *in, const size_t *bytes, si
     return h;
 }
 
-enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t *size, size_t *k_off, size_t *v_off,
-                               char *err)
+enum model_status kvfile_build_tensors(const struct kvfile_info *in, const char *const *meta_kv,
+                                       struct kvfile_tensor *t, int n, void **out, size_t *size, char *err)
 {
     *out = NULL;
-    if (in->n_layers <= 0 || in->n_layers > MAX_LAYERS || in->n_tokens <= 0 || in->n_tokens > INT32_MAX ||
+    if (n <= 0 || n > KVFILE_MAX_TENSORS || in->n_tokens <= 0 || in->n_tokens > INT32_MAX ||
         !be_dtype_size(in->dtype))
-        return model_errf(err, MODEL_EINVAL, "KV file: %d layers, %" PRId64 " tokens", in->n_layers, in->n_tokens);
-    size_t *bytes = malloc((size_t)in->n_layers * sizeof(*bytes));
+        return model_errf(err, MODEL_EINVAL, "KV file: %d tensors, %" PRId64 " tokens", n, in->n_tokens);
+    size_t *bytes = malloc((size_t)n * sizeof(*bytes));
     if (!bytes)
         return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
-    for (int l = 0; l < in->n_layers; l++)
-        if (in->rows[l] < 0 || in->rows[l] > in->n_tokens ||
-            __builtin_mul_overflow((size_t)in->n_kv_heads * (size_t)in->head_dim * be_dtype_size(in->dtype),
-                                   (size_t)in->rows[l], &bytes[l])) {
+    for (int i = 0; i < n; i++) {
+        bytes[i] = dtype_size(t[i].dtype);
+        bool ok = bytes[i] && t[i].ndim > 0 && t[i].ndim <= KVFILE_MAX_DIMS;
+        for (int d = 0; d < t[i].ndim && ok; d++)
+            ok = t[i].shape[d] >= 0 && !__builtin_mul_overflow(bytes[i], (size_t)t[i].shape[d], &bytes[i]);
+        if (!ok) {
             free(bytes);
-            return model_errf(err, MODEL_EINVAL, "KV file: layer %d: %" PRId64 " rows", l, in->rows[l]);
+            return model_errf(err, MODEL_EINVAL, "KV file: tensor %s: bad dtype or shape", t[i].name);
         }
+    }
     size_t data_size = 0;
-    json_t *h = header_json(in, bytes, &data_size);
+    json_t *h = header_json(in, meta_kv, t, n, bytes, &data_size);
     char *text = h ? json_dumps(h, JSON_COMPACT) : NULL;
     json_decref(h);
     if (!text) {
@@ -134,10 +155,9 @@ enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t 
         memset(buf + 8, ' ', hlen);
         memcpy(buf + 8, text, strlen(text));
         size_t off = 8 + hlen;
-        for (int l = 0; l < in->n_layers; l++) {
-            k_off[l] = off;
-            v_off[l] = round_up(off + bytes[l]);
-            off = round_up(v_off[l] + bytes[l]);
+        for (int i = 0; i < n; i++) {
+            t[i].off = off;
+            off = round_up(off + bytes[i]);
         }
     }
     free(text);
@@ -147,6 +167,33 @@ enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t 
     *out = buf;
     *size = total;
     return MODEL_OK;
+}
+
+enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t *size, size_t *k_off, size_t *v_off,
+                               char *err)
+{
+    *out = NULL;
+    if (in->n_layers <= 0 || in->n_layers > MAX_LAYERS || in->n_tokens <= 0 || !be_dtype_size(in->dtype))
+        return model_errf(err, MODEL_EINVAL, "KV file: %d layers, %" PRId64 " tokens", in->n_layers, in->n_tokens);
+    for (int l = 0; l < in->n_layers; l++)
+        if (in->rows[l] < 0 || in->rows[l] > in->n_tokens)
+            return model_errf(err, MODEL_EINVAL, "KV file: layer %d: %" PRId64 " rows", l, in->rows[l]);
+    struct kvfile_tensor *t = calloc(2 * (size_t)in->n_layers, sizeof(*t));
+    if (!t)
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
+    for (int i = 0; i < 2 * in->n_layers; i++) {
+        snprintf(t[i].name, sizeof(t[i].name), "past_key_values.%d.%s", i / 2, i % 2 ? "value" : "key");
+        t[i].dtype = DT_NAME[in->dtype];
+        t[i].ndim = 4;
+        memcpy(t[i].shape, (int64_t[]){1, in->n_kv_heads, in->rows[i / 2], in->head_dim}, 4 * sizeof(int64_t));
+    }
+    enum model_status st = kvfile_build_tensors(in, NULL, t, 2 * in->n_layers, out, size, err);
+    for (int l = 0; l < in->n_layers && st == MODEL_OK; l++) {
+        k_off[l] = t[2 * l].off;
+        v_off[l] = t[2 * l + 1].off;
+    }
+    free(t);
+    return st;
 }
 
 /* ---- the parser ------------------------------------------------------------ */

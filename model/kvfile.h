@@ -10,6 +10,9 @@
  * dtype.  The header is padded with spaces to a multiple of 8 bytes and
  * every tensor starts on an 8-byte boundary of the file, in the order
  * layer 0 key, layer 0 value, layer 1 key, ...
+ * A quantized cache's raw export (docs/api.md "Raw quantized export") is
+ * laid out by the daemon with kvfile_build_tensors; the parser reads only
+ * the dense layout.
  */
 #ifndef KVTIER_KVFILE_H
 #define KVTIER_KVFILE_H
@@ -46,6 +49,24 @@ size_t kvfile_max_size(int n_layers, int n_kv_heads, int head_dim, int64_t ctx);
  * MODEL_ENOMEM, or MODEL_EINVAL for sizes that overflow. */
 enum model_status kvfile_build(const struct kvfile_info *info, void **out, size_t *size, size_t *k_off,
                                size_t *v_off, char *err);
+
+/* One tensor of a file kvfile_build_tensors lays out: its name, its
+ * safetensors dtype ("F32", "F16", "BF16", "U8") and shape; off is set to
+ * where its data starts in the file. */
+#define KVFILE_MAX_DIMS 5
+#define KVFILE_MAX_TENSORS (4096 * 8)
+struct kvfile_tensor {
+    char name[64];
+    const char *dtype;
+    int ndim;
+    int64_t shape[KVFILE_MAX_DIMS];
+    size_t off;
+};
+
+/* kvfile_build with any tensors, in the order given, and metadata beyond
+ * info's: meta_kv holds key, value, key, value, ..., NULL (or is NULL). */
+enum model_status kvfile_build_tensors(const struct kvfile_info *info, const char *const *meta_kv,
+                                       struct kvfile_tensor *t, int n, void **out, size_t *size, char *err);
 
 /* What a file must match to be imported. */
 struct kvfile_expect {

@@ -8,6 +8,9 @@ computed the prompt itself (and the request reuses the KV: cached_tokens);
 an export re-imported is byte for byte the same file; broken files (another
 model's fingerprint, wrong shapes, truncated, a huge header length, more
 tokens than the context, extra tensors) are 4xx naming the field, never 5xx.
+?raw=1 is the same file on a dense session; on quantized ones (quanto,
+hqq per channel, fp8) the stored form, dequantized by the rule docs/api.md
+gives, equals the default export bit for bit.
 The file is parsed here with a small reader: no safetensors package."""
 import json
 import os
@@ -207,3 +210,87 @@ check(r.returncode == 0 and code == 200 and got["tokens"] == len(prompt), "kvtie
 r = subprocess.run([kvtier, "--socket", d.sock, "session", "import", os.path.join(d.tmp, "missing")],
                    capture_output=True, text=True)
 check(r.returncode == 2, "kvtier session import of a missing file -> exit 2")
+
+# ?raw=1 on a quantized session: the stored form.  Dequantized by the rule
+# docs/api.md gives (the function below is that snippet), it equals the
+# default (dequantized) export bit for bit; on a dense session raw=1 is the
+# same file as without.
+code, rawd = d.get("/v1/sessions/%s/kv?raw=1" % s2["id"])
+check(code == 200 and rawd == blob2, "raw=1 on a dense session is the dense export")
+
+
+# e4m3 (float8_e4m3fn) byte -> value: 1 sign, 4 exponent (bias 7), 3 mantissa bits; 0x7f, 0xff NaN
+E4M3 = torch.tensor([(-1.0 if b & 0x80 else 1.0) *
+                     (float("nan") if b & 0x7f == 0x7f else
+                      (b & 7) / 8 * 2.0 ** -6 if not (b >> 3) & 15 else (1 + (b & 7) / 8) * 2.0 ** (((b >> 3) & 15) - 7))
+                     for b in range(256)], dtype=torch.float32)
+
+
+def dequantize(meta, tensor):
+    """The documented rule: per layer (K, V) [1, H, rows, D] f32, the rows
+    of the dequantized export."""
+    q = json.loads(meta["quantization"])
+    T = int(meta["q_block_tokens"])
+    out = []
+    for l, (lo, nq, first) in enumerate(json.loads(meta["q_layers"])):
+        kv = []
+        for half in ("key", "value"):
+            p = "past_key_values.%d.%s" % (l, half)
+            codes = tensor(p + ".qdata")                       # [B, H, T, D*nbits/8] uint8
+            res = tensor(p)                                    # [1, H, rows after nq, D]
+            B, H, D = codes.shape[0], codes.shape[1], res.shape[3]
+            if q["backend"] == "fp8":
+                x = E4M3[codes.long()] * tensor(p + ".qscale")   # or codes.view(torch.float8_e4m3fn)
+            else:
+                nbits = q["nbits"]
+                bits = (codes.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1   # little-endian bits
+                c = (bits.reshape(B, H, T, D, nbits).int() << torch.arange(nbits)).sum(-1).float()
+                pr = tensor(p + ".qparams").float()            # [B, H, T/gt, D/gd, (scale, shift|zero)]
+                gt, gd = T // pr.shape[2], D // pr.shape[3]
+                sc = pr[..., 0].repeat_interleave(gt, 2).repeat_interleave(gd, 3)
+                z = pr[..., 1].repeat_interleave(gt, 2).repeat_interleave(gd, 3)
+                x = c * sc - z if q["backend"] == "quanto" else (c - z) * sc
+            x = x.permute(1, 0, 2, 3).reshape(1, H, B * T, D)[:, :, lo - first * T:nq - first * T]
+            kv.append(torch.cat([x, res], dim=2))
+        out.append(kv)
+    return out
+
+
+TDT = {"F32": torch.float32, "F16": torch.float16, "U8": torch.uint8}
+
+
+def raw_tensor(ts):
+    def get(name):
+        dt, shape, raw = ts[name]
+        flat = torch.frombuffer(bytearray(raw), dtype=TDT[dt]) if raw else torch.empty(0, dtype=TDT[dt])
+        return flat.reshape(shape)
+    return get
+
+
+qcaches = [
+    {"implementation": "quantized", "backend": "quanto", "nbits": 4, "q_group_size": 16, "residual_length": 8},
+    {"implementation": "quantized", "backend": "hqq", "nbits": 2, "axis_key": 0, "axis_value": 1,
+     "q_group_size": 16, "residual_length": 4},
+    {"implementation": "quantized", "backend": "fp8"},
+]
+for cache in qcaches:
+    what = cache["backend"]
+    code, qs = d.post("/v1/sessions", {"prompt": prompt, "cache": cache})
+    check(code == 200 and qs["strategy"] == "quantized", "%s: a quantized session" % what)
+    code, deq = d.get("/v1/sessions/%s/kv" % qs["id"])
+    code2, raw = d.get("/v1/sessions/%s/kv?raw=1" % qs["id"])
+    check(code == 200 and code2 == 200 and raw != deq, "%s: raw=1 answers the stored form" % what)
+    rmeta, rts = parse(raw)
+    dmeta, dts = parse(deq)
+    qmeta = json.loads(rmeta["quantization"])
+    check(rmeta["layout"] == "quantized" and json.loads(rmeta["tokens"]) == prompt and
+          all(qmeta.get(k) == v for k, v in cache.items()) and all(isinstance(v, str) for v in rmeta.values()),
+          "%s: raw metadata names the quantization %s" % (what, rmeta["quantization"]))
+    got = dequantize(rmeta, raw_tensor(rts))
+    same = True
+    for l, kv2 in enumerate(got):
+        for half, x in zip(("key", "value"), kv2):
+            want = raw_tensor(dts)("past_key_values.%d.%s" % (l, half))
+            same = same and list(x.shape) == list(want.shape) and torch.equal(x, want)
+    check(same, "%s: the raw form dequantized by the documented rule equals the dequantized export bit for bit"
+          % what)

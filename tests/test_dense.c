@@ -6,7 +6,9 @@
  * Qwen2 hybrid) and under the sliding_window strategy; a quantized cache
  * exports dequantized (layer 0's residual rows equal a dense run's exactly,
  * its quantized rows stay within the int8 bound) and its import into a
- * dynamic sequence holds exactly the export.  Refusals leave the sequence
+ * dynamic sequence holds exactly the export; its stored form (the raw
+ * export), decoded by the documented rule, is the dequantized export bit
+ * for bit.  Refusals leave the sequence
  * fresh.  The models are random ones from tools/mkmodel.py (skip without).
  */
 #include <math.h>
@@ -22,6 +24,7 @@
 
 #include "model/model.h"
 #include "tiers/quant.h"
+#include "util/half.h"
 
 #define N_PROMPT 20
 #define N_GEN 24
@@ -296,6 +299,102 @@ static void test_quantized_export(void **state)
     rig_close(&r);
 }
 
+/* Code d of a little-endian bit string of nbits-wide codes. */
+static unsigned code_at(const uint8_t *row, int nbits, int d)
+{
+    unsigned c = 0;
+    for (int b = 0; b < nbits; b++) {
+        int bit = d * nbits + b;
+        c |= (unsigned)(row[bit / 8] >> (bit % 8) & 1) << b;
+    }
+    return c;
+}
+
+/* The stored form (kv_seq_layer_quant_read) decoded by the rule docs/api.md
+ * gives for the raw export equals the dequantized export bit for bit, on
+ * every layer of a sliding model, for quanto per token and hqq per channel;
+ * a dense sequence has no stored quantized form. */
+static void test_quantized_stored_form(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_MISTRAL);
+    struct kv_quant_params qps[2] = {kv_quant_defaults(KVQ_QUANTO), kv_quant_defaults(KVQ_HQQ)};
+    qps[0].q_group_size = 8;
+    qps[0].residual_length = 4;
+    qps[1].nbits = 2;
+    qps[1].axis_key = 0;
+    qps[1].q_group_size = 8;
+    qps[1].residual_length = 4;
+    int H = r.g.n_kv_heads, D = r.g.head_dim;
+    for (int i = 0; i < 2; i++) {
+        kv_seq *q;
+        assert_int_equal(kv_seq_create(r.store, &(struct kv_seq_params){.strategy = KV_QUANTIZED, .quant = qps[i]},
+                                       &q), TIER_OK);
+        float *row = malloc((size_t)r.V * sizeof(float));
+        int32_t ids[N_PROMPT + 5];
+        prompt(ids);
+        feed(&r, q, ids, N_PROMPT, row);
+        for (int t = 0; t < 5; t++) {
+            ids[N_PROMPT + t] = argmax(row, r.V);
+            feed(&r, q, &ids[N_PROMPT + t], 1, row);
+        }
+        float *k[8], *v[8];
+        int64_t rows[8];
+        export_all(&r, q, k, v, rows);
+        for (int l = 0; l < r.g.n_layers; l++) {
+            struct kv_quant_layer ql;
+            assert_int_equal(kv_seq_layer_quant(q, l, &ql), TIER_OK);
+            const struct be_kvq_format *f = ql.fmt;
+            int64_t T = f->block_tokens;
+            assert_true(ql.nq > ql.lo && ql.lo >= ql.first_block * T && ql.nq <= (ql.first_block + ql.n_blocks) * T);
+            assert_int_equal(rows[l], ql.nq - ql.lo + ql.residual);
+            uint8_t *blocks = malloc((size_t)ql.n_blocks * f->block_bytes + 1);
+            float *rk = malloc(layer_elems(&r, ql.residual) * sizeof(float) + 1);
+            float *rv = malloc(layer_elems(&r, ql.residual) * sizeof(float) + 1);
+            assert_int_equal(kv_seq_layer_quant_read(q, l, blocks, rk, rv), TIER_OK);
+            for (int half = 0; half < 2; half++) {
+                const struct be_kvq_half *hf = half ? &f->v : &f->k;
+                const float *want = half ? v[l] : k[l], *res = half ? rv : rk;
+                for (int h = 0; h < H; h++)
+                    for (int64_t p = ql.lo; p < ql.nq + ql.residual; p++)
+                        for (int d = 0; d < D; d++) {
+                            float x;
+                            if (p >= ql.nq) {
+                                x = res[((size_t)h * ql.residual + (size_t)(p - ql.nq)) * D + d];
+                            } else {
+                                int64_t rel = p - ql.first_block * T, t = rel % T;
+                                const uint8_t *blk = blocks + (size_t)(rel / T) * f->block_bytes;
+                                const uint8_t *crow = blk + hf->codes + ((size_t)h * T + t) * D * f->nbits / 8;
+                                unsigned c = code_at(crow, f->nbits, d);
+                                size_t pair = ((size_t)h * (T / hf->gt) + t / hf->gt) * (D / hf->gd) + d / hf->gd;
+                                uint16_t pr[2];
+                                memcpy(pr, blk + hf->params + pair * 4, 4);
+                                float sc = f16_to_f32(pr[0]), z = f16_to_f32(pr[1]);
+                                x = f->kind == BE_KVQ_AFFINE_SHIFT ? (float)c * sc - z : ((float)c - z) * sc;
+                            }
+                            float y = want[((size_t)h * rows[l] + (size_t)(p - ql.lo)) * D + d];
+                            if (memcmp(&x, &y, sizeof(x)))
+                                fail_msg("format %d layer %d %s head %d pos %lld dim %d: %g, export %g", i, l,
+                                         half ? "V" : "K", h, (long long)p, d, (double)x, (double)y);
+                        }
+            }
+            free(blocks);
+            free(rk);
+            free(rv);
+        }
+        free_all(&r, k, v);
+        free(row);
+        kv_seq_free(q);
+    }
+    kv_seq *dq;
+    struct kv_quant_layer ql;
+    assert_int_equal(kv_seq_create(r.store, NULL, &dq), TIER_OK);
+    assert_int_equal(kv_seq_layer_quant(dq, 0, &ql), TIER_EINVAL);
+    kv_seq_free(dq);
+    rig_close(&r);
+}
+
 /* Refusals: a sequence that is not fresh or not dynamic, 0 tokens; the
  * sequence is unchanged after each, and a failed reserve (device budget)
  * leaves it fresh. */
@@ -368,6 +467,7 @@ int main(void)
         cmocka_unit_test(test_dense_is_the_view),
         cmocka_unit_test(test_import_continues),
         cmocka_unit_test(test_quantized_export),
+        cmocka_unit_test(test_quantized_stored_form),
         cmocka_unit_test(test_import_refusals),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

@@ -199,6 +199,51 @@ enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, v
     return st;
 }
 
+enum tier_status kv_seq_layer_quant(const kv_seq *q, int layer, struct kv_quant_layer *out)
+{
+    kv_store *s = q->s;
+    s->err[0] = '\0';
+    if (layer < 0 || layer >= s->g.n_layers || !q->kvq)
+        return kv_fail(s, TIER_EINVAL, "kv_seq_layer_quant: layer %d of %d of a %s sequence", layer, s->g.n_layers,
+                       kv_strategy_name(q->strategy));
+    if (q->p.sink || kvq_seq_on_host(q))
+        return kv_fail(s, TIER_ENOTSUP, "the stored form of a quantized sequence %s",
+                       q->p.sink ? "with sinks" : "offloaded to the host tier");
+    struct be_kvq_view v;
+    kv_seq_qview(q, layer, &v);
+    *out = (struct kv_quant_layer){.fmt = v.fmt, .lo = v.lo, .nq = v.hi,
+                                   .first_block = v.base / v.fmt->block_tokens,
+                                   .residual = v.rest.hi - v.rest.lo, .n_blocks = v.n_blocks,
+                                   .scale_k = v.scale_k, .scale_v = v.scale_v};
+    return TIER_OK;
+}
+
+enum tier_status kv_seq_layer_quant_read(kv_seq *q, int layer, void *blocks, void *k, void *v)
+{
+    kv_store *s = q->s;
+    struct kv_quant_layer ql;
+    enum tier_status st = kv_seq_layer_quant(q, layer, &ql);
+    if (st != TIER_OK)
+        return st;
+    if (q->pending || !blocks || !k || !v)
+        return kv_fail(s, TIER_EINVAL, "kv_seq_layer_quant_read %s", q->pending ? "inside a step" : "without buffers");
+    struct be_kvq_view qv;
+    kv_seq_qview(q, layer, &qv);
+    for (int i = 0; i < qv.n_blocks; i++) {
+        enum be_status bs = be_copy(s->be, (char *)blocks + (size_t)i * qv.fmt->block_bytes, qv.blocks[i],
+                                    qv.fmt->block_bytes, BE_D2H);
+        if (bs != BE_OK)
+            return kv_fail(s, TIER_EIO, "reading quantized KV blocks from the device: %s", be_strerror(bs));
+    }
+    struct dense_out o = {.q = q, .k = k, .v = v, .dt = s->g.dtype, .rows = ql.residual};
+    o.stage = malloc((size_t)s->bt * (size_t)s->g.head_dim * be_dtype_size(s->g.dtype));
+    if (!o.stage)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: staging a KV export");
+    st = read_view(&o, &qv.rest, false, s->g.dtype, qv.rest.lo, qv.rest.hi, 0);
+    free(o.stage);
+    return st;
+}
+
 int64_t kv_store_dense_rows(const kv_store *s, const struct kv_seq_params *p, int layer, int64_t n)
 {
     int w, keep; /* what the layer keeps (kvstore.c invariant 1) */

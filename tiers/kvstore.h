@@ -368,6 +368,25 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
  *   nothing (on failure q is fresh again); TIER_EINVAL for a sequence that
  *   is not fresh or dynamic, TIER_ENOMEM_* as kv_seq_reserve. */
 int64_t kv_seq_layer_rows(const kv_seq *q, int layer);
+/* A quantized layer's stored form (the raw export):
+ * kv_seq_layer_quant: describes layer l of a quantized sequence: n_blocks
+ *   quantized blocks of fmt (block_bytes each, as the backend wrote them,
+ *   unused rows included), block i holding the positions [(first_block +
+ *   i) * T, (first_block + i + 1) * T) of which attention reads [lo, nq),
+ *   then the full-precision residual [nq, nq + residual).  TIER_EINVAL for a
+ *   dense sequence; TIER_ENOTSUP for a sink one or one offloaded to the host
+ *   tier (as kv_seq_layer_dense).
+ * kv_seq_layer_quant_read: copies what it describes: blocks[n_blocks *
+ *   block_bytes], and the residual's k and v as [n_kv_heads, residual,
+ *   head_dim] of the store's dtype.  Only between steps. */
+struct kv_quant_layer {
+    const struct be_kvq_format *fmt;
+    int64_t lo, nq, first_block, residual;
+    int n_blocks;
+    float scale_k, scale_v; /* e4m3 tensor scales */
+};
+enum tier_status kv_seq_layer_quant(const kv_seq *q, int layer, struct kv_quant_layer *out);
+enum tier_status kv_seq_layer_quant_read(kv_seq *q, int layer, void *blocks, void *k, void *v);
 enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, void *k, void *v);
 int64_t kv_store_dense_rows(const kv_store *s, const struct kv_seq_params *p, int layer, int64_t n);
 enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, const void *const *k,
