@@ -1439,6 +1439,12 @@ enum tier_status kv_disk_open(const struct kv_disk_params *p, kv_disk **out)
         goto fail;
     }
     ring = true;
+    /* The kernel runs ops that can block (open, fsync, buffered I/O) on
+     * worker threads of the process ("iou-wrk-*"), one of which stays once
+     * started; as many as the chunks in flight is enough, and bounds them. */
+    unsigned max_workers[2] = {NSTAGE, NSTAGE};
+    if ((rc = io_uring_register_iowq_max_workers(&d->ring, max_workers)) < 0)
+        log_msg(LOG_DEBUG, "disk tier: io_uring_register_iowq_max_workers: %s", strerror(-rc));
     struct iovec iov[NSTAGE];
     for (int i = 0; i < NSTAGE; i++)
         iov[i] = (struct iovec){d->stage[i], DISK_CHUNK};
