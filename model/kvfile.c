@@ -478,9 +478,13 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             const char *kv = half ? "value" : "key";
             char name[64];
             uint64_t B = (uint64_t)q->n_blocks;
-            const uint64_t codes[4] = {B, H, T, D * (uint64_t)fm->nbits / 8},
-                           params[5] = {B, H, T / (uint64_t)hf->gt, D / (uint64_t)hf->gd, 2}, one[1] = {1},
+            const uint64_t codes[4] = {B, H, T, D * (uint64_t)fm->nbits / 8}, one[1] = {1},
                            res[4] = {1, H, (uint64_t)q->residual, D};
+            uint64_t params[5] = {B, H, 0, 0, 2};
+            if (!e4m3) { /* e4m3 has no groups */
+                params[2] = T / (uint64_t)hf->gt;
+                params[3] = D / (uint64_t)hf->gd;
+            }
             snprintf(name, sizeof(name), "past_key_values.%d.%s.qdata", l, kv);
             st = check_tensor(h, name, "U8", 4, codes, data_at, data_size, &r[i], err);
             if (st != MODEL_OK)
