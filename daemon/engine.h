@@ -247,7 +247,8 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
                                 struct ipc_error *err);
 /* The cache choice a raw file's quantization metadata (the request's
  * "cache" object as a JSON string) names, read by ipc_cache_parse: a
- * quantized cache without sinks.  IPC_EINVAL naming the parameter. */
+ * quantized cache without sinks or offload.  IPC_EINVAL naming the
+ * parameter. */
 enum ipc_status engine_kv_cache(const engine *e, const char *quantization, struct ipc_cache_choice *out,
                                 struct ipc_error *err);
 

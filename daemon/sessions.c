@@ -244,8 +244,11 @@ enum ipc_status engine_kv_cache(const engine *e, const char *quantization, struc
     enum ipc_status st = json_is_object(c) ? ipc_cache_parse(c, NULL, &cm, out, err)
                                            : ipc_fail(err, IPC_EINVAL, "quantization", "not a JSON object");
     json_decref(c);
-    if (st == IPC_OK && (out->params.strategy != KV_QUANTIZED || out->params.sink || !out->use_cache))
-        st = ipc_fail(err, IPC_EINVAL, "quantization", "%s is not a quantized cache without sinks", out->name);
+    /* the only caches a raw file is exported from (kv_seq_layer_quant) */
+    if (st == IPC_OK &&
+        (out->params.strategy != KV_QUANTIZED || out->params.sink || out->params.offload || !out->use_cache))
+        st = ipc_fail(err, IPC_EINVAL, "quantization", "%s is not a quantized cache without sinks or offload",
+                      out->name);
     return st;
 }
 

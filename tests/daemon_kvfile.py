@@ -336,6 +336,8 @@ q3 = dict(json.loads(rmeta["quantization"]), backend="nope")
 refused(build_raw(dict(rmeta, quantization=json.dumps(q3)), rts), "raw: an unknown backend", (400,), "quantization")
 refused(build_raw(dict(rmeta, quantization='{"implementation": "dynamic"}'), rts), "raw: a dense cache", (400,),
         "quantization")
+q4 = dict(json.loads(rmeta["quantization"]), offload=True)
+refused(build_raw(dict(rmeta, quantization=json.dumps(q4)), rts), "raw: an offloaded cache", (400,), "quantization")
 refused(build_raw(dict(rmeta, q_block_tokens="3"), rts), "raw: another block size", (400,), "q_block_tokens")
 lay = json.loads(rmeta["q_layers"])
 lay[1][1] -= 1
