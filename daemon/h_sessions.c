@@ -167,7 +167,8 @@ enum ipc_status prep_session_import(struct req *r)
 }
 
 /* A new session of the caller's (dynamic, or a raw file's quantized cache),
- * filled by a JOB_IMPORT job from the checked file (which the job takes with the body it points into). */
+ * filled by a JOB_IMPORT job from the checked file (which the job takes
+ * with the body it points into). */
 enum MHD_Result h_session_import(struct req *r, const char *arg)
 {
     (void)arg;

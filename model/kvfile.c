@@ -461,7 +461,7 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
     size_t n = RAW_PER_LAYER * (size_t)e->n_layers;
     if (json_object_size(h) != n + 1)
         return model_errf(err, MODEL_EFORMAT,
-                          "KV file: %zu tensors, but a quantized file of this model needs exactly %zu", 
+                          "KV file: %zu tensors, but a quantized file of this model needs exactly %zu",
                           json_object_size(h) - 1, n);
     struct range *r = malloc(n * sizeof(*r));
     if (!r)

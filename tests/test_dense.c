@@ -507,6 +507,12 @@ static void test_quantized_load(void **state)
         bad.strategy = KV_DYNAMIC;
         assert_int_equal(kv_seq_load_quant(r.store, &bad, len, in, &c), TIER_EINVAL);
         assert_non_null(strstr(kv_store_errmsg(r.store), "params"));
+        /* a device OOM that kv_seq_load would answer in the host tier */
+        be_fault_dev_alloc(r.be, 1, false);
+        assert_int_equal(kv_seq_load_quant(r.store, &p, len, in, &c), TIER_ENOMEM_DEV);
+        be_fault_dev_alloc(r.be, 0, false);
+        assert_null(c);
+        assert_non_null(strstr(kv_store_errmsg(r.store), "does not fit the device budget"));
         assert_int_equal(kv_seq_load_quant(r.store, &p, len, in, &c), TIER_OK);
         kv_seq_free(c);
         free_stored(L, in);

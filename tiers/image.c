@@ -626,18 +626,21 @@ enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, i
         size += SEC_QUANT;
         /* what the section's size follows from, checked here so that a bad
          * one is named rather than misplacing every later section */
-        const char *bad = !d->fmt || !same_format(d->fmt, &f)               ? "fmt"
-                          : d->nq < 0 || d->nq > len                         ? "nq"
-                          : d->residual != len - d->nq                    ? "residual"
-                          : d->first_block < 0 || d->first_block > d->nq ? "first_block"
-                          : d->n_blocks != quant_blocks(d->nq, d->first_block, f.block_tokens) ||
-                                  (d->n_blocks && !in[l].blocks)
-                              ? "n_blocks"
-                              : NULL;
-        if (!bad && ((d->residual && (!in[l].k || !in[l].v)) ||
-                     !add_rows(&size, (uint64_t)d->n_blocks, f.block_bytes) ||
-                     !add_rows(&size, (uint64_t)d->residual, rb)))
+        const char *bad = NULL;
+        if (!d->fmt || !same_format(d->fmt, &f))
+            bad = "fmt";
+        else if (d->nq < 0 || d->nq > len)
+            bad = "nq";
+        else if (d->residual != len - d->nq || (d->residual && (!in[l].k || !in[l].v)))
             bad = "residual";
+        else if (d->first_block < 0 || d->first_block > d->nq)
+            bad = "first_block";
+        else if (d->n_blocks != quant_blocks(d->nq, d->first_block, f.block_tokens) ||
+                 (d->n_blocks && !in[l].blocks))
+            bad = "n_blocks";
+        /* a length near KV_SEQ_MAX_LEN overflows the image size */
+        else if (!add_rows(&size, (uint64_t)d->n_blocks, f.block_bytes) || !add_rows(&size, (uint64_t)d->residual, rb))
+            bad = "size";
         if (bad) {
             free(lo);
             return kv_fail(s, TIER_EINVAL,
@@ -662,6 +665,9 @@ enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, i
     kv_seq *q = NULL;
     st = kv_seq_load(s, img, size, &q);
     free(img);
+    /* kv_seq_layer_quant cannot describe a sequence in the host tier */
+    if (st == TIER_OK && kvq_seq_on_host(q))
+        st = kv_fail(s, TIER_ENOMEM_DEV, "device memory: the imported quantized KV does not fit the device budget");
     for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
         struct kv_quant_layer got;
         const struct kv_quant_layer *d = &in[l].d;

@@ -397,7 +397,8 @@ enum tier_status kv_seq_layer_quant_read(kv_seq *q, int layer, void *blocks, voi
  *   sequence describes each layer exactly as in[l] did: TIER_EINVAL with
  *   kv_store_errmsg naming the field (params, len, a layer's lo, nq,
  *   first_block, n_blocks, residual, fmt), TIER_ENOMEM_* as
- *   kv_seq_load. */
+ *   kv_seq_load, and TIER_ENOMEM_DEV where kv_seq_load would fall back to
+ *   the host tier (the stored form is described on the device only). */
 struct kv_quant_layer_in {
     struct kv_quant_layer d;
     const void *blocks, *k, *v;
