@@ -239,10 +239,17 @@ json_t *engine_session_list(engine *e, uid_t uid);
  * (kvfile_parse) from any thread once READY: IPC_ECONFLICT for another
  * model's KV (model_fingerprint), IPC_EINVAL naming what else is wrong.
  * A JOB_IMPORT job then fills its (new, empty) session with the file's KV
- * and tokens; a JOB_EXPORT job leaves the session's KV as a file in
+ * and tokens (a raw file's session is created with engine_kv_cache's
+ * choice, and its KV loaded as stored: kv_seq_load_quant); a JOB_EXPORT job leaves the session's KV as a file in
  * res.blob. */
 size_t engine_kv_max_size(const engine *e);
 enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, struct kvfile *out,
+                                struct ipc_error *err);
+/* The cache choice a raw file's quantization metadata (the request's
+ * "cache" object as a JSON string) names, read by ipc_cache_parse: a
+ * quantized cache without sinks or offload.  IPC_EINVAL naming the
+ * parameter. */
+enum ipc_status engine_kv_cache(const engine *e, const char *quantization, struct ipc_cache_choice *out,
                                 struct ipc_error *err);
 
 /* The kvtier object's "fallback" value for f: "offloaded", or NULL (none). */

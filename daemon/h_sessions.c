@@ -166,8 +166,9 @@ enum ipc_status prep_session_import(struct req *r)
     return engine_kv_parse(r->srv->eng, r->body ? r->body : "", r->n_body, &r->prep.kvf, &r->prep.err);
 }
 
-/* A new dynamic session of the caller's, filled by a JOB_IMPORT job from
- * the checked file (which the job takes with the body it points into). */
+/* A new session of the caller's (dynamic, or a raw file's quantized cache),
+ * filled by a JOB_IMPORT job from the checked file (which the job takes
+ * with the body it points into). */
 enum MHD_Result h_session_import(struct req *r, const char *arg)
 {
     (void)arg;
@@ -177,7 +178,11 @@ enum MHD_Result h_session_import(struct req *r, const char *arg)
     struct ipc_cache_model cm = {.max_len = engine_context(s->eng),
                                  .sliding_window = engine_model_config(s->eng)->sliding_window};
     char id[IPC_SESSION_ID_MAX + 1];
-    if (ipc_cache_parse(NULL, NULL, &cm, &cache, &err) != IPC_OK ||
+    /* a raw file's session is of the cache it was exported from */
+    enum ipc_status cs = r->prep.kvf.quantization
+                             ? engine_kv_cache(s->eng, r->prep.kvf.quantization, &cache, &err)
+                             : ipc_cache_parse(NULL, NULL, &cm, &cache, &err);
+    if (cs != IPC_OK ||
         engine_session_create(s->eng, r->uid, &cache, false, NULL, id, sizeof(id), &err) != IPC_OK)
         return reply_error(r, &err);
     struct job *j = job_new(1, NULL, 0);

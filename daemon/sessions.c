@@ -235,6 +235,43 @@ static int64_t import_rows(void *ctx, int layer, int64_t n)
     return kv_store_dense_rows(e->store, &dynamic, layer, n);
 }
 
+enum ipc_status engine_kv_cache(const engine *e, const char *quantization, struct ipc_cache_choice *out,
+                                struct ipc_error *err)
+{
+    json_error_t je;
+    json_t *c = json_loads(quantization, 0, &je);
+    struct ipc_cache_model cm = {.max_len = e->ctx, .sliding_window = e->mc->sliding_window};
+    enum ipc_status st = json_is_object(c) ? ipc_cache_parse(c, NULL, &cm, out, err)
+                                           : ipc_fail(err, IPC_EINVAL, "quantization", "not a JSON object");
+    json_decref(c);
+    /* the only caches a raw file is exported from (kv_seq_layer_quant) */
+    if (st == IPC_OK &&
+        (out->params.strategy != KV_QUANTIZED || out->params.sink || out->params.offload || !out->use_cache))
+        st = ipc_fail(err, IPC_EINVAL, "quantization", "%s is not a quantized cache without sinks or offload",
+                      out->name);
+    return st;
+}
+
+/* kvfile_expect.quant: the block layout of a raw file's quantization. */
+static enum model_status import_quant(void *ctx, const char *quantization, struct be_kvq_format *fmt, char *err)
+{
+    const engine *e = ctx;
+    struct ipc_cache_choice c;
+    struct ipc_error ie;
+    struct kvq_error ke;
+    if (engine_kv_cache(e, quantization, &c, &ie) != IPC_OK) {
+        snprintf(err, MODEL_ERR_LEN, "%s: %s", ie.param, ie.msg);
+        return MODEL_EINVAL;
+    }
+    const struct kv_quant_params *q = &c.params.quant;
+    if (kvq_format_init(fmt, q, e->mc->n_kv_heads, e->mc->head_dim,
+                        kvq_block_tokens(q, kv_store_block_tokens(e->store)), &ke) != TIER_OK) {
+        snprintf(err, MODEL_ERR_LEN, "%s", ke.msg);
+        return MODEL_EINVAL;
+    }
+    return MODEL_OK;
+}
+
 enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, struct kvfile *out,
                                 struct ipc_error *err)
 {
@@ -243,7 +280,7 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
                               .n_kv_heads = e->mc->n_kv_heads, .head_dim = e->mc->head_dim,
                               /* the next request feeds at least one token */
                               .max_tokens = e->ctx - 1, .vocab_size = tv < e->vocab ? tv : e->vocab,
-                              .rows = import_rows, .rows_ctx = (void *)e};
+                              .rows = import_rows, .rows_ctx = (void *)e, .quant = import_quant};
     char msg[MODEL_ERR_LEN];
     switch (kvfile_parse(buf, len, &x, out, msg)) {
     case MODEL_OK: return IPC_OK;
@@ -300,22 +337,36 @@ static void raw_tensors(const struct kv_quant_layer *ql, int l, int H, int D, st
     }
 }
 
-/* Scatters a layer's whole blocks into its code and scale tensors. */
-static void raw_fill(char *file, const struct kv_quant_layer *ql, const struct kvfile_tensor *t, const char *blocks)
+/* Moves a layer's n whole blocks to (or, to_blocks, from) its code and
+ * affine parameter tensors; the e4m3 scales travel apart. */
+static void raw_move(const struct be_kvq_format *f, int n, char *const codes[2], char *const params[2], char *blocks,
+                     bool to_blocks)
 {
-    const struct be_kvq_format *f = ql->fmt;
-    size_t codes = (size_t)f->n_kv_heads * (size_t)f->block_tokens * (size_t)f->head_dim * (size_t)f->nbits / 8;
+    size_t cb = (size_t)f->n_kv_heads * (size_t)f->block_tokens * (size_t)f->head_dim * (size_t)f->nbits / 8;
     for (int half = 0; half < 2; half++) {
         const struct be_kvq_half *h = half ? &f->v : &f->k;
-        const struct kvfile_tensor *sc = &t[2 * half + 1];
-        size_t params = f->kind == BE_KVQ_E4M3 ? 0 : (size_t)(sc->shape[1] * sc->shape[2] * sc->shape[3]) * 4;
-        for (int b = 0; b < ql->n_blocks; b++) {
-            const char *blk = blocks + (size_t)b * f->block_bytes;
-            memcpy(file + t[2 * half].off + (size_t)b * codes, blk + h->codes, codes);
-            memcpy(file + sc->off + (size_t)b * params, blk + h->params, params);
+        size_t pb = f->kind == BE_KVQ_E4M3 ? 0
+                                           : (size_t)f->n_kv_heads * (size_t)(f->block_tokens / h->gt) *
+                                                 (size_t)(f->head_dim / h->gd) * 4;
+        for (int b = 0; b < n; b++) {
+            char *blk = blocks + (size_t)b * f->block_bytes, *c = codes[half] + (size_t)b * cb;
+            memcpy(to_blocks ? blk + h->codes : c, to_blocks ? c : blk + h->codes, cb);
+            if (pb) {
+                char *p = params[half] + (size_t)b * pb;
+                memcpy(to_blocks ? blk + h->params : p, to_blocks ? p : blk + h->params, pb);
+            }
         }
-        if (f->kind == BE_KVQ_E4M3)
-            memcpy(file + sc->off, half ? &ql->scale_v : &ql->scale_k, sizeof(float));
+    }
+}
+
+/* Scatters a layer's whole blocks into its code and scale tensors. */
+static void raw_fill(char *file, const struct kv_quant_layer *ql, const struct kvfile_tensor *t, char *blocks)
+{
+    char *const codes[2] = {file + t[0].off, file + t[2].off}, *const params[2] = {file + t[1].off, file + t[3].off};
+    raw_move(ql->fmt, ql->n_blocks, codes, params, blocks, false);
+    if (ql->fmt->kind == BE_KVQ_E4M3) {
+        memcpy(file + t[1].off, &ql->scale_k, sizeof(float));
+        memcpy(file + t[3].off, &ql->scale_v, sizeof(float));
     }
 }
 
@@ -424,6 +475,43 @@ static enum ipc_status session_export(engine *e, struct session *s, struct job *
     return IPC_OK;
 }
 
+/* A raw file's KV as stored, loaded whole (kv_seq_load_quant): the
+ * blocks are gathered back from the code and parameter tensors. */
+static enum ipc_status import_raw(engine *e, const struct kvfile *f, const struct kv_seq_params *p, kv_seq **out,
+                                  struct ipc_error *err)
+{
+    int L = e->mc->n_layers;
+    struct kv_quant_layer_in *in = calloc((size_t)L, sizeof(*in));
+    bool ok = in;
+    for (int l = 0; l < L && ok; l++) {
+        const struct kvfile_qlayer *fq = &f->q[l];
+        /* calloc: the bytes of a block no tensor holds stay zero */
+        char *blocks = calloc((size_t)fq->n_blocks + 1, f->fmt.block_bytes);
+        if (!(ok = blocks))
+            break;
+        char *const codes[2] = {(char *)fq->codes[0], (char *)fq->codes[1]},
+                    *const params[2] = {(char *)fq->params[0], (char *)fq->params[1]};
+        raw_move(&f->fmt, fq->n_blocks, codes, params, blocks, true);
+        in[l] = (struct kv_quant_layer_in){
+            .d = {.fmt = &f->fmt, .lo = fq->lo, .nq = fq->nq, .first_block = fq->first_block,
+                  .residual = fq->residual, .n_blocks = fq->n_blocks, .scale_k = fq->scale[0],
+                  .scale_v = fq->scale[1]},
+            .blocks = blocks, .k = fq->res[0], .v = fq->res[1]};
+    }
+    enum ipc_status st = IPC_OK;
+    if (!ok)
+        st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the imported blocks");
+    else {
+        enum tier_status ts = kv_seq_load_quant(e->store, p, f->n_tokens, in, out);
+        if (ts != TIER_OK)
+            st = kv_error(e, ts, "", err);
+    }
+    for (int l = 0; in && l < L; l++)
+        free((void *)in[l].blocks);
+    free(in);
+    return st;
+}
+
 /* Fills the job's new session with the file's KV and tokens. */
 static enum ipc_status session_import(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
@@ -436,13 +524,21 @@ static enum ipc_status session_import(engine *e, struct session *s, struct job *
     struct kv_seq_params p = s->cache.params;
     p.prefix_ns = e->cfg.share_prefix_cache ? 0 : (uint64_t)s->uid + 1;
     kv_seq *q = NULL;
-    enum tier_status ts = kv_seq_create(e->store, &p, &q);
-    if (ts == TIER_OK)
-        ts = kv_seq_import_dense(q, f->n_tokens, f->dtype, f->k, f->v);
-    if (ts != TIER_OK) {
-        kv_seq_free(q);
-        free(toks);
-        return kv_error(e, ts, "", err);
+    if (f->q) {
+        enum ipc_status st = import_raw(e, f, &p, &q, err);
+        if (st != IPC_OK) {
+            free(toks);
+            return st;
+        }
+    } else {
+        enum tier_status ts = kv_seq_create(e->store, &p, &q);
+        if (ts == TIER_OK)
+            ts = kv_seq_import_dense(q, f->n_tokens, f->dtype, f->k, f->v);
+        if (ts != TIER_OK) {
+            kv_seq_free(q);
+            free(toks);
+            return kv_error(e, ts, "", err);
+        }
     }
     memcpy(toks, f->tokens, (size_t)f->n_tokens * sizeof(*toks));
     pthread_mutex_lock(&e->mu);

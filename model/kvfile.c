@@ -240,6 +240,71 @@ static enum model_status parse_tokens(json_t *meta, const struct kvfile_expect *
     return MODEL_OK;
 }
 
+static bool json_u64(json_t *v, uint64_t *out)
+{
+    if (!json_is_integer(v) || json_integer_value(v) < 0)
+        return false;
+    *out = (uint64_t)json_integer_value(v);
+    return true;
+}
+
+/* A raw file's quantization, q_block_tokens and q_layers (the positions
+ * each layer's blocks and residual hold, as kv_seq_layer_quant describes
+ * them), checked against the tokens before any tensor is looked at. */
+static enum model_status parse_quant_meta(json_t *meta, const struct kvfile_expect *e, struct kvfile *f, char *err)
+{
+    const char *qz = meta_str(meta, "quantization"), *bt = meta_str(meta, "q_block_tokens"),
+               *ql = meta_str(meta, "q_layers");
+    if (!qz || !bt || !ql)
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.%s is missing",
+                          !qz ? "quantization" : !bt ? "q_block_tokens" : "q_layers");
+    if (f->dtype != BE_F32)
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.dtype of a quantized file must be f32");
+    char why[MODEL_ERR_LEN];
+    if (e->quant(e->rows_ctx, qz, &f->fmt, why) != MODEL_OK)
+        return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.quantization: %s", why);
+    char want[16];
+    int64_t T = f->fmt.block_tokens, n = f->n_tokens;
+    snprintf(want, sizeof(want), "%" PRId64, T);
+    if (strcmp(bt, want))
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.q_block_tokens \"%.16s\" is not %s for this "
+                          "quantization", bt, want);
+    f->quantization = strdup(qz);
+    f->q = calloc((size_t)e->n_layers, sizeof(*f->q));
+    if (!f->quantization || !f->q)
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
+    json_error_t je;
+    json_t *a = json_loads(ql, 0, &je);
+    enum model_status st = MODEL_OK;
+    if (!json_is_array(a) || json_array_size(a) != (size_t)e->n_layers)
+        st = model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.q_layers is not a JSON array of %d entries",
+                        e->n_layers);
+    for (int l = 0; l < e->n_layers && st == MODEL_OK; l++) {
+        json_t *x = json_array_get(a, (size_t)l);
+        uint64_t v[3];
+        bool ok = json_array_size(x) == 3;
+        for (int i = 0; i < 3 && ok; i++)
+            ok = json_u64(json_array_get(x, (size_t)i), &v[i]) && v[i] <= (uint64_t)n;
+        /* lo <= nq; the blocks start at first, at most at the one holding lo */
+        ok = ok && v[0] <= v[1] && v[2] * (uint64_t)T <= v[0] && (v[1] == 0) == (n == 0);
+        if (!ok) {
+            st = model_errf(err, MODEL_EFORMAT,
+                            "KV file: __metadata__.q_layers[%d] is not [lo, nq, first] with first*%" PRId64
+                            " <= lo <= nq <= %" PRId64 " tokens",
+                            l, T, n);
+            break;
+        }
+        struct kvfile_qlayer *q = &f->q[l];
+        q->lo = (int64_t)v[0];
+        q->nq = (int64_t)v[1];
+        q->first_block = (int64_t)v[2];
+        q->residual = n - q->nq;
+        q->n_blocks = (int)((q->nq + T - 1) / T - q->first_block);
+    }
+    json_decref(a);
+    return st;
+}
+
 static enum model_status parse_meta(json_t *h, const struct kvfile_expect *e, struct kvfile *f, char *err)
 {
     json_t *meta = json_object_get(h, "__metadata__");
@@ -276,15 +341,14 @@ static enum model_status parse_meta(json_t *h, const struct kvfile_expect *e, st
         f->dtype++;
     if (!dt || f->dtype > BE_BF16)
         return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.dtype is not f32, f16 or bf16");
-    return parse_tokens(meta, e, f, err);
-}
-
-static bool json_u64(json_t *v, uint64_t *out)
-{
-    if (!json_is_integer(v) || json_integer_value(v) < 0)
-        return false;
-    *out = (uint64_t)json_integer_value(v);
-    return true;
+    enum model_status st = parse_tokens(meta, e, f, err);
+    const char *layout = meta_str(meta, "layout");
+    if (st != MODEL_OK || !layout)
+        return st;
+    if (strcmp(layout, "quantized") || !e->quant)
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.layout \"%.32s\" is not %s", layout,
+                          e->quant ? "\"quantized\" (or absent)" : "accepted here (only the dense layout)");
+    return parse_quant_meta(meta, e, f, err);
 }
 
 struct range {
@@ -298,43 +362,58 @@ static int cmp_range(const void *a, const void *b)
     return (x->begin > y->begin) - (x->begin < y->begin);
 }
 
-/* One tensor's entry: dtype, shape [1, H, rows, D], offsets in the data. */
-static enum model_status parse_tensor(json_t *h, const char *name, const struct kvfile_expect *e, int64_t rows,
-                                      const struct kvfile *f, uint64_t data_at, uint64_t data_size,
-                                      struct range *r, char *err)
+/* One tensor's entry: exactly dtype and shape want[ndim], its bytes inside
+ * the data section and aligned to its element; *at is where they start in
+ * buf.  The expected shapes are bounded by the model and the context, so
+ * their product cannot overflow. */
+static enum model_status check_tensor(json_t *h, const char *name, const char *dtype, int ndim, const uint64_t *want,
+                                      uint64_t data_at, uint64_t data_size, struct range *r, char *err)
 {
     json_t *t = json_object_get(h, name);
     if (!json_is_object(t))
         return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s is missing", name);
     const char *dt = json_string_value(json_object_get(t, "dtype"));
-    if (!dt || strcmp(dt, DT_NAME[f->dtype]))
-        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: dtype %s, but __metadata__.dtype says %s", name,
-                          dt ? dt : "(none)", DT_NAME[f->dtype]);
+    if (!dt || strcmp(dt, dtype))
+        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: dtype %s, this file needs %s", name,
+                          dt ? dt : "(none)", dtype);
     json_t *shape = json_object_get(t, "shape");
-    uint64_t want[4] = {1, (uint64_t)e->n_kv_heads, (uint64_t)rows, (uint64_t)e->head_dim}, got[4];
-    bool ok = json_array_size(shape) == 4;
-    for (int d = 0; d < 4 && ok; d++)
-        ok = json_u64(json_array_get(shape, (size_t)d), &got[d]) && got[d] == want[d];
-    if (!ok)
-        return model_errf(err, MODEL_EFORMAT,
-                          "KV file: tensor %s: shape must be [1, %d, %" PRId64 ", %d] for this model and %" PRId64
-                          " tokens",
-                          name, e->n_kv_heads, rows, e->head_dim, f->n_tokens);
+    uint64_t got, bytes = dtype_size(dtype);
+    bool ok = json_array_size(shape) == (size_t)ndim;
+    for (int d = 0; d < ndim && ok; d++)
+        ok = json_u64(json_array_get(shape, (size_t)d), &got) && got == want[d];
+    if (!ok) {
+        char txt[160];
+        size_t at = 0;
+        for (int d = 0; d < ndim; d++)
+            at += (size_t)snprintf(txt + at, sizeof(txt) - at, d ? ", %" PRIu64 : "%" PRIu64, want[d]);
+        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: shape must be [%s] for this model and file", name,
+                          txt);
+    }
+    for (int d = 0; d < ndim; d++)
+        bytes *= want[d];
     json_t *offs = json_object_get(t, "data_offsets");
     if (json_array_size(offs) != 2 || !json_u64(json_array_get(offs, 0), &r->begin) ||
         !json_u64(json_array_get(offs, 1), &r->end))
         return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: data_offsets are not two integers", name);
-    /* the shape is the model's, so this product cannot overflow (max_tokens bounds rows) */
-    uint64_t esz = be_dtype_size(f->dtype), bytes = want[1] * want[2] * want[3] * esz;
     if (r->begin > r->end || r->end > data_size || r->end - r->begin != bytes)
         return model_errf(err, MODEL_EFORMAT,
                           "KV file: tensor %s: data_offsets [%" PRIu64 ", %" PRIu64 ") must span %" PRIu64
                           " bytes inside the %" PRIu64 "-byte data section",
                           name, r->begin, r->end, bytes, data_size);
-    if ((data_at + r->begin) % esz)
-        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: data at byte %" PRIu64 " is not aligned to %" PRIu64,
-                          name, data_at + r->begin, esz);
+    if ((data_at + r->begin) % dtype_size(dtype))
+        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: data at byte %" PRIu64 " is not aligned to %zu",
+                          name, data_at + r->begin, dtype_size(dtype));
     r->name = json_object_iter_key(json_object_iter_at(h, name));
+    return MODEL_OK;
+}
+
+/* No two tensors' bytes overlap (r is sorted). */
+static enum model_status check_overlap(struct range *r, size_t n, char *err)
+{
+    qsort(r, n, sizeof(*r), cmp_range);
+    for (size_t i = 1; i < n; i++)
+        if (r[i].begin < r[i - 1].end)
+            return model_errf(err, MODEL_EFORMAT, "KV file: tensors %s and %s overlap", r[i - 1].name, r[i].name);
     return MODEL_OK;
 }
 
@@ -360,17 +439,75 @@ static enum model_status parse_tensors(json_t *h, const uint8_t *buf, uint64_t d
         int l = (int)(i / 2);
         char name[64];
         snprintf(name, sizeof(name), "past_key_values.%d.%s", l, i % 2 ? "value" : "key");
-        int64_t rows = e->rows(e->rows_ctx, l, f->n_tokens);
-        st = parse_tensor(h, name, e, rows, f, data_at, data_size, &r[i], err);
+        const uint64_t want[4] = {1, (uint64_t)e->n_kv_heads, (uint64_t)e->rows(e->rows_ctx, l, f->n_tokens),
+                                  (uint64_t)e->head_dim};
+        st = check_tensor(h, name, DT_NAME[f->dtype], 4, want, data_at, data_size, &r[i], err);
         if (st == MODEL_OK)
             (i % 2 ? f->v : f->k)[l] = buf + data_at + r[i].begin;
     }
-    if (st == MODEL_OK) {
-        qsort(r, n, sizeof(*r), cmp_range);
-        for (size_t i = 1; i < n && st == MODEL_OK; i++)
-            if (r[i].begin < r[i - 1].end)
-                st = model_errf(err, MODEL_EFORMAT, "KV file: tensors %s and %s overlap", r[i - 1].name, r[i].name);
+    if (st == MODEL_OK)
+        st = check_overlap(r, n, err);
+    free(r);
+    return st;
+}
+
+/* A raw file's tensors: per layer, K then V, its codes and scales, then
+ * the residual's K and V (the daemon's export order). */
+#define RAW_PER_LAYER 6
+
+static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64_t data_at, uint64_t data_size,
+                                           const struct kvfile_expect *e, struct kvfile *f, char *err)
+{
+    size_t n = RAW_PER_LAYER * (size_t)e->n_layers;
+    if (json_object_size(h) != n + 1)
+        return model_errf(err, MODEL_EFORMAT,
+                          "KV file: %zu tensors, but a quantized file of this model needs exactly %zu",
+                          json_object_size(h) - 1, n);
+    struct range *r = malloc(n * sizeof(*r));
+    if (!r)
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
+    const struct be_kvq_format *fm = &f->fmt;
+    bool e4m3 = fm->kind == BE_KVQ_E4M3;
+    uint64_t H = (uint64_t)e->n_kv_heads, D = (uint64_t)e->head_dim, T = (uint64_t)fm->block_tokens;
+    enum model_status st = MODEL_OK;
+    size_t i = 0;
+    for (int l = 0; l < e->n_layers && st == MODEL_OK; l++) {
+        struct kvfile_qlayer *q = &f->q[l];
+        for (int half = 0; half < 2 && st == MODEL_OK; half++) {
+            const struct be_kvq_half *hf = half ? &fm->v : &fm->k;
+            const char *kv = half ? "value" : "key";
+            char name[64];
+            uint64_t B = (uint64_t)q->n_blocks;
+            const uint64_t codes[4] = {B, H, T, D * (uint64_t)fm->nbits / 8}, one[1] = {1},
+                           res[4] = {1, H, (uint64_t)q->residual, D};
+            uint64_t params[5] = {B, H, 0, 0, 2};
+            if (!e4m3) { /* e4m3 has no groups */
+                params[2] = T / (uint64_t)hf->gt;
+                params[3] = D / (uint64_t)hf->gd;
+            }
+            snprintf(name, sizeof(name), "past_key_values.%d.%s.qdata", l, kv);
+            st = check_tensor(h, name, "U8", 4, codes, data_at, data_size, &r[i], err);
+            if (st != MODEL_OK)
+                break;
+            q->codes[half] = buf + data_at + r[i++].begin;
+            snprintf(name, sizeof(name), "past_key_values.%d.%s.%s", l, kv, e4m3 ? "qscale" : "qparams");
+            st = e4m3 ? check_tensor(h, name, "F32", 1, one, data_at, data_size, &r[i], err)
+                      : check_tensor(h, name, "F16", 5, params, data_at, data_size, &r[i], err);
+            if (st != MODEL_OK)
+                break;
+            const uint8_t *sc = buf + data_at + r[i++].begin;
+            if (e4m3)
+                memcpy(&q->scale[half], sc, sizeof(float));
+            else
+                q->params[half] = sc;
+            snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kv);
+            st = check_tensor(h, name, "F32", 4, res, data_at, data_size, &r[i], err);
+            if (st == MODEL_OK)
+                q->res[half] = buf + data_at + r[i++].begin;
+        }
     }
+    if (st == MODEL_OK)
+        st = check_overlap(r, n, err);
     free(r);
     return st;
 }
@@ -400,7 +537,7 @@ enum model_status kvfile_parse(const void *buf_, size_t len, const struct kvfile
     }
     enum model_status st = parse_meta(h, e, f, err);
     if (st == MODEL_OK)
-        st = parse_tensors(h, buf, 8 + hlen, len - 8 - hlen, e, f, err);
+        st = (f->q ? parse_raw_tensors : parse_tensors)(h, buf, 8 + hlen, len - 8 - hlen, e, f, err);
     json_decref(h);
     if (st != MODEL_OK)
         kvfile_release(f);
@@ -412,5 +549,7 @@ void kvfile_release(struct kvfile *f)
     free(f->tokens);
     free(f->k);
     free(f->v);
+    free(f->q);
+    free(f->quantization);
     *f = (struct kvfile){0};
 }

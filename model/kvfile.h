@@ -11,8 +11,8 @@
  * every tensor starts on an 8-byte boundary of the file, in the order
  * layer 0 key, layer 0 value, layer 1 key, ...
  * A quantized cache's raw export (docs/api.md "Raw quantized export") is
- * laid out by the daemon with kvfile_build_tensors; the parser reads only
- * the dense layout.
+ * laid out by the daemon with kvfile_build_tensors; the parser reads it
+ * back when the caller says which formats it takes (kvfile_expect.quant).
  */
 #ifndef KVTIER_KVFILE_H
 #define KVTIER_KVFILE_H
@@ -77,6 +77,22 @@ struct kvfile_expect {
     /* rows_l a file of n tokens must have for layer l */
     int64_t (*rows)(void *ctx, int layer, int64_t n);
     void *rows_ctx;
+    /* A raw quantized file (__metadata__.layout "quantized"): the layout of
+     * the blocks its __metadata__.quantization names, or MODEL_EINVAL with
+     * err saying why not; called with rows_ctx.  NULL: raw files are
+     * refused. */
+    enum model_status (*quant)(void *ctx, const char *quantization, struct be_kvq_format *fmt, char *err);
+};
+
+/* A raw file's layer l: the fields of its q_layers entry, the block count
+ * they imply, and pointers into the buffer; index 0 is K, 1 is V. */
+struct kvfile_qlayer {
+    int64_t lo, nq, first_block, residual; /* residual = n_tokens - nq */
+    int n_blocks;
+    const void *codes[2];  /* [n_blocks, H, T, D*nbits/8] u8 */
+    const void *params[2]; /* [n_blocks, H, T/gt, D/gd, 2] f16; NULL for e4m3 */
+    float scale[2];        /* e4m3's tensor scales; 0 for the affine kinds */
+    const void *res[2];    /* [H, residual, D] of dtype */
 };
 
 /* A parsed file: pointers into the caller's buffer, which must outlive it. */
@@ -86,13 +102,21 @@ struct kvfile {
     int32_t *tokens;        /* owned */
     const void **k, **v;    /* [n_layers] into the buffer; owned arrays */
     int n_layers;
+    /* a raw file: its layers (owned; NULL for a dense file, whose k, v
+     * are then set), their format, and its quantization (owned) */
+    struct kvfile_qlayer *q;
+    struct be_kvq_format fmt;
+    char *quantization;
 };
 
 /* Checks buf[0, len) completely against e before anything the KV needs is
  * allocated: the header length (at most kvfile_header_max), the JSON, the
  * metadata (format, version, fingerprint, tokens), exactly the expected
  * tensors with their dtype, shape and data offsets (in range, aligned, not
- * overlapping, the sizes their shapes need).  MODEL_ECONFIG when the file
+ * overlapping, the sizes their shapes need); for a raw file also its
+ * quantization (e->quant), q_block_tokens and every q_layers entry against
+ * the positions a quantized cache of the tokens holds, and the six tensors
+ * per layer of the shapes they imply.  MODEL_ECONFIG when the file
  * was written for another model (model_fingerprint or the geometry),
  * MODEL_EINVAL for more tokens than the context or an id out of the
  * vocabulary, MODEL_EFORMAT for anything else malformed, MODEL_ENOMEM;

@@ -267,6 +267,7 @@ def raw_tensor(ts):
     return get
 
 
+raw_files = {}
 qcaches = [
     {"implementation": "quantized", "backend": "quanto", "nbits": 4, "q_group_size": 16, "residual_length": 8},
     {"implementation": "quantized", "backend": "hqq", "nbits": 2, "axis_key": 0, "axis_value": 1,
@@ -294,3 +295,67 @@ for cache in qcaches:
             same = same and list(x.shape) == list(want.shape) and torch.equal(x, want)
     check(same, "%s: the raw form dequantized by the documented rule equals the dequantized export bit for bit"
           % what)
+
+    # the raw form imported: the same cache, the same stored bytes, the
+    # same continuation as the original session
+    code, qi = d.request("POST", "/v1/sessions/import", raw, {"Content-Type": "application/octet-stream"})
+    check(code == 201 and qi["strategy"] == "quantized" and qi["tokens"] == len(prompt),
+          "%s: the raw file imports into a quantized session (%d %s)" % (what, code, qi))
+    code, raw2 = d.get("/v1/sessions/%s/kv?raw=1" % qi["id"])
+    check(code == 200 and raw2 == raw, "%s: the imported session exports the same raw bytes" % what)
+    code, q_own = d.post("/v1/completions", dict(gen, prompt=more, session=qs["id"]))
+    code2, q_imp = d.post("/v1/completions", dict(gen, prompt=more, session=qi["id"]))
+    check(code == 200 and code2 == 200 and q_imp["choices"][0]["tokens"] == q_own["choices"][0]["tokens"],
+          "%s: the imported session continues with the original's tokens" % what)
+    cached = [x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in (q_own, q_imp)]
+    check(cached[0] == cached[1] == len(prompt), "%s: both reuse the prompt's KV: cached_tokens %s" % (what, cached))
+    raw_files[what] = (rmeta, rts)
+
+
+def build_raw(meta, ts):
+    """A safetensors file of (dtype, shape, bytes) tensors, in their order."""
+    header, data, off = {"__metadata__": meta}, b"", 0
+    for name, (dt, shape, raw) in ts.items():
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + len(raw)]}
+        pad = (-len(raw)) % 8
+        data += raw + b"\0" * pad
+        off += len(raw) + pad
+    h = json.dumps(header).encode()
+    h += b" " * ((-len(h)) % 8)
+    return struct.pack("<Q", len(h)) + h + data
+
+
+rmeta, rts = raw_files["quanto"]
+code, n_before = d.get("/v1/sessions")
+code, qi = d.request("POST", "/v1/sessions/import", build_raw(rmeta, rts), {"Content-Type": "application/octet-stream"})
+check(code == 201, "a raw file rebuilt here imports (%d)" % code)
+q2 = dict(json.loads(rmeta["quantization"]), nbits=2)
+refused(build_raw(dict(rmeta, quantization=json.dumps(q2)), rts), "raw: another nbits", (400,),
+        "past_key_values.0.key.qdata")
+q3 = dict(json.loads(rmeta["quantization"]), backend="nope")
+refused(build_raw(dict(rmeta, quantization=json.dumps(q3)), rts), "raw: an unknown backend", (400,), "quantization")
+refused(build_raw(dict(rmeta, quantization='{"implementation": "dynamic"}'), rts), "raw: a dense cache", (400,),
+        "quantization")
+q4 = dict(json.loads(rmeta["quantization"]), offload=True)
+refused(build_raw(dict(rmeta, quantization=json.dumps(q4)), rts), "raw: an offloaded cache", (400,), "quantization")
+refused(build_raw(dict(rmeta, q_block_tokens="3"), rts), "raw: another block size", (400,), "q_block_tokens")
+lay = json.loads(rmeta["q_layers"])
+lay[1][1] -= 1
+refused(build_raw(dict(rmeta, q_layers=json.dumps(lay)), rts), "raw: another nq", (400,), "past_key_values.1.key")
+refused(build_raw(dict(rmeta, q_layers="[[0, 1, 0]]"), rts), "raw: too few layers", (400,), "q_layers")
+lay = json.loads(rmeta["q_layers"])
+slid = [l for l, (lo, nq, first) in enumerate(lay) if lo > first * int(rmeta["q_block_tokens"])]
+check(slid, "a sliding layer reads from inside its blocks (q_layers %s)" % lay)
+lay[slid[0]][0] -= 1
+refused(build_raw(dict(rmeta, q_layers=json.dumps(lay)), rts), "raw: a window start the cache would not have",
+        (400,), "field lo")
+refused(build_raw(dict(rmeta, layout="other"), rts), "raw: another layout", (400,), "layout")
+t5 = dict(rts)
+dt, shape, b = t5["past_key_values.0.value.qparams"]
+t5["past_key_values.0.value.qparams"] = (dt, [shape[0], shape[1], shape[2], shape[3] * 2, 1], b)
+refused(build_raw(rmeta, t5), "raw: a qparams shape", (400,), "past_key_values.0.value.qparams")
+t6 = dict(rts)
+del t6["past_key_values.1.value"]
+refused(build_raw(rmeta, t6), "raw: a missing residual", (400,), "tensors")
+code, n_after = d.get("/v1/sessions")
+check(len(n_after["data"]) == len(n_before["data"]) + 1, "failed raw imports leave no session behind")

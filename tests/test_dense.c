@@ -395,6 +395,134 @@ static void test_quantized_stored_form(void **state)
     rig_close(&r);
 }
 
+/* Layer l's stored form (kv_seq_layer_quant and _read), into in[l]. */
+static void read_stored(kv_seq *q, int layers, struct kv_quant_layer_in *in)
+{
+    for (int l = 0; l < layers; l++) {
+        struct kv_quant_layer *d = &in[l].d;
+        assert_int_equal(kv_seq_layer_quant(q, l, d), TIER_OK);
+        size_t res = (size_t)d->residual * (size_t)d->fmt->n_kv_heads * (size_t)d->fmt->head_dim * sizeof(float);
+        void *b = malloc((size_t)d->n_blocks * d->fmt->block_bytes + 1), *k = malloc(res + 1), *v = malloc(res + 1);
+        assert_non_null(b);
+        assert_non_null(k);
+        assert_non_null(v);
+        assert_int_equal(kv_seq_layer_quant_read(q, l, b, k, v), TIER_OK);
+        in[l].blocks = b;
+        in[l].k = k;
+        in[l].v = v;
+    }
+}
+
+static void free_stored(int layers, struct kv_quant_layer_in *in)
+{
+    for (int l = 0; l < layers; l++) {
+        free((void *)in[l].blocks);
+        free((void *)in[l].k);
+        free((void *)in[l].v);
+    }
+}
+
+/* The stored form loaded back (kv_seq_load_quant) continues exactly as the
+ * original: the logits of the next steps are bit-identical, for quanto, hqq
+ * and fp8 on a model with sliding layers; damaged descriptions and params
+ * are refused naming the field, creating nothing. */
+static void test_quantized_load(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_MISTRAL);
+    struct kv_quant_params qps[3] = {kv_quant_defaults(KVQ_QUANTO), kv_quant_defaults(KVQ_HQQ),
+                                     kv_quant_defaults(KVQ_FP8)};
+    qps[0].q_group_size = 8;
+    qps[0].residual_length = 4;
+    qps[1].nbits = 2;
+    qps[1].axis_key = 0;
+    qps[1].q_group_size = 8;
+    qps[1].residual_length = 4;
+    int L = r.g.n_layers;
+    assert_true(L <= 8);
+    for (int i = 0; i < 3; i++) {
+        struct kv_seq_params p = {.strategy = KV_QUANTIZED, .quant = qps[i]};
+        kv_seq *q, *c;
+        assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+        float *row = malloc((size_t)r.V * sizeof(float)), *row2 = malloc((size_t)r.V * sizeof(float));
+        int32_t ids[N_PROMPT + 10];
+        prompt(ids);
+        feed(&r, q, ids, N_PROMPT, row);
+        for (int t = 0; t < 5; t++) {
+            ids[N_PROMPT + t] = argmax(row, r.V);
+            feed(&r, q, &ids[N_PROMPT + t], 1, row);
+        }
+        int64_t len = N_PROMPT + 5;
+        struct kv_quant_layer_in in[8];
+        read_stored(q, L, in);
+        assert_int_equal(kv_seq_load_quant(r.store, &p, len, in, &c), TIER_OK);
+        struct kv_quant_layer_in back[8];
+        read_stored(c, L, back);
+        for (int l = 0; l < L; l++) {
+            assert_int_equal(back[l].d.nq, in[l].d.nq);
+            assert_memory_equal(back[l].blocks, in[l].blocks, (size_t)in[l].d.n_blocks * in[l].d.fmt->block_bytes);
+        }
+        free_stored(L, back);
+        for (int t = 5; t < 10; t++) {
+            ids[N_PROMPT + t] = argmax(row, r.V);
+            feed(&r, q, &ids[N_PROMPT + t], 1, row);
+            feed(&r, c, &ids[N_PROMPT + t], 1, row2);
+            if (memcmp(row, row2, (size_t)r.V * sizeof(float)))
+                fail_msg("format %d step %d: the loaded sequence's logits differ", i, t);
+        }
+        kv_seq_free(c);
+
+        /* damage: each refused with the field named, nothing created */
+        static const struct {
+            int layer, nq, first, res, nb, lo; /* added to the field */
+            const char *field;
+        } dmg[] = {{0, 100, 0, 0, 0, 0, "field nq"},       {1, 0, 0, -1, 0, 0, "field residual"},
+                   {1, 0, 1, 0, 0, 0, "field n_blocks"}, {1, 0, 1, 0, -1, 0, "field qoff"},
+                   {1, 0, 0, 0, 0, 1, "field lo"},       {1, 0, -1000, 0, 0, 0, "field first_block"}};
+        for (size_t k = 0; k < sizeof(dmg) / sizeof(dmg[0]); k++) {
+            struct kv_quant_layer *d = &in[dmg[k].layer].d, keep = *d;
+            d->nq += dmg[k].nq;
+            d->first_block += dmg[k].first;
+            d->residual += dmg[k].res;
+            d->n_blocks += dmg[k].nb;
+            d->lo += dmg[k].lo;
+            c = NULL;
+            assert_int_equal(kv_seq_load_quant(r.store, &p, len, in, &c), TIER_EINVAL);
+            assert_null(c);
+            if (!strstr(kv_store_errmsg(r.store), dmg[k].field))
+                fail_msg("format %d damage %zu: \"%s\" does not name %s", i, k, kv_store_errmsg(r.store),
+                         dmg[k].field);
+            *d = keep;
+        }
+        assert_int_equal(kv_seq_load_quant(r.store, &p, len + 1, in, &c), TIER_EINVAL);
+        assert_non_null(strstr(kv_store_errmsg(r.store), "field residual"));
+        struct kv_seq_params bad = p; /* blocks of another layout than the params' */
+        bad.quant = qps[i == 2 ? 0 : i];
+        bad.quant.nbits = bad.quant.nbits == 2 ? 4 : 2;
+        assert_int_equal(kv_seq_load_quant(r.store, &bad, len, in, &c), TIER_EINVAL);
+        assert_null(c);
+        assert_non_null(strstr(kv_store_errmsg(r.store), "field fmt"));
+        bad = p;
+        bad.strategy = KV_DYNAMIC;
+        assert_int_equal(kv_seq_load_quant(r.store, &bad, len, in, &c), TIER_EINVAL);
+        assert_non_null(strstr(kv_store_errmsg(r.store), "params"));
+        /* a device OOM that kv_seq_load would answer in the host tier */
+        be_fault_dev_alloc(r.be, 1, false);
+        assert_int_equal(kv_seq_load_quant(r.store, &p, len, in, &c), TIER_ENOMEM_DEV);
+        be_fault_dev_alloc(r.be, 0, false);
+        assert_null(c);
+        assert_non_null(strstr(kv_store_errmsg(r.store), "does not fit the device budget"));
+        assert_int_equal(kv_seq_load_quant(r.store, &p, len, in, &c), TIER_OK);
+        kv_seq_free(c);
+        free_stored(L, in);
+        free(row);
+        free(row2);
+        kv_seq_free(q);
+    }
+    rig_close(&r);
+}
+
 /* Refusals: a sequence that is not fresh or not dynamic, 0 tokens; the
  * sequence is unchanged after each, and a failed reserve (device budget)
  * leaves it fresh. */
@@ -468,6 +596,7 @@ int main(void)
         cmocka_unit_test(test_import_continues),
         cmocka_unit_test(test_quantized_export),
         cmocka_unit_test(test_quantized_stored_form),
+        cmocka_unit_test(test_quantized_load),
         cmocka_unit_test(test_import_refusals),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

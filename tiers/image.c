@@ -553,3 +553,137 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
     free(home);
     return st;
 }
+
+/* ---- a quantized sequence from its stored form (the raw import) ------------- */
+
+static bool same_half(const struct be_kvq_half *a, const struct be_kvq_half *b)
+{
+    return a->gt == b->gt && a->gd == b->gd && a->codes == b->codes && a->params == b->params;
+}
+
+static bool same_format(const struct be_kvq_format *a, const struct be_kvq_format *b)
+{
+    return a->kind == b->kind && a->nbits == b->nbits && a->block_tokens == b->block_tokens &&
+           a->n_kv_heads == b->n_kv_heads && a->head_dim == b->head_dim && same_half(&a->k, &b->k) &&
+           same_half(&a->v, &b->v) && a->block_bytes == b->block_bytes;
+}
+
+/* Layer l's section as kv_seq_save writes it, from in (checked sizes). */
+static uint8_t *put_quant_section(const kv_store *s, uint8_t *o, int64_t lo, const struct kv_quant_layer_in *in,
+                                  size_t qbb)
+{
+    const struct kv_quant_layer *d = &in->d;
+    put64(o, (uint64_t)lo);
+    put64(o + 8, (uint64_t)d->nq);
+    put64(o + 16, (uint64_t)d->first_block);
+    put32(o + 24, float_bits(d->scale_k));
+    put32(o + 28, float_bits(d->scale_v));
+    o += SEC_QUANT;
+    memcpy(o, in->blocks, (size_t)d->n_blocks * qbb);
+    o += (size_t)d->n_blocks * qbb;
+    /* [H, residual, D] per half into rows of K then V for every head */
+    size_t hrow = (size_t)s->g.head_dim * be_dtype_size(s->g.dtype);
+    for (int64_t t = 0; t < d->residual; t++)
+        for (int half = 0; half < 2; half++)
+            for (int h = 0; h < s->g.n_kv_heads; h++) {
+                const char *src = half ? in->v : in->k;
+                memcpy(o, src + ((size_t)h * (size_t)d->residual + (size_t)t) * hrow, hrow);
+                o += hrow;
+            }
+    return o;
+}
+
+enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, int64_t len,
+                                   const struct kv_quant_layer_in *in, kv_seq **out)
+{
+    *out = NULL;
+    s->err[0] = '\0';
+    if (!p || p->strategy != KV_QUANTIZED || p->sink || p->offload || !in)
+        return kv_fail(s, TIER_EINVAL, "raw import: field params: needs a quantized cache without sinks or offload");
+    if (len <= 0 || len > KV_SEQ_MAX_LEN)
+        return kv_fail(s, TIER_EINVAL, "raw import: field len is %lld, out of [1, %lld]", (long long)len,
+                       (long long)KV_SEQ_MAX_LEN);
+    struct kvq_error e;
+    struct be_kvq_format f;
+    enum tier_status st = kv_check_params(s, p);
+    if (st != TIER_OK)
+        return st;
+    if (kv_quant_validate(&p->quant, &e) != TIER_OK ||
+        kvq_format_init(&f, &p->quant, s->g.n_kv_heads, s->g.head_dim, kvq_block_tokens(&p->quant, s->bt), &e) !=
+            TIER_OK)
+        return kv_fail(s, TIER_EINVAL, "raw import: field params: %s", e.msg);
+    size_t size = IMG_HDR + 4 * (size_t)s->g.n_layers, rb = row_bytes(s);
+    int64_t *lo = malloc((size_t)s->g.n_layers * sizeof(*lo));
+    if (!lo)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a raw import");
+    for (int l = 0; l < s->g.n_layers; l++) {
+        const struct kv_quant_layer *d = &in[l].d;
+        int w, keep;
+        kv_layer_shape(s, p, l, &w, &keep);
+        /* the image's lo is the layer's window start (kvstore.c invariant 1),
+         * which the export shows only clamped to the quantized part */
+        lo[l] = w && len > keep ? len - keep : 0;
+        size += SEC_QUANT;
+        /* what the section's size follows from, checked here so that a bad
+         * one is named rather than misplacing every later section */
+        const char *bad = NULL;
+        if (!d->fmt || !same_format(d->fmt, &f))
+            bad = "fmt";
+        else if (d->nq < 0 || d->nq > len)
+            bad = "nq";
+        else if (d->residual != len - d->nq || (d->residual && (!in[l].k || !in[l].v)))
+            bad = "residual";
+        else if (d->first_block < 0 || d->first_block > d->nq)
+            bad = "first_block";
+        else if (d->n_blocks != quant_blocks(d->nq, d->first_block, f.block_tokens) ||
+                 (d->n_blocks && !in[l].blocks))
+            bad = "n_blocks";
+        /* a length near KV_SEQ_MAX_LEN overflows the image size */
+        else if (!add_rows(&size, (uint64_t)d->n_blocks, f.block_bytes) || !add_rows(&size, (uint64_t)d->residual, rb))
+            bad = "size";
+        if (bad) {
+            free(lo);
+            return kv_fail(s, TIER_EINVAL,
+                           "raw import: layer %d: field %s is out of line (nq %lld, first block %lld, %d blocks, "
+                           "%lld residual rows for %lld tokens of %lld-token blocks)",
+                           l, bad, (long long)d->nq, (long long)d->first_block, d->n_blocks, (long long)d->residual,
+                           (long long)len, (long long)f.block_tokens);
+        }
+    }
+    uint8_t *img = malloc(size);
+    if (!img) {
+        free(lo);
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a %zu-byte sequence image", size);
+    }
+    /* a state as kv_seq_save writes it: no fallback, no past recording */
+    struct kv_seq hdr = {.s = s, .p = *p, .strategy = KV_QUANTIZED, .len = len};
+    put_header(&hdr, img, size);
+    uint8_t *o = img + IMG_HDR + 4 * (size_t)s->g.n_layers;
+    for (int l = 0; l < s->g.n_layers; l++)
+        o = put_quant_section(s, o, lo[l], &in[l], f.block_bytes);
+    free(lo);
+    kv_seq *q = NULL;
+    st = kv_seq_load(s, img, size, &q);
+    free(img);
+    /* kv_seq_layer_quant cannot describe a sequence in the host tier */
+    if (st == TIER_OK && kvq_seq_on_host(q))
+        st = kv_fail(s, TIER_ENOMEM_DEV, "device memory: the imported quantized KV does not fit the device budget");
+    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
+        struct kv_quant_layer got;
+        const struct kv_quant_layer *d = &in[l].d;
+        st = kv_seq_layer_quant(q, l, &got);
+        if (st == TIER_OK && (got.lo != d->lo || got.nq != d->nq || got.first_block != d->first_block ||
+                              got.n_blocks != d->n_blocks || got.residual != d->residual))
+            st = kv_fail(s, TIER_EINVAL,
+                         "raw import: layer %d: field lo: %lld, nq %lld, first block %lld is not what %lld tokens "
+                         "of this cache store (%lld, %lld, %lld)",
+                         l, (long long)d->lo, (long long)d->nq, (long long)d->first_block, (long long)len,
+                         (long long)got.lo, (long long)got.nq, (long long)got.first_block);
+    }
+    if (st != TIER_OK) {
+        kv_seq_free(q);
+        return st;
+    }
+    *out = q;
+    return TIER_OK;
+}

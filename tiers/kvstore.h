@@ -387,6 +387,24 @@ struct kv_quant_layer {
 };
 enum tier_status kv_seq_layer_quant(const kv_seq *q, int layer, struct kv_quant_layer *out);
 enum tier_status kv_seq_layer_quant_read(kv_seq *q, int layer, void *blocks, void *k, void *v);
+/* kv_seq_load_quant: the way back (the raw import): a new quantized
+ *   sequence of p (strategy KV_QUANTIZED, no sinks, no offload) and len
+ *   tokens whose layer l is in[l]: in[l].d as kv_seq_layer_quant describes
+ *   it, in[l].blocks, k, v as kv_seq_layer_quant_read copies them.  d.fmt
+ *   is the layout the caller's blocks are in, and must be p's (the blocks
+ *   are read by it: fmt->block_bytes each).  It rebuilds the sequence's image and loads it (kv_seq_load), so
+ *   every check of the image loader applies, then checks that the loaded
+ *   sequence describes each layer exactly as in[l] did: TIER_EINVAL with
+ *   kv_store_errmsg naming the field (params, len, a layer's lo, nq,
+ *   first_block, n_blocks, residual, fmt), TIER_ENOMEM_* as
+ *   kv_seq_load, and TIER_ENOMEM_DEV where kv_seq_load would fall back to
+ *   the host tier (the stored form is described on the device only). */
+struct kv_quant_layer_in {
+    struct kv_quant_layer d;
+    const void *blocks, *k, *v;
+};
+enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, int64_t len,
+                                   const struct kv_quant_layer_in *in, kv_seq **out);
 enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, void *k, void *v);
 int64_t kv_store_dense_rows(const kv_store *s, const struct kv_seq_params *p, int layer, int64_t n);
 enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, const void *const *k,
