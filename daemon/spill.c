@@ -197,17 +197,18 @@ static void restore_done(engine *e, struct session *s)
     void *meta = NULL, *img = NULL;
     size_t meta_len = 0, n = 0;
     kv_seq *kv = NULL;
-    const char *why = NULL;
+    /* a copy: the op's message goes with the op, the store's with its next call */
+    char why[256] = "";
     if (ts == TIER_OK) {
         kv_disk_op_take(s->op, &meta, &meta_len, &img, &n);
         if (n && (ts = kv_seq_load(e->store, img, n, &kv)) != TIER_OK)
-            why = kv_store_errmsg(e->store);
+            snprintf(why, sizeof why, "%s", kv_store_errmsg(e->store));
         else if (n && (size_t)kv_seq_length(kv) != s->n_toks)
-            ts = TIER_EINVAL, why = "its KV holds another number of tokens than its meta";
+            ts = TIER_EINVAL, snprintf(why, sizeof why, "its KV holds another number of tokens than its meta");
         else if (!n && s->n_toks)
-            ts = TIER_EINVAL, why = "the file holds no KV";
+            ts = TIER_EINVAL, snprintf(why, sizeof why, "the file holds no KV");
     } else {
-        why = kv_disk_op_errmsg(s->op);
+        snprintf(why, sizeof why, "%s", kv_disk_op_errmsg(s->op));
     }
     free(meta);
     free(img);
@@ -225,7 +226,7 @@ static void restore_done(engine *e, struct session *s)
         kv_seq_free(kv);
         kv = NULL;
         log_msg(LOG_WARN, "session %s: restore from disk failed, its tokens will be computed again: %s", s->id,
-                why ? why : tier_strerror(ts));
+                why[0] ? why : tier_strerror(ts));
         engine_count(e, &e->st.disk_errors);
         s->disk_version = 0;
         s->version++;

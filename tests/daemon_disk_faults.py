@@ -56,7 +56,11 @@ while clean_runs < 3 and n < 80:
     d = Daemon("--spill-after", "1", model=ref.model, tmp=ref.tmp)
     d.sock = os.path.join(ref.tmp, "f%d.sock" % n)
     d.start(extra_env={"KVTIER_DISK_FAIL_NTH": str(n)})
-    sid, t1, t2 = scenario(d)
+    try:
+        sid, t1, t2 = scenario(d)
+    except Exception:
+        print("N=%d, kvtierd's log:\n%s" % (n, d.logtext()[-6000:]))
+        raise
     assert t1 == want1 and t2 == want2, "N=%d: tokens differ from a daemon without a disk tier" % n
     errors = metric(d, "disk_errors_total")
     assert d.stop() == 0, "N=%d: exit status" % n
