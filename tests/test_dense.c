@@ -23,65 +23,16 @@
 #include <cmocka.h>
 
 #include "model/model.h"
+#include "tests/rig.h"
 #include "tiers/quant.h"
 #include "util/half.h"
 
 #define N_PROMPT 20
 #define N_GEN 24
 
-static char g_dir[] = "/tmp/kvtier-dense-XXXXXX";
 
 enum { M_LLAMA, M_MISTRAL, M_QWEN2, N_MODELS };
-static const char *const model_args[N_MODELS] = {
-    [M_LLAMA] = "--arch llama --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320",
-    [M_MISTRAL] = "--arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8",
-    [M_QWEN2] = "--arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8 "
-                "--max-window-layers 1",
-};
-
-struct rig {
-    be_backend *be;
-    model *m;
-    kv_store *store;
-    struct kv_geom g;
-    int V;
-};
-
-static void rig_open(struct rig *r, int which)
-{
-    char dir[128], err[MODEL_ERR_LEN];
-    snprintf(dir, sizeof(dir), "%s/m%d", g_dir, which);
-    struct be_params bp = {.n_threads = 1};
-    assert_int_equal(be_open("cpu", &bp, &r->be), BE_OK);
-    struct model_params mp = {.max_batch_tokens = 8};
-    if (model_load(dir, r->be, &mp, &r->m, err) != MODEL_OK)
-        fail_msg("model_load %s: %s", dir, err);
-    r->g = model_kv_geom(r->m);
-    r->V = model_get_config(r->m)->vocab_size;
-    assert_int_equal(kv_store_open(r->be, &r->g, NULL, &r->store), TIER_OK);
-}
-
-static void rig_close(struct rig *r)
-{
-    kv_store_free(r->store);
-    model_free(r->m);
-    be_free(r->be);
-}
-
-static int32_t argmax(const float *x, int n)
-{
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
-}
-
-static void feed(struct rig *r, kv_seq *q, const int32_t *tokens, int n, float *row)
-{
-    struct fw_seq fs = {.kv = q, .tokens = tokens, .n_tokens = n, .logits = row};
-    assert_int_equal(model_forward(r->m, &fs, 1), MODEL_OK);
-}
+static const char *const model_args[N_MODELS] = {[M_LLAMA] = RIG_LLAMA, [M_MISTRAL] = RIG_MISTRAL, [M_QWEN2] = RIG_QWEN2};
 
 static void prompt(int32_t *ids)
 {
@@ -122,7 +73,7 @@ static void test_dense_is_the_view(void **state)
     (void)state;
     for (int which = 0; which < N_MODELS; which++) {
         struct rig r;
-        rig_open(&r, which);
+        rig_open(&r, which, NULL);
         kv_seq *q;
         assert_int_equal(kv_seq_create(r.store, NULL, &q), TIER_OK);
         float *row = malloc((size_t)r.V * sizeof(float));
@@ -215,7 +166,7 @@ static void test_import_continues(void **state)
     static const char *const names[N_MODELS] = {"llama", "mistral (sliding)", "qwen2 (hybrid)"};
     for (int which = 0; which < N_MODELS; which++) {
         struct rig r;
-        rig_open(&r, which);
+        rig_open(&r, which, NULL);
         continue_identical(&r, &(struct kv_seq_params){.strategy = KV_DYNAMIC}, names[which]);
         if (which == M_LLAMA) /* the sliding_window strategy on a full model */
             continue_identical(&r, &(struct kv_seq_params){.strategy = KV_DYNAMIC, .window_length = 6},
@@ -235,7 +186,7 @@ static void test_quantized_export(void **state)
 {
     (void)state;
     struct rig r;
-    rig_open(&r, M_LLAMA);
+    rig_open(&r, M_LLAMA, NULL);
     struct kv_seq_params qp = {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_QUANTO)};
     qp.quant.nbits = 8;
     qp.quant.residual_length = 8;
@@ -318,7 +269,7 @@ static void test_quantized_stored_form(void **state)
 {
     (void)state;
     struct rig r;
-    rig_open(&r, M_MISTRAL);
+    rig_open(&r, M_MISTRAL, NULL);
     struct kv_quant_params qps[2] = {kv_quant_defaults(KVQ_QUANTO), kv_quant_defaults(KVQ_HQQ)};
     qps[0].q_group_size = 8;
     qps[0].residual_length = 4;
@@ -430,7 +381,7 @@ static void test_quantized_load(void **state)
 {
     (void)state;
     struct rig r;
-    rig_open(&r, M_MISTRAL);
+    rig_open(&r, M_MISTRAL, NULL);
     struct kv_quant_params qps[3] = {kv_quant_defaults(KVQ_QUANTO), kv_quant_defaults(KVQ_HQQ),
                                      kv_quant_defaults(KVQ_FP8)};
     qps[0].q_group_size = 8;
@@ -530,7 +481,7 @@ static void test_import_refusals(void **state)
 {
     (void)state;
     struct rig r;
-    rig_open(&r, M_LLAMA);
+    rig_open(&r, M_LLAMA, NULL);
     size_t n = layer_elems(&r, N_PROMPT);
     float *k[2], *v[2];
     for (int l = 0; l < 2; l++) {
@@ -563,30 +514,10 @@ static void test_import_refusals(void **state)
     rig_close(&r);
 }
 
-static int make_models(void)
-{
-    if (!mkdtemp(g_dir))
-        return -1;
-    for (int i = 0; i < N_MODELS; i++) {
-        char cmd[512];
-        snprintf(cmd, sizeof(cmd), "/usr/bin/python3 tools/mkmodel.py --out %s/m%d --seed %d %s > /dev/null 2>&1",
-                 g_dir, i, 7 + i, model_args[i]);
-        if (system(cmd) != 0)
-            return -1;
-    }
-    return 0;
-}
-
-static int cleanup(void)
-{
-    char cmd[128];
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
-    return system(cmd);
-}
 
 int main(void)
 {
-    if (make_models() != 0) {
+    if (make_models(model_args, N_MODELS) != 0) {
         fprintf(stderr, "test_dense: tools/mkmodel.py failed (no torch?): skipping\n");
         cleanup();
         return 77;

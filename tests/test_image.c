@@ -22,6 +22,7 @@
 #include <cmocka.h>
 
 #include "model/model.h"
+#include "tests/rig.h"
 #include "tiers/quant.h"
 
 #define N_PROMPT 20
@@ -29,72 +30,15 @@
 #define N_AFTER 10 /* decoded after the load */
 #define BT 4       /* small blocks: sinks apart, windows across blocks */
 
-static char g_dir[] = "/tmp/kvtier-image-XXXXXX";
 
 enum { M_LLAMA, M_MISTRAL, M_QWEN2, N_MODELS };
-static const char *const model_args[N_MODELS] = {
-    [M_LLAMA] = "--arch llama --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320",
-    [M_MISTRAL] = "--arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8",
-    [M_QWEN2] = "--arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8 "
-                "--max-window-layers 1",
-};
+static const char *const model_args[N_MODELS] = {[M_LLAMA] = RIG_LLAMA, [M_MISTRAL] = RIG_MISTRAL, [M_QWEN2] = RIG_QWEN2};
 
-static int make_models(void)
+/* Model which with blocks of bt tokens, with or without the prefix cache. */
+static void rig_open_bt(struct rig *r, int which, int bt, bool prefix)
 {
-    if (!mkdtemp(g_dir))
-        return -1;
-    for (int i = 0; i < N_MODELS; i++) {
-        char cmd[512];
-        snprintf(cmd, sizeof(cmd), "/usr/bin/python3 tools/mkmodel.py --out %s/m%d --seed %d %s > /dev/null 2>&1",
-                 g_dir, i, 7 + i, model_args[i]);
-        if (system(cmd) != 0)
-            return -1;
-    }
-    return 0;
-}
-
-struct rig {
-    be_backend *be;
-    model *m;
-    kv_store *store;
-    int V;
-};
-
-static void rig_open(struct rig *r, int which, int bt, bool prefix)
-{
-    char dir[128], err[MODEL_ERR_LEN];
-    snprintf(dir, sizeof(dir), "%s/m%d", g_dir, which);
-    struct be_params bp = {.n_threads = 1};
-    assert_int_equal(be_open("cpu", &bp, &r->be), BE_OK);
-    struct model_params mp = {.max_batch_tokens = 8};
-    if (model_load(dir, r->be, &mp, &r->m, err) != MODEL_OK)
-        fail_msg("model_load %s: %s", dir, err);
-    struct kv_geom g = model_kv_geom(r->m);
     struct kv_store_params sp = {.block_tokens = bt, .prefix_cache = prefix};
-    assert_int_equal(kv_store_open(r->be, &g, &sp, &r->store), TIER_OK);
-    r->V = model_get_config(r->m)->vocab_size;
-}
-
-static void rig_close(struct rig *r)
-{
-    kv_store_free(r->store);
-    model_free(r->m);
-    be_free(r->be);
-}
-
-static int32_t argmax(const float *x, int n)
-{
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
-}
-
-static void feed(struct rig *r, kv_seq *q, const int32_t *tokens, int n, float *row)
-{
-    struct fw_seq fs = {.kv = q, .tokens = tokens, .n_tokens = n, .logits = row};
-    assert_int_equal(model_forward(r->m, &fs, 1), MODEL_OK);
+    rig_open(r, which, &sp);
 }
 
 static void prompt(int32_t *ids)
@@ -157,7 +101,7 @@ struct variant {
 static void run_variant(const struct variant *v)
 {
     struct rig r;
-    rig_open(&r, v->model, BT, v->act == A_PREFIX);
+    rig_open_bt(&r, v->model, BT, v->act == A_PREFIX);
     float *row = malloc((size_t)r.V * sizeof(float)), *ref = malloc((size_t)r.V * sizeof(float));
     assert_true(row && ref);
     int32_t ids[N_PROMPT], tok;
@@ -357,7 +301,7 @@ static void test_refusals(void **state)
 {
     (void)state;
     struct rig r;
-    rig_open(&r, M_MISTRAL, BT, false);
+    rig_open_bt(&r, M_MISTRAL, BT, false);
     size_t size;
     uint8_t *img = image_of(&r, &(struct kv_seq_params){.strategy = KV_DYNAMIC}, &size);
     for (size_t n = 0; n < size; n++)
@@ -395,7 +339,7 @@ static void test_refusals(void **state)
     free(extra);
     /* another store's geometry: a full-attention model, other blocks */
     struct rig o;
-    rig_open(&o, M_LLAMA, BT, false);
+    rig_open_bt(&o, M_LLAMA, BT, false);
     expect_refused(o.store, img, size, "layer_window[0]");
     kv_store_free(o.store);
     struct kv_geom g = model_kv_geom(r.m);
@@ -429,7 +373,7 @@ static void test_load_falls_back(void **state)
     (void)state;
     for (int nf = 0; nf < 2; nf++) {
         struct rig r;
-        rig_open(&r, M_LLAMA, BT, false);
+        rig_open_bt(&r, M_LLAMA, BT, false);
         size_t bytes = (size_t)r.V * sizeof(float);
         float *row = malloc(bytes), *ref = malloc(N_AFTER * bytes);
         assert_true(row && ref);
@@ -479,16 +423,10 @@ static void test_load_falls_back(void **state)
     }
 }
 
-static int cleanup(void)
-{
-    char cmd[128];
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
-    return system(cmd);
-}
 
 int main(void)
 {
-    if (make_models() != 0) {
+    if (make_models(model_args, N_MODELS) != 0) {
         fprintf(stderr, "test_image: tools/mkmodel.py failed (no torch?): skipping\n");
         cleanup();
         return 77;

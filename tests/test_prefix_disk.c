@@ -21,68 +21,21 @@
 #include <cmocka.h>
 
 #include "model/model.h"
+#include "tests/rig.h"
 
 #define N_PROMPT 22 /* 5 full blocks of 4, matchable: (22 - 1) / 4 = 5 */
 #define N_BLOCKS 5
 #define N_AFTER 8
 #define BT 4
 
-static char g_dir[] = "/tmp/kvtier-pdisk-XXXXXX";
 
-static int make_model(void)
+static const char *const model_args[] = {RIG_LLAMA};
+
+/* The llama with blocks of bt tokens and the prefix cache. */
+static void rig_open_bt(struct rig *r, int bt)
 {
-    if (!mkdtemp(g_dir))
-        return -1;
-    char cmd[512];
-    snprintf(cmd, sizeof(cmd),
-             "/usr/bin/python3 tools/mkmodel.py --out %s/m --seed 11 --arch llama --layers 2 --dim 64 --heads 4 "
-             "--kv-heads 2 --ffn 128 --vocab 320 > /dev/null 2>&1",
-             g_dir);
-    return system(cmd) == 0 ? 0 : -1;
-}
-
-struct rig {
-    be_backend *be;
-    model *m;
-    kv_store *store;
-    int V;
-};
-
-static void rig_open(struct rig *r, int bt)
-{
-    char dir[128], err[MODEL_ERR_LEN];
-    snprintf(dir, sizeof(dir), "%s/m", g_dir);
-    struct be_params bp = {.n_threads = 1};
-    assert_int_equal(be_open("cpu", &bp, &r->be), BE_OK);
-    struct model_params mp = {.max_batch_tokens = 8};
-    if (model_load(dir, r->be, &mp, &r->m, err) != MODEL_OK)
-        fail_msg("model_load %s: %s", dir, err);
-    struct kv_geom g = model_kv_geom(r->m);
     struct kv_store_params sp = {.block_tokens = bt, .prefix_cache = true};
-    assert_int_equal(kv_store_open(r->be, &g, &sp, &r->store), TIER_OK);
-    r->V = model_get_config(r->m)->vocab_size;
-}
-
-static void rig_close(struct rig *r)
-{
-    kv_store_free(r->store);
-    model_free(r->m);
-    be_free(r->be);
-}
-
-static int32_t argmax(const float *x, int n)
-{
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
-}
-
-static void feed(struct rig *r, kv_seq *q, const int32_t *tokens, int n, float *row)
-{
-    struct fw_seq fs = {.kv = q, .tokens = tokens, .n_tokens = n, .logits = row};
-    assert_int_equal(model_forward(r->m, &fs, 1), MODEL_OK);
+    rig_open(r, 0, &sp);
 }
 
 static void prompt(int32_t *ids)
@@ -136,7 +89,7 @@ static void test_evict_insert_continue(void **state)
 {
     (void)state;
     struct rig a, b;
-    rig_open(&a, BT);
+    rig_open_bt(&a, BT);
     struct kv_prefix_block blk[2 * N_BLOCKS];
     /* 22 tokens commit 5 full blocks; all five are published */
     assert_int_equal(evict_chain(&a, 3, blk), N_BLOCKS);
@@ -144,7 +97,7 @@ static void test_evict_insert_continue(void **state)
     assert_int_equal(kv_store_stats(a.store).prefix_spill_dropped, 0);
     rig_close(&a);
 
-    rig_open(&b, BT);
+    rig_open_bt(&b, BT);
     int32_t ids[N_PROMPT], tok;
     prompt(ids);
     uint64_t hashes[N_BLOCKS];
@@ -240,11 +193,11 @@ static void test_insert_refusals(void **state)
 {
     (void)state;
     struct rig a, b;
-    rig_open(&a, BT);
+    rig_open_bt(&a, BT);
     struct kv_prefix_block blk[2 * N_BLOCKS];
     assert_int_equal(evict_chain(&a, 0, blk), N_BLOCKS);
     rig_close(&a);
-    rig_open(&b, BT);
+    rig_open_bt(&b, BT);
     assert_int_equal(kv_store_prefix_insert(b.store, blk[0].buf, blk[0].len), TIER_OK);
     const struct kv_prefix_block *k = &blk[1]; /* a child of the cached block */
     expect_refused(b.store, k, 0, 1, k->len, "magic");
@@ -274,7 +227,7 @@ static void test_insert_refusals(void **state)
     rig_close(&b);
 
     struct rig c; /* another block size */
-    rig_open(&c, 2 * BT);
+    rig_open_bt(&c, 2 * BT);
     expect_refused(c.store, &blk[0], blk[0].len, 0, blk[0].len, "block_tokens");
     rig_close(&c);
     free_blocks(blk, N_BLOCKS);
@@ -284,7 +237,7 @@ static void test_queue_bound_and_export(void **state)
 {
     (void)state;
     struct rig a;
-    rig_open(&a, BT);
+    rig_open_bt(&a, BT);
     int32_t ids[N_PROMPT];
     prompt(ids);
     float *row = malloc((size_t)a.V * sizeof(float));
@@ -336,11 +289,11 @@ static void test_namespaces(void **state)
 {
     (void)state;
     struct rig a, b;
-    rig_open(&a, BT);
+    rig_open_bt(&a, BT);
     struct kv_prefix_block blk[2 * N_BLOCKS];
     assert_int_equal(evict_chain(&a, 1001, blk), N_BLOCKS);
     rig_close(&a);
-    rig_open(&b, BT);
+    rig_open_bt(&b, BT);
     for (int i = 0; i < N_BLOCKS; i++)
         assert_int_equal(kv_store_prefix_insert(b.store, blk[i].buf, blk[i].len), TIER_OK);
     int32_t ids[N_PROMPT];
@@ -365,16 +318,10 @@ static void test_namespaces(void **state)
     rig_close(&b);
 }
 
-static int cleanup(void)
-{
-    char cmd[128];
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
-    return system(cmd);
-}
 
 int main(void)
 {
-    if (make_model() != 0) {
+    if (make_models(model_args, 1) != 0) {
         fprintf(stderr, "test_prefix_disk: tools/mkmodel.py failed (no torch?): skipping\n");
         cleanup();
         return 77;
