@@ -19,12 +19,16 @@
  * quarantined as corrupt, an I/O error) costs the session its KV, never its
  * correctness: the next request computes the tokens again.
  *
- * Images: a spill's image and a restore's buffer come from the backend's
- * host memory (page-locked on a GPU), 4 KiB-aligned and sized by
- * kv_disk_data_alloc_len, so the disk tier moves raw chunks between them
- * and the file with no staging copy; they are freed on the disk tier's
- * thread (kv_disk_defer), since unmapping a GB-sized image costs the
- * engine a tenth of a second or more.
+ * Images: a spill's image and a restore's buffer are 4 KiB-aligned and
+ * sized by kv_disk_data_alloc_len, so the disk tier moves raw chunks
+ * between them and the file with no staging copy.  Where the KV lives on
+ * a device (the backend's memory is not unified with the host's) they come
+ * from the backend's host memory, page-locked, so a restore goes disk ->
+ * pinned memory -> device; on the CPU backend, whose host memory is mapped
+ * and locked up front (0.2 s for an 8k image, serial before the first
+ * read), from the heap, whose pages the reads fault in as they go.  They
+ * are freed on the disk tier's thread (kv_disk_defer): unmapping a GB-sized
+ * image costs a tenth of a second or more.
  *
  * Versions: every change to a session's KV or ids bumps s->version; its
  * file holds s->disk_version.  A file older than the KV in memory is a
@@ -84,16 +88,30 @@ static char *meta_json(const struct session *s)
     return text;
 }
 
-static void free_image(void *arg, void *p)
+/* Whether images are the backend's page-locked host memory (see the top). */
+static bool image_pinned(const engine *e)
 {
-    (void)arg;
-    be_buffer_free(p);
+    return !be_get_caps(e->rt.be).unified_memory;
 }
 
-/* The disk tier's allocator for a restore (runs on its thread). */
+static void free_image(void *arg, void *p)
+{
+    if (image_pinned(arg))
+        be_buffer_free(p);
+    else
+        free(p);
+}
+
+/* An image buffer of len bytes (a handle for free_image), *data its first
+ * byte; the disk tier's allocator for a restore (runs on its thread). */
 static void *image_alloc(void *arg, size_t len, void **data)
 {
     engine *e = arg;
+    if (!image_pinned(e)) {
+        if (posix_memalign(data, 4096, len) != 0)
+            return NULL;
+        return *data;
+    }
     be_buffer *b = NULL;
     if (be_host_alloc(e->rt.be, len, &b) != BE_OK)
         return NULL;
@@ -103,10 +121,10 @@ static void *image_alloc(void *arg, size_t len, void **data)
 
 /* Frees an image off the engine thread: the disk tier's thread takes it
  * after the ops already queued. */
-static void image_release(engine *e, be_buffer *b)
+static void image_release(engine *e, void *img)
 {
-    if (b)
-        kv_disk_defer(e->disk, free_image, NULL, b);
+    if (img)
+        kv_disk_defer(e->disk, free_image, e, img);
 }
 
 static void op_clear(engine *e, struct session *s)
@@ -143,27 +161,25 @@ static void spill_backoff(engine *e, struct session *s)
 static bool spill_start(engine *e, struct session *s, bool cold)
 {
     size_t n = s->kv ? kv_seq_image_size(s->kv) : 0;
-    be_buffer *img = NULL;
-    if (n)
-        be_host_alloc(e->rt.be, kv_disk_data_alloc_len(n), &img);
+    void *data = NULL, *img = n ? image_alloc(e, kv_disk_data_alloc_len(n), &data) : NULL;
     char *meta = meta_json(s);
     const char *why = NULL;
     if ((n && !img) || !meta)
         why = "no host memory for its image";
-    else if (n && kv_seq_save(s->kv, be_buffer_data(img), n) != TIER_OK)
+    else if (n && kv_seq_save(s->kv, data, n) != TIER_OK)
         why = kv_store_errmsg(e->store);
     char ns[24];
     ns_of(s->uid, ns);
     enum tier_status ts = TIER_OK;
     if (!why) {
-        struct kv_disk_obj o = {.meta = meta, .meta_len = strlen(meta), .data = be_buffer_data(img), .data_len = n,
-                                .cold = cold};
+        struct kv_disk_obj o = {.meta = meta, .meta_len = strlen(meta), .data = data, .data_len = n, .cold = cold};
         if ((ts = kv_disk_put(e->disk, ns, s->id, &o, &s->op)) != TIER_OK)
             why = kv_disk_errmsg(e->disk)[0] ? kv_disk_errmsg(e->disk) : tier_strerror(ts);
     }
     if (why) {
         log_msg(ts == TIER_EFULL ? LOG_DEBUG : LOG_WARN, "session %s: not spilled to disk: %s", s->id, why);
-        be_buffer_free(img);
+        if (img)
+            free_image(e, img);
         free(meta);
         s->op = NULL;
         engine_count(e, &e->st.disk_errors);
