@@ -36,7 +36,7 @@ struct session {
     uint64_t op_version;   /* the version a spill in flight writes */
     size_t op_len;         /* the bytes it writes */
     double spill_retry_at; /* clock_ms() before which no spill is tried (after a failed one) */
-    void *op_img;          /* the op's buffers */
+    void *op_img;          /* the op's buffers: a spill's image (spill.c's image_alloc) */
     char *op_meta;
     struct session *next;
 };

@@ -19,6 +19,17 @@
  * quarantined as corrupt, an I/O error) costs the session its KV, never its
  * correctness: the next request computes the tokens again.
  *
+ * Images: a spill's image and a restore's buffer are 4 KiB-aligned and
+ * sized by kv_disk_data_alloc_len, so the disk tier moves raw chunks
+ * between them and the file with no staging copy.  Where the KV lives on
+ * a device (the backend's memory is not unified with the host's) they come
+ * from the backend's host memory, page-locked, so a restore goes disk ->
+ * pinned memory -> device; on the CPU backend, whose host memory is mapped
+ * and locked up front (0.2 s for an 8k image, serial before the first
+ * read), from the heap, whose pages the reads fault in as they go.  They
+ * are freed on the disk tier's thread (kv_disk_defer): unmapping a GB-sized
+ * image costs a tenth of a second or more.
+ *
  * Versions: every change to a session's KV or ids bumps s->version; its
  * file holds s->disk_version.  A file older than the KV in memory is a
  * consistent snapshot of an earlier state, replaced by the next spill.
@@ -77,11 +88,50 @@ static char *meta_json(const struct session *s)
     return text;
 }
 
+/* Whether images are the backend's page-locked host memory (see the top). */
+static bool image_pinned(const engine *e)
+{
+    return !be_get_caps(e->rt.be).unified_memory;
+}
+
+static void free_image(void *arg, void *p)
+{
+    if (image_pinned(arg))
+        be_buffer_free(p);
+    else
+        free(p);
+}
+
+/* An image buffer of len bytes (a handle for free_image), *data its first
+ * byte; the disk tier's allocator for a restore (runs on its thread). */
+static void *image_alloc(void *arg, size_t len, void **data)
+{
+    engine *e = arg;
+    if (!image_pinned(e)) {
+        if (posix_memalign(data, 4096, len) != 0)
+            return NULL;
+        return *data;
+    }
+    be_buffer *b = NULL;
+    if (be_host_alloc(e->rt.be, len, &b) != BE_OK)
+        return NULL;
+    *data = be_buffer_data(b);
+    return b;
+}
+
+/* Frees an image off the engine thread: the disk tier's thread takes it
+ * after the ops already queued. */
+static void image_release(engine *e, void *img)
+{
+    if (img)
+        kv_disk_defer(e->disk, free_image, e, img);
+}
+
 static void op_clear(engine *e, struct session *s)
 {
     kv_disk_op_free(s->op);
     s->op = NULL;
-    free(s->op_img);
+    image_release(e, s->op_img);
     s->op_img = NULL;
     free(s->op_meta);
     s->op_meta = NULL;
@@ -111,24 +161,25 @@ static void spill_backoff(engine *e, struct session *s)
 static bool spill_start(engine *e, struct session *s, bool cold)
 {
     size_t n = s->kv ? kv_seq_image_size(s->kv) : 0;
-    void *img = n ? malloc(n) : NULL;
+    void *data = NULL, *img = n ? image_alloc(e, kv_disk_data_alloc_len(n), &data) : NULL;
     char *meta = meta_json(s);
     const char *why = NULL;
     if ((n && !img) || !meta)
         why = "no host memory for its image";
-    else if (n && kv_seq_save(s->kv, img, n) != TIER_OK)
+    else if (n && kv_seq_save(s->kv, data, n) != TIER_OK)
         why = kv_store_errmsg(e->store);
     char ns[24];
     ns_of(s->uid, ns);
     enum tier_status ts = TIER_OK;
     if (!why) {
-        struct kv_disk_obj o = {.meta = meta, .meta_len = strlen(meta), .data = img, .data_len = n, .cold = cold};
+        struct kv_disk_obj o = {.meta = meta, .meta_len = strlen(meta), .data = data, .data_len = n, .cold = cold};
         if ((ts = kv_disk_put(e->disk, ns, s->id, &o, &s->op)) != TIER_OK)
             why = kv_disk_errmsg(e->disk)[0] ? kv_disk_errmsg(e->disk) : tier_strerror(ts);
     }
     if (why) {
         log_msg(ts == TIER_EFULL ? LOG_DEBUG : LOG_WARN, "session %s: not spilled to disk: %s", s->id, why);
-        free(img);
+        if (img)
+            free_image(e, img);
         free(meta);
         s->op = NULL;
         engine_count(e, &e->st.disk_errors);
@@ -194,13 +245,13 @@ static void restore_wake(engine *e, struct session *s, const struct ipc_error *e
 static void restore_done(engine *e, struct session *s)
 {
     enum tier_status ts = kv_disk_op_status(s->op);
-    void *meta = NULL, *img = NULL;
+    void *meta = NULL, *img = NULL, *buf = NULL;
     size_t meta_len = 0, n = 0;
     kv_seq *kv = NULL;
     /* a copy: the op's message goes with the op, the store's with its next call */
     char why[256] = "";
     if (ts == TIER_OK) {
-        kv_disk_op_take(s->op, &meta, &meta_len, &img, &n);
+        kv_disk_op_take_buf(s->op, &meta, &meta_len, &buf, &img, &n);
         if (n && (ts = kv_seq_load(e->store, img, n, &kv)) != TIER_OK)
             snprintf(why, sizeof why, "%s", kv_store_errmsg(e->store));
         else if (n && (size_t)kv_seq_length(kv) != s->n_toks)
@@ -211,7 +262,7 @@ static void restore_done(engine *e, struct session *s)
         snprintf(why, sizeof why, "%s", kv_disk_op_errmsg(s->op));
     }
     free(meta);
-    free(img);
+    image_release(e, buf);
     op_clear(e, s);
     if ((ts == TIER_ENOMEM_DEV || ts == TIER_ENOMEM_HOST) && disk_spill_for_memory(e))
         return; /* its jobs wait on; disk_poll reads it again once the spill is done */
@@ -365,7 +416,8 @@ void disk_restore(engine *e, struct session *s)
 {
     char ns[24];
     ns_of(s->uid, ns);
-    enum tier_status ts = kv_disk_get(e->disk, ns, s->id, &s->op);
+    enum tier_status ts = kv_disk_get_into(e->disk, ns, s->id, &(struct kv_disk_alloc){image_alloc, free_image, e},
+                                           &s->op);
     if (ts != TIER_OK) {
         struct ipc_error err;
         ipc_fail(&err, IPC_ESTORAGE, "", "cannot read session \"%s\" from disk: %s", s->id, tier_strerror(ts));

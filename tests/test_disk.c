@@ -5,12 +5,16 @@
  * another object's file, zeros) quarantined with a message naming the
  * file while the other objects still read; files of another layout left
  * alone; the fault sweep over io_uring submissions (EIO and ENOSPC, once
- * and from N on); the budget; a writer killed with -9 mid-write.
+ * and from N on); the budget; a writer killed with -9 mid-write.  Every
+ * test runs with the callers' buffers as the daemon passes them (puts from
+ * 4 KiB-aligned data, gets into an allocator's aligned buffers: raw chunks
+ * in place) and, on /tmp, with unaligned ones (everything staged).
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -43,23 +47,108 @@ static int rm_one(const char *path, const struct stat *sb, int type, struct FTW 
     return remove(path);
 }
 
+/* How the helpers pass data buffers: as the test made them (malloc) with
+ * kv_disk_get; 4 KiB-aligned copies and kv_disk_get_into an aligned
+ * allocator; or copies and buffers 16 bytes off alignment. */
+enum bufs { BUFS_PLAIN, BUFS_ALIGNED, BUFS_UNALIGNED };
+static enum bufs g_bufs;
+static atomic_int g_live; /* allocator buffers not freed yet */
+
+/* Also checks that every buffer a get allocated was freed, failed gets'
+ * included. */
 static void rm_rf(const char *path)
 {
     nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    assert_int_equal(atomic_load(&g_live), 0);
 }
 
 /* A fresh directory under the test's state: "/tmp" (O_DIRECT), or
  * "/dev/shm" with the buffered path forced (tmpfs takes O_DIRECT since
- * Linux 6.6). */
+ * Linux 6.6); "+aligned" / "+unaligned" set g_bufs. */
 static void scratch(void **state, char *out, size_t cap)
 {
-    const char *base = *state;
+    const char *st = *state;
+    char base[64];
+    snprintf(base, sizeof base, "%.*s", (int)strcspn(st, "+"), st);
+    g_bufs = strstr(st, "+unaligned") ? BUFS_UNALIGNED : strstr(st, "+aligned") ? BUFS_ALIGNED : BUFS_PLAIN;
     snprintf(out, cap, "%s/kvtier-disk-XXXXXX", base);
     assert_non_null(mkdtemp(out));
     if (!strcmp(base, "/dev/shm"))
         setenv("KVTIER_DISK_BUFFERED", "1", 1);
     else
         unsetenv("KVTIER_DISK_BUFFERED");
+}
+
+static bool on_shm(void **state)
+{
+    return !strncmp((const char *)*state, "/dev/shm", 8);
+}
+
+/* The allocator of the caller-buffer modes: arg NULL aligned, else 16
+ * bytes off; a header before the data records the offset. */
+static void *buf_alloc(void *arg, size_t len, void **data)
+{
+    size_t off = arg ? 16 : 0;
+    uint8_t *p = NULL;
+    if (posix_memalign((void **)&p, 4096, len + 4096) != 0)
+        return NULL;
+    *data = p + 4096 - off;
+    atomic_fetch_add(&g_live, 1);
+    return p;
+}
+
+static void buf_free(void *arg, void *buf)
+{
+    (void)arg;
+    atomic_fetch_sub(&g_live, 1);
+    free(buf);
+}
+
+static const int UNALIGNED_ARG = 1;
+
+/* A copy of data laid out as g_bufs says (*base to free), or data itself. */
+static const void *put_buffer(const void *data, size_t n, void **base)
+{
+    *base = NULL;
+    if (g_bufs == BUFS_PLAIN || !n)
+        return data;
+    size_t off = g_bufs == BUFS_UNALIGNED ? 16 : 0;
+    uint8_t *p = NULL;
+    assert_int_equal(posix_memalign((void **)&p, 4096, n + 4096), 0);
+    memcpy(p + off, data, n);
+    *base = p;
+    return p + off;
+}
+
+/* kv_disk_get, or kv_disk_get_into the test allocator. */
+static enum tier_status start_get(kv_disk *d, const char *ns, const char *name, kv_disk_op **op)
+{
+    if (g_bufs == BUFS_PLAIN)
+        return kv_disk_get(d, ns, name, op);
+    struct kv_disk_alloc a = {buf_alloc, buf_free, g_bufs == BUFS_UNALIGNED ? (void *)&UNALIGNED_ARG : NULL};
+    return kv_disk_get_into(d, ns, name, &a, op);
+}
+
+/* Takes a done get's meta and data; *buf to pass to drop_data. */
+static void take(kv_disk_op *op, void **m, size_t *ml, void **buf, void **dd, size_t *dl)
+{
+    if (g_bufs == BUFS_PLAIN) {
+        kv_disk_op_take(op, m, ml, dd, dl);
+        *buf = *dd;
+        return;
+    }
+    kv_disk_op_take_buf(op, m, ml, buf, dd, dl);
+    assert_true(!*dl || *buf);
+    if (*dl)
+        assert_int_equal((uintptr_t)*dd % 4096, g_bufs == BUFS_UNALIGNED ? 4096 - 16 : 0);
+}
+
+static void drop_data(void *buf)
+{
+    if (g_bufs == BUFS_PLAIN)
+        free(buf);
+    else if (buf)
+        buf_free(NULL, buf);
 }
 
 static atomic_int g_notified;
@@ -103,15 +192,19 @@ static uint8_t *kv_bytes(size_t n, uint64_t seed)
 static enum tier_status put(kv_disk *d, const char *ns, const char *name, const void *meta, size_t meta_len,
                             const void *data, size_t n, bool cold)
 {
-    struct kv_disk_obj o = {.meta = meta, .meta_len = meta_len, .data = data, .data_len = n, .cold = cold};
+    void *base;
+    struct kv_disk_obj o = {.meta = meta, .meta_len = meta_len, .data = put_buffer(data, n, &base), .data_len = n,
+                            .cold = cold};
     kv_disk_op *op = NULL;
     enum tier_status st = kv_disk_put(d, ns, name, &o, &op);
     if (st != TIER_OK) {
         assert_null(op);
+        free(base);
         return st;
     }
     st = kv_disk_op_wait(op);
     kv_disk_op_free(op);
+    free(base);
     return st;
 }
 
@@ -121,16 +214,16 @@ static enum tier_status get_cmp(kv_disk *d, const char *ns, const char *name, co
                                 size_t n, char *msg, size_t cap)
 {
     kv_disk_op *op = NULL;
-    assert_int_equal(kv_disk_get(d, ns, name, &op), TIER_OK);
+    assert_int_equal(start_get(d, ns, name, &op), TIER_OK);
     enum tier_status st = kv_disk_op_wait(op);
     assert_true(kv_disk_op_done(op));
     assert_int_equal(kv_disk_op_status(op), st);
     if (msg)
         snprintf(msg, cap, "%s", kv_disk_op_errmsg(op));
     if (st == TIER_OK) {
-        void *m, *dd;
+        void *m, *dd, *buf;
         size_t ml, dl;
-        kv_disk_op_take(op, &m, &ml, &dd, &dl);
+        take(op, &m, &ml, &buf, &dd, &dl);
         assert_int_equal(ml, meta ? strlen(meta) : 0);
         if (ml)
             assert_memory_equal(m, meta, ml);
@@ -138,7 +231,7 @@ static enum tier_status get_cmp(kv_disk *d, const char *ns, const char *name, co
         if (n)
             assert_memory_equal(dd, data, n);
         free(m);
-        free(dd);
+        drop_data(buf);
     }
     kv_disk_op_free(op);
     return st;
@@ -150,19 +243,19 @@ static enum tier_status get_either(kv_disk *d, const char *ns, const char *name,
                                    const uint8_t *v2, size_t n, char *msg, size_t cap)
 {
     kv_disk_op *op = NULL;
-    assert_int_equal(kv_disk_get(d, ns, name, &op), TIER_OK);
+    assert_int_equal(start_get(d, ns, name, &op), TIER_OK);
     enum tier_status st = kv_disk_op_wait(op);
     snprintf(msg, cap, "%s", kv_disk_op_errmsg(op));
     if (st == TIER_OK) {
-        void *m, *dd;
+        void *m, *dd, *buf;
         size_t ml, dl;
-        kv_disk_op_take(op, &m, &ml, &dd, &dl);
+        take(op, &m, &ml, &buf, &dd, &dl);
         assert_int_equal(ml, 2);
         assert_int_equal(dl, n);
         assert_true(!memcmp(m, "v1", 2) || !memcmp(m, "v2", 2));
         assert_memory_equal(dd, !memcmp(m, "v1", 2) ? v1 : v2, n);
         free(m);
-        free(dd);
+        drop_data(buf);
     }
     kv_disk_op_free(op);
     return st;
@@ -269,7 +362,7 @@ static void test_roundtrip(void **state)
         bool compresses = modes[m] == KV_DISK_COMPRESS_ALWAYS || cold;
         struct kv_disk_stats s0 = kv_disk_stats(d);
         assert_true(s0.budget > 0); /* a quarter of the free space */
-        assert_int_equal(s0.direct, strcmp((const char *)*state, "/dev/shm") != 0);
+        assert_int_equal(s0.direct, !on_shm(state));
         for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
             char name[32], meta[64];
             snprintf(name, sizeof name, "obj%zu-%d", i, m);
@@ -292,6 +385,20 @@ static void test_roundtrip(void **state)
         } else {
             assert_int_equal(s.raw_compressed, 0);
             assert_int_equal(s.stored_compressed, 0);
+            /* in place: the puts' whole-page chunks (sizes 4096, MIB + 1,
+             * 10 MiB: 1 + 1 + 10; a tail goes staged) and every chunk of
+             * the gets (1 + 1 + 1 + 2 + 10) */
+            if (g_bufs == BUFS_ALIGNED)
+                assert_int_equal(s.chunks_in_place, 12 + 15);
+            else if (g_bufs == BUFS_UNALIGNED)
+                assert_int_equal(s.chunks_in_place, 0);
+            else
+                assert_true(s.chunks_in_place >= 15); /* kv_disk_get's own buffers are aligned */
+            /* registered with the ring while in flight, where it can be */
+            if (s.register_caller && g_bufs == BUFS_ALIGNED)
+                assert_int_equal(s.registered, 3 + 5);
+            if (g_bufs == BUFS_UNALIGNED)
+                assert_int_equal(s.registered, 0);
         }
         kv_disk_free(d);
         assert_int_equal(atomic_load(&g_notified), 12);
@@ -316,6 +423,96 @@ static void test_roundtrip(void **state)
     get_ok(d, "ns1", "obj5-2", "{\"size\": 10485760, \"mode\": 2}", data, 10 * MIB);
     free(data);
     kv_disk_free(d);
+    rm_rf(dir);
+}
+
+static void *no_alloc(void *arg, size_t len, void **data)
+{
+    (void)arg, (void)len, (void)data;
+    return NULL;
+}
+
+struct deferred {
+    atomic_int runs;
+    pthread_t th;
+    void *p;
+};
+
+static void on_defer(void *arg, void *p)
+{
+    struct deferred *df = arg;
+    df->th = pthread_self();
+    df->p = p;
+    atomic_fetch_add(&df->runs, 1);
+}
+
+/* A get whose allocator fails is TIER_ENOMEM_HOST and leaves the file
+ * alone; a buffer of a get that is freed untaken, or that fails its
+ * checks, goes back to the allocator; a deferred call runs on the I/O
+ * thread after the ops queued before it. */
+static void test_caller_buffers(void **state)
+{
+    char dir[256];
+    scratch(state, dir, sizeof dir);
+    kv_disk *d = open_tier(dir, KV_DISK_COMPRESS_NEVER, 0, LAYOUT);
+    size_t n = 3 * MIB + 100;
+    uint8_t *data = kv_bytes(n, 41);
+    assert_int_equal(put(d, "ns", "a", "m", 1, data, n, false), TIER_OK);
+    kv_disk_op *op = NULL;
+    assert_int_equal(kv_disk_get_into(d, "ns", "a", &(struct kv_disk_alloc){no_alloc, buf_free, NULL}, &op), TIER_OK);
+    assert_int_equal(kv_disk_op_wait(op), TIER_ENOMEM_HOST);
+    assert_non_null(strstr(kv_disk_op_errmsg(op), "ns/a.kvt"));
+    kv_disk_op_free(op);
+    assert_int_equal(kv_disk_get_into(d, "ns", "a", &(struct kv_disk_alloc){buf_alloc, NULL, NULL}, &op), TIER_EINVAL);
+    assert_null(op);
+    assert_int_equal(kv_disk_stats(d).quarantined, 0);
+    /* freed untaken */
+    assert_int_equal(kv_disk_get_into(d, "ns", "a", &(struct kv_disk_alloc){buf_alloc, buf_free, NULL}, &op), TIER_OK);
+    assert_int_equal(kv_disk_op_wait(op), TIER_OK);
+    assert_int_equal(atomic_load(&g_live), 1);
+    kv_disk_op_free(op);
+    assert_int_equal(atomic_load(&g_live), 0);
+    get_ok(d, "ns", "a", "m", data, n);
+    /* the tail's padding is read in place: past data_len, within the
+     * allocation, zeros */
+    assert_int_equal(kv_disk_get_into(d, "ns", "a", &(struct kv_disk_alloc){buf_alloc, buf_free, NULL}, &op), TIER_OK);
+    assert_int_equal(kv_disk_op_wait(op), TIER_OK);
+    void *m, *buf, *dd;
+    size_t ml, dl;
+    kv_disk_op_take_buf(op, &m, &ml, &buf, &dd, &dl);
+    kv_disk_op_free(op);
+    assert_int_equal(dl, n);
+    assert_int_equal(kv_disk_data_alloc_len(n), 3 * MIB + 4096);
+    assert_memory_equal(dd, data, n);
+    for (size_t i = n; i < kv_disk_data_alloc_len(n); i++)
+        assert_int_equal(((uint8_t *)dd)[i], 0);
+    free(m);
+    buf_free(NULL, buf);
+    assert_int_equal(kv_disk_data_alloc_len(0), 0);
+    assert_int_equal(kv_disk_data_alloc_len(4096), 4096);
+    /* after a get of a damaged chunk, its buffer is freed too */
+    char path[512];
+    obj_path(path, sizeof path, dir, "ns", "a");
+    flip_byte(path, file_size(path) - 4096 - 5); /* in the last full chunk's tail */
+    char msg[640];
+    assert_int_equal(get_cmp(d, "ns", "a", "m", data, n, msg, sizeof msg), TIER_EIO);
+    assert_non_null(strstr(msg, "checksum mismatch"));
+    assert_int_equal(atomic_load(&g_live), 0);
+    /* deferred: after the put queued before it, on the I/O thread */
+    struct deferred df = {0};
+    kv_disk_op *pop = NULL;
+    void *pbase;
+    struct kv_disk_obj o = {.meta = "m", .meta_len = 1, .data = put_buffer(data, n, &pbase), .data_len = n};
+    assert_int_equal(kv_disk_put(d, "ns", "b", &o, &pop), TIER_OK);
+    kv_disk_defer(d, on_defer, &df, data);
+    assert_int_equal(kv_disk_op_wait(pop), TIER_OK);
+    kv_disk_op_free(pop);
+    free(pbase);
+    kv_disk_free(d); /* runs what is queued */
+    assert_int_equal(atomic_load(&df.runs), 1);
+    assert_ptr_equal(df.p, data);
+    assert_false(pthread_equal(df.th, pthread_self()));
+    free(data);
     rm_rf(dir);
 }
 
@@ -810,12 +1007,15 @@ static void test_lock(void **state)
     rm_rf(dir);
 }
 
-#define BOTH(fn) cmocka_unit_test_prestate(fn, "/tmp"), cmocka_unit_test_prestate(fn, "/dev/shm")
+#define BOTH(fn)                                                                                                  \
+    cmocka_unit_test_prestate(fn, "/tmp"), cmocka_unit_test_prestate(fn, "/dev/shm"),                           \
+        cmocka_unit_test_prestate(fn, "/tmp+aligned"), cmocka_unit_test_prestate(fn, "/dev/shm+aligned"),       \
+        cmocka_unit_test_prestate(fn, "/tmp+unaligned")
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        BOTH(test_roundtrip),       BOTH(test_replace_remove),   BOTH(test_scan),
+        BOTH(test_roundtrip),       BOTH(test_caller_buffers),   BOTH(test_replace_remove),   BOTH(test_scan),
         BOTH(test_damage),          BOTH(test_damage_at_open),   BOTH(test_layout_mismatch),
         BOTH(test_fault_sweep_eio), BOTH(test_fault_sweep_enospc), BOTH(test_fault_from_n),
         BOTH(test_budget),          BOTH(test_crash),            BOTH(test_lock),

@@ -51,10 +51,21 @@
  * error (as opposed to a checksum mismatch) fails the op and leaves the
  * file alone.  One process uses a directory at a time (DIR/.lock).
  *
- * Staging: NSTAGE aligned 1 MiB buffers, registered with the ring
- * (READ_FIXED/WRITE_FIXED); on a CUDA host these would be slices of the
- * pinned host pool, so that the device DMA and the disk DMA share one
- * copy.  Writes of the (small) header and meta, and all directory work,
+ * Data path: a raw chunk moves between the file and the caller's buffer
+ * itself (a put's data when 4 KiB-aligned, a get's buffer from the
+ * allocator), with O_DIRECT where the filesystem takes it; its checksum
+ * is computed or checked in place by a worker.  Compressed chunks, raw
+ * chunks of an unaligned buffer and a put's unaligned tail go through
+ * NSTAGE aligned 1 MiB staging buffers.  The ring has a sparse table of
+ * NSTAGE + NREG fixed buffers (IORING_REGISTER_BUFFERS2, Linux 5.13): the
+ * staging buffers stay registered, and an op's caller buffer is
+ * registered in 1 GiB slices (the kernel's limit per buffer) while its
+ * chunks are in flight, then unregistered, so READ_FIXED/WRITE_FIXED skip
+ * the per-I/O page pinning.  Where the sparse table or an update is
+ * refused (an older kernel, RLIMIT_MEMLOCK without CAP_IPC_LOCK) the
+ * chunks go with plain READ/WRITE and one log line says so; the staging
+ * buffers are then registered the old way when possible.  Writes of the
+ * (small) header and meta, and all directory work,
  * go through the ring as single ops; only readdir and fstat, which the
  * ring of liburing 2.3 lacks, and the clean-up after a failed write,
  * which must not depend on the ring that just failed, are plain calls on
@@ -100,11 +111,13 @@
 
 #define NSTAGE 8           /* staging buffers: two halves, one filling while the other is in flight */
 #define HALF (NSTAGE / 2)
+#define REG_SLICE ((size_t)1 << 30) /* the kernel's limit for one registered buffer */
+#define NREG ((size_t)(DISK_MAX_DATA / REG_SLICE + 1)) /* fixed-buffer slots for a caller's buffer */
 #define TAG_SYNC 0xffffu   /* a single op waited for on its own */
 #define MSG_LEN 640
 #define QUARANTINE "quarantine"
 
-enum op_kind { OP_PUT, OP_GET, OP_REMOVE, OP_SCAN, OP_START };
+enum op_kind { OP_PUT, OP_GET, OP_REMOVE, OP_SCAN, OP_START, OP_DEFER };
 
 struct scan_ent {
     char ns[DISK_NAME_MAX + 1], name[DISK_NAME_MAX + 1];
@@ -125,6 +138,10 @@ struct kv_disk_op {
     char msg[MSG_LEN];
     void *meta, *data;
     size_t meta_len, data_len;
+    struct kv_disk_alloc alloc; /* get: where the data goes */
+    void *buf;                  /* get: alloc's handle of data */
+    void (*defer_fn)(void *arg, void *p);
+    void *defer_arg, *defer_p;
     struct scan_ent *ents;
     size_t n_ents, cap_ents;
 };
@@ -154,6 +171,8 @@ struct kv_disk {
     int dirfd, lockfd;
     struct io_uring ring;
     bool fixed, direct;
+    bool reg_caller;      /* the sparse table is there: callers' buffers may be registered */
+    bool reg_logged;      /* a refused registration was logged (I/O thread only) */
     uint8_t *stage[NSTAGE];
     struct pool pool;
     uint64_t pause_after;
@@ -451,10 +470,16 @@ struct xfer {
     int fd;
     struct disk_hdr *h;
     const uint8_t *src; /* put: the object's data */
-    uint8_t *dst;       /* get: the data handed out */
+    uint8_t *dst;       /* get: the data handed out, kv_disk_data_alloc_len bytes */
+    bool in_place;      /* src / dst is 4 KiB-aligned: raw chunks move straight from / into it */
+    const uint8_t *reg_base; /* the registered part of src / dst (reg_n slices from NSTAGE on) */
+    size_t reg_len;
+    uint32_t reg_n;
+    uint64_t n_in_place; /* chunks that did (I/O thread only) */
     enum disk_codec codec; /* put: the codec to try, DISK_CODEC_RAW = none */
     uint32_t first, slot0; /* the window being prepared or decoded */
     int inflight[2];
+    uint8_t *io[NSTAGE]; /* per slot: where its transfer reads or writes */
     uint32_t expect[NSTAGE];
     int err;            /* the first failed transfer's errno */
     bool wr;
@@ -462,9 +487,12 @@ struct xfer {
     int bad[HALF];      /* get: per chunk of the window, 0 ok, 1 checksum, 2 decode */
 };
 
-static uint8_t *stage_of(const struct xfer *x, uint32_t i)
+/* A raw chunk of len bytes at p in the caller's buffer may be transferred
+ * from there: the buffer is aligned, and a put's unaligned tail would
+ * make O_DIRECT write bytes past its data (a get's buffer has them). */
+static bool chunk_in_place(const struct xfer *x, uint32_t len)
 {
-    return x->d->stage[x->slot0 + i];
+    return x->in_place && (!x->wr || len % DISK_ALIGN == 0);
 }
 
 static void put_chunk(void *arg, struct worker *w, uint32_t i)
@@ -472,7 +500,7 @@ static void put_chunk(void *arg, struct worker *w, uint32_t i)
     struct xfer *x = arg;
     struct disk_chunk *c = &x->h->chunks[x->first + i];
     const uint8_t *raw = x->src + (size_t)(x->first + i) * DISK_CHUNK;
-    uint8_t *out = stage_of(x, i);
+    uint8_t *out = x->d->stage[x->slot0 + i];
     c->codec = DISK_CODEC_RAW;
     c->stored_len = c->raw_len;
     if (x->codec != DISK_CODEC_RAW) {
@@ -483,9 +511,15 @@ static void put_chunk(void *arg, struct worker *w, uint32_t i)
             c->stored_len = (uint32_t)r;
         }
     }
-    if (c->codec == DISK_CODEC_RAW)
-        memcpy(out, raw, c->raw_len);
-    memset(out + c->stored_len, 0, disk_align(c->stored_len) - c->stored_len);
+    if (c->codec == DISK_CODEC_RAW && chunk_in_place(x, c->raw_len)) {
+        /* the write only reads it: the caller keeps it unchanged until done */
+        out = (uint8_t *)(uintptr_t)raw;
+    } else {
+        if (c->codec == DISK_CODEC_RAW)
+            memcpy(out, raw, c->raw_len);
+        memset(out + c->stored_len, 0, disk_align(c->stored_len) - c->stored_len);
+    }
+    x->io[x->slot0 + i] = out;
     c->sum = XXH3_64bits(out, c->stored_len);
 }
 
@@ -493,13 +527,14 @@ static void get_chunk(void *arg, struct worker *w, uint32_t i)
 {
     struct xfer *x = arg;
     const struct disk_chunk *c = &x->h->chunks[x->first + i];
-    const uint8_t *in = stage_of(x, i);
+    const uint8_t *in = x->io[x->slot0 + i];
     uint8_t *out = x->dst + (size_t)(x->first + i) * DISK_CHUNK;
     x->bad[i] = 0;
     if (XXH3_64bits(in, c->stored_len) != c->sum) {
         x->bad[i] = 1;
     } else if (c->codec == DISK_CODEC_RAW) {
-        memcpy(out, in, c->raw_len);
+        if (in != out)
+            memcpy(out, in, c->raw_len);
     } else {
         size_t r = ZSTD_decompressDCtx(w->dctx, w->scratch, c->raw_len, in, c->stored_len);
         if (r != c->raw_len)
@@ -509,21 +544,77 @@ static void get_chunk(void *arg, struct worker *w, uint32_t i)
     }
 }
 
+static const struct iovec no_iov[NREG]; /* empties slots of the table */
+
+/* Registers the caller's buffer [base, base + len) with the ring in
+ * REG_SLICE slices, where the sparse table is there; a refusal is logged
+ * once and the chunks go unregistered. */
+static void reg_caller(struct xfer *x, const uint8_t *base, size_t len)
+{
+    kv_disk *d = x->d;
+    if (!d->reg_caller || !x->in_place || !len)
+        return;
+    struct iovec iov[NREG];
+    uint32_t n = 0;
+    for (size_t off = 0; off < len; off += REG_SLICE, n++)
+        iov[n] = (struct iovec){(void *)(uintptr_t)(base + off), len - off < REG_SLICE ? len - off : REG_SLICE};
+    int rc = io_uring_register_buffers_update_tag(&d->ring, NSTAGE, iov, NULL, n);
+    if (rc != (int)n) {
+        if (!d->reg_logged)
+            log_msg(LOG_INFO, "disk tier: %s: registering a %zu-byte buffer with the ring failed (%s); plain reads and "
+                    "writes for callers' buffers", d->dir, len, strerror(rc < 0 ? -rc : EAGAIN));
+        d->reg_logged = true;
+        if (rc > 0)
+            io_uring_register_buffers_update_tag(&d->ring, NSTAGE, no_iov, NULL, (unsigned)rc);
+        return;
+    }
+    x->reg_base = base;
+    x->reg_len = len;
+    x->reg_n = n;
+    pthread_mutex_lock(&d->mu);
+    d->st.registered++;
+    pthread_mutex_unlock(&d->mu);
+}
+
+/* Drops the registration: the kernel holds the pages until then. */
+static void unreg_caller(struct xfer *x)
+{
+    if (!x->reg_n)
+        return;
+    io_uring_register_buffers_update_tag(&x->d->ring, NSTAGE, no_iov, NULL, x->reg_n);
+    x->reg_n = 0;
+}
+
 static void xfer_submit(struct xfer *x, bool wr, uint32_t first, uint32_t count, uint32_t slot0)
 {
     kv_disk *d = x->d;
     for (uint32_t i = 0; i < count; i++) {
         const struct disk_chunk *c = &x->h->chunks[first + i];
         uint32_t slot = slot0 + i, len = (uint32_t)disk_align(c->stored_len);
+        if (!wr)
+            x->io[slot] = c->codec == DISK_CODEC_RAW && chunk_in_place(x, c->raw_len)
+                              ? x->dst + (size_t)(first + i) * DISK_CHUNK
+                              : d->stage[slot];
+        uint8_t *buf = x->io[slot];
+        int idx = -1;
+        if (buf == d->stage[slot]) {
+            idx = d->fixed ? (int)slot : -1;
+        } else {
+            x->n_in_place++;
+            /* chunks start on 1 MiB and slices on 1 GiB: one never straddles two */
+            size_t off = x->reg_n ? (size_t)(buf - x->reg_base) : 0;
+            if (x->reg_n && off + len <= x->reg_len)
+                idx = NSTAGE + (int)(off / REG_SLICE);
+        }
         struct io_uring_sqe *s = sqe_get(d);
-        if (d->fixed && wr)
-            io_uring_prep_write_fixed(s, x->fd, d->stage[slot], len, c->off, (int)slot);
-        else if (d->fixed)
-            io_uring_prep_read_fixed(s, x->fd, d->stage[slot], len, c->off, (int)slot);
+        if (idx >= 0 && wr)
+            io_uring_prep_write_fixed(s, x->fd, buf, len, c->off, idx);
+        else if (idx >= 0)
+            io_uring_prep_read_fixed(s, x->fd, buf, len, c->off, idx);
         else if (wr)
-            io_uring_prep_write(s, x->fd, d->stage[slot], len, c->off);
+            io_uring_prep_write(s, x->fd, buf, len, c->off);
         else
-            io_uring_prep_read(s, x->fd, d->stage[slot], len, c->off);
+            io_uring_prep_read(s, x->fd, buf, len, c->off);
         x->expect[slot] = len;
         sqe_tag(d, s, slot);
     }
@@ -621,6 +712,8 @@ struct loaded {
     struct disk_hdr h;
     uint64_t size;
     void *meta, *data;
+    const struct kv_disk_alloc *alloc; /* where data came from */
+    void *buf;                         /* its handle */
     char why[DISK_WHY_LEN];
     int err; /* L_IOERR, L_MISSING */
 };
@@ -638,8 +731,9 @@ static void loaded_release(struct loaded *l)
 {
     disk_hdr_release(&l->h);
     free(l->meta);
-    free(l->data);
-    l->meta = l->data = NULL;
+    if (l->buf)
+        l->alloc->free(l->alloc->arg, l->buf);
+    l->meta = l->data = l->buf = NULL;
 }
 
 /* Moves DIR/ns/name.kvt into the quarantine with a log line. */
@@ -676,9 +770,10 @@ static bool layout_eq(const struct kv_disk_layout *a, const struct kv_disk_layou
 }
 
 /* Reads the header of DIR/ns/name.kvt, then the meta (want >= 1) and the
- * data (want >= 2), checking each.  A corrupt file is left for the caller
- * to quarantine; the descriptor is closed on return. */
-static enum load_res load(kv_disk *d, const char *ns, const char *name, int want, struct loaded *l)
+ * data into a buffer from a (want >= 2), checking each.  A corrupt file is
+ * left for the caller to quarantine; the descriptor is closed on return. */
+static enum load_res load(kv_disk *d, const char *ns, const char *name, int want, const struct kv_disk_alloc *a,
+                          struct loaded *l)
 {
     char path[2 * DISK_NAME_MAX + 8];
     snprintf(path, sizeof path, "%s/%s.kvt", ns, name);
@@ -765,12 +860,20 @@ static enum load_res load(kv_disk *d, const char *ns, const char *name, int want
         }
     }
     if (want >= 2 && l->h.data_len) {
-        if (!(l->data = malloc(l->h.data_len))) {
+        size_t cap = kv_disk_data_alloc_len(l->h.data_len);
+        l->alloc = a;
+        if (!(l->buf = a->alloc(a->arg, cap, &l->data)) || !l->data) {
             res = L_NOMEM;
             goto out;
         }
-        struct xfer x = {.d = d, .fd = fd, .h = &l->h, .dst = l->data};
+        struct xfer x = {.d = d, .fd = fd, .h = &l->h, .dst = l->data,
+                         .in_place = (uintptr_t)l->data % DISK_ALIGN == 0};
+        reg_caller(&x, l->data, cap);
         rc = read_chunks(&x, l->why);
+        unreg_caller(&x);
+        pthread_mutex_lock(&d->mu);
+        d->st.chunks_in_place += x.n_in_place;
+        pthread_mutex_unlock(&d->mu);
         if (rc > 0) {
             l->err = rc;
             res = L_IOERR;
@@ -796,7 +899,7 @@ static void do_get(kv_disk *d, kv_disk_op *op)
 {
     struct loaded l;
     double t0 = clock_s();
-    enum load_res r = load(d, op->ns, op->name, 2, &l);
+    enum load_res r = load(d, op->ns, op->name, 2, &op->alloc, &l);
     pthread_mutex_lock(&d->mu);
     d->st.gets++;
     d->st.read_s += clock_s() - t0;
@@ -808,6 +911,7 @@ static void do_get(kv_disk *d, kv_disk_op *op)
         op->meta = l.meta;
         op->meta_len = l.h.meta_len;
         op->data = l.data;
+        op->buf = l.buf;
         op->data_len = l.h.data_len;
         disk_hdr_release(&l.h);
         op->st = TIER_OK;
@@ -905,8 +1009,17 @@ static void do_put(kv_disk *d, kv_disk_op *op)
     }
     bool compress = d->p.compress == KV_DISK_COMPRESS_ALWAYS || (d->p.compress == KV_DISK_COMPRESS_AUTO && o->cold);
     struct xfer x = {.d = d, .fd = fd, .h = &h, .src = o->data, .wr = true,
+                     .in_place = (uintptr_t)o->data % DISK_ALIGN == 0,
                      .codec = compress ? disk_codec_for(d->p.layout.dtype) : DISK_CODEC_RAW};
-    if ((err = write_chunks(&x, &compress_s))) {
+    /* only the whole pages: a registration pins them, and the caller's
+     * buffer may end mid-page */
+    reg_caller(&x, o->data, o->data_len / DISK_ALIGN * DISK_ALIGN);
+    err = write_chunks(&x, &compress_s);
+    unreg_caller(&x);
+    pthread_mutex_lock(&d->mu);
+    d->st.chunks_in_place += x.n_in_place;
+    pthread_mutex_unlock(&d->mu);
+    if (err) {
         step = "writing the data";
         goto fail;
     }
@@ -1051,7 +1164,7 @@ static void walk_ns(kv_disk *d, kv_disk_op *op, const char *ns)
         if (!kvt_stem(e->d_name, name))
             continue;
         struct loaded l;
-        enum load_res r = load(d, ns, name, start ? 0 : 1, &l);
+        enum load_res r = load(d, ns, name, start ? 0 : 1, NULL, &l);
         if (r == L_CORRUPT) {
             quarantine(d, ns, name, l.why, l.size, !start);
         } else if (r == L_FOREIGN && start) {
@@ -1113,7 +1226,7 @@ static void op_complete(kv_disk *d, kv_disk_op *op)
         snprintf(d->errmsg, sizeof d->errmsg, "%s", op->msg);
     }
     pthread_mutex_unlock(&d->mu);
-    if (op->kind == OP_REMOVE) {
+    if (op->kind == OP_REMOVE || op->kind == OP_DEFER) {
         free(op);
     } else {
         pthread_mutex_lock(&op->mu);
@@ -1143,6 +1256,7 @@ static void *io_main(void *arg)
         case OP_PUT: do_put(d, op); break;
         case OP_GET: do_get(d, op); break;
         case OP_REMOVE: do_remove(d, op); break;
+        case OP_DEFER: op->defer_fn(op->defer_arg, op->defer_p); break;
         case OP_SCAN:
         case OP_START: do_walk(d, op); break;
         }
@@ -1176,7 +1290,8 @@ static void scan_free(kv_disk_op *op)
 static void op_destroy(kv_disk_op *op)
 {
     free(op->meta);
-    free(op->data);
+    if (op->buf)
+        op->alloc.free(op->alloc.arg, op->buf);
     scan_free(op);
     pthread_mutex_destroy(&op->mu);
     pthread_cond_destroy(&op->cv);
@@ -1243,18 +1358,63 @@ enum tier_status kv_disk_put(kv_disk *d, const char *ns, const char *name, const
     return TIER_OK;
 }
 
-enum tier_status kv_disk_get(kv_disk *d, const char *ns, const char *name, kv_disk_op **op)
+size_t kv_disk_data_alloc_len(size_t len)
+{
+    return len > SIZE_MAX - DISK_ALIGN ? SIZE_MAX : (size_t)disk_align(len);
+}
+
+/* kv_disk_get's allocator: aligned, so that raw chunks are read in place,
+ * and freeable with free(). */
+static void *heap_alloc(void *arg, size_t len, void **data)
+{
+    (void)arg;
+    void *p = NULL;
+    if (posix_memalign(&p, DISK_ALIGN, len) != 0)
+        return NULL;
+    *data = p;
+    return p;
+}
+
+static void heap_free(void *arg, void *buf)
+{
+    (void)arg;
+    free(buf);
+}
+
+enum tier_status kv_disk_get_into(kv_disk *d, const char *ns, const char *name, const struct kv_disk_alloc *a,
+                                  kv_disk_op **op)
 {
     *op = NULL;
     enum tier_status st = check_names(d, ns, name);
     if (st != TIER_OK)
         return st;
+    if (!a || !a->alloc || !a->free)
+        return disk_fail(d, TIER_EINVAL, "disk tier: %s/%s: a get needs an allocator and its free", ns, name);
     kv_disk_op *p = op_new(OP_GET, ns, name);
     if (!p)
         return disk_fail(d, TIER_ENOMEM_HOST, "disk tier: host memory for an op");
+    p->alloc = *a;
     op_queue(d, p);
     *op = p;
     return TIER_OK;
+}
+
+enum tier_status kv_disk_get(kv_disk *d, const char *ns, const char *name, kv_disk_op **op)
+{
+    return kv_disk_get_into(d, ns, name, &(struct kv_disk_alloc){heap_alloc, heap_free, NULL}, op);
+}
+
+void kv_disk_defer(kv_disk *d, void (*fn)(void *arg, void *p), void *arg, void *p)
+{
+    kv_disk_op *op = op_new(OP_DEFER, NULL, NULL);
+    if (!op) {
+        fn(arg, p);
+        return;
+    }
+    op->defer_fn = fn;
+    op->defer_arg = arg;
+    op->defer_p = p;
+    op_queue(d, op);
 }
 
 void kv_disk_remove(kv_disk *d, const char *ns, const char *name)
@@ -1296,14 +1456,21 @@ const char *kv_disk_op_errmsg(const kv_disk_op *op)
     return op->msg;
 }
 
-void kv_disk_op_take(kv_disk_op *op, void **meta, size_t *meta_len, void **data, size_t *data_len)
+void kv_disk_op_take_buf(kv_disk_op *op, void **meta, size_t *meta_len, void **buf, void **data, size_t *data_len)
 {
     *meta = op->meta;
     *meta_len = op->meta_len;
+    *buf = op->buf;
     *data = op->data;
     *data_len = op->data_len;
-    op->meta = op->data = NULL;
+    op->meta = op->data = op->buf = NULL;
     op->meta_len = op->data_len = 0;
+}
+
+void kv_disk_op_take(kv_disk_op *op, void **meta, size_t *meta_len, void **data, size_t *data_len)
+{
+    void *buf;
+    kv_disk_op_take_buf(op, meta, meta_len, &buf, data, data_len);
 }
 
 void kv_disk_op_free(kv_disk_op *op)
@@ -1448,11 +1615,20 @@ enum tier_status kv_disk_open(const struct kv_disk_params *p, kv_disk **out)
     struct iovec iov[NSTAGE];
     for (int i = 0; i < NSTAGE; i++)
         iov[i] = (struct iovec){d->stage[i], DISK_CHUNK};
-    rc = io_uring_register_buffers(&d->ring, iov, NSTAGE);
-    d->fixed = rc == 0;
-    if (!d->fixed)
-        log_msg(LOG_INFO, "disk tier: %s: staging buffers not registered (%s); plain reads and writes",
-                d->dir, strerror(-rc));
+    rc = io_uring_register_buffers_sparse(&d->ring, NSTAGE + NREG);
+    if (rc == 0 && (rc = io_uring_register_buffers_update_tag(&d->ring, 0, iov, NULL, NSTAGE)) == NSTAGE)
+        d->fixed = d->reg_caller = true;
+    if (!d->reg_caller) {
+        log_msg(LOG_INFO, "disk tier: %s: no sparse buffer table (%s); callers' buffers go with plain reads and writes",
+                d->dir, strerror(rc < 0 ? -rc : EAGAIN));
+        io_uring_unregister_buffers(&d->ring);
+        rc = io_uring_register_buffers(&d->ring, iov, NSTAGE);
+        d->fixed = rc == 0;
+        if (!d->fixed)
+            log_msg(LOG_INFO, "disk tier: %s: staging buffers not registered (%s); plain reads and writes",
+                    d->dir, strerror(-rc));
+    }
+    d->st.register_caller = d->reg_caller;
     d->direct = !getenv("KVTIER_DISK_BUFFERED") && probe_direct(d, why, sizeof why);
     if (getenv("KVTIER_DISK_BUFFERED"))
         snprintf(why, sizeof why, "KVTIER_DISK_BUFFERED is set");

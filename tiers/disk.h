@@ -18,6 +18,17 @@
  * and return an op; the caller polls kv_disk_op_done (the notify callback
  * fires from the I/O thread after every completion) or blocks in
  * kv_disk_op_wait.  Names: ns and name are [A-Za-z0-9_-]{1,64}.
+ *
+ * Data buffers: raw (uncompressed) chunks move between the file and the
+ * caller's buffer itself, with no staging copy, whenever that buffer is
+ * 4 KiB-aligned: a put's data (chunks whose length is a multiple of 4 KiB;
+ * an unaligned tail goes through staging, so the caller's bytes past
+ * data_len are never read or written), and a get's buffer, which the
+ * caller's allocator (kv_disk_get_into) or the tier (kv_disk_get) sizes to
+ * kv_disk_data_alloc_len so that even the tail chunk is read in place.  A
+ * daemon passes page-locked buffers (be_host_alloc), so a restored image
+ * goes disk -> pinned memory -> device with no copy in between.
+ * Compressed chunks go through staging and are decoded into the buffer.
  */
 #ifndef KVTIER_TIERS_DISK_H
 #define KVTIER_TIERS_DISK_H
@@ -78,14 +89,39 @@ struct kv_disk_obj {
  * TIER_EINVAL for a bad name, TIER_ENOMEM_HOST. */
 enum tier_status kv_disk_put(kv_disk *d, const char *ns, const char *name, const struct kv_disk_obj *o,
                              kv_disk_op **op);
-/* Queues the read of an object's meta and data; when done, kv_disk_op_data
+/* Queues the read of an object's meta and data; when done, kv_disk_op_take
  * hands them out.  A missing object is TIER_EINVAL from the op ("no such
  * object"); a corrupt one TIER_EIO, and its file is quarantined. */
 enum tier_status kv_disk_get(kv_disk *d, const char *ns, const char *name, kv_disk_op **op);
+
+/* The bytes a get's data buffer holds for data of len bytes: whole 4 KiB
+ * pages, so the tail chunk is read in place too. */
+size_t kv_disk_data_alloc_len(size_t len);
+
+/* Where a get's data goes.  alloc runs on the I/O thread once the header
+ * has checked, for data_len > 0 only: it returns a buffer handle of at
+ * least len = kv_disk_data_alloc_len(data_len) bytes with *data its first
+ * byte, or NULL (the op fails with TIER_ENOMEM_HOST).  free releases a
+ * handle alloc returned; the tier calls it for a get that fails after the
+ * allocation or whose buffer was never taken, on whichever thread frees
+ * the op.  Both must be safe to call from any thread. */
+struct kv_disk_alloc {
+    void *(*alloc)(void *arg, size_t len, void **data);
+    void (*free)(void *arg, void *buf);
+    void *arg;
+};
+/* kv_disk_get with the data in a buffer from a (copied; a->arg must stay
+ * valid until the op is freed).  Take it with kv_disk_op_take_buf. */
+enum tier_status kv_disk_get_into(kv_disk *d, const char *ns, const char *name, const struct kv_disk_alloc *a,
+                                  kv_disk_op **op);
 /* Removes an object (queued; nothing to wait for).  A missing one is fine.
  * Its bytes count against the budget until the I/O thread has run it (an
  * op queued after it, e.g. a get, is done only after it). */
 void kv_disk_remove(kv_disk *d, const char *ns, const char *name);
+/* Runs fn(arg, p) on the I/O thread after the ops queued before it: for
+ * freeing a large buffer (a restored image) off the caller's thread.  Runs
+ * it at once when there is no host memory for the op. */
+void kv_disk_defer(kv_disk *d, void (*fn)(void *arg, void *p), void *arg, void *p);
 
 bool kv_disk_op_done(kv_disk_op *op);
 /* Blocks until op is done; returns its status. */
@@ -93,8 +129,11 @@ enum tier_status kv_disk_op_wait(kv_disk_op *op);
 /* The status of a done op, and its message (names the file and reason). */
 enum tier_status kv_disk_op_status(const kv_disk_op *op);
 const char *kv_disk_op_errmsg(const kv_disk_op *op);
-/* A done get's meta and data; the caller takes ownership (free()). */
+/* A done kv_disk_get's meta and data; the caller takes ownership (free()). */
 void kv_disk_op_take(kv_disk_op *op, void **meta, size_t *meta_len, void **data, size_t *data_len);
+/* A done get's meta (free()) and data: *buf the allocator's handle (the
+ * caller frees it), *data its first byte.  NULL, NULL for no data. */
+void kv_disk_op_take_buf(kv_disk_op *op, void **meta, size_t *meta_len, void **buf, void **data, size_t *data_len);
 /* Waits if still in flight, then frees.  Accepts NULL. */
 void kv_disk_op_free(kv_disk_op *op);
 
@@ -113,6 +152,9 @@ struct kv_disk_stats {
     uint64_t raw_compressed, stored_compressed; /* of compressed chunks: the ratio */
     double compress_s, write_s, read_s;  /* time spent */
     bool direct;                 /* O_DIRECT in use (else buffered) */
+    bool register_caller;        /* callers' buffers are registered with the ring when an op runs */
+    uint64_t chunks_in_place;    /* raw chunks moved straight from or into a caller's buffer */
+    uint64_t registered;         /* ops whose caller's buffer was registered with the ring */
 };
 struct kv_disk_stats kv_disk_stats(kv_disk *d);
 

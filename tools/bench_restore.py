@@ -83,7 +83,7 @@ class Daemon:
                      "--threads", str(o.threads), "--disk-dir", os.path.join(o.dir, "disk"),
                      "--spill-after", "1", "--disk-compress", compress, "--no-prefix-cache",
                      "--ctx-size", str(o.ctx), "--parallel", "2", "--device-mem", o.device_mem,
-                     "--max-body", "8M", "--log", self.logpath]
+                     "--max-body", "8M", "--log", self.logpath, "--kv-dtype", "f32"]
         self.proc = None
 
     def start(self):
