@@ -64,7 +64,11 @@
  * the per-I/O page pinning.  Where the sparse table or an update is
  * refused (an older kernel, RLIMIT_MEMLOCK without CAP_IPC_LOCK) the
  * chunks go with plain READ/WRITE and one log line says so; the staging
- * buffers are then registered the old way when possible.  Writes of the
+ * buffers are then registered the old way when possible.  Measured on a
+ * 2-core VM (Linux 6.18, docs/benchmarks.md) the registration cost and
+ * saved about the same CPU as O_DIRECT's own pinning per I/O; it stays
+ * because the pages are then pinned once per op rather than once per
+ * chunk, which is what a page-locked image on a GPU host wants.  Writes of the
  * (small) header and meta, and all directory work,
  * go through the ring as single ops; only readdir and fstat, which the
  * ring of liburing 2.3 lacks, and the clean-up after a failed write,

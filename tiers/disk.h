@@ -26,8 +26,9 @@
  * data_len are never read or written), and a get's buffer, which the
  * caller's allocator (kv_disk_get_into) or the tier (kv_disk_get) sizes to
  * kv_disk_data_alloc_len so that even the tail chunk is read in place.  A
- * daemon passes page-locked buffers (be_host_alloc), so a restored image
- * goes disk -> pinned memory -> device with no copy in between.
+ * daemon whose KV lives on a device passes page-locked buffers
+ * (be_host_alloc), so a restored image goes disk -> pinned memory ->
+ * device with no copy in between.
  * Compressed chunks go through staging and are decoded into the buffer.
  */
 #ifndef KVTIER_TIERS_DISK_H
