@@ -41,6 +41,24 @@ enum ipc_status prep_session_create(struct req *r)
     return st;
 }
 
+/* Submits j, which fills the new session id; the reply waits for it.  A
+ * refused submission deletes the session, which nobody was handed yet. */
+static enum MHD_Result submit_filling(struct req *r, struct job *j, const char *id, enum reply_kind kind)
+{
+    struct server *s = r->srv;
+    snprintf(j->session_id, sizeof(j->session_id), "%s", id);
+    r->kind = kind;
+    struct ipc_error serr, derr;
+    if (engine_submit(s->eng, j, &serr) != IPC_OK) {
+        job_release(s->eng, j);
+        engine_session_delete(s->eng, r->uid, id, &derr);
+        return reply_error(r, &serr);
+    }
+    track(r, j);
+    suspend(r);
+    return MHD_YES;
+}
+
 /* Registers the session; a prefix is prefilled by a JOB_PREFILL job before
  * the reply. */
 enum MHD_Result h_session_create(struct req *r, const char *arg)
@@ -73,17 +91,7 @@ enum MHD_Result h_session_create(struct req *r, const char *arg)
     j->prompt = ids.ids;
     j->n_prompt = ids.n;
     sampler_params_default(&j->sampling);
-    snprintf(j->session_id, sizeof(j->session_id), "%s", id);
-    r->kind = REPLY_SESSION;
-    struct ipc_error serr;
-    if (engine_submit(s->eng, j, &serr) != IPC_OK) {
-        job_release(s->eng, j);
-        engine_session_delete(s->eng, r->uid, id, &err);
-        return reply_error(r, &serr);
-    }
-    track(r, j);
-    suspend(r);
-    return MHD_YES;
+    return submit_filling(r, j, id, REPLY_SESSION);
 }
 
 enum MHD_Result h_session_list(struct req *r, const char *arg)
@@ -197,17 +205,7 @@ enum MHD_Result h_session_import(struct req *r, const char *arg)
     j->blob = r->body;
     r->body = NULL;
     r->n_body = r->cap_body = 0;
-    snprintf(j->session_id, sizeof(j->session_id), "%s", id);
-    r->kind = REPLY_SESSION_IMPORT;
-    struct ipc_error serr;
-    if (engine_submit(s->eng, j, &serr) != IPC_OK) {
-        job_release(s->eng, j);
-        engine_session_delete(s->eng, r->uid, id, &err);
-        return reply_error(r, &serr);
-    }
-    track(r, j);
-    suspend(r);
-    return MHD_YES;
+    return submit_filling(r, j, id, REPLY_SESSION_IMPORT);
 }
 
 enum MHD_Result h_session_delete(struct req *r, const char *id)
