@@ -7,8 +7,13 @@
  * loaded continues with the tokens and bit-identical logits of one never
  * saved, and re-saving a loaded image gives the same bytes; truncated and
  * corrupted images and another store's geometry are refused naming the
- * field, leaving the store as it was; a load over the device budget falls
- * back to the host tier unless the image says no_fallback.
+ * field, leaving the store as it was, and so is a block whose rows the
+ * layer does not store are not zero; a load over the device budget falls
+ * back to the host tier unless the image says no_fallback.  A load layer
+ * by layer reads only the head before it allocates, fills each layer
+ * as the forward pass reaches it, from bytes that arrive in order, with
+ * the same logits; a source that fails part-way fails the step and
+ * every later fill, and the freed sequence leaves the store as it was.
  * The models are random ones from tools/mkmodel.py (skip without it).
  */
 #include <setjmp.h>
@@ -308,7 +313,7 @@ static void test_refusals(void **state)
         expect_refused(r.store, img, n, NULL);
     static const struct corruption dense[] = {
         {"magic", 0, 4, 0x21212121},
-        {"version", 8, 4, 2},
+        {"version", 8, 4, 1}, /* the format before the layer table */
         {"n_layers", 12, 4, 3},
         {"n_kv_heads", 16, 4, 1},
         {"head_dim", 20, 4, 32},
@@ -327,8 +332,10 @@ static void test_refusals(void **state)
         {"lo", 104, 8, N_PROMPT + 1}, /* a longer sequence would have dropped more */
         {"size", 112, 8, 12345},
         {"layer_window[1]", 124, 4, 9},
-        {"home", 128, 4, 2}, /* the host tier, for a dynamic sequence */
-        {"lo", 132, 8, 3},
+        {"lo", 128, 8, 3},
+        {"nq", 136, 8, 1}, /* a dense layer's quantized fields are 0 */
+        {"home", 152, 4, 2}, /* the host tier, for a dynamic sequence */
+        {"reserved", 164, 4, 1},
     };
     corrupt_each(r.store, img, size, dense, sizeof(dense) / sizeof(dense[0]));
     uint8_t *extra = malloc(size + 1);
@@ -423,6 +430,138 @@ static void test_load_falls_back(void **state)
     }
 }
 
+/* A block's rows of positions the layer does not store must be zero: a
+ * 21-token sequence of 4-token blocks has three such rows in its last
+ * block, the image's last bytes. */
+static void test_unstored_rows(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open_bt(&r, M_LLAMA, BT, false);
+    float *row = malloc((size_t)r.V * sizeof(float));
+    assert_non_null(row);
+    int32_t ids[N_PROMPT + 1];
+    prompt(ids);
+    ids[N_PROMPT] = 7;
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, &(struct kv_seq_params){.strategy = KV_DYNAMIC}, &q), TIER_OK);
+    feed(&r, q, ids, N_PROMPT + 1, row);
+    size_t size;
+    uint8_t *img = save(r.store, q, &size);
+    kv_seq_free(q);
+    struct kv_geom g = model_kv_geom(r.m);
+    size_t hrow = (size_t)g.head_dim * be_dtype_size(g.dtype), block = 2 * (size_t)g.n_kv_heads * BT * hrow;
+    uint8_t *last = img + size - block;
+    for (int t = 0; t < BT; t++) { /* V of the last head, row t */
+        uint8_t *x = last + ((size_t)(2 * g.n_kv_heads - 1) * BT + (size_t)t) * hrow + hrow - 1;
+        uint8_t was = *x;
+        *x ^= 0x40;
+        struct kv_store_stats before = kv_store_stats(r.store);
+        enum tier_status st = kv_seq_load(r.store, img, size, &q);
+        if (t == 0) { /* position 20 is stored: a different value, still an image */
+            assert_int_equal(st, TIER_OK);
+            kv_seq_free(q);
+        } else {
+            assert_int_equal(st, TIER_EINVAL);
+            assert_null(q);
+            assert_non_null(strstr(kv_store_errmsg(r.store), "blocks"));
+        }
+        assert_int_equal(kv_store_stats(r.store).blocks_used, before.blocks_used);
+        *x = was;
+    }
+    free(img);
+    free(row);
+    rig_close(&r);
+}
+
+/* An image arriving in order: wait() hands out the bytes so far and
+ * records the most any fill asked for; fail_from makes the bytes from
+ * there on never arrive. */
+struct arrival {
+    const uint8_t *img;
+    size_t size, asked, fail_from;
+    int calls;
+};
+
+static const void *arrive(void *arg, size_t n)
+{
+    struct arrival *a = arg;
+    assert_true(n <= a->size);
+    a->calls++;
+    if (n > a->asked)
+        a->asked = n;
+    return n > a->fail_from ? NULL : a->img;
+}
+
+static void test_load_by_layer(void **state)
+{
+    (void)state;
+    const struct kv_seq_params ps[] = {
+        {.strategy = KV_DYNAMIC},
+        {.strategy = KV_OFFLOADED}, /* the copy-in of the next layer fills it first */
+        {.strategy = KV_OFFLOADED_STATIC, .max_cache_len = 64},
+        {.strategy = KV_QUANTIZED, .quant = quanto(), .offload = true},
+    };
+    for (size_t v = 0; v < sizeof(ps) / sizeof(ps[0]); v++) {
+        struct rig r;
+        rig_open_bt(&r, M_LLAMA, BT, false);
+        size_t bytes = (size_t)r.V * sizeof(float);
+        float *row = malloc(bytes), *ref = malloc(bytes);
+        assert_true(row && ref);
+        int32_t ids[N_PROMPT];
+        prompt(ids);
+        kv_seq *q;
+        assert_int_equal(kv_seq_create(r.store, &ps[v], &q), TIER_OK);
+        feed(&r, q, ids, N_PROMPT, row);
+        size_t size;
+        uint8_t *img = save(r.store, q, &size);
+        int32_t tok = argmax(row, r.V);
+        feed(&r, q, &tok, 1, ref);
+        kv_seq_free(q);
+
+        /* the head alone is enough to allocate; nothing is read yet */
+        size_t head = kv_image_head_size(r.store);
+        uint8_t *h = malloc(head);
+        assert_non_null(h);
+        memcpy(h, img, head);
+        struct arrival a = {.img = img, .size = size, .fail_from = SIZE_MAX};
+        struct kv_image_src src = {arrive, &a};
+        assert_int_equal(kv_seq_load_begin(r.store, h, size, &src, &q), TIER_OK);
+        free(h);
+        assert_true(kv_seq_loading(q));
+        assert_int_equal(a.calls, 0);
+        /* one step fills every layer, in order, as it reaches them */
+        feed(&r, q, &tok, 1, row);
+        assert_int_equal(a.calls, 2);
+        assert_int_equal(a.asked, size);
+        assert_false(kv_seq_loading(q));
+        if (memcmp(row, ref, bytes))
+            fail_msg("variant %zu: logits after a load by layer differ", v);
+        kv_seq_free(q);
+
+        /* the layers' bytes never arrive: the step fails, so
+         * does every later fill, and the store gets everything back */
+        struct kv_store_stats before = kv_store_stats(r.store);
+        a = (struct arrival){.img = img, .size = size, .fail_from = head + 1};
+        assert_int_equal(kv_seq_load_begin(r.store, img, size, &src, &q), TIER_OK);
+        struct fw_seq fs = {.kv = q, .tokens = &tok, .n_tokens = 1, .logits = row};
+        assert_int_not_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+        assert_int_equal(kv_seq_load_status(q), TIER_EIO);
+        assert_false(kv_seq_loading(q));
+        assert_int_equal(kv_seq_length(q), N_PROMPT);
+        int calls = a.calls;
+        assert_int_equal(kv_seq_load_finish(q), TIER_EIO);
+        assert_int_equal(a.calls, calls);
+        kv_seq_free(q);
+        assert_int_equal(kv_store_stats(r.store).blocks_used, before.blocks_used);
+        assert_int_equal(kv_store_stats(r.store).host_bytes, before.host_bytes);
+        free(img);
+        free(row);
+        free(ref);
+        rig_close(&r);
+    }
+}
+
 
 int main(void)
 {
@@ -435,6 +574,8 @@ int main(void)
         cmocka_unit_test(test_roundtrip_every_state),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_load_falls_back),
+        cmocka_unit_test(test_unstored_rows),
+        cmocka_unit_test(test_load_by_layer),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     cleanup();

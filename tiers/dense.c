@@ -172,6 +172,9 @@ enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, v
                        layer, s->g.n_layers, be_dtype_name(dtype), be_dtype_name(s->g.dtype));
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_layer_dense inside a step");
+    enum tier_status lst = kv_seq_fill(q, layer);
+    if (lst != TIER_OK)
+        return lst;
     if (kvq_seq_on_host(q))
         return kv_fail(s, TIER_ENOTSUP, "exporting a quantized sequence offloaded to the host tier");
     struct be_kvq_view qv;
@@ -227,6 +230,8 @@ enum tier_status kv_seq_layer_quant_read(kv_seq *q, int layer, void *blocks, voi
         return st;
     if (q->pending || !blocks || !k || !v)
         return kv_fail(s, TIER_EINVAL, "kv_seq_layer_quant_read %s", q->pending ? "inside a step" : "without buffers");
+    if ((st = kv_seq_fill(q, layer)) != TIER_OK)
+        return st;
     struct be_kvq_view qv;
     kv_seq_qview(q, layer, &qv);
     for (int i = 0; i < qv.n_blocks; i++) {

@@ -1,13 +1,13 @@
 /* image.c - a sequence as bytes and back (kvstore.h "images"), for the disk
  * tier.
  *
- * FORMAT (version 1).  Every integer little-endian; i = signed, u =
+ * FORMAT (version 2).  Every integer little-endian; i = signed, u =
  * unsigned; floats as their IEEE-754 bits.  No field is a pointer or a
  * capacity: an image is a function of the sequence's state alone.
  *
  *   off  size  field
  *     0     8  magic "KVTSEQ\r\n"
- *     8   u32  version (1)
+ *     8   u32  version (2)
  *    12   u32  n_layers         \
  *    16   u32  n_kv_heads        |  the store's geometry: must equal the
  *    20   u32  head_dim          |  loading store's
@@ -30,31 +30,47 @@
  *   104   i64  len (tokens seen)
  *   112   u64  size of the whole image in bytes
  *   120   u32  window of each layer [n_layers] (geometry too)
- *   then one section per layer:
- *     dense strategies:  u32 home (0 paged, 1 device, 2 host), i64 lo,
- *                        rows of the stored positions
- *     quantized:         i64 lo, i64 nq, i64 qoff, u32 scale_k, u32 scale_v,
- *                        rows of the sinks [0, min(S, len)),
- *                        the quantized blocks qoff .. (nq-1)/T whole,
- *                        rows of the full-precision residual [nq, len)
- *   A row is one position: its K for heads 0..n_kv_heads-1 (head_dim
- *   elements of dtype each), then its V the same way.  The stored
- *   positions of a dense layer are [lo, len), and the sinks [0, S) before
- *   them once a sink sequence evicted (lo > 0), ascending.  T is the
- *   quantized block's tokens (kvq_block_tokens).
+ *   then the layer table, 40 bytes per layer:
+ *     +0  i64  lo       the oldest stored position
+ *     +8  i64  nq       quantized: positions [0, nq) are quantized; else 0
+ *    +16  i64  qoff     quantized: the first quantized block held; else 0
+ *    +24  u32  home     dense: 0 paged, 1 device, 2 host; quantized: 0
+ *    +28  u32  scale_k  quantized: the e4m3 tensor scales; else 0
+ *    +32  u32  scale_v
+ *    +36  u32  0
+ *   then the blocks of layer 0, of layer 1, ...:
+ *     dense:      the sinks' block where the layer keeps it apart (the
+ *                 sink strategy once lo >= T), then blocks lo/T .. (len-1)/T
+ *     quantized:  the sinks' block if there are sinks, the quantized
+ *                 blocks qoff .. (nq-1)/Tq whole, then the residual's
+ *                 blocks nq/T .. (len-1)/T
+ *   A dense block b is the store's block as be_kv_view lays it out (K, then
+ *   V, each [n_kv_heads][T][head_dim] of dtype) for positions [bT, bT+T).
+ *   The layer stores [0, S) and [lo, len) (S sinks once a sink sequence
+ *   evicted, lo > 0), the residual [nq, len); every other row is zero.  T
+ *   is the store's block_tokens, Tq the quantized block's tokens
+ *   (kvq_block_tokens).
  *
  * NOTES
- * - Only stored positions travel, so a block's unused rows come back as
- *   zeros.  Quantized blocks go whole (codes and scales of their format,
- *   unused rows included as they were): their layout is the backend's.
- * - Device bytes move only through be_copy, through one staging block.
+ * - Everything a load allocates and checks before allocating follows from
+ *   the first kv_image_head_size() bytes (header, windows, table), so a
+ *   load can start before the blocks are in and fill each layer as its
+ *   bytes arrive (kv_seq_load_begin): the disk tier's restores compute
+ *   the first layers while the last are still being read.
+ * - Blocks move whole, one copy each between the image and where the layer
+ *   keeps them (be_copy for device blocks): no staging, no reordering, so
+ *   a restore goes image -> device with nothing in between.  The save
+ *   zeroes the rows the layer does not store (whatever a recycled block
+ *   held there); the load refuses an image whose such rows are not zero.
+ *   Quantized blocks go whole, unused rows included as they were: their
+ *   layout is the backend's.
  * - The load checks every field before it allocates: the geometry, the
  *   params (kv_check_params, and the quantized format), the state against
  *   the params, each layer's lo against the rule that produced it
- *   (kvstore.c invariants 1 and 8), each section's size against the bytes
- *   left; an image is accepted only if it is exactly what kv_seq_save writes
- *   for some state, so save(load(img)) == img unless the load fell back to
- *   the host tier.
+ *   (kvstore.c invariants 1 and 8), the sizes the table implies against
+ *   the image's; an image is accepted only if it is exactly what
+ *   kv_seq_save writes for some state, so save(load(img)) == img unless the
+ *   load fell back to the host tier.
  * - A loaded sequence holds private blocks and does not take part in the
  *   prefix cache (the image has no token ids to publish by).
  */
@@ -68,10 +84,9 @@
 #include "util/le.h"
 
 #define IMG_MAGIC "KVTSEQ\r\n"
-#define IMG_VERSION 1
+#define IMG_VERSION 2
 #define IMG_HDR 120
-#define SEC_DENSE 12 /* home, lo */
-#define SEC_QUANT 32 /* lo, nq, qoff, scales */
+#define LT_ENTRY 40 /* a layer's entry in the table */
 
 enum { PF_ADAPTIVE = 1, PF_NO_FALLBACK = 2, PF_NO_PREFIX = 4, PF_OFFLOAD = 8, PF_SINK = 16, PF_ALL = 31 };
 enum { SF_RECORD_PAST = 1, SF_KVQ_HOST = 2, SF_ALL = 3 };
@@ -90,15 +105,20 @@ static float bits_float(uint32_t u)
     return f;
 }
 
-/* Bytes of one row: K and V of every head at one position. */
-static size_t row_bytes(const kv_store *s)
-{
-    return 2 * (size_t)s->g.n_kv_heads * (size_t)s->g.head_dim * be_dtype_size(s->g.dtype);
-}
-
 static int64_t min64(int64_t a, int64_t b)
 {
     return a < b ? a : b;
+}
+
+/* Header, windows and layer table: what a load reads before it allocates. */
+static size_t head_size(const kv_store *s)
+{
+    return IMG_HDR + (4 + LT_ENTRY) * (size_t)s->g.n_layers;
+}
+
+size_t kv_image_head_size(const kv_store *s)
+{
+    return head_size(s);
 }
 
 /* The sinks a dense layer stores apart from [lo, len): all S once the
@@ -119,68 +139,73 @@ static int64_t quant_blocks(int64_t nq, int64_t qoff, int64_t T)
     return (nq + T - 1) / T - qoff;
 }
 
-/* ---- moving the stored positions ------------------------------------------- */
+/* The blocks of a layer's part of the image (FORMAT), from its state. */
+struct plan {
+    bool sink;      /* the sinks' block first */
+    int64_t rs[4];  /* the positions it stores: [rs0, rs1) (rs2 = rs3 = 0) */
+    int64_t nqb;    /* then this many quantized blocks */
+    int64_t b0, nb; /* then the dense blocks b0 .. b0 + nb - 1 */
+    int64_t rt[4];  /* the positions they store: [rt0, rt1) and [rt2, rt3) */
+};
+
+/* k: the quantized state of the layer (T its block's tokens), NULL for a
+ * dense one.  The sinks' block of a dense layer is there exactly when
+ * kv_seq_restore gives the layer one (its table starts past block 0). */
+static struct plan plan_of(const kv_store *s, const struct kv_seq_params *p, int64_t len, int64_t lo,
+                           const struct kvq_layer_state *k, int64_t T)
+{
+    struct plan pl = {0};
+    int64_t from;
+    if (k) {
+        pl.rs[1] = quant_sink_rows(p, len);
+        pl.sink = pl.rs[1] > 0;
+        pl.nqb = quant_blocks(k->nq, k->qoff, T);
+        from = pl.rt[0] = k->nq;
+        pl.rt[1] = len;
+    } else {
+        pl.rs[1] = pl.rt[1] = dense_sink_rows(p, lo);
+        pl.sink = p->sink && p->num_sink_tokens && lo >= s->bt;
+        from = pl.rt[2] = lo;
+        pl.rt[3] = len;
+    }
+    pl.b0 = from / s->bt;
+    pl.nb = len > from ? (len - 1) / s->bt - pl.b0 + 1 : 0;
+    return pl;
+}
+
+/* Layer l of q: its table entry's fields and its plan; *qbb the bytes of
+ * its quantized blocks (0 for a dense layer). */
+static struct plan seq_plan(const kv_seq *q, int l, struct kvq_layer_state *k, size_t *qbb)
+{
+    const struct kv_layer *L = &q->layers[l];
+    *k = (struct kvq_layer_state){0};
+    *qbb = 0;
+    if (!q->kvq)
+        return plan_of(q->s, &q->p, q->len, L->lo, NULL, 1);
+    struct be_kvq_view v;
+    kvq_layer_view(kvq_seq_layer(q, l), &v);
+    int64_t T = v.fmt->block_tokens;
+    *k = (struct kvq_layer_state){.nq = v.hi, .qoff = v.base / T, .scale_k = v.scale_k, .scale_v = v.scale_v};
+    *qbb = v.fmt->block_bytes;
+    return plan_of(q->s, &q->p, q->len, L->lo, k, T);
+}
+
+static size_t plan_bytes(const kv_store *s, const struct plan *pl, size_t qbb)
+{
+    return (size_t)(pl->sink + pl->nb) * s->block_bytes + (size_t)pl->nqb * qbb;
+}
+
+/* ---- moving blocks --------------------------------------------------------- */
 
 struct io {
     kv_store *s;
-    uint8_t *p;   /* the image, at the next row */
-    bool load;    /* image -> sequence; else sequence -> image */
-    char *stage;  /* one block of host memory */
+    uint8_t *p; /* the image, at the next block */
+    bool load;  /* image -> sequence; else sequence -> image */
 };
 
-static enum tier_status stage_copy(struct io *io, void *blk, bool host, bool to_stage, size_t bytes)
-{
-    void *dst = to_stage ? io->stage : blk;
-    const void *src = to_stage ? blk : io->stage;
-    if (host) {
-        memcpy(dst, src, bytes);
-        return TIER_OK;
-    }
-    enum be_status st = be_copy(io->s->be, dst, src, bytes, to_stage ? BE_D2H : BE_H2D);
-    return st == BE_OK ? TIER_OK
-                       : kv_fail(io->s, TIER_EIO, "sequence image: copying a KV block %s the device: %s",
-                                 to_stage ? "from" : "to", be_strerror(st));
-}
-
-/* The rows of the positions in r[0..1) and r[2..3) that fall into the
- * dense block blk, which holds [pos0, pos0 + bt) (be_kv_view's layout). */
-static enum tier_status rows_io(struct io *io, void *blk, bool host, int64_t pos0, const int64_t r[4])
-{
-    kv_store *s = io->s;
-    int64_t bt = s->bt, a[2], b[2];
-    bool any = false;
-    for (int k = 0; k < 2; k++) {
-        a[k] = r[2 * k] > pos0 ? r[2 * k] : pos0;
-        b[k] = min64(r[2 * k + 1], pos0 + bt);
-        any = any || a[k] < b[k];
-    }
-    if (!any)
-        return TIER_OK;
-    enum tier_status st = TIER_OK;
-    if (io->load)
-        memset(io->stage, 0, s->block_bytes);
-    else
-        st = stage_copy(io, blk, host, true, s->block_bytes);
-    size_t hrow = (size_t)s->g.head_dim * be_dtype_size(s->g.dtype);
-    for (int k = 0; k < 2 && st == TIER_OK; k++) {
-        for (int64_t pos = a[k]; pos < b[k]; pos++) {
-            for (int half = 0; half < 2; half++) {
-                for (int h = 0; h < s->g.n_kv_heads; h++) {
-                    char *x = io->stage + (size_t)half * (s->block_bytes / 2) +
-                              ((size_t)h * (size_t)bt + (size_t)(pos - pos0)) * hrow;
-                    memcpy(io->load ? (void *)x : (void *)io->p, io->load ? (void *)io->p : (void *)x, hrow);
-                    io->p += hrow;
-                }
-            }
-        }
-    }
-    if (st == TIER_OK && io->load)
-        st = stage_copy(io, blk, host, false, s->block_bytes);
-    return st;
-}
-
-/* A quantized block, whole. */
-static enum tier_status raw_io(struct io *io, void *blk, bool host, size_t bytes)
+/* A block of bytes, whole, between where the layer keeps it (host: host
+ * memory, else the device) and the image. */
+static enum tier_status block_io(struct io *io, void *blk, bool host, size_t bytes)
 {
     enum be_status st = BE_OK;
     if (host)
@@ -189,57 +214,108 @@ static enum tier_status raw_io(struct io *io, void *blk, bool host, size_t bytes
         st = io->load ? be_copy(io->s->be, blk, io->p, bytes, BE_H2D) : be_copy(io->s->be, io->p, blk, bytes, BE_D2H);
     io->p += bytes;
     return st == BE_OK ? TIER_OK
-                       : kv_fail(io->s, TIER_EIO, "sequence image: copying a quantized KV block: %s", be_strerror(st));
+                       : kv_fail(io->s, TIER_EIO, "sequence image: copying a KV block %s the device: %s",
+                                 io->load ? "to" : "from", be_strerror(st));
 }
 
-/* Layer l's stored positions, between q's storage and the image (the
- * section's header excluded). */
-static enum tier_status layer_io(struct io *io, kv_seq *q, int l)
+static bool stored(int64_t pos, const int64_t r[4])
 {
+    return (pos >= r[0] && pos < r[1]) || (pos >= r[2] && pos < r[3]);
+}
+
+/* The rows of dense block img (positions [pos0, pos0 + T)) whose positions
+ * r does not hold: zeroed (set), or checked to be zero. */
+static bool unstored_rows(const kv_store *s, uint8_t *img, int64_t pos0, const int64_t r[4], bool set)
+{
+    size_t hrow = (size_t)s->g.head_dim * be_dtype_size(s->g.dtype);
+    int64_t bt = s->bt;
+    for (int64_t t = 0; t < bt;) {
+        if (stored(pos0 + t, r)) {
+            t++;
+            continue;
+        }
+        int64_t e = t + 1;
+        while (e < bt && !stored(pos0 + e, r))
+            e++;
+        size_t n = (size_t)(e - t) * hrow;
+        /* K of every head, then V: [2 * n_kv_heads][T] rows */
+        for (int hh = 0; hh < 2 * s->g.n_kv_heads; hh++) {
+            uint8_t *x = img + ((size_t)hh * (size_t)bt + (size_t)t) * hrow;
+            if (set)
+                memset(x, 0, n);
+            else if (x[0] || memcmp(x, x + 1, n - 1))
+                return false;
+        }
+        t = e;
+    }
+    return true;
+}
+
+static enum tier_status dense_io(struct io *io, void *blk, bool host, int64_t pos0, const int64_t r[4])
+{
+    kv_store *s = io->s;
+    uint8_t *img = io->p;
+    if (io->load && !unstored_rows(s, img, pos0, r, false))
+        return kv_fail(s, TIER_EINVAL,
+                       "sequence image: the block of positions %lld.. has rows it does not store that are not zero "
+                       "(field blocks)",
+                       (long long)pos0);
+    enum tier_status st = block_io(io, blk, host, s->block_bytes);
+    if (st == TIER_OK && !io->load)
+        unstored_rows(s, img, pos0, r, true);
+    return st;
+}
+
+static enum tier_status mismatch(kv_store *s, int l)
+{
+    return kv_fail(s, TIER_EINVAL, "sequence image: layer %d: its storage does not match its state", l);
+}
+
+/* Layer l's blocks (plan pl), between q's storage and the image. */
+static enum tier_status layer_io(struct io *io, kv_seq *q, int l, const struct plan *pl)
+{
+    kv_store *s = io->s;
     const struct kv_layer *L = &q->layers[l];
     enum tier_status st = TIER_OK;
+    if (pl->sink) /* a device pool block (kvstore.c invariant 8) */
+        st = L->sink_blk ? dense_io(io, L->sink_blk->data, false, 0, pl->rs) : mismatch(s, l);
+    void *const *blocks = L->blocks;
+    int n = L->n_blocks;
+    int64_t base = L->base;
+    bool host = L->home == KV_HOME_HOST;
     if (q->kvq) {
         struct be_kvq_view v;
         kvq_layer_view(kvq_seq_layer(q, l), &v);
-        bool host = kvq_seq_on_host(q);
-        const int64_t sinks[4] = {0, quant_sink_rows(&q->p, q->len), 0, 0};
-        if (sinks[1]) /* a device pool block (kvstore.c invariant 8) */
-            st = rows_io(io, L->sink_blk->data, false, 0, sinks);
+        host = kvq_seq_on_host(q);
+        if (st == TIER_OK && v.n_blocks != pl->nqb)
+            st = mismatch(s, l);
         for (int i = 0; i < v.n_blocks && st == TIER_OK; i++)
-            st = raw_io(io, v.blocks[i], host, v.fmt->block_bytes);
-        const int64_t rest[4] = {v.rest.lo, v.rest.hi, 0, 0};
-        for (int i = 0; i < v.rest.n_blocks && st == TIER_OK; i++)
-            st = rows_io(io, v.rest.blocks[i], host, v.rest.base + (int64_t)i * io->s->bt, rest);
-        return st;
+            st = block_io(io, v.blocks[i], host, v.fmt->block_bytes);
+        blocks = v.rest.blocks;
+        n = v.rest.n_blocks;
+        base = v.rest.base;
     }
-    bool host = L->home == KV_HOME_HOST;
-    const int64_t r[4] = {0, dense_sink_rows(&q->p, L->lo), L->lo, q->len};
-    if (L->sink_blk) /* sinks apart: the table starts at a later block */
-        st = rows_io(io, L->sink_blk->data, false, 0, r);
-    for (int i = 0; i < L->n_blocks && st == TIER_OK; i++)
-        st = rows_io(io, L->blocks[i], host, L->base + (int64_t)i * io->s->bt, r);
+    for (int64_t b = pl->b0; b < pl->b0 + pl->nb && st == TIER_OK; b++) {
+        int64_t i = b - base / s->bt;
+        if (i < 0 || i >= n)
+            st = mismatch(s, l);
+        else /* an extent's through its ring: a streamed layer's view is its slot during a step */
+            st = dense_io(io, q->kvq || L->home == KV_HOME_PAGED ? blocks[i] : kv_layer_block(s, L, b), host,
+                          b * s->bt, pl->rt);
+    }
     return st;
 }
 
 /* ---- saving ---------------------------------------------------------------- */
 
-static size_t section_bytes(const kv_seq *q, int l)
-{
-    const kv_store *s = q->s;
-    const struct kv_layer *L = &q->layers[l];
-    if (!q->kvq)
-        return SEC_DENSE + (size_t)(dense_sink_rows(&q->p, L->lo) + q->len - L->lo) * row_bytes(s);
-    struct be_kvq_view v;
-    kvq_layer_view(kvq_seq_layer(q, l), &v);
-    return SEC_QUANT + (size_t)(quant_sink_rows(&q->p, q->len) + v.rest.hi - v.rest.lo) * row_bytes(s) +
-           (size_t)v.n_blocks * v.fmt->block_bytes;
-}
-
 size_t kv_seq_image_size(const kv_seq *q)
 {
-    size_t n = IMG_HDR + 4 * (size_t)q->s->g.n_layers;
-    for (int l = 0; l < q->s->g.n_layers; l++)
-        n += section_bytes(q, l);
+    size_t n = head_size(q->s), qbb;
+    struct kvq_layer_state k;
+    for (int l = 0; l < q->s->g.n_layers; l++) {
+        struct plan pl = seq_plan(q, l, &k, &qbb);
+        n += plan_bytes(q->s, &pl, qbb);
+    }
     return n;
 }
 
@@ -278,40 +354,41 @@ static void put_header(const kv_seq *q, uint8_t *b, size_t size)
         put32(b + IMG_HDR + 4 * (size_t)l, (uint32_t)s->layer_window[l]);
 }
 
+/* Layer l's table entry. */
+static void put_entry(const kv_store *s, uint8_t *b, int l, enum kv_home home, int64_t lo,
+                      const struct kvq_layer_state *k)
+{
+    uint8_t *e = b + IMG_HDR + 4 * (size_t)s->g.n_layers + LT_ENTRY * (size_t)l;
+    put64(e, (uint64_t)lo);
+    put64(e + 8, (uint64_t)k->nq);
+    put64(e + 16, (uint64_t)k->qoff);
+    put32(e + 24, (uint32_t)home);
+    put32(e + 28, float_bits(k->scale_k));
+    put32(e + 32, float_bits(k->scale_v));
+    put32(e + 36, 0);
+}
+
 enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size)
 {
     kv_store *s = q->s;
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_save during a step");
+    enum tier_status st = kv_seq_load_finish(q);
+    if (st != TIER_OK)
+        return st;
     size_t need = kv_seq_image_size(q);
     if (!buf || size != need)
         return kv_fail(s, TIER_EINVAL, "kv_seq_save: a buffer of %zu bytes for an image of %zu", size, need);
-    struct io io = {.s = s, .p = buf, .stage = malloc(s->block_bytes)};
-    if (!io.stage)
-        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a %zu-byte staging block", s->block_bytes);
-    put_header(q, io.p, size);
-    io.p += IMG_HDR + 4 * (size_t)s->g.n_layers;
-    enum tier_status st = TIER_OK;
+    struct io io = {.s = s, .p = (uint8_t *)buf + head_size(s)};
+    put_header(q, buf, size);
     for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
-        const struct kv_layer *L = &q->layers[l];
-        if (q->kvq) {
-            struct be_kvq_view v;
-            kvq_layer_view(kvq_seq_layer(q, l), &v);
-            put64(io.p, (uint64_t)L->lo);
-            put64(io.p + 8, (uint64_t)v.hi);
-            put64(io.p + 16, (uint64_t)(v.base / v.fmt->block_tokens));
-            put32(io.p + 24, float_bits(v.scale_k));
-            put32(io.p + 28, float_bits(v.scale_v));
-            io.p += SEC_QUANT;
-        } else {
-            put32(io.p, (uint32_t)L->home);
-            put64(io.p + 4, (uint64_t)L->lo);
-            io.p += SEC_DENSE;
-        }
-        st = layer_io(&io, q, l);
+        struct kvq_layer_state k;
+        size_t qbb;
+        struct plan pl = seq_plan(q, l, &k, &qbb);
+        put_entry(s, buf, l, q->kvq ? KV_HOME_PAGED : q->layers[l].home, q->layers[l].lo, &k);
+        st = layer_io(&io, q, l, &pl);
     }
-    free(io.stage);
     return st;
 }
 
@@ -341,8 +418,9 @@ static enum tier_status parse_geometry(kv_store *s, const uint8_t *b, size_t siz
         if (get32(b + 12 + 4 * i) != want[i])
             return BAD("field %s is %u, the store's is %u", names[i], get32(b + 12 + 4 * i), want[i]);
     size_t n = (size_t)s->g.n_layers;
-    if (size < IMG_HDR + 4 * n)
-        return BAD("%zu bytes, shorter than the header and %zu layer windows (field layer_window)", size, n);
+    if (size < head_size(s))
+        return BAD("%zu bytes, shorter than the header, %zu layer windows and the layer table (field header)", size,
+                   n);
     for (size_t l = 0; l < n; l++)
         if (get32(b + IMG_HDR + 4 * l) != (uint32_t)s->layer_window[l])
             return BAD("field layer_window[%zu] is %u, the store's is %d", l, get32(b + IMG_HDR + 4 * l),
@@ -460,76 +538,152 @@ static enum tier_status check_lo(kv_store *s, const struct kv_seq_state *x, int 
                               (long long)x->len, w);
 }
 
-/* Every layer section: its fields, and its size against the bytes left. */
-static enum tier_status parse_sections(kv_store *s, const uint8_t *b, size_t size, struct kv_seq_state *x,
-                                       enum kv_home *home, int64_t *lo, struct kvq_layer_state *kq, size_t qbb,
-                                       int64_t T)
+/* The layer table: each layer's state, checked, its plan, and where its
+ * blocks end in the image against the image's size. */
+static enum tier_status parse_table(kv_store *s, const uint8_t *b, size_t size, struct kv_seq_state *x,
+                                    enum kv_home *home, int64_t *lo, struct kvq_layer_state *kq, size_t qbb,
+                                    int64_t T, struct plan *plan, size_t *end)
 {
-    size_t off = IMG_HDR + 4 * (size_t)s->g.n_layers, rb = row_bytes(s);
+    size_t off = head_size(s);
     bool quant = x->p.strategy == KV_QUANTIZED;
     for (int l = 0; l < s->g.n_layers; l++) {
-        size_t hdr = quant ? SEC_QUANT : SEC_DENSE, bytes = hdr;
-        if (size - off < hdr)
-            return BAD("layer %d: truncated section header (%zu bytes left)", l, size - off);
-        const uint8_t *h = b + off;
-        lo[l] = (int64_t)get64(h + (quant ? 0 : 4));
-        if (lo[l] < 0 || lo[l] > x->len || check_lo(s, x, l, lo[l]) != TIER_OK)
-            return lo[l] < 0 || lo[l] > x->len ? BAD("layer %d: field lo is %lld, out of [0, len %lld]", l,
-                                                     (long long)lo[l], (long long)x->len)
-                                               : TIER_EINVAL;
+        const uint8_t *h = b + IMG_HDR + 4 * (size_t)s->g.n_layers + LT_ENTRY * (size_t)l;
+        lo[l] = (int64_t)get64(h);
+        int64_t nq = (int64_t)get64(h + 8), qoff = (int64_t)get64(h + 16);
+        uint32_t hm = get32(h + 24), sk = get32(h + 28), sv = get32(h + 32);
+        if (lo[l] < 0 || lo[l] > x->len)
+            return BAD("layer %d: field lo is %lld, out of [0, len %lld]", l, (long long)lo[l], (long long)x->len);
+        if (check_lo(s, x, l, lo[l]) != TIER_OK)
+            return TIER_EINVAL;
+        if (get32(h + 36))
+            return BAD("layer %d: field reserved is %u", l, get32(h + 36));
         if (quant) {
             struct kvq_layer_state *k = &kq[l];
-            k->nq = (int64_t)get64(h + 8);
-            k->qoff = (int64_t)get64(h + 16);
-            k->scale_k = bits_float(get32(h + 24));
-            k->scale_v = bits_float(get32(h + 28));
+            *k = (struct kvq_layer_state){.nq = nq, .qoff = qoff, .scale_k = bits_float(sk), .scale_v = bits_float(sv)};
+            if (hm != KV_HOME_PAGED)
+                return BAD("layer %d: field home is %u for a quantized sequence", l, hm);
             if (k->nq < 0 || k->nq > x->len || (k->nq == 0) != (x->len == 0))
                 return BAD("layer %d: field nq is %lld (len %lld)", l, (long long)k->nq, (long long)x->len);
             if (k->qoff != min64(lo[l] / T, k->nq / T)) /* kvq_layer_drop after every commit */
                 return BAD("layer %d: field qoff is %lld (lo %lld, nq %lld, %lld-token blocks)", l,
                            (long long)k->qoff, (long long)lo[l], (long long)k->nq, (long long)T);
-            if (!add_rows(&bytes, (uint64_t)(quant_sink_rows(&x->p, x->len) + x->len - k->nq), rb) ||
-                !add_rows(&bytes, (uint64_t)quant_blocks(k->nq, k->qoff, T), qbb))
-                return BAD("layer %d: section size overflows", l);
         } else {
-            uint32_t hm = get32(h);
             bool paged = x->strategy == KV_DYNAMIC;
             if (paged ? hm != KV_HOME_PAGED : hm != KV_HOME_DEV && hm != KV_HOME_HOST)
                 return BAD("layer %d: field home is %u for a %s sequence", l, hm, kv_strategy_name(x->strategy));
+            if (nq || qoff || sk || sv)
+                return BAD("layer %d: fields nq, qoff, scale_k and scale_v of a dense layer are not 0", l);
             home[l] = (enum kv_home)hm;
-            if (!add_rows(&bytes, (uint64_t)(dense_sink_rows(&x->p, lo[l]) + x->len - lo[l]), rb))
-                return BAD("layer %d: section size overflows", l);
         }
+        plan[l] = plan_of(s, &x->p, x->len, lo[l], quant ? &kq[l] : NULL, T);
+        size_t bytes = 0;
+        if (!add_rows(&bytes, (uint64_t)(plan[l].sink + plan[l].nb), s->block_bytes) ||
+            !add_rows(&bytes, (uint64_t)plan[l].nqb, qbb))
+            return BAD("layer %d: its blocks' size overflows", l);
         if (bytes > size - off)
-            return BAD("layer %d: the section needs %zu bytes, %zu are left (field size)", l, bytes, size - off);
+            return BAD("layer %d: its blocks need %zu bytes, %zu are left (field size)", l, bytes, size - off);
         off += bytes;
+        end[l] = off;
     }
     if (off != size)
-        return BAD("%zu bytes after the last layer's section (field size)", size - off);
+        return BAD("%zu bytes after the last layer's blocks (field size)", size - off);
     return TIER_OK;
 }
 
-enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq **out)
+/* ---- a load, layer by layer ------------------------------------------------- */
+
+struct kv_seq_loader {
+    struct kv_image_src src;
+    int next;                /* the first layer not filled yet */
+    enum tier_status failed; /* TIER_OK, or why no layer is filled any more */
+    char why[KV_ERR_LEN];
+    struct plan *plan;       /* [n_layers] */
+    size_t *end;             /* [n_layers] where layer l's blocks end in the image */
+};
+
+void kv_seq_loader_free(struct kv_seq_loader *ld)
+{
+    if (!ld)
+        return;
+    free(ld->plan);
+    free(ld->end);
+    free(ld);
+}
+
+enum tier_status kv_seq_fill(kv_seq *q, int layer)
+{
+    struct kv_seq_loader *ld = q->load;
+    if (!ld)
+        return TIER_OK;
+    kv_store *s = q->s;
+    if (ld->failed != TIER_OK)
+        return kv_fail(s, ld->failed, "%s", ld->why);
+    if (layer >= s->g.n_layers)
+        layer = s->g.n_layers - 1;
+    for (; ld->next <= layer; ld->next++) {
+        int l = ld->next;
+        const uint8_t *img = ld->src.wait(ld->src.arg, ld->end[l]);
+        enum tier_status st;
+        if (!img) {
+            st = kv_fail(s, TIER_EIO, "sequence image: layer %d's blocks never arrived (the image's read failed)", l);
+        } else {
+            struct io io = {.s = s, .p = (uint8_t *)(uintptr_t)img + (l ? ld->end[l - 1] : head_size(s)), .load = true};
+            st = layer_io(&io, q, l, &ld->plan[l]);
+        }
+        if (st != TIER_OK) {
+            ld->failed = st;
+            snprintf(ld->why, sizeof(ld->why), "%s", s->err);
+            return st;
+        }
+    }
+    if (ld->next == s->g.n_layers) {
+        kv_seq_loader_free(ld);
+        q->load = NULL;
+    }
+    return TIER_OK;
+}
+
+enum tier_status kv_seq_load_finish(kv_seq *q)
+{
+    return kv_seq_fill(q, q->s->g.n_layers);
+}
+
+bool kv_seq_loading(const kv_seq *q)
+{
+    return q->load && q->load->failed == TIER_OK;
+}
+
+enum tier_status kv_seq_load_status(const kv_seq *q)
+{
+    return q->load ? q->load->failed : TIER_OK;
+}
+
+enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, const struct kv_image_src *src,
+                                   kv_seq **out)
 {
     *out = NULL;
     s->err[0] = '\0';
-    if (!buf)
-        return BAD("no buffer");
-    const uint8_t *b = buf;
+    if (!head || !src || !src->wait)
+        return BAD("no image");
+    const uint8_t *b = head;
     size_t n = (size_t)s->g.n_layers;
     enum kv_home *home = calloc(n, sizeof(*home));
     int64_t *lo = calloc(n, sizeof(*lo));
     struct kvq_layer_state *kq = calloc(n, sizeof(*kq));
-    struct io io = {.s = s, .load = true, .stage = malloc(s->block_bytes)};
+    struct kv_seq_loader *ld = calloc(1, sizeof(*ld));
+    if (ld) {
+        ld->plan = calloc(n, sizeof(*ld->plan));
+        ld->end = calloc(n, sizeof(*ld->end));
+    }
     enum tier_status st = TIER_OK;
-    if (!home || !lo || !kq || !io.stage)
+    if (!home || !lo || !kq || !ld || !ld->plan || !ld->end)
         st = kv_fail(s, TIER_ENOMEM_HOST, "host memory: loading a sequence image");
     struct kv_seq_state x = {.home = home, .lo = lo, .kvq = kq};
     size_t qbb = 0;
     int64_t T = 1;
     if (st == TIER_OK && (st = parse_geometry(s, b, size)) == TIER_OK &&
         (st = parse_params(s, b, &x.p, &qbb, &T)) == TIER_OK && (st = parse_state(s, b, &x)) == TIER_OK)
-        st = parse_sections(s, b, size, &x, home, lo, kq, qbb, T);
+        st = parse_table(s, b, size, &x, home, lo, kq, qbb, T, ld->plan, ld->end);
     kv_seq *q = NULL;
     if (st == TIER_OK)
         st = kv_seq_restore(s, &x, false, &q);
@@ -538,19 +692,36 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
         s->err[0] = '\0';
         st = kv_seq_restore(s, &x, true, &q);
     }
-    io.p = (uint8_t *)b + IMG_HDR + 4 * n;
-    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
-        io.p += q->kvq ? SEC_QUANT : SEC_DENSE;
-        st = layer_io(&io, q, l);
-    }
-    if (st == TIER_OK)
+    if (st == TIER_OK) {
+        ld->src = *src;
+        q->load = ld;
         *out = q;
-    else
-        kv_seq_free(q);
-    free(io.stage);
+    } else {
+        kv_seq_loader_free(ld);
+    }
     free(kq);
     free(lo);
     free(home);
+    return st;
+}
+
+/* The source of an image that is all there. */
+static const void *whole(void *arg, size_t n)
+{
+    (void)n;
+    return arg;
+}
+
+enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq **out)
+{
+    kv_seq *q;
+    *out = NULL;
+    enum tier_status st = kv_seq_load_begin(s, buf, size, &(struct kv_image_src){whole, (void *)(uintptr_t)buf}, &q);
+    if (st == TIER_OK && (st = kv_seq_load_finish(q)) != TIER_OK) {
+        kv_seq_free(q);
+        return st;
+    }
+    *out = q;
     return st;
 }
 
@@ -568,28 +739,33 @@ static bool same_format(const struct be_kvq_format *a, const struct be_kvq_forma
            same_half(&a->v, &b->v) && a->block_bytes == b->block_bytes;
 }
 
-/* Layer l's section as kv_seq_save writes it, from in (checked sizes). */
-static uint8_t *put_quant_section(const kv_store *s, uint8_t *o, int64_t lo, const struct kv_quant_layer_in *in,
-                                  size_t qbb)
+/* Layer l's blocks as kv_seq_save writes them, from in (checked sizes):
+ * the quantized blocks, then the residual [nq, len) of in's [H, residual,
+ * D] halves in dense blocks (K then V, [H][T][D] each), other rows zero.
+ * Its table entry too. */
+static uint8_t *put_quant_layer(const kv_store *s, uint8_t *img, uint8_t *o, int l, int64_t lo,
+                                const struct kv_quant_layer_in *in, size_t qbb)
 {
     const struct kv_quant_layer *d = &in->d;
-    put64(o, (uint64_t)lo);
-    put64(o + 8, (uint64_t)d->nq);
-    put64(o + 16, (uint64_t)d->first_block);
-    put32(o + 24, float_bits(d->scale_k));
-    put32(o + 28, float_bits(d->scale_v));
-    o += SEC_QUANT;
+    put_entry(s, img, l, KV_HOME_PAGED, lo,
+              &(struct kvq_layer_state){.nq = d->nq, .qoff = d->first_block, .scale_k = d->scale_k,
+                                        .scale_v = d->scale_v});
     memcpy(o, in->blocks, (size_t)d->n_blocks * qbb);
     o += (size_t)d->n_blocks * qbb;
-    /* [H, residual, D] per half into rows of K then V for every head */
     size_t hrow = (size_t)s->g.head_dim * be_dtype_size(s->g.dtype);
-    for (int64_t t = 0; t < d->residual; t++)
-        for (int half = 0; half < 2; half++)
-            for (int h = 0; h < s->g.n_kv_heads; h++) {
-                const char *src = half ? in->v : in->k;
-                memcpy(o, src + ((size_t)h * (size_t)d->residual + (size_t)t) * hrow, hrow);
-                o += hrow;
-            }
+    int64_t bt = s->bt, len = d->nq + d->residual;
+    for (int64_t b = d->nq / bt; d->residual && b <= (len - 1) / bt; b++) {
+        memset(o, 0, s->block_bytes);
+        for (int64_t pos = b * bt > d->nq ? b * bt : d->nq; pos < len && pos < (b + 1) * bt; pos++)
+            for (int half = 0; half < 2; half++)
+                for (int h = 0; h < s->g.n_kv_heads; h++) {
+                    const char *src = half ? in->v : in->k;
+                    memcpy(o + (((size_t)half * (size_t)s->g.n_kv_heads + (size_t)h) * (size_t)bt +
+                                (size_t)(pos - b * bt)) * hrow,
+                           src + ((size_t)h * (size_t)d->residual + (size_t)(pos - d->nq)) * hrow, hrow);
+                }
+        o += s->block_bytes;
+    }
     return o;
 }
 
@@ -612,7 +788,7 @@ enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, i
         kvq_format_init(&f, &p->quant, s->g.n_kv_heads, s->g.head_dim, kvq_block_tokens(&p->quant, s->bt), &e) !=
             TIER_OK)
         return kv_fail(s, TIER_EINVAL, "raw import: field params: %s", e.msg);
-    size_t size = IMG_HDR + 4 * (size_t)s->g.n_layers, rb = row_bytes(s);
+    size_t size = head_size(s);
     int64_t *lo = malloc((size_t)s->g.n_layers * sizeof(*lo));
     if (!lo)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a raw import");
@@ -623,7 +799,6 @@ enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, i
         /* the image's lo is the layer's window start (kvstore.c invariant 1),
          * which the export shows only clamped to the quantized part */
         lo[l] = w && len > keep ? len - keep : 0;
-        size += SEC_QUANT;
         /* what the section's size follows from, checked here so that a bad
          * one is named rather than misplacing every later section */
         const char *bad = NULL;
@@ -639,7 +814,9 @@ enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, i
                  (d->n_blocks && !in[l].blocks))
             bad = "n_blocks";
         /* a length near KV_SEQ_MAX_LEN overflows the image size */
-        else if (!add_rows(&size, (uint64_t)d->n_blocks, f.block_bytes) || !add_rows(&size, (uint64_t)d->residual, rb))
+        else if (!add_rows(&size, (uint64_t)d->n_blocks, f.block_bytes) ||
+                 !add_rows(&size, (uint64_t)(d->residual ? (len - 1) / s->bt - d->nq / s->bt + 1 : 0),
+                           s->block_bytes))
             bad = "size";
         if (bad) {
             free(lo);
@@ -658,9 +835,9 @@ enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, i
     /* a state as kv_seq_save writes it: no fallback, no past recording */
     struct kv_seq hdr = {.s = s, .p = *p, .strategy = KV_QUANTIZED, .len = len};
     put_header(&hdr, img, size);
-    uint8_t *o = img + IMG_HDR + 4 * (size_t)s->g.n_layers;
+    uint8_t *o = img + head_size(s);
     for (int l = 0; l < s->g.n_layers; l++)
-        o = put_quant_section(s, o, lo[l], &in[l], f.block_bytes);
+        o = put_quant_layer(s, img, o, l, lo[l], &in[l], f.block_bytes);
     free(lo);
     kv_seq *q = NULL;
     st = kv_seq_load(s, img, size, &q);

@@ -442,8 +442,7 @@ static void ext_release(kv_store *s, enum kv_home home, const struct kv_ext *e)
         kv_dev_free(s, e->dev, e->size);
 }
 
-/* Address of logical block b of a layer (b must be live in it). */
-static char *layer_block(const kv_store *s, const struct kv_layer *L, int64_t b)
+char *kv_layer_block(const kv_store *s, const struct kv_layer *L, int64_t b)
 {
     if (L->home == KV_HOME_PAGED)
         return L->blocks[b - L->base / s->bt];
@@ -456,7 +455,7 @@ static enum tier_status copy_blocks(kv_store *s, const struct kv_layer *to, cons
                                     int64_t b1)
 {
     for (int64_t b = b0; b < b1; b++) {
-        char *d = layer_block(s, to, b), *src = layer_block(s, from, b);
+        char *d = kv_layer_block(s, to, b), *src = kv_layer_block(s, from, b);
         if (to->home == KV_HOME_HOST && from->home == KV_HOME_HOST) {
             memcpy(d, src, s->block_bytes);
             continue;
@@ -493,7 +492,7 @@ void ext_view_refresh(const kv_seq *q, struct kv_layer *L)
     L->base = b0 * s->bt;
     L->n_blocks = L->ext.data ? ext_need(s, L, q->len + q->pending) : 0;
     for (int i = 0; i < L->n_blocks; i++)
-        L->blocks[i] = layer_block(s, L, b0 + i);
+        L->blocks[i] = kv_layer_block(s, L, b0 + i);
 }
 
 /* Frees whatever storage L holds (pool blocks, extent, table). */
@@ -858,6 +857,7 @@ void kv_seq_free(kv_seq *q)
         kv_seq_abort(q);
     layers_release(q);
     kvq_seq_release(q);
+    kv_seq_loader_free(q->load);
     free(q->layers);
     free(q->ids);
     free(q);
@@ -908,6 +908,9 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
     kv_store *s = q->s;
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_offload during a step");
+    enum tier_status lst = kv_seq_load_finish(q); /* the migration copies every layer */
+    if (lst != TIER_OK)
+        return lst;
     if (why == KV_FALLBACK_OOM && q->p.no_fallback) { /* the message still names what ran out */
         char was[KV_ERR_LEN];
         snprintf(was, sizeof(was), "%s", s->err);
@@ -1292,6 +1295,9 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_crop during a step");
+    enum tier_status lst = kv_seq_load_finish(q); /* the rules below read what the layers hold */
+    if (lst != TIER_OK)
+        return lst;
     /* bounded first: -n and len - n below must not overflow */
     if (n < -KV_SEQ_MAX_LEN || n > KV_SEQ_MAX_LEN)
         return kv_fail(s, TIER_EINVAL, "crop(%lld): n must be between %lld and %lld", (long long)n,
@@ -1375,6 +1381,9 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
     *out = NULL;
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_fork during a step");
+    enum tier_status lst = kv_seq_load_finish(q); /* the child shares the blocks as they are */
+    if (lst != TIER_OK)
+        return lst;
     if (q->kvq)
         return kvq_unsupported(q, "fork");
     kv_seq *c = calloc(1, sizeof(*c));

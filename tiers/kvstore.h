@@ -346,6 +346,37 @@ size_t kv_seq_image_size(const kv_seq *q);
 enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size);
 enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq **out);
 
+/* Loading layer by layer, for an image still arriving (a disk read):
+ * kv_image_head_size: the bytes at an image's start that hold everything
+ *   a load checks and allocates by (header, windows, layer table).
+ * kv_seq_load_begin: kv_seq_load from head, the first min(size,
+ *   kv_image_head_size(s)) bytes of an image of size bytes: the same
+ *   checks, storage and fallback, the layers' contents not there yet.
+ *   Layer l is filled when something first needs it: the forward pass's
+ *   kv_store_layer_begin for l (or for the layer before a streamed l, whose
+ *   copy-in it starts), or any call that reads or copies the KV (save,
+ *   crop, fork, offload, the dense and raw exports), which fills them all.
+ *   A fill calls src->wait(src->arg, n), which blocks until the image's
+ *   first n bytes are in and returns its first byte, or NULL if they never
+ *   will be; a layer whose blocks do not check (rows that must be zero)
+ *   fails too.  A failure is the sequence's for good: that call and every
+ *   later one that fills returns it (kv_store_layer_begin as BE_EIO), and
+ *   the caller frees the sequence.  src is not called once every layer is
+ *   filled.
+ * kv_seq_load_finish: fills every layer left.
+ * kv_seq_loading: layers are left to fill and none failed.
+ * kv_seq_load_status: TIER_OK, or the failure that stopped the fill. */
+struct kv_image_src {
+    const void *(*wait)(void *arg, size_t n);
+    void *arg;
+};
+size_t kv_image_head_size(const kv_store *s);
+enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, const struct kv_image_src *src,
+                                   kv_seq **out);
+enum tier_status kv_seq_load_finish(kv_seq *q);
+bool kv_seq_loading(const kv_seq *q);
+enum tier_status kv_seq_load_status(const kv_seq *q);
+
 /* ---- dense export and import (tiers/dense.c) ----------------------------
  * kv_seq_layer_rows: the positions layer l holds, in attention order (the
  *   sink strategy's sinks first, then the window); what a dense K or V of

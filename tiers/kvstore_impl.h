@@ -121,6 +121,7 @@ struct kv_seq {
     struct kv_xfer_stats xfer;
     struct kv_layer *layers;
     struct kvq_seq *kvq; /* KV_QUANTIZED: the quantized layers (kvquant.c); NULL otherwise */
+    struct kv_seq_loader *load; /* layers still to fill from an image (image.c); NULL once all are */
 };
 
 struct kv_store {
@@ -289,6 +290,17 @@ struct kv_seq_state {
  * instead (the out-of-memory fallback of kv_seq_offload: the strategy
  * becomes offloaded, the fallback KV_FALLBACK_OOM).  All or nothing. */
 enum tier_status kv_seq_restore(kv_store *s, const struct kv_seq_state *x, bool all_host, kv_seq **out);
+
+/* kvstore.c: the address of logical block b of layer L (b must be live in
+ * it): where the layer keeps it, also while a step streams the layer
+ * through a device slot (its view then points into the slot). */
+char *kv_layer_block(const kv_store *s, const struct kv_layer *L, int64_t b);
+
+/* image.c: fills the layers [.., layer] of a sequence loading layer by
+ * layer (kv_seq_load_begin) that are not yet; TIER_OK at once for one
+ * that is not loading.  The loader's free accepts NULL. */
+enum tier_status kv_seq_fill(kv_seq *q, int layer);
+void kv_seq_loader_free(struct kv_seq_loader *ld);
 
 /* Records the message for kv_store_errmsg and returns st. */
 enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -263,11 +263,24 @@ static enum be_status copy_in(kv_store *s, int l)
     return st;
 }
 
+/* The step's sequences still loading from an image (kv_seq_load_begin)
+ * get their layers up to `upto` filled before anything reads them. */
+static enum be_status fill_loading(kv_store *s, int upto)
+{
+    for (int i = 0; i < s->n_active; i++)
+        if (s->active[i]->load && kv_seq_fill(s->active[i], upto) != TIER_OK)
+            return BE_EIO;
+    return BE_OK;
+}
+
 enum be_status kv_store_layer_begin(kv_store *s, int layer)
 {
-    if (!s->streaming)
-        return BE_OK;
-    enum be_status st = BE_OK;
+    int next = layer + 1; /* the streamed layer this one's copy-in is for */
+    while (s->streaming && next < s->g.n_layers && s->slot_of[next] < 0)
+        next++;
+    enum be_status st = fill_loading(s, s->streaming && next < s->g.n_layers ? next : layer);
+    if (!s->streaming || st != BE_OK)
+        return st;
     if (layer == 0) /* a new chunk: every streamed layer is copied in again */
         memset(s->issued, 0, (size_t)s->g.n_layers * sizeof(*s->issued));
     if (s->slot_of[layer] >= 0) {
@@ -287,9 +300,6 @@ enum be_status kv_store_layer_begin(kv_store *s, int layer)
             }
         }
     }
-    int next = layer + 1;
-    while (next < s->g.n_layers && s->slot_of[next] < 0)
-        next++;
     if (st == BE_OK && next < s->g.n_layers && !s->issued[next])
         st = copy_in(s, next);
     return st;
