@@ -142,8 +142,9 @@ struct kv_disk_op {
     char msg[MSG_LEN];
     void *meta, *data;
     size_t meta_len, data_len;
+    size_t ready;               /* get: the data's first bytes in place and checked (under mu) */
     struct kv_disk_alloc alloc; /* get: where the data goes */
-    void *buf;                  /* get: alloc's handle of data */
+    void *buf;                  /* get: alloc's handle of data, the op's from the allocation on */
     void (*defer_fn)(void *arg, void *p);
     void *defer_arg, *defer_p;
     struct scan_ent *ents;
@@ -471,6 +472,7 @@ static int r_fsync_dir(kv_disk *d, const char *path)
 
 struct xfer {
     kv_disk *d;
+    kv_disk_op *op;     /* get: told how far the data is in (NULL: nobody asks) */
     int fd;
     struct disk_hdr *h;
     const uint8_t *src; /* put: the object's data */
@@ -486,6 +488,7 @@ struct xfer {
     uint8_t *io[NSTAGE]; /* per slot: where its transfer reads or writes */
     uint32_t expect[NSTAGE];
     int err;            /* the first failed transfer's errno */
+    bool half_err[2];   /* a transfer of that half of the slots failed */
     bool wr;
     uint32_t written;   /* chunks, for the pause hook */
     int bad[HALF];      /* get: per chunk of the window, 0 ok, 1 checksum, 2 decode */
@@ -636,6 +639,7 @@ static void xfer_reap(struct xfer *x)
     if (res < 0 || (uint32_t)res != x->expect[slot]) {
         if (!x->err)
             x->err = res < 0 ? -res : EIO;
+        x->half_err[slot / HALF] = true;
         return;
     }
     if (x->wr && ++x->written == x->d->pause_after)
@@ -676,6 +680,21 @@ static int write_chunks(struct xfer *x, double *compress_s)
     return x->err;
 }
 
+/* The data's first n bytes (at most all of it) are in and checked: a
+ * caller computing from a restore as it arrives may go on. */
+static void xfer_progress(struct xfer *x, uint64_t n)
+{
+    kv_disk_op *op = x->op;
+    if (!op)
+        return;
+    pthread_mutex_lock(&op->mu);
+    op->ready = n < op->data_len ? (size_t)n : op->data_len;
+    pthread_cond_broadcast(&op->cv);
+    pthread_mutex_unlock(&op->mu);
+    if (x->d->p.notify)
+        x->d->p.notify(x->d->p.notify_arg);
+}
+
 /* Reads, checks and decodes every chunk into x->dst.  0, an errno (x->err),
  * or -1 - the chunk that failed its checks (*why). */
 static int read_chunks(struct xfer *x, char why[DISK_WHY_LEN])
@@ -687,7 +706,8 @@ static int read_chunks(struct xfer *x, char why[DISK_WHY_LEN])
     for (uint32_t first = 0, w = 0; first < n; first += HALF, w++) {
         uint32_t count = n - first < HALF ? n - first : HALF;
         xfer_drain(x, (int)(w & 1));
-        if (x->err)
+        /* a later window's failure still lets this one's bytes count */
+        if (x->half_err[w & 1])
             break;
         x->first = first;
         x->slot0 = (w & 1) * HALF;
@@ -700,8 +720,9 @@ static int read_chunks(struct xfer *x, char why[DISK_WHY_LEN])
             }
         if (rc)
             break;
+        xfer_progress(x, (uint64_t)(first + count) * DISK_CHUNK);
         uint32_t next = first + 2 * HALF;
-        if (next < n)
+        if (next < n && !x->err)
             xfer_submit(x, false, next, n - next < HALF ? n - next : HALF, x->slot0);
     }
     xfer_drain(x, -1);
@@ -774,10 +795,12 @@ static bool layout_eq(const struct kv_disk_layout *a, const struct kv_disk_layou
 }
 
 /* Reads the header of DIR/ns/name.kvt, then the meta (want >= 1) and the
- * data into a buffer from a (want >= 2), checking each.  A corrupt file is
+ * data into a buffer from a (want >= 2), checking each.  With op, the
+ * buffer is the op's from its allocation on (op->data, op->buf), whatever
+ * happens after: a caller may be reading its checked part (op->ready).  A corrupt file is
  * left for the caller to quarantine; the descriptor is closed on return. */
 static enum load_res load(kv_disk *d, const char *ns, const char *name, int want, const struct kv_disk_alloc *a,
-                          struct loaded *l)
+                          kv_disk_op *op, struct loaded *l)
 {
     char path[2 * DISK_NAME_MAX + 8];
     snprintf(path, sizeof path, "%s/%s.kvt", ns, name);
@@ -870,7 +893,15 @@ static enum load_res load(kv_disk *d, const char *ns, const char *name, int want
             res = L_NOMEM;
             goto out;
         }
-        struct xfer x = {.d = d, .fd = fd, .h = &l->h, .dst = l->data,
+        if (op) {
+            pthread_mutex_lock(&op->mu);
+            op->buf = l->buf;
+            op->data = l->data;
+            op->data_len = l->h.data_len;
+            pthread_mutex_unlock(&op->mu);
+            l->buf = NULL;
+        }
+        struct xfer x = {.d = d, .op = op, .fd = fd, .h = &l->h, .dst = l->data,
                          .in_place = (uintptr_t)l->data % DISK_ALIGN == 0};
         reg_caller(&x, l->data, cap);
         rc = read_chunks(&x, l->why);
@@ -903,7 +934,7 @@ static void do_get(kv_disk *d, kv_disk_op *op)
 {
     struct loaded l;
     double t0 = clock_s();
-    enum load_res r = load(d, op->ns, op->name, 2, &op->alloc, &l);
+    enum load_res r = load(d, op->ns, op->name, 2, &op->alloc, op, &l);
     pthread_mutex_lock(&d->mu);
     d->st.gets++;
     d->st.read_s += clock_s() - t0;
@@ -914,9 +945,6 @@ static void do_get(kv_disk *d, kv_disk_op *op)
     case L_OK:
         op->meta = l.meta;
         op->meta_len = l.h.meta_len;
-        op->data = l.data;
-        op->buf = l.buf;
-        op->data_len = l.h.data_len;
         disk_hdr_release(&l.h);
         op->st = TIER_OK;
         return;
@@ -1168,7 +1196,7 @@ static void walk_ns(kv_disk *d, kv_disk_op *op, const char *ns)
         if (!kvt_stem(e->d_name, name))
             continue;
         struct loaded l;
-        enum load_res r = load(d, ns, name, start ? 0 : 1, NULL, &l);
+        enum load_res r = load(d, ns, name, start ? 0 : 1, NULL, NULL, &l);
         if (r == L_CORRUPT) {
             quarantine(d, ns, name, l.why, l.size, !start);
         } else if (r == L_FOREIGN && start) {
@@ -1450,6 +1478,26 @@ enum tier_status kv_disk_op_wait(kv_disk_op *op)
     return op->st;
 }
 
+size_t kv_disk_op_ready(kv_disk_op *op, void **data, size_t *data_len)
+{
+    pthread_mutex_lock(&op->mu);
+    size_t n = op->ready;
+    *data = op->data;
+    *data_len = op->data_len;
+    pthread_mutex_unlock(&op->mu);
+    return n;
+}
+
+void *kv_disk_op_wait_ready(kv_disk_op *op, size_t n)
+{
+    pthread_mutex_lock(&op->mu);
+    while (op->ready < n && !op->done)
+        pthread_cond_wait(&op->cv, &op->mu);
+    void *data = op->ready >= n ? op->data : NULL;
+    pthread_mutex_unlock(&op->mu);
+    return data;
+}
+
 enum tier_status kv_disk_op_status(const kv_disk_op *op)
 {
     return op->st;
@@ -1462,6 +1510,11 @@ const char *kv_disk_op_errmsg(const kv_disk_op *op)
 
 void kv_disk_op_take_buf(kv_disk_op *op, void **meta, size_t *meta_len, void **buf, void **data, size_t *data_len)
 {
+    if (op->st != TIER_OK) { /* a failed get's buffer is freed with the op */
+        *meta = *buf = *data = NULL;
+        *meta_len = *data_len = 0;
+        return;
+    }
     *meta = op->meta;
     *meta_len = op->meta_len;
     *buf = op->buf;

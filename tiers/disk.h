@@ -130,7 +130,19 @@ enum tier_status kv_disk_op_wait(kv_disk_op *op);
 /* The status of a done op, and its message (names the file and reason). */
 enum tier_status kv_disk_op_status(const kv_disk_op *op);
 const char *kv_disk_op_errmsg(const kv_disk_op *op);
-/* A done kv_disk_get's meta and data; the caller takes ownership (free()). */
+/* A get's data as it arrives: *data its first byte (NULL until the file's
+ * header has checked and the buffer is allocated), *data_len its length;
+ * returns how many of its first bytes are in place and checked.  Chunks
+ * complete in order, and the notify callback fires each time the count
+ * grows.  Those bytes stay put until the buffer is taken or the op freed,
+ * a failed op's too.  For a restore that computes with the first layers
+ * while the last are still being read. */
+size_t kv_disk_op_ready(kv_disk_op *op, void **data, size_t *data_len);
+/* Blocks until the first n bytes of a get's data are in or the op is done;
+ * the data's first byte if they are, NULL if the op ended without them. */
+void *kv_disk_op_wait_ready(kv_disk_op *op, size_t n);
+/* A done kv_disk_get's meta and data; the caller takes ownership (free()).
+ * A failed one hands out none (NULL, 0). */
 void kv_disk_op_take(kv_disk_op *op, void **meta, size_t *meta_len, void **data, size_t *data_len);
 /* A done get's meta (free()) and data: *buf the allocator's handle (the
  * caller frees it), *data its first byte.  NULL, NULL for no data. */
