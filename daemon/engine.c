@@ -383,7 +383,9 @@ static void retire(engine *e, struct job *j)
     size_t n_keep = 0;
     if (s && admitted) {
         n_keep = s->kv ? (size_t)kv_seq_length(s->kv) : 0;
-        if (n_keep != c0->n_fed || (n_keep && !(keep = malloc(n_keep * sizeof(*keep))))) {
+        /* a KV whose restore failed part-way is no KV */
+        if (n_keep != c0->n_fed || (s->kv && kv_seq_load_status(s->kv) != TIER_OK) ||
+            (n_keep && !(keep = malloc(n_keep * sizeof(*keep))))) {
             kv_seq_free(s->kv);
             s->kv = NULL;
             n_keep = 0;
@@ -647,10 +649,35 @@ static void fail_forward(engine *e, int from, int to, enum model_status st)
         job_fail(e, e->batch_job[i], &err);
 }
 
+/* Entry i's session KV lost a layer on its way from disk: the job starts
+ * over on a fresh KV, computing what the session held again. */
+static void restart_session(engine *e, int i)
+{
+    struct job *j = e->batch_job[i];
+    struct job_choice *c = e->batch_ch[i];
+    struct session *s = j->sess;
+    disk_restore_lost(e, s);
+    c->kv = NULL;
+    c->n_fed = 0;
+    struct ipc_error err;
+    if (kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed, &err) != IPC_OK) {
+        job_fail(e, j, &err);
+        return;
+    }
+    c->kv = s->kv;
+    pthread_mutex_lock(&e->mu);
+    j->res.n_cached = (int)c->n_fed;
+    pthread_mutex_unlock(&e->mu);
+}
+
 /* Entry i found the memory tiers full: with a disk tier, an idle session
  * goes to disk and the entry's job waits to be retried, else it fails. */
 static void fail_or_wait(engine *e, int i, enum model_status st)
 {
+    if (e->batch_job[i]->sess && kv_seq_load_status(e->batch_ch[i]->kv) != TIER_OK) {
+        restart_session(e, i);
+        return;
+    }
     if ((st == MODEL_ENOMEM || st == MODEL_EDEVMEM) && disk_spill_for_memory(e)) {
         log_msg(LOG_DEBUG, "engine: memory tiers full (%s); waiting for a session to spill to disk",
                 kv_store_errmsg(e->store));

@@ -266,6 +266,7 @@ struct engine_stats {
     size_t dev_budget, dev_used; /* the backend's device memory: weights, activations, KV, slots */
     /* the disk tier: sessions spilled, restored and their failures; files and bytes */
     uint64_t spills, restores, disk_errors;
+    uint64_t restore_early_layers; /* layers a step filled from a restore's read still in flight */
     /* prefix-cache blocks written to and read from disk, and the requests
      * whose prompt found blocks there */
     uint64_t prefix_disk_written, prefix_disk_read, prefix_disk_hits;

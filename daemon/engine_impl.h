@@ -33,6 +33,8 @@ struct session {
     double t_idle;         /* clock_ms() when it was last used */
     kv_disk_op *op;        /* a spill or restore in flight */
     bool op_restore;
+    bool op_begun;         /* a restore's KV was begun layer by layer (or could not be) */
+    uint32_t op_early;     /* layers its steps asked for while that read was still in flight */
     uint64_t op_version;   /* the version a spill in flight writes */
     size_t op_len;         /* the bytes it writes */
     double spill_retry_at; /* clock_ms() before which no spill is tried (after a failed one) */
@@ -128,6 +130,10 @@ bool disk_spill_for_memory(engine *e);
  * (the job waits until disk_poll has it back). */
 bool disk_needs_restore(const engine *e, const struct session *s);
 void disk_restore(engine *e, struct session *s);
+/* A step found a layer of s's KV missing (its restore's read failed
+ * part-way): the KV is dropped and its tokens will be computed again; the
+ * caller gives its job a fresh KV. */
+void disk_restore_lost(engine *e, struct session *s);
 /* A deleted session: its op is waited for and its file removed. */
 void disk_forget(engine *e, struct session *s);
 /* Counts one event in a counter of e->st (takes the lock). */

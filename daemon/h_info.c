@@ -82,6 +82,9 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "session_spills_total", "counter", "Sessions written to the disk tier.", NULL, (double)st.spills);
     metric(&w, "session_restores_total", "counter", "Sessions read back from the disk tier.", NULL,
            (double)st.restores);
+    metric(&w, "session_restore_early_layers_total", "counter",
+           "Layers of restoring sessions that a step computed on before the rest of the read was in.", NULL,
+           (double)st.restore_early_layers);
     metric(&w, "disk_errors_total", "counter",
            "Spills and restores that failed (disk full, I/O error, corrupt file); the KV stayed or was recomputed.",
            NULL, (double)st.disk_errors);

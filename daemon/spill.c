@@ -9,15 +9,22 @@
  * When: a session idle for --spill-after, or the least recently used idle
  * one when a step finds the memory tiers full, is written and, once the
  * write is complete and the session was not used meanwhile, its KV leaves
- * memory.  The next request on it reads the object back before the request
- * is admitted to a step; other requests keep running meanwhile, since the
- * disk tier's own thread does the I/O.  At exit every session whose file is
+ * memory.  The next request on it reads the object back; other requests
+ * keep running meanwhile, since the disk tier's own thread does the I/O.
+ * Layer by layer: as soon as the image's head (its layer table) is in, the
+ * session gets its KV, allocated and empty (kv_seq_load_begin), and a
+ * request that only appends to its tokens starts: each layer is filled
+ * from the image when the forward pass reaches it, waiting there for its
+ * bytes if they are still on their way (restore_src), so the first
+ * layers compute while the last are read.  A request that would rewind the
+ * KV (or copy it: fork, export) waits for the whole read instead.  At exit every session whose file is
  * not current is written; at start the files a previous run left are
  * listed as sessions again and restored by their first request.
  *
  * A write that fails keeps the KV where it was; a read that fails (a file
  * quarantined as corrupt, an I/O error) costs the session its KV, never its
- * correctness: the next request computes the tokens again.
+ * correctness: the next request computes the tokens again, and so does one
+ * whose step found a layer's bytes missing part-way (disk_restore_lost).
  *
  * Images: a spill's image and a restore's buffer are 4 KiB-aligned and
  * sized by kv_disk_data_alloc_len, so the disk tier moves raw chunks
@@ -129,8 +136,20 @@ static void image_release(engine *e, void *img)
 
 static void op_clear(engine *e, struct session *s)
 {
+    /* a sequence loading from the op's buffer is filled (or fails) first:
+     * none outlives its source */
+    if (s->op_restore && s->kv && kv_seq_loading(s->kv)) {
+        kv_disk_op_wait(s->op);
+        kv_seq_load_finish(s->kv);
+    }
     kv_disk_op_free(s->op);
     s->op = NULL;
+    if (s->op_restore) {
+        pthread_mutex_lock(&e->mu);
+        e->st.restore_early_layers += s->op_early;
+        pthread_mutex_unlock(&e->mu);
+        s->op_early = 0;
+    }
     image_release(e, s->op_img);
     s->op_img = NULL;
     free(s->op_meta);
@@ -228,11 +247,21 @@ static void spill_done(engine *e, struct session *s)
         spill_release(e, s);
 }
 
-/* Jobs waiting for s's restore start now (or fail with err). */
-static void restore_wake(engine *e, struct session *s, const struct ipc_error *err)
+/* Whether j, waiting for its session's KV, only appends to its tokens: it
+ * keeps every one of them (kv_seq_reuse keeps all and computes at least
+ * the last prompt token), so it may start on a KV still loading. */
+static bool appends(const struct job *j, const struct session *s)
+{
+    return (j->kind == JOB_GENERATE || j->kind == JOB_PREFILL) && j->n_prompt > s->n_toks &&
+           !memcmp(j->prompt, s->toks, s->n_toks * sizeof(*s->toks));
+}
+
+/* Jobs waiting for s's restore start now (or fail with err); with
+ * only_appending, those that may start on a KV still loading. */
+static void restore_wake(engine *e, struct session *s, const struct ipc_error *err, bool only_appending)
 {
     for (struct job *j = e->active; j; j = j->next) {
-        if (j->sess != s || !j->io_wait || j->pfetch)
+        if (j->sess != s || !j->io_wait || j->pfetch || (only_appending && !appends(j, s)))
             continue;
         j->io_wait = false;
         if (err)
@@ -242,8 +271,125 @@ static void restore_wake(engine *e, struct session *s, const struct ipc_error *e
     }
 }
 
+/* s's KV is gone for good (a restore failed): its tokens will be computed
+ * again, and its file no longer holds them. */
+static void restore_lost(engine *e, struct session *s, const char *why)
+{
+    log_msg(LOG_WARN, "session %s: restore from disk failed, its tokens will be computed again: %s", s->id, why);
+    engine_count(e, &e->st.disk_errors);
+    s->disk_version = 0;
+    s->version++;
+    pthread_mutex_lock(&e->mu);
+    free(s->toks);
+    s->toks = NULL;
+    s->n_toks = 0;
+    s->disk_bytes = 0;
+    s->kvs = (struct kv_seq_stats){0};
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void restore_restored(engine *e, struct session *s)
+{
+    pthread_mutex_lock(&e->mu);
+    s->kvs = kv_seq_stats(s->kv);
+    e->st.restores++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* The restore's source: the image's first n bytes, once the disk tier has
+ * read and checked them (NULL: it never will). */
+static const void *restore_src(void *arg, size_t n)
+{
+    struct session *s = arg;
+    bool early = !kv_disk_op_done(s->op);
+    const void *img = kv_disk_op_wait_ready(s->op, n);
+    s->op_early += early && img;
+    return img;
+}
+
+static bool head_in(const engine *e, const struct session *s, double now)
+{
+    (void)now;
+    void *data;
+    size_t len, head = kv_image_head_size(e->store);
+    return s->op && s->op_restore && !s->op_begun && !s->kv &&
+           kv_disk_op_ready(s->op, &data, &len) >= (len < head ? len : head) && data;
+}
+
+/* The head of s's image is in: s gets its KV, to be filled layer by layer,
+ * and the jobs that only append to it start.  A head that does not load
+ * (memory, a bad image) is left to restore_done, which reads it whole. */
+static void restore_begin(engine *e, struct session *s)
+{
+    s->op_begun = true;
+    void *data;
+    size_t len;
+    kv_disk_op_ready(s->op, &data, &len);
+    kv_seq *kv = NULL;
+    if (kv_seq_load_begin(e->store, data, len, &(struct kv_image_src){restore_src, s}, &kv) != TIER_OK)
+        return;
+    if ((size_t)kv_seq_length(kv) != s->n_toks) {
+        kv_seq_free(kv);
+        return;
+    }
+    s->kv = kv;
+    pthread_mutex_lock(&e->mu);
+    s->kvs = kv_seq_stats(kv);
+    pthread_mutex_unlock(&e->mu);
+    restore_wake(e, s, NULL, true);
+}
+
+/* Whether a started job holds s's KV (its choice 0 runs on it). */
+static bool kv_in_use(const engine *e, const struct session *s)
+{
+    for (const struct job *j = e->active; j; j = j->next)
+        if (j->sess == s && j->ch[0].kv && j->ch[0].kv == s->kv)
+            return true;
+    return false;
+}
+
+/* The read of a restore begun layer by layer is done: the layers no step
+ * has reached yet are filled now, or the KV is lost. */
+static void restore_finish(engine *e, struct session *s)
+{
+    enum tier_status ts = kv_seq_load_finish(s->kv); /* before op_clear: the source is the op */
+    char why[256];
+    snprintf(why, sizeof why, "%s", ts == TIER_OK ? "" : kv_disk_op_status(s->op) != TIER_OK
+                                                        ? kv_disk_op_errmsg(s->op)
+                                                        : kv_store_errmsg(e->store));
+    op_clear(e, s);
+    if (ts == TIER_OK) {
+        restore_restored(e, s);
+        restore_wake(e, s, NULL, false);
+        return;
+    }
+    /* a job running on it fails its next step and starts over
+     * (disk_restore_lost); otherwise the KV goes now */
+    if (kv_in_use(e, s))
+        return;
+    kv_seq_free(s->kv);
+    s->kv = NULL;
+    restore_lost(e, s, why);
+    restore_wake(e, s, NULL, false);
+}
+
+void disk_restore_lost(engine *e, struct session *s)
+{
+    char why[256];
+    snprintf(why, sizeof why, "%s", kv_store_errmsg(e->store));
+    kv_seq_free(s->kv);
+    s->kv = NULL;
+    if (s->op)
+        op_clear(e, s);
+    restore_lost(e, s, why);
+}
+
 static void restore_done(engine *e, struct session *s)
 {
+    if (s->kv) {
+        restore_finish(e, s);
+        return;
+    }
     enum tier_status ts = kv_disk_op_status(s->op);
     void *meta = NULL, *img = NULL, *buf = NULL;
     size_t meta_len = 0, n = 0;
@@ -270,31 +416,17 @@ static void restore_done(engine *e, struct session *s)
         /* memory, not the file: the session stays on disk for a retry */
         struct ipc_error err;
         ipc_fail(&err, IPC_ESTORAGE, "", "no memory to restore session \"%s\" from disk: %s", s->id, why);
-        restore_wake(e, s, &err);
+        restore_wake(e, s, &err, false);
         return;
     }
     if (ts != TIER_OK) {
         kv_seq_free(kv);
-        kv = NULL;
-        log_msg(LOG_WARN, "session %s: restore from disk failed, its tokens will be computed again: %s", s->id,
-                why[0] ? why : tier_strerror(ts));
-        engine_count(e, &e->st.disk_errors);
-        s->disk_version = 0;
-        s->version++;
-        pthread_mutex_lock(&e->mu);
-        free(s->toks);
-        s->toks = NULL;
-        s->n_toks = 0;
-        s->disk_bytes = 0;
-        pthread_mutex_unlock(&e->mu);
+        restore_lost(e, s, why[0] ? why : tier_strerror(ts));
+    } else if (kv) {
+        s->kv = kv;
+        restore_restored(e, s);
     }
-    s->kv = kv;
-    pthread_mutex_lock(&e->mu);
-    s->kvs = kv ? kv_seq_stats(kv) : (struct kv_seq_stats){0};
-    if (kv)
-        e->st.restores++;
-    pthread_mutex_unlock(&e->mu);
-    restore_wake(e, s, NULL);
+    restore_wake(e, s, NULL, false);
 }
 
 /* The first session (under mu) matching pred, or NULL. */
@@ -321,6 +453,14 @@ void disk_poll(engine *e)
     prefix_disk_poll(e);
     if (!e->n_ops)
         return;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        struct session *s = find_locked(e, head_in, 0);
+        pthread_mutex_unlock(&e->mu);
+        if (!s)
+            break;
+        restore_begin(e, s);
+    }
     for (;;) {
         pthread_mutex_lock(&e->mu);
         struct session *s = find_locked(e, op_finished, 0);
@@ -422,10 +562,12 @@ void disk_restore(engine *e, struct session *s)
         struct ipc_error err;
         ipc_fail(&err, IPC_ESTORAGE, "", "cannot read session \"%s\" from disk: %s", s->id, tier_strerror(ts));
         s->op = NULL;
-        restore_wake(e, s, &err);
+        restore_wake(e, s, &err, false);
         return;
     }
     s->op_restore = true;
+    s->op_begun = false;
+    s->op_early = 0;
     e->n_ops++;
 }
 

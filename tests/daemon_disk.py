@@ -220,3 +220,51 @@ check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and
       "and it continues from that state with the tokens of a daemon that never stopped")
 hook.stop()
 href.stop()
+
+# ---- a restore computes its first layers while the last are still read ----
+# A model whose 400-token session spans four windows of the disk tier's
+# reads, on a disk slowed to 150 ms a window: the next request starts on
+# the layers that are in (kvtier_session_restore_early_layers_total), with
+# the tokens of a daemon that never spilled.  Then a chunk near the end of
+# the file is damaged: the step that already computed the first layers
+# finds the last one missing, the session starts over from its tokens (the
+# prefix cache may still hold them), and the reply is still the clean one.
+wide = os.path.join(ref.tmp, "wide")
+r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "llama", "--preset", "tiny", "--layers", "8",
+                    "--dim", "512", "--heads", "8", "--kv-heads", "8", "--ffn", "256", "--vocab", "2048",
+                    "--tokenizer-from", "model/builtin", "--out", wide], capture_output=True, text=True)
+if r.returncode:
+    skip("mkmodel failed: " + r.stderr[-300:])
+wref = Daemon("--disk-dir", "none", "--kv-dtype", "f32", model=wide, tmp=ref.tmp)
+wref.sock = os.path.join(ref.tmp, "wref.sock")
+wref.start()
+slow = Daemon("--spill-after", "1", "--kv-dtype", "f32", model=wide, tmp=ref.tmp)
+slow.sock = os.path.join(ref.tmp, "slow.sock")
+slow.start(extra_env={"KVTIER_DISK_READ_DELAY_MS": "150"})
+ctx = [(i * 41 + 5) % 1900 + 50 for i in range(400)]
+for damage in (False, True):
+    a, b = session(wref, prompt=ctx), session(slow, prompt=ctx)
+    s = wait_spilled(slow, b)
+    if damage:
+        path = os.path.join(slow.sock + ".disk", "u%d" % os.getuid(), b + ".kvt")
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.seek(size - 5000)
+            byte = f.read(1)
+            f.seek(size - 5000)
+            f.write(bytes([byte[0] ^ 0x5A]))
+    early = metric(slow, "session_restore_early_layers_total")
+    ids = ctx + [11, 12]
+    ra, rb = complete(wref, ids, session=a), complete(slow, ids, session=b)
+    same = ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"]
+    grew = metric(slow, "session_restore_early_layers_total") - early
+    if not damage:
+        check(same and grew > 0 and rb["usage"]["prompt_tokens_details"]["cached_tokens"] == 400,
+              "a %.1f MiB session on a slow disk: %d layer(s) computed before its read was done, the same tokens"
+              % (s["bytes"]["disk"] / 1048576, grew))
+    else:
+        check(same and grew > 0 and "restore from disk failed" in slow.logtext(),
+              "its last chunk damaged: the step that began on %d layer(s) starts over (%d tokens from the prefix "
+              "cache), the same tokens" % (grew, rb["usage"]["prompt_tokens_details"]["cached_tokens"]))
+slow.stop()
+wref.stop()

@@ -75,11 +75,13 @@
  * which must not depend on the ring that just failed, are plain calls on
  * the I/O thread.
  *
- * Test hooks: kv_disk_fail_nth, and three environment variables read at
+ * Test hooks: kv_disk_fail_nth, and four environment variables read at
  * open: KVTIER_DISK_FAIL_NTH=n fails the nth submission after the start-up
  * scan with EIO (the daemon's fault sweep); KVTIER_DISK_PAUSE_AFTER_CHUNK=n
  * makes the I/O thread sleep for good once n chunks of one put are written
- * (for a kill -9 mid-write);
+ * (for a kill -9 mid-write); KVTIER_DISK_READ_DELAY_MS=n makes it sleep n
+ * ms before it checks each window of a get's chunks (a slow disk, for the
+ * restore that computes while it reads);
  * KVTIER_DISK_BUFFERED forces the buffered path where O_DIRECT works
  * (tmpfs takes O_DIRECT since Linux 6.6).
  *
@@ -181,6 +183,7 @@ struct kv_disk {
     uint8_t *stage[NSTAGE];
     struct pool pool;
     uint64_t pause_after;
+    unsigned read_delay_ms;
 
     pthread_t io;
     pthread_mutex_t mu; /* everything below */
@@ -709,6 +712,8 @@ static int read_chunks(struct xfer *x, char why[DISK_WHY_LEN])
         /* a later window's failure still lets this one's bytes count */
         if (x->half_err[w & 1])
             break;
+        if (x->d->read_delay_ms)
+            usleep(x->d->read_delay_ms * 1000u);
         x->first = first;
         x->slot0 = (w & 1) * HALF;
         pool_run(&x->d->pool, get_chunk, x, count);
@@ -1703,9 +1708,11 @@ enum tier_status kv_disk_open(const struct kv_disk_params *p, kv_disk **out)
         }
         d->st.budget = (size_t)((uint64_t)vfs.f_bavail * vfs.f_frsize / 4);
     }
-    const char *pause_env = getenv("KVTIER_DISK_PAUSE_AFTER_CHUNK");
+    const char *pause_env = getenv("KVTIER_DISK_PAUSE_AFTER_CHUNK"), *delay_env = getenv("KVTIER_DISK_READ_DELAY_MS");
     if (pause_env)
         d->pause_after = strtoull(pause_env, NULL, 10);
+    if (delay_env)
+        d->read_delay_ms = (unsigned)strtoul(delay_env, NULL, 10) % 10000;
     if (!pool_start(&d->pool, p->compress_threads ? p->compress_threads : 2)) {
         st = disk_fail(d, TIER_ENOMEM_HOST, "disk tier: starting the compress threads");
         goto fail;
