@@ -314,7 +314,7 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     if (ms != MODEL_OK)
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the request's buffers");
     struct session *s = j->sess;
-    if (idx > 0 && shares_prefill(j))
+    if (idx > 0 && (j->bs || shares_prefill(j)))
         return IPC_OK; /* its KV comes from choice 0 (share_prefill, beam_reorder) */
     if (!s) {
         /* A one-shot request knows its final length: sized up front, one
@@ -818,12 +818,19 @@ static void beam_finish(engine *e, struct job *j)
  * beams' KV follows their parents (beam_reorder) and their ids. */
 static void beam_advance(engine *e, struct job *j, double t)
 {
-    int nr = beam_running(j->bs);
+    int nr = beam_running(j->bs), ready = 0;
     const float *rows[BEAM_MAX_BEAMS];
     for (int i = 0; i < nr; i++) {
-        if (!j->ch[i].beam_logits)
-            return;
         rows[i] = j->ch[i].beam_logits;
+        ready += rows[i] != NULL;
+    }
+    if (!ready)
+        return;
+    /* every beam decodes one token in the same step, and the logits rows
+     * are the step's: beams out of step would wait on overwritten rows */
+    if (ready < nr) {
+        job_fail_msg(e, j, IPC_EINTERNAL, "beam search: the beams' logits came in different steps");
+        return;
     }
     for (int i = 0; i < nr; i++)
         j->ch[i].beam_logits = NULL;

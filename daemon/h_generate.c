@@ -84,6 +84,9 @@ static enum ipc_status prepare(struct req *r, bool chat)
         st = ipc_fail(err, IPC_EINVAL, "num_beams",
                       "num_beams > 1 needs KV sequences that fork; the quantized cache does not (use another "
                       "cache strategy)");
+    if (st == IPC_OK && beams && !g.cache.use_cache)
+        st = ipc_fail(err, IPC_EINVAL, "use_cache",
+                      "num_beams > 1 permutes the beams' KV sequences after every step; use_cache=false has none");
     struct job *j = st == IPC_OK ? job_new(beams ? g.num_beams : g.best_of, g.stops, g.n_stops) : NULL;
     if (st == IPC_OK && !j)
         st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
