@@ -114,7 +114,9 @@ static enum ipc_status prepare(struct req *r, bool chat)
                                        .length_penalty = g.length_penalty,
                                        .early_stopping = g.early_stopping,
                                        .min_new = g.min_tokens,
-                                       .no_repeat_ngram = g.no_repeat_ngram_size};
+                                       .no_repeat_ngram = g.no_repeat_ngram_size,
+                                       .num_groups = g.num_beam_groups,
+                                       .diversity_penalty = g.diversity_penalty};
     if (g.session)
         snprintf(j->session_id, sizeof(j->session_id), "%s", g.session);
     r->kind = chat ? REPLY_CHAT : REPLY_COMPLETION;

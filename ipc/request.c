@@ -354,6 +354,7 @@ static enum ipc_status f_count(const json_t *v, const char *name, struct field_c
     enum ipc_status st = get_int(v, name, ctx ? 0 : 1, ctx ? c->lim->max_context : c->lim->max_n, &x, err);
     int *dst = !strcmp(name, "best_of") ? &r->best_of
                : !strcmp(name, "num_beams") ? &r->num_beams
+               : !strcmp(name, "num_beam_groups") ? &r->num_beam_groups
                : !strcmp(name, "num_return_sequences") ? &r->num_return_sequences
                : !strcmp(name, "min_tokens") ? &r->min_tokens : &r->no_repeat_ngram_size;
     if (st == IPC_OK)
@@ -380,19 +381,10 @@ static enum ipc_status f_early_stopping(const json_t *v, const char *name, struc
     return IPC_OK;
 }
 
-/* Group (diverse) beam search is not implemented: accepted only as off. */
-static enum ipc_status f_beam_groups(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+static enum ipc_status f_diversity_penalty(const json_t *v, const char *name, struct field_ctx *c,
+                                           struct ipc_error *err)
 {
-    (void)c;
-    double x = 0;
-    if (json_is_null(v))
-        return IPC_OK;
-    enum ipc_status st = get_num(v, name, 0, 1e6, &x, err);
-    if (st != IPC_OK)
-        return st;
-    if (!strcmp(name, "num_beam_groups") ? x > 1 : x != 0)
-        return ipc_fail(err, IPC_ENOTIMPL, name, "group (diverse) beam search (%s) is not implemented", name);
-    return IPC_OK;
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 1000, false, &c->r->diversity_penalty, err);
 }
 
 static enum ipc_status f_flag(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -530,8 +522,8 @@ static const struct {
     {"no_repeat_ngram_size", F_BOTH, f_count},
     {"length_penalty", F_BOTH, f_length_penalty},
     {"early_stopping", F_BOTH, f_early_stopping},
-    {"num_beam_groups", F_BOTH, f_beam_groups},
-    {"diversity_penalty", F_BOTH, f_beam_groups},
+    {"num_beam_groups", F_BOTH, f_count},
+    {"diversity_penalty", F_BOTH, f_diversity_penalty},
     {"tools", F_CHAT, f_must_be_off},
     {"functions", F_CHAT, f_must_be_off},
     {"tool_choice", F_CHAT, f_must_be_off},
@@ -570,6 +562,12 @@ static enum ipc_status check_beams(const json_t *root, struct ipc_gen_req *r, st
             return ipc_fail(err, IPC_EINVAL, refused[i], "%s is not available with num_beams > 1%s", refused[i],
                             !strcmp(refused[i], "n") ? " (the beams returned are num_return_sequences)" : "");
     }
+    if (r->num_beam_groups > 1 && (r->num_beams % r->num_beam_groups || !(r->diversity_penalty > 0)))
+        return ipc_fail(err, IPC_EINVAL, "num_beam_groups",
+                        "num_beam_groups (%d) must divide num_beams (%d), with diversity_penalty > 0 (got %g)",
+                        r->num_beam_groups, r->num_beams, (double)r->diversity_penalty);
+    if (r->num_beam_groups <= 1 && r->diversity_penalty != 0)
+        return ipc_fail(err, IPC_EINVAL, "diversity_penalty", "diversity_penalty needs num_beam_groups > 1");
     const struct sampler_params *s = &r->sampling;
     const char *warper = s->top_k ? "top_k" : s->top_p < 1 ? "top_p" : s->min_p > 0 ? "min_p"
                          : s->repetition_penalty != 1 ? "repetition_penalty" : NULL;
@@ -583,10 +581,15 @@ static enum ipc_status check_beams(const json_t *root, struct ipc_gen_req *r, st
 static enum ipc_status check_no_beams(const json_t *root, struct ipc_gen_req *r, struct ipc_error *err)
 {
     static const char *const beam_only[] = {"num_return_sequences", "length_penalty", "early_stopping", "min_tokens",
-                                            "no_repeat_ngram_size"};
-    for (size_t i = 0; i < sizeof(beam_only) / sizeof(beam_only[0]); i++)
-        if (given(root, beam_only[i]) && (strcmp(beam_only[i], "num_return_sequences") || r->num_return_sequences != 1))
+                                            "no_repeat_ngram_size", "num_beam_groups", "diversity_penalty"};
+    for (size_t i = 0; i < sizeof(beam_only) / sizeof(beam_only[0]); i++) {
+        const json_t *v = json_object_get(root, beam_only[i]);
+        /* the values that mean "one sequence, one group" say nothing */
+        bool one = json_is_integer(v) && json_integer_value(v) == 1 &&
+                   (!strcmp(beam_only[i], "num_return_sequences") || !strcmp(beam_only[i], "num_beam_groups"));
+        if (given(root, beam_only[i]) && !one)
             return ipc_fail(err, IPC_EINVAL, beam_only[i], "%s needs num_beams > 1", beam_only[i]);
+    }
     if (!r->best_of)
         r->best_of = r->n;
     if (r->best_of < r->n)

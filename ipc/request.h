@@ -59,7 +59,8 @@ struct ipc_gen_req {
     /* beam search (Hugging Face's names): num_beams 1 = none; the rest
      * only with num_beams > 1 (min_tokens: the eos ids are banned before) */
     int num_beams, num_return_sequences, min_tokens, no_repeat_ngram_size;
-    float length_penalty;
+    int num_beam_groups; /* group (diverse) beam search when > 1, with diversity_penalty > 0 */
+    float length_penalty, diversity_penalty;
     enum beam_early early_stopping;
     bool stream, include_usage, ignore_eos, return_tokens;
     bool logprobs;

@@ -24,13 +24,20 @@ struct beam_search {
     int n_run, gen;
     int32_t **run, **spare; /* [num_beams] prompt + max_new ids each */
     float *score, *spare_score;
-    /* the finished hypotheses, best first: n_fin of them */
+    /* the finished hypotheses of each group, best first: group g's are
+     * the slots [g * gs, g * gs + n_fin[g]) */
     int32_t **fin;          /* [num_beams] max_new ids each */
     float *fin_score;
     int *fin_len;
     bool *fin_eos;
-    int n_fin;
+    int *n_fin;             /* [groups] */
     bool heur_unsat, done;
+    /* group (diverse) beam search */
+    int groups, gs;         /* groups of gs beams (1 group of num_beams: plain) */
+    bool *gdone;            /* [groups] */
+    int32_t *cur_tok;       /* [num_beams] the ids the groups chose this step */
+    int *order;             /* [num_beams] the results: slots, best first */
+    int n_order;
     float *lp;              /* [vocab] one beam's log-probabilities */
     struct cand *cands;     /* [k] the best candidates, best first */
     int n_cands;
@@ -73,6 +80,10 @@ void beam_free(beam_search *b)
     rows_free(b->run, n);
     rows_free(b->spare, n);
     rows_free(b->fin, n);
+    free(b->n_fin);
+    free(b->gdone);
+    free(b->cur_tok);
+    free(b->order);
     free(b->score);
     free(b->spare_score);
     free(b->fin_score);
@@ -98,11 +109,15 @@ enum model_status beam_create(const struct beam_params *p, int vocab, const int3
         bad = "too many eos ids";
     else if (!isfinite(p->length_penalty) || n_prompt < 1)
         bad = "length_penalty must be finite";
+    else if (p->num_groups > 1 && (p->num_beams % p->num_groups || !(p->diversity_penalty > 0) ||
+                                   !isfinite(p->diversity_penalty)))
+        bad = "num_beam_groups must divide num_beams, with diversity_penalty > 0";
     if (bad) {
         snprintf(err, MODEL_ERR_LEN, "%s", bad);
         return MODEL_EINVAL;
     }
-    int k = (p->n_eos + 1 > 2 ? p->n_eos + 1 : 2) * p->num_beams;
+    int groups = p->num_groups > 1 ? p->num_groups : 1, gs = p->num_beams / groups;
+    int k = (p->n_eos + 1 > 2 ? p->n_eos + 1 : 2) * gs;
     /* the first beam must offer K finite candidates even when the eos ids
      * and an n-gram's ids are banned (see beam.h) */
     if ((long long)vocab < (long long)k + p->n_eos + 1) {
@@ -118,6 +133,8 @@ enum model_status beam_create(const struct beam_params *p, int vocab, const int3
     b->p.eos = b->eos;
     b->vocab = vocab;
     b->k = k;
+    b->groups = groups;
+    b->gs = gs;
     b->n_prompt = n_prompt;
     b->n_run = 1;
     b->heur_unsat = true;
@@ -133,12 +150,20 @@ enum model_status beam_create(const struct beam_params *p, int vocab, const int3
     b->fin_eos = calloc((size_t)n, sizeof(*b->fin_eos));
     b->lp = malloc((size_t)vocab * sizeof(*b->lp));
     b->cands = malloc((size_t)k * sizeof(*b->cands));
+    b->n_fin = calloc((size_t)groups, sizeof(*b->n_fin));
+    b->gdone = calloc((size_t)groups, sizeof(*b->gdone));
+    b->cur_tok = calloc((size_t)n, sizeof(*b->cur_tok));
+    b->order = calloc((size_t)n, sizeof(*b->order));
     if (!b->run || !b->spare || !b->fin || !b->score || !b->spare_score || !b->fin_score || !b->fin_len ||
-        !b->fin_eos || !b->lp || !b->cands) {
+        !b->fin_eos || !b->lp || !b->cands || !b->n_fin || !b->gdone || !b->cur_tok || !b->order) {
         beam_free(b);
         return MODEL_ENOMEM;
     }
     memcpy(b->run[0], prompt, n_prompt * sizeof(*prompt));
+    /* groups: every group's first beam starts from the prompt, the others
+     * score -1e9 (HF); all are beam 0 until the first step */
+    for (int i = 0; i < n && groups > 1; i++)
+        b->score[i] = i % gs ? -BEAM_NEG : 0;
     *out = b;
     return MODEL_OK;
 }
@@ -161,12 +186,30 @@ int beam_generated(const beam_search *b)
 
 int beam_results(const beam_search *b)
 {
-    return b->n_fin < b->p.num_return ? b->n_fin : b->p.num_return;
+    return b->n_order < b->p.num_return ? b->n_order : b->p.num_return;
 }
 
 struct beam_hyp beam_result(const beam_search *b, int i)
 {
-    return (struct beam_hyp){b->fin_score[i], b->fin_len[i], b->fin[i], b->fin_eos[i]};
+    int s = b->order[i];
+    return (struct beam_hyp){b->fin_score[s], b->fin_len[s], b->fin[s], b->fin_eos[s]};
+}
+
+/* The search ended: every group's hypotheses, best first (a plain search
+ * has one group, already in order). */
+static void beam_order(beam_search *b)
+{
+    b->n_order = 0;
+    for (int g = 0; g < b->groups; g++) {
+        for (int i = 0; i < b->n_fin[g]; i++) {
+            int s = g * b->gs + i, at = b->n_order++;
+            while (at > 0 && b->fin_score[s] > b->fin_score[b->order[at - 1]]) {
+                b->order[at] = b->order[at - 1];
+                at--;
+            }
+            b->order[at] = s;
+        }
+    }
 }
 
 /* log_softmax of x into b->lp, then the logits processors of beam.h. */
@@ -219,16 +262,18 @@ static void cand_offer(beam_search *b, struct cand c)
     b->n_cands = n;
 }
 
-/* Adds a finished hypothesis, keeping the best num_beams, best first
- * (an equal score goes after those already kept, as HF's merge does). */
-static void fin_add(beam_search *b, float score, const int32_t *gen, int len, bool eos)
+/* Adds a finished hypothesis to group g, keeping its best gs, best first
+ * (an equal score goes after those already kept, as HF's merge does): the
+ * ids gen[0, n), then last unless it is -1; eos: it ended in an eos id. */
+static void fin_add(beam_search *b, int g, float score, const int32_t *gen, int n_gen, int32_t last, bool eos)
 {
-    int n = b->n_fin, cap = b->p.num_beams;
-    if (n == cap && !(score > b->fin_score[n - 1]))
+    int len = n_gen + (last >= 0);
+    int n = b->n_fin[g], cap = b->gs, o = g * b->gs;
+    if (n == cap && !(score > b->fin_score[o + n - 1]))
         return;
-    int i = n < cap ? n++ : n - 1;
+    int i = o + (n < cap ? n++ : n - 1);
     int32_t *row = b->fin[i]; /* the slot that drops out (or the free one) */
-    while (i > 0 && score > b->fin_score[i - 1]) {
+    while (i > o && score > b->fin_score[i - 1]) {
         b->fin[i] = b->fin[i - 1];
         b->fin_score[i] = b->fin_score[i - 1];
         b->fin_len[i] = b->fin_len[i - 1];
@@ -236,11 +281,120 @@ static void fin_add(beam_search *b, float score, const int32_t *gen, int len, bo
         i--;
     }
     b->fin[i] = row;
-    memcpy(row, gen, (size_t)len * sizeof(*gen));
+    memcpy(row, gen, (size_t)n_gen * sizeof(*gen));
+    if (last >= 0)
+        row[n_gen] = last;
     b->fin_score[i] = score;
     b->fin_len[i] = len;
     b->fin_eos[i] = eos;
-    b->n_fin = n;
+    b->n_fin[g] = n;
+}
+
+/* Whether group g is done, after a step from gen tokens whose best
+ * candidate scored best (BeamHypotheses.is_done of the scorer that group
+ * beam search keeps: its lengths exclude the new token). */
+static bool group_is_done(const beam_search *b, int g, float best)
+{
+    if (b->n_fin[g] < b->gs)
+        return false;
+    if (b->p.early_stopping == BEAM_EARLY_TRUE)
+        return true;
+    int len = b->p.early_stopping == BEAM_EARLY_NEVER && b->p.length_penalty > 0 ? b->p.max_new : b->gen;
+    float reach = (float)(best / pow((double)len, (double)b->p.length_penalty));
+    return b->fin_score[g * b->gs + b->gs - 1] >= reach;
+}
+
+/* Group (diverse) beam search, one step: the groups choose in turn, each
+ * among its own beams, its scores lowered by diversity_penalty for every
+ * beam of an earlier group that chose the same id this step (Hamming
+ * diversity).  As transformers' group beam search (BeamSearchScorer): a
+ * candidate ending in eos among the group's first gs becomes a hypothesis
+ * without the eos in its length (the first eos id is appended to it), a
+ * group that is done continues with padding (the first eos id, score 0)
+ * from its first beam, and at max_new every open group adds its running
+ * beams; the results are the best of all groups. */
+static enum model_status beam_step_groups(beam_search *b, const float *const *logits, int *parent, bool *done)
+{
+    int gs = b->gs, nb = b->p.num_beams;
+    bool first = b->n_run == 1; /* every beam is still the prompt: beam 0 */
+    size_t n = b->n_prompt + (size_t)b->gen;
+    int32_t pad = b->p.n_eos ? b->eos[0] : 0;
+    for (int g = 0; g < b->groups; g++) {
+        int o = g * gs;
+        if (b->gdone[g]) {
+            for (int k = 0; k < gs; k++) {
+                memcpy(b->spare[o + k], b->run[first ? 0 : o], n * sizeof(**b->run));
+                b->spare[o + k][n] = pad;
+                b->spare_score[o + k] = 0;
+                parent[o + k] = first ? 0 : o;
+                b->cur_tok[o + k] = pad;
+            }
+            continue;
+        }
+        b->n_cands = 0;
+        for (int i = 0; i < gs; i++) {
+            int src = first ? 0 : o + i;
+            beam_logprobs(b, logits[src], b->run[src], n);
+            for (int j = 0; j < o; j++) { /* each id once, by how many earlier beams chose it */
+                int same = 0, seen = 0;
+                for (int q = 0; q < o; q++) {
+                    same += b->cur_tok[q] == b->cur_tok[j];
+                    seen += q < j && b->cur_tok[q] == b->cur_tok[j];
+                }
+                if (!seen)
+                    b->lp[b->cur_tok[j]] -= b->p.diversity_penalty * (float)same;
+            }
+            for (int v = 0; v < b->vocab; v++) {
+                float a = b->lp[v] + b->score[o + i];
+                if (b->n_cands < b->k || a > b->cands[b->n_cands - 1].lp)
+                    cand_offer(b, (struct cand){a, i, v});
+            }
+        }
+        int r = 0;
+        for (int c = 0; c < b->n_cands && r < gs; c++) {
+            const struct cand *x = &b->cands[c];
+            int src = first ? 0 : o + x->beam;
+            if (is_eos(b, x->tok)) {
+                if (c < gs)
+                    fin_add(b, g, (float)(x->lp / pow((double)b->gen, (double)b->p.length_penalty)),
+                            b->run[src] + b->n_prompt, b->gen, pad, true);
+                continue;
+            }
+            memcpy(b->spare[o + r], b->run[src], n * sizeof(**b->run));
+            b->spare[o + r][n] = x->tok;
+            b->spare_score[o + r] = x->lp;
+            parent[o + r] = src;
+            b->cur_tok[o + r] = x->tok;
+            r++;
+        }
+        if (r < gs) /* beam_create's vocabulary check rules it out */
+            return MODEL_EINVAL;
+        b->gdone[g] = b->gdone[g] || group_is_done(b, g, b->cands[0].lp);
+    }
+    int32_t **t = b->run;
+    b->run = b->spare;
+    b->spare = t;
+    float *f = b->score;
+    b->score = b->spare_score;
+    b->spare_score = f;
+    b->n_run = nb;
+    b->gen++;
+    bool all_done = true;
+    for (int g = 0; g < b->groups; g++)
+        all_done = all_done && b->gdone[g];
+    b->done = all_done || b->gen >= b->p.max_new;
+    for (int g = 0; g < b->groups && b->done; g++) {
+        if (b->gdone[g])
+            continue;
+        double denom = pow((double)b->gen, (double)b->p.length_penalty);
+        for (int k = 0; k < gs; k++)
+            fin_add(b, g, (float)(b->score[g * gs + k] / denom), b->run[g * gs + k] + b->n_prompt, b->gen, -1,
+                    false);
+    }
+    if (b->done)
+        beam_order(b);
+    *done = b->done;
+    return MODEL_OK;
 }
 
 enum model_status beam_step(beam_search *b, const float *const *logits, int *parent, bool *done)
@@ -248,6 +402,8 @@ enum model_status beam_step(beam_search *b, const float *const *logits, int *par
     *done = b->done;
     if (b->done)
         return MODEL_EINVAL;
+    if (b->groups > 1)
+        return beam_step_groups(b, logits, parent, done);
     size_t n = b->n_prompt + (size_t)b->gen;
     b->n_cands = 0;
     for (int i = 0; i < b->n_run; i++) {
@@ -262,17 +418,14 @@ enum model_status beam_step(beam_search *b, const float *const *logits, int *par
     bool at_max = gen1 >= b->p.max_new; /* every candidate stops (HF's max_length criterion) */
     /* the finished ones among the first num_beams candidates */
     double denom = pow((double)gen1, (double)b->p.length_penalty);
-    bool full_stop = b->n_fin == nb && b->p.early_stopping == BEAM_EARLY_TRUE;
+    bool full_stop = b->n_fin[0] == nb && b->p.early_stopping == BEAM_EARLY_TRUE;
     if (!full_stop && b->heur_unsat) {
         for (int c = 0; c < nb && c < b->n_cands; c++) {
             const struct cand *x = &b->cands[c];
             bool eos = is_eos(b, x->tok);
             if (!eos && !at_max)
                 continue;
-            int32_t *gen = b->spare[0]; /* scratch: the hypothesis' generated ids */
-            memcpy(gen, b->run[x->beam] + b->n_prompt, (size_t)b->gen * sizeof(*gen));
-            gen[b->gen] = x->tok;
-            fin_add(b, (float)(x->lp / denom), gen, gen1, eos);
+            fin_add(b, 0, (float)(x->lp / denom), b->run[x->beam] + b->n_prompt, b->gen, x->tok, eos);
         }
     }
     /* the running beams of the next step: the first num_beams that go on */
@@ -298,10 +451,12 @@ enum model_status beam_step(beam_search *b, const float *const *logits, int *par
         /* can the best running beam still beat the worst kept hypothesis? */
         int hyp_len = b->p.early_stopping == BEAM_EARLY_NEVER && b->p.length_penalty > 0 ? b->p.max_new : b->gen;
         float best = (float)(b->score[0] / pow((double)hyp_len, (double)b->p.length_penalty));
-        if (b->n_fin == nb && !(best > b->fin_score[nb - 1]))
+        if (b->n_fin[0] == nb && !(best > b->fin_score[nb - 1]))
             b->heur_unsat = false;
     }
-    b->done = at_max || r < nb || !b->heur_unsat || (b->n_fin == nb && b->p.early_stopping == BEAM_EARLY_TRUE);
+    b->done = at_max || r < nb || !b->heur_unsat || (b->n_fin[0] == nb && b->p.early_stopping == BEAM_EARLY_TRUE);
+    if (b->done)
+        beam_order(b);
     *done = b->done;
     return MODEL_OK;
 }

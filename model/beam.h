@@ -29,6 +29,9 @@
  *     or max_new for early_stopping "never" with length_penalty > 0), when
  *     early_stopping is true and num_beams hypotheses are finished, or at
  *     max_new tokens (every candidate then finishes).
+ * Group (diverse) beam search (num_groups > 1) decides as transformers'
+ * group beam search with its older scorer instead (beam_step_groups in
+ * beam.c; docs/api.md "Beam search").
  * Before the first step one beam runs (the prompt's); HF's other initial
  * beams score -1e9 and can only win when the first one has fewer than K
  * finite candidates, which beam_create rules out (vocab >= K + the banned
@@ -61,6 +64,10 @@ struct beam_params {
     int no_repeat_ngram; /* 0 = off */
     const int32_t *eos;  /* the ids that finish a beam (copied); none: only max_new ends one */
     int n_eos;
+    /* group (diverse) beam search when num_groups > 1: it divides
+     * num_beams, and diversity_penalty > 0 (beam_step_groups in beam.c) */
+    int num_groups;
+    float diversity_penalty;
 };
 
 struct beam_hyp {

@@ -6,7 +6,8 @@
 
 For each case (num_beams 2 and 4; length_penalty 1.0, 0.5, 2.0;
 early_stopping true, false, "never"; then num_return_sequences,
-min_new_tokens and no_repeat_ngram_size) both sides return their
+min_new_tokens and no_repeat_ngram_size; then group beam search with
+num_beam_groups and diversity_penalty) both sides return their
 hypotheses: the token ids must be equal and the sequence scores within
 --tol (absolute; both compute in f32, kvtier with a KV cache, the
 reference without).  --min-eos: at least that many returned hypotheses,
@@ -33,6 +34,11 @@ def cases():
     yield {"num-beams": 4, "num-return": 2, "length-penalty": 1.0, "early-stopping": "false", "min-new": 6}
     yield {"num-beams": 3, "num-return": 3, "length-penalty": 1.0, "early-stopping": "false", "no-repeat-ngram": 2}
     yield {"num-beams": 5, "num-return": 1, "length-penalty": 0.0, "early-stopping": "never"}
+    # group (diverse) beam search
+    for nb, g, d, lp, early in ((4, 2, 1.0, 1.0, "false"), (6, 3, 0.5, 2.0, "never"), (4, 2, 5.0, 0.5, "true"),
+                                (4, 4, 0.7, 1.0, "false")):
+        yield {"num-beams": nb, "num-return": nb // 2, "length-penalty": lp, "early-stopping": early,
+               "num-beam-groups": g, "diversity-penalty": d}
 
 
 def parse(lines):
@@ -72,9 +78,12 @@ def main(argv=None):
             ok = False
             continue
         got = parse(p.stdout.splitlines())
-        ref = beamref.beam_search(model, prompt, o.n, c["num-beams"], c["num-return"], c["length-penalty"],
-                                  beamref.parse_early(c["early-stopping"]), c.get("min-new", 0),
-                                  c.get("no-repeat-ngram", 0), eos)
+        common = (model, prompt, o.n, c["num-beams"], c["num-return"], c["length-penalty"],
+                  beamref.parse_early(c["early-stopping"]), c.get("min-new", 0), c.get("no-repeat-ngram", 0), eos)
+        if c.get("num-beam-groups", 1) > 1:
+            ref = beamref.group_beam_search(*common, c["num-beam-groups"], c["diversity-penalty"])
+        else:
+            ref = beamref.beam_search(*common)
         bad = None
         if len(got) != len(ref):
             bad = f"{len(got)} hypotheses, the reference {len(ref)}"

@@ -63,6 +63,13 @@ want = run_tool(4, 2, 12, ("--length-penalty", "0.5", "--early-stopping", "never
 check(code == 200 and [c["tokens"] for c in r["choices"]] == [w[1] for w in want],
       "length_penalty, early_stopping \"never\", no_repeat_ngram_size, min_tokens: kvtier-run's beams")
 
+code, r = d.post("/v1/completions", dict(req, num_return_sequences=3, num_beam_groups=2, diversity_penalty=1.5))
+want = run_tool(4, 3, 12, ("--num-beam-groups", "2", "--diversity-penalty", "1.5"))
+got = [(c["sequence_score"], c["tokens"]) for c in r.get("choices", [])]
+check(code == 200 and [g[1] for g in got] == [w[1] for w in want] and
+      all(abs(g[0] - w[0]) < 1e-5 for g, w in zip(got, want)),
+      "group beam search (2 groups, diversity_penalty 1.5): kvtier-run's hypotheses")
+
 code, r = d.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6,
                                           "num_beams": 3, "num_return_sequences": 2})
 check(code == 200 and len(r["choices"]) == 2 and all("sequence_score" in c and c["message"]["role"] == "assistant"
@@ -93,15 +100,16 @@ for body, param, status in (
         (dict(req, top_p=0.5), "top_p", 400),
         (dict(req, cache={"implementation": "quantized"}), "num_beams", 400),
         (dict(req, use_cache=False), "use_cache", 400),
-        (dict(req, num_beam_groups=2, diversity_penalty=0.5), None, 501),
+        (dict(req, num_beam_groups=3, diversity_penalty=0.5), "num_beam_groups", 400),
+        (dict(req, diversity_penalty=0.5), "diversity_penalty", 400),
         (dict(req, num_beams=100), "num_beams", 400),
         ({"prompt": prompt, "length_penalty": 2.0}, "length_penalty", 400),
         ({"prompt": prompt, "early_stopping": True}, "early_stopping", 400),
         ({"prompt": prompt, "n": 3, "best_of": 2}, "best_of", 400),
         ({"prompt": prompt, "n": 1, "best_of": 2, "stream": True}, "best_of", 400)):
     code, e = d.post("/v1/completions", body)
-    check(code == status and (param is None or e["error"]["param"] == param),
-          "%s -> %d: %s" % (param or "group beam search", status, e["error"]["message"][:90]))
+    check(code == status and e["error"]["param"] == param,
+          "%s -> %d: %s" % (param, status, e["error"]["message"][:90]))
 
 # n > 1: one prefill forked; choice i is what a request with seed + i gives
 samp = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 7, "return_tokens": True, "ignore_eos": True}

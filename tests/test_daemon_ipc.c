@@ -303,7 +303,11 @@ static void test_request(void **state)
         {"{\"prompt\":\"x\",\"num_beams\":2,\"top_k\":5}", false, IPC_EINVAL, "top_k"},
         {"{\"prompt\":\"x\",\"num_beams\":2,\"early_stopping\":\"always\"}", false, IPC_EINVAL,
          "early_stopping"},
-        {"{\"prompt\":\"x\",\"num_beams\":2,\"num_beam_groups\":2}", false, IPC_ENOTIMPL, "num_beam_groups"},
+        {"{\"prompt\":\"x\",\"num_beams\":2,\"num_beam_groups\":2}", false, IPC_EINVAL, "num_beam_groups"},
+        {"{\"prompt\":\"x\",\"num_beams\":4,\"num_beam_groups\":3,\"diversity_penalty\":1}", false, IPC_EINVAL,
+         "num_beam_groups"},
+        {"{\"prompt\":\"x\",\"num_beams\":4,\"diversity_penalty\":1}", false, IPC_EINVAL, "diversity_penalty"},
+        {"{\"prompt\":\"x\",\"num_beam_groups\":2,\"diversity_penalty\":1}", false, IPC_EINVAL, "num_beam_groups"},
         {"{\"prompt\":\"x\",\"no_repeat_ngram_size\":2}", false, IPC_EINVAL, "no_repeat_ngram_size"},
         {"{\"prompt\":\"x\",\"min_tokens\":65}", false, IPC_EINVAL, "min_tokens"},
         {"{\"prompt\":\"x\",\"n\":2,\"best_of\":1}", false, IPC_EINVAL, "best_of"},
@@ -343,7 +347,14 @@ static void test_request(void **state)
                      IPC_OK);
     assert_int_equal(r.num_return_sequences, 1);
     assert_int_equal(r.early_stopping, BEAM_EARLY_TRUE);
+    assert_true(r.num_beam_groups <= 1);
     assert_float_equal(r.length_penalty, 1, 0);
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"num_beams\":4,\"num_beam_groups\":2,\"diversity_penalty\":0.5}", false,
+                           &r, &err, &root), IPC_OK);
+    assert_int_equal(r.num_beam_groups, 2);
+    assert_float_equal(r.diversity_penalty, 0.5, 0);
     ipc_gen_req_release(&r);
     json_decref(root);
     assert_int_equal(parse("{\"prompt\":\"x\",\"n\":2,\"best_of\":4}", false, &r, &err, &root), IPC_OK);

@@ -116,6 +116,107 @@ def beam_search(model, prompt, max_new, num_beams, num_return, length_penalty, e
     return [(float(fin_scores[i]), fin_eos[i], fin_seqs[i]) for i in range(num_return)]
 
 
+class Hyps:
+    """The finished hypotheses of one group, as the BeamSearchScorer that
+    group beam search keeps them: at most n, the worst dropped."""
+
+    def __init__(self, n, length_penalty, early, max_new):
+        self.n, self.lp, self.early, self.max_new = n, length_penalty, early, max_new
+        self.beams, self.worst = [], 1e9
+
+    def add(self, ids, sum_logprobs, gen_len, eos):
+        score = sum_logprobs / (gen_len ** self.lp)
+        if len(self.beams) < self.n or score > self.worst:
+            self.beams.append((score, ids, eos))
+            if len(self.beams) > self.n:
+                order = sorted((s, i) for i, (s, _, _) in enumerate(self.beams))
+                del self.beams[order[0][1]]
+                self.worst = order[1][0]
+            else:
+                self.worst = min(score, self.worst)
+
+    def is_done(self, best, gen):
+        if len(self.beams) < self.n:
+            return False
+        if self.early is True:
+            return True
+        length = self.max_new if (self.early == "never" and self.lp > 0) else gen
+        return self.worst >= best / (length ** self.lp)
+
+
+def group_beam_search(model, prompt, max_new, num_beams, num_return, length_penalty, early, min_new, ngram, eos,
+                      groups, diversity):
+    """transformers' group (diverse) beam search (the transformers-community
+    group-beam-search generate with its BeamSearchScorer), written anew:
+    per step the groups choose in turn, each over its own beams, log-probs
+    minus diversity * (how many beams of earlier groups chose the id this
+    step); eos candidates among a group's first group_size become
+    hypotheses without the eos in their length (the first eos id appended
+    to the returned ids); a done group pads (first eos id, score 0)."""
+    vocab = model.cfg["vocab_size"]
+    gs = num_beams // groups
+    k = max(2, 1 + len(eos)) * gs
+    plen = len(prompt)
+    pad = eos[0] if eos else 0
+    seqs = torch.tensor([prompt] * num_beams, dtype=torch.int64)
+    scores = torch.full((num_beams,), NEG)
+    scores[::gs] = 0
+    hyps = [Hyps(gs, length_penalty, early, max_new) for _ in range(groups)]
+    done = [False] * groups
+    gen = 0
+    while True:
+        with torch.no_grad():
+            logits = model(seqs)[:, -1, :].float()
+        cur = torch.zeros(num_beams, dtype=torch.int64)
+        new_seqs = seqs.clone()
+        new_scores = scores.clone()
+        next_tok = torch.zeros(num_beams, dtype=torch.int64)
+        for g in range(groups):
+            o = g * gs
+            if done[g]:
+                new_seqs[o:o + gs] = seqs[o]
+                new_scores[o:o + gs] = 0
+                next_tok[o:o + gs] = pad
+                cur[o:o + gs] = pad
+                continue
+            lp = torch.log_softmax(logits[o:o + gs], dim=-1)
+            if gen < min_new:
+                lp[:, eos] = float("-inf")
+            for b in range(gs):
+                for t in banned_ngram(seqs[o + b].tolist(), ngram):
+                    lp[b, t] = float("-inf")
+            if o > 0:
+                lp = lp - diversity * torch.bincount(cur[:o], minlength=vocab).float()
+            acc = (lp + scores[o:o + gs, None]).reshape(-1)
+            top_lp, top_idx = torch.topk(acc, k)
+            r = 0
+            for rank in range(k):
+                beam, tok = int(top_idx[rank]) // vocab, int(top_idx[rank]) % vocab
+                if tok in eos:
+                    if rank < gs:
+                        hyps[g].add(seqs[o + beam, plen:].tolist() + [pad], float(top_lp[rank]), gen, True)
+                    continue
+                new_seqs[o + r] = seqs[o + beam]
+                new_scores[o + r] = top_lp[rank]
+                next_tok[o + r] = tok
+                cur[o + r] = tok
+                r += 1
+                if r == gs:
+                    break
+            done[g] = done[g] or hyps[g].is_done(float(top_lp[0]), gen)
+        seqs = torch.cat([new_seqs, next_tok[:, None]], dim=1)
+        scores = new_scores
+        gen += 1
+        if all(done) or gen >= max_new:
+            break
+    for g in range(groups):
+        if not done[g]:
+            for b in range(g * gs, (g + 1) * gs):
+                hyps[g].add(seqs[b, plen:].tolist(), float(scores[b]), gen, False)
+    pool = sorted(sum((h.beams for h in hyps), []), key=lambda x: x[0])
+    return [(s, e, ids) for s, ids, e in reversed(pool[-num_return:])]
+
+
 def parse_early(s):
     return {"true": True, "false": False, "never": "never"}[s]
 
@@ -132,14 +233,20 @@ def main(argv=None):
     ap.add_argument("--min-new", type=int, default=0)
     ap.add_argument("--no-repeat-ngram", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--num-beam-groups", type=int, default=1)
+    ap.add_argument("--diversity-penalty", type=float, default=0.0)
     o = ap.parse_args(argv)
     torch.set_num_threads(2)
     model = torchref.load_model(o.dir, torch.float32)
     prompt = [int(x) for x in o.ids.split(",")]
     eos = [] if o.ignore_eos else eos_ids(o.dir)
-    for i, (score, eos_end, ids) in enumerate(
-            beam_search(model, prompt, o.n, o.num_beams, o.num_return, o.length_penalty, o.early_stopping,
-                        o.min_new, o.no_repeat_ngram, eos)):
+    if o.num_beam_groups > 1:
+        res = group_beam_search(model, prompt, o.n, o.num_beams, o.num_return, o.length_penalty, o.early_stopping,
+                                o.min_new, o.no_repeat_ngram, eos, o.num_beam_groups, o.diversity_penalty)
+    else:
+        res = beam_search(model, prompt, o.n, o.num_beams, o.num_return, o.length_penalty, o.early_stopping,
+                          o.min_new, o.no_repeat_ngram, eos)
+    for i, (score, eos_end, ids) in enumerate(res):
         print(f"beam {i} score {score:.9g} eos {int(eos_end)} ids {','.join(map(str, ids))}")
     return 0
 

@@ -5,6 +5,7 @@
  *   kvtier-run -m DIR --ids 1,2,3 -n N --greedy --dump FILE [--no-cache]
  *   kvtier-run -m DIR --ids 1,2,3 -n N --num-beams B [--num-return R] [--length-penalty L]
  *              [--early-stopping true|false|never] [--min-new N] [--no-repeat-ngram N]
+ *              [--num-beam-groups G --diversity-penalty D]
  *
  * Beam search prints one line per returned hypothesis, best first:
  * "beam I score S eos 0|1 ids A,B,C" (the generated ids), and its KV
@@ -31,7 +32,7 @@ static void usage(FILE *f)
                "       [--top-p P] [--min-p P] [--rep-pen R] [--seed S] [--stop STR]... [--ignore-eos]\n"
                "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--threads N] [--dump FILE] [--quiet]\n"
                "       [--num-beams B [--num-return R] [--length-penalty L] [--early-stopping true|false|never]\n"
-               "        [--min-new N] [--no-repeat-ngram N]]\n");
+               "        [--min-new N] [--no-repeat-ngram N] [--num-beam-groups G --diversity-penalty D]]\n");
 }
 
 /* Logits rows kept in memory until the dump is written. */
@@ -138,7 +139,8 @@ int main(int argc, char **argv)
     bool quiet = false;
     struct beam_params bp = {.num_return = 1, .length_penalty = 1};
     enum { O_IDS = 256, O_GREEDY, O_TEMP, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_IGN, O_NOCACHE,
-           O_THREADS, O_DUMP, O_QUIET, O_KVDTYPE, O_BEAMS, O_NRET, O_LENPEN, O_EARLY, O_MINNEW, O_NGRAM };
+           O_THREADS, O_DUMP, O_QUIET, O_KVDTYPE, O_BEAMS, O_NRET, O_LENPEN, O_EARLY, O_MINNEW, O_NGRAM,
+           O_GROUPS, O_DIVERSITY };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"max-new", required_argument, 0, 'n'}, {"ids", required_argument, 0, O_IDS},
@@ -152,6 +154,7 @@ int main(int argc, char **argv)
         {"num-beams", required_argument, 0, O_BEAMS}, {"num-return", required_argument, 0, O_NRET},
         {"length-penalty", required_argument, 0, O_LENPEN}, {"early-stopping", required_argument, 0, O_EARLY},
         {"min-new", required_argument, 0, O_MINNEW}, {"no-repeat-ngram", required_argument, 0, O_NGRAM},
+        {"num-beam-groups", required_argument, 0, O_GROUPS}, {"diversity-penalty", required_argument, 0, O_DIVERSITY},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c, li = -1;
@@ -192,6 +195,8 @@ int main(int argc, char **argv)
             break;
         case O_MINNEW: ok = args_int(optarg, 0, 1 << 24, &bp.min_new); break;
         case O_NGRAM: ok = args_int(optarg, 0, 1 << 24, &bp.no_repeat_ngram); break;
+        case O_GROUPS: ok = args_int(optarg, 1, BEAM_MAX_BEAMS, &bp.num_groups); break;
+        case O_DIVERSITY: ok = args_float(optarg, 0, 1000, &bp.diversity_penalty); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }

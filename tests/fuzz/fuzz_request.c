@@ -81,6 +81,10 @@ static void check_gen(const struct ipc_gen_req *r, bool chat, const struct ipc_l
         FUZZ_CHECK(!r->stream && r->n == 1 && !r->session && !r->logprobs && !r->n_stops, "beams with %s",
                    r->stream ? "stream" : r->n != 1 ? "n" : r->session ? "a session" : r->logprobs ? "logprobs" : "stop");
         FUZZ_CHECK(isfinite(r->length_penalty), "length_penalty %g", r->length_penalty);
+        FUZZ_CHECK(r->num_beam_groups <= 1 ? r->diversity_penalty == 0
+                                           : r->num_beams % r->num_beam_groups == 0 && r->diversity_penalty > 0 &&
+                                                 isfinite(r->diversity_penalty),
+                   "num_beam_groups %d, diversity_penalty %g", r->num_beam_groups, r->diversity_penalty);
         FUZZ_CHECK(r->min_tokens >= 0 && r->min_tokens <= lim->max_context && r->no_repeat_ngram_size >= 0 &&
                    r->no_repeat_ngram_size <= lim->max_context, "min_tokens %d, no_repeat_ngram_size %d",
                    r->min_tokens, r->no_repeat_ngram_size);
