@@ -536,9 +536,6 @@ void start_job(engine *e, struct job *j)
     pthread_mutex_unlock(&e->mu);
 }
 
-/* Log-probabilities of the chosen id and the top alternatives, from the raw
- * logits in e->scratch (OpenAI reports the model's distribution, before
- * temperature and filters). */
 static float log_sum_exp(const float *x, int n)
 {
     float mx = x[0];
@@ -550,6 +547,9 @@ static float log_sum_exp(const float *x, int n)
     return mx + (float)log(sum);
 }
 
+/* Log-probabilities of the chosen id and the top alternatives, from the raw
+ * logits in e->scratch (OpenAI reports the model's distribution, before
+ * temperature and filters). */
 static void record_logprobs(engine *e, struct job *j, struct job_choice *c, int32_t id)
 {
     const float *x = e->scratch;
@@ -840,7 +840,10 @@ static void beam_advance(engine *e, struct job *j, double t)
     }
     int parent[BEAM_MAX_BEAMS];
     bool done = false;
-    beam_step(j->bs, rows, parent, &done);
+    if (beam_step(j->bs, rows, parent, &done) != MODEL_OK) { /* beam_create's checks rule it out */
+        job_fail_msg(e, j, IPC_EINTERNAL, "beam search: no decision for this step");
+        return;
+    }
     if (done) {
         beam_finish(e, j);
         return;
