@@ -8,8 +8,8 @@
  *              [--num-beam-groups G --diversity-penalty D]
  *
  * Beam search prints one line per returned hypothesis, best first:
- * "beam I score S eos 0|1 ids A,B,C" (the generated ids), and its KV
- * figures on stderr.
+ * "beam I score S eos 0|1 ids A,B,C" (the generated ids); each one's text
+ * and the search's KV figures go to stderr (not with --quiet).
  *
  * --dump writes what the reference tests compare (little-endian): "KVTL",
  * int32 n_prompt, int32 n_gen, int32 vocab, int32 tokens[n_prompt+n_gen],
@@ -119,6 +119,11 @@ static bool run_beams(struct runtime *rt, const struct tok_ids *prompt, const st
         for (int t = 0; t < h.n_gen; t++)
             printf(t ? ",%d" : "%d", h.toks[t]);
         putchar('\n');
+        char *text = NULL;
+        size_t len = 0;
+        if (!quiet && tokenizer_decode(rt->tok, h.toks, (size_t)h.n_gen, true, &text, &len) == TEXT_OK)
+            fprintf(stderr, "[beam %d: %.*s]\n", i, (int)len, text);
+        free(text);
     }
     if (!quiet)
         fprintf(stderr, "[beam search: %d steps, KV bytes copied %llu, a whole-cache reorder each step: %llu]\n",
