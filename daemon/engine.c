@@ -874,7 +874,8 @@ static void beam_advance(engine *e, struct job *j, double t)
     }
     pthread_mutex_lock(&e->mu);
     j->res.beam_steps++;
-    j->res.whole_reorder_bytes += beam_whole_reorder_bytes(e->mc, kv_store_dtype(e->store), nn, (int64_t)len - 1);
+    j->res.whole_reorder_bytes +=
+        beam_whole_reorder_bytes(e->mc, kv_store_dtype(e->store), nn, (int64_t)len - 1, j->cache.params.window_length);
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -488,11 +488,14 @@ enum tier_status beam_reorder(kv_seq **kv, int n_old, const int *parent, int n_n
     return st;
 }
 
-uint64_t beam_whole_reorder_bytes(const struct model_config *c, enum be_dtype dtype, int n_beams, int64_t len)
+uint64_t beam_whole_reorder_bytes(const struct model_config *c, enum be_dtype dtype, int n_beams, int64_t len,
+                                  int window)
 {
     uint64_t rows = 0;
     for (int l = 0; l < c->n_layers; l++) {
         int64_t w = c->layer_window[l];
+        if (window > 0 && (!w || window < w))
+            w = window;
         rows += (uint64_t)(w && w < len ? w : len);
     }
     return rows * 2u * (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim * be_dtype_size(dtype) * (uint64_t)n_beams;
@@ -548,7 +551,8 @@ enum model_status beam_generate(model *m, kv_store *store, const struct kv_seq_p
             const int32_t *t = beam_tokens(b, i, &len);
             fw[i] = (struct fw_seq){kv[i], t + len - 1, 1, logits + (size_t)i * (size_t)c->vocab_size, false};
         }
-        ks->whole_reorder_bytes += beam_whole_reorder_bytes(c, kv_store_dtype(store), nn, (int64_t)len - 1);
+        ks->whole_reorder_bytes += beam_whole_reorder_bytes(c, kv_store_dtype(store), nn, (int64_t)len - 1,
+                                                            kp ? kp->window_length : 0);
         ks->steps++;
         st = model_forward(m, fw, nn);
     }

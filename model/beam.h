@@ -113,8 +113,10 @@ enum tier_status beam_reorder(kv_seq **kv, int n_old, const int *parent, int n_n
 
 /* What a whole-cache reorder (HF's reorder_cache: every layer's K and V
  * gathered by beam index) would copy for n_beams beams of len tokens:
- * each layer's stored rows (a sliding layer at most its window). */
-uint64_t beam_whole_reorder_bytes(const struct model_config *c, enum be_dtype dtype, int n_beams, int64_t len);
+ * each layer's stored rows (a sliding layer at most its window; window >
+ * 0 bounds every layer, as a sliding_window or sink cache does). */
+uint64_t beam_whole_reorder_bytes(const struct model_config *c, enum be_dtype dtype, int n_beams, int64_t len,
+                                  int window);
 
 /* The KV figures of one search: forward steps after the prefill, bytes
  * copied (kv_seq_stats().copied_bytes of every beam's sequence, forks and

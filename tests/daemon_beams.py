@@ -120,6 +120,15 @@ check(code == 200 and [c["tokens"] for c in r["choices"]] == alone,
 # 101 prompt tokens end in a partly filled block, shared by the five: four copy it
 check(r["kvtier"]["kv_bytes_copied"] == 4 * LAYERS * BLOCK,
       "n=5 shares the prompt's KV: %d bytes copied (4 blocks per layer)" % r["kvtier"]["kv_bytes_copied"])
+# every strategy that forks: the forked choices continue exactly, sliding
+# and sink caches past their window too
+for cache in ({"implementation": "sink", "window_length": 64}, {"implementation": "sliding_window", "window_length": 48},
+              {"implementation": "static", "max_cache_len": 160}, {"implementation": "offloaded"}):
+    long = dict(samp, max_tokens=40, cache=cache)
+    code, r = d.post("/v1/completions", dict(long, n=4))
+    alone = [d.post("/v1/completions", dict(long, seed=7 + i))[1]["choices"][0]["tokens"] for i in range(4)]
+    check(code == 200 and [c["tokens"] for c in r["choices"]] == alone and r["kvtier"]["kv_bytes_copied"] > 0,
+          "n=4 on %s: forked choices give their own seeds' tokens" % cache["implementation"])
 code, r = d.post("/v1/completions", dict(samp, n=40, max_tokens=2))
 check(code == 200 and len(r["choices"]) == 40, "n=40 (the cap is above 8 now)")
 
