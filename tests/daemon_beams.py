@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from daemon_harness import BUILD, Daemon, check  # noqa: E402
@@ -69,6 +70,24 @@ got = [(c["sequence_score"], c["tokens"]) for c in r.get("choices", [])]
 check(code == 200 and [g[1] for g in got] == [w[1] for w in want] and
       all(abs(g[0] - w[0]) < 1e-5 for g, w in zip(got, want)),
       "group beam search (2 groups, diversity_penalty 1.5): kvtier-run's hypotheses")
+
+# beams batched with other requests: each gets what it gets alone
+reqs = [dict(req, num_beams=3, num_return_sequences=3, max_tokens=30), dict(req, prompt=prompt[:50], max_tokens=30),
+        {"prompt": prompt[:30], "max_tokens": 30, "temperature": 1.0, "seed": 3, "n": 3, "return_tokens": True}]
+alone = [[c["tokens"] for c in d.post("/v1/completions", q)[1]["choices"]] for q in reqs]
+together = [None] * len(reqs)
+
+
+def run(i):
+    together[i] = [c["tokens"] for c in d.post("/v1/completions", reqs[i])[1]["choices"]]
+
+
+threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+check(together == alone, "two beam searches and n=3 sampling batched together: each its results alone")
 
 code, r = d.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6,
                                           "num_beams": 3, "num_return_sequences": 2})
