@@ -32,6 +32,7 @@ struct job *job_new(int n, const char *const *stops, int n_stops)
     if (!j)
         return NULL;
     j->n = n;
+    j->n_out = n;
     j->refs = 1;
     size_t total = 0;
     for (int i = 0; i < n_stops; i++)
@@ -60,6 +61,7 @@ static void job_free(struct job *j)
         gen_seq_free(&j->ch[i].seq);
         free(j->ch[i].lps);
     }
+    beam_free(j->bs);
     free(j->prompt);
     free(j->stop_buf);
     kvfile_release(&j->kvf);
@@ -169,7 +171,7 @@ bool job_done(engine *e, const struct job *j)
 struct job_progress job_progress(const struct job *j, int i)
 {
     const struct job_choice *c = &j->ch[i];
-    return (struct job_progress){c->seq.text, c->n_text, c->n_gen, c->seq.toks, c->lps, c->finish};
+    return (struct job_progress){c->seq.text, c->n_text, c->n_gen, c->seq.toks, c->lps, c->finish, c->score};
 }
 
 const struct job_result *job_result(const struct job *j)
@@ -284,6 +286,15 @@ static enum ipc_status kv_open(engine *e, const struct kv_seq_params *p, uid_t u
     return IPC_OK;
 }
 
+/* Whether the choices of j share one prefill of the prompt: choice 0
+ * computes it, the others fork its KV (a quantized cache cannot fork;
+ * without a cache every step recomputes everything anyway). */
+static bool shares_prefill(const struct job *j)
+{
+    return j->n > 1 && !j->sess && j->kind == JOB_GENERATE && j->cache.use_cache &&
+           j->cache.params.strategy != KV_QUANTIZED;
+}
+
 static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
 {
     if (j->logprobs && !(c->lps = malloc((size_t)j->max_new * (size_t)(1 + j->top_logprobs) * sizeof(*c->lps))))
@@ -303,13 +314,18 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     if (ms != MODEL_OK)
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the request's buffers");
     struct session *s = j->sess;
+    if (idx > 0 && (j->bs || shares_prefill(j)))
+        return IPC_OK; /* its KV comes from choice 0 (share_prefill, beam_reorder) */
     if (!s) {
         /* A one-shot request knows its final length: sized up front, one
          * that cannot fit the device starts offloaded instead of failing
          * part-way (the store only checks, it reserves nothing). */
         struct kv_seq_params p = j->cache.params;
+        /* Choices sharing the prompt's KV need it once, and each its own
+         * blocks for what it generates (the partly filled one copied). */
+        int64_t own = (int64_t)j->max_new + (shares_prefill(j) ? kv_store_block_tokens(e->store) : 0);
         if (p.strategy == KV_DYNAMIC && !p.max_cache_len)
-            p.max_cache_len = (int64_t)(j->n_prompt + (size_t)j->max_new);
+            p.max_cache_len = (int64_t)j->n_prompt + (shares_prefill(j) ? j->n : 1) * own;
         return kv_open(e, &p, j->uid, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
     }
     /* The session's KV is reused as far as it is a real prefix of the new
@@ -353,6 +369,24 @@ static void add_kv_stats(struct kv_seq_stats *sum, const kv_seq *q, bool first)
     x->transfer_s += k.xfer.transfer_s;
     x->stall_s += k.xfer.stall_s;
     x->compute_s += k.xfer.compute_s;
+    sum->copied_bytes += k.copied_bytes;
+}
+
+/* best_of: the n_out choices with the highest logprob sums go first, in
+ * that order (ties: the earlier choice); the others are not returned. */
+static void rank_choices(struct job *j)
+{
+    for (int i = 0; i < j->n_out; i++) {
+        int best = i;
+        for (int k = i + 1; k < j->n; k++)
+            if (j->ch[k].lp_sum > j->ch[best].lp_sum)
+                best = k;
+        if (best != i) {
+            struct job_choice t = j->ch[best];
+            memmove(&j->ch[i + 1], &j->ch[i], (size_t)(best - i) * sizeof(t));
+            j->ch[i] = t;
+        }
+    }
 }
 
 /* Frees what the engine owns of a finished job and hands a session its KV
@@ -410,7 +444,10 @@ static void retire(engine *e, struct job *j)
      * was never handed to its client: it must not keep a --max-sessions slot. */
     if (s && (j->kind == JOB_PREFILL || j->kind == JOB_IMPORT) && (j->cancelled || j->res.err.st != IPC_OK))
         session_unlink_locked(e, s);
+    kvs.copied_bytes += j->freed_copied;
     j->res.kv = kvs;
+    if (j->n_out < j->n && !j->bs && j->res.err.st == IPC_OK)
+        rank_choices(j);
     if (j->t_first > 0)
         j->res.decode_ms = t - j->t_first;
     else if (j->t_admit > 0)
@@ -469,6 +506,22 @@ void start_job(engine *e, struct job *j)
             return;
         }
     }
+    if (j->beam.num_beams > 1 && !j->bs) {
+        char msg[MODEL_ERR_LEN] = "";
+        j->beam.eos = j->eos;
+        j->beam.n_eos = j->ignore_eos ? 0 : gen_eos_ids(e->mc, e->tok, j->eos);
+        j->beam.max_new = j->max_new;
+        enum model_status ms = beam_create(&j->beam, e->vocab, j->prompt, j->n_prompt, &j->bs, msg);
+        if (ms != MODEL_OK) {
+            struct ipc_error err;
+            if (ms == MODEL_EINVAL)
+                ipc_fail(&err, IPC_EINVAL, "num_beams", "%s", msg);
+            else
+                ipc_fail(&err, IPC_ENOMEM, "", "no host memory for the beam search");
+            job_fail(e, j, &err);
+            return;
+        }
+    }
     for (int i = 0; i < j->n; i++) {
         struct ipc_error err;
         if (seq_setup(e, j, &j->ch[i], i, &err) != IPC_OK) {
@@ -485,19 +538,24 @@ void start_job(engine *e, struct job *j)
     pthread_mutex_unlock(&e->mu);
 }
 
+static float log_sum_exp(const float *x, int n)
+{
+    float mx = x[0];
+    for (int i = 1; i < n; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        sum += exp((double)x[i] - mx);
+    return mx + (float)log(sum);
+}
+
 /* Log-probabilities of the chosen id and the top alternatives, from the raw
  * logits in e->scratch (OpenAI reports the model's distribution, before
  * temperature and filters). */
 static void record_logprobs(engine *e, struct job *j, struct job_choice *c, int32_t id)
 {
     const float *x = e->scratch;
-    float mx = x[0];
-    for (int i = 1; i < e->vocab; i++)
-        mx = x[i] > mx ? x[i] : mx;
-    double sum = 0;
-    for (int i = 0; i < e->vocab; i++)
-        sum += exp((double)x[i] - mx);
-    float lse = mx + (float)log(sum);
+    float lse = log_sum_exp(x, e->vocab);
     int k = j->top_logprobs;
     struct tok_logprob *out = c->lps + (size_t)c->seq.gen * (size_t)(1 + k);
     out[0] = (struct tok_logprob){id, x[id] - lse};
@@ -523,11 +581,14 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
         j->t_first = t;
         j->res.prefill_ms = t - j->t_admit;
     }
-    if (j->logprobs)
+    bool rank = j->n_out < j->n;
+    if (j->logprobs || rank)
         memcpy(e->scratch, logits, (size_t)e->vocab * sizeof(*logits));
     int32_t id = gen_seq_sample(&c->seq, logits);
     if (j->logprobs)
         record_logprobs(e, j, c, id);
+    if (rank) /* the model's distribution, as OpenAI's best_of ranks by it */
+        c->lp_sum += (double)(e->scratch[id] - log_sum_exp(e->scratch, e->vocab));
     if (gen_seq_accept(&c->seq, id) != MODEL_OK)
         job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the generated text");
 }
@@ -558,7 +619,7 @@ static int build_batch(engine *e)
     for (struct job *j = e->active; j; j = j->next) {
         for (int i = 0; i < j->n && !j->kill && !j->mem_wait; i++) {
             struct job_choice *c = &j->ch[i];
-            if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks)
+            if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks || !c->kv)
                 continue;
             if (!j->cache.use_cache && c->n_fed && c->seq.n_toks - c->n_fed == 1 && !restart_uncached(e, j, c))
                 continue;
@@ -582,7 +643,7 @@ static int build_batch(engine *e)
         for (struct job *j = e->active; j && budget > 0; j = j->next) {
             for (int i = 0; i < j->n && budget > 0 && !j->kill && !j->mem_wait; i++) {
                 struct job_choice *c = &j->ch[i];
-                if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks || c->seq.n_toks - c->n_fed <= 1)
+                if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks || !c->kv || c->seq.n_toks - c->n_fed <= 1)
                     continue;
                 int ord = seen++;
                 /* first pass: those at or after the round-robin start; second: the rest */
@@ -603,6 +664,15 @@ static int build_batch(engine *e)
     return nb;
 }
 
+/* Makes c's progress visible to the loop thread (caller holds mu). */
+static void publish_choice_locked(engine *e, struct job_choice *c)
+{
+    e->st.gen_tokens += (uint64_t)(c->seq.gen - c->n_gen);
+    c->n_text = c->seq.vis;
+    c->n_gen = c->seq.gen;
+    c->finish = c->seq.finish;
+}
+
 static void publish(engine *e, int nb)
 {
     struct kv_store_stats ks = kv_store_stats(e->store);
@@ -619,13 +689,8 @@ static void publish(engine *e, int nb)
     e->st.prefix_evictions = ks.prefix_evictions;
     if (e->disk)
         e->st.disk = ds;
-    for (int i = 0; i < nb; i++) {
-        struct job_choice *c = e->batch_ch[i];
-        e->st.gen_tokens += (uint64_t)(c->seq.gen - c->n_gen);
-        c->n_text = c->seq.vis;
-        c->n_gen = c->seq.gen;
-        c->finish = c->seq.finish;
-    }
+    for (int i = 0; i < nb; i++)
+        publish_choice_locked(e, e->batch_ch[i]);
     e->st.steps += nb > 0;
     pthread_mutex_unlock(&e->mu);
 }
@@ -678,13 +743,38 @@ static void fail_or_wait(engine *e, int i, enum model_status st)
         restart_session(e, i);
         return;
     }
-    if ((st == MODEL_ENOMEM || st == MODEL_EDEVMEM) && disk_spill_for_memory(e)) {
+    /* a beam search cannot wait: its other beams of the step advanced */
+    if ((st == MODEL_ENOMEM || st == MODEL_EDEVMEM) && !e->batch_job[i]->bs && disk_spill_for_memory(e)) {
         log_msg(LOG_DEBUG, "engine: memory tiers full (%s); waiting for a session to spill to disk",
                 kv_store_errmsg(e->store));
         e->batch_job[i]->mem_wait = true;
         return;
     }
     fail_forward(e, i, i + 1, st);
+}
+
+/* Choice 0 of j computed the prompt: every other choice forks its KV and
+ * samples its first token from the same logits (not yet modified). */
+static void share_prefill(engine *e, struct job *j, const float *logits, double t)
+{
+    memcpy(e->share, logits, (size_t)e->vocab * sizeof(*logits));
+    for (int k = 1; k < j->n && !j->kill; k++) {
+        struct job_choice *c = &j->ch[k];
+        enum tier_status ts = kv_seq_fork(j->ch[0].kv, &c->kv);
+        if (ts != TIER_OK) {
+            struct ipc_error err;
+            kv_error(e, ts, "n", &err);
+            job_fail(e, j, &err);
+            return;
+        }
+        c->n_fed = j->ch[0].n_fed;
+        memcpy(e->share_tmp, e->share, (size_t)e->vocab * sizeof(*logits));
+        sample_one(e, j, c, e->share_tmp, t);
+        /* not in this step's batch: published here (it may be finished already) */
+        pthread_mutex_lock(&e->mu);
+        publish_choice_locked(e, c);
+        pthread_mutex_unlock(&e->mu);
+    }
 }
 
 /* Entries [from, to) were computed: take their tokens and sample. */
@@ -695,11 +785,135 @@ static void advance(engine *e, int from, int to)
         struct job_choice *c = e->batch_ch[i];
         struct job *j = e->batch_job[i];
         c->n_fed += (size_t)e->batch[i].n_tokens;
-        if (e->batch[i].logits)
+        if (e->batch[i].logits && j->bs) {
+            c->beam_logits = e->batch[i].logits; /* beams_decide, once every beam has its own */
+        } else if (e->batch[i].logits) {
+            if (c == &j->ch[0] && !c->seq.gen && shares_prefill(j))
+                share_prefill(e, j, e->batch[i].logits, t);
             sample_one(e, j, c, e->batch[i].logits, t);
+        }
         else if (j->kind == JOB_PREFILL && c->n_fed == c->seq.n_toks)
             c->seq.finish = GEN_FINISH_LENGTH;
     }
+}
+
+/* The search ended: its best hypotheses become choices [0, n_out) (ids,
+ * text, finish, sequence_score); the rest finish unreturned. */
+static void beam_finish(engine *e, struct job *j)
+{
+    int n = beam_results(j->bs);
+    struct gen_seq out[BEAM_MAX_BEAMS];
+    memset(out, 0, sizeof(out));
+    struct gen_seq_params gp = {.max_new = j->max_new, .ctx = INT_MAX, .text_lock = &e->mu};
+    sampler_params_default(&gp.sampling);
+    enum model_status ms = MODEL_OK;
+    for (int i = 0; i < n && ms == MODEL_OK; i++) {
+        struct beam_hyp h = beam_result(j->bs, i);
+        ms = gen_seq_init(&out[i], e->mc, e->tok, &gp, j->prompt, j->n_prompt);
+        for (int t = 0; t < h.n_gen && ms == MODEL_OK; t++)
+            ms = gen_seq_accept(&out[i], h.toks[t]);
+        gen_seq_end(&out[i]);
+    }
+    if (ms != MODEL_OK) {
+        for (int i = 0; i < n; i++)
+            gen_seq_free(&out[i]);
+        job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the beam search's results");
+        return;
+    }
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < j->n; i++) {
+        struct job_choice *c = &j->ch[i];
+        if (i < n) {
+            struct gen_seq old = c->seq;
+            c->seq = out[i];
+            out[i] = old; /* freed below, outside the lock */
+            c->score = beam_result(j->bs, i).score;
+        }
+        if (c->seq.finish == GEN_FINISH_NONE)
+            c->seq.finish = GEN_FINISH_LENGTH;
+        c->n_gen = c->seq.gen; /* what publish() counts from */
+        c->n_text = c->seq.vis;
+        c->finish = c->seq.finish;
+    }
+    j->n_out = n;
+    pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < n; i++)
+        gen_seq_free(&out[i]);
+}
+
+/* Every running beam of j has this step's logits: the decision, then the
+ * beams' KV follows their parents (beam_reorder) and their ids. */
+static void beam_advance(engine *e, struct job *j, double t)
+{
+    int nr = beam_running(j->bs), ready = 0;
+    const float *rows[BEAM_MAX_BEAMS];
+    for (int i = 0; i < nr; i++) {
+        rows[i] = j->ch[i].beam_logits;
+        ready += rows[i] != NULL;
+    }
+    if (!ready)
+        return;
+    /* every beam decodes one token in the same step, and the logits rows
+     * are the step's: beams out of step would wait on overwritten rows */
+    if (ready < nr) {
+        job_fail_msg(e, j, IPC_EINTERNAL, "beam search: the beams' logits came in different steps");
+        return;
+    }
+    for (int i = 0; i < nr; i++)
+        j->ch[i].beam_logits = NULL;
+    if (j->t_first == 0) {
+        j->t_first = t;
+        j->res.prefill_ms = t - j->t_admit;
+    }
+    int parent[BEAM_MAX_BEAMS];
+    bool done = false;
+    if (beam_step(j->bs, rows, parent, &done) != MODEL_OK) { /* beam_create's checks rule it out */
+        job_fail_msg(e, j, IPC_EINTERNAL, "beam search: no decision for this step");
+        return;
+    }
+    if (done) {
+        beam_finish(e, j);
+        return;
+    }
+    int nn = beam_running(j->bs);
+    kv_seq *kv[BEAM_MAX_BEAMS], *tmp[BEAM_MAX_BEAMS];
+    size_t fed[BEAM_MAX_BEAMS];
+    for (int i = 0; i < nr; i++) {
+        kv[i] = j->ch[i].kv;
+        fed[i] = j->ch[i].n_fed;
+    }
+    enum tier_status ts = beam_reorder(kv, nr, parent, nn, tmp, &j->freed_copied);
+    size_t len = 0;
+    for (int k = 0; k < nn; k++) {
+        struct job_choice *c = &j->ch[k];
+        const int32_t *ids = beam_tokens(j->bs, k, &len);
+        c->kv = kv[k];
+        c->n_fed = fed[parent[k]];
+        memcpy(c->seq.toks + j->n_prompt, ids + j->n_prompt, (len - j->n_prompt) * sizeof(*ids));
+        c->seq.n_toks = len;
+        c->seq.gen = (int)(len - j->n_prompt);
+    }
+    if (ts != TIER_OK) {
+        struct ipc_error err;
+        kv_error(e, ts, "num_beams", &err);
+        job_fail(e, j, &err);
+        return;
+    }
+    pthread_mutex_lock(&e->mu);
+    j->res.beam_steps++;
+    j->res.whole_reorder_bytes +=
+        beam_whole_reorder_bytes(e->mc, kv_store_dtype(e->store), nn, (int64_t)len - 1, j->cache.params.window_length);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* After a step's forward passes: the beam searches whose beams all have
+ * their logits decide. */
+static void beams_decide(engine *e)
+{
+    double t = clock_ms();
+    for (struct job *j = e->active; j; j = j->next)
+        if (j->bs && !j->kill && j->res.err.st == IPC_OK)
+            beam_advance(e, j, t);
 }
 
 static void step(engine *e)
@@ -727,6 +941,7 @@ static void step(engine *e)
                 fail_or_wait(e, i, st);
         }
     }
+    beams_decide(e);
     publish(e, nb);
     wake(e);
 }
@@ -918,9 +1133,11 @@ static bool load(engine *e)
     e->batch_job = calloc(n, sizeof(*e->batch_job));
     e->logits = malloc(n * (size_t)e->vocab * sizeof(*e->logits));
     e->scratch = malloc((size_t)e->vocab * sizeof(*e->scratch));
+    e->share = malloc((size_t)e->vocab * sizeof(*e->share));
+    e->share_tmp = malloc((size_t)e->vocab * sizeof(*e->share_tmp));
     disk_open(e);
     pthread_mutex_lock(&e->mu);
-    if (e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch) {
+    if (e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch && e->share && e->share_tmp) {
         e->state = ENGINE_READY;
     } else {
         e->state = ENGINE_FAILED;
@@ -993,6 +1210,8 @@ void engine_free(engine *e)
     free(e->batch_job);
     free(e->logits);
     free(e->scratch);
+    free(e->share);
+    free(e->share_tmp);
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
     free(e);

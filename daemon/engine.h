@@ -34,6 +34,7 @@
 #include <jansson.h>
 
 #include "ipc/cache.h"
+#include "model/beam.h"
 #include "model/kvfile.h"
 #include "text/chat.h"
 #include "ipc/request.h"
@@ -82,10 +83,13 @@ struct tok_logprob {
     int n_gen;            /* generated tokens published: seq.toks[n_prompt .. n_prompt + n_gen) */
     struct tok_logprob *lps; /* per generated token: [1 + top_logprobs] entries, chosen first */
     enum gen_finish finish;
+    float score;          /* beam search: the hypothesis' sequence_score (once done) */
     /* ---- engine-private ---- */
     struct gen_seq seq;   /* prompt + generated ids, text and finish as of the last step */
     size_t n_fed;         /* ids whose KV is in kv */
-    struct kv_seq *kv;
+    struct kv_seq *kv;    /* NULL: waits for choice 0's prefill, whose KV it forks */
+    double lp_sum;        /* best_of: the log-probabilities of its tokens, summed */
+    const float *beam_logits; /* beam search: this step's logits, until the beams' decision */
 };
 
 /* JOB_CROP and later are operations on the job's session that the engine
@@ -105,8 +109,13 @@ struct job_result {
     size_t n_blob;
     double prefill_ms, decode_ms;
     /* The KV at the end: choice 0's strategy, fallback and layer split;
-     * bytes and transfer figures summed over the choices. */
+     * bytes and transfer figures summed over the choices (copied_bytes:
+     * over every sequence the job had, beams dropped on the way too). */
     struct kv_seq_stats kv;
+    /* beam search: decode steps, and the bytes reordering the whole
+     * cache by beam after each would have copied */
+    int beam_steps;
+    uint64_t whole_reorder_bytes;
 };
 
 struct session;
@@ -124,6 +133,12 @@ struct job {
     char *stop_buf;
     bool ignore_eos, logprobs;
     int top_logprobs;
+    /* beam search when beam.num_beams > 1 (n = num_beams; eos filled in at
+     * admission); n_out: the choices returned (num_return_sequences, or
+     * best_of's n: the n of the job's choices with the highest logprob
+     * sums; job_new sets n) */
+    struct beam_params beam;
+    int n_out;
     char session_id[IPC_SESSION_ID_MAX + 1]; /* "" = none */
     int64_t op_n;                            /* JOB_CROP: kv_seq_crop's n */
     bool raw;                                /* JOB_EXPORT: the stored form (?raw=1) */
@@ -146,6 +161,9 @@ struct job {
     bool pfetched; /* its prompt's prefix blocks on disk were looked for */
     struct prefix_fetch *pfetch; /* their reads in flight (io_wait) */
     uint64_t order;
+    beam_search *bs;         /* beam search's decisions */
+    int32_t eos[MODEL_MAX_EOS + 1];
+    uint64_t freed_copied;   /* copied_bytes of the beams' sequences freed so far */
     int n;
     struct job_choice ch[];
 };
@@ -201,6 +219,7 @@ struct job_progress {
     const int32_t *toks;           /* prompt + generated ids; those published never change */
     const struct tok_logprob *lps; /* [1 + top_logprobs] per published token */
     enum gen_finish finish;
+    float score; /* beam search: sequence_score */
 };
 struct job_progress job_progress(const struct job *j, int i);
 

@@ -82,6 +82,7 @@ struct engine {
     struct job **batch_job;
     float *logits;  /* [max_seqs, vocab] */
     float *scratch; /* [vocab]: raw logits kept for logprobs */
+    float *share, *share_tmp; /* [vocab] each: a shared prefill's logits, a copy to sample from */
     unsigned rr;    /* round-robin start among prefills; unsigned so it wraps after 2^32 steps */
 
     /* ---- the disk tier (spill.c); NULL: none ---- */

@@ -78,7 +78,16 @@ static enum ipc_status prepare(struct req *r, bool chat)
         st = ipc_fail(err, IPC_EINVAL, "cache.max_cache_len",
                       "cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
                       (long long)cp->max_cache_len, ids.n, max_new);
-    struct job *j = st == IPC_OK ? job_new(g.n, g.stops, g.n_stops) : NULL;
+    bool beams = g.num_beams > 1;
+    /* beams and shared samples fork the prompt's KV sequence */
+    if (st == IPC_OK && beams && cp->strategy == KV_QUANTIZED)
+        st = ipc_fail(err, IPC_EINVAL, "num_beams",
+                      "num_beams > 1 needs KV sequences that fork; the quantized cache does not (use another "
+                      "cache strategy)");
+    if (st == IPC_OK && beams && !g.cache.use_cache)
+        st = ipc_fail(err, IPC_EINVAL, "use_cache",
+                      "num_beams > 1 permutes the beams' KV sequences after every step; use_cache=false has none");
+    struct job *j = st == IPC_OK ? job_new(beams ? g.num_beams : g.best_of, g.stops, g.n_stops) : NULL;
     if (st == IPC_OK && !j)
         st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
     if (st != IPC_OK) {
@@ -98,6 +107,16 @@ static enum ipc_status prepare(struct req *r, bool chat)
     j->logprobs = g.logprobs;
     j->top_logprobs = g.top_logprobs;
     j->cache = g.cache;
+    j->n_out = beams ? g.num_return_sequences : g.n;
+    if (beams)
+        j->beam = (struct beam_params){.num_beams = g.num_beams,
+                                       .num_return = g.num_return_sequences,
+                                       .length_penalty = g.length_penalty,
+                                       .early_stopping = g.early_stopping,
+                                       .min_new = g.min_tokens,
+                                       .no_repeat_ngram = g.no_repeat_ngram_size,
+                                       .num_groups = g.num_beam_groups,
+                                       .diversity_penalty = g.diversity_penalty};
     if (g.session)
         snprintf(j->session_id, sizeof(j->session_id), "%s", g.session);
     r->kind = chat ? REPLY_CHAT : REPLY_COMPLETION;

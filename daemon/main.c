@@ -105,7 +105,7 @@ int main(int argc, char **argv)
     struct engine_config ec = {.model_dir = env_model && *env_model ? env_model : "model/builtin", .backend = "cpu",
                                .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64,
                                .spill_after_s = 600};
-    struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = 8,
+    struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = SERVER_MAX_N,
                                .max_messages = 1024, .drain_timeout_s = 30, .idle_timeout_s = 300,
                                .header_timeout_s = 10, .body_rate = 16u << 10, .stall_timeout_s = 120,
                                .allow_gid = (gid_t)-1};

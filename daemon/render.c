@@ -207,7 +207,7 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
 static int completion_tokens(const struct job *j)
 {
     int n = 0;
-    for (int i = 0; i < j->n; i++)
+    for (int i = 0; i < j->n_out; i++)
         n += job_progress(j, i).n_gen;
     return n;
 }
@@ -258,6 +258,15 @@ static void write_kvtier_obj(struct jw *w, const struct job *j)
         jw_lit(w, "null");
     jw_lit(w, ",\"prefetch\":");
     write_prefetch(w, &k->xfer);
+    jw_fmt(w, ",\"kv_bytes_copied\":%llu", (unsigned long long)k->copied_bytes);
+    if (j->beam.num_beams > 1) {
+        /* the beams' reorders as fork/free, against gathering the whole cache by beam each step */
+        int s = res->beam_steps;
+        jw_fmt(w, ",\"beam_search\":{\"steps\":%d,\"kv_bytes_copied\":%llu,\"kv_bytes_copied_per_step\":%.1f,", s,
+               (unsigned long long)k->copied_bytes, s ? (double)k->copied_bytes / s : 0.0);
+        jw_fmt(w, "\"whole_cache_reorder_bytes\":%llu,\"whole_cache_reorder_bytes_per_step\":%.1f}",
+               (unsigned long long)res->whole_reorder_bytes, s ? (double)res->whole_reorder_bytes / s : 0.0);
+    }
     jw_lit(w, "}");
 }
 
@@ -307,6 +316,8 @@ void write_choice(struct jw *w, struct req *r, int i, const char *text, size_t n
             jw_fmt(w, t > g0 ? ",%d" : "%d", gen[t]);
         jw_lit(w, "]");
     }
+    if (r->job->beam.num_beams > 1)
+        jw_fmt(w, ",\"sequence_score\":%.9g", (double)job_progress(r->job, i).score);
     jw_lit(w, ",\"finish_reason\":");
     if (finish)
         jw_fmt(w, "\"%s\"}", finish);
@@ -353,7 +364,7 @@ enum MHD_Result reply_done(struct req *r)
     struct jw w;
     jw_dynamic(&w);
     write_head(&w, r, r->kind == REPLY_CHAT ? "chat.completion" : "text_completion");
-    for (int i = 0; i < j->n; i++) {
+    for (int i = 0; i < j->n_out; i++) {
         struct job_progress p = job_progress(j, i);
         if (i)
             jw_lit(&w, ",");

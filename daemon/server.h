@@ -25,7 +25,7 @@
 
 #include "daemon/engine.h"
 
-#define SERVER_MAX_N 16 /* choices per request */
+#define SERVER_MAX_N 64 /* choices per request */
 /* Connections past --max-clients that may still ask /health and /metrics,
  * so a full daemon can say so; the listen backlog holds them too. */
 #define HEALTH_RESERVE 8

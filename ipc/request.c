@@ -6,6 +6,11 @@
 
 /* ---- typed field readers: each names the field in its error ---------------- */
 
+static bool str_is(const json_t *v, const char *s)
+{
+    return json_is_string(v) && !strcmp(json_string_value(v), s);
+}
+
 static enum ipc_status get_int(const json_t *v, const char *field, long long lo, long long hi, long long *out,
                                struct ipc_error *err)
 {
@@ -337,6 +342,51 @@ static enum ipc_status f_n(const json_t *v, const char *name, struct field_ctx *
     return st;
 }
 
+/* Positive counts bounded by the choices a request may have; min_tokens
+ * and no_repeat_ngram_size by the context. */
+static enum ipc_status f_count(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    struct ipc_gen_req *r = c->r;
+    bool ctx = !strcmp(name, "min_tokens") || !strcmp(name, "no_repeat_ngram_size");
+    long long x = 0;
+    enum ipc_status st = get_int(v, name, ctx ? 0 : 1, ctx ? c->lim->max_context : c->lim->max_n, &x, err);
+    int *dst = !strcmp(name, "best_of") ? &r->best_of
+               : !strcmp(name, "num_beams") ? &r->num_beams
+               : !strcmp(name, "num_beam_groups") ? &r->num_beam_groups
+               : !strcmp(name, "num_return_sequences") ? &r->num_return_sequences
+               : !strcmp(name, "min_tokens") ? &r->min_tokens : &r->no_repeat_ngram_size;
+    if (st == IPC_OK)
+        *dst = (int)x;
+    return st;
+}
+
+static enum ipc_status f_length_penalty(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    return json_is_null(v) ? IPC_OK : get_float(v, name, -100, 100, false, &c->r->length_penalty, err);
+}
+
+/* Hugging Face's early_stopping: true, false or "never". */
+static enum ipc_status f_early_stopping(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v) || json_is_false(v))
+        c->r->early_stopping = BEAM_EARLY_FALSE;
+    else if (json_is_true(v))
+        c->r->early_stopping = BEAM_EARLY_TRUE;
+    else if (str_is(v, "never"))
+        c->r->early_stopping = BEAM_EARLY_NEVER;
+    else
+        return ipc_fail(err, IPC_EINVAL, name, "early_stopping must be true, false or \"never\"");
+    return IPC_OK;
+}
+
+static enum ipc_status f_diversity_penalty(const json_t *v, const char *name, struct field_ctx *c,
+                                           struct ipc_error *err)
+{
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 1000, false, &c->r->diversity_penalty, err);
+}
+
 static enum ipc_status f_flag(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
     bool x = false;
@@ -413,11 +463,6 @@ static enum ipc_status f_cache(const json_t *v, const char *name, struct field_c
     return IPC_OK; /* both cache fields are read together once the walk is done */
 }
 
-static bool str_is(const json_t *v, const char *s)
-{
-    return json_is_string(v) && !strcmp(json_string_value(v), s);
-}
-
 /* Known fields that would change the output: accepted only with the value
  * that means "off", so nothing is silently ignored. */
 static enum ipc_status f_must_be_off(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -426,7 +471,6 @@ static enum ipc_status f_must_be_off(const json_t *v, const char *name, struct f
     bool off = json_is_null(v) || json_is_false(v) || (json_is_number(v) && json_number_value(v) == 0) ||
                (json_is_string(v) && !json_string_length(v)) || (json_is_object(v) && !json_object_size(v)) ||
                (json_is_array(v) && !json_array_size(v)) ||
-               (!strcmp(name, "best_of") && json_is_integer(v) && json_integer_value(v) == 1) ||
                (!strcmp(name, "tool_choice") && str_is(v, "none")) ||
                (!strcmp(name, "response_format") && str_is(json_object_get(v, "type"), "text"));
     if (off)
@@ -471,12 +515,92 @@ static const struct {
     {"logit_bias", F_BOTH, f_must_be_off},
     {"echo", F_COMPL, f_must_be_off},
     {"suffix", F_COMPL, f_must_be_off},
-    {"best_of", F_COMPL, f_must_be_off},
+    {"best_of", F_COMPL, f_count},
+    {"num_beams", F_BOTH, f_count},
+    {"num_return_sequences", F_BOTH, f_count},
+    {"min_tokens", F_BOTH, f_count},
+    {"no_repeat_ngram_size", F_BOTH, f_count},
+    {"length_penalty", F_BOTH, f_length_penalty},
+    {"early_stopping", F_BOTH, f_early_stopping},
+    {"num_beam_groups", F_BOTH, f_count},
+    {"diversity_penalty", F_BOTH, f_diversity_penalty},
     {"tools", F_CHAT, f_must_be_off},
     {"functions", F_CHAT, f_must_be_off},
     {"tool_choice", F_CHAT, f_must_be_off},
     {"response_format", F_CHAT, f_must_be_off},
 };
+
+/* A field of the request that is there and not null. */
+static bool given(const json_t *root, const char *key)
+{
+    const json_t *v = json_object_get(root, key);
+    return v && !json_is_null(v);
+}
+
+/* Beam search is deterministic and returns its choices at the end: what
+ * samples, streams or asks for per-token alternatives does not combine
+ * with it, and is refused naming the field rather than ignored. */
+static enum ipc_status check_beams(const json_t *root, struct ipc_gen_req *r, struct ipc_error *err)
+{
+    if (!r->num_return_sequences)
+        r->num_return_sequences = 1;
+    if (r->num_return_sequences > r->num_beams)
+        return ipc_fail(err, IPC_EINVAL, "num_return_sequences",
+                        "num_return_sequences (%d) must be at most num_beams (%d)", r->num_return_sequences,
+                        r->num_beams);
+    if (r->stream)
+        return ipc_fail(err, IPC_EINVAL, "stream",
+                        "stream is not available with num_beams > 1: the beams are reordered and replaced "
+                        "until the search ends, so no token is final before then");
+    static const char *const refused[] = {"n", "best_of", "logprobs", "top_logprobs", "stop", "session"};
+    for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+        const json_t *v = json_object_get(root, refused[i]);
+        bool off = !v || json_is_null(v) || json_is_false(v) || (json_is_integer(v) && json_integer_value(v) == 1 &&
+                                                                  strcmp(refused[i], "logprobs") != 0) ||
+                   (json_is_array(v) && !json_array_size(v));
+        if (!off)
+            return ipc_fail(err, IPC_EINVAL, refused[i], "%s is not available with num_beams > 1%s", refused[i],
+                            !strcmp(refused[i], "n") ? " (the beams returned are num_return_sequences)" : "");
+    }
+    if (r->num_beam_groups > 1 && (r->num_beams % r->num_beam_groups || !(r->diversity_penalty > 0)))
+        return ipc_fail(err, IPC_EINVAL, "num_beam_groups",
+                        "num_beam_groups (%d) must divide num_beams (%d), with diversity_penalty > 0 (got %g)",
+                        r->num_beam_groups, r->num_beams, (double)r->diversity_penalty);
+    if (r->num_beam_groups <= 1 && r->diversity_penalty != 0)
+        return ipc_fail(err, IPC_EINVAL, "diversity_penalty", "diversity_penalty needs num_beam_groups > 1");
+    const struct sampler_params *s = &r->sampling;
+    const char *warper = s->top_k ? "top_k" : s->top_p < 1 ? "top_p" : s->min_p > 0 ? "min_p"
+                         : s->repetition_penalty != 1 ? "repetition_penalty" : NULL;
+    if (warper)
+        return ipc_fail(err, IPC_EINVAL, warper,
+                        "%s is not available with num_beams > 1: beam search takes the most likely tokens "
+                        "(temperature and seed do not change it)", warper);
+    return IPC_OK;
+}
+
+static enum ipc_status check_no_beams(const json_t *root, struct ipc_gen_req *r, struct ipc_error *err)
+{
+    static const char *const beam_only[] = {"num_return_sequences", "length_penalty", "early_stopping", "min_tokens",
+                                            "no_repeat_ngram_size", "num_beam_groups", "diversity_penalty"};
+    for (size_t i = 0; i < sizeof(beam_only) / sizeof(beam_only[0]); i++) {
+        const json_t *v = json_object_get(root, beam_only[i]);
+        /* the values that mean "one sequence, one group" say nothing */
+        bool one = json_is_integer(v) && json_integer_value(v) == 1 &&
+                   (!strcmp(beam_only[i], "num_return_sequences") || !strcmp(beam_only[i], "num_beam_groups"));
+        if (given(root, beam_only[i]) && !one)
+            return ipc_fail(err, IPC_EINVAL, beam_only[i], "%s needs num_beams > 1", beam_only[i]);
+    }
+    if (!r->best_of)
+        r->best_of = r->n;
+    if (r->best_of < r->n)
+        return ipc_fail(err, IPC_EINVAL, "best_of", "best_of (%d) must be at least n (%d)", r->best_of, r->n);
+    if (r->best_of > r->n && r->stream)
+        return ipc_fail(err, IPC_EINVAL, "best_of",
+                        "best_of > n cannot stream: the n choices returned are known only at the end");
+    if (r->best_of > 1 && r->session)
+        return ipc_fail(err, IPC_EINVAL, "best_of", "best_of must be 1 with a session");
+    return IPC_OK;
+}
 
 enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,
                                   struct ipc_error *err)
@@ -485,6 +609,8 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     out->chat = chat;
     out->max_tokens = -1;
     out->n = 1;
+    out->num_beams = 1;
+    out->length_penalty = 1;
     sampler_params_default(&out->sampling);
     out->sampling.temperature = 1; /* OpenAI's default; greedy needs temperature 0 */
     if (!json_is_object(root))
@@ -508,6 +634,9 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
+    enum ipc_status bst = out->num_beams > 1 ? check_beams(root, out, err) : check_no_beams(root, out, err);
+    if (bst != IPC_OK)
+        return bst;
     enum ipc_status st = ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
                                          &(struct ipc_cache_model){lim->max_context, lim->sliding_window},
                                          &out->cache, err);

@@ -20,6 +20,7 @@
 #include "ipc/cache.h"
 #include "ipc/status.h"
 #include "text/chat.h"
+#include "model/beam.h"
 #include "model/generate.h"
 
 #define IPC_MAX_STOPS 16
@@ -54,6 +55,13 @@ struct ipc_gen_req {
     const char *stops[IPC_MAX_STOPS];
     int n_stops;
     int n;
+    int best_of; /* completions: choices generated, the n best by logprob sum returned; >= n */
+    /* beam search (Hugging Face's names): num_beams 1 = none; the rest
+     * only with num_beams > 1 (min_tokens: the eos ids are banned before) */
+    int num_beams, num_return_sequences, min_tokens, no_repeat_ngram_size;
+    int num_beam_groups; /* group (diverse) beam search when > 1, with diversity_penalty > 0 */
+    float length_penalty, diversity_penalty;
+    enum beam_early early_stopping;
     bool stream, include_usage, ignore_eos, return_tokens;
     bool logprobs;
     int top_logprobs;

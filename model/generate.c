@@ -39,7 +39,18 @@ static bool is_eos(const struct model_config *c, const tokenizer *tok, int32_t i
     for (int i = 0; i < c->n_eos; i++)
         if (c->eos_token_ids[i] == id)
             return true;
-    return id == tokenizer_eos_id(tok);
+    return tok && id == tokenizer_eos_id(tok);
+}
+
+int gen_eos_ids(const struct model_config *c, const tokenizer *tok, int32_t *out)
+{
+    int n = 0;
+    for (int i = 0; i < c->n_eos; i++)
+        out[n++] = c->eos_token_ids[i];
+    int32_t t = tokenizer_eos_id(tok);
+    if (t >= 0 && !is_eos(c, NULL, t))
+        out[n++] = t;
+    return n;
 }
 
 enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, const tokenizer *tok,

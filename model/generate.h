@@ -13,6 +13,11 @@
 #include "model/model.h"
 #include "text/tokenizer.h"
 
+/* The ids that end a sequence: the eos ids of config.json /
+ * generation_config.json and the tokenizer's own eos token, each once,
+ * into out[MODEL_MAX_EOS + 1]; returns how many. */
+int gen_eos_ids(const struct model_config *c, const tokenizer *tok, int32_t *out);
+
 /* The model layer's reading of a tokenizer failure. */
 enum model_status model_from_text(enum text_status st);
 

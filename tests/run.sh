@@ -32,15 +32,15 @@ run_one() {
 # buffers directly, and it checks the strict backend itself.  So do the
 # tests of what lies beside the backend, not behind it: connection limits
 # between uids, I/O faults of the disk tier, file ownership; and the
-# oracle tests of the numbers (PyTorch, the Python sinks and quantization
-# oracles, the built-in model's sample), whose forward passes the unit and
-# daemon tests already run on the strict backend.
+# oracle tests of the numbers (PyTorch, beam search's decisions, the Python
+# sinks and quantization oracles, the built-in model's sample), whose forward
+# passes the unit and daemon tests already run on the strict backend.
 # Under the sanitizers (build/asan) only the first pass runs: the strict
 # pass looks for host access to device memory, which does not depend on
 # ASan, and the second pass would double the sanitizer run's time.
 no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler layers.test.sh tokenizer.test.sh "
 no_backend="$no_backend daemon_slow.test.sh daemon_disk_faults.test.sh daemon_disk_uid.test.sh "
-no_backend="$no_backend reference.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
+no_backend="$no_backend reference.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 passes="cpu cpu-strict"
 case $build in *asan*) passes=cpu ;; esac
 for backend in $passes; do

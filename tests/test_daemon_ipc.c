@@ -295,6 +295,24 @@ static void test_request(void **state)
         {"{\"prompt\":\"x\",\"messages\":[]}", false, IPC_EINVAL, "messages"},
         {"{\"prompt\":\"x\",\"session\":\"s\",\"n\":2}", false, IPC_EINVAL, "n"},
         {"{\"prompt\":\"x\",\"echo\":true}", false, IPC_ENOTIMPL, "echo"},
+        {"{\"prompt\":\"x\",\"num_beams\":5}", false, IPC_EINVAL, "num_beams"},
+        {"{\"prompt\":\"x\",\"num_beams\":2,\"num_return_sequences\":3}", false, IPC_EINVAL,
+         "num_return_sequences"},
+        {"{\"prompt\":\"x\",\"num_beams\":2,\"stream\":true}", false, IPC_EINVAL, "stream"},
+        {"{\"prompt\":\"x\",\"num_beams\":2,\"n\":2}", false, IPC_EINVAL, "n"},
+        {"{\"prompt\":\"x\",\"num_beams\":2,\"top_k\":5}", false, IPC_EINVAL, "top_k"},
+        {"{\"prompt\":\"x\",\"num_beams\":2,\"early_stopping\":\"always\"}", false, IPC_EINVAL,
+         "early_stopping"},
+        {"{\"prompt\":\"x\",\"num_beams\":2,\"num_beam_groups\":2}", false, IPC_EINVAL, "num_beam_groups"},
+        {"{\"prompt\":\"x\",\"num_beams\":4,\"num_beam_groups\":3,\"diversity_penalty\":1}", false, IPC_EINVAL,
+         "num_beam_groups"},
+        {"{\"prompt\":\"x\",\"num_beams\":4,\"diversity_penalty\":1}", false, IPC_EINVAL, "diversity_penalty"},
+        {"{\"prompt\":\"x\",\"num_beam_groups\":2,\"diversity_penalty\":1}", false, IPC_EINVAL, "num_beam_groups"},
+        {"{\"prompt\":\"x\",\"no_repeat_ngram_size\":2}", false, IPC_EINVAL, "no_repeat_ngram_size"},
+        {"{\"prompt\":\"x\",\"min_tokens\":65}", false, IPC_EINVAL, "min_tokens"},
+        {"{\"prompt\":\"x\",\"n\":2,\"best_of\":1}", false, IPC_EINVAL, "best_of"},
+        {"{\"prompt\":\"x\",\"best_of\":5}", false, IPC_EINVAL, "best_of"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"best_of\":2}", true, IPC_EINVAL, "best_of"},
         {"{\"prompt\":[\"a\",\"b\"]}", false, IPC_ENOTIMPL, "prompt"},
         {"{\"prompt\":\"x\",\"logprobs\":21}", false, IPC_EINVAL, "logprobs"},
         {"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", true, IPC_ENOTIMPL, "messages"},
@@ -312,6 +330,39 @@ static void test_request(void **state)
         ipc_gen_req_release(&r);
         json_decref(root);
     }
+    /* beam search with Hugging Face's names and defaults */
+    assert_int_equal(parse("{\"prompt\":\"x\",\"num_beams\":4,\"num_return_sequences\":2,\"length_penalty\":0.5,"
+                           "\"early_stopping\":\"never\",\"min_tokens\":3,\"no_repeat_ngram_size\":2,"
+                           "\"num_beam_groups\":1,\"diversity_penalty\":0,\"temperature\":0.7}", false, &r, &err, &root),
+                     IPC_OK);
+    assert_int_equal(r.num_beams, 4);
+    assert_int_equal(r.num_return_sequences, 2);
+    assert_float_equal(r.length_penalty, 0.5, 0);
+    assert_int_equal(r.early_stopping, BEAM_EARLY_NEVER);
+    assert_int_equal(r.min_tokens, 3);
+    assert_int_equal(r.no_repeat_ngram_size, 2);
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"num_beams\":2,\"early_stopping\":true}", false, &r, &err, &root),
+                     IPC_OK);
+    assert_int_equal(r.num_return_sequences, 1);
+    assert_int_equal(r.early_stopping, BEAM_EARLY_TRUE);
+    assert_true(r.num_beam_groups <= 1);
+    assert_float_equal(r.length_penalty, 1, 0);
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"num_beams\":4,\"num_beam_groups\":2,\"diversity_penalty\":0.5}", false,
+                           &r, &err, &root), IPC_OK);
+    assert_int_equal(r.num_beam_groups, 2);
+    assert_float_equal(r.diversity_penalty, 0.5, 0);
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"n\":2,\"best_of\":4}", false, &r, &err, &root), IPC_OK);
+    assert_int_equal(r.n, 2);
+    assert_int_equal(r.best_of, 4);
+    assert_int_equal(r.num_beams, 1);
+    ipc_gen_req_release(&r);
+    json_decref(root);
     /* content parts are joined */
     assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"ab\"},"
                            "{\"type\":\"text\",\"text\":\"cd\"}]}]}", true, &r, &err, &root), IPC_OK);

@@ -580,6 +580,20 @@ static void test_forks_share(void **state)
     print_message("8 forks of %d tokens after one decode step each: %.4fx the KV bytes of one\n", P,
                   (double)all / (double)one);
     assert_true((double)all <= 1.1 * (double)one);
+    for (int k = 0; k < F; k++) /* 2048 tokens fill their blocks: the step wrote into a new one */
+        assert_int_equal(kv_seq_stats(kids[k]).copied_bytes, 0);
+    /* a fork of a sequence whose last block is partly filled copies that
+     * block, once per layer, on its first step, and nothing after */
+    kv_seq *kb;
+    int n_layers = model_get_config(r.m)->n_layers;
+    assert_int_equal(kv_seq_fork(kids[0], &kb), TIER_OK);
+    assert_int_equal(kv_seq_stats(kb).copied_bytes, 0);
+    feed(&r, kb, &first, 1, row);
+    assert_int_equal(kv_seq_stats(kb).copied_bytes, (uint64_t)n_layers * block);
+    feed(&r, kb, &first, 1, row);
+    assert_int_equal(kv_seq_stats(kb).copied_bytes, (uint64_t)n_layers * block);
+    assert_int_equal(kv_seq_stats(kids[0]).copied_bytes, 0);
+    kv_seq_free(kb);
     kv_seq_free(parent);
     memcpy(row, prow, (size_t)V * sizeof(float));
     kv_seq *k0;

@@ -872,7 +872,7 @@ size_t kv_seq_bytes(const kv_seq *q)
 struct kv_seq_stats kv_seq_stats(const kv_seq *q)
 {
     struct kv_seq_stats st = {.requested = q->p.strategy, .strategy = q->strategy, .fallback = q->fallback,
-                              .xfer = q->xfer};
+                              .xfer = q->xfer, .copied_bytes = q->copied_bytes};
     if (kvq_seq_on_host(q)) {
         st.streamed_layers = q->s->g.n_layers;
         st.host_bytes = kvq_seq_bytes(q);
@@ -998,8 +998,9 @@ static enum tier_status paged_table(struct kv_layer *L, int need)
  * into, becomes private if another table shares it or the prefix cache
  * holds it (a published block never changes).  The copy has the same
  * contents, so an abort needs no undo (invariant 4). */
-static enum tier_status paged_own_tail(kv_store *s, struct kv_layer *L, int64_t len)
+static enum tier_status paged_own_tail(kv_seq *q, struct kv_layer *L, int64_t len)
 {
+    kv_store *s = q->s;
     if (len % s->bt == 0 || len < L->base)
         return TIER_OK;
     int i = (int)((len - L->base) / s->bt);
@@ -1016,14 +1017,16 @@ static enum tier_status paged_own_tail(kv_store *s, struct kv_layer *L, int64_t 
     }
     paged_set(L, i, b);
     blk_put(s, old);
+    q->copied_bytes += s->block_bytes;
     return TIER_OK;
 }
 
-static enum tier_status paged_reserve(kv_store *s, struct kv_layer *L, int64_t len, int64_t end)
+static enum tier_status paged_reserve(kv_seq *q, struct kv_layer *L, int64_t len, int64_t end)
 {
+    kv_store *s = q->s;
     enum tier_status st = paged_table(L, paged_blocks_for(s, L, end));
     if (st == TIER_OK)
-        st = paged_own_tail(s, L, len);
+        st = paged_own_tail(q, L, len);
     while (st == TIER_OK && L->n_blocks < paged_blocks_for(s, L, end)) {
         struct kv_block *b;
         st = pool_take(s, &b);
@@ -1106,7 +1109,7 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
         st = kvq_seq_reserve(q, n_new);
     for (int l = 0; l < s->g.n_layers && st == TIER_OK && !q->kvq; l++) {
         struct kv_layer *L = &q->layers[l];
-        st = L->home == KV_HOME_PAGED ? paged_reserve(s, L, q->len, end) : ext_reserve(q, L, end);
+        st = L->home == KV_HOME_PAGED ? paged_reserve(q, L, q->len, end) : ext_reserve(q, L, end);
     }
     if (st != TIER_OK) {
         kv_seq_abort(q);
@@ -1406,8 +1409,10 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
         struct kv_layer *C = &c->layers[l];
         if (L->home != KV_HOME_PAGED) {
             st = ext_build(c, L, L->home, L->ext_blocks, C);
-            if (st == TIER_OK)
+            if (st == TIER_OK) {
                 ext_view_refresh(c, C);
+                c->copied_bytes += (uint64_t)L->n_blocks * s->block_bytes;
+            }
             continue;
         }
         *C = (struct kv_layer){.home = KV_HOME_PAGED, .window = L->window, .keep = L->keep, .base = L->base,

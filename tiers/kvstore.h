@@ -201,6 +201,11 @@ struct kv_seq_stats {
     int streamed_layers;  /* layers streamed from the host tier */
     size_t dev_bytes, host_bytes;
     struct kv_xfer_stats xfer; /* the steps this sequence streamed in (whole-step figures) */
+    /* KV bytes copied to give this sequence storage of its own: shared
+     * blocks copied before a step wrote into them (a fork's partly filled
+     * block, a published prefix block) and, at its fork, the extents
+     * copied from the parent (static and offloaded layers). */
+    uint64_t copied_bytes;
 };
 struct kv_seq_stats kv_seq_stats(const kv_seq *q);
 

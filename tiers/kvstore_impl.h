@@ -119,6 +119,7 @@ struct kv_seq {
     int64_t ids_cap;
     bool ids_set; /* kv_seq_tokens was called for the pending step */
     struct kv_xfer_stats xfer;
+    uint64_t copied_bytes; /* kv_seq_stats().copied_bytes */
     struct kv_layer *layers;
     struct kvq_seq *kvq; /* KV_QUANTIZED: the quantized layers (kvquant.c); NULL otherwise */
     struct kv_seq_loader *load; /* layers still to fill from an image (image.c); NULL once all are */

@@ -3,6 +3,13 @@
  *
  *   kvtier-run -m DIR -p "text" [-n N] [sampling options]
  *   kvtier-run -m DIR --ids 1,2,3 -n N --greedy --dump FILE [--no-cache]
+ *   kvtier-run -m DIR --ids 1,2,3 -n N --num-beams B [--num-return R] [--length-penalty L]
+ *              [--early-stopping true|false|never] [--min-new N] [--no-repeat-ngram N]
+ *              [--num-beam-groups G --diversity-penalty D]
+ *
+ * Beam search prints one line per returned hypothesis, best first:
+ * "beam I score S eos 0|1 ids A,B,C" (the generated ids); each one's text
+ * and the search's KV figures go to stderr (not with --quiet).
  *
  * --dump writes what the reference tests compare (little-endian): "KVTL",
  * int32 n_prompt, int32 n_gen, int32 vocab, int32 tokens[n_prompt+n_gen],
@@ -16,13 +23,16 @@
 #include <string.h>
 
 #include "util/args.h"
+#include "model/beam.h"
 #include "model/runtime.h"
 
 static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier-run -m DIR (-p TEXT | --ids 1,2,3) [-n N] [--greedy | --temp T] [--top-k K]\n"
                "       [--top-p P] [--min-p P] [--rep-pen R] [--seed S] [--stop STR]... [--ignore-eos]\n"
-               "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--threads N] [--dump FILE] [--quiet]\n");
+               "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--threads N] [--dump FILE] [--quiet]\n"
+               "       [--num-beams B [--num-return R] [--length-penalty L] [--early-stopping true|false|never]\n"
+               "        [--min-new N] [--no-repeat-ngram N] [--num-beam-groups G --diversity-penalty D]]\n");
 }
 
 /* Logits rows kept in memory until the dump is written. */
@@ -86,6 +96,42 @@ static bool write_dump(const char *path, const struct gen_seq *gs, int vocab, co
     return fclose(f) == 0 && ok;
 }
 
+/* Beam search over the prompt; prints the hypotheses (see the top). */
+static bool run_beams(struct runtime *rt, const struct tok_ids *prompt, const struct gen_params *gp,
+                      struct beam_params *bp, bool quiet)
+{
+    const struct model_config *c = model_get_config(rt->m);
+    int32_t eos[MODEL_MAX_EOS + 1];
+    bp->eos = eos;
+    bp->n_eos = gp->ignore_eos ? 0 : gen_eos_ids(c, rt->tok, eos);
+    bp->max_new = gp->max_new_tokens;
+    char err[MODEL_ERR_LEN] = "";
+    beam_search *b = NULL;
+    struct beam_kv_stats ks;
+    enum model_status st = beam_generate(rt->m, rt->store, NULL, prompt->ids, prompt->n, bp, &b, &ks, err);
+    if (st != MODEL_OK) {
+        fprintf(stderr, "kvtier-run: %s\n", err);
+        return false;
+    }
+    for (int i = 0; i < beam_results(b); i++) {
+        struct beam_hyp h = beam_result(b, i);
+        printf("beam %d score %.9g eos %d ids ", i, (double)h.score, h.eos);
+        for (int t = 0; t < h.n_gen; t++)
+            printf(t ? ",%d" : "%d", h.toks[t]);
+        putchar('\n');
+        char *text = NULL;
+        size_t len = 0;
+        if (!quiet && tokenizer_decode(rt->tok, h.toks, (size_t)h.n_gen, true, &text, &len) == TEXT_OK)
+            fprintf(stderr, "[beam %d: %.*s]\n", i, (int)len, text);
+        free(text);
+    }
+    if (!quiet)
+        fprintf(stderr, "[beam search: %d steps, KV bytes copied %llu, a whole-cache reorder each step: %llu]\n",
+                ks.steps, (unsigned long long)ks.copied_bytes, (unsigned long long)ks.whole_reorder_bytes);
+    beam_free(b);
+    return fflush(stdout) == 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *dir = NULL, *text = NULL, *ids_arg = NULL, *dump_path = NULL;
@@ -96,8 +142,10 @@ int main(int argc, char **argv)
     gp.stops = stops;
     struct runtime_params rp = {0};
     bool quiet = false;
+    struct beam_params bp = {.num_return = 1, .length_penalty = 1};
     enum { O_IDS = 256, O_GREEDY, O_TEMP, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_IGN, O_NOCACHE,
-           O_THREADS, O_DUMP, O_QUIET, O_KVDTYPE };
+           O_THREADS, O_DUMP, O_QUIET, O_KVDTYPE, O_BEAMS, O_NRET, O_LENPEN, O_EARLY, O_MINNEW, O_NGRAM,
+           O_GROUPS, O_DIVERSITY };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"max-new", required_argument, 0, 'n'}, {"ids", required_argument, 0, O_IDS},
@@ -108,6 +156,10 @@ int main(int argc, char **argv)
         {"ignore-eos", no_argument, 0, O_IGN}, {"no-cache", no_argument, 0, O_NOCACHE},
         {"threads", required_argument, 0, O_THREADS}, {"dump", required_argument, 0, O_DUMP},
         {"quiet", no_argument, 0, O_QUIET}, {"kv-dtype", required_argument, 0, O_KVDTYPE},
+        {"num-beams", required_argument, 0, O_BEAMS}, {"num-return", required_argument, 0, O_NRET},
+        {"length-penalty", required_argument, 0, O_LENPEN}, {"early-stopping", required_argument, 0, O_EARLY},
+        {"min-new", required_argument, 0, O_MINNEW}, {"no-repeat-ngram", required_argument, 0, O_NGRAM},
+        {"num-beam-groups", required_argument, 0, O_GROUPS}, {"diversity-penalty", required_argument, 0, O_DIVERSITY},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c, li = -1;
@@ -138,6 +190,18 @@ int main(int argc, char **argv)
         case O_DUMP: dump_path = optarg; break;
         case O_QUIET: quiet = true; break;
         case O_KVDTYPE: ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
+        case O_BEAMS: ok = args_int(optarg, 2, BEAM_MAX_BEAMS, &bp.num_beams); break;
+        case O_NRET: ok = args_int(optarg, 1, BEAM_MAX_BEAMS, &bp.num_return); break;
+        case O_LENPEN: ok = args_float(optarg, -100, 100, &bp.length_penalty); break;
+        case O_EARLY:
+            ok = !strcmp(optarg, "true") || !strcmp(optarg, "false") || !strcmp(optarg, "never");
+            bp.early_stopping = !strcmp(optarg, "true") ? BEAM_EARLY_TRUE
+                                : !strcmp(optarg, "never") ? BEAM_EARLY_NEVER : BEAM_EARLY_FALSE;
+            break;
+        case O_MINNEW: ok = args_int(optarg, 0, 1 << 24, &bp.min_new); break;
+        case O_NGRAM: ok = args_int(optarg, 0, 1 << 24, &bp.no_repeat_ngram); break;
+        case O_GROUPS: ok = args_int(optarg, 1, BEAM_MAX_BEAMS, &bp.num_groups); break;
+        case O_DIVERSITY: ok = args_float(optarg, 0, 1000, &bp.diversity_penalty); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -170,6 +234,10 @@ int main(int argc, char **argv)
     if (ids_arg ? parse_ids(ids_arg, &prompt) != 0
                 : tokenizer_encode(rt.tok, text, strlen(text), true, &prompt, err) != TEXT_OK) {
         fprintf(stderr, "kvtier-run: bad prompt: %s\n", ids_arg ? "--ids wants comma-separated token ids" : err);
+        goto out;
+    }
+    if (bp.num_beams) {
+        rc = run_beams(&rt, &prompt, &gp, &bp, quiet) ? 0 : 1;
         goto out;
     }
     if (dump_path) {

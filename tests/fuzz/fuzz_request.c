@@ -74,6 +74,25 @@ static void check_gen(const struct ipc_gen_req *r, bool chat, const struct ipc_l
                r->max_tokens);
     FUZZ_CHECK(r->n >= 1 && r->n <= lim->max_n, "n %d", r->n);
     FUZZ_CHECK(!r->session || r->n == 1, "n %d with a session", r->n);
+    FUZZ_CHECK(r->num_beams >= 1 && r->num_beams <= lim->max_n, "num_beams %d", r->num_beams);
+    if (r->num_beams > 1) {
+        FUZZ_CHECK(r->num_return_sequences >= 1 && r->num_return_sequences <= r->num_beams,
+                   "num_return_sequences %d of %d beams", r->num_return_sequences, r->num_beams);
+        FUZZ_CHECK(!r->stream && r->n == 1 && !r->session && !r->logprobs && !r->n_stops, "beams with %s",
+                   r->stream ? "stream" : r->n != 1 ? "n" : r->session ? "a session" : r->logprobs ? "logprobs" : "stop");
+        FUZZ_CHECK(isfinite(r->length_penalty), "length_penalty %g", r->length_penalty);
+        FUZZ_CHECK(r->num_beam_groups <= 1 ? r->diversity_penalty == 0
+                                           : r->num_beams % r->num_beam_groups == 0 && r->diversity_penalty > 0 &&
+                                                 isfinite(r->diversity_penalty),
+                   "num_beam_groups %d, diversity_penalty %g", r->num_beam_groups, r->diversity_penalty);
+        FUZZ_CHECK(r->min_tokens >= 0 && r->min_tokens <= lim->max_context && r->no_repeat_ngram_size >= 0 &&
+                   r->no_repeat_ngram_size <= lim->max_context, "min_tokens %d, no_repeat_ngram_size %d",
+                   r->min_tokens, r->no_repeat_ngram_size);
+    } else {
+        FUZZ_CHECK(r->best_of >= r->n && r->best_of <= lim->max_n, "best_of %d with n %d", r->best_of, r->n);
+        FUZZ_CHECK(r->best_of == r->n || (!r->stream && !r->session), "best_of %d streamed or in a session",
+                   r->best_of);
+    }
     FUZZ_CHECK(r->n_stops >= 0 && r->n_stops <= IPC_MAX_STOPS, "%d stops", r->n_stops);
     for (int i = 0; i < r->n_stops; i++) {
         size_t len = strlen(r->stops[i]);
