@@ -95,6 +95,12 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "disk_bytes_total", "counter", NULL, "{op=\"read\"}", (double)st.disk.bytes_read);
     metric(&w, "disk_compression_ratio", "gauge", "Raw over stored bytes of the chunks compressed so far.", NULL,
            st.disk.stored_compressed ? (double)st.disk.raw_compressed / (double)st.disk.stored_compressed : 1.0);
+    metric(&w, "disk_compress_seconds_total", "counter",
+           "Seconds the disk tier spent byte-shuffling and compressing chunks (what compression cost).", NULL,
+           st.disk.compress_s);
+    metric(&w, "disk_op_seconds_total", "counter", "Seconds the disk tier's writes and reads took, end to end.",
+           "{op=\"write\"}", st.disk.write_s);
+    metric(&w, "disk_op_seconds_total", "counter", NULL, "{op=\"read\"}", st.disk.read_s);
     metric(&w, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the automatic prefix cache.", NULL,
            (double)st.prefix_hit_tokens);
     metric(&w, "prefix_cache_blocks", "gauge", "Token blocks in the prefix cache.", NULL, (double)st.prefix_entries);

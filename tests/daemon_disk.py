@@ -83,6 +83,11 @@ for name, cache in STRATEGIES:
     pairs[name] = (a, b, nxt + ra["choices"][0]["tokens"])
 check(metric(d, "session_spills_total") >= len(STRATEGIES) and
       metric(d, "session_restores_total") >= len(STRATEGIES), "/metrics counts spills and restores")
+# idle spills are compressed under --disk-compress auto: the ratio and its cost show
+check(metric(d, "disk_compression_ratio") > 1.05 and metric(d, "disk_compress_seconds_total") > 0 and
+      metric(d, "disk_op_seconds_total", '{op="read"}') > 0,
+      "/metrics reports the compression ratio (%.2f) and what it cost (%.3f s)" %
+      (metric(d, "disk_compression_ratio"), metric(d, "disk_compress_seconds_total")))
 files = glob.glob(os.path.join(disk_dir, "u%d" % os.getuid(), "*.kvt"))
 check(len(files) == len(STRATEGIES) and all(os.stat(f).st_mode & 0o777 == 0o600 for f in files) and
       os.stat(os.path.join(disk_dir, "u%d" % os.getuid())).st_mode & 0o777 == 0o700,
