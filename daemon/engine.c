@@ -538,24 +538,13 @@ void start_job(engine *e, struct job *j)
     pthread_mutex_unlock(&e->mu);
 }
 
-static float log_sum_exp(const float *x, int n)
-{
-    float mx = x[0];
-    for (int i = 1; i < n; i++)
-        mx = x[i] > mx ? x[i] : mx;
-    double sum = 0;
-    for (int i = 0; i < n; i++)
-        sum += exp((double)x[i] - mx);
-    return mx + (float)log(sum);
-}
-
 /* Log-probabilities of the chosen id and the top alternatives, from the raw
  * logits in e->scratch (OpenAI reports the model's distribution, before
  * temperature and filters). */
 static void record_logprobs(engine *e, struct job *j, struct job_choice *c, int32_t id)
 {
     const float *x = e->scratch;
-    float lse = log_sum_exp(x, e->vocab);
+    float lse = (float)gen_log_sum_exp(x, e->vocab);
     int k = j->top_logprobs;
     struct tok_logprob *out = c->lps + (size_t)c->seq.gen * (size_t)(1 + k);
     out[0] = (struct tok_logprob){id, x[id] - lse};
@@ -588,7 +577,7 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
     if (j->logprobs)
         record_logprobs(e, j, c, id);
     if (rank) /* the model's distribution, as OpenAI's best_of ranks by it */
-        c->lp_sum += (double)(e->scratch[id] - log_sum_exp(e->scratch, e->vocab));
+        c->lp_sum += (double)(e->scratch[id] - (float)gen_log_sum_exp(e->scratch, e->vocab));
     if (gen_seq_accept(&c->seq, id) != MODEL_OK)
         job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the generated text");
 }

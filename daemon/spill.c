@@ -429,14 +429,17 @@ static void restore_done(engine *e, struct session *s)
     restore_wake(e, s, NULL, false);
 }
 
-/* The first session (under mu) matching pred, or NULL. */
-static struct session *find_locked(engine *e, bool (*pred)(const engine *, const struct session *, double),
-                                   double now)
+/* The first session matching pred (checked under mu), or NULL.  The
+ * engine thread is the only one that frees sessions, so it may use s
+ * after the lock is released. */
+static struct session *find(engine *e, bool (*pred)(const engine *, const struct session *, double), double now)
 {
-    for (struct session *s = e->sessions; s; s = s->next)
-        if (pred(e, s, now))
-            return s;
-    return NULL;
+    pthread_mutex_lock(&e->mu);
+    struct session *s = e->sessions;
+    while (s && !pred(e, s, now))
+        s = s->next;
+    pthread_mutex_unlock(&e->mu);
+    return s;
 }
 
 static bool op_finished(const engine *e, const struct session *s, double now)
@@ -453,20 +456,9 @@ void disk_poll(engine *e)
     prefix_disk_poll(e);
     if (!e->n_ops)
         return;
-    for (;;) {
-        pthread_mutex_lock(&e->mu);
-        struct session *s = find_locked(e, head_in, 0);
-        pthread_mutex_unlock(&e->mu);
-        if (!s)
-            break;
+    for (struct session *s; (s = find(e, head_in, 0));)
         restore_begin(e, s);
-    }
-    for (;;) {
-        pthread_mutex_lock(&e->mu);
-        struct session *s = find_locked(e, op_finished, 0);
-        pthread_mutex_unlock(&e->mu);
-        if (!s)
-            break;
+    for (struct session *s; (s = find(e, op_finished, 0));) {
         if (s->op_restore)
             restore_done(e, s);
         else
@@ -501,12 +493,7 @@ double disk_spill_idle(engine *e, double now)
 {
     if (!e->disk)
         return 0;
-    for (;;) {
-        pthread_mutex_lock(&e->mu);
-        struct session *s = find_locked(e, idle_due, now);
-        pthread_mutex_unlock(&e->mu);
-        if (!s)
-            break;
+    for (struct session *s; (s = find(e, idle_due, now));) {
         if (s->kv && s->version == s->disk_version)
             spill_release(e, s); /* its file is current: nothing to write */
         else

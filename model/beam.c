@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "model/generate.h"
+
 /* HF's "very large negative" mark for candidates that may not be chosen:
  * added, not assigned, so that the order among marked ones is kept. */
 #define BEAM_NEG 1.0e9f
@@ -216,15 +218,9 @@ static void beam_order(beam_search *b)
 static void beam_logprobs(beam_search *b, const float *x, const int32_t *seq, size_t n)
 {
     int V = b->vocab;
-    float mx = x[0];
-    for (int v = 1; v < V; v++)
-        mx = x[v] > mx ? x[v] : mx;
-    double sum = 0;
+    float lse = (float)gen_log_sum_exp(x, V);
     for (int v = 0; v < V; v++)
-        sum += exp((double)x[v] - mx);
-    float lse = (float)log(sum);
-    for (int v = 0; v < V; v++)
-        b->lp[v] = (x[v] - mx) - lse;
+        b->lp[v] = x[v] - lse;
     if (b->gen < b->p.min_new)
         for (int i = 0; i < b->p.n_eos; i++)
             b->lp[b->eos[i]] = -INFINITY;
@@ -304,6 +300,18 @@ static bool group_is_done(const beam_search *b, int g, float best)
     return b->fin_score[g * b->gs + b->gs - 1] >= reach;
 }
 
+/* The beams built into spare (ids and scores) become the running ones. */
+static void next_run(beam_search *b, int n)
+{
+    int32_t **t = b->run;
+    b->run = b->spare;
+    b->spare = t;
+    float *f = b->score;
+    b->score = b->spare_score;
+    b->spare_score = f;
+    b->n_run = n;
+}
+
 /* Group (diverse) beam search, one step: the groups choose in turn, each
  * among its own beams, its scores lowered by diversity_penalty for every
  * beam of an earlier group that chose the same id this step (Hamming
@@ -371,13 +379,7 @@ static enum model_status beam_step_groups(beam_search *b, const float *const *lo
             return MODEL_EINVAL;
         b->gdone[g] = b->gdone[g] || group_is_done(b, g, b->cands[0].lp);
     }
-    int32_t **t = b->run;
-    b->run = b->spare;
-    b->spare = t;
-    float *f = b->score;
-    b->score = b->spare_score;
-    b->spare_score = f;
-    b->n_run = nb;
+    next_run(b, nb);
     b->gen++;
     bool all_done = true;
     for (int g = 0; g < b->groups; g++)
@@ -440,13 +442,7 @@ enum model_status beam_step(beam_search *b, const float *const *logits, int *par
         parent[r++] = x->beam;
     }
     if (!at_max) {
-        int32_t **t = b->run;
-        b->run = b->spare;
-        b->spare = t;
-        float *f = b->score;
-        b->score = b->spare_score;
-        b->spare_score = f;
-        b->n_run = r;
+        next_run(b, r);
         b->gen = gen1;
         /* can the best running beam still beat the worst kept hypothesis? */
         int hyp_len = b->p.early_stopping == BEAM_EARLY_NEVER && b->p.length_penalty > 0 ? b->p.max_new : b->gen;

@@ -5,6 +5,7 @@
 #include "model/generate.h"
 #include "model/sampler.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -242,4 +243,15 @@ out:
     kv_seq_free(seq);
     free(logits);
     return st;
+}
+
+double gen_log_sum_exp(const float *x, int n)
+{
+    float mx = x[0];
+    for (int i = 1; i < n; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        sum += exp((double)x[i] - mx);
+    return mx + log(sum);
 }

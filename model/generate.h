@@ -102,6 +102,11 @@ struct gen_params {
 };
 void gen_params_default(struct gen_params *p);
 
+/* log(sum(exp(x[i]))) over n > 0 logits, in double, the max taken out
+ * first so that exp cannot overflow whatever their scale: what turns
+ * logits into log-probabilities (x[i] - it). */
+double gen_log_sum_exp(const float *x, int n);
+
 /* Called for each piece of text ready to emit; return false to stop. */
 typedef bool (*gen_text_cb)(void *ud, const char *text, size_t len);
 

@@ -22,6 +22,7 @@
 
 #include "util/args.h"
 #include "util/clock.h"
+#include "model/generate.h"
 #include "model/runtime.h"
 
 static void usage(FILE *f)
@@ -64,19 +65,6 @@ static char *read_text(const char *path, size_t *len)
     return buf;
 }
 
-/* -log softmax(logits)[target] in double: the max is subtracted first so exp
- * cannot overflow whatever the logits' scale. */
-static double token_nll(const float *logits, int vocab, int32_t target)
-{
-    double mx = logits[0];
-    for (int v = 1; v < vocab; v++)
-        mx = logits[v] > mx ? logits[v] : mx;
-    double sum = 0;
-    for (int v = 0; v < vocab; v++)
-        sum += exp((double)logits[v] - mx);
-    return -((double)logits[target] - mx - log(sum));
-}
-
 /* Scores one chunk c[0..n) as [bos] + c[:-1] in a fresh sequence; adds the
  * summed NLL to *nll.  in and logits are scratch of window and
  * window*vocab elements. */
@@ -97,7 +85,7 @@ static enum model_status score_chunk(model *m, kv_store *store, int32_t bos, con
     if (st != MODEL_OK)
         snprintf(err, MODEL_ERR_LEN, "model_forward: %s", model_strerror(st));
     for (int i = 0; st == MODEL_OK && i < n; i++)
-        *nll += token_nll(logits + (size_t)i * vocab, vocab, c[i]);
+        *nll += gen_log_sum_exp(logits + (size_t)i * vocab, vocab) - logits[(size_t)i * vocab + (size_t)c[i]];
     kv_seq_free(seq);
     return st;
 }
