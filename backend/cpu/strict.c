@@ -201,6 +201,10 @@ STRICT_OP(kv_absmax, (void *ctx, const struct be_kv_view *v, enum be_dtype dt, i
 STRICT_OP(kv_copy, (void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0, int64_t p1,
                     const struct be_attn_params *p), dst, src, p0, p1, p)
 STRICT_OP(silu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
+STRICT_OP(gelu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
+STRICT_OP(scale, (void *ctx, void *x, size_t n, float a), x, n, a)
+STRICT_OP(layernorm, (void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim, float eps),
+          y, x, w, b, n, dim, eps)
 STRICT_OP(add, (void *ctx, void *y, const void *x, size_t n), y, x, n)
 STRICT_OP(softmax, (void *ctx, void *x, int rows, int cols), x, rows, cols)
 STRICT_OP(embed, (void *ctx, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n, int dim), y,
@@ -298,6 +302,9 @@ static const struct be_ops strict_ops = {
     .kv_store = strict_kv_store,
     .attention = strict_attention,
     .silu_mul = strict_silu_mul,
+    .gelu_mul = strict_gelu_mul,
+    .scale = strict_scale,
+    .layernorm = strict_layernorm,
     .add = strict_add,
     .softmax = strict_softmax,
     .embed = strict_embed,
