@@ -208,9 +208,10 @@ static enum model_status get_str(const struct jctx *c, const char *key, const ch
 /* ---- architectures ------------------------------------------------------ */
 
 enum window_rule {
-    WINDOW_NONE,  /* Llama: no sliding window */
-    WINDOW_ALL,   /* Mistral: every layer slides when sliding_window is set */
-    WINDOW_QWEN,  /* Qwen2/3: use_sliding_window, max_window_layers, layer_types */
+    WINDOW_NONE,    /* Llama: no sliding window */
+    WINDOW_ALL,     /* Mistral: every layer slides when sliding_window is set */
+    WINDOW_QWEN,    /* Qwen2/3: use_sliding_window, max_window_layers, layer_types */
+    WINDOW_PATTERN, /* Gemma 2/3: layer_types, else every pattern-th layer full, the others slide */
 };
 
 /* The defaults of each transformers config class (configuration_*.py). */
@@ -223,12 +224,22 @@ static const struct arch_info {
     bool qkv_bias;           /* q/k/v bias regardless of attention_bias (Qwen2) */
     bool qk_norm;
     enum window_rule window;
+    int window_pattern;      /* WINDOW_PATTERN: the default period */
+    bool tie;                /* tie_word_embeddings default */
+    double rope_theta;       /* rope_theta default */
 } ARCHS[] = {
-    {"LlamaForCausalLM", ARCH_LLAMA, 1, 2, 0, true, false, false, WINDOW_NONE},
-    {"MistralForCausalLM", ARCH_MISTRAL, 1, 2, 0, false, false, false, WINDOW_ALL},
-    {"Qwen2ForCausalLM", ARCH_QWEN2, -1, -1, 0, false, true, false, WINDOW_QWEN},
-    {"Qwen3ForCausalLM", ARCH_QWEN3, -1, -1, 128, true, false, true, WINDOW_QWEN},
+    {"LlamaForCausalLM", ARCH_LLAMA, 1, 2, 0, true, false, false, WINDOW_NONE, 0, false, 10000.0},
+    {"MistralForCausalLM", ARCH_MISTRAL, 1, 2, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0},
+    {"Qwen2ForCausalLM", ARCH_QWEN2, -1, -1, 0, false, true, false, WINDOW_QWEN, 0, false, 10000.0},
+    {"Qwen3ForCausalLM", ARCH_QWEN3, -1, -1, 128, true, false, true, WINDOW_QWEN, 0, false, 10000.0},
+    {"Gemma2ForCausalLM", ARCH_GEMMA2, 2, 1, 256, true, false, false, WINDOW_PATTERN, 2, true, 10000.0},
+    {"Gemma3ForCausalLM", ARCH_GEMMA3, 2, 1, 256, true, false, true, WINDOW_PATTERN, 6, true, 1000000.0},
 };
+
+static bool is_gemma(enum model_arch a)
+{
+    return a == ARCH_GEMMA2 || a == ARCH_GEMMA3;
+}
 
 static enum model_status read_arch(const struct jctx *c, const struct arch_info **out)
 {
@@ -246,7 +257,8 @@ static enum model_status read_arch(const struct jctx *c, const struct arch_info 
         }
     }
     return model_errf(c->err, MODEL_EUNSUPPORTED,
-                      "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3 ForCausalLM)",
+                      "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
+                      "Gemma3 ForCausalLM)",
                       c->file, name);
 }
 
@@ -297,9 +309,39 @@ static enum model_status read_sizes(const struct jctx *c, const struct arch_info
 
 /* ---- RoPE ----------------------------------------------------------------- */
 
+/* transformers 5 gives Gemma 3 one rope_parameters object per layer type;
+ * the sliding layers' must be unscaled, and their rope_theta is what 4.x
+ * called rope_local_base_freq.  *rs becomes the full-attention object. */
+static enum model_status read_rope_per_type(const struct jctx *c, const struct arch_info *ai, json_t **rs,
+                                            struct model_config *cfg)
+{
+    json_t *full = json_object_get(*rs, "full_attention"), *local = json_object_get(*rs, "sliding_attention");
+    if (!full && !local)
+        return MODEL_OK;
+    if (ai->arch != ARCH_GEMMA3)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: rope_parameters per layer type is not supported for %s",
+                          c->file, ai->name);
+    if (!json_is_object(full) || !json_is_object(local))
+        return model_errf(c->err, MODEL_ECONFIG,
+                          "%s: rope_parameters must hold full_attention and sliding_attention objects", c->file);
+    struct jctx l = {.obj = local, .file = c->file, .prefix = "rope_parameters.sliding_attention.", .err = c->err};
+    const char *type;
+    enum model_status st = get_str(&l, "rope_type", &type);
+    if (st == MODEL_OK && type && strcmp(type, "default") != 0)
+        return model_errf(c->err, MODEL_EUNSUPPORTED,
+                          "%s: rope_parameters.sliding_attention.rope_type \"%s\" is not supported (default)", c->file,
+                          type);
+    if (st == MODEL_OK)
+        st = get_num(&l, "rope_theta", false, cfg->rope_local_theta, 0.0, 1e12, &cfg->rope_local_theta);
+    *rs = full;
+    return st;
+}
+
 /* rope_scaling (transformers <= 4.x) or rope_parameters (5.x).  Only the types whose inv_freq we compute are let
- * through; anything else would silently produce wrong positions. */
-static enum model_status read_rope(const struct jctx *c, struct model_config *cfg)
+ * through; anything else would silently produce wrong positions.  Gemma 3's
+ * scaling is its global layers'; its sliding layers rotate unscaled with
+ * rope_local_base_freq. */
+static enum model_status read_rope(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
 {
     enum model_status st;
     json_t *rs = field(c, "rope_scaling");
@@ -310,12 +352,18 @@ static enum model_status read_rope(const struct jctx *c, struct model_config *cf
     }
     if (rs && !json_is_object(rs))
         return model_errf(c->err, MODEL_ECONFIG, "%s: %s must be an object", c->file, rs_key);
+    if (ai->arch == ARCH_GEMMA3 &&
+        (st = get_num(c, "rope_local_base_freq", false, 10000.0, 0.0, 1e12, &cfg->rope_local_theta)))
+        return st;
+    json_t *outer = rs;
+    if (rs && !strcmp(rs_key, "rope_parameters") && (st = read_rope_per_type(c, ai, &rs, cfg)))
+        return st;
 
-    char prefix[32];
-    snprintf(prefix, sizeof prefix, "%s.", rs_key);
+    char prefix[48];
+    snprintf(prefix, sizeof prefix, "%s.%s", rs_key, rs != outer ? "full_attention." : "");
     struct jctx r = {.obj = rs, .file = c->file, .prefix = prefix, .err = c->err};
     /* transformers 5 folds rope_theta into rope_parameters, which wins. */
-    if ((st = get_num(c, "rope_theta", false, 10000.0, 0.0, 1e12, &cfg->rope_theta)) ||
+    if ((st = get_num(c, "rope_theta", false, ai->rope_theta, 0.0, 1e12, &cfg->rope_theta)) ||
         (st = get_num(&r, "rope_theta", false, cfg->rope_theta, 0.0, 1e12, &cfg->rope_theta)))
         return st;
 
@@ -359,24 +407,33 @@ static enum model_status read_features(const struct jctx *c, const struct arch_i
     if (field(c, "quantization_config"))
         return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: quantization_config: quantized checkpoints are not supported",
                           c->file);
+    /* Gemma's MLP reads hidden_activation (its configs carry a hidden_act
+     * too, which the model never reads). */
+    const char *act_key = is_gemma(ai->arch) ? "hidden_activation" : "hidden_act";
+    const char *act_want = is_gemma(ai->arch) ? "gelu_pytorch_tanh" : "silu";
     const char *act;
-    if ((st = get_str(c, "hidden_act", &act)))
+    if ((st = get_str(c, act_key, &act)))
         return st;
-    if (act && strcmp(act, "silu") != 0)
-        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: hidden_act=\"%s\" is not supported (silu)", c->file, act);
+    if (act && strcmp(act, act_want) != 0)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s=\"%s\" is not supported (%s)", c->file, act_key, act,
+                          act_want);
+    cfg->act = is_gemma(ai->arch) ? ACT_GELU_TANH : ACT_SILU;
     bool mlp_bias = false;
     if ((st = get_bool(c, "mlp_bias", false, &mlp_bias)))
         return st;
     if (mlp_bias)
         return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: mlp_bias=true is not supported", c->file);
 
-    /* Every one of the four classes defaults tie_word_embeddings to false
-     * (PretrainedConfig's own default is true). */
-    if ((st = get_bool(c, "tie_word_embeddings", false, &cfg->tie_word_embeddings)))
+    /* Llama, Mistral and Qwen default tie_word_embeddings to false, Gemma
+     * to true (PretrainedConfig's own default is true). */
+    if ((st = get_bool(c, "tie_word_embeddings", ai->tie, &cfg->tie_word_embeddings)))
         return st;
     cfg->attention_bias = ai->qkv_bias;
     if (ai->has_bias_field && (st = get_bool(c, "attention_bias", false, &cfg->attention_bias)))
         return st;
+    /* Qwen2's q/k/v bias is fixed by the class and leaves o_proj bare;
+     * attention_bias biases o_proj too. */
+    cfg->o_bias = ai->has_bias_field && cfg->attention_bias;
     cfg->qk_norm = ai->qk_norm;
     if ((st = get_num(c, "rms_norm_eps", true, 0, 0.0, 1.0, &cfg->rms_norm_eps)))
         return st;
@@ -402,6 +459,41 @@ static enum model_status read_features(const struct jctx *c, const struct arch_i
                       c->file, key, dt);
 }
 
+/* ---- Gemma ------------------------------------------------------------------ */
+
+/* A soft cap: absent is the class default, null none (0). */
+static enum model_status read_softcap(const struct jctx *c, const char *key, double def, float *out)
+{
+    if (json_is_null(json_object_get(c->obj, key))) {
+        *out = 0.0f;
+        return MODEL_OK;
+    }
+    return get_num(c, key, false, def, 0.0, 1e6, out);
+}
+
+/* The attention scale, the embedding scale and the soft caps: Gemma's;
+ * the other families scale by 1/sqrt(head_dim) and cap nothing. */
+static enum model_status read_scales(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+{
+    enum model_status st;
+    cfg->attn_scale = 1.0f / sqrtf((float)cfg->head_dim);
+    if (!is_gemma(ai->arch))
+        return MODEL_OK;
+    cfg->norm_plus_one = true;
+    cfg->sandwich_norms = true;
+    /* hidden_size ** 0.5 in Python; the forward pass rounds it to the
+     * activation type as the reference does to the embeddings' dtype */
+    cfg->embed_scale = (float)sqrt((double)cfg->hidden_size);
+    float qpas;
+    bool g2 = ai->arch == ARCH_GEMMA2;
+    if ((st = get_num(c, "query_pre_attn_scalar", false, 256.0, 0.0, 1e9, &qpas)) ||
+        (st = read_softcap(c, "attn_logit_softcapping", g2 ? 50.0 : 0.0, &cfg->attn_softcap)) ||
+        (st = read_softcap(c, "final_logit_softcapping", g2 ? 30.0 : 0.0, &cfg->final_softcap)))
+        return st;
+    cfg->attn_scale = (float)(1.0 / sqrt((double)qpas));
+    return MODEL_OK;
+}
+
 /* ---- sliding windows ----------------------------------------------------- */
 
 /* sliding_window as the config classes read it: absent is the class default
@@ -419,7 +511,9 @@ static enum model_status read_window_size(const struct jctx *c, int *out)
  * Mistral slides on every layer; Qwen2/3 keep sliding_window only with
  * use_sliding_window, derive layer_types from max_window_layers unless the
  * config lists them, and give a "sliding_attention" layer no window when
- * sliding_window ended up unset. */
+ * sliding_window ended up unset; Gemma 2/3 make every pattern-th layer
+ * (Gemma 2: 2, Gemma 3: sliding_window_pattern, default 6) full and the
+ * others sliding unless layer_types lists them. */
 static enum model_status read_windows(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
 {
     enum model_status st;
@@ -428,21 +522,36 @@ static enum model_status read_windows(const struct jctx *c, const struct arch_in
     json_t *types = NULL;
     if (ai->window == WINDOW_ALL && (st = read_window_size(c, &window)))
         return st;
-    if (ai->window == WINDOW_QWEN) {
-        if ((st = get_bool(c, "use_sliding_window", false, &use_sw)) || (use_sw && (st = read_window_size(c, &window))) ||
-            (st = get_int(c, "max_window_layers", false, 28, 0, INT32_MAX, &max_window_layers)))
+    int pattern = ai->window_pattern;
+    if (ai->window == WINDOW_PATTERN) {
+        /* every Gemma layer type needs its window: null would leave the
+         * sliding layers' mask undefined */
+        if ((st = get_int(c, "sliding_window", false, 4096, 1, INT32_MAX, &window)))
             return st;
+        if (!field(c, "sliding_window") && json_is_null(json_object_get(c->obj, "sliding_window")))
+            return model_errf(c->err, MODEL_ECONFIG, "%s: sliding_window must be set for %s", c->file, ai->name);
+        if (ai->arch == ARCH_GEMMA3 &&
+            (st = get_int(c, "sliding_window_pattern", false, pattern, 1, INT32_MAX, &pattern)))
+            return st;
+    }
+    if (ai->window == WINDOW_QWEN || ai->window == WINDOW_PATTERN) {
         types = field(c, "layer_types");
         if (types && (!json_is_array(types) || json_array_size(types) != (size_t)cfg->n_layers))
             return model_errf(c->err, MODEL_ECONFIG, "%s: layer_types must be a list of num_hidden_layers=%d strings",
                               c->file, cfg->n_layers);
+    }
+    if (ai->window == WINDOW_QWEN) {
+        if ((st = get_bool(c, "use_sliding_window", false, &use_sw)) || (use_sw && (st = read_window_size(c, &window))) ||
+            (st = get_int(c, "max_window_layers", false, 28, 0, INT32_MAX, &max_window_layers)))
+            return st;
     }
     cfg->sliding_window = window;
     cfg->layer_window = calloc((size_t)cfg->n_layers, sizeof *cfg->layer_window);
     if (!cfg->layer_window)
         return model_errf(c->err, MODEL_ENOMEM, "%s: out of memory for %d layer windows", c->file, cfg->n_layers);
     for (int i = 0; i < cfg->n_layers; i++) {
-        bool sliding = ai->window == WINDOW_ALL || (ai->window == WINDOW_QWEN && i >= max_window_layers);
+        bool sliding = ai->window == WINDOW_ALL || (ai->window == WINDOW_QWEN && i >= max_window_layers) ||
+                       (ai->window == WINDOW_PATTERN && (i + 1) % pattern != 0);
         if (types) {
             const char *t = json_string_value(json_array_get(types, (size_t)i));
             if (!t || (strcmp(t, "full_attention") != 0 && strcmp(t, "sliding_attention") != 0))
@@ -514,8 +623,8 @@ static enum model_status parse_config(json_t *root, const char *dir, struct mode
     cfg->arch = ai->arch;
     cfg->arch_name = ai->name;
     cfg->rope_layout = BE_ROPE_NEOX;
-    if ((st = read_sizes(&c, ai, cfg)) || (st = read_rope(&c, cfg)) || (st = read_features(&c, ai, cfg)) ||
-        (st = read_windows(&c, ai, cfg)))
+    if ((st = read_sizes(&c, ai, cfg)) || (st = read_rope(&c, ai, cfg)) || (st = read_features(&c, ai, cfg)) ||
+        (st = read_windows(&c, ai, cfg)) || (st = read_scales(&c, ai, cfg)))
         return st;
     default_tokens(ai, cfg);
     if ((st = read_tokens(&c, cfg)))

@@ -2,7 +2,7 @@
  * (mmapped, borrowed) weights, and the batched forward pass.
  *
  * Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
- * Qwen3ForCausalLM.  Errors come back as enum model_status plus a message in
+ * Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM.  Errors come back as enum model_status plus a message in
  * a caller buffer of MODEL_ERR_LEN bytes naming the file and the tensor or
  * field that was wrong.
  */
@@ -30,7 +30,8 @@ enum model_status {
 };
 const char *model_strerror(enum model_status st);
 
-enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3 };
+enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3 };
+enum model_act { ACT_SILU = 0, ACT_GELU_TANH }; /* the gate's activation: SwiGLU or GeGLU */
 enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3 };
 
 struct model_config {
@@ -54,7 +55,20 @@ struct model_config {
     enum be_rope_layout rope_layout;   /* NEOX for HF checkpoints */
     bool tie_word_embeddings;
     bool attention_bias;               /* q/k/v bias (Qwen2) */
-    bool qk_norm;                      /* per-head RMSNorm on q and k (Qwen3) */
+    bool o_bias;                       /* o_proj bias too (attention_bias on Llama, Qwen3, Gemma) */
+    bool qk_norm;                      /* per-head RMSNorm on q and k (Qwen3, Gemma 3) */
+    enum model_act act;
+    /* Gemma: every RMSNorm scales by 1 + weight; the loader folds the 1
+     * into its f32 copy of the weight, so the kernels see a plain RMSNorm. */
+    bool norm_plus_one;
+    bool sandwich_norms;               /* Gemma 2/3: attention and MLP outputs normed before the residual add */
+    float embed_scale;                 /* 0: none; Gemma: embeddings times sqrt(hidden_size) */
+    float attn_scale;                  /* the scores' scale: 1/sqrt(head_dim), Gemma query_pre_attn_scalar^-1/2 */
+    float attn_softcap;                /* 0: none; else attn_logit_softcapping (Gemma 2) */
+    float final_softcap;               /* 0: none; else final_logit_softcapping (Gemma 2) */
+    /* 0: every layer rotates with rope_theta and rope_scaling; Gemma 3:
+     * the sliding layers' base (rope_local_base_freq), unscaled. */
+    float rope_local_theta;
     int sliding_window;                /* 0 = none */
     int *layer_window;                 /* [n_layers] 0 = full, else the window (owned) */
     enum be_dtype dtype;               /* torch_dtype */
@@ -83,7 +97,9 @@ struct model_layer {
     const float *bq, *bk, *bv; /* (q_dim), (kv_dim), (kv_dim) or NULL */
     const float *bo;         /* (dim) or NULL: o_proj bias (attention_bias on Llama/Qwen3) */
     const float *q_norm, *k_norm; /* (head_dim) or NULL (Qwen3) */
-    const float *ffn_norm;   /* (dim)            post_attention_layernorm */
+    const float *post_attn_norm; /* (dim) or NULL: Gemma's post_attention_layernorm, on the attention output */
+    const float *ffn_norm;   /* (dim)            post_attention_layernorm (Gemma: pre_feedforward_layernorm) */
+    const float *post_ffn_norm; /* (dim) or NULL: Gemma's post_feedforward_layernorm, on the MLP output */
     struct model_mat w_gate; /* (hidden, dim) */
     struct model_mat w_up;   /* (hidden, dim) */
     struct model_mat w_down; /* (dim, hidden) */

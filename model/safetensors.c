@@ -486,6 +486,12 @@ static enum model_status bind_vec(struct binder *b, const char *name, int len, c
     if (bad < (size_t)len)
         return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has a non-finite value (%g) at index %zu", f->name,
                           name, dst[bad], bad);
+    /* Gemma's RMSNorm scales by 1 + weight, in f32 as here; every norm's
+     * name ends so, no bias's does */
+    size_t nl = strlen(name), sl = strlen("norm.weight");
+    if (b->cfg->norm_plus_one && nl >= sl && strcmp(name + nl - sl, "norm.weight") == 0)
+        for (int i = 0; i < len; i++)
+            dst[i] += 1.0f;
     b->next_vector += len;
     *out = dst;
     return MODEL_OK;
@@ -495,7 +501,7 @@ static enum model_status bind_vec(struct binder *b, const char *name, int len, c
 enum dim { D_DIM, D_QDIM, D_KVDIM, D_FFN, D_HEAD };
 
 /* When a per-layer vector exists. */
-enum need { ALWAYS, QKV_BIAS, O_BIAS, QK_NORM };
+enum need { ALWAYS, QKV_BIAS, O_BIAS, QK_NORM, PLAIN_NORMS, SANDWICH_NORMS };
 
 static const struct layer_mat {
     const char *suffix;
@@ -518,7 +524,12 @@ static const struct layer_vec {
     enum need need;
 } LAYER_VECS[] = {
     {"input_layernorm.weight", offsetof(struct model_layer, attn_norm), D_DIM, ALWAYS},
-    {"post_attention_layernorm.weight", offsetof(struct model_layer, ffn_norm), D_DIM, ALWAYS},
+    {"post_attention_layernorm.weight", offsetof(struct model_layer, ffn_norm), D_DIM, PLAIN_NORMS},
+    /* Gemma: the same name is the attention output's norm; the MLP's input
+     * norm is pre_feedforward_layernorm */
+    {"post_attention_layernorm.weight", offsetof(struct model_layer, post_attn_norm), D_DIM, SANDWICH_NORMS},
+    {"pre_feedforward_layernorm.weight", offsetof(struct model_layer, ffn_norm), D_DIM, SANDWICH_NORMS},
+    {"post_feedforward_layernorm.weight", offsetof(struct model_layer, post_ffn_norm), D_DIM, SANDWICH_NORMS},
     {"self_attn.q_proj.bias", offsetof(struct model_layer, bq), D_QDIM, QKV_BIAS},
     {"self_attn.k_proj.bias", offsetof(struct model_layer, bk), D_KVDIM, QKV_BIAS},
     {"self_attn.v_proj.bias", offsetof(struct model_layer, bv), D_KVDIM, QKV_BIAS},
@@ -544,10 +555,10 @@ static bool needed(const struct model_config *c, enum need n)
     switch (n) {
     case ALWAYS: return true;
     case QKV_BIAS: return c->attention_bias;
-    /* Qwen2's q/k/v bias is fixed by the class and leaves o_proj bare;
-     * attention_bias on Llama and Qwen3 biases o_proj too. */
-    case O_BIAS: return c->attention_bias && (c->arch == ARCH_LLAMA || c->arch == ARCH_QWEN3);
+    case O_BIAS: return c->o_bias;
     case QK_NORM: return c->qk_norm;
+    case PLAIN_NORMS: return !c->sandwich_norms;
+    case SANDWICH_NORMS: return c->sandwich_norms;
     }
     return false;
 }

@@ -44,12 +44,21 @@ fi
 #  qwen2:    q/k/v biases; layers >= 1 slide with window 8, layer 0 full;
 #            weights in 2 shards (model.safetensors.index.json)
 #  qwen3:    head_dim 32 != 64/4, per-head q/k norm
+#  gemma2:   layers 0, 2 slide (window 8), 1, 3 global; (1 + w) norms before
+#            and after each block, GeGLU, scaled embeddings, tied head,
+#            query_pre_attn_scalar 24 != head_dim, attention and final
+#            logits soft-capped low enough (5, 10) to bend them
+#  gemma3:   every 3rd layer global (sliding_window_pattern 3), global
+#            layers theta 1e6 with linear scaling 4, sliding ones theta 1e4
+#            unscaled; MQA, per-head (1 + w) q/k norms, no soft caps
 cases='
 llama    --arch llama --layers 3 --dim 96 --heads 6 --kv-heads 2 --ffn 256 --vocab 512 --rope-scaling llama3:8:32
 llamatie --arch llama --layers 2 --dim 64 --heads 4 --kv-heads 1 --ffn 160 --vocab 320 --tie --rope-scaling linear:2
 mistral  --arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 384 --window 8
 qwen2    --arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 448 --window 8 --max-window-layers 1 --shards 2
 qwen3    --arch qwen3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --head-dim 32 --ffn 176 --vocab 384
+gemma2   --arch gemma2 --layers 4 --dim 64 --heads 4 --kv-heads 2 --head-dim 16 --ffn 160 --vocab 384 --window 8 --qpas 24 --attn-softcap 5 --final-softcap 10 --tie
+gemma3   --arch gemma3 --layers 4 --dim 64 --heads 4 --kv-heads 1 --head-dim 32 --ffn 160 --vocab 384 --window 8 --window-pattern 3 --qpas 20 --theta 1000000 --rope-scaling linear:4 --tie
 '
 prompt=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
 

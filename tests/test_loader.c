@@ -2,7 +2,7 @@
  * model/safetensors.c); one file over 1,000 lines, as every case writes
  * its model directory with the same small writer.  Each test writes a tiny model directory (config.json
  * and safetensors written by the small writer below) into a fresh temporary
- * directory: good Llama/Mistral/Qwen2/Qwen3 checkpoints bind with the right
+ * directory: good Llama/Mistral/Qwen2/Qwen3/Gemma2/Gemma3 checkpoints bind with the right
  * pointers, shapes, dtypes, values and sliding windows; every bad file or
  * config field fails with the right status and a message naming the file and
  * the tensor or field.
@@ -188,6 +188,7 @@ struct spec {
     const char *dtype; /* "F32", "F16", "BF16" */
     int vocab, dim, ffn, layers, heads, kv_heads, head_dim;
     bool tie, qkv_bias, o_bias, qk_norm;
+    bool gemma; /* the four Gemma norms per layer, hidden_activation */
 };
 
 static struct spec spec_of(const char *arch)
@@ -195,7 +196,9 @@ static struct spec spec_of(const char *arch)
     struct spec s = {.arch = arch, .dtype = "BF16", .vocab = 40, .dim = 16, .ffn = 24, .layers = 3, .heads = 4,
                      .kv_heads = 2, .head_dim = 4};
     s.qkv_bias = strcmp(arch, "Qwen2ForCausalLM") == 0;
-    s.qk_norm = strcmp(arch, "Qwen3ForCausalLM") == 0;
+    s.qk_norm = strcmp(arch, "Qwen3ForCausalLM") == 0 || strcmp(arch, "Gemma3ForCausalLM") == 0;
+    s.gemma = strncmp(arch, "Gemma", 5) == 0;
+    s.tie = s.gemma;
     return s;
 }
 
@@ -215,6 +218,10 @@ static json_t *spec_config(const struct spec *s)
     assert_non_null(c);
     if (s->o_bias)
         json_object_set_new(c, "attention_bias", json_true());
+    if (s->gemma) {
+        json_object_del(c, "hidden_act");
+        json_object_set_new(c, "hidden_activation", json_string("gelu_pytorch_tanh"));
+    }
     return c;
 }
 
@@ -247,6 +254,10 @@ static void spec_tensors(const struct spec *s, struct stw *w)
             T("self_attn.k_norm.weight", s->head_dim, 0);
         }
         T("post_attention_layernorm.weight", s->dim, 0);
+        if (s->gemma) {
+            T("pre_feedforward_layernorm.weight", s->dim, 0);
+            T("post_feedforward_layernorm.weight", s->dim, 0);
+        }
         T("mlp.gate_proj.weight", s->ffn, s->dim);
         T("mlp.up_proj.weight", s->ffn, s->dim);
         T("mlp.down_proj.weight", s->dim, s->ffn);
@@ -548,6 +559,138 @@ static void test_qwen3_qk_norm(void **state)
     assert_int_equal(model_config_load(g_dir, &m.cfg, err), MODEL_OK);
     assert_int_equal(m.cfg.head_dim, 128);
     model_config_release(&m.cfg);
+}
+
+/* A Gemma norm as bound: the stored offset plus 1. */
+static void check_norm_plus_one(const float *v, const char *name, int len)
+{
+    assert_non_null(v);
+    for (int i = 0; i < len; i++)
+        assert_float_equal(v[i], expected(name, (size_t)i) + 1.0f, 0);
+}
+
+static void test_gemma2(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("Gemma2ForCausalLM");
+    s.layers = 4;
+    write_model(&s);
+    struct loaded m;
+    load_ok(&m);
+    assert_int_equal(m.cfg.arch, ARCH_GEMMA2);
+    assert_int_equal(m.cfg.act, ACT_GELU_TANH);
+    assert_true(m.cfg.tie_word_embeddings && m.cfg.norm_plus_one && m.cfg.sandwich_norms);
+    assert_false(m.cfg.qk_norm);
+    /* Gemma2Config's defaults: caps 50 and 30, query_pre_attn_scalar 256,
+     * window 4096 on the even layers */
+    assert_float_equal(m.cfg.attn_softcap, 50.0f, 0);
+    assert_float_equal(m.cfg.final_softcap, 30.0f, 0);
+    assert_float_equal(m.cfg.attn_scale, 1.0f / 16.0f, 0);
+    assert_float_equal(m.cfg.embed_scale, 4.0f, 0); /* sqrt(16) */
+    assert_float_equal(m.cfg.rope_local_theta, 0.0f, 0);
+    const int windows[] = {4096, 0, 4096, 0};
+    for (int l = 0; l < 4; l++)
+        assert_int_equal(m.cfg.layer_window[l], windows[l]);
+    const struct model_layer *L = &m.w.layers[2];
+    check_norm_plus_one(L->attn_norm, "model.layers.2.input_layernorm.weight", 16);
+    check_norm_plus_one(L->post_attn_norm, "model.layers.2.post_attention_layernorm.weight", 16);
+    check_norm_plus_one(L->ffn_norm, "model.layers.2.pre_feedforward_layernorm.weight", 16);
+    check_norm_plus_one(L->post_ffn_norm, "model.layers.2.post_feedforward_layernorm.weight", 16);
+    check_norm_plus_one(m.w.final_norm, "model.norm.weight", 16);
+    assert_ptr_equal(m.w.lm_head.data, m.w.tok_embed.data);
+    unload(&m);
+
+    /* explicit values, null caps, layer_types */
+    json_t *c = spec_config(&s);
+    json_object_set_new(c, "query_pre_attn_scalar", json_integer(64));
+    json_object_set_new(c, "attn_logit_softcapping", json_null());
+    json_object_set_new(c, "final_logit_softcapping", json_real(15.0));
+    json_object_set_new(c, "sliding_window", json_integer(8));
+    json_object_set_new(c, "layer_types", json_pack("[s,s,s,s]", "full_attention", "sliding_attention",
+                                                    "sliding_attention", "full_attention"));
+    write_json("config.json", c);
+    load_ok(&m);
+    assert_float_equal(m.cfg.attn_scale, 0.125f, 0);
+    assert_float_equal(m.cfg.attn_softcap, 0.0f, 0);
+    assert_float_equal(m.cfg.final_softcap, 15.0f, 0);
+    const int typed[] = {0, 8, 8, 0};
+    for (int l = 0; l < 4; l++)
+        assert_int_equal(m.cfg.layer_window[l], typed[l]);
+    unload(&m);
+
+    /* refused, naming the field */
+    json_object_set_new(c, "sliding_window", json_null());
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "sliding_window must be set", NULL);
+    json_object_set_new(c, "sliding_window", json_integer(8));
+    json_object_set_new(c, "hidden_activation", json_string("gelu"));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "hidden_activation", "gelu_pytorch_tanh", NULL);
+    json_object_set_new(c, "hidden_activation", json_string("gelu_pytorch_tanh"));
+    json_object_set_new(c, "final_logit_softcapping", json_real(-1.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "final_logit_softcapping", NULL);
+    json_decref(c);
+}
+
+static void test_gemma3(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("Gemma3ForCausalLM");
+    s.layers = 7;
+    write_model(&s);
+    struct loaded m;
+    load_ok(&m);
+    assert_int_equal(m.cfg.arch, ARCH_GEMMA3);
+    assert_true(m.cfg.qk_norm);
+    /* Gemma3TextConfig: no caps, local base 1e4, sliding_window_pattern 6 */
+    assert_float_equal(m.cfg.attn_softcap, 0.0f, 0);
+    assert_float_equal(m.cfg.final_softcap, 0.0f, 0);
+    assert_float_equal(m.cfg.rope_local_theta, 10000.0f, 0);
+    assert_float_equal(m.cfg.rope_theta, 500000.0f, 0);
+    for (int l = 0; l < 7; l++)
+        assert_int_equal(m.cfg.layer_window[l], l == 5 ? 0 : 4096);
+    check_norm_plus_one(m.w.layers[1].q_norm, "model.layers.1.self_attn.q_norm.weight", 4);
+    check_norm_plus_one(m.w.layers[1].k_norm, "model.layers.1.self_attn.k_norm.weight", 4);
+    unload(&m);
+
+    /* transformers 5: one rope_parameters object per layer type */
+    json_t *c = spec_config(&s);
+    json_object_del(c, "rope_theta");
+    json_object_set_new(c, "sliding_window_pattern", json_integer(2));
+    json_object_set_new(c, "rope_parameters",
+                        json_pack("{s:{s:s, s:f, s:f}, s:{s:s, s:f}}", "full_attention", "rope_type", "linear",
+                                  "factor", 8.0, "rope_theta", 1e6, "sliding_attention", "rope_type", "default",
+                                  "rope_theta", 20000.0));
+    write_json("config.json", c);
+    load_ok(&m);
+    assert_int_equal(m.cfg.rope_scaling, ROPE_SCALING_LINEAR);
+    assert_float_equal(m.cfg.rope_factor, 8.0f, 0);
+    assert_float_equal(m.cfg.rope_theta, 1e6f, 0);
+    assert_float_equal(m.cfg.rope_local_theta, 20000.0f, 0);
+    for (int l = 0; l < 7; l++)
+        assert_int_equal(m.cfg.layer_window[l], l % 2 ? 0 : 4096);
+    unload(&m);
+    json_object_set_new(c, "rope_parameters",
+                        json_pack("{s:{s:s}, s:{s:s, s:f}}", "full_attention", "rope_type", "default",
+                                  "sliding_attention", "rope_type", "linear", "factor", 2.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "rope_parameters.sliding_attention.rope_type", NULL);
+    json_object_set_new(c, "rope_parameters",
+                        json_pack("{s:{s:s, s:f}, s:{s:s}}", "full_attention", "rope_type", "dynamic", "factor", 2.0,
+                                  "sliding_attention", "rope_type", "default"));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "rope_parameters", "dynamic", NULL);
+    json_decref(c);
+
+    /* per-type RoPE is Gemma 3's alone */
+    s = spec_of("LlamaForCausalLM");
+    c = spec_config(&s);
+    json_object_set_new(c, "rope_parameters", json_pack("{s:{s:s}, s:{s:s}}", "full_attention", "rope_type",
+                                                        "default", "sliding_attention", "rope_type", "default"));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "rope_parameters per layer type", NULL);
+    json_decref(c);
 }
 
 static void test_defaults_and_generation_config(void **state)
@@ -1166,6 +1309,8 @@ int main(void)
         T(test_mistral_f16_tied),
         T(test_qwen2_f32_windows),
         T(test_qwen3_qk_norm),
+        T(test_gemma2),
+        T(test_gemma3),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),
         T(test_sharded),

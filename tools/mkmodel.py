@@ -16,7 +16,8 @@ a random model has spread logits (greedy decoding is not a sea of ties):
   2-D weights [out, in]   N(0, 1/in)
   embed_tokens            N(0, 1); tied: N(0, 9/dim), as lm_head
   lm_head                 N(0, 9/dim)  -> logits with std ~3
-  norm weights            1 + N(0, 0.1^2)  (not all ones, so a missed norm shows)
+  norm weights            1 + N(0, 0.1^2)  (not all ones, so a missed norm shows;
+                          Gemma stores the offset from 1: N(0, 0.1^2))
   biases                  N(0, 0.5^2)
 """
 import argparse
@@ -35,7 +36,8 @@ import torchref  # noqa: E402
 from bytelevel import bytes_to_unicode  # noqa: E402
 
 ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 # Shapes of public checkpoints (benchmarks) and a tiny default (tests).
 PRESETS = {
@@ -54,6 +56,12 @@ PRESETS = {
                        max_pos=32768, theta=1000000.0, tie=True),
     "qwen3-0.6b": dict(arch="qwen3", layers=28, dim=1024, heads=16, kv_heads=8, head_dim=128, ffn=3072,
                        vocab=151936, max_pos=40960, theta=1000000.0, tie=True),
+    "gemma2-2b": dict(arch="gemma2", layers=26, dim=2304, heads=8, kv_heads=4, head_dim=256, ffn=9216,
+                      vocab=256000, max_pos=8192, theta=10000.0, tie=True, window=4096, qpas=256,
+                      attn_softcap=50.0, final_softcap=30.0),
+    "gemma3-1b": dict(arch="gemma3", layers=26, dim=1152, heads=4, kv_heads=1, head_dim=256, ffn=6912,
+                      vocab=262144, max_pos=32768, theta=1000000.0, tie=True, window=512, qpas=256,
+                      window_pattern=6),
 }
 
 ST_DTYPE = {"f32": ("F32", torch.float32, "float32"), "bf16": ("BF16", torch.bfloat16, "bfloat16"),
@@ -239,6 +247,17 @@ def make_config(o, bos, eos):
         cfg["use_sliding_window"] = bool(o.window)
         cfg["sliding_window"] = o.window or None
         cfg["max_window_layers"] = o.max_window_layers if o.window else o.layers
+    if o.arch in ("gemma2", "gemma3"):
+        # Gemma: every layer kind needs the window; no layer_types, so the
+        # config class's own pattern decides which layers slide
+        if not o.window:
+            raise SystemExit("mkmodel: gemma needs --window")
+        del cfg["hidden_act"]
+        cfg.update(hidden_activation="gelu_pytorch_tanh", sliding_window=o.window, attention_bias=False,
+                   query_pre_attn_scalar=o.qpas or head_dim, head_dim=head_dim,
+                   attn_logit_softcapping=o.attn_softcap, final_logit_softcapping=o.final_softcap)
+    if o.arch == "gemma3":
+        cfg.update(sliding_window_pattern=o.window_pattern or 6, rope_local_base_freq=o.local_theta or 10000.0)
     return cfg
 
 
@@ -251,7 +270,7 @@ CHUNK = 1 << 22  # elements generated per step: bounds memory for any shape
 def init_kind(name, shape, cfg):
     """(mean, std) of a tensor by its role (see the module docstring)."""
     if name.endswith("norm.weight"):
-        return 1.0, 0.1
+        return (0.0 if cfg["architectures"][0].startswith("Gemma") else 1.0), 0.1
     if name.endswith(".bias"):
         return 0.0, 0.5
     head_std = 3.0 / math.sqrt(cfg["hidden_size"])  # final-normed h has unit RMS
@@ -332,13 +351,19 @@ def parse_args(argv):
     ap.add_argument("--window", type=int, help="sliding window (mistral: every layer; qwen2/3: "
                                                "use_sliding_window, layers >= --max-window-layers)")
     ap.add_argument("--max-window-layers", type=int, default=0)
+    ap.add_argument("--window-pattern", type=int, help="gemma3: sliding_window_pattern (every Nth layer global)")
+    ap.add_argument("--qpas", type=float, help="gemma: query_pre_attn_scalar (default head_dim)")
+    ap.add_argument("--attn-softcap", type=float, help="gemma: attn_logit_softcapping (default none)")
+    ap.add_argument("--final-softcap", type=float, help="gemma: final_logit_softcapping (default none)")
+    ap.add_argument("--local-theta", type=float, help="gemma3: rope_local_base_freq (default 10000)")
     ap.add_argument("--tie", action="store_true", default=None, help="tie_word_embeddings")
     ap.add_argument("--no-tie", dest="tie", action="store_false")
     ap.add_argument("--rope-scaling", help="linear:F or llama3:F[:ORIG_MAX_POS]")
     ap.add_argument("--tokenizer-from", help="copy tokenizer.json/tokenizer_config.json from this directory")
     o = ap.parse_args(argv)
     p = dict(PRESETS[o.preset])
-    defaults = dict(arch="llama", eps=1e-6, tie=False, head_dim=None, window=None, rope_scaling=None)
+    defaults = dict(arch="llama", eps=1e-6, tie=False, head_dim=None, window=None, rope_scaling=None,
+                    window_pattern=None, qpas=None, attn_softcap=None, final_softcap=None, local_theta=None)
     for k, v in {**defaults, **p}.items():
         if getattr(o, k, None) is None:
             setattr(o, k, v)

@@ -1,13 +1,18 @@
 """torchref - an independent plain-PyTorch reference for the decoder-only
 architectures kvtier runs: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM and Qwen3ForCausalLM.
+Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM.
 
 Written from the semantics of Hugging Face transformers' modeling code (not
 copied): RMSNorm with the variance in f32, NeoX / rotate_half RoPE with HF's
 inv_freq (default, linear, llama3), GQA, SiLU-gated MLP, Qwen2 q/k/v biases,
 Qwen3 per-head q/k RMSNorm before RoPE, causal masks with HF's sliding-window
 rule (a query at q sees keys k with q - k < window) on the layers HF makes
-sliding.  Parameter names equal the HF state-dict keys, so
+sliding.  Gemma 2/3: RMSNorm scaling by (1 + weight), a norm on each block's
+output as well as its input, GeGLU (tanh GELU), embeddings times
+sqrt(hidden_size) in their dtype, scores scaled by query_pre_attn_scalar^-1/2
+and tanh-capped (Gemma 2, also its final logits), every pattern-th layer
+global and the others sliding, Gemma 3's per-head q/k norm and its sliding
+layers' own unscaled RoPE base (rope_local_base_freq).  Parameter names equal the HF state-dict keys, so
 `model.state_dict()` is a checkpoint (a tied lm_head has no key of its own).
 
 Also: a hand-written safetensors reader/writer (F32/F16/BF16 and a few
@@ -28,7 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+         "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 # --------------------------------------------------------------------------
@@ -50,6 +57,8 @@ def head_dim_of(cfg):
         return int(hd)
     if arch_of(cfg) == "Qwen3ForCausalLM":
         return 128
+    if arch_of(cfg) in GEMMA:
+        return 256
     return cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
@@ -57,11 +66,14 @@ def rope_params(cfg):
     """(theta, scaling dict or None).  Older config.json files carry
     rope_theta + rope_scaling; newer transformers write rope_parameters."""
     rp = cfg.get("rope_parameters")
+    default_theta = 1000000.0 if arch_of(cfg) == "Gemma3ForCausalLM" else 10000.0
+    if isinstance(rp, dict) and "full_attention" in rp:  # Gemma 3, transformers 5: one per layer type
+        rp = rp["full_attention"]
     if isinstance(rp, dict):
-        theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        theta = rp.get("rope_theta", cfg.get("rope_theta", default_theta))
         kind = rp.get("rope_type", rp.get("type", "default"))
         return float(theta), (None if kind == "default" else dict(rp, rope_type=kind))
-    theta = float(cfg.get("rope_theta", 10000.0))
+    theta = float(cfg.get("rope_theta", default_theta))
     rs = cfg.get("rope_scaling")
     if not rs:
         return theta, None
@@ -92,13 +104,36 @@ def layer_windows(cfg):
         if len(types) != n:
             raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
         return [w if (t == "sliding_attention" and w) else None for t in types]
+    if arch in GEMMA:
+        # Gemma 2 alternates (even layers slide); Gemma 3 makes every
+        # sliding_window_pattern-th layer global
+        w = cfg.get("sliding_window", 4096)
+        if not w:
+            raise ValueError("config.json: sliding_window must be set for Gemma")
+        pattern = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+        types = cfg.get("layer_types") or \
+            ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        return [w if t == "sliding_attention" else None for t in types]
     return [None] * n
 
 
-def rope_inv_freq(cfg):
-    """inv_freq[head_dim/2] exactly as HF computes it (f32 throughout)."""
+def local_rope_theta(cfg):
+    """Gemma 3's sliding layers: their RoPE base (unscaled), else None."""
+    if arch_of(cfg) != "Gemma3ForCausalLM":
+        return None
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "sliding_attention" in rp:
+        return float(rp["sliding_attention"].get("rope_theta", 10000.0))
+    return float(cfg.get("rope_local_base_freq", 10000.0))
+
+
+def rope_inv_freq(cfg, local=False):
+    """inv_freq[head_dim/2] exactly as HF computes it (f32 throughout);
+    local: Gemma 3's sliding layers' (their own base, no scaling)."""
     dim = head_dim_of(cfg)
     theta, sc = rope_params(cfg)
+    if local:
+        theta, sc = local_rope_theta(cfg), None
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if sc is None:
         return inv
@@ -125,15 +160,21 @@ def rope_inv_freq(cfg):
 # Building blocks
 # --------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps, device=None):
+    """plus_one (Gemma): the weight is stored as an offset from 1, and the
+    whole product is formed in f32 before the cast back."""
+
+    def __init__(self, dim, eps, device=None, plus_one=False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device))
+        self.weight = nn.Parameter(torch.zeros(dim, device=device) if plus_one else torch.ones(dim, device=device))
         self.eps = eps
+        self.plus_one = plus_one
 
     def forward(self, x):
         dt = x.dtype
         x32 = x.float()  # HF: variance in f32 whatever the compute dtype
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight.float())).to(dt)
         return self.weight * x32.to(dt)
 
 
@@ -184,24 +225,35 @@ class Attention(nn.Module):
         # Qwen2: q/k/v biased, o not.  Llama/Qwen3: attention_bias on all
         # four.  Mistral: none.
         qkv_bias = arch == "Qwen2ForCausalLM" or (arch != "MistralForCausalLM" and cfg.get("attention_bias", False))
-        o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.get("attention_bias", False)
+        o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") + GEMMA and cfg.get("attention_bias", False)
+        # Gemma: scores scaled by query_pre_attn_scalar^-1/2, and Gemma 2's
+        # capped by attn_logit_softcapping (None: uncapped)
+        self.scale = self.hd ** -0.5
+        self.softcap = None
+        if arch in GEMMA:
+            self.scale = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+            self.softcap = cfg.get("attn_logit_softcapping", 50.0 if arch == "Gemma2ForCausalLM" else None)
+        # Gemma 3's sliding layers use the local RoPE table
+        self.rope = "local" if window is not None and arch == "Gemma3ForCausalLM" else "global"
         self.q_proj = nn.Linear(dim, self.n_heads * self.hd, bias=qkv_bias, device=device)
         self.k_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
         self.v_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
         self.o_proj = nn.Linear(self.n_heads * self.hd, dim, bias=o_bias, device=device)
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
             eps = cfg.get("rms_norm_eps", 1e-6)
-            self.q_norm = RMSNorm(self.hd, eps, device)
-            self.k_norm = RMSNorm(self.hd, eps, device)
+            self.q_norm = RMSNorm(self.hd, eps, device, plus_one=arch in GEMMA)
+            self.k_norm = RMSNorm(self.hd, eps, device, plus_one=arch in GEMMA)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, masks):
+    def forward(self, x, ropes, masks):
+        """ropes: {"global": (cos, sin), "local": (cos, sin)}, each [T, hd]."""
+        cos, sin = ropes[self.rope]
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.hd)  # [B, T, H, hd]
         k = self.k_proj(x).view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
         v = self.v_proj(x).view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
-        if self.q_norm is not None:  # Qwen3: per head, before RoPE
+        if self.q_norm is not None:  # Qwen3, Gemma 3: per head, before RoPE
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, hd]
@@ -211,7 +263,10 @@ class Attention(nn.Module):
             k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
         rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, rep), repeat_kv(v, rep)
-        s = torch.matmul(q, k.transpose(2, 3)) * (self.hd ** -0.5) + masks[self.window]  # [B, H, T, T]
+        s = torch.matmul(q, k.transpose(2, 3)) * self.scale  # [B, H, T, T]
+        if self.softcap is not None:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        s = s + masks[self.window]
         p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(p, v).transpose(1, 2).reshape(b, t, self.n_heads * self.hd)  # [B, T, H*hd]
         return self.o_proj(o)
@@ -225,22 +280,35 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, ffn, bias=bias, device=device)
         self.up_proj = nn.Linear(dim, ffn, bias=bias, device=device)
         self.down_proj = nn.Linear(ffn, dim, bias=bias, device=device)
+        # SwiGLU, or Gemma's GeGLU with the tanh approximation
+        self.act = (lambda g: F.gelu(g, approximate="tanh")) if arch_of(cfg) in GEMMA else F.silu
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, window, device=None):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, device)
+        dim = cfg["hidden_size"]
+        self.gemma = arch_of(cfg) in GEMMA
+        self.input_layernorm = RMSNorm(dim, eps, device, self.gemma)
         self.self_attn = Attention(cfg, window, device)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, device)
+        # Llama: post_attention_layernorm is the MLP's input norm.  Gemma:
+        # it norms the attention output, pre_feedforward_layernorm the MLP's
+        # input and post_feedforward_layernorm its output.
+        self.post_attention_layernorm = RMSNorm(dim, eps, device, self.gemma)
+        if self.gemma:
+            self.pre_feedforward_layernorm = RMSNorm(dim, eps, device, True)
+            self.post_feedforward_layernorm = RMSNorm(dim, eps, device, True)
         self.mlp = MLP(cfg, device)
 
-    def forward(self, x, cos, sin, masks):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks)
+    def forward(self, x, ropes, masks):
+        if self.gemma:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, masks))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), ropes, masks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -252,24 +320,32 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], device=device)
         self.windows = layer_windows(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, w, device) for w in self.windows)
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), device)
+        gemma = arch_of(cfg) in GEMMA
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), device, gemma)
+        self.embed_scale = cfg["hidden_size"] ** 0.5 if gemma else None
         # not persistent: HF checkpoints carry no inv_freq
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        local = local_rope_theta(cfg) is not None
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=local), persistent=False)
 
-    def rope_tables(self, t, dtype):
+    @staticmethod
+    def rope_tables(inv_freq, t, dtype):
         """cos, sin [T, hd] for positions 0..T-1, computed in f32 as HF does."""
-        pos = torch.arange(t, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.float())  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)           # [T, hd]
+        pos = torch.arange(t, device=inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq.float())  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)      # [T, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids):
         x = self.embed_tokens(input_ids)  # [B, T, dim]
+        if self.embed_scale is not None:  # Gemma: the normalizer in the activations' dtype
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         t = input_ids.shape[1]
-        cos, sin = self.rope_tables(t, x.dtype)
+        ropes = {"global": self.rope_tables(self.inv_freq, t, x.dtype),
+                 "local": self.rope_tables(self.inv_freq_local, t, x.dtype)}
         masks = {w: causal_mask(t, w, x.device).to(x.dtype) for w in set(self.windows)}
         for layer in self.layers:
-            x = layer(x, cos, sin, masks)
+            x = layer(x, ropes, masks)
         return self.norm(x)
 
 
@@ -280,19 +356,27 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.arch = arch_of(cfg)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} not supported (silu)")
+        gemma = self.arch in GEMMA
+        key, want = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+        if cfg.get(key, want) != want:
+            raise ValueError(f"config.json: {key} {cfg[key]!r} not supported ({want})")
         self.model = Backbone(cfg, device)
-        # HF's default for tie_word_embeddings is False for these four classes
-        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        # HF's default for tie_word_embeddings: False for Llama, Mistral and
+        # Qwen, True for Gemma
+        self.tied = bool(cfg.get("tie_word_embeddings", gemma))
         if not self.tied:
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False, device=device)
+        self.final_softcap = cfg.get("final_logit_softcapping",
+                                     30.0 if self.arch == "Gemma2ForCausalLM" else None) if gemma else None
 
     def forward(self, input_ids):
         """input_ids [B, T] (positions 0..T-1, full causal) -> logits [B, T, V]."""
         h = self.model(input_ids)
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(h, w)
+        logits = F.linear(h, w)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
 
 # --------------------------------------------------------------------------
