@@ -66,12 +66,28 @@ def naive_rope(v, pos, inv_freq):
     return out
 
 
-def naive_forward(cfg, sd, ids, inv_freq, windows):
+def naive_gelu_tanh(v):
+    return 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
+
+
+def naive_forward(cfg, sd, ids, inv_freq, windows, inv_local=None):
+    """inv_local: Gemma 3's sliding layers' RoPE frequencies."""
     P = {k: v.double().numpy() for k, v in sd.items()}
     eps = cfg.get("rms_norm_eps", 1e-6)
     H, Hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], tr.head_dim_of(cfg)
+    arch = cfg["architectures"][0]
+    gemma = arch in tr.GEMMA
+    # Gemma's defaults where the config is silent (Gemma2Config / Gemma3TextConfig)
+    scale = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else 1 / math.sqrt(hd)
+    g2 = arch == "Gemma2ForCausalLM"
+    attn_cap = cfg.get("attn_logit_softcapping", 50.0 if g2 else None) if gemma else None
+    final_cap = cfg.get("final_logit_softcapping", 30.0 if g2 else None) if gemma else None
     T = len(ids)
-    x = [P["model.embed_tokens.weight"][t].copy() for t in ids]
+    x = [P["model.embed_tokens.weight"][t] * (math.sqrt(cfg["hidden_size"]) if gemma else 1.0) for t in ids]
+
+    def norm(v, name):
+        w = P[name]
+        return naive_rmsnorm(v, 1 + w if gemma else w, eps)
 
     def lin(name, v):
         y = P[name + ".weight"] @ v
@@ -79,16 +95,17 @@ def naive_forward(cfg, sd, ids, inv_freq, windows):
 
     for li, win in enumerate(windows):
         pre = f"model.layers.{li}."
+        inv = inv_local if (win is not None and inv_local is not None) else inv_freq
         qs, ks, vs = [], [], []
         for t in range(T):
-            hN = naive_rmsnorm(x[t], P[pre + "input_layernorm.weight"], eps)
+            hN = norm(x[t], pre + "input_layernorm.weight")
             q = lin(pre + "self_attn.q_proj", hN).reshape(H, hd)
             k = lin(pre + "self_attn.k_proj", hN).reshape(Hkv, hd)
             if pre + "self_attn.q_norm.weight" in P:
-                q = np.stack([naive_rmsnorm(r, P[pre + "self_attn.q_norm.weight"], eps) for r in q])
-                k = np.stack([naive_rmsnorm(r, P[pre + "self_attn.k_norm.weight"], eps) for r in k])
-            qs.append(np.stack([naive_rope(r, t, inv_freq) for r in q]))
-            ks.append(np.stack([naive_rope(r, t, inv_freq) for r in k]))
+                q = np.stack([norm(r, pre + "self_attn.q_norm.weight") for r in q])
+                k = np.stack([norm(r, pre + "self_attn.k_norm.weight") for r in k])
+            qs.append(np.stack([naive_rope(r, t, inv) for r in q]))
+            ks.append(np.stack([naive_rope(r, t, inv) for r in k]))
             vs.append(lin(pre + "self_attn.v_proj", hN).reshape(Hkv, hd))
         new_x = []
         for t in range(T):
@@ -96,17 +113,28 @@ def naive_forward(cfg, sd, ids, inv_freq, windows):
             heads = []
             for h in range(H):
                 g = h // (H // Hkv)
-                sc = [float(qs[t][h] @ ks[j][g]) / math.sqrt(hd) for j in range(first, t + 1)]
+                sc = [float(qs[t][h] @ ks[j][g]) * scale for j in range(first, t + 1)]
+                if attn_cap:
+                    sc = [attn_cap * math.tanh(s / attn_cap) for s in sc]
                 m = max(sc)
                 e = [math.exp(s - m) for s in sc]
                 heads.append(sum(e[j - first] / sum(e) * vs[j][g] for j in range(first, t + 1)))
-            xt = x[t] + lin(pre + "self_attn.o_proj", np.concatenate(heads))
-            hN = naive_rmsnorm(xt, P[pre + "post_attention_layernorm.weight"], eps)
+            a = lin(pre + "self_attn.o_proj", np.concatenate(heads))
+            if gemma:
+                xt = x[t] + norm(a, pre + "post_attention_layernorm.weight")
+                hN = norm(xt, pre + "pre_feedforward_layernorm.weight")
+                gate = lin(pre + "mlp.gate_proj", hN)
+                f = lin(pre + "mlp.down_proj", naive_gelu_tanh(gate) * lin(pre + "mlp.up_proj", hN))
+                new_x.append(xt + norm(f, pre + "post_feedforward_layernorm.weight"))
+                continue
+            xt = x[t] + a
+            hN = norm(xt, pre + "post_attention_layernorm.weight")
             gate = lin(pre + "mlp.gate_proj", hN)
             new_x.append(xt + lin(pre + "mlp.down_proj", gate / (1 + np.exp(-gate)) * lin(pre + "mlp.up_proj", hN)))
         x = new_x
     head = P["lm_head.weight"] if "lm_head.weight" in P else P["model.embed_tokens.weight"]
-    return np.stack([head @ naive_rmsnorm(v, P["model.norm.weight"], eps) for v in x])
+    logits = np.stack([head @ norm(v, "model.norm.weight") for v in x])
+    return final_cap * np.tanh(logits / final_cap) if final_cap else logits
 
 
 def randomize(model, seed):
@@ -139,6 +167,15 @@ NAIVE_CASES = [
     ("qwen3 head_dim 8 != 24/4, q/k norm", base_cfg("Qwen3ForCausalLM", head_dim=8, num_attention_heads=4,
                                                        layer_types=["sliding_attention", "full_attention"],
                                                        use_sliding_window=True, sliding_window=5)),
+    ("gemma2 defaults (caps 50/30), window 4 on even layers",
+     base_cfg("Gemma2ForCausalLM", head_dim=4, num_hidden_layers=3, sliding_window=4)),
+    ("gemma2 low caps, query_pre_attn_scalar 6, layer_types",
+     base_cfg("Gemma2ForCausalLM", head_dim=4, sliding_window=3, query_pre_attn_scalar=6,
+              attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+              layer_types=["full_attention", "sliding_attention"])),
+    ("gemma3 q/k norm, pattern 2, local theta 10 vs 1e4 linear 2",
+     base_cfg("Gemma3ForCausalLM", head_dim=8, num_hidden_layers=3, sliding_window=5, sliding_window_pattern=2,
+              rope_theta=10000.0, rope_local_base_freq=10.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
 ]
 
 
@@ -151,8 +188,12 @@ def check_naive_forward():
             got = m(torch.tensor([ids, ids[::-1]]))  # batch of 2: rows must not mix
         sd = m.state_dict()
         inv = m.model.inv_freq.double().numpy()
+        inv_local = None
+        if tr.local_rope_theta(cfg) is not None:  # computed here, not taken from the model under test
+            theta, hd = tr.local_rope_theta(cfg), tr.head_dim_of(cfg)
+            inv_local = np.array([theta ** (-2 * i / hd) for i in range(hd // 2)])
         for b, seq in enumerate((ids, ids[::-1])):
-            want = naive_forward(cfg, sd, seq, inv, tr.layer_windows(cfg))
+            want = naive_forward(cfg, sd, seq, inv, tr.layer_windows(cfg), inv_local)
             # not 1e-12: CausalLM builds its RoPE tables in f32, as HF does
             close(got[b].numpy(), want, 2e-5, f"naive forward == CausalLM: {what}, batch row {b}")
 
