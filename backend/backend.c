@@ -432,12 +432,14 @@ enum be_status be_layernorm(be_backend *be, void *y, const void *x, const float 
 }
 
 enum be_status be_rope(be_backend *be, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                       const float *inv_freq, int rot_dim, enum be_rope_layout layout)
+                       const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout)
 {
     if (!be || !x || !pos || !inv_freq || n_tok < 0 || n_heads <= 0 || head_dim <= 0 || rot_dim <= 0 ||
-        rot_dim % 2 || rot_dim > head_dim || (layout != BE_ROPE_NEOX && layout != BE_ROPE_INTERLEAVED))
+        rot_dim % 2 || rot_dim > head_dim || !isfinite(mscale) ||
+        (layout != BE_ROPE_NEOX && layout != BE_ROPE_INTERLEAVED))
         return BE_EINVAL;
-    return n_tok ? be->ops->rope(be->ctx, x, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, layout) : BE_OK;
+    return n_tok ? be->ops->rope(be->ctx, x, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, mscale, layout)
+                 : BE_OK;
 }
 
 static bool attn_params_ok(const struct be_attn_params *p)

@@ -135,9 +135,11 @@ enum be_rope_layout {
 /* Rotates x[n_tok, n_heads, head_dim] in place; token t is at absolute
  * position pos[t] (host metadata); angle = pos * inv_freq[i] for i <
  * rot_dim/2 (the caller folds rope_theta and rope_scaling into inv_freq,
- * a device table). */
+ * a device table).  cos and sin are multiplied by mscale (longrope's
+ * attention factor; 1 for plain RoPE), so the rotated dimensions scale by
+ * it and the rest do not. */
 enum be_status be_rope(be_backend *be, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                       const float *inv_freq, int rot_dim, enum be_rope_layout layout);
+                       const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout);
 
 /* One sequence's KV for one layer, as attention reads it.  Block b holds the
  * positions [base + b*block_tokens, base + (b+1)*block_tokens); within a

@@ -209,7 +209,7 @@ static enum model_status get_str(const struct jctx *c, const char *key, const ch
 
 enum window_rule {
     WINDOW_NONE,    /* Llama: no sliding window */
-    WINDOW_ALL,     /* Mistral: every layer slides when sliding_window is set */
+    WINDOW_ALL,     /* Mistral, Phi-3: every layer slides when sliding_window is set */
     WINDOW_QWEN,    /* Qwen2/3: use_sliding_window, max_window_layers, layer_types */
     WINDOW_PATTERN, /* Gemma 2/3: layer_types, else every pattern-th layer full, the others slide */
 };
@@ -227,13 +227,15 @@ static const struct arch_info {
     int window_pattern;      /* WINDOW_PATTERN: the default period */
     bool tie;                /* tie_word_embeddings default */
     double rope_theta;       /* rope_theta default */
+    int window_default;      /* WINDOW_ALL: sliding_window when absent (null is none) */
 } ARCHS[] = {
-    {"LlamaForCausalLM", ARCH_LLAMA, 1, 2, 0, true, false, false, WINDOW_NONE, 0, false, 10000.0},
-    {"MistralForCausalLM", ARCH_MISTRAL, 1, 2, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0},
-    {"Qwen2ForCausalLM", ARCH_QWEN2, -1, -1, 0, false, true, false, WINDOW_QWEN, 0, false, 10000.0},
-    {"Qwen3ForCausalLM", ARCH_QWEN3, -1, -1, 128, true, false, true, WINDOW_QWEN, 0, false, 10000.0},
-    {"Gemma2ForCausalLM", ARCH_GEMMA2, 2, 1, 256, true, false, false, WINDOW_PATTERN, 2, true, 10000.0},
-    {"Gemma3ForCausalLM", ARCH_GEMMA3, 2, 1, 256, true, false, true, WINDOW_PATTERN, 6, true, 1000000.0},
+    {"LlamaForCausalLM", ARCH_LLAMA, 1, 2, 0, true, false, false, WINDOW_NONE, 0, false, 10000.0, 0},
+    {"MistralForCausalLM", ARCH_MISTRAL, 1, 2, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0, 4096},
+    {"Qwen2ForCausalLM", ARCH_QWEN2, -1, -1, 0, false, true, false, WINDOW_QWEN, 0, false, 10000.0, 0},
+    {"Qwen3ForCausalLM", ARCH_QWEN3, -1, -1, 128, true, false, true, WINDOW_QWEN, 0, false, 10000.0, 0},
+    {"Gemma2ForCausalLM", ARCH_GEMMA2, 2, 1, 256, true, false, false, WINDOW_PATTERN, 2, true, 10000.0, 0},
+    {"Gemma3ForCausalLM", ARCH_GEMMA3, 2, 1, 256, true, false, true, WINDOW_PATTERN, 6, true, 1000000.0, 0},
+    {"Phi3ForCausalLM", ARCH_PHI3, 1, 32000, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0, 0},
 };
 
 static bool is_gemma(enum model_arch a)
@@ -258,7 +260,7 @@ static enum model_status read_arch(const struct jctx *c, const struct arch_info 
     }
     return model_errf(c->err, MODEL_EUNSUPPORTED,
                       "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
-                      "Gemma3 ForCausalLM)",
+                      "Gemma3, Phi3 ForCausalLM)",
                       c->file, name);
 }
 
@@ -309,6 +311,54 @@ static enum model_status read_sizes(const struct jctx *c, const struct arch_info
 
 /* ---- RoPE ----------------------------------------------------------------- */
 
+/* A list of n factors of longrope, each in (0, 1e6]. */
+static enum model_status read_factors(const struct jctx *r, const char *key, int n, float *out)
+{
+    json_t *v = field(r, key);
+    if (!v)
+        return missing(r, key);
+    if (!json_is_array(v) || json_array_size(v) != (size_t)n)
+        return model_errf(r->err, MODEL_ECONFIG, "%s: %s%s must be a list of %d numbers (rotated dimensions / 2)",
+                          r->file, r->prefix, key, n);
+    for (int i = 0; i < n; i++) {
+        json_t *x = json_array_get(v, (size_t)i);
+        double d = json_number_value(x);
+        if (!json_is_number(x) || !(d > 0.0 && d <= 1e6))
+            return model_errf(r->err, MODEL_ECONFIG, "%s: %s%s[%d] must be a number in (0, 1e6]", r->file, r->prefix,
+                              key, i);
+        if (out)
+            out[i] = (float)d;
+    }
+    return MODEL_OK;
+}
+
+/* Phi-3's longrope as transformers computes it: inv_freq divided by
+ * short_factor (long_factor past original_max_position_embeddings, which
+ * model_context never lets a sequence reach), and cos and sin multiplied
+ * by attention_factor, by default sqrt(1 + ln(s) / ln(original)) with
+ * s = max_position_embeddings / original_max_position_embeddings. */
+static enum model_status read_longrope(const struct jctx *c, const struct jctx *r, struct model_config *cfg)
+{
+    enum model_status st;
+    int half = cfg->rot_dim / 2;
+    if ((st = get_int(c, "original_max_position_embeddings", false, 4096, 1, MAX_POS, &cfg->rope_original_max_pos)))
+        return st;
+    cfg->rope_scaling = ROPE_SCALING_LONGROPE;
+    cfg->rope_short_factor = malloc((size_t)half * sizeof *cfg->rope_short_factor);
+    if (!cfg->rope_short_factor)
+        return model_errf(c->err, MODEL_ENOMEM, "%s: out of memory for %d rope factors", c->file, half);
+    if ((st = read_factors(r, "short_factor", half, cfg->rope_short_factor)) ||
+        (st = read_factors(r, "long_factor", half, NULL)))
+        return st;
+    double s = (double)cfg->max_position_embeddings / cfg->rope_original_max_pos;
+    double def = s <= 1.0 ? 1.0 : sqrt(1.0 + log(s) / log((double)cfg->rope_original_max_pos));
+    float a;
+    if ((st = get_num(r, "attention_factor", false, def, 0.0, 1e3, &a)))
+        return st;
+    cfg->rope_attn_factor = a;
+    return MODEL_OK;
+}
+
 /* transformers 5 gives Gemma 3 one rope_parameters object per layer type;
  * the sliding layers' must be unscaled, and their rope_theta is what 4.x
  * called rope_local_base_freq.  *rs becomes the full-attention object. */
@@ -355,6 +405,21 @@ static enum model_status read_rope(const struct jctx *c, const struct arch_info 
     if (ai->arch == ARCH_GEMMA3 &&
         (st = get_num(c, "rope_local_base_freq", false, 10000.0, 0.0, 1e12, &cfg->rope_local_theta)))
         return st;
+    /* Phi-3 rotates the first head_dim * partial_rotary_factor dimensions
+     * (int() of the product, as transformers takes it) */
+    cfg->rot_dim = cfg->head_dim;
+    cfg->rope_attn_factor = 1.0f;
+    if (ai->arch == ARCH_PHI3) {
+        float prf;
+        if ((st = get_num(c, "partial_rotary_factor", false, 1.0, 0.0, 1.0, &prf)))
+            return st;
+        cfg->rot_dim = (int)((double)cfg->head_dim * prf);
+        if (cfg->rot_dim < 2 || cfg->rot_dim % 2)
+            return model_errf(c->err, MODEL_ECONFIG,
+                              "%s: partial_rotary_factor=%g rotates %d of head_dim=%d dimensions (an even number >= 2 "
+                              "needed)",
+                              c->file, prf, cfg->rot_dim, cfg->head_dim);
+    }
     json_t *outer = rs;
     if (rs && !strcmp(rs_key, "rope_parameters") && (st = read_rope_per_type(c, ai, &rs, cfg)))
         return st;
@@ -382,6 +447,8 @@ static enum model_status read_rope(const struct jctx *c, const struct arch_info 
         cfg->rope_scaling = ROPE_SCALING_LINEAR;
         return get_num(&r, "factor", true, 0, 0.0, 1e6, &cfg->rope_factor);
     }
+    if (ai->arch == ARCH_PHI3 && (strcmp(type, "longrope") == 0 || strcmp(type, "su") == 0))
+        return read_longrope(c, &r, cfg);
     if (strcmp(type, "llama3") == 0) {
         cfg->rope_scaling = ROPE_SCALING_LLAMA3;
         if ((st = get_num(&r, "factor", true, 0, 0.0, 1e6, &cfg->rope_factor)) ||
@@ -395,8 +462,8 @@ static enum model_status read_rope(const struct jctx *c, const struct arch_info 
                               c->file, rs_key, cfg->rope_high_freq_factor, cfg->rope_low_freq_factor);
         return MODEL_OK;
     }
-    return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s type \"%s\" is not supported (default, linear, llama3)",
-                      c->file, rs_key, type);
+    return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s type \"%s\" is not supported (default, linear, llama3%s)",
+                      c->file, rs_key, type, ai->arch == ARCH_PHI3 ? ", longrope" : "");
 }
 
 /* ---- features ----------------------------------------------------------- */
@@ -472,11 +539,13 @@ static enum model_status read_softcap(const struct jctx *c, const char *key, dou
 }
 
 /* The attention scale, the embedding scale and the soft caps: Gemma's;
- * the other families scale by 1/sqrt(head_dim) and cap nothing. */
+ * the other families scale by 1/sqrt(head_dim) and cap nothing.  Phi-3's
+ * fused projections too. */
 static enum model_status read_scales(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
 {
     enum model_status st;
     cfg->attn_scale = 1.0f / sqrtf((float)cfg->head_dim);
+    cfg->fused_qkv = cfg->fused_gate_up = ai->arch == ARCH_PHI3;
     if (!is_gemma(ai->arch))
         return MODEL_OK;
     cfg->norm_plus_one = true;
@@ -497,14 +566,14 @@ static enum model_status read_scales(const struct jctx *c, const struct arch_inf
 /* ---- sliding windows ----------------------------------------------------- */
 
 /* sliding_window as the config classes read it: absent is the class default
- * 4096, null is "no window". */
-static enum model_status read_window_size(const struct jctx *c, int *out)
+ * def (Mistral, Qwen: 4096, Phi-3: none), null is "no window". */
+static enum model_status read_window_size(const struct jctx *c, int def, int *out)
 {
     if (json_is_null(json_object_get(c->obj, "sliding_window"))) {
         *out = 0;
         return MODEL_OK;
     }
-    return get_int(c, "sliding_window", false, 4096, 1, INT32_MAX, out);
+    return get_int(c, "sliding_window", false, def, 1, INT32_MAX, out);
 }
 
 /* Fills cfg->layer_window as transformers decides each layer's attention:
@@ -520,7 +589,7 @@ static enum model_status read_windows(const struct jctx *c, const struct arch_in
     int window = 0, max_window_layers = 0;
     bool use_sw = false;
     json_t *types = NULL;
-    if (ai->window == WINDOW_ALL && (st = read_window_size(c, &window)))
+    if (ai->window == WINDOW_ALL && (st = read_window_size(c, ai->window_default, &window)))
         return st;
     int pattern = ai->window_pattern;
     if (ai->window == WINDOW_PATTERN) {
@@ -541,7 +610,7 @@ static enum model_status read_windows(const struct jctx *c, const struct arch_in
                               c->file, cfg->n_layers);
     }
     if (ai->window == WINDOW_QWEN) {
-        if ((st = get_bool(c, "use_sliding_window", false, &use_sw)) || (use_sw && (st = read_window_size(c, &window))) ||
+        if ((st = get_bool(c, "use_sliding_window", false, &use_sw)) || (use_sw && (st = read_window_size(c, 4096, &window))) ||
             (st = get_int(c, "max_window_layers", false, 28, 0, INT32_MAX, &max_window_layers)))
             return st;
     }
@@ -667,4 +736,6 @@ void model_config_release(struct model_config *cfg)
         return;
     free(cfg->layer_window);
     cfg->layer_window = NULL;
+    free(cfg->rope_short_factor);
+    cfg->rope_short_factor = NULL;
 }

@@ -136,9 +136,11 @@ enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype d
  * llama3 scaling folded in when scaled. */
 static void rope_inv_freq(const struct model_config *c, float theta, bool scaled, float *inv_freq)
 {
-    int half = c->head_dim / 2;
+    int half = c->rot_dim / 2;
     for (int i = 0; i < half; i++) {
-        float f = 1.0f / powf(theta, (float)(2 * i) / (float)c->head_dim);
+        float p = powf(theta, (float)(2 * i) / (float)c->rot_dim);
+        /* longrope divides base^(2i/d) itself, before the reciprocal */
+        float f = 1.0f / (scaled && c->rope_scaling == ROPE_SCALING_LONGROPE ? c->rope_short_factor[i] * p : p);
         if (!scaled) {
             inv_freq[i] = f;
             continue;
@@ -370,9 +372,21 @@ struct model_device_bytes model_device_bytes(const struct model_config *c, struc
     };
 }
 
+const char *model_sink_refusal(const struct model_config *c)
+{
+    /* attention rotates a sink cache's keys whole, with one table */
+    if (c->rot_dim != c->head_dim)
+        return "this model rotates part of each head (partial_rotary_factor)";
+    if (c->rope_local_theta > 0.0f)
+        return "this model rotates its layers with two RoPE bases";
+    return NULL;
+}
+
 int model_context(const struct model_config *c, int want)
 {
     int max_pos = c->max_position_embeddings; /* config.c guarantees >= 1 */
+    if (c->rope_scaling == ROPE_SCALING_LONGROPE && c->rope_original_max_pos < max_pos)
+        max_pos = c->rope_original_max_pos;
     return want > 0 && want < max_pos ? want : max_pos;
 }
 
@@ -479,8 +493,9 @@ static enum be_status layer_forward(model *m, int l, int n)
         BE_TRY(be_rmsnorm(be, rs->q, rs->q, L->q_norm, n * c->n_heads, hd, c->rms_norm_eps));
         BE_TRY(be_rmsnorm(be, rs->k, rs->k, L->k_norm, n * c->n_kv_heads, hd, c->rms_norm_eps));
     }
-    BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->qpos, inv_freq, hd, c->rope_layout));
-    BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->kpos, inv_freq, hd, c->rope_layout));
+    float ms = c->rope_attn_factor;
+    BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->qpos, inv_freq, c->rot_dim, ms, c->rope_layout));
+    BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->kpos, inv_freq, c->rot_dim, ms, c->rope_layout));
     BE_TRY(be_kv_store(be, rs->views, rs->toks, n, rs->k, rs->v, &ap));      /* paged KV += k, v */
     BE_TRY(rs->any_quant ? be_attention_quant(be, rs->att, rs->q, rs->qviews, rs->toks, n, &ap) /* codes read in place */
                          : be_attention(be, rs->att, rs->q, rs->views, rs->toks, n, &ap)); /* att (n, n_heads*hd) */
@@ -622,6 +637,8 @@ static enum model_status key_rope_reserve(model *m, int64_t rows)
     struct run_state *rs = &m->rs;
     if (rows <= rs->key_rope_rows)
         return MODEL_OK;
+    if (model_sink_refusal(&m->cfg))
+        return MODEL_EUNSUPPORTED;
     /* the (1, 0) pairs are written on the host, as f32 */
     if (rs->act != BE_F32)
         return MODEL_EUNSUPPORTED;
@@ -643,7 +660,8 @@ static enum model_status key_rope_reserve(model *m, int64_t rows)
         st = be_copy(m->be, be_buffer_data(buf), ones, bytes, BE_H2D);
     }
     if (st == BE_OK)
-        st = be_rope(m->be, be_buffer_data(buf), (int)n, 1, hd, pos, rs->inv_freq, hd, m->cfg.rope_layout);
+        st = be_rope(m->be, be_buffer_data(buf), (int)n, 1, hd, pos, rs->inv_freq, hd, m->cfg.rope_attn_factor,
+                     m->cfg.rope_layout);
     free(ones);
     free(pos);
     if (st != BE_OK) {

@@ -2,7 +2,7 @@
  * (mmapped, borrowed) weights, and the batched forward pass.
  *
  * Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
- * Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM.  Errors come back as enum model_status plus a message in
+ * Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM.  Errors come back as enum model_status plus a message in
  * a caller buffer of MODEL_ERR_LEN bytes naming the file and the tensor or
  * field that was wrong.
  */
@@ -30,9 +30,9 @@ enum model_status {
 };
 const char *model_strerror(enum model_status st);
 
-enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3 };
+enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_PHI3 };
 enum model_act { ACT_SILU = 0, ACT_GELU_TANH }; /* the gate's activation: SwiGLU or GeGLU */
-enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3 };
+enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3, ROPE_SCALING_LONGROPE };
 
 struct model_config {
     enum model_arch arch;
@@ -51,12 +51,21 @@ struct model_config {
     float rope_factor;                 /* linear and llama3 */
     float rope_low_freq_factor;        /* llama3 */
     float rope_high_freq_factor;       /* llama3 */
-    int rope_original_max_pos;         /* llama3 original_max_position_embeddings */
+    int rope_original_max_pos;         /* llama3, longrope: original_max_position_embeddings */
+    /* longrope (Phi-3): short_factor, [rot_dim / 2] (owned).  Transformers
+     * switches to long_factor once a sequence passes
+     * rope_original_max_pos; model_context caps sequences there instead,
+     * so short_factor is the only table ever used. */
+    float *rope_short_factor;
+    int rot_dim;                       /* dimensions RoPE rotates: head_dim * partial_rotary_factor */
+    float rope_attn_factor;            /* longrope's attention_factor (cos and sin times it), else 1 */
     enum be_rope_layout rope_layout;   /* NEOX for HF checkpoints */
     bool tie_word_embeddings;
     bool attention_bias;               /* q/k/v bias (Qwen2) */
     bool o_bias;                       /* o_proj bias too (attention_bias on Llama, Qwen3, Gemma) */
     bool qk_norm;                      /* per-head RMSNorm on q and k (Qwen3, Gemma 3) */
+    bool fused_qkv;                    /* Phi-3: one qkv_proj, q rows then k then v (split at load) */
+    bool fused_gate_up;                /* Phi-3: one gate_up_proj, gate rows then up (split at load) */
     enum model_act act;
     /* Gemma: every RMSNorm scales by 1 + weight; the loader folds the 1
      * into its f32 copy of the weight, so the kernels see a plain RMSNorm. */
@@ -116,7 +125,7 @@ struct model_weights {
 
 /* Parses config.json (+ generation_config.json when present) of dir. */
 enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err);
-void model_config_release(struct model_config *cfg); /* frees layer_window */
+void model_config_release(struct model_config *cfg); /* frees layer_window, rope_short_factor */
 
 typedef struct model_files model_files; /* the mmapped safetensors of a directory */
 
@@ -133,8 +142,14 @@ void model_files_close(model_files *f); /* accepts NULL */
  * --verify-weights); the 1-D tensors are always checked. */
 enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err);
 
+/* Why the sink strategy cannot run this model (its keys are rotated at
+ * their index in the cache as attention reads them), or NULL when it can.
+ * A model with sliding layers is refused by the store. */
+const char *model_sink_refusal(const struct model_config *c);
+
 /* The context of a sequence: want tokens (0: the model's), at most the
- * model's max_position_embeddings. */
+ * model's max_position_embeddings (longrope: original_max_position_embeddings,
+ * the last position its short_factor covers). */
 int model_context(const struct model_config *c, int want);
 
 /* How the KV store keeps K and V (model_params.kv_dtype).  The default

@@ -501,20 +501,38 @@ static enum model_status bind_vec(struct binder *b, const char *name, int len, c
 enum dim { D_DIM, D_QDIM, D_KVDIM, D_FFN, D_HEAD };
 
 /* When a per-layer vector exists. */
-enum need { ALWAYS, QKV_BIAS, O_BIAS, QK_NORM, PLAIN_NORMS, SANDWICH_NORMS };
+enum need { ALWAYS, QKV_BIAS, O_BIAS, QK_NORM, PLAIN_NORMS, SANDWICH_NORMS, SPLIT_QKV, SPLIT_GATE_UP, FUSED_QKV,
+            FUSED_GATE_UP };
 
 static const struct layer_mat {
     const char *suffix;
     size_t off;
     enum dim rows, cols;
+    enum need need;
 } LAYER_MATS[] = {
-    {"self_attn.q_proj.weight", offsetof(struct model_layer, wq), D_QDIM, D_DIM},
-    {"self_attn.k_proj.weight", offsetof(struct model_layer, wk), D_KVDIM, D_DIM},
-    {"self_attn.v_proj.weight", offsetof(struct model_layer, wv), D_KVDIM, D_DIM},
-    {"self_attn.o_proj.weight", offsetof(struct model_layer, wo), D_DIM, D_QDIM},
-    {"mlp.gate_proj.weight", offsetof(struct model_layer, w_gate), D_FFN, D_DIM},
-    {"mlp.up_proj.weight", offsetof(struct model_layer, w_up), D_FFN, D_DIM},
-    {"mlp.down_proj.weight", offsetof(struct model_layer, w_down), D_DIM, D_FFN},
+    {"self_attn.q_proj.weight", offsetof(struct model_layer, wq), D_QDIM, D_DIM, SPLIT_QKV},
+    {"self_attn.k_proj.weight", offsetof(struct model_layer, wk), D_KVDIM, D_DIM, SPLIT_QKV},
+    {"self_attn.v_proj.weight", offsetof(struct model_layer, wv), D_KVDIM, D_DIM, SPLIT_QKV},
+    {"self_attn.o_proj.weight", offsetof(struct model_layer, wo), D_DIM, D_QDIM, ALWAYS},
+    {"mlp.gate_proj.weight", offsetof(struct model_layer, w_gate), D_FFN, D_DIM, SPLIT_GATE_UP},
+    {"mlp.up_proj.weight", offsetof(struct model_layer, w_up), D_FFN, D_DIM, SPLIT_GATE_UP},
+    {"mlp.down_proj.weight", offsetof(struct model_layer, w_down), D_DIM, D_FFN, ALWAYS},
+};
+
+/* Phi-3's fused projections: one tensor whose rows are the parts in
+ * order; each part is bound as a view of its rows (no copy). */
+static const struct layer_fused {
+    const char *suffix;
+    enum need need;
+    int n;
+    size_t off[3];
+    enum dim rows[3];
+} LAYER_FUSED[] = {
+    {"self_attn.qkv_proj.weight", FUSED_QKV, 3,
+     {offsetof(struct model_layer, wq), offsetof(struct model_layer, wk), offsetof(struct model_layer, wv)},
+     {D_QDIM, D_KVDIM, D_KVDIM}},
+    {"mlp.gate_up_proj.weight", FUSED_GATE_UP, 2,
+     {offsetof(struct model_layer, w_gate), offsetof(struct model_layer, w_up)}, {D_FFN, D_FFN}},
 };
 
 static const struct layer_vec {
@@ -559,6 +577,10 @@ static bool needed(const struct model_config *c, enum need n)
     case QK_NORM: return c->qk_norm;
     case PLAIN_NORMS: return !c->sandwich_norms;
     case SANDWICH_NORMS: return c->sandwich_norms;
+    case SPLIT_QKV: return !c->fused_qkv;
+    case SPLIT_GATE_UP: return !c->fused_gate_up;
+    case FUSED_QKV: return c->fused_qkv;
+    case FUSED_GATE_UP: return c->fused_gate_up;
     }
     return false;
 }
@@ -579,11 +601,30 @@ static enum model_status bind_layer(struct binder *b, int l, struct model_layer 
     enum model_status st;
     for (size_t i = 0; i < sizeof LAYER_MATS / sizeof LAYER_MATS[0]; i++) {
         const struct layer_mat *m = &LAYER_MATS[i];
+        if (!needed(b->cfg, m->need))
+            continue;
         snprintf(name, sizeof name, "model.layers.%d.%s", l, m->suffix);
         st = bind_mat(b, name, dim_of(b->cfg, m->rows), dim_of(b->cfg, m->cols),
                       (struct model_mat *)((char *)L + m->off));
         if (st != MODEL_OK)
             return st;
+    }
+    for (size_t i = 0; i < sizeof LAYER_FUSED / sizeof LAYER_FUSED[0]; i++) {
+        const struct layer_fused *f = &LAYER_FUSED[i];
+        if (!needed(b->cfg, f->need))
+            continue;
+        int rows = 0, cols = b->cfg->hidden_size;
+        for (int p = 0; p < f->n; p++)
+            rows += dim_of(b->cfg, f->rows[p]); /* at most 3 * MAX_QDIM: an int */
+        struct model_mat whole;
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, f->suffix);
+        if ((st = bind_mat(b, name, rows, cols, &whole)))
+            return st;
+        size_t row_bytes = (size_t)cols * be_dtype_size(whole.dtype);
+        for (int p = 0, r0 = 0; p < f->n; r0 += dim_of(b->cfg, f->rows[p]), p++)
+            *(struct model_mat *)((char *)L + f->off[p]) =
+                (struct model_mat){.data = (const char *)whole.data + (size_t)r0 * row_bytes, .dtype = whole.dtype,
+                                   .rows = dim_of(b->cfg, f->rows[p]), .cols = cols};
     }
     for (size_t i = 0; i < sizeof LAYER_VECS / sizeof LAYER_VECS[0]; i++) {
         const struct layer_vec *v = &LAYER_VECS[i];
@@ -670,10 +711,23 @@ enum model_status model_weights_verify(const struct model_config *cfg, const str
     if (st == MODEL_OK && !cfg->tie_word_embeddings)
         st = verify_mat(&w->lm_head, "lm_head.weight", err);
     for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
+        char name[128];
         for (size_t k = 0; k < sizeof LAYER_MATS / sizeof LAYER_MATS[0] && st == MODEL_OK; k++) {
-            char name[128];
+            if (!needed(cfg, LAYER_MATS[k].need))
+                continue;
             snprintf(name, sizeof name, "model.layers.%d.%s", l, LAYER_MATS[k].suffix);
             st = verify_mat((const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off), name, err);
+        }
+        for (size_t k = 0; k < sizeof LAYER_FUSED / sizeof LAYER_FUSED[0] && st == MODEL_OK; k++) {
+            const struct layer_fused *f = &LAYER_FUSED[k];
+            if (!needed(cfg, f->need))
+                continue;
+            /* the parts are consecutive rows of the one tensor */
+            struct model_mat whole = *(const struct model_mat *)((const char *)&w->layers[l] + f->off[0]);
+            for (int p = 1; p < f->n; p++)
+                whole.rows += ((const struct model_mat *)((const char *)&w->layers[l] + f->off[p]))->rows;
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, f->suffix);
+            st = verify_mat(&whole, name, err);
         }
     }
     return st;

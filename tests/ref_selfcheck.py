@@ -55,12 +55,14 @@ def naive_rmsnorm(x, w, eps):
     return w * (x / math.sqrt(float(np.mean(x * x)) + eps))
 
 
-def naive_rope(v, pos, inv_freq):
-    """Rotates pair (v[i], v[i + hd/2]) by angle pos * inv_freq[i]."""
-    h = len(v) // 2
+def naive_rope(v, pos, inv_freq, mscale=1.0):
+    """Rotates pair (v[i], v[i + rot/2]) by angle pos * inv_freq[i], rot =
+    2 * len(inv_freq) <= len(v), cos and sin times mscale; the dimensions
+    past rot pass through."""
+    h = len(inv_freq)
     out = v.copy()
     for i in range(h):
-        c, s = math.cos(pos * inv_freq[i]), math.sin(pos * inv_freq[i])
+        c, s = mscale * math.cos(pos * inv_freq[i]), mscale * math.sin(pos * inv_freq[i])
         out[i] = v[i] * c - v[i + h] * s
         out[i + h] = v[i] * s + v[i + h] * c
     return out
@@ -70,8 +72,9 @@ def naive_gelu_tanh(v):
     return 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
 
 
-def naive_forward(cfg, sd, ids, inv_freq, windows, inv_local=None):
-    """inv_local: Gemma 3's sliding layers' RoPE frequencies."""
+def naive_forward(cfg, sd, ids, inv_freq, windows, inv_local=None, mscale=1.0):
+    """inv_local: Gemma 3's sliding layers' RoPE frequencies; mscale:
+    longrope's factor on cos and sin."""
     P = {k: v.double().numpy() for k, v in sd.items()}
     eps = cfg.get("rms_norm_eps", 1e-6)
     H, Hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], tr.head_dim_of(cfg)
@@ -99,14 +102,18 @@ def naive_forward(cfg, sd, ids, inv_freq, windows, inv_local=None):
         qs, ks, vs = [], [], []
         for t in range(T):
             hN = norm(x[t], pre + "input_layernorm.weight")
-            q = lin(pre + "self_attn.q_proj", hN).reshape(H, hd)
-            k = lin(pre + "self_attn.k_proj", hN).reshape(Hkv, hd)
+            if pre + "self_attn.qkv_proj.weight" in P:  # Phi-3: q, k, v rows of one matrix
+                qkv = lin(pre + "self_attn.qkv_proj", hN)
+                q, k, v = qkv[:H * hd], qkv[H * hd:(H + Hkv) * hd], qkv[(H + Hkv) * hd:]
+            else:
+                q, k, v = (lin(pre + "self_attn." + n, hN) for n in ("q_proj", "k_proj", "v_proj"))
+            q, k = q.reshape(H, hd), k.reshape(Hkv, hd)
             if pre + "self_attn.q_norm.weight" in P:
                 q = np.stack([norm(r, pre + "self_attn.q_norm.weight") for r in q])
                 k = np.stack([norm(r, pre + "self_attn.k_norm.weight") for r in k])
-            qs.append(np.stack([naive_rope(r, t, inv) for r in q]))
-            ks.append(np.stack([naive_rope(r, t, inv) for r in k]))
-            vs.append(lin(pre + "self_attn.v_proj", hN).reshape(Hkv, hd))
+            qs.append(np.stack([naive_rope(r, t, inv, mscale) for r in q]))
+            ks.append(np.stack([naive_rope(r, t, inv, mscale) for r in k]))
+            vs.append(v.reshape(Hkv, hd))
         new_x = []
         for t in range(T):
             first = 0 if win is None else max(0, t - win + 1)
@@ -129,8 +136,12 @@ def naive_forward(cfg, sd, ids, inv_freq, windows, inv_local=None):
                 continue
             xt = x[t] + a
             hN = norm(xt, pre + "post_attention_layernorm.weight")
-            gate = lin(pre + "mlp.gate_proj", hN)
-            new_x.append(xt + lin(pre + "mlp.down_proj", gate / (1 + np.exp(-gate)) * lin(pre + "mlp.up_proj", hN)))
+            if pre + "mlp.gate_up_proj.weight" in P:  # Phi-3: gate rows, then up rows
+                gu = lin(pre + "mlp.gate_up_proj", hN)
+                gate, up = gu[:len(gu) // 2], gu[len(gu) // 2:]
+            else:
+                gate, up = lin(pre + "mlp.gate_proj", hN), lin(pre + "mlp.up_proj", hN)
+            new_x.append(xt + lin(pre + "mlp.down_proj", gate / (1 + np.exp(-gate)) * up))
         x = new_x
     head = P["lm_head.weight"] if "lm_head.weight" in P else P["model.embed_tokens.weight"]
     logits = np.stack([head @ norm(v, "model.norm.weight") for v in x])
@@ -176,6 +187,11 @@ NAIVE_CASES = [
     ("gemma3 q/k norm, pattern 2, local theta 10 vs 1e4 linear 2",
      base_cfg("Gemma3ForCausalLM", head_dim=8, num_hidden_layers=3, sliding_window=5, sliding_window_pattern=2,
               rope_theta=10000.0, rope_local_base_freq=10.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    ("phi3 fused, window 4", base_cfg("Phi3ForCausalLM", sliding_window=4)),
+    ("phi3 partial rotary 0.5, longrope", base_cfg(
+        "Phi3ForCausalLM", num_attention_heads=3, num_key_value_heads=1, partial_rotary_factor=0.5,
+        max_position_embeddings=256, original_max_position_embeddings=32,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]})),
 ]
 
 
@@ -192,8 +208,15 @@ def check_naive_forward():
         if tr.local_rope_theta(cfg) is not None:  # computed here, not taken from the model under test
             theta, hd = tr.local_rope_theta(cfg), tr.head_dim_of(cfg)
             inv_local = np.array([theta ** (-2 * i / hd) for i in range(hd // 2)])
+        mscale = 1.0
+        rs = cfg.get("rope_scaling") or {}
+        if rs.get("type") == "longrope":  # worked out here from the definition
+            rot, theta = len(rs["short_factor"]) * 2, cfg["rope_theta"]
+            inv = np.array([1 / (f * theta ** (2 * i / rot)) for i, f in enumerate(rs["short_factor"])])
+            orig = cfg["original_max_position_embeddings"]
+            mscale = math.sqrt(1 + math.log(cfg["max_position_embeddings"] / orig) / math.log(orig))
         for b, seq in enumerate((ids, ids[::-1])):
-            want = naive_forward(cfg, sd, seq, inv, tr.layer_windows(cfg), inv_local)
+            want = naive_forward(cfg, sd, seq, inv, tr.layer_windows(cfg), inv_local, mscale)
             # not 1e-12: CausalLM builds its RoPE tables in f32, as HF does
             close(got[b].numpy(), want, 2e-5, f"naive forward == CausalLM: {what}, batch row {b}")
 

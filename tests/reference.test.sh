@@ -51,6 +51,9 @@ fi
 #  gemma3:   every 3rd layer global (sliding_window_pattern 3), global
 #            layers theta 1e6 with linear scaling 4, sliding ones theta 1e4
 #            unscaled; MQA, per-head (1 + w) q/k norms, no soft caps
+#  phi3:     fused qkv_proj and gate_up_proj, window 8 on every layer, RoPE
+#            on 12 of 16 dimensions, longrope (short_factor 1..1.5, attention
+#            factor from 2048 / 512 positions)
 cases='
 llama    --arch llama --layers 3 --dim 96 --heads 6 --kv-heads 2 --ffn 256 --vocab 512 --rope-scaling llama3:8:32
 llamatie --arch llama --layers 2 --dim 64 --heads 4 --kv-heads 1 --ffn 160 --vocab 320 --tie --rope-scaling linear:2
@@ -59,6 +62,7 @@ qwen2    --arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --voc
 qwen3    --arch qwen3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --head-dim 32 --ffn 176 --vocab 384
 gemma2   --arch gemma2 --layers 4 --dim 64 --heads 4 --kv-heads 2 --head-dim 16 --ffn 160 --vocab 384 --window 8 --qpas 24 --attn-softcap 5 --final-softcap 10 --tie
 gemma3   --arch gemma3 --layers 4 --dim 64 --heads 4 --kv-heads 1 --head-dim 32 --ffn 160 --vocab 384 --window 8 --window-pattern 3 --qpas 20 --theta 1000000 --rope-scaling linear:4 --tie
+phi3     --arch phi3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 160 --vocab 384 --window 8 --partial-rotary 0.75 --rope-scaling longrope --max-pos 2048 --orig-max-pos 512
 '
 prompt=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
 

@@ -228,7 +228,8 @@ static void test_rmsnorm(void **state)
     }
 }
 
-static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int head_dim, int rot_dim)
+/* mscale: be_rope's factor on cos and sin (only the rotated dimensions scale). */
+static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int head_dim, int rot_dim, float mscale)
 {
     size_t len = (size_t)n_tok * n_heads * head_dim;
     float *x = malloc(len * sizeof(float)), *y = malloc(len * sizeof(float));
@@ -245,7 +246,7 @@ static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int h
         if (!levels[l])
             continue;
         memcpy(y, x, len * sizeof(float));
-        assert_int_equal(be_rope(levels[l], y, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, layout), BE_OK);
+        assert_int_equal(be_rope(levels[l], y, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, mscale, layout), BE_OK);
         for (int t = 0; t < n_tok; t++)
             for (int h = 0; h < n_heads; h++) {
                 const float *xi = x + ((size_t)t * n_heads + h) * head_dim;
@@ -258,8 +259,9 @@ static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int h
                         int partner = layout == BE_ROPE_NEOX ? (first ? d + half : d - half) : (first ? d + 1 : d - 1);
                         double a = (double)(float)((float)pos[t] * inv_freq[i]);
                         want = first ? xi[d] * cos(a) - xi[partner] * sin(a) : xi[d] * cos(a) + xi[partner] * sin(a);
+                        want *= mscale;
                     }
-                    assert_close("rope", level_names[l], (size_t)d, yo[d], want, 4.0);
+                    assert_close("rope", level_names[l], (size_t)d, yo[d], want, 4.0 * mscale);
                 }
             }
     }
@@ -270,10 +272,11 @@ static void test_rope(void **state)
 {
     (void)state;
     for (int layout = 0; layout < 2; layout++) {
-        check_rope((enum be_rope_layout)layout, 1, 4, 64, 64);
-        check_rope((enum be_rope_layout)layout, 3, 5, 80, 80);
-        check_rope((enum be_rope_layout)layout, 9, 2, 128, 32);
-        check_rope((enum be_rope_layout)layout, 2, 3, 96, 70);
+        check_rope((enum be_rope_layout)layout, 1, 4, 64, 64, 1.0f);
+        check_rope((enum be_rope_layout)layout, 3, 5, 80, 80, 1.0f);
+        check_rope((enum be_rope_layout)layout, 9, 2, 128, 32, 1.0f);
+        check_rope((enum be_rope_layout)layout, 2, 3, 96, 70, 1.0f);
+        check_rope((enum be_rope_layout)layout, 5, 2, 96, 72, 1.19f); /* longrope's factor, partial rotary */
     }
 }
 
@@ -952,8 +955,9 @@ static void test_bad_kernel_args(void **state)
     assert_int_equal(be_matmul(be, y, BE_F32, x, NULL, BE_F32, NULL, 1, 8, 8), BE_EINVAL);
     assert_int_equal(be_matmul(be, y, BE_F32, x, x, BE_F32, NULL, 0, 8, 8), BE_OK);
     assert_int_equal(be_matmul(be, y, BE_F32, x, x, BE_F32, NULL, 1, 0, 8), BE_EINVAL);
-    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 9, BE_ROPE_NEOX), BE_EINVAL);
-    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 3, BE_ROPE_NEOX), BE_EINVAL);
+    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 9, 1.0f, BE_ROPE_NEOX), BE_EINVAL);
+    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 3, 1.0f, BE_ROPE_NEOX), BE_EINVAL);
+    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 8, NAN, BE_ROPE_NEOX), BE_EINVAL);
     assert_int_equal(be_embed(be, y, x, BE_F32, ids, 1, 8), BE_EINVAL);
     assert_int_equal(be_argmax(be, x, 1, 0, am), BE_EINVAL);
     assert_int_equal(be_softmax(be, x, -1, 4), BE_EINVAL);

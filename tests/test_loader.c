@@ -189,6 +189,7 @@ struct spec {
     int vocab, dim, ffn, layers, heads, kv_heads, head_dim;
     bool tie, qkv_bias, o_bias, qk_norm;
     bool gemma; /* the four Gemma norms per layer, hidden_activation */
+    bool fused; /* Phi-3: qkv_proj and gate_up_proj */
 };
 
 static struct spec spec_of(const char *arch)
@@ -198,6 +199,7 @@ static struct spec spec_of(const char *arch)
     s.qkv_bias = strcmp(arch, "Qwen2ForCausalLM") == 0;
     s.qk_norm = strcmp(arch, "Qwen3ForCausalLM") == 0 || strcmp(arch, "Gemma3ForCausalLM") == 0;
     s.gemma = strncmp(arch, "Gemma", 5) == 0;
+    s.fused = strcmp(arch, "Phi3ForCausalLM") == 0;
     s.tie = s.gemma;
     return s;
 }
@@ -238,9 +240,13 @@ static void spec_tensors(const struct spec *s, struct stw *w)
         stw_add(w, n, s->dtype, rows, cols);                            \
     } while (0)
         T("input_layernorm.weight", s->dim, 0);
-        T("self_attn.q_proj.weight", q, s->dim);
-        T("self_attn.k_proj.weight", kv, s->dim);
-        T("self_attn.v_proj.weight", kv, s->dim);
+        if (s->fused) {
+            T("self_attn.qkv_proj.weight", q + 2 * kv, s->dim);
+        } else {
+            T("self_attn.q_proj.weight", q, s->dim);
+            T("self_attn.k_proj.weight", kv, s->dim);
+            T("self_attn.v_proj.weight", kv, s->dim);
+        }
         T("self_attn.o_proj.weight", s->dim, q);
         if (s->qkv_bias || s->o_bias) {
             T("self_attn.q_proj.bias", q, 0);
@@ -258,8 +264,12 @@ static void spec_tensors(const struct spec *s, struct stw *w)
             T("pre_feedforward_layernorm.weight", s->dim, 0);
             T("post_feedforward_layernorm.weight", s->dim, 0);
         }
-        T("mlp.gate_proj.weight", s->ffn, s->dim);
-        T("mlp.up_proj.weight", s->ffn, s->dim);
+        if (s->fused) {
+            T("mlp.gate_up_proj.weight", 2 * s->ffn, s->dim);
+        } else {
+            T("mlp.gate_proj.weight", s->ffn, s->dim);
+            T("mlp.up_proj.weight", s->ffn, s->dim);
+        }
         T("mlp.down_proj.weight", s->dim, s->ffn);
         /* HF checkpoints of older releases carry this buffer; it is ignored. */
         T("self_attn.rotary_emb.inv_freq", s->head_dim / 2, 0);
@@ -691,6 +701,91 @@ static void test_gemma3(void **state)
     write_json("config.json", c);
     expect_fail(MODEL_EUNSUPPORTED, "config.json", "rope_parameters per layer type", NULL);
     json_decref(c);
+}
+
+/* Checks that part m of a fused tensor holds its rows [r0, r0 + rows). */
+static void check_part(const struct model_mat *m, const char *name, int r0, int rows, int cols)
+{
+    assert_int_equal(m->rows, rows);
+    assert_int_equal(m->cols, cols);
+    const size_t at[] = {0, 1, (size_t)rows * (size_t)cols - 1};
+    for (size_t i = 0; i < sizeof at / sizeof at[0]; i++)
+        assert_float_equal(mat_at(m, at[i]), expected(name, (size_t)r0 * (size_t)cols + at[i]), 0);
+}
+
+static void test_phi3(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("Phi3ForCausalLM");
+    write_model(&s);
+    json_t *c = spec_config(&s);
+    json_object_set_new(c, "partial_rotary_factor", json_real(0.5));
+    json_object_set_new(c, "max_position_embeddings", json_integer(256));
+    json_object_set_new(c, "original_max_position_embeddings", json_integer(64));
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f], s:[f]}", "type", "longrope", "short_factor", 1.5,
+                                                     "long_factor", 4.0));
+    write_json("config.json", c);
+    struct loaded m;
+    load_ok(&m);
+    assert_int_equal(m.cfg.arch, ARCH_PHI3);
+    assert_true(m.cfg.fused_qkv && m.cfg.fused_gate_up);
+    assert_false(m.cfg.tie_word_embeddings);
+    assert_int_equal(m.cfg.rot_dim, 2); /* head_dim 4 * 0.5 */
+    assert_int_equal(m.cfg.rope_scaling, ROPE_SCALING_LONGROPE);
+    assert_int_equal(m.cfg.rope_original_max_pos, 64);
+    assert_float_equal(m.cfg.rope_short_factor[0], 1.5f, 0);
+    /* sqrt(1 + ln(256 / 64) / ln(64)) */
+    assert_float_equal(m.cfg.rope_attn_factor, (float)sqrt(1.0 + log(4.0) / log(64.0)), 1e-6);
+    assert_int_equal(model_context(&m.cfg, 0), 64); /* long_factor is never reached */
+    assert_int_equal(model_context(&m.cfg, 32), 32);
+    for (int l = 0; l < 3; l++) /* Phi3Config: no window unless set */
+        assert_int_equal(m.cfg.layer_window[l], 0);
+    assert_non_null(model_sink_refusal(&m.cfg));
+    const struct model_layer *L = &m.w.layers[1];
+    const char *qkv = "model.layers.1.self_attn.qkv_proj.weight", *gu = "model.layers.1.mlp.gate_up_proj.weight";
+    check_part(&L->wq, qkv, 0, 16, 16);
+    check_part(&L->wk, qkv, 16, 8, 16);
+    check_part(&L->wv, qkv, 24, 8, 16);
+    check_part(&L->w_gate, gu, 0, 24, 16);
+    check_part(&L->w_up, gu, 24, 24, 16);
+    assert_int_equal(model_weights_verify(&m.cfg, &m.w, (char[MODEL_ERR_LEN]){0}), MODEL_OK);
+    unload(&m);
+
+    /* a window on every layer */
+    json_object_set_new(c, "sliding_window", json_integer(8));
+    json_object_del(c, "partial_rotary_factor");
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f,f], s:[f,f], s:f}", "rope_type", "longrope",
+                                                     "short_factor", 1.0, 1.0, "long_factor", 2.0, 2.0,
+                                                     "attention_factor", 1.25));
+    write_json("config.json", c);
+    load_ok(&m);
+    for (int l = 0; l < 3; l++)
+        assert_int_equal(m.cfg.layer_window[l], 8);
+    assert_float_equal(m.cfg.rope_attn_factor, 1.25f, 0);
+    assert_null(model_sink_refusal(&m.cfg));
+    unload(&m);
+
+    /* refused, naming the field */
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f], s:[f,f]}", "type", "longrope", "short_factor", 1.0,
+                                                     "long_factor", 2.0, 2.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "rope_scaling.short_factor must be a list of 2 numbers", NULL);
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f,f]}", "type", "longrope", "short_factor", 1.0, 1.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "missing field rope_scaling.long_factor", NULL);
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "type", "yarn", "factor", 4.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "yarn", "longrope", NULL);
+    json_object_set_new(c, "rope_scaling", json_null());
+    json_object_set_new(c, "partial_rotary_factor", json_real(0.1));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "partial_rotary_factor", NULL);
+    json_decref(c);
+
+    /* the tensors are fused: a split checkpoint lacks qkv_proj */
+    s.fused = false;
+    write_model(&s);
+    expect_fail(MODEL_EFORMAT, "qkv_proj", NULL);
 }
 
 static void test_defaults_and_generation_config(void **state)
@@ -1311,6 +1406,7 @@ int main(void)
         T(test_qwen3_qk_norm),
         T(test_gemma2),
         T(test_gemma3),
+        T(test_phi3),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),
         T(test_sharded),

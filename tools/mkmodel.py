@@ -37,7 +37,7 @@ from bytelevel import bytes_to_unicode  # noqa: E402
 
 ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 # Shapes of public checkpoints (benchmarks) and a tiny default (tests).
 PRESETS = {
@@ -204,16 +204,22 @@ def tokenizer_from(src, vocab_size):
 # ---------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------
-def parse_rope_scaling(spec):
-    """linear:F | llama3:F[:ORIG_MAX_POS] -> the HF rope_scaling dict."""
+def parse_rope_scaling(spec, rot_dim=None):
+    """linear:F | llama3:F[:ORIG_MAX_POS] | longrope -> the HF rope_scaling
+    dict.  longrope's factors (rot_dim / 2 of each) are a fixed ramp, short
+    ones from 1 to 1.5 and long ones from 1 to 8."""
     kind, *nums = spec.split(":")
+    if kind == "longrope" and not nums:
+        n = rot_dim // 2
+        return {"type": "longrope", "short_factor": [1.0 + 0.5 * i / max(n - 1, 1) for i in range(n)],
+                "long_factor": [1.0 + 7.0 * i / max(n - 1, 1) for i in range(n)]}
     if kind == "linear" and len(nums) == 1:
         return {"rope_type": "linear", "factor": float(nums[0])}
     if kind == "llama3" and len(nums) in (1, 2):
         orig = int(nums[1]) if len(nums) == 2 else 8192
         return {"rope_type": "llama3", "factor": float(nums[0]), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": orig}
-    raise SystemExit(f"mkmodel: bad --rope-scaling {spec!r} (linear:F or llama3:F[:ORIG])")
+    raise SystemExit(f"mkmodel: bad --rope-scaling {spec!r} (linear:F, llama3:F[:ORIG] or longrope)")
 
 
 def make_config(o, bos, eos):
@@ -228,7 +234,9 @@ def make_config(o, bos, eos):
         "vocab_size": o.vocab, "hidden_size": o.dim, "intermediate_size": o.ffn,
         "num_hidden_layers": o.layers, "num_attention_heads": o.heads, "num_key_value_heads": o.kv_heads,
         "hidden_act": "silu", "max_position_embeddings": o.max_pos, "rms_norm_eps": o.eps,
-        "rope_theta": o.theta, "rope_scaling": parse_rope_scaling(o.rope_scaling) if o.rope_scaling else None,
+        "rope_theta": o.theta,
+        "rope_scaling": parse_rope_scaling(o.rope_scaling, int(head_dim * (o.partial_rotary or 1.0)))
+        if o.rope_scaling else None,
         "tie_word_embeddings": bool(o.tie), "attention_dropout": 0.0, "initializer_range": 0.02,
         "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,
         "torch_dtype": ST_DTYPE[o.dtype][2], "transformers_version": "4.45.0",
@@ -256,6 +264,10 @@ def make_config(o, bos, eos):
         cfg.update(hidden_activation="gelu_pytorch_tanh", sliding_window=o.window, attention_bias=False,
                    query_pre_attn_scalar=o.qpas or head_dim, head_dim=head_dim,
                    attn_logit_softcapping=o.attn_softcap, final_logit_softcapping=o.final_softcap)
+    if o.arch == "phi3":
+        # every layer slides when sliding_window is set (Phi3Config: None)
+        cfg.update(sliding_window=o.window or None, partial_rotary_factor=o.partial_rotary or 1.0,
+                   original_max_position_embeddings=o.orig_max_pos or o.max_pos)
     if o.arch == "gemma3":
         cfg.update(sliding_window_pattern=o.window_pattern or 6, rope_local_base_freq=o.local_theta or 10000.0)
     return cfg
@@ -356,14 +368,17 @@ def parse_args(argv):
     ap.add_argument("--attn-softcap", type=float, help="gemma: attn_logit_softcapping (default none)")
     ap.add_argument("--final-softcap", type=float, help="gemma: final_logit_softcapping (default none)")
     ap.add_argument("--local-theta", type=float, help="gemma3: rope_local_base_freq (default 10000)")
+    ap.add_argument("--partial-rotary", type=float, help="phi3: partial_rotary_factor (default 1)")
+    ap.add_argument("--orig-max-pos", type=int, help="phi3: original_max_position_embeddings (default --max-pos)")
     ap.add_argument("--tie", action="store_true", default=None, help="tie_word_embeddings")
     ap.add_argument("--no-tie", dest="tie", action="store_false")
-    ap.add_argument("--rope-scaling", help="linear:F or llama3:F[:ORIG_MAX_POS]")
+    ap.add_argument("--rope-scaling", help="linear:F, llama3:F[:ORIG_MAX_POS] or longrope (phi3)")
     ap.add_argument("--tokenizer-from", help="copy tokenizer.json/tokenizer_config.json from this directory")
     o = ap.parse_args(argv)
     p = dict(PRESETS[o.preset])
     defaults = dict(arch="llama", eps=1e-6, tie=False, head_dim=None, window=None, rope_scaling=None,
-                    window_pattern=None, qpas=None, attn_softcap=None, final_softcap=None, local_theta=None)
+                    window_pattern=None, qpas=None, attn_softcap=None, final_softcap=None, local_theta=None,
+                    partial_rotary=None, orig_max_pos=None)
     for k, v in {**defaults, **p}.items():
         if getattr(o, k, None) is None:
             setattr(o, k, v)

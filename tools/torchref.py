@@ -1,6 +1,7 @@
 """torchref - an independent plain-PyTorch reference for the decoder-only
 architectures kvtier runs: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM.
+Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and
+Phi3ForCausalLM.
 
 Written from the semantics of Hugging Face transformers' modeling code (not
 copied): RMSNorm with the variance in f32, NeoX / rotate_half RoPE with HF's
@@ -12,7 +13,10 @@ output as well as its input, GeGLU (tanh GELU), embeddings times
 sqrt(hidden_size) in their dtype, scores scaled by query_pre_attn_scalar^-1/2
 and tanh-capped (Gemma 2, also its final logits), every pattern-th layer
 global and the others sliding, Gemma 3's per-head q/k norm and its sliding
-layers' own unscaled RoPE base (rope_local_base_freq).  Parameter names equal the HF state-dict keys, so
+layers' own unscaled RoPE base (rope_local_base_freq).  Phi-3: fused
+qkv_proj and gate_up_proj, RoPE on the first head_dim * partial_rotary_factor
+dimensions, longrope (inv_freq divided by short_factor, cos and sin times
+the attention factor), a window on every layer when sliding_window is set.  Parameter names equal the HF state-dict keys, so
 `model.state_dict()` is a checkpoint (a tied lm_head has no key of its own).
 
 Also: a hand-written safetensors reader/writer (F32/F16/BF16 and a few
@@ -34,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-         "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -60,6 +64,28 @@ def head_dim_of(cfg):
     if arch_of(cfg) in GEMMA:
         return 256
     return cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def rot_dim_of(cfg):
+    """Dimensions of each head RoPE rotates: Phi-3's partial_rotary_factor
+    of them (int() of the product), every one elsewhere."""
+    hd = head_dim_of(cfg)
+    if arch_of(cfg) == "Phi3ForCausalLM":
+        return int(hd * cfg.get("partial_rotary_factor", 1.0))
+    return hd
+
+
+def rope_attention_factor(cfg):
+    """longrope's factor on cos and sin: attention_factor, else
+    sqrt(1 + ln(s) / ln(original)) with s = max_pos / original (1 when s <= 1)."""
+    _, sc = rope_params(cfg)
+    if sc is None or sc["rope_type"] not in ("longrope", "su"):
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    orig = cfg.get("original_max_position_embeddings", 4096)
+    s = cfg["max_position_embeddings"] / orig
+    return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
 
 
 def rope_params(cfg):
@@ -94,6 +120,9 @@ def layer_windows(cfg):
     arch = arch_of(cfg)
     if arch == "MistralForCausalLM":
         w = cfg.get("sliding_window", 4096)
+        return [w if w else None] * n
+    if arch == "Phi3ForCausalLM":  # Phi3Config: no window unless set, then on every layer
+        w = cfg.get("sliding_window")
         return [w if w else None] * n
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         w = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
@@ -130,14 +159,21 @@ def local_rope_theta(cfg):
 def rope_inv_freq(cfg, local=False):
     """inv_freq[head_dim/2] exactly as HF computes it (f32 throughout);
     local: Gemma 3's sliding layers' (their own base, no scaling)."""
-    dim = head_dim_of(cfg)
+    dim = rot_dim_of(cfg)
     theta, sc = rope_params(cfg)
     if local:
         theta, sc = local_rope_theta(cfg), None
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    expo = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv = 1.0 / (theta ** expo)
     if sc is None:
         return inv
     kind = sc["rope_type"]
+    if kind in ("longrope", "su"):
+        # short_factor: kvtier caps a sequence at original_max_position_embeddings,
+        # below which transformers never switches to long_factor
+        if len(sc["short_factor"]) != dim // 2 or len(sc["long_factor"]) != dim // 2:
+            raise ValueError(f"config.json: longrope factors must number rotated dimensions / 2 = {dim // 2}")
+        return 1.0 / (torch.tensor(sc["short_factor"], dtype=torch.float32) * theta ** expo)
     if kind == "linear":
         # scaling the positions by 1/factor == scaling the frequencies
         return inv / float(sc["factor"])
@@ -185,7 +221,11 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x: [B, H, T, hd]; cos, sin: [T, hd]."""
+    """x: [B, H, T, hd]; cos, sin: [T, rot] with rot <= hd: the first rot
+    dimensions rotate, the rest pass through (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -235,9 +275,13 @@ class Attention(nn.Module):
             self.softcap = cfg.get("attn_logit_softcapping", 50.0 if arch == "Gemma2ForCausalLM" else None)
         # Gemma 3's sliding layers use the local RoPE table
         self.rope = "local" if window is not None and arch == "Gemma3ForCausalLM" else "global"
-        self.q_proj = nn.Linear(dim, self.n_heads * self.hd, bias=qkv_bias, device=device)
-        self.k_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
-        self.v_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
+        self.fused = arch == "Phi3ForCausalLM"  # one qkv_proj: q rows, then k, then v
+        if self.fused:
+            self.qkv_proj = nn.Linear(dim, (self.n_heads + 2 * self.n_kv) * self.hd, bias=False, device=device)
+        else:
+            self.q_proj = nn.Linear(dim, self.n_heads * self.hd, bias=qkv_bias, device=device)
+            self.k_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
+            self.v_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
         self.o_proj = nn.Linear(self.n_heads * self.hd, dim, bias=o_bias, device=device)
         if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
             eps = cfg.get("rms_norm_eps", 1e-6)
@@ -250,9 +294,13 @@ class Attention(nn.Module):
         """ropes: {"global": (cos, sin), "local": (cos, sin)}, each [T, hd]."""
         cos, sin = ropes[self.rope]
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hd)  # [B, T, H, hd]
-        k = self.k_proj(x).view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
-        v = self.v_proj(x).view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.hd)  # [B, T, H, hd]
+        k = k.view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
+        v = v.view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
         if self.q_norm is not None:  # Qwen3, Gemma 3: per head, before RoPE
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -277,14 +325,19 @@ class MLP(nn.Module):
         super().__init__()
         dim, ffn = cfg["hidden_size"], cfg["intermediate_size"]
         bias = arch_of(cfg) == "LlamaForCausalLM" and cfg.get("mlp_bias", False)
-        self.gate_proj = nn.Linear(dim, ffn, bias=bias, device=device)
-        self.up_proj = nn.Linear(dim, ffn, bias=bias, device=device)
+        self.fused = arch_of(cfg) == "Phi3ForCausalLM"  # one gate_up_proj: gate rows, then up
+        if self.fused:
+            self.gate_up_proj = nn.Linear(dim, 2 * ffn, bias=False, device=device)
+        else:
+            self.gate_proj = nn.Linear(dim, ffn, bias=bias, device=device)
+            self.up_proj = nn.Linear(dim, ffn, bias=bias, device=device)
         self.down_proj = nn.Linear(ffn, dim, bias=bias, device=device)
         # SwiGLU, or Gemma's GeGLU with the tanh approximation
         self.act = (lambda g: F.gelu(g, approximate="tanh")) if arch_of(cfg) in GEMMA else F.silu
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -327,14 +380,15 @@ class Backbone(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         local = local_rope_theta(cfg) is not None
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=local), persistent=False)
+        self.rope_scale = rope_attention_factor(cfg)
 
-    @staticmethod
-    def rope_tables(inv_freq, t, dtype):
-        """cos, sin [T, hd] for positions 0..T-1, computed in f32 as HF does."""
+    def rope_tables(self, inv_freq, t, dtype):
+        """cos, sin [T, rot] for positions 0..T-1, computed in f32 as HF
+        does (longrope: times its attention factor before the cast)."""
         pos = torch.arange(t, device=inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq.float())  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)      # [T, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = torch.outer(pos, inv_freq.float())  # [T, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)      # [T, rot]
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
     def forward(self, input_ids):
         x = self.embed_tokens(input_ids)  # [B, T, dim]
@@ -361,8 +415,8 @@ class CausalLM(nn.Module):
         if cfg.get(key, want) != want:
             raise ValueError(f"config.json: {key} {cfg[key]!r} not supported ({want})")
         self.model = Backbone(cfg, device)
-        # HF's default for tie_word_embeddings: False for Llama, Mistral and
-        # Qwen, True for Gemma
+        # HF's default for tie_word_embeddings: False for Llama, Mistral,
+        # Qwen and Phi-3, True for Gemma
         self.tied = bool(cfg.get("tie_word_embeddings", gemma))
         if not self.tied:
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False, device=device)

@@ -131,7 +131,7 @@ enum be_status cpu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, c
                           int n, int in, int out);
 enum be_status cpu_rmsnorm(void *ctx, void *y, const void *x, const float *w, int n, int dim, float eps);
 enum be_status cpu_rope(void *ctx, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                        const float *inv_freq, int rot_dim, enum be_rope_layout layout);
+                        const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout);
 enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
                             const void *k, const void *v, const struct be_attn_params *p);
 enum be_status cpu_attention(void *ctx, void *out, const void *q, const struct be_kv_view *views,

@@ -159,6 +159,7 @@ struct rope_job {
     int n_tok, n_heads, head_dim, rot_dim;
     const int64_t *pos;
     const float *inv_freq;
+    float mscale;
     enum be_rope_layout layout;
 };
 
@@ -175,8 +176,8 @@ static void rope_job(void *arg, int ith, int nth)
             float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
             for (int i = 0; i < m; i++) {
                 float a = fpos * j->inv_freq[i0 + i];
-                cs[i] = cosf(a);
-                sn[i] = sinf(a);
+                cs[i] = cosf(a) * j->mscale;
+                sn[i] = sinf(a) * j->mscale;
             }
             for (int h = 0; h < j->n_heads; h++) {
                 float *v = j->x + (t * (size_t)j->n_heads + (size_t)h) * (size_t)j->head_dim;
@@ -193,11 +194,11 @@ static void rope_job(void *arg, int ith, int nth)
 }
 
 enum be_status cpu_rope(void *ctx, void *x_, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                        const float *inv_freq, int rot_dim, enum be_rope_layout layout)
+                        const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout)
 {
     float *x = x_;
     struct rope_job j = {.x = x, .n_tok = n_tok, .n_heads = n_heads, .head_dim = head_dim, .rot_dim = rot_dim,
-                         .pos = pos, .inv_freq = inv_freq, .layout = layout};
+                         .pos = pos, .inv_freq = inv_freq, .mscale = mscale, .layout = layout};
     run(ctx, rope_job, &j, (size_t)n_tok * (size_t)n_heads * (size_t)rot_dim * 4);
     return BE_OK;
 }

@@ -183,8 +183,8 @@ STRICT_OP(matmul, (void *ctx, void *y, enum be_dtype yt, const void *x, const vo
 STRICT_OP(rmsnorm, (void *ctx, void *y, const void *x, const float *w, int n, int dim, float eps), y, x, w, n, dim,
           eps)
 STRICT_OP(rope, (void *ctx, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                 const float *inv_freq, int rot_dim, enum be_rope_layout layout), x, n_tok, n_heads, head_dim, pos,
-          inv_freq, rot_dim, layout)
+                 const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout), x, n_tok, n_heads,
+          head_dim, pos, inv_freq, rot_dim, mscale, layout)
 STRICT_OP(kv_store, (void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok, const void *k,
                      const void *v, const struct be_attn_params *p), views, toks, n_tok, k, v, p)
 STRICT_OP(attention, (void *ctx, void *out, const void *q, const struct be_kv_view *views,
