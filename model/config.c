@@ -236,6 +236,8 @@ static const struct arch_info {
     {"Gemma2ForCausalLM", ARCH_GEMMA2, 2, 1, 256, true, false, false, WINDOW_PATTERN, 2, true, 10000.0, 0},
     {"Gemma3ForCausalLM", ARCH_GEMMA3, 2, 1, 256, true, false, true, WINDOW_PATTERN, 6, true, 1000000.0, 0},
     {"Phi3ForCausalLM", ARCH_PHI3, 1, 32000, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0, 0},
+    /* read by read_gpt2: its config names every field differently */
+    {"GPT2LMHeadModel", ARCH_GPT2, 50256, 50256, 0, false, true, false, WINDOW_NONE, 0, true, 0.0, 0},
 };
 
 static bool is_gemma(enum model_arch a)
@@ -260,7 +262,7 @@ static enum model_status read_arch(const struct jctx *c, const struct arch_info 
     }
     return model_errf(c->err, MODEL_EUNSUPPORTED,
                       "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
-                      "Gemma3, Phi3 ForCausalLM)",
+                      "Gemma3, Phi3 ForCausalLM, GPT2LMHeadModel)",
                       c->file, name);
 }
 
@@ -468,6 +470,8 @@ static enum model_status read_rope(const struct jctx *c, const struct arch_info 
 
 /* ---- features ----------------------------------------------------------- */
 
+static enum model_status read_dtype(const struct jctx *c, const char *def, struct model_config *cfg);
+
 static enum model_status read_features(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
 {
     enum model_status st;
@@ -504,12 +508,21 @@ static enum model_status read_features(const struct jctx *c, const struct arch_i
     cfg->qk_norm = ai->qk_norm;
     if ((st = get_num(c, "rms_norm_eps", true, 0, 0.0, 1.0, &cfg->rms_norm_eps)))
         return st;
+    return read_dtype(c, NULL, cfg);
+}
 
+/* torch_dtype; def (GPT-2's checkpoints predate the field: "float32") or
+ * required when def is NULL. */
+static enum model_status read_dtype(const struct jctx *c, const char *def, struct model_config *cfg)
+{
+    enum model_status st;
     /* transformers 5 writes "dtype", older releases "torch_dtype". */
     const char *key = field(c, "dtype") ? "dtype" : "torch_dtype";
     const char *dt;
     if ((st = get_str(c, key, &dt)))
         return st;
+    if (!dt)
+        dt = def;
     if (!dt)
         return missing(c, "torch_dtype");
     static const struct {
@@ -561,6 +574,67 @@ static enum model_status read_scales(const struct jctx *c, const struct arch_inf
         return st;
     cfg->attn_scale = (float)(1.0 / sqrt((double)qpas));
     return MODEL_OK;
+}
+
+/* ---- GPT-2 ------------------------------------------------------------------ */
+
+/* A boolean GPT-2 option that must keep its GPT2Config default. */
+static enum model_status gpt2_fixed(const struct jctx *c, const char *key, bool def)
+{
+    bool v;
+    enum model_status st = get_bool(c, key, def, &v);
+    if (st == MODEL_OK && v != def)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s=%s is not supported", c->file, key,
+                          v ? "true" : "false");
+    return st;
+}
+
+/* GPT2Config's fields and defaults (n_embd, n_layer, n_head, n_positions,
+ * n_inner = 4 * n_embd, layer_norm_epsilon 1e-5, gelu_new, tied head).
+ * Learned positions, LayerNorm with biases, biased projections and an
+ * ungated MLP; no RoPE. */
+static enum model_status read_gpt2(const struct jctx *c, struct model_config *cfg)
+{
+    enum model_status st;
+    if (field(c, "quantization_config"))
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: quantization_config: quantized checkpoints are not supported",
+                          c->file);
+    if ((st = get_int(c, "vocab_size", false, 50257, 1, MAX_VOCAB, &cfg->vocab_size)) ||
+        (st = get_int(c, "n_embd", false, 768, 1, MAX_HIDDEN, &cfg->hidden_size)) ||
+        (st = get_int(c, "n_layer", false, 12, 1, MAX_LAYERS, &cfg->n_layers)) ||
+        (st = get_int(c, "n_head", false, 12, 1, MAX_HEADS, &cfg->n_heads)) ||
+        (st = get_int(c, "n_positions", false, 1024, 1, MAX_POS, &cfg->max_position_embeddings)))
+        return st;
+    if (cfg->hidden_size % cfg->n_heads != 0)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: n_head=%d does not divide n_embd=%d", c->file, cfg->n_heads,
+                          cfg->hidden_size);
+    if ((st = get_int(c, "n_inner", false, 4LL * cfg->hidden_size, 1, MAX_FFN, &cfg->intermediate_size)))
+        return st;
+    cfg->n_kv_heads = cfg->n_heads;
+    cfg->head_dim = cfg->hidden_size / cfg->n_heads;
+    if (cfg->head_dim > MAX_HEAD_DIM)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: n_embd / n_head = %d exceeds %d", c->file, cfg->head_dim,
+                          MAX_HEAD_DIM);
+    const char *act;
+    if ((st = get_str(c, "activation_function", &act)))
+        return st;
+    if (act && strcmp(act, "gelu_new") != 0)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: activation_function=\"%s\" is not supported (gelu_new)",
+                          c->file, act);
+    if ((st = gpt2_fixed(c, "scale_attn_weights", true)) ||
+        (st = gpt2_fixed(c, "scale_attn_by_inverse_layer_idx", false)) ||
+        (st = gpt2_fixed(c, "reorder_and_upcast_attn", false)) || (st = gpt2_fixed(c, "add_cross_attention", false)) ||
+        (st = get_bool(c, "tie_word_embeddings", true, &cfg->tie_word_embeddings)) ||
+        (st = get_num(c, "layer_norm_epsilon", false, 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)))
+        return st;
+    cfg->act = ACT_GELU_TANH;
+    cfg->layer_norm = true;
+    cfg->learned_pos = true;
+    cfg->ungated_mlp = true;
+    cfg->attention_bias = cfg->o_bias = true;
+    cfg->rot_dim = cfg->head_dim;
+    cfg->rope_attn_factor = 1.0f;
+    return read_dtype(c, "float32", cfg);
 }
 
 /* ---- sliding windows ----------------------------------------------------- */
@@ -692,8 +766,13 @@ static enum model_status parse_config(json_t *root, const char *dir, struct mode
     cfg->arch = ai->arch;
     cfg->arch_name = ai->name;
     cfg->rope_layout = BE_ROPE_NEOX;
-    if ((st = read_sizes(&c, ai, cfg)) || (st = read_rope(&c, ai, cfg)) || (st = read_features(&c, ai, cfg)) ||
-        (st = read_windows(&c, ai, cfg)) || (st = read_scales(&c, ai, cfg)))
+    if (ai->arch == ARCH_GPT2)
+        st = read_gpt2(&c, cfg);
+    else if ((st = read_sizes(&c, ai, cfg)) || (st = read_rope(&c, ai, cfg)))
+        ;
+    else
+        st = read_features(&c, ai, cfg);
+    if (st || (st = read_windows(&c, ai, cfg)) || (st = read_scales(&c, ai, cfg)))
         return st;
     default_tokens(ai, cfg);
     if ((st = read_tokens(&c, cfg)))

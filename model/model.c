@@ -57,6 +57,7 @@ struct run_state {
     int *row_seq;        /* (cap)           which batch entry a row belongs to */
     int *row_tok;        /* (cap)           index of the row's token within its entry */
     int32_t *ids;        /* (cap)           token ids */
+    int32_t *pos_ids;    /* (cap)           GPT-2: the rows of wpe (absolute positions) */
     int64_t *start;      /* (start_cap)     each batch entry's length before the step */
     int start_cap;
     struct be_kv_view *views; /* (cap)      one per sequence present in the chunk */
@@ -176,6 +177,7 @@ static void run_state_free(struct run_state *rs)
     free(rs->row_seq);
     free(rs->row_tok);
     free(rs->ids);
+    free(rs->pos_ids);
     free(rs->start);
     free(rs->views);
     free(rs->qviews);
@@ -231,9 +233,11 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     rs->row_seq = malloc((size_t)cap * sizeof(*rs->row_seq));
     rs->row_tok = malloc((size_t)cap * sizeof(*rs->row_tok));
     rs->ids = malloc((size_t)cap * sizeof(*rs->ids));
+    rs->pos_ids = malloc((size_t)cap * sizeof(*rs->pos_ids));
     rs->views = malloc((size_t)cap * sizeof(*rs->views));
     rs->qviews = malloc((size_t)cap * sizeof(*rs->qviews));
-    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->ids || !rs->views || !rs->qviews) {
+    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->ids || !rs->pos_ids ||
+        !rs->views || !rs->qviews) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
@@ -280,9 +284,10 @@ static enum model_status upload(model *m, const void **p, size_t n, char *err)
     return MODEL_OK;
 }
 
+/* A matrix (one without data, as GPT-2's gate, stays so). */
 static enum model_status upload_mat(model *m, struct model_mat *w, char *err)
 {
-    return upload(m, &w->data, (size_t)w->rows * (size_t)w->cols * be_dtype_size(w->dtype), err);
+    return w->data ? upload(m, &w->data, (size_t)w->rows * (size_t)w->cols * be_dtype_size(w->dtype), err) : MODEL_OK;
 }
 
 /* An optional f32 vector of n floats (NULL stays NULL). */
@@ -297,8 +302,8 @@ static enum model_status weights_upload(model *m, char *err)
 {
     const struct model_config *c = &m->cfg;
     struct model_weights *w = &m->w;
-    int per_layer = 17; /* 7 matrices, at most 10 vectors */
-    m->wbufs = calloc((size_t)c->n_layers * per_layer + 3, sizeof(*m->wbufs));
+    int per_layer = 21; /* 7 matrices, at most 14 vectors */
+    m->wbufs = calloc((size_t)c->n_layers * per_layer + 5, sizeof(*m->wbufs));
     m->dev_layers = malloc((size_t)c->n_layers * sizeof(*m->dev_layers));
     if (!m->wbufs || !m->dev_layers) {
         snprintf(err, MODEL_ERR_LEN, "out of host memory for the weight table");
@@ -312,7 +317,11 @@ static enum model_status weights_upload(model *m, char *err)
     if (tied)
         w->lm_head = w->tok_embed;
     if (st == MODEL_OK)
+        st = upload_mat(m, &w->pos_embed, err);
+    if (st == MODEL_OK)
         st = upload_vec(m, &w->final_norm, dim, err);
+    if (st == MODEL_OK)
+        st = upload_vec(m, &w->final_norm_b, dim, err);
     for (int l = 0; l < c->n_layers && st == MODEL_OK; l++) {
         struct model_layer *L = &m->dev_layers[l];
         *L = w->layers[l];
@@ -320,8 +329,10 @@ static enum model_status weights_upload(model *m, char *err)
         for (size_t i = 0; i < sizeof(mats) / sizeof(mats[0]) && st == MODEL_OK; i++)
             st = upload_mat(m, mats[i], err);
         const float **vecs[] = {&L->attn_norm, &L->ffn_norm, &L->bq, &L->bk, &L->bv, &L->bo, &L->q_norm, &L->k_norm,
-                                &L->post_attn_norm, &L->post_ffn_norm};
-        int lens[] = {dim, dim, q_dim, kv_dim, kv_dim, dim, c->head_dim, c->head_dim, dim, dim};
+                                &L->post_attn_norm, &L->post_ffn_norm, &L->attn_norm_b, &L->ffn_norm_b, &L->b_up,
+                                &L->b_down};
+        int lens[] = {dim, dim, q_dim, kv_dim, kv_dim, dim, c->head_dim, c->head_dim, dim, dim, dim, dim,
+                      c->intermediate_size, dim};
         for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]) && st == MODEL_OK; i++)
             st = upload_vec(m, vecs[i], lens[i], err);
     }
@@ -343,11 +354,16 @@ static size_t weights_bytes(const struct model_config *c)
     size_t dsz = be_dtype_size(c->dtype), dim = (size_t)c->hidden_size, ffn = (size_t)c->intermediate_size;
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t embed = charged((size_t)c->vocab_size * dim * dsz);
-    size_t total = (c->tie_word_embeddings ? 1 : 2) * embed + charged(dim * 4);
-    size_t mats[] = {q_dim * dim, kv_dim * dim, kv_dim * dim, dim * q_dim, ffn * dim, ffn * dim, dim * ffn};
+    bool ln = c->layer_norm;
+    size_t total = (c->tie_word_embeddings ? 1 : 2) * embed + charged(dim * 4) + (ln ? charged(dim * 4) : 0);
+    if (c->learned_pos)
+        total += charged((size_t)c->max_position_embeddings * dim * dsz);
+    size_t mats[] = {q_dim * dim, kv_dim * dim, kv_dim * dim, dim * q_dim, c->ungated_mlp ? 0 : ffn * dim, ffn * dim,
+                     dim * ffn};
     size_t vecs[] = {dim, dim, c->attention_bias ? q_dim : 0, c->attention_bias ? kv_dim : 0,
                      c->attention_bias ? kv_dim : 0, c->o_bias ? dim : 0, c->qk_norm ? (size_t)c->head_dim : 0,
-                     c->qk_norm ? (size_t)c->head_dim : 0, c->sandwich_norms ? dim : 0, c->sandwich_norms ? dim : 0};
+                     c->qk_norm ? (size_t)c->head_dim : 0, c->sandwich_norms ? dim : 0, c->sandwich_norms ? dim : 0,
+                     ln ? dim : 0, ln ? dim : 0, c->ungated_mlp ? ffn : 0, c->ungated_mlp ? dim : 0};
     size_t layer = 0;
     for (size_t i = 0; i < sizeof(mats) / sizeof(mats[0]); i++)
         layer += charged(mats[i] * dsz);
@@ -374,6 +390,8 @@ struct model_device_bytes model_device_bytes(const struct model_config *c, struc
 
 const char *model_sink_refusal(const struct model_config *c)
 {
+    if (c->learned_pos)
+        return "this model has learned absolute positions (n_positions), which a sink cache would re-rotate";
     /* attention rotates a sink cache's keys whole, with one table */
     if (c->rot_dim != c->head_dim)
         return "this model rotates part of each head (partial_rotary_factor)";
@@ -460,6 +478,14 @@ static enum be_status matmul(model *m, void *y, const void *x, const struct mode
     return be_matmul(m->be, y, m->rs.act, x, w->data, w->dtype, bias, n, w->cols, w->rows);
 }
 
+/* The block norm of rows [n, dim]: LayerNorm with bias b (GPT-2), else RMSNorm. */
+static enum be_status norm(model *m, void *y, const void *x, const float *w, const float *b, int n)
+{
+    const struct model_config *c = &m->cfg;
+    return b ? be_layernorm(m->be, y, x, w, b, n, c->hidden_size, c->rms_norm_eps)
+             : be_rmsnorm(m->be, y, x, w, n, c->hidden_size, c->rms_norm_eps);
+}
+
 /* One transformer block over the chunk's n rows, in place on rs->x. */
 static enum be_status layer_forward(model *m, int l, int n)
 {
@@ -485,7 +511,7 @@ static enum be_status layer_forward(model *m, int l, int n)
     const float *inv_freq = c->layer_window[l] ? rs->inv_freq_local : rs->inv_freq;
 
     /* attention */
-    BE_TRY(be_rmsnorm(be, rs->xb, rs->x, L->attn_norm, n, dim, c->rms_norm_eps)); /* xb (n, dim) */
+    BE_TRY(norm(m, rs->xb, rs->x, L->attn_norm, L->attn_norm_b, n));          /* xb (n, dim) */
     BE_TRY(matmul(m, rs->q, rs->xb, &L->wq, L->bq, n));                          /* q (n, n_heads*hd) */
     BE_TRY(matmul(m, rs->k, rs->xb, &L->wk, L->bk, n));                          /* k (n, n_kv*hd) */
     BE_TRY(matmul(m, rs->v, rs->xb, &L->wv, L->bv, n));                          /* v (n, n_kv*hd) */
@@ -493,9 +519,11 @@ static enum be_status layer_forward(model *m, int l, int n)
         BE_TRY(be_rmsnorm(be, rs->q, rs->q, L->q_norm, n * c->n_heads, hd, c->rms_norm_eps));
         BE_TRY(be_rmsnorm(be, rs->k, rs->k, L->k_norm, n * c->n_kv_heads, hd, c->rms_norm_eps));
     }
-    float ms = c->rope_attn_factor;
-    BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->qpos, inv_freq, c->rot_dim, ms, c->rope_layout));
-    BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->kpos, inv_freq, c->rot_dim, ms, c->rope_layout));
+    if (!c->learned_pos) { /* GPT-2 added its positions to the embeddings */
+        float ms = c->rope_attn_factor;
+        BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->qpos, inv_freq, c->rot_dim, ms, c->rope_layout));
+        BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->kpos, inv_freq, c->rot_dim, ms, c->rope_layout));
+    }
     BE_TRY(be_kv_store(be, rs->views, rs->toks, n, rs->k, rs->v, &ap));      /* paged KV += k, v */
     BE_TRY(rs->any_quant ? be_attention_quant(be, rs->att, rs->q, rs->qviews, rs->toks, n, &ap) /* codes read in place */
                          : be_attention(be, rs->att, rs->q, rs->views, rs->toks, n, &ap)); /* att (n, n_heads*hd) */
@@ -504,14 +532,20 @@ static enum be_status layer_forward(model *m, int l, int n)
         BE_TRY(be_rmsnorm(be, rs->xb, rs->xb, L->post_attn_norm, n, dim, c->rms_norm_eps));
     BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * dim));                      /* x += attn */
 
-    /* MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or gelu_tanh (GeGLU) */
+    /* MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or gelu_tanh
+     * (GeGLU); GPT-2: down(gelu_tanh(up(x) + b)) + b */
     size_t nf = (size_t)n * c->intermediate_size;
-    BE_TRY(be_rmsnorm(be, rs->xb, rs->x, L->ffn_norm, n, dim, c->rms_norm_eps));
-    BE_TRY(matmul(m, rs->hb, rs->xb, &L->w_gate, NULL, n));                  /* hb (n, ffn) */
-    BE_TRY(matmul(m, rs->hb2, rs->xb, &L->w_up, NULL, n));                   /* hb2 (n, ffn) */
-    BE_TRY(c->act == ACT_GELU_TANH ? be_gelu_mul(be, rs->hb, rs->hb, rs->hb2, nf)
-                                   : be_silu_mul(be, rs->hb, rs->hb, rs->hb2, nf));
-    BE_TRY(matmul(m, rs->xb, rs->hb, &L->w_down, NULL, n));                  /* xb (n, dim) */
+    BE_TRY(norm(m, rs->xb, rs->x, L->ffn_norm, L->ffn_norm_b, n));
+    if (c->ungated_mlp) {
+        BE_TRY(matmul(m, rs->hb, rs->xb, &L->w_up, L->b_up, n));             /* hb (n, ffn) */
+        BE_TRY(be_gelu_mul(be, rs->hb, rs->hb, NULL, nf));
+    } else {
+        BE_TRY(matmul(m, rs->hb, rs->xb, &L->w_gate, NULL, n));              /* hb (n, ffn) */
+        BE_TRY(matmul(m, rs->hb2, rs->xb, &L->w_up, NULL, n));               /* hb2 (n, ffn) */
+        BE_TRY(c->act == ACT_GELU_TANH ? be_gelu_mul(be, rs->hb, rs->hb, rs->hb2, nf)
+                                       : be_silu_mul(be, rs->hb, rs->hb, rs->hb2, nf));
+    }
+    BE_TRY(matmul(m, rs->xb, rs->hb, &L->w_down, L->b_down, n));             /* xb (n, dim) */
     if (L->post_ffn_norm)
         BE_TRY(be_rmsnorm(be, rs->xb, rs->xb, L->post_ffn_norm, n, dim, c->rms_norm_eps));
     BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * dim));                      /* x += mlp */
@@ -526,7 +560,7 @@ static enum be_status chunk_logits(model *m, struct fw_seq *seqs, int n)
     const struct model_config *c = &m->cfg;
     struct run_state *rs = &m->rs;
     size_t dim = (size_t)c->hidden_size, vocab = (size_t)c->vocab_size;
-    BE_TRY(be_rmsnorm(m->be, rs->x, rs->x, m->w.final_norm, n, c->hidden_size, c->rms_norm_eps));
+    BE_TRY(norm(m, rs->x, rs->x, m->w.final_norm, m->w.final_norm_b, n));
     int r = 0;
     while (r < n) {
         int sel[64], n_sel = 0; /* rows of this slice; logit_rows <= 16 */
@@ -597,6 +631,7 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
         rs->row_tok[r] = *t;
         rs->ids[r] = seqs[*s].tokens[*t];
         rs->pos[r] = start[*s] + *t;
+        rs->pos_ids[r] = (int32_t)rs->pos[r]; /* model_forward kept learned positions below n_positions */
         kv_seq_rope_pos(seqs[*s].kv, rs->pos[r], &rs->qpos[r], &rs->kpos[r]); /* sink: cache indices */
         rs->toks[r] = (struct be_tok){.view = n_views - 1, .pos = rs->pos[r]};
         (*t)++;
@@ -610,6 +645,10 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
     BE_TRY(be_embed(m->be, rs->x, m->w.tok_embed.data, m->w.tok_embed.dtype, rs->ids, n, c->hidden_size));
     if (c->embed_scale > 0.0f) /* Gemma */
         BE_TRY(be_scale(m->be, rs->x, (size_t)n * c->hidden_size, rs->embed_scale));
+    if (c->learned_pos) { /* GPT-2: x += wpe[position] */
+        BE_TRY(be_embed(m->be, rs->xb, m->w.pos_embed.data, m->w.pos_embed.dtype, rs->pos_ids, n, c->hidden_size));
+        BE_TRY(be_add(m->be, rs->x, rs->xb, (size_t)n * c->hidden_size));
+    }
     kv_store *store = kv_seq_store(seqs[0].kv);
     rs->kv_dtype = kv_store_dtype(store);
     for (int l = 0; l < c->n_layers; l++) {
@@ -766,6 +805,10 @@ enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs)
         for (int t = 0; t < seqs[i].n_tokens; t++)
             if (seqs[i].tokens[t] < 0 || seqs[i].tokens[t] >= c->vocab_size)
                 return MODEL_EINVAL;
+        /* learned positions end at n_positions (model_context keeps the
+         * daemon's requests inside) */
+        if (c->learned_pos && kv_seq_length(seqs[i].kv) + seqs[i].n_tokens > c->max_position_embeddings)
+            return MODEL_EINVAL;
         total += seqs[i].n_tokens;
     }
     struct run_state *rs = &m->rs;

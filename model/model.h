@@ -2,7 +2,8 @@
  * (mmapped, borrowed) weights, and the batched forward pass.
  *
  * Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
- * Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM.  Errors come back as enum model_status plus a message in
+ * Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
+ * GPT2LMHeadModel.  Errors come back as enum model_status plus a message in
  * a caller buffer of MODEL_ERR_LEN bytes naming the file and the tensor or
  * field that was wrong.
  */
@@ -30,7 +31,8 @@ enum model_status {
 };
 const char *model_strerror(enum model_status st);
 
-enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_PHI3 };
+enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_PHI3,
+                  ARCH_GPT2 };
 enum model_act { ACT_SILU = 0, ACT_GELU_TANH }; /* the gate's activation: SwiGLU or GeGLU */
 enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3, ROPE_SCALING_LONGROPE };
 
@@ -45,7 +47,7 @@ struct model_config {
     int n_kv_heads;
     int head_dim;            /* explicit head_dim or hidden_size / n_heads */
     int max_position_embeddings;
-    float rms_norm_eps;
+    float rms_norm_eps;                /* the norms' epsilon (GPT-2: layer_norm_epsilon) */
     float rope_theta;
     enum rope_scaling rope_scaling;
     float rope_factor;                 /* linear and llama3 */
@@ -71,6 +73,12 @@ struct model_config {
      * into its f32 copy of the weight, so the kernels see a plain RMSNorm. */
     bool norm_plus_one;
     bool sandwich_norms;               /* Gemma 2/3: attention and MLP outputs normed before the residual add */
+    /* GPT-2: LayerNorm with biases for RMSNorm, learned absolute positions
+     * (wpe, no RoPE: sequences end at max_position_embeddings = n_positions),
+     * and an ungated MLP down(act(up(x) + b)) + b. */
+    bool layer_norm;
+    bool learned_pos;
+    bool ungated_mlp;
     float embed_scale;                 /* 0: none; Gemma: embeddings times sqrt(hidden_size) */
     float attn_scale;                  /* the scores' scale: 1/sqrt(head_dim), Gemma query_pre_attn_scalar^-1/2 */
     float attn_softcap;                /* 0: none; else attn_logit_softcapping (Gemma 2) */
@@ -99,6 +107,7 @@ struct model_mat {
 
 struct model_layer {
     const float *attn_norm;  /* (dim)            input_layernorm */
+    const float *attn_norm_b, *ffn_norm_b; /* (dim) or NULL: GPT-2's LayerNorm biases */
     struct model_mat wq;     /* (n_heads*head_dim, dim) */
     struct model_mat wk;     /* (n_kv_heads*head_dim, dim) */
     struct model_mat wv;     /* (n_kv_heads*head_dim, dim) */
@@ -109,14 +118,17 @@ struct model_layer {
     const float *post_attn_norm; /* (dim) or NULL: Gemma's post_attention_layernorm, on the attention output */
     const float *ffn_norm;   /* (dim)            post_attention_layernorm (Gemma: pre_feedforward_layernorm) */
     const float *post_ffn_norm; /* (dim) or NULL: Gemma's post_feedforward_layernorm, on the MLP output */
-    struct model_mat w_gate; /* (hidden, dim) */
+    struct model_mat w_gate; /* (hidden, dim), no data for GPT-2 (ungated) */
     struct model_mat w_up;   /* (hidden, dim) */
     struct model_mat w_down; /* (dim, hidden) */
+    const float *b_up, *b_down; /* (hidden), (dim) or NULL: GPT-2's MLP biases */
 };
 
 struct model_weights {
     struct model_mat tok_embed;  /* (vocab, dim) */
+    struct model_mat pos_embed;  /* (max_position_embeddings, dim): GPT-2's wpe, else no data */
     const float *final_norm;     /* (dim) */
+    const float *final_norm_b;   /* (dim) or NULL: GPT-2's ln_f bias */
     struct model_mat lm_head;    /* (vocab, dim), = tok_embed when tied */
     struct model_layer *layers;  /* [n_layers] */
     /* xxh3 over the safetensors headers (names, dtypes, shapes, offsets) */

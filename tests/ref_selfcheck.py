@@ -221,6 +221,56 @@ def check_naive_forward():
             close(got[b].numpy(), want, 2e-5, f"naive forward == CausalLM: {what}, batch row {b}")
 
 
+def naive_gpt2(cfg, sd, ids):
+    """GPT-2 from its definition: x = wte + wpe; per block x += c_proj(attn(
+    LN(x))), x += mlp(LN(x)) with y = x W + b for the [in, out] weights."""
+    P = {k: v.double().numpy() for k, v in sd.items()}
+    H, dim, eps = cfg["n_head"], cfg["n_embd"], cfg.get("layer_norm_epsilon", 1e-5)
+    hd = dim // H
+
+    def ln(v, name):
+        mu = float(np.mean(v))
+        var = float(np.mean((v - mu) ** 2))
+        return (v - mu) / math.sqrt(var + eps) * P[name + ".weight"] + P[name + ".bias"]
+
+    def conv(name, v):
+        return v @ P[name + ".weight"] + P[name + ".bias"]
+
+    x = [P["transformer.wte.weight"][tok] + P["transformer.wpe.weight"][t] for t, tok in enumerate(ids)]
+    for li in range(cfg["n_layer"]):
+        pre = f"transformer.h.{li}."
+        qkv = [conv(pre + "attn.c_attn", ln(v, pre + "ln_1")) for v in x]
+        new_x = []
+        for t in range(len(x)):
+            heads = []
+            for h in range(H):
+                sl = slice(h * hd, (h + 1) * hd)
+                sc = [float(qkv[t][:dim][sl] @ qkv[j][dim:2 * dim][sl]) / math.sqrt(hd) for j in range(t + 1)]
+                m = max(sc)
+                e = [math.exp(v - m) for v in sc]
+                heads.append(sum(e[j] / sum(e) * qkv[j][2 * dim:][sl] for j in range(t + 1)))
+            xt = x[t] + conv(pre + "attn.c_proj", np.concatenate(heads))
+            f = conv(pre + "mlp.c_fc", ln(xt, pre + "ln_2"))
+            f = 0.5 * f * (1 + np.tanh(math.sqrt(2 / math.pi) * (f + 0.044715 * f ** 3)))
+            new_x.append(xt + conv(pre + "mlp.c_proj", f))
+        x = new_x
+    return np.stack([P["transformer.wte.weight"] @ ln(v, "transformer.ln_f") for v in x])
+
+
+def check_naive_gpt2():
+    cfg = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 50, "n_embd": 24, "n_layer": 2, "n_head": 4,
+           "n_positions": 16, "n_inner": 40}
+    ids = [3, 17, 9, 41, 0, 22, 22, 8, 49, 30, 5, 11]
+    m = tr.build_model(cfg).double()
+    randomize(m, 7)
+    with torch.no_grad():
+        got = m(torch.tensor([ids]))
+    close(got[0].numpy(), naive_gpt2(cfg, m.state_dict(), ids), 1e-6, "naive forward == GPT2LM")
+    check(tr.param_shapes(cfg)[2] == ("transformer.h.0.ln_1.weight", (24,)) and
+          dict(tr.param_shapes(cfg))["transformer.h.0.attn.c_attn.weight"] == (24, 72),
+          "GPT-2 state dict: HF names, Conv1D weights [in, out]")
+
+
 # ---------------------------------------------------------------------------
 # Pieces by hand
 # ---------------------------------------------------------------------------
@@ -392,6 +442,7 @@ def main():
         check_pieces()
         check_windows()
         check_naive_forward()
+        check_naive_gpt2()
         check_safetensors(tmp)
         check_mkmodel(tmp)
         check_ref_compare(tmp)

@@ -788,6 +788,128 @@ static void test_phi3(void **state)
     expect_fail(MODEL_EFORMAT, "qkv_proj", NULL);
 }
 
+/* A GPT-2 directory: n_embd 8, 2 heads, 2 layers, n_inner 12, 10
+ * positions, tensors under prefix ("transformer." or ""). */
+static void write_gpt2(const char *prefix, json_t *extra)
+{
+    json_t *c = json_pack("{s:[s], s:i, s:i, s:i, s:i, s:i, s:i, s:s}", "architectures", "GPT2LMHeadModel",
+                          "vocab_size", 40, "n_embd", 8, "n_layer", 2, "n_head", 2, "n_positions", 10, "n_inner", 12,
+                          "activation_function", "gelu_new");
+    assert_non_null(c);
+    if (extra)
+        json_object_update(c, extra);
+    write_json("config.json", c);
+    json_decref(c);
+    struct stw w;
+    stw_init(&w);
+    char n[128];
+#define G(suffix, rows, cols)                               \
+    do {                                                    \
+        snprintf(n, sizeof n, "%s%s", prefix, suffix);      \
+        stw_add(&w, n, "F32", rows, cols);                  \
+    } while (0)
+    G("wte.weight", 40, 8);
+    G("wpe.weight", 10, 8);
+    for (int l = 0; l < 2; l++) {
+        char b[64];
+#define GL(suffix, rows, cols)                          \
+    do {                                                \
+        snprintf(b, sizeof b, "h.%d.%s", l, suffix);    \
+        G(b, rows, cols);                               \
+    } while (0)
+        GL("ln_1.weight", 8, 0);
+        GL("ln_1.bias", 8, 0);
+        GL("attn.c_attn.weight", 8, 24);
+        GL("attn.c_attn.bias", 24, 0);
+        GL("attn.c_proj.weight", 8, 8);
+        GL("attn.c_proj.bias", 8, 0);
+        GL("ln_2.weight", 8, 0);
+        GL("ln_2.bias", 8, 0);
+        GL("mlp.c_fc.weight", 8, 12);
+        GL("mlp.c_fc.bias", 12, 0);
+        GL("mlp.c_proj.weight", 12, 8);
+        GL("mlp.c_proj.bias", 8, 0);
+#undef GL
+    }
+    G("ln_f.weight", 8, 0);
+    G("ln_f.bias", 8, 0);
+#undef G
+    stw_write(&w, "model.safetensors");
+}
+
+/* Element (r, c) of a bound GPT-2 matrix is element (c, r0 + r) of the
+ * stored Conv1D weight [in, out]. */
+static void check_transposed(const struct model_mat *m, const char *name, int r0, int out)
+{
+    assert_int_equal(m->dtype, BE_F32);
+    for (int r = 0; r < m->rows; r++)
+        for (int c = 0; c < m->cols; c++)
+            assert_float_equal(mat_at(m, (size_t)r * (size_t)m->cols + (size_t)c),
+                               expected(name, (size_t)c * (size_t)out + (size_t)(r0 + r)), 0);
+}
+
+static void test_gpt2(void **state)
+{
+    (void)state;
+    static const char *const prefixes[] = {"transformer.", ""}; /* save_pretrained's, the original checkpoints' */
+    for (int p = 0; p < 2; p++) {
+        write_gpt2(prefixes[p], NULL);
+        struct loaded m;
+        load_ok(&m);
+        char n[128];
+        assert_int_equal(m.cfg.arch, ARCH_GPT2);
+        assert_int_equal(m.cfg.dtype, BE_F32); /* no torch_dtype: GPT-2's checkpoints are f32 */
+        assert_true(m.cfg.layer_norm && m.cfg.learned_pos && m.cfg.ungated_mlp && m.cfg.tie_word_embeddings);
+        assert_int_equal(m.cfg.head_dim, 4);
+        assert_int_equal(m.cfg.intermediate_size, 12);
+        assert_int_equal(m.cfg.max_position_embeddings, 10);
+        assert_int_equal(model_context(&m.cfg, 0), 10);
+        assert_float_equal(m.cfg.rms_norm_eps, 1e-5f, 0);
+        assert_int_equal(m.cfg.bos_token_id, -1); /* 50256 is past this vocabulary */
+        assert_non_null(model_sink_refusal(&m.cfg));
+        snprintf(n, sizeof n, "%swpe.weight", prefixes[p]);
+        check_mat(&m.w.pos_embed, n, BE_F32, 10, 8);
+        const struct model_layer *L = &m.w.layers[1];
+        snprintf(n, sizeof n, "%sh.1.attn.c_attn.weight", prefixes[p]);
+        check_transposed(&L->wq, n, 0, 24);
+        check_transposed(&L->wk, n, 8, 24);
+        check_transposed(&L->wv, n, 16, 24);
+        snprintf(n, sizeof n, "%sh.1.mlp.c_fc.weight", prefixes[p]);
+        check_transposed(&L->w_up, n, 0, 12);
+        snprintf(n, sizeof n, "%sh.1.mlp.c_proj.weight", prefixes[p]);
+        check_transposed(&L->w_down, n, 0, 8);
+        assert_null(L->w_gate.data);
+        snprintf(n, sizeof n, "%sh.1.attn.c_attn.bias", prefixes[p]);
+        for (int i = 0; i < 8; i++)
+            assert_float_equal(L->bv[i], expected(n, (size_t)(16 + i)), 0);
+        snprintf(n, sizeof n, "%sh.1.ln_2.bias", prefixes[p]);
+        check_vec(L->ffn_norm_b, n, 8);
+        snprintf(n, sizeof n, "%sln_f.bias", prefixes[p]);
+        check_vec(m.w.final_norm_b, n, 8);
+        assert_ptr_equal(m.w.lm_head.data, m.w.tok_embed.data);
+        assert_int_equal(model_weights_verify(&m.cfg, &m.w, (char[MODEL_ERR_LEN]){0}), MODEL_OK);
+        unload(&m);
+    }
+
+    /* refused, naming the field */
+    json_t *x = json_pack("{s:s}", "activation_function", "relu");
+    write_gpt2("", x);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "activation_function", NULL);
+    json_decref(x);
+    x = json_pack("{s:b}", "scale_attn_by_inverse_layer_idx", 1);
+    write_gpt2("", x);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "scale_attn_by_inverse_layer_idx", NULL);
+    json_decref(x);
+    x = json_pack("{s:i}", "n_head", 3);
+    write_gpt2("", x);
+    expect_fail(MODEL_ECONFIG, "config.json", "n_head=3", NULL);
+    json_decref(x);
+    x = json_pack("{s:i}", "n_positions", 11); /* wpe has 10 rows */
+    write_gpt2("", x);
+    expect_fail(MODEL_EFORMAT, "wpe.weight", NULL);
+    json_decref(x);
+}
+
 static void test_defaults_and_generation_config(void **state)
 {
     (void)state;
@@ -1197,8 +1319,8 @@ static void test_bad_config(void **state)
     write_file("config.json", "[]", 2);
     expect_fail(MODEL_EFORMAT, "config.json", "not a JSON object", NULL);
 
-    config_with("architectures", json_pack("[s]", "GPT2LMHeadModel"));
-    expect_fail(MODEL_EUNSUPPORTED, "config.json", "GPT2LMHeadModel", NULL);
+    config_with("architectures", json_pack("[s]", "BloomForCausalLM"));
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "BloomForCausalLM", "GPT2LMHeadModel", NULL);
     config_with("architectures", json_array());
     expect_fail(MODEL_ECONFIG, "config.json", "architectures", NULL);
     config_with("architectures", NULL);
@@ -1407,6 +1529,7 @@ int main(void)
         T(test_gemma2),
         T(test_gemma3),
         T(test_phi3),
+        T(test_gpt2),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),
         T(test_sharded),

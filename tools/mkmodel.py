@@ -37,7 +37,8 @@ from bytelevel import bytes_to_unicode  # noqa: E402
 
 ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+              "gpt2": "GPT2LMHeadModel"}
 
 # Shapes of public checkpoints (benchmarks) and a tiny default (tests).
 PRESETS = {
@@ -222,7 +223,21 @@ def parse_rope_scaling(spec, rot_dim=None):
     raise SystemExit(f"mkmodel: bad --rope-scaling {spec!r} (linear:F, llama3:F[:ORIG] or longrope)")
 
 
+def gpt2_config(o, bos, eos):
+    """GPT2Config's names; n_inner only when not 4 * n_embd."""
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": o.vocab, "n_embd": o.dim,
+           "n_layer": o.layers, "n_head": o.heads, "n_positions": o.max_pos, "n_ctx": o.max_pos,
+           "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+           "tie_word_embeddings": True, "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,
+           "torch_dtype": ST_DTYPE[o.dtype][2], "transformers_version": "4.45.0"}
+    if o.ffn != 4 * o.dim:
+        cfg["n_inner"] = o.ffn
+    return cfg
+
+
 def make_config(o, bos, eos):
+    if o.arch == "gpt2":
+        return gpt2_config(o, bos, eos)
     arch = ARCH_CLASS[o.arch]
     head_dim = o.head_dim or o.dim // o.heads
     if o.dim % o.heads and not o.head_dim:
@@ -281,11 +296,14 @@ CHUNK = 1 << 22  # elements generated per step: bounds memory for any shape
 
 def init_kind(name, shape, cfg):
     """(mean, std) of a tensor by its role (see the module docstring)."""
-    if name.endswith("norm.weight"):
+    gpt2 = cfg["architectures"][0] == "GPT2LMHeadModel"
+    if name.endswith("norm.weight") or (gpt2 and ".ln_" in name and name.endswith(".weight")):
         return (0.0 if cfg["architectures"][0].startswith("Gemma") else 1.0), 0.1
     if name.endswith(".bias"):
         return 0.0, 0.5
-    head_std = 3.0 / math.sqrt(cfg["hidden_size"])  # final-normed h has unit RMS
+    head_std = 3.0 / math.sqrt(cfg["n_embd"] if gpt2 else cfg["hidden_size"])  # final-normed h has unit RMS
+    if gpt2:  # tied wte is the head; Conv1D weights are [in, out]
+        return 0.0, head_std if name.endswith(("wte.weight", "wpe.weight")) else 1.0 / math.sqrt(shape[0])
     if name == "model.embed_tokens.weight":
         return 0.0, head_std if cfg["tie_word_embeddings"] else 1.0
     if name == "lm_head.weight":

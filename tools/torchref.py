@@ -1,7 +1,7 @@
 """torchref - an independent plain-PyTorch reference for the decoder-only
 architectures kvtier runs: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and
-Phi3ForCausalLM.
+Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+Phi3ForCausalLM and GPT2LMHeadModel.
 
 Written from the semantics of Hugging Face transformers' modeling code (not
 copied): RMSNorm with the variance in f32, NeoX / rotate_half RoPE with HF's
@@ -16,7 +16,9 @@ global and the others sliding, Gemma 3's per-head q/k norm and its sliding
 layers' own unscaled RoPE base (rope_local_base_freq).  Phi-3: fused
 qkv_proj and gate_up_proj, RoPE on the first head_dim * partial_rotary_factor
 dimensions, longrope (inv_freq divided by short_factor, cos and sin times
-the attention factor), a window on every layer when sliding_window is set.  Parameter names equal the HF state-dict keys, so
+the attention factor), a window on every layer when sliding_window is set.
+GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D
+projections stored [in, out], fused c_attn (q, k, v), gelu_new, tied head.  Parameter names equal the HF state-dict keys, so
 `model.state_dict()` is a checkpoint (a tied lm_head has no key of its own).
 
 Also: a hand-written safetensors reader/writer (F32/F16/BF16 and a few
@@ -38,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -434,6 +436,106 @@ class CausalLM(nn.Module):
 
 
 # --------------------------------------------------------------------------
+# GPT-2: its own layout and names (GPT2Config: n_embd, n_layer, n_head, ...)
+# --------------------------------------------------------------------------
+class Conv1D(nn.Module):
+    """GPT-2's projection: weight [in, out], y = x W + b."""
+
+    def __init__(self, n_in, n_out, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out, device=device))
+        self.bias = nn.Parameter(torch.zeros(n_out, device=device))
+
+    def forward(self, x):
+        return torch.matmul(x, self.weight) + self.bias
+
+
+def gelu_new(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        dim = cfg["n_embd"]
+        self.n_heads = cfg["n_head"]
+        self.hd = dim // self.n_heads
+        self.kv_dtype = None  # as Attention.kv_dtype
+        self.c_attn = Conv1D(dim, 3 * dim, device)  # q, k, v side by side
+        self.c_proj = Conv1D(dim, dim, device)
+
+    def forward(self, x, mask):
+        b, t, dim = x.shape
+        q, k, v = (y.view(b, t, self.n_heads, self.hd).transpose(1, 2) for y in self.c_attn(x).split(dim, dim=2))
+        if self.kv_dtype is not None:
+            k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
+        s = torch.matmul(q, k.transpose(2, 3)) / (self.hd ** 0.5) + mask  # [B, H, T, T]
+        p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.c_proj(torch.matmul(p, v).transpose(1, 2).reshape(b, t, dim))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        dim, eps = cfg["n_embd"], cfg.get("layer_norm_epsilon", 1e-5)
+        inner = cfg.get("n_inner") or 4 * dim
+        self.ln_1 = nn.LayerNorm(dim, eps=eps, device=device)
+        self.attn = GPT2Attention(cfg, device)
+        self.ln_2 = nn.LayerNorm(dim, eps=eps, device=device)
+        self.mlp = nn.ModuleDict({"c_fc": Conv1D(dim, inner, device), "c_proj": Conv1D(inner, dim, device)})
+
+    def forward(self, x, mask):
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.mlp["c_proj"](gelu_new(self.mlp["c_fc"](self.ln_2(x))))
+
+
+class GPT2Backbone(nn.Module):
+    """The HF `transformer.` prefix."""
+
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        dim = cfg["n_embd"]
+        self.wte = nn.Embedding(cfg["vocab_size"], dim, device=device)
+        self.wpe = nn.Embedding(cfg.get("n_positions", 1024), dim, device=device)
+        self.h = nn.ModuleList(GPT2Block(cfg, device) for _ in range(cfg["n_layer"]))
+        self.ln_f = nn.LayerNorm(dim, eps=cfg.get("layer_norm_epsilon", 1e-5), device=device)
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        if t > self.wpe.num_embeddings:
+            raise ValueError(f"{t} positions, n_positions is {self.wpe.num_embeddings}")
+        x = self.wte(input_ids) + self.wpe(torch.arange(t, device=input_ids.device))[None]  # [B, T, dim]
+        mask = causal_mask(t, None, x.device).to(x.dtype)
+        for block in self.h:
+            x = block(x, mask)
+        return self.ln_f(x)
+
+
+class GPT2LM(nn.Module):
+    def __init__(self, cfg: dict, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = arch_of(cfg)
+        for key, want in (("activation_function", "gelu_new"), ("scale_attn_weights", True),
+                          ("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False)):
+            if cfg.get(key, want) != want:
+                raise ValueError(f"config.json: {key} {cfg[key]!r} not supported ({want})")
+        self.transformer = GPT2Backbone(cfg, device)
+        self.tied = bool(cfg.get("tie_word_embeddings", True))
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg["n_embd"], cfg["vocab_size"], bias=False, device=device)
+
+    def forward(self, input_ids):
+        h = self.transformer(input_ids)
+        return F.linear(h, self.transformer.wte.weight if self.tied else self.lm_head.weight)
+
+
+def build_model(cfg, device=None):
+    """The module of cfg's architecture."""
+    return GPT2LM(cfg, device) if arch_of(cfg) == "GPT2LMHeadModel" else CausalLM(cfg, device)
+
+
+# --------------------------------------------------------------------------
 # safetensors: 8-byte LE header length, JSON header, raw little-endian data
 # --------------------------------------------------------------------------
 _ST_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.int16, "F64": np.float64,
@@ -520,7 +622,7 @@ def load_checkpoint(d):
 
 def param_shapes(cfg):
     """[(HF tensor name, shape)] in state-dict order, without allocating."""
-    return [(k, tuple(v.shape)) for k, v in CausalLM(cfg, device="meta").state_dict().items()]
+    return [(k, tuple(v.shape)) for k, v in build_model(cfg, device="meta").state_dict().items()]
 
 
 def load_config(d):
@@ -532,9 +634,10 @@ def load_model(d, dtype=torch.float32, kv_dtype=None):
     """CausalLM of directory d with its weights upcast (or cast) to dtype;
     kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
     that type keeps them."""
-    m = CausalLM(load_config(d))
-    for layer in m.model.layers:
-        layer.self_attn.kv_dtype = kv_dtype
+    m = build_model(load_config(d))
+    for mod in m.modules():
+        if isinstance(mod, (Attention, GPT2Attention)):
+            mod.kv_dtype = kv_dtype
     sd = load_checkpoint(d)
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it
