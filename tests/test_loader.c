@@ -910,6 +910,49 @@ static void test_gpt2(void **state)
     json_decref(x);
 }
 
+/* What model_device_bytes predicts from the config is what model_load
+ * charges on a backend that cannot read the mmap (weights uploaded), for
+ * every family's extra tensors (biases, sandwich norms, fused views, GPT-2's
+ * wpe and LayerNorm biases). */
+static void check_charged(const char *what)
+{
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1};
+    assert_int_equal(be_open("cpu-strict", &bp, &be), BE_OK);
+    struct model_config cfg;
+    char err[MODEL_ERR_LEN];
+    assert_int_equal(model_config_load(g_dir, &cfg, err), MODEL_OK);
+    struct model_params mp = {.max_batch_tokens = 8};
+    struct model_device_bytes want = model_device_bytes(&cfg, be_get_caps(be), &mp);
+    model_config_release(&cfg);
+    size_t before = be_mem_stats(be).dev_used;
+    model *m;
+    enum model_status st = model_load(g_dir, be, &mp, &m, err);
+    if (st != MODEL_OK)
+        fail_msg("%s: %s", what, err);
+    size_t used = be_mem_stats(be).dev_used - before;
+    if (used != want.weights + want.activations)
+        fail_msg("%s: model_load charged %zu bytes, model_device_bytes says %zu + %zu", what, used, want.weights,
+                 want.activations);
+    model_free(m);
+    be_free(be);
+}
+
+static void test_device_bytes(void **state)
+{
+    (void)state;
+    static const char *const archs[] = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM",
+                                        "Gemma3ForCausalLM", "Phi3ForCausalLM"};
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) {
+        struct spec s = spec_of(archs[i]);
+        s.o_bias = strcmp(archs[i], "LlamaForCausalLM") == 0;
+        write_model(&s);
+        check_charged(archs[i]);
+    }
+    write_gpt2("transformer.", NULL);
+    check_charged("GPT2LMHeadModel");
+}
+
 static void test_defaults_and_generation_config(void **state)
 {
     (void)state;
@@ -1530,6 +1573,7 @@ int main(void)
         T(test_gemma3),
         T(test_phi3),
         T(test_gpt2),
+        T(test_device_bytes),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),
         T(test_sharded),
