@@ -343,7 +343,8 @@ static enum model_status read_longrope(const struct jctx *c, const struct jctx *
 {
     enum model_status st;
     int half = cfg->rot_dim / 2;
-    if ((st = get_int(c, "original_max_position_embeddings", false, 4096, 1, MAX_POS, &cfg->rope_original_max_pos)))
+    /* at least 2: the default attention factor divides by its log */
+    if ((st = get_int(c, "original_max_position_embeddings", false, 4096, 2, MAX_POS, &cfg->rope_original_max_pos)))
         return st;
     cfg->rope_scaling = ROPE_SCALING_LONGROPE;
     cfg->rope_short_factor = malloc((size_t)half * sizeof *cfg->rope_short_factor);
@@ -472,12 +473,19 @@ static enum model_status read_rope(const struct jctx *c, const struct arch_info 
 
 static enum model_status read_dtype(const struct jctx *c, const char *def, struct model_config *cfg);
 
-static enum model_status read_features(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+static enum model_status refuse_quantized(const struct jctx *c)
 {
-    enum model_status st;
     if (field(c, "quantization_config"))
         return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: quantization_config: quantized checkpoints are not supported",
                           c->file);
+    return MODEL_OK;
+}
+
+static enum model_status read_features(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+{
+    enum model_status st;
+    if ((st = refuse_quantized(c)))
+        return st;
     /* Gemma's MLP reads hidden_activation (its configs carry a hidden_act
      * too, which the model never reads). */
     const char *act_key = is_gemma(ai->arch) ? "hidden_activation" : "hidden_act";
@@ -506,6 +514,7 @@ static enum model_status read_features(const struct jctx *c, const struct arch_i
      * attention_bias biases o_proj too. */
     cfg->o_bias = ai->has_bias_field && cfg->attention_bias;
     cfg->qk_norm = ai->qk_norm;
+    cfg->fused_qkv = cfg->fused_gate_up = ai->arch == ARCH_PHI3;
     if ((st = get_num(c, "rms_norm_eps", true, 0, 0.0, 1.0, &cfg->rms_norm_eps)))
         return st;
     return read_dtype(c, NULL, cfg);
@@ -552,13 +561,11 @@ static enum model_status read_softcap(const struct jctx *c, const char *key, dou
 }
 
 /* The attention scale, the embedding scale and the soft caps: Gemma's;
- * the other families scale by 1/sqrt(head_dim) and cap nothing.  Phi-3's
- * fused projections too. */
+ * the other families scale by 1/sqrt(head_dim) and cap nothing. */
 static enum model_status read_scales(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
 {
     enum model_status st;
     cfg->attn_scale = 1.0f / sqrtf((float)cfg->head_dim);
-    cfg->fused_qkv = cfg->fused_gate_up = ai->arch == ARCH_PHI3;
     if (!is_gemma(ai->arch))
         return MODEL_OK;
     cfg->norm_plus_one = true;
@@ -596,9 +603,8 @@ static enum model_status gpt2_fixed(const struct jctx *c, const char *key, bool 
 static enum model_status read_gpt2(const struct jctx *c, struct model_config *cfg)
 {
     enum model_status st;
-    if (field(c, "quantization_config"))
-        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: quantization_config: quantized checkpoints are not supported",
-                          c->file);
+    if ((st = refuse_quantized(c)))
+        return st;
     if ((st = get_int(c, "vocab_size", false, 50257, 1, MAX_VOCAB, &cfg->vocab_size)) ||
         (st = get_int(c, "n_embd", false, 768, 1, MAX_HIDDEN, &cfg->hidden_size)) ||
         (st = get_int(c, "n_layer", false, 12, 1, MAX_LAYERS, &cfg->n_layers)) ||

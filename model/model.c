@@ -1,15 +1,16 @@
 /* model.c - the forward pass of the Llama family (Llama, Mistral, Qwen2,
- * Qwen3) and of Gemma 2/3, batched over sequences, reading its KV from the
- * paged store.
+ * Qwen3), Gemma 2/3, Phi-3 and GPT-2, batched over sequences, reading its KV
+ * from the paged store.
  *
- * Read it top to bottom like the maths: embed (Gemma: * sqrt(dim)) -> per
- * layer [RMSNorm -> QKV (+bias) -> (Qwen3, Gemma 3: per-head q/k RMSNorm) ->
- * RoPE (Gemma 3's sliding layers: their own base) -> store K,V -> attention
- * (Gemma 2: soft-capped scores) -> output projection -> (Gemma: RMSNorm) ->
- * residual -> RMSNorm -> SwiGLU or GeGLU MLP -> (Gemma: RMSNorm) ->
- * residual] -> final RMSNorm -> lm_head (Gemma 2: soft-capped logits).  The
- * families differ only by switches of model_config; every kernel runs on
- * the backend (backend.h).
+ * Read it top to bottom like the maths: embed (Gemma: * sqrt(dim); GPT-2:
+ * + wpe[position]) -> per layer [RMSNorm (GPT-2: LayerNorm) -> QKV (+bias)
+ * -> (Qwen3, Gemma 3: per-head q/k RMSNorm) -> RoPE (Gemma 3's sliding
+ * layers: their own base; Phi-3: partial, longrope; GPT-2: none) -> store
+ * K,V -> attention (Gemma 2: soft-capped scores) -> output projection ->
+ * (Gemma: RMSNorm) -> residual -> RMSNorm -> SwiGLU or GeGLU MLP (GPT-2:
+ * ungated gelu) -> (Gemma: RMSNorm) -> residual] -> final norm -> lm_head
+ * (Gemma 2: soft-capped logits).  The families differ only by switches of
+ * model_config; every kernel runs on the backend (backend.h).
  *
  * Batching: one call feeds every sequence of the batch; the tokens of all
  * sequences are concatenated into chunks of at most max_batch_tokens rows,
@@ -631,7 +632,8 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
         rs->row_tok[r] = *t;
         rs->ids[r] = seqs[*s].tokens[*t];
         rs->pos[r] = start[*s] + *t;
-        rs->pos_ids[r] = (int32_t)rs->pos[r]; /* model_forward kept learned positions below n_positions */
+        if (c->learned_pos) /* model_forward kept them below n_positions */
+            rs->pos_ids[r] = (int32_t)rs->pos[r];
         kv_seq_rope_pos(seqs[*s].kv, rs->pos[r], &rs->qpos[r], &rs->kpos[r]); /* sink: cache indices */
         rs->toks[r] = (struct be_tok){.view = n_views - 1, .pos = rs->pos[r]};
         (*t)++;

@@ -773,6 +773,12 @@ static void test_phi3(void **state)
     json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f,f]}", "type", "longrope", "short_factor", 1.0, 1.0));
     write_json("config.json", c);
     expect_fail(MODEL_ECONFIG, "config.json", "missing field rope_scaling.long_factor", NULL);
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f,f], s:[f,f]}", "type", "longrope", "short_factor", 1.0,
+                                                     1.0, "long_factor", 2.0, 2.0));
+    json_object_set_new(c, "original_max_position_embeddings", json_integer(1)); /* ln(1) = 0 divides */
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "original_max_position_embeddings=1", NULL);
+    json_object_set_new(c, "original_max_position_embeddings", json_integer(64));
     json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "type", "yarn", "factor", 4.0));
     write_json("config.json", c);
     expect_fail(MODEL_EUNSUPPORTED, "config.json", "yarn", "longrope", NULL);

@@ -34,6 +34,17 @@ static void check_config(const struct model_config *c)
         FUZZ_CHECK(c->rope_high_freq_factor > c->rope_low_freq_factor && c->rope_original_max_pos >= 1,
                    "llama3 rope %g %g %d", c->rope_low_freq_factor, c->rope_high_freq_factor,
                    c->rope_original_max_pos);
+    if (c->rope_scaling == ROPE_SCALING_LONGROPE)
+        FUZZ_CHECK(c->rope_short_factor && c->rope_original_max_pos >= 1, "longrope without its factors");
+    FUZZ_CHECK(c->rot_dim >= 2 && c->rot_dim % 2 == 0 && c->rot_dim <= c->head_dim, "rot_dim %d of %d", c->rot_dim,
+               c->head_dim);
+    FUZZ_CHECK(isfinite(c->rope_attn_factor) && c->rope_attn_factor > 0, "rope_attn_factor %g", c->rope_attn_factor);
+    FUZZ_CHECK(isfinite(c->rope_local_theta) && c->rope_local_theta >= 0, "rope_local_theta %g", c->rope_local_theta);
+    FUZZ_CHECK(isfinite(c->attn_scale) && c->attn_scale > 0, "attn_scale %g", c->attn_scale);
+    FUZZ_CHECK(isfinite(c->attn_softcap) && c->attn_softcap >= 0 && isfinite(c->final_softcap) &&
+                   c->final_softcap >= 0,
+               "soft caps %g %g", c->attn_softcap, c->final_softcap);
+    FUZZ_CHECK(isfinite(c->embed_scale) && c->embed_scale >= 0, "embed_scale %g", c->embed_scale);
     FUZZ_CHECK(c->dtype == BE_F32 || c->dtype == BE_F16 || c->dtype == BE_BF16, "dtype %d", (int)c->dtype);
     FUZZ_CHECK(c->sliding_window >= 0, "sliding_window %d", c->sliding_window);
     FUZZ_CHECK(c->layer_window, "no layer windows");
