@@ -237,7 +237,7 @@ static const struct arch_info {
     {"Gemma3ForCausalLM", ARCH_GEMMA3, 2, 1, 256, true, false, true, WINDOW_PATTERN, 6, true, 1000000.0, 0},
     {"Phi3ForCausalLM", ARCH_PHI3, 1, 32000, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0, 0},
     /* read by read_gpt2: its config names every field differently */
-    {"GPT2LMHeadModel", ARCH_GPT2, 50256, 50256, 0, false, true, false, WINDOW_NONE, 0, true, 0.0, 0},
+    {"GPT2LMHeadModel", ARCH_GPT2, 50256, 50256, 0, false, true, false, WINDOW_NONE, 0, true, 10000.0, 0},
 };
 
 static bool is_gemma(enum model_arch a)
@@ -618,9 +618,9 @@ static enum model_status read_gpt2(const struct jctx *c, struct model_config *cf
         return st;
     cfg->n_kv_heads = cfg->n_heads;
     cfg->head_dim = cfg->hidden_size / cfg->n_heads;
-    if (cfg->head_dim > MAX_HEAD_DIM)
-        return model_errf(c->err, MODEL_ECONFIG, "%s: n_embd / n_head = %d exceeds %d", c->file, cfg->head_dim,
-                          MAX_HEAD_DIM);
+    if (cfg->head_dim < 2 || cfg->head_dim > MAX_HEAD_DIM)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: n_embd / n_head = %d out of range [2, %d]", c->file,
+                          cfg->head_dim, MAX_HEAD_DIM);
     const char *act;
     if ((st = get_str(c, "activation_function", &act)))
         return st;
@@ -638,7 +638,10 @@ static enum model_status read_gpt2(const struct jctx *c, struct model_config *cf
     cfg->learned_pos = true;
     cfg->ungated_mlp = true;
     cfg->attention_bias = cfg->o_bias = true;
-    cfg->rot_dim = cfg->head_dim;
+    /* no RoPE (rot_dim 0, any head_dim); the fields stay valid numbers */
+    cfg->rope_theta = 10000.0f;
+    cfg->rope_factor = 1.0f;
+    cfg->rot_dim = 0;
     cfg->rope_attn_factor = 1.0f;
     return read_dtype(c, "float32", cfg);
 }

@@ -242,7 +242,7 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
-    float *inv = malloc((size_t)c->head_dim / 2 * sizeof(float));
+    float *inv = calloc((size_t)c->head_dim / 2, sizeof(float)); /* zeros past rot_dim / 2 (GPT-2: all) */
     if (!inv) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;

@@ -59,7 +59,7 @@ struct model_config {
      * rope_original_max_pos; model_context caps sequences there instead,
      * so short_factor is the only table ever used. */
     float *rope_short_factor;
-    int rot_dim;                       /* dimensions RoPE rotates: head_dim * partial_rotary_factor */
+    int rot_dim;                       /* dimensions RoPE rotates: head_dim * partial_rotary_factor; 0: GPT-2 */
     float rope_attn_factor;            /* longrope's attention_factor (cos and sin times it), else 1 */
     enum be_rope_layout rope_layout;   /* NEOX for HF checkpoints */
     bool tie_word_embeddings;
