@@ -63,6 +63,9 @@ PRESETS = {
     "gemma3-1b": dict(arch="gemma3", layers=26, dim=1152, heads=4, kv_heads=1, head_dim=256, ffn=6912,
                       vocab=262144, max_pos=32768, theta=1000000.0, tie=True, window=512, qpas=256,
                       window_pattern=6),
+    "phi3-mini": dict(arch="phi3", layers=32, dim=3072, heads=32, kv_heads=32, ffn=8192, vocab=32064,
+                      max_pos=4096, theta=10000.0, eps=1e-5, window=2047),
+    "gpt2": dict(arch="gpt2", layers=12, dim=768, heads=12, kv_heads=12, ffn=3072, vocab=50257, max_pos=1024),
 }
 
 ST_DTYPE = {"f32": ("F32", torch.float32, "float32"), "bf16": ("BF16", torch.bfloat16, "bfloat16"),
