@@ -190,7 +190,8 @@ def beam(d, o, toks, b):
         raise SystemExit("%d beams: %d choices, %d steps" % (b, len(r["choices"]), bs["steps"]))
     return dict(beams=b, wall_s=wall, prefill_s=k["prefill_ms"] / 1e3, decode_s=k["decode_ms"] / 1e3,
                 steps=bs["steps"], computed_tok_s=b * bs["steps"] / (k["decode_ms"] / 1e3),
-                returned_tok_s=r["usage"]["completion_tokens"] / wall, completion_tokens=r["usage"]["completion_tokens"],
+                returned_tok_s=r["usage"]["completion_tokens"] / wall,
+                completion_tokens=r["usage"]["completion_tokens"],
                 strategy=k["strategy"], fallback=k["fallback"], resident_layers=k["resident_layers"],
                 streamed_layers=k["streamed_layers"], resp_bytes=k["bytes"], kv_bytes_copied=k["kv_bytes_copied"],
                 copied_per_step=bs["kv_bytes_copied_per_step"],
@@ -282,7 +283,8 @@ def report(o, res):
                 mb(max(r["peak_device"] for r in rs)), mb(max(r["peak_host"] for r in rs)),
                 mb(rs[0]["resp_bytes"]["device"]), mb(rs[0]["resp_bytes"]["host"]), mb(cp), mb(wr), 100 * cp / wr))
     print("\n| n=%d, temperature 0.8 | wall s | first token s (the last request's) | prompt tokens computed "
-          "| prompt_tokens_total | forward steps | KV peak MB (metrics, device + host) | KV at end MB (response) |" % o.n)
+          "| prompt_tokens_total | forward steps | KV peak MB (metrics, device + host) "
+          "| KV at end MB (response) |" % o.n)
     print("|---|---|---|---|---|---|---|---|")
     for kind, label in (("one", "one request, n=%d" % o.n), ("sep", "%d requests at once" % o.n)):
         rs = [x[kind] for x in res["n"]]
