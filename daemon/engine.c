@@ -389,6 +389,8 @@ static void rank_choices(struct job *j)
     }
 }
 
+static void publish(engine *e, int nb);
+
 /* Frees what the engine owns of a finished job and hands a session its KV
  * back.  Then publishes done and drops the engine's reference (caller holds
  * no lock). */
@@ -427,6 +429,9 @@ static void retire(engine *e, struct job *j)
             memcpy(keep, c0->seq.toks, n_keep * sizeof(*keep));
         }
     }
+    /* before the client is woken: the KV freed here leaves /metrics now,
+     * not at the next step (an idle daemon takes none) */
+    publish(e, 0);
     double t = clock_ms();
     pthread_mutex_lock(&e->mu);
     if (s && admitted) {

@@ -169,6 +169,12 @@ for line in free.get("/metrics")[1].decode().splitlines():
         used = float(line.split()[1])
 code, clean = free.post("/v1/completions", big)
 check(code == 200 and clean["kvtier"]["fallback"] is None, "40 beams, unconstrained: on the device")
+kv_dev = None  # the daemon is idle now: what its prefix cache keeps of the prompt, not the 40 beams' KV
+for line in free.get("/metrics")[1].decode().splitlines():
+    if line.startswith('kvtier_kv_cache_bytes{tier="device"} '):
+        kv_dev = float(line.split()[1])
+check(kv_dev is not None and kv_dev <= -(-len(prompt) // 16) * LAYERS * BLOCK,
+      "the finished request's KV left /metrics: %s device bytes" % kv_dev)
 free.stop()
 budget = int(used + 40 * LAYERS * BLOCK)  # the model and 40 blocks per layer: far below 40 beams' KV
 tight = Daemon("--parallel", "48", "--device-mem", str(budget), model=d.model).start()
