@@ -9,7 +9,8 @@
 #    from tools/mkmodel.py, a 20-token prompt, its prefill and 32 decode steps (33 tokens) with
 #    kvtier-run (dynamic cache, then --no-cache), and tests/ref_compare.py:
 #    every logit row within the tolerance of one reference forward, every
-#    token the reference argmax, and identical tokens from both runs.
+#    token the reference argmax, and identical tokens from both runs
+#    (phi3long: the --no-cache run against its own reference, see below).
 #    The KV dtype is the default (auto): f32 for f32 weights, compared
 #    with the f32 reference within 1e-4; bf16 for bf16 weights, compared
 #    with the reference whose K and V are rounded to bf16 (as Hugging
