@@ -656,9 +656,12 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
         rs->row_seq[r] = *s;
         rs->row_tok[r] = *t;
         /* transformers picks the table per forward call from its last
-         * position; kvtier's call for this sequence is its whole step */
-        rs->row_long[r] = c->rope_scaling == ROPE_SCALING_LONGROPE &&
-                          start[*s] + seqs[*s].n_tokens > c->rope_original_max_pos;
+         * position; kvtier's call for this sequence is its step, or the
+         * whole prefill the step is a part of */
+        int64_t end = start[*s] + seqs[*s].n_tokens;
+        if (seqs[*s].call_len > end)
+            end = seqs[*s].call_len;
+        rs->row_long[r] = c->rope_scaling == ROPE_SCALING_LONGROPE && end > c->rope_original_max_pos;
         rs->ids[r] = seqs[*s].tokens[*t];
         rs->pos[r] = start[*s] + *t;
         if (c->learned_pos) /* model_forward kept them below n_positions */

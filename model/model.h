@@ -215,13 +215,18 @@ uint64_t model_fingerprint(const model *m);
 
 /* One entry of a batched forward: feed tokens[0..n_tokens) to a sequence at
  * its current length.  logits: host buffer; when want_all_logits it receives
- * [n_tokens, vocab], else [1, vocab] for the last token; NULL = no logits. */
+ * [n_tokens, vocab], else [1, vocab] for the last token; NULL = no logits.
+ * call_len: the length transformers' forward call for these tokens would
+ * reach, for longrope's choice of table: a prefill fed over several steps
+ * passes its whole prompt's; 0 (or less than the sequence's length after
+ * this entry): that length. */
 struct fw_seq {
     kv_seq *kv;
     const int32_t *tokens;
     int n_tokens;
     float *logits;
     bool want_all_logits;
+    int64_t call_len;
 };
 
 /* Runs the forward pass for every entry in one batch (weights read once per

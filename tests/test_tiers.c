@@ -303,6 +303,36 @@ static void test_longrope_batch(void **state)
     }
     if (worst > 1e-5)
         fail_msg("batched longrope logits differ from the runs alone by %.3g", worst);
+
+    /* A prefill of 44 tokens (past 40) fed in two steps, as the daemon
+     * chunks it: with call_len 44 both chunks take long_factor, as one
+     * forward call over the 44 does; without it the first chunk (30 tokens)
+     * takes short_factor. */
+    enum { H = 44, FIRST = 30 };
+    int32_t hist[H];
+    memcpy(hist, ids[0], sizeof(ids[0]));
+    memcpy(hist + N_PROMPT, c[0].toks, (H - N_PROMPT) * sizeof(int32_t));
+    double diff[3];
+    for (int how = 0; how < 3; how++) { /* one call, chunked with call_len, chunked without */
+        kv_seq *h;
+        assert_int_equal(kv_seq_create(r.store, NULL, &h), TIER_OK);
+        int64_t call = how == 1 ? H : 0;
+        if (how) {
+            struct fw_seq f = {.kv = h, .tokens = hist, .n_tokens = FIRST, .logits = rows + V, .call_len = call};
+            assert_int_equal(model_forward(r.m, &f, 1), MODEL_OK);
+        }
+        int from = how ? FIRST : 0;
+        struct fw_seq f = {.kv = h, .tokens = hist + from, .n_tokens = H - from, .logits = rows + (how ? V : 0),
+                           .call_len = call};
+        assert_int_equal(model_forward(r.m, &f, 1), MODEL_OK);
+        diff[how] = 0.0;
+        for (int v = 0; v < V; v++)
+            diff[how] = fmax(diff[how], fabs((double)rows[V + v] - rows[v]));
+        kv_seq_free(h);
+    }
+    if (diff[1] > 1e-5 || diff[2] < 1e-3)
+        fail_msg("chunked longrope prefill vs one call: %.3g with call_len, %.3g without", diff[1], diff[2]);
+
     for (int i = 0; i < B; i++) {
         assert_memory_equal(toks[i], c[i].toks, sizeof(toks[i]));
         kv_seq_free(q[i]);
