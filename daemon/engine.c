@@ -619,7 +619,7 @@ static int build_batch(engine *e)
                 continue;
             if (c->seq.n_toks - c->n_fed == 1) {
                 float *logits = j->kind == JOB_GENERATE ? e->logits + (size_t)nb * e->vocab : NULL;
-                e->batch[nb] = (struct fw_seq){c->kv, c->seq.toks + c->n_fed, 1, logits, false};
+                e->batch[nb] = (struct fw_seq){c->kv, c->seq.toks + c->n_fed, 1, logits, false, 0};
                 e->batch_ch[nb] = c;
                 e->batch_job[nb++] = j;
             } else {
@@ -647,8 +647,11 @@ static int build_batch(engine *e)
                 int chunk = left < (size_t)budget ? (int)left : budget;
                 bool last = (size_t)chunk == left;
                 bool logits = last && j->kind == JOB_GENERATE;
+                /* the chunks of one prefill pick longrope's table as one
+                 * forward call over the whole history would */
                 e->batch[nb] = (struct fw_seq){c->kv, c->seq.toks + c->n_fed, chunk,
-                                               logits ? e->logits + (size_t)nb * e->vocab : NULL, false};
+                                               logits ? e->logits + (size_t)nb * e->vocab : NULL, false,
+                                               (int64_t)c->seq.n_toks};
                 e->batch_ch[nb] = c;
                 e->batch_job[nb++] = j;
                 budget -= chunk;

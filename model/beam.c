@@ -525,7 +525,7 @@ enum model_status beam_generate(model *m, kv_store *store, const struct kv_seq_p
     else if ((ts = kv_seq_create(store, kp, &kv[0])) != TIER_OK)
         st = kv_status(ts);
     if (st == MODEL_OK) {
-        fw[0] = (struct fw_seq){kv[0], prompt, (int)n, logits, false};
+        fw[0] = (struct fw_seq){kv[0], prompt, (int)n, logits, false, 0};
         st = model_forward(m, fw, 1);
     }
     bool done = false;
@@ -545,7 +545,7 @@ enum model_status beam_generate(model *m, kv_store *store, const struct kv_seq_p
         size_t len;
         for (int i = 0; i < nn; i++) {
             const int32_t *t = beam_tokens(b, i, &len);
-            fw[i] = (struct fw_seq){kv[i], t + len - 1, 1, logits + (size_t)i * (size_t)c->vocab_size, false};
+            fw[i] = (struct fw_seq){kv[i], t + len - 1, 1, logits + (size_t)i * (size_t)c->vocab_size, false, 0};
         }
         ks->whole_reorder_bytes += beam_whole_reorder_bytes(c, kv_store_dtype(store), nn, (int64_t)len - 1,
                                                             kp ? kp->window_length : 0);

@@ -335,8 +335,8 @@ static enum model_status read_factors(const struct jctx *r, const char *key, int
 }
 
 /* Phi-3's longrope as transformers computes it: inv_freq divided by
- * short_factor (long_factor past original_max_position_embeddings, which
- * model_context never lets a sequence reach), and cos and sin multiplied
+ * short_factor, or by long_factor in a forward call that reaches past
+ * original_max_position_embeddings, and cos and sin multiplied
  * by attention_factor, by default sqrt(1 + ln(s) / ln(original)) with
  * s = max_position_embeddings / original_max_position_embeddings. */
 static enum model_status read_longrope(const struct jctx *c, const struct jctx *r, struct model_config *cfg)
@@ -347,11 +347,13 @@ static enum model_status read_longrope(const struct jctx *c, const struct jctx *
     if ((st = get_int(c, "original_max_position_embeddings", false, 4096, 2, MAX_POS, &cfg->rope_original_max_pos)))
         return st;
     cfg->rope_scaling = ROPE_SCALING_LONGROPE;
-    cfg->rope_short_factor = malloc((size_t)half * sizeof *cfg->rope_short_factor);
+    /* one allocation: model_config_release frees rope_short_factor only */
+    cfg->rope_short_factor = malloc((size_t)half * 2 * sizeof *cfg->rope_short_factor);
     if (!cfg->rope_short_factor)
-        return model_errf(c->err, MODEL_ENOMEM, "%s: out of memory for %d rope factors", c->file, half);
+        return model_errf(c->err, MODEL_ENOMEM, "%s: out of memory for %d rope factors", c->file, 2 * half);
+    cfg->rope_long_factor = cfg->rope_short_factor + half;
     if ((st = read_factors(r, "short_factor", half, cfg->rope_short_factor)) ||
-        (st = read_factors(r, "long_factor", half, NULL)))
+        (st = read_factors(r, "long_factor", half, cfg->rope_long_factor)))
         return st;
     double s = (double)cfg->max_position_embeddings / cfg->rope_original_max_pos;
     double def = s <= 1.0 ? 1.0 : sqrt(1.0 + log(s) / log((double)cfg->rope_original_max_pos));
@@ -826,4 +828,5 @@ void model_config_release(struct model_config *cfg)
     cfg->layer_window = NULL;
     free(cfg->rope_short_factor);
     cfg->rope_short_factor = NULL;
+    cfg->rope_long_factor = NULL;
 }

@@ -29,7 +29,7 @@
  * The model: config, borrowed weights, run state
  * ------------------------------------------------------------------------- */
 
-#define RS_BUFS 11 /* device buffers of the run state */
+#define RS_BUFS 12 /* device buffers of the run state */
 
 struct run_state {
     int cap;             /* rows every buffer below holds (max_batch_tokens) */
@@ -49,6 +49,7 @@ struct run_state {
     void *logits;        /* (logit_rows, vocab) f32 */
     void *inv_freq;      /* (head_dim / 2)  f32 RoPE frequencies, scaling folded in */
     void *inv_freq_local;/* (head_dim / 2)  f32 the sliding layers' (rope_local_theta), else = inv_freq */
+    void *inv_freq_long; /* (head_dim / 2)  f32 longrope's long_factor table, else = inv_freq */
     float embed_scale;   /* the config's, rounded to act */
     /* host-side chunk description (be_embed, be_rope and the views take
      * it as host metadata) */
@@ -57,6 +58,7 @@ struct run_state {
     int64_t *qpos, *kpos;/* (cap)           RoPE positions of queries and keys (kv_seq_rope_pos) */
     int *row_seq;        /* (cap)           which batch entry a row belongs to */
     int *row_tok;        /* (cap)           index of the row's token within its entry */
+    bool *row_long;      /* (cap)           longrope: the row's sequence reaches past original_max_pos this step */
     int32_t *ids;        /* (cap)           token ids */
     int32_t *pos_ids;    /* (cap)           GPT-2: the rows of wpe (absolute positions) */
     int64_t *start;      /* (start_cap)     each batch entry's length before the step */
@@ -135,14 +137,16 @@ enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype d
 
 /* RoPE inverse frequencies as Hugging Face computes them (f32 maths, as in
  * modeling_rope_utils.py) for base theta, with the config's linear or
- * llama3 scaling folded in when scaled. */
-static void rope_inv_freq(const struct model_config *c, float theta, bool scaled, float *inv_freq)
+ * llama3 scaling folded in when scaled; longrope's long_factor table when
+ * long, else its short_factor one. */
+static void rope_inv_freq(const struct model_config *c, float theta, bool scaled, bool long_table, float *inv_freq)
 {
     int half = c->rot_dim / 2;
+    const float *ext = long_table ? c->rope_long_factor : c->rope_short_factor;
     for (int i = 0; i < half; i++) {
         float p = powf(theta, (float)(2 * i) / (float)c->rot_dim);
         /* longrope divides base^(2i/d) itself, before the reciprocal */
-        float f = 1.0f / (scaled && c->rope_scaling == ROPE_SCALING_LONGROPE ? c->rope_short_factor[i] * p : p);
+        float f = 1.0f / (scaled && c->rope_scaling == ROPE_SCALING_LONGROPE ? ext[i] * p : p);
         if (!scaled) {
             inv_freq[i] = f;
             continue;
@@ -177,6 +181,7 @@ static void run_state_free(struct run_state *rs)
     be_buffer_free(rs->key_rope_buf);
     free(rs->row_seq);
     free(rs->row_tok);
+    free(rs->row_long);
     free(rs->ids);
     free(rs->pos_ids);
     free(rs->start);
@@ -202,6 +207,7 @@ static void run_state_sizes(const struct model_config *c, size_t e, int cap, siz
         rows * kv_dim * e, rows * kv_dim * e, rows * q_dim * e,
         rows * c->intermediate_size * e, rows * c->intermediate_size * e,
         (size_t)logit_rows(cap) * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4, (size_t)c->head_dim / 2 * 4,
+        (size_t)c->head_dim / 2 * 4,
     };
     memcpy(sizes, s, sizeof(s));
 }
@@ -217,7 +223,7 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     size_t sizes[RS_BUFS];
     run_state_sizes(c, rs->esz, cap, sizes);
     void **ptrs[RS_BUFS] = {&rs->x, &rs->xb, &rs->q, &rs->k, &rs->v, &rs->att, &rs->hb, &rs->hb2, &rs->logits,
-                            &rs->inv_freq, &rs->inv_freq_local};
+                            &rs->inv_freq, &rs->inv_freq_local, &rs->inv_freq_long};
     for (int i = 0; i < RS_BUFS; i++) {
         enum be_status st = be_dev_alloc(m->be, sizes[i], &rs->bufs[i]);
         if (st != BE_OK) {
@@ -233,12 +239,13 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     rs->kpos = malloc((size_t)cap * sizeof(*rs->kpos));
     rs->row_seq = malloc((size_t)cap * sizeof(*rs->row_seq));
     rs->row_tok = malloc((size_t)cap * sizeof(*rs->row_tok));
+    rs->row_long = malloc((size_t)cap * sizeof(*rs->row_long));
     rs->ids = malloc((size_t)cap * sizeof(*rs->ids));
     rs->pos_ids = malloc((size_t)cap * sizeof(*rs->pos_ids));
     rs->views = malloc((size_t)cap * sizeof(*rs->views));
     rs->qviews = malloc((size_t)cap * sizeof(*rs->qviews));
-    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->ids || !rs->pos_ids ||
-        !rs->views || !rs->qviews) {
+    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->row_long ||
+        !rs->ids || !rs->pos_ids || !rs->views || !rs->qviews) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
@@ -248,12 +255,16 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
         return MODEL_ENOMEM;
     }
     size_t inv_bytes = (size_t)c->head_dim / 2 * sizeof(float);
-    rope_inv_freq(c, c->rope_theta, true, inv);
+    rope_inv_freq(c, c->rope_theta, true, false, inv);
     enum be_status st = be_copy(m->be, rs->inv_freq, inv, inv_bytes, BE_H2D);
     if (c->rope_local_theta > 0.0f)
-        rope_inv_freq(c, c->rope_local_theta, false, inv);
+        rope_inv_freq(c, c->rope_local_theta, false, false, inv);
     if (st == BE_OK)
         st = be_copy(m->be, rs->inv_freq_local, inv, inv_bytes, BE_H2D);
+    if (c->rope_scaling == ROPE_SCALING_LONGROPE)
+        rope_inv_freq(c, c->rope_theta, true, true, inv);
+    if (st == BE_OK)
+        st = be_copy(m->be, rs->inv_freq_long, inv, inv_bytes, BE_H2D);
     free(inv);
     /* Gemma multiplies the embeddings by sqrt(hidden_size) cast to their dtype */
     rs->embed_scale = c->embed_scale;
@@ -398,14 +409,16 @@ const char *model_sink_refusal(const struct model_config *c)
         return "this model rotates part of each head (partial_rotary_factor)";
     if (c->rope_local_theta > 0.0f)
         return "this model rotates its layers with two RoPE bases";
+    /* whose keys were rotated with short_factor and whose with long_factor
+     * depends on the step that computed them, not on the cache index */
+    if (c->rope_scaling == ROPE_SCALING_LONGROPE)
+        return "this model's longrope rotates with long_factor past original_max_position_embeddings";
     return NULL;
 }
 
 int model_context(const struct model_config *c, int want)
 {
     int max_pos = c->max_position_embeddings; /* config.c guarantees >= 1 */
-    if (c->rope_scaling == ROPE_SCALING_LONGROPE && c->rope_original_max_pos < max_pos)
-        max_pos = c->rope_original_max_pos;
     return want > 0 && want < max_pos ? want : max_pos;
 }
 
@@ -522,8 +535,20 @@ static enum be_status layer_forward(model *m, int l, int n)
     }
     if (!c->learned_pos) { /* GPT-2 added its positions to the embeddings */
         float ms = c->rope_attn_factor;
-        BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->qpos, inv_freq, c->rot_dim, ms, c->rope_layout));
-        BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->kpos, inv_freq, c->rot_dim, ms, c->rope_layout));
+        size_t q_row = (size_t)c->n_heads * hd * rs->esz, k_row = (size_t)c->n_kv_heads * hd * rs->esz;
+        /* one call per run of rows sharing a table: a single one unless the
+         * chunk holds longrope sequences on both sides of the threshold */
+        for (int r0 = 0, r = 1; r <= n; r++) {
+            if (r < n && rs->row_long[r] == rs->row_long[r0])
+                continue;
+            const float *tab = rs->row_long[r0] ? rs->inv_freq_long : inv_freq;
+            int cnt = r - r0;
+            BE_TRY(be_rope(be, (char *)rs->q + (size_t)r0 * q_row, cnt, c->n_heads, hd, rs->qpos + r0, tab, c->rot_dim,
+                           ms, c->rope_layout));
+            BE_TRY(be_rope(be, (char *)rs->k + (size_t)r0 * k_row, cnt, c->n_kv_heads, hd, rs->kpos + r0, tab,
+                           c->rot_dim, ms, c->rope_layout));
+            r0 = r;
+        }
     }
     BE_TRY(be_kv_store(be, rs->views, rs->toks, n, rs->k, rs->v, &ap));      /* paged KV += k, v */
     BE_TRY(rs->any_quant ? be_attention_quant(be, rs->att, rs->q, rs->qviews, rs->toks, n, &ap) /* codes read in place */
@@ -630,6 +655,13 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
             n_views++;
         rs->row_seq[r] = *s;
         rs->row_tok[r] = *t;
+        /* transformers picks the table per forward call from its last
+         * position; kvtier's call for this sequence is its step, or the
+         * whole prefill the step is a part of */
+        int64_t end = start[*s] + seqs[*s].n_tokens;
+        if (seqs[*s].call_len > end)
+            end = seqs[*s].call_len;
+        rs->row_long[r] = c->rope_scaling == ROPE_SCALING_LONGROPE && end > c->rope_original_max_pos;
         rs->ids[r] = seqs[*s].tokens[*t];
         rs->pos[r] = start[*s] + *t;
         if (c->learned_pos) /* model_forward kept them below n_positions */

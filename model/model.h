@@ -54,11 +54,13 @@ struct model_config {
     float rope_low_freq_factor;        /* llama3 */
     float rope_high_freq_factor;       /* llama3 */
     int rope_original_max_pos;         /* llama3, longrope: original_max_position_embeddings */
-    /* longrope (Phi-3): short_factor, [rot_dim / 2] (owned).  Transformers
-     * switches to long_factor once a sequence passes
-     * rope_original_max_pos; model_context caps sequences there instead,
-     * so short_factor is the only table ever used. */
+    /* longrope (Phi-3): short_factor and long_factor, [rot_dim / 2] each,
+     * in one allocation owned by rope_short_factor.  As in transformers,
+     * a forward call rotates a sequence's new tokens with long_factor when
+     * its last position + 1 passes rope_original_max_pos, else with
+     * short_factor; cached keys keep the table they were rotated with. */
     float *rope_short_factor;
+    float *rope_long_factor;
     int rot_dim;                       /* dimensions RoPE rotates: head_dim * partial_rotary_factor; 0: GPT-2 */
     float rope_attn_factor;            /* longrope's attention_factor (cos and sin times it), else 1 */
     enum be_rope_layout rope_layout;   /* NEOX for HF checkpoints */
@@ -137,7 +139,7 @@ struct model_weights {
 
 /* Parses config.json (+ generation_config.json when present) of dir. */
 enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err);
-void model_config_release(struct model_config *cfg); /* frees layer_window, rope_short_factor */
+void model_config_release(struct model_config *cfg); /* frees layer_window, the longrope factors */
 
 typedef struct model_files model_files; /* the mmapped safetensors of a directory */
 
@@ -160,8 +162,7 @@ enum model_status model_weights_verify(const struct model_config *cfg, const str
 const char *model_sink_refusal(const struct model_config *c);
 
 /* The context of a sequence: want tokens (0: the model's), at most the
- * model's max_position_embeddings (longrope: original_max_position_embeddings,
- * the last position its short_factor covers). */
+ * model's max_position_embeddings. */
 int model_context(const struct model_config *c, int want);
 
 /* How the KV store keeps K and V (model_params.kv_dtype).  The default
@@ -214,13 +215,18 @@ uint64_t model_fingerprint(const model *m);
 
 /* One entry of a batched forward: feed tokens[0..n_tokens) to a sequence at
  * its current length.  logits: host buffer; when want_all_logits it receives
- * [n_tokens, vocab], else [1, vocab] for the last token; NULL = no logits. */
+ * [n_tokens, vocab], else [1, vocab] for the last token; NULL = no logits.
+ * call_len: the length transformers' forward call for these tokens would
+ * reach, for longrope's choice of table: a prefill fed over several steps
+ * passes its whole prompt's; 0 (or less than the sequence's length after
+ * this entry): that length. */
 struct fw_seq {
     kv_seq *kv;
     const int32_t *tokens;
     int n_tokens;
     float *logits;
     bool want_all_logits;
+    int64_t call_len;
 };
 
 /* Runs the forward pass for every entry in one batch (weights read once per

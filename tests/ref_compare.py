@@ -2,7 +2,7 @@
 """ref_compare - compares a kvtier-run --dump with the PyTorch reference.
 
     /usr/bin/python3 tests/ref_compare.py DIR DUMP --tol X [--expect-gen N] [--same-tokens DUMP2]...
-                                          [--kv-dtype f32|bf16|f16]
+                                          [--no-cache DUMP3]... [--kv-dtype f32|bf16|f16]
 
 The dump (little-endian): "KVTL", int32 n_prompt, n_gen, vocab,
 int32 tokens[n_prompt + n_gen] (prompt, then generated), float32
@@ -11,7 +11,9 @@ logits[n_gen][vocab], row i holding the logits that chose generated token i.
 The model of DIR is loaded by tools/torchref.py in f32 (bf16/f16 weights
 upcast: same weights, f32 math) and run ONCE over prompt + generated[:-1];
 its rows n_prompt-1 ... n_prompt+n_gen-2 are what kvtier should have
-produced for the prefill and each decode step.  --kv-dtype bf16/f16: the
+produced for the prefill and each decode step (longrope: each row rotated
+with the table of the forward call that computed it, a prefill of n_prompt
+rows then one row per call, as Hugging Face's cache keeps them).  --kv-dtype bf16/f16: the
 reference rounds K (after RoPE) and V to that type, as a cache of it
 keeps them (kvtier's KV dtype of the dump; default f32, unrounded).  Passes when
   * every logit is within --tol of the reference (max abs error), and
@@ -19,6 +21,10 @@ keeps them (kvtier's KV dtype of the dump; default f32, unrounded).  Passes when
     reference maximum (a near tie the two sides may break differently).
 --same-tokens DUMP2: DUMP2 (e.g. the --no-cache run) must hold exactly the
 same tokens, and its logits are checked against the reference too.
+--no-cache DUMP3: a --no-cache run, checked against the reference that
+recomputes the whole sequence at each step (one forward call per generated
+token, so longrope rotates every key with the table of the current length);
+its tokens are its own.
 Prints one verdict line per dump; exit 0 = pass, 1 = mismatch, 2 = bad input.
 """
 import argparse
@@ -56,10 +62,13 @@ def read_dump(path):
     return tokens, n_prompt, logits
 
 
-def reference_rows(model, tokens, n_prompt):
+def reference_rows(model, tokens, n_prompt, no_cache=False):
     """The reference's logits for each generated position: [n_gen, vocab]."""
+    ids = torch.from_numpy(tokens[None, :-1].copy())
     with torch.no_grad():
-        out = model(torch.from_numpy(tokens[None, :-1].copy()))[0]  # [n_prompt+n_gen-1, vocab]
+        if no_cache:
+            return np.stack([model(ids[:, :t])[0, -1].double().numpy() for t in range(n_prompt, ids.shape[1] + 1)])
+        out = model(ids, prefill=n_prompt)[0]  # [n_prompt+n_gen-1, vocab]
     return out[n_prompt - 1:].double().numpy()
 
 
@@ -100,13 +109,14 @@ def main(argv=None):
     ap.add_argument("--tol", type=float, required=True)
     ap.add_argument("--expect-gen", type=int, help="require exactly this many generated tokens")
     ap.add_argument("--same-tokens", action="append", default=[], metavar="DUMP2")
+    ap.add_argument("--no-cache", action="append", default=[], metavar="DUMP3")
     ap.add_argument("--name", help="label for the verdict lines (default: the directory name)")
     ap.add_argument("--kv-dtype", choices=("f32", "bf16", "f16"), default="f32")
     o = ap.parse_args(argv)
     torch.set_num_threads(2)
     name = o.name or os.path.basename(os.path.normpath(o.dir))
     try:
-        dumps = [(o.dump, *read_dump(o.dump))] + [(p, *read_dump(p)) for p in o.same_tokens]
+        dumps = [(o.dump, *read_dump(o.dump))] + [(p, *read_dump(p)) for p in o.same_tokens + o.no_cache]
         kv = {"f32": None, "bf16": torch.bfloat16, "f16": torch.float16}[o.kv_dtype]
         model = torchref.load_model(o.dir, torch.float32, kv)
     except (BadDump, OSError, ValueError, KeyError, RuntimeError) as e:
@@ -124,14 +134,16 @@ def main(argv=None):
             print(f"FAIL {label}: {logits.shape[0]} generated tokens, expected {o.expect_gen}")
             ok = False
             continue
-        if path != o.dump and not np.array_equal(tokens, tokens0):
+        no_cache = path in o.no_cache
+        if path != o.dump and not no_cache and not np.array_equal(tokens, tokens0):
             n = min(len(tokens), len(tokens0))
             diff = np.flatnonzero(tokens[:n] != tokens0[:n])
             print(f"FAIL {label}: tokens differ from {os.path.basename(o.dump)} at position "
                   f"{int(diff[0]) if len(diff) else n}")
             ok = False
             continue
-        row_ok, line = compare(label, tokens, n_prompt, logits, reference_rows(model, tokens, n_prompt), o.tol)
+        row_ok, line = compare(label, tokens, n_prompt, logits, reference_rows(model, tokens, n_prompt, no_cache),
+                               o.tol)
         print(line)
         ok = ok and row_ok
     return 0 if ok else 1

@@ -192,6 +192,10 @@ NAIVE_CASES = [
         "Phi3ForCausalLM", num_attention_heads=3, num_key_value_heads=1, partial_rotary_factor=0.5,
         max_position_embeddings=256, original_max_position_embeddings=32,
         rope_scaling={"type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]})),
+    ("phi3 longrope, 12 tokens past original_max_position_embeddings 8: long_factor", base_cfg(
+        "Phi3ForCausalLM", num_attention_heads=3, num_key_value_heads=1, partial_rotary_factor=0.5,
+        max_position_embeddings=64, original_max_position_embeddings=8,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]})),
 ]
 
 
@@ -212,8 +216,9 @@ def check_naive_forward():
         rs = cfg.get("rope_scaling") or {}
         if rs.get("type") == "longrope":  # worked out here from the definition
             rot, theta = len(rs["short_factor"]) * 2, cfg["rope_theta"]
-            inv = np.array([1 / (f * theta ** (2 * i / rot)) for i, f in enumerate(rs["short_factor"])])
             orig = cfg["original_max_position_embeddings"]
+            ext = rs["long_factor" if len(ids) > orig else "short_factor"]  # one forward call of len(ids)
+            inv = np.array([1 / (f * theta ** (2 * i / rot)) for i, f in enumerate(ext)])
             mscale = math.sqrt(1 + math.log(cfg["max_position_embeddings"] / orig) / math.log(orig))
         for b, seq in enumerate((ids, ids[::-1])):
             want = naive_forward(cfg, sd, seq, inv, tr.layer_windows(cfg), inv_local, mscale)

@@ -9,7 +9,8 @@
 #    from tools/mkmodel.py, a 20-token prompt, its prefill and 32 decode steps (33 tokens) with
 #    kvtier-run (dynamic cache, then --no-cache), and tests/ref_compare.py:
 #    every logit row within the tolerance of one reference forward, every
-#    token the reference argmax, and identical tokens from both runs.
+#    token the reference argmax, and identical tokens from both runs
+#    (phi3long: the --no-cache run against its own reference, see below).
 #    The KV dtype is the default (auto): f32 for f32 weights, compared
 #    with the f32 reference within 1e-4; bf16 for bf16 weights, compared
 #    with the reference whose K and V are rounded to bf16 (as Hugging
@@ -54,6 +55,12 @@ fi
 #  phi3:     fused qkv_proj and gate_up_proj, window 8 on every layer, RoPE
 #            on 12 of 16 dimensions, longrope (short_factor 1..1.5, attention
 #            factor from 2048 / 512 positions)
+#  phi3long: longrope whose original_max_position_embeddings (32) the 53
+#            tokens pass mid-decode (long_factor 1..8 != short_factor): the
+#            prompt's keys keep short_factor, the steps past 32 rotate with
+#            long_factor.  Its --no-cache run recomputes every key with the
+#            table of the current length, so it is compared with the
+#            reference doing the same, its tokens its own.
 #  gpt2:     learned positions (n_positions 64 >= the 53 tokens), LayerNorm
 #            with biases, Conv1D weights transposed at load, fused c_attn,
 #            ungated gelu_new MLP (n_inner 160), tied head
@@ -66,16 +73,36 @@ qwen3    --arch qwen3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --head-dim 32 -
 gemma2   --arch gemma2 --layers 4 --dim 64 --heads 4 --kv-heads 2 --head-dim 16 --ffn 160 --vocab 384 --window 8 --qpas 24 --attn-softcap 5 --final-softcap 10 --tie
 gemma3   --arch gemma3 --layers 4 --dim 64 --heads 4 --kv-heads 1 --head-dim 32 --ffn 160 --vocab 384 --window 8 --window-pattern 3 --qpas 20 --theta 1000000 --rope-scaling linear:4 --tie
 phi3     --arch phi3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 160 --vocab 384 --window 8 --partial-rotary 0.75 --rope-scaling longrope --max-pos 2048 --orig-max-pos 512
+phi3long --arch phi3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 160 --vocab 384 --window 8 --partial-rotary 0.75 --rope-scaling longrope --max-pos 64 --orig-max-pos 32
 gpt2     --arch gpt2 --layers 2 --dim 64 --heads 4 --ffn 160 --vocab 384 --max-pos 64
 '
 prompt=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
 
+# crosses DIR: its longrope factors differ and the run passes
+# original_max_position_embeddings after the prompt, so both tables are used
+crosses() {
+    $py - "$1/config.json" "$prompt" <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+rs, orig = c["rope_scaling"], c["original_max_position_embeddings"]
+n_prompt = len(sys.argv[2].split(","))
+last = n_prompt + 33 - 1  # the last forward call's length: 33 generated, the last not fed back
+sys.exit(0 if rs["short_factor"] != rs["long_factor"] and n_prompt <= orig < last <= c["max_position_embeddings"]
+         else 1)
+EOF
+}
+
 # one_case NAME DTYPE KV REF-KV TOL MKMODEL-ARGS...: KV is kvtier-run's
 # --kv-dtype, REF-KV the reference's; returns nonzero on any failure
 one_case() {
-    name=$1-$2-kv$3; dtype=$2; kv=$3; ref_kv=$4; tol=$5; shift 5
+    name=$1-$2-kv$3; dtype=$2; kv=$3; ref_kv=$4; tol=$5; nc=--same-tokens
+    [ "$1" = phi3long ] && nc=--no-cache
+    shift 5
     dir=$tmp/$name
     $py tools/mkmodel.py --out "$dir" --dtype "$dtype" --seed 11 "$@" || { echo "FAIL $name: mkmodel"; return 1; }
+    if [ $nc = --no-cache ] && ! crosses "$dir"; then
+        echo "FAIL $name: the run does not cross original_max_position_embeddings with distinct factors"; return 1
+    fi
     for mode in cache no-cache; do
         flag=; [ $mode = no-cache ] && flag=--no-cache
         # shellcheck disable=SC2086 # $flag is empty or one option
@@ -85,7 +112,7 @@ one_case() {
         [ $rc -eq 0 ] || { cat "$dir/$mode.log"; echo "FAIL $name: kvtier-run $flag exited $rc"; return 1; }
     done
     $py tests/ref_compare.py "$dir" "$dir/cache.kvtl" --tol "$tol" --expect-gen 33 \
-        --same-tokens "$dir/no-cache.kvtl" --name "$name" --kv-dtype "$ref_kv"
+        "$nc" "$dir/no-cache.kvtl" --name "$name" --kv-dtype "$ref_kv"
 }
 
 for dtype in f32 bf16; do

@@ -734,10 +734,11 @@ static void test_phi3(void **state)
     assert_int_equal(m.cfg.rope_scaling, ROPE_SCALING_LONGROPE);
     assert_int_equal(m.cfg.rope_original_max_pos, 64);
     assert_float_equal(m.cfg.rope_short_factor[0], 1.5f, 0);
+    assert_float_equal(m.cfg.rope_long_factor[0], 4.0f, 0);
     /* sqrt(1 + ln(256 / 64) / ln(64)) */
     assert_float_equal(m.cfg.rope_attn_factor, (float)sqrt(1.0 + log(4.0) / log(64.0)), 1e-6);
-    assert_int_equal(model_context(&m.cfg, 0), 64); /* long_factor is never reached */
-    assert_int_equal(model_context(&m.cfg, 32), 32);
+    assert_int_equal(model_context(&m.cfg, 0), 256); /* long_factor past 64 */
+    assert_int_equal(model_context(&m.cfg, 100), 100);
     for (int l = 0; l < 3; l++) /* Phi3Config: no window unless set */
         assert_int_equal(m.cfg.layer_window[l], 0);
     assert_non_null(model_sink_refusal(&m.cfg));
@@ -762,7 +763,9 @@ static void test_phi3(void **state)
     for (int l = 0; l < 3; l++)
         assert_int_equal(m.cfg.layer_window[l], 8);
     assert_float_equal(m.cfg.rope_attn_factor, 1.25f, 0);
-    assert_null(model_sink_refusal(&m.cfg));
+    assert_float_equal(m.cfg.rope_long_factor[1], 2.0f, 0);
+    /* full rotary, but the tables mix past original_max_position_embeddings */
+    assert_non_null(strstr(model_sink_refusal(&m.cfg), "longrope"));
     unload(&m);
 
     /* refused, naming the field */

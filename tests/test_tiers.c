@@ -32,7 +32,7 @@
 static char g_dir[] = "/tmp/kvtier-tiers-XXXXXX";
 static enum model_kv_dtype g_kv; /* the pass's KV dtype (the models are f32) */
 
-enum { M_LLAMA, M_MISTRAL, M_QWEN2, M_DEEP, M_LLAMA_W8, N_MODELS };
+enum { M_LLAMA, M_MISTRAL, M_QWEN2, M_DEEP, M_LLAMA_W8, M_PHI3_LONG, N_MODELS };
 static const char *const model_args[N_MODELS] = {
     [M_LLAMA] = "--arch llama --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320",
     [M_MISTRAL] = "--arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8",
@@ -42,6 +42,10 @@ static const char *const model_args[N_MODELS] = {
     /* M_LLAMA's weights (its seed) as a Mistral sliding every layer by 8:
      * the reference for M_LLAMA under the sliding_window strategy */
     [M_LLAMA_W8] = "--arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 --window 8 --seed 7",
+    /* longrope whose long_factor starts past 40 positions: a run of
+     * N_PROMPT + N_GEN tokens crosses it at decode step 21 */
+    [M_PHI3_LONG] = "--arch phi3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 320 "
+                    "--rope-scaling longrope --max-pos 96 --orig-max-pos 40",
 };
 
 static void model_path(int which, char *out, size_t cap)
@@ -245,6 +249,90 @@ static void test_mixed_batch(void **state)
         if (t + 1 < N_GEN)
             assert_int_equal(model_forward(r.m, fs, B), MODEL_OK);
     }
+    for (int i = 0; i < B; i++) {
+        assert_memory_equal(toks[i], c[i].toks, sizeof(toks[i]));
+        kv_seq_free(q[i]);
+        free(c[i].logits);
+    }
+    free(rows);
+    rig_close(&r);
+}
+
+/* Test 1, longrope: two sequences LAG steps apart share every step, so for
+ * 12 steps one has passed original_max_position_embeddings and the other
+ * not; each must rotate with its own table (long_factor for the first
+ * only) and get the logits it gets alone. */
+static void test_longrope_batch(void **state)
+{
+    (void)state;
+    enum { B = 2, LAG = 12 };
+    struct clean c[B];
+    for (int i = 0; i < B; i++)
+        clean_run(M_PHI3_LONG, 20 + i, &c[i]);
+    struct rig r;
+    rig_open(&r, M_PHI3_LONG, 0, 0);
+    int V = vocab(&r);
+    kv_seq *q[B];
+    int32_t ids[B][N_PROMPT], toks[B][N_GEN];
+    float *rows = malloc((size_t)B * V * sizeof(float));
+    assert_non_null(rows);
+    for (int i = 0; i < B; i++) {
+        assert_int_equal(kv_seq_create(r.store, NULL, &q[i]), TIER_OK);
+        prompt_of(20 + i, ids[i]);
+    }
+    double worst = 0.0;
+    for (int step = 0; step < N_GEN + LAG; step++) {
+        struct fw_seq fs[B];
+        int n = 0, which[B];
+        for (int i = 0; i < B; i++) {
+            int t = step - i * LAG; /* sequence i's own step */
+            if (t < 0 || t >= N_GEN)
+                continue;
+            which[n] = i;
+            fs[n++] = (struct fw_seq){.kv = q[i], .tokens = t ? &toks[i][t - 1] : ids[i], .n_tokens = t ? 1 : N_PROMPT,
+                                      .logits = rows + i * V};
+        }
+        assert_int_equal(model_forward(r.m, fs, n), MODEL_OK);
+        for (int k = 0; k < n; k++) {
+            int i = which[k], t = step - i * LAG;
+            const float *want = c[i].logits + (size_t)t * V, *got = rows + i * V;
+            for (int v = 0; v < V; v++)
+                worst = fmax(worst, fabs((double)got[v] - want[v]));
+            toks[i][t] = argmax(got, V);
+        }
+    }
+    if (worst > 1e-5)
+        fail_msg("batched longrope logits differ from the runs alone by %.3g", worst);
+
+    /* A prefill of 44 tokens (past 40) fed in two steps, as the daemon
+     * chunks it: with call_len 44 both chunks take long_factor, as one
+     * forward call over the 44 does; without it the first chunk (30 tokens)
+     * takes short_factor. */
+    enum { H = 44, FIRST = 30 };
+    int32_t hist[H];
+    memcpy(hist, ids[0], sizeof(ids[0]));
+    memcpy(hist + N_PROMPT, c[0].toks, (H - N_PROMPT) * sizeof(int32_t));
+    double diff[3];
+    for (int how = 0; how < 3; how++) { /* one call, chunked with call_len, chunked without */
+        kv_seq *h;
+        assert_int_equal(kv_seq_create(r.store, NULL, &h), TIER_OK);
+        int64_t call = how == 1 ? H : 0;
+        if (how) {
+            struct fw_seq f = {.kv = h, .tokens = hist, .n_tokens = FIRST, .logits = rows + V, .call_len = call};
+            assert_int_equal(model_forward(r.m, &f, 1), MODEL_OK);
+        }
+        int from = how ? FIRST : 0;
+        struct fw_seq f = {.kv = h, .tokens = hist + from, .n_tokens = H - from, .logits = rows + (how ? V : 0),
+                           .call_len = call};
+        assert_int_equal(model_forward(r.m, &f, 1), MODEL_OK);
+        diff[how] = 0.0;
+        for (int v = 0; v < V; v++)
+            diff[how] = fmax(diff[how], fabs((double)rows[V + v] - rows[v]));
+        kv_seq_free(h);
+    }
+    if (diff[1] > 1e-5 || diff[2] < 1e-3)
+        fail_msg("chunked longrope prefill vs one call: %.3g with call_len, %.3g without", diff[1], diff[2]);
+
     for (int i = 0; i < B; i++) {
         assert_memory_equal(toks[i], c[i].toks, sizeof(toks[i]));
         kv_seq_free(q[i]);
@@ -1048,6 +1136,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_strategies_identical),
         cmocka_unit_test(test_mixed_batch),
+        cmocka_unit_test(test_longrope_batch),
         cmocka_unit_test(test_fault_sweep),
         cmocka_unit_test(test_four_times_the_budget),
         cmocka_unit_test(test_offloaded_peak),

@@ -15,8 +15,10 @@ and tanh-capped (Gemma 2, also its final logits), every pattern-th layer
 global and the others sliding, Gemma 3's per-head q/k norm and its sliding
 layers' own unscaled RoPE base (rope_local_base_freq).  Phi-3: fused
 qkv_proj and gate_up_proj, RoPE on the first head_dim * partial_rotary_factor
-dimensions, longrope (inv_freq divided by short_factor, cos and sin times
-the attention factor), a window on every layer when sliding_window is set.
+dimensions, longrope (inv_freq divided by short_factor, or by long_factor in
+a forward call whose last position + 1 passes original_max_position_embeddings,
+cos and sin times the attention factor of both), a window on every layer when
+sliding_window is set.
 GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D
 projections stored [in, out], fused c_attn (q, k, v), gelu_new, tied head.  Parameter names equal the HF state-dict keys, so
 `model.state_dict()` is a checkpoint (a tied lm_head has no key of its own).
@@ -158,9 +160,10 @@ def local_rope_theta(cfg):
     return float(cfg.get("rope_local_base_freq", 10000.0))
 
 
-def rope_inv_freq(cfg, local=False):
+def rope_inv_freq(cfg, local=False, long=False):
     """inv_freq[head_dim/2] exactly as HF computes it (f32 throughout);
-    local: Gemma 3's sliding layers' (their own base, no scaling)."""
+    local: Gemma 3's sliding layers' (their own base, no scaling); long:
+    longrope's long_factor table (other scalings have one table)."""
     dim = rot_dim_of(cfg)
     theta, sc = rope_params(cfg)
     if local:
@@ -171,11 +174,10 @@ def rope_inv_freq(cfg, local=False):
         return inv
     kind = sc["rope_type"]
     if kind in ("longrope", "su"):
-        # short_factor: kvtier caps a sequence at original_max_position_embeddings,
-        # below which transformers never switches to long_factor
         if len(sc["short_factor"]) != dim // 2 or len(sc["long_factor"]) != dim // 2:
             raise ValueError(f"config.json: longrope factors must number rotated dimensions / 2 = {dim // 2}")
-        return 1.0 / (torch.tensor(sc["short_factor"], dtype=torch.float32) * theta ** expo)
+        ext = sc["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta ** expo)
     if kind == "linear":
         # scaling the positions by 1/factor == scaling the frequencies
         return inv / float(sc["factor"])
@@ -382,22 +384,37 @@ class Backbone(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         local = local_rope_theta(cfg) is not None
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=local), persistent=False)
+        self.register_buffer("inv_freq_long", rope_inv_freq(cfg, long=True), persistent=False)
+        _, sc = rope_params(cfg)
+        longrope = sc is not None and sc["rope_type"] in ("longrope", "su")
+        # past this many positions in one forward call, longrope's long table
+        self.long_after = cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"]) \
+            if longrope else None
         self.rope_scale = rope_attention_factor(cfg)
 
-    def rope_tables(self, inv_freq, t, dtype):
+    def rope_tables(self, inv_freq, t, dtype, long_rows=None):
         """cos, sin [T, rot] for positions 0..T-1, computed in f32 as HF
-        does (longrope: times its attention factor before the cast)."""
+        does (longrope: times its attention factor before the cast);
+        long_rows [T] bool: those rows with inv_freq_long instead."""
         pos = torch.arange(t, device=inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq.float())  # [T, rot/2]
+        if long_rows is not None:
+            freqs = torch.where(long_rows[:, None], torch.outer(pos, self.inv_freq_long.float()), freqs)
         emb = torch.cat((freqs, freqs), dim=-1)      # [T, rot]
         return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, prefill=None):
         x = self.embed_tokens(input_ids)  # [B, T, dim]
         if self.embed_scale is not None:  # Gemma: the normalizer in the activations' dtype
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         t = input_ids.shape[1]
-        ropes = {"global": self.rope_tables(self.inv_freq, t, x.dtype),
+        long_rows = None
+        if self.long_after is not None:
+            # HF picks the table per forward call from max(position_ids) + 1;
+            # a cached key keeps the rotation of the call that computed it
+            call_end = torch.arange(1, t + 1).clamp(min=prefill) if prefill is not None else torch.full((t,), t)
+            long_rows = (call_end > self.long_after).to(input_ids.device)
+        ropes = {"global": self.rope_tables(self.inv_freq, t, x.dtype, long_rows),
                  "local": self.rope_tables(self.inv_freq_local, t, x.dtype)}
         masks = {w: causal_mask(t, w, x.device).to(x.dtype) for w in set(self.windows)}
         for layer in self.layers:
@@ -425,9 +442,12 @@ class CausalLM(nn.Module):
         self.final_softcap = cfg.get("final_logit_softcapping",
                                      30.0 if self.arch == "Gemma2ForCausalLM" else None) if gemma else None
 
-    def forward(self, input_ids):
-        """input_ids [B, T] (positions 0..T-1, full causal) -> logits [B, T, V]."""
-        h = self.model(input_ids)
+    def forward(self, input_ids, prefill=None):
+        """input_ids [B, T] (positions 0..T-1, full causal) -> logits [B, T, V].
+        prefill None: one forward call over all T rows (as without a cache);
+        else the length of the first call of a cached generation, which then
+        fed one token per call (it decides longrope's table per row)."""
+        h = self.model(input_ids, prefill)
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         logits = F.linear(h, w)
         if self.final_softcap is not None:
@@ -525,7 +545,7 @@ class GPT2LM(nn.Module):
         if not self.tied:
             self.lm_head = nn.Linear(cfg["n_embd"], cfg["vocab_size"], bias=False, device=device)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, prefill=None):  # prefill: learned positions have one table
         h = self.transformer(input_ids)
         return F.linear(h, self.transformer.wte.weight if self.tied else self.lm_head.weight)
 

@@ -37,7 +37,8 @@ static void check_config(const struct model_config *c)
                    "llama3 rope %g %g %d", c->rope_low_freq_factor, c->rope_high_freq_factor,
                    c->rope_original_max_pos);
     if (c->rope_scaling == ROPE_SCALING_LONGROPE)
-        FUZZ_CHECK(c->rope_short_factor && c->rope_original_max_pos >= 1, "longrope without its factors");
+        FUZZ_CHECK(c->rope_short_factor && c->rope_long_factor && c->rope_original_max_pos >= 1,
+                   "longrope without its factors");
     FUZZ_CHECK(c->learned_pos ? c->rot_dim == 0 : c->rot_dim >= 2 && c->rot_dim % 2 == 0 && c->rot_dim <= c->head_dim,
                "rot_dim %d of %d", c->rot_dim, c->head_dim);
     FUZZ_CHECK(isfinite(c->rope_attn_factor) && c->rope_attn_factor > 0, "rope_attn_factor %g", c->rope_attn_factor);
