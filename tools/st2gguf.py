@@ -1,0 +1,239 @@
+#!/usr/bin/python3
+"""st2gguf - a llama-architecture Hugging Face model (safetensors) as GGUF,
+so that llama.cpp runs the very weights kvtier runs.
+
+    /usr/bin/python3 tools/st2gguf.py --model DIR --out FILE.gguf
+
+What llama.cpp's convert_hf_to_gguf.py does for LlamaForCausalLM, written
+with the standard library alone (its converter needs torch, transformers
+and gguf-py): the hyperparameters under the llama.* keys, the byte-level
+BPE tokenizer as tokenizer.ggml.model "gpt2", the tensors renamed
+(token_embd, blk.N.attn_q, ..., output), matrices kept in their dtype
+(BF16, F16 or F32), 1-D norms as F32, and q_proj/k_proj rows permuted per
+head from Hugging Face's rotate-half order to the interleaved pairs
+llama.cpp's rope reads (convert_hf_to_gguf's LlamaModel.permute).
+"""
+import argparse
+import json
+import os
+import struct
+import sys
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSION = 3
+ALIGN = 32
+
+# GGUF metadata value types
+T_U32, T_I32, T_F32, T_BOOL, T_STR, T_ARR = 4, 5, 6, 7, 8, 9
+# ggml tensor types
+GGML = {"F32": 0, "F16": 1, "BF16": 30}
+FILE_TYPE = {"F32": 0, "F16": 1, "BF16": 32}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16
+ELEM = {"F32": 4, "F16": 2, "BF16": 2}
+# llama_token_type
+TOK_NORMAL, TOK_CONTROL = 1, 3
+
+
+def s_str(s):
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def kv(key, vtype, value):
+    out = s_str(key) + struct.pack("<I", vtype)
+    if vtype == T_U32:
+        return out + struct.pack("<I", value)
+    if vtype == T_F32:
+        return out + struct.pack("<f", value)
+    if vtype == T_BOOL:
+        return out + struct.pack("<B", 1 if value else 0)
+    if vtype == T_STR:
+        return out + s_str(value)
+    etype, items = value
+    out += struct.pack("<IQ", etype, len(items))
+    if etype == T_STR:
+        return out + b"".join(s_str(x) for x in items)
+    if etype == T_I32:
+        return out + struct.pack("<%di" % len(items), *items)
+    raise ValueError("array of type %d" % etype)
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def tensor_names(n_layers, tie):
+    """(gguf name, HF name) in file order."""
+    out = [("token_embd.weight", "model.embed_tokens.weight")]
+    per = [("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+           ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+           ("ffn_down", "mlp.down_proj")]
+    for i in range(n_layers):
+        out += [("blk.%d.%s.weight" % (i, g), "model.layers.%d.%s.weight" % (i, h)) for g, h in per]
+    out.append(("output_norm.weight", "model.norm.weight"))
+    if not tie:
+        out.append(("output.weight", "lm_head.weight"))
+    return out
+
+
+def permute_rows(data, rows, row_bytes, n_head):
+    """HF stores each head's rotary pairs as (first halves, second halves);
+    llama.cpp's rope wants them interleaved: new row h*hd + 2i + j is old
+    row h*hd + j*hd/2 + i."""
+    hd = rows // n_head
+    if hd * n_head != rows or hd % 2:
+        raise SystemExit("st2gguf: %d rows do not split into %d heads of even size" % (rows, n_head))
+    mv = memoryview(data)
+    parts = []
+    for h in range(n_head):
+        for i in range(hd // 2):
+            for j in range(2):
+                r = h * hd + j * (hd // 2) + i
+                parts.append(mv[r * row_bytes:(r + 1) * row_bytes])
+    return b"".join(parts)
+
+
+def to_f32(data, dtype):
+    """A 1-D tensor as little-endian F32 (llama.cpp keeps norms in F32)."""
+    if dtype == "F32":
+        return bytes(data)
+    n = len(data) // 2
+    if dtype == "BF16":
+        return struct.pack("<%dI" % n, *[u << 16 for u in struct.unpack("<%dH" % n, data)])
+    return struct.pack("<%df" % n, *struct.unpack("<%de" % n, data))
+
+
+def tokenizer_kvs(model_dir, vocab_size, cfg):
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tj = json.load(f)
+    m = tj["model"]
+    if m.get("type") != "BPE":
+        raise SystemExit("st2gguf: only byte-level BPE tokenizers (tokenizer.json model BPE), not %r" % m.get("type"))
+    tokens = [None] * vocab_size
+    types = [TOK_NORMAL] * vocab_size
+    for t, i in m["vocab"].items():
+        if not 0 <= i < vocab_size:
+            raise SystemExit("st2gguf: token id %d outside the vocabulary of %d" % (i, vocab_size))
+        tokens[i] = t
+    for a in tj.get("added_tokens", []):
+        i = a["id"]
+        if not 0 <= i < vocab_size:
+            raise SystemExit("st2gguf: added token id %d outside the vocabulary of %d" % (i, vocab_size))
+        tokens[i] = a["content"]
+        types[i] = TOK_CONTROL if a.get("special") else TOK_NORMAL
+    for i, t in enumerate(tokens):
+        if t is None:  # the embedding has rows no token names: llama.cpp wants every id named
+            tokens[i] = "[PAD%d]" % i
+            types[i] = TOK_CONTROL
+    merges = [x if isinstance(x, str) else " ".join(x) for x in m.get("merges", [])]
+    out = [kv("tokenizer.ggml.model", T_STR, "gpt2"),
+           # the Llama-3 split regex, which is the one our tokenizers use
+           kv("tokenizer.ggml.pre", T_STR, "llama-bpe"),
+           kv("tokenizer.ggml.tokens", T_ARR, (T_STR, tokens)),
+           kv("tokenizer.ggml.token_type", T_ARR, (T_I32, types)),
+           kv("tokenizer.ggml.merges", T_ARR, (T_STR, merges))]
+    tc = {}
+    p = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.exists(p):
+        with open(p, encoding="utf-8") as f:
+            tc = json.load(f)
+    for key, cfg_key in (("bos", "bos_token_id"), ("eos", "eos_token_id")):
+        v = cfg.get(cfg_key)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if isinstance(v, int) and 0 <= v < vocab_size:
+            out.append(kv("tokenizer.ggml.%s_token_id" % key, T_U32, v))
+    out.append(kv("tokenizer.ggml.add_bos_token", T_BOOL, bool(tc.get("add_bos_token", False))))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="HF model directory (config.json, model.safetensors)")
+    ap.add_argument("--out", required=True)
+    o = ap.parse_args()
+    with open(os.path.join(o.model, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("model_type") != "llama":
+        raise SystemExit("st2gguf: model_type %r; only llama" % cfg.get("model_type"))
+    if cfg.get("rope_scaling"):
+        raise SystemExit("st2gguf: rope_scaling is not converted")
+    st = os.path.join(o.model, "model.safetensors")
+    header, base = read_safetensors(st)
+    n_layers, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads", n_head)
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // n_head
+    tie = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in header
+    names = tensor_names(n_layers, tie)
+    missing = [h for _, h in names if h not in header]
+    if missing:
+        raise SystemExit("st2gguf: missing tensors: %s" % ", ".join(missing[:5]))
+    dtypes = {header[h]["dtype"] for _, h in names if len(header[h]["shape"]) == 2}
+    if len(dtypes) != 1 or not dtypes <= set(GGML):
+        raise SystemExit("st2gguf: matrices in %s; one of F32, F16, BF16 expected" % sorted(dtypes))
+    wtype = dtypes.pop()
+
+    kvs = [kv("general.architecture", T_STR, "llama"),
+           kv("general.name", T_STR, os.path.basename(os.path.normpath(o.model))),
+           kv("general.file_type", T_U32, FILE_TYPE[wtype]),
+           kv("general.alignment", T_U32, ALIGN),
+           kv("llama.vocab_size", T_U32, cfg["vocab_size"]),
+           kv("llama.context_length", T_U32, cfg.get("max_position_embeddings", 2048)),
+           kv("llama.embedding_length", T_U32, hidden),
+           kv("llama.block_count", T_U32, n_layers),
+           kv("llama.feed_forward_length", T_U32, cfg["intermediate_size"]),
+           kv("llama.rope.dimension_count", T_U32, head_dim),
+           kv("llama.attention.head_count", T_U32, n_head),
+           kv("llama.attention.head_count_kv", T_U32, n_kv),
+           kv("llama.attention.layer_norm_rms_epsilon", T_F32, cfg.get("rms_norm_eps", 1e-6)),
+           kv("llama.rope.freq_base", T_F32, cfg.get("rope_theta", 10000.0))]
+    if head_dim != hidden // n_head:
+        kvs += [kv("llama.attention.key_length", T_U32, head_dim), kv("llama.attention.value_length", T_U32, head_dim)]
+    kvs += tokenizer_kvs(o.model, cfg["vocab_size"], cfg)
+
+    # tensor infos: ne[0] is the innermost (column) count
+    infos, plan, off = [], [], 0
+    for g, h in names:
+        t = header[h]
+        shape = t["shape"]
+        out_type = wtype if len(shape) == 2 else "F32"
+        nbytes = ELEM[out_type]
+        for d in shape:
+            nbytes *= d
+        infos.append(s_str(g) + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in reversed(shape))
+                     + struct.pack("<IQ", GGML[out_type], off))
+        plan.append((g, h, t, out_type, nbytes, off))
+        off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+    head = GGUF_MAGIC + struct.pack("<IQQ", GGUF_VERSION, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
+    head += b"\0" * (-len(head) % ALIGN)
+    tmp = o.out + ".tmp"
+    with open(st, "rb") as src, open(tmp, "wb") as dst:
+        dst.write(head)
+        for g, h, t, out_type, nbytes, toff in plan:
+            b0, b1 = t["data_offsets"]
+            src.seek(base + b0)
+            data = src.read(b1 - b0)
+            if len(data) != b1 - b0:
+                raise SystemExit("st2gguf: %s: short read" % h)
+            if len(t["shape"]) == 1:
+                data = to_f32(data, t["dtype"])
+            elif g.endswith(("attn_q.weight", "attn_k.weight")):
+                rows, cols = t["shape"]
+                heads = n_head if g.endswith("attn_q.weight") else n_kv
+                data = permute_rows(data, rows, cols * ELEM[t["dtype"]], heads)
+            if len(data) != nbytes:
+                raise SystemExit("st2gguf: %s: %d bytes, %d expected" % (h, len(data), nbytes))
+            dst.write(data)
+            dst.write(b"\0" * (-nbytes % ALIGN))
+    os.replace(tmp, o.out)
+    print("st2gguf: %s: %d tensors, %s matrices, %.2f GB" % (o.out, len(plan), wtype, (len(head) + off) / 1e9))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+/* readbw.h - the memory read bandwidth ceiling that decode is judged
+ * against: several threads stream a buffer far larger than the last-level
+ * cache with the widest loads the CPU has, plain and non-temporal, and the
+ * best pass counts.  A ceiling that decode can beat says nothing, so every
+ * choice here leans towards the higher figure.
+ */
+#ifndef KVTIER_READBW_H
+#define KVTIER_READBW_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum readbw_isa { READBW_SCALAR, READBW_AVX2, READBW_AVX512, READBW_N_ISA };
+enum readbw_load { READBW_PLAIN, READBW_STREAM, READBW_N_LOAD };
+
+/* The read kernels: the 64-bit sum of n words at p (p 64-byte aligned, n a
+ * multiple of 32), which keeps every load alive and lets a test check that
+ * all of them happened.  STREAM uses non-temporal loads (vmovntdqa). */
+uint64_t readbw_sum_avx2(const uint64_t *p, size_t n, enum readbw_load load);
+uint64_t readbw_sum_avx512(const uint64_t *p, size_t n, enum readbw_load load);
+
+typedef struct readbw readbw;
+
+/* A buffer of at least min_bytes, and at least 8x the last-level cache,
+ * filled (so every page is resident) and read by threads threads (1-256).
+ * NULL when out of memory or threads is out of range. */
+readbw *readbw_create(size_t min_bytes, int threads);
+void readbw_free(readbw *rb);
+size_t readbw_bytes(const readbw *rb);
+
+/* The widest ISA this CPU runs, and whether it runs isa. */
+enum readbw_isa readbw_best_isa(void);
+int readbw_isa_ok(enum readbw_isa isa);
+const char *readbw_isa_name(enum readbw_isa isa);
+const char *readbw_load_name(enum readbw_load load);
+
+/* One timed pass of every thread over the buffer with isa and load, in
+ * GB/s; 0 if isa does not run here or a thread could not start.  *sum (if
+ * not NULL) gets the sum of all words read. */
+double readbw_pass(readbw *rb, enum readbw_isa isa, enum readbw_load load, uint64_t *sum);
+
+/* The ceiling: passes passes of each load kind with the best ISA, the
+ * fastest pass in GB/s; the load kind that gave it in *load if not NULL. */
+double readbw_ceiling(readbw *rb, int passes, enum readbw_load *load);
+
+#endif
