@@ -7,6 +7,7 @@
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *                [--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]
+ *                [--weights auto|q8_0]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -167,10 +168,10 @@ int main(int argc, char **argv)
         {"decode", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
         {"repeat", required_argument, 0, 'r'}, {"block-tokens", required_argument, 0, 'b'},
         {"fill", required_argument, 0, 'f'},   {"kv-dtype", required_argument, 0, 'k'},
-        {0, 0, 0, 0},
+        {"weights", required_argument, 0, 'w'}, {0, 0, 0, 0},
     };
     int o;
-    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:w:", opts, NULL)) != -1) {
         bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
@@ -181,6 +182,7 @@ int main(int argc, char **argv)
         case 'b': ok = args_int_list(optarg, 1, 1 << 16, bts, MAX_BLOCK_SIZES, &nb); break;
         case 'f': ok = args_int(optarg, 0, 1 << 24, &n_fill); break;
         case 'k': ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
+        case 'w': ok = model_weights_parse(optarg, &rp.model.weights); break;
         default: return 2;
         }
         if (!ok)
@@ -188,7 +190,7 @@ int main(int argc, char **argv)
     }
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
-                        "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]\n");
+                        "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] [--weights auto|q8_0]\n");
         return 2;
     }
     char err[MODEL_ERR_LEN];

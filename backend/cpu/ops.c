@@ -76,6 +76,15 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
         .mm = {.y = y, .x = x, .w = w, .wt = wt, .n = n, .in = in, .out = out},
         .bias = bias,
     };
+    if (wt == BE_Q8_0) { /* once here, not once per thread and row chunk */
+        size_t blocks = (size_t)n * (size_t)in / 32;
+        _Static_assert(sizeof(struct cpu_q8_act) % sizeof(float) == 0, "blocks tile a float work area");
+        struct cpu_q8_act *xq = (struct cpu_q8_act *)cpu_ctx_rows(j.c, blocks * (sizeof(*xq) / sizeof(float)));
+        if (!xq)
+            return BE_ENOMEM_HOST;
+        cpu_ctx_kern(j.c)->q8_act(xq, x, (size_t)n * (size_t)in);
+        j.mm.xq = xq;
+    }
     /* about 8 grabs per thread: small enough to rebalance, large enough
      * that each grab's per-call setup (x deinterleave, sgemm panel) stays
      * negligible */
