@@ -130,8 +130,9 @@ enum be_status be_sync(be_backend *be);                      /* all streams drai
  * in) bytes; bias is f32; y is of yt (caps.act_dtype or f32: BE_ENOTSUP
  * for one the backend cannot write).  With wt BE_Q8_0, in must be a
  * multiple of 32 (BE_EINVAL otherwise); the CPU backend then rounds each
- * row of x to int8 blocks of 32 with an f32 scale and multiplies in
- * integers, as llama.cpp does, so y carries x's quantization error too. */
+ * row of x to int8 blocks of 32 with an f32 scale (round to nearest even)
+ * and multiplies by those, in integers as llama.cpp does, so y carries x's
+ * rounding error too, the same for any number of rows. */
 enum be_status be_matmul(be_backend *be, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt,
                          const float *bias, int n, int in, int out);
 

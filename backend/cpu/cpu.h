@@ -44,7 +44,8 @@ struct cpu_mm {
     const void *w;   /* [out, in] of wt */
     enum be_dtype wt;
     int n, in, out;
-    /* wt BE_Q8_0: x as n * in / 32 blocks, quantized once by the driver */
+    /* wt BE_Q8_0: x as n * in / 32 blocks, quantized once by the driver,
+     * and x itself is then those blocks dequantized (d * q) */
     const struct cpu_q8_act *xq;
 };
 

@@ -10,7 +10,7 @@
  * scales into an f32 accumulator.  Four weight rows share each activation
  * load.  Batches of CPU_GEMM_MIN_TOKENS and more take gemm.c's panels
  * instead, with the blocks dequantized to f32: sgemm then does the
- * multiplying, and x is used unrounded.
+ * multiplying, of the same rounded activations (the driver's a->x).
  */
 #include <immintrin.h>
 #include <math.h>
