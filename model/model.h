@@ -151,7 +151,7 @@ enum model_weights_fmt {
     /* the seven matrices of every layer quantized at load to Q8_0 blocks
      * (util/q8.h) in host memory: half the bytes of bf16 for decode to
      * stream.  The embeddings, the norms, the biases and lm_head stay as
-     * stored (see docs/model.md for why). */
+     * stored (docs/architecture.md says why). */
     MODEL_WEIGHTS_Q8_0,
 };
 /* "auto" or "q8_0"; false (and *out unchanged) otherwise. */
