@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,7 +99,7 @@ static bool ops_complete(const struct be_ops *o)
     return o && o->api_version == BE_API_VERSION && o->name && o->free && o->caps && o->dev_alloc && o->dev_free &&
            o->host_alloc && o->host_free && o->copy_async && o->copy && o->event_create && o->event_free &&
            o->event_record && o->event_sync && o->sync && o->matmul && o->rmsnorm && o->rope && o->kv_store &&
-           o->attention && o->silu_mul && o->add && o->softmax && o->embed && o->argmax;
+           o->attention && o->silu_mul && o->gelu_mul && o->scale && o->layernorm && o->add && o->softmax && o->embed && o->argmax;
 }
 
 enum be_status be_open(const char *name, const struct be_params *p, be_backend **out)
@@ -433,19 +434,29 @@ enum be_status be_rmsnorm(be_backend *be, void *y, const void *x, const float *w
     return n ? be->ops->rmsnorm(be->ctx, y, x, w, n, dim, eps) : BE_OK;
 }
 
+enum be_status be_layernorm(be_backend *be, void *y, const void *x, const float *w, const float *b, int n, int dim,
+                            float eps)
+{
+    if (!be || !y || !x || !w || !b || n < 0 || dim <= 0 || !(eps >= 0.0f))
+        return BE_EINVAL;
+    return n ? be->ops->layernorm(be->ctx, y, x, w, b, n, dim, eps) : BE_OK;
+}
+
 enum be_status be_rope(be_backend *be, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                       const float *inv_freq, int rot_dim, enum be_rope_layout layout)
+                       const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout)
 {
     if (!be || !x || !pos || !inv_freq || n_tok < 0 || n_heads <= 0 || head_dim <= 0 || rot_dim <= 0 ||
-        rot_dim % 2 || rot_dim > head_dim || (layout != BE_ROPE_NEOX && layout != BE_ROPE_INTERLEAVED))
+        rot_dim % 2 || rot_dim > head_dim || !isfinite(mscale) ||
+        (layout != BE_ROPE_NEOX && layout != BE_ROPE_INTERLEAVED))
         return BE_EINVAL;
-    return n_tok ? be->ops->rope(be->ctx, x, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, layout) : BE_OK;
+    return n_tok ? be->ops->rope(be->ctx, x, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, mscale, layout)
+                 : BE_OK;
 }
 
 static bool attn_params_ok(const struct be_attn_params *p)
 {
     return p && p->n_heads > 0 && p->n_kv_heads > 0 && p->n_heads % p->n_kv_heads == 0 && p->head_dim > 0 &&
-           p->window >= 0 && dtype_ok(p->kv_dtype);
+           p->window >= 0 && dtype_ok(p->kv_dtype) && p->softcap >= 0.0f && isfinite(p->softcap);
 }
 
 /* Every token names a view whose blocks cover [lo, hi) and, for a store,
@@ -629,6 +640,20 @@ enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void
     if (!be || !y || !gate || !up)
         return BE_EINVAL;
     return n ? be->ops->silu_mul(be->ctx, y, gate, up, n) : BE_OK;
+}
+
+enum be_status be_gelu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n)
+{
+    if (!be || !y || !gate)
+        return BE_EINVAL;
+    return n ? be->ops->gelu_mul(be->ctx, y, gate, up, n) : BE_OK;
+}
+
+enum be_status be_scale(be_backend *be, void *x, size_t n, float s)
+{
+    if (!be || !x || !isfinite(s))
+        return BE_EINVAL;
+    return n ? be->ops->scale(be->ctx, x, n, s) : BE_OK;
 }
 
 enum be_status be_add(be_backend *be, void *y, const void *x, size_t n)

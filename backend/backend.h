@@ -138,6 +138,10 @@ enum be_status be_matmul(be_backend *be, void *y, enum be_dtype yt, const void *
 
 /* y[n,dim] = x / rms(x) * w ; w is f32. y may alias x. */
 enum be_status be_rmsnorm(be_backend *be, void *y, const void *x, const float *w, int n, int dim, float eps);
+/* y[n,dim] = (x - mean(x)) / sqrt(var(x) + eps) * w + b, the statistics
+ * in f32 over each row (torch.nn.LayerNorm); w and b are f32. y may alias x. */
+enum be_status be_layernorm(be_backend *be, void *y, const void *x, const float *w, const float *b, int n, int dim,
+                            float eps);
 
 enum be_rope_layout {
     BE_ROPE_NEOX = 0,        /* HF rotate_half: pairs (i, i + rot_dim/2) */
@@ -146,9 +150,11 @@ enum be_rope_layout {
 /* Rotates x[n_tok, n_heads, head_dim] in place; token t is at absolute
  * position pos[t] (host metadata); angle = pos * inv_freq[i] for i <
  * rot_dim/2 (the caller folds rope_theta and rope_scaling into inv_freq,
- * a device table). */
+ * a device table).  cos and sin are multiplied by mscale (longrope's
+ * attention factor; 1 for plain RoPE), so the rotated dimensions scale by
+ * it and the rest do not. */
 enum be_status be_rope(be_backend *be, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                       const float *inv_freq, int rot_dim, enum be_rope_layout layout);
+                       const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout);
 
 /* One sequence's KV for one layer, as attention reads it.  Block b holds the
  * positions [base + b*block_tokens, base + (b+1)*block_tokens); within a
@@ -178,6 +184,7 @@ struct be_kv_view {
 struct be_attn_params {
     int n_heads, n_kv_heads, head_dim; /* GQA: query head h reads kv head h / (n_heads/n_kv_heads) */
     float scale;                       /* usually 1/sqrt(head_dim) */
+    float softcap;                     /* 0: none; else each scaled score s becomes softcap * tanh(s / softcap) */
     int window;                        /* 0: full causal; else key k visible to query q iff q - k < window */
     enum be_dtype kv_dtype;            /* storage type of the blocks */
     /* For views with key_rope: row j (head_dim activations) of key_rope holds
@@ -291,6 +298,12 @@ enum be_status be_kv_copy(be_backend *be, const struct be_kv_view *dst, const st
 
 /* y[n] = silu(gate[n]) * up[n] */
 enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n);
+/* y[n] = gelu_tanh(gate[n]) * up[n], or gelu_tanh(gate[n]) when up is NULL;
+ * gelu_tanh(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), the
+ * "gelu_pytorch_tanh" / "gelu_new" of transformers. */
+enum be_status be_gelu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n);
+/* x[n] *= s */
+enum be_status be_scale(be_backend *be, void *x, size_t n, float s);
 /* y[n] += x[n] */
 enum be_status be_add(be_backend *be, void *y, const void *x, size_t n);
 /* Row-wise softmax of x[rows, cols] in place. */

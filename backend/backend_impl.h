@@ -54,12 +54,16 @@ struct be_ops {
                              int n, int in, int out);
     enum be_status (*rmsnorm)(void *ctx, void *y, const void *x, const float *w, int n, int dim, float eps);
     enum be_status (*rope)(void *ctx, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                           const float *inv_freq, int rot_dim, enum be_rope_layout layout);
+                           const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout);
     enum be_status (*kv_store)(void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
                                const void *k, const void *v, const struct be_attn_params *p);
     enum be_status (*attention)(void *ctx, void *out, const void *q, const struct be_kv_view *views,
                                 const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
     enum be_status (*silu_mul)(void *ctx, void *y, const void *gate, const void *up, size_t n);
+    enum be_status (*gelu_mul)(void *ctx, void *y, const void *gate, const void *up, size_t n); // up may be NULL
+    enum be_status (*scale)(void *ctx, void *x, size_t n, float s);
+    enum be_status (*layernorm)(void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim,
+                                float eps);
     enum be_status (*add)(void *ctx, void *y, const void *x, size_t n);
     enum be_status (*softmax)(void *ctx, void *x, int rows, int cols);
     enum be_status (*embed)(void *ctx, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,

@@ -184,7 +184,8 @@ enum MHD_Result h_session_import(struct req *r, const char *arg)
     struct ipc_error err;
     struct ipc_cache_choice cache;
     struct ipc_cache_model cm = {.max_len = engine_context(s->eng),
-                                 .sliding_window = engine_model_config(s->eng)->sliding_window};
+                                 .sliding_window = engine_model_config(s->eng)->sliding_window,
+                                 .no_sink = model_sink_refusal(engine_model_config(s->eng))};
     char id[IPC_SESSION_ID_MAX + 1];
     /* a raw file's session is of the cache it was exported from */
     enum ipc_status cs = r->prep.kvf.quantization

@@ -22,7 +22,8 @@ struct ipc_limits limits(const struct server *s)
     int tv = tokenizer_vocab_size(engine_tokenizer(e));
     return (struct ipc_limits){.vocab = tv < vocab ? tv : vocab, .max_context = engine_context(e),
                                .max_n = s->cfg->max_n, .max_messages = s->cfg->max_messages,
-                               .sliding_window = engine_model_config(e)->sliding_window};
+                               .sliding_window = engine_model_config(e)->sliding_window,
+                               .no_sink = model_sink_refusal(engine_model_config(e))};
 }
 
 enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,

@@ -240,7 +240,8 @@ enum ipc_status engine_kv_cache(const engine *e, const char *quantization, struc
 {
     json_error_t je;
     json_t *c = json_loads(quantization, 0, &je);
-    struct ipc_cache_model cm = {.max_len = e->ctx, .sliding_window = e->mc->sliding_window};
+    struct ipc_cache_model cm = {.max_len = e->ctx, .sliding_window = e->mc->sliding_window,
+                                 .no_sink = model_sink_refusal(e->mc)};
     enum ipc_status st = json_is_object(c) ? ipc_cache_parse(c, NULL, &cm, out, err)
                                            : ipc_fail(err, IPC_EINVAL, "quantization", "not a JSON object");
     json_decref(c);

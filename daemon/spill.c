@@ -611,7 +611,9 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
     struct ipc_cache_choice cache;
     struct ipc_error err;
     if (!*why && ipc_cache_parse(json_object_get(req, "cache"), json_object_get(req, "use_cache"),
-                                 &(struct ipc_cache_model){e->ctx, e->mc->sliding_window}, &cache, &err) != IPC_OK)
+                                 &(struct ipc_cache_model){.max_len = e->ctx, .sliding_window = e->mc->sliding_window,
+                                                           .no_sink = model_sink_refusal(e->mc)},
+                                 &cache, &err) != IPC_OK)
         *why = "its cache choice is not valid for this model";
     if (!*why && !(s = session_new((uid_t)json_integer_value(uid), &cache, json_is_true(record), req, &err)))
         *why = "no memory";

@@ -162,6 +162,10 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
     }
     if (strategies[row].window == WINDOW_SINK ||
         (strategies[row].window == WINDOW_SINK_IF_GIVEN && (given & K_NUM_SINK_TOKENS))) {
+        if (m->no_sink) /* a sink cache re-rotates positions (indices in the cache) */
+            return ipc_fail(err, IPC_EINVAL,
+                            strategies[row].window == WINDOW_SINK ? "cache.implementation" : "cache.num_sink_tokens",
+                            "sinks (cache \"%s\") cannot run this model: %s", name, m->no_sink);
         p->sink = true;
         if (!(given & K_WINDOW_LENGTH))
             p->window_length = SINK_WINDOW_DEFAULT;

@@ -24,6 +24,7 @@ struct ipc_cache_choice {
 struct ipc_cache_model {
     int max_len;        /* lengths (max_cache_len, window_length) lie in [1, max_len], the context */
     int sliding_window; /* the model's window, "sliding_window"'s default; 0 = none */
+    const char *no_sink; /* why the model cannot take a sink cache (model_sink_refusal), NULL: it can */
 };
 
 /* Reads the request's "cache" object (NULL or JSON null: "dynamic") and

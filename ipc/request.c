@@ -638,7 +638,9 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     if (bst != IPC_OK)
         return bst;
     enum ipc_status st = ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
-                                         &(struct ipc_cache_model){lim->max_context, lim->sliding_window},
+                                         &(struct ipc_cache_model){.max_len = lim->max_context,
+                                                                   .sliding_window = lim->sliding_window,
+                                                                   .no_sink = lim->no_sink},
                                          &out->cache, err);
     if (st == IPC_OK && !out->cache.params.sink && out->max_tokens > lim->max_context) {
         const char *field = json_object_get(root, "max_tokens") ? "max_tokens" : "max_completion_tokens";
@@ -695,7 +697,9 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
     if (out->system && (out->prefix || out->ids))
         return ipc_fail(err, IPC_EINVAL, "system", "give either system or prefix, not both");
     enum ipc_status st = ipc_cache_parse(json_object_get(root, "cache"), json_object_get(root, "use_cache"),
-                                         &(struct ipc_cache_model){lim->max_context, lim->sliding_window},
+                                         &(struct ipc_cache_model){.max_len = lim->max_context,
+                                                                   .sliding_window = lim->sliding_window,
+                                                                   .no_sink = lim->no_sink},
                                          &out->cache, err);
     if (st == IPC_OK && !out->cache.use_cache)
         return ipc_fail(err, IPC_EINVAL, "use_cache", "a session is its KV cache: use_cache=false cannot create one");

@@ -38,6 +38,7 @@ struct ipc_limits {
     int max_n;        /* choices per request */
     int max_messages; /* chat messages per request */
     int sliding_window; /* the model's, the "sliding_window" strategy's default window (0: none) */
+    const char *no_sink; /* why the model refuses a sink cache (model_sink_refusal), NULL: it takes one */
 };
 
 struct ipc_gen_req {

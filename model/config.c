@@ -208,9 +208,10 @@ static enum model_status get_str(const struct jctx *c, const char *key, const ch
 /* ---- architectures ------------------------------------------------------ */
 
 enum window_rule {
-    WINDOW_NONE,  /* Llama: no sliding window */
-    WINDOW_ALL,   /* Mistral: every layer slides when sliding_window is set */
-    WINDOW_QWEN,  /* Qwen2/3: use_sliding_window, max_window_layers, layer_types */
+    WINDOW_NONE,    /* Llama: no sliding window */
+    WINDOW_ALL,     /* Mistral, Phi-3: every layer slides when sliding_window is set */
+    WINDOW_QWEN,    /* Qwen2/3: use_sliding_window, max_window_layers, layer_types */
+    WINDOW_PATTERN, /* Gemma 2/3: layer_types, else every pattern-th layer full, the others slide */
 };
 
 /* The defaults of each transformers config class (configuration_*.py). */
@@ -223,12 +224,26 @@ static const struct arch_info {
     bool qkv_bias;           /* q/k/v bias regardless of attention_bias (Qwen2) */
     bool qk_norm;
     enum window_rule window;
+    int window_pattern;      /* WINDOW_PATTERN: the default period */
+    bool tie;                /* tie_word_embeddings default */
+    double rope_theta;       /* rope_theta default */
+    int window_default;      /* WINDOW_ALL: sliding_window when absent (null is none) */
 } ARCHS[] = {
-    {"LlamaForCausalLM", ARCH_LLAMA, 1, 2, 0, true, false, false, WINDOW_NONE},
-    {"MistralForCausalLM", ARCH_MISTRAL, 1, 2, 0, false, false, false, WINDOW_ALL},
-    {"Qwen2ForCausalLM", ARCH_QWEN2, -1, -1, 0, false, true, false, WINDOW_QWEN},
-    {"Qwen3ForCausalLM", ARCH_QWEN3, -1, -1, 128, true, false, true, WINDOW_QWEN},
+    {"LlamaForCausalLM", ARCH_LLAMA, 1, 2, 0, true, false, false, WINDOW_NONE, 0, false, 10000.0, 0},
+    {"MistralForCausalLM", ARCH_MISTRAL, 1, 2, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0, 4096},
+    {"Qwen2ForCausalLM", ARCH_QWEN2, -1, -1, 0, false, true, false, WINDOW_QWEN, 0, false, 10000.0, 0},
+    {"Qwen3ForCausalLM", ARCH_QWEN3, -1, -1, 128, true, false, true, WINDOW_QWEN, 0, false, 10000.0, 0},
+    {"Gemma2ForCausalLM", ARCH_GEMMA2, 2, 1, 256, true, false, false, WINDOW_PATTERN, 2, true, 10000.0, 0},
+    {"Gemma3ForCausalLM", ARCH_GEMMA3, 2, 1, 256, true, false, true, WINDOW_PATTERN, 6, true, 1000000.0, 0},
+    {"Phi3ForCausalLM", ARCH_PHI3, 1, 32000, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0, 0},
+    /* read by read_gpt2: its config names every field differently */
+    {"GPT2LMHeadModel", ARCH_GPT2, 50256, 50256, 0, false, true, false, WINDOW_NONE, 0, true, 10000.0, 0},
 };
+
+static bool is_gemma(enum model_arch a)
+{
+    return a == ARCH_GEMMA2 || a == ARCH_GEMMA3;
+}
 
 static enum model_status read_arch(const struct jctx *c, const struct arch_info **out)
 {
@@ -246,7 +261,8 @@ static enum model_status read_arch(const struct jctx *c, const struct arch_info 
         }
     }
     return model_errf(c->err, MODEL_EUNSUPPORTED,
-                      "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3 ForCausalLM)",
+                      "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
+                      "Gemma3, Phi3 ForCausalLM, GPT2LMHeadModel)",
                       c->file, name);
 }
 
@@ -297,9 +313,88 @@ static enum model_status read_sizes(const struct jctx *c, const struct arch_info
 
 /* ---- RoPE ----------------------------------------------------------------- */
 
+/* A list of n factors of longrope, each in (0, 1e6]. */
+static enum model_status read_factors(const struct jctx *r, const char *key, int n, float *out)
+{
+    json_t *v = field(r, key);
+    if (!v)
+        return missing(r, key);
+    if (!json_is_array(v) || json_array_size(v) != (size_t)n)
+        return model_errf(r->err, MODEL_ECONFIG, "%s: %s%s must be a list of %d numbers (rotated dimensions / 2)",
+                          r->file, r->prefix, key, n);
+    for (int i = 0; i < n; i++) {
+        json_t *x = json_array_get(v, (size_t)i);
+        double d = json_number_value(x);
+        if (!json_is_number(x) || !(d > 0.0 && d <= 1e6))
+            return model_errf(r->err, MODEL_ECONFIG, "%s: %s%s[%d] must be a number in (0, 1e6]", r->file, r->prefix,
+                              key, i);
+        if (out)
+            out[i] = (float)d;
+    }
+    return MODEL_OK;
+}
+
+/* Phi-3's longrope as transformers computes it: inv_freq divided by
+ * short_factor (long_factor past original_max_position_embeddings, which
+ * model_context never lets a sequence reach), and cos and sin multiplied
+ * by attention_factor, by default sqrt(1 + ln(s) / ln(original)) with
+ * s = max_position_embeddings / original_max_position_embeddings. */
+static enum model_status read_longrope(const struct jctx *c, const struct jctx *r, struct model_config *cfg)
+{
+    enum model_status st;
+    int half = cfg->rot_dim / 2;
+    /* at least 2: the default attention factor divides by its log */
+    if ((st = get_int(c, "original_max_position_embeddings", false, 4096, 2, MAX_POS, &cfg->rope_original_max_pos)))
+        return st;
+    cfg->rope_scaling = ROPE_SCALING_LONGROPE;
+    cfg->rope_short_factor = malloc((size_t)half * sizeof *cfg->rope_short_factor);
+    if (!cfg->rope_short_factor)
+        return model_errf(c->err, MODEL_ENOMEM, "%s: out of memory for %d rope factors", c->file, half);
+    if ((st = read_factors(r, "short_factor", half, cfg->rope_short_factor)) ||
+        (st = read_factors(r, "long_factor", half, NULL)))
+        return st;
+    double s = (double)cfg->max_position_embeddings / cfg->rope_original_max_pos;
+    double def = s <= 1.0 ? 1.0 : sqrt(1.0 + log(s) / log((double)cfg->rope_original_max_pos));
+    float a;
+    if ((st = get_num(r, "attention_factor", false, def, 0.0, 1e3, &a)))
+        return st;
+    cfg->rope_attn_factor = a;
+    return MODEL_OK;
+}
+
+/* transformers 5 gives Gemma 3 one rope_parameters object per layer type;
+ * the sliding layers' must be unscaled, and their rope_theta is what 4.x
+ * called rope_local_base_freq.  *rs becomes the full-attention object. */
+static enum model_status read_rope_per_type(const struct jctx *c, const struct arch_info *ai, json_t **rs,
+                                            struct model_config *cfg)
+{
+    json_t *full = json_object_get(*rs, "full_attention"), *local = json_object_get(*rs, "sliding_attention");
+    if (!full && !local)
+        return MODEL_OK;
+    if (ai->arch != ARCH_GEMMA3)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: rope_parameters per layer type is not supported for %s",
+                          c->file, ai->name);
+    if (!json_is_object(full) || !json_is_object(local))
+        return model_errf(c->err, MODEL_ECONFIG,
+                          "%s: rope_parameters must hold full_attention and sliding_attention objects", c->file);
+    struct jctx l = {.obj = local, .file = c->file, .prefix = "rope_parameters.sliding_attention.", .err = c->err};
+    const char *type;
+    enum model_status st = get_str(&l, "rope_type", &type);
+    if (st == MODEL_OK && type && strcmp(type, "default") != 0)
+        return model_errf(c->err, MODEL_EUNSUPPORTED,
+                          "%s: rope_parameters.sliding_attention.rope_type \"%s\" is not supported (default)", c->file,
+                          type);
+    if (st == MODEL_OK)
+        st = get_num(&l, "rope_theta", false, cfg->rope_local_theta, 0.0, 1e12, &cfg->rope_local_theta);
+    *rs = full;
+    return st;
+}
+
 /* rope_scaling (transformers <= 4.x) or rope_parameters (5.x).  Only the types whose inv_freq we compute are let
- * through; anything else would silently produce wrong positions. */
-static enum model_status read_rope(const struct jctx *c, struct model_config *cfg)
+ * through; anything else would silently produce wrong positions.  Gemma 3's
+ * scaling is its global layers'; its sliding layers rotate unscaled with
+ * rope_local_base_freq. */
+static enum model_status read_rope(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
 {
     enum model_status st;
     json_t *rs = field(c, "rope_scaling");
@@ -310,12 +405,33 @@ static enum model_status read_rope(const struct jctx *c, struct model_config *cf
     }
     if (rs && !json_is_object(rs))
         return model_errf(c->err, MODEL_ECONFIG, "%s: %s must be an object", c->file, rs_key);
+    if (ai->arch == ARCH_GEMMA3 &&
+        (st = get_num(c, "rope_local_base_freq", false, 10000.0, 0.0, 1e12, &cfg->rope_local_theta)))
+        return st;
+    /* Phi-3 rotates the first head_dim * partial_rotary_factor dimensions
+     * (int() of the product, as transformers takes it) */
+    cfg->rot_dim = cfg->head_dim;
+    cfg->rope_attn_factor = 1.0f;
+    if (ai->arch == ARCH_PHI3) {
+        float prf;
+        if ((st = get_num(c, "partial_rotary_factor", false, 1.0, 0.0, 1.0, &prf)))
+            return st;
+        cfg->rot_dim = (int)((double)cfg->head_dim * prf);
+        if (cfg->rot_dim < 2 || cfg->rot_dim % 2)
+            return model_errf(c->err, MODEL_ECONFIG,
+                              "%s: partial_rotary_factor=%g rotates %d of head_dim=%d dimensions (an even number >= 2 "
+                              "needed)",
+                              c->file, prf, cfg->rot_dim, cfg->head_dim);
+    }
+    json_t *outer = rs;
+    if (rs && !strcmp(rs_key, "rope_parameters") && (st = read_rope_per_type(c, ai, &rs, cfg)))
+        return st;
 
-    char prefix[32];
-    snprintf(prefix, sizeof prefix, "%s.", rs_key);
+    char prefix[48];
+    snprintf(prefix, sizeof prefix, "%s.%s", rs_key, rs != outer ? "full_attention." : "");
     struct jctx r = {.obj = rs, .file = c->file, .prefix = prefix, .err = c->err};
     /* transformers 5 folds rope_theta into rope_parameters, which wins. */
-    if ((st = get_num(c, "rope_theta", false, 10000.0, 0.0, 1e12, &cfg->rope_theta)) ||
+    if ((st = get_num(c, "rope_theta", false, ai->rope_theta, 0.0, 1e12, &cfg->rope_theta)) ||
         (st = get_num(&r, "rope_theta", false, cfg->rope_theta, 0.0, 1e12, &cfg->rope_theta)))
         return st;
 
@@ -334,6 +450,8 @@ static enum model_status read_rope(const struct jctx *c, struct model_config *cf
         cfg->rope_scaling = ROPE_SCALING_LINEAR;
         return get_num(&r, "factor", true, 0, 0.0, 1e6, &cfg->rope_factor);
     }
+    if (ai->arch == ARCH_PHI3 && (strcmp(type, "longrope") == 0 || strcmp(type, "su") == 0))
+        return read_longrope(c, &r, cfg);
     if (strcmp(type, "llama3") == 0) {
         cfg->rope_scaling = ROPE_SCALING_LLAMA3;
         if ((st = get_num(&r, "factor", true, 0, 0.0, 1e6, &cfg->rope_factor)) ||
@@ -347,45 +465,73 @@ static enum model_status read_rope(const struct jctx *c, struct model_config *cf
                               c->file, rs_key, cfg->rope_high_freq_factor, cfg->rope_low_freq_factor);
         return MODEL_OK;
     }
-    return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s type \"%s\" is not supported (default, linear, llama3)",
-                      c->file, rs_key, type);
+    return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s type \"%s\" is not supported (default, linear, llama3%s)",
+                      c->file, rs_key, type, ai->arch == ARCH_PHI3 ? ", longrope" : "");
 }
 
 /* ---- features ----------------------------------------------------------- */
 
-static enum model_status read_features(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+static enum model_status read_dtype(const struct jctx *c, const char *def, struct model_config *cfg);
+
+static enum model_status refuse_quantized(const struct jctx *c)
 {
-    enum model_status st;
     if (field(c, "quantization_config"))
         return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: quantization_config: quantized checkpoints are not supported",
                           c->file);
-    const char *act;
-    if ((st = get_str(c, "hidden_act", &act)))
+    return MODEL_OK;
+}
+
+static enum model_status read_features(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+{
+    enum model_status st;
+    if ((st = refuse_quantized(c)))
         return st;
-    if (act && strcmp(act, "silu") != 0)
-        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: hidden_act=\"%s\" is not supported (silu)", c->file, act);
+    /* Gemma's MLP reads hidden_activation (its configs carry a hidden_act
+     * too, which the model never reads). */
+    const char *act_key = is_gemma(ai->arch) ? "hidden_activation" : "hidden_act";
+    const char *act_want = is_gemma(ai->arch) ? "gelu_pytorch_tanh" : "silu";
+    const char *act;
+    if ((st = get_str(c, act_key, &act)))
+        return st;
+    if (act && strcmp(act, act_want) != 0)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s=\"%s\" is not supported (%s)", c->file, act_key, act,
+                          act_want);
+    cfg->act = is_gemma(ai->arch) ? ACT_GELU_TANH : ACT_SILU;
     bool mlp_bias = false;
     if ((st = get_bool(c, "mlp_bias", false, &mlp_bias)))
         return st;
     if (mlp_bias)
         return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: mlp_bias=true is not supported", c->file);
 
-    /* Every one of the four classes defaults tie_word_embeddings to false
-     * (PretrainedConfig's own default is true). */
-    if ((st = get_bool(c, "tie_word_embeddings", false, &cfg->tie_word_embeddings)))
+    /* Llama, Mistral and Qwen default tie_word_embeddings to false, Gemma
+     * to true (PretrainedConfig's own default is true). */
+    if ((st = get_bool(c, "tie_word_embeddings", ai->tie, &cfg->tie_word_embeddings)))
         return st;
     cfg->attention_bias = ai->qkv_bias;
     if (ai->has_bias_field && (st = get_bool(c, "attention_bias", false, &cfg->attention_bias)))
         return st;
+    /* Qwen2's q/k/v bias is fixed by the class and leaves o_proj bare;
+     * attention_bias biases o_proj too. */
+    cfg->o_bias = ai->has_bias_field && cfg->attention_bias;
     cfg->qk_norm = ai->qk_norm;
+    cfg->fused_qkv = cfg->fused_gate_up = ai->arch == ARCH_PHI3;
     if ((st = get_num(c, "rms_norm_eps", true, 0, 0.0, 1.0, &cfg->rms_norm_eps)))
         return st;
+    return read_dtype(c, NULL, cfg);
+}
 
+/* torch_dtype; def (GPT-2's checkpoints predate the field: "float32") or
+ * required when def is NULL. */
+static enum model_status read_dtype(const struct jctx *c, const char *def, struct model_config *cfg)
+{
+    enum model_status st;
     /* transformers 5 writes "dtype", older releases "torch_dtype". */
     const char *key = field(c, "dtype") ? "dtype" : "torch_dtype";
     const char *dt;
     if ((st = get_str(c, key, &dt)))
         return st;
+    if (!dt)
+        dt = def;
     if (!dt)
         return missing(c, "torch_dtype");
     static const struct {
@@ -402,47 +548,162 @@ static enum model_status read_features(const struct jctx *c, const struct arch_i
                       c->file, key, dt);
 }
 
+/* ---- Gemma ------------------------------------------------------------------ */
+
+/* A soft cap: absent is the class default, null none (0). */
+static enum model_status read_softcap(const struct jctx *c, const char *key, double def, float *out)
+{
+    if (json_is_null(json_object_get(c->obj, key))) {
+        *out = 0.0f;
+        return MODEL_OK;
+    }
+    return get_num(c, key, false, def, 0.0, 1e6, out);
+}
+
+/* The attention scale, the embedding scale and the soft caps: Gemma's;
+ * the other families scale by 1/sqrt(head_dim) and cap nothing. */
+static enum model_status read_scales(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
+{
+    enum model_status st;
+    cfg->attn_scale = 1.0f / sqrtf((float)cfg->head_dim);
+    if (!is_gemma(ai->arch))
+        return MODEL_OK;
+    cfg->norm_plus_one = true;
+    cfg->sandwich_norms = true;
+    /* hidden_size ** 0.5 in Python; the forward pass rounds it to the
+     * activation type as the reference does to the embeddings' dtype */
+    cfg->embed_scale = (float)sqrt((double)cfg->hidden_size);
+    float qpas;
+    bool g2 = ai->arch == ARCH_GEMMA2;
+    if ((st = get_num(c, "query_pre_attn_scalar", false, 256.0, 0.0, 1e9, &qpas)) ||
+        (st = read_softcap(c, "attn_logit_softcapping", g2 ? 50.0 : 0.0, &cfg->attn_softcap)) ||
+        (st = read_softcap(c, "final_logit_softcapping", g2 ? 30.0 : 0.0, &cfg->final_softcap)))
+        return st;
+    cfg->attn_scale = (float)(1.0 / sqrt((double)qpas));
+    return MODEL_OK;
+}
+
+/* ---- GPT-2 ------------------------------------------------------------------ */
+
+/* A boolean GPT-2 option that must keep its GPT2Config default. */
+static enum model_status gpt2_fixed(const struct jctx *c, const char *key, bool def)
+{
+    bool v;
+    enum model_status st = get_bool(c, key, def, &v);
+    if (st == MODEL_OK && v != def)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: %s=%s is not supported", c->file, key,
+                          v ? "true" : "false");
+    return st;
+}
+
+/* GPT2Config's fields and defaults (n_embd, n_layer, n_head, n_positions,
+ * n_inner = 4 * n_embd, layer_norm_epsilon 1e-5, gelu_new, tied head).
+ * Learned positions, LayerNorm with biases, biased projections and an
+ * ungated MLP; no RoPE. */
+static enum model_status read_gpt2(const struct jctx *c, struct model_config *cfg)
+{
+    enum model_status st;
+    if ((st = refuse_quantized(c)))
+        return st;
+    if ((st = get_int(c, "vocab_size", false, 50257, 1, MAX_VOCAB, &cfg->vocab_size)) ||
+        (st = get_int(c, "n_embd", false, 768, 1, MAX_HIDDEN, &cfg->hidden_size)) ||
+        (st = get_int(c, "n_layer", false, 12, 1, MAX_LAYERS, &cfg->n_layers)) ||
+        (st = get_int(c, "n_head", false, 12, 1, MAX_HEADS, &cfg->n_heads)) ||
+        (st = get_int(c, "n_positions", false, 1024, 1, MAX_POS, &cfg->max_position_embeddings)))
+        return st;
+    if (cfg->hidden_size % cfg->n_heads != 0)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: n_head=%d does not divide n_embd=%d", c->file, cfg->n_heads,
+                          cfg->hidden_size);
+    if ((st = get_int(c, "n_inner", false, 4LL * cfg->hidden_size, 1, MAX_FFN, &cfg->intermediate_size)))
+        return st;
+    cfg->n_kv_heads = cfg->n_heads;
+    cfg->head_dim = cfg->hidden_size / cfg->n_heads;
+    if (cfg->head_dim < 2 || cfg->head_dim > MAX_HEAD_DIM)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: n_embd / n_head = %d out of range [2, %d]", c->file,
+                          cfg->head_dim, MAX_HEAD_DIM);
+    const char *act;
+    if ((st = get_str(c, "activation_function", &act)))
+        return st;
+    if (act && strcmp(act, "gelu_new") != 0)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: activation_function=\"%s\" is not supported (gelu_new)",
+                          c->file, act);
+    if ((st = gpt2_fixed(c, "scale_attn_weights", true)) ||
+        (st = gpt2_fixed(c, "scale_attn_by_inverse_layer_idx", false)) ||
+        (st = gpt2_fixed(c, "reorder_and_upcast_attn", false)) || (st = gpt2_fixed(c, "add_cross_attention", false)) ||
+        (st = get_bool(c, "tie_word_embeddings", true, &cfg->tie_word_embeddings)) ||
+        (st = get_num(c, "layer_norm_epsilon", false, 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)))
+        return st;
+    cfg->act = ACT_GELU_TANH;
+    cfg->layer_norm = true;
+    cfg->learned_pos = true;
+    cfg->ungated_mlp = true;
+    cfg->attention_bias = cfg->o_bias = true;
+    /* no RoPE (rot_dim 0, any head_dim); the fields stay valid numbers */
+    cfg->rope_theta = 10000.0f;
+    cfg->rope_factor = 1.0f;
+    cfg->rot_dim = 0;
+    cfg->rope_attn_factor = 1.0f;
+    return read_dtype(c, "float32", cfg);
+}
+
 /* ---- sliding windows ----------------------------------------------------- */
 
 /* sliding_window as the config classes read it: absent is the class default
- * 4096, null is "no window". */
-static enum model_status read_window_size(const struct jctx *c, int *out)
+ * def (Mistral, Qwen: 4096, Phi-3: none), null is "no window". */
+static enum model_status read_window_size(const struct jctx *c, int def, int *out)
 {
     if (json_is_null(json_object_get(c->obj, "sliding_window"))) {
         *out = 0;
         return MODEL_OK;
     }
-    return get_int(c, "sliding_window", false, 4096, 1, INT32_MAX, out);
+    return get_int(c, "sliding_window", false, def, 1, INT32_MAX, out);
 }
 
 /* Fills cfg->layer_window as transformers decides each layer's attention:
  * Mistral slides on every layer; Qwen2/3 keep sliding_window only with
  * use_sliding_window, derive layer_types from max_window_layers unless the
  * config lists them, and give a "sliding_attention" layer no window when
- * sliding_window ended up unset. */
+ * sliding_window ended up unset; Gemma 2/3 make every pattern-th layer
+ * (Gemma 2: 2, Gemma 3: sliding_window_pattern, default 6) full and the
+ * others sliding unless layer_types lists them. */
 static enum model_status read_windows(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
 {
     enum model_status st;
     int window = 0, max_window_layers = 0;
     bool use_sw = false;
     json_t *types = NULL;
-    if (ai->window == WINDOW_ALL && (st = read_window_size(c, &window)))
+    if (ai->window == WINDOW_ALL && (st = read_window_size(c, ai->window_default, &window)))
         return st;
-    if (ai->window == WINDOW_QWEN) {
-        if ((st = get_bool(c, "use_sliding_window", false, &use_sw)) || (use_sw && (st = read_window_size(c, &window))) ||
-            (st = get_int(c, "max_window_layers", false, 28, 0, INT32_MAX, &max_window_layers)))
+    int pattern = ai->window_pattern;
+    if (ai->window == WINDOW_PATTERN) {
+        /* every Gemma layer type needs its window: null would leave the
+         * sliding layers' mask undefined */
+        if ((st = get_int(c, "sliding_window", false, 4096, 1, INT32_MAX, &window)))
             return st;
+        if (!field(c, "sliding_window") && json_is_null(json_object_get(c->obj, "sliding_window")))
+            return model_errf(c->err, MODEL_ECONFIG, "%s: sliding_window must be set for %s", c->file, ai->name);
+        if (ai->arch == ARCH_GEMMA3 &&
+            (st = get_int(c, "sliding_window_pattern", false, pattern, 1, INT32_MAX, &pattern)))
+            return st;
+    }
+    if (ai->window == WINDOW_QWEN || ai->window == WINDOW_PATTERN) {
         types = field(c, "layer_types");
         if (types && (!json_is_array(types) || json_array_size(types) != (size_t)cfg->n_layers))
             return model_errf(c->err, MODEL_ECONFIG, "%s: layer_types must be a list of num_hidden_layers=%d strings",
                               c->file, cfg->n_layers);
+    }
+    if (ai->window == WINDOW_QWEN) {
+        if ((st = get_bool(c, "use_sliding_window", false, &use_sw)) || (use_sw && (st = read_window_size(c, 4096, &window))) ||
+            (st = get_int(c, "max_window_layers", false, 28, 0, INT32_MAX, &max_window_layers)))
+            return st;
     }
     cfg->sliding_window = window;
     cfg->layer_window = calloc((size_t)cfg->n_layers, sizeof *cfg->layer_window);
     if (!cfg->layer_window)
         return model_errf(c->err, MODEL_ENOMEM, "%s: out of memory for %d layer windows", c->file, cfg->n_layers);
     for (int i = 0; i < cfg->n_layers; i++) {
-        bool sliding = ai->window == WINDOW_ALL || (ai->window == WINDOW_QWEN && i >= max_window_layers);
+        bool sliding = ai->window == WINDOW_ALL || (ai->window == WINDOW_QWEN && i >= max_window_layers) ||
+                       (ai->window == WINDOW_PATTERN && (i + 1) % pattern != 0);
         if (types) {
             const char *t = json_string_value(json_array_get(types, (size_t)i));
             if (!t || (strcmp(t, "full_attention") != 0 && strcmp(t, "sliding_attention") != 0))
@@ -514,8 +775,13 @@ static enum model_status parse_config(json_t *root, const char *dir, struct mode
     cfg->arch = ai->arch;
     cfg->arch_name = ai->name;
     cfg->rope_layout = BE_ROPE_NEOX;
-    if ((st = read_sizes(&c, ai, cfg)) || (st = read_rope(&c, cfg)) || (st = read_features(&c, ai, cfg)) ||
-        (st = read_windows(&c, ai, cfg)))
+    if (ai->arch == ARCH_GPT2)
+        st = read_gpt2(&c, cfg);
+    else if ((st = read_sizes(&c, ai, cfg)) || (st = read_rope(&c, ai, cfg)))
+        ;
+    else
+        st = read_features(&c, ai, cfg);
+    if (st || (st = read_windows(&c, ai, cfg)) || (st = read_scales(&c, ai, cfg)))
         return st;
     default_tokens(ai, cfg);
     if ((st = read_tokens(&c, cfg)))
@@ -558,4 +824,6 @@ void model_config_release(struct model_config *cfg)
         return;
     free(cfg->layer_window);
     cfg->layer_window = NULL;
+    free(cfg->rope_short_factor);
+    cfg->rope_short_factor = NULL;
 }

@@ -1,16 +1,23 @@
 /* model.c - the forward pass of the Llama family (Llama, Mistral, Qwen2,
- * Qwen3), batched over sequences, reading its KV from the paged store.
+ * Qwen3), Gemma 2/3, Phi-3 and GPT-2, batched over sequences, reading its KV
+ * from the paged store.
  *
- * Read it top to bottom like the maths: embed -> per layer [RMSNorm -> QKV
- * (+bias) -> (Qwen3: per-head q/k RMSNorm) -> RoPE -> store K,V -> attention
- * -> output projection -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
- * final RMSNorm -> lm_head.  Every kernel runs on the backend (backend.h).
+ * Read it top to bottom like the maths: embed (Gemma: * sqrt(dim); GPT-2:
+ * + wpe[position]) -> per layer [RMSNorm (GPT-2: LayerNorm) -> QKV (+bias)
+ * -> (Qwen3, Gemma 3: per-head q/k RMSNorm) -> RoPE (Gemma 3's sliding
+ * layers: their own base; Phi-3: partial, longrope; GPT-2: none) -> store
+ * K,V -> attention (Gemma 2: soft-capped scores) -> output projection ->
+ * (Gemma: RMSNorm) -> residual -> RMSNorm -> SwiGLU or GeGLU MLP (GPT-2:
+ * ungated gelu) -> (Gemma: RMSNorm) -> residual] -> final norm -> lm_head
+ * (Gemma 2: soft-capped logits).  The families differ only by switches of
+ * model_config; every kernel runs on the backend (backend.h).
  *
  * Batching: one call feeds every sequence of the batch; the tokens of all
  * sequences are concatenated into chunks of at most max_batch_tokens rows,
  * so each weight matrix is read once per chunk, not once per sequence.
  */
 #include "model/model.h"
+#include "util/half.h"
 
 #include <math.h>
 #include <xxhash.h>
@@ -22,10 +29,12 @@
  * The model: config, borrowed weights, run state
  * ------------------------------------------------------------------------- */
 
+#define RS_BUFS 11 /* device buffers of the run state */
+
 struct run_state {
     int cap;             /* rows every buffer below holds (max_batch_tokens) */
     int logit_rows;      /* rows of the logits buffer */
-    be_buffer *bufs[10]; /* owners of the device pointers below */
+    be_buffer *bufs[RS_BUFS]; /* owners of the device pointers below */
     enum be_dtype act;   /* the backend's activation type (caps.act_dtype) */
     size_t esz;          /* its size */
     /* device buffers, of act unless said otherwise */
@@ -39,6 +48,8 @@ struct run_state {
     void *hb2;           /* (cap, ffn)      up */
     void *logits;        /* (logit_rows, vocab) f32 */
     void *inv_freq;      /* (head_dim / 2)  f32 RoPE frequencies, scaling folded in */
+    void *inv_freq_local;/* (head_dim / 2)  f32 the sliding layers' (rope_local_theta), else = inv_freq */
+    float embed_scale;   /* the config's, rounded to act */
     /* host-side chunk description (be_embed, be_rope and the views take
      * it as host metadata) */
     struct be_tok *toks; /* (cap) */
@@ -47,6 +58,7 @@ struct run_state {
     int *row_seq;        /* (cap)           which batch entry a row belongs to */
     int *row_tok;        /* (cap)           index of the row's token within its entry */
     int32_t *ids;        /* (cap)           token ids */
+    int32_t *pos_ids;    /* (cap)           GPT-2: the rows of wpe (absolute positions) */
     int64_t *start;      /* (start_cap)     each batch entry's length before the step */
     int start_cap;
     struct be_kv_view *views; /* (cap)      one per sequence present in the chunk */
@@ -140,12 +152,19 @@ enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype d
 }
 
 /* RoPE inverse frequencies as Hugging Face computes them (f32 maths, as in
- * modeling_rope_utils.py), with linear or llama3 scaling folded in. */
-static void rope_inv_freq(const struct model_config *c, float *inv_freq)
+ * modeling_rope_utils.py) for base theta, with the config's linear or
+ * llama3 scaling folded in when scaled. */
+static void rope_inv_freq(const struct model_config *c, float theta, bool scaled, float *inv_freq)
 {
-    int half = c->head_dim / 2;
+    int half = c->rot_dim / 2;
     for (int i = 0; i < half; i++) {
-        float f = 1.0f / powf(c->rope_theta, (float)(2 * i) / (float)c->head_dim);
+        float p = powf(theta, (float)(2 * i) / (float)c->rot_dim);
+        /* longrope divides base^(2i/d) itself, before the reciprocal */
+        float f = 1.0f / (scaled && c->rope_scaling == ROPE_SCALING_LONGROPE ? c->rope_short_factor[i] * p : p);
+        if (!scaled) {
+            inv_freq[i] = f;
+            continue;
+        }
         if (c->rope_scaling == ROPE_SCALING_LINEAR) {
             f /= c->rope_factor;
         } else if (c->rope_scaling == ROPE_SCALING_LLAMA3) {
@@ -177,6 +196,7 @@ static void run_state_free(struct run_state *rs)
     free(rs->row_seq);
     free(rs->row_tok);
     free(rs->ids);
+    free(rs->pos_ids);
     free(rs->start);
     free(rs->views);
     free(rs->qviews);
@@ -191,15 +211,15 @@ static int logit_rows(int cap)
     return cap < 16 ? cap : 16; /* lm_head runs in slices: vocab can be 150k */
 }
 
-static void run_state_sizes(const struct model_config *c, size_t e, int cap, size_t sizes[10])
+static void run_state_sizes(const struct model_config *c, size_t e, int cap, size_t sizes[RS_BUFS])
 {
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t rows = (size_t)cap;
-    size_t s[10] = {
+    size_t s[RS_BUFS] = {
         rows * c->hidden_size * e, rows * c->hidden_size * e, rows * q_dim * e,
         rows * kv_dim * e, rows * kv_dim * e, rows * q_dim * e,
         rows * c->intermediate_size * e, rows * c->intermediate_size * e,
-        (size_t)logit_rows(cap) * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4,
+        (size_t)logit_rows(cap) * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4, (size_t)c->head_dim / 2 * 4,
     };
     memcpy(sizes, s, sizeof(s));
 }
@@ -212,11 +232,11 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     rs->act = be_get_caps(m->be).act_dtype;
     rs->esz = be_dtype_size(rs->act);
     rs->logit_rows = logit_rows(cap);
-    size_t sizes[10];
+    size_t sizes[RS_BUFS];
     run_state_sizes(c, rs->esz, cap, sizes);
-    void **ptrs[10] = {&rs->x, &rs->xb, &rs->q, &rs->k, &rs->v, &rs->att, &rs->hb, &rs->hb2, &rs->logits,
-                       &rs->inv_freq};
-    for (int i = 0; i < 10; i++) {
+    void **ptrs[RS_BUFS] = {&rs->x, &rs->xb, &rs->q, &rs->k, &rs->v, &rs->att, &rs->hb, &rs->hb2, &rs->logits,
+                            &rs->inv_freq, &rs->inv_freq_local};
+    for (int i = 0; i < RS_BUFS; i++) {
         enum be_status st = be_dev_alloc(m->be, sizes[i], &rs->bufs[i]);
         if (st != BE_OK) {
             snprintf(err, MODEL_ERR_LEN, "run state: cannot allocate %zu bytes of activations: %s", sizes[i],
@@ -232,20 +252,33 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     rs->row_seq = malloc((size_t)cap * sizeof(*rs->row_seq));
     rs->row_tok = malloc((size_t)cap * sizeof(*rs->row_tok));
     rs->ids = malloc((size_t)cap * sizeof(*rs->ids));
+    rs->pos_ids = malloc((size_t)cap * sizeof(*rs->pos_ids));
     rs->views = malloc((size_t)cap * sizeof(*rs->views));
     rs->qviews = malloc((size_t)cap * sizeof(*rs->qviews));
-    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->ids || !rs->views || !rs->qviews) {
+    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->ids || !rs->pos_ids ||
+        !rs->views || !rs->qviews) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
-    float *inv = malloc((size_t)c->head_dim / 2 * sizeof(float));
+    float *inv = calloc((size_t)c->head_dim / 2, sizeof(float)); /* zeros past rot_dim / 2 (GPT-2: all) */
     if (!inv) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
-    rope_inv_freq(c, inv);
-    enum be_status st = be_copy(m->be, rs->inv_freq, inv, (size_t)c->head_dim / 2 * sizeof(float), BE_H2D);
+    size_t inv_bytes = (size_t)c->head_dim / 2 * sizeof(float);
+    rope_inv_freq(c, c->rope_theta, true, inv);
+    enum be_status st = be_copy(m->be, rs->inv_freq, inv, inv_bytes, BE_H2D);
+    if (c->rope_local_theta > 0.0f)
+        rope_inv_freq(c, c->rope_local_theta, false, inv);
+    if (st == BE_OK)
+        st = be_copy(m->be, rs->inv_freq_local, inv, inv_bytes, BE_H2D);
     free(inv);
+    /* Gemma multiplies the embeddings by sqrt(hidden_size) cast to their dtype */
+    rs->embed_scale = c->embed_scale;
+    if (rs->act == BE_BF16)
+        rs->embed_scale = bf16_to_f32(f32_to_bf16(rs->embed_scale));
+    else if (rs->act == BE_F16)
+        rs->embed_scale = f16_to_f32(f32_to_f16(rs->embed_scale));
     if (st != BE_OK) {
         snprintf(err, MODEL_ERR_LEN, "run state: %s", be_strerror(st));
         return MODEL_EBACKEND;
@@ -270,9 +303,10 @@ static enum model_status upload(model *m, const void **p, size_t n, char *err)
     return MODEL_OK;
 }
 
+/* A matrix (one without data, as GPT-2's gate, stays so). */
 static enum model_status upload_mat(model *m, struct model_mat *w, char *err)
 {
-    return upload(m, &w->data, (size_t)w->rows * be_row_bytes(w->dtype, (size_t)w->cols), err);
+    return w->data ? upload(m, &w->data, (size_t)w->rows * be_row_bytes(w->dtype, (size_t)w->cols), err) : MODEL_OK;
 }
 
 /* An optional f32 vector of n floats (NULL stays NULL). */
@@ -287,8 +321,8 @@ static enum model_status weights_upload(model *m, char *err)
 {
     const struct model_config *c = &m->cfg;
     struct model_weights *w = &m->w;
-    int per_layer = 15; /* 7 matrices, at most 8 vectors */
-    m->wbufs = calloc((size_t)c->n_layers * per_layer + 3, sizeof(*m->wbufs));
+    int per_layer = 21; /* 7 matrices, at most 14 vectors */
+    m->wbufs = calloc((size_t)c->n_layers * per_layer + 5, sizeof(*m->wbufs));
     m->dev_layers = malloc((size_t)c->n_layers * sizeof(*m->dev_layers));
     if (!m->wbufs || !m->dev_layers) {
         snprintf(err, MODEL_ERR_LEN, "out of host memory for the weight table");
@@ -302,15 +336,22 @@ static enum model_status weights_upload(model *m, char *err)
     if (tied)
         w->lm_head = w->tok_embed;
     if (st == MODEL_OK)
+        st = upload_mat(m, &w->pos_embed, err);
+    if (st == MODEL_OK)
         st = upload_vec(m, &w->final_norm, dim, err);
+    if (st == MODEL_OK)
+        st = upload_vec(m, &w->final_norm_b, dim, err);
     for (int l = 0; l < c->n_layers && st == MODEL_OK; l++) {
         struct model_layer *L = &m->dev_layers[l];
         *L = w->layers[l];
         struct model_mat *mats[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (size_t i = 0; i < sizeof(mats) / sizeof(mats[0]) && st == MODEL_OK; i++)
             st = upload_mat(m, mats[i], err);
-        const float **vecs[] = {&L->attn_norm, &L->ffn_norm, &L->bq, &L->bk, &L->bv, &L->bo, &L->q_norm, &L->k_norm};
-        int lens[] = {dim, dim, q_dim, kv_dim, kv_dim, dim, c->head_dim, c->head_dim};
+        const float **vecs[] = {&L->attn_norm, &L->ffn_norm, &L->bq, &L->bk, &L->bv, &L->bo, &L->q_norm, &L->k_norm,
+                                &L->post_attn_norm, &L->post_ffn_norm, &L->attn_norm_b, &L->ffn_norm_b, &L->b_up,
+                                &L->b_down};
+        int lens[] = {dim, dim, q_dim, kv_dim, kv_dim, dim, c->head_dim, c->head_dim, dim, dim, dim, dim,
+                      c->intermediate_size, dim};
         for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]) && st == MODEL_OK; i++)
             st = upload_vec(m, vecs[i], lens[i], err);
     }
@@ -333,12 +374,16 @@ static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt
     size_t dsz = be_dtype_size(c->dtype), dim = (size_t)c->hidden_size, ffn = (size_t)c->intermediate_size;
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t embed = charged((size_t)c->vocab_size * dim * dsz);
-    size_t total = (c->tie_word_embeddings ? 1 : 2) * embed + charged(dim * 4);
-    size_t rows[] = {q_dim, kv_dim, kv_dim, dim, ffn, ffn, dim}, cols[] = {dim, dim, dim, q_dim, dim, dim, ffn};
-    bool o_bias = c->attention_bias && (c->arch == ARCH_LLAMA || c->arch == ARCH_QWEN3);
+    bool ln = c->layer_norm;
+    size_t total = (c->tie_word_embeddings ? 1 : 2) * embed + charged(dim * 4) + (ln ? charged(dim * 4) : 0);
+    if (c->learned_pos)
+        total += charged((size_t)c->max_position_embeddings * dim * dsz);
+    size_t rows[] = {q_dim, kv_dim, kv_dim, dim, c->ungated_mlp ? 0 : ffn, ffn, dim};
+    size_t cols[] = {dim, dim, dim, q_dim, dim, dim, ffn};
     size_t vecs[] = {dim, dim, c->attention_bias ? q_dim : 0, c->attention_bias ? kv_dim : 0,
-                     c->attention_bias ? kv_dim : 0, o_bias ? dim : 0, c->qk_norm ? (size_t)c->head_dim : 0,
-                     c->qk_norm ? (size_t)c->head_dim : 0};
+                     c->attention_bias ? kv_dim : 0, c->o_bias ? dim : 0, c->qk_norm ? (size_t)c->head_dim : 0,
+                     c->qk_norm ? (size_t)c->head_dim : 0, c->sandwich_norms ? dim : 0, c->sandwich_norms ? dim : 0,
+                     ln ? dim : 0, ln ? dim : 0, c->ungated_mlp ? ffn : 0, c->ungated_mlp ? dim : 0};
     enum be_dtype mt = wf == MODEL_WEIGHTS_Q8_0 ? BE_Q8_0 : c->dtype;
     size_t layer = 0;
     for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
@@ -351,11 +396,11 @@ static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt
 struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps,
                                              const struct model_params *p)
 {
-    size_t sizes[10], act = 0;
+    size_t sizes[RS_BUFS], act = 0;
     int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;
     enum be_dtype kv = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, c->dtype);
     run_state_sizes(c, be_dtype_size(caps.act_dtype), cap, sizes);
-    for (int i = 0; i < 10; i++)
+    for (int i = 0; i < RS_BUFS; i++)
         act += charged(sizes[i]);
     return (struct model_device_bytes){
         .weights = caps.unified_memory ? 0 : weights_bytes(c, p ? p->weights : MODEL_WEIGHTS_AUTO),
@@ -364,9 +409,23 @@ struct model_device_bytes model_device_bytes(const struct model_config *c, struc
     };
 }
 
+const char *model_sink_refusal(const struct model_config *c)
+{
+    if (c->learned_pos)
+        return "this model has learned absolute positions (n_positions), which a sink cache would re-rotate";
+    /* attention rotates a sink cache's keys whole, with one table */
+    if (c->rot_dim != c->head_dim)
+        return "this model rotates part of each head (partial_rotary_factor)";
+    if (c->rope_local_theta > 0.0f)
+        return "this model rotates its layers with two RoPE bases";
+    return NULL;
+}
+
 int model_context(const struct model_config *c, int want)
 {
     int max_pos = c->max_position_embeddings; /* config.c guarantees >= 1 */
+    if (c->rope_scaling == ROPE_SCALING_LONGROPE && c->rope_original_max_pos < max_pos)
+        max_pos = c->rope_original_max_pos;
     return want > 0 && want < max_pos ? want : max_pos;
 }
 
@@ -445,6 +504,14 @@ static enum be_status matmul(model *m, void *y, const void *x, const struct mode
     return be_matmul(m->be, y, m->rs.act, x, w->data, w->dtype, bias, n, w->cols, w->rows);
 }
 
+/* The block norm of rows [n, dim]: LayerNorm with bias b (GPT-2), else RMSNorm. */
+static enum be_status norm(model *m, void *y, const void *x, const float *w, const float *b, int n)
+{
+    const struct model_config *c = &m->cfg;
+    return b ? be_layernorm(m->be, y, x, w, b, n, c->hidden_size, c->rms_norm_eps)
+             : be_rmsnorm(m->be, y, x, w, n, c->hidden_size, c->rms_norm_eps);
+}
+
 /* One transformer block over the chunk's n rows, in place on rs->x. */
 static enum be_status layer_forward(model *m, int l, int n)
 {
@@ -457,7 +524,8 @@ static enum be_status layer_forward(model *m, int l, int n)
         .n_heads = c->n_heads,
         .n_kv_heads = c->n_kv_heads,
         .head_dim = hd,
-        .scale = 1.0f / sqrtf((float)hd),
+        .scale = c->attn_scale,
+        .softcap = c->attn_softcap,
         .window = c->layer_window[l],
         .kv_dtype = rs->kv_dtype,
         .key_rope = rs->key_rope_buf ? be_buffer_data(rs->key_rope_buf) : NULL,
@@ -465,29 +533,47 @@ static enum be_status layer_forward(model *m, int l, int n)
         .key_rope_layout = c->rope_layout,
     };
 
+    /* Gemma 3's sliding layers rotate with their own base */
+    const float *inv_freq = c->layer_window[l] ? rs->inv_freq_local : rs->inv_freq;
+
     /* attention */
-    BE_TRY(be_rmsnorm(be, rs->xb, rs->x, L->attn_norm, n, dim, c->rms_norm_eps)); /* xb (n, dim) */
+    BE_TRY(norm(m, rs->xb, rs->x, L->attn_norm, L->attn_norm_b, n));          /* xb (n, dim) */
     BE_TRY(matmul(m, rs->q, rs->xb, &L->wq, L->bq, n));                          /* q (n, n_heads*hd) */
     BE_TRY(matmul(m, rs->k, rs->xb, &L->wk, L->bk, n));                          /* k (n, n_kv*hd) */
     BE_TRY(matmul(m, rs->v, rs->xb, &L->wv, L->bv, n));                          /* v (n, n_kv*hd) */
-    if (L->q_norm) { /* Qwen3: RMSNorm over each head's vector, before RoPE */
+    if (L->q_norm) { /* Qwen3, Gemma 3: RMSNorm over each head's vector, before RoPE */
         BE_TRY(be_rmsnorm(be, rs->q, rs->q, L->q_norm, n * c->n_heads, hd, c->rms_norm_eps));
         BE_TRY(be_rmsnorm(be, rs->k, rs->k, L->k_norm, n * c->n_kv_heads, hd, c->rms_norm_eps));
     }
-    BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->qpos, rs->inv_freq, hd, c->rope_layout));
-    BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->kpos, rs->inv_freq, hd, c->rope_layout));
+    if (!c->learned_pos) { /* GPT-2 added its positions to the embeddings */
+        float ms = c->rope_attn_factor;
+        BE_TRY(be_rope(be, rs->q, n, c->n_heads, hd, rs->qpos, inv_freq, c->rot_dim, ms, c->rope_layout));
+        BE_TRY(be_rope(be, rs->k, n, c->n_kv_heads, hd, rs->kpos, inv_freq, c->rot_dim, ms, c->rope_layout));
+    }
     BE_TRY(be_kv_store(be, rs->views, rs->toks, n, rs->k, rs->v, &ap));      /* paged KV += k, v */
     BE_TRY(rs->any_quant ? be_attention_quant(be, rs->att, rs->q, rs->qviews, rs->toks, n, &ap) /* codes read in place */
                          : be_attention(be, rs->att, rs->q, rs->views, rs->toks, n, &ap)); /* att (n, n_heads*hd) */
     BE_TRY(matmul(m, rs->xb, rs->att, &L->wo, L->bo, n));                    /* xb (n, dim) */
+    if (L->post_attn_norm) /* Gemma: the block's output is normed too */
+        BE_TRY(be_rmsnorm(be, rs->xb, rs->xb, L->post_attn_norm, n, dim, c->rms_norm_eps));
     BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * dim));                      /* x += attn */
 
-    /* MLP: down(silu(gate(x)) * up(x)) */
-    BE_TRY(be_rmsnorm(be, rs->xb, rs->x, L->ffn_norm, n, dim, c->rms_norm_eps));
-    BE_TRY(matmul(m, rs->hb, rs->xb, &L->w_gate, NULL, n));                  /* hb (n, ffn) */
-    BE_TRY(matmul(m, rs->hb2, rs->xb, &L->w_up, NULL, n));                   /* hb2 (n, ffn) */
-    BE_TRY(be_silu_mul(be, rs->hb, rs->hb, rs->hb2, (size_t)n * c->intermediate_size));
-    BE_TRY(matmul(m, rs->xb, rs->hb, &L->w_down, NULL, n));                  /* xb (n, dim) */
+    /* MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or gelu_tanh
+     * (GeGLU); GPT-2: down(gelu_tanh(up(x) + b)) + b */
+    size_t nf = (size_t)n * c->intermediate_size;
+    BE_TRY(norm(m, rs->xb, rs->x, L->ffn_norm, L->ffn_norm_b, n));
+    if (c->ungated_mlp) {
+        BE_TRY(matmul(m, rs->hb, rs->xb, &L->w_up, L->b_up, n));             /* hb (n, ffn) */
+        BE_TRY(be_gelu_mul(be, rs->hb, rs->hb, NULL, nf));
+    } else {
+        BE_TRY(matmul(m, rs->hb, rs->xb, &L->w_gate, NULL, n));              /* hb (n, ffn) */
+        BE_TRY(matmul(m, rs->hb2, rs->xb, &L->w_up, NULL, n));               /* hb2 (n, ffn) */
+        BE_TRY(c->act == ACT_GELU_TANH ? be_gelu_mul(be, rs->hb, rs->hb, rs->hb2, nf)
+                                       : be_silu_mul(be, rs->hb, rs->hb, rs->hb2, nf));
+    }
+    BE_TRY(matmul(m, rs->xb, rs->hb, &L->w_down, L->b_down, n));             /* xb (n, dim) */
+    if (L->post_ffn_norm)
+        BE_TRY(be_rmsnorm(be, rs->xb, rs->xb, L->post_ffn_norm, n, dim, c->rms_norm_eps));
     BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * dim));                      /* x += mlp */
     return BE_OK;
 }
@@ -500,7 +586,7 @@ static enum be_status chunk_logits(model *m, struct fw_seq *seqs, int n)
     const struct model_config *c = &m->cfg;
     struct run_state *rs = &m->rs;
     size_t dim = (size_t)c->hidden_size, vocab = (size_t)c->vocab_size;
-    BE_TRY(be_rmsnorm(m->be, rs->x, rs->x, m->w.final_norm, n, c->hidden_size, c->rms_norm_eps));
+    BE_TRY(norm(m, rs->x, rs->x, m->w.final_norm, m->w.final_norm_b, n));
     int r = 0;
     while (r < n) {
         int sel[64], n_sel = 0; /* rows of this slice; logit_rows <= 16 */
@@ -521,6 +607,9 @@ static enum be_status chunk_logits(model *m, struct fw_seq *seqs, int n)
             const struct fw_seq *s = &seqs[rs->row_seq[sel[i]]];
             float *dst = s->logits + (s->want_all_logits ? (size_t)rs->row_tok[sel[i]] * vocab : 0);
             BE_TRY(be_copy(m->be, dst, (float *)rs->logits + i * vocab, vocab * 4, BE_D2H));
+            if (c->final_softcap > 0.0f) /* Gemma 2: cap * tanh(logit / cap), in f32 on the host copy */
+                for (size_t j = 0; j < vocab; j++)
+                    dst[j] = c->final_softcap * tanhf(dst[j] / c->final_softcap);
         }
     }
     return BE_OK;
@@ -568,6 +657,8 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
         rs->row_tok[r] = *t;
         rs->ids[r] = seqs[*s].tokens[*t];
         rs->pos[r] = start[*s] + *t;
+        if (c->learned_pos) /* model_forward kept them below n_positions */
+            rs->pos_ids[r] = (int32_t)rs->pos[r];
         kv_seq_rope_pos(seqs[*s].kv, rs->pos[r], &rs->qpos[r], &rs->kpos[r]); /* sink: cache indices */
         rs->toks[r] = (struct be_tok){.view = n_views - 1, .pos = rs->pos[r]};
         (*t)++;
@@ -579,6 +670,12 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
         }
     }
     BE_TRY(be_embed(m->be, rs->x, m->w.tok_embed.data, m->w.tok_embed.dtype, rs->ids, n, c->hidden_size));
+    if (c->embed_scale > 0.0f) /* Gemma */
+        BE_TRY(be_scale(m->be, rs->x, (size_t)n * c->hidden_size, rs->embed_scale));
+    if (c->learned_pos) { /* GPT-2: x += wpe[position] */
+        BE_TRY(be_embed(m->be, rs->xb, m->w.pos_embed.data, m->w.pos_embed.dtype, rs->pos_ids, n, c->hidden_size));
+        BE_TRY(be_add(m->be, rs->x, rs->xb, (size_t)n * c->hidden_size));
+    }
     kv_store *store = kv_seq_store(seqs[0].kv);
     rs->kv_dtype = kv_store_dtype(store);
     for (int l = 0; l < c->n_layers; l++) {
@@ -606,6 +703,8 @@ static enum model_status key_rope_reserve(model *m, int64_t rows)
     struct run_state *rs = &m->rs;
     if (rows <= rs->key_rope_rows)
         return MODEL_OK;
+    if (model_sink_refusal(&m->cfg))
+        return MODEL_EUNSUPPORTED;
     /* the (1, 0) pairs are written on the host, as f32 */
     if (rs->act != BE_F32)
         return MODEL_EUNSUPPORTED;
@@ -627,7 +726,8 @@ static enum model_status key_rope_reserve(model *m, int64_t rows)
         st = be_copy(m->be, be_buffer_data(buf), ones, bytes, BE_H2D);
     }
     if (st == BE_OK)
-        st = be_rope(m->be, be_buffer_data(buf), (int)n, 1, hd, pos, rs->inv_freq, hd, m->cfg.rope_layout);
+        st = be_rope(m->be, be_buffer_data(buf), (int)n, 1, hd, pos, rs->inv_freq, hd, m->cfg.rope_attn_factor,
+                     m->cfg.rope_layout);
     free(ones);
     free(pos);
     if (st != BE_OK) {
@@ -732,6 +832,10 @@ enum model_status model_forward(model *m, struct fw_seq *seqs, int n_seqs)
         for (int t = 0; t < seqs[i].n_tokens; t++)
             if (seqs[i].tokens[t] < 0 || seqs[i].tokens[t] >= c->vocab_size)
                 return MODEL_EINVAL;
+        /* learned positions end at n_positions (model_context keeps the
+         * daemon's requests inside) */
+        if (c->learned_pos && kv_seq_length(seqs[i].kv) + seqs[i].n_tokens > c->max_position_embeddings)
+            return MODEL_EINVAL;
         total += seqs[i].n_tokens;
     }
     struct run_state *rs = &m->rs;

@@ -2,7 +2,8 @@
  * (mmapped, borrowed) weights, and the batched forward pass.
  *
  * Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
- * Qwen3ForCausalLM.  Errors come back as enum model_status plus a message in
+ * Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
+ * GPT2LMHeadModel.  Errors come back as enum model_status plus a message in
  * a caller buffer of MODEL_ERR_LEN bytes naming the file and the tensor or
  * field that was wrong.
  */
@@ -30,8 +31,10 @@ enum model_status {
 };
 const char *model_strerror(enum model_status st);
 
-enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3 };
-enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3 };
+enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_PHI3,
+                  ARCH_GPT2 };
+enum model_act { ACT_SILU = 0, ACT_GELU_TANH }; /* the gate's activation: SwiGLU or GeGLU */
+enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3, ROPE_SCALING_LONGROPE };
 
 struct model_config {
     enum model_arch arch;
@@ -44,17 +47,45 @@ struct model_config {
     int n_kv_heads;
     int head_dim;            /* explicit head_dim or hidden_size / n_heads */
     int max_position_embeddings;
-    float rms_norm_eps;
+    float rms_norm_eps;                /* the norms' epsilon (GPT-2: layer_norm_epsilon) */
     float rope_theta;
     enum rope_scaling rope_scaling;
     float rope_factor;                 /* linear and llama3 */
     float rope_low_freq_factor;        /* llama3 */
     float rope_high_freq_factor;       /* llama3 */
-    int rope_original_max_pos;         /* llama3 original_max_position_embeddings */
+    int rope_original_max_pos;         /* llama3, longrope: original_max_position_embeddings */
+    /* longrope (Phi-3): short_factor, [rot_dim / 2] (owned).  Transformers
+     * switches to long_factor once a sequence passes
+     * rope_original_max_pos; model_context caps sequences there instead,
+     * so short_factor is the only table ever used. */
+    float *rope_short_factor;
+    int rot_dim;                       /* dimensions RoPE rotates: head_dim * partial_rotary_factor; 0: GPT-2 */
+    float rope_attn_factor;            /* longrope's attention_factor (cos and sin times it), else 1 */
     enum be_rope_layout rope_layout;   /* NEOX for HF checkpoints */
     bool tie_word_embeddings;
     bool attention_bias;               /* q/k/v bias (Qwen2) */
-    bool qk_norm;                      /* per-head RMSNorm on q and k (Qwen3) */
+    bool o_bias;                       /* o_proj bias too (attention_bias on Llama, Qwen3, Gemma) */
+    bool qk_norm;                      /* per-head RMSNorm on q and k (Qwen3, Gemma 3) */
+    bool fused_qkv;                    /* Phi-3: one qkv_proj, q rows then k then v (split at load) */
+    bool fused_gate_up;                /* Phi-3: one gate_up_proj, gate rows then up (split at load) */
+    enum model_act act;
+    /* Gemma: every RMSNorm scales by 1 + weight; the loader folds the 1
+     * into its f32 copy of the weight, so the kernels see a plain RMSNorm. */
+    bool norm_plus_one;
+    bool sandwich_norms;               /* Gemma 2/3: attention and MLP outputs normed before the residual add */
+    /* GPT-2: LayerNorm with biases for RMSNorm, learned absolute positions
+     * (wpe, no RoPE: sequences end at max_position_embeddings = n_positions),
+     * and an ungated MLP down(act(up(x) + b)) + b. */
+    bool layer_norm;
+    bool learned_pos;
+    bool ungated_mlp;
+    float embed_scale;                 /* 0: none; Gemma: embeddings times sqrt(hidden_size) */
+    float attn_scale;                  /* the scores' scale: 1/sqrt(head_dim), Gemma query_pre_attn_scalar^-1/2 */
+    float attn_softcap;                /* 0: none; else attn_logit_softcapping (Gemma 2) */
+    float final_softcap;               /* 0: none; else final_logit_softcapping (Gemma 2) */
+    /* 0: every layer rotates with rope_theta and rope_scaling; Gemma 3:
+     * the sliding layers' base (rope_local_base_freq), unscaled. */
+    float rope_local_theta;
     int sliding_window;                /* 0 = none */
     int *layer_window;                 /* [n_layers] 0 = full, else the window (owned) */
     enum be_dtype dtype;               /* torch_dtype */
@@ -76,6 +107,7 @@ struct model_mat {
 
 struct model_layer {
     const float *attn_norm;  /* (dim)            input_layernorm */
+    const float *attn_norm_b, *ffn_norm_b; /* (dim) or NULL: GPT-2's LayerNorm biases */
     struct model_mat wq;     /* (n_heads*head_dim, dim) */
     struct model_mat wk;     /* (n_kv_heads*head_dim, dim) */
     struct model_mat wv;     /* (n_kv_heads*head_dim, dim) */
@@ -83,15 +115,20 @@ struct model_layer {
     const float *bq, *bk, *bv; /* (q_dim), (kv_dim), (kv_dim) or NULL */
     const float *bo;         /* (dim) or NULL: o_proj bias (attention_bias on Llama/Qwen3) */
     const float *q_norm, *k_norm; /* (head_dim) or NULL (Qwen3) */
-    const float *ffn_norm;   /* (dim)            post_attention_layernorm */
-    struct model_mat w_gate; /* (hidden, dim) */
+    const float *post_attn_norm; /* (dim) or NULL: Gemma's post_attention_layernorm, on the attention output */
+    const float *ffn_norm;   /* (dim)            post_attention_layernorm (Gemma: pre_feedforward_layernorm) */
+    const float *post_ffn_norm; /* (dim) or NULL: Gemma's post_feedforward_layernorm, on the MLP output */
+    struct model_mat w_gate; /* (hidden, dim), no data for GPT-2 (ungated) */
     struct model_mat w_up;   /* (hidden, dim) */
     struct model_mat w_down; /* (dim, hidden) */
+    const float *b_up, *b_down; /* (hidden), (dim) or NULL: GPT-2's MLP biases */
 };
 
 struct model_weights {
     struct model_mat tok_embed;  /* (vocab, dim) */
+    struct model_mat pos_embed;  /* (max_position_embeddings, dim): GPT-2's wpe, else no data */
     const float *final_norm;     /* (dim) */
+    const float *final_norm_b;   /* (dim) or NULL: GPT-2's ln_f bias */
     struct model_mat lm_head;    /* (vocab, dim), = tok_embed when tied */
     struct model_layer *layers;  /* [n_layers] */
     /* xxh3 over the safetensors headers (names, dtypes, shapes, offsets) */
@@ -100,7 +137,7 @@ struct model_weights {
 
 /* Parses config.json (+ generation_config.json when present) of dir. */
 enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err);
-void model_config_release(struct model_config *cfg); /* frees layer_window */
+void model_config_release(struct model_config *cfg); /* frees layer_window, rope_short_factor */
 
 typedef struct model_files model_files; /* the mmapped safetensors of a directory */
 
@@ -126,8 +163,14 @@ struct q8_0_block;
 enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
                                          struct q8_0_block **blocks, struct model_layer **layers, char *err);
 
+/* Why the sink strategy cannot run this model (its keys are rotated at
+ * their index in the cache as attention reads them), or NULL when it can.
+ * A model with sliding layers is refused by the store. */
+const char *model_sink_refusal(const struct model_config *c);
+
 /* The context of a sequence: want tokens (0: the model's), at most the
- * model's max_position_embeddings. */
+ * model's max_position_embeddings (longrope: original_max_position_embeddings,
+ * the last position its short_factor covers). */
 int model_context(const struct model_config *c, int want);
 
 /* How the KV store keeps K and V (model_params.kv_dtype).  The default

@@ -487,6 +487,12 @@ static enum model_status bind_vec(struct binder *b, const char *name, int len, c
     if (bad < (size_t)len)
         return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has a non-finite value (%g) at index %zu", f->name,
                           name, dst[bad], bad);
+    /* Gemma's RMSNorm scales by 1 + weight, in f32 as here; every norm's
+     * name ends so, no bias's does */
+    size_t nl = strlen(name), sl = strlen("norm.weight");
+    if (b->cfg->norm_plus_one && nl >= sl && strcmp(name + nl - sl, "norm.weight") == 0)
+        for (int i = 0; i < len; i++)
+            dst[i] += 1.0f;
     b->next_vector += len;
     *out = dst;
     return MODEL_OK;
@@ -496,20 +502,38 @@ static enum model_status bind_vec(struct binder *b, const char *name, int len, c
 enum dim { D_DIM, D_QDIM, D_KVDIM, D_FFN, D_HEAD };
 
 /* When a per-layer vector exists. */
-enum need { ALWAYS, QKV_BIAS, O_BIAS, QK_NORM };
+enum need { ALWAYS, QKV_BIAS, O_BIAS, QK_NORM, PLAIN_NORMS, SANDWICH_NORMS, SPLIT_QKV, SPLIT_GATE_UP, FUSED_QKV,
+            FUSED_GATE_UP };
 
 static const struct layer_mat {
     const char *suffix;
     size_t off;
     enum dim rows, cols;
+    enum need need;
 } LAYER_MATS[] = {
-    {"self_attn.q_proj.weight", offsetof(struct model_layer, wq), D_QDIM, D_DIM},
-    {"self_attn.k_proj.weight", offsetof(struct model_layer, wk), D_KVDIM, D_DIM},
-    {"self_attn.v_proj.weight", offsetof(struct model_layer, wv), D_KVDIM, D_DIM},
-    {"self_attn.o_proj.weight", offsetof(struct model_layer, wo), D_DIM, D_QDIM},
-    {"mlp.gate_proj.weight", offsetof(struct model_layer, w_gate), D_FFN, D_DIM},
-    {"mlp.up_proj.weight", offsetof(struct model_layer, w_up), D_FFN, D_DIM},
-    {"mlp.down_proj.weight", offsetof(struct model_layer, w_down), D_DIM, D_FFN},
+    {"self_attn.q_proj.weight", offsetof(struct model_layer, wq), D_QDIM, D_DIM, SPLIT_QKV},
+    {"self_attn.k_proj.weight", offsetof(struct model_layer, wk), D_KVDIM, D_DIM, SPLIT_QKV},
+    {"self_attn.v_proj.weight", offsetof(struct model_layer, wv), D_KVDIM, D_DIM, SPLIT_QKV},
+    {"self_attn.o_proj.weight", offsetof(struct model_layer, wo), D_DIM, D_QDIM, ALWAYS},
+    {"mlp.gate_proj.weight", offsetof(struct model_layer, w_gate), D_FFN, D_DIM, SPLIT_GATE_UP},
+    {"mlp.up_proj.weight", offsetof(struct model_layer, w_up), D_FFN, D_DIM, SPLIT_GATE_UP},
+    {"mlp.down_proj.weight", offsetof(struct model_layer, w_down), D_DIM, D_FFN, ALWAYS},
+};
+
+/* Phi-3's fused projections: one tensor whose rows are the parts in
+ * order; each part is bound as a view of its rows (no copy). */
+static const struct layer_fused {
+    const char *suffix;
+    enum need need;
+    int n;
+    size_t off[3];
+    enum dim rows[3];
+} LAYER_FUSED[] = {
+    {"self_attn.qkv_proj.weight", FUSED_QKV, 3,
+     {offsetof(struct model_layer, wq), offsetof(struct model_layer, wk), offsetof(struct model_layer, wv)},
+     {D_QDIM, D_KVDIM, D_KVDIM}},
+    {"mlp.gate_up_proj.weight", FUSED_GATE_UP, 2,
+     {offsetof(struct model_layer, w_gate), offsetof(struct model_layer, w_up)}, {D_FFN, D_FFN}},
 };
 
 static const struct layer_vec {
@@ -519,7 +543,12 @@ static const struct layer_vec {
     enum need need;
 } LAYER_VECS[] = {
     {"input_layernorm.weight", offsetof(struct model_layer, attn_norm), D_DIM, ALWAYS},
-    {"post_attention_layernorm.weight", offsetof(struct model_layer, ffn_norm), D_DIM, ALWAYS},
+    {"post_attention_layernorm.weight", offsetof(struct model_layer, ffn_norm), D_DIM, PLAIN_NORMS},
+    /* Gemma: the same name is the attention output's norm; the MLP's input
+     * norm is pre_feedforward_layernorm */
+    {"post_attention_layernorm.weight", offsetof(struct model_layer, post_attn_norm), D_DIM, SANDWICH_NORMS},
+    {"pre_feedforward_layernorm.weight", offsetof(struct model_layer, ffn_norm), D_DIM, SANDWICH_NORMS},
+    {"post_feedforward_layernorm.weight", offsetof(struct model_layer, post_ffn_norm), D_DIM, SANDWICH_NORMS},
     {"self_attn.q_proj.bias", offsetof(struct model_layer, bq), D_QDIM, QKV_BIAS},
     {"self_attn.k_proj.bias", offsetof(struct model_layer, bk), D_KVDIM, QKV_BIAS},
     {"self_attn.v_proj.bias", offsetof(struct model_layer, bv), D_KVDIM, QKV_BIAS},
@@ -545,10 +574,14 @@ static bool needed(const struct model_config *c, enum need n)
     switch (n) {
     case ALWAYS: return true;
     case QKV_BIAS: return c->attention_bias;
-    /* Qwen2's q/k/v bias is fixed by the class and leaves o_proj bare;
-     * attention_bias on Llama and Qwen3 biases o_proj too. */
-    case O_BIAS: return c->attention_bias && (c->arch == ARCH_LLAMA || c->arch == ARCH_QWEN3);
+    case O_BIAS: return c->o_bias;
     case QK_NORM: return c->qk_norm;
+    case PLAIN_NORMS: return !c->sandwich_norms;
+    case SANDWICH_NORMS: return c->sandwich_norms;
+    case SPLIT_QKV: return !c->fused_qkv;
+    case SPLIT_GATE_UP: return !c->fused_gate_up;
+    case FUSED_QKV: return c->fused_qkv;
+    case FUSED_GATE_UP: return c->fused_gate_up;
     }
     return false;
 }
@@ -556,6 +589,8 @@ static bool needed(const struct model_config *c, enum need n)
 /* Floats of f32 copies one layer's vectors take. */
 static size_t layer_vector_floats(const struct model_config *c)
 {
+    if (c->arch == ARCH_GPT2) /* ln_1, ln_2 (weight, bias), c_attn, c_proj, c_fc, mlp c_proj biases */
+        return 9 * (size_t)c->hidden_size + (size_t)c->intermediate_size;
     size_t n = 0;
     for (size_t i = 0; i < sizeof LAYER_VECS / sizeof LAYER_VECS[0]; i++)
         if (needed(c, LAYER_VECS[i].need))
@@ -569,11 +604,30 @@ static enum model_status bind_layer(struct binder *b, int l, struct model_layer 
     enum model_status st;
     for (size_t i = 0; i < sizeof LAYER_MATS / sizeof LAYER_MATS[0]; i++) {
         const struct layer_mat *m = &LAYER_MATS[i];
+        if (!needed(b->cfg, m->need))
+            continue;
         snprintf(name, sizeof name, "model.layers.%d.%s", l, m->suffix);
         st = bind_mat(b, name, dim_of(b->cfg, m->rows), dim_of(b->cfg, m->cols),
                       (struct model_mat *)((char *)L + m->off));
         if (st != MODEL_OK)
             return st;
+    }
+    for (size_t i = 0; i < sizeof LAYER_FUSED / sizeof LAYER_FUSED[0]; i++) {
+        const struct layer_fused *f = &LAYER_FUSED[i];
+        if (!needed(b->cfg, f->need))
+            continue;
+        int rows = 0, cols = b->cfg->hidden_size;
+        for (int p = 0; p < f->n; p++)
+            rows += dim_of(b->cfg, f->rows[p]); /* at most 3 * MAX_QDIM: an int */
+        struct model_mat whole;
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, f->suffix);
+        if ((st = bind_mat(b, name, rows, cols, &whole)))
+            return st;
+        size_t row_bytes = (size_t)cols * be_dtype_size(whole.dtype);
+        for (int p = 0, r0 = 0; p < f->n; r0 += dim_of(b->cfg, f->rows[p]), p++)
+            *(struct model_mat *)((char *)L + f->off[p]) =
+                (struct model_mat){.data = (const char *)whole.data + (size_t)r0 * row_bytes, .dtype = whole.dtype,
+                                   .rows = dim_of(b->cfg, f->rows[p]), .cols = cols};
     }
     for (size_t i = 0; i < sizeof LAYER_VECS / sizeof LAYER_VECS[0]; i++) {
         const struct layer_vec *v = &LAYER_VECS[i];
@@ -587,18 +641,121 @@ static enum model_status bind_layer(struct binder *b, int l, struct model_layer 
     return MODEL_OK;
 }
 
+/* ---- GPT-2 ---------------------------------------------------------------- */
+
+static bool has_tensor(const struct binder *b, const char *name)
+{
+    return b->weight_map ? json_object_get(b->weight_map, name) != NULL : st_find(&b->mf->files[0], name) != NULL;
+}
+
+/* A GPT-2 Conv1D weight, stored [in, out] (x W, not x W^T), bound as an
+ * owned transposed copy [out, in], the layout the matmul reads. */
+static enum model_status bind_conv1d(struct binder *b, const char *name, int in, int out, struct model_mat *m)
+{
+    struct model_mat src;
+    enum model_status st = bind_mat(b, name, in, out, &src);
+    if (st != MODEL_OK)
+        return st;
+    size_t esz = be_dtype_size(src.dtype);
+    char *dst = malloc((size_t)in * (size_t)out * esz);
+    if (!dst)
+        return model_errf(b->err, MODEL_ENOMEM, "out of memory transposing %s (%d x %d)", name, in, out);
+    const char *p = src.data;
+    for (size_t o = 0; o < (size_t)out; o++)
+        for (size_t i = 0; i < (size_t)in; i++)
+            memcpy(dst + (o * (size_t)in + i) * esz, p + (i * (size_t)out + o) * esz, esz);
+    b->mf->copies[b->mf->n_copies++] = dst;
+    *m = (struct model_mat){.data = dst, .dtype = src.dtype, .rows = out, .cols = in};
+    return MODEL_OK;
+}
+
+/* One GPT-2 block: h.N.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
+ * mlp.c_proj}; c_attn's rows are q, then k, then v. */
+static enum model_status bind_gpt2_layer(struct binder *b, const char *pre, int l, struct model_layer *L)
+{
+    int dim = b->cfg->hidden_size, ffn = b->cfg->intermediate_size;
+    char n[160];
+    enum model_status st;
+    struct model_mat qkv;
+    const float *bqkv;
+#define NAME(suffix) (snprintf(n, sizeof n, "%sh.%d.%s", pre, l, suffix), n)
+    if ((st = bind_vec(b, NAME("ln_1.weight"), dim, &L->attn_norm)) ||
+        (st = bind_vec(b, NAME("ln_1.bias"), dim, &L->attn_norm_b)) ||
+        (st = bind_conv1d(b, NAME("attn.c_attn.weight"), dim, 3 * dim, &qkv)) ||
+        (st = bind_vec(b, NAME("attn.c_attn.bias"), 3 * dim, &bqkv)) ||
+        (st = bind_conv1d(b, NAME("attn.c_proj.weight"), dim, dim, &L->wo)) ||
+        (st = bind_vec(b, NAME("attn.c_proj.bias"), dim, &L->bo)) ||
+        (st = bind_vec(b, NAME("ln_2.weight"), dim, &L->ffn_norm)) ||
+        (st = bind_vec(b, NAME("ln_2.bias"), dim, &L->ffn_norm_b)) ||
+        (st = bind_conv1d(b, NAME("mlp.c_fc.weight"), dim, ffn, &L->w_up)) ||
+        (st = bind_vec(b, NAME("mlp.c_fc.bias"), ffn, &L->b_up)) ||
+        (st = bind_conv1d(b, NAME("mlp.c_proj.weight"), ffn, dim, &L->w_down)) ||
+        (st = bind_vec(b, NAME("mlp.c_proj.bias"), dim, &L->b_down)))
+        return st;
+#undef NAME
+    size_t part = (size_t)dim * (size_t)dim * be_dtype_size(qkv.dtype);
+    struct model_mat *parts[] = {&L->wq, &L->wk, &L->wv};
+    const float **biases[] = {&L->bq, &L->bk, &L->bv};
+    for (int p = 0; p < 3; p++) {
+        *parts[p] = (struct model_mat){.data = (const char *)qkv.data + (size_t)p * part, .dtype = qkv.dtype,
+                                       .rows = dim, .cols = dim};
+        *biases[p] = bqkv + (size_t)p * (size_t)dim;
+    }
+    return MODEL_OK;
+}
+
+/* GPT2LMHeadModel saves its tensors under "transformer."; the original
+ * checkpoints (GPT2Model's) have no prefix. */
+static const char *gpt2_prefix(const struct binder *b)
+{
+    return has_tensor(b, "transformer.wte.weight") ? "transformer." : "";
+}
+
+static enum model_status bind_gpt2(struct binder *b, struct model_weights *w)
+{
+    const struct model_config *c = b->cfg;
+    const char *pre = gpt2_prefix(b);
+    char n[160];
+    enum model_status st;
+    snprintf(n, sizeof n, "%swte.weight", pre);
+    if ((st = bind_mat(b, n, c->vocab_size, c->hidden_size, &w->tok_embed)))
+        return st;
+    snprintf(n, sizeof n, "%swpe.weight", pre);
+    if ((st = bind_mat(b, n, c->max_position_embeddings, c->hidden_size, &w->pos_embed)))
+        return st;
+    for (int l = 0; l < c->n_layers; l++)
+        if ((st = bind_gpt2_layer(b, pre, l, &b->mf->layers[l])))
+            return st;
+    snprintf(n, sizeof n, "%sln_f.weight", pre);
+    if ((st = bind_vec(b, n, c->hidden_size, &w->final_norm)))
+        return st;
+    snprintf(n, sizeof n, "%sln_f.bias", pre);
+    if ((st = bind_vec(b, n, c->hidden_size, &w->final_norm_b)))
+        return st;
+    if (c->tie_word_embeddings)
+        w->lm_head = w->tok_embed;
+    else if ((st = bind_mat(b, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head)))
+        return st;
+    w->layers = b->mf->layers;
+    return MODEL_OK;
+}
+
 static enum model_status bind_all(struct binder *b, struct model_weights *w)
 {
     const struct model_config *c = b->cfg;
     model_files *mf = b->mf;
-    size_t floats = (size_t)c->n_layers * layer_vector_floats(c) + (size_t)c->hidden_size;
+    size_t floats = (size_t)c->n_layers * layer_vector_floats(c) + (size_t)c->hidden_size * (c->layer_norm ? 2 : 1);
     mf->vectors = malloc(floats * sizeof *mf->vectors);
     mf->layers = calloc((size_t)c->n_layers, sizeof *mf->layers);
-    size_t max_copies = (size_t)c->n_layers * (sizeof LAYER_MATS / sizeof LAYER_MATS[0]) + 2;
+    /* at most one aligned copy of each matrix, and GPT-2's four transposed
+     * ones per layer besides */
+    size_t max_copies = (size_t)c->n_layers * (sizeof LAYER_MATS / sizeof LAYER_MATS[0] + 4) + 3;
     mf->copies = calloc(max_copies, sizeof *mf->copies);
     if (!mf->vectors || !mf->layers || !mf->copies)
         return model_errf(b->err, MODEL_ENOMEM, "out of memory binding %d layers", c->n_layers);
     b->next_vector = mf->vectors;
+    if (c->arch == ARCH_GPT2)
+        return bind_gpt2(b, w);
 
     enum model_status st = bind_mat(b, "model.embed_tokens.weight", c->vocab_size, c->hidden_size, &w->tok_embed);
     for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
@@ -654,16 +811,54 @@ static enum model_status verify_mat(const struct model_mat *m, const char *name,
     return MODEL_OK;
 }
 
+/* GPT-2's matrices as bound: q, k, v are consecutive rows of one copy. */
+static enum model_status verify_gpt2(const struct model_config *cfg, const struct model_weights *w, char *err)
+{
+    enum model_status st = verify_mat(&w->tok_embed, "wte.weight", err);
+    if (st == MODEL_OK)
+        st = verify_mat(&w->pos_embed, "wpe.weight", err);
+    if (st == MODEL_OK && !cfg->tie_word_embeddings)
+        st = verify_mat(&w->lm_head, "lm_head.weight", err);
+    for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
+        const struct model_layer *L = &w->layers[l];
+        struct model_mat qkv = L->wq;
+        qkv.rows *= 3;
+        const struct model_mat *mats[] = {&qkv, &L->wo, &L->w_up, &L->w_down};
+        static const char *const names[] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
+        for (int i = 0; i < 4 && st == MODEL_OK; i++) {
+            char name[128];
+            snprintf(name, sizeof name, "h.%d.%s.weight (transposed)", l, names[i]);
+            st = verify_mat(mats[i], name, err);
+        }
+    }
+    return st;
+}
+
 enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err)
 {
+    if (cfg->arch == ARCH_GPT2)
+        return verify_gpt2(cfg, w, err);
     enum model_status st = verify_mat(&w->tok_embed, "model.embed_tokens.weight", err);
     if (st == MODEL_OK && !cfg->tie_word_embeddings)
         st = verify_mat(&w->lm_head, "lm_head.weight", err);
     for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
+        char name[128];
         for (size_t k = 0; k < sizeof LAYER_MATS / sizeof LAYER_MATS[0] && st == MODEL_OK; k++) {
-            char name[128];
+            if (!needed(cfg, LAYER_MATS[k].need))
+                continue;
             snprintf(name, sizeof name, "model.layers.%d.%s", l, LAYER_MATS[k].suffix);
             st = verify_mat((const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off), name, err);
+        }
+        for (size_t k = 0; k < sizeof LAYER_FUSED / sizeof LAYER_FUSED[0] && st == MODEL_OK; k++) {
+            const struct layer_fused *f = &LAYER_FUSED[k];
+            if (!needed(cfg, f->need))
+                continue;
+            /* the parts are consecutive rows of the one tensor */
+            struct model_mat whole = *(const struct model_mat *)((const char *)&w->layers[l] + f->off[0]);
+            for (int p = 1; p < f->n; p++)
+                whole.rows += ((const struct model_mat *)((const char *)&w->layers[l] + f->off[p]))->rows;
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, f->suffix);
+            st = verify_mat(&whole, name, err);
         }
     }
     return st;
@@ -694,6 +889,8 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
     for (int l = 0; l < cfg->n_layers; l++)
         for (size_t k = 0; k < N_MATS; k++) {
             const struct model_mat *m = (const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off);
+            if (!m->data) /* a matrix the architecture lacks (GPT-2's gate) */
+                continue;
             if (m->cols % Q8_0_BLOCK)
                 return model_errf(err, MODEL_EUNSUPPORTED,
                                   "tensor model.layers.%d.%s: %d columns, not a multiple of %d (Q8_0 blocks)", l,
@@ -712,6 +909,8 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
         ls[l] = w->layers[l];
         for (size_t k = 0; k < N_MATS && st == MODEL_OK; k++) {
             struct model_mat *m = (struct model_mat *)((char *)&ls[l] + LAYER_MATS[k].off);
+            if (!m->data)
+                continue;
             size_t per_row = (size_t)m->cols / Q8_0_BLOCK;
             for (int r = 0; r < m->rows && st == MODEL_OK; r++)
                 if (!q8_0_quantize(row_f32(m, r, buf), next + (size_t)r * per_row, (size_t)m->cols)) {

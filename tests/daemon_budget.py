@@ -34,8 +34,9 @@ def formula(seqs, batch_tokens=256):
         per_layer = sum(charged(n * 4) for n in (q * dim, kv * dim, kv * dim, dim * q, ffn * dim, ffn * dim, dim * ffn))
         weights = charged(vocab * dim * 4) + charged(dim * 4) + layers * (per_layer + 2 * charged(dim * 4))
     rows = batch_tokens
+    # the last two: the RoPE tables of the global and of the sliding layers
     act = sum(charged(n * 4) for n in (rows * dim, rows * dim, rows * q, rows * kv, rows * kv, rows * q,
-                                         rows * ffn, rows * ffn, 16 * vocab, hd // 2))
+                                         rows * ffn, rows * ffn, 16 * vocab, hd // 2, hd // 2))
     kv_bytes = seqs * c["max_position_embeddings"] * layers * 2 * kv * 4
     total = weights + act + kv_bytes
     return max(FLOOR, total + total // 8)

@@ -77,7 +77,8 @@ def torch_kv(model, ids):
     kv = []
 
     def hook(attn, args, out):
-        x, cos, sin, _ = args
+        x, ropes, _ = args
+        cos, sin = ropes[attn.rope]
         b, t, _ = x.shape
         k = attn.k_proj(x).view(b, t, attn.n_kv, attn.hd)
         if attn.k_norm is not None:

@@ -55,23 +55,42 @@ def naive_rmsnorm(x, w, eps):
     return w * (x / math.sqrt(float(np.mean(x * x)) + eps))
 
 
-def naive_rope(v, pos, inv_freq):
-    """Rotates pair (v[i], v[i + hd/2]) by angle pos * inv_freq[i]."""
-    h = len(v) // 2
+def naive_rope(v, pos, inv_freq, mscale=1.0):
+    """Rotates pair (v[i], v[i + rot/2]) by angle pos * inv_freq[i], rot =
+    2 * len(inv_freq) <= len(v), cos and sin times mscale; the dimensions
+    past rot pass through."""
+    h = len(inv_freq)
     out = v.copy()
     for i in range(h):
-        c, s = math.cos(pos * inv_freq[i]), math.sin(pos * inv_freq[i])
+        c, s = mscale * math.cos(pos * inv_freq[i]), mscale * math.sin(pos * inv_freq[i])
         out[i] = v[i] * c - v[i + h] * s
         out[i + h] = v[i] * s + v[i + h] * c
     return out
 
 
-def naive_forward(cfg, sd, ids, inv_freq, windows):
+def naive_gelu_tanh(v):
+    return 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
+
+
+def naive_forward(cfg, sd, ids, inv_freq, windows, inv_local=None, mscale=1.0):
+    """inv_local: Gemma 3's sliding layers' RoPE frequencies; mscale:
+    longrope's factor on cos and sin."""
     P = {k: v.double().numpy() for k, v in sd.items()}
     eps = cfg.get("rms_norm_eps", 1e-6)
     H, Hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], tr.head_dim_of(cfg)
+    arch = cfg["architectures"][0]
+    gemma = arch in tr.GEMMA
+    # Gemma's defaults where the config is silent (Gemma2Config / Gemma3TextConfig)
+    scale = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else 1 / math.sqrt(hd)
+    g2 = arch == "Gemma2ForCausalLM"
+    attn_cap = cfg.get("attn_logit_softcapping", 50.0 if g2 else None) if gemma else None
+    final_cap = cfg.get("final_logit_softcapping", 30.0 if g2 else None) if gemma else None
     T = len(ids)
-    x = [P["model.embed_tokens.weight"][t].copy() for t in ids]
+    x = [P["model.embed_tokens.weight"][t] * (math.sqrt(cfg["hidden_size"]) if gemma else 1.0) for t in ids]
+
+    def norm(v, name):
+        w = P[name]
+        return naive_rmsnorm(v, 1 + w if gemma else w, eps)
 
     def lin(name, v):
         y = P[name + ".weight"] @ v
@@ -79,34 +98,54 @@ def naive_forward(cfg, sd, ids, inv_freq, windows):
 
     for li, win in enumerate(windows):
         pre = f"model.layers.{li}."
+        inv = inv_local if (win is not None and inv_local is not None) else inv_freq
         qs, ks, vs = [], [], []
         for t in range(T):
-            hN = naive_rmsnorm(x[t], P[pre + "input_layernorm.weight"], eps)
-            q = lin(pre + "self_attn.q_proj", hN).reshape(H, hd)
-            k = lin(pre + "self_attn.k_proj", hN).reshape(Hkv, hd)
+            hN = norm(x[t], pre + "input_layernorm.weight")
+            if pre + "self_attn.qkv_proj.weight" in P:  # Phi-3: q, k, v rows of one matrix
+                qkv = lin(pre + "self_attn.qkv_proj", hN)
+                q, k, v = qkv[:H * hd], qkv[H * hd:(H + Hkv) * hd], qkv[(H + Hkv) * hd:]
+            else:
+                q, k, v = (lin(pre + "self_attn." + n, hN) for n in ("q_proj", "k_proj", "v_proj"))
+            q, k = q.reshape(H, hd), k.reshape(Hkv, hd)
             if pre + "self_attn.q_norm.weight" in P:
-                q = np.stack([naive_rmsnorm(r, P[pre + "self_attn.q_norm.weight"], eps) for r in q])
-                k = np.stack([naive_rmsnorm(r, P[pre + "self_attn.k_norm.weight"], eps) for r in k])
-            qs.append(np.stack([naive_rope(r, t, inv_freq) for r in q]))
-            ks.append(np.stack([naive_rope(r, t, inv_freq) for r in k]))
-            vs.append(lin(pre + "self_attn.v_proj", hN).reshape(Hkv, hd))
+                q = np.stack([norm(r, pre + "self_attn.q_norm.weight") for r in q])
+                k = np.stack([norm(r, pre + "self_attn.k_norm.weight") for r in k])
+            qs.append(np.stack([naive_rope(r, t, inv, mscale) for r in q]))
+            ks.append(np.stack([naive_rope(r, t, inv, mscale) for r in k]))
+            vs.append(v.reshape(Hkv, hd))
         new_x = []
         for t in range(T):
             first = 0 if win is None else max(0, t - win + 1)
             heads = []
             for h in range(H):
                 g = h // (H // Hkv)
-                sc = [float(qs[t][h] @ ks[j][g]) / math.sqrt(hd) for j in range(first, t + 1)]
+                sc = [float(qs[t][h] @ ks[j][g]) * scale for j in range(first, t + 1)]
+                if attn_cap:
+                    sc = [attn_cap * math.tanh(s / attn_cap) for s in sc]
                 m = max(sc)
                 e = [math.exp(s - m) for s in sc]
                 heads.append(sum(e[j - first] / sum(e) * vs[j][g] for j in range(first, t + 1)))
-            xt = x[t] + lin(pre + "self_attn.o_proj", np.concatenate(heads))
-            hN = naive_rmsnorm(xt, P[pre + "post_attention_layernorm.weight"], eps)
-            gate = lin(pre + "mlp.gate_proj", hN)
-            new_x.append(xt + lin(pre + "mlp.down_proj", gate / (1 + np.exp(-gate)) * lin(pre + "mlp.up_proj", hN)))
+            a = lin(pre + "self_attn.o_proj", np.concatenate(heads))
+            if gemma:
+                xt = x[t] + norm(a, pre + "post_attention_layernorm.weight")
+                hN = norm(xt, pre + "pre_feedforward_layernorm.weight")
+                gate = lin(pre + "mlp.gate_proj", hN)
+                f = lin(pre + "mlp.down_proj", naive_gelu_tanh(gate) * lin(pre + "mlp.up_proj", hN))
+                new_x.append(xt + norm(f, pre + "post_feedforward_layernorm.weight"))
+                continue
+            xt = x[t] + a
+            hN = norm(xt, pre + "post_attention_layernorm.weight")
+            if pre + "mlp.gate_up_proj.weight" in P:  # Phi-3: gate rows, then up rows
+                gu = lin(pre + "mlp.gate_up_proj", hN)
+                gate, up = gu[:len(gu) // 2], gu[len(gu) // 2:]
+            else:
+                gate, up = lin(pre + "mlp.gate_proj", hN), lin(pre + "mlp.up_proj", hN)
+            new_x.append(xt + lin(pre + "mlp.down_proj", gate / (1 + np.exp(-gate)) * up))
         x = new_x
     head = P["lm_head.weight"] if "lm_head.weight" in P else P["model.embed_tokens.weight"]
-    return np.stack([head @ naive_rmsnorm(v, P["model.norm.weight"], eps) for v in x])
+    logits = np.stack([head @ norm(v, "model.norm.weight") for v in x])
+    return final_cap * np.tanh(logits / final_cap) if final_cap else logits
 
 
 def randomize(model, seed):
@@ -139,6 +178,20 @@ NAIVE_CASES = [
     ("qwen3 head_dim 8 != 24/4, q/k norm", base_cfg("Qwen3ForCausalLM", head_dim=8, num_attention_heads=4,
                                                        layer_types=["sliding_attention", "full_attention"],
                                                        use_sliding_window=True, sliding_window=5)),
+    ("gemma2 defaults (caps 50/30), window 4 on even layers",
+     base_cfg("Gemma2ForCausalLM", head_dim=4, num_hidden_layers=3, sliding_window=4)),
+    ("gemma2 low caps, query_pre_attn_scalar 6, layer_types",
+     base_cfg("Gemma2ForCausalLM", head_dim=4, sliding_window=3, query_pre_attn_scalar=6,
+              attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+              layer_types=["full_attention", "sliding_attention"])),
+    ("gemma3 q/k norm, pattern 2, local theta 10 vs 1e4 linear 2",
+     base_cfg("Gemma3ForCausalLM", head_dim=8, num_hidden_layers=3, sliding_window=5, sliding_window_pattern=2,
+              rope_theta=10000.0, rope_local_base_freq=10.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    ("phi3 fused, window 4", base_cfg("Phi3ForCausalLM", sliding_window=4)),
+    ("phi3 partial rotary 0.5, longrope", base_cfg(
+        "Phi3ForCausalLM", num_attention_heads=3, num_key_value_heads=1, partial_rotary_factor=0.5,
+        max_position_embeddings=256, original_max_position_embeddings=32,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]})),
 ]
 
 
@@ -151,10 +204,71 @@ def check_naive_forward():
             got = m(torch.tensor([ids, ids[::-1]]))  # batch of 2: rows must not mix
         sd = m.state_dict()
         inv = m.model.inv_freq.double().numpy()
+        inv_local = None
+        if tr.local_rope_theta(cfg) is not None:  # computed here, not taken from the model under test
+            theta, hd = tr.local_rope_theta(cfg), tr.head_dim_of(cfg)
+            inv_local = np.array([theta ** (-2 * i / hd) for i in range(hd // 2)])
+        mscale = 1.0
+        rs = cfg.get("rope_scaling") or {}
+        if rs.get("type") == "longrope":  # worked out here from the definition
+            rot, theta = len(rs["short_factor"]) * 2, cfg["rope_theta"]
+            inv = np.array([1 / (f * theta ** (2 * i / rot)) for i, f in enumerate(rs["short_factor"])])
+            orig = cfg["original_max_position_embeddings"]
+            mscale = math.sqrt(1 + math.log(cfg["max_position_embeddings"] / orig) / math.log(orig))
         for b, seq in enumerate((ids, ids[::-1])):
-            want = naive_forward(cfg, sd, seq, inv, tr.layer_windows(cfg))
+            want = naive_forward(cfg, sd, seq, inv, tr.layer_windows(cfg), inv_local, mscale)
             # not 1e-12: CausalLM builds its RoPE tables in f32, as HF does
             close(got[b].numpy(), want, 2e-5, f"naive forward == CausalLM: {what}, batch row {b}")
+
+
+def naive_gpt2(cfg, sd, ids):
+    """GPT-2 from its definition: x = wte + wpe; per block x += c_proj(attn(
+    LN(x))), x += mlp(LN(x)) with y = x W + b for the [in, out] weights."""
+    P = {k: v.double().numpy() for k, v in sd.items()}
+    H, dim, eps = cfg["n_head"], cfg["n_embd"], cfg.get("layer_norm_epsilon", 1e-5)
+    hd = dim // H
+
+    def ln(v, name):
+        mu = float(np.mean(v))
+        var = float(np.mean((v - mu) ** 2))
+        return (v - mu) / math.sqrt(var + eps) * P[name + ".weight"] + P[name + ".bias"]
+
+    def conv(name, v):
+        return v @ P[name + ".weight"] + P[name + ".bias"]
+
+    x = [P["transformer.wte.weight"][tok] + P["transformer.wpe.weight"][t] for t, tok in enumerate(ids)]
+    for li in range(cfg["n_layer"]):
+        pre = f"transformer.h.{li}."
+        qkv = [conv(pre + "attn.c_attn", ln(v, pre + "ln_1")) for v in x]
+        new_x = []
+        for t in range(len(x)):
+            heads = []
+            for h in range(H):
+                sl = slice(h * hd, (h + 1) * hd)
+                sc = [float(qkv[t][:dim][sl] @ qkv[j][dim:2 * dim][sl]) / math.sqrt(hd) for j in range(t + 1)]
+                m = max(sc)
+                e = [math.exp(v - m) for v in sc]
+                heads.append(sum(e[j] / sum(e) * qkv[j][2 * dim:][sl] for j in range(t + 1)))
+            xt = x[t] + conv(pre + "attn.c_proj", np.concatenate(heads))
+            f = conv(pre + "mlp.c_fc", ln(xt, pre + "ln_2"))
+            f = 0.5 * f * (1 + np.tanh(math.sqrt(2 / math.pi) * (f + 0.044715 * f ** 3)))
+            new_x.append(xt + conv(pre + "mlp.c_proj", f))
+        x = new_x
+    return np.stack([P["transformer.wte.weight"] @ ln(v, "transformer.ln_f") for v in x])
+
+
+def check_naive_gpt2():
+    cfg = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 50, "n_embd": 24, "n_layer": 2, "n_head": 4,
+           "n_positions": 16, "n_inner": 40}
+    ids = [3, 17, 9, 41, 0, 22, 22, 8, 49, 30, 5, 11]
+    m = tr.build_model(cfg).double()
+    randomize(m, 7)
+    with torch.no_grad():
+        got = m(torch.tensor([ids]))
+    close(got[0].numpy(), naive_gpt2(cfg, m.state_dict(), ids), 1e-6, "naive forward == GPT2LM")
+    check(tr.param_shapes(cfg)[2] == ("transformer.h.0.ln_1.weight", (24,)) and
+          dict(tr.param_shapes(cfg))["transformer.h.0.attn.c_attn.weight"] == (24, 72),
+          "GPT-2 state dict: HF names, Conv1D weights [in, out]")
 
 
 # ---------------------------------------------------------------------------
@@ -328,6 +442,7 @@ def main():
         check_pieces()
         check_windows()
         check_naive_forward()
+        check_naive_gpt2()
         check_safetensors(tmp)
         check_mkmodel(tmp)
         check_ref_compare(tmp)

@@ -44,12 +44,29 @@ fi
 #  qwen2:    q/k/v biases; layers >= 1 slide with window 8, layer 0 full;
 #            weights in 2 shards (model.safetensors.index.json)
 #  qwen3:    head_dim 32 != 64/4, per-head q/k norm
+#  gemma2:   layers 0, 2 slide (window 8), 1, 3 global; (1 + w) norms before
+#            and after each block, GeGLU, scaled embeddings, tied head,
+#            query_pre_attn_scalar 24 != head_dim, attention and final
+#            logits soft-capped low enough (5, 10) to bend them
+#  gemma3:   every 3rd layer global (sliding_window_pattern 3), global
+#            layers theta 1e6 with linear scaling 4, sliding ones theta 1e4
+#            unscaled; MQA, per-head (1 + w) q/k norms, no soft caps
+#  phi3:     fused qkv_proj and gate_up_proj, window 8 on every layer, RoPE
+#            on 12 of 16 dimensions, longrope (short_factor 1..1.5, attention
+#            factor from 2048 / 512 positions)
+#  gpt2:     learned positions (n_positions 64 >= the 53 tokens), LayerNorm
+#            with biases, Conv1D weights transposed at load, fused c_attn,
+#            ungated gelu_new MLP (n_inner 160), tied head
 cases='
 llama    --arch llama --layers 3 --dim 96 --heads 6 --kv-heads 2 --ffn 256 --vocab 512 --rope-scaling llama3:8:32
 llamatie --arch llama --layers 2 --dim 64 --heads 4 --kv-heads 1 --ffn 160 --vocab 320 --tie --rope-scaling linear:2
 mistral  --arch mistral --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 384 --window 8
 qwen2    --arch qwen2 --layers 3 --dim 64 --heads 4 --kv-heads 2 --ffn 176 --vocab 448 --window 8 --max-window-layers 1 --shards 2
 qwen3    --arch qwen3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --head-dim 32 --ffn 176 --vocab 384
+gemma2   --arch gemma2 --layers 4 --dim 64 --heads 4 --kv-heads 2 --head-dim 16 --ffn 160 --vocab 384 --window 8 --qpas 24 --attn-softcap 5 --final-softcap 10 --tie
+gemma3   --arch gemma3 --layers 4 --dim 64 --heads 4 --kv-heads 1 --head-dim 32 --ffn 160 --vocab 384 --window 8 --window-pattern 3 --qpas 20 --theta 1000000 --rope-scaling linear:4 --tie
+phi3     --arch phi3 --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn 160 --vocab 384 --window 8 --partial-rotary 0.75 --rope-scaling longrope --max-pos 2048 --orig-max-pos 512
+gpt2     --arch gpt2 --layers 2 --dim 64 --heads 4 --ffn 160 --vocab 384 --max-pos 64
 '
 prompt=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
 
@@ -86,6 +103,15 @@ echo "$cases" | while read -r name args; do
     qwen2) one_case "$name" f32 f16 f16 5e-3 $args || touch "$tmp/failed" ;;
     esac
 done
+# GPT-2's context ends at n_positions: asked for 60 tokens after 20, the run
+# stops at position 64 (44 tokens), every one of them the reference's.
+gdir=$tmp/gpt2-f32-kvauto
+if "$run" -m "$gdir" --ids "$prompt" -n 60 --greedy --ignore-eos --quiet --dump "$gdir/full.kvtl" > "$gdir/full.log" 2>&1; then
+    $py tests/ref_compare.py "$gdir" "$gdir/full.kvtl" --tol 1e-4 --expect-gen 44 --name gpt2-n_positions ||
+        touch "$tmp/failed"
+else
+    cat "$gdir/full.log"; echo "FAIL gpt2-n_positions: kvtier-run exited nonzero"; touch "$tmp/failed"
+fi
 if [ -e "$tmp/failed" ]; then
     echo "reference.test: FAILED"
     exit 1

@@ -64,7 +64,7 @@ class SinkOracle:
         self.k[i] = k if self.k[i] is None else torch.cat((self.k[i], k), dim=2)
         self.v[i] = v if self.v[i] is None else torch.cat((self.v[i], v), dim=2)
         total = self.k[i].shape[2]
-        cos, sin = self.m.model.rope_tables(total, h.dtype)  # indices 0..total-1
+        cos, sin = self.m.model.rope_tables(self.m.model.inv_freq, total, h.dtype)  # indices 0..total-1
         q = torchref.apply_rope(q.transpose(1, 2), cos[total - t:], sin[total - t:])
         kr = torchref.apply_rope(self.k[i], cos, sin)
         rep = a.n_heads // a.n_kv

@@ -229,7 +229,8 @@ static void test_rmsnorm(void **state)
     }
 }
 
-static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int head_dim, int rot_dim)
+/* mscale: be_rope's factor on cos and sin (only the rotated dimensions scale). */
+static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int head_dim, int rot_dim, float mscale)
 {
     size_t len = (size_t)n_tok * n_heads * head_dim;
     float *x = malloc(len * sizeof(float)), *y = malloc(len * sizeof(float));
@@ -246,7 +247,7 @@ static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int h
         if (!levels[l])
             continue;
         memcpy(y, x, len * sizeof(float));
-        assert_int_equal(be_rope(levels[l], y, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, layout), BE_OK);
+        assert_int_equal(be_rope(levels[l], y, n_tok, n_heads, head_dim, pos, inv_freq, rot_dim, mscale, layout), BE_OK);
         for (int t = 0; t < n_tok; t++)
             for (int h = 0; h < n_heads; h++) {
                 const float *xi = x + ((size_t)t * n_heads + h) * head_dim;
@@ -259,8 +260,9 @@ static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int h
                         int partner = layout == BE_ROPE_NEOX ? (first ? d + half : d - half) : (first ? d + 1 : d - 1);
                         double a = (double)(float)((float)pos[t] * inv_freq[i]);
                         want = first ? xi[d] * cos(a) - xi[partner] * sin(a) : xi[d] * cos(a) + xi[partner] * sin(a);
+                        want *= mscale;
                     }
-                    assert_close("rope", level_names[l], (size_t)d, yo[d], want, 4.0);
+                    assert_close("rope", level_names[l], (size_t)d, yo[d], want, 4.0 * mscale);
                 }
             }
     }
@@ -271,10 +273,11 @@ static void test_rope(void **state)
 {
     (void)state;
     for (int layout = 0; layout < 2; layout++) {
-        check_rope((enum be_rope_layout)layout, 1, 4, 64, 64);
-        check_rope((enum be_rope_layout)layout, 3, 5, 80, 80);
-        check_rope((enum be_rope_layout)layout, 9, 2, 128, 32);
-        check_rope((enum be_rope_layout)layout, 2, 3, 96, 70);
+        check_rope((enum be_rope_layout)layout, 1, 4, 64, 64, 1.0f);
+        check_rope((enum be_rope_layout)layout, 3, 5, 80, 80, 1.0f);
+        check_rope((enum be_rope_layout)layout, 9, 2, 128, 32, 1.0f);
+        check_rope((enum be_rope_layout)layout, 2, 3, 96, 70, 1.0f);
+        check_rope((enum be_rope_layout)layout, 5, 2, 96, 72, 1.19f); /* longrope's factor, partial rotary */
     }
 }
 
@@ -302,6 +305,77 @@ static void test_elementwise(void **state)
                 assert_true(y[i] == u[i] + g[i]);
         }
         free(g), free(u), free(y);
+    }
+}
+
+static void test_gelu_scale(void **state)
+{
+    (void)state;
+    static const size_t sizes[] = {1, 17, 1000, 70001};
+    for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+        size_t n = sizes[s];
+        float *g = malloc(n * sizeof(float)), *u = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
+        assert_non_null(g && u && y);
+        fill(g, n, 6.0f);
+        fill(u, n, 2.0f);
+        for (int l = 0; l < N_LEVELS; l++) {
+            if (!levels[l])
+                continue;
+            for (int gated = 0; gated < 2; gated++) {
+                assert_int_equal(be_gelu_mul(levels[l], y, g, gated ? u : NULL, n), BE_OK);
+                for (size_t i = 0; i < n; i++) {
+                    double x = g[i];
+                    double want = 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+                    want *= gated ? u[i] : 1.0;
+                    assert_close("gelu_mul", level_names[l], i, y[i], want, 4 * fabs(want) + 1e-30);
+                }
+            }
+            memcpy(y, g, n * sizeof(float));
+            assert_int_equal(be_scale(levels[l], y, n, 8.0f), BE_OK); /* a power of two: exact */
+            for (size_t i = 0; i < n; i++)
+                assert_true(y[i] == 8.0f * g[i]);
+        }
+        free(g), free(u), free(y);
+    }
+}
+
+static void test_layernorm(void **state)
+{
+    (void)state;
+    static const int shapes[][2] = {{1, 16}, {3, 37}, {40, 1000}};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int n = shapes[s][0], dim = shapes[s][1];
+        size_t len = (size_t)n * dim;
+        float *x = malloc(len * sizeof(float)), *w = malloc((size_t)dim * sizeof(float));
+        float *b = malloc((size_t)dim * sizeof(float)), *y = malloc(len * sizeof(float));
+        assert_non_null(x && w && b && y);
+        fill(x, len, 3.0f);
+        for (size_t i = 0; i < len; i++) /* an offset the mean must remove */
+            x[i] += 5.0f;
+        fill(w, (size_t)dim, 1.5f);
+        fill(b, (size_t)dim, 0.5f);
+        for (int l = 0; l < N_LEVELS; l++) {
+            if (!levels[l])
+                continue;
+            assert_int_equal(be_layernorm(levels[l], y, x, w, b, n, dim, 1e-5f), BE_OK);
+            for (int r = 0; r < n; r++) {
+                double mean = 0, var = 0;
+                for (int i = 0; i < dim; i++)
+                    mean += x[(size_t)r * dim + i];
+                mean /= dim;
+                for (int i = 0; i < dim; i++)
+                    var += (x[(size_t)r * dim + i] - mean) * (x[(size_t)r * dim + i] - mean);
+                double inv = 1.0 / sqrt(var / dim + 1e-5);
+                for (int i = 0; i < dim; i++) {
+                    size_t k = (size_t)r * dim + i;
+                    double term = (x[k] - mean) * inv * w[i], want = term + b[i];
+                    /* an f32 mean of values around 5 is off by ulps of 5, whatever x - mean is */
+                    assert_close("layernorm", level_names[l], k, y[k], want,
+                                 16 * (fabs(x[k]) * inv * fabs(w[i]) + fabs(b[i])));
+                }
+            }
+        }
+        free(x), free(w), free(b), free(y);
     }
 }
 
@@ -378,7 +452,8 @@ struct kv_case {
  * positions of two sequences (the second one shorter) at every level;
  * checks the stored bytes are identical across levels and the output
  * against a dense softmax(q k^T) v in double over the visible keys. */
-static void check_attention(const struct kv_case *c)
+/* softcap: be_attn_params.softcap (0: none). */
+static void check_attention(const struct kv_case *c, float softcap)
 {
     const int n_views = 2;
     int hd = c->head_dim, kvd = c->n_kv_heads * hd, qd = c->n_heads * hd;
@@ -426,7 +501,8 @@ static void check_attention(const struct kv_case *c)
                                             .base = c->base, .lo = c->lo, .hi = hi[vi]};
         }
         struct be_attn_params p = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
-                                   .scale = 1.0f / sqrtf((float)hd), .window = c->window, .kv_dtype = c->dt};
+                                   .scale = 1.0f / sqrtf((float)hd), .window = c->window, .kv_dtype = c->dt,
+                                   .softcap = softcap};
         assert_int_equal(be_kv_store(be, views, st, n_store, k, v, &p), BE_OK);
         for (int vi = 0; vi < n_views; vi++)
             for (int b = 0; b < n_blocks; b++) {
@@ -460,6 +536,8 @@ static void check_attention(const struct kv_case *c)
                         for (int d = 0; d < hd; d++)
                             sc += (double)qh[d] * k[row + d];
                         sc *= 1.0 / sqrt((double)hd);
+                        if (softcap > 0)
+                            sc = softcap * tanh(sc / softcap);
                         if (pass == 0) {
                             m = sc > m ? sc : m;
                             continue;
@@ -507,7 +585,11 @@ static void test_attention(void **state)
         {4, 1, 64, 64, 1500, BE_F16, 0, 0, 3000, 2},  /* a window of 2 pieces */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
-        check_attention(&cases[i]);
+        check_attention(&cases[i], 0.0f);
+    /* Gemma 2's soft cap, below the scores' spread so it bends them */
+    check_attention(&cases[1], 1.5f);
+    check_attention(&cases[5], 1.5f);
+    check_attention(&cases[8], 0.5f);
 }
 
 /* A token's attention is the same to the bit alone, in a batch, and on
@@ -874,8 +956,9 @@ static void test_bad_kernel_args(void **state)
     assert_int_equal(be_matmul(be, y, BE_F32, x, NULL, BE_F32, NULL, 1, 8, 8), BE_EINVAL);
     assert_int_equal(be_matmul(be, y, BE_F32, x, x, BE_F32, NULL, 0, 8, 8), BE_OK);
     assert_int_equal(be_matmul(be, y, BE_F32, x, x, BE_F32, NULL, 1, 0, 8), BE_EINVAL);
-    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 9, BE_ROPE_NEOX), BE_EINVAL);
-    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 3, BE_ROPE_NEOX), BE_EINVAL);
+    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 9, 1.0f, BE_ROPE_NEOX), BE_EINVAL);
+    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 3, 1.0f, BE_ROPE_NEOX), BE_EINVAL);
+    assert_int_equal(be_rope(be, x, 1, 1, 8, pos, x, 8, NAN, BE_ROPE_NEOX), BE_EINVAL);
     assert_int_equal(be_embed(be, y, x, BE_F32, ids, 1, 8), BE_EINVAL);
     assert_int_equal(be_argmax(be, x, 1, 0, am), BE_EINVAL);
     assert_int_equal(be_softmax(be, x, -1, 4), BE_EINVAL);
@@ -912,6 +995,8 @@ int main(void)
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_elementwise),
+        cmocka_unit_test(test_gelu_scale),
+        cmocka_unit_test(test_layernorm),
         cmocka_unit_test(test_softmax_argmax),
         cmocka_unit_test(test_embed),
         cmocka_unit_test(test_attention),

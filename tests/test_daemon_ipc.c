@@ -110,7 +110,7 @@ static enum ipc_status cache_of(const char *json, struct ipc_cache_choice *c, st
 {
     json_t *o = json_loads(json, 0, NULL);
     enum ipc_status st = ipc_cache_parse(json_object_get(o, "cache"), json_object_get(o, "use_cache"),
-                                         &(struct ipc_cache_model){4096, 0}, c, err);
+                                         &(struct ipc_cache_model){.max_len = 4096}, c, err);
     json_decref(o);
     return st;
 }
@@ -231,8 +231,23 @@ static void test_cache_params(void **state)
     assert_int_equal(c.params.strategy, KV_DYNAMIC);
     assert_int_equal(c.params.window_length, 64);
     json_t *o = json_loads("{\"implementation\":\"sliding_window\"}", 0, NULL);
-    assert_int_equal(ipc_cache_parse(o, NULL, &(struct ipc_cache_model){4096, 128}, &c, &err), IPC_OK);
+    assert_int_equal(
+        ipc_cache_parse(o, NULL, &(struct ipc_cache_model){.max_len = 4096, .sliding_window = 128}, &c, &err), IPC_OK);
     assert_int_equal(c.params.window_length, 128);
+    json_decref(o);
+    /* a model that cannot take sinks (learned positions) refuses them, naming the field */
+    struct ipc_cache_model nosink = {.max_len = 4096, .no_sink = "learned absolute positions"};
+    o = json_loads("{\"implementation\":\"sink\"}", 0, NULL);
+    assert_int_equal(ipc_cache_parse(o, NULL, &nosink, &c, &err), IPC_EINVAL);
+    assert_string_equal(err.param, "cache.implementation");
+    assert_non_null(strstr(err.msg, "learned absolute positions"));
+    json_decref(o);
+    o = json_loads("{\"implementation\":\"quantized\",\"num_sink_tokens\":4,\"window_length\":64}", 0, NULL);
+    assert_int_equal(ipc_cache_parse(o, NULL, &nosink, &c, &err), IPC_EINVAL);
+    assert_string_equal(err.param, "cache.num_sink_tokens");
+    json_decref(o);
+    o = json_loads("{\"implementation\":\"quantized\"}", 0, NULL);
+    assert_int_equal(ipc_cache_parse(o, NULL, &nosink, &c, &err), IPC_OK); /* no sinks: fine */
     json_decref(o);
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"offloaded\",\"window_length\":16}}", &c, &err),
                      IPC_OK);

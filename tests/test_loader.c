@@ -2,7 +2,7 @@
  * model/safetensors.c); one file over 1,000 lines, as every case writes
  * its model directory with the same small writer.  Each test writes a tiny model directory (config.json
  * and safetensors written by the small writer below) into a fresh temporary
- * directory: good Llama/Mistral/Qwen2/Qwen3 checkpoints bind with the right
+ * directory: good Llama/Mistral/Qwen2/Qwen3/Gemma2/Gemma3 checkpoints bind with the right
  * pointers, shapes, dtypes, values and sliding windows; every bad file or
  * config field fails with the right status and a message naming the file and
  * the tensor or field.
@@ -190,6 +190,8 @@ struct spec {
     const char *dtype; /* "F32", "F16", "BF16" */
     int vocab, dim, ffn, layers, heads, kv_heads, head_dim;
     bool tie, qkv_bias, o_bias, qk_norm;
+    bool gemma; /* the four Gemma norms per layer, hidden_activation */
+    bool fused; /* Phi-3: qkv_proj and gate_up_proj */
 };
 
 static struct spec spec_of(const char *arch)
@@ -197,7 +199,10 @@ static struct spec spec_of(const char *arch)
     struct spec s = {.arch = arch, .dtype = "BF16", .vocab = 40, .dim = 16, .ffn = 24, .layers = 3, .heads = 4,
                      .kv_heads = 2, .head_dim = 4};
     s.qkv_bias = strcmp(arch, "Qwen2ForCausalLM") == 0;
-    s.qk_norm = strcmp(arch, "Qwen3ForCausalLM") == 0;
+    s.qk_norm = strcmp(arch, "Qwen3ForCausalLM") == 0 || strcmp(arch, "Gemma3ForCausalLM") == 0;
+    s.gemma = strncmp(arch, "Gemma", 5) == 0;
+    s.fused = strcmp(arch, "Phi3ForCausalLM") == 0;
+    s.tie = s.gemma;
     return s;
 }
 
@@ -217,6 +222,10 @@ static json_t *spec_config(const struct spec *s)
     assert_non_null(c);
     if (s->o_bias)
         json_object_set_new(c, "attention_bias", json_true());
+    if (s->gemma) {
+        json_object_del(c, "hidden_act");
+        json_object_set_new(c, "hidden_activation", json_string("gelu_pytorch_tanh"));
+    }
     return c;
 }
 
@@ -233,9 +242,13 @@ static void spec_tensors(const struct spec *s, struct stw *w)
         stw_add(w, n, s->dtype, rows, cols);                            \
     } while (0)
         T("input_layernorm.weight", s->dim, 0);
-        T("self_attn.q_proj.weight", q, s->dim);
-        T("self_attn.k_proj.weight", kv, s->dim);
-        T("self_attn.v_proj.weight", kv, s->dim);
+        if (s->fused) {
+            T("self_attn.qkv_proj.weight", q + 2 * kv, s->dim);
+        } else {
+            T("self_attn.q_proj.weight", q, s->dim);
+            T("self_attn.k_proj.weight", kv, s->dim);
+            T("self_attn.v_proj.weight", kv, s->dim);
+        }
         T("self_attn.o_proj.weight", s->dim, q);
         if (s->qkv_bias || s->o_bias) {
             T("self_attn.q_proj.bias", q, 0);
@@ -249,8 +262,16 @@ static void spec_tensors(const struct spec *s, struct stw *w)
             T("self_attn.k_norm.weight", s->head_dim, 0);
         }
         T("post_attention_layernorm.weight", s->dim, 0);
-        T("mlp.gate_proj.weight", s->ffn, s->dim);
-        T("mlp.up_proj.weight", s->ffn, s->dim);
+        if (s->gemma) {
+            T("pre_feedforward_layernorm.weight", s->dim, 0);
+            T("post_feedforward_layernorm.weight", s->dim, 0);
+        }
+        if (s->fused) {
+            T("mlp.gate_up_proj.weight", 2 * s->ffn, s->dim);
+        } else {
+            T("mlp.gate_proj.weight", s->ffn, s->dim);
+            T("mlp.up_proj.weight", s->ffn, s->dim);
+        }
         T("mlp.down_proj.weight", s->dim, s->ffn);
         /* HF checkpoints of older releases carry this buffer; it is ignored. */
         T("self_attn.rotary_emb.inv_freq", s->head_dim / 2, 0);
@@ -550,6 +571,394 @@ static void test_qwen3_qk_norm(void **state)
     assert_int_equal(model_config_load(g_dir, &m.cfg, err), MODEL_OK);
     assert_int_equal(m.cfg.head_dim, 128);
     model_config_release(&m.cfg);
+}
+
+/* A Gemma norm as bound: the stored offset plus 1. */
+static void check_norm_plus_one(const float *v, const char *name, int len)
+{
+    assert_non_null(v);
+    for (int i = 0; i < len; i++)
+        assert_float_equal(v[i], expected(name, (size_t)i) + 1.0f, 0);
+}
+
+static void test_gemma2(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("Gemma2ForCausalLM");
+    s.layers = 4;
+    write_model(&s);
+    struct loaded m;
+    load_ok(&m);
+    assert_int_equal(m.cfg.arch, ARCH_GEMMA2);
+    assert_int_equal(m.cfg.act, ACT_GELU_TANH);
+    assert_true(m.cfg.tie_word_embeddings && m.cfg.norm_plus_one && m.cfg.sandwich_norms);
+    assert_false(m.cfg.qk_norm);
+    /* Gemma2Config's defaults: caps 50 and 30, query_pre_attn_scalar 256,
+     * window 4096 on the even layers */
+    assert_float_equal(m.cfg.attn_softcap, 50.0f, 0);
+    assert_float_equal(m.cfg.final_softcap, 30.0f, 0);
+    assert_float_equal(m.cfg.attn_scale, 1.0f / 16.0f, 0);
+    assert_float_equal(m.cfg.embed_scale, 4.0f, 0); /* sqrt(16) */
+    assert_float_equal(m.cfg.rope_local_theta, 0.0f, 0);
+    const int windows[] = {4096, 0, 4096, 0};
+    for (int l = 0; l < 4; l++)
+        assert_int_equal(m.cfg.layer_window[l], windows[l]);
+    const struct model_layer *L = &m.w.layers[2];
+    check_norm_plus_one(L->attn_norm, "model.layers.2.input_layernorm.weight", 16);
+    check_norm_plus_one(L->post_attn_norm, "model.layers.2.post_attention_layernorm.weight", 16);
+    check_norm_plus_one(L->ffn_norm, "model.layers.2.pre_feedforward_layernorm.weight", 16);
+    check_norm_plus_one(L->post_ffn_norm, "model.layers.2.post_feedforward_layernorm.weight", 16);
+    check_norm_plus_one(m.w.final_norm, "model.norm.weight", 16);
+    assert_ptr_equal(m.w.lm_head.data, m.w.tok_embed.data);
+    unload(&m);
+
+    /* explicit values, null caps, layer_types */
+    json_t *c = spec_config(&s);
+    json_object_set_new(c, "query_pre_attn_scalar", json_integer(64));
+    json_object_set_new(c, "attn_logit_softcapping", json_null());
+    json_object_set_new(c, "final_logit_softcapping", json_real(15.0));
+    json_object_set_new(c, "sliding_window", json_integer(8));
+    json_object_set_new(c, "layer_types", json_pack("[s,s,s,s]", "full_attention", "sliding_attention",
+                                                    "sliding_attention", "full_attention"));
+    write_json("config.json", c);
+    load_ok(&m);
+    assert_float_equal(m.cfg.attn_scale, 0.125f, 0);
+    assert_float_equal(m.cfg.attn_softcap, 0.0f, 0);
+    assert_float_equal(m.cfg.final_softcap, 15.0f, 0);
+    const int typed[] = {0, 8, 8, 0};
+    for (int l = 0; l < 4; l++)
+        assert_int_equal(m.cfg.layer_window[l], typed[l]);
+    unload(&m);
+
+    /* refused, naming the field */
+    json_object_set_new(c, "sliding_window", json_null());
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "sliding_window must be set", NULL);
+    json_object_set_new(c, "sliding_window", json_integer(8));
+    json_object_set_new(c, "hidden_activation", json_string("gelu"));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "hidden_activation", "gelu_pytorch_tanh", NULL);
+    json_object_set_new(c, "hidden_activation", json_string("gelu_pytorch_tanh"));
+    json_object_set_new(c, "final_logit_softcapping", json_real(-1.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "final_logit_softcapping", NULL);
+    json_decref(c);
+}
+
+static void test_gemma3(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("Gemma3ForCausalLM");
+    s.layers = 7;
+    write_model(&s);
+    struct loaded m;
+    load_ok(&m);
+    assert_int_equal(m.cfg.arch, ARCH_GEMMA3);
+    assert_true(m.cfg.qk_norm);
+    /* Gemma3TextConfig: no caps, local base 1e4, sliding_window_pattern 6 */
+    assert_float_equal(m.cfg.attn_softcap, 0.0f, 0);
+    assert_float_equal(m.cfg.final_softcap, 0.0f, 0);
+    assert_float_equal(m.cfg.rope_local_theta, 10000.0f, 0);
+    assert_float_equal(m.cfg.rope_theta, 500000.0f, 0);
+    for (int l = 0; l < 7; l++)
+        assert_int_equal(m.cfg.layer_window[l], l == 5 ? 0 : 4096);
+    check_norm_plus_one(m.w.layers[1].q_norm, "model.layers.1.self_attn.q_norm.weight", 4);
+    check_norm_plus_one(m.w.layers[1].k_norm, "model.layers.1.self_attn.k_norm.weight", 4);
+    unload(&m);
+
+    /* transformers 5: one rope_parameters object per layer type */
+    json_t *c = spec_config(&s);
+    json_object_del(c, "rope_theta");
+    json_object_set_new(c, "sliding_window_pattern", json_integer(2));
+    json_object_set_new(c, "rope_parameters",
+                        json_pack("{s:{s:s, s:f, s:f}, s:{s:s, s:f}}", "full_attention", "rope_type", "linear",
+                                  "factor", 8.0, "rope_theta", 1e6, "sliding_attention", "rope_type", "default",
+                                  "rope_theta", 20000.0));
+    write_json("config.json", c);
+    load_ok(&m);
+    assert_int_equal(m.cfg.rope_scaling, ROPE_SCALING_LINEAR);
+    assert_float_equal(m.cfg.rope_factor, 8.0f, 0);
+    assert_float_equal(m.cfg.rope_theta, 1e6f, 0);
+    assert_float_equal(m.cfg.rope_local_theta, 20000.0f, 0);
+    for (int l = 0; l < 7; l++)
+        assert_int_equal(m.cfg.layer_window[l], l % 2 ? 0 : 4096);
+    unload(&m);
+    json_object_set_new(c, "rope_parameters",
+                        json_pack("{s:{s:s}, s:{s:s, s:f}}", "full_attention", "rope_type", "default",
+                                  "sliding_attention", "rope_type", "linear", "factor", 2.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "rope_parameters.sliding_attention.rope_type", NULL);
+    json_object_set_new(c, "rope_parameters",
+                        json_pack("{s:{s:s, s:f}, s:{s:s}}", "full_attention", "rope_type", "dynamic", "factor", 2.0,
+                                  "sliding_attention", "rope_type", "default"));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "rope_parameters", "dynamic", NULL);
+    json_decref(c);
+
+    /* per-type RoPE is Gemma 3's alone */
+    s = spec_of("LlamaForCausalLM");
+    c = spec_config(&s);
+    json_object_set_new(c, "rope_parameters", json_pack("{s:{s:s}, s:{s:s}}", "full_attention", "rope_type",
+                                                        "default", "sliding_attention", "rope_type", "default"));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "rope_parameters per layer type", NULL);
+    json_decref(c);
+}
+
+/* Checks that part m of a fused tensor holds its rows [r0, r0 + rows). */
+static void check_part(const struct model_mat *m, const char *name, int r0, int rows, int cols)
+{
+    assert_int_equal(m->rows, rows);
+    assert_int_equal(m->cols, cols);
+    const size_t at[] = {0, 1, (size_t)rows * (size_t)cols - 1};
+    for (size_t i = 0; i < sizeof at / sizeof at[0]; i++)
+        assert_float_equal(mat_at(m, at[i]), expected(name, (size_t)r0 * (size_t)cols + at[i]), 0);
+}
+
+static void test_phi3(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("Phi3ForCausalLM");
+    write_model(&s);
+    json_t *c = spec_config(&s);
+    json_object_set_new(c, "partial_rotary_factor", json_real(0.5));
+    json_object_set_new(c, "max_position_embeddings", json_integer(256));
+    json_object_set_new(c, "original_max_position_embeddings", json_integer(64));
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f], s:[f]}", "type", "longrope", "short_factor", 1.5,
+                                                     "long_factor", 4.0));
+    write_json("config.json", c);
+    struct loaded m;
+    load_ok(&m);
+    assert_int_equal(m.cfg.arch, ARCH_PHI3);
+    assert_true(m.cfg.fused_qkv && m.cfg.fused_gate_up);
+    assert_false(m.cfg.tie_word_embeddings);
+    assert_int_equal(m.cfg.rot_dim, 2); /* head_dim 4 * 0.5 */
+    assert_int_equal(m.cfg.rope_scaling, ROPE_SCALING_LONGROPE);
+    assert_int_equal(m.cfg.rope_original_max_pos, 64);
+    assert_float_equal(m.cfg.rope_short_factor[0], 1.5f, 0);
+    /* sqrt(1 + ln(256 / 64) / ln(64)) */
+    assert_float_equal(m.cfg.rope_attn_factor, (float)sqrt(1.0 + log(4.0) / log(64.0)), 1e-6);
+    assert_int_equal(model_context(&m.cfg, 0), 64); /* long_factor is never reached */
+    assert_int_equal(model_context(&m.cfg, 32), 32);
+    for (int l = 0; l < 3; l++) /* Phi3Config: no window unless set */
+        assert_int_equal(m.cfg.layer_window[l], 0);
+    assert_non_null(model_sink_refusal(&m.cfg));
+    const struct model_layer *L = &m.w.layers[1];
+    const char *qkv = "model.layers.1.self_attn.qkv_proj.weight", *gu = "model.layers.1.mlp.gate_up_proj.weight";
+    check_part(&L->wq, qkv, 0, 16, 16);
+    check_part(&L->wk, qkv, 16, 8, 16);
+    check_part(&L->wv, qkv, 24, 8, 16);
+    check_part(&L->w_gate, gu, 0, 24, 16);
+    check_part(&L->w_up, gu, 24, 24, 16);
+    assert_int_equal(model_weights_verify(&m.cfg, &m.w, (char[MODEL_ERR_LEN]){0}), MODEL_OK);
+    unload(&m);
+
+    /* a window on every layer */
+    json_object_set_new(c, "sliding_window", json_integer(8));
+    json_object_del(c, "partial_rotary_factor");
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f,f], s:[f,f], s:f}", "rope_type", "longrope",
+                                                     "short_factor", 1.0, 1.0, "long_factor", 2.0, 2.0,
+                                                     "attention_factor", 1.25));
+    write_json("config.json", c);
+    load_ok(&m);
+    for (int l = 0; l < 3; l++)
+        assert_int_equal(m.cfg.layer_window[l], 8);
+    assert_float_equal(m.cfg.rope_attn_factor, 1.25f, 0);
+    assert_null(model_sink_refusal(&m.cfg));
+    unload(&m);
+
+    /* refused, naming the field */
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f], s:[f,f]}", "type", "longrope", "short_factor", 1.0,
+                                                     "long_factor", 2.0, 2.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "rope_scaling.short_factor must be a list of 2 numbers", NULL);
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f,f]}", "type", "longrope", "short_factor", 1.0, 1.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "missing field rope_scaling.long_factor", NULL);
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:[f,f], s:[f,f]}", "type", "longrope", "short_factor", 1.0,
+                                                     1.0, "long_factor", 2.0, 2.0));
+    json_object_set_new(c, "original_max_position_embeddings", json_integer(1)); /* ln(1) = 0 divides */
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "original_max_position_embeddings=1", NULL);
+    json_object_set_new(c, "original_max_position_embeddings", json_integer(64));
+    json_object_set_new(c, "rope_scaling", json_pack("{s:s, s:f}", "type", "yarn", "factor", 4.0));
+    write_json("config.json", c);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "yarn", "longrope", NULL);
+    json_object_set_new(c, "rope_scaling", json_null());
+    json_object_set_new(c, "partial_rotary_factor", json_real(0.1));
+    write_json("config.json", c);
+    expect_fail(MODEL_ECONFIG, "config.json", "partial_rotary_factor", NULL);
+    json_decref(c);
+
+    /* the tensors are fused: a split checkpoint lacks qkv_proj */
+    s.fused = false;
+    write_model(&s);
+    expect_fail(MODEL_EFORMAT, "qkv_proj", NULL);
+}
+
+/* A GPT-2 directory: n_embd 8, 2 heads, 2 layers, n_inner 12, 10
+ * positions, tensors under prefix ("transformer." or ""). */
+static void write_gpt2(const char *prefix, json_t *extra)
+{
+    json_t *c = json_pack("{s:[s], s:i, s:i, s:i, s:i, s:i, s:i, s:s}", "architectures", "GPT2LMHeadModel",
+                          "vocab_size", 40, "n_embd", 8, "n_layer", 2, "n_head", 2, "n_positions", 10, "n_inner", 12,
+                          "activation_function", "gelu_new");
+    assert_non_null(c);
+    if (extra)
+        json_object_update(c, extra);
+    write_json("config.json", c);
+    json_decref(c);
+    struct stw w;
+    stw_init(&w);
+    char n[128];
+#define G(suffix, rows, cols)                               \
+    do {                                                    \
+        snprintf(n, sizeof n, "%s%s", prefix, suffix);      \
+        stw_add(&w, n, "F32", rows, cols);                  \
+    } while (0)
+    G("wte.weight", 40, 8);
+    G("wpe.weight", 10, 8);
+    for (int l = 0; l < 2; l++) {
+        char b[64];
+#define GL(suffix, rows, cols)                          \
+    do {                                                \
+        snprintf(b, sizeof b, "h.%d.%s", l, suffix);    \
+        G(b, rows, cols);                               \
+    } while (0)
+        GL("ln_1.weight", 8, 0);
+        GL("ln_1.bias", 8, 0);
+        GL("attn.c_attn.weight", 8, 24);
+        GL("attn.c_attn.bias", 24, 0);
+        GL("attn.c_proj.weight", 8, 8);
+        GL("attn.c_proj.bias", 8, 0);
+        GL("ln_2.weight", 8, 0);
+        GL("ln_2.bias", 8, 0);
+        GL("mlp.c_fc.weight", 8, 12);
+        GL("mlp.c_fc.bias", 12, 0);
+        GL("mlp.c_proj.weight", 12, 8);
+        GL("mlp.c_proj.bias", 8, 0);
+#undef GL
+    }
+    G("ln_f.weight", 8, 0);
+    G("ln_f.bias", 8, 0);
+#undef G
+    stw_write(&w, "model.safetensors");
+}
+
+/* Element (r, c) of a bound GPT-2 matrix is element (c, r0 + r) of the
+ * stored Conv1D weight [in, out]. */
+static void check_transposed(const struct model_mat *m, const char *name, int r0, int out)
+{
+    assert_int_equal(m->dtype, BE_F32);
+    for (int r = 0; r < m->rows; r++)
+        for (int c = 0; c < m->cols; c++)
+            assert_float_equal(mat_at(m, (size_t)r * (size_t)m->cols + (size_t)c),
+                               expected(name, (size_t)c * (size_t)out + (size_t)(r0 + r)), 0);
+}
+
+static void test_gpt2(void **state)
+{
+    (void)state;
+    static const char *const prefixes[] = {"transformer.", ""}; /* save_pretrained's, the original checkpoints' */
+    for (int p = 0; p < 2; p++) {
+        write_gpt2(prefixes[p], NULL);
+        struct loaded m;
+        load_ok(&m);
+        char n[128];
+        assert_int_equal(m.cfg.arch, ARCH_GPT2);
+        assert_int_equal(m.cfg.dtype, BE_F32); /* no torch_dtype: GPT-2's checkpoints are f32 */
+        assert_true(m.cfg.layer_norm && m.cfg.learned_pos && m.cfg.ungated_mlp && m.cfg.tie_word_embeddings);
+        assert_int_equal(m.cfg.head_dim, 4);
+        assert_int_equal(m.cfg.intermediate_size, 12);
+        assert_int_equal(m.cfg.max_position_embeddings, 10);
+        assert_int_equal(model_context(&m.cfg, 0), 10);
+        assert_float_equal(m.cfg.rms_norm_eps, 1e-5f, 0);
+        assert_int_equal(m.cfg.bos_token_id, -1); /* 50256 is past this vocabulary */
+        assert_non_null(model_sink_refusal(&m.cfg));
+        snprintf(n, sizeof n, "%swpe.weight", prefixes[p]);
+        check_mat(&m.w.pos_embed, n, BE_F32, 10, 8);
+        const struct model_layer *L = &m.w.layers[1];
+        snprintf(n, sizeof n, "%sh.1.attn.c_attn.weight", prefixes[p]);
+        check_transposed(&L->wq, n, 0, 24);
+        check_transposed(&L->wk, n, 8, 24);
+        check_transposed(&L->wv, n, 16, 24);
+        snprintf(n, sizeof n, "%sh.1.mlp.c_fc.weight", prefixes[p]);
+        check_transposed(&L->w_up, n, 0, 12);
+        snprintf(n, sizeof n, "%sh.1.mlp.c_proj.weight", prefixes[p]);
+        check_transposed(&L->w_down, n, 0, 8);
+        assert_null(L->w_gate.data);
+        snprintf(n, sizeof n, "%sh.1.attn.c_attn.bias", prefixes[p]);
+        for (int i = 0; i < 8; i++)
+            assert_float_equal(L->bv[i], expected(n, (size_t)(16 + i)), 0);
+        snprintf(n, sizeof n, "%sh.1.ln_2.bias", prefixes[p]);
+        check_vec(L->ffn_norm_b, n, 8);
+        snprintf(n, sizeof n, "%sln_f.bias", prefixes[p]);
+        check_vec(m.w.final_norm_b, n, 8);
+        assert_ptr_equal(m.w.lm_head.data, m.w.tok_embed.data);
+        assert_int_equal(model_weights_verify(&m.cfg, &m.w, (char[MODEL_ERR_LEN]){0}), MODEL_OK);
+        unload(&m);
+    }
+
+    /* refused, naming the field */
+    json_t *x = json_pack("{s:s}", "activation_function", "relu");
+    write_gpt2("", x);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "activation_function", NULL);
+    json_decref(x);
+    x = json_pack("{s:b}", "scale_attn_by_inverse_layer_idx", 1);
+    write_gpt2("", x);
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "scale_attn_by_inverse_layer_idx", NULL);
+    json_decref(x);
+    x = json_pack("{s:i}", "n_head", 3);
+    write_gpt2("", x);
+    expect_fail(MODEL_ECONFIG, "config.json", "n_head=3", NULL);
+    json_decref(x);
+    x = json_pack("{s:i}", "n_positions", 11); /* wpe has 10 rows */
+    write_gpt2("", x);
+    expect_fail(MODEL_EFORMAT, "wpe.weight", NULL);
+    json_decref(x);
+}
+
+/* What model_device_bytes predicts from the config is what model_load
+ * charges on a backend that cannot read the mmap (weights uploaded), for
+ * every family's extra tensors (biases, sandwich norms, fused views, GPT-2's
+ * wpe and LayerNorm biases). */
+static void check_charged(const char *what)
+{
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1};
+    assert_int_equal(be_open("cpu-strict", &bp, &be), BE_OK);
+    struct model_config cfg;
+    char err[MODEL_ERR_LEN];
+    assert_int_equal(model_config_load(g_dir, &cfg, err), MODEL_OK);
+    struct model_params mp = {.max_batch_tokens = 8};
+    struct model_device_bytes want = model_device_bytes(&cfg, be_get_caps(be), &mp);
+    model_config_release(&cfg);
+    size_t before = be_mem_stats(be).dev_used;
+    model *m;
+    enum model_status st = model_load(g_dir, be, &mp, &m, err);
+    if (st != MODEL_OK)
+        fail_msg("%s: %s", what, err);
+    size_t used = be_mem_stats(be).dev_used - before;
+    if (used != want.weights + want.activations)
+        fail_msg("%s: model_load charged %zu bytes, model_device_bytes says %zu + %zu", what, used, want.weights,
+                 want.activations);
+    model_free(m);
+    be_free(be);
+}
+
+static void test_device_bytes(void **state)
+{
+    (void)state;
+    static const char *const archs[] = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM",
+                                        "Gemma3ForCausalLM", "Phi3ForCausalLM"};
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) {
+        struct spec s = spec_of(archs[i]);
+        s.o_bias = strcmp(archs[i], "LlamaForCausalLM") == 0;
+        write_model(&s);
+        check_charged(archs[i]);
+    }
+    write_gpt2("transformer.", NULL);
+    check_charged("GPT2LMHeadModel");
 }
 
 static void test_defaults_and_generation_config(void **state)
@@ -961,8 +1370,8 @@ static void test_bad_config(void **state)
     write_file("config.json", "[]", 2);
     expect_fail(MODEL_EFORMAT, "config.json", "not a JSON object", NULL);
 
-    config_with("architectures", json_pack("[s]", "GPT2LMHeadModel"));
-    expect_fail(MODEL_EUNSUPPORTED, "config.json", "GPT2LMHeadModel", NULL);
+    config_with("architectures", json_pack("[s]", "BloomForCausalLM"));
+    expect_fail(MODEL_EUNSUPPORTED, "config.json", "BloomForCausalLM", "GPT2LMHeadModel", NULL);
     config_with("architectures", json_array());
     expect_fail(MODEL_ECONFIG, "config.json", "architectures", NULL);
     config_with("architectures", NULL);
@@ -1257,6 +1666,11 @@ int main(void)
         T(test_mistral_f16_tied),
         T(test_qwen2_f32_windows),
         T(test_qwen3_qk_norm),
+        T(test_gemma2),
+        T(test_gemma3),
+        T(test_phi3),
+        T(test_gpt2),
+        T(test_device_bytes),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),
         T(test_sharded),

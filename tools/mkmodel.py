@@ -16,7 +16,8 @@ a random model has spread logits (greedy decoding is not a sea of ties):
   2-D weights [out, in]   N(0, 1/in)
   embed_tokens            N(0, 1); tied: N(0, 9/dim), as lm_head
   lm_head                 N(0, 9/dim)  -> logits with std ~3
-  norm weights            1 + N(0, 0.1^2)  (not all ones, so a missed norm shows)
+  norm weights            1 + N(0, 0.1^2)  (not all ones, so a missed norm shows;
+                          Gemma stores the offset from 1: N(0, 0.1^2))
   biases                  N(0, 0.5^2)
 """
 import argparse
@@ -35,7 +36,9 @@ import torchref  # noqa: E402
 from bytelevel import bytes_to_unicode  # noqa: E402
 
 ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+              "gpt2": "GPT2LMHeadModel"}
 
 # Shapes of public checkpoints (benchmarks) and a tiny default (tests).
 PRESETS = {
@@ -54,6 +57,15 @@ PRESETS = {
                        max_pos=32768, theta=1000000.0, tie=True),
     "qwen3-0.6b": dict(arch="qwen3", layers=28, dim=1024, heads=16, kv_heads=8, head_dim=128, ffn=3072,
                        vocab=151936, max_pos=40960, theta=1000000.0, tie=True),
+    "gemma2-2b": dict(arch="gemma2", layers=26, dim=2304, heads=8, kv_heads=4, head_dim=256, ffn=9216,
+                      vocab=256000, max_pos=8192, theta=10000.0, tie=True, window=4096, qpas=256,
+                      attn_softcap=50.0, final_softcap=30.0),
+    "gemma3-1b": dict(arch="gemma3", layers=26, dim=1152, heads=4, kv_heads=1, head_dim=256, ffn=6912,
+                      vocab=262144, max_pos=32768, theta=1000000.0, tie=True, window=512, qpas=256,
+                      window_pattern=6),
+    "phi3-mini": dict(arch="phi3", layers=32, dim=3072, heads=32, kv_heads=32, ffn=8192, vocab=32064,
+                      max_pos=4096, theta=10000.0, eps=1e-5, window=2047),
+    "gpt2": dict(arch="gpt2", layers=12, dim=768, heads=12, kv_heads=12, ffn=3072, vocab=50257, max_pos=1024),
 }
 
 ST_DTYPE = {"f32": ("F32", torch.float32, "float32"), "bf16": ("BF16", torch.bfloat16, "bfloat16"),
@@ -196,19 +208,39 @@ def tokenizer_from(src, vocab_size):
 # ---------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------
-def parse_rope_scaling(spec):
-    """linear:F | llama3:F[:ORIG_MAX_POS] -> the HF rope_scaling dict."""
+def parse_rope_scaling(spec, rot_dim=None):
+    """linear:F | llama3:F[:ORIG_MAX_POS] | longrope -> the HF rope_scaling
+    dict.  longrope's factors (rot_dim / 2 of each) are a fixed ramp, short
+    ones from 1 to 1.5 and long ones from 1 to 8."""
     kind, *nums = spec.split(":")
+    if kind == "longrope" and not nums:
+        n = rot_dim // 2
+        return {"type": "longrope", "short_factor": [1.0 + 0.5 * i / max(n - 1, 1) for i in range(n)],
+                "long_factor": [1.0 + 7.0 * i / max(n - 1, 1) for i in range(n)]}
     if kind == "linear" and len(nums) == 1:
         return {"rope_type": "linear", "factor": float(nums[0])}
     if kind == "llama3" and len(nums) in (1, 2):
         orig = int(nums[1]) if len(nums) == 2 else 8192
         return {"rope_type": "llama3", "factor": float(nums[0]), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": orig}
-    raise SystemExit(f"mkmodel: bad --rope-scaling {spec!r} (linear:F or llama3:F[:ORIG])")
+    raise SystemExit(f"mkmodel: bad --rope-scaling {spec!r} (linear:F, llama3:F[:ORIG] or longrope)")
+
+
+def gpt2_config(o, bos, eos):
+    """GPT2Config's names; n_inner only when not 4 * n_embd."""
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": o.vocab, "n_embd": o.dim,
+           "n_layer": o.layers, "n_head": o.heads, "n_positions": o.max_pos, "n_ctx": o.max_pos,
+           "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+           "tie_word_embeddings": True, "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,
+           "torch_dtype": ST_DTYPE[o.dtype][2], "transformers_version": "4.45.0"}
+    if o.ffn != 4 * o.dim:
+        cfg["n_inner"] = o.ffn
+    return cfg
 
 
 def make_config(o, bos, eos):
+    if o.arch == "gpt2":
+        return gpt2_config(o, bos, eos)
     arch = ARCH_CLASS[o.arch]
     head_dim = o.head_dim or o.dim // o.heads
     if o.dim % o.heads and not o.head_dim:
@@ -220,7 +252,9 @@ def make_config(o, bos, eos):
         "vocab_size": o.vocab, "hidden_size": o.dim, "intermediate_size": o.ffn,
         "num_hidden_layers": o.layers, "num_attention_heads": o.heads, "num_key_value_heads": o.kv_heads,
         "hidden_act": "silu", "max_position_embeddings": o.max_pos, "rms_norm_eps": o.eps,
-        "rope_theta": o.theta, "rope_scaling": parse_rope_scaling(o.rope_scaling) if o.rope_scaling else None,
+        "rope_theta": o.theta,
+        "rope_scaling": parse_rope_scaling(o.rope_scaling, int(head_dim * (o.partial_rotary or 1.0)))
+        if o.rope_scaling else None,
         "tie_word_embeddings": bool(o.tie), "attention_dropout": 0.0, "initializer_range": 0.02,
         "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,
         "torch_dtype": ST_DTYPE[o.dtype][2], "transformers_version": "4.45.0",
@@ -239,6 +273,21 @@ def make_config(o, bos, eos):
         cfg["use_sliding_window"] = bool(o.window)
         cfg["sliding_window"] = o.window or None
         cfg["max_window_layers"] = o.max_window_layers if o.window else o.layers
+    if o.arch in ("gemma2", "gemma3"):
+        # Gemma: every layer kind needs the window; no layer_types, so the
+        # config class's own pattern decides which layers slide
+        if not o.window:
+            raise SystemExit("mkmodel: gemma needs --window")
+        del cfg["hidden_act"]
+        cfg.update(hidden_activation="gelu_pytorch_tanh", sliding_window=o.window, attention_bias=False,
+                   query_pre_attn_scalar=o.qpas or head_dim, head_dim=head_dim,
+                   attn_logit_softcapping=o.attn_softcap, final_logit_softcapping=o.final_softcap)
+    if o.arch == "phi3":
+        # every layer slides when sliding_window is set (Phi3Config: None)
+        cfg.update(sliding_window=o.window or None, partial_rotary_factor=o.partial_rotary or 1.0,
+                   original_max_position_embeddings=o.orig_max_pos or o.max_pos)
+    if o.arch == "gemma3":
+        cfg.update(sliding_window_pattern=o.window_pattern or 6, rope_local_base_freq=o.local_theta or 10000.0)
     return cfg
 
 
@@ -250,11 +299,14 @@ CHUNK = 1 << 22  # elements generated per step: bounds memory for any shape
 
 def init_kind(name, shape, cfg):
     """(mean, std) of a tensor by its role (see the module docstring)."""
-    if name.endswith("norm.weight"):
-        return 1.0, 0.1
+    gpt2 = cfg["architectures"][0] == "GPT2LMHeadModel"
+    if name.endswith("norm.weight") or (gpt2 and ".ln_" in name and name.endswith(".weight")):
+        return (0.0 if cfg["architectures"][0].startswith("Gemma") else 1.0), 0.1
     if name.endswith(".bias"):
         return 0.0, 0.5
-    head_std = 3.0 / math.sqrt(cfg["hidden_size"])  # final-normed h has unit RMS
+    head_std = 3.0 / math.sqrt(cfg["n_embd"] if gpt2 else cfg["hidden_size"])  # final-normed h has unit RMS
+    if gpt2:  # tied wte is the head; Conv1D weights are [in, out]
+        return 0.0, head_std if name.endswith(("wte.weight", "wpe.weight")) else 1.0 / math.sqrt(shape[0])
     if name == "model.embed_tokens.weight":
         return 0.0, head_std if cfg["tie_word_embeddings"] else 1.0
     if name == "lm_head.weight":
@@ -332,13 +384,22 @@ def parse_args(argv):
     ap.add_argument("--window", type=int, help="sliding window (mistral: every layer; qwen2/3: "
                                                "use_sliding_window, layers >= --max-window-layers)")
     ap.add_argument("--max-window-layers", type=int, default=0)
+    ap.add_argument("--window-pattern", type=int, help="gemma3: sliding_window_pattern (every Nth layer global)")
+    ap.add_argument("--qpas", type=float, help="gemma: query_pre_attn_scalar (default head_dim)")
+    ap.add_argument("--attn-softcap", type=float, help="gemma: attn_logit_softcapping (default none)")
+    ap.add_argument("--final-softcap", type=float, help="gemma: final_logit_softcapping (default none)")
+    ap.add_argument("--local-theta", type=float, help="gemma3: rope_local_base_freq (default 10000)")
+    ap.add_argument("--partial-rotary", type=float, help="phi3: partial_rotary_factor (default 1)")
+    ap.add_argument("--orig-max-pos", type=int, help="phi3: original_max_position_embeddings (default --max-pos)")
     ap.add_argument("--tie", action="store_true", default=None, help="tie_word_embeddings")
     ap.add_argument("--no-tie", dest="tie", action="store_false")
-    ap.add_argument("--rope-scaling", help="linear:F or llama3:F[:ORIG_MAX_POS]")
+    ap.add_argument("--rope-scaling", help="linear:F, llama3:F[:ORIG_MAX_POS] or longrope (phi3)")
     ap.add_argument("--tokenizer-from", help="copy tokenizer.json/tokenizer_config.json from this directory")
     o = ap.parse_args(argv)
     p = dict(PRESETS[o.preset])
-    defaults = dict(arch="llama", eps=1e-6, tie=False, head_dim=None, window=None, rope_scaling=None)
+    defaults = dict(arch="llama", eps=1e-6, tie=False, head_dim=None, window=None, rope_scaling=None,
+                    window_pattern=None, qpas=None, attn_softcap=None, final_softcap=None, local_theta=None,
+                    partial_rotary=None, orig_max_pos=None)
     for k, v in {**defaults, **p}.items():
         if getattr(o, k, None) is None:
             setattr(o, k, v)

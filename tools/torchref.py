@@ -1,13 +1,24 @@
 """torchref - an independent plain-PyTorch reference for the decoder-only
 architectures kvtier runs: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM and Qwen3ForCausalLM.
+Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+Phi3ForCausalLM and GPT2LMHeadModel.
 
 Written from the semantics of Hugging Face transformers' modeling code (not
 copied): RMSNorm with the variance in f32, NeoX / rotate_half RoPE with HF's
 inv_freq (default, linear, llama3), GQA, SiLU-gated MLP, Qwen2 q/k/v biases,
 Qwen3 per-head q/k RMSNorm before RoPE, causal masks with HF's sliding-window
 rule (a query at q sees keys k with q - k < window) on the layers HF makes
-sliding.  Parameter names equal the HF state-dict keys, so
+sliding.  Gemma 2/3: RMSNorm scaling by (1 + weight), a norm on each block's
+output as well as its input, GeGLU (tanh GELU), embeddings times
+sqrt(hidden_size) in their dtype, scores scaled by query_pre_attn_scalar^-1/2
+and tanh-capped (Gemma 2, also its final logits), every pattern-th layer
+global and the others sliding, Gemma 3's per-head q/k norm and its sliding
+layers' own unscaled RoPE base (rope_local_base_freq).  Phi-3: fused
+qkv_proj and gate_up_proj, RoPE on the first head_dim * partial_rotary_factor
+dimensions, longrope (inv_freq divided by short_factor, cos and sin times
+the attention factor), a window on every layer when sliding_window is set.
+GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D
+projections stored [in, out], fused c_attn (q, k, v), gelu_new, tied head.  Parameter names equal the HF state-dict keys, so
 `model.state_dict()` is a checkpoint (a tied lm_head has no key of its own).
 
 Also: a hand-written safetensors reader/writer (F32/F16/BF16 and a few
@@ -31,7 +42,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 # --------------------------------------------------------------------------
@@ -53,18 +66,45 @@ def head_dim_of(cfg):
         return int(hd)
     if arch_of(cfg) == "Qwen3ForCausalLM":
         return 128
+    if arch_of(cfg) in GEMMA:
+        return 256
     return cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def rot_dim_of(cfg):
+    """Dimensions of each head RoPE rotates: Phi-3's partial_rotary_factor
+    of them (int() of the product), every one elsewhere."""
+    hd = head_dim_of(cfg)
+    if arch_of(cfg) == "Phi3ForCausalLM":
+        return int(hd * cfg.get("partial_rotary_factor", 1.0))
+    return hd
+
+
+def rope_attention_factor(cfg):
+    """longrope's factor on cos and sin: attention_factor, else
+    sqrt(1 + ln(s) / ln(original)) with s = max_pos / original (1 when s <= 1)."""
+    _, sc = rope_params(cfg)
+    if sc is None or sc["rope_type"] not in ("longrope", "su"):
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    orig = cfg.get("original_max_position_embeddings", 4096)
+    s = cfg["max_position_embeddings"] / orig
+    return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
 
 
 def rope_params(cfg):
     """(theta, scaling dict or None).  Older config.json files carry
     rope_theta + rope_scaling; newer transformers write rope_parameters."""
     rp = cfg.get("rope_parameters")
+    default_theta = 1000000.0 if arch_of(cfg) == "Gemma3ForCausalLM" else 10000.0
+    if isinstance(rp, dict) and "full_attention" in rp:  # Gemma 3, transformers 5: one per layer type
+        rp = rp["full_attention"]
     if isinstance(rp, dict):
-        theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        theta = rp.get("rope_theta", cfg.get("rope_theta", default_theta))
         kind = rp.get("rope_type", rp.get("type", "default"))
         return float(theta), (None if kind == "default" else dict(rp, rope_type=kind))
-    theta = float(cfg.get("rope_theta", 10000.0))
+    theta = float(cfg.get("rope_theta", default_theta))
     rs = cfg.get("rope_scaling")
     if not rs:
         return theta, None
@@ -86,6 +126,9 @@ def layer_windows(cfg):
     if arch == "MistralForCausalLM":
         w = cfg.get("sliding_window", 4096)
         return [w if w else None] * n
+    if arch == "Phi3ForCausalLM":  # Phi3Config: no window unless set, then on every layer
+        w = cfg.get("sliding_window")
+        return [w if w else None] * n
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         w = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
         types = cfg.get("layer_types")
@@ -95,17 +138,47 @@ def layer_windows(cfg):
         if len(types) != n:
             raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
         return [w if (t == "sliding_attention" and w) else None for t in types]
+    if arch in GEMMA:
+        # Gemma 2 alternates (even layers slide); Gemma 3 makes every
+        # sliding_window_pattern-th layer global
+        w = cfg.get("sliding_window", 4096)
+        if not w:
+            raise ValueError("config.json: sliding_window must be set for Gemma")
+        pattern = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+        types = cfg.get("layer_types") or \
+            ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        return [w if t == "sliding_attention" else None for t in types]
     return [None] * n
 
 
-def rope_inv_freq(cfg):
-    """inv_freq[head_dim/2] exactly as HF computes it (f32 throughout)."""
-    dim = head_dim_of(cfg)
+def local_rope_theta(cfg):
+    """Gemma 3's sliding layers: their RoPE base (unscaled), else None."""
+    if arch_of(cfg) != "Gemma3ForCausalLM":
+        return None
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "sliding_attention" in rp:
+        return float(rp["sliding_attention"].get("rope_theta", 10000.0))
+    return float(cfg.get("rope_local_base_freq", 10000.0))
+
+
+def rope_inv_freq(cfg, local=False):
+    """inv_freq[head_dim/2] exactly as HF computes it (f32 throughout);
+    local: Gemma 3's sliding layers' (their own base, no scaling)."""
+    dim = rot_dim_of(cfg)
     theta, sc = rope_params(cfg)
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if local:
+        theta, sc = local_rope_theta(cfg), None
+    expo = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv = 1.0 / (theta ** expo)
     if sc is None:
         return inv
     kind = sc["rope_type"]
+    if kind in ("longrope", "su"):
+        # short_factor: kvtier caps a sequence at original_max_position_embeddings,
+        # below which transformers never switches to long_factor
+        if len(sc["short_factor"]) != dim // 2 or len(sc["long_factor"]) != dim // 2:
+            raise ValueError(f"config.json: longrope factors must number rotated dimensions / 2 = {dim // 2}")
+        return 1.0 / (torch.tensor(sc["short_factor"], dtype=torch.float32) * theta ** expo)
     if kind == "linear":
         # scaling the positions by 1/factor == scaling the frequencies
         return inv / float(sc["factor"])
@@ -128,15 +201,21 @@ def rope_inv_freq(cfg):
 # Building blocks
 # --------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps, device=None):
+    """plus_one (Gemma): the weight is stored as an offset from 1, and the
+    whole product is formed in f32 before the cast back."""
+
+    def __init__(self, dim, eps, device=None, plus_one=False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device))
+        self.weight = nn.Parameter(torch.zeros(dim, device=device) if plus_one else torch.ones(dim, device=device))
         self.eps = eps
+        self.plus_one = plus_one
 
     def forward(self, x):
         dt = x.dtype
         x32 = x.float()  # HF: variance in f32 whatever the compute dtype
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight.float())).to(dt)
         return self.weight * x32.to(dt)
 
 
@@ -147,7 +226,11 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x: [B, H, T, hd]; cos, sin: [T, hd]."""
+    """x: [B, H, T, hd]; cos, sin: [T, rot] with rot <= hd: the first rot
+    dimensions rotate, the rest pass through (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -187,24 +270,43 @@ class Attention(nn.Module):
         # Qwen2: q/k/v biased, o not.  Llama/Qwen3: attention_bias on all
         # four.  Mistral: none.
         qkv_bias = arch == "Qwen2ForCausalLM" or (arch != "MistralForCausalLM" and cfg.get("attention_bias", False))
-        o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.get("attention_bias", False)
-        self.q_proj = nn.Linear(dim, self.n_heads * self.hd, bias=qkv_bias, device=device)
-        self.k_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
-        self.v_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
+        o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") + GEMMA and cfg.get("attention_bias", False)
+        # Gemma: scores scaled by query_pre_attn_scalar^-1/2, and Gemma 2's
+        # capped by attn_logit_softcapping (None: uncapped)
+        self.scale = self.hd ** -0.5
+        self.softcap = None
+        if arch in GEMMA:
+            self.scale = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+            self.softcap = cfg.get("attn_logit_softcapping", 50.0 if arch == "Gemma2ForCausalLM" else None)
+        # Gemma 3's sliding layers use the local RoPE table
+        self.rope = "local" if window is not None and arch == "Gemma3ForCausalLM" else "global"
+        self.fused = arch == "Phi3ForCausalLM"  # one qkv_proj: q rows, then k, then v
+        if self.fused:
+            self.qkv_proj = nn.Linear(dim, (self.n_heads + 2 * self.n_kv) * self.hd, bias=False, device=device)
+        else:
+            self.q_proj = nn.Linear(dim, self.n_heads * self.hd, bias=qkv_bias, device=device)
+            self.k_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
+            self.v_proj = nn.Linear(dim, self.n_kv * self.hd, bias=qkv_bias, device=device)
         self.o_proj = nn.Linear(self.n_heads * self.hd, dim, bias=o_bias, device=device)
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
             eps = cfg.get("rms_norm_eps", 1e-6)
-            self.q_norm = RMSNorm(self.hd, eps, device)
-            self.k_norm = RMSNorm(self.hd, eps, device)
+            self.q_norm = RMSNorm(self.hd, eps, device, plus_one=arch in GEMMA)
+            self.k_norm = RMSNorm(self.hd, eps, device, plus_one=arch in GEMMA)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, masks):
+    def forward(self, x, ropes, masks):
+        """ropes: {"global": (cos, sin), "local": (cos, sin)}, each [T, hd]."""
+        cos, sin = ropes[self.rope]
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hd)  # [B, T, H, hd]
-        k = self.k_proj(x).view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
-        v = self.v_proj(x).view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
-        if self.q_norm is not None:  # Qwen3: per head, before RoPE
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.hd)  # [B, T, H, hd]
+        k = k.view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
+        v = v.view(b, t, self.n_kv, self.hd)     # [B, T, Hkv, hd]
+        if self.q_norm is not None:  # Qwen3, Gemma 3: per head, before RoPE
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, hd]
@@ -214,7 +316,10 @@ class Attention(nn.Module):
             k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
         rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, rep), repeat_kv(v, rep)
-        s = torch.matmul(q, k.transpose(2, 3)) * (self.hd ** -0.5) + masks[self.window]  # [B, H, T, T]
+        s = torch.matmul(q, k.transpose(2, 3)) * self.scale  # [B, H, T, T]
+        if self.softcap is not None:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        s = s + masks[self.window]
         p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(p, v).transpose(1, 2).reshape(b, t, self.n_heads * self.hd)  # [B, T, H*hd]
         return self.o_proj(o)
@@ -225,25 +330,43 @@ class MLP(nn.Module):
         super().__init__()
         dim, ffn = cfg["hidden_size"], cfg["intermediate_size"]
         bias = arch_of(cfg) == "LlamaForCausalLM" and cfg.get("mlp_bias", False)
-        self.gate_proj = nn.Linear(dim, ffn, bias=bias, device=device)
-        self.up_proj = nn.Linear(dim, ffn, bias=bias, device=device)
+        self.fused = arch_of(cfg) == "Phi3ForCausalLM"  # one gate_up_proj: gate rows, then up
+        if self.fused:
+            self.gate_up_proj = nn.Linear(dim, 2 * ffn, bias=False, device=device)
+        else:
+            self.gate_proj = nn.Linear(dim, ffn, bias=bias, device=device)
+            self.up_proj = nn.Linear(dim, ffn, bias=bias, device=device)
         self.down_proj = nn.Linear(ffn, dim, bias=bias, device=device)
+        # SwiGLU, or Gemma's GeGLU with the tanh approximation
+        self.act = (lambda g: F.gelu(g, approximate="tanh")) if arch_of(cfg) in GEMMA else F.silu
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, window, device=None):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, device)
+        dim = cfg["hidden_size"]
+        self.gemma = arch_of(cfg) in GEMMA
+        self.input_layernorm = RMSNorm(dim, eps, device, self.gemma)
         self.self_attn = Attention(cfg, window, device)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, device)
+        # Llama: post_attention_layernorm is the MLP's input norm.  Gemma:
+        # it norms the attention output, pre_feedforward_layernorm the MLP's
+        # input and post_feedforward_layernorm its output.
+        self.post_attention_layernorm = RMSNorm(dim, eps, device, self.gemma)
+        if self.gemma:
+            self.pre_feedforward_layernorm = RMSNorm(dim, eps, device, True)
+            self.post_feedforward_layernorm = RMSNorm(dim, eps, device, True)
         self.mlp = MLP(cfg, device)
 
-    def forward(self, x, cos, sin, masks):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks)
+    def forward(self, x, ropes, masks):
+        if self.gemma:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, masks))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), ropes, masks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -255,24 +378,33 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], device=device)
         self.windows = layer_windows(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, w, device) for w in self.windows)
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), device)
+        gemma = arch_of(cfg) in GEMMA
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), device, gemma)
+        self.embed_scale = cfg["hidden_size"] ** 0.5 if gemma else None
         # not persistent: HF checkpoints carry no inv_freq
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        local = local_rope_theta(cfg) is not None
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=local), persistent=False)
+        self.rope_scale = rope_attention_factor(cfg)
 
-    def rope_tables(self, t, dtype):
-        """cos, sin [T, hd] for positions 0..T-1, computed in f32 as HF does."""
-        pos = torch.arange(t, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.float())  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)           # [T, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def rope_tables(self, inv_freq, t, dtype):
+        """cos, sin [T, rot] for positions 0..T-1, computed in f32 as HF
+        does (longrope: times its attention factor before the cast)."""
+        pos = torch.arange(t, device=inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq.float())  # [T, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)      # [T, rot]
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
     def forward(self, input_ids):
         x = self.embed_tokens(input_ids)  # [B, T, dim]
+        if self.embed_scale is not None:  # Gemma: the normalizer in the activations' dtype
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         t = input_ids.shape[1]
-        cos, sin = self.rope_tables(t, x.dtype)
+        ropes = {"global": self.rope_tables(self.inv_freq, t, x.dtype),
+                 "local": self.rope_tables(self.inv_freq_local, t, x.dtype)}
         masks = {w: causal_mask(t, w, x.device).to(x.dtype) for w in set(self.windows)}
         for layer in self.layers:
-            x = layer(x, cos, sin, masks)
+            x = layer(x, ropes, masks)
         return self.norm(x)
 
 
@@ -283,19 +415,127 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.arch = arch_of(cfg)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} not supported (silu)")
+        gemma = self.arch in GEMMA
+        key, want = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+        if cfg.get(key, want) != want:
+            raise ValueError(f"config.json: {key} {cfg[key]!r} not supported ({want})")
         self.model = Backbone(cfg, device)
-        # HF's default for tie_word_embeddings is False for these four classes
-        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        # HF's default for tie_word_embeddings: False for Llama, Mistral,
+        # Qwen and Phi-3, True for Gemma
+        self.tied = bool(cfg.get("tie_word_embeddings", gemma))
         if not self.tied:
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False, device=device)
+        self.final_softcap = cfg.get("final_logit_softcapping",
+                                     30.0 if self.arch == "Gemma2ForCausalLM" else None) if gemma else None
 
     def forward(self, input_ids):
         """input_ids [B, T] (positions 0..T-1, full causal) -> logits [B, T, V]."""
         h = self.model(input_ids)
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(h, w)
+        logits = F.linear(h, w)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+# --------------------------------------------------------------------------
+# GPT-2: its own layout and names (GPT2Config: n_embd, n_layer, n_head, ...)
+# --------------------------------------------------------------------------
+class Conv1D(nn.Module):
+    """GPT-2's projection: weight [in, out], y = x W + b."""
+
+    def __init__(self, n_in, n_out, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out, device=device))
+        self.bias = nn.Parameter(torch.zeros(n_out, device=device))
+
+    def forward(self, x):
+        return torch.matmul(x, self.weight) + self.bias
+
+
+def gelu_new(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        dim = cfg["n_embd"]
+        self.n_heads = cfg["n_head"]
+        self.hd = dim // self.n_heads
+        self.kv_dtype = None  # as Attention.kv_dtype
+        self.c_attn = Conv1D(dim, 3 * dim, device)  # q, k, v side by side
+        self.c_proj = Conv1D(dim, dim, device)
+
+    def forward(self, x, mask):
+        b, t, dim = x.shape
+        q, k, v = (y.view(b, t, self.n_heads, self.hd).transpose(1, 2) for y in self.c_attn(x).split(dim, dim=2))
+        if self.kv_dtype is not None:
+            k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
+        s = torch.matmul(q, k.transpose(2, 3)) / (self.hd ** 0.5) + mask  # [B, H, T, T]
+        p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.c_proj(torch.matmul(p, v).transpose(1, 2).reshape(b, t, dim))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        dim, eps = cfg["n_embd"], cfg.get("layer_norm_epsilon", 1e-5)
+        inner = cfg.get("n_inner") or 4 * dim
+        self.ln_1 = nn.LayerNorm(dim, eps=eps, device=device)
+        self.attn = GPT2Attention(cfg, device)
+        self.ln_2 = nn.LayerNorm(dim, eps=eps, device=device)
+        self.mlp = nn.ModuleDict({"c_fc": Conv1D(dim, inner, device), "c_proj": Conv1D(inner, dim, device)})
+
+    def forward(self, x, mask):
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.mlp["c_proj"](gelu_new(self.mlp["c_fc"](self.ln_2(x))))
+
+
+class GPT2Backbone(nn.Module):
+    """The HF `transformer.` prefix."""
+
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        dim = cfg["n_embd"]
+        self.wte = nn.Embedding(cfg["vocab_size"], dim, device=device)
+        self.wpe = nn.Embedding(cfg.get("n_positions", 1024), dim, device=device)
+        self.h = nn.ModuleList(GPT2Block(cfg, device) for _ in range(cfg["n_layer"]))
+        self.ln_f = nn.LayerNorm(dim, eps=cfg.get("layer_norm_epsilon", 1e-5), device=device)
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        if t > self.wpe.num_embeddings:
+            raise ValueError(f"{t} positions, n_positions is {self.wpe.num_embeddings}")
+        x = self.wte(input_ids) + self.wpe(torch.arange(t, device=input_ids.device))[None]  # [B, T, dim]
+        mask = causal_mask(t, None, x.device).to(x.dtype)
+        for block in self.h:
+            x = block(x, mask)
+        return self.ln_f(x)
+
+
+class GPT2LM(nn.Module):
+    def __init__(self, cfg: dict, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = arch_of(cfg)
+        for key, want in (("activation_function", "gelu_new"), ("scale_attn_weights", True),
+                          ("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False)):
+            if cfg.get(key, want) != want:
+                raise ValueError(f"config.json: {key} {cfg[key]!r} not supported ({want})")
+        self.transformer = GPT2Backbone(cfg, device)
+        self.tied = bool(cfg.get("tie_word_embeddings", True))
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg["n_embd"], cfg["vocab_size"], bias=False, device=device)
+
+    def forward(self, input_ids):
+        h = self.transformer(input_ids)
+        return F.linear(h, self.transformer.wte.weight if self.tied else self.lm_head.weight)
+
+
+def build_model(cfg, device=None):
+    """The module of cfg's architecture."""
+    return GPT2LM(cfg, device) if arch_of(cfg) == "GPT2LMHeadModel" else CausalLM(cfg, device)
 
 
 # --------------------------------------------------------------------------
@@ -385,7 +625,7 @@ def load_checkpoint(d):
 
 def param_shapes(cfg):
     """[(HF tensor name, shape)] in state-dict order, without allocating."""
-    return [(k, tuple(v.shape)) for k, v in CausalLM(cfg, device="meta").state_dict().items()]
+    return [(k, tuple(v.shape)) for k, v in build_model(cfg, device="meta").state_dict().items()]
 
 
 def load_config(d):
@@ -401,7 +641,7 @@ def load_config(d):
 Q8_0_BLOCK = 32
 Q8_0_DTYPE = np.dtype([("d", "<u2"), ("qs", "i1", (Q8_0_BLOCK,))])  # 34 bytes, as struct q8_0_block
 # the layer matrices kvtier --weights q8_0 quantizes (embeddings, norms and lm_head stay)
-Q8_0_LAYER_MATS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+Q8_0_LAYER_MATS = re.compile(r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)\.weight$")
 
 
 def q8_0_quantize(w):
@@ -445,10 +685,12 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto"):
     kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
     that type keeps them; weights "q8_0": every layer matrix replaced by
     its Q8_0 blocks dequantized and its input rounded by q8_act (what
-    kvtier --weights q8_0 multiplies)."""
-    m = CausalLM(load_config(d))
-    for layer in m.model.layers:
-        layer.self_attn.kv_dtype = kv_dtype
+    kvtier --weights q8_0 multiplies; the Linear-named families only, not
+    GPT-2's Conv1D layers)."""
+    m = build_model(load_config(d))
+    for mod in m.modules():
+        if isinstance(mod, (Attention, GPT2Attention)):
+            mod.kv_dtype = kv_dtype
     sd = load_checkpoint(d)
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it

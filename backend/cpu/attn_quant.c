@@ -337,6 +337,7 @@ static void attend_quantized(struct qattn *a, int64_t k0, int64_t k1)
             ahead += pn;
         }
         key_scores(a, v->blocks[blk], pos, t0, n);
+        cpu_attn_softcap(a->s, a->nq * n, a->p->softcap);
         cpu_attn_fold(a->k, a->pt, a->s, a->nq, n, a->D);
         value_accumulate(a, v->blocks[blk], t0, n);
         pos += n;

@@ -152,12 +152,16 @@ enum be_status cpu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, c
                           int n, int in, int out);
 enum be_status cpu_rmsnorm(void *ctx, void *y, const void *x, const float *w, int n, int dim, float eps);
 enum be_status cpu_rope(void *ctx, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                        const float *inv_freq, int rot_dim, enum be_rope_layout layout);
+                        const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout);
 enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok,
                             const void *k, const void *v, const struct be_attn_params *p);
 enum be_status cpu_attention(void *ctx, void *out, const void *q, const struct be_kv_view *views,
                              const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
 enum be_status cpu_silu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
+enum be_status cpu_gelu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
+enum be_status cpu_scale(void *ctx, void *x, size_t n, float s);
+enum be_status cpu_layernorm(void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim,
+                             float eps);
 enum be_status cpu_add(void *ctx, void *y, const void *x, size_t n);
 enum be_status cpu_softmax(void *ctx, void *x, int rows, int cols);
 enum be_status cpu_embed(void *ctx, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n,
@@ -205,6 +209,10 @@ static inline void cpu_prefetch(const void *p, size_t bytes)
 struct cpu_attn_part {
     float *m, *l, *o;
 };
+
+/* Caps n scaled scores in place: s -> cap * tanh(s / cap); cap 0 leaves
+ * them as they are. */
+void cpu_attn_softcap(float *s, int n, float cap);
 
 /* Folds the raw scores s[g * n + i] of a chunk of n keys into pt: each
  * head's max and sum, rescaling its o when the max grows; leaves each

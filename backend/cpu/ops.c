@@ -108,7 +108,7 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
 struct rows_job {
     struct cpu_ctx *c;
     float *y;
-    const float *x, *w;
+    const float *x, *w, *b;
     int rows, cols;
     float eps;
 };
@@ -135,6 +135,35 @@ enum be_status cpu_rmsnorm(void *ctx, void *y_, const void *x_, const float *w, 
     return BE_OK;
 }
 
+static void layernorm_job(void *arg, int ith, int nth)
+{
+    struct rows_job *j = arg;
+    size_t r0, r1;
+    split((size_t)j->rows, ith, nth, 1, &r0, &r1);
+    for (size_t r = r0; r < r1; r++) {
+        const float *x = j->x + r * (size_t)j->cols;
+        float *y = j->y + r * (size_t)j->cols, mean = 0.0f, var = 0.0f;
+        for (int i = 0; i < j->cols; i++)
+            mean += x[i];
+        mean /= (float)j->cols;
+        for (int i = 0; i < j->cols; i++) /* two passes: no cancellation in E[x^2] - mean^2 */
+            var += (x[i] - mean) * (x[i] - mean);
+        float s = 1.0f / sqrtf(var / (float)j->cols + j->eps);
+        for (int i = 0; i < j->cols; i++)
+            y[i] = (x[i] - mean) * s * j->w[i] + j->b[i];
+    }
+}
+
+enum be_status cpu_layernorm(void *ctx, void *y_, const void *x_, const float *w, const float *b, int n, int dim,
+                             float eps)
+{
+    float *y = y_;
+    const float *x = x_;
+    struct rows_job j = {.c = ctx, .y = y, .x = x, .w = w, .b = b, .rows = n, .cols = dim, .eps = eps};
+    run(j.c, layernorm_job, &j, (size_t)n * (size_t)dim * 2);
+    return BE_OK;
+}
+
 /* ---- rope --------------------------------------------------------------- */
 
 /* Angles are computed in f32 as Hugging Face does (pos * inv_freq, then
@@ -147,6 +176,7 @@ struct rope_job {
     int n_tok, n_heads, head_dim, rot_dim;
     const int64_t *pos;
     const float *inv_freq;
+    float mscale;
     enum be_rope_layout layout;
 };
 
@@ -163,8 +193,8 @@ static void rope_job(void *arg, int ith, int nth)
             float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
             for (int i = 0; i < m; i++) {
                 float a = fpos * j->inv_freq[i0 + i];
-                cs[i] = cosf(a);
-                sn[i] = sinf(a);
+                cs[i] = cosf(a) * j->mscale;
+                sn[i] = sinf(a) * j->mscale;
             }
             for (int h = 0; h < j->n_heads; h++) {
                 float *v = j->x + (t * (size_t)j->n_heads + (size_t)h) * (size_t)j->head_dim;
@@ -181,11 +211,11 @@ static void rope_job(void *arg, int ith, int nth)
 }
 
 enum be_status cpu_rope(void *ctx, void *x_, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                        const float *inv_freq, int rot_dim, enum be_rope_layout layout)
+                        const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout)
 {
     float *x = x_;
     struct rope_job j = {.x = x, .n_tok = n_tok, .n_heads = n_heads, .head_dim = head_dim, .rot_dim = rot_dim,
-                         .pos = pos, .inv_freq = inv_freq, .layout = layout};
+                         .pos = pos, .inv_freq = inv_freq, .mscale = mscale, .layout = layout};
     run(ctx, rope_job, &j, (size_t)n_tok * (size_t)n_heads * (size_t)rot_dim * 4);
     return BE_OK;
 }
@@ -243,6 +273,13 @@ void cpu_key_rope(const struct be_attn_params *p, const struct be_kv_view *v, in
         out[a] = x[a] * t[a] - x[b] * t[b];
         out[b] = x[b] * t[a] + x[a] * t[b];
     }
+}
+
+void cpu_attn_softcap(float *s, int n, float cap)
+{
+    if (cap > 0.0f)
+        for (int i = 0; i < n; i++)
+            s[i] = cap * tanhf(s[i] / cap);
 }
 
 void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, int nq, int n, int head_dim)
@@ -311,6 +348,7 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
         k->dot(s, q, nq, keys, v->key_rope ? BE_F32 : p->kv_dtype, D, n);
         for (int i = 0; i < nq * n; i++)
             s[i] *= p->scale;
+        cpu_attn_softcap(s, nq * n, p->softcap);
         cpu_attn_fold(k, pt, s, nq, n, D);
         k->axpy(pt->o, s, nq, rows, v->v_offset, p->kv_dtype, D, n);
     }
@@ -537,6 +575,7 @@ struct elem_job {
     float *y;
     const float *a, *b;
     size_t n;
+    float s;
 };
 
 static void silu_mul_job(void *arg, int ith, int nth)
@@ -557,6 +596,47 @@ enum be_status cpu_silu_mul(void *ctx, void *y_, const void *gate_, const void *
     const float *up = up_;
     struct elem_job j = {.c = ctx, .y = y, .a = gate, .b = up, .n = n};
     run(j.c, silu_mul_job, &j, n * 8);
+    return BE_OK;
+}
+
+/* gelu_tanh(g) = g/2 * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3))) */
+static void gelu_mul_job(void *arg, int ith, int nth)
+{
+    struct elem_job *j = arg;
+    size_t lo, hi;
+    split(j->n, ith, nth, 16, &lo, &hi);
+    const float c = 0.7978845608028654f; /* sqrt(2/pi) */
+    for (size_t i = lo; i < hi; i++) {
+        float g = j->a[i];
+        float y = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+        j->y[i] = j->b ? y * j->b[i] : y;
+    }
+}
+
+enum be_status cpu_gelu_mul(void *ctx, void *y_, const void *gate_, const void *up_, size_t n)
+{
+    float *y = y_;
+    const float *gate = gate_;
+    const float *up = up_;
+    struct elem_job j = {.c = ctx, .y = y, .a = gate, .b = up, .n = n};
+    run(j.c, gelu_mul_job, &j, n * 8);
+    return BE_OK;
+}
+
+static void scale_job(void *arg, int ith, int nth)
+{
+    struct elem_job *j = arg;
+    size_t lo, hi;
+    split(j->n, ith, nth, 16, &lo, &hi);
+    if (lo < hi)
+        cpu_ctx_kern(j->c)->scale(j->y + lo, j->s, (int)(hi - lo));
+}
+
+enum be_status cpu_scale(void *ctx, void *x_, size_t n, float s)
+{
+    float *x = x_;
+    struct elem_job j = {.c = ctx, .y = x, .n = n, .s = s};
+    run(j.c, scale_job, &j, n);
     return BE_OK;
 }
 

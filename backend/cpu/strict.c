@@ -183,8 +183,8 @@ STRICT_OP(matmul, (void *ctx, void *y, enum be_dtype yt, const void *x, const vo
 STRICT_OP(rmsnorm, (void *ctx, void *y, const void *x, const float *w, int n, int dim, float eps), y, x, w, n, dim,
           eps)
 STRICT_OP(rope, (void *ctx, void *x, int n_tok, int n_heads, int head_dim, const int64_t *pos,
-                 const float *inv_freq, int rot_dim, enum be_rope_layout layout), x, n_tok, n_heads, head_dim, pos,
-          inv_freq, rot_dim, layout)
+                 const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout), x, n_tok, n_heads,
+          head_dim, pos, inv_freq, rot_dim, mscale, layout)
 STRICT_OP(kv_store, (void *ctx, const struct be_kv_view *views, const struct be_tok *toks, int n_tok, const void *k,
                      const void *v, const struct be_attn_params *p), views, toks, n_tok, k, v, p)
 STRICT_OP(attention, (void *ctx, void *out, const void *q, const struct be_kv_view *views,
@@ -201,6 +201,10 @@ STRICT_OP(kv_absmax, (void *ctx, const struct be_kv_view *v, enum be_dtype dt, i
 STRICT_OP(kv_copy, (void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0, int64_t p1,
                     const struct be_attn_params *p), dst, src, p0, p1, p)
 STRICT_OP(silu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
+STRICT_OP(gelu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
+STRICT_OP(scale, (void *ctx, void *x, size_t n, float a), x, n, a)
+STRICT_OP(layernorm, (void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim, float eps),
+          y, x, w, b, n, dim, eps)
 STRICT_OP(add, (void *ctx, void *y, const void *x, size_t n), y, x, n)
 STRICT_OP(softmax, (void *ctx, void *x, int rows, int cols), x, rows, cols)
 STRICT_OP(embed, (void *ctx, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n, int dim), y,
@@ -298,6 +302,9 @@ static const struct be_ops strict_ops = {
     .kv_store = strict_kv_store,
     .attention = strict_attention,
     .silu_mul = strict_silu_mul,
+    .gelu_mul = strict_gelu_mul,
+    .scale = strict_scale,
+    .layernorm = strict_layernorm,
     .add = strict_add,
     .softmax = strict_softmax,
     .embed = strict_embed,

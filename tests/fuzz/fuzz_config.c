@@ -5,7 +5,7 @@
  *
  * Invariants: an error has a message naming the file; an accepted config
  * is one the rest of the loader can size things by: every dimension in
- * range, head_dim even, num_attention_heads a multiple of
+ * range, head_dim even (but GPT-2's: no RoPE), num_attention_heads a multiple of
  * num_key_value_heads, one window per layer (none wider than
  * sliding_window), special token ids inside the vocabulary. */
 #include <math.h>
@@ -23,7 +23,9 @@ static void check_config(const struct model_config *c)
     FUZZ_CHECK(c->n_layers >= 1 && c->n_layers <= 1024, "n_layers %d", c->n_layers);
     FUZZ_CHECK(c->n_heads >= 1 && c->n_kv_heads >= 1 && c->n_heads % c->n_kv_heads == 0, "heads %d / %d",
                c->n_heads, c->n_kv_heads);
-    FUZZ_CHECK(c->head_dim >= 2 && c->head_dim % 2 == 0 && c->head_dim <= 1024, "head_dim %d", c->head_dim);
+    /* RoPE rotates pairs; GPT-2 has none */
+    FUZZ_CHECK(c->head_dim >= 2 && (c->learned_pos || c->head_dim % 2 == 0) && c->head_dim <= 1024, "head_dim %d",
+               c->head_dim);
     FUZZ_CHECK((long long)c->n_heads * c->head_dim <= 1 << 17, "q dim %d * %d", c->n_heads, c->head_dim);
     FUZZ_CHECK(c->max_position_embeddings >= 1, "max_position_embeddings %d", c->max_position_embeddings);
     FUZZ_CHECK(isfinite(c->rms_norm_eps) && c->rms_norm_eps > 0 && c->rms_norm_eps <= 1, "rms_norm_eps %g",
@@ -34,6 +36,17 @@ static void check_config(const struct model_config *c)
         FUZZ_CHECK(c->rope_high_freq_factor > c->rope_low_freq_factor && c->rope_original_max_pos >= 1,
                    "llama3 rope %g %g %d", c->rope_low_freq_factor, c->rope_high_freq_factor,
                    c->rope_original_max_pos);
+    if (c->rope_scaling == ROPE_SCALING_LONGROPE)
+        FUZZ_CHECK(c->rope_short_factor && c->rope_original_max_pos >= 1, "longrope without its factors");
+    FUZZ_CHECK(c->learned_pos ? c->rot_dim == 0 : c->rot_dim >= 2 && c->rot_dim % 2 == 0 && c->rot_dim <= c->head_dim,
+               "rot_dim %d of %d", c->rot_dim, c->head_dim);
+    FUZZ_CHECK(isfinite(c->rope_attn_factor) && c->rope_attn_factor > 0, "rope_attn_factor %g", c->rope_attn_factor);
+    FUZZ_CHECK(isfinite(c->rope_local_theta) && c->rope_local_theta >= 0, "rope_local_theta %g", c->rope_local_theta);
+    FUZZ_CHECK(isfinite(c->attn_scale) && c->attn_scale > 0, "attn_scale %g", c->attn_scale);
+    FUZZ_CHECK(isfinite(c->attn_softcap) && c->attn_softcap >= 0 && isfinite(c->final_softcap) &&
+                   c->final_softcap >= 0,
+               "soft caps %g %g", c->attn_softcap, c->final_softcap);
+    FUZZ_CHECK(isfinite(c->embed_scale) && c->embed_scale >= 0, "embed_scale %g", c->embed_scale);
     FUZZ_CHECK(c->dtype == BE_F32 || c->dtype == BE_F16 || c->dtype == BE_BF16, "dtype %d", (int)c->dtype);
     FUZZ_CHECK(c->sliding_window >= 0, "sliding_window %d", c->sliding_window);
     FUZZ_CHECK(c->layer_window, "no layer windows");

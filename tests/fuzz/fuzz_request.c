@@ -175,7 +175,8 @@ static void parse_all(const json_t *root, const struct ipc_limits *lim, char *ou
     struct ipc_error e;
     const json_t *cache = json_is_object(root) ? json_object_get(root, "cache") : root;
     enum ipc_status st = ipc_cache_parse(cache, json_object_get(root, "use_cache"),
-                                         &(struct ipc_cache_model){lim->max_context, lim->sliding_window}, &c, &e);
+                                         &(struct ipc_cache_model){.max_len = lim->max_context,
+                                                                   .sliding_window = lim->sliding_window}, &c, &e);
     if (st == IPC_OK)
         check_cache(&c, lim);
     else

@@ -51,6 +51,7 @@ const variants = [
   { name: "llama3", pkg: "tokenizer-llama3" },
   { name: "llama3-bos", pkg: "tokenizer-llama3", edit: llama3Bos },
   { name: "qwen3", pkg: "tokenizer-qwen3" },
+  { name: "gpt2", pkg: "tokenizer-gpt2" },
 ];
 
 const result = [];
