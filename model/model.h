@@ -155,7 +155,7 @@ void model_files_close(model_files *f); /* accepts NULL */
 enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err);
 
 struct q8_0_block;
-/* Quantizes the seven matrices of every layer to Q8_0 (util/q8.h) in host
+/* Quantizes every layer's matrices (those it has) to Q8_0 (util/q8.h) in host
  * memory: *blocks holds all of them and *layers a copy of w->layers that
  * points into them; w->layers becomes *layers, and the caller frees both
  * after w's last use.  Refuses, naming the tensor, a matrix whose columns
@@ -191,7 +191,7 @@ enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype d
 /* How the linear layers' weights are held (model_params.weights). */
 enum model_weights_fmt {
     MODEL_WEIGHTS_AUTO = 0, /* as the checkpoint stores them, read from the mmap */
-    /* the seven matrices of every layer quantized at load to Q8_0 blocks
+    /* every layer's matrices (q, k, v, o, gate, up, down) quantized at load to Q8_0 blocks
      * (util/q8.h) in host memory: half the bytes of bf16 for decode to
      * stream.  The embeddings, the norms, the biases and lm_head stay as
      * stored (docs/architecture.md says why). */
