@@ -1064,7 +1064,7 @@ static bool load(engine *e)
     struct runtime_params rp = {.backend = e->cfg.backend,
                                 .be = {.n_threads = e->cfg.n_threads, .device_mem = e->cfg.device_mem},
                                 .model = {.max_batch_tokens = e->cfg.batch_tokens, .verify_weights = e->cfg.verify_weights,
-                                          .kv_dtype = e->cfg.kv_dtype},
+                                          .kv_dtype = e->cfg.kv_dtype, .weights = e->cfg.weights},
                                 .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache},
                                 .size_seqs = e->cfg.max_seqs, .size_ctx = e->cfg.ctx};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
@@ -1086,8 +1086,9 @@ static bool load(engine *e)
                 b->seqs, b->ctx, b->margin / 1048576.0, RUNTIME_MIN_DEVICE_MEM >> 20);
     else
         log_msg(LOG_INFO, "device budget %.1f MiB (--device-mem)", dev_budget / 1048576.0);
-    log_msg(LOG_INFO, "KV cache in %s, weights in %s (--kv-dtype)", be_dtype_name(kv_store_dtype(e->store)),
-            be_dtype_name(model_get_config(e->m)->dtype));
+    log_msg(LOG_INFO, "KV cache in %s (--kv-dtype), weights in %s, layers' in %s (--weights)",
+            be_dtype_name(kv_store_dtype(e->store)), be_dtype_name(model_get_config(e->m)->dtype),
+            be_dtype_name(model_get_weights(e->m)->layers[0].wq.dtype));
     /* default: a quarter of the device budget may hold blocks only the
      * prefix cache keeps, so they never crowd out the running requests */
     size_t prefix_mem = e->cfg.prefix_mem ? e->cfg.prefix_mem : dev_budget / 4;

@@ -53,6 +53,7 @@ struct engine_config {
     bool share_prefix_cache; /* one prefix namespace for every uid instead of one per uid */
     bool verify_weights;     /* scan every weight for NaN and infinity at load */
     enum model_kv_dtype kv_dtype; /* how the KV store keeps K and V (default: the model's precision) */
+    enum model_weights_fmt weights; /* how the linear layers' weights are held (default: as stored) */
     int ctx;                 /* 0: the model's max_position_embeddings */
     int max_seqs;            /* sequences decoded together */
     int batch_tokens;        /* tokens per forward step */

@@ -83,6 +83,11 @@ struct model {
     be_buffer **wbufs;
     int n_wbufs;
     struct model_layer *dev_layers;
+    /* model_params.weights q8_0: every layer matrix's blocks, and the
+     * layer table pointing into them */
+    enum model_weights_fmt wfmt;
+    struct q8_0_block *qblocks;
+    struct model_layer *q_layers;
 };
 
 const struct model_config *model_get_config(const model *m)
@@ -97,8 +102,10 @@ const struct model_weights *model_get_weights(const model *m)
 
 uint64_t model_fingerprint(const model *m)
 {
-    uint64_t h[2] = {m->cfg.config_hash, m->w.header_hash};
-    return XXH3_64bits(h, sizeof h);
+    /* as-is weights keep the fingerprint they always had, so KV saved
+     * before the quantized formats existed still loads */
+    uint64_t h[3] = {m->cfg.config_hash, m->w.header_hash, (uint64_t)m->wfmt};
+    return XXH3_64bits(h, m->wfmt == MODEL_WEIGHTS_AUTO ? 2 * sizeof h[0] : sizeof h);
 }
 
 struct kv_geom model_kv_geom(const model *m)
@@ -119,6 +126,17 @@ bool model_kv_dtype_parse(const char *s, enum model_kv_dtype *out)
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (!strcmp(s, names[i])) {
             *out = (enum model_kv_dtype)i;
+            return true;
+        }
+    return false;
+}
+
+bool model_weights_parse(const char *s, enum model_weights_fmt *out)
+{
+    static const char *const names[] = {[MODEL_WEIGHTS_AUTO] = "auto", [MODEL_WEIGHTS_Q8_0] = "q8_0"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (!strcmp(s, names[i])) {
+            *out = (enum model_weights_fmt)i;
             return true;
         }
     return false;
@@ -299,7 +317,7 @@ static enum model_status upload(model *m, const void **p, size_t n, char *err)
 /* A matrix (one without data, as GPT-2's gate, stays so). */
 static enum model_status upload_mat(model *m, struct model_mat *w, char *err)
 {
-    return w->data ? upload(m, &w->data, (size_t)w->rows * (size_t)w->cols * be_dtype_size(w->dtype), err) : MODEL_OK;
+    return w->data ? upload(m, &w->data, (size_t)w->rows * be_row_bytes(w->dtype, (size_t)w->cols), err) : MODEL_OK;
 }
 
 /* An optional f32 vector of n floats (NULL stays NULL). */
@@ -360,8 +378,9 @@ static size_t charged(size_t n)
 }
 
 /* What weights_upload charges, from the config alone: every matrix is of
- * torch_dtype (safetensors.c refuses others), every vector f32. */
-static size_t weights_bytes(const struct model_config *c)
+ * torch_dtype (safetensors.c refuses others) or, for a layer's matrices
+ * under q8_0, of Q8_0; every vector f32. */
+static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt wf)
 {
     size_t dsz = be_dtype_size(c->dtype), dim = (size_t)c->hidden_size, ffn = (size_t)c->intermediate_size;
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
@@ -370,15 +389,16 @@ static size_t weights_bytes(const struct model_config *c)
     size_t total = (c->tie_word_embeddings ? 1 : 2) * embed + charged(dim * 4) + (ln ? charged(dim * 4) : 0);
     if (c->learned_pos)
         total += charged((size_t)c->max_position_embeddings * dim * dsz);
-    size_t mats[] = {q_dim * dim, kv_dim * dim, kv_dim * dim, dim * q_dim, c->ungated_mlp ? 0 : ffn * dim, ffn * dim,
-                     dim * ffn};
+    size_t rows[] = {q_dim, kv_dim, kv_dim, dim, c->ungated_mlp ? 0 : ffn, ffn, dim};
+    size_t cols[] = {dim, dim, dim, q_dim, dim, dim, ffn};
     size_t vecs[] = {dim, dim, c->attention_bias ? q_dim : 0, c->attention_bias ? kv_dim : 0,
                      c->attention_bias ? kv_dim : 0, c->o_bias ? dim : 0, c->qk_norm ? (size_t)c->head_dim : 0,
                      c->qk_norm ? (size_t)c->head_dim : 0, c->sandwich_norms ? dim : 0, c->sandwich_norms ? dim : 0,
                      ln ? dim : 0, ln ? dim : 0, c->ungated_mlp ? ffn : 0, c->ungated_mlp ? dim : 0};
+    enum be_dtype mt = wf == MODEL_WEIGHTS_Q8_0 ? BE_Q8_0 : c->dtype;
     size_t layer = 0;
-    for (size_t i = 0; i < sizeof(mats) / sizeof(mats[0]); i++)
-        layer += charged(mats[i] * dsz);
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
+        layer += charged(rows[i] * be_row_bytes(mt, cols[i]));
     for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]); i++)
         layer += charged(vecs[i] * 4);
     return total + (size_t)c->n_layers * layer;
@@ -394,7 +414,7 @@ struct model_device_bytes model_device_bytes(const struct model_config *c, struc
     for (int i = 0; i < RS_BUFS; i++)
         act += charged(sizes[i]);
     return (struct model_device_bytes){
-        .weights = caps.unified_memory ? 0 : weights_bytes(c),
+        .weights = caps.unified_memory ? 0 : weights_bytes(c, p ? p->weights : MODEL_WEIGHTS_AUTO),
         .activations = act,
         .kv_per_token = (size_t)c->n_layers * 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * be_dtype_size(kv),
     };
@@ -428,6 +448,8 @@ static void weights_free(model *m)
         be_buffer_free(m->wbufs[i]);
     free(m->wbufs);
     free(m->dev_layers);
+    free(m->q_layers);
+    free(m->qblocks);
 }
 
 enum model_status model_load(const char *dir, be_backend *be, const struct model_params *p, model **out, char *err)
@@ -450,6 +472,9 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     }
     if (st == MODEL_OK && p && p->verify_weights)
         st = model_weights_verify(&m->cfg, &m->w, err);
+    m->wfmt = p ? p->weights : MODEL_WEIGHTS_AUTO;
+    if (st == MODEL_OK && m->wfmt == MODEL_WEIGHTS_Q8_0)
+        st = model_weights_quantize(&m->cfg, &m->w, &m->qblocks, &m->q_layers, err);
     if (st == MODEL_OK && !be_get_caps(be).unified_memory)
         st = weights_upload(m, err);
     int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256; /* model_device_bytes assumes it too */

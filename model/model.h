@@ -156,6 +156,15 @@ void model_files_close(model_files *f); /* accepts NULL */
  * --verify-weights); the 1-D tensors are always checked. */
 enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err);
 
+struct q8_0_block;
+/* Quantizes every layer's matrices (those it has) to Q8_0 (util/q8.h) in host
+ * memory: *blocks holds all of them and *layers a copy of w->layers that
+ * points into them; w->layers becomes *layers, and the caller frees both
+ * after w's last use.  Refuses, naming the tensor, a matrix whose columns
+ * are not a multiple of 32 and a NaN or an infinity; w is unchanged then. */
+enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
+                                         struct q8_0_block **blocks, struct model_layer **layers, char *err);
+
 /* Why the sink strategy cannot run this model (its keys are rotated at
  * their index in the cache as attention reads them), or NULL when it can.
  * A model with sliding layers is refused by the store. */
@@ -180,6 +189,18 @@ bool model_kv_dtype_parse(const char *s, enum model_kv_dtype *out);
 /* The element type choice stands for with a checkpoint of torch_dtype dt. */
 enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype dt);
 
+/* How the linear layers' weights are held (model_params.weights). */
+enum model_weights_fmt {
+    MODEL_WEIGHTS_AUTO = 0, /* as the checkpoint stores them, read from the mmap */
+    /* every layer's matrices (q, k, v, o, gate, up, down) quantized at load to Q8_0 blocks
+     * (util/q8.h) in host memory: half the bytes of bf16 for decode to
+     * stream.  The embeddings, the norms, the biases and lm_head stay as
+     * stored (docs/architecture.md says why). */
+    MODEL_WEIGHTS_Q8_0,
+};
+/* "auto" or "q8_0"; false (and *out unchanged) otherwise. */
+bool model_weights_parse(const char *s, enum model_weights_fmt *out);
+
 /* ---- the model: config + weights + run state on a backend --------------- */
 typedef struct model model;
 
@@ -187,6 +208,7 @@ struct model_params {
     int max_batch_tokens; /* tokens per forward chunk (activations sized for it); 0 = 256 */
     bool verify_weights;  /* model_weights_verify at load */
     enum model_kv_dtype kv_dtype; /* model_kv_geom's dtype */
+    enum model_weights_fmt weights;
 };
 
 /* The device bytes a model of config c loaded with p (NULL: defaults)
@@ -209,8 +231,9 @@ const struct model_weights *model_get_weights(const model *m);
 struct kv_geom model_kv_geom(const model *m);
 /* What KV computed by this model is valid for: a hash of its config and
  * of its weights' metadata (tensor names, dtypes, shapes, offsets; the
- * weights themselves are not read).  KV saved under another fingerprint
- * is never loaded. */
+ * weights themselves are not read), and of model_params.weights when it
+ * is not auto (quantized weights compute other KV).  KV saved under
+ * another fingerprint is never loaded. */
 uint64_t model_fingerprint(const model *m);
 
 /* One entry of a batched forward: feed tokens[0..n_tokens) to a sequence at

@@ -30,6 +30,7 @@
 #include <xxhash.h>
 
 #include "util/half.h"
+#include "util/q8.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "util/file.h"
@@ -861,4 +862,74 @@ enum model_status model_weights_verify(const struct model_config *cfg, const str
         }
     }
     return st;
+}
+
+/* Row r of m as f32: m's own row when it is f32, else converted into buf. */
+static const float *row_f32(const struct model_mat *m, int r, float *buf)
+{
+    size_t n = (size_t)m->cols, esz = be_dtype_size(m->dtype);
+    const uint8_t *src = (const uint8_t *)m->data + (size_t)r * n * esz;
+    if (m->dtype == BE_F32)
+        return (const float *)src;
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * i, 2); /* the mmap does not promise 2-byte alignment */
+        buf[i] = m->dtype == BE_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    }
+    return buf;
+}
+
+enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
+                                         struct q8_0_block **blocks, struct model_layer **layers, char *err)
+{
+    enum { N_MATS = sizeof LAYER_MATS / sizeof LAYER_MATS[0] };
+    size_t total = 0;
+    int max_cols = 0;
+    char name[128];
+    for (int l = 0; l < cfg->n_layers; l++)
+        for (size_t k = 0; k < N_MATS; k++) {
+            const struct model_mat *m = (const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off);
+            if (!m->data) /* a matrix the architecture lacks (GPT-2's gate) */
+                continue;
+            if (m->cols % Q8_0_BLOCK)
+                return model_errf(err, MODEL_EUNSUPPORTED,
+                                  "tensor model.layers.%d.%s: %d columns, not a multiple of %d (Q8_0 blocks)", l,
+                                  LAYER_MATS[k].suffix, m->cols, Q8_0_BLOCK);
+            total += (size_t)m->rows * (size_t)m->cols / Q8_0_BLOCK;
+            max_cols = m->cols > max_cols ? m->cols : max_cols;
+        }
+    struct q8_0_block *q = malloc(total * sizeof *q);
+    struct model_layer *ls = malloc((size_t)cfg->n_layers * sizeof *ls);
+    float *buf = malloc((size_t)max_cols * sizeof *buf);
+    enum model_status st = MODEL_OK;
+    if (!q || !ls || !buf)
+        st = model_errf(err, MODEL_ENOMEM, "out of host memory for %zu bytes of Q8_0 weights", total * sizeof *q);
+    struct q8_0_block *next = q;
+    for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
+        ls[l] = w->layers[l];
+        for (size_t k = 0; k < N_MATS && st == MODEL_OK; k++) {
+            struct model_mat *m = (struct model_mat *)((char *)&ls[l] + LAYER_MATS[k].off);
+            if (!m->data)
+                continue;
+            size_t per_row = (size_t)m->cols / Q8_0_BLOCK;
+            for (int r = 0; r < m->rows && st == MODEL_OK; r++)
+                if (!q8_0_quantize(row_f32(m, r, buf), next + (size_t)r * per_row, (size_t)m->cols)) {
+                    snprintf(name, sizeof name, "model.layers.%d.%s", l, LAYER_MATS[k].suffix);
+                    st = model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite value (NaN or infinity) in row %d",
+                                    name, r);
+                }
+            *m = (struct model_mat){.data = next, .dtype = BE_Q8_0, .rows = m->rows, .cols = m->cols};
+            next += (size_t)m->rows * per_row;
+        }
+    }
+    free(buf);
+    if (st != MODEL_OK) {
+        free(q);
+        free(ls);
+        return st;
+    }
+    w->layers = ls;
+    *blocks = q;
+    *layers = ls;
+    return MODEL_OK;
 }

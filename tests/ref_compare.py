@@ -2,7 +2,7 @@
 """ref_compare - compares a kvtier-run --dump with the PyTorch reference.
 
     /usr/bin/python3 tests/ref_compare.py DIR DUMP --tol X [--expect-gen N] [--same-tokens DUMP2]...
-                                          [--no-cache DUMP3]... [--kv-dtype f32|bf16|f16]
+                                          [--no-cache DUMP3]... [--kv-dtype f32|bf16|f16] [--weights auto|q8_0]
 
 The dump (little-endian): "KVTL", int32 n_prompt, n_gen, vocab,
 int32 tokens[n_prompt + n_gen] (prompt, then generated), float32
@@ -15,7 +15,12 @@ produced for the prefill and each decode step (longrope: each row rotated
 with the table of the forward call that computed it, a prefill of n_prompt
 rows then one row per call, as Hugging Face's cache keeps them).  --kv-dtype bf16/f16: the
 reference rounds K (after RoPE) and V to that type, as a cache of it
-keeps them (kvtier's KV dtype of the dump; default f32, unrounded).  Passes when
+keeps them (kvtier's KV dtype of the dump; default f32, unrounded).
+--weights q8_0: the reference's layer matrices are the Q8_0 blocks of the
+checkpoint's, dequantized, and their inputs rounded as kvtier rounds them
+(kvtier-run --weights q8_0); with --apart, the reference with the
+unquantized weights must also be further than --tol from the dump (the
+tolerance tells the two apart).  Passes when
   * every logit is within --tol of the reference (max abs error), and
   * every generated token is the reference's argmax, or within --tol of the
     reference maximum (a near tie the two sides may break differently).
@@ -112,13 +117,15 @@ def main(argv=None):
     ap.add_argument("--no-cache", action="append", default=[], metavar="DUMP3")
     ap.add_argument("--name", help="label for the verdict lines (default: the directory name)")
     ap.add_argument("--kv-dtype", choices=("f32", "bf16", "f16"), default="f32")
+    ap.add_argument("--weights", choices=("auto", "q8_0"), default="auto")
+    ap.add_argument("--apart", action="store_true", help="with --weights q8_0: the unquantized reference must fail")
     o = ap.parse_args(argv)
     torch.set_num_threads(2)
     name = o.name or os.path.basename(os.path.normpath(o.dir))
     try:
         dumps = [(o.dump, *read_dump(o.dump))] + [(p, *read_dump(p)) for p in o.same_tokens + o.no_cache]
         kv = {"f32": None, "bf16": torch.bfloat16, "f16": torch.float16}[o.kv_dtype]
-        model = torchref.load_model(o.dir, torch.float32, kv)
+        model = torchref.load_model(o.dir, torch.float32, kv, o.weights)
     except (BadDump, OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"FAIL {name}: {e}")
         return 2
@@ -146,6 +153,12 @@ def main(argv=None):
                                o.tol)
         print(line)
         ok = ok and row_ok
+        if o.apart and o.weights != "auto":
+            plain = torchref.load_model(o.dir, torch.float32, kv)
+            err = np.abs(logits - reference_rows(plain, tokens, n_prompt, no_cache)).max()
+            print(f"{'PASS' if err > o.tol else 'FAIL'} {label}: the unquantized reference is {err:.3g} away "
+                  f"(must be over tol {o.tol:g})")
+            ok = ok and err > o.tol
     return 0 if ok else 1
 
 

@@ -24,6 +24,7 @@
 
 #include "model/model.h"
 #include "text/tokenizer.h"
+#include "util/q8.h"
 
 /* ---- the temporary model directory ---------------------------------------- */
 
@@ -117,6 +118,7 @@ static float mat_at(const struct model_mat *m, size_t i)
         memcpy(&f, &u, 4);
         return f;
     }
+    case BE_Q8_0: break; /* the loader binds checkpoint dtypes only */
     }
     return 0;
 }
@@ -1558,6 +1560,95 @@ static void test_non_finite_weights(void **state)
     }
 }
 
+/* --weights q8_0: every layer matrix becomes Q8_0 blocks of its values
+ * (the test's multiples of 1/8 with max 1 quantize to d = 1/127 and codes
+ * within half a step), the rest stays bound to the mmap; a matrix whose
+ * rows are not whole blocks, or that holds a NaN, is refused by name; and
+ * quantized weights give the model another fingerprint. */
+static void test_q8_weights(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("LlamaForCausalLM");
+    s.dim = 32, s.ffn = 64, s.heads = 4, s.head_dim = 8; /* every matrix's rows are whole blocks */
+    write_model(&s);
+    struct loaded m;
+    load_ok(&m);
+    struct model_layer *orig = m.w.layers, *ls = NULL;
+    struct q8_0_block *blocks = NULL;
+    char err[MODEL_ERR_LEN] = "";
+    if (model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err) != MODEL_OK)
+        fail_msg("%s", err);
+    assert_ptr_equal(m.w.layers, ls);
+    assert_ptr_not_equal(ls, orig);
+    check_mat(&m.w.tok_embed, "model.embed_tokens.weight", BE_BF16, s.vocab, s.dim);
+    float back[64];
+    for (int l = 0; l < s.layers; l++) {
+        const struct model_mat *mats[] = {&ls[l].wq, &ls[l].w_down};
+        const char *names[] = {"self_attn.q_proj.weight", "mlp.down_proj.weight"};
+        for (int k = 0; k < 2; k++) {
+            char name[128];
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, names[k]);
+            assert_int_equal(mats[k]->dtype, BE_Q8_0);
+            assert_int_equal(orig[l].wq.dtype, BE_BF16);
+            size_t per_row = (size_t)mats[k]->cols / Q8_0_BLOCK;
+            for (int r = 0; r < mats[k]->rows; r++) {
+                q8_0_dequantize((const struct q8_0_block *)mats[k]->data + (size_t)r * per_row, back,
+                                (size_t)mats[k]->cols);
+                for (int c = 0; c < mats[k]->cols; c++) {
+                    float want = expected(name, (size_t)r * mats[k]->cols + c);
+                    if (fabsf(back[c] - want) > 0.51f / 127)
+                        fail_msg("%s [%d, %d]: %g, wanted %g", name, r, c, back[c], want);
+                }
+            }
+        }
+    }
+    free(blocks);
+    free(ls);
+
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1};
+    assert_int_equal(be_open("cpu", &bp, &be), BE_OK);
+    model *plain, *q8;
+    struct model_params mp = {.max_batch_tokens = 4};
+    assert_int_equal(model_load(g_dir, be, &mp, &plain, err), MODEL_OK);
+    mp.weights = MODEL_WEIGHTS_Q8_0;
+    assert_int_equal(model_load(g_dir, be, &mp, &q8, err), MODEL_OK);
+    assert_int_equal(model_get_weights(q8)->layers[2].w_up.dtype, BE_Q8_0);
+    assert_int_equal(model_get_weights(plain)->layers[2].w_up.dtype, BE_BF16);
+    assert_true(model_fingerprint(plain) != model_fingerprint(q8));
+    model_free(plain);
+    model_free(q8);
+    unload(&m);
+
+    poke_nan("model.layers.1.mlp.up_proj.weight", 70); /* up_proj is (ffn 64, dim 32) */
+    load_ok(&m);
+    struct model_layer *before = m.w.layers;
+    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err), MODEL_EFORMAT);
+    assert_non_null(strstr(err, "model.layers.1.mlp.up_proj.weight"));
+    assert_non_null(strstr(err, "row 2"));
+    assert_ptr_equal(m.w.layers, before);
+    unload(&m);
+
+    s = spec_of("LlamaForCausalLM"); /* dim 16: half a block per row */
+    write_model(&s);
+    load_ok(&m);
+    before = m.w.layers;
+    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err), MODEL_EUNSUPPORTED);
+    assert_non_null(strstr(err, "model.layers.0.self_attn.q_proj.weight"));
+    assert_non_null(strstr(err, "multiple of 32"));
+    assert_ptr_equal(m.w.layers, before);
+    unload(&m);
+    mp.weights = MODEL_WEIGHTS_Q8_0;
+    assert_int_equal(model_load(g_dir, be, &mp, &q8, err), MODEL_EUNSUPPORTED);
+    assert_null(q8);
+    be_free(be);
+
+    enum model_weights_fmt f = MODEL_WEIGHTS_AUTO;
+    assert_true(model_weights_parse("q8_0", &f) && f == MODEL_WEIGHTS_Q8_0);
+    assert_false(model_weights_parse("q4_0", &f));
+    assert_int_equal(f, MODEL_WEIGHTS_Q8_0);
+}
+
 static void test_strerror(void **state)
 {
     (void)state;
@@ -1595,6 +1686,7 @@ int main(void)
         T(test_bad_windows),
         T(test_fifo),
         T(test_non_finite_weights),
+        T(test_q8_weights),
         T(test_strerror),
     };
 #undef T

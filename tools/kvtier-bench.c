@@ -10,7 +10,7 @@
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *                [--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]
- *                [--bw-passes 3]
+ *                [--bw-passes 3] [--weights auto|q8_0]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -111,7 +111,7 @@ static void weight_totals(const struct model_config *c, const struct model_weigh
         }
         for (int i = 0; i < 7 && ms[i]; i++) {
             *elems += (double)ms[i]->rows * ms[i]->cols;
-            *bytes += (size_t)ms[i]->rows * ms[i]->cols * be_dtype_size(ms[i]->dtype);
+            *bytes += (size_t)ms[i]->rows * be_row_bytes(ms[i]->dtype, (size_t)ms[i]->cols);
         }
     }
 }
@@ -126,11 +126,11 @@ int main(int argc, char **argv)
         {"decode", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
         {"repeat", required_argument, 0, 'r'}, {"block-tokens", required_argument, 0, 'b'},
         {"fill", required_argument, 0, 'f'},   {"kv-dtype", required_argument, 0, 'k'},
-        {"bw-passes", required_argument, 0, 'w'},
+        {"bw-passes", required_argument, 0, 'P'}, {"weights", required_argument, 0, 'w'},
         {0, 0, 0, 0},
     };
     int o;
-    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:w:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:w:P:", opts, NULL)) != -1) {
         bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
@@ -141,7 +141,8 @@ int main(int argc, char **argv)
         case 'b': ok = args_int_list(optarg, 1, 1 << 16, bts, MAX_BLOCK_SIZES, &nb); break;
         case 'f': ok = args_int(optarg, 0, 1 << 24, &n_fill); break;
         case 'k': ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
-        case 'w': ok = args_int(optarg, 1, 100, &bw_passes); break;
+        case 'P': ok = args_int(optarg, 1, 100, &bw_passes); break;
+        case 'w': ok = model_weights_parse(optarg, &rp.model.weights); break;
         default: return 2;
         }
         if (!ok)
@@ -149,7 +150,8 @@ int main(int argc, char **argv)
     }
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
-                        "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] [--bw-passes N]\n");
+                        "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] [--bw-passes N] "
+                        "[--weights auto|q8_0]\n");
         return 2;
     }
     char err[MODEL_ERR_LEN];

@@ -1,6 +1,7 @@
 /* kvtier-ppl - token-level perplexity of a text file, computed by kvtier.
  *
  *   kvtier-ppl -m DIR -f FILE [--window N] [--threads N] [--kv-dtype auto|f32|bf16|f16]
+ *              [--weights auto|q8_0]
  *
  * The windowing is the one tools/train.py records in metrics.json (so the two
  * numbers are comparable): FILE is encoded without special tokens, the ids
@@ -27,7 +28,8 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvtier-ppl -m DIR -f FILE [--window N] [--threads N] [--kv-dtype auto|f32|bf16|f16]\n");
+    fprintf(f, "usage: kvtier-ppl -m DIR -f FILE [--window N] [--threads N] [--kv-dtype auto|f32|bf16|f16]\n"
+               "                  [--weights auto|q8_0]\n");
 }
 
 /* Reads a whole file into a NUL-terminated malloc'd buffer. */
@@ -95,11 +97,12 @@ int main(int argc, char **argv)
     const char *dir = NULL, *path = NULL;
     int window = 512;
     struct runtime_params rp = {0};
-    enum { O_WINDOW = 256, O_THREADS, O_KVDTYPE };
+    enum { O_WINDOW = 256, O_THREADS, O_KVDTYPE, O_WEIGHTS };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"file", required_argument, 0, 'f'},
         {"window", required_argument, 0, O_WINDOW}, {"threads", required_argument, 0, O_THREADS},
-        {"kv-dtype", required_argument, 0, O_KVDTYPE}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
+        {"kv-dtype", required_argument, 0, O_KVDTYPE}, {"weights", required_argument, 0, O_WEIGHTS},
+        {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c;
     while ((c = getopt_long(argc, argv, "m:f:h", opts, NULL)) != -1) {
@@ -117,6 +120,12 @@ int main(int argc, char **argv)
         case O_KVDTYPE:
             if (!model_kv_dtype_parse(optarg, &rp.model.kv_dtype)) {
                 fprintf(stderr, "kvtier-ppl: invalid value '%s' for --kv-dtype\n", optarg);
+                return 2;
+            }
+            break;
+        case O_WEIGHTS:
+            if (!model_weights_parse(optarg, &rp.model.weights)) {
+                fprintf(stderr, "kvtier-ppl: invalid value '%s' for --weights\n", optarg);
                 return 2;
             }
             break;

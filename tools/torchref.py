@@ -24,8 +24,10 @@ projections stored [in, out], fused c_attn (q, k, v), gelu_new, tied head.  Para
 `model.state_dict()` is a checkpoint (a tied lm_head has no key of its own).
 
 Also: a hand-written safetensors reader/writer (F32/F16/BF16 and a few
-integer types) and load_model(dir), which upcasts stored weights to the
-compute dtype ("same weights, f32 math").
+integer types), load_model(dir), which upcasts stored weights to the
+compute dtype ("same weights, f32 math"), and GGUF's Q8_0 weight
+quantization, byte for byte as kvtier's util/q8.c does it, for the
+reference of kvtier --weights q8_0 (load_model(dir, weights="q8_0")).
 
 It is a test oracle and a training model, never part of the runtime.  Run
 with Debian's /usr/bin/python3 (torch 1.13).
@@ -34,6 +36,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 
 import numpy as np
@@ -650,10 +653,60 @@ def load_config(d):
         return json.load(f)
 
 
-def load_model(d, dtype=torch.float32, kv_dtype=None):
+# --------------------------------------------------------------------------
+# Q8_0: blocks of 32 weights along a row, an f16 scale d = max|w| / 127 and
+# int8 codes round(w / d) (ties away from zero), computed with the f32 d as
+# llama.cpp's quantize_row_q8_0_ref does; w ~ f16(d) * code.
+# --------------------------------------------------------------------------
+Q8_0_BLOCK = 32
+Q8_0_DTYPE = np.dtype([("d", "<u2"), ("qs", "i1", (Q8_0_BLOCK,))])  # 34 bytes, as struct q8_0_block
+# the layer matrices kvtier --weights q8_0 quantizes (embeddings, norms and lm_head stay)
+Q8_0_LAYER_MATS = re.compile(r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)\.weight$")
+
+
+def q8_0_quantize(w):
+    """Q8_0 blocks (a Q8_0_DTYPE array) of w, whose rows have a multiple of
+    32 elements; every step in float32 as the C quantizer takes it."""
+    x = np.ascontiguousarray(w, dtype=np.float32)
+    if x.shape[-1] % Q8_0_BLOCK:
+        raise ValueError(f"Q8_0: rows of {x.shape[-1]} elements are not whole blocks of {Q8_0_BLOCK}")
+    x = x.reshape(-1, Q8_0_BLOCK)
+    if not np.all(np.isfinite(x)):
+        raise ValueError("Q8_0: a weight is NaN or infinite")
+    d = np.abs(x).max(axis=1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    v = (x * inv[:, None]).astype(np.float64)  # the f32 product, then exactly
+    out = np.empty(len(x), Q8_0_DTYPE)
+    out["d"] = d.astype(np.float16).view(np.uint16)
+    out["qs"] = np.trunc(v + np.copysign(0.5, v)).astype(np.int8)  # roundf: v + 0.5 is exact in float64
+    return out
+
+
+def q8_0_dequantize(blocks, shape):
+    """float32 array of shape from Q8_0 blocks: f16(d) * code, in float32."""
+    d = blocks["d"].view(np.float16).astype(np.float32)
+    return (d[:, None] * blocks["qs"].astype(np.float32)).reshape(shape)
+
+
+def q8_act(x):
+    """x rounded as kvtier's CPU backend rounds a Q8_0 matmul's input: per
+    block of 32 along the last dimension, d = max|x| / 127 in float32 (not
+    stored as f16, unlike GGUF's Q8_0 activations), codes x * (1 / d)
+    rounded to nearest even, back as d * code."""
+    b = x.float().reshape(*x.shape[:-1], -1, Q8_0_BLOCK)
+    d = b.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (d * torch.round(b * inv)).reshape(x.shape).to(x.dtype)
+
+
+def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto"):
     """CausalLM of directory d with its weights upcast (or cast) to dtype;
     kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
-    that type keeps them."""
+    that type keeps them; weights "q8_0": every layer matrix replaced by
+    its Q8_0 blocks dequantized and its input rounded by q8_act (what
+    kvtier --weights q8_0 multiplies; the Linear-named families only, not
+    GPT-2's Conv1D layers)."""
     m = build_model(load_config(d))
     for mod in m.modules():
         if isinstance(mod, (Attention, GPT2Attention)):
@@ -661,5 +714,14 @@ def load_model(d, dtype=torch.float32, kv_dtype=None):
     sd = load_checkpoint(d)
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it
+    if weights == "q8_0":
+        for k in [k for k in sd if Q8_0_LAYER_MATS.match(k)]:
+            w = sd[k].float().numpy()
+            sd[k] = torch.from_numpy(q8_0_dequantize(q8_0_quantize(w), w.shape))
+        for name, mod in m.named_modules():
+            if Q8_0_LAYER_MATS.match(name + ".weight"):
+                mod.register_forward_pre_hook(lambda _mod, args: (q8_act(args[0]),))
+    elif weights != "auto":
+        raise ValueError(f"weights {weights!r}: auto or q8_0")
     m.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
     return m.to(dtype).eval()

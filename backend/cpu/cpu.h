@@ -29,6 +29,14 @@ void cpu_pool_run(struct cpu_pool *p, cpu_job_fn *fn, void *arg);
 
 /* ---- kernel tables (kern_*.c) ------------------------------------------- */
 
+/* An activation row's block of 32 rounded to int8 for a Q8_0 matmul: the
+ * f32 scale keeps x's range exactly (GGUF's Q8_0 activations round it to
+ * f16), and the codes pair with a weight block's in integer dot products. */
+struct cpu_q8_act {
+    float d;
+    int8_t qs[32];
+};
+
 /* One matmul call, as the op driver hands it to a table. */
 struct cpu_mm {
     float *y;        /* [n, out] */
@@ -36,6 +44,9 @@ struct cpu_mm {
     const void *w;   /* [out, in] of wt */
     enum be_dtype wt;
     int n, in, out;
+    /* wt BE_Q8_0: x as n * in / 32 blocks, quantized once by the driver,
+     * and x itself is then those blocks dequantized (d * q) */
+    const struct cpu_q8_act *xq;
 };
 
 /* Floats of scratch per thread: room for a panel of weight rows converted
@@ -68,6 +79,11 @@ struct cpu_kern {
     void (*norm_mul)(float *y, const float *x, float s, const float *w, int n);
     /* y[i] += x[i] */
     void (*add)(float *y, const float *x, size_t n);
+    /* y[i / 32] = x[i] in blocks of 32 (n a multiple of 32): d = max|x| /
+     * 127, q = x * (1 / d) rounded to nearest even; a block holding a NaN
+     * or an infinity gets d = NaN so the products show it.  Every level
+     * writes identical bytes. */
+    void (*q8_act)(struct cpu_q8_act *y, const float *x, size_t n);
     /* y[i] = x[i] converted from dt */
     void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n);
     /* y[i] = x[i] converted to dt, round to nearest even */
@@ -87,6 +103,11 @@ void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n);
 float cpu_max_scalar(const float *x, int n);
 float cpu_exp_sum_scalar(float *s, float m, int n);
 void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
+void cpu_q8_act_scalar(struct cpu_q8_act *y, const float *x, size_t n);
+/* The AVX2 Q8_0 matmul and activation quantizer (q8_avx2.c), which the
+ * AVX-512 level uses too. */
+void cpu_matmul_q8_0_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch);
+void cpu_q8_act_avx2(struct cpu_q8_act *y, const float *x, size_t n);
 
 /* Batched matmul for the SIMD levels (gemm.c): panels of W converted to
  * f32 by to_f32 into scratch, multiplied by OpenBLAS sgemm.  Needs

@@ -6,21 +6,51 @@
 
 #include "backend/cpu/cpu.h"
 #include "util/half.h"
+#include "util/q8.h"
 
 static inline float load_as_f32(const void *p, enum be_dtype dt, size_t i)
 {
     switch (dt) {
     case BE_F16: return f16_to_f32(((const uint16_t *)p)[i]);
     case BE_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case BE_Q8_0: {
+        const struct q8_0_block *b = (const struct q8_0_block *)p + i / Q8_0_BLOCK;
+        return f16_to_f32(b->d) * (float)b->qs[i % Q8_0_BLOCK];
+    }
     case BE_F32: break;
     }
     return ((const float *)p)[i];
 }
 
+/* The Q8_0 oracle: per block, the integer dot product of the codes, scaled
+ * by both blocks' scales and summed in block order. */
+static void matmul_q8_0_scalar(const struct cpu_mm *a, int r0, int r1)
+{
+    size_t nb = (size_t)a->in / Q8_0_BLOCK;
+    for (int t = 0; t < a->n; t++) {
+        const struct cpu_q8_act *x = a->xq + (size_t)t * nb;
+        for (int r = r0; r < r1; r++) {
+            const struct q8_0_block *w = (const struct q8_0_block *)a->w + (size_t)r * nb;
+            float acc = 0.0f;
+            for (size_t b = 0; b < nb; b++) {
+                int32_t isum = 0;
+                for (int i = 0; i < Q8_0_BLOCK; i++)
+                    isum += (int32_t)w[b].qs[i] * (int32_t)x[b].qs[i];
+                acc += f16_to_f32(w[b].d) * x[b].d * (float)isum;
+            }
+            a->y[(size_t)t * a->out + r] = acc;
+        }
+    }
+}
+
 void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
     (void)scratch;
-    size_t row_bytes = (size_t)a->in * be_dtype_size(a->wt);
+    if (a->wt == BE_Q8_0) {
+        matmul_q8_0_scalar(a, r0, r1);
+        return;
+    }
+    size_t row_bytes = be_row_bytes(a->wt, (size_t)a->in);
     for (int t = 0; t < a->n; t++) {
         const float *x = a->x + (size_t)t * a->in;
         for (int r = r0; r < r1; r++) {
@@ -108,7 +138,24 @@ void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n)
         case BE_F32: ((float *)y)[i] = x[i]; break;
         case BE_F16: ((uint16_t *)y)[i] = f32_to_f16(x[i]); break;
         case BE_BF16: ((uint16_t *)y)[i] = f32_to_bf16(x[i]); break;
+        case BE_Q8_0: return; /* a weight format: never a destination */
         }
+    }
+}
+
+void cpu_q8_act_scalar(struct cpu_q8_act *y, const float *x, size_t n)
+{
+    for (size_t b = 0; b < n / 32; b++, x += 32) {
+        float amax = 0.0f;
+        bool finite = true;
+        for (int i = 0; i < 32; i++) {
+            finite = finite && fabsf(x[i]) < INFINITY;
+            amax = fmaxf(amax, fabsf(x[i]));
+        }
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = finite ? d : NAN;
+        for (int i = 0; i < 32; i++)
+            y[b].qs[i] = finite ? (int8_t)nearbyintf(x[i] * id) : 0;
     }
 }
 
@@ -123,6 +170,7 @@ const struct cpu_kern cpu_kern_scalar = {
     .sumsq = sumsq_scalar,
     .norm_mul = norm_mul_scalar,
     .add = add_scalar,
+    .q8_act = cpu_q8_act_scalar,
     .to_f32 = cpu_to_f32_scalar,
     .from_f32 = cpu_from_f32_scalar,
 };

@@ -76,6 +76,23 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
         .mm = {.y = y, .x = x, .w = w, .wt = wt, .n = n, .in = in, .out = out},
         .bias = bias,
     };
+    if (wt == BE_Q8_0) { /* once here, not once per thread and row chunk */
+        size_t elems = (size_t)n * (size_t)in, bfl = elems / 32 * (sizeof(struct cpu_q8_act) / sizeof(float));
+        _Static_assert(sizeof(struct cpu_q8_act) % sizeof(float) == 0, "blocks tile a float work area");
+        float *work = cpu_ctx_rows(j.c, bfl + elems);
+        if (!work)
+            return BE_ENOMEM_HOST;
+        struct cpu_q8_act *xq = (struct cpu_q8_act *)work;
+        float *xd = work + bfl;
+        cpu_ctx_kern(j.c)->q8_act(xq, x, elems);
+        /* the panels' sgemm multiplies floats: it gets x as rounded too,
+         * so every path and batch size computes the same product */
+        for (size_t b = 0; b < elems / 32; b++)
+            for (int i = 0; i < 32; i++)
+                xd[b * 32 + (size_t)i] = xq[b].d * (float)xq[b].qs[i];
+        j.mm.xq = xq;
+        j.mm.x = xd;
+    }
     /* about 8 grabs per thread: small enough to rebalance, large enough
      * that each grab's per-call setup (x deinterleave, sgemm panel) stays
      * negligible */
