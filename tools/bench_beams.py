@@ -41,91 +41,23 @@ prompt of --prompt-len random token ids, after one untimed request:
 python3 stdlib only; prints medians (min-max), --json writes every sample.
 """
 import argparse
-import http.client
 import json
 import os
 import random
 import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import threading
 import time
 
-BUILD = os.environ.get("KVTIER_BUILD", "build")
+import kvclient
+from kvclient import log
 
-
-class UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path, timeout):
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
-
-    def connect(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.path)
-        self.sock = s
-
-
-def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
-
-
-class Daemon:
+class Daemon(kvclient.Daemon):
     def __init__(self, o, name, extra):
-        self.sock = os.path.join(o.dir, name + ".sock")
-        self.logpath = os.path.join(o.dir, name + ".log")
-        self.args = [os.path.join(BUILD, "kvtierd"), "--model", o.model, "--socket", self.sock,
-                     "--threads", str(o.threads), "--disk-dir", "none", "--no-prefix-cache",
-                     "--parallel", str(max(o.beams + [o.n])), "--log", self.logpath] + extra
-        self.proc = None
-
-    def start(self):
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL)
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit("kvtierd exited %d; see %s" % (self.proc.returncode, self.logpath))
-            try:
-                if self.request("GET", "/health", timeout=5)[0] == 200:
-                    return time.perf_counter() - t0
-            except OSError:
-                pass
-            if time.perf_counter() - t0 > 300:
-                raise SystemExit("kvtierd not ready after 300 s")
-            time.sleep(0.05)
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        if self.proc.wait(120) != 0:
-            raise SystemExit("kvtierd exited %d on SIGTERM" % self.proc.returncode)
-
-    def kill(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def request(self, method, path, body=None, timeout=1800):
-        c = UnixHTTP(self.sock, timeout)
-        try:
-            c.request(method, path, body=None if body is None else json.dumps(body),
-                      headers={"Content-Type": "application/json"} if body is not None else {})
-            r = c.getresponse()
-            raw = r.read()
-            try:
-                return r.status, json.loads(raw)
-            except ValueError:
-                return r.status, raw
-        finally:
-            c.close()
-
-    def ok(self, method, path, body=None):
-        code, r = self.request(method, path, body)
-        if code != 200:
-            raise SystemExit("%s %s: %d %s" % (method, path, code, str(r)[:300]))
-        return r
+        super().__init__(os.path.join(o.dir, name + ".sock"), os.path.join(o.dir, name + ".log"),
+                         ["--model", o.model, "--threads", str(o.threads), "--disk-dir", "none", "--no-prefix-cache",
+                          "--parallel", str(max(o.beams + [o.n]))] + extra)
 
     def metrics(self):
         code, raw = self.request("GET", "/metrics", timeout=30)

@@ -41,111 +41,27 @@ ranges; --json writes every sample.  python3 stdlib only; the daemon and
 its disk directory are removed at the end (the model is not touched).
 """
 import argparse
-import http.client
 import json
 import os
 import random
 import re
 import shutil
-import signal
-import socket
 import statistics
 import struct
 import subprocess
-import sys
 import time
 
-BUILD = os.environ.get("KVTIER_BUILD", "build")
+import kvclient
+from kvclient import BUILD, log
 
-
-class UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path, timeout):
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
-
-    def connect(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.path)
-        self.sock = s
-
-
-def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
-
-
-class Daemon:
+class Daemon(kvclient.Daemon):
     def __init__(self, o, compress):
         self.o = o
-        self.sock = os.path.join(o.dir, "kvtierd.sock")
-        self.logpath = os.path.join(o.dir, "kvtierd.log")
-        self.args = [os.path.join(BUILD, "kvtierd"), "--model", o.model, "--socket", self.sock,
-                     "--threads", str(o.threads), "--disk-dir", os.path.join(o.dir, "disk"),
-                     "--spill-after", "1", "--disk-compress", compress, "--no-prefix-cache",
-                     "--ctx-size", str(o.ctx), "--parallel", "2", "--device-mem", o.device_mem,
-                     "--max-body", "8M", "--log", self.logpath, "--kv-dtype", "f32"]
-        self.proc = None
-
-    def start(self):
-        """Seconds from exec to /health 200."""
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL)
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit("kvtierd exited %d; see %s" % (self.proc.returncode, self.logpath))
-            try:
-                if self.request("GET", "/health", timeout=5)[0] == 200:
-                    return time.perf_counter() - t0
-            except OSError:
-                pass
-            if time.perf_counter() - t0 > 300:
-                raise SystemExit("kvtierd not ready after 300 s")
-            time.sleep(0.01)
-
-    def stop(self):
-        """Seconds from SIGTERM to exit (every stale session written)."""
-        t0 = time.perf_counter()
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(600)
-        if rc != 0:
-            raise SystemExit("kvtierd exited %d on SIGTERM" % rc)
-        return time.perf_counter() - t0
-
-    def kill(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def request(self, method, path, body=None, timeout=1800):
-        c = UnixHTTP(self.sock, timeout)
-        try:
-            c.request(method, path, body=None if body is None else json.dumps(body),
-                      headers={"Content-Type": "application/json"} if body is not None else {})
-            r = c.getresponse()
-            raw = r.read()
-            try:
-                return r.status, json.loads(raw)
-            except ValueError:
-                return r.status, raw
-        finally:
-            c.close()
-
-    def raw(self, method, path, body=None, timeout=1800):
-        """(status, bytes) with body sent as application/octet-stream."""
-        c = UnixHTTP(self.sock, timeout)
-        try:
-            c.request(method, path, body=body,
-                      headers={"Content-Type": "application/octet-stream"} if body is not None else {})
-            r = c.getresponse()
-            return r.status, r.read()
-        finally:
-            c.close()
-
-    def ok(self, method, path, body=None):
-        code, r = self.request(method, path, body)
-        if code != 200:
-            raise SystemExit("%s %s: %d %s" % (method, path, code, str(r)[:300]))
-        return r
+        super().__init__(os.path.join(o.dir, "kvtierd.sock"), os.path.join(o.dir, "kvtierd.log"),
+                         ["--model", o.model, "--threads", str(o.threads), "--disk-dir", os.path.join(o.dir, "disk"),
+                          "--spill-after", "1", "--disk-compress", compress, "--no-prefix-cache",
+                          "--ctx-size", str(o.ctx), "--parallel", "2", "--device-mem", o.device_mem,
+                          "--max-body", "8M", "--kv-dtype", "f32"])
 
 
 def drop_caches():
