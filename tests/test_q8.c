@@ -18,42 +18,9 @@
 #include <cmocka.h>
 
 #include "backend/backend.h"
+#include "tests/levels.h"
 #include "util/q8.h"
 
-static const char *const level_names[] = {"scalar", "avx2", "avx512"};
-#define N_LEVELS 3
-static be_backend *levels[N_LEVELS]; /* NULL where the CPU lacks the level */
-
-static int setup_levels(void **state)
-{
-    (void)state;
-    for (int i = 0; i < N_LEVELS; i++) {
-        struct be_params p = {.n_threads = 2};
-        setenv("KVTIER_SIMD", level_names[i], 1);
-        if (be_open("cpu", &p, &levels[i]) != BE_OK)
-            levels[i] = NULL;
-        unsetenv("KVTIER_SIMD");
-    }
-    return levels[0] ? 0 : -1;
-}
-
-static int teardown_levels(void **state)
-{
-    (void)state;
-    for (int i = 0; i < N_LEVELS; i++)
-        be_free(levels[i]);
-    return 0;
-}
-
-static uint64_t rng_state = 0x243f6a8885a308d3u;
-
-static float frand(void) /* uniform in [-1, 1) */
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (float)((double)(rng_state >> 11) * 0x1p-53 * 2.0 - 1.0);
-}
 
 /* The test's own f16 decoding: the compiler's _Float16. */
 static double f16_value(uint16_t h)
@@ -343,6 +310,7 @@ static int quantize_file(const char *in, const char *out)
 
 int main(int argc, char **argv)
 {
+    rng_state = 0x243f6a8885a308d3u; /* the inputs the tolerances were set on */
     if (argc == 4 && strcmp(argv[1], "--quantize") == 0)
         return quantize_file(argv[2], argv[3]);
     const struct CMUnitTest tests[] = {
