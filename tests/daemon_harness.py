@@ -3,7 +3,6 @@ model and talks HTTP/1.1 to it over the Unix socket (stdlib only).  Used by
 tests/daemon*.test.sh; exits 77 (skip) when kvtierd or the model tool is
 missing.  The daemon is killed and the temp dir removed on exit."""
 import atexit
-import http.client
 import json
 import os
 import shutil
@@ -14,20 +13,11 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from kvclient import UnixHTTP  # noqa: E402  (tests/ may use tools/, the layer below)
+
 BUILD = os.environ.get("KVTIER_BUILD", "build")
 KVTIERD = os.path.join(BUILD, "kvtierd")
-
-
-class UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path, timeout=30):
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
-
-    def connect(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.path)
-        self.sock = s
 
 
 def skip(why):

@@ -21,7 +21,9 @@ BUILD = os.environ.get("KVTIER_BUILD", "build")
 
 
 class UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path, timeout):
+    """http.client over a Unix socket."""
+
+    def __init__(self, path, timeout=30):
         super().__init__("localhost", timeout=timeout)
         self.path = path
 
