@@ -295,6 +295,17 @@ static bool shares_prefill(const struct job *j)
            j->cache.params.strategy != KV_QUANTIZED;
 }
 
+/* A fresh KV for j's session, as its own (prefix-cache blocks for the start
+ * of j's prompt: c->n_fed tokens need not be computed). */
+static enum ipc_status session_kv_open(engine *e, struct job *j, struct job_choice *c, struct ipc_error *err)
+{
+    struct session *s = j->sess;
+    enum ipc_status st = kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed,
+                                 err);
+    c->kv = s->kv;
+    return st;
+}
+
 static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
 {
     if (j->logprobs && !(c->lps = malloc((size_t)j->max_new * (size_t)(1 + j->top_logprobs) * sizeof(*c->lps))))
@@ -342,10 +353,7 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
     c->kv = s->kv;
     if (s->kv)
         return IPC_OK;
-    enum ipc_status st = kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed,
-                                 err);
-    c->kv = s->kv;
-    return st;
+    return session_kv_open(e, j, c, err);
 }
 
 /* What the response's kvtier object reports: choice 0's strategy and layer
@@ -717,16 +725,13 @@ static void restart_session(engine *e, int i)
 {
     struct job *j = e->batch_job[i];
     struct job_choice *c = e->batch_ch[i];
-    struct session *s = j->sess;
-    disk_restore_lost(e, s);
-    c->kv = NULL;
+    disk_restore_lost(e, j->sess);
     c->n_fed = 0;
     struct ipc_error err;
-    if (kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed, &err) != IPC_OK) {
+    if (session_kv_open(e, j, c, &err) != IPC_OK) {
         job_fail(e, j, &err);
         return;
     }
-    c->kv = s->kv;
     pthread_mutex_lock(&e->mu);
     j->res.n_cached = (int)c->n_fed;
     pthread_mutex_unlock(&e->mu);

@@ -1711,8 +1711,10 @@ enum tier_status kv_disk_open(const struct kv_disk_params *p, kv_disk **out)
     const char *pause_env = getenv("KVTIER_DISK_PAUSE_AFTER_CHUNK"), *delay_env = getenv("KVTIER_DISK_READ_DELAY_MS");
     if (pause_env)
         d->pause_after = strtoull(pause_env, NULL, 10);
-    if (delay_env)
-        d->read_delay_ms = (unsigned)strtoul(delay_env, NULL, 10) % 10000;
+    if (delay_env) { /* a test hook: at most 10 s a window */
+        unsigned long ms = strtoul(delay_env, NULL, 10);
+        d->read_delay_ms = ms > 10000 ? 10000u : (unsigned)ms;
+    }
     if (!pool_start(&d->pool, p->compress_threads ? p->compress_threads : 2)) {
         st = disk_fail(d, TIER_ENOMEM_HOST, "disk tier: starting the compress threads");
         goto fail;
