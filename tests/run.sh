@@ -3,27 +3,43 @@
 # script tests/*.test.sh (which get BUILD in $KVTIER_BUILD), each under a
 # timeout, on the CPU backend and again on the strict one.  Exit 77 means
 # "skipped" (a missing capability, e.g. no GPU).
+# Tests run KVTIER_TEST_JOBS at a time (default: the number of CPUs, at most
+# 2): many of them wait on sockets, timers and the disk rather than compute,
+# and every test keeps its files in a directory of its own.  Each test's
+# output is printed whole when it ends.
 # Ends with the line "N passed, N failed, N skipped".
+if [ "$1" = --one ]; then
+  # run.sh --one DIR INDEX BACKEND KIND NAME: one test, output to DIR/INDEX.log
+  dir=$2; idx=$3; backend=$4; kind=$5; name=$6
+  tag=""
+  if [ "$backend" = cpu-strict ]; then export KVTIER_BACKEND_STRICT=1; tag=" [cpu-strict]"; fi
+  t0=$(date +%s)
+  {
+    printf '== %s\n' "$name$tag"
+    if [ "$kind" = bin ]; then
+      timeout "${KVTIER_TEST_TIMEOUT:-600}" "$KVTIER_BUILD/tests/$name"
+    else
+      timeout "${KVTIER_TEST_TIMEOUT:-600}" sh "tests/$name"
+    fi
+    rc=$?
+    echo "-- $name$tag: $(( $(date +%s) - t0 )) s"
+    case $rc in
+      0) ;;
+      77) echo "-- $name$tag: skipped" ;;
+      *) echo "-- $name$tag: FAILED (exit $rc)" ;;
+    esac
+    echo "$rc $name$tag" >"$dir/$idx.rc"
+  } >"$dir/$idx.log" 2>&1 </dev/null
+  flock "$dir/lock" cat "$dir/$idx.log"
+  exit 0
+fi
+
 build=${1:-build}
 export KVTIER_BUILD="$build"
 export CMOCKA_MESSAGE_OUTPUT=stdout
 # a daemon a test starts without the harness never touches the user's
 # state directory (the harness gives each daemon a disk tier of its own)
 export KVTIER_DISK_DIR=none
-pass=0; fail=0; skip=0; failed=""
-run_one() {
-  name=$1; shift
-  printf '== %s\n' "$name"
-  t0=$(date +%s)
-  timeout "${KVTIER_TEST_TIMEOUT:-600}" "$@"
-  rc=$?
-  echo "-- $name: $(( $(date +%s) - t0 )) s"
-  case $rc in
-    0) pass=$((pass+1)) ;;
-    77) skip=$((skip+1)); echo "-- $name: skipped" ;;
-    *) fail=$((fail+1)); failed="$failed $name"; echo "-- $name: FAILED (exit $rc)" ;;
-  esac
-}
 # The suite runs twice: on the CPU backend, then with every "cpu" backend
 # replaced by the strict one (backend/strict.c), whose device memory faults
 # on any access from outside the backend: the same tests, the same expected
@@ -49,27 +65,63 @@ no_backend="$no_backend reference.test.sh beams.test.sh sinks.test.sh quant.test
 no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh "
 oracles=" reference.test.sh q8ref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
+# The longest tests start first, so the last minutes are not one long test
+# running alone.
+first=" reference.test.sh test_tiers test_disk daemon_disk_faults.test.sh daemon_slow.test.sh "
+first="$first daemon_disk.test.sh daemon_stall.test.sh daemon_loop.test.sh q8ref.test.sh beams.test.sh "
 passes="cpu cpu-strict"
 asan=0
 case $build in *asan*) passes=cpu; asan=1 ;; esac
+
+work=$(mktemp -d) || exit 1
+trap 'rm -rf "$work"' EXIT
+: >"$work/lock"
+# one line per test: BACKEND KIND NAME; the long ones first
 for backend in $passes; do
-  if [ $backend = cpu-strict ]; then export KVTIER_BACKEND_STRICT=1; tag=" [cpu-strict]"; else tag=""; fi
   for t in "$build"/tests/test_*; do
     [ -x "$t" ] || continue
     case $t in *.d|*.o) continue ;; esac
     name=$(basename "$t")
-    [ -n "$tag" ] && case $no_backend in *" $name "*) continue ;; esac
-    run_one "$name$tag" "$t"
+    [ $backend = cpu-strict ] && case $no_backend in *" $name "*) continue ;; esac
+    echo "$backend bin $name"
   done
   for s in tests/*.test.sh; do
     [ -f "$s" ] || continue
     name=$(basename "$s")
-    [ -n "$tag" ] && case $no_backend in *" $name "*) continue ;; esac
+    [ $backend = cpu-strict ] && case $no_backend in *" $name "*) continue ;; esac
     [ $asan = 1 ] && case $oracles in *" $name "*) continue ;; esac
-    run_one "$name$tag" sh "$s"
+    echo "$backend sh $name"
   done
+done >"$work/all"
+while read -r backend kind name; do
+  case $first in *" $name "*) echo "$backend $kind $name" ;; esac
+done <"$work/all" >"$work/queue"
+while read -r backend kind name; do
+  case $first in *" $name "*) ;; *) echo "$backend $kind $name" ;; esac
+done <"$work/all" >>"$work/queue"
+
+jobs=${KVTIER_TEST_JOBS:-$(nproc 2>/dev/null || echo 1)}
+[ "$jobs" -gt 2 ] 2>/dev/null && jobs=2
+[ "$jobs" -ge 1 ] 2>/dev/null || jobs=1
+awk '{ print NR, $0 }' "$work/queue" |
+  xargs -P "$jobs" -L 1 sh "$0" --one "$work"
+
+pass=0; fail=0; skip=0; failed=""
+n=$(wc -l <"$work/queue")
+i=1
+while [ "$i" -le "$n" ]; do
+  if [ -f "$work/$i.rc" ]; then
+    read -r rc name <"$work/$i.rc"
+  else
+    rc=1; name=$(sed -n "${i}p" "$work/queue")
+  fi
+  case $rc in
+    0) pass=$((pass+1)) ;;
+    77) skip=$((skip+1)) ;;
+    *) fail=$((fail+1)); failed="$failed $(echo "$name" | tr ' ' '_')" ;;
+  esac
+  i=$((i+1))
 done
-unset KVTIER_BACKEND_STRICT
 [ -n "$failed" ] && echo "failed:$failed"
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]
