@@ -104,6 +104,7 @@ static enum ipc_status prepare(struct req *r, bool chat)
     if (!g.has_seed && getrandom(&j->sampling.seed, sizeof(j->sampling.seed), 0) < 0)
         j->sampling.seed = (uint64_t)time(NULL);
     j->ignore_eos = g.ignore_eos;
+    j->min_new = beams ? 0 : g.min_tokens;
     j->logprobs = g.logprobs;
     j->top_logprobs = g.top_logprobs;
     j->cache = g.cache;

@@ -23,7 +23,8 @@ struct ipc_limits limits(const struct server *s)
     return (struct ipc_limits){.vocab = tv < vocab ? tv : vocab, .max_context = engine_context(e),
                                .max_n = s->cfg->max_n, .max_messages = s->cfg->max_messages,
                                .sliding_window = engine_model_config(e)->sliding_window,
-                               .no_sink = model_sink_refusal(engine_model_config(e))};
+                               .no_sink = model_sink_refusal(engine_model_config(e)),
+                               .model_id = engine_model_id(e), .model_dir = engine_model_dir(e)};
 }
 
 enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,

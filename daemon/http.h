@@ -212,6 +212,7 @@ enum MHD_Result h_generate(struct req *r, const char *arg);
 enum MHD_Result h_prepared(struct req *r, const char *arg);
 enum MHD_Result h_health(struct req *r, const char *arg);
 enum MHD_Result h_models(struct req *r, const char *arg);
+enum MHD_Result h_model(struct req *r, const char *arg);
 enum MHD_Result h_metrics(struct req *r, const char *arg);
 enum MHD_Result h_session_create(struct req *r, const char *arg);
 enum MHD_Result h_session_list(struct req *r, const char *arg);

@@ -56,7 +56,11 @@ enum MHD_Result reply_json(struct req *r, unsigned code, json_t *obj)
 
 void write_error_body(struct jw *w, const struct ipc_error *e)
 {
-    jw_fmt(w, "{\"code\":%d,\"message\":", ipc_http_status(e->st));
+    const char *code = ipc_error_code(e->st);
+    if (code)
+        jw_fmt(w, "{\"code\":\"%s\",\"message\":", code);
+    else
+        jw_fmt(w, "{\"code\":%d,\"message\":", ipc_http_status(e->st));
     jw_str(w, e->msg, strlen(e->msg));
     jw_fmt(w, ",\"type\":\"%s\",\"param\":", ipc_error_type(e->st));
     if (e->param[0])

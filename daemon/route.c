@@ -28,6 +28,7 @@ static const struct route routes[] = {
     {"GET", "/health", NULL, h_health, NEEDS_NOTHING},
     {"GET", "/v1/health", NULL, h_health, NEEDS_NOTHING},
     {"GET", "/v1/models", NULL, h_models, NEEDS_MODEL},
+    {"GET", "/v1/models/*", NULL, h_model, NEEDS_MODEL},
     {"GET", "/metrics", NULL, h_metrics, NEEDS_NOTHING},
     {"POST", "/v1/completions", prep_completions, h_generate, NEEDS_BODY},
     {"POST", "/v1/chat/completions", prep_chat, h_generate, NEEDS_BODY},

@@ -49,6 +49,7 @@ no_backend="$no_backend reference.test.sh beams.test.sh sinks.test.sh quant.test
 no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh "
 oracles=" reference.test.sh q8ref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
+oracles="$oracles daemon_penalties.test.sh "
 passes="cpu cpu-strict"
 asan=0
 case $build in *asan*) passes=cpu; asan=1 ;; esac
