@@ -69,6 +69,7 @@ struct conn {
     pid_t pid;
     int fd;
     bool reserve;       /* past --max-clients: /health and /metrics only */
+    bool tcp;           /* from --listen: the API key instead of peer credentials */
     double head_since;  /* clock_ms() of the head's first byte; 0: no head under way */
     struct req *req;    /* the request whose head arrived; NULL between requests */
     struct ev_io first; /* between requests: the next head's first byte */
@@ -132,8 +133,8 @@ struct server {
     struct MHD_Daemon *mhd;
     ev_loop *loop;
     workers *workers;
-    int listen_fd, sig_fd, wake_fd;
-    struct ev_io io_listen, io_sig, io_wake, io_mhd, io_workers;
+    int listen_fd, tcp_fd, sig_fd, wake_fd;
+    struct ev_io io_listen, io_tcp, io_sig, io_wake, io_mhd, io_workers;
     struct ev_timer t_mhd, t_drain, t_sweep;
     struct conn *conns;     /* every open connection */
     struct conn *accepting; /* handed to MHD_add_connection's notify */

@@ -20,6 +20,8 @@ enum MHD_Result queue(struct req *r, unsigned code, char *body, size_t len, cons
         return MHD_NO;
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    if (code == MHD_HTTP_UNAUTHORIZED)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     if (r->srv->draining || r->close || r->last)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result res = MHD_queue_response(r->conn, code, resp);
