@@ -113,7 +113,10 @@ enum MHD_Result reply_error(struct req *r, const struct ipc_error *e)
     struct jw w;
     jw_dynamic(&w);
     jw_lit(&w, "{\"error\":");
-    write_error_body(&w, e);
+    if (!strncmp(r->url, "/api/", 5)) /* Ollama's envelope: the message alone */
+        jw_str(&w, e->msg, strlen(e->msg));
+    else
+        write_error_body(&w, e);
     jw_lit(&w, "}");
     return reply_jw(r, (unsigned)code, &w);
 }
@@ -344,6 +347,8 @@ enum MHD_Result reply_done(struct req *r)
             return reply_error(r, &err);
         return reply_json(r, r->kind == REPLY_SESSION_IMPORT ? 201 : 200, o);
     }
+    if (r->kind == REPLY_OLLAMA_GENERATE || r->kind == REPLY_OLLAMA_CHAT)
+        return ollama_reply_done(r);
     if (r->kind == REPLY_KV) { /* the reply takes the file: the job is done with it */
         size_t n;
         char *blob = job_take_blob(j, &n);

@@ -118,7 +118,8 @@ enum MHD_Result req_submit(struct req *r, struct job *j)
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_read, r, NULL);
     if (!resp)
         return MHD_NO;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    bool ndjson = r->kind == REPLY_OLLAMA_GENERATE || r->kind == REPLY_OLLAMA_CHAT;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ndjson ? "application/x-ndjson" : "text/event-stream");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     if (r->close || r->last)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
