@@ -115,17 +115,17 @@ static enum ipc_status translate(struct req *r, bool chat_api, json_t *out, bool
     const json_t *stream = json_object_get(root, "stream");
     if (stream && !json_is_boolean(stream) && !json_is_null(stream))
         return ipc_fail(err, IPC_EINVAL, "stream", "stream must be true or false");
-    int fail = json_object_set_new(out, "stream", json_boolean(!stream || !json_is_false(stream)));
+    int bad = json_object_set_new(out, "stream", json_boolean(!stream || !json_is_false(stream)));
     /* Ollama's defaults, where the request does not say */
-    fail |= json_object_set_new(out, "temperature", json_real(0.8));
-    fail |= json_object_set_new(out, "top_k", json_integer(40));
-    fail |= json_object_set_new(out, "top_p", json_real(0.9));
-    fail |= json_object_set_new(out, "repeat_penalty", json_real(1.1));
+    bad |= json_object_set_new(out, "temperature", json_real(0.8));
+    bad |= json_object_set_new(out, "top_k", json_integer(40));
+    bad |= json_object_set_new(out, "top_p", json_real(0.9));
+    bad |= json_object_set_new(out, "repeat_penalty", json_real(1.1));
     if (json_object_get(root, "model"))
-        fail |= json_object_set(out, "model", json_object_get(root, "model"));
+        bad |= json_object_set(out, "model", json_object_get(root, "model"));
     if (json_object_get(root, "keep_alive"))
-        fail |= json_object_set(out, "keep_alive", json_object_get(root, "keep_alive"));
-    if (fail)
+        bad |= json_object_set(out, "keep_alive", json_object_get(root, "keep_alive"));
+    if (bad)
         return ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
     enum ipc_status st = put_options(json_object_get(root, "options"), out, engine_context(r->srv->eng), err);
     if (st != IPC_OK)
@@ -152,9 +152,9 @@ static enum ipc_status translate(struct req *r, bool chat_api, json_t *out, bool
     }
     json_t *msgs = json_is_string(system) ? json_pack("[{s:s,s:O}]", "role", "system", "content", system)
                                           : json_array();
-    fail |= json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "user", "content", prompt));
-    fail |= json_object_set_new(out, "messages", msgs);
-    return fail ? ipc_fail(err, IPC_ENOMEM, "", "no memory for the request") : IPC_OK;
+    bad |= json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "user", "content", prompt));
+    bad |= json_object_set_new(out, "messages", msgs);
+    return bad ? ipc_fail(err, IPC_ENOMEM, "", "no memory for the request") : IPC_OK;
 }
 
 /* The load-only request: Ollama answers an empty prompt (or no messages)
@@ -209,11 +209,9 @@ enum ipc_status prep_ollama_chat(struct req *r)
 /* Ollama's name of the model: the id with its tag. */
 static void write_model_name(struct jw *w, const struct server *s)
 {
-    const char *m = engine_model_id(s->eng);
-    size_t n = strlen(m);
     char name[300];
-    snprintf(name, sizeof(name), "%s:latest", m);
-    jw_str(w, name, n + 7 < sizeof(name) ? n + 7 : strlen(name));
+    snprintf(name, sizeof(name), "%s:latest", engine_model_id(s->eng));
+    jw_str(w, name, strlen(name));
 }
 
 static void write_time(struct jw *w, const struct timespec *ts)
