@@ -48,16 +48,18 @@ enum MHD_Result h_models(struct req *r, const char *arg)
 }
 
 /* GET /v1/models/{id}: the model under any name it answers to (its
- * aliases, ipc_model_matches), always reported under its id. */
+ * aliases, ipc_check_model), always reported under its id. */
 enum MHD_Result h_model(struct req *r, const char *arg)
 {
     struct ipc_limits lim = limits(r->srv);
-    if (!ipc_model_matches(arg, &lim)) {
-        struct ipc_error e;
-        ipc_fail(&e, IPC_ENOMODEL, "model", "the model \"%.64s\" does not exist; this daemon serves \"%.64s\"", arg,
-                 lim.model_id);
+    json_t *name = json_string_nocheck(arg); /* a URL segment may be any bytes: the message quotes them */
+    struct ipc_error e;
+    enum ipc_status st = name ? ipc_check_model(name, &lim, &e) : IPC_ENOMEM;
+    json_decref(name);
+    if (!name)
+        return MHD_NO;
+    if (st != IPC_OK)
         return reply_error(r, &e);
-    }
     return reply_json(r, 200, model_obj(r->srv));
 }
 

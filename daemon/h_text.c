@@ -85,7 +85,11 @@ enum ipc_status prep_tokenize(struct req *r)
             if (!json_is_boolean(v))
                 return ipc_fail(err, IPC_EINVAL, key, "this field must be true or false");
             *flag = json_is_true(v);
-        } else if (strcmp(key, "model") != 0) {
+        } else if (!strcmp(key, "model")) {
+            struct ipc_limits lim = limits(r->srv);
+            if (ipc_check_model(v, &lim, err) != IPC_OK)
+                return err->st;
+        } else {
             return unknown_field(key, "content, add_special, with_pieces", err);
         }
     }
@@ -155,6 +159,8 @@ enum ipc_status prep_detokenize(struct req *r)
             return unknown_field(key, "tokens", err);
     }
     struct ipc_limits lim = limits(r->srv);
+    if (ipc_check_model(json_object_get(r->root, "model"), &lim, err) != IPC_OK)
+        return err->st;
     int32_t *ids;
     size_t n;
     const json_t *toks = json_object_get(r->root, "tokens");

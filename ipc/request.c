@@ -265,7 +265,7 @@ static enum ipc_status f_string(const json_t *v, const char *name, struct field_
     return IPC_OK;
 }
 
-bool ipc_model_matches(const char *name, const struct ipc_limits *lim)
+static bool model_matches(const char *name, const struct ipc_limits *lim)
 {
     const char *id = lim->model_id;
     size_t n = strlen(id);
@@ -279,7 +279,7 @@ enum ipc_status ipc_check_model(const json_t *v, const struct ipc_limits *lim, s
         return IPC_OK;
     if (!json_is_string(v))
         return ipc_fail(err, IPC_EINVAL, "model", "model must be a string");
-    if (!lim->model_id || ipc_model_matches(json_string_value(v), lim))
+    if (!lim->model_id || model_matches(json_string_value(v), lim))
         return IPC_OK;
     return ipc_fail(err, IPC_ENOMODEL, "model", "the model \"%.64s\" does not exist; this daemon serves \"%.64s\"",
                     json_string_value(v), lim->model_id);

@@ -45,11 +45,9 @@ struct ipc_limits {
     const char *model_dir; /* --model as given, an alias of the id */
 };
 
-/* Whether name names the served model: its id, the id with Ollama's
- * ":latest" tag, or the model directory as given to kvtierd. */
-bool ipc_model_matches(const char *name, const struct ipc_limits *lim);
 /* A request's "model" field: absent or null, or a name the model answers
- * to; else IPC_ENOMODEL naming it. */
+ * to (its id, the id with Ollama's ":latest" tag, or the model directory
+ * as given to kvtierd); else IPC_ENOMODEL naming it. */
 enum ipc_status ipc_check_model(const json_t *v, const struct ipc_limits *lim, struct ipc_error *err);
 
 struct ipc_gen_req {

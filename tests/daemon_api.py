@@ -157,6 +157,8 @@ code, r = d.get("/v1/models/" + mid)
 check(code == 200 and r["id"] == mid and r["object"] == "model", "GET /v1/models/{id}")
 code, r = d.get("/v1/models/other")
 check(code == 404 and r["error"]["code"] == "model_not_found", "GET /v1/models/{other} -> 404 model_not_found")
+code, r = d.post("/tokenize", {"content": "x", "model": "other"})
+check(code == 404 and r["error"]["param"] == "model", "/tokenize naming another model -> 404")
 
 # sessions: the second turn computes only its new tokens
 system = "You are terse."
