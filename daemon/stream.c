@@ -225,6 +225,8 @@ static size_t ollama_events(struct req *r, const struct stream_view *v, char *bu
         if (r->phase == STREAM_ENDED)
             break;
     }
+    /* tokens are not sent, only their text: has_news waits for more */
+    r->sent_gen[0] = v->n_gen[0];
     return w.n;
 }
 
