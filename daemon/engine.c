@@ -315,6 +315,7 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
                                 /* positions of a sink cache stay inside its window */
                                 .ctx = j->cache.params.sink ? INT_MAX : e->ctx,
                                 .ignore_eos = j->ignore_eos,
+                                .min_new = j->min_new,
                                 .stops = j->stops,
                                 .n_stops = j->n_stops,
                                 .text_lock = &e->mu};
@@ -1248,6 +1249,11 @@ int engine_context(const engine *e)
 const char *engine_model_id(const engine *e)
 {
     return e->model_id;
+}
+
+const char *engine_model_dir(const engine *e)
+{
+    return e->cfg.model_dir;
 }
 
 size_t engine_max_piece(const engine *e)

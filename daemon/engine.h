@@ -133,6 +133,7 @@ struct job {
     int n_stops;
     char *stop_buf;
     bool ignore_eos, logprobs;
+    int min_new; /* no eos before this many generated tokens (sampling; beams use beam.min_new) */
     int top_logprobs;
     /* beam search when beam.num_beams > 1 (n = num_beams; eos filled in at
      * admission); n_out: the choices returned (num_return_sequences, or
@@ -184,6 +185,7 @@ const tokenizer *engine_tokenizer(const engine *e);
 const struct model_config *engine_model_config(const engine *e);
 int engine_context(const engine *e);
 const char *engine_model_id(const engine *e);
+const char *engine_model_dir(const engine *e); /* --model as given */
 /* Bytes of the tokenizer's longest single-token text (a logprobs piece never needs more). */
 size_t engine_max_piece(const engine *e);
 /* Special-token texts for chat templates ("" when the model has none). */

@@ -26,7 +26,7 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
     return IPC_OK;
 }
 
-static void new_id(struct req *r, const char *prefix)
+void new_id(struct req *r, const char *prefix)
 {
     snprintf(r->id, sizeof(r->id), "%s-%llx%06llx", prefix, (unsigned long long)r->srv->started,
              (unsigned long long)++r->srv->ids);
@@ -44,7 +44,7 @@ static bool has_full_layer(const struct model_config *mc)
     return false;
 }
 
-static enum ipc_status prepare(struct req *r, bool chat)
+enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
 {
     struct server *s = r->srv;
     struct ipc_limits lim = limits(s);
@@ -64,7 +64,7 @@ static enum ipc_status prepare(struct req *r, bool chat)
                       "the prompt has %zu tokens; the context holds %d", ids.n, ctx);
     int left = ctx - (int)ids.n;
     /* OpenAI's defaults: 16 tokens for completions, the rest of the context for chat */
-    int max_new = g.max_tokens > 0 ? g.max_tokens : chat ? left : left < 16 ? left : 16;
+    int max_new = g.max_tokens > 0 ? g.max_tokens : chat || rest ? left : left < 16 ? left : 16;
     /* a sink cache's positions are indices in its window: it goes past the context */
     if (st == IPC_OK && max_new > left && !g.cache.params.sink)
         st = ipc_fail(err, IPC_ECONTEXT, "max_tokens",
@@ -104,6 +104,7 @@ static enum ipc_status prepare(struct req *r, bool chat)
     if (!g.has_seed && getrandom(&j->sampling.seed, sizeof(j->sampling.seed), 0) < 0)
         j->sampling.seed = (uint64_t)time(NULL);
     j->ignore_eos = g.ignore_eos;
+    j->min_new = beams ? 0 : g.min_tokens;
     j->logprobs = g.logprobs;
     j->top_logprobs = g.top_logprobs;
     j->cache = g.cache;
@@ -131,12 +132,12 @@ static enum ipc_status prepare(struct req *r, bool chat)
 
 enum ipc_status prep_completions(struct req *r)
 {
-    return prepare(r, false);
+    return prepare_generate(r, false, false);
 }
 
 enum ipc_status prep_chat(struct req *r)
 {
-    return prepare(r, true);
+    return prepare_generate(r, true, false);
 }
 
 enum MHD_Result h_generate(struct req *r, const char *arg)

@@ -28,17 +28,39 @@ enum MHD_Result h_health(struct req *r, const char *arg)
                                         "type", "unavailable_error"));
 }
 
+/* The served model as OpenAI's model object. */
+static json_t *model_obj(const struct server *s)
+{
+    engine *e = s->eng;
+    const struct model_config *mc = engine_model_config(e);
+    return json_pack("{s:s,s:s,s:I,s:s,s:{s:i,s:i,s:i,s:i,s:s,s:s}}", "id", engine_model_id(e), "object", "model",
+                     "created", (json_int_t)s->started, "owned_by", "kvtier", "meta", "n_vocab", mc->vocab_size,
+                     "n_ctx_train", mc->max_position_embeddings, "n_ctx", engine_context(e), "n_embd",
+                     mc->hidden_size, "architecture", mc->arch_name, "chat_template",
+                     chat_family_name(engine_chat_template(e)->family));
+}
+
 enum MHD_Result h_models(struct req *r, const char *arg)
 {
     (void)arg;
-    engine *e = r->srv->eng;
-    const struct model_config *mc = engine_model_config(e);
-    return reply_json(r, 200, json_pack("{s:s,s:[{s:s,s:s,s:I,s:s,s:{s:i,s:i,s:i,s:i,s:s,s:s}}]}", "object", "list",
-                                        "data", "id", engine_model_id(e), "object", "model", "created",
-                                        (json_int_t)r->srv->started, "owned_by", "kvtier", "meta", "n_vocab",
-                                        mc->vocab_size, "n_ctx_train", mc->max_position_embeddings, "n_ctx",
-                                        engine_context(e), "n_embd", mc->hidden_size, "architecture", mc->arch_name,
-                                        "chat_template", chat_family_name(engine_chat_template(e)->family)));
+    json_t *m = model_obj(r->srv);
+    return reply_json(r, 200, m ? json_pack("{s:s,s:[o]}", "object", "list", "data", m) : NULL);
+}
+
+/* GET /v1/models/{id}: the model under any name it answers to (its
+ * aliases, ipc_check_model), always reported under its id. */
+enum MHD_Result h_model(struct req *r, const char *arg)
+{
+    struct ipc_limits lim = limits(r->srv);
+    json_t *name = json_string_nocheck(arg); /* a URL segment may be any bytes: the message quotes them */
+    struct ipc_error e;
+    enum ipc_status st = name ? ipc_check_model(name, &lim, &e) : IPC_ENOMEM;
+    json_decref(name);
+    if (!name)
+        return MHD_NO;
+    if (st != IPC_OK)
+        return reply_error(r, &e);
+    return reply_json(r, 200, model_obj(r->srv));
 }
 
 static void metric(struct jw *w, const char *name, const char *type, const char *help, const char *labels, double v)

@@ -23,7 +23,8 @@ struct ipc_limits limits(const struct server *s)
     return (struct ipc_limits){.vocab = tv < vocab ? tv : vocab, .max_context = engine_context(e),
                                .max_n = s->cfg->max_n, .max_messages = s->cfg->max_messages,
                                .sliding_window = engine_model_config(e)->sliding_window,
-                               .no_sink = model_sink_refusal(engine_model_config(e))};
+                               .no_sink = model_sink_refusal(engine_model_config(e)),
+                               .model_id = engine_model_id(e), .model_dir = engine_model_dir(e)};
 }
 
 enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,
@@ -84,7 +85,11 @@ enum ipc_status prep_tokenize(struct req *r)
             if (!json_is_boolean(v))
                 return ipc_fail(err, IPC_EINVAL, key, "this field must be true or false");
             *flag = json_is_true(v);
-        } else if (strcmp(key, "model") != 0) {
+        } else if (!strcmp(key, "model")) {
+            struct ipc_limits lim = limits(r->srv);
+            if (ipc_check_model(v, &lim, err) != IPC_OK)
+                return err->st;
+        } else {
             return unknown_field(key, "content, add_special, with_pieces", err);
         }
     }
@@ -154,6 +159,8 @@ enum ipc_status prep_detokenize(struct req *r)
             return unknown_field(key, "tokens", err);
     }
     struct ipc_limits lim = limits(r->srv);
+    if (ipc_check_model(json_object_get(r->root, "model"), &lim, err) != IPC_OK)
+        return err->st;
     int32_t *ids;
     size_t n;
     const json_t *toks = json_object_get(r->root, "tokens");

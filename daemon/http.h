@@ -10,6 +10,7 @@
  *   h_text.c     tokenize, detokenize, apply-template; prompt encoding
  *   h_sessions.c sessions
  *   h_info.c     health, models, metrics
+ *   h_ollama.c   the Ollama-compatible subset of its API
  *
  * Everything runs on the event loop thread except a route's prepare step
  * (route_prepare and the prep_* functions), which runs on a worker while
@@ -37,6 +38,8 @@ enum reply_kind {
     REPLY_SESSION_OP,
     REPLY_SESSION_IMPORT, /* 201 and the new session */
     REPLY_KV,             /* the export's safetensors bytes */
+    REPLY_OLLAMA_GENERATE, /* Ollama's /api/generate: NDJSON or one object */
+    REPLY_OLLAMA_CHAT,
 };
 
 /* Where a stream is after its choices: the events left to send. */
@@ -69,6 +72,7 @@ struct conn {
     pid_t pid;
     int fd;
     bool reserve;       /* past --max-clients: /health and /metrics only */
+    bool tcp;           /* from --listen: the API key instead of peer credentials */
     double head_since;  /* clock_ms() of the head's first byte; 0: no head under way */
     struct req *req;    /* the request whose head arrived; NULL between requests */
     struct ev_io first; /* between requests: the next head's first byte */
@@ -132,8 +136,8 @@ struct server {
     struct MHD_Daemon *mhd;
     ev_loop *loop;
     workers *workers;
-    int listen_fd, sig_fd, wake_fd;
-    struct ev_io io_listen, io_sig, io_wake, io_mhd, io_workers;
+    int listen_fd, tcp_fd, sig_fd, wake_fd;
+    struct ev_io io_listen, io_tcp, io_sig, io_wake, io_mhd, io_workers;
     struct ev_timer t_mhd, t_drain, t_sweep;
     struct conn *conns;     /* every open connection */
     struct conn *accepting; /* handed to MHD_add_connection's notify */
@@ -201,6 +205,10 @@ enum ipc_status unknown_field(const char *key, const char *known, struct ipc_err
 typedef enum ipc_status (*prepare_fn)(struct req *r);
 typedef enum MHD_Result (*handler_fn)(struct req *r, const char *arg);
 
+/* Completions and chat from r->root; rest: without max_tokens, to the end
+ * of the context (chat's default, Ollama's for both). */
+enum ipc_status prepare_generate(struct req *r, bool chat, bool rest);
+void new_id(struct req *r, const char *prefix);
 enum ipc_status prep_completions(struct req *r);
 enum ipc_status prep_chat(struct req *r);
 enum ipc_status prep_tokenize(struct req *r);
@@ -212,6 +220,7 @@ enum MHD_Result h_generate(struct req *r, const char *arg);
 enum MHD_Result h_prepared(struct req *r, const char *arg);
 enum MHD_Result h_health(struct req *r, const char *arg);
 enum MHD_Result h_models(struct req *r, const char *arg);
+enum MHD_Result h_model(struct req *r, const char *arg);
 enum MHD_Result h_metrics(struct req *r, const char *arg);
 enum MHD_Result h_session_create(struct req *r, const char *arg);
 enum MHD_Result h_session_list(struct req *r, const char *arg);
@@ -222,5 +231,19 @@ enum MHD_Result h_session_fork(struct req *r, const char *arg);
 enum MHD_Result h_session_record(struct req *r, const char *arg);
 enum MHD_Result h_session_export(struct req *r, const char *arg);
 enum MHD_Result h_session_import(struct req *r, const char *arg);
+
+/* ---- h_ollama.c ---- */
+enum ipc_status prep_ollama_generate(struct req *r);
+enum ipc_status prep_ollama_chat(struct req *r);
+enum MHD_Result h_ollama_generate(struct req *r, const char *arg);
+enum MHD_Result h_ollama_tags(struct req *r, const char *arg);
+enum MHD_Result h_ollama_ps(struct req *r, const char *arg);
+enum MHD_Result h_ollama_show(struct req *r, const char *arg);
+enum MHD_Result h_ollama_version(struct req *r, const char *arg);
+/* One NDJSON object's head (model, created_at, the text) up to "done";
+ * the final object with its statistics; the whole stream:false reply. */
+void ollama_write_chunk(struct jw *w, struct req *r, const char *text, size_t n);
+void ollama_write_final(struct jw *w, struct req *r, const char *text, size_t n);
+enum MHD_Result ollama_reply_done(struct req *r);
 
 #endif

@@ -32,6 +32,10 @@ static void usage(FILE *f)
             "  --socket PATH        listen here (default $KVTIER_SOCKET, else $XDG_RUNTIME_DIR/kvtier/kvtierd.sock)\n"
             "  --system             default to " IPC_SYSTEM_SOCKET " (system service)\n"
             "  --allow-group NAME   also accept members of this group (socket mode 0660)\n"
+            "  --listen HOST:PORT   also serve HTTP over TCP (off by default; a bare PORT is 127.0.0.1)\n"
+            "  --api-key-file PATH  the key TCP clients send as Authorization: Bearer KEY (first line;\n"
+            "                       required unless HOST is a loopback address)\n"
+            "  --api-key KEY        the same on the command line (other local users can see it in ps)\n"
             "  --backend NAME       cpu (default), cpu-strict (tests) or cuda\n"
             "  --threads N          math threads (default: physical cores)\n"
             "  --device-mem BYTES   device memory budget, k/M/G suffixes (default: sized from the model, --parallel, --ctx-size)\n"
@@ -113,11 +117,13 @@ int main(int argc, char **argv)
                                .header_timeout_s = 10, .body_rate = 16u << 10, .stall_timeout_s = 120,
                                .allow_gid = (gid_t)-1};
     const char *sock_flag = NULL, *log_path = NULL, *group = NULL, *disk_dir = NULL;
+    const char *listen_flag = NULL, *key_file = NULL;
+    static char key_buf[512];
     bool system = false, verbose = false;
     enum {
         O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
         O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
-        O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS
+        O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -139,6 +145,8 @@ int main(int argc, char **argv)
         {"disk-dir", required_argument, 0, O_DISKDIR}, {"disk-mem", required_argument, 0, O_DISKMEM},
         {"spill-after", required_argument, 0, O_SPILL}, {"disk-compress", required_argument, 0, O_COMPRESS},
         {"kv-dtype", required_argument, 0, O_KVDTYPE}, {"weights", required_argument, 0, O_WEIGHTS},
+        {"listen", required_argument, 0, O_LISTEN}, {"api-key", required_argument, 0, O_APIKEY},
+        {"api-key-file", required_argument, 0, O_KEYFILE},
         {0, 0, 0, 0}};
     int c;
     bool ok = true;
@@ -154,6 +162,9 @@ int main(int argc, char **argv)
                                : !strcmp(optarg, "never") ? KV_DISK_COMPRESS_NEVER : KV_DISK_COMPRESS_AUTO;
             break;
         case O_SOCKET: sock_flag = optarg; break;
+        case O_LISTEN: listen_flag = optarg; break;
+        case O_APIKEY: ok = *optarg != '\0'; sc.api_key = optarg; break;
+        case O_KEYFILE: key_file = optarg; break;
         case O_SYSTEM: system = true; break;
         case O_GROUP: group = optarg; break;
         case O_BACKEND: ec.backend = optarg; break;
@@ -208,6 +219,22 @@ int main(int argc, char **argv)
         }
         sc.allow_gid = gr->gr_gid;
     }
+    if (sc.api_key && key_file) {
+        fprintf(stderr, "kvtierd: give one of --api-key and --api-key-file\n");
+        return EXIT_USAGE;
+    }
+    if ((sc.api_key || key_file) && !listen_flag) {
+        fprintf(stderr, "kvtierd: an API key is for --listen's TCP clients; the Unix socket checks peer credentials\n");
+        return EXIT_USAGE;
+    }
+    if (key_file) {
+        char kerr[512];
+        if (sock_read_key(key_file, key_buf, sizeof(key_buf), kerr, sizeof(kerr)) != 0) {
+            fprintf(stderr, "kvtierd: %s\n", kerr);
+            return EXIT_USAGE;
+        }
+        sc.api_key = key_buf;
+    }
     char disk_buf[PATH_MAX];
     if (!disk_dir || !*disk_dir)
         disk_dir = default_disk_dir(system, disk_buf, sizeof(disk_buf));
@@ -252,6 +279,28 @@ int main(int argc, char **argv)
     if (listen_fd < 0) {
         log_msg(LOG_ERR, "%s", err);
         return EXIT_SOCKET;
+    }
+    sc.tcp_fd = -1;
+    if (listen_flag) {
+        bool loopback = false;
+        sc.tcp_fd = sock_listen_tcp(listen_flag, sc.max_clients + HEALTH_RESERVE, &loopback, err, sizeof(err));
+        if (sc.tcp_fd < 0)
+            log_msg(LOG_ERR, "%s", err);
+        /* off the loopback, anyone who can route a packet here is a client:
+         * the peer-credential checks of the Unix socket do not exist there */
+        else if (!loopback && !sc.api_key)
+            log_msg(LOG_ERR, "--listen %s is not a loopback address: it needs --api-key-file (or --api-key), "
+                    "since TCP has no peer credentials to check", listen_flag);
+        if (sc.tcp_fd < 0 || (!loopback && !sc.api_key)) {
+            if (sc.tcp_fd >= 0)
+                close(sc.tcp_fd);
+            close(listen_fd);
+            if (!sc.socket_activated)
+                unlink(path);
+            return sc.tcp_fd < 0 ? EXIT_SOCKET : EXIT_USAGE;
+        }
+        log_msg(loopback && !sc.api_key ? LOG_WARN : LOG_INFO, "listening on TCP %s%s", listen_flag,
+                sc.api_key ? " (API key required)" : ": no API key, every local user may use it as this uid");
     }
     log_msg(LOG_INFO, "listening on %s; loading %s", sc.socket_activated ? "the socket systemd passed" : path,
             ec.model_dir);

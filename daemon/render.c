@@ -20,6 +20,8 @@ enum MHD_Result queue(struct req *r, unsigned code, char *body, size_t len, cons
         return MHD_NO;
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    if (code == MHD_HTTP_UNAUTHORIZED)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     if (r->srv->draining || r->close || r->last)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result res = MHD_queue_response(r->conn, code, resp);
@@ -56,7 +58,11 @@ enum MHD_Result reply_json(struct req *r, unsigned code, json_t *obj)
 
 void write_error_body(struct jw *w, const struct ipc_error *e)
 {
-    jw_fmt(w, "{\"code\":%d,\"message\":", ipc_http_status(e->st));
+    const char *code = ipc_error_code(e->st);
+    if (code)
+        jw_fmt(w, "{\"code\":\"%s\",\"message\":", code);
+    else
+        jw_fmt(w, "{\"code\":%d,\"message\":", ipc_http_status(e->st));
     jw_str(w, e->msg, strlen(e->msg));
     jw_fmt(w, ",\"type\":\"%s\",\"param\":", ipc_error_type(e->st));
     if (e->param[0])
@@ -107,7 +113,10 @@ enum MHD_Result reply_error(struct req *r, const struct ipc_error *e)
     struct jw w;
     jw_dynamic(&w);
     jw_lit(&w, "{\"error\":");
-    write_error_body(&w, e);
+    if (!strncmp(r->url, "/api/", 5)) /* Ollama's envelope: the message alone */
+        jw_str(&w, e->msg, strlen(e->msg));
+    else
+        write_error_body(&w, e);
     jw_lit(&w, "}");
     return reply_jw(r, (unsigned)code, &w);
 }
@@ -338,6 +347,8 @@ enum MHD_Result reply_done(struct req *r)
             return reply_error(r, &err);
         return reply_json(r, r->kind == REPLY_SESSION_IMPORT ? 201 : 200, o);
     }
+    if (r->kind == REPLY_OLLAMA_GENERATE || r->kind == REPLY_OLLAMA_CHAT)
+        return ollama_reply_done(r);
     if (r->kind == REPLY_KV) { /* the reply takes the file: the job is done with it */
         size_t n;
         char *blob = job_take_blob(j, &n);

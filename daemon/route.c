@@ -28,6 +28,7 @@ static const struct route routes[] = {
     {"GET", "/health", NULL, h_health, NEEDS_NOTHING},
     {"GET", "/v1/health", NULL, h_health, NEEDS_NOTHING},
     {"GET", "/v1/models", NULL, h_models, NEEDS_MODEL},
+    {"GET", "/v1/models/*", NULL, h_model, NEEDS_MODEL},
     {"GET", "/metrics", NULL, h_metrics, NEEDS_NOTHING},
     {"POST", "/v1/completions", prep_completions, h_generate, NEEDS_BODY},
     {"POST", "/v1/chat/completions", prep_chat, h_generate, NEEDS_BODY},
@@ -43,6 +44,12 @@ static const struct route routes[] = {
     {"POST", "/v1/sessions/*/crop", NULL, h_session_crop, NEEDS_BODY},
     {"POST", "/v1/sessions/*/fork", NULL, h_session_fork, NEEDS_ANY_BODY},
     {"POST", "/v1/sessions/*/activate_past_recording", NULL, h_session_record, NEEDS_ANY_BODY},
+    {"POST", "/api/generate", prep_ollama_generate, h_ollama_generate, NEEDS_BODY},
+    {"POST", "/api/chat", prep_ollama_chat, h_ollama_generate, NEEDS_BODY},
+    {"GET", "/api/tags", NULL, h_ollama_tags, NEEDS_MODEL},
+    {"GET", "/api/ps", NULL, h_ollama_ps, NEEDS_MODEL},
+    {"POST", "/api/show", NULL, h_ollama_show, NEEDS_BODY},
+    {"GET", "/api/version", NULL, h_ollama_version, NEEDS_NOTHING},
 };
 
 /* Whether url matches pattern; a '*' matches one non-empty segment of at

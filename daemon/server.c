@@ -118,7 +118,8 @@ enum MHD_Result req_submit(struct req *r, struct job *j)
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_read, r, NULL);
     if (!resp)
         return MHD_NO;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    bool ndjson = r->kind == REPLY_OLLAMA_GENERATE || r->kind == REPLY_OLLAMA_CHAT;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ndjson ? "application/x-ndjson" : "text/event-stream");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     if (r->close || r->last)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
@@ -295,7 +296,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         r->fd = ci ? ci->connect_fd : -1;
         struct ucred cr = {.pid = 0, .uid = (uid_t)-1, .gid = (gid_t)-1};
         socklen_t len = sizeof(cr);
-        if (r->fd < 0 || getsockopt(r->fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0)
+        bool tcp = r->c && r->c->tcp;
+        if (tcp)
+            cr = (struct ucred){.pid = r->c->pid, .uid = r->c->uid};
+        else if (r->fd < 0 || getsockopt(r->fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0)
             return MHD_NO;
         r->uid = cr.uid;
         r->pid = cr.pid;
@@ -304,6 +308,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (strict_framing(r, version, &e) != IPC_OK) {
             r->close = true;
             return reply_error(r, &e);
+        }
+        if (tcp && s->cfg->api_key &&
+            !sock_bearer_ok(MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION),
+                            s->cfg->api_key)) {
+            r->close = true; /* its body is never read */
+            return fail(r, IPC_EAUTH, "", "a valid API key is required: Authorization: Bearer KEY");
         }
         if (r->c && r->c->reserve && strcmp(url, "/health") && strcmp(url, "/v1/health") && strcmp(url, "/metrics")) {
             r->close = true;
@@ -574,12 +584,16 @@ static void on_sweep(void *data)
     ev_timer_start(s->loop, &s->t_sweep, 1000, on_sweep, s);
 }
 
-static void on_accept(void *data, unsigned events)
+/* Accepts on the Unix socket or, tcp, on --listen's, whose clients have
+ * no peer credentials: they act as the daemon's uid once their key is
+ * checked (on_request), with pid 0, so the per-process limit does not
+ * apply to them; the per-uid one counts them with the daemon's user. */
+static void accept_on(struct server *s, int lfd, bool tcp)
 {
-    (void)events;
-    struct server *s = data;
     for (;;) {
-        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        struct sockaddr_storage peer;
+        socklen_t pl = sizeof(peer);
+        int fd = accept4(lfd, (struct sockaddr *)&peer, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno == EINTR)
                 continue;
@@ -587,10 +601,10 @@ static void on_accept(void *data, unsigned events)
                 log_msg(LOG_WARN, "accept: %s", strerror(errno));
             return;
         }
-        struct ucred cr;
+        struct ucred cr = {.pid = 0, .uid = geteuid(), .gid = getegid()};
         socklen_t len = sizeof(cr);
-        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0 ||
-            !sock_peer_allowed(cr.uid, cr.gid, s->cfg->allow_gid)) {
+        if (!tcp && (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0 ||
+                     !sock_peer_allowed(cr.uid, cr.gid, s->cfg->allow_gid))) {
             log_msg(LOG_WARN, "refused a connection from uid %u pid %d: not the daemon's user or --allow-group",
                     (unsigned)cr.uid, (int)cr.pid);
             s->refused++;
@@ -602,7 +616,7 @@ static void on_accept(void *data, unsigned events)
         int by_uid, by_pid;
         count_peer(s, &cr, &by_uid, &by_pid);
         const char *full = open >= (unsigned)s->cfg->max_clients + HEALTH_RESERVE ? "too many clients connected"
-                           : by_pid >= s->cfg->max_per_pid ? "too many connections from this process"
+                           : !tcp && by_pid >= s->cfg->max_per_pid ? "too many connections from this process"
                            : by_uid >= s->cfg->max_per_uid ? "too many connections from this uid"
                                                            : NULL;
         struct conn *c = full ? NULL : calloc(1, sizeof(*c));
@@ -616,14 +630,29 @@ static void on_accept(void *data, unsigned events)
             continue;
         }
         *c = (struct conn){.srv = s, .uid = cr.uid, .pid = cr.pid, .fd = fd, .head_since = clock_ms(),
-                           .reserve = open >= (unsigned)s->cfg->max_clients, .in_head = true};
+                           .reserve = open >= (unsigned)s->cfg->max_clients, .in_head = true, .tcp = tcp};
         s->accepting = c;
         struct sockaddr_un sa = {.sun_family = AF_UNIX};
-        if (MHD_add_connection(s->mhd, fd, (struct sockaddr *)&sa, sizeof(sa)) != MHD_YES)
+        if (MHD_add_connection(s->mhd, fd, tcp ? (struct sockaddr *)&peer : (struct sockaddr *)&sa,
+                               tcp ? pl : (socklen_t)sizeof(sa)) != MHD_YES)
             log_msg(LOG_WARN, "cannot serve a connection: %s", strerror(errno));
         free(s->accepting); /* not taken by on_connection */
         s->accepting = NULL;
     }
+}
+
+static void on_accept(void *data, unsigned events)
+{
+    (void)events;
+    struct server *s = data;
+    accept_on(s, s->listen_fd, false);
+}
+
+static void on_accept_tcp(void *data, unsigned events)
+{
+    (void)events;
+    struct server *s = data;
+    accept_on(s, s->tcp_fd, true);
 }
 
 static void stop_listening(struct server *s)
@@ -633,6 +662,11 @@ static void stop_listening(struct server *s)
     ev_io_stop(s->loop, &s->io_listen);
     close(s->listen_fd);
     s->listen_fd = -1;
+    if (s->tcp_fd >= 0) {
+        ev_io_stop(s->loop, &s->io_tcp);
+        close(s->tcp_fd);
+        s->tcp_fd = -1;
+    }
     /* a socket-activated path belongs to systemd's .socket unit */
     if (s->cfg->sock_path && !s->cfg->socket_activated)
         unlink(s->cfg->sock_path);
@@ -766,6 +800,8 @@ static int watch(struct server *s)
         rc = ev_io_start(s->loop, &s->io_mhd, di->epoll_fd, EV_READ, mhd_poke, s);
     if (!rc)
         rc = ev_io_start(s->loop, &s->io_listen, s->listen_fd, EV_READ, on_accept, s);
+    if (!rc && s->tcp_fd >= 0)
+        rc = ev_io_start(s->loop, &s->io_tcp, s->tcp_fd, EV_READ, on_accept_tcp, s);
     if (!rc)
         rc = ev_io_start(s->loop, &s->io_sig, s->sig_fd, EV_READ, on_signal, s);
     if (!rc)
@@ -777,7 +813,8 @@ static int watch(struct server *s)
 
 enum server_exit server_run(engine *e, const struct server_config *cfg, int listen_fd, int sig_fd, int wake_fd)
 {
-    struct server s = {.eng = e, .cfg = cfg, .listen_fd = listen_fd, .sig_fd = sig_fd, .wake_fd = wake_fd,
+    struct server s = {.eng = e, .cfg = cfg, .listen_fd = listen_fd, .tcp_fd = cfg->tcp_fd, .sig_fd = sig_fd,
+                       .wake_fd = wake_fd,
                        .started = time(NULL), .progress_at = clock_ms(), .rc = SERVER_OK};
     s.mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_NO_LISTEN_SOCKET | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG,
                              0, NULL, NULL, on_request, &s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, &s,

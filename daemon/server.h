@@ -2,7 +2,8 @@
  *
  * One thread runs the event loop (loop.h) over: the listening socket
  * (kvtierd accepts, checks SO_PEERCRED and the client limit, then hands the
- * fd to libmicrohttpd with MHD_add_connection), the signal pipe, the
+ * fd to libmicrohttpd with MHD_add_connection) and the optional TCP one
+ * (no peer credentials: each request carries the API key instead), the signal pipe, the
  * engine's eventfd, the workers' eventfd, libmicrohttpd's own epoll fd, and
  * the fds of suspended connections (EPOLLHUP: a client that hangs up
  * while its request waits cancels the generation).  libmicrohttpd runs in
@@ -46,6 +47,8 @@ struct server_config {
     gid_t allow_gid;      /* (gid_t)-1: only the daemon's uid */
     const char *sock_path;   /* unlinked at exit unless socket-activated */
     bool socket_activated;
+    int tcp_fd;              /* --listen's socket, -1: none; its clients act as the daemon's uid */
+    const char *api_key;     /* NULL: TCP clients need none (a loopback address only) */
 };
 
 enum server_exit { SERVER_OK = 0, SERVER_ELOAD = 3, SERVER_EFATAL = 1 };

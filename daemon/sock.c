@@ -3,10 +3,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -103,6 +106,107 @@ int sock_listen(const char *path, gid_t gid, int backlog, char *err, size_t cap)
     if (listen(fd, backlog) != 0)
         return fail(err, cap, fd, "cannot listen on %s: %s", path);
     return fd;
+}
+
+static bool is_loopback(const struct sockaddr *sa)
+{
+    if (sa->sa_family == AF_INET)
+        return (ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >> 24) == 127;
+    const struct in6_addr *a = &((const struct sockaddr_in6 *)sa)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127);
+}
+
+int sock_listen_tcp(const char *hostport, int backlog, bool *loopback, char *err, size_t cap)
+{
+    char host[256];
+    const char *port = strrchr(hostport, ':');
+    if (!port) { /* a port alone */
+        snprintf(host, sizeof(host), "127.0.0.1");
+        port = hostport;
+    } else {
+        size_t hl = (size_t)(port - hostport);
+        port++;
+        if (hl >= 2 && hostport[0] == '[' && hostport[hl - 1] == ']') {
+            hostport++;
+            hl -= 2;
+        }
+        if (hl >= sizeof(host)) {
+            snprintf(err, cap, "--listen %.64s: the host is too long", hostport);
+            return -1;
+        }
+        memcpy(host, hostport, hl);
+        host[hl] = '\0';
+        if (!hl)
+            snprintf(host, sizeof(host), "127.0.0.1");
+    }
+    char *end;
+    long pn = strtol(port, &end, 10);
+    if (!*port || *end || pn < 1 || pn > 65535) {
+        snprintf(err, cap, "--listen %.64s: the port must be a number from 1 to 65535", port);
+        return -1;
+    }
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *ai = NULL;
+    int gai = getaddrinfo(host, port, &hints, &ai);
+    if (gai != 0) {
+        snprintf(err, cap, "--listen: cannot resolve %.128s: %s", host, gai_strerror(gai));
+        return -1;
+    }
+    /* the first address only: a name that also resolves elsewhere is bound
+     * where the resolver says first, and the log names it */
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int one = 1;
+    *loopback = is_loopback(ai->ai_addr);
+    if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+        bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, backlog) != 0) {
+        int e = errno;
+        snprintf(err, cap, "cannot listen on %.128s port %s: %s", host, port, strerror(e));
+        if (fd >= 0)
+            close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(ai);
+    return fd;
+}
+
+int sock_read_key(const char *path, char *key, size_t cap, char *err, size_t errcap)
+{
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return fail(err, errcap, -1, "cannot open the API key file %s: %s", path);
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || (st.st_mode & 0007)) {
+        fclose(f);
+        snprintf(err, errcap, "the API key file %s must not be readable by others (chmod 600)", path);
+        return -1;
+    }
+    bool got = fgets(key, (int)cap, f) != NULL;
+    fclose(f);
+    size_t n = got ? strcspn(key, "\r\n") : 0;
+    if (got && !key[n] && n == cap - 1) {
+        snprintf(err, errcap, "the API key in %s is longer than %zu bytes", path, cap - 2);
+        return -1;
+    }
+    if (got)
+        key[n] = '\0';
+    if (!n) {
+        snprintf(err, errcap, "the API key file %s is empty", path);
+        return -1;
+    }
+    return 0;
+}
+
+bool sock_bearer_ok(const char *header, const char *key)
+{
+    if (!header || strncasecmp(header, "Bearer ", 7) != 0)
+        return false;
+    const char *got = header + 7;
+    size_t gl = strlen(got), kl = strlen(key);
+    unsigned char diff = gl != kl;
+    /* every byte of the key is compared whatever the header holds */
+    for (size_t i = 0; i < kl; i++)
+        diff |= (unsigned char)((i < gl ? got[i] : 0) ^ key[i]);
+    return !diff;
 }
 
 int sock_activated(char *err, size_t cap)

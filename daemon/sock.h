@@ -15,6 +15,20 @@
  * non-blocking fd, or -1 with err filled. */
 int sock_listen(const char *path, gid_t gid, int backlog, char *err, size_t cap);
 
+/* Binds and listens on TCP HOST:PORT ("[v6]:PORT"; a bare PORT or ":PORT"
+ * is 127.0.0.1).  *loopback: whether the address bound is a loopback one,
+ * which only local processes reach.  Returns the non-blocking fd, or -1
+ * with err filled. */
+int sock_listen_tcp(const char *hostport, int backlog, bool *loopback, char *err, size_t cap);
+
+/* Reads the API key from path: its first line, which must not be empty;
+ * 0, or -1 with err filled.  A key file others may read is refused. */
+int sock_read_key(const char *path, char *key, size_t cap, char *err, size_t errcap);
+
+/* Whether the Authorization header value is "Bearer KEY" with the key,
+ * in time that depends on the key's length only. */
+bool sock_bearer_ok(const char *header, const char *key);
+
 /* The socket systemd passed (LISTEN_PID/LISTEN_FDS), or -1 when none;
  * -2 with err filled when the passed fd is not a Unix stream socket. */
 int sock_activated(char *err, size_t cap);

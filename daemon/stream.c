@@ -173,6 +173,63 @@ static size_t stream_events(struct req *r, const struct stream_view *v, char *bu
     return w.n;
 }
 
+/* stream_events for Ollama's NDJSON: one object a line, the text of one
+ * choice, then the final object with the statistics; an error is
+ * {"error": "..."}. */
+static size_t ollama_events(struct req *r, const struct stream_view *v, char *buf, size_t max, bool *stuck)
+{
+    struct jw w;
+    jw_fixed(&w, buf, max);
+    *stuck = false;
+    if (r->phase != STREAM_CHOICES)
+        return 0;
+    if (v->done && v->err.st != IPC_OK) {
+        jw_lit(&w, "{\"error\":");
+        jw_str(&w, v->err.msg, strlen(v->err.msg));
+        jw_lit(&w, "}\n");
+        *stuck = w.failed;
+        if (!w.failed) {
+            r->phase = STREAM_ENDED;
+            engine_count_error(r->srv->eng, v->err.st);
+        }
+        return w.failed ? 0 : w.n;
+    }
+    for (;;) {
+        size_t t0 = r->sent_text[0], mark = w.n;
+        bool news = v->n_text[0] > t0;
+        if (!news && !(v->done && !v->partial[0]))
+            break;
+        if (news) {
+            size_t room = w.cap > w.n + EVENT_SLACK ? w.cap - w.n - EVENT_SLACK : 0;
+            size_t t1 = t0 + jw_fit(v->text[0] + (t0 - v->base[0]), v->n_text[0] - t0, room);
+            if (t1 == t0) {
+                *stuck = w.n == 0;
+                return w.n;
+            }
+            ollama_write_chunk(&w, r, v->text[0] + (t0 - v->base[0]), t1 - t0);
+            jw_lit(&w, "\"done\":false}\n");
+            if (!w.failed)
+                r->sent_text[0] = t1;
+        } else {
+            ollama_write_final(&w, r, "", 0);
+            jw_lit(&w, "\n");
+            if (!w.failed)
+                r->phase = STREAM_ENDED;
+        }
+        if (w.failed) { /* sent in a later read, with an empty buffer */
+            w.failed = false;
+            w.n = mark;
+            *stuck = mark == 0;
+            return w.n;
+        }
+        if (r->phase == STREAM_ENDED)
+            break;
+    }
+    /* tokens are not sent, only their text: has_news waits for more */
+    r->sent_gen[0] = v->n_gen[0];
+    return w.n;
+}
+
 ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     (void)pos;
@@ -186,7 +243,8 @@ ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
     stream_snapshot(r, &v, max);
     engine_unlock(r->srv->eng);
     bool stuck;
-    size_t n = stream_events(r, &v, buf, max, &stuck);
+    bool ndjson = r->kind == REPLY_OLLAMA_GENERATE || r->kind == REPLY_OLLAMA_CHAT;
+    size_t n = ndjson ? ollama_events(r, &v, buf, max, &stuck) : stream_events(r, &v, buf, max, &stuck);
     if (stuck) {
         log_msg(LOG_ERR, "uid %u pid %d: a stream event does not fit %zu bytes; stream ended", (unsigned)r->uid,
                 (int)r->pid, max);

@@ -239,6 +239,8 @@ static enum ipc_status parse_messages(const json_t *v, const struct ipc_limits *
 
 /* ---- the field table -------------------------------------------------------- */
 
+static bool given(const json_t *root, const char *key);
+
 enum { F_COMPL = 1, F_CHAT = 2, F_BOTH = 3 };
 
 struct field_ctx {
@@ -261,6 +263,52 @@ static enum ipc_status f_string(const json_t *v, const char *name, struct field_
     if (!json_is_string(v) && !json_is_null(v))
         return ipc_fail(err, IPC_EINVAL, name, "%s must be a string", name);
     return IPC_OK;
+}
+
+static bool model_matches(const char *name, const struct ipc_limits *lim)
+{
+    const char *id = lim->model_id;
+    size_t n = strlen(id);
+    return !strcmp(name, id) || (!strncmp(name, id, n) && !strcmp(name + n, ":latest")) ||
+           (lim->model_dir && !strcmp(name, lim->model_dir));
+}
+
+enum ipc_status ipc_check_model(const json_t *v, const struct ipc_limits *lim, struct ipc_error *err)
+{
+    if (!v || json_is_null(v))
+        return IPC_OK;
+    if (!json_is_string(v))
+        return ipc_fail(err, IPC_EINVAL, "model", "model must be a string");
+    if (!lim->model_id || model_matches(json_string_value(v), lim))
+        return IPC_OK;
+    return ipc_fail(err, IPC_ENOMODEL, "model", "the model \"%.64s\" does not exist; this daemon serves \"%.64s\"",
+                    json_string_value(v), lim->model_id);
+}
+
+static enum ipc_status f_model(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)name;
+    return ipc_check_model(v, c->lim, err);
+}
+
+/* Fields other servers accept that change nothing here: the type is
+ * checked, the value documented as having no effect. */
+static enum ipc_status f_noop(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)c;
+    static const char *const efforts[] = {"none", "minimal", "low", "medium", "high"};
+    if (json_is_null(v))
+        return IPC_OK;
+    if (!strcmp(name, "cache_prompt"))
+        return json_is_boolean(v) ? IPC_OK : ipc_fail(err, IPC_EINVAL, name, "%s must be true or false", name);
+    if (!strcmp(name, "keep_alive"))
+        return json_is_string(v) || json_is_number(v)
+                   ? IPC_OK
+                   : ipc_fail(err, IPC_EINVAL, name, "%s must be a duration string or a number of seconds", name);
+    for (size_t i = 0; i < sizeof(efforts) / sizeof(efforts[0]); i++)
+        if (str_is(v, efforts[i]))
+            return IPC_OK;
+    return ipc_fail(err, IPC_EINVAL, name, "%s must be one of none, minimal, low, medium, high", name);
 }
 
 static enum ipc_status f_prompt(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -315,6 +363,54 @@ static enum ipc_status f_top_k(const json_t *v, const char *name, struct field_c
 static enum ipc_status f_rep_penalty(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
     return json_is_null(v) ? IPC_OK : get_float(v, name, 0.01f, 10, false, &c->r->sampling.repetition_penalty, err);
+}
+
+/* OpenAI's range for both */
+static enum ipc_status f_count_penalty(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    return get_float(v, name, -2, 2, false,
+                     !strcmp(name, "presence_penalty") ? &c->r->sampling.presence_penalty
+                                                       : &c->r->sampling.frequency_penalty,
+                     err);
+}
+
+static enum ipc_status f_typical_p(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    return json_is_null(v) ? IPC_OK : get_float(v, name, 0, 1, true, &c->r->sampling.typical_p, err);
+}
+
+/* llama.cpp's repeat_penalty is repetition_penalty over the last
+ * repeat_last_n tokens (64 unless given; -1: all, 0: none); both are read
+ * once the walk is done, so only the types are checked here. */
+static enum ipc_status f_repeat(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    (void)c;
+    if (json_is_null(v) || (!strcmp(name, "repeat_penalty") ? json_is_number(v) : json_is_integer(v)))
+        return IPC_OK;
+    return ipc_fail(err, IPC_EINVAL, name, "%s must be %s", name,
+                    !strcmp(name, "repeat_penalty") ? "a number" : "an integer");
+}
+
+static enum ipc_status read_repeat(const json_t *root, struct ipc_gen_req *r, const struct ipc_limits *lim,
+                                   struct ipc_error *err)
+{
+    const json_t *pen = json_object_get(root, "repeat_penalty"), *last = json_object_get(root, "repeat_last_n");
+    if (!pen || json_is_null(pen))
+        return IPC_OK;
+    if (given(root, "repetition_penalty"))
+        return ipc_fail(err, IPC_EINVAL, "repeat_penalty", "give one of repeat_penalty and repetition_penalty");
+    enum ipc_status st = get_float(pen, "repeat_penalty", 0.01f, 10, false, &r->sampling.repetition_penalty, err);
+    long long n = 64;
+    if (st == IPC_OK && last && !json_is_null(last))
+        st = get_int(last, "repeat_last_n", -1, lim->max_context, &n, err);
+    if (st != IPC_OK)
+        return st;
+    if (n == 0)
+        r->sampling.repetition_penalty = 1;
+    r->sampling.penalty_last_n = n < 0 ? 0 : (int)n;
+    return IPC_OK;
 }
 
 static enum ipc_status f_seed(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -483,7 +579,7 @@ static const struct {
     int where;
     field_fn fn;
 } fields[] = {
-    {"model", F_BOTH, f_string},
+    {"model", F_BOTH, f_model},
     {"user", F_BOTH, f_string},
     {"prompt", F_COMPL, f_prompt},
     {"messages", F_CHAT, f_messages},
@@ -510,8 +606,14 @@ static const struct {
     {"store", F_BOTH, f_ignore},
     {"service_tier", F_BOTH, f_ignore},
     {"parallel_tool_calls", F_CHAT, f_ignore},
-    {"presence_penalty", F_BOTH, f_must_be_off},
-    {"frequency_penalty", F_BOTH, f_must_be_off},
+    {"presence_penalty", F_BOTH, f_count_penalty},
+    {"frequency_penalty", F_BOTH, f_count_penalty},
+    {"repeat_penalty", F_BOTH, f_repeat},
+    {"repeat_last_n", F_BOTH, f_repeat},
+    {"typical_p", F_BOTH, f_typical_p},
+    {"cache_prompt", F_BOTH, f_noop},
+    {"keep_alive", F_BOTH, f_noop},
+    {"reasoning_effort", F_BOTH, f_noop},
     {"logit_bias", F_BOTH, f_must_be_off},
     {"echo", F_COMPL, f_must_be_off},
     {"suffix", F_COMPL, f_must_be_off},
@@ -570,7 +672,12 @@ static enum ipc_status check_beams(const json_t *root, struct ipc_gen_req *r, st
         return ipc_fail(err, IPC_EINVAL, "diversity_penalty", "diversity_penalty needs num_beam_groups > 1");
     const struct sampler_params *s = &r->sampling;
     const char *warper = s->top_k ? "top_k" : s->top_p < 1 ? "top_p" : s->min_p > 0 ? "min_p"
-                         : s->repetition_penalty != 1 ? "repetition_penalty" : NULL;
+                         : s->typical_p < 1 ? "typical_p"
+                         : s->presence_penalty != 0 ? "presence_penalty"
+                         : s->frequency_penalty != 0 ? "frequency_penalty"
+                         : s->repetition_penalty != 1 ? (given(root, "repeat_penalty") ? "repeat_penalty"
+                                                                                        : "repetition_penalty")
+                                                      : NULL;
     if (warper)
         return ipc_fail(err, IPC_EINVAL, warper,
                         "%s is not available with num_beams > 1: beam search takes the most likely tokens "
@@ -580,7 +687,7 @@ static enum ipc_status check_beams(const json_t *root, struct ipc_gen_req *r, st
 
 static enum ipc_status check_no_beams(const json_t *root, struct ipc_gen_req *r, struct ipc_error *err)
 {
-    static const char *const beam_only[] = {"num_return_sequences", "length_penalty", "early_stopping", "min_tokens",
+    static const char *const beam_only[] = {"num_return_sequences", "length_penalty", "early_stopping",
                                             "no_repeat_ngram_size", "num_beam_groups", "diversity_penalty"};
     for (size_t i = 0; i < sizeof(beam_only) / sizeof(beam_only[0]); i++) {
         const json_t *v = json_object_get(root, beam_only[i]);
@@ -630,6 +737,9 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
         if (st != IPC_OK)
             return st;
     }
+    enum ipc_status rst = read_repeat(root, out, lim, err);
+    if (rst != IPC_OK)
+        return rst;
     if (chat ? !out->msgs : !out->text && !out->ids)
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
@@ -687,7 +797,9 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
             if (!json_is_boolean(v))
                 return ipc_fail(err, IPC_EINVAL, key, "activate_past_recording must be true or false");
             out->record = json_is_true(v);
-        } else if (strcmp(key, "cache") && strcmp(key, "use_cache") && strcmp(key, "model")) {
+        } else if (!strcmp(key, "model")) {
+            st = ipc_check_model(v, lim, err);
+        } else if (strcmp(key, "cache") && strcmp(key, "use_cache")) {
             return ipc_fail(err, IPC_EINVAL, key,
                             "unknown field \"%.48s\" (prefix, system, cache, activate_past_recording)", key);
         }

@@ -4,8 +4,10 @@
  * Every check that needs no model state happens here, before anything sized
  * by the client is allocated: types, ranges, unknown fields, token ids
  * against the vocabulary, array lengths against the context.  Fields kvtier
- * knows but does not implement (tools, echo, logit_bias, ...) give 501 when
- * they ask for something, rather than being ignored.  Strings in a parsed
+ * knows but does not implement (tools, echo, logit_bias, ...) give 400
+ * naming the field when they ask for something, rather than being ignored;
+ * fields other local servers accept that change nothing here (cache_prompt,
+ * keep_alive, reasoning_effort) are checked for type and accepted.  Strings in a parsed
  * request are borrowed from the JSON tree, which must outlive it.
  */
 #ifndef KVTIER_IPC_REQUEST_H
@@ -39,7 +41,14 @@ struct ipc_limits {
     int max_messages; /* chat messages per request */
     int sliding_window; /* the model's, the "sliding_window" strategy's default window (0: none) */
     const char *no_sink; /* why the model refuses a sink cache (model_sink_refusal), NULL: it takes one */
+    const char *model_id;  /* the served model's id; NULL: "model" is not checked */
+    const char *model_dir; /* --model as given, an alias of the id */
 };
+
+/* A request's "model" field: absent or null, or a name the model answers
+ * to (its id, the id with Ollama's ":latest" tag, or the model directory
+ * as given to kvtierd); else IPC_ENOMODEL naming it. */
+enum ipc_status ipc_check_model(const json_t *v, const struct ipc_limits *lim, struct ipc_error *err);
 
 struct ipc_gen_req {
     bool chat;

@@ -7,6 +7,7 @@ static const struct {
     int http;
     const char *type;
     const char *name;
+    const char *code; /* OpenAI's string code, NULL: the HTTP status */
 } status_table[] = {
     [IPC_OK] = {200, "", "ok"},
     [IPC_EINVAL] = {400, "invalid_request_error", "invalid"},
@@ -18,12 +19,14 @@ static const struct {
     [IPC_ETOOLARGE] = {413, "invalid_request_error", "too_large"},
     [IPC_EBUSY] = {429, "rate_limit_error", "busy"},
     [IPC_EINTERNAL] = {500, "server_error", "internal"},
-    [IPC_ENOTIMPL] = {501, "not_supported_error", "not_implemented"},
+    [IPC_ENOTIMPL] = {400, "invalid_request_error", "unsupported"},
     [IPC_EUNAVAIL] = {503, "unavailable_error", "unavailable"},
     [IPC_ENOMEM] = {503, "unavailable_error", "no_memory"},
     [IPC_EPROTO] = {502, "server_error", "protocol"},
     [IPC_EIO] = {503, "unavailable_error", "io"},
     [IPC_ESTORAGE] = {507, "insufficient_storage_error", "kv_memory"},
+    [IPC_ENOMODEL] = {404, "invalid_request_error", "model_not_found", "model_not_found"},
+    [IPC_EAUTH] = {401, "invalid_request_error", "unauthorized", "invalid_api_key"},
 };
 
 static int valid(enum ipc_status st)
@@ -39,6 +42,11 @@ int ipc_http_status(enum ipc_status st)
 const char *ipc_error_type(enum ipc_status st)
 {
     return valid(st) ? status_table[st].type : "server_error";
+}
+
+const char *ipc_error_code(enum ipc_status st)
+{
+    return valid(st) ? status_table[st].code : NULL;
 }
 
 const char *ipc_status_name(enum ipc_status st)

@@ -19,17 +19,23 @@ enum ipc_status {
     IPC_ETOOLARGE = 7,  /* 413: body over the configured limit */
     IPC_EBUSY = 8,      /* 429: queue or session table full */
     IPC_EINTERNAL = 9,  /* 500: a bug or a backend failure */
-    IPC_ENOTIMPL = 10,  /* 501: a strategy or field kvtier does not implement yet */
+    IPC_ENOTIMPL = 10,  /* 400: a feature kvtier does not implement (the param names it); never
+                         * 5xx, which clients retry as if the server might change its mind */
     IPC_EUNAVAIL = 11,  /* 503: loading, draining, out of KV memory, too many clients */
     IPC_ENOMEM = 12,    /* 503: host memory ran out for this request */
     IPC_EPROTO = 13,    /* client side: the daemon's reply could not be understood */
     IPC_EIO = 14,       /* client side: cannot reach the socket */
     IPC_ESTORAGE = 15,  /* 507: the KV fits neither tier's budget (the message names it) */
+    IPC_ENOMODEL = 16,  /* 404: the request names a model this daemon does not serve */
+    IPC_EAUTH = 17,     /* 401: a TCP client without the right API key */
 };
-#define IPC_N_STATUS (IPC_ESTORAGE + 1)
+#define IPC_N_STATUS (IPC_EAUTH + 1)
 int ipc_http_status(enum ipc_status st);
 /* The OpenAI envelope's error.type for st ("invalid_request_error", ...). */
 const char *ipc_error_type(enum ipc_status st);
+/* OpenAI's string error.code for st ("model_not_found", ...), NULL where
+ * the envelope's code is the HTTP status. */
+const char *ipc_error_code(enum ipc_status st);
 /* A short stable name for metrics labels ("invalid", "busy", ...). */
 const char *ipc_status_name(enum ipc_status st);
 

@@ -64,6 +64,7 @@ enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, 
                           .text_cap = 256,
                           .max_new = (int)(max_new < room ? max_new : room),
                           .ignore_eos = p->ignore_eos,
+                          .min_new = p->min_new,
                           .stops = p->stops,
                           .n_stops = p->n_stops,
                           .text_lock = p->text_lock,
@@ -79,7 +80,13 @@ enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, 
 
 int32_t gen_seq_sample(struct gen_seq *s, float *logits)
 {
-    return sampler_sample(s->smp, logits, s->toks, s->n_toks);
+    if (s->gen < s->min_new && !s->ignore_eos) {
+        int32_t eos[MODEL_MAX_EOS + 1];
+        for (int i = gen_eos_ids(s->mc, s->tok, eos) - 1; i >= 0; i--)
+            if (eos[i] >= 0 && eos[i] < s->mc->vocab_size)
+                logits[eos[i]] = -INFINITY;
+    }
+    return sampler_sample(s->smp, logits, s->toks, s->n_toks, s->n_prompt);
 }
 
 /* Grows the text buffer to hold need bytes, under text_lock: a reader on

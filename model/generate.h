@@ -2,8 +2,9 @@
  * loop and the daemon's batched loop share, and the single-sequence loop.
  *
  * The sampler (model/sampler.h) follows the Hugging Face logits-processor
- * order: repetition_penalty -> temperature -> top_k -> top_p -> min_p ->
- * sample.  temperature == 0 is greedy (argmax, first index on ties).
+ * order: repetition_penalty -> presence/frequency penalties -> temperature
+ * -> top_k -> top_p -> min_p -> typical_p -> sample.  temperature == 0 is
+ * greedy (argmax, first index on ties) after the penalties.
  */
 #ifndef KVTIER_GENERATE_H
 #define KVTIER_GENERATE_H
@@ -27,6 +28,10 @@ struct sampler_params {
     float top_p;              /* 1 = off */
     float min_p;              /* 0 = off */
     float repetition_penalty; /* 1 = off */
+    int penalty_last_n;       /* repetition_penalty sees the last n tokens of the history; 0 = all of it */
+    float presence_penalty;   /* OpenAI's: subtracted once from every token the sequence generated; 0 = off */
+    float frequency_penalty;  /* ... times the number of times it generated it; 0 = off */
+    float typical_p;          /* locally typical sampling's mass (HF TypicalLogitsWarper); 1 = off */
     uint64_t seed;
 };
 void sampler_params_default(struct sampler_params *p); /* greedy, everything off, seed 0 */
@@ -41,6 +46,7 @@ struct gen_seq_params {
     int max_new;              /* generated tokens at most; the context bounds them too */
     int ctx;                  /* prompt + generated tokens at most */
     bool ignore_eos;
+    int min_new;              /* the eos ids cannot be sampled before this many generated tokens */
     const char *const *stops; /* stop strings, borrowed for the sequence's lifetime */
     int n_stops;
     /* Held while the text buffer moves, so that another thread may read
@@ -61,7 +67,7 @@ struct gen_seq {
     enum gen_finish finish; /* the caller may set it for a sequence it ends itself */
     /* ---- private ---- */
     size_t raw, scan, text_cap; /* decoded bytes; where stop matching resumes */
-    int max_new;
+    int max_new, min_new;
     bool ignore_eos;
     const char *const *stops;
     int n_stops;

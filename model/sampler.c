@@ -1,5 +1,6 @@
 /* sampler.c - next-token choice in the Hugging Face logits-processor order:
- * repetition_penalty -> temperature -> top_k -> top_p -> min_p -> sample.
+ * repetition_penalty -> presence/frequency penalties -> temperature ->
+ * top_k -> top_p -> min_p -> typical_p -> sample.
  * All scratch is allocated once per sampler, never per token.
  */
 #include "model/sampler.h"
@@ -20,13 +21,15 @@ struct sampler {
     uint64_t rng[4];  /* xoshiro256** state */
     struct cand *cand; /* (vocab) the candidates still in the running */
     float *heap;       /* (vocab) min-heap of the top_k largest logits */
-    uint32_t *seen;   /* (vocab) epoch in which the repetition penalty last hit a token */
+    uint32_t *seen;   /* (vocab) epoch in which a penalty pass last hit a token */
+    uint32_t *count;  /* (vocab) a generated token's occurrences, valid where seen is this epoch */
     uint32_t epoch;
 };
 
 void sampler_params_default(struct sampler_params *p)
 {
-    *p = (struct sampler_params){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .repetition_penalty = 1};
+    *p = (struct sampler_params){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .repetition_penalty = 1,
+                                 .typical_p = 1};
 }
 
 static uint64_t splitmix64(uint64_t *x)
@@ -66,7 +69,8 @@ enum model_status sampler_create(const struct sampler_params *p, int vocab, samp
     /* written so that NaN fails every test */
     if (vocab <= 0 || !(p->temperature >= 0 && isfinite(p->temperature)) || p->top_k < 0 ||
         !(p->top_p > 0 && p->top_p <= 1) || !(p->min_p >= 0 && p->min_p <= 1) ||
-        !(p->repetition_penalty > 0 && isfinite(p->repetition_penalty)))
+        !(p->repetition_penalty > 0 && isfinite(p->repetition_penalty)) || p->penalty_last_n < 0 ||
+        !isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty) || !(p->typical_p > 0 && p->typical_p <= 1))
         return MODEL_EINVAL;
     sampler *s = calloc(1, sizeof(*s));
     if (!s)
@@ -74,7 +78,8 @@ enum model_status sampler_create(const struct sampler_params *p, int vocab, samp
     s->cand = malloc((size_t)vocab * sizeof(*s->cand));
     s->heap = malloc((size_t)vocab * sizeof(*s->heap));
     s->seen = calloc((size_t)vocab, sizeof(*s->seen));
-    if (!s->cand || !s->heap || !s->seen) {
+    s->count = malloc((size_t)vocab * sizeof(*s->count));
+    if (!s->cand || !s->heap || !s->seen || !s->count) {
         sampler_free(s);
         return MODEL_ENOMEM;
     }
@@ -94,6 +99,7 @@ void sampler_free(sampler *s)
     free(s->cand);
     free(s->heap);
     free(s->seen);
+    free(s->count);
     free(s);
 }
 
@@ -146,16 +152,84 @@ static float kth_largest(float *heap, const float *x, int n, int k)
     return heap[0];
 }
 
-int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t n_hist)
+/* A fresh mark for a penalty pass over the history. */
+static void next_epoch(sampler *s)
+{
+    if (++s->epoch == 0) { /* wrapped: forget every old mark */
+        memset(s->seen, 0, (size_t)s->vocab * sizeof(*s->seen));
+        s->epoch = 1;
+    }
+}
+
+/* OpenAI's presence and frequency penalties over the generated tokens
+ * history[from, n): logit -= count * frequency + (count > 0) * presence. */
+static void count_penalties(sampler *s, float *logits, const int32_t *history, size_t from, size_t n)
+{
+    next_epoch(s);
+    for (size_t i = from; i < n; i++) {
+        int32_t id = history[i];
+        if (id < 0 || id >= s->vocab)
+            continue;
+        if (s->seen[id] != s->epoch) {
+            s->seen[id] = s->epoch;
+            s->count[id] = 0;
+        }
+        s->count[id]++;
+    }
+    for (size_t i = from; i < n; i++) {
+        int32_t id = history[i];
+        if (id < 0 || id >= s->vocab || !s->count[id])
+            continue;
+        logits[id] -= (float)s->count[id] * s->p.frequency_penalty + s->p.presence_penalty;
+        s->count[id] = 0; /* once per token */
+    }
+}
+
+/* Locally typical sampling (HF TypicalLogitsWarper) over cand[0, n):
+ * keeps the tokens whose surprisal is closest to the entropy, the fewest
+ * whose mass reaches typical_p.  Returns the candidates kept. */
+static int typical_filter(sampler *s, int n)
+{
+    double sum = 0, ent = 0;
+    for (int i = 0; i < n; i++)
+        sum += s->cand[i].prob;
+    for (int i = 0; i < n; i++) {
+        double q = s->cand[i].prob / sum;
+        if (q > 0)
+            ent -= q * log(q);
+    }
+    /* the logits are no longer needed: they carry minus the shift, so the
+     * descending sort puts the most typical token first */
+    for (int i = 0; i < n; i++) {
+        double q = s->cand[i].prob / sum;
+        s->cand[i].logit = q > 0 ? (float)-fabs(-log(q) - ent) : -INFINITY;
+    }
+    qsort(s->cand, (size_t)n, sizeof(*s->cand), by_logit_desc);
+    /* HF keeps every token whose shift is at most that of the first one at
+     * which the cumulative mass reaches typical_p */
+    double cum = 0;
+    int last = n - 1;
+    for (int i = 0; i < n; i++) {
+        cum += s->cand[i].prob / sum;
+        if (!(cum < s->p.typical_p)) {
+            last = i;
+            break;
+        }
+    }
+    int keep = last + 1;
+    while (keep < n && s->cand[keep].logit == s->cand[last].logit)
+        keep++;
+    return keep;
+}
+
+int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t n_hist, size_t n_prompt)
 {
     const struct sampler_params *p = &s->p;
     int V = s->vocab;
     if (p->repetition_penalty != 1) { /* HF: divide positive scores, multiply negative ones */
-        if (++s->epoch == 0) { /* wrapped: forget every old mark */
-            memset(s->seen, 0, (size_t)V * sizeof(*s->seen));
-            s->epoch = 1;
-        }
-        for (size_t i = 0; i < n_hist; i++) {
+        next_epoch(s);
+        size_t from = p->penalty_last_n && (size_t)p->penalty_last_n < n_hist ? n_hist - (size_t)p->penalty_last_n : 0;
+        for (size_t i = from; i < n_hist; i++) {
             int32_t id = history[i];
             /* a token repeated in history is penalised once, as HF's gather/scatter does */
             if (id < 0 || id >= V || s->seen[id] == s->epoch)
@@ -165,6 +239,8 @@ int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t
             *x = *x < 0 ? *x * p->repetition_penalty : *x / p->repetition_penalty;
         }
     }
+    if ((p->presence_penalty != 0 || p->frequency_penalty != 0) && n_prompt < n_hist)
+        count_penalties(s, logits, history, n_prompt, n_hist);
     if (p->temperature == 0)
         return argmax(logits, V);
 
@@ -208,6 +284,8 @@ int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t
                 s->cand[keep++] = s->cand[i];
         n = keep;
     }
+    if (p->typical_p < 1 && n > 1)
+        n = typical_filter(s, n);
     sum = 0;
     for (int i = 0; i < n; i++)
         sum += s->cand[i].prob;

@@ -10,9 +10,10 @@
 enum model_status sampler_create(const struct sampler_params *p, int vocab, sampler **out);
 void sampler_free(sampler *s); /* accepts NULL */
 /* Picks the next token.  logits[vocab] is modified in place (penalised,
- * scaled, filtered).  history: tokens seen so far (prompt + generated), for
- * the repetition penalty. */
-int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t n_hist);
+ * scaled, filtered).  history: tokens seen so far, the prompt's n_prompt
+ * first, for the repetition penalty (all of them) and the presence and
+ * frequency penalties (the generated ones after the prompt). */
+int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t n_hist, size_t n_prompt);
 
 /* Stop-string matcher over streamed text: reports how many bytes of the text
  * so far are safe to emit (cannot be the start of a stop string) and whether

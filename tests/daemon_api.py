@@ -140,8 +140,25 @@ check(code == 200 and nc["choices"][0]["tokens"] == dyn["choices"][0]["tokens"] 
       nc["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "use_cache=false: the dynamic run's tokens")
 code, e = d.post("/v1/sessions", {"prompt": "In the beginning", "use_cache": False})
 check(code == 400 and e["error"]["param"] == "use_cache", "a session with use_cache=false -> 400")
-code, e = d.post("/v1/chat/completions", dict(chat, tools=[{"type": "function"}]))
-check(code == 501, "tools -> 501")
+code, e = d.post("/v1/completions", dict(greedy, logit_bias={"5": 1}))
+check(code == 400 and e["error"]["type"] == "invalid_request_error" and e["error"]["param"] == "logit_bias",
+      "an unsupported feature -> 400 naming it, never 5xx")
+code, e = d.post("/v1/completions", dict(greedy, model="gpt-4o"))
+check(code == 404 and e["error"]["code"] == "model_not_found" and e["error"]["param"] == "model",
+      "another model -> 404 model_not_found")
+mid = m["data"][0]["id"]
+for name in (mid, mid + ":latest", d.model):
+    code, r = d.post("/v1/completions", dict(greedy, model=name, max_tokens=1))
+    check(code == 200 and r["model"] == mid, "model alias %r accepted" % name)
+code, r = d.post("/v1/completions", dict(greedy, max_tokens=1, cache_prompt=True, keep_alive="5m",
+                                         reasoning_effort="low", typical_p=0.9))
+check(code == 200, "cache_prompt, keep_alive, reasoning_effort, typical_p accepted")
+code, r = d.get("/v1/models/" + mid)
+check(code == 200 and r["id"] == mid and r["object"] == "model", "GET /v1/models/{id}")
+code, r = d.get("/v1/models/other")
+check(code == 404 and r["error"]["code"] == "model_not_found", "GET /v1/models/{other} -> 404 model_not_found")
+code, r = d.post("/tokenize", {"content": "x", "model": "other"})
+check(code == 404 and r["error"]["param"] == "model", "/tokenize naming another model -> 404")
 
 # sessions: the second turn computes only its new tokens
 system = "You are terse."

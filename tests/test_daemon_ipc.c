@@ -273,7 +273,8 @@ static void test_cache_params(void **state)
     assert_non_null(strstr(err.msg, "valid: window_length, num_sink_tokens"));
 }
 
-static const struct ipc_limits lim = {.vocab = 100, .max_context = 64, .max_n = 4, .max_messages = 8};
+static const struct ipc_limits lim = {.vocab = 100, .max_context = 64, .max_n = 4, .max_messages = 8,
+                                     .model_id = "builtin", .model_dir = "model/builtin"};
 
 static enum ipc_status parse(const char *json, bool chat, struct ipc_gen_req *r, struct ipc_error *err, json_t **root)
 {
@@ -330,6 +331,17 @@ static void test_request(void **state)
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"best_of\":2}", true, IPC_EINVAL, "best_of"},
         {"{\"prompt\":[\"a\",\"b\"]}", false, IPC_ENOTIMPL, "prompt"},
         {"{\"prompt\":\"x\",\"logprobs\":21}", false, IPC_EINVAL, "logprobs"},
+        {"{\"prompt\":\"x\",\"model\":\"gpt-4o\"}", false, IPC_ENOMODEL, "model"},
+        {"{\"prompt\":\"x\",\"model\":\"builtin:7b\"}", false, IPC_ENOMODEL, "model"},
+        {"{\"prompt\":\"x\",\"presence_penalty\":2.5}", false, IPC_EINVAL, "presence_penalty"},
+        {"{\"prompt\":\"x\",\"repeat_penalty\":1.1,\"repetition_penalty\":1.1}", false, IPC_EINVAL,
+         "repeat_penalty"},
+        {"{\"prompt\":\"x\",\"repeat_penalty\":1.1,\"repeat_last_n\":-2}", false, IPC_EINVAL, "repeat_last_n"},
+        {"{\"prompt\":\"x\",\"typical_p\":0}", false, IPC_EINVAL, "typical_p"},
+        {"{\"prompt\":\"x\",\"num_beams\":2,\"frequency_penalty\":1}", false, IPC_EINVAL, "frequency_penalty"},
+        {"{\"prompt\":\"x\",\"reasoning_effort\":\"extreme\"}", false, IPC_EINVAL, "reasoning_effort"},
+        {"{\"prompt\":\"x\",\"cache_prompt\":1}", false, IPC_EINVAL, "cache_prompt"},
+        {"{\"prompt\":\"x\",\"logit_bias\":{\"5\":1}}", false, IPC_ENOTIMPL, "logit_bias"},
         {"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", true, IPC_ENOTIMPL, "messages"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":1}", true, IPC_EINVAL,
          "top_logprobs"},
@@ -345,6 +357,25 @@ static void test_request(void **state)
         ipc_gen_req_release(&r);
         json_decref(root);
     }
+    /* what other local servers accept: effects into the sampler, no-ops checked and accepted */
+    assert_int_equal(parse("{\"prompt\":\"x\",\"model\":\"builtin:latest\",\"presence_penalty\":0.5,"
+                           "\"frequency_penalty\":-1,\"typical_p\":0.9,\"repeat_penalty\":1.3,\"min_tokens\":4,"
+                           "\"cache_prompt\":false,\"keep_alive\":\"5m\",\"reasoning_effort\":\"low\"}",
+                           false, &r, &err, &root),
+                     IPC_OK);
+    assert_float_equal(r.sampling.presence_penalty, 0.5, 0);
+    assert_float_equal(r.sampling.frequency_penalty, -1, 0);
+    assert_float_equal(r.sampling.typical_p, 0.9f, 0);
+    assert_float_equal(r.sampling.repetition_penalty, 1.3f, 0);
+    assert_int_equal(r.sampling.penalty_last_n, 64);
+    assert_int_equal(r.min_tokens, 4);
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"model\":\"model/builtin\",\"repeat_penalty\":1.3,"
+                           "\"repeat_last_n\":0}", false, &r, &err, &root), IPC_OK);
+    assert_float_equal(r.sampling.repetition_penalty, 1, 0);
+    ipc_gen_req_release(&r);
+    json_decref(root);
     /* beam search with Hugging Face's names and defaults */
     assert_int_equal(parse("{\"prompt\":\"x\",\"num_beams\":4,\"num_return_sequences\":2,\"length_penalty\":0.5,"
                            "\"early_stopping\":\"never\",\"min_tokens\":3,\"no_repeat_ngram_size\":2,"

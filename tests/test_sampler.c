@@ -35,7 +35,7 @@ static void draw(sampler *s, const float *logits, int vocab, int n, double *freq
     memset(freq, 0, (size_t)vocab * sizeof(double));
     for (int i = 0; i < n; i++) {
         memcpy(tmp, logits, (size_t)vocab * sizeof(float));
-        freq[sampler_sample(s, tmp, NULL, 0)] += 1.0 / n;
+        freq[sampler_sample(s, tmp, NULL, 0, 0)] += 1.0 / n;
     }
 }
 
@@ -44,7 +44,7 @@ static void test_greedy_first_of_ties(void **state)
     (void)state;
     sampler *s = make(0, 0, 1, 0, 1, 0, 4);
     float l[4] = {1, 3, 3, 2};
-    assert_int_equal(sampler_sample(s, l, NULL, 0), 1);
+    assert_int_equal(sampler_sample(s, l, NULL, 0, 0), 1);
     sampler_free(s);
 }
 
@@ -54,10 +54,91 @@ static void test_repetition_penalty(void **state)
     sampler *s = make(0, 0, 1, 0, 2, 0, 3);
     float l[3] = {2, -2, 1.5f};
     int32_t hist[3] = {0, 1, 0}; /* token 0 twice: penalised once */
-    assert_int_equal(sampler_sample(s, l, hist, 3), 2);
+    assert_int_equal(sampler_sample(s, l, hist, 3, 3), 2);
     assert_float_equal(l[0], 1, 0);
     assert_float_equal(l[1], -4, 0);
     assert_float_equal(l[2], 1.5f, 0);
+    sampler_free(s);
+}
+
+/* OpenAI's presence and frequency penalties count generated tokens only,
+ * never the prompt's; greedy picks after them. */
+static void test_presence_frequency(void **state)
+{
+    (void)state;
+    struct sampler_params p;
+    sampler_params_default(&p);
+    p.frequency_penalty = 0.1f;
+    sampler *s;
+    assert_int_equal(sampler_create(&p, 4, &s), MODEL_OK);
+    int32_t hist[6] = {0, 0, 0, 0, 0, 2}; /* prompt: three 0s; generated: 0, 0, 2 */
+    float l[4] = {2, 1.9f, 0.5f, 0};
+    assert_int_equal(sampler_sample(s, l, hist, 6, 3), 1);
+    assert_float_equal(l[0], 1.8f, 1e-6);
+    assert_float_equal(l[2], 0.4f, 1e-6);
+    assert_float_equal(l[1], 1.9f, 0);
+    sampler_free(s);
+    sampler_params_default(&p);
+    p.presence_penalty = 0.05f;
+    assert_int_equal(sampler_create(&p, 4, &s), MODEL_OK);
+    float m[4] = {2, 1.9f, 0.5f, 0};
+    assert_int_equal(sampler_sample(s, m, hist, 6, 3), 0);
+    assert_float_equal(m[0], 1.95f, 1e-6);
+    assert_float_equal(m[2], 0.45f, 1e-6);
+    /* nothing generated yet: no penalty at all */
+    float q[4] = {2, 1.9f, 0.5f, 0};
+    sampler_sample(s, q, hist, 3, 3);
+    assert_float_equal(q[0], 2, 0);
+    sampler_free(s);
+}
+
+/* llama.cpp's repeat_penalty window: only the last penalty_last_n tokens. */
+static void test_penalty_window(void **state)
+{
+    (void)state;
+    struct sampler_params p;
+    sampler_params_default(&p);
+    p.repetition_penalty = 2;
+    p.penalty_last_n = 2;
+    sampler *s;
+    assert_int_equal(sampler_create(&p, 3, &s), MODEL_OK);
+    int32_t hist[3] = {0, 1, 2};
+    float l[3] = {2, 2, -1};
+    assert_int_equal(sampler_sample(s, l, hist, 3, 1), 0);
+    assert_float_equal(l[0], 2, 0);
+    assert_float_equal(l[1], 1, 0);
+    assert_float_equal(l[2], -2, 0);
+    sampler_free(s);
+}
+
+/* Locally typical sampling by hand: p = {.5 .3 .15 .05}, entropy 1.1422;
+ * |surprisal - entropy| orders the tokens 1, 0, 2, 3 with cumulative mass
+ * .3 .8 .95 1. */
+static void test_typical(void **state)
+{
+    (void)state;
+    float l[4] = {logf(0.5f), logf(0.3f), logf(0.15f), logf(0.05f)};
+    double f[4];
+    struct sampler_params p;
+    sampler_params_default(&p);
+    p.temperature = 1;
+    p.seed = 5;
+    sampler *s;
+    p.typical_p = 0.2f; /* the most typical token alone, which is not the most likely */
+    assert_int_equal(sampler_create(&p, 4, &s), MODEL_OK);
+    draw(s, l, 4, 2000, f);
+    assert_float_equal(f[1], 1, 1e-9);
+    sampler_free(s);
+    p.typical_p = 0.5f; /* {1, 0}, renormalised 3:5 */
+    assert_int_equal(sampler_create(&p, 4, &s), MODEL_OK);
+    draw(s, l, 4, 30000, f);
+    assert_true(f[2] == 0 && f[3] == 0);
+    assert_true(fabs(f[0] - 0.625) < 0.02);
+    sampler_free(s);
+    p.typical_p = 0.9f; /* {1, 0, 2} */
+    assert_int_equal(sampler_create(&p, 4, &s), MODEL_OK);
+    draw(s, l, 4, 30000, f);
+    assert_true(f[3] == 0 && fabs(f[2] - 0.15 / 0.95) < 0.02);
     sampler_free(s);
 }
 
@@ -113,9 +194,9 @@ static void test_seed_reproducible(void **state)
         memcpy(t1, l, sizeof(l));
         memcpy(t2, l, sizeof(l));
         memcpy(t3, l, sizeof(l));
-        a[i] = sampler_sample(s1, t1, NULL, 0);
-        b[i] = sampler_sample(s2, t2, NULL, 0);
-        c[i] = sampler_sample(s3, t3, NULL, 0);
+        a[i] = sampler_sample(s1, t1, NULL, 0, 0);
+        b[i] = sampler_sample(s2, t2, NULL, 0, 0);
+        c[i] = sampler_sample(s3, t3, NULL, 0, 0);
     }
     assert_memory_equal(a, b, sizeof(a));
     assert_memory_not_equal(a, c, sizeof(a));
@@ -177,7 +258,8 @@ int main(void)
         cmocka_unit_test(test_greedy_first_of_ties), cmocka_unit_test(test_repetition_penalty),
         cmocka_unit_test(test_distribution_matches_softmax), cmocka_unit_test(test_filters),
         cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_bad_params),
-        cmocka_unit_test(test_stop_strings),
+        cmocka_unit_test(test_stop_strings), cmocka_unit_test(test_presence_frequency),
+        cmocka_unit_test(test_penalty_window), cmocka_unit_test(test_typical),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

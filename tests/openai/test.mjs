@@ -84,6 +84,32 @@ const st = await client.completions.create({ ...params, cache: { implementation:
 assert.equal(st.kvtier.strategy, 'static');
 ok('cache static with max_cache_len: the kvtier object reports it');
 
+// the SDK retries 5xx (and 408/409/429) maxRetries times: a feature kvtier
+// does not support must be a 400 it sends once
+let sent = 0;
+const retrying = new OpenAI({
+  apiKey: 'unused',
+  baseURL: 'http://localhost/v1',
+  maxRetries: 2,
+  fetch: (url, init) => { sent++; return undiciFetch(url, { ...init, dispatcher: agent }); },
+});
+await assert.rejects(retrying.completions.create({ ...params, logit_bias: { 5: 1 } }),
+  (e) => e instanceof OpenAI.BadRequestError && e.param === 'logit_bias' && e.type === 'invalid_request_error');
+assert.equal(sent, 1);
+ok('an unsupported field: one HTTP request, a 400 naming it');
+sent = 0;
+await assert.rejects(retrying.chat.completions.create({ model: 'gpt-4o', messages, max_tokens: 2 }),
+  (e) => e instanceof OpenAI.NotFoundError && e.code === 'model_not_found');
+assert.equal(sent, 1);
+ok('another model: one HTTP request, 404 model_not_found');
+assert.equal((await retrying.models.retrieve(model)).id, model);
+await assert.rejects(retrying.models.retrieve('other'), (e) => e instanceof OpenAI.NotFoundError);
+ok('models.retrieve');
+const pen = await client.completions.create({ ...params, presence_penalty: 1, frequency_penalty: 0.5, typical_p: 0.9,
+  repeat_penalty: 1.1, min_tokens: 2, cache_prompt: true, keep_alive: '5m', reasoning_effort: 'low' });
+assert.equal(pen.usage.completion_tokens, 10);
+ok('the fields other local servers accept are accepted');
+
 const controller = new AbortController();
 const long = await client.completions.create({ ...params, max_tokens: 1500, stream: true },
   { signal: controller.signal });

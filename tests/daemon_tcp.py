@@ -1,0 +1,82 @@
+"""kvtierd's optional TCP listener: --listen on 127.0.0.1 with an API key
+(Bearer auth, 401 otherwise) through curl, http.client and the openai npm
+package; a non-loopback address without a key and a key file others can
+read are refused at start; the Unix socket keeps working beside it."""
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+sys.path.insert(0, "tests")
+from daemon_harness import KVTIERD, Daemon, check  # noqa: E402
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def tcp(method, path, key=None, body=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = "Bearer " + key
+    c.request(method, path, json.dumps(body) if body is not None else None, headers)
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, r.getheader("WWW-Authenticate"), json.loads(data) if data else None
+
+
+KEY = "k3y-" + os.urandom(12).hex()
+port = free_port()
+d = Daemon()
+keyfile = os.path.join(d.tmp, "key")
+with open(keyfile, "w") as f:
+    f.write(KEY + "\n")
+os.chmod(keyfile, 0o644)
+r = subprocess.run([KVTIERD, "--model", d.model, "--socket", d.sock, "--listen", "127.0.0.1:%d" % port,
+                    "--api-key-file", keyfile], capture_output=True, text=True, timeout=30)
+check(r.returncode == 2 and "readable by others" in r.stderr, "a key file others can read is refused")
+r = subprocess.run([KVTIERD, "--model", d.model, "--socket", d.sock, "--listen", "0.0.0.0:%d" % port],
+                   capture_output=True, text=True, timeout=30)
+check(r.returncode == 2 and "api-key" in r.stderr and not os.path.exists(d.sock),
+      "a non-loopback address without a key is refused, its socket removed: " + r.stderr.strip()[-200:])
+os.chmod(keyfile, 0o600)
+d.args = ["--listen", "127.0.0.1:%d" % port, "--api-key-file", keyfile]
+d.start()
+
+code, auth, e = tcp("GET", "/v1/models")
+check(code == 401 and auth == "Bearer" and e["error"]["code"] == "invalid_api_key", "no key -> 401 Bearer")
+code, _, e = tcp("POST", "/v1/completions", KEY[:-1] + "x", {"prompt": "hi", "max_tokens": 2})
+check(code == 401, "a wrong key of the same length -> 401")
+code, _, e = tcp("GET", "/health", KEY + "x")
+check(code == 401, "a longer key -> 401")
+code, _, m = tcp("GET", "/v1/models", KEY)
+check(code == 200 and m["data"][0]["object"] == "model", "the key -> 200")
+code, _, c = tcp("POST", "/v1/completions", KEY, {"prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                                    "ignore_eos": True})
+check(code == 200 and c["usage"]["completion_tokens"] == 3, "a completion over TCP")
+code, s = d.get("/v1/models")
+check(code == 200, "the Unix socket still needs no key")
+if shutil.which("curl"):
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", "-H", "Authorization: Bearer " + KEY,
+                          "http://127.0.0.1:%d/v1/models" % port], capture_output=True, text=True, timeout=30)
+    check(out.stdout.rstrip().endswith("200"), "curl with the key")
+    out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:%d/health" % port],
+                         capture_output=True, text=True, timeout=30)
+    check(out.stdout == "401", "curl without the key -> 401")
+if shutil.which("node") and os.path.isdir("tests/openai/node_modules/openai"):
+    r = subprocess.run(["node", "tests/openai/tcp.mjs", "http://127.0.0.1:%d/v1" % port, KEY], capture_output=True,
+                       text=True, timeout=120)
+    print(r.stdout, end="")
+    check(r.returncode == 0, "openai-node over TCP\n" + r.stderr[-1500:])
+else:
+    print("note: tests/openai/node_modules missing; the openai package over TCP not run")
+check(d.stop() == 0, "stop")
