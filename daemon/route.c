@@ -43,6 +43,7 @@ static const struct route routes[] = {
     {"POST", "/v1/sessions/*/crop", NULL, h_session_crop, NEEDS_BODY},
     {"POST", "/v1/sessions/*/fork", NULL, h_session_fork, NEEDS_ANY_BODY},
     {"POST", "/v1/sessions/*/activate_past_recording", NULL, h_session_record, NEEDS_ANY_BODY},
+    {"GET", "/v1/requests", NULL, h_request_list, NEEDS_NOTHING},
 };
 
 /* Whether url matches pattern; a '*' matches one non-empty segment of at
