@@ -277,7 +277,8 @@ static enum kvtier_status perform(kvtier_client *c, const char *method, const ch
         return fail(c, KVTIER_ECANCELLED, "cancelled");
     switch (rc) {
     case CURLE_COULDNT_CONNECT:
-        return fail(c, KVTIER_EUNREACHABLE, "cannot connect to %s (is kvtierd running?): %s", c->sock, errbuf);
+        /* libcurl's own text names a TCP port, which says nothing here */
+        return fail(c, KVTIER_EUNREACHABLE, "cannot connect to %s (is kvtierd running?)", c->sock);
     case CURLE_OUT_OF_MEMORY:
         return fail(c, KVTIER_ENOMEM, "out of memory");
     case CURLE_WEIRD_SERVER_REPLY:
@@ -415,7 +416,8 @@ static bool on_gen_event(struct xfer *x, const char *data, size_t len)
 {
     if (len == 6 && !memcmp(data, "[DONE]", 6))
         return true;
-    json_t *ev = json_loadb(data, len, 0, NULL);
+    /* generated text may hold any byte, NUL too (a model's own token) */
+    json_t *ev = json_loadb(data, len, JSON_ALLOW_NUL, NULL);
     if (!json_is_object(ev)) {
         json_decref(ev);
         x->bad = true;
@@ -459,7 +461,7 @@ static enum kvtier_status generate(kvtier_client *c, const char *path, json_t *b
         st = fail(c, KVTIER_EHTTP, "%s", x.daemon_err);
     else if (st == KVTIER_OK && !x.sse) {
         /* a whole reply (fn NULL, or a daemon that chose not to stream) */
-        json_t *o = json_loadb(x.body ? x.body : "", x.len, 0, NULL);
+        json_t *o = json_loadb(x.body ? x.body : "", x.len, JSON_ALLOW_NUL, NULL);
         const json_t *ch = json_array_get(json_object_get(o, "choices"), 0);
         const json_t *t = chat ? json_object_get(json_object_get(ch, "message"), "content")
                                : json_object_get(ch, "text");

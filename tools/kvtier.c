@@ -38,7 +38,7 @@ int cli_fail(enum kvtier_status st)
                                                                                                   : EXIT_DAEMON;
 }
 
-static void nap_ms(long ms)
+void cli_nap_ms(long ms)
 {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
@@ -76,7 +76,7 @@ int cli_wait_loading(void)
             fprintf(stderr, "kvtier: waiting for kvtierd to load its model\n");
         }
         waited = true;
-        nap_ms(200);
+        cli_nap_ms(200);
     }
 }
 

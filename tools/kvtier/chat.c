@@ -12,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "tools/kvtier/cli.h"
@@ -181,12 +180,6 @@ static void convo_drop(struct convo *c, size_t keep)
         free((char *)c->msgs[--c->n].content);
 }
 
-static void nap_ms(long ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
 /* A new session; waits while the model loads.  Returns an exit code. */
 static int session_new(struct convo *c)
 {
@@ -210,7 +203,7 @@ static void session_end(struct convo *c)
         enum kvtier_status st = kvtier_session_delete(cli, c->id);
         if (st != KVTIER_EHTTP || kvtier_http_status(cli) != 409)
             break;
-        nap_ms(100);
+        cli_nap_ms(100);
     }
     c->id[0] = '\0';
 }
@@ -284,7 +277,7 @@ static int chat_turn(struct convo *c, const struct cli_gen *o, const char *line)
             continue;
         /* the reply cancelled a moment ago may still hold the session */
         if (st == KVTIER_EHTTP && kvtier_http_status(cli) == 409 && busy < 50 && !interrupted) {
-            nap_ms(100);
+            cli_nap_ms(100);
             continue;
         }
         break;

@@ -24,6 +24,7 @@ int cli_call(const char *method, const char *path, json_t *body, json_t **out);
  * once it is ready after a wait, -1 when it was not loading at all, or an
  * exit code (printed) when it failed or went away. */
 int cli_wait_loading(void);
+void cli_nap_ms(long ms);
 
 /* Generation options of generate and chat (-n, -t, --seed, --stop,
  * --session, --system); false on a usage error (printed). */

@@ -113,16 +113,16 @@ static void tier_line(struct view *v, const char *tier, double used, double budg
              what);
 }
 
-/* Reads everything and lays out one frame in v->lines.  Returns an exit
- * code when the daemon cannot be reached at all. */
-static int poll_frame(struct view *v, double interval)
+/* Reads everything and lays out one frame in v->lines.  Fails only when
+ * /health has no answer; the caller reports it (after leaving curses). */
+static enum kvtier_status poll_frame(struct view *v, double interval)
 {
     json_t *sess = NULL, *reqs = NULL;
     struct kvtier_reply m = {0};
     struct kvtier_health h;
     enum kvtier_status st = kvtier_health(cli, &h);
     if (st != KVTIER_OK)
-        return cli_fail(st);
+        return st;
     clear_lines(v);
     /* the previous poll's counts become the base of this one's rates */
     free(v->prev);
@@ -219,7 +219,7 @@ static int poll_frame(struct view *v, double interval)
     json_decref(sess);
     json_decref(reqs);
     kvtier_reply_free(&m);
-    return 0;
+    return KVTIER_OK;
 }
 
 int cmd_top(int argc, char **argv)
@@ -244,10 +244,10 @@ int cmd_top(int argc, char **argv)
         return EXIT_USAGE;
     }
     struct view v = {0};
-    int rc = 0;
+    enum kvtier_status st = KVTIER_OK;
     SCREEN *scr = isatty(STDOUT_FILENO) && isatty(STDIN_FILENO) ? newterm(NULL, stdout, stdin) : NULL;
     if (!scr) {
-        if (!(rc = poll_frame(&v, interval)))
+        if ((st = poll_frame(&v, interval)) == KVTIER_OK)
             for (size_t i = 0; i < v.n_lines; i++)
                 printf("%s\n", v.lines[i]);
     } else {
@@ -257,7 +257,7 @@ int cmd_top(int argc, char **argv)
         keypad(stdscr, TRUE);
         timeout((int)(interval * 1000));
         for (long f = 0; !frames || f < frames; f++) {
-            if ((rc = poll_frame(&v, interval)))
+            if ((st = poll_frame(&v, interval)) != KVTIER_OK)
                 break;
             erase();
             int rows = LINES, cols = COLS;
@@ -280,5 +280,5 @@ int cmd_top(int argc, char **argv)
     free(v.lines);
     free(v.prev);
     free(v.cur);
-    return rc;
+    return st == KVTIER_OK ? 0 : cli_fail(st);
 }
