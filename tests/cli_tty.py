@@ -151,6 +151,20 @@ if not shutil.which("tmux"):
 d = Daemon(model=model, tmp=os.path.join(tmp, "c"))
 os.makedirs(d.tmp)
 d.start()
+# the example program of docs/api.md, built against the shared library and
+# the header alone
+doc = open("docs/api.md").read().split("<!-- example: hello.c -->\n```c\n")[1].split("```")[0]
+with open(os.path.join(tmp, "hello.c"), "w") as f:
+    f.write(doc)
+cc = subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-Iclient", os.path.join(tmp, "hello.c"), "-o",
+                     os.path.join(tmp, "hello"), "-L" + BUILD, "-lkvtier-client",
+                     "-Wl,-rpath," + os.path.abspath(BUILD)], capture_output=True, text=True)
+check(cc.returncode == 0, "docs/api.md's example compiles against <kvtier/client.h> and the .so\n" + cc.stderr)
+r = subprocess.run([os.path.join(tmp, "hello"), d.sock], capture_output=True, text=True, timeout=60)
+tail = r.stdout.rsplit("\n[", 1)[-1]
+check(r.returncode == 0 and r.stdout.endswith("]\n") and int(tail.split()[0]) <= 32 and int(tail.split()[2]) > 0,
+      "the example chats in a session (prompt from the session's cache)\n" + r.stdout + r.stderr)
+check(d.get("/v1/sessions")[1]["data"] == [], "the example deleted its session")
 state = os.path.join(tmp, "state")
 # a tmux server of our own (-L): other users' sessions stay out of it
 tmx = ["tmux", "-L", "kvtier-test-%d" % os.getpid(), "-f", "/dev/null"]
@@ -182,11 +196,15 @@ try:
           "chat: Ctrl-C cancels the reply in the daemon (%d tokens held, not 2000 more)" % info["tokens"])
     check("client gone, generation cancelled" in d.logtext(), "chat: the daemon logs the cancelled generation")
     wait_for("the prompt after the cancel", lambda: "(reply cancelled)" in pane("chat"))
-    screen = wait_for("top to show the session", lambda: (lambda p: p if sid in p else None)(pane("top")))
+    def session_row():  # top's row for the session once it shows the tokens held now
+        rows = [ln.split() for ln in pane("top").splitlines() if ln.startswith(sid)]
+        return rows[0] if rows and rows[0][1] == str(info["tokens"]) else None
+
+    row = wait_for("top to show the session's tokens", session_row)
+    check(row[8] == info["strategy"] and row[10].startswith("idle"), "top: the session's tokens, strategy and state")
+    screen = pane("top")
     check(all(t in screen for t in ("TIER", "device", "host", "disk", " of ", "SESSION", "REQUEST")),
           "top: tier totals against budgets, the session and request tables")
-    line = [ln for ln in screen.splitlines() if ln.startswith(sid)][0]
-    check(info["strategy"] in line and str(info["tokens"]) in line.split(), "top: the session's tokens and strategy")
     tmux("send-keys", "-t", "top", "q")
     wait_for("top to quit on q", lambda: "top" not in tmux("list-sessions", "-F", "#S").stdout.split())
     tmux("send-keys", "-t", "chat", "C-c")
