@@ -86,7 +86,7 @@ $(CLIENT_LIB): $(CLIENT_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
 $(BUILD)/$(CLIENT_SONAME): $(CLIENT_OBJ) client/libkvtier-client.map
-	$(CC) $(LDFLAGS) -shared -Wl,-soname,$(CLIENT_SONAME) -Wl,--version-script=client/libkvtier-client.map \
+	$(CC) $(LDFLAGS) -shared -Wl,-z,defs -Wl,-soname,$(CLIENT_SONAME) -Wl,--version-script=client/libkvtier-client.map \
 		$(CLIENT_OBJ) -o $@ $(CLIENT_LDLIBS)
 
 $(CLIENT_SO): $(BUILD)/$(CLIENT_SONAME)

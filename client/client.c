@@ -150,11 +150,13 @@ struct xfer {
     char daemon_err[256];
 };
 
-static bool grow(char **p, size_t *n, const char *src, size_t len, size_t extra)
+/* Appends src[0, len) to the NUL-terminated buffer *p of *n bytes,
+ * refusing to pass KVTIER_MAX_REPLY. */
+static bool grow(char **p, size_t *n, const char *src, size_t len)
 {
-    if (len > KVTIER_MAX_REPLY - *n - extra || *n > KVTIER_MAX_REPLY)
+    if (*n > KVTIER_MAX_REPLY || len > KVTIER_MAX_REPLY - *n)
         return false;
-    char *q = realloc(*p, *n + len + extra + 1);
+    char *q = realloc(*p, *n + len + 1);
     if (!q)
         return false;
     memcpy(q + *n, src, len);
@@ -183,9 +185,9 @@ static bool sse_line(struct xfer *x, const char *line, size_t len)
     line += 5, len -= 5;
     if (len && *line == ' ')
         line++, len--;
-    if (x->data && !grow(&x->data, &x->n_data, "\n", 1, 0))
+    if (x->data && !grow(&x->data, &x->n_data, "\n", 1))
         return x->too_big = true, false;
-    if (!grow(&x->data, &x->n_data, line, len, 0))
+    if (!grow(&x->data, &x->n_data, line, len))
         return x->too_big = true, false;
     return true;
 }
@@ -200,12 +202,12 @@ static size_t on_write(char *ptr, size_t size, size_t nmemb, void *ud)
     curl_easy_getinfo(x->c->curl, CURLINFO_CONTENT_TYPE, &type);
     bool sse = x->on_event && code / 100 == 2 && type && !strncmp(type, "text/event-stream", 17);
     if (!sse) {
-        if (!grow(&x->body, &x->len, ptr, n, 0))
+        if (!grow(&x->body, &x->len, ptr, n))
             return x->too_big = true, 0;
         return n;
     }
     x->sse = true;
-    if (!grow(&x->pend, &x->n_pend, ptr, n, 0))
+    if (!grow(&x->pend, &x->n_pend, ptr, n))
         return x->too_big = true, 0;
     size_t start = 0;
     for (char *nl; (nl = memchr(x->pend + start, '\n', x->n_pend - start));) {
@@ -434,7 +436,7 @@ static bool on_gen_event(struct xfer *x, const char *data, size_t len)
     bool go = !e;
     if (json_is_string(t) && json_string_length(t)) {
         size_t n = json_string_length(t);
-        if (!grow(&x->res->text, &x->res->len, json_string_value(t), n, 0))
+        if (!grow(&x->res->text, &x->res->len, json_string_value(t), n))
             x->too_big = true, go = false;
         else if (x->fn && !x->fn(x->ud, json_string_value(t), n))
             x->stopped = true, go = false;
@@ -467,7 +469,7 @@ static enum kvtier_status generate(kvtier_client *c, const char *path, json_t *b
                                : json_object_get(ch, "text");
         if (!json_is_string(t))
             st = fail(c, KVTIER_EPROTO, "the reply to POST %s has no text", path);
-        else if (!grow(&res->text, &res->len, json_string_value(t), json_string_length(t), 0))
+        else if (!grow(&res->text, &res->len, json_string_value(t), json_string_length(t)))
             st = fail(c, KVTIER_ENOMEM, "out of memory");
         else if (fn && res->len && !fn(ud, res->text, res->len))
             st = fail(c, KVTIER_ECANCELLED, "cancelled");

@@ -156,7 +156,9 @@ d.start()
 doc = open("docs/api.md").read().split("<!-- example: hello.c -->\n```c\n")[1].split("```")[0]
 with open(os.path.join(tmp, "hello.c"), "w") as f:
     f.write(doc)
-cc = subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-Iclient", os.path.join(tmp, "hello.c"), "-o",
+# a sanitizer build's library needs its runtime loaded first
+san = ["-fsanitize=address,undefined"] if "asan" in BUILD else []
+cc = subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-Iclient"] + san + [os.path.join(tmp, "hello.c"), "-o",
                      os.path.join(tmp, "hello"), "-L" + BUILD, "-lkvtier-client",
                      "-Wl,-rpath," + os.path.abspath(BUILD)], capture_output=True, text=True)
 check(cc.returncode == 0, "docs/api.md's example compiles against <kvtier/client.h> and the .so\n" + cc.stderr)

@@ -570,6 +570,9 @@ static int cmd_batch(int argc, char **argv)
         fprintf(stderr, "usage: kvtier batch IN.jsonl [-o OUT.jsonl] [-j CONCURRENCY]\n");
         return EXIT_USAGE;
     }
+    int w = cli_wait_loading(); /* a daemon still loading would answer each line 503 */
+    if (w > 0)
+        return w;
     FILE *in = fopen(argv[optind], "r");
     if (!in) {
         fprintf(stderr, "kvtier: cannot open %s: %s\n", argv[optind], strerror(errno));

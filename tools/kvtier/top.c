@@ -7,6 +7,7 @@
  * printed as text. */
 #include <curses.h>
 #include <getopt.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
