@@ -50,8 +50,10 @@ const char *kvtier_errmsg(const kvtier_client *c);          /* the last failure'
 int kvtier_http_status(const kvtier_client *c);             /* the last reply's HTTP status, 0 if none */
 
 /* Stops the call in progress on c (from a signal handler or another
- * thread: it only sets a flag).  The connection is closed, which makes the
- * daemon cancel the generation; the call returns KVTIER_ECANCELLED. */
+ * thread: it only sets a flag, which the transfer checks at least once a
+ * second; each call starts with it clear).  The connection is closed,
+ * which makes the daemon cancel the generation; the call returns
+ * KVTIER_ECANCELLED. */
 void kvtier_cancel(kvtier_client *c);
 
 /* ---- generation --------------------------------------------------------- */
