@@ -183,14 +183,15 @@ def pane(target):
 
 try:
     tmux("new-session", "-d", "-s", "chat", "-x", "160", "-y", "40",
-         "%s --socket %s chat -n 2000 -t 0; sleep 30" % (KVTIER, d.sock))
+         "%s --socket %s chat -n 2000 -t 0; echo kvtier-exit=$?; sleep 30" % (KVTIER, d.sock))
     sid = wait_for("chat to open its session",
                    lambda: [w.rstrip(".") for w in pane("chat").split() if w.startswith("sess-")])[0]
     tmux("send-keys", "-t", "chat", "hello there", "Enter")
     wait_for("the reply to start", lambda: [q for q in d.get("/v1/requests")[1]["data"]
                                             if q["state"] == "running" and q["generated_tokens"] > 0], step=0.02)
     # top, in a second terminal, while the session exists
-    tmux("new-session", "-d", "-s", "top", "-x", "160", "-y", "40", "%s --socket %s top -d 0.3" % (KVTIER, d.sock))
+    tmux("new-session", "-d", "-s", "top", "-x", "160", "-y", "40",
+         "%s --socket %s top -d 0.3; echo kvtier-exit=$?; sleep 30" % (KVTIER, d.sock))
     tmux("send-keys", "-t", "chat", "C-c")
     wait_for("the generation to stop", lambda: d.get("/v1/requests")[1]["data"] == [])
     code, info = d.get("/v1/sessions/" + sid)
@@ -208,13 +209,15 @@ try:
     check(all(t in screen for t in ("TIER", "device", "host", "disk", " of ", "SESSION", "REQUEST")),
           "top: tier totals against budgets, the session and request tables")
     tmux("send-keys", "-t", "top", "q")
-    wait_for("top to quit on q", lambda: "top" not in tmux("list-sessions", "-F", "#S").stdout.split())
+    wait_for("top to quit on q", lambda: "kvtier-exit=" in pane("top"))
+    check("kvtier-exit=0" in pane("top"), "top: q quits, exit 0")
     tmux("send-keys", "-t", "chat", "C-c")
     wait_for("the hint", lambda: "Ctrl-C again" in pane("chat"))
     check(d.get("/v1/sessions/" + sid)[0] == 200, "chat: one Ctrl-C at the prompt does not end the chat")
     tmux("send-keys", "-t", "chat", "C-c")
     wait_for("chat to end and delete its session", lambda: d.get("/v1/sessions/" + sid)[0] == 404)
-    check(True, "chat: a second Ctrl-C ends the chat and deletes its session")
+    wait_for("chat to exit", lambda: "kvtier-exit=" in pane("chat"))
+    check("kvtier-exit=0" in pane("chat"), "chat: a second Ctrl-C ends the chat (exit 0) and deletes its session")
     with open(os.path.join(state, "kvtier", "history")) as f:
         check("hello" in f.read(), "chat: the line is in $XDG_STATE_HOME/kvtier/history")
 finally:
