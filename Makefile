@@ -36,18 +36,30 @@ DAEMON   := $(if $(DAEMON_SRC),$(BUILD)/kvtierd)
 TOOLS    := $(TOOL_SRC:tools/%.c=$(BUILD)/%)
 TESTS    := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 
+# libkvtier-client (client/): the C client library, static and shared
+# (soname libkvtier-client.so.1), with the one ipc file it needs (the
+# socket-path rule) inside it; public header client/kvtier/client.h.
+CLIENT_SRC    := $(wildcard client/*.c) ipc/sockpath.c ipc/status.c
+CLIENT_OBJ    := $(CLIENT_SRC:%.c=$(BUILD)/obj/%.o)
+CLIENT_LIB    := $(BUILD)/libkvtier-client.a
+CLIENT_SONAME := libkvtier-client.so.1
+CLIENT_SO     := $(BUILD)/libkvtier-client.so
+CLIENT_LDLIBS := -lcurl -ljansson -pthread
+# the kvtier CLI's own files beside tools/kvtier.c (chat, top)
+CLI_OBJ       := $(patsubst %.c,$(BUILD)/obj/%.o,$(wildcard tools/kvtier/*.c))
+
 .PHONY: all deps deps-test test soak check-sanitize run bench clean cuda
 # Objects are intermediates of the pattern rules; keep them so a second
 # `make test` rebuilds nothing.
 .SECONDARY:
-all: deps $(LIB) $(DAEMON) $(TOOLS) $(if $(filter 1,$(CUDA)),cuda)
+all: deps $(LIB) $(CLIENT_LIB) $(CLIENT_SO) $(DAEMON) $(TOOLS) $(if $(filter 1,$(CUDA)),cuda)
 
 deps:
 	@tools/deps.sh build
 
 # Headers come from the packages deps installs, so nothing compiles before
 # it has run (make -j would otherwise race the install on a fresh machine).
-$(LIB_OBJ) $(DAEMON_SRC:%.c=$(BUILD)/obj/%.o) $(TOOL_SRC:%.c=$(BUILD)/obj/%.o): | deps
+$(LIB_OBJ) $(DAEMON_SRC:%.c=$(BUILD)/obj/%.o) $(TOOL_SRC:%.c=$(BUILD)/obj/%.o) $(CLIENT_OBJ) $(CLI_OBJ): | deps
 $(TEST_SRC:%.c=$(BUILD)/obj/%.o): | deps-test
 
 deps-test:
@@ -68,6 +80,24 @@ $(BUILD)/obj/%.o: %.c
 $(LIB): $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
+
+$(CLIENT_LIB): $(CLIENT_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/$(CLIENT_SONAME): $(CLIENT_OBJ) client/libkvtier-client.map
+	$(CC) $(LDFLAGS) -shared -Wl,-z,defs -Wl,-soname,$(CLIENT_SONAME) -Wl,--version-script=client/libkvtier-client.map \
+		$(CLIENT_OBJ) -o $@ $(CLIENT_LDLIBS)
+
+$(CLIENT_SO): $(BUILD)/$(CLIENT_SONAME)
+	ln -sf $(CLIENT_SONAME) $@
+
+$(BUILD)/kvtier: $(BUILD)/obj/tools/kvtier.o $(CLI_OBJ) $(CLIENT_LIB) $(LIB)
+	$(CC) $(LDFLAGS) $^ -o $@ $(LDLIBS) $(CLIENT_LDLIBS) -ledit -lncursesw
+
+# programs that talk to kvtierd link the client library
+$(BUILD)/kvtierd-bench $(BUILD)/tests/test_client: $(CLIENT_LIB)
+$(BUILD)/kvtierd-bench $(BUILD)/tests/test_client: LDLIBS += $(CLIENT_LDLIBS)
 
 $(BUILD)/kvtierd: $(DAEMON_SRC:%.c=$(BUILD)/obj/%.o) $(LIB)
 	$(CC) $(LDFLAGS) $^ -o $@ $(LDLIBS)

@@ -689,6 +689,7 @@ static void publish(engine *e, int nb)
     e->st.dev_used = ms.dev_used;
     e->st.kv_dev_bytes = ks.dev_bytes;
     e->st.kv_host_bytes = ks.host_bytes;
+    e->st.kv_host_budget = ks.host_budget;
     e->st.kv_fallbacks = ks.fallbacks;
     e->st.prefix_hit_tokens = ks.prefix_hit_tokens;
     e->st.prefix_entries = ks.prefix_entries;
@@ -997,7 +998,8 @@ static void loop(engine *e)
 {
     for (;;) {
         disk_poll(e);
-        double due = disk_spill_idle(e, clock_ms());
+        double now = clock_ms(), due = disk_spill_idle(e, now), expire = session_expire_idle(e, now);
+        due = expire && (!due || expire < due) ? expire : due;
         pthread_mutex_lock(&e->mu);
         while (!e->stopping && !e->queue && !any_turn_locked(e) && !e->dead && !e->io_event) {
             if (due == 0) {

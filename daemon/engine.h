@@ -64,6 +64,7 @@ struct engine_config {
     const char *disk_dir;
     size_t disk_mem;         /* 0: a quarter of the free space */
     int spill_after_s;       /* idle sessions go to disk after this long */
+    int session_ttl_s;       /* a session idle this long is spilled (disk tier) or dropped; 0: never */
     int disk_compress;       /* enum kv_disk_compress */
 };
 
@@ -254,6 +255,9 @@ enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, stru
 enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err);
 /* The caller's sessions as a JSON array (NULL on allocation failure). */
 json_t *engine_session_list(engine *e, uid_t uid);
+/* uid's generation requests, queued and running, for GET /v1/requests;
+ * NULL when out of memory. */
+json_t *engine_request_list(engine *e, uid_t uid);
 
 /* KV export and import (docs/api.md "KV export and import").  The file an
  * import may send is at most engine_kv_max_size bytes (every layer holding
@@ -283,6 +287,7 @@ struct engine_stats {
     uint64_t errors[IPC_N_STATUS]; /* by ipc_status */
     int queued, running, sessions;
     size_t kv_dev_bytes, kv_host_bytes;
+    size_t kv_host_budget; /* --host-mem; 0: unlimited */
     uint64_t kv_fallbacks; /* sequences moved to the host tier (kv_store_stats().fallbacks) */
     uint64_t prefix_hit_tokens, prefix_entries, prefix_evictions; /* the store's prefix cache */
     size_t dev_budget, dev_used; /* the backend's device memory: weights, activations, KV, slots */

@@ -124,6 +124,12 @@ void disk_poll(engine *e);
 /* Starts spilling sessions idle for cfg.spill_after_s; returns the
  * clock_ms() at which the next one becomes due (0: none). */
 double disk_spill_idle(engine *e, double now);
+/* Drops the sessions idle for cfg.session_ttl_s when there is no disk tier
+ * to spill them to; returns when the next one is due (clock_ms), 0: none. */
+double session_expire_idle(engine *e, double now);
+/* How long a session may sit idle before its KV goes to disk (ms): the
+ * spill delay, or the session TTL when that is shorter. */
+double spill_idle_ms(const engine *e);
 /* The host or device tier is full: starts spilling the least recently used
  * idle session.  False when there is none to spill and none in flight. */
 bool disk_spill_for_memory(engine *e);

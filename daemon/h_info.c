@@ -98,6 +98,8 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
            (double)st.kv_dev_bytes);
     metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"host\"}", (double)st.kv_host_bytes);
     metric(&w, "kv_cache_bytes", "gauge", NULL, "{tier=\"disk\"}", (double)st.disk.used);
+    metric(&w, "kv_host_budget_bytes", "gauge", "Bytes the host tier may take (--host-mem; 0: unlimited).", NULL,
+           (double)st.kv_host_budget);
     metric(&w, "disk_budget_bytes", "gauge", "Bytes the disk tier may take (--disk-mem).", NULL,
            (double)st.disk.budget);
     metric(&w, "disk_files", "gauge", "Objects in the disk tier.", NULL, (double)st.disk.files);

@@ -101,6 +101,13 @@ enum MHD_Result h_session_list(struct req *r, const char *arg)
     return reply_json(r, 200, arr ? json_pack("{s:s,s:o}", "object", "list", "data", arr) : NULL);
 }
 
+enum MHD_Result h_request_list(struct req *r, const char *arg)
+{
+    (void)arg;
+    json_t *arr = engine_request_list(r->srv->eng, r->uid);
+    return reply_json(r, 200, arr ? json_pack("{s:s,s:o}", "object", "list", "data", arr) : NULL);
+}
+
 enum MHD_Result h_session_get(struct req *r, const char *id)
 {
     json_t *o;

@@ -224,6 +224,7 @@ enum MHD_Result h_model(struct req *r, const char *arg);
 enum MHD_Result h_metrics(struct req *r, const char *arg);
 enum MHD_Result h_session_create(struct req *r, const char *arg);
 enum MHD_Result h_session_list(struct req *r, const char *arg);
+enum MHD_Result h_request_list(struct req *r, const char *arg);
 enum MHD_Result h_session_get(struct req *r, const char *arg);
 enum MHD_Result h_session_delete(struct req *r, const char *arg);
 enum MHD_Result h_session_crop(struct req *r, const char *arg);

@@ -66,6 +66,8 @@ static void usage(FILE *f)
             "                       \"none\": sessions live in memory only)\n"
             "  --disk-mem BYTES     bytes the disk tier may take (default: a quarter of the free space)\n"
             "  --spill-after S      idle sessions go to disk after S seconds (default 600)\n"
+            "  --session-ttl S      a session idle S seconds goes to disk, or is dropped without a disk tier\n"
+            "                       (default 3600; 0: never)\n"
             "  --disk-compress M    auto (idle spills compressed, others raw), always or never (default auto)\n"
             "  --drain-timeout S    SIGTERM: seconds in-flight requests may finish (default 30)\n"
             "  --idle-timeout S     close idle connections after S seconds (default 300)\n"
@@ -111,7 +113,7 @@ int main(int argc, char **argv)
     const char *env_model = getenv("KVTIER_MODEL");
     struct engine_config ec = {.model_dir = env_model && *env_model ? env_model : "model/builtin", .backend = "cpu",
                                .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64,
-                               .spill_after_s = 600};
+                               .spill_after_s = 600, .session_ttl_s = 3600};
     struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = SERVER_MAX_N,
                                .max_messages = 1024, .drain_timeout_s = 30, .idle_timeout_s = 300,
                                .header_timeout_s = 10, .body_rate = 16u << 10, .stall_timeout_s = 120,
@@ -123,7 +125,8 @@ int main(int argc, char **argv)
     enum {
         O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
         O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
-        O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE
+        O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE,
+        O_SESSIONTTL
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -147,6 +150,7 @@ int main(int argc, char **argv)
         {"kv-dtype", required_argument, 0, O_KVDTYPE}, {"weights", required_argument, 0, O_WEIGHTS},
         {"listen", required_argument, 0, O_LISTEN}, {"api-key", required_argument, 0, O_APIKEY},
         {"api-key-file", required_argument, 0, O_KEYFILE},
+        {"session-ttl", required_argument, 0, O_SESSIONTTL},
         {0, 0, 0, 0}};
     int c;
     bool ok = true;
@@ -156,6 +160,7 @@ int main(int argc, char **argv)
         case O_DISKDIR: disk_dir = optarg; break;
         case O_DISKMEM: ok = args_size(optarg, &ec.disk_mem) && ec.disk_mem > 0; break;
         case O_SPILL: ok = args_int(optarg, 0, 1 << 30, &ec.spill_after_s); break;
+        case O_SESSIONTTL: ok = args_int(optarg, 0, 1 << 30, &ec.session_ttl_s); break;
         case O_COMPRESS:
             ok = !strcmp(optarg, "auto") || !strcmp(optarg, "always") || !strcmp(optarg, "never");
             ec.disk_compress = !strcmp(optarg, "always") ? KV_DISK_COMPRESS_ALWAYS

@@ -50,6 +50,7 @@ static const struct route routes[] = {
     {"GET", "/api/ps", NULL, h_ollama_ps, NEEDS_MODEL},
     {"POST", "/api/show", NULL, h_ollama_show, NEEDS_BODY},
     {"GET", "/api/version", NULL, h_ollama_version, NEEDS_NOTHING},
+    {"GET", "/v1/requests", NULL, h_request_list, NEEDS_NOTHING},
 };
 
 /* Whether url matches pattern; a '*' matches one non-empty segment of at

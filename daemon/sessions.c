@@ -1,5 +1,6 @@
 /* sessions.c - the engine's session table: create, delete, look up, list
- * and describe sessions (loop thread, under the engine lock), and the
+ * and describe sessions and list requests (loop thread, under the engine
+ * lock), and the
  * crop, fork, past-recording, KV export and import jobs the engine thread
  * runs on a session.
  * Split from engine.c, which keeps the jobs, the scheduler and the thread,
@@ -15,6 +16,7 @@
 #include "daemon/engine_impl.h"
 #include "tiers/quant.h"
 #include "util/clock.h"
+#include "util/log.h"
 
 static struct session *session_find(engine *e, const char *id)
 {
@@ -172,6 +174,59 @@ json_t *engine_session_list(engine *e, uid_t uid)
         if (s->uid == uid && json_array_append_new(arr, session_to_json(s)) != 0) {
             json_decref(arr);
             arr = NULL;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return arr;
+}
+
+double session_expire_idle(engine *e, double now)
+{
+    /* with a disk tier an idle session is spilled instead (spill_idle_ms),
+     * and stays listed: its KV comes back on its next request */
+    if (e->cfg.session_ttl_s <= 0 || e->disk)
+        return 0;
+    double ttl = e->cfg.session_ttl_s * 1e3, next = 0;
+    pthread_mutex_lock(&e->mu);
+    for (struct session *s = e->sessions, *n; s; s = n) {
+        n = s->next;
+        if (s->busy || s->op)
+            continue;
+        double due = s->t_idle + ttl;
+        if (due <= now) {
+            log_msg(LOG_INFO, "session %s: idle for %d s (--session-ttl), dropped", s->id, e->cfg.session_ttl_s);
+            session_unlink_locked(e, s);
+        } else if (next == 0 || due < next) {
+            next = due;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return next;
+}
+
+static json_t *request_to_json(const struct job *j, const char *state)
+{
+    int gen = 0;
+    for (int i = 0; i < j->n; i++)
+        gen += job_progress(j, i).n_gen;
+    return json_pack("{s:I, s:s, s:s?, s:I, s:i, s:i, s:i, s:s}", "id", (json_int_t)j->order, "state", state, "session",
+                     j->session_id[0] ? j->session_id : NULL, "prompt_tokens", (json_int_t)j->n_prompt,
+                     "generated_tokens", gen, "max_tokens", j->max_new, "choices", j->n, "strategy", j->cache.name);
+}
+
+json_t *engine_request_list(engine *e, uid_t uid)
+{
+    json_t *arr = json_array();
+    pthread_mutex_lock(&e->mu);
+    for (int q = 0; q < 2 && arr; q++) {
+        for (const struct job *j = q ? e->queue : e->active; j && arr; j = j->next) {
+            if (j->uid != uid || j->kind != JOB_GENERATE)
+                continue;
+            const char *state = q ? "queued" : j->io_wait ? "restoring" : j->mem_wait ? "waiting_memory" : "running";
+            if (json_array_append_new(arr, request_to_json(j, state)) != 0) {
+                json_decref(arr);
+                arr = NULL;
+            }
         }
     }
     pthread_mutex_unlock(&e->mu);

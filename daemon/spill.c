@@ -484,9 +484,15 @@ static bool spillable(const engine *e, const struct session *s, double now)
     return !s->busy && !s->op && (s->kv || s->version != s->disk_version) && now >= s->spill_retry_at;
 }
 
+double spill_idle_ms(const engine *e)
+{
+    int ttl = e->cfg.session_ttl_s, after = e->cfg.spill_after_s;
+    return (ttl > 0 && ttl < after ? ttl : after) * 1e3;
+}
+
 static bool idle_due(const engine *e, const struct session *s, double now)
 {
-    return spillable(e, s, now) && now - s->t_idle >= e->cfg.spill_after_s * 1e3;
+    return spillable(e, s, now) && now - s->t_idle >= spill_idle_ms(e);
 }
 
 double disk_spill_idle(engine *e, double now)
@@ -502,7 +508,7 @@ double disk_spill_idle(engine *e, double now)
     double next = 0;
     pthread_mutex_lock(&e->mu);
     for (struct session *s = e->sessions; s; s = s->next) {
-        double due = s->t_idle + e->cfg.spill_after_s * 1e3;
+        double due = s->t_idle + spill_idle_ms(e);
         due = due > s->spill_retry_at ? due : s->spill_retry_at;
         if (!s->busy && !s->op && (s->kv || s->version != s->disk_version) && (next == 0 || due < next))
             next = due;

@@ -3,7 +3,7 @@
 # headers of its own folder and of the layers below it, never above, and
 # always from the root ("tiers/kvstore.h", never "../").  This is the one
 # place the order is written down (docs/architecture.md draws it):
-LAYERS="util text backend tiers model ipc daemon tools tests"
+LAYERS="util text backend tiers model ipc client daemon tools tests"
 # util and text are leaves: any layer may use them, they use only util.
 # Above backend/, only the seam (backend/backend.h) is visible: a backend's
 # own files and the plugin table are private to it (tests may look inside).

@@ -59,10 +59,10 @@ export KVTIER_DISK_DIR=none
 # reader), and the C they run (the forward pass of every architecture, the
 # kernels, the loader, the tokenizer) runs under the sanitizers in the
 # unit tests, the daemon tests and the fuzzers.
-no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler layers.test.sh tokenizer.test.sh "
+no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler test_client layers.test.sh tokenizer.test.sh "
 no_backend="$no_backend daemon_slow.test.sh daemon_disk_faults.test.sh daemon_disk_uid.test.sh "
 no_backend="$no_backend reference.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
-no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh "
+no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh cli_tty.test.sh "
 # the API's other faces (Ollama, TCP) and the penalties' oracle: what they
 # check is above the forward pass, which the daemon tests run strict
 no_backend="$no_backend daemon_ollama.test.sh daemon_tcp.test.sh daemon_penalties.test.sh "

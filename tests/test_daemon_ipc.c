@@ -1,8 +1,7 @@
 /* Description: the protocol pieces kvtierd and kvtier share (ipc/): chat
  * templates against renders by @huggingface/jinja of the canonical
- * templates, the cache strategy table, request validation, the JSON writer,
- * and the client's HTTP/SSE reply parser under hostile input. */
-#include <pthread.h>
+ * templates, the cache strategy table, request validation and the JSON
+ * writer.  (The client side, libkvtier-client, has test_client.) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -10,16 +9,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
 
 #include <cmocka.h>
 
 #include "util/args.h"
 #include "ipc/cache.h"
 #include "text/chat.h"
-#include "ipc/httpc.h"
 #include "ipc/jsonw.h"
 #include "ipc/request.h"
 
@@ -441,112 +436,6 @@ static void test_jsonw(void **state)
     assert_true(w.failed);
 }
 
-struct events {
-    int n;
-    char last[64];
-};
-
-static bool on_event(void *ud, const char *data, size_t len)
-{
-    struct events *e = ud;
-    e->n++;
-    snprintf(e->last, sizeof(e->last), "%.*s", (int)len, data);
-    return true;
-}
-
-/* A stand-in for kvtierd that answers each request with its own body, so
- * a test sends through ipc_call the raw reply it wants parsed. */
-static void *echo_server(void *arg)
-{
-    int lfd = *(int *)arg, fd;
-    while ((fd = accept(lfd, NULL, NULL)) >= 0) {
-        char buf[4096];
-        size_t n = 0;
-        const char *head_end = NULL;
-        ssize_t got;
-        long body = 0;
-        /* the head, then Content-Length bytes of body */
-        while (n < sizeof(buf) && (got = recv(fd, buf + n, sizeof(buf) - n, 0)) > 0) {
-            n += (size_t)got;
-            if (!head_end && (head_end = memmem(buf, n, "\r\n\r\n", 4))) {
-                const char *cl = memmem(buf, (size_t)(head_end - buf), "Content-Length: ", 16);
-                body = cl ? strtol(cl + 16, NULL, 10) : 0;
-            }
-            if (head_end && n >= (size_t)(head_end + 4 - buf) + (size_t)body)
-                break;
-        }
-        if (head_end)
-            send(fd, head_end + 4, (size_t)body, MSG_NOSIGNAL);
-        close(fd);
-    }
-    return NULL;
-}
-
-/* Parses reply[0, n) as ipc_call reads a reply from the daemon. */
-static enum ipc_status call_echo(const char *sock, const char *reply, size_t n, ipc_event_fn cb, void *ud,
-                                 struct ipc_reply *r, struct ipc_error *err)
-{
-    return ipc_call(sock, "POST", "/", reply, n, cb, ud, r, err);
-}
-
-static void test_reply_parser(void **state)
-{
-    (void)state;
-    struct ipc_reply r;
-    struct ipc_error err;
-    char dir[] = "/tmp/kvtier-ipc.XXXXXX", sock[64];
-    assert_non_null(mkdtemp(dir));
-    snprintf(sock, sizeof(sock), "%s/s", dir);
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
-    int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
-    assert_true(lfd >= 0);
-    assert_int_equal(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    assert_int_equal(listen(lfd, 16), 0);
-    pthread_t th;
-    assert_int_equal(pthread_create(&th, NULL, echo_server, &lfd), 0);
-    const char *plain = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nhello";
-    assert_int_equal(call_echo(sock, plain, strlen(plain), NULL, NULL, &r, &err), IPC_OK);
-    assert_int_equal(r.status, 404);
-    assert_string_equal(r.body, "hello");
-    ipc_reply_free(&r);
-    const char *sse = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                      "a\r\ndata: {}\n\n\r\n1\r\nd\r\n5\r\nata: \r\n8\r\n[DONE]\n\n\r\n0\r\n\r\n";
-    struct events ev = {0};
-    assert_int_equal(call_echo(sock, sse, strlen(sse), on_event, &ev, &r, &err), IPC_OK);
-    assert_int_equal(ev.n, 2);
-    assert_string_equal(ev.last, "[DONE]");
-    ipc_reply_free(&r);
-    const char *bad[] = {"", "SSH-2.0\r\n", "HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
-                         "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-                         "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffff\r\n",
-                         "HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\nab", "HTTP/1.1 200 OK\r\nNoColon\r\n\r\n"};
-    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        assert_int_not_equal(call_echo(sock, bad[i], strlen(bad[i]), NULL, NULL, &r, &err), IPC_OK);
-        assert_null(r.body);
-    }
-    /* mutations of a valid stream: any result is fine, a crash or leak is not */
-    size_t n = strlen(sse);
-    char *m = malloc(n);
-    uint64_t x = 88172645463325252ull;
-    for (int it = 0; it < 20000; it++) {
-        memcpy(m, sse, n);
-        for (int k = 0; k < 3; k++) {
-            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-            m[x % n] = (char)(x >> 32);
-        }
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        if (call_echo(sock, m, x % (n + 1), on_event, &ev, &r, &err) == IPC_OK)
-            ipc_reply_free(&r);
-    }
-    free(m);
-    shutdown(lfd, SHUT_RDWR); /* accept fails: the server thread ends */
-    pthread_join(th, NULL);
-    close(lfd);
-    unlink(sock);
-    rmdir(dir);
-}
-
 /* Option numbers: the whole string, in range, or a usage error. */
 static void test_args(void **state)
 {
@@ -588,7 +477,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat_goldens), cmocka_unit_test(test_chat_refusals), cmocka_unit_test(test_cache_table),
         cmocka_unit_test(test_cache_params), cmocka_unit_test(test_args),
-        cmocka_unit_test(test_request),      cmocka_unit_test(test_jsonw),         cmocka_unit_test(test_reply_parser),
+        cmocka_unit_test(test_request),      cmocka_unit_test(test_jsonw),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

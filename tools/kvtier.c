@@ -6,7 +6,10 @@
  *   kvtier [...] session export ID FILE | session import FILE   KV as safetensors
  *   kvtier [...] status
  *   kvtier [...] batch IN.jsonl [-o OUT.jsonl] [-j N]      OpenAI batch lines, results in input order
+ *   kvtier [...] top [-d SECONDS]                          live view of sessions, requests and tiers
  *
+ * Every command takes --help.  All of them talk to kvtierd through
+ * libkvtier-client; chat and top live in tools/kvtier/.
  * Exit codes: 0 success, 1 the daemon answered with an error, 2 usage,
  * 3 kvtierd cannot be reached, 4 a reply kvtier cannot understand.
  */
@@ -20,23 +23,65 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tools/kvtier/cli.h"
 #include "util/clock.h"
-#include "ipc/httpc.h"
 #include "ipc/sockpath.h"
 
-enum { EXIT_DAEMON = 1, EXIT_USAGE = 2, EXIT_UNREACHABLE = 3, EXIT_PROTO = 4 };
+kvtier_client *cli;
+bool cli_json;
 
-static char sock[256];
-static bool json_out;
-
-static int transport_error(const struct ipc_error *e)
+int cli_fail(enum kvtier_status st)
 {
-    fprintf(stderr, "kvtier: %s\n", e->msg);
-    return e->st == IPC_EIO ? EXIT_UNREACHABLE : e->st == IPC_EPROTO ? EXIT_PROTO : EXIT_DAEMON;
+    const char *msg = kvtier_errmsg(cli);
+    fprintf(stderr, "kvtier: %s\n", msg && *msg ? msg : kvtier_strerror(st));
+    return st == KVTIER_EUNREACHABLE || st == KVTIER_EIO ? EXIT_UNREACHABLE : st == KVTIER_EPROTO ? EXIT_PROTO
+                                                                                                  : EXIT_DAEMON;
 }
 
-/* Prints the daemon's error message for a non-2xx reply. */
-static int http_error(const struct ipc_reply *r)
+void cli_nap_ms(long ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+int cli_wait_loading(void)
+{
+    bool tty = isatty(STDERR_FILENO), waited = false;
+    double t0 = clock_s();
+    for (;;) {
+        struct kvtier_health h;
+        enum kvtier_status st = kvtier_health(cli, &h);
+        if (st != KVTIER_OK)
+            return cli_fail(st);
+        if (h.ready || strcmp(h.status, "loading") != 0) {
+            if (waited && tty)
+                fputs("\r\033[K", stderr); /* the bar goes; what follows starts on a clean line */
+            if (h.ready)
+                return waited ? 0 : -1;
+            if (!waited)
+                return -1;
+            fprintf(stderr, "kvtier: kvtierd is %s\n", h.status);
+            return EXIT_DAEMON;
+        }
+        if (tty && h.total_bytes > 0) {
+            int width = 30, fill = (int)((double)width * (double)h.loaded_bytes / (double)h.total_bytes);
+            fprintf(stderr, "\r\033[Kloading model [%.*s%*s] %3d%%  %.1f of %.1f GiB", fill,
+                    "##############################", width - fill, "",
+                    (int)(100.0 * (double)h.loaded_bytes / (double)h.total_bytes), h.loaded_bytes / 1073741824.0,
+                    h.total_bytes / 1073741824.0);
+        } else if (tty) {
+            fprintf(stderr, "\r\033[Kloading model %c %.0f s", "|/-\\"[(int)((clock_s() - t0) * 4) % 4],
+                    clock_s() - t0);
+        } else if (!waited) {
+            fprintf(stderr, "kvtier: waiting for kvtierd to load its model\n");
+        }
+        waited = true;
+        cli_nap_ms(200);
+    }
+}
+
+/* The daemon's error message for a non-2xx reply. */
+static int http_error(const struct kvtier_reply *r)
 {
     json_t *o = json_loadb(r->body, r->len, 0, NULL);
     const char *msg = json_string_value(json_object_get(json_object_get(o, "error"), "message"));
@@ -45,112 +90,49 @@ static int http_error(const struct ipc_reply *r)
     return EXIT_DAEMON;
 }
 
-/* One JSON call: *out gets the parsed reply (caller decrefs).  Returns an exit code. */
-static int call_json(const char *method, const char *path, json_t *body, json_t **out)
+/* kvtier_request, asked again after a wait while the model loads. */
+static int request(const char *method, const char *path, const char *body, size_t len, struct kvtier_reply *r)
+{
+    for (;;) {
+        enum kvtier_status st = kvtier_request(cli, method, path, body, len, r);
+        if (st != KVTIER_OK)
+            return cli_fail(st);
+        if (r->status != 503)
+            return 0;
+        int w = cli_wait_loading();
+        if (w == -1)
+            return 0; /* not loading: the 503 is the answer */
+        kvtier_reply_free(r);
+        if (w)
+            return w;
+    }
+}
+
+int cli_call(const char *method, const char *path, json_t *body, json_t **out)
 {
     char *text = body ? json_dumps(body, JSON_COMPACT) : NULL;
     if (body && !text) {
         fprintf(stderr, "kvtier: out of memory\n");
         return EXIT_DAEMON;
     }
-    struct ipc_reply r;
-    struct ipc_error err;
-    enum ipc_status st = ipc_call(sock, method, path, text, text ? strlen(text) : 0, NULL, NULL, &r, &err);
+    struct kvtier_reply r;
+    int rc = request(method, path, text, text ? strlen(text) : 0, &r);
     free(text);
-    if (st != IPC_OK)
-        return transport_error(&err);
-    int rc = 0;
+    if (rc)
+        return rc;
     if (r.status / 100 != 2)
         rc = http_error(&r);
     else if (out && !(*out = json_loadb(r.body, r.len, 0, NULL))) {
         fprintf(stderr, "kvtier: the daemon's reply is not JSON\n");
         rc = EXIT_PROTO;
     }
-    ipc_reply_free(&r);
+    kvtier_reply_free(&r);
     return rc;
 }
 
-/* ---- streaming ------------------------------------------------------------------------ */
+/* ---- generation ------------------------------------------------------------------------- */
 
-struct stream_ctx {
-    bool chat;
-    char *text; /* everything printed, for chat history */
-    size_t len;
-    json_t *usage;
-    char error[512];
-};
-
-static bool on_event(void *ud, const char *data, size_t len)
-{
-    struct stream_ctx *c = ud;
-    if (!strcmp(data, "[DONE]"))
-        return true;
-    json_t *ev = json_loadb(data, len, 0, NULL);
-    if (!ev) {
-        snprintf(c->error, sizeof(c->error), "a stream event is not JSON");
-        return false;
-    }
-    const json_t *e = json_object_get(ev, "error");
-    if (e) {
-        const char *m = json_string_value(json_object_get(e, "message"));
-        snprintf(c->error, sizeof(c->error), "%s", m ? m : "error event");
-    }
-    const json_t *ch = json_array_get(json_object_get(ev, "choices"), 0);
-    const json_t *t = c->chat ? json_object_get(json_object_get(ch, "delta"), "content") : json_object_get(ch, "text");
-    if (json_is_string(t)) {
-        size_t n = json_string_length(t);
-        fwrite(json_string_value(t), 1, n, stdout);
-        fflush(stdout);
-        char *p = realloc(c->text, c->len + n + 1);
-        if (p) {
-            memcpy(p + c->len, json_string_value(t), n);
-            c->len += n;
-            p[c->len] = '\0';
-            c->text = p;
-        }
-    }
-    if (json_object_get(ev, "usage")) {
-        json_decref(c->usage);
-        c->usage = json_incref(json_object_get(ev, "usage"));
-    }
-    json_decref(ev);
-    return !e;
-}
-
-static int call_stream(const char *path, json_t *body, struct stream_ctx *c)
-{
-    json_object_set_new(body, "stream", json_true());
-    char *text = json_dumps(body, JSON_COMPACT);
-    if (!text)
-        return EXIT_DAEMON;
-    struct ipc_reply r;
-    struct ipc_error err;
-    enum ipc_status st = ipc_call(sock, "POST", path, text, strlen(text), on_event, c, &r, &err);
-    free(text);
-    if (st != IPC_OK)
-        return transport_error(&err);
-    int rc = r.status / 100 != 2 ? http_error(&r) : 0;
-    ipc_reply_free(&r);
-    if (!rc && c->error[0]) {
-        fprintf(stderr, "\nkvtier: %s\n", c->error);
-        rc = EXIT_DAEMON;
-    }
-    return rc;
-}
-
-/* ---- commands -------------------------------------------------------------------------- */
-
-struct gen_opts {
-    int max_tokens;
-    double temperature;
-    long long seed;
-    bool has_seed;
-    json_t *stops;
-    const char *session, *system;
-};
-
-/* Options shared by generate and chat; returns false on a usage error. */
-static bool parse_gen_opts(int argc, char **argv, struct gen_opts *o)
+bool cli_gen_opts(int argc, char **argv, struct cli_gen *o)
 {
     static const struct option opts[] = {{"max-tokens", required_argument, 0, 'n'},
                                          {"temperature", required_argument, 0, 't'},
@@ -163,12 +145,27 @@ static bool parse_gen_opts(int argc, char **argv, struct gen_opts *o)
     optind = 1;
     while ((c = getopt_long(argc, argv, "n:t:", opts, NULL)) != -1) {
         char *end = NULL;
+        long n;
         switch (c) {
-        case 'n': o->max_tokens = (int)strtol(optarg, &end, 10); break;
-        case 't': o->temperature = strtod(optarg, &end); break;
-        case 's': o->seed = strtoll(optarg, &end, 10), o->has_seed = true; break;
-        case 'S': json_array_append_new(o->stops, json_string(optarg)); break;
-        case 'i': o->session = optarg; break;
+        case 'n':
+            n = strtol(optarg, &end, 10);
+            if (n < 1 || n > 1 << 24) {
+                fprintf(stderr, "kvtier: -n must be 1 to %d\n", 1 << 24);
+                return false;
+            }
+            o->p.max_tokens = (int)n;
+            break;
+        case 't': o->p.temperature = strtod(optarg, &end); break;
+        case 's': o->p.seed = strtoll(optarg, &end, 10), o->p.has_seed = true; break;
+        case 'S':
+            if (o->p.n_stop == sizeof(o->stops) / sizeof(o->stops[0])) {
+                fprintf(stderr, "kvtier: at most %zu --stop strings\n", o->p.n_stop);
+                return false;
+            }
+            o->stops[o->p.n_stop++] = optarg;
+            o->p.stop = o->stops;
+            break;
+        case 'i': o->p.session = optarg; break;
         case 'y': o->system = optarg; break;
         default: return false;
         }
@@ -180,15 +177,29 @@ static bool parse_gen_opts(int argc, char **argv, struct gen_opts *o)
     return true;
 }
 
-static json_t *gen_body(const struct gen_opts *o)
+bool cli_print_piece(void *ud, const char *text, size_t len)
 {
-    json_t *b = json_pack("{s:i,s:f}", "max_tokens", o->max_tokens, "temperature", o->temperature);
-    if (o->has_seed)
-        json_object_set_new(b, "seed", json_integer(o->seed));
-    if (json_array_size(o->stops))
-        json_object_set(b, "stop", o->stops);
-    if (o->session)
-        json_object_set_new(b, "session", json_string(o->session));
+    bool *ends_nl = ud;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    *ends_nl = len && text[len - 1] == '\n';
+    return true;
+}
+
+/* The request body of --json generate: the daemon's whole reply is printed. */
+static json_t *gen_body(const struct cli_gen *o, const char *prompt)
+{
+    json_t *b = json_pack("{s:i,s:f,s:s}", "max_tokens", o->p.max_tokens, "temperature", o->p.temperature, "prompt",
+                          prompt);
+    if (b && o->p.has_seed)
+        json_object_set_new(b, "seed", json_integer(o->p.seed));
+    for (size_t i = 0; b && i < o->p.n_stop; i++) {
+        if (!json_object_get(b, "stop"))
+            json_object_set_new(b, "stop", json_array());
+        json_array_append_new(json_object_get(b, "stop"), json_string(o->stops[i]));
+    }
+    if (b && o->p.session)
+        json_object_set_new(b, "session", json_string(o->p.session));
     return b;
 }
 
@@ -210,12 +221,20 @@ static char *read_all(FILE *f)
     return p;
 }
 
+static const char generate_usage[] =
+    "usage: kvtier generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT...|-\n"
+    "  streams a completion of PROMPT (the words joined by spaces; - reads stdin) to stdout\n"
+    "  -n, --max-tokens N   tokens to generate (default 128)\n"
+    "  -t, --temperature T  sampling temperature, 0 greedy (default 0.8)\n"
+    "  --seed S             sampling seed\n"
+    "  --stop STR           stop at STR (repeatable)\n"
+    "  --session ID         continue in a session (kvtier sessions)\n";
+
 static int cmd_generate(int argc, char **argv)
 {
-    struct gen_opts o = {.max_tokens = 128, .temperature = 0.8, .stops = json_array()};
-    if (!parse_gen_opts(argc, argv, &o) || optind >= argc) {
-        fprintf(stderr, "usage: kvtier generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT|-\n");
-        json_decref(o.stops);
+    struct cli_gen o = {.p = {.max_tokens = 128, .temperature = 0.8}};
+    if (!cli_gen_opts(argc, argv, &o) || optind >= argc || o.system) {
+        fputs(generate_usage, stderr);
         return EXIT_USAGE;
     }
     char *prompt = NULL;
@@ -229,187 +248,54 @@ static int cmd_generate(int argc, char **argv)
         for (int i = optind; prompt && i < argc; i++)
             strcat(strcat(prompt, i > optind ? " " : ""), argv[i]);
     }
-    json_t *b = gen_body(&o);
-    json_object_set_new(b, "prompt", json_string(prompt ? prompt : ""));
-    free(prompt);
-    json_decref(o.stops);
+    if (!prompt) {
+        fprintf(stderr, "kvtier: out of memory\n");
+        return EXIT_DAEMON;
+    }
     int rc;
-    if (json_out) {
-        json_t *r = NULL;
-        rc = call_json("POST", "/v1/completions", b, &r);
+    if (cli_json) {
+        json_t *b = gen_body(&o, prompt), *r = NULL;
+        rc = b ? cli_call("POST", "/v1/completions", b, &r) : EXIT_DAEMON;
         if (!rc)
             json_dumpf(r, stdout, JSON_COMPACT), putchar('\n');
         json_decref(r);
-    } else {
-        struct stream_ctx c = {0};
-        rc = call_stream("/v1/completions", b, &c);
-        if (isatty(STDOUT_FILENO))
-            putchar('\n');
-        free(c.text);
-        json_decref(c.usage);
-    }
-    json_decref(b);
-    return rc;
-}
-
-static int new_session(const char *system, char *id, size_t cap)
-{
-    json_t *b = system ? json_pack("{s:s}", "system", system) : json_object();
-    json_t *r = NULL;
-    int rc = call_json("POST", "/v1/sessions", b, &r);
-    json_decref(b);
-    if (!rc)
-        snprintf(id, cap, "%s", json_string_value(json_object_get(r, "id")) ? json_string_value(json_object_get(r, "id"))
-                                                                            : "");
-    json_decref(r);
-    return rc;
-}
-
-static void delete_session(const char *id)
-{
-    char path[160];
-    snprintf(path, sizeof(path), "/v1/sessions/%s", id);
-    call_json("DELETE", path, NULL, NULL);
-}
-
-/* Tokens the session's KV holds, or -1 (the error is printed). */
-static json_int_t session_tokens(const char *id)
-{
-    char path[160];
-    snprintf(path, sizeof(path), "/v1/sessions/%s", id);
-    json_t *r = NULL;
-    json_int_t n = call_json("GET", path, NULL, &r) ? -1 : json_integer_value(json_object_get(r, "tokens"));
-    json_decref(r);
-    return n;
-}
-
-/* /undo: crops the session back to where the last turn started and drops
- * the turn from the history.  turns[] holds the session's length before
- * each turn. */
-static int chat_undo(const char *id, json_t *msgs, json_t *turns)
-{
-    size_t t = json_array_size(turns);
-    if (!t) {
-        fprintf(stderr, "nothing to undo\n");
-        return 0;
-    }
-    json_int_t before = json_integer_value(json_array_get(turns, t - 1)), now = session_tokens(id);
-    if (now < 0)
-        return EXIT_DAEMON;
-    char path[160];
-    snprintf(path, sizeof(path), "/v1/sessions/%s/crop", id);
-    json_t *b = json_pack("{s:I}", "n", before - now);
-    int rc = b ? call_json("POST", path, b, NULL) : EXIT_DAEMON;
-    json_decref(b);
-    if (rc)
-        return rc;
-    json_array_remove(turns, t - 1);
-    json_array_remove(msgs, json_array_size(msgs) - 1); /* the answer */
-    json_array_remove(msgs, json_array_size(msgs) - 1); /* the question */
-    fprintf(stderr, "undone: %lld tokens dropped\n", (long long)(now - before));
-    return 0;
-}
-
-static json_t *chat_history(const char *system)
-{
-    json_t *m = json_array();
-    if (system)
-        json_array_append_new(m, json_pack("{s:s,s:s}", "role", "system", "content", system));
-    return m;
-}
-
-static int cmd_chat(int argc, char **argv)
-{
-    struct gen_opts o = {.max_tokens = 256, .temperature = 0.8, .stops = json_array()};
-    if (!parse_gen_opts(argc, argv, &o) || optind != argc) {
-        fprintf(stderr, "usage: kvtier chat [--system TEXT] [-n N] [-t T] [--seed S]\n");
-        json_decref(o.stops);
-        return EXIT_USAGE;
-    }
-    char id[128];
-    int rc = new_session(o.system, id, sizeof(id));
-    if (rc)
-        return rc;
-    bool tty = isatty(STDIN_FILENO);
-    if (tty)
-        fprintf(stderr, "session %s. /undo drops the last turn, /reset starts over, /bye (or Ctrl-D) quits.\n", id);
-    json_t *msgs = chat_history(o.system), *turns = json_array();
-    char *line = NULL;
-    size_t cap = 0;
-    for (;;) {
-        if (tty)
-            fputs("> ", stderr);
-        ssize_t n = getline(&line, &cap, stdin);
-        if (n < 0)
-            break;
-        while (n && (line[n - 1] == '\n' || line[n - 1] == '\r'))
-            line[--n] = '\0';
-        if (!n)
-            continue;
-        if (!strcmp(line, "/bye"))
-            break;
-        if (!strcmp(line, "/undo")) {
-            if ((rc = chat_undo(id, msgs, turns)))
-                break;
-            continue;
-        }
-        if (!strcmp(line, "/reset")) {
-            delete_session(id);
-            json_decref(msgs);
-            msgs = chat_history(o.system);
-            json_array_clear(turns);
-            if ((rc = new_session(o.system, id, sizeof(id))))
-                break;
-            if (tty)
-                fprintf(stderr, "new session %s\n", id);
-            continue;
-        }
-        json_int_t held = session_tokens(id);
-        if (held < 0) {
-            rc = EXIT_DAEMON;
-            break;
-        }
-        json_array_append_new(turns, json_integer(held));
-        json_array_append_new(msgs, json_pack("{s:s,s:s}", "role", "user", "content", line));
-        o.session = id;
-        json_t *b = gen_body(&o);
-        json_object_set(b, "messages", msgs);
-        struct stream_ctx c = {.chat = true};
-        rc = call_stream("/v1/chat/completions", b, &c);
         json_decref(b);
-        putchar('\n');
-        if (json_out && c.usage)
-            json_dumpf(c.usage, stderr, JSON_COMPACT), fputc('\n', stderr);
-        json_array_append_new(msgs, json_pack("{s:s,s:s}", "role", "assistant", "content", c.text ? c.text : ""));
-        free(c.text);
-        json_decref(c.usage);
-        if (rc)
-            break;
+    } else {
+        bool ends_nl = true;
+        struct kvtier_result res;
+        enum kvtier_status st;
+        int w = 0;
+        while ((st = kvtier_stream(cli, prompt, &o.p, cli_print_piece, &ends_nl, &res)) == KVTIER_ELOADING &&
+               (w = cli_wait_loading()) == 0)
+            ;
+        if (!ends_nl)
+            putchar('\n'); /* output ends with a newline, also when the text does not */
+        rc = st == KVTIER_OK ? 0 : w > 0 ? w : cli_fail(st);
+        kvtier_result_free(&res);
     }
-    free(line);
-    json_decref(msgs);
-    json_decref(turns);
-    json_decref(o.stops);
-    delete_session(id);
+    free(prompt);
     return rc;
 }
+
+static const char sessions_usage[] = "usage: kvtier sessions [rm ID]\n"
+                                     "  lists your sessions (id, tokens, KV bytes on the device, strategy, busy),\n"
+                                     "  or deletes one\n";
 
 static int cmd_sessions(int argc, char **argv)
 {
     if (argc == 3 && !strcmp(argv[1], "rm")) {
-        char path[160];
-        snprintf(path, sizeof(path), "/v1/sessions/%s", argv[2]);
-        return call_json("DELETE", path, NULL, NULL);
+        enum kvtier_status st = kvtier_session_delete(cli, argv[2]);
+        return st == KVTIER_OK ? 0 : cli_fail(st);
     }
     if (argc != 1) {
-        fprintf(stderr, "usage: kvtier sessions [rm ID]\n");
+        fputs(sessions_usage, stderr);
         return EXIT_USAGE;
     }
     json_t *r = NULL;
-    int rc = call_json("GET", "/v1/sessions", NULL, &r);
+    int rc = cli_call("GET", "/v1/sessions", NULL, &r);
     if (rc)
         return rc;
-    if (json_out) {
+    if (cli_json) {
         json_dumpf(json_object_get(r, "data"), stdout, JSON_COMPACT);
         putchar('\n');
     } else {
@@ -460,13 +346,16 @@ static int read_file(const char *path, char **buf, size_t *len)
     return EXIT_USAGE;
 }
 
-/* session export ID FILE: the session's KV as safetensors into FILE;
- * session import FILE: a new session holding FILE's KV (prints its id). */
+static const char session_usage[] =
+    "usage: kvtier session export ID FILE | kvtier session import FILE\n"
+    "  export: writes the session's KV to FILE as safetensors\n"
+    "  import: a new session holding FILE's KV (prints its id)\n";
+
 static int cmd_session(int argc, char **argv)
 {
     bool export = argc == 4 && !strcmp(argv[1], "export"), import = argc == 3 && !strcmp(argv[1], "import");
     if (!export && !import) {
-        fprintf(stderr, "usage: kvtier session export ID FILE | kvtier session import FILE\n");
+        fputs(session_usage, stderr);
         return EXIT_USAGE;
     }
     char path[160], *body = NULL;
@@ -475,12 +364,11 @@ static int cmd_session(int argc, char **argv)
     if (rc)
         return rc;
     snprintf(path, sizeof(path), export ? "/v1/sessions/%.64s/kv" : "/v1/sessions/import", argv[2]);
-    struct ipc_reply r;
-    struct ipc_error err;
-    enum ipc_status st = ipc_call(sock, export ? "GET" : "POST", path, body, len, NULL, NULL, &r, &err);
+    struct kvtier_reply r;
+    rc = request(export ? "GET" : "POST", path, body, len, &r);
     free(body);
-    if (st != IPC_OK)
-        return transport_error(&err);
+    if (rc)
+        return rc;
     if (r.status / 100 != 2) {
         rc = http_error(&r);
     } else if (export) {
@@ -499,30 +387,34 @@ static int cmd_session(int argc, char **argv)
         rc = id ? 0 : EXIT_PROTO;
         json_decref(o);
     }
-    ipc_reply_free(&r);
+    kvtier_reply_free(&r);
     return rc;
 }
+
+static const char status_usage[] = "usage: kvtier status\n"
+                                   "  the daemon's health and model; while it loads its model, a progress bar\n"
+                                   "  until it is ready\n";
 
 static int cmd_status(int argc, char **argv)
 {
     (void)argv;
     if (argc != 1) {
-        fprintf(stderr, "usage: kvtier status\n");
+        fputs(status_usage, stderr);
         return EXIT_USAGE;
     }
     json_t *h = NULL, *m = NULL;
-    int rc = call_json("GET", "/health", NULL, &h);
+    int rc = cli_call("GET", "/health", NULL, &h);
     if (!rc)
-        rc = call_json("GET", "/v1/models", NULL, &m);
+        rc = cli_call("GET", "/v1/models", NULL, &m);
     const json_t *model = json_array_get(json_object_get(m, "data"), 0);
-    if (json_out && !rc) {
-        json_t *o = json_pack("{s:s,s:O,s:O}", "socket", sock, "health", h, "model", model);
+    if (cli_json && !rc) {
+        json_t *o = json_pack("{s:s,s:O,s:O}", "socket", kvtier_socket(cli), "health", h, "model", model);
         json_dumpf(o, stdout, JSON_COMPACT);
         putchar('\n');
         json_decref(o);
     } else if (!rc) {
         const json_t *meta = json_object_get(model, "meta");
-        printf("kvtierd at %s: %s\nmodel %s (%s), context %lld tokens, vocabulary %lld, chat template %s\n", sock,
+        printf("kvtierd at %s: %s\nmodel %s (%s), context %lld tokens, vocabulary %lld, chat template %s\n", kvtier_socket(cli),
                json_string_value(json_object_get(h, "status")), json_string_value(json_object_get(model, "id")),
                json_string_value(json_object_get(meta, "architecture")),
                json_integer_value(json_object_get(meta, "n_ctx")), json_integer_value(json_object_get(meta, "n_vocab")),
@@ -546,7 +438,7 @@ struct batch {
     int failed;
 };
 
-static char *batch_result(size_t idx, const char *line, unsigned long long *tokens, int *failed)
+static char *batch_result(kvtier_client *kc, size_t idx, const char *line, unsigned long long *tokens, int *failed)
 {
     json_t *in = json_loads(line, 0, NULL);
     const json_t *custom = json_object_get(in, "custom_id");
@@ -560,11 +452,11 @@ static char *batch_result(size_t idx, const char *line, unsigned long long *toke
                           : NULL;
     if (!why) {
         char *text = json_dumps(body, JSON_COMPACT);
-        struct ipc_reply r;
-        struct ipc_error err;
-        enum ipc_status st = text ? ipc_call(sock, "POST", url, text, strlen(text), NULL, NULL, &r, &err) : IPC_ENOMEM;
+        struct kvtier_reply r;
+        enum kvtier_status st = !kc ? KVTIER_ENOMEM : text ? kvtier_request(kc, "POST", url, text, strlen(text), &r)
+                                                          : KVTIER_ENOMEM;
         free(text);
-        if (st == IPC_OK) {
+        if (st == KVTIER_OK) {
             json_t *rb = json_loadb(r.body, r.len, 0, NULL);
             json_object_set_new(res, "response", json_pack("{s:i,s:o}", "status_code", r.status, "body",
                                                            rb ? rb : json_stringn(r.body, r.len)));
@@ -572,10 +464,12 @@ static char *batch_result(size_t idx, const char *line, unsigned long long *toke
             *tokens += (unsigned long long)json_integer_value(
                 json_object_get(json_object_get(rb, "usage"), "completion_tokens"));
             *failed += r.status / 100 != 2;
-            ipc_reply_free(&r);
+            kvtier_reply_free(&r);
         } else {
-            why = st == IPC_ENOMEM ? "out of memory" : err.msg;
-            json_object_set_new(res, "error", json_pack("{s:s,s:s}", "code", ipc_status_name(st), "message", why));
+            why = st == KVTIER_ENOMEM ? "out of memory" : kvtier_errmsg(kc);
+            json_object_set_new(res, "error", json_pack("{s:s,s:s}", "code", st == KVTIER_ENOMEM ? "no_memory"
+                                                                             : st == KVTIER_EPROTO ? "protocol" : "io",
+                                                        "message", why));
             why = NULL;
             *failed += 1;
         }
@@ -594,6 +488,8 @@ static char *batch_result(size_t idx, const char *line, unsigned long long *toke
 static void *batch_worker(void *arg)
 {
     struct batch *b = arg;
+    kvtier_client *kc = NULL; /* a client serves one thread; a failed open fails each line it takes */
+    kvtier_open(kvtier_socket(cli), &kc);
     pthread_mutex_lock(&b->mu);
     for (;;) {
         /* stay within a window of the writer, so results wait in memory briefly */
@@ -605,7 +501,7 @@ static void *batch_worker(void *arg)
         pthread_mutex_unlock(&b->mu);
         unsigned long long tok = 0;
         int failed = 0;
-        char *res = batch_result(i, b->lines[i], &tok, &failed);
+        char *res = batch_result(kc, i, b->lines[i], &tok, &failed);
         pthread_mutex_lock(&b->mu);
         b->out[i] = res ? res : strdup("{\"error\":{\"code\":\"no_memory\",\"message\":\"out of memory\"}}");
         b->tokens += tok;
@@ -613,6 +509,7 @@ static void *batch_worker(void *arg)
         pthread_cond_broadcast(&b->cv);
     }
     pthread_mutex_unlock(&b->mu);
+    kvtier_close(kc);
     return NULL;
 }
 
@@ -648,6 +545,12 @@ static size_t resume_point(FILE *out, char **lines, size_t n, long *keep)
     return k;
 }
 
+static const char batch_usage[] =
+    "usage: kvtier batch IN.jsonl [-o OUT.jsonl] [-j CONCURRENCY]\n"
+    "  sends each line of IN.jsonl (OpenAI batch format) and writes the results in input\n"
+    "  order to stdout or OUT.jsonl; with -o, a rerun resumes after the finished lines\n"
+    "  -j N   requests in flight (1-256, default 4)\n";
+
 static int cmd_batch(int argc, char **argv)
 {
     const char *out_path = NULL;
@@ -659,7 +562,7 @@ static int cmd_batch(int argc, char **argv)
         else if (c == 'j' && (jobs = atoi(optarg)) >= 1 && jobs <= 256)
             continue;
         else {
-            fprintf(stderr, "usage: kvtier batch IN.jsonl [-o OUT.jsonl] [-j CONCURRENCY]\n");
+            fputs(batch_usage, stderr);
             return EXIT_USAGE;
         }
     }
@@ -667,6 +570,9 @@ static int cmd_batch(int argc, char **argv)
         fprintf(stderr, "usage: kvtier batch IN.jsonl [-o OUT.jsonl] [-j CONCURRENCY]\n");
         return EXIT_USAGE;
     }
+    int w = cli_wait_loading(); /* a daemon still loading would answer each line 503 */
+    if (w > 0)
+        return w;
     FILE *in = fopen(argv[optind], "r");
     if (!in) {
         fprintf(stderr, "kvtier: cannot open %s: %s\n", argv[optind], strerror(errno));
@@ -754,12 +660,14 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier [--socket PATH] [--json] COMMAND ...\n"
                "  generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT|-   stream a completion\n"
-               "  chat [--system TEXT] [-n N] [-t T]        interactive chat in one session (/undo, /reset, /bye)\n"
+               "  chat [--system TEXT] [-n N] [-t T]        interactive chat in one session\n"
                "  sessions [rm ID]                          list or delete your sessions\n"
                "  session export ID FILE                    save a session's KV as safetensors\n"
                "  session import FILE                       a new session from such a file (prints its id)\n"
                "  status                                    daemon health and model\n"
                "  batch IN.jsonl [-o OUT.jsonl] [-j N]      OpenAI batch lines, results in input order\n"
+               "  top [-d SECONDS]                          live view of sessions, requests and tiers\n"
+               "kvtier COMMAND --help describes a command.\n"
                "exit codes: 0 ok, 1 daemon error, 2 usage, 3 kvtierd unreachable, 4 malformed reply\n");
 }
 
@@ -771,7 +679,7 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--socket") && i + 1 < argc)
             sock_flag = argv[++i];
         else if (!strcmp(argv[i], "--json"))
-            json_out = true;
+            cli_json = true;
         else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage(stdout);
             return 0;
@@ -784,20 +692,40 @@ int main(int argc, char **argv)
         usage(stderr);
         return EXIT_USAGE;
     }
-    struct ipc_error err;
-    if (ipc_socket_path(sock_flag, getenv("KVTIER_SYSTEM") != NULL, sock, sizeof(sock), &err) != IPC_OK) {
-        fprintf(stderr, "kvtier: %s\n", err.msg);
-        return EXIT_USAGE;
-    }
     static const struct {
         const char *name;
         int (*fn)(int, char **);
-    } cmds[] = {{"generate", cmd_generate}, {"chat", cmd_chat}, {"sessions", cmd_sessions}, {"status", cmd_status},
-                {"batch", cmd_batch}, {"session", cmd_session}};
-    for (size_t k = 0; k < sizeof(cmds) / sizeof(cmds[0]); k++)
-        if (!strcmp(argv[i], cmds[k].name))
-            return cmds[k].fn(argc - i, argv + i);
-    fprintf(stderr, "kvtier: unknown command \"%s\"\n", argv[i]);
-    usage(stderr);
-    return EXIT_USAGE;
+        const char *usage;
+    } cmds[] = {{"generate", cmd_generate, generate_usage}, {"chat", cmd_chat, cli_chat_usage},
+                {"sessions", cmd_sessions, sessions_usage}, {"status", cmd_status, status_usage},
+                {"batch", cmd_batch, batch_usage}, {"session", cmd_session, session_usage},
+                {"top", cmd_top, cli_top_usage}};
+    size_t k = 0, n_cmds = sizeof(cmds) / sizeof(cmds[0]);
+    while (k < n_cmds && strcmp(argv[i], cmds[k].name))
+        k++;
+    if (k == n_cmds) {
+        fprintf(stderr, "kvtier: unknown command \"%s\"\n", argv[i]);
+        usage(stderr);
+        return EXIT_USAGE;
+    }
+    /* --help anywhere before a "--" asks for the command's help, not the daemon */
+    for (int a = i + 1; a < argc && strcmp(argv[a], "--"); a++)
+        if (!strcmp(argv[a], "--help") || !strcmp(argv[a], "-h")) {
+            fputs(cmds[k].usage, stdout);
+            return 0;
+        }
+    char path[256];
+    struct ipc_error err;
+    if (ipc_socket_path(sock_flag, getenv("KVTIER_SYSTEM") != NULL, path, sizeof(path), &err) != IPC_OK) {
+        fprintf(stderr, "kvtier: %s\n", err.msg);
+        return EXIT_USAGE;
+    }
+    enum kvtier_status st = kvtier_open(path, &cli);
+    if (st != KVTIER_OK) {
+        fprintf(stderr, "kvtier: %s\n", kvtier_strerror(st));
+        return EXIT_DAEMON;
+    }
+    int rc = cmds[k].fn(argc - i, argv + i);
+    kvtier_close(cli);
+    return rc;
 }

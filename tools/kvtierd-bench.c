@@ -17,7 +17,6 @@
  * work batching saves independently of that load.  Prints Markdown.
  */
 #include <getopt.h>
-#include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,32 +26,29 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "client/kvtier/client.h"
 #include "util/args.h"
 #include "util/clock.h"
-#include "ipc/httpc.h"
 #include "model/runtime.h"
 
 #define MAX_REPS 32
 #define MAX_COUNTS 16
 
 struct client {
-    const char *sock, *body;
+    const char *sock, *prompt;
+    const struct kvtier_params *p;
     pthread_barrier_t *start;
     double t0, t_first, t_end; /* seconds */
     int tokens;
     bool ok;
 };
 
-static bool on_event(void *ud, const char *data, size_t len)
+static bool on_token(void *ud, const char *text, size_t len)
 {
+    (void)text, (void)len;
     struct client *c = ud;
     if (!c->t_first)
         c->t_first = clock_s();
-    json_t *ev = json_loadb(data, len, 0, NULL);
-    const json_t *u = json_object_get(json_object_get(ev, "usage"), "completion_tokens");
-    if (json_is_integer(u))
-        c->tokens = (int)json_integer_value(u);
-    json_decref(ev);
     return true;
 }
 
@@ -60,20 +56,24 @@ static void *run_client(void *arg)
 {
     struct client *c = arg;
     pthread_barrier_wait(c->start);
+    kvtier_client *kc = NULL;
+    struct kvtier_result r = {0};
+    enum kvtier_status st = kvtier_open(c->sock, &kc);
     c->t0 = clock_s();
-    struct ipc_reply r;
-    struct ipc_error err;
-    c->ok = ipc_call(c->sock, "POST", "/v1/completions", c->body, strlen(c->body), on_event, c, &r, &err) == IPC_OK &&
-            r.status == 200;
-    if (!c->ok)
-        fprintf(stderr, "kvtierd-bench: request failed: %s\n", r.status ? r.body : err.msg);
-    ipc_reply_free(&r);
+    if (st == KVTIER_OK)
+        st = kvtier_stream(kc, c->prompt, c->p, on_token, c, &r);
     c->t_end = clock_s();
+    c->ok = st == KVTIER_OK;
+    c->tokens = (int)r.completion_tokens;
+    if (!c->ok)
+        fprintf(stderr, "kvtierd-bench: request failed: %s\n", kc ? kvtier_errmsg(kc) : kvtier_strerror(st));
+    kvtier_result_free(&r);
+    kvtier_close(kc);
     return NULL;
 }
 
 /* Runs n clients at once; returns aggregate tokens/s (0 on failure), *ttft the mean time to first token. */
-static double round_of(const char *sock, const char *body, int n, double *ttft, double *per_client)
+static double round_of(const char *sock, const char *prompt, const struct kvtier_params *p, int n, double *ttft, double *per_client)
 {
     struct client *cs = calloc((size_t)n, sizeof(*cs));
     pthread_t *th = calloc((size_t)n, sizeof(*th));
@@ -84,7 +84,7 @@ static double round_of(const char *sock, const char *body, int n, double *ttft, 
         return 0;
     }
     for (int i = 0; i < n; i++) {
-        cs[i] = (struct client){.sock = sock, .body = body, .start = &start};
+        cs[i] = (struct client){.sock = sock, .prompt = prompt, .p = p, .start = &start};
         pthread_create(&th[i], NULL, run_client, &cs[i]);
     }
     double t0 = 1e300, t1 = 0, first = 0, per = 0;
@@ -233,16 +233,11 @@ int main(int argc, char **argv)
                         "[--prompt TEXT] [--model DIR [--threads N]]\n", MAX_REPS);
         return 2;
     }
-    json_t *b = json_pack("{s:s,s:i,s:i,s:b,s:b}", "prompt", prompt, "max_tokens", n_tok, "temperature", 0,
-                          "ignore_eos", 1, "stream", 1);
-    char *body = json_dumps(b, JSON_COMPACT);
-    json_decref(b);
+    struct kvtier_params gen = {.max_tokens = n_tok, .temperature = 0, .extra_json = "{\"ignore_eos\":true}"};
     struct local l;
     bool with_local = model_dir && local_open(&l, model_dir, threads, prompt);
-    if (!body || (model_dir && !with_local)) {
-        free(body);
+    if (model_dir && !with_local)
         return 1;
-    }
     /* Repetitions interleave every measurement, so a load change on the
      * machine hits all of them alike; ratios are taken within a repetition. */
     static double agg[MAX_REPS][MAX_COUNTS], ttft[MAX_REPS][MAX_COUNTS], per[MAX_REPS][MAX_COUNTS];
@@ -253,14 +248,14 @@ int main(int argc, char **argv)
     for (int r = 0; r < reps && !rc; r++) {
         for (int k = 0; k < n_counts && !rc; k++) {
             double c0 = cpu_seconds(pid);
-            if ((agg[r][k] = round_of(sock, body, counts[k], &ttft[r][k], &per[r][k])) <= 0)
+            if ((agg[r][k] = round_of(sock, prompt, &gen, counts[k], &ttft[r][k], &per[r][k])) <= 0)
                 rc = 1;
             cpu[r][k] = (cpu_seconds(pid) - c0) * 1e3 / ((double)counts[k] * n_tok);
         }
         if (with_local && !rc) {
             double t;
             inproc[r] = local_rate(&l, n_tok);
-            streamed[r] = round_of(sock, body, 1, &t, &t);
+            streamed[r] = round_of(sock, prompt, &gen, 1, &t, &t);
             rc = inproc[r] <= 0 || streamed[r] <= 0;
             overhead[r] = rc ? 0 : inproc[r] / streamed[r] - 1;
         }
@@ -304,6 +299,5 @@ int main(int argc, char **argv)
     }
     if (with_local)
         local_close(&l);
-    free(body);
     return rc;
 }

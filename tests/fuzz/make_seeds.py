@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """make_seeds.py - writes the hand-made seed inputs of the file-format
-harnesses (config, safetensors, tokenizer, tokenize, chat, reply) into
+harnesses (config, safetensors, tokenizer, tokenize, chat) into
 tests/fuzz/<harness>/seed.  Run from the repository root; libFuzzer grows
 the corpus from these, and `-merge=1` keeps it small before committing."""
 import json, os, struct, sys
@@ -82,13 +82,6 @@ for name, tpl in (("chatml", "{{ bos_token }}<|im_start|>system\\nYou are Qwen.<
                   ("qwen3", "<|im_start|><think>"), ("llama31", "<|start_header_id|>Cutting Knowledge")):
     put("chat", name, tpl.encode() + b"\0" + conv)
 put("chat", "mistral_alternating", b"[INST]\0\x01q1\0\x02a1\0\x01q2")
-
-# ---- reply: what kvtierd sends back -----------------------------------------
-put("reply", "plain", b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}")
-put("reply", "chunked", b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n5;x=y\r\n{\"a\":\r\n2\r\n1}\r\n0\r\n\r\n")
-put("reply", "sse", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
-    b"data: {\"x\":1}\n\n: comment\ndata:{\"x\":2}\n\ndata: [DONE]\n\n")
-put("reply", "close", b"HTTP/1.0 503 Service Unavailable\r\nX: y\r\n\r\nbody until close")
 
 # ---- diskhdr: mode byte + file size (u64 LE) + header and chunk table --------
 # From real disk-tier files named on the command line (files a test or
