@@ -10,7 +10,7 @@ SANITIZE ?= 0
 CUDA    ?= 0
 
 CFLAGS  := -std=c11 -g -O2 -Wall -Wextra -Werror -Wstrict-prototypes -Wshadow -fPIC -pthread
-CPPFLAGS := -D_GNU_SOURCE -MMD -MP -I.
+CPPFLAGS := -D_GNU_SOURCE -MMD -MP -I. -I$(BUILD)/gen
 LDLIBS  := -lhwloc -ljansson -lpcre2-8 -lxxhash -lmicrohttpd -luring -lzstd -lopenblas -ldl -lm -pthread
 TESTLIBS := -lcmocka
 
@@ -36,7 +36,7 @@ DAEMON   := $(if $(DAEMON_SRC),$(BUILD)/kvtierd)
 TOOLS    := $(TOOL_SRC:tools/%.c=$(BUILD)/%)
 TESTS    := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 
-.PHONY: all deps deps-test test soak check-sanitize run bench clean cuda
+.PHONY: all deps deps-test test soak check-sanitize run bench clean cuda install uninstall FORCE
 # Objects are intermediates of the pattern rules; keep them so a second
 # `make test` rebuilds nothing.
 .SECONDARY:
@@ -52,6 +52,20 @@ $(TEST_SRC:%.c=$(BUILD)/obj/%.o): | deps-test
 
 deps-test:
 	@tools/deps.sh test
+
+# One version string for every binary (util/version.h): the VERSION file,
+# and `git describe` when built from a git tree.  The header is rewritten
+# only when the string changes, so an unchanged tree relinks nothing.
+KVTIER_RELEASE := $(shell cat VERSION)
+GIT_DESCRIBE   := $(shell git describe --tags --always --dirty 2>/dev/null)
+KVTIER_VERSION := $(KVTIER_RELEASE)$(if $(GIT_DESCRIBE), (git $(GIT_DESCRIBE)))
+VERSION_H      := $(BUILD)/gen/kvtier_version.h
+$(VERSION_H): FORCE
+	@mkdir -p $(dir $@)
+	@printf '#define KVTIER_VERSION "%s"\n' '$(KVTIER_VERSION)' > $@.tmp
+	@if cmp -s $@.tmp $@; then rm $@.tmp; else mv $@.tmp $@; fi
+$(BUILD)/obj/util/version.o: $(VERSION_H)
+FORCE:
 
 $(BUILD)/obj/%_avx2.o: %_avx2.c
 	@mkdir -p $(dir $@)
@@ -118,5 +132,6 @@ clean:
 
 # make fuzz / make fuzz-ci: libFuzzer harnesses (tests/fuzz/fuzz.mk says how).
 include tests/fuzz/fuzz.mk
+$(FUZZ_BUILD)/obj/util/version.o: $(VERSION_H)
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
