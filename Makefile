@@ -10,7 +10,7 @@ SANITIZE ?= 0
 CUDA    ?= 0
 
 CFLAGS  := -std=c11 -g -O2 -Wall -Wextra -Werror -Wstrict-prototypes -Wshadow -fPIC -pthread
-CPPFLAGS := -D_GNU_SOURCE -MMD -MP -I. -I$(BUILD)/gen
+CPPFLAGS := -D_GNU_SOURCE -MMD -MP -I.
 LDLIBS  := -lhwloc -ljansson -lpcre2-8 -lxxhash -lmicrohttpd -luring -lzstd -lopenblas -ldl -lm -pthread
 TESTLIBS := -lcmocka
 
@@ -54,17 +54,18 @@ deps-test:
 	@tools/deps.sh test
 
 # One version string for every binary (util/version.h): the VERSION file,
-# and `git describe` when built from a git tree.  The header is rewritten
+# and `git describe` when built from a git tree.  The stamp is rewritten
 # only when the string changes, so an unchanged tree relinks nothing.
 KVTIER_RELEASE := $(shell cat VERSION)
 GIT_DESCRIBE   := $(shell git describe --tags --always --dirty 2>/dev/null)
 KVTIER_VERSION := $(KVTIER_RELEASE)$(if $(GIT_DESCRIBE), (git $(GIT_DESCRIBE)))
-VERSION_H      := $(BUILD)/gen/kvtier_version.h
-$(VERSION_H): FORCE
+VERSION_STAMP  := $(BUILD)/version.txt
+$(VERSION_STAMP): FORCE
 	@mkdir -p $(dir $@)
-	@printf '#define KVTIER_VERSION "%s"\n' '$(KVTIER_VERSION)' > $@.tmp
+	@echo '$(KVTIER_VERSION)' > $@.tmp
 	@if cmp -s $@.tmp $@; then rm $@.tmp; else mv $@.tmp $@; fi
-$(BUILD)/obj/util/version.o: $(VERSION_H)
+$(BUILD)/obj/util/version.o: $(VERSION_STAMP)
+$(BUILD)/obj/util/version.o: CPPFLAGS += -DKVTIER_VERSION='"$(KVTIER_VERSION)"'
 FORCE:
 
 $(BUILD)/obj/%_avx2.o: %_avx2.c
@@ -132,6 +133,7 @@ clean:
 
 # make fuzz / make fuzz-ci: libFuzzer harnesses (tests/fuzz/fuzz.mk says how).
 include tests/fuzz/fuzz.mk
-$(FUZZ_BUILD)/obj/util/version.o: $(VERSION_H)
+$(FUZZ_BUILD)/obj/util/version.o: $(VERSION_STAMP)
+$(FUZZ_BUILD)/obj/util/version.o: CPPFLAGS += -DKVTIER_VERSION='"$(KVTIER_VERSION)"'
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -117,6 +117,9 @@ static const char *default_model_dir(char *buf, size_t cap)
         int k = snprintf(buf, cap, "%s/%s%s", exe, rel[i], cfg);
         if (k > 0 && (size_t)k < cap && access(buf, R_OK) == 0) {
             buf[(size_t)k - strlen(cfg)] = '\0';
+            char real[PATH_MAX]; /* the log names the model without "bin/.." */
+            if (realpath(buf, real) && strlen(real) < cap)
+                memcpy(buf, real, strlen(real) + 1);
             return buf;
         }
     }

@@ -563,6 +563,13 @@ static void on_sweep(void *data)
     struct server *s = data;
     double now = clock_ms(), grace = s->cfg->header_timeout_s * 1e3;
     watch_progress(s, now);
+    if (!s->ready) { /* systemctl status shows how far the load is */
+        struct engine_load l = engine_load_progress(s->eng);
+        char msg[128];
+        snprintf(msg, sizeof(msg), "STATUS=Loading model: %s, %.0f of %.0f MiB read", l.phase,
+                 l.bytes_done / 1048576.0, l.bytes_total / 1048576.0);
+        sd_notify_msg(msg);
+    }
     for (struct conn *c = s->conns; c; c = c->next) {
         struct req *r = c->req;
         if (!r && c->head_since && now - c->head_since > grace)

@@ -3,7 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "kvtier_version.h" /* generated: BUILD/kvtier_version.h */
+/* KVTIER_VERSION comes from the Makefile (VERSION and git describe) */
 
 const char *kvtier_version(void)
 {

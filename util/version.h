@@ -1,7 +1,7 @@
 /* version.h - the one version string every binary prints for --version:
  * the release in the VERSION file, plus `git describe` of the tree it was
- * built from when there is one (the Makefile writes both into
- * BUILD/kvtier_version.h). */
+ * built from when there is one (the Makefile defines KVTIER_VERSION for
+ * util/version.c alone, so a new commit recompiles one file). */
 #ifndef KVTIER_VERSION_H
 #define KVTIER_VERSION_H
 
