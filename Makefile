@@ -131,6 +131,57 @@ bench: all
 clean:
 	rm -rf build
 
+# make install [PREFIX=/usr/local] [DESTDIR=staging]: the daemon, the CLI and
+# the model tools, the built-in model (kvtierd finds it from its own path as
+# ../share/kvtier/builtin), systemd units (system and user) and the sysusers
+# file, man pages, and the client library with its header and kvtier.pc
+# when one is built (CLIENT_LIB, CLIENT_HEADER; CLIENT_REQUIRES: the
+# pkg-config modules a static link of it needs).  docs/operations.md.
+PREFIX      ?= /usr/local
+BINDIR      ?= $(PREFIX)/bin
+LIBDIR      ?= $(PREFIX)/lib
+INCLUDEDIR  ?= $(PREFIX)/include
+DATADIR     ?= $(PREFIX)/share/kvtier
+MANDIR      ?= $(PREFIX)/share/man
+UNITDIR     ?= $(PREFIX)/lib/systemd/system
+USERUNITDIR ?= $(PREFIX)/lib/systemd/user
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+INSTALL_BINS  := kvtierd kvtier kvtier-run kvtier-ppl
+BUILTIN_FILES := config.json generation_config.json model.safetensors tokenizer.json tokenizer_config.json
+UNITS         := kvtierd.service kvtierd.socket
+CLIENT_LIB      ?= $(wildcard $(BUILD)/libkvtier-client.a $(BUILD)/libkvtier-client.so)
+CLIENT_HEADER   ?= $(wildcard include/kvtier/client.h)
+CLIENT_REQUIRES ?=
+SUBST = sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' \
+	-e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@VERSION@|$(KVTIER_RELEASE)|g' -e 's|@CLIENT_REQUIRES@|$(CLIENT_REQUIRES)|g'
+
+install: $(INSTALL_BINS:%=$(BUILD)/%)
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(DATADIR)/builtin $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
+		$(DESTDIR)$(UNITDIR) $(DESTDIR)$(USERUNITDIR) $(DESTDIR)$(SYSUSERSDIR)
+	install -m 0755 $^ $(DESTDIR)$(BINDIR)/
+	install -m 0644 $(BUILTIN_FILES:%=model/builtin/%) $(DESTDIR)$(DATADIR)/builtin/
+	install -m 0644 dist/man/kvtier.1 $(DESTDIR)$(MANDIR)/man1/
+	install -m 0644 dist/man/kvtierd.8 $(DESTDIR)$(MANDIR)/man8/
+	for u in $(UNITS); do \
+		$(SUBST) dist/systemd/system/$$u > $(DESTDIR)$(UNITDIR)/$$u && \
+		$(SUBST) dist/systemd/user/$$u > $(DESTDIR)$(USERUNITDIR)/$$u || exit 1; done
+	install -m 0644 dist/systemd/kvtier.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvtier.conf
+ifneq ($(strip $(CLIENT_LIB)),)
+	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR)/kvtier
+	install -m 0644 $(CLIENT_LIB) $(DESTDIR)$(LIBDIR)/
+	install -m 0644 $(CLIENT_HEADER) $(DESTDIR)$(INCLUDEDIR)/kvtier/client.h
+	$(SUBST) dist/kvtier.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/kvtier.pc
+endif
+
+uninstall:
+	rm -f $(INSTALL_BINS:%=$(DESTDIR)$(BINDIR)/%) $(BUILTIN_FILES:%=$(DESTDIR)$(DATADIR)/builtin/%) \
+		$(DESTDIR)$(MANDIR)/man1/kvtier.1 $(DESTDIR)$(MANDIR)/man8/kvtierd.8 \
+		$(UNITS:%=$(DESTDIR)$(UNITDIR)/%) $(UNITS:%=$(DESTDIR)$(USERUNITDIR)/%) $(DESTDIR)$(SYSUSERSDIR)/kvtier.conf \
+		$(DESTDIR)$(LIBDIR)/libkvtier-client.a $(DESTDIR)$(LIBDIR)/libkvtier-client.so \
+		$(addprefix $(DESTDIR)$(LIBDIR)/,$(notdir $(CLIENT_LIB))) \
+		$(DESTDIR)$(INCLUDEDIR)/kvtier/client.h $(DESTDIR)$(LIBDIR)/pkgconfig/kvtier.pc
+	rmdir $(DESTDIR)$(DATADIR)/builtin $(DESTDIR)$(DATADIR) $(DESTDIR)$(INCLUDEDIR)/kvtier 2>/dev/null || true
+
 # make fuzz / make fuzz-ci: libFuzzer harnesses (tests/fuzz/fuzz.mk says how).
 include tests/fuzz/fuzz.mk
 $(FUZZ_BUILD)/obj/util/version.o: $(VERSION_STAMP)
