@@ -9,6 +9,7 @@ request faults them in; while loading, Rss keeps up with the bytes
 time."""
 import os
 import re
+import socket
 import time
 
 from daemon_harness import Daemon, check
@@ -33,7 +34,12 @@ def mapping_kb(pid, path):
     return size_kb, rss_kb
 
 
-d = Daemon(model=MODEL).start(wait=False, extra_env={"KVTIER_TEST_LOAD_DELAY_MS": "60"})
+d = Daemon(model=MODEL)
+notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+notify.bind(os.path.join(d.tmp, "notify.sock"))
+notify.settimeout(0)
+# about 1.5 s of loading: at least one of the once-a-second STATUS lines
+d.start(wait=False, extra_env={"KVTIER_TEST_LOAD_DELAY_MS": "150", "NOTIFY_SOCKET": os.path.join(d.tmp, "notify.sock")})
 loading = []
 t_end = time.time() + 60
 while time.time() < t_end:
@@ -74,7 +80,19 @@ text = m.decode() if isinstance(m, bytes) else str(m)
 check('kvtier_model_load_bytes{kind="done"} %d' % size in text and
       'kvtier_model_load_bytes{kind="total"} %d' % size in text, "/metrics: the bytes read at load")
 secs = float(re.search(r"^kvtier_model_load_seconds (\S+)$", text, re.M).group(1))
-check(secs >= 0.06 * (size >> 20), "/metrics: the load took the hook's pauses at least (%.2f s)" % secs)
+check(secs >= 0.15 * (size >> 20), "/metrics: the load took the hook's pauses at least (%.2f s)" % secs)
+
+msgs = []
+while True:
+    try:
+        msgs.append(notify.recv(4096).decode())
+    except BlockingIOError:
+        break
+loading_msgs = [m for m in msgs if m.startswith("STATUS=Loading model: ")]
+check(loading_msgs and "READY=1" in msgs[-1] and all("READY=1" not in m for m in msgs[:-1]),
+      "sd_notify: STATUS lines with the load's progress, then READY=1: %s" % msgs)
+check(any("MiB read" in m and "EXTEND_TIMEOUT_USEC=60000000" in m for m in loading_msgs),
+      "while the read moves on, systemd's start timeout is extended: %s" % loading_msgs)
 
 code, r = d.post("/v1/completions", {"prompt": "In the beginning", "max_tokens": 4, "temperature": 0})
 check(code == 200 and r["usage"]["completion_tokens"] == 4, "the first request: %s" % str(r)[:200])
