@@ -1087,12 +1087,14 @@ static void load_progress(void *arg, uint64_t done, uint64_t total)
  * the backend's thread pool and scratch buffers come into being here
  * instead of in the first request.  The sequence is static, one token: its
  * extent is freed with it, while a dynamic one would leave the KV pool
- * grown by a chunk, so the daemon's idle memory is what it was.  It
- * touches no session and no statistic. */
+ * grown by a chunk, so the daemon's idle memory is what it was.  A window
+ * of one on every layer keeps one token valid for a model whose layers
+ * all slide (the store refuses a static cache shorter than their window).
+ * It touches no session and no statistic. */
 static bool warm_up(engine *e, char *err)
 {
     load_phase(e, "warmup");
-    struct kv_seq_params p = {.strategy = KV_STATIC, .max_cache_len = 1, .no_prefix_cache = true};
+    struct kv_seq_params p = {.strategy = KV_STATIC, .max_cache_len = 1, .window_length = 1, .no_prefix_cache = true};
     kv_seq *kv = NULL;
     int32_t tok = tokenizer_bos_id(e->tok) >= 0 ? tokenizer_bos_id(e->tok) : 0;
     enum tier_status ts = kv_seq_create(e->store, &p, &kv);
