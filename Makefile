@@ -48,7 +48,7 @@ CLIENT_LDLIBS := -lcurl -ljansson -pthread
 # the kvtier CLI's own files beside tools/kvtier.c (chat, top)
 CLI_OBJ       := $(patsubst %.c,$(BUILD)/obj/%.o,$(wildcard tools/kvtier/*.c))
 
-.PHONY: all deps deps-test test soak check-sanitize run bench clean cuda
+.PHONY: all deps deps-test test soak check-sanitize run bench clean cuda install uninstall FORCE
 # Objects are intermediates of the pattern rules; keep them so a second
 # `make test` rebuilds nothing.
 .SECONDARY:
@@ -64,6 +64,21 @@ $(TEST_SRC:%.c=$(BUILD)/obj/%.o): | deps-test
 
 deps-test:
 	@tools/deps.sh test
+
+# One version string for every binary (util/version.h): the VERSION file,
+# and `git describe` when built from a git tree.  The stamp is rewritten
+# only when the string changes, so an unchanged tree relinks nothing.
+KVTIER_RELEASE := $(shell cat VERSION)
+GIT_DESCRIBE   := $(shell git describe --tags --always --dirty 2>/dev/null)
+KVTIER_VERSION := $(KVTIER_RELEASE)$(if $(GIT_DESCRIBE), (git $(GIT_DESCRIBE)))
+VERSION_STAMP  := $(BUILD)/version.txt
+$(VERSION_STAMP): FORCE
+	@mkdir -p $(dir $@)
+	@echo '$(KVTIER_VERSION)' > $@.tmp
+	@if cmp -s $@.tmp $@; then rm $@.tmp; else mv $@.tmp $@; fi
+$(BUILD)/obj/util/version.o: $(VERSION_STAMP)
+$(BUILD)/obj/util/version.o: CPPFLAGS += -DKVTIER_VERSION='"$(KVTIER_VERSION)"'
+FORCE:
 
 $(BUILD)/obj/%_avx2.o: %_avx2.c
 	@mkdir -p $(dir $@)
@@ -146,7 +161,58 @@ bench: all
 clean:
 	rm -rf build
 
+# make install [PREFIX=/usr/local] [DESTDIR=staging]: the daemon, the CLI and
+# the model tools, the built-in model (kvtierd finds it from its own path as
+# ../share/kvtier/builtin), systemd units (system and user) and the sysusers
+# file, man pages, and the client library (static and shared) with its
+# header and kvtier.pc.  docs/operations.md.
+PREFIX      ?= /usr/local
+BINDIR      ?= $(PREFIX)/bin
+LIBDIR      ?= $(PREFIX)/lib
+INCLUDEDIR  ?= $(PREFIX)/include
+DATADIR     ?= $(PREFIX)/share/kvtier
+MANDIR      ?= $(PREFIX)/share/man
+UNITDIR     ?= $(PREFIX)/lib/systemd/system
+USERUNITDIR ?= $(PREFIX)/lib/systemd/user
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+INSTALL_BINS  := kvtierd kvtier kvtier-run kvtier-ppl
+BUILTIN_FILES := config.json generation_config.json model.safetensors tokenizer.json tokenizer_config.json
+UNITS         := kvtierd.service kvtierd.socket
+# the pkg-config modules a static link of the client library needs
+CLIENT_REQUIRES := libcurl jansson
+SUBST = sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' \
+	-e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@VERSION@|$(KVTIER_RELEASE)|g' -e 's|@CLIENT_REQUIRES@|$(CLIENT_REQUIRES)|g'
+
+install: $(INSTALL_BINS:%=$(BUILD)/%) $(CLIENT_LIB) $(BUILD)/$(CLIENT_SONAME)
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(DATADIR)/builtin $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
+		$(DESTDIR)$(UNITDIR) $(DESTDIR)$(USERUNITDIR) $(DESTDIR)$(SYSUSERSDIR) \
+		$(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR)/kvtier
+	install -m 0755 $(INSTALL_BINS:%=$(BUILD)/%) $(DESTDIR)$(BINDIR)/
+	install -m 0644 $(BUILTIN_FILES:%=model/builtin/%) $(DESTDIR)$(DATADIR)/builtin/
+	install -m 0644 dist/man/kvtier.1 $(DESTDIR)$(MANDIR)/man1/
+	install -m 0644 dist/man/kvtierd.8 $(DESTDIR)$(MANDIR)/man8/
+	for u in $(UNITS); do \
+		$(SUBST) dist/systemd/system/$$u > $(DESTDIR)$(UNITDIR)/$$u && \
+		$(SUBST) dist/systemd/user/$$u > $(DESTDIR)$(USERUNITDIR)/$$u || exit 1; done
+	install -m 0644 dist/systemd/kvtier.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvtier.conf
+	install -m 0644 $(CLIENT_LIB) $(DESTDIR)$(LIBDIR)/
+	install -m 0755 $(BUILD)/$(CLIENT_SONAME) $(DESTDIR)$(LIBDIR)/
+	ln -sf $(CLIENT_SONAME) $(DESTDIR)$(LIBDIR)/libkvtier-client.so
+	install -m 0644 client/kvtier/client.h $(DESTDIR)$(INCLUDEDIR)/kvtier/client.h
+	$(SUBST) dist/kvtier.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/kvtier.pc
+
+uninstall:
+	rm -f $(INSTALL_BINS:%=$(DESTDIR)$(BINDIR)/%) $(BUILTIN_FILES:%=$(DESTDIR)$(DATADIR)/builtin/%) \
+		$(DESTDIR)$(MANDIR)/man1/kvtier.1 $(DESTDIR)$(MANDIR)/man8/kvtierd.8 \
+		$(UNITS:%=$(DESTDIR)$(UNITDIR)/%) $(UNITS:%=$(DESTDIR)$(USERUNITDIR)/%) $(DESTDIR)$(SYSUSERSDIR)/kvtier.conf \
+		$(DESTDIR)$(LIBDIR)/libkvtier-client.a $(DESTDIR)$(LIBDIR)/libkvtier-client.so \
+		$(DESTDIR)$(LIBDIR)/$(CLIENT_SONAME) \
+		$(DESTDIR)$(INCLUDEDIR)/kvtier/client.h $(DESTDIR)$(LIBDIR)/pkgconfig/kvtier.pc
+	rmdir $(DESTDIR)$(DATADIR)/builtin $(DESTDIR)$(DATADIR) $(DESTDIR)$(INCLUDEDIR)/kvtier 2>/dev/null || true
+
 # make fuzz / make fuzz-ci: libFuzzer harnesses (tests/fuzz/fuzz.mk says how).
 include tests/fuzz/fuzz.mk
+$(FUZZ_BUILD)/obj/util/version.o: $(VERSION_STAMP)
+$(FUZZ_BUILD)/obj/util/version.o: CPPFLAGS += -DKVTIER_VERSION='"$(KVTIER_VERSION)"'
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

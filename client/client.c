@@ -585,17 +585,11 @@ enum kvtier_status kvtier_session_delete(kvtier_client *c, const char *id)
 
 /* ---- health --------------------------------------------------------------- */
 
-/* The first integer member of o among names, or -1. */
-static long long first_int(const json_t *o, const char *const *names)
+/* A byte count member of o, or -1. */
+static long long byte_count(const json_t *o, const char *name)
 {
-    for (; *names; names++) {
-        const json_t *v = json_object_get(o, *names);
-        if (json_is_integer(v) && json_integer_value(v) >= 0)
-            return json_integer_value(v);
-        if (json_is_real(v) && json_real_value(v) >= 0 && json_real_value(v) < 9e18)
-            return (long long)json_real_value(v);
-    }
-    return -1;
+    const json_t *v = json_object_get(o, name);
+    return json_is_integer(v) && json_integer_value(v) >= 0 ? (long long)json_integer_value(v) : -1;
 }
 
 enum kvtier_status kvtier_health(kvtier_client *c, struct kvtier_health *h)
@@ -614,13 +608,10 @@ enum kvtier_status kvtier_health(kvtier_client *c, struct kvtier_health *h)
     } else {
         h->ready = r.status == 200;
         snprintf(h->status, sizeof(h->status), "%s", s);
-        /* loading progress, in whichever of these spellings the daemon uses:
-         * a "loading" object, or the same fields at the top level */
-        static const char *const done[] = {"bytes_read", "loaded_bytes", "read_bytes", "bytes_loaded", "done", NULL};
-        static const char *const total[] = {"bytes_total", "total_bytes", "total", NULL};
-        const json_t *l = json_is_object(json_object_get(o, "loading")) ? json_object_get(o, "loading") : o;
-        h->loaded_bytes = first_int(l, done);
-        h->total_bytes = first_int(l, total);
+        /* while the model loads: {"loading": {"bytes_done": N, "bytes_total": M, ...}} */
+        const json_t *l = json_object_get(o, "loading");
+        h->loaded_bytes = byte_count(l, "bytes_done");
+        h->total_bytes = byte_count(l, "bytes_total");
         if (h->total_bytes <= 0 || h->loaded_bytes < 0 || h->loaded_bytes > h->total_bytes)
             h->loaded_bytes = h->total_bytes = -1;
     }

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "util/log.h"
+#include "util/args.h"
 #include "util/clock.h"
 
 static void wake(engine *e)
@@ -1066,18 +1067,70 @@ static void fail_everything(engine *e)
         retire(e, e->active);
 }
 
+static void load_phase(engine *e, const char *phase)
+{
+    pthread_mutex_lock(&e->mu);
+    e->load.phase = phase;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void load_progress(void *arg, uint64_t done, uint64_t total)
+{
+    engine *e = arg;
+    pthread_mutex_lock(&e->mu);
+    e->load.phase = "weights";
+    e->load.bytes_done = done;
+    e->load.bytes_total = total;
+    pthread_mutex_unlock(&e->mu);
+    if (e->load_delay_ms && done < total)
+        usleep((useconds_t)e->load_delay_ms * 1000);
+}
+
+/* One token through a throwaway sequence, before the daemon says ready:
+ * the backend's thread pool and scratch buffers come into being here
+ * instead of in the first request.  The sequence is static, one token: its
+ * extent is freed with it, while a dynamic one would leave the KV pool
+ * grown by a chunk, so the daemon's idle memory is what it was.  A window
+ * of one on every layer keeps one token valid for a model whose layers
+ * all slide (the store refuses a static cache shorter than their window).
+ * It touches no session and no statistic. */
+static bool warm_up(engine *e, char *err)
+{
+    load_phase(e, "warmup");
+    struct kv_seq_params p = {.strategy = KV_STATIC, .max_cache_len = 1, .window_length = 1, .no_prefix_cache = true};
+    kv_seq *kv = NULL;
+    int32_t tok = tokenizer_bos_id(e->tok) >= 0 ? tokenizer_bos_id(e->tok) : 0;
+    enum tier_status ts = kv_seq_create(e->store, &p, &kv);
+    if (ts != TIER_OK) {
+        snprintf(err, MODEL_ERR_LEN, "warm-up: cannot open a KV sequence: %s", kv_store_errmsg(e->store));
+        return false;
+    }
+    struct fw_seq f = {.kv = kv, .tokens = &tok, .n_tokens = 1, .logits = e->logits};
+    double t = clock_ms();
+    enum model_status st = model_forward(e->m, &f, 1);
+    kv_seq_free(kv);
+    if (st != MODEL_OK)
+        snprintf(err, MODEL_ERR_LEN, "warm-up: a forward pass of one token failed: %s", model_strerror(st));
+    else
+        log_msg(LOG_INFO, "warm-up: a forward pass of one token in %.1f ms", clock_ms() - t);
+    return st == MODEL_OK;
+}
+
 static bool load(engine *e)
 {
     char err[MODEL_ERR_LEN] = "";
     struct runtime_params rp = {.backend = e->cfg.backend,
                                 .be = {.n_threads = e->cfg.n_threads, .device_mem = e->cfg.device_mem},
                                 .model = {.max_batch_tokens = e->cfg.batch_tokens, .verify_weights = e->cfg.verify_weights,
-                                          .kv_dtype = e->cfg.kv_dtype, .weights = e->cfg.weights},
+                                          .kv_dtype = e->cfg.kv_dtype, .weights = e->cfg.weights,
+                                          .page_in = load_progress, .page_in_arg = e},
                                 .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache},
                                 .size_seqs = e->cfg.max_seqs, .size_ctx = e->cfg.ctx};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);
         e->state = ENGINE_FAILED;
+        e->load.phase = "failed";
+        e->load.seconds = (clock_ms() - e->load_t0) / 1e3;
         snprintf(e->state_msg, sizeof(e->state_msg), "%s", err[0] ? err : "model load failed");
         pthread_mutex_unlock(&e->mu);
         return false;
@@ -1141,22 +1194,26 @@ static bool load(engine *e)
     e->scratch = malloc((size_t)e->vocab * sizeof(*e->scratch));
     e->share = malloc((size_t)e->vocab * sizeof(*e->share));
     e->share_tmp = malloc((size_t)e->vocab * sizeof(*e->share_tmp));
-    disk_open(e);
+    bool ok = e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch && e->share && e->share_tmp;
+    if (!ok)
+        snprintf(err, sizeof(err), "no host memory for %d sequences' logits", e->cfg.max_seqs);
+    ok = ok && warm_up(e, err);
+    if (ok)
+        disk_open(e);
     pthread_mutex_lock(&e->mu);
-    if (e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch && e->share && e->share_tmp) {
-        e->state = ENGINE_READY;
-    } else {
-        e->state = ENGINE_FAILED;
-        snprintf(e->state_msg, sizeof(e->state_msg), "no host memory for %d sequences' logits", e->cfg.max_seqs);
-    }
+    e->state = ok ? ENGINE_READY : ENGINE_FAILED;
+    e->load.phase = ok ? "ready" : "failed";
+    e->load.seconds = (clock_ms() - e->load_t0) / 1e3;
+    if (!ok)
+        snprintf(e->state_msg, sizeof(e->state_msg), "%s", err);
     pthread_mutex_unlock(&e->mu);
-    return e->state == ENGINE_READY;
+    return ok;
 }
 
 static void *engine_main(void *arg)
 {
     engine *e = arg;
-    double t = clock_ms();
+    double t = e->load_t0;
     bool ok = load(e);
     if (ok) {
         publish(e, 0); /* /metrics shows the device bytes the model holds from the start */
@@ -1180,6 +1237,11 @@ enum ipc_status engine_create(const struct engine_config *cfg, int wake_fd, engi
     e->cfg = *cfg;
     e->wake_fd = wake_fd;
     e->queue_tail = &e->queue;
+    e->load = (struct engine_load){.phase = "model"};
+    e->load_t0 = clock_ms();
+    const char *delay = getenv("KVTIER_TEST_LOAD_DELAY_MS");
+    if (delay && !args_int(delay, 0, 1000, &e->load_delay_ms))
+        e->load_delay_ms = 0;
     pthread_mutex_init(&e->mu, NULL);
     /* monotonic: the loop sleeps until the next idle session is due to spill */
     pthread_condattr_t ca;
@@ -1231,6 +1293,16 @@ enum engine_state engine_state(engine *e, char *msg, size_t cap)
         snprintf(msg, cap, "%s", e->state_msg);
     pthread_mutex_unlock(&e->mu);
     return s;
+}
+
+struct engine_load engine_load_progress(engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    struct engine_load l = e->load;
+    if (e->state == ENGINE_LOADING)
+        l.seconds = (clock_ms() - e->load_t0) / 1e3;
+    pthread_mutex_unlock(&e->mu);
+    return l;
 }
 
 const tokenizer *engine_tokenizer(const engine *e)

@@ -181,6 +181,18 @@ void engine_free(engine *e);
 enum engine_state { ENGINE_LOADING = 0, ENGINE_READY, ENGINE_FAILED };
 enum engine_state engine_state(engine *e, char *msg, size_t cap);
 
+/* How far the load is.  Phases, in order: "model" (config, tokenizer, the
+ * files mapped), "weights" (every page of the files read into memory and
+ * mapped: bytes_done of bytes_total), "warmup" (one forward pass of one
+ * token, so the first request pays no first-call costs), then "ready" (or
+ * "failed").  seconds: since the load began, or what it took once over. */
+struct engine_load {
+    const char *phase;
+    uint64_t bytes_done, bytes_total;
+    double seconds;
+};
+struct engine_load engine_load_progress(engine *e);
+
 /* Valid once ENGINE_READY; the tokenizer is read-only and safe from any thread. */
 const tokenizer *engine_tokenizer(const engine *e);
 const struct model_config *engine_model_config(const engine *e);

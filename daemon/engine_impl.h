@@ -54,6 +54,9 @@ struct engine {
     pthread_cond_t cv;
     enum engine_state state;
     char state_msg[MODEL_ERR_LEN];
+    struct engine_load load; /* seconds: clock_ms() at the start until the load is over */
+    double load_t0;
+    int load_delay_ms; /* test hook KVTIER_TEST_LOAD_DELAY_MS: a pause per chunk of weights read */
     bool stopping, draining;
     struct job *queue, **queue_tail; /* waiting for admission */
     int n_queued;

@@ -1,5 +1,6 @@
 /* h_info.c - what the daemon says about itself: /health (200 once the
- * model is loaded, 503 while loading, failed, stalled or draining), /v1/models, and
+ * model is loaded, 503 while loading (with the load's progress), failed,
+ * stalled or draining), /v1/models, and
  * /metrics in Prometheus text format. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,12 +21,16 @@ enum MHD_Result h_health(struct req *r, const char *arg)
                  r->srv->cfg->stall_timeout_s);
         st = ENGINE_FAILED;
     }
-    const char *what = st == ENGINE_LOADING ? "loading" : r->srv->stalled && !r->srv->draining ? "stalled"
-                       : st == ENGINE_FAILED ? "failed" : "draining";
+    if (st == ENGINE_LOADING) {
+        struct engine_load l = engine_load_progress(r->srv->eng);
+        return reply_json(r, 503, json_pack("{s:s,s:{s:s,s:I,s:I,s:f},s:{s:i,s:s,s:s}}", "status", "loading",
+                                            "loading", "phase", l.phase, "bytes_done", (json_int_t)l.bytes_done,
+                                            "bytes_total", (json_int_t)l.bytes_total, "seconds", l.seconds, "error",
+                                            "code", 503, "message", "Loading model", "type", "unavailable_error"));
+    }
+    const char *what = r->srv->stalled && !r->srv->draining ? "stalled" : st == ENGINE_FAILED ? "failed" : "draining";
     return reply_json(r, 503, json_pack("{s:s,s:{s:i,s:s,s:s}}", "status", what, "error", "code", 503, "message",
-                                        st == ENGINE_LOADING ? "Loading model" : st == ENGINE_FAILED ? msg
-                                                                                                    : "Shutting down",
-                                        "type", "unavailable_error"));
+                                        st == ENGINE_FAILED ? msg : "Shutting down", "type", "unavailable_error"));
 }
 
 /* The served model as OpenAI's model object. */
@@ -148,6 +153,12 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
                    (unsigned long long)st.errors[k]);
     metric(&w, "process_start_time_seconds", "gauge", "Start time of kvtierd (Unix seconds).", NULL,
            (double)s->started);
+    struct engine_load l = engine_load_progress(s->eng);
+    metric(&w, "model_load_bytes", "gauge", "Bytes of the model's files read into memory at load, and their total.",
+           "{kind=\"done\"}", (double)l.bytes_done);
+    metric(&w, "model_load_bytes", "gauge", NULL, "{kind=\"total\"}", (double)l.bytes_total);
+    metric(&w, "model_load_seconds", "gauge", "Seconds the load took, warm-up included (so far, while loading).",
+           NULL, l.seconds);
     if (w.failed) {
         free(w.p);
         return MHD_NO;

@@ -145,6 +145,7 @@ struct server {
     bool ready, draining, aborted, stopping;
     bool stalled;        /* work waits and no step completed for --stall-timeout */
     uint64_t last_steps; /* the engine's step count at progress_at */
+    uint64_t load_seen;  /* the load's bytes_done at the last sweep (systemd's start timeout) */
     double progress_at;  /* clock_ms() of the last step seen, or of idleness */
     enum server_exit rc;
     time_t started;

@@ -20,6 +20,7 @@
 #include "daemon/server.h"
 #include "daemon/sock.h"
 #include "util/args.h"
+#include "util/version.h"
 #include "ipc/sockpath.h"
 
 enum { EXIT_USAGE = 2, EXIT_MODEL = 3, EXIT_SOCKET = 4 };
@@ -28,8 +29,11 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: kvtierd [options]\n"
-            "  --model DIR          Hugging Face model directory (default $KVTIER_MODEL, else model/builtin)\n"
-            "  --socket PATH        listen here (default $KVTIER_SOCKET, else $XDG_RUNTIME_DIR/kvtier/kvtierd.sock)\n"
+            "  --model DIR          Hugging Face model directory (default $KVTIER_MODEL, else the built-in model\n"
+            "                       beside this binary: ../share/kvtier/builtin, or ../model/builtin in the source tree)\n"
+            "  --socket PATH        listen here (default $KVTIER_SOCKET, else $XDG_RUNTIME_DIR/kvtier/kvtierd.sock,\n"
+            "                       else /run/user/UID/kvtier/kvtierd.sock, else /tmp/kvtier-UID/kvtierd.sock)\n"
+            "  --print-socket       print the socket path these options give, and exit\n"
             "  --system             default to " IPC_SYSTEM_SOCKET " (system service)\n"
             "  --allow-group NAME   also accept members of this group (socket mode 0660)\n"
             "  --listen HOST:PORT   also serve HTTP over TCP (off by default; a bare PORT is 127.0.0.1)\n"
@@ -74,6 +78,7 @@ static void usage(FILE *f)
             "  --stall-timeout S    /health says stalled when work waits and no step completes for S s (default 120)\n"
             "  --log FILE           log here instead of stderr (reopened on SIGHUP)\n"
             "  --verbose            debug log lines\n"
+            "  --version\n"
             "  --help\n");
 }
 
@@ -96,6 +101,41 @@ static const char *default_disk_dir(bool system, char *buf, size_t cap)
     return n > 0 && (size_t)n < cap ? buf : NULL;
 }
 
+/* The built-in model, found from the binary's own path so the daemon starts
+ * from any directory: installed as PREFIX/bin/kvtierd with the model in
+ * PREFIX/share/kvtier/builtin, or built in the source tree as build/kvtierd
+ * (build/asan/kvtierd) beside model/builtin.  Without one that exists, the
+ * first candidate, so the load error names where it was looked for. */
+static const char *default_model_dir(char *buf, size_t cap)
+{
+    static const char *const rel[] = {"../share/kvtier/builtin", "../model/builtin", "../../model/builtin"};
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n <= 0)
+        return "model/builtin";
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (!slash)
+        return "model/builtin";
+    *slash = '\0';
+    static const char cfg[] = "/config.json";
+    for (size_t i = 0; i < sizeof(rel) / sizeof(rel[0]); i++) {
+        int k = snprintf(buf, cap, "%s/%s%s", exe, rel[i], cfg);
+        if (k > 0 && (size_t)k < cap && access(buf, R_OK) == 0) {
+            buf[(size_t)k - strlen(cfg)] = '\0';
+            char real[PATH_MAX]; /* the log names the model without "bin/.." */
+            if (realpath(buf, real) && strlen(real) < cap)
+                memcpy(buf, real, strlen(real) + 1);
+            return buf;
+        }
+    }
+    int k = snprintf(buf, cap, "%s/%s%s", exe, rel[0], cfg);
+    if (k <= 0 || (size_t)k >= cap)
+        return "model/builtin";
+    buf[(size_t)k - strlen(cfg)] = '\0';
+    return buf;
+}
+
 static int sig_write_fd = -1;
 
 static void on_signal(int sig)
@@ -111,7 +151,7 @@ static void on_signal(int sig)
 int main(int argc, char **argv)
 {
     const char *env_model = getenv("KVTIER_MODEL");
-    struct engine_config ec = {.model_dir = env_model && *env_model ? env_model : "model/builtin", .backend = "cpu",
+    struct engine_config ec = {.model_dir = env_model && *env_model ? env_model : NULL, .backend = "cpu",
                                .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64,
                                .spill_after_s = 600, .session_ttl_s = 3600};
     struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = SERVER_MAX_N,
@@ -121,12 +161,12 @@ int main(int argc, char **argv)
     const char *sock_flag = NULL, *log_path = NULL, *group = NULL, *disk_dir = NULL;
     const char *listen_flag = NULL, *key_file = NULL;
     static char key_buf[512];
-    bool system = false, verbose = false;
+    bool system = false, verbose = false, print_socket = false;
     enum {
         O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
         O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
         O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE,
-        O_SESSIONTTL
+        O_SESSIONTTL, O_VERSION, O_PRINTSOCK
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -151,6 +191,7 @@ int main(int argc, char **argv)
         {"listen", required_argument, 0, O_LISTEN}, {"api-key", required_argument, 0, O_APIKEY},
         {"api-key-file", required_argument, 0, O_KEYFILE},
         {"session-ttl", required_argument, 0, O_SESSIONTTL},
+        {"version", no_argument, 0, O_VERSION}, {"print-socket", no_argument, 0, O_PRINTSOCK},
         {0, 0, 0, 0}};
     int c;
     bool ok = true;
@@ -200,6 +241,8 @@ int main(int argc, char **argv)
         case O_LOG: log_path = optarg; break;
         case O_VERBOSE: verbose = true; break;
         case O_HELP: usage(stdout); return 0;
+        case O_VERSION: printf("kvtierd %s\n", kvtier_version()); return 0;
+        case O_PRINTSOCK: print_socket = true; break;
         default: ok = false;
         }
         if (!ok && c >= O_MODEL)
@@ -209,6 +252,19 @@ int main(int argc, char **argv)
         usage(stderr);
         return EXIT_USAGE;
     }
+    char path[256];
+    if (print_socket) {
+        struct ipc_error ie;
+        if (ipc_socket_path(sock_flag, system, path, sizeof(path), &ie) != IPC_OK) {
+            fprintf(stderr, "kvtierd: %s\n", ie.msg);
+            return EXIT_SOCKET;
+        }
+        printf("%s\n", path);
+        return 0;
+    }
+    char model_buf[PATH_MAX];
+    if (!ec.model_dir)
+        ec.model_dir = default_model_dir(model_buf, sizeof(model_buf));
     /* below --max-clients, so that one user or one process cannot take every slot */
     if (!sc.max_per_uid)
         sc.max_per_uid = sc.max_clients > 1 ? sc.max_clients - (sc.max_clients + 7) / 8 : 1;
@@ -269,7 +325,7 @@ int main(int argc, char **argv)
     }
     int sig_fd = sig_pipe[0];
 
-    char err[512], path[256];
+    char err[512];
     int listen_fd = sock_activated(err, sizeof(err));
     sc.socket_activated = listen_fd >= 0;
     if (listen_fd == -1) {

@@ -573,6 +573,18 @@ static void on_sweep(void *data)
     struct server *s = data;
     double now = clock_ms(), grace = s->cfg->header_timeout_s * 1e3;
     watch_progress(s, now);
+    if (!s->ready) {
+        /* systemctl status shows how far the load is; while the read moves
+         * on, the unit's start timeout is pushed a minute past now, so the
+         * timeout catches a load that is stuck, not one that is large */
+        struct engine_load l = engine_load_progress(s->eng);
+        char msg[160];
+        snprintf(msg, sizeof(msg), "STATUS=Loading model: %s, %.0f of %.0f MiB read%s", l.phase,
+                 l.bytes_done / 1048576.0, l.bytes_total / 1048576.0,
+                 l.bytes_done > s->load_seen ? "\nEXTEND_TIMEOUT_USEC=60000000" : "");
+        s->load_seen = l.bytes_done;
+        sd_notify_msg(msg);
+    }
     for (struct conn *c = s->conns; c; c = c->next) {
         struct req *r = c->req;
         if (!r && c->head_since && now - c->head_since > grace)

@@ -6,6 +6,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pwd.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "util/args.h"
 #include "util/log.h"
 
 static int fail(char *err, size_t cap, int fd, const char *fmt, const char *path)
@@ -26,8 +28,10 @@ static int fail(char *err, size_t cap, int fd, const char *fmt, const char *path
     return -1;
 }
 
-/* The parent must exist (created here when missing) and be writable by no
- * one but us: the socket's own mode is not a reliable guard everywhere. */
+/* The parent must exist (created here when missing), belong to us or to
+ * root, and be writable by no one but its owner: the socket's own mode is
+ * not a reliable guard everywhere, and in a directory someone else made
+ * (a /tmp fallback) that someone could swap the socket. */
 static int check_dir(const char *path, gid_t gid, char *err, size_t cap)
 {
     char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -51,6 +55,11 @@ static int check_dir(const char *path, gid_t gid, char *err, size_t cap)
         return fail(err, cap, -1, "cannot stat %s: %s", dir);
     if (!S_ISDIR(st.st_mode) || (st.st_mode & S_IWOTH && !(st.st_mode & S_ISVTX))) {
         snprintf(err, cap, "%s is not a directory only its owner can write to", dir);
+        return -1;
+    }
+    if (st.st_uid != geteuid() && st.st_uid != 0) {
+        snprintf(err, cap, "%s belongs to uid %u, neither us (%u) nor root", dir, (unsigned)st.st_uid,
+                 (unsigned)geteuid());
         return -1;
     }
     return 0;
@@ -212,7 +221,9 @@ bool sock_bearer_ok(const char *header, const char *key)
 int sock_activated(char *err, size_t cap)
 {
     const char *pid = getenv("LISTEN_PID"), *fds = getenv("LISTEN_FDS");
-    if (!pid || !fds || strtol(pid, NULL, 10) != (long)getpid() || strtol(fds, NULL, 10) < 1)
+    uint64_t p;
+    int n;
+    if (!pid || !fds || !args_u64(pid, &p) || p != (uint64_t)getpid() || !args_int(fds, 1, 1 << 16, &n))
         return -1;
     unsetenv("LISTEN_PID");
     unsetenv("LISTEN_FDS");

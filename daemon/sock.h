@@ -1,6 +1,9 @@
 /* sock.h - the listening socket (bound by kvtierd or passed by systemd),
- * peer credentials, and the sd_notify protocol, written in-house so the
- * daemon runs the same with and without systemd. */
+ * peer credentials, and the sd_notify protocol.  The two systemd protocols
+ * are written here instead of linking libsystemd, which on Debian 12 would
+ * load liblzma, libgcrypt and three more libraries into the daemon for two
+ * small, stable protocols (docs/operations.md, "Why kvtierd speaks
+ * sd_notify itself"). */
 #ifndef KVTIER_DAEMON_SOCK_H
 #define KVTIER_DAEMON_SOCK_H
 

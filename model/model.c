@@ -470,6 +470,9 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
         m->kv_dtype = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, m->cfg.dtype);
         st = model_files_open(dir, &m->cfg, &m->files, &m->w, err);
     }
+    /* before the passes below read the weights, so they read memory */
+    if (st == MODEL_OK && p && p->page_in)
+        st = model_files_page_in(m->files, p->page_in, p->page_in_arg, err);
     if (st == MODEL_OK && p && p->verify_weights)
         st = model_weights_verify(&m->cfg, &m->w, err);
     m->wfmt = p ? p->weights : MODEL_WEIGHTS_AUTO;

@@ -156,6 +156,18 @@ void model_files_close(model_files *f); /* accepts NULL */
  * --verify-weights); the 1-D tensors are always checked. */
 enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err);
 
+/* Progress of model_files_page_in: bytes of the mapped files read so far
+ * and their total, after each chunk. */
+typedef void (*model_progress_fn)(void *arg, uint64_t done, uint64_t total);
+/* Reads every page of the mapped files into memory and maps it, so that no
+ * forward pass waits for the disk or takes a page fault on the weights;
+ * progress (may be NULL) follows each MODEL_PAGE_IN_CHUNK.  MODEL_EIO names
+ * the file and offset the kernel could not read. */
+#define MODEL_PAGE_IN_CHUNK ((size_t)1 << 20)
+enum model_status model_files_page_in(const model_files *mf, model_progress_fn progress, void *arg, char *err);
+/* The bytes model_files_page_in reads: every mapped file, whole. */
+uint64_t model_files_bytes(const model_files *mf);
+
 struct q8_0_block;
 /* Quantizes every layer's matrices (those it has) to Q8_0 (util/q8.h) in host
  * memory: *blocks holds all of them and *layers a copy of w->layers that
@@ -207,6 +219,11 @@ typedef struct model model;
 struct model_params {
     int max_batch_tokens; /* tokens per forward chunk (activations sized for it); 0 = 256 */
     bool verify_weights;  /* model_weights_verify at load */
+    /* Set: model_load pages the files in (model_files_page_in) before it
+     * returns, reporting here, instead of leaving the first forward pass
+     * to fault the weights in. */
+    model_progress_fn page_in;
+    void *page_in_arg;
     enum model_kv_dtype kv_dtype; /* model_kv_geom's dtype */
     enum model_weights_fmt weights;
 };

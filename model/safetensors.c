@@ -284,6 +284,54 @@ void model_files_close(model_files *mf)
     free(mf);
 }
 
+uint64_t model_files_bytes(const model_files *mf)
+{
+    uint64_t n = 0;
+    for (int i = 0; mf && i < mf->n_files; i++)
+        n += mf->files[i].map_size;
+    return n;
+}
+
+/* One chunk of a mapping into memory and into the page tables.
+ * MADV_POPULATE_READ (Linux 5.14) reports an unreadable page as an error;
+ * on older kernels one load per page does the same, where an I/O error
+ * would be a SIGBUS, as it would be in the forward pass. */
+static int populate(const unsigned char *p, size_t n)
+{
+#ifdef MADV_POPULATE_READ
+    if (madvise((void *)p, n, MADV_POPULATE_READ) == 0)
+        return 0;
+    if (errno != EINVAL)
+        return -1;
+#endif
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    unsigned sum = 0;
+    for (size_t o = 0; o < n; o += page)
+        sum += ((const volatile unsigned char *)p)[o];
+    (void)sum;
+    return 0;
+}
+
+enum model_status model_files_page_in(const model_files *mf, model_progress_fn progress, void *arg, char *err)
+{
+    uint64_t total = model_files_bytes(mf), done = 0;
+    if (progress)
+        progress(arg, 0, total);
+    for (int i = 0; i < mf->n_files; i++) {
+        const struct st_file *f = &mf->files[i];
+        for (size_t o = 0; o < f->map_size; o += MODEL_PAGE_IN_CHUNK) {
+            size_t n = f->map_size - o < MODEL_PAGE_IN_CHUNK ? f->map_size - o : MODEL_PAGE_IN_CHUNK;
+            if (populate(f->map + o, n) != 0)
+                return model_errf(err, MODEL_EIO, "%s: reading bytes %zu to %zu: %s", f->name, o, o + n,
+                                  strerror(errno));
+            done += n;
+            if (progress)
+                progress(arg, done, total);
+        }
+    }
+    return MODEL_OK;
+}
+
 static struct st_file *file_named(model_files *mf, const char *name)
 {
     for (int i = 0; i < mf->n_files; i++)

@@ -83,7 +83,7 @@ def fake_daemon():
         loading = len(seen) <= 3
         if loading:
             reply(conn, "503 Service Unavailable", json.dumps(
-                {"status": "loading", "loading": {"bytes_read": 10 * len(seen), "bytes_total": 100},
+                {"status": "loading", "loading": {"phase": "weights", "bytes_done": 10 * len(seen), "bytes_total": 100},
                  "error": {"code": 503, "message": "the model is loading"}}))
         elif path == "/health":
             reply(conn, "200 OK", '{"status":"ok"}')

@@ -66,6 +66,7 @@ no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh cli_tty.test.s
 # the API's other faces (Ollama, TCP) and the penalties' oracle: what they
 # check is above the forward pass, which the daemon tests run strict
 no_backend="$no_backend daemon_ollama.test.sh daemon_tcp.test.sh daemon_penalties.test.sh "
+no_backend="$no_backend install.test.sh sockpath.test.sh "
 oracles=" reference.test.sh q8ref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
 oracles="$oracles daemon_penalties.test.sh "

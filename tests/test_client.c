@@ -342,7 +342,7 @@ static void test_sessions_health(void **state)
 
     struct kvtier_health h;
     set_reply(json_reply("503 Service Unavailable",
-                         "{\"status\":\"loading\",\"loading\":{\"bytes_read\":50,\"bytes_total\":200}}"), false);
+                         "{\"status\":\"loading\",\"loading\":{\"phase\":\"weights\",\"bytes_done\":50,\"bytes_total\":200}}"), false);
     assert_int_equal(kvtier_health(c, &h), KVTIER_OK);
     assert_false(h.ready);
     assert_string_equal(h.status, "loading");
@@ -354,7 +354,7 @@ static void test_sessions_health(void **state)
     assert_true(h.ready);
     assert_int_equal(h.total_bytes, -1);
     /* progress that does not add up is no progress */
-    set_reply(json_reply("503 Service Unavailable", "{\"status\":\"loading\",\"loaded_bytes\":9,\"total_bytes\":3}"),
+    set_reply(json_reply("503 Service Unavailable", "{\"status\":\"loading\",\"loading\":{\"bytes_done\":9,\"bytes_total\":3}}"),
               false);
     assert_int_equal(kvtier_health(c, &h), KVTIER_OK);
     assert_int_equal(h.loaded_bytes, -1);

@@ -1052,6 +1052,47 @@ static void test_rope_scaling(void **state)
     expect_fail(MODEL_EUNSUPPORTED, "config.json", "rope_scaling", "yarn", NULL);
 }
 
+struct page_in_log {
+    uint64_t last, total;
+    int calls;
+    bool backwards, total_changed;
+};
+
+static void on_page_in(void *arg, uint64_t done, uint64_t total)
+{
+    struct page_in_log *l = arg;
+    if (l->calls++ == 0)
+        l->total = total;
+    l->backwards |= done < l->last;
+    l->total_changed |= total != l->total;
+    l->last = done;
+}
+
+/* model_files_page_in reads every byte of every file (both shards here),
+ * reports from 0 to the total in MODEL_PAGE_IN_CHUNK steps, never back. */
+static void check_page_in(model_files *files, const char *const *names, int n)
+{
+    uint64_t want = 0, chunks = 0;
+    for (int i = 0; i < n; i++) {
+        char path[128];
+        struct stat st;
+        snprintf(path, sizeof(path), "%s/%s", g_dir, names[i]);
+        assert_int_equal(stat(path, &st), 0);
+        want += (uint64_t)st.st_size;
+        chunks += ((uint64_t)st.st_size + MODEL_PAGE_IN_CHUNK - 1) / MODEL_PAGE_IN_CHUNK;
+    }
+    assert_int_equal(model_files_bytes(files), want);
+    struct page_in_log l = {0};
+    char err[MODEL_ERR_LEN] = "";
+    assert_int_equal(model_files_page_in(files, on_page_in, &l, err), MODEL_OK);
+    assert_int_equal(l.total, want);
+    assert_int_equal(l.last, want);
+    assert_int_equal(l.calls, 1 + chunks);
+    assert_false(l.backwards);
+    assert_false(l.total_changed);
+    assert_int_equal(model_files_page_in(files, NULL, NULL, err), MODEL_OK); /* no callback: still reads */
+}
+
 static void test_sharded(void **state)
 {
     (void)state;
@@ -1093,6 +1134,7 @@ static void test_sharded(void **state)
     check_mat(&m.w.layers[2].w_down, "model.layers.2.mlp.down_proj.weight", BE_BF16, 16, 24);
     check_vec(m.w.layers[1].bk, "model.layers.1.self_attn.k_proj.bias", 8);
     check_vec(m.w.final_norm, "model.norm.weight", 16);
+    check_page_in(m.files, names, 2);
     unload(&m);
 
     /* a tensor the map does not list */

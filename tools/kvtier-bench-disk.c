@@ -40,6 +40,7 @@
 #include "util/args.h"
 #include "util/clock.h"
 #include "util/half.h"
+#include "util/version.h"
 
 #define REQ ((size_t)4 << 20)
 #define DEPTH 8
@@ -285,6 +286,8 @@ static int tier_bench(const char *dir, const void *data, size_t total, int repea
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier-bench-disk"))
+        return 0;
     static const struct option opts[] = {
         {"dir", required_argument, NULL, 'd'},
         {"mib", required_argument, NULL, 'n'},

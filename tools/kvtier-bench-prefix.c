@@ -17,6 +17,7 @@
 #include "util/args.h"
 #include "util/clock.h"
 #include "model/model.h"
+#include "util/version.h"
 
 static int die(const char *what, const char *msg)
 {
@@ -39,6 +40,8 @@ static double request(model *m, kv_store *st, const int32_t *ids, int n, float *
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier-bench-prefix"))
+        return 0;
     const char *dir = NULL;
     int prefix = 2048, suffix = 16, forks = 64, threads = 0;
     struct kv_store_params sp = {.prefix_cache = true};

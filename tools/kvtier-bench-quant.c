@@ -31,6 +31,7 @@
 #include "model/generate.h"
 #include "text/tokenizer.h"
 #include "tiers/quant.h"
+#include "util/version.h"
 
 struct cfg {
     const char *name;
@@ -361,6 +362,8 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier-bench-quant"))
+        return 0;
     const char *dir = NULL, *file = NULL, *tokdir = NULL;
     int tokens = 4096, window = 512, prompt = 64, threads = 0, context = 4096, steps = 16, rounds = 5;
     enum { O_TOKENS = 256, O_WINDOW, O_PROMPT, O_THREADS, O_CONTEXT, O_STEPS, O_ROUNDS };

@@ -32,6 +32,7 @@
 #include "util/clock.h"
 #include "model/runtime.h"
 #include "tiers/quant.h"
+#include "util/version.h"
 
 static double cpu_s(void)
 {
@@ -75,6 +76,8 @@ static bool dump_write(const char *path, const struct tok_ids *ids, size_t n_pro
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier-bench-sinks"))
+        return 0;
     const char *dir = NULL, *ids_arg = "1", *dump_path = NULL;
     int n_gen = 1000, every = 1000, window = 256, sinks = 4, nbits = 0;
     enum { O_WINDOW = 256, O_SINKS, O_IDS, O_DUMP, O_EVERY, O_THREADS, O_NBITS, O_KVDTYPE };

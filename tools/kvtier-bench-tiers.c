@@ -30,6 +30,7 @@
 #include "util/args.h"
 #include "util/clock.h"
 #include "model/model.h"
+#include "util/version.h"
 
 enum { RESIDENT, OFFLOADED, ADAPTIVE, N_MODES };
 enum { MAX_DTYPES = 4, MAX_ROUNDS = 1000 };
@@ -135,6 +136,8 @@ static double decode(struct rig *r, kv_seq *q, int n, float *logits, struct resu
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier-bench-tiers"))
+        return 0;
     const char *dir = NULL;
     int ctxs[16] = {1024, 4096, 16384}, n_ctx = 3, n_decode = 8, repeat = 2, threads = 0, block_tokens = 0;
     enum model_kv_dtype kdts[MAX_DTYPES] = {MODEL_KV_AUTO};

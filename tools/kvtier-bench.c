@@ -34,6 +34,7 @@
 #include "util/args.h"
 #include "util/readbw.h"
 #include "model/runtime.h"
+#include "util/version.h"
 
 #define MAX_BLOCK_SIZES 4
 
@@ -118,6 +119,8 @@ static void weight_totals(const struct model_config *c, const struct model_weigh
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier-bench"))
+        return 0;
     const char *dir = NULL;
     int n_prompt = 256, n_decode = 32, repeat = 3, bts[MAX_BLOCK_SIZES] = {0}, nb = 1, n_fill = 0, bw_passes = 3;
     struct runtime_params rp = {0};

@@ -25,6 +25,7 @@
 #include "util/clock.h"
 #include "model/generate.h"
 #include "model/runtime.h"
+#include "util/version.h"
 
 static void usage(FILE *f)
 {
@@ -94,6 +95,8 @@ static enum model_status score_chunk(model *m, kv_store *store, int32_t bos, con
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier-ppl"))
+        return 0;
     const char *dir = NULL, *path = NULL;
     int window = 512;
     struct runtime_params rp = {0};

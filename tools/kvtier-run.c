@@ -25,6 +25,7 @@
 #include "util/args.h"
 #include "model/beam.h"
 #include "model/runtime.h"
+#include "util/version.h"
 
 static void usage(FILE *f)
 {
@@ -135,6 +136,8 @@ static bool run_beams(struct runtime *rt, const struct tok_ids *prompt, const st
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier-run"))
+        return 0;
     const char *dir = NULL, *text = NULL, *ids_arg = NULL, *dump_path = NULL;
     const char *stops[16];
     struct gen_params gp;

@@ -26,6 +26,7 @@
 #include "tools/kvtier/cli.h"
 #include "util/clock.h"
 #include "ipc/sockpath.h"
+#include "util/version.h"
 
 kvtier_client *cli;
 bool cli_json;
@@ -658,7 +659,7 @@ static int cmd_batch(int argc, char **argv)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvtier [--socket PATH] [--json] COMMAND ...\n"
+    fprintf(f, "usage: kvtier [--socket PATH] [--json] COMMAND ...   (kvtier --version: the version)\n"
                "  generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT|-   stream a completion\n"
                "  chat [--system TEXT] [-n N] [-t T]        interactive chat in one session\n"
                "  sessions [rm ID]                          list or delete your sessions\n"
@@ -673,6 +674,8 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtier"))
+        return 0;
     const char *sock_flag = NULL;
     int i = 1;
     for (; i < argc && argv[i][0] == '-'; i++) {

@@ -30,6 +30,7 @@
 #include "util/args.h"
 #include "util/clock.h"
 #include "model/runtime.h"
+#include "util/version.h"
 
 #define MAX_REPS 32
 #define MAX_COUNTS 16
@@ -207,6 +208,8 @@ static double median(const double *x, int n)
 
 int main(int argc, char **argv)
 {
+    if (version_requested(argc, argv, "kvtierd-bench"))
+        return 0;
     const char *sock = NULL, *prompt = "In the beginning", *model_dir = NULL;
     int n_tok = 128, threads = 0, reps = 5, c, counts[MAX_COUNTS] = {1, 4, 16}, n_counts = 3;
     static const struct option opts[] = {{"socket", required_argument, 0, 's'}, {"clients", required_argument, 0, 'c'},
