@@ -320,9 +320,11 @@ static enum text_status encode_section(struct work *w, const char *s, size_t n, 
         const struct tok_norm *nm = &t->norm[k];
         struct tok_buf *dst = target(w, s);
         bool changed = true;
-        if (nm->op == TOK_NORM_NFC)
+        if (nm->op == TOK_NORM_NFC) {
             st = tok_nfc(s, n, dst, &w->scratch, &changed);
-        else if (nm->op == TOK_NORM_PREPEND)
+            if (st == TEXT_EINVAL)
+                text_errf(w->err, st, "normalizer NFC: libutf8proc refused a %zu-byte piece", n);
+        } else if (nm->op == TOK_NORM_PREPEND)
             st = n ? rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0) : TEXT_OK;
         else
             st = rewrite(dst, NULL, 0, s, n, str + nm->from.off, nm->from.len, str + nm->to.off, nm->to.len);

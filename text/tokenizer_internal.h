@@ -145,7 +145,7 @@ int tok_hex_digit(char c); /* -1 if c is not one */
 
 /* NFC: when s[0..n) (valid UTF-8) could change, writes its NFC form to out
  * (replacing its contents) and sets *changed; scratch is reused between
- * calls.  TEXT_ENOMEM is the only failure. */
+ * calls.  TEXT_ENOMEM, or TEXT_EINVAL if libutf8proc refuses the text. */
 enum text_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed);
 
 #endif
