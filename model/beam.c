@@ -198,14 +198,17 @@ struct beam_hyp beam_result(const beam_search *b, int i)
 }
 
 /* The search ended: every group's hypotheses, best first (a plain search
- * has one group, already in order). */
+ * has one group, already in order).  Group search's equal scores come
+ * last-added first, as HF pops them from the end of a stable sort of the
+ * groups' lists one after the other. */
 static void beam_order(beam_search *b)
 {
     b->n_order = 0;
     for (int g = 0; g < b->groups; g++) {
         for (int i = 0; i < b->n_fin[g]; i++) {
             int s = g * b->gs + i, at = b->n_order++;
-            while (at > 0 && b->fin_score[s] > b->fin_score[b->order[at - 1]]) {
+            while (at > 0 && (b->fin_score[s] > b->fin_score[b->order[at - 1]] ||
+                              (b->groups > 1 && b->fin_score[s] == b->fin_score[b->order[at - 1]]))) {
                 b->order[at] = b->order[at - 1];
                 at--;
             }
@@ -258,22 +261,41 @@ static void cand_offer(beam_search *b, struct cand c)
     b->n_cands = n;
 }
 
-/* Adds a finished hypothesis to group g, keeping its best gs, best first
- * (an equal score goes after those already kept, as HF's merge does): the
- * ids gen[0, n), then last unless it is -1; eos: it ended in an eos id. */
+static void fin_copy(beam_search *b, int to, int from)
+{
+    b->fin[to] = b->fin[from];
+    b->fin_score[to] = b->fin_score[from];
+    b->fin_len[to] = b->fin_len[from];
+    b->fin_eos[to] = b->fin_eos[from];
+}
+
+/* Adds a finished hypothesis to group g, keeping its best gs, best first,
+ * equal scores in the order they came: the ids gen[0, n), then last unless
+ * it is -1; eos: it ended in an eos id.  A better one arriving when the
+ * group is full pushes out one of the equally worst: in a plain search the
+ * last to come (HF merges the finished ones with a top-k that keeps those
+ * it had first), in group search the first to come (BeamHypotheses.add
+ * drops the lowest (score, position) of its list). */
 static void fin_add(beam_search *b, int g, float score, const int32_t *gen, int n_gen, int32_t last, bool eos)
 {
     int len = n_gen + (last >= 0);
     int n = b->n_fin[g], cap = b->gs, o = g * b->gs;
     if (n == cap && !(score > b->fin_score[o + n - 1]))
         return;
-    int i = o + (n < cap ? n++ : n - 1);
-    int32_t *row = b->fin[i]; /* the slot that drops out (or the free one) */
+    if (n == cap) {
+        int drop = o + n - 1;
+        while (b->groups > 1 && drop > o && b->fin_score[drop - 1] == b->fin_score[o + n - 1])
+            drop--;
+        int32_t *freed = b->fin[drop];
+        for (int k = drop; k < o + n - 1; k++)
+            fin_copy(b, k, k + 1);
+        b->fin[o + n - 1] = freed;
+        n--;
+    }
+    int i = o + n++;
+    int32_t *row = b->fin[i]; /* the free slot */
     while (i > o && score > b->fin_score[i - 1]) {
-        b->fin[i] = b->fin[i - 1];
-        b->fin_score[i] = b->fin_score[i - 1];
-        b->fin_len[i] = b->fin_len[i - 1];
-        b->fin_eos[i] = b->fin_eos[i - 1];
+        fin_copy(b, i, i - 1);
         i--;
     }
     b->fin[i] = row;

@@ -1,5 +1,5 @@
 /* test_tokenizer.c - the tokenizer on small hand-built tokenizer.json files
- * (merges, ignore_merges, byte_fallback, added tokens, NFC, BOS rules,
+ * (merges, ignore_merges, byte_fallback, added tokens, NFC, Split behaviours, BOS rules,
  * malformed files, invalid UTF-8, streaming decode).
  *
  * With KVTIER_TOKENIZER_ORACLE=expected.json (written by
@@ -303,6 +303,71 @@ static void test_metaspace_layout(void **state)
     tokenizer_free(ts);
 }
 
+/* A BPE without merges that looks whole pieces up (ignore_merges): a piece
+ * in vocab[] is one id (its index), anything else one id per character,
+ * so the ids show where the Split pre-tokenizer cut the text. */
+static tokenizer *split_tokenizer(const char *kind, const char *pattern, const char *behavior, bool invert,
+                                  const char *const *vocab, size_t n)
+{
+    json_t *v = json_object();
+    for (size_t i = 0; i < n; i++)
+        json_object_set_new(v, vocab[i], json_integer((json_int_t)i));
+    return load_json(json_pack("{s:{s:s, s:o, s:[], s:b}, s:{s:s, s:{s:s}, s:s, s:b}}", "model", "type", "BPE",
+                               "vocab", v, "merges", "ignore_merges", 1, "pre_tokenizer", "type", "Split",
+                               "pattern", kind, pattern, "behavior", behavior, "invert", invert),
+                     NULL);
+}
+
+static void test_split_behaviors(void **state)
+{
+    (void)state;
+    /* Hugging Face's own examples: "-" as a String delimiter ... */
+    static const char *const dash[] = {"t", "h", "e", "-", "f", "i", "n", "a", "l", "c", "o", "u", "w",
+                                       "the", "final", "countdown", "the-", "final-", "-final", "-countdown", "--"};
+    enum { THE = 13, FINAL, COUNTDOWN, THE_, FINAL_, _FINAL, _COUNTDOWN, DASHES, DASH = 3 };
+    const size_t nd = sizeof dash / sizeof dash[0];
+    const char *text = "the-final--countdown";
+    tokenizer *t = split_tokenizer("String", "-", "Removed", false, dash, nd);
+    EXPECT_IDS(t, text, false, THE, FINAL, COUNTDOWN);
+    tokenizer_free(t);
+    t = split_tokenizer("String", "-", "Isolated", false, dash, nd);
+    EXPECT_IDS(t, text, false, THE, DASH, FINAL, DASH, DASH, COUNTDOWN);
+    tokenizer_free(t);
+    t = split_tokenizer("String", "-", "MergedWithPrevious", false, dash, nd);
+    EXPECT_IDS(t, text, false, THE_, FINAL_, DASH, COUNTDOWN);
+    EXPECT_IDS(t, "-the", false, DASH, THE); /* nothing before the first delimiter */
+    tokenizer_free(t);
+    t = split_tokenizer("String", "-", "MergedWithNext", false, dash, nd);
+    EXPECT_IDS(t, text, false, THE, _FINAL, DASH, _COUNTDOWN);
+    EXPECT_IDS(t, "the-", false, THE, DASH); /* nothing after the last one */
+    tokenizer_free(t);
+    t = split_tokenizer("String", "-", "Contiguous", false, dash, nd);
+    EXPECT_IDS(t, text, false, THE, DASH, FINAL, DASHES, COUNTDOWN);
+    tokenizer_free(t);
+    /* ... and an inverted regex: the words are the pattern, the spaces
+     * between them the delimiters (and "doing?" two matches in a row). */
+    static const char *const words[] = {" ",     "?",     "How",   "are",    "you",  "doing",   "How ",
+                                        "are ",  "you ",  " are",  " you",   " doing", "doing?"};
+    enum { SP, QM, HOW, ARE, YOU, DOING, HOW_, ARE_, YOU_, _ARE, _YOU, _DOING, DOINGQ };
+    const size_t nw = sizeof words / sizeof words[0];
+    const char *q = "How are you doing?", *re = "\\w+|[^\\w\\s]+";
+    t = split_tokenizer("Regex", re, "Removed", true, words, nw);
+    EXPECT_IDS(t, q, false, HOW, ARE, YOU, DOING, QM);
+    tokenizer_free(t);
+    t = split_tokenizer("Regex", re, "Isolated", true, words, nw);
+    EXPECT_IDS(t, q, false, HOW, SP, ARE, SP, YOU, SP, DOING, QM);
+    tokenizer_free(t);
+    t = split_tokenizer("Regex", re, "MergedWithPrevious", true, words, nw);
+    EXPECT_IDS(t, q, false, HOW_, ARE_, YOU_, DOING, QM);
+    tokenizer_free(t);
+    t = split_tokenizer("Regex", re, "MergedWithNext", true, words, nw);
+    EXPECT_IDS(t, q, false, HOW, _ARE, _YOU, _DOING, QM);
+    tokenizer_free(t);
+    t = split_tokenizer("Regex", re, "Contiguous", true, words, nw);
+    EXPECT_IDS(t, q, false, HOW, SP, ARE, SP, YOU, SP, DOINGQ);
+    tokenizer_free(t);
+}
+
 static void test_added_tokens(void **state)
 {
     (void)state;
@@ -433,8 +498,8 @@ static void test_malformed(void **state)
          "\"(\"}, \"behavior\": \"Isolated\"}}",
          NULL, TEXT_EUNSUPPORTED, "pre_tokenizer.pattern"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": "
-         "\"a\"}, \"behavior\": \"Removed\"}}",
-         NULL, TEXT_EUNSUPPORTED, "behavior Isolated"},
+         "\"a\"}, \"behavior\": \"Merged\"}}",
+         NULL, TEXT_EUNSUPPORTED, "behavior \"Merged\" is not one of"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": "
          "[{\"SpecialToken\": {\"id\": \"<s>\"}}, {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {}}}",
          NULL, TEXT_EFORMAT, "special_tokens[\"<s>\"]"},
@@ -623,6 +688,7 @@ int main(void)
         cmocka_unit_test(test_byte_level_merges),  cmocka_unit_test(test_ignore_merges),
         cmocka_unit_test(test_sentencepiece_byte_fallback), cmocka_unit_test(test_metaspace_layout),
         cmocka_unit_test(test_added_tokens),       cmocka_unit_test(test_nfc),
+        cmocka_unit_test(test_split_behaviors),
         cmocka_unit_test(test_bos_rules),          cmocka_unit_test(test_malformed),
         cmocka_unit_test(test_invalid_utf8),       cmocka_unit_test(test_stream_decode),
     };

@@ -514,13 +514,14 @@ static enum text_status one_normalizer(struct loader *L, json_t *o, const char *
 }
 
 static enum text_status push_split(struct loader *L, const char *pattern, size_t len, uint32_t extra_flags,
-                                    const char *where)
+                                    enum tok_split_behavior behavior, bool invert, const char *where)
 {
     tokenizer *t = L->t;
     int code;
     PCRE2_SIZE at;
-    pcre2_code *re =
-        pcre2_compile((PCRE2_SPTR)pattern, len, PCRE2_UTF | PCRE2_UCP | extra_flags, &code, &at, NULL);
+    /* PCRE2 refuses UCP beside LITERAL, where it would change nothing. */
+    uint32_t flags = PCRE2_UTF | extra_flags | (extra_flags & PCRE2_LITERAL ? 0 : PCRE2_UCP);
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, flags, &code, &at, NULL);
     if (!re) {
         PCRE2_UCHAR msg[128];
         pcre2_get_error_message(code, msg, sizeof msg);
@@ -529,14 +530,38 @@ static enum text_status push_split(struct loader *L, const char *pattern, size_t
     }
     /* The interpreter is the fallback where JIT is unavailable. */
     pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);
-    pcre2_code **s = realloc(t->splits, ((size_t)t->n_splits + 1) * sizeof *s);
+    struct tok_split *s = realloc(t->splits, ((size_t)t->n_splits + 1) * sizeof *s);
     if (!s) {
         pcre2_code_free(re);
         return oom(L);
     }
     t->splits = s;
-    s[t->n_splits++] = re;
+    s[t->n_splits++] = (struct tok_split){re, behavior, invert};
     return TEXT_OK;
+}
+
+static enum text_status get_split_behavior(struct loader *L, json_t *o, const char *where,
+                                            enum tok_split_behavior *out)
+{
+    static const char *const names[] = {
+        [TOK_SPLIT_REMOVED] = "Removed",
+        [TOK_SPLIT_ISOLATED] = "Isolated",
+        [TOK_SPLIT_MERGED_WITH_PREVIOUS] = "MergedWithPrevious",
+        [TOK_SPLIT_MERGED_WITH_NEXT] = "MergedWithNext",
+        [TOK_SPLIT_CONTIGUOUS] = "Contiguous",
+    };
+    const char *behavior;
+    size_t len;
+    TRY(get_string(L, o, "behavior", where, true, &behavior, &len));
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(behavior, names[i]) == 0) {
+            *out = (enum tok_split_behavior)i;
+            return TEXT_OK;
+        }
+    return LFAIL(L, TEXT_EUNSUPPORTED,
+                 "%s: %s.behavior \"%s\" is not one of Removed, Isolated, MergedWithPrevious, MergedWithNext, "
+                 "Contiguous",
+                 L->file, where, behavior);
 }
 
 static enum text_status one_pretokenizer(struct loader *L, json_t *o, const char *type, const char *where)
@@ -546,15 +571,11 @@ static enum text_status one_pretokenizer(struct loader *L, json_t *o, const char
     size_t len;
     if (strcmp(type, "Split") == 0) {
         bool is_regex, invert;
+        enum tok_split_behavior behavior = TOK_SPLIT_ISOLATED;
         TRY(get_pattern(L, o, where, &s, &len, &is_regex));
         TRY(get_bool(L, o, "invert", where, false, &invert));
-        const char *behavior;
-        size_t blen;
-        TRY(get_string(L, o, "behavior", where, true, &behavior, &blen));
-        if (invert || strcmp(behavior, "Isolated") != 0)
-            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: only behavior Isolated without invert is supported",
-                         L->file, where);
-        return push_split(L, s, len, is_regex ? 0 : PCRE2_LITERAL, where);
+        TRY(get_split_behavior(L, o, where, &behavior));
+        return push_split(L, s, len, is_regex ? 0 : PCRE2_LITERAL, behavior, invert, where);
     }
     if (strcmp(type, "ByteLevel") == 0) {
         bool use_regex;
@@ -568,7 +589,7 @@ static enum text_status one_pretokenizer(struct loader *L, json_t *o, const char
         if (t->prefix_space && t->n_splits)
             return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: add_prefix_space after a Split is not supported", L->file,
                          where);
-        return use_regex ? push_split(L, GPT2_REGEX, sizeof GPT2_REGEX - 1, 0, where) : TEXT_OK;
+        return use_regex ? push_split(L, GPT2_REGEX, sizeof GPT2_REGEX - 1, 0, TOK_SPLIT_ISOLATED, false, where) : TEXT_OK;
     }
     if (strcmp(type, "Metaspace") == 0) {
         if (t->byte_level || t->metaspace || t->n_splits)
@@ -603,7 +624,7 @@ static enum text_status one_pretokenizer(struct loader *L, json_t *o, const char
          * start of its piece, is an Isolated split on "R[^R]*". */
         char re[64];
         int n = snprintf(re, sizeof re, "\\x{%X}[^\\x{%X}]*", (unsigned)cp, (unsigned)cp);
-        return push_split(L, re, (size_t)n, 0, where);
+        return push_split(L, re, (size_t)n, 0, TOK_SPLIT_ISOLATED, false, where);
     }
     return unsupported(L, where, type);
 }
@@ -741,8 +762,11 @@ static enum text_status one_decoder(struct loader *L, json_t *o, const char *typ
     return unsupported(L, where, type);
 }
 
-/* Applies the per-token decoder steps to one vocab piece, into out. */
-static enum text_status decode_piece(struct loader *L, const char *p, size_t n, struct tok_buf *out,
+/* Applies the per-token decoder steps to one piece, into out.  An added
+ * token's text goes through every step but ByteLevel, which passes added
+ * tokens through whole (transformers.js does; so "▁▁" added to a
+ * SentencePiece-style vocabulary still decodes to two spaces). */
+static enum text_status decode_piece(struct loader *L, const char *p, size_t n, bool added, struct tok_buf *out,
                                       struct tok_buf *tmp)
 {
     const tokenizer *t = L->t;
@@ -751,6 +775,8 @@ static enum text_status decode_piece(struct loader *L, const char *p, size_t n, 
         return oom(L);
     for (int k = 0; k < L->n_ops; k++) {
         const struct dec_op *op = &L->ops[k];
+        if (added && op->kind == DEC_BYTE_LEVEL)
+            continue;
         tmp->n = 0;
         if (op->kind == DEC_BYTE_FALLBACK) {
             int hi = out->n == 6 ? tok_hex_digit(out->p[3]) : -1, lo = out->n == 6 ? tok_hex_digit(out->p[4]) : -1;
@@ -916,10 +942,12 @@ static enum text_status build_decoded(struct loader *L)
     struct tok_buf out = {0}, tmp = {0};
     enum text_status st = TEXT_OK;
     for (int32_t i = 0; i < t->n_ids && st == TEXT_OK; i++) {
-        if ((t->flags[i] & (TOKF_VOCAB | TOKF_ADDED)) != TOKF_VOCAB)
+        bool added = t->flags[i] & TOKF_ADDED;
+        if (!added && !(t->flags[i] & TOKF_VOCAB))
             continue;
-        struct tok_span p = t->piece[i];
-        st = decode_piece(L, span_str(t, p), p.len, &out, &tmp);
+        /* finish_tables() left an added token's own text in dec. */
+        struct tok_span p = added ? t->dec[i] : t->piece[i];
+        st = decode_piece(L, span_str(t, p), p.len, added, &out, &tmp);
         if (st != TEXT_OK)
             break;
         /* Most pieces decode to themselves: share the bytes. */
@@ -1094,7 +1122,7 @@ void tokenizer_free(tokenizer *t)
     if (!t)
         return;
     for (int i = 0; i < t->n_splits; i++)
-        pcre2_code_free(t->splits[i]);
+        pcre2_code_free(t->splits[i].re);
     free(t->splits);
     free(t->str.p);
     free(t->piece);

@@ -1,7 +1,7 @@
 /* tokenizer_encode.c - text to ids, in Hugging Face's order: added tokens
  * are cut out of the raw text first; each section between them is
  * normalised, pre-tokenized (Metaspace / byte-level prefix, then the
- * Isolated regex splits in order) and each piece goes through BPE. */
+ * Split pre-tokenizers in order) and each piece goes through BPE. */
 #include "text/tokenizer_internal.h"
 
 struct bpe_sym {
@@ -196,18 +196,65 @@ static int run_match(struct work *w, const pcre2_code *re, const char *s, size_t
     return rc;
 }
 
-/* Splits s[0..n) with split k (matches and the gaps between them both
- * become pieces), then hands each piece to split k + 1 or to BPE. */
+static enum text_status split_level(struct work *w, int k, const char *s, size_t n);
+
+/* The piece split k is building: the segments (matches and the text
+ * between them) it has joined so far. */
+struct piece {
+    size_t start, end;
+    bool open;
+    bool last_match; /* whether the segment before was a delimiter */
+};
+
+static enum text_status flush(struct work *w, int k, const char *s, struct piece *p)
+{
+    if (!p->open)
+        return TEXT_OK;
+    p->open = false;
+    return split_level(w, k + 1, s + p->start, p->end - p->start);
+}
+
+/* Adds the segment s[start..end) to the pieces of split k, joining it to
+ * the open piece where the behaviour says so; Hugging Face decides each
+ * join from the segment and the one just before it, never further back. */
+static enum text_status segment(struct work *w, int k, const char *s, struct piece *p, size_t start, size_t end,
+                                bool match)
+{
+    const struct tok_split *sp = &w->t->splits[k];
+    match ^= sp->invert;
+    bool join = false, keep = true;
+    switch (sp->behavior) {
+    case TOK_SPLIT_REMOVED: keep = !match; break;
+    case TOK_SPLIT_ISOLATED: break;
+    case TOK_SPLIT_MERGED_WITH_PREVIOUS: join = match && !p->last_match; break;
+    case TOK_SPLIT_MERGED_WITH_NEXT: join = !match && p->last_match; break;
+    case TOK_SPLIT_CONTIGUOUS: join = match == p->last_match; break;
+    }
+    p->last_match = match;
+    if (join && p->open) {
+        p->end = end;
+        return TEXT_OK;
+    }
+    enum text_status st = flush(w, k, s, p);
+    if (st == TEXT_OK && keep)
+        *p = (struct piece){start, end, true, match};
+    return st;
+}
+
+/* Splits s[0..n) with split k into segments, joins them into pieces as its
+ * behaviour says and hands each piece to split k + 1, the last one to BPE.
+ * Empty pieces vanish. */
 static enum text_status split_level(struct work *w, int k, const char *s, size_t n)
 {
     if (n == 0)
         return TEXT_OK;
     if (k == w->t->n_splits)
         return model_word(w, s, n);
+    struct piece p = {0, 0, false, false};
     size_t pos = 0, gap = 0;
     enum text_status st = TEXT_OK;
     while (pos < n && st == TEXT_OK) {
-        int rc = run_match(w, w->t->splits[k], s, n, pos);
+        int rc = run_match(w, w->t->splits[k].re, s, n, pos);
         if (rc == PCRE2_ERROR_NOMATCH)
             break;
         if (rc < 0) {
@@ -224,12 +271,15 @@ static enum text_status split_level(struct work *w, int k, const char *s, size_t
             pos = ms + (len ? len : 1);
             continue;
         }
-        st = split_level(w, k + 1, s + gap, ms - gap);
+        if (ms > gap)
+            st = segment(w, k, s, &p, gap, ms, false);
         if (st == TEXT_OK)
-            st = split_level(w, k + 1, s + ms, me - ms);
+            st = segment(w, k, s, &p, ms, me, true);
         gap = pos = me;
     }
-    return st == TEXT_OK ? split_level(w, k + 1, s + gap, n - gap) : st;
+    if (st == TEXT_OK && gap < n)
+        st = segment(w, k, s, &p, gap, n, false);
+    return st == TEXT_OK ? flush(w, k, s, &p) : st;
 }
 
 /* The buffer of the two that does not hold s. */
@@ -270,9 +320,11 @@ static enum text_status encode_section(struct work *w, const char *s, size_t n, 
         const struct tok_norm *nm = &t->norm[k];
         struct tok_buf *dst = target(w, s);
         bool changed = true;
-        if (nm->op == TOK_NORM_NFC)
+        if (nm->op == TOK_NORM_NFC) {
             st = tok_nfc(s, n, dst, &w->scratch, &changed);
-        else if (nm->op == TOK_NORM_PREPEND)
+            if (st == TEXT_EINVAL)
+                text_errf(w->err, st, "normalizer NFC: libutf8proc refused a %zu-byte piece", n);
+        } else if (nm->op == TOK_NORM_PREPEND)
             st = n ? rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0) : TEXT_OK;
         else
             st = rewrite(dst, NULL, 0, s, n, str + nm->from.off, nm->from.len, str + nm->to.off, nm->to.len);

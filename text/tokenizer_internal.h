@@ -49,6 +49,25 @@ struct tok_norm {
 
 enum tok_prepend { TOK_PREPEND_NEVER, TOK_PREPEND_FIRST, TOK_PREPEND_ALWAYS };
 
+/* What a Split pre-tokenizer does with the text its pattern matches (Hugging
+ * Face's names): on "the-final--countdown" split at '-', Removed gives
+ * the|final|countdown, Isolated the|-|final|-|-|countdown, MergedWithPrevious
+ * the-|final-|-|countdown, MergedWithNext the|-final|-|-countdown and
+ * Contiguous the|-|final|--|countdown. */
+enum tok_split_behavior {
+    TOK_SPLIT_REMOVED,
+    TOK_SPLIT_ISOLATED,
+    TOK_SPLIT_MERGED_WITH_PREVIOUS,
+    TOK_SPLIT_MERGED_WITH_NEXT,
+    TOK_SPLIT_CONTIGUOUS,
+};
+
+struct tok_split {
+    pcre2_code *re;
+    enum tok_split_behavior behavior;
+    bool invert; /* the text between matches is the delimiter */
+};
+
 struct tok_merge_slot {
     uint64_t key; /* left id << 32 | right id; UINT64_MAX = empty */
     uint32_t rank;
@@ -77,7 +96,7 @@ struct tokenizer {
     enum tok_prepend meta_prepend;
     bool byte_level;          /* ByteLevel pre-tokenizer: model sees mapped bytes */
     bool prefix_space;        /* its add_prefix_space */
-    pcre2_code **splits;      /* Isolated splits applied in order */
+    struct tok_split *splits; /* applied in order */
     int n_splits;
 
     bool byte_fallback, ignore_merges, fuse_unk;
@@ -126,7 +145,7 @@ int tok_hex_digit(char c); /* -1 if c is not one */
 
 /* NFC: when s[0..n) (valid UTF-8) could change, writes its NFC form to out
  * (replacing its contents) and sets *changed; scratch is reused between
- * calls.  TEXT_ENOMEM is the only failure. */
+ * calls.  TEXT_ENOMEM, or TEXT_EINVAL if libutf8proc refuses the text. */
 enum text_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed);
 
 #endif

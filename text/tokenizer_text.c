@@ -1,7 +1,7 @@
 /* tokenizer_text.c - text plumbing for the tokenizer: growable buffers,
  * strict UTF-8, GPT-2's byte <-> code point table and NFC normalisation. */
 #include "text/tokenizer_internal.h"
-#include "text/tokenizer_nfc_tables.h"
+#include <utf8proc.h>
 
 bool tok_buf_reserve(struct tok_buf *b, size_t extra)
 {
@@ -119,76 +119,8 @@ int tok_cp_to_byte(uint32_t cp)
     return -1;
 }
 
-/* ---- NFC (UAX #15): canonical decomposition, canonical ordering, then
- * canonical composition.  Hangul syllables are arithmetic. */
-enum { HANGUL_S = 0xAC00, HANGUL_L = 0x1100, HANGUL_V = 0x1161, HANGUL_T = 0x11A7,
-       HANGUL_NV = 21, HANGUL_NT = 28, HANGUL_N = 21 * 28, HANGUL_COUNT = 19 * 21 * 28 };
-
-static int ccc_of(uint32_t cp)
-{
-    size_t lo = 0, hi = sizeof nfc_ccc / sizeof nfc_ccc[0];
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        if (cp < nfc_ccc[mid].lo)
-            hi = mid;
-        else if (cp > nfc_ccc[mid].hi)
-            lo = mid + 1;
-        else
-            return nfc_ccc[mid].ccc;
-    }
-    return 0;
-}
-
-static size_t decompose(uint32_t cp, uint32_t *out)
-{
-    if (cp >= HANGUL_S && cp < HANGUL_S + HANGUL_COUNT) {
-        uint32_t s = cp - HANGUL_S;
-        out[0] = HANGUL_L + s / HANGUL_N;
-        out[1] = HANGUL_V + s % HANGUL_N / HANGUL_NT;
-        if (s % HANGUL_NT == 0)
-            return 2;
-        out[2] = HANGUL_T + s % HANGUL_NT;
-        return 3;
-    }
-    size_t lo = 0, hi = sizeof nfc_decomp / sizeof nfc_decomp[0];
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        if (cp < nfc_decomp[mid].cp) {
-            hi = mid;
-        } else if (cp > nfc_decomp[mid].cp) {
-            lo = mid + 1;
-        } else {
-            size_t k = decompose(nfc_decomp[mid].first, out);
-            if (nfc_decomp[mid].second)
-                k += decompose(nfc_decomp[mid].second, out + k);
-            return k;
-        }
-    }
-    out[0] = cp;
-    return 1;
-}
-
-static uint32_t compose(uint32_t a, uint32_t b)
-{
-    if (a >= HANGUL_L && a < HANGUL_L + 19 && b >= HANGUL_V && b < HANGUL_V + HANGUL_NV)
-        return HANGUL_S + ((a - HANGUL_L) * HANGUL_NV + (b - HANGUL_V)) * HANGUL_NT;
-    if (a >= HANGUL_S && a < HANGUL_S + HANGUL_COUNT && (a - HANGUL_S) % HANGUL_NT == 0 && b > HANGUL_T &&
-        b < HANGUL_T + HANGUL_NT)
-        return a + (b - HANGUL_T);
-    uint64_t key = (uint64_t)a << 32 | b;
-    size_t lo = 0, hi = sizeof nfc_comp / sizeof nfc_comp[0];
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        uint64_t k = (uint64_t)nfc_comp[mid].first << 32 | nfc_comp[mid].second;
-        if (key < k)
-            hi = mid;
-        else if (key > k)
-            lo = mid + 1;
-        else
-            return nfc_comp[mid].composite;
-    }
-    return 0;
-}
+/* ---- NFC: libutf8proc's canonical decomposition, ordering and
+ * composition, into the caller's scratch instead of a fresh allocation. */
 
 enum text_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed)
 {
@@ -200,54 +132,34 @@ enum text_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct to
     *changed = false;
     if (i == n)
         return TEXT_OK;
+    if (n > (size_t)PTRDIFF_MAX / sizeof(utf8proc_int32_t))
+        return TEXT_ENOMEM;
 
-    /* A UTF-8 byte never decomposes into more than 1.5 code points (U+01D5). */
-    size_t max_cps = n + n / 2 + 4;
-    scratch->n = 0;
-    if (max_cps > SIZE_MAX / sizeof(uint32_t) || !tok_buf_reserve(scratch, max_cps * sizeof(uint32_t)))
-        return TEXT_ENOMEM;
-    uint32_t *cp = (uint32_t *)(void *)scratch->p;
-    size_t m = 0;
-    for (i = 0; i < n;) {
-        uint32_t c;
-        size_t len = tok_utf8_next((const unsigned char *)s + i, n - i, &c);
-        i += len ? len : 1; /* the caller validated the text */
-        m += decompose(c, cp + m);
+    const utf8proc_option_t opt = UTF8PROC_STABLE | UTF8PROC_COMPOSE;
+    /* Most text decomposes into at most one code point per byte; the
+     * rare longer result is retried with the size utf8proc asks for. */
+    size_t cap = n + 4;
+    utf8proc_ssize_t m;
+    for (;;) {
+        scratch->n = 0;
+        if (cap > SIZE_MAX / sizeof(utf8proc_int32_t) ||
+            !tok_buf_reserve(scratch, cap * sizeof(utf8proc_int32_t)))
+            return TEXT_ENOMEM;
+        m = utf8proc_decompose((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n,
+                               (utf8proc_int32_t *)(void *)scratch->p, (utf8proc_ssize_t)cap, opt);
+        if (m < 0)
+            return m == UTF8PROC_ERROR_NOMEM || m == UTF8PROC_ERROR_OVERFLOW ? TEXT_ENOMEM : TEXT_EINVAL;
+        if ((size_t)m <= cap)
+            break;
+        cap = (size_t)m;
     }
-    /* Canonical ordering: a stable insertion sort of each run of non-starters. */
-    for (size_t k = 1; k < m; k++) {
-        int cc = ccc_of(cp[k]);
-        if (cc == 0)
-            continue;
-        uint32_t c = cp[k];
-        size_t j = k;
-        while (j > 0 && ccc_of(cp[j - 1]) > cc) {
-            cp[j] = cp[j - 1];
-            j--;
-        }
-        cp[j] = c;
-    }
-    /* Composition: a character joins the last starter unless a character of
-     * the same or higher class (or a starter) came between them. */
-    size_t starter = 0, w = m ? 1 : 0;
-    int last_cc = m && ccc_of(cp[0]) ? 256 : 0;
-    for (size_t k = 1; k < m; k++) {
-        int cc = ccc_of(cp[k]);
-        uint32_t comp = last_cc == 256 ? 0 : compose(cp[starter], cp[k]);
-        if (comp && (last_cc < cc || last_cc == 0)) {
-            cp[starter] = comp;
-            continue;
-        }
-        if (cc == 0)
-            starter = w;
-        last_cc = cc;
-        cp[w++] = cp[k];
-    }
+    /* Composes, then writes UTF-8 over the code points (4 bytes each is room). */
+    m = utf8proc_reencode((utf8proc_int32_t *)(void *)scratch->p, m, opt);
+    if (m < 0)
+        return TEXT_EINVAL;
     out->n = 0;
-    if (!tok_buf_reserve(out, w * 4))
+    if (!tok_buf_append(out, scratch->p, (size_t)m))
         return TEXT_ENOMEM;
-    for (size_t k = 0; k < w; k++)
-        out->n += tok_utf8_put(cp[k], out->p + out->n);
     *changed = true;
     return TEXT_OK;
 }

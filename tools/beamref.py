@@ -24,6 +24,22 @@ run on; the search stops as utils.py's _beam_search_has_unfinished_sequences
 says.  -1e9 marks are added as HF adds them.  The model runs without a
 cache: each step is a full forward over every running sequence, so the
 oracle shares no code path with kvtier's KV.
+
+Ties.  transformers ranks with torch.topk, whose order among equal values
+is unspecified (torch documents no order; on CPU, torch 1.13, two equal
+values come out either way round depending on their positions and k, and
+CUDA differs again).  So transformers has no tie rule, and this oracle
+ranks with a stable top-k instead: equal scores by the lower flat index
+(beam * vocab + token: the lower beam, then the lower token), and in the
+finished-hypotheses merge the ones already kept before new ones.  The
+values are torch.topk's; only the order of equal ones (and which of them
+the k-th place keeps) is this rule's.  kvtier follows the same rule.  Group beam search's scorer (BeamHypotheses) is plain Python and
+has a rule of its own, kept here: a full group drops the earliest added of
+its equally worst hypotheses, and the results, sorted by score with
+Python's stable sort and popped from the best end, put the later added of
+equal ones first.  Every running sequence gets a forward of its own (a
+batch of one): batched rows of identical sequences differ in the last bits
+on CPU, which would break a tie kvtier keeps exact.
 """
 import argparse
 import json
@@ -46,6 +62,18 @@ def eos_ids(d):
     return [int(x) for x in (e if isinstance(e, list) else [e])]
 
 
+def stable_topk(x, k):
+    """torch.topk(x, k) with equal values in index order (see Ties)."""
+    v, i = torch.sort(x, descending=True, stable=True)
+    return v[:k], i[:k]
+
+
+def last_logits(model, seqs):
+    """The last position's logits of each row of seqs, one forward per row."""
+    with torch.no_grad():
+        return torch.cat([model(seqs[i:i + 1])[:, -1, :] for i in range(seqs.shape[0])]).float()
+
+
 def banned_ngram(seq, n):
     """Ids that would complete an n-gram already in seq (a list)."""
     if n <= 0 or len(seq) + 1 < n:
@@ -54,7 +82,8 @@ def banned_ngram(seq, n):
     return [seq[s + n - 1] for s in range(len(seq) - n + 1) if seq[s:s + n - 1] == tail]
 
 
-def beam_search(model, prompt, max_new, num_beams, num_return, length_penalty, early, min_new, ngram, eos):
+def beam_search(model, prompt, max_new, num_beams, num_return, length_penalty, early, min_new, ngram, eos,
+                topk=stable_topk):
     vocab = model.cfg["vocab_size"]
     k = max(2, 1 + len(eos)) * num_beams
     plen = len(prompt)
@@ -69,8 +98,7 @@ def beam_search(model, prompt, max_new, num_beams, num_return, length_penalty, e
     unsat = True
     cur = plen
     while True:
-        with torch.no_grad():
-            logits = model(running)[:, -1, :].float()
+        logits = last_logits(model, running)
         lp = torch.log_softmax(logits, dim=-1)
         if cur - plen < min_new:
             lp[:, eos] = float("-inf")
@@ -78,14 +106,14 @@ def beam_search(model, prompt, max_new, num_beams, num_return, length_penalty, e
             for t in banned_ngram(running[b].tolist(), ngram):
                 lp[b, t] = float("-inf")
         acc = (lp + run_scores[:, None]).reshape(-1)
-        top_lp, top_idx = torch.topk(acc, k)
+        top_lp, top_idx = topk(acc, k)
         top_beam = top_idx // vocab
         top_tok = top_idx % vocab
         cand = torch.cat([running[top_beam], top_tok[:, None]], dim=1)
         hits = torch.tensor([int(t) in eos or cur + 1 >= max_len for t in top_tok.tolist()])
         # the beams that run on
         run_lp = top_lp + hits.float() * NEG
-        nxt = torch.topk(run_lp, num_beams)[1]
+        nxt = topk(run_lp, num_beams)[1]
         new_running, new_scores = cand[nxt], run_lp[nxt]
         # the finished ones
         just = hits & (torch.arange(k) < num_beams)
@@ -99,7 +127,7 @@ def beam_search(model, prompt, max_new, num_beams, num_return, length_penalty, e
         merged_seqs = fin_seqs + [cand[i, plen:].tolist() for i in range(k)]
         merged_eos = fin_eos + [int(t) in eos for t in top_tok.tolist()]
         merged_fin = torch.cat([finished, just])
-        sel = torch.topk(merged_scores, num_beams)[1].tolist()
+        sel = topk(merged_scores, num_beams)[1].tolist()
         fin_scores = merged_scores[sel]
         fin_seqs = [merged_seqs[i] for i in sel]
         fin_eos = [merged_eos[i] for i in sel]
@@ -145,7 +173,7 @@ class Hyps:
 
 
 def group_beam_search(model, prompt, max_new, num_beams, num_return, length_penalty, early, min_new, ngram, eos,
-                      groups, diversity):
+                      groups, diversity, topk=stable_topk):
     """transformers' group (diverse) beam search (the transformers-community
     group-beam-search generate with its BeamSearchScorer), written anew:
     per step the groups choose in turn, each over its own beams, log-probs
@@ -165,8 +193,7 @@ def group_beam_search(model, prompt, max_new, num_beams, num_return, length_pena
     done = [False] * groups
     gen = 0
     while True:
-        with torch.no_grad():
-            logits = model(seqs)[:, -1, :].float()
+        logits = last_logits(model, seqs)
         cur = torch.zeros(num_beams, dtype=torch.int64)
         new_seqs = seqs.clone()
         new_scores = scores.clone()
@@ -188,7 +215,7 @@ def group_beam_search(model, prompt, max_new, num_beams, num_return, length_pena
             if o > 0:
                 lp = lp - diversity * torch.bincount(cur[:o], minlength=vocab).float()
             acc = (lp + scores[o:o + gs, None]).reshape(-1)
-            top_lp, top_idx = torch.topk(acc, k)
+            top_lp, top_idx = topk(acc, k)
             r = 0
             for rank in range(k):
                 beam, tok = int(top_idx[rank]) // vocab, int(top_idx[rank]) % vocab

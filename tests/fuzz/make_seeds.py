@@ -64,6 +64,14 @@ small = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "<0x41>": 3
          "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
          "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}}
 put("tokenizer", "small_metaspace", json.dumps(small))
+splits = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, " ": 2, "ab": 3, "a ": 4, " b": 5}, "merges": [["a", "b"]]},
+          "normalizer": {"type": "Replace", "pattern": {"String": "x"}, "content": " "},
+          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+              {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
+              {"type": "Split", "pattern": {"Regex": "b+"}, "behavior": "MergedWithNext", "invert": True},
+              {"type": "Split", "pattern": {"Regex": "\\s"}, "behavior": "Contiguous", "invert": False},
+              {"type": "Split", "pattern": {"String": "ab"}, "behavior": "Removed", "invert": True}]}}
+put("tokenizer", "splits", json.dumps(splits))
 
 # ---- tokenize: mode byte + text, or + 16-bit ids ----------------------------
 put("tokenize", "bl_text", b"\x00Hello world, <|im_start|>user\n caf\xc3\xa9 \xf0\x9f\x98\x80 123  \t\n")

@@ -52,6 +52,10 @@ const variants = [
   { name: "llama3-bos", pkg: "tokenizer-llama3", edit: llama3Bos },
   { name: "qwen3", pkg: "tokenizer-qwen3" },
   { name: "gpt2", pkg: "tokenizer-gpt2" },
+  // Gemma 3: SentencePiece-style BPE with byte fallback, spaces replaced by
+  // "▁" before a Split on " " (MergedWithPrevious); the turn markers are
+  // special tokens that must stay one id each.
+  { name: "gemma3", pkg: "tokenizer-gemma3", single: ["<start_of_turn>", "<end_of_turn>", "<bos>"] },
 ];
 
 const result = [];
@@ -71,6 +75,14 @@ for (const v of variants) {
     );
   }
   const tok = TokenizerLoader.fromPreTrained({ tokenizerJSON: json, tokenizerConfig });
+  for (const special of v.single ?? []) {
+    const ids = tok.encode(special, { add_special_tokens: false });
+    const inCorpus = corpus.some((text) => text.includes(special));
+    if (ids.length !== 1 || !inCorpus) {
+      console.error(`${v.name}: ${special} is ${ids.length} ids or missing from the corpus`);
+      process.exit(1);
+    }
+  }
   const cases = corpus.map((text) => {
     const ids = tok.encode(text);
     // transformers.js refuses to decode an empty list.
