@@ -73,12 +73,37 @@ enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, 
     s->text = malloc(s->text_cap);
     if (!s->toks || !s->text)
         return MODEL_ENOMEM;
+    if (p->grammar) {
+        s->gvocab = p->gvocab;
+        s->gstate = malloc((1 + gram_vocab_depth(p->gvocab)) * sizeof(*s->gstate));
+        s->allow = malloc((size_t)c->vocab_size * sizeof(*s->allow));
+        if (!s->gstate || !s->allow)
+            return MODEL_ENOMEM;
+        gram_start(p->grammar, s->gstate);
+    }
     memcpy(s->toks, prompt, n * sizeof(*s->toks));
     return sampler_create(&p->sampling, c->vocab_size, &s->smp);
 }
 
+/* Masks what the grammar refuses.  The budget counts this token. */
+static void apply_grammar(struct gen_seq *s, float *logits)
+{
+    int32_t eos[MODEL_MAX_EOS + 1];
+    int n_eos = gen_eos_ids(s->mc, s->tok, eos);
+    int V = s->mc->vocab_size;
+    if (!gram_mask(s->gvocab, s->gstate, s->max_new - s->gen, eos, n_eos, s->allow, V, s->gstate + 1)) {
+        s->gram_end = true; /* complete, and the model has no eos to say so */
+        return;
+    }
+    for (int i = 0; i < V; i++)
+        if (!s->allow[i])
+            logits[i] = -INFINITY;
+}
+
 int32_t gen_seq_sample(struct gen_seq *s, float *logits)
 {
+    if (s->gstate)
+        apply_grammar(s, logits);
     return sampler_sample(s->smp, logits, s->toks, s->n_toks);
 }
 
@@ -134,10 +159,25 @@ enum model_status gen_seq_accept(struct gen_seq *s, int32_t id)
     enum model_status st = MODEL_OK;
     s->toks[s->n_toks++] = id;
     s->gen++;
-    if (!s->ignore_eos && is_eos(s->mc, s->tok, id))
+    if (s->gram_end) {
         s->finish = GEN_FINISH_EOS;
-    else if (!append_text(s, id))
-        st = MODEL_ENOMEM;
+    } else if (!s->ignore_eos && is_eos(s->mc, s->tok, id)) {
+        s->finish = GEN_FINISH_EOS;
+    } else {
+        if (s->gstate) {
+            size_t len;
+            bool special;
+            const char *p = tokenizer_token_bytes(s->tok, id, &len, &special);
+            /* only a token the caller chose past the mask gets here: the
+             * document cannot go on, so the sequence ends before it */
+            if (!p || special || !gram_feed(s->gstate, p, len))
+                s->gram_end = true;
+        }
+        if (s->gram_end)
+            s->finish = GEN_FINISH_STOP;
+        else if (!append_text(s, id))
+            st = MODEL_ENOMEM;
+    }
     if (s->finish == GEN_FINISH_NONE && s->gen >= s->max_new)
         s->finish = GEN_FINISH_LENGTH;
     if (s->finish != GEN_FINISH_NONE && s->finish != GEN_FINISH_STOP)
@@ -149,6 +189,10 @@ void gen_seq_end(struct gen_seq *s)
 {
     sampler_free(s->smp);
     s->smp = NULL;
+    free(s->gstate);
+    free(s->allow);
+    s->gstate = NULL;
+    s->allow = NULL;
 }
 
 void gen_seq_free(struct gen_seq *s)
