@@ -134,6 +134,7 @@ struct job {
     char *stop_buf;
     bool ignore_eos, logprobs;
     int top_logprobs;
+    gram *grammar; /* owned: constrained output, NULL: none */
     /* beam search when beam.num_beams > 1 (n = num_beams; eos filled in at
      * admission); n_out: the choices returned (num_return_sequences, or
      * best_of's n: the n of the job's choices with the highest logprob

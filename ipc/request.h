@@ -3,9 +3,10 @@
  *
  * Every check that needs no model state happens here, before anything sized
  * by the client is allocated: types, ranges, unknown fields, token ids
- * against the vocabulary, array lengths against the context.  Fields kvtier
- * knows but does not implement (tools, echo, logit_bias, ...) give 501 when
- * they ask for something, rather than being ignored.  Strings in a parsed
+ * against the vocabulary, array lengths against the context, response
+ * schemas compiled into their grammar.  Fields kvtier knows but does not
+ * implement (echo, logit_bias, ...) give 501 when they ask for something,
+ * rather than being ignored.  Strings in a parsed
  * request are borrowed from the JSON tree, which must outlive it.
  */
 #ifndef KVTIER_IPC_REQUEST_H
@@ -20,6 +21,7 @@
 #include "ipc/cache.h"
 #include "ipc/status.h"
 #include "text/chat.h"
+#include "text/grammar.h"
 #include "model/beam.h"
 #include "model/generate.h"
 
@@ -40,6 +42,11 @@ struct ipc_limits {
     int sliding_window; /* the model's, the "sliding_window" strategy's default window (0: none) */
     const char *no_sink; /* why the model refuses a sink cache (model_sink_refusal), NULL: it takes one */
 };
+
+/* tool_choice: whether the model may, must, or must not call a tool. */
+enum ipc_tool_choice { IPC_TOOLS_AUTO = 0, IPC_TOOLS_NONE, IPC_TOOLS_REQUIRED, IPC_TOOLS_NAMED };
+
+#define IPC_MAX_TOOLS 64
 
 struct ipc_gen_req {
     bool chat;
@@ -69,6 +76,11 @@ struct ipc_gen_req {
     const char *session; /* NULL: none */
     bool cache_given;    /* "cache" or "use_cache" was in the request */
     struct ipc_cache_choice cache;
+    /* constrained output (owned): response_format json_object/json_schema,
+     * or the call tool_choice required/named forces; NULL: free text */
+    gram *grammar;
+    const json_t *tools; /* the tools array, NULL: none */
+    enum ipc_tool_choice tool_choice;
 };
 
 enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,

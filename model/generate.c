@@ -177,6 +177,8 @@ enum model_status gen_seq_accept(struct gen_seq *s, int32_t id)
             s->finish = GEN_FINISH_STOP;
         else if (!append_text(s, id))
             st = MODEL_ENOMEM;
+        else if (s->gstate && gram_complete(s->gstate) && s->finish == GEN_FINISH_NONE)
+            s->finish = GEN_FINISH_EOS; /* nothing may follow the document: eos would be the only token */
     }
     if (s->finish == GEN_FINISH_NONE && s->gen >= s->max_new)
         s->finish = GEN_FINISH_LENGTH;

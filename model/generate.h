@@ -50,7 +50,8 @@ struct gen_seq_params {
     /* Constrained output (borrowed, both or neither): each step samples
      * only tokens that keep the text a prefix of a document the grammar
      * accepts and that leave room to complete it within max_new; the eos
-     * ids only once it is complete. */
+     * ids only once it is complete.  A document nothing may follow ends
+     * the sequence as eos would. */
     const gram *grammar;
     const gram_vocab *gvocab;
 };

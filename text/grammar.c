@@ -882,7 +882,8 @@ static bool step(struct gram_state *s, unsigned char c)
         switch (f->kind) {
         case K_VALUE:
             if (ws) {
-                if (s->ws >= GRAM_MAX_WS)
+                /* none before the document: it would only delay it */
+                if (s->ws >= GRAM_MAX_WS || s->depth == 1)
                     return false;
                 s->ws++;
                 return true;
@@ -1022,6 +1023,11 @@ bool gram_feed(struct gram_state *s, const char *p, size_t n)
         if (!step(s, (unsigned char)p[i]))
             return false;
     return true;
+}
+
+bool gram_complete(const struct gram_state *s)
+{
+    return s->depth == 0;
 }
 
 bool gram_can_end(const struct gram_state *s)

@@ -3,8 +3,8 @@
  * gives at each sampling step.
  *
  * The automaton accepts exactly the byte strings that are a prefix of a
- * JSON document matching the schema, written with at most GRAM_MAX_WS
- * whitespace bytes in a row, numbers of bounded length, object keys without
+ * JSON document matching the schema, written without whitespace before
+ * the document or after it and at most GRAM_MAX_WS bytes of it in a row, numbers of bounded length, object keys without
  * escapes (known names are matched as json-encoded) and no duplicate known
  * keys.  Besides "is this byte allowed" it answers "how many bytes at least
  * until the document is complete" (gram_min_close), so that a generator with
@@ -67,6 +67,8 @@ void gram_start(const gram *g, struct gram_state *s);
 bool gram_step(struct gram_state *s, unsigned char c);
 /* Feeds p[0, n); false (s then undefined) at the first byte refused. */
 bool gram_feed(struct gram_state *s, const char *p, size_t n);
+/* The document is complete and nothing may follow it. */
+bool gram_complete(const struct gram_state *s);
 /* The document is complete: nothing more is needed (a number or literal
  * at the top may still go on). */
 bool gram_can_end(const struct gram_state *s);
