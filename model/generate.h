@@ -81,6 +81,7 @@ struct gen_seq {
     const gram_vocab *gvocab;
     struct gram_state *gstate; /* [1 + gram_vocab_depth] the state, then the mask's scratch */
     bool *allow;               /* [vocab] */
+    float *gram_logits;        /* [vocab] the logits before a draw the grammar may refuse */
     bool gram_end;             /* the grammar allows nothing more: the next accept ends */
 };
 

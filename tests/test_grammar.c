@@ -70,7 +70,7 @@ static void test_json_object(void **state)
     REFUSE(g, "{\"a\":\"\\ud800\"}");       /* a surrogate escaped */
     REFUSE(g, "{\"a\":\"\\x\"}");
     REFUSE(g, "{\"a\\n\":1}");              /* no escapes in unknown keys */
-    REFUSE(g, "{     \"a\":1}");            /* whitespace runs are bounded */
+    REFUSE(g, "{   \"a\":1}");              /* whitespace runs are bounded */
     REFUSE(g, "{\"a\":1234567890123456}");  /* so are numbers */
     ACCEPT(g, "{\"a\":123456789012345}");
     gram_free(g);

@@ -29,7 +29,7 @@
 #include "text/tokenizer.h"
 
 #define GRAM_DEPTH 24      /* nesting of the output's values */
-#define GRAM_MAX_WS 4      /* whitespace bytes in a row */
+#define GRAM_MAX_WS 2      /* whitespace bytes in a row */
 #define GRAM_MAX_PROPS 64  /* properties of one object schema */
 #define GRAM_MAX_LITS 64   /* values of one enum */
 
