@@ -141,7 +141,7 @@ check(code == 200 and nc["choices"][0]["tokens"] == dyn["choices"][0]["tokens"] 
 code, e = d.post("/v1/sessions", {"prompt": "In the beginning", "use_cache": False})
 check(code == 400 and e["error"]["param"] == "use_cache", "a session with use_cache=false -> 400")
 code, e = d.post("/v1/chat/completions", dict(chat, tools=[{"type": "function"}]))
-check(code == 501, "tools -> 501")
+check(code == 400 and e["error"]["param"] == "tools", "a tool without a function -> 400 naming tools")
 
 # sessions: the second turn computes only its new tokens
 system = "You are terse."
