@@ -69,6 +69,8 @@ static void test_json_object(void **state)
     REFUSE(g, "{\"a\":\"\xed\xa0\x80\"}");  /* a surrogate in UTF-8 */
     REFUSE(g, "{\"a\":\"\\ud800\"}");       /* a surrogate escaped */
     REFUSE(g, "{\"a\":\"\\x\"}");
+    PREFIX(g, "{\"a\":[\"x\\\",1]");      /* an escaped quote does not end the string */
+    REFUSE(g, "{\"a\":[\"x\\\",1]\"b");
     REFUSE(g, "{\"a\\n\":1}");              /* no escapes in unknown keys */
     REFUSE(g, "{   \"a\":1}");              /* whitespace runs are bounded */
     REFUSE(g, "{\"a\":1234567890123456}");  /* so are numbers */

@@ -927,14 +927,15 @@ static bool step(struct gram_state *s, unsigned char c)
                 return false;
             continue; /* c starts the item */
         case K_STR:
-            s->ws = 0;
-            if (!str_step(f, nd, c))
-                return false;
-            if (c == '"' && f->phase == S_CHAR && f->kind == K_STR) {
-                /* str_step accepted a closing quote only in S_CHAR, without counting it */
-                s->depth--;
+            {
+                bool closing = f->phase == S_CHAR && c == '"';
+                s->ws = 0;
+                if (!str_step(f, nd, c))
+                    return false;
+                if (closing)
+                    s->depth--;
+                return true;
             }
-            return true;
         case K_NUM: {
             int r = num_step(f, !(nd->types & T_NUM), c);
             if (r > 0) {
