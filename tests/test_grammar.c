@@ -329,12 +329,71 @@ static void test_vocab_mask(void **state)
     tokenizer_free(t);
 }
 
+/* gram_mask against every token fed one by one: the same set, for states
+ * inside and outside strings, with and without a budget. */
+static void test_mask_is_exact(void **state)
+{
+    (void)state;
+    tokenizer *t;
+    char err[TEXT_ERR_LEN];
+    assert_int_equal(tokenizer_load("model/builtin", &t, err), TEXT_OK);
+    gram_vocab *v;
+    assert_int_equal(gram_vocab_create(t, &v), TEXT_OK);
+    int V = tokenizer_vocab_size(t);
+    bool *allow = calloc((size_t)V, sizeof(*allow));
+    struct gram_state *scratch = malloc(gram_vocab_depth(v) * sizeof(*scratch));
+    assert_non_null(allow);
+    assert_non_null(scratch);
+    static const struct {
+        const char *schema, *prefix;
+        int budget;
+    } cases[] = {
+        {NULL, "", 0},
+        {NULL, "{\"a\": \"xy", 0},
+        {NULL, "{\"a\": \"xy", 3},
+        {NULL, "{\"a\":[1,2", 4},
+        {NULL, "{\"ab", 0},
+        {"{\"type\":\"string\",\"minLength\":3,\"maxLength\":5}", "\"a", 0},
+        {"{\"type\":\"string\",\"minLength\":3,\"maxLength\":5}", "\"a", 4},
+        {"{\"type\":\"string\",\"minLength\":3,\"maxLength\":5}", "\"a\\", 0},
+    };
+    int32_t eos = tokenizer_eos_id(t);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        gram *g = compile_str(cases[i].schema);
+        struct gram_state s;
+        gram_start(g, &s);
+        assert_true(gram_feed(&s, cases[i].prefix, strlen(cases[i].prefix)));
+        int n = gram_mask(v, &s, cases[i].budget, &eos, 1, allow, V, scratch);
+        int want = 0;
+        for (int id = 0; id < V; id++) {
+            size_t len;
+            bool special;
+            const char *p = tokenizer_token_bytes(t, id, &len, &special);
+            struct gram_state c = s;
+            bool ok = id == eos ? gram_can_end(&s)
+                                : !special && len && gram_feed(&c, p, len) &&
+                                      (cases[i].budget <= 0 || gram_min_close(&c) <= (size_t)cases[i].budget - 1);
+            want += ok;
+            if (ok != allow[id])
+                fail_msg("case %zu, token %d (%.*s): mask %d, fed %d", i, id, (int)len, p, allow[id], ok);
+        }
+        assert_int_equal(n, want);
+        assert_true(n > 0);
+        gram_free(g);
+    }
+    free(allow);
+    free(scratch);
+    gram_vocab_free(v);
+    tokenizer_free(t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_object),      cmocka_unit_test(test_schema_object),
         cmocka_unit_test(test_refused_keywords), cmocka_unit_test(test_calls),
         cmocka_unit_test(test_min_close_exact),  cmocka_unit_test(test_vocab_mask),
+        cmocka_unit_test(test_mask_is_exact),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -9,6 +9,7 @@
  * automaton stays deterministic and its state is a stack of small frames.
  */
 #include "text/grammar.h"
+#include "text/tokenizer_internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -1171,12 +1172,17 @@ struct tnode {
     unsigned char byte;
 };
 
+/* The tokens' bytes as tries: all of them, and those that are not plain
+ * string text.  A plain token (printable ASCII but the quote and the
+ * backslash, and whole UTF-8 characters) adds its characters to a string
+ * and changes nothing else, so inside a string the mask takes the plain
+ * ones by their character count and walks only the smaller trie. */
 struct gram_vocab {
-    struct tnode *t;
-    uint32_t n_nodes;
-    int32_t *tok_next; /* [vocab] further tokens with the same bytes */
-    int vocab;
-    size_t max_len;
+    struct tnode *all, *rest;
+    int32_t *tok_next;     /* [vocab] further tokens with the same bytes */
+    int32_t *plain;        /* the plain tokens */
+    uint32_t *plain_chars; /* their characters */
+    size_t n_plain, max_len;
 };
 
 struct tok_ref {
@@ -1195,13 +1201,65 @@ static int by_bytes(const void *a, const void *b)
     return x->len < y->len ? -1 : x->len > y->len ? 1 : x->id - y->id;
 }
 
+/* The characters of p[0, n) when it is plain string text, else 0. */
+static uint32_t plain_chars(const char *p, size_t n)
+{
+    uint32_t chars = 0;
+    for (size_t i = 0; i < n; chars++) {
+        unsigned char c = (unsigned char)p[i];
+        uint32_t cp;
+        size_t k = c < 0x80 ? (c >= 0x20 && c != '"' && c != '\\' && c != 0x7f ? 1 : 0)
+                            : tok_utf8_next((const unsigned char *)p + i, n - i, &cp);
+        if (!k)
+            return 0;
+        i += k;
+    }
+    return chars;
+}
+
 void gram_vocab_free(gram_vocab *v)
 {
     if (!v)
         return;
-    free(v->t);
+    free(v->all);
+    free(v->rest);
     free(v->tok_next);
+    free(v->plain);
+    free(v->plain_chars);
     free(v);
+}
+
+/* A trie over refs[0, n) (sorted by bytes) into t, which has room for 1 +
+ * their bytes; path and last are scratch of max_len + 1 and that room. */
+static void trie_build(struct tnode *t, const struct tok_ref *refs, size_t n, int32_t *tok_next, uint32_t *path,
+                       uint32_t *last)
+{
+    t[0] = (struct tnode){.tok = -1};
+    uint32_t used = 1;
+    path[0] = 0;
+    last[0] = 0;
+    const struct tok_ref *prev = NULL;
+    for (size_t i = 0; i < n; i++) {
+        const struct tok_ref *r = &refs[i];
+        size_t k = 0; /* bytes shared with the previous token: their nodes exist */
+        while (prev && k < prev->len && k < r->len && prev->p[k] == r->p[k])
+            k++;
+        for (size_t d = k; d < r->len; d++) {
+            uint32_t id = used++, parent = path[d];
+            t[id] = (struct tnode){.tok = -1, .byte = (unsigned char)r->p[d]};
+            last[id] = 0;
+            if (last[parent])
+                t[last[parent]].sib = id;
+            else
+                t[parent].child = id;
+            last[parent] = id;
+            path[d + 1] = id;
+        }
+        struct tnode *end = &t[path[r->len]];
+        tok_next[r->id] = end->tok; /* same bytes: chained (alike in both tries) */
+        end->tok = r->id;
+        prev = r;
+    }
 }
 
 enum text_status gram_vocab_create(const tokenizer *t, gram_vocab **out)
@@ -1212,23 +1270,32 @@ enum text_status gram_vocab_create(const tokenizer *t, gram_vocab **out)
     struct tok_ref *refs = V > 0 ? malloc((size_t)V * sizeof(*refs)) : NULL;
     size_t n = 0, total = 1;
     if (v && refs) {
-        v->vocab = V;
         v->tok_next = malloc((size_t)V * sizeof(*v->tok_next));
-        for (int32_t id = 0; id < V; id++) {
+        v->plain = malloc((size_t)V * sizeof(*v->plain));
+        v->plain_chars = malloc((size_t)V * sizeof(*v->plain_chars));
+        for (int32_t id = 0; id < V && v->plain && v->plain_chars; id++) {
             size_t len;
             bool special;
             const char *p = tokenizer_token_bytes(t, id, &len, &special);
-            if (p && len && !special) {
-                refs[n++] = (struct tok_ref){p, len, id};
-                total += len;
-                v->max_len = len > v->max_len ? len : v->max_len;
+            if (!p || !len || special)
+                continue;
+            refs[n++] = (struct tok_ref){p, len, id};
+            total += len;
+            v->max_len = len > v->max_len ? len : v->max_len;
+            uint32_t chars = plain_chars(p, len);
+            if (chars) {
+                v->plain[v->n_plain] = id;
+                v->plain_chars[v->n_plain++] = chars;
             }
         }
-        v->t = total <= UINT32_MAX ? malloc(total * sizeof(*v->t)) : NULL;
+        if (total <= UINT32_MAX) {
+            v->all = malloc(total * sizeof(*v->all));
+            v->rest = malloc(total * sizeof(*v->rest));
+        }
     }
     uint32_t *path = v ? malloc((v->max_len + 1) * sizeof(*path)) : NULL;
-    uint32_t *last = v && v->t ? calloc(total, sizeof(*last)) : NULL;
-    if (!v || !refs || !v->tok_next || !v->t || !path || !last) {
+    uint32_t *last = v ? malloc(total * sizeof(*last)) : NULL;
+    if (!v || !refs || !v->tok_next || !v->plain || !v->plain_chars || !v->all || !v->rest || !path || !last) {
         free(refs);
         free(path);
         free(last);
@@ -1236,30 +1303,12 @@ enum text_status gram_vocab_create(const tokenizer *t, gram_vocab **out)
         return TEXT_ENOMEM;
     }
     qsort(refs, n, sizeof(*refs), by_bytes);
-    v->t[0] = (struct tnode){.tok = -1};
-    v->n_nodes = 1;
-    path[0] = 0;
-    const struct tok_ref *prev = NULL;
-    for (size_t i = 0; i < n; i++) {
-        const struct tok_ref *r = &refs[i];
-        size_t k = 0; /* bytes shared with the previous token: their nodes exist */
-        while (prev && k < prev->len && k < r->len && prev->p[k] == r->p[k])
-            k++;
-        for (size_t d = k; d < r->len; d++) {
-            uint32_t id = v->n_nodes++, parent = path[d];
-            v->t[id] = (struct tnode){.tok = -1, .byte = (unsigned char)r->p[d]};
-            if (last[parent])
-                v->t[last[parent]].sib = id;
-            else
-                v->t[parent].child = id;
-            last[parent] = id;
-            path[d + 1] = id;
-        }
-        struct tnode *end = &v->t[path[r->len]];
-        v->tok_next[r->id] = end->tok; /* same bytes: chained */
-        end->tok = r->id;
-        prev = r;
-    }
+    trie_build(v->all, refs, n, v->tok_next, path, last);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!plain_chars(refs[i].p, refs[i].len))
+            refs[m++] = refs[i];
+    trie_build(v->rest, refs, m, v->tok_next, path, last);
     free(refs);
     free(path);
     free(last);
@@ -1274,38 +1323,76 @@ size_t gram_vocab_depth(const gram_vocab *v)
 
 struct mask_walk {
     const gram_vocab *v;
+    const struct tnode *t;   /* the trie walked */
     struct gram_state *st; /* [max_len + 1] */
     bool *allow;
+    int n_allow;
     size_t budget; /* bytes the rest may need at most; SIZE_MAX: any */
     int count;
 };
 
+static void allow_tok(struct mask_walk *w, int32_t first)
+{
+    for (int32_t id = first; id >= 0; id = w->v->tok_next[id]) {
+        if (id < w->n_allow) { /* a tokenizer may know ids the model has no logits for */
+            w->allow[id] = true;
+            w->count++;
+        }
+    }
+}
+
 static void walk(struct mask_walk *w, uint32_t node, size_t d)
 {
-    for (uint32_t c = w->v->t[node].child; c; c = w->v->t[c].sib) {
+    for (uint32_t c = w->t[node].child; c; c = w->t[c].sib) {
         struct gram_state *s = &w->st[d + 1];
         copy_state(s, &w->st[d]);
-        if (!step(s, w->v->t[c].byte))
+        if (!step(s, w->t[c].byte))
             continue;
-        if (w->v->t[c].tok >= 0 && (w->budget == SIZE_MAX || gram_min_close(s) <= w->budget)) {
-            for (int32_t id = w->v->t[c].tok; id >= 0; id = w->v->tok_next[id]) {
-                w->allow[id] = true;
-                w->count++;
-            }
-        }
+        if (w->t[c].tok >= 0 && (w->budget == SIZE_MAX || gram_min_close(s) <= w->budget))
+            allow_tok(w, w->t[c].tok);
         walk(w, c, d + 1);
     }
+}
+
+/* Inside a string: the plain tokens that fit its maxLength and the budget
+ * (they only shorten what minLength still needs), then the trie of the
+ * others. */
+static void mask_in_string(struct mask_walk *w, const struct gram_state *s)
+{
+    const struct gram_frame *f = &s->f[s->depth - 1];
+    const struct node *nd = &s->g->nodes[f->node];
+    size_t base = gram_min_close(s), want = nd->min_len > f->n ? nd->min_len - f->n : 0;
+    for (size_t i = 0; i < w->v->n_plain; i++) {
+        uint32_t ch = w->v->plain_chars[i];
+        if ((uint64_t)f->n + ch > nd->max_len)
+            continue;
+        if (w->budget != SIZE_MAX && base - (ch < want ? ch : want) > w->budget)
+            continue;
+        int32_t id = w->v->plain[i];
+        if (id < w->n_allow) {
+            w->allow[id] = true;
+            w->count++;
+        }
+    }
+    w->t = w->v->rest;
+    walk(w, 0, 0);
 }
 
 int gram_mask(const gram_vocab *v, const struct gram_state *s, int budget, const int32_t *eos, int n_eos,
               bool *allow, int n_allow, struct gram_state *scratch)
 {
-    struct mask_walk w = {v, scratch, allow, budget > 0 ? (size_t)budget - 1 : SIZE_MAX, 0};
+    struct mask_walk w = {v, v->all, scratch, allow, n_allow, budget > 0 ? (size_t)budget - 1 : SIZE_MAX, 0};
+    bool in_string = s->depth && s->f[s->depth - 1].kind == K_STR && s->f[s->depth - 1].phase == S_CHAR;
     for (int pass = 0; pass < 2; pass++) {
         memset(allow, 0, (size_t)n_allow * sizeof(*allow));
         w.count = 0;
         copy_state(&scratch[0], s);
-        walk(&w, 0, 0);
+        if (in_string) {
+            mask_in_string(&w, s);
+        } else {
+            w.t = v->all;
+            walk(&w, 0, 0);
+        }
         if (w.count || w.budget == SIZE_MAX)
             break;
         w.budget = SIZE_MAX; /* nothing fits: the grammar alone decides, the length limit cuts */
