@@ -1149,7 +1149,8 @@ static bool load(engine *e)
         e->state = ENGINE_READY;
     } else {
         e->state = ENGINE_FAILED;
-        snprintf(e->state_msg, sizeof(e->state_msg), "no host memory for %d sequences' logits", e->cfg.max_seqs);
+        snprintf(e->state_msg, sizeof(e->state_msg), "no host memory for %d sequences' logits or the token trie",
+                 e->cfg.max_seqs);
     }
     pthread_mutex_unlock(&e->mu);
     return e->state == ENGINE_READY;
