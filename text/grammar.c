@@ -160,7 +160,8 @@ static enum text_status parse_types(struct cctx *c, const json_t *v, uint8_t *ty
     for (size_t i = 0; i < n; i++) {
         const json_t *e = json_is_array(v) ? json_array_get(v, i) : v;
         size_t k = 0;
-        while (k < sizeof(names) / sizeof(names[0]) && !(json_is_string(e) && !strcmp(json_string_value(e), names[k].name)))
+        while (k < sizeof(names) / sizeof(names[0]) &&
+               !(json_is_string(e) && !strcmp(json_string_value(e), names[k].name)))
             k++;
         if (k == sizeof(names) / sizeof(names[0]))
             return cfail(c, TEXT_EINVAL, "type must be object, array, string, number, integer, boolean or null");
