@@ -3,7 +3,7 @@
  * (empty: json_object), a NUL, then the output bytes.
  *
  * Invariants: a refused schema says why (and names the keyword when it is
- * one); a refused byte leaves the state as it was; the bytes accepted so
+ * one, by its first 64 bytes); a refused byte leaves the state as it was; the bytes accepted so
  * far always have a finite shortest completion, and completing them one
  * byte at a time, each byte lowering gram_min_close by one, reaches a
  * complete document in exactly that many bytes; every complete document
@@ -61,7 +61,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     enum text_status st = gram_compile(schema, &g, &bad, err);
     if (st != TEXT_OK) {
         FUZZ_CHECK(err[0] && !g, "a refused schema without a reason");
-        FUZZ_CHECK(!bad || strstr(err, bad), "the message \"%s\" does not name the keyword \"%s\"", err, bad);
+        char head[65]; /* the message quotes a keyword's first 64 bytes */
+        snprintf(head, sizeof(head), "%s", bad ? bad : "");
+        FUZZ_CHECK(strstr(err, head), "the message \"%s\" does not name the keyword \"%s\"", err, head);
         json_decref(schema);
         return 0;
     }
