@@ -63,6 +63,7 @@ static void job_free(struct job *j)
         free(j->ch[i].lps);
     }
     beam_free(j->bs);
+    gram_free(j->grammar);
     free(j->prompt);
     free(j->stop_buf);
     kvfile_release(&j->kvf);
@@ -319,7 +320,9 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
                                 .min_new = j->min_new,
                                 .stops = j->stops,
                                 .n_stops = j->n_stops,
-                                .text_lock = &e->mu};
+                                .text_lock = &e->mu,
+                                .grammar = j->grammar,
+                                .gvocab = j->grammar ? e->gvocab : NULL};
     gp.sampling.seed += (uint64_t)idx; /* the n choices of one request differ */
     enum model_status ms = gen_seq_init(&c->seq, e->mc, e->tok, &gp, j->prompt, j->n_prompt);
     if (ms == MODEL_EINVAL) /* the parser's ranges make this a bug, still the client's 400 */
@@ -1194,9 +1197,11 @@ static bool load(engine *e)
     e->scratch = malloc((size_t)e->vocab * sizeof(*e->scratch));
     e->share = malloc((size_t)e->vocab * sizeof(*e->share));
     e->share_tmp = malloc((size_t)e->vocab * sizeof(*e->share_tmp));
-    bool ok = e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch && e->share && e->share_tmp;
+    enum text_status gs = gram_vocab_create(e->tok, &e->gvocab);
+    bool ok = e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch && e->share && e->share_tmp &&
+              gs == TEXT_OK;
     if (!ok)
-        snprintf(err, sizeof(err), "no host memory for %d sequences' logits", e->cfg.max_seqs);
+        snprintf(err, sizeof(err), "no host memory for %d sequences' logits or the token trie", e->cfg.max_seqs);
     ok = ok && warm_up(e, err);
     if (ok)
         disk_open(e);
@@ -1273,6 +1278,7 @@ void engine_free(engine *e)
     free_dead_sessions(e->dead);
     free_dead_sessions(e->sessions);
     runtime_close(&e->rt);
+    gram_vocab_free(e->gvocab);
     free(e->batch);
     free(e->batch_ch);
     free(e->batch_job);

@@ -136,6 +136,7 @@ struct job {
     bool ignore_eos, logprobs;
     int min_new; /* no eos before this many generated tokens (sampling; beams use beam.min_new) */
     int top_logprobs;
+    gram *grammar; /* owned: constrained output, NULL: none */
     /* beam search when beam.num_beams > 1 (n = num_beams; eos filled in at
      * admission); n_out: the choices returned (num_return_sequences, or
      * best_of's n: the n of the job's choices with the highest logprob

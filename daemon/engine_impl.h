@@ -78,6 +78,7 @@ struct engine {
     char model_id[128];
     char bos[64], eos[64];
     struct chat_template chat;
+    gram_vocab *gvocab; /* the tokenizer's token bytes, for constrained output */
 
     /* ---- engine thread: per-step scratch, sized once at load ---- */
     struct fw_seq *batch;

@@ -15,7 +15,7 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
                                   struct ipc_error *err)
 {
     if (g->chat)
-        return render(s, g->msgs, g->n_msgs, true, ids, err);
+        return render(s, g->msgs, g->n_msgs, g->tool_choice == IPC_TOOLS_NONE ? NULL : g->tools, true, ids, err);
     if (g->text)
         return encode(s, g->text, g->text_len, true, "prompt", ids, err);
     ids->ids = malloc(g->n_ids * sizeof(*ids->ids));
@@ -105,6 +105,8 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
         j->sampling.seed = (uint64_t)time(NULL);
     j->ignore_eos = g.ignore_eos;
     j->min_new = beams ? 0 : g.min_tokens;
+    j->grammar = g.grammar;
+    g.grammar = NULL;
     j->logprobs = g.logprobs;
     j->top_logprobs = g.top_logprobs;
     j->cache = g.cache;
@@ -125,6 +127,12 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     r->include_usage = g.include_usage;
     r->return_tokens = g.return_tokens;
     r->logprobs = g.logprobs;
+    if (g.tools && g.tool_choice != IPC_TOOLS_NONE) {
+        r->tools = g.tools;
+        /* a forced call is the grammar's bare object, which reads as Llama's */
+        bool bare = g.tool_choice >= IPC_TOOLS_REQUIRED || engine_chat_template(s->eng)->family == CHAT_LLAMA3;
+        r->tool_fmt = bare ? IPC_TOOLFMT_LLAMA : IPC_TOOLFMT_HERMES;
+    }
     ipc_gen_req_release(&g);
     r->prep.job = j;
     return IPC_OK;

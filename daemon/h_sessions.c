@@ -21,7 +21,7 @@ enum ipc_status prep_session_create(struct req *r)
     enum ipc_status st = ipc_session_req_parse(r->root, &lim, &q, err);
     if (st == IPC_OK && q.system) {
         struct chat_msg m = {CHAT_ROLE_SYSTEM, q.system, q.system_len, NULL};
-        st = render(s, &m, 1, false, ids, err);
+        st = render(s, &m, 1, NULL, false, ids, err);
     } else if (st == IPC_OK && q.prefix) {
         st = encode(s, q.prefix, q.prefix_len, true, "prefix", ids, err);
     } else if (st == IPC_OK && q.ids) {

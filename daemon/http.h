@@ -30,6 +30,7 @@
 #include "daemon/workers.h"
 #include "ipc/jsonw.h"
 #include "ipc/request.h"
+#include "ipc/toolcall.h"
 
 enum reply_kind {
     REPLY_COMPLETION = 0,
@@ -119,6 +120,12 @@ struct req {
     int sent_gen[SERVER_MAX_N];
     enum stream_phase phase;
     char *snap; /* STREAM_BLOCK bytes: unsent text copied under the engine lock */
+    /* tools given and tool_choice not none: each choice's text is read
+     * back as tool calls once the job is done (a stream holds it back) */
+    const json_t *tools; /* in root */
+    enum ipc_tool_format tool_fmt;
+    bool calls_read[SERVER_MAX_N];
+    struct ipc_tool_calls calls[SERVER_MAX_N];
 };
 
 /* A client's 4xx log lines: one a second, the rest counted. */
@@ -178,8 +185,13 @@ enum MHD_Result fail(struct req *r, enum ipc_status st, const char *param, const
 enum MHD_Result reply_done(struct req *r);
 void write_error_body(struct jw *w, const struct ipc_error *e);
 void write_head(struct jw *w, struct req *r, const char *object);
+/* One choice: text[0, n) and generated tokens [g0, g1); with tool calls
+ * read (read_calls), their content and calls instead of the text. */
 void write_choice(struct jw *w, struct req *r, int i, const char *text, size_t n, int g0, int g1, const char *finish,
                   bool delta, bool role);
+/* Choice i's tool calls from its whole text, read once (the job is
+ * done); NULL when it has none or the request gave no tools. */
+const struct ipc_tool_calls *read_calls(struct req *r, int i);
 void write_usage(struct jw *w, const struct job *j);
 void write_kvtier(struct jw *w, const struct job *j);
 const char *finish_name(enum gen_finish f);
@@ -198,7 +210,8 @@ bool over_limit(const struct req *r, size_t max);
 struct ipc_limits limits(const struct server *s);
 enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,
                        struct tok_ids *ids, struct ipc_error *err);
-enum ipc_status render(struct server *s, const struct chat_msg *m, size_t n, bool gen_prompt, struct tok_ids *ids,
+enum ipc_status render(struct server *s, const struct chat_msg *m, size_t n, const json_t *tools, bool gen_prompt,
+                       struct tok_ids *ids,
                        struct ipc_error *err);
 enum ipc_status unknown_field(const char *key, const char *known, struct ipc_error *err);
 

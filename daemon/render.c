@@ -295,13 +295,56 @@ void write_head(struct jw *w, struct req *r, const char *object)
     jw_lit(w, ",\"choices\":[");
 }
 
-/* One choice: text[0, n) and generated tokens [g0, g1). */
+const struct ipc_tool_calls *read_calls(struct req *r, int i)
+{
+    if (!r->tools)
+        return NULL;
+    if (!r->calls_read[i]) {
+        struct job_progress p = job_progress(r->job, i);
+        /* out of memory reads as no calls: the text goes back as content */
+        ipc_tool_calls_parse(p.text ? p.text : "", p.n_text, r->tool_fmt, r->tools, &r->calls[i]);
+        r->calls_read[i] = true;
+    }
+    return r->calls[i].n ? &r->calls[i] : NULL;
+}
+
+static void write_calls(struct jw *w, struct req *r, int i, const struct ipc_tool_calls *tc, bool delta)
+{
+    jw_lit(w, "\"tool_calls\":[");
+    for (size_t k = 0; k < tc->n; k++) {
+        jw_lit(w, k ? ",{" : "{");
+        if (delta)
+            jw_fmt(w, "\"index\":%zu,", k);
+        jw_fmt(w, "\"id\":\"call_%s_%d_%zu\",\"type\":\"function\",\"function\":{\"name\":", r->id, i, k);
+        jw_str(w, tc->calls[k].name, strlen(tc->calls[k].name));
+        jw_lit(w, ",\"arguments\":");
+        jw_str(w, tc->calls[k].arguments, strlen(tc->calls[k].arguments));
+        jw_lit(w, "}}");
+    }
+    jw_lit(w, "]");
+}
+
 void write_choice(struct jw *w, struct req *r, int i, const char *text, size_t n, int g0, int g1,
                          const char *finish, bool delta, bool role)
 {
     const int32_t *gen = job_progress(r->job, i).toks + r->job->n_prompt;
+    const struct ipc_tool_calls *tc = r->calls_read[i] && r->calls[i].n ? &r->calls[i] : NULL;
     jw_fmt(w, "{\"index\":%d,", i);
-    if (r->kind == REPLY_CHAT) {
+    if (tc) {
+        jw_lit(w, delta ? "\"delta\":{" : "\"message\":{\"role\":\"assistant\",");
+        if (delta && role)
+            jw_lit(w, "\"role\":\"assistant\",");
+        jw_lit(w, "\"content\":");
+        if (tc->content_len)
+            jw_str(w, text, tc->content_len < n ? tc->content_len : n);
+        else
+            jw_lit(w, "null");
+        jw_lit(w, ",");
+        write_calls(w, r, i, tc, delta);
+        jw_lit(w, "},");
+        if (finish)
+            finish = "tool_calls";
+    } else if (r->kind == REPLY_CHAT) {
         jw_lit(w, delta ? "\"delta\":{" : "\"message\":{\"role\":\"assistant\",");
         if (role)
             jw_lit(w, "\"role\":\"assistant\",");
@@ -377,6 +420,7 @@ enum MHD_Result reply_done(struct req *r)
     write_head(&w, r, r->kind == REPLY_CHAT ? "chat.completion" : "text_completion");
     for (int i = 0; i < j->n_out; i++) {
         struct job_progress p = job_progress(j, i);
+        read_calls(r, i);
         if (i)
             jw_lit(&w, ",");
         write_choice(&w, r, i, p.text, p.n_text, 0, p.n_gen, finish_name(p.finish), false, false);

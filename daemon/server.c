@@ -412,6 +412,8 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx, enu
     json_decref(r->root);
     free(r->body);
     free(r->snap);
+    for (int i = 0; i < SERVER_MAX_N; i++)
+        ipc_tool_calls_free(&r->calls[i]);
     free(r);
     *ctx = NULL;
 }

@@ -56,6 +56,8 @@ static void stream_snapshot(const struct req *r, struct stream_view *v, size_t m
     for (int i = 0; i < j->n; i++) {
         struct job_progress c = job_progress(j, i);
         size_t want = c.n_text - r->sent_text[i], take = want < left ? want : left;
+        if (r->tools && !v->done)
+            take = 0; /* the text may turn out to be a tool call: held until the end */
         if (take) /* c.text is NULL until the first piece of text */
             memcpy(r->snap + at, c.text + r->sent_text[i], take);
         v->text[i] = r->snap + at;
@@ -94,6 +96,32 @@ static size_t stream_events(struct req *r, const struct stream_view *v, char *bu
     }
     bool all_fin = true;
     for (int i = 0; i < j->n && r->phase == STREAM_CHOICES; i++) {
+        if (v->done && v->err.st == IPC_OK && !r->fin_sent[i] && read_calls(r, i)) {
+            /* the calls whole in one chunk (a client joins the deltas of a
+             * call's index, so one delta is a complete one); after done the
+             * text no longer changes and is read without the lock */
+            struct job_progress p = job_progress(j, i);
+            size_t mark = event_begin(&w);
+            write_head(&w, r, object);
+            write_choice(&w, r, i, p.text, p.n_text, r->sent_gen[i], p.n_gen, "tool_calls", true,
+                         !r->role_sent[i]);
+            jw_lit(&w, "]");
+            if (i == j->n - 1) {
+                jw_lit(&w, ",");
+                write_usage(&w, j);
+                jw_lit(&w, ",");
+                write_kvtier(&w, j);
+            }
+            jw_lit(&w, "}");
+            if (!event_end(&w, mark)) {
+                *stuck = w.n == 0;
+                return w.n;
+            }
+            r->role_sent[i] = r->fin_sent[i] = true;
+            r->sent_text[i] = p.n_text;
+            r->sent_gen[i] = p.n_gen;
+            continue;
+        }
         for (;;) {
             bool role = r->kind == REPLY_CHAT && !r->role_sent[i];
             size_t t0 = r->sent_text[i];
@@ -268,7 +296,9 @@ bool has_news(const struct req *r)
         return false;
     for (int i = 0; i < j->n; i++) {
         struct job_progress c = job_progress(j, i);
-        if (c.n_text > r->sent_text[i] || c.n_gen > r->sent_gen[i] || (r->kind == REPLY_CHAT && !r->role_sent[i]))
+        /* text held back for tool calls is no news until the job is done */
+        bool more = !r->tools && (c.n_text > r->sent_text[i] || c.n_gen > r->sent_gen[i]);
+        if (more || (r->kind == REPLY_CHAT && !r->role_sent[i]))
             return true;
     }
     return false;

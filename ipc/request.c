@@ -143,7 +143,7 @@ static enum ipc_status parse_role(const json_t *v, size_t i, enum chat_role *rol
         const char *name;
         int role; /* -1: known but not supported */
     } roles[] = {{"system", CHAT_ROLE_SYSTEM}, {"developer", CHAT_ROLE_SYSTEM}, {"user", CHAT_ROLE_USER},
-                 {"assistant", CHAT_ROLE_ASSISTANT}, {"tool", -1}, {"function", -1}};
+                 {"assistant", CHAT_ROLE_ASSISTANT}, {"tool", CHAT_ROLE_USER}, {"function", -1}};
     const char *s = json_string_value(v);
     if (!s)
         return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].role must be a string", i);
@@ -151,13 +151,13 @@ static enum ipc_status parse_role(const json_t *v, size_t i, enum chat_role *rol
         if (strcmp(s, roles[k].name) != 0)
             continue;
         if (roles[k].role < 0)
-            return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu]: role \"%s\" (tool calling) is not supported",
-                            i, s);
+            return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu]: role \"%s\" (the deprecated function "
+                            "calling) is not supported; use tools", i, s);
         *role = (enum chat_role)roles[k].role;
         return IPC_OK;
     }
     return ipc_fail(err, IPC_EINVAL, "messages",
-                    "messages[%zu].role \"%.32s\" is not one of system, developer, user, assistant", i, s);
+                    "messages[%zu].role \"%.32s\" is not one of system, developer, user, assistant, tool", i, s);
 }
 
 /* content: a string, or an array of {"type":"text","text":...} parts joined. */
@@ -204,6 +204,58 @@ static enum ipc_status parse_content(const json_t *v, size_t i, struct chat_msg 
     return IPC_OK;
 }
 
+/* Replaces m's content with pre + content + post (owned). */
+static enum ipc_status wrap_content(struct chat_msg *m, size_t i, const char *pre, const char *post,
+                                    struct ipc_error *err)
+{
+    size_t a = strlen(pre), b = strlen(post);
+    char *p = malloc(a + m->len + b + 1);
+    if (!p)
+        return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
+    memcpy(p, pre, a);
+    memcpy(p + a, m->content, m->len);
+    memcpy(p + a + m->len, post, b + 1);
+    free(m->owned);
+    m->owned = p;
+    m->content = p;
+    m->len = a + m->len + b;
+    return IPC_OK;
+}
+
+/* An assistant turn's tool_calls, appended to its content as the
+ * Hermes/Qwen convention writes them, one <tool_call> block each: what the
+ * sniffed chat templates render (they have no tool syntax of their own). */
+static enum ipc_status append_tool_calls(const json_t *calls, size_t i, struct chat_msg *m, struct ipc_error *err)
+{
+    if (!json_is_array(calls))
+        return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].tool_calls must be an array", i);
+    for (size_t k = 0; k < json_array_size(calls); k++) {
+        const json_t *c = json_array_get(calls, k), *f = json_object_get(c, "function");
+        const json_t *name = json_object_get(f, "name"), *args = json_object_get(f, "arguments");
+        json_t *parsed = json_is_string(args) ? json_loads(json_string_value(args), JSON_DECODE_ANY, NULL) : NULL;
+        bool ok = json_is_object(c) && json_is_string(name) && json_is_object(parsed);
+        json_decref(parsed);
+        if (!ok)
+            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].tool_calls[%zu] must be {\"function\": "
+                            "{\"name\": string, \"arguments\": a JSON object as a string}}", i, k);
+        json_t *nm = json_string(json_string_value(name));
+        char *enc = nm ? json_dumps(nm, JSON_ENCODE_ANY) : NULL;
+        json_decref(nm);
+        size_t n = enc ? strlen(enc) + json_string_length(args) + 64 : 0;
+        char *block = enc ? malloc(n) : NULL;
+        if (block)
+            snprintf(block, n, "%s<tool_call>\n{\"name\": %s, \"arguments\": %s}\n</tool_call>", m->len ? "\n" : "",
+                     enc, json_string_value(args));
+        free(enc);
+        enum ipc_status st = block ? wrap_content(m, i, "", block, err)
+                                   : ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
+        free(block);
+        if (st != IPC_OK)
+            return st;
+    }
+    return IPC_OK;
+}
+
 static enum ipc_status parse_messages(const json_t *v, const struct ipc_limits *lim, struct ipc_gen_req *r,
                                       struct ipc_error *err)
 {
@@ -221,16 +273,25 @@ static enum ipc_status parse_messages(const json_t *v, const struct ipc_limits *
             return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu] must be an object", i);
         const char *key;
         json_t *val;
+        bool tool = str_is(json_object_get(m, "role"), "tool");
+        bool assistant = str_is(json_object_get(m, "role"), "assistant");
         json_object_foreach((json_t *)m, key, val)
         {
-            if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name"))
-                return ipc_fail(err, strcmp(key, "tool_calls") ? IPC_EINVAL : IPC_ENOTIMPL, "messages",
-                                "messages[%zu]: field \"%.32s\" is not supported", i, key);
+            if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name") &&
+                !(tool && !strcmp(key, "tool_call_id")) && !(assistant && !strcmp(key, "tool_calls")))
+                return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu]: field \"%.32s\" is not supported", i,
+                                key);
         }
         enum ipc_status st = parse_role(json_object_get(m, "role"), i, &r->msgs[i].role, err);
         r->n_msgs = i + 1; /* from here on release() frees this entry */
+        const json_t *calls = json_object_get(m, "tool_calls");
         if (st == IPC_OK)
             st = parse_content(json_object_get(m, "content"), i, &r->msgs[i], err);
+        /* a tool's result goes back as the user turn Hermes/Qwen templates write */
+        if (st == IPC_OK && tool)
+            st = wrap_content(&r->msgs[i], i, "<tool_response>\n", "\n</tool_response>", err);
+        if (st == IPC_OK && calls && !json_is_null(calls))
+            st = append_tool_calls(calls, i, &r->msgs[i], err);
         if (st != IPC_OK)
             return st;
     }
@@ -559,6 +620,140 @@ static enum ipc_status f_cache(const json_t *v, const char *name, struct field_c
     return IPC_OK; /* both cache fields are read together once the walk is done */
 }
 
+/* A grammar's compile error as the request's 400, naming the keyword. */
+static enum ipc_status gram_error(enum text_status ts, const char *field, const char *msg, struct ipc_error *err)
+{
+    return ipc_fail(err, ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL, field, "%s: %s", field, msg);
+}
+
+/* response_format: text, json_object, or json_schema {name, description,
+ * schema, strict}.  The output is constrained to the schema whatever
+ * strict says. */
+static enum ipc_status f_response_format(const json_t *v, const char *name, struct field_ctx *c,
+                                         struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    const char *type = json_string_value(json_object_get(v, "type"));
+    if (!json_is_object(v) || !type)
+        return ipc_fail(err, IPC_EINVAL, name, "response_format must be an object with a type");
+    const json_t *js = json_object_get(v, "json_schema");
+    const char *key;
+    json_t *val;
+    json_object_foreach((json_t *)v, key, val)
+    {
+        if (strcmp(key, "type") && !(js && !strcmp(key, "json_schema")))
+            return ipc_fail(err, IPC_EINVAL, name, "response_format: unknown field \"%.48s\"", key);
+    }
+    if (!strcmp(type, "text"))
+        return IPC_OK;
+    char msg[TEXT_ERR_LEN];
+    const char *bad;
+    enum text_status ts;
+    if (!strcmp(type, "json_object")) {
+        ts = gram_compile(NULL, &c->r->grammar, &bad, msg);
+    } else if (!strcmp(type, "json_schema")) {
+        if (!json_is_object(js) || !json_is_object(json_object_get(js, "schema")))
+            return ipc_fail(err, IPC_EINVAL, name, "response_format json_schema needs \"json_schema\": {\"schema\": "
+                            "{...}}");
+        json_object_foreach((json_t *)js, key, val)
+        {
+            if (strcmp(key, "name") && strcmp(key, "description") && strcmp(key, "schema") && strcmp(key, "strict"))
+                return ipc_fail(err, IPC_EINVAL, name, "response_format.json_schema: unknown field \"%.48s\"", key);
+        }
+        ts = gram_compile(json_object_get(js, "schema"), &c->r->grammar, &bad, msg);
+    } else {
+        return ipc_fail(err, IPC_EINVAL, name, "response_format type \"%.32s\" is not one of text, json_object, "
+                        "json_schema", type);
+    }
+    return ts == TEXT_OK ? IPC_OK : gram_error(ts, name, msg, err);
+}
+
+/* A tool's name: OpenAI's rule, which also keeps it plain in a prompt. */
+static bool tool_name_ok(const char *s)
+{
+    size_t n = strlen(s);
+    if (!n || n > 64)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || (s[i] >= '0' && s[i] <= '9') ||
+              s[i] == '_' || s[i] == '-'))
+            return false;
+    return true;
+}
+
+static enum ipc_status f_tools(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (!json_is_array(v) || json_array_size(v) > IPC_MAX_TOOLS)
+        return ipc_fail(err, IPC_EINVAL, name, "tools must be an array of at most %d tools", IPC_MAX_TOOLS);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        const json_t *t = json_array_get(v, i), *f = json_object_get(t, "function");
+        const char *fname = json_string_value(json_object_get(f, "name"));
+        const json_t *params = json_object_get(f, "parameters");
+        if (!str_is(json_object_get(t, "type"), "function") || !json_is_object(f) || !fname)
+            return ipc_fail(err, IPC_EINVAL, name, "tools[%zu] must be {\"type\": \"function\", \"function\": "
+                            "{\"name\": ...}}", i);
+        if (!tool_name_ok(fname))
+            return ipc_fail(err, IPC_EINVAL, name, "tools[%zu].function.name must be 1 to 64 letters, digits, _ or -",
+                            i);
+        if (params && !json_is_object(params))
+            return ipc_fail(err, IPC_EINVAL, name, "tools[%zu].function.parameters must be a JSON schema object", i);
+        for (size_t k = 0; k < i; k++)
+            if (!strcmp(fname, json_string_value(json_object_get(json_object_get(json_array_get(v, k), "function"),
+                                                                 "name"))))
+                return ipc_fail(err, IPC_EINVAL, name, "tools[%zu]: the name \"%s\" is given twice", i, fname);
+    }
+    c->r->tools = json_array_size(v) ? v : NULL;
+    return IPC_OK;
+}
+
+/* tool_choice is read once the walk is done: it needs the tools. */
+static enum ipc_status tool_choice(const json_t *root, struct ipc_gen_req *r, struct ipc_error *err)
+{
+    const json_t *v = json_object_get(root, "tool_choice");
+    const char *field = "tool_choice";
+    const char *want = NULL;
+    if (!v || json_is_null(v) || str_is(v, "auto")) {
+        r->tool_choice = IPC_TOOLS_AUTO;
+    } else if (str_is(v, "none")) {
+        r->tool_choice = IPC_TOOLS_NONE;
+    } else if (str_is(v, "required")) {
+        r->tool_choice = IPC_TOOLS_REQUIRED;
+    } else if (json_is_object(v) && str_is(json_object_get(v, "type"), "function") &&
+               (want = json_string_value(json_object_get(json_object_get(v, "function"), "name")))) {
+        r->tool_choice = IPC_TOOLS_NAMED;
+    } else {
+        return ipc_fail(err, IPC_EINVAL, field, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                        "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    }
+    if (r->tool_choice < IPC_TOOLS_REQUIRED)
+        return IPC_OK;
+    if (!r->tools)
+        return ipc_fail(err, IPC_EINVAL, field, "tool_choice asks for a call but tools is empty or missing");
+    if (r->grammar)
+        return ipc_fail(err, IPC_EINVAL, field, "a forced tool_choice and response_format both constrain the "
+                        "output; give one of them");
+    const char *names[IPC_MAX_TOOLS];
+    const json_t *params[IPC_MAX_TOOLS];
+    int n = 0;
+    for (size_t i = 0; i < json_array_size(r->tools); i++) {
+        const json_t *f = json_object_get(json_array_get(r->tools, i), "function");
+        const char *fname = json_string_value(json_object_get(f, "name"));
+        if (want && strcmp(want, fname))
+            continue;
+        names[n] = fname;
+        params[n++] = json_object_get(f, "parameters");
+    }
+    if (!n)
+        return ipc_fail(err, IPC_EINVAL, field, "tool_choice names \"%.64s\", which is not in tools", want);
+    char msg[TEXT_ERR_LEN];
+    const char *bad;
+    enum text_status ts = gram_compile_calls(names, params, n, &r->grammar, &bad, msg);
+    return ts == TEXT_OK ? IPC_OK : gram_error(ts, "tools", msg, err);
+}
+
 /* Known fields that would change the output: accepted only with the value
  * that means "off", so nothing is silently ignored. */
 static enum ipc_status f_must_be_off(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -566,9 +761,7 @@ static enum ipc_status f_must_be_off(const json_t *v, const char *name, struct f
     (void)c;
     bool off = json_is_null(v) || json_is_false(v) || (json_is_number(v) && json_number_value(v) == 0) ||
                (json_is_string(v) && !json_string_length(v)) || (json_is_object(v) && !json_object_size(v)) ||
-               (json_is_array(v) && !json_array_size(v)) ||
-               (!strcmp(name, "tool_choice") && str_is(v, "none")) ||
-               (!strcmp(name, "response_format") && str_is(json_object_get(v, "type"), "text"));
+               (json_is_array(v) && !json_array_size(v));
     if (off)
         return IPC_OK;
     return ipc_fail(err, IPC_ENOTIMPL, name, "%s is not supported by kvtier", name);
@@ -626,10 +819,10 @@ static const struct {
     {"early_stopping", F_BOTH, f_early_stopping},
     {"num_beam_groups", F_BOTH, f_count},
     {"diversity_penalty", F_BOTH, f_diversity_penalty},
-    {"tools", F_CHAT, f_must_be_off},
+    {"tools", F_CHAT, f_tools},
     {"functions", F_CHAT, f_must_be_off},
-    {"tool_choice", F_CHAT, f_must_be_off},
-    {"response_format", F_CHAT, f_must_be_off},
+    {"tool_choice", F_CHAT, f_ignore},
+    {"response_format", F_BOTH, f_response_format},
 };
 
 /* A field of the request that is there and not null. */
@@ -744,6 +937,15 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
+    enum ipc_status tst = chat ? tool_choice(root, out, err) : IPC_OK;
+    if (tst != IPC_OK)
+        return tst;
+    /* a grammar masks what gen_seq samples: beams pick their own tokens,
+     * and a document that never ends has no grammar */
+    const char *why = out->num_beams > 1 ? "num_beams" : out->ignore_eos ? "ignore_eos" : NULL;
+    if (out->grammar && why)
+        return ipc_fail(err, IPC_EINVAL, why, "%s cannot be combined with constrained output (response_format or a "
+                        "forced tool_choice)", why);
     enum ipc_status bst = out->num_beams > 1 ? check_beams(root, out, err) : check_no_beams(root, out, err);
     if (bst != IPC_OK)
         return bst;
@@ -762,6 +964,8 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
 
 void ipc_gen_req_release(struct ipc_gen_req *r)
 {
+    gram_free(r->grammar);
+    r->grammar = NULL;
     free(r->ids);
     for (size_t i = 0; i < r->n_msgs; i++)
         free(r->msgs[i].owned);

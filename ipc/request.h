@@ -3,11 +3,12 @@
  *
  * Every check that needs no model state happens here, before anything sized
  * by the client is allocated: types, ranges, unknown fields, token ids
- * against the vocabulary, array lengths against the context.  Fields kvtier
- * knows but does not implement (tools, echo, logit_bias, ...) give 400
- * naming the field when they ask for something, rather than being ignored;
- * fields other local servers accept that change nothing here (cache_prompt,
- * keep_alive, reasoning_effort) are checked for type and accepted.  Strings in a parsed
+ * against the vocabulary, array lengths against the context, response
+ * schemas compiled into their grammar.  Fields kvtier knows but does not
+ * implement (echo, logit_bias, ...) give 400 naming the field when they ask
+ * for something, rather than being ignored; fields other local servers
+ * accept that change nothing here (cache_prompt, keep_alive,
+ * reasoning_effort) are checked for type and accepted.  Strings in a parsed
  * request are borrowed from the JSON tree, which must outlive it.
  */
 #ifndef KVTIER_IPC_REQUEST_H
@@ -22,6 +23,7 @@
 #include "ipc/cache.h"
 #include "ipc/status.h"
 #include "text/chat.h"
+#include "text/grammar.h"
 #include "model/beam.h"
 #include "model/generate.h"
 
@@ -49,6 +51,11 @@ struct ipc_limits {
  * to (its id, the id with Ollama's ":latest" tag, or the model directory
  * as given to kvtierd); else IPC_ENOMODEL naming it. */
 enum ipc_status ipc_check_model(const json_t *v, const struct ipc_limits *lim, struct ipc_error *err);
+
+/* tool_choice: whether the model may, must, or must not call a tool. */
+enum ipc_tool_choice { IPC_TOOLS_AUTO = 0, IPC_TOOLS_NONE, IPC_TOOLS_REQUIRED, IPC_TOOLS_NAMED };
+
+#define IPC_MAX_TOOLS 64
 
 struct ipc_gen_req {
     bool chat;
@@ -78,6 +85,11 @@ struct ipc_gen_req {
     const char *session; /* NULL: none */
     bool cache_given;    /* "cache" or "use_cache" was in the request */
     struct ipc_cache_choice cache;
+    /* constrained output (owned): response_format json_object/json_schema,
+     * or the call tool_choice required/named forces; NULL: free text */
+    gram *grammar;
+    const json_t *tools; /* the tools array, NULL: none */
+    enum ipc_tool_choice tool_choice;
 };
 
 enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,

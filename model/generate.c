@@ -74,8 +74,59 @@ enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, 
     s->text = malloc(s->text_cap);
     if (!s->toks || !s->text)
         return MODEL_ENOMEM;
+    if (p->grammar) {
+        s->gvocab = p->gvocab;
+        s->gstate = malloc((1 + gram_vocab_depth(p->gvocab)) * sizeof(*s->gstate));
+        s->allow = malloc((size_t)c->vocab_size * sizeof(*s->allow));
+        s->gram_logits = malloc((size_t)c->vocab_size * sizeof(*s->gram_logits));
+        if (!s->gstate || !s->allow || !s->gram_logits)
+            return MODEL_ENOMEM;
+        gram_start(p->grammar, s->gstate);
+    }
     memcpy(s->toks, prompt, n * sizeof(*s->toks));
     return sampler_create(&p->sampling, c->vocab_size, &s->smp);
+}
+
+/* Whether the grammar takes id next with budget tokens left (id
+ * included): as gram_mask would decide it for this one token. */
+static bool grammar_allows(struct gen_seq *s, int32_t id, const int32_t *eos, int n_eos, int budget)
+{
+    for (int i = 0; i < n_eos; i++)
+        if (eos[i] == id)
+            return gram_can_end(s->gstate);
+    size_t len;
+    bool special;
+    const char *p = tokenizer_token_bytes(s->tok, id, &len, &special);
+    struct gram_state *t = s->gstate + 1;
+    *t = *s->gstate;
+    return p && len && !special && gram_feed(t, p, len) && (budget <= 0 || gram_min_close(t) <= (size_t)budget - 1);
+}
+
+/* Sampling under a grammar.  The token drawn from the unmasked logits is
+ * kept when the grammar takes it; only otherwise is the whole vocabulary
+ * masked and the draw made again.  For a plain temperature draw that is
+ * exactly the masked distribution (a kept token has probability p, a
+ * redraw adds (1 - Z) p / Z, Z the mass the mask keeps), and it spares the
+ * mask on most steps; with top_k, top_p or min_p the filters see the
+ * unmasked logits first. */
+static int32_t sample_grammar(struct gen_seq *s, float *logits)
+{
+    int32_t eos[MODEL_MAX_EOS + 1];
+    int n_eos = gen_eos_ids(s->mc, s->tok, eos);
+    int V = s->mc->vocab_size, budget = s->max_new - s->gen;
+    memcpy(s->gram_logits, logits, (size_t)V * sizeof(*logits));
+    int32_t id = sampler_sample(s->smp, logits, s->toks, s->n_toks, s->n_prompt);
+    if (grammar_allows(s, id, eos, n_eos, budget))
+        return id;
+    memcpy(logits, s->gram_logits, (size_t)V * sizeof(*logits));
+    if (!gram_mask(s->gvocab, s->gstate, budget, eos, n_eos, s->allow, V, s->gstate + 1)) {
+        s->gram_end = true; /* complete, and the model has no eos to say so */
+        return id;
+    }
+    for (int i = 0; i < V; i++)
+        if (!s->allow[i])
+            logits[i] = -INFINITY;
+    return sampler_sample(s->smp, logits, s->toks, s->n_toks, s->n_prompt);
 }
 
 int32_t gen_seq_sample(struct gen_seq *s, float *logits)
@@ -86,6 +137,8 @@ int32_t gen_seq_sample(struct gen_seq *s, float *logits)
             if (eos[i] >= 0 && eos[i] < s->mc->vocab_size)
                 logits[eos[i]] = -INFINITY;
     }
+    if (s->gstate)
+        return sample_grammar(s, logits);
     return sampler_sample(s->smp, logits, s->toks, s->n_toks, s->n_prompt);
 }
 
@@ -141,10 +194,27 @@ enum model_status gen_seq_accept(struct gen_seq *s, int32_t id)
     enum model_status st = MODEL_OK;
     s->toks[s->n_toks++] = id;
     s->gen++;
-    if (!s->ignore_eos && is_eos(s->mc, s->tok, id))
+    if (s->gram_end) {
         s->finish = GEN_FINISH_EOS;
-    else if (!append_text(s, id))
-        st = MODEL_ENOMEM;
+    } else if (!s->ignore_eos && is_eos(s->mc, s->tok, id)) {
+        s->finish = GEN_FINISH_EOS;
+    } else {
+        if (s->gstate) {
+            size_t len;
+            bool special;
+            const char *p = tokenizer_token_bytes(s->tok, id, &len, &special);
+            /* only a token the caller chose past the mask gets here: the
+             * document cannot go on, so the sequence ends before it */
+            if (!p || special || !gram_feed(s->gstate, p, len))
+                s->gram_end = true;
+        }
+        if (s->gram_end)
+            s->finish = GEN_FINISH_STOP;
+        else if (!append_text(s, id))
+            st = MODEL_ENOMEM;
+        else if (s->gstate && gram_complete(s->gstate) && s->finish == GEN_FINISH_NONE)
+            s->finish = GEN_FINISH_EOS; /* nothing may follow the document: eos would be the only token */
+    }
     if (s->finish == GEN_FINISH_NONE && s->gen >= s->max_new)
         s->finish = GEN_FINISH_LENGTH;
     if (s->finish != GEN_FINISH_NONE && s->finish != GEN_FINISH_STOP)
@@ -156,6 +226,12 @@ void gen_seq_end(struct gen_seq *s)
 {
     sampler_free(s->smp);
     s->smp = NULL;
+    free(s->gstate);
+    free(s->allow);
+    free(s->gram_logits);
+    s->gstate = NULL;
+    s->allow = NULL;
+    s->gram_logits = NULL;
 }
 
 void gen_seq_free(struct gen_seq *s)

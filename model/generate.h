@@ -12,6 +12,7 @@
 #include <pthread.h>
 
 #include "model/model.h"
+#include "text/grammar.h"
 #include "text/tokenizer.h"
 
 /* The ids that end a sequence: the eos ids of config.json /
@@ -52,6 +53,13 @@ struct gen_seq_params {
     /* Held while the text buffer moves, so that another thread may read
      * text[0, vis) under it (the daemon's event loop); NULL: no reader. */
     pthread_mutex_t *text_lock;
+    /* Constrained output (borrowed, both or neither): each step samples
+     * only tokens that keep the text a prefix of a document the grammar
+     * accepts and that leave room to complete it within max_new; the eos
+     * ids only once it is complete.  A document nothing may follow ends
+     * the sequence as eos would. */
+    const gram *grammar;
+    const gram_vocab *gvocab;
 };
 
 /* One generated sequence, the per-token logic every generation loop
@@ -76,6 +84,11 @@ struct gen_seq {
     const tokenizer *tok;
     sampler *smp;
     struct tok_stream ts;
+    const gram_vocab *gvocab;
+    struct gram_state *gstate; /* [1 + gram_vocab_depth] the state, then the mask's scratch */
+    bool *allow;               /* [vocab] */
+    float *gram_logits;        /* [vocab] the logits before a draw the grammar may refuse */
+    bool gram_end;             /* the grammar allows nothing more: the next accept ends */
 };
 
 /* Sets s up for prompt[0, n) (copied; n >= 1).  On failure s is left so
@@ -84,7 +97,7 @@ struct gen_seq {
 enum model_status gen_seq_init(struct gen_seq *s, const struct model_config *c, const tokenizer *tok,
                                const struct gen_seq_params *p, const int32_t *prompt, size_t n);
 /* The next id from the logits of toks[n_toks - 1], which are penalised,
- * scaled and filtered in place. */
+ * scaled and filtered (and masked by the grammar) in place. */
 int32_t gen_seq_sample(struct gen_seq *s, float *logits);
 /* Appends id and decides whether the sequence ends (s->finish).  The text
  * grows by what id decodes to; what can no longer become a stop string is

@@ -159,6 +159,8 @@ code, r = d.get("/v1/models/other")
 check(code == 404 and r["error"]["code"] == "model_not_found", "GET /v1/models/{other} -> 404 model_not_found")
 code, r = d.post("/tokenize", {"content": "x", "model": "other"})
 check(code == 404 and r["error"]["param"] == "model", "/tokenize naming another model -> 404")
+code, e = d.post("/v1/chat/completions", dict(chat, tools=[{"type": "function"}]))
+check(code == 400 and e["error"]["param"] == "tools", "a tool without a function -> 400 naming tools")
 
 # sessions: the second turn computes only its new tokens
 system = "You are terse."

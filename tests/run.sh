@@ -67,9 +67,10 @@ no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh cli_tty.test.s
 # check is above the forward pass, which the daemon tests run strict
 no_backend="$no_backend daemon_ollama.test.sh daemon_tcp.test.sh daemon_penalties.test.sh "
 no_backend="$no_backend install.test.sh sockpath.test.sh "
+no_backend="$no_backend test_grammar test_toolcall daemon_json.test.sh "
 oracles=" reference.test.sh q8ref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
-oracles="$oracles daemon_penalties.test.sh "
+oracles="$oracles daemon_penalties.test.sh daemon_json.test.sh "
 # The longest tests start first, so the last minutes are not one long test
 # running alone.
 first=" reference.test.sh test_tiers test_disk daemon_disk_faults.test.sh daemon_slow.test.sh "

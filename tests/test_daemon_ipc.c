@@ -337,7 +337,22 @@ static void test_request(void **state)
         {"{\"prompt\":\"x\",\"reasoning_effort\":\"extreme\"}", false, IPC_EINVAL, "reasoning_effort"},
         {"{\"prompt\":\"x\",\"cache_prompt\":1}", false, IPC_EINVAL, "cache_prompt"},
         {"{\"prompt\":\"x\",\"logit_bias\":{\"5\":1}}", false, IPC_ENOTIMPL, "logit_bias"},
-        {"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", true, IPC_ENOTIMPL, "messages"},
+        {"{\"messages\":[{\"role\":\"function\",\"content\":\"x\"}]}", true, IPC_ENOTIMPL, "messages"},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"function\":{\"name\":\"f\","
+         "\"arguments\":\"[1]\"}}]}]}", true, IPC_EINVAL, "messages"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"tool_calls\":[]}]}", true, IPC_EINVAL, "messages"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"json_schema\","
+         "\"json_schema\":{\"schema\":{\"type\":\"string\",\"format\":\"date\"}}}}", true, IPC_EINVAL, "response_format"},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"},\"ignore_eos\":true}", false, IPC_EINVAL,
+         "ignore_eos"},
+        {"{\"prompt\":\"x\",\"response_format\":{\"type\":\"yaml\"}}", false, IPC_EINVAL, "response_format"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":\"required\"}", true, IPC_EINVAL,
+         "tool_choice"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":"
+         "{\"name\":\"a b\"}}]}", true, IPC_EINVAL, "tools"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":"
+         "{\"name\":\"f\",\"parameters\":{\"type\":\"object\",\"oneOf\":[]}}}],\"tool_choice\":\"required\"}", true,
+         IPC_EINVAL, "tools"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":1}", true, IPC_EINVAL,
          "top_logprobs"},
         {"{\"messages\":[1,2,3,4,5,6,7,8,9]}", true, IPC_EINVAL, "messages"},
@@ -409,6 +424,22 @@ static void test_request(void **state)
                            "{\"type\":\"text\",\"text\":\"cd\"}]}]}", true, &r, &err, &root), IPC_OK);
     assert_string_equal(r.msgs[0].content, "abcd");
     ipc_gen_req_release(&r);
+    json_decref(root);
+    /* tool turns in the Hermes convention; a forced call compiles a grammar */
+    assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"assistant\","
+                           "\"content\":null,\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\",\"function\":"
+                           "{\"name\":\"f\",\"arguments\":\"{\\\"a\\\":1}\"}}]},{\"role\":\"tool\",\"tool_call_id\":\"c\","
+                           "\"content\":\"ok\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+                           "\"tool_choice\":\"required\"}", true, &r, &err, &root), IPC_OK);
+    assert_int_equal(r.msgs[1].role, CHAT_ROLE_ASSISTANT);
+    assert_string_equal(r.msgs[1].content, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\":1}}\n</tool_call>");
+    assert_int_equal(r.msgs[2].role, CHAT_ROLE_USER);
+    assert_string_equal(r.msgs[2].content, "<tool_response>\nok\n</tool_response>");
+    assert_int_equal(r.tool_choice, IPC_TOOLS_REQUIRED);
+    assert_non_null(r.tools);
+    assert_non_null(r.grammar);
+    ipc_gen_req_release(&r);
+    assert_null(r.grammar);
     json_decref(root);
 }
 

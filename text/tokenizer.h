@@ -60,6 +60,11 @@ struct tok_stream {
 size_t tokenizer_decode_stream(const tokenizer *t, struct tok_stream *st, int32_t id, bool skip_special, char *out,
                                size_t cap);
 
+/* The raw bytes id decodes to, before UTF-8 reassembly and the decoder's
+ * leading-space strip (NULL when id is out of range); *special: a special
+ * token, which skip_special drops. */
+const char *tokenizer_token_bytes(const tokenizer *t, int32_t id, size_t *len, bool *special);
+
 /* Decodes ids to a NUL-terminated malloc'd string (*out); invalid bytes at
  * the very end are dropped. */
 enum text_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip_special, char **out,

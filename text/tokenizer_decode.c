@@ -88,6 +88,15 @@ size_t tokenizer_decode_stream(const tokenizer *t, struct tok_stream *st, int32_
     return need;
 }
 
+const char *tokenizer_token_bytes(const tokenizer *t, int32_t id, size_t *len, bool *special)
+{
+    if (id < 0 || id >= t->n_ids)
+        return NULL;
+    *len = t->dec[id].len;
+    *special = (t->flags[id] & TOKF_SPECIAL) != 0;
+    return t->str.p + t->dec[id].off;
+}
+
 enum text_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool skip_special, char **out,
                                    size_t *len)
 {

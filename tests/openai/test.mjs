@@ -109,6 +109,32 @@ const pen = await client.completions.create({ ...params, presence_penalty: 1, fr
   repeat_penalty: 1.1, min_tokens: 2, cache_prompt: true, keep_alive: '5m', reasoning_effort: 'low' });
 assert.equal(pen.usage.completion_tokens, 10);
 ok('the fields other local servers accept are accepted');
+// tools: a forced call reaches the SDK's types, whole and assembled from a stream's deltas
+const tools = [{ type: 'function', function: { name: 'get_weather', parameters: {
+  type: 'object', properties: { city: { type: 'string', maxLength: 12 } }, required: ['city'],
+  additionalProperties: false } } }];
+const callParams = { model, messages, tools, tool_choice: 'required', max_tokens: 60, temperature: 1, seed: 3 };
+const call = await client.chat.completions.create(callParams);
+assert.equal(call.choices[0].finish_reason, 'tool_calls');
+assert.equal(call.choices[0].message.content, null);
+const tc = call.choices[0].message.tool_calls[0];
+assert.equal(tc.type, 'function');
+assert.equal(tc.function.name, 'get_weather');
+assert.equal(typeof JSON.parse(tc.function.arguments).city, 'string');
+ok('tool_choice required: message.tool_calls with valid arguments');
+const callStream = client.beta.chat.completions.stream({ ...callParams, stream: true });
+const assembled = await callStream.finalChatCompletion();
+assert.deepEqual(assembled.choices[0].message.tool_calls.map((t) => [t.id, t.function.name, t.function.arguments]),
+  call.choices[0].message.tool_calls.map((t) => [t.id.replace(call.id, assembled.id), t.function.name,
+    t.function.arguments]));
+ok('a streamed call assembles into the same tool_calls');
+const fmt = await client.chat.completions.create({
+  model, messages, max_tokens: 40, temperature: 1, seed: 2,
+  response_format: { type: 'json_schema', json_schema: { name: 'n', strict: true, schema: {
+    type: 'object', properties: { n: { type: 'integer' } }, required: ['n'], additionalProperties: false } } },
+});
+assert.equal(typeof JSON.parse(fmt.choices[0].message.content).n, 'number');
+ok('response_format json_schema: the content parses and has its required key');
 
 const controller = new AbortController();
 const long = await client.completions.create({ ...params, max_tokens: 1500, stream: true },
