@@ -5,6 +5,9 @@ set -e
 build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread liburing-dev libzstd-dev"
 # clang + libclang-rt-dev: libFuzzer for `make fuzz` (the runtime is only a Recommends of clang)
 test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm clang libclang-rt-dev"
+# the Prometheus text parser tests/daemon_metrics.py checks /metrics with (promtool, in the 100 MB
+# prometheus package, is used when installed but not required)
+test_pkgs="$test_pkgs python3-prometheus-client"
 case "$1" in
   build) want=$build_pkgs ;;
   test) want="$build_pkgs $test_pkgs" ;;
