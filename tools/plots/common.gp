@@ -10,6 +10,16 @@ set datafile columnheaders
 set datafile missing NaN
 set grid
 set key top left box opaque
-set bmargin 7
-set label 901 "machine: ".machine." (".date.")" at screen 0.01, screen 0.055 font "sans,9" noenhanced
-set label 902 "command: ".command at screen 0.01, screen 0.025 font "sans,9" noenhanced
+set bmargin 8
+# a long command goes on two lines, cut at a space
+command1 = "command: ".command
+command2 = ""
+if (strlen(command1) > 120) {
+    cut = 120
+    while (cut > 10 && command1[cut:cut] ne " ") { cut = cut - 1 }
+    command2 = "    ".command1[cut + 1:]
+    command1 = command1[1:cut - 1]
+}
+set label 901 "machine: ".machine." (".date.")" at screen 0.01, screen 0.075 font "sans,9" noenhanced
+set label 902 command1 at screen 0.01, screen 0.045 font "sans,9" noenhanced
+set label 903 command2 at screen 0.01, screen 0.018 font "sans,9" noenhanced
