@@ -423,9 +423,9 @@ static void observe_request(engine *e, const struct job *j)
 {
     if (j->res.err.st != IPC_OK || j->cancelled || (j->kind != JOB_GENERATE && j->kind != JOB_PREFILL))
         return;
-    size_t computed = j->n_prompt - (size_t)j->res.n_cached;
-    if (j->res.n_cached >= 0 && (size_t)j->res.n_cached < j->n_prompt && j->res.prefill_ms > 0)
-        hist_observe(&e->hists.prefill_token, j->res.prefill_ms / 1e3 / (double)computed);
+    int cached = j->res.n_cached;
+    if (cached >= 0 && (size_t)cached < j->n_prompt && j->res.prefill_ms > 0)
+        hist_observe(&e->hists.prefill_token, j->res.prefill_ms / 1e3 / (double)(j->n_prompt - (size_t)cached));
     int n_gen = 0;
     for (int i = 0; i < j->n; i++)
         n_gen = j->ch[i].seq.gen > n_gen ? j->ch[i].seq.gen : n_gen;
