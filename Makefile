@@ -148,6 +148,14 @@ KVTIER_SOAK_SECONDS ?= 900
 soak: all
 	KVTIER_BUILD=$(BUILD) KVTIER_SOAK_SECONDS=$(KVTIER_SOAK_SECONDS) /usr/bin/python3 tests/daemon_soak.py
 
+# The figures of docs/benchmarks.md: docs/figures/*.svg from the CSVs the
+# benchmark tools wrote there with --csv (the commands are in that file).
+# gnuplot is a plot-time dependency only; `make test` does not run this.
+.PHONY: plots
+plots:
+	@tools/deps.sh plot
+	tools/plots.sh docs/figures
+
 # The sanitizer run CI performs.
 check-sanitize:
 	$(MAKE) SANITIZE=1 test

@@ -19,6 +19,18 @@
 #include "util/args.h"
 #include "util/clock.h"
 
+/* Upper bounds (seconds) of the /metrics histograms (docs/operations.md).
+ * Per request (queue wait, time to first token): 0.5 ms, a tiny model on a
+ * GPU with an empty queue, to 2 min, a long prompt on two CPU cores behind
+ * a queue.  Per token (inter-token, prefill and decode time per token):
+ * 10 us, a batched prefill on a GPU, to 2.5 s, a large model decoding on a
+ * busy CPU.  About three buckets per decade (1, 2.5, 5). */
+static const double LATENCY_BOUNDS[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                        0.5,    1,     2.5,    5,     10,   25,    60,   120};
+static const double TOKEN_BOUNDS[] = {0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                                      0.01,    0.025,    0.05,    0.1,    0.25,    0.5,    1,     2.5};
+#define N_BOUNDS(b) ((int)(sizeof(b) / sizeof((b)[0])))
+
 static void wake(engine *e)
 {
     uint64_t one = 1;
@@ -130,6 +142,7 @@ enum ipc_status engine_submit(engine *e, struct job *j, struct ipc_error *err)
     }
     if (st == IPC_OK) {
         j->refs++;
+        j->t_submit = clock_ms();
         j->next = NULL;
         j->order = ++e->order;
         *e->queue_tail = j;
@@ -220,6 +233,11 @@ struct engine_stats engine_get_stats(engine *e)
     s.sessions = e->n_sessions;
     pthread_mutex_unlock(&e->mu);
     return s;
+}
+
+const struct engine_hists *engine_hists(const engine *e)
+{
+    return &e->hists;
 }
 
 void engine_count_error(engine *e, enum ipc_status st)
@@ -404,6 +422,22 @@ static void rank_choices(struct job *j)
 
 static void publish(engine *e, int nb);
 
+/* A finished job's prefill and decode time per token (caller holds mu,
+ * which keeps its result still). */
+static void observe_request(engine *e, const struct job *j)
+{
+    if (j->res.err.st != IPC_OK || j->cancelled || (j->kind != JOB_GENERATE && j->kind != JOB_PREFILL))
+        return;
+    int cached = j->res.n_cached;
+    if (cached >= 0 && (size_t)cached < j->n_prompt && j->res.prefill_ms > 0)
+        hist_observe(&e->hists.prefill_token, j->res.prefill_ms / 1e3 / (double)(j->n_prompt - (size_t)cached));
+    int n_gen = 0;
+    for (int i = 0; i < j->n; i++)
+        n_gen = j->ch[i].seq.gen > n_gen ? j->ch[i].seq.gen : n_gen;
+    if (n_gen > 1 && j->t_first > 0)
+        hist_observe(&e->hists.decode_token, j->res.decode_ms / 1e3 / (n_gen - 1));
+}
+
 /* Frees what the engine owns of a finished job and hands a session its KV
  * back.  Then publishes done and drops the engine's reference (caller holds
  * no lock). */
@@ -470,6 +504,7 @@ static void retire(engine *e, struct job *j)
         j->res.decode_ms = t - j->t_first;
     else if (j->t_admit > 0)
         j->res.prefill_ms = t - j->t_admit;
+    observe_request(e, j);
     for (int i = 0; i < j->n; i++)
         if (j->ch[i].finish == GEN_FINISH_NONE)
             j->ch[i].finish = GEN_FINISH_LENGTH;
@@ -506,8 +541,10 @@ static void job_fail_msg(engine *e, struct job *j, enum ipc_status st, const cha
 
 void start_job(engine *e, struct job *j)
 {
-    if (j->t_admit == 0)
+    if (j->t_admit == 0) {
         j->t_admit = clock_ms();
+        hist_observe(&e->hists.queue_wait, (j->t_admit - j->t_submit) / 1e3);
+    }
     if (j->sess && disk_needs_restore(e, j->sess)) {
         j->io_wait = true; /* disk_poll starts it again once the KV is back */
         disk_restore(e, j->sess);
@@ -582,12 +619,24 @@ static void record_logprobs(engine *e, struct job *j, struct job_choice *c, int3
         top[i].logprob -= lse;
 }
 
-static void sample_one(engine *e, struct job *j, struct job_choice *c, float *logits, double t)
+/* A token of c (NULL: of every beam of j) came at t. */
+static void note_token(engine *e, struct job *j, struct job_choice *c, double t)
 {
     if (j->t_first == 0) {
         j->t_first = t;
         j->res.prefill_ms = t - j->t_admit;
+        hist_observe(&e->hists.ttft, (t - j->t_submit) / 1e3);
     }
+    if (!c)
+        c = &j->ch[0];
+    if (c->t_last > 0)
+        hist_observe(&e->hists.inter_token, (t - c->t_last) / 1e3);
+    c->t_last = t;
+}
+
+static void sample_one(engine *e, struct job *j, struct job_choice *c, float *logits, double t)
+{
+    note_token(e, j, c, t);
     bool rank = j->n_out < j->n;
     if (j->logprobs || rank)
         memcpy(e->scratch, logits, (size_t)e->vocab * sizeof(*logits));
@@ -695,6 +744,7 @@ static void publish(engine *e, int nb)
     e->st.kv_host_bytes = ks.host_bytes;
     e->st.kv_host_budget = ks.host_budget;
     e->st.kv_fallbacks = ks.fallbacks;
+    e->st.kv_fallbacks_oom = ks.fallbacks_oom;
     e->st.prefix_hit_tokens = ks.prefix_hit_tokens;
     e->st.prefix_entries = ks.prefix_entries;
     e->st.prefix_evictions = ks.prefix_evictions;
@@ -869,10 +919,7 @@ static void beam_advance(engine *e, struct job *j, double t)
     }
     for (int i = 0; i < nr; i++)
         j->ch[i].beam_logits = NULL;
-    if (j->t_first == 0) {
-        j->t_first = t;
-        j->res.prefill_ms = t - j->t_admit;
-    }
+    note_token(e, j, NULL, t);
     int parent[BEAM_MAX_BEAMS];
     bool done = false;
     if (beam_step(j->bs, rows, parent, &done) != MODEL_OK) { /* beam_create's checks rule it out */
@@ -1247,6 +1294,15 @@ enum ipc_status engine_create(const struct engine_config *cfg, int wake_fd, engi
     const char *delay = getenv("KVTIER_TEST_LOAD_DELAY_MS");
     if (delay && !args_int(delay, 0, 1000, &e->load_delay_ms))
         e->load_delay_ms = 0;
+    struct engine_hists *h = &e->hists;
+    if (!hist_init(&h->queue_wait, LATENCY_BOUNDS, N_BOUNDS(LATENCY_BOUNDS)) ||
+        !hist_init(&h->ttft, LATENCY_BOUNDS, N_BOUNDS(LATENCY_BOUNDS)) ||
+        !hist_init(&h->inter_token, TOKEN_BOUNDS, N_BOUNDS(TOKEN_BOUNDS)) ||
+        !hist_init(&h->prefill_token, TOKEN_BOUNDS, N_BOUNDS(TOKEN_BOUNDS)) ||
+        !hist_init(&h->decode_token, TOKEN_BOUNDS, N_BOUNDS(TOKEN_BOUNDS))) {
+        free(e);
+        return ipc_fail(err, IPC_EINTERNAL, "", "the histograms' bucket bounds are not ascending");
+    }
     pthread_mutex_init(&e->mu, NULL);
     /* monotonic: the loop sleeps until the next idle session is due to spill */
     pthread_condattr_t ca;

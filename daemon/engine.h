@@ -41,6 +41,7 @@
 #include "ipc/status.h"
 #include "text/tokenizer.h"
 #include "tiers/disk.h"
+#include "util/hist.h"
 
 struct engine_config {
     const char *model_dir;
@@ -92,6 +93,7 @@ struct tok_logprob {
     struct kv_seq *kv;    /* NULL: waits for choice 0's prefill, whose KV it forks */
     double lp_sum;        /* best_of: the log-probabilities of its tokens, summed */
     const float *beam_logits; /* beam search: this step's logits, until the beams' decision */
+    double t_last;        /* clock_ms() of its last token (0: none yet), for the inter-token histogram */
 };
 
 /* JOB_CROP and later are operations on the job's session that the engine
@@ -158,7 +160,7 @@ struct job {
     /* ---- engine-private (engine_submit links it in, under the lock) ---- */
     struct job *next;
     struct session *sess;
-    double t_admit, t_first;
+    double t_submit, t_admit, t_first;
     bool kill; /* cancelled or failed, seen under the lock at the step's start */
     bool io_wait;  /* its session's KV is being read back from disk */
     bool mem_wait; /* its step found the memory tiers full: waits for a spill to free them */
@@ -294,7 +296,17 @@ enum ipc_status engine_kv_cache(const engine *e, const char *quantization, struc
 /* The kvtier object's "fallback" value for f: "offloaded", or NULL (none). */
 const char *engine_fallback_name(enum kv_fallback f);
 
-/* Prometheus text for the engine's counters, appended to *buf (malloc'd). */
+/* Why a session was written to the disk tier. */
+enum engine_spill_why {
+    ENGINE_SPILL_IDLE = 0, /* idle for --spill-after */
+    ENGINE_SPILL_MEMORY,   /* a step found the memory tiers full */
+    ENGINE_SPILL_EXIT,     /* the daemon stopped */
+    ENGINE_N_SPILL_WHY
+};
+/* "idle", "memory", "exit": the reason label of /metrics. */
+const char *engine_spill_why_name(enum engine_spill_why why);
+
+/* The engine's counters and gauges, copied under the lock. */
 struct engine_stats {
     uint64_t requests, prompt_tokens, cached_tokens, gen_tokens, steps;
     uint64_t errors[IPC_N_STATUS]; /* by ipc_status */
@@ -302,10 +314,11 @@ struct engine_stats {
     size_t kv_dev_bytes, kv_host_bytes;
     size_t kv_host_budget; /* --host-mem; 0: unlimited */
     uint64_t kv_fallbacks; /* sequences moved to the host tier (kv_store_stats().fallbacks) */
+    uint64_t kv_fallbacks_oom; /* of those, after a step or restore ran out of device memory */
     uint64_t prefix_hit_tokens, prefix_entries, prefix_evictions; /* the store's prefix cache */
     size_t dev_budget, dev_used; /* the backend's device memory: weights, activations, KV, slots */
     /* the disk tier: sessions spilled, restored and their failures; files and bytes */
-    uint64_t spills, restores, disk_errors;
+    uint64_t spills[ENGINE_N_SPILL_WHY], restores, disk_errors;
     uint64_t restore_early_layers; /* layers a step filled from a restore's read still in flight */
     /* prefix-cache blocks written to and read from disk, and the requests
      * whose prompt found blocks there */
@@ -313,6 +326,23 @@ struct engine_stats {
     struct kv_disk_stats disk;
 };
 struct engine_stats engine_get_stats(engine *e);
+
+/* Latency histograms, recorded by the engine thread without the lock (a
+ * relaxed atomic add per observation) and read by any thread with
+ * hist_snapshot.  Seconds:
+ *   queue_wait     submission to admission, per admitted job;
+ *   ttft           submission to the first generated token, per request;
+ *   inter_token    between consecutive tokens of one choice (beam search:
+ *                  between the search's steps), per token after the first;
+ *   prefill_token  admission to the first token (a prefill-only job: to
+ *                  its end) over the prompt tokens computed, not cached;
+ *   decode_token   first token to the end over the tokens after the first
+ *                  (the longest choice's), per request with two or more.
+ * prefill_token and decode_token count successful requests only. */
+struct engine_hists {
+    struct hist queue_wait, ttft, inter_token, prefill_token, decode_token;
+};
+const struct engine_hists *engine_hists(const engine *e);
 void engine_count_error(engine *e, enum ipc_status st);
 
 #endif

@@ -36,6 +36,7 @@ struct session {
     bool op_begun;         /* a restore's KV was begun layer by layer (or could not be) */
     uint32_t op_early;     /* layers its steps asked for while that read was still in flight */
     uint64_t op_version;   /* the version a spill in flight writes */
+    enum engine_spill_why op_why; /* why a spill in flight writes */
     size_t op_len;         /* the bytes it writes */
     double spill_retry_at; /* clock_ms() before which no spill is tried (after a failed one) */
     void *op_img;          /* the op's buffers: a spill's image (spill.c's image_alloc) */
@@ -66,6 +67,9 @@ struct engine {
     int n_sessions;
     struct engine_stats st;
     uint64_t order;
+
+    /* ---- lock-free: the engine thread records, any thread reads ---- */
+    struct engine_hists hists;
 
     /* ---- set before READY, read-only afterwards ---- */
     struct runtime rt;

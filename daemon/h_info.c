@@ -75,6 +75,18 @@ static void metric(struct jw *w, const char *name, const char *type, const char 
     jw_fmt(w, "kvtier_%s%s %.17g\n", name, labels ? labels : "", v);
 }
 
+/* A Prometheus histogram: cumulative buckets, +Inf equal to _count. */
+static void histogram(struct jw *w, const char *name, const char *help, const struct hist *h)
+{
+    struct hist_snapshot s;
+    hist_snapshot(h, &s);
+    jw_fmt(w, "# HELP kvtier_%s %s\n# TYPE kvtier_%s histogram\n", name, help, name);
+    for (int i = 0; i < s.n_bounds; i++)
+        jw_fmt(w, "kvtier_%s_bucket{le=\"%g\"} %llu\n", name, s.bounds[i], (unsigned long long)s.cum[i]);
+    jw_fmt(w, "kvtier_%s_bucket{le=\"+Inf\"} %llu\nkvtier_%s_sum %.17g\nkvtier_%s_count %llu\n", name,
+           (unsigned long long)s.count, name, s.sum, name, (unsigned long long)s.count);
+}
+
 enum MHD_Result h_metrics(struct req *r, const char *arg)
 {
     (void)arg;
@@ -108,7 +120,11 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "disk_budget_bytes", "gauge", "Bytes the disk tier may take (--disk-mem).", NULL,
            (double)st.disk.budget);
     metric(&w, "disk_files", "gauge", "Objects in the disk tier.", NULL, (double)st.disk.files);
-    metric(&w, "session_spills_total", "counter", "Sessions written to the disk tier.", NULL, (double)st.spills);
+    jw_lit(&w, "# HELP kvtier_session_spills_total Sessions written to the disk tier, by reason.\n"
+               "# TYPE kvtier_session_spills_total counter\n");
+    for (int k = 0; k < ENGINE_N_SPILL_WHY; k++)
+        jw_fmt(&w, "kvtier_session_spills_total{reason=\"%s\"} %llu\n", engine_spill_why_name((enum engine_spill_why)k),
+               (unsigned long long)st.spills[k]);
     metric(&w, "session_restores_total", "counter", "Sessions read back from the disk tier.", NULL,
            (double)st.restores);
     metric(&w, "session_restore_early_layers_total", "counter",
@@ -144,8 +160,21 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
            "{kind=\"budget\"}", (double)st.dev_budget);
     metric(&w, "device_memory_bytes", "gauge", NULL, "{kind=\"used\"}", (double)st.dev_used);
     metric(&w, "kv_fallbacks_total", "counter",
-           "Sequences moved to the host tier because the device tier could not hold them.", NULL,
-           (double)st.kv_fallbacks);
+           "Sequences moved to the host tier because the device tier could not hold them, by reason.",
+           "{reason=\"oom\"}", (double)st.kv_fallbacks_oom);
+    metric(&w, "kv_fallbacks_total", "counter", NULL, "{reason=\"sized\"}",
+           (double)(st.kv_fallbacks - st.kv_fallbacks_oom));
+    const struct engine_hists *hs = engine_hists(s->eng);
+    histogram(&w, "queue_wait_seconds", "Time from submission to admission, per admitted job.", &hs->queue_wait);
+    histogram(&w, "time_to_first_token_seconds", "Time from submission to the first generated token, per request.",
+              &hs->ttft);
+    histogram(&w, "inter_token_latency_seconds", "Time between consecutive tokens of one choice, per token.",
+              &hs->inter_token);
+    histogram(&w, "prefill_time_per_token_seconds",
+              "Admission to first token over the prompt tokens computed (not cached), per request.",
+              &hs->prefill_token);
+    histogram(&w, "decode_time_per_token_seconds",
+              "First token to the end over the tokens generated after the first, per request.", &hs->decode_token);
     jw_lit(&w, "# HELP kvtier_errors_total Error replies by kind.\n# TYPE kvtier_errors_total counter\n");
     for (int k = IPC_EINVAL; k < IPC_N_STATUS; k++)
         if (k != IPC_EPROTO && k != IPC_EIO) /* the client's own kinds */

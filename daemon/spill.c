@@ -175,10 +175,18 @@ static void spill_backoff(engine *e, struct session *s)
     s->spill_retry_at = s->t_idle + s_after * 1e3;
 }
 
-/* Starts writing s: its image is taken now, so the session may be used
- * while the write is in flight. */
-static bool spill_start(engine *e, struct session *s, bool cold)
+const char *engine_spill_why_name(enum engine_spill_why why)
 {
+    static const char *const names[ENGINE_N_SPILL_WHY] = {"idle", "memory", "exit"};
+    return (unsigned)why < ENGINE_N_SPILL_WHY ? names[why] : "unknown";
+}
+
+/* Starts writing s: its image is taken now, so the session may be used
+ * while the write is in flight.  An idle session's file is compressed
+ * (cold); one in the way of a step or of the exit is not. */
+static bool spill_start(engine *e, struct session *s, enum engine_spill_why reason)
+{
+    bool cold = reason == ENGINE_SPILL_IDLE;
     size_t n = s->kv ? kv_seq_image_size(s->kv) : 0;
     void *data = NULL, *img = n ? image_alloc(e, kv_disk_data_alloc_len(n), &data) : NULL;
     char *meta = meta_json(s);
@@ -208,6 +216,7 @@ static bool spill_start(engine *e, struct session *s, bool cold)
     s->op_len = n + strlen(meta);
     s->op_restore = false;
     s->op_version = s->version;
+    s->op_why = reason;
     s->op_img = img;
     s->op_meta = meta;
     e->n_ops++;
@@ -240,7 +249,7 @@ static void spill_done(engine *e, struct session *s)
     pthread_mutex_lock(&e->mu);
     s->disk_bytes = s->op_len;
     bool unchanged = !s->busy && s->version == s->op_version;
-    e->st.spills++;
+    e->st.spills[s->op_why]++;
     pthread_mutex_unlock(&e->mu);
     op_clear(e, s);
     if (unchanged && s->kv)
@@ -503,7 +512,7 @@ double disk_spill_idle(engine *e, double now)
         if (s->kv && s->version == s->disk_version)
             spill_release(e, s); /* its file is current: nothing to write */
         else
-            spill_start(e, s, true);
+            spill_start(e, s, ENGINE_SPILL_IDLE);
     }
     double next = 0;
     pthread_mutex_lock(&e->mu);
@@ -537,7 +546,7 @@ bool disk_spill_for_memory(engine *e)
         return true;
     }
     /* hot: it is in the way now, so it goes out uncompressed */
-    return spill_start(e, lru, false);
+    return spill_start(e, lru, ENGINE_SPILL_MEMORY);
 }
 
 bool disk_needs_restore(const engine *e, const struct session *s)
@@ -730,7 +739,7 @@ void disk_close(engine *e)
             else
                 spill_done(e, s);
         }
-        if (s->version == s->disk_version || !spill_start(e, s, false))
+        if (s->version == s->disk_version || !spill_start(e, s, ENGINE_SPILL_EXIT))
             continue;
         kv_disk_op_wait(s->op);
         if (kv_disk_op_status(s->op) == TIER_OK)

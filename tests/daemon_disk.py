@@ -81,7 +81,7 @@ for name, cache in STRATEGIES:
           "%s: spilled (%d tokens, %d bytes on disk), restored, continued with the same tokens (%d cached)" %
           (name, held, s["bytes"]["disk"], rb["usage"]["prompt_tokens_details"]["cached_tokens"]))
     pairs[name] = (a, b, nxt + ra["choices"][0]["tokens"])
-check(metric(d, "session_spills_total") >= len(STRATEGIES) and
+check(metric(d, "session_spills_total", '{reason="idle"}') >= len(STRATEGIES) and
       metric(d, "session_restores_total") >= len(STRATEGIES), "/metrics counts spills and restores")
 # idle spills are compressed under --disk-compress auto: the ratio and its cost show
 check(metric(d, "disk_compression_ratio") > 1.05 and metric(d, "disk_compress_seconds_total") > 0 and
@@ -188,6 +188,9 @@ for disk in ("none", None):
         s = h.get("/v1/sessions/" + a)[1]
         check(code == 200 and s["bytes"]["disk"] > 0 and s["bytes"]["host"] == 0,
               "with one, the idle session goes to disk and the new one is served (%s)" % s["bytes"])
+        check(metric(h, "session_spills_total", '{reason="memory"}') == 1 and
+              metric(h, "session_spills_total", '{reason="idle"}') == 0,
+              "/metrics counts that spill under reason=\"memory\"")
         r = complete(h, long + [5], session=a)
         check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 200,
               "the spilled session comes back when the other one is done with the memory")

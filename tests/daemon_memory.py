@@ -106,7 +106,9 @@ check(code == 200 and r["choices"][0]["tokens"] == want,
       "KV 3x the device budget: the unconstrained run's %d tokens" % len(want))
 check(k["fallback"] == "offloaded" and k["strategy"] == "offloaded" and k["requested_strategy"] == "dynamic" and
       k["bytes"]["host"] >= kv and k["prefetch"]["steps"] > 0, "the response reports the fallback: %s" % k)
-check(metric(d, "kv_fallbacks_total") >= 1, "/metrics counts the fallback")
+# the request announces its length (prompt + max_tokens): it starts offloaded
+check(metric(d, "kv_fallbacks_total", '{reason="sized"}') == 1 and
+      metric(d, "kv_fallbacks_total", '{reason="oom"}') == 0, "/metrics counts the fallback under reason=\"sized\"")
 code, e = d.post("/v1/completions", dict(req, cache={"implementation": "dynamic", "allow_offload": False}))
 check(code == 507 and "device" in e["error"]["message"],
       "allow_offload=false: 507 naming the device budget: " + e["error"]["message"])
@@ -115,6 +117,9 @@ k = r.get("kvtier", {})
 check(code == 200 and r["choices"][0]["tokens"] == q8_want and k["strategy"] == "quantized" and
       k["fallback"] == "offloaded" and k["bytes"]["host"] > 0 and k["bytes"]["device"] == 0,
       "quantized int8 over the device budget: continues from the host tier with the resident run's tokens (%s)" % k)
+# a quantized cache has no size check at creation: its step runs out of device memory
+check(metric(d, "kv_fallbacks_total", '{reason="oom"}') == 1 and
+      metric(d, "kv_fallbacks_total", '{reason="sized"}') == 1, "/metrics counts that one under reason=\"oom\"")
 code, e = d.post("/v1/completions", dict(req, cache=dict(q8, allow_offload=False)))
 check(code == 507 and "device tier budget" in e["error"]["message"],
       "quantized, allow_offload=false: 507 naming the device budget: " + e["error"]["message"])

@@ -393,6 +393,7 @@ static void test_offload_moves_everything(void **state)
     assert_int_equal(s.dev_bytes, 0);
     assert_int_equal(kv_store_stats(f->store).blocks_used, 0);
     assert_int_equal(kv_store_stats(f->store).fallbacks, 1);
+    assert_int_equal(kv_store_stats(f->store).fallbacks_oom, 1);
     check_positions(q, 0, 0, 11);
     check_positions(q, 1, 8, 11);
     for (int i = 0; i < 20; i++)

@@ -428,6 +428,7 @@ static void test_four_times_the_budget(void **state)
     assert_int_equal(ss.fallback, KV_FALLBACK_OOM);
     assert_int_equal(ss.strategy, KV_OFFLOADED);
     assert_int_equal(kv_store_stats(r.store).fallbacks, 1);
+    assert_int_equal(kv_store_stats(r.store).fallbacks_oom, 1);
     assert_true(be_mem_stats(r.be).dev_peak <= act + kv / 4);
     /* With nothing left in the host tier the two streaming slots go back
      * to the device, or one fallback would keep two layers' worth of device
@@ -447,6 +448,7 @@ static void test_four_times_the_budget(void **state)
     assert_memory_equal(toks, c.toks, sizeof(toks));
     assert_int_equal(kv_seq_stats(q).fallback, KV_FALLBACK_SIZED);
     assert_int_equal(kv_store_stats(r.store).fallbacks, 1);
+    assert_int_equal(kv_store_stats(r.store).fallbacks_oom, 0);
     kv_seq_free(q);
     rig_close(&r);
     free(c.logits);

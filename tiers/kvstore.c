@@ -225,6 +225,7 @@ struct kv_store_stats kv_store_stats(const kv_store *s)
         .slot_bytes = 2 * s->slot_cap,
         .blocks_used = used,
         .fallbacks = s->fallbacks,
+        .fallbacks_oom = s->fallbacks_oom,
         .prefix_entries = s->n_entries,
         .prefix_evictable = s->n_unref,
         .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes,
@@ -898,8 +899,10 @@ static void note_fallback(kv_seq *q, enum kv_fallback why)
 {
     if (why == KV_FALLBACK_NONE)
         return;
-    if (q->fallback == KV_FALLBACK_NONE)
+    if (q->fallback == KV_FALLBACK_NONE) {
         q->s->fallbacks++;
+        q->s->fallbacks_oom += why == KV_FALLBACK_OOM;
+    }
     q->fallback = why;
 }
 

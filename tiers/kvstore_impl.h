@@ -156,7 +156,7 @@ struct kv_store {
     struct kv_pqueued *spill_head, *spill_tail; /* oldest first */
     uint64_t spill_dropped;
     size_t export_at; /* the bucket kv_store_prefix_export looks at next */
-    uint64_t fallbacks;
+    uint64_t fallbacks, fallbacks_oom;
     /* sequences with a reservation (the current step's batch) */
     kv_seq **active;
     int n_active, cap_active;

@@ -1,5 +1,5 @@
 #!/bin/sh
-# deps.sh build|test - installs the Debian packages kvtier needs, but only
+# deps.sh build|test|plot - installs the Debian packages kvtier needs, but only
 # those that are missing, so a configured machine pays one dpkg query.
 set -e
 build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread liburing-dev libzstd-dev libcurl4-openssl-dev libedit-dev libncurses-dev libutf8proc-dev"
@@ -8,10 +8,16 @@ test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm cla
 # groff-base: tests/install.test.sh renders the man pages and checks for warnings
 test_pkgs="$test_pkgs groff-base"
 test_pkgs="$test_pkgs python3-jsonschema" # the schema oracle of the constrained-output test
+# the Prometheus text parser tests/daemon_metrics.py checks /metrics with (promtool, in the 100 MB
+# prometheus package, is used when installed but not required)
+test_pkgs="$test_pkgs python3-prometheus-client"
+# gnuplot renders the figures of docs/benchmarks.md (`make plots`, and tests/plots.test.sh)
+plot_pkgs="gnuplot-nox"
 case "$1" in
   build) want=$build_pkgs ;;
-  test) want="$build_pkgs $test_pkgs" ;;
-  *) echo "usage: $0 build|test" >&2; exit 2 ;;
+  test) want="$build_pkgs $test_pkgs $plot_pkgs" ;;
+  plot) want=$plot_pkgs ;;
+  *) echo "usage: $0 build|test|plot" >&2; exit 2 ;;
 esac
 missing=""
 for p in $want; do

@@ -1,21 +1,26 @@
 /* kvtier-bench-prefix - what the prefix cache and copy-on-write forks buy,
  * measured in one run so the figures are ratios:
  *
- *   kvtier-bench-prefix -m DIR [--prefix 2048] [--suffix 16] [--forks 64] [--threads N]
- *                       [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]
+ *   kvtier-bench-prefix -m DIR [--prefix 2048[,N...]] [--suffix 16] [--forks 64] [--threads N]
+ *                       [--block-tokens N] [--kv-dtype auto|f32|bf16|f16] [--csv FILE]
  *
  * TTFT: time from a request's tokens to its first logits, cold (the whole
  * prompt computed) vs warm (the same prefix attached from the cache, only
- * the suffix computed), best of three each.  Forks: KV bytes held by N
- * forks of the prefix, each after one decode step, against one session.
+ * the suffix computed), best of three each, for every prefix length given.
+ * Forks: KV bytes held by N forks of the last prefix, each after one decode
+ * step, against one session.  --csv FILE also writes the TTFT figures, one
+ * row per prefix length (util/csvout.h), for `make plots`.
  */
+#include <errno.h>
 #include <getopt.h>
+#include <string.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
 #include "util/args.h"
 #include "util/clock.h"
+#include "util/csvout.h"
 #include "model/model.h"
 #include "util/version.h"
 
@@ -43,33 +48,44 @@ int main(int argc, char **argv)
     if (version_requested(argc, argv, "kvtier-bench-prefix"))
         return 0;
     const char *dir = NULL;
-    int prefix = 2048, suffix = 16, forks = 64, threads = 0;
+    int prefixes[16] = {2048}, n_prefix = 1, suffix = 16, forks = 64, threads = 0;
+    const char *csv_path = NULL;
     struct kv_store_params sp = {.prefix_cache = true};
     static const struct option opts[] = {{"prefix", 1, 0, 'p'},  {"suffix", 1, 0, 's'},
                                          {"forks", 1, 0, 'f'},   {"threads", 1, 0, 't'},
                                          {"block-tokens", 1, 0, 'b'}, {"kv-dtype", 1, 0, 'k'},
-                                         {0, 0, 0, 0}};
+                                         {"csv", 1, 0, 'C'},          {0, 0, 0, 0}};
     struct model_params mp = {0};
     for (int c; (c = getopt_long(argc, argv, "m:", opts, NULL)) != -1;) {
         bool ok = true;
         switch (c) {
         case 'm': dir = optarg; break;
-        case 'p': ok = args_int(optarg, 1, 1 << 24, &prefix); break;
+        case 'p': ok = args_int_list(optarg, 1, 1 << 24, prefixes, 16, &n_prefix); break;
         case 's': ok = args_int(optarg, 1, 1 << 24, &suffix); break;
         case 'f': ok = args_int(optarg, 1, 1 << 16, &forks); break;
         case 't': ok = args_int(optarg, 0, 1024, &threads); break;
         case 'b': ok = args_int(optarg, 1, 1 << 16, &sp.block_tokens); break;
         case 'k': ok = model_kv_dtype_parse(optarg, &mp.kv_dtype); break;
+        case 'C': csv_path = optarg; break;
         default: return 2;
         }
         if (!ok)
             return args_invalid("kvtier-bench-prefix", opts, c, optarg);
     }
     if (!dir || optind != argc) {
-        fprintf(stderr, "usage: kvtier-bench-prefix -m DIR [--prefix N] [--suffix N] [--forks N] [--threads N] "
-                        "[--block-tokens N] [--kv-dtype auto|f32|bf16|f16]\n");
+        fprintf(stderr, "usage: kvtier-bench-prefix -m DIR [--prefix N[,N...]] [--suffix N] [--forks N] [--threads N] "
+                        "[--block-tokens N] [--kv-dtype auto|f32|bf16|f16] [--csv FILE]\n");
         return 2;
     }
+    FILE *csv = NULL;
+    static const char *const header = "prefix_tokens,suffix_tokens,cached_tokens,ttft_cold_ms,ttft_warm_ms";
+    if (csv_path && !(csv = csv_open(csv_path, argc, argv, header))) {
+        fprintf(stderr, "kvtier-bench-prefix: %s: %s\n", csv_path, strerror(errno));
+        return 1;
+    }
+    int prefix = 0;
+    for (int i = 0; i < n_prefix; i++)
+        prefix = prefixes[i] > prefix ? prefixes[i] : prefix;
     be_backend *be;
     model *m;
     kv_store *st;
@@ -88,30 +104,43 @@ int main(int argc, char **argv)
     kv_seq **kids = calloc((size_t)forks, sizeof(*kids));
     if (!ids || !row || !kids)
         return die("memory", "out of host memory");
-    double cold = 1e30, warm = 1e30;
-    int64_t cached = 0;
-    for (int round = 0; round < 3; round++) {
-        for (int i = 0; i < n; i++) /* a new prefix every round: the cold run finds nothing */
-            ids[i] = (int32_t)((i * 2654435761u + (unsigned)round * 97u) % (unsigned)c->vocab_size);
-        kv_seq *a, *b;
-        double t = request(m, st, ids, n, row, &a, &cached);
-        if (t < 0 || cached)
-            return die("cold request", kv_store_errmsg(st));
-        cold = t < cold ? t : cold;
-        kv_seq_free(a);
-        for (int i = prefix; i < n; i++) /* same prefix, another suffix */
-            ids[i] = (ids[i] + 1) % c->vocab_size;
-        t = request(m, st, ids, n, row, &b, &cached);
-        if (t < 0)
-            return die("warm request", kv_store_errmsg(st));
-        warm = t < warm ? t : warm;
-        kv_seq_free(b);
+    for (int p = 0; p < n_prefix; p++) {
+        int np = prefixes[p] + suffix;
+        double cold = 1e30, warm = 1e30;
+        int64_t cached = 0;
+        for (int round = 0; round < 3; round++) {
+            /* a new prefix every round and length: the cold run finds nothing */
+            unsigned seed = (unsigned)(p * 3 + round) * 97u;
+            for (int i = 0; i < np; i++)
+                ids[i] = (int32_t)((i * 2654435761u + seed) % (unsigned)c->vocab_size);
+            kv_seq *a, *b;
+            double t = request(m, st, ids, np, row, &a, &cached);
+            if (t < 0 || cached)
+                return die("cold request", kv_store_errmsg(st));
+            cold = t < cold ? t : cold;
+            kv_seq_free(a);
+            for (int i = prefixes[p]; i < np; i++) /* same prefix, another suffix */
+                ids[i] = (ids[i] + 1) % c->vocab_size;
+            t = request(m, st, ids, np, row, &b, &cached);
+            if (t < 0)
+                return die("warm request", kv_store_errmsg(st));
+            warm = t < warm ? t : warm;
+            kv_seq_free(b);
+        }
+        printf("model %s: %d layers, %d kv heads x %d, prefix %d + suffix %d tokens, block %d, KV %s\n", dir,
+               c->n_layers, c->n_kv_heads, c->head_dim, prefixes[p], suffix, kv_store_block_tokens(st),
+               be_dtype_name(kv_store_dtype(st)));
+        printf("TTFT cold %.2f ms, warm (%lld tokens cached) %.2f ms: %.1fx\n", cold * 1e3, (long long)cached,
+               warm * 1e3, cold / warm);
+        if (csv)
+            fprintf(csv, "%d,%d,%lld,%.3f,%.3f\n", prefixes[p], suffix, (long long)cached, cold * 1e3, warm * 1e3);
     }
-    printf("model %s: %d layers, %d kv heads x %d, prefix %d + suffix %d tokens, block %d, KV %s\n", dir,
-           c->n_layers, c->n_kv_heads, c->head_dim, prefix, suffix, kv_store_block_tokens(st),
-           be_dtype_name(kv_store_dtype(st)));
-    printf("TTFT cold %.2f ms, warm (%lld tokens cached) %.2f ms: %.1fx\n", cold * 1e3, (long long)cached, warm * 1e3,
-           cold / warm);
+    if (csv && !csv_close(csv)) {
+        fprintf(stderr, "kvtier-bench-prefix: %s: %s\n", csv_path, strerror(errno));
+        return 1;
+    }
+    /* the forks share the last prefix (the ids of its last round) */
+    prefix = prefixes[n_prefix - 1];
 
     kv_seq *parent;
     int64_t dummy;

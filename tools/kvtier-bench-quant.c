@@ -10,7 +10,8 @@
  *     the perplexity delta, the mean KL(f32 || config) of the next-token
  *     distributions, the rate of same top token, and the marginal KV bytes
  *     per token measured from the store (kv_seq_bytes over the second half of
- *     a window) as a ratio to the bf16 cache's.
+ *     a window) as a ratio to the bf16 cache's.  --csv FILE also writes
+ *     those figures, one row per cache (util/csvout.h), for `make plots`.
  *
  *   speed -m DIR [--context N] [--steps S] [--rounds R]
  *     Prefills N random tokens into a bf16 cache, an int8 and an int4
@@ -19,6 +20,7 @@
  *     reports the median tokens/s and the median of the per-round ratios to
  *     the bf16 cache.
  */
+#include <errno.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -28,6 +30,7 @@
 
 #include "util/args.h"
 #include "util/clock.h"
+#include "util/csvout.h"
 #include "model/generate.h"
 #include "text/tokenizer.h"
 #include "tiers/quant.h"
@@ -179,7 +182,8 @@ static int read_ids(const char *path, const char *tokdir, struct tok_ids *ids)
 
 #define N_ACC 17
 
-static int accuracy(const char *dir, const char *file, const char *tokdir, int max_tokens, int W, int P, int threads)
+static int accuracy(const char *dir, const char *file, const char *tokdir, int max_tokens, int W, int P, int threads,
+                    FILE *csv)
 {
     struct cfg cfgs[N_ACC] = {
         {.name = "f32 (reference)"},
@@ -274,6 +278,9 @@ static int accuracy(const char *dir, const char *file, const char *tokdir, int m
         double ppl = exp(nll[i] / (double)n_pos);
         printf("| %s | %.4f | %+.3f %% | %.2e | %.2f %% | %.3f |\n", cfgs[i].name, ppl, 100 * (ppl / ppl0 - 1),
                kl[i] / (double)n_pos, 100.0 * (double)same[i] / (double)n_pos, bytes_tok[i] / bytes_tok[1]);
+        if (csv)
+            fprintf(csv, "%s,%.6f,%.5f,%.4e,%.4f,%.5f\n", cfgs[i].name, ppl, 100 * (ppl / ppl0 - 1),
+                    kl[i] / (double)n_pos, 100.0 * (double)same[i] / (double)n_pos, bytes_tok[i] / bytes_tok[1]);
     }
     rc = 0;
 out:
@@ -356,7 +363,7 @@ out:
 static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier-bench-quant accuracy -m DIR -f FILE [-t TOKDIR] [--tokens N] [--window W] [--prompt P] "
-               "[--threads N]\n"
+               "[--threads N] [--csv FILE]\n"
                "       kvtier-bench-quant speed -m DIR [--context N] [--steps S] [--rounds R] [--threads N]\n");
 }
 
@@ -366,14 +373,16 @@ int main(int argc, char **argv)
         return 0;
     const char *dir = NULL, *file = NULL, *tokdir = NULL;
     int tokens = 4096, window = 512, prompt = 64, threads = 0, context = 4096, steps = 16, rounds = 5;
-    enum { O_TOKENS = 256, O_WINDOW, O_PROMPT, O_THREADS, O_CONTEXT, O_STEPS, O_ROUNDS };
+    const char *csv_path = NULL;
+    enum { O_TOKENS = 256, O_WINDOW, O_PROMPT, O_THREADS, O_CONTEXT, O_STEPS, O_ROUNDS, O_CSV };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},       {"file", required_argument, 0, 'f'},
         {"tokenizer", required_argument, 0, 't'},   {"tokens", required_argument, 0, O_TOKENS},
         {"window", required_argument, 0, O_WINDOW}, {"prompt", required_argument, 0, O_PROMPT},
         {"threads", required_argument, 0, O_THREADS}, {"context", required_argument, 0, O_CONTEXT},
         {"steps", required_argument, 0, O_STEPS},   {"rounds", required_argument, 0, O_ROUNDS},
-        {"help", no_argument, 0, 'h'},              {0, 0, 0, 0},
+        {"csv", required_argument, 0, O_CSV},       {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0},
     };
     if (argc < 2) {
         usage(stderr);
@@ -395,6 +404,7 @@ int main(int argc, char **argv)
         case O_CONTEXT: ok = args_int(optarg, 1, 1 << 24, &context); break;
         case O_STEPS: ok = args_int(optarg, 1, 1 << 20, &steps); break;
         case O_ROUNDS: ok = args_int(optarg, 1, MAX_ROUNDS, &rounds); break;
+        case O_CSV: csv_path = optarg; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -405,8 +415,24 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    if (!strcmp(mode, "accuracy") && file && window > prompt + 1)
-        return accuracy(dir, file, tokdir, tokens, window, prompt, threads);
+    if (!strcmp(mode, "accuracy") && file && window > prompt + 1) {
+        FILE *csv = NULL;
+        if (csv_path &&
+            !(csv = csv_open(csv_path, argc, argv, "cache,ppl,dppl_pct,mean_kl,same_top_pct,kv_bytes_vs_bf16"))) {
+            fprintf(stderr, "kvtier-bench-quant: %s: %s\n", csv_path, strerror(errno));
+            return 1;
+        }
+        int rc = accuracy(dir, file, tokdir, tokens, window, prompt, threads, csv);
+        if (csv && !csv_close(csv) && !rc) {
+            fprintf(stderr, "kvtier-bench-quant: %s: %s\n", csv_path, strerror(errno));
+            rc = 1;
+        }
+        return rc;
+    }
+    if (csv_path) {
+        fprintf(stderr, "kvtier-bench-quant: --csv is for the accuracy mode\n");
+        return 2;
+    }
     if (!strcmp(mode, "speed"))
         return speed(dir, context, steps, rounds, threads);
     usage(stderr);

@@ -4,7 +4,7 @@
  * ratios that survive a noisy machine:
  *
  *   kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode 8] [--repeat 2] [--threads N]
- *                      [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]...
+ *                      [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]... [--csv FILE]
  *
  * For each context the three sequences are filled to that length and then
  * decode --decode tokens each, interleaved, over --repeat rounds.  The
@@ -19,8 +19,10 @@
  * --kv-dtype given more than once runs every mode once per KV dtype in
  * each round, in an order rotated round by round, and reports each later
  * dtype's tokens/s as the median (and range) of its per-round ratios to
- * the first's.
+ * the first's.  --csv FILE also writes one row per context, mode and KV
+ * dtype (util/csvout.h) for `make plots`.
  */
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +31,7 @@
 
 #include "util/args.h"
 #include "util/clock.h"
+#include "util/csvout.h"
 #include "model/model.h"
 #include "util/version.h"
 
@@ -146,8 +149,10 @@ int main(int argc, char **argv)
         {"model", required_argument, 0, 'm'},   {"ctx", required_argument, 0, 'c'},
         {"decode", required_argument, 0, 'd'},  {"repeat", required_argument, 0, 'r'},
         {"threads", required_argument, 0, 't'}, {"block-tokens", required_argument, 0, 'b'},
-        {"kv-dtype", required_argument, 0, 'k'}, {0, 0, 0, 0},
+        {"kv-dtype", required_argument, 0, 'k'}, {"csv", required_argument, 0, 'C'},
+        {0, 0, 0, 0},
     };
+    const char *csv_path = NULL;
     int o;
     while ((o = getopt_long(argc, argv, "m:c:d:r:t:b:k:", opts, NULL)) != -1) {
         bool ok = true;
@@ -159,6 +164,7 @@ int main(int argc, char **argv)
         case 't': ok = args_int(optarg, 0, 1024, &threads); break;
         case 'b': ok = args_int(optarg, 1, 1 << 16, &block_tokens); break;
         case 'k': ok = n_dt < MAX_DTYPES && model_kv_dtype_parse(optarg, &kdts[n_dt++]); break;
+        case 'C': csv_path = optarg; break;
         default: return 2;
         }
         if (!ok)
@@ -166,8 +172,15 @@ int main(int argc, char **argv)
     }
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode N] [--repeat N] "
-                        "[--threads N] [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]...\n");
+                        "[--threads N] [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]... [--csv FILE]\n");
         return 2;
+    }
+    FILE *csv = NULL;
+    if (csv_path && !(csv = csv_open(csv_path, argc, argv,
+                                     "ctx,mode,kv,tok_s,tok_s_best,ratio,resident_layers,n_layers,transfer_ms,"
+                                     "stall_ms,overlap_pct,moved_mb_per_token"))) {
+        fprintf(stderr, "kvtier-bench-tiers: %s: %s\n", csv_path, strerror(errno));
+        return 1;
     }
     n_dt = n_dt ? n_dt : 1;
     struct rig full[MAX_DTYPES];
@@ -241,6 +254,17 @@ int main(int argc, char **argv)
                 printf("%7d %-10s %-4s %9.3f %9.3f %7.3f %5d/%-3d", ctx, mode_name[k],
                        be_dtype_name(kv_store_dtype(rigs[k][d]->store)), med, res[k][d].tps,
                        med / median(&TPS(RESIDENT, d, 0), repeat), ss.resident_layers, c->n_layers);
+                if (csv) {
+                    fprintf(csv, "%d,%s,%s,%.4f,%.4f,%.4f,%d,%d", ctx, mode_name[k],
+                            be_dtype_name(kv_store_dtype(rigs[k][d]->store)), med, res[k][d].tps,
+                            med / median(&TPS(RESIDENT, d, 0), repeat), ss.resident_layers, c->n_layers);
+                    if (x->steps)
+                        fprintf(csv, ",%.3f,%.3f,%.2f,%.3f\n", 1e3 * x->transfer_s / x->steps,
+                                1e3 * x->stall_s / x->steps, 100.0 * (1.0 - x->stall_s / x->transfer_s),
+                                (double)(x->bytes_h2d + x->bytes_d2h) / x->tokens / 1e6);
+                    else
+                        fputs(",,,,\n", csv);
+                }
                 if (x->steps)
                     printf(" %8.2f %8.2f %7.1f%% %10.2fMB %10.3f", 1e3 * x->transfer_s / x->steps,
                            1e3 * x->stall_s / x->steps, 100.0 * (1.0 - x->stall_s / x->transfer_s),
@@ -272,5 +296,9 @@ int main(int argc, char **argv)
     free(logits);
     for (int d = 0; d < n_dt; d++)
         rig_close(&full[d]);
+    if (csv && !csv_close(csv)) {
+        fprintf(stderr, "kvtier-bench-tiers: %s: %s\n", csv_path, strerror(errno));
+        return 1;
+    }
     return 0;
 }

@@ -10,7 +10,7 @@
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *                [--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]
- *                [--bw-passes 3] [--weights auto|q8_0]
+ *                [--bw-passes 3] [--weights auto|q8_0] [--csv FILE]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -21,8 +21,10 @@
  * positions before the prompt, reserved and committed without computing
  * them (a step's work does not depend on the KV's values), so that prefill
  * and decode run at a long context without paying for its prefill.
+ * --csv FILE also writes one row per KV block size (util/csvout.h).
  */
 #include <cblas.h>
+#include <errno.h>
 #include <getopt.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -32,6 +34,7 @@
 
 #include "util/clock.h"
 #include "util/args.h"
+#include "util/csvout.h"
 #include "util/readbw.h"
 #include "model/runtime.h"
 #include "util/version.h"
@@ -130,8 +133,9 @@ int main(int argc, char **argv)
         {"repeat", required_argument, 0, 'r'}, {"block-tokens", required_argument, 0, 'b'},
         {"fill", required_argument, 0, 'f'},   {"kv-dtype", required_argument, 0, 'k'},
         {"bw-passes", required_argument, 0, 'P'}, {"weights", required_argument, 0, 'w'},
-        {0, 0, 0, 0},
+        {"csv", required_argument, 0, 'C'},   {0, 0, 0, 0},
     };
+    const char *csv_path = NULL;
     int o;
     while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:w:P:", opts, NULL)) != -1) {
         bool ok = true;
@@ -146,6 +150,7 @@ int main(int argc, char **argv)
         case 'k': ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
         case 'P': ok = args_int(optarg, 1, 100, &bw_passes); break;
         case 'w': ok = model_weights_parse(optarg, &rp.model.weights); break;
+        case 'C': csv_path = optarg; break;
         default: return 2;
         }
         if (!ok)
@@ -154,8 +159,15 @@ int main(int argc, char **argv)
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
                         "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] [--bw-passes N] "
-                        "[--weights auto|q8_0]\n");
+                        "[--weights auto|q8_0] [--csv FILE]\n");
         return 2;
+    }
+    FILE *csv = NULL;
+    if (csv_path && !(csv = csv_open(csv_path, argc, argv,
+                                     "block_tokens,fill,prompt,decode,prefill_tok_s_best,prefill_tok_s_median,"
+                                     "prefill_pct_sgemm,decode_tok_s_best,decode_tok_s_median,decode_pct_read"))) {
+        fprintf(stderr, "kvtier-bench: %s: %s\n", csv_path, strerror(errno));
+        return 1;
     }
     char err[MODEL_ERR_LEN];
     struct runtime rt;
@@ -262,19 +274,22 @@ int main(int argc, char **argv)
         double prefill_med = median(ratio, repeat);
         for (int r = 0; r < repeat; r++)
             ratio[r] = flops_tok * t_pre[r * nb + b] / 1e9 / r_sg[r];
+        double prefill_pct = 100 * median(ratio, repeat);
         printf("prefill          %d tokens: %.1f tokens/s (best), %.1f (median), %.0f %% of sgemm (median of rounds), "
                "%.0f %% best/best\n",
-               n_prompt, prefill_tps, prefill_med, 100 * median(ratio, repeat),
-               100 * flops_tok * prefill_tps / 1e9 / best_sg);
+               n_prompt, prefill_tps, prefill_med, prefill_pct, 100 * flops_tok * prefill_tps / 1e9 / best_sg);
         for (int r = 0; r < repeat; r++)
             ratio[r] = t_dec[r * nb + b];
         double decode_med = median(ratio, repeat);
         for (int r = 0; r < repeat; r++)
             ratio[r] = (wbytes + kv_bytes) * t_dec[r * nb + b] / 1e9 / r_bw[r];
+        double decode_pct = 100 * median(ratio, repeat);
         printf("decode           %d tokens: %.2f tokens/s (best), %.2f (median), %.0f %% of the read ceiling with KV "
                "(median of rounds), %.0f %% best/best\n",
-               n_decode, decode_tps, decode_med, 100 * median(ratio, repeat),
-               100 * (wbytes + kv_bytes) * decode_tps / 1e9 / best_bw);
+               n_decode, decode_tps, decode_med, decode_pct, 100 * (wbytes + kv_bytes) * decode_tps / 1e9 / best_bw);
+        if (csv)
+            fprintf(csv, "%d,%d,%d,%d,%.3f,%.3f,%.2f,%.3f,%.3f,%.2f\n", kv_store_block_tokens(stores[b]), n_fill,
+                    n_prompt, n_decode, prefill_tps, prefill_med, prefill_pct, decode_tps, decode_med, decode_pct);
         /* the weights alone: the figure comparable with another engine's,
          * whose KV layout and size differ */
         for (int r = 0; r < repeat; r++)
@@ -317,5 +332,9 @@ int main(int argc, char **argv)
     for (int b = 1; b < nb; b++)
         kv_store_free(stores[b]);
     runtime_close(&rt);
+    if (csv && !csv_close(csv)) {
+        fprintf(stderr, "kvtier-bench: %s: %s\n", csv_path, strerror(errno));
+        return 1;
+    }
     return 0;
 }
