@@ -33,6 +33,7 @@ struct job *job_new(int n, const char *const *stops, int n_stops)
         return NULL;
     j->n = n;
     j->n_out = n;
+    j->remote_shareable = SIZE_MAX;
     j->refs = 1;
     size_t total = 0;
     for (int i = 0; i < n_stops; i++)
@@ -216,6 +217,10 @@ struct engine_stats engine_get_stats(engine *e)
     s.queued = e->n_queued;
     s.running = e->active_seqs;
     s.sessions = e->n_sessions;
+    /* under mu: the engine thread clears it under mu before closing it */
+    s.remote_on = e->remote != NULL;
+    if (e->remote)
+        s.remote = kv_remote_stats(e->remote);
     pthread_mutex_unlock(&e->mu);
     return s;
 }
@@ -405,6 +410,9 @@ static void publish(engine *e, int nb);
 static void retire(engine *e, struct job *j)
 {
     prefix_disk_forget_job(j);
+    prefix_remote_forget_job(j);
+    if (j->ch[0].kv && j->res.err.st == IPC_OK && !j->kill)
+        prefix_remote_publish(e, j);
     struct kv_seq_stats kvs = {0};
     bool any = false;
     for (int i = 0; i < j->n; i++) {
@@ -516,6 +524,13 @@ void start_job(engine *e, struct job *j)
         j->pfetched = true;
         if (prefix_disk_fetch(e, j)) {
             j->io_wait = true; /* prefix_disk_poll starts it again once the blocks are in */
+            return;
+        }
+    }
+    if (!j->rfetched) {
+        j->rfetched = true;
+        if (prefix_remote_fetch(e, j)) {
+            j->io_wait = true; /* prefix_remote_poll starts it again once the blocks are in */
             return;
         }
     }
@@ -1139,6 +1154,7 @@ static bool load(engine *e)
     e->share = malloc((size_t)e->vocab * sizeof(*e->share));
     e->share_tmp = malloc((size_t)e->vocab * sizeof(*e->share_tmp));
     disk_open(e);
+    prefix_remote_open(e);
     pthread_mutex_lock(&e->mu);
     if (e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch && e->share && e->share_tmp) {
         e->state = ENGINE_READY;
@@ -1165,6 +1181,7 @@ static void *engine_main(void *arg)
     if (ok)
         loop(e);
     fail_everything(e);
+    prefix_remote_close(e);
     disk_close(e);
     return NULL;
 }
@@ -1243,6 +1260,12 @@ const struct model_config *engine_model_config(const engine *e)
 int engine_context(const engine *e)
 {
     return e->ctx;
+}
+
+enum engine_remote_share engine_remote_share(const engine *e, bool *on)
+{
+    *on = e->cfg.remote_url || e->cfg.remote_cluster;
+    return e->cfg.remote_share;
 }
 
 const char *engine_model_id(const engine *e)

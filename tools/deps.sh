@@ -2,9 +2,9 @@
 # deps.sh build|test - installs the Debian packages kvtier needs, but only
 # those that are missing, so a configured machine pays one dpkg query.
 set -e
-build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread liburing-dev libzstd-dev"
+build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread liburing-dev libzstd-dev libhiredis-dev"
 # clang + libclang-rt-dev: libFuzzer for `make fuzz` (the runtime is only a Recommends of clang)
-test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm clang libclang-rt-dev"
+test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm clang libclang-rt-dev redis-server"
 case "$1" in
   build) want=$build_pkgs ;;
   test) want="$build_pkgs $test_pkgs" ;;
