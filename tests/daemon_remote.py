@@ -177,6 +177,26 @@ try:
     time.sleep(0.3)
     check(toks == reference(p2) and len(resp(rsock, "KEYS", "kvt:*")) == n_blk, "a private request publishes nothing")
 
+    # ---- --remote-share prefix-only: a chat's blocks before its first user message ----
+    po = daemon("po", "--remote", url, "--remote-share", "prefix-only")
+    system = " ".join("rule %d: answer in the voice of a careful librarian" % i for i in range(6))
+    user = " ".join("question %d about the archive and its catalogue" % i for i in range(12))
+    before = len(resp(rsock, "KEYS", "kvt:*"))
+    code, r = po.post("/v1/chat/completions", {"messages": [{"role": "system", "content": system},
+                                                             {"role": "user", "content": user}],
+                                               "max_tokens": 2, "temperature": 0})
+    n_prompt = r["usage"]["prompt_tokens"]
+    wait_metric(po, "remote_blocks_total", '{result="published"}', 1)
+    time.sleep(0.3)
+    got = metric(po, "remote_blocks_total", '{result="published"}')
+    check(code == 200 and 1 <= got < n_prompt // BT - 2 and len(resp(rsock, "KEYS", "kvt:*")) == before + got,
+          "prefix-only: %d of the %d-token chat's blocks published (the system prompt's)" % (got, n_prompt))
+    code, r = po.post("/v1/completions", dict(GEN, prompt=prompt_of(10)))
+    time.sleep(0.2)
+    check(code == 200 and metric(po, "remote_blocks_total", '{result="published"}') == got,
+          "prefix-only: a raw prompt publishes nothing")
+    po.stop()
+
     # ---- another layout's value, corrupt values ----
     # the same chain under another KV dtype looks for these keys with that
     # dtype (enum be_dtype: 0 f32, 2 bf16) in the layout part
