@@ -95,6 +95,9 @@ struct engine {
     /* ---- the remote tier (prefix_remote.c); NULL: none ---- */
     kv_remote *remote;
     struct remote_fetch *rfetches; /* engine thread: lookups in flight */
+    struct remote_pub *rpubs;      /* engine thread: prompts whose blocks wait for room to be published */
+    int n_rpubs;
+    size_t rblk_len;               /* a serialized block's bytes, once one was */
 };
 
 /* ---- sessions.c, for engine.c ---- */

@@ -8,10 +8,14 @@
  * fetches and checks the chain's next blocks; they are inserted in chain
  * order up to the first one the store refuses, then the job starts and
  * kv_seq_match_prefix attaches them.  Every failure is a miss: the rest
- * of the prompt is computed.  Publishing serializes the job's prompt
- * blocks not shipped before (kv_store_prefix_ship) and queues them; the
- * network is the publish thread's.  Everything here runs on the engine
- * thread.
+ * of the prompt is computed.  Publishing: a retiring job's prompt is
+ * kept (its ids) and its blocks not shipped before are serialized
+ * (kv_store_prefix_ship) as the publish queue has room, at retirement and
+ * then at every loop iteration (the publish thread wakes the loop after
+ * each batch), so a long prompt is neither dropped past the queue's bound
+ * nor serialized all at once; a block evicted meanwhile is not published.
+ * The network is the publish thread's.  Everything here runs on the
+ * engine thread.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -20,6 +24,18 @@
 
 #include "daemon/engine_impl.h"
 #include "util/log.h"
+
+/* prompts kept for publishing; past this the oldest is given up */
+#define MAX_PENDING 64
+/* blocks serialized per call of kv_store_prefix_ship */
+#define SHIP_BATCH 64
+
+struct remote_pub {
+    struct kv_seq_params p;
+    int32_t *tokens; /* its whole blocks */
+    int64_t n_blocks;
+    struct remote_pub *next;
+};
 
 struct remote_fetch {
     struct job *j; /* NULL once the job retired */
@@ -133,15 +149,38 @@ void prefix_remote_forget_job(struct job *j)
     j->rfetch = NULL;
 }
 
-void prefix_remote_poll(engine *e)
+
+static void pub_pop(engine *e)
 {
-    for (struct remote_fetch **xp = &e->rfetches, *x; (x = *xp);) {
-        if (!kv_remote_fetch_done(x->f)) {
-            xp = &x->next;
-            continue;
+    struct remote_pub *x = e->rpubs;
+    e->rpubs = x->next;
+    e->n_rpubs--;
+    free(x->tokens);
+    free(x);
+}
+
+/* Serializes and queues the kept prompts' blocks while the queue has room. */
+static void pump(engine *e)
+{
+    while (e->rpubs) {
+        struct remote_pub *x = e->rpubs;
+        size_t room = kv_remote_publish_room(e->remote);
+        size_t fit = e->rblk_len ? room / e->rblk_len : 1; /* one first, to learn the size */
+        if (!fit)
+            return;
+        struct kv_prefix_block b[SHIP_BATCH];
+        int64_t got = 0;
+        bool done = true;
+        enum tier_status ts = kv_store_prefix_ship(e->store, &x->p, x->tokens, x->n_blocks, b,
+                                                   fit < SHIP_BATCH ? (int64_t)fit : SHIP_BATCH, &got, &done);
+        if (ts != TIER_OK)
+            log_msg(LOG_DEBUG, "remote tier: blocks not published: %s", kv_store_errmsg(e->store));
+        for (int64_t i = 0; i < got; i++) {
+            e->rblk_len = b[i].len;
+            kv_remote_publish(e->remote, &b[i]);
         }
-        *xp = x->next;
-        fetch_finish(e, x);
+        if (done || ts != TIER_OK)
+            pub_pop(e);
     }
 }
 
@@ -152,18 +191,38 @@ void prefix_remote_publish(engine *e, const struct job *j)
     size_t n = j->n_prompt < j->remote_shareable ? j->n_prompt : j->remote_shareable;
     size_t bt = (size_t)kv_store_block_tokens(e->store);
     int64_t nb = (int64_t)(n / bt);
-    struct kv_prefix_block *b = nb ? malloc((size_t)nb * sizeof(*b)) : NULL;
-    if (!b)
+    struct remote_pub *x = nb ? calloc(1, sizeof(*x)) : NULL;
+    if (x && !(x->tokens = malloc((size_t)nb * bt * sizeof(*x->tokens)))) {
+        free(x);
+        x = NULL;
+    }
+    if (!x)
         return;
-    struct kv_seq_params p = j->cache.params;
-    p.prefix_ns = prefix_ns_of(e, j->uid);
-    int64_t got = 0;
-    enum tier_status ts = kv_store_prefix_ship(e->store, &p, j->prompt, nb, b, &got);
-    if (ts != TIER_OK)
-        log_msg(LOG_DEBUG, "remote tier: blocks not published: %s", kv_store_errmsg(e->store));
-    for (int64_t i = 0; i < got; i++)
-        kv_remote_publish(e->remote, &b[i]);
-    free(b);
+    memcpy(x->tokens, j->prompt, (size_t)nb * bt * sizeof(*x->tokens));
+    x->p = j->cache.params;
+    x->p.prefix_ns = prefix_ns_of(e, j->uid);
+    x->n_blocks = nb;
+    struct remote_pub **tail = &e->rpubs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = x;
+    if (++e->n_rpubs > MAX_PENDING)
+        pub_pop(e);
+    pump(e);
+}
+
+void prefix_remote_poll(engine *e)
+{
+    if (e->rpubs)
+        pump(e);
+    for (struct remote_fetch **xp = &e->rfetches, *x; (x = *xp);) {
+        if (!kv_remote_fetch_done(x->f)) {
+            xp = &x->next;
+            continue;
+        }
+        *xp = x->next;
+        fetch_finish(e, x);
+    }
 }
 
 void prefix_remote_close(engine *e)
@@ -175,6 +234,8 @@ void prefix_remote_close(engine *e)
         kv_remote_fetch_wait(x->f);
         fetch_finish(e, x);
     }
+    while (e->rpubs)
+        pub_pop(e);
     pthread_mutex_lock(&e->mu);
     kv_remote *r = e->remote;
     e->remote = NULL;

@@ -607,16 +607,22 @@ int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, 
 }
 
 enum tier_status kv_store_prefix_ship(kv_store *s, const struct kv_seq_params *p, const int32_t *tokens,
-                                      int64_t n_blocks, struct kv_prefix_block *out, int64_t *n_out)
+                                      int64_t n_blocks, struct kv_prefix_block *out, int64_t max_out, int64_t *n_out,
+                                      bool *done)
 {
     s->err[0] = '\0';
     *n_out = 0;
+    *done = true;
     if (!s->prefix_on || p->no_prefix_cache)
         return TIER_OK;
     struct kv_pentry *tail = NULL;
     for (int64_t b = 0; b < n_blocks && (tail = lookup(s, tail, tokens + b * s->bt, p->prefix_ns)); b++) {
         if (tail->shipped)
             continue;
+        if (*n_out == max_out) {
+            *done = false;
+            return TIER_OK;
+        }
         enum tier_status st = entry_save(s, tail, &out[*n_out]);
         if (st != TIER_OK)
             return kv_fail(s, st, st == TIER_EIO ? "device copy of a prefix-cache block failed"

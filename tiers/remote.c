@@ -575,10 +575,20 @@ static void *publish_main(void *arg)
             free(items[i]->b.buf);
             free(items[i]);
         }
+        if (r->p.notify)
+            r->p.notify(r->p.notify_arg);
         pthread_mutex_lock(&r->mu);
     }
     pthread_mutex_unlock(&r->mu);
     return NULL;
+}
+
+size_t kv_remote_publish_room(kv_remote *r)
+{
+    pthread_mutex_lock(&r->mu);
+    size_t room = r->p.queue_bytes - r->pq_bytes;
+    pthread_mutex_unlock(&r->mu);
+    return room;
 }
 
 bool kv_remote_publish(kv_remote *r, struct kv_prefix_block *b)

@@ -43,7 +43,7 @@ struct kv_remote_params {
     size_t queue_bytes;   /* blocks waiting to be published; 0 = 64 MiB */
     struct kv_disk_layout layout;
     const char *variant;  /* what else changes the KV values (the weights' format): part of the key */
-    void (*notify)(void *arg); /* called on the lookup thread when a fetch is done; may be NULL */
+    void (*notify)(void *arg); /* a fetch is done, a publish batch sent (on those threads); may be NULL */
     void *notify_arg;
 };
 
@@ -79,8 +79,12 @@ enum tier_status kv_remote_open(const struct kv_remote_params *p, kv_remote **ou
 void kv_remote_free(kv_remote *r);
 struct kv_remote_stats kv_remote_stats(kv_remote *r);
 
+/* Bytes the publish queue takes before it drops. */
+size_t kv_remote_publish_room(kv_remote *r);
 /* Queues b for publishing and takes b->buf (freed in any case); false
- * when the queue was full (counted as dropped). */
+ * when the queue was full (counted as dropped).  The notify callback
+ * fires after each batch sent, so a caller holding more blocks back
+ * (kv_remote_publish_room) hears when there is room. */
 bool kv_remote_publish(kv_remote *r, struct kv_prefix_block *b);
 
 /* Looks up the chain hashes[0, n) of namespace ns in the background. */
