@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, "tests")
@@ -95,6 +96,13 @@ def stop_redis(p):
         p.send_signal(signal.SIGCONT)
         p.kill()
         p.wait()
+
+
+def _sleep(sock):
+    try:
+        resp(sock, "DEBUG", "SLEEP", 10, timeout=30)
+    except (OSError, RuntimeError):
+        pass  # killed under it
 
 
 def metric(dm, name, labels=""):
@@ -246,8 +254,22 @@ try:
           "a stopped Redis: the lookup times out, the request computes with the same tokens")
     rp.send_signal(signal.SIGCONT)
 
+    # ---- killed mid-request: the lookup waits on a server busy in DEBUG SLEEP, which is then killed ----
+    k = daemon("k", "--remote", url, "--remote-timeout", "20000")
+    complete(k, prompt_of(11))  # connected
+    sleeper = threading.Thread(target=_sleep, args=(rsock,))
+    sleeper.start()
+    time.sleep(0.2)
+    threading.Timer(0.5, stop_redis, (rp,)).start()
+    t0 = time.time()
+    toks, cached = complete(k, p1)
+    sleeper.join()
+    check(toks == reference(p1) and cached == 0 and time.time() - t0 < 8 and
+          metric(k, "remote_errors_total", '{kind="io"}') >= 1,
+          "Redis killed while a lookup waits on it: a miss (io), the request completes with the same tokens")
+    k.stop()
+
     # ---- killed, then back ----
-    stop_redis(rp)
     p6 = prompt_of(6)
     for _ in range(3):
         toks, _ = complete(d, p6)
