@@ -33,7 +33,6 @@ struct job *job_new(int n, const char *const *stops, int n_stops)
         return NULL;
     j->n = n;
     j->n_out = n;
-    j->remote_shareable = SIZE_MAX;
     j->refs = 1;
     size_t total = 0;
     for (int i = 0; i < n_stops; i++)

@@ -153,7 +153,7 @@ struct job {
     struct beam_params beam;
     int n_out;
     /* prompt tokens whose blocks may be published to the remote tier
-     * (SIZE_MAX: all; 0 for a private request) */
+     * (SIZE_MAX: all; 0, job_new's: none) */
     size_t remote_shareable;
     char session_id[IPC_SESSION_ID_MAX + 1]; /* "" = none */
     int64_t op_n;                            /* JOB_CROP: kv_seq_crop's n */
