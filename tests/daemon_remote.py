@@ -203,7 +203,7 @@ try:
     time.sleep(0.2)
     check(code == 200 and metric(po, "remote_blocks_total", '{result="published"}') == got,
           "prefix-only: a raw prompt publishes nothing")
-    po.stop()
+    check(po.stop() == 0, "and it exits cleanly")
 
     # ---- another layout's value, corrupt values ----
     # the same chain under another KV dtype looks for these keys with that
@@ -220,8 +220,7 @@ try:
     toks, cached = complete(f32, p1)
     check(cached == 0 and toks == complete(f32ref, p1)[0] and metric(f32, "remote_errors_total", '{kind="foreign"}') >= 1,
           "a value written for another layout is a miss, counted as foreign, never loaded")
-    f32.stop()
-    f32ref.stop()
+    check(f32.stop() == 0 and f32ref.stop() == 0, "and both exit cleanly")
     for i, k in enumerate(keys):
         v = bytearray(resp(rsock, "GET", k))
         if i % 2:
@@ -267,14 +266,15 @@ try:
     check(toks == reference(p1) and cached == 0 and time.time() - t0 < 8 and
           metric(k, "remote_errors_total", '{kind="io"}') >= 1,
           "Redis killed while a lookup waits on it: a miss (io), the request completes with the same tokens")
-    k.stop()
+    check(k.stop() == 0, "and it exits cleanly")
 
     # ---- killed, then back ----
     p6 = prompt_of(6)
+    n0 = d.logtext().count("unavailable")
     for _ in range(3):
         toks, _ = complete(d, p6)
         check(toks == reference(p6), "Redis killed: requests complete with the same tokens")
-    check(d.logtext().count("unavailable") == 2, "the loss is logged once per connection, not per request")
+    check(d.logtext().count("unavailable") - n0 <= 2, "the loss is logged once per connection, not per request")
     rp, rsock2 = start_redis(tmp, "r1")
     time.sleep(0.5)  # past the backoff
     p7 = prompt_of(7)
@@ -291,8 +291,8 @@ try:
         check(toks == reference(p), "Redis down at start: the request completes with the same tokens")
     check(e.logtext().count("unavailable") == 2 and metric(e, "remote_errors_total", '{kind="connect"}') >= 1,
           "down at start: logged once per connection, counted as connect errors")
-    for dm in (a, b, c, d, e):
-        dm.stop()
+    codes = [dm.stop() for dm in (a, b, c, d, e)]
+    check(codes == [0] * 5, "SIGTERM: every daemon exits cleanly (%s)" % codes)
 
     # ---- a three-master cluster ----
     ports = []

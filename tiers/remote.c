@@ -184,9 +184,12 @@ static enum kv_remote_err io_kind(const redisContext *c)
     return KV_REMOTE_E_IO;
 }
 
-/* n failed: dropped, left alone for its backoff, logged when it was up. */
-static void node_fail(struct link *L, struct node *n, enum kv_remote_err kind, const char *why)
+/* n failed: dropped, left alone for its backoff, logged when it was up.
+ * why may be the connection's errstr, which the free takes with it. */
+static void node_fail(struct link *L, struct node *n, enum kv_remote_err kind, const char *why_in)
 {
+    char why[256];
+    snprintf(why, sizeof(why), "%s", why_in);
     count(L->r, kind);
     if (n->c)
         redisFree(n->c);
