@@ -65,7 +65,7 @@ def complete(d, ids, max_tokens=1):
 def daemon(o, name, model, flags):
     d = kvclient.Daemon(os.path.join(o.dir, name + ".sock"), os.path.join(o.dir, name + ".log"),
                         ["--model", model, "--threads", str(o.threads), "--disk-dir", "none", "--ctx-size",
-                         str(max(o.sizes) + 64), "--parallel", "2", "--device-mem", o.device_mem] + flags)
+                         str(max(o.sizes + [2048]) + 64), "--parallel", "2", "--device-mem", o.device_mem] + flags)
     d.start()
     return d
 
@@ -141,12 +141,13 @@ def main():
     ap.add_argument("--dir", default="/tmp/bench-remote")
     ap.add_argument("--json")
     o = ap.parse_args()
-    o.sizes = [int(x) for x in o.sizes.split(",")]
+    o.sizes = [int(x) for x in o.sizes.split(",") if x]
     os.makedirs(o.dir, exist_ok=True)
     rp, sock = redis_start(o.dir)
     res = {"ttft": [], "fleet": []}
     try:
-        ttft(o, sock, res)
+        if o.sizes:
+            ttft(o, sock, res)
         if o.fleet_model:
             fleet(o, sock, res)
     finally:
