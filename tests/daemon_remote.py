@@ -7,6 +7,8 @@ ports for a cluster) and kills only those.
 - a private request publishes nothing;
 - a value written for another layout (another KV dtype) and corrupted
   values are misses, counted, never loaded;
+- AUTH as an ACL user (--remote-user, --remote-password-file), and a
+  wrong password (a counted miss, never logged);
 - faults: Redis down at start (logged once per connection, not per
   request), stopped (SIGSTOP: bounded by --remote-timeout), killed and back
   (reconnects), full (OOM): every request completes with the tokens of a
@@ -74,17 +76,22 @@ def resp(addr, *args, timeout=5):
         s.close()
 
 
-def start_redis(tmp, name, *extra, port=None):
+def start_redis(tmp, name, *extra, port=None, conf=None):
     d = os.path.join(tmp, name)
     os.makedirs(d, exist_ok=True)
     sock = os.path.join(d, "redis.sock")
-    args = [REDIS, "--port", str(port or 0), "--unixsocket", sock, "--save", "", "--appendonly", "no",
+    if conf:
+        with open(os.path.join(d, "redis.conf"), "w") as f:
+            f.write(conf)
+    args = [REDIS] + ([os.path.join(d, "redis.conf")] if conf else []) + ["--port", str(port or 0), "--unixsocket", sock, "--save", "", "--appendonly", "no",
             "--dir", d, "--bind", "127.0.0.1", "--enable-debug-command", "yes"] + list(extra)
     p = subprocess.Popen(args, stdout=open(os.path.join(d, "log"), "ab"), stderr=subprocess.STDOUT)
     procs.append(p)
     for _ in range(200):
         try:
             resp(sock, "PING")
+            return p, sock
+        except RuntimeError:  # NOAUTH: up, and wants a password
             return p, sock
         except OSError:
             time.sleep(0.02)
@@ -283,6 +290,24 @@ try:
     check(wait_metric(d, "remote_blocks_total", '{result="published"}', 1) >= 1 and "is back" in d.logtext(),
           "Redis back: the daemon reconnects and publishes again")
     stop_redis(rp)
+
+    # ---- AUTH: an ACL user with its password from a file; a wrong password ----
+    ap, asock = start_redis(tmp, "r2", conf="user default on >default-pw ~* +@all\nuser kv on >kv-pw ~kvt:* +@all\n")
+    for name, pw in (("good", "kv-pw\n"), ("bad", "nope\n")):
+        with open(os.path.join(tmp, name + ".pw"), "w") as f:
+            f.write(pw)
+    ga = daemon("ga", "--remote", "unix:" + asock, "--remote-user", "kv", "--remote-password-file",
+                os.path.join(tmp, "good.pw"))
+    ba = daemon("ba", "--remote", "unix:" + asock, "--remote-password-file", os.path.join(tmp, "bad.pw"))
+    toks, _ = complete(ga, p1)
+    got = wait_metric(ga, "remote_blocks_total", '{result="published"}', len(p1) // BT)
+    check(toks == reference(p1) and got == len(p1) // BT, "AUTH as an ACL user, password from a file: published")
+    toks, cached = complete(ba, p1)
+    check(toks == reference(p1) and cached == 0 and metric(ba, "remote_errors_total", '{kind="auth"}') >= 1 and
+          "kv-pw" not in ba.logtext() and "nope" not in ba.logtext(),
+          "a wrong password: AUTH refused (counted, the password never logged), the same tokens")
+    check(ga.stop() == 0 and ba.stop() == 0, "and both exit cleanly")
+    stop_redis(ap)
 
     # ---- down at start ----
     e = daemon("e", "--remote", "unix:" + os.path.join(tmp, "none.sock"))
