@@ -522,7 +522,7 @@ static void publish_batch(kv_remote *r, struct pub **items, int n)
     }
     run(&r->pl, cmds, m);
     uint64_t ok = 0, bytes = 0;
-    const char *oom = NULL;
+    bool oom = false;
     for (int i = 0; i < m; i++) {
         redisReply *rep = cmds[i].reply;
         if (rep && rep->type == REDIS_REPLY_STATUS) {
@@ -531,8 +531,7 @@ static void publish_batch(kv_remote *r, struct pub **items, int n)
         } else if (rep && rep->type == REDIS_REPLY_ERROR) {
             bool is_oom = !strncmp(rep->str, "OOM", 3);
             count(r, is_oom ? KV_REMOTE_E_OOM : KV_REMOTE_E_REPLY);
-            if (is_oom && !oom)
-                oom = "";
+            oom = oom || is_oom;
             if (!is_oom)
                 log_msg(LOG_DEBUG, "remote tier: SET refused: %s", rep->str);
         }
