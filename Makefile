@@ -11,7 +11,7 @@ CUDA    ?= 0
 
 CFLAGS  := -std=c11 -g -O2 -Wall -Wextra -Werror -Wstrict-prototypes -Wshadow -fPIC -pthread
 CPPFLAGS := -D_GNU_SOURCE -MMD -MP -I.
-LDLIBS  := -lhwloc -ljansson -lpcre2-8 -lxxhash -lmicrohttpd -luring -lzstd -lopenblas -lutf8proc -ldl -lm -pthread
+LDLIBS  := -lhiredis -lhwloc -ljansson -lpcre2-8 -lxxhash -lmicrohttpd -luring -lzstd -lopenblas -lutf8proc -ldl -lm -pthread
 TESTLIBS := -lcmocka
 
 ifeq ($(SANITIZE),1)

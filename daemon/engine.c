@@ -231,6 +231,10 @@ struct engine_stats engine_get_stats(engine *e)
     s.queued = e->n_queued;
     s.running = e->active_seqs;
     s.sessions = e->n_sessions;
+    /* under mu: the engine thread clears it under mu before closing it */
+    s.remote_on = e->remote != NULL;
+    if (e->remote)
+        s.remote = kv_remote_stats(e->remote);
     pthread_mutex_unlock(&e->mu);
     return s;
 }
@@ -444,6 +448,9 @@ static void observe_request(engine *e, const struct job *j)
 static void retire(engine *e, struct job *j)
 {
     prefix_disk_forget_job(j);
+    prefix_remote_forget_job(j);
+    if (j->ch[0].kv && j->res.err.st == IPC_OK && !j->kill)
+        prefix_remote_publish(e, j);
     struct kv_seq_stats kvs = {0};
     bool any = false;
     for (int i = 0; i < j->n; i++) {
@@ -558,6 +565,13 @@ void start_job(engine *e, struct job *j)
         j->pfetched = true;
         if (prefix_disk_fetch(e, j)) {
             j->io_wait = true; /* prefix_disk_poll starts it again once the blocks are in */
+            return;
+        }
+    }
+    if (!j->rfetched) {
+        j->rfetched = true;
+        if (prefix_remote_fetch(e, j)) {
+            j->io_wait = true; /* prefix_remote_poll starts it again once the blocks are in */
             return;
         }
     }
@@ -1250,8 +1264,10 @@ static bool load(engine *e)
     if (!ok)
         snprintf(err, sizeof(err), "no host memory for %d sequences' logits or the token trie", e->cfg.max_seqs);
     ok = ok && warm_up(e, err);
-    if (ok)
+    if (ok) {
         disk_open(e);
+        prefix_remote_open(e);
+    }
     pthread_mutex_lock(&e->mu);
     e->state = ok ? ENGINE_READY : ENGINE_FAILED;
     e->load.phase = ok ? "ready" : "failed";
@@ -1277,6 +1293,7 @@ static void *engine_main(void *arg)
     if (ok)
         loop(e);
     fail_everything(e);
+    prefix_remote_close(e);
     disk_close(e);
     return NULL;
 }
@@ -1380,6 +1397,12 @@ const struct model_config *engine_model_config(const engine *e)
 int engine_context(const engine *e)
 {
     return e->ctx;
+}
+
+enum engine_remote_share engine_remote_share(const engine *e, bool *on)
+{
+    *on = e->cfg.remote_url || e->cfg.remote_cluster;
+    return e->cfg.remote_share;
 }
 
 const char *engine_model_id(const engine *e)

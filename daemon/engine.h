@@ -42,6 +42,11 @@
 #include "text/tokenizer.h"
 #include "tiers/disk.h"
 #include "util/hist.h"
+#include "tiers/remote.h"
+
+/* Which computed blocks go to the remote tier: every prompt block, only
+ * those before a chat's first user message, or none (read only). */
+enum engine_remote_share { REMOTE_SHARE_ALL = 0, REMOTE_SHARE_PREFIX_ONLY, REMOTE_SHARE_OFF };
 
 struct engine_config {
     const char *model_dir;
@@ -67,6 +72,13 @@ struct engine_config {
     int spill_after_s;       /* idle sessions go to disk after this long */
     int session_ttl_s;       /* a session idle this long is spilled (disk tier) or dropped; 0: never */
     int disk_compress;       /* enum kv_disk_compress */
+    /* The remote tier (docs/remote.md): prefix-cache blocks shared through
+     * Redis; remote_url and remote_cluster NULL: none. */
+    const char *remote_url, *remote_cluster, *remote_user;
+    const char *remote_password; /* NULL: no AUTH */
+    int remote_timeout_ms;
+    int remote_ttl_s;
+    enum engine_remote_share remote_share;
 };
 
 typedef struct engine engine;
@@ -145,6 +157,9 @@ struct job {
      * sums; job_new sets n) */
     struct beam_params beam;
     int n_out;
+    /* prompt tokens whose blocks may be published to the remote tier
+     * (SIZE_MAX: all; 0, job_new's: none) */
+    size_t remote_shareable;
     char session_id[IPC_SESSION_ID_MAX + 1]; /* "" = none */
     int64_t op_n;                            /* JOB_CROP: kv_seq_crop's n */
     bool raw;                                /* JOB_EXPORT: the stored form (?raw=1) */
@@ -166,6 +181,8 @@ struct job {
     bool mem_wait; /* its step found the memory tiers full: waits for a spill to free them */
     bool pfetched; /* its prompt's prefix blocks on disk were looked for */
     struct prefix_fetch *pfetch; /* their reads in flight (io_wait) */
+    bool rfetched; /* the remote tier was asked for the blocks after those */
+    struct remote_fetch *rfetch; /* that lookup in flight (io_wait) */
     uint64_t order;
     beam_search *bs;         /* beam search's decisions */
     int32_t eos[MODEL_MAX_EOS + 1];
@@ -200,6 +217,8 @@ struct engine_load engine_load_progress(engine *e);
 const tokenizer *engine_tokenizer(const engine *e);
 const struct model_config *engine_model_config(const engine *e);
 int engine_context(const engine *e);
+/* --remote-share, and whether a remote tier is configured at all. */
+enum engine_remote_share engine_remote_share(const engine *e, bool *on);
 const char *engine_model_id(const engine *e);
 const char *engine_model_dir(const engine *e); /* --model as given */
 /* Bytes of the tokenizer's longest single-token text (a logprobs piece never needs more). */
@@ -324,6 +343,10 @@ struct engine_stats {
      * whose prompt found blocks there */
     uint64_t prefix_disk_written, prefix_disk_read, prefix_disk_hits;
     struct kv_disk_stats disk;
+    /* the remote tier (remote_on), and the requests that got blocks from it */
+    bool remote_on;
+    struct kv_remote_stats remote;
+    uint64_t remote_hits, remote_refused;
 };
 struct engine_stats engine_get_stats(engine *e);
 

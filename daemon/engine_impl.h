@@ -99,6 +99,13 @@ struct engine {
     int n_ops;       /* engine thread: spills and restores in flight */
     int n_spilling;
     struct prefix_disk *pd; /* prefix_disk.c; NULL: no prefix blocks on disk */
+
+    /* ---- the remote tier (prefix_remote.c); NULL: none ---- */
+    kv_remote *remote;
+    struct remote_fetch *rfetches; /* engine thread: lookups in flight */
+    struct remote_pub *rpubs;      /* engine thread: prompts whose blocks wait for room to be published */
+    int n_rpubs;
+    size_t rblk_len;               /* a serialized block's bytes, once one was */
 };
 
 /* ---- sessions.c, for engine.c ---- */
@@ -175,6 +182,29 @@ void prefix_disk_poll(engine *e);
 bool prefix_disk_fetch(engine *e, struct job *j);
 /* j retires: its reads finish without it. */
 void prefix_disk_forget_job(struct job *j);
+
+/* The layout the disk and remote tiers record with every object. */
+struct kv_disk_layout engine_kv_layout(const engine *e);
+/* An I/O thread finished something: the engine loop looks (io_event). */
+void engine_io_notify(void *arg);
+
+/* ---- prefix_remote.c: the prefix cache's blocks on the remote tier (engine thread) ---- */
+
+/* At load, after the store (cfg.remote_url / remote_cluster); logs why not. */
+void prefix_remote_open(engine *e);
+/* Waits for the lookups in flight, then closes the tier. */
+void prefix_remote_close(engine *e);
+/* Each loop iteration: the jobs whose lookups finished get their blocks and start. */
+void prefix_remote_poll(engine *e);
+/* At admission, after the disk's blocks: when j's prompt goes on past the
+ * blocks in memory, asks the remote tier and returns true (j waits:
+ * io_wait, j->rfetch). */
+bool prefix_remote_fetch(engine *e, struct job *j);
+/* j retires: its lookup finishes without it. */
+void prefix_remote_forget_job(struct job *j);
+/* j retires with its KV still held: its shareable prompt blocks not
+ * published yet are queued for the remote tier. */
+void prefix_remote_publish(engine *e, const struct job *j);
 
 /* ---- engine.c, for spill.c and prefix_disk.c ---- */
 void start_job(engine *e, struct job *j);

@@ -26,6 +26,31 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
     return IPC_OK;
 }
 
+/* The leading prompt tokens whose blocks the remote tier may get: none of
+ * a private request's; under --remote-share prefix-only, a chat's up to
+ * its first user message (rendered alone, and as far as its ids agree
+ * with the whole prompt's), none of a raw prompt's. */
+static size_t shareable(struct server *s, const struct ipc_gen_req *g, const struct tok_ids *ids)
+{
+    bool on;
+    enum engine_remote_share m = engine_remote_share(s->eng, &on);
+    if (!on || m == REMOTE_SHARE_OFF || g->private_kv)
+        return 0;
+    if (m == REMOTE_SHARE_ALL)
+        return SIZE_MAX;
+    size_t k = 0;
+    while (g->chat && k < g->n_msgs && g->msgs[k].role != CHAT_ROLE_USER)
+        k++;
+    struct tok_ids pre = {0};
+    struct ipc_error err;
+    size_t n = 0;
+    if (g->chat && k && render(s, g->msgs, k, NULL, false, &pre, &err) == IPC_OK)
+        while (n < pre.n && n < ids->n && pre.ids[n] == ids->ids[n])
+            n++;
+    free(pre.ids);
+    return n;
+}
+
 void new_id(struct req *r, const char *prefix)
 {
     snprintf(r->id, sizeof(r->id), "%s-%llx%06llx", prefix, (unsigned long long)r->srv->started,
@@ -107,6 +132,7 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     j->min_new = beams ? 0 : g.min_tokens;
     j->grammar = g.grammar;
     g.grammar = NULL;
+    j->remote_shareable = shareable(s, &g, &ids);
     j->logprobs = g.logprobs;
     j->top_logprobs = g.top_logprobs;
     j->cache = g.cache;

@@ -156,6 +156,29 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "prefix_disk_blocks_total", "counter", NULL, "{op=\"read\"}", (double)st.prefix_disk_read);
     metric(&w, "prefix_disk_hits_total", "counter", "Requests whose prompt went on with prefix-cache blocks from disk.",
            NULL, (double)st.prefix_disk_hits);
+    if (st.remote_on) {
+        const struct kv_remote_stats *rs = &st.remote;
+        metric(&w, "remote_lookups_total", "counter", "Prompt chains looked up in the remote tier.", NULL,
+               (double)rs->lookups);
+        metric(&w, "remote_blocks_total", "counter",
+               "Prefix-cache blocks found in the remote tier (hit), lookups that stopped at a block it lacked "
+               "(miss), blocks published to it.",
+               "{result=\"hit\"}", (double)rs->hit_blocks);
+        metric(&w, "remote_blocks_total", "counter", NULL, "{result=\"miss\"}", (double)rs->miss_lookups);
+        metric(&w, "remote_blocks_total", "counter", NULL, "{result=\"published\"}", (double)rs->published);
+        metric(&w, "remote_hits_total", "counter", "Requests whose prompt went on with blocks from the remote tier.",
+               NULL, (double)st.remote_hits);
+        metric(&w, "remote_bytes_total", "counter", "Bytes of values fetched from and published to the remote tier.",
+               "{dir=\"in\"}", (double)rs->bytes_in);
+        metric(&w, "remote_bytes_total", "counter", NULL, "{dir=\"out\"}", (double)rs->bytes_out);
+        metric(&w, "remote_lookup_seconds_total", "counter", "Seconds the remote lookups took, end to end.", NULL,
+               rs->fetch_ms / 1e3);
+        jw_lit(&w, "# HELP kvtier_remote_errors_total Remote tier failures by kind (each one a miss or a block not "
+                   "published).\n# TYPE kvtier_remote_errors_total counter\n");
+        for (int k = 0; k < KV_REMOTE_N_ERR; k++)
+            jw_fmt(&w, "kvtier_remote_errors_total{kind=\"%s\"} %llu\n", kv_remote_err_name((enum kv_remote_err)k),
+                   (unsigned long long)(rs->errors[k] + (k == KV_REMOTE_E_CORRUPT ? st.remote_refused : 0)));
+    }
     metric(&w, "device_memory_bytes", "gauge", "Device memory budget (--device-mem) and bytes in use.",
            "{kind=\"budget\"}", (double)st.dev_budget);
     metric(&w, "device_memory_bytes", "gauge", NULL, "{kind=\"used\"}", (double)st.dev_used);

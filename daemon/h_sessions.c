@@ -34,6 +34,11 @@ enum ipc_status prep_session_create(struct req *r)
                       q.field, ids->n, engine_context(s->eng));
     r->prep.cache = q.cache;
     r->prep.record = q.record;
+    /* a system prompt is what prefix-only shares; a raw prefix is not */
+    bool remote;
+    enum engine_remote_share share = engine_remote_share(s->eng, &remote);
+    r->prep.remote_shareable =
+        remote && (share == REMOTE_SHARE_ALL || (share == REMOTE_SHARE_PREFIX_ONLY && q.system)) ? SIZE_MAX : 0;
     if (st == IPC_OK && !(r->prep.request = json_pack("{s:O?, s:O?}", "cache", json_object_get(r->root, "cache"),
                                                       "use_cache", json_object_get(r->root, "use_cache"))))
         st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
@@ -90,6 +95,7 @@ enum MHD_Result h_session_create(struct req *r, const char *arg)
     j->uid = r->uid;
     j->prompt = ids.ids;
     j->n_prompt = ids.n;
+    j->remote_shareable = r->prep.remote_shareable;
     sampler_params_default(&j->sampling);
     return submit_filling(r, j, id, REPLY_SESSION);
 }

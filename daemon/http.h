@@ -60,6 +60,7 @@ struct prep {
     struct tok_ids ids;            /* session create: the prefix */
     struct ipc_cache_choice cache; /* session create */
     bool record;                   /* session create */
+    size_t remote_shareable;       /* session create: job.remote_shareable */
     struct kvfile kvf;             /* session import: the body, checked */
     json_t *request;               /* session create: its "cache" and "use_cache", for its file on disk */
     struct jw out;                 /* tokenize, detokenize, apply-template: the 200 body */

@@ -73,6 +73,13 @@ static void usage(FILE *f)
             "  --session-ttl S      a session idle S seconds goes to disk, or is dropped without a disk tier\n"
             "                       (default 3600; 0: never)\n"
             "  --disk-compress M    auto (idle spills compressed, others raw), always or never (default auto)\n"
+            "  --remote URL         share prefix-cache blocks through Redis: redis://host[:port][/db] or unix:PATH\n"
+            "  --remote-cluster H:P,...  the same through a Redis Cluster, from these seed nodes\n"
+            "  --remote-user NAME   Redis ACL user;  --remote-password-file FILE: AUTH with its first line\n"
+            "  --remote-timeout MS  bound of every Redis connect, read and write (default 500)\n"
+            "  --remote-ttl S       expiry of published blocks, renewed on each hit (default 86400)\n"
+            "  --remote-share M     all (every prompt block), prefix-only (a chat's blocks before its first\n"
+            "                       user message) or off (read only) (default all)\n"
             "  --drain-timeout S    SIGTERM: seconds in-flight requests may finish (default 30)\n"
             "  --idle-timeout S     close idle connections after S seconds (default 300)\n"
             "  --stall-timeout S    /health says stalled when work waits and no step completes for S s (default 120)\n"
@@ -80,6 +87,22 @@ static void usage(FILE *f)
             "  --verbose            debug log lines\n"
             "  --version\n"
             "  --help\n");
+}
+
+/* The first line of path (without its newline): a password kept out of
+ * the command line, where every user could read it. */
+static bool read_password(const char *path, char *out, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    bool ok = f && fgets(out, (int)cap, f);
+    if (f)
+        fclose(f);
+    if (!ok) {
+        fprintf(stderr, "kvtierd: --remote-password-file %s: cannot read it\n", path);
+        return false;
+    }
+    out[strcspn(out, "\r\n")] = '\0';
+    return out[0] != '\0';
 }
 
 /* Where sessions persist unless --disk-dir says: the XDG state directory
@@ -153,7 +176,9 @@ int main(int argc, char **argv)
     const char *env_model = getenv("KVTIER_MODEL");
     struct engine_config ec = {.model_dir = env_model && *env_model ? env_model : NULL, .backend = "cpu",
                                .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64,
-                               .spill_after_s = 600, .session_ttl_s = 3600};
+                               .spill_after_s = 600, .session_ttl_s = 3600,
+                               .remote_timeout_ms = 500, .remote_ttl_s = 86400};
+    static char password[1024];
     struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = SERVER_MAX_N,
                                .max_messages = 1024, .drain_timeout_s = 30, .idle_timeout_s = 300,
                                .header_timeout_s = 10, .body_rate = 16u << 10, .stall_timeout_s = 120,
@@ -166,7 +191,8 @@ int main(int argc, char **argv)
         O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
         O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
         O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE,
-        O_SESSIONTTL, O_VERSION, O_PRINTSOCK
+        O_SESSIONTTL, O_VERSION, O_PRINTSOCK,
+        O_REMOTE, O_RCLUSTER, O_RUSER, O_RPASS, O_RTIMEOUT, O_RTTL, O_RSHARE
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -192,12 +218,27 @@ int main(int argc, char **argv)
         {"api-key-file", required_argument, 0, O_KEYFILE},
         {"session-ttl", required_argument, 0, O_SESSIONTTL},
         {"version", no_argument, 0, O_VERSION}, {"print-socket", no_argument, 0, O_PRINTSOCK},
+        {"remote", required_argument, 0, O_REMOTE}, {"remote-cluster", required_argument, 0, O_RCLUSTER},
+        {"remote-user", required_argument, 0, O_RUSER}, {"remote-password-file", required_argument, 0, O_RPASS},
+        {"remote-timeout", required_argument, 0, O_RTIMEOUT}, {"remote-ttl", required_argument, 0, O_RTTL},
+        {"remote-share", required_argument, 0, O_RSHARE},
         {0, 0, 0, 0}};
     int c;
     bool ok = true;
     while (ok && (c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
         case O_MODEL: ec.model_dir = optarg; break;
+        case O_REMOTE: ec.remote_url = optarg; break;
+        case O_RCLUSTER: ec.remote_cluster = optarg; break;
+        case O_RUSER: ec.remote_user = optarg; break;
+        case O_RPASS: ok = read_password(optarg, password, sizeof(password)); ec.remote_password = password; break;
+        case O_RTIMEOUT: ok = args_int(optarg, 1, 600000, &ec.remote_timeout_ms); break;
+        case O_RTTL: ok = args_int(optarg, 1, 1 << 30, &ec.remote_ttl_s); break;
+        case O_RSHARE:
+            ok = !strcmp(optarg, "all") || !strcmp(optarg, "prefix-only") || !strcmp(optarg, "off");
+            ec.remote_share = !strcmp(optarg, "off") ? REMOTE_SHARE_OFF
+                              : !strcmp(optarg, "prefix-only") ? REMOTE_SHARE_PREFIX_ONLY : REMOTE_SHARE_ALL;
+            break;
         case O_DISKDIR: disk_dir = optarg; break;
         case O_DISKMEM: ok = args_size(optarg, &ec.disk_mem) && ec.disk_mem > 0; break;
         case O_SPILL: ok = args_int(optarg, 0, 1 << 30, &ec.spill_after_s); break;
@@ -247,6 +288,10 @@ int main(int argc, char **argv)
         }
         if (!ok && c >= O_MODEL)
             args_invalid("kvtierd", opts, c, optarg);
+    }
+    if (ok && ec.remote_url && ec.remote_cluster) {
+        fprintf(stderr, "kvtierd: --remote and --remote-cluster exclude each other\n");
+        ok = false;
     }
     if (!ok || optind != argc) {
         usage(stderr);

@@ -55,8 +55,7 @@
 
 #define META_FORMAT 1
 
-/* The disk tier's thread: an op completed, the engine loop looks. */
-static void notify(void *arg)
+void engine_io_notify(void *arg)
 {
     engine *e = arg;
     pthread_mutex_lock(&e->mu);
@@ -270,7 +269,7 @@ static bool appends(const struct job *j, const struct session *s)
 static void restore_wake(engine *e, struct session *s, const struct ipc_error *err, bool only_appending)
 {
     for (struct job *j = e->active; j; j = j->next) {
-        if (j->sess != s || !j->io_wait || j->pfetch || (only_appending && !appends(j, s)))
+        if (j->sess != s || !j->io_wait || j->pfetch || j->rfetch || (only_appending && !appends(j, s)))
             continue;
         j->io_wait = false;
         if (err)
@@ -463,6 +462,7 @@ void disk_poll(engine *e)
     e->io_event = false;
     pthread_mutex_unlock(&e->mu);
     prefix_disk_poll(e);
+    prefix_remote_poll(e);
     if (!e->n_ops)
         return;
     for (struct session *s; (s = find(e, head_in, 0));)
@@ -479,7 +479,7 @@ void disk_poll(engine *e)
      * that could not load */
     for (struct job *j = e->active; j; j = j->next) {
         j->mem_wait = false;
-        if (j->io_wait && !j->pfetch && !j->sess->op) {
+        if (j->io_wait && !j->pfetch && !j->rfetch && !j->sess->op) {
             j->io_wait = false;
             start_job(e, j);
         }
@@ -690,21 +690,26 @@ static void on_file(void *arg, const char *ns, const char *name, const void *met
     sc->listed++;
 }
 
+struct kv_disk_layout engine_kv_layout(const engine *e)
+{
+    const struct kv_geom g = model_kv_geom(e->m);
+    return (struct kv_disk_layout){.fingerprint = model_fingerprint(e->m),
+                                   .dtype = (uint32_t)kv_store_dtype(e->store),
+                                   .block_tokens = (uint32_t)kv_store_block_tokens(e->store),
+                                   .n_layers = (uint32_t)g.n_layers,
+                                   .n_kv_heads = (uint32_t)g.n_kv_heads,
+                                   .head_dim = (uint32_t)g.head_dim};
+}
+
 void disk_open(engine *e)
 {
     if (!e->cfg.disk_dir)
         return;
-    const struct kv_geom g = model_kv_geom(e->m);
     struct kv_disk_params p = {.dir = e->cfg.disk_dir,
                                .budget = e->cfg.disk_mem,
                                .compress = (enum kv_disk_compress)e->cfg.disk_compress,
-                               .layout = {.fingerprint = model_fingerprint(e->m),
-                                          .dtype = (uint32_t)kv_store_dtype(e->store),
-                                          .block_tokens = (uint32_t)kv_store_block_tokens(e->store),
-                                          .n_layers = (uint32_t)g.n_layers,
-                                          .n_kv_heads = (uint32_t)g.n_kv_heads,
-                                          .head_dim = (uint32_t)g.head_dim},
-                               .notify = notify,
+                               .layout = engine_kv_layout(e),
+                               .notify = engine_io_notify,
                                .notify_arg = e};
     enum tier_status ts = kv_disk_open(&p, &e->disk);
     if (ts != TIER_OK) {

@@ -552,6 +552,8 @@ static enum ipc_status f_flag(const json_t *v, const char *name, struct field_ct
         c->r->stream = x;
     else if (!strcmp(name, "ignore_eos"))
         c->r->ignore_eos = x;
+    else if (!strcmp(name, "private"))
+        c->r->private_kv = x;
     else
         c->r->return_tokens = x;
     return st;
@@ -789,6 +791,7 @@ static const struct {
     {"stream", F_BOTH, f_flag},
     {"ignore_eos", F_BOTH, f_flag},
     {"return_tokens", F_BOTH, f_flag},
+    {"private", F_BOTH, f_flag},
     {"stream_options", F_BOTH, f_stream_options},
     {"logprobs", F_BOTH, f_logprobs},
     {"top_logprobs", F_CHAT, f_top_logprobs},

@@ -80,6 +80,7 @@ struct ipc_gen_req {
     float length_penalty, diversity_penalty;
     enum beam_early early_stopping;
     bool stream, include_usage, ignore_eos, return_tokens;
+    bool private_kv; /* "private": none of its blocks go to a shared (remote) tier */
     bool logprobs;
     int top_logprobs;
     const char *session; /* NULL: none */

@@ -69,6 +69,7 @@ no_backend="$no_backend daemon_ollama.test.sh daemon_tcp.test.sh daemon_penaltie
 no_backend="$no_backend install.test.sh sockpath.test.sh "
 no_backend="$no_backend test_grammar test_toolcall daemon_json.test.sh "
 no_backend="$no_backend test_hist plots.test.sh "
+no_backend="$no_backend daemon_remote.test.sh test_remote "
 oracles=" reference.test.sh q8ref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
 oracles="$oracles daemon_penalties.test.sh daemon_json.test.sh "

@@ -216,6 +216,77 @@ void disk_hdr_release(struct disk_hdr *h)
     h->chunks = NULL;
 }
 
+void *disk_blob_encode(const struct kv_disk_layout *layout, const char *ns, const char *name, const void *data,
+                       size_t data_len, size_t *out_len)
+{
+    struct disk_hdr h = {.layout = *layout, .meta_off = disk_meta_off(disk_n_chunks(data_len)),
+                         .data_len = data_len, .chunk_size = DISK_CHUNK, .n_chunks = disk_n_chunks(data_len)};
+    if (data_len > DISK_MAX_DATA || !disk_name_ok(ns) || !disk_name_ok(name))
+        return NULL;
+    snprintf(h.ns, sizeof(h.ns), "%s", ns);
+    snprintf(h.name, sizeof(h.name), "%s", name);
+    h.chunks = calloc(h.n_chunks ? h.n_chunks : 1, sizeof(*h.chunks));
+    uint64_t off = disk_data_off(h.n_chunks, 0);
+    for (uint32_t i = 0; h.chunks && i < h.n_chunks; i++) {
+        size_t raw = data_len - (size_t)i * DISK_CHUNK < DISK_CHUNK ? data_len - (size_t)i * DISK_CHUNK : DISK_CHUNK;
+        h.chunks[i] = (struct disk_chunk){.off = off, .raw_len = (uint32_t)raw, .stored_len = (uint32_t)raw,
+                                          .codec = DISK_CODEC_RAW,
+                                          .sum = XXH3_64bits((const uint8_t *)data + (size_t)i * DISK_CHUNK, raw)};
+        off += disk_align(raw);
+    }
+    uint8_t *p = h.chunks ? calloc(1, (size_t)disk_file_size(&h)) : NULL;
+    if (p) {
+        disk_hdr_encode(&h, p);
+        for (uint32_t i = 0; i < h.n_chunks; i++)
+            memcpy(p + h.chunks[i].off, (const uint8_t *)data + (size_t)i * DISK_CHUNK, h.chunks[i].raw_len);
+        *out_len = (size_t)disk_file_size(&h);
+    }
+    free(h.chunks);
+    return p;
+}
+
+enum disk_check disk_blob_decode(const void *buf, size_t n, const struct kv_disk_layout *layout, const char *ns,
+                                 const char *name, const void **data, size_t *data_len, char why[DISK_WHY_LEN])
+{
+    const uint8_t *p = buf;
+    struct disk_hdr h;
+    enum disk_check st = disk_hdr_decode(buf, n, n, &h, why);
+    if (st != DISK_VALID)
+        return st;
+    const struct kv_disk_layout *l = &h.layout;
+    if (l->fingerprint != layout->fingerprint || l->dtype != layout->dtype || l->block_tokens != layout->block_tokens ||
+        l->n_layers != layout->n_layers || l->n_kv_heads != layout->n_kv_heads || l->head_dim != layout->head_dim) {
+        disk_hdr_release(&h);
+        FAIL(DISK_FOREIGN, "written for another model or layout (fingerprint %016llx)",
+             (unsigned long long)h.layout.fingerprint);
+    }
+    if (strcmp(h.ns, ns) || strcmp(h.name, name)) {
+        disk_hdr_release(&h);
+        FAIL(DISK_CORRUPT, "holds %s/%s, not %s/%s", h.ns, h.name, ns, name);
+    }
+    if (h.meta_len) {
+        disk_hdr_release(&h);
+        FAIL(DISK_CORRUPT, "a meta where none belongs");
+    }
+    for (uint32_t i = 0; i < h.n_chunks; i++) {
+        const struct disk_chunk *c = &h.chunks[i];
+        if (c->codec != DISK_CODEC_RAW) {
+            disk_hdr_release(&h);
+            FAIL(DISK_FOREIGN, "chunk %u is compressed (codec %u)", i, c->codec);
+        }
+        if (XXH3_64bits(p + c->off, c->stored_len) != c->sum) {
+            disk_hdr_release(&h);
+            FAIL(DISK_CORRUPT, "chunk %u checksum mismatch", i);
+        }
+    }
+    /* every chunk but the last holds DISK_CHUNK bytes, a multiple of the
+     * alignment: the data is contiguous from the first chunk on */
+    *data = h.n_chunks ? p + h.chunks[0].off : p + n;
+    *data_len = (size_t)h.data_len;
+    disk_hdr_release(&h);
+    return DISK_VALID;
+}
+
 enum disk_codec disk_codec_for(uint32_t dtype)
 {
     return dtype <= BE_BF16 && be_dtype_size((enum be_dtype)dtype) == 4 ? DISK_CODEC_SHUF4_ZSTD

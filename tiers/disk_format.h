@@ -93,4 +93,17 @@ size_t disk_codec_elem(enum disk_codec c);
 void disk_shuffle(uint8_t *out, const uint8_t *in, size_t n, size_t es);
 void disk_unshuffle(uint8_t *out, const uint8_t *in, size_t n, size_t es);
 
+/* An object with an empty meta and raw chunks as one buffer, byte for byte
+ * the file the tier would write: what the remote tier stores as a value.
+ * NULL without memory. */
+void *disk_blob_encode(const struct kv_disk_layout *layout, const char *ns, const char *name, const void *data,
+                       size_t data_len, size_t *out_len);
+/* Checks such a buffer as a file is checked (header, offsets, size, every
+ * chunk's checksum) and that it was written for layout, ns and name:
+ * DISK_FOREIGN for another layout, format or a compressed chunk (this
+ * reader takes raw ones only), DISK_CORRUPT for anything else, with why.
+ * On DISK_VALID *data points at the data inside buf. */
+enum disk_check disk_blob_decode(const void *buf, size_t n, const struct kv_disk_layout *layout, const char *ns,
+                                 const char *name, const void **data, size_t *data_len, char why[DISK_WHY_LEN]);
+
 #endif

@@ -292,6 +292,18 @@ enum tier_status kv_store_prefix_export(kv_store *s, struct kv_prefix_block *out
  * layers, no_prefix_cache, a store without one). */
 int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, const int32_t *tokens, int64_t n,
                               uint64_t *hashes, int64_t *n_mem);
+/* Serializes the cached entries of the chain of tokens[0, n_blocks *
+ * block_tokens) under p, from its first block on and up to the first one
+ * not cached, into out[] (at most max_out), skipping those shipped
+ * before and those that came from kv_store_prefix_insert; *n_out how
+ * many, and *done whether the walk reached the chain's end or the first
+ * block not cached (false: max_out stopped it).  For a caller that publishes computed blocks elsewhere (the
+ * remote tier); independent of the eviction queue and of export.  Only
+ * between steps.  TIER_ENOMEM_HOST / TIER_EIO stop there: the caller owns
+ * the *n_out entries before. */
+enum tier_status kv_store_prefix_ship(kv_store *s, const struct kv_seq_params *p, const int32_t *tokens,
+                                      int64_t n_blocks, struct kv_prefix_block *out, int64_t max_out, int64_t *n_out,
+                                      bool *done);
 /* Puts a serialized entry back into the cache, unreferenced (evictable
  * as any other; the prefix-cache budget applies at once).  It is checked
  * first: format and version, the store's geometry, the size, its parent

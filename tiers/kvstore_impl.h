@@ -67,6 +67,7 @@ struct kv_pentry {
     uint64_t ns;                /* kv_seq_params.prefix_ns of the sequence that published it */
     uint64_t check;             /* a second chain hash (prefix.c "On disk"), never masked */
     bool saved;                 /* read from disk or handed out already: not serialized again */
+    bool shipped;               /* inserted, or handed out by kv_store_prefix_ship: not shipped again */
 };
 
 /* A serialized entry waiting for kv_store_prefix_take_evicted. */

@@ -606,6 +606,34 @@ int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, 
     return nb;
 }
 
+enum tier_status kv_store_prefix_ship(kv_store *s, const struct kv_seq_params *p, const int32_t *tokens,
+                                      int64_t n_blocks, struct kv_prefix_block *out, int64_t max_out, int64_t *n_out,
+                                      bool *done)
+{
+    s->err[0] = '\0';
+    *n_out = 0;
+    *done = true;
+    if (!s->prefix_on || p->no_prefix_cache)
+        return TIER_OK;
+    struct kv_pentry *tail = NULL;
+    for (int64_t b = 0; b < n_blocks && (tail = lookup(s, tail, tokens + b * s->bt, p->prefix_ns)); b++) {
+        if (tail->shipped)
+            continue;
+        if (*n_out == max_out) {
+            *done = false;
+            return TIER_OK;
+        }
+        enum tier_status st = entry_save(s, tail, &out[*n_out]);
+        if (st != TIER_OK)
+            return kv_fail(s, st, st == TIER_EIO ? "device copy of a prefix-cache block failed"
+                                                 : "host memory: a %zu-byte prefix-cache block",
+                           entry_bytes_on_disk(s));
+        tail->shipped = true;
+        (*n_out)++;
+    }
+    return TIER_OK;
+}
+
 /* The cached entry of namespace ns with both hashes; NULL if none. */
 static struct kv_pentry *find_by_hash(const kv_store *s, uint64_t ns, uint64_t hash, uint64_t check)
 {
@@ -690,7 +718,7 @@ enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len
     e->ns = ns;
     e->hash = hash;
     e->check = check;
-    e->saved = true;
+    e->saved = e->shipped = true;
     entry_link(s, e);
     s->n_unref++;
     lru_link(s, e, false);

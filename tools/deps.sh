@@ -2,9 +2,9 @@
 # deps.sh build|test|plot - installs the Debian packages kvtier needs, but only
 # those that are missing, so a configured machine pays one dpkg query.
 set -e
-build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread liburing-dev libzstd-dev libcurl4-openssl-dev libedit-dev libncurses-dev libutf8proc-dev"
+build_pkgs="gcc make pkg-config libhwloc-dev libjansson-dev libpcre2-dev libxxhash-dev libmicrohttpd-dev libopenblas-dev libopenblas0-pthread liburing-dev libzstd-dev libcurl4-openssl-dev libedit-dev libncurses-dev libutf8proc-dev libhiredis-dev"
 # clang + libclang-rt-dev: libFuzzer for `make fuzz` (the runtime is only a Recommends of clang)
-test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm clang libclang-rt-dev tmux"
+test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm clang libclang-rt-dev tmux redis-server"
 # groff-base: tests/install.test.sh renders the man pages and checks for warnings
 test_pkgs="$test_pkgs groff-base"
 test_pkgs="$test_pkgs python3-jsonschema" # the schema oracle of the constrained-output test

@@ -1,0 +1,244 @@
+/* prefix_remote.c - the prefix cache's blocks on the remote tier
+ * (docs/remote.md): blocks a request computed are published when it
+ * retires, and a prompt whose chain goes on past what memory (and the
+ * disk) holds asks the remote tier for the rest before it starts.
+ *
+ * Reading is the disk's path: at admission, after the disk tier's blocks
+ * are in, the job waits (io_wait, j->rfetch) while the lookup thread
+ * fetches and checks the chain's next blocks; they are inserted in chain
+ * order up to the first one the store refuses, then the job starts and
+ * kv_seq_match_prefix attaches them.  Every failure is a miss: the rest
+ * of the prompt is computed.  Publishing: a retiring job's prompt is
+ * kept (its ids) and its blocks not shipped before are serialized
+ * (kv_store_prefix_ship) as the publish queue has room, at retirement and
+ * then at every loop iteration (the publish thread wakes the loop after
+ * each batch), so a long prompt is neither dropped past the queue's bound
+ * nor serialized all at once; a block evicted meanwhile is not published.
+ * The network is the publish thread's.  Everything here runs on the
+ * engine thread.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/engine_impl.h"
+#include "util/log.h"
+
+/* prompts kept for publishing; past this the oldest is given up */
+#define MAX_PENDING 64
+/* blocks serialized per call of kv_store_prefix_ship */
+#define SHIP_BATCH 64
+
+struct remote_pub {
+    struct kv_seq_params p;
+    int32_t *tokens; /* its whole blocks */
+    int64_t n_blocks;
+    struct remote_pub *next;
+};
+
+struct remote_fetch {
+    struct job *j; /* NULL once the job retired */
+    kv_remote_fetch *f;
+    struct remote_fetch *next;
+};
+
+static void notify(void *arg)
+{
+    engine_io_notify(arg);
+}
+
+void prefix_remote_open(engine *e)
+{
+    const struct engine_config *c = &e->cfg;
+    if (!c->remote_url && !c->remote_cluster)
+        return;
+    if (c->no_prefix_cache) {
+        log_msg(LOG_WARN, "remote tier not used: it holds prefix-cache blocks and --no-prefix-cache is set");
+        return;
+    }
+    struct kv_remote_params p = {.url = c->remote_url,
+                                 .cluster = c->remote_cluster,
+                                 .user = c->remote_user,
+                                 .password = c->remote_password,
+                                 .timeout_ms = c->remote_timeout_ms,
+                                 .ttl_s = c->remote_ttl_s,
+                                 .layout = engine_kv_layout(e),
+                                 .variant = c->weights == MODEL_WEIGHTS_Q8_0 ? "q8_0" : "w",
+                                 .notify = notify,
+                                 .notify_arg = e};
+    char err[256];
+    enum tier_status ts = kv_remote_open(&p, &e->remote, err);
+    if (ts != TIER_OK) {
+        log_msg(LOG_ERR, "remote tier not used: %s", err[0] ? err : tier_strerror(ts));
+        return;
+    }
+    log_msg(LOG_INFO, "remote tier %s: timeout %d ms, TTL %d s, publishing %s", c->remote_url ? c->remote_url : c->remote_cluster,
+            c->remote_timeout_ms, c->remote_ttl_s,
+            c->remote_share == REMOTE_SHARE_OFF           ? "off (read only)"
+            : c->remote_share == REMOTE_SHARE_PREFIX_ONLY ? "the blocks before a chat's first user message"
+                                                          : "every prompt block");
+}
+
+/* Inserts a finished lookup's blocks in chain order up to the first one
+ * the store refuses, then starts its job. */
+static void fetch_finish(engine *e, struct remote_fetch *x)
+{
+    int found = kv_remote_fetch_found(x->f), got = 0;
+    bool refused = false;
+    for (int i = 0; i < found; i++) {
+        const void *data;
+        size_t n;
+        kv_remote_fetch_block(x->f, i, &data, &n);
+        enum tier_status ts = kv_store_prefix_insert(e->store, data, n);
+        if (ts != TIER_OK) {
+            /* a value that checked as a container but not as a block of this
+             * chain is one somebody wrote on purpose or by a bug: say so */
+            refused = ts == TIER_EINVAL;
+            log_msg(refused ? LOG_WARN : LOG_DEBUG, "remote tier: a block not used, the chain is a miss from there on: %s",
+                    kv_store_errmsg(e->store)[0] ? kv_store_errmsg(e->store) : tier_strerror(ts));
+            break;
+        }
+        got++;
+    }
+    kv_remote_fetch_free(x->f);
+    pthread_mutex_lock(&e->mu);
+    e->st.remote_hits += got > 0;
+    e->st.remote_refused += refused;
+    pthread_mutex_unlock(&e->mu);
+    struct job *j = x->j;
+    free(x);
+    if (!j)
+        return;
+    j->rfetch = NULL;
+    j->io_wait = false;
+    if (!j->kill)
+        start_job(e, j);
+}
+
+bool prefix_remote_fetch(engine *e, struct job *j)
+{
+    if (!e->remote || j->n_prompt < 2 || (j->sess && j->sess->kv))
+        return false;
+    struct kv_seq_params p = j->cache.params;
+    p.prefix_ns = prefix_ns_of(e, j->uid);
+    size_t bt = (size_t)kv_store_block_tokens(e->store);
+    uint64_t *h = malloc(((j->n_prompt - 1) / bt + 1) * sizeof(*h));
+    if (!h)
+        return false;
+    int64_t n_mem, nb = kv_store_prefix_chain(e->store, &p, j->prompt, (int64_t)j->n_prompt, h, &n_mem);
+    struct remote_fetch *x = nb > n_mem && nb - n_mem <= INT32_MAX ? calloc(1, sizeof(*x)) : NULL;
+    if (x && kv_remote_fetch_start(e->remote, p.prefix_ns, h + n_mem, (int)(nb - n_mem), &x->f) != TIER_OK) {
+        free(x);
+        x = NULL;
+    }
+    free(h);
+    if (!x)
+        return false;
+    x->j = j;
+    x->next = e->rfetches;
+    e->rfetches = x;
+    j->rfetch = x;
+    return true;
+}
+
+void prefix_remote_forget_job(struct job *j)
+{
+    if (j->rfetch)
+        j->rfetch->j = NULL;
+    j->rfetch = NULL;
+}
+
+
+static void pub_pop(engine *e)
+{
+    struct remote_pub *x = e->rpubs;
+    e->rpubs = x->next;
+    e->n_rpubs--;
+    free(x->tokens);
+    free(x);
+}
+
+/* Serializes and queues the kept prompts' blocks while the queue has room. */
+static void pump(engine *e)
+{
+    while (e->rpubs) {
+        struct remote_pub *x = e->rpubs;
+        size_t room = kv_remote_publish_room(e->remote);
+        size_t fit = e->rblk_len ? room / e->rblk_len : 1; /* one first, to learn the size */
+        if (!fit)
+            return;
+        struct kv_prefix_block b[SHIP_BATCH];
+        int64_t got = 0;
+        bool done = true;
+        enum tier_status ts = kv_store_prefix_ship(e->store, &x->p, x->tokens, x->n_blocks, b,
+                                                   fit < SHIP_BATCH ? (int64_t)fit : SHIP_BATCH, &got, &done);
+        if (ts != TIER_OK)
+            log_msg(LOG_DEBUG, "remote tier: blocks not published: %s", kv_store_errmsg(e->store));
+        for (int64_t i = 0; i < got; i++) {
+            e->rblk_len = b[i].len;
+            kv_remote_publish(e->remote, &b[i]);
+        }
+        if (done || ts != TIER_OK)
+            pub_pop(e);
+    }
+}
+
+void prefix_remote_publish(engine *e, const struct job *j)
+{
+    if (!e->remote || e->cfg.remote_share == REMOTE_SHARE_OFF || (j->kind != JOB_GENERATE && j->kind != JOB_PREFILL))
+        return;
+    size_t n = j->n_prompt < j->remote_shareable ? j->n_prompt : j->remote_shareable;
+    size_t bt = (size_t)kv_store_block_tokens(e->store);
+    int64_t nb = (int64_t)(n / bt);
+    struct remote_pub *x = nb ? calloc(1, sizeof(*x)) : NULL;
+    if (x && !(x->tokens = malloc((size_t)nb * bt * sizeof(*x->tokens)))) {
+        free(x);
+        x = NULL;
+    }
+    if (!x)
+        return;
+    memcpy(x->tokens, j->prompt, (size_t)nb * bt * sizeof(*x->tokens));
+    x->p = j->cache.params;
+    x->p.prefix_ns = prefix_ns_of(e, j->uid);
+    x->n_blocks = nb;
+    struct remote_pub **tail = &e->rpubs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = x;
+    if (++e->n_rpubs > MAX_PENDING)
+        pub_pop(e);
+    pump(e);
+}
+
+void prefix_remote_poll(engine *e)
+{
+    if (e->rpubs)
+        pump(e);
+    for (struct remote_fetch **xp = &e->rfetches, *x; (x = *xp);) {
+        if (!kv_remote_fetch_done(x->f)) {
+            xp = &x->next;
+            continue;
+        }
+        *xp = x->next;
+        fetch_finish(e, x);
+    }
+}
+
+void prefix_remote_close(engine *e)
+{
+    while (e->rfetches) {
+        struct remote_fetch *x = e->rfetches;
+        e->rfetches = x->next;
+        x->j = NULL;
+        kv_remote_fetch_wait(x->f);
+        fetch_finish(e, x);
+    }
+    while (e->rpubs)
+        pub_pop(e);
+    pthread_mutex_lock(&e->mu);
+    kv_remote *r = e->remote;
+    e->remote = NULL;
+    pthread_mutex_unlock(&e->mu);
+    kv_remote_free(r);
+}

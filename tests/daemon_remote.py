@@ -1,0 +1,369 @@
+"""The remote tier: prefix-cache blocks shared through Redis.  The test runs
+its own redis-server processes (a Unix socket in a temp dir, three loopback
+ports for a cluster) and kills only those.
+
+- two daemons, one Redis: B's first request on a prompt A computed gets
+  cached_tokens from the remote tier and A's (= a cold run's) tokens;
+- a private request publishes nothing;
+- a value written for another layout (another KV dtype) and corrupted
+  values are misses, counted, never loaded;
+- AUTH as an ACL user (--remote-user, --remote-password-file), and a
+  wrong password (a counted miss, never logged);
+- faults: Redis down at start (logged once per connection, not per
+  request), stopped (SIGSTOP: bounded by --remote-timeout), killed and back
+  (reconnects), full (OOM): every request completes with the tokens of a
+  daemon without the remote tier;
+- a three-master cluster (slots assigned by the test, keys routed by CRC16
+  slot), then one master killed: requests still succeed."""
+import glob
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, "tests")
+from daemon_harness import Daemon, check, skip  # noqa: E402
+
+REDIS = shutil.which("redis-server")
+if not REDIS:
+    skip("redis-server not installed (tools/deps.sh test)")
+
+BT = 16
+GEN = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+procs = []
+
+
+def resp(addr, *args, timeout=5):
+    """One command over RESP; returns the reply (bytes, int, list, None) or raises on an error reply."""
+    s = socket.socket(socket.AF_UNIX if isinstance(addr, str) else socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(addr)
+    out = b"*%d\r\n" % len(args)
+    for a in args:
+        a = a if isinstance(a, bytes) else str(a).encode()
+        out += b"$%d\r\n%s\r\n" % (len(a), a)
+    s.sendall(out)
+    f = s.makefile("rb")
+
+    def read():
+        line = f.readline()
+        t, rest = line[:1], line[1:-2]
+        if t == b"+":
+            return rest
+        if t == b"-":
+            raise RuntimeError(rest.decode())
+        if t == b":":
+            return int(rest)
+        if t == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            v = f.read(n + 2)[:-2]
+            return v
+        if t == b"*":
+            n = int(rest)
+            return None if n < 0 else [read() for _ in range(n)]
+        raise RuntimeError("bad reply %r" % line)
+
+    try:
+        return read()
+    finally:
+        s.close()
+
+
+def start_redis(tmp, name, *extra, port=None, conf=None):
+    d = os.path.join(tmp, name)
+    os.makedirs(d, exist_ok=True)
+    sock = os.path.join(d, "redis.sock")
+    if conf:
+        with open(os.path.join(d, "redis.conf"), "w") as f:
+            f.write(conf)
+    args = [REDIS] + ([os.path.join(d, "redis.conf")] if conf else []) + ["--port", str(port or 0), "--unixsocket", sock, "--save", "", "--appendonly", "no",
+            "--dir", d, "--bind", "127.0.0.1", "--enable-debug-command", "yes"] + list(extra)
+    p = subprocess.Popen(args, stdout=open(os.path.join(d, "log"), "ab"), stderr=subprocess.STDOUT)
+    procs.append(p)
+    for _ in range(200):
+        try:
+            resp(sock, "PING")
+            return p, sock
+        except RuntimeError:  # NOAUTH: up, and wants a password
+            return p, sock
+        except OSError:
+            time.sleep(0.02)
+    raise AssertionError("redis-server did not start: " + open(os.path.join(d, "log")).read()[-500:])
+
+
+def stop_redis(p):
+    if p.poll() is None:
+        p.send_signal(signal.SIGCONT)
+        p.kill()
+        p.wait()
+
+
+def _sleep(sock):
+    try:
+        resp(sock, "DEBUG", "SLEEP", 10, timeout=30)
+    except (OSError, RuntimeError):
+        pass  # killed under it
+
+
+def metric(dm, name, labels=""):
+    for line in dm.get("/metrics")[1].decode().splitlines():
+        if line.startswith("kvtier_" + name + labels + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def complete(dm, ids, **kw):
+    code, r = dm.post("/v1/completions", dict(GEN, prompt=ids, **kw))
+    assert code == 200, (code, r)
+    return r["choices"][0]["tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def wait_metric(dm, name, labels, at_least, timeout=10):
+    t = time.time() + timeout
+    while time.time() < t:
+        v = metric(dm, name, labels)
+        if v >= at_least:
+            return v
+        time.sleep(0.05)
+    return metric(dm, name, labels)
+
+
+def prompt_of(seed, n=90):
+    return [(i * 61 + seed * 7 + 11) % 1900 + 50 for i in range(n)]
+
+
+ref = Daemon("--disk-dir", "none")
+ref.start()
+tmp = ref.tmp
+want = {}
+
+
+def reference(p):
+    key = tuple(p)
+    if key not in want:
+        want[key] = complete(ref, p)[0]
+    return want[key]
+
+
+def daemon(name, *args):
+    d = Daemon("--disk-dir", "none", "--remote-timeout", "300", *args, model=ref.model, tmp=tmp)
+    d.sock = os.path.join(tmp, name + ".sock")
+    d.log = os.path.join(tmp, name + ".log")
+    return d.start()
+
+
+try:
+    rp, rsock = start_redis(tmp, "r1")
+    url = "unix:" + rsock
+    # ---- two daemons, one Redis ----
+    a = daemon("a", "--remote", url)
+    b = daemon("b", "--remote", url)
+    p1 = prompt_of(1)
+    toks, cached = complete(a, p1)
+    check(toks == reference(p1) and cached == 0, "daemon A computes the prompt (a cold run's tokens)")
+    n_blk = len(p1) // BT
+    pub = wait_metric(a, "remote_blocks_total", '{result="published"}', n_blk)
+    keys = resp(rsock, "KEYS", "kvt:*")
+    check(pub == n_blk and len(keys) == n_blk, "A published its %d prompt blocks (%d keys)" % (n_blk, len(keys)))
+    ttl = resp(rsock, "TTL", keys[0])
+    check(0 < ttl <= 86400, "published with a TTL (%d s)" % ttl)
+    resp(rsock, "EXPIRE", keys[0], 1000)
+    toks, cached = complete(b, p1)
+    hit = (len(p1) - 1) // BT * BT
+    check(toks == reference(p1) and cached == hit,
+          "daemon B's first request: cached_tokens %d from the remote tier, the same tokens" % cached)
+    check(metric(b, "remote_blocks_total", '{result="hit"}') == hit // BT and metric(b, "remote_hits_total") == 1,
+          "B's /metrics count %d remote block hits" % (hit // BT))
+    check(resp(rsock, "TTL", keys[0]) > 1000, "a hit refreshed the key's TTL (GETEX)")
+    check(metric(b, "remote_blocks_total", '{result="published"}') == 0 and
+          wait_metric(b, "remote_blocks_total", '{result="published"}', 1, timeout=0.5) == 0,
+          "blocks B got from the remote tier are not published again")
+
+    # ---- private requests ----
+    p2 = prompt_of(2)
+    toks, _ = complete(a, p2, private=True)
+    time.sleep(0.3)
+    check(toks == reference(p2) and len(resp(rsock, "KEYS", "kvt:*")) == n_blk, "a private request publishes nothing")
+
+    # ---- --remote-share prefix-only: a chat's blocks before its first user message ----
+    po = daemon("po", "--remote", url, "--remote-share", "prefix-only")
+    system = " ".join("rule %d: answer in the voice of a careful librarian" % i for i in range(6))
+    user = " ".join("question %d about the archive and its catalogue" % i for i in range(12))
+    before = len(resp(rsock, "KEYS", "kvt:*"))
+    code, r = po.post("/v1/chat/completions", {"messages": [{"role": "system", "content": system},
+                                                             {"role": "user", "content": user}],
+                                               "max_tokens": 2, "temperature": 0})
+    n_prompt = r["usage"]["prompt_tokens"]
+    wait_metric(po, "remote_blocks_total", '{result="published"}', 1)
+    time.sleep(0.3)
+    got = metric(po, "remote_blocks_total", '{result="published"}')
+    check(code == 200 and 1 <= got < n_prompt // BT - 2 and len(resp(rsock, "KEYS", "kvt:*")) == before + got,
+          "prefix-only: %d of the %d-token chat's blocks published (the system prompt's)" % (got, n_prompt))
+    code, r = po.post("/v1/completions", dict(GEN, prompt=prompt_of(10)))
+    time.sleep(0.2)
+    check(code == 200 and metric(po, "remote_blocks_total", '{result="published"}') == got,
+          "prefix-only: a raw prompt publishes nothing")
+    check(po.stop() == 0, "and it exits cleanly")
+
+    # ---- another layout's value, corrupt values ----
+    # the same chain under another KV dtype looks for these keys with that
+    # dtype (enum be_dtype: 0 f32, 2 bf16) in the layout part
+    other, other_id = ("bf16", "d2") if keys[0].split(b":")[2].startswith(b"d0.") else ("f32", "d0")
+    for k in keys:
+        ks = k.decode()
+        parts = ks.split(":")
+        lay = parts[2].split(".")
+        lay[0] = other_id
+        resp(rsock, "SET", ":".join(parts[:2] + [".".join(lay)] + parts[3:]), resp(rsock, "GET", k))
+    f32 = daemon("f", "--remote", url, "--kv-dtype", other)
+    f32ref = daemon("fr", "--kv-dtype", other)
+    toks, cached = complete(f32, p1)
+    check(cached == 0 and toks == complete(f32ref, p1)[0] and metric(f32, "remote_errors_total", '{kind="foreign"}') >= 1,
+          "a value written for another layout is a miss, counted as foreign, never loaded")
+    check(f32.stop() == 0 and f32ref.stop() == 0, "and both exit cleanly")
+    for i, k in enumerate(keys):
+        v = bytearray(resp(rsock, "GET", k))
+        if i % 2:
+            v[len(v) // 2] ^= 0x40  # a flipped bit in the KV
+        else:
+            v = b"garbage" * 3
+        resp(rsock, "SET", k, bytes(v))
+    c = daemon("c", "--remote", url)
+    toks, cached = complete(c, p1)
+    check(toks == reference(p1) and cached == 0 and metric(c, "remote_errors_total", '{kind="corrupt"}') >= 1,
+          "corrupt values (garbage, a flipped bit) are misses, counted, with the same tokens")
+
+    # ---- full: OOM command not allowed ----
+    resp(rsock, "CONFIG", "SET", "maxmemory-policy", "noeviction")
+    resp(rsock, "CONFIG", "SET", "maxmemory", "1")
+    p3 = prompt_of(3)
+    for p in (p3, prompt_of(4)):
+        toks, _ = complete(c, p)
+        check(toks == reference(p), "Redis full: the request completes with the same tokens")
+    check(wait_metric(c, "remote_errors_total", '{kind="oom"}', 1) >= 1 and c.logtext().count("redis is full") == 1,
+          "OOM counted, and logged once")
+    resp(rsock, "CONFIG", "SET", "maxmemory", "0")
+
+    # ---- slow: a stopped server, bounded by --remote-timeout ----
+    d = daemon("d", "--remote", url)
+    rp.send_signal(signal.SIGSTOP)
+    p5 = prompt_of(5)
+    toks, cached = complete(d, p5)
+    check(toks == reference(p5) and cached == 0 and metric(d, "remote_errors_total", '{kind="timeout"}') >= 1,
+          "a stopped Redis: the lookup times out, the request computes with the same tokens")
+    rp.send_signal(signal.SIGCONT)
+
+    # ---- killed mid-request: the lookup waits on a server busy in DEBUG SLEEP, which is then killed ----
+    k = daemon("k", "--remote", url, "--remote-timeout", "20000")
+    complete(k, prompt_of(11))  # connected
+    sleeper = threading.Thread(target=_sleep, args=(rsock,))
+    sleeper.start()
+    time.sleep(0.2)
+    threading.Timer(0.5, stop_redis, (rp,)).start()
+    t0 = time.time()
+    toks, cached = complete(k, p1)
+    sleeper.join()
+    check(toks == reference(p1) and cached == 0 and time.time() - t0 < 8 and
+          metric(k, "remote_errors_total", '{kind="io"}') >= 1,
+          "Redis killed while a lookup waits on it: a miss (io), the request completes with the same tokens")
+    check(k.stop() == 0, "and it exits cleanly")
+
+    # ---- killed, then back ----
+    p6 = prompt_of(6)
+    n0 = d.logtext().count("unavailable")
+    for _ in range(3):
+        toks, _ = complete(d, p6)
+        check(toks == reference(p6), "Redis killed: requests complete with the same tokens")
+    check(d.logtext().count("unavailable") - n0 <= 2, "the loss is logged once per connection, not per request")
+    rp, rsock2 = start_redis(tmp, "r1")
+    time.sleep(0.5)  # past the backoff
+    p7 = prompt_of(7)
+    complete(d, p7)
+    complete(d, p7)
+    check(wait_metric(d, "remote_blocks_total", '{result="published"}', 1) >= 1 and "is back" in d.logtext(),
+          "Redis back: the daemon reconnects and publishes again")
+    stop_redis(rp)
+
+    # ---- AUTH: an ACL user with its password from a file; a wrong password ----
+    ap, asock = start_redis(tmp, "r2", conf="user default on >default-pw ~* +@all\nuser kv on >kv-pw ~kvt:* +@all\n")
+    for name, pw in (("good", "kv-pw\n"), ("bad", "nope\n")):
+        with open(os.path.join(tmp, name + ".pw"), "w") as f:
+            f.write(pw)
+    ga = daemon("ga", "--remote", "unix:" + asock, "--remote-user", "kv", "--remote-password-file",
+                os.path.join(tmp, "good.pw"))
+    ba = daemon("ba", "--remote", "unix:" + asock, "--remote-password-file", os.path.join(tmp, "bad.pw"))
+    toks, _ = complete(ga, p1)
+    got = wait_metric(ga, "remote_blocks_total", '{result="published"}', len(p1) // BT)
+    check(toks == reference(p1) and got == len(p1) // BT, "AUTH as an ACL user, password from a file: published")
+    toks, cached = complete(ba, p1)
+    check(toks == reference(p1) and cached == 0 and metric(ba, "remote_errors_total", '{kind="auth"}') >= 1 and
+          "kv-pw" not in ba.logtext() and "nope" not in ba.logtext(),
+          "a wrong password: AUTH refused (counted, the password never logged), the same tokens")
+    check(ga.stop() == 0 and ba.stop() == 0, "and both exit cleanly")
+    stop_redis(ap)
+
+    # ---- down at start ----
+    e = daemon("e", "--remote", "unix:" + os.path.join(tmp, "none.sock"))
+    for p in (p1, p5, p6):
+        toks, _ = complete(e, p)
+        check(toks == reference(p), "Redis down at start: the request completes with the same tokens")
+    check(e.logtext().count("unavailable") == 2 and metric(e, "remote_errors_total", '{kind="connect"}') >= 1,
+          "down at start: logged once per connection, counted as connect errors")
+    codes = [dm.stop() for dm in (a, b, c, d, e)]
+    check(codes == [0] * 5, "SIGTERM: every daemon exits cleanly (%s)" % codes)
+
+    # ---- a three-master cluster ----
+    ports = []
+    while len(ports) < 3:
+        port = random.randint(20000, 40000)
+        ok = True
+        for pp in (port, port + 10000):
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", pp))
+            except OSError:
+                ok = False
+            s.close()
+        if ok and port not in ports:
+            ports.append(port)
+    nodes = [start_redis(tmp, "c%d" % i, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                         port=port) for i, port in enumerate(ports)]
+    for i, (_, sk) in enumerate(nodes):
+        resp(sk, "CLUSTER", "ADDSLOTSRANGE", i * 5462, min(16383, i * 5462 + 5461))
+    for port in ports[1:]:
+        resp(nodes[0][1], "CLUSTER", "MEET", "127.0.0.1", port)
+    t = time.time() + 15
+    while time.time() < t and not all(b"cluster_state:ok" in resp(sk, "CLUSTER", "INFO") for _, sk in nodes):
+        time.sleep(0.1)
+    check(all(b"cluster_state:ok" in resp(sk, "CLUSTER", "INFO") for _, sk in nodes), "a three-master cluster is up")
+    seeds = "127.0.0.1:%d" % ports[0]
+    ca = daemon("ca", "--remote-cluster", seeds)
+    cb = daemon("cb", "--remote-cluster", seeds)
+    p8 = prompt_of(8)
+    toks, _ = complete(ca, p8)
+    wait_metric(ca, "remote_blocks_total", '{result="published"}', len(p8) // BT)
+    per_node = [len(resp(sk, "KEYS", "kvt:*")) for _, sk in nodes]
+    check(toks == reference(p8) and sum(per_node) == len(p8) // BT and sum(1 for n in per_node if n) >= 2,
+          "the cluster holds the blocks on their slots' nodes (%s)" % per_node)
+    toks, cached = complete(cb, p8)
+    check(toks == reference(p8) and cached == (len(p8) - 1) // BT * BT,
+          "B's first request: cached_tokens %d from the cluster, the same tokens" % cached)
+    stop_redis(nodes[1][0])
+    p9 = prompt_of(9)
+    for dm in (ca, cb):
+        toks, _ = complete(dm, p9)
+        check(toks == reference(p9), "a master killed mid-run: requests still succeed with the same tokens")
+    cc = daemon("cc", "--remote-cluster", seeds)
+    toks, cached = complete(cc, p8)
+    check(toks == reference(p8) and cached < (len(p8) - 1) // BT * BT,
+          "a fresh daemon: the dead master's blocks are misses (cached_tokens %d), the same tokens" % cached)
+finally:
+    for p in procs:
+        stop_redis(p)

@@ -1,0 +1,131 @@
+/* Description: the remote tier's pure parts, without a Redis: a value
+ * (disk_blob_encode) round-trips, one chunk and several; each kind of
+ * damage (a header byte, a data byte, truncation, extension, another
+ * object's name) is DISK_CORRUPT and another layout DISK_FOREIGN; the
+ * CRC16 hash slot matches Redis Cluster's (its reference vector, and
+ * {hash tags}); a tier opened on an address nobody serves looks a chain
+ * up as a miss within its timeout, and refuses addresses that do not
+ * parse.  tests/daemon_remote.test.sh runs it against real servers.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "tiers/disk_format.h"
+#include "tiers/remote.h"
+
+static const struct kv_disk_layout LAYOUT = {0x1234abcd5678ef01ull, BE_BF16, 16, 2, 2, 64};
+
+static void roundtrip(size_t len)
+{
+    uint8_t *data = malloc(len);
+    assert_non_null(data);
+    for (size_t i = 0; i < len; i++)
+        data[i] = (uint8_t)(i * 31 + 7);
+    size_t n = 0;
+    uint8_t *blob = disk_blob_encode(&LAYOUT, "p3e9", "00000000deadbeef", data, len, &n);
+    assert_non_null(blob);
+    assert_int_equal(n % DISK_ALIGN, 0);
+    const void *out;
+    size_t out_len;
+    char why[DISK_WHY_LEN];
+    assert_int_equal(disk_blob_decode(blob, n, &LAYOUT, "p3e9", "00000000deadbeef", &out, &out_len, why), DISK_VALID);
+    assert_int_equal(out_len, len);
+    assert_memory_equal(out, data, len);
+
+    struct kv_disk_layout other = LAYOUT;
+    other.dtype = BE_F32;
+    assert_int_equal(disk_blob_decode(blob, n, &other, "p3e9", "00000000deadbeef", &out, &out_len, why), DISK_FOREIGN);
+    other = LAYOUT;
+    other.fingerprint++;
+    assert_int_equal(disk_blob_decode(blob, n, &other, "p3e9", "00000000deadbeef", &out, &out_len, why), DISK_FOREIGN);
+    assert_int_equal(disk_blob_decode(blob, n, &LAYOUT, "p3e9", "00000000deadbeee", &out, &out_len, why), DISK_CORRUPT);
+    assert_int_equal(disk_blob_decode(blob, n, &LAYOUT, "p3ea", "00000000deadbeef", &out, &out_len, why), DISK_CORRUPT);
+    assert_int_equal(disk_blob_decode(blob, n - 1, &LAYOUT, "p3e9", "00000000deadbeef", &out, &out_len, why),
+                     DISK_CORRUPT);
+    assert_int_equal(disk_blob_decode(blob, 100, &LAYOUT, "p3e9", "00000000deadbeef", &out, &out_len, why),
+                     DISK_CORRUPT);
+    size_t at[] = {20, 230, (size_t)((const uint8_t *)out - blob) + len - 1};
+    for (size_t k = 0; k < sizeof(at) / sizeof(at[0]); k++) {
+        blob[at[k]] ^= 0x10;
+        assert_int_equal(disk_blob_decode(blob, n, &LAYOUT, "p3e9", "00000000deadbeef", &out, &out_len, why),
+                         DISK_CORRUPT);
+        blob[at[k]] ^= 0x10;
+    }
+    uint8_t *longer = calloc(1, n + DISK_ALIGN);
+    assert_non_null(longer);
+    memcpy(longer, blob, n);
+    assert_int_equal(disk_blob_decode(longer, n + DISK_ALIGN, &LAYOUT, "p3e9", "00000000deadbeef", &out, &out_len,
+                                      why),
+                     DISK_CORRUPT);
+    free(longer);
+    free(blob);
+    free(data);
+}
+
+static void test_blob(void **state)
+{
+    (void)state;
+    roundtrip(5000);
+    roundtrip(DISK_CHUNK + 12345); /* two chunks: the data stays contiguous */
+}
+
+static void test_slot(void **state)
+{
+    (void)state;
+    /* the CRC16 of Redis Cluster's specification: "123456789" -> 0x31c3 */
+    assert_int_equal(kv_remote_slot("123456789", 9), 0x31c3);
+    assert_int_equal(kv_remote_slot("{user1000}.following", 20), kv_remote_slot("user1000", 8));
+    assert_true(kv_remote_slot("kvt:0123:d2:p1:ffff", 19) < 16384);
+}
+
+static void test_unreachable(void **state)
+{
+    (void)state;
+    struct kv_remote_params p = {.url = "unix:/nonexistent/kvtier-test.sock", .timeout_ms = 100, .layout = LAYOUT};
+    kv_remote *r;
+    char err[256];
+    assert_int_equal(kv_remote_open(&p, &r, err), TIER_OK);
+    uint64_t h[3] = {1, 2, 3};
+    kv_remote_fetch *f;
+    assert_int_equal(kv_remote_fetch_start(r, 1, h, 3, &f), TIER_OK);
+    kv_remote_fetch_wait(f);
+    assert_int_equal(kv_remote_fetch_found(f), 0);
+    kv_remote_fetch_free(f);
+    struct kv_remote_stats st = kv_remote_stats(r);
+    assert_int_equal(st.lookups, 1);
+    assert_int_equal(st.miss_lookups, 1);
+    assert_int_equal(st.errors[KV_REMOTE_E_CONNECT], 1);
+    char key[160];
+    kv_remote_key(r, 0x3e9, 0xdeadbeef, key);
+    assert_string_equal(key, "kvt:1234abcd5678ef01:d2.b16.l2.h2.k64.:p3e9:00000000deadbeef");
+    kv_remote_free(r);
+
+    static const char *const bad[] = {"http://x", "redis://", "redis://h:0", "redis://h:99999", "redis://u@h",
+                                      "redis://h/x", "unix:"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        p.url = bad[i];
+        assert_int_equal(kv_remote_open(&p, &r, err), TIER_EINVAL);
+        assert_true(err[0] != '\0');
+    }
+    p.url = NULL;
+    p.cluster = "a:1,b";
+    assert_int_equal(kv_remote_open(&p, &r, err), TIER_OK);
+    kv_remote_free(r);
+    p.cluster = "a:1,:2";
+    assert_int_equal(kv_remote_open(&p, &r, err), TIER_EINVAL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_blob),
+        cmocka_unit_test(test_slot),
+        cmocka_unit_test(test_unreachable),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,862 @@
+/* remote.c - the remote tier (remote.h): a small Redis client over hiredis's
+ * blocking API on two threads, with its own cluster routing (Debian 12's
+ * hiredis 0.14 has neither a cluster client nor TLS).
+ *
+ * A link is one thread's view of the servers: its nodes (one for a single
+ * server, the cluster's masters otherwise) with a connection each, and
+ * for a cluster the slot -> node table.  run() sends a batch of commands,
+ * each to its key's node, as one pipeline per node, then reads the
+ * replies: a node that fails (timeout, closed, refused) is dropped with
+ * every command still waiting on it (NULL replies: misses), and is not
+ * tried again before its backoff ends, so a dead node costs one timeout,
+ * not one per request.  MOVED and ASK are followed once per command, and
+ * a MOVED, a failed node or an unknown slot reloads the slot table before
+ * the next batch.
+ */
+#include "tiers/remote.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <hiredis/hiredis.h>
+
+#include "tiers/disk_format.h"
+#include "util/clock.h"
+#include "util/log.h"
+
+#define N_SLOTS 16384
+#define BATCH 32                /* keys per lookup round trip */
+#define PUB_BATCH 16            /* blocks per publish round trip */
+#define BACKOFF_MIN_MS 100.0
+#define BACKOFF_MAX_MS 5000.0
+#define HOST_MAX 256
+
+struct node {
+    char host[HOST_MAX]; /* a Unix socket's path when port is 0 */
+    int port;
+    redisContext *c;
+    double retry_at, backoff_ms;
+    bool down; /* logged as unreachable, not back yet */
+    int pending;
+};
+
+struct link {
+    kv_remote *r;
+    const char *role; /* for the log */
+    struct node *nodes;
+    int n_nodes, cap;
+    uint16_t *slot; /* [N_SLOTS]: node index + 1, 0 unknown (cluster only) */
+    bool stale;     /* the slot table needs a reload */
+};
+
+struct cmd {
+    const char *argv[5];
+    size_t len[5];
+    int argc;
+    int node;
+    redisReply *reply; /* NULL: none came (the node failed or was skipped) */
+};
+
+struct pub {
+    struct kv_prefix_block b;
+    struct pub *next;
+};
+
+struct kv_remote_fetch {
+    kv_remote *r;
+    uint64_t ns;
+    int n, found;
+    bool done; /* under r->mu */
+    kv_remote_fetch *next;
+    struct {
+        uint64_t hash;
+        redisReply *rep;
+        const void *data;
+        size_t len;
+    } blk[];
+};
+
+struct kv_remote {
+    struct kv_remote_params p;
+    char *url, *cluster, *user, *password, *variant; /* owned copies */
+    int db;
+    char layout_key[96];
+    bool is_cluster;
+    struct link fl, pl; /* the lookup and the publish thread's */
+    pthread_t ft, pt;
+    bool ft_started, pt_started;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv;       /* work for either thread, a fetch done */
+    bool stop;
+    kv_remote_fetch *fq, **fq_tail;
+    struct pub *pq, **pq_tail;
+    size_t pq_bytes;
+    bool full; /* logged as full (OOM), no successful publish since */
+    struct kv_remote_stats st;
+};
+
+static const char *const err_names[KV_REMOTE_N_ERR] = {"connect", "timeout", "io",      "auth",   "oom",
+                                                       "reply",   "corrupt", "foreign", "dropped"};
+
+const char *kv_remote_err_name(enum kv_remote_err e)
+{
+    return (unsigned)e < KV_REMOTE_N_ERR ? err_names[e] : "?";
+}
+
+static void count(kv_remote *r, enum kv_remote_err e)
+{
+    pthread_mutex_lock(&r->mu);
+    r->st.errors[e]++;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* ---- keys and slots ---------------------------------------------------- */
+
+void kv_remote_key(const kv_remote *r, uint64_t ns, uint64_t hash, char out[160])
+{
+    snprintf(out, 160, "kvt:%016" PRIx64 ":%s:p%" PRIx64 ":%016" PRIx64, r->p.layout.fingerprint, r->layout_key, ns,
+             hash);
+}
+
+static uint16_t crc16(const char *buf, size_t len)
+{
+    uint16_t crc = 0; /* CRC-16/XMODEM, as Redis Cluster's keyHashSlot */
+    for (size_t i = 0; i < len; i++) {
+        crc ^= (uint16_t)((uint8_t)buf[i] << 8);
+        for (int b = 0; b < 8; b++)
+            crc = crc & 0x8000 ? (uint16_t)((crc << 1) ^ 0x1021) : (uint16_t)(crc << 1);
+    }
+    return crc;
+}
+
+unsigned kv_remote_slot(const char *key, size_t len)
+{
+    const char *open = memchr(key, '{', len);
+    if (open) {
+        const char *close = memchr(open + 1, '}', len - (size_t)(open + 1 - key));
+        if (close && close > open + 1)
+            return crc16(open + 1, (size_t)(close - open - 1)) & (N_SLOTS - 1);
+    }
+    return crc16(key, len) & (N_SLOTS - 1);
+}
+
+/* ---- nodes ----------------------------------------------------------------- */
+
+static int node_find(struct link *L, const char *host, int port)
+{
+    for (int i = 0; i < L->n_nodes; i++)
+        if (L->nodes[i].port == port && !strcmp(L->nodes[i].host, host))
+            return i;
+    if (strlen(host) >= HOST_MAX || L->n_nodes >= 1024)
+        return -1;
+    if (L->n_nodes == L->cap) {
+        int cap = L->cap ? 2 * L->cap : 4;
+        struct node *n = realloc(L->nodes, (size_t)cap * sizeof(*n));
+        if (!n)
+            return -1;
+        L->nodes = n;
+        L->cap = cap;
+    }
+    struct node *n = &L->nodes[L->n_nodes];
+    *n = (struct node){.port = port, .backoff_ms = BACKOFF_MIN_MS};
+    snprintf(n->host, sizeof(n->host), "%s", host);
+    return L->n_nodes++;
+}
+
+static void node_name(const struct node *n, char *out, size_t cap)
+{
+    if (n->port)
+        snprintf(out, cap, "%s:%d", n->host, n->port);
+    else
+        snprintf(out, cap, "unix:%s", n->host);
+}
+
+static enum kv_remote_err io_kind(const redisContext *c)
+{
+    if (c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ETIMEDOUT ||
+                                   strstr(c->errstr, "temporarily unavailable") || strstr(c->errstr, "timed out")))
+        return KV_REMOTE_E_TIMEOUT;
+    return KV_REMOTE_E_IO;
+}
+
+/* n failed: dropped, left alone for its backoff, logged when it was up.
+ * why may be the connection's errstr, which the free takes with it. */
+static void node_fail(struct link *L, struct node *n, enum kv_remote_err kind, const char *why_in)
+{
+    char why[256];
+    snprintf(why, sizeof(why), "%s", why_in);
+    count(L->r, kind);
+    if (n->c)
+        redisFree(n->c);
+    n->c = NULL;
+    n->pending = 0;
+    n->retry_at = clock_ms() + n->backoff_ms;
+    n->backoff_ms = n->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : n->backoff_ms * 2;
+    L->stale = true;
+    if (!n->down) {
+        char name[HOST_MAX + 16];
+        node_name(n, name, sizeof(name));
+        log_msg(LOG_WARN, "remote tier (%s): redis %s unavailable (%s: %s); its blocks are misses, retrying with backoff",
+                L->role, name, kv_remote_err_name(kind), why);
+        n->down = true;
+    }
+}
+
+/* One command on a fresh connection, for AUTH and SELECT; false on refusal. */
+static bool setup_cmd(redisContext *c, int argc, const char **argv, char *why, size_t cap)
+{
+    redisReply *rep = redisCommandArgv(c, argc, argv, NULL);
+    bool ok = rep && rep->type != REDIS_REPLY_ERROR;
+    if (!ok)
+        snprintf(why, cap, "%s: %s", argv[0], rep ? rep->str : c->errstr);
+    freeReplyObject(rep);
+    return ok;
+}
+
+/* Connects n unless it is in its backoff; false when it is not usable now. */
+static bool node_ready(struct link *L, struct node *n)
+{
+    if (n->c)
+        return true;
+    if (clock_ms() < n->retry_at)
+        return false;
+    const kv_remote *r = L->r;
+    struct timeval tv = {r->p.timeout_ms / 1000, (r->p.timeout_ms % 1000) * 1000};
+    redisContext *c = n->port ? redisConnectWithTimeout(n->host, n->port, tv) : redisConnectUnixWithTimeout(n->host, tv);
+    if (!c || c->err) {
+        node_fail(L, n, c && io_kind(c) == KV_REMOTE_E_TIMEOUT ? KV_REMOTE_E_TIMEOUT : KV_REMOTE_E_CONNECT,
+                  c ? c->errstr : "out of memory");
+        if (c)
+            redisFree(c);
+        return false;
+    }
+    n->c = c;
+    char why[256] = "";
+    char db[16];
+    snprintf(db, sizeof(db), "%d", r->db);
+    const char *auth[3] = {"AUTH"}, *sel[] = {"SELECT", db};
+    int n_auth = 1;
+    if (r->user)
+        auth[n_auth++] = r->user;
+    auth[n_auth++] = r->password;
+    if (redisSetTimeout(c, tv) != REDIS_OK || (r->password && !setup_cmd(c, n_auth, auth, why, sizeof(why))) ||
+        (r->db && !setup_cmd(c, 2, sel, why, sizeof(why)))) {
+        node_fail(L, n, why[0] && !c->err ? KV_REMOTE_E_AUTH : io_kind(c), why[0] ? why : c->errstr);
+        return false;
+    }
+    if (n->down || L->r->p.url) {
+        char name[HOST_MAX + 16];
+        node_name(n, name, sizeof(name));
+        log_msg(n->down ? LOG_WARN : LOG_INFO, "remote tier (%s): redis %s %s", L->role, name,
+                n->down ? "is back" : "connected");
+    }
+    n->down = false;
+    n->backoff_ms = BACKOFF_MIN_MS;
+    return true;
+}
+
+/* ---- cluster routing ------------------------------------------------------- */
+
+/* Reloads the slot table from the first node that answers CLUSTER SLOTS. */
+static void slots_load(struct link *L)
+{
+    for (int i = 0; i < L->n_nodes; i++) {
+        if (!node_ready(L, &L->nodes[i]))
+            continue;
+        redisContext *c = L->nodes[i].c;
+        redisReply *rep = redisCommand(c, "CLUSTER SLOTS");
+        if (!rep) {
+            node_fail(L, &L->nodes[i], io_kind(c), c->errstr);
+            continue;
+        }
+        if (rep->type != REDIS_REPLY_ARRAY) {
+            freeReplyObject(rep);
+            count(L->r, KV_REMOTE_E_REPLY);
+            continue;
+        }
+        char asked[HOST_MAX];
+        snprintf(asked, sizeof(asked), "%s", L->nodes[i].host);
+        memset(L->slot, 0, N_SLOTS * sizeof(*L->slot));
+        for (size_t k = 0; k < rep->elements; k++) {
+            const redisReply *e = rep->element[k];
+            if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 || e->element[0]->type != REDIS_REPLY_INTEGER ||
+                e->element[1]->type != REDIS_REPLY_INTEGER || e->element[2]->type != REDIS_REPLY_ARRAY ||
+                e->element[2]->elements < 2 || e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+                e->element[2]->element[1]->type != REDIS_REPLY_INTEGER)
+                continue;
+            long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+            long long port = e->element[2]->element[1]->integer;
+            const char *host = e->element[2]->element[0]->str;
+            if (lo < 0 || hi >= N_SLOTS || lo > hi || port <= 0 || port > 65535)
+                continue;
+            /* an empty host is the node we asked */
+            int ni = node_find(L, host[0] ? host : asked, (int)port);
+            for (long long s = lo; ni >= 0 && s <= hi; s++)
+                L->slot[s] = (uint16_t)(ni + 1);
+        }
+        freeReplyObject(rep);
+        L->stale = false;
+        return;
+    }
+}
+
+static int node_of_key(struct link *L, const char *key, size_t len)
+{
+    if (!L->r->is_cluster)
+        return 0;
+    unsigned s = kv_remote_slot(key, len);
+    if (!L->slot[s])
+        L->stale = true;
+    return L->slot[s] ? L->slot[s] - 1 : -1;
+}
+
+/* "MOVED 3999 127.0.0.1:6381" / "ASK ...": the node it names, -1 if none. */
+static int redirect_node(struct link *L, const redisReply *rep, bool *ask, unsigned *slot)
+{
+    char host[HOST_MAX];
+    unsigned s;
+    int port;
+    *ask = !strncmp(rep->str, "ASK ", 4);
+    if ((strncmp(rep->str, "MOVED ", 6) && !*ask) ||
+        sscanf(rep->str + (*ask ? 4 : 6), "%u %255[^:]:%d", &s, host, &port) != 3 || s >= N_SLOTS || port <= 0 ||
+        port > 65535)
+        return -1;
+    *slot = s;
+    return node_find(L, host, port);
+}
+
+/* One command on node ni, after ASKING for a redirection by ASK. */
+static redisReply *run_one(struct link *L, int ni, struct cmd *c, bool ask)
+{
+    struct node *n = &L->nodes[ni];
+    if (!node_ready(L, n))
+        return NULL;
+    if (ask) {
+        redisReply *a = redisCommand(n->c, "ASKING");
+        freeReplyObject(a);
+    }
+    redisReply *rep = n->c->err ? NULL : redisCommandArgv(n->c, c->argc, c->argv, c->len);
+    if (!rep)
+        node_fail(L, n, io_kind(n->c), n->c->errstr);
+    return rep;
+}
+
+/* ---- batches --------------------------------------------------------------- */
+
+static void run(struct link *L, struct cmd *cmds, int n)
+{
+    if (L->r->is_cluster && L->stale)
+        slots_load(L);
+    for (int i = 0; i < n; i++) {
+        cmds[i].reply = NULL;
+        cmds[i].node = node_of_key(L, cmds[i].argv[1], cmds[i].len[1]);
+    }
+    for (int i = 0; i < n; i++) {
+        struct cmd *c = &cmds[i];
+        if (c->node < 0)
+            continue;
+        struct node *nd = &L->nodes[c->node];
+        if (!node_ready(L, nd) || redisAppendCommandArgv(nd->c, c->argc, c->argv, c->len) != REDIS_OK) {
+            c->node = -1;
+            continue;
+        }
+        nd->pending++;
+    }
+    for (int i = 0; i < n; i++) {
+        struct cmd *c = &cmds[i];
+        if (c->node < 0)
+            continue;
+        struct node *nd = &L->nodes[c->node];
+        if (!nd->c || !nd->pending)
+            continue; /* failed with an earlier reply of this batch */
+        void *rep = NULL;
+        if (redisGetReply(nd->c, &rep) != REDIS_OK) {
+            node_fail(L, nd, io_kind(nd->c), nd->c->errstr);
+            continue;
+        }
+        nd->pending--;
+        c->reply = rep;
+    }
+    /* redirections, once each */
+    for (int i = 0; L->r->is_cluster && i < n; i++) {
+        struct cmd *c = &cmds[i];
+        bool ask;
+        unsigned slot;
+        int to;
+        if (!c->reply || c->reply->type != REDIS_REPLY_ERROR || (to = redirect_node(L, c->reply, &ask, &slot)) < 0)
+            continue;
+        if (!ask) {
+            L->slot[slot] = (uint16_t)(to + 1);
+            L->stale = true;
+        }
+        freeReplyObject(c->reply);
+        c->reply = run_one(L, to, c, ask);
+    }
+}
+
+/* ---- the lookup thread ----------------------------------------------------- */
+
+/* Checks the replies of a batch in order; false at the first miss. */
+static bool take_batch(kv_remote *r, kv_remote_fetch *f, int from, struct cmd *cmds, int n)
+{
+    bool going = true;
+    for (int i = 0; i < n; i++) {
+        redisReply *rep = cmds[i].reply;
+        cmds[i].reply = NULL;
+        int k = from + i;
+        enum kv_remote_err bad = KV_REMOTE_N_ERR;
+        if (going && rep && rep->type == REDIS_REPLY_STRING) {
+            char ns[24], name[24], why[DISK_WHY_LEN];
+            snprintf(ns, sizeof(ns), "p%" PRIx64, f->ns);
+            snprintf(name, sizeof(name), "%016" PRIx64, f->blk[k].hash);
+            enum disk_check dc =
+                disk_blob_decode(rep->str, rep->len, &r->p.layout, ns, name, &f->blk[k].data, &f->blk[k].len, why);
+            if (dc == DISK_VALID) {
+                f->blk[k].rep = rep;
+                f->found++;
+                pthread_mutex_lock(&r->mu);
+                r->st.bytes_in += rep->len;
+                pthread_mutex_unlock(&r->mu);
+                continue;
+            }
+            bad = dc == DISK_FOREIGN ? KV_REMOTE_E_FOREIGN : KV_REMOTE_E_CORRUPT;
+            log_msg(LOG_DEBUG, "remote tier: block %s/%s not used: %s", ns, name, why);
+        } else if (going && rep && rep->type == REDIS_REPLY_ERROR) {
+            bad = !strncmp(rep->str, "OOM", 3) ? KV_REMOTE_E_OOM : KV_REMOTE_E_REPLY;
+        } else if (going && rep && rep->type != REDIS_REPLY_NIL) {
+            bad = KV_REMOTE_E_CORRUPT;
+        }
+        if (bad != KV_REMOTE_N_ERR)
+            count(r, bad);
+        going = false;
+        freeReplyObject(rep);
+    }
+    return going;
+}
+
+static void fetch_run(kv_remote *r, kv_remote_fetch *f)
+{
+    double t0 = clock_ms();
+    char ttl[16], keys[BATCH][160];
+    snprintf(ttl, sizeof(ttl), "%d", r->p.ttl_s);
+    struct cmd cmds[BATCH];
+    bool going = true;
+    for (int from = 0; going && from < f->n; from += BATCH) {
+        int n = f->n - from < BATCH ? f->n - from : BATCH;
+        for (int i = 0; i < n; i++) {
+            kv_remote_key(r, f->ns, f->blk[from + i].hash, keys[i]);
+            /* GETEX refreshes the TTL of a hit in the same round trip */
+            cmds[i] = (struct cmd){.argv = {"GETEX", keys[i], "EX", ttl}, .argc = 4};
+            for (int a = 0; a < 4; a++)
+                cmds[i].len[a] = strlen(cmds[i].argv[a]);
+        }
+        run(&r->fl, cmds, n);
+        going = take_batch(r, f, from, cmds, n);
+    }
+    pthread_mutex_lock(&r->mu);
+    r->st.lookups++;
+    r->st.hit_blocks += (uint64_t)f->found;
+    r->st.miss_lookups += f->found < f->n;
+    r->st.fetch_ms += clock_ms() - t0;
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void *fetch_main(void *arg)
+{
+    kv_remote *r = arg;
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!r->stop && !r->fq)
+            pthread_cond_wait(&r->cv, &r->mu);
+        kv_remote_fetch *f = r->fq;
+        if (!f)
+            break;
+        r->fq = f->next;
+        if (!r->fq)
+            r->fq_tail = &r->fq;
+        bool stop = r->stop;
+        pthread_mutex_unlock(&r->mu);
+        if (!stop)
+            fetch_run(r, f);
+        pthread_mutex_lock(&r->mu);
+        f->done = true;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+        if (r->p.notify)
+            r->p.notify(r->p.notify_arg);
+        pthread_mutex_lock(&r->mu);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+/* ---- the publish thread ---------------------------------------------------- */
+
+static void publish_batch(kv_remote *r, struct pub **items, int n)
+{
+    char ttl[16], keys[PUB_BATCH][160];
+    snprintf(ttl, sizeof(ttl), "%d", r->p.ttl_s);
+    struct cmd cmds[PUB_BATCH];
+    void *blobs[PUB_BATCH];
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        const struct kv_prefix_block *b = &items[i]->b;
+        char ns[24], name[24];
+        size_t len = 0;
+        snprintf(ns, sizeof(ns), "p%" PRIx64, b->ns);
+        snprintf(name, sizeof(name), "%016" PRIx64, b->hash);
+        if (!(blobs[m] = disk_blob_encode(&r->p.layout, ns, name, b->buf, b->len, &len))) {
+            count(r, KV_REMOTE_E_DROPPED);
+            continue;
+        }
+        kv_remote_key(r, b->ns, b->hash, keys[m]);
+        cmds[m] = (struct cmd){.argv = {"SET", keys[m], blobs[m], "EX", ttl}, .argc = 5};
+        for (int a = 0; a < 5; a++)
+            cmds[m].len[a] = a == 2 ? len : strlen(cmds[m].argv[a]);
+        m++;
+    }
+    run(&r->pl, cmds, m);
+    uint64_t ok = 0, bytes = 0;
+    bool oom = false;
+    for (int i = 0; i < m; i++) {
+        redisReply *rep = cmds[i].reply;
+        if (rep && rep->type == REDIS_REPLY_STATUS) {
+            ok++;
+            bytes += cmds[i].len[2];
+        } else if (rep && rep->type == REDIS_REPLY_ERROR) {
+            bool is_oom = !strncmp(rep->str, "OOM", 3);
+            count(r, is_oom ? KV_REMOTE_E_OOM : KV_REMOTE_E_REPLY);
+            oom = oom || is_oom;
+            if (!is_oom)
+                log_msg(LOG_DEBUG, "remote tier: SET refused: %s", rep->str);
+        }
+        freeReplyObject(rep);
+        free(blobs[i]);
+    }
+    pthread_mutex_lock(&r->mu);
+    r->st.published += ok;
+    r->st.bytes_out += bytes;
+    bool was_full = r->full;
+    r->full = oom ? true : ok ? false : r->full;
+    bool now_full = r->full;
+    pthread_mutex_unlock(&r->mu);
+    if (now_full && !was_full)
+        log_msg(LOG_WARN, "remote tier: redis is full (OOM command not allowed): blocks are not published until it "
+                          "takes them again (set maxmemory-policy allkeys-lru)");
+    else if (was_full && !now_full)
+        log_msg(LOG_INFO, "remote tier: redis takes blocks again");
+}
+
+static void *publish_main(void *arg)
+{
+    kv_remote *r = arg;
+    struct pub *items[PUB_BATCH];
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!r->stop && !r->pq)
+            pthread_cond_wait(&r->cv, &r->mu);
+        if (r->stop)
+            break;
+        int n = 0;
+        while (r->pq && n < PUB_BATCH) {
+            items[n] = r->pq;
+            r->pq = r->pq->next;
+            r->pq_bytes -= items[n]->b.len;
+            n++;
+        }
+        if (!r->pq)
+            r->pq_tail = &r->pq;
+        pthread_mutex_unlock(&r->mu);
+        publish_batch(r, items, n);
+        for (int i = 0; i < n; i++) {
+            free(items[i]->b.buf);
+            free(items[i]);
+        }
+        if (r->p.notify)
+            r->p.notify(r->p.notify_arg);
+        pthread_mutex_lock(&r->mu);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+size_t kv_remote_publish_room(kv_remote *r)
+{
+    pthread_mutex_lock(&r->mu);
+    size_t room = r->p.queue_bytes - r->pq_bytes;
+    pthread_mutex_unlock(&r->mu);
+    return room;
+}
+
+bool kv_remote_publish(kv_remote *r, struct kv_prefix_block *b)
+{
+    struct pub *p = malloc(sizeof(*p));
+    pthread_mutex_lock(&r->mu);
+    bool ok = p && r->pq_bytes + b->len <= r->p.queue_bytes;
+    if (ok) {
+        p->b = *b;
+        p->next = NULL;
+        *r->pq_tail = p;
+        r->pq_tail = &p->next;
+        r->pq_bytes += b->len;
+        pthread_cond_broadcast(&r->cv);
+    } else {
+        r->st.errors[KV_REMOTE_E_DROPPED]++;
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (!ok) {
+        free(p);
+        free(b->buf);
+    }
+    b->buf = NULL;
+    return ok;
+}
+
+/* ---- fetches --------------------------------------------------------------- */
+
+enum tier_status kv_remote_fetch_start(kv_remote *r, uint64_t ns, const uint64_t *hashes, int n,
+                                       kv_remote_fetch **out)
+{
+    *out = NULL;
+    if (n <= 0)
+        return TIER_EINVAL;
+    kv_remote_fetch *f = calloc(1, sizeof(*f) + (size_t)n * sizeof(f->blk[0]));
+    if (!f)
+        return TIER_ENOMEM_HOST;
+    f->r = r;
+    f->ns = ns;
+    f->n = n;
+    for (int i = 0; i < n; i++)
+        f->blk[i].hash = hashes[i];
+    pthread_mutex_lock(&r->mu);
+    *r->fq_tail = f;
+    r->fq_tail = &f->next;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    *out = f;
+    return TIER_OK;
+}
+
+bool kv_remote_fetch_done(kv_remote_fetch *f)
+{
+    pthread_mutex_lock(&f->r->mu);
+    bool d = f->done;
+    pthread_mutex_unlock(&f->r->mu);
+    return d;
+}
+
+void kv_remote_fetch_wait(kv_remote_fetch *f)
+{
+    pthread_mutex_lock(&f->r->mu);
+    while (!f->done)
+        pthread_cond_wait(&f->r->cv, &f->r->mu);
+    pthread_mutex_unlock(&f->r->mu);
+}
+
+int kv_remote_fetch_found(const kv_remote_fetch *f)
+{
+    return f->found;
+}
+
+void kv_remote_fetch_block(const kv_remote_fetch *f, int i, const void **data, size_t *len)
+{
+    *data = f->blk[i].data;
+    *len = f->blk[i].len;
+}
+
+void kv_remote_fetch_free(kv_remote_fetch *f)
+{
+    if (!f)
+        return;
+    kv_remote_fetch_wait(f);
+    for (int i = 0; i < f->n; i++)
+        freeReplyObject(f->blk[i].rep);
+    free(f);
+}
+
+struct kv_remote_stats kv_remote_stats(kv_remote *r)
+{
+    pthread_mutex_lock(&r->mu);
+    struct kv_remote_stats s = r->st;
+    pthread_mutex_unlock(&r->mu);
+    return s;
+}
+
+/* ---- open and close -------------------------------------------------------- */
+
+static char *dup_or_null(const char *s, bool *ok)
+{
+    char *d = s ? strdup(s) : NULL;
+    *ok = *ok && (!s || d);
+    return d;
+}
+
+/* "host[:port]" into a new node of L; false when it does not parse. */
+static bool add_hostport(struct link *L, const char *s, size_t len)
+{
+    char host[HOST_MAX];
+    int port = 6379;
+    if (!len || len >= sizeof(host))
+        return false;
+    memcpy(host, s, len);
+    host[len] = '\0';
+    char *colon = strrchr(host, ':');
+    if (colon) {
+        char *end;
+        long v = strtol(colon + 1, &end, 10);
+        if (*end || end == colon + 1 || v <= 0 || v > 65535)
+            return false;
+        port = (int)v;
+        *colon = '\0';
+    }
+    return host[0] && node_find(L, host, port) >= 0;
+}
+
+static bool parse_addr(kv_remote *r, struct link *L, char err[256])
+{
+    if (r->cluster) {
+        for (const char *s = r->cluster; *s;) {
+            size_t len = strcspn(s, ",");
+            if (!add_hostport(L, s, len)) {
+                snprintf(err, 256, "--remote-cluster: \"%.*s\" is not host:port", (int)len, s);
+                return false;
+            }
+            s += len + (s[len] == ',');
+        }
+        return true;
+    }
+    const char *u = r->url;
+    if (!strncmp(u, "unix:", 5)) {
+        if (!u[5] || strlen(u + 5) >= HOST_MAX || node_find(L, u + 5, 0) < 0) {
+            snprintf(err, 256, "--remote: \"%s\" is not unix:PATH", u);
+            return false;
+        }
+        return true;
+    }
+    if (strncmp(u, "redis://", 8)) {
+        snprintf(err, 256, "--remote: \"%s\" is not redis://host[:port][/db] or unix:PATH", u);
+        return false;
+    }
+    const char *hp = u + 8, *slash = strchr(hp, '/');
+    size_t len = slash ? (size_t)(slash - hp) : strlen(hp);
+    if (memchr(hp, '@', len)) {
+        snprintf(err, 256, "--remote: credentials go in --remote-user and --remote-password-file, not the URL");
+        return false;
+    }
+    if (slash && slash[1]) {
+        char *end;
+        long db = strtol(slash + 1, &end, 10);
+        if (*end || db < 0 || db > 1 << 20) {
+            snprintf(err, 256, "--remote: database \"%s\" is not a number", slash + 1);
+            return false;
+        }
+        r->db = (int)db;
+    }
+    if (!add_hostport(L, hp, len)) {
+        snprintf(err, 256, "--remote: \"%s\" is not redis://host[:port][/db]", u);
+        return false;
+    }
+    return true;
+}
+
+static void link_free(struct link *L)
+{
+    for (int i = 0; i < L->n_nodes; i++)
+        if (L->nodes[i].c)
+            redisFree(L->nodes[i].c);
+    free(L->nodes);
+    free(L->slot);
+}
+
+enum tier_status kv_remote_open(const struct kv_remote_params *p, kv_remote **out, char err[256])
+{
+    *out = NULL;
+    err[0] = '\0';
+    if (!p->url == !p->cluster) {
+        snprintf(err, 256, "the remote tier takes one of --remote and --remote-cluster");
+        return TIER_EINVAL;
+    }
+    kv_remote *r = calloc(1, sizeof(*r));
+    if (!r)
+        return TIER_ENOMEM_HOST;
+    bool ok = true;
+    r->p = *p;
+    r->url = dup_or_null(p->url, &ok);
+    r->cluster = dup_or_null(p->cluster, &ok);
+    r->user = dup_or_null(p->user, &ok);
+    r->password = dup_or_null(p->password, &ok);
+    r->variant = dup_or_null(p->variant ? p->variant : "", &ok);
+    r->p.url = r->url;
+    r->p.cluster = r->cluster;
+    r->p.user = r->user;
+    r->p.password = r->password;
+    r->p.variant = r->variant;
+    r->p.timeout_ms = p->timeout_ms > 0 ? p->timeout_ms : 500;
+    r->p.ttl_s = p->ttl_s > 0 ? p->ttl_s : 86400;
+    r->p.queue_bytes = p->queue_bytes ? p->queue_bytes : (size_t)64 << 20;
+    r->is_cluster = p->cluster != NULL;
+    const struct kv_disk_layout *l = &p->layout;
+    snprintf(r->layout_key, sizeof(r->layout_key), "d%u.b%u.l%u.h%u.k%u.%s", l->dtype, l->block_tokens, l->n_layers,
+             l->n_kv_heads, l->head_dim, r->variant ? r->variant : "");
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    r->fq_tail = &r->fq;
+    r->pq_tail = &r->pq;
+    r->fl = (struct link){.r = r, .role = "lookups", .stale = true};
+    r->pl = (struct link){.r = r, .role = "publishing", .stale = true};
+    if (ok && r->is_cluster) {
+        r->fl.slot = calloc(N_SLOTS, sizeof(*r->fl.slot));
+        r->pl.slot = calloc(N_SLOTS, sizeof(*r->pl.slot));
+        ok = r->fl.slot && r->pl.slot;
+    }
+    enum tier_status st = ok ? TIER_OK : TIER_ENOMEM_HOST;
+    if (ok && (!parse_addr(r, &r->fl, err) || !parse_addr(r, &r->pl, err)))
+        st = err[0] ? TIER_EINVAL : TIER_ENOMEM_HOST;
+    if (st == TIER_OK && !(r->ft_started = pthread_create(&r->ft, NULL, fetch_main, r) == 0))
+        st = TIER_ENOMEM_HOST;
+    if (st == TIER_OK && !(r->pt_started = pthread_create(&r->pt, NULL, publish_main, r) == 0))
+        st = TIER_ENOMEM_HOST;
+    if (st != TIER_OK) {
+        kv_remote_free(r);
+        return st;
+    }
+    *out = r;
+    return TIER_OK;
+}
+
+void kv_remote_free(kv_remote *r)
+{
+    if (!r)
+        return;
+    pthread_mutex_lock(&r->mu);
+    r->stop = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    if (r->ft_started)
+        pthread_join(r->ft, NULL);
+    if (r->pt_started)
+        pthread_join(r->pt, NULL);
+    while (r->pq) {
+        struct pub *p = r->pq;
+        r->pq = p->next;
+        free(p->b.buf);
+        free(p);
+    }
+    link_free(&r->fl);
+    link_free(&r->pl);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    free(r->url);
+    free(r->cluster);
+    free(r->user);
+    if (r->password)
+        memset(r->password, 0, strlen(r->password));
+    free(r->password);
+    free(r->variant);
+    free(r);
+}
