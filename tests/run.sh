@@ -47,8 +47,10 @@ no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler 
 no_backend="$no_backend daemon_slow.test.sh daemon_disk_faults.test.sh daemon_disk_uid.test.sh "
 no_backend="$no_backend reference.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh "
+no_backend="$no_backend test_jinja jinja.test.sh "
 oracles=" reference.test.sh q8ref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
+oracles="$oracles jinja.test.sh "
 passes="cpu cpu-strict"
 asan=0
 case $build in *asan*) passes=cpu; asan=1 ;; esac
