@@ -74,7 +74,7 @@ struct engine {
     size_t max_piece;
     char model_id[128];
     char bos[64], eos[64];
-    struct chat_template chat;
+    chat_tpl *chat; /* loaded with the model */
 
     /* ---- engine thread: per-step scratch, sized once at load ---- */
     struct fw_seq *batch;

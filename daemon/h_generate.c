@@ -15,7 +15,7 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
                                   struct ipc_error *err)
 {
     if (g->chat)
-        return render(s, g->msgs, g->n_msgs, true, ids, err);
+        return render(s, g->messages, g->tools, true, ids, err);
     if (g->text)
         return encode(s, g->text, g->text_len, true, "prompt", ids, err);
     ids->ids = malloc(g->n_ids * sizeof(*ids->ids));

@@ -38,7 +38,7 @@ enum MHD_Result h_models(struct req *r, const char *arg)
                                         (json_int_t)r->srv->started, "owned_by", "kvtier", "meta", "n_vocab",
                                         mc->vocab_size, "n_ctx_train", mc->max_position_embeddings, "n_ctx",
                                         engine_context(e), "n_embd", mc->hidden_size, "architecture", mc->arch_name,
-                                        "chat_template", chat_family_name(engine_chat_template(e)->family)));
+                                        "chat_template", chat_tpl_kind(engine_chat_template(e))));
 }
 
 static void metric(struct jw *w, const char *name, const char *type, const char *help, const char *labels, double v)

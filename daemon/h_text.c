@@ -7,6 +7,7 @@
  * whole reply body (r->prep.out) there too. */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "daemon/http.h"
 
@@ -36,24 +37,25 @@ enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_
     return ipc_fail(err, ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL, field, "%s: %s", field, msg);
 }
 
-static enum ipc_status render_text(struct server *s, const struct chat_msg *m, size_t n, bool gen_prompt, char **text,
-                                   size_t *len, struct ipc_error *err)
+static enum ipc_status render_text(struct server *s, const json_t *messages, const json_t *tools, bool gen_prompt,
+                                   char **text, size_t *len, struct ipc_error *err)
 {
     char msg[TEXT_ERR_LEN];
-    enum text_status ts = chat_render(engine_chat_template(s->eng), m, n, gen_prompt, engine_bos_text(s->eng),
-                                      engine_eos_text(s->eng), text, len, msg);
+    enum text_status ts = chat_tpl_render(engine_chat_template(s->eng), messages, tools, gen_prompt,
+                                          engine_bos_text(s->eng), engine_eos_text(s->eng), time(NULL), text, len,
+                                          msg);
     if (ts == TEXT_OK)
         return IPC_OK;
     enum ipc_status st = ts == TEXT_EUNSUPPORTED ? IPC_ENOTIMPL : ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL;
     return ipc_fail(err, st, "messages", "%s", msg);
 }
 
-enum ipc_status render(struct server *s, const struct chat_msg *m, size_t n, bool gen_prompt, struct tok_ids *ids,
-                       struct ipc_error *err)
+enum ipc_status render(struct server *s, const json_t *messages, const json_t *tools, bool gen_prompt,
+                       struct tok_ids *ids, struct ipc_error *err)
 {
     char *text;
     size_t len;
-    enum ipc_status st = render_text(s, m, n, gen_prompt, &text, &len, err);
+    enum ipc_status st = render_text(s, messages, tools, gen_prompt, &text, &len, err);
     if (st != IPC_OK)
         return st;
     /* the template spells the special tokens out, so none are added */
@@ -178,7 +180,7 @@ enum ipc_status prep_apply_template(struct req *r)
     size_t len = 0;
     enum ipc_status st = ipc_gen_req_parse(r->root, true, &lim, &g, &r->prep.err);
     if (st == IPC_OK)
-        st = render_text(r->srv, g.msgs, g.n_msgs, true, &text, &len, &r->prep.err);
+        st = render_text(r->srv, g.messages, g.tools, true, &text, &len, &r->prep.err);
     ipc_gen_req_release(&g);
     if (st != IPC_OK)
         return st;

@@ -4,7 +4,7 @@
  * Every check that needs no model state happens here, before anything sized
  * by the client is allocated: types, ranges, unknown fields, token ids
  * against the vocabulary, array lengths against the context.  Fields kvtier
- * knows but does not implement (tools, echo, logit_bias, ...) give 501 when
+ * knows but does not implement (echo, logit_bias, ...) give 501 when
  * they ask for something, rather than being ignored.  Strings in a parsed
  * request are borrowed from the JSON tree, which must outlive it.
  */
@@ -19,7 +19,6 @@
 
 #include "ipc/cache.h"
 #include "ipc/status.h"
-#include "text/chat.h"
 #include "model/beam.h"
 #include "model/generate.h"
 
@@ -48,8 +47,8 @@ struct ipc_gen_req {
     size_t text_len;
     int32_t *ids;
     size_t n_ids;
-    struct chat_msg *msgs;
-    size_t n_msgs;
+    json_t *messages;     /* owned: role, content (a string or null), tool_calls, ... */
+    const json_t *tools;  /* borrowed; NULL: none (or an empty list) */
     int max_tokens; /* -1: not given */
     struct sampler_params sampling;
     bool has_seed;

@@ -141,7 +141,16 @@ check(code == 200 and nc["choices"][0]["tokens"] == dyn["choices"][0]["tokens"] 
 code, e = d.post("/v1/sessions", {"prompt": "In the beginning", "use_cache": False})
 check(code == 400 and e["error"]["param"] == "use_cache", "a session with use_cache=false -> 400")
 code, e = d.post("/v1/chat/completions", dict(chat, tools=[{"type": "function"}]))
-check(code == 501, "tools -> 501")
+check(code == 400 and e["error"]["param"] == "tools", "a malformed tool -> 400")
+# the model's own Jinja template renders tool calls and results (its text, not a sniffed family's)
+tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+conv = [{"role": "user", "content": "Call f"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+code, p = d.post("/apply-template", {"messages": conv, "tools": tools})
+check(code == 200 and p["prompt"].endswith("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"),
+      "apply-template with tool calls and a tool result: %s" % (p.get("prompt") or p)[-80:])
 
 # sessions: the second turn computes only its new tokens
 system = "You are terse."

@@ -169,6 +169,17 @@ static void test_chat_tpl(void **state)
     free(out);
     chat_tpl_free(t);
 
+    /* a template that needs string content gets "" for a tool-calling turn's null */
+    json_t *str_only = json_string("{% for m in messages %}{{ 'x' in m.content }}{% endfor %}");
+    json_t *calls = json_loads("[{\"role\": \"assistant\", \"content\": null, \"tool_calls\": []}]", 0, NULL);
+    assert_int_equal(chat_tpl_load(str_only, &t, why, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, calls, NULL, false, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_string_equal(out, "false");
+    free(out);
+    chat_tpl_free(t);
+    json_decref(str_only);
+    json_decref(calls);
+
     /* unparsable, but with ChatML's markers: the family renders it */
     json_t *bad = json_string("{% generation %}<|im_start|>{{ x }}");
     assert_int_equal(chat_tpl_load(bad, &t, why, err), TEXT_OK);

@@ -383,7 +383,7 @@ static void test_bos_rules(void **state)
                                                                "bos_token", "<bos>", "eos_token", "<eos>",
                                                                "chat_template", "{{ messages }}"));
     EXPECT_IDS(cfg, "he", true, 300, M_HE);
-    assert_string_equal(tokenizer_chat_template(cfg), "{{ messages }}");
+    assert_string_equal(json_string_value(tokenizer_chat_template(cfg)), "{{ messages }}");
     tokenizer *none = load_json(bare, NULL);
     EXPECT_IDS(none, "he", true, M_HE);
     assert_null(tokenizer_chat_template(none));

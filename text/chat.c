@@ -346,6 +346,23 @@ static enum text_status to_msgs(const json_t *messages, struct chat_msg **out, s
     return TEXT_OK;
 }
 
+/* messages with every null content replaced by "", or NULL when none is null. */
+static json_t *with_empty_content(const json_t *messages)
+{
+    bool any = false;
+    for (size_t i = 0; i < json_array_size(messages); i++)
+        any |= json_is_null(json_object_get(json_array_get(messages, i), "content"));
+    json_t *copy = any ? json_deep_copy(messages) : NULL;
+    for (size_t i = 0; copy && i < json_array_size(copy); i++) {
+        json_t *m = json_array_get(copy, i);
+        if (json_is_null(json_object_get(m, "content")) && json_object_set_new(m, "content", json_string(""))) {
+            json_decref(copy);
+            copy = NULL;
+        }
+    }
+    return copy;
+}
+
 enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, const json_t *tools,
                                  bool add_generation_prompt, const char *bos, const char *eos, time_t now,
                                  char **out, size_t *len, char *err)
@@ -368,7 +385,21 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
     if (!vars)
         return text_errf(err, TEXT_ENOMEM, "no memory to render the chat template");
     struct jinja_opts o = {.now = now};
-    enum text_status st = jinja_render(with_tools && t->tool_use ? t->tool_use : t->dflt, vars, &o, out, len, err);
+    const jinja_tpl *tpl = with_tools && t->tool_use ? t->tool_use : t->dflt;
+    enum text_status st = jinja_render(tpl, vars, &o, out, len, err);
     json_decref(vars);
+    /* OpenAI clients send an assistant turn that only calls tools with
+     * content null; templates written for strings (Qwen3's `in
+     * message.content`) fail on it.  Such a template gets "" instead, as
+     * llama.cpp does, while one that tests `content is none` keeps null. */
+    json_t *copy = st == TEXT_EINVAL ? with_empty_content(messages) : NULL;
+    if (copy) {
+        char err2[TEXT_ERR_LEN];
+        vars = chat_vars(copy, with_tools ? tools : NULL, add_generation_prompt, bos, eos);
+        if (vars && jinja_render(tpl, vars, &o, out, len, err2) == TEXT_OK)
+            st = TEXT_OK;
+        json_decref(vars);
+        json_decref(copy);
+    }
     return st;
 }

@@ -1201,8 +1201,10 @@ static struct node *parse_stmt(struct parser *P)
     } else if (name_is(P, 0, "filter")) {
         static const char *const end[] = {"endfilter", NULL};
         P->k++;
-        if (!tok_is(P, T_NAME) || !(n = mk(P, N_FILTERBLK, pos)))
-            return n ? perr(P, "expected a filter name") : NULL;
+        if (!tok_is(P, T_NAME))
+            return perr(P, "expected a filter name");
+        if (!(n = mk(P, N_FILTERBLK, pos)))
+            return NULL;
         struct node *f = mk(P, E_FILTER, peek(P)->pos);
         if (!f)
             return NULL;
