@@ -250,7 +250,7 @@ void chat_tpl_free(chat_tpl *t)
 
 const char *chat_tpl_kind(const chat_tpl *t)
 {
-    return t->dflt ? "jinja" : chat_family_name(t->family.family);
+    return !t ? "none" : t->dflt ? "jinja" : chat_family_name(t->family.family);
 }
 
 enum text_status chat_tpl_load(const json_t *value, chat_tpl **out, char *why, char *err)
@@ -369,6 +369,8 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
 {
     *out = NULL;
     *len = 0;
+    if (!t)
+        return text_errf(err, TEXT_EUNSUPPORTED, "cannot render chat: the model is not loaded");
     if (!t->dflt) {
         struct chat_msg *m;
         size_t n;

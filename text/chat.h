@@ -66,7 +66,7 @@ typedef struct chat_tpl chat_tpl;
  * TEXT_ENOMEM. */
 enum text_status chat_tpl_load(const json_t *value, chat_tpl **out, char *why, char *err);
 void chat_tpl_free(chat_tpl *t);
-/* "jinja", a fallback family's name ("chatml", ...), or "none". */
+/* "jinja", a fallback family's name ("chatml", ...), or "none" (also for NULL). */
 const char *chat_tpl_kind(const chat_tpl *t);
 
 /* The variables a template sees: messages, tools (only when tools is an

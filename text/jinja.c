@@ -2972,8 +2972,6 @@ static bool eval_inner(struct rt *r, const struct node *n, struct scope *s, json
             return false;
         y = str_new(n->s, n->slen);
         ok = y ? index_of(r, n, x, y, out) : nomem(r);
-        if (ok && !*out && json_is_object(x) && !json_is_string(y))
-            ok = true;
         json_decref(x);
         json_decref(y);
         return ok;
