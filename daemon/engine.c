@@ -1130,7 +1130,10 @@ static bool load(engine *e)
         pthread_mutex_unlock(&e->mu);
         return false;
     }
-    if (why[0]) /* the sniffed family stands in for a template the Jinja engine cannot parse */
+    if (why[0] && !strcmp(chat_tpl_kind(e->chat), "jinja"))
+        log_msg(LOG_WARN, "the tool_use chat template does not parse as Jinja (%s); the default one renders "
+                "requests with tools", why);
+    else if (why[0]) /* the sniffed family stands in for a template the Jinja engine cannot parse */
         log_msg(LOG_WARN, "the chat template does not parse as Jinja (%s); rendering it as the \"%s\" family "
                 "instead", why, chat_tpl_kind(e->chat));
     /* With no room, decode_stream returns the size a token's text needs. */

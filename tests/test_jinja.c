@@ -169,6 +169,17 @@ static void test_chat_tpl(void **state)
     free(out);
     chat_tpl_free(t);
 
+    /* a tool_use that does not parse leaves the default for every request */
+    json_t *half = json_loads("[{\"name\": \"default\", \"template\": \"D\"},"
+                              " {\"name\": \"tool_use\", \"template\": \"{% bogus %}\"}]", 0, NULL);
+    assert_int_equal(chat_tpl_load(half, &t, why, err), TEXT_OK);
+    assert_non_null(strstr(why, "bogus"));
+    assert_int_equal(chat_tpl_render(t, msgs, tools, true, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_string_equal(out, "D");
+    free(out);
+    chat_tpl_free(t);
+    json_decref(half);
+
     /* a template that needs string content gets "" for a tool-calling turn's null */
     json_t *str_only = json_string("{% for m in messages %}{{ 'x' in m.content }}{% endfor %}");
     json_t *calls = json_loads("[{\"role\": \"assistant\", \"content\": null, \"tool_calls\": []}]", 0, NULL);

@@ -280,20 +280,14 @@ enum text_status chat_tpl_load(const json_t *value, chat_tpl **out, char *why, c
     chat_tpl *t = calloc(1, sizeof(*t));
     if (!t)
         return text_errf(err, TEXT_ENOMEM, "no memory for the chat template");
-    enum text_status st = TEXT_OK;
-    if (dflt) {
-        st = jinja_parse(dflt, strlen(dflt), &t->dflt, why);
-        if (st == TEXT_OK && tool_use)
-            st = jinja_parse(tool_use, strlen(tool_use), &t->tool_use, why);
-    }
+    /* why says what did not parse: for the default the families may still
+     * know the template; without tool_use the default renders tools too */
+    enum text_status st = dflt ? jinja_parse(dflt, strlen(dflt), &t->dflt, why) : TEXT_OK;
+    if (st == TEXT_OK && tool_use)
+        st = jinja_parse(tool_use, strlen(tool_use), &t->tool_use, why);
     if (st == TEXT_ENOMEM) {
         chat_tpl_free(t);
         return text_errf(err, TEXT_ENOMEM, "no memory for the chat template");
-    }
-    if (st != TEXT_OK) { /* why says what did not parse; the families may still know the template */
-        jinja_free(t->dflt);
-        jinja_free(t->tool_use);
-        t->dflt = t->tool_use = NULL;
     }
     if (!t->dflt)
         chat_detect(dflt, &t->family);
