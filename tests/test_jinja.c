@@ -88,6 +88,8 @@ static void test_basics(void **state)
     expect_text("{{ strftime_now('%d %b %Y %H:%M') }}", NULL, "26 Jul 2024 12:34");
     expect_text("{{ 'abc'[::-1] }}{{ [1, 2, 3][-1] }}{{ 'x' if false }}", NULL, "cba3");
     expect_text("{{ x is defined }}{{ x is not defined }}{{ strftime_now is defined }}", NULL, "falsetruetrue");
+    /* training templates' generation markers are dropped */
+    expect_text("a {%- generation -%} b {% endgeneration %} c", NULL, "ab  c"); /* as @huggingface/jinja */
 }
 
 static void test_errors(void **state)
@@ -192,7 +194,7 @@ static void test_chat_tpl(void **state)
     json_decref(calls);
 
     /* unparsable, but with ChatML's markers: the family renders it */
-    json_t *bad = json_string("{% generation %}<|im_start|>{{ x }}");
+    json_t *bad = json_string("{% call m() %}{% endcall %}<|im_start|>{{ x }}");
     assert_int_equal(chat_tpl_load(bad, &t, why, err), TEXT_OK);
     assert_non_null(strstr(why, "unknown statement"));
     assert_string_equal(chat_tpl_kind(t), "chatml");

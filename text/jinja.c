@@ -219,6 +219,51 @@ static bool lex_fail(struct lexer *L, size_t at, const char *fmt, ...)
     return false;
 }
 
+/* The end of a {%-? (end)generation -?%} tag starting at s[i], or 0. */
+static size_t generation_tag(const char *s, size_t n, size_t i, bool *lstrip, bool *rstrip)
+{
+    i += 2;
+    *lstrip = i < n && s[i] == '-';
+    i += *lstrip;
+    i += ws_lead(s + i, n - i);
+    if (i + 3 <= n && !memcmp(s + i, "end", 3))
+        i += 3;
+    if (i + 10 > n || memcmp(s + i, "generation", 10))
+        return 0;
+    i += 10;
+    i += ws_lead(s + i, n - i);
+    *rstrip = i < n && s[i] == '-';
+    i += *rstrip;
+    return i + 2 <= n && s[i] == '%' && s[i + 1] == '}' ? i + 2 : 0;
+}
+
+/* {% generation %} and {% endgeneration %} (training templates mark the
+ * assistant's text with them) are dropped, with the whitespace their `-`
+ * asks for, as @huggingface/jinja does.  In place: the text only shrinks. */
+static size_t drop_generation(char *s, size_t *map, size_t n)
+{
+    size_t w = 0, last = 0;
+    for (size_t i = 0; i < n;) {
+        bool lstrip, rstrip;
+        size_t end = s[i] == '{' && i + 1 < n && s[i + 1] == '%' ? generation_tag(s, n, i, &lstrip, &rstrip) : 0;
+        if (!end) {
+            s[w] = s[i];
+            map[w++] = map[i++];
+            continue;
+        }
+        while (lstrip && w > last && ws_trail(s + last, w - last))
+            w -= ws_trail(s + last, w - last);
+        size_t ws = ws_lead(s + end, n - end);
+        for (size_t k = 0; !rstrip && k < ws; k++) {
+            s[w] = s[end + k];
+            map[w++] = map[end + k];
+        }
+        i = end + ws;
+        last = w;
+    }
+    return w;
+}
+
 /* transformers' settings: the template's one trailing newline dropped,
  * lstrip_blocks (blanks before a tag at the start of a line) and
  * trim_blocks (the newline after a block or comment tag), applied to the
@@ -265,6 +310,7 @@ static bool preprocess(struct lexer *L, const char *src, size_t n)
     }
     free(tmp);
     free(tmap);
+    k = drop_generation(L->s, L->map, k);
     L->s[k] = '\0';
     L->map[k] = n;
     L->n = k;

@@ -9,7 +9,8 @@
  * else, for (with a filter, else, tuple targets, loop.index/index0/revindex/
  * first/last/length/previtem/nextitem), break/continue, set (names,
  * attributes, tuples, blocks), macros with defaults and keyword arguments,
- * filter blocks, the usual filters, tests and string/mapping methods,
+ * filter blocks, generation markers (dropped), the usual filters, tests and
+ * string/mapping methods,
  * namespace(), range(), raise_exception() and strftime_now().
  *
  * Rendering is bounded: output bytes, nesting depth and evaluation steps
