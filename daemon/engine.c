@@ -1242,7 +1242,20 @@ static bool load(engine *e)
             snprintf(dst[i], sizeof(e->bos), "%s", s);
         free(s);
     }
-    chat_detect(tokenizer_chat_template(e->tok), &e->chat);
+    char why[TEXT_ERR_LEN], terr[TEXT_ERR_LEN];
+    if (chat_tpl_load(tokenizer_chat_template(e->tok), &e->chat, why, terr) != TEXT_OK) {
+        pthread_mutex_lock(&e->mu);
+        e->state = ENGINE_FAILED;
+        snprintf(e->state_msg, sizeof(e->state_msg), "%s", terr);
+        pthread_mutex_unlock(&e->mu);
+        return false;
+    }
+    if (why[0] && !strcmp(chat_tpl_kind(e->chat), "jinja"))
+        log_msg(LOG_WARN, "the tool_use chat template does not parse as Jinja (%s); the default one renders "
+                "requests with tools", why);
+    else if (why[0]) /* the sniffed family stands in for a template the Jinja engine cannot parse */
+        log_msg(LOG_WARN, "the chat template does not parse as Jinja (%s); rendering it as the \"%s\" family "
+                "instead", why, chat_tpl_kind(e->chat));
     /* With no room, decode_stream returns the size a token's text needs. */
     char none[1];
     for (int32_t id = 0; id < tokenizer_vocab_size(e->tok); id++) {
@@ -1287,7 +1300,7 @@ static void *engine_main(void *arg)
         publish(e, 0); /* /metrics shows the device bytes the model holds from the start */
         log_msg(LOG_INFO, "model %s loaded in %.1f s: %s, %d layers, vocab %d, context %d, chat template %s",
                 e->model_id, (clock_ms() - t) / 1e3, e->mc->arch_name, e->mc->n_layers, e->vocab, e->ctx,
-                chat_family_name(e->chat.family));
+                chat_tpl_kind(e->chat));
     }
     wake(e);
     if (ok)
@@ -1352,6 +1365,7 @@ void engine_free(engine *e)
     free_dead_sessions(e->sessions);
     runtime_close(&e->rt);
     gram_vocab_free(e->gvocab);
+    chat_tpl_free(e->chat);
     free(e->batch);
     free(e->batch_ch);
     free(e->batch_job);
@@ -1430,7 +1444,7 @@ const char *engine_eos_text(const engine *e)
     return e->eos;
 }
 
-const struct chat_template *engine_chat_template(const engine *e)
+const chat_tpl *engine_chat_template(const engine *e)
 {
-    return &e->chat;
+    return e->chat;
 }

@@ -226,7 +226,7 @@ size_t engine_max_piece(const engine *e);
 /* Special-token texts for chat templates ("" when the model has none). */
 const char *engine_bos_text(const engine *e);
 const char *engine_eos_text(const engine *e);
-const struct chat_template *engine_chat_template(const engine *e);
+const chat_tpl *engine_chat_template(const engine *e);
 
 void engine_lock(engine *e);
 void engine_unlock(engine *e);

@@ -81,7 +81,7 @@ struct engine {
     size_t max_piece;
     char model_id[128];
     char bos[64], eos[64];
-    struct chat_template chat;
+    chat_tpl *chat; /* loaded with the model */
     gram_vocab *gvocab; /* the tokenizer's token bytes, for constrained output */
 
     /* ---- engine thread: per-step scratch, sized once at load ---- */

@@ -15,7 +15,7 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
                                   struct ipc_error *err)
 {
     if (g->chat)
-        return render(s, g->msgs, g->n_msgs, g->tool_choice == IPC_TOOLS_NONE ? NULL : g->tools, true, ids, err);
+        return render(s, g->messages, g->tools, true, ids, err);
     if (g->text)
         return encode(s, g->text, g->text_len, true, "prompt", ids, err);
     ids->ids = malloc(g->n_ids * sizeof(*ids->ids));
@@ -38,15 +38,20 @@ static size_t shareable(struct server *s, const struct ipc_gen_req *g, const str
         return 0;
     if (m == REMOTE_SHARE_ALL)
         return SIZE_MAX;
-    size_t k = 0;
-    while (g->chat && k < g->n_msgs && g->msgs[k].role != CHAT_ROLE_USER)
-        k++;
+    json_t *head = g->chat ? json_array() : NULL; /* the messages before the first user message */
+    for (size_t k = 0; head && k < json_array_size(g->messages); k++) {
+        json_t *msg = json_array_get(g->messages, k);
+        const char *role = json_string_value(json_object_get(msg, "role"));
+        if ((role && !strcmp(role, "user")) || json_array_append(head, msg))
+            break; /* out of memory: a shorter head is still a prefix */
+    }
     struct tok_ids pre = {0};
     struct ipc_error err;
     size_t n = 0;
-    if (g->chat && k && render(s, g->msgs, k, NULL, false, &pre, &err) == IPC_OK)
+    if (json_array_size(head) && render(s, head, NULL, false, &pre, &err) == IPC_OK)
         while (n < pre.n && n < ids->n && pre.ids[n] == ids->ids[n])
             n++;
+    json_decref(head);
     free(pre.ids);
     return n;
 }
@@ -156,7 +161,7 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     if (g.tools && g.tool_choice != IPC_TOOLS_NONE) {
         r->tools = g.tools;
         /* a forced call is the grammar's bare object, which reads as Llama's */
-        bool bare = g.tool_choice >= IPC_TOOLS_REQUIRED || engine_chat_template(s->eng)->family == CHAT_LLAMA3;
+        bool bare = g.tool_choice >= IPC_TOOLS_REQUIRED || chat_tpl_bare_tool_calls(engine_chat_template(s->eng));
         r->tool_fmt = bare ? IPC_TOOLFMT_LLAMA : IPC_TOOLFMT_HERMES;
     }
     ipc_gen_req_release(&g);

@@ -42,7 +42,7 @@ static json_t *model_obj(const struct server *s)
                      "created", (json_int_t)s->started, "owned_by", "kvtier", "meta", "n_vocab", mc->vocab_size,
                      "n_ctx_train", mc->max_position_embeddings, "n_ctx", engine_context(e), "n_embd",
                      mc->hidden_size, "architecture", mc->arch_name, "chat_template",
-                     chat_family_name(engine_chat_template(e)->family));
+                     chat_tpl_kind(engine_chat_template(e)));
 }
 
 enum MHD_Result h_models(struct req *r, const char *arg)

@@ -7,6 +7,7 @@
  * whole reply body (r->prep.out) there too. */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "daemon/http.h"
 
@@ -37,80 +38,25 @@ enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_
     return ipc_fail(err, ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL, field, "%s: %s", field, msg);
 }
 
-/* The system text of Qwen2.5's own template when tools are given: the
- * conversation's system message (else the template's default), then the
- * tools, one JSON object a line, and how to call them. */
-static char *tools_system(const json_t *tools, const char *sys, size_t sys_len)
-{
-    static const char head[] = "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
-    static const char tail[] = "\n</tools>\n\nFor each function call, return a json object with function name and "
-                               "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
-                               "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
-    struct jw w;
-    jw_dynamic(&w);
-    jw_raw(&w, sys, sys_len);
-    if (sys_len)
-        jw_lit(&w, "\n\n");
-    jw_lit(&w, head);
-    for (size_t i = 0; i < json_array_size(tools); i++) {
-        char *t = json_dumps(json_array_get(tools, i), 0);
-        if (!t) {
-            free(w.p);
-            return NULL;
-        }
-        jw_lit(&w, "\n");
-        jw_lit(&w, t);
-        free(t);
-    }
-    jw_lit(&w, tail);
-    jw_raw(&w, "", 1);
-    if (w.failed) {
-        free(w.p);
-        return NULL;
-    }
-    return w.p;
-}
-
-static enum ipc_status render_text(struct server *s, const struct chat_msg *m, size_t n, const json_t *tools,
-                                   bool gen_prompt, char **text, size_t *len, struct ipc_error *err)
+static enum ipc_status render_text(struct server *s, const json_t *messages, const json_t *tools, bool gen_prompt,
+                                   char **text, size_t *len, struct ipc_error *err)
 {
     char msg[TEXT_ERR_LEN];
-    const struct chat_template *t = engine_chat_template(s->eng);
-    /* Only a ChatML template is given the tools, as Qwen2.5's writes them:
-     * the other families sniffed have no syntax for them. */
-    struct chat_msg *with = NULL;
-    if (tools && t->family == CHAT_CHATML) {
-        bool has_sys = n && m[0].role == CHAT_ROLE_SYSTEM;
-        const char *sys = has_sys ? m[0].content : t->default_system;
-        char *st = tools_system(tools, sys, has_sys ? m[0].len : strlen(sys));
-        with = st ? malloc((n + 1) * sizeof(*with)) : NULL;
-        if (!with) {
-            free(st);
-            return ipc_fail(err, IPC_ENOMEM, "tools", "no memory for the tools in the prompt");
-        }
-        with[0] = (struct chat_msg){CHAT_ROLE_SYSTEM, st, strlen(st), st};
-        memcpy(with + 1, m + has_sys, (n - has_sys) * sizeof(*m));
-        m = with;
-        n = n + 1 - has_sys;
-    }
-    enum text_status ts = chat_render(t, m, n, gen_prompt, engine_bos_text(s->eng), engine_eos_text(s->eng), text,
-                                      len, msg);
-    if (with)
-        free(with[0].owned);
-    free(with);
+    enum text_status ts = chat_tpl_render(engine_chat_template(s->eng), messages, tools, gen_prompt,
+                                          engine_bos_text(s->eng), engine_eos_text(s->eng), time(NULL), text, len,
+                                          msg);
     if (ts == TEXT_OK)
         return IPC_OK;
     enum ipc_status st = ts == TEXT_EUNSUPPORTED ? IPC_ENOTIMPL : ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL;
     return ipc_fail(err, st, "messages", "%s", msg);
 }
 
-enum ipc_status render(struct server *s, const struct chat_msg *m, size_t n, const json_t *tools, bool gen_prompt,
+enum ipc_status render(struct server *s, const json_t *messages, const json_t *tools, bool gen_prompt,
                        struct tok_ids *ids, struct ipc_error *err)
 {
     char *text;
     size_t len;
-    enum ipc_status st = render_text(s, m, n, tools, gen_prompt, &text, &len, err);
+    enum ipc_status st = render_text(s, messages, tools, gen_prompt, &text, &len, err);
     if (st != IPC_OK)
         return st;
     /* the template spells the special tokens out, so none are added */
@@ -241,8 +187,7 @@ enum ipc_status prep_apply_template(struct req *r)
     size_t len = 0;
     enum ipc_status st = ipc_gen_req_parse(r->root, true, &lim, &g, &r->prep.err);
     if (st == IPC_OK)
-        st = render_text(r->srv, g.msgs, g.n_msgs, g.tool_choice == IPC_TOOLS_NONE ? NULL : g.tools, true, &text, &len,
-                         &r->prep.err);
+        st = render_text(r->srv, g.messages, g.tools, true, &text, &len, &r->prep.err);
     ipc_gen_req_release(&g);
     if (st != IPC_OK)
         return st;

@@ -137,39 +137,39 @@ static enum ipc_status parse_stops(const json_t *v, struct ipc_gen_req *r, struc
     return IPC_OK;
 }
 
-static enum ipc_status parse_role(const json_t *v, size_t i, enum chat_role *role, struct ipc_error *err)
+/* The roles chat templates know; developer is OpenAI's new name for system. */
+static enum ipc_status parse_role(const json_t *v, size_t i, const char **role, struct ipc_error *err)
 {
-    static const struct {
-        const char *name;
-        int role; /* -1: known but not supported */
-    } roles[] = {{"system", CHAT_ROLE_SYSTEM}, {"developer", CHAT_ROLE_SYSTEM}, {"user", CHAT_ROLE_USER},
-                 {"assistant", CHAT_ROLE_ASSISTANT}, {"tool", CHAT_ROLE_USER}, {"function", -1}};
+    static const char *roles[] = {"system", "user", "assistant", "tool"};
     const char *s = json_string_value(v);
     if (!s)
         return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].role must be a string", i);
-    for (size_t k = 0; k < sizeof(roles) / sizeof(roles[0]); k++) {
-        if (strcmp(s, roles[k].name) != 0)
-            continue;
-        if (roles[k].role < 0)
-            return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu]: role \"%s\" (the deprecated function "
-                            "calling) is not supported; use tools", i, s);
-        *role = (enum chat_role)roles[k].role;
+    if (!strcmp(s, "developer")) {
+        *role = "system";
         return IPC_OK;
     }
+    for (size_t k = 0; k < sizeof(roles) / sizeof(roles[0]); k++)
+        if (!strcmp(s, roles[k])) {
+            *role = roles[k];
+            return IPC_OK;
+        }
+    if (!strcmp(s, "function"))
+        return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu]: role \"function\" (deprecated) is not "
+                        "supported; use \"tool\"", i);
     return ipc_fail(err, IPC_EINVAL, "messages",
                     "messages[%zu].role \"%.32s\" is not one of system, developer, user, assistant, tool", i, s);
 }
 
-/* content: a string, or an array of {"type":"text","text":...} parts joined. */
-static enum ipc_status parse_content(const json_t *v, size_t i, struct chat_msg *m, struct ipc_error *err)
+/* content: a string, null (an assistant's turn that only calls tools), or
+ * an array of {"type":"text","text":...} parts, joined into one string. */
+static enum ipc_status parse_content(const json_t *v, size_t i, const char *role, json_t **out, struct ipc_error *err)
 {
     if (json_is_string(v)) {
-        m->content = json_string_value(v);
-        m->len = json_string_length(v);
+        *out = json_incref((json_t *)v);
         return IPC_OK;
     }
-    if (json_is_null(v) && m->role == CHAT_ROLE_ASSISTANT) {
-        m->content = "";
+    if ((json_is_null(v) || !v) && !strcmp(role, "assistant")) {
+        *out = json_null();
         return IPC_OK;
     }
     if (!json_is_array(v))
@@ -189,71 +189,101 @@ static enum ipc_status parse_content(const json_t *v, size_t i, struct chat_msg 
             return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].content[%zu].text must be a string", i, k);
         total += json_string_length(t);
     }
-    m->owned = malloc(total + 1);
-    if (!m->owned)
+    char *joined = malloc(total + 1);
+    if (!joined)
         return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
     size_t off = 0;
     for (size_t k = 0; k < json_array_size(v); k++) {
         const json_t *t = json_object_get(json_array_get(v, k), "text");
-        memcpy(m->owned + off, json_string_value(t), json_string_length(t));
+        memcpy(joined + off, json_string_value(t), json_string_length(t));
         off += json_string_length(t);
     }
-    m->owned[off] = '\0';
-    m->content = m->owned;
-    m->len = off;
-    return IPC_OK;
+    *out = json_stringn(joined, off);
+    free(joined);
+    return *out ? IPC_OK : ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
 }
 
-/* Replaces m's content with pre + content + post (owned). */
-static enum ipc_status wrap_content(struct chat_msg *m, size_t i, const char *pre, const char *post,
-                                    struct ipc_error *err)
+/* tool_calls of an assistant message, OpenAI's shape.  Arguments arrive as
+ * a JSON string; templates (Llama 3.x) expect the object, as transformers
+ * documents, so one that parses is passed parsed. */
+static enum ipc_status parse_tool_calls(const json_t *v, size_t i, json_t **out, struct ipc_error *err)
 {
-    size_t a = strlen(pre), b = strlen(post);
-    char *p = malloc(a + m->len + b + 1);
-    if (!p)
-        return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
-    memcpy(p, pre, a);
-    memcpy(p + a, m->content, m->len);
-    memcpy(p + a + m->len, post, b + 1);
-    free(m->owned);
-    m->owned = p;
-    m->content = p;
-    m->len = a + m->len + b;
-    return IPC_OK;
-}
-
-/* An assistant turn's tool_calls, appended to its content as the
- * Hermes/Qwen convention writes them, one <tool_call> block each: what the
- * sniffed chat templates render (they have no tool syntax of their own). */
-static enum ipc_status append_tool_calls(const json_t *calls, size_t i, struct chat_msg *m, struct ipc_error *err)
-{
-    if (!json_is_array(calls))
+    if (!json_is_array(v))
         return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].tool_calls must be an array", i);
-    for (size_t k = 0; k < json_array_size(calls); k++) {
-        const json_t *c = json_array_get(calls, k), *f = json_object_get(c, "function");
-        const json_t *name = json_object_get(f, "name"), *args = json_object_get(f, "arguments");
-        json_t *parsed = json_is_string(args) ? json_loads(json_string_value(args), JSON_DECODE_ANY, NULL) : NULL;
-        bool ok = json_is_object(c) && json_is_string(name) && json_is_object(parsed);
+    json_t *calls = json_array();
+    if (!calls)
+        return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
+    for (size_t k = 0; k < json_array_size(v); k++) {
+        const json_t *c = json_array_get(v, k), *f = json_object_get(c, "function");
+        const json_t *args = json_object_get(f, "arguments");
+        if (!json_is_object(c) || !json_is_object(f) || !json_is_string(json_object_get(f, "name")) ||
+            (args && !json_is_string(args) && !json_is_object(args))) {
+            json_decref(calls);
+            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].tool_calls[%zu] must be {\"type\": "
+                            "\"function\", \"function\": {\"name\": string, \"arguments\": string}}", i, k);
+        }
+        json_t *copy = json_deep_copy(c), *parsed = NULL;
+        if (json_is_string(args))
+            parsed = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, NULL);
+        if (copy && json_is_object(parsed))
+            json_object_set(json_object_get(copy, "function"), "arguments", parsed);
         json_decref(parsed);
-        if (!ok)
-            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].tool_calls[%zu] must be {\"function\": "
-                            "{\"name\": string, \"arguments\": a JSON object as a string}}", i, k);
-        json_t *nm = json_string(json_string_value(name));
-        char *enc = nm ? json_dumps(nm, JSON_ENCODE_ANY) : NULL;
-        json_decref(nm);
-        size_t n = enc ? strlen(enc) + json_string_length(args) + 64 : 0;
-        char *block = enc ? malloc(n) : NULL;
-        if (block)
-            snprintf(block, n, "%s<tool_call>\n{\"name\": %s, \"arguments\": %s}\n</tool_call>", m->len ? "\n" : "",
-                     enc, json_string_value(args));
-        free(enc);
-        enum ipc_status st = block ? wrap_content(m, i, "", block, err)
-                                   : ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
-        free(block);
-        if (st != IPC_OK)
-            return st;
+        if (!copy || json_array_append_new(calls, copy)) {
+            json_decref(calls);
+            return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
+        }
     }
+    *out = calls;
     return IPC_OK;
+}
+
+/* One message as the chat template sees it: role, content and, when given,
+ * name, tool_calls, tool_call_id and reasoning_content. */
+static enum ipc_status parse_message(const json_t *m, size_t i, json_t *out, struct ipc_error *err)
+{
+    if (!json_is_object(m))
+        return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu] must be an object", i);
+    const char *key;
+    json_t *val;
+    json_object_foreach((json_t *)m, key, val)
+    {
+        if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name") && strcmp(key, "tool_calls") &&
+            strcmp(key, "tool_call_id") && strcmp(key, "reasoning_content"))
+            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu]: field \"%.32s\" is not supported", i, key);
+        if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "tool_calls") && !json_is_string(val) &&
+            !json_is_null(val))
+            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu].%s must be a string", i, key);
+    }
+    const char *role = "";
+    json_t *content = NULL, *calls = NULL;
+    enum ipc_status st = parse_role(json_object_get(m, "role"), i, &role, err);
+    if (st == IPC_OK)
+        st = parse_content(json_object_get(m, "content"), i, role, &content, err);
+    const json_t *tc = json_object_get(m, "tool_calls");
+    if (st == IPC_OK && tc && !json_is_null(tc)) {
+        if (strcmp(role, "assistant"))
+            st = ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu]: only an assistant message has tool_calls", i);
+        else
+            st = parse_tool_calls(tc, i, &calls, err);
+    }
+    if (st != IPC_OK) {
+        json_decref(content);
+        json_decref(calls);
+        return st;
+    }
+    /* json_object_set_new takes the value even when it fails */
+    bool oom = json_object_set_new(out, "role", json_string(role)) != 0;
+    oom |= json_object_set_new(out, "content", content) != 0;
+    oom |= calls && json_object_set_new(out, "tool_calls", calls) != 0;
+    if (oom)
+        st = ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
+    static const char *copied[] = {"name", "tool_call_id", "reasoning_content"};
+    for (size_t k = 0; st == IPC_OK && k < sizeof(copied) / sizeof(copied[0]); k++) {
+        json_t *x = json_object_get(m, copied[k]);
+        if (json_is_string(x) && json_object_set(out, copied[k], x))
+            st = ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages[%zu]", i);
+    }
+    return st;
 }
 
 static enum ipc_status parse_messages(const json_t *v, const struct ipc_limits *lim, struct ipc_gen_req *r,
@@ -264,34 +294,13 @@ static enum ipc_status parse_messages(const json_t *v, const struct ipc_limits *
     size_t n = json_array_size(v);
     if (n > (size_t)lim->max_messages)
         return ipc_fail(err, IPC_EINVAL, "messages", "messages has %zu entries; the limit is %d", n, lim->max_messages);
-    r->msgs = calloc(n, sizeof(*r->msgs));
-    if (!r->msgs)
+    if (!(r->messages = json_array()))
         return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for %zu messages", n);
     for (size_t i = 0; i < n; i++) {
-        const json_t *m = json_array_get(v, i);
-        if (!json_is_object(m))
-            return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu] must be an object", i);
-        const char *key;
-        json_t *val;
-        bool tool = str_is(json_object_get(m, "role"), "tool");
-        bool assistant = str_is(json_object_get(m, "role"), "assistant");
-        json_object_foreach((json_t *)m, key, val)
-        {
-            if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name") &&
-                !(tool && !strcmp(key, "tool_call_id")) && !(assistant && !strcmp(key, "tool_calls")))
-                return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu]: field \"%.32s\" is not supported", i,
-                                key);
-        }
-        enum ipc_status st = parse_role(json_object_get(m, "role"), i, &r->msgs[i].role, err);
-        r->n_msgs = i + 1; /* from here on release() frees this entry */
-        const json_t *calls = json_object_get(m, "tool_calls");
-        if (st == IPC_OK)
-            st = parse_content(json_object_get(m, "content"), i, &r->msgs[i], err);
-        /* a tool's result goes back as the user turn Hermes/Qwen templates write */
-        if (st == IPC_OK && tool)
-            st = wrap_content(&r->msgs[i], i, "<tool_response>\n", "\n</tool_response>", err);
-        if (st == IPC_OK && calls && !json_is_null(calls))
-            st = append_tool_calls(calls, i, &r->msgs[i], err);
+        json_t *m = json_object();
+        if (!m || json_array_append_new(r->messages, m))
+            return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for %zu messages", n);
+        enum ipc_status st = parse_message(json_array_get(v, i), i, m, err);
         if (st != IPC_OK)
             return st;
     }
@@ -936,13 +945,15 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     enum ipc_status rst = read_repeat(root, out, lim, err);
     if (rst != IPC_OK)
         return rst;
-    if (chat ? !out->msgs : !out->text && !out->ids)
+    if (chat ? !out->messages : !out->text && !out->ids)
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
     enum ipc_status tst = chat ? tool_choice(root, out, err) : IPC_OK;
     if (tst != IPC_OK)
         return tst;
+    if (out->tool_choice == IPC_TOOLS_NONE)
+        out->tools = NULL; /* hidden from the template, so no call is read back either */
     /* a grammar masks what gen_seq samples: beams pick their own tokens,
      * and a document that never ends has no grammar */
     const char *why = out->num_beams > 1 ? "num_beams" : out->ignore_eos ? "ignore_eos" : NULL;
@@ -970,12 +981,9 @@ void ipc_gen_req_release(struct ipc_gen_req *r)
     gram_free(r->grammar);
     r->grammar = NULL;
     free(r->ids);
-    for (size_t i = 0; i < r->n_msgs; i++)
-        free(r->msgs[i].owned);
-    free(r->msgs);
+    json_decref(r->messages);
     r->ids = NULL;
-    r->msgs = NULL;
-    r->n_msgs = 0;
+    r->messages = NULL;
 }
 
 enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limits *lim, struct ipc_session_req *out,

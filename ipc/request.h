@@ -22,7 +22,6 @@
 
 #include "ipc/cache.h"
 #include "ipc/status.h"
-#include "text/chat.h"
 #include "text/grammar.h"
 #include "model/beam.h"
 #include "model/generate.h"
@@ -64,8 +63,7 @@ struct ipc_gen_req {
     size_t text_len;
     int32_t *ids;
     size_t n_ids;
-    struct chat_msg *msgs;
-    size_t n_msgs;
+    json_t *messages;     /* owned: role, content (a string or null), tool_calls, ... */
     int max_tokens; /* -1: not given */
     struct sampler_params sampling;
     bool has_seed;
@@ -89,7 +87,7 @@ struct ipc_gen_req {
     /* constrained output (owned): response_format json_object/json_schema,
      * or the call tool_choice required/named forces; NULL: free text */
     gram *grammar;
-    const json_t *tools; /* the tools array, NULL: none */
+    const json_t *tools; /* borrowed: the tools array; NULL: none, an empty list, or tool_choice none */
     enum ipc_tool_choice tool_choice;
 };
 

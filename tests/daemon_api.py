@@ -160,7 +160,16 @@ check(code == 404 and r["error"]["code"] == "model_not_found", "GET /v1/models/{
 code, r = d.post("/tokenize", {"content": "x", "model": "other"})
 check(code == 404 and r["error"]["param"] == "model", "/tokenize naming another model -> 404")
 code, e = d.post("/v1/chat/completions", dict(chat, tools=[{"type": "function"}]))
-check(code == 400 and e["error"]["param"] == "tools", "a tool without a function -> 400 naming tools")
+check(code == 400 and e["error"]["param"] == "tools", "a malformed tool -> 400")
+# the model's own Jinja template renders tool calls and results (its text, not a sniffed family's)
+tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+conv = [{"role": "user", "content": "Call f"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+code, p = d.post("/apply-template", {"messages": conv, "tools": tools})
+check(code == 200 and p["prompt"].endswith("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"),
+      "apply-template with tool calls and a tool result: %s" % (p.get("prompt") or p)[-80:])
 
 # sessions: the second turn computes only its new tokens
 system = "You are terse."

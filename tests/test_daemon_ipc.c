@@ -353,6 +353,10 @@ static void test_request(void **state)
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":"
          "{\"name\":\"f\",\"parameters\":{\"type\":\"object\",\"oneOf\":[]}}}],\"tool_choice\":\"required\"}", true,
          IPC_EINVAL, "tools"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\"}]}", true,
+         IPC_EINVAL, "tools"},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"function\":{}}]}]}", true,
+         IPC_EINVAL, "messages"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":1}", true, IPC_EINVAL,
          "top_logprobs"},
         {"{\"messages\":[1,2,3,4,5,6,7,8,9]}", true, IPC_EINVAL, "messages"},
@@ -422,7 +426,28 @@ static void test_request(void **state)
     /* content parts are joined */
     assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"ab\"},"
                            "{\"type\":\"text\",\"text\":\"cd\"}]}]}", true, &r, &err, &root), IPC_OK);
-    assert_string_equal(r.msgs[0].content, "abcd");
+    assert_string_equal(json_string_value(json_object_get(json_array_get(r.messages, 0), "content")), "abcd");
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    /* tools reach the template as given; a tool call's JSON arguments are parsed; developer is system */
+    assert_int_equal(parse("{\"messages\":[{\"role\":\"developer\",\"content\":\"s\"},"
+                           "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+                           "\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\": 1}\"}}]},"
+                           "{\"role\":\"tool\",\"tool_call_id\":\"c\",\"content\":\"1\"}],"
+                           "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"auto\"}",
+                           true, &r, &err, &root), IPC_OK);
+    char *dump = json_dumps(r.messages, JSON_COMPACT);
+    assert_string_equal(dump, "[{\"role\":\"system\",\"content\":\"s\"},{\"role\":\"assistant\",\"content\":null,"
+                              "\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\",\"function\":{\"name\":\"f\","
+                              "\"arguments\":{\"a\":1}}}]},{\"role\":\"tool\",\"content\":\"1\",\"tool_call_id\":\"c\"}]");
+    free(dump);
+    assert_int_equal(json_array_size(r.tools), 1);
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":"
+                           "\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"none\"}", true, &r, &err, &root),
+                     IPC_OK);
+    assert_null(r.tools);
     ipc_gen_req_release(&r);
     json_decref(root);
     /* tool turns in the Hermes convention; a forced call compiles a grammar */

@@ -448,7 +448,13 @@ static void test_bos_rules(void **state)
                                                                "bos_token", "<bos>", "eos_token", "<eos>",
                                                                "chat_template", "{{ messages }}"));
     EXPECT_IDS(cfg, "he", true, 300, M_HE);
-    assert_string_equal(tokenizer_chat_template(cfg), "{{ messages }}");
+    assert_string_equal(json_string_value(tokenizer_chat_template(cfg)), "{{ messages }}");
+    /* a list of named templates is kept whole: the chat layer picks default or tool_use */
+    tokenizer *named = load_json(json_deep_copy(bare), json_pack("{s:[{s:s,s:s},{s:s,s:s}]}", "chat_template", "name",
+                                                                 "default", "template", "D", "name", "tool_use",
+                                                                 "template", "T"));
+    assert_int_equal(json_array_size(tokenizer_chat_template(named)), 2);
+    tokenizer_free(named);
     tokenizer *none = load_json(bare, NULL);
     EXPECT_IDS(none, "he", true, M_HE);
     assert_null(tokenizer_chat_template(none));
@@ -519,6 +525,9 @@ static void test_malformed(void **state)
          TEXT_EFORMAT, "tokenizer.json:1:"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", TEXT_EFORMAT, "bos_token \"<s>\""},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"add_bos_token\": ", TEXT_EFORMAT, "tokenizer_config.json:1:"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"chat_template\": [{\"name\": \"default\"}]}", TEXT_EFORMAT,
+         "chat_template is neither"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"chat_template\": 7}", TEXT_EFORMAT, "chat_template is neither"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char err[TEXT_ERR_LEN];

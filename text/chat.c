@@ -1,4 +1,5 @@
 #include "text/chat.h"
+#include "text/jinja.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -229,4 +230,179 @@ enum text_status chat_render(const struct chat_template *t, const struct chat_ms
     *out = b.p;
     *len = b.n;
     return TEXT_OK;
+}
+
+/* ---- the model's template ---------------------------------------------------- */
+
+struct chat_tpl {
+    jinja_tpl *dflt, *tool_use;  /* NULL when the fallback renders */
+    struct chat_template family; /* the fallback */
+    bool bare_calls;             /* Llama 3 headers: calls are written as bare JSON */
+};
+
+void chat_tpl_free(chat_tpl *t)
+{
+    if (!t)
+        return;
+    jinja_free(t->dflt);
+    jinja_free(t->tool_use);
+    free(t);
+}
+
+const char *chat_tpl_kind(const chat_tpl *t)
+{
+    return !t ? "none" : t->dflt ? "jinja" : chat_family_name(t->family.family);
+}
+
+bool chat_tpl_bare_tool_calls(const chat_tpl *t)
+{
+    return t && t->bare_calls;
+}
+
+enum text_status chat_tpl_load(const json_t *value, chat_tpl **out, char *why, char *err)
+{
+    *out = NULL;
+    why[0] = '\0';
+    const char *dflt = json_string_value(value), *tool_use = NULL;
+    if (json_is_array(value)) {
+        size_t i;
+        const json_t *e;
+        json_array_foreach(value, i, e)
+        {
+            const char *name = json_string_value(json_object_get(e, "name"));
+            const char *src = json_string_value(json_object_get(e, "template"));
+            if (!name || !src)
+                return text_errf(err, TEXT_EFORMAT, "chat_template[%zu] is not a {name, template} object", i);
+            if (!strcmp(name, "default"))
+                dflt = src;
+            else if (!strcmp(name, "tool_use"))
+                tool_use = src;
+        }
+        if (!dflt) /* a list without "default": transformers then needs a name, the first one will do */
+            dflt = json_string_value(json_object_get(json_array_get(value, 0), "template"));
+    } else if (value && !json_is_null(value) && !dflt) {
+        return text_errf(err, TEXT_EFORMAT, "chat_template is neither a string nor a list of named templates");
+    }
+    chat_tpl *t = calloc(1, sizeof(*t));
+    if (!t)
+        return text_errf(err, TEXT_ENOMEM, "no memory for the chat template");
+    /* why says what did not parse: for the default the families may still
+     * know the template; without tool_use the default renders tools too */
+    enum text_status st = dflt ? jinja_parse(dflt, strlen(dflt), &t->dflt, why) : TEXT_OK;
+    if (st == TEXT_OK && tool_use)
+        st = jinja_parse(tool_use, strlen(tool_use), &t->tool_use, why);
+    if (st == TEXT_ENOMEM) {
+        chat_tpl_free(t);
+        return text_errf(err, TEXT_ENOMEM, "no memory for the chat template");
+    }
+    if (!t->dflt)
+        chat_detect(dflt, &t->family);
+    t->bare_calls = (dflt && strstr(dflt, "<|start_header_id|>")) || (tool_use && strstr(tool_use, "<|start_header_id|>"));
+    *out = t;
+    return TEXT_OK;
+}
+
+static json_t *str_or_empty(const char *s)
+{
+    return json_string(s ? s : "");
+}
+
+json_t *chat_vars(const json_t *messages, const json_t *tools, bool add_generation_prompt, const char *bos,
+                  const char *eos)
+{
+    json_t *v = json_pack("{sosbsoso}", "messages", messages ? json_incref((json_t *)messages) : json_array(),
+                          "add_generation_prompt", add_generation_prompt, "bos_token", str_or_empty(bos),
+                          "eos_token", str_or_empty(eos));
+    if (v && json_is_array(tools) && json_object_set(v, "tools", (json_t *)tools)) {
+        json_decref(v);
+        return NULL;
+    }
+    return v;
+}
+
+/* The fallback families take roles and texts only. */
+static enum text_status to_msgs(const json_t *messages, struct chat_msg **out, size_t *n, char *err)
+{
+    *n = json_array_size(messages);
+    *out = calloc(*n ? *n : 1, sizeof(**out));
+    if (!*out)
+        return text_errf(err, TEXT_ENOMEM, "no memory for the messages");
+    for (size_t i = 0; i < *n; i++) {
+        const json_t *m = json_array_get(messages, i);
+        const char *role = json_string_value(json_object_get(m, "role"));
+        const json_t *c = json_object_get(m, "content");
+        size_t k = 0;
+        while (k < 3 && (!role || strcmp(role, role_names[k])))
+            k++;
+        if (k == 3 || (!json_is_string(c) && !json_is_null(c) && c) || json_object_get(m, "tool_calls")) {
+            free(*out);
+            *out = NULL;
+            return text_errf(err, TEXT_EUNSUPPORTED, "messages[%zu]: this model's template (%s, recognised by its "
+                             "markers) renders text messages of the system, user and assistant roles only", i,
+                             role ? role : "no role");
+        }
+        (*out)[i] = (struct chat_msg){(enum chat_role)k, json_is_string(c) ? json_string_value(c) : "",
+                                      json_string_length(c), NULL};
+    }
+    return TEXT_OK;
+}
+
+/* messages with every null content replaced by "", or NULL when none is null. */
+static json_t *with_empty_content(const json_t *messages)
+{
+    bool any = false;
+    for (size_t i = 0; i < json_array_size(messages); i++)
+        any |= json_is_null(json_object_get(json_array_get(messages, i), "content"));
+    json_t *copy = any ? json_deep_copy(messages) : NULL;
+    for (size_t i = 0; copy && i < json_array_size(copy); i++) {
+        json_t *m = json_array_get(copy, i);
+        if (json_is_null(json_object_get(m, "content")) && json_object_set_new(m, "content", json_string(""))) {
+            json_decref(copy);
+            copy = NULL;
+        }
+    }
+    return copy;
+}
+
+enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, const json_t *tools,
+                                 bool add_generation_prompt, const char *bos, const char *eos, time_t now,
+                                 char **out, size_t *len, char *err)
+{
+    *out = NULL;
+    *len = 0;
+    if (!t)
+        return text_errf(err, TEXT_EUNSUPPORTED, "cannot render chat: the model is not loaded");
+    if (!t->dflt) {
+        struct chat_msg *m;
+        size_t n;
+        if (t->family.family == CHAT_NONE)
+            return text_errf(err, TEXT_EUNSUPPORTED, "cannot render chat: %s", t->family.why);
+        enum text_status st = to_msgs(messages, &m, &n, err);
+        if (st == TEXT_OK)
+            st = chat_render(&t->family, m, n, add_generation_prompt, bos, eos, out, len, err);
+        free(m);
+        return st;
+    }
+    bool with_tools = json_array_size(tools) > 0;
+    json_t *vars = chat_vars(messages, with_tools ? tools : NULL, add_generation_prompt, bos, eos);
+    if (!vars)
+        return text_errf(err, TEXT_ENOMEM, "no memory to render the chat template");
+    struct jinja_opts o = {.now = now};
+    const jinja_tpl *tpl = with_tools && t->tool_use ? t->tool_use : t->dflt;
+    enum text_status st = jinja_render(tpl, vars, &o, out, len, err);
+    json_decref(vars);
+    /* OpenAI clients send an assistant turn that only calls tools with
+     * content null; templates written for strings (Qwen3's `in
+     * message.content`) fail on it.  Such a template gets "" instead, as
+     * llama.cpp does, while one that tests `content is none` keeps null. */
+    json_t *copy = st == TEXT_EINVAL ? with_empty_content(messages) : NULL;
+    if (copy) {
+        char err2[TEXT_ERR_LEN];
+        vars = chat_vars(copy, with_tools ? tools : NULL, add_generation_prompt, bos, eos);
+        if (vars && jinja_render(tpl, vars, &o, out, len, err2) == TEXT_OK)
+            st = TEXT_OK;
+        json_decref(vars);
+        json_decref(copy);
+    }
+    return st;
 }

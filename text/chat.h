@@ -1,14 +1,18 @@
-/* chat.h - chat templates of the families kvtier can render, recognised from
- * tokenizer_config.json's chat_template by the markers each family uses (as
- * llama.cpp does; there is no Jinja engine).  A template that matches no
- * family, or one whose extras kvtier would have to guess (Llama-3.1 dates,
- * Qwen3 thinking), is refused with a clear error.
+/* chat.h - chat templates: the model's own Jinja chat_template from
+ * tokenizer_config.json, rendered by text/jinja over the request's messages
+ * and tools (struct chat_tpl).  A template the Jinja engine cannot parse
+ * falls back to the families kvtier recognises by their markers (as
+ * llama.cpp does): struct chat_template and chat_render below, which a
+ * template that matches no family, or one whose extras kvtier would have
+ * to guess (Llama-3.1 dates, Qwen3 thinking), refuses with a clear error.
  */
 #ifndef KVTIER_TEXT_CHAT_H
 #define KVTIER_TEXT_CHAT_H
 
+#include <jansson.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <time.h>
 
 #include "text/status.h"
 
@@ -49,5 +53,41 @@ const char *chat_family_name(enum chat_family f);
 enum text_status chat_render(const struct chat_template *t, const struct chat_msg *msgs, size_t n,
                              bool add_generation_prompt, const char *bos, const char *eos, char **out, size_t *len,
                              char *err);
+
+/* ---- the model's template ---------------------------------------------------- */
+
+typedef struct chat_tpl chat_tpl;
+
+/* value: tokenizer_config.json's chat_template (a string, or a list of
+ * {"name", "template"} of which "default" and "tool_use" are used), or NULL.
+ * A template that does not parse as Jinja is logged by the caller (why says
+ * why) and falls back to family sniffing; a missing one loads as a template
+ * that refuses to render.  Errors: TEXT_EFORMAT for a malformed value,
+ * TEXT_ENOMEM. */
+enum text_status chat_tpl_load(const json_t *value, chat_tpl **out, char *why, char *err);
+void chat_tpl_free(chat_tpl *t);
+/* "jinja", a fallback family's name ("chatml", ...), or "none" (also for NULL). */
+const char *chat_tpl_kind(const chat_tpl *t);
+/* How the model writes a tool call: true for Llama 3's templates (bare JSON,
+ * {"name", "parameters"}), false for the rest (Hermes/Qwen <tool_call>
+ * blocks).  The template's header markers say which. */
+bool chat_tpl_bare_tool_calls(const chat_tpl *t);
+
+/* The variables a template sees: messages, tools (only when tools is an
+ * array; templates test `tools is defined`/`if tools`), add_generation_prompt,
+ * bos_token and eos_token.  NULL when out of memory. */
+json_t *chat_vars(const json_t *messages, const json_t *tools, bool add_generation_prompt, const char *bos,
+                  const char *eos);
+
+/* Renders messages (a JSON array of {role, content, tool_calls, ...}) and
+ * tools (NULL or a JSON array) as the prompt text (malloc'd, NUL-terminated)
+ * with the template named "tool_use" when there are tools and the model has
+ * one, else its default.  now is what strftime_now() formats.  Errors:
+ * TEXT_EUNSUPPORTED when the model has no usable template, TEXT_EINVAL for a
+ * conversation the template rejects (raise_exception's message, roles out of
+ * order), TEXT_ENOMEM; err says why. */
+enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, const json_t *tools,
+                                 bool add_generation_prompt, const char *bos, const char *eos, time_t now,
+                                 char **out, size_t *len, char *err);
 
 #endif

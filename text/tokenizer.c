@@ -870,22 +870,17 @@ static enum text_status load_config(struct loader *L, json_t *cfg)
     if (!L->has_template && add_eos && t->eos_id >= 0)
         TRY(ids_push(L, &t->suffix_ids, &t->n_suffix, t->eos_id));
 
+    /* a string, or a list of named templates (chat_tpl_load picks among them) */
     json_t *tpl = json_object_get(cfg, "chat_template");
-    if (json_is_array(tpl)) {
-        /* A list of named templates: "default" or else the first. */
-        json_t *pick = json_array_get(tpl, 0), *e;
-        size_t i;
-        json_array_foreach(tpl, i, e) {
-            if (json_is_string(json_object_get(e, "name")) && !strcmp(json_string_value(json_object_get(e, "name")), "default"))
-                pick = e;
-        }
-        tpl = json_object_get(pick, "template");
-    }
     if (tpl && !json_is_null(tpl)) {
-        if (!json_is_string(tpl))
-            return LFAIL(L, TEXT_EFORMAT, "%s: chat_template is not a string", L->file);
-        if (!(t->chat_template = strdup(json_string_value(tpl))))
-            return oom(L);
+        bool ok = json_is_string(tpl) || (json_is_array(tpl) && json_array_size(tpl));
+        for (size_t i = 0; ok && json_is_array(tpl) && i < json_array_size(tpl); i++)
+            ok = json_is_string(json_object_get(json_array_get(tpl, i), "name")) &&
+                 json_is_string(json_object_get(json_array_get(tpl, i), "template"));
+        if (!ok)
+            return LFAIL(L, TEXT_EFORMAT, "%s: chat_template is neither a string nor a list of {name, template}",
+                         L->file);
+        t->chat_template = json_incref(tpl);
     }
     return TEXT_OK;
 }
@@ -1134,7 +1129,7 @@ void tokenizer_free(tokenizer *t)
     free(t->norm);
     free(t->prefix_ids);
     free(t->suffix_ids);
-    free(t->chat_template);
+    json_decref(t->chat_template);
     free(t);
 }
 
@@ -1153,7 +1148,7 @@ int32_t tokenizer_eos_id(const tokenizer *t)
     return t->eos_id;
 }
 
-const char *tokenizer_chat_template(const tokenizer *t)
+const json_t *tokenizer_chat_template(const tokenizer *t)
 {
     return t->chat_template;
 }

@@ -9,6 +9,7 @@
 #ifndef KVTIER_TOKENIZER_H
 #define KVTIER_TOKENIZER_H
 
+#include <jansson.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -34,8 +35,9 @@ void tokenizer_free(tokenizer *t); /* accepts NULL */
 int tokenizer_vocab_size(const tokenizer *t);
 int32_t tokenizer_bos_id(const tokenizer *t); /* -1 when none */
 int32_t tokenizer_eos_id(const tokenizer *t); /* -1 when none */
-/* tokenizer_config.json's chat_template, or NULL. */
-const char *tokenizer_chat_template(const tokenizer *t);
+/* tokenizer_config.json's chat_template (a string or a list of {name,
+ * template}), or NULL. */
+const json_t *tokenizer_chat_template(const tokenizer *t);
 
 /* Appends the ids of text[0..len) to out.  add_special: add BOS/EOS as the
  * tokenizer's post-processor / tokenizer_config.json say (add_bos_token).

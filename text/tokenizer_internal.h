@@ -108,7 +108,7 @@ struct tokenizer {
     bool strip_first_space; /* the decoder drops the output's leading space */
 
     int32_t bos_id, eos_id;
-    char *chat_template;
+    json_t *chat_template; /* a string or a list of {name, template} */
 };
 
 /* Id of the model-vocab piece s[0..n), or -1. */

@@ -58,14 +58,19 @@ static void check_gen(const struct ipc_gen_req *r, bool chat, const struct ipc_l
 {
     FUZZ_CHECK(r->chat == chat, "chat flag");
     if (chat) {
-        FUZZ_CHECK(r->msgs && r->n_msgs >= 1 && r->n_msgs <= (size_t)lim->max_messages, "%zu messages", r->n_msgs);
-        for (size_t i = 0; i < r->n_msgs; i++) {
-            const struct chat_msg *m = &r->msgs[i];
-            FUZZ_CHECK(m->content, "messages[%zu] has no content", i);
-            FUZZ_CHECK(m->role == CHAT_ROLE_SYSTEM || m->role == CHAT_ROLE_USER || m->role == CHAT_ROLE_ASSISTANT,
-                       "messages[%zu].role %d", i, (int)m->role);
-            FUZZ_CHECK(m->len == strlen(m->content) || memchr(m->content, 0, m->len), "messages[%zu] length", i);
+        size_t n = json_array_size(r->messages);
+        FUZZ_CHECK(n >= 1 && n <= (size_t)lim->max_messages, "%zu messages", n);
+        for (size_t i = 0; i < n; i++) {
+            const json_t *m = json_array_get(r->messages, i), *c = json_object_get(m, "content");
+            const char *role = json_string_value(json_object_get(m, "role"));
+            FUZZ_CHECK(role && (!strcmp(role, "system") || !strcmp(role, "user") || !strcmp(role, "assistant") ||
+                                !strcmp(role, "tool")), "messages[%zu].role", i);
+            FUZZ_CHECK(json_is_string(c) || (json_is_null(c) && !strcmp(role, "assistant")),
+                       "messages[%zu] content", i);
+            FUZZ_CHECK(!json_object_get(m, "tool_calls") || json_is_array(json_object_get(m, "tool_calls")),
+                       "messages[%zu] tool_calls", i);
         }
+        FUZZ_CHECK(!r->tools || (json_is_array(r->tools) && json_array_size(r->tools)), "tools");
     } else {
         FUZZ_CHECK(r->text || r->ids, "no prompt");
         check_ids(r->ids, r->n_ids, lim);

@@ -51,9 +51,12 @@ static void check_tokenizer(const tokenizer *t)
         FUZZ_CHECK(fuzz_utf8_valid((const unsigned char *)out, len), "id %d decodes to invalid UTF-8", id);
         free(out);
     }
-    struct chat_template ct;
-    chat_detect(tokenizer_chat_template(t), &ct);
-    FUZZ_CHECK(ct.family != CHAT_NONE || ct.why[0], "template refused without a reason");
+    /* the tokenizer accepted the chat_template's shape, so it loads (parsed, or sniffed) */
+    chat_tpl *ct = NULL;
+    char why[TEXT_ERR_LEN], terr[TEXT_ERR_LEN];
+    enum text_status cst = chat_tpl_load(tokenizer_chat_template(t), &ct, why, terr);
+    FUZZ_CHECK(cst == TEXT_OK || cst == TEXT_ENOMEM, "chat template refused: %s", terr);
+    chat_tpl_free(ct);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
