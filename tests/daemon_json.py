@@ -152,10 +152,11 @@ check(code == 200 and r["choices"][0]["message"]["role"] == "assistant",
       "tool and assistant tool_calls turns are accepted: %s" % r)
 code, r = d.post("/apply-template", {"messages": conv, "tools": tools})
 p = r.get("prompt", "")
-check(code == 200 and "Be brief.\n\n# Tools" in p and "<tools>\n{\"type\": \"function\"" in p
-      and "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"c\"}}\n</tool_call>"
-      in p and "<|im_start|>user\n<tool_response>\n21 degrees\n</tool_response><|im_end|>" in p,
-      "the ChatML prompt holds the tools, the call and the tool's response: %r" % p)
+# the model's own template renders the turns (the built-in one has no tool
+# syntax: the tools themselves reach templates that have one, tests/jinja)
+check(code == 200 and "<|im_start|>system\nBe brief.<|im_end|>" in p
+      and "<|im_start|>tool\n21 degrees<|im_end|>\n<|im_start|>assistant\n" in p,
+      "the model's template renders the call and the tool's response: %r" % p)
 
 for tc, why in (({"type": "function", "function": {"name": "nope"}}, "not in tools"), ("required", "tools")):
     b = {"messages": msgs, "tool_choice": tc}
