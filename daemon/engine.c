@@ -748,6 +748,22 @@ static void publish_choice_locked(engine *e, struct job_choice *c)
 
 static void publish(engine *e, int nb)
 {
+    /* a job's choices share the batch: each job is summed once, before the lock */
+    e->pub_round++;
+    for (int i = 0; i < nb; i++) {
+        struct job *j = e->batch_job[i];
+        if (j->kv_round == e->pub_round)
+            continue;
+        j->kv_round = e->pub_round;
+        j->kv_step = (struct kv_seq_stats){0};
+        bool any = false;
+        for (int k = 0; k < j->n; k++) {
+            if (j->ch[k].kv) {
+                add_kv_stats(&j->kv_step, j->ch[k].kv, !any);
+                any = true;
+            }
+        }
+    }
     struct kv_store_stats ks = kv_store_stats(e->store);
     struct be_mem_stats ms = be_mem_stats(e->rt.be);
     struct kv_disk_stats ds = e->disk ? kv_disk_stats(e->disk) : (struct kv_disk_stats){0};
@@ -764,8 +780,10 @@ static void publish(engine *e, int nb)
     e->st.prefix_evictions = ks.prefix_evictions;
     if (e->disk)
         e->st.disk = ds;
-    for (int i = 0; i < nb; i++)
+    for (int i = 0; i < nb; i++) {
         publish_choice_locked(e, e->batch_ch[i]);
+        e->batch_job[i]->kv_now = e->batch_job[i]->kv_step;
+    }
     e->st.steps += nb > 0;
     pthread_mutex_unlock(&e->mu);
 }

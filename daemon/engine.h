@@ -172,6 +172,9 @@ struct job {
     bool cancelled;  /* the loop thread's: engine_cancel, engine_cancel_locked */
     bool done;       /* the engine thread's: job_done, job_done_locked */
     struct job_result res; /* the engine thread's: job_result */
+    /* the engine thread's (publish): its choices' KV as of the last step it
+     * took part in, summed like res.kv, for GET /v1/requests */
+    struct kv_seq_stats kv_now;
     /* ---- engine-private (engine_submit links it in, under the lock) ---- */
     struct job *next;
     struct session *sess;
@@ -187,6 +190,8 @@ struct job {
     beam_search *bs;         /* beam search's decisions */
     int32_t eos[MODEL_MAX_EOS + 1];
     uint64_t freed_copied;   /* copied_bytes of the beams' sequences freed so far */
+    uint64_t kv_round;       /* the publish() round kv_step was summed in */
+    struct kv_seq_stats kv_step; /* kv_now's next value, summed outside the lock */
     int n;
     struct job_choice ch[];
 };

@@ -67,6 +67,7 @@ struct engine {
     int n_sessions;
     struct engine_stats st;
     uint64_t order;
+    uint64_t pub_round; /* engine thread: publish() calls, so a job's KV is summed once per step */
 
     /* ---- lock-free: the engine thread records, any thread reads ---- */
     struct engine_hists hists;

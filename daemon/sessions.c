@@ -209,9 +209,15 @@ static json_t *request_to_json(const struct job *j, const char *state)
     int gen = 0;
     for (int i = 0; i < j->n; i++)
         gen += job_progress(j, i).n_gen;
-    return json_pack("{s:I, s:s, s:s?, s:I, s:i, s:i, s:i, s:s}", "id", (json_int_t)j->order, "state", state, "session",
-                     j->session_id[0] ? j->session_id : NULL, "prompt_tokens", (json_int_t)j->n_prompt,
-                     "generated_tokens", gen, "max_tokens", j->max_new, "choices", j->n, "strategy", j->cache.name);
+    /* a running request's KV is never on disk (only an idle session's is);
+     * overlap as in the response's prefetch object, once a step streamed */
+    const struct kv_seq_stats *k = &j->kv_now;
+    json_t *overlap = k->xfer.transfer_s > 0 ? json_real(1.0 - k->xfer.stall_s / k->xfer.transfer_s) : json_null();
+    return json_pack("{s:I, s:s, s:s?, s:I, s:i, s:i, s:i, s:s, s:{s:I, s:I, s:i}, s:o}", "id", (json_int_t)j->order,
+                     "state", state, "session", j->session_id[0] ? j->session_id : NULL, "prompt_tokens",
+                     (json_int_t)j->n_prompt, "generated_tokens", gen, "max_tokens", j->max_new, "choices", j->n,
+                     "strategy", j->cache.name, "bytes", "device", (json_int_t)k->dev_bytes, "host",
+                     (json_int_t)k->host_bytes, "disk", 0, "overlap", overlap);
 }
 
 json_t *engine_request_list(engine *e, uid_t uid)

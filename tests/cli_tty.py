@@ -208,6 +208,9 @@ try:
     screen = pane("top")
     check(all(t in screen for t in ("TIER", "device", "host", "disk", " of ", "SESSION", "REQUEST")),
           "top: tier totals against budgets, the session and request tables")
+    req_head = [ln.split() for ln in screen.splitlines() if ln.startswith("REQUEST ")]
+    check(req_head and req_head[0][6:10] == ["DEVICE", "HOST", "DISK", "OVERLAP"],
+          "top: the request table's KV per tier and prefetch overlap columns (%s)" % req_head)
     tmux("send-keys", "-t", "top", "q")
     wait_for("top to quit on q", lambda: "kvtier-exit=" in pane("top"))
     check("kvtier-exit=0" in pane("top"), "top: q quits, exit 0")

@@ -4,10 +4,13 @@ the unconstrained run's tokens and reports the fallback (response, /metrics);
 the offloaded strategies give the same tokens with their prefetch figures;
 host-tier exhaustion (--host-mem) is a 507 naming the budget, the session's
 KV stays intact and the daemon keeps serving."""
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 sys.path.insert(0, "tests")
 from daemon_harness import Daemon, check, skip  # noqa: E402
@@ -67,6 +70,38 @@ check(same["static"]["bytes"]["device"] >= 512 * KV_PER_TOKEN and same["static"]
       "static: max_cache_len preallocated on the device")
 check(same["offloaded adaptive"]["resident_layers"] == 8 and same["offloaded adaptive"]["streamed_layers"] == 0,
       "adaptive with room for everything keeps every layer resident")
+
+
+def running_request(d, cache):
+    """GET /v1/requests' entry for a sessionless stream of 8 choices, once
+    it has generated (2x1000 tokens each: still running when read), then
+    the stream is dropped, which cancels it."""
+    conn = d.conn()
+    conn.request("POST", "/v1/completions", json.dumps(dict(req, max_tokens=1000, n=8, stream=True, cache=cache,
+                                                            return_tokens=False)),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.fp.readline()
+    found, t = None, time.time()
+    while found is None and time.time() < t + 30:
+        rows = [q for q in d.get("/v1/requests")[1]["data"] if q["state"] == "running" and q["generated_tokens"] > 0]
+        found = rows[0] if rows and rows[0]["bytes"]["device"] + rows[0]["bytes"]["host"] > 0 else None
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    while d.get("/v1/requests")[1]["data"] and time.time() < t + 30:
+        time.sleep(0.02)
+    return found
+
+
+# a running request's own KV per tier (8 choices over a 400-token prompt)
+# and, offloaded, the overlap of its prefetch, in GET /v1/requests
+q = running_request(free, {"implementation": "dynamic"})
+check(q is not None and q["session"] is None and q["bytes"]["device"] >= 8 * kv * 400 // n_tok and
+      q["bytes"]["host"] == 0 and q["bytes"]["disk"] == 0 and q["overlap"] is None,
+      "GET /v1/requests: a running sessionless request's KV on the device (%s)" % q)
+q = running_request(free, {"implementation": "offloaded"})
+check(q is not None and q["bytes"]["host"] >= 8 * kv * 400 // n_tok and q["overlap"] is not None and
+      q["overlap"] <= 1, "GET /v1/requests: an offloaded request's KV in the host tier, its overlap (%s)" % q)
 # quantized + offloaded: the blocks in the host tier, streamed, the resident run's tokens
 q8 = {"implementation": "quantized", "backend": "quanto", "nbits": 8}
 code, r = free.post("/v1/completions", dict(req, cache=q8))

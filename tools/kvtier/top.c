@@ -194,11 +194,11 @@ static enum kvtier_status poll_frame(struct view *v, double interval)
         add_line(v, "(no sessions)");
     if (reqs) {
         add_line(v, "%s", "");
-        add_line(v, "%-8s %-15s %-24s %8s %13s %7s %s", "REQUEST", "STATE", "SESSION", "PROMPT", "GENERATED/MAX",
-                 "TOK/S", "STRATEGY");
+        add_line(v, "%-8s %-15s %-24s %8s %13s %7s %10s %10s %10s %7s %s", "REQUEST", "STATE", "SESSION", "PROMPT",
+                 "GENERATED/MAX", "TOK/S", "DEVICE", "HOST", "DISK", "OVERLAP", "STRATEGY");
         json_array_foreach(json_object_get(reqs, "data"), i, s)
         {
-            char key[32], gm[32], tps[16] = "-";
+            char key[32], gm[32], tps[16] = "-", d[32], ho[32], di[32], ov[16] = "-";
             long long gen = json_integer_value(json_object_get(s, "generated_tokens"));
             snprintf(key, sizeof(key), "req-%lld", (long long)json_integer_value(json_object_get(s, "id")));
             double rt = rate(v, key, gen);
@@ -206,11 +206,17 @@ static enum kvtier_status poll_frame(struct view *v, double interval)
                 snprintf(tps, sizeof(tps), "%.1f", rt);
             snprintf(gm, sizeof(gm), "%lld/%lld", gen, (long long)json_integer_value(json_object_get(s, "max_tokens")));
             const char *sid = json_string_value(json_object_get(s, "session"));
-            add_line(v, "%-8lld %-15.15s %-24.24s %8lld %13s %7s %s",
+            const json_t *b = json_object_get(s, "bytes"), *o = json_object_get(s, "overlap");
+            if (json_is_number(o)) /* known once a step streamed the request's KV */
+                snprintf(ov, sizeof(ov), "%.0f%%", json_number_value(o) * 100);
+            add_line(v, "%-8lld %-15.15s %-24.24s %8lld %13s %7s %10s %10s %10s %7s %s",
                      (long long)json_integer_value(json_object_get(s, "id")),
                      json_string_value(json_object_get(s, "state")) ? json_string_value(json_object_get(s, "state"))
                                                                     : "?",
                      sid ? sid : "-", (long long)json_integer_value(json_object_get(s, "prompt_tokens")), gm, tps,
+                     human((double)json_integer_value(json_object_get(b, "device")), d, sizeof(d)),
+                     human((double)json_integer_value(json_object_get(b, "host")), ho, sizeof(ho)),
+                     human((double)json_integer_value(json_object_get(b, "disk")), di, sizeof(di)), ov,
                      json_string_value(json_object_get(s, "strategy")) ? json_string_value(json_object_get(s, "strategy"))
                                                                        : "-");
         }
