@@ -15,7 +15,7 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
                                   struct ipc_error *err)
 {
     if (g->chat)
-        return render(s, g->messages, g->tools, true, ids, err);
+        return render(s, g->messages, g->tools, g->documents, true, ids, err);
     if (g->text)
         return encode(s, g->text, g->text_len, true, "prompt", ids, err);
     ids->ids = malloc(g->n_ids * sizeof(*ids->ids));
@@ -48,7 +48,7 @@ static size_t shareable(struct server *s, const struct ipc_gen_req *g, const str
     struct tok_ids pre = {0};
     struct ipc_error err;
     size_t n = 0;
-    if (json_array_size(head) && render(s, head, NULL, false, &pre, &err) == IPC_OK)
+    if (json_array_size(head) && render(s, head, NULL, NULL, false, &pre, &err) == IPC_OK)
         while (n < pre.n && n < ids->n && pre.ids[n] == ids->ids[n])
             n++;
     json_decref(head);

@@ -720,6 +720,27 @@ static enum ipc_status f_tools(const json_t *v, const char *name, struct field_c
     return IPC_OK;
 }
 
+static enum ipc_status f_documents(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (!json_is_array(v) || json_array_size(v) > IPC_MAX_DOCUMENTS)
+        return ipc_fail(err, IPC_EINVAL, name, "documents must be an array of at most %d objects", IPC_MAX_DOCUMENTS);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        const json_t *d = json_array_get(v, i), *val;
+        const char *key;
+        if (!json_is_object(d))
+            return ipc_fail(err, IPC_EINVAL, name, "documents[%zu] must be an object of strings", i);
+        json_object_foreach((json_t *)d, key, val)
+        {
+            if (!json_is_string(val))
+                return ipc_fail(err, IPC_EINVAL, name, "documents[%zu].%.64s must be a string", i, key);
+        }
+    }
+    c->r->documents = json_array_size(v) ? v : NULL;
+    return IPC_OK;
+}
+
 /* tool_choice is read once the walk is done: it needs the tools. */
 static enum ipc_status tool_choice(const json_t *root, struct ipc_gen_req *r, struct ipc_error *err)
 {
@@ -832,6 +853,7 @@ static const struct {
     {"num_beam_groups", F_BOTH, f_count},
     {"diversity_penalty", F_BOTH, f_diversity_penalty},
     {"tools", F_CHAT, f_tools},
+    {"documents", F_CHAT, f_documents},
     {"functions", F_CHAT, f_must_be_off},
     {"tool_choice", F_CHAT, f_ignore},
     {"response_format", F_BOTH, f_response_format},

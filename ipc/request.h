@@ -55,6 +55,7 @@ enum ipc_status ipc_check_model(const json_t *v, const struct ipc_limits *lim, s
 enum ipc_tool_choice { IPC_TOOLS_AUTO = 0, IPC_TOOLS_NONE, IPC_TOOLS_REQUIRED, IPC_TOOLS_NAMED };
 
 #define IPC_MAX_TOOLS 64
+#define IPC_MAX_DOCUMENTS 64
 
 struct ipc_gen_req {
     bool chat;
@@ -89,6 +90,9 @@ struct ipc_gen_req {
     gram *grammar;
     const json_t *tools; /* borrowed: the tools array; NULL: none, an empty list, or tool_choice none */
     enum ipc_tool_choice tool_choice;
+    /* borrowed: chat's documents (objects of strings) for the template's
+     * `documents`, as transformers passes them to RAG templates; NULL: none */
+    const json_t *documents;
 };
 
 enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,

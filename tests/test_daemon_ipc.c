@@ -358,6 +358,12 @@ static void test_request(void **state)
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":1}", true, IPC_EINVAL,
          "top_logprobs"},
         {"{\"messages\":[1,2,3,4,5,6,7,8,9]}", true, IPC_EINVAL, "messages"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"documents\":{}}", true, IPC_EINVAL,
+         "documents"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"documents\":[\"d\"]}", true, IPC_EINVAL,
+         "documents"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"documents\":[{\"text\":1}]}", true,
+         IPC_EINVAL, "documents"},
         {"{\"prompt\":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,"
          "35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63,64,65]}",
          false, IPC_ECONTEXT, "prompt"},
@@ -440,6 +446,13 @@ static void test_request(void **state)
                               "\"arguments\":{\"a\":1}}}]},{\"role\":\"tool\",\"content\":\"1\",\"tool_call_id\":\"c\"}]");
     free(dump);
     assert_int_equal(json_array_size(r.tools), 1);
+    ipc_gen_req_release(&r);
+    json_decref(root);
+    /* documents reach the template as given */
+    assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"documents\":[{\"title\":\"t\","
+                           "\"text\":\"d\"}]}", true, &r, &err, &root), IPC_OK);
+    assert_int_equal(json_array_size(r.documents), 1);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(r.documents, 0), "text")), "d");
     ipc_gen_req_release(&r);
     json_decref(root);
     assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":"

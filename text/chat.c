@@ -307,13 +307,14 @@ static json_t *str_or_empty(const char *s)
     return json_string(s ? s : "");
 }
 
-json_t *chat_vars(const json_t *messages, const json_t *tools, bool add_generation_prompt, const char *bos,
-                  const char *eos)
+json_t *chat_vars(const json_t *messages, const json_t *tools, const json_t *documents, bool add_generation_prompt,
+                  const char *bos, const char *eos)
 {
     json_t *v = json_pack("{sosbsoso}", "messages", messages ? json_incref((json_t *)messages) : json_array(),
                           "add_generation_prompt", add_generation_prompt, "bos_token", str_or_empty(bos),
                           "eos_token", str_or_empty(eos));
-    if (v && json_is_array(tools) && json_object_set(v, "tools", (json_t *)tools)) {
+    if (v && ((json_is_array(tools) && json_object_set(v, "tools", (json_t *)tools)) ||
+              (json_is_array(documents) && json_object_set(v, "documents", (json_t *)documents)))) {
         json_decref(v);
         return NULL;
     }
@@ -365,7 +366,7 @@ static json_t *with_empty_content(const json_t *messages)
 }
 
 enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, const json_t *tools,
-                                 bool add_generation_prompt, const char *bos, const char *eos, time_t now,
+                                 const json_t *documents, bool add_generation_prompt, const char *bos, const char *eos, time_t now,
                                  char **out, size_t *len, char *err)
 {
     *out = NULL;
@@ -377,6 +378,10 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
         size_t n;
         if (t->family.family == CHAT_NONE)
             return text_errf(err, TEXT_EUNSUPPORTED, "cannot render chat: %s", t->family.why);
+        /* dropping them would answer without the documents asked about */
+        if (json_array_size(documents))
+            return text_errf(err, TEXT_EUNSUPPORTED, "this model's template (%s, recognised by its markers) "
+                             "renders no documents", chat_tpl_kind(t));
         enum text_status st = to_msgs(messages, &m, &n, err);
         if (st == TEXT_OK)
             st = chat_render(&t->family, m, n, add_generation_prompt, bos, eos, out, len, err);
@@ -384,7 +389,7 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
         return st;
     }
     bool with_tools = json_array_size(tools) > 0;
-    json_t *vars = chat_vars(messages, with_tools ? tools : NULL, add_generation_prompt, bos, eos);
+    json_t *vars = chat_vars(messages, with_tools ? tools : NULL, documents, add_generation_prompt, bos, eos);
     if (!vars)
         return text_errf(err, TEXT_ENOMEM, "no memory to render the chat template");
     struct jinja_opts o = {.now = now};
@@ -398,7 +403,7 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
     json_t *copy = st == TEXT_EINVAL ? with_empty_content(messages) : NULL;
     if (copy) {
         char err2[TEXT_ERR_LEN];
-        vars = chat_vars(copy, with_tools ? tools : NULL, add_generation_prompt, bos, eos);
+        vars = chat_vars(copy, with_tools ? tools : NULL, documents, add_generation_prompt, bos, eos);
         if (vars && jinja_render(tpl, vars, &o, out, len, err2) == TEXT_OK)
             st = TEXT_OK;
         json_decref(vars);

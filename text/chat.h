@@ -73,21 +73,23 @@ const char *chat_tpl_kind(const chat_tpl *t);
  * blocks).  The template's header markers say which. */
 bool chat_tpl_bare_tool_calls(const chat_tpl *t);
 
-/* The variables a template sees: messages, tools (only when tools is an
- * array; templates test `tools is defined`/`if tools`), add_generation_prompt,
- * bos_token and eos_token.  NULL when out of memory. */
-json_t *chat_vars(const json_t *messages, const json_t *tools, bool add_generation_prompt, const char *bos,
-                  const char *eos);
+/* The variables a template sees: messages, tools and documents (each only
+ * when an array; templates test `tools is defined`/`if documents`),
+ * add_generation_prompt, bos_token and eos_token.  NULL when out of memory. */
+json_t *chat_vars(const json_t *messages, const json_t *tools, const json_t *documents, bool add_generation_prompt,
+                  const char *bos, const char *eos);
 
 /* Renders messages (a JSON array of {role, content, tool_calls, ...}) and
- * tools (NULL or a JSON array) as the prompt text (malloc'd, NUL-terminated)
+ * tools (NULL or a JSON array) and documents (NULL or a JSON array of
+ * objects, RAG templates' `documents`) as the prompt text (malloc'd, NUL-terminated)
  * with the template named "tool_use" when there are tools and the model has
  * one, else its default.  now is what strftime_now() formats.  Errors:
- * TEXT_EUNSUPPORTED when the model has no usable template, TEXT_EINVAL for a
+ * TEXT_EUNSUPPORTED when the model has no usable template (or only a
+ * family's, which cannot render documents), TEXT_EINVAL for a
  * conversation the template rejects (raise_exception's message, roles out of
  * order), TEXT_ENOMEM; err says why. */
 enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, const json_t *tools,
-                                 bool add_generation_prompt, const char *bos, const char *eos, time_t now,
+                                 const json_t *documents, bool add_generation_prompt, const char *bos, const char *eos, time_t now,
                                  char **out, size_t *len, char *err);
 
 #endif
