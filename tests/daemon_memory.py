@@ -86,6 +86,7 @@ def running_request(d, cache):
     while found is None and time.time() < t + 30:
         rows = [q for q in d.get("/v1/requests")[1]["data"] if q["state"] == "running" and q["generated_tokens"] > 0]
         found = rows[0] if rows and rows[0]["bytes"]["device"] + rows[0]["bytes"]["host"] > 0 else None
+        time.sleep(0 if found else 0.01)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     while d.get("/v1/requests")[1]["data"] and time.time() < t + 30:
