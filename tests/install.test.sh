@@ -17,7 +17,8 @@ fail() { echo "FAIL: $*"; [ -f "$tmp/log" ] && tail -20 "$tmp/log"; exit 1; }
 ok() { echo "ok - $*"; }
 
 # the sanitizer build is build/asan under SANITIZE=1 (its flags, should anything relink)
-case $build in *asan*) mk="make SANITIZE=1" ;; *) mk="make BUILD=$build" ;; esac
+# (a program linked with the sanitized library is built with the sanitizers too)
+case $build in *asan*) mk="make SANITIZE=1"; san="-fsanitize=address,undefined" ;; *) mk="make BUILD=$build"; san= ;; esac
 $mk -s --no-print-directory install DESTDIR="$root" PREFIX=/usr > "$tmp/make.log" 2>&1 ||
   { cat "$tmp/make.log"; fail "make install"; }
 
@@ -37,7 +38,7 @@ cmp -s model/builtin/model.safetensors "$root/usr/share/kvtier/builtin/model.saf
 grep -q '^ExecStart=/usr/bin/kvtierd --system --allow-group kvtier \$KVTIER_OPTS$' "$root/usr/lib/systemd/system/kvtierd.service" ||
   fail "system unit's ExecStart: $(grep ExecStart "$root/usr/lib/systemd/system/kvtierd.service")"
 grep -q '^ExecStart=/usr/bin/kvtierd \$KVTIER_OPTS$' "$root/usr/lib/systemd/user/kvtierd.service" || fail "user unit's ExecStart"
-! grep -rq '@[A-Z]*@' "$root/usr/lib" || fail "a placeholder left: $(grep -rl '@[A-Z]*@' "$root/usr/lib")"
+! grep -rIq '@[A-Z]*@' "$root/usr/lib" || fail "a placeholder left: $(grep -rIl '@[A-Z]*@' "$root/usr/lib")"
 ok "units name /usr/bin/kvtierd"
 if command -v systemd-analyze >/dev/null 2>&1; then
   # the units' syntax and directives (the binary they name is under DESTDIR, not /usr)
@@ -98,7 +99,7 @@ int main(int argc, char **argv) {
     return st != KVTIER_OK;
 }
 EOF
-cc -o "$tmp/prog" "$tmp/prog.c" $(PKG_CONFIG_PATH="$root/usr/lib/pkgconfig" PKG_CONFIG_SYSROOT_DIR="$root" \
+cc $san -o "$tmp/prog" "$tmp/prog.c" $(PKG_CONFIG_PATH="$root/usr/lib/pkgconfig" PKG_CONFIG_SYSROOT_DIR="$root" \
   pkg-config --cflags --libs kvtier) > "$tmp/cc.log" 2>&1 || { cat "$tmp/cc.log"; fail "a program against the installed library"; }
 out=$(LD_LIBRARY_PATH="$root/usr/lib" "$tmp/prog" "$sock") || fail "the program: $out"
 ok "a program built with pkg-config kvtier against the installed library: $out"
