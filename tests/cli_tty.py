@@ -6,6 +6,7 @@ the daemon, its history file and its exit deleting the session, and
 `kvtier top` showing the session and the tier totals."""
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -208,6 +209,8 @@ try:
     screen = pane("top")
     check(all(t in screen for t in ("TIER", "device", "host", "disk", " of ", "SESSION", "REQUEST")),
           "top: tier totals against budgets, the session and request tables")
+    # counters kept by reason are shown summed, not as missing (-1)
+    check(re.search(r"spills \d+ .*fallbacks \d+", screen), "top: spills and fallbacks summed over their reasons")
     req_head = [ln.split() for ln in screen.splitlines() if ln.startswith("REQUEST ")]
     check(req_head and req_head[0][6:10] == ["DEVICE", "HOST", "DISK", "OVERLAP"],
           "top: the request table's KV per tier and prefetch overlap columns (%s)" % req_head)

@@ -93,16 +93,21 @@ static const char *human(double b, char *buf, size_t cap)
     return buf;
 }
 
-/* The value of the sample "kvtier_NAME" (NAME with its labels) in a
- * Prometheus text page, or -1 when absent. */
+/* The value of the sample "kvtier_NAME" in a Prometheus text page, or -1
+ * when absent.  NAME with its labels picks that series; NAME alone sums
+ * all its series (spills and fallbacks are counted by reason). */
 static double metric(const char *page, const char *name)
 {
     size_t n = strlen(name);
+    double sum = -1; /* a labelled metric (reason="...") counts all its series */
     for (const char *p = page; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
-        if (!strncmp(p, "kvtier_", 7) && !strncmp(p + 7, name, n) && p[7 + n] == ' ')
-            return strtod(p + 8 + n, NULL);
+        if (strncmp(p, "kvtier_", 7) || strncmp(p + 7, name, n) || (p[7 + n] != ' ' && p[7 + n] != '{'))
+            continue;
+        const char *v = p[7 + n] == ' ' ? p + 7 + n : strchr(p + 7 + n, '}');
+        if (v)
+            sum = (sum < 0 ? 0 : sum) + strtod(v + 1, NULL);
     }
-    return -1;
+    return sum;
 }
 
 static void tier_line(struct view *v, const char *tier, double used, double budget, const char *what)
