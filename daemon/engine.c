@@ -546,6 +546,13 @@ static void job_fail_msg(engine *e, struct job *j, enum ipc_status st, const cha
     job_fail(e, j, &err);
 }
 
+void resume_job(engine *e, struct job *j)
+{
+    j->io_wait = false;
+    if (!j->kill)
+        start_job(e, j);
+}
+
 void start_job(engine *e, struct job *j)
 {
     if (j->t_admit == 0) {

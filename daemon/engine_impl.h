@@ -209,6 +209,8 @@ void prefix_remote_publish(engine *e, const struct job *j);
 
 /* ---- engine.c, for spill.c and prefix_disk.c ---- */
 void start_job(engine *e, struct job *j);
+/* j's prefix fetch (disk or remote) is done: it goes on unless killed meanwhile. */
+void resume_job(engine *e, struct job *j);
 /* The prefix-cache namespace of uid's sequences. */
 uint64_t prefix_ns_of(const engine *e, uid_t uid);
 

@@ -356,9 +356,7 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
     if (!j)
         return;
     j->pfetch = NULL;
-    j->io_wait = false;
-    if (!j->kill)
-        start_job(e, j);
+    resume_job(e, j);
 }
 
 bool prefix_disk_fetch(engine *e, struct job *j)

@@ -111,9 +111,7 @@ static void fetch_finish(engine *e, struct remote_fetch *x)
     if (!j)
         return;
     j->rfetch = NULL;
-    j->io_wait = false;
-    if (!j->kill)
-        start_job(e, j);
+    resume_job(e, j);
 }
 
 bool prefix_remote_fetch(engine *e, struct job *j)
