@@ -77,7 +77,7 @@ struct be_caps {
     bool pinned_host;     /* host buffers are page-locked */
     bool unified_memory;  /* kernels can read host memory (mmapped weights) directly */
     int n_threads;        /* compute threads (CPU) */
-    const char *simd;     /* "avx512", "avx2", "scalar" (CPU) */
+    const char *simd;     /* "avx512bf16", "avx512", "avx2", "scalar" (CPU) */
     enum be_dtype act_dtype; /* what activations are stored as */
 };
 

@@ -3,6 +3,7 @@
 
     /usr/bin/python3 tests/ref_compare.py DIR DUMP --tol X [--expect-gen N] [--same-tokens DUMP2]...
                                           [--no-cache DUMP3]... [--kv-dtype f32|bf16|f16] [--weights auto|q8_0]
+                                          [--matmul-input f32|bf16]
 
 The dump (little-endian): "KVTL", int32 n_prompt, n_gen, vocab,
 int32 tokens[n_prompt + n_gen] (prompt, then generated), float32
@@ -20,7 +21,9 @@ keeps them (kvtier's KV dtype of the dump; default f32, unrounded).
 checkpoint's, dequantized, and their inputs rounded as kvtier rounds them
 (kvtier-run --weights q8_0); with --apart, the reference with the
 unquantized weights must also be further than --tol from the dump (the
-tolerance tells the two apart).  Passes when
+tolerance tells the two apart).  --matmul-input bf16: the input of every
+weight matrix rounded to bf16 (what kvtier's CPU backend multiplies bf16
+weights by on AVX512_BF16).  Passes when
   * every logit is within --tol of the reference (max abs error), and
   * every generated token is the reference's argmax, or within --tol of the
     reference maximum (a near tie the two sides may break differently).
@@ -118,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--name", help="label for the verdict lines (default: the directory name)")
     ap.add_argument("--kv-dtype", choices=("f32", "bf16", "f16"), default="f32")
     ap.add_argument("--weights", choices=("auto", "q8_0"), default="auto")
+    ap.add_argument("--matmul-input", choices=("f32", "bf16"), default="f32",
+                    help="bf16: every weight matrix's input rounded to bf16 (torchref.load_model)")
     ap.add_argument("--apart", action="store_true", help="with --weights q8_0: the unquantized reference must fail")
     o = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -125,7 +130,8 @@ def main(argv=None):
     try:
         dumps = [(o.dump, *read_dump(o.dump))] + [(p, *read_dump(p)) for p in o.same_tokens + o.no_cache]
         kv = {"f32": None, "bf16": torch.bfloat16, "f16": torch.float16}[o.kv_dtype]
-        model = torchref.load_model(o.dir, torch.float32, kv, o.weights)
+        mm_in = {"f32": None, "bf16": torch.bfloat16}[o.matmul_input]
+        model = torchref.load_model(o.dir, torch.float32, kv, o.weights, mm_in)
     except (BadDump, OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"FAIL {name}: {e}")
         return 2

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu.h"
 #include "tests/levels.h"
 
 /* ---- fixtures ----------------------------------------------------------- */
@@ -63,6 +64,13 @@ static uint16_t bf16_bits_trunc(float f)
     return (uint16_t)(u >> 16);
 }
 
+static uint16_t bf16_bits_rne(float f) /* finite f */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 static float bf16_value(uint16_t h)
 {
     uint32_t u = (uint32_t)h << 16;
@@ -97,42 +105,65 @@ static void assert_close(const char *what, const char *level, size_t i, double g
 
 /* ---- matmul ------------------------------------------------------------- */
 
-static void check_matmul(enum be_dtype wt, int n, int in, int out, bool with_bias)
+/* y = x W^T (+ bias) in double, with x as given or rounded to bf16 */
+static void dense_matmul(double *ref, double *mag, const float *x, const float *wf, const float *bias, int n,
+                         int in, int out, bool round_x)
 {
-    size_t nw = (size_t)in * out;
-    void *w = malloc(nw * be_dtype_size(wt));
-    float *wf = malloc(nw * sizeof(float)), *x = malloc((size_t)n * in * sizeof(float));
-    float *bias = malloc((size_t)out * sizeof(float)), *y_scalar = malloc((size_t)n * out * sizeof(float));
-    double *ref = malloc((size_t)n * out * sizeof(double)), *mag = malloc((size_t)n * out * sizeof(double));
-    assert_non_null(w && wf && x && bias && y_scalar && ref && mag);
-    random_typed(w, wt, wf, nw, 0.5f);
-    fill(x, (size_t)n * in, 2.0f);
-    fill(bias, (size_t)out, 1.0f);
     for (int t = 0; t < n; t++)
         for (int r = 0; r < out; r++) {
-            double acc = with_bias ? bias[r] : 0.0, m = fabs(acc);
+            double acc = bias ? bias[r] : 0.0, m = fabs(acc);
             for (int i = 0; i < in; i++) {
-                acc += (double)x[(size_t)t * in + i] * wf[(size_t)r * in + i];
-                m += fabs((double)x[(size_t)t * in + i] * wf[(size_t)r * in + i]);
+                float xv = x[(size_t)t * in + i];
+                double p = (double)(round_x ? bf16_value(bf16_bits_rne(xv)) : xv) * wf[(size_t)r * in + i];
+                acc += p;
+                m += fabs(p);
             }
             ref[(size_t)t * out + r] = acc;
             mag[(size_t)t * out + r] = m;
         }
+}
+
+/* The avx512bf16 level multiplies bf16 weights by x rounded to bf16: it
+ * is compared with the dense product of the rounded x, and with the scalar level (unrounded x) within what
+ * rounding x can move a sum, |x - bf16(x)| <= 2^-8 |x| per term. */
+static void check_matmul(enum be_dtype wt, int n, int in, int out, bool with_bias)
+{
+    size_t nw = (size_t)in * out, ny = (size_t)n * out;
+    void *w = malloc(nw * be_dtype_size(wt));
+    float *wf = malloc(nw * sizeof(float)), *x = malloc((size_t)n * in * sizeof(float));
+    float *bias = malloc((size_t)out * sizeof(float)), *y_scalar = malloc(ny * sizeof(float));
+    double *ref = malloc(ny * sizeof(double)), *mag = malloc(ny * sizeof(double));
+    double *ref_r = malloc(ny * sizeof(double)), *mag_r = malloc(ny * sizeof(double));
+    assert_non_null(w && wf && x && bias && y_scalar && ref && mag && ref_r && mag_r);
+    random_typed(w, wt, wf, nw, 0.5f);
+    fill(x, (size_t)n * in, 2.0f);
+    fill(bias, (size_t)out, 1.0f);
+    const float *b = with_bias ? bias : NULL;
+    dense_matmul(ref, mag, x, wf, b, n, in, out, false);
+    bool rounding = wt == BE_BF16;
+    if (rounding)
+        dense_matmul(ref_r, mag_r, x, wf, b, n, in, out, true);
     for (int l = 0; l < N_LEVELS; l++) {
         if (!levels[l])
             continue;
+        bool rounds = rounding && strcmp(level_names[l], "avx512bf16") == 0;
         be_buffer *yb;
-        float *y = dev(levels[l], (size_t)n * out * sizeof(float), &yb);
-        assert_int_equal(be_matmul(levels[l], y, BE_F32, x, w, wt, with_bias ? bias : NULL, n, in, out), BE_OK);
+        float *y = dev(levels[l], ny * sizeof(float), &yb);
+        assert_int_equal(be_matmul(levels[l], y, BE_F32, x, w, wt, b, n, in, out), BE_OK);
         if (l == 0)
-            memcpy(y_scalar, y, (size_t)n * out * sizeof(float));
-        for (size_t i = 0; i < (size_t)n * out; i++) {
-            assert_close("matmul vs dense", level_names[l], i, y[i], ref[i], mag[i]);
-            assert_close("matmul vs scalar", level_names[l], i, y[i], y_scalar[i], mag[i]);
+            memcpy(y_scalar, y, ny * sizeof(float));
+        for (size_t i = 0; i < ny; i++) {
+            if (rounds) {
+                assert_close("matmul vs dense of bf16 x", level_names[l], i, y[i], ref_r[i], mag_r[i]);
+                assert_close("matmul vs scalar", level_names[l], i, y[i], y_scalar[i], (1 + 0x1p-8 / 2e-6) * mag[i]);
+            } else {
+                assert_close("matmul vs dense", level_names[l], i, y[i], ref[i], mag[i]);
+                assert_close("matmul vs scalar", level_names[l], i, y[i], y_scalar[i], mag[i]);
+            }
         }
         be_buffer_free(yb);
     }
-    free(w), free(wf), free(x), free(bias), free(y_scalar), free(ref), free(mag);
+    free(w), free(wf), free(x), free(bias), free(y_scalar), free(ref), free(mag), free(ref_r), free(mag_r);
 }
 
 static void test_matmul(void **state)
@@ -141,6 +172,11 @@ static void test_matmul(void **state)
     static const int shapes[][3] = {
         {1, 16, 16}, {1, 37, 19}, {1, 256, 70}, {1, 1000, 33}, {2, 64, 17},
         {3, 100, 33}, {5, 129, 48}, {16, 96, 130}, {64, 160, 96}, {70, 33, 21},
+        /* the batched kernels' edges: token tiles and row panels cut short,
+         * an odd column count, columns past one packed block, rows split
+         * between threads */
+        {CPU_GEMM_MIN_TOKENS, 33, 17}, {CPU_GEMM_MIN_TOKENS + 13, 1000, 70}, {37, 2 * 1024 + 50, 40},
+        {CPU_GEMM_MIN_TOKENS + 2 * CPU_BF16_MR, 64, 200}, {50, 1, 3}, {CPU_GEMM_MIN_TOKENS - 1, 67, 9},
     };
     for (int dt = BE_F32; dt <= BE_BF16; dt++)
         for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
@@ -828,6 +864,10 @@ static void test_open_and_nulls(void **state)
     assert_string_equal(caps.name, strict ? "cpu-strict" : "cpu");
     assert_true(caps.n_threads >= 1 && caps.unified_memory == !strict && caps.async_copy == !strict);
     assert_true(be_mem_stats(be).dev_budget > 0);
+    const char *best = NULL; /* unforced, the backend runs the widest level this CPU has */
+    for (int l = 0; l < N_LEVELS; l++)
+        best = levels[l] ? level_names[l] : best;
+    assert_string_equal(caps.simd, best);
     be_free(be);
 
     be_free(NULL);

@@ -440,6 +440,7 @@ class CausalLM(nn.Module):
         # HF's default for tie_word_embeddings: False for Llama, Mistral,
         # Qwen and Phi-3, True for Gemma
         self.tied = bool(cfg.get("tie_word_embeddings", gemma))
+        self.head_input = None  # the dtype the head's input is rounded to (load_model's matmul_input)
         if not self.tied:
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False, device=device)
         self.final_softcap = cfg.get("final_logit_softcapping",
@@ -452,7 +453,7 @@ class CausalLM(nn.Module):
         fed one token per call (it decides longrope's table per row)."""
         h = self.model(input_ids, prefill)
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        logits = F.linear(h, w)
+        logits = F.linear(round_to(h, self.head_input), w)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
@@ -545,12 +546,13 @@ class GPT2LM(nn.Module):
                 raise ValueError(f"config.json: {key} {cfg[key]!r} not supported ({want})")
         self.transformer = GPT2Backbone(cfg, device)
         self.tied = bool(cfg.get("tie_word_embeddings", True))
+        self.head_input = None  # as in CausalLM
         if not self.tied:
             self.lm_head = nn.Linear(cfg["n_embd"], cfg["vocab_size"], bias=False, device=device)
 
     def forward(self, input_ids, prefill=None):  # prefill: learned positions have one table
         h = self.transformer(input_ids)
-        return F.linear(h, self.transformer.wte.weight if self.tied else self.lm_head.weight)
+        return F.linear(round_to(h, self.head_input), self.transformer.wte.weight if self.tied else self.lm_head.weight)
 
 
 def build_model(cfg, device=None):
@@ -700,14 +702,27 @@ def q8_act(x):
     return (d * torch.round(b * inv)).reshape(x.shape).to(x.dtype)
 
 
-def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto"):
+def round_to(x, dtype):
+    """x rounded to dtype (to nearest even) and back; dtype None: x."""
+    return x if dtype is None else x.to(dtype).to(x.dtype)
+
+
+def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", matmul_input=None):
     """CausalLM of directory d with its weights upcast (or cast) to dtype;
     kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
     that type keeps them; weights "q8_0": every layer matrix replaced by
     its Q8_0 blocks dequantized and its input rounded by q8_act (what
     kvtier --weights q8_0 multiplies; the Linear-named families only, not
-    GPT-2's Conv1D layers)."""
+    GPT-2's Conv1D layers); matmul_input (torch.bfloat16): the input of
+    every weight matrix, the head's included, rounded to it, as PyTorch's
+    bf16 matmul takes its bf16 input (and kvtier's CPU backend rounds it
+    for bf16 weights on AVX512_BF16), the products summed in dtype."""
     m = build_model(load_config(d))
+    m.head_input = matmul_input
+    if matmul_input is not None:
+        for mod in m.modules():
+            if isinstance(mod, (nn.Linear, Conv1D)):
+                mod.register_forward_pre_hook(lambda _mod, args: (round_to(args[0], matmul_input),))
     for mod in m.modules():
         if isinstance(mod, (Attention, GPT2Attention)):
             mod.kv_dtype = kv_dtype

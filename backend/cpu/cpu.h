@@ -47,6 +47,9 @@ struct cpu_mm {
     /* wt BE_Q8_0: x as n * in / 32 blocks, quantized once by the driver,
      * and x itself is then those blocks dequantized (d * q) */
     const struct cpu_q8_act *xq;
+    /* wt BE_BF16 on a level with bf16_pack_act: x rounded to bf16 and
+     * packed by it, once by the driver */
+    const uint32_t *xb;
 };
 
 /* Floats of scratch per thread: room for a panel of weight rows converted
@@ -88,11 +91,16 @@ struct cpu_kern {
     void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n);
     /* y[i] = x[i] converted to dt, round to nearest even */
     void (*from_f32)(void *y, enum be_dtype dt, const float *x, size_t n);
+    /* NULL, or the level multiplies bf16 weights by batches of tokens on
+     * bf16 dot products: packs the n rows of x, rounded to bf16, for
+     * matmul_rows (cpu_bf16_act_words(n, in) words at xb) */
+    void (*bf16_pack_act)(uint32_t *xb, const float *x, int n, int in);
 };
 
 extern const struct cpu_kern cpu_kern_scalar;
 extern const struct cpu_kern cpu_kern_avx2;
 extern const struct cpu_kern cpu_kern_avx512;
+extern const struct cpu_kern cpu_kern_avx512bf16;
 
 /* The scalar inner loops, for SIMD tables that keep some of them. */
 void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scratch);
@@ -120,6 +128,26 @@ void cpu_q8_act_avx2(struct cpu_q8_act *y, const float *x, size_t n);
 void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
                        void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n));
 
+/* bf16 weights times tokens rounded to bf16 (bf16_avx512.c), on AVX512_BF16.
+ * Tokens as 32-bit words of column pairs (elements 2p, 2p+1, the last
+ * padded with zero): below CPU_GEMM_MIN_TOKENS tokens (decode) one row of
+ * words per token, streamed against every weight row; from there in tiles
+ * of CPU_BF16_MR tokens, pair-major (word p * CPU_BF16_MR + t for token t
+ * of a tile, tokens past n zero), for the blocked product.  (The threshold
+ * is the one measured for the f32 panels, not measured again for this
+ * kernel.) */
+#define CPU_BF16_MR 12
+static inline size_t cpu_bf16_pairs(int in)
+{
+    return ((size_t)in + 1) / 2;
+}
+static inline size_t cpu_bf16_act_words(int n, int in)
+{
+    return ((size_t)n + CPU_BF16_MR - 1) / CPU_BF16_MR * CPU_BF16_MR * cpu_bf16_pairs(in);
+}
+void cpu_bf16_pack_act_avx512(uint32_t *xb, const float *x, int n, int in);
+void cpu_matmul_bf16_avx512(const struct cpu_mm *a, int r0, int r1, float *scratch);
+
 /* AVX-512 tiles, shared by the dense and the quantized kernels: rows are
  * widened 16 at a time, up to CPU_ROWS16_COLS columns each, into an f32
  * tile (row r at w + r * CPU_ROWS16_COLS, 64-byte aligned; zero past nc)
@@ -133,7 +161,7 @@ typedef void cpu_widen16_fn(float *w, const void *src, int r0, int nr, int c0, i
 void cpu_tiles_avx512(bool dot, float *out, size_t os, const float *in, size_t is, int nq, cpu_widen16_fn *widen,
                       const void *src, int n, int rows);
 
-/* Picks the table: $KVTIER_SIMD (scalar|avx2|avx512) when set and the CPU
+/* Picks the table: $KVTIER_SIMD (scalar|avx2|avx512|avx512bf16) when set and the CPU
  * can run it, else the best the CPU supports.  NULL when $KVTIER_SIMD
  * names a level this CPU cannot run or an unknown one. */
 const struct cpu_kern *cpu_kern_select(void);

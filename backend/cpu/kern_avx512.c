@@ -475,3 +475,30 @@ const struct cpu_kern cpu_kern_avx512 = {
     .to_f32 = to_f32_avx512,
     .from_f32 = from_f32_avx512,
 };
+
+/* The avx512 level on a CPU with AVX512_BF16: bf16 weights go to
+ * bf16_avx512.c with the tokens the driver rounded and packed (mm.xb). */
+static void matmul_rows_avx512bf16(const struct cpu_mm *a, int r0, int r1, float *scratch)
+{
+    if (a->xb)
+        cpu_matmul_bf16_avx512(a, r0, r1, scratch);
+    else
+        matmul_rows_avx512(a, r0, r1, scratch);
+}
+
+const struct cpu_kern cpu_kern_avx512bf16 = {
+    .name = "avx512bf16",
+    .matmul_rows = matmul_rows_avx512bf16,
+    .dot = dot_avx512,
+    .axpy = axpy_avx512,
+    .scale = scale_avx512,
+    .max = max_avx512,
+    .exp_sum = exp_sum_avx512,
+    .sumsq = sumsq_avx512,
+    .norm_mul = norm_mul_avx512,
+    .add = add_avx512,
+    .q8_act = cpu_q8_act_avx2,
+    .to_f32 = to_f32_avx512,
+    .from_f32 = from_f32_avx512,
+    .bf16_pack_act = cpu_bf16_pack_act_avx512,
+};

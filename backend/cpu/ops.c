@@ -93,6 +93,16 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
         j.mm.xq = xq;
         j.mm.x = xd;
     }
+    const struct cpu_kern *k = cpu_ctx_kern(j.c);
+    if (wt == BE_BF16 && k->bf16_pack_act) { /* once here, as for Q8_0 */
+        size_t words = cpu_bf16_act_words(n, in);
+        _Static_assert(sizeof(uint32_t) == sizeof(float), "packed pairs fill a float work area");
+        uint32_t *xb = (uint32_t *)cpu_ctx_rows(j.c, words);
+        if (!xb)
+            return BE_ENOMEM_HOST;
+        k->bf16_pack_act(xb, x, n, in);
+        j.mm.xb = xb;
+    }
     /* about 8 grabs per thread: small enough to rebalance, large enough
      * that each grab's per-call setup (x deinterleave, sgemm panel) stays
      * negligible */
