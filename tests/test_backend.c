@@ -175,8 +175,8 @@ static void test_matmul(void **state)
         /* the batched kernels' edges: token tiles and row panels cut short,
          * an odd column count, columns past one packed block, rows split
          * between threads */
-        {CPU_GEMM_MIN_TOKENS, 33, 17}, {CPU_GEMM_MIN_TOKENS + 13, 1000, 70}, {37, 2 * 1024 + 50, 40},
-        {CPU_GEMM_MIN_TOKENS + 2 * CPU_BF16_MR, 64, 200}, {50, 1, 3}, {CPU_GEMM_MIN_TOKENS - 1, 67, 9},
+        {CPU_BF16_GEMM_MIN_TOKENS, 33, 17}, {CPU_BF16_GEMM_MIN_TOKENS + 13, 1000, 70}, {37, 2 * 1024 + 50, 40},
+        {CPU_BF16_GEMM_MIN_TOKENS + 2 * CPU_BF16_MR, 64, 200}, {50, 1, 3}, {CPU_BF16_GEMM_MIN_TOKENS - 1, 67, 9},
     };
     for (int dt = BE_F32; dt <= BE_BF16; dt++)
         for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {

@@ -32,7 +32,7 @@ _Static_assert(NR * KB <= CPU_SCRATCH_FLOATS, "a packed block fits a thread's sc
 void cpu_bf16_pack_act_avx512(uint32_t *xb, const float *x, int n, int in)
 {
     size_t pairs = cpu_bf16_pairs(in);
-    bool tiled = n >= CPU_GEMM_MIN_TOKENS;
+    bool tiled = n >= CPU_BF16_GEMM_MIN_TOKENS;
     memset(xb, 0, cpu_bf16_act_words(n, in) * sizeof(*xb));
     for (int t = 0; t < n; t++) {
         /* word of pair 0 and the step between pairs */
@@ -203,7 +203,7 @@ static void gemm(const struct cpu_mm *a, int r0, int r1, float *scratch)
 
 void cpu_matmul_bf16_avx512(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
-    if (a->n >= CPU_GEMM_MIN_TOKENS) {
+    if (a->n >= CPU_BF16_GEMM_MIN_TOKENS) {
         gemm(a, r0, r1, scratch);
         return;
     }

@@ -130,13 +130,15 @@ void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
 
 /* bf16 weights times tokens rounded to bf16 (bf16_avx512.c), on AVX512_BF16.
  * Tokens as 32-bit words of column pairs (elements 2p, 2p+1, the last
- * padded with zero): below CPU_GEMM_MIN_TOKENS tokens (decode) one row of
- * words per token, streamed against every weight row; from there in tiles
- * of CPU_BF16_MR tokens, pair-major (word p * CPU_BF16_MR + t for token t
- * of a tile, tokens past n zero), for the blocked product.  (The threshold
- * is the one measured for the f32 panels, not measured again for this
- * kernel.) */
+ * padded with zero): below CPU_BF16_GEMM_MIN_TOKENS tokens (decode) one
+ * row of words per token, streamed against every weight row; from there in
+ * tiles of CPU_BF16_MR tokens, pair-major (word p * CPU_BF16_MR + t for
+ * token t of a tile, tokens past n zero), for the blocked product.  The
+ * threshold is where the two cost the same: on a 2048 x 5632 matmul the
+ * blocked product costs about one stream of W whatever the tokens up to
+ * dozens, streaming one per 4 tokens (docs/benchmarks.md). */
 #define CPU_BF16_MR 12
+#define CPU_BF16_GEMM_MIN_TOKENS 16
 static inline size_t cpu_bf16_pairs(int in)
 {
     return ((size_t)in + 1) / 2;
