@@ -79,6 +79,7 @@ struct engine_config {
     int remote_timeout_ms;
     int remote_ttl_s;
     enum engine_remote_share remote_share;
+    bool remote_compress; /* publish zstd-compressed values */
 };
 
 typedef struct engine engine;

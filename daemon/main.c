@@ -80,6 +80,7 @@ static void usage(FILE *f)
             "  --remote-ttl S       expiry of published blocks, renewed on each hit (default 86400)\n"
             "  --remote-share M     all (every prompt block), prefix-only (a chat's blocks before its first\n"
             "                       user message) or off (read only) (default all)\n"
+            "  --remote-compress M  zstd (published values compressed) or none (default none)\n"
             "  --drain-timeout S    SIGTERM: seconds in-flight requests may finish (default 30)\n"
             "  --idle-timeout S     close idle connections after S seconds (default 300)\n"
             "  --stall-timeout S    /health says stalled when work waits and no step completes for S s (default 120)\n"
@@ -192,7 +193,7 @@ int main(int argc, char **argv)
         O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
         O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE,
         O_SESSIONTTL, O_VERSION, O_PRINTSOCK,
-        O_REMOTE, O_RCLUSTER, O_RUSER, O_RPASS, O_RTIMEOUT, O_RTTL, O_RSHARE
+        O_REMOTE, O_RCLUSTER, O_RUSER, O_RPASS, O_RTIMEOUT, O_RTTL, O_RSHARE, O_RCOMPRESS
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -221,7 +222,7 @@ int main(int argc, char **argv)
         {"remote", required_argument, 0, O_REMOTE}, {"remote-cluster", required_argument, 0, O_RCLUSTER},
         {"remote-user", required_argument, 0, O_RUSER}, {"remote-password-file", required_argument, 0, O_RPASS},
         {"remote-timeout", required_argument, 0, O_RTIMEOUT}, {"remote-ttl", required_argument, 0, O_RTTL},
-        {"remote-share", required_argument, 0, O_RSHARE},
+        {"remote-share", required_argument, 0, O_RSHARE}, {"remote-compress", required_argument, 0, O_RCOMPRESS},
         {0, 0, 0, 0}};
     int c;
     bool ok = true;
@@ -238,6 +239,10 @@ int main(int argc, char **argv)
             ok = !strcmp(optarg, "all") || !strcmp(optarg, "prefix-only") || !strcmp(optarg, "off");
             ec.remote_share = !strcmp(optarg, "off") ? REMOTE_SHARE_OFF
                               : !strcmp(optarg, "prefix-only") ? REMOTE_SHARE_PREFIX_ONLY : REMOTE_SHARE_ALL;
+            break;
+        case O_RCOMPRESS:
+            ok = !strcmp(optarg, "zstd") || !strcmp(optarg, "none");
+            ec.remote_compress = !strcmp(optarg, "zstd");
             break;
         case O_DISKDIR: disk_dir = optarg; break;
         case O_DISKMEM: ok = args_size(optarg, &ec.disk_mem) && ec.disk_mem > 0; break;

@@ -63,6 +63,8 @@ void prefix_remote_open(engine *e)
                                  .password = c->remote_password,
                                  .timeout_ms = c->remote_timeout_ms,
                                  .ttl_s = c->remote_ttl_s,
+                                 .compress = c->remote_compress,
+                                 .block_bytes = kv_store_prefix_block_bytes(e->store),
                                  .layout = engine_kv_layout(e),
                                  .variant = c->weights == MODEL_WEIGHTS_Q8_0 ? "q8_0" : "w",
                                  .notify = notify,
@@ -73,8 +75,9 @@ void prefix_remote_open(engine *e)
         log_msg(LOG_ERR, "remote tier not used: %s", err[0] ? err : tier_strerror(ts));
         return;
     }
-    log_msg(LOG_INFO, "remote tier %s: timeout %d ms, TTL %d s, publishing %s", c->remote_url ? c->remote_url : c->remote_cluster,
-            c->remote_timeout_ms, c->remote_ttl_s,
+    log_msg(LOG_INFO, "remote tier %s: timeout %d ms, TTL %d s, values %s, publishing %s",
+            c->remote_url ? c->remote_url : c->remote_cluster, c->remote_timeout_ms, c->remote_ttl_s,
+            c->remote_compress ? "zstd-compressed" : "raw",
             c->remote_share == REMOTE_SHARE_OFF           ? "off (read only)"
             : c->remote_share == REMOTE_SHARE_PREFIX_ONLY ? "the blocks before a chat's first user message"
                                                           : "every prompt block");

@@ -292,6 +292,8 @@ enum tier_status kv_store_prefix_export(kv_store *s, struct kv_prefix_block *out
  * layers, no_prefix_cache, a store without one). */
 int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, const int32_t *tokens, int64_t n,
                               uint64_t *hashes, int64_t *n_mem);
+/* The length of one serialized prefix-cache block (kv_prefix_block.len). */
+size_t kv_store_prefix_block_bytes(const kv_store *s);
 /* Serializes the cached entries of the chain of tokens[0, n_blocks *
  * block_tokens) under p, from its first block on and up to the first one
  * not cached, into out[] (at most max_out), skipping those shipped

@@ -74,7 +74,8 @@ struct kv_remote_fetch {
     kv_remote_fetch *next;
     struct {
         uint64_t hash;
-        redisReply *rep;
+        redisReply *rep; /* holds data, when it was stored raw */
+        void *owned;     /* holds data, when it was decompressed */
         const void *data;
         size_t len;
     } blk[];
@@ -87,6 +88,8 @@ struct kv_remote {
     char layout_key[96];
     bool is_cluster;
     struct link fl, pl; /* the lookup and the publish thread's */
+    ZSTD_DCtx *dctx;    /* the lookup thread's: any value may be compressed */
+    ZSTD_CCtx *cctx;    /* the publish thread's; NULL: values are published raw */
     pthread_t ft, pt;
     bool ft_started, pt_started;
 
@@ -414,17 +417,20 @@ static bool take_batch(kv_remote *r, kv_remote_fetch *f, int from, struct cmd *c
             char ns[24], name[24], why[DISK_WHY_LEN];
             snprintf(ns, sizeof(ns), "p%" PRIx64, f->ns);
             snprintf(name, sizeof(name), "%016" PRIx64, f->blk[k].hash);
-            enum disk_check dc =
-                disk_blob_decode(rep->str, rep->len, &r->p.layout, ns, name, &f->blk[k].data, &f->blk[k].len, why);
+            enum disk_check dc = disk_blob_decode(rep->str, rep->len, &r->p.layout, ns, name, r->p.block_bytes, r->dctx,
+                                                  &f->blk[k].data, &f->blk[k].len, &f->blk[k].owned, why);
             if (dc == DISK_VALID) {
-                f->blk[k].rep = rep;
+                f->blk[k].rep = f->blk[k].owned ? NULL : rep;
                 f->found++;
                 pthread_mutex_lock(&r->mu);
                 r->st.bytes_in += rep->len;
                 pthread_mutex_unlock(&r->mu);
+                if (f->blk[k].owned)
+                    freeReplyObject(rep);
                 continue;
             }
-            bad = dc == DISK_FOREIGN ? KV_REMOTE_E_FOREIGN : KV_REMOTE_E_CORRUPT;
+            /* out of memory: a miss, not the value's fault */
+            bad = dc == DISK_NOMEM ? KV_REMOTE_N_ERR : dc == DISK_FOREIGN ? KV_REMOTE_E_FOREIGN : KV_REMOTE_E_CORRUPT;
             log_msg(LOG_DEBUG, "remote tier: block %s/%s not used: %s", ns, name, why);
         } else if (going && rep && rep->type == REDIS_REPLY_ERROR) {
             bad = !strncmp(rep->str, "OOM", 3) ? KV_REMOTE_E_OOM : KV_REMOTE_E_REPLY;
@@ -510,7 +516,7 @@ static void publish_batch(kv_remote *r, struct pub **items, int n)
         size_t len = 0;
         snprintf(ns, sizeof(ns), "p%" PRIx64, b->ns);
         snprintf(name, sizeof(name), "%016" PRIx64, b->hash);
-        if (!(blobs[m] = disk_blob_encode(&r->p.layout, ns, name, b->buf, b->len, &len))) {
+        if (!(blobs[m] = disk_blob_encode(&r->p.layout, ns, name, b->buf, b->len, r->cctx, &len))) {
             count(r, KV_REMOTE_E_DROPPED);
             continue;
         }
@@ -674,8 +680,10 @@ void kv_remote_fetch_free(kv_remote_fetch *f)
     if (!f)
         return;
     kv_remote_fetch_wait(f);
-    for (int i = 0; i < f->n; i++)
+    for (int i = 0; i < f->n; i++) {
         freeReplyObject(f->blk[i].rep);
+        free(f->blk[i].owned);
+    }
     free(f);
 }
 
@@ -799,6 +807,7 @@ enum tier_status kv_remote_open(const struct kv_remote_params *p, kv_remote **ou
     r->p.timeout_ms = p->timeout_ms > 0 ? p->timeout_ms : 500;
     r->p.ttl_s = p->ttl_s > 0 ? p->ttl_s : 86400;
     r->p.queue_bytes = p->queue_bytes ? p->queue_bytes : (size_t)64 << 20;
+    r->p.block_bytes = p->block_bytes ? p->block_bytes : SIZE_MAX;
     r->is_cluster = p->cluster != NULL;
     const struct kv_disk_layout *l = &p->layout;
     snprintf(r->layout_key, sizeof(r->layout_key), "d%u.b%u.l%u.h%u.k%u.%s", l->dtype, l->block_tokens, l->n_layers,
@@ -809,6 +818,9 @@ enum tier_status kv_remote_open(const struct kv_remote_params *p, kv_remote **ou
     r->pq_tail = &r->pq;
     r->fl = (struct link){.r = r, .role = "lookups", .stale = true};
     r->pl = (struct link){.r = r, .role = "publishing", .stale = true};
+    r->dctx = ok ? ZSTD_createDCtx() : NULL;
+    r->cctx = ok && p->compress ? ZSTD_createCCtx() : NULL;
+    ok = ok && r->dctx && (!p->compress || r->cctx);
     if (ok && r->is_cluster) {
         r->fl.slot = calloc(N_SLOTS, sizeof(*r->fl.slot));
         r->pl.slot = calloc(N_SLOTS, sizeof(*r->pl.slot));
@@ -849,6 +861,8 @@ void kv_remote_free(kv_remote *r)
     }
     link_free(&r->fl);
     link_free(&r->pl);
+    ZSTD_freeDCtx(r->dctx);
+    ZSTD_freeCCtx(r->cctx);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     free(r->url);
