@@ -448,9 +448,11 @@ static void observe_request(engine *e, const struct job *j)
 static void retire(engine *e, struct job *j)
 {
     prefix_disk_forget_job(j);
-    prefix_remote_forget_job(j);
+    /* normally handed over chunk by chunk (advance): this catches a
+     * prompt computed some other way */
     if (j->ch[0].kv && j->res.err.st == IPC_OK && !j->kill)
-        prefix_remote_publish(e, j);
+        prefix_remote_publish(e, j, j->n_prompt);
+    prefix_remote_forget_job(e, j);
     struct kv_seq_stats kvs = {0};
     bool any = false;
     for (int i = 0; i < j->n; i++) {
@@ -882,6 +884,9 @@ static void advance(engine *e, int from, int to)
         struct job_choice *c = e->batch_ch[i];
         struct job *j = e->batch_job[i];
         c->n_fed += (size_t)e->batch[i].n_tokens;
+        /* the blocks this chunk completed go out now, not when the request ends */
+        if (c == &j->ch[0] && c->n_fed - (size_t)e->batch[i].n_tokens < j->n_prompt)
+            prefix_remote_publish(e, j, c->n_fed);
         if (e->batch[i].logits && j->bs) {
             c->beam_logits = e->batch[i].logits; /* beams_decide, once every beam has its own */
         } else if (e->batch[i].logits) {

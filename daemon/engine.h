@@ -187,6 +187,7 @@ struct job {
     struct prefix_fetch *pfetch; /* their reads in flight (io_wait) */
     bool rfetched; /* the remote tier was asked for the blocks after those */
     struct remote_fetch *rfetch; /* that lookup in flight (io_wait) */
+    int64_t rpub_blocks;         /* its prompt's blocks handed to prefix_remote_publish */
     uint64_t order;
     beam_search *bs;         /* beam search's decisions */
     int32_t eos[MODEL_MAX_EOS + 1];

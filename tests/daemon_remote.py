@@ -120,7 +120,7 @@ def metric(dm, name, labels=""):
 
 
 def complete(dm, ids, **kw):
-    code, r = dm.post("/v1/completions", dict(GEN, prompt=ids, **kw))
+    code, r = dm.post("/v1/completions", dict(GEN, **dict(kw, prompt=ids)))
     assert code == 200, (code, r)
     return r["choices"][0]["tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -186,11 +186,39 @@ try:
           wait_metric(b, "remote_blocks_total", '{result="published"}', 1, timeout=0.5) == 0,
           "blocks B got from the remote tier are not published again")
 
+    # ---- published as the prefill computes them, not when the request ends ----
+    base = metric(a, "remote_blocks_total", '{result="published"}')
+    p12 = prompt_of(12)
+    long_req = threading.Thread(target=complete, args=(a, p12), kwargs={"max_tokens": 1500})
+    long_req.start()
+    pub = wait_metric(a, "remote_blocks_total", '{result="published"}', base + n_blk)
+    check(pub == base + n_blk and long_req.is_alive(),
+          "a request's blocks are published while it still decodes (%d of %d)" % (pub - base, n_blk))
+    long_req.join()
+
+    # ---- compressed values: self-describing, read by a daemon without the flag ----
+    z = daemon("z", "--remote", url, "--remote-compress", "zstd")
+    before_z = set(resp(rsock, "KEYS", "kvt:*"))
+    p13 = prompt_of(13)
+    complete(z, p13)
+    wait_metric(z, "remote_blocks_total", '{result="published"}', n_blk)
+    zkeys = [k for k in resp(rsock, "KEYS", "kvt:*") if k not in before_z]
+    codecs = set()
+    for k in zkeys:
+        v = resp(rsock, "GET", k)
+        codecs.add(int.from_bytes(v[224 + 16:224 + 20], "little"))  # the first chunk's codec in the container
+    check(codecs and 0 not in codecs, "--remote-compress zstd: every value's chunk table says compressed (codecs %s)" % codecs)
+    toks, cached = complete(b, p13)
+    check(toks == reference(p13) and cached == (len(p13) - 1) // BT * BT,
+          "a daemon without the flag reads compressed values: cached_tokens %d, the same tokens" % cached)
+    check(z.stop() == 0, "and it exits cleanly")
+
     # ---- private requests ----
     p2 = prompt_of(2)
+    n_keys = len(resp(rsock, "KEYS", "kvt:*"))
     toks, _ = complete(a, p2, private=True)
     time.sleep(0.3)
-    check(toks == reference(p2) and len(resp(rsock, "KEYS", "kvt:*")) == n_blk, "a private request publishes nothing")
+    check(toks == reference(p2) and len(resp(rsock, "KEYS", "kvt:*")) == n_keys, "a private request publishes nothing")
 
     # ---- --remote-share prefix-only: a chat's blocks before its first user message ----
     po = daemon("po", "--remote", url, "--remote-share", "prefix-only")
