@@ -80,6 +80,12 @@ struct ipc_gen_req {
     enum beam_early early_stopping;
     bool stream, include_usage, ignore_eos, return_tokens;
     bool private_kv; /* "private": none of its blocks go to a shared (remote) tier */
+    /* completions' "shared_prefix": how much of the prompt may go to a
+     * shared tier, in tokens (-1: not given) or as the text the prompt
+     * starts with (borrowed; NULL: not given) */
+    long long shared_tokens;
+    const char *shared_text;
+    size_t shared_text_len;
     bool logprobs;
     int top_logprobs;
     const char *session; /* NULL: none */

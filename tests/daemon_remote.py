@@ -4,7 +4,11 @@ ports for a cluster) and kills only those.
 
 - two daemons, one Redis: B's first request on a prompt A computed gets
   cached_tokens from the remote tier and A's (= a cold run's) tokens;
-- a private request publishes nothing;
+- a private request publishes nothing; --remote-share prefix-only
+  publishes a chat's system part, a completion's shared_prefix (tokens or
+  text; it bounds --remote-share all too), nothing else;
+- blocks are published while the request still decodes; compressed
+  values (--remote-compress zstd) are read by a daemon without the flag;
 - a value written for another layout (another KV dtype) and corrupted
   values are misses, counted, never loaded;
 - AUTH as an ACL user (--remote-user, --remote-password-file), and a
@@ -238,7 +242,41 @@ try:
     time.sleep(0.2)
     check(code == 200 and metric(po, "remote_blocks_total", '{result="published"}') == got,
           "prefix-only: a raw prompt publishes nothing")
+
+    # ---- a completion's shared_prefix: the blocks before it, under prefix-only and all ----
+    def published_after(dm, n0, want):
+        wait_metric(dm, "remote_blocks_total", '{result="published"}', n0 + want, timeout=3)
+        time.sleep(0.2)  # and nothing more
+        return metric(dm, "remote_blocks_total", '{result="published"}') - n0
+
+    n0 = metric(po, "remote_blocks_total", '{result="published"}')
+    p14 = prompt_of(14)
+    code, _ = po.post("/v1/completions", dict(GEN, prompt=p14, shared_prefix=40))
+    got = published_after(po, n0, 2)
+    toks, cached = complete(b, p14)
+    check(code == 200 and got == 2 and cached == 32 and toks == reference(p14),
+          "prefix-only, shared_prefix 40 tokens: its 2 whole blocks published, none after (B gets %d cached)" % cached)
+    doc = " ".join("clause %d of the shared contract between the parties" % i for i in range(8))
+    question = " and now a question only this user asks about clause %d" % 3
+    code, r = po.post("/tokenize", {"content": doc})
+    doc_ids = r["tokens"]
+    code, r = po.post("/tokenize", {"content": doc + question})
+    n_agree = next((i for i, (x, y) in enumerate(zip(doc_ids, r["tokens"])) if x != y), min(len(doc_ids), len(r["tokens"])))
+    n0 += got
+    code, _ = po.post("/v1/completions", dict(GEN, prompt=doc + question, shared_prefix=doc))
+    got = published_after(po, n0, n_agree // BT)
+    check(code == 200 and got == n_agree // BT and len(r["tokens"]) // BT > got,
+          "prefix-only, shared_prefix as the prompt's first text: %d blocks (its %d tokens), none of the question's" %
+          (got, n_agree))
+    code, r = po.post("/v1/completions", dict(GEN, prompt=doc + question, shared_prefix=question))
+    check(code == 400 and r["error"]["param"] == "shared_prefix", "shared_prefix text that does not start the prompt: 400")
+    code, r = po.post("/v1/completions", dict(GEN, prompt=p14, shared_prefix="x"))
+    check(code == 400, "shared_prefix text with a prompt of token ids: 400")
     check(po.stop() == 0, "and it exits cleanly")
+    n0 = metric(a, "remote_blocks_total", '{result="published"}')
+    p15 = prompt_of(15)
+    complete(a, p15, shared_prefix=20)
+    check(published_after(a, n0, 1) == 1, "under --remote-share all, shared_prefix still bounds what is published")
 
     # ---- another layout's value, corrupt values ----
     # the same chain under another KV dtype looks for these keys with that
