@@ -878,6 +878,24 @@ static int64_t key_rope_rows_needed(const struct fw_seq *seqs, int n_seqs)
     return rows;
 }
 
+/* A state store checkpoints where a chunk ends on a multiple of its
+ * interval: the chunk of n rows starting at token t of entry s ends
+ * earlier if one of its sequences would pass a multiple inside it. */
+static int checkpoint_cut(const struct fw_seq *seqs, int n_seqs, const int64_t *start, int interval, int s, int t,
+                          int n)
+{
+    if (!interval)
+        return n;
+    for (int rows = 0; s < n_seqs && rows < n; s++, t = 0) {
+        int64_t pos = start[s] + t, end = start[s] + seqs[s].n_tokens;
+        int64_t next = (pos / interval + 1) * interval; /* the first multiple past pos */
+        if (next < end && rows + (next - pos) < n)
+            return rows + (int)(next - pos);
+        rows += (int)(end - pos);
+    }
+    return n;
+}
+
 /* One attempt at the step: reserve every sequence's new tokens up front
  * and commit only at the end, so a failure anywhere leaves every KV
  * exactly as it was.  *culprit: the sequence whose reserve failed, or -1. */
@@ -904,6 +922,7 @@ static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs,
     int s = 0, t = 0;
     for (int64_t done = 0; st == MODEL_OK && done < total;) {
         int n = total - done < m->rs.cap ? (int)(total - done) : m->rs.cap;
+        n = checkpoint_cut(seqs, n_seqs, start, kv_store_checkpoint_interval(store), s, t, n);
         st = from_be(chunk_forward(m, seqs, &s, &t, n, start));
         done += n;
     }

@@ -1028,8 +1028,10 @@ static void test_prefix_budget_and_namespaces(void **state)
 
 /* A state store's sequence: its device bytes do not grow from 1k to 16k
  * tokens (only its host-tier checkpoints do), the strategies that act on
- * single tokens are refused naming why, a crop goes back to the last
- * checkpoint at or below its target and a fork starts where its parent is. */
+ * single tokens are refused naming why, checkpoints are taken where chunks
+ * end on a multiple of the interval (and dropped with an aborted step), a
+ * crop goes back to the last one at or below its target and a fork starts
+ * where its parent is. */
 static void test_state_store(void **state)
 {
     (void)state;
@@ -1057,26 +1059,36 @@ static void test_state_store(void **state)
     kv_seq *q;
     assert_int_equal(kv_seq_create(s, NULL, &q), TIER_OK);
     size_t dev_1k = 0;
-    for (int64_t n = 0; n < 16384; n += 100) {
-        int step = n + 100 > 16384 ? (int)(16384 - n) : 100;
-        assert_int_equal(kv_seq_reserve(q, step), TIER_OK);
+    /* steps of 128 tokens as the forward pass drives them: one chunk each,
+     * every other one ending on a multiple of 256 */
+    for (int64_t n = 0; n < 16384; n += 128) {
+        assert_int_equal(kv_seq_reserve(q, 128), TIER_OK);
+        kv_seq_chunk(q, n, n + 128);
+        assert_int_equal(kv_store_layer_end(s, 1), BE_OK);
         assert_int_equal(kv_seq_commit(q), TIER_OK);
-        if (kv_seq_length(q) == 1000)
+        if (kv_seq_length(q) == 1024)
             dev_1k = kv_seq_stats(q).dev_bytes;
     }
     assert_int_equal(kv_seq_length(q), 16384);
     assert_int_equal(dev_1k, 2 * 2 * sb);
     assert_int_equal(kv_seq_stats(q).dev_bytes, dev_1k);
-    assert_int_equal(kv_seq_stats(q).host_bytes, 64 * 2 * sb); /* one checkpoint per 256 crossed */
+    assert_int_equal(kv_seq_stats(q).host_bytes, 64 * 2 * sb); /* one checkpoint per multiple of 256 */
+    /* an aborted step's checkpoint goes with it */
+    assert_int_equal(kv_seq_reserve(q, 256), TIER_OK);
+    kv_seq_chunk(q, 16384, 16640);
+    assert_int_equal(kv_store_layer_end(s, 1), BE_OK);
+    assert_int_equal(kv_seq_stats(q).host_bytes, 65 * 2 * sb);
+    kv_seq_abort(q);
+    assert_int_equal(kv_seq_stats(q).host_bytes, 64 * 2 * sb);
 
     kv_seq *c;
     assert_int_equal(kv_seq_fork(q, &c), TIER_OK);
     assert_int_equal(kv_seq_length(c), 16384);
-    /* steps of 100 crossed 16128 at 16200: the checkpoint is there */
-    assert_int_equal(kv_seq_crop(c, -100), TIER_OK);
-    assert_int_equal(kv_seq_length(c), 16200);
+    assert_int_equal(kv_seq_crop(c, -100), TIER_OK); /* 16284: back to 16128 */
+    assert_int_equal(kv_seq_length(c), 16128);
+    assert_int_equal(kv_seq_stats(c).host_bytes, 63 * 2 * sb);
     assert_int_equal(kv_seq_crop(c, 300), TIER_OK);
-    assert_int_equal(kv_seq_length(c), 300);
+    assert_int_equal(kv_seq_length(c), 256);
     assert_int_equal(kv_seq_crop(c, 200), TIER_OK);
     assert_int_equal(kv_seq_length(c), 0);
     assert_int_equal(kv_seq_length(q), 16384);

@@ -202,6 +202,11 @@ void kv_store_free(kv_store *s)
     free(s);
 }
 
+int kv_store_checkpoint_interval(const kv_store *s)
+{
+    return s->g.state_bytes ? (int)s->ckpt_interval : 0;
+}
+
 int kv_store_block_tokens(const kv_store *s)
 {
     return s->bt;
@@ -1264,7 +1269,7 @@ enum tier_status kv_seq_commit(kv_seq *q)
     q->pending = 0;
     active_remove(s, q);
     if (q->state) {
-        state_seq_commit(q, from);
+        state_seq_commit(q);
         return TIER_OK;
     }
     for (int l = 0; l < s->g.n_layers; l++) {
@@ -1292,8 +1297,10 @@ void kv_seq_abort(kv_seq *q)
     kv_store *s = q->s;
     q->pending = 0;
     active_remove(s, q);
-    if (q->state) /* next is scratch until a commit makes it the state */
+    if (q->state) {
+        state_seq_abort(q);
         return;
+    }
     if (q->kvq)
         kvq_seq_abort(q);
     for (int l = 0; l < s->g.n_layers; l++) {

@@ -483,6 +483,11 @@ enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, 
  *   kv_seq_reserve and the commit (the store knows the chunk from
  *   kv_seq_chunk). */
 size_t kv_store_state_bytes(const kv_store *s);
+/* A state store's checkpoint_interval (0 for a KV store).  A checkpoint is
+ * taken where a chunk ends (kv_seq_chunk's `to`) on a multiple of it: the
+ * forward pass ends a chunk at every multiple that falls inside a
+ * sequence's tokens of the step. */
+int kv_store_checkpoint_interval(const kv_store *s);
 void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out);
 
 /* ---- streaming hooks of the forward pass (tiers/stream.c) ---------------

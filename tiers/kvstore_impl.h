@@ -125,6 +125,7 @@ struct kv_seq {
     struct kvq_seq *kvq; /* KV_QUANTIZED: the quantized layers (kvquant.c); NULL otherwise */
     struct kv_seq_loader *load; /* layers still to fill from an image (image.c); NULL once all are */
     struct kv_state *state; /* a state store's sequence (state.c); NULL otherwise */
+    bool chunk_live; /* kv_seq_chunk named the current chunk; state.c has not checkpointed its end */
 };
 
 struct kv_store {
@@ -200,7 +201,9 @@ enum tier_status prefix_fork(const kv_seq *q, kv_seq *child);
 enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p);
 enum tier_status state_seq_init(kv_seq *q);
 void state_seq_release(kv_seq *q); /* accepts q->state == NULL */
-void state_seq_commit(kv_seq *q, int64_t from); /* after q->len moved on from `from` */
+void state_seq_commit(kv_seq *q);
+void state_seq_abort(kv_seq *q);
+void state_chunk_end(kv_store *s); /* after a chunk's last layer: checkpoints at its sequences' ends */
 enum tier_status state_seq_rewind(kv_seq *q, int64_t len);
 enum tier_status state_seq_fork(const kv_seq *q, kv_seq *child);
 void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host);

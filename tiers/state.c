@@ -9,12 +9,12 @@
  * per sequence, whatever its length.
  *
  * A state cannot be cut back to an earlier position the way KV blocks
- * can.  Every commit that reaches or passes a multiple of
- * checkpoint_interval keeps a copy of the state, at the new length, in the
- * host tier; crop, reuse and forks go back to the nearest checkpoint at or
- * below where they want to be (position 0 is the zero state), and the
- * caller feeds the tokens from there again: at most one interval, plus the
- * rest of the step that crossed it.
+ * can.  Where a chunk ends on a multiple of checkpoint_interval (the
+ * forward pass cuts its chunks there), the state is copied to the host
+ * tier; an abort drops the step's copies.  Crop, reuse and forks go back
+ * to the nearest checkpoint at or below where they want to be (position 0
+ * is the zero state), and the caller feeds the tokens from there again: at
+ * most one interval.
  */
 #include "tiers/kvstore_impl.h"
 
@@ -51,8 +51,8 @@ enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p)
         return kv_fail(s, TIER_ENOTSUP, "sink: a state-space model has no tokens to keep as sinks (its state is "
                                         "fixed in size and summarizes every token)");
     if (p->window_length)
-        return kv_fail(s, TIER_ENOTSUP, "sliding_window: a state-space model's state already has a fixed size and "
-                                        "cannot drop single old tokens");
+        return kv_fail(s, TIER_ENOTSUP, "sliding_window (window_length): a state-space model's state already has a "
+                                        "fixed size and cannot drop single old tokens");
     if (p->strategy == KV_QUANTIZED)
         return kv_fail(s, TIER_ENOTSUP, "quantized: the cache of a state-space model is a recurrent state, not KV; "
                                         "quantizing it would compound its error at every token");
@@ -124,9 +124,9 @@ void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out)
     out->out = (char *)be_buffer_data(x->next) + off;
 }
 
-/* A copy of cur, now at position pos, in the host tier; a failure (host
- * budget) only costs the recomputation it would have saved. */
-static void ckpt_take(kv_seq *q, int64_t pos)
+/* A copy of the state in b, at position pos, in the host tier; a failure
+ * (host budget) only costs the recomputation it would have saved. */
+static void ckpt_take(kv_seq *q, const be_buffer *b, int64_t pos)
 {
     kv_store *s = q->s;
     struct kv_state *x = q->state;
@@ -143,22 +143,40 @@ static void ckpt_take(kv_seq *q, int64_t pos)
         s->err[0] = '\0';
         return;
     }
-    if (be_copy(s->be, host, be_buffer_data(x->cur), seq_state_bytes(s), BE_D2H) != BE_OK) {
+    if (be_copy(s->be, host, be_buffer_data(b), seq_state_bytes(s), BE_D2H) != BE_OK) {
         kv_host_free(s, host, seq_state_bytes(s));
         return;
     }
     x->ckpt[x->n_ckpt++] = (struct kv_ckpt){.pos = pos, .host = host};
 }
 
-void state_seq_commit(kv_seq *q, int64_t from)
+void state_chunk_end(kv_store *s)
+{
+    for (int i = 0; i < s->n_active; i++) {
+        kv_seq *q = s->active[i];
+        if (!q->state || !q->chunk_live)
+            continue;
+        q->chunk_live = false;
+        if (q->chunk_to % s->ckpt_interval == 0)
+            ckpt_take(q, q->state->next, q->chunk_to);
+    }
+}
+
+void state_seq_commit(kv_seq *q)
 {
     struct kv_state *x = q->state;
     be_buffer *t = x->cur;
     x->cur = x->next;
     x->next = t;
-    int64_t iv = q->s->ckpt_interval;
-    if (q->len / iv > from / iv)
-        ckpt_take(q, q->len);
+}
+
+void state_seq_abort(kv_seq *q)
+{
+    struct kv_state *x = q->state;
+    int i = x->n_ckpt;
+    while (i > 0 && x->ckpt[i - 1].pos > q->len)
+        i--;
+    ckpt_drop_from(q, i);
 }
 
 /* Goes back to the latest checkpoint at or below len (the zero state at
