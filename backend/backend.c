@@ -635,6 +635,52 @@ enum be_status be_kv_copy(be_backend *be, const struct be_kv_view *dst, const st
     return p0 < p1 ? be->ops->kv_copy(be->ctx, dst, src, p0, p1, p) : BE_OK;
 }
 
+size_t be_ssm_state_bytes(int d_inner, int d_state, int d_conv)
+{
+    if (d_inner <= 0 || d_inner > (1 << 20) || d_state <= 0 || d_state > BE_SSM_MAX_STATE || d_conv <= 0 ||
+        d_conv > BE_SSM_MAX_CONV)
+        return 0;
+    return ((size_t)(d_conv - 1) + (size_t)d_state) * (size_t)d_inner * sizeof(float);
+}
+
+/* The views of toks: each row names one, and a view's rows are
+ * consecutive (a scan runs through them in order). */
+static bool ssm_args_ok(const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                        const struct be_ssm_params *p)
+{
+    if (!views || !toks || n_tok < 0 || !p || !be_ssm_state_bytes(p->d_inner, p->d_state, p->d_conv) || !p->conv_w ||
+        !p->A || !p->D)
+        return false;
+    for (int t = 0; t < n_tok; t++) {
+        int v = toks[t].view;
+        if (v < 0 || (t > 0 && v != toks[t - 1].view && v != toks[t - 1].view + 1) || (t == 0 && v != 0) ||
+            !views[v].in || !views[v].out)
+            return false;
+    }
+    return true;
+}
+
+enum be_status be_ssm_conv(be_backend *be, void *y, const void *x, const struct be_ssm_view *views,
+                           const struct be_tok *toks, int n_tok, const struct be_ssm_params *p)
+{
+    if (!be || !y || !x || !ssm_args_ok(views, toks, n_tok, p))
+        return BE_EINVAL;
+    if (!be->ops->ssm_conv)
+        return BE_ENOTSUP;
+    return n_tok ? be->ops->ssm_conv(be->ctx, y, x, views, toks, n_tok, p) : BE_OK;
+}
+
+enum be_status be_ssm_scan(be_backend *be, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                           const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                           const struct be_ssm_params *p)
+{
+    if (!be || !y || !x || !dt_raw || !B || !C || !z || !ssm_args_ok(views, toks, n_tok, p))
+        return BE_EINVAL;
+    if (!be->ops->ssm_scan)
+        return BE_ENOTSUP;
+    return n_tok ? be->ops->ssm_scan(be->ctx, y, x, dt_raw, B, C, z, views, toks, n_tok, p) : BE_OK;
+}
+
 enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n)
 {
     if (!be || !y || !gate || !up)

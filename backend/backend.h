@@ -296,6 +296,45 @@ enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, enum be_
 enum be_status be_kv_copy(be_backend *be, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
                           int64_t p1, const struct be_attn_params *p);
 
+/* ---- state-space layers (Mamba) ------------------------------------------
+ * A layer's state per sequence, f32, fixed in size: the conv window, the
+ * last d_conv - 1 inputs of the depthwise convolution as (d_conv - 1,
+ * d_inner), oldest first (zeros before the first token), then the SSM
+ * state h as (d_inner, d_state). */
+#define BE_SSM_MAX_STATE 256 /* far above any checkpoint (Mamba: d_state 16, d_conv 4); */
+#define BE_SSM_MAX_CONV 16   /* a kernel keeps one channel's window and state on its stack */
+struct be_ssm_params {
+    int d_inner, d_state, d_conv;
+    const float *conv_w; /* (d_inner, d_conv) f32: conv1d.weight[:, 0, :] */
+    const float *conv_b; /* (d_inner) f32 or NULL */
+    const float *A;      /* (d_inner, d_state) f32: -exp(A_log) */
+    const float *D;      /* (d_inner) f32 */
+};
+/* One sequence's state of one layer for a call: in holds it before the
+ * sequence's first row of the call, out receives it after its last row;
+ * in == out is allowed (the state is read before it is written). */
+struct be_ssm_view {
+    const void *in;
+    void *out;
+};
+/* The bytes of one layer's state; 0 when a size is out of range. */
+size_t be_ssm_state_bytes(int d_inner, int d_state, int d_conv);
+/* y[n_tok, d_inner] = silu(causal depthwise conv(x) + conv_b): row t of a
+ * view (toks[t].view; a view's rows are consecutive and in order, pos is
+ * not read) sees its d_conv - 1 predecessors, the first ones from the
+ * view's window; the window after the last row goes to out. */
+enum be_status be_ssm_conv(be_backend *be, void *y, const void *x, const struct be_ssm_view *views,
+                           const struct be_tok *toks, int n_tok, const struct be_ssm_params *p);
+/* The selective scan, per row t and channel i of its view's state h:
+ *   dt = softplus(dt_raw[t, i])
+ *   h[i, :] = exp(dt * A[i, :]) * h[i, :] + dt * B[t, :] * x[t, i]
+ *   y[t, i] = (sum_j C[t, j] h[i, j] + D[i] x[t, i]) * silu(z[t, i])
+ * x, dt_raw, z, y: (n_tok, d_inner); B, C: (n_tok, d_state); h is read
+ * from and written to the views as be_ssm_conv does the window. */
+enum be_status be_ssm_scan(be_backend *be, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                           const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                           const struct be_ssm_params *p);
+
 /* y[n] = silu(gate[n]) * up[n] */
 enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n);
 /* y[n] = gelu_tanh(gate[n]) * up[n], or gelu_tanh(gate[n]) when up is NULL;

@@ -16,7 +16,7 @@
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
-#define BE_API_VERSION 6
+#define BE_API_VERSION 7
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
@@ -79,6 +79,12 @@ struct be_ops {
                                      const struct be_kv_view *dst);
     enum be_status (*kv_absmax)(void *ctx, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads, int head_dim,
                                 int64_t p0, int64_t p1, float amax[2]);
+    // (optional) NULL: no state-space models on this backend; views and params checked by the wrappers
+    enum be_status (*ssm_conv)(void *ctx, void *y, const void *x, const struct be_ssm_view *views,
+                               const struct be_tok *toks, int n_tok, const struct be_ssm_params *p);
+    enum be_status (*ssm_scan)(void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                               const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                               const struct be_ssm_params *p);
     // (optional) NULL: no sink strategy over quantized KV
     enum be_status (*kv_copy)(void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
                               int64_t p1, const struct be_attn_params *p);

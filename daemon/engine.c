@@ -1187,11 +1187,13 @@ static void load_progress(void *arg, uint64_t done, uint64_t total)
  * grown by a chunk, so the daemon's idle memory is what it was.  A window
  * of one on every layer keeps one token valid for a model whose layers
  * all slide (the store refuses a static cache shorter than their window).
- * It touches no session and no statistic. */
+ * A state model (Mamba) keeps no tokens: no window.  It touches no session and no statistic. */
 static bool warm_up(engine *e, char *err)
 {
     load_phase(e, "warmup");
     struct kv_seq_params p = {.strategy = KV_STATIC, .max_cache_len = 1, .window_length = 1, .no_prefix_cache = true};
+    if (kv_store_state_bytes(e->store)) /* a state model's store refuses windows: its state has no tokens */
+        p.window_length = 0;
     kv_seq *kv = NULL;
     int32_t tok = tokenizer_bos_id(e->tok) >= 0 ? tokenizer_bos_id(e->tok) : 0;
     enum tier_status ts = kv_seq_create(e->store, &p, &kv);
@@ -1218,7 +1220,8 @@ static bool load(engine *e)
                                 .model = {.max_batch_tokens = e->cfg.batch_tokens, .verify_weights = e->cfg.verify_weights,
                                           .kv_dtype = e->cfg.kv_dtype, .weights = e->cfg.weights,
                                           .page_in = load_progress, .page_in_arg = e},
-                                .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache},
+                                .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache,
+                                       .checkpoint_interval = e->cfg.checkpoint_interval},
                                 .size_seqs = e->cfg.max_seqs, .size_ctx = e->cfg.ctx};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);

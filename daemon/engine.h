@@ -63,6 +63,7 @@ struct engine_config {
     int ctx;                 /* 0: the model's max_position_embeddings */
     int max_seqs;            /* sequences decoded together */
     int batch_tokens;        /* tokens per forward step */
+    int checkpoint_interval; /* a state model's checkpoints (kv_store_params); 0 = the store's default */
     int max_queue;           /* jobs waiting for admission */
     int max_sessions;
     /* The disk tier (docs/persistence.md); disk_dir NULL: sessions live in

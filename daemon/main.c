@@ -56,6 +56,8 @@ static void usage(FILE *f)
             "  --ctx-size N         context tokens per sequence (default: the model's)\n"
             "  --parallel N         sequences decoded together (default 32)\n"
             "  --batch-tokens N     tokens per forward step (default 256)\n"
+            "  --checkpoint-interval N  state-space models (Mamba): tokens between the state's checkpoints in the\n"
+            "                       host tier, which crop and session reuse go back to (default 256)\n"
             "  --max-queue N        requests waiting for a slot before 429 (default 256)\n"
             "  --max-clients N      open connections before 503 (default 256; 8 more for /health and /metrics)\n"
             "  --max-clients-per-uid N  open connections of one uid (default: 7/8 of --max-clients)\n"
@@ -189,7 +191,7 @@ int main(int argc, char **argv)
     static char key_buf[512];
     bool system = false, verbose = false, print_socket = false;
     enum {
-        O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
+        O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH, O_CKPT,
         O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
         O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE,
         O_SESSIONTTL, O_VERSION, O_PRINTSOCK,
@@ -204,6 +206,7 @@ int main(int argc, char **argv)
         {"prefix-cache-mem", required_argument, 0, O_PREFIXMEM}, {"share-prefix-cache", no_argument, 0, O_SHAREPREFIX},
         {"ctx-size", required_argument, 0, O_CTX},
         {"parallel", required_argument, 0, O_PARALLEL}, {"batch-tokens", required_argument, 0, O_BATCH},
+        {"checkpoint-interval", required_argument, 0, O_CKPT},
         {"max-queue", required_argument, 0, O_QUEUE}, {"max-clients", required_argument, 0, O_CLIENTS},
         {"max-clients-per-uid", required_argument, 0, O_PER_UID}, {"max-clients-per-pid", required_argument, 0, O_PER_PID},
         {"header-timeout", required_argument, 0, O_HEADER}, {"body-rate", required_argument, 0, O_RATE},
@@ -272,6 +275,7 @@ int main(int argc, char **argv)
         case O_CTX: ok = args_int(optarg, 16, 1 << 24, &ec.ctx); break;
         case O_PARALLEL: ok = args_int(optarg, 1, 1024, &ec.max_seqs); break;
         case O_BATCH: ok = args_int(optarg, 16, 65536, &ec.batch_tokens); break;
+        case O_CKPT: ok = args_int(optarg, 1, 1 << 24, &ec.checkpoint_interval); break;
         case O_QUEUE: ok = args_int(optarg, 1, 1 << 20, &ec.max_queue); break; /* 0 would refuse every request: each one queues first */
         case O_CLIENTS: ok = args_int(optarg, 1, 1 << 16, &sc.max_clients); break;
         case O_PER_UID: ok = args_int(optarg, 1, 1 << 16, &sc.max_per_uid); break;

@@ -32,7 +32,7 @@ enum model_status {
 const char *model_strerror(enum model_status st);
 
 enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_PHI3,
-                  ARCH_GPT2 };
+                  ARCH_GPT2, ARCH_MAMBA };
 enum model_act { ACT_SILU = 0, ACT_GELU_TANH }; /* the gate's activation: SwiGLU or GeGLU */
 enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3, ROPE_SCALING_LONGROPE };
 
@@ -88,6 +88,15 @@ struct model_config {
     /* 0: every layer rotates with rope_theta and rope_scaling; Gemma 3:
      * the sliding layers' base (rope_local_base_freq), unscaled. */
     float rope_local_theta;
+    /* Mamba (ARCH_MAMBA): no attention (n_heads, n_kv_heads, head_dim 0);
+     * each layer mixes intermediate_size channels with a causal conv of
+     * ssm_conv taps and a selective scan over ssm_state states per
+     * channel; max_position_embeddings is the most any position may be. */
+    int ssm_state;                     /* state_size */
+    int ssm_conv;                      /* conv_kernel */
+    int ssm_dt_rank;                   /* time_step_rank */
+    bool ssm_bias;                     /* use_bias: in_proj and out_proj */
+    bool ssm_conv_bias;                /* use_conv_bias */
     int sliding_window;                /* 0 = none */
     int *layer_window;                 /* [n_layers] 0 = full, else the window (owned) */
     enum be_dtype dtype;               /* torch_dtype */
@@ -124,6 +133,18 @@ struct model_layer {
     struct model_mat w_up;   /* (hidden, dim) */
     struct model_mat w_down; /* (dim, hidden) */
     const float *b_up, *b_down; /* (hidden), (dim) or NULL: GPT-2's MLP biases */
+    /* Mamba's mixer (its block norm is attn_norm); inner = intermediate_size */
+    struct model_mat ssm_in_x, ssm_in_z; /* (inner, dim) each: in_proj's two halves of rows */
+    const float *ssm_in_bx, *ssm_in_bz;  /* (inner) or NULL: in_proj.bias */
+    const float *ssm_conv_w;             /* (inner, ssm_conv): conv1d.weight */
+    const float *ssm_conv_b;             /* (inner) or NULL */
+    struct model_mat ssm_x_dt, ssm_x_B, ssm_x_C; /* (rank | state | state, inner): x_proj's row blocks */
+    struct model_mat ssm_dt;             /* (inner, rank): dt_proj */
+    const float *ssm_dt_b;               /* (inner) */
+    const float *ssm_A;                  /* (inner, state): -exp(A_log), formed at load in f32 */
+    const float *ssm_D;                  /* (inner) */
+    struct model_mat ssm_out;            /* (dim, inner): out_proj */
+    const float *ssm_out_b;              /* (dim) or NULL */
 };
 
 struct model_weights {
@@ -232,9 +253,11 @@ struct model_params {
  * charges to a backend of caps: its weights when the backend cannot read
  * the mmap (caps.unified_memory false; 0 otherwise), the forward pass's
  * activations for p's max_batch_tokens rows, and the KV (of p's kv_dtype)
- * of one token over every layer. */
+ * of one token over every layer; a state model (Mamba) instead keeps
+ * state_per_seq bytes per sequence (kv_store_state_bytes), whatever its
+ * length, and kv_per_token is 0. */
 struct model_device_bytes {
-    size_t weights, activations, kv_per_token;
+    size_t weights, activations, kv_per_token, state_per_seq;
 };
 struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps,
                                              const struct model_params *p);

@@ -31,7 +31,7 @@ static enum model_status size_budget(const char *dir, const char *name, const st
     model_config_release(&cfg);
     b->weights = d.weights;
     b->activations = d.activations;
-    b->kv = (size_t)b->seqs * (size_t)b->ctx * d.kv_per_token;
+    b->kv = (size_t)b->seqs * ((size_t)b->ctx * d.kv_per_token + d.state_per_seq);
     size_t sum = b->weights + b->activations + b->kv;
     b->margin = sum / 8;
     b->total = sum + b->margin > RUNTIME_MIN_DEVICE_MEM ? sum + b->margin : RUNTIME_MIN_DEVICE_MEM;

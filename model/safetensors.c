@@ -17,6 +17,7 @@
  * in place while a model uses it (a truncated mapping faults on access).
  */
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -509,13 +510,49 @@ static size_t first_non_finite(const void *data, enum be_dtype dt, size_t n)
 /* Norm weights and biases are small and read by every token: they are kept
  * as f32 whatever the checkpoint's dtype, and checked for NaN and infinity
  * at every load (a few thousand values). */
+static enum model_status vec_f32(struct binder *b, const struct st_file *f, const struct st_tensor *t, const char *name,
+                                 int len, const float **out);
+
 static enum model_status bind_vec(struct binder *b, const char *name, int len, const float **out)
 {
     const struct st_file *f;
     const struct st_tensor *t;
     enum model_status st = find_checked(b, name, len, 0, &f, &t);
+    return st != MODEL_OK ? st : vec_f32(b, f, t, name, len, out);
+}
+
+/* A small tensor of any shape (Mamba's conv1d.weight [inner, 1, kernel],
+ * A_log [inner, state]) as an f32 copy of its len elements, shape[] of
+ * rank dimensions checked as find_checked checks a vector's. */
+static enum model_status bind_small(struct binder *b, const char *name, const int *shape, int rank, const float **out)
+{
+    const struct st_file *f;
+    const struct st_tensor *t;
+    enum model_status st = locate(b, name, &f, &t);
     if (st != MODEL_OK)
         return st;
+    if (t->dtype->be < 0)
+        return model_errf(b->err, MODEL_EUNSUPPORTED, "%s: tensor %s has dtype %s (supported: F32, F16, BF16)",
+                          f->name, name, t->dtype->name);
+    bool ok = t->rank == rank;
+    int len = 1;
+    for (int d = 0; d < rank && ok; d++) {
+        ok = t->shape[d] == (uint64_t)shape[d];
+        len *= shape[d];
+    }
+    if (!ok) {
+        char have[160];
+        format_shape(t, have, sizeof have);
+        return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has shape %s, config.json implies %d dimensions "
+                          "[%d, ...]", f->name, name, have, rank, shape[0]);
+    }
+    return vec_f32(b, f, t, name, len, out);
+}
+
+/* The f32 copy of a bound tensor, checked for NaN and infinity. */
+static enum model_status vec_f32(struct binder *b, const struct st_file *f, const struct st_tensor *t, const char *name,
+                                 int len, const float **out)
+{
     const uint8_t *src = f->data + t->begin;
     float *dst = b->next_vector;
     for (int i = 0; i < len; i++) {
@@ -637,6 +674,10 @@ static bool needed(const struct model_config *c, enum need n)
 /* Floats of f32 copies one layer's vectors take. */
 static size_t layer_vector_floats(const struct model_config *c)
 {
+    if (c->arch == ARCH_MAMBA) { /* norm, in_proj and out_proj biases; conv, dt bias, A, D */
+        size_t inner = (size_t)c->intermediate_size;
+        return 2 * (size_t)c->hidden_size + 2 * inner + inner * ((size_t)c->ssm_conv + 3 + (size_t)c->ssm_state);
+    }
     if (c->arch == ARCH_GPT2) /* ln_1, ln_2 (weight, bias), c_attn, c_proj, c_fc, mlp c_proj biases */
         return 9 * (size_t)c->hidden_size + (size_t)c->intermediate_size;
     size_t n = 0;
@@ -788,6 +829,73 @@ static enum model_status bind_gpt2(struct binder *b, struct model_weights *w)
     return MODEL_OK;
 }
 
+/* One Mamba block: layers.N.{norm, mixer.{in_proj, conv1d, x_proj, dt_proj,
+ * A_log, D, out_proj}}.  in_proj's rows are x then z and x_proj's dt, B,
+ * then C: bound as row views, so each product is its own matmul. */
+static enum model_status bind_mamba_layer(struct binder *b, int l, struct model_layer *L)
+{
+    const struct model_config *c = b->cfg;
+    int dim = c->hidden_size, inner = c->intermediate_size, N = c->ssm_state, R = c->ssm_dt_rank;
+    char n[160];
+    enum model_status st;
+    struct model_mat in, xp;
+    const float *in_b = NULL, *A_log;
+#define NAME(suffix) (snprintf(n, sizeof n, "backbone.layers.%d.%s", l, suffix), n)
+    if ((st = bind_vec(b, NAME("norm.weight"), dim, &L->attn_norm)) ||
+        (st = bind_mat(b, NAME("mixer.in_proj.weight"), 2 * inner, dim, &in)) ||
+        (c->ssm_bias && (st = bind_vec(b, NAME("mixer.in_proj.bias"), 2 * inner, &in_b))) ||
+        (st = bind_small(b, NAME("mixer.conv1d.weight"), (int[]){inner, 1, c->ssm_conv}, 3, &L->ssm_conv_w)) ||
+        (c->ssm_conv_bias && (st = bind_vec(b, NAME("mixer.conv1d.bias"), inner, &L->ssm_conv_b))) ||
+        (st = bind_mat(b, NAME("mixer.x_proj.weight"), R + 2 * N, inner, &xp)) ||
+        (st = bind_mat(b, NAME("mixer.dt_proj.weight"), inner, R, &L->ssm_dt)) ||
+        (st = bind_vec(b, NAME("mixer.dt_proj.bias"), inner, &L->ssm_dt_b)) ||
+        (st = bind_small(b, NAME("mixer.A_log"), (int[]){inner, N}, 2, &A_log)) ||
+        (st = bind_vec(b, NAME("mixer.D"), inner, &L->ssm_D)) ||
+        (st = bind_mat(b, NAME("mixer.out_proj.weight"), dim, inner, &L->ssm_out)) ||
+        (c->ssm_bias && (st = bind_vec(b, NAME("mixer.out_proj.bias"), dim, &L->ssm_out_b))))
+        return st;
+#undef NAME
+    float *A = (float *)A_log; /* our own f32 copy: A = -exp(A_log) in place, as the reference forms it */
+    for (size_t i = 0; i < (size_t)inner * (size_t)N; i++)
+        A[i] = -expf(A[i]);
+    L->ssm_A = A;
+    size_t row = be_row_bytes(in.dtype, (size_t)dim), xrow = be_row_bytes(xp.dtype, (size_t)inner);
+    L->ssm_in_x = (struct model_mat){.data = in.data, .dtype = in.dtype, .rows = inner, .cols = dim};
+    L->ssm_in_z = (struct model_mat){.data = (const char *)in.data + (size_t)inner * row, .dtype = in.dtype,
+                                     .rows = inner, .cols = dim};
+    L->ssm_in_bx = in_b;
+    L->ssm_in_bz = in_b ? in_b + inner : NULL;
+    L->ssm_x_dt = (struct model_mat){.data = xp.data, .dtype = xp.dtype, .rows = R, .cols = inner};
+    L->ssm_x_B = (struct model_mat){.data = (const char *)xp.data + (size_t)R * xrow, .dtype = xp.dtype, .rows = N,
+                                    .cols = inner};
+    L->ssm_x_C = (struct model_mat){.data = (const char *)xp.data + (size_t)(R + N) * xrow, .dtype = xp.dtype,
+                                    .rows = N, .cols = inner};
+    return MODEL_OK;
+}
+
+/* MambaForCausalLM's tensors are under "backbone."; the original
+ * checkpoints name the embeddings "embedding" (transformers renames them
+ * at load too). */
+static enum model_status bind_mamba(struct binder *b, struct model_weights *w)
+{
+    const struct model_config *c = b->cfg;
+    const char *emb = has_tensor(b, "backbone.embedding.weight") ? "backbone.embedding.weight"
+                                                                 : "backbone.embeddings.weight";
+    enum model_status st = bind_mat(b, emb, c->vocab_size, c->hidden_size, &w->tok_embed);
+    for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
+        st = bind_mamba_layer(b, l, &b->mf->layers[l]);
+    if (st == MODEL_OK)
+        st = bind_vec(b, "backbone.norm_f.weight", c->hidden_size, &w->final_norm);
+    if (st != MODEL_OK)
+        return st;
+    if (c->tie_word_embeddings)
+        w->lm_head = w->tok_embed;
+    else if ((st = bind_mat(b, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head)))
+        return st;
+    w->layers = b->mf->layers;
+    return MODEL_OK;
+}
+
 static enum model_status bind_all(struct binder *b, struct model_weights *w)
 {
     const struct model_config *c = b->cfg;
@@ -804,6 +912,8 @@ static enum model_status bind_all(struct binder *b, struct model_weights *w)
     b->next_vector = mf->vectors;
     if (c->arch == ARCH_GPT2)
         return bind_gpt2(b, w);
+    if (c->arch == ARCH_MAMBA)
+        return bind_mamba(b, w);
 
     enum model_status st = bind_mat(b, "model.embed_tokens.weight", c->vocab_size, c->hidden_size, &w->tok_embed);
     for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
@@ -882,10 +992,35 @@ static enum model_status verify_gpt2(const struct model_config *cfg, const struc
     return st;
 }
 
+/* Mamba's matrices as bound: in_proj and x_proj are whole tensors whose
+ * parts are consecutive rows. */
+static enum model_status verify_mamba(const struct model_config *cfg, const struct model_weights *w, char *err)
+{
+    enum model_status st = verify_mat(&w->tok_embed, "backbone.embeddings.weight", err);
+    if (st == MODEL_OK && !cfg->tie_word_embeddings)
+        st = verify_mat(&w->lm_head, "lm_head.weight", err);
+    for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
+        const struct model_layer *L = &w->layers[l];
+        struct model_mat in = L->ssm_in_x, xp = L->ssm_x_dt;
+        in.rows *= 2;
+        xp.rows += 2 * L->ssm_x_B.rows;
+        const struct model_mat *mats[] = {&in, &xp, &L->ssm_dt, &L->ssm_out};
+        static const char *const names[] = {"in_proj", "x_proj", "dt_proj", "out_proj"};
+        for (int i = 0; i < 4 && st == MODEL_OK; i++) {
+            char name[128];
+            snprintf(name, sizeof name, "backbone.layers.%d.mixer.%s.weight", l, names[i]);
+            st = verify_mat(mats[i], name, err);
+        }
+    }
+    return st;
+}
+
 enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err)
 {
     if (cfg->arch == ARCH_GPT2)
         return verify_gpt2(cfg, w, err);
+    if (cfg->arch == ARCH_MAMBA)
+        return verify_mamba(cfg, w, err);
     enum model_status st = verify_mat(&w->tok_embed, "model.embed_tokens.weight", err);
     if (st == MODEL_OK && !cfg->tie_word_embeddings)
         st = verify_mat(&w->lm_head, "lm_head.weight", err);

@@ -1,7 +1,7 @@
 """torchref - an independent plain-PyTorch reference for the decoder-only
 architectures kvtier runs: LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-Phi3ForCausalLM and GPT2LMHeadModel.
+Phi3ForCausalLM, GPT2LMHeadModel and the state-space MambaForCausalLM.
 
 Written from the semantics of Hugging Face transformers' modeling code (not
 copied): RMSNorm with the variance in f32, NeoX / rotate_half RoPE with HF's
@@ -20,7 +20,14 @@ a forward call whose last position + 1 passes original_max_position_embeddings,
 cos and sin times the attention factor of both), a window on every layer when
 sliding_window is set.
 GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D
-projections stored [in, out], fused c_attn (q, k, v), gelu_new, tied head.  Parameter names equal the HF state-dict keys, so
+projections stored [in, out], fused c_attn (q, k, v), gelu_new, tied head.
+Mamba: per block RMSNorm -> in_proj into (x, z) -> causal depthwise conv1d
+over the last conv_kernel positions + SiLU -> x_proj into (dt, B, C) ->
+dt_proj + softplus -> the selective scan h = exp(dt A) h + dt B x with
+A = -exp(A_log), y = C h + D x -> y * SiLU(z) -> out_proj -> residual; the
+scan is written as the recurrence it is, one token at a time, and the
+same module runs one decode step from a carried state (conv window + SSM
+state), so the two forms can be compared.  Parameter names equal the HF state-dict keys, so
 `model.state_dict()` is a checkpoint (a tied lm_head has no key of its own).
 
 Also: a hand-written safetensors reader/writer (F32/F16/BF16 and a few
@@ -45,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel")
+         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel", "MambaForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -553,9 +560,123 @@ class GPT2LM(nn.Module):
         return F.linear(h, self.transformer.wte.weight if self.tied else self.lm_head.weight)
 
 
+# --------------------------------------------------------------------------
+# Mamba (MambaConfig's names: hidden_size, state_size, conv_kernel, expand,
+# intermediate_size, time_step_rank, layer_norm_epsilon, use_bias,
+# use_conv_bias; the HF `backbone.` prefix)
+# --------------------------------------------------------------------------
+def mamba_dims(cfg):
+    """(dim, inner, state, kernel, rank) with MambaConfig's defaults:
+    intermediate_size = int(expand * hidden_size), time_step_rank "auto" =
+    ceil(hidden_size / 16)."""
+    dim = cfg["hidden_size"]
+    inner = cfg.get("intermediate_size") or int(cfg.get("expand", 2) * dim)
+    rank = cfg.get("time_step_rank", "auto")
+    rank = math.ceil(dim / 16) if rank == "auto" else int(rank)
+    return dim, inner, cfg.get("state_size", 16), cfg.get("conv_kernel", 4), rank
+
+
+class MambaMixer(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        dim, self.inner, self.n_state, self.kernel, self.rank = mamba_dims(cfg)
+        self.in_proj = nn.Linear(dim, 2 * self.inner, bias=cfg.get("use_bias", False), device=device)
+        self.conv1d = nn.Conv1d(self.inner, self.inner, self.kernel, groups=self.inner,
+                                bias=cfg.get("use_conv_bias", True), device=device)
+        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.n_state, bias=False, device=device)
+        self.dt_proj = nn.Linear(self.rank, self.inner, bias=True, device=device)
+        self.A_log = nn.Parameter(torch.zeros(self.inner, self.n_state, device=device))
+        self.D = nn.Parameter(torch.ones(self.inner, device=device))
+        self.out_proj = nn.Linear(self.inner, dim, bias=cfg.get("use_bias", False), device=device)
+
+    def empty_state(self, b, dtype):
+        """(conv window [B, inner, kernel-1]: the inputs before the first
+        token, zeros; SSM state [B, inner, state] in f32)."""
+        return (torch.zeros(b, self.inner, self.kernel - 1, dtype=dtype),
+                torch.zeros(b, self.inner, self.n_state, dtype=torch.float32))
+
+    def forward(self, x, state):
+        """x [B, T, dim], state from empty_state or a previous call ->
+        (y [B, T, dim], the state after the last token)."""
+        conv, h = state
+        t = x.shape[1]
+        xz = self.in_proj(x)
+        u, z = xz[..., :self.inner], xz[..., self.inner:]                    # [B, T, inner] each
+        # causal depthwise conv: position i sees inputs i-kernel+1 .. i, the
+        # ones before this call coming from the carried window
+        seq = torch.cat((conv, u.transpose(1, 2)), dim=2)                      # [B, inner, kernel-1+T]
+        w = self.conv1d.weight[:, 0, :]                                         # [inner, kernel]
+        cu = torch.stack([(seq[:, :, i:i + self.kernel] * w).sum(-1) for i in range(t)], dim=1)
+        if self.conv1d.bias is not None:
+            cu = cu + self.conv1d.bias
+        cu = F.silu(cu)                                                        # [B, T, inner]
+        dt, bm, cm = self.x_proj(cu).split([self.rank, self.n_state, self.n_state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt)).float()                              # [B, T, inner]
+        a = -torch.exp(self.A_log.float())                                     # [inner, state]
+        ys = []
+        for i in range(t):  # the recurrence itself, in f32
+            h = torch.exp(dt[:, i, :, None] * a) * h + \
+                dt[:, i, :, None] * bm[:, i, None, :].float() * cu[:, i, :, None].float()
+            ys.append((h * cm[:, i, None, :].float()).sum(-1))                # [B, inner]
+        y = torch.stack(ys, dim=1).to(x.dtype) + cu * self.D                   # [B, T, inner]
+        y = y * F.silu(z)
+        return self.out_proj(y), (seq[:, :, seq.shape[2] - (self.kernel - 1):], h)
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("layer_norm_epsilon", 1e-5), device)
+        self.mixer = MambaMixer(cfg, device)
+
+    def forward(self, x, state):
+        y, state = self.mixer(self.norm(x), state)
+        return x + y, state
+
+
+class MambaBackbone(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], device=device)
+        self.layers = nn.ModuleList(MambaBlock(cfg, device) for _ in range(cfg["num_hidden_layers"]))
+        self.norm_f = RMSNorm(cfg["hidden_size"], cfg.get("layer_norm_epsilon", 1e-5), device)
+
+
+class MambaLM(nn.Module):
+    def __init__(self, cfg: dict, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = arch_of(cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} not supported (silu)")
+        self.backbone = MambaBackbone(cfg, device)
+        self.tied = bool(cfg.get("tie_word_embeddings", True))  # MambaConfig's default
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False, device=device)
+
+    def step(self, input_ids, states=None):
+        """input_ids [B, T] continuing states (None: a fresh sequence) ->
+        (logits [B, T, V], the states after them, one per layer)."""
+        x = self.backbone.embeddings(input_ids)
+        if states is None:
+            states = [blk.mixer.empty_state(x.shape[0], x.dtype) for blk in self.backbone.layers]
+        out = []
+        for blk, st in zip(self.backbone.layers, states):
+            x, st = blk(x, st)
+            out.append(st)
+        h = self.backbone.norm_f(x)
+        return F.linear(h, self.backbone.embeddings.weight if self.tied else self.lm_head.weight), out
+
+    def forward(self, input_ids, prefill=None):  # prefill: a state model has no per-call table
+        return self.step(input_ids)[0]
+
+
 def build_model(cfg, device=None):
     """The module of cfg's architecture."""
-    return GPT2LM(cfg, device) if arch_of(cfg) == "GPT2LMHeadModel" else CausalLM(cfg, device)
+    arch = arch_of(cfg)
+    if arch == "MambaForCausalLM":
+        return MambaLM(cfg, device)
+    return GPT2LM(cfg, device) if arch == "GPT2LMHeadModel" else CausalLM(cfg, device)
 
 
 # --------------------------------------------------------------------------

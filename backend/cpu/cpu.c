@@ -364,6 +364,8 @@ static const struct be_ops cpu_ops = {
     .kvq_dequantize = cpu_kvq_dequantize,
     .kv_absmax = cpu_kv_absmax,
     .kv_copy = cpu_kv_copy,
+    .ssm_conv = cpu_ssm_conv,
+    .ssm_scan = cpu_ssm_scan,
 };
 
 enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget)

@@ -158,6 +158,11 @@ enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const str
 enum be_status cpu_attention(void *ctx, void *out, const void *q, const struct be_kv_view *views,
                              const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
 enum be_status cpu_silu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
+enum be_status cpu_ssm_conv(void *ctx, void *y, const void *x, const struct be_ssm_view *views,
+                            const struct be_tok *toks, int n_tok, const struct be_ssm_params *p);
+enum be_status cpu_ssm_scan(void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                            const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                            const struct be_ssm_params *p);
 enum be_status cpu_gelu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
 enum be_status cpu_scale(void *ctx, void *x, size_t n, float s);
 enum be_status cpu_layernorm(void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim,

@@ -568,6 +568,114 @@ enum be_status cpu_attention(void *ctx, void *out_, const void *q_, const struct
     return cpu_attn_run(ctx, &src, out, q, toks, n_tok);
 }
 
+/* ---- state-space layers (Mamba) ------------------------------------------- */
+
+/* Both kernels split the channels between the threads: a channel's window
+ * and state are its own, and its rows run in order through each view. */
+struct ssm_job {
+    struct cpu_ctx *c;
+    float *y;
+    const float *x, *dt, *B, *C, *z;
+    const struct be_ssm_view *views;
+    const struct be_tok *toks;
+    int n_tok;
+    const struct be_ssm_params *p;
+};
+
+static void ssm_conv_job(void *arg, int ith, int nth)
+{
+    const struct ssm_job *j = arg;
+    const struct be_ssm_params *p = j->p;
+    int di = p->d_inner, K = p->d_conv;
+    size_t lo, hi;
+    split((size_t)di, ith, nth, 16, &lo, &hi);
+    for (int t0 = 0; t0 < j->n_tok;) {
+        int v = j->toks[t0].view, t1 = t0;
+        while (t1 < j->n_tok && j->toks[t1].view == v)
+            t1++;
+        const float *win_in = j->views[v].in;
+        float *win_out = j->views[v].out;
+        for (size_t i = lo; i < hi; i++) {
+            const float *w = p->conv_w + i * (size_t)K;
+            float buf[BE_SSM_MAX_CONV]; /* the last K inputs, oldest first */
+            for (int k = 0; k < K - 1; k++)
+                buf[k] = win_in[(size_t)k * di + i];
+            for (int t = t0; t < t1; t++) {
+                buf[K - 1] = j->x[(size_t)t * di + i];
+                float acc = p->conv_b ? p->conv_b[i] : 0.0f;
+                for (int k = 0; k < K; k++)
+                    acc += w[k] * buf[k];
+                j->y[(size_t)t * di + i] = acc / (1.0f + expf(-acc));
+                for (int k = 0; k < K - 1; k++)
+                    buf[k] = buf[k + 1];
+            }
+            for (int k = 0; k < K - 1; k++)
+                win_out[(size_t)k * di + i] = buf[k];
+        }
+        t0 = t1;
+    }
+}
+
+enum be_status cpu_ssm_conv(void *ctx, void *y, const void *x, const struct be_ssm_view *views,
+                            const struct be_tok *toks, int n_tok, const struct be_ssm_params *p)
+{
+    struct ssm_job j = {.c = ctx, .y = y, .x = x, .views = views, .toks = toks, .n_tok = n_tok, .p = p};
+    run(j.c, ssm_conv_job, &j, (size_t)n_tok * (size_t)p->d_inner * (size_t)p->d_conv);
+    return BE_OK;
+}
+
+/* softplus as torch computes it (threshold 20: x itself above) */
+static float softplus(float x)
+{
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+static void ssm_scan_job(void *arg, int ith, int nth)
+{
+    const struct ssm_job *j = arg;
+    const struct be_ssm_params *p = j->p;
+    int di = p->d_inner, N = p->d_state;
+    size_t h_off = (size_t)(p->d_conv - 1) * di; /* floats: h follows the window */
+    size_t lo, hi;
+    split((size_t)di, ith, nth, 16, &lo, &hi);
+    for (int t0 = 0; t0 < j->n_tok;) {
+        int v = j->toks[t0].view, t1 = t0;
+        while (t1 < j->n_tok && j->toks[t1].view == v)
+            t1++;
+        const float *h_in = (const float *)j->views[v].in + h_off;
+        float *h_out = (float *)j->views[v].out + h_off;
+        for (size_t i = lo; i < hi; i++) {
+            float h[BE_SSM_MAX_STATE];
+            const float *A = p->A + i * (size_t)N;
+            memcpy(h, h_in + i * (size_t)N, (size_t)N * sizeof(float));
+            for (int t = t0; t < t1; t++) {
+                size_t r = (size_t)t * di + i;
+                float dt = softplus(j->dt[r]), xv = j->x[r];
+                const float *B = j->B + (size_t)t * N, *C = j->C + (size_t)t * N;
+                float acc = 0.0f;
+                for (int s = 0; s < N; s++) {
+                    h[s] = expf(dt * A[s]) * h[s] + dt * B[s] * xv;
+                    acc += C[s] * h[s];
+                }
+                float z = j->z[r];
+                j->y[r] = (acc + p->D[i] * xv) * (z / (1.0f + expf(-z)));
+            }
+            memcpy(h_out + i * (size_t)N, h, (size_t)N * sizeof(float));
+        }
+        t0 = t1;
+    }
+}
+
+enum be_status cpu_ssm_scan(void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                            const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                            const struct be_ssm_params *p)
+{
+    struct ssm_job j = {.c = ctx, .y = y, .x = x, .dt = dt_raw, .B = B, .C = C, .z = z, .views = views,
+                        .toks = toks, .n_tok = n_tok, .p = p};
+    run(j.c, ssm_scan_job, &j, (size_t)n_tok * (size_t)p->d_inner * (size_t)p->d_state * 4);
+    return BE_OK;
+}
+
 /* ---- element-wise and row-wise ------------------------------------------- */
 
 struct elem_job {

@@ -200,6 +200,11 @@ STRICT_OP(kv_absmax, (void *ctx, const struct be_kv_view *v, enum be_dtype dt, i
                       int64_t p1, float amax[2]), v, dt, n_kv_heads, head_dim, p0, p1, amax)
 STRICT_OP(kv_copy, (void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0, int64_t p1,
                     const struct be_attn_params *p), dst, src, p0, p1, p)
+STRICT_OP(ssm_conv, (void *ctx, void *y, const void *x, const struct be_ssm_view *views, const struct be_tok *toks,
+                     int n_tok, const struct be_ssm_params *p), y, x, views, toks, n_tok, p)
+STRICT_OP(ssm_scan, (void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                     const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                     const struct be_ssm_params *p), y, x, dt_raw, B, C, z, views, toks, n_tok, p)
 STRICT_OP(silu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
 STRICT_OP(gelu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
 STRICT_OP(scale, (void *ctx, void *x, size_t n, float a), x, n, a)
@@ -314,6 +319,8 @@ static const struct be_ops strict_ops = {
     .kvq_dequantize = strict_kvq_dequantize,
     .kv_absmax = strict_kv_absmax,
     .kv_copy = strict_kv_copy,
+    .ssm_conv = strict_ssm_conv,
+    .ssm_scan = strict_ssm_scan,
 };
 
 /* A pool job: every worker may touch the arena from now on (the caller,
