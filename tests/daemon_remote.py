@@ -200,7 +200,6 @@ try:
     pub = wait_metric(a, "remote_blocks_total", '{result="published"}', base + n_blk)
     check(pub == base + n_blk and long_req.is_alive(),
           "a request's blocks are published while it still decodes (%d of %d)" % (pub - base, n_blk))
-    long_req.join()
 
     # ---- compressed values: self-describing, read by a daemon without the flag ----
     z = daemon("z", "--remote", url, "--remote-compress", "zstd")
@@ -218,6 +217,7 @@ try:
     check(toks == reference(p13) and cached == (len(p13) - 1) // BT * BT,
           "a daemon without the flag reads compressed values: cached_tokens %d, the same tokens" % cached)
     check(z.stop() == 0, "and it exits cleanly")
+    long_req.join()
 
     # ---- private requests ----
     p2 = prompt_of(2)
@@ -298,7 +298,9 @@ try:
     check(f32.stop() == 0 and f32ref.stop() == 0, "and both exit cleanly")
     for i, k in enumerate(keys):
         v = bytearray(resp(rsock, "GET", k))
-        if i % 2:
+        if i == 0:
+            v = b"x" * (40 * len(v))  # far longer than a block's value: read past, never held
+        elif i % 2:
             v[len(v) // 2] ^= 0x40  # a flipped bit in the KV
         else:
             v = b"garbage" * 3
@@ -306,7 +308,11 @@ try:
     c = daemon("c", "--remote", url)
     toks, cached = complete(c, p1)
     check(toks == reference(p1) and cached == 0 and metric(c, "remote_errors_total", '{kind="corrupt"}') >= 1,
-          "corrupt values (garbage, a flipped bit) are misses, counted, with the same tokens")
+          "corrupt values (oversized, garbage, a flipped bit) are misses, counted, with the same tokens")
+    toks, cached = complete(c, p13)
+    check(toks == reference(p13) and cached == (len(p13) - 1) // BT * BT and
+          metric(c, "remote_errors_total", '{kind="io"}') == 0,
+          "and the connection reads the next lookup's values in step (cached_tokens %d)" % cached)
 
     # ---- full: OOM command not allowed ----
     resp(rsock, "CONFIG", "SET", "maxmemory-policy", "noeviction")
