@@ -834,14 +834,48 @@ static void restart_session(engine *e, int i)
     pthread_mutex_unlock(&e->mu);
 }
 
+static void advance(engine *e, int from, int to);
+
+/* A state model's sessions cannot go to disk yet (no images of a state):
+ * when a step finds the device full, the least recently used idle one
+ * whose state is on the device moves it to the host tier instead
+ * (kv_seq_offload; its next step takes the device copies back for its
+ * length).  False when none could move. */
+static bool offload_idle_state(engine *e)
+{
+    if (!kv_store_state_bytes(e->store))
+        return false;
+    pthread_mutex_lock(&e->mu);
+    struct session *lru = NULL;
+    for (struct session *s = e->sessions; s; s = s->next)
+        if (s->kv && !s->busy && !s->op && kv_seq_stats(s->kv).resident_layers && (!lru || s->t_idle < lru->t_idle))
+            lru = s;
+    pthread_mutex_unlock(&e->mu);
+    if (!lru || kv_seq_offload(lru->kv, KV_FALLBACK_OOM) != TIER_OK)
+        return false;
+    struct kv_seq_stats kvs = kv_seq_stats(lru->kv);
+    pthread_mutex_lock(&e->mu);
+    lru->kvs = kvs;
+    pthread_mutex_unlock(&e->mu);
+    log_msg(LOG_DEBUG, "engine: session %s: its state moved to the host tier to make room", lru->id);
+    return true;
+}
+
 /* Entry i found the memory tiers full: with a disk tier, an idle session
- * goes to disk and the entry's job waits to be retried, else it fails. */
+ * goes to disk and the entry's job waits to be retried, else it fails.  A
+ * state model's idle sessions move to the host tier and the entry runs
+ * again at once. */
 static void fail_or_wait(engine *e, int i, enum model_status st)
 {
     if (e->batch_job[i]->sess && kv_seq_load_status(e->batch_ch[i]->kv) != TIER_OK) {
         restart_session(e, i);
         return;
     }
+    while (st == MODEL_EDEVMEM && offload_idle_state(e))
+        if ((st = model_forward(e->m, &e->batch[i], 1)) == MODEL_OK) {
+            advance(e, i, i + 1);
+            return;
+        }
     /* a beam search cannot wait: its other beams of the step advanced */
     if ((st == MODEL_ENOMEM || st == MODEL_EDEVMEM) && !e->batch_job[i]->bs && disk_spill_for_memory(e)) {
         log_msg(LOG_DEBUG, "engine: memory tiers full (%s); waiting for a session to spill to disk",

@@ -3,7 +3,8 @@
  *
  * Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
  * Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
- * GPT2LMHeadModel.  Errors come back as enum model_status plus a message in
+ * GPT2LMHeadModel and MambaForCausalLM (a state per sequence instead of KV:
+ * kv_geom.state_bytes).  Errors come back as enum model_status plus a message in
  * a caller buffer of MODEL_ERR_LEN bytes naming the file and the tensor or
  * field that was wrong.
  */

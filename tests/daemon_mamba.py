@@ -3,7 +3,9 @@ in chunks cut at every checkpoint equal tools/torchref.py's; those of a session
 reused over a diverging input, of a cropped session and of a fork equal a
 fresh run's (each rewinds to a state checkpoint and feeds the rest);
 the strategies that act on single tokens are refused with a 400 naming why;
-a sequence's state bytes are the same at 1k and 16k tokens."""
+a sequence's state bytes are the same at 1k and 16k tokens; with the device
+full, states go to the host tier (at creation, and an idle session's to
+make room for a step) with unchanged tokens."""
 import subprocess
 import sys
 
@@ -19,6 +21,10 @@ if r.returncode != 0:
     skip("mkmodel failed: " + r.stderr[-300:])
 d.model = model
 d.start()
+# what the daemon holds on the device with no sequence: activations (and,
+# on a backend that cannot read the host's memory, the weights)
+metrics = d.get("/metrics")[1].decode()
+idle_bytes = int(float(metrics.split('kvtier_device_memory_bytes{kind="used"} ')[1].split()[0]))
 prompt = [(i * 53 + 7) % 1900 + 50 for i in range(100)]
 gen = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True}
 
@@ -84,11 +90,14 @@ check(b["usage"]["prompt_tokens_details"]["cached_tokens"] == 100, "the parent i
 # ---- strategies that make no sense for a state ------------------------------
 for cache, why in (({"implementation": "sliding_window", "window_length": 8}, "sliding_window"),
                    ({"implementation": "sink", "window_length": 8, "num_sink_tokens": 4}, "sink"),
-                   ({"implementation": "quantized"}, "quantized"),
-                   ({"implementation": "offloaded"}, "offloaded")):
+                   ({"implementation": "quantized"}, "quantized")):
     code, e = d.post("/v1/completions", dict(gen, prompt=prompt[:10], cache=cache))
     msg = e.get("error", {}).get("message", "")
     check(code == 400 and msg.startswith(why) and "state" in msg, "%s -> 400: %s" % (why, msg[:90]))
+
+r = complete(prompt, cache={"implementation": "offloaded"})
+check(toks(r) == toks(fresh) and r["kvtier"]["bytes"]["device"] == 0 and r["kvtier"]["bytes"]["host"] > 0,
+      "offloaded: the state waits in the host tier between steps, the same tokens")
 
 # ---- constant state --------------------------------------------------------
 sizes = []
@@ -97,4 +106,25 @@ for n in (1000, 16000):
     sizes.append(r["kvtier"]["bytes"]["device"])
 state = 2 * 2 * (3 + 16) * 128 * 4  # two copies x 2 layers x (window + SSM state) x 128 channels, f32
 check(sizes == [state, state], "the state's device bytes at 1k and 16k tokens: %s (%d each)" % (sizes, state))
+check(d.stop() == 0, "stop")
+
+# ---- out of device memory: states move to the host tier, tokens unchanged ----
+# room for one sequence's state beside what an idle daemon holds
+tight = Daemon("--device-mem", str(idle_bytes + state + 8192), model=model, tmp=d.tmp)
+tight.sock = d.tmp + "/tight.sock"
+tight.start()
+d = tight
+a = session(prompt=prompt[:30])
+ra = complete(prompt[:30], session=a)
+check(d.get("/v1/sessions/" + a)[1]["bytes"]["device"] == state, "session a's state is on the device")
+rb = complete(prompt)
+check(toks(rb) == toks(fresh) and rb["kvtier"]["fallback"] is not None,
+      "a request with the device full of a's state: its state in the host tier (fallback %s), a fresh run's "
+      "tokens" % rb["kvtier"]["fallback"])
+sa = d.get("/v1/sessions/" + a)[1]
+check(sa["bytes"]["device"] == 0 and sa["bytes"]["host"] == state // 2,
+      "its steps' device copies made idle a's state move to the host tier (%s)" % sa["bytes"])
+ra2 = complete(prompt[:30] + toks(ra) + [5], session=a)
+want = complete(prompt[:30] + toks(ra) + [5], cache={"implementation": "offloaded"})
+check(toks(ra2) == toks(want), "a continues from the host tier with a fresh run's tokens")
 check(d.stop() == 0, "stop")

@@ -1046,10 +1046,9 @@ static void test_state_store(void **state)
     assert_int_equal(kv_store_state_bytes(s), 2 * 2 * sb);
 
     const struct kv_seq_params refused[] = {{.sink = true, .num_sink_tokens = 4, .window_length = 64},
-                                            {.window_length = 64}, {.strategy = KV_QUANTIZED},
-                                            {.strategy = KV_OFFLOADED}};
-    const char *why[] = {"sink", "sliding_window", "quantized", "offloaded"};
-    for (int i = 0; i < 4; i++) {
+                                            {.window_length = 64}, {.strategy = KV_QUANTIZED}};
+    const char *why[] = {"sink", "sliding_window", "quantized"};
+    for (int i = 0; i < 3; i++) {
         kv_seq *q = NULL;
         assert_int_equal(kv_seq_create(s, &refused[i], &q), TIER_ENOTSUP);
         assert_null(q);
@@ -1098,6 +1097,65 @@ static void test_state_store(void **state)
     be_free(be);
 }
 
+/* The host tier of a state: an offloaded sequence starts there; with the
+ * device full, a new one falls back there, its step takes device copies
+ * for its length only (and fails while another state holds the device,
+ * until kv_seq_offload moves that one out), and the commit puts it back. */
+static void test_state_host_tier(void **state)
+{
+    (void)state;
+    size_t sb = be_ssm_state_bytes(32, 16, 4), seq = 2 * sb; /* 2 layers */
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1, .device_mem = 3 * seq}; /* one sequence's two copies, and half */
+    assert_int_equal(be_open("cpu", &bp, &be), BE_OK);
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb}, NULL, &s), TIER_OK);
+
+    kv_seq *off;
+    assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = KV_OFFLOADED}, &off), TIER_OK);
+    struct kv_seq_stats st = kv_seq_stats(off);
+    assert_int_equal(st.dev_bytes, 0);
+    assert_int_equal(st.host_bytes, seq);
+    assert_int_equal(st.streamed_layers, 2);
+    kv_seq_free(off);
+
+    kv_seq *a, *b;
+    assert_int_equal(kv_seq_create(s, NULL, &a), TIER_OK);
+    assert_int_equal(kv_seq_stats(a).dev_bytes, 2 * seq);
+    assert_int_equal(kv_seq_create(s, NULL, &b), TIER_OK); /* the device is full */
+    st = kv_seq_stats(b);
+    assert_int_equal(st.fallback, KV_FALLBACK_SIZED);
+    assert_int_equal(st.strategy, KV_OFFLOADED);
+    assert_int_equal(st.resident_layers, 0);
+    assert_int_equal(st.host_bytes, seq);
+    assert_int_equal(kv_seq_reserve(b, 4), TIER_ENOMEM_DEV); /* a holds the device */
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    assert_int_equal(kv_seq_offload(a, KV_FALLBACK_OOM), TIER_OK);
+    st = kv_seq_stats(a);
+    assert_int_equal(st.fallback, KV_FALLBACK_OOM);
+    assert_int_equal(st.dev_bytes, 0);
+    assert_int_equal(st.host_bytes, seq);
+    assert_int_equal(kv_seq_reserve(b, 4), TIER_OK);
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 2 * seq); /* for the step */
+    assert_int_equal(kv_seq_commit(b), TIER_OK);
+    assert_int_equal(kv_seq_length(b), 4);
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    assert_int_equal(kv_seq_reserve(b, 4), TIER_OK);
+    kv_seq_abort(b);
+    assert_int_equal(kv_seq_length(b), 4);
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    kv_seq *c;
+    assert_int_equal(kv_seq_fork(b, &c), TIER_OK); /* the device is free again: the child takes it */
+    assert_int_equal(kv_seq_stats(c).dev_bytes, 2 * seq);
+    assert_int_equal(kv_seq_length(c), 4);
+    kv_seq_free(c);
+    kv_seq_free(b);
+    kv_seq_free(a);
+    assert_int_equal(be_mem_stats(be).dev_used, 0);
+    kv_store_free(s);
+    be_free(be);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1120,6 +1178,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
         cmocka_unit_test(test_state_store),
+        cmocka_unit_test(test_state_host_tier),
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_static, setup_w4, teardown),

@@ -921,6 +921,106 @@ static void test_gpt2(void **state)
     json_decref(x);
 }
 
+/* A Mamba directory: hidden 8, 2 layers, state 4, conv 3, expand 2 (16
+ * channels), time_step_rank "auto" (1), tied head; extra fields replace
+ * the config's.  conv1d.weight is [16, 1, 3], as PyTorch's Conv1d keeps it. */
+static void write_mamba(json_t *extra)
+{
+    json_t *c = json_pack("{s:[s], s:i, s:i, s:i, s:i, s:i, s:i, s:s, s:s}", "architectures", "MambaForCausalLM",
+                          "vocab_size", 40, "hidden_size", 8, "num_hidden_layers", 2, "state_size", 4, "conv_kernel",
+                          3, "expand", 2, "time_step_rank", "auto", "torch_dtype", "float32");
+    assert_non_null(c);
+    if (extra)
+        json_object_update(c, extra);
+    write_json("config.json", c);
+    json_decref(c);
+    struct stw w;
+    stw_init(&w);
+    stw_add(&w, "backbone.embeddings.weight", "F32", 40, 8);
+    for (int l = 0; l < 2; l++) {
+        char n[96];
+#define M(suffix, rows, cols)                                          \
+    do {                                                               \
+        snprintf(n, sizeof n, "backbone.layers.%d.%s", l, suffix);     \
+        stw_add(&w, n, "F32", rows, cols);                             \
+    } while (0)
+        M("norm.weight", 8, 0);
+        M("mixer.in_proj.weight", 32, 8);
+        M("mixer.conv1d.weight", 16, 3);
+        json_object_set_new(json_object_get(w.header, n), "shape", json_pack("[i,i,i]", 16, 1, 3));
+        M("mixer.conv1d.bias", 16, 0);
+        M("mixer.x_proj.weight", 1 + 2 * 4, 16);
+        M("mixer.dt_proj.weight", 16, 1);
+        M("mixer.dt_proj.bias", 16, 0);
+        M("mixer.A_log", 16, 4);
+        M("mixer.D", 16, 0);
+        M("mixer.out_proj.weight", 8, 16);
+#undef M
+    }
+    stw_add(&w, "backbone.norm_f.weight", "F32", 8, 0);
+    stw_write(&w, "model.safetensors");
+}
+
+static void test_mamba(void **state)
+{
+    (void)state;
+    write_mamba(NULL);
+    struct loaded m;
+    load_ok(&m);
+    assert_int_equal(m.cfg.arch, ARCH_MAMBA);
+    assert_int_equal(m.cfg.intermediate_size, 16);
+    assert_int_equal(m.cfg.ssm_state, 4);
+    assert_int_equal(m.cfg.ssm_conv, 3);
+    assert_int_equal(m.cfg.ssm_dt_rank, 1);
+    assert_true(m.cfg.tie_word_embeddings && m.cfg.ssm_conv_bias && !m.cfg.ssm_bias);
+    assert_int_equal(m.cfg.n_heads, 0);
+    assert_float_equal(m.cfg.rms_norm_eps, 1e-5f, 0);
+    const struct model_layer *L = &m.w.layers[1];
+    check_mat(&L->ssm_in_x, "backbone.layers.1.mixer.in_proj.weight", BE_F32, 16, 8);
+    assert_float_equal(mat_at(&L->ssm_in_z, 0), expected("backbone.layers.1.mixer.in_proj.weight", 16 * 8), 0);
+    assert_float_equal(mat_at(&L->ssm_x_B, 0), expected("backbone.layers.1.mixer.x_proj.weight", 1 * 16), 0);
+    assert_float_equal(mat_at(&L->ssm_x_C, 5), expected("backbone.layers.1.mixer.x_proj.weight", 5 * 16 + 5), 0);
+    assert_int_equal(L->ssm_x_C.rows, 4);
+    check_vec(L->ssm_conv_w, "backbone.layers.1.mixer.conv1d.weight", 48);
+    for (int i = 0; i < 64; i++)
+        assert_float_equal(L->ssm_A[i], -expf(expected("backbone.layers.1.mixer.A_log", (size_t)i)), 0);
+    check_vec(L->ssm_D, "backbone.layers.1.mixer.D", 16);
+    assert_null(L->ssm_in_bx);
+    assert_ptr_equal(m.w.lm_head.data, m.w.tok_embed.data);
+    assert_int_equal(model_weights_verify(&m.cfg, &m.w, (char[MODEL_ERR_LEN]){0}), MODEL_OK);
+    unload(&m);
+
+    /* every field range-checked, refused naming it */
+    static const struct {
+        const char *json, *what;
+        enum model_status st;
+    } bad[] = {
+        {"{\"state_size\": 0}", "state_size=0", MODEL_ECONFIG},
+        {"{\"state_size\": 257}", "state_size=257", MODEL_ECONFIG},
+        {"{\"conv_kernel\": 17}", "conv_kernel=17", MODEL_ECONFIG},
+        {"{\"expand\": 0}", "expand=0", MODEL_ECONFIG},
+        {"{\"intermediate_size\": 0}", "intermediate_size=0", MODEL_ECONFIG},
+        {"{\"time_step_rank\": 17}", "time_step_rank=17", MODEL_ECONFIG},
+        {"{\"time_step_rank\": \"all\"}", "time_step_rank", MODEL_ECONFIG},
+        {"{\"hidden_size\": 0}", "hidden_size=0", MODEL_ECONFIG},
+        {"{\"layer_norm_epsilon\": 0}", "layer_norm_epsilon", MODEL_ECONFIG},
+        {"{\"hidden_act\": \"gelu\"}", "hidden_act", MODEL_EUNSUPPORTED},
+        {"{\"use_conv_bias\": 1}", "use_conv_bias", MODEL_ECONFIG},
+        {"{\"torch_dtype\": \"int8\"}", "torch_dtype", MODEL_EUNSUPPORTED},
+        /* the tensors the config then implies are not there */
+        {"{\"use_bias\": true}", "in_proj.bias", MODEL_EFORMAT},
+        {"{\"conv_kernel\": 4}", "conv1d.weight", MODEL_EFORMAT},
+        {"{\"tie_word_embeddings\": false}", "lm_head.weight", MODEL_EFORMAT},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        json_t *x = json_loads(bad[i].json, 0, NULL);
+        assert_non_null(x);
+        write_mamba(x);
+        json_decref(x);
+        expect_fail(bad[i].st, bad[i].what, NULL);
+    }
+}
+
 /* What model_device_bytes predicts from the config is what model_load
  * charges on a backend that cannot read the mmap (weights uploaded), for
  * every family's extra tensors (biases, sandwich norms, fused views, GPT-2's
@@ -962,6 +1062,8 @@ static void test_device_bytes(void **state)
     }
     write_gpt2("transformer.", NULL);
     check_charged("GPT2LMHeadModel");
+    write_mamba(NULL); /* row views uploaded as copies of their own, A, conv weights */
+    check_charged("MambaForCausalLM");
 }
 
 static void test_defaults_and_generation_config(void **state)
@@ -1715,6 +1817,7 @@ int main(void)
         T(test_gemma3),
         T(test_phi3),
         T(test_gpt2),
+        T(test_mamba),
         T(test_device_bytes),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),

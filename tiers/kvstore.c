@@ -800,6 +800,8 @@ static kv_seq *seq_new(kv_store *s, const struct kv_seq_params *p)
     return q;
 }
 
+static void note_fallback(kv_seq *q, enum kv_fallback why);
+
 enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_seq **out)
 {
     static const struct kv_seq_params defaults;
@@ -815,9 +817,18 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
     kv_seq *q = seq_new(s, p);
     if (!q)
         return TIER_ENOMEM_HOST;
-    if (s->g.state_bytes) {
+    if (s->g.state_bytes) { /* as a KV layer: the device, else the host tier unless no_fallback */
+        bool host = is_offloaded(p->strategy);
         q->strategy = p->strategy;
-        if ((st = state_seq_init(q)) != TIER_OK) {
+        st = state_seq_init(q, host);
+        if (st == TIER_ENOMEM_DEV && !p->no_fallback) {
+            state_seq_release(q);
+            q->strategy = p->strategy == KV_STATIC ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+            s->err[0] = '\0';
+            if ((st = state_seq_init(q, true)) == TIER_OK)
+                note_fallback(q, KV_FALLBACK_SIZED);
+        }
+        if (st != TIER_OK) {
             kv_seq_free(q);
             return st;
         }
@@ -894,7 +905,7 @@ struct kv_seq_stats kv_seq_stats(const kv_seq *q)
     struct kv_seq_stats st = {.requested = q->p.strategy, .strategy = q->strategy, .fallback = q->fallback,
                               .xfer = q->xfer, .copied_bytes = q->copied_bytes};
     if (q->state) {
-        st.resident_layers = q->s->g.n_layers;
+        *(state_on_host(q) ? &st.streamed_layers : &st.resident_layers) = q->s->g.n_layers;
         state_seq_bytes(q, &st.dev_bytes, &st.host_bytes);
         return st;
     }
@@ -935,8 +946,6 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
     kv_store *s = q->s;
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_offload during a step");
-    if (q->state) /* the state stays on the device (state.c) */
-        return kv_fail(s, TIER_ENOTSUP, "kv_seq_offload: a state-space model's state is not streamed");
     enum tier_status lst = kv_seq_load_finish(q); /* the migration copies every layer */
     if (lst != TIER_OK)
         return lst;
@@ -949,8 +958,10 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
     if (q->p.sink)
         return kv_fail(s, TIER_ENOTSUP, "sink + offloaded is not supported: a sink sequence stays on the device "
                                         "(its KV is bounded by window_length)");
-    if (q->kvq) {
-        enum tier_status st = kvq_seq_offload(q);
+    if (q->kvq || q->state) {
+        enum tier_status st = q->kvq ? kvq_seq_offload(q) : state_seq_offload(q);
+        if (st == TIER_OK && q->state && !is_offloaded(q->strategy))
+            q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
         if (st == TIER_OK)
             note_fallback(q, why);
         return st;
@@ -1134,7 +1145,11 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
     /* pending is set first so that abort releases whatever paged blocks
      * were taken when a later layer fails (invariant 2) */
     q->pending = n_new;
-    if (q->state) { /* the state's second copy is always there */
+    if (q->state) {
+        if ((st = state_seq_reserve(q)) != TIER_OK) {
+            kv_seq_abort(q);
+            return st;
+        }
         q->chunk_from = q->len;
         q->chunk_to = end;
         return TIER_OK;
@@ -1268,10 +1283,8 @@ enum tier_status kv_seq_commit(kv_seq *q)
     q->len += q->pending;
     q->pending = 0;
     active_remove(s, q);
-    if (q->state) {
-        state_seq_commit(q);
-        return TIER_OK;
-    }
+    if (q->state)
+        return state_seq_commit(q);
     for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_layer *L = &q->layers[l];
         /* The next query sits at position len and sees keys k with
@@ -1442,6 +1455,8 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
         c->strategy = q->strategy;
         c->len = q->len;
         enum tier_status st = state_seq_fork(q, c);
+        if (st == TIER_OK && state_on_host(c) && !is_offloaded(c->strategy)) /* fell back as kv_seq_create does */
+            c->strategy = is_static(c->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
         if (st != TIER_OK) {
             kv_seq_free(c);
             return st;

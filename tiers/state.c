@@ -1,12 +1,17 @@
 /* state.c - the sequences of a state-space model (Mamba): per layer a
  * fixed-size state (conv window + SSM state, be_ssm_state_bytes) instead of
- * K and V, held in the store's device tier, and checkpoints of it in the
- * host tier.
+ * K and V, and checkpoints of it in the host tier.
  *
  * The step is a transaction as for KV: the state lives in `cur`; a step's
  * chunks read cur (the first chunk) or `next` (the later ones) and write
  * next; the commit swaps them, an abort leaves cur as it was.  Two copies
  * per sequence, whatever its length.
+ *
+ * Where it lives between steps: on the device (cur and next), or, when the
+ * device tier ran out (at creation, or kv_seq_offload when a step did) or
+ * an offloaded strategy asked for it, in the host tier (hcur); such a
+ * state takes its two device copies for the length of a step only
+ * (reserve to commit or abort), as an offloaded KV layer takes its slot.
  *
  * A state cannot be cut back to an earlier position the way KV blocks
  * can.  Where a chunk ends on a multiple of checkpoint_interval (the
@@ -27,7 +32,8 @@ struct kv_ckpt {
 };
 
 struct kv_state {
-    be_buffer *cur, *next; /* n_layers * state_bytes each, device */
+    be_buffer *cur, *next; /* n_layers * state_bytes each, device; NULL between a host state's steps */
+    void *hcur;            /* the state in the host tier, or NULL when it is on the device */
     struct kv_ckpt *ckpt;  /* ascending pos */
     int n_ckpt, cap_ckpt;
 };
@@ -42,9 +48,14 @@ size_t kv_store_state_bytes(const kv_store *s)
     return 2 * seq_state_bytes(s);
 }
 
+bool state_on_host(const kv_seq *q)
+{
+    return q->state->hcur != NULL;
+}
+
 /* A refusal of p on a state store, naming why the strategy does not apply
- * to a state; TIER_OK for those that do (dynamic, static: a state's size
- * is fixed either way). */
+ * to a state; TIER_OK for those that do (dynamic and static: a state's
+ * size is fixed either way; offloaded: it waits in the host tier). */
 enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p)
 {
     if (p->sink)
@@ -56,37 +67,73 @@ enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p)
     if (p->strategy == KV_QUANTIZED)
         return kv_fail(s, TIER_ENOTSUP, "quantized: the cache of a state-space model is a recurrent state, not KV; "
                                         "quantizing it would compound its error at every token");
-    if (p->strategy == KV_OFFLOADED || p->strategy == KV_OFFLOADED_STATIC || p->offload)
-        return kv_fail(s, TIER_ENOTSUP, "%s: a state-space model's state is not streamed layer by layer; it stays "
-                                        "on the device (its checkpoints are in the host tier)",
-                       kv_strategy_name(p->strategy));
     return TIER_OK;
 }
 
-static enum tier_status state_zero(kv_seq *q, be_buffer *b)
+/* Copies a whole state between any two homes: a device buffer or host memory. */
+static enum tier_status state_copy(kv_store *s, void *dst, bool dst_dev, const void *src, bool src_dev)
 {
-    size_t n = seq_state_bytes(q->s);
-    void *zeros = calloc(1, n);
-    if (!zeros)
-        return kv_fail(q->s, TIER_ENOMEM_HOST, "host memory: zeroing a %zu-byte state", n);
-    enum be_status st = be_copy(q->s->be, be_buffer_data(b), zeros, n, BE_H2D);
-    free(zeros);
-    return st == BE_OK ? TIER_OK : kv_fail(q->s, TIER_EIO, "zeroing a state: %s", be_strerror(st));
+    size_t n = seq_state_bytes(s);
+    if (!dst_dev && !src_dev) {
+        memcpy(dst, src, n);
+        return TIER_OK;
+    }
+    enum be_status st = be_copy(s->be, dst, src, n, dst_dev ? (src_dev ? BE_D2D : BE_H2D) : BE_D2H);
+    return st == BE_OK ? TIER_OK : kv_fail(s, TIER_EIO, "copying a %zu-byte state: %s", n, be_strerror(st));
 }
 
-enum tier_status state_seq_init(kv_seq *q)
+/* The state's committed copy, wherever it lives. */
+static void *cur_of(const kv_seq *q, bool *dev)
 {
-    kv_store *s = q->s;
-    size_t n = seq_state_bytes(s);
+    *dev = !state_on_host(q);
+    return *dev ? be_buffer_data(q->state->cur) : q->state->hcur;
+}
+
+static enum tier_status state_zero(kv_seq *q)
+{
+    bool dev;
+    void *dst = cur_of(q, &dev);
+    if (!dev) {
+        memset(dst, 0, seq_state_bytes(q->s));
+        return TIER_OK;
+    }
+    void *zeros = calloc(1, seq_state_bytes(q->s));
+    if (!zeros)
+        return kv_fail(q->s, TIER_ENOMEM_HOST, "host memory: zeroing a state");
+    enum tier_status st = state_copy(q->s, dst, true, zeros, false);
+    free(zeros);
+    return st;
+}
+
+static void dev_release(kv_seq *q)
+{
+    struct kv_state *x = q->state;
+    size_t n = seq_state_bytes(q->s);
+    if (x->cur)
+        kv_dev_free(q->s, x->cur, n);
+    if (x->next)
+        kv_dev_free(q->s, x->next, n);
+    x->cur = x->next = NULL;
+}
+
+static enum tier_status dev_take(kv_seq *q)
+{
+    size_t n = seq_state_bytes(q->s);
+    enum tier_status st = kv_dev_alloc(q->s, n, "a sequence's state", &q->state->cur);
+    if (st == TIER_OK)
+        st = kv_dev_alloc(q->s, n, "a sequence's next state", &q->state->next);
+    if (st != TIER_OK)
+        dev_release(q);
+    return st;
+}
+
+enum tier_status state_seq_init(kv_seq *q, bool host)
+{
     q->state = calloc(1, sizeof *q->state);
     if (!q->state)
-        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a state sequence");
-    enum tier_status st = kv_dev_alloc(s, n, "a sequence's state", &q->state->cur);
-    if (st == TIER_OK)
-        st = kv_dev_alloc(s, n, "a sequence's next state", &q->state->next);
-    if (st == TIER_OK)
-        st = state_zero(q, q->state->cur);
-    return st;
+        return kv_fail(q->s, TIER_ENOMEM_HOST, "host memory: a state sequence");
+    enum tier_status st = host ? kv_host_alloc(q->s, seq_state_bytes(q->s), &q->state->hcur) : dev_take(q);
+    return st == TIER_OK ? state_zero(q) : st;
 }
 
 static void ckpt_drop_from(kv_seq *q, int i)
@@ -103,15 +150,25 @@ void state_seq_release(kv_seq *q)
     struct kv_state *x = q->state;
     if (!x)
         return;
-    size_t n = seq_state_bytes(q->s);
     ckpt_drop_from(q, 0);
     free(x->ckpt);
-    if (x->cur)
-        kv_dev_free(q->s, x->cur, n);
-    if (x->next)
-        kv_dev_free(q->s, x->next, n);
+    dev_release(q);
+    if (x->hcur)
+        kv_host_free(q->s, x->hcur, seq_state_bytes(q->s));
     free(x);
     q->state = NULL;
+}
+
+/* A host state's step takes its device copies here (TIER_ENOMEM_DEV: the
+ * forward pass moves another sequence to the host tier and tries again). */
+enum tier_status state_seq_reserve(kv_seq *q)
+{
+    if (!state_on_host(q))
+        return TIER_OK;
+    enum tier_status st = dev_take(q);
+    if (st == TIER_OK)
+        st = state_copy(q->s, be_buffer_data(q->state->cur), true, q->state->hcur, false);
+    return st;
 }
 
 void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out)
@@ -124,26 +181,32 @@ void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out)
     out->out = (char *)be_buffer_data(x->next) + off;
 }
 
+static bool ckpt_room(struct kv_state *x)
+{
+    if (x->n_ckpt < x->cap_ckpt)
+        return true;
+    int cap = x->cap_ckpt ? 2 * x->cap_ckpt : 8;
+    struct kv_ckpt *c = realloc(x->ckpt, (size_t)cap * sizeof *c);
+    if (!c)
+        return false;
+    x->ckpt = c;
+    x->cap_ckpt = cap;
+    return true;
+}
+
 /* A copy of the state in b, at position pos, in the host tier; a failure
  * (host budget) only costs the recomputation it would have saved. */
 static void ckpt_take(kv_seq *q, const be_buffer *b, int64_t pos)
 {
     kv_store *s = q->s;
     struct kv_state *x = q->state;
-    if (x->n_ckpt == x->cap_ckpt) {
-        int cap = x->cap_ckpt ? 2 * x->cap_ckpt : 8;
-        struct kv_ckpt *c = realloc(x->ckpt, (size_t)cap * sizeof *c);
-        if (!c)
-            return;
-        x->ckpt = c;
-        x->cap_ckpt = cap;
-    }
     void *host;
-    if (kv_host_alloc(s, seq_state_bytes(s), &host) != TIER_OK) {
+    if (!ckpt_room(x) || kv_host_alloc(s, seq_state_bytes(s), &host) != TIER_OK) {
         s->err[0] = '\0';
         return;
     }
-    if (be_copy(s->be, host, be_buffer_data(b), seq_state_bytes(s), BE_D2H) != BE_OK) {
+    if (state_copy(s, host, false, be_buffer_data(b), true) != TIER_OK) {
+        s->err[0] = '\0';
         kv_host_free(s, host, seq_state_bytes(s));
         return;
     }
@@ -162,12 +225,17 @@ void state_chunk_end(kv_store *s)
     }
 }
 
-void state_seq_commit(kv_seq *q)
+enum tier_status state_seq_commit(kv_seq *q)
 {
     struct kv_state *x = q->state;
     be_buffer *t = x->cur;
     x->cur = x->next;
     x->next = t;
+    if (!state_on_host(q))
+        return TIER_OK;
+    enum tier_status st = state_copy(q->s, x->hcur, false, be_buffer_data(x->cur), true);
+    dev_release(q);
+    return st;
 }
 
 void state_seq_abort(kv_seq *q)
@@ -177,26 +245,39 @@ void state_seq_abort(kv_seq *q)
     while (i > 0 && x->ckpt[i - 1].pos > q->len)
         i--;
     ckpt_drop_from(q, i);
+    if (state_on_host(q))
+        dev_release(q);
+}
+
+enum tier_status state_seq_offload(kv_seq *q)
+{
+    kv_store *s = q->s;
+    struct kv_state *x = q->state;
+    if (state_on_host(q))
+        return TIER_OK;
+    enum tier_status st = kv_host_alloc(s, seq_state_bytes(s), &x->hcur);
+    if (st == TIER_OK && (st = state_copy(s, x->hcur, false, be_buffer_data(x->cur), true)) != TIER_OK) {
+        kv_host_free(s, x->hcur, seq_state_bytes(s));
+        x->hcur = NULL;
+    }
+    if (st == TIER_OK)
+        dev_release(q);
+    return st;
 }
 
 /* Goes back to the latest checkpoint at or below len (the zero state at
  * 0); q->len is then where the state is. */
 enum tier_status state_seq_rewind(kv_seq *q, int64_t len)
 {
-    kv_store *s = q->s;
     struct kv_state *x = q->state;
     if (len >= q->len)
         return TIER_OK;
     int i = x->n_ckpt;
     while (i > 0 && x->ckpt[i - 1].pos > len)
         i--;
-    enum tier_status st;
-    if (i == 0) {
-        st = state_zero(q, x->cur);
-    } else {
-        enum be_status bs = be_copy(s->be, be_buffer_data(x->cur), x->ckpt[i - 1].host, seq_state_bytes(s), BE_H2D);
-        st = bs == BE_OK ? TIER_OK : kv_fail(s, TIER_EIO, "restoring a state checkpoint: %s", be_strerror(bs));
-    }
+    bool dev;
+    void *dst = cur_of(q, &dev);
+    enum tier_status st = i ? state_copy(q->s, dst, dev, x->ckpt[i - 1].host, false) : state_zero(q);
     if (st != TIER_OK)
         return st;
     q->len = i ? x->ckpt[i - 1].pos : 0;
@@ -204,39 +285,42 @@ enum tier_status state_seq_rewind(kv_seq *q, int64_t len)
     return TIER_OK;
 }
 
+/* The child takes a state of its own (the device, else the host tier, as
+ * kv_seq_create) equal to q's, and copies of q's checkpoints. */
 enum tier_status state_seq_fork(const kv_seq *q, kv_seq *c)
 {
     kv_store *s = q->s;
-    enum tier_status st = state_seq_init(c);
+    size_t n = seq_state_bytes(s);
+    enum tier_status st = state_seq_init(c, false);
+    if (st == TIER_ENOMEM_DEV && !c->p.no_fallback) {
+        state_seq_release(c);
+        s->err[0] = '\0';
+        if ((st = state_seq_init(c, true)) == TIER_OK)
+            c->fallback = KV_FALLBACK_SIZED;
+    }
     if (st != TIER_OK)
         return st;
-    size_t n = seq_state_bytes(s);
-    enum be_status bs = be_copy(s->be, be_buffer_data(c->state->cur), be_buffer_data(q->state->cur), n, BE_D2D);
-    if (bs != BE_OK)
-        return kv_fail(s, TIER_EIO, "forking a state: %s", be_strerror(bs));
+    bool sdev, ddev;
+    void *src = cur_of(q, &sdev), *dst = cur_of(c, &ddev);
+    if ((st = state_copy(s, dst, ddev, src, sdev)) != TIER_OK)
+        return st;
     c->copied_bytes += n;
     /* the child's rollbacks need the parent's checkpoints */
     for (int i = 0; i < q->state->n_ckpt; i++) {
-        struct kv_state *x = c->state;
-        if (x->n_ckpt == x->cap_ckpt) {
-            int cap = x->cap_ckpt ? 2 * x->cap_ckpt : 8;
-            struct kv_ckpt *p = realloc(x->ckpt, (size_t)cap * sizeof *p);
-            if (!p)
-                return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a state's checkpoints");
-            x->ckpt = p;
-            x->cap_ckpt = cap;
-        }
         void *host;
+        if (!ckpt_room(c->state))
+            return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a state's checkpoints");
         if ((st = kv_host_alloc(s, n, &host)) != TIER_OK)
             return st;
         memcpy(host, q->state->ckpt[i].host, n);
-        x->ckpt[x->n_ckpt++] = (struct kv_ckpt){.pos = q->state->ckpt[i].pos, .host = host};
+        c->state->ckpt[c->state->n_ckpt++] = (struct kv_ckpt){.pos = q->state->ckpt[i].pos, .host = host};
     }
     return TIER_OK;
 }
 
 void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host)
 {
-    *dev = 2 * seq_state_bytes(q->s);
-    *host = (size_t)q->state->n_ckpt * seq_state_bytes(q->s);
+    size_t n = seq_state_bytes(q->s);
+    *dev = (q->state->cur ? n : 0) + (q->state->next ? n : 0);
+    *host = (state_on_host(q) ? n : 0) + (size_t)q->state->n_ckpt * n;
 }
