@@ -40,6 +40,14 @@ static const struct pre {
      false},
 };
 
+const char *gguf_pre_name(const char *regex, bool ignore_merges)
+{
+    for (size_t i = 0; i < sizeof PRE / sizeof PRE[0]; i++)
+        if (!strcmp(regex, PRE[i].regex) && ignore_merges == PRE[i].ignore_merges)
+            return PRE[i].name;
+    return NULL;
+}
+
 /* What reading the vocabulary shares. */
 struct vocab {
     const struct gguf *g;
