@@ -107,8 +107,8 @@ enum model_status gguf_config_load(const char *path, struct model_config *cfg, c
 enum model_status gguf_files_open(const char *path, const struct model_config *cfg, model_files **out,
                                   struct model_weights *w, char *err);
 enum model_status gguf_tokenizer_load(const char *path, tokenizer **out, char *err);
-/* tokenizer.ggml.pre's name for a byte-level tokenizer.json's split regex
- * and ignore_merges, or NULL (gguf_write.c writes it). */
-const char *gguf_pre_name(const char *regex, bool ignore_merges);
+/* tokenizer.ggml.pre's name for a byte-level tokenizer.json's split regex,
+ * ignore_merges and NFC normaliser, or NULL (gguf_write.c writes it). */
+const char *gguf_pre_name(const char *regex, bool ignore_merges, bool nfc);
 
 #endif

@@ -13,7 +13,9 @@
  * and merges made from the scores: every split of a token into two tokens
  * is a merge, the higher the token's score the earlier.
  * Control tokens (token_type 3) become special added tokens, user-defined
- * ones (4) plain added tokens; the other types are the model's vocabulary.
+ * ones (4) plain added tokens, the unknown token (2) both a special added
+ * token and the vocabulary's unk_token, as in transformers' Llama files;
+ * the other types are the model's vocabulary.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,22 +30,23 @@ static const struct pre {
     const char *name;
     const char *regex;
     bool ignore_merges; /* a word that is a token is one token, merges or not (Llama 3) */
+    bool nfc;           /* the text is NFC-normalised first (Qwen's tokenizer.json) */
 } PRE[] = {
-    {"gpt-2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+", false},
+    {"gpt-2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+", false, false},
     {"llama-bpe",
      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-     true},
+     true, false},
     {"qwen2",
      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-     false},
+     false, true},
 };
 
-const char *gguf_pre_name(const char *regex, bool ignore_merges)
+const char *gguf_pre_name(const char *regex, bool ignore_merges, bool nfc)
 {
     for (size_t i = 0; i < sizeof PRE / sizeof PRE[0]; i++)
-        if (!strcmp(regex, PRE[i].regex) && ignore_merges == PRE[i].ignore_merges)
+        if (!strcmp(regex, PRE[i].regex) && ignore_merges == PRE[i].ignore_merges && nfc == PRE[i].nfc)
             return PRE[i].name;
     return NULL;
 }
@@ -111,9 +114,11 @@ static enum model_status build_vocab(const struct vocab *v, json_t *vocab, json_
 {
     for (uint64_t i = 0; i < v->n; i++) {
         const struct gguf_str t = v->tok[i];
-        if (v->type[i] == TT_CONTROL || v->type[i] == TT_USER) {
+        /* the unknown token is matched in text as llama.cpp's special
+         * tokens are, and is the vocabulary's unk_token besides */
+        if (v->type[i] == TT_CONTROL || v->type[i] == TT_USER || v->type[i] == TT_UNKNOWN) {
             json_t *a = json_pack("{s:I, s:o, s:b, s:b, s:b, s:b, s:b}", "id", (json_int_t)i, "content", jstr(t),
-                                  "special", v->type[i] == TT_CONTROL, "lstrip", 0, "rstrip", 0, "single_word", 0,
+                                  "special", v->type[i] != TT_USER, "lstrip", 0, "rstrip", 0, "single_word", 0,
                                   "normalized", 0);
             if (!a)
                 return json_stringn(t.p, t.n) ? oom(v)
@@ -122,7 +127,8 @@ static enum model_status build_vocab(const struct vocab *v, json_t *vocab, json_
                                                            v->g->name, (unsigned long long)i);
             if (json_array_append_new(added, a))
                 return oom(v);
-            continue;
+            if (v->type[i] != TT_UNKNOWN)
+                continue;
         }
         if (json_object_getn(vocab, t.p, t.n))
             return model_errf(v->err, MODEL_EFORMAT, "%s: tokenizer.ggml.tokens[%llu] \"%.*s\" appears twice",
@@ -271,6 +277,8 @@ static enum model_status tokenizer_json(const struct vocab *v, bool spm, json_t 
                            "invert", 0, "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1, "use_regex", 0);
     json_t *dec = json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 1, "trim_offsets", 1,
                             "use_regex", 1);
+    if (st == MODEL_OK && pre->nfc && json_object_set_new(root, "normalizer", json_pack("{s:s}", "type", "NFC")))
+        st = oom(v);
     if (st == MODEL_OK && (!pt || !dec || json_object_set(root, "pre_tokenizer", pt) ||
                            json_object_set(root, "decoder", dec) ||
                            json_object_set_new(bpe, "ignore_merges", json_boolean(pre->ignore_merges))))

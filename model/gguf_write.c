@@ -107,7 +107,7 @@ static void vocab_free(struct vocab *v)
 
 /* The Split regex of a byte-level pre-tokenizer, by the name llama.cpp
  * gives it (gguf_tokenizer.c's table). */
-static enum model_status find_pre(const json_t *pt, bool ignore_merges, const char **out, char *err)
+static enum model_status find_pre(const json_t *pt, bool ignore_merges, bool nfc, const char **out, char *err)
 {
     const json_t *list = json_object_get(pt, "pretokenizers");
     const char *regex = NULL;
@@ -123,10 +123,11 @@ static enum model_status find_pre(const json_t *pt, bool ignore_merges, const ch
     if (!byte_level || !regex)
         return model_errf(err, MODEL_EUNSUPPORTED,
                           "tokenizer.json: only byte-level BPE tokenizers with a Split regex are written to GGUF");
-    *out = gguf_pre_name(regex, ignore_merges);
+    *out = gguf_pre_name(regex, ignore_merges, nfc);
     if (!*out)
         return model_errf(err, MODEL_EUNSUPPORTED,
-                          "tokenizer.json: its split regex (with ignore_merges %s) is none GGUF names", ignore_merges ? "true" : "false");
+                          "tokenizer.json: its split regex (with ignore_merges %s, %s) is none GGUF names",
+                          ignore_merges ? "true" : "false", nfc ? "NFC" : "no normalizer");
     return MODEL_OK;
 }
 
@@ -142,8 +143,12 @@ static enum model_status read_vocab(const char *dir, int vocab_size, struct voca
     json_t *vocab = json_object_get(m, "vocab");
     if (!type || strcmp(type, "BPE") || !json_is_object(vocab))
         return model_errf(err, MODEL_EUNSUPPORTED, "tokenizer.json: model.type must be BPE with a vocab object");
+    const char *norm = json_string_value(json_object_get(json_object_get(v->tj, "normalizer"), "type"));
+    if (norm && strcmp(norm, "NFC"))
+        return model_errf(err, MODEL_EUNSUPPORTED, "tokenizer.json: normalizer %s is not written to GGUF (none, NFC)",
+                          norm);
     if ((st = find_pre(json_object_get(v->tj, "pre_tokenizer"), json_is_true(json_object_get(m, "ignore_merges")),
-                       &v->pre, err)))
+                       norm != NULL, &v->pre, err)))
         return st;
     v->merges = json_object_get(m, "merges");
     v->n = vocab_size;

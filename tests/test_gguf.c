@@ -8,8 +8,9 @@
  * With KVTIER_GGUF_TOK=FILE.gguf and KVTIER_GGUF_TOK_DIR=DIR (written by
  * tests/gguf.test.sh: tools/st2gguf.py's GGUF of DIR) it instead checks
  * that the tokenizer from the GGUF metadata encodes every line of the
- * built-in model's held-out text, and the chat markup, to the ids
- * DIR/tokenizer.json gives, and decodes every id to the same bytes.
+ * built-in model's held-out text, the tokenizer oracle's corpus and some
+ * special-token markup to the ids DIR/tokenizer.json gives, and decodes
+ * every id to the same bytes.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -555,12 +556,22 @@ static void test_tokenizer_vs_json(void **state)
     free(line);
     fclose(f);
     static const char *const extra[] = {"<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
-                                        "  spaces,\ttabs\n\nand 12345 digits!? \xc3\xa9t\xc3\xa9 \xe2\x82\xac 100",
-                                        "<|begin_of_text|>x<|end_of_text|>"};
+                                        "<|begin_of_text|>x<|end_of_text|>", "x <s> and  two  spaces</s>",
+                                        "<unk> and <0x41>"};
     for (size_t i = 0; i < sizeof extra / sizeof extra[0]; i++) {
         same_ids(a, b, extra[i], strlen(extra[i]), true);
         same_ids(a, b, extra[i], strlen(extra[i]), false);
     }
+    /* the tokenizer oracle's corpus: whitespace runs, code, scripts, emoji */
+    json_t *corpus = json_load_file("tests/tokenizer/corpus.json", 0, NULL);
+    assert_true(json_is_array(corpus));
+    size_t k;
+    json_t *c;
+    json_array_foreach(corpus, k, c) {
+        same_ids(a, b, json_string_value(c), json_string_length(c), true);
+        same_ids(a, b, json_string_value(c), json_string_length(c), false);
+    }
+    json_decref(corpus);
     for (int32_t id = 0; id < tokenizer_vocab_size(a); id++) {
         size_t la, lb;
         bool sa, sb;
@@ -570,9 +581,10 @@ static void test_tokenizer_vs_json(void **state)
         assert_non_null(pb);
         assert_int_equal(la, lb);
         assert_memory_equal(pa, pb, la);
-        assert_int_equal(sa, sb);
+        if (sa != sb)
+            fail_msg("token %d \"%.*s\": special %d from tokenizer.json, %d from GGUF", id, (int)la, pa, sa, sb);
     }
-    print_message("%zu lines and every token's bytes agree\n", lines);
+    print_message("%zu lines, %zu corpus cases and every token's bytes agree\n", lines, k);
     tokenizer_free(a);
     tokenizer_free(b);
 }

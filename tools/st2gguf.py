@@ -4,13 +4,15 @@ GGUF, so that llama.cpp runs the very weights kvtier runs, and kvtier's
 GGUF loader is tested against a writer it shares no code with.
 
     /usr/bin/python3 tools/st2gguf.py --model DIR --out FILE.gguf [--type q8_0 [--q8-embed]]
+    /usr/bin/python3 tools/st2gguf.py --vocab-only --model DIR --out FILE.gguf
 
 What llama.cpp's convert_hf_to_gguf.py does for these classes, written
 with the standard library alone (its converter needs torch, transformers
 and gguf-py): the hyperparameters under the ARCH.* keys, the byte-level
 BPE tokenizer as tokenizer.ggml.model "gpt2" (its split regex named by
-tokenizer.ggml.pre, the chat template, a second eos id as the end-of-turn
-token), the tensors renamed (token_embd, blk.N.attn_q, ..., output),
+tokenizer.ggml.pre) or a SentencePiece-style one (byte_fallback) as
+"llama" with scores, the chat template and a second eos id as the
+end-of-turn token, the tensors renamed (token_embd, blk.N.attn_q, ..., output),
 matrices kept in their dtype (BF16, F16 or F32), 1-D tensors as F32, and
 for llama q_proj/k_proj rows permuted per head from Hugging Face's
 rotate-half order to the interleaved pairs llama.cpp's rope reads
@@ -47,7 +49,7 @@ PRE = {"'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?
        "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "qwen2"}
 LAYER_MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # llama_token_type
-TOK_NORMAL, TOK_CONTROL = 1, 3
+TOK_NORMAL, TOK_UNKNOWN, TOK_CONTROL, TOK_USER, TOK_BYTE = 1, 2, 3, 4, 6
 
 
 def s_str(s):
@@ -71,6 +73,8 @@ def kv(key, vtype, value):
         return out + b"".join(s_str(x) for x in items)
     if etype == T_I32:
         return out + struct.pack("<%di" % len(items), *items)
+    if etype == T_F32:
+        return out + struct.pack("<%df" % len(items), *items)
     raise ValueError("array of type %d" % etype)
 
 
@@ -138,7 +142,7 @@ def tokenizer_kvs(model_dir, vocab_size, cfg):
         tj = json.load(f)
     m = tj["model"]
     if m.get("type") != "BPE":
-        raise SystemExit("st2gguf: only byte-level BPE tokenizers (tokenizer.json model BPE), not %r" % m.get("type"))
+        raise SystemExit("st2gguf: only BPE tokenizers (tokenizer.json model BPE), not %r" % m.get("type"))
     tokens = [None] * vocab_size
     types = [TOK_NORMAL] * vocab_size
     for t, i in m["vocab"].items():
@@ -150,28 +154,25 @@ def tokenizer_kvs(model_dir, vocab_size, cfg):
         if not 0 <= i < vocab_size:
             raise SystemExit("st2gguf: added token id %d outside the vocabulary of %d" % (i, vocab_size))
         tokens[i] = a["content"]
-        types[i] = TOK_CONTROL if a.get("special") else TOK_NORMAL
+        types[i] = TOK_CONTROL if a.get("special") else TOK_USER
     for i, t in enumerate(tokens):
         if t is None:  # the embedding has rows no token names: llama.cpp wants every id named
             tokens[i] = "[PAD%d]" % i
             types[i] = TOK_CONTROL
-    merges = [x if isinstance(x, str) else " ".join(x) for x in m.get("merges", [])]
-    pre = tj.get("pre_tokenizer") or {}
-    splits = [p for p in pre.get("pretokenizers", [pre]) if p.get("type") == "Split"]
-    regex = splits[0]["pattern"].get("Regex") if len(splits) == 1 else None
-    if regex not in PRE:
-        raise SystemExit("st2gguf: the pre-tokenizer's split regex is none llama.cpp names (%s)" % sorted(PRE.values()))
-    out = [kv("tokenizer.ggml.model", T_STR, "gpt2"),
-           kv("tokenizer.ggml.pre", T_STR, PRE[regex]),
-           kv("tokenizer.ggml.tokens", T_ARR, (T_STR, tokens)),
-           kv("tokenizer.ggml.token_type", T_ARR, (T_I32, types)),
-           kv("tokenizer.ggml.merges", T_ARR, (T_STR, merges))]
     tc = {}
     p = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.exists(p):
         with open(p, encoding="utf-8") as f:
             tc = json.load(f)
+    if m.get("byte_fallback"):
+        out = spm_kvs(tj, tokens, types)
+    else:
+        out = bpe_kvs(tj, tokens, types)
     ids = {"bos": cfg.get("bos_token_id")}
+    if not cfg:  # --vocab-only: tokenizer_config.json names them
+        text = {t: i for i, t in enumerate(tokens)}
+        ids["bos"] = text.get(tc.get("bos_token"))
+        cfg = {"eos_token_id": text.get(tc.get("eos_token"))}
     eos = cfg.get("eos_token_id")
     eos = eos if isinstance(eos, list) else [eos]
     if len(eos) > 2:
@@ -183,6 +184,60 @@ def tokenizer_kvs(model_dir, vocab_size, cfg):
     out.append(kv("tokenizer.ggml.add_bos_token", T_BOOL, bool(tc.get("add_bos_token", False))))
     if isinstance(tc.get("chat_template"), str):
         out.append(kv("tokenizer.chat_template", T_STR, tc["chat_template"]))
+    return out
+
+
+def spm_kvs(tj, tokens, types):
+    """A SentencePiece-style tokenizer.json (byte_fallback, "▁" for spaces)
+    as tokenizer.ggml.model "llama", as llama.cpp's converter writes
+    tokenizer.model: every token with a score, the unknown token typed 2,
+    <0xNN> typed 6 (bytes), added special tokens 3 (control).  The scores
+    are what transformers' converter made the merges from: a token's score
+    is minus the rank of the first merge that makes it (-1e9 for a token no
+    merge makes), so the merges a loader rebuilds from the scores come in
+    tokenizer.json's order."""
+    m = tj["model"]
+    norms = (tj.get("normalizer") or {}).get("normalizers", [])
+    if not any(n.get("type") == "Replace" and n.get("content") == "\u2581" for n in norms):
+        raise SystemExit("st2gguf: a byte_fallback tokenizer without SentencePiece's Replace(' ', '\u2581')")
+    prefix = any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in norms)
+    vocab = m.get("vocab", {})
+    unk = vocab.get(m.get("unk_token"))
+    made = {}
+    for rank, x in enumerate(m.get("merges", [])):
+        a, b = x.split(" ", 1) if isinstance(x, str) else x
+        made.setdefault(vocab.get(a + b), rank)
+    scores = []
+    for i, t in enumerate(tokens):
+        if i == unk:
+            types[i] = TOK_UNKNOWN
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">") and types[i] == TOK_NORMAL:
+            types[i] = TOK_BYTE
+        scores.append(-float(made.get(i, 1e9)) if types[i] == TOK_NORMAL else 0.0)
+    out = [kv("tokenizer.ggml.model", T_STR, "llama"),
+           kv("tokenizer.ggml.tokens", T_ARR, (T_STR, tokens)),
+           kv("tokenizer.ggml.scores", T_ARR, (T_F32, scores)),
+           kv("tokenizer.ggml.token_type", T_ARR, (T_I32, types)),
+           kv("tokenizer.ggml.add_space_prefix", T_BOOL, prefix)]
+    if unk is not None:
+        out.append(kv("tokenizer.ggml.unknown_token_id", T_U32, unk))
+    return out
+
+
+def bpe_kvs(tj, tokens, types):
+    """A byte-level BPE tokenizer.json as tokenizer.ggml.model "gpt2"."""
+    m = tj["model"]
+    merges = [x if isinstance(x, str) else " ".join(x) for x in m.get("merges", [])]
+    pre = tj.get("pre_tokenizer") or {}
+    splits = [p for p in pre.get("pretokenizers", [pre]) if p.get("type") == "Split"]
+    regex = splits[0]["pattern"].get("Regex") if len(splits) == 1 else None
+    if regex not in PRE:
+        raise SystemExit("st2gguf: the pre-tokenizer's split regex is none llama.cpp names (%s)" % sorted(PRE.values()))
+    out = [kv("tokenizer.ggml.model", T_STR, "gpt2"),
+           kv("tokenizer.ggml.pre", T_STR, PRE[regex]),
+           kv("tokenizer.ggml.tokens", T_ARR, (T_STR, tokens)),
+           kv("tokenizer.ggml.token_type", T_ARR, (T_I32, types)),
+           kv("tokenizer.ggml.merges", T_ARR, (T_STR, merges))]
     return out
 
 
@@ -198,6 +253,18 @@ def q8_0_bytes(data, dtype, shape):
     return q8_0_quantize(x.reshape(shape)).tobytes()
 
 
+def vocab_only(model_dir, out):
+    """A GGUF of the tokenizer alone, as llama.cpp's --vocab-only writes."""
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tj = json.load(f)
+    n = 1 + max(list(tj["model"]["vocab"].values()) + [a["id"] for a in tj.get("added_tokens", [])])
+    kvs = [kv("general.architecture", T_STR, "llama"), kv("general.alignment", T_U32, ALIGN)]
+    kvs += tokenizer_kvs(model_dir, n, {})
+    head = GGUF_MAGIC + struct.pack("<IQQ", GGUF_VERSION, 0, len(kvs)) + b"".join(kvs)
+    with open(out, "wb") as f:
+        f.write(head + b"\0" * (-len(head) % ALIGN))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF model directory (config.json, model.safetensors)")
@@ -205,7 +272,11 @@ def main():
     ap.add_argument("--type", choices=("auto", "q8_0"), default="auto",
                     help="auto: matrices as stored; q8_0: layer matrices as Q8_0")
     ap.add_argument("--q8-embed", action="store_true", help="with --type q8_0: token_embd and output too")
+    ap.add_argument("--vocab-only", action="store_true",
+                    help="only the tokenizer's metadata, from --model's tokenizer.json (no config or weights needed)")
     o = ap.parse_args()
+    if o.vocab_only:
+        return vocab_only(o.model, o.out)
     with open(os.path.join(o.model, "config.json")) as f:
         cfg = json.load(f)
     arch = ARCH.get(cfg.get("model_type"))
