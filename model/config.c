@@ -14,6 +14,7 @@
 
 #include <xxhash.h>
 
+#include "model/gguf.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "util/file.h"
@@ -822,9 +823,10 @@ static void default_tokens(const struct arch_info *ai, struct model_config *cfg)
 
 /* ---- the whole config ----------------------------------------------------- */
 
-static enum model_status parse_config(json_t *root, const char *dir, struct model_config *cfg, char *err)
+static enum model_status parse_config(json_t *root, const char *dir, const char *file, struct model_config *cfg,
+                                      char *err)
 {
-    struct jctx c = {.obj = root, .file = "config.json", .prefix = "", .err = err};
+    struct jctx c = {.obj = root, .file = file, .prefix = "", .err = err};
     const struct arch_info *ai = NULL;
     enum model_status st;
     if ((st = read_arch(&c, &ai)))
@@ -847,7 +849,7 @@ static enum model_status parse_config(json_t *root, const char *dir, struct mode
         return st;
 
     json_t *gen;
-    if ((st = model_json_load(dir, "generation_config.json", true, &gen, err)) || !gen)
+    if (!dir || (st = model_json_load(dir, "generation_config.json", true, &gen, err)) || !gen)
         return st;
     struct jctx g = {.obj = gen, .file = "generation_config.json", .prefix = "", .err = err};
     st = read_tokens(&g, cfg);
@@ -855,25 +857,35 @@ static enum model_status parse_config(json_t *root, const char *dir, struct mode
     return st;
 }
 
-enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err)
+enum model_status model_config_parse(json_t *root, const char *dir, const char *file, struct model_config *cfg,
+                                     char *err)
 {
     memset(cfg, 0, sizeof *cfg);
-    json_t *root;
-    enum model_status st = model_json_load(dir, "config.json", false, &root, err);
-    if (st != MODEL_OK)
-        return st;
-    st = parse_config(root, dir, cfg, err);
+    enum model_status st = parse_config(root, dir, file, cfg, err);
     if (st == MODEL_OK) {
         char *canon = json_dumps(root, JSON_SORT_KEYS | JSON_COMPACT);
         if (!canon)
-            st = model_errf(err, MODEL_ENOMEM, "config.json: out of memory");
+            st = model_errf(err, MODEL_ENOMEM, "%s: out of memory", file);
         else
             cfg->config_hash = XXH3_64bits(canon, strlen(canon));
         free(canon);
     }
-    json_decref(root);
     if (st != MODEL_OK)
         model_config_release(cfg);
+    return st;
+}
+
+enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err)
+{
+    memset(cfg, 0, sizeof *cfg);
+    if (model_is_gguf(dir))
+        return gguf_config_load(dir, cfg, err);
+    json_t *root;
+    enum model_status st = model_json_load(dir, "config.json", false, &root, err);
+    if (st != MODEL_OK)
+        return st;
+    st = model_config_parse(root, dir, "config.json", cfg, err);
+    json_decref(root);
     return st;
 }
 

@@ -1,6 +1,7 @@
 /* runtime.c - opens and closes the backend, model, tokenizer and KV store
  * of one model directory as a unit. */
 #include "model/runtime.h"
+#include "model/gguf.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -38,6 +39,13 @@ static enum model_status size_budget(const char *dir, const char *name, const st
     return MODEL_OK;
 }
 
+enum model_status model_tokenizer_load(const char *path, tokenizer **out, char *err)
+{
+    if (model_is_gguf(path))
+        return gguf_tokenizer_load(path, out, err);
+    return model_from_text(tokenizer_load(path, out, err));
+}
+
 enum model_status runtime_open(const char *dir, const struct runtime_params *p, struct runtime *rt, char *err)
 {
     memset(rt, 0, sizeof(*rt));
@@ -56,7 +64,7 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
     }
     enum model_status st = model_load(dir, rt->be, p ? &p->model : NULL, &rt->m, err);
     if (st == MODEL_OK)
-        st = model_from_text(tokenizer_load(dir, &rt->tok, err));
+        st = model_tokenizer_load(dir, &rt->tok, err);
     if (st == MODEL_OK) {
         struct kv_geom g = model_kv_geom(rt->m);
         enum tier_status ts = kv_store_open(rt->be, &g, p ? &p->kv : NULL, &rt->store);

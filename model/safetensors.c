@@ -33,6 +33,7 @@
 #include "util/half.h"
 #include "util/q8.h"
 #include "model/model.h"
+#include "model/gguf.h"
 #include "model/safetensors.h"
 #include "util/file.h"
 
@@ -44,47 +45,14 @@ _Static_assert(BE_F32 == 0 && BE_F16 == 1 && BE_BF16 == 2, "DTYPES starts in be_
 #define SINGLE_NAME "model.safetensors"
 /* The cap the safetensors library itself puts on the header. */
 #define HEADER_MAX ((uint64_t)100 << 20)
-#define MAX_RANK 8
 
 /* Every dtype the format defines, so extra tensors we never bind still get
  * their sizes checked; be < 0 marks the ones we cannot compute with.  The
  * first three are indexed by enum be_dtype. */
-static const struct st_dtype {
-    const char *name;
-    unsigned size;
-    int be;
-} DTYPES[] = {
+static const struct st_dtype DTYPES[] = {
     {"F32", 4, BE_F32},   {"F16", 2, BE_F16},  {"BF16", 2, BE_BF16}, {"F64", 8, -1},    {"I64", 8, -1},
     {"U64", 8, -1},       {"I32", 4, -1},      {"U32", 4, -1},       {"I16", 2, -1},    {"U16", 2, -1},
     {"I8", 1, -1},        {"U8", 1, -1},       {"BOOL", 1, -1},      {"F8_E5M2", 1, -1}, {"F8_E4M3", 1, -1},
-};
-
-struct st_tensor {
-    const char *name; /* a key of the file's header (lives as long as it) */
-    const struct st_dtype *dtype;
-    int rank;
-    uint64_t shape[MAX_RANK];
-    uint64_t begin, end; /* [begin, end) in the data section */
-};
-
-struct st_file {
-    char *name;            /* as in the directory, for messages */
-    uint8_t *map;
-    size_t map_size;
-    const uint8_t *data;   /* the data section */
-    uint64_t data_size;
-    json_t *header;        /* released once the weights are bound */
-    struct st_tensor *tensors; /* sorted by name */
-    size_t n_tensors;
-};
-
-struct model_files {
-    struct st_file *files;
-    int n_files;
-    struct model_layer *layers; /* weights->layers */
-    float *vectors;             /* f32 copies of every 1-D tensor */
-    void **copies;              /* owned copies of unaligned matrices */
-    int n_copies;
 };
 
 /* ---- one file ------------------------------------------------------------- */
@@ -404,6 +372,7 @@ struct binder {
     const struct model_config *cfg;
     json_t *weight_map; /* NULL: the single model.safetensors */
     float *next_vector; /* where the next 1-D tensor's f32 copy goes */
+    bool mixed;         /* model_files_bind's */
     char *err;
 };
 
@@ -445,6 +414,9 @@ static enum model_status find_checked(const struct binder *b, const char *name, 
     if (x->dtype->be < 0)
         return model_errf(b->err, MODEL_EUNSUPPORTED, "%s: tensor %s has dtype %s (supported: F32, F16, BF16)",
                           (*file)->name, name, x->dtype->name);
+    if (!cols && !x->dtype->size)
+        return model_errf(b->err, MODEL_EUNSUPPORTED, "%s: tensor %s is %s; a vector must be F32, F16 or BF16",
+                          (*file)->name, name, x->dtype->name);
     bool ok = cols ? x->rank == 2 && x->shape[0] == (uint64_t)rows && x->shape[1] == (uint64_t)cols
                    : x->rank == 1 && x->shape[0] == (uint64_t)rows;
     if (!ok) {
@@ -469,18 +441,21 @@ static enum model_status bind_mat(struct binder *b, const char *name, int rows, 
         return st;
     /* One dtype per checkpoint: the kernels, the memory budget and the
      * reference all take torch_dtype at its word. */
-    if (t->dtype->be != (int)b->cfg->dtype)
+    if (!b->mixed && t->dtype->be != (int)b->cfg->dtype)
         return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has dtype %s but config.json says %s", f->name, name,
                           t->dtype->name, DTYPES[b->cfg->dtype].name);
     const uint8_t *p = f->data + t->begin;
     size_t bytes = (size_t)(t->end - t->begin);
-    if ((uintptr_t)p % t->dtype->size != 0) {
+    /* a block format's rows need the 2-byte alignment of their f16
+     * scales, which GGUF's alignment (gguf.c: a multiple of 8) gives */
+    if (t->dtype->size && (uintptr_t)p % t->dtype->size != 0) {
         void *copy = malloc(bytes);
         if (!copy)
             return model_errf(b->err, MODEL_ENOMEM, "%s: out of memory for an aligned copy of %s (%zu bytes)",
                               f->name, name, bytes);
         memcpy(copy, p, bytes);
-        b->mf->copies[b->mf->n_copies++] = copy;
+        if ((st = model_files_keep(b->mf, copy, b->err)))
+            return st;
         p = copy;
     }
     *m = (struct model_mat){.data = p, .dtype = (enum be_dtype)t->dtype->be, .rows = rows, .cols = cols};
@@ -753,7 +728,8 @@ static enum model_status bind_conv1d(struct binder *b, const char *name, int in,
     for (size_t o = 0; o < (size_t)out; o++)
         for (size_t i = 0; i < (size_t)in; i++)
             memcpy(dst + (o * (size_t)in + i) * esz, p + (i * (size_t)out + o) * esz, esz);
-    b->mf->copies[b->mf->n_copies++] = dst;
+    if ((st = model_files_keep(b->mf, dst, b->err)))
+        return st;
     *m = (struct model_mat){.data = dst, .dtype = src.dtype, .rows = out, .cols = in};
     return MODEL_OK;
 }
@@ -903,11 +879,7 @@ static enum model_status bind_all(struct binder *b, struct model_weights *w)
     size_t floats = (size_t)c->n_layers * layer_vector_floats(c) + (size_t)c->hidden_size * (c->layer_norm ? 2 : 1);
     mf->vectors = malloc(floats * sizeof *mf->vectors);
     mf->layers = calloc((size_t)c->n_layers, sizeof *mf->layers);
-    /* at most one aligned copy of each matrix, and GPT-2's four transposed
-     * ones per layer besides */
-    size_t max_copies = (size_t)c->n_layers * (sizeof LAYER_MATS / sizeof LAYER_MATS[0] + 4) + 3;
-    mf->copies = calloc(max_copies, sizeof *mf->copies);
-    if (!mf->vectors || !mf->layers || !mf->copies)
+    if (!mf->vectors || !mf->layers)
         return model_errf(b->err, MODEL_ENOMEM, "out of memory binding %d layers", c->n_layers);
     b->next_vector = mf->vectors;
     if (c->arch == ARCH_GPT2)
@@ -930,9 +902,40 @@ static enum model_status bind_all(struct binder *b, struct model_weights *w)
     return MODEL_OK;
 }
 
+enum model_status model_files_keep(model_files *mf, void *p, char *err)
+{
+    if (mf->n_copies == mf->cap_copies) {
+        int cap = mf->cap_copies ? 2 * mf->cap_copies : 16;
+        void **c = realloc(mf->copies, (size_t)cap * sizeof *c);
+        if (!c) {
+            free(p);
+            return model_errf(err, MODEL_ENOMEM, "out of memory for the table of weight copies");
+        }
+        mf->copies = c;
+        mf->cap_copies = cap;
+    }
+    mf->copies[mf->n_copies++] = p;
+    return MODEL_OK;
+}
+
+enum model_status model_files_bind(model_files *mf, const struct model_config *cfg, bool mixed,
+                                   struct model_weights *w, char *err)
+{
+    struct binder b = {.mf = mf, .cfg = cfg, .mixed = mixed, .err = err};
+    return bind_all(&b, w);
+}
+
+void model_files_drop_tables(model_files *mf)
+{
+    for (int i = 0; i < mf->n_files; i++)
+        st_drop_header(&mf->files[i]);
+}
+
 enum model_status model_files_open(const char *dir, const struct model_config *cfg, model_files **out,
                                    struct model_weights *w, char *err)
 {
+    if (model_is_gguf(dir))
+        return gguf_files_open(dir, cfg, out, w, err);
     *out = NULL;
     memset(w, 0, sizeof *w);
     model_files *mf = calloc(1, sizeof *mf);
@@ -949,8 +952,8 @@ enum model_status model_files_open(const char *dir, const struct model_config *c
             w->header_hash = XXH3_64bits_withSeed((const char *)f->map + 8,
                                                   (size_t)((const char *)f->data - (const char *)f->map - 8),
                                                   w->header_hash);
-        st_drop_header(&mf->files[i]);
     }
+    model_files_drop_tables(mf);
     if (st != MODEL_OK) {
         memset(w, 0, sizeof *w);
         model_files_close(mf);
@@ -962,6 +965,15 @@ enum model_status model_files_open(const char *dir, const struct model_config *c
 
 static enum model_status verify_mat(const struct model_mat *m, const char *name, char *err)
 {
+    if (m->dtype == BE_Q8_0) { /* its codes are integers: only the scales can be NaN or infinite */
+        size_t nb = (size_t)m->rows * (size_t)m->cols / Q8_0_BLOCK;
+        const struct q8_0_block *q = m->data;
+        for (size_t i = 0; i < nb; i++)
+            if ((q[i].d & 0x7C00u) == 0x7C00u)
+                return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite Q8_0 scale in row %zu", name,
+                                  i / ((size_t)m->cols / Q8_0_BLOCK));
+        return MODEL_OK;
+    }
     size_t n = (size_t)m->rows * (size_t)m->cols, bad = first_non_finite(m->data, m->dtype, n);
     if (bad < n)
         return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite value (NaN or infinity) at row %zu, column %zu",
@@ -1072,7 +1084,9 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
     for (int l = 0; l < cfg->n_layers; l++)
         for (size_t k = 0; k < N_MATS; k++) {
             const struct model_mat *m = (const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off);
-            if (!m->data) /* a matrix the architecture lacks (GPT-2's gate) */
+            /* a matrix the architecture lacks (GPT-2's gate), or one a GGUF
+             * file holds in Q8_0 already, kept as it is */
+            if (!m->data || m->dtype == BE_Q8_0)
                 continue;
             if (m->cols % Q8_0_BLOCK)
                 return model_errf(err, MODEL_EUNSUPPORTED,
@@ -1081,7 +1095,7 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
             total += (size_t)m->rows * (size_t)m->cols / Q8_0_BLOCK;
             max_cols = m->cols > max_cols ? m->cols : max_cols;
         }
-    struct q8_0_block *q = malloc(total * sizeof *q);
+    struct q8_0_block *q = malloc(total ? total * sizeof *q : 1); /* 0: a GGUF file's, all Q8_0 already */
     struct model_layer *ls = malloc((size_t)cfg->n_layers * sizeof *ls);
     float *buf = malloc((size_t)max_cols * sizeof *buf);
     enum model_status st = MODEL_OK;
@@ -1092,7 +1106,7 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
         ls[l] = w->layers[l];
         for (size_t k = 0; k < N_MATS && st == MODEL_OK; k++) {
             struct model_mat *m = (struct model_mat *)((char *)&ls[l] + LAYER_MATS[k].off);
-            if (!m->data)
+            if (!m->data || m->dtype == BE_Q8_0)
                 continue;
             size_t per_row = (size_t)m->cols / Q8_0_BLOCK;
             for (int r = 0; r < m->rows && st == MODEL_OK; r++)

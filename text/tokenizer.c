@@ -1071,45 +1071,61 @@ static enum text_status read_file(struct loader *L, const char *path, char **dat
     return TEXT_OK;
 }
 
-enum text_status tokenizer_load(const char *dir, tokenizer **out, char *err)
+/* The load both entry points share: the tokenizer.json text, then the
+ * parsed tokenizer_config.json (NULL: none); file names the first in
+ * messages. */
+static enum text_status load_both(const char *file, const char *text, size_t len, json_t *config, tokenizer **out,
+                                  char *err)
 {
-    char path[PATH_MAX], *text = NULL;
-    size_t len = 0;
-    json_t *root = NULL;
     *out = NULL;
     tokenizer *t = calloc(1, sizeof *t);
     if (!t)
         return text_errf(err, TEXT_ENOMEM, "tokenizer: out of memory");
     t->unk_id = t->bos_id = t->eos_id = -1;
-    struct loader L = {.t = t, .file = path, .err = err};
-    enum text_status st;
-    st = text_path(path, dir, "tokenizer.json", err);
-    if (st == TEXT_OK)
-        st = read_file(&L, path, &text, &len);
-    if (st == TEXT_OK)
-        st = load_tokenizer_json(&L, text, len);
-    free(text);
-    if (st != TEXT_OK)
-        goto out;
-
-    st = text_path(path, dir, "tokenizer_config.json", err);
-    if (st == TEXT_OK)
-        st = read_config(&L, path, &root);
-    if (st == TEXT_OK && root) {
-        st = load_config(&L, root);
+    struct loader L = {.t = t, .file = file, .err = err};
+    enum text_status st = load_tokenizer_json(&L, text, len);
+    if (st == TEXT_OK && config) {
+        st = load_config(&L, config);
     } else if (st == TEXT_OK) {
         /* No tokenizer_config.json: the template's tokens are the best guess. */
         t->bos_id = t->n_prefix ? t->prefix_ids[0] : -1;
         t->eos_id = t->n_suffix ? t->suffix_ids[t->n_suffix - 1] : -1;
     }
-out:
-    json_decref(root);
     if (st != TEXT_OK) {
         tokenizer_free(t);
         return st;
     }
     *out = t;
     return TEXT_OK;
+}
+
+enum text_status tokenizer_load(const char *dir, tokenizer **out, char *err)
+{
+    char path[PATH_MAX], cpath[PATH_MAX], *text = NULL;
+    size_t len = 0;
+    json_t *root = NULL;
+    *out = NULL;
+    struct loader L = {.file = path, .err = err};
+    enum text_status st = text_path(path, dir, "tokenizer.json", err);
+    if (st == TEXT_OK)
+        st = text_path(cpath, dir, "tokenizer_config.json", err);
+    if (st == TEXT_OK)
+        st = read_file(&L, path, &text, &len);
+    if (st == TEXT_OK)
+        st = read_config(&L, cpath, &root);
+    if (st == TEXT_OK)
+        st = load_both(path, text, len, root, out, err);
+    free(text);
+    json_decref(root);
+    return st;
+}
+
+enum text_status tokenizer_load_json(const char *name, const char *json, size_t len, json_t *config,
+                                     tokenizer **out, char *err)
+{
+    if (config && !json_is_object(config))
+        return text_errf(err, TEXT_EFORMAT, "%s: the tokenizer configuration is not a JSON object", name);
+    return load_both(name, json, len, config, out, err);
 }
 
 void tokenizer_free(tokenizer *t)

@@ -235,7 +235,7 @@ int main(int argc, char **argv)
     }
     if (!quiet)
         fprintf(stderr, "[KV cache %s, weights %s]\n", be_dtype_name(kv_store_dtype(rt.store)),
-                be_dtype_name(model_get_config(rt.m)->dtype));
+                be_dtype_name(model_get_weights(rt.m)->layers[0].wq.dtype)); /* the layer matrices: Q8_0 too */
     if (ids_arg ? parse_ids(ids_arg, &prompt) != 0
                 : tokenizer_encode(rt.tok, text, strlen(text), true, &prompt, err) != TEXT_OK) {
         fprintf(stderr, "kvtier-run: bad prompt: %s\n", ids_arg ? "--ids wants comma-separated token ids" : err);
