@@ -10,8 +10,8 @@
 
 #include "backend/backend.h"
 
-static const char *const level_names[] = {"scalar", "avx2", "avx512"};
-#define N_LEVELS 3
+static const char *const level_names[] = {"scalar", "avx2", "avx512", "avx512vnni"};
+#define N_LEVELS 4
 static be_backend *levels[N_LEVELS]; /* NULL where the CPU lacks the level */
 
 /* The CPU backend at one SIMD level (KVTIER_SIMD), NULL where the CPU lacks

@@ -118,7 +118,7 @@ static float mat_at(const struct model_mat *m, size_t i)
         memcpy(&f, &u, 4);
         return f;
     }
-    case BE_Q8_0: break; /* the loader binds checkpoint dtypes only */
+    case BE_Q8_0: case BE_Q4_K: break; /* the loader binds checkpoint dtypes only */
     }
     return 0;
 }
