@@ -64,7 +64,9 @@ void prefix_remote_open(engine *e)
                                  .timeout_ms = c->remote_timeout_ms,
                                  .ttl_s = c->remote_ttl_s,
                                  .layout = engine_kv_layout(e),
-                                 .variant = c->weights == MODEL_WEIGHTS_Q8_0 ? "q8_0" : "w",
+                                 .variant = c->weights == MODEL_WEIGHTS_Q8_0   ? "q8_0"
+                                            : c->weights == MODEL_WEIGHTS_Q4_K ? "q4_k"
+                                                                               : "w",
                                  .notify = notify,
                                  .notify_arg = e};
     char err[256];

@@ -294,9 +294,19 @@ static void test_q4k_bad_args(void **state)
     assert_int_equal(be_embed(levels[0], y, q, BE_Q4_K, &id, 1, 256), BE_EINVAL);
 }
 
-int main(void)
+/* test_q4k --quantize IN OUT: the float32 values of file IN (a multiple of
+ * 256) quantized into file OUT as q4_k_quantize writes them, for
+ * tests/ref_compare.py's reference of --weights q4_k to decode. */
+static bool quantize_blocks(const float *x, void *y, size_t n)
+{
+    return q4_k_quantize(x, y, n);
+}
+
+int main(int argc, char **argv)
 {
     rng_state = 0x13198a2e03707344u; /* the inputs the tolerances were set on */
+    if (argc == 4 && strcmp(argv[1], "--quantize") == 0)
+        return quantize_file(argv[2], argv[3], Q4_K_BLOCK, sizeof(struct q4_k_block), quantize_blocks);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layout),
         cmocka_unit_test(test_quantize_bound),
