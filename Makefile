@@ -24,6 +24,7 @@ endif
 # at run time (backend/cpu/dispatch), so one binary runs on every x86-64.
 AVX2_FLAGS   := -mavx2 -mfma -mf16c
 AVX512_FLAGS := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
+VNNI_FLAGS   := $(AVX512_FLAGS) -mavx512vnni
 
 LIB_SRC    := $(wildcard util/*.c text/*.c backend/*.c backend/cpu/*.c tiers/*.c model/*.c ipc/*.c)
 DAEMON_SRC := $(wildcard daemon/*.c)
@@ -87,6 +88,10 @@ $(BUILD)/obj/%_avx2.o: %_avx2.c
 $(BUILD)/obj/%_avx512.o: %_avx512.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(AVX512_FLAGS) -c $< -o $@
+
+$(BUILD)/obj/%_vnni.o: %_vnni.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(VNNI_FLAGS) -c $< -o $@
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "backend/backend_impl.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 
@@ -35,7 +36,7 @@ size_t be_dtype_size(enum be_dtype dt)
     case BE_F32: return 4;
     case BE_F16: return 2;
     case BE_BF16: return 2;
-    case BE_Q8_0: break;
+    case BE_Q8_0: case BE_Q4_K: break;
     }
     return 0;
 }
@@ -44,6 +45,8 @@ size_t be_row_bytes(enum be_dtype dt, size_t n)
 {
     if (dt == BE_Q8_0)
         return n % Q8_0_BLOCK ? 0 : n / Q8_0_BLOCK * sizeof(struct q8_0_block);
+    if (dt == BE_Q4_K)
+        return q4_k_row_bytes(n);
     return n * be_dtype_size(dt);
 }
 
@@ -54,6 +57,7 @@ const char *be_dtype_name(enum be_dtype dt)
     case BE_F16: return "f16";
     case BE_BF16: return "bf16";
     case BE_Q8_0: return "q8_0";
+    case BE_Q4_K: return "q4_k";
     }
     return "?";
 }
@@ -422,7 +426,7 @@ enum be_status be_matmul(be_backend *be, void *y, enum be_dtype yt, const void *
                          const float *bias, int n, int in, int out)
 {
     if (!be || !y || !x || !w || !dtype_ok(yt) || n < 0 || in <= 0 || out <= 0 ||
-        !(dtype_ok(wt) || (wt == BE_Q8_0 && in % Q8_0_BLOCK == 0)))
+        !(dtype_ok(wt) || (wt == BE_Q8_0 && in % Q8_0_BLOCK == 0) || (wt == BE_Q4_K && in % Q4_K_BLOCK == 0)))
         return BE_EINVAL;
     return n ? be->ops->matmul(be->ctx, y, yt, x, w, wt, bias, n, in, out) : BE_OK;
 }

@@ -47,17 +47,19 @@ enum be_status {
 };
 const char *be_strerror(enum be_status st);
 
-/* BE_Q8_0 is a weight format, not an element type: GGUF's blocks of 32
- * int8 codes and one f16 scale along a row (util/q8.h), accepted only as
- * be_matmul's wt, so no activation, KV or embedding can be of it.  It
- * shares the enum because a weight matrix's type travels where the other
- * weight dtypes do (model_mat, be_matmul). */
-enum be_dtype { BE_F32 = 0, BE_F16 = 1, BE_BF16 = 2, BE_Q8_0 = 3 };
-/* Bytes per element; 0 for BE_Q8_0, which has none (be_row_bytes). */
+/* BE_Q8_0 and BE_Q4_K are weight formats, not element types: GGUF's
+ * blocks of 32 int8 codes and one f16 scale along a row (util/q8.h), and
+ * its super-blocks of 256 4-bit codes with 6-bit scales and mins
+ * (util/q4k.h), accepted only as be_matmul's wt, so no activation, KV or
+ * embedding can be of them.  They share the enum because a weight
+ * matrix's type travels where the other weight dtypes do (model_mat,
+ * be_matmul). */
+enum be_dtype { BE_F32 = 0, BE_F16 = 1, BE_BF16 = 2, BE_Q8_0 = 3, BE_Q4_K = 4 };
+/* Bytes per element; 0 for the block formats, which have none (be_row_bytes). */
 size_t be_dtype_size(enum be_dtype dt);
 const char *be_dtype_name(enum be_dtype dt);
 /* Bytes of a row of n elements of dt; 0 when no such row exists (a Q8_0
- * row of n not a multiple of 32, an unknown dtype). */
+ * row of n not a multiple of 32, a Q4_K row not of 256, an unknown dtype). */
 size_t be_row_bytes(enum be_dtype dt, size_t n);
 
 typedef struct be_backend be_backend; /* one device and its streams */
@@ -129,10 +131,11 @@ enum be_status be_sync(be_backend *be);                      /* all streams drai
  * W is row-major as in a Hugging Face Linear, rows of be_row_bytes(wt,
  * in) bytes; bias is f32; y is of yt (caps.act_dtype or f32: BE_ENOTSUP
  * for one the backend cannot write).  With wt BE_Q8_0, in must be a
- * multiple of 32 (BE_EINVAL otherwise); the CPU backend then rounds each
- * row of x to int8 blocks of 32 with an f32 scale (round to nearest even)
- * and multiplies by those, in integers as llama.cpp does, so y carries x's
- * rounding error too, the same for any number of rows. */
+ * multiple of 32, with BE_Q4_K of 256 (BE_EINVAL otherwise); the CPU
+ * backend then rounds each row of x to int8 blocks of 32 with an f32
+ * scale (round to nearest even) and multiplies by those, in integers as
+ * llama.cpp does, so y carries x's rounding error too, the same for any
+ * number of rows. */
 enum be_status be_matmul(be_backend *be, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt,
                          const float *bias, int n, int in, int out);
 

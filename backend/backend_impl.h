@@ -48,7 +48,8 @@ struct be_ops {
     enum be_status (*sync)(void *ctx);
 
     // kernels: shapes > 0, pointers non-NULL (bias may be NULL), dtypes valid (matmul's wt may be
-    // BE_Q8_0 with in a multiple of 32: a backend without Q8_0 returns BE_ENOTSUP),
+    // BE_Q8_0 with in a multiple of 32 or BE_Q4_K with in a multiple of 256: a backend without
+    // them returns BE_ENOTSUP),
     // every token's position inside its view's blocks (see backend.h)
     enum be_status (*matmul)(void *ctx, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt, const float *bias,
                              int n, int in, int out);

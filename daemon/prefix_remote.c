@@ -69,7 +69,9 @@ void prefix_remote_open(engine *e)
                                  .compress = c->remote_compress,
                                  .block_bytes = kv_store_prefix_block_bytes(e->store),
                                  .layout = engine_kv_layout(e),
-                                 .variant = c->weights == MODEL_WEIGHTS_Q8_0 ? "q8_0" : "w",
+                                 .variant = c->weights == MODEL_WEIGHTS_Q8_0   ? "q8_0"
+                                            : c->weights == MODEL_WEIGHTS_Q4_K ? "q4_k"
+                                                                               : "w",
                                  .notify = notify,
                                  .notify_arg = e};
     char err[256];

@@ -24,6 +24,7 @@
  */
 #include "model/model.h"
 #include "util/half.h"
+#include "util/q4k.h"
 
 #include <math.h>
 #include <xxhash.h>
@@ -90,10 +91,10 @@ struct model {
     be_buffer **wbufs;
     int n_wbufs;
     struct model_layer *dev_layers;
-    /* model_params.weights q8_0: every layer matrix's blocks, and the
-     * layer table pointing into them */
+    /* model_params.weights q8_0 or q4_k: every layer matrix's blocks, and
+     * the layer table pointing into them */
     enum model_weights_fmt wfmt;
-    struct q8_0_block *qblocks;
+    void *qblocks;
     struct model_layer *q_layers;
 };
 
@@ -143,13 +144,24 @@ bool model_kv_dtype_parse(const char *s, enum model_kv_dtype *out)
 
 bool model_weights_parse(const char *s, enum model_weights_fmt *out)
 {
-    static const char *const names[] = {[MODEL_WEIGHTS_AUTO] = "auto", [MODEL_WEIGHTS_Q8_0] = "q8_0"};
+    static const char *const names[] = {
+        [MODEL_WEIGHTS_AUTO] = "auto", [MODEL_WEIGHTS_Q8_0] = "q8_0", [MODEL_WEIGHTS_Q4_K] = "q4_k"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (!strcmp(s, names[i])) {
             *out = (enum model_weights_fmt)i;
             return true;
         }
     return false;
+}
+
+enum be_dtype model_weights_mat_dtype(enum model_weights_fmt fmt, int cols)
+{
+    switch (fmt) {
+    case MODEL_WEIGHTS_Q4_K: return cols % Q4_K_BLOCK ? BE_Q8_0 : BE_Q4_K;
+    case MODEL_WEIGHTS_Q8_0: return BE_Q8_0;
+    case MODEL_WEIGHTS_AUTO: break;
+    }
+    return BE_F32;
 }
 
 enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype dt)
@@ -417,7 +429,7 @@ static size_t charged(size_t n)
 
 /* What weights_upload charges, from the config alone: every matrix is of
  * torch_dtype (safetensors.c refuses others) or, for a layer's matrices
- * under q8_0, of Q8_0; every vector f32. */
+ * under q8_0 or q4_k, of their blocks; every vector f32. */
 static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt wf)
 {
     size_t dsz = be_dtype_size(c->dtype), dim = (size_t)c->hidden_size, ffn = (size_t)c->intermediate_size;
@@ -433,7 +445,6 @@ static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt
                      c->attention_bias ? kv_dim : 0, c->o_bias ? dim : 0, c->qk_norm ? (size_t)c->head_dim : 0,
                      c->qk_norm ? (size_t)c->head_dim : 0, c->sandwich_norms ? dim : 0, c->sandwich_norms ? dim : 0,
                      ln ? dim : 0, ln ? dim : 0, c->ungated_mlp ? ffn : 0, c->ungated_mlp ? dim : 0};
-    enum be_dtype mt = wf == MODEL_WEIGHTS_Q8_0 ? BE_Q8_0 : c->dtype;
     size_t layer = 0;
     if (c->arch == ARCH_MAMBA) { /* mamba_upload's copies, as stored (model_load refuses q8_0) */
         size_t inner = (size_t)c->intermediate_size, N = (size_t)c->ssm_state, R = (size_t)c->ssm_dt_rank;
@@ -446,8 +457,10 @@ static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt
             layer += charged(mv[i] * 4);
         return total + (size_t)c->n_layers * layer;
     }
-    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+        enum be_dtype mt = wf == MODEL_WEIGHTS_AUTO ? c->dtype : model_weights_mat_dtype(wf, (int)cols[i]);
         layer += charged(rows[i] * be_row_bytes(mt, cols[i]));
+    }
     for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]); i++)
         layer += charged(vecs[i] * 4);
     return total + (size_t)c->n_layers * layer;
@@ -532,8 +545,8 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     if (st == MODEL_OK && p && p->verify_weights)
         st = model_weights_verify(&m->cfg, &m->w, err);
     m->wfmt = p ? p->weights : MODEL_WEIGHTS_AUTO;
-    if (st == MODEL_OK && m->wfmt == MODEL_WEIGHTS_Q8_0)
-        st = model_weights_quantize(&m->cfg, &m->w, &m->qblocks, &m->q_layers, err);
+    if (st == MODEL_OK && m->wfmt != MODEL_WEIGHTS_AUTO)
+        st = model_weights_quantize(&m->cfg, &m->w, m->wfmt, &m->qblocks, &m->q_layers, err);
     if (st == MODEL_OK && !be_get_caps(be).unified_memory)
         st = weights_upload(m, err);
     int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256; /* model_device_bytes assumes it too */

@@ -190,14 +190,6 @@ enum model_status model_files_page_in(const model_files *mf, model_progress_fn p
 /* The bytes model_files_page_in reads: every mapped file, whole. */
 uint64_t model_files_bytes(const model_files *mf);
 
-struct q8_0_block;
-/* Quantizes every layer's matrices (those it has) to Q8_0 (util/q8.h) in host
- * memory: *blocks holds all of them and *layers a copy of w->layers that
- * points into them; w->layers becomes *layers, and the caller frees both
- * after w's last use.  Refuses, naming the tensor, a matrix whose columns
- * are not a multiple of 32 and a NaN or an infinity; w is unchanged then. */
-enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
-                                         struct q8_0_block **blocks, struct model_layer **layers, char *err);
 
 /* Why the sink strategy cannot run this model (its keys are rotated at
  * their index in the cache as attention reads them), or NULL when it can.
@@ -231,9 +223,27 @@ enum model_weights_fmt {
      * stream.  The embeddings, the norms, the biases and lm_head stay as
      * stored (docs/architecture.md says why). */
     MODEL_WEIGHTS_Q8_0,
+    /* the same matrices as GGUF's Q4_K super-blocks (util/q4k.h), 0.5625
+     * bytes per weight; a matrix whose rows are not whole super-blocks of
+     * 256 (but are of 32) takes Q8_0 instead, as llama.cpp's quantizer
+     * falls back to a block type that fits */
+    MODEL_WEIGHTS_Q4_K,
 };
-/* "auto" or "q8_0"; false (and *out unchanged) otherwise. */
+/* "auto", "q8_0" or "q4_k"; false (and *out unchanged) otherwise. */
 bool model_weights_parse(const char *s, enum model_weights_fmt *out);
+/* The block type fmt (Q8_0 or Q4_K) gives a matrix of rows of cols
+ * weights: Q4_K's fallback to Q8_0 for rows that are not whole
+ * super-blocks.  BE_F32 when fmt is not a quantized one. */
+enum be_dtype model_weights_mat_dtype(enum model_weights_fmt fmt, int cols);
+/* Quantizes every layer's matrices (those it has) to fmt's blocks
+ * (model_weights_mat_dtype) in host memory: *blocks holds all of them and
+ * *layers a copy of w->layers that points into them; w->layers becomes
+ * *layers, and the caller frees both after w's last use.  Refuses, naming
+ * the tensor, a matrix whose columns are not a multiple of 32 and a NaN
+ * or an infinity; w is unchanged then. */
+enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
+                                         enum model_weights_fmt fmt, void **blocks, struct model_layer **layers,
+                                         char *err);
 
 /* GGUF files (model/gguf*.c): a model path that names a file rather than a
  * directory is read as GGUF v3 by model_config_load, model_files_open and

@@ -31,6 +31,7 @@
 #include <xxhash.h>
 
 #include "util/half.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 #include "model/model.h"
 #include "model/gguf.h"
@@ -1074,8 +1075,15 @@ static const float *row_f32(const struct model_mat *m, int r, float *buf)
     return buf;
 }
 
+/* One row of cols weights into dt's blocks at out; false on a non-finite weight. */
+static bool quantize_row(enum be_dtype dt, const float *x, void *out, int cols)
+{
+    return dt == BE_Q4_K ? q4_k_quantize(x, out, (size_t)cols) : q8_0_quantize(x, out, (size_t)cols);
+}
+
 enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
-                                         struct q8_0_block **blocks, struct model_layer **layers, char *err)
+                                         enum model_weights_fmt fmt, void **blocks, struct model_layer **layers,
+                                         char *err)
 {
     enum { N_MATS = sizeof LAYER_MATS / sizeof LAYER_MATS[0] };
     size_t total = 0;
@@ -1092,31 +1100,36 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
                 return model_errf(err, MODEL_EUNSUPPORTED,
                                   "tensor model.layers.%d.%s: %d columns, not a multiple of %d (Q8_0 blocks)", l,
                                   LAYER_MATS[k].suffix, m->cols, Q8_0_BLOCK);
-            total += (size_t)m->rows * (size_t)m->cols / Q8_0_BLOCK;
+            total += (size_t)m->rows * be_row_bytes(model_weights_mat_dtype(fmt, m->cols), (size_t)m->cols);
             max_cols = m->cols > max_cols ? m->cols : max_cols;
         }
-    struct q8_0_block *q = malloc(total ? total * sizeof *q : 1); /* 0: a GGUF file's, all Q8_0 already */
+    /* every block type's rows are a multiple of its alignment (2 bytes);
+     * total is 0 for a GGUF file's weights, all quantized already */
+    char *q = malloc(total ? total : 1);
     struct model_layer *ls = malloc((size_t)cfg->n_layers * sizeof *ls);
     float *buf = malloc((size_t)max_cols * sizeof *buf);
     enum model_status st = MODEL_OK;
     if (!q || !ls || !buf)
-        st = model_errf(err, MODEL_ENOMEM, "out of host memory for %zu bytes of Q8_0 weights", total * sizeof *q);
-    struct q8_0_block *next = q;
+        st = model_errf(err, MODEL_ENOMEM, "out of host memory for %zu bytes of quantized weights", total);
+    char *next = q;
     for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
         ls[l] = w->layers[l];
         for (size_t k = 0; k < N_MATS && st == MODEL_OK; k++) {
             struct model_mat *m = (struct model_mat *)((char *)&ls[l] + LAYER_MATS[k].off);
             if (!m->data || m->dtype == BE_Q8_0)
                 continue;
-            size_t per_row = (size_t)m->cols / Q8_0_BLOCK;
+            enum be_dtype dt = model_weights_mat_dtype(fmt, m->cols);
+            size_t row = be_row_bytes(dt, (size_t)m->cols);
             for (int r = 0; r < m->rows && st == MODEL_OK; r++)
-                if (!q8_0_quantize(row_f32(m, r, buf), next + (size_t)r * per_row, (size_t)m->cols)) {
+                if (!quantize_row(dt, row_f32(m, r, buf), next + (size_t)r * row, m->cols)) {
                     snprintf(name, sizeof name, "model.layers.%d.%s", l, LAYER_MATS[k].suffix);
-                    st = model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite value (NaN or infinity) in row %d",
-                                    name, r);
+                    st = model_errf(err, MODEL_EFORMAT,
+                                    "tensor %s has a non-finite value (NaN or infinity) or one too large for "
+                                    "%s's f16 scales in row %d",
+                                    name, be_dtype_name(dt), r);
                 }
-            *m = (struct model_mat){.data = next, .dtype = BE_Q8_0, .rows = m->rows, .cols = m->cols};
-            next += (size_t)m->rows * per_row;
+            *m = (struct model_mat){.data = next, .dtype = dt, .rows = m->rows, .cols = m->cols};
+            next += (size_t)m->rows * row;
         }
     }
     free(buf);

@@ -62,7 +62,7 @@ export KVTIER_DISK_DIR=none
 no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler test_client layers.test.sh tokenizer.test.sh "
 no_backend="$no_backend daemon_slow.test.sh daemon_disk_faults.test.sh daemon_disk_uid.test.sh "
 no_backend="$no_backend reference.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
-no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh cli_tty.test.sh "
+no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh q4kref.test.sh cli_tty.test.sh "
 # the API's other faces (Ollama, TCP) and the penalties' oracle: what they
 # check is above the forward pass, which the daemon tests run strict
 no_backend="$no_backend daemon_ollama.test.sh daemon_tcp.test.sh daemon_penalties.test.sh "
@@ -72,7 +72,7 @@ no_backend="$no_backend test_hist plots.test.sh "
 no_backend="$no_backend daemon_remote.test.sh test_remote "
 no_backend="$no_backend test_jinja jinja.test.sh "
 no_backend="$no_backend test_gguf gguf.test.sh gguf_tokenizer.test.sh "
-oracles=" reference.test.sh q8ref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
+oracles=" reference.test.sh q8ref.test.sh q4kref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
 oracles="$oracles daemon_penalties.test.sh daemon_json.test.sh jinja.test.sh daemon_mamba.test.sh "
 oracles="$oracles gguf.test.sh gguf_tokenizer.test.sh "

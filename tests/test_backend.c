@@ -81,7 +81,7 @@ static void random_typed(void *dst, enum be_dtype dt, float *exact, size_t n, fl
         case BE_F32: ((float *)dst)[i] = exact[i] = f; break;
         case BE_F16: ((uint16_t *)dst)[i] = f16_bits(f); exact[i] = f16_value(f16_bits(f)); break;
         case BE_BF16: ((uint16_t *)dst)[i] = bf16_bits_trunc(f); exact[i] = bf16_value(bf16_bits_trunc(f)); break;
-        case BE_Q8_0: break; /* blocks, not elements: the Q8_0 tests fill their own */
+        case BE_Q8_0: case BE_Q4_K: break; /* blocks, not elements: their tests fill their own */
         }
     }
 }

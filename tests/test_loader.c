@@ -24,6 +24,7 @@
 
 #include "model/model.h"
 #include "text/tokenizer.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 /* ---- the temporary model directory ---------------------------------------- */
@@ -118,7 +119,7 @@ static float mat_at(const struct model_mat *m, size_t i)
         memcpy(&f, &u, 4);
         return f;
     }
-    case BE_Q8_0: break; /* the loader binds checkpoint dtypes only */
+    case BE_Q8_0: case BE_Q4_K: break; /* the loader binds checkpoint dtypes only */
     }
     return 0;
 }
@@ -1718,9 +1719,9 @@ static void test_q8_weights(void **state)
     struct loaded m;
     load_ok(&m);
     struct model_layer *orig = m.w.layers, *ls = NULL;
-    struct q8_0_block *blocks = NULL;
+    void *blocks = NULL;
     char err[MODEL_ERR_LEN] = "";
-    if (model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err) != MODEL_OK)
+    if (model_weights_quantize(&m.cfg, &m.w, MODEL_WEIGHTS_Q8_0, &blocks, &ls, err) != MODEL_OK)
         fail_msg("%s", err);
     assert_ptr_equal(m.w.layers, ls);
     assert_ptr_not_equal(ls, orig);
@@ -1767,7 +1768,7 @@ static void test_q8_weights(void **state)
     poke_nan("model.layers.1.mlp.up_proj.weight", 70); /* up_proj is (ffn 64, dim 32) */
     load_ok(&m);
     struct model_layer *before = m.w.layers;
-    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err), MODEL_EFORMAT);
+    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, MODEL_WEIGHTS_Q8_0, &blocks, &ls, err), MODEL_EFORMAT);
     assert_non_null(strstr(err, "model.layers.1.mlp.up_proj.weight"));
     assert_non_null(strstr(err, "row 2"));
     assert_ptr_equal(m.w.layers, before);
@@ -1777,7 +1778,7 @@ static void test_q8_weights(void **state)
     write_model(&s);
     load_ok(&m);
     before = m.w.layers;
-    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err), MODEL_EUNSUPPORTED);
+    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, MODEL_WEIGHTS_Q8_0, &blocks, &ls, err), MODEL_EUNSUPPORTED);
     assert_non_null(strstr(err, "model.layers.0.self_attn.q_proj.weight"));
     assert_non_null(strstr(err, "multiple of 32"));
     assert_ptr_equal(m.w.layers, before);
@@ -1791,6 +1792,61 @@ static void test_q8_weights(void **state)
     assert_true(model_weights_parse("q8_0", &f) && f == MODEL_WEIGHTS_Q8_0);
     assert_false(model_weights_parse("q4_0", &f));
     assert_int_equal(f, MODEL_WEIGHTS_Q8_0);
+    assert_true(model_weights_parse("q4_k", &f) && f == MODEL_WEIGHTS_Q4_K);
+}
+
+/* --weights q4_k: a matrix whose rows are whole super-blocks of 256
+ * (down_proj, ffn 256 columns) becomes Q4_K blocks of its values (the
+ * test's multiples of 1/8 in [-1, 1] within two 4-bit steps of 2/15: the
+ * fit may clip a sub-block's extremes, measured 0.13), the others (32
+ * columns) Q8_0;
+ * and the model gets a fingerprint of its own. */
+static void test_q4k_weights(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("LlamaForCausalLM");
+    s.dim = 32, s.ffn = 256, s.heads = 4, s.head_dim = 8;
+    write_model(&s);
+    struct loaded m;
+    load_ok(&m);
+    struct model_layer *ls = NULL;
+    void *blocks = NULL;
+    char err[MODEL_ERR_LEN] = "";
+    if (model_weights_quantize(&m.cfg, &m.w, MODEL_WEIGHTS_Q4_K, &blocks, &ls, err) != MODEL_OK)
+        fail_msg("%s", err);
+    float back[256];
+    for (int l = 0; l < s.layers; l++) {
+        assert_int_equal(ls[l].wq.dtype, BE_Q8_0);
+        assert_int_equal(ls[l].w_up.dtype, BE_Q8_0);
+        const struct model_mat *d = &ls[l].w_down;
+        assert_int_equal(d->dtype, BE_Q4_K);
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.mlp.down_proj.weight", l);
+        for (int r = 0; r < d->rows; r++) {
+            q4_k_dequantize((const struct q4_k_block *)d->data + r, back, 256);
+            for (int c = 0; c < d->cols; c++) {
+                float want = expected(name, (size_t)r * d->cols + c);
+                if (fabsf(back[c] - want) > 0.27f)
+                    fail_msg("%s [%d, %d]: %g, wanted %g", name, r, c, back[c], want);
+            }
+        }
+    }
+    free(blocks);
+    free(ls);
+    unload(&m);
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1};
+    assert_int_equal(be_open("cpu", &bp, &be), BE_OK);
+    model *q8, *q4;
+    struct model_params mp = {.max_batch_tokens = 4, .weights = MODEL_WEIGHTS_Q8_0};
+    assert_int_equal(model_load(g_dir, be, &mp, &q8, err), MODEL_OK);
+    mp.weights = MODEL_WEIGHTS_Q4_K;
+    assert_int_equal(model_load(g_dir, be, &mp, &q4, err), MODEL_OK);
+    assert_int_equal(model_get_weights(q4)->layers[1].w_down.dtype, BE_Q4_K);
+    assert_true(model_fingerprint(q8) != model_fingerprint(q4));
+    model_free(q8);
+    model_free(q4);
+    be_free(be);
 }
 
 static void test_strerror(void **state)
@@ -1832,6 +1888,7 @@ int main(void)
         T(test_fifo),
         T(test_non_finite_weights),
         T(test_q8_weights),
+        T(test_q4k_weights),
         T(test_strerror),
     };
 #undef T

@@ -37,7 +37,7 @@ static float elem_get(const void *p, enum be_dtype dt, size_t i)
     switch (dt) {
     case BE_F16: return f16_to_f32(((const uint16_t *)p)[i]);
     case BE_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
-    case BE_F32: case BE_Q8_0: break; /* Q8_0 is a weight format, never KV's */
+    case BE_F32: case BE_Q8_0: case BE_Q4_K: break; /* weight formats, never KV's */
     }
     return ((const float *)p)[i];
 }
@@ -47,7 +47,7 @@ static void elem_put(void *p, enum be_dtype dt, size_t i, float x)
     switch (dt) {
     case BE_F16: ((uint16_t *)p)[i] = f32_to_f16(x); return;
     case BE_BF16: ((uint16_t *)p)[i] = f32_to_bf16(x); return;
-    case BE_F32: case BE_Q8_0: break;
+    case BE_F32: case BE_Q8_0: case BE_Q4_K: break;
     }
     ((float *)p)[i] = x;
 }

@@ -10,7 +10,7 @@
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *                [--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]
- *                [--bw-passes 3] [--weights auto|q8_0] [--csv FILE]
+ *                [--bw-passes 3] [--weights auto|q8_0|q4_k] [--csv FILE]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -159,7 +159,7 @@ int main(int argc, char **argv)
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
                         "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] [--bw-passes N] "
-                        "[--weights auto|q8_0] [--csv FILE]\n");
+                        "[--weights auto|q8_0|q4_k] [--csv FILE]\n");
         return 2;
     }
     FILE *csv = NULL;

@@ -31,7 +31,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier-run -m DIR (-p TEXT | --ids 1,2,3) [-n N] [--greedy | --temp T] [--top-k K]\n"
                "       [--top-p P] [--min-p P] [--rep-pen R] [--seed S] [--stop STR]... [--ignore-eos]\n"
-               "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--weights auto|q8_0] [--threads N] [--dump FILE]\n"
+               "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--weights auto|q8_0|q4_k] [--threads N] [--dump FILE]\n"
                "       [--quiet]\n"
                "       [--num-beams B [--num-return R] [--length-penalty L] [--early-stopping true|false|never]\n"
                "        [--min-new N] [--no-repeat-ngram N] [--num-beam-groups G --diversity-penalty D]]\n");

@@ -821,13 +821,49 @@ def q8_act(x):
     return (d * torch.round(b * inv)).reshape(x.shape).to(x.dtype)
 
 
-def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto"):
+# --------------------------------------------------------------------------
+# Q4_K (GGUF's GGML type 12): super-blocks of 256 weights, 8 sub-blocks of
+# 32 with 6-bit scales sc and mins m, 4-bit codes q; w ~ f16(d) * sc * q -
+# f16(dmin) * m.  Only the decoding is here: the blocks come from kvtier's
+# own quantizer (a search with no byte-exact replay), whose error bound
+# tests/test_q4k.c checks.
+# --------------------------------------------------------------------------
+Q4_K_BLOCK = 256
+Q4_K_DTYPE = np.dtype([("d", "<u2"), ("dmin", "<u2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])  # 144 bytes
+
+
+def q4_k_dequantize(blocks, shape):
+    """float32 array of shape from Q4_K blocks, by the format's definition:
+    sub-blocks 0..3 take the low 6 bits of scales[j] (sc) and scales[j+4]
+    (m); 4..7 the nibbles of scales[j+4] with the top 2 bits of scales[j-4]
+    (sc) and scales[j] (m); sub-blocks 2i and 2i+1 are the low and high
+    nibbles of qs[32i:32i+32]; each value (d*sc) * q - (dmin*m) in float32."""
+    d = blocks["d"].view(np.float16).astype(np.float32)
+    dmin = blocks["dmin"].view(np.float16).astype(np.float32)
+    s = blocks["scales"].astype(np.int32)
+    out = np.empty((len(blocks), Q4_K_BLOCK), np.float32)
+    for j in range(8):
+        if j < 4:
+            sc, m = s[:, j] & 63, s[:, j + 4] & 63
+        else:
+            sc = (s[:, j + 4] & 15) | ((s[:, j - 4] >> 6) << 4)
+            m = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+        byte = blocks["qs"][:, 32 * (j // 2):32 * (j // 2) + 32]
+        q = (byte >> 4 if j % 2 else byte & 15).astype(np.float32)
+        step, off = d * sc.astype(np.float32), dmin * m.astype(np.float32)
+        out[:, 32 * j:32 * j + 32] = step[:, None] * q - off[:, None]
+    return out.reshape(shape)
+
+
+def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quantize=None):
     """CausalLM of directory d with its weights upcast (or cast) to dtype;
     kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
     that type keeps them; weights "q8_0": every layer matrix replaced by
     its Q8_0 blocks dequantized and its input rounded by q8_act (what
     kvtier --weights q8_0 multiplies; the Linear-named families only, not
-    GPT-2's Conv1D layers)."""
+    GPT-2's Conv1D layers); weights "q4_k": the same with Q4_K blocks from
+    q4_k_quantize (float32 matrix -> Q4_K_DTYPE array) for matrices whose
+    rows are whole super-blocks, Q8_0 for the others, as kvtier falls back."""
     m = build_model(load_config(d))
     for mod in m.modules():
         if isinstance(mod, (Attention, GPT2Attention)):
@@ -835,14 +871,17 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto"):
     sd = load_checkpoint(d)
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it
-    if weights == "q8_0":
+    if weights in ("q8_0", "q4_k"):
         for k in [k for k in sd if Q8_0_LAYER_MATS.match(k)]:
             w = sd[k].float().numpy()
-            sd[k] = torch.from_numpy(q8_0_dequantize(q8_0_quantize(w), w.shape))
+            if weights == "q4_k" and w.shape[-1] % Q4_K_BLOCK == 0:
+                sd[k] = torch.from_numpy(q4_k_dequantize(q4_k_quantize(w), w.shape))
+            else:
+                sd[k] = torch.from_numpy(q8_0_dequantize(q8_0_quantize(w), w.shape))
         for name, mod in m.named_modules():
             if Q8_0_LAYER_MATS.match(name + ".weight"):
                 mod.register_forward_pre_hook(lambda _mod, args: (q8_act(args[0]),))
     elif weights != "auto":
-        raise ValueError(f"weights {weights!r}: auto or q8_0")
+        raise ValueError(f"weights {weights!r}: auto, q8_0 or q4_k")
     m.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
     return m.to(dtype).eval()

@@ -96,7 +96,7 @@ const struct cpu_qkern cpu_qkern_scalar = {
 
 const struct cpu_qkern *cpu_qkern_for(const struct cpu_kern *k)
 {
-    return k == &cpu_kern_avx512 ? &cpu_qkern_avx512 : &cpu_qkern_scalar;
+    return k == &cpu_kern_avx512 || k == &cpu_kern_avx512vnni ? &cpu_qkern_avx512 : &cpu_qkern_scalar;
 }
 
 /* The (s, b) of n groups of head kvh in the c*s + b form, from group (row

@@ -18,17 +18,27 @@ static bool can_avx512(void)
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
+static bool can_avx512vnni(void)
+{
+    return can_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+
 const struct cpu_kern *cpu_kern_select(void)
 {
     __builtin_cpu_init();
     const char *want = getenv("KVTIER_SIMD");
     if (!want || !*want)
-        return can_avx512() ? &cpu_kern_avx512 : can_avx2() ? &cpu_kern_avx2 : &cpu_kern_scalar;
+        return can_avx512vnni() ? &cpu_kern_avx512vnni
+               : can_avx512()   ? &cpu_kern_avx512
+               : can_avx2()     ? &cpu_kern_avx2
+                                : &cpu_kern_scalar;
     if (strcmp(want, "scalar") == 0)
         return &cpu_kern_scalar;
     if (strcmp(want, "avx2") == 0)
         return can_avx2() ? &cpu_kern_avx2 : NULL;
     if (strcmp(want, "avx512") == 0)
         return can_avx512() ? &cpu_kern_avx512 : NULL;
+    if (strcmp(want, "avx512vnni") == 0)
+        return can_avx512vnni() ? &cpu_kern_avx512vnni : NULL;
     return NULL;
 }

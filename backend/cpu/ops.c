@@ -76,7 +76,7 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
         .mm = {.y = y, .x = x, .w = w, .wt = wt, .n = n, .in = in, .out = out},
         .bias = bias,
     };
-    if (wt == BE_Q8_0) { /* once here, not once per thread and row chunk */
+    if (cpu_wq(wt)) { /* once here, not once per thread and row chunk */
         size_t elems = (size_t)n * (size_t)in, bfl = elems / 32 * (sizeof(struct cpu_q8_act) / sizeof(float));
         _Static_assert(sizeof(struct cpu_q8_act) % sizeof(float) == 0, "blocks tile a float work area");
         float *work = cpu_ctx_rows(j.c, bfl + elems);
