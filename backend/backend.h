@@ -84,6 +84,10 @@ struct be_caps {
 /* Opens a backend by name: "cpu" is built in; "cuda" is loaded from the
  * plugin build/libkvtier-cuda.so when present (BE_ENODEV otherwise). */
 enum be_status be_open(const char *name, const struct be_params *p, be_backend **out);
+/* Why the calling thread's last be_open failed, in words: for "cuda",
+ * "no CUDA device (cudaGetDeviceCount: ...)" from the plugin, or why the
+ * plugin could not be loaded; "" after a success or with no reason known. */
+const char *be_open_error(void);
 void be_free(be_backend *be); /* accepts NULL */
 struct be_caps be_get_caps(const be_backend *be);
 

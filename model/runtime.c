@@ -21,7 +21,7 @@ static enum model_status size_budget(const char *dir, const char *name, const st
     enum be_status bs = be_open(name, &bp, &probe);
     if (bs != BE_OK) {
         model_config_release(&cfg);
-        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
+        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, *be_open_error() ? be_open_error() : be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
     struct model_device_bytes d = model_device_bytes(&cfg, be_get_caps(probe), &p->model);
@@ -51,7 +51,7 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
     }
     enum be_status bs = be_open(name, &bp, &rt->be);
     if (bs != BE_OK) {
-        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
+        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, *be_open_error() ? be_open_error() : be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
     enum model_status st = model_load(dir, rt->be, p ? &p->model : NULL, &rt->m, err);
