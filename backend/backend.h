@@ -79,6 +79,9 @@ struct be_caps {
     int n_threads;        /* compute threads (CPU) */
     const char *simd;     /* "avx512", "avx2", "scalar" (CPU) */
     enum be_dtype act_dtype; /* what activations are stored as */
+    /* Device memory of its own (a GPU's): the default budget is what the
+     * device has free, so the runtime sizes none from the model. */
+    bool dedicated_memory;
 };
 
 /* Opens a backend by name: "cpu" is built in; "cuda" is loaded from the

@@ -374,6 +374,7 @@ static struct be_caps cu_caps(void *ctx)
     caps.n_threads = 1;
     caps.simd = "cuda";
     caps.act_dtype = c->act;
+    caps.dedicated_memory = true;
     return caps;
 }
 
