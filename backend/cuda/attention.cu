@@ -214,6 +214,25 @@ static enum be_status attend_chunk(struct cu_ctx *c, void *out, const void *q, c
     return BE_OK;
 }
 
+/* The chunk of tokens that starts at t0: it ends before the token whose
+ * splits would take the partial states past PART_BYTES_MAX (one token at
+ * least); *n_items = its splits. */
+static int chunk_end(const struct be_attn_params *p, const struct be_kv_view *views, const struct be_tok *toks,
+                     int n_tok, int t0, int split, int *n_items)
+{
+    int nq = p->n_heads / p->n_kv_heads, t = t0;
+    size_t per_item = (size_t)p->n_kv_heads * nq * (p->head_dim + 2) * sizeof(float);
+    *n_items = 0;
+    for (; t < n_tok; t++) {
+        int64_t k0, n = token_keys(p, &views[toks[t].view], toks[t].pos, &k0);
+        int items = n > split ? (int)((n + split - 1) / split) : 1;
+        if (*n_items && (size_t)(*n_items + items) * per_item > PART_BYTES_MAX)
+            break;
+        *n_items += items;
+    }
+    return t;
+}
+
 enum be_status cu_attention(void *ctx, void *out, const void *q, const struct be_kv_view *views,
                             const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
@@ -228,23 +247,24 @@ enum be_status cu_attention(void *ctx, void *out, const void *q, const struct be
     if (smem > 48 * 1024)
         CU_TRY(c, cudaFuncSetAttribute(k_attn_part, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                "attention");
+    int split = (size_t)n_tok * p->n_kv_heads >= 256 ? SPLIT_PREFILL : SPLIT_DECODE;
+    int n_views = cu_views_named(toks, n_tok);
+
+    /* the metadata of the whole op first: it may only grow before any of
+     * it is reserved */
+    size_t meta = cu_meta_size(cu_views_bytes(views, n_views, n_tok));
+    for (int t0 = 0, t1, n_items; t0 < n_tok; t0 = t1) {
+        t1 = chunk_end(p, views, toks, n_tok, t0, split, &n_items);
+        meta += cu_meta_size((size_t)n_items * sizeof(struct item) + (size_t)(t1 - t0 + 1) * sizeof(int));
+    }
+    BE_TRY_CU(cu_meta_ensure(c, meta));
+
     const struct cu_view *dv;
     const struct be_tok *dt;
-    BE_TRY_CU(cu_upload_views(c, views, cu_views_named(toks, n_tok), toks, n_tok, &dv, &dt));
-
-    int split = (size_t)n_tok * p->n_kv_heads >= 256 ? SPLIT_PREFILL : SPLIT_DECODE;
-    size_t per_item = (size_t)p->n_kv_heads * nq * (D + 2) * sizeof(float);
-    int t0 = 0, n_items = 0;
-    for (int t = 0; t < n_tok; t++) {
-        int64_t k0, n = token_keys(p, &views[toks[t].view], toks[t].pos, &k0);
-        int items = n > split ? (int)((n + split - 1) / split) : 1;
-        if (n_items && (size_t)(n_items + items) * per_item > PART_BYTES_MAX) {
-            BE_TRY_CU(attend_chunk(c, out, q, views, toks, dv, dt, t0, t, n_items, split, p, smem));
-            t0 = t;
-            n_items = 0;
-        }
-        n_items += items;
+    BE_TRY_CU(cu_upload_views(c, views, n_views, toks, n_tok, &dv, &dt));
+    for (int t0 = 0, t1, n_items; t0 < n_tok; t0 = t1) {
+        t1 = chunk_end(p, views, toks, n_tok, t0, split, &n_items);
+        BE_TRY_CU(attend_chunk(c, out, q, views, toks, dv, dt, t0, t1, n_items, split, p, smem));
     }
-    BE_TRY_CU(attend_chunk(c, out, q, views, toks, dv, dt, t0, n_tok, n_items, split, p, smem));
     return cu_leave(c, "attention");
 }

@@ -132,13 +132,22 @@ static enum be_status meta_alloc(struct cu_ctx *c, size_t half)
     return BE_OK;
 }
 
+enum be_status cu_meta_ensure(struct cu_ctx *c, size_t bytes)
+{
+    if (bytes <= c->meta_half)
+        return BE_OK;
+    /* a batch larger than any before: both halves anew, once the device
+     * has copied out of the old ones */
+    CU_TRY(c, cudaStreamSynchronize(c->compute), "metadata");
+    meta_release(c);
+    return meta_alloc(c, bytes * 2);
+}
+
 enum be_status cu_meta_reserve(struct cu_ctx *c, size_t bytes, char **host, char **dev)
 {
-    bytes = (bytes + 15) & ~(size_t)15;
-    if (bytes > c->meta_half) { /* a batch larger than any before: both halves anew */
-        CU_TRY(c, cudaStreamSynchronize(c->compute), "metadata");
-        meta_release(c);
-        BE_TRY_CU(meta_alloc(c, bytes * 2));
+    bytes = cu_meta_size(bytes);
+    if (bytes > c->meta_half) {
+        BE_TRY_CU(cu_meta_ensure(c, bytes));
     } else if (c->meta_used + bytes > c->meta_half) {
         CU_TRY(c, cudaEventRecord(c->meta_left[c->meta_side], c->compute), "metadata");
         c->meta_side ^= 1;
@@ -157,15 +166,20 @@ enum be_status cu_meta_upload(struct cu_ctx *c, const char *host, const char *de
     return cu_check(c, cudaMemcpyAsync((void *)dev, host, bytes, cudaMemcpyHostToDevice, c->compute), "metadata");
 }
 
-enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views, int n_views,
-                               const struct be_tok *toks, int n_tok, const struct cu_view **dviews,
-                               const struct be_tok **dtoks)
+size_t cu_views_bytes(const struct be_kv_view *views, int n_views, int n_tok)
 {
     size_t n_ptrs = 0;
     for (int i = 0; i < n_views; i++)
         n_ptrs += (size_t)views[i].n_blocks;
+    return (size_t)n_views * sizeof(struct cu_view) + (size_t)n_tok * sizeof(struct be_tok) + n_ptrs * sizeof(void *);
+}
+
+enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views, int n_views,
+                               const struct be_tok *toks, int n_tok, const struct cu_view **dviews,
+                               const struct be_tok **dtoks)
+{
     size_t vb = (size_t)n_views * sizeof(struct cu_view), tb = (size_t)n_tok * sizeof(struct be_tok);
-    size_t bytes = vb + tb + n_ptrs * sizeof(void *);
+    size_t bytes = cu_views_bytes(views, n_views, n_tok);
     char *h, *d;
     BE_TRY_CU(cu_meta_reserve(c, bytes, &h, &d));
     /* [views][toks][block tables] */
@@ -174,7 +188,8 @@ enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views,
     size_t ptr_off = vb + tb;
     for (int i = 0; i < n_views; i++) {
         const struct be_kv_view *v = &views[i];
-        memcpy(h + ptr_off, v->blocks, (size_t)v->n_blocks * sizeof(void *));
+        if (v->n_blocks)
+            memcpy(h + ptr_off, v->blocks, (size_t)v->n_blocks * sizeof(void *));
         hv[i] = (struct cu_view){
             .blocks = (const char *const *)(d + ptr_off),
             .sink_block = (const char *)v->sink_block,

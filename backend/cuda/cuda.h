@@ -95,6 +95,14 @@ enum be_status cu_scratch(struct cu_ctx *c, size_t bytes, void **out);
  * once cu_meta_upload has queued the copy on the compute stream. */
 enum be_status cu_meta_reserve(struct cu_ctx *c, size_t bytes, char **host, char **dev);
 enum be_status cu_meta_upload(struct cu_ctx *c, const char *host, const char *dev, size_t bytes);
+/* An op that reserves more than once first makes sure its total fits a
+ * half: growing replaces the buffers, which must not happen under
+ * reservations the op has yet to launch its kernels on. */
+enum be_status cu_meta_ensure(struct cu_ctx *c, size_t bytes);
+static inline size_t cu_meta_size(size_t bytes)
+{
+    return (bytes + 15) & ~(size_t)15;
+}
 
 /* ---- element types -------------------------------------------------------- */
 
@@ -179,6 +187,8 @@ static inline int cu_views_named(const struct be_tok *toks, int n_tok)
     return n;
 }
 
+/* The metadata bytes cu_upload_views reserves. */
+size_t cu_views_bytes(const struct be_kv_view *views, int n_views, int n_tok);
 /* Uploads views [0, n_views) and their block tables, and toks: *dviews and
  * *dtoks are device addresses valid for this op's kernels. */
 enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views, int n_views,
