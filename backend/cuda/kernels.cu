@@ -438,7 +438,8 @@ enum be_status cu_argmax(void *ctx, const void *x, int rows, int cols, int32_t *
     BE_TRY_CU(cu_scratch(c, (size_t)rows * sizeof(int32_t), &d));
     k_argmax<<<rows, THREADS, 0, c->compute>>>(x, c->act, cols, (int32_t *)d);
     BE_TRY_CU(cu_leave(c, "argmax"));
-    CU_TRY(c, cudaMemcpyAsync(out, d, (size_t)rows * sizeof(int32_t), cudaMemcpyDeviceToHost, c->compute), "argmax");
+    CU_TRY(c, cudaMemcpyAsync(out, d, (size_t)rows * sizeof(int32_t), cudaMemcpyDeviceToHost, c->compute),
+           "argmax");
     return cu_check(c, cudaStreamSynchronize(c->compute), "argmax");
 }
 
