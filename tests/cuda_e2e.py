@@ -18,7 +18,7 @@ from daemon_harness import KVTIERD, Daemon, check, skip  # noqa: E402
 
 if not os.access(KVTIERD, os.X_OK):
     skip(KVTIERD + " not built")
-probe = Daemon("--backend", "cuda")
+probe = Daemon("--backend", "cuda", model="model/builtin")
 probe.start(wait=False, extra_env={"KVTIER_CUDA_ACT": "f32"})
 t = time.time() + 20
 while probe.proc.poll() is None and time.time() < t:
@@ -39,7 +39,7 @@ def models(tmp):
     out = [("builtin", "model/builtin")]
     for arch in ("llama", "qwen3"):
         path = os.path.join(tmp, arch)
-        r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", arch, "--preset", "tiny", "--vocab",
+        r = subprocess.run([sys.executable, "tools/mkmodel.py", "--arch", arch, "--preset", "tiny", "--vocab",
                             "2048", "--tokenizer-from", "model/builtin", "--out", path], capture_output=True, text=True)
         check(r.returncode == 0, "mkmodel %s: %s" % (arch, r.stderr[-300:]))
         out.append((arch, path))
@@ -73,7 +73,7 @@ def run_all(d, logprobs=False):
     return out
 
 
-probe_tmp = Daemon().tmp
+probe_tmp = Daemon(model="model/builtin").tmp
 MODELS = models(probe_tmp)
 for label, path in MODELS:
     cpu = Daemon(model=path, tmp=probe_tmp).start()
