@@ -66,6 +66,23 @@ const char *be_dtype_name(enum be_dtype dt)
 
 #define CUDA_PLUGIN_NAME "libkvtier-cuda.so"
 
+static _Thread_local char open_error[512];
+
+const char *be_open_error(void)
+{
+    return open_error;
+}
+
+/* dlopen, and when a file exists but does not load (its CUDA libraries
+ * missing), the loader's words as the reason. */
+static void *plugin_try(const char *path)
+{
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h && access(path, F_OK) == 0)
+        snprintf(open_error, sizeof(open_error), "the CUDA plugin does not load (%s)", dlerror());
+    return h;
+}
+
 /* Candidates in order: $KVTIER_CUDA_PLUGIN (a file, or a directory holding
  * the plugin), then next to the running executable and one level up (tests
  * run from build/tests/, the plugin sits in build/). */
@@ -76,10 +93,10 @@ static void *open_cuda_plugin(void)
     void *h;
 
     if (env && *env) {
-        if ((h = dlopen(env, RTLD_NOW | RTLD_LOCAL)))
+        if ((h = plugin_try(env)))
             return h;
         snprintf(path, sizeof(path), "%s/%s", env, CUDA_PLUGIN_NAME);
-        if ((h = dlopen(path, RTLD_NOW | RTLD_LOCAL)))
+        if ((h = plugin_try(path)))
             return h;
     }
     ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
@@ -92,7 +109,7 @@ static void *open_cuda_plugin(void)
             return NULL;
         *slash = '\0';
         snprintf(path, sizeof(path), "%s/%s", exe, CUDA_PLUGIN_NAME);
-        if ((h = dlopen(path, RTLD_NOW | RTLD_LOCAL)))
+        if ((h = plugin_try(path)))
             return h;
     }
     return NULL;
@@ -112,6 +129,7 @@ enum be_status be_open(const char *name, const struct be_params *p, be_backend *
     be_init_fn init;
     void *plugin = NULL;
 
+    open_error[0] = '\0';
     if (!name || !out)
         return BE_EINVAL;
     *out = NULL;
@@ -124,15 +142,26 @@ enum be_status be_open(const char *name, const struct be_params *p, be_backend *
     const char *strict = getenv("KVTIER_BACKEND_STRICT");
     if (strcmp(name, "cpu") == 0 && strict && strcmp(strict, "1") == 0)
         name = "cpu-strict";
+    /* ... and on a GPU machine once more with every "cpu" backend the
+     * one named here (tools/gpu-check.sh: KVTIER_TEST_BACKEND=cuda). */
+    const char *swap = getenv("KVTIER_TEST_BACKEND");
+    if (strcmp(name, "cpu") == 0 && swap && *swap)
+        name = swap;
     if (strcmp(name, "cpu") == 0) {
         init = be_cpu_init;
     } else if (strcmp(name, "cpu-strict") == 0) {
         init = be_strict_init;
     } else if (strcmp(name, "cuda") == 0) {
-        if (!(plugin = open_cuda_plugin()))
+        if (!(plugin = open_cuda_plugin())) {
+            if (!open_error[0])
+                snprintf(open_error, sizeof(open_error), "no CUDA plugin (%s not built: make CUDA=1)",
+                         CUDA_PLUGIN_NAME);
             return BE_ENODEV;
+        }
+        open_error[0] = '\0'; /* a candidate before it may have failed */
         *(void **)&init = dlsym(plugin, BE_PLUGIN_INIT_SYMBOL);
         if (!init) {
+            snprintf(open_error, sizeof(open_error), "the CUDA plugin has no %s", BE_PLUGIN_INIT_SYMBOL);
             dlclose(plugin);
             return BE_ENODEV;
         }
@@ -153,12 +182,18 @@ enum be_status be_open(const char *name, const struct be_params *p, be_backend *
          * its own free, which exists in every version of the table. */
         if (be->ops && be->ops->free)
             be->ops->free(be->ctx);
+        snprintf(open_error, sizeof(open_error), "the %s backend is from another build of kvtier", name);
         st = BE_ENODEV;
     }
     if (st != BE_OK) {
         free(be);
-        if (plugin)
+        if (plugin) {
+            const char *(*why)(void);
+            *(void **)&why = dlsym(plugin, BE_PLUGIN_ERROR_SYMBOL);
+            if (!open_error[0]) /* copied before the plugin goes */
+                snprintf(open_error, sizeof(open_error), "%s", why && why() && why()[0] ? why() : be_strerror(st));
             dlclose(plugin);
+        }
         return st;
     }
     pthread_mutex_init(&be->lock, NULL);

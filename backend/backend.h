@@ -81,11 +81,18 @@ struct be_caps {
     int n_threads;        /* compute threads (CPU) */
     const char *simd;     /* "avx512", "avx2", "scalar" (CPU) */
     enum be_dtype act_dtype; /* what activations are stored as */
+    /* Device memory of its own (a GPU's): the default budget is what the
+     * device has free, so the runtime sizes none from the model. */
+    bool dedicated_memory;
 };
 
 /* Opens a backend by name: "cpu" is built in; "cuda" is loaded from the
  * plugin build/libkvtier-cuda.so when present (BE_ENODEV otherwise). */
 enum be_status be_open(const char *name, const struct be_params *p, be_backend **out);
+/* Why the calling thread's last be_open failed, in words: for "cuda",
+ * "no CUDA device (cudaGetDeviceCount: ...)" from the plugin, or why the
+ * plugin could not be loaded; "" after a success or with no reason known. */
+const char *be_open_error(void);
 void be_free(be_backend *be); /* accepts NULL */
 struct be_caps be_get_caps(const be_backend *be);
 

@@ -20,6 +20,9 @@
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
+/* And, optionally, const char *kvtier_backend_error(void): why its init
+ * last failed, which be_open_error() then repeats. */
+#define BE_PLUGIN_ERROR_SYMBOL "kvtier_backend_error"
 
 struct be_ops {
     int api_version; // initialize to BE_API_VERSION

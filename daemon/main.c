@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "backend/backend.h"
 #include "daemon/engine.h"
 #include "util/log.h"
 #include "daemon/server.h"
@@ -358,6 +359,18 @@ int main(int argc, char **argv)
     if (rc) {
         fprintf(stderr, "kvtierd: cannot open the log %s: %s\n", log_path, strerror(-rc));
         return EXIT_FAILURE;
+    }
+    /* A backend that cannot open (no GPU, no driver, no plugin) is known
+     * before the socket is taken: one clear line and the model's exit code,
+     * not a daemon that listens and then fails its load. */
+    if (strcmp(ec.backend, "cpu") != 0) {
+        be_backend *probe;
+        enum be_status bs = be_open(ec.backend, &(struct be_params){.device_mem = BE_ALIGN}, &probe);
+        if (bs != BE_OK) {
+            log_msg(LOG_ERR, "--backend %s: %s", ec.backend, *be_open_error() ? be_open_error() : be_strerror(bs));
+            return EXIT_MODEL;
+        }
+        be_free(probe);
     }
 
     /* Signals reach the loop through a pipe written by the handler: libraries

@@ -531,8 +531,9 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     }
     m->be = be;
     enum model_status st = model_config_load(dir, &m->cfg, err);
-    if (st == MODEL_OK && m->cfg.arch == ARCH_MAMBA && p && p->weights == MODEL_WEIGHTS_Q8_0) {
-        snprintf(err, MODEL_ERR_LEN, "weights q8_0: Mamba's matrices are not quantized yet");
+    if (st == MODEL_OK && m->cfg.arch == ARCH_MAMBA && p && p->weights != MODEL_WEIGHTS_AUTO) {
+        snprintf(err, MODEL_ERR_LEN, "weights %s: Mamba's matrices are not quantized yet",
+                 p->weights == MODEL_WEIGHTS_Q8_0 ? "q8_0" : "q4_k");
         st = MODEL_EUNSUPPORTED;
     }
     if (st == MODEL_OK) {

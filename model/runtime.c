@@ -22,11 +22,16 @@ static enum model_status size_budget(const char *dir, const char *name, const st
     enum be_status bs = be_open(name, &bp, &probe);
     if (bs != BE_OK) {
         model_config_release(&cfg);
-        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
+        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, *be_open_error() ? be_open_error() : be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
-    struct model_device_bytes d = model_device_bytes(&cfg, be_get_caps(probe), &p->model);
+    struct be_caps caps = be_get_caps(probe);
+    struct model_device_bytes d = model_device_bytes(&cfg, caps, &p->model);
     be_free(probe);
+    if (caps.dedicated_memory) { /* the backend's own default: its free memory */
+        model_config_release(&cfg);
+        return MODEL_OK;
+    }
     b->seqs = p->size_seqs;
     b->ctx = model_context(&cfg, p->size_ctx);
     model_config_release(&cfg);
@@ -59,7 +64,7 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
     }
     enum be_status bs = be_open(name, &bp, &rt->be);
     if (bs != BE_OK) {
-        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
+        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, *be_open_error() ? be_open_error() : be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
     enum model_status st = model_load(dir, rt->be, p ? &p->model : NULL, &rt->m, err);

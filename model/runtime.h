@@ -23,7 +23,7 @@ struct runtime_params {
 /* A device budget sized from the model: the sum of the parts and an eighth
  * on top (the KV pool grows in chunks of blocks, offloaded sequences stream
  * through slots), at least RUNTIME_MIN_DEVICE_MEM.  All zero when the
- * budget was given or left to the backend. */
+ * budget was given or left to the backend (one with dedicated memory). */
 struct runtime_budget {
     size_t weights;     /* uploaded weights; 0 where the backend reads the mmap */
     size_t activations; /* the forward pass's buffers */

@@ -13,6 +13,7 @@ if [ "$1" = --one ]; then
   dir=$2; idx=$3; backend=$4; kind=$5; name=$6
   tag=""
   if [ "$backend" = cpu-strict ]; then export KVTIER_BACKEND_STRICT=1; tag=" [cpu-strict]"; fi
+  if [ "$backend" = cuda ]; then export KVTIER_TEST_BACKEND=cuda; tag=" [cuda]"; fi
   t0=$(date +%s)
   {
     printf '== %s\n' "$name$tag"
@@ -69,7 +70,7 @@ no_backend="$no_backend daemon_ollama.test.sh daemon_tcp.test.sh daemon_penaltie
 no_backend="$no_backend install.test.sh sockpath.test.sh "
 no_backend="$no_backend test_grammar test_toolcall daemon_json.test.sh "
 no_backend="$no_backend test_hist plots.test.sh "
-no_backend="$no_backend daemon_remote.test.sh test_remote "
+no_backend="$no_backend daemon_remote.test.sh test_remote test_cuda cuda_nodev.test.sh cuda_e2e.test.sh "
 no_backend="$no_backend test_jinja jinja.test.sh "
 no_backend="$no_backend test_gguf gguf.test.sh gguf_tokenizer.test.sh "
 oracles=" reference.test.sh q8ref.test.sh q4kref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
@@ -81,6 +82,9 @@ oracles="$oracles gguf.test.sh gguf_tokenizer.test.sh "
 first=" reference.test.sh test_tiers test_disk daemon_disk_faults.test.sh daemon_slow.test.sh "
 first="$first daemon_disk.test.sh daemon_stall.test.sh daemon_loop.test.sh q8ref.test.sh beams.test.sh "
 passes="cpu cpu-strict"
+# KVTIER_TEST_PASSES=cuda (tools/gpu-check.sh): one pass, every "cpu"
+# backend the CUDA plugin, the tests that open no backend left out
+[ -n "${KVTIER_TEST_PASSES:-}" ] && passes=$KVTIER_TEST_PASSES
 asan=0
 case $build in *asan*) passes=cpu; asan=1 ;; esac
 
@@ -93,13 +97,13 @@ for backend in $passes; do
     [ -x "$t" ] || continue
     case $t in *.d|*.o) continue ;; esac
     name=$(basename "$t")
-    [ $backend = cpu-strict ] && case $no_backend in *" $name "*) continue ;; esac
+    [ $backend != cpu ] && case $no_backend in *" $name "*) continue ;; esac
     echo "$backend bin $name"
   done
   for s in tests/*.test.sh; do
     [ -f "$s" ] || continue
     name=$(basename "$s")
-    [ $backend = cpu-strict ] && case $no_backend in *" $name "*) continue ;; esac
+    [ $backend != cpu ] && case $no_backend in *" $name "*) continue ;; esac
     [ $asan = 1 ] && case $oracles in *" $name "*) continue ;; esac
     echo "$backend sh $name"
   done

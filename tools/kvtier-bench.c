@@ -10,7 +10,7 @@
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *                [--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]
- *                [--bw-passes 3] [--weights auto|q8_0|q4_k] [--csv FILE]
+ *                [--bw-passes 3] [--weights auto|q8_0|q4_k] [--csv FILE] [--backend cpu|cuda]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -133,7 +133,8 @@ int main(int argc, char **argv)
         {"repeat", required_argument, 0, 'r'}, {"block-tokens", required_argument, 0, 'b'},
         {"fill", required_argument, 0, 'f'},   {"kv-dtype", required_argument, 0, 'k'},
         {"bw-passes", required_argument, 0, 'P'}, {"weights", required_argument, 0, 'w'},
-        {"csv", required_argument, 0, 'C'},   {0, 0, 0, 0},
+        {"csv", required_argument, 0, 'C'},   {"backend", required_argument, 0, 'B'},
+        {0, 0, 0, 0},
     };
     const char *csv_path = NULL;
     int o;
@@ -151,6 +152,7 @@ int main(int argc, char **argv)
         case 'P': ok = args_int(optarg, 1, 100, &bw_passes); break;
         case 'w': ok = model_weights_parse(optarg, &rp.model.weights); break;
         case 'C': csv_path = optarg; break;
+        case 'B': rp.backend = optarg; break;
         default: return 2;
         }
         if (!ok)
@@ -159,7 +161,7 @@ int main(int argc, char **argv)
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
                         "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] [--bw-passes N] "
-                        "[--weights auto|q8_0|q4_k] [--csv FILE]\n");
+                        "[--weights auto|q8_0|q4_k] [--csv FILE] [--backend cpu|cuda]\n");
         return 2;
     }
     FILE *csv = NULL;
