@@ -16,7 +16,7 @@
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
-#define BE_API_VERSION 7
+#define BE_API_VERSION 8
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"

@@ -456,6 +456,9 @@ static const struct be_ops cu_ops = {
     .kvq_quantize = NULL,
     .kvq_dequantize = NULL,
     .kv_absmax = NULL,
+    /* no state-space ops yet: a Mamba model reports BE_ENOTSUP here */
+    .ssm_conv = NULL,
+    .ssm_scan = NULL,
     .kv_copy = NULL,
 };
 
