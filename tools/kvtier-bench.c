@@ -108,12 +108,14 @@ static void weight_totals(const struct model_config *c, const struct model_weigh
     *elems = 0;
     for (int l = -1; l < c->n_layers; l++) {
         const struct model_layer *L = l >= 0 ? &w->layers[l] : NULL;
-        const struct model_mat *ms[7] = {&w->lm_head};
-        if (L) {
-            const struct model_mat *lm[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        const struct model_mat *ms[14] = {&w->lm_head};
+        if (L) { /* a family's matrices; the others' have no rows */
+            const struct model_mat *lm[14] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down,
+                                              &L->ssm_in_x, &L->ssm_in_z, &L->ssm_x_dt, &L->ssm_x_B, &L->ssm_x_C,
+                                              &L->ssm_dt, &L->ssm_out};
             memcpy(ms, lm, sizeof(ms));
         }
-        for (int i = 0; i < 7 && ms[i]; i++) {
+        for (int i = 0; i < 14 && ms[i]; i++) {
             *elems += (double)ms[i]->rows * ms[i]->cols;
             *bytes += (size_t)ms[i]->rows * be_row_bytes(ms[i]->dtype, (size_t)ms[i]->cols);
         }
