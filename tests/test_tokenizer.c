@@ -631,10 +631,15 @@ static void check_oracle_tokenizer(void **state)
     enum text_status st = tokenizer_load(json_string_value(json_object_get(tj, "dir")), &t, err);
     if (st != TEXT_OK)
         fail_msg("%s: %s (%s)", name, text_strerror(st), err);
-    size_t i, failures = 0, round_trips = 0;
+    size_t i, failures = 0, round_trips = 0, skipped = 0;
     json_t *c;
     json_array_foreach(json_object_get(tj, "cases"), i, c) {
         const char *text = json_string_value(json_array_get(corpus, i));
+        /* a case the reference is known to get differently (its script says why) */
+        if (json_is_true(json_object_get(c, "skip"))) {
+            skipped++;
+            continue;
+        }
         json_t *want = json_object_get(c, "ids");
         struct tok_ids ids = encode(t, text, true);
         bool same = ids.n == json_array_size(want);
@@ -642,8 +647,12 @@ static void check_oracle_tokenizer(void **state)
             same = ids.ids[k] == json_integer_value(json_array_get(want, k));
         char *skip = decode(t, ids.ids, ids.n, true), *all = decode(t, ids.ids, ids.n, false);
         char *streamed = decode_streamed(t, ids.ids, ids.n, true);
+        /* A reference that gives ids only (SentencePiece's decoder renders
+         * unk differently) leaves the decodes out. */
         const char *want_skip = json_string_value(json_object_get(c, "decoded_skip"));
         const char *want_all = json_string_value(json_object_get(c, "decoded_all"));
+        want_skip = want_skip ? want_skip : skip;
+        want_all = want_all ? want_all : all;
         if (!same || strcmp(skip, want_skip) || strcmp(all, want_all) || strcmp(streamed, skip)) {
             failures++;
             print_message("%s case %zu \"%s\":%s%s%s%s\n", name, i, text, same ? "" : " ids differ",
@@ -657,7 +666,8 @@ static void check_oracle_tokenizer(void **state)
         free(streamed);
         free(ids.ids);
     }
-    print_message("%s: %zu cases, %zu identical, %zu exact round trips\n", name, i, i - failures, round_trips);
+    print_message("%s: %zu cases, %zu identical, %zu left out, %zu exact round trips\n", name, i,
+                  i - failures - skipped, skipped, round_trips);
     tokenizer_free(t);
     assert_int_equal(failures, 0);
 }
