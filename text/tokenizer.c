@@ -574,6 +574,26 @@ static enum text_status unsupported(struct loader *L, const char *where, const c
     return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.type \"%s\" is not supported", L->file, where, type);
 }
 
+static enum text_status compile_regex(struct loader *L, const char *pattern, size_t len, uint32_t extra_flags,
+                                       const char *where, pcre2_code **out)
+{
+    int code;
+    PCRE2_SIZE at;
+    /* PCRE2 refuses UCP beside LITERAL, where it would change nothing. */
+    uint32_t flags = PCRE2_UTF | extra_flags | (extra_flags & PCRE2_LITERAL ? 0 : PCRE2_UCP);
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, flags, &code, &at, NULL);
+    if (!re) {
+        PCRE2_UCHAR msg[128];
+        pcre2_get_error_message(code, msg, sizeof msg);
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: regex does not compile at offset %zu: %s", L->file,
+                     where, (size_t)at, (const char *)msg);
+    }
+    /* The interpreter is the fallback where JIT is unavailable. */
+    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);
+    *out = re;
+    return TEXT_OK;
+}
+
 /* Precompiled: a base64 SentencePiece charsmap, [u32 LE trie bytes][the
  * Darts units][NUL-terminated replacements]. */
 static enum text_status load_charsmap(struct loader *L, json_t *o, const char *where)
@@ -639,16 +659,21 @@ static enum text_status one_normalizer(struct loader *L, json_t *o, const char *
     }
     if (strcmp(type, "Replace") == 0) {
         bool is_regex;
+        pcre2_code *re = NULL;
         TRY(get_pattern(L, o, where, &s, &len, &is_regex));
-        if (is_regex)
-            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: Regex replacement is not supported", L->file,
-                         where);
         if (len == 0)
-            return LFAIL(L, TEXT_EFORMAT, "%s: %s.pattern.String is empty", L->file, where);
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s.pattern.%s is empty", L->file, where, is_regex ? "Regex" : "String");
         TRY(intern(L, s, len, &from));
         TRY(get_string(L, o, "content", where, true, &s, &len));
         TRY(intern(L, s, len, &to));
-        return push_norm(L, TOK_NORM_REPLACE, from, to);
+        if (is_regex)
+            TRY(compile_regex(L, span_str(L->t, from), from.len, 0, where, &re));
+        enum text_status st = push_norm(L, TOK_NORM_REPLACE, from, to);
+        if (st != TEXT_OK)
+            pcre2_code_free(re);
+        else
+            L->t->norm[L->t->n_norm - 1].re = re;
+        return st;
     }
     if (strcmp(type, "Strip") == 0) {
         bool left, right;
@@ -668,19 +693,8 @@ static enum text_status push_split(struct loader *L, const char *pattern, size_t
                                     enum tok_split_behavior behavior, bool invert, const char *where)
 {
     tokenizer *t = L->t;
-    int code;
-    PCRE2_SIZE at;
-    /* PCRE2 refuses UCP beside LITERAL, where it would change nothing. */
-    uint32_t flags = PCRE2_UTF | extra_flags | (extra_flags & PCRE2_LITERAL ? 0 : PCRE2_UCP);
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, flags, &code, &at, NULL);
-    if (!re) {
-        PCRE2_UCHAR msg[128];
-        pcre2_get_error_message(code, msg, sizeof msg);
-        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: regex does not compile at offset %zu: %s", L->file,
-                     where, (size_t)at, (const char *)msg);
-    }
-    /* The interpreter is the fallback where JIT is unavailable. */
-    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);
+    pcre2_code *re;
+    TRY(compile_regex(L, pattern, len, extra_flags, where, &re));
     struct tok_split *s = realloc(t->splits, ((size_t)t->n_splits + 1) * sizeof *s);
     if (!s) {
         pcre2_code_free(re);
@@ -1276,6 +1290,8 @@ void tokenizer_free(tokenizer *t)
         return;
     for (int i = 0; i < t->n_splits; i++)
         pcre2_code_free(t->splits[i].re);
+    for (int i = 0; i < t->n_norm; i++)
+        pcre2_code_free(t->norm[i].re);
     free(t->splits);
     free(t->str.p);
     free(t->piece);

@@ -444,6 +444,38 @@ static enum text_status precompiled(const tokenizer *t, const char *s, size_t n,
     return tok_buf_append(dst, s + run, n - run) ? TEXT_OK : TEXT_ENOMEM;
 }
 
+/* Replace with a Regex: every match (an empty one replaces nothing) becomes
+ * the content. */
+static enum text_status replace_regex(struct work *w, const struct tok_norm *nm, const char *s, size_t n,
+                                      struct tok_buf *dst)
+{
+    size_t pos = 0, run = 0;
+    dst->n = 0;
+    while (pos < n) {
+        int rc = run_match(w, nm->re, s, n, pos);
+        if (rc == PCRE2_ERROR_NOMATCH)
+            break;
+        if (rc < 0) {
+            PCRE2_UCHAR msg[128];
+            pcre2_get_error_message(rc, msg, sizeof msg);
+            return text_errf(w->err, rc == PCRE2_ERROR_NOMEMORY ? TEXT_ENOMEM : TEXT_EINVAL,
+                             "normalizer Replace failed on a %zu-byte piece: %s", n, (const char *)msg);
+        }
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(w->md);
+        if (ov[1] == ov[0]) {
+            uint32_t cp;
+            size_t len = tok_utf8_next((const unsigned char *)s + ov[0], n - ov[0], &cp);
+            pos = ov[0] + (len ? len : 1);
+            continue;
+        }
+        if (!tok_buf_append(dst, s + run, ov[0] - run) ||
+            !tok_buf_append(dst, w->t->str.p + nm->to.off, nm->to.len))
+            return TEXT_ENOMEM;
+        run = pos = ov[1];
+    }
+    return tok_buf_append(dst, s + run, n - run) ? TEXT_OK : TEXT_ENOMEM;
+}
+
 static void strip(const struct tok_norm *nm, const char **s, size_t *n)
 {
     uint32_t cp;
@@ -500,6 +532,8 @@ static enum text_status encode_section(struct work *w, const char *s, size_t n, 
             changed = false;
         } else if (nm->op == TOK_NORM_PREPEND)
             st = n ? rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0) : TEXT_OK;
+        else if (nm->re)
+            st = replace_regex(w, nm, s, n, dst);
         else
             st = rewrite(dst, NULL, 0, s, n, str + nm->from.off, nm->from.len, str + nm->to.off, nm->to.len);
         if (changed && (nm->op != TOK_NORM_PREPEND || n)) {
@@ -610,7 +644,10 @@ enum text_status tokenizer_encode(const tokenizer *t, const char *text, size_t l
     size_t old_n = out->n;
     struct work w = {.t = t, .out = out, .err = err};
     enum text_status st = TEXT_OK;
-    if (t->n_splits && !(w.md = pcre2_match_data_create(1, NULL)))
+    bool regex = t->n_splits > 0;
+    for (int k = 0; k < t->n_norm; k++)
+        regex |= t->norm[k].re != NULL;
+    if (regex && !(w.md = pcre2_match_data_create(1, NULL)))
         st = TEXT_ENOMEM;
     for (int k = 0; add_special && st == TEXT_OK && k < t->n_prefix; k++)
         st = tok_ids_push(w.out, t->prefix_ids[k]);

@@ -45,6 +45,7 @@ enum tok_norm_op { TOK_NORM_NFC, TOK_NORM_PREPEND, TOK_NORM_REPLACE, TOK_NORM_PR
 struct tok_norm {
     enum tok_norm_op op;
     struct tok_span from, to; /* Replace: from -> to; Prepend: to */
+    pcre2_code *re;           /* Replace with a Regex pattern (from is its text) */
     bool left, right;         /* Strip: which ends lose their whitespace */
 };
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""spm2hf.py MODEL OUTDIR - writes OUTDIR/tokenizer.json and
-OUTDIR/tokenizer_config.json for a SentencePiece Unigram model file, in the
-layout of T5's tokenizer.json: a Unigram model over the pieces and their
+"""spm2hf.py [--strip-replace] MODEL OUTDIR - writes OUTDIR/tokenizer.json
+and OUTDIR/tokenizer_config.json for a SentencePiece Unigram model file, in
+the layout of T5's tokenizer.json: a Unigram model over the pieces and their
 scores, the model's precompiled_charsmap as a Precompiled normalizer,
 WhitespaceSplit then Metaspace pre-tokenizers, a Metaspace decoder (or, with
 byte fallback, Replace + ByteFallback + Fuse + Strip) and a TemplateProcessing
-post-processor appending "</s>".
+post-processor appending "</s>".  --strip-replace writes the later layout of
+Hugging Face's converter instead: Precompiled, Strip (right) and a Regex
+Replace of space runs by "▁" as normalizers, then Metaspace alone
+(prepend_scheme, split).
 
 Only the standard library: the model file is a protobuf (ModelProto), read
 here with a small wire-format reader, so no protobuf package is needed."""
@@ -78,7 +81,7 @@ def read_model(path):
     return pieces, charsmap, dummy_prefix
 
 
-def convert(model_path, outdir):
+def convert(model_path, outdir, strip_replace=False):
     pieces, charsmap, dummy_prefix = read_model(model_path)
     unk_id = next(i for i, p in enumerate(pieces) if p["type"] == UNKNOWN)
     byte_fallback = any(p["type"] == BYTE for p in pieces)
@@ -101,16 +104,25 @@ def convert(model_path, outdir):
         ]}
     else:
         decoder = {"type": "Metaspace", **metaspace}
+    precompiled = [{"type": "Precompiled", "precompiled_charsmap": base64.b64encode(charsmap).decode()}] \
+        if charsmap else []
+    if strip_replace:
+        normalizer = {"type": "Sequence", "normalizers": precompiled + [
+            {"type": "Strip", "strip_left": False, "strip_right": True},
+            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": "\u2581"}]}
+        pre_tokenizer = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": scheme, "split": True}
+    else:
+        normalizer = precompiled[0] if precompiled else None
+        pre_tokenizer = {"type": "Sequence", "pretokenizers": [
+            {"type": "WhitespaceSplit"}, {"type": "Metaspace", **metaspace}]}
     eos = {"SpecialToken": {"id": "</s>", "type_id": 0}}
     tok = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": {"type": "Precompiled", "precompiled_charsmap": base64.b64encode(charsmap).decode()}
-        if charsmap else None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "WhitespaceSplit"}, {"type": "Metaspace", **metaspace}]},
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": {
             "type": "TemplateProcessing",
             "single": [{"Sequence": {"id": "A", "type_id": 0}}, eos],
@@ -133,6 +145,9 @@ def convert(model_path, outdir):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    strip_replace = args[:1] == ["--strip-replace"]
+    args = args[1:] if strip_replace else args
+    if len(args) != 2:
         raise SystemExit(__doc__)
-    convert(sys.argv[1], sys.argv[2])
+    convert(args[0], args[1], strip_replace)

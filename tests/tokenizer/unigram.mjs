@@ -6,6 +6,7 @@
 //                      T5-style file: ids and decodes;
 //   t5-sentencepiece   SentencePiece on the same model: ids only (its decoder
 //                      renders unk as " ⁇ ", Hugging Face's as "<unk>");
+//   t5-strip-replace   the same, on the converter's later layout of the file;
 //   t5-bytes           SentencePiece with byte fallback, which the port lacks:
 //                      ids, and its decode with "</s>" kept for the
 //                      specials-kept one.
@@ -68,5 +69,8 @@ for (const m of [t5, bytes]) {
 }
 tokenizers.push({ name: "t5-transformersjs", dir: t5.dir, cases: jsCases });
 tokenizers.push({ name: "t5-sentencepiece", dir: t5.dir, cases: fromSpm(t5, false) });
+// the same model in the converter's later layout (Strip + Regex Replace,
+// Metaspace alone), which the port reads differently: SentencePiece only
+tokenizers.push({ name: "t5-strip-replace", dir: t5.dir + "-strip-replace", cases: fromSpm(t5, false) });
 tokenizers.push({ name: "t5-bytes", dir: bytes.dir, cases: fromSpm(bytes, true) });
 fs.writeFileSync(path.join(outdir, "expected.json"), JSON.stringify({ corpus, tokenizers }));

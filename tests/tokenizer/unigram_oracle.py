@@ -3,7 +3,8 @@
 (Debian's python3-sentencepiece) on the repository's docs and a few
 sentences in other scripts: "t5" (T5's settings: <pad> </s> <unk>, no byte
 fallback) and "t5-bytes" (byte_fallback).  Each is converted to a T5-style
-tokenizer.json by tools/spm2hf.py into OUTDIR/NAME, and SentencePiece's own
+tokenizer.json by tools/spm2hf.py into OUTDIR/NAME ("t5" also into
+OUTDIR/t5-strip-replace, the converter's later layout), and SentencePiece's own
 encoding of every corpus case (plus </s>, which the post-processor appends)
 goes to OUTDIR/spm.json for tests/tokenizer/unigram.mjs.  SentencePiece is
 the reference for the charsmap normalisation and for byte fallback, which
@@ -73,6 +74,8 @@ def main():
             pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=byte_fallback, num_threads=1,
             hard_vocab_limit=False, minloglevel=2)
         spm2hf.convert(prefix + ".model", os.path.join(out, name))
+        if not byte_fallback:
+            spm2hf.convert(prefix + ".model", os.path.join(out, name + "-strip-replace"), strip_replace=True)
         sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
         ids = [sp.encode(t) + [sp.eos_id()] for t in corpus]
         models.append({"name": name, "dir": os.path.join(out, name), "ids": ids,
