@@ -1,7 +1,8 @@
 /* tokenizer_encode.c - text to ids, in Hugging Face's order: added tokens
  * are cut out of the raw text first; each section between them is
- * normalised, pre-tokenized (Metaspace / byte-level prefix, then the
- * Split pre-tokenizers in order) and each piece goes through BPE. */
+ * normalised, pre-tokenized (the byte-level prefix, then the Split
+ * pre-tokenizers in order with Metaspace where it stands among them) and
+ * each piece goes through the model: BPE or Unigram. */
 #include "text/tokenizer_internal.h"
 
 struct bpe_sym {
