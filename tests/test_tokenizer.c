@@ -146,7 +146,7 @@ static struct tok_ids encode(const tokenizer *t, const char *text, bool add_spec
 static void expect_ids(const tokenizer *t, const char *text, bool add_special, const int32_t *want, size_t n)
 {
     struct tok_ids ids = encode(t, text, add_special);
-    if (ids.n != n || memcmp(ids.ids, want, n * sizeof *want) != 0) {
+    if (ids.n != n || (n && memcmp(ids.ids, want, n * sizeof *want) != 0)) {
         char got[512];
         size_t k = 0;
         for (size_t i = 0; i < ids.n && k < sizeof got - 16; i++)
@@ -499,7 +499,7 @@ static void test_unigram_viterbi(void **state)
     EXPECT_IDS(t, "dde", true, UNK, DE);
     /* "x" has its byte piece, but byte_fallback is off. */
     EXPECT_IDS(t, "x", true, UNK);
-    EXPECT_IDS(t, "", true);
+    expect_ids(t, "", true, NULL, 0);
     tokenizer_free(t);
 
     /* byte_fallback: an unknown run becomes its bytes when every one has a
@@ -545,7 +545,7 @@ static void test_unigram_precompiled(void **state)
     EXPECT_IDS(t, "abc", true, X);
     EXPECT_IDS(t, "aab", true, A, X);
     EXPECT_IDS(t, "\ufb01", true, F, I);
-    EXPECT_IDS(t, "ccc", true);
+    expect_ids(t, "ccc", true, NULL, 0); /* all removed */
     EXPECT_IDS(t, "a\u00e9", true, A, UNK);
     tokenizer_free(t);
 
