@@ -208,7 +208,9 @@ static enum text_status unigram_word(struct work *w, const char *s, size_t n)
     for (size_t i = 0; i < n;) {
         uint32_t cp;
         /* Every character boundary is reached: the one before it was. */
-        size_t clen = tok_utf8_next((const unsigned char *)s + i, n - i, &cp), len = clen;
+        size_t clen = tok_utf8_next((const unsigned char *)s + i, n - i, &cp);
+        clen = clen ? clen : 1; /* the normalisers keep UTF-8 valid; never loop */
+        size_t len = clen;
         size_t lim = n - i < t->max_piece ? n - i : t->max_piece;
         bool single = false;
         while (len <= lim) {
@@ -254,8 +256,6 @@ static enum text_status unigram_word(struct work *w, const char *s, size_t n)
 static enum text_status model_word(struct work *w, const char *s, size_t n)
 {
     const tokenizer *t = w->t;
-    if (t->unigram)
-        return unigram_word(w, s, n);
     if (t->byte_level) {
         w->mapped.n = 0;
         if (!tok_buf_reserve(&w->mapped, 2 * n))
@@ -265,6 +265,8 @@ static enum text_status model_word(struct work *w, const char *s, size_t n)
         s = w->mapped.p;
         n = w->mapped.n;
     }
+    if (t->unigram)
+        return unigram_word(w, s, n);
     if (t->ignore_merges) {
         int32_t id = tok_vocab_find(t, s, n);
         if (id >= 0)
