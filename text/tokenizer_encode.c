@@ -519,7 +519,8 @@ static enum text_status encode_section(struct work *w, const char *s, size_t n, 
     enum text_status st = TEXT_OK;
     if (n == 0)
         return TEXT_OK;
-    for (int k = 0; k < t->n_norm && st == TEXT_OK; k++) {
+    /* Every normaliser leaves an empty text empty (and may have no buffer for it). */
+    for (int k = 0; k < t->n_norm && st == TEXT_OK && n; k++) {
         const struct tok_norm *nm = &t->norm[k];
         struct tok_buf *dst = target(w, s);
         bool changed = true;
@@ -534,12 +535,12 @@ static enum text_status encode_section(struct work *w, const char *s, size_t n, 
             strip(nm, &s, &n);
             changed = false;
         } else if (nm->op == TOK_NORM_PREPEND)
-            st = n ? rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0) : TEXT_OK;
+            st = rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0);
         else if (nm->re)
             st = replace_regex(w, nm, s, n, dst);
         else
             st = rewrite(dst, NULL, 0, s, n, str + nm->from.off, nm->from.len, str + nm->to.off, nm->to.len);
-        if (changed && (nm->op != TOK_NORM_PREPEND || n)) {
+        if (changed) {
             s = dst->p;
             n = dst->n;
         }
