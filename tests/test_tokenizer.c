@@ -568,6 +568,24 @@ static void test_unigram_precompiled(void **state)
     expect_round_trip(t, " abc\t\tab ", "X X");
     tokenizer_free(t);
 
+    /* The converter's later layout: Strip and a Regex Replace of space
+     * runs after the charsmap, Metaspace alone.  A text the charsmap
+     * empties stays empty through the rest. */
+    json_t *later = json_deep_copy(j);
+    json_object_set_new(later, "normalizer",
+                        json_pack("{s:s, s:[{s:s, s:s}, {s:s, s:b, s:b}, {s:s, s:{s:s}, s:s}]}", "type", "Sequence",
+                                  "normalizers", "type", "Precompiled", "precompiled_charsmap", RULE_CHARSMAP, "type",
+                                  "Strip", "strip_left", 0, "strip_right", 1, "type", "Replace", "pattern", "Regex",
+                                  " {2,}", "content", "\u2581"));
+    json_object_set_new(later, "pre_tokenizer",
+                        json_pack("{s:s, s:s, s:s, s:b}", "type", "Metaspace", "replacement", "\u2581",
+                                  "prepend_scheme", "always", "split", 1));
+    t = load_json(later, NULL);
+    EXPECT_IDS(t, "abc   Ab  ", false, META_X, META, A, B);
+    expect_ids(t, "c", false, NULL, 0);
+    expect_ids(t, "cc  ", false, NULL, 0);
+    tokenizer_free(t);
+
     /* "first": only the text's first word gets the replacement. */
     json_object_set_new(json_array_get(json_object_get(json_object_get(j, "pre_tokenizer"), "pretokenizers"), 1),
                         "prepend_scheme", json_string("first"));
