@@ -561,7 +561,8 @@ static void test_unigram_precompiled(void **state)
                                   "</s>", "ids", EOS));
     json_object_set_new(j, "added_tokens", json_pack("[{s:i, s:s, s:b}]", "id", EOS, "content", "</s>", "special", 1));
     json_object_set_new(j, "decoder",
-                        json_pack("{s:s, s:s, s:b}", "type", "Metaspace", "replacement", "\u2581", "add_prefix_space", 1));
+                        json_pack("{s:s, s:s, s:b}", "type", "Metaspace", "replacement", "\u2581",
+                                  "add_prefix_space", 1));
     t = load_json(json_deep_copy(j), NULL);
     EXPECT_IDS(t, "  abc \t Ab  ", true, META_X, META, A, B, EOS);
     EXPECT_IDS(t, "abc</s>", false, META_X, EOS);
@@ -593,6 +594,11 @@ static void test_unigram_precompiled(void **state)
     EXPECT_IDS(t, "abc abc", false, META_X, X);
     tokenizer_free(t);
 }
+
+/* a Unigram tokenizer.json with this vocab, or with a Precompiled normaliser
+ * whose members follow "type" */
+#define UNIGRAM_VOCAB(v) "{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": " v "}}"
+#define PRECOMPILED(m) UNIGRAM_VOCAB("[[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\"" m)
 
 static void test_malformed(void **state)
 {
@@ -653,25 +659,29 @@ static void test_malformed(void **state)
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": }}", NULL, TEXT_EFORMAT, "decoder:"},
         {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\" \"a b\"]}}", NULL,
          TEXT_EFORMAT, "tokenizer.json:1:"},
-        {"{\"model\": {\"type\": \"Unigram\", \"vocab\": [[\"a\", 0]]}}", NULL, TEXT_EFORMAT, "model.unk_id is missing"},
+        {"{\"model\": {\"type\": \"Unigram\", \"vocab\": [[\"a\", 0]]}}", NULL, TEXT_EFORMAT,
+         "model.unk_id is missing"},
         {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 1, \"vocab\": [[\"a\", 0]]}}", NULL, TEXT_EFORMAT,
          "model.unk_id is missing or not an id in [0, 0]"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": {\"a\": 0}}}", NULL, TEXT_EFORMAT, "model.vocab is missing or not an array"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\"]]}}", NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0], [\"b\", 1e400]]}}", NULL, TEXT_EFORMAT, "model.vocab[1] is not [piece, finite score]"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", \"0\"]]}}", NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0, 1]]}}", NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", -1e7]]}}", NULL, TEXT_EFORMAT, "model.vocab[0]: score -1e+07 is outside"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"\", 0]]}}", NULL, TEXT_EFORMAT, "model.vocab[0]: the piece is empty"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0], [\"a\", -1]]}}", NULL, TEXT_EFORMAT, "model.vocab: \"a\" appears twice"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": []}}", NULL, TEXT_EFORMAT, "model.vocab is empty"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\"}}", NULL, TEXT_EFORMAT, "normalizer.precompiled_charsmap is missing"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\", \"precompiled_charsmap\": \"!!!!\"}}", NULL, TEXT_EFORMAT, "precompiled_charsmap is not base64"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\", \"precompiled_charsmap\": \"AAAA\"}}", NULL, TEXT_EFORMAT, "the trie size 0 does not fit"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\", \"precompiled_charsmap\": \"CAAAAAAAAAA=\"}}", NULL, TEXT_EFORMAT, "the trie size 8 does not fit"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\", \"precompiled_charsmap\": \"BgAAAAAAAAAAAAAA\"}}", NULL, TEXT_EFORMAT, "the trie size 6"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\", \"precompiled_charsmap\": \"BAAAAAAAAABhYg==\"}}", NULL, TEXT_EFORMAT, "do not end with NUL"},
-        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\", \"precompiled_charsmap\": \"BAAAAAAAAAD/AA==\"}}", NULL, TEXT_EFORMAT, "replacement byte 0 is not UTF-8"},
+        {UNIGRAM_VOCAB("{\"a\": 0}"), NULL, TEXT_EFORMAT, "model.vocab is missing or not an array"},
+        {UNIGRAM_VOCAB("[[\"a\"]]"), NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
+        {UNIGRAM_VOCAB("[[\"a\", 0], [\"b\", 1e400]]"), NULL,
+         TEXT_EFORMAT, "model.vocab[1] is not [piece, finite score]"},
+        {UNIGRAM_VOCAB("[[\"a\", \"0\"]]"), NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
+        {UNIGRAM_VOCAB("[[\"a\", 0, 1]]"), NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
+        {UNIGRAM_VOCAB("[[\"a\", -1e7]]"), NULL, TEXT_EFORMAT, "model.vocab[0]: score -1e+07 is outside"},
+        {UNIGRAM_VOCAB("[[\"\", 0]]"), NULL, TEXT_EFORMAT, "model.vocab[0]: the piece is empty"},
+        {UNIGRAM_VOCAB("[[\"a\", 0], [\"a\", -1]]"), NULL, TEXT_EFORMAT, "model.vocab: \"a\" appears twice"},
+        {UNIGRAM_VOCAB("[]"), NULL, TEXT_EFORMAT, "model.vocab is empty"},
+        {PRECOMPILED(""), NULL, TEXT_EFORMAT, "normalizer.precompiled_charsmap is missing"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"!!!!\""), NULL, TEXT_EFORMAT, "precompiled_charsmap is not base64"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"AAAA\""), NULL, TEXT_EFORMAT, "the trie size 0 does not fit"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"CAAAAAAAAAA=\""), NULL,
+         TEXT_EFORMAT, "the trie size 8 does not fit"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"BgAAAAAAAAAAAAAA\""), NULL, TEXT_EFORMAT, "the trie size 6"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"BAAAAAAAAABhYg==\""), NULL, TEXT_EFORMAT, "do not end with NUL"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"BAAAAAAAAAD/AA==\""), NULL,
+         TEXT_EFORMAT, "replacement byte 0 is not UTF-8"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", TEXT_EFORMAT, "bos_token \"<s>\""},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"add_bos_token\": ", TEXT_EFORMAT, "tokenizer_config.json:1:"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"chat_template\": [{\"name\": \"default\"}]}", TEXT_EFORMAT,

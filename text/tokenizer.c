@@ -594,6 +594,11 @@ static enum text_status compile_regex(struct loader *L, const char *pattern, siz
     return TEXT_OK;
 }
 
+static uint32_t le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
 /* Precompiled: a base64 SentencePiece charsmap, [u32 LE trie bytes][the
  * Darts units][NUL-terminated replacements]. */
 static enum text_status load_charsmap(struct loader *L, json_t *o, const char *where)
@@ -611,7 +616,7 @@ static enum text_status load_charsmap(struct loader *L, json_t *o, const char *w
         return nomem ? oom(L) : LFAIL(L, TEXT_EFORMAT, "%s: %s.precompiled_charsmap is not base64", L->file, where);
     }
     const unsigned char *b = (const unsigned char *)blob.p;
-    uint32_t trie = blob.n >= 4 ? (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24 : 0;
+    uint32_t trie = blob.n >= 4 ? le32(b) : 0;
     enum text_status st = TEXT_OK;
     if (blob.n < 8 || trie < 4 || trie % 4 || trie > blob.n - 4)
         st = LFAIL(L, TEXT_EFORMAT,
@@ -636,8 +641,7 @@ static enum text_status load_charsmap(struct loader *L, json_t *o, const char *w
     if (st == TEXT_OK && !(t->charsmap.units = malloc(trie)))
         st = oom(L);
     for (uint32_t i = 0; st == TEXT_OK && i < trie / 4; i++) {
-        const unsigned char *u = b + 4 + 4 * (size_t)i;
-        t->charsmap.units[i] = (uint32_t)u[0] | (uint32_t)u[1] << 8 | (uint32_t)u[2] << 16 | (uint32_t)u[3] << 24;
+        t->charsmap.units[i] = le32(b + 4 + 4 * (size_t)i);
     }
     if (st == TEXT_OK)
         t->charsmap.n_units = trie / 4;
