@@ -60,7 +60,7 @@ export KVTIER_DISK_DIR=none
 # reader), and the C they run (the forward pass of every architecture, the
 # kernels, the loader, the tokenizer) runs under the sanitizers in the
 # unit tests, the daemon tests and the fuzzers.
-no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler test_client layers.test.sh tokenizer.test.sh "
+no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler test_client layers.test.sh tokenizer.test.sh unigram.test.sh "
 no_backend="$no_backend daemon_slow.test.sh daemon_disk_faults.test.sh daemon_disk_uid.test.sh "
 no_backend="$no_backend reference.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh q4kref.test.sh cli_tty.test.sh "
@@ -74,7 +74,7 @@ no_backend="$no_backend daemon_remote.test.sh test_remote test_cuda cuda_nodev.t
 no_backend="$no_backend test_jinja jinja.test.sh "
 no_backend="$no_backend test_gguf gguf.test.sh gguf_tokenizer.test.sh "
 oracles=" reference.test.sh q8ref.test.sh q4kref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
-oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
+oracles="$oracles tokenizer.test.sh unigram.test.sh st2gguf.test.sh "
 oracles="$oracles daemon_penalties.test.sh daemon_json.test.sh jinja.test.sh daemon_mamba.test.sh "
 oracles="$oracles gguf.test.sh gguf_tokenizer.test.sh "
 # The longest tests start first, so the last minutes are not one long test

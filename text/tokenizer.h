@@ -1,10 +1,12 @@
-/* tokenizer.h - Hugging Face tokenizer.json BPE tokenizers.
+/* tokenizer.h - Hugging Face tokenizer.json BPE and Unigram tokenizers.
  *
- * Two families: byte-level BPE (GPT-2 / Llama-3 / Qwen: ByteLevel
- * pre-tokenizer with the model's Split regex, run through PCRE2) and
+ * Three families: byte-level BPE (GPT-2 / Llama-3 / Qwen: ByteLevel
+ * pre-tokenizer with the model's Split regex, run through PCRE2),
  * SentencePiece-style BPE (Llama-2 / Mistral / TinyLlama: "▁" normalisation,
- * byte_fallback).  Added and special tokens are matched before the model
- * runs.  Decoding streams: it never emits half a UTF-8 character.
+ * byte_fallback) and SentencePiece Unigram (T5: Viterbi over scored pieces,
+ * the Precompiled charsmap normaliser, WhitespaceSplit + Metaspace).
+ * Added and special tokens are matched before the model runs.  Decoding
+ * streams: it never emits half a UTF-8 character.
  */
 #ifndef KVTIER_TOKENIZER_H
 #define KVTIER_TOKENIZER_H
