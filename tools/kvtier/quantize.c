@@ -12,7 +12,7 @@ const char cli_quantize_usage[] =
     "  Writes the safetensors model of MODEL_DIR as one GGUF file kvtierd --model loads.\n"
     "  q8_0 (the default): the layer matrices as Q8_0 blocks, what --weights q8_0 computes;\n"
     "  the embeddings and lm_head keep their dtype.  bf16, f16, f32: every matrix converted.\n"
-    "  Llama, Mistral (no sliding window), Qwen2 and Qwen3 with byte-level BPE tokenizers.\n";
+    "  Llama, Mistral (no sliding window), Qwen2 and Qwen3 with BPE tokenizers.\n";
 
 int cmd_quantize(int argc, char **argv)
 {
