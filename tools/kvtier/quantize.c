@@ -3,6 +3,7 @@
  * The one command that works on files rather than through kvtierd. */
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "model/model.h"
 #include "tools/kvtier/cli.h"
@@ -35,5 +36,8 @@ int cmd_quantize(int argc, char **argv)
         fprintf(stderr, "kvtier quantize: %s: %s\n", model_strerror(st), err);
         return EXIT_DAEMON;
     }
+    struct stat sb;
+    if (stat(argv[i + 1], &sb) == 0)
+        fprintf(stderr, "kvtier quantize: wrote %s (%.1f MiB)\n", argv[i + 1], (double)sb.st_size / 1048576.0);
     return 0;
 }
