@@ -17,7 +17,6 @@
 #include <xxhash.h>
 
 #include "model/gguf.h"
-#include "util/half.h"
 
 struct gguf_arch {
     const char *name;  /* general.architecture */

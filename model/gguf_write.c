@@ -371,7 +371,7 @@ static uint64_t mat_bytes(uint32_t type, const struct model_mat *m)
 static enum model_status plan(const struct model_config *c, const struct model_weights *w, enum model_gguf_type t,
                               bool permute, struct wt *out, int *n, char *err)
 {
-    uint32_t mat_type = t == MODEL_GGUF_Q8_0 ? ggml_type(MODEL_GGUF_F32) : ggml_type(t);
+    uint32_t mat_type = ggml_type(t); /* the layer matrices' */
     /* embeddings and lm_head: as stored under q8_0, else the chosen float type */
     uint32_t embed_type = t == MODEL_GGUF_Q8_0 ? (c->dtype == BE_F16 ? 1 : c->dtype == BE_BF16 ? 30 : 0) : mat_type;
     int k = 0;
@@ -405,7 +405,7 @@ static enum model_status plan(const struct model_config *c, const struct model_w
                 continue;
             struct wt *x = &out[k++];
             *x = (struct wt){.m = parts[i].m, .vec = parts[i].vec, .len = parts[i].len, .heads = parts[i].heads,
-                             .type = parts[i].m ? (t == MODEL_GGUF_Q8_0 ? 8 : mat_type) : 0};
+                             .type = parts[i].m ? mat_type : 0};
             snprintf(x->name, sizeof x->name, "blk.%d.%s", l, parts[i].name);
             if (x->type == 8 && x->m->cols % Q8_0_BLOCK)
                 return model_errf(err, MODEL_EUNSUPPORTED, "%s: %d columns, not a multiple of %d (Q8_0 blocks)",
