@@ -31,14 +31,28 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "GGUF files are read i
 #define MAX_KEY 65535
 #define MAX_NAME 255
 
+static void q8_0_to_f32(const void *blocks, float *out, size_t n)
+{
+    q8_0_dequantize(blocks, out, n);
+}
+
 /* The tensor types the loader binds; others are refused by number and
- * tensor name.  One line adds a type the kernels take. */
+ * tensor name.  One line adds a type the kernels take (a block format
+ * with its dequantizer). */
 static const struct gguf_type GGUF_TYPES[] = {
-    {0, 1, 4, {"F32", 4, BE_F32}},
-    {1, 1, 2, {"F16", 2, BE_F16}},
-    {8, Q8_0_BLOCK, sizeof(struct q8_0_block), {"Q8_0", 0, BE_Q8_0}},
-    {30, 1, 2, {"BF16", 2, BE_BF16}},
+    {0, 1, 4, {"F32", 4, BE_F32}, NULL},
+    {1, 1, 2, {"F16", 2, BE_F16}, NULL},
+    {8, Q8_0_BLOCK, sizeof(struct q8_0_block), {"Q8_0", 0, BE_Q8_0}, q8_0_to_f32},
+    {30, 1, 2, {"BF16", 2, BE_BF16}, NULL},
 };
+
+const struct gguf_type *gguf_block_type(int be)
+{
+    for (size_t i = 0; i < sizeof GGUF_TYPES / sizeof GGUF_TYPES[0]; i++)
+        if (GGUF_TYPES[i].dt.be == be && GGUF_TYPES[i].to_f32)
+            return &GGUF_TYPES[i];
+    return NULL;
+}
 
 /* Bytes of one scalar metadata value; 0 for strings and arrays. */
 static uint64_t scalar_size(uint32_t t)

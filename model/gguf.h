@@ -51,7 +51,12 @@ struct gguf_type {
     uint32_t id;        /* ggml_type */
     int block, block_bytes;
     struct st_dtype dt; /* its name, element size (0: a block format) and be_dtype */
+    /* a block format's n elements (whole blocks) as f32: how a quantized
+     * token_embd is read (be_embed takes float tables only) */
+    void (*to_f32)(const void *blocks, float *out, size_t n);
 };
+/* The entry of a block format's be_dtype, or NULL. */
+const struct gguf_type *gguf_block_type(int be);
 
 struct gguf_tensor {
     const char *name;   /* NUL-terminated, in the file's names arena */

@@ -17,8 +17,6 @@
 #include <xxhash.h>
 
 #include "model/gguf.h"
-#include "util/half.h"
-#include "util/q8.h"
 
 struct gguf_arch {
     const char *name;  /* general.architecture */
@@ -310,18 +308,19 @@ static enum model_status unpermute(model_files *mf, const struct model_config *c
 }
 
 /* be_embed reads float tables only: a quantized token_embd becomes an f32
- * copy (exact: a Q8_0 value is an f16 scale times a small integer), the
- * dtype config_json gave the model; lm_head keeps the quantized rows. */
+ * copy (exact for Q8_0: an f16 scale times a small integer), the dtype
+ * config_json gave the model; lm_head keeps the quantized rows. */
 static enum model_status embed_f32(model_files *mf, struct model_weights *w, char *err)
 {
-    if (w->tok_embed.dtype != BE_Q8_0)
+    const struct gguf_type *t = gguf_block_type((int)w->tok_embed.dtype);
+    if (!t)
         return MODEL_OK;
     size_t n = (size_t)w->tok_embed.rows * (size_t)w->tok_embed.cols;
     float *dst = malloc(n * sizeof *dst);
     if (!dst)
         return model_errf(err, MODEL_ENOMEM, "out of memory for the f32 copy of token_embd.weight (%zu bytes)",
                           n * sizeof *dst);
-    q8_0_dequantize(w->tok_embed.data, dst, n);
+    t->to_f32(w->tok_embed.data, dst, n);
     w->tok_embed.data = dst;
     w->tok_embed.dtype = BE_F32;
     return model_files_keep(mf, dst, err);

@@ -145,6 +145,8 @@ static enum model_status build_vocab(const struct vocab *v, json_t *vocab, json_
 
 /* ---- SentencePiece: merges from scores ------------------------------------ */
 
+#define MAX_PIECE 256 /* bytes of a token spm_merges splits */
+
 struct merge {
     float score;
     int32_t merged, left, right;
@@ -167,7 +169,9 @@ static enum model_status spm_merges(const struct vocab *v, json_t *vocab, json_t
     enum model_status st = MODEL_OK;
     for (uint64_t i = 0; i < v->n && st == MODEL_OK; i++) {
         const struct gguf_str t = v->tok[i];
-        if (v->type[i] != TT_NORMAL && v->type[i] != TT_USER)
+        /* SentencePiece's pieces are at most 16 characters; the bound keeps
+         * a hostile file's one huge token from costing its length squared */
+        if ((v->type[i] != TT_NORMAL && v->type[i] != TT_USER) || t.n > MAX_PIECE)
             continue;
         for (uint64_t k = 1; k < t.n; k++) {
             if (((unsigned char)t.p[k] & 0xC0) == 0x80) /* inside a character */

@@ -1,7 +1,8 @@
 /* gguf_write.c - a Hugging Face directory as a GGUF v3 file (`kvtier
  * quantize`): the model as the loader binds it (config.c, safetensors.c),
- * written under llama.cpp's names and keys, with its byte-level BPE
- * tokenizer.json as tokenizer.ggml metadata, so that kvtierd and llama.cpp
+ * written under llama.cpp's names and keys, with its tokenizer.json
+ * (byte-level BPE, or SentencePiece-style BPE with byte fallback) as
+ * tokenizer.ggml metadata, so that kvtierd and llama.cpp
  * both load the file.
  *
  * The inverse of gguf_model.c and gguf_tokenizer.c, which tests check by
@@ -25,7 +26,7 @@
 
 #define ALIGN 32
 
-enum { TT_NORMAL = 1, TT_CONTROL = 3, TT_USER = 4 };
+enum { TT_NORMAL = 1, TT_UNKNOWN = 2, TT_CONTROL = 3, TT_USER = 4, TT_BYTE = 6 };
 
 /* One tensor to write: a matrix of the bound weights or an f32 vector. */
 struct wt {
@@ -92,7 +93,11 @@ struct vocab {
     size_t *len;
     int32_t *type;
     json_t *merges;   /* borrowed from tj */
-    const char *pre;
+    const char *pre;  /* byte-level: tokenizer.ggml.pre */
+    bool spm;         /* SentencePiece-style (byte_fallback): "llama", with scores */
+    bool prefix;      /* its Prepend("▁") */
+    int unk;
+    float *score;     /* [n] spm */
     json_t *tj, *tc;  /* tokenizer.json, tokenizer_config.json (may be NULL) */
 };
 
@@ -101,6 +106,7 @@ static void vocab_free(struct vocab *v)
     free(v->tok);
     free(v->len);
     free(v->type);
+    free(v->score);
     json_decref(v->tj);
     json_decref(v->tc);
 }
@@ -131,24 +137,105 @@ static enum model_status find_pre(const json_t *pt, bool ignore_merges, bool nfc
     return MODEL_OK;
 }
 
+/* A SentencePiece-style tokenizer.json: spaces replaced by "▁", perhaps
+ * one prepended (transformers' Llama files). */
+static enum model_status spm_normalizer(const json_t *norm, bool *prefix, char *err)
+{
+    const json_t *list = json_object_get(norm, "normalizers"), *n;
+    bool replace = false;
+    size_t i;
+    *prefix = false;
+    json_array_foreach(list, i, n) {
+        const char *type = json_string_value(json_object_get(n, "type"));
+        const char *s = json_string_value(json_object_get(json_object_get(n, "pattern"), "String"));
+        const char *c = json_string_value(json_object_get(n, "content"));
+        const char *p = json_string_value(json_object_get(n, "prepend"));
+        if (type && !strcmp(type, "Replace") && s && c && !strcmp(s, " ") && !strcmp(c, "\xe2\x96\x81"))
+            replace = true;
+        else if (type && !strcmp(type, "Prepend") && p && !strcmp(p, "\xe2\x96\x81"))
+            *prefix = true;
+        else
+            return model_errf(err, MODEL_EUNSUPPORTED, "tokenizer.json: normalizers[%zu] is not written to GGUF", i);
+    }
+    if (!replace)
+        return model_errf(err, MODEL_EUNSUPPORTED,
+                          "tokenizer.json: byte_fallback without the normalizer Replace(\" \", \"\xe2\x96\x81\")");
+    return MODEL_OK;
+}
+
+/* GGUF's SentencePiece scores, which a loader turns back into merges: a
+ * token's is minus the rank of the first merge that makes it (-1e9 when
+ * none does), so the merges come back in tokenizer.json's order; the
+ * unknown token, <0xNN> bytes and control tokens get their types. */
+static enum model_status spm_scores(struct vocab *v, const json_t *vocab, const char *unk, char *err)
+{
+    if (!(v->score = malloc((size_t)v->n * sizeof *v->score)))
+        return model_errf(err, MODEL_ENOMEM, "tokenizer.json: out of memory");
+    for (int i = 0; i < v->n; i++)
+        v->score[i] = -1e9f;
+    char buf[512];
+    for (size_t r = json_array_size(v->merges); r-- > 0;) { /* the first merge wins: set last */
+        const json_t *x = json_array_get(v->merges, r);
+        const char *a = json_string_value(json_is_string(x) ? x : json_array_get(x, 0));
+        const char *b = json_is_string(x) ? NULL : json_string_value(json_array_get(x, 1));
+        int n = a ? snprintf(buf, sizeof buf, "%s%s", a, b ? b : "") : -1;
+        if (n < 0 || n >= (int)sizeof buf)
+            continue;
+        if (json_is_string(x)) { /* "a b": drop the separating space */
+            char *sp = strchr(buf, ' ');
+            if (!sp)
+                continue;
+            memmove(sp, sp + 1, strlen(sp));
+        }
+        json_int_t id = json_integer_value(json_object_get(vocab, buf));
+        if (json_object_get(vocab, buf) && id >= 0 && id < v->n)
+            v->score[id] = -(float)r;
+    }
+    json_int_t u = unk ? json_integer_value(json_object_get(vocab, unk)) : -1;
+    v->unk = unk && json_object_get(vocab, unk) && u >= 0 && u < v->n ? (int)u : -1;
+    for (int i = 0; i < v->n; i++) {
+        bool byte = v->tok[i] && v->len[i] == 6 && !memcmp(v->tok[i], "<0x", 3) && v->tok[i][5] == '>';
+        if (i == v->unk)
+            v->type[i] = TT_UNKNOWN;
+        else if (byte && v->type[i] == TT_NORMAL)
+            v->type[i] = TT_BYTE;
+        if (v->type[i] != TT_NORMAL)
+            v->score[i] = 0.0f;
+    }
+    return MODEL_OK;
+}
+
 static enum model_status read_vocab(const char *dir, int vocab_size, struct vocab *v, char *err)
 {
     enum model_status st = model_json_load(dir, "tokenizer.json", false, &v->tj, err);
+    char path[PATH_MAX];
     if (st == MODEL_OK)
-        st = model_json_load(dir, "tokenizer_config.json", true, &v->tc, err);
+        st = model_path(path, dir, "tokenizer_config.json", err);
     if (st != MODEL_OK)
         return st;
+    /* as the tokenizer reads it: model_max_length may be 1e30 written as an integer */
+    json_error_t je;
+    if (access(path, F_OK) == 0 && !(v->tc = json_load_file(path, JSON_DECODE_INT_AS_REAL, &je)))
+        return model_errf(err, MODEL_EFORMAT, "tokenizer_config.json: line %d column %d: %s", je.line, je.column,
+                          je.text);
     const json_t *m = json_object_get(v->tj, "model");
     const char *type = json_string_value(json_object_get(m, "type"));
     json_t *vocab = json_object_get(m, "vocab");
     if (!type || strcmp(type, "BPE") || !json_is_object(vocab))
         return model_errf(err, MODEL_EUNSUPPORTED, "tokenizer.json: model.type must be BPE with a vocab object");
-    const char *norm = json_string_value(json_object_get(json_object_get(v->tj, "normalizer"), "type"));
-    if (norm && strcmp(norm, "NFC"))
+    const json_t *normalizer = json_object_get(v->tj, "normalizer");
+    const char *norm = json_string_value(json_object_get(normalizer, "type"));
+    v->spm = json_is_true(json_object_get(m, "byte_fallback"));
+    v->unk = -1;
+    if (v->spm)
+        st = spm_normalizer(normalizer, &v->prefix, err);
+    else if (norm && strcmp(norm, "NFC"))
         return model_errf(err, MODEL_EUNSUPPORTED, "tokenizer.json: normalizer %s is not written to GGUF (none, NFC)",
                           norm);
-    if ((st = find_pre(json_object_get(v->tj, "pre_tokenizer"), json_is_true(json_object_get(m, "ignore_merges")),
-                       norm != NULL, &v->pre, err)))
+    if (st == MODEL_OK && !v->spm)
+        st = find_pre(json_object_get(v->tj, "pre_tokenizer"), json_is_true(json_object_get(m, "ignore_merges")),
+                      norm != NULL, &v->pre, err);
+    if (st != MODEL_OK)
         return st;
     v->merges = json_object_get(m, "merges");
     v->n = vocab_size;
@@ -182,7 +269,7 @@ static enum model_status read_vocab(const char *dir, int vocab_size, struct voca
         v->len[i] = strlen(content);
         v->type[i] = json_is_true(json_object_get(a, "special")) ? TT_CONTROL : TT_USER;
     }
-    return MODEL_OK;
+    return v->spm ? spm_scores(v, vocab, json_string_value(json_object_get(m, "unk_token")), err) : MODEL_OK;
 }
 
 static int n_merges(const struct vocab *v)
@@ -192,8 +279,20 @@ static int n_merges(const struct vocab *v)
 
 static void write_tokenizer(struct writer *w, const struct model_config *c, const struct vocab *v)
 {
-    kv_str(w, "tokenizer.ggml.model", "gpt2");
-    kv_str(w, "tokenizer.ggml.pre", v->pre);
+    kv_str(w, "tokenizer.ggml.model", v->spm ? "llama" : "gpt2");
+    if (v->spm) {
+        kv_head(w, "tokenizer.ggml.add_space_prefix", GGUF_BOOL);
+        uint8_t b = v->prefix;
+        wr(w, &b, 1);
+        kv_head(w, "tokenizer.ggml.scores", GGUF_ARR);
+        wr_u32(w, GGUF_F32);
+        wr_u64(w, (uint64_t)v->n);
+        wr(w, v->score, (size_t)v->n * 4);
+        if (v->unk >= 0)
+            kv_u32(w, "tokenizer.ggml.unknown_token_id", (uint32_t)v->unk);
+    } else {
+        kv_str(w, "tokenizer.ggml.pre", v->pre);
+    }
     kv_head(w, "tokenizer.ggml.tokens", GGUF_ARR);
     wr_u32(w, GGUF_STR);
     wr_u64(w, (uint64_t)v->n);
@@ -211,7 +310,7 @@ static void write_tokenizer(struct writer *w, const struct model_config *c, cons
     kv_head(w, "tokenizer.ggml.merges", GGUF_ARR);
     wr_u32(w, GGUF_STR);
     wr_u64(w, (uint64_t)n_merges(v));
-    for (int i = 0; i < n_merges(v); i++) {
+    for (int i = 0; i < n_merges(v); i++) { /* also SentencePiece's: llama.cpp reads neither */
         const json_t *m = json_array_get(v->merges, (size_t)i);
         if (json_is_string(m)) {
             wr_str(w, json_string_value(m), json_string_length(m));
@@ -244,7 +343,7 @@ static void write_tokenizer(struct writer *w, const struct model_config *c, cons
 /* Metadata entries write_tokenizer writes. */
 static uint64_t tokenizer_kvs(const struct model_config *c, const struct vocab *v)
 {
-    return 6 + (c->bos_token_id >= 0) + (c->n_eos > 0) + (c->n_eos > 1) + (c->pad_token_id >= 0) +
+    return 6 + (v->spm ? 1 + (v->unk >= 0) : 0) + (c->bos_token_id >= 0) + (c->n_eos > 0) + (c->n_eos > 1) + (c->pad_token_id >= 0) +
            (json_string_value(json_object_get(v->tc, "chat_template")) != NULL);
 }
 
@@ -272,7 +371,7 @@ static uint64_t mat_bytes(uint32_t type, const struct model_mat *m)
 static enum model_status plan(const struct model_config *c, const struct model_weights *w, enum model_gguf_type t,
                               bool permute, struct wt *out, int *n, char *err)
 {
-    uint32_t mat_type = t == MODEL_GGUF_Q8_0 ? ggml_type(MODEL_GGUF_F32) : ggml_type(t);
+    uint32_t mat_type = ggml_type(t); /* the layer matrices' */
     /* embeddings and lm_head: as stored under q8_0, else the chosen float type */
     uint32_t embed_type = t == MODEL_GGUF_Q8_0 ? (c->dtype == BE_F16 ? 1 : c->dtype == BE_BF16 ? 30 : 0) : mat_type;
     int k = 0;
@@ -306,7 +405,7 @@ static enum model_status plan(const struct model_config *c, const struct model_w
                 continue;
             struct wt *x = &out[k++];
             *x = (struct wt){.m = parts[i].m, .vec = parts[i].vec, .len = parts[i].len, .heads = parts[i].heads,
-                             .type = parts[i].m ? (t == MODEL_GGUF_Q8_0 ? 8 : mat_type) : 0};
+                             .type = parts[i].m ? mat_type : 0};
             snprintf(x->name, sizeof x->name, "blk.%d.%s", l, parts[i].name);
             if (x->type == 8 && x->m->cols % Q8_0_BLOCK)
                 return model_errf(err, MODEL_EUNSUPPORTED, "%s: %d columns, not a multiple of %d (Q8_0 blocks)",

@@ -975,6 +975,8 @@ static enum model_status verify_mat(const struct model_mat *m, const char *name,
                                   i / ((size_t)m->cols / Q8_0_BLOCK));
         return MODEL_OK;
     }
+    if (!be_dtype_size(m->dtype)) /* another block format: no elements to read as floats */
+        return MODEL_OK;
     size_t n = (size_t)m->rows * (size_t)m->cols, bad = first_non_finite(m->data, m->dtype, n);
     if (bad < n)
         return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite value (NaN or infinity) at row %zu, column %zu",
@@ -1093,8 +1095,8 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
         for (size_t k = 0; k < N_MATS; k++) {
             const struct model_mat *m = (const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off);
             /* a matrix the architecture lacks (GPT-2's gate), or one a GGUF
-             * file holds in Q8_0 already, kept as it is */
-            if (!m->data || m->dtype == BE_Q8_0)
+             * file holds in a block format already, kept as it is */
+            if (!m->data || !be_dtype_size(m->dtype))
                 continue;
             if (m->cols % Q8_0_BLOCK)
                 return model_errf(err, MODEL_EUNSUPPORTED,
@@ -1116,7 +1118,7 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
         ls[l] = w->layers[l];
         for (size_t k = 0; k < N_MATS && st == MODEL_OK; k++) {
             struct model_mat *m = (struct model_mat *)((char *)&ls[l] + LAYER_MATS[k].off);
-            if (!m->data || m->dtype == BE_Q8_0)
+            if (!m->data || !be_dtype_size(m->dtype))
                 continue;
             enum be_dtype dt = model_weights_mat_dtype(fmt, m->cols);
             size_t row = be_row_bytes(dt, (size_t)m->cols);

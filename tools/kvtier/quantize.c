@@ -3,6 +3,7 @@
  * The one command that works on files rather than through kvtierd. */
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "model/model.h"
 #include "tools/kvtier/cli.h"
@@ -12,7 +13,7 @@ const char cli_quantize_usage[] =
     "  Writes the safetensors model of MODEL_DIR as one GGUF file kvtierd --model loads.\n"
     "  q8_0 (the default): the layer matrices as Q8_0 blocks, what --weights q8_0 computes;\n"
     "  the embeddings and lm_head keep their dtype.  bf16, f16, f32: every matrix converted.\n"
-    "  Llama, Mistral (no sliding window), Qwen2 and Qwen3 with byte-level BPE tokenizers.\n";
+    "  Llama, Mistral (no sliding window), Qwen2 and Qwen3 with BPE tokenizers.\n";
 
 int cmd_quantize(int argc, char **argv)
 {
@@ -35,5 +36,8 @@ int cmd_quantize(int argc, char **argv)
         fprintf(stderr, "kvtier quantize: %s: %s\n", model_strerror(st), err);
         return EXIT_DAEMON;
     }
+    struct stat sb;
+    if (stat(argv[i + 1], &sb) == 0)
+        fprintf(stderr, "kvtier quantize: wrote %s (%.1f MiB)\n", argv[i + 1], (double)sb.st_size / 1048576.0);
     return 0;
 }
