@@ -25,4 +25,18 @@ enum model_status model_path(char path[PATH_MAX], const char *dir, const char *n
  * json_decref()s *out. */
 enum model_status model_json_load(const char *dir, const char *name, bool optional, json_t **out, char *err);
 
+/* Loaders with a layout of their own (model/encdec.c): maps dir's
+ * checkpoint and calls bind(b, arg), which binds each tensor it needs with
+ * model_bind_mat (rows x cols of cfg->dtype, the only field of cfg read)
+ * and model_bind_vec (an f32 copy, at most vector_floats in all; matrices
+ * that need an aligned copy: at most max_copies).  *header_hash: as
+ * model_weights.header_hash. */
+struct binder;
+typedef enum model_status (*model_bind_fn)(struct binder *b, void *arg);
+enum model_status model_files_open_with(const char *dir, const struct model_config *cfg, size_t vector_floats,
+                                        size_t max_copies, model_bind_fn bind, void *arg, model_files **out,
+                                        uint64_t *header_hash, char *err);
+enum model_status model_bind_mat(struct binder *b, const char *name, int rows, int cols, struct model_mat *m);
+enum model_status model_bind_vec(struct binder *b, const char *name, int len, const float **out);
+
 #endif

@@ -347,24 +347,31 @@ def init_kind(name, shape, cfg):
 
 def encdec_init(name, shape, cfg):
     """T5 / BART: as above; a tied T5 head multiplies by d_model^-0.5, so its
-    shared embeddings have std 3; T5's relative biases N(0, 1) and BART's
-    final_logits_bias N(0, 0.5^2), so that a miss of either shows."""
+    shared embeddings have std 1 (its greedy tokens repeat: tests read its logits); T5's relative biases N(0, 1) and BART's
+    final_logits_bias N(0, 0.5^2), so that a miss of either shows; BART's
+    other biases N(0, 0.1^2) and the cross-attention output N(0, 0.04/in):
+    both add nearly the same vector at every step (the encoder output does
+    not change), and at full scale greedy decoding repeats one token."""
     d = cfg["d_model"]
     t5 = cfg["model_type"] == "t5"
     if name.endswith("norm.weight") or name.endswith("layernorm_embedding.weight"):
         return 1.0, 0.1
-    if name.endswith(".bias") or name == "final_logits_bias":
+    if name.endswith(".bias"):
+        return 0.0, 0.1
+    if name == "final_logits_bias":
         return 0.0, 0.5
     if name.endswith("relative_attention_bias.weight"):
         return 0.0, 1.0
     if name.endswith("shared.weight"):
         if not cfg["tie_word_embeddings"]:
             return 0.0, 1.0
-        return 0.0, 3.0 if t5 else 3.0 / math.sqrt(d)
+        return 0.0, 1.0 if t5 else 3.0 / math.sqrt(d)
     if name == "lm_head.weight":
         return 0.0, 3.0 / math.sqrt(d)
     if name.endswith("embed_positions.weight"):
         return 0.0, 1.0
+    if name.endswith(("EncDecAttention.o.weight", "encoder_attn.out_proj.weight")):
+        return 0.0, 0.2 / math.sqrt(shape[-1])
     return 0.0, 1.0 / math.sqrt(shape[-1])
 
 

@@ -202,6 +202,7 @@ STRICT_OP(kv_copy, (void *ctx, const struct be_kv_view *dst, const struct be_kv_
                     const struct be_attn_params *p), dst, src, p0, p1, p)
 STRICT_OP(silu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
 STRICT_OP(gelu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
+STRICT_OP(act, (void *ctx, void *x, size_t n, enum be_act a), x, n, a)
 STRICT_OP(scale, (void *ctx, void *x, size_t n, float a), x, n, a)
 STRICT_OP(layernorm, (void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim, float eps),
           y, x, w, b, n, dim, eps)
@@ -303,6 +304,7 @@ static const struct be_ops strict_ops = {
     .attention = strict_attention,
     .silu_mul = strict_silu_mul,
     .gelu_mul = strict_gelu_mul,
+    .act = strict_act,
     .scale = strict_scale,
     .layernorm = strict_layernorm,
     .add = strict_add,
