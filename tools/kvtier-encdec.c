@@ -4,6 +4,7 @@
  *
  *   kvtier-encdec -m DIR --enc 5,6,7 [--dec 0] -n N [--kv-dtype auto|f32|bf16|f16]
  *                 [--strategy dynamic|static|offloaded] [--dump FILE] [--check K]
+ *   kvtier-encdec -m DIR --enc-len L -n N --bench R
  *
  * --dec: the decoder's prompt (default: decoder_start_token_id).  Generates
  * N tokens greedily (EOS does not stop it).  --dump writes (little-endian)
@@ -14,6 +15,12 @@
  * rest on the fork, (3) decodes afresh on a second self-attention cache
  * over the same cross-attention cache (the encoder not run again): each
  * must give the same tokens; prints "crop ok", "fork ok", "reuse ok".
+ *
+ * --bench R (with --enc-len L: an encoder input of L ids, i * 7919 mod
+ * vocab): R rounds, each one generation of N tokens over the session's
+ * cross-attention cache (encoded once, before the rounds) and one that
+ * encodes the input again first, alternating; prints the median of each
+ * and the KV bytes of both caches.
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -22,6 +29,7 @@
 
 #include "model/encdec.h"
 #include "util/args.h"
+#include "util/clock.h"
 
 #define MAX_IDS 8192
 
@@ -55,6 +63,70 @@ static enum model_status greedy(struct run *r, kv_seq *self, kv_seq *cross, cons
     return st;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* One generation of n tokens on a fresh self cache over cross; with
+ * encode, cross is emptied and the input encoded again first.  Seconds. */
+static enum model_status bench_once(struct run *r, kv_store *store, const struct kv_seq_params *sp, kv_seq **cross,
+                                    const int32_t *enc, int n_enc, const int32_t *dec, int n_dec, int n,
+                                    bool encode, int32_t *out, float *rows, double *secs)
+{
+    double t0 = clock_s();
+    enum model_status st = MODEL_OK;
+    if (encode) {
+        kv_seq_free(*cross);
+        *cross = NULL;
+        struct kv_seq_params cp = {.no_prefix_cache = true};
+        st = kv_seq_create(store, &cp, cross) == TIER_OK ? encdec_encode(r->m, *cross, enc, n_enc) : MODEL_ENOMEM;
+    }
+    kv_seq *self = NULL;
+    if (st == MODEL_OK)
+        st = kv_seq_create(store, sp, &self) == TIER_OK ? MODEL_OK : MODEL_ENOMEM;
+    if (st == MODEL_OK)
+        st = greedy(r, self, *cross, dec, n_dec, 0, n, out, rows);
+    kv_seq_free(self);
+    *secs = clock_s() - t0;
+    return st;
+}
+
+/* --bench: session reuse against re-encoding, alternating rounds. */
+static enum model_status bench(struct run *r, kv_store *store, const struct kv_seq_params *sp, kv_seq **cross,
+                               const int32_t *enc, int n_enc, const int32_t *dec, int n_dec, int n, int rounds,
+                               int32_t *out, float *rows)
+{
+    double *t = calloc(2 * (size_t)rounds, sizeof(double)), enc_s = clock_s();
+    if (!t)
+        return MODEL_ENOMEM;
+    enum model_status st = encdec_encode(r->m, *cross, enc, n_enc);
+    enc_s = clock_s() - enc_s;
+    size_t cross_bytes = kv_seq_bytes(*cross);
+    for (int i = 0; i < rounds && st == MODEL_OK; i++) {
+        st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, false, out, rows, &t[i]);
+        if (st == MODEL_OK)
+            st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, true, out, rows, &t[rounds + i]);
+    }
+    if (st == MODEL_OK) {
+        qsort(t, (size_t)rounds, sizeof(double), cmp_double);
+        qsort(t + rounds, (size_t)rounds, sizeof(double), cmp_double);
+        double reuse = t[rounds / 2], again = t[rounds + rounds / 2];
+        printf("encoder input %d tokens, %d generated per generation, %d rounds (medians)\n", n_enc, n, rounds);
+        printf("first encode           %8.3f s\n", enc_s);
+        printf("session reuse          %8.3f s per generation, %8.1f tokens/s\n", reuse, n / reuse);
+        printf("re-encoding each time  %8.3f s per generation, %8.1f tokens/s\n", again, n / again);
+        printf("ratio                  %8.2fx\n", again / reuse);
+        printf("cross-attention KV     %8.2f MiB (written once, read every step)\n", cross_bytes / 1048576.0);
+        struct kv_store_stats ks = kv_store_stats(store);
+        printf("store after the rounds device %.2f MiB, host %.2f MiB\n", ks.dev_bytes / 1048576.0,
+               ks.host_bytes / 1048576.0);
+    }
+    free(t);
+    return st;
+}
+
 static bool same(const char *what, const int32_t *a, const int32_t *b, int n)
 {
     for (int i = 0; i < n; i++)
@@ -71,10 +143,11 @@ int main(int argc, char **argv)
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"enc", required_argument, 0, 'e'}, {"dec", required_argument, 0, 'd'},
         {"kv-dtype", required_argument, 0, 'k'}, {"strategy", required_argument, 0, 's'},
-        {"dump", required_argument, 0, 'o'}, {"check", required_argument, 0, 'c'}, {0, 0, 0, 0}};
+        {"dump", required_argument, 0, 'o'}, {"check", required_argument, 0, 'c'},
+        {"enc-len", required_argument, 0, 'L'}, {"bench", required_argument, 0, 'b'}, {0, 0, 0, 0}};
     const char *dir = NULL, *dump = NULL, *strategy = "dynamic";
     static int enc[MAX_IDS], dec[MAX_IDS];
-    int n_enc = 0, n_dec = 0, n = 8, check = 0, c;
+    int n_enc = 0, n_dec = 0, n = 8, check = 0, enc_len = 0, rounds = 0, c;
     struct model_params mp = {0};
     while ((c = getopt_long(argc, argv, "m:n:", opts, NULL)) != -1) {
         switch (c) {
@@ -84,6 +157,8 @@ int main(int argc, char **argv)
         case 'n': if (!args_int(optarg, 1, MAX_IDS, &n)) return args_invalid(argv[0], opts, c, optarg); break;
         case 'c': if (!args_int(optarg, 1, MAX_IDS, &check)) return args_invalid(argv[0], opts, c, optarg); break;
         case 'k': if (!model_kv_dtype_parse(optarg, &mp.kv_dtype)) return args_invalid(argv[0], opts, c, optarg); break;
+        case 'L': if (!args_int(optarg, 1, MAX_IDS, &enc_len)) return args_invalid(argv[0], opts, c, optarg); break;
+        case 'b': if (!args_int(optarg, 1, 1000, &rounds)) return args_invalid(argv[0], opts, c, optarg); break;
         case 's': strategy = optarg; break;
         case 'o': dump = optarg; break;
         default:
@@ -99,8 +174,8 @@ int main(int argc, char **argv)
         sp.strategy = KV_OFFLOADED;
     else if (strcmp(strategy, "dynamic"))
         return args_invalid(argv[0], opts, 's', strategy);
-    if (!dir || !n_enc || check >= n) {
-        fprintf(stderr, "kvtier-encdec: -m and --enc are required, --check below -n\n");
+    if (!dir || (!n_enc && !enc_len) || check >= n) {
+        fprintf(stderr, "kvtier-encdec: -m and --enc (or --enc-len) are required, --check below -n\n");
         return 2;
     }
     char err[MODEL_ERR_LEN];
@@ -122,6 +197,11 @@ int main(int argc, char **argv)
     const struct encdec_config *cfg = encdec_get_config(m);
     if (!n_dec)
         dec[n_dec++] = cfg->decoder_start_token_id;
+    if (enc_len) {
+        n_enc = enc_len;
+        for (int i = 0; i < n_enc; i++)
+            enc[i] = (int)((int64_t)i * 7919 % cfg->vocab_size);
+    }
     struct kv_geom g = encdec_kv_geom(m);
     struct run r = {.m = m, .vocab = cfg->vocab_size};
     r.logits = malloc((size_t)n * (size_t)r.vocab * sizeof(float));
@@ -132,6 +212,12 @@ int main(int argc, char **argv)
     if (!r.logits || !r.toks || !again || !rows || kv_store_open(be, &g, &(struct kv_store_params){0}, &store) ||
         kv_seq_create(store, &cp, &cross) || kv_seq_create(store, &sp, &self)) {
         fprintf(stderr, "kvtier-encdec: out of memory\n");
+        goto out;
+    }
+    if (rounds) {
+        st = bench(&r, store, &sp, &cross, (const int32_t *)enc, n_enc, (const int32_t *)dec, n_dec, n, rounds,
+                   r.toks, r.logits);
+        rc = st == MODEL_OK ? 0 : 1;
         goto out;
     }
     st = encdec_encode(m, cross, (const int32_t *)enc, n_enc);
