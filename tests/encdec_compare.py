@@ -37,6 +37,21 @@ def read_dump(path):
     return toks.tolist(), logits
 
 
+def selfcheck():
+    """T5's buckets against values worked by hand from its definition
+    (32 buckets, max_distance 128): exact below max_exact, then
+    max_exact + int(log(r / max_exact) / log(128 / max_exact) * (n - max_exact)),
+    the last bucket from max_distance on; the encoder's split by sign."""
+    hand = {True: {0: 0, -1: 1, 1: 17, -7: 7, -8: 8, -12: 9, -128: 15, -500: 15, 200: 31},
+            False: {0: 0, -1: 1, 3: 0, -15: 15, -16: 16, -20: 17, -128: 31, -999: 31}}
+    for bidir, want in hand.items():
+        rel = torch.tensor(list(want))
+        got = torchref.t5_bucket(rel, bidir, 32, 128).tolist()
+        if got != list(want.values()):
+            raise SystemExit(f"selfcheck: t5_bucket(bidirectional={bidir}) of {list(want)} is {got}, "
+                             f"by hand {list(want.values())}")
+
+
 def compare(d, dump, kv_dtype, tol, name, enc_ids, dec_arg):
     toks, got = read_dump(dump)
     m = torchref.load_encdec(d, kv_dtype=KV[kv_dtype])
@@ -64,6 +79,7 @@ def main():
     ap.add_argument("--enc", required=True)
     o = ap.parse_args()
     torch.set_num_threads(1)
+    selfcheck()
     enc = [int(x) for x in o.enc.split(",")]
     ok = True
     with open(o.cases) as f:
