@@ -62,8 +62,9 @@ struct kv_geom encdec_kv_geom(const encdec *m);
 enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, int n);
 
 /* Feeds ids[0, n) to the decoder after self's tokens, attending to cross
- * (filled by encdec_encode); logits (host, [vocab] f32, may be NULL) of the
- * last one.  Transactional as model_forward: on failure self is unchanged.
+ * (filled by encdec_encode; it may since have moved to the host tier,
+ * kv_seq_offload, where it is read in place); logits (host, [vocab] f32,
+ * may be NULL) of the last one.  Transactional as model_forward: on failure self is unchanged.
  * self: a dense strategy (quantized KV is refused: T5's position bias is
  * not in its kernel), created without the prefix cache's publishing (the
  * decoder's tokens say nothing of the encoder input they attend to). */

@@ -17,8 +17,10 @@
 # run crops the self-attention cache by 8 tokens and decodes them again,
 # forks both caches 8 tokens before the end, and decodes afresh over the
 # same cross-attention cache: each gives the fresh run's tokens.  The
-# static and offloaded strategies of the self-attention cache give the
-# dynamic run's tokens and logits, bit for bit.
+# static and offloaded strategies of the self-attention cache, and the
+# cross-attention cache moved to the host tier after the encoder (as a
+# device OOM moves it), give the dynamic run's tokens and logits, bit for
+# bit.
 #  t5relu: T5 v1.0 ReLU FFN, untied head
 #  t5tied: gated-GELU, tied head (x * d_model^-0.5), 16 buckets up to
 #          distance 12, so the 20 + 37 positions reach the logarithmic and
@@ -75,12 +77,15 @@ for dtype in f32 bf16; do
             cat "$dir/log"; echo "FAIL $name-$dtype: kvtier-encdec"; touch "$tmp/failed"; continue
         fi
         echo "$dir $dir/out.kved $dtype $tol $name-$dtype ${d#--dec }" >> "$tmp/cases"
-        for s in static offloaded; do
+        for s in static offloaded cross-host; do
+            o="--strategy $s"; [ $s = cross-host ] && o=--cross-host
             # shellcheck disable=SC2086
-            "$run" -m "$dir" --enc "$enc" $d -n 33 --strategy $s --dump "$dir/$s.kved" > "$dir/$s.log" 2>&1 &&
+            "$run" -m "$dir" --enc "$enc" $d -n 33 $o --dump "$dir/$s.kved" > "$dir/$s.log" 2>&1 &&
                 cmp -s "$dir/out.kved" "$dir/$s.kved" ||
                 { cat "$dir/$s.log"; echo "FAIL $name-$dtype: $s differs"; touch "$tmp/failed"; }
         done
+        grep -q "cross-attention cache: 20 tokens, device 0 bytes, host [1-9]" "$dir/cross-host.log" ||
+            { cat "$dir/cross-host.log"; echo "FAIL $name-$dtype: the cross cache is not in the host tier"; touch "$tmp/failed"; }
     done
 done
 $py tests/encdec_compare.py --enc "$enc" "$tmp/cases" || touch "$tmp/failed"

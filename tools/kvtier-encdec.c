@@ -3,7 +3,7 @@
  * compares with tools/torchref.py.
  *
  *   kvtier-encdec -m DIR --enc 5,6,7 [--dec 0] -n N [--kv-dtype auto|f32|bf16|f16]
- *                 [--strategy dynamic|static|offloaded] [--dump FILE] [--check K]
+ *                 [--strategy dynamic|static|offloaded] [--cross-host] [--dump FILE] [--check K]
  *   kvtier-encdec -m DIR --enc-len L -n N --bench R
  *
  * --dec: the decoder's prompt (default: decoder_start_token_id).  Generates
@@ -15,6 +15,9 @@
  * rest on the fork, (3) decodes afresh on a second self-attention cache
  * over the same cross-attention cache (the encoder not run again): each
  * must give the same tokens; prints "crop ok", "fork ok", "reuse ok".
+ *
+ * --cross-host: once the encoder has run, the cross-attention cache moves
+ * to the host tier as a device OOM would move it (kv_seq_offload).
  *
  * --bench R (with --enc-len L: an encoder input of L ids, i * 7919 mod
  * vocab): R rounds, each one generation of N tokens over the session's
@@ -144,10 +147,12 @@ int main(int argc, char **argv)
         {"model", required_argument, 0, 'm'}, {"enc", required_argument, 0, 'e'}, {"dec", required_argument, 0, 'd'},
         {"kv-dtype", required_argument, 0, 'k'}, {"strategy", required_argument, 0, 's'},
         {"dump", required_argument, 0, 'o'}, {"check", required_argument, 0, 'c'},
-        {"enc-len", required_argument, 0, 'L'}, {"bench", required_argument, 0, 'b'}, {0, 0, 0, 0}};
+        {"enc-len", required_argument, 0, 'L'}, {"bench", required_argument, 0, 'b'},
+        {"cross-host", no_argument, 0, 'H'}, {0, 0, 0, 0}};
     const char *dir = NULL, *dump = NULL, *strategy = "dynamic";
     static int enc[MAX_IDS], dec[MAX_IDS];
     int n_enc = 0, n_dec = 0, n = 8, check = 0, enc_len = 0, rounds = 0, c;
+    bool cross_host = false;
     struct model_params mp = {0};
     while ((c = getopt_long(argc, argv, "m:n:", opts, NULL)) != -1) {
         switch (c) {
@@ -160,6 +165,7 @@ int main(int argc, char **argv)
         case 'L': if (!args_int(optarg, 1, MAX_IDS, &enc_len)) return args_invalid(argv[0], opts, c, optarg); break;
         case 'b': if (!args_int(optarg, 1, 1000, &rounds)) return args_invalid(argv[0], opts, c, optarg); break;
         case 's': strategy = optarg; break;
+        case 'H': cross_host = true; break;
         case 'o': dump = optarg; break;
         default:
             fprintf(stderr, "usage: kvtier-encdec -m DIR --enc IDS [--dec IDS] [-n N] [--kv-dtype T] "
@@ -221,12 +227,17 @@ int main(int argc, char **argv)
         goto out;
     }
     st = encdec_encode(m, cross, (const int32_t *)enc, n_enc);
+    if (st == MODEL_OK && cross_host)
+        st = kv_seq_offload(cross, KV_FALLBACK_OOM) == TIER_OK ? MODEL_OK : MODEL_ENOMEM;
     if (st == MODEL_OK)
         st = greedy(&r, self, cross, (const int32_t *)dec, n_dec, 0, n, r.toks, r.logits);
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-encdec: %s (%s)\n", model_strerror(st), kv_store_errmsg(store));
         goto out;
     }
+    struct kv_seq_stats xs = kv_seq_stats(cross);
+    fprintf(stderr, "cross-attention cache: %lld tokens, device %zu bytes, host %zu bytes\n",
+            (long long)kv_seq_length(cross), xs.dev_bytes, xs.host_bytes);
     for (int i = 0; i < n; i++)
         printf("%s%d", i ? "," : "", r.toks[i]);
     printf("\n");
