@@ -647,14 +647,15 @@ static enum be_status store_kv(encdec *m, const struct ed_attn *a, const void *x
 }
 
 /* xb (n, dim) = attention of queries from rows in (n, dim) at positions
- * [p0, p0 + n) over view. */
+ * [p0, p0 + n) over view, or over qv when it has quantized blocks. */
 static enum be_status attend(encdec *m, const struct ed_attn *a, const void *in, const struct be_kv_view *view,
-                             int64_t p0, int n, const struct be_attn_params *ap)
+                             const struct be_kvq_view *qv, int64_t p0, int n, const struct be_attn_params *ap)
 {
     BE_TRY(matmul(m, m->q, in, &a->q, a->bq, n));                            /* q (n, H*hd) */
     for (int i = 0; i < n; i++)
         m->toks[i] = (struct be_tok){.view = 0, .pos = p0 + i};
-    BE_TRY(be_attention(m->be, m->att, m->q, view, m->toks, n, ap));        /* att (n, H*hd) */
+    BE_TRY(qv && qv->fmt ? be_attention_quant(m->be, m->att, m->q, qv, m->toks, n, ap)
+                         : be_attention(m->be, m->att, m->q, view, m->toks, n, ap)); /* att (n, H*hd) */
     return matmul(m, m->xb, m->att, &a->o, a->bo, n);                        /* xb (n, dim) */
 }
 
@@ -683,7 +684,7 @@ static enum be_status encode(encdec *m, kv_seq *cross, void *xs, const int32_t *
             int n = S - r0 < m->cap ? S - r0 : m->cap;
             void *x = (char *)xs + (size_t)r0 * row;
             BE_TRY(sub_input(m, x, L->self_norm, n, &in));
-            BE_TRY(attend(m, &L->self, in, &view, r0, n, &ap));
+            BE_TRY(attend(m, &L->self, in, &view, NULL, r0, n, &ap));
             BE_TRY(residual(m, x, L->self_norm, L->self_norm_b, n));
             BE_TRY(ffn(m, x, L, n));
         }
@@ -777,17 +778,19 @@ static enum be_status decode(encdec *m, kv_seq *self, kv_seq *cross, const int32
         BE_TRY(embed(m, &m->dec, m->x, ids + r0, k, at));
         for (int l = 0; l < c->n_dec_layers; l++) {
             const struct ed_layer *L = &m->dec.layers[l];
+            struct be_kvq_view qv; /* a quantized self cache (BART): its codes and its full-precision rest */
             struct be_kv_view sv, cv;
             const void *in;
             BE_TRY(kv_store_layer_begin(store, l));
-            kv_seq_view(self, l, &sv);
+            kv_seq_qview(self, l, &qv);
+            sv = qv.rest; /* where this step's K and V go */
             kv_seq_view(cross, l, &cv);
             BE_TRY(sub_input(m, m->x, L->self_norm, k, &in));
             BE_TRY(store_kv(m, &L->self, in, &sv, at, k, &sp)); /* in (xb) is left as it was */
-            BE_TRY(attend(m, &L->self, in, &sv, at, k, &sp));
+            BE_TRY(attend(m, &L->self, in, &sv, &qv, at, k, &sp));
             BE_TRY(residual(m, m->x, L->self_norm, L->self_norm_b, k));
             BE_TRY(sub_input(m, m->x, L->cross_norm, k, &in));
-            BE_TRY(attend(m, &L->cross, in, &cv, 0, k, &cp)); /* every encoder position, whatever the query's */
+            BE_TRY(attend(m, &L->cross, in, &cv, NULL, 0, k, &cp)); /* every encoder position, whatever the query's */
             BE_TRY(residual(m, m->x, L->cross_norm, L->cross_norm_b, k));
             BE_TRY(ffn(m, m->x, L, k));
             BE_TRY(kv_store_layer_end(store, l));
@@ -810,13 +813,20 @@ static enum be_status decode(encdec *m, kv_seq *self, kv_seq *cross, const int32
     return BE_OK;
 }
 
+const char *encdec_quant_refusal(const encdec *m)
+{
+    return m->cfg.bart ? NULL
+                       : "T5's self-attention adds a relative position bias, which the quantized attention "
+                         "kernel does not";
+}
+
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, float *logits)
 {
     if (!m || !self || !cross || !ids_ok(m, ids, n) || kv_seq_length(cross) == 0 ||
         kv_seq_store(self) != kv_seq_store(cross))
         return MODEL_EINVAL;
-    if (kv_seq_stats(self).strategy == KV_QUANTIZED)
-        return MODEL_EUNSUPPORTED;
+    if (!m->cfg.bart && kv_seq_stats(self).strategy == KV_QUANTIZED)
+        return MODEL_EUNSUPPORTED; /* encdec_quant_refusal */
     int64_t p0 = kv_seq_length(self);
     if (m->cfg.bart && p0 + n > m->cfg.max_positions) /* learned positions end there */
         return MODEL_EINVAL;

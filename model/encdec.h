@@ -65,10 +65,12 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
  * (filled by encdec_encode; it may since have moved to the host tier,
  * kv_seq_offload, where it is read in place); logits (host, [vocab] f32,
  * may be NULL) of the last one.  Transactional as model_forward: on failure self is unchanged.
- * self: a dense strategy (quantized KV is refused: T5's position bias is
- * not in its kernel), created without the prefix cache's publishing (the
- * decoder's tokens say nothing of the encoder input they attend to). */
+ * self: any strategy but quantized for T5 (encdec_quant_refusal), created
+ * without the prefix cache's publishing (the decoder's tokens say nothing
+ * of the encoder input they attend to). */
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n,
                                 float *logits);
+/* Why the self-attention cache of m cannot be quantized, or NULL (BART). */
+const char *encdec_quant_refusal(const encdec *m);
 
 #endif

@@ -3,7 +3,7 @@
  * compares with tools/torchref.py.
  *
  *   kvtier-encdec -m DIR --enc 5,6,7 [--dec 0] -n N [--kv-dtype auto|f32|bf16|f16]
- *                 [--strategy dynamic|static|offloaded] [--cross-host] [--dump FILE] [--check K]
+ *                 [--strategy dynamic|static|offloaded|quantized] [--cross-host] [--dump FILE] [--check K]
  *   kvtier-encdec -m DIR --enc-len L -n N --bench R
  *
  * --dec: the decoder's prompt (default: decoder_start_token_id).  Generates
@@ -16,6 +16,8 @@
  * over the same cross-attention cache (the encoder not run again): each
  * must give the same tokens; prints "crop ok", "fork ok", "reuse ok".
  *
+ * quantized: quanto, 8 bits, groups of 16 channels per token, a residual
+ * of 8 tokens (BART only: a T5 model prints the refusal).
  * --cross-host: once the encoder has run, the cross-attention cache moves
  * to the host tier as a device OOM would move it (kv_seq_offload).
  *
@@ -31,6 +33,7 @@
 #include <string.h>
 
 #include "model/encdec.h"
+#include "tiers/quant.h"
 #include "util/args.h"
 #include "util/clock.h"
 
@@ -178,7 +181,13 @@ int main(int argc, char **argv)
         sp = (struct kv_seq_params){.strategy = KV_STATIC, .max_cache_len = n_dec + n + 16, .no_prefix_cache = true};
     else if (!strcmp(strategy, "offloaded"))
         sp.strategy = KV_OFFLOADED;
-    else if (strcmp(strategy, "dynamic"))
+    else if (!strcmp(strategy, "quantized")) {
+        sp.strategy = KV_QUANTIZED;
+        sp.quant = kv_quant_defaults(KVQ_QUANTO);
+        sp.quant.nbits = 8;
+        sp.quant.q_group_size = 16;
+        sp.quant.residual_length = 8;
+    } else if (strcmp(strategy, "dynamic"))
         return args_invalid(argv[0], opts, 's', strategy);
     if (!dir || (!n_enc && !enc_len) || check >= n) {
         fprintf(stderr, "kvtier-encdec: -m and --enc (or --enc-len) are required, --check below -n\n");
@@ -215,9 +224,16 @@ int main(int argc, char **argv)
     int32_t *again = calloc((size_t)n, sizeof(int32_t));
     float *rows = malloc((size_t)n * (size_t)r.vocab * sizeof(float));
     struct kv_seq_params cp = {.no_prefix_cache = true}; /* the cross cache: dynamic, on the device */
-    if (!r.logits || !r.toks || !again || !rows || kv_store_open(be, &g, &(struct kv_store_params){0}, &store) ||
-        kv_seq_create(store, &cp, &cross) || kv_seq_create(store, &sp, &self)) {
+    if (sp.strategy == KV_QUANTIZED && encdec_quant_refusal(m)) {
+        fprintf(stderr, "kvtier-encdec: strategy quantized: %s\n", encdec_quant_refusal(m));
+        goto out;
+    }
+    if (!r.logits || !r.toks || !again || !rows || kv_store_open(be, &g, &(struct kv_store_params){0}, &store)) {
         fprintf(stderr, "kvtier-encdec: out of memory\n");
+        goto out;
+    }
+    if (kv_seq_create(store, &cp, &cross) != TIER_OK || kv_seq_create(store, &sp, &self) != TIER_OK) {
+        fprintf(stderr, "kvtier-encdec: %s\n", kv_store_errmsg(store));
         goto out;
     }
     if (rounds) {
@@ -246,6 +262,8 @@ int main(int argc, char **argv)
         memcpy(again, r.toks, (size_t)n * sizeof(int32_t));
         int from = n - check;
         st = kv_seq_crop(self, -(int64_t)check) == TIER_OK ? MODEL_OK : MODEL_EINVAL;
+        if (st != MODEL_OK)
+            fprintf(stderr, "kvtier-encdec: crop: %s\n", kv_store_errmsg(store));
         if (st == MODEL_OK)
             st = greedy(&r, self, cross, &r.toks[from - 1], 1, from, n, again, rows);
         if (st != MODEL_OK || !same("crop", r.toks, again, n))
