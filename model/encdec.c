@@ -820,16 +820,10 @@ const char *encdec_quant_refusal(const encdec *m)
                          "kernel does not";
 }
 
-enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, float *logits)
+/* One attempt at a decoder step: self is as it was unless it succeeds. */
+static enum model_status decode_step(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, int64_t p0,
+                                     float *logits)
 {
-    if (!m || !self || !cross || !ids_ok(m, ids, n) || kv_seq_length(cross) == 0 ||
-        kv_seq_store(self) != kv_seq_store(cross))
-        return MODEL_EINVAL;
-    if (!m->cfg.bart && kv_seq_stats(self).strategy == KV_QUANTIZED)
-        return MODEL_EUNSUPPORTED; /* encdec_quant_refusal */
-    int64_t p0 = kv_seq_length(self);
-    if (m->cfg.bart && p0 + n > m->cfg.max_positions) /* learned positions end there */
-        return MODEL_EINVAL;
     kv_store *store = kv_seq_store(self);
     enum model_status st = from_tier(kv_seq_reserve(self, n));
     if (st != MODEL_OK)
@@ -844,5 +838,29 @@ enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const in
         st = from_tier(kv_seq_commit(self));
     else
         kv_seq_abort(self);
+    return st;
+}
+
+enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, float *logits)
+{
+    if (!m || !self || !cross || !ids_ok(m, ids, n) || kv_seq_length(cross) == 0 ||
+        kv_seq_store(self) != kv_seq_store(cross))
+        return MODEL_EINVAL;
+    if (!m->cfg.bart && kv_seq_stats(self).strategy == KV_QUANTIZED)
+        return MODEL_EUNSUPPORTED; /* encdec_quant_refusal */
+    int64_t p0 = kv_seq_length(self);
+    if (m->cfg.bart && p0 + n > m->cfg.max_positions) /* learned positions end there */
+        return MODEL_EINVAL;
+    enum model_status st;
+    /* Out of device memory is not the end of the generation, as for
+     * model_forward: the step is redone with the self cache, then the
+     * cross cache, moved to the host tier (nothing recomputed) until it
+     * fits or nothing is left to move. */
+    while ((st = decode_step(m, self, cross, ids, n, p0, logits)) == MODEL_EDEVMEM) {
+        kv_seq *q = kv_seq_stats(self).resident_layers ? self : kv_seq_stats(cross).dev_bytes ? cross : NULL;
+        enum tier_status ts = q ? kv_seq_offload(q, KV_FALLBACK_OOM) : TIER_ENOTSUP;
+        if (ts != TIER_OK)
+            return ts == TIER_ENOTSUP ? st : from_tier(ts);
+    }
     return st;
 }

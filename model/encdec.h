@@ -65,6 +65,9 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
  * (filled by encdec_encode; it may since have moved to the host tier,
  * kv_seq_offload, where it is read in place); logits (host, [vocab] f32,
  * may be NULL) of the last one.  Transactional as model_forward: on failure self is unchanged.
+ * As model_forward, a step that runs out of device memory is redone with
+ * the self cache, then the cross cache, moved to the host tier
+ * (kv_seq_stats().fallback says so), nothing recomputed.
  * self: any strategy but quantized for T5 (encdec_quant_refusal), created
  * without the prefix cache's publishing (the decoder's tokens say nothing
  * of the encoder input they attend to). */

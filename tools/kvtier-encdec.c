@@ -18,6 +18,8 @@
  *
  * quantized: quanto, 8 bits, groups of 16 channels per token, a residual
  * of 8 tokens (BART only: a T5 model prints the refusal).
+ * --device-mem BYTES: the device budget (K/M/G suffixes); a step that
+ * runs out continues with the caches in the host tier.
  * --cross-host: once the encoder has run, the cross-attention cache moves
  * to the host tier as a device OOM would move it (kv_seq_offload).
  *
@@ -151,11 +153,12 @@ int main(int argc, char **argv)
         {"kv-dtype", required_argument, 0, 'k'}, {"strategy", required_argument, 0, 's'},
         {"dump", required_argument, 0, 'o'}, {"check", required_argument, 0, 'c'},
         {"enc-len", required_argument, 0, 'L'}, {"bench", required_argument, 0, 'b'},
-        {"cross-host", no_argument, 0, 'H'}, {0, 0, 0, 0}};
+        {"cross-host", no_argument, 0, 'H'}, {"device-mem", required_argument, 0, 'D'}, {0, 0, 0, 0}};
     const char *dir = NULL, *dump = NULL, *strategy = "dynamic";
     static int enc[MAX_IDS], dec[MAX_IDS];
     int n_enc = 0, n_dec = 0, n = 8, check = 0, enc_len = 0, rounds = 0, c;
     bool cross_host = false;
+    size_t device_mem = 0;
     struct model_params mp = {0};
     while ((c = getopt_long(argc, argv, "m:n:", opts, NULL)) != -1) {
         switch (c) {
@@ -169,6 +172,7 @@ int main(int argc, char **argv)
         case 'b': if (!args_int(optarg, 1, 1000, &rounds)) return args_invalid(argv[0], opts, c, optarg); break;
         case 's': strategy = optarg; break;
         case 'H': cross_host = true; break;
+        case 'D': if (!args_size(optarg, &device_mem)) return args_invalid(argv[0], opts, c, optarg); break;
         case 'o': dump = optarg; break;
         default:
             fprintf(stderr, "usage: kvtier-encdec -m DIR --enc IDS [--dec IDS] [-n N] [--kv-dtype T] "
@@ -199,7 +203,7 @@ int main(int argc, char **argv)
     kv_store *store = NULL;
     kv_seq *self = NULL, *cross = NULL, *self2 = NULL, *fork_self = NULL, *fork_cross = NULL;
     int rc = 1;
-    if (be_open("cpu", &(struct be_params){0}, &be) != BE_OK) {
+    if (be_open("cpu", &(struct be_params){.device_mem = device_mem}, &be) != BE_OK) {
         fprintf(stderr, "kvtier-encdec: cannot open the cpu backend\n");
         return 1;
     }
@@ -252,8 +256,12 @@ int main(int argc, char **argv)
         goto out;
     }
     struct kv_seq_stats xs = kv_seq_stats(cross);
+    struct kv_seq_stats ss = kv_seq_stats(self);
     fprintf(stderr, "cross-attention cache: %lld tokens, device %zu bytes, host %zu bytes\n",
             (long long)kv_seq_length(cross), xs.dev_bytes, xs.host_bytes);
+    fprintf(stderr, "self-attention cache: %lld tokens, device %zu bytes, host %zu bytes%s\n",
+            (long long)kv_seq_length(self), ss.dev_bytes, ss.host_bytes,
+            ss.fallback == KV_FALLBACK_OOM ? ", moved to the host tier by a device OOM" : "");
     for (int i = 0; i < n; i++)
         printf("%s%d", i ? "," : "", r.toks[i]);
     printf("\n");
