@@ -736,6 +736,8 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
 {
     if (!m || !cross || !ids_ok(m, ids, n) || kv_seq_length(cross) != 0)
         return MODEL_EINVAL;
+    if (m->cfg.bart && n > m->cfg.max_positions) /* learned positions end there */
+        return MODEL_EINVAL;
     /* the encoder's scratch is the cross blocks of the device, as they are */
     struct kv_seq_stats qs = kv_seq_stats(cross);
     if (qs.strategy != KV_DYNAMIC && qs.strategy != KV_STATIC)

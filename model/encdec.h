@@ -58,7 +58,9 @@ struct kv_geom encdec_kv_geom(const encdec *m);
  * cross-attention K and V of its output into cross, an empty sequence of a
  * dense strategy that stays on the device (dynamic or static: it is the
  * encoder's scratch too).  Encoder attention reads its K and V in the
- * store's dtype, as the cache holds them.  On failure cross is empty. */
+ * store's dtype, as the cache holds them.  BART's input, like its
+ * decoder's tokens, ends at max_position_embeddings (MODEL_EINVAL past it).
+ * On failure cross is empty. */
 enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, int n);
 
 /* Feeds ids[0, n) to the decoder after self's tokens, attending to cross

@@ -102,6 +102,12 @@ for dtype in f32 bf16; do
                    { cat "$dir/quant.log"; echo "FAIL $name: quantized not refused"; touch "$tmp/failed"; } ;;
             esac
         fi
+        # BART's learned positions end at max_position_embeddings (128)
+        if [ "$name-$dtype" = bart-f32 ]; then
+            "$run" -m "$dir" --enc-len 128 -n 1 > "$dir/pos.log" 2>&1 &&
+                ! "$run" -m "$dir" --enc-len 129 -n 1 >> "$dir/pos.log" 2>&1 ||
+                { cat "$dir/pos.log"; echo "FAIL $name-$dtype: an input past max_position_embeddings"; touch "$tmp/failed"; }
+        fi
         # a device budget of the activations and a few KV blocks: a step
         # runs out, the self cache and then the cross cache move to the
         # host tier, and the generation goes on with the same numbers
