@@ -81,7 +81,7 @@ static int cmp_double(const void *a, const void *b)
  * encode, cross is emptied and the input encoded again first.  Seconds. */
 static enum model_status bench_once(struct run *r, kv_store *store, const struct kv_seq_params *sp, kv_seq **cross,
                                     const int32_t *enc, int n_enc, const int32_t *dec, int n_dec, int n,
-                                    bool encode, int32_t *out, float *rows, double *secs)
+                                    bool encode, bool cross_host, int32_t *out, float *rows, double *secs)
 {
     double t0 = clock_s();
     enum model_status st = MODEL_OK;
@@ -90,6 +90,8 @@ static enum model_status bench_once(struct run *r, kv_store *store, const struct
         *cross = NULL;
         struct kv_seq_params cp = {.no_prefix_cache = true};
         st = kv_seq_create(store, &cp, cross) == TIER_OK ? encdec_encode(r->m, *cross, enc, n_enc) : MODEL_ENOMEM;
+        if (st == MODEL_OK && cross_host)
+            st = kv_seq_offload(*cross, KV_FALLBACK_OOM) == TIER_OK ? MODEL_OK : MODEL_ENOMEM;
     }
     kv_seq *self = NULL;
     if (st == MODEL_OK)
@@ -104,18 +106,21 @@ static enum model_status bench_once(struct run *r, kv_store *store, const struct
 /* --bench: session reuse against re-encoding, alternating rounds. */
 static enum model_status bench(struct run *r, kv_store *store, const struct kv_seq_params *sp, kv_seq **cross,
                                const int32_t *enc, int n_enc, const int32_t *dec, int n_dec, int n, int rounds,
-                               int32_t *out, float *rows)
+                               bool cross_host, int32_t *out, float *rows)
 {
     double *t = calloc(2 * (size_t)rounds, sizeof(double)), enc_s = clock_s();
     if (!t)
         return MODEL_ENOMEM;
     enum model_status st = encdec_encode(r->m, *cross, enc, n_enc);
     enc_s = clock_s() - enc_s;
+    if (st == MODEL_OK && cross_host)
+        st = kv_seq_offload(*cross, KV_FALLBACK_OOM) == TIER_OK ? MODEL_OK : MODEL_ENOMEM;
     size_t cross_bytes = kv_seq_bytes(*cross);
     for (int i = 0; i < rounds && st == MODEL_OK; i++) {
-        st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, false, out, rows, &t[i]);
+        st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, false, cross_host, out, rows, &t[i]);
         if (st == MODEL_OK)
-            st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, true, out, rows, &t[rounds + i]);
+            st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, true, cross_host, out, rows,
+                            &t[rounds + i]);
     }
     if (st == MODEL_OK) {
         qsort(t, (size_t)rounds, sizeof(double), cmp_double);
@@ -126,7 +131,8 @@ static enum model_status bench(struct run *r, kv_store *store, const struct kv_s
         printf("session reuse          %8.3f s per generation, %8.1f tokens/s\n", reuse, n / reuse);
         printf("re-encoding each time  %8.3f s per generation, %8.1f tokens/s\n", again, n / again);
         printf("ratio                  %8.2fx\n", again / reuse);
-        printf("cross-attention KV     %8.2f MiB (written once, read every step)\n", cross_bytes / 1048576.0);
+        printf("cross-attention KV     %8.2f MiB (written once, read every step; %s tier)\n",
+               cross_bytes / 1048576.0, cross_host ? "host" : "device");
         struct kv_store_stats ks = kv_store_stats(store);
         printf("store after the rounds device %.2f MiB, host %.2f MiB\n", ks.dev_bytes / 1048576.0,
                ks.host_bytes / 1048576.0);
@@ -242,7 +248,7 @@ int main(int argc, char **argv)
     }
     if (rounds) {
         st = bench(&r, store, &sp, &cross, (const int32_t *)enc, n_enc, (const int32_t *)dec, n_dec, n, rounds,
-                   r.toks, r.logits);
+                   cross_host, r.toks, r.logits);
         rc = st == MODEL_OK ? 0 : 1;
         goto out;
     }
