@@ -120,7 +120,7 @@ static bool ops_complete(const struct be_ops *o)
     return o && o->api_version == BE_API_VERSION && o->name && o->free && o->caps && o->dev_alloc && o->dev_free &&
            o->host_alloc && o->host_free && o->copy_async && o->copy && o->event_create && o->event_free &&
            o->event_record && o->event_sync && o->sync && o->matmul && o->rmsnorm && o->rope && o->kv_store &&
-           o->attention && o->silu_mul && o->gelu_mul && o->scale && o->layernorm && o->add && o->softmax && o->embed && o->argmax;
+           o->attention && o->silu_mul && o->gelu_mul && o->act && o->scale && o->layernorm && o->add && o->softmax && o->embed && o->argmax;
 }
 
 enum be_status be_open(const char *name, const struct be_params *p, be_backend **out)
@@ -495,7 +495,8 @@ enum be_status be_rope(be_backend *be, void *x, int n_tok, int n_heads, int head
 static bool attn_params_ok(const struct be_attn_params *p)
 {
     return p && p->n_heads > 0 && p->n_kv_heads > 0 && p->n_heads % p->n_kv_heads == 0 && p->head_dim > 0 &&
-           p->window >= 0 && dtype_ok(p->kv_dtype) && p->softcap >= 0.0f && isfinite(p->softcap);
+           p->window >= 0 && dtype_ok(p->kv_dtype) && p->softcap >= 0.0f && isfinite(p->softcap) &&
+           p->rel_span >= 0 && (!p->rel_bias || p->rel_span > 0);
 }
 
 /* Every token names a view whose blocks cover [lo, hi) and, for a store,
@@ -613,7 +614,7 @@ enum be_status be_attention_quant(be_backend *be, void *out, const void *q, cons
     for (int t = 0; t < n_tok; t++)
         if (toks[t].view < 0 || toks[t].pos < 0 || !kvq_view_ok(&views[toks[t].view], p))
             return BE_EINVAL;
-    if (!be->ops->attention_quant)
+    if (!be->ops->attention_quant || p->bidirectional || p->rel_bias)
         return BE_ENOTSUP;
     return n_tok ? be->ops->attention_quant(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
 }
@@ -732,6 +733,15 @@ enum be_status be_gelu_mul(be_backend *be, void *y, const void *gate, const void
     if (!be || !y || !gate)
         return BE_EINVAL;
     return n ? be->ops->gelu_mul(be->ctx, y, gate, up, n) : BE_OK;
+}
+
+enum be_status be_act(be_backend *be, void *x, size_t n, enum be_act act)
+{
+    if (!be || !x || (act != BE_ACT_RELU && act != BE_ACT_GELU_ERF))
+        return BE_EINVAL;
+    if (!be->ops->act)
+        return BE_ENOTSUP;
+    return n ? be->ops->act(be->ctx, x, n, act) : BE_OK;
 }
 
 enum be_status be_scale(be_backend *be, void *x, size_t n, float s)

@@ -204,6 +204,18 @@ struct be_attn_params {
     const float *key_rope;
     int64_t key_rope_rows;
     enum be_rope_layout key_rope_layout;
+    /* Encoder-decoder models.  bidirectional: every key of a view's
+     * [lo, hi) is visible to every query (an encoder's self-attention,
+     * cross-attention), not only those at or before the query's position.
+     * rel_bias (T5's relative position buckets, device f32 [n_heads,
+     * 2 * rel_span + 1], NULL: none): row h, column clamp(k - q, -rel_span,
+     * rel_span) + rel_span is added to query head h's scaled score of the
+     * key at position k for the query at position q; past rel_span the
+     * bucket no longer changes, so the clamp is exact.  Neither is read by
+     * be_attention_quant (BE_ENOTSUP). */
+    bool bidirectional;
+    const float *rel_bias;
+    int rel_span;
 };
 
 /* Where token t of a batch lives: which view and which absolute position. */
@@ -351,6 +363,10 @@ enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void
  * gelu_tanh(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), the
  * "gelu_pytorch_tanh" / "gelu_new" of transformers. */
 enum be_status be_gelu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n);
+/* x[n] = act(x[n]) in place: ReLU (T5 v1.0's FFN) or the exact erf GELU
+ * (BART's "gelu", not gelu_tanh). */
+enum be_act { BE_ACT_RELU = 0, BE_ACT_GELU_ERF };
+enum be_status be_act(be_backend *be, void *x, size_t n, enum be_act act);
 /* x[n] *= s */
 enum be_status be_scale(be_backend *be, void *x, size_t n, float s);
 /* y[n] += x[n] */

@@ -16,7 +16,7 @@
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
-#define BE_API_VERSION 8
+#define BE_API_VERSION 9
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
@@ -66,6 +66,7 @@ struct be_ops {
     enum be_status (*silu_mul)(void *ctx, void *y, const void *gate, const void *up, size_t n);
     enum be_status (*gelu_mul)(void *ctx, void *y, const void *gate, const void *up, size_t n); // up may be NULL
     enum be_status (*scale)(void *ctx, void *x, size_t n, float s);
+    enum be_status (*act)(void *ctx, void *x, size_t n, enum be_act act);
     enum be_status (*layernorm)(void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim,
                                 float eps);
     enum be_status (*add)(void *ctx, void *y, const void *x, size_t n);

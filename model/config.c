@@ -265,7 +265,8 @@ static enum model_status read_arch(const struct jctx *c, const struct arch_info 
     }
     return model_errf(c->err, MODEL_EUNSUPPORTED,
                       "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
-                      "Gemma3, Phi3, Mamba ForCausalLM, GPT2LMHeadModel)",
+                      "Gemma3, Phi3, Mamba ForCausalLM, GPT2LMHeadModel; T5 and BART encoder-decoder models "
+                      "run with kvtier-encdec, not the daemon yet)",
                       c->file, name);
 }
 

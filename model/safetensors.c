@@ -932,36 +932,88 @@ void model_files_drop_tables(model_files *mf)
         st_drop_header(&mf->files[i]);
 }
 
-enum model_status model_files_open(const char *dir, const struct model_config *cfg, model_files **out,
-                                   struct model_weights *w, char *err)
+/* Maps dir's files, binds them with bind(b, arg) and hashes their headers. */
+static enum model_status open_bound(const char *dir, const struct model_config *cfg, model_bind_fn bind, void *arg,
+                                   model_files **out, uint64_t *header_hash, char *err)
 {
-    if (model_is_gguf(dir))
-        return gguf_files_open(dir, cfg, out, w, err);
     *out = NULL;
-    memset(w, 0, sizeof *w);
+    *header_hash = 0;
     model_files *mf = calloc(1, sizeof *mf);
     if (!mf)
         return model_errf(err, MODEL_ENOMEM, "out of memory opening the weights of %s", dir);
     struct binder b = {.mf = mf, .cfg = cfg, .err = err};
     enum model_status st = open_files(mf, dir, &b.weight_map, err);
     if (st == MODEL_OK)
-        st = bind_all(&b, w);
+        st = bind(&b, arg);
     json_decref(b.weight_map);
     for (int i = 0; i < mf->n_files; i++) {
         const struct st_file *f = &mf->files[i];
         if (st == MODEL_OK) /* the raw header bytes: what changes when any tensor's name, dtype or shape does */
-            w->header_hash = XXH3_64bits_withSeed((const char *)f->map + 8,
-                                                  (size_t)((const char *)f->data - (const char *)f->map - 8),
-                                                  w->header_hash);
+            *header_hash = XXH3_64bits_withSeed((const char *)f->map + 8,
+                                                (size_t)((const char *)f->data - (const char *)f->map - 8),
+                                                *header_hash);
     }
     model_files_drop_tables(mf);
     if (st != MODEL_OK) {
-        memset(w, 0, sizeof *w);
         model_files_close(mf);
         return st;
     }
     *out = mf;
     return MODEL_OK;
+}
+
+static enum model_status bind_weights(struct binder *b, void *w)
+{
+    return bind_all(b, w);
+}
+
+enum model_status model_files_open(const char *dir, const struct model_config *cfg, model_files **out,
+                                   struct model_weights *w, char *err)
+{
+    if (model_is_gguf(dir))
+        return gguf_files_open(dir, cfg, out, w, err);
+    memset(w, 0, sizeof *w);
+    uint64_t hash;
+    enum model_status st = open_bound(dir, cfg, bind_weights, w, out, &hash, err);
+    if (st != MODEL_OK)
+        memset(w, 0, sizeof *w);
+    else
+        w->header_hash = hash;
+    return st;
+}
+
+struct custom_bind {
+    size_t vector_floats;
+    model_bind_fn bind;
+    void *arg;
+};
+
+static enum model_status bind_custom(struct binder *b, void *arg)
+{
+    const struct custom_bind *cb = arg;
+    b->mf->vectors = malloc((cb->vector_floats ? cb->vector_floats : 1) * sizeof *b->mf->vectors);
+    if (!b->mf->vectors)
+        return model_errf(b->err, MODEL_ENOMEM, "out of memory binding the weights");
+    b->next_vector = b->mf->vectors;
+    return cb->bind(b, cb->arg);
+}
+
+enum model_status model_files_open_with(const char *dir, const struct model_config *cfg, size_t vector_floats,
+                                        model_bind_fn bind, void *arg, model_files **out, uint64_t *header_hash,
+                                        char *err)
+{
+    struct custom_bind cb = {vector_floats, bind, arg};
+    return open_bound(dir, cfg, bind_custom, &cb, out, header_hash, err);
+}
+
+enum model_status model_bind_mat(struct binder *b, const char *name, int rows, int cols, struct model_mat *m)
+{
+    return bind_mat(b, name, rows, cols, m);
+}
+
+enum model_status model_bind_vec(struct binder *b, const char *name, int len, const float **out)
+{
+    return bind_vec(b, name, len, out);
 }
 
 static enum model_status verify_mat(const struct model_mat *m, const char *name, char *err)

@@ -83,4 +83,17 @@ enum model_status model_files_keep(model_files *mf, void *p, char *err);
 /* The tensor table a binding no longer needs. */
 void model_files_drop_tables(model_files *mf);
 
+/* Loaders with a layout of their own (model/encdec.c): maps dir's
+ * checkpoint and calls bind(b, arg), which binds each tensor it needs with
+ * model_bind_mat (rows x cols of cfg->dtype, the only field of cfg read)
+ * and model_bind_vec (an f32 copy, at most vector_floats in all).
+ * *header_hash: as model_weights.header_hash. */
+struct binder;
+typedef enum model_status (*model_bind_fn)(struct binder *b, void *arg);
+enum model_status model_files_open_with(const char *dir, const struct model_config *cfg, size_t vector_floats,
+                                        model_bind_fn bind, void *arg, model_files **out, uint64_t *header_hash,
+                                        char *err);
+enum model_status model_bind_mat(struct binder *b, const char *name, int rows, int cols, struct model_mat *m);
+enum model_status model_bind_vec(struct binder *b, const char *name, int len, const float **out);
+
 #endif

@@ -43,7 +43,8 @@ from bytelevel import bytes_to_unicode  # noqa: E402
 ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-              "gpt2": "GPT2LMHeadModel", "mamba": "MambaForCausalLM"}
+              "gpt2": "GPT2LMHeadModel", "mamba": "MambaForCausalLM", "t5": "T5ForConditionalGeneration",
+              "bart": "BartForConditionalGeneration"}
 
 # Shapes of public checkpoints (benchmarks) and a tiny default (tests).
 PRESETS = {
@@ -260,11 +261,39 @@ def mamba_config(o, bos, eos):
             "torch_dtype": ST_DTYPE[o.dtype][2], "transformers_version": "4.45.0"}
 
 
+def encdec_config(o, bos, eos):
+    """T5Config / BartConfig as transformers writes them.  --layers is both
+    stacks' depth (T5: --dec-layers may differ), --head-dim T5's d_kv;
+    --ffn-kind picks T5's feed_forward_proj (relu or gated-gelu)."""
+    common = {"architectures": [ARCH_CLASS[o.arch]], "model_type": o.arch, "vocab_size": o.vocab,
+              "d_model": o.dim, "is_encoder_decoder": True, "use_cache": True,
+              "tie_word_embeddings": bool(o.tie), "torch_dtype": ST_DTYPE[o.dtype][2],
+              "transformers_version": "4.45.0"}
+    if o.arch == "t5":
+        gated = o.ffn_kind == "gated-gelu"
+        return {**common, "d_kv": o.head_dim or o.dim // o.heads, "d_ff": o.ffn, "num_layers": o.layers,
+                "num_decoder_layers": o.dec_layers or o.layers, "num_heads": o.heads,
+                "relative_attention_num_buckets": o.buckets, "relative_attention_max_distance": o.max_distance,
+                "dropout_rate": 0.1, "layer_norm_epsilon": o.eps, "initializer_factor": 1.0,
+                "feed_forward_proj": o.ffn_kind, "dense_act_fn": "gelu_new" if gated else "relu",
+                "is_gated_act": gated, "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
+    return {**common, "encoder_layers": o.layers, "decoder_layers": o.dec_layers or o.layers,
+            "encoder_attention_heads": o.heads, "decoder_attention_heads": o.heads,
+            "encoder_ffn_dim": o.ffn, "decoder_ffn_dim": o.ffn, "activation_function": "gelu",
+            "max_position_embeddings": o.max_pos, "scale_embedding": bool(o.scale_embedding),
+            "normalize_before": False, "add_final_layer_norm": False, "init_std": 0.02,
+            "dropout": 0.1, "attention_dropout": 0.0, "activation_dropout": 0.0,
+            "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos, "decoder_start_token_id": eos,
+            "forced_eos_token_id": eos}
+
+
 def make_config(o, bos, eos):
     if o.arch == "gpt2":
         return gpt2_config(o, bos, eos)
     if o.arch == "mamba":
         return mamba_config(o, bos, eos)
+    if o.arch in ("t5", "bart"):
+        return encdec_config(o, bos, eos)
     arch = ARCH_CLASS[o.arch]
     head_dim = o.head_dim or o.dim // o.heads
     if o.dim % o.heads and not o.head_dim:
@@ -326,6 +355,8 @@ def init_kind(name, shape, cfg):
     gpt2 = cfg["architectures"][0] == "GPT2LMHeadModel"
     if cfg["architectures"][0] == "MambaForCausalLM":
         return mamba_init(name, shape, cfg)
+    if cfg.get("is_encoder_decoder"):
+        return encdec_init(name, shape, cfg)
     if name.endswith("norm.weight") or (gpt2 and ".ln_" in name and name.endswith(".weight")):
         return (0.0 if cfg["architectures"][0].startswith("Gemma") else 1.0), 0.1
     if name.endswith(".bias"):
@@ -356,6 +387,36 @@ def mamba_init(name, shape, cfg):
     if name == "lm_head.weight":
         return 0.0, head_std
     return 0.0, 1.0 / math.sqrt(shape[-1])  # conv1d [inner, 1, kernel]: 1/kernel
+
+
+def encdec_init(name, shape, cfg):
+    """T5 / BART: as above; a tied T5 head multiplies by d_model^-0.5, so its
+    shared embeddings have std 1 (its greedy tokens repeat: tests read its logits); T5's relative biases N(0, 1) and BART's
+    final_logits_bias N(0, 0.5^2), so that a miss of either shows; BART's
+    other biases N(0, 0.1^2) and the cross-attention output N(0, 0.04/in):
+    both add nearly the same vector at every step (the encoder output does
+    not change), and at full scale greedy decoding repeats one token."""
+    d = cfg["d_model"]
+    t5 = cfg["model_type"] == "t5"
+    if name.endswith("norm.weight") or name.endswith("layernorm_embedding.weight"):
+        return 1.0, 0.1
+    if name.endswith(".bias"):
+        return 0.0, 0.1
+    if name == "final_logits_bias":
+        return 0.0, 0.5
+    if name.endswith("relative_attention_bias.weight"):
+        return 0.0, 1.0
+    if name.endswith("shared.weight"):
+        if not cfg["tie_word_embeddings"]:
+            return 0.0, 1.0
+        return 0.0, 1.0 if t5 else 3.0 / math.sqrt(d)
+    if name == "lm_head.weight":
+        return 0.0, 3.0 / math.sqrt(d)
+    if name.endswith("embed_positions.weight"):
+        return 0.0, 1.0
+    if name.endswith(("EncDecAttention.o.weight", "encoder_attn.out_proj.weight")):
+        return 0.0, 0.2 / math.sqrt(shape[-1])
+    return 0.0, 1.0 / math.sqrt(shape[-1])
 
 
 def write_tensor(f, name, shape, idx, o, cfg):
@@ -442,6 +503,11 @@ def parse_args(argv):
     ap.add_argument("--tie", action="store_true", default=None, help="tie_word_embeddings")
     ap.add_argument("--no-tie", dest="tie", action="store_false")
     ap.add_argument("--rope-scaling", help="linear:F, llama3:F[:ORIG_MAX_POS] or longrope (phi3)")
+    ap.add_argument("--dec-layers", type=int, help="t5, bart: decoder layers (default --layers)")
+    ap.add_argument("--ffn-kind", default="relu", choices=("relu", "gated-gelu"), help="t5: feed_forward_proj")
+    ap.add_argument("--buckets", type=int, default=32, help="t5: relative_attention_num_buckets")
+    ap.add_argument("--max-distance", type=int, default=128, help="t5: relative_attention_max_distance")
+    ap.add_argument("--scale-embedding", action="store_true", help="bart: scale_embedding")
     ap.add_argument("--tokenizer-from", help="copy tokenizer.json/tokenizer_config.json from this directory")
     o = ap.parse_args(argv)
     p = dict(PRESETS[o.preset])

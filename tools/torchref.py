@@ -62,7 +62,7 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 def arch_of(cfg):
     archs = cfg.get("architectures") or []
     for a in archs:
-        if a in ARCHS:
+        if a in ARCHS or a in ENCDEC_ARCHS:
             return a
     raise ValueError(f"config.json: unsupported architectures {archs!r}; supported: {', '.join(ARCHS)}")
 
@@ -676,6 +676,8 @@ def build_model(cfg, device=None):
     arch = arch_of(cfg)
     if arch == "MambaForCausalLM":
         return MambaLM(cfg, device)
+    if arch in ENCDEC_ARCHS:
+        return EncDecLM(cfg, device)
     return GPT2LM(cfg, device) if arch == "GPT2LMHeadModel" else CausalLM(cfg, device)
 
 
@@ -883,5 +885,286 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quant
                 mod.register_forward_pre_hook(lambda _mod, args: (q8_act(args[0]),))
     elif weights != "auto":
         raise ValueError(f"weights {weights!r}: auto, q8_0 or q4_k")
+    m.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
+    return m.to(dtype).eval()
+
+
+# --------------------------------------------------------------------------
+# Encoder-decoder models: T5ForConditionalGeneration and
+# BartForConditionalGeneration.
+#
+# T5: no position embeddings; each stack's first self-attention layer owns
+# a table [num_buckets, heads] of biases added to the unscaled scores by the
+# bucket of the relative position key - query (the encoder's buckets split
+# by sign, the decoder's causal ones not); every layer of the stack reuses
+# that bias, cross-attention has none.  RMS-style T5LayerNorm (no mean, no
+# bias, variance in f32) before each sublayer, residual after; FFN ReLU
+# (v1.0, "relu") or gated tanh-GELU (v1.1/Flan, "gated-gelu"); a tied head
+# multiplies the decoder output by d_model^-0.5 first.
+# BART: learned positions whose row is position + 2, embeddings times
+# sqrt(d_model) when scale_embedding, layernorm_embedding after the sum,
+# post-norm LayerNorm blocks (residual add, then the norm), biased
+# projections with q scaled by head_dim^-0.5, erf GELU, and final_logits_bias
+# added to the tied head's logits.
+# Both decode with a cache: per layer, the self-attention K/V grow by the
+# step's tokens; the cross-attention K/V are projected once from the encoder
+# output.  kv_dtype rounds both as a cache of that type keeps them.
+# --------------------------------------------------------------------------
+ENCDEC_ARCHS = ("T5ForConditionalGeneration", "BartForConditionalGeneration")
+
+
+def t5_bucket(rel, bidirectional, num_buckets, max_distance):
+    """T5's bucket of each relative position rel = key - query (a long
+    tensor): exact below half the (per-sign) buckets, logarithmic up to
+    max_distance, the last bucket beyond."""
+    buckets = torch.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (rel > 0).long() * num_buckets
+        rel = rel.abs()
+    else:
+        rel = -torch.clamp(rel, max=0)
+    max_exact = num_buckets // 2
+    large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(rel < max_exact, rel, large)
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+class EDAttention(nn.Module):
+    """Self- or cross-attention of T5 (no biases, unscaled scores) or BART
+    (biases, q scaled by head_dim^-0.5).  K/V of cross-attention come from
+    the encoder output once (kv_once)."""
+
+    def __init__(self, dim, heads, hd, bart, device=None):
+        super().__init__()
+        self.heads, self.hd, self.bart = heads, hd, bart
+        names = ("q_proj", "k_proj", "v_proj", "out_proj") if bart else ("q", "k", "v", "o")
+        self.names = names
+        for n in names[:3]:
+            setattr(self, n, nn.Linear(dim, heads * hd, bias=bart, device=device))
+        setattr(self, names[3], nn.Linear(heads * hd, dim, bias=bart, device=device))
+        self.kv_dtype = None
+
+    def kv(self, x):
+        """[B, H, T, hd] K and V of x, rounded to the cache's type."""
+        b, t, _ = x.shape
+        k = getattr(self, self.names[1])(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        v = getattr(self, self.names[2])(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        if self.kv_dtype is not None:
+            k, v = k.to(self.kv_dtype).to(x.dtype), v.to(self.kv_dtype).to(x.dtype)
+        return k, v
+
+    def forward(self, x, k, v, bias):
+        """x [B, T, dim] queries over k, v [B, H, S, hd]; bias: additive
+        [H, T, S] (relative bias and mask) or None."""
+        b, t, _ = x.shape
+        q = getattr(self, self.names[0])(x)
+        if self.bart:
+            q = q * self.hd ** -0.5
+        q = q.view(b, t, self.heads, self.hd).transpose(1, 2)
+        s = torch.matmul(q, k.transpose(2, 3))
+        if bias is not None:
+            s = s + bias
+        p = F.softmax(s.float(), dim=-1).to(q.dtype)
+        o = torch.matmul(p, v).transpose(1, 2).reshape(b, t, self.heads * self.hd)
+        return getattr(self, self.names[3])(o)
+
+
+class EDLayer(nn.Module):
+    """One block of either stack, holding its parameters under the HF names
+    (T5: layer.N.*; BART: self_attn, encoder_attn, fc1, fc2 and norms)."""
+
+    def __init__(self, cfg, decoder, device=None):
+        super().__init__()
+        self.bart = arch_of(cfg) == "BartForConditionalGeneration"
+        self.decoder = decoder
+        if self.bart:
+            d = cfg["d_model"]
+            heads = cfg["decoder_attention_heads" if decoder else "encoder_attention_heads"]
+            ffn = cfg["decoder_ffn_dim" if decoder else "encoder_ffn_dim"]
+            self.self_attn = EDAttention(d, heads, d // heads, True, device)
+            self.self_attn_layer_norm = nn.LayerNorm(d, eps=1e-5, device=device)
+            if decoder:
+                self.encoder_attn = EDAttention(d, heads, d // heads, True, device)
+                self.encoder_attn_layer_norm = nn.LayerNorm(d, eps=1e-5, device=device)
+            self.fc1 = nn.Linear(d, ffn, device=device)
+            self.fc2 = nn.Linear(ffn, d, device=device)
+            self.final_layer_norm = nn.LayerNorm(d, eps=1e-5, device=device)
+            return
+        d, heads, hd, ffn = cfg["d_model"], cfg["num_heads"], cfg["d_kv"], cfg["d_ff"]
+        eps = cfg.get("layer_norm_epsilon", 1e-6)
+        self.gated = cfg.get("feed_forward_proj", "relu").startswith("gated-")
+        subs = [nn.ModuleDict({"SelfAttention": EDAttention(d, heads, hd, False, device),
+                               "layer_norm": RMSNorm(d, eps, device)})]
+        if decoder:
+            subs.append(nn.ModuleDict({"EncDecAttention": EDAttention(d, heads, hd, False, device),
+                                       "layer_norm": RMSNorm(d, eps, device)}))
+        ff = nn.ModuleDict({"wo": nn.Linear(ffn, d, bias=False, device=device)})
+        if self.gated:
+            ff["wi_0"] = nn.Linear(d, ffn, bias=False, device=device)
+            ff["wi_1"] = nn.Linear(d, ffn, bias=False, device=device)
+        else:
+            ff["wi"] = nn.Linear(d, ffn, bias=False, device=device)
+        subs.append(nn.ModuleDict({"DenseReluDense": ff, "layer_norm": RMSNorm(d, eps, device)}))
+        self.layer = nn.ModuleList(subs)
+
+    def attns(self):
+        """(self-attention, cross-attention or None)."""
+        if self.bart:
+            return self.self_attn, getattr(self, "encoder_attn", None)
+        return self.layer[0]["SelfAttention"], self.layer[1]["EncDecAttention"] if self.decoder else None
+
+    def forward(self, x, self_kv, self_bias, cross_kv):
+        """self_kv: this layer's (K, V) including x's own rows; cross_kv:
+        the encoder output's (decoder only)."""
+        sa, ca = self.attns()
+        if self.bart:
+            x = self.self_attn_layer_norm(x + sa(x, *self_kv, self_bias))
+            if ca is not None:
+                x = self.encoder_attn_layer_norm(x + ca(x, *cross_kv, None))
+            return self.final_layer_norm(x + self.fc2(F.gelu(self.fc1(x))))
+        x = x + sa(self.layer[0]["layer_norm"](x), *self_kv, self_bias)
+        if ca is not None:
+            x = x + ca(self.layer[1]["layer_norm"](x), *cross_kv, None)
+        ff = self.layer[-1]["DenseReluDense"]
+        h = self.layer[-1]["layer_norm"](x)
+        h = gelu_tanh(ff["wi_0"](h)) * ff["wi_1"](h) if self.gated else F.relu(ff["wi"](h))
+        return x + ff["wo"](h)
+
+    def self_kv_input(self, x):
+        """What this layer's self-attention projects K, V from."""
+        return x if self.bart else self.layer[0]["layer_norm"](x)
+
+
+class EDStack(nn.Module):
+    def __init__(self, cfg, decoder, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.bart = arch_of(cfg) == "BartForConditionalGeneration"
+        self.decoder = decoder
+        if self.bart:
+            n = cfg["decoder_layers" if decoder else "encoder_layers"]
+            d = cfg["d_model"]
+            self.embed_positions = nn.Embedding(cfg["max_position_embeddings"] + 2, d, device=device)
+            self.layernorm_embedding = nn.LayerNorm(d, eps=1e-5, device=device)
+            self.layers = nn.ModuleList(EDLayer(cfg, decoder, device) for _ in range(n))
+        else:
+            n = cfg.get("num_decoder_layers") or cfg["num_layers"] if decoder else cfg["num_layers"]
+            self.block = nn.ModuleList(EDLayer(cfg, decoder, device) for _ in range(n))
+            self.block[0].layer[0]["SelfAttention"].relative_attention_bias = nn.Embedding(
+                cfg.get("relative_attention_num_buckets", 32), cfg["num_heads"], device=device)
+            self.final_layer_norm = RMSNorm(cfg["d_model"], cfg.get("layer_norm_epsilon", 1e-6), device)
+
+    def blocks(self):
+        return self.layers if self.bart else self.block
+
+    def bias(self, q0, t, s):
+        """Additive [H, t, s] scores bias of queries at q0.. over keys 0..s:
+        T5's relative bias (+ the decoder's causal mask), BART's mask."""
+        q = torch.arange(q0, q0 + t)[:, None]
+        k = torch.arange(s)[None, :]
+        mask = torch.zeros(t, s).masked_fill(k > q, float("-inf")) if self.decoder else torch.zeros(t, s)
+        if self.bart:
+            return mask[None]
+        c = self.cfg
+        b = t5_bucket(k - q, not self.decoder, c.get("relative_attention_num_buckets", 32),
+                      c.get("relative_attention_max_distance", 128))
+        return self.block[0].layer[0]["SelfAttention"].relative_attention_bias(b).permute(2, 0, 1) + mask[None]
+
+    def forward(self, x, cache=None, enc=None):
+        """x: embedded inputs [1, T, dim] (BART: before positions).  cache
+        (decoder): {"self": [(K, V)] per layer, "cross": [(K, V)]}, grown
+        in place; the encoder has none (every token sees every other)."""
+        past = cache["self"][0][0].shape[2] if cache and cache["self"] else 0
+        t = x.shape[1]
+        if self.bart:
+            x = self.layernorm_embedding(x + self.embed_positions(torch.arange(past, past + t) + 2))
+        bias = self.bias(past, t, past + t)
+        for i, blk in enumerate(self.blocks()):
+            sa, ca = blk.attns()
+            k, v = sa.kv(blk.self_kv_input(x))
+            if cache is not None:
+                if len(cache["self"]) > i:
+                    pk, pv = cache["self"][i]
+                    k, v = torch.cat((pk, k), 2), torch.cat((pv, v), 2)
+                    cache["self"][i] = (k, v)
+                else:
+                    cache["self"].append((k, v))
+                if len(cache["cross"]) <= i:
+                    cache["cross"].append(ca.kv(enc))
+            x = blk(x, (k, v), bias, cache["cross"][i] if cache is not None else None)
+        return x if self.bart else self.final_layer_norm(x)
+
+
+class EncDecLM(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = arch_of(cfg)
+        self.bart = self.arch == "BartForConditionalGeneration"
+        self.tied = bool(cfg.get("tie_word_embeddings", True))
+        d, vocab = cfg["d_model"], cfg["vocab_size"]
+        if self.bart:
+            if cfg.get("activation_function", "gelu") != "gelu" or cfg.get("normalize_before", False) or \
+                    cfg.get("add_final_layer_norm", False):
+                raise ValueError("config.json: only BART's gelu, post-norm layout is supported")
+            self.model = nn.Module()
+            self.model.shared = nn.Embedding(vocab, d, device=device)
+            self.model.encoder = EDStack(cfg, False, device)
+            self.model.decoder = EDStack(cfg, True, device)
+            self.register_buffer("final_logits_bias", torch.zeros(1, vocab, device=device))
+        else:
+            if cfg.get("feed_forward_proj", "relu") not in ("relu", "gated-gelu"):
+                raise ValueError(f"config.json: feed_forward_proj {cfg['feed_forward_proj']!r} (relu, gated-gelu)")
+            self.shared = nn.Embedding(vocab, d, device=device)
+            self.encoder = EDStack(cfg, False, device)
+            self.decoder = EDStack(cfg, True, device)
+        if not self.tied:
+            self.lm_head = nn.Linear(d, vocab, bias=False, device=device)
+
+    def stacks(self):
+        return (self.model.encoder, self.model.decoder) if self.bart else (self.encoder, self.decoder)
+
+    def embed(self, ids):
+        emb = self.model.shared if self.bart else self.shared
+        x = emb(torch.as_tensor(ids).view(1, -1))
+        if self.bart and self.cfg.get("scale_embedding", False):
+            x = x * math.sqrt(self.cfg["d_model"])
+        return x
+
+    def encode(self, ids):
+        """[1, S, dim] encoder output."""
+        return self.stacks()[0](self.embed(ids))
+
+    def new_cache(self):
+        return {"self": [], "cross": []}
+
+    def decode(self, ids, enc, cache):
+        """[T, vocab] f32 logits of decoder tokens ids fed after the cache's."""
+        h = self.stacks()[1](self.embed(ids), cache, enc)[0]
+        emb = self.model.shared.weight if self.bart else self.shared.weight
+        if self.tied and not self.bart:
+            h = h * self.cfg["d_model"] ** -0.5
+        logits = F.linear(h, emb if self.tied else self.lm_head.weight)
+        if self.bart:
+            logits = logits + self.final_logits_bias[0]
+        return logits.float()
+
+
+def load_encdec(d, dtype=torch.float32, kv_dtype=None):
+    """EncDecLM of directory d, weights cast to dtype; kv_dtype: the caches'
+    K and V rounded to it."""
+    m = EncDecLM(load_config(d))
+    for mod in m.modules():
+        if isinstance(mod, EDAttention):
+            mod.kv_dtype = kv_dtype
+    sd = load_checkpoint(d)
+    if m.tied:
+        sd.pop("lm_head.weight", None)
     m.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
     return m.to(dtype).eval()

@@ -418,7 +418,7 @@ static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
         if (run == 1)
             attend_quantized(&a, lo, hi);
         else
-            cpu_attend_span(k, p, &v->rest, kvh, q, lo, hi, pt, scratch);
+            cpu_attend_span(k, p, &v->rest, kvh, q, t->pos, lo, hi, pt, scratch);
     }
 }
 

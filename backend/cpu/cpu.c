@@ -353,6 +353,7 @@ static const struct be_ops cpu_ops = {
     .attention = cpu_attention,
     .silu_mul = cpu_silu_mul,
     .gelu_mul = cpu_gelu_mul,
+    .act = cpu_act,
     .scale = cpu_scale,
     .layernorm = cpu_layernorm,
     .add = cpu_add,

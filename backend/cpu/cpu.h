@@ -176,6 +176,7 @@ enum be_status cpu_ssm_scan(void *ctx, void *y, const void *x, const void *dt_ra
                             const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
                             const struct be_ssm_params *p);
 enum be_status cpu_gelu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
+enum be_status cpu_act(void *ctx, void *x, size_t n, enum be_act act);
 enum be_status cpu_scale(void *ctx, void *x, size_t n, float s);
 enum be_status cpu_layernorm(void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim,
                              float eps);
@@ -242,7 +243,7 @@ void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s,
 /* Positions [lo, hi) of a full-precision view (below v->sinks: its sink
  * block) of kv head kvh against q[nq][head_dim], folded into pt. */
 void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v, int kvh,
-                     const float *q, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch);
+                     const float *q, int64_t qpos, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch);
 /* Floats of scratch cpu_attend_span uses. */
 size_t cpu_attend_span_work(const struct be_attn_params *p);
 

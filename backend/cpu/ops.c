@@ -322,7 +322,7 @@ size_t cpu_attend_span_work(const struct be_attn_params *p)
 }
 
 void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v, int kvh,
-                     const float *q, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch)
+                     const float *q, int64_t qpos, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch)
 {
     int D = p->head_dim, nq = p->n_heads / p->n_kv_heads;
     size_t esz = be_dtype_size(p->kv_dtype);
@@ -349,6 +349,14 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
         for (int i = 0; i < nq * n; i++)
             s[i] *= p->scale;
         cpu_attn_softcap(s, nq * n, p->softcap);
+        if (p->rel_bias) /* T5: the bias of the key's distance, per query head */
+            for (int g = 0; g < nq; g++) {
+                const float *b = p->rel_bias + (size_t)(kvh * nq + g) * (size_t)(2 * p->rel_span + 1) + p->rel_span;
+                for (int i = 0; i < n; i++) {
+                    int64_t d = c0 + i - qpos;
+                    s[g * n + i] += b[d < -p->rel_span ? -p->rel_span : d > p->rel_span ? p->rel_span : d];
+                }
+            }
         cpu_attn_fold(k, pt, s, nq, n, D);
         k->axpy(pt->o, s, nq, rows, v->v_offset, p->kv_dtype, D, n);
     }
@@ -531,7 +539,7 @@ enum be_status cpu_attn_run(struct cpu_ctx *c, const struct cpu_attn_src *src, f
  * windowed, within [lo, hi)).  Returns how many. */
 static int64_t dense_keys(const struct be_attn_params *p, const struct be_kv_view *v, int64_t qpos, int64_t *k0)
 {
-    int64_t lo = v->lo, k1 = qpos + 1 < v->hi ? qpos + 1 : v->hi;
+    int64_t lo = v->lo, k1 = qpos + 1 < v->hi && !p->bidirectional ? qpos + 1 : v->hi;
     int window = v->window ? v->window : p->window;
     if (window > 0 && qpos - window + 1 > lo)
         lo = qpos - window + 1;
@@ -552,9 +560,9 @@ static void dense_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
     int64_t k0, S = v->sinks;
     dense_keys(s->p, v, t->pos, &k0);
     if (c0 < S)
-        cpu_attend_span(k, s->p, v, kvh, q, c0, c1 < S ? c1 : S, pt, scratch);
+        cpu_attend_span(k, s->p, v, kvh, q, t->pos, c0, c1 < S ? c1 : S, pt, scratch);
     if (c1 > S)
-        cpu_attend_span(k, s->p, v, kvh, q, k0 + (c0 > S ? c0 - S : 0), k0 + (c1 - S), pt, scratch);
+        cpu_attend_span(k, s->p, v, kvh, q, t->pos, k0 + (c0 > S ? c0 - S : 0), k0 + (c1 - S), pt, scratch);
 }
 
 enum be_status cpu_attention(void *ctx, void *out_, const void *q_, const struct be_kv_view *views,
@@ -728,6 +736,26 @@ enum be_status cpu_gelu_mul(void *ctx, void *y_, const void *gate_, const void *
     const float *up = up_;
     struct elem_job j = {.c = ctx, .y = y, .a = gate, .b = up, .n = n};
     run(j.c, gelu_mul_job, &j, n * 8);
+    return BE_OK;
+}
+
+static void act_job(void *arg, int ith, int nth)
+{
+    struct elem_job *j = arg;
+    size_t lo, hi;
+    split(j->n, ith, nth, 16, &lo, &hi);
+    for (size_t i = lo; i < hi; i++) {
+        float x = j->y[i];
+        /* s stands for the kind: 0 ReLU, 1 erf GELU x/2 * (1 + erf(x / sqrt 2)) */
+        j->y[i] = j->s == 0.0f ? (x > 0.0f ? x : 0.0f) : 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    }
+}
+
+enum be_status cpu_act(void *ctx, void *x_, size_t n, enum be_act act)
+{
+    float *x = x_;
+    struct elem_job j = {.c = ctx, .y = x, .n = n, .s = act == BE_ACT_RELU ? 0.0f : 1.0f};
+    run(j.c, act_job, &j, n * 8);
     return BE_OK;
 }
 

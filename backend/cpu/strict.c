@@ -157,6 +157,7 @@ STRICT_OP(ssm_scan, (void *ctx, void *y, const void *x, const void *dt_raw, cons
                      const struct be_ssm_params *p), y, x, dt_raw, B, C, z, views, toks, n_tok, p)
 STRICT_OP(silu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
 STRICT_OP(gelu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
+STRICT_OP(act, (void *ctx, void *x, size_t n, enum be_act a), x, n, a)
 STRICT_OP(scale, (void *ctx, void *x, size_t n, float a), x, n, a)
 STRICT_OP(layernorm, (void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim, float eps),
           y, x, w, b, n, dim, eps)
@@ -258,6 +259,7 @@ static const struct be_ops strict_ops = {
     .attention = strict_attention,
     .silu_mul = strict_silu_mul,
     .gelu_mul = strict_gelu_mul,
+    .act = strict_act,
     .scale = strict_scale,
     .layernorm = strict_layernorm,
     .add = strict_add,

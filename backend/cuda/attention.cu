@@ -238,6 +238,8 @@ enum be_status cu_attention(void *ctx, void *out, const void *q, const struct be
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     BE_TRY_CU(cu_enter(c, "attention"));
+    if (p->bidirectional || p->rel_bias)
+        return BE_ENOTSUP; /* the encoder-decoder masks and T5's position bias: CPU only yet */
     int nq = p->n_heads / p->n_kv_heads, D = p->head_dim;
     size_t smem = ((size_t)nq * D + (size_t)ATTN_WARPS * nq * (D + 2)) * sizeof(float);
     int max_smem = 0;

@@ -446,6 +446,8 @@ static const struct be_ops cu_ops = {
     .silu_mul = cu_silu_mul,
     .gelu_mul = cu_gelu_mul,
     .scale = cu_scale,
+    /* no ReLU / erf-GELU kernels yet: encoder-decoder models report BE_ENOTSUP */
+    .act = NULL,
     .layernorm = cu_layernorm,
     .add = cu_add,
     .softmax = cu_softmax,
