@@ -4,7 +4,8 @@ ports for a cluster) and kills only those.
 
 - two daemons, one Redis: B's first request on a prompt A computed gets
   cached_tokens from the remote tier and A's (= a cold run's) tokens;
-- a private request publishes nothing; --remote-share prefix-only
+- a private request publishes nothing, nor a private session's start;
+  --remote-share prefix-only
   publishes a chat's system part, a completion's shared_prefix (tokens or
   text; it bounds --remote-share all too), nothing else;
 - blocks are published while the request still decodes; compressed
@@ -226,6 +227,16 @@ try:
     toks, _ = complete(a, p2, private=True)
     time.sleep(0.3)
     check(toks == reference(p2) and len(resp(rsock, "KEYS", "kvt:*")) == n_keys, "a private request publishes nothing")
+
+    # ---- a private session start ----
+    n0 = metric(a, "remote_blocks_total", '{result="published"}')
+    code, r = a.post("/v1/sessions", {"prompt": prompt_of(16), "private": True})
+    time.sleep(0.3)
+    check(code == 200 and metric(a, "remote_blocks_total", '{result="published"}') == n0,
+          "a session started with private: true publishes none of its start")
+    code, r = a.post("/v1/sessions", {"prompt": prompt_of(17)})
+    check(code == 200 and wait_metric(a, "remote_blocks_total", '{result="published"}', n0 + n_blk) == n0 + n_blk,
+          "and one without it publishes its start's %d blocks" % n_blk)
 
     # ---- --remote-share prefix-only: a chat's blocks before its first user message ----
     po = daemon("po", "--remote", url, "--remote-share", "prefix-only")
