@@ -42,8 +42,9 @@ enum ipc_status prep_session_create(struct req *r)
         remote && !q.private_kv && (share == REMOTE_SHARE_ALL || (share == REMOTE_SHARE_PREFIX_ONLY && q.system))
             ? SIZE_MAX
             : 0;
-    if (st == IPC_OK && !(r->prep.request = json_pack("{s:O?, s:O?}", "cache", json_object_get(r->root, "cache"),
-                                                      "use_cache", json_object_get(r->root, "use_cache"))))
+    if (st == IPC_OK && !(r->prep.request = json_pack("{s:O?, s:O?, s:b}", "cache", json_object_get(r->root, "cache"),
+                                                      "use_cache", json_object_get(r->root, "use_cache"), "private",
+                                                      q.private_kv)))
         st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
     ipc_session_req_release(&q);
     return st;

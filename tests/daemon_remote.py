@@ -4,7 +4,8 @@ ports for a cluster) and kills only those.
 
 - two daemons, one Redis: B's first request on a prompt A computed gets
   cached_tokens from the remote tier and A's (= a cold run's) tokens;
-- a private request publishes nothing, nor a private session's start;
+- a private request publishes nothing, nor a private session (its start,
+  its turns, its fork's);
   --remote-share prefix-only
   publishes a chat's system part, a completion's shared_prefix (tokens or
   text; it bounds --remote-share all too), nothing else;
@@ -231,9 +232,25 @@ try:
     # ---- a private session start ----
     n0 = metric(a, "remote_blocks_total", '{result="published"}')
     code, r = a.post("/v1/sessions", {"prompt": prompt_of(16), "private": True})
+    sid = r["id"]
+    code2, _ = a.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(18, 40), session=sid))
+    code3, f = a.post("/v1/sessions/%s/fork" % sid, {})
+    code4, _ = a.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(19, 40), session=f["id"]))
     time.sleep(0.3)
-    check(code == 200 and metric(a, "remote_blocks_total", '{result="published"}') == n0,
-          "a session started with private: true publishes none of its start")
+    check((code, code2, code3, code4) == (200,) * 4 and metric(a, "remote_blocks_total", '{result="published"}') == n0,
+          "a session created with private: true publishes nothing: its start, a turn on it, a turn on its fork")
+    # the mark survives a restart: it is in the session's file
+    ps = Daemon("--remote", url, "--remote-timeout", "300", model=ref.model, tmp=tmp)
+    ps.sock, ps.log = os.path.join(tmp, "ps.sock"), os.path.join(tmp, "ps.log")
+    ps.start()
+    code, r = ps.post("/v1/sessions", {"prompt": prompt_of(16), "private": True})
+    sid = r["id"]
+    check(code == 200 and ps.stop() == 0, "a private session, then SIGTERM (its KV to the disk tier)")
+    ps.start()
+    code, _ = ps.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(18, 40), session=sid))
+    time.sleep(0.3)
+    check(code == 200 and metric(ps, "remote_blocks_total", '{result="published"}') == 0 and ps.stop() == 0,
+          "after the restart a turn on it still publishes nothing")
     code, r = a.post("/v1/sessions", {"prompt": prompt_of(17)})
     check(code == 200 and wait_metric(a, "remote_blocks_total", '{result="published"}', n0 + n_blk) == n0 + n_blk,
           "and one without it publishes its start's %d blocks" % n_blk)
