@@ -138,6 +138,8 @@ enum ipc_status engine_submit(engine *e, struct job *j, struct ipc_error *err)
             s->busy = true;
             j->sess = s;
             j->cache = s->cache;
+            if (s->private_kv)
+                j->remote_shareable = 0;
         }
     }
     if (st == IPC_OK) {

@@ -21,6 +21,7 @@ struct session {
     struct ipc_cache_choice cache;
     bool busy;
     bool record; /* activate_past_recording on every KV sequence it gets */
+    bool private_kv; /* created with "private": none of its requests' blocks go to the remote tier */
     int32_t *toks; /* the ids whose KV is in kv */
     size_t n_toks;
     struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */

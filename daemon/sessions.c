@@ -74,6 +74,8 @@ struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, boo
     s->created = time(NULL);
     s->cache = *cache;
     s->record = record;
+    /* kept in the request, so that its file and its forks keep it too */
+    s->private_kv = json_is_true(json_object_get(request, "private"));
     s->version = 1; /* its file, none yet, holds version 0 */
     s->t_idle = clock_ms();
     return s;
@@ -260,6 +262,7 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
     enum ipc_status st = IPC_OK;
     if (s->request && !(c->request = strdup(s->request)))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork");
+    c->private_kv = s->private_kv;
     if (s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks))))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
     enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;

@@ -1053,15 +1053,16 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
             out->system = json_string_value(v);
             out->system_len = json_string_length(v);
             out->field = key;
-        } else if (!strcmp(key, "activate_past_recording")) {
+        } else if (!strcmp(key, "activate_past_recording") || !strcmp(key, "private")) {
             if (!json_is_boolean(v))
-                return ipc_fail(err, IPC_EINVAL, key, "activate_past_recording must be true or false");
-            out->record = json_is_true(v);
+                return ipc_fail(err, IPC_EINVAL, key, "%s must be true or false", key);
+            *(key[0] == 'p' ? &out->private_kv : &out->record) = json_is_true(v);
         } else if (!strcmp(key, "model")) {
             st = ipc_check_model(v, lim, err);
         } else if (strcmp(key, "cache") && strcmp(key, "use_cache")) {
             return ipc_fail(err, IPC_EINVAL, key,
-                            "unknown field \"%.48s\" (prefix, system, cache, activate_past_recording)", key);
+                            "unknown field \"%.48s\" (prefix, system, cache, activate_past_recording, private)",
+                            key);
         }
         if (st != IPC_OK)
             return st;

@@ -116,6 +116,7 @@ struct ipc_session_req {
     size_t system_len;
     const char *field; /* the key that gave the start ("prefix", "prompt", "system"), for errors */
     bool record; /* "activate_past_recording": true */
+    bool private_kv; /* "private": the start's blocks go to no shared (remote) tier */
     struct ipc_cache_choice cache;
 };
 enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limits *lim, struct ipc_session_req *out,

@@ -4,7 +4,9 @@ ports for a cluster) and kills only those.
 
 - two daemons, one Redis: B's first request on a prompt A computed gets
   cached_tokens from the remote tier and A's (= a cold run's) tokens;
-- a private request publishes nothing; --remote-share prefix-only
+- a private request publishes nothing, nor a private session (its start,
+  its turns, its fork's);
+  --remote-share prefix-only
   publishes a chat's system part, a completion's shared_prefix (tokens or
   text; it bounds --remote-share all too), nothing else;
 - blocks are published while the request still decodes; compressed
@@ -18,7 +20,8 @@ ports for a cluster) and kills only those.
   (reconnects), full (OOM): every request completes with the tokens of a
   daemon without the remote tier;
 - a three-master cluster (slots assigned by the test, keys routed by CRC16
-  slot), then one master killed with SIGKILL while requests run: they
+  slot); a slot migrated under running daemons (ASK followed while it
+  migrates, MOVED once it moved: full hits); then one master killed with SIGKILL while requests run: they
   complete with the same tokens, and a fresh daemon hits the chain's
   blocks up to the dead master's first one, exactly."""
 import glob
@@ -226,6 +229,32 @@ try:
     time.sleep(0.3)
     check(toks == reference(p2) and len(resp(rsock, "KEYS", "kvt:*")) == n_keys, "a private request publishes nothing")
 
+    # ---- a private session start ----
+    n0 = metric(a, "remote_blocks_total", '{result="published"}')
+    code, r = a.post("/v1/sessions", {"prompt": prompt_of(16), "private": True})
+    sid = r["id"]
+    code2, _ = a.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(18, 40), session=sid))
+    code3, f = a.post("/v1/sessions/%s/fork" % sid, {})
+    code4, _ = a.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(19, 40), session=f["id"]))
+    time.sleep(0.3)
+    check((code, code2, code3, code4) == (200,) * 4 and metric(a, "remote_blocks_total", '{result="published"}') == n0,
+          "a session created with private: true publishes nothing: its start, a turn on it, a turn on its fork")
+    # the mark survives a restart: it is in the session's file
+    ps = Daemon("--remote", url, "--remote-timeout", "300", model=ref.model, tmp=tmp)
+    ps.sock, ps.log = os.path.join(tmp, "ps.sock"), os.path.join(tmp, "ps.log")
+    ps.start()
+    code, r = ps.post("/v1/sessions", {"prompt": prompt_of(16), "private": True})
+    sid = r["id"]
+    check(code == 200 and ps.stop() == 0, "a private session, then SIGTERM (its KV to the disk tier)")
+    ps.start()
+    code, _ = ps.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(18, 40), session=sid))
+    time.sleep(0.3)
+    check(code == 200 and metric(ps, "remote_blocks_total", '{result="published"}') == 0 and ps.stop() == 0,
+          "after the restart a turn on it still publishes nothing")
+    code, r = a.post("/v1/sessions", {"prompt": prompt_of(17)})
+    check(code == 200 and wait_metric(a, "remote_blocks_total", '{result="published"}', n0 + n_blk) == n0 + n_blk,
+          "and one without it publishes its start's %d blocks" % n_blk)
+
     # ---- --remote-share prefix-only: a chat's blocks before its first user message ----
     po = daemon("po", "--remote", url, "--remote-share", "prefix-only")
     system = " ".join("rule %d: answer in the voice of a careful librarian" % i for i in range(6))
@@ -431,7 +460,7 @@ try:
     check(toks == reference(p8) and cached == (len(p8) - 1) // BT * BT,
           "B's first request: cached_tokens %d from the cluster, the same tokens" % cached)
     # which node holds which block of p8's chain (each value names its parent)
-    order, where = {}, {}
+    order, where, keyof = {}, {}, {}
     for ni, (_, sk) in enumerate(nodes):
         for k in resp(sk, "KEYS", "kvt:*"):
             v = resp(sk, "GET", k)
@@ -440,17 +469,44 @@ try:
             h, parent = v[data + 48:data + 56], v[data + 64:data + 72] if flags else None
             order[parent] = h
             where[h] = ni
+            keyof[h] = k
     chain, h = [], order.get(None)
     while h is not None:
         chain.append(h)
         h = order.get(h)
+    # ---- a slot moving under the daemons: ASK while it migrates, MOVED once it moved ----
+    cd = daemon("cd", "--remote-cluster", seeds)
+    ce = daemon("ce", "--remote-cluster", seeds)
+    complete(cd, prompt_of(30))  # each has its slot map now
+    complete(ce, prompt_of(31))
+    ids = [resp(sk, "CLUSTER", "MYID").decode() for _, sk in nodes]
+    mk = keyof[chain[len(chain) // 2]]
+    src = where[chain[len(chain) // 2]]
+    dst = (src + 1) % 3
+    slot = resp(nodes[src][1], "CLUSTER", "KEYSLOT", mk)
+    resp(nodes[dst][1], "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+    resp(nodes[src][1], "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+    resp(nodes[src][1], "MIGRATE", "127.0.0.1", ports[dst], mk, 0, 5000)
+    toks, cached = complete(cd, p8)
+    check(toks == reference(p8) and cached == (len(p8) - 1) // BT * BT and
+          metric(cd, "remote_errors_total", '{kind="reply"}') == 0,
+          "a block whose slot is migrating: the ASK is followed, cached_tokens %d, the same tokens" % cached)
+    for _, sk in nodes:
+        resp(sk, "CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+    toks, cached = complete(ce, p8)
+    check(toks == reference(p8) and cached == (len(p8) - 1) // BT * BT and
+          metric(ce, "remote_errors_total", '{kind="reply"}') == 0,
+          "once the slot moved: the MOVED is followed, cached_tokens %d, the same tokens" % cached)
+    where[chain[len(chain) // 2]] = dst
+    check(cd.stop() == 0 and ce.stop() == 0, "and both exit cleanly")
+
     first = {}
     for i, h in enumerate(chain):
         first.setdefault(where[h], i)
     # the seed stays; of the others, the master whose first block comes latest
     victim = max((ni for ni in (1, 2) if ni in first), key=lambda ni: first[ni])
     want_cached = first[victim] * BT
-    prompts = [prompt_of(20 + i) for i in range(20)]
+    prompts = [prompt_of(20 + i) for i in range(12)]
     for p in prompts:
         reference(p)
     bad, done = [], [0, 0]

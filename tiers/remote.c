@@ -73,7 +73,10 @@ struct cmd {
  * pages asked for, freed together.  Values held until the engine takes
  * them would otherwise each be a fresh malloc'd mapping faulted in one
  * 4 KiB page at a time, which measured (docs/remote.md) as the lookup
- * thread's largest cost after the kernel's own copy. */
+ * thread's largest cost after the kernel's own copy.  Freed chunks are
+ * kept for the next lookups, up to ARENA_KEEP: faulting a chunk in (and
+ * the kernel's compaction for its huge pages) is paid once, not per
+ * lookup. */
 struct arena_chunk {
     struct arena_chunk *next;
     size_t size;
@@ -85,47 +88,6 @@ struct arena {
     size_t left;
 };
 
-#define ARENA_CHUNK ((size_t)32 << 20)
-
-static void *arena_alloc(struct arena *a, size_t len)
-{
-    len = (len + 63) & ~(size_t)63;
-    if (len > a->left) {
-        size_t size = len + 64 > ARENA_CHUNK ? len + 64 : ARENA_CHUNK;
-        void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (m == MAP_FAILED)
-            return NULL;
-        madvise(m, size, MADV_HUGEPAGE); /* advice: refused or ignored, it is 4 KiB pages */
-        struct arena_chunk *c = m;
-        *c = (struct arena_chunk){a->chunks, size};
-        a->chunks = c;
-        a->cur = (uint8_t *)m + 64;
-        a->left = size - 64;
-    }
-    void *p = a->cur;
-    a->cur += len;
-    a->left -= len;
-    return p;
-}
-
-static void arena_free(struct arena *a)
-{
-    while (a->chunks) {
-        struct arena_chunk *c = a->chunks;
-        a->chunks = c->next;
-        munmap(c, c->size);
-    }
-    a->cur = NULL;
-    a->left = 0;
-}
-
-/* Frees a reply whose string may be in an arena. */
-static void reply_free(redisReply *r, bool in_arena)
-{
-    if (r && in_arena)
-        r->str = NULL;
-    freeReplyObject(r);
-}
 
 struct pub {
     struct kv_prefix_block b;
@@ -168,6 +130,8 @@ struct kv_remote {
     struct pub *pq, **pq_tail;
     size_t pq_bytes;
     bool full; /* logged as full (OOM), no successful publish since */
+    struct arena_chunk *spare; /* freed lookup arenas' chunks, for the next (arena_free) */
+    size_t spare_bytes;
     struct kv_remote_stats st;
 };
 
@@ -184,6 +148,77 @@ static void count(kv_remote *r, enum kv_remote_err e)
     pthread_mutex_lock(&r->mu);
     r->st.errors[e]++;
     pthread_mutex_unlock(&r->mu);
+}
+
+#define ARENA_CHUNK ((size_t)32 << 20)
+#define ARENA_KEEP ((size_t)128 << 20)
+
+static struct arena_chunk *chunk_new(kv_remote *r, size_t size)
+{
+    struct arena_chunk *c = NULL;
+    if (size == ARENA_CHUNK) {
+        pthread_mutex_lock(&r->mu);
+        if ((c = r->spare)) {
+            r->spare = c->next;
+            r->spare_bytes -= c->size;
+        }
+        pthread_mutex_unlock(&r->mu);
+        if (c)
+            return c;
+    }
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    madvise(m, size, MADV_HUGEPAGE); /* advice: refused or ignored, it is 4 KiB pages */
+    c = m;
+    c->size = size;
+    return c;
+}
+
+static void *arena_alloc(kv_remote *r, struct arena *a, size_t len)
+{
+    len = (len + 63) & ~(size_t)63;
+    if (len > a->left) {
+        struct arena_chunk *c = chunk_new(r, len + 64 > ARENA_CHUNK ? len + 64 : ARENA_CHUNK);
+        if (!c)
+            return NULL;
+        c->next = a->chunks;
+        a->chunks = c;
+        a->cur = (uint8_t *)c + 64;
+        a->left = c->size - 64;
+    }
+    void *p = a->cur;
+    a->cur += len;
+    a->left -= len;
+    return p;
+}
+
+static void arena_free(kv_remote *r, struct arena *a)
+{
+    while (a->chunks) {
+        struct arena_chunk *c = a->chunks;
+        a->chunks = c->next;
+        pthread_mutex_lock(&r->mu);
+        bool keep = c->size == ARENA_CHUNK && r->spare_bytes + c->size <= ARENA_KEEP;
+        if (keep) {
+            c->next = r->spare;
+            r->spare = c;
+            r->spare_bytes += c->size;
+        }
+        pthread_mutex_unlock(&r->mu);
+        if (!keep)
+            munmap(c, c->size);
+    }
+    a->cur = NULL;
+    a->left = 0;
+}
+
+/* Frees a reply whose string may be in an arena. */
+static void reply_free(redisReply *r, bool in_arena)
+{
+    if (r && in_arena)
+        r->str = NULL;
+    freeReplyObject(r);
 }
 
 /* ---- keys and slots ---------------------------------------------------- */
@@ -483,8 +518,8 @@ static bool in_take(struct node *n, char *dst, size_t len, enum kv_remote_err *k
  * a failed read or a reply of another kind (the stream cannot be trusted
  * after it).  A bulk longer than max_bulk is read past and given as an
  * empty string: a miss, counted as corrupt, without holding it. */
-static redisReply *reply_read(struct node *n, size_t max_bulk, struct arena *a, enum kv_remote_err *kind, char *why,
-                              size_t cap)
+static redisReply *reply_read(kv_remote *rr, struct node *n, size_t max_bulk, struct arena *a,
+                              enum kv_remote_err *kind, char *why, size_t cap)
 {
     if (!n->in && !(n->in = malloc(IN_CAP))) {
         *kind = KV_REMOTE_E_IO;
@@ -544,7 +579,7 @@ static redisReply *reply_read(struct node *n, size_t max_bulk, struct arena *a, 
         bool keep = (unsigned long long)v <= max_bulk;
         a = keep && v > 0 ? a : NULL; /* the arena holds exactly the non-empty strings (in_arena) */
         r->len = keep ? (size_t)v : 0;
-        if (!(r->str = a ? arena_alloc(a, r->len + 1) : malloc(r->len + 1)))
+        if (!(r->str = a ? arena_alloc(rr, a, r->len + 1) : malloc(r->len + 1)))
             break;
         char crlf[2];
         if (!in_take(n, keep ? r->str : NULL, (size_t)v, kind, why, cap) || !in_take(n, crlf, 2, kind, why, cap)) {
@@ -607,7 +642,7 @@ static void run(struct link *L, struct cmd *cmds, int n, struct arena *a)
             continue; /* failed with an earlier reply of this batch */
         enum kv_remote_err kind;
         char why[128];
-        if (!(c->reply = reply_read(nd, max_bulk, a, &kind, why, sizeof(why)))) {
+        if (!(c->reply = reply_read(L->r, nd, max_bulk, a, &kind, why, sizeof(why)))) {
             node_fail(L, nd, kind, why);
             continue;
         }
@@ -916,7 +951,7 @@ void kv_remote_fetch_free(kv_remote_fetch *f)
         reply_free(f->blk[i].rep, f->blk[i].in_arena);
         free(f->blk[i].owned);
     }
-    arena_free(&f->arena);
+    arena_free(f->r, &f->arena);
     free(f);
 }
 
@@ -1096,6 +1131,11 @@ void kv_remote_free(kv_remote *r)
     }
     link_free(&r->fl);
     link_free(&r->pl);
+    while (r->spare) {
+        struct arena_chunk *c = r->spare;
+        r->spare = c->next;
+        munmap(c, c->size);
+    }
     ZSTD_freeDCtx(r->dctx);
     ZSTD_freeCCtx(r->cctx);
     pthread_mutex_destroy(&r->mu);
