@@ -208,11 +208,35 @@ static void q4k_matmul(const struct cpu_mm *a, int r0, int r1, float *scratch, q
 
 /* ---- the entry ---------------------------------------------------------------- */
 
+/* n Q4_K weights to f32, as q4_k_dequantize (the same f32 products:
+ * step * q - off, each rounded once). */
+static void q4k_to_f32(float *y, const struct q4_k_block *b, size_t n)
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (size_t i = 0; i < n / Q4_K_BLOCK; i++, y += Q4_K_BLOCK) {
+        uint32_t u[4];
+        q4_k_unpack(b[i].scales, u);
+        float d = _cvtsh_ss(b[i].d), dmin = _cvtsh_ss(b[i].dmin);
+        for (int j = 0; j < 8; j++) {
+            __m256 step = _mm256_set1_ps(d * (float)((u[j / 4] >> (8 * (j % 4))) & 0xff));
+            __m256 off = _mm256_set1_ps(dmin * (float)((u[2 + j / 4] >> (8 * (j % 4))) & 0xff));
+            __m256i q = _mm256_loadu_si256((const __m256i *)(b[i].qs + 32 * (j / 2)));
+            q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+            __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+            for (int k = 0; k < 4; k++) {
+                __m128i q8 = k % 2 ? _mm_srli_si128(half[k / 2], 8) : half[k / 2];
+                __m256 v = _mm256_sub_ps(_mm256_mul_ps(step, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), off);
+                _mm256_storeu_ps(y + 32 * j + 8 * k, v);
+            }
+        }
+    }
+}
+
 /* Blocks to f32 for gemm.c's panels. */
 static void wq_to_f32(float *y, const void *x, enum be_dtype dt, size_t n)
 {
     if (dt == BE_Q4_K) {
-        q4_k_dequantize(x, y, n);
+        q4k_to_f32(y, x, n);
         return;
     }
     const struct q8_0_block *b = x;
