@@ -465,9 +465,25 @@ static enum model_status bind_mat(struct binder *b, const char *name, int rows, 
 
 /* The index of the first NaN or infinity of n elements of dtype dt, or n:
  * an all-ones exponent, read from the bits so the scan is one pass of
- * integer tests. */
+ * integer tests.  For the block formats (matrices a GGUF file holds as
+ * they are), the first element of the first block whose f16 factors are
+ * not finite: its codes cannot be. */
 static size_t first_non_finite(const void *data, enum be_dtype dt, size_t n)
 {
+    if (dt == BE_Q4_K) {
+        const struct q4_k_block *b = data;
+        for (size_t i = 0; i < n / Q4_K_BLOCK; i++)
+            if (!q4_k_check(&b[i], 1))
+                return i * Q4_K_BLOCK;
+        return n;
+    }
+    if (dt == BE_Q8_0) {
+        const struct q8_0_block *b = data;
+        for (size_t i = 0; i < n / Q8_0_BLOCK; i++)
+            if ((b[i].d & 0x7C00u) == 0x7C00u)
+                return i * Q8_0_BLOCK;
+        return n;
+    }
     if (dt == BE_F32) {
         const uint32_t *u = data;
         for (size_t i = 0; i < n; i++)

@@ -98,12 +98,12 @@ static void test_layout(void **state)
 /* Every element within its sub-block's range [-dmin m, d sc 15 - dmin m]
  * decodes within half a step (d sc) of itself; one outside it by at most
  * its distance to the range plus that.  The weighted fit may give up the
- * extremes of a sub-block for a finer step (measured: 6 % of these
+ * extremes of a sub-block for a finer step (measured: 7 % of these
  * elements, by up to 1.6 steps when the scale rounds down to 6 bits),
  * never by more than 3 steps, and the whole error must be what 4 bits
  * give: RMS error under 10 % of the weights' RMS in each super-block
  * (uniform weights rounded to 16 levels give 6.7 %; a sub-block with an
- * outlier 8x its neighbours more: measured 4.0 % .. 9.3 % on these). */
+ * outlier 8x its neighbours more: measured 4.1 % .. 9.3 % on these). */
 static void test_quantize_bound(void **state)
 {
     (void)state;
@@ -248,6 +248,7 @@ static void test_q4k_matmul(void **state)
     static const int shapes[][3] = {
         {1, 256, 1}, {1, 256, 7}, {1, 768, 63}, {1, 2048, 33}, {2, 512, 17}, {3, 1280, 130},
         {5, 256, 48}, {31, 512, 21}, {32, 256, 19}, {40, 768, 70},
+        {31, 28672, 5}, /* the activations of 29 tokens fill a thread's scratch: two runs */
     };
     for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
         check_q4k_matmul(shapes[s][0], shapes[s][1], shapes[s][2], s % 2 == 1);

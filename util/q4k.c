@@ -32,13 +32,15 @@ static int clamp_code(float v, int hi)
 /* Fits x[i] ~ s * q[i] - mn (s, mn >= 0, q in [0, 15]) to the 32 elements
  * of a sub-block, minimising sum w[i] (s q[i] - mn - x[i])^2 over the
  * candidates; returns s, writes mn.  The min is never positive (mn >= 0)
- * because the format stores it as a subtrahend. */
+ * because the format stores it as a subtrahend.  Each candidate's error
+ * comes from the sums of its fit, not from a second pass. */
 static float fit_sub(const float *x, const float *w, float *mn)
 {
-    float lo = 0.0f, hi = x[0];
+    float lo = 0.0f, hi = x[0], sw = 0.0f, sx = 0.0f, sxx = 0.0f;
     for (int i = 0; i < Q4_K_SUB; i++) {
         lo = x[i] < lo ? x[i] : lo;
         hi = x[i] > hi ? x[i] : hi;
+        sw += w[i], sx += w[i] * x[i], sxx += w[i] * x[i] * x[i];
     }
     *mn = -lo;
     if (!(hi > lo))
@@ -46,33 +48,29 @@ static float fit_sub(const float *x, const float *w, float *mn)
     float best_s = (hi - lo) / 15.0f, best_b = lo, best_err = INFINITY;
     for (int step = 0; step < FIT_STEPS; step++) {
         float inv = (15.0f + 0.1f * (float)(step - FIT_STEPS / 2)) / (hi - lo);
-        double sw = 0, sl = 0, sll = 0, sx = 0, slx = 0;
-        int q[Q4_K_SUB];
+        float sl = 0.0f, sll = 0.0f, slx = 0.0f;
         for (int i = 0; i < Q4_K_SUB; i++) {
-            q[i] = clamp_code((x[i] - lo) * inv, 15);
-            sw += w[i], sl += w[i] * q[i], sll += w[i] * q[i] * q[i];
-            sx += w[i] * x[i], slx += w[i] * q[i] * x[i];
+            /* x - lo >= 0: rounding is adding a half and truncating */
+            float v = (x[i] - lo) * inv + 0.5f, q = v >= 16.0f ? 15.0f : (float)(int)v;
+            sl += w[i] * q, sll += w[i] * q * q, slx += w[i] * q * x[i];
         }
-        double det = sw * sll - sl * sl, s, b;
-        if (det <= 0)
+        float det = sw * sll - sl * sl, s, b;
+        if (!(det > 0.0f))
             continue;
         s = (sw * slx - sl * sx) / det;
         b = (sll * sx - sl * slx) / det;
-        if (b > 0) { /* the best offset is above zero: the format cannot hold it */
-            b = 0;
+        if (b > 0.0f) { /* the best offset is above zero: the format cannot hold it */
+            b = 0.0f;
             s = slx / sll;
         }
-        if (s < 0)
+        if (s < 0.0f)
             continue;
-        double err = 0;
-        for (int i = 0; i < Q4_K_SUB; i++) {
-            double e = s * q[i] + b - x[i];
-            err += w[i] * e * e;
-        }
+        /* sum w (s q + b - x)^2, expanded */
+        float err = s * s * sll + 2.0f * s * b * sl + b * b * sw - 2.0f * s * slx - 2.0f * b * sx + sxx;
         if (err < best_err) {
-            best_err = (float)err;
-            best_s = (float)s;
-            best_b = (float)b;
+            best_err = err;
+            best_s = s;
+            best_b = b;
         }
     }
     *mn = -best_b;

@@ -18,7 +18,7 @@ static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i u, __m256i
 
 void cpu_matmul_wq_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
-    wq_matmul(a, r0, r1, scratch);
+    wq_matmul(a, r0, r1, scratch, q4k_rows256);
 }
 
 /* As cpu_q8_act_scalar, byte for byte: the same max, the same f32 scale and

@@ -7,11 +7,8 @@
  * Q4_K decode has a 512-bit loop of its own: the 32 bytes of codes that
  * hold sub-blocks 2i (low nibbles) and 2i+1 (high) are broadcast to both
  * halves of a register and shifted apart, so one vpdpbusd takes both
- * sub-blocks against 64 consecutive activation codes.  For that the
- * activations are copied once per call into the thread's scratch as one
- * run of codes per token, beside each block's scale dx and dx times the
- * sum of its codes (the mins' factor), which the rows then load instead
- * of gathering.
+ * sub-blocks against 64 consecutive activation codes (wq_rows.h's
+ * q4k_acts: one run of codes per token).
  */
 #include <immintrin.h>
 
@@ -22,41 +19,8 @@ static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i u, __m256i
 
 #include "backend/cpu/wq_rows.h"
 
-/* The activations of a call in the layout the loop reads: per token, in
- * codes, then in / 32 scales dx, then in / 32 products dx * sum(codes). */
-struct q4k_acts {
-    const int8_t *codes;
-    const float *dx, *xs;
-};
-
-/* Floats of scratch the layout takes; 0 when it does not fit. */
-static size_t q4k_acts_floats(const struct cpu_mm *a)
-{
-    size_t nb = (size_t)a->in / Q8_0_BLOCK, f = (size_t)a->n * ((size_t)a->in / sizeof(float) + 2 * nb);
-    return f <= CPU_SCRATCH_FLOATS ? f : 0;
-}
-
-static struct q4k_acts q4k_acts_fill(const struct cpu_mm *a, float *scratch)
-{
-    size_t nb = (size_t)a->n * ((size_t)a->in / Q8_0_BLOCK);
-    int8_t *codes = (int8_t *)scratch;
-    float *dx = scratch + (size_t)a->n * (size_t)a->in / sizeof(float), *xs = dx + nb;
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
-    for (size_t b = 0; b < nb; b++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)a->xq[b].qs);
-        _mm256_storeu_si256((__m256i *)(codes + b * 32), v);
-        /* the sum of signed codes: of the codes + 128 as unsigned (sad), less 32 * 128 */
-        __m256i s = _mm256_sad_epu8(_mm256_xor_si256(v, bias), _mm256_setzero_si256());
-        __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        int64_t sum = _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1) - 32 * 128;
-        dx[b] = a->xq[b].d;
-        xs[b] = a->xq[b].d * (float)sum;
-    }
-    return (struct q4k_acts){.codes = codes, .dx = dx, .xs = xs};
-}
-
-static inline __attribute__((always_inline)) void q4k_rows512(const struct cpu_mm *a, const struct q4k_acts *x,
-                                                              int r, const int ROWS)
+static inline __attribute__((always_inline)) void q4k_group512(const struct cpu_mm *a, const struct q4k_acts *x,
+                                                               int r, const int ROWS)
 {
     size_t nsb = (size_t)a->in / Q4_K_BLOCK, nb = (size_t)a->in / Q8_0_BLOCK;
     const struct q4_k_block *w0 = (const struct q4_k_block *)a->w + (size_t)r * nsb;
@@ -111,16 +75,16 @@ static inline __attribute__((always_inline)) void q4k_rows512(const struct cpu_m
     }
 }
 
-void cpu_matmul_wq_vnni(const struct cpu_mm *a, int r0, int r1, float *scratch)
+static void q4k_rows512(const struct cpu_mm *a, const struct q4k_acts *x, int r0, int r1)
 {
-    if (a->wt != BE_Q4_K || a->n >= CPU_GEMM_MIN_TOKENS || !q4k_acts_floats(a)) {
-        wq_matmul(a, r0, r1, scratch);
-        return;
-    }
-    struct q4k_acts x = q4k_acts_fill(a, scratch);
     int r = r0;
     for (; r + 4 <= r1; r += 4)
-        q4k_rows512(a, &x, r, 4);
+        q4k_group512(a, x, r, 4);
     for (; r < r1; r++)
-        q4k_rows512(a, &x, r, 1);
+        q4k_group512(a, x, r, 1);
+}
+
+void cpu_matmul_wq_vnni(const struct cpu_mm *a, int r0, int r1, float *scratch)
+{
+    wq_matmul(a, r0, r1, scratch, q4k_rows512);
 }
