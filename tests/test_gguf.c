@@ -344,6 +344,24 @@ static void test_valid(void **state)
     assert_memory_equal(wt.layers[0].w_down.data, w.p + data_of(&w, "blk.0.ffn_down.weight"),
                         (size_t)DIM * q4_k_row_bytes(FFN));
     assert_int_equal(model_weights_verify(&cfg, &wt, err), MODEL_OK);
+    /* what a Q4_K token_embd is read through: the format's definition,
+     * element by element */
+    const struct gguf_type *q4 = gguf_block_type(BE_Q4_K);
+    assert_non_null(q4);
+    assert_int_equal(q4->block_bytes, sizeof(struct q4_k_block));
+    float *dec = malloc((size_t)DIM * FFN * sizeof *dec);
+    assert_non_null(dec);
+    q4->to_f32(wt.layers[0].w_down.data, dec, (size_t)DIM * FFN);
+    for (size_t i = 0; i < (size_t)DIM * FFN; i++) {
+        const struct q4_k_block *b = (const struct q4_k_block *)wt.layers[0].w_down.data + i / Q4_K_BLOCK;
+        int j = (int)(i % Q4_K_BLOCK / Q4_K_SUB), sc, m;
+        q4_k_scale_min(b->scales, j, &sc, &m);
+        uint8_t byte = b->qs[(j / 2) * 32 + (int)(i % Q4_K_SUB)];
+        float q = (float)(j % 2 ? byte >> 4 : byte & 15);
+        float want = f16_to_f32(b->d) * (float)sc * q - f16_to_f32(b->dmin) * (float)m;
+        assert_true(dec[i] == want);
+    }
+    free(dec);
     /* a Q8_0 token_embd: be_embed reads an exact f32 copy; the tied lm_head
      * the Q8_0 rows */
     assert_int_equal(cfg.dtype, BE_F32);
