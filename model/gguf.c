@@ -17,6 +17,7 @@
 
 #include "model/gguf.h"
 #include "util/file.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "GGUF files are read in place as little-endian");
@@ -36,6 +37,11 @@ static void q8_0_to_f32(const void *blocks, float *out, size_t n)
     q8_0_dequantize(blocks, out, n);
 }
 
+static void q4_k_to_f32(const void *blocks, float *out, size_t n)
+{
+    q4_k_dequantize(blocks, out, n);
+}
+
 /* The tensor types the loader binds; others are refused by number and
  * tensor name.  One line adds a type the kernels take (a block format
  * with its dequantizer). */
@@ -43,6 +49,7 @@ static const struct gguf_type GGUF_TYPES[] = {
     {0, 1, 4, {"F32", 4, BE_F32}, NULL},
     {1, 1, 2, {"F16", 2, BE_F16}, NULL},
     {8, Q8_0_BLOCK, sizeof(struct q8_0_block), {"Q8_0", 0, BE_Q8_0}, q8_0_to_f32},
+    {GGML_TYPE_Q4_K, Q4_K_BLOCK, sizeof(struct q4_k_block), {"Q4_K", 0, BE_Q4_K}, q4_k_to_f32},
     {30, 1, 2, {"BF16", 2, BE_BF16}, NULL},
 };
 

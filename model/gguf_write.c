@@ -10,7 +10,9 @@
  * they are tested against.  Q8_0 covers the layer matrices (q, k, v, o,
  * gate, up, down), the split --weights q8_0 makes at load, so a quantized
  * file computes exactly what --weights q8_0 computes from the directory;
- * the embeddings and lm_head keep their type (docs/quantization.md).
+ * Q4_K likewise what --weights q4_k computes (Q8_0 for rows that are not
+ * whole super-blocks); the embeddings and lm_head keep their type
+ * (docs/quantization.md).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -22,6 +24,7 @@
 
 #include "model/gguf.h"
 #include "util/half.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 #define ALIGN 32
@@ -349,13 +352,17 @@ static uint64_t tokenizer_kvs(const struct model_config *c, const struct vocab *
 
 /* ---- tensors ------------------------------------------------------------------- */
 
-static uint32_t ggml_type(enum model_gguf_type t)
+/* A layer matrix's ggml type under t: q4_k's Q4_K where the rows are whole
+ * super-blocks and Q8_0 elsewhere, the split --weights q4_k makes at load
+ * (model_weights_mat_dtype). */
+static uint32_t ggml_type(enum model_gguf_type t, int cols)
 {
     switch (t) {
     case MODEL_GGUF_F32: return 0;
     case MODEL_GGUF_F16: return 1;
     case MODEL_GGUF_BF16: return 30;
     case MODEL_GGUF_Q8_0: return 8;
+    case MODEL_GGUF_Q4_K: return model_weights_mat_dtype(MODEL_WEIGHTS_Q4_K, cols) == BE_Q4_K ? GGML_TYPE_Q4_K : 8;
     }
     return 0;
 }
@@ -363,7 +370,8 @@ static uint32_t ggml_type(enum model_gguf_type t)
 static uint64_t mat_bytes(uint32_t type, const struct model_mat *m)
 {
     uint64_t row = type == 8 ? (uint64_t)m->cols / Q8_0_BLOCK * sizeof(struct q8_0_block)
-                             : (uint64_t)m->cols * (type == 0 ? 4 : 2);
+                   : type == GGML_TYPE_Q4_K ? q4_k_row_bytes((size_t)m->cols)
+                                            : (uint64_t)m->cols * (type == 0 ? 4 : 2);
     return row * (uint64_t)m->rows;
 }
 
@@ -371,9 +379,9 @@ static uint64_t mat_bytes(uint32_t type, const struct model_mat *m)
 static enum model_status plan(const struct model_config *c, const struct model_weights *w, enum model_gguf_type t,
                               bool permute, struct wt *out, int *n, char *err)
 {
-    uint32_t mat_type = ggml_type(t); /* the layer matrices' */
-    /* embeddings and lm_head: as stored under q8_0, else the chosen float type */
-    uint32_t embed_type = t == MODEL_GGUF_Q8_0 ? (c->dtype == BE_F16 ? 1 : c->dtype == BE_BF16 ? 30 : 0) : mat_type;
+    /* embeddings and lm_head: as stored under q8_0 and q4_k, else the chosen float type */
+    bool quant = t == MODEL_GGUF_Q8_0 || t == MODEL_GGUF_Q4_K;
+    uint32_t embed_type = quant ? (c->dtype == BE_F16 ? 1 : c->dtype == BE_BF16 ? 30 : 0) : ggml_type(t, 0);
     int k = 0;
     out[k++] = (struct wt){.name = "token_embd.weight", .m = &w->tok_embed, .type = embed_type};
     for (int l = 0; l < c->n_layers; l++) {
@@ -405,7 +413,7 @@ static enum model_status plan(const struct model_config *c, const struct model_w
                 continue;
             struct wt *x = &out[k++];
             *x = (struct wt){.m = parts[i].m, .vec = parts[i].vec, .len = parts[i].len, .heads = parts[i].heads,
-                             .type = parts[i].m ? mat_type : 0};
+                             .type = parts[i].m ? ggml_type(t, parts[i].m->cols) : 0};
             snprintf(x->name, sizeof x->name, "blk.%d.%s", l, parts[i].name);
             if (x->type == 8 && x->m->cols % Q8_0_BLOCK)
                 return model_errf(err, MODEL_EUNSUPPORTED, "%s: %d columns, not a multiple of %d (Q8_0 blocks)",
@@ -464,9 +472,11 @@ static void write_tensor(struct writer *w, const struct wt *t, float *buf, void 
             memcpy(&h, src + 2 * i, 2);
             buf[i] = m->dtype == BE_F16 ? f16_to_f32(h) : bf16_to_f32(h);
         }
-        if (t->type == 8) {
-            if (!q8_0_quantize(buf, out, cols))
-                w->st = model_errf(w->err, MODEL_EFORMAT, "%s: row %d has a NaN or an infinity", t->name, r);
+        if (t->type == 8 || t->type == GGML_TYPE_Q4_K) {
+            bool ok = t->type == 8 ? q8_0_quantize(buf, out, cols) : q4_k_quantize(buf, out, cols);
+            if (!ok)
+                w->st = model_errf(w->err, MODEL_EFORMAT, "%s: row %d has a NaN or an infinity%s", t->name, r,
+                                   t->type == 8 ? "" : ", or is too large for Q4_K's f16 factors");
         } else if (t->type == 0) {
             memcpy(out, buf, cols * 4);
         } else {
@@ -497,7 +507,7 @@ static void write_file(struct writer *w, const struct model_config *c, const str
     bool head_dim = c->head_dim * c->n_heads != c->hidden_size;
     bool linear = c->rope_scaling == ROPE_SCALING_LINEAR;
     static const uint32_t FILE_TYPE[] = {[MODEL_GGUF_F32] = 0, [MODEL_GGUF_F16] = 1, [MODEL_GGUF_BF16] = 32,
-                                         [MODEL_GGUF_Q8_0] = 7};
+                                         [MODEL_GGUF_Q8_0] = 7, [MODEL_GGUF_Q4_K] = 15};
     wr(w, "GGUF", 4);
     wr_u32(w, 3);
     wr_u64(w, (uint64_t)n);
@@ -561,7 +571,8 @@ static enum model_status check_model(const struct model_config *c, char *err)
 bool model_gguf_type_parse(const char *s, enum model_gguf_type *out)
 {
     static const char *const names[] = {[MODEL_GGUF_Q8_0] = "q8_0", [MODEL_GGUF_BF16] = "bf16",
-                                        [MODEL_GGUF_F16] = "f16", [MODEL_GGUF_F32] = "f32"};
+                                        [MODEL_GGUF_F16] = "f16", [MODEL_GGUF_F32] = "f32",
+                                        [MODEL_GGUF_Q4_K] = "q4_k"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(s, names[i])) {
             *out = (enum model_gguf_type)i;

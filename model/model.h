@@ -248,13 +248,13 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
 /* GGUF files (model/gguf*.c): a model path that names a file rather than a
  * directory is read as GGUF v3 by model_config_load, model_files_open and
  * model_tokenizer_load (runtime.h).  model_gguf_write writes one from a
- * Hugging Face directory (`kvtier quantize`): q8_0 quantizes the layer
- * matrices as --weights q8_0 does and keeps the embeddings and lm_head as
- * stored; the float types convert every matrix.  Llama, Mistral without a
+ * Hugging Face directory (`kvtier quantize`): q8_0 and q4_k quantize the
+ * layer matrices as --weights q8_0 and q4_k do and keep the embeddings and
+ * lm_head as stored; the float types convert every matrix.  Llama, Mistral without a
  * sliding window, Qwen2 and Qwen3 with a byte-level or SentencePiece-style
  * BPE tokenizer. */
-enum model_gguf_type { MODEL_GGUF_Q8_0 = 0, MODEL_GGUF_BF16, MODEL_GGUF_F16, MODEL_GGUF_F32 };
-/* "q8_0", "bf16", "f16" or "f32"; false (and *out unchanged) otherwise. */
+enum model_gguf_type { MODEL_GGUF_Q8_0 = 0, MODEL_GGUF_BF16, MODEL_GGUF_F16, MODEL_GGUF_F32, MODEL_GGUF_Q4_K };
+/* "q8_0", "q4_k", "bf16", "f16" or "f32"; false (and *out unchanged) otherwise. */
 bool model_gguf_type_parse(const char *s, enum model_gguf_type *out);
 enum model_status model_gguf_write(const char *dir, const char *out, enum model_gguf_type type, char *err);
 

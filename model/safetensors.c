@@ -1032,19 +1032,29 @@ enum model_status model_bind_vec(struct binder *b, const char *name, int len, co
     return bind_vec(b, name, len, out);
 }
 
+/* Whether a row of cols weights of block format dt has finite scales: the
+ * codes are integers, so only the scales can be NaN or infinite. */
+static bool row_scales_finite(enum be_dtype dt, const void *row, int cols)
+{
+    if (dt == BE_Q4_K)
+        return q4_k_check(row, (size_t)cols / Q4_K_BLOCK);
+    const struct q8_0_block *q = row;
+    for (int i = 0; i < cols / Q8_0_BLOCK; i++)
+        if ((q[i].d & 0x7C00u) == 0x7C00u)
+            return false;
+    return true;
+}
+
 static enum model_status verify_mat(const struct model_mat *m, const char *name, char *err)
 {
-    if (m->dtype == BE_Q8_0) { /* its codes are integers: only the scales can be NaN or infinite */
-        size_t nb = (size_t)m->rows * (size_t)m->cols / Q8_0_BLOCK;
-        const struct q8_0_block *q = m->data;
-        for (size_t i = 0; i < nb; i++)
-            if ((q[i].d & 0x7C00u) == 0x7C00u)
-                return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite Q8_0 scale in row %zu", name,
-                                  i / ((size_t)m->cols / Q8_0_BLOCK));
+    if (!be_dtype_size(m->dtype)) { /* a block format, each alike */
+        size_t row = be_row_bytes(m->dtype, (size_t)m->cols);
+        for (int r = 0; r < m->rows; r++)
+            if (!row_scales_finite(m->dtype, (const uint8_t *)m->data + (size_t)r * row, m->cols))
+                return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite %s scale in row %d", name,
+                                  be_dtype_name(m->dtype), r);
         return MODEL_OK;
     }
-    if (!be_dtype_size(m->dtype)) /* another block format: no elements to read as floats */
-        return MODEL_OK;
     size_t n = (size_t)m->rows * (size_t)m->cols, bad = first_non_finite(m->data, m->dtype, n);
     if (bad < n)
         return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite value (NaN or infinity) at row %zu, column %zu",

@@ -4,9 +4,11 @@
 # do from safetensors: the greedy tokens and every logit of kvtier-run
 # --dump byte for byte, for the built-in model (f32) and random bf16
 # llama, qwen2 and qwen3 models (tools/mkmodel.py), and with Q8_0 layer
-# matrices the same as --weights q8_0 from safetensors; the tokenizer from
-# the GGUF metadata encodes as tokenizer.json does (tests/test_gguf.c);
-# `kvtier quantize` writes a GGUF that loads as --weights q8_0; a cut file
+# matrices the same as --weights q8_0 from safetensors, and with Q4_K ones
+# (st2gguf's numpy quantizer, written to produce util/q4k.c's blocks bit
+# for bit) the same as --weights q4_k; the tokenizer from the GGUF
+# metadata encodes as tokenizer.json does (tests/test_gguf.c); `kvtier
+# quantize` writes a GGUF that loads as --weights q8_0 (q4_k); a cut file
 # is refused with a message.  The random models need Debian's python3 with
 # torch (else only the built-in model's part runs).
 build=${KVTIER_BUILD:-build}
@@ -34,6 +36,9 @@ KVTIER_GGUF_TOK="$work/builtin.gguf" KVTIER_GGUF_TOK_DIR=model/builtin "$build/t
 # kvtier quantize: the built-in model as Q8_0 runs as --weights q8_0 does
 "$build/kvtier" quantize model/builtin "$work/builtin-q8.gguf" || exit 1
 same model/builtin "--weights q8_0" "$work/builtin-q8.gguf" ""
+# and as Q4_K (down_proj; the other matrices' rows fall back to Q8_0) as --weights q4_k
+"$build/kvtier" quantize --type q4_k model/builtin "$work/builtin-q4.gguf" 2>/dev/null || exit 1
+same model/builtin "--weights q4_k" "$work/builtin-q4.gguf" ""
 "$build/kvtier" quantize --type bf16 model/builtin "$work/builtin-bf16.gguf" || exit 1
 "$run" -m "$work/builtin-bf16.gguf" --ids $ids -n 4 --greedy --quiet >/dev/null || exit 1
 KVTIER_GGUF_TOK="$work/builtin-q8.gguf" KVTIER_GGUF_TOK_DIR=model/builtin "$build/tests/test_gguf" >/dev/null || exit 1
@@ -58,6 +63,9 @@ for arch in llama qwen2 qwen3; do
 done
 $py tools/st2gguf.py --model "$work/llama" --out "$work/llama-q8.gguf" --type q8_0 >/dev/null || exit 1
 same "$work/llama" "--weights q8_0" "$work/llama-q8.gguf" ""
+# Q4_K from the other writer: every block must equal kvtier's for the dumps to
+$py tools/st2gguf.py --model model/builtin --out "$work/builtin-q4py.gguf" --type q4_k >/dev/null || exit 1
+same model/builtin "--weights q4_k" "$work/builtin-q4py.gguf" ""
 # kvtier quantize on a bf16 llama: its q/k rows permuted as llama.cpp's converter does
 "$build/kvtier" quantize --type bf16 "$work/llama" "$work/llama-kq.gguf" || exit 1
 same "$work/llama" "" "$work/llama-kq.gguf" ""

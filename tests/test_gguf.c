@@ -27,6 +27,7 @@
 #include "model/gguf.h"
 #include "model/runtime.h"
 #include "util/half.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 /* ---- a writer ------------------------------------------------------------- */
@@ -92,9 +93,10 @@ static void kv_f32(struct file *w, const char *key, float v)
     put(w, &v, 4, NULL);
 }
 
-/* The model: one llama layer of dim 32, 2 heads of 16, 1 KV head, ffn 32,
- * a byte-level vocabulary of the 256 byte symbols and one merge. */
-enum { DIM = 32, FFN = 32, HEADS = 2, KV_HEADS = 1, HD = 16, VOCAB = 257 };
+/* The model: one llama layer of dim 32, 2 heads of 16, 1 KV head, ffn 256
+ * (down's rows one Q4_K super-block), a byte-level vocabulary of the 256
+ * byte symbols and one merge. */
+enum { DIM = 32, FFN = 256, HEADS = 2, KV_HEADS = 1, HD = 16, VOCAB = 257 };
 
 struct tensor {
     const char *name;
@@ -111,8 +113,8 @@ static const struct tensor TENSORS[] = {
     {"blk.0.attn_output.weight", 0, DIM, HEADS * HD},
     {"blk.0.ffn_norm.weight", 0, 0, DIM},
     {"blk.0.ffn_gate.weight", 8, FFN, DIM},
-    {"blk.0.ffn_up.weight", 0, FFN, DIM},
-    {"blk.0.ffn_down.weight", 0, DIM, FFN},
+    {"blk.0.ffn_up.weight", 1, FFN, DIM},
+    {"blk.0.ffn_down.weight", GGML_TYPE_Q4_K, DIM, FFN},
     {"output_norm.weight", 0, 0, DIM},
 };
 #define N_TENSORS (sizeof TENSORS / sizeof TENSORS[0])
@@ -120,7 +122,18 @@ static const struct tensor TENSORS[] = {
 static size_t tensor_bytes(const struct tensor *t)
 {
     uint64_t elems = (t->rows ? t->rows : 1) * t->cols;
+    if (t->type == GGML_TYPE_Q4_K)
+        return elems / Q4_K_BLOCK * sizeof(struct q4_k_block);
     return t->type == 8 ? elems / 32 * 34 : elems * (t->type == 0 ? 4 : 2);
+}
+
+/* Where tensor name's data starts in the file build writes. */
+static size_t data_of(const struct file *w, const char *name)
+{
+    size_t off = w->data_off;
+    for (size_t i = 0; i < N_TENSORS && strcmp(TENSORS[i].name, name); i++)
+        off += (tensor_bytes(&TENSORS[i]) + 31) / 32 * 32;
+    return off;
 }
 
 static void byte_symbol(unsigned b, char out[5])
@@ -196,13 +209,23 @@ static void build(struct file *w)
     static const unsigned char zero[32];
     put(w, zero, (32 - w->n % 32) % 32, NULL);
     w->data_off = w->n;
-    /* data: small values; a Q8_0 block's scale is an f16 */
+    /* data: small values; a Q8_0 block's scale is an f16, a Q4_K block's
+     * factors f16 and its scales and codes any bytes */
     for (size_t i = 0; i < N_TENSORS; i++) {
         const struct tensor *t = &TENSORS[i];
         size_t n = tensor_bytes(t), start = w->n;
         unsigned char *buf = calloc(1, n + 32);
         assert_non_null(buf);
-        if (t->type == 8) {
+        if (t->type == GGML_TYPE_Q4_K) {
+            for (size_t b = 0; b < n / sizeof(struct q4_k_block); b++) {
+                struct q4_k_block q = {.d = f32_to_f16(0.002f), .dmin = f32_to_f16(0.01f)};
+                for (size_t k = 0; k < sizeof q.scales; k++)
+                    q.scales[k] = (uint8_t)(b * 31 + k * 17);
+                for (size_t k = 0; k < sizeof q.qs; k++)
+                    q.qs[k] = (uint8_t)(b * 7 + k * 13);
+                memcpy(buf + b * sizeof q, &q, sizeof q);
+            }
+        } else if (t->type == 8) {
             for (size_t b = 0; b < n / 34; b++) {
                 uint16_t d = f32_to_f16(0.01f);
                 memcpy(buf + b * 34, &d, 2);
@@ -316,6 +339,29 @@ static void test_valid(void **state)
         off += (tensor_bytes(&TENSORS[i]) + 31) / 32 * 32;
     }
     assert_memory_equal(wt.layers[0].w_gate.data, gate, (size_t)FFN * DIM / 32 * 34);
+    /* Q4_K rows too: the file's bytes, not a requantization */
+    assert_int_equal(wt.layers[0].w_down.dtype, BE_Q4_K);
+    assert_memory_equal(wt.layers[0].w_down.data, w.p + data_of(&w, "blk.0.ffn_down.weight"),
+                        (size_t)DIM * q4_k_row_bytes(FFN));
+    assert_int_equal(model_weights_verify(&cfg, &wt, err), MODEL_OK);
+    /* what a Q4_K token_embd is read through: the format's definition,
+     * element by element */
+    const struct gguf_type *q4 = gguf_block_type(BE_Q4_K);
+    assert_non_null(q4);
+    assert_int_equal(q4->block_bytes, sizeof(struct q4_k_block));
+    float *dec = malloc((size_t)DIM * FFN * sizeof *dec);
+    assert_non_null(dec);
+    q4->to_f32(wt.layers[0].w_down.data, dec, (size_t)DIM * FFN);
+    for (size_t i = 0; i < (size_t)DIM * FFN; i++) {
+        const struct q4_k_block *b = (const struct q4_k_block *)wt.layers[0].w_down.data + i / Q4_K_BLOCK;
+        int j = (int)(i % Q4_K_BLOCK / Q4_K_SUB), sc, m;
+        q4_k_scale_min(b->scales, j, &sc, &m);
+        uint8_t byte = b->qs[(j / 2) * 32 + (int)(i % Q4_K_SUB)];
+        float q = (float)(j % 2 ? byte >> 4 : byte & 15);
+        float want = f16_to_f32(b->d) * (float)sc * q - f16_to_f32(b->dmin) * (float)m;
+        assert_true(dec[i] == want);
+    }
+    free(dec);
     /* a Q8_0 token_embd: be_embed reads an exact f32 copy; the tied lm_head
      * the Q8_0 rows */
     assert_int_equal(cfg.dtype, BE_F32);
@@ -418,9 +464,9 @@ static void test_fields(void **state)
             v64 = (uint64_t)1 << 40;
             st = with(&w, f->off, &v64, 8, err);
         } else if (!strcmp(f->what, "tensor type")) {
-            v32 = 12;
+            v32 = 2; /* Q4_0 */
             assert_int_equal(with(&w, f->off, &v32, 4, err), MODEL_EUNSUPPORTED);
-            assert_non_null(strstr(err, "unsupported tensor type 12 ("));
+            assert_non_null(strstr(err, "unsupported tensor type 2 ("));
             v32 = 0xFFFFFFFF;
             st = with(&w, f->off, &v32, 4, err);
         } else if (!strcmp(f->what, "tensor offset")) {
@@ -484,6 +530,74 @@ static void test_header(void **state)
     v = GGUF_F32;
     assert_int_equal(with(&w, (size_t)(p - w.p) + strlen(k), &v, 4, err), MODEL_ECONFIG);
     assert_non_null(strstr(err, "llama.block_count"));
+    free(w.p);
+}
+
+/* The loaders and model_weights_verify on the file with bytes [off, off +
+ * size) set to v: the first failure's status. */
+static enum model_status verify_with(const struct file *w, size_t off, const void *v, size_t size, char *err)
+{
+    enum model_status st = with(w, off, v, size, err);
+    struct model_config cfg;
+    struct model_weights wt;
+    model_files *mf = NULL;
+    if (st != MODEL_OK || (st = model_config_load(g_path, &cfg, err)) != MODEL_OK)
+        return st;
+    if ((st = model_files_open(g_path, &cfg, &mf, &wt, err)) == MODEL_OK)
+        st = model_weights_verify(&cfg, &wt, err);
+    model_files_close(mf);
+    model_config_release(&cfg);
+    return st;
+}
+
+/* Q4_K rows of the wrong size and with non-finite factors: an error naming
+ * the tensor each time (and the row for the factors), never a crash. */
+static void test_q4k_rows(void **state)
+{
+    (void)state;
+    struct file w;
+    char err[MODEL_ERR_LEN];
+    build(&w);
+    const char *down = "blk.0.ffn_down.weight", *gate = "blk.0.ffn_gate.weight";
+    unsigned char *p = memmem(w.p, w.data_off, down, strlen(down));
+    assert_non_null(p);
+    size_t ne0 = (size_t)(p - w.p) + strlen(down) + 4, type = ne0 + 16;
+    /* rows that are not whole super-blocks */
+    static const uint64_t bad_ne0[] = {255, 32, 257, 128};
+    for (size_t k = 0; k < sizeof bad_ne0 / sizeof bad_ne0[0]; k++) {
+        assert_int_equal(with(&w, ne0, &bad_ne0[k], 8, err), MODEL_EFORMAT);
+        assert_non_null(strstr(err, down));
+        assert_non_null(strstr(err, "not whole Q4_K blocks of 256"));
+    }
+    /* rows of two super-blocks: more bytes than the tensor has room for
+     * before the next one */
+    uint64_t wide = 2 * FFN;
+    assert_int_not_equal(with(&w, ne0, &wide, 8, err), MODEL_OK);
+    assert_non_null(strstr(err, down));
+    /* a matrix of 32-element rows declared Q4_K */
+    p = memmem(w.p, w.data_off, gate, strlen(gate));
+    assert_non_null(p);
+    uint32_t q4k = GGML_TYPE_Q4_K;
+    assert_int_equal(with(&w, (size_t)(p - w.p) + strlen(gate) + 4 + 16, &q4k, 4, err), MODEL_EFORMAT);
+    assert_non_null(strstr(err, gate));
+    /* down as Q8_0 with the Q4_K bytes: the size no longer matches the gap */
+    uint32_t q8 = 8;
+    assert_int_not_equal(with(&w, type, &q8, 4, err), MODEL_OK);
+    assert_non_null(strstr(err, "ffn_down"));
+    /* a non-finite d or dmin in a row: loads (the rows are mapped, not
+     * read), refused by the scan with the tensor and the row */
+    size_t data = data_of(&w, down), row = q4_k_row_bytes(FFN);
+    assert_int_equal(verify_with(&w, data, &(uint16_t){0}, 2, err), MODEL_OK);
+    static const uint16_t bad[] = {0x7C00, 0xFC00, 0x7E00, 0x7C01};
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        int r = (int)(k * 9 % DIM);
+        size_t at = data + (size_t)r * row + (k % 2 ? offsetof(struct q4_k_block, dmin) : 0);
+        assert_int_equal(verify_with(&w, at, &bad[k], 2, err), MODEL_EFORMAT);
+        assert_non_null(strstr(err, "model.layers.0.mlp.down_proj.weight"));
+        char want[32];
+        snprintf(want, sizeof want, "row %d", r);
+        assert_non_null(strstr(err, want));
+    }
     free(w.p);
 }
 
@@ -597,7 +711,7 @@ int main(void)
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid),   cmocka_unit_test(test_truncated), cmocka_unit_test(test_fields),
-        cmocka_unit_test(test_header),  cmocka_unit_test(test_flips),
+        cmocka_unit_test(test_header),  cmocka_unit_test(test_flips), cmocka_unit_test(test_q4k_rows),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

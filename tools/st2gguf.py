@@ -3,7 +3,7 @@
 GGUF, so that llama.cpp runs the very weights kvtier runs, and kvtier's
 GGUF loader is tested against a writer it shares no code with.
 
-    /usr/bin/python3 tools/st2gguf.py --model DIR --out FILE.gguf [--type q8_0 [--q8-embed]]
+    /usr/bin/python3 tools/st2gguf.py --model DIR --out FILE.gguf [--type q8_0 [--q8-embed] | --type q4_k]
     /usr/bin/python3 tools/st2gguf.py --vocab-only --model DIR --out FILE.gguf
 
 What llama.cpp's convert_hf_to_gguf.py does for these classes, written
@@ -21,7 +21,9 @@ rotate-half order to the interleaved pairs llama.cpp's rope reads
 --type q8_0 writes the layer matrices (q, k, v, o, gate, up, down) as
 Q8_0 blocks and the rest as above, the split kvtier's --weights q8_0
 makes; --q8-embed quantizes token_embd and output too, as llama.cpp's
-Q8_0 files do.  Quantizing takes numpy and tools/torchref.py's quantizer.
+Q8_0 files do.  --type q4_k writes those whose rows are whole 256-element
+super-blocks as Q4_K and the others as Q8_0, the split of --weights q4_k.
+Quantizing takes numpy and tools/torchref.py's quantizers.
 """
 import argparse
 import json
@@ -36,9 +38,11 @@ ALIGN = 32
 # GGUF metadata value types
 T_U32, T_I32, T_F32, T_BOOL, T_STR, T_ARR = 4, 5, 6, 7, 8, 9
 # ggml tensor types
-GGML = {"F32": 0, "F16": 1, "Q8_0": 8, "BF16": 30}
-# llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_BF16
-FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}
+GGML = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "BF16": 30}
+# llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_Q4_K_M, MOSTLY_BF16
+FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 15, "BF16": 32}
+# bytes of a row of n elements of a block type: (elements per block, bytes per block)
+BLOCKS = {"Q8_0": (32, 34), "Q4_K": (256, 144)}
 ELEM = {"F32": 4, "F16": 2, "BF16": 2}
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # tokenizer.ggml.pre: the split regexes of tokenizer.json files llama.cpp names
@@ -241,16 +245,16 @@ def bpe_kvs(tj, tokens, types):
     return out
 
 
-def q8_0_bytes(data, dtype, shape):
-    """Q8_0 blocks of a matrix, quantized by tools/torchref.py's reference."""
+def block_bytes(out_type, data, dtype, shape):
+    """Q8_0 or Q4_K blocks of a matrix, quantized by tools/torchref.py's quantizers."""
     import numpy as np
-    from torchref import q8_0_quantize
+    from torchref import q4_k_quantize, q8_0_quantize
     np_dtype = {"F32": np.float32, "F16": np.float16}.get(dtype)
     if np_dtype is None:  # bf16: the top half of an f32
         x = (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
         x = np.frombuffer(data, np_dtype).astype(np.float32)
-    return q8_0_quantize(x.reshape(shape)).tobytes()
+    return (q4_k_quantize if out_type == "Q4_K" else q8_0_quantize)(x.reshape(shape)).tobytes()
 
 
 def vocab_only(model_dir, out):
@@ -269,8 +273,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF model directory (config.json, model.safetensors)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--type", choices=("auto", "q8_0"), default="auto",
-                    help="auto: matrices as stored; q8_0: layer matrices as Q8_0")
+    ap.add_argument("--type", choices=("auto", "q8_0", "q4_k"), default="auto",
+                    help="auto: matrices as stored; q8_0: layer matrices as Q8_0; q4_k: as Q4_K (Q8_0 where "
+                    "rows are not whole super-blocks)")
     ap.add_argument("--q8-embed", action="store_true", help="with --type q8_0: token_embd and output too")
     ap.add_argument("--vocab-only", action="store_true",
                     help="only the tokenizer's metadata, from --model's tokenizer.json (no config or weights needed)")
@@ -302,17 +307,23 @@ def main():
         raise SystemExit("st2gguf: matrices in %s; one of F32, F16, BF16 expected" % sorted(dtypes))
     wtype = dtypes.pop()
 
-    def quantized(g):
-        if o.type != "q8_0":
-            return False
+    if o.q8_embed and o.type != "q8_0":
+        raise SystemExit("st2gguf: --q8-embed goes with --type q8_0")
+
+    def quantized(g, cols):
+        """The block type of matrix g under --type, or None."""
+        if o.type == "auto":
+            return None
         if g in ("token_embd.weight", "output.weight"):
-            return o.q8_embed
-        return g.split(".")[2] in LAYER_MATS and g.endswith(".weight")
+            return "Q8_0" if o.q8_embed else None
+        if g.split(".")[2] not in LAYER_MATS or not g.endswith(".weight"):
+            return None
+        return "Q4_K" if o.type == "q4_k" and cols % 256 == 0 else "Q8_0"
 
     a = arch
     kvs = [kv("general.architecture", T_STR, arch),
            kv("general.name", T_STR, os.path.basename(os.path.normpath(o.model))),
-           kv("general.file_type", T_U32, FILE_TYPE["Q8_0" if o.type == "q8_0" else wtype]),
+           kv("general.file_type", T_U32, FILE_TYPE[o.type.upper() if o.type != "auto" else wtype]),
            kv("general.alignment", T_U32, ALIGN),
            kv(a + ".vocab_size", T_U32, cfg["vocab_size"]),
            kv(a + ".context_length", T_U32, cfg.get("max_position_embeddings", 2048)),
@@ -333,11 +344,12 @@ def main():
     for g, h in names:
         t = header[h]
         shape = t["shape"]
-        out_type = ("Q8_0" if quantized(g) else wtype) if len(shape) == 2 else "F32"
-        if out_type == "Q8_0":
-            if shape[-1] % 32:
-                raise SystemExit("st2gguf: %s: rows of %d are not whole Q8_0 blocks" % (h, shape[-1]))
-            nbytes = shape[0] * shape[1] // 32 * 34
+        out_type = (quantized(g, shape[-1]) or wtype) if len(shape) == 2 else "F32"
+        if out_type in BLOCKS:
+            per, size = BLOCKS[out_type]
+            if shape[-1] % per:
+                raise SystemExit("st2gguf: %s: rows of %d are not whole %s blocks" % (h, shape[-1], out_type))
+            nbytes = shape[0] * shape[1] // per * size
         else:
             nbytes = ELEM[out_type]
             for d in shape:
@@ -365,8 +377,8 @@ def main():
                 data = permute_rows(data, rows, row_bytes, heads)
             if len(t["shape"]) == 1:
                 data = to_f32(data, t["dtype"])
-            elif out_type == "Q8_0":
-                data = q8_0_bytes(data, t["dtype"], t["shape"])
+            elif out_type in BLOCKS:
+                data = block_bytes(out_type, data, t["dtype"], t["shape"])
             if len(data) != nbytes:
                 raise SystemExit("st2gguf: %s: %d bytes, %d expected" % (h, len(data), nbytes))
             dst.write(data)

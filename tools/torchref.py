@@ -834,6 +834,97 @@ Q4_K_BLOCK = 256
 Q4_K_DTYPE = np.dtype([("d", "<u2"), ("dmin", "<u2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])  # 144 bytes
 
 
+def _q4_k_code(v, hi):
+    """v rounded halves up into [0, hi] in float32: 0 unless v > 0, hi from
+    hi up, else trunc(v + 0.5) (the f32 sum)."""
+    r = np.trunc((v + np.float32(0.5)).astype(np.float32))
+    return np.where(~(v > 0), 0, np.where(v >= np.float32(hi), hi, np.minimum(r, hi))).astype(np.int64)
+
+
+def q4_k_quantize(w):
+    """Q4_K blocks (a Q4_K_DTYPE array) of w, whose rows have a multiple of
+    256 elements: each sub-block of 32 fitted as x ~ s*q - mn by weighted
+    least squares (weights rms(super-block) + |x|) over the 21 code
+    assignments rounded against (max - min) / (15 + t), t = -1.0 .. 1.0 by
+    0.1, where a positive offset is clamped to 0; s and mn rounded to 6 bits
+    against d = max s / 63 and dmin = max mn / 63 (f16), and the codes
+    against those stored values.  Every step in the precision and order of
+    kvtier's C quantizer (float32 products, float64 sums element by element)
+    so the bytes match; vectorized over the blocks instead of looping."""
+    x = np.ascontiguousarray(w, dtype=np.float32)
+    if x.shape[-1] % Q4_K_BLOCK:
+        raise ValueError(f"Q4_K: rows of {x.shape[-1]} elements are not whole super-blocks of {Q4_K_BLOCK}")
+    x = x.reshape(-1, Q4_K_BLOCK)
+    if not np.all(np.isfinite(x)):
+        raise ValueError("Q4_K: a weight is NaN or infinite")
+    nb, f32, f64 = len(x), np.float32, np.float64
+    ss = np.zeros(nb, f64)
+    for i in range(Q4_K_BLOCK):
+        ss += x[:, i].astype(f64) * x[:, i].astype(f64)
+    av = np.sqrt(ss / Q4_K_BLOCK).astype(f32)
+    xs = x.reshape(nb * 8, 32)  # the sub-blocks
+    wt = (np.repeat(av, 8)[:, None] + np.abs(xs)).astype(f32)
+    lo = np.minimum(xs.min(axis=1), f32(0))
+    hi = xs.max(axis=1)
+    rng = (hi - lo).astype(f32)
+    live = hi > lo
+    best_s = np.where(live, rng / f32(15), f32(0)).astype(f32)
+    best_b = lo.copy()
+    best_err = np.full(len(xs), np.inf, f32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for step in range(21):
+            inv = ((f32(15) + f32(0.1) * f32(step - 10)) / rng).astype(f32)
+            q = _q4_k_code(((xs - lo[:, None]) * inv[:, None]).astype(f32), 15)
+            qf = q.astype(f32)
+            sw, sl, sll, sx, slx = (np.zeros(len(xs), f64) for _ in range(5))
+            for i in range(32):
+                wi, qi, xi = wt[:, i], qf[:, i], xs[:, i]
+                sw += wi
+                sl += wi * qi
+                sll += (wi * qi) * qi
+                sx += wi * xi
+                slx += (wi * qi) * xi
+            det = sw * sll - sl * sl
+            s = (sw * slx - sl * sx) / det
+            b = (sll * sx - sl * slx) / det
+            pos = b > 0
+            b = np.where(pos, 0.0, b)
+            s = np.where(pos, slx / sll, s)
+            err = np.zeros(len(xs), f64)
+            for i in range(32):
+                e = s * q[:, i] + b - xs[:, i].astype(f64)
+                err += wt[:, i].astype(f64) * e * e
+            take = live & (det > 0) & ~(s < 0) & (err < best_err.astype(f64))
+            best_err = np.where(take, err.astype(f32), best_err)
+            best_s = np.where(take, s.astype(f32), best_s)
+            best_b = np.where(take, b.astype(f32), best_b)
+    sv, mn = best_s.reshape(nb, 8), (-best_b).astype(f32).reshape(nb, 8)
+    d = (np.maximum(sv.max(axis=1), f32(0)) / f32(63)).astype(f32)
+    dmin = (np.maximum(mn.max(axis=1), f32(0)) / f32(63)).astype(f32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, _q4_k_code((sv / d[:, None]).astype(f32), 63), 0)
+        m = np.where(dmin[:, None] > 0, _q4_k_code((mn / dmin[:, None]).astype(f32), 63), 0)
+    out = np.zeros(nb, Q4_K_DTYPE)
+    out["d"] = d.astype(np.float16).view(np.uint16)
+    out["dmin"] = dmin.astype(np.float16).view(np.uint16)
+    d16, dmin16 = out["d"].view(np.float16).astype(f32), out["dmin"].view(np.float16).astype(f32)
+    if not (np.all(np.isfinite(d16)) and np.all(np.isfinite(dmin16))):
+        raise ValueError("Q4_K: a super-block's factors overflow f16")
+    for j in range(4):
+        out["scales"][:, j] = sc[:, j] | (sc[:, j + 4] >> 4) << 6
+        out["scales"][:, j + 4] = m[:, j] | (m[:, j + 4] >> 4) << 6
+        out["scales"][:, j + 8] = (sc[:, j + 4] & 15) | (m[:, j + 4] & 15) << 4
+    step = (d16[:, None] * sc.astype(f32)).astype(f32)
+    off = (dmin16[:, None] * m.astype(f32)).astype(f32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(step > 0, f32(1) / step, f32(0)).astype(f32)
+    xb = x.reshape(nb, 8, 32)
+    codes = _q4_k_code(((xb + off[:, :, None]) * inv[:, :, None]).astype(f32), 15)
+    for i in range(4):
+        out["qs"][:, 32 * i:32 * i + 32] = codes[:, 2 * i] | codes[:, 2 * i + 1] << 4
+    return out
+
+
 def q4_k_dequantize(blocks, shape):
     """float32 array of shape from Q4_K blocks, by the format's definition:
     sub-blocks 0..3 take the low 6 bits of scales[j] (sc) and scales[j+4]

@@ -9,10 +9,12 @@
 #include "tools/kvtier/cli.h"
 
 const char cli_quantize_usage[] =
-    "usage: kvtier quantize [--type q8_0|bf16|f16|f32] MODEL_DIR OUT.gguf\n"
+    "usage: kvtier quantize [--type q8_0|q4_k|bf16|f16|f32] MODEL_DIR OUT.gguf\n"
     "  Writes the safetensors model of MODEL_DIR as one GGUF file kvtierd --model loads.\n"
     "  q8_0 (the default): the layer matrices as Q8_0 blocks, what --weights q8_0 computes;\n"
-    "  the embeddings and lm_head keep their dtype.  bf16, f16, f32: every matrix converted.\n"
+    "  q4_k: Q4_K blocks where rows are whole 256-element super-blocks (else Q8_0), what\n"
+    "  --weights q4_k computes.  The embeddings and lm_head keep their dtype under both.\n"
+    "  bf16, f16, f32: every matrix converted.\n"
     "  Llama, Mistral (no sliding window), Qwen2 and Qwen3 with BPE tokenizers.\n";
 
 int cmd_quantize(int argc, char **argv)
@@ -21,7 +23,7 @@ int cmd_quantize(int argc, char **argv)
     int i = 1;
     if (i + 1 < argc && !strcmp(argv[i], "--type")) {
         if (!model_gguf_type_parse(argv[i + 1], &type)) {
-            fprintf(stderr, "kvtier quantize: --type %s (q8_0, bf16, f16 or f32)\n", argv[i + 1]);
+            fprintf(stderr, "kvtier quantize: --type %s (q8_0, q4_k, bf16, f16 or f32)\n", argv[i + 1]);
             return EXIT_USAGE;
         }
         i += 2;
