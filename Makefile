@@ -24,6 +24,7 @@ endif
 # at run time (backend/cpu/dispatch), so one binary runs on every x86-64.
 AVX2_FLAGS   := -mavx2 -mfma -mf16c
 AVX512_FLAGS := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
+VNNI_FLAGS   := $(AVX512_FLAGS) -mavx512vnni
 
 LIB_SRC    := $(wildcard util/*.c text/*.c backend/*.c backend/cpu/*.c tiers/*.c model/*.c ipc/*.c)
 DAEMON_SRC := $(wildcard daemon/*.c)
@@ -88,6 +89,10 @@ $(BUILD)/obj/%_avx512.o: %_avx512.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(AVX512_FLAGS) -c $< -o $@
 
+$(BUILD)/obj/%_vnni.o: %_vnni.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(VNNI_FLAGS) -c $< -o $@
+
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -c $< -o $@
@@ -124,19 +129,27 @@ $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) $^ -o $@ $(LDLIBS) $(TESTLIBS)
 
-# A CUDA backend is a plugin (build/libkvtier-cuda.so) that be_open("cuda")
-# loads with dlopen, so the core never links against CUDA.  No CUDA backend
-# is written yet: the switch says so instead of calling nvcc on nothing.
-CUDA_SRC := $(wildcard backend/cuda/*.cu)
-ifeq ($(CUDA_SRC),)
-cuda:
-	@echo "make CUDA=1: no CUDA backend sources yet (backend/cuda/*.cu); the plugin seam is backend/backend_impl.h" >&2; exit 1
-else
-cuda: $(BUILD)/libkvtier-cuda.so
-$(BUILD)/libkvtier-cuda.so: $(CUDA_SRC) $(wildcard backend/cuda/*.h) backend/backend_impl.h
+# The CUDA backend is a plugin (build/libkvtier-cuda.so, backend/cuda/) that
+# be_open("cuda") loads with dlopen, so the core never links against CUDA.
+# Code for sm_80, sm_89 and sm_90 plus PTX of compute_90 for newer chips;
+# the CUDA runtime is linked in statically, cuBLAS found through the rpath.
+CUDA_HOME  ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_SRC   := $(filter-out backend/cuda/limits.cu,$(wildcard backend/cuda/*.cu))
+CUDA_OBJ   := $(CUDA_SRC:%.cu=$(BUILD)/obj/%.o)
+CUDA_ARCH  ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 \
+              -gencode arch=compute_90,code=[sm_90,compute_90]
+NVCCFLAGS  := -O2 -std=c++17 -I. -D_GNU_SOURCE -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra \
+              --Werror all-warnings $(CUDA_ARCH)
+cuda: $(BUILD)/libkvtier-cuda.so $(BUILD)/kvtier-cuda-limits
+$(BUILD)/obj/backend/cuda/%.o: backend/cuda/%.cu $(wildcard backend/cuda/*.h) backend/backend.h backend/backend_impl.h backend/arena.h
 	@mkdir -p $(dir $@)
-	$(NVCC) -O2 -std=c++17 -shared -Xcompiler -fPIC -I. $(CUDA_SRC) -o $@ -lcublas -lcudart
-endif
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+$(BUILD)/libkvtier-cuda.so: $(CUDA_OBJ) $(BUILD)/obj/backend/arena.o backend/cuda/plugin.map
+	$(NVCC) -shared $(CUDA_ARCH) $(filter %.o,$^) -o $@ -lcublas -Xlinker -rpath=$(CUDA_HOME)/lib64 \
+		-Xlinker --version-script=backend/cuda/plugin.map
+# the GPU's own limits for tools/gpu-check.sh's ratios
+$(BUILD)/kvtier-cuda-limits: $(BUILD)/obj/backend/cuda/limits.o
+	$(NVCC) $(CUDA_ARCH) $^ -o $@ -lcublas -Xlinker -rpath=$(CUDA_HOME)/lib64
 
 # Quick tier: every test binary plus the oracle tests, each under a timeout.
 test: all deps-test $(TESTS)

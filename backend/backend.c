@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "backend/backend_impl.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 
@@ -35,7 +36,7 @@ size_t be_dtype_size(enum be_dtype dt)
     case BE_F32: return 4;
     case BE_F16: return 2;
     case BE_BF16: return 2;
-    case BE_Q8_0: break;
+    case BE_Q8_0: case BE_Q4_K: break;
     }
     return 0;
 }
@@ -44,6 +45,8 @@ size_t be_row_bytes(enum be_dtype dt, size_t n)
 {
     if (dt == BE_Q8_0)
         return n % Q8_0_BLOCK ? 0 : n / Q8_0_BLOCK * sizeof(struct q8_0_block);
+    if (dt == BE_Q4_K)
+        return q4_k_row_bytes(n);
     return n * be_dtype_size(dt);
 }
 
@@ -54,6 +57,7 @@ const char *be_dtype_name(enum be_dtype dt)
     case BE_F16: return "f16";
     case BE_BF16: return "bf16";
     case BE_Q8_0: return "q8_0";
+    case BE_Q4_K: return "q4_k";
     }
     return "?";
 }
@@ -61,6 +65,23 @@ const char *be_dtype_name(enum be_dtype dt)
 /* ---- opening ------------------------------------------------------------ */
 
 #define CUDA_PLUGIN_NAME "libkvtier-cuda.so"
+
+static _Thread_local char open_error[512];
+
+const char *be_open_error(void)
+{
+    return open_error;
+}
+
+/* dlopen, and when a file exists but does not load (its CUDA libraries
+ * missing), the loader's words as the reason. */
+static void *plugin_try(const char *path)
+{
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h && access(path, F_OK) == 0)
+        snprintf(open_error, sizeof(open_error), "the CUDA plugin does not load (%s)", dlerror());
+    return h;
+}
 
 /* Candidates in order: $KVTIER_CUDA_PLUGIN (a file, or a directory holding
  * the plugin), then next to the running executable and one level up (tests
@@ -72,10 +93,10 @@ static void *open_cuda_plugin(void)
     void *h;
 
     if (env && *env) {
-        if ((h = dlopen(env, RTLD_NOW | RTLD_LOCAL)))
+        if ((h = plugin_try(env)))
             return h;
         snprintf(path, sizeof(path), "%s/%s", env, CUDA_PLUGIN_NAME);
-        if ((h = dlopen(path, RTLD_NOW | RTLD_LOCAL)))
+        if ((h = plugin_try(path)))
             return h;
     }
     ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
@@ -88,7 +109,7 @@ static void *open_cuda_plugin(void)
             return NULL;
         *slash = '\0';
         snprintf(path, sizeof(path), "%s/%s", exe, CUDA_PLUGIN_NAME);
-        if ((h = dlopen(path, RTLD_NOW | RTLD_LOCAL)))
+        if ((h = plugin_try(path)))
             return h;
     }
     return NULL;
@@ -99,7 +120,7 @@ static bool ops_complete(const struct be_ops *o)
     return o && o->api_version == BE_API_VERSION && o->name && o->free && o->caps && o->dev_alloc && o->dev_free &&
            o->host_alloc && o->host_free && o->copy_async && o->copy && o->event_create && o->event_free &&
            o->event_record && o->event_sync && o->sync && o->matmul && o->rmsnorm && o->rope && o->kv_store &&
-           o->attention && o->silu_mul && o->gelu_mul && o->scale && o->layernorm && o->add && o->softmax && o->embed && o->argmax;
+           o->attention && o->silu_mul && o->gelu_mul && o->act && o->scale && o->layernorm && o->add && o->softmax && o->embed && o->argmax;
 }
 
 enum be_status be_open(const char *name, const struct be_params *p, be_backend **out)
@@ -108,6 +129,7 @@ enum be_status be_open(const char *name, const struct be_params *p, be_backend *
     be_init_fn init;
     void *plugin = NULL;
 
+    open_error[0] = '\0';
     if (!name || !out)
         return BE_EINVAL;
     *out = NULL;
@@ -120,15 +142,26 @@ enum be_status be_open(const char *name, const struct be_params *p, be_backend *
     const char *strict = getenv("KVTIER_BACKEND_STRICT");
     if (strcmp(name, "cpu") == 0 && strict && strcmp(strict, "1") == 0)
         name = "cpu-strict";
+    /* ... and on a GPU machine once more with every "cpu" backend the
+     * one named here (tools/gpu-check.sh: KVTIER_TEST_BACKEND=cuda). */
+    const char *swap = getenv("KVTIER_TEST_BACKEND");
+    if (strcmp(name, "cpu") == 0 && swap && *swap)
+        name = swap;
     if (strcmp(name, "cpu") == 0) {
         init = be_cpu_init;
     } else if (strcmp(name, "cpu-strict") == 0) {
         init = be_strict_init;
     } else if (strcmp(name, "cuda") == 0) {
-        if (!(plugin = open_cuda_plugin()))
+        if (!(plugin = open_cuda_plugin())) {
+            if (!open_error[0])
+                snprintf(open_error, sizeof(open_error), "no CUDA plugin (%s not built: make CUDA=1)",
+                         CUDA_PLUGIN_NAME);
             return BE_ENODEV;
+        }
+        open_error[0] = '\0'; /* a candidate before it may have failed */
         *(void **)&init = dlsym(plugin, BE_PLUGIN_INIT_SYMBOL);
         if (!init) {
+            snprintf(open_error, sizeof(open_error), "the CUDA plugin has no %s", BE_PLUGIN_INIT_SYMBOL);
             dlclose(plugin);
             return BE_ENODEV;
         }
@@ -149,12 +182,18 @@ enum be_status be_open(const char *name, const struct be_params *p, be_backend *
          * its own free, which exists in every version of the table. */
         if (be->ops && be->ops->free)
             be->ops->free(be->ctx);
+        snprintf(open_error, sizeof(open_error), "the %s backend is from another build of kvtier", name);
         st = BE_ENODEV;
     }
     if (st != BE_OK) {
         free(be);
-        if (plugin)
+        if (plugin) {
+            const char *(*why)(void);
+            *(void **)&why = dlsym(plugin, BE_PLUGIN_ERROR_SYMBOL);
+            if (!open_error[0]) /* copied before the plugin goes */
+                snprintf(open_error, sizeof(open_error), "%s", why && why() && why()[0] ? why() : be_strerror(st));
             dlclose(plugin);
+        }
         return st;
     }
     pthread_mutex_init(&be->lock, NULL);
@@ -422,7 +461,7 @@ enum be_status be_matmul(be_backend *be, void *y, enum be_dtype yt, const void *
                          const float *bias, int n, int in, int out)
 {
     if (!be || !y || !x || !w || !dtype_ok(yt) || n < 0 || in <= 0 || out <= 0 ||
-        !(dtype_ok(wt) || (wt == BE_Q8_0 && in % Q8_0_BLOCK == 0)))
+        !(dtype_ok(wt) || (wt == BE_Q8_0 && in % Q8_0_BLOCK == 0) || (wt == BE_Q4_K && in % Q4_K_BLOCK == 0)))
         return BE_EINVAL;
     return n ? be->ops->matmul(be->ctx, y, yt, x, w, wt, bias, n, in, out) : BE_OK;
 }
@@ -456,7 +495,8 @@ enum be_status be_rope(be_backend *be, void *x, int n_tok, int n_heads, int head
 static bool attn_params_ok(const struct be_attn_params *p)
 {
     return p && p->n_heads > 0 && p->n_kv_heads > 0 && p->n_heads % p->n_kv_heads == 0 && p->head_dim > 0 &&
-           p->window >= 0 && dtype_ok(p->kv_dtype) && p->softcap >= 0.0f && isfinite(p->softcap);
+           p->window >= 0 && dtype_ok(p->kv_dtype) && p->softcap >= 0.0f && isfinite(p->softcap) &&
+           p->rel_span >= 0 && (!p->rel_bias || p->rel_span > 0);
 }
 
 /* Every token names a view whose blocks cover [lo, hi) and, for a store,
@@ -574,7 +614,7 @@ enum be_status be_attention_quant(be_backend *be, void *out, const void *q, cons
     for (int t = 0; t < n_tok; t++)
         if (toks[t].view < 0 || toks[t].pos < 0 || !kvq_view_ok(&views[toks[t].view], p))
             return BE_EINVAL;
-    if (!be->ops->attention_quant)
+    if (!be->ops->attention_quant || p->bidirectional || p->rel_bias)
         return BE_ENOTSUP;
     return n_tok ? be->ops->attention_quant(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
 }
@@ -635,6 +675,52 @@ enum be_status be_kv_copy(be_backend *be, const struct be_kv_view *dst, const st
     return p0 < p1 ? be->ops->kv_copy(be->ctx, dst, src, p0, p1, p) : BE_OK;
 }
 
+size_t be_ssm_state_bytes(int d_inner, int d_state, int d_conv)
+{
+    if (d_inner <= 0 || d_inner > (1 << 20) || d_state <= 0 || d_state > BE_SSM_MAX_STATE || d_conv <= 0 ||
+        d_conv > BE_SSM_MAX_CONV)
+        return 0;
+    return ((size_t)(d_conv - 1) + (size_t)d_state) * (size_t)d_inner * sizeof(float);
+}
+
+/* The views of toks: each row names one, and a view's rows are
+ * consecutive (a scan runs through them in order). */
+static bool ssm_args_ok(const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                        const struct be_ssm_params *p)
+{
+    if (!views || !toks || n_tok < 0 || !p || !be_ssm_state_bytes(p->d_inner, p->d_state, p->d_conv) || !p->conv_w ||
+        !p->A || !p->D)
+        return false;
+    for (int t = 0; t < n_tok; t++) {
+        int v = toks[t].view;
+        if (v < 0 || (t > 0 && v != toks[t - 1].view && v != toks[t - 1].view + 1) || (t == 0 && v != 0) ||
+            !views[v].in || !views[v].out)
+            return false;
+    }
+    return true;
+}
+
+enum be_status be_ssm_conv(be_backend *be, void *y, const void *x, const struct be_ssm_view *views,
+                           const struct be_tok *toks, int n_tok, const struct be_ssm_params *p)
+{
+    if (!be || !y || !x || !ssm_args_ok(views, toks, n_tok, p))
+        return BE_EINVAL;
+    if (!be->ops->ssm_conv)
+        return BE_ENOTSUP;
+    return n_tok ? be->ops->ssm_conv(be->ctx, y, x, views, toks, n_tok, p) : BE_OK;
+}
+
+enum be_status be_ssm_scan(be_backend *be, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                           const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                           const struct be_ssm_params *p)
+{
+    if (!be || !y || !x || !dt_raw || !B || !C || !z || !ssm_args_ok(views, toks, n_tok, p))
+        return BE_EINVAL;
+    if (!be->ops->ssm_scan)
+        return BE_ENOTSUP;
+    return n_tok ? be->ops->ssm_scan(be->ctx, y, x, dt_raw, B, C, z, views, toks, n_tok, p) : BE_OK;
+}
+
 enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n)
 {
     if (!be || !y || !gate || !up)
@@ -647,6 +733,15 @@ enum be_status be_gelu_mul(be_backend *be, void *y, const void *gate, const void
     if (!be || !y || !gate)
         return BE_EINVAL;
     return n ? be->ops->gelu_mul(be->ctx, y, gate, up, n) : BE_OK;
+}
+
+enum be_status be_act(be_backend *be, void *x, size_t n, enum be_act act)
+{
+    if (!be || !x || (act != BE_ACT_RELU && act != BE_ACT_GELU_ERF))
+        return BE_EINVAL;
+    if (!be->ops->act)
+        return BE_ENOTSUP;
+    return n ? be->ops->act(be->ctx, x, n, act) : BE_OK;
 }
 
 enum be_status be_scale(be_backend *be, void *x, size_t n, float s)

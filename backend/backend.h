@@ -47,17 +47,19 @@ enum be_status {
 };
 const char *be_strerror(enum be_status st);
 
-/* BE_Q8_0 is a weight format, not an element type: GGUF's blocks of 32
- * int8 codes and one f16 scale along a row (util/q8.h), accepted only as
- * be_matmul's wt, so no activation, KV or embedding can be of it.  It
- * shares the enum because a weight matrix's type travels where the other
- * weight dtypes do (model_mat, be_matmul). */
-enum be_dtype { BE_F32 = 0, BE_F16 = 1, BE_BF16 = 2, BE_Q8_0 = 3 };
-/* Bytes per element; 0 for BE_Q8_0, which has none (be_row_bytes). */
+/* BE_Q8_0 and BE_Q4_K are weight formats, not element types: GGUF's
+ * blocks of 32 int8 codes and one f16 scale along a row (util/q8.h), and
+ * its super-blocks of 256 4-bit codes with 6-bit scales and mins
+ * (util/q4k.h), accepted only as be_matmul's wt, so no activation, KV or
+ * embedding can be of them.  They share the enum because a weight
+ * matrix's type travels where the other weight dtypes do (model_mat,
+ * be_matmul). */
+enum be_dtype { BE_F32 = 0, BE_F16 = 1, BE_BF16 = 2, BE_Q8_0 = 3, BE_Q4_K = 4 };
+/* Bytes per element; 0 for the block formats, which have none (be_row_bytes). */
 size_t be_dtype_size(enum be_dtype dt);
 const char *be_dtype_name(enum be_dtype dt);
 /* Bytes of a row of n elements of dt; 0 when no such row exists (a Q8_0
- * row of n not a multiple of 32, an unknown dtype). */
+ * row of n not a multiple of 32, a Q4_K row not of 256, an unknown dtype). */
 size_t be_row_bytes(enum be_dtype dt, size_t n);
 
 typedef struct be_backend be_backend; /* one device and its streams */
@@ -77,13 +79,20 @@ struct be_caps {
     bool pinned_host;     /* host buffers are page-locked */
     bool unified_memory;  /* kernels can read host memory (mmapped weights) directly */
     int n_threads;        /* compute threads (CPU) */
-    const char *simd;     /* "avx512bf16", "avx512", "avx2", "scalar" (CPU) */
+    const char *simd;     /* "avx512bf16", "avx512vnni", "avx512", "avx2", "scalar" (CPU) */
     enum be_dtype act_dtype; /* what activations are stored as */
+    /* Device memory of its own (a GPU's): the default budget is what the
+     * device has free, so the runtime sizes none from the model. */
+    bool dedicated_memory;
 };
 
 /* Opens a backend by name: "cpu" is built in; "cuda" is loaded from the
  * plugin build/libkvtier-cuda.so when present (BE_ENODEV otherwise). */
 enum be_status be_open(const char *name, const struct be_params *p, be_backend **out);
+/* Why the calling thread's last be_open failed, in words: for "cuda",
+ * "no CUDA device (cudaGetDeviceCount: ...)" from the plugin, or why the
+ * plugin could not be loaded; "" after a success or with no reason known. */
+const char *be_open_error(void);
 void be_free(be_backend *be); /* accepts NULL */
 struct be_caps be_get_caps(const be_backend *be);
 
@@ -129,10 +138,11 @@ enum be_status be_sync(be_backend *be);                      /* all streams drai
  * W is row-major as in a Hugging Face Linear, rows of be_row_bytes(wt,
  * in) bytes; bias is f32; y is of yt (caps.act_dtype or f32: BE_ENOTSUP
  * for one the backend cannot write).  With wt BE_Q8_0, in must be a
- * multiple of 32 (BE_EINVAL otherwise); the CPU backend then rounds each
- * row of x to int8 blocks of 32 with an f32 scale (round to nearest even)
- * and multiplies by those, in integers as llama.cpp does, so y carries x's
- * rounding error too, the same for any number of rows. */
+ * multiple of 32, with BE_Q4_K of 256 (BE_EINVAL otherwise); the CPU
+ * backend then rounds each row of x to int8 blocks of 32 with an f32
+ * scale (round to nearest even) and multiplies by those, in integers as
+ * llama.cpp does, so y carries x's rounding error too, the same for any
+ * number of rows. */
 enum be_status be_matmul(be_backend *be, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt,
                          const float *bias, int n, int in, int out);
 
@@ -194,6 +204,18 @@ struct be_attn_params {
     const float *key_rope;
     int64_t key_rope_rows;
     enum be_rope_layout key_rope_layout;
+    /* Encoder-decoder models.  bidirectional: every key of a view's
+     * [lo, hi) is visible to every query (an encoder's self-attention,
+     * cross-attention), not only those at or before the query's position.
+     * rel_bias (T5's relative position buckets, device f32 [n_heads,
+     * 2 * rel_span + 1], NULL: none): row h, column clamp(k - q, -rel_span,
+     * rel_span) + rel_span is added to query head h's scaled score of the
+     * key at position k for the query at position q; past rel_span the
+     * bucket no longer changes, so the clamp is exact.  Neither is read by
+     * be_attention_quant (BE_ENOTSUP). */
+    bool bidirectional;
+    const float *rel_bias;
+    int rel_span;
 };
 
 /* Where token t of a batch lives: which view and which absolute position. */
@@ -296,12 +318,55 @@ enum be_status be_kv_absmax(be_backend *be, const struct be_kv_view *v, enum be_
 enum be_status be_kv_copy(be_backend *be, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
                           int64_t p1, const struct be_attn_params *p);
 
+/* ---- state-space layers (Mamba) ------------------------------------------
+ * A layer's state per sequence, f32, fixed in size: the conv window, the
+ * last d_conv - 1 inputs of the depthwise convolution as (d_conv - 1,
+ * d_inner), oldest first (zeros before the first token), then the SSM
+ * state h as (d_inner, d_state). */
+#define BE_SSM_MAX_STATE 256 /* far above any checkpoint (Mamba: d_state 16, d_conv 4); */
+#define BE_SSM_MAX_CONV 16   /* a kernel keeps one channel's window and state on its stack */
+struct be_ssm_params {
+    int d_inner, d_state, d_conv;
+    const float *conv_w; /* (d_inner, d_conv) f32: conv1d.weight[:, 0, :] */
+    const float *conv_b; /* (d_inner) f32 or NULL */
+    const float *A;      /* (d_inner, d_state) f32: -exp(A_log) */
+    const float *D;      /* (d_inner) f32 */
+};
+/* One sequence's state of one layer for a call: in holds it before the
+ * sequence's first row of the call, out receives it after its last row;
+ * in == out is allowed (the state is read before it is written). */
+struct be_ssm_view {
+    const void *in;
+    void *out;
+};
+/* The bytes of one layer's state; 0 when a size is out of range. */
+size_t be_ssm_state_bytes(int d_inner, int d_state, int d_conv);
+/* y[n_tok, d_inner] = silu(causal depthwise conv(x) + conv_b): row t of a
+ * view (toks[t].view; a view's rows are consecutive and in order, pos is
+ * not read) sees its d_conv - 1 predecessors, the first ones from the
+ * view's window; the window after the last row goes to out. */
+enum be_status be_ssm_conv(be_backend *be, void *y, const void *x, const struct be_ssm_view *views,
+                           const struct be_tok *toks, int n_tok, const struct be_ssm_params *p);
+/* The selective scan, per row t and channel i of its view's state h:
+ *   dt = softplus(dt_raw[t, i])
+ *   h[i, :] = exp(dt * A[i, :]) * h[i, :] + dt * B[t, :] * x[t, i]
+ *   y[t, i] = (sum_j C[t, j] h[i, j] + D[i] x[t, i]) * silu(z[t, i])
+ * x, dt_raw, z, y: (n_tok, d_inner); B, C: (n_tok, d_state); h is read
+ * from and written to the views as be_ssm_conv does the window. */
+enum be_status be_ssm_scan(be_backend *be, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                           const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                           const struct be_ssm_params *p);
+
 /* y[n] = silu(gate[n]) * up[n] */
 enum be_status be_silu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n);
 /* y[n] = gelu_tanh(gate[n]) * up[n], or gelu_tanh(gate[n]) when up is NULL;
  * gelu_tanh(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), the
  * "gelu_pytorch_tanh" / "gelu_new" of transformers. */
 enum be_status be_gelu_mul(be_backend *be, void *y, const void *gate, const void *up, size_t n);
+/* x[n] = act(x[n]) in place: ReLU (T5 v1.0's FFN) or the exact erf GELU
+ * (BART's "gelu", not gelu_tanh). */
+enum be_act { BE_ACT_RELU = 0, BE_ACT_GELU_ERF };
+enum be_status be_act(be_backend *be, void *x, size_t n, enum be_act act);
 /* x[n] *= s */
 enum be_status be_scale(be_backend *be, void *x, size_t n, float s);
 /* y[n] += x[n] */

@@ -16,10 +16,13 @@
 
 /* Bumped whenever a slot is added, removed or changes meaning; be_open()
  * refuses a plugin built against another version. */
-#define BE_API_VERSION 6
+#define BE_API_VERSION 9
 
 /* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
+/* And, optionally, const char *kvtier_backend_error(void): why its init
+ * last failed, which be_open_error() then repeats. */
+#define BE_PLUGIN_ERROR_SYMBOL "kvtier_backend_error"
 
 struct be_ops {
     int api_version; // initialize to BE_API_VERSION
@@ -48,7 +51,8 @@ struct be_ops {
     enum be_status (*sync)(void *ctx);
 
     // kernels: shapes > 0, pointers non-NULL (bias may be NULL), dtypes valid (matmul's wt may be
-    // BE_Q8_0 with in a multiple of 32: a backend without Q8_0 returns BE_ENOTSUP),
+    // BE_Q8_0 with in a multiple of 32 or BE_Q4_K with in a multiple of 256: a backend without
+    // them returns BE_ENOTSUP),
     // every token's position inside its view's blocks (see backend.h)
     enum be_status (*matmul)(void *ctx, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt, const float *bias,
                              int n, int in, int out);
@@ -62,6 +66,7 @@ struct be_ops {
     enum be_status (*silu_mul)(void *ctx, void *y, const void *gate, const void *up, size_t n);
     enum be_status (*gelu_mul)(void *ctx, void *y, const void *gate, const void *up, size_t n); // up may be NULL
     enum be_status (*scale)(void *ctx, void *x, size_t n, float s);
+    enum be_status (*act)(void *ctx, void *x, size_t n, enum be_act act);
     enum be_status (*layernorm)(void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim,
                                 float eps);
     enum be_status (*add)(void *ctx, void *y, const void *x, size_t n);
@@ -79,6 +84,12 @@ struct be_ops {
                                      const struct be_kv_view *dst);
     enum be_status (*kv_absmax)(void *ctx, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads, int head_dim,
                                 int64_t p0, int64_t p1, float amax[2]);
+    // (optional) NULL: no state-space models on this backend; views and params checked by the wrappers
+    enum be_status (*ssm_conv)(void *ctx, void *y, const void *x, const struct be_ssm_view *views,
+                               const struct be_tok *toks, int n_tok, const struct be_ssm_params *p);
+    enum be_status (*ssm_scan)(void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                               const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                               const struct be_ssm_params *p);
     // (optional) NULL: no sink strategy over quantized KV
     enum be_status (*kv_copy)(void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
                               int64_t p1, const struct be_attn_params *p);

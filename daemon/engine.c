@@ -138,6 +138,8 @@ enum ipc_status engine_submit(engine *e, struct job *j, struct ipc_error *err)
             s->busy = true;
             j->sess = s;
             j->cache = s->cache;
+            if (s->private_kv)
+                j->remote_shareable = 0;
         }
     }
     if (st == IPC_OK) {
@@ -448,9 +450,11 @@ static void observe_request(engine *e, const struct job *j)
 static void retire(engine *e, struct job *j)
 {
     prefix_disk_forget_job(j);
-    prefix_remote_forget_job(j);
+    /* normally handed over chunk by chunk (advance): this catches a
+     * prompt computed some other way */
     if (j->ch[0].kv && j->res.err.st == IPC_OK && !j->kill)
-        prefix_remote_publish(e, j);
+        prefix_remote_publish(e, j, j->n_prompt);
+    prefix_remote_forget_job(e, j);
     struct kv_seq_stats kvs = {0};
     bool any = false;
     for (int i = 0; i < j->n; i++) {
@@ -832,14 +836,48 @@ static void restart_session(engine *e, int i)
     pthread_mutex_unlock(&e->mu);
 }
 
+static void advance(engine *e, int from, int to);
+
+/* A state model's sessions cannot go to disk yet (no images of a state):
+ * when a step finds the device full, the least recently used idle one
+ * whose state is on the device moves it to the host tier instead
+ * (kv_seq_offload; its next step takes the device copies back for its
+ * length).  False when none could move. */
+static bool offload_idle_state(engine *e)
+{
+    if (!kv_store_state_bytes(e->store))
+        return false;
+    pthread_mutex_lock(&e->mu);
+    struct session *lru = NULL;
+    for (struct session *s = e->sessions; s; s = s->next)
+        if (s->kv && !s->busy && !s->op && kv_seq_stats(s->kv).resident_layers && (!lru || s->t_idle < lru->t_idle))
+            lru = s;
+    pthread_mutex_unlock(&e->mu);
+    if (!lru || kv_seq_offload(lru->kv, KV_FALLBACK_OOM) != TIER_OK)
+        return false;
+    struct kv_seq_stats kvs = kv_seq_stats(lru->kv);
+    pthread_mutex_lock(&e->mu);
+    lru->kvs = kvs;
+    pthread_mutex_unlock(&e->mu);
+    log_msg(LOG_DEBUG, "engine: session %s: its state moved to the host tier to make room", lru->id);
+    return true;
+}
+
 /* Entry i found the memory tiers full: with a disk tier, an idle session
- * goes to disk and the entry's job waits to be retried, else it fails. */
+ * goes to disk and the entry's job waits to be retried, else it fails.  A
+ * state model's idle sessions move to the host tier and the entry runs
+ * again at once. */
 static void fail_or_wait(engine *e, int i, enum model_status st)
 {
     if (e->batch_job[i]->sess && kv_seq_load_status(e->batch_ch[i]->kv) != TIER_OK) {
         restart_session(e, i);
         return;
     }
+    while (st == MODEL_EDEVMEM && offload_idle_state(e))
+        if ((st = model_forward(e->m, &e->batch[i], 1)) == MODEL_OK) {
+            advance(e, i, i + 1);
+            return;
+        }
     /* a beam search cannot wait: its other beams of the step advanced */
     if ((st == MODEL_ENOMEM || st == MODEL_EDEVMEM) && !e->batch_job[i]->bs && disk_spill_for_memory(e)) {
         log_msg(LOG_DEBUG, "engine: memory tiers full (%s); waiting for a session to spill to disk",
@@ -882,6 +920,9 @@ static void advance(engine *e, int from, int to)
         struct job_choice *c = e->batch_ch[i];
         struct job *j = e->batch_job[i];
         c->n_fed += (size_t)e->batch[i].n_tokens;
+        /* the blocks this chunk completed go out now, not when the request ends */
+        if (c == &j->ch[0] && c->n_fed - (size_t)e->batch[i].n_tokens < j->n_prompt)
+            prefix_remote_publish(e, j, c->n_fed);
         if (e->batch[i].logits && j->bs) {
             c->beam_logits = e->batch[i].logits; /* beams_decide, once every beam has its own */
         } else if (e->batch[i].logits) {
@@ -1182,11 +1223,13 @@ static void load_progress(void *arg, uint64_t done, uint64_t total)
  * grown by a chunk, so the daemon's idle memory is what it was.  A window
  * of one on every layer keeps one token valid for a model whose layers
  * all slide (the store refuses a static cache shorter than their window).
- * It touches no session and no statistic. */
+ * A state model (Mamba) keeps no tokens: no window.  It touches no session and no statistic. */
 static bool warm_up(engine *e, char *err)
 {
     load_phase(e, "warmup");
     struct kv_seq_params p = {.strategy = KV_STATIC, .max_cache_len = 1, .window_length = 1, .no_prefix_cache = true};
+    if (kv_store_state_bytes(e->store)) /* a state model's store refuses windows: its state has no tokens */
+        p.window_length = 0;
     kv_seq *kv = NULL;
     int32_t tok = tokenizer_bos_id(e->tok) >= 0 ? tokenizer_bos_id(e->tok) : 0;
     enum tier_status ts = kv_seq_create(e->store, &p, &kv);
@@ -1213,7 +1256,8 @@ static bool load(engine *e)
                                 .model = {.max_batch_tokens = e->cfg.batch_tokens, .verify_weights = e->cfg.verify_weights,
                                           .kv_dtype = e->cfg.kv_dtype, .weights = e->cfg.weights,
                                           .page_in = load_progress, .page_in_arg = e},
-                                .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache},
+                                .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache,
+                                       .checkpoint_interval = e->cfg.checkpoint_interval},
                                 .size_seqs = e->cfg.max_seqs, .size_ctx = e->cfg.ctx};
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);
@@ -1235,7 +1279,8 @@ static bool load(engine *e)
                 dev_budget / 1048576.0, b->weights / 1048576.0, b->activations / 1048576.0, b->kv / 1048576.0,
                 b->seqs, b->ctx, b->margin / 1048576.0, RUNTIME_MIN_DEVICE_MEM >> 20);
     else
-        log_msg(LOG_INFO, "device budget %.1f MiB (--device-mem)", dev_budget / 1048576.0);
+        log_msg(LOG_INFO, "device budget %.1f MiB (%s)", dev_budget / 1048576.0,
+                e->cfg.device_mem ? "--device-mem" : "the device's free memory less a reserve; --device-mem overrides");
     log_msg(LOG_INFO, "KV cache in %s (--kv-dtype), weights in %s, layers' in %s (--weights)",
             be_dtype_name(kv_store_dtype(e->store)), be_dtype_name(model_get_config(e->m)->dtype),
             be_dtype_name(model_get_weights(e->m)->layers[0].wq.dtype));

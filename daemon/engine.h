@@ -63,6 +63,7 @@ struct engine_config {
     int ctx;                 /* 0: the model's max_position_embeddings */
     int max_seqs;            /* sequences decoded together */
     int batch_tokens;        /* tokens per forward step */
+    int checkpoint_interval; /* a state model's checkpoints (kv_store_params); 0 = the store's default */
     int max_queue;           /* jobs waiting for admission */
     int max_sessions;
     /* The disk tier (docs/persistence.md); disk_dir NULL: sessions live in
@@ -79,6 +80,7 @@ struct engine_config {
     int remote_timeout_ms;
     int remote_ttl_s;
     enum engine_remote_share remote_share;
+    bool remote_compress; /* publish zstd-compressed values */
 };
 
 typedef struct engine engine;
@@ -186,6 +188,7 @@ struct job {
     struct prefix_fetch *pfetch; /* their reads in flight (io_wait) */
     bool rfetched; /* the remote tier was asked for the blocks after those */
     struct remote_fetch *rfetch; /* that lookup in flight (io_wait) */
+    int64_t rpub_blocks;         /* its prompt's blocks handed to prefix_remote_publish */
     uint64_t order;
     beam_search *bs;         /* beam search's decisions */
     int32_t eos[MODEL_MAX_EOS + 1];

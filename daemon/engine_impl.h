@@ -21,6 +21,7 @@ struct session {
     struct ipc_cache_choice cache;
     bool busy;
     bool record; /* activate_past_recording on every KV sequence it gets */
+    bool private_kv; /* created with "private": none of its requests' blocks go to the remote tier */
     int32_t *toks; /* the ids whose KV is in kv */
     size_t n_toks;
     struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */
@@ -201,11 +202,14 @@ void prefix_remote_poll(engine *e);
  * blocks in memory, asks the remote tier and returns true (j waits:
  * io_wait, j->rfetch). */
 bool prefix_remote_fetch(engine *e, struct job *j);
-/* j retires: its lookup finishes without it. */
-void prefix_remote_forget_job(struct job *j);
-/* j retires with its KV still held: its shareable prompt blocks not
- * published yet are queued for the remote tier. */
-void prefix_remote_publish(engine *e, const struct job *j);
+/* j retires: its lookup finishes without it, its blocks waiting to be
+ * published go on without it. */
+void prefix_remote_forget_job(engine *e, struct job *j);
+/* j's prompt is computed up to n_done tokens (its KV still held): its
+ * shareable whole blocks in that not handed over before are queued for
+ * the remote tier, as the publish queue has room.  Cheap when there are
+ * none: called after every prefill chunk. */
+void prefix_remote_publish(engine *e, struct job *j, size_t n_done);
 
 /* ---- engine.c, for spill.c and prefix_disk.c ---- */
 void start_job(engine *e, struct job *j);

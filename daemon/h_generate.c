@@ -26,16 +26,38 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
     return IPC_OK;
 }
 
+/* How many leading ids of pre the prompt's ids start with: a part
+ * tokenized alone may end in a token the whole prompt merges further. */
+static size_t agree(const struct tok_ids *pre, const struct tok_ids *ids)
+{
+    size_t n = 0;
+    while (n < pre->n && n < ids->n && pre->ids[n] == ids->ids[n])
+        n++;
+    return n;
+}
+
 /* The leading prompt tokens whose blocks the remote tier may get: none of
- * a private request's; under --remote-share prefix-only, a chat's up to
- * its first user message (rendered alone, and as far as its ids agree
- * with the whole prompt's), none of a raw prompt's. */
+ * a private request's; a completion's shared_prefix under any
+ * --remote-share but off (the request says the rest is its own); under
+ * prefix-only, a chat's up to its first user message (rendered alone),
+ * and none of a raw prompt without shared_prefix. */
 static size_t shareable(struct server *s, const struct ipc_gen_req *g, const struct tok_ids *ids)
 {
     bool on;
     enum engine_remote_share m = engine_remote_share(s->eng, &on);
     if (!on || m == REMOTE_SHARE_OFF || g->private_kv)
         return 0;
+    if (g->shared_tokens >= 0)
+        return (size_t)g->shared_tokens;
+    if (g->shared_text) {
+        struct tok_ids pre = {0};
+        struct ipc_error err;
+        size_t n = encode(s, g->shared_text, g->shared_text_len, true, "shared_prefix", &pre, &err) == IPC_OK
+                       ? agree(&pre, ids)
+                       : 0;
+        free(pre.ids);
+        return n;
+    }
     if (m == REMOTE_SHARE_ALL)
         return SIZE_MAX;
     json_t *head = g->chat ? json_array() : NULL; /* the messages before the first user message */
@@ -49,8 +71,7 @@ static size_t shareable(struct server *s, const struct ipc_gen_req *g, const str
     struct ipc_error err;
     size_t n = 0;
     if (json_array_size(head) && render(s, head, NULL, NULL, false, &pre, &err) == IPC_OK)
-        while (n < pre.n && n < ids->n && pre.ids[n] == ids->ids[n])
-            n++;
+        n = agree(&pre, ids);
     json_decref(head);
     free(pre.ids);
     return n;

@@ -283,8 +283,21 @@ enum MHD_Result h_ollama_generate(struct req *r, const char *arg)
 /* ---- what the daemon serves ---- */
 
 /* Bytes of the model's weight files. */
+/* --model names a directory, or a GGUF file: then its size */
+static bool model_is_file(const char *dir, long long *size)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISREG(st.st_mode))
+        return false;
+    *size = (long long)st.st_size;
+    return true;
+}
+
 static long long weight_bytes(const char *dir)
 {
+    long long size;
+    if (model_is_file(dir, &size))
+        return size;
     DIR *d = opendir(dir);
     long long total = 0;
     struct dirent *e;
@@ -302,7 +315,10 @@ static long long weight_bytes(const char *dir)
 static void write_details(struct jw *w, const struct server *s)
 {
     const char *arch = engine_model_config(s->eng)->arch_name;
-    jw_lit(w, "\"details\":{\"parent_model\":\"\",\"format\":\"safetensors\",\"family\":");
+    long long size;
+    jw_lit(w, "\"details\":{\"parent_model\":\"\",\"format\":\"");
+    jw_lit(w, model_is_file(engine_model_dir(s->eng), &size) ? "gguf" : "safetensors");
+    jw_lit(w, "\",\"family\":");
     jw_str(w, arch, strlen(arch));
     jw_lit(w, ",\"families\":[");
     jw_str(w, arch, strlen(arch));

@@ -39,9 +39,12 @@ enum ipc_status prep_session_create(struct req *r)
     bool remote;
     enum engine_remote_share share = engine_remote_share(s->eng, &remote);
     r->prep.remote_shareable =
-        remote && (share == REMOTE_SHARE_ALL || (share == REMOTE_SHARE_PREFIX_ONLY && q.system)) ? SIZE_MAX : 0;
-    if (st == IPC_OK && !(r->prep.request = json_pack("{s:O?, s:O?}", "cache", json_object_get(r->root, "cache"),
-                                                      "use_cache", json_object_get(r->root, "use_cache"))))
+        remote && !q.private_kv && (share == REMOTE_SHARE_ALL || (share == REMOTE_SHARE_PREFIX_ONLY && q.system))
+            ? SIZE_MAX
+            : 0;
+    if (st == IPC_OK && !(r->prep.request = json_pack("{s:O?, s:O?, s:b}", "cache", json_object_get(r->root, "cache"),
+                                                      "use_cache", json_object_get(r->root, "use_cache"), "private",
+                                                      q.private_kv)))
         st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
     ipc_session_req_release(&q);
     return st;

@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "backend/backend.h"
 #include "daemon/engine.h"
 #include "util/log.h"
 #include "daemon/server.h"
@@ -50,12 +51,14 @@ static void usage(FILE *f)
             "  --verify-weights     read every weight at load and refuse NaN or infinity (slower start)\n"
             "  --kv-dtype T         KV cache element type: auto (the model's bf16/f16, else f32), f32, bf16 or f16\n"
             "                       (default auto; sessions on disk load only into the dtype they were saved in)\n"
-            "  --weights F          linear layers' weights: auto (as stored) or q8_0 (quantized at load to GGUF's\n"
-            "                       Q8_0 blocks: about half the bytes of bf16 per decode step; KV saved under one\n"
-            "                       does not load under the other)\n"
+            "  --weights F          linear layers' weights: auto (as stored), q8_0 or q4_k (quantized at load to\n"
+            "                       GGUF's Q8_0 or Q4_K blocks: about 1/2 or 1/4 of the bytes of bf16 per decode\n"
+            "                       step; KV saved under one does not load under another)\n"
             "  --ctx-size N         context tokens per sequence (default: the model's)\n"
             "  --parallel N         sequences decoded together (default 32)\n"
             "  --batch-tokens N     tokens per forward step (default 256)\n"
+            "  --checkpoint-interval N  state-space models (Mamba): tokens between the state's checkpoints in the\n"
+            "                       host tier, which crop and session reuse go back to (default 256)\n"
             "  --max-queue N        requests waiting for a slot before 429 (default 256)\n"
             "  --max-clients N      open connections before 503 (default 256; 8 more for /health and /metrics)\n"
             "  --max-clients-per-uid N  open connections of one uid (default: 7/8 of --max-clients)\n"
@@ -79,7 +82,9 @@ static void usage(FILE *f)
             "  --remote-timeout MS  bound of every Redis connect, read and write (default 500)\n"
             "  --remote-ttl S       expiry of published blocks, renewed on each hit (default 86400)\n"
             "  --remote-share M     all (every prompt block), prefix-only (a chat's blocks before its first\n"
-            "                       user message) or off (read only) (default all)\n"
+            "                       user message, a completion's before its shared_prefix) or off (read only)\n"
+            "                       (default all)\n"
+            "  --remote-compress M  zstd (published values compressed) or none (default none)\n"
             "  --drain-timeout S    SIGTERM: seconds in-flight requests may finish (default 30)\n"
             "  --idle-timeout S     close idle connections after S seconds (default 300)\n"
             "  --stall-timeout S    /health says stalled when work waits and no step completes for S s (default 120)\n"
@@ -188,11 +193,11 @@ int main(int argc, char **argv)
     static char key_buf[512];
     bool system = false, verbose = false, print_socket = false;
     enum {
-        O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH,
+        O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH, O_CKPT,
         O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
         O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE,
         O_SESSIONTTL, O_VERSION, O_PRINTSOCK,
-        O_REMOTE, O_RCLUSTER, O_RUSER, O_RPASS, O_RTIMEOUT, O_RTTL, O_RSHARE
+        O_REMOTE, O_RCLUSTER, O_RUSER, O_RPASS, O_RTIMEOUT, O_RTTL, O_RSHARE, O_RCOMPRESS
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"socket", required_argument, 0, O_SOCKET},
@@ -203,6 +208,7 @@ int main(int argc, char **argv)
         {"prefix-cache-mem", required_argument, 0, O_PREFIXMEM}, {"share-prefix-cache", no_argument, 0, O_SHAREPREFIX},
         {"ctx-size", required_argument, 0, O_CTX},
         {"parallel", required_argument, 0, O_PARALLEL}, {"batch-tokens", required_argument, 0, O_BATCH},
+        {"checkpoint-interval", required_argument, 0, O_CKPT},
         {"max-queue", required_argument, 0, O_QUEUE}, {"max-clients", required_argument, 0, O_CLIENTS},
         {"max-clients-per-uid", required_argument, 0, O_PER_UID}, {"max-clients-per-pid", required_argument, 0, O_PER_PID},
         {"header-timeout", required_argument, 0, O_HEADER}, {"body-rate", required_argument, 0, O_RATE},
@@ -221,7 +227,7 @@ int main(int argc, char **argv)
         {"remote", required_argument, 0, O_REMOTE}, {"remote-cluster", required_argument, 0, O_RCLUSTER},
         {"remote-user", required_argument, 0, O_RUSER}, {"remote-password-file", required_argument, 0, O_RPASS},
         {"remote-timeout", required_argument, 0, O_RTIMEOUT}, {"remote-ttl", required_argument, 0, O_RTTL},
-        {"remote-share", required_argument, 0, O_RSHARE},
+        {"remote-share", required_argument, 0, O_RSHARE}, {"remote-compress", required_argument, 0, O_RCOMPRESS},
         {0, 0, 0, 0}};
     int c;
     bool ok = true;
@@ -238,6 +244,10 @@ int main(int argc, char **argv)
             ok = !strcmp(optarg, "all") || !strcmp(optarg, "prefix-only") || !strcmp(optarg, "off");
             ec.remote_share = !strcmp(optarg, "off") ? REMOTE_SHARE_OFF
                               : !strcmp(optarg, "prefix-only") ? REMOTE_SHARE_PREFIX_ONLY : REMOTE_SHARE_ALL;
+            break;
+        case O_RCOMPRESS:
+            ok = !strcmp(optarg, "zstd") || !strcmp(optarg, "none");
+            ec.remote_compress = !strcmp(optarg, "zstd");
             break;
         case O_DISKDIR: disk_dir = optarg; break;
         case O_DISKMEM: ok = args_size(optarg, &ec.disk_mem) && ec.disk_mem > 0; break;
@@ -267,6 +277,7 @@ int main(int argc, char **argv)
         case O_CTX: ok = args_int(optarg, 16, 1 << 24, &ec.ctx); break;
         case O_PARALLEL: ok = args_int(optarg, 1, 1024, &ec.max_seqs); break;
         case O_BATCH: ok = args_int(optarg, 16, 65536, &ec.batch_tokens); break;
+        case O_CKPT: ok = args_int(optarg, 1, 1 << 24, &ec.checkpoint_interval); break;
         case O_QUEUE: ok = args_int(optarg, 1, 1 << 20, &ec.max_queue); break; /* 0 would refuse every request: each one queues first */
         case O_CLIENTS: ok = args_int(optarg, 1, 1 << 16, &sc.max_clients); break;
         case O_PER_UID: ok = args_int(optarg, 1, 1 << 16, &sc.max_per_uid); break;
@@ -349,6 +360,18 @@ int main(int argc, char **argv)
     if (rc) {
         fprintf(stderr, "kvtierd: cannot open the log %s: %s\n", log_path, strerror(-rc));
         return EXIT_FAILURE;
+    }
+    /* A backend that cannot open (no GPU, no driver, no plugin) is known
+     * before the socket is taken: one clear line and the model's exit code,
+     * not a daemon that listens and then fails its load. */
+    if (strcmp(ec.backend, "cpu") != 0) {
+        be_backend *probe;
+        enum be_status bs = be_open(ec.backend, &(struct be_params){.device_mem = BE_ALIGN}, &probe);
+        if (bs != BE_OK) {
+            log_msg(LOG_ERR, "--backend %s: %s", ec.backend, *be_open_error() ? be_open_error() : be_strerror(bs));
+            return EXIT_MODEL;
+        }
+        be_free(probe);
     }
 
     /* Signals reach the loop through a pipe written by the handler: libraries

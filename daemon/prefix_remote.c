@@ -1,21 +1,23 @@
 /* prefix_remote.c - the prefix cache's blocks on the remote tier
- * (docs/remote.md): blocks a request computed are published when it
- * retires, and a prompt whose chain goes on past what memory (and the
- * disk) holds asks the remote tier for the rest before it starts.
+ * (docs/remote.md): blocks a request computes are published as its
+ * prefill completes them, and a prompt whose chain goes on past what
+ * memory (and the disk) holds asks the remote tier for the rest before
+ * it starts.
  *
  * Reading is the disk's path: at admission, after the disk tier's blocks
  * are in, the job waits (io_wait, j->rfetch) while the lookup thread
  * fetches and checks the chain's next blocks; they are inserted in chain
  * order up to the first one the store refuses, then the job starts and
  * kv_seq_match_prefix attaches them.  Every failure is a miss: the rest
- * of the prompt is computed.  Publishing: a retiring job's prompt is
- * kept (its ids) and its blocks not shipped before are serialized
- * (kv_store_prefix_ship) as the publish queue has room, at retirement and
- * then at every loop iteration (the publish thread wakes the loop after
- * each batch), so a long prompt is neither dropped past the queue's bound
- * nor serialized all at once; a block evicted meanwhile is not published.
- * The network is the publish thread's.  Everything here runs on the
- * engine thread.
+ * of the prompt is computed.  Publishing: after each prefill chunk the
+ * job's prompt up to its last whole block is kept (its ids), and the
+ * blocks not shipped before are serialized (kv_store_prefix_ship) as the
+ * publish queue has room, a few per loop iteration (the publish thread
+ * wakes the loop after each batch), so a long prompt is neither dropped
+ * past the queue's bound nor serialized all at once, and a second daemon
+ * can find a long prompt's first blocks while the first still computes
+ * the rest; a block evicted meanwhile is not published.  The network is
+ * the publish thread's.  Everything here runs on the engine thread.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -27,12 +29,13 @@
 
 /* prompts kept for publishing; past this the oldest is given up */
 #define MAX_PENDING 64
-/* blocks serialized per call of kv_store_prefix_ship */
-#define SHIP_BATCH 64
+/* blocks serialized per call of pump: bounds the copies a loop iteration makes */
+#define SHIP_BATCH 16
 
 struct remote_pub {
     struct kv_seq_params p;
-    int32_t *tokens; /* its whole blocks */
+    const struct job *j; /* the job whose prompt it is; NULL once it retired */
+    int32_t *tokens;     /* its whole blocks */
     int64_t n_blocks;
     struct remote_pub *next;
 };
@@ -63,8 +66,12 @@ void prefix_remote_open(engine *e)
                                  .password = c->remote_password,
                                  .timeout_ms = c->remote_timeout_ms,
                                  .ttl_s = c->remote_ttl_s,
+                                 .compress = c->remote_compress,
+                                 .block_bytes = kv_store_prefix_block_bytes(e->store),
                                  .layout = engine_kv_layout(e),
-                                 .variant = c->weights == MODEL_WEIGHTS_Q8_0 ? "q8_0" : "w",
+                                 .variant = c->weights == MODEL_WEIGHTS_Q8_0   ? "q8_0"
+                                            : c->weights == MODEL_WEIGHTS_Q4_K ? "q4_k"
+                                                                               : "w",
                                  .notify = notify,
                                  .notify_arg = e};
     char err[256];
@@ -73,8 +80,9 @@ void prefix_remote_open(engine *e)
         log_msg(LOG_ERR, "remote tier not used: %s", err[0] ? err : tier_strerror(ts));
         return;
     }
-    log_msg(LOG_INFO, "remote tier %s: timeout %d ms, TTL %d s, publishing %s", c->remote_url ? c->remote_url : c->remote_cluster,
-            c->remote_timeout_ms, c->remote_ttl_s,
+    log_msg(LOG_INFO, "remote tier %s: timeout %d ms, TTL %d s, values %s, publishing %s",
+            c->remote_url ? c->remote_url : c->remote_cluster, c->remote_timeout_ms, c->remote_ttl_s,
+            c->remote_compress ? "zstd-compressed" : "raw",
             c->remote_share == REMOTE_SHARE_OFF           ? "off (read only)"
             : c->remote_share == REMOTE_SHARE_PREFIX_ONLY ? "the blocks before a chat's first user message"
                                                           : "every prompt block");
@@ -140,11 +148,14 @@ bool prefix_remote_fetch(engine *e, struct job *j)
     return true;
 }
 
-void prefix_remote_forget_job(struct job *j)
+void prefix_remote_forget_job(engine *e, struct job *j)
 {
     if (j->rfetch)
         j->rfetch->j = NULL;
     j->rfetch = NULL;
+    for (struct remote_pub *x = e->rpubs; x; x = x->next)
+        if (x->j == j)
+            x->j = NULL;
 }
 
 
@@ -157,10 +168,14 @@ static void pub_pop(engine *e)
     free(x);
 }
 
-/* Serializes and queues the kept prompts' blocks while the queue has room. */
+/* Serializes and queues the kept prompts' blocks while the queue has room,
+ * at most SHIP_BATCH per call: each call is a step's worth of copies at
+ * most, and the publish thread's notification after each batch it sends
+ * brings the next. */
 static void pump(engine *e)
 {
-    while (e->rpubs) {
+    int64_t budget = SHIP_BATCH;
+    while (e->rpubs && budget > 0) {
         struct remote_pub *x = e->rpubs;
         size_t room = kv_remote_publish_room(e->remote);
         size_t fit = e->rblk_len ? room / e->rblk_len : 1; /* one first, to learn the size */
@@ -170,42 +185,55 @@ static void pump(engine *e)
         int64_t got = 0;
         bool done = true;
         enum tier_status ts = kv_store_prefix_ship(e->store, &x->p, x->tokens, x->n_blocks, b,
-                                                   fit < SHIP_BATCH ? (int64_t)fit : SHIP_BATCH, &got, &done);
+                                                   fit < (size_t)budget ? (int64_t)fit : budget, &got, &done);
         if (ts != TIER_OK)
             log_msg(LOG_DEBUG, "remote tier: blocks not published: %s", kv_store_errmsg(e->store));
         for (int64_t i = 0; i < got; i++) {
             e->rblk_len = b[i].len;
             kv_remote_publish(e->remote, &b[i]);
         }
+        budget -= got;
+        /* a job still computing its prompt hands over a new entry for its next blocks */
         if (done || ts != TIER_OK)
             pub_pop(e);
     }
 }
 
-void prefix_remote_publish(engine *e, const struct job *j)
+void prefix_remote_publish(engine *e, struct job *j, size_t n_done)
 {
     if (!e->remote || e->cfg.remote_share == REMOTE_SHARE_OFF || (j->kind != JOB_GENERATE && j->kind != JOB_PREFILL))
         return;
-    size_t n = j->n_prompt < j->remote_shareable ? j->n_prompt : j->remote_shareable;
+    size_t n = n_done < j->n_prompt ? n_done : j->n_prompt;
+    n = n < j->remote_shareable ? n : j->remote_shareable;
     size_t bt = (size_t)kv_store_block_tokens(e->store);
     int64_t nb = (int64_t)(n / bt);
-    struct remote_pub *x = nb ? calloc(1, sizeof(*x)) : NULL;
-    if (x && !(x->tokens = malloc((size_t)nb * bt * sizeof(*x->tokens)))) {
-        free(x);
-        x = NULL;
-    }
-    if (!x)
+    if (nb <= j->rpub_blocks)
         return;
+    /* j's entry still waiting grows; otherwise a new one walks the chain
+     * from its start, skipping the blocks shipped before */
+    struct remote_pub *x = NULL, **tail = &e->rpubs;
+    for (; *tail; tail = &(*tail)->next)
+        if ((*tail)->j == j)
+            x = *tail;
+    int32_t *tokens = realloc(x ? x->tokens : NULL, (size_t)nb * bt * sizeof(*tokens));
+    if (!tokens)
+        return;
+    if (!x && !(x = calloc(1, sizeof(*x)))) {
+        free(tokens);
+        return;
+    }
+    x->tokens = tokens;
     memcpy(x->tokens, j->prompt, (size_t)nb * bt * sizeof(*x->tokens));
-    x->p = j->cache.params;
-    x->p.prefix_ns = prefix_ns_of(e, j->uid);
     x->n_blocks = nb;
-    struct remote_pub **tail = &e->rpubs;
-    while (*tail)
-        tail = &(*tail)->next;
-    *tail = x;
-    if (++e->n_rpubs > MAX_PENDING)
-        pub_pop(e);
+    j->rpub_blocks = nb;
+    if (!x->j) {
+        x->j = j;
+        x->p = j->cache.params;
+        x->p.prefix_ns = prefix_ns_of(e, j->uid);
+        *tail = x;
+        if (++e->n_rpubs > MAX_PENDING)
+            pub_pop(e);
+    }
     pump(e);
 }
 

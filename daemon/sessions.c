@@ -74,6 +74,8 @@ struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, boo
     s->created = time(NULL);
     s->cache = *cache;
     s->record = record;
+    /* kept in the request, so that its file and its forks keep it too */
+    s->private_kv = json_is_true(json_object_get(request, "private"));
     s->version = 1; /* its file, none yet, holds version 0 */
     s->t_idle = clock_ms();
     return s;
@@ -260,6 +262,7 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
     enum ipc_status st = IPC_OK;
     if (s->request && !(c->request = strdup(s->request)))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork");
+    c->private_kv = s->private_kv;
     if (s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks))))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
     enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;
@@ -611,6 +614,24 @@ static enum ipc_status session_import(engine *e, struct session *s, struct job *
     return IPC_OK;
 }
 
+/* A state model's crop goes back to the last checkpoint at or below what
+ * it was asked to leave (tiers/state.c): the session's tokens from there
+ * to target are fed again, so it holds what the crop said, as a KV
+ * session would.  A failure leaves the session at the checkpoint, which
+ * is as valid (the next request feeds the rest). */
+static void crop_refeed(engine *e, struct session *s, int64_t target, struct ipc_error *err)
+{
+    int64_t len = kv_seq_length(s->kv);
+    if (len >= target || (size_t)target > s->n_toks || target - len > INT32_MAX)
+        return;
+    struct fw_seq f = {.kv = s->kv, .tokens = s->toks + len, .n_tokens = (int)(target - len)};
+    enum model_status st = model_forward(e->m, &f, 1);
+    if (st != MODEL_OK)
+        ipc_fail(err, st == MODEL_ENOMEM || st == MODEL_EDEVMEM ? IPC_ESTORAGE : IPC_EINTERNAL, "",
+                 "crop: feeding %lld tokens after the state's checkpoint: %s", (long long)(target - len),
+                 model_strerror(st));
+}
+
 /* Crop, fork or past recording on the job's session.  They run here, on
  * the engine thread, because the store is not shared with the loop thread;
  * the job ends at once. */
@@ -620,9 +641,13 @@ void session_run_op(engine *e, struct job *j)
     struct ipc_error err = {0};
     enum tier_status ts = TIER_OK;
     if (j->kind == JOB_CROP && s->kv) { /* an empty session has nothing to crop */
+        int64_t len = kv_seq_length(s->kv);
         ts = kv_seq_crop(s->kv, j->op_n);
         if (ts != TIER_OK)
             kv_error(e, ts, "n", &err);
+        else /* |op_n| is within KV_SEQ_MAX_LEN now */
+            crop_refeed(e, s, j->op_n > 0 ? (j->op_n < len ? j->op_n : len) : (-j->op_n < len ? len + j->op_n : 0),
+                        &err);
     } else if (j->kind == JOB_RECORD) {
         if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
             kv_error(e, ts, "", &err);

@@ -568,6 +568,21 @@ static enum ipc_status f_flag(const json_t *v, const char *name, struct field_ct
     return st;
 }
 
+static enum ipc_status f_shared_prefix(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (json_is_string(v)) {
+        c->r->shared_text = json_string_value(v);
+        c->r->shared_text_len = json_string_length(v);
+        return IPC_OK;
+    }
+    if (!json_is_integer(v))
+        return ipc_fail(err, IPC_EINVAL, name, "%s must be a number of prompt tokens or the text the prompt starts with",
+                        name);
+    return get_int(v, name, 0, c->lim->max_context, &c->r->shared_tokens, err);
+}
+
 static enum ipc_status f_stream_options(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
     if (json_is_null(v))
@@ -822,6 +837,7 @@ static const struct {
     {"ignore_eos", F_BOTH, f_flag},
     {"return_tokens", F_BOTH, f_flag},
     {"private", F_BOTH, f_flag},
+    {"shared_prefix", F_COMPL, f_shared_prefix},
     {"stream_options", F_BOTH, f_stream_options},
     {"logprobs", F_BOTH, f_logprobs},
     {"top_logprobs", F_CHAT, f_top_logprobs},
@@ -945,6 +961,7 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     out->n = 1;
     out->num_beams = 1;
     out->length_penalty = 1;
+    out->shared_tokens = -1;
     sampler_params_default(&out->sampling);
     out->sampling.temperature = 1; /* OpenAI's default; greedy needs temperature 0 */
     if (!json_is_object(root))
@@ -971,6 +988,12 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
+    /* a text that is not where the prompt starts marks nothing: refused
+     * rather than read as "share nothing" or "share it all" */
+    if (out->shared_text && (!out->text || out->text_len < out->shared_text_len ||
+                             memcmp(out->text, out->shared_text, out->shared_text_len)))
+        return ipc_fail(err, IPC_EINVAL, "shared_prefix", "shared_prefix as text must be the start of prompt (a string "
+                        "prompt); give a number of tokens for a prompt of token ids");
     enum ipc_status tst = chat ? tool_choice(root, out, err) : IPC_OK;
     if (tst != IPC_OK)
         return tst;
@@ -1030,15 +1053,16 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
             out->system = json_string_value(v);
             out->system_len = json_string_length(v);
             out->field = key;
-        } else if (!strcmp(key, "activate_past_recording")) {
+        } else if (!strcmp(key, "activate_past_recording") || !strcmp(key, "private")) {
             if (!json_is_boolean(v))
-                return ipc_fail(err, IPC_EINVAL, key, "activate_past_recording must be true or false");
-            out->record = json_is_true(v);
+                return ipc_fail(err, IPC_EINVAL, key, "%s must be true or false", key);
+            *(key[0] == 'p' ? &out->private_kv : &out->record) = json_is_true(v);
         } else if (!strcmp(key, "model")) {
             st = ipc_check_model(v, lim, err);
         } else if (strcmp(key, "cache") && strcmp(key, "use_cache")) {
             return ipc_fail(err, IPC_EINVAL, key,
-                            "unknown field \"%.48s\" (prefix, system, cache, activate_past_recording)", key);
+                            "unknown field \"%.48s\" (prefix, system, cache, activate_past_recording, private)",
+                            key);
         }
         if (st != IPC_OK)
             return st;

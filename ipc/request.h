@@ -80,6 +80,12 @@ struct ipc_gen_req {
     enum beam_early early_stopping;
     bool stream, include_usage, ignore_eos, return_tokens;
     bool private_kv; /* "private": none of its blocks go to a shared (remote) tier */
+    /* completions' "shared_prefix": how much of the prompt may go to a
+     * shared tier, in tokens (-1: not given) or as the text the prompt
+     * starts with (borrowed; NULL: not given) */
+    long long shared_tokens;
+    const char *shared_text;
+    size_t shared_text_len;
     bool logprobs;
     int top_logprobs;
     const char *session; /* NULL: none */
@@ -110,6 +116,7 @@ struct ipc_session_req {
     size_t system_len;
     const char *field; /* the key that gave the start ("prefix", "prompt", "system"), for errors */
     bool record; /* "activate_past_recording": true */
+    bool private_kv; /* "private": the start's blocks go to no shared (remote) tier */
     struct ipc_cache_choice cache;
 };
 enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limits *lim, struct ipc_session_req *out,

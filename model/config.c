@@ -14,6 +14,7 @@
 
 #include <xxhash.h>
 
+#include "model/gguf.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "util/file.h"
@@ -238,6 +239,8 @@ static const struct arch_info {
     {"Phi3ForCausalLM", ARCH_PHI3, 1, 32000, 0, false, false, false, WINDOW_ALL, 0, false, 10000.0, 0},
     /* read by read_gpt2: its config names every field differently */
     {"GPT2LMHeadModel", ARCH_GPT2, 50256, 50256, 0, false, true, false, WINDOW_NONE, 0, true, 10000.0, 0},
+    /* read by read_mamba: no attention at all */
+    {"MambaForCausalLM", ARCH_MAMBA, 0, 0, 0, false, false, false, WINDOW_NONE, 0, true, 10000.0, 0},
 };
 
 static bool is_gemma(enum model_arch a)
@@ -262,7 +265,8 @@ static enum model_status read_arch(const struct jctx *c, const struct arch_info 
     }
     return model_errf(c->err, MODEL_EUNSUPPORTED,
                       "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
-                      "Gemma3, Phi3 ForCausalLM, GPT2LMHeadModel)",
+                      "Gemma3, Phi3, Mamba ForCausalLM, GPT2LMHeadModel; T5 and BART encoder-decoder models "
+                      "run with kvtier-encdec, not the daemon yet)",
                       c->file, name);
 }
 
@@ -567,7 +571,7 @@ static enum model_status read_softcap(const struct jctx *c, const char *key, dou
 static enum model_status read_scales(const struct jctx *c, const struct arch_info *ai, struct model_config *cfg)
 {
     enum model_status st;
-    cfg->attn_scale = 1.0f / sqrtf((float)cfg->head_dim);
+    cfg->attn_scale = ai->arch == ARCH_MAMBA ? 0.0f : 1.0f / sqrtf((float)cfg->head_dim);
     if (!is_gemma(ai->arch))
         return MODEL_OK;
     cfg->norm_plus_one = true;
@@ -646,6 +650,59 @@ static enum model_status read_gpt2(const struct jctx *c, struct model_config *cf
     cfg->rot_dim = 0;
     cfg->rope_attn_factor = 1.0f;
     return read_dtype(c, "float32", cfg);
+}
+
+/* ---- Mamba ------------------------------------------------------------------ */
+
+/* MambaConfig's fields and defaults: hidden_size 768, state_size 16,
+ * num_hidden_layers 32, conv_kernel 4, expand 2, intermediate_size =
+ * expand * hidden_size, time_step_rank "auto" = ceil(hidden_size / 16),
+ * layer_norm_epsilon 1e-5, use_bias false, use_conv_bias true, silu, tied
+ * head.  residual_in_fp32 changes nothing here: the residual stream is
+ * kept in f32 wherever activations are (caps.act_dtype f32 on the CPU). */
+static enum model_status read_mamba(const struct jctx *c, struct model_config *cfg)
+{
+    enum model_status st;
+    int expand;
+    if ((st = refuse_quantized(c)))
+        return st;
+    if ((st = get_int(c, "vocab_size", false, 50280, 1, MAX_VOCAB, &cfg->vocab_size)) ||
+        (st = get_int(c, "hidden_size", false, 768, 1, MAX_HIDDEN, &cfg->hidden_size)) ||
+        (st = get_int(c, "num_hidden_layers", false, 32, 1, MAX_LAYERS, &cfg->n_layers)) ||
+        (st = get_int(c, "state_size", false, 16, 1, BE_SSM_MAX_STATE, &cfg->ssm_state)) ||
+        (st = get_int(c, "conv_kernel", false, 4, 1, BE_SSM_MAX_CONV, &cfg->ssm_conv)) ||
+        (st = get_int(c, "expand", false, 2, 1, 64, &expand)) ||
+        (st = get_int(c, "intermediate_size", false, (long long)expand * cfg->hidden_size, 1, MAX_FFN,
+                      &cfg->intermediate_size)))
+        return st;
+    json_t *rank = field(c, "time_step_rank");
+    if (json_is_string(rank) && strcmp(json_string_value(rank), "auto") == 0)
+        cfg->ssm_dt_rank = (cfg->hidden_size + 15) / 16;
+    else if ((st = get_int(c, "time_step_rank", false, (cfg->hidden_size + 15) / 16, 1, MAX_HIDDEN, &cfg->ssm_dt_rank)))
+        return st;
+    /* the run state holds x_proj's three parts in buffers of these widths */
+    if (cfg->ssm_dt_rank > cfg->intermediate_size)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: time_step_rank=%d exceeds intermediate_size=%d", c->file,
+                          cfg->ssm_dt_rank, cfg->intermediate_size);
+    const char *act;
+    if ((st = get_str(c, "hidden_act", &act)))
+        return st;
+    if (act && strcmp(act, "silu") != 0)
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: hidden_act=\"%s\" is not supported (silu)", c->file, act);
+    bool fp32_residual;
+    if ((st = get_bool(c, "use_bias", false, &cfg->ssm_bias)) ||
+        (st = get_bool(c, "use_conv_bias", true, &cfg->ssm_conv_bias)) ||
+        (st = get_bool(c, "residual_in_fp32", true, &fp32_residual)) ||
+        (st = get_bool(c, "tie_word_embeddings", true, &cfg->tie_word_embeddings)) ||
+        (st = get_num(c, "layer_norm_epsilon", false, 1e-5, 0.0, 1.0, &cfg->rms_norm_eps)))
+        return st;
+    cfg->act = ACT_SILU;
+    /* a state has no positions: any length up to the store's */
+    cfg->max_position_embeddings = MAX_POS;
+    cfg->rope_theta = 10000.0f;
+    cfg->rope_factor = 1.0f;
+    cfg->rope_attn_factor = 1.0f;
+    return read_dtype(c, NULL, cfg);
 }
 
 /* ---- sliding windows ----------------------------------------------------- */
@@ -767,9 +824,10 @@ static void default_tokens(const struct arch_info *ai, struct model_config *cfg)
 
 /* ---- the whole config ----------------------------------------------------- */
 
-static enum model_status parse_config(json_t *root, const char *dir, struct model_config *cfg, char *err)
+static enum model_status parse_config(json_t *root, const char *dir, const char *file, struct model_config *cfg,
+                                      char *err)
 {
-    struct jctx c = {.obj = root, .file = "config.json", .prefix = "", .err = err};
+    struct jctx c = {.obj = root, .file = file, .prefix = "", .err = err};
     const struct arch_info *ai = NULL;
     enum model_status st;
     if ((st = read_arch(&c, &ai)))
@@ -779,6 +837,8 @@ static enum model_status parse_config(json_t *root, const char *dir, struct mode
     cfg->rope_layout = BE_ROPE_NEOX;
     if (ai->arch == ARCH_GPT2)
         st = read_gpt2(&c, cfg);
+    else if (ai->arch == ARCH_MAMBA)
+        st = read_mamba(&c, cfg);
     else if ((st = read_sizes(&c, ai, cfg)) || (st = read_rope(&c, ai, cfg)))
         ;
     else
@@ -790,7 +850,7 @@ static enum model_status parse_config(json_t *root, const char *dir, struct mode
         return st;
 
     json_t *gen;
-    if ((st = model_json_load(dir, "generation_config.json", true, &gen, err)) || !gen)
+    if (!dir || (st = model_json_load(dir, "generation_config.json", true, &gen, err)) || !gen)
         return st;
     struct jctx g = {.obj = gen, .file = "generation_config.json", .prefix = "", .err = err};
     st = read_tokens(&g, cfg);
@@ -798,25 +858,35 @@ static enum model_status parse_config(json_t *root, const char *dir, struct mode
     return st;
 }
 
-enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err)
+enum model_status model_config_parse(json_t *root, const char *dir, const char *file, struct model_config *cfg,
+                                     char *err)
 {
     memset(cfg, 0, sizeof *cfg);
-    json_t *root;
-    enum model_status st = model_json_load(dir, "config.json", false, &root, err);
-    if (st != MODEL_OK)
-        return st;
-    st = parse_config(root, dir, cfg, err);
+    enum model_status st = parse_config(root, dir, file, cfg, err);
     if (st == MODEL_OK) {
         char *canon = json_dumps(root, JSON_SORT_KEYS | JSON_COMPACT);
         if (!canon)
-            st = model_errf(err, MODEL_ENOMEM, "config.json: out of memory");
+            st = model_errf(err, MODEL_ENOMEM, "%s: out of memory", file);
         else
             cfg->config_hash = XXH3_64bits(canon, strlen(canon));
         free(canon);
     }
-    json_decref(root);
     if (st != MODEL_OK)
         model_config_release(cfg);
+    return st;
+}
+
+enum model_status model_config_load(const char *dir, struct model_config *cfg, char *err)
+{
+    memset(cfg, 0, sizeof *cfg);
+    if (model_is_gguf(dir))
+        return gguf_config_load(dir, cfg, err);
+    json_t *root;
+    enum model_status st = model_json_load(dir, "config.json", false, &root, err);
+    if (st != MODEL_OK)
+        return st;
+    st = model_config_parse(root, dir, "config.json", cfg, err);
+    json_decref(root);
     return st;
 }
 

@@ -12,12 +12,19 @@
  * (Gemma 2: soft-capped logits).  The families differ only by switches of
  * model_config; every kernel runs on the backend (backend.h).
  *
+ * Mamba has no attention: per layer [RMSNorm -> in_proj into x and z ->
+ * causal depthwise conv + SiLU (be_ssm_conv, the window in the sequence's
+ * state) -> x_proj into dt, B, C -> dt_proj -> selective scan, gated by
+ * SiLU(z) (be_ssm_scan, the SSM state in the sequence's state) ->
+ * out_proj -> residual] (mamba_layer_forward).
+ *
  * Batching: one call feeds every sequence of the batch; the tokens of all
  * sequences are concatenated into chunks of at most max_batch_tokens rows,
  * so each weight matrix is read once per chunk, not once per sequence.
  */
 #include "model/model.h"
 #include "util/half.h"
+#include "util/q4k.h"
 
 #include <math.h>
 #include <xxhash.h>
@@ -65,6 +72,7 @@ struct run_state {
     int start_cap;
     struct be_kv_view *views; /* (cap)      one per sequence present in the chunk */
     struct be_kvq_view *qviews; /* (cap)    the same as be_attention_quant reads them */
+    struct be_ssm_view *sviews; /* (cap)    Mamba: each sequence's state of the layer */
     bool any_quant;           /* a sequence of the chunk is quantized: attention reads qviews */
     enum be_dtype kv_dtype;   /* the store's dense KV type */
     /* the sink strategy's key rotation table (be_attn_params.key_rope) */
@@ -83,10 +91,10 @@ struct model {
     be_buffer **wbufs;
     int n_wbufs;
     struct model_layer *dev_layers;
-    /* model_params.weights q8_0: every layer matrix's blocks, and the
-     * layer table pointing into them */
+    /* model_params.weights q8_0 or q4_k: every layer matrix's blocks, and
+     * the layer table pointing into them */
     enum model_weights_fmt wfmt;
-    struct q8_0_block *qblocks;
+    void *qblocks;
     struct model_layer *q_layers;
 };
 
@@ -116,6 +124,9 @@ struct kv_geom model_kv_geom(const model *m)
         .head_dim = m->cfg.head_dim,
         .layer_window = m->cfg.layer_window,
         .dtype = m->kv_dtype,
+        .state_bytes = m->cfg.arch == ARCH_MAMBA ? be_ssm_state_bytes(m->cfg.intermediate_size, m->cfg.ssm_state,
+                                                                       m->cfg.ssm_conv)
+                                                 : 0,
     };
 }
 
@@ -133,13 +144,24 @@ bool model_kv_dtype_parse(const char *s, enum model_kv_dtype *out)
 
 bool model_weights_parse(const char *s, enum model_weights_fmt *out)
 {
-    static const char *const names[] = {[MODEL_WEIGHTS_AUTO] = "auto", [MODEL_WEIGHTS_Q8_0] = "q8_0"};
+    static const char *const names[] = {
+        [MODEL_WEIGHTS_AUTO] = "auto", [MODEL_WEIGHTS_Q8_0] = "q8_0", [MODEL_WEIGHTS_Q4_K] = "q4_k"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (!strcmp(s, names[i])) {
             *out = (enum model_weights_fmt)i;
             return true;
         }
     return false;
+}
+
+enum be_dtype model_weights_mat_dtype(enum model_weights_fmt fmt, int cols)
+{
+    switch (fmt) {
+    case MODEL_WEIGHTS_Q4_K: return cols % Q4_K_BLOCK ? BE_Q8_0 : BE_Q4_K;
+    case MODEL_WEIGHTS_Q8_0: return BE_Q8_0;
+    case MODEL_WEIGHTS_AUTO: break;
+    }
+    return BE_F32;
 }
 
 enum be_dtype model_kv_dtype_resolve(enum model_kv_dtype choice, enum be_dtype dt)
@@ -205,6 +227,7 @@ static void run_state_free(struct run_state *rs)
     free(rs->start);
     free(rs->views);
     free(rs->qviews);
+    free(rs->sviews);
     memset(rs, 0, sizeof(*rs));
 }
 
@@ -219,13 +242,18 @@ static int logit_rows(int cap)
 static void run_state_sizes(const struct model_config *c, size_t e, int cap, size_t sizes[RS_BUFS])
 {
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
-    size_t rows = (size_t)cap;
+    size_t rows = (size_t)cap, xb_dim = (size_t)c->hidden_size;
+    if (c->arch == ARCH_MAMBA) { /* mamba_layer_forward: every buffer but x and xb has inner columns */
+        q_dim = kv_dim = (size_t)c->intermediate_size;
+        if (xb_dim < 2 * (size_t)c->ssm_state) /* xb holds B and C */
+            xb_dim = 2 * (size_t)c->ssm_state;
+    }
     size_t s[RS_BUFS] = {
-        rows * c->hidden_size * e, rows * c->hidden_size * e, rows * q_dim * e,
+        rows * c->hidden_size * e, rows * xb_dim * e, rows * q_dim * e,
         rows * kv_dim * e, rows * kv_dim * e, rows * q_dim * e,
         rows * c->intermediate_size * e, rows * c->intermediate_size * e,
-        (size_t)logit_rows(cap) * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4, (size_t)c->head_dim / 2 * 4,
-        (size_t)c->head_dim / 2 * 4,
+        (size_t)logit_rows(cap) * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4 + 4, (size_t)c->head_dim / 2 * 4 + 4,
+        (size_t)c->head_dim / 2 * 4 + 4, /* + 4: Mamba has no heads, and a buffer is never empty */
     };
     memcpy(sizes, s, sizeof(s));
 }
@@ -262,12 +290,13 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     rs->pos_ids = malloc((size_t)cap * sizeof(*rs->pos_ids));
     rs->views = malloc((size_t)cap * sizeof(*rs->views));
     rs->qviews = malloc((size_t)cap * sizeof(*rs->qviews));
-    if (!rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->row_long ||
+    rs->sviews = malloc((size_t)cap * sizeof(*rs->sviews));
+    if (!rs->sviews || !rs->toks || !rs->pos || !rs->qpos || !rs->kpos || !rs->row_seq || !rs->row_tok || !rs->row_long ||
         !rs->ids || !rs->pos_ids || !rs->views || !rs->qviews) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
     }
-    float *inv = calloc((size_t)c->head_dim / 2, sizeof(float)); /* zeros past rot_dim / 2 (GPT-2: all) */
+    float *inv = calloc((size_t)c->head_dim / 2 + 1, sizeof(float)); /* zeros past rot_dim / 2 (GPT-2: all) */
     if (!inv) {
         snprintf(err, MODEL_ERR_LEN, "run state: out of host memory");
         return MODEL_ENOMEM;
@@ -326,13 +355,32 @@ static enum model_status upload_vec(model *m, const float **v, int n, char *err)
     return *v ? upload(m, (const void **)v, (size_t)n * sizeof(float), err) : MODEL_OK;
 }
 
+/* Mamba's mixer: its matrices are row views (in_proj, x_proj), each
+ * uploaded as its own copy. */
+static enum model_status mamba_upload(model *m, struct model_layer *L, char *err)
+{
+    const struct model_config *c = &m->cfg;
+    int inner = c->intermediate_size, dim = c->hidden_size;
+    struct model_mat *mats[] = {&L->ssm_in_x, &L->ssm_in_z, &L->ssm_x_dt, &L->ssm_x_B, &L->ssm_x_C, &L->ssm_dt,
+                                &L->ssm_out};
+    const float **vecs[] = {&L->ssm_in_bx, &L->ssm_in_bz, &L->ssm_conv_w, &L->ssm_conv_b, &L->ssm_dt_b, &L->ssm_A,
+                            &L->ssm_D, &L->ssm_out_b};
+    int lens[] = {inner, inner, inner * c->ssm_conv, inner, inner, inner * c->ssm_state, inner, dim};
+    enum model_status st = MODEL_OK;
+    for (size_t i = 0; i < sizeof(mats) / sizeof(mats[0]) && st == MODEL_OK; i++)
+        st = upload_mat(m, mats[i], err);
+    for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]) && st == MODEL_OK; i++)
+        st = upload_vec(m, vecs[i], lens[i], err);
+    return st;
+}
+
 /* A backend that cannot read host memory gets its own copy of every
  * weight, charged to its device budget like any other allocation. */
 static enum model_status weights_upload(model *m, char *err)
 {
     const struct model_config *c = &m->cfg;
     struct model_weights *w = &m->w;
-    int per_layer = 21; /* 7 matrices, at most 14 vectors */
+    int per_layer = 36; /* 7 matrices, at most 14 vectors; Mamba: 7 and 8 more */
     m->wbufs = calloc((size_t)c->n_layers * per_layer + 5, sizeof(*m->wbufs));
     m->dev_layers = malloc((size_t)c->n_layers * sizeof(*m->dev_layers));
     if (!m->wbufs || !m->dev_layers) {
@@ -365,6 +413,8 @@ static enum model_status weights_upload(model *m, char *err)
                       c->intermediate_size, dim};
         for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]) && st == MODEL_OK; i++)
             st = upload_vec(m, vecs[i], lens[i], err);
+        if (c->arch == ARCH_MAMBA && st == MODEL_OK)
+            st = mamba_upload(m, L, err);
     }
     if (st == MODEL_OK)
         w->layers = m->dev_layers;
@@ -379,7 +429,7 @@ static size_t charged(size_t n)
 
 /* What weights_upload charges, from the config alone: every matrix is of
  * torch_dtype (safetensors.c refuses others) or, for a layer's matrices
- * under q8_0, of Q8_0; every vector f32. */
+ * under q8_0 or q4_k, of their blocks; every vector f32. */
 static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt wf)
 {
     size_t dsz = be_dtype_size(c->dtype), dim = (size_t)c->hidden_size, ffn = (size_t)c->intermediate_size;
@@ -395,10 +445,22 @@ static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt
                      c->attention_bias ? kv_dim : 0, c->o_bias ? dim : 0, c->qk_norm ? (size_t)c->head_dim : 0,
                      c->qk_norm ? (size_t)c->head_dim : 0, c->sandwich_norms ? dim : 0, c->sandwich_norms ? dim : 0,
                      ln ? dim : 0, ln ? dim : 0, c->ungated_mlp ? ffn : 0, c->ungated_mlp ? dim : 0};
-    enum be_dtype mt = wf == MODEL_WEIGHTS_Q8_0 ? BE_Q8_0 : c->dtype;
     size_t layer = 0;
-    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
+    if (c->arch == ARCH_MAMBA) { /* mamba_upload's copies, as stored (model_load refuses q8_0) */
+        size_t inner = (size_t)c->intermediate_size, N = (size_t)c->ssm_state, R = (size_t)c->ssm_dt_rank;
+        size_t mr[] = {inner, inner, R, N, N, inner, dim}, mc[] = {dim, dim, inner, inner, inner, R, inner};
+        size_t mv[] = {dim, c->ssm_bias ? inner : 0, c->ssm_bias ? inner : 0, inner * (size_t)c->ssm_conv,
+                       c->ssm_conv_bias ? inner : 0, inner, inner * N, inner, c->ssm_bias ? dim : 0};
+        for (size_t i = 0; i < sizeof(mr) / sizeof(mr[0]); i++)
+            layer += charged(mr[i] * mc[i] * dsz);
+        for (size_t i = 0; i < sizeof(mv) / sizeof(mv[0]); i++)
+            layer += charged(mv[i] * 4);
+        return total + (size_t)c->n_layers * layer;
+    }
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+        enum be_dtype mt = wf == MODEL_WEIGHTS_AUTO ? c->dtype : model_weights_mat_dtype(wf, (int)cols[i]);
         layer += charged(rows[i] * be_row_bytes(mt, cols[i]));
+    }
     for (size_t i = 0; i < sizeof(vecs) / sizeof(vecs[0]); i++)
         layer += charged(vecs[i] * 4);
     return total + (size_t)c->n_layers * layer;
@@ -417,6 +479,9 @@ struct model_device_bytes model_device_bytes(const struct model_config *c, struc
         .weights = caps.unified_memory ? 0 : weights_bytes(c, p ? p->weights : MODEL_WEIGHTS_AUTO),
         .activations = act,
         .kv_per_token = (size_t)c->n_layers * 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * be_dtype_size(kv),
+        .state_per_seq = c->arch == ARCH_MAMBA ? 2 * (size_t)c->n_layers *
+                                                     be_ssm_state_bytes(c->intermediate_size, c->ssm_state, c->ssm_conv)
+                                               : 0,
     };
 }
 
@@ -466,6 +531,11 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     }
     m->be = be;
     enum model_status st = model_config_load(dir, &m->cfg, err);
+    if (st == MODEL_OK && m->cfg.arch == ARCH_MAMBA && p && p->weights != MODEL_WEIGHTS_AUTO) {
+        snprintf(err, MODEL_ERR_LEN, "weights %s: Mamba's matrices are not quantized yet",
+                 p->weights == MODEL_WEIGHTS_Q8_0 ? "q8_0" : "q4_k");
+        st = MODEL_EUNSUPPORTED;
+    }
     if (st == MODEL_OK) {
         m->kv_dtype = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, m->cfg.dtype);
         st = model_files_open(dir, &m->cfg, &m->files, &m->w, err);
@@ -476,8 +546,8 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     if (st == MODEL_OK && p && p->verify_weights)
         st = model_weights_verify(&m->cfg, &m->w, err);
     m->wfmt = p ? p->weights : MODEL_WEIGHTS_AUTO;
-    if (st == MODEL_OK && m->wfmt == MODEL_WEIGHTS_Q8_0)
-        st = model_weights_quantize(&m->cfg, &m->w, &m->qblocks, &m->q_layers, err);
+    if (st == MODEL_OK && m->wfmt != MODEL_WEIGHTS_AUTO)
+        st = model_weights_quantize(&m->cfg, &m->w, m->wfmt, &m->qblocks, &m->q_layers, err);
     if (st == MODEL_OK && !be_get_caps(be).unified_memory)
         st = weights_upload(m, err);
     int cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256; /* model_device_bytes assumes it too */
@@ -606,6 +676,32 @@ static enum be_status layer_forward(model *m, int l, int n)
     return BE_OK;
 }
 
+/* One Mamba block over the chunk's n rows, in place on rs->x; each
+ * sequence's state of layer l is in rs->sviews. */
+static enum be_status mamba_layer_forward(model *m, int l, int n)
+{
+    const struct model_config *c = &m->cfg;
+    const struct model_layer *L = &m->w.layers[l];
+    struct run_state *rs = &m->rs;
+    be_backend *be = m->be;
+    int inner = c->intermediate_size;
+    struct be_ssm_params sp = {.d_inner = inner, .d_state = c->ssm_state, .d_conv = c->ssm_conv,
+                               .conv_w = L->ssm_conv_w, .conv_b = L->ssm_conv_b, .A = L->ssm_A, .D = L->ssm_D};
+    void *B = rs->xb, *C = (char *)rs->xb + (size_t)rs->cap * c->ssm_state * rs->esz;
+    BE_TRY(norm(m, rs->xb, rs->x, L->attn_norm, NULL, n));                   /* xb (n, dim) */
+    BE_TRY(matmul(m, rs->hb, rs->xb, &L->ssm_in_x, L->ssm_in_bx, n));         /* hb = x (n, inner) */
+    BE_TRY(matmul(m, rs->hb2, rs->xb, &L->ssm_in_z, L->ssm_in_bz, n));        /* hb2 = z (n, inner) */
+    BE_TRY(be_ssm_conv(be, rs->q, rs->hb, rs->sviews, rs->toks, n, &sp));    /* q = silu(conv(x)) (n, inner) */
+    BE_TRY(matmul(m, rs->v, rs->q, &L->ssm_x_dt, NULL, n));                   /* v (n, rank) */
+    BE_TRY(matmul(m, B, rs->q, &L->ssm_x_B, NULL, n));                        /* B (n, state) */
+    BE_TRY(matmul(m, C, rs->q, &L->ssm_x_C, NULL, n));                        /* C (n, state) */
+    BE_TRY(matmul(m, rs->k, rs->v, &L->ssm_dt, L->ssm_dt_b, n));              /* k = dt before softplus (n, inner) */
+    BE_TRY(be_ssm_scan(be, rs->att, rs->q, rs->k, B, C, rs->hb2, rs->sviews, rs->toks, n, &sp)); /* att (n, inner) */
+    BE_TRY(matmul(m, rs->xb, rs->att, &L->ssm_out, L->ssm_out_b, n));         /* xb (n, dim) */
+    BE_TRY(be_add(be, rs->x, rs->xb, (size_t)n * c->hidden_size));           /* x += mixer */
+    return BE_OK;
+}
+
 /* Writes the logits of the chunk rows that asked for them into each
  * entry's host buffer.  Rows are gathered into xb so lm_head runs once per
  * slice of logit_rows rows. */
@@ -715,6 +811,14 @@ static enum be_status chunk_forward(model *m, struct fw_seq *seqs, int *s, int *
     rs->kv_dtype = kv_store_dtype(store);
     for (int l = 0; l < c->n_layers; l++) {
         BE_TRY(kv_store_layer_begin(store, l)); /* a streamed layer l is in its slot, the next is on its way */
+        if (c->arch == ARCH_MAMBA) {
+            for (int r = 0, v = 0; r < n; r++)
+                if (r == 0 || rs->row_seq[r - 1] != rs->row_seq[r])
+                    kv_seq_state_view(seqs[rs->row_seq[r]].kv, l, &rs->sviews[v++]);
+            BE_TRY(mamba_layer_forward(m, l, n));
+            BE_TRY(kv_store_layer_end(store, l));
+            continue;
+        }
         rs->any_quant = false;
         for (int r = 0, v = 0; r < n; r++)
             if (r == 0 || rs->row_seq[r - 1] != rs->row_seq[r]) {
@@ -788,6 +892,24 @@ static int64_t key_rope_rows_needed(const struct fw_seq *seqs, int n_seqs)
     return rows;
 }
 
+/* A state store checkpoints where a chunk ends on a multiple of its
+ * interval: the chunk of n rows starting at token t of entry s ends
+ * earlier if one of its sequences would pass a multiple inside it. */
+static int checkpoint_cut(const struct fw_seq *seqs, int n_seqs, const int64_t *start, int interval, int s, int t,
+                          int n)
+{
+    if (!interval)
+        return n;
+    for (int rows = 0; s < n_seqs && rows < n; s++, t = 0) {
+        int64_t pos = start[s] + t, end = start[s] + seqs[s].n_tokens;
+        int64_t next = (pos / interval + 1) * interval; /* the first multiple past pos */
+        if (next < end && rows + (next - pos) < n)
+            return rows + (int)(next - pos);
+        rows += (int)(end - pos);
+    }
+    return n;
+}
+
 /* One attempt at the step: reserve every sequence's new tokens up front
  * and commit only at the end, so a failure anywhere leaves every KV
  * exactly as it was.  *culprit: the sequence whose reserve failed, or -1. */
@@ -807,13 +929,14 @@ static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs,
         }
         kv_seq_tokens(seqs[reserved].kv, seqs[reserved].tokens); /* the prefix cache publishes by token ids */
     }
-    if (st == MODEL_OK)
+    if (st == MODEL_OK && m->cfg.arch != ARCH_MAMBA)
         st = key_rope_reserve(m, key_rope_rows_needed(seqs, n_seqs));
     if (st == MODEL_OK)
         st = from_tier(kv_store_step_begin(store)); /* device slots for the streamed layers */
     int s = 0, t = 0;
     for (int64_t done = 0; st == MODEL_OK && done < total;) {
         int n = total - done < m->rs.cap ? (int)(total - done) : m->rs.cap;
+        n = checkpoint_cut(seqs, n_seqs, start, kv_store_checkpoint_interval(store), s, t, n);
         st = from_be(chunk_forward(m, seqs, &s, &t, n, start));
         done += n;
     }

@@ -3,7 +3,8 @@
  *
  * Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
  * Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM,
- * GPT2LMHeadModel.  Errors come back as enum model_status plus a message in
+ * GPT2LMHeadModel and MambaForCausalLM (a state per sequence instead of KV:
+ * kv_geom.state_bytes).  Errors come back as enum model_status plus a message in
  * a caller buffer of MODEL_ERR_LEN bytes naming the file and the tensor or
  * field that was wrong.
  */
@@ -32,7 +33,7 @@ enum model_status {
 const char *model_strerror(enum model_status st);
 
 enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_PHI3,
-                  ARCH_GPT2 };
+                  ARCH_GPT2, ARCH_MAMBA };
 enum model_act { ACT_SILU = 0, ACT_GELU_TANH }; /* the gate's activation: SwiGLU or GeGLU */
 enum rope_scaling { ROPE_SCALING_NONE = 0, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3, ROPE_SCALING_LONGROPE };
 
@@ -88,6 +89,15 @@ struct model_config {
     /* 0: every layer rotates with rope_theta and rope_scaling; Gemma 3:
      * the sliding layers' base (rope_local_base_freq), unscaled. */
     float rope_local_theta;
+    /* Mamba (ARCH_MAMBA): no attention (n_heads, n_kv_heads, head_dim 0);
+     * each layer mixes intermediate_size channels with a causal conv of
+     * ssm_conv taps and a selective scan over ssm_state states per
+     * channel; max_position_embeddings is the most any position may be. */
+    int ssm_state;                     /* state_size */
+    int ssm_conv;                      /* conv_kernel */
+    int ssm_dt_rank;                   /* time_step_rank */
+    bool ssm_bias;                     /* use_bias: in_proj and out_proj */
+    bool ssm_conv_bias;                /* use_conv_bias */
     int sliding_window;                /* 0 = none */
     int *layer_window;                 /* [n_layers] 0 = full, else the window (owned) */
     enum be_dtype dtype;               /* torch_dtype */
@@ -124,6 +134,18 @@ struct model_layer {
     struct model_mat w_up;   /* (hidden, dim) */
     struct model_mat w_down; /* (dim, hidden) */
     const float *b_up, *b_down; /* (hidden), (dim) or NULL: GPT-2's MLP biases */
+    /* Mamba's mixer (its block norm is attn_norm); inner = intermediate_size */
+    struct model_mat ssm_in_x, ssm_in_z; /* (inner, dim) each: in_proj's two halves of rows */
+    const float *ssm_in_bx, *ssm_in_bz;  /* (inner) or NULL: in_proj.bias */
+    const float *ssm_conv_w;             /* (inner, ssm_conv): conv1d.weight */
+    const float *ssm_conv_b;             /* (inner) or NULL */
+    struct model_mat ssm_x_dt, ssm_x_B, ssm_x_C; /* (rank | state | state, inner): x_proj's row blocks */
+    struct model_mat ssm_dt;             /* (inner, rank): dt_proj */
+    const float *ssm_dt_b;               /* (inner) */
+    const float *ssm_A;                  /* (inner, state): -exp(A_log), formed at load in f32 */
+    const float *ssm_D;                  /* (inner) */
+    struct model_mat ssm_out;            /* (dim, inner): out_proj */
+    const float *ssm_out_b;              /* (dim) or NULL */
 };
 
 struct model_weights {
@@ -168,14 +190,6 @@ enum model_status model_files_page_in(const model_files *mf, model_progress_fn p
 /* The bytes model_files_page_in reads: every mapped file, whole. */
 uint64_t model_files_bytes(const model_files *mf);
 
-struct q8_0_block;
-/* Quantizes every layer's matrices (those it has) to Q8_0 (util/q8.h) in host
- * memory: *blocks holds all of them and *layers a copy of w->layers that
- * points into them; w->layers becomes *layers, and the caller frees both
- * after w's last use.  Refuses, naming the tensor, a matrix whose columns
- * are not a multiple of 32 and a NaN or an infinity; w is unchanged then. */
-enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
-                                         struct q8_0_block **blocks, struct model_layer **layers, char *err);
 
 /* Why the sink strategy cannot run this model (its keys are rotated at
  * their index in the cache as attention reads them), or NULL when it can.
@@ -209,9 +223,40 @@ enum model_weights_fmt {
      * stream.  The embeddings, the norms, the biases and lm_head stay as
      * stored (docs/architecture.md says why). */
     MODEL_WEIGHTS_Q8_0,
+    /* the same matrices as GGUF's Q4_K super-blocks (util/q4k.h), 0.5625
+     * bytes per weight; a matrix whose rows are not whole super-blocks of
+     * 256 (but are of 32) takes Q8_0 instead, as llama.cpp's quantizer
+     * falls back to a block type that fits */
+    MODEL_WEIGHTS_Q4_K,
 };
-/* "auto" or "q8_0"; false (and *out unchanged) otherwise. */
+/* "auto", "q8_0" or "q4_k"; false (and *out unchanged) otherwise. */
 bool model_weights_parse(const char *s, enum model_weights_fmt *out);
+/* The block type fmt (Q8_0 or Q4_K) gives a matrix of rows of cols
+ * weights: Q4_K's fallback to Q8_0 for rows that are not whole
+ * super-blocks.  BE_F32 when fmt is not a quantized one. */
+enum be_dtype model_weights_mat_dtype(enum model_weights_fmt fmt, int cols);
+/* Quantizes every layer's matrices (those it has) to fmt's blocks
+ * (model_weights_mat_dtype) in host memory: *blocks holds all of them and
+ * *layers a copy of w->layers that points into them; w->layers becomes
+ * *layers, and the caller frees both after w's last use.  Refuses, naming
+ * the tensor, a matrix whose columns are not a multiple of 32 and a NaN
+ * or an infinity; w is unchanged then. */
+enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
+                                         enum model_weights_fmt fmt, void **blocks, struct model_layer **layers,
+                                         char *err);
+
+/* GGUF files (model/gguf*.c): a model path that names a file rather than a
+ * directory is read as GGUF v3 by model_config_load, model_files_open and
+ * model_tokenizer_load (runtime.h).  model_gguf_write writes one from a
+ * Hugging Face directory (`kvtier quantize`): q8_0 and q4_k quantize the
+ * layer matrices as --weights q8_0 and q4_k do and keep the embeddings and
+ * lm_head as stored; the float types convert every matrix.  Llama, Mistral without a
+ * sliding window, Qwen2 and Qwen3 with a byte-level or SentencePiece-style
+ * BPE tokenizer. */
+enum model_gguf_type { MODEL_GGUF_Q8_0 = 0, MODEL_GGUF_BF16, MODEL_GGUF_F16, MODEL_GGUF_F32, MODEL_GGUF_Q4_K };
+/* "q8_0", "q4_k", "bf16", "f16" or "f32"; false (and *out unchanged) otherwise. */
+bool model_gguf_type_parse(const char *s, enum model_gguf_type *out);
+enum model_status model_gguf_write(const char *dir, const char *out, enum model_gguf_type type, char *err);
 
 /* ---- the model: config + weights + run state on a backend --------------- */
 typedef struct model model;
@@ -232,9 +277,11 @@ struct model_params {
  * charges to a backend of caps: its weights when the backend cannot read
  * the mmap (caps.unified_memory false; 0 otherwise), the forward pass's
  * activations for p's max_batch_tokens rows, and the KV (of p's kv_dtype)
- * of one token over every layer. */
+ * of one token over every layer; a state model (Mamba) instead keeps
+ * state_per_seq bytes per sequence (kv_store_state_bytes), whatever its
+ * length, and kv_per_token is 0. */
 struct model_device_bytes {
-    size_t weights, activations, kv_per_token;
+    size_t weights, activations, kv_per_token, state_per_seq;
 };
 struct model_device_bytes model_device_bytes(const struct model_config *c, struct be_caps caps,
                                              const struct model_params *p);

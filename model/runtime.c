@@ -1,6 +1,7 @@
 /* runtime.c - opens and closes the backend, model, tokenizer and KV store
  * of one model directory as a unit. */
 #include "model/runtime.h"
+#include "model/gguf.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -21,21 +22,33 @@ static enum model_status size_budget(const char *dir, const char *name, const st
     enum be_status bs = be_open(name, &bp, &probe);
     if (bs != BE_OK) {
         model_config_release(&cfg);
-        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
+        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, *be_open_error() ? be_open_error() : be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
-    struct model_device_bytes d = model_device_bytes(&cfg, be_get_caps(probe), &p->model);
+    struct be_caps caps = be_get_caps(probe);
+    struct model_device_bytes d = model_device_bytes(&cfg, caps, &p->model);
     be_free(probe);
+    if (caps.dedicated_memory) { /* the backend's own default: its free memory */
+        model_config_release(&cfg);
+        return MODEL_OK;
+    }
     b->seqs = p->size_seqs;
     b->ctx = model_context(&cfg, p->size_ctx);
     model_config_release(&cfg);
     b->weights = d.weights;
     b->activations = d.activations;
-    b->kv = (size_t)b->seqs * (size_t)b->ctx * d.kv_per_token;
+    b->kv = (size_t)b->seqs * ((size_t)b->ctx * d.kv_per_token + d.state_per_seq);
     size_t sum = b->weights + b->activations + b->kv;
     b->margin = sum / 8;
     b->total = sum + b->margin > RUNTIME_MIN_DEVICE_MEM ? sum + b->margin : RUNTIME_MIN_DEVICE_MEM;
     return MODEL_OK;
+}
+
+enum model_status model_tokenizer_load(const char *path, tokenizer **out, char *err)
+{
+    if (model_is_gguf(path))
+        return gguf_tokenizer_load(path, out, err);
+    return model_from_text(tokenizer_load(path, out, err));
 }
 
 enum model_status runtime_open(const char *dir, const struct runtime_params *p, struct runtime *rt, char *err)
@@ -51,12 +64,12 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
     }
     enum be_status bs = be_open(name, &bp, &rt->be);
     if (bs != BE_OK) {
-        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, be_strerror(bs));
+        snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, *be_open_error() ? be_open_error() : be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
     enum model_status st = model_load(dir, rt->be, p ? &p->model : NULL, &rt->m, err);
     if (st == MODEL_OK)
-        st = model_from_text(tokenizer_load(dir, &rt->tok, err));
+        st = model_tokenizer_load(dir, &rt->tok, err);
     if (st == MODEL_OK) {
         struct kv_geom g = model_kv_geom(rt->m);
         enum tier_status ts = kv_store_open(rt->be, &g, p ? &p->kv : NULL, &rt->store);

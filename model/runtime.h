@@ -23,7 +23,7 @@ struct runtime_params {
 /* A device budget sized from the model: the sum of the parts and an eighth
  * on top (the KV pool grows in chunks of blocks, offloaded sequences stream
  * through slots), at least RUNTIME_MIN_DEVICE_MEM.  All zero when the
- * budget was given or left to the backend. */
+ * budget was given or left to the backend (one with dedicated memory). */
 struct runtime_budget {
     size_t weights;     /* uploaded weights; 0 where the backend reads the mmap */
     size_t activations; /* the forward pass's buffers */
@@ -41,7 +41,11 @@ struct runtime {
     struct runtime_budget budget;
 };
 
-/* Opens everything for the model directory dir; on failure nothing is left
+/* The tokenizer of a model: dir/tokenizer.json (+ tokenizer_config.json),
+ * or a GGUF file's tokenizer metadata. */
+enum model_status model_tokenizer_load(const char *path, tokenizer **out, char *err);
+
+/* Opens everything for the model directory dir (or GGUF file); on failure nothing is left
  * open and err names what was wrong. */
 enum model_status runtime_open(const char *dir, const struct runtime_params *p, struct runtime *rt, char *err);
 void runtime_close(struct runtime *rt); /* accepts a zeroed or partly opened runtime */

@@ -17,6 +17,7 @@
  * in place while a model uses it (a truncated mapping faults on access).
  */
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -30,8 +31,10 @@
 #include <xxhash.h>
 
 #include "util/half.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 #include "model/model.h"
+#include "model/gguf.h"
 #include "model/safetensors.h"
 #include "util/file.h"
 
@@ -43,47 +46,14 @@ _Static_assert(BE_F32 == 0 && BE_F16 == 1 && BE_BF16 == 2, "DTYPES starts in be_
 #define SINGLE_NAME "model.safetensors"
 /* The cap the safetensors library itself puts on the header. */
 #define HEADER_MAX ((uint64_t)100 << 20)
-#define MAX_RANK 8
 
 /* Every dtype the format defines, so extra tensors we never bind still get
  * their sizes checked; be < 0 marks the ones we cannot compute with.  The
  * first three are indexed by enum be_dtype. */
-static const struct st_dtype {
-    const char *name;
-    unsigned size;
-    int be;
-} DTYPES[] = {
+static const struct st_dtype DTYPES[] = {
     {"F32", 4, BE_F32},   {"F16", 2, BE_F16},  {"BF16", 2, BE_BF16}, {"F64", 8, -1},    {"I64", 8, -1},
     {"U64", 8, -1},       {"I32", 4, -1},      {"U32", 4, -1},       {"I16", 2, -1},    {"U16", 2, -1},
     {"I8", 1, -1},        {"U8", 1, -1},       {"BOOL", 1, -1},      {"F8_E5M2", 1, -1}, {"F8_E4M3", 1, -1},
-};
-
-struct st_tensor {
-    const char *name; /* a key of the file's header (lives as long as it) */
-    const struct st_dtype *dtype;
-    int rank;
-    uint64_t shape[MAX_RANK];
-    uint64_t begin, end; /* [begin, end) in the data section */
-};
-
-struct st_file {
-    char *name;            /* as in the directory, for messages */
-    uint8_t *map;
-    size_t map_size;
-    const uint8_t *data;   /* the data section */
-    uint64_t data_size;
-    json_t *header;        /* released once the weights are bound */
-    struct st_tensor *tensors; /* sorted by name */
-    size_t n_tensors;
-};
-
-struct model_files {
-    struct st_file *files;
-    int n_files;
-    struct model_layer *layers; /* weights->layers */
-    float *vectors;             /* f32 copies of every 1-D tensor */
-    void **copies;              /* owned copies of unaligned matrices */
-    int n_copies;
 };
 
 /* ---- one file ------------------------------------------------------------- */
@@ -403,6 +373,7 @@ struct binder {
     const struct model_config *cfg;
     json_t *weight_map; /* NULL: the single model.safetensors */
     float *next_vector; /* where the next 1-D tensor's f32 copy goes */
+    bool mixed;         /* model_files_bind's */
     char *err;
 };
 
@@ -444,6 +415,9 @@ static enum model_status find_checked(const struct binder *b, const char *name, 
     if (x->dtype->be < 0)
         return model_errf(b->err, MODEL_EUNSUPPORTED, "%s: tensor %s has dtype %s (supported: F32, F16, BF16)",
                           (*file)->name, name, x->dtype->name);
+    if (!cols && !x->dtype->size)
+        return model_errf(b->err, MODEL_EUNSUPPORTED, "%s: tensor %s is %s; a vector must be F32, F16 or BF16",
+                          (*file)->name, name, x->dtype->name);
     bool ok = cols ? x->rank == 2 && x->shape[0] == (uint64_t)rows && x->shape[1] == (uint64_t)cols
                    : x->rank == 1 && x->shape[0] == (uint64_t)rows;
     if (!ok) {
@@ -468,18 +442,21 @@ static enum model_status bind_mat(struct binder *b, const char *name, int rows, 
         return st;
     /* One dtype per checkpoint: the kernels, the memory budget and the
      * reference all take torch_dtype at its word. */
-    if (t->dtype->be != (int)b->cfg->dtype)
+    if (!b->mixed && t->dtype->be != (int)b->cfg->dtype)
         return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has dtype %s but config.json says %s", f->name, name,
                           t->dtype->name, DTYPES[b->cfg->dtype].name);
     const uint8_t *p = f->data + t->begin;
     size_t bytes = (size_t)(t->end - t->begin);
-    if ((uintptr_t)p % t->dtype->size != 0) {
+    /* a block format's rows need the 2-byte alignment of their f16
+     * scales, which GGUF's alignment (gguf.c: a multiple of 8) gives */
+    if (t->dtype->size && (uintptr_t)p % t->dtype->size != 0) {
         void *copy = malloc(bytes);
         if (!copy)
             return model_errf(b->err, MODEL_ENOMEM, "%s: out of memory for an aligned copy of %s (%zu bytes)",
                               f->name, name, bytes);
         memcpy(copy, p, bytes);
-        b->mf->copies[b->mf->n_copies++] = copy;
+        if ((st = model_files_keep(b->mf, copy, b->err)))
+            return st;
         p = copy;
     }
     *m = (struct model_mat){.data = p, .dtype = (enum be_dtype)t->dtype->be, .rows = rows, .cols = cols};
@@ -488,9 +465,25 @@ static enum model_status bind_mat(struct binder *b, const char *name, int rows, 
 
 /* The index of the first NaN or infinity of n elements of dtype dt, or n:
  * an all-ones exponent, read from the bits so the scan is one pass of
- * integer tests. */
+ * integer tests.  For the block formats (matrices a GGUF file holds as
+ * they are), the first element of the first block whose f16 factors are
+ * not finite: its codes cannot be. */
 static size_t first_non_finite(const void *data, enum be_dtype dt, size_t n)
 {
+    if (dt == BE_Q4_K) {
+        const struct q4_k_block *b = data;
+        for (size_t i = 0; i < n / Q4_K_BLOCK; i++)
+            if (!q4_k_check(&b[i], 1))
+                return i * Q4_K_BLOCK;
+        return n;
+    }
+    if (dt == BE_Q8_0) {
+        const struct q8_0_block *b = data;
+        for (size_t i = 0; i < n / Q8_0_BLOCK; i++)
+            if ((b[i].d & 0x7C00u) == 0x7C00u)
+                return i * Q8_0_BLOCK;
+        return n;
+    }
     if (dt == BE_F32) {
         const uint32_t *u = data;
         for (size_t i = 0; i < n; i++)
@@ -509,13 +502,49 @@ static size_t first_non_finite(const void *data, enum be_dtype dt, size_t n)
 /* Norm weights and biases are small and read by every token: they are kept
  * as f32 whatever the checkpoint's dtype, and checked for NaN and infinity
  * at every load (a few thousand values). */
+static enum model_status vec_f32(struct binder *b, const struct st_file *f, const struct st_tensor *t, const char *name,
+                                 int len, const float **out);
+
 static enum model_status bind_vec(struct binder *b, const char *name, int len, const float **out)
 {
     const struct st_file *f;
     const struct st_tensor *t;
     enum model_status st = find_checked(b, name, len, 0, &f, &t);
+    return st != MODEL_OK ? st : vec_f32(b, f, t, name, len, out);
+}
+
+/* A small tensor of any shape (Mamba's conv1d.weight [inner, 1, kernel],
+ * A_log [inner, state]) as an f32 copy of its len elements, shape[] of
+ * rank dimensions checked as find_checked checks a vector's. */
+static enum model_status bind_small(struct binder *b, const char *name, const int *shape, int rank, const float **out)
+{
+    const struct st_file *f;
+    const struct st_tensor *t;
+    enum model_status st = locate(b, name, &f, &t);
     if (st != MODEL_OK)
         return st;
+    if (t->dtype->be < 0)
+        return model_errf(b->err, MODEL_EUNSUPPORTED, "%s: tensor %s has dtype %s (supported: F32, F16, BF16)",
+                          f->name, name, t->dtype->name);
+    bool ok = t->rank == rank;
+    int len = 1;
+    for (int d = 0; d < rank && ok; d++) {
+        ok = t->shape[d] == (uint64_t)shape[d];
+        len *= shape[d];
+    }
+    if (!ok) {
+        char have[160];
+        format_shape(t, have, sizeof have);
+        return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has shape %s, config.json implies %d dimensions "
+                          "[%d, ...]", f->name, name, have, rank, shape[0]);
+    }
+    return vec_f32(b, f, t, name, len, out);
+}
+
+/* The f32 copy of a bound tensor, checked for NaN and infinity. */
+static enum model_status vec_f32(struct binder *b, const struct st_file *f, const struct st_tensor *t, const char *name,
+                                 int len, const float **out)
+{
     const uint8_t *src = f->data + t->begin;
     float *dst = b->next_vector;
     for (int i = 0; i < len; i++) {
@@ -637,6 +666,10 @@ static bool needed(const struct model_config *c, enum need n)
 /* Floats of f32 copies one layer's vectors take. */
 static size_t layer_vector_floats(const struct model_config *c)
 {
+    if (c->arch == ARCH_MAMBA) { /* norm, in_proj and out_proj biases; conv, dt bias, A, D */
+        size_t inner = (size_t)c->intermediate_size;
+        return 2 * (size_t)c->hidden_size + 2 * inner + inner * ((size_t)c->ssm_conv + 3 + (size_t)c->ssm_state);
+    }
     if (c->arch == ARCH_GPT2) /* ln_1, ln_2 (weight, bias), c_attn, c_proj, c_fc, mlp c_proj biases */
         return 9 * (size_t)c->hidden_size + (size_t)c->intermediate_size;
     size_t n = 0;
@@ -712,7 +745,8 @@ static enum model_status bind_conv1d(struct binder *b, const char *name, int in,
     for (size_t o = 0; o < (size_t)out; o++)
         for (size_t i = 0; i < (size_t)in; i++)
             memcpy(dst + (o * (size_t)in + i) * esz, p + (i * (size_t)out + o) * esz, esz);
-    b->mf->copies[b->mf->n_copies++] = dst;
+    if ((st = model_files_keep(b->mf, dst, b->err)))
+        return st;
     *m = (struct model_mat){.data = dst, .dtype = src.dtype, .rows = out, .cols = in};
     return MODEL_OK;
 }
@@ -788,6 +822,73 @@ static enum model_status bind_gpt2(struct binder *b, struct model_weights *w)
     return MODEL_OK;
 }
 
+/* One Mamba block: layers.N.{norm, mixer.{in_proj, conv1d, x_proj, dt_proj,
+ * A_log, D, out_proj}}.  in_proj's rows are x then z and x_proj's dt, B,
+ * then C: bound as row views, so each product is its own matmul. */
+static enum model_status bind_mamba_layer(struct binder *b, int l, struct model_layer *L)
+{
+    const struct model_config *c = b->cfg;
+    int dim = c->hidden_size, inner = c->intermediate_size, N = c->ssm_state, R = c->ssm_dt_rank;
+    char n[160];
+    enum model_status st;
+    struct model_mat in, xp;
+    const float *in_b = NULL, *A_log;
+#define NAME(suffix) (snprintf(n, sizeof n, "backbone.layers.%d.%s", l, suffix), n)
+    if ((st = bind_vec(b, NAME("norm.weight"), dim, &L->attn_norm)) ||
+        (st = bind_mat(b, NAME("mixer.in_proj.weight"), 2 * inner, dim, &in)) ||
+        (c->ssm_bias && (st = bind_vec(b, NAME("mixer.in_proj.bias"), 2 * inner, &in_b))) ||
+        (st = bind_small(b, NAME("mixer.conv1d.weight"), (int[]){inner, 1, c->ssm_conv}, 3, &L->ssm_conv_w)) ||
+        (c->ssm_conv_bias && (st = bind_vec(b, NAME("mixer.conv1d.bias"), inner, &L->ssm_conv_b))) ||
+        (st = bind_mat(b, NAME("mixer.x_proj.weight"), R + 2 * N, inner, &xp)) ||
+        (st = bind_mat(b, NAME("mixer.dt_proj.weight"), inner, R, &L->ssm_dt)) ||
+        (st = bind_vec(b, NAME("mixer.dt_proj.bias"), inner, &L->ssm_dt_b)) ||
+        (st = bind_small(b, NAME("mixer.A_log"), (int[]){inner, N}, 2, &A_log)) ||
+        (st = bind_vec(b, NAME("mixer.D"), inner, &L->ssm_D)) ||
+        (st = bind_mat(b, NAME("mixer.out_proj.weight"), dim, inner, &L->ssm_out)) ||
+        (c->ssm_bias && (st = bind_vec(b, NAME("mixer.out_proj.bias"), dim, &L->ssm_out_b))))
+        return st;
+#undef NAME
+    float *A = (float *)A_log; /* our own f32 copy: A = -exp(A_log) in place, as the reference forms it */
+    for (size_t i = 0; i < (size_t)inner * (size_t)N; i++)
+        A[i] = -expf(A[i]);
+    L->ssm_A = A;
+    size_t row = be_row_bytes(in.dtype, (size_t)dim), xrow = be_row_bytes(xp.dtype, (size_t)inner);
+    L->ssm_in_x = (struct model_mat){.data = in.data, .dtype = in.dtype, .rows = inner, .cols = dim};
+    L->ssm_in_z = (struct model_mat){.data = (const char *)in.data + (size_t)inner * row, .dtype = in.dtype,
+                                     .rows = inner, .cols = dim};
+    L->ssm_in_bx = in_b;
+    L->ssm_in_bz = in_b ? in_b + inner : NULL;
+    L->ssm_x_dt = (struct model_mat){.data = xp.data, .dtype = xp.dtype, .rows = R, .cols = inner};
+    L->ssm_x_B = (struct model_mat){.data = (const char *)xp.data + (size_t)R * xrow, .dtype = xp.dtype, .rows = N,
+                                    .cols = inner};
+    L->ssm_x_C = (struct model_mat){.data = (const char *)xp.data + (size_t)(R + N) * xrow, .dtype = xp.dtype,
+                                    .rows = N, .cols = inner};
+    return MODEL_OK;
+}
+
+/* MambaForCausalLM's tensors are under "backbone."; the original
+ * checkpoints name the embeddings "embedding" (transformers renames them
+ * at load too). */
+static enum model_status bind_mamba(struct binder *b, struct model_weights *w)
+{
+    const struct model_config *c = b->cfg;
+    const char *emb = has_tensor(b, "backbone.embedding.weight") ? "backbone.embedding.weight"
+                                                                 : "backbone.embeddings.weight";
+    enum model_status st = bind_mat(b, emb, c->vocab_size, c->hidden_size, &w->tok_embed);
+    for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
+        st = bind_mamba_layer(b, l, &b->mf->layers[l]);
+    if (st == MODEL_OK)
+        st = bind_vec(b, "backbone.norm_f.weight", c->hidden_size, &w->final_norm);
+    if (st != MODEL_OK)
+        return st;
+    if (c->tie_word_embeddings)
+        w->lm_head = w->tok_embed;
+    else if ((st = bind_mat(b, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head)))
+        return st;
+    w->layers = b->mf->layers;
+    return MODEL_OK;
+}
+
 static enum model_status bind_all(struct binder *b, struct model_weights *w)
 {
     const struct model_config *c = b->cfg;
@@ -795,15 +896,13 @@ static enum model_status bind_all(struct binder *b, struct model_weights *w)
     size_t floats = (size_t)c->n_layers * layer_vector_floats(c) + (size_t)c->hidden_size * (c->layer_norm ? 2 : 1);
     mf->vectors = malloc(floats * sizeof *mf->vectors);
     mf->layers = calloc((size_t)c->n_layers, sizeof *mf->layers);
-    /* at most one aligned copy of each matrix, and GPT-2's four transposed
-     * ones per layer besides */
-    size_t max_copies = (size_t)c->n_layers * (sizeof LAYER_MATS / sizeof LAYER_MATS[0] + 4) + 3;
-    mf->copies = calloc(max_copies, sizeof *mf->copies);
-    if (!mf->vectors || !mf->layers || !mf->copies)
+    if (!mf->vectors || !mf->layers)
         return model_errf(b->err, MODEL_ENOMEM, "out of memory binding %d layers", c->n_layers);
     b->next_vector = mf->vectors;
     if (c->arch == ARCH_GPT2)
         return bind_gpt2(b, w);
+    if (c->arch == ARCH_MAMBA)
+        return bind_mamba(b, w);
 
     enum model_status st = bind_mat(b, "model.embed_tokens.weight", c->vocab_size, c->hidden_size, &w->tok_embed);
     for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
@@ -820,29 +919,58 @@ static enum model_status bind_all(struct binder *b, struct model_weights *w)
     return MODEL_OK;
 }
 
-enum model_status model_files_open(const char *dir, const struct model_config *cfg, model_files **out,
+enum model_status model_files_keep(model_files *mf, void *p, char *err)
+{
+    if (mf->n_copies == mf->cap_copies) {
+        int cap = mf->cap_copies ? 2 * mf->cap_copies : 16;
+        void **c = realloc(mf->copies, (size_t)cap * sizeof *c);
+        if (!c) {
+            free(p);
+            return model_errf(err, MODEL_ENOMEM, "out of memory for the table of weight copies");
+        }
+        mf->copies = c;
+        mf->cap_copies = cap;
+    }
+    mf->copies[mf->n_copies++] = p;
+    return MODEL_OK;
+}
+
+enum model_status model_files_bind(model_files *mf, const struct model_config *cfg, bool mixed,
                                    struct model_weights *w, char *err)
 {
+    struct binder b = {.mf = mf, .cfg = cfg, .mixed = mixed, .err = err};
+    return bind_all(&b, w);
+}
+
+void model_files_drop_tables(model_files *mf)
+{
+    for (int i = 0; i < mf->n_files; i++)
+        st_drop_header(&mf->files[i]);
+}
+
+/* Maps dir's files, binds them with bind(b, arg) and hashes their headers. */
+static enum model_status open_bound(const char *dir, const struct model_config *cfg, model_bind_fn bind, void *arg,
+                                   model_files **out, uint64_t *header_hash, char *err)
+{
     *out = NULL;
-    memset(w, 0, sizeof *w);
+    *header_hash = 0;
     model_files *mf = calloc(1, sizeof *mf);
     if (!mf)
         return model_errf(err, MODEL_ENOMEM, "out of memory opening the weights of %s", dir);
     struct binder b = {.mf = mf, .cfg = cfg, .err = err};
     enum model_status st = open_files(mf, dir, &b.weight_map, err);
     if (st == MODEL_OK)
-        st = bind_all(&b, w);
+        st = bind(&b, arg);
     json_decref(b.weight_map);
     for (int i = 0; i < mf->n_files; i++) {
         const struct st_file *f = &mf->files[i];
         if (st == MODEL_OK) /* the raw header bytes: what changes when any tensor's name, dtype or shape does */
-            w->header_hash = XXH3_64bits_withSeed((const char *)f->map + 8,
-                                                  (size_t)((const char *)f->data - (const char *)f->map - 8),
-                                                  w->header_hash);
-        st_drop_header(&mf->files[i]);
+            *header_hash = XXH3_64bits_withSeed((const char *)f->map + 8,
+                                                (size_t)((const char *)f->data - (const char *)f->map - 8),
+                                                *header_hash);
     }
+    model_files_drop_tables(mf);
     if (st != MODEL_OK) {
-        memset(w, 0, sizeof *w);
         model_files_close(mf);
         return st;
     }
@@ -850,8 +978,83 @@ enum model_status model_files_open(const char *dir, const struct model_config *c
     return MODEL_OK;
 }
 
+static enum model_status bind_weights(struct binder *b, void *w)
+{
+    return bind_all(b, w);
+}
+
+enum model_status model_files_open(const char *dir, const struct model_config *cfg, model_files **out,
+                                   struct model_weights *w, char *err)
+{
+    if (model_is_gguf(dir))
+        return gguf_files_open(dir, cfg, out, w, err);
+    memset(w, 0, sizeof *w);
+    uint64_t hash;
+    enum model_status st = open_bound(dir, cfg, bind_weights, w, out, &hash, err);
+    if (st != MODEL_OK)
+        memset(w, 0, sizeof *w);
+    else
+        w->header_hash = hash;
+    return st;
+}
+
+struct custom_bind {
+    size_t vector_floats;
+    model_bind_fn bind;
+    void *arg;
+};
+
+static enum model_status bind_custom(struct binder *b, void *arg)
+{
+    const struct custom_bind *cb = arg;
+    b->mf->vectors = malloc((cb->vector_floats ? cb->vector_floats : 1) * sizeof *b->mf->vectors);
+    if (!b->mf->vectors)
+        return model_errf(b->err, MODEL_ENOMEM, "out of memory binding the weights");
+    b->next_vector = b->mf->vectors;
+    return cb->bind(b, cb->arg);
+}
+
+enum model_status model_files_open_with(const char *dir, const struct model_config *cfg, size_t vector_floats,
+                                        model_bind_fn bind, void *arg, model_files **out, uint64_t *header_hash,
+                                        char *err)
+{
+    struct custom_bind cb = {vector_floats, bind, arg};
+    return open_bound(dir, cfg, bind_custom, &cb, out, header_hash, err);
+}
+
+enum model_status model_bind_mat(struct binder *b, const char *name, int rows, int cols, struct model_mat *m)
+{
+    return bind_mat(b, name, rows, cols, m);
+}
+
+enum model_status model_bind_vec(struct binder *b, const char *name, int len, const float **out)
+{
+    return bind_vec(b, name, len, out);
+}
+
+/* Whether a row of cols weights of block format dt has finite scales: the
+ * codes are integers, so only the scales can be NaN or infinite. */
+static bool row_scales_finite(enum be_dtype dt, const void *row, int cols)
+{
+    if (dt == BE_Q4_K)
+        return q4_k_check(row, (size_t)cols / Q4_K_BLOCK);
+    const struct q8_0_block *q = row;
+    for (int i = 0; i < cols / Q8_0_BLOCK; i++)
+        if ((q[i].d & 0x7C00u) == 0x7C00u)
+            return false;
+    return true;
+}
+
 static enum model_status verify_mat(const struct model_mat *m, const char *name, char *err)
 {
+    if (!be_dtype_size(m->dtype)) { /* a block format, each alike */
+        size_t row = be_row_bytes(m->dtype, (size_t)m->cols);
+        for (int r = 0; r < m->rows; r++)
+            if (!row_scales_finite(m->dtype, (const uint8_t *)m->data + (size_t)r * row, m->cols))
+                return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite %s scale in row %d", name,
+                                  be_dtype_name(m->dtype), r);
+        return MODEL_OK;
+    }
     size_t n = (size_t)m->rows * (size_t)m->cols, bad = first_non_finite(m->data, m->dtype, n);
     if (bad < n)
         return model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite value (NaN or infinity) at row %zu, column %zu",
@@ -882,10 +1085,35 @@ static enum model_status verify_gpt2(const struct model_config *cfg, const struc
     return st;
 }
 
+/* Mamba's matrices as bound: in_proj and x_proj are whole tensors whose
+ * parts are consecutive rows. */
+static enum model_status verify_mamba(const struct model_config *cfg, const struct model_weights *w, char *err)
+{
+    enum model_status st = verify_mat(&w->tok_embed, "backbone.embeddings.weight", err);
+    if (st == MODEL_OK && !cfg->tie_word_embeddings)
+        st = verify_mat(&w->lm_head, "lm_head.weight", err);
+    for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
+        const struct model_layer *L = &w->layers[l];
+        struct model_mat in = L->ssm_in_x, xp = L->ssm_x_dt;
+        in.rows *= 2;
+        xp.rows += 2 * L->ssm_x_B.rows;
+        const struct model_mat *mats[] = {&in, &xp, &L->ssm_dt, &L->ssm_out};
+        static const char *const names[] = {"in_proj", "x_proj", "dt_proj", "out_proj"};
+        for (int i = 0; i < 4 && st == MODEL_OK; i++) {
+            char name[128];
+            snprintf(name, sizeof name, "backbone.layers.%d.mixer.%s.weight", l, names[i]);
+            st = verify_mat(mats[i], name, err);
+        }
+    }
+    return st;
+}
+
 enum model_status model_weights_verify(const struct model_config *cfg, const struct model_weights *w, char *err)
 {
     if (cfg->arch == ARCH_GPT2)
         return verify_gpt2(cfg, w, err);
+    if (cfg->arch == ARCH_MAMBA)
+        return verify_mamba(cfg, w, err);
     enum model_status st = verify_mat(&w->tok_embed, "model.embed_tokens.weight", err);
     if (st == MODEL_OK && !cfg->tie_word_embeddings)
         st = verify_mat(&w->lm_head, "lm_head.weight", err);
@@ -927,8 +1155,15 @@ static const float *row_f32(const struct model_mat *m, int r, float *buf)
     return buf;
 }
 
+/* One row of cols weights into dt's blocks at out; false on a non-finite weight. */
+static bool quantize_row(enum be_dtype dt, const float *x, void *out, int cols)
+{
+    return dt == BE_Q4_K ? q4_k_quantize(x, out, (size_t)cols) : q8_0_quantize(x, out, (size_t)cols);
+}
+
 enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
-                                         struct q8_0_block **blocks, struct model_layer **layers, char *err)
+                                         enum model_weights_fmt fmt, void **blocks, struct model_layer **layers,
+                                         char *err)
 {
     enum { N_MATS = sizeof LAYER_MATS / sizeof LAYER_MATS[0] };
     size_t total = 0;
@@ -937,37 +1172,44 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
     for (int l = 0; l < cfg->n_layers; l++)
         for (size_t k = 0; k < N_MATS; k++) {
             const struct model_mat *m = (const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off);
-            if (!m->data) /* a matrix the architecture lacks (GPT-2's gate) */
+            /* a matrix the architecture lacks (GPT-2's gate), or one a GGUF
+             * file holds in a block format already, kept as it is */
+            if (!m->data || !be_dtype_size(m->dtype))
                 continue;
             if (m->cols % Q8_0_BLOCK)
                 return model_errf(err, MODEL_EUNSUPPORTED,
                                   "tensor model.layers.%d.%s: %d columns, not a multiple of %d (Q8_0 blocks)", l,
                                   LAYER_MATS[k].suffix, m->cols, Q8_0_BLOCK);
-            total += (size_t)m->rows * (size_t)m->cols / Q8_0_BLOCK;
+            total += (size_t)m->rows * be_row_bytes(model_weights_mat_dtype(fmt, m->cols), (size_t)m->cols);
             max_cols = m->cols > max_cols ? m->cols : max_cols;
         }
-    struct q8_0_block *q = malloc(total * sizeof *q);
+    /* every block type's rows are a multiple of its alignment (2 bytes);
+     * total is 0 for a GGUF file's weights, all quantized already */
+    char *q = malloc(total ? total : 1);
     struct model_layer *ls = malloc((size_t)cfg->n_layers * sizeof *ls);
     float *buf = malloc((size_t)max_cols * sizeof *buf);
     enum model_status st = MODEL_OK;
     if (!q || !ls || !buf)
-        st = model_errf(err, MODEL_ENOMEM, "out of host memory for %zu bytes of Q8_0 weights", total * sizeof *q);
-    struct q8_0_block *next = q;
+        st = model_errf(err, MODEL_ENOMEM, "out of host memory for %zu bytes of quantized weights", total);
+    char *next = q;
     for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
         ls[l] = w->layers[l];
         for (size_t k = 0; k < N_MATS && st == MODEL_OK; k++) {
             struct model_mat *m = (struct model_mat *)((char *)&ls[l] + LAYER_MATS[k].off);
-            if (!m->data)
+            if (!m->data || !be_dtype_size(m->dtype))
                 continue;
-            size_t per_row = (size_t)m->cols / Q8_0_BLOCK;
+            enum be_dtype dt = model_weights_mat_dtype(fmt, m->cols);
+            size_t row = be_row_bytes(dt, (size_t)m->cols);
             for (int r = 0; r < m->rows && st == MODEL_OK; r++)
-                if (!q8_0_quantize(row_f32(m, r, buf), next + (size_t)r * per_row, (size_t)m->cols)) {
+                if (!quantize_row(dt, row_f32(m, r, buf), next + (size_t)r * row, m->cols)) {
                     snprintf(name, sizeof name, "model.layers.%d.%s", l, LAYER_MATS[k].suffix);
-                    st = model_errf(err, MODEL_EFORMAT, "tensor %s has a non-finite value (NaN or infinity) in row %d",
-                                    name, r);
+                    st = model_errf(err, MODEL_EFORMAT,
+                                    "tensor %s has a non-finite value (NaN or infinity) or one too large for "
+                                    "%s's f16 scales in row %d",
+                                    name, be_dtype_name(dt), r);
                 }
-            *m = (struct model_mat){.data = next, .dtype = BE_Q8_0, .rows = m->rows, .cols = m->cols};
-            next += (size_t)m->rows * per_row;
+            *m = (struct model_mat){.data = next, .dtype = dt, .rows = m->rows, .cols = m->cols};
+            next += (size_t)m->rows * row;
         }
     }
     free(buf);

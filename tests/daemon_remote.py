@@ -4,7 +4,13 @@ ports for a cluster) and kills only those.
 
 - two daemons, one Redis: B's first request on a prompt A computed gets
   cached_tokens from the remote tier and A's (= a cold run's) tokens;
-- a private request publishes nothing;
+- a private request publishes nothing, nor a private session (its start,
+  its turns, its fork's);
+  --remote-share prefix-only
+  publishes a chat's system part, a completion's shared_prefix (tokens or
+  text; it bounds --remote-share all too), nothing else;
+- blocks are published while the request still decodes; compressed
+  values (--remote-compress zstd) are read by a daemon without the flag;
 - a value written for another layout (another KV dtype) and corrupted
   values are misses, counted, never loaded;
 - AUTH as an ACL user (--remote-user, --remote-password-file), and a
@@ -14,7 +20,10 @@ ports for a cluster) and kills only those.
   (reconnects), full (OOM): every request completes with the tokens of a
   daemon without the remote tier;
 - a three-master cluster (slots assigned by the test, keys routed by CRC16
-  slot), then one master killed: requests still succeed."""
+  slot); a slot migrated under running daemons (ASK followed while it
+  migrates, MOVED once it moved: full hits); then one master killed with SIGKILL while requests run: they
+  complete with the same tokens, and a fresh daemon hits the chain's
+  blocks up to the dead master's first one, exactly."""
 import glob
 import os
 import random
@@ -120,7 +129,7 @@ def metric(dm, name, labels=""):
 
 
 def complete(dm, ids, **kw):
-    code, r = dm.post("/v1/completions", dict(GEN, prompt=ids, **kw))
+    code, r = dm.post("/v1/completions", dict(GEN, **dict(kw, prompt=ids)))
     assert code == 200, (code, r)
     return r["choices"][0]["tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -186,11 +195,65 @@ try:
           wait_metric(b, "remote_blocks_total", '{result="published"}', 1, timeout=0.5) == 0,
           "blocks B got from the remote tier are not published again")
 
+    # ---- published as the prefill computes them, not when the request ends ----
+    base = metric(a, "remote_blocks_total", '{result="published"}')
+    p12 = prompt_of(12)
+    long_req = threading.Thread(target=complete, args=(a, p12), kwargs={"max_tokens": 1500})
+    long_req.start()
+    pub = wait_metric(a, "remote_blocks_total", '{result="published"}', base + n_blk)
+    check(pub == base + n_blk and long_req.is_alive(),
+          "a request's blocks are published while it still decodes (%d of %d)" % (pub - base, n_blk))
+
+    # ---- compressed values: self-describing, read by a daemon without the flag ----
+    z = daemon("z", "--remote", url, "--remote-compress", "zstd")
+    before_z = set(resp(rsock, "KEYS", "kvt:*"))
+    p13 = prompt_of(13)
+    complete(z, p13)
+    wait_metric(z, "remote_blocks_total", '{result="published"}', n_blk)
+    zkeys = [k for k in resp(rsock, "KEYS", "kvt:*") if k not in before_z]
+    codecs = set()
+    for k in zkeys:
+        v = resp(rsock, "GET", k)
+        codecs.add(int.from_bytes(v[224 + 16:224 + 20], "little"))  # the first chunk's codec in the container
+    check(codecs and 0 not in codecs, "--remote-compress zstd: every value's chunk table says compressed (codecs %s)" % codecs)
+    toks, cached = complete(b, p13)
+    check(toks == reference(p13) and cached == (len(p13) - 1) // BT * BT,
+          "a daemon without the flag reads compressed values: cached_tokens %d, the same tokens" % cached)
+    check(z.stop() == 0, "and it exits cleanly")
+    long_req.join()
+
     # ---- private requests ----
     p2 = prompt_of(2)
+    n_keys = len(resp(rsock, "KEYS", "kvt:*"))
     toks, _ = complete(a, p2, private=True)
     time.sleep(0.3)
-    check(toks == reference(p2) and len(resp(rsock, "KEYS", "kvt:*")) == n_blk, "a private request publishes nothing")
+    check(toks == reference(p2) and len(resp(rsock, "KEYS", "kvt:*")) == n_keys, "a private request publishes nothing")
+
+    # ---- a private session start ----
+    n0 = metric(a, "remote_blocks_total", '{result="published"}')
+    code, r = a.post("/v1/sessions", {"prompt": prompt_of(16), "private": True})
+    sid = r["id"]
+    code2, _ = a.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(18, 40), session=sid))
+    code3, f = a.post("/v1/sessions/%s/fork" % sid, {})
+    code4, _ = a.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(19, 40), session=f["id"]))
+    time.sleep(0.3)
+    check((code, code2, code3, code4) == (200,) * 4 and metric(a, "remote_blocks_total", '{result="published"}') == n0,
+          "a session created with private: true publishes nothing: its start, a turn on it, a turn on its fork")
+    # the mark survives a restart: it is in the session's file
+    ps = Daemon("--remote", url, "--remote-timeout", "300", model=ref.model, tmp=tmp)
+    ps.sock, ps.log = os.path.join(tmp, "ps.sock"), os.path.join(tmp, "ps.log")
+    ps.start()
+    code, r = ps.post("/v1/sessions", {"prompt": prompt_of(16), "private": True})
+    sid = r["id"]
+    check(code == 200 and ps.stop() == 0, "a private session, then SIGTERM (its KV to the disk tier)")
+    ps.start()
+    code, _ = ps.post("/v1/completions", dict(GEN, prompt=prompt_of(16) + prompt_of(18, 40), session=sid))
+    time.sleep(0.3)
+    check(code == 200 and metric(ps, "remote_blocks_total", '{result="published"}') == 0 and ps.stop() == 0,
+          "after the restart a turn on it still publishes nothing")
+    code, r = a.post("/v1/sessions", {"prompt": prompt_of(17)})
+    check(code == 200 and wait_metric(a, "remote_blocks_total", '{result="published"}', n0 + n_blk) == n0 + n_blk,
+          "and one without it publishes its start's %d blocks" % n_blk)
 
     # ---- --remote-share prefix-only: a chat's blocks before its first user message ----
     po = daemon("po", "--remote", url, "--remote-share", "prefix-only")
@@ -210,7 +273,41 @@ try:
     time.sleep(0.2)
     check(code == 200 and metric(po, "remote_blocks_total", '{result="published"}') == got,
           "prefix-only: a raw prompt publishes nothing")
+
+    # ---- a completion's shared_prefix: the blocks before it, under prefix-only and all ----
+    def published_after(dm, n0, want):
+        wait_metric(dm, "remote_blocks_total", '{result="published"}', n0 + want, timeout=3)
+        time.sleep(0.2)  # and nothing more
+        return metric(dm, "remote_blocks_total", '{result="published"}') - n0
+
+    n0 = metric(po, "remote_blocks_total", '{result="published"}')
+    p14 = prompt_of(14)
+    code, _ = po.post("/v1/completions", dict(GEN, prompt=p14, shared_prefix=40))
+    got = published_after(po, n0, 2)
+    toks, cached = complete(b, p14)
+    check(code == 200 and got == 2 and cached == 32 and toks == reference(p14),
+          "prefix-only, shared_prefix 40 tokens: its 2 whole blocks published, none after (B gets %d cached)" % cached)
+    doc = " ".join("clause %d of the shared contract between the parties" % i for i in range(8))
+    question = " and now a question only this user asks about clause %d" % 3
+    code, r = po.post("/tokenize", {"content": doc})
+    doc_ids = r["tokens"]
+    code, r = po.post("/tokenize", {"content": doc + question})
+    n_agree = next((i for i, (x, y) in enumerate(zip(doc_ids, r["tokens"])) if x != y), min(len(doc_ids), len(r["tokens"])))
+    n0 += got
+    code, _ = po.post("/v1/completions", dict(GEN, prompt=doc + question, shared_prefix=doc))
+    got = published_after(po, n0, n_agree // BT)
+    check(code == 200 and got == n_agree // BT and len(r["tokens"]) // BT > got,
+          "prefix-only, shared_prefix as the prompt's first text: %d blocks (its %d tokens), none of the question's" %
+          (got, n_agree))
+    code, r = po.post("/v1/completions", dict(GEN, prompt=doc + question, shared_prefix=question))
+    check(code == 400 and r["error"]["param"] == "shared_prefix", "shared_prefix text that does not start the prompt: 400")
+    code, r = po.post("/v1/completions", dict(GEN, prompt=p14, shared_prefix="x"))
+    check(code == 400, "shared_prefix text with a prompt of token ids: 400")
     check(po.stop() == 0, "and it exits cleanly")
+    n0 = metric(a, "remote_blocks_total", '{result="published"}')
+    p15 = prompt_of(15)
+    complete(a, p15, shared_prefix=20)
+    check(published_after(a, n0, 1) == 1, "under --remote-share all, shared_prefix still bounds what is published")
 
     # ---- another layout's value, corrupt values ----
     # the same chain under another KV dtype looks for these keys with that
@@ -230,7 +327,9 @@ try:
     check(f32.stop() == 0 and f32ref.stop() == 0, "and both exit cleanly")
     for i, k in enumerate(keys):
         v = bytearray(resp(rsock, "GET", k))
-        if i % 2:
+        if i == 0:
+            v = b"x" * (40 * len(v))  # far longer than a block's value: read past, never held
+        elif i % 2:
             v[len(v) // 2] ^= 0x40  # a flipped bit in the KV
         else:
             v = b"garbage" * 3
@@ -238,7 +337,11 @@ try:
     c = daemon("c", "--remote", url)
     toks, cached = complete(c, p1)
     check(toks == reference(p1) and cached == 0 and metric(c, "remote_errors_total", '{kind="corrupt"}') >= 1,
-          "corrupt values (garbage, a flipped bit) are misses, counted, with the same tokens")
+          "corrupt values (oversized, garbage, a flipped bit) are misses, counted, with the same tokens")
+    toks, cached = complete(c, p13)
+    check(toks == reference(p13) and cached == (len(p13) - 1) // BT * BT and
+          metric(c, "remote_errors_total", '{kind="io"}') == 0,
+          "and the connection reads the next lookup's values in step (cached_tokens %d)" % cached)
 
     # ---- full: OOM command not allowed ----
     resp(rsock, "CONFIG", "SET", "maxmemory-policy", "noeviction")
@@ -333,8 +436,9 @@ try:
             s.close()
         if ok and port not in ports:
             ports.append(port)
+    # without full coverage the masters left serve their slots once a dead one is marked failed
     nodes = [start_redis(tmp, "c%d" % i, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                         port=port) for i, port in enumerate(ports)]
+                         "--cluster-require-full-coverage", "no", port=port) for i, port in enumerate(ports)]
     for i, (_, sk) in enumerate(nodes):
         resp(sk, "CLUSTER", "ADDSLOTSRANGE", i * 5462, min(16383, i * 5462 + 5461))
     for port in ports[1:]:
@@ -355,15 +459,90 @@ try:
     toks, cached = complete(cb, p8)
     check(toks == reference(p8) and cached == (len(p8) - 1) // BT * BT,
           "B's first request: cached_tokens %d from the cluster, the same tokens" % cached)
-    stop_redis(nodes[1][0])
-    p9 = prompt_of(9)
-    for dm in (ca, cb):
-        toks, _ = complete(dm, p9)
-        check(toks == reference(p9), "a master killed mid-run: requests still succeed with the same tokens")
+    # which node holds which block of p8's chain (each value names its parent)
+    order, where, keyof = {}, {}, {}
+    for ni, (_, sk) in enumerate(nodes):
+        for k in resp(sk, "KEYS", "kvt:*"):
+            v = resp(sk, "GET", k)
+            data = int.from_bytes(v[224:232], "little")  # the first chunk's offset: the serialized block
+            flags = int.from_bytes(v[data + 32:data + 36], "little")
+            h, parent = v[data + 48:data + 56], v[data + 64:data + 72] if flags else None
+            order[parent] = h
+            where[h] = ni
+            keyof[h] = k
+    chain, h = [], order.get(None)
+    while h is not None:
+        chain.append(h)
+        h = order.get(h)
+    # ---- a slot moving under the daemons: ASK while it migrates, MOVED once it moved ----
+    cd = daemon("cd", "--remote-cluster", seeds)
+    ce = daemon("ce", "--remote-cluster", seeds)
+    complete(cd, prompt_of(30))  # each has its slot map now
+    complete(ce, prompt_of(31))
+    ids = [resp(sk, "CLUSTER", "MYID").decode() for _, sk in nodes]
+    mk = keyof[chain[len(chain) // 2]]
+    src = where[chain[len(chain) // 2]]
+    dst = (src + 1) % 3
+    slot = resp(nodes[src][1], "CLUSTER", "KEYSLOT", mk)
+    resp(nodes[dst][1], "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+    resp(nodes[src][1], "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+    resp(nodes[src][1], "MIGRATE", "127.0.0.1", ports[dst], mk, 0, 5000)
+    toks, cached = complete(cd, p8)
+    check(toks == reference(p8) and cached == (len(p8) - 1) // BT * BT and
+          metric(cd, "remote_errors_total", '{kind="reply"}') == 0,
+          "a block whose slot is migrating: the ASK is followed, cached_tokens %d, the same tokens" % cached)
+    for _, sk in nodes:
+        resp(sk, "CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+    toks, cached = complete(ce, p8)
+    check(toks == reference(p8) and cached == (len(p8) - 1) // BT * BT and
+          metric(ce, "remote_errors_total", '{kind="reply"}') == 0,
+          "once the slot moved: the MOVED is followed, cached_tokens %d, the same tokens" % cached)
+    where[chain[len(chain) // 2]] = dst
+    check(cd.stop() == 0 and ce.stop() == 0, "and both exit cleanly")
+
+    first = {}
+    for i, h in enumerate(chain):
+        first.setdefault(where[h], i)
+    # the seed stays; of the others, the master whose first block comes latest
+    victim = max((ni for ni in (1, 2) if ni in first), key=lambda ni: first[ni])
+    want_cached = first[victim] * BT
+    prompts = [prompt_of(20 + i) for i in range(12)]
+    for p in prompts:
+        reference(p)
+    bad, done = [], [0, 0]
+
+    def run(k, dm, ps):
+        for p in ps:
+            try:
+                if complete(dm, p)[0] != reference(p):
+                    bad.append(p)
+            except AssertionError as e:
+                bad.append(str(e))
+            done[k] += 1
+
+    runners = [threading.Thread(target=run, args=(i, dm, prompts[i::2])) for i, dm in enumerate((ca, cb))]
+    for t in runners:
+        t.start()
+    t_end = time.time() + 10
+    while min(done) < 2 and time.time() < t_end:
+        time.sleep(0.01)
+    os.kill(nodes[victim][0].pid, signal.SIGKILL)  # mid-run: both daemons have requests to go
+    kill_alive = sum(t.is_alive() for t in runners)
+    for t in runners:
+        t.join()
+    nodes[victim][0].wait()
+    check(len(chain) == len(p8) // BT and not bad and kill_alive == 2,
+          "a master killed (SIGKILL) while requests run: each completes with the tokens of a run without the tier")
+    check(all(dm.proc.poll() is None for dm in (ca, cb)) and
+          metric(ca, "remote_errors_total", '{kind="io"}') + metric(ca, "remote_errors_total", '{kind="connect"}') +
+          metric(cb, "remote_errors_total", '{kind="io"}') + metric(cb, "remote_errors_total", '{kind="connect"}') >= 1,
+          "the lost node is counted (io / connect), the daemons run on")
     cc = daemon("cc", "--remote-cluster", seeds)
     toks, cached = complete(cc, p8)
-    check(toks == reference(p8) and cached < (len(p8) - 1) // BT * BT,
-          "a fresh daemon: the dead master's blocks are misses (cached_tokens %d), the same tokens" % cached)
+    check(toks == reference(p8) and cached == want_cached,
+          "a fresh daemon: blocks up to the dead master's first one hit, from there misses (cached_tokens %d of %d)" %
+          (cached, want_cached))
+    check(all(dm.stop() == 0 for dm in (ca, cb, cc)), "and the cluster's daemons exit cleanly")
 finally:
     for p in procs:
         stop_redis(p)

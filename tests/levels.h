@@ -1,17 +1,20 @@
-/* levels.h - the fixtures the kernel tests share (test_backend, test_q8):
- * the CPU backend opened at every SIMD level the CPU supports, so each
- * kernel runs at each and is compared with the scalar level, and the
- * random inputs they run on.  Include after cmocka.h. */
+/* levels.h - the fixtures the kernel tests share (test_backend, test_q8,
+ * test_q4k, test_quant): the CPU backend opened at every SIMD level the CPU
+ * supports, so each kernel runs at each and is compared with the scalar
+ * level, and the random inputs they run on, and the --quantize mode of the
+ * weight-format tests.  Include after cmocka.h. */
 #ifndef KVTIER_TESTS_LEVELS_H
 #define KVTIER_TESTS_LEVELS_H
 
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "backend/backend.h"
 
-static const char *const level_names[] = {"scalar", "avx2", "avx512", "avx512bf16"};
-#define N_LEVELS 4
+static const char *const level_names[] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512bf16"};
+#define N_LEVELS 5
 static be_backend *levels[N_LEVELS]; /* NULL where the CPU lacks the level */
 
 /* The CPU backend at one SIMD level (KVTIER_SIMD), NULL where the CPU lacks
@@ -56,6 +59,36 @@ static float frand(void) /* uniform in [-1, 1) */
     rng_state ^= rng_state >> 7;
     rng_state ^= rng_state << 17;
     return (float)((double)(rng_state >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+/* TEST --quantize IN OUT: the float32 values of file IN (a multiple of
+ * block) quantized by quantize into file OUT, for the Python references
+ * to read kvtier's blocks (block_bytes each).  0, 1 when quantize refuses
+ * the values, 2 on a bad file. */
+static inline int quantize_file(const char *in, const char *out, size_t block, size_t block_bytes,
+                                bool (*quantize)(const float *x, void *y, size_t n))
+{
+    FILE *f = fopen(in, "rb");
+    if (!f)
+        return 2;
+    fseek(f, 0, SEEK_END);
+    long bytes = ftell(f);
+    rewind(f);
+    size_t n = bytes > 0 ? (size_t)bytes / sizeof(float) : 0;
+    float *x = malloc(n * sizeof *x + 1);
+    void *q = malloc(n / block * block_bytes + 1);
+    int rc = !x || !q || n % block || fread(x, sizeof *x, n, f) != n ? 2 : 0;
+    fclose(f);
+    if (rc == 0 && !quantize(x, q, n))
+        rc = 1;
+    FILE *o = rc == 0 ? fopen(out, "wb") : NULL;
+    if (rc == 0 && (!o || fwrite(q, block_bytes, n / block, o) != n / block))
+        rc = 2;
+    if (o && fclose(o) != 0)
+        rc = 2;
+    free(x);
+    free(q);
+    return rc;
 }
 
 #endif

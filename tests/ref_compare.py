@@ -2,7 +2,7 @@
 """ref_compare - compares a kvtier-run --dump with the PyTorch reference.
 
     /usr/bin/python3 tests/ref_compare.py DIR DUMP --tol X [--expect-gen N] [--same-tokens DUMP2]...
-                                          [--no-cache DUMP3]... [--kv-dtype f32|bf16|f16] [--weights auto|q8_0]
+                                          [--no-cache DUMP3]... [--kv-dtype f32|bf16|f16] [--weights auto|q8_0|q4_k]
                                           [--matmul-input f32|bf16]
 
 The dump (little-endian): "KVTL", int32 n_prompt, n_gen, vocab,
@@ -21,9 +21,12 @@ keeps them (kvtier's KV dtype of the dump; default f32, unrounded).
 checkpoint's, dequantized, and their inputs rounded as kvtier rounds them
 (kvtier-run --weights q8_0); with --apart, the reference with the
 unquantized weights must also be further than --tol from the dump (the
-tolerance tells the two apart).  --matmul-input bf16: the input of every
-weight matrix rounded to bf16 (what kvtier's CPU backend multiplies bf16
-weights by on AVX512_BF16).  Passes when
+tolerance tells the two apart).  --weights q4_k --q4k-quantizer PROG: the
+same with Q4_K blocks, written by PROG --quantize IN OUT (BUILD/tests/
+test_q4k: kvtier's quantizer) and decoded here, for the matrices whose rows
+are whole super-blocks of 256 (Q8_0 for the others, as kvtier does).
+--matmul-input bf16: the input of every weight matrix rounded to bf16 (what
+kvtier's CPU backend multiplies bf16 weights by on AVX512_BF16).  Passes when
   * every logit is within --tol of the reference (max abs error), and
   * every generated token is the reference's argmax, or within --tol of the
     reference maximum (a near tie the two sides may break differently).
@@ -38,7 +41,9 @@ Prints one verdict line per dump; exit 0 = pass, 1 = mismatch, 2 = bad input.
 import argparse
 import os
 import struct
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -110,6 +115,20 @@ def compare(name, tokens, n_prompt, got, ref, tol):
     return ok, line
 
 
+def q4_k_blocks(prog, w):
+    """Q4_K blocks of the float32 matrix w, as PROG --quantize writes them."""
+    if not prog:
+        raise ValueError("--weights q4_k needs --q4k-quantizer")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "w.f32"), os.path.join(tmp, "w.q4k")
+        np.ascontiguousarray(w, np.float32).tofile(src)
+        subprocess.run([prog, "--quantize", src, dst], check=True)
+        blocks = np.fromfile(dst, torchref.Q4_K_DTYPE)
+    if len(blocks) * torchref.Q4_K_BLOCK != w.size:
+        raise ValueError(f"{prog} wrote {len(blocks)} Q4_K blocks for {w.size} weights")
+    return blocks
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir")
@@ -120,10 +139,11 @@ def main(argv=None):
     ap.add_argument("--no-cache", action="append", default=[], metavar="DUMP3")
     ap.add_argument("--name", help="label for the verdict lines (default: the directory name)")
     ap.add_argument("--kv-dtype", choices=("f32", "bf16", "f16"), default="f32")
-    ap.add_argument("--weights", choices=("auto", "q8_0"), default="auto")
+    ap.add_argument("--weights", choices=("auto", "q8_0", "q4_k"), default="auto")
+    ap.add_argument("--q4k-quantizer", metavar="PROG", help="with --weights q4_k: PROG --quantize IN OUT")
     ap.add_argument("--matmul-input", choices=("f32", "bf16"), default="f32",
                     help="bf16: every weight matrix's input rounded to bf16 (torchref.load_model)")
-    ap.add_argument("--apart", action="store_true", help="with --weights q8_0: the unquantized reference must fail")
+    ap.add_argument("--apart", action="store_true", help="with --weights q8_0|q4_k: the unquantized reference must fail")
     o = ap.parse_args(argv)
     torch.set_num_threads(2)
     name = o.name or os.path.basename(os.path.normpath(o.dir))
@@ -131,8 +151,9 @@ def main(argv=None):
         dumps = [(o.dump, *read_dump(o.dump))] + [(p, *read_dump(p)) for p in o.same_tokens + o.no_cache]
         kv = {"f32": None, "bf16": torch.bfloat16, "f16": torch.float16}[o.kv_dtype]
         mm_in = {"f32": None, "bf16": torch.bfloat16}[o.matmul_input]
-        model = torchref.load_model(o.dir, torch.float32, kv, o.weights, mm_in)
-    except (BadDump, OSError, ValueError, KeyError, RuntimeError) as e:
+        model = torchref.load_model(o.dir, torch.float32, kv, o.weights,
+                                    lambda w: q4_k_blocks(o.q4k_quantizer, w), mm_in)
+    except (BadDump, OSError, ValueError, KeyError, RuntimeError, subprocess.CalledProcessError) as e:
         print(f"FAIL {name}: {e}")
         return 2
     ok = True

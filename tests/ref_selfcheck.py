@@ -276,6 +276,61 @@ def check_naive_gpt2():
           "GPT-2 state dict: HF names, Conv1D weights [in, out]")
 
 
+def naive_mamba(cfg, sd, ids):
+    """Mamba in float64, one token, one channel and one state element at a
+    time: the recurrence as the paper writes it."""
+    P = {k: v.double().numpy() for k, v in sd.items()}
+    dim, inner, n, kern, rank = tr.mamba_dims(cfg)
+    eps = cfg.get("layer_norm_epsilon", 1e-5)
+    x = [P["backbone.embeddings.weight"][t] for t in ids]
+    for li in range(cfg["num_hidden_layers"]):
+        pre = f"backbone.layers.{li}."
+        M = lambda k: P[pre + "mixer." + k]  # noqa: E731
+        u = [M("in_proj.weight") @ naive_rmsnorm(v, P[pre + "norm.weight"], eps) for v in x]
+        h = np.zeros((inner, n))
+        new_x = []
+        for t, v in enumerate(x):
+            xin, z = u[t][:inner], u[t][inner:]
+            c = np.array([sum(M("conv1d.weight")[i, 0, k] * u[t - (kern - 1) + k][i]
+                              for k in range(kern) if t - (kern - 1) + k >= 0) + M("conv1d.bias")[i]
+                          for i in range(inner)])
+            c = c / (1 + np.exp(-c))
+            p = M("x_proj.weight") @ c
+            dt = M("dt_proj.weight") @ p[:rank] + M("dt_proj.bias")
+            dt = np.log1p(np.exp(dt))
+            B, C = p[rank:rank + n], p[rank + n:]
+            y = np.zeros(inner)
+            for i in range(inner):
+                for s in range(n):
+                    h[i, s] = math.exp(-math.exp(M("A_log")[i, s]) * dt[i]) * h[i, s] + dt[i] * B[s] * c[i]
+                y[i] = (h[i] @ C + M("D")[i] * c[i]) * z[i] / (1 + math.exp(-z[i]))
+            new_x.append(v + M("out_proj.weight") @ y)
+        x = new_x
+    head = P.get("lm_head.weight", P["backbone.embeddings.weight"])
+    return np.stack([head @ naive_rmsnorm(v, P["backbone.norm_f.weight"], eps) for v in x])
+
+
+def check_naive_mamba():
+    ids = [3, 17, 9, 41, 0, 22, 22, 8, 49, 30]
+    for tie in (True, False):
+        cfg = {"architectures": ["MambaForCausalLM"], "vocab_size": 50, "hidden_size": 24, "state_size": 4,
+               "num_hidden_layers": 2, "expand": 2, "conv_kernel": 3, "tie_word_embeddings": tie}
+        m = tr.build_model(cfg).double()
+        randomize(m, 9)
+        with torch.no_grad():
+            got = m(torch.tensor([ids]))
+            a, st = m.step(torch.tensor([ids[:4]]))
+            b, st = m.step(torch.tensor([ids[4:5]]), st)
+            c, _ = m.step(torch.tensor([ids[5:]]), st)
+        close(got[0].numpy(), naive_mamba(cfg, m.state_dict(), ids), 1e-6,
+              f"naive forward == MambaLM ({'tied' if tie else 'untied'} head)")
+        close(torch.cat([a, b, c], 1)[0].numpy(), got[0].numpy(), 1e-9,
+              "MambaLM: prefill + a step + the rest from the carried state == one pass")
+    check(dict(tr.param_shapes(cfg))["backbone.layers.0.mixer.x_proj.weight"] == (2 + 8, 48) and
+          dict(tr.param_shapes(cfg))["backbone.layers.0.mixer.conv1d.weight"] == (48, 1, 3),
+          "Mamba state dict: HF names and shapes (time_step_rank auto = ceil(24 / 16))")
+
+
 # ---------------------------------------------------------------------------
 # Pieces by hand
 # ---------------------------------------------------------------------------
@@ -448,6 +503,7 @@ def main():
         check_windows()
         check_naive_forward()
         check_naive_gpt2()
+        check_naive_mamba()
         check_safetensors(tmp)
         check_mkmodel(tmp)
         check_ref_compare(tmp)

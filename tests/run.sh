@@ -13,6 +13,7 @@ if [ "$1" = --one ]; then
   dir=$2; idx=$3; backend=$4; kind=$5; name=$6
   tag=""
   if [ "$backend" = cpu-strict ]; then export KVTIER_BACKEND_STRICT=1; tag=" [cpu-strict]"; fi
+  if [ "$backend" = cuda ]; then export KVTIER_TEST_BACKEND=cuda; tag=" [cuda]"; fi
   t0=$(date +%s)
   {
     printf '== %s\n' "$name$tag"
@@ -59,26 +60,31 @@ export KVTIER_DISK_DIR=none
 # reader), and the C they run (the forward pass of every architecture, the
 # kernels, the loader, the tokenizer) runs under the sanitizers in the
 # unit tests, the daemon tests and the fuzzers.
-no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler test_client layers.test.sh tokenizer.test.sh "
+no_backend=" test_backend test_disk test_tokenizer test_daemon_ipc test_sampler test_client layers.test.sh tokenizer.test.sh unigram.test.sh "
 no_backend="$no_backend daemon_slow.test.sh daemon_disk_faults.test.sh daemon_disk_uid.test.sh "
 no_backend="$no_backend reference.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
-no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh cli_tty.test.sh "
+no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh q4kref.test.sh cli_tty.test.sh "
 # the API's other faces (Ollama, TCP) and the penalties' oracle: what they
 # check is above the forward pass, which the daemon tests run strict
 no_backend="$no_backend daemon_ollama.test.sh daemon_tcp.test.sh daemon_penalties.test.sh "
 no_backend="$no_backend install.test.sh sockpath.test.sh "
 no_backend="$no_backend test_grammar test_toolcall daemon_json.test.sh "
 no_backend="$no_backend test_hist plots.test.sh "
-no_backend="$no_backend daemon_remote.test.sh test_remote "
-no_backend="$no_backend test_jinja jinja.test.sh "
-oracles=" reference.test.sh q8ref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
-oracles="$oracles tokenizer.test.sh st2gguf.test.sh "
-oracles="$oracles daemon_penalties.test.sh daemon_json.test.sh jinja.test.sh "
+no_backend="$no_backend daemon_remote.test.sh test_remote test_cuda cuda_nodev.test.sh cuda_e2e.test.sh "
+no_backend="$no_backend test_jinja jinja.test.sh encdec.test.sh "
+no_backend="$no_backend test_gguf gguf.test.sh gguf_tokenizer.test.sh q4k_bytes.test.sh "
+oracles=" reference.test.sh q8ref.test.sh q4kref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
+oracles="$oracles tokenizer.test.sh unigram.test.sh st2gguf.test.sh "
+oracles="$oracles daemon_penalties.test.sh daemon_json.test.sh jinja.test.sh daemon_mamba.test.sh encdec.test.sh "
+oracles="$oracles gguf.test.sh gguf_tokenizer.test.sh q4k_bytes.test.sh "
 # The longest tests start first, so the last minutes are not one long test
 # running alone.
 first=" reference.test.sh test_tiers test_disk daemon_disk_faults.test.sh daemon_slow.test.sh "
 first="$first daemon_disk.test.sh daemon_stall.test.sh daemon_loop.test.sh q8ref.test.sh beams.test.sh "
 passes="cpu cpu-strict"
+# KVTIER_TEST_PASSES=cuda (tools/gpu-check.sh): one pass, every "cpu"
+# backend the CUDA plugin, the tests that open no backend left out
+[ -n "${KVTIER_TEST_PASSES:-}" ] && passes=$KVTIER_TEST_PASSES
 asan=0
 case $build in *asan*) passes=cpu; asan=1 ;; esac
 
@@ -91,13 +97,13 @@ for backend in $passes; do
     [ -x "$t" ] || continue
     case $t in *.d|*.o) continue ;; esac
     name=$(basename "$t")
-    [ $backend = cpu-strict ] && case $no_backend in *" $name "*) continue ;; esac
+    [ $backend != cpu ] && case $no_backend in *" $name "*) continue ;; esac
     echo "$backend bin $name"
   done
   for s in tests/*.test.sh; do
     [ -f "$s" ] || continue
     name=$(basename "$s")
-    [ $backend = cpu-strict ] && case $no_backend in *" $name "*) continue ;; esac
+    [ $backend != cpu ] && case $no_backend in *" $name "*) continue ;; esac
     [ $asan = 1 ] && case $oracles in *" $name "*) continue ;; esac
     echo "$backend sh $name"
   done

@@ -89,7 +89,7 @@ static void random_typed(void *dst, enum be_dtype dt, float *exact, size_t n, fl
         case BE_F32: ((float *)dst)[i] = exact[i] = f; break;
         case BE_F16: ((uint16_t *)dst)[i] = f16_bits(f); exact[i] = f16_value(f16_bits(f)); break;
         case BE_BF16: ((uint16_t *)dst)[i] = bf16_bits_trunc(f); exact[i] = bf16_value(bf16_bits_trunc(f)); break;
-        case BE_Q8_0: break; /* blocks, not elements: the Q8_0 tests fill their own */
+        case BE_Q8_0: case BE_Q4_K: break; /* blocks, not elements: their tests fill their own */
         }
     }
 }
@@ -325,6 +325,16 @@ static void test_gelu_scale(void **state)
                 }
             }
             memcpy(y, g, n * sizeof(float));
+            assert_int_equal(be_act(levels[l], y, n, BE_ACT_RELU), BE_OK);
+            for (size_t i = 0; i < n; i++)
+                assert_true(y[i] == (g[i] > 0.0f ? g[i] : 0.0f));
+            memcpy(y, g, n * sizeof(float));
+            assert_int_equal(be_act(levels[l], y, n, BE_ACT_GELU_ERF), BE_OK);
+            for (size_t i = 0; i < n; i++) {
+                double x = g[i], want = 0.5 * x * (1.0 + erf(x / sqrt(2.0)));
+                assert_close("gelu_erf", level_names[l], i, y[i], want, 4 * fabs(want) + 1e-30);
+            }
+            memcpy(y, g, n * sizeof(float));
             assert_int_equal(be_scale(levels[l], y, n, 8.0f), BE_OK); /* a power of two: exact */
             for (size_t i = 0; i < n; i++)
                 assert_true(y[i] == 8.0f * g[i]);
@@ -446,8 +456,9 @@ struct kv_case {
  * positions of two sequences (the second one shorter) at every level;
  * checks the stored bytes are identical across levels and the output
  * against a dense softmax(q k^T) v in double over the visible keys. */
-/* softcap: be_attn_params.softcap (0: none). */
-static void check_attention(const struct kv_case *c, float softcap)
+/* softcap: be_attn_params.softcap (0: none).  rel_span > 0: an encoder's
+ * attention (bidirectional, T5's relative bias of that span, random). */
+static void check_attention_ed(const struct kv_case *c, float softcap, int rel_span)
 {
     const int n_views = 2;
     int hd = c->head_dim, kvd = c->n_kv_heads * hd, qd = c->n_heads * hd;
@@ -462,7 +473,10 @@ static void check_attention(const struct kv_case *c, float softcap)
     float *q = malloc((size_t)n_tok * qd * sizeof(float)), *out0 = malloc((size_t)n_tok * qd * sizeof(float));
     struct be_tok *st = malloc((size_t)n_store * sizeof(*st)), *qt = malloc((size_t)n_tok * sizeof(*qt));
     void *kbits = malloc(esz), *blocks0 = malloc((size_t)n_views * n_blocks * 2 * half_block);
-    assert_non_null(k && v && q && out0 && st && qt && kbits && blocks0);
+    int bias_w = 2 * rel_span + 1;
+    float *bias = malloc((size_t)c->n_heads * (size_t)bias_w * sizeof(float));
+    assert_non_null(k && v && q && out0 && st && qt && kbits && blocks0 && bias);
+    fill(bias, (size_t)c->n_heads * (size_t)bias_w, 2.0f);
     /* keys and values exact in the storage dtype, so storing loses nothing */
     for (size_t i = 0; i < (size_t)n_store * kvd; i++) {
         random_typed(kbits, c->dt, &k[i], 1, 1.0f);
@@ -494,9 +508,14 @@ static void check_attention(const struct kv_case *c, float softcap)
                                             .block_tokens = c->block_tokens, .v_offset = half_block,
                                             .base = c->base, .lo = c->lo, .hi = hi[vi]};
         }
+        be_buffer *bias_buf = NULL;
+        float *dbias = rel_span ? dev(be, (size_t)c->n_heads * (size_t)bias_w * sizeof(float), &bias_buf) : NULL;
+        if (dbias)
+            memcpy(dbias, bias, (size_t)c->n_heads * (size_t)bias_w * sizeof(float));
         struct be_attn_params p = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
                                    .scale = 1.0f / sqrtf((float)hd), .window = c->window, .kv_dtype = c->dt,
-                                   .softcap = softcap};
+                                   .softcap = softcap, .bidirectional = rel_span > 0, .rel_bias = dbias,
+                                   .rel_span = rel_span};
         assert_int_equal(be_kv_store(be, views, st, n_store, k, v, &p), BE_OK);
         for (int vi = 0; vi < n_views; vi++)
             for (int b = 0; b < n_blocks; b++) {
@@ -522,7 +541,7 @@ static void check_attention(const struct kv_case *c, float softcap)
                 double m = -INFINITY, sum = 0, acc[256] = {0}, mag[256] = {0};
                 assert_true(hd <= 256);
                 for (int pass = 0; pass < 2; pass++)
-                    for (int64_t kp = c->lo; kp <= qp; kp++) {
+                    for (int64_t kp = c->lo; kp < (rel_span ? hi[vi] : qp + 1); kp++) {
                         if (c->window && qp - kp >= c->window)
                             continue;
                         size_t row = (size_t)(first_store + (kp - c->lo)) * kvd + (size_t)kvh * hd;
@@ -532,6 +551,10 @@ static void check_attention(const struct kv_case *c, float softcap)
                         sc *= 1.0 / sqrt((double)hd);
                         if (softcap > 0)
                             sc = softcap * tanh(sc / softcap);
+                        if (rel_span) {
+                            int64_t d = kp - qp < -rel_span ? -rel_span : kp - qp > rel_span ? rel_span : kp - qp;
+                            sc += bias[(size_t)h * (size_t)bias_w + (size_t)(d + rel_span)];
+                        }
                         if (pass == 0) {
                             m = sc > m ? sc : m;
                             continue;
@@ -555,10 +578,16 @@ static void check_attention(const struct kv_case *c, float softcap)
             }
         }
         be_buffer_free(ob);
+        be_buffer_free(bias_buf);
         for (int b = 0; b < n_views * n_blocks; b++)
             be_buffer_free(bufs[b]);
     }
-    free(k), free(v), free(q), free(out0), free(st), free(qt), free(kbits), free(blocks0);
+    free(k), free(v), free(q), free(out0), free(st), free(qt), free(kbits), free(blocks0), free(bias);
+}
+
+static void check_attention(const struct kv_case *c, float softcap)
+{
+    check_attention_ed(c, softcap, 0);
 }
 
 static void test_attention(void **state)
@@ -584,6 +613,11 @@ static void test_attention(void **state)
     check_attention(&cases[1], 1.5f);
     check_attention(&cases[5], 1.5f);
     check_attention(&cases[8], 0.5f);
+    /* encoder-decoder: every key of the view, T5's bias clamped past its
+     * span (queries 6 and more positions from the ends reach both clamps) */
+    check_attention_ed(&cases[1], 0.0f, 4);
+    check_attention_ed(&cases[2], 0.0f, 1);
+    check_attention_ed(&cases[8], 0.0f, 128);
 }
 
 /* A token's attention is the same to the bit alone, in a batch, and on

@@ -1023,6 +1023,139 @@ static void test_prefix_budget_and_namespaces(void **state)
     kv_seq_free(q);
 }
 
+
+/* ---- state-space models (tiers/state.c) ---------------------------------- */
+
+/* A state store's sequence: its device bytes do not grow from 1k to 16k
+ * tokens (only its host-tier checkpoints do), the strategies that act on
+ * single tokens are refused naming why, checkpoints are taken where chunks
+ * end on a multiple of the interval (and dropped with an aborted step), a
+ * crop goes back to the last one at or below its target and a fork starts
+ * where its parent is. */
+static void test_state_store(void **state)
+{
+    (void)state;
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1, .device_mem = 1 << 20};
+    assert_int_equal(be_open("cpu", &bp, &be), BE_OK);
+    size_t sb = be_ssm_state_bytes(32, 16, 4);
+    assert_int_equal(sb, (3 + 16) * 32 * sizeof(float));
+    struct kv_geom g = {.n_layers = 2, .state_bytes = sb};
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &g, &(struct kv_store_params){.checkpoint_interval = 256}, &s), TIER_OK);
+    assert_int_equal(kv_store_state_bytes(s), 2 * 2 * sb);
+
+    const struct kv_seq_params refused[] = {{.sink = true, .num_sink_tokens = 4, .window_length = 64},
+                                            {.window_length = 64}, {.strategy = KV_QUANTIZED}};
+    const char *why[] = {"sink", "sliding_window", "quantized"};
+    for (int i = 0; i < 3; i++) {
+        kv_seq *q = NULL;
+        assert_int_equal(kv_seq_create(s, &refused[i], &q), TIER_ENOTSUP);
+        assert_null(q);
+        assert_non_null(strstr(kv_store_errmsg(s), why[i]));
+    }
+
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(s, NULL, &q), TIER_OK);
+    size_t dev_1k = 0;
+    /* steps of 128 tokens as the forward pass drives them: one chunk each,
+     * every other one ending on a multiple of 256 */
+    for (int64_t n = 0; n < 16384; n += 128) {
+        assert_int_equal(kv_seq_reserve(q, 128), TIER_OK);
+        kv_seq_chunk(q, n, n + 128);
+        assert_int_equal(kv_store_layer_end(s, 1), BE_OK);
+        assert_int_equal(kv_seq_commit(q), TIER_OK);
+        if (kv_seq_length(q) == 1024)
+            dev_1k = kv_seq_stats(q).dev_bytes;
+    }
+    assert_int_equal(kv_seq_length(q), 16384);
+    assert_int_equal(dev_1k, 2 * 2 * sb);
+    assert_int_equal(kv_seq_stats(q).dev_bytes, dev_1k);
+    assert_int_equal(kv_seq_stats(q).host_bytes, 64 * 2 * sb); /* one checkpoint per multiple of 256 */
+    /* an aborted step's checkpoint goes with it */
+    assert_int_equal(kv_seq_reserve(q, 256), TIER_OK);
+    kv_seq_chunk(q, 16384, 16640);
+    assert_int_equal(kv_store_layer_end(s, 1), BE_OK);
+    assert_int_equal(kv_seq_stats(q).host_bytes, 65 * 2 * sb);
+    kv_seq_abort(q);
+    assert_int_equal(kv_seq_stats(q).host_bytes, 64 * 2 * sb);
+
+    kv_seq *c;
+    assert_int_equal(kv_seq_fork(q, &c), TIER_OK);
+    assert_int_equal(kv_seq_length(c), 16384);
+    assert_int_equal(kv_seq_crop(c, -100), TIER_OK); /* 16284: back to 16128 */
+    assert_int_equal(kv_seq_length(c), 16128);
+    assert_int_equal(kv_seq_stats(c).host_bytes, 63 * 2 * sb);
+    assert_int_equal(kv_seq_crop(c, 300), TIER_OK);
+    assert_int_equal(kv_seq_length(c), 256);
+    assert_int_equal(kv_seq_crop(c, 200), TIER_OK);
+    assert_int_equal(kv_seq_length(c), 0);
+    assert_int_equal(kv_seq_length(q), 16384);
+    kv_seq_free(c);
+    kv_seq_free(q);
+    kv_store_free(s);
+    be_free(be);
+}
+
+/* The host tier of a state: an offloaded sequence starts there; with the
+ * device full, a new one falls back there, its step takes device copies
+ * for its length only (and fails while another state holds the device,
+ * until kv_seq_offload moves that one out), and the commit puts it back. */
+static void test_state_host_tier(void **state)
+{
+    (void)state;
+    size_t sb = be_ssm_state_bytes(32, 16, 4), seq = 2 * sb; /* 2 layers */
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1, .device_mem = 3 * seq}; /* one sequence's two copies, and half */
+    assert_int_equal(be_open("cpu", &bp, &be), BE_OK);
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb}, NULL, &s), TIER_OK);
+
+    kv_seq *off;
+    assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = KV_OFFLOADED}, &off), TIER_OK);
+    struct kv_seq_stats st = kv_seq_stats(off);
+    assert_int_equal(st.dev_bytes, 0);
+    assert_int_equal(st.host_bytes, seq);
+    assert_int_equal(st.streamed_layers, 2);
+    kv_seq_free(off);
+
+    kv_seq *a, *b;
+    assert_int_equal(kv_seq_create(s, NULL, &a), TIER_OK);
+    assert_int_equal(kv_seq_stats(a).dev_bytes, 2 * seq);
+    assert_int_equal(kv_seq_create(s, NULL, &b), TIER_OK); /* the device is full */
+    st = kv_seq_stats(b);
+    assert_int_equal(st.fallback, KV_FALLBACK_SIZED);
+    assert_int_equal(st.strategy, KV_OFFLOADED);
+    assert_int_equal(st.resident_layers, 0);
+    assert_int_equal(st.host_bytes, seq);
+    assert_int_equal(kv_seq_reserve(b, 4), TIER_ENOMEM_DEV); /* a holds the device */
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    assert_int_equal(kv_seq_offload(a, KV_FALLBACK_OOM), TIER_OK);
+    st = kv_seq_stats(a);
+    assert_int_equal(st.fallback, KV_FALLBACK_OOM);
+    assert_int_equal(st.dev_bytes, 0);
+    assert_int_equal(st.host_bytes, seq);
+    assert_int_equal(kv_seq_reserve(b, 4), TIER_OK);
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 2 * seq); /* for the step */
+    assert_int_equal(kv_seq_commit(b), TIER_OK);
+    assert_int_equal(kv_seq_length(b), 4);
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    assert_int_equal(kv_seq_reserve(b, 4), TIER_OK);
+    kv_seq_abort(b);
+    assert_int_equal(kv_seq_length(b), 4);
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    kv_seq *c;
+    assert_int_equal(kv_seq_fork(b, &c), TIER_OK); /* the device is free again: the child takes it */
+    assert_int_equal(kv_seq_stats(c).dev_bytes, 2 * seq);
+    assert_int_equal(kv_seq_length(c), 4);
+    kv_seq_free(c);
+    kv_seq_free(b);
+    kv_seq_free(a);
+    assert_int_equal(be_mem_stats(be).dev_used, 0);
+    kv_store_free(s);
+    be_free(be);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1044,6 +1177,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_host_slabs_few, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
+        cmocka_unit_test(test_state_store),
+        cmocka_unit_test(test_state_host_tier),
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_static, setup_w4, teardown),

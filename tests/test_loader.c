@@ -24,6 +24,7 @@
 
 #include "model/model.h"
 #include "text/tokenizer.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 /* ---- the temporary model directory ---------------------------------------- */
@@ -118,7 +119,7 @@ static float mat_at(const struct model_mat *m, size_t i)
         memcpy(&f, &u, 4);
         return f;
     }
-    case BE_Q8_0: break; /* the loader binds checkpoint dtypes only */
+    case BE_Q8_0: case BE_Q4_K: break; /* the loader binds checkpoint dtypes only */
     }
     return 0;
 }
@@ -921,6 +922,106 @@ static void test_gpt2(void **state)
     json_decref(x);
 }
 
+/* A Mamba directory: hidden 8, 2 layers, state 4, conv 3, expand 2 (16
+ * channels), time_step_rank "auto" (1), tied head; extra fields replace
+ * the config's.  conv1d.weight is [16, 1, 3], as PyTorch's Conv1d keeps it. */
+static void write_mamba(json_t *extra)
+{
+    json_t *c = json_pack("{s:[s], s:i, s:i, s:i, s:i, s:i, s:i, s:s, s:s}", "architectures", "MambaForCausalLM",
+                          "vocab_size", 40, "hidden_size", 8, "num_hidden_layers", 2, "state_size", 4, "conv_kernel",
+                          3, "expand", 2, "time_step_rank", "auto", "torch_dtype", "float32");
+    assert_non_null(c);
+    if (extra)
+        json_object_update(c, extra);
+    write_json("config.json", c);
+    json_decref(c);
+    struct stw w;
+    stw_init(&w);
+    stw_add(&w, "backbone.embeddings.weight", "F32", 40, 8);
+    for (int l = 0; l < 2; l++) {
+        char n[96];
+#define M(suffix, rows, cols)                                          \
+    do {                                                               \
+        snprintf(n, sizeof n, "backbone.layers.%d.%s", l, suffix);     \
+        stw_add(&w, n, "F32", rows, cols);                             \
+    } while (0)
+        M("norm.weight", 8, 0);
+        M("mixer.in_proj.weight", 32, 8);
+        M("mixer.conv1d.weight", 16, 3);
+        json_object_set_new(json_object_get(w.header, n), "shape", json_pack("[i,i,i]", 16, 1, 3));
+        M("mixer.conv1d.bias", 16, 0);
+        M("mixer.x_proj.weight", 1 + 2 * 4, 16);
+        M("mixer.dt_proj.weight", 16, 1);
+        M("mixer.dt_proj.bias", 16, 0);
+        M("mixer.A_log", 16, 4);
+        M("mixer.D", 16, 0);
+        M("mixer.out_proj.weight", 8, 16);
+#undef M
+    }
+    stw_add(&w, "backbone.norm_f.weight", "F32", 8, 0);
+    stw_write(&w, "model.safetensors");
+}
+
+static void test_mamba(void **state)
+{
+    (void)state;
+    write_mamba(NULL);
+    struct loaded m;
+    load_ok(&m);
+    assert_int_equal(m.cfg.arch, ARCH_MAMBA);
+    assert_int_equal(m.cfg.intermediate_size, 16);
+    assert_int_equal(m.cfg.ssm_state, 4);
+    assert_int_equal(m.cfg.ssm_conv, 3);
+    assert_int_equal(m.cfg.ssm_dt_rank, 1);
+    assert_true(m.cfg.tie_word_embeddings && m.cfg.ssm_conv_bias && !m.cfg.ssm_bias);
+    assert_int_equal(m.cfg.n_heads, 0);
+    assert_float_equal(m.cfg.rms_norm_eps, 1e-5f, 0);
+    const struct model_layer *L = &m.w.layers[1];
+    check_mat(&L->ssm_in_x, "backbone.layers.1.mixer.in_proj.weight", BE_F32, 16, 8);
+    assert_float_equal(mat_at(&L->ssm_in_z, 0), expected("backbone.layers.1.mixer.in_proj.weight", 16 * 8), 0);
+    assert_float_equal(mat_at(&L->ssm_x_B, 0), expected("backbone.layers.1.mixer.x_proj.weight", 1 * 16), 0);
+    assert_float_equal(mat_at(&L->ssm_x_C, 5), expected("backbone.layers.1.mixer.x_proj.weight", 5 * 16 + 5), 0);
+    assert_int_equal(L->ssm_x_C.rows, 4);
+    check_vec(L->ssm_conv_w, "backbone.layers.1.mixer.conv1d.weight", 48);
+    for (int i = 0; i < 64; i++)
+        assert_float_equal(L->ssm_A[i], -expf(expected("backbone.layers.1.mixer.A_log", (size_t)i)), 0);
+    check_vec(L->ssm_D, "backbone.layers.1.mixer.D", 16);
+    assert_null(L->ssm_in_bx);
+    assert_ptr_equal(m.w.lm_head.data, m.w.tok_embed.data);
+    assert_int_equal(model_weights_verify(&m.cfg, &m.w, (char[MODEL_ERR_LEN]){0}), MODEL_OK);
+    unload(&m);
+
+    /* every field range-checked, refused naming it */
+    static const struct {
+        const char *json, *what;
+        enum model_status st;
+    } bad[] = {
+        {"{\"state_size\": 0}", "state_size=0", MODEL_ECONFIG},
+        {"{\"state_size\": 257}", "state_size=257", MODEL_ECONFIG},
+        {"{\"conv_kernel\": 17}", "conv_kernel=17", MODEL_ECONFIG},
+        {"{\"expand\": 0}", "expand=0", MODEL_ECONFIG},
+        {"{\"intermediate_size\": 0}", "intermediate_size=0", MODEL_ECONFIG},
+        {"{\"time_step_rank\": 17}", "time_step_rank=17", MODEL_ECONFIG},
+        {"{\"time_step_rank\": \"all\"}", "time_step_rank", MODEL_ECONFIG},
+        {"{\"hidden_size\": 0}", "hidden_size=0", MODEL_ECONFIG},
+        {"{\"layer_norm_epsilon\": 0}", "layer_norm_epsilon", MODEL_ECONFIG},
+        {"{\"hidden_act\": \"gelu\"}", "hidden_act", MODEL_EUNSUPPORTED},
+        {"{\"use_conv_bias\": 1}", "use_conv_bias", MODEL_ECONFIG},
+        {"{\"torch_dtype\": \"int8\"}", "torch_dtype", MODEL_EUNSUPPORTED},
+        /* the tensors the config then implies are not there */
+        {"{\"use_bias\": true}", "in_proj.bias", MODEL_EFORMAT},
+        {"{\"conv_kernel\": 4}", "conv1d.weight", MODEL_EFORMAT},
+        {"{\"tie_word_embeddings\": false}", "lm_head.weight", MODEL_EFORMAT},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        json_t *x = json_loads(bad[i].json, 0, NULL);
+        assert_non_null(x);
+        write_mamba(x);
+        json_decref(x);
+        expect_fail(bad[i].st, bad[i].what, NULL);
+    }
+}
+
 /* What model_device_bytes predicts from the config is what model_load
  * charges on a backend that cannot read the mmap (weights uploaded), for
  * every family's extra tensors (biases, sandwich norms, fused views, GPT-2's
@@ -962,6 +1063,8 @@ static void test_device_bytes(void **state)
     }
     write_gpt2("transformer.", NULL);
     check_charged("GPT2LMHeadModel");
+    write_mamba(NULL); /* row views uploaded as copies of their own, A, conv weights */
+    check_charged("MambaForCausalLM");
 }
 
 static void test_defaults_and_generation_config(void **state)
@@ -1616,9 +1719,9 @@ static void test_q8_weights(void **state)
     struct loaded m;
     load_ok(&m);
     struct model_layer *orig = m.w.layers, *ls = NULL;
-    struct q8_0_block *blocks = NULL;
+    void *blocks = NULL;
     char err[MODEL_ERR_LEN] = "";
-    if (model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err) != MODEL_OK)
+    if (model_weights_quantize(&m.cfg, &m.w, MODEL_WEIGHTS_Q8_0, &blocks, &ls, err) != MODEL_OK)
         fail_msg("%s", err);
     assert_ptr_equal(m.w.layers, ls);
     assert_ptr_not_equal(ls, orig);
@@ -1665,7 +1768,7 @@ static void test_q8_weights(void **state)
     poke_nan("model.layers.1.mlp.up_proj.weight", 70); /* up_proj is (ffn 64, dim 32) */
     load_ok(&m);
     struct model_layer *before = m.w.layers;
-    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err), MODEL_EFORMAT);
+    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, MODEL_WEIGHTS_Q8_0, &blocks, &ls, err), MODEL_EFORMAT);
     assert_non_null(strstr(err, "model.layers.1.mlp.up_proj.weight"));
     assert_non_null(strstr(err, "row 2"));
     assert_ptr_equal(m.w.layers, before);
@@ -1675,7 +1778,7 @@ static void test_q8_weights(void **state)
     write_model(&s);
     load_ok(&m);
     before = m.w.layers;
-    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, &blocks, &ls, err), MODEL_EUNSUPPORTED);
+    assert_int_equal(model_weights_quantize(&m.cfg, &m.w, MODEL_WEIGHTS_Q8_0, &blocks, &ls, err), MODEL_EUNSUPPORTED);
     assert_non_null(strstr(err, "model.layers.0.self_attn.q_proj.weight"));
     assert_non_null(strstr(err, "multiple of 32"));
     assert_ptr_equal(m.w.layers, before);
@@ -1689,6 +1792,71 @@ static void test_q8_weights(void **state)
     assert_true(model_weights_parse("q8_0", &f) && f == MODEL_WEIGHTS_Q8_0);
     assert_false(model_weights_parse("q4_0", &f));
     assert_int_equal(f, MODEL_WEIGHTS_Q8_0);
+    assert_true(model_weights_parse("q4_k", &f) && f == MODEL_WEIGHTS_Q4_K);
+}
+
+/* --weights q4_k: a matrix whose rows are whole super-blocks of 256
+ * (down_proj, ffn 256 columns) becomes Q4_K blocks of its values (the
+ * test's multiples of 1/8 in [-1, 1] within two 4-bit steps of 2/15: the
+ * fit may clip a sub-block's extremes, measured 0.13), the others (32
+ * columns) Q8_0;
+ * and the model gets a fingerprint of its own. */
+static void test_q4k_weights(void **state)
+{
+    (void)state;
+    struct spec s = spec_of("LlamaForCausalLM");
+    s.dim = 32, s.ffn = 256, s.heads = 4, s.head_dim = 8;
+    write_model(&s);
+    struct loaded m;
+    load_ok(&m);
+    struct model_layer *ls = NULL;
+    void *blocks = NULL;
+    char err[MODEL_ERR_LEN] = "";
+    if (model_weights_quantize(&m.cfg, &m.w, MODEL_WEIGHTS_Q4_K, &blocks, &ls, err) != MODEL_OK)
+        fail_msg("%s", err);
+    float back[256];
+    for (int l = 0; l < s.layers; l++) {
+        assert_int_equal(ls[l].wq.dtype, BE_Q8_0);
+        assert_int_equal(ls[l].w_up.dtype, BE_Q8_0);
+        const struct model_mat *d = &ls[l].w_down;
+        assert_int_equal(d->dtype, BE_Q4_K);
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.mlp.down_proj.weight", l);
+        for (int r = 0; r < d->rows; r++) {
+            q4_k_dequantize((const struct q4_k_block *)d->data + r, back, 256);
+            for (int c = 0; c < d->cols; c++) {
+                float want = expected(name, (size_t)r * d->cols + c);
+                if (fabsf(back[c] - want) > 0.27f)
+                    fail_msg("%s [%d, %d]: %g, wanted %g", name, r, c, back[c], want);
+            }
+        }
+    }
+    /* the verify pass reads blocks as blocks (a GGUF file's tensors are
+     * bound so): finite factors pass, an infinite one names its tensor */
+    assert_int_equal(model_weights_verify(&m.cfg, &m.w, err), MODEL_OK);
+    ((struct q4_k_block *)ls[1].w_down.data)[3].dmin = 0x7c00;
+    assert_int_equal(model_weights_verify(&m.cfg, &m.w, err), MODEL_EFORMAT);
+    assert_non_null(strstr(err, "model.layers.1.mlp.down_proj.weight"));
+    assert_non_null(strstr(err, "row 3, column 0"));
+    ((struct q8_0_block *)ls[0].wq.data)[1].d = 0xfc00;
+    assert_int_equal(model_weights_verify(&m.cfg, &m.w, err), MODEL_EFORMAT);
+    assert_non_null(strstr(err, "model.layers.0.self_attn.q_proj.weight"));
+    free(blocks);
+    free(ls);
+    unload(&m);
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1};
+    assert_int_equal(be_open("cpu", &bp, &be), BE_OK);
+    model *q8, *q4;
+    struct model_params mp = {.max_batch_tokens = 4, .weights = MODEL_WEIGHTS_Q8_0};
+    assert_int_equal(model_load(g_dir, be, &mp, &q8, err), MODEL_OK);
+    mp.weights = MODEL_WEIGHTS_Q4_K;
+    assert_int_equal(model_load(g_dir, be, &mp, &q4, err), MODEL_OK);
+    assert_int_equal(model_get_weights(q4)->layers[1].w_down.dtype, BE_Q4_K);
+    assert_true(model_fingerprint(q8) != model_fingerprint(q4));
+    model_free(q8);
+    model_free(q4);
+    be_free(be);
 }
 
 static void test_strerror(void **state)
@@ -1715,6 +1883,7 @@ int main(void)
         T(test_gemma3),
         T(test_phi3),
         T(test_gpt2),
+        T(test_mamba),
         T(test_device_bytes),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),
@@ -1729,6 +1898,7 @@ int main(void)
         T(test_fifo),
         T(test_non_finite_weights),
         T(test_q8_weights),
+        T(test_q4k_weights),
         T(test_strerror),
     };
 #undef T

@@ -283,36 +283,16 @@ static void test_q8_bad_args(void **state)
 /* test_q8 --quantize IN OUT: the float32 values of file IN (a multiple of
  * 32) quantized into file OUT as q8_0_quantize writes them, for
  * tests/q8_oracle.py to compare with its own quantizer byte for byte. */
-static int quantize_file(const char *in, const char *out)
+static bool quantize_blocks(const float *x, void *y, size_t n)
 {
-    FILE *f = fopen(in, "rb");
-    if (!f)
-        return 2;
-    fseek(f, 0, SEEK_END);
-    long bytes = ftell(f);
-    rewind(f);
-    size_t n = bytes > 0 ? (size_t)bytes / sizeof(float) : 0;
-    float *x = malloc(n * sizeof *x + 1);
-    struct q8_0_block *q = malloc(n / Q8_0_BLOCK * sizeof *q + 1);
-    int rc = !x || !q || n % Q8_0_BLOCK || fread(x, sizeof *x, n, f) != n ? 2 : 0;
-    fclose(f);
-    if (rc == 0 && !q8_0_quantize(x, q, n))
-        rc = 1;
-    FILE *o = rc == 0 ? fopen(out, "wb") : NULL;
-    if (rc == 0 && (!o || fwrite(q, sizeof *q, n / Q8_0_BLOCK, o) != n / Q8_0_BLOCK))
-        rc = 2;
-    if (o && fclose(o) != 0)
-        rc = 2;
-    free(x);
-    free(q);
-    return rc;
+    return q8_0_quantize(x, y, n);
 }
 
 int main(int argc, char **argv)
 {
     rng_state = 0x243f6a8885a308d3u; /* the inputs the tolerances were set on */
     if (argc == 4 && strcmp(argv[1], "--quantize") == 0)
-        return quantize_file(argv[2], argv[3]);
+        return quantize_file(argv[2], argv[3], Q8_0_BLOCK, sizeof(struct q8_0_block), quantize_blocks);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_quantize_exact),
         cmocka_unit_test(test_quantize_bound),

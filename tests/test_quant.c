@@ -2,7 +2,7 @@
  * validation error, block formats and their memory per token against bf16,
  * round-trip error bounds per backend, nbits and axis, the KIVI residual
  * counting of Hugging Face's QuantizedCache, all-or-nothing reserves, and
- * attention over quantized views (scalar and SIMD) against dense attention
+ * attention over quantized views (every SIMD level) against dense attention
  * over the dequantized cache.
  *
  * `test_quant --codec IN OUT` is the C side of tests/quant_oracle.py: it
@@ -22,18 +22,9 @@
 #include "backend/cpu/cpu.h"
 #include "backend/cpu/kvq_format.h"
 #include "tiers/quant.h"
+#include "tests/levels.h"
 
 /* ---- helpers -------------------------------------------------------------- */
-
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static float frand(void) /* uniform in [-1, 1) */
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (float)((double)(rng_state >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
 
 /* K/V-like rows: a few channels with a large offset and spread, as keys
  * have (the reason KIVI quantizes keys per channel). */
@@ -656,18 +647,8 @@ static void attention_case(be_backend *be, const struct kv_quant_params *p, int 
     attention_shape(be, p, window, rope, n_tok, 2, 4, 32);
 }
 
-static void attention_all(const char *simd)
+static void attention_all(be_backend *be)
 {
-    be_backend *be;
-    struct be_params bp = {.n_threads = 2};
-    setenv("KVTIER_SIMD", simd, 1);
-    enum be_status st = be_open("cpu", &bp, &be);
-    unsetenv("KVTIER_SIMD");
-    if (st == BE_ENOTSUP) {
-        print_message("no %s on this CPU\n", simd);
-        return;
-    }
-    assert_int_equal(st, BE_OK);
     struct {
         enum kv_quant_backend b;
         int nbits, ak, av, g, r;
@@ -698,26 +679,19 @@ static void attention_all(const char *simd)
         attention_shape(be, &p, 0, false, 1200, 1, 4, 128);
         attention_shape(be, &p, 0, true, 1200, 1, 4, 128);
     }
-    be_free(be);
 }
 
-static void test_attention_scalar(void **state)
+/* At every level the CPU has (the scalar code loops under the AVX2 dense
+ * loops, the AVX-512 ones from avx512 up). */
+static void test_attention_levels(void **state)
 {
     (void)state;
-    attention_all("scalar");
-}
-
-static void test_attention_simd(void **state)
-{
-    (void)state;
-    attention_all("avx512");
-}
-
-/* AVX2: the scalar code loops under the AVX2 dense loops (sinks, rest) */
-static void test_attention_avx2(void **state)
-{
-    (void)state;
-    attention_all("avx2");
+    for (int l = 0; l < N_LEVELS; l++) {
+        if (levels[l])
+            attention_all(levels[l]);
+        else
+            print_message("no %s on this CPU\n", level_names[l]);
+    }
 }
 
 /* The SIMD code loops against the scalar ones on every width and tail,
@@ -947,9 +921,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_reserve_all_or_nothing),
         cmocka_unit_test(test_code_loops),
         cmocka_unit_test(test_softmax_and_param_loops),
-        cmocka_unit_test(test_attention_scalar),
-        cmocka_unit_test(test_attention_simd),
-        cmocka_unit_test(test_attention_avx2),
+        cmocka_unit_test(test_attention_levels),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    rng_state = 0x9e3779b97f4a7c15ull;
+    return cmocka_run_group_tests(tests, setup_levels, teardown_levels);
 }

@@ -1,6 +1,6 @@
 /* test_tokenizer.c - the tokenizer on small hand-built tokenizer.json files
  * (merges, ignore_merges, byte_fallback, added tokens, NFC, Split behaviours, BOS rules,
- * malformed files, invalid UTF-8, streaming decode).
+ * malformed files, invalid UTF-8, streaming decode; Unigram's Viterbi and the Precompiled charsmap).
  *
  * With KVTIER_TOKENIZER_ORACLE=expected.json (written by
  * tests/tokenizer/oracle.mjs, run by tests/tokenizer.test.sh) it instead
@@ -146,7 +146,7 @@ static struct tok_ids encode(const tokenizer *t, const char *text, bool add_spec
 static void expect_ids(const tokenizer *t, const char *text, bool add_special, const int32_t *want, size_t n)
 {
     struct tok_ids ids = encode(t, text, add_special);
-    if (ids.n != n || memcmp(ids.ids, want, n * sizeof *want) != 0) {
+    if (ids.n != n || (n && memcmp(ids.ids, want, n * sizeof *want) != 0)) {
         char got[512];
         size_t k = 0;
         for (size_t i = 0; i < ids.n && k < sizeof got - 16; i++)
@@ -464,6 +464,142 @@ static void test_bos_rules(void **state)
 }
 
 /* Each malformed file gives the status and names the field. */
+/* ---- Unigram ------------------------------------------------------------------ */
+
+/* A Unigram model over pieces[i] with scores[i] (unk_id 0), no other
+ * components. */
+static json_t *unigram_json(const char *const *pieces, const double *scores, size_t n, bool byte_fallback)
+{
+    json_t *vocab = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(vocab, json_pack("[s, f]", pieces[i], scores[i]));
+    return json_pack("{s:{s:s, s:i, s:b, s:o}}", "model", "type", "Unigram", "unk_id", 0, "byte_fallback",
+                     byte_fallback, "vocab", vocab);
+}
+
+static void test_unigram_viterbi(void **state)
+{
+    (void)state;
+    static const char *const pieces[] = {"<unk>", "a", "b", "ab", "abc", "c", "aa", "de", "<0x78>"};
+    static const double scores[] = {0, -1, -1, -1.5, -10, -3, -2, -1, -1};
+    enum { UNK, A, B, AB, ABC, C, AA, DE, X78 };
+    tokenizer *t = load_json(unigram_json(pieces, scores, 9, false), NULL);
+    EXPECT_IDS(t, "ab", true, AB);
+    /* ab + c (-4.5) beats a + b + c (-5) and abc (-10) */
+    EXPECT_IDS(t, "abc", true, AB, C);
+    /* Equal totals keep the path found first, as Hugging Face's and
+     * SentencePiece's Viterbi: "aa" before a + a; for "aaa", a + aa. */
+    EXPECT_IDS(t, "aa", true, AA);
+    EXPECT_IDS(t, "aaa", true, A, AA);
+    /* Characters no piece covers: one unk per run, however long. */
+    EXPECT_IDS(t, "x\u2603yab", true, UNK, AB);
+    EXPECT_IDS(t, "axb\u2603\u2603", true, A, UNK, B, UNK);
+    /* "d" starts a piece but is no piece: it still gets its unk edge. */
+    EXPECT_IDS(t, "dd", true, UNK);
+    EXPECT_IDS(t, "dde", true, UNK, DE);
+    /* "x" has its byte piece, but byte_fallback is off. */
+    EXPECT_IDS(t, "x", true, UNK);
+    expect_ids(t, "", true, NULL, 0);
+    tokenizer_free(t);
+
+    /* byte_fallback: an unknown run becomes its bytes when every one has a
+     * piece; "x\u2603" lacks <0xE2> <0x98> <0x83>, so it stays one unk. */
+    t = load_json(unigram_json(pieces, scores, 9, true), NULL);
+    EXPECT_IDS(t, "xx", true, X78, X78);
+    EXPECT_IDS(t, "axxb", true, A, X78, X78, B);
+    EXPECT_IDS(t, "x\u2603", true, UNK);
+    tokenizer_free(t);
+}
+
+/* A SentencePiece charsmap built by its trainer from the rules A -> a,
+ * U+FB01 -> fi, "ab" -> X and c -> "" (a removal). */
+static const char RULE_CHARSMAP[] =
+    "AAQAAAAAAQBBDQAAAwAAgGIdAAABAACAAAAAgKwAAgCBPQAABQAAgAgAAAALAAAACgAAAA0AAAAMAAAADwAAAA4AAAARAAAAEAAA"
+    "ABMAAAASAAAAFQAAABQAAAAXAAAAFgAAABkAAAAYAAAAGwAAABoAAAAdAAAAHAAAAB8AAAAeAAAAIQAAAGEAAQAjAAAAY5kAACUA"
+    "AAAkAAAAJwAAACYAAAApAAAAKAAAACsAAAAqAAAALQAAACwAAAAvAAAALgAAADEAAAAwAAAAMwAAADIAAAA1AAAANAAAADcAAAA2"
+    "AAAAOQAAADgAAAA7AAAAOgAAAD0AAAA8AAAAPwAAAD4AAABBAAAAQAAAAEMAAABCAAAARQAAAEQAAABHAAAARgAAAEkAAABIAAAA"
+    "SwAAAEoAAABNAAAATAAAAE8AAABOAAAAUQAAAFAAAABTAAAAUgAAAFUAAABUAAAAVwAAAFYAAABZAAAAWAAAAFsAAABaAAAAXQAA"
+    "AFwAAABfAAAAXgAAAGEAAABgAAAAYwAAAGIAAABlAAAAZAAAAGcAAABmAAAAaQAAAGgAAABrAAAAagAAAG0AAABsAAAAbwAAAG4A"
+    "AABxAAAAcAAAAHMAAAByAAAAdQAAAHQAAAB3AAAAdgAAAHkAAAB4AAAAewAAAHoAAAB9AAAAfAAAAH8AAAB+AAAAgQAAAIAAAACD"
+    "AAAAggAAAIUAAACEAAAAhwAAAIYAAACJAAAAiAAAAIsAAACKAAAAjQAAAIwAAACPAAAAjgAAAJEAAACQAAAAkwAAAJIAAACVAAAA"
+    "lAAAAJcAAACWAAAAmQAAAJgAAACbAAAAmgAAAJ0AAACcAAAAnwAAAJ4AAAChAAAAoAAAAKMAAACiAAAApQAAAKQAAACnAAAApgAA"
+    "AKkAAACoAAAAqwAAAKoAAACtAAAArAAAAK8AAADvFAAAsQAAALAAAACzAAAAsgAAALUAAAC0AAAAtwAAALYAAAC5AAAAuAAAALsA"
+    "AAC6AAAAvQAAALwAAAC/AAAAvgAAAMEAAADAAAAAwwAAAMIAAADFAAAAxAAAAMcAAADGAAAAyQAAAMgAAADLAAAAygAAAM0AAADM"
+    "AAAAzwAAAM4AAADRAAAA0AAAANMAAADSAAAA1QAAANQAAADXAAAA1gAAANkAAADYAAAA2wAAANoAAADdAAAA3AAAAN8AAADeAAAA"
+    "4QAAAOAAAADjAAAA4gAAAOUAAADkAAAA5wAAAOYAAADpAAAA6AAAAOsAAADqAAAA7QAAAOwAAADvAAAA7gAAAPEAAADwAAAA8wAA"
+    "APIAAAD1AAAA9AAAAPcAAAD2AAAA+QAAAPgAAAD7AAAA+gAAAP0AAAD8AAAA/wAAAP4AAAAAWABhAGZpAA==";
+
+static void test_unigram_precompiled(void **state)
+{
+    (void)state;
+    static const char *const pieces[] = {"<unk>", "a", "b", "X", "f", "i", "\u2581", "\u2581X", "</s>"};
+    static const double scores[] = {0, -1, -1, -1, -1, -1, -2, -1, 0};
+    enum { UNK, A, B, X, F, I, META, META_X, EOS };
+    json_t *j = unigram_json(pieces, scores, 9, false);
+    json_object_set_new(j, "normalizer",
+                        json_pack("{s:s, s:s}", "type", "Precompiled", "precompiled_charsmap", RULE_CHARSMAP));
+    tokenizer *t = load_json(json_deep_copy(j), NULL);
+    /* The longest rule at each position of the input, never re-applied to
+     * its own output: "Ab" is a + b, not X. */
+    EXPECT_IDS(t, "Ab", true, A, B);
+    EXPECT_IDS(t, "abc", true, X);
+    EXPECT_IDS(t, "aab", true, A, X);
+    EXPECT_IDS(t, "\ufb01", true, F, I);
+    expect_ids(t, "ccc", true, NULL, 0); /* all removed */
+    EXPECT_IDS(t, "a\u00e9", true, A, UNK);
+    tokenizer_free(t);
+
+    /* T5's layout: WhitespaceSplit, then Metaspace on each word, "</s>"
+     * appended, the Metaspace decoder. */
+    json_object_set_new(j, "pre_tokenizer",
+                        json_pack("{s:s, s:[{s:s}, {s:s, s:s, s:b}]}", "type", "Sequence", "pretokenizers", "type",
+                                  "WhitespaceSplit", "type", "Metaspace", "replacement", "\u2581", "add_prefix_space",
+                                  1));
+    json_object_set_new(j, "post_processor",
+                        json_pack("{s:s, s:[{s:{s:s}}, {s:{s:s}}], s:{s:{s:[i]}}}", "type", "TemplateProcessing",
+                                  "single", "Sequence", "id", "A", "SpecialToken", "id", "</s>", "special_tokens",
+                                  "</s>", "ids", EOS));
+    json_object_set_new(j, "added_tokens", json_pack("[{s:i, s:s, s:b}]", "id", EOS, "content", "</s>", "special", 1));
+    json_object_set_new(j, "decoder",
+                        json_pack("{s:s, s:s, s:b}", "type", "Metaspace", "replacement", "\u2581",
+                                  "add_prefix_space", 1));
+    t = load_json(json_deep_copy(j), NULL);
+    EXPECT_IDS(t, "  abc \t Ab  ", true, META_X, META, A, B, EOS);
+    EXPECT_IDS(t, "abc</s>", false, META_X, EOS);
+    expect_round_trip(t, " abc\t\tab ", "X X");
+    tokenizer_free(t);
+
+    /* The converter's later layout: Strip and a Regex Replace of space
+     * runs after the charsmap, Metaspace alone.  A text the charsmap
+     * empties stays empty through the rest. */
+    json_t *later = json_deep_copy(j);
+    json_object_set_new(later, "normalizer",
+                        json_pack("{s:s, s:[{s:s, s:s}, {s:s, s:b, s:b}, {s:s, s:{s:s}, s:s}]}", "type", "Sequence",
+                                  "normalizers", "type", "Precompiled", "precompiled_charsmap", RULE_CHARSMAP, "type",
+                                  "Strip", "strip_left", 0, "strip_right", 1, "type", "Replace", "pattern", "Regex",
+                                  " {2,}", "content", "\u2581"));
+    json_object_set_new(later, "pre_tokenizer",
+                        json_pack("{s:s, s:s, s:s, s:b}", "type", "Metaspace", "replacement", "\u2581",
+                                  "prepend_scheme", "always", "split", 1));
+    t = load_json(later, NULL);
+    EXPECT_IDS(t, "abc   Ab  ", false, META_X, META, A, B);
+    expect_ids(t, "c", false, NULL, 0);
+    expect_ids(t, "cc  ", false, NULL, 0);
+    tokenizer_free(t);
+
+    /* "first": only the text's first word gets the replacement. */
+    json_object_set_new(json_array_get(json_object_get(json_object_get(j, "pre_tokenizer"), "pretokenizers"), 1),
+                        "prepend_scheme", json_string("first"));
+    t = load_json(j, NULL);
+    EXPECT_IDS(t, "abc abc", false, META_X, X);
+    tokenizer_free(t);
+}
+
+/* a Unigram tokenizer.json with this vocab, or with a Precompiled normaliser
+ * whose members follow "type" */
+#define UNIGRAM_VOCAB(v) "{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": " v "}}"
+#define PRECOMPILED(m) UNIGRAM_VOCAB("[[\"a\", 0]]}, \"normalizer\": {\"type\": \"Precompiled\"" m)
+
 static void test_malformed(void **state)
 {
     (void)state;
@@ -523,6 +659,29 @@ static void test_malformed(void **state)
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": }}", NULL, TEXT_EFORMAT, "decoder:"},
         {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\" \"a b\"]}}", NULL,
          TEXT_EFORMAT, "tokenizer.json:1:"},
+        {"{\"model\": {\"type\": \"Unigram\", \"vocab\": [[\"a\", 0]]}}", NULL, TEXT_EFORMAT,
+         "model.unk_id is missing"},
+        {"{\"model\": {\"type\": \"Unigram\", \"unk_id\": 1, \"vocab\": [[\"a\", 0]]}}", NULL, TEXT_EFORMAT,
+         "model.unk_id is missing or not an id in [0, 0]"},
+        {UNIGRAM_VOCAB("{\"a\": 0}"), NULL, TEXT_EFORMAT, "model.vocab is missing or not an array"},
+        {UNIGRAM_VOCAB("[[\"a\"]]"), NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
+        {UNIGRAM_VOCAB("[[\"a\", 0], [\"b\", 1e400]]"), NULL,
+         TEXT_EFORMAT, "model.vocab[1] is not [piece, finite score]"},
+        {UNIGRAM_VOCAB("[[\"a\", \"0\"]]"), NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
+        {UNIGRAM_VOCAB("[[\"a\", 0, 1]]"), NULL, TEXT_EFORMAT, "model.vocab[0] is not [piece, finite score]"},
+        {UNIGRAM_VOCAB("[[\"a\", -1e7]]"), NULL, TEXT_EFORMAT, "model.vocab[0]: score -1e+07 is outside"},
+        {UNIGRAM_VOCAB("[[\"\", 0]]"), NULL, TEXT_EFORMAT, "model.vocab[0]: the piece is empty"},
+        {UNIGRAM_VOCAB("[[\"a\", 0], [\"a\", -1]]"), NULL, TEXT_EFORMAT, "model.vocab: \"a\" appears twice"},
+        {UNIGRAM_VOCAB("[]"), NULL, TEXT_EFORMAT, "model.vocab is empty"},
+        {PRECOMPILED(""), NULL, TEXT_EFORMAT, "normalizer.precompiled_charsmap is missing"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"!!!!\""), NULL, TEXT_EFORMAT, "precompiled_charsmap is not base64"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"AAAA\""), NULL, TEXT_EFORMAT, "the trie size 0 does not fit"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"CAAAAAAAAAA=\""), NULL,
+         TEXT_EFORMAT, "the trie size 8 does not fit"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"BgAAAAAAAAAAAAAA\""), NULL, TEXT_EFORMAT, "the trie size 6"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"BAAAAAAAAABhYg==\""), NULL, TEXT_EFORMAT, "do not end with NUL"},
+        {PRECOMPILED(", \"precompiled_charsmap\": \"BAAAAAAAAAD/AA==\""), NULL,
+         TEXT_EFORMAT, "replacement byte 0 is not UTF-8"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", TEXT_EFORMAT, "bos_token \"<s>\""},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"add_bos_token\": ", TEXT_EFORMAT, "tokenizer_config.json:1:"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"chat_template\": [{\"name\": \"default\"}]}", TEXT_EFORMAT,
@@ -631,10 +790,15 @@ static void check_oracle_tokenizer(void **state)
     enum text_status st = tokenizer_load(json_string_value(json_object_get(tj, "dir")), &t, err);
     if (st != TEXT_OK)
         fail_msg("%s: %s (%s)", name, text_strerror(st), err);
-    size_t i, failures = 0, round_trips = 0;
+    size_t i, failures = 0, round_trips = 0, skipped = 0;
     json_t *c;
     json_array_foreach(json_object_get(tj, "cases"), i, c) {
         const char *text = json_string_value(json_array_get(corpus, i));
+        /* a case the reference is known to get differently (its script says why) */
+        if (json_is_true(json_object_get(c, "skip"))) {
+            skipped++;
+            continue;
+        }
         json_t *want = json_object_get(c, "ids");
         struct tok_ids ids = encode(t, text, true);
         bool same = ids.n == json_array_size(want);
@@ -642,8 +806,12 @@ static void check_oracle_tokenizer(void **state)
             same = ids.ids[k] == json_integer_value(json_array_get(want, k));
         char *skip = decode(t, ids.ids, ids.n, true), *all = decode(t, ids.ids, ids.n, false);
         char *streamed = decode_streamed(t, ids.ids, ids.n, true);
+        /* A reference that gives ids only (SentencePiece's decoder renders
+         * unk differently) leaves the decodes out. */
         const char *want_skip = json_string_value(json_object_get(c, "decoded_skip"));
         const char *want_all = json_string_value(json_object_get(c, "decoded_all"));
+        want_skip = want_skip ? want_skip : skip;
+        want_all = want_all ? want_all : all;
         if (!same || strcmp(skip, want_skip) || strcmp(all, want_all) || strcmp(streamed, skip)) {
             failures++;
             print_message("%s case %zu \"%s\":%s%s%s%s\n", name, i, text, same ? "" : " ids differ",
@@ -657,7 +825,8 @@ static void check_oracle_tokenizer(void **state)
         free(streamed);
         free(ids.ids);
     }
-    print_message("%s: %zu cases, %zu identical, %zu exact round trips\n", name, i, i - failures, round_trips);
+    print_message("%s: %zu cases, %zu identical, %zu left out, %zu exact round trips\n", name, i,
+                  i - failures - skipped, skipped, round_trips);
     tokenizer_free(t);
     assert_int_equal(failures, 0);
 }
@@ -700,6 +869,7 @@ int main(void)
         cmocka_unit_test(test_split_behaviors),
         cmocka_unit_test(test_bos_rules),          cmocka_unit_test(test_malformed),
         cmocka_unit_test(test_invalid_utf8),       cmocka_unit_test(test_stream_decode),
+        cmocka_unit_test(test_unigram_viterbi),    cmocka_unit_test(test_unigram_precompiled),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -179,11 +179,48 @@ struct vocab_entry {
     struct tok_span s;
 };
 
+/* Fills piece[] and the string -> id table from the entries e[0..n), whose
+ * ids are at most max_id; a repeated id or string is an error. */
+static enum text_status index_vocab(struct loader *L, const struct vocab_entry *e, size_t n, int32_t max_id)
+{
+    tokenizer *t = L->t;
+    enum text_status st = TEXT_OK;
+    if (n == 0)
+        return LFAIL(L, TEXT_EFORMAT, "%s: model.vocab is empty", L->file);
+    t->vocab_mask = table_mask(n);
+    t->vocab_tab = malloc(((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
+    t->piece = malloc(((size_t)max_id + 1) * sizeof *t->piece);
+    if (!t->vocab_tab || !t->piece)
+        return oom(L);
+    memset(t->vocab_tab, 0xFF, ((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
+    /* Until finish_tables() sizes the flags, off == UINT32_MAX marks an id
+     * the vocabulary does not use. */
+    for (int32_t i = 0; i <= max_id; i++)
+        t->piece[i].off = UINT32_MAX;
+    for (size_t i = 0; st == TEXT_OK && i < n; i++) {
+        const char *str = span_str(t, e[i].s);
+        if (t->piece[e[i].id].off != UINT32_MAX)
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: id %d is given to both \"%.*s\" and \"%.*s\"", L->file,
+                       e[i].id, (int)(t->piece[e[i].id].len > 64 ? 64 : t->piece[e[i].id].len),
+                       span_str(t, t->piece[e[i].id]), (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
+        else if (tok_vocab_find(t, str, e[i].s.len) >= 0)
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: \"%.*s\" appears twice", L->file,
+                       (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
+        if (st != TEXT_OK)
+            break;
+        t->piece[e[i].id] = e[i].s;
+        uint32_t h = hash_bytes(str, e[i].s.len) & t->vocab_mask;
+        while (t->vocab_tab[h] >= 0)
+            h = (h + 1) & t->vocab_mask;
+        t->vocab_tab[h] = e[i].id;
+    }
+    return st;
+}
+
 /* model.vocab, an object of piece -> id, read straight from the text at
  * `at` (NULL: absent). */
 static enum text_status load_vocab(struct loader *L, const struct tok_json *json, const char *at, int32_t *max_id)
 {
-    tokenizer *t = L->t;
     struct tok_json j = *json;
     struct tok_buf key = {0}, list = {0};
     enum text_status st = TEXT_OK;
@@ -210,43 +247,70 @@ static enum text_status load_vocab(struct loader *L, const struct tok_json *json
     }
     if (st == TEXT_OK && r < 0)
         st = syntax(L, &j, "model.vocab");
-    size_t n = list.n / sizeof(struct vocab_entry);
-    if (st == TEXT_OK && n == 0)
-        st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab is empty", L->file);
-    if (st == TEXT_OK) {
-        t->vocab_mask = table_mask(n);
-        t->vocab_tab = malloc(((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
-        t->piece = malloc(((size_t)*max_id + 1) * sizeof *t->piece);
-        if (!t->vocab_tab || !t->piece)
-            st = oom(L);
-    }
-    if (st == TEXT_OK) {
-        memset(t->vocab_tab, 0xFF, ((size_t)t->vocab_mask + 1) * sizeof *t->vocab_tab);
-        /* Until finish_tables() sizes the flags, off == UINT32_MAX marks an id
-         * the vocabulary does not use. */
-        for (int32_t i = 0; i <= *max_id; i++)
-            t->piece[i].off = UINT32_MAX;
-    }
-    const struct vocab_entry *e = (const struct vocab_entry *)(void *)list.p;
-    for (size_t i = 0; st == TEXT_OK && i < n; i++) {
-        const char *str = span_str(t, e[i].s);
-        if (t->piece[e[i].id].off != UINT32_MAX)
-            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: id %d is given to both \"%.*s\" and \"%.*s\"", L->file,
-                       e[i].id, (int)(t->piece[e[i].id].len > 64 ? 64 : t->piece[e[i].id].len),
-                       span_str(t, t->piece[e[i].id]), (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
-        else if (tok_vocab_find(t, str, e[i].s.len) >= 0)
-            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab: \"%.*s\" appears twice", L->file,
-                       (int)(e[i].s.len > 64 ? 64 : e[i].s.len), str);
-        if (st != TEXT_OK)
-            break;
-        t->piece[e[i].id] = e[i].s;
-        uint32_t h = hash_bytes(str, e[i].s.len) & t->vocab_mask;
-        while (t->vocab_tab[h] >= 0)
-            h = (h + 1) & t->vocab_mask;
-        t->vocab_tab[h] = e[i].id;
-    }
+    if (st == TEXT_OK)
+        st = index_vocab(L, (const struct vocab_entry *)(void *)list.p, list.n / sizeof(struct vocab_entry), *max_id);
     free(key.p);
     free(list.p);
+    return st;
+}
+
+/* A Unigram model.vocab: an array of [piece, log-probability], the index
+ * being the id; also sets the unknown character's score and the longest
+ * piece.  Scores are bounded so that no sum over a text overflows. */
+#define UNIGRAM_MAX_SCORE 1e6
+static enum text_status load_unigram_vocab(struct loader *L, const struct tok_json *json, const char *at,
+                                            int32_t *max_id)
+{
+    tokenizer *t = L->t;
+    struct tok_json j = *json;
+    struct tok_buf piece = {0}, list = {0}, scores = {0};
+    enum text_status st = TEXT_OK;
+    bool first = true;
+    int r = 0;
+    if (!at || *at != '[')
+        return LFAIL(L, TEXT_EFORMAT, "%s: model.vocab is missing or not an array", L->file);
+    j.p = at;
+    for (size_t i = 0; st == TEXT_OK && (r = tj_next(&j, '[', ']', &first)) == 1; i++) {
+        bool inner = true;
+        double score;
+        struct vocab_entry e = {.id = (int32_t)i};
+        tj_ws(&j);
+        if (i >= TOK_MAX_IDS) {
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab has more than %d entries", L->file, TOK_MAX_IDS);
+        } else if (j.p == j.end || *j.p != '[' || tj_next(&j, '[', ']', &inner) != 1 || !tj_string(&j, &piece) ||
+                   tj_next(&j, '[', ']', &inner) != 1 || !tj_real(&j, &score) || tj_next(&j, '[', ']', &inner) != 0) {
+            st = j.error && strcmp(j.error, "memory") == 0
+                     ? oom(L)
+                     : LFAIL(L, TEXT_EFORMAT, "%s: model.vocab[%zu] is not [piece, finite score]", L->file, i);
+        } else if (piece.n == 0) {
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab[%zu]: the piece is empty", L->file, i);
+        } else if (!(score >= -UNIGRAM_MAX_SCORE && score <= UNIGRAM_MAX_SCORE)) {
+            st = LFAIL(L, TEXT_EFORMAT, "%s: model.vocab[%zu]: score %g is outside [-%g, %g]", L->file, i, score,
+                       UNIGRAM_MAX_SCORE, UNIGRAM_MAX_SCORE);
+        } else if ((st = intern(L, piece.p, piece.n, &e.s)) == TEXT_OK &&
+                   (!tok_buf_append(&list, &e, sizeof e) || !tok_buf_append(&scores, &score, sizeof score))) {
+            st = oom(L);
+        }
+        if (st == TEXT_OK && piece.n > t->max_piece)
+            t->max_piece = (uint32_t)piece.n;
+    }
+    if (st == TEXT_OK && r < 0)
+        st = syntax(L, &j, "model.vocab");
+    size_t n = list.n / sizeof(struct vocab_entry);
+    *max_id = (int32_t)n - 1;
+    if (st == TEXT_OK)
+        st = index_vocab(L, (const struct vocab_entry *)(void *)list.p, n, *max_id);
+    if (st == TEXT_OK) {
+        t->score = (double *)(void *)scores.p;
+        scores.p = NULL;
+        double lowest = t->score[0];
+        for (size_t i = 1; i < n; i++)
+            lowest = t->score[i] < lowest ? t->score[i] : lowest;
+        t->unk_score = lowest - 10;
+    }
+    free(piece.p);
+    free(list.p);
+    free(scores.p);
     return st;
 }
 
@@ -347,6 +411,32 @@ static enum text_status load_merges(struct loader *L, const struct tok_json *jso
     return st;
 }
 
+static void find_byte_tokens(tokenizer *t)
+{
+    for (int b = 0; b < 256; b++) {
+        char name[8];
+        snprintf(name, sizeof name, "<0x%02X>", b);
+        t->byte_token[b] = tok_vocab_find(t, name, 6);
+    }
+}
+
+/* model.type "Unigram": vocab, unk_id (required: Viterbi needs a piece for
+ * a character no piece covers) and byte_fallback. */
+static enum text_status load_unigram(struct loader *L, json_t *mj, const struct tok_json *json, const char *vocab,
+                                      int32_t *max_id)
+{
+    tokenizer *t = L->t;
+    t->unigram = true;
+    TRY(get_bool(L, mj, "byte_fallback", "model", false, &t->byte_fallback));
+    TRY(load_unigram_vocab(L, json, vocab, max_id));
+    json_t *unk = json_object_get(mj, "unk_id");
+    if (!json_is_integer(unk) || json_integer_value(unk) < 0 || json_integer_value(unk) > *max_id)
+        return LFAIL(L, TEXT_EFORMAT, "%s: model.unk_id is missing or not an id in [0, %d]", L->file, *max_id);
+    t->unk_id = (int32_t)json_integer_value(unk);
+    find_byte_tokens(t);
+    return TEXT_OK;
+}
+
 /* The model object: mj holds its small members; vocab and merges point at
  * those two members' text in json. */
 static enum text_status load_model(struct loader *L, json_t *mj, const struct tok_json *json, const char *vocab,
@@ -357,8 +447,11 @@ static enum text_status load_model(struct loader *L, json_t *mj, const struct to
     size_t len;
     /* Old files leave out "type"; vocab + merges is then BPE. */
     TRY(get_string(L, mj, "type", "model", false, &type, &len));
+    if (type && strcmp(type, "Unigram") == 0)
+        return load_unigram(L, mj, json, vocab, max_id);
     if (type && strcmp(type, "BPE") != 0)
-        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: model.type \"%s\" (only BPE is supported)", L->file, type);
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: model.type \"%s\" (only BPE and Unigram are supported)", L->file,
+                     type);
     json_t *dropout = json_object_get(mj, "dropout");
     if (dropout && !json_is_null(dropout) && !(json_is_number(dropout) && json_number_value(dropout) == 0))
         return LFAIL(L, TEXT_EUNSUPPORTED, "%s: model.dropout is set (BPE dropout is a training feature)", L->file);
@@ -377,11 +470,7 @@ static enum text_status load_model(struct loader *L, json_t *mj, const struct to
     t->unk_id = -1;
     if (s && (t->unk_id = tok_vocab_find(t, s, len)) < 0)
         return LFAIL(L, TEXT_EFORMAT, "%s: model.unk_token \"%.64s\" is not in model.vocab", L->file, s);
-    for (int b = 0; b < 256; b++) {
-        char name[8];
-        snprintf(name, sizeof name, "<0x%02X>", b);
-        t->byte_token[b] = tok_vocab_find(t, name, 6);
-    }
+    find_byte_tokens(t);
     return TEXT_OK;
 }
 
@@ -452,7 +541,7 @@ static enum text_status push_norm(struct loader *L, enum tok_norm_op op, struct 
     if (!n)
         return oom(L);
     t->norm = n;
-    n[t->n_norm++] = (struct tok_norm){op, from, to};
+    n[t->n_norm++] = (struct tok_norm){.op = op, .from = from, .to = to};
     return TEXT_OK;
 }
 
@@ -485,6 +574,81 @@ static enum text_status unsupported(struct loader *L, const char *where, const c
     return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.type \"%s\" is not supported", L->file, where, type);
 }
 
+static enum text_status compile_regex(struct loader *L, const char *pattern, size_t len, uint32_t extra_flags,
+                                       const char *where, pcre2_code **out)
+{
+    int code;
+    PCRE2_SIZE at;
+    /* PCRE2 refuses UCP beside LITERAL, where it would change nothing. */
+    uint32_t flags = PCRE2_UTF | extra_flags | (extra_flags & PCRE2_LITERAL ? 0 : PCRE2_UCP);
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, flags, &code, &at, NULL);
+    if (!re) {
+        PCRE2_UCHAR msg[128];
+        pcre2_get_error_message(code, msg, sizeof msg);
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: regex does not compile at offset %zu: %s", L->file,
+                     where, (size_t)at, (const char *)msg);
+    }
+    /* The interpreter is the fallback where JIT is unavailable. */
+    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);
+    *out = re;
+    return TEXT_OK;
+}
+
+static uint32_t le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Precompiled: a base64 SentencePiece charsmap, [u32 LE trie bytes][the
+ * Darts units][NUL-terminated replacements]. */
+static enum text_status load_charsmap(struct loader *L, json_t *o, const char *where)
+{
+    tokenizer *t = L->t;
+    const char *s;
+    size_t len;
+    if (t->charsmap.units)
+        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: a second Precompiled normalizer", L->file, where);
+    TRY(get_string(L, o, "precompiled_charsmap", where, true, &s, &len));
+    struct tok_buf blob = {0};
+    bool nomem;
+    if (!tok_base64(s, len, &blob, &nomem)) {
+        free(blob.p);
+        return nomem ? oom(L) : LFAIL(L, TEXT_EFORMAT, "%s: %s.precompiled_charsmap is not base64", L->file, where);
+    }
+    const unsigned char *b = (const unsigned char *)blob.p;
+    uint32_t trie = blob.n >= 4 ? le32(b) : 0;
+    enum text_status st = TEXT_OK;
+    if (blob.n < 8 || trie < 4 || trie % 4 || trie > blob.n - 4)
+        st = LFAIL(L, TEXT_EFORMAT,
+                   "%s: %s.precompiled_charsmap: the trie size %u does not fit the %zu-byte blob (or is not a "
+                   "positive multiple of 4)",
+                   L->file, where, trie, blob.n);
+    const char *norm = blob.p + 4 + (st == TEXT_OK ? trie : 0);
+    size_t nn = st == TEXT_OK ? blob.n - 4 - trie : 0;
+    if (st == TEXT_OK && nn && norm[nn - 1] != '\0')
+        st = LFAIL(L, TEXT_EFORMAT, "%s: %s.precompiled_charsmap: the replacements do not end with NUL", L->file,
+                   where);
+    for (size_t i = 0; st == TEXT_OK && i < nn;) {
+        uint32_t cp;
+        size_t k = norm[i] ? tok_utf8_next((const unsigned char *)norm + i, nn - i, &cp) : 1;
+        if (!k)
+            st = LFAIL(L, TEXT_EFORMAT, "%s: %s.precompiled_charsmap: replacement byte %zu is not UTF-8", L->file,
+                       where, i);
+        i += k;
+    }
+    if (st == TEXT_OK)
+        st = intern(L, norm, nn, &t->charsmap.norm);
+    if (st == TEXT_OK && !(t->charsmap.units = malloc(trie)))
+        st = oom(L);
+    for (uint32_t i = 0; st == TEXT_OK && i < trie / 4; i++) {
+        t->charsmap.units[i] = le32(b + 4 + 4 * (size_t)i);
+    }
+    if (st == TEXT_OK)
+        t->charsmap.n_units = trie / 4;
+    free(blob.p);
+    return st == TEXT_OK ? push_norm(L, TOK_NORM_PRECOMPILED, (struct tok_span){0, 0}, (struct tok_span){0, 0}) : st;
+}
+
 static enum text_status one_normalizer(struct loader *L, json_t *o, const char *type, const char *where)
 {
     const char *s;
@@ -499,17 +663,33 @@ static enum text_status one_normalizer(struct loader *L, json_t *o, const char *
     }
     if (strcmp(type, "Replace") == 0) {
         bool is_regex;
+        pcre2_code *re = NULL;
         TRY(get_pattern(L, o, where, &s, &len, &is_regex));
-        if (is_regex)
-            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: Regex replacement is not supported", L->file,
-                         where);
         if (len == 0)
-            return LFAIL(L, TEXT_EFORMAT, "%s: %s.pattern.String is empty", L->file, where);
+            return LFAIL(L, TEXT_EFORMAT, "%s: %s.pattern.%s is empty", L->file, where, is_regex ? "Regex" : "String");
         TRY(intern(L, s, len, &from));
         TRY(get_string(L, o, "content", where, true, &s, &len));
         TRY(intern(L, s, len, &to));
-        return push_norm(L, TOK_NORM_REPLACE, from, to);
+        if (is_regex)
+            TRY(compile_regex(L, span_str(L->t, from), from.len, 0, where, &re));
+        enum text_status st = push_norm(L, TOK_NORM_REPLACE, from, to);
+        if (st != TEXT_OK)
+            pcre2_code_free(re);
+        else
+            L->t->norm[L->t->n_norm - 1].re = re;
+        return st;
     }
+    if (strcmp(type, "Strip") == 0) {
+        bool left, right;
+        TRY(get_bool(L, o, "strip_left", where, false, &left));
+        TRY(get_bool(L, o, "strip_right", where, false, &right));
+        TRY(push_norm(L, TOK_NORM_STRIP, from, to));
+        L->t->norm[L->t->n_norm - 1].left = left;
+        L->t->norm[L->t->n_norm - 1].right = right;
+        return TEXT_OK;
+    }
+    if (strcmp(type, "Precompiled") == 0)
+        return load_charsmap(L, o, where);
     return unsupported(L, where, type);
 }
 
@@ -517,19 +697,8 @@ static enum text_status push_split(struct loader *L, const char *pattern, size_t
                                     enum tok_split_behavior behavior, bool invert, const char *where)
 {
     tokenizer *t = L->t;
-    int code;
-    PCRE2_SIZE at;
-    /* PCRE2 refuses UCP beside LITERAL, where it would change nothing. */
-    uint32_t flags = PCRE2_UTF | extra_flags | (extra_flags & PCRE2_LITERAL ? 0 : PCRE2_UCP);
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, flags, &code, &at, NULL);
-    if (!re) {
-        PCRE2_UCHAR msg[128];
-        pcre2_get_error_message(code, msg, sizeof msg);
-        return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s.pattern: regex does not compile at offset %zu: %s", L->file,
-                     where, (size_t)at, (const char *)msg);
-    }
-    /* The interpreter is the fallback where JIT is unavailable. */
-    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);
+    pcre2_code *re;
+    TRY(compile_regex(L, pattern, len, extra_flags, where, &re));
     struct tok_split *s = realloc(t->splits, ((size_t)t->n_splits + 1) * sizeof *s);
     if (!s) {
         pcre2_code_free(re);
@@ -591,10 +760,17 @@ static enum text_status one_pretokenizer(struct loader *L, json_t *o, const char
                          where);
         return use_regex ? push_split(L, GPT2_REGEX, sizeof GPT2_REGEX - 1, 0, TOK_SPLIT_ISOLATED, false, where) : TEXT_OK;
     }
+    if (strcmp(type, "WhitespaceSplit") == 0) {
+        /* Unicode White_Space, as Rust's char::is_whitespace */
+        static const char ws[] = "[\\t-\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}"
+                                 "\\x{205F}\\x{3000}]+";
+        return push_split(L, ws, sizeof ws - 1, 0, TOK_SPLIT_REMOVED, false, where);
+    }
     if (strcmp(type, "Metaspace") == 0) {
-        if (t->byte_level || t->metaspace || t->n_splits)
-            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: Metaspace must be the only pre-tokenizer", L->file, where);
+        if (t->byte_level || t->metaspace)
+            return LFAIL(L, TEXT_EUNSUPPORTED, "%s: %s: a second ByteLevel/Metaspace pre-tokenizer", L->file, where);
         t->metaspace = true;
+        t->meta_at = t->n_splits;
         uint32_t cp;
         TRY(get_string(L, o, "replacement", where, true, &s, &len));
         if (len == 0 || tok_utf8_next((const unsigned char *)s, len, &cp) != len)
@@ -1071,39 +1247,26 @@ static enum text_status read_file(struct loader *L, const char *path, char **dat
     return TEXT_OK;
 }
 
-enum text_status tokenizer_load(const char *dir, tokenizer **out, char *err)
+/* The load both entry points share: the tokenizer.json text, then the
+ * parsed tokenizer_config.json (NULL: none); file names the first in
+ * messages. */
+static enum text_status load_both(const char *file, const char *text, size_t len, json_t *config, tokenizer **out,
+                                  char *err)
 {
-    char path[PATH_MAX], *text = NULL;
-    size_t len = 0;
-    json_t *root = NULL;
     *out = NULL;
     tokenizer *t = calloc(1, sizeof *t);
     if (!t)
         return text_errf(err, TEXT_ENOMEM, "tokenizer: out of memory");
     t->unk_id = t->bos_id = t->eos_id = -1;
-    struct loader L = {.t = t, .file = path, .err = err};
-    enum text_status st;
-    st = text_path(path, dir, "tokenizer.json", err);
-    if (st == TEXT_OK)
-        st = read_file(&L, path, &text, &len);
-    if (st == TEXT_OK)
-        st = load_tokenizer_json(&L, text, len);
-    free(text);
-    if (st != TEXT_OK)
-        goto out;
-
-    st = text_path(path, dir, "tokenizer_config.json", err);
-    if (st == TEXT_OK)
-        st = read_config(&L, path, &root);
-    if (st == TEXT_OK && root) {
-        st = load_config(&L, root);
+    struct loader L = {.t = t, .file = file, .err = err};
+    enum text_status st = load_tokenizer_json(&L, text, len);
+    if (st == TEXT_OK && config) {
+        st = load_config(&L, config);
     } else if (st == TEXT_OK) {
         /* No tokenizer_config.json: the template's tokens are the best guess. */
         t->bos_id = t->n_prefix ? t->prefix_ids[0] : -1;
         t->eos_id = t->n_suffix ? t->suffix_ids[t->n_suffix - 1] : -1;
     }
-out:
-    json_decref(root);
     if (st != TEXT_OK) {
         tokenizer_free(t);
         return st;
@@ -1112,12 +1275,43 @@ out:
     return TEXT_OK;
 }
 
+enum text_status tokenizer_load(const char *dir, tokenizer **out, char *err)
+{
+    char path[PATH_MAX], cpath[PATH_MAX], *text = NULL;
+    size_t len = 0;
+    json_t *root = NULL;
+    *out = NULL;
+    struct loader L = {.file = path, .err = err};
+    enum text_status st = text_path(path, dir, "tokenizer.json", err);
+    if (st == TEXT_OK)
+        st = text_path(cpath, dir, "tokenizer_config.json", err);
+    if (st == TEXT_OK)
+        st = read_file(&L, path, &text, &len);
+    if (st == TEXT_OK)
+        st = read_config(&L, cpath, &root);
+    if (st == TEXT_OK)
+        st = load_both(path, text, len, root, out, err);
+    free(text);
+    json_decref(root);
+    return st;
+}
+
+enum text_status tokenizer_load_json(const char *name, const char *json, size_t len, json_t *config,
+                                     tokenizer **out, char *err)
+{
+    if (config && !json_is_object(config))
+        return text_errf(err, TEXT_EFORMAT, "%s: the tokenizer configuration is not a JSON object", name);
+    return load_both(name, json, len, config, out, err);
+}
+
 void tokenizer_free(tokenizer *t)
 {
     if (!t)
         return;
     for (int i = 0; i < t->n_splits; i++)
         pcre2_code_free(t->splits[i].re);
+    for (int i = 0; i < t->n_norm; i++)
+        pcre2_code_free(t->norm[i].re);
     free(t->splits);
     free(t->str.p);
     free(t->piece);
@@ -1125,6 +1319,8 @@ void tokenizer_free(tokenizer *t)
     free(t->flags);
     free(t->vocab_tab);
     free(t->merge_tab);
+    free(t->score);
+    free(t->charsmap.units);
     free(t->added);
     free(t->norm);
     free(t->prefix_ids);

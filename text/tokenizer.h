@@ -1,10 +1,12 @@
-/* tokenizer.h - Hugging Face tokenizer.json BPE tokenizers.
+/* tokenizer.h - Hugging Face tokenizer.json BPE and Unigram tokenizers.
  *
- * Two families: byte-level BPE (GPT-2 / Llama-3 / Qwen: ByteLevel
- * pre-tokenizer with the model's Split regex, run through PCRE2) and
+ * Three families: byte-level BPE (GPT-2 / Llama-3 / Qwen: ByteLevel
+ * pre-tokenizer with the model's Split regex, run through PCRE2),
  * SentencePiece-style BPE (Llama-2 / Mistral / TinyLlama: "▁" normalisation,
- * byte_fallback).  Added and special tokens are matched before the model
- * runs.  Decoding streams: it never emits half a UTF-8 character.
+ * byte_fallback) and SentencePiece Unigram (T5: Viterbi over scored pieces,
+ * the Precompiled charsmap normaliser, WhitespaceSplit + Metaspace).
+ * Added and special tokens are matched before the model runs.  Decoding
+ * streams: it never emits half a UTF-8 character.
  */
 #ifndef KVTIER_TOKENIZER_H
 #define KVTIER_TOKENIZER_H
@@ -30,6 +32,12 @@ enum text_status tok_ids_push(struct tok_ids *v, int32_t id);
 /* Loads dir/tokenizer.json and dir/tokenizer_config.json (the latter for
  * add_bos_token / add_eos_token / bos and eos tokens / chat_template). */
 enum text_status tokenizer_load(const char *dir, tokenizer **out, char *err);
+/* The same from memory: json[0..len) is a tokenizer.json's text, config
+ * (NULL: none) what tokenizer_config.json would hold; name stands for the
+ * file in messages.  How other model formats (GGUF) bring their vocabulary:
+ * written as the tokenizer.json it stands for, loaded by the one loader. */
+enum text_status tokenizer_load_json(const char *name, const char *json, size_t len, json_t *config,
+                                     tokenizer **out, char *err);
 void tokenizer_free(tokenizer *t); /* accepts NULL */
 
 int tokenizer_vocab_size(const tokenizer *t);

@@ -1,7 +1,8 @@
 /* tokenizer_encode.c - text to ids, in Hugging Face's order: added tokens
  * are cut out of the raw text first; each section between them is
- * normalised, pre-tokenized (Metaspace / byte-level prefix, then the
- * Split pre-tokenizers in order) and each piece goes through BPE. */
+ * normalised, pre-tokenized (the byte-level prefix, then the Split
+ * pre-tokenizers in order with Metaspace where it stands among them) and
+ * each piece goes through the model: BPE or Unigram. */
 #include "text/tokenizer_internal.h"
 
 struct bpe_sym {
@@ -21,7 +22,10 @@ struct work {
     struct tok_buf a, b;     /* normalised text, alternating source/target */
     struct tok_buf scratch;  /* NFC code points */
     struct tok_buf mapped;   /* a piece in the byte-level alphabet */
-    struct tok_buf sym, heap;
+    struct tok_buf sym, heap; /* BPE symbols and queue; Unigram lattice and path */
+    struct tok_buf meta;      /* a piece after the Metaspace step */
+    const char *section;      /* the normalised section being split */
+    bool at_start;            /* it is the text's first */
     pcre2_match_data *md;
 };
 
@@ -148,6 +152,107 @@ static size_t word_symbols(const tokenizer *t, const char *s, size_t n, struct b
     return ns;
 }
 
+/* ---- Unigram --------------------------------------------------------------- */
+
+/* The best segmentation of the text up to a position: its total score, and
+ * the start and id of its last piece (id UNREACHED: none yet). */
+struct lattice {
+    double score;
+    size_t start;
+    int32_t id;
+};
+#define UNREACHED (-2)
+
+static void relax(struct lattice *best, size_t from, size_t to, double score, int32_t id)
+{
+    double total = best[from].score + score;
+    /* Strictly better only: among equal paths the first found stays, as in
+     * Hugging Face's and SentencePiece's Viterbi. */
+    if (best[to].id == UNREACHED || total > best[to].score)
+        best[to] = (struct lattice){total, from, id};
+}
+
+/* A run of characters no piece covers, fused as Hugging Face does: its
+ * <0xNN> byte pieces under byte_fallback when all exist, else unk. */
+static enum text_status unknown_run(struct work *w, const char *s, size_t n)
+{
+    const tokenizer *t = w->t;
+    int32_t id = tok_vocab_find(t, s, n); /* a lone match of the unk piece itself */
+    bool bytes = id < 0 && t->byte_fallback;
+    for (size_t k = 0; bytes && k < n; k++)
+        bytes = t->byte_token[(unsigned char)s[k]] >= 0;
+    if (!bytes)
+        return tok_ids_push(w->out, id >= 0 ? id : t->unk_id);
+    for (size_t k = 0; k < n; k++) {
+        enum text_status st = tok_ids_push(w->out, t->byte_token[(unsigned char)s[k]]);
+        if (st != TEXT_OK)
+            return st;
+    }
+    return TEXT_OK;
+}
+
+/* Viterbi over the pieces that start at each character: at most
+ * max_piece lookups per position.  A character that no one-character
+ * piece covers also gets an unk edge, scored below every piece. */
+static enum text_status unigram_word(struct work *w, const char *s, size_t n)
+{
+    const tokenizer *t = w->t;
+    w->sym.n = w->heap.n = 0;
+    if (n >= SIZE_MAX / sizeof(struct lattice) || !tok_buf_reserve(&w->sym, (n + 1) * sizeof(struct lattice)) ||
+        !tok_buf_reserve(&w->heap, n * sizeof(size_t)))
+        return TEXT_ENOMEM;
+    struct lattice *best = (struct lattice *)(void *)w->sym.p;
+    best[0] = (struct lattice){0, 0, -1};
+    for (size_t i = 1; i <= n; i++)
+        best[i].id = UNREACHED;
+    for (size_t i = 0; i < n;) {
+        uint32_t cp;
+        /* Every character boundary is reached: the one before it was. */
+        size_t clen = tok_utf8_next((const unsigned char *)s + i, n - i, &cp);
+        clen = clen ? clen : 1; /* the normalisers keep UTF-8 valid; never loop */
+        size_t len = clen;
+        size_t lim = n - i < t->max_piece ? n - i : t->max_piece;
+        bool single = false;
+        while (len <= lim) {
+            int32_t id = tok_vocab_find(t, s + i, len);
+            if (id >= 0) {
+                relax(best, i, i + len, t->score[id], id);
+                single |= len == clen;
+            }
+            size_t next = len < n - i ? tok_utf8_next((const unsigned char *)s + i + len, n - i - len, &cp) : 0;
+            if (!next)
+                break;
+            len += next;
+        }
+        if (!single)
+            relax(best, i, i + clen, t->unk_score, t->unk_id);
+        i += clen;
+    }
+    /* The path backwards (its end positions), then its pieces forwards,
+     * consecutive unk edges fused into one run. */
+    size_t *ends = (size_t *)(void *)w->heap.p, np = 0;
+    for (size_t e = n; e > 0; e = best[e].start)
+        ends[np++] = e;
+    size_t run = SIZE_MAX, run_end = 0;
+    enum text_status st = TEXT_OK;
+    while (np && st == TEXT_OK) {
+        size_t e = ends[--np], b = best[e].start;
+        if (best[e].id == t->unk_id) {
+            run = run == SIZE_MAX ? b : run;
+            run_end = e;
+            continue;
+        }
+        if (run != SIZE_MAX)
+            st = unknown_run(w, s + run, run_end - run);
+        run = SIZE_MAX;
+        if (st == TEXT_OK)
+            st = tok_ids_push(w->out, best[e].id);
+    }
+    if (st == TEXT_OK && run != SIZE_MAX)
+        st = unknown_run(w, s + run, run_end - run);
+    return st;
+}
+
 static enum text_status model_word(struct work *w, const char *s, size_t n)
 {
     const tokenizer *t = w->t;
@@ -160,6 +265,8 @@ static enum text_status model_word(struct work *w, const char *s, size_t n)
         s = w->mapped.p;
         n = w->mapped.n;
     }
+    if (t->unigram)
+        return unigram_word(w, s, n);
     if (t->ignore_merges) {
         int32_t id = tok_vocab_find(t, s, n);
         if (id >= 0)
@@ -187,6 +294,9 @@ static enum text_status model_word(struct work *w, const char *s, size_t n)
 
 /* ---- pre-tokenizer ------------------------------------------------------- */
 
+static bool is_space(uint32_t c);
+static size_t char_before(const char *s, size_t lo, size_t i, uint32_t *cp);
+
 static int run_match(struct work *w, const pcre2_code *re, const char *s, size_t n, size_t pos)
 {
     int rc = pcre2_match(re, (PCRE2_SPTR)s, n, pos, PCRE2_NO_UTF_CHECK, w->md, NULL);
@@ -197,6 +307,28 @@ static int run_match(struct work *w, const pcre2_code *re, const char *s, size_t
 }
 
 static enum text_status split_level(struct work *w, int k, const char *s, size_t n);
+
+static enum text_status rewrite(struct tok_buf *dst, const char *prefix, size_t np, const char *s, size_t n,
+                                const char *from, size_t nfrom, const char *to, size_t nto);
+
+/* The Metaspace step on one piece (the whole section when no split comes
+ * before it): ' ' becomes the replacement, which is also put in front as
+ * the prepend scheme says ("first": only the text's very first piece). */
+static enum text_status metaspace(struct work *w, const char **s, size_t *n)
+{
+    const tokenizer *t = w->t;
+    const char *r = t->str.p + t->meta_repl.off;
+    size_t nr = t->meta_repl.len;
+    bool first = w->at_start && *s == w->section;
+    /* The piece starts with the replacement after replacing if it starts
+     * with a space or with the replacement itself. */
+    bool prepend = (t->meta_prepend == TOK_PREPEND_ALWAYS || (t->meta_prepend == TOK_PREPEND_FIRST && first)) &&
+                   (*s)[0] != ' ' && !(*n >= nr && memcmp(*s, r, nr) == 0);
+    enum text_status st = rewrite(&w->meta, r, prepend ? nr : 0, *s, *n, " ", 1, r, nr);
+    *s = w->meta.p;
+    *n = w->meta.n;
+    return st;
+}
 
 /* The piece split k is building: the segments (matches and the text
  * between them) it has joined so far. */
@@ -248,6 +380,11 @@ static enum text_status split_level(struct work *w, int k, const char *s, size_t
 {
     if (n == 0)
         return TEXT_OK;
+    if (w->t->metaspace && k == w->t->meta_at) {
+        enum text_status st = metaspace(w, &s, &n);
+        if (st != TEXT_OK)
+            return st;
+    }
     if (k == w->t->n_splits)
         return model_word(w, s, n);
     struct piece p = {0, 0, false, false};
@@ -282,10 +419,76 @@ static enum text_status split_level(struct work *w, int k, const char *s, size_t
     return st == TEXT_OK ? flush(w, k, s, &p) : st;
 }
 
-/* The buffer of the two that does not hold s. */
+/* The buffer of the two that does not hold s (which may start inside it). */
 static struct tok_buf *target(struct work *w, const char *s)
 {
-    return s == w->a.p ? &w->b : &w->a;
+    return w->a.p && s >= w->a.p && s <= w->a.p + w->a.n ? &w->b : &w->a;
+}
+
+/* The Precompiled normaliser: SentencePiece's rule, the longest key of the
+ * charsmap at each position, else the character unchanged. */
+static enum text_status precompiled(const tokenizer *t, const char *s, size_t n, struct tok_buf *dst)
+{
+    dst->n = 0;
+    size_t run = 0, i = 0;
+    while (i < n) {
+        struct tok_span r;
+        size_t m = tok_charsmap_match(t, s + i, n - i, &r);
+        if (!m) {
+            uint32_t cp;
+            i += tok_utf8_next((const unsigned char *)s + i, n - i, &cp);
+            continue;
+        }
+        if (!tok_buf_append(dst, s + run, i - run) || !tok_buf_append(dst, t->str.p + r.off, r.len))
+            return TEXT_ENOMEM;
+        i += m;
+        run = i;
+    }
+    return tok_buf_append(dst, s + run, n - run) ? TEXT_OK : TEXT_ENOMEM;
+}
+
+/* Replace with a Regex: every match (an empty one replaces nothing) becomes
+ * the content. */
+static enum text_status replace_regex(struct work *w, const struct tok_norm *nm, const char *s, size_t n,
+                                      struct tok_buf *dst)
+{
+    size_t pos = 0, run = 0;
+    dst->n = 0;
+    while (pos < n) {
+        int rc = run_match(w, nm->re, s, n, pos);
+        if (rc == PCRE2_ERROR_NOMATCH)
+            break;
+        if (rc < 0) {
+            PCRE2_UCHAR msg[128];
+            pcre2_get_error_message(rc, msg, sizeof msg);
+            return text_errf(w->err, rc == PCRE2_ERROR_NOMEMORY ? TEXT_ENOMEM : TEXT_EINVAL,
+                             "normalizer Replace failed on a %zu-byte piece: %s", n, (const char *)msg);
+        }
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(w->md);
+        if (ov[1] == ov[0]) {
+            uint32_t cp;
+            size_t len = tok_utf8_next((const unsigned char *)s + ov[0], n - ov[0], &cp);
+            pos = ov[0] + (len ? len : 1);
+            continue;
+        }
+        if (!tok_buf_append(dst, s + run, ov[0] - run) ||
+            !tok_buf_append(dst, w->t->str.p + nm->to.off, nm->to.len))
+            return TEXT_ENOMEM;
+        run = pos = ov[1];
+    }
+    return tok_buf_append(dst, s + run, n - run) ? TEXT_OK : TEXT_ENOMEM;
+}
+
+static void strip(const struct tok_norm *nm, const char **s, size_t *n)
+{
+    uint32_t cp;
+    size_t k;
+    while (nm->left && *n && (k = tok_utf8_next((const unsigned char *)*s, *n, &cp)) && is_space(cp)) {
+        *s += k;
+        *n -= k;
+    }
+    while (nm->right && *n && (k = char_before(*s, 0, *n, &cp)) && is_space(cp))
+        *n -= k;
 }
 
 /* dst = prefix + s[0..n) with every `from` replaced by `to` (from may be empty). */
@@ -316,7 +519,8 @@ static enum text_status encode_section(struct work *w, const char *s, size_t n, 
     enum text_status st = TEXT_OK;
     if (n == 0)
         return TEXT_OK;
-    for (int k = 0; k < t->n_norm && st == TEXT_OK; k++) {
+    /* Every normaliser leaves an empty text empty (and may have no buffer for it). */
+    for (int k = 0; k < t->n_norm && st == TEXT_OK && n; k++) {
         const struct tok_norm *nm = &t->norm[k];
         struct tok_buf *dst = target(w, s);
         bool changed = true;
@@ -324,35 +528,33 @@ static enum text_status encode_section(struct work *w, const char *s, size_t n, 
             st = tok_nfc(s, n, dst, &w->scratch, &changed);
             if (st == TEXT_EINVAL)
                 text_errf(w->err, st, "normalizer NFC: libutf8proc refused a %zu-byte piece", n);
+        } else if (nm->op == TOK_NORM_PRECOMPILED) {
+            st = precompiled(t, s, n, dst);
+        } else if (nm->op == TOK_NORM_STRIP) {
+            /* No copy: the next step writes to the buffer that does not hold s. */
+            strip(nm, &s, &n);
+            changed = false;
         } else if (nm->op == TOK_NORM_PREPEND)
-            st = n ? rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0) : TEXT_OK;
+            st = rewrite(dst, str + nm->to.off, nm->to.len, s, n, NULL, 0, NULL, 0);
+        else if (nm->re)
+            st = replace_regex(w, nm, s, n, dst);
         else
             st = rewrite(dst, NULL, 0, s, n, str + nm->from.off, nm->from.len, str + nm->to.off, nm->to.len);
-        if (changed && (nm->op != TOK_NORM_PREPEND || n)) {
+        if (changed) {
             s = dst->p;
             n = dst->n;
         }
     }
     if (st != TEXT_OK || n == 0)
         return st;
-    if (t->metaspace) {
-        const char *r = str + t->meta_repl.off;
-        size_t nr = t->meta_repl.len;
-        struct tok_buf *dst = target(w, s);
-        /* The text starts with the replacement after replacing if it starts
-         * with a space or with the replacement itself. */
-        bool prepend = (t->meta_prepend == TOK_PREPEND_ALWAYS || (t->meta_prepend == TOK_PREPEND_FIRST && at_start)) &&
-                       s[0] != ' ' && !(n >= nr && memcmp(s, r, nr) == 0);
-        st = rewrite(dst, r, prepend ? nr : 0, s, n, " ", 1, r, nr);
-        s = dst->p;
-        n = dst->n;
-    }
-    if (st == TEXT_OK && t->prefix_space && s[0] != ' ') {
+    if (t->prefix_space && s[0] != ' ') {
         struct tok_buf *dst = target(w, s);
         st = rewrite(dst, " ", 1, s, n, NULL, 0, NULL, 0);
         s = dst->p;
         n = dst->n;
     }
+    w->section = s;
+    w->at_start = at_start;
     return st == TEXT_OK ? split_level(w, 0, s, n) : st;
 }
 
@@ -446,7 +648,10 @@ enum text_status tokenizer_encode(const tokenizer *t, const char *text, size_t l
     size_t old_n = out->n;
     struct work w = {.t = t, .out = out, .err = err};
     enum text_status st = TEXT_OK;
-    if (t->n_splits && !(w.md = pcre2_match_data_create(1, NULL)))
+    bool regex = t->n_splits > 0;
+    for (int k = 0; k < t->n_norm; k++)
+        regex |= t->norm[k].re != NULL;
+    if (regex && !(w.md = pcre2_match_data_create(1, NULL)))
         st = TEXT_ENOMEM;
     for (int k = 0; add_special && st == TEXT_OK && k < t->n_prefix; k++)
         st = tok_ids_push(w.out, t->prefix_ids[k]);
@@ -459,6 +664,7 @@ enum text_status tokenizer_encode(const tokenizer *t, const char *text, size_t l
     free(w.b.p);
     free(w.scratch.p);
     free(w.mapped.p);
+    free(w.meta.p);
     free(w.sym.p);
     free(w.heap.p);
     if (st != TEXT_OK) {

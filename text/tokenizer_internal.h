@@ -41,11 +41,27 @@ struct tok_added {
     bool special, lstrip, rstrip, single_word;
 };
 
-enum tok_norm_op { TOK_NORM_NFC, TOK_NORM_PREPEND, TOK_NORM_REPLACE };
+enum tok_norm_op { TOK_NORM_NFC, TOK_NORM_PREPEND, TOK_NORM_REPLACE, TOK_NORM_PRECOMPILED, TOK_NORM_STRIP };
 struct tok_norm {
     enum tok_norm_op op;
     struct tok_span from, to; /* Replace: from -> to; Prepend: to */
+    pcre2_code *re;           /* Replace with a Regex pattern (from is its text) */
+    bool left, right;         /* Strip: which ends lose their whitespace */
 };
+
+/* A SentencePiece precompiled_charsmap: a Darts double-array trie over
+ * UTF-8 byte strings whose values are offsets of NUL-terminated
+ * replacements in norm.  Validated at load: every unit a lookup can reach
+ * is in range and every value names a terminated, valid UTF-8 string. */
+struct tok_charsmap {
+    uint32_t *units;
+    uint32_t n_units;
+    struct tok_span norm; /* in the arena */
+};
+
+/* The longest key of the charsmap that s[0..n) starts with, ending on a
+ * character boundary: its length (0: none) and its replacement. */
+size_t tok_charsmap_match(const tokenizer *t, const char *s, size_t n, struct tok_span *repl);
 
 enum tok_prepend { TOK_PREPEND_NEVER, TOK_PREPEND_FIRST, TOK_PREPEND_ALWAYS };
 
@@ -92,6 +108,7 @@ struct tokenizer {
     struct tok_norm *norm;
     int n_norm;
     bool metaspace;           /* Metaspace pre-tokenizer: ' ' -> meta_repl */
+    int meta_at;              /* it runs on the pieces of the splits before it */
     struct tok_span meta_repl;
     enum tok_prepend meta_prepend;
     bool byte_level;          /* ByteLevel pre-tokenizer: model sees mapped bytes */
@@ -101,6 +118,14 @@ struct tokenizer {
 
     bool byte_fallback, ignore_merges, fuse_unk;
     int32_t unk_id;
+    /* Unigram: per-id log-probabilities, the score of an unknown
+     * character (the lowest minus 10, as SentencePiece) and the longest
+     * piece in bytes, which bounds the Viterbi prefix search. */
+    bool unigram;
+    double *score;
+    double unk_score;
+    uint32_t max_piece;
+    struct tok_charsmap charsmap; /* the Precompiled normaliser's (units NULL: none) */
     int32_t byte_token[256]; /* <0xNN> ids for byte_fallback (-1 = absent) */
 
     int32_t *prefix_ids, *suffix_ids; /* added around the text when add_special */
@@ -135,6 +160,7 @@ struct tok_json {
 void tj_ws(struct tok_json *j);
 bool tj_string(struct tok_json *j, struct tok_buf *out); /* decoded, not NUL-terminated */
 bool tj_int(struct tok_json *j, long long *v);
+bool tj_real(struct tok_json *j, double *v); /* a finite JSON number */
 bool tj_skip(struct tok_json *j);                        /* one value, any kind */
 /* Steps through an array (open '[') or object ('{'): 1 when an element
  * follows, 0 after the closing bracket, -1 on error; *first starts true. */
@@ -147,5 +173,9 @@ int tok_hex_digit(char c); /* -1 if c is not one */
  * (replacing its contents) and sets *changed; scratch is reused between
  * calls.  TEXT_ENOMEM, or TEXT_EINVAL if libutf8proc refuses the text. */
 enum text_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct tok_buf *scratch, bool *changed);
+
+/* Standard base64 (padding optional) into out; false if s is not base64
+ * or memory ran out (*nomem tells which). */
+bool tok_base64(const char *s, size_t n, struct tok_buf *out, bool *nomem);
 
 #endif

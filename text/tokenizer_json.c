@@ -3,6 +3,7 @@
  * building a jansson tree for would take most of the load time.  The rest of
  * the file is handed to jansson member by member. */
 #include <limits.h>
+#include <math.h>
 
 #include "text/tokenizer_internal.h"
 
@@ -136,6 +137,32 @@ bool tj_int(struct tok_json *j, long long *v)
         return fail(j, "an integer");
     j->p = p;
     *v = neg ? -x : x;
+    return true;
+}
+
+/* JSON's number grammar is checked here: strtod alone would also take
+ * "inf", "nan", hex floats and leading '+'. */
+bool tj_real(struct tok_json *j, double *v)
+{
+    tj_ws(j);
+    const char *p = j->p;
+    p += p < j->end && *p == '-';
+    if (p == j->end || *p < '0' || *p > '9')
+        return fail(j, "a number");
+    while (p < j->end && ((*p >= '0' && *p <= '9') || *p == '.' || *p == 'e' || *p == 'E' || *p == '+' || *p == '-'))
+        p++;
+    char buf[64];
+    size_t n = (size_t)(p - j->p);
+    if (n >= sizeof buf)
+        return fail(j, "a number of at most 63 characters");
+    memcpy(buf, j->p, n);
+    buf[n] = '\0';
+    char *end;
+    double x = strtod(buf, &end);
+    if (end != buf + n || !isfinite(x))
+        return fail(j, "a finite number");
+    j->p = p;
+    *v = x;
     return true;
 }
 

@@ -163,3 +163,74 @@ enum text_status tok_nfc(const char *s, size_t n, struct tok_buf *out, struct to
     *changed = true;
     return TEXT_OK;
 }
+
+/* ---- base64 and the SentencePiece charsmap -------------------------------- */
+
+bool tok_base64(const char *s, size_t n, struct tok_buf *out, bool *nomem)
+{
+    *nomem = false;
+    out->n = 0;
+    while (n && s[n - 1] == '=')
+        n--;
+    if (n % 4 == 1 || !tok_buf_reserve(out, n / 4 * 3 + 3)) {
+        *nomem = n % 4 != 1;
+        return false;
+    }
+    uint32_t acc = 0;
+    int bits = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        int v = c >= 'A' && c <= 'Z'   ? c - 'A'
+                : c >= 'a' && c <= 'z' ? c - 'a' + 26
+                : c >= '0' && c <= '9' ? c - '0' + 52
+                : c == '+'             ? 62
+                : c == '/'             ? 63
+                                       : -1;
+        if (v < 0)
+            return false;
+        acc = acc << 6 | (uint32_t)v;
+        bits += 6;
+        if (bits >= 8) {
+            bits -= 8;
+            out->p[out->n++] = (char)(acc >> bits & 0xFF);
+        }
+    }
+    return true;
+}
+
+/* Darts-clone's unit layout: bit 8 says a leaf (a value) hangs below the
+ * node, the low 8 bits hold the label (bit 31 set on value units, so they
+ * never match one), and the offset to the children is bits 10..30,
+ * shifted 8 further when bit 9 is set. */
+static uint32_t unit_offset(uint32_t u)
+{
+    return (u >> 10) << ((u & (1u << 9)) >> 6);
+}
+
+size_t tok_charsmap_match(const tokenizer *t, const char *s, size_t n, struct tok_span *repl)
+{
+    const struct tok_charsmap *cm = &t->charsmap;
+    const unsigned char *norm = (const unsigned char *)t->str.p + cm->norm.off;
+    size_t best = 0;
+    uint32_t pos = unit_offset(cm->units[0]);
+    /* The load checked the blob's layout; a lookup that leaves the array,
+     * or would end inside a character, is no match. */
+    for (size_t i = 0; i < n && s[i]; i++) {
+        unsigned char c = (unsigned char)s[i];
+        pos ^= c;
+        if (pos >= cm->n_units || (cm->units[pos] & (1u << 31 | 0xFF)) != c)
+            break;
+        uint32_t u = cm->units[pos];
+        pos ^= unit_offset(u);
+        if (pos >= cm->n_units)
+            break;
+        uint32_t v = cm->units[pos] & 0x7FFFFFFF;
+        if ((u >> 8 & 1) && (i + 1 == n || ((unsigned char)s[i + 1] & 0xC0) != 0x80) && v < cm->norm.len &&
+            (norm[v] & 0xC0) != 0x80) {
+            best = i + 1;
+            const unsigned char *end = memchr(norm + v, 0, cm->norm.len - v);
+            *repl = (struct tok_span){cm->norm.off + v, (uint32_t)(end - (norm + v))};
+        }
+    }
+    return best;
+}

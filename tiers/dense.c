@@ -37,7 +37,7 @@ static float elem_get(const void *p, enum be_dtype dt, size_t i)
     switch (dt) {
     case BE_F16: return f16_to_f32(((const uint16_t *)p)[i]);
     case BE_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
-    case BE_F32: case BE_Q8_0: break; /* Q8_0 is a weight format, never KV's */
+    case BE_F32: case BE_Q8_0: case BE_Q4_K: break; /* weight formats, never KV's */
     }
     return ((const float *)p)[i];
 }
@@ -47,7 +47,7 @@ static void elem_put(void *p, enum be_dtype dt, size_t i, float x)
     switch (dt) {
     case BE_F16: ((uint16_t *)p)[i] = f32_to_f16(x); return;
     case BE_BF16: ((uint16_t *)p)[i] = f32_to_bf16(x); return;
-    case BE_F32: case BE_Q8_0: break;
+    case BE_F32: case BE_Q8_0: case BE_Q4_K: break;
     }
     ((float *)p)[i] = x;
 }
@@ -167,6 +167,8 @@ enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, v
 {
     kv_store *s = q->s;
     s->err[0] = '\0';
+    if (q->state)
+        return kv_fail(s, TIER_ENOTSUP, "kv_seq_layer_dense: a state-space model has no K and V");
     if (layer < 0 || layer >= s->g.n_layers || !k || !v || (dtype != BE_F32 && dtype != s->g.dtype))
         return kv_fail(s, TIER_EINVAL, "kv_seq_layer_dense: layer %d of %d, dtype %s (f32 or the store's %s)",
                        layer, s->g.n_layers, be_dtype_name(dtype), be_dtype_name(s->g.dtype));
@@ -291,7 +293,7 @@ enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, 
 {
     kv_store *s = q->s;
     s->err[0] = '\0';
-    if (q->strategy != KV_DYNAMIC || q->kvq || q->p.sink || q->len || q->pending)
+    if (q->strategy != KV_DYNAMIC || q->kvq || q->state || q->p.sink || q->len || q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_import_dense: needs a fresh dynamic sequence (%s, length %lld)",
                        kv_strategy_name(q->strategy), (long long)q->len);
     /* one step: its length is an int (kv_seq_reserve) */

@@ -513,13 +513,10 @@ static void put_chunk(void *arg, struct worker *w, uint32_t i)
     uint8_t *out = x->d->stage[x->slot0 + i];
     c->codec = DISK_CODEC_RAW;
     c->stored_len = c->raw_len;
-    if (x->codec != DISK_CODEC_RAW) {
-        disk_shuffle(w->scratch, raw, c->raw_len, disk_codec_elem(x->codec));
-        size_t r = ZSTD_compressCCtx(w->cctx, out, c->raw_len - 1, w->scratch, c->raw_len, 1);
-        if (!ZSTD_isError(r) && r > 0) {
-            c->codec = x->codec;
-            c->stored_len = (uint32_t)r;
-        }
+    size_t packed = x->codec != DISK_CODEC_RAW ? disk_chunk_pack(w->cctx, x->codec, raw, c->raw_len, w->scratch, out) : 0;
+    if (packed) {
+        c->codec = x->codec;
+        c->stored_len = (uint32_t)packed;
     }
     if (c->codec == DISK_CODEC_RAW && chunk_in_place(x, c->raw_len)) {
         /* the write only reads it: the caller keeps it unchanged until done */
@@ -545,12 +542,8 @@ static void get_chunk(void *arg, struct worker *w, uint32_t i)
     } else if (c->codec == DISK_CODEC_RAW) {
         if (in != out)
             memcpy(out, in, c->raw_len);
-    } else {
-        size_t r = ZSTD_decompressDCtx(w->dctx, w->scratch, c->raw_len, in, c->stored_len);
-        if (r != c->raw_len)
-            x->bad[i] = 2;
-        else
-            disk_unshuffle(out, w->scratch, c->raw_len, disk_codec_elem(c->codec));
+    } else if (!disk_chunk_unpack(w->dctx, c->codec, in, c->stored_len, w->scratch, out, c->raw_len)) {
+        x->bad[i] = 2;
     }
 }
 

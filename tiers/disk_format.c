@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include <xxhash.h>
+#include <zstd.h>
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
@@ -217,7 +218,7 @@ void disk_hdr_release(struct disk_hdr *h)
 }
 
 void *disk_blob_encode(const struct kv_disk_layout *layout, const char *ns, const char *name, const void *data,
-                       size_t data_len, size_t *out_len)
+                       size_t data_len, ZSTD_CCtx *cctx, size_t *out_len)
 {
     struct disk_hdr h = {.layout = *layout, .meta_off = disk_meta_off(disk_n_chunks(data_len)),
                          .data_len = data_len, .chunk_size = DISK_CHUNK, .n_chunks = disk_n_chunks(data_len)};
@@ -225,35 +226,56 @@ void *disk_blob_encode(const struct kv_disk_layout *layout, const char *ns, cons
         return NULL;
     snprintf(h.ns, sizeof(h.ns), "%s", ns);
     snprintf(h.name, sizeof(h.name), "%s", name);
+    const uint8_t *raw = data;
+    size_t first = data_len < DISK_CHUNK ? data_len : DISK_CHUNK;
+    /* compressed chunks are packed one after the other in packed, then
+     * copied to their offsets: the offsets depend on every earlier size */
+    uint8_t *packed = cctx && data_len ? malloc(data_len) : NULL, *scratch = packed ? malloc(first) : NULL;
+    const uint8_t **src = malloc((h.n_chunks ? h.n_chunks : 1) * sizeof(*src));
     h.chunks = calloc(h.n_chunks ? h.n_chunks : 1, sizeof(*h.chunks));
-    uint64_t off = disk_data_off(h.n_chunks, 0);
-    for (uint32_t i = 0; h.chunks && i < h.n_chunks; i++) {
-        size_t raw = data_len - (size_t)i * DISK_CHUNK < DISK_CHUNK ? data_len - (size_t)i * DISK_CHUNK : DISK_CHUNK;
-        h.chunks[i] = (struct disk_chunk){.off = off, .raw_len = (uint32_t)raw, .stored_len = (uint32_t)raw,
-                                          .codec = DISK_CODEC_RAW,
-                                          .sum = XXH3_64bits((const uint8_t *)data + (size_t)i * DISK_CHUNK, raw)};
-        off += disk_align(raw);
+    uint8_t *p = NULL;
+    if (h.chunks && src && (!cctx || !data_len || scratch)) {
+        uint64_t off = disk_data_off(h.n_chunks, 0);
+        size_t pos = 0;
+        enum disk_codec codec = disk_codec_for(layout->dtype);
+        for (uint32_t i = 0; i < h.n_chunks; i++) {
+            size_t at = (size_t)i * DISK_CHUNK, len = data_len - at < DISK_CHUNK ? data_len - at : DISK_CHUNK;
+            size_t stored = packed ? disk_chunk_pack(cctx, codec, raw + at, len, scratch, packed + pos) : 0;
+            src[i] = stored ? packed + pos : raw + at;
+            h.chunks[i] = (struct disk_chunk){.off = off, .raw_len = (uint32_t)len,
+                                              .stored_len = (uint32_t)(stored ? stored : len),
+                                              .codec = stored ? codec : DISK_CODEC_RAW};
+            h.chunks[i].sum = XXH3_64bits(src[i], h.chunks[i].stored_len);
+            pos += stored;
+            off += disk_align(h.chunks[i].stored_len);
+        }
+        p = calloc(1, (size_t)disk_file_size(&h));
     }
-    uint8_t *p = h.chunks ? calloc(1, (size_t)disk_file_size(&h)) : NULL;
     if (p) {
         disk_hdr_encode(&h, p);
         for (uint32_t i = 0; i < h.n_chunks; i++)
-            memcpy(p + h.chunks[i].off, (const uint8_t *)data + (size_t)i * DISK_CHUNK, h.chunks[i].raw_len);
+            memcpy(p + h.chunks[i].off, src[i], h.chunks[i].stored_len);
         *out_len = (size_t)disk_file_size(&h);
     }
+    free(packed);
+    free(scratch);
+    free(src);
     free(h.chunks);
     return p;
 }
 
 enum disk_check disk_blob_decode(const void *buf, size_t n, const struct kv_disk_layout *layout, const char *ns,
-                                 const char *name, const void **data, size_t *data_len, char why[DISK_WHY_LEN])
+                                 const char *name, size_t max_data, ZSTD_DCtx *dctx, const void **data,
+                                 size_t *data_len, void **owned, char why[DISK_WHY_LEN])
 {
     const uint8_t *p = buf;
     struct disk_hdr h;
+    *owned = NULL;
     enum disk_check st = disk_hdr_decode(buf, n, n, &h, why);
     if (st != DISK_VALID)
         return st;
     const struct kv_disk_layout *l = &h.layout;
+    bool packed = false;
     if (l->fingerprint != layout->fingerprint || l->dtype != layout->dtype || l->block_tokens != layout->block_tokens ||
         l->n_layers != layout->n_layers || l->n_kv_heads != layout->n_kv_heads || l->head_dim != layout->head_dim) {
         disk_hdr_release(&h);
@@ -268,23 +290,67 @@ enum disk_check disk_blob_decode(const void *buf, size_t n, const struct kv_disk
         disk_hdr_release(&h);
         FAIL(DISK_CORRUPT, "a meta where none belongs");
     }
+    if (h.data_len > max_data) {
+        disk_hdr_release(&h);
+        FAIL(DISK_CORRUPT, "%llu bytes of data, more than the %zu expected", (unsigned long long)h.data_len, max_data);
+    }
     for (uint32_t i = 0; i < h.n_chunks; i++) {
         const struct disk_chunk *c = &h.chunks[i];
-        if (c->codec != DISK_CODEC_RAW) {
-            disk_hdr_release(&h);
-            FAIL(DISK_FOREIGN, "chunk %u is compressed (codec %u)", i, c->codec);
-        }
+        packed = packed || c->codec != DISK_CODEC_RAW;
         if (XXH3_64bits(p + c->off, c->stored_len) != c->sum) {
             disk_hdr_release(&h);
             FAIL(DISK_CORRUPT, "chunk %u checksum mismatch", i);
         }
     }
-    /* every chunk but the last holds DISK_CHUNK bytes, a multiple of the
-     * alignment: the data is contiguous from the first chunk on */
-    *data = h.n_chunks ? p + h.chunks[0].off : p + n;
     *data_len = (size_t)h.data_len;
+    if (!packed) {
+        /* every chunk but the last holds DISK_CHUNK bytes, a multiple of
+         * the alignment: raw data is contiguous from the first chunk on */
+        *data = h.n_chunks ? p + h.chunks[0].off : p + n;
+        disk_hdr_release(&h);
+        return DISK_VALID;
+    }
+    uint8_t *out = malloc((size_t)h.data_len), *scratch = malloc(h.chunks[0].raw_len);
+    uint32_t bad = h.n_chunks;
+    for (uint32_t i = 0; out && scratch && i < h.n_chunks && bad == h.n_chunks; i++) {
+        const struct disk_chunk *c = &h.chunks[i];
+        uint8_t *to = out + (size_t)i * DISK_CHUNK;
+        if (c->codec == DISK_CODEC_RAW)
+            memcpy(to, p + c->off, c->raw_len);
+        else if (!disk_chunk_unpack(dctx, c->codec, p + c->off, c->stored_len, scratch, to, c->raw_len))
+            bad = i;
+    }
+    free(scratch);
     disk_hdr_release(&h);
+    if (!out || !scratch) {
+        free(out);
+        FAIL(DISK_NOMEM, "out of memory for %llu bytes of decompressed data", (unsigned long long)*data_len);
+    }
+    if (bad != h.n_chunks) {
+        free(out);
+        FAIL(DISK_CORRUPT, "chunk %u does not decompress to its length", bad);
+    }
+    *data = *owned = out;
     return DISK_VALID;
+}
+
+size_t disk_chunk_pack(ZSTD_CCtx *cctx, enum disk_codec codec, const uint8_t *raw, size_t len, uint8_t *scratch,
+                       uint8_t *out)
+{
+    if (len < 2)
+        return 0;
+    disk_shuffle(scratch, raw, len, disk_codec_elem(codec));
+    size_t r = ZSTD_compressCCtx(cctx, out, len - 1, scratch, len, 1);
+    return ZSTD_isError(r) ? 0 : r;
+}
+
+bool disk_chunk_unpack(ZSTD_DCtx *dctx, enum disk_codec codec, const uint8_t *in, size_t stored, uint8_t *scratch,
+                       uint8_t *out, size_t raw_len)
+{
+    if (ZSTD_decompressDCtx(dctx, scratch, raw_len, in, stored) != raw_len)
+        return false;
+    disk_unshuffle(out, scratch, raw_len, disk_codec_elem(codec));
+    return true;
 }
 
 enum disk_codec disk_codec_for(uint32_t dtype)

@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <zstd.h>
+
 #include "tiers/disk.h"
 
 #define DISK_MAGIC "KVTDISK\0"
@@ -93,17 +95,34 @@ size_t disk_codec_elem(enum disk_codec c);
 void disk_shuffle(uint8_t *out, const uint8_t *in, size_t n, size_t es);
 void disk_unshuffle(uint8_t *out, const uint8_t *in, size_t n, size_t es);
 
-/* An object with an empty meta and raw chunks as one buffer, byte for byte
- * the file the tier would write: what the remote tier stores as a value.
+/* An object with an empty meta as one buffer, byte for byte the file the
+ * tier would write: what the remote tier stores as a value.  With cctx
+ * each chunk is shuffled and compressed (disk_codec_for the layout's
+ * dtype) where that makes it smaller, raw otherwise; NULL: raw chunks.
  * NULL without memory. */
 void *disk_blob_encode(const struct kv_disk_layout *layout, const char *ns, const char *name, const void *data,
-                       size_t data_len, size_t *out_len);
+                       size_t data_len, ZSTD_CCtx *cctx, size_t *out_len);
 /* Checks such a buffer as a file is checked (header, offsets, size, every
- * chunk's checksum) and that it was written for layout, ns and name:
- * DISK_FOREIGN for another layout, format or a compressed chunk (this
- * reader takes raw ones only), DISK_CORRUPT for anything else, with why.
- * On DISK_VALID *data points at the data inside buf. */
+ * chunk's checksum of its stored bytes) and that it was written for
+ * layout, ns and name, holding at most max_data bytes: DISK_FOREIGN for
+ * another layout or format, DISK_CORRUPT for anything else (a compressed
+ * chunk that does not decompress to its length included), with why;
+ * DISK_NOMEM.  On DISK_VALID *data points at the data: inside buf when
+ * every chunk is raw (*owned NULL), else in *owned, a new buffer the
+ * caller frees, decompressed with dctx. */
 enum disk_check disk_blob_decode(const void *buf, size_t n, const struct kv_disk_layout *layout, const char *ns,
-                                 const char *name, const void **data, size_t *data_len, char why[DISK_WHY_LEN]);
+                                 const char *name, size_t max_data, ZSTD_DCtx *dctx, const void **data,
+                                 size_t *data_len, void **owned, char why[DISK_WHY_LEN]);
+
+/* One chunk's codec, shared by the disk tier and the blobs: raw[0, len)
+ * shuffled (into scratch, len bytes) and compressed into out (len - 1
+ * bytes at most); its stored length, or 0 when that is not smaller (the
+ * chunk is stored raw). */
+size_t disk_chunk_pack(ZSTD_CCtx *cctx, enum disk_codec codec, const uint8_t *raw, size_t len, uint8_t *scratch,
+                       uint8_t *out);
+/* The reverse: false when in[0, stored) does not decompress to exactly
+ * raw_len bytes. */
+bool disk_chunk_unpack(ZSTD_DCtx *dctx, enum disk_codec codec, const uint8_t *in, size_t stored, uint8_t *scratch,
+                       uint8_t *out, size_t raw_len);
 
 #endif

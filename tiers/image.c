@@ -374,6 +374,8 @@ enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size)
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_save during a step");
+    if (q->state)
+        return kv_fail(s, TIER_ENOTSUP, "kv_seq_save: images of a state-space model's sequence are not written yet");
     enum tier_status st = kv_seq_load_finish(q);
     if (st != TIER_OK)
         return st;
@@ -665,6 +667,8 @@ enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, c
     s->err[0] = '\0';
     if (!head || !src || !src->wait)
         return BAD("no image");
+    if (s->g.state_bytes)
+        return kv_fail(s, TIER_ENOTSUP, "kv_seq_load: a state-space model's store reads no images yet");
     const uint8_t *b = head;
     size_t n = (size_t)s->g.n_layers;
     enum kv_home *home = calloc(n, sizeof(*home));

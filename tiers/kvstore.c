@@ -150,8 +150,9 @@ enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const st
     if (!p)
         p = &defaults;
     *out = NULL;
-    if (!be || !g || g->n_layers <= 0 || g->n_kv_heads <= 0 || g->head_dim <= 0 || p->block_tokens < 0 ||
-        !be_dtype_size(g->dtype))
+    bool state = g && g->state_bytes > 0; /* a state model has no heads */
+    if (!be || !g || g->n_layers <= 0 || (state ? g->n_kv_heads || g->head_dim : g->n_kv_heads <= 0 || g->head_dim <= 0) ||
+        p->block_tokens < 0 || p->checkpoint_interval < 0 || !be_dtype_size(g->dtype))
         return TIER_EINVAL;
     kv_store *s = calloc(1, sizeof(*s));
     if (!s)
@@ -170,7 +171,8 @@ enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const st
     s->bt = p->block_tokens ? p->block_tokens : KV_DEFAULT_BLOCK_TOKENS;
     s->block_bytes = 2 * (size_t)g->n_kv_heads * (size_t)s->bt * (size_t)g->head_dim * be_dtype_size(g->dtype);
     s->host_budget = p->host_mem;
-    s->prefix_on = p->prefix_cache;
+    s->prefix_on = p->prefix_cache && !state; /* a state has no blocks to share */
+    s->ckpt_interval = p->checkpoint_interval ? p->checkpoint_interval : 256;
     s->hash_mask = p->prefix_hash_mask ? p->prefix_hash_mask : UINT64_MAX;
     enum tier_status st = kv_stream_init(s);
     if (st != TIER_OK) {
@@ -198,6 +200,11 @@ void kv_store_free(kv_store *s)
     free(s->active);
     free(s->layer_window);
     free(s);
+}
+
+int kv_store_checkpoint_interval(const kv_store *s)
+{
+    return s->g.state_bytes ? (int)s->ckpt_interval : 0;
 }
 
 int kv_store_block_tokens(const kv_store *s)
@@ -793,6 +800,8 @@ static kv_seq *seq_new(kv_store *s, const struct kv_seq_params *p)
     return q;
 }
 
+static void note_fallback(kv_seq *q, enum kv_fallback why);
+
 enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_seq **out)
 {
     static const struct kv_seq_params defaults;
@@ -801,11 +810,31 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
     if (!p)
         p = &defaults;
     enum tier_status st = kv_check_params(s, p);
+    if (st == TIER_OK && s->g.state_bytes)
+        st = state_check_params(s, p);
     if (st != TIER_OK)
         return st;
     kv_seq *q = seq_new(s, p);
     if (!q)
         return TIER_ENOMEM_HOST;
+    if (s->g.state_bytes) { /* as a KV layer: the device, else the host tier unless no_fallback */
+        bool host = is_offloaded(p->strategy);
+        q->strategy = p->strategy;
+        st = state_seq_init(q, host);
+        if (st == TIER_ENOMEM_DEV && !p->no_fallback) {
+            state_seq_release(q);
+            q->strategy = p->strategy == KV_STATIC ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+            s->err[0] = '\0';
+            if ((st = state_seq_init(q, true)) == TIER_OK)
+                note_fallback(q, KV_FALLBACK_SIZED);
+        }
+        if (st != TIER_OK) {
+            kv_seq_free(q);
+            return st;
+        }
+        *out = q;
+        return TIER_OK;
+    }
     /* A dynamic request that announces its length and cannot fit the
      * device starts offloaded instead of failing part-way. */
     enum kv_strategy want = p->strategy;
@@ -858,6 +887,7 @@ void kv_seq_free(kv_seq *q)
         kv_seq_abort(q);
     layers_release(q);
     kvq_seq_release(q);
+    state_seq_release(q);
     kv_seq_loader_free(q->load);
     free(q->layers);
     free(q->ids);
@@ -874,6 +904,11 @@ struct kv_seq_stats kv_seq_stats(const kv_seq *q)
 {
     struct kv_seq_stats st = {.requested = q->p.strategy, .strategy = q->strategy, .fallback = q->fallback,
                               .xfer = q->xfer, .copied_bytes = q->copied_bytes};
+    if (q->state) {
+        *(state_on_host(q) ? &st.streamed_layers : &st.resident_layers) = q->s->g.n_layers;
+        state_seq_bytes(q, &st.dev_bytes, &st.host_bytes);
+        return st;
+    }
     if (kvq_seq_on_host(q)) {
         st.streamed_layers = q->s->g.n_layers;
         st.host_bytes = kvq_seq_bytes(q);
@@ -923,8 +958,10 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
     if (q->p.sink)
         return kv_fail(s, TIER_ENOTSUP, "sink + offloaded is not supported: a sink sequence stays on the device "
                                         "(its KV is bounded by window_length)");
-    if (q->kvq) {
-        enum tier_status st = kvq_seq_offload(q);
+    if (q->kvq || q->state) {
+        enum tier_status st = q->kvq ? kvq_seq_offload(q) : state_seq_offload(q);
+        if (st == TIER_OK && q->state && !is_offloaded(q->strategy))
+            q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
         if (st == TIER_OK)
             note_fallback(q, why);
         return st;
@@ -1108,6 +1145,15 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
     /* pending is set first so that abort releases whatever paged blocks
      * were taken when a later layer fails (invariant 2) */
     q->pending = n_new;
+    if (q->state) {
+        if ((st = state_seq_reserve(q)) != TIER_OK) {
+            kv_seq_abort(q);
+            return st;
+        }
+        q->chunk_from = q->len;
+        q->chunk_to = end;
+        return TIER_OK;
+    }
     if (q->kvq)
         st = kvq_seq_reserve(q, n_new);
     for (int l = 0; l < s->g.n_layers && st == TIER_OK && !q->kvq; l++) {
@@ -1237,6 +1283,8 @@ enum tier_status kv_seq_commit(kv_seq *q)
     q->len += q->pending;
     q->pending = 0;
     active_remove(s, q);
+    if (q->state)
+        return state_seq_commit(q);
     for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_layer *L = &q->layers[l];
         /* The next query sits at position len and sees keys k with
@@ -1262,6 +1310,10 @@ void kv_seq_abort(kv_seq *q)
     kv_store *s = q->s;
     q->pending = 0;
     active_remove(s, q);
+    if (q->state) {
+        state_seq_abort(q);
+        return;
+    }
     if (q->kvq)
         kvq_seq_abort(q);
     for (int l = 0; l < s->g.n_layers; l++) {
@@ -1281,6 +1333,8 @@ enum tier_status kv_seq_activate_past_recording(kv_seq *q)
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "activate_past_recording during a step");
+    if (q->state) /* its checkpoints are its past */
+        return TIER_OK;
     if (q->p.sink)
         return kv_fail(s, TIER_ENOTSUP, "past recording + sink is not supported: a sink sequence drops evicted "
                                         "tokens at commit (crop works until the first eviction)");
@@ -1310,6 +1364,8 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
                        (long long)-KV_SEQ_MAX_LEN, (long long)KV_SEQ_MAX_LEN);
     if (q->kvq)
         return kvq_unsupported(q, "crop");
+    if (q->state) /* back to the nearest checkpoint; the caller feeds the rest */
+        return n > 0 && n >= q->len ? TIER_OK : state_seq_rewind(q, n > 0 ? n : (-n < q->len ? q->len + n : 0));
     /* every refusal comes before the first change (invariant 4) */
     for (int l = 0; l < s->g.n_layers; l++) {
         const struct kv_layer *L = &q->layers[l];
@@ -1376,7 +1432,7 @@ enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *inp
         if (st != TIER_OK)
             return st;
     }
-    *n_keep = k;
+    *n_keep = q->state ? q->len : k; /* a state goes back to a checkpoint */
     return TIER_OK;
 }
 
@@ -1392,6 +1448,22 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
         return lst;
     if (q->kvq)
         return kvq_unsupported(q, "fork");
+    if (q->state) {
+        kv_seq *c = seq_new(s, &q->p);
+        if (!c)
+            return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a sequence");
+        c->strategy = q->strategy;
+        c->len = q->len;
+        enum tier_status st = state_seq_fork(q, c);
+        if (st == TIER_OK && state_on_host(c) && !is_offloaded(c->strategy)) /* fell back as kv_seq_create does */
+            c->strategy = is_static(c->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+        if (st != TIER_OK) {
+            kv_seq_free(c);
+            return st;
+        }
+        *out = c;
+        return TIER_OK;
+    }
     kv_seq *c = calloc(1, sizeof(*c));
     if (!c)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a sequence");

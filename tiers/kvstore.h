@@ -50,6 +50,10 @@ struct kv_geom {
     int head_dim;
     const int *layer_window; /* [n_layers]: 0 = full attention, else sliding window W */
     enum be_dtype dtype;     /* storage type (f32 default) */
+    /* > 0: a state-space model (Mamba): each layer of a sequence holds a
+     * fixed-size state of this many bytes (be_ssm_state_bytes) instead of K
+     * and V; n_kv_heads and head_dim are 0 (tiers/state.c). */
+    size_t state_bytes;
 };
 
 /* Hugging Face's cache_implementation names, with the same semantics. */
@@ -127,6 +131,10 @@ struct kv_store_params {
     /* Tests only: the chain hash is and-ed with this (0 = all 64 bits), so
      * that a small mask forces collisions. */
     uint64_t prefix_hash_mask;
+    /* A state store (kv_geom.state_bytes): a commit that reaches or passes
+     * a multiple of this many tokens keeps a copy of the state in the host
+     * tier, which crop, reuse and forks go back to.  0 = 256. */
+    int checkpoint_interval;
 };
 
 /* The most tokens a sequence may see, and the largest |n| kv_seq_crop
@@ -292,6 +300,8 @@ enum tier_status kv_store_prefix_export(kv_store *s, struct kv_prefix_block *out
  * layers, no_prefix_cache, a store without one). */
 int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, const int32_t *tokens, int64_t n,
                               uint64_t *hashes, int64_t *n_mem);
+/* The length of one serialized prefix-cache block (kv_prefix_block.len). */
+size_t kv_store_prefix_block_bytes(const kv_store *s);
 /* Serializes the cached entries of the chain of tokens[0, n_blocks *
  * block_tokens) under p, from its first block on and up to the first one
  * not cached, into out[] (at most max_out), skipping those shipped
@@ -458,6 +468,31 @@ enum tier_status kv_seq_layer_dense(kv_seq *q, int layer, enum be_dtype dtype, v
 int64_t kv_store_dense_rows(const kv_store *s, const struct kv_seq_params *p, int layer, int64_t n);
 enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, const void *const *k,
                                      const void *const *v);
+
+/* ---- state-space models (tiers/state.c) ----------------------------------
+ * A sequence of a store opened with kv_geom.state_bytes > 0 holds one
+ * state per layer: fixed in size, whatever its length, on the device or,
+ * between steps, in the host tier (an offloaded strategy, a fallback at
+ * creation, kv_seq_offload; its step then takes device copies until the
+ * commit).  The strategies that act on single tokens (sliding_window, sink,
+ * quantized) are refused by kv_seq_create with TIER_ENOTSUP and a
+ * kv_store_errmsg naming why.  kv_seq_crop and kv_seq_reuse go back
+ * to the nearest checkpoint at or below the length they would leave
+ * (kv_seq_length says where), and the caller feeds the tokens from there;
+ * the prefix cache, images and the dense exports do not apply (TIER_ENOTSUP).
+ *
+ * kv_store_state_bytes: the device bytes of one sequence's state (both of
+ *   its copies: the step's transaction writes the second).
+ * kv_seq_state_view: layer l's state for the current chunk, between
+ *   kv_seq_reserve and the commit (the store knows the chunk from
+ *   kv_seq_chunk). */
+size_t kv_store_state_bytes(const kv_store *s);
+/* A state store's checkpoint_interval (0 for a KV store).  A checkpoint is
+ * taken where a chunk ends (kv_seq_chunk's `to`) on a multiple of it: the
+ * forward pass ends a chunk at every multiple that falls inside a
+ * sequence's tokens of the step. */
+int kv_store_checkpoint_interval(const kv_store *s);
+void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out);
 
 /* ---- streaming hooks of the forward pass (tiers/stream.c) ---------------
  * After every sequence of the step is reserved: plan the device slots for

@@ -124,6 +124,8 @@ struct kv_seq {
     struct kv_layer *layers;
     struct kvq_seq *kvq; /* KV_QUANTIZED: the quantized layers (kvquant.c); NULL otherwise */
     struct kv_seq_loader *load; /* layers still to fill from an image (image.c); NULL once all are */
+    struct kv_state *state; /* a state store's sequence (state.c); NULL otherwise */
+    bool chunk_live; /* kv_seq_chunk named the current chunk; state.c has not checkpointed its end */
 };
 
 struct kv_store {
@@ -131,6 +133,7 @@ struct kv_store {
     struct kv_geom g;
     int *layer_window;  /* owned copy of g.layer_window */
     int bt;             /* tokens per block */
+    int64_t ckpt_interval; /* a state store's checkpoint_interval */
     size_t block_bytes; /* K and V of one block */
     char err[KV_ERR_LEN];
     /* the device pool of paged blocks */
@@ -193,6 +196,20 @@ void prefix_reserve(kv_seq *q, int64_t end); /* room for the ids of [.., end) */
 void prefix_publish(kv_seq *q); /* at commit: publishes q's newly full blocks */
 void prefix_crop(kv_seq *q, int64_t new_len);
 enum tier_status prefix_fork(const kv_seq *q, kv_seq *child);
+
+/* state.c: a state store's sequences */
+enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p);
+enum tier_status state_seq_init(kv_seq *q, bool host); /* host: the state starts in the host tier */
+void state_seq_release(kv_seq *q); /* accepts q->state == NULL */
+bool state_on_host(const kv_seq *q);
+enum tier_status state_seq_reserve(kv_seq *q); /* a host state's device copies for the step */
+enum tier_status state_seq_commit(kv_seq *q);
+void state_seq_abort(kv_seq *q);
+enum tier_status state_seq_offload(kv_seq *q); /* to the host tier; all or nothing */
+void state_chunk_end(kv_store *s); /* after a chunk's last layer: checkpoints at its sequences' ends */
+enum tier_status state_seq_rewind(kv_seq *q, int64_t len);
+enum tier_status state_seq_fork(const kv_seq *q, kv_seq *child);
+void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host);
 
 /* kvquant.c: the KV_QUANTIZED sequence's side of creation, the step
  * transaction (all layers or none), release and size */

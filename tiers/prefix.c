@@ -468,6 +468,11 @@ static size_t entry_bytes_on_disk(const kv_store *s)
     return PFX_HDR + (size_t)s->bt * sizeof(int32_t) + (size_t)s->g.n_layers * s->block_bytes;
 }
 
+size_t kv_store_prefix_block_bytes(const kv_store *s)
+{
+    return entry_bytes_on_disk(s);
+}
+
 /* e serialized into a new buffer; TIER_ENOMEM_HOST or TIER_EIO (a device
  * copy) with nothing allocated.  No message: eviction calls it from inside
  * other operations, whose own message must stand. */

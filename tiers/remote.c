@@ -21,6 +21,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#include <sys/mman.h>
 
 #include <hiredis/hiredis.h>
 
@@ -34,6 +37,7 @@
 #define BACKOFF_MIN_MS 100.0
 #define BACKOFF_MAX_MS 5000.0
 #define HOST_MAX 256
+#define IN_CAP ((size_t)64 << 10) /* a node's buffer of reply headers */
 
 struct node {
     char host[HOST_MAX]; /* a Unix socket's path when port is 0 */
@@ -42,6 +46,9 @@ struct node {
     double retry_at, backoff_ms;
     bool down; /* logged as unreachable, not back yet */
     int pending;
+    /* the batches' replies, read here rather than by hiredis (reply_read) */
+    char *in;
+    size_t in_pos, in_len;
 };
 
 struct link {
@@ -59,7 +66,28 @@ struct cmd {
     int argc;
     int node;
     redisReply *reply; /* NULL: none came (the node failed or was skipped) */
+    bool in_arena;     /* reply is a string whose bytes the batch's arena holds (reply_free) */
 };
+
+/* A lookup's values, in large anonymous mappings with transparent huge
+ * pages asked for, freed together.  Values held until the engine takes
+ * them would otherwise each be a fresh malloc'd mapping faulted in one
+ * 4 KiB page at a time, which measured (docs/remote.md) as the lookup
+ * thread's largest cost after the kernel's own copy.  Freed chunks are
+ * kept for the next lookups, up to ARENA_KEEP: faulting a chunk in (and
+ * the kernel's compaction for its huge pages) is paid once, not per
+ * lookup. */
+struct arena_chunk {
+    struct arena_chunk *next;
+    size_t size;
+};
+
+struct arena {
+    struct arena_chunk *chunks;
+    uint8_t *cur;
+    size_t left;
+};
+
 
 struct pub {
     struct kv_prefix_block b;
@@ -71,10 +99,13 @@ struct kv_remote_fetch {
     uint64_t ns;
     int n, found;
     bool done; /* under r->mu */
+    struct arena arena; /* the values */
     kv_remote_fetch *next;
     struct {
         uint64_t hash;
-        redisReply *rep;
+        redisReply *rep; /* holds data, when it was stored raw */
+        bool in_arena;   /* rep's string is in the arena */
+        void *owned;     /* holds data, when it was decompressed */
         const void *data;
         size_t len;
     } blk[];
@@ -87,6 +118,8 @@ struct kv_remote {
     char layout_key[96];
     bool is_cluster;
     struct link fl, pl; /* the lookup and the publish thread's */
+    ZSTD_DCtx *dctx;    /* the lookup thread's: any value may be compressed */
+    ZSTD_CCtx *cctx;    /* the publish thread's; NULL: values are published raw */
     pthread_t ft, pt;
     bool ft_started, pt_started;
 
@@ -97,6 +130,8 @@ struct kv_remote {
     struct pub *pq, **pq_tail;
     size_t pq_bytes;
     bool full; /* logged as full (OOM), no successful publish since */
+    struct arena_chunk *spare; /* freed lookup arenas' chunks, for the next (arena_free) */
+    size_t spare_bytes;
     struct kv_remote_stats st;
 };
 
@@ -113,6 +148,77 @@ static void count(kv_remote *r, enum kv_remote_err e)
     pthread_mutex_lock(&r->mu);
     r->st.errors[e]++;
     pthread_mutex_unlock(&r->mu);
+}
+
+#define ARENA_CHUNK ((size_t)32 << 20)
+#define ARENA_KEEP ((size_t)128 << 20)
+
+static struct arena_chunk *chunk_new(kv_remote *r, size_t size)
+{
+    struct arena_chunk *c = NULL;
+    if (size == ARENA_CHUNK) {
+        pthread_mutex_lock(&r->mu);
+        if ((c = r->spare)) {
+            r->spare = c->next;
+            r->spare_bytes -= c->size;
+        }
+        pthread_mutex_unlock(&r->mu);
+        if (c)
+            return c;
+    }
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    madvise(m, size, MADV_HUGEPAGE); /* advice: refused or ignored, it is 4 KiB pages */
+    c = m;
+    c->size = size;
+    return c;
+}
+
+static void *arena_alloc(kv_remote *r, struct arena *a, size_t len)
+{
+    len = (len + 63) & ~(size_t)63;
+    if (len > a->left) {
+        struct arena_chunk *c = chunk_new(r, len + 64 > ARENA_CHUNK ? len + 64 : ARENA_CHUNK);
+        if (!c)
+            return NULL;
+        c->next = a->chunks;
+        a->chunks = c;
+        a->cur = (uint8_t *)c + 64;
+        a->left = c->size - 64;
+    }
+    void *p = a->cur;
+    a->cur += len;
+    a->left -= len;
+    return p;
+}
+
+static void arena_free(kv_remote *r, struct arena *a)
+{
+    while (a->chunks) {
+        struct arena_chunk *c = a->chunks;
+        a->chunks = c->next;
+        pthread_mutex_lock(&r->mu);
+        bool keep = c->size == ARENA_CHUNK && r->spare_bytes + c->size <= ARENA_KEEP;
+        if (keep) {
+            c->next = r->spare;
+            r->spare = c;
+            r->spare_bytes += c->size;
+        }
+        pthread_mutex_unlock(&r->mu);
+        if (!keep)
+            munmap(c, c->size);
+    }
+    a->cur = NULL;
+    a->left = 0;
+}
+
+/* Frees a reply whose string may be in an arena. */
+static void reply_free(redisReply *r, bool in_arena)
+{
+    if (r && in_arena)
+        r->str = NULL;
+    freeReplyObject(r);
 }
 
 /* ---- keys and slots ---------------------------------------------------- */
@@ -195,6 +301,7 @@ static void node_fail(struct link *L, struct node *n, enum kv_remote_err kind, c
         redisFree(n->c);
     n->c = NULL;
     n->pending = 0;
+    n->in_pos = n->in_len = 0;
     n->retry_at = clock_ms() + n->backoff_ms;
     n->backoff_ms = n->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : n->backoff_ms * 2;
     L->stale = true;
@@ -346,14 +453,164 @@ static redisReply *run_one(struct link *L, int ni, struct cmd *c, bool ask)
     return rep;
 }
 
+/* ---- replies ---------------------------------------------------------------- */
+
+/* A batch's replies are read here, not by hiredis: hiredis 0.14 reads 16
+ * KiB per read() into a stack buffer, appends that to its reader's
+ * buffer, frees that buffer whenever it empties (so it regrows for every
+ * value) and copies each value into its reply: three copies of every
+ * byte and a syscall per 16 KiB.  Here a value is read from the socket
+ * straight into its reply's string, once; only reply headers and short
+ * replies go through the node's buffer.  The replies are hiredis's own
+ * objects (freeReplyObject frees them), and the connection stays
+ * hiredis's for everything else: a batch reads exactly its replies, so
+ * neither reader ever holds the other's bytes. */
+
+/* Reads more of n's stream into its buffer; false with *kind and why. */
+static bool in_fill(struct node *n, enum kv_remote_err *kind, char *why, size_t cap)
+{
+    if (n->in_pos == n->in_len)
+        n->in_pos = n->in_len = 0;
+    if (n->in_len == IN_CAP) { /* a header longer than the buffer: not Redis */
+        *kind = KV_REMOTE_E_IO;
+        snprintf(why, cap, "a reply header over %zu bytes", IN_CAP);
+        return false;
+    }
+    if (n->in_pos) {
+        memmove(n->in, n->in + n->in_pos, n->in_len - n->in_pos);
+        n->in_len -= n->in_pos;
+        n->in_pos = 0;
+    }
+    ssize_t got = read(n->c->fd, n->in + n->in_len, IN_CAP - n->in_len);
+    if (got > 0) {
+        n->in_len += (size_t)got;
+        return true;
+    }
+    *kind = got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? KV_REMOTE_E_TIMEOUT : KV_REMOTE_E_IO;
+    snprintf(why, cap, "%s", got ? strerror(errno) : "connection closed by the server");
+    return false;
+}
+
+/* Fills dst[0, len) from the buffer, then from the socket itself. */
+static bool in_take(struct node *n, char *dst, size_t len, enum kv_remote_err *kind, char *why, size_t cap)
+{
+    size_t have = n->in_len - n->in_pos < len ? n->in_len - n->in_pos : len;
+    if (dst)
+        memcpy(dst, n->in + n->in_pos, have);
+    n->in_pos += have;
+    while (have < len) {
+        char sink[4096];
+        size_t want = len - have;
+        ssize_t got = dst ? read(n->c->fd, dst + have, want)
+                          : read(n->c->fd, sink, want < sizeof(sink) ? want : sizeof(sink));
+        if (got <= 0) {
+            *kind = got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? KV_REMOTE_E_TIMEOUT : KV_REMOTE_E_IO;
+            snprintf(why, cap, "%s", got ? strerror(errno) : "connection closed by the server");
+            return false;
+        }
+        have += (size_t)got;
+    }
+    return true;
+}
+
+/* One reply of n: a status, an error, an integer, a bulk string or nil
+ * (what GETEX, SET and their errors answer).  NULL with *kind and why on
+ * a failed read or a reply of another kind (the stream cannot be trusted
+ * after it).  A bulk longer than max_bulk is read past and given as an
+ * empty string: a miss, counted as corrupt, without holding it. */
+static redisReply *reply_read(kv_remote *rr, struct node *n, size_t max_bulk, struct arena *a,
+                              enum kv_remote_err *kind, char *why, size_t cap)
+{
+    if (!n->in && !(n->in = malloc(IN_CAP))) {
+        *kind = KV_REMOTE_E_IO;
+        snprintf(why, cap, "out of memory for a read buffer");
+        return NULL;
+    }
+    char *eol;
+    while (!(eol = memchr(n->in + n->in_pos, '\n', n->in_len - n->in_pos)))
+        if (!in_fill(n, kind, why, cap))
+            return NULL;
+    const char *line = n->in + n->in_pos;
+    size_t line_len = (size_t)(eol - line);
+    n->in_pos += line_len + 1;
+    if (line_len < 2 || line[line_len - 1] != '\r') {
+        *kind = KV_REMOTE_E_IO;
+        snprintf(why, cap, "not a Redis reply");
+        return NULL;
+    }
+    line_len--; /* without the \r */
+    redisReply *r = calloc(1, sizeof(*r));
+    if (!r) {
+        *kind = KV_REMOTE_E_IO;
+        snprintf(why, cap, "out of memory for a reply");
+        return NULL;
+    }
+    char *end;
+    long long v = 0;
+    if (line[0] == ':' || line[0] == '$') {
+        errno = 0;
+        v = strtoll(line + 1, &end, 10);
+        if (errno || end != line + line_len || end == line + 1)
+            line = "?"; /* falls to the refusal below */
+    }
+    switch (line[0]) {
+    case '+':
+    case '-':
+        r->type = line[0] == '+' ? REDIS_REPLY_STATUS : REDIS_REPLY_ERROR;
+        r->len = line_len - 1;
+        if ((r->str = malloc(r->len + 1))) {
+            memcpy(r->str, line + 1, r->len);
+            r->str[r->len] = '\0';
+            return r;
+        }
+        break;
+    case ':':
+        r->type = REDIS_REPLY_INTEGER;
+        r->integer = v;
+        return r;
+    case '$':
+        if (v == -1) {
+            r->type = REDIS_REPLY_NIL;
+            return r;
+        }
+        if (v < 0)
+            break;
+        r->type = REDIS_REPLY_STRING;
+        bool keep = (unsigned long long)v <= max_bulk;
+        a = keep && v > 0 ? a : NULL; /* the arena holds exactly the non-empty strings (in_arena) */
+        r->len = keep ? (size_t)v : 0;
+        if (!(r->str = a ? arena_alloc(rr, a, r->len + 1) : malloc(r->len + 1)))
+            break;
+        char crlf[2];
+        if (!in_take(n, keep ? r->str : NULL, (size_t)v, kind, why, cap) || !in_take(n, crlf, 2, kind, why, cap)) {
+            reply_free(r, a);
+            return NULL;
+        }
+        r->str[r->len] = '\0';
+        if (crlf[0] == '\r' && crlf[1] == '\n')
+            return r;
+        reply_free(r, a);
+        *kind = KV_REMOTE_E_IO;
+        snprintf(why, cap, "a bulk reply not ended by CRLF");
+        return NULL;
+    }
+    freeReplyObject(r);
+    *kind = KV_REMOTE_E_IO;
+    snprintf(why, cap, "a reply this client does not read (\"%.16s\")", line);
+    return NULL;
+}
+
 /* ---- batches --------------------------------------------------------------- */
 
-static void run(struct link *L, struct cmd *cmds, int n)
+/* Sends cmds[0, n) and reads their replies; a's arena (NULL: malloc)
+ * holds the strings reply_read reads. */
+static void run(struct link *L, struct cmd *cmds, int n, struct arena *a)
 {
     if (L->r->is_cluster && L->stale)
         slots_load(L);
     for (int i = 0; i < n; i++) {
         cmds[i].reply = NULL;
+        cmds[i].in_arena = false;
         cmds[i].node = node_of_key(L, cmds[i].argv[1], cmds[i].len[1]);
     }
     for (int i = 0; i < n; i++) {
@@ -367,6 +624,15 @@ static void run(struct link *L, struct cmd *cmds, int n)
         }
         nd->pending++;
     }
+    for (int i = 0; i < L->n_nodes; i++) {
+        struct node *nd = &L->nodes[i];
+        int done = 0;
+        while (nd->c && nd->pending && !done)
+            if (redisBufferWrite(nd->c, &done) != REDIS_OK)
+                node_fail(L, nd, io_kind(nd->c), nd->c->errstr);
+    }
+    /* a value that would not check anyway (longer than a block's container) is not kept */
+    size_t max_bulk = L->r->p.block_bytes < SIZE_MAX / 2 ? 2 * L->r->p.block_bytes + ((size_t)64 << 10) : SIZE_MAX;
     for (int i = 0; i < n; i++) {
         struct cmd *c = &cmds[i];
         if (c->node < 0)
@@ -374,13 +640,14 @@ static void run(struct link *L, struct cmd *cmds, int n)
         struct node *nd = &L->nodes[c->node];
         if (!nd->c || !nd->pending)
             continue; /* failed with an earlier reply of this batch */
-        void *rep = NULL;
-        if (redisGetReply(nd->c, &rep) != REDIS_OK) {
-            node_fail(L, nd, io_kind(nd->c), nd->c->errstr);
+        enum kv_remote_err kind;
+        char why[128];
+        if (!(c->reply = reply_read(L->r, nd, max_bulk, a, &kind, why, sizeof(why)))) {
+            node_fail(L, nd, kind, why);
             continue;
         }
+        c->in_arena = a && c->reply->type == REDIS_REPLY_STRING && c->reply->len;
         nd->pending--;
-        c->reply = rep;
     }
     /* redirections, once each */
     for (int i = 0; L->r->is_cluster && i < n; i++) {
@@ -396,6 +663,7 @@ static void run(struct link *L, struct cmd *cmds, int n)
         }
         freeReplyObject(c->reply);
         c->reply = run_one(L, to, c, ask);
+        c->in_arena = false;
     }
 }
 
@@ -407,6 +675,7 @@ static bool take_batch(kv_remote *r, kv_remote_fetch *f, int from, struct cmd *c
     bool going = true;
     for (int i = 0; i < n; i++) {
         redisReply *rep = cmds[i].reply;
+        bool in_arena = cmds[i].in_arena;
         cmds[i].reply = NULL;
         int k = from + i;
         enum kv_remote_err bad = KV_REMOTE_N_ERR;
@@ -414,17 +683,21 @@ static bool take_batch(kv_remote *r, kv_remote_fetch *f, int from, struct cmd *c
             char ns[24], name[24], why[DISK_WHY_LEN];
             snprintf(ns, sizeof(ns), "p%" PRIx64, f->ns);
             snprintf(name, sizeof(name), "%016" PRIx64, f->blk[k].hash);
-            enum disk_check dc =
-                disk_blob_decode(rep->str, rep->len, &r->p.layout, ns, name, &f->blk[k].data, &f->blk[k].len, why);
+            enum disk_check dc = disk_blob_decode(rep->str, rep->len, &r->p.layout, ns, name, r->p.block_bytes, r->dctx,
+                                                  &f->blk[k].data, &f->blk[k].len, &f->blk[k].owned, why);
             if (dc == DISK_VALID) {
-                f->blk[k].rep = rep;
+                f->blk[k].rep = f->blk[k].owned ? NULL : rep;
+                f->blk[k].in_arena = in_arena;
                 f->found++;
                 pthread_mutex_lock(&r->mu);
                 r->st.bytes_in += rep->len;
                 pthread_mutex_unlock(&r->mu);
+                if (f->blk[k].owned)
+                    reply_free(rep, in_arena);
                 continue;
             }
-            bad = dc == DISK_FOREIGN ? KV_REMOTE_E_FOREIGN : KV_REMOTE_E_CORRUPT;
+            /* out of memory: a miss, not the value's fault */
+            bad = dc == DISK_NOMEM ? KV_REMOTE_N_ERR : dc == DISK_FOREIGN ? KV_REMOTE_E_FOREIGN : KV_REMOTE_E_CORRUPT;
             log_msg(LOG_DEBUG, "remote tier: block %s/%s not used: %s", ns, name, why);
         } else if (going && rep && rep->type == REDIS_REPLY_ERROR) {
             bad = !strncmp(rep->str, "OOM", 3) ? KV_REMOTE_E_OOM : KV_REMOTE_E_REPLY;
@@ -434,7 +707,7 @@ static bool take_batch(kv_remote *r, kv_remote_fetch *f, int from, struct cmd *c
         if (bad != KV_REMOTE_N_ERR)
             count(r, bad);
         going = false;
-        freeReplyObject(rep);
+        reply_free(rep, in_arena);
     }
     return going;
 }
@@ -455,7 +728,7 @@ static void fetch_run(kv_remote *r, kv_remote_fetch *f)
             for (int a = 0; a < 4; a++)
                 cmds[i].len[a] = strlen(cmds[i].argv[a]);
         }
-        run(&r->fl, cmds, n);
+        run(&r->fl, cmds, n, &f->arena);
         going = take_batch(r, f, from, cmds, n);
     }
     pthread_mutex_lock(&r->mu);
@@ -510,7 +783,7 @@ static void publish_batch(kv_remote *r, struct pub **items, int n)
         size_t len = 0;
         snprintf(ns, sizeof(ns), "p%" PRIx64, b->ns);
         snprintf(name, sizeof(name), "%016" PRIx64, b->hash);
-        if (!(blobs[m] = disk_blob_encode(&r->p.layout, ns, name, b->buf, b->len, &len))) {
+        if (!(blobs[m] = disk_blob_encode(&r->p.layout, ns, name, b->buf, b->len, r->cctx, &len))) {
             count(r, KV_REMOTE_E_DROPPED);
             continue;
         }
@@ -520,7 +793,7 @@ static void publish_batch(kv_remote *r, struct pub **items, int n)
             cmds[m].len[a] = a == 2 ? len : strlen(cmds[m].argv[a]);
         m++;
     }
-    run(&r->pl, cmds, m);
+    run(&r->pl, cmds, m, NULL);
     uint64_t ok = 0, bytes = 0;
     bool oom = false;
     for (int i = 0; i < m; i++) {
@@ -674,8 +947,11 @@ void kv_remote_fetch_free(kv_remote_fetch *f)
     if (!f)
         return;
     kv_remote_fetch_wait(f);
-    for (int i = 0; i < f->n; i++)
-        freeReplyObject(f->blk[i].rep);
+    for (int i = 0; i < f->n; i++) {
+        reply_free(f->blk[i].rep, f->blk[i].in_arena);
+        free(f->blk[i].owned);
+    }
+    arena_free(f->r, &f->arena);
     free(f);
 }
 
@@ -766,9 +1042,11 @@ static bool parse_addr(kv_remote *r, struct link *L, char err[256])
 
 static void link_free(struct link *L)
 {
-    for (int i = 0; i < L->n_nodes; i++)
+    for (int i = 0; i < L->n_nodes; i++) {
         if (L->nodes[i].c)
             redisFree(L->nodes[i].c);
+        free(L->nodes[i].in);
+    }
     free(L->nodes);
     free(L->slot);
 }
@@ -799,6 +1077,7 @@ enum tier_status kv_remote_open(const struct kv_remote_params *p, kv_remote **ou
     r->p.timeout_ms = p->timeout_ms > 0 ? p->timeout_ms : 500;
     r->p.ttl_s = p->ttl_s > 0 ? p->ttl_s : 86400;
     r->p.queue_bytes = p->queue_bytes ? p->queue_bytes : (size_t)64 << 20;
+    r->p.block_bytes = p->block_bytes ? p->block_bytes : SIZE_MAX;
     r->is_cluster = p->cluster != NULL;
     const struct kv_disk_layout *l = &p->layout;
     snprintf(r->layout_key, sizeof(r->layout_key), "d%u.b%u.l%u.h%u.k%u.%s", l->dtype, l->block_tokens, l->n_layers,
@@ -809,6 +1088,9 @@ enum tier_status kv_remote_open(const struct kv_remote_params *p, kv_remote **ou
     r->pq_tail = &r->pq;
     r->fl = (struct link){.r = r, .role = "lookups", .stale = true};
     r->pl = (struct link){.r = r, .role = "publishing", .stale = true};
+    r->dctx = ok ? ZSTD_createDCtx() : NULL;
+    r->cctx = ok && p->compress ? ZSTD_createCCtx() : NULL;
+    ok = ok && r->dctx && (!p->compress || r->cctx);
     if (ok && r->is_cluster) {
         r->fl.slot = calloc(N_SLOTS, sizeof(*r->fl.slot));
         r->pl.slot = calloc(N_SLOTS, sizeof(*r->pl.slot));
@@ -849,6 +1131,13 @@ void kv_remote_free(kv_remote *r)
     }
     link_free(&r->fl);
     link_free(&r->pl);
+    while (r->spare) {
+        struct arena_chunk *c = r->spare;
+        r->spare = c->next;
+        munmap(c, c->size);
+    }
+    ZSTD_freeDCtx(r->dctx);
+    ZSTD_freeCCtx(r->cctx);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     free(r->url);

@@ -41,6 +41,8 @@ struct kv_remote_params {
     int timeout_ms;       /* every connect, read and write; 0 = 500 */
     int ttl_s;            /* set on publish, refreshed on every hit; 0 = 86400 */
     size_t queue_bytes;   /* blocks waiting to be published; 0 = 64 MiB */
+    bool compress;        /* publish values with zstd-compressed chunks (any value read may be) */
+    size_t block_bytes;   /* a serialized block's size: a value claiming more is corrupt; 0 = no bound */
     struct kv_disk_layout layout;
     const char *variant;  /* what else changes the KV values (the weights' format): part of the key */
     void (*notify)(void *arg); /* a fetch is done, a publish batch sent (on those threads); may be NULL */

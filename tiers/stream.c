@@ -205,6 +205,7 @@ void kv_seq_chunk(kv_seq *q, int64_t from, int64_t to)
 {
     q->chunk_from = from;
     q->chunk_to = to;
+    q->chunk_live = true;
 }
 
 /* Copies logical blocks [b0, b1) between a layer's host ring and its slot
@@ -307,6 +308,8 @@ enum be_status kv_store_layer_begin(kv_store *s, int layer)
 
 enum be_status kv_store_layer_end(kv_store *s, int layer)
 {
+    if (s->g.state_bytes && layer == s->g.n_layers - 1)
+        state_chunk_end(s);
     if (!s->streaming || s->slot_of[layer] < 0)
         return BE_OK;
     /* layer_begin timed the previous chunk's write-back of this layer */

@@ -8,6 +8,7 @@ test_pkgs="libcmocka-dev python3 python3-numpy python3-torch curl nodejs npm cla
 # groff-base: tests/install.test.sh renders the man pages and checks for warnings
 test_pkgs="$test_pkgs groff-base"
 test_pkgs="$test_pkgs python3-jsonschema" # the schema oracle of the constrained-output test
+test_pkgs="$test_pkgs python3-sentencepiece" # trains the Unigram tokenizer test's models and encodes its corpus
 # the Prometheus text parser tests/daemon_metrics.py checks /metrics with (promtool, in the 100 MB
 # prometheus package, is used when installed but not required)
 test_pkgs="$test_pkgs python3-prometheus-client"

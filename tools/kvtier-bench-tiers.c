@@ -4,7 +4,8 @@
  * ratios that survive a noisy machine:
  *
  *   kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode 8] [--repeat 2] [--threads N]
- *                      [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]... [--csv FILE]
+ *                      [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]... [--csv FILE] [--backend cpu|cuda]
+ *                      [--device-mem BYTES]
  *
  * For each context the three sequences are filled to that length and then
  * decode --decode tokens each, interleaved, over --repeat rounds.  The
@@ -20,7 +21,10 @@
  * each round, in an order rotated round by round, and reports each later
  * dtype's tokens/s as the median (and range) of its per-round ratios to
  * the first's.  --csv FILE also writes one row per context, mode and KV
- * dtype (util/csvout.h) for `make plots`.
+ * dtype (util/csvout.h) for `make plots`.  --backend cuda runs it on the
+ * GPU; give --device-mem there (the resident backend's budget), since the
+ * CUDA default takes the device's free memory and leaves none for the
+ * adaptive one.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -45,13 +49,19 @@ struct rig {
     kv_store *store;
 };
 
+static const char *backend = "cpu";
+
 static int rig_open(struct rig *r, const char *dir, int threads, size_t device_mem, int block_tokens,
                     enum model_kv_dtype kv_dtype)
 {
     char err[MODEL_ERR_LEN];
     struct be_params bp = {.n_threads = threads, .device_mem = device_mem};
-    if (be_open("cpu", &bp, &r->be) != BE_OK)
+    enum be_status bs = be_open(backend, &bp, &r->be);
+    if (bs != BE_OK) {
+        fprintf(stderr, "kvtier-bench-tiers: --backend %s: %s\n", backend, *be_open_error() ? be_open_error()
+                                                                                              : be_strerror(bs));
         return -1;
+    }
     struct model_params mp = {.max_batch_tokens = 16, .kv_dtype = kv_dtype};
     enum model_status st = model_load(dir, r->be, &mp, &r->m, err);
     if (st != MODEL_OK) {
@@ -143,6 +153,7 @@ int main(int argc, char **argv)
         return 0;
     const char *dir = NULL;
     int ctxs[16] = {1024, 4096, 16384}, n_ctx = 3, n_decode = 8, repeat = 2, threads = 0, block_tokens = 0;
+    size_t device_mem = 0;
     enum model_kv_dtype kdts[MAX_DTYPES] = {MODEL_KV_AUTO};
     int n_dt = 0;
     static const struct option opts[] = {
@@ -150,6 +161,7 @@ int main(int argc, char **argv)
         {"decode", required_argument, 0, 'd'},  {"repeat", required_argument, 0, 'r'},
         {"threads", required_argument, 0, 't'}, {"block-tokens", required_argument, 0, 'b'},
         {"kv-dtype", required_argument, 0, 'k'}, {"csv", required_argument, 0, 'C'},
+        {"backend", required_argument, 0, 'B'}, {"device-mem", required_argument, 0, 'M'},
         {0, 0, 0, 0},
     };
     const char *csv_path = NULL;
@@ -165,6 +177,8 @@ int main(int argc, char **argv)
         case 'b': ok = args_int(optarg, 1, 1 << 16, &block_tokens); break;
         case 'k': ok = n_dt < MAX_DTYPES && model_kv_dtype_parse(optarg, &kdts[n_dt++]); break;
         case 'C': csv_path = optarg; break;
+        case 'B': backend = optarg; break;
+        case 'M': ok = args_size(optarg, &device_mem); break;
         default: return 2;
         }
         if (!ok)
@@ -172,7 +186,8 @@ int main(int argc, char **argv)
     }
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench-tiers -m DIR [--ctx 1024,4096,16384] [--decode N] [--repeat N] "
-                        "[--threads N] [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]... [--csv FILE]\n");
+                        "[--threads N] [--block-tokens N] [--kv-dtype auto|f32|bf16|f16]... [--csv FILE] "
+                        "[--backend cpu|cuda] [--device-mem BYTES]\n");
         return 2;
     }
     FILE *csv = NULL;
@@ -185,7 +200,7 @@ int main(int argc, char **argv)
     n_dt = n_dt ? n_dt : 1;
     struct rig full[MAX_DTYPES];
     for (int d = 0; d < n_dt; d++)
-        if (rig_open(&full[d], dir, threads, 0, block_tokens, kdts[d]) != 0)
+        if (rig_open(&full[d], dir, threads, device_mem, block_tokens, kdts[d]) != 0)
             return 1;
     const struct model_config *c = model_get_config(full[0].m);
     size_t act = be_mem_stats(full[0].be).dev_used;
@@ -193,10 +208,10 @@ int main(int argc, char **argv)
     double *tps = malloc(sizeof(double) * N_MODES * MAX_DTYPES * (size_t)repeat), ratio[MAX_ROUNDS];
     if (!logits || !tps)
         return 1;
-    printf("model %s: %d layers, %d kv heads x %d, %s weights; KV in blocks of %d tokens; backend cpu, %d "
+    printf("model %s: %d layers, %d kv heads x %d, %s weights; KV in blocks of %d tokens; backend %s, %d "
            "threads, %s\n",
            dir, c->n_layers, c->n_kv_heads, c->head_dim, be_dtype_name(c->dtype), kv_store_block_tokens(full[0].store),
-           be_get_caps(full[0].be).n_threads,
+           be_get_caps(full[0].be).name, be_get_caps(full[0].be).n_threads,
            be_get_caps(full[0].be).pinned_host ? "pinned host tier" : "host tier not pinned");
     for (int d = 0; d < n_dt; d++) {
         enum be_dtype dt = kv_store_dtype(full[d].store);

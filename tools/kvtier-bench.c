@@ -10,7 +10,7 @@
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *                [--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]
- *                [--bw-passes 3] [--weights auto|q8_0] [--csv FILE]
+ *                [--bw-passes 3] [--weights auto|q8_0|q4_k] [--csv FILE] [--backend cpu|cuda]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -108,12 +108,14 @@ static void weight_totals(const struct model_config *c, const struct model_weigh
     *elems = 0;
     for (int l = -1; l < c->n_layers; l++) {
         const struct model_layer *L = l >= 0 ? &w->layers[l] : NULL;
-        const struct model_mat *ms[7] = {&w->lm_head};
-        if (L) {
-            const struct model_mat *lm[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        const struct model_mat *ms[14] = {&w->lm_head};
+        if (L) { /* a family's matrices; the others' have no rows */
+            const struct model_mat *lm[14] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down,
+                                              &L->ssm_in_x, &L->ssm_in_z, &L->ssm_x_dt, &L->ssm_x_B, &L->ssm_x_C,
+                                              &L->ssm_dt, &L->ssm_out};
             memcpy(ms, lm, sizeof(ms));
         }
-        for (int i = 0; i < 7 && ms[i]; i++) {
+        for (int i = 0; i < 14 && ms[i]; i++) {
             *elems += (double)ms[i]->rows * ms[i]->cols;
             *bytes += (size_t)ms[i]->rows * be_row_bytes(ms[i]->dtype, (size_t)ms[i]->cols);
         }
@@ -133,7 +135,8 @@ int main(int argc, char **argv)
         {"repeat", required_argument, 0, 'r'}, {"block-tokens", required_argument, 0, 'b'},
         {"fill", required_argument, 0, 'f'},   {"kv-dtype", required_argument, 0, 'k'},
         {"bw-passes", required_argument, 0, 'P'}, {"weights", required_argument, 0, 'w'},
-        {"csv", required_argument, 0, 'C'},   {0, 0, 0, 0},
+        {"csv", required_argument, 0, 'C'},   {"backend", required_argument, 0, 'B'},
+        {0, 0, 0, 0},
     };
     const char *csv_path = NULL;
     int o;
@@ -151,6 +154,7 @@ int main(int argc, char **argv)
         case 'P': ok = args_int(optarg, 1, 100, &bw_passes); break;
         case 'w': ok = model_weights_parse(optarg, &rp.model.weights); break;
         case 'C': csv_path = optarg; break;
+        case 'B': rp.backend = optarg; break;
         default: return 2;
         }
         if (!ok)
@@ -159,7 +163,7 @@ int main(int argc, char **argv)
     if (!dir || optind != argc) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
                         "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] [--bw-passes N] "
-                        "[--weights auto|q8_0] [--csv FILE]\n");
+                        "[--weights auto|q8_0|q4_k] [--csv FILE] [--backend cpu|cuda]\n");
         return 2;
     }
     FILE *csv = NULL;

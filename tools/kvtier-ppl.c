@@ -1,7 +1,7 @@
 /* kvtier-ppl - token-level perplexity of a text file, computed by kvtier.
  *
  *   kvtier-ppl -m DIR -f FILE [--window N] [--threads N] [--kv-dtype auto|f32|bf16|f16]
- *              [--weights auto|q8_0]
+ *              [--weights auto|q8_0|q4_k]
  *
  * The windowing is the one tools/train.py records in metrics.json (so the two
  * numbers are comparable): FILE is encoded without special tokens, the ids
@@ -30,7 +30,7 @@
 static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier-ppl -m DIR -f FILE [--window N] [--threads N] [--kv-dtype auto|f32|bf16|f16]\n"
-               "                  [--weights auto|q8_0]\n");
+               "                  [--weights auto|q8_0|q4_k]\n");
 }
 
 /* Reads a whole file into a NUL-terminated malloc'd buffer. */

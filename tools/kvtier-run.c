@@ -31,7 +31,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier-run -m DIR (-p TEXT | --ids 1,2,3) [-n N] [--greedy | --temp T] [--top-k K]\n"
                "       [--top-p P] [--min-p P] [--rep-pen R] [--seed S] [--stop STR]... [--ignore-eos]\n"
-               "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--weights auto|q8_0] [--threads N] [--dump FILE]\n"
+               "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--weights auto|q8_0|q4_k] [--threads N] [--dump FILE]\n"
                "       [--quiet]\n"
                "       [--num-beams B [--num-return R] [--length-penalty L] [--early-stopping true|false|never]\n"
                "        [--min-new N] [--no-repeat-ngram N] [--num-beam-groups G --diversity-penalty D]]\n");
@@ -235,7 +235,7 @@ int main(int argc, char **argv)
     }
     if (!quiet)
         fprintf(stderr, "[KV cache %s, weights %s]\n", be_dtype_name(kv_store_dtype(rt.store)),
-                be_dtype_name(model_get_config(rt.m)->dtype));
+                be_dtype_name(model_get_weights(rt.m)->layers[0].wq.dtype)); /* the layer matrices: Q8_0 too */
     if (ids_arg ? parse_ids(ids_arg, &prompt) != 0
                 : tokenizer_encode(rt.tok, text, strlen(text), true, &prompt, err) != TEXT_OK) {
         fprintf(stderr, "kvtier-run: bad prompt: %s\n", ids_arg ? "--ids wants comma-separated token ids" : err);

@@ -668,6 +668,7 @@ static void usage(FILE *f)
                "  status                                    daemon health and model\n"
                "  batch IN.jsonl [-o OUT.jsonl] [-j N]      OpenAI batch lines, results in input order\n"
                "  top [-d SECONDS]                          live view of sessions, requests and tiers\n"
+               "  quantize [--type T] MODEL_DIR OUT.gguf    a model directory as a (Q8_0) GGUF file\n"
                "kvtier COMMAND --help describes a command.\n"
                "exit codes: 0 ok, 1 daemon error, 2 usage, 3 kvtierd unreachable, 4 malformed reply\n");
 }
@@ -702,7 +703,7 @@ int main(int argc, char **argv)
     } cmds[] = {{"generate", cmd_generate, generate_usage}, {"chat", cmd_chat, cli_chat_usage},
                 {"sessions", cmd_sessions, sessions_usage}, {"status", cmd_status, status_usage},
                 {"batch", cmd_batch, batch_usage}, {"session", cmd_session, session_usage},
-                {"top", cmd_top, cli_top_usage}};
+                {"top", cmd_top, cli_top_usage}, {"quantize", cmd_quantize, cli_quantize_usage}};
     size_t k = 0, n_cmds = sizeof(cmds) / sizeof(cmds[0]);
     while (k < n_cmds && strcmp(argv[i], cmds[k].name))
         k++;
@@ -717,6 +718,8 @@ int main(int argc, char **argv)
             fputs(cmds[k].usage, stdout);
             return 0;
         }
+    if (cmds[k].fn == cmd_quantize) /* files only: no daemon */
+        return cmd_quantize(argc - i, argv + i);
     char path[256];
     struct ipc_error err;
     if (ipc_socket_path(sock_flag, getenv("KVTIER_SYSTEM") != NULL, path, sizeof(path), &err) != IPC_OK) {

@@ -19,6 +19,11 @@ a random model has spread logits (greedy decoding is not a sea of ties):
   norm weights            1 + N(0, 0.1^2)  (not all ones, so a missed norm shows;
                           Gemma stores the offset from 1: N(0, 0.1^2))
   biases                  N(0, 0.5^2)
+Mamba's own tensors keep its scan in the range trained models work in:
+  A_log                   log(1..state_size) + N(0, 0.1^2)  (S4D-real, as HF initialises it)
+  D                       1 + N(0, 0.1^2)
+  dt_proj.bias            -2.5 + N(0, 0.5^2)  (softplus: dt around 0.08)
+  conv1d.weight           N(0, 1/conv_kernel)
 """
 import argparse
 import collections
@@ -38,7 +43,8 @@ from bytelevel import bytes_to_unicode  # noqa: E402
 ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-              "gpt2": "GPT2LMHeadModel"}
+              "gpt2": "GPT2LMHeadModel", "mamba": "MambaForCausalLM", "t5": "T5ForConditionalGeneration",
+              "bart": "BartForConditionalGeneration"}
 
 # Shapes of public checkpoints (benchmarks) and a tiny default (tests).
 PRESETS = {
@@ -66,6 +72,8 @@ PRESETS = {
     "phi3-mini": dict(arch="phi3", layers=32, dim=3072, heads=32, kv_heads=32, ffn=8192, vocab=32064,
                       max_pos=4096, theta=10000.0, eps=1e-5, window=2047),
     "gpt2": dict(arch="gpt2", layers=12, dim=768, heads=12, kv_heads=12, ffn=3072, vocab=50257, max_pos=1024),
+    "mamba-130m": dict(arch="mamba", layers=24, dim=768, vocab=50280, state=16, conv_kernel=4, expand=2,
+                       tie=True, eps=1e-5),
 }
 
 ST_DTYPE = {"f32": ("F32", torch.float32, "float32"), "bf16": ("BF16", torch.bfloat16, "bfloat16"),
@@ -238,9 +246,54 @@ def gpt2_config(o, bos, eos):
     return cfg
 
 
+def mamba_config(o, bos, eos):
+    """MambaConfig as transformers writes it (time_step_rank resolved from
+    "auto", intermediate_size = expand * hidden_size)."""
+    return {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "vocab_size": o.vocab,
+            "hidden_size": o.dim, "state_size": o.state, "num_hidden_layers": o.layers,
+            "layer_norm_epsilon": o.eps, "pad_token_id": eos, "bos_token_id": bos, "eos_token_id": eos,
+            "expand": o.expand, "conv_kernel": o.conv_kernel, "use_bias": False, "use_conv_bias": True,
+            "hidden_act": "silu", "initializer_range": 0.1, "residual_in_fp32": True,
+            "time_step_rank": math.ceil(o.dim / 16), "time_step_scale": 1.0, "time_step_min": 0.001,
+            "time_step_max": 0.1, "time_step_init_scheme": "random", "time_step_floor": 0.0001,
+            "rescale_prenorm_residual": False, "use_cache": True, "use_mambapy": False,
+            "intermediate_size": int(o.expand * o.dim), "tie_word_embeddings": bool(o.tie),
+            "torch_dtype": ST_DTYPE[o.dtype][2], "transformers_version": "4.45.0"}
+
+
+def encdec_config(o, bos, eos):
+    """T5Config / BartConfig as transformers writes them.  --layers is both
+    stacks' depth (T5: --dec-layers may differ), --head-dim T5's d_kv;
+    --ffn-kind picks T5's feed_forward_proj (relu or gated-gelu)."""
+    common = {"architectures": [ARCH_CLASS[o.arch]], "model_type": o.arch, "vocab_size": o.vocab,
+              "d_model": o.dim, "is_encoder_decoder": True, "use_cache": True,
+              "tie_word_embeddings": bool(o.tie), "torch_dtype": ST_DTYPE[o.dtype][2],
+              "transformers_version": "4.45.0"}
+    if o.arch == "t5":
+        gated = o.ffn_kind == "gated-gelu"
+        return {**common, "d_kv": o.head_dim or o.dim // o.heads, "d_ff": o.ffn, "num_layers": o.layers,
+                "num_decoder_layers": o.dec_layers or o.layers, "num_heads": o.heads,
+                "relative_attention_num_buckets": o.buckets, "relative_attention_max_distance": o.max_distance,
+                "dropout_rate": 0.1, "layer_norm_epsilon": o.eps, "initializer_factor": 1.0,
+                "feed_forward_proj": o.ffn_kind, "dense_act_fn": "gelu_new" if gated else "relu",
+                "is_gated_act": gated, "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
+    return {**common, "encoder_layers": o.layers, "decoder_layers": o.dec_layers or o.layers,
+            "encoder_attention_heads": o.heads, "decoder_attention_heads": o.heads,
+            "encoder_ffn_dim": o.ffn, "decoder_ffn_dim": o.ffn, "activation_function": "gelu",
+            "max_position_embeddings": o.max_pos, "scale_embedding": bool(o.scale_embedding),
+            "normalize_before": False, "add_final_layer_norm": False, "init_std": 0.02,
+            "dropout": 0.1, "attention_dropout": 0.0, "activation_dropout": 0.0,
+            "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos, "decoder_start_token_id": eos,
+            "forced_eos_token_id": eos}
+
+
 def make_config(o, bos, eos):
     if o.arch == "gpt2":
         return gpt2_config(o, bos, eos)
+    if o.arch == "mamba":
+        return mamba_config(o, bos, eos)
+    if o.arch in ("t5", "bart"):
+        return encdec_config(o, bos, eos)
     arch = ARCH_CLASS[o.arch]
     head_dim = o.head_dim or o.dim // o.heads
     if o.dim % o.heads and not o.head_dim:
@@ -300,6 +353,10 @@ CHUNK = 1 << 22  # elements generated per step: bounds memory for any shape
 def init_kind(name, shape, cfg):
     """(mean, std) of a tensor by its role (see the module docstring)."""
     gpt2 = cfg["architectures"][0] == "GPT2LMHeadModel"
+    if cfg["architectures"][0] == "MambaForCausalLM":
+        return mamba_init(name, shape, cfg)
+    if cfg.get("is_encoder_decoder"):
+        return encdec_init(name, shape, cfg)
     if name.endswith("norm.weight") or (gpt2 and ".ln_" in name and name.endswith(".weight")):
         return (0.0 if cfg["architectures"][0].startswith("Gemma") else 1.0), 0.1
     if name.endswith(".bias"):
@@ -314,6 +371,54 @@ def init_kind(name, shape, cfg):
     return 0.0, 1.0 / math.sqrt(shape[-1])
 
 
+def mamba_init(name, shape, cfg):
+    """(mean, std) of a Mamba tensor; A_log's mean is per column (a tensor)."""
+    if name.endswith(("norm.weight", "norm_f.weight", ".D")):
+        return 1.0, 0.1
+    if name.endswith(".A_log"):
+        return torch.log(torch.arange(1, shape[1] + 1, dtype=torch.float32)).repeat(shape[0]), 0.1
+    if name.endswith("dt_proj.bias"):
+        return -2.5, 0.5
+    if name.endswith(".bias"):
+        return 0.0, 0.5
+    head_std = 3.0 / math.sqrt(cfg["hidden_size"])
+    if name == "backbone.embeddings.weight":
+        return 0.0, head_std if cfg["tie_word_embeddings"] else 1.0
+    if name == "lm_head.weight":
+        return 0.0, head_std
+    return 0.0, 1.0 / math.sqrt(shape[-1])  # conv1d [inner, 1, kernel]: 1/kernel
+
+
+def encdec_init(name, shape, cfg):
+    """T5 / BART: as above; a tied T5 head multiplies by d_model^-0.5, so its
+    shared embeddings have std 1 (its greedy tokens repeat: tests read its logits); T5's relative biases N(0, 1) and BART's
+    final_logits_bias N(0, 0.5^2), so that a miss of either shows; BART's
+    other biases N(0, 0.1^2) and the cross-attention output N(0, 0.04/in):
+    both add nearly the same vector at every step (the encoder output does
+    not change), and at full scale greedy decoding repeats one token."""
+    d = cfg["d_model"]
+    t5 = cfg["model_type"] == "t5"
+    if name.endswith("norm.weight") or name.endswith("layernorm_embedding.weight"):
+        return 1.0, 0.1
+    if name.endswith(".bias"):
+        return 0.0, 0.1
+    if name == "final_logits_bias":
+        return 0.0, 0.5
+    if name.endswith("relative_attention_bias.weight"):
+        return 0.0, 1.0
+    if name.endswith("shared.weight"):
+        if not cfg["tie_word_embeddings"]:
+            return 0.0, 1.0
+        return 0.0, 1.0 if t5 else 3.0 / math.sqrt(d)
+    if name == "lm_head.weight":
+        return 0.0, 3.0 / math.sqrt(d)
+    if name.endswith("embed_positions.weight"):
+        return 0.0, 1.0
+    if name.endswith(("EncDecAttention.o.weight", "encoder_attn.out_proj.weight")):
+        return 0.0, 0.2 / math.sqrt(shape[-1])
+    return 0.0, 1.0 / math.sqrt(shape[-1])
+
+
 def write_tensor(f, name, shape, idx, o, cfg):
     """Streams one tensor: rows in chunks of ~CHUNK elements."""
     mean, std = init_kind(name, shape, cfg)
@@ -323,7 +428,8 @@ def write_tensor(f, name, shape, idx, o, cfg):
     rows_per = max(1, CHUNK // max(row, 1))
     for r0 in range(0, shape[0], rows_per):
         n = min(rows_per, shape[0] - r0) * row
-        x = torch.randn(n, generator=gen).mul_(std).add_(mean)
+        m = mean[r0 * row:r0 * row + n] if torch.is_tensor(mean) else mean
+        x = torch.randn(n, generator=gen).mul_(std).add_(m)
         f.write(torchref.tensor_bytes(x.to(dt)))  # .to(bf16) rounds to nearest even
 
 
@@ -391,15 +497,23 @@ def parse_args(argv):
     ap.add_argument("--local-theta", type=float, help="gemma3: rope_local_base_freq (default 10000)")
     ap.add_argument("--partial-rotary", type=float, help="phi3: partial_rotary_factor (default 1)")
     ap.add_argument("--orig-max-pos", type=int, help="phi3: original_max_position_embeddings (default --max-pos)")
+    ap.add_argument("--state", type=int, help="mamba: state_size (default 16)")
+    ap.add_argument("--conv-kernel", type=int, help="mamba: conv_kernel (default 4)")
+    ap.add_argument("--expand", type=int, help="mamba: expand (default 2)")
     ap.add_argument("--tie", action="store_true", default=None, help="tie_word_embeddings")
     ap.add_argument("--no-tie", dest="tie", action="store_false")
     ap.add_argument("--rope-scaling", help="linear:F, llama3:F[:ORIG_MAX_POS] or longrope (phi3)")
+    ap.add_argument("--dec-layers", type=int, help="t5, bart: decoder layers (default --layers)")
+    ap.add_argument("--ffn-kind", default="relu", choices=("relu", "gated-gelu"), help="t5: feed_forward_proj")
+    ap.add_argument("--buckets", type=int, default=32, help="t5: relative_attention_num_buckets")
+    ap.add_argument("--max-distance", type=int, default=128, help="t5: relative_attention_max_distance")
+    ap.add_argument("--scale-embedding", action="store_true", help="bart: scale_embedding")
     ap.add_argument("--tokenizer-from", help="copy tokenizer.json/tokenizer_config.json from this directory")
     o = ap.parse_args(argv)
     p = dict(PRESETS[o.preset])
     defaults = dict(arch="llama", eps=1e-6, tie=False, head_dim=None, window=None, rope_scaling=None,
                     window_pattern=None, qpas=None, attn_softcap=None, final_softcap=None, local_theta=None,
-                    partial_rotary=None, orig_max_pos=None)
+                    partial_rotary=None, orig_max_pos=None, state=16, conv_kernel=4, expand=2)
     for k, v in {**defaults, **p}.items():
         if getattr(o, k, None) is None:
             setattr(o, k, v)

@@ -1,17 +1,29 @@
 #!/usr/bin/python3
-"""st2gguf - a llama-architecture Hugging Face model (safetensors) as GGUF,
-so that llama.cpp runs the very weights kvtier runs.
+"""st2gguf - a Llama, Qwen2 or Qwen3 Hugging Face model (safetensors) as
+GGUF, so that llama.cpp runs the very weights kvtier runs, and kvtier's
+GGUF loader is tested against a writer it shares no code with.
 
-    /usr/bin/python3 tools/st2gguf.py --model DIR --out FILE.gguf
+    /usr/bin/python3 tools/st2gguf.py --model DIR --out FILE.gguf [--type q8_0 [--q8-embed] | --type q4_k]
+    /usr/bin/python3 tools/st2gguf.py --vocab-only --model DIR --out FILE.gguf
 
-What llama.cpp's convert_hf_to_gguf.py does for LlamaForCausalLM, written
+What llama.cpp's convert_hf_to_gguf.py does for these classes, written
 with the standard library alone (its converter needs torch, transformers
-and gguf-py): the hyperparameters under the llama.* keys, the byte-level
-BPE tokenizer as tokenizer.ggml.model "gpt2", the tensors renamed
-(token_embd, blk.N.attn_q, ..., output), matrices kept in their dtype
-(BF16, F16 or F32), 1-D norms as F32, and q_proj/k_proj rows permuted per
-head from Hugging Face's rotate-half order to the interleaved pairs
-llama.cpp's rope reads (convert_hf_to_gguf's LlamaModel.permute).
+and gguf-py): the hyperparameters under the ARCH.* keys, the byte-level
+BPE tokenizer as tokenizer.ggml.model "gpt2" (its split regex named by
+tokenizer.ggml.pre) or a SentencePiece-style one (byte_fallback) as
+"llama" with scores, the chat template and a second eos id as the
+end-of-turn token, the tensors renamed (token_embd, blk.N.attn_q, ..., output),
+matrices kept in their dtype (BF16, F16 or F32), 1-D tensors as F32, and
+for llama q_proj/k_proj rows permuted per head from Hugging Face's
+rotate-half order to the interleaved pairs llama.cpp's rope reads
+(convert_hf_to_gguf's LlamaModel.permute).
+
+--type q8_0 writes the layer matrices (q, k, v, o, gate, up, down) as
+Q8_0 blocks and the rest as above, the split kvtier's --weights q8_0
+makes; --q8-embed quantizes token_embd and output too, as llama.cpp's
+Q8_0 files do.  --type q4_k writes those whose rows are whole 256-element
+super-blocks as Q4_K and the others as Q8_0, the split of --weights q4_k.
+Quantizing takes numpy and tools/torchref.py's quantizers.
 """
 import argparse
 import json
@@ -26,11 +38,22 @@ ALIGN = 32
 # GGUF metadata value types
 T_U32, T_I32, T_F32, T_BOOL, T_STR, T_ARR = 4, 5, 6, 7, 8, 9
 # ggml tensor types
-GGML = {"F32": 0, "F16": 1, "BF16": 30}
-FILE_TYPE = {"F32": 0, "F16": 1, "BF16": 32}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16
+GGML = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "BF16": 30}
+# llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_Q4_K_M, MOSTLY_BF16
+FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 15, "BF16": 32}
+# bytes of a row of n elements of a block type: (elements per block, bytes per block)
+BLOCKS = {"Q8_0": (32, 34), "Q4_K": (256, 144)}
 ELEM = {"F32": 4, "F16": 2, "BF16": 2}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# tokenizer.ggml.pre: the split regexes of tokenizer.json files llama.cpp names
+PRE = {"'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+": "gpt-2",
+       "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+       "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "llama-bpe",
+       "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+       "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "qwen2"}
+LAYER_MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # llama_token_type
-TOK_NORMAL, TOK_CONTROL = 1, 3
+TOK_NORMAL, TOK_UNKNOWN, TOK_CONTROL, TOK_USER, TOK_BYTE = 1, 2, 3, 4, 6
 
 
 def s_str(s):
@@ -54,6 +77,8 @@ def kv(key, vtype, value):
         return out + b"".join(s_str(x) for x in items)
     if etype == T_I32:
         return out + struct.pack("<%di" % len(items), *items)
+    if etype == T_F32:
+        return out + struct.pack("<%df" % len(items), *items)
     raise ValueError("array of type %d" % etype)
 
 
@@ -65,15 +90,24 @@ def read_safetensors(path):
     return header, 8 + n
 
 
-def tensor_names(n_layers, tie):
-    """(gguf name, HF name) in file order."""
+def tensor_names(n_layers, tie, header):
+    """(gguf name, HF name) in file order; biases and q/k norms when the
+    checkpoint has them."""
     out = [("token_embd.weight", "model.embed_tokens.weight")]
-    per = [("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
-           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-           ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
-           ("ffn_down", "mlp.down_proj")]
+    per = [("attn_norm.weight", "input_layernorm.weight"), ("attn_q.weight", "self_attn.q_proj.weight"),
+           ("attn_q.bias", "self_attn.q_proj.bias"), ("attn_k.weight", "self_attn.k_proj.weight"),
+           ("attn_k.bias", "self_attn.k_proj.bias"), ("attn_v.weight", "self_attn.v_proj.weight"),
+           ("attn_v.bias", "self_attn.v_proj.bias"), ("attn_output.weight", "self_attn.o_proj.weight"),
+           ("attn_output.bias", "self_attn.o_proj.bias"), ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+           ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+           ("ffn_norm.weight", "post_attention_layernorm.weight"), ("ffn_gate.weight", "mlp.gate_proj.weight"),
+           ("ffn_up.weight", "mlp.up_proj.weight"), ("ffn_down.weight", "mlp.down_proj.weight")]
     for i in range(n_layers):
-        out += [("blk.%d.%s.weight" % (i, g), "model.layers.%d.%s.weight" % (i, h)) for g, h in per]
+        for g, h in per:
+            gn, hn = "blk.%d.%s" % (i, g), "model.layers.%d.%s" % (i, h)
+            optional = g.endswith(".bias") or g.startswith(("attn_q_norm", "attn_k_norm"))
+            if hn in header or not optional:
+                out.append((gn, hn))
     out.append(("output_norm.weight", "model.norm.weight"))
     if not tie:
         out.append(("output.weight", "lm_head.weight"))
@@ -112,7 +146,7 @@ def tokenizer_kvs(model_dir, vocab_size, cfg):
         tj = json.load(f)
     m = tj["model"]
     if m.get("type") != "BPE":
-        raise SystemExit("st2gguf: only byte-level BPE tokenizers (tokenizer.json model BPE), not %r" % m.get("type"))
+        raise SystemExit("st2gguf: only BPE tokenizers (tokenizer.json model BPE), not %r" % m.get("type"))
     tokens = [None] * vocab_size
     types = [TOK_NORMAL] * vocab_size
     for t, i in m["vocab"].items():
@@ -124,42 +158,137 @@ def tokenizer_kvs(model_dir, vocab_size, cfg):
         if not 0 <= i < vocab_size:
             raise SystemExit("st2gguf: added token id %d outside the vocabulary of %d" % (i, vocab_size))
         tokens[i] = a["content"]
-        types[i] = TOK_CONTROL if a.get("special") else TOK_NORMAL
+        types[i] = TOK_CONTROL if a.get("special") else TOK_USER
     for i, t in enumerate(tokens):
         if t is None:  # the embedding has rows no token names: llama.cpp wants every id named
             tokens[i] = "[PAD%d]" % i
             types[i] = TOK_CONTROL
-    merges = [x if isinstance(x, str) else " ".join(x) for x in m.get("merges", [])]
-    out = [kv("tokenizer.ggml.model", T_STR, "gpt2"),
-           # the Llama-3 split regex, which is the one our tokenizers use
-           kv("tokenizer.ggml.pre", T_STR, "llama-bpe"),
-           kv("tokenizer.ggml.tokens", T_ARR, (T_STR, tokens)),
-           kv("tokenizer.ggml.token_type", T_ARR, (T_I32, types)),
-           kv("tokenizer.ggml.merges", T_ARR, (T_STR, merges))]
     tc = {}
     p = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.exists(p):
         with open(p, encoding="utf-8") as f:
             tc = json.load(f)
-    for key, cfg_key in (("bos", "bos_token_id"), ("eos", "eos_token_id")):
-        v = cfg.get(cfg_key)
-        if isinstance(v, list):
-            v = v[0] if v else None
+    if m.get("byte_fallback"):
+        out = spm_kvs(tj, tokens, types)
+    else:
+        out = bpe_kvs(tj, tokens, types)
+    ids = {"bos": cfg.get("bos_token_id")}
+    if not cfg:  # --vocab-only: tokenizer_config.json names them
+        text = {t: i for i, t in enumerate(tokens)}
+        ids["bos"] = text.get(tc.get("bos_token"))
+        cfg = {"eos_token_id": text.get(tc.get("eos_token"))}
+    eos = cfg.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos]
+    if len(eos) > 2:
+        raise SystemExit("st2gguf: eos_token_id lists %d ids; GGUF holds an eos and an end-of-turn id" % len(eos))
+    ids.update(zip(("eos", "eot"), eos))
+    for key, v in ids.items():
         if isinstance(v, int) and 0 <= v < vocab_size:
             out.append(kv("tokenizer.ggml.%s_token_id" % key, T_U32, v))
     out.append(kv("tokenizer.ggml.add_bos_token", T_BOOL, bool(tc.get("add_bos_token", False))))
+    if isinstance(tc.get("chat_template"), str):
+        out.append(kv("tokenizer.chat_template", T_STR, tc["chat_template"]))
     return out
+
+
+def spm_kvs(tj, tokens, types):
+    """A SentencePiece-style tokenizer.json (byte_fallback, "▁" for spaces)
+    as tokenizer.ggml.model "llama", as llama.cpp's converter writes
+    tokenizer.model: every token with a score, the unknown token typed 2,
+    <0xNN> typed 6 (bytes), added special tokens 3 (control).  The scores
+    are what transformers' converter made the merges from: a token's score
+    is minus the rank of the first merge that makes it (-1e9 for a token no
+    merge makes), so the merges a loader rebuilds from the scores come in
+    tokenizer.json's order."""
+    m = tj["model"]
+    norms = (tj.get("normalizer") or {}).get("normalizers", [])
+    if not any(n.get("type") == "Replace" and n.get("content") == "\u2581" for n in norms):
+        raise SystemExit("st2gguf: a byte_fallback tokenizer without SentencePiece's Replace(' ', '\u2581')")
+    prefix = any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in norms)
+    vocab = m.get("vocab", {})
+    unk = vocab.get(m.get("unk_token"))
+    made = {}
+    for rank, x in enumerate(m.get("merges", [])):
+        a, b = x.split(" ", 1) if isinstance(x, str) else x
+        made.setdefault(vocab.get(a + b), rank)
+    scores = []
+    for i, t in enumerate(tokens):
+        if i == unk:
+            types[i] = TOK_UNKNOWN
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">") and types[i] == TOK_NORMAL:
+            types[i] = TOK_BYTE
+        scores.append(-float(made.get(i, 1e9)) if types[i] == TOK_NORMAL else 0.0)
+    out = [kv("tokenizer.ggml.model", T_STR, "llama"),
+           kv("tokenizer.ggml.tokens", T_ARR, (T_STR, tokens)),
+           kv("tokenizer.ggml.scores", T_ARR, (T_F32, scores)),
+           kv("tokenizer.ggml.token_type", T_ARR, (T_I32, types)),
+           kv("tokenizer.ggml.add_space_prefix", T_BOOL, prefix)]
+    if unk is not None:
+        out.append(kv("tokenizer.ggml.unknown_token_id", T_U32, unk))
+    return out
+
+
+def bpe_kvs(tj, tokens, types):
+    """A byte-level BPE tokenizer.json as tokenizer.ggml.model "gpt2"."""
+    m = tj["model"]
+    merges = [x if isinstance(x, str) else " ".join(x) for x in m.get("merges", [])]
+    pre = tj.get("pre_tokenizer") or {}
+    splits = [p for p in pre.get("pretokenizers", [pre]) if p.get("type") == "Split"]
+    regex = splits[0]["pattern"].get("Regex") if len(splits) == 1 else None
+    if regex not in PRE:
+        raise SystemExit("st2gguf: the pre-tokenizer's split regex is none llama.cpp names (%s)" % sorted(PRE.values()))
+    out = [kv("tokenizer.ggml.model", T_STR, "gpt2"),
+           kv("tokenizer.ggml.pre", T_STR, PRE[regex]),
+           kv("tokenizer.ggml.tokens", T_ARR, (T_STR, tokens)),
+           kv("tokenizer.ggml.token_type", T_ARR, (T_I32, types)),
+           kv("tokenizer.ggml.merges", T_ARR, (T_STR, merges))]
+    return out
+
+
+def block_bytes(out_type, data, dtype, shape):
+    """Q8_0 or Q4_K blocks of a matrix, quantized by tools/torchref.py's quantizers."""
+    import numpy as np
+    from torchref import q4_k_quantize, q8_0_quantize
+    np_dtype = {"F32": np.float32, "F16": np.float16}.get(dtype)
+    if np_dtype is None:  # bf16: the top half of an f32
+        x = (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        x = np.frombuffer(data, np_dtype).astype(np.float32)
+    return (q4_k_quantize if out_type == "Q4_K" else q8_0_quantize)(x.reshape(shape)).tobytes()
+
+
+def vocab_only(model_dir, out):
+    """A GGUF of the tokenizer alone, as llama.cpp's --vocab-only writes."""
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tj = json.load(f)
+    n = 1 + max(list(tj["model"]["vocab"].values()) + [a["id"] for a in tj.get("added_tokens", [])])
+    kvs = [kv("general.architecture", T_STR, "llama"), kv("general.alignment", T_U32, ALIGN)]
+    kvs += tokenizer_kvs(model_dir, n, {})
+    head = GGUF_MAGIC + struct.pack("<IQQ", GGUF_VERSION, 0, len(kvs)) + b"".join(kvs)
+    with open(out, "wb") as f:
+        f.write(head + b"\0" * (-len(head) % ALIGN))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF model directory (config.json, model.safetensors)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--type", choices=("auto", "q8_0", "q4_k"), default="auto",
+                    help="auto: matrices as stored; q8_0: layer matrices as Q8_0; q4_k: as Q4_K (Q8_0 where "
+                    "rows are not whole super-blocks)")
+    ap.add_argument("--q8-embed", action="store_true", help="with --type q8_0: token_embd and output too")
+    ap.add_argument("--vocab-only", action="store_true",
+                    help="only the tokenizer's metadata, from --model's tokenizer.json (no config or weights needed)")
     o = ap.parse_args()
+    if o.vocab_only:
+        return vocab_only(o.model, o.out)
     with open(os.path.join(o.model, "config.json")) as f:
         cfg = json.load(f)
-    if cfg.get("model_type") != "llama":
-        raise SystemExit("st2gguf: model_type %r; only llama" % cfg.get("model_type"))
+    arch = ARCH.get(cfg.get("model_type"))
+    if not arch:
+        raise SystemExit("st2gguf: model_type %r; only %s" % (cfg.get("model_type"), ", ".join(ARCH)))
+    if cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
+        raise SystemExit("st2gguf: mistral with a sliding window (llama.cpp's llama architecture has none)")
     if cfg.get("rope_scaling"):
         raise SystemExit("st2gguf: rope_scaling is not converted")
     st = os.path.join(o.model, "model.safetensors")
@@ -169,7 +298,7 @@ def main():
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // n_head
     tie = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in header
-    names = tensor_names(n_layers, tie)
+    names = tensor_names(n_layers, tie, header)
     missing = [h for _, h in names if h not in header]
     if missing:
         raise SystemExit("st2gguf: missing tensors: %s" % ", ".join(missing[:5]))
@@ -178,22 +307,36 @@ def main():
         raise SystemExit("st2gguf: matrices in %s; one of F32, F16, BF16 expected" % sorted(dtypes))
     wtype = dtypes.pop()
 
-    kvs = [kv("general.architecture", T_STR, "llama"),
+    if o.q8_embed and o.type != "q8_0":
+        raise SystemExit("st2gguf: --q8-embed goes with --type q8_0")
+
+    def quantized(g, cols):
+        """The block type of matrix g under --type, or None."""
+        if o.type == "auto":
+            return None
+        if g in ("token_embd.weight", "output.weight"):
+            return "Q8_0" if o.q8_embed else None
+        if g.split(".")[2] not in LAYER_MATS or not g.endswith(".weight"):
+            return None
+        return "Q4_K" if o.type == "q4_k" and cols % 256 == 0 else "Q8_0"
+
+    a = arch
+    kvs = [kv("general.architecture", T_STR, arch),
            kv("general.name", T_STR, os.path.basename(os.path.normpath(o.model))),
-           kv("general.file_type", T_U32, FILE_TYPE[wtype]),
+           kv("general.file_type", T_U32, FILE_TYPE[o.type.upper() if o.type != "auto" else wtype]),
            kv("general.alignment", T_U32, ALIGN),
-           kv("llama.vocab_size", T_U32, cfg["vocab_size"]),
-           kv("llama.context_length", T_U32, cfg.get("max_position_embeddings", 2048)),
-           kv("llama.embedding_length", T_U32, hidden),
-           kv("llama.block_count", T_U32, n_layers),
-           kv("llama.feed_forward_length", T_U32, cfg["intermediate_size"]),
-           kv("llama.rope.dimension_count", T_U32, head_dim),
-           kv("llama.attention.head_count", T_U32, n_head),
-           kv("llama.attention.head_count_kv", T_U32, n_kv),
-           kv("llama.attention.layer_norm_rms_epsilon", T_F32, cfg.get("rms_norm_eps", 1e-6)),
-           kv("llama.rope.freq_base", T_F32, cfg.get("rope_theta", 10000.0))]
+           kv(a + ".vocab_size", T_U32, cfg["vocab_size"]),
+           kv(a + ".context_length", T_U32, cfg.get("max_position_embeddings", 2048)),
+           kv(a + ".embedding_length", T_U32, hidden),
+           kv(a + ".block_count", T_U32, n_layers),
+           kv(a + ".feed_forward_length", T_U32, cfg["intermediate_size"]),
+           kv(a + ".rope.dimension_count", T_U32, head_dim),
+           kv(a + ".attention.head_count", T_U32, n_head),
+           kv(a + ".attention.head_count_kv", T_U32, n_kv),
+           kv(a + ".attention.layer_norm_rms_epsilon", T_F32, cfg.get("rms_norm_eps", 1e-6)),
+           kv(a + ".rope.freq_base", T_F32, cfg.get("rope_theta", 10000.0))]
     if head_dim != hidden // n_head:
-        kvs += [kv("llama.attention.key_length", T_U32, head_dim), kv("llama.attention.value_length", T_U32, head_dim)]
+        kvs += [kv(a + ".attention.key_length", T_U32, head_dim), kv(a + ".attention.value_length", T_U32, head_dim)]
     kvs += tokenizer_kvs(o.model, cfg["vocab_size"], cfg)
 
     # tensor infos: ne[0] is the innermost (column) count
@@ -201,10 +344,16 @@ def main():
     for g, h in names:
         t = header[h]
         shape = t["shape"]
-        out_type = wtype if len(shape) == 2 else "F32"
-        nbytes = ELEM[out_type]
-        for d in shape:
-            nbytes *= d
+        out_type = (quantized(g, shape[-1]) or wtype) if len(shape) == 2 else "F32"
+        if out_type in BLOCKS:
+            per, size = BLOCKS[out_type]
+            if shape[-1] % per:
+                raise SystemExit("st2gguf: %s: rows of %d are not whole %s blocks" % (h, shape[-1], out_type))
+            nbytes = shape[0] * shape[1] // per * size
+        else:
+            nbytes = ELEM[out_type]
+            for d in shape:
+                nbytes *= d
         infos.append(s_str(g) + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in reversed(shape))
                      + struct.pack("<IQ", GGML[out_type], off))
         plan.append((g, h, t, out_type, nbytes, off))
@@ -221,12 +370,15 @@ def main():
             data = src.read(b1 - b0)
             if len(data) != b1 - b0:
                 raise SystemExit("st2gguf: %s: short read" % h)
+            if arch == "llama" and g.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
+                rows = t["shape"][0]
+                row_bytes = (len(data) // rows)
+                heads = n_head if ".attn_q." in g else n_kv
+                data = permute_rows(data, rows, row_bytes, heads)
             if len(t["shape"]) == 1:
                 data = to_f32(data, t["dtype"])
-            elif g.endswith(("attn_q.weight", "attn_k.weight")):
-                rows, cols = t["shape"]
-                heads = n_head if g.endswith("attn_q.weight") else n_kv
-                data = permute_rows(data, rows, cols * ELEM[t["dtype"]], heads)
+            elif out_type in BLOCKS:
+                data = block_bytes(out_type, data, t["dtype"], t["shape"])
             if len(data) != nbytes:
                 raise SystemExit("st2gguf: %s: %d bytes, %d expected" % (h, len(data), nbytes))
             dst.write(data)

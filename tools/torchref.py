@@ -1,7 +1,7 @@
 """torchref - an independent plain-PyTorch reference for the decoder-only
 architectures kvtier runs: LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-Phi3ForCausalLM and GPT2LMHeadModel.
+Phi3ForCausalLM, GPT2LMHeadModel and the state-space MambaForCausalLM.
 
 Written from the semantics of Hugging Face transformers' modeling code (not
 copied): RMSNorm with the variance in f32, NeoX / rotate_half RoPE with HF's
@@ -20,7 +20,14 @@ a forward call whose last position + 1 passes original_max_position_embeddings,
 cos and sin times the attention factor of both), a window on every layer when
 sliding_window is set.
 GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D
-projections stored [in, out], fused c_attn (q, k, v), gelu_new, tied head.  Parameter names equal the HF state-dict keys, so
+projections stored [in, out], fused c_attn (q, k, v), gelu_new, tied head.
+Mamba: per block RMSNorm -> in_proj into (x, z) -> causal depthwise conv1d
+over the last conv_kernel positions + SiLU -> x_proj into (dt, B, C) ->
+dt_proj + softplus -> the selective scan h = exp(dt A) h + dt B x with
+A = -exp(A_log), y = C h + D x -> y * SiLU(z) -> out_proj -> residual; the
+scan is written as the recurrence it is, one token at a time, and the
+same module runs one decode step from a carried state (conv window + SSM
+state), so the two forms can be compared.  Parameter names equal the HF state-dict keys, so
 `model.state_dict()` is a checkpoint (a tied lm_head has no key of its own).
 
 Also: a hand-written safetensors reader/writer (F32/F16/BF16 and a few
@@ -45,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel")
+         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel", "MambaForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -55,7 +62,7 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 def arch_of(cfg):
     archs = cfg.get("architectures") or []
     for a in archs:
-        if a in ARCHS:
+        if a in ARCHS or a in ENCDEC_ARCHS:
             return a
     raise ValueError(f"config.json: unsupported architectures {archs!r}; supported: {', '.join(ARCHS)}")
 
@@ -555,9 +562,127 @@ class GPT2LM(nn.Module):
         return F.linear(round_to(h, self.head_input), self.transformer.wte.weight if self.tied else self.lm_head.weight)
 
 
+# --------------------------------------------------------------------------
+# Mamba (MambaConfig's names: hidden_size, state_size, conv_kernel, expand,
+# intermediate_size, time_step_rank, layer_norm_epsilon, use_bias,
+# use_conv_bias; the HF `backbone.` prefix)
+# --------------------------------------------------------------------------
+def mamba_dims(cfg):
+    """(dim, inner, state, kernel, rank) with MambaConfig's defaults:
+    intermediate_size = int(expand * hidden_size), time_step_rank "auto" =
+    ceil(hidden_size / 16)."""
+    dim = cfg["hidden_size"]
+    inner = cfg.get("intermediate_size") or int(cfg.get("expand", 2) * dim)
+    rank = cfg.get("time_step_rank", "auto")
+    rank = math.ceil(dim / 16) if rank == "auto" else int(rank)
+    return dim, inner, cfg.get("state_size", 16), cfg.get("conv_kernel", 4), rank
+
+
+class MambaMixer(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        dim, self.inner, self.n_state, self.kernel, self.rank = mamba_dims(cfg)
+        self.in_proj = nn.Linear(dim, 2 * self.inner, bias=cfg.get("use_bias", False), device=device)
+        self.conv1d = nn.Conv1d(self.inner, self.inner, self.kernel, groups=self.inner,
+                                bias=cfg.get("use_conv_bias", True), device=device)
+        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.n_state, bias=False, device=device)
+        self.dt_proj = nn.Linear(self.rank, self.inner, bias=True, device=device)
+        self.A_log = nn.Parameter(torch.zeros(self.inner, self.n_state, device=device))
+        self.D = nn.Parameter(torch.ones(self.inner, device=device))
+        self.out_proj = nn.Linear(self.inner, dim, bias=cfg.get("use_bias", False), device=device)
+
+    def empty_state(self, b, dtype):
+        """(conv window [B, inner, kernel-1]: the inputs before the first
+        token, zeros; SSM state [B, inner, state] in f32)."""
+        return (torch.zeros(b, self.inner, self.kernel - 1, dtype=dtype),
+                torch.zeros(b, self.inner, self.n_state, dtype=torch.float32))
+
+    def forward(self, x, state):
+        """x [B, T, dim], state from empty_state or a previous call ->
+        (y [B, T, dim], the state after the last token)."""
+        conv, h = state
+        t = x.shape[1]
+        xz = self.in_proj(x)
+        u, z = xz[..., :self.inner], xz[..., self.inner:]                    # [B, T, inner] each
+        # causal depthwise conv: position i sees inputs i-kernel+1 .. i, the
+        # ones before this call coming from the carried window
+        seq = torch.cat((conv, u.transpose(1, 2)), dim=2)                      # [B, inner, kernel-1+T]
+        w = self.conv1d.weight[:, 0, :]                                         # [inner, kernel]
+        cu = torch.stack([(seq[:, :, i:i + self.kernel] * w).sum(-1) for i in range(t)], dim=1)
+        if self.conv1d.bias is not None:
+            cu = cu + self.conv1d.bias
+        cu = F.silu(cu)                                                        # [B, T, inner]
+        dt, bm, cm = self.x_proj(cu).split([self.rank, self.n_state, self.n_state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt)).float()                              # [B, T, inner]
+        a = -torch.exp(self.A_log.float())                                     # [inner, state]
+        ys = []
+        for i in range(t):  # the recurrence itself, in f32
+            h = torch.exp(dt[:, i, :, None] * a) * h + \
+                dt[:, i, :, None] * bm[:, i, None, :].float() * cu[:, i, :, None].float()
+            ys.append((h * cm[:, i, None, :].float()).sum(-1))                # [B, inner]
+        y = torch.stack(ys, dim=1).to(x.dtype) + cu * self.D                   # [B, T, inner]
+        y = y * F.silu(z)
+        return self.out_proj(y), (seq[:, :, seq.shape[2] - (self.kernel - 1):], h)
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("layer_norm_epsilon", 1e-5), device)
+        self.mixer = MambaMixer(cfg, device)
+
+    def forward(self, x, state):
+        y, state = self.mixer(self.norm(x), state)
+        return x + y, state
+
+
+class MambaBackbone(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], device=device)
+        self.layers = nn.ModuleList(MambaBlock(cfg, device) for _ in range(cfg["num_hidden_layers"]))
+        self.norm_f = RMSNorm(cfg["hidden_size"], cfg.get("layer_norm_epsilon", 1e-5), device)
+
+
+class MambaLM(nn.Module):
+    def __init__(self, cfg: dict, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = arch_of(cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} not supported (silu)")
+        self.backbone = MambaBackbone(cfg, device)
+        self.tied = bool(cfg.get("tie_word_embeddings", True))  # MambaConfig's default
+        self.head_input = None  # as in CausalLM
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False, device=device)
+
+    def step(self, input_ids, states=None):
+        """input_ids [B, T] continuing states (None: a fresh sequence) ->
+        (logits [B, T, V], the states after them, one per layer)."""
+        x = self.backbone.embeddings(input_ids)
+        if states is None:
+            states = [blk.mixer.empty_state(x.shape[0], x.dtype) for blk in self.backbone.layers]
+        out = []
+        for blk, st in zip(self.backbone.layers, states):
+            x, st = blk(x, st)
+            out.append(st)
+        h = self.backbone.norm_f(x)
+        w = self.backbone.embeddings.weight if self.tied else self.lm_head.weight
+        return F.linear(round_to(h, self.head_input), w), out
+
+    def forward(self, input_ids, prefill=None):  # prefill: a state model has no per-call table
+        return self.step(input_ids)[0]
+
+
 def build_model(cfg, device=None):
     """The module of cfg's architecture."""
-    return GPT2LM(cfg, device) if arch_of(cfg) == "GPT2LMHeadModel" else CausalLM(cfg, device)
+    arch = arch_of(cfg)
+    if arch == "MambaForCausalLM":
+        return MambaLM(cfg, device)
+    if arch in ENCDEC_ARCHS:
+        return EncDecLM(cfg, device)
+    return GPT2LM(cfg, device) if arch == "GPT2LMHeadModel" else CausalLM(cfg, device)
 
 
 # --------------------------------------------------------------------------
@@ -707,16 +832,144 @@ def round_to(x, dtype):
     return x if dtype is None else x.to(dtype).to(x.dtype)
 
 
-def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", matmul_input=None):
+# --------------------------------------------------------------------------
+# Q4_K (GGUF's GGML type 12): super-blocks of 256 weights, 8 sub-blocks of
+# 32 with 6-bit scales sc and mins m, 4-bit codes q; w ~ f16(d) * sc * q -
+# f16(dmin) * m.  Only the decoding is here: the blocks come from kvtier's
+# own quantizer (a search with no byte-exact replay), whose error bound
+# tests/test_q4k.c checks.
+# --------------------------------------------------------------------------
+Q4_K_BLOCK = 256
+Q4_K_DTYPE = np.dtype([("d", "<u2"), ("dmin", "<u2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])  # 144 bytes
+
+
+def _q4_k_code(v, hi):
+    """v rounded halves up into [0, hi] in float32: 0 unless v > 0, hi from
+    hi up, else trunc(v + 0.5) (the f32 sum)."""
+    r = np.trunc((v + np.float32(0.5)).astype(np.float32))
+    return np.where(~(v > 0), 0, np.where(v >= np.float32(hi), hi, np.minimum(r, hi))).astype(np.int64)
+
+
+def q4_k_quantize(w):
+    """Q4_K blocks (a Q4_K_DTYPE array) of w, whose rows have a multiple of
+    256 elements: each sub-block of 32 fitted as x ~ s*q - mn by weighted
+    least squares (weights rms(super-block) + |x|) over the 21 code
+    assignments rounded against (max - min) / (15 + t), t = -1.0 .. 1.0 by
+    0.1, where a positive offset is clamped to 0; s and mn rounded to 6 bits
+    against d = max s / 63 and dmin = max mn / 63 (f16), and the codes
+    against those stored values.  Every step in the precision and order of
+    kvtier's C quantizer (float32 products, float64 sums element by element)
+    so the bytes match; vectorized over the blocks instead of looping."""
+    x = np.ascontiguousarray(w, dtype=np.float32)
+    if x.shape[-1] % Q4_K_BLOCK:
+        raise ValueError(f"Q4_K: rows of {x.shape[-1]} elements are not whole super-blocks of {Q4_K_BLOCK}")
+    x = x.reshape(-1, Q4_K_BLOCK)
+    if not np.all(np.isfinite(x)):
+        raise ValueError("Q4_K: a weight is NaN or infinite")
+    nb, f32, f64 = len(x), np.float32, np.float64
+    ss = np.zeros(nb, f64)
+    for i in range(Q4_K_BLOCK):
+        ss += x[:, i].astype(f64) * x[:, i].astype(f64)
+    av = np.sqrt(ss / Q4_K_BLOCK).astype(f32)
+    xs = x.reshape(nb * 8, 32)  # the sub-blocks
+    wt = (np.repeat(av, 8)[:, None] + np.abs(xs)).astype(f32)
+    lo = np.minimum(xs.min(axis=1), f32(0))
+    hi = xs.max(axis=1)
+    rng = (hi - lo).astype(f32)
+    live = hi > lo
+    best_s = np.where(live, rng / f32(15), f32(0)).astype(f32)
+    best_b = lo.copy()
+    best_err = np.full(len(xs), np.inf, f32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for step in range(21):
+            inv = ((f32(15) + f32(0.1) * f32(step - 10)) / rng).astype(f32)
+            q = _q4_k_code(((xs - lo[:, None]) * inv[:, None]).astype(f32), 15)
+            qf = q.astype(f32)
+            sw, sl, sll, sx, slx = (np.zeros(len(xs), f64) for _ in range(5))
+            for i in range(32):
+                wi, qi, xi = wt[:, i], qf[:, i], xs[:, i]
+                sw += wi
+                sl += wi * qi
+                sll += (wi * qi) * qi
+                sx += wi * xi
+                slx += (wi * qi) * xi
+            det = sw * sll - sl * sl
+            s = (sw * slx - sl * sx) / det
+            b = (sll * sx - sl * slx) / det
+            pos = b > 0
+            b = np.where(pos, 0.0, b)
+            s = np.where(pos, slx / sll, s)
+            err = np.zeros(len(xs), f64)
+            for i in range(32):
+                e = s * q[:, i] + b - xs[:, i].astype(f64)
+                err += wt[:, i].astype(f64) * e * e
+            take = live & (det > 0) & ~(s < 0) & (err < best_err.astype(f64))
+            best_err = np.where(take, err.astype(f32), best_err)
+            best_s = np.where(take, s.astype(f32), best_s)
+            best_b = np.where(take, b.astype(f32), best_b)
+    sv, mn = best_s.reshape(nb, 8), (-best_b).astype(f32).reshape(nb, 8)
+    d = (np.maximum(sv.max(axis=1), f32(0)) / f32(63)).astype(f32)
+    dmin = (np.maximum(mn.max(axis=1), f32(0)) / f32(63)).astype(f32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, _q4_k_code((sv / d[:, None]).astype(f32), 63), 0)
+        m = np.where(dmin[:, None] > 0, _q4_k_code((mn / dmin[:, None]).astype(f32), 63), 0)
+    out = np.zeros(nb, Q4_K_DTYPE)
+    out["d"] = d.astype(np.float16).view(np.uint16)
+    out["dmin"] = dmin.astype(np.float16).view(np.uint16)
+    d16, dmin16 = out["d"].view(np.float16).astype(f32), out["dmin"].view(np.float16).astype(f32)
+    if not (np.all(np.isfinite(d16)) and np.all(np.isfinite(dmin16))):
+        raise ValueError("Q4_K: a super-block's factors overflow f16")
+    for j in range(4):
+        out["scales"][:, j] = sc[:, j] | (sc[:, j + 4] >> 4) << 6
+        out["scales"][:, j + 4] = m[:, j] | (m[:, j + 4] >> 4) << 6
+        out["scales"][:, j + 8] = (sc[:, j + 4] & 15) | (m[:, j + 4] & 15) << 4
+    step = (d16[:, None] * sc.astype(f32)).astype(f32)
+    off = (dmin16[:, None] * m.astype(f32)).astype(f32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(step > 0, f32(1) / step, f32(0)).astype(f32)
+    xb = x.reshape(nb, 8, 32)
+    codes = _q4_k_code(((xb + off[:, :, None]) * inv[:, :, None]).astype(f32), 15)
+    for i in range(4):
+        out["qs"][:, 32 * i:32 * i + 32] = codes[:, 2 * i] | codes[:, 2 * i + 1] << 4
+    return out
+
+
+def q4_k_dequantize(blocks, shape):
+    """float32 array of shape from Q4_K blocks, by the format's definition:
+    sub-blocks 0..3 take the low 6 bits of scales[j] (sc) and scales[j+4]
+    (m); 4..7 the nibbles of scales[j+4] with the top 2 bits of scales[j-4]
+    (sc) and scales[j] (m); sub-blocks 2i and 2i+1 are the low and high
+    nibbles of qs[32i:32i+32]; each value (d*sc) * q - (dmin*m) in float32."""
+    d = blocks["d"].view(np.float16).astype(np.float32)
+    dmin = blocks["dmin"].view(np.float16).astype(np.float32)
+    s = blocks["scales"].astype(np.int32)
+    out = np.empty((len(blocks), Q4_K_BLOCK), np.float32)
+    for j in range(8):
+        if j < 4:
+            sc, m = s[:, j] & 63, s[:, j + 4] & 63
+        else:
+            sc = (s[:, j + 4] & 15) | ((s[:, j - 4] >> 6) << 4)
+            m = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+        byte = blocks["qs"][:, 32 * (j // 2):32 * (j // 2) + 32]
+        q = (byte >> 4 if j % 2 else byte & 15).astype(np.float32)
+        step, off = d * sc.astype(np.float32), dmin * m.astype(np.float32)
+        out[:, 32 * j:32 * j + 32] = step[:, None] * q - off[:, None]
+    return out.reshape(shape)
+
+
+def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quantize=None, matmul_input=None):
     """CausalLM of directory d with its weights upcast (or cast) to dtype;
     kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
     that type keeps them; weights "q8_0": every layer matrix replaced by
     its Q8_0 blocks dequantized and its input rounded by q8_act (what
     kvtier --weights q8_0 multiplies; the Linear-named families only, not
-    GPT-2's Conv1D layers); matmul_input (torch.bfloat16): the input of
-    every weight matrix, the head's included, rounded to it, as PyTorch's
-    bf16 matmul takes its bf16 input (and kvtier's CPU backend rounds it
-    for bf16 weights on AVX512_BF16), the products summed in dtype."""
+    GPT-2's Conv1D layers); weights "q4_k": the same with Q4_K blocks from
+    q4_k_quantize (float32 matrix -> Q4_K_DTYPE array) for matrices whose
+    rows are whole super-blocks, Q8_0 for the others, as kvtier falls back;
+    matmul_input (torch.bfloat16): the input of every weight matrix, the
+    head's included, rounded to it, as PyTorch's bf16 matmul takes its bf16
+    input (and kvtier's CPU backend rounds it for bf16 weights on
+    AVX512_BF16), the products summed in dtype."""
     m = build_model(load_config(d))
     m.head_input = matmul_input
     if matmul_input is not None:
@@ -729,14 +982,298 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", matmul_inp
     sd = load_checkpoint(d)
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it
-    if weights == "q8_0":
+    if weights in ("q8_0", "q4_k"):
         for k in [k for k in sd if Q8_0_LAYER_MATS.match(k)]:
             w = sd[k].float().numpy()
-            sd[k] = torch.from_numpy(q8_0_dequantize(q8_0_quantize(w), w.shape))
+            if weights == "q4_k" and w.shape[-1] % Q4_K_BLOCK == 0:
+                sd[k] = torch.from_numpy(q4_k_dequantize(q4_k_quantize(w), w.shape))
+            else:
+                sd[k] = torch.from_numpy(q8_0_dequantize(q8_0_quantize(w), w.shape))
         for name, mod in m.named_modules():
             if Q8_0_LAYER_MATS.match(name + ".weight"):
                 mod.register_forward_pre_hook(lambda _mod, args: (q8_act(args[0]),))
     elif weights != "auto":
-        raise ValueError(f"weights {weights!r}: auto or q8_0")
+        raise ValueError(f"weights {weights!r}: auto, q8_0 or q4_k")
+    m.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
+    return m.to(dtype).eval()
+
+
+# --------------------------------------------------------------------------
+# Encoder-decoder models: T5ForConditionalGeneration and
+# BartForConditionalGeneration.
+#
+# T5: no position embeddings; each stack's first self-attention layer owns
+# a table [num_buckets, heads] of biases added to the unscaled scores by the
+# bucket of the relative position key - query (the encoder's buckets split
+# by sign, the decoder's causal ones not); every layer of the stack reuses
+# that bias, cross-attention has none.  RMS-style T5LayerNorm (no mean, no
+# bias, variance in f32) before each sublayer, residual after; FFN ReLU
+# (v1.0, "relu") or gated tanh-GELU (v1.1/Flan, "gated-gelu"); a tied head
+# multiplies the decoder output by d_model^-0.5 first.
+# BART: learned positions whose row is position + 2, embeddings times
+# sqrt(d_model) when scale_embedding, layernorm_embedding after the sum,
+# post-norm LayerNorm blocks (residual add, then the norm), biased
+# projections with q scaled by head_dim^-0.5, erf GELU, and final_logits_bias
+# added to the tied head's logits.
+# Both decode with a cache: per layer, the self-attention K/V grow by the
+# step's tokens; the cross-attention K/V are projected once from the encoder
+# output.  kv_dtype rounds both as a cache of that type keeps them.
+# --------------------------------------------------------------------------
+ENCDEC_ARCHS = ("T5ForConditionalGeneration", "BartForConditionalGeneration")
+
+
+def t5_bucket(rel, bidirectional, num_buckets, max_distance):
+    """T5's bucket of each relative position rel = key - query (a long
+    tensor): exact below half the (per-sign) buckets, logarithmic up to
+    max_distance, the last bucket beyond."""
+    buckets = torch.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (rel > 0).long() * num_buckets
+        rel = rel.abs()
+    else:
+        rel = -torch.clamp(rel, max=0)
+    max_exact = num_buckets // 2
+    large = max_exact + (torch.log(rel.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(rel < max_exact, rel, large)
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+class EDAttention(nn.Module):
+    """Self- or cross-attention of T5 (no biases, unscaled scores) or BART
+    (biases, q scaled by head_dim^-0.5).  K/V of cross-attention come from
+    the encoder output once (kv_once)."""
+
+    def __init__(self, dim, heads, hd, bart, device=None):
+        super().__init__()
+        self.heads, self.hd, self.bart = heads, hd, bart
+        names = ("q_proj", "k_proj", "v_proj", "out_proj") if bart else ("q", "k", "v", "o")
+        self.names = names
+        for n in names[:3]:
+            setattr(self, n, nn.Linear(dim, heads * hd, bias=bart, device=device))
+        setattr(self, names[3], nn.Linear(heads * hd, dim, bias=bart, device=device))
+        self.kv_dtype = None
+
+    def kv(self, x):
+        """[B, H, T, hd] K and V of x, rounded to the cache's type."""
+        b, t, _ = x.shape
+        k = getattr(self, self.names[1])(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        v = getattr(self, self.names[2])(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        if self.kv_dtype is not None:
+            k, v = k.to(self.kv_dtype).to(x.dtype), v.to(self.kv_dtype).to(x.dtype)
+        return k, v
+
+    def forward(self, x, k, v, bias):
+        """x [B, T, dim] queries over k, v [B, H, S, hd]; bias: additive
+        [H, T, S] (relative bias and mask) or None."""
+        b, t, _ = x.shape
+        q = getattr(self, self.names[0])(x)
+        if self.bart:
+            q = q * self.hd ** -0.5
+        q = q.view(b, t, self.heads, self.hd).transpose(1, 2)
+        s = torch.matmul(q, k.transpose(2, 3))
+        if bias is not None:
+            s = s + bias
+        p = F.softmax(s.float(), dim=-1).to(q.dtype)
+        o = torch.matmul(p, v).transpose(1, 2).reshape(b, t, self.heads * self.hd)
+        return getattr(self, self.names[3])(o)
+
+
+class EDLayer(nn.Module):
+    """One block of either stack, holding its parameters under the HF names
+    (T5: layer.N.*; BART: self_attn, encoder_attn, fc1, fc2 and norms)."""
+
+    def __init__(self, cfg, decoder, device=None):
+        super().__init__()
+        self.bart = arch_of(cfg) == "BartForConditionalGeneration"
+        self.decoder = decoder
+        if self.bart:
+            d = cfg["d_model"]
+            heads = cfg["decoder_attention_heads" if decoder else "encoder_attention_heads"]
+            ffn = cfg["decoder_ffn_dim" if decoder else "encoder_ffn_dim"]
+            self.self_attn = EDAttention(d, heads, d // heads, True, device)
+            self.self_attn_layer_norm = nn.LayerNorm(d, eps=1e-5, device=device)
+            if decoder:
+                self.encoder_attn = EDAttention(d, heads, d // heads, True, device)
+                self.encoder_attn_layer_norm = nn.LayerNorm(d, eps=1e-5, device=device)
+            self.fc1 = nn.Linear(d, ffn, device=device)
+            self.fc2 = nn.Linear(ffn, d, device=device)
+            self.final_layer_norm = nn.LayerNorm(d, eps=1e-5, device=device)
+            return
+        d, heads, hd, ffn = cfg["d_model"], cfg["num_heads"], cfg["d_kv"], cfg["d_ff"]
+        eps = cfg.get("layer_norm_epsilon", 1e-6)
+        self.gated = cfg.get("feed_forward_proj", "relu").startswith("gated-")
+        subs = [nn.ModuleDict({"SelfAttention": EDAttention(d, heads, hd, False, device),
+                               "layer_norm": RMSNorm(d, eps, device)})]
+        if decoder:
+            subs.append(nn.ModuleDict({"EncDecAttention": EDAttention(d, heads, hd, False, device),
+                                       "layer_norm": RMSNorm(d, eps, device)}))
+        ff = nn.ModuleDict({"wo": nn.Linear(ffn, d, bias=False, device=device)})
+        if self.gated:
+            ff["wi_0"] = nn.Linear(d, ffn, bias=False, device=device)
+            ff["wi_1"] = nn.Linear(d, ffn, bias=False, device=device)
+        else:
+            ff["wi"] = nn.Linear(d, ffn, bias=False, device=device)
+        subs.append(nn.ModuleDict({"DenseReluDense": ff, "layer_norm": RMSNorm(d, eps, device)}))
+        self.layer = nn.ModuleList(subs)
+
+    def attns(self):
+        """(self-attention, cross-attention or None)."""
+        if self.bart:
+            return self.self_attn, getattr(self, "encoder_attn", None)
+        return self.layer[0]["SelfAttention"], self.layer[1]["EncDecAttention"] if self.decoder else None
+
+    def forward(self, x, self_kv, self_bias, cross_kv):
+        """self_kv: this layer's (K, V) including x's own rows; cross_kv:
+        the encoder output's (decoder only)."""
+        sa, ca = self.attns()
+        if self.bart:
+            x = self.self_attn_layer_norm(x + sa(x, *self_kv, self_bias))
+            if ca is not None:
+                x = self.encoder_attn_layer_norm(x + ca(x, *cross_kv, None))
+            return self.final_layer_norm(x + self.fc2(F.gelu(self.fc1(x))))
+        x = x + sa(self.layer[0]["layer_norm"](x), *self_kv, self_bias)
+        if ca is not None:
+            x = x + ca(self.layer[1]["layer_norm"](x), *cross_kv, None)
+        ff = self.layer[-1]["DenseReluDense"]
+        h = self.layer[-1]["layer_norm"](x)
+        h = gelu_tanh(ff["wi_0"](h)) * ff["wi_1"](h) if self.gated else F.relu(ff["wi"](h))
+        return x + ff["wo"](h)
+
+    def self_kv_input(self, x):
+        """What this layer's self-attention projects K, V from."""
+        return x if self.bart else self.layer[0]["layer_norm"](x)
+
+
+class EDStack(nn.Module):
+    def __init__(self, cfg, decoder, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.bart = arch_of(cfg) == "BartForConditionalGeneration"
+        self.decoder = decoder
+        if self.bart:
+            n = cfg["decoder_layers" if decoder else "encoder_layers"]
+            d = cfg["d_model"]
+            self.embed_positions = nn.Embedding(cfg["max_position_embeddings"] + 2, d, device=device)
+            self.layernorm_embedding = nn.LayerNorm(d, eps=1e-5, device=device)
+            self.layers = nn.ModuleList(EDLayer(cfg, decoder, device) for _ in range(n))
+        else:
+            n = cfg.get("num_decoder_layers") or cfg["num_layers"] if decoder else cfg["num_layers"]
+            self.block = nn.ModuleList(EDLayer(cfg, decoder, device) for _ in range(n))
+            self.block[0].layer[0]["SelfAttention"].relative_attention_bias = nn.Embedding(
+                cfg.get("relative_attention_num_buckets", 32), cfg["num_heads"], device=device)
+            self.final_layer_norm = RMSNorm(cfg["d_model"], cfg.get("layer_norm_epsilon", 1e-6), device)
+
+    def blocks(self):
+        return self.layers if self.bart else self.block
+
+    def bias(self, q0, t, s):
+        """Additive [H, t, s] scores bias of queries at q0.. over keys 0..s:
+        T5's relative bias (+ the decoder's causal mask), BART's mask."""
+        q = torch.arange(q0, q0 + t)[:, None]
+        k = torch.arange(s)[None, :]
+        mask = torch.zeros(t, s).masked_fill(k > q, float("-inf")) if self.decoder else torch.zeros(t, s)
+        if self.bart:
+            return mask[None]
+        c = self.cfg
+        b = t5_bucket(k - q, not self.decoder, c.get("relative_attention_num_buckets", 32),
+                      c.get("relative_attention_max_distance", 128))
+        return self.block[0].layer[0]["SelfAttention"].relative_attention_bias(b).permute(2, 0, 1) + mask[None]
+
+    def forward(self, x, cache=None, enc=None):
+        """x: embedded inputs [1, T, dim] (BART: before positions).  cache
+        (decoder): {"self": [(K, V)] per layer, "cross": [(K, V)]}, grown
+        in place; the encoder has none (every token sees every other)."""
+        past = cache["self"][0][0].shape[2] if cache and cache["self"] else 0
+        t = x.shape[1]
+        if self.bart:
+            x = self.layernorm_embedding(x + self.embed_positions(torch.arange(past, past + t) + 2))
+        bias = self.bias(past, t, past + t)
+        for i, blk in enumerate(self.blocks()):
+            sa, ca = blk.attns()
+            k, v = sa.kv(blk.self_kv_input(x))
+            if cache is not None:
+                if len(cache["self"]) > i:
+                    pk, pv = cache["self"][i]
+                    k, v = torch.cat((pk, k), 2), torch.cat((pv, v), 2)
+                    cache["self"][i] = (k, v)
+                else:
+                    cache["self"].append((k, v))
+                if len(cache["cross"]) <= i:
+                    cache["cross"].append(ca.kv(enc))
+            x = blk(x, (k, v), bias, cache["cross"][i] if cache is not None else None)
+        return x if self.bart else self.final_layer_norm(x)
+
+
+class EncDecLM(nn.Module):
+    def __init__(self, cfg, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = arch_of(cfg)
+        self.bart = self.arch == "BartForConditionalGeneration"
+        self.tied = bool(cfg.get("tie_word_embeddings", True))
+        d, vocab = cfg["d_model"], cfg["vocab_size"]
+        if self.bart:
+            if cfg.get("activation_function", "gelu") != "gelu" or cfg.get("normalize_before", False) or \
+                    cfg.get("add_final_layer_norm", False):
+                raise ValueError("config.json: only BART's gelu, post-norm layout is supported")
+            self.model = nn.Module()
+            self.model.shared = nn.Embedding(vocab, d, device=device)
+            self.model.encoder = EDStack(cfg, False, device)
+            self.model.decoder = EDStack(cfg, True, device)
+            self.register_buffer("final_logits_bias", torch.zeros(1, vocab, device=device))
+        else:
+            if cfg.get("feed_forward_proj", "relu") not in ("relu", "gated-gelu"):
+                raise ValueError(f"config.json: feed_forward_proj {cfg['feed_forward_proj']!r} (relu, gated-gelu)")
+            self.shared = nn.Embedding(vocab, d, device=device)
+            self.encoder = EDStack(cfg, False, device)
+            self.decoder = EDStack(cfg, True, device)
+        if not self.tied:
+            self.lm_head = nn.Linear(d, vocab, bias=False, device=device)
+
+    def stacks(self):
+        return (self.model.encoder, self.model.decoder) if self.bart else (self.encoder, self.decoder)
+
+    def embed(self, ids):
+        emb = self.model.shared if self.bart else self.shared
+        x = emb(torch.as_tensor(ids).view(1, -1))
+        if self.bart and self.cfg.get("scale_embedding", False):
+            x = x * math.sqrt(self.cfg["d_model"])
+        return x
+
+    def encode(self, ids):
+        """[1, S, dim] encoder output."""
+        return self.stacks()[0](self.embed(ids))
+
+    def new_cache(self):
+        return {"self": [], "cross": []}
+
+    def decode(self, ids, enc, cache):
+        """[T, vocab] f32 logits of decoder tokens ids fed after the cache's."""
+        h = self.stacks()[1](self.embed(ids), cache, enc)[0]
+        emb = self.model.shared.weight if self.bart else self.shared.weight
+        if self.tied and not self.bart:
+            h = h * self.cfg["d_model"] ** -0.5
+        logits = F.linear(h, emb if self.tied else self.lm_head.weight)
+        if self.bart:
+            logits = logits + self.final_logits_bias[0]
+        return logits.float()
+
+
+def load_encdec(d, dtype=torch.float32, kv_dtype=None):
+    """EncDecLM of directory d, weights cast to dtype; kv_dtype: the caches'
+    K and V rounded to it."""
+    m = EncDecLM(load_config(d))
+    for mod in m.modules():
+        if isinstance(mod, EDAttention):
+            mod.kv_dtype = kv_dtype
+    sd = load_checkpoint(d)
+    if m.tied:
+        sd.pop("lm_head.weight", None)
     m.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
     return m.to(dtype).eval()

@@ -12,7 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define Q8_0_BLOCK 32 /* elements per block */
+#define Q8_0_BLOCK 32    /* elements per block */
+#define GGML_TYPE_Q8_0 8 /* the type id of these blocks in a GGUF file */
 
 struct q8_0_block {
     uint16_t d;                /* f16 scale */

@@ -96,7 +96,8 @@ const struct cpu_qkern cpu_qkern_scalar = {
 
 const struct cpu_qkern *cpu_qkern_for(const struct cpu_kern *k)
 {
-    return k == &cpu_kern_avx512 || k == &cpu_kern_avx512bf16 ? &cpu_qkern_avx512 : &cpu_qkern_scalar;
+    return k == &cpu_kern_avx512 || k == &cpu_kern_avx512vnni || k == &cpu_kern_avx512bf16 ? &cpu_qkern_avx512
+                                                                                            : &cpu_qkern_scalar;
 }
 
 /* The (s, b) of n groups of head kvh in the c*s + b form, from group (row
@@ -418,7 +419,7 @@ static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
         if (run == 1)
             attend_quantized(&a, lo, hi);
         else
-            cpu_attend_span(k, p, &v->rest, kvh, q, lo, hi, pt, scratch);
+            cpu_attend_span(k, p, &v->rest, kvh, q, t->pos, lo, hi, pt, scratch);
     }
 }
 

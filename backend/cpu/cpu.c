@@ -353,6 +353,7 @@ static const struct be_ops cpu_ops = {
     .attention = cpu_attention,
     .silu_mul = cpu_silu_mul,
     .gelu_mul = cpu_gelu_mul,
+    .act = cpu_act,
     .scale = cpu_scale,
     .layernorm = cpu_layernorm,
     .add = cpu_add,
@@ -364,6 +365,8 @@ static const struct be_ops cpu_ops = {
     .kvq_dequantize = cpu_kvq_dequantize,
     .kv_absmax = cpu_kv_absmax,
     .kv_copy = cpu_kv_copy,
+    .ssm_conv = cpu_ssm_conv,
+    .ssm_scan = cpu_ssm_scan,
 };
 
 enum be_status be_cpu_init(const struct be_params *p, const struct be_ops **ops, void **ctx, size_t *dev_budget)

@@ -37,6 +37,12 @@ struct cpu_q8_act {
     int8_t qs[32];
 };
 
+/* The weight formats multiplied by int8 activations (struct cpu_q8_act). */
+static inline bool cpu_wq(enum be_dtype dt)
+{
+    return dt == BE_Q8_0 || dt == BE_Q4_K;
+}
+
 /* One matmul call, as the op driver hands it to a table. */
 struct cpu_mm {
     float *y;        /* [n, out] */
@@ -44,8 +50,9 @@ struct cpu_mm {
     const void *w;   /* [out, in] of wt */
     enum be_dtype wt;
     int n, in, out;
-    /* wt BE_Q8_0: x as n * in / 32 blocks, quantized once by the driver,
-     * and x itself is then those blocks dequantized (d * q) */
+    /* wt BE_Q8_0 or BE_Q4_K (cpu_wq): x as n * in / 32 blocks, quantized
+     * once by the driver, and x itself is then those blocks dequantized
+     * (d * q) */
     const struct cpu_q8_act *xq;
     /* wt BE_BF16 on a level with bf16_pack_act: x rounded to bf16 and
      * packed by it, once by the driver */
@@ -58,7 +65,7 @@ struct cpu_mm {
 #define CPU_SCRATCH_FLOATS (256 * 1024)
 
 struct cpu_kern {
-    const char *name; /* "scalar", "avx2", "avx512" */
+    const char *name; /* "scalar", "avx2", "avx512", "avx512vnni" */
     /* y[:, r0:r1] for rows r0..r1 of W, all n tokens (the driver adds the bias);
      * scratch holds CPU_SCRATCH_FLOATS floats private to the thread */
     void (*matmul_rows)(const struct cpu_mm *a, int r0, int r1, float *scratch);
@@ -100,6 +107,11 @@ struct cpu_kern {
 extern const struct cpu_kern cpu_kern_scalar;
 extern const struct cpu_kern cpu_kern_avx2;
 extern const struct cpu_kern cpu_kern_avx512;
+/* AVX-512 with VNNI: the avx512 table with the quantized-weight matmul on
+ * vpdpbusd (wq_vnni.c). */
+extern const struct cpu_kern cpu_kern_avx512vnni;
+/* AVX-512 with VNNI and BF16: the avx512vnni table with bf16 weights on
+ * vdpbf16ps (bf16_avx512.c). */
 extern const struct cpu_kern cpu_kern_avx512bf16;
 
 /* The scalar inner loops, for SIMD tables that keep some of them. */
@@ -112,9 +124,11 @@ float cpu_max_scalar(const float *x, int n);
 float cpu_exp_sum_scalar(float *s, float m, int n);
 void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
 void cpu_q8_act_scalar(struct cpu_q8_act *y, const float *x, size_t n);
-/* The AVX2 Q8_0 matmul and activation quantizer (q8_avx2.c), which the
- * AVX-512 level uses too. */
-void cpu_matmul_q8_0_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch);
+/* The quantized-weight matmul (a->wt cpu_wq) for AVX2, which the avx512
+ * level uses too, and for AVX-512 VNNI (q8_avx2.c, wq_vnni.c over
+ * wq_rows.h); the activation quantizer of both AVX levels. */
+void cpu_matmul_wq_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch);
+void cpu_matmul_wq_vnni(const struct cpu_mm *a, int r0, int r1, float *scratch);
 void cpu_q8_act_avx2(struct cpu_q8_act *y, const float *x, size_t n);
 
 /* Batched matmul for the SIMD levels (gemm.c): panels of W converted to
@@ -163,7 +177,7 @@ typedef void cpu_widen16_fn(float *w, const void *src, int r0, int nr, int c0, i
 void cpu_tiles_avx512(bool dot, float *out, size_t os, const float *in, size_t is, int nq, cpu_widen16_fn *widen,
                       const void *src, int n, int rows);
 
-/* Picks the table: $KVTIER_SIMD (scalar|avx2|avx512|avx512bf16) when set and the CPU
+/* Picks the table: $KVTIER_SIMD (scalar|avx2|avx512|avx512vnni|avx512bf16) when set and the CPU
  * can run it, else the best the CPU supports.  NULL when $KVTIER_SIMD
  * names a level this CPU cannot run or an unknown one. */
 const struct cpu_kern *cpu_kern_select(void);
@@ -188,7 +202,13 @@ enum be_status cpu_kv_store(void *ctx, const struct be_kv_view *views, const str
 enum be_status cpu_attention(void *ctx, void *out, const void *q, const struct be_kv_view *views,
                              const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
 enum be_status cpu_silu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
+enum be_status cpu_ssm_conv(void *ctx, void *y, const void *x, const struct be_ssm_view *views,
+                            const struct be_tok *toks, int n_tok, const struct be_ssm_params *p);
+enum be_status cpu_ssm_scan(void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                            const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                            const struct be_ssm_params *p);
 enum be_status cpu_gelu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
+enum be_status cpu_act(void *ctx, void *x, size_t n, enum be_act act);
 enum be_status cpu_scale(void *ctx, void *x, size_t n, float s);
 enum be_status cpu_layernorm(void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim,
                              float eps);
@@ -255,7 +275,7 @@ void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s,
 /* Positions [lo, hi) of a full-precision view (below v->sinks: its sink
  * block) of kv head kvh against q[nq][head_dim], folded into pt. */
 void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v, int kvh,
-                     const float *q, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch);
+                     const float *q, int64_t qpos, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch);
 /* Floats of scratch cpu_attend_span uses. */
 size_t cpu_attend_span_work(const struct be_attn_params *p);
 

@@ -21,7 +21,7 @@ static inline __attribute__((always_inline)) __m256 load8(const void *w, enum be
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     case BE_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
-    case BE_F32: case BE_Q8_0: break; /* Q8_0 rows go to q8_avx2.c, never here */
+    case BE_F32: case BE_Q8_0: case BE_Q4_K: break; /* blocks go to q8_avx2.c, never here */
     }
     return _mm256_loadu_ps((const float *)w + i);
 }
@@ -130,8 +130,8 @@ static void to_f32_avx2(float *y, const void *x, enum be_dtype dt, size_t n)
 
 static void matmul_rows_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
-    if (a->wt == BE_Q8_0) {
-        cpu_matmul_q8_0_avx2(a, r0, r1, scratch);
+    if (cpu_wq(a->wt)) {
+        cpu_matmul_wq_avx2(a, r0, r1, scratch);
         return;
     }
     if (a->n >= CPU_GEMM_MIN_TOKENS && a->in <= CPU_SCRATCH_FLOATS) {
@@ -142,7 +142,7 @@ static void matmul_rows_avx2(const struct cpu_mm *a, int r0, int r1, float *scra
     case BE_BF16: matmul_tokens(a, BE_BF16, r0, r1); break;
     case BE_F16: matmul_tokens(a, BE_F16, r0, r1); break;
     case BE_F32: matmul_tokens(a, BE_F32, r0, r1); break;
-    case BE_Q8_0: break; /* handled above */
+    case BE_Q8_0: case BE_Q4_K: break; /* handled above */
     }
 }
 

@@ -20,7 +20,7 @@ static inline __attribute__((always_inline)) __m512 load16(const void *w, enum b
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
     case BE_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i));
-    case BE_F32: case BE_Q8_0: break; /* Q8_0 rows go to q8_avx2.c, never here */
+    case BE_F32: case BE_Q8_0: case BE_Q4_K: break; /* blocks go to q8_avx2.c or wq_vnni.c, never here */
     }
     return _mm512_maskz_loadu_ps(m, (const float *)w + i);
 }
@@ -199,8 +199,8 @@ static void to_f32_avx512(float *y, const void *x, enum be_dtype dt, size_t n)
 
 static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
-    if (a->wt == BE_Q8_0) { /* no 512-bit variant yet: the AVX2 one runs here too */
-        cpu_matmul_q8_0_avx2(a, r0, r1, scratch);
+    if (cpu_wq(a->wt)) { /* without VNNI, the AVX2 one runs here too */
+        cpu_matmul_wq_avx2(a, r0, r1, scratch);
         return;
     }
     bool fits = a->in <= CPU_SCRATCH_FLOATS; /* a converted row or the deinterleaved x fits the scratch */
@@ -223,7 +223,7 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
     case BE_BF16: matmul_tokens(a, BE_BF16, r0, r1); break;
     case BE_F16: matmul_tokens(a, BE_F16, r0, r1); break;
     case BE_F32: matmul_tokens(a, BE_F32, r0, r1); break;
-    case BE_Q8_0: break; /* handled above */
+    case BE_Q8_0: case BE_Q4_K: break; /* handled above */
     }
 }
 
@@ -460,45 +460,41 @@ static void from_f32_avx512(void *y, enum be_dtype dt, const float *x, size_t n)
     }
 }
 
-const struct cpu_kern cpu_kern_avx512 = {
-    .name = "avx512",
-    .matmul_rows = matmul_rows_avx512,
-    .dot = dot_avx512,
-    .axpy = axpy_avx512,
-    .scale = scale_avx512,
-    .max = max_avx512,
-    .exp_sum = exp_sum_avx512,
-    .sumsq = sumsq_avx512,
-    .norm_mul = norm_mul_avx512,
-    .add = add_avx512,
-    .q8_act = cpu_q8_act_avx2,
-    .to_f32 = to_f32_avx512,
-    .from_f32 = from_f32_avx512,
-};
+static void matmul_rows_avx512vnni(const struct cpu_mm *a, int r0, int r1, float *scratch)
+{
+    if (cpu_wq(a->wt))
+        cpu_matmul_wq_vnni(a, r0, r1, scratch);
+    else
+        matmul_rows_avx512(a, r0, r1, scratch);
+}
 
-/* The avx512 level on a CPU with AVX512_BF16: bf16 weights go to
+/* The avx512vnni level on a CPU with AVX512_BF16 too: bf16 weights go to
  * bf16_avx512.c with the tokens the driver rounded and packed (mm.xb). */
 static void matmul_rows_avx512bf16(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
     if (a->xb)
         cpu_matmul_bf16_avx512(a, r0, r1, scratch);
     else
-        matmul_rows_avx512(a, r0, r1, scratch);
+        matmul_rows_avx512vnni(a, r0, r1, scratch);
 }
 
-const struct cpu_kern cpu_kern_avx512bf16 = {
-    .name = "avx512bf16",
-    .matmul_rows = matmul_rows_avx512bf16,
-    .dot = dot_avx512,
-    .axpy = axpy_avx512,
-    .scale = scale_avx512,
-    .max = max_avx512,
-    .exp_sum = exp_sum_avx512,
-    .sumsq = sumsq_avx512,
-    .norm_mul = norm_mul_avx512,
-    .add = add_avx512,
-    .q8_act = cpu_q8_act_avx2,
-    .to_f32 = to_f32_avx512,
-    .from_f32 = from_f32_avx512,
-    .bf16_pack_act = cpu_bf16_pack_act_avx512,
-};
+/* Everything but the name and the matmul, which VNNI and BF16 change. */
+#define AVX512_LOOPS                                                                                                   \
+    .dot = dot_avx512,                                                                                                 \
+    .axpy = axpy_avx512,                                                                                               \
+    .scale = scale_avx512,                                                                                             \
+    .max = max_avx512,                                                                                                 \
+    .exp_sum = exp_sum_avx512,                                                                                         \
+    .sumsq = sumsq_avx512,                                                                                             \
+    .norm_mul = norm_mul_avx512,                                                                                       \
+    .add = add_avx512,                                                                                                 \
+    .q8_act = cpu_q8_act_avx2,                                                                                         \
+    .to_f32 = to_f32_avx512,                                                                                           \
+    .from_f32 = from_f32_avx512
+
+const struct cpu_kern cpu_kern_avx512 = {.name = "avx512", .matmul_rows = matmul_rows_avx512, AVX512_LOOPS};
+const struct cpu_kern cpu_kern_avx512vnni = {.name = "avx512vnni", .matmul_rows = matmul_rows_avx512vnni, AVX512_LOOPS};
+const struct cpu_kern cpu_kern_avx512bf16 = {.name = "avx512bf16",
+                                             .matmul_rows = matmul_rows_avx512bf16,
+                                             AVX512_LOOPS,
+                                             .bf16_pack_act = cpu_bf16_pack_act_avx512};

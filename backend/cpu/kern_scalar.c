@@ -6,6 +6,7 @@
 
 #include "backend/cpu/cpu.h"
 #include "util/half.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 static inline float load_as_f32(const void *p, enum be_dtype dt, size_t i)
@@ -16,6 +17,14 @@ static inline float load_as_f32(const void *p, enum be_dtype dt, size_t i)
     case BE_Q8_0: {
         const struct q8_0_block *b = (const struct q8_0_block *)p + i / Q8_0_BLOCK;
         return f16_to_f32(b->d) * (float)b->qs[i % Q8_0_BLOCK];
+    }
+    case BE_Q4_K: {
+        const struct q4_k_block *b = (const struct q4_k_block *)p + i / Q4_K_BLOCK;
+        int j = (int)(i % Q4_K_BLOCK / Q4_K_SUB), sc, m;
+        q4_k_scale_min(b->scales, j, &sc, &m);
+        uint8_t byte = b->qs[j / 2 * Q4_K_SUB + i % Q4_K_SUB];
+        return f16_to_f32(b->d) * (float)sc * (float)(j % 2 ? byte >> 4 : byte & 0x0f) -
+               f16_to_f32(b->dmin) * (float)m;
     }
     case BE_F32: break;
     }
@@ -43,11 +52,47 @@ static void matmul_q8_0_scalar(const struct cpu_mm *a, int r0, int r1)
     }
 }
 
+/* The Q4_K oracle: per sub-block j of 32, the integer dot product of the
+ * 4-bit codes with the activation codes and the sum of the latter, as
+ *     d sc_j dx isum_j - dmin m_j (dx xsum_j)
+ * summed in sub-block order (the SIMD levels group the same products). */
+static void matmul_q4_k_scalar(const struct cpu_mm *a, int r0, int r1)
+{
+    size_t nsb = (size_t)a->in / Q4_K_BLOCK;
+    for (int t = 0; t < a->n; t++) {
+        const struct cpu_q8_act *x = a->xq + (size_t)t * nsb * 8;
+        for (int r = r0; r < r1; r++) {
+            const struct q4_k_block *w = (const struct q4_k_block *)a->w + (size_t)r * nsb;
+            float acc = 0.0f;
+            for (size_t b = 0; b < nsb; b++) {
+                float d = f16_to_f32(w[b].d), dmin = f16_to_f32(w[b].dmin);
+                for (int j = 0; j < 8; j++) {
+                    const struct cpu_q8_act *xb = &x[b * 8 + (size_t)j];
+                    int sc, m;
+                    int32_t isum = 0, xsum = 0;
+                    q4_k_scale_min(w[b].scales, j, &sc, &m);
+                    for (int i = 0; i < Q4_K_SUB; i++) {
+                        uint8_t byte = w[b].qs[j / 2 * Q4_K_SUB + i];
+                        isum += (j % 2 ? byte >> 4 : byte & 0x0f) * (int32_t)xb->qs[i];
+                        xsum += xb->qs[i];
+                    }
+                    acc += d * (float)sc * xb->d * (float)isum - dmin * (float)m * (xb->d * (float)xsum);
+                }
+            }
+            a->y[(size_t)t * a->out + r] = acc;
+        }
+    }
+}
+
 void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
     (void)scratch;
     if (a->wt == BE_Q8_0) {
         matmul_q8_0_scalar(a, r0, r1);
+        return;
+    }
+    if (a->wt == BE_Q4_K) {
+        matmul_q4_k_scalar(a, r0, r1);
         return;
     }
     size_t row_bytes = be_row_bytes(a->wt, (size_t)a->in);
@@ -138,7 +183,7 @@ void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n)
         case BE_F32: ((float *)y)[i] = x[i]; break;
         case BE_F16: ((uint16_t *)y)[i] = f32_to_f16(x[i]); break;
         case BE_BF16: ((uint16_t *)y)[i] = f32_to_bf16(x[i]); break;
-        case BE_Q8_0: return; /* a weight format: never a destination */
+        case BE_Q8_0: case BE_Q4_K: return; /* weight formats: never a destination */
         }
     }
 }

@@ -76,7 +76,7 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
         .mm = {.y = y, .x = x, .w = w, .wt = wt, .n = n, .in = in, .out = out},
         .bias = bias,
     };
-    if (wt == BE_Q8_0) { /* once here, not once per thread and row chunk */
+    if (cpu_wq(wt)) { /* once here, not once per thread and row chunk */
         size_t elems = (size_t)n * (size_t)in, bfl = elems / 32 * (sizeof(struct cpu_q8_act) / sizeof(float));
         _Static_assert(sizeof(struct cpu_q8_act) % sizeof(float) == 0, "blocks tile a float work area");
         float *work = cpu_ctx_rows(j.c, bfl + elems);
@@ -332,7 +332,7 @@ size_t cpu_attend_span_work(const struct be_attn_params *p)
 }
 
 void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v, int kvh,
-                     const float *q, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch)
+                     const float *q, int64_t qpos, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch)
 {
     int D = p->head_dim, nq = p->n_heads / p->n_kv_heads;
     size_t esz = be_dtype_size(p->kv_dtype);
@@ -359,6 +359,14 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
         for (int i = 0; i < nq * n; i++)
             s[i] *= p->scale;
         cpu_attn_softcap(s, nq * n, p->softcap);
+        if (p->rel_bias) /* T5: the bias of the key's distance, per query head */
+            for (int g = 0; g < nq; g++) {
+                const float *b = p->rel_bias + (size_t)(kvh * nq + g) * (size_t)(2 * p->rel_span + 1) + p->rel_span;
+                for (int i = 0; i < n; i++) {
+                    int64_t d = c0 + i - qpos;
+                    s[g * n + i] += b[d < -p->rel_span ? -p->rel_span : d > p->rel_span ? p->rel_span : d];
+                }
+            }
         cpu_attn_fold(k, pt, s, nq, n, D);
         k->axpy(pt->o, s, nq, rows, v->v_offset, p->kv_dtype, D, n);
     }
@@ -541,7 +549,7 @@ enum be_status cpu_attn_run(struct cpu_ctx *c, const struct cpu_attn_src *src, f
  * windowed, within [lo, hi)).  Returns how many. */
 static int64_t dense_keys(const struct be_attn_params *p, const struct be_kv_view *v, int64_t qpos, int64_t *k0)
 {
-    int64_t lo = v->lo, k1 = qpos + 1 < v->hi ? qpos + 1 : v->hi;
+    int64_t lo = v->lo, k1 = qpos + 1 < v->hi && !p->bidirectional ? qpos + 1 : v->hi;
     int window = v->window ? v->window : p->window;
     if (window > 0 && qpos - window + 1 > lo)
         lo = qpos - window + 1;
@@ -562,9 +570,9 @@ static void dense_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
     int64_t k0, S = v->sinks;
     dense_keys(s->p, v, t->pos, &k0);
     if (c0 < S)
-        cpu_attend_span(k, s->p, v, kvh, q, c0, c1 < S ? c1 : S, pt, scratch);
+        cpu_attend_span(k, s->p, v, kvh, q, t->pos, c0, c1 < S ? c1 : S, pt, scratch);
     if (c1 > S)
-        cpu_attend_span(k, s->p, v, kvh, q, k0 + (c0 > S ? c0 - S : 0), k0 + (c1 - S), pt, scratch);
+        cpu_attend_span(k, s->p, v, kvh, q, t->pos, k0 + (c0 > S ? c0 - S : 0), k0 + (c1 - S), pt, scratch);
 }
 
 enum be_status cpu_attention(void *ctx, void *out_, const void *q_, const struct be_kv_view *views,
@@ -576,6 +584,114 @@ enum be_status cpu_attention(void *ctx, void *out_, const void *q_, const struct
         return BE_ENOTSUP; /* far beyond any model: head_dim above 2000 */
     struct cpu_attn_src src = {.p = p, .views = views, .n_keys = dense_n_keys, .piece = dense_piece};
     return cpu_attn_run(ctx, &src, out, q, toks, n_tok);
+}
+
+/* ---- state-space layers (Mamba) ------------------------------------------- */
+
+/* Both kernels split the channels between the threads: a channel's window
+ * and state are its own, and its rows run in order through each view. */
+struct ssm_job {
+    struct cpu_ctx *c;
+    float *y;
+    const float *x, *dt, *B, *C, *z;
+    const struct be_ssm_view *views;
+    const struct be_tok *toks;
+    int n_tok;
+    const struct be_ssm_params *p;
+};
+
+static void ssm_conv_job(void *arg, int ith, int nth)
+{
+    const struct ssm_job *j = arg;
+    const struct be_ssm_params *p = j->p;
+    int di = p->d_inner, K = p->d_conv;
+    size_t lo, hi;
+    split((size_t)di, ith, nth, 16, &lo, &hi);
+    for (int t0 = 0; t0 < j->n_tok;) {
+        int v = j->toks[t0].view, t1 = t0;
+        while (t1 < j->n_tok && j->toks[t1].view == v)
+            t1++;
+        const float *win_in = j->views[v].in;
+        float *win_out = j->views[v].out;
+        for (size_t i = lo; i < hi; i++) {
+            const float *w = p->conv_w + i * (size_t)K;
+            float buf[BE_SSM_MAX_CONV]; /* the last K inputs, oldest first */
+            for (int k = 0; k < K - 1; k++)
+                buf[k] = win_in[(size_t)k * di + i];
+            for (int t = t0; t < t1; t++) {
+                buf[K - 1] = j->x[(size_t)t * di + i];
+                float acc = p->conv_b ? p->conv_b[i] : 0.0f;
+                for (int k = 0; k < K; k++)
+                    acc += w[k] * buf[k];
+                j->y[(size_t)t * di + i] = acc / (1.0f + expf(-acc));
+                for (int k = 0; k < K - 1; k++)
+                    buf[k] = buf[k + 1];
+            }
+            for (int k = 0; k < K - 1; k++)
+                win_out[(size_t)k * di + i] = buf[k];
+        }
+        t0 = t1;
+    }
+}
+
+enum be_status cpu_ssm_conv(void *ctx, void *y, const void *x, const struct be_ssm_view *views,
+                            const struct be_tok *toks, int n_tok, const struct be_ssm_params *p)
+{
+    struct ssm_job j = {.c = ctx, .y = y, .x = x, .views = views, .toks = toks, .n_tok = n_tok, .p = p};
+    run(j.c, ssm_conv_job, &j, (size_t)n_tok * (size_t)p->d_inner * (size_t)p->d_conv);
+    return BE_OK;
+}
+
+/* softplus as torch computes it (threshold 20: x itself above) */
+static float softplus(float x)
+{
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+static void ssm_scan_job(void *arg, int ith, int nth)
+{
+    const struct ssm_job *j = arg;
+    const struct be_ssm_params *p = j->p;
+    int di = p->d_inner, N = p->d_state;
+    size_t h_off = (size_t)(p->d_conv - 1) * di; /* floats: h follows the window */
+    size_t lo, hi;
+    split((size_t)di, ith, nth, 16, &lo, &hi);
+    for (int t0 = 0; t0 < j->n_tok;) {
+        int v = j->toks[t0].view, t1 = t0;
+        while (t1 < j->n_tok && j->toks[t1].view == v)
+            t1++;
+        const float *h_in = (const float *)j->views[v].in + h_off;
+        float *h_out = (float *)j->views[v].out + h_off;
+        for (size_t i = lo; i < hi; i++) {
+            float h[BE_SSM_MAX_STATE];
+            const float *A = p->A + i * (size_t)N;
+            memcpy(h, h_in + i * (size_t)N, (size_t)N * sizeof(float));
+            for (int t = t0; t < t1; t++) {
+                size_t r = (size_t)t * di + i;
+                float dt = softplus(j->dt[r]), xv = j->x[r];
+                const float *B = j->B + (size_t)t * N, *C = j->C + (size_t)t * N;
+                float acc = 0.0f;
+                for (int s = 0; s < N; s++) {
+                    h[s] = expf(dt * A[s]) * h[s] + dt * B[s] * xv;
+                    acc += C[s] * h[s];
+                }
+                float z = j->z[r];
+                j->y[r] = (acc + p->D[i] * xv) * (z / (1.0f + expf(-z)));
+            }
+            memcpy(h_out + i * (size_t)N, h, (size_t)N * sizeof(float));
+        }
+        t0 = t1;
+    }
+}
+
+enum be_status cpu_ssm_scan(void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                            const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                            const struct be_ssm_params *p)
+{
+    struct ssm_job j = {.c = ctx, .y = y, .x = x, .dt = dt_raw, .B = B, .C = C, .z = z, .views = views,
+                        .toks = toks, .n_tok = n_tok, .p = p};
+    run(j.c, ssm_scan_job, &j, (size_t)n_tok * (size_t)p->d_inner * (size_t)p->d_state * 4);
+    return BE_OK;
 }
 
 /* ---- element-wise and row-wise ------------------------------------------- */
@@ -630,6 +746,26 @@ enum be_status cpu_gelu_mul(void *ctx, void *y_, const void *gate_, const void *
     const float *up = up_;
     struct elem_job j = {.c = ctx, .y = y, .a = gate, .b = up, .n = n};
     run(j.c, gelu_mul_job, &j, n * 8);
+    return BE_OK;
+}
+
+static void act_job(void *arg, int ith, int nth)
+{
+    struct elem_job *j = arg;
+    size_t lo, hi;
+    split(j->n, ith, nth, 16, &lo, &hi);
+    for (size_t i = lo; i < hi; i++) {
+        float x = j->y[i];
+        /* s stands for the kind: 0 ReLU, 1 erf GELU x/2 * (1 + erf(x / sqrt 2)) */
+        j->y[i] = j->s == 0.0f ? (x > 0.0f ? x : 0.0f) : 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    }
+}
+
+enum be_status cpu_act(void *ctx, void *x_, size_t n, enum be_act act)
+{
+    float *x = x_;
+    struct elem_job j = {.c = ctx, .y = x, .n = n, .s = act == BE_ACT_RELU ? 0.0f : 1.0f};
+    run(j.c, act_job, &j, n * 8);
     return BE_OK;
 }
 

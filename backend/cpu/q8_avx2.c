@@ -1,93 +1,24 @@
-/* q8_avx2.c - the Q8_0 weight matmul for AVX2 (and the AVX-512 level,
- * which has no variant of its own yet), compiled with the AVX2 flags and
- * only called after dispatch.c checked the CPU.
- *
- * Decode (few tokens) multiplies in integers as llama.cpp does: the driver
- * rounded each activation block of 32 to int8 with an f32 scale, and a
- * weight block and an activation block make one _mm256_maddubs_epi16 (the
- * sign trick: |w| unsigned times x with w's sign) and one
- * _mm256_madd_epi16, whose eight int32 sums are scaled by both blocks'
- * scales into an f32 accumulator.  Four weight rows share each activation
- * load.  Batches of CPU_GEMM_MIN_TOKENS and more take gemm.c's panels
- * instead, with the blocks dequantized to f32: sgemm then does the
- * multiplying, of the same rounded activations (the driver's a->x).
+/* q8_avx2.c - the quantized-weight matmul (Q8_0, Q4_K; wq_rows.h) and the
+ * activation quantizer for AVX2, compiled with the AVX2 flags and only
+ * called after dispatch.c checked the CPU.  The AVX-512 level without
+ * VNNI runs these too.
  */
 #include <immintrin.h>
 #include <math.h>
 
-#include "backend/cpu/cpu.h"
-#include "util/q8.h"
-
-static inline float hsum(__m256 v)
+/* AVX2 has no u8 x s8 dot into int32: maddubs makes int16 pair sums, madd
+ * adds the pairs.  maddubs cannot saturate here: a pair is at most
+ * 2 * 128 * 127 (Q8_0's |w| against an activation) < 32767. */
+static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i u, __m256i s)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-/* The 32 products of a weight block w and an activation block x, as eight
- * f32 partial sums.  maddubs cannot saturate: the quantizers write codes
- * in [-127, 127], so a pair sums to at most 2 * 127 * 127 < 32767. */
-static inline __attribute__((always_inline)) __m256 dot_block(__m256i w, __m256i x)
-{
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
+#include "backend/cpu/wq_rows.h"
 
-/* Rows [r, r + ROWS) of W against every token; ROWS is a constant after
- * inlining, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void q8_rows(const struct cpu_mm *a, int r, const int ROWS)
+void cpu_matmul_wq_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
-    size_t nb = (size_t)a->in / Q8_0_BLOCK;
-    const struct q8_0_block *w0 = (const struct q8_0_block *)a->w + (size_t)r * nb;
-    for (int t = 0; t < a->n; t++) {
-        const struct cpu_q8_act *x = a->xq + (size_t)t * nb;
-        __m256 acc[4];
-#pragma GCC unroll 4
-        for (int k = 0; k < ROWS; k++)
-            acc[k] = _mm256_setzero_ps();
-        for (size_t b = 0; b < nb; b++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)x[b].qs);
-#pragma GCC unroll 4
-            for (int k = 0; k < ROWS; k++) {
-                const struct q8_0_block *wb = w0 + (size_t)k * nb + b;
-                /* the next row group, one group ahead (see kern_avx2.c) */
-                _mm_prefetch((const char *)(wb + (size_t)ROWS * nb), _MM_HINT_T0);
-                __m256 d = _mm256_set1_ps(_cvtsh_ss(wb->d) * x[b].d);
-                acc[k] = _mm256_fmadd_ps(d, dot_block(_mm256_loadu_si256((const __m256i *)wb->qs), xv), acc[k]);
-            }
-        }
-#pragma GCC unroll 4
-        for (int k = 0; k < ROWS; k++)
-            a->y[(size_t)t * a->out + r + k] = hsum(acc[k]);
-    }
-}
-
-static void q8_0_to_f32(float *y, const void *x, enum be_dtype dt, size_t n)
-{
-    (void)dt;
-    const struct q8_0_block *b = x;
-    for (size_t i = 0; i < n / Q8_0_BLOCK; i++, y += Q8_0_BLOCK) {
-        __m256 d = _mm256_set1_ps(_cvtsh_ss(b[i].d));
-        for (int j = 0; j < Q8_0_BLOCK; j += 8) {
-            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b[i].qs + j)));
-            _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
-        }
-    }
-}
-
-void cpu_matmul_q8_0_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch)
-{
-    if (a->n >= CPU_GEMM_MIN_TOKENS && a->in <= CPU_SCRATCH_FLOATS) {
-        cpu_matmul_panels(a, r0, r1, scratch, q8_0_to_f32);
-        return;
-    }
-    int r = r0;
-    for (; r + 4 <= r1; r += 4)
-        q8_rows(a, r, 4);
-    for (; r < r1; r++)
-        q8_rows(a, r, 1);
+    wq_matmul(a, r0, r1, scratch, q4k_rows256);
 }
 
 /* As cpu_q8_act_scalar, byte for byte: the same max, the same f32 scale and

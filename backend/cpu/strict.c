@@ -21,14 +21,10 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/mman.h>
 
+#include "backend/arena.h"
 #include "backend/cpu/cpu.h"
-
-struct extent {
-    size_t off, size;
-};
 
 struct strict {
     const struct be_ops *in; /* the CPU backend */
@@ -42,9 +38,7 @@ struct strict {
     size_t top;         /* end of the highest allocation ever made (page-rounded) */
     size_t opened;      /* bytes from the arena's start that are readable now */
     bool broken;        /* an mprotect failed: refuse every op */
-    struct extent *free_list; /* sorted by offset, coalesced */
-    int n_free, cap_free;
-    int n_allocs;
+    struct be_arena carve;    /* the arena's allocations, by offset */
 };
 
 /* ---- opening and closing the arena ---------------------------------------- */
@@ -85,40 +79,16 @@ static void leave(struct strict *s)
 
 /* ---- the arena's allocator ------------------------------------------------- */
 
-/* First fit.  Free extents never outnumber the allocations plus one (each
- * lies before an allocation or at the end), so the list is grown here,
- * where failing is allowed, and strict_dev_free never has to. */
 static enum be_status strict_dev_alloc(void *ctx, size_t size, void **ptr)
 {
     struct strict *s = ctx;
-    enum be_status st = BE_ENOMEM_DEV;
+    size_t off;
     pthread_mutex_lock(&s->mu);
-    if (s->n_allocs + 2 > s->cap_free) {
-        int cap = s->cap_free * 2;
-        struct extent *fl = cap > 0 ? realloc(s->free_list, (size_t)cap * sizeof(*fl)) : NULL;
-        if (!fl) {
-            pthread_mutex_unlock(&s->mu);
-            return BE_ENOMEM_HOST;
-        }
-        s->free_list = fl;
-        s->cap_free = cap;
-    }
-    for (int i = 0; i < s->n_free; i++) {
-        struct extent *e = &s->free_list[i];
-        if (e->size < size)
-            continue;
-        *ptr = s->arena + e->off;
-        size_t end = (e->off + size + 4095) / 4096 * 4096;
+    enum be_status st = be_arena_take(&s->carve, size, &off);
+    if (st == BE_OK) {
+        *ptr = s->arena + off;
+        size_t end = (off + size + 4095) / 4096 * 4096;
         s->top = end > s->top ? end : s->top;
-        e->off += size;
-        e->size -= size;
-        if (e->size == 0) {
-            memmove(e, e + 1, (size_t)(s->n_free - i - 1) * sizeof(*e));
-            s->n_free--;
-        }
-        s->n_allocs++;
-        st = BE_OK;
-        break;
     }
     pthread_mutex_unlock(&s->mu);
     return st;
@@ -127,28 +97,8 @@ static enum be_status strict_dev_alloc(void *ctx, size_t size, void **ptr)
 static void strict_dev_free(void *ctx, void *ptr, size_t size)
 {
     struct strict *s = ctx;
-    size_t off = (size_t)((char *)ptr - s->arena);
     pthread_mutex_lock(&s->mu);
-    int i = 0;
-    while (i < s->n_free && s->free_list[i].off < off)
-        i++;
-    bool left = i > 0 && s->free_list[i - 1].off + s->free_list[i - 1].size == off;
-    bool right = i < s->n_free && off + size == s->free_list[i].off;
-    if (left && right) {
-        s->free_list[i - 1].size += size + s->free_list[i].size;
-        memmove(&s->free_list[i], &s->free_list[i + 1], (size_t)(s->n_free - i - 1) * sizeof(struct extent));
-        s->n_free--;
-    } else if (left) {
-        s->free_list[i - 1].size += size;
-    } else if (right) {
-        s->free_list[i].off = off;
-        s->free_list[i].size += size;
-    } else {
-        memmove(&s->free_list[i + 1], &s->free_list[i], (size_t)(s->n_free - i) * sizeof(struct extent));
-        s->free_list[i] = (struct extent){off, size};
-        s->n_free++;
-    }
-    s->n_allocs--;
+    be_arena_give(&s->carve, (size_t)((char *)ptr - s->arena), size);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -200,8 +150,14 @@ STRICT_OP(kv_absmax, (void *ctx, const struct be_kv_view *v, enum be_dtype dt, i
                       int64_t p1, float amax[2]), v, dt, n_kv_heads, head_dim, p0, p1, amax)
 STRICT_OP(kv_copy, (void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0, int64_t p1,
                     const struct be_attn_params *p), dst, src, p0, p1, p)
+STRICT_OP(ssm_conv, (void *ctx, void *y, const void *x, const struct be_ssm_view *views, const struct be_tok *toks,
+                     int n_tok, const struct be_ssm_params *p), y, x, views, toks, n_tok, p)
+STRICT_OP(ssm_scan, (void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                     const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                     const struct be_ssm_params *p), y, x, dt_raw, B, C, z, views, toks, n_tok, p)
 STRICT_OP(silu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
 STRICT_OP(gelu_mul, (void *ctx, void *y, const void *gate, const void *up, size_t n), y, gate, up, n)
+STRICT_OP(act, (void *ctx, void *x, size_t n, enum be_act a), x, n, a)
 STRICT_OP(scale, (void *ctx, void *x, size_t n, float a), x, n, a)
 STRICT_OP(layernorm, (void *ctx, void *y, const void *x, const float *w, const float *b, int n, int dim, float eps),
           y, x, w, b, n, dim, eps)
@@ -273,7 +229,7 @@ static void strict_free(void *ctx)
         munmap(s->arena, s->arena_size);
     if (s->pkey >= 0)
         pkey_free(s->pkey);
-    free(s->free_list);
+    be_arena_release(&s->carve);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -303,6 +259,7 @@ static const struct be_ops strict_ops = {
     .attention = strict_attention,
     .silu_mul = strict_silu_mul,
     .gelu_mul = strict_gelu_mul,
+    .act = strict_act,
     .scale = strict_scale,
     .layernorm = strict_layernorm,
     .add = strict_add,
@@ -314,6 +271,8 @@ static const struct be_ops strict_ops = {
     .kvq_dequantize = strict_kvq_dequantize,
     .kv_absmax = strict_kv_absmax,
     .kv_copy = strict_kv_copy,
+    .ssm_conv = strict_ssm_conv,
+    .ssm_scan = strict_ssm_scan,
 };
 
 /* A pool job: every worker may touch the arena from now on (the caller,
@@ -360,16 +319,12 @@ enum be_status be_strict_init(const struct be_params *p, const struct be_ops **o
     size_t page = 4096;
     s->arena_size = (budget + page - 1) / page * page;
     s->arena = mmap(NULL, s->arena_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    s->cap_free = 16;
-    s->free_list = malloc((size_t)s->cap_free * sizeof(*s->free_list));
-    if (s->arena == MAP_FAILED || !s->free_list) {
+    if (s->arena == MAP_FAILED || be_arena_init(&s->carve, s->arena_size) != BE_OK) {
         if (s->arena == MAP_FAILED)
             s->arena = NULL;
         strict_free(s);
         return BE_ENOMEM_HOST;
     }
-    s->free_list[0] = (struct extent){0, s->arena_size};
-    s->n_free = 1;
     use_pkey(s);
     *ops = &strict_ops;
     *ctx = s;

@@ -1,19 +1,23 @@
 /* fuzz_tokenize.c - tokenizer_encode on arbitrary bytes and
- * tokenizer_decode / tokenizer_decode_stream on arbitrary ids, with two
- * real tokenizers: the built-in model's byte-level BPE (model/builtin) and
- * a SentencePiece-style BPE with byte_fallback (tests/fuzz/tokenize/sp).
+ * tokenizer_decode / tokenizer_decode_stream on arbitrary ids, with three
+ * real tokenizers: the built-in model's byte-level BPE (model/builtin), a
+ * SentencePiece-style BPE with byte_fallback (tests/fuzz/tokenize/sp) and a
+ * T5-style Unigram with byte_fallback, a Precompiled charsmap, Strip and a
+ * Regex Replace (tests/fuzz/tokenize/unigram, written by tools/spm2hf.py).
  * Paths are relative to the repository root, or to $KVTIER_SRC.
  *
  * Input: one mode byte, then the text (or, with mode bit 1, little-endian
- * 16-bit ids).  Bit 0 picks the tokenizer, bit 2 add_special / skip_special.
+ * 16-bit ids).  Bit 3 picks the Unigram, else bit 0 picks between the two
+ * BPEs; bit 2 is add_special / skip_special.
  *
  * Invariants:
  *   - encode accepts exactly the well-formed UTF-8 texts; a refused one
  *     gets TEXT_EINVAL with a message giving the byte offset;
  *   - every id is inside the vocabulary; add_special starts with BOS;
- *   - decode(encode(x)) == x (byte-level: always; SentencePiece: when x has
- *     no U+2581, which its normaliser turns into a space, and no added
- *     token, after which Prepend adds a space as Hugging Face's does);
+ *   - decode(encode(x)) == x (byte-level: always; SentencePiece BPE: when x
+ *     has no U+2581, which its normaliser turns into a space, and no added
+ *     token, after which Prepend adds a space as Hugging Face's does; never
+ *     for the Unigram, whose normalisers rewrite the text);
  *   - decoding arbitrary ids gives well-formed UTF-8, the same whether done
  *     at once or token by token through tokenizer_decode_stream (which
  *     writes nothing when the buffer is short and says what it needs);
@@ -22,7 +26,8 @@
 #include "text/tokenizer.h"
 #include "tests/fuzz/fuzz_util.h"
 
-static tokenizer *toks[2];
+enum kind { BYTE_LEVEL, SP_BPE, UNIGRAM };
+static tokenizer *toks[3];
 
 static tokenizer *load(const char *rel)
 {
@@ -43,6 +48,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     (void)argc, (void)argv;
     toks[0] = load("model/builtin");
     toks[1] = load("tests/fuzz/tokenize/sp");
+    toks[2] = load("tests/fuzz/tokenize/unigram");
     return 0;
 }
 
@@ -81,7 +87,7 @@ static void check_stream(const tokenizer *t, const int32_t *ids, size_t n, bool 
     free(acc);
 }
 
-static void fuzz_encode(const tokenizer *t, bool sp, const char *text, size_t n, bool add_special)
+static void fuzz_encode(const tokenizer *t, enum kind kind, const char *text, size_t n, bool add_special)
 {
     struct tok_ids ids = {0};
     char err[TEXT_ERR_LEN];
@@ -105,13 +111,13 @@ static void fuzz_encode(const tokenizer *t, bool sp, const char *text, size_t n,
     check_stream(t, ids.ids, ids.n, false, back, len);
     bool plain = !memmem(text, n, "\xe2\x96\x81", 3) && !memmem(text, n, "<s>", 3) && !memmem(text, n, "</s>", 4) &&
                  !memmem(text, n, "<unk>", 5);
-    if (!add_special && (!sp || plain))
+    if (!add_special && (kind == BYTE_LEVEL || (kind == SP_BPE && plain)))
         FUZZ_CHECK(len == n && memcmp(back, text, n) == 0, "decode(encode(x)) != x (%zu vs %zu bytes)", len, n);
     free(back);
     free(ids.ids);
 }
 
-static void fuzz_decode(const tokenizer *t, bool sp, const uint8_t *data, size_t size, bool skip)
+static void fuzz_decode(const tokenizer *t, enum kind kind, const uint8_t *data, size_t size, bool skip)
 {
     size_t n = size / 2;
     int32_t *ids = malloc((n ? n : 1) * sizeof *ids);
@@ -134,7 +140,7 @@ static void fuzz_decode(const tokenizer *t, bool sp, const uint8_t *data, size_t
     free(out);
     out = decode(t, ids, n, skip, &len);
     check_stream(t, ids, n, skip, out, len);
-    if (!sp && !skip) {
+    if (kind == BYTE_LEVEL && !skip) {
         struct tok_ids again = {0};
         char err[TEXT_ERR_LEN];
         FUZZ_CHECK(tokenizer_encode(t, out, len, false, &again, err) == TEXT_OK, "decoded text refused: %s", err);
@@ -153,10 +159,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (size < 1 || size > 1 << 14)
         return 0;
     unsigned mode = data[0];
-    bool sp = mode & 1;
+    enum kind kind = mode & 8 ? UNIGRAM : mode & 1 ? SP_BPE : BYTE_LEVEL;
     if (mode & 2)
-        fuzz_decode(toks[sp], sp, data + 1, size - 1, mode & 4);
+        fuzz_decode(toks[kind], kind, data + 1, size - 1, mode & 4);
     else
-        fuzz_encode(toks[sp], sp, (const char *)data + 1, size - 1, mode & 4);
+        fuzz_encode(toks[kind], kind, (const char *)data + 1, size - 1, mode & 4);
     return 0;
 }

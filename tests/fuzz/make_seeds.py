@@ -102,3 +102,49 @@ for path in sys.argv[1:]:
     base = os.path.basename(path).replace(".kvt", "")
     for mode in (0, 1):
         put("diskhdr", f"{base}_m{mode}", bytes([mode]) + struct.pack("<Q", len(raw)) + hdr)
+
+# ---- gguf: a GGUF file ---------------------------------------------------------
+# tools/st2gguf.py's writer on a two-layer llama of 64 wide with a 300-token
+# byte-level vocabulary (f32, then Q8_0 layer matrices), and the same
+# vocabulary alone (--vocab-only).
+sys.path.insert(0, "tools")
+import st2gguf  # noqa: E402
+def gguf_seed(q8):
+    L, dim, ffn, heads, n_tok = 1, 32, 32, 2, 300
+    b2u = {}
+    n = 0
+    for b in range(256):
+        if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255:
+            b2u[b] = chr(b)
+        else:
+            b2u[b] = chr(256 + n); n += 1
+    toks = [b2u[b] for b in range(256)] + ["te"] + ["t%d" % i for i in range(n_tok - 257)]
+    kvs = [st2gguf.kv("general.architecture", st2gguf.T_STR, "llama"),
+           st2gguf.kv("llama.embedding_length", st2gguf.T_U32, dim),
+           st2gguf.kv("llama.feed_forward_length", st2gguf.T_U32, ffn),
+           st2gguf.kv("llama.block_count", st2gguf.T_U32, L),
+           st2gguf.kv("llama.attention.head_count", st2gguf.T_U32, heads),
+           st2gguf.kv("llama.context_length", st2gguf.T_U32, 64),
+           st2gguf.kv("llama.attention.layer_norm_rms_epsilon", st2gguf.T_F32, 1e-5),
+           st2gguf.kv("tokenizer.ggml.model", st2gguf.T_STR, "gpt2"),
+           st2gguf.kv("tokenizer.ggml.pre", st2gguf.T_STR, "gpt-2"),
+           st2gguf.kv("tokenizer.ggml.tokens", st2gguf.T_ARR, (st2gguf.T_STR, toks)),
+           st2gguf.kv("tokenizer.ggml.merges", st2gguf.T_ARR, (st2gguf.T_STR, ["t e"]))]
+    mats = [("token_embd.weight", n_tok, dim)] + [("blk.0.%s.weight" % g, r, c) for g, r, c in (
+        ("attn_q", dim, dim), ("attn_k", dim, dim), ("attn_v", dim, dim), ("attn_output", dim, dim),
+        ("ffn_gate", ffn, dim), ("ffn_up", ffn, dim), ("ffn_down", dim, ffn))]
+    vecs = [("blk.0.attn_norm.weight", dim), ("blk.0.ffn_norm.weight", dim), ("output_norm.weight", dim)]
+    infos, data, off = b"", b"", 0
+    for name, r, c in mats + [(v, 0, d) for v, d in vecs]:
+        q = q8 and r and name.startswith("blk")
+        t, nb = (8, r * c // 32 * 34) if q else (0, 4 * (r or 1) * c)
+        dims = [c, r] if r else [c]
+        infos += st2gguf.s_str(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        infos += struct.pack("<IQ", t, off)
+        blob = (struct.pack("<e", 0.01) + bytes(range(32))) * (nb // 34) if q else struct.pack("<f", 0.5) * (nb // 4)
+        data += blob + b"\0" * (-len(blob) % 32)
+        off += len(blob) + (-len(blob) % 32)
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(mats) + len(vecs), len(kvs)) + b"".join(kvs) + infos
+    return head + b"\0" * (-len(head) % 32) + data
+put("gguf", "llama_f32", gguf_seed(False))
+put("gguf", "llama_q8_0", gguf_seed(True))

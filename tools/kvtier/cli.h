@@ -1,6 +1,7 @@
 /* cli.h - what the kvtier CLI's commands share (tools/kvtier.c has main
  * and the one-shot commands; chat.c and top.c the interactive ones).  All
- * talk to kvtierd through libkvtier-client. */
+ * talk to kvtierd through libkvtier-client but quantize.c, which converts
+ * model files without it. */
 #ifndef KVTIER_TOOLS_CLI_H
 #define KVTIER_TOOLS_CLI_H
 
@@ -40,6 +41,7 @@ bool cli_print_piece(void *ud, const char *text, size_t len);
 
 int cmd_chat(int argc, char **argv);
 int cmd_top(int argc, char **argv);
-extern const char cli_chat_usage[], cli_top_usage[];
+int cmd_quantize(int argc, char **argv);
+extern const char cli_chat_usage[], cli_top_usage[], cli_quantize_usage[];
 
 #endif

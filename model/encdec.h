@@ -1,0 +1,81 @@
+/* encdec.h - encoder-decoder models: T5ForConditionalGeneration and
+ * BartForConditionalGeneration, their configuration, weights and the two
+ * forward passes (the encoder over a whole input, the decoder a step at a
+ * time).
+ *
+ * The decoder's cache is two sequences of one KV store (model_kv_geom's
+ * counterpart encdec_kv_geom: the decoder's layers): `self` grows by each
+ * step's tokens as a decoder-only model's does, under any dense strategy;
+ * `cross` is written once by encdec_encode (every decoder layer's K and V
+ * of the encoder output) and only read afterwards.  So crop applies to
+ * self alone, and forks of both share the cross blocks copy-on-write (a
+ * cross sequence is never written again, so never copied).
+ */
+#ifndef KVTIER_ENCDEC_H
+#define KVTIER_ENCDEC_H
+
+#include "model/model.h"
+
+struct encdec_config {
+    bool bart;                 /* else T5 */
+    const char *arch_name;     /* "T5ForConditionalGeneration", ... (static) */
+    int vocab_size;
+    int d_model;
+    int n_heads;               /* both stacks', every head its own K and V */
+    int head_dim;              /* T5: d_kv; BART: d_model / heads */
+    int ffn;                   /* T5: d_ff; BART: encoder_ffn_dim = decoder_ffn_dim */
+    int n_enc_layers, n_dec_layers;
+    float eps;                 /* T5: layer_norm_epsilon; BART: LayerNorm's 1e-5 */
+    bool tie;                  /* tie_word_embeddings (T5: the head scales by d_model^-0.5) */
+    /* T5 */
+    bool gated;                /* feed_forward_proj gated-gelu (tanh GELU), else relu */
+    int num_buckets, max_distance; /* relative_attention_num_buckets, _max_distance */
+    /* BART */
+    int max_positions;         /* max_position_embeddings (the table has 2 more rows) */
+    bool scale_embedding;      /* embeddings times sqrt(d_model) */
+    enum be_dtype dtype;       /* torch_dtype */
+    int32_t decoder_start_token_id, eos_token_id;
+    uint64_t config_hash;      /* as model_config's */
+};
+
+/* True when dir's config.json names an encoder-decoder architecture this
+ * file runs (model_load refuses those: they need the calls below). */
+bool encdec_is_encdec(const char *dir);
+
+typedef struct encdec encdec;
+
+/* Loads dir on be; p's max_batch_tokens and kv_dtype apply (NULL:
+ * defaults).  The weights are read from the mmap: a backend that cannot
+ * read host memory is refused (MODEL_EUNSUPPORTED). */
+enum model_status encdec_load(const char *dir, be_backend *be, const struct model_params *p, encdec **out,
+                              char *err);
+void encdec_free(encdec *m); /* accepts NULL */
+const struct encdec_config *encdec_get_config(const encdec *m);
+/* The geometry of the store both sequences live in. */
+struct kv_geom encdec_kv_geom(const encdec *m);
+
+/* Runs the encoder over ids[0, n) and writes every decoder layer's
+ * cross-attention K and V of its output into cross, an empty sequence of a
+ * dense strategy that stays on the device (dynamic or static: it is the
+ * encoder's scratch too).  Encoder attention reads its K and V in the
+ * store's dtype, as the cache holds them.  BART's input, like its
+ * decoder's tokens, ends at max_position_embeddings (MODEL_EINVAL past it).
+ * On failure cross is empty. */
+enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, int n);
+
+/* Feeds ids[0, n) to the decoder after self's tokens, attending to cross
+ * (filled by encdec_encode; it may since have moved to the host tier,
+ * kv_seq_offload, where it is read in place); logits (host, [vocab] f32,
+ * may be NULL) of the last one.  Transactional as model_forward: on failure self is unchanged.
+ * As model_forward, a step that runs out of device memory is redone with
+ * the self cache, then the cross cache, moved to the host tier
+ * (kv_seq_stats().fallback says so), nothing recomputed.
+ * self: any strategy but quantized for T5 (encdec_quant_refusal), created
+ * without the prefix cache's publishing (the decoder's tokens say nothing
+ * of the encoder input they attend to). */
+enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n,
+                                float *logits);
+/* Why the self-attention cache of m cannot be quantized, or NULL (BART). */
+const char *encdec_quant_refusal(const encdec *m);
+
+#endif

@@ -1,0 +1,130 @@
+"""kvtierd with a state-space model (Mamba): greedy tokens of a prompt fed
+in chunks cut at every checkpoint equal tools/torchref.py's; those of a session
+reused over a diverging input, of a cropped session and of a fork equal a
+fresh run's (each rewinds to a state checkpoint and feeds the rest);
+the strategies that act on single tokens are refused with a 400 naming why;
+a sequence's state bytes are the same at 1k and 16k tokens; with the device
+full, states go to the host tier (at creation, and an idle session's to
+make room for a step) with unchanged tokens."""
+import subprocess
+import sys
+
+sys.path.insert(0, "tests")
+from daemon_harness import Daemon, check, skip  # noqa: E402
+
+d = Daemon("--checkpoint-interval", "16")
+model = d.tmp + "/mamba"
+r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "mamba", "--layers", "2", "--dim", "64",
+                    "--vocab", "2048", "--tokenizer-from", "model/builtin", "--out", model],
+                   capture_output=True, text=True)
+if r.returncode != 0:
+    skip("mkmodel failed: " + r.stderr[-300:])
+d.model = model
+d.start()
+# what the daemon holds on the device with no sequence: activations (and,
+# on a backend that cannot read the host's memory, the weights)
+metrics = d.get("/metrics")[1].decode()
+idle_bytes = int(float(metrics.split('kvtier_device_memory_bytes{kind="used"} ')[1].split()[0]))
+prompt = [(i * 53 + 7) % 1900 + 50 for i in range(100)]
+gen = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+
+
+def complete(ids, **kw):
+    code, r = d.post("/v1/completions", dict(gen, prompt=ids, **kw))
+    assert code == 200, (code, r)
+    return r
+
+
+def session(**body):
+    code, s = d.post("/v1/sessions", body)
+    assert code == 200, (code, s)
+    return s["id"]
+
+
+def toks(r):
+    return r["choices"][0]["tokens"]
+
+
+# ---- the reference: a 100-token prompt, chunks cut at 16, 32, ... 96 ----------
+fresh = complete(prompt)
+sys.path.insert(0, "tools")
+import torch  # noqa: E402
+import torchref  # noqa: E402
+torch.set_num_threads(1)
+ref, ids = torchref.load_model(model), list(prompt)
+with torch.no_grad():
+    for _ in range(8):
+        ids.append(int(ref(torch.tensor([ids]))[0, -1].argmax()))
+check(toks(fresh) == ids[100:], "a prompt fed in chunks ending at each checkpoint: the reference's greedy tokens")
+
+# ---- session reuse over a diverging input --------------------------------
+sid = session(prompt=prompt[:60])
+complete(prompt[:60], session=sid)
+r = complete(prompt, session=sid)
+cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+check(toks(r) == toks(fresh), "session reuse: the same tokens as a fresh run")
+check(cached == 48, "session reuse: back to the checkpoint at 48, the last multiple of 16 within the 60 "
+                   "common tokens (cached_tokens %d)" % cached)
+
+# ---- crop: back to a checkpoint, the rest fed again ----------------------------
+sid = session(prompt=prompt[:40])
+r1 = complete(prompt[:40], session=sid)
+code, c = d.post("/v1/sessions/%s/crop" % sid, {"n": -7})
+check(code == 200 and c["tokens"] == 40, "crop -7 of 47: the session holds 40 tokens (%s)" % c.get("tokens"))
+r2 = complete(prompt[:40], session=sid)
+check(toks(r2) == toks(r1), "crop then regenerate == the first generation")
+check(r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 32,
+      "re-sending the 40 tokens goes back to the checkpoint at 32 (39 would be kept; cached_tokens %d)" %
+      r2["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+# ---- fork --------------------------------------------------------------------
+sid = session(prompt=prompt)
+code, f = d.post("/v1/sessions/%s/fork" % sid, {})
+check(code == 200 and f["tokens"] == 100, "fork: a new session holding the parent's 100 tokens")
+a = complete(prompt + [21, 22], session=f["id"])
+check(toks(a) == toks(complete(prompt + [21, 22])) and a["usage"]["prompt_tokens_details"]["cached_tokens"] == 100,
+      "generating from a fork == a fresh run of the same text")
+b = complete(prompt + [23], session=sid)
+check(b["usage"]["prompt_tokens_details"]["cached_tokens"] == 100, "the parent is untouched by the fork's steps")
+
+# ---- strategies that make no sense for a state ------------------------------
+for cache, why in (({"implementation": "sliding_window", "window_length": 8}, "sliding_window"),
+                   ({"implementation": "sink", "window_length": 8, "num_sink_tokens": 4}, "sink"),
+                   ({"implementation": "quantized"}, "quantized")):
+    code, e = d.post("/v1/completions", dict(gen, prompt=prompt[:10], cache=cache))
+    msg = e.get("error", {}).get("message", "")
+    check(code == 400 and msg.startswith(why) and "state" in msg, "%s -> 400: %s" % (why, msg[:90]))
+
+r = complete(prompt, cache={"implementation": "offloaded"})
+check(toks(r) == toks(fresh) and r["kvtier"]["bytes"]["device"] == 0 and r["kvtier"]["bytes"]["host"] > 0,
+      "offloaded: the state waits in the host tier between steps, the same tokens")
+
+# ---- constant state --------------------------------------------------------
+sizes = []
+for n in (1000, 16000):
+    r = complete([(i * 31 + 5) % 1900 + 50 for i in range(n)], max_tokens=1)
+    sizes.append(r["kvtier"]["bytes"]["device"])
+state = 2 * 2 * (3 + 16) * 128 * 4  # two copies x 2 layers x (window + SSM state) x 128 channels, f32
+check(sizes == [state, state], "the state's device bytes at 1k and 16k tokens: %s (%d each)" % (sizes, state))
+check(d.stop() == 0, "stop")
+
+# ---- out of device memory: states move to the host tier, tokens unchanged ----
+# room for one sequence's state beside what an idle daemon holds
+tight = Daemon("--device-mem", str(idle_bytes + state + 8192), model=model, tmp=d.tmp)
+tight.sock = d.tmp + "/tight.sock"
+tight.start()
+d = tight
+a = session(prompt=prompt[:30])
+ra = complete(prompt[:30], session=a)
+check(d.get("/v1/sessions/" + a)[1]["bytes"]["device"] == state, "session a's state is on the device")
+rb = complete(prompt)
+check(toks(rb) == toks(fresh) and rb["kvtier"]["fallback"] is not None,
+      "a request with the device full of a's state: its state in the host tier (fallback %s), a fresh run's "
+      "tokens" % rb["kvtier"]["fallback"])
+sa = d.get("/v1/sessions/" + a)[1]
+check(sa["bytes"]["device"] == 0 and sa["bytes"]["host"] == state // 2,
+      "its steps' device copies made idle a's state move to the host tier (%s)" % sa["bytes"])
+ra2 = complete(prompt[:30] + toks(ra) + [5], session=a)
+want = complete(prompt[:30] + toks(ra) + [5], cache={"implementation": "offloaded"})
+check(toks(ra2) == toks(want), "a continues from the host tier with a fresh run's tokens")
+check(d.stop() == 0, "stop")

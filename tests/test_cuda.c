@@ -1,0 +1,568 @@
+/* test_cuda.c - the CUDA backend's conformance, op by op, with the CPU
+ * backend as the oracle: the same inputs go through both backends' seam
+ * (be_copy in, the op, be_copy out) and the results are compared.
+ *
+ * Shapes: fixed edge cases (one token, one row, lengths around a KV block
+ * and past attention's split of keys, head_dim 64/128/256, GQA 1/4/8, each
+ * KV dtype, both RoPE layouts, windows, softcaps, sinks) and a few random
+ * ones from a seed (KVTIER_TEST_SEED, printed).
+ *
+ * Tolerances, as max |device - oracle| / max(1, max |oracle|) per case:
+ *   f32 activations (KVTIER_CUDA_ACT=f32): 1e-4 (the sums' order differs);
+ *   bf16 activations (the default): 2e-2 (the output is rounded to bf16,
+ *   2^-9 relative, and a GEMM's or attention's sums are ordered otherwise).
+ * The oracle gets the device's inputs: rounded to bf16 when it computes
+ * in bf16.  argmax must agree exactly.
+ *
+ * The devices under test: "cpu-strict" always, so the harness itself runs
+ * (and can fail) on every machine; then "cuda" with f32 and with bf16
+ * activations.  Without a GPU, driver or plugin the CUDA half is skipped:
+ * the test prints "no CUDA device (why)" and exits 77 after the rest ran.
+ */
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "util/half.h"
+#include "util/q8.h"
+
+struct dut {
+    const char *name;
+    be_backend *be;
+    enum be_dtype act;
+    double tol;
+};
+
+static be_backend *oracle;
+static struct dut *cur; /* the device under test */
+static int failures, cases;
+static uint64_t rng;
+
+static double urand(void) /* [-1, 1) */
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) / (double)(1ull << 52) - 1.0;
+}
+
+static int irand(int lo, int hi) /* [lo, hi] */
+{
+    return lo + (int)((urand() + 1.0) / 2.0 * (hi - lo + 1)) % (hi - lo + 1);
+}
+
+static float *randv(size_t n, float scale)
+{
+    float *x = malloc(n * sizeof(float));
+    if (!x)
+        abort();
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)urand() * scale;
+    return x;
+}
+
+/* x as dt stores it */
+static void round_to(enum be_dtype dt, float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = dt == BE_BF16 ? bf16_to_f32(f32_to_bf16(x[i])) : dt == BE_F16 ? f16_to_f32(f32_to_f16(x[i])) : x[i];
+}
+
+static void must(enum be_status st, const char *what)
+{
+    if (st != BE_OK) {
+        fprintf(stderr, "%s: %s: %s\n", cur ? cur->name : "the oracle", what, be_strerror(st));
+        exit(1);
+    }
+}
+
+static be_buffer *put_bytes(be_backend *be, const void *x, size_t bytes)
+{
+    be_buffer *b;
+    must(be_dev_alloc(be, bytes, &b), "dev_alloc");
+    must(be_copy(be, be_buffer_data(b), x, bytes, BE_H2D), "copy in");
+    return b;
+}
+
+/* n values of x into a new device buffer of be, as dt */
+static be_buffer *put(be_backend *be, enum be_dtype dt, const float *x, size_t n)
+{
+    size_t esz = be_dtype_size(dt);
+    char *h = malloc(n * esz);
+    if (!h)
+        abort();
+    for (size_t i = 0; i < n; i++) {
+        if (dt == BE_F32)
+            memcpy(h + i * 4, &x[i], 4);
+        else {
+            uint16_t v = dt == BE_BF16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+            memcpy(h + i * 2, &v, 2);
+        }
+    }
+    be_buffer *b = put_bytes(be, h, n * esz);
+    free(h);
+    return b;
+}
+
+static be_buffer *zeros(be_backend *be, size_t bytes)
+{
+    void *z = calloc(1, bytes);
+    if (!z)
+        abort();
+    be_buffer *b = put_bytes(be, z, bytes);
+    free(z);
+    return b;
+}
+
+/* n values of dt out of b */
+static void get(be_backend *be, be_buffer *b, enum be_dtype dt, size_t n, float *out)
+{
+    size_t esz = be_dtype_size(dt);
+    char *h = malloc(n * esz);
+    if (!h)
+        abort();
+    must(be_copy(be, h, be_buffer_data(b), n * esz, BE_D2H), "copy out");
+    for (size_t i = 0; i < n; i++) {
+        if (dt == BE_F32) {
+            memcpy(&out[i], h + i * 4, 4);
+        } else {
+            uint16_t v;
+            memcpy(&v, h + i * 2, 2);
+            out[i] = dt == BE_BF16 ? bf16_to_f32(v) : f16_to_f32(v);
+        }
+    }
+    free(h);
+}
+
+static void compare(const char *what, const float *want, const float *got, size_t n)
+{
+    double mag = 1.0, err = 0.0;
+    size_t worst = 0;
+    for (size_t i = 0; i < n; i++)
+        mag = fmax(mag, fabs(want[i]));
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - want[i]);
+        if (!(e <= err)) { /* NaN counts as the worst */
+            err = isnan(e) ? INFINITY : e;
+            worst = i;
+        }
+    }
+    cases++;
+    if (err / mag > cur->tol) {
+        failures++;
+        printf("FAIL %s %s: max error %.3g (tolerance %.3g x %.3g) at %zu: got %g, want %g\n", cur->name, what, err,
+               cur->tol, mag, worst, got[worst], want[worst]);
+    }
+}
+
+/* ---- ops ---------------------------------------------------------------------- */
+
+/* The two backends' results of one op: run(be, act, out) on each. */
+struct pair {
+    float *want, *got;
+};
+
+static void check_matmul(enum be_dtype wt, int n, int in, int out, bool bias, enum be_dtype yt_dev)
+{
+    char what[128];
+    snprintf(what, sizeof(what), "matmul w=%s n=%d in=%d out=%d bias=%d y=%s", be_dtype_name(wt), n, in, out, bias,
+             be_dtype_name(yt_dev));
+    float *x = randv((size_t)n * in, 1.0f), *w = randv((size_t)out * in, 0.2f), *b = randv((size_t)out, 0.5f);
+    round_to(cur->act, x, (size_t)n * in);
+    struct q8_0_block *q = NULL;
+    if (wt == BE_Q8_0) {
+        q = malloc((size_t)out * in / 32 * sizeof(*q));
+        if (!q || !q8_0_quantize(w, q, (size_t)out * in))
+            abort();
+    } else {
+        round_to(wt, w, (size_t)out * in);
+    }
+    float *want = malloc((size_t)n * out * 4), *got = malloc((size_t)n * out * 4);
+    be_backend *bes[2] = {oracle, cur->be};
+    for (int k = 0; k < 2; k++) {
+        be_backend *be = bes[k];
+        enum be_dtype at = k ? cur->act : BE_F32, yt = k ? yt_dev : BE_F32;
+        be_buffer *bx = put(be, at, x, (size_t)n * in);
+        be_buffer *bw = q ? put_bytes(be, q, (size_t)out * in / 32 * sizeof(*q)) : put(be, wt, w, (size_t)out * in);
+        be_buffer *bb = put(be, BE_F32, b, (size_t)out);
+        be_buffer *by = zeros(be, (size_t)n * out * be_dtype_size(yt));
+        must(be_matmul(be, be_buffer_data(by), yt, be_buffer_data(bx), be_buffer_data(bw), wt,
+                       bias ? be_buffer_data(bb) : NULL, n, in, out), what);
+        get(be, by, yt, (size_t)n * out, k ? got : want);
+        be_buffer_free(bx);
+        be_buffer_free(bw);
+        be_buffer_free(bb);
+        be_buffer_free(by);
+    }
+    compare(what, want, got, (size_t)n * out);
+    free(x), free(w), free(b), free(q), free(want), free(got);
+}
+
+static void test_matmul(void)
+{
+    const enum be_dtype wts[] = {BE_F32, BE_F16, BE_BF16, BE_Q8_0};
+    const int shapes[][3] = {{1, 32, 1}, {1, 256, 130}, {3, 96, 77}, {8, 128, 64}, {17, 256, 255}, {64, 512, 384}};
+    for (int w = 0; w < 4; w++)
+        for (int s = 0; s < 6; s++) {
+            check_matmul(wts[w], shapes[s][0], shapes[s][1], shapes[s][2], s % 2, cur->act);
+            if (s == 2 || s == 5) /* logits: f32 out whatever the activations */
+                check_matmul(wts[w], shapes[s][0], shapes[s][1], shapes[s][2], false, BE_F32);
+        }
+    for (int r = 0; r < 3; r++)
+        check_matmul(wts[irand(0, 3)], irand(1, 40), 32 * irand(1, 12), irand(1, 300), r & 1, cur->act);
+}
+
+/* Unary row and element ops: op(be, act, y, x[, x2]) over n values. */
+enum unop { RMSNORM, LAYERNORM, SILU, GELU, GELU1, SCALE, ADD, SOFTMAX };
+
+static void check_unary(enum unop op, int rows, int cols)
+{
+    static const char *names[] = {"rmsnorm", "layernorm", "silu_mul", "gelu_mul", "gelu", "scale", "add", "softmax"};
+    char what[96];
+    snprintf(what, sizeof(what), "%s %dx%d", names[op], rows, cols);
+    size_t n = (size_t)rows * cols;
+    float *x = randv(n, 3.0f), *x2 = randv(n, 2.0f), *w = randv((size_t)cols, 1.0f), *b = randv((size_t)cols, 0.5f);
+    round_to(cur->act, x, n);
+    round_to(cur->act, x2, n);
+    float *want = malloc(n * 4), *got = malloc(n * 4);
+    be_backend *bes[2] = {oracle, cur->be};
+    for (int k = 0; k < 2; k++) {
+        be_backend *be = bes[k];
+        enum be_dtype at = k ? cur->act : BE_F32;
+        be_buffer *bx = put(be, at, x, n), *bx2 = put(be, at, x2, n), *bw = put(be, BE_F32, w, (size_t)cols),
+                  *bb = put(be, BE_F32, b, (size_t)cols);
+        void *px = be_buffer_data(bx), *px2 = be_buffer_data(bx2);
+        float *pw = be_buffer_data(bw), *pb = be_buffer_data(bb);
+        enum be_status st = BE_OK;
+        switch (op) { /* the norms write in place: y aliases x */
+        case RMSNORM: st = be_rmsnorm(be, px, px, pw, rows, cols, 1e-6f); break;
+        case LAYERNORM: st = be_layernorm(be, px, px, pw, pb, rows, cols, 1e-5f); break;
+        case SILU: st = be_silu_mul(be, px, px, px2, n); break;
+        case GELU: st = be_gelu_mul(be, px, px, px2, n); break;
+        case GELU1: st = be_gelu_mul(be, px, px, NULL, n); break;
+        case SCALE: st = be_scale(be, px, n, 0.37f); break;
+        case ADD: st = be_add(be, px, px2, n); break;
+        case SOFTMAX: st = be_softmax(be, px, rows, cols); break;
+        }
+        must(st, what);
+        get(be, bx, at, n, k ? got : want);
+        be_buffer_free(bx), be_buffer_free(bx2), be_buffer_free(bw), be_buffer_free(bb);
+    }
+    compare(what, want, got, n);
+    free(x), free(x2), free(w), free(b), free(want), free(got);
+}
+
+static void test_rows(void)
+{
+    const int shapes[][2] = {{1, 1}, {1, 64}, {5, 896}, {3, 4096}, {2, 257}};
+    for (int op = RMSNORM; op <= SOFTMAX; op++) {
+        for (int s = 0; s < 5; s++)
+            check_unary((enum unop)op, shapes[s][0], shapes[s][1]);
+        check_unary((enum unop)op, irand(1, 9), irand(1, 3000));
+    }
+}
+
+static void check_rope(enum be_rope_layout layout, int n_tok, int n_heads, int hd, int rot, float mscale)
+{
+    char what[128];
+    snprintf(what, sizeof(what), "rope %s tok=%d heads=%d hd=%d rot=%d mscale=%g",
+             layout == BE_ROPE_NEOX ? "neox" : "interleaved", n_tok, n_heads, hd, rot, mscale);
+    size_t n = (size_t)n_tok * n_heads * hd;
+    float *x = randv(n, 1.0f), *inv = malloc((size_t)rot / 2 * 4);
+    int64_t *pos = malloc((size_t)n_tok * 8);
+    round_to(cur->act, x, n);
+    for (int i = 0; i < rot / 2; i++)
+        inv[i] = powf(10000.0f, -2.0f * i / rot);
+    for (int t = 0; t < n_tok; t++)
+        pos[t] = t == 0 ? 0 : irand(0, 40000);
+    float *want = malloc(n * 4), *got = malloc(n * 4);
+    be_backend *bes[2] = {oracle, cur->be};
+    for (int k = 0; k < 2; k++) {
+        enum be_dtype at = k ? cur->act : BE_F32;
+        be_buffer *bx = put(bes[k], at, x, n), *bi = put(bes[k], BE_F32, inv, (size_t)rot / 2);
+        must(be_rope(bes[k], be_buffer_data(bx), n_tok, n_heads, hd, pos, be_buffer_data(bi), rot, mscale, layout),
+             what);
+        get(bes[k], bx, at, n, k ? got : want);
+        be_buffer_free(bx), be_buffer_free(bi);
+    }
+    compare(what, want, got, n);
+    free(x), free(inv), free(pos), free(want), free(got);
+}
+
+static void test_rope(void)
+{
+    const int hds[] = {64, 128, 256};
+    for (int l = 0; l < 2; l++)
+        for (int h = 0; h < 3; h++) {
+            check_rope((enum be_rope_layout)l, 1, 1, hds[h], hds[h], 1.0f);
+            check_rope((enum be_rope_layout)l, 7, 4, hds[h], hds[h] / 2, 1.2f);
+        }
+}
+
+static void test_embed_argmax(void)
+{
+    const enum be_dtype dts[] = {BE_F32, BE_F16, BE_BF16};
+    for (int d = 0; d < 3; d++) {
+        int vocab = 50, dim = d == 2 ? 1 : 96, n = 5;
+        float *table = randv((size_t)vocab * dim, 1.0f), *want = malloc((size_t)n * dim * 4),
+              *got = malloc((size_t)n * dim * 4);
+        int32_t ids[5] = {0, 49, 7, 7, 23};
+        be_backend *bes[2] = {oracle, cur->be};
+        for (int k = 0; k < 2; k++) {
+            enum be_dtype at = k ? cur->act : BE_F32;
+            be_buffer *bt = put(bes[k], dts[d], table, (size_t)vocab * dim), *by = zeros(bes[k], (size_t)n * dim * 4);
+            must(be_embed(bes[k], be_buffer_data(by), be_buffer_data(bt), dts[d], ids, n, dim), "embed");
+            get(bes[k], by, at, (size_t)n * dim, k ? got : want);
+            be_buffer_free(bt), be_buffer_free(by);
+        }
+        char what[64];
+        snprintf(what, sizeof(what), "embed %s dim=%d", be_dtype_name(dts[d]), dim);
+        compare(what, want, got, (size_t)n * dim);
+        free(table), free(want), free(got);
+    }
+    /* small integers, exact in bf16: ties, a NaN first, all NaN, one column */
+    const int rows = 5, cols = 1000;
+    float *x = malloc((size_t)rows * cols * 4);
+    for (int i = 0; i < rows * cols; i++)
+        x[i] = (float)irand(-50, 50);
+    x[0] = NAN;
+    x[1 * cols + 10] = x[1 * cols + 900] = 60.0f;
+    for (int i = 0; i < cols; i++)
+        x[2 * cols + i] = NAN;
+    int32_t want[5], got[5];
+    be_backend *bes[2] = {oracle, cur->be};
+    for (int k = 0; k < 2; k++) {
+        be_buffer *bx = put(bes[k], k ? cur->act : BE_F32, x, (size_t)rows * cols);
+        must(be_argmax(bes[k], be_buffer_data(bx), rows, cols, k ? got : want), "argmax");
+        must(be_argmax(bes[k], be_buffer_data(bx), 1, 1, k ? got + 4 : want + 4), "argmax");
+        be_buffer_free(bx);
+    }
+    cases++;
+    if (memcmp(want, got, sizeof(want)) != 0) {
+        failures++;
+        printf("FAIL %s argmax: got %d %d %d %d %d, want %d %d %d %d %d\n", cur->name, got[0], got[1], got[2], got[3],
+               got[4], want[0], want[1], want[2], want[3], want[4]);
+    }
+    free(x);
+}
+
+/* ---- paged KV and attention ------------------------------------------------------ */
+
+struct attn_case {
+    int head_dim, n_kv, gqa;
+    enum be_dtype kv;
+    int lens[2];   /* two sequences in one batch */
+    bool prefill;  /* every position queries (causal), else the last only */
+    int window;
+    float softcap;
+    int sinks;     /* > 0: a key_rope view with this many sinks (f32 activations only) */
+};
+
+#define BT 16 /* tokens per block */
+
+/* One backend's KV for the case: each sequence's blocks, filled by
+ * be_kv_store from k, v [len, n_kv * D]. */
+struct seq_kv {
+    be_buffer *blocks[80], *sink;
+    void *ptrs[80];
+    int n_blocks;
+    struct be_kv_view view;
+};
+
+static void fill_kv(be_backend *be, enum be_dtype at, const struct attn_case *c, const struct be_attn_params *p,
+                    int s, const float *k, const float *v, struct seq_kv *q)
+{
+    int len = c->lens[s], D = c->head_dim;
+    size_t esz = be_dtype_size(c->kv), half = (size_t)c->n_kv * BT * D * esz;
+    int64_t base = c->sinks ? 20 + c->sinks : 0; /* with sinks: shift 20, the rest from index sinks on */
+    q->n_blocks = (len + BT - 1) / BT;
+    for (int b = 0; b < q->n_blocks; b++) {
+        q->blocks[b] = zeros(be, 2 * half);
+        q->ptrs[b] = be_buffer_data(q->blocks[b]);
+    }
+    q->view = (struct be_kv_view){.blocks = q->ptrs, .n_blocks = q->n_blocks, .block_tokens = BT, .v_offset = half,
+                                  .base = base, .lo = base, .hi = base + len};
+    struct be_tok toks[2048];
+    for (int t = 0; t < len; t++)
+        toks[t] = (struct be_tok){.view = 0, .pos = base + t};
+    size_t row = (size_t)c->n_kv * D;
+    be_buffer *bk = put(be, at, k, (size_t)len * row), *bv = put(be, at, v, (size_t)len * row);
+    must(be_kv_store(be, &q->view, toks, len, be_buffer_data(bk), be_buffer_data(bv), p), "kv_store");
+    be_buffer_free(bk), be_buffer_free(bv);
+    q->sink = NULL;
+    if (c->sinks) { /* the sinks' rows (the keys' first rows again) in a block of their own */
+        q->sink = zeros(be, 2 * half);
+        void *sp = be_buffer_data(q->sink);
+        struct be_kv_view sv = {.blocks = &sp, .n_blocks = 1, .block_tokens = BT, .v_offset = half, .lo = 0,
+                                .hi = c->sinks};
+        for (int t = 0; t < c->sinks; t++)
+            toks[t] = (struct be_tok){.view = 0, .pos = t};
+        bk = put(be, at, k, (size_t)c->sinks * row);
+        bv = put(be, at, v, (size_t)c->sinks * row);
+        must(be_kv_store(be, &sv, toks, c->sinks, be_buffer_data(bk), be_buffer_data(bv), p), "kv_store sinks");
+        be_buffer_free(bk), be_buffer_free(bv);
+        q->view.key_rope = true;
+        q->view.sinks = c->sinks;
+        q->view.sink_block = sp;
+        q->view.shift = 20;
+    }
+}
+
+static void check_attention(const struct attn_case *c)
+{
+    char what[192];
+    int D = c->head_dim, n_heads = c->n_kv * c->gqa;
+    snprintf(what, sizeof(what), "attention hd=%d kv=%d gqa=%d %s lens=%d,%d %s window=%d softcap=%g sinks=%d", D,
+             c->n_kv, c->gqa, be_dtype_name(c->kv), c->lens[0], c->lens[1], c->prefill ? "prefill" : "decode",
+             c->window, c->softcap, c->sinks);
+    size_t row = (size_t)c->n_kv * D;
+    float *k[2], *v[2];
+    struct be_tok toks[2048];
+    int n_tok = 0;
+    for (int s = 0; s < 2; s++) {
+        k[s] = randv((size_t)c->lens[s] * row, 1.0f);
+        v[s] = randv((size_t)c->lens[s] * row, 1.0f);
+        round_to(cur->act, k[s], (size_t)c->lens[s] * row);
+        round_to(cur->act, v[s], (size_t)c->lens[s] * row);
+        int64_t base = c->sinks ? 20 + c->sinks : 0;
+        for (int t = c->prefill ? 0 : c->lens[s] - 1; t < c->lens[s]; t++)
+            toks[n_tok++] = (struct be_tok){.view = s, .pos = base + t};
+    }
+    size_t nq = (size_t)n_tok * n_heads * D;
+    float *q = randv(nq, 1.0f), *want = malloc(nq * 4), *got = malloc(nq * 4);
+    round_to(cur->act, q, nq);
+    /* the sinks' rotation table: row j holds cos, sin of j * inv_freq[i] at the pair's two slots */
+    int64_t rows = c->lens[0] + c->lens[1] + c->sinks + 64;
+    float *rope = malloc((size_t)rows * D * 4);
+    for (int64_t j = 0; j < rows; j++)
+        for (int i = 0; i < D / 2; i++) {
+            float a = (float)j * powf(10000.0f, -2.0f * i / D);
+            rope[j * D + i] = cosf(a);
+            rope[j * D + i + D / 2] = sinf(a);
+        }
+    be_backend *bes[2] = {oracle, cur->be};
+    for (int b = 0; b < 2; b++) {
+        be_backend *be = bes[b];
+        enum be_dtype at = b ? cur->act : BE_F32;
+        be_buffer *br = put(be, BE_F32, rope, (size_t)rows * D);
+        struct be_attn_params p = {.n_heads = n_heads, .n_kv_heads = c->n_kv, .head_dim = D,
+                                   .scale = 1.0f / sqrtf((float)D), .softcap = c->softcap, .window = c->window,
+                                   .kv_dtype = c->kv, .key_rope = c->sinks ? be_buffer_data(br) : NULL,
+                                   .key_rope_rows = rows, .key_rope_layout = BE_ROPE_NEOX};
+        struct seq_kv kv[2];
+        struct be_kv_view views[2];
+        for (int s = 0; s < 2; s++) {
+            fill_kv(be, at, c, &p, s, k[s], v[s], &kv[s]);
+            views[s] = kv[s].view;
+        }
+        be_buffer *bq = put(be, at, q, nq), *bo = zeros(be, nq * 4);
+        must(be_attention(be, be_buffer_data(bo), be_buffer_data(bq), views, toks, n_tok, &p), what);
+        get(be, bo, at, nq, b ? got : want);
+        be_buffer_free(bq), be_buffer_free(bo), be_buffer_free(br);
+        for (int s = 0; s < 2; s++) {
+            for (int i = 0; i < kv[s].n_blocks; i++)
+                be_buffer_free(kv[s].blocks[i]);
+            be_buffer_free(kv[s].sink);
+        }
+    }
+    compare(what, want, got, nq);
+    free(k[0]), free(k[1]), free(v[0]), free(v[1]), free(q), free(want), free(got), free(rope);
+}
+
+static void test_attention(void)
+{
+    const int hds[] = {64, 128, 256}, gqas[] = {1, 4, 8};
+    const enum be_dtype kvs[] = {BE_F32, BE_F16, BE_BF16};
+    for (int h = 0; h < 3; h++)
+        for (int g = 0; g < 3; g++) {
+            struct attn_case c = {.head_dim = hds[h], .n_kv = 2, .gqa = gqas[g], .kv = kvs[(h + g) % 3],
+                                  .lens = {1, 17}, .prefill = true};
+            check_attention(&c);
+            c.lens[0] = 15, c.lens[1] = 600, c.prefill = false; /* decode past a split of keys */
+            check_attention(&c);
+        }
+    struct attn_case edge[] = {
+        {.head_dim = 128, .n_kv = 1, .gqa = 4, .kv = BE_BF16, .lens = {16, 100}, .prefill = true, .window = 32},
+        {.head_dim = 64, .n_kv = 4, .gqa = 1, .kv = BE_F16, .lens = {300, 33}, .prefill = false, .softcap = 30.0f},
+        {.head_dim = 128, .n_kv = 2, .gqa = 8, .kv = BE_F32, .lens = {1100, 1}, .prefill = false, .window = 700},
+        {.head_dim = 64, .n_kv = 2, .gqa = 4, .kv = BE_F32, .lens = {40, 70}, .prefill = true, .sinks = 4},
+    };
+    for (size_t i = 0; i < sizeof(edge) / sizeof(edge[0]); i++)
+        if (!edge[i].sinks || cur->act == BE_F32) /* the sinks' table is f32: f32 activations only, as in model.c */
+            check_attention(&edge[i]);
+    struct attn_case r = {.head_dim = 32 * irand(1, 4), .n_kv = irand(1, 3), .gqa = gqas[irand(0, 2)],
+                          .kv = kvs[irand(0, 2)], .lens = {irand(1, 200), irand(1, 200)}, .prefill = irand(0, 1),
+                          .window = irand(0, 1) * irand(1, 64)};
+    check_attention(&r);
+}
+
+/* ---- driver ------------------------------------------------------------------- */
+
+static void run_all(struct dut *d)
+{
+    cur = d;
+    int before = failures, cases_before = cases;
+    test_matmul();
+    test_rows();
+    test_rope();
+    test_embed_argmax();
+    test_attention();
+    printf("%s (%s activations): %d cases, %d failed\n", d->name, be_dtype_name(d->act), cases - cases_before,
+           failures - before);
+}
+
+int main(void)
+{
+    const char *seed = getenv("KVTIER_TEST_SEED");
+    rng = seed && *seed ? strtoull(seed, NULL, 10) : 20261204;
+    if (!rng)
+        rng = 1;
+    printf("seed %llu (KVTIER_TEST_SEED)\n", (unsigned long long)rng);
+    struct be_params bp = {.n_threads = 2, .device_mem = (size_t)256 << 20};
+    if (be_open("cpu", &bp, &oracle) != BE_OK) {
+        fprintf(stderr, "the CPU oracle does not open\n");
+        return 1;
+    }
+    /* the harness against the strict CPU backend: the same seam, host
+     * access to its device memory faulting, so a copy the harness forgot
+     * shows here, without a GPU */
+    struct dut strict = {.name = "cpu-strict", .act = BE_F32, .tol = 1e-4};
+    if (be_open("cpu-strict", &bp, &strict.be) != BE_OK) {
+        fprintf(stderr, "cpu-strict does not open\n");
+        return 1;
+    }
+    run_all(&strict);
+    be_free(strict.be);
+
+    char why[512] = "";
+    static const char *const acts[] = {"f32", "bf16"};
+    for (int a = 0; a < 2 && !why[0]; a++) {
+        struct dut d = {.name = "cuda", .act = a ? BE_BF16 : BE_F32, .tol = a ? 2e-2 : 1e-4};
+        setenv("KVTIER_CUDA_ACT", acts[a], 1);
+        enum be_status st = be_open("cuda", &bp, &d.be);
+        if (st != BE_OK) {
+            snprintf(why, sizeof(why), "%s", *be_open_error() ? be_open_error() : be_strerror(st));
+            break;
+        }
+        if (be_get_caps(d.be).act_dtype != d.act) {
+            printf("FAIL cuda: KVTIER_CUDA_ACT=%s gave %s activations\n", acts[a],
+                   be_dtype_name(be_get_caps(d.be).act_dtype));
+            failures++;
+        }
+        run_all(&d);
+        be_free(d.be);
+    }
+    be_free(oracle);
+    printf("%d cases, %d failed\n", cases, failures);
+    if (failures)
+        return 1;
+    if (why[0]) {
+        /* the plugin's reason starts "no CUDA device" when it loaded */
+        printf("%s%s: the CUDA half skipped\n", strncmp(why, "no CUDA device", 14) ? "no CUDA device: " : "", why);
+        return 77;
+    }
+    return 0;
+}

@@ -1,0 +1,326 @@
+/* state.c - the sequences of a state-space model (Mamba): per layer a
+ * fixed-size state (conv window + SSM state, be_ssm_state_bytes) instead of
+ * K and V, and checkpoints of it in the host tier.
+ *
+ * The step is a transaction as for KV: the state lives in `cur`; a step's
+ * chunks read cur (the first chunk) or `next` (the later ones) and write
+ * next; the commit swaps them, an abort leaves cur as it was.  Two copies
+ * per sequence, whatever its length.
+ *
+ * Where it lives between steps: on the device (cur and next), or, when the
+ * device tier ran out (at creation, or kv_seq_offload when a step did) or
+ * an offloaded strategy asked for it, in the host tier (hcur); such a
+ * state takes its two device copies for the length of a step only
+ * (reserve to commit or abort), as an offloaded KV layer takes its slot.
+ *
+ * A state cannot be cut back to an earlier position the way KV blocks
+ * can.  Where a chunk ends on a multiple of checkpoint_interval (the
+ * forward pass cuts its chunks there), the state is copied to the host
+ * tier; an abort drops the step's copies.  Crop, reuse and forks go back
+ * to the nearest checkpoint at or below where they want to be (position 0
+ * is the zero state), and the caller feeds the tokens from there again: at
+ * most one interval.
+ */
+#include "tiers/kvstore_impl.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct kv_ckpt {
+    int64_t pos;
+    void *host; /* n_layers * state_bytes in the host tier */
+};
+
+struct kv_state {
+    be_buffer *cur, *next; /* n_layers * state_bytes each, device; NULL between a host state's steps */
+    void *hcur;            /* the state in the host tier, or NULL when it is on the device */
+    struct kv_ckpt *ckpt;  /* ascending pos */
+    int n_ckpt, cap_ckpt;
+};
+
+static size_t seq_state_bytes(const kv_store *s)
+{
+    return (size_t)s->g.n_layers * s->g.state_bytes;
+}
+
+size_t kv_store_state_bytes(const kv_store *s)
+{
+    return 2 * seq_state_bytes(s);
+}
+
+bool state_on_host(const kv_seq *q)
+{
+    return q->state->hcur != NULL;
+}
+
+/* A refusal of p on a state store, naming why the strategy does not apply
+ * to a state; TIER_OK for those that do (dynamic and static: a state's
+ * size is fixed either way; offloaded: it waits in the host tier). */
+enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p)
+{
+    if (p->sink)
+        return kv_fail(s, TIER_ENOTSUP, "sink: a state-space model has no tokens to keep as sinks (its state is "
+                                        "fixed in size and summarizes every token)");
+    if (p->window_length)
+        return kv_fail(s, TIER_ENOTSUP, "sliding_window (window_length): a state-space model's state already has a "
+                                        "fixed size and cannot drop single old tokens");
+    if (p->strategy == KV_QUANTIZED)
+        return kv_fail(s, TIER_ENOTSUP, "quantized: the cache of a state-space model is a recurrent state, not KV; "
+                                        "quantizing it would compound its error at every token");
+    return TIER_OK;
+}
+
+/* Copies a whole state between any two homes: a device buffer or host memory. */
+static enum tier_status state_copy(kv_store *s, void *dst, bool dst_dev, const void *src, bool src_dev)
+{
+    size_t n = seq_state_bytes(s);
+    if (!dst_dev && !src_dev) {
+        memcpy(dst, src, n);
+        return TIER_OK;
+    }
+    enum be_status st = be_copy(s->be, dst, src, n, dst_dev ? (src_dev ? BE_D2D : BE_H2D) : BE_D2H);
+    return st == BE_OK ? TIER_OK : kv_fail(s, TIER_EIO, "copying a %zu-byte state: %s", n, be_strerror(st));
+}
+
+/* The state's committed copy, wherever it lives. */
+static void *cur_of(const kv_seq *q, bool *dev)
+{
+    *dev = !state_on_host(q);
+    return *dev ? be_buffer_data(q->state->cur) : q->state->hcur;
+}
+
+static enum tier_status state_zero(kv_seq *q)
+{
+    bool dev;
+    void *dst = cur_of(q, &dev);
+    if (!dev) {
+        memset(dst, 0, seq_state_bytes(q->s));
+        return TIER_OK;
+    }
+    void *zeros = calloc(1, seq_state_bytes(q->s));
+    if (!zeros)
+        return kv_fail(q->s, TIER_ENOMEM_HOST, "host memory: zeroing a state");
+    enum tier_status st = state_copy(q->s, dst, true, zeros, false);
+    free(zeros);
+    return st;
+}
+
+static void dev_release(kv_seq *q)
+{
+    struct kv_state *x = q->state;
+    size_t n = seq_state_bytes(q->s);
+    if (x->cur)
+        kv_dev_free(q->s, x->cur, n);
+    if (x->next)
+        kv_dev_free(q->s, x->next, n);
+    x->cur = x->next = NULL;
+}
+
+static enum tier_status dev_take(kv_seq *q)
+{
+    size_t n = seq_state_bytes(q->s);
+    enum tier_status st = kv_dev_alloc(q->s, n, "a sequence's state", &q->state->cur);
+    if (st == TIER_OK)
+        st = kv_dev_alloc(q->s, n, "a sequence's next state", &q->state->next);
+    if (st != TIER_OK)
+        dev_release(q);
+    return st;
+}
+
+enum tier_status state_seq_init(kv_seq *q, bool host)
+{
+    q->state = calloc(1, sizeof *q->state);
+    if (!q->state)
+        return kv_fail(q->s, TIER_ENOMEM_HOST, "host memory: a state sequence");
+    enum tier_status st = host ? kv_host_alloc(q->s, seq_state_bytes(q->s), &q->state->hcur) : dev_take(q);
+    return st == TIER_OK ? state_zero(q) : st;
+}
+
+static void ckpt_drop_from(kv_seq *q, int i)
+{
+    struct kv_state *x = q->state;
+    for (int k = i; k < x->n_ckpt; k++)
+        kv_host_free(q->s, x->ckpt[k].host, seq_state_bytes(q->s));
+    if (i < x->n_ckpt)
+        x->n_ckpt = i;
+}
+
+void state_seq_release(kv_seq *q)
+{
+    struct kv_state *x = q->state;
+    if (!x)
+        return;
+    ckpt_drop_from(q, 0);
+    free(x->ckpt);
+    dev_release(q);
+    if (x->hcur)
+        kv_host_free(q->s, x->hcur, seq_state_bytes(q->s));
+    free(x);
+    q->state = NULL;
+}
+
+/* A host state's step takes its device copies here (TIER_ENOMEM_DEV: the
+ * forward pass moves another sequence to the host tier and tries again). */
+enum tier_status state_seq_reserve(kv_seq *q)
+{
+    if (!state_on_host(q))
+        return TIER_OK;
+    enum tier_status st = dev_take(q);
+    if (st == TIER_OK)
+        st = state_copy(q->s, be_buffer_data(q->state->cur), true, q->state->hcur, false);
+    return st;
+}
+
+void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out)
+{
+    const struct kv_state *x = q->state;
+    size_t off = (size_t)layer * q->s->g.state_bytes;
+    /* the step's first chunk starts from the committed state */
+    const be_buffer *in = q->chunk_from == q->len ? x->cur : x->next;
+    out->in = (const char *)be_buffer_data(in) + off;
+    out->out = (char *)be_buffer_data(x->next) + off;
+}
+
+static bool ckpt_room(struct kv_state *x)
+{
+    if (x->n_ckpt < x->cap_ckpt)
+        return true;
+    int cap = x->cap_ckpt ? 2 * x->cap_ckpt : 8;
+    struct kv_ckpt *c = realloc(x->ckpt, (size_t)cap * sizeof *c);
+    if (!c)
+        return false;
+    x->ckpt = c;
+    x->cap_ckpt = cap;
+    return true;
+}
+
+/* A copy of the state in b, at position pos, in the host tier; a failure
+ * (host budget) only costs the recomputation it would have saved. */
+static void ckpt_take(kv_seq *q, const be_buffer *b, int64_t pos)
+{
+    kv_store *s = q->s;
+    struct kv_state *x = q->state;
+    void *host;
+    if (!ckpt_room(x) || kv_host_alloc(s, seq_state_bytes(s), &host) != TIER_OK) {
+        s->err[0] = '\0';
+        return;
+    }
+    if (state_copy(s, host, false, be_buffer_data(b), true) != TIER_OK) {
+        s->err[0] = '\0';
+        kv_host_free(s, host, seq_state_bytes(s));
+        return;
+    }
+    x->ckpt[x->n_ckpt++] = (struct kv_ckpt){.pos = pos, .host = host};
+}
+
+void state_chunk_end(kv_store *s)
+{
+    for (int i = 0; i < s->n_active; i++) {
+        kv_seq *q = s->active[i];
+        if (!q->state || !q->chunk_live)
+            continue;
+        q->chunk_live = false;
+        if (q->chunk_to % s->ckpt_interval == 0)
+            ckpt_take(q, q->state->next, q->chunk_to);
+    }
+}
+
+enum tier_status state_seq_commit(kv_seq *q)
+{
+    struct kv_state *x = q->state;
+    be_buffer *t = x->cur;
+    x->cur = x->next;
+    x->next = t;
+    if (!state_on_host(q))
+        return TIER_OK;
+    enum tier_status st = state_copy(q->s, x->hcur, false, be_buffer_data(x->cur), true);
+    dev_release(q);
+    return st;
+}
+
+void state_seq_abort(kv_seq *q)
+{
+    struct kv_state *x = q->state;
+    int i = x->n_ckpt;
+    while (i > 0 && x->ckpt[i - 1].pos > q->len)
+        i--;
+    ckpt_drop_from(q, i);
+    if (state_on_host(q))
+        dev_release(q);
+}
+
+enum tier_status state_seq_offload(kv_seq *q)
+{
+    kv_store *s = q->s;
+    struct kv_state *x = q->state;
+    if (state_on_host(q))
+        return TIER_OK;
+    enum tier_status st = kv_host_alloc(s, seq_state_bytes(s), &x->hcur);
+    if (st == TIER_OK && (st = state_copy(s, x->hcur, false, be_buffer_data(x->cur), true)) != TIER_OK) {
+        kv_host_free(s, x->hcur, seq_state_bytes(s));
+        x->hcur = NULL;
+    }
+    if (st == TIER_OK)
+        dev_release(q);
+    return st;
+}
+
+/* Goes back to the latest checkpoint at or below len (the zero state at
+ * 0); q->len is then where the state is. */
+enum tier_status state_seq_rewind(kv_seq *q, int64_t len)
+{
+    struct kv_state *x = q->state;
+    if (len >= q->len)
+        return TIER_OK;
+    int i = x->n_ckpt;
+    while (i > 0 && x->ckpt[i - 1].pos > len)
+        i--;
+    bool dev;
+    void *dst = cur_of(q, &dev);
+    enum tier_status st = i ? state_copy(q->s, dst, dev, x->ckpt[i - 1].host, false) : state_zero(q);
+    if (st != TIER_OK)
+        return st;
+    q->len = i ? x->ckpt[i - 1].pos : 0;
+    ckpt_drop_from(q, i);
+    return TIER_OK;
+}
+
+/* The child takes a state of its own (the device, else the host tier, as
+ * kv_seq_create) equal to q's, and copies of q's checkpoints. */
+enum tier_status state_seq_fork(const kv_seq *q, kv_seq *c)
+{
+    kv_store *s = q->s;
+    size_t n = seq_state_bytes(s);
+    enum tier_status st = state_seq_init(c, false);
+    if (st == TIER_ENOMEM_DEV && !c->p.no_fallback) {
+        state_seq_release(c);
+        s->err[0] = '\0';
+        if ((st = state_seq_init(c, true)) == TIER_OK)
+            c->fallback = KV_FALLBACK_SIZED;
+    }
+    if (st != TIER_OK)
+        return st;
+    bool sdev, ddev;
+    void *src = cur_of(q, &sdev), *dst = cur_of(c, &ddev);
+    if ((st = state_copy(s, dst, ddev, src, sdev)) != TIER_OK)
+        return st;
+    c->copied_bytes += n;
+    /* the child's rollbacks need the parent's checkpoints */
+    for (int i = 0; i < q->state->n_ckpt; i++) {
+        void *host;
+        if (!ckpt_room(c->state))
+            return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a state's checkpoints");
+        if ((st = kv_host_alloc(s, n, &host)) != TIER_OK)
+            return st;
+        memcpy(host, q->state->ckpt[i].host, n);
+        c->state->ckpt[c->state->n_ckpt++] = (struct kv_ckpt){.pos = q->state->ckpt[i].pos, .host = host};
+    }
+    return TIER_OK;
+}
+
+void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host)
+{
+    size_t n = seq_state_bytes(q->s);
+    *dev = (q->state->cur ? n : 0) + (q->state->next ? n : 0);
+    *host = (state_on_host(q) ? n : 0) + (size_t)q->state->n_ckpt * n;
+}
