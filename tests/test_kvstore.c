@@ -1232,8 +1232,10 @@ static void test_state_image(void **state)
         free(b);
         kv_seq_free(r);
         kv_seq_free(q);
-        if (off)
+        if (off) {
+            free(img);
             break;
+        }
         /* refusals: a body one byte short, a checkpoint past len, another state size */
         kv_seq *bad = NULL;
         uint8_t *c = malloc(n);
