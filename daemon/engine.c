@@ -838,11 +838,11 @@ static void restart_session(engine *e, int i)
 
 static void advance(engine *e, int from, int to);
 
-/* A state model's sessions cannot go to disk yet (no images of a state):
- * when a step finds the device full, the least recently used idle one
- * whose state is on the device moves it to the host tier instead
- * (kv_seq_offload; its next step takes the device copies back for its
- * length).  False when none could move. */
+/* A state model's session is a few MiB whatever its length: when a step
+ * finds the device full, the least recently used idle one whose state is
+ * on the device moves it to the host tier (kv_seq_offload; its next step
+ * takes the device copies back for its length) before any session waits
+ * for a spill to disk.  False when none could move. */
 static bool offload_idle_state(engine *e)
 {
     if (!kv_store_state_bytes(e->store))
