@@ -117,11 +117,12 @@ step mkmodel_8b 150 "$PY" tools/mkmodel.py --preset llama3-8b --dtype bf16 --max
   step tiers_8b 120 build/kvtier-bench-tiers --backend cuda -m "$L8" --ctx 32768 --decode 8 --repeat 2 \
     --kv-dtype bf16 --device-mem 40G
 
-# ---- the rest of the suite on the plugin, as time allows ----
+# ---- the rest of the suite on the plugin, as time allows (f32 activations:
+# these tests expect the CPU backend's numbers) ----
 for t in test_dense test_image test_kvquant test_tiers test_kvstore; do
-  step "sweep_$t" 60 env KVTIER_TEST_BACKEND=cuda "build/tests/$t"
+  step "sweep_$t" 60 env KVTIER_TEST_BACKEND=cuda KVTIER_CUDA_ACT=f32 "build/tests/$t"
 done
-step daemon_memory 90 env KVTIER_TEST_BACKEND=cuda "$PY" tests/daemon_memory.py
+step daemon_memory 90 env KVTIER_TEST_BACKEND=cuda KVTIER_CUDA_ACT=f32 "$PY" tests/daemon_memory.py
 fi
 
 # ---- results ----
