@@ -70,12 +70,13 @@ value() { awk -v k="$1" '$1 == k { print $2; exit }' "$2" 2>/dev/null; }
 pct() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b > 0) printf "%.0f %%", 100 * a / b; else print "n/a" }'; }
 
 # ---- 1. packages ----
-# tools/deps.sh (with a mirror), else the .deb files carried in $KVTIER_DEBS
+# the .deb files carried in $KVTIER_DEBS first (a GPU machine may reach no
+# mirror), then tools/deps.sh for whatever is still missing
 DEBS=${KVTIER_DEBS:-.debs}
-step deps 120 sh -c '
-  tools/deps.sh build && { dpkg-query -W libcmocka-dev >/dev/null 2>&1 || apt-get install -y -qq libcmocka-dev; } && exit 0
-  ls "$1"/*.deb >/dev/null 2>&1 || { echo "no mirror and no .deb files in $1"; exit 1; }
-  dpkg -i "$1"/*.deb' deps "$DEBS"
+step deps 90 sh -c '
+  if ls "$1"/*.deb >/dev/null 2>&1; then dpkg -i "$1"/*.deb || exit 1; fi
+  tools/deps.sh build && { dpkg-query -W libcmocka-dev >/dev/null 2>&1 || apt-get install -y -qq libcmocka-dev; }' \
+  deps "$DEBS"
 
 # ---- 2. build ----
 # -o deps: step 1 did what `make deps` would (and may have done it offline)
