@@ -1280,7 +1280,8 @@ static bool load(engine *e)
                 b->seqs, b->ctx, b->margin / 1048576.0, RUNTIME_MIN_DEVICE_MEM >> 20);
     else
         log_msg(LOG_INFO, "device budget %.1f MiB (%s)", dev_budget / 1048576.0,
-                e->cfg.device_mem ? "--device-mem" : "the device's free memory less a reserve; --device-mem overrides");
+                e->cfg.device_mem ? "--device-mem"
+                                  : "the backend's own: a GPU's free memory less a reserve; --device-mem overrides");
     log_msg(LOG_INFO, "KV cache in %s (--kv-dtype), weights in %s, layers' in %s (--weights)",
             be_dtype_name(kv_store_dtype(e->store)), be_dtype_name(model_get_config(e->m)->dtype),
             be_dtype_name(model_get_weights(e->m)->layers[0].wq.dtype));
