@@ -145,7 +145,7 @@ $(BUILD)/obj/backend/cuda/%.o: backend/cuda/%.cu $(wildcard backend/cuda/*.h) ba
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 $(BUILD)/libkvtier-cuda.so: $(CUDA_OBJ) $(BUILD)/obj/backend/arena.o backend/cuda/plugin.map
-	$(NVCC) -shared $(CUDA_ARCH) $(filter %.o,$^) -o $@ -lcublas -Xlinker -rpath=$(CUDA_HOME)/lib64 \
+	$(NVCC) -shared $(CUDA_ARCH) $(filter %.o,$^) -o $@ -lcublas -lhwloc -Xlinker -rpath=$(CUDA_HOME)/lib64 \
 		-Xlinker --version-script=backend/cuda/plugin.map
 # the GPU's own limits for tools/gpu-check.sh's ratios
 $(BUILD)/kvtier-cuda-limits: $(BUILD)/obj/backend/cuda/limits.o

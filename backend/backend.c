@@ -74,10 +74,14 @@ const char *be_open_error(void)
 }
 
 /* dlopen, and when a file exists but does not load (its CUDA libraries
- * missing), the loader's words as the reason. */
+ * missing), the loader's words as the reason.  Never unmapped: the CUDA
+ * runtime linked into the plugin holds the device context and its
+ * registered kernels for the process's life, and the runtime's sizing
+ * probe followed by the real open would otherwise tear them down and
+ * build them again. */
 static void *plugin_try(const char *path)
 {
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (!h && access(path, F_OK) == 0)
         snprintf(open_error, sizeof(open_error), "the CUDA plugin does not load (%s)", dlerror());
     return h;

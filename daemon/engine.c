@@ -838,11 +838,11 @@ static void restart_session(engine *e, int i)
 
 static void advance(engine *e, int from, int to);
 
-/* A state model's sessions cannot go to disk yet (no images of a state):
- * when a step finds the device full, the least recently used idle one
- * whose state is on the device moves it to the host tier instead
- * (kv_seq_offload; its next step takes the device copies back for its
- * length).  False when none could move. */
+/* A state model's session is a few MiB whatever its length: when a step
+ * finds the device full, the least recently used idle one whose state is
+ * on the device moves it to the host tier (kv_seq_offload; its next step
+ * takes the device copies back for its length) before any session waits
+ * for a spill to disk.  False when none could move. */
 static bool offload_idle_state(engine *e)
 {
     if (!kv_store_state_bytes(e->store))
@@ -1280,7 +1280,8 @@ static bool load(engine *e)
                 b->seqs, b->ctx, b->margin / 1048576.0, RUNTIME_MIN_DEVICE_MEM >> 20);
     else
         log_msg(LOG_INFO, "device budget %.1f MiB (%s)", dev_budget / 1048576.0,
-                e->cfg.device_mem ? "--device-mem" : "the device's free memory less a reserve; --device-mem overrides");
+                e->cfg.device_mem ? "--device-mem"
+                                  : "the backend's own: a GPU's free memory less a reserve; --device-mem overrides");
     log_msg(LOG_INFO, "KV cache in %s (--kv-dtype), weights in %s, layers' in %s (--weights)",
             be_dtype_name(kv_store_dtype(e->store)), be_dtype_name(model_get_config(e->m)->dtype),
             be_dtype_name(model_get_weights(e->m)->layers[0].wq.dtype));

@@ -320,7 +320,8 @@ static bool head_in(const engine *e, const struct session *s, double now)
     (void)now;
     void *data;
     size_t len, head = kv_image_head_size(e->store);
-    return s->op && s->op_restore && !s->op_begun && !s->kv &&
+    /* a state image loads whole (tiers/image.c): restore_done takes it */
+    return !kv_store_state_bytes(e->store) && s->op && s->op_restore && !s->op_begun && !s->kv &&
            kv_disk_op_ready(s->op, &data, &len) >= (len < head ? len : head) && data;
 }
 

@@ -705,25 +705,6 @@ static enum be_status encode(encdec *m, kv_seq *cross, void *xs, const int32_t *
     return BE_OK;
 }
 
-static enum model_status from_tier(enum tier_status st)
-{
-    switch (st) {
-    case TIER_OK: return MODEL_OK;
-    case TIER_ENOMEM_DEV: return MODEL_EDEVMEM;
-    case TIER_ENOMEM_HOST: return MODEL_ENOMEM;
-    case TIER_EFULL: return MODEL_EKVFULL;
-    case TIER_EINVAL: return MODEL_EINVAL;
-    case TIER_ENOTSUP: return MODEL_EUNSUPPORTED;
-    default: return MODEL_EBACKEND;
-    }
-}
-
-static enum model_status from_be(enum be_status st)
-{
-    return st == BE_OK ? MODEL_OK : st == BE_ENOMEM_DEV ? MODEL_EDEVMEM : st == BE_ENOMEM_HOST ? MODEL_ENOMEM
-                                                                                           : MODEL_EBACKEND;
-}
-
 static bool ids_ok(const encdec *m, const int32_t *ids, int n)
 {
     for (int i = 0; i < n; i++)
@@ -743,22 +724,22 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
     if (qs.strategy != KV_DYNAMIC && qs.strategy != KV_STATIC)
         return MODEL_EUNSUPPORTED;
     be_buffer *buf = NULL; /* the residual stream of the whole input */
-    enum model_status st = from_be(be_dev_alloc(m->be, (size_t)n * m->cfg.d_model * m->esz, &buf));
+    enum model_status st = model_from_be(be_dev_alloc(m->be, (size_t)n * m->cfg.d_model * m->esz, &buf));
     if (st == MODEL_OK)
-        st = from_tier(kv_seq_reserve(cross, n));
+        st = model_from_tier(kv_seq_reserve(cross, n));
     if (st != MODEL_OK) {
         be_buffer_free(buf);
         return st;
     }
     kv_store *store = kv_seq_store(cross);
-    st = from_tier(kv_store_step_begin(store));
+    st = model_from_tier(kv_store_step_begin(store));
     if (st == MODEL_OK)
-        st = from_be(encode(m, cross, be_buffer_data(buf), ids, n));
+        st = model_from_be(encode(m, cross, be_buffer_data(buf), ids, n));
     enum be_status drained = kv_store_step_end(store);
     if (st == MODEL_OK)
-        st = from_be(drained);
+        st = model_from_be(drained);
     if (st == MODEL_OK)
-        st = from_tier(kv_seq_commit(cross));
+        st = model_from_tier(kv_seq_commit(cross));
     else
         kv_seq_abort(cross);
     be_buffer_free(buf);
@@ -827,17 +808,17 @@ static enum model_status decode_step(encdec *m, kv_seq *self, kv_seq *cross, con
                                      float *logits)
 {
     kv_store *store = kv_seq_store(self);
-    enum model_status st = from_tier(kv_seq_reserve(self, n));
+    enum model_status st = model_from_tier(kv_seq_reserve(self, n));
     if (st != MODEL_OK)
         return st;
-    st = from_tier(kv_store_step_begin(store));
+    st = model_from_tier(kv_store_step_begin(store));
     if (st == MODEL_OK)
-        st = from_be(decode(m, self, cross, ids, n, p0, logits));
+        st = model_from_be(decode(m, self, cross, ids, n, p0, logits));
     enum be_status drained = kv_store_step_end(store);
     if (st == MODEL_OK)
-        st = from_be(drained);
+        st = model_from_be(drained);
     if (st == MODEL_OK)
-        st = from_tier(kv_seq_commit(self));
+        st = model_from_tier(kv_seq_commit(self));
     else
         kv_seq_abort(self);
     return st;
@@ -862,7 +843,7 @@ enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const in
         kv_seq *q = kv_seq_stats(self).resident_layers ? self : kv_seq_stats(cross).dev_bytes ? cross : NULL;
         enum tier_status ts = q ? kv_seq_offload(q, KV_FALLBACK_OOM) : TIER_ENOTSUP;
         if (ts != TIER_OK)
-            return ts == TIER_ENOTSUP ? st : from_tier(ts);
+            return ts == TIER_ENOTSUP ? st : model_from_tier(ts);
     }
     return st;
 }

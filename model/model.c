@@ -739,7 +739,7 @@ static enum be_status chunk_logits(model *m, struct fw_seq *seqs, int n)
     return BE_OK;
 }
 
-static enum model_status from_tier(enum tier_status st)
+enum model_status model_from_tier(enum tier_status st)
 {
     switch (st) {
     case TIER_OK: return MODEL_OK;
@@ -752,7 +752,7 @@ static enum model_status from_tier(enum tier_status st)
     }
 }
 
-static enum model_status from_be(enum be_status st)
+enum model_status model_from_be(enum be_status st)
 {
     switch (st) {
     case BE_OK: return MODEL_OK;
@@ -871,7 +871,7 @@ static enum model_status key_rope_reserve(model *m, int64_t rows)
     free(pos);
     if (st != BE_OK) {
         be_buffer_free(buf);
-        return from_be(st);
+        return model_from_be(st);
     }
     be_buffer_free(rs->key_rope_buf);
     rs->key_rope_buf = buf;
@@ -922,7 +922,7 @@ static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs,
     *culprit = -1;
     for (; reserved < n_seqs; reserved++) {
         start[reserved] = kv_seq_length(seqs[reserved].kv);
-        st = from_tier(kv_seq_reserve(seqs[reserved].kv, seqs[reserved].n_tokens));
+        st = model_from_tier(kv_seq_reserve(seqs[reserved].kv, seqs[reserved].n_tokens));
         if (st != MODEL_OK) {
             *culprit = reserved;
             break;
@@ -932,17 +932,17 @@ static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs,
     if (st == MODEL_OK && m->cfg.arch != ARCH_MAMBA)
         st = key_rope_reserve(m, key_rope_rows_needed(seqs, n_seqs));
     if (st == MODEL_OK)
-        st = from_tier(kv_store_step_begin(store)); /* device slots for the streamed layers */
+        st = model_from_tier(kv_store_step_begin(store)); /* device slots for the streamed layers */
     int s = 0, t = 0;
     for (int64_t done = 0; st == MODEL_OK && done < total;) {
         int n = total - done < m->rs.cap ? (int)(total - done) : m->rs.cap;
         n = checkpoint_cut(seqs, n_seqs, start, kv_store_checkpoint_interval(store), s, t, n);
-        st = from_be(chunk_forward(m, seqs, &s, &t, n, start));
+        st = model_from_be(chunk_forward(m, seqs, &s, &t, n, start));
         done += n;
     }
     enum be_status drained = kv_store_step_end(store); /* write-backs land before the commit */
     if (st == MODEL_OK)
-        st = from_be(drained);
+        st = model_from_be(drained);
     /* A commit fails only on a device fault, which no retry mends: the
      * step reports it, the other sequences commit as computed. */
     enum model_status committed = MODEL_OK;
@@ -970,7 +970,7 @@ static bool continue_offloaded(struct fw_seq *seqs, int n_seqs, int culprit, enu
         if (ts == TIER_OK)
             return true;
         if (ts != TIER_ENOTSUP) { /* no_fallback sequences refuse; try the next */
-            *st = from_tier(ts);
+            *st = model_from_tier(ts);
             return false;
         }
     }

@@ -31,6 +31,11 @@ enum model_status {
     MODEL_EBACKEND = 10,    /* any other backend failure */
 };
 const char *model_strerror(enum model_status st);
+/* The statuses of the layers below as this layer's: out of device memory
+ * stays distinguishable (the offloaded continuation keys on it), a full
+ * store is MODEL_EKVFULL, anything else the backend's failure. */
+enum model_status model_from_tier(enum tier_status st);
+enum model_status model_from_be(enum be_status st);
 
 enum model_arch { ARCH_LLAMA = 0, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_PHI3,
                   ARCH_GPT2, ARCH_MAMBA };

@@ -2,8 +2,9 @@
 activations (KVTIER_CUDA_ACT=f32) greedy tokens identical to the CPU's for
 the built-in model and a random Llama and Qwen3, under every strategy
 (dynamic, static, offloaded, offloaded_static, adaptive, sliding window,
-sinks, forks (n=2), the prefix cache); with bf16 activations the chosen
-tokens' logprobs within 0.1 of the CPU's while the tokens agree.  Then a
+sinks, forks (n=2), the prefix cache); with bf16 activations (sinks aside:
+they need f32) the chosen tokens' logprobs within 0.1 of the CPU's while
+the tokens agree.  Then a
 real out-of-memory: a --device-mem that holds the weights and a third of
 the request's KV completes offloaded with the unconstrained run's tokens.
 Where the CUDA backend does not open (no GPU, driver or plugin) it prints
@@ -61,9 +62,11 @@ STRATEGIES = [
 ]
 
 
-def run_all(d, logprobs=False):
+def run_all(d, logprobs=False, skip=()):
     out = {}
     for name, extra in STRATEGIES:
+        if name in skip:
+            continue
         body = dict(base, **extra)
         if logprobs:
             body["logprobs"] = 1
@@ -86,8 +89,9 @@ for label, path in MODELS:
               "%s, %s: cuda f32 greedy tokens = cpu's" % (label, name))
     gpu.cleanup()
     bf = Daemon("--backend", "cuda", model=path, tmp=probe_tmp).start(extra_env={"KVTIER_CUDA_ACT": "bf16"})
-    got = run_all(bf, logprobs=True)
-    for name, _ in STRATEGIES:
+    # the sinks' rotation table is f32: the model refuses them with bf16 activations
+    got = run_all(bf, logprobs=True, skip=("sinks",))
+    for name in got:
         a, b = want[name][0], got[name][0]
         worst = 0.0
         for i, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):

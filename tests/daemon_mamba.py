@@ -5,7 +5,8 @@ fresh run's (each rewinds to a state checkpoint and feeds the rest);
 the strategies that act on single tokens are refused with a 400 naming why;
 a sequence's state bytes are the same at 1k and 16k tokens; with the device
 full, states go to the host tier (at creation, and an idle session's to
-make room for a step) with unchanged tokens."""
+make room for a step) with unchanged tokens (the disk tier:
+tests/daemon_mamba_disk.py)."""
 import subprocess
 import sys
 

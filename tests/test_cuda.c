@@ -499,6 +499,64 @@ static void test_attention(void)
     check_attention(&r);
 }
 
+/* ---- copies, events, memory ---------------------------------------------------------- */
+
+static void fail_if(bool bad, const char *what)
+{
+    cases++;
+    if (bad) {
+        failures++;
+        printf("FAIL %s %s\n", cur->name, what);
+    }
+}
+
+/* A copy queued behind a kernel sees what the kernel wrote; an event
+ * fences the copy streams; the budget and the injected fault refuse with
+ * BE_ENOMEM_DEV, as the store's continuation expects. */
+static void test_streams_memory(void)
+{
+    be_backend *be = cur->be;
+    size_t n = 100000;
+    float *x = randv(n, 1.0f), *want = malloc(n * 4), *got = malloc(n * 4);
+    round_to(cur->act, x, n);
+    for (size_t i = 0; i < n; i++)
+        want[i] = x[i] * 0.5f; /* exact in bf16 too */
+    size_t bytes = n * be_dtype_size(cur->act);
+    be_buffer *d = put(be, cur->act, x, n), *h, *d2;
+    must(be_host_alloc(be, bytes, &h), "host_alloc");
+    must(be_dev_alloc(be, bytes, &d2), "dev_alloc");
+    be_event *e0, *e1;
+    must(be_event_create(be, &e0), "event_create");
+    must(be_event_create(be, &e1), "event_create");
+    must(be_scale(be, be_buffer_data(d), n, 0.5f), "scale");
+    must(be_event_record(be, e0), "event_record");
+    must(be_copy_async(be, be_buffer_data(h), be_buffer_data(d), bytes, BE_D2H), "copy_async d2h");
+    must(be_event_record(be, e1), "event_record");
+    must(be_event_sync(e1), "event_sync");
+    double s = -1;
+    enum be_status st = be_event_elapsed(e0, e1, &s);
+    fail_if(!(st == BE_OK && s >= 0) && st != BE_ENOTSUP, "event_elapsed");
+    /* back up through the other direction's stream, the compute stream waiting for it */
+    must(be_copy_async(be, be_buffer_data(d2), be_buffer_data(h), bytes, BE_H2D), "copy_async h2d");
+    must(be_event_record(be, e0), "event_record");
+    must(be_event_wait(be, e0), "event_wait");
+    must(be_scale(be, be_buffer_data(d2), n, 2.0f), "scale");
+    get(be, d2, cur->act, n, got);
+    for (size_t i = 0; i < n; i++)
+        want[i] *= 2.0f;
+    compare("scale, copy_async d2h, h2d, event_wait, scale", want, got, n);
+    be_event_free(e0), be_event_free(e1), be_buffer_free(d), be_buffer_free(d2), be_buffer_free(h);
+
+    be_buffer *b = NULL;
+    fail_if(be_dev_alloc(be, be_mem_stats(be).dev_budget + 4096, &b) != BE_ENOMEM_DEV || b,
+            "an allocation over the budget is BE_ENOMEM_DEV");
+    be_fault_dev_alloc(be, 1, false);
+    fail_if(be_dev_alloc(be, 4096, &b) != BE_ENOMEM_DEV, "the injected fault is BE_ENOMEM_DEV");
+    fail_if(be_dev_alloc(be, 4096, &b) != BE_OK, "the allocation after the fault succeeds");
+    be_buffer_free(b);
+    free(x), free(want), free(got);
+}
+
 /* ---- driver ------------------------------------------------------------------- */
 
 static void run_all(struct dut *d)
@@ -510,6 +568,7 @@ static void run_all(struct dut *d)
     test_rope();
     test_embed_argmax();
     test_attention();
+    test_streams_memory();
     printf("%s (%s activations): %d cases, %d failed\n", d->name, be_dtype_name(d->act), cases - cases_before,
            failures - before);
 }

@@ -594,8 +594,8 @@ static void test_q4k_rows(void **state)
         size_t at = data + (size_t)r * row + (k % 2 ? offsetof(struct q4_k_block, dmin) : 0);
         assert_int_equal(verify_with(&w, at, &bad[k], 2, err), MODEL_EFORMAT);
         assert_non_null(strstr(err, "model.layers.0.mlp.down_proj.weight"));
-        char want[32];
-        snprintf(want, sizeof want, "row %d", r);
+        char want[48];
+        snprintf(want, sizeof want, "non-finite q4_k scale in row %d", r);
         assert_non_null(strstr(err, want));
     }
     free(w.p);

@@ -1156,6 +1156,113 @@ static void test_state_host_tier(void **state)
     be_free(be);
 }
 
+/* A step of n tokens that writes v + layer into every float of the state
+ * (through the backend: the strict one faults on host access). */
+static void state_step(be_backend *be, kv_store *s, kv_seq *q, int64_t n, float v, size_t sb)
+{
+    int64_t at = kv_seq_length(q);
+    assert_int_equal(kv_seq_reserve(q, n), TIER_OK);
+    kv_seq_chunk(q, at, at + n);
+    float *h = malloc(sb);
+    assert_non_null(h);
+    for (int l = 0; l < 2; l++) {
+        struct be_ssm_view w;
+        kv_seq_state_view(q, l, &w);
+        for (size_t i = 0; i < sb / sizeof(float); i++)
+            h[i] = v + (float)l;
+        assert_int_equal(be_copy(be, w.out, h, sb, BE_H2D), BE_OK);
+    }
+    free(h);
+    assert_int_equal(kv_store_layer_end(s, 1), BE_OK);
+    assert_int_equal(kv_seq_commit(q), TIER_OK);
+}
+
+static uint8_t *state_image(kv_seq *q, size_t *n)
+{
+    *n = kv_seq_image_size(q);
+    uint8_t *img = malloc(*n);
+    assert_non_null(img);
+    assert_int_equal(kv_seq_save(q, img, *n), TIER_OK);
+    return img;
+}
+
+/* A state sequence's image: the state and its checkpoints; a load is the
+ * same sequence (its image byte for byte, on the device or in the host
+ * tier as saved) whose crops go back to the same checkpoints with the
+ * same state; images whose state size, body size or checkpoint positions
+ * do not fit are refused naming the field. */
+static void test_state_image(void **state)
+{
+    (void)state;
+    be_backend *be;
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
+    size_t sb = be_ssm_state_bytes(32, 16, 4);
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb},
+                                   &(struct kv_store_params){.checkpoint_interval = 16}, &s),
+                     TIER_OK);
+    for (int off = 0; off < 2; off++) {
+        kv_seq *q, *r;
+        assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = off ? KV_OFFLOADED : KV_DYNAMIC}, &q),
+                         TIER_OK);
+        for (int i = 0; i < 5; i++) /* 8 tokens a step: checkpoints at 16 and 32 */
+            state_step(be, s, q, 8, (float)(i + 1), sb);
+        size_t n, n2;
+        uint8_t *img = state_image(q, &n);
+        assert_int_equal(n, kv_image_head_size(s) + 2 * sb + 2 * (8 + 2 * sb));
+        assert_int_equal(kv_seq_load(s, img, n, &r), TIER_OK);
+        assert_int_equal(kv_seq_length(r), 40);
+        assert_int_equal(kv_seq_stats(r).strategy, kv_seq_stats(q).strategy);
+        assert_int_equal(kv_seq_stats(r).host_bytes, kv_seq_stats(q).host_bytes);
+        uint8_t *img2 = state_image(r, &n2);
+        assert_int_equal(n2, n);
+        assert_memory_equal(img2, img, n);
+        free(img2);
+        /* both go back to 32, whose state step 4 wrote */
+        assert_int_equal(kv_seq_crop(q, 35), TIER_OK);
+        assert_int_equal(kv_seq_crop(r, 35), TIER_OK);
+        assert_int_equal(kv_seq_length(r), 32);
+        uint8_t *a = state_image(q, &n), *b = state_image(r, &n2);
+        assert_int_equal(n2, n);
+        assert_memory_equal(a, b, n);
+        float first;
+        memcpy(&first, b + kv_image_head_size(s), sizeof first);
+        assert_true(first == 4.0f);
+        free(a);
+        free(b);
+        kv_seq_free(r);
+        kv_seq_free(q);
+        if (off) {
+            free(img);
+            break;
+        }
+        /* refusals: a body one byte short, a checkpoint past len, another state size */
+        kv_seq *bad = NULL;
+        uint8_t *c = malloc(n);
+        assert_non_null(c);
+        memcpy(c, img, n);
+        c[112] = (uint8_t)(n - 1); /* the size field agrees, the body does not split */
+        c[113] = (uint8_t)((n - 1) >> 8);
+        assert_int_equal(kv_seq_load(s, c, n - 1, &bad), TIER_EINVAL);
+        assert_non_null(strstr(kv_store_errmsg(s), "field size"));
+        memcpy(c, img, n);
+        size_t ck = kv_image_head_size(s) + 2 * sb + 8 + 2 * sb; /* the second checkpoint's pos */
+        c[ck] = 41;
+        assert_int_equal(kv_seq_load(s, c, n, &bad), TIER_EINVAL);
+        assert_non_null(strstr(kv_store_errmsg(s), "pos"));
+        memcpy(c, img, n);
+        c[120 + 4 * 2] ^= 4; /* layer 0's state_bytes */
+        assert_int_equal(kv_seq_load(s, c, n, &bad), TIER_EINVAL);
+        assert_non_null(strstr(kv_store_errmsg(s), "state_bytes"));
+        assert_null(bad);
+        free(c);
+        free(img);
+    }
+    assert_int_equal(be_mem_stats(be).dev_used, 0);
+    kv_store_free(s);
+    be_free(be);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1178,6 +1285,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
         cmocka_unit_test(test_state_store),
+        cmocka_unit_test(test_state_image),
         cmocka_unit_test(test_state_host_tier),
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),

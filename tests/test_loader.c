@@ -1832,15 +1832,17 @@ static void test_q4k_weights(void **state)
         }
     }
     /* the verify pass reads blocks as blocks (a GGUF file's tensors are
-     * bound so): finite factors pass, an infinite one names its tensor */
+     * bound so): finite factors pass, an infinite one names its tensor,
+     * its format's scale and the row (one block a row here) */
     assert_int_equal(model_weights_verify(&m.cfg, &m.w, err), MODEL_OK);
     ((struct q4_k_block *)ls[1].w_down.data)[3].dmin = 0x7c00;
     assert_int_equal(model_weights_verify(&m.cfg, &m.w, err), MODEL_EFORMAT);
     assert_non_null(strstr(err, "model.layers.1.mlp.down_proj.weight"));
-    assert_non_null(strstr(err, "row 3, column 0"));
+    assert_non_null(strstr(err, "non-finite q4_k scale in row 3"));
     ((struct q8_0_block *)ls[0].wq.data)[1].d = 0xfc00;
     assert_int_equal(model_weights_verify(&m.cfg, &m.w, err), MODEL_EFORMAT);
     assert_non_null(strstr(err, "model.layers.0.self_attn.q_proj.weight"));
+    assert_non_null(strstr(err, "non-finite q8_0 scale in row 1"));
     free(blocks);
     free(ls);
     unload(&m);

@@ -44,6 +44,12 @@
  *     quantized:  the sinks' block if there are sinks, the quantized
  *                 blocks qoff .. (nq-1)/Tq whole, then the residual's
  *                 blocks nq/T .. (len-1)/T
+ *   A state-space model's sequence (kv_geom.state_bytes; n_kv_heads and
+ *   head_dim 0, strategy dynamic, static or offloaded) has instead: each
+ *   layer's table entry all 0 but lo, which holds state_bytes, then the
+ *   state (n_layers x state_bytes, as the layers lay it out), then each
+ *   checkpoint as u64 pos and its n_layers x state_bytes, pos ascending in
+ *   (0, len] (tiers/state.c): a size that does not split so is refused.
  *   A dense block b is the store's block as be_kv_view lays it out (K, then
  *   V, each [n_kv_heads][T][head_dim] of dtype) for positions [bT, bT+T).
  *   The layer stores [0, S) and [lo, len) (S sinks once a sink sequence
@@ -71,6 +77,9 @@
  *   the image's; an image is accepted only if it is exactly what
  *   kv_seq_save writes for some state, so save(load(img)) == img unless the
  *   load fell back to the host tier.
+ * - A state image loads whole: kv_seq_load_begin waits for all of it
+ *   (src->wait(size)); it is a few MiB, and a layer's state is nothing
+ *   without the others' at the same position.
  * - A loaded sequence holds private blocks and does not take part in the
  *   prefix cache (the image has no token ids to publish by).
  */
@@ -311,6 +320,8 @@ static enum tier_status layer_io(struct io *io, kv_seq *q, int l, const struct p
 size_t kv_seq_image_size(const kv_seq *q)
 {
     size_t n = head_size(q->s), qbb;
+    if (q->state)
+        return n + state_image_bytes(q);
     struct kvq_layer_state k;
     for (int l = 0; l < q->s->g.n_layers; l++) {
         struct plan pl = seq_plan(q, l, &k, &qbb);
@@ -374,8 +385,6 @@ enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size)
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_save during a step");
-    if (q->state)
-        return kv_fail(s, TIER_ENOTSUP, "kv_seq_save: images of a state-space model's sequence are not written yet");
     enum tier_status st = kv_seq_load_finish(q);
     if (st != TIER_OK)
         return st;
@@ -384,6 +393,11 @@ enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size)
         return kv_fail(s, TIER_EINVAL, "kv_seq_save: a buffer of %zu bytes for an image of %zu", size, need);
     struct io io = {.s = s, .p = (uint8_t *)buf + head_size(s)};
     put_header(q, buf, size);
+    if (q->state) {
+        for (int l = 0; l < s->g.n_layers; l++)
+            put_entry(s, buf, l, KV_HOME_PAGED, (int64_t)s->g.state_bytes, &(struct kvq_layer_state){0});
+        return state_seq_save(q, io.p);
+    }
     for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
         struct kvq_layer_state k;
         size_t qbb;
@@ -592,6 +606,34 @@ static enum tier_status parse_table(kv_store *s, const uint8_t *b, size_t size, 
     return TIER_OK;
 }
 
+/* A state image's table and body (FORMAT), the whole image waited for. */
+static enum tier_status parse_state_body(kv_store *s, size_t size, const struct kv_image_src *src,
+                                         struct kv_seq_state *x)
+{
+    enum tier_status st = state_check_params(s, &x->p);
+    if (st != TIER_OK) {
+        char why[KV_ERR_LEN];
+        snprintf(why, sizeof(why), "%s", s->err);
+        return BAD("params: %s", why);
+    }
+    if (x->record_past)
+        return BAD("field state_flags: past recording on a state-space model's sequence");
+    const uint8_t *b = src->wait(src->arg, size);
+    if (!b)
+        return kv_fail(s, TIER_EIO, "sequence image: the state never arrived (the image's read failed)");
+    for (int l = 0; l < s->g.n_layers; l++) {
+        const uint8_t *e = b + IMG_HDR + 4 * (size_t)s->g.n_layers + LT_ENTRY * (size_t)l;
+        if (get64(e) != s->g.state_bytes)
+            return BAD("layer %d: field state_bytes is %llu, the store's is %zu", l, (unsigned long long)get64(e),
+                       s->g.state_bytes);
+        for (int i = 8; i < LT_ENTRY; i += 4)
+            if (get32(e + i))
+                return BAD("layer %d: a state layer's entry has %u at +%d, not 0", l, get32(e + i), i);
+    }
+    x->state_body = b + head_size(s);
+    return state_image_check(s, x->state_body, size - head_size(s), x->len, &x->n_ckpt);
+}
+
 /* ---- a load, layer by layer ------------------------------------------------- */
 
 struct kv_seq_loader {
@@ -667,8 +709,6 @@ enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, c
     s->err[0] = '\0';
     if (!head || !src || !src->wait)
         return BAD("no image");
-    if (s->g.state_bytes)
-        return kv_fail(s, TIER_ENOTSUP, "kv_seq_load: a state-space model's store reads no images yet");
     const uint8_t *b = head;
     size_t n = (size_t)s->g.n_layers;
     enum kv_home *home = calloc(n, sizeof(*home));
@@ -687,7 +727,8 @@ enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, c
     int64_t T = 1;
     if (st == TIER_OK && (st = parse_geometry(s, b, size)) == TIER_OK &&
         (st = parse_params(s, b, &x.p, &qbb, &T)) == TIER_OK && (st = parse_state(s, b, &x)) == TIER_OK)
-        st = parse_table(s, b, size, &x, home, lo, kq, qbb, T, ld->plan, ld->end);
+        st = s->g.state_bytes ? parse_state_body(s, size, src, &x)
+                              : parse_table(s, b, size, &x, home, lo, kq, qbb, T, ld->plan, ld->end);
     kv_seq *q = NULL;
     if (st == TIER_OK)
         st = kv_seq_restore(s, &x, false, &q);
@@ -696,13 +737,14 @@ enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, c
         s->err[0] = '\0';
         st = kv_seq_restore(s, &x, true, &q);
     }
-    if (st == TIER_OK) {
+    if (st == TIER_OK && !s->g.state_bytes) {
         ld->src = *src;
         q->load = ld;
-        *out = q;
-    } else {
-        kv_seq_loader_free(ld);
+        ld = NULL;
     }
+    if (st == TIER_OK)
+        *out = q;
+    kv_seq_loader_free(ld);
     free(kq);
     free(lo);
     free(home);

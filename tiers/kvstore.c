@@ -1556,11 +1556,13 @@ enum tier_status kv_seq_restore(kv_store *s, const struct kv_seq_state *x, bool 
     if (all_host && !quant)
         q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
     enum tier_status st = TIER_OK;
+    if (s->g.state_bytes)
+        st = state_seq_load(q, x->state_body, x->n_ckpt, is_offloaded(q->strategy));
     if (quant && (st = kvq_seq_init(q)) == TIER_OK)
         st = kvq_seq_restore(q, x->kvq_host || all_host, x->kvq);
     if (quant && x->p.sink && st == TIER_OK)
         st = sink_blocks_take(q);
-    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
+    for (int l = 0; l < s->g.n_layers && st == TIER_OK && !s->g.state_bytes; l++) {
         struct kv_layer *L = &q->layers[l];
         L->home = quant ? KV_HOME_PAGED : all_host ? KV_HOME_HOST : x->home[l];
         L->lo = x->lo[l];

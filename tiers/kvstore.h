@@ -355,8 +355,10 @@ void kv_seq_abort(kv_seq *q);
  * An image is a sequence's complete state in the form it is stored:
  * parameters, strategy (after any fallback), lengths, past recording, and
  * every stored position of every layer (dense blocks, quantized codes and
- * their residual, kept sinks).  Little-endian, versioned, self-checking
- * sizes; it names no pointer.  Only between steps.
+ * their residual, kept sinks); a state store's sequence, its state and
+ * its checkpoints (which load whole: kv_seq_load_begin waits for the
+ * image's last byte).  Little-endian, versioned, self-checking sizes; it
+ * names no pointer.  Only between steps.
  *
  * kv_seq_image_size: the bytes kv_seq_save needs for q.
  * kv_seq_save: writes q's image into buf[0, size) (device bytes come

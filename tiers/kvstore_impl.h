@@ -210,6 +210,11 @@ void state_chunk_end(kv_store *s); /* after a chunk's last layer: checkpoints at
 enum tier_status state_seq_rewind(kv_seq *q, int64_t len);
 enum tier_status state_seq_fork(const kv_seq *q, kv_seq *child);
 void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host);
+/* A state sequence's part of its image (state.c "images") */
+size_t state_image_bytes(const kv_seq *q);
+enum tier_status state_seq_save(const kv_seq *q, uint8_t *p);
+enum tier_status state_image_check(kv_store *s, const uint8_t *p, size_t size, int64_t len, int *n_ckpt);
+enum tier_status state_seq_load(kv_seq *q, const uint8_t *p, int n_ckpt, bool host);
 
 /* kvquant.c: the KV_QUANTIZED sequence's side of creation, the step
  * transaction (all layers or none), release and size */
@@ -303,6 +308,8 @@ struct kv_seq_state {
     const enum kv_home *home;         /* [n_layers] (dense strategies) */
     const int64_t *lo;                /* [n_layers] each layer's oldest stored position */
     const struct kvq_layer_state *kvq;/* [n_layers] (quantized) */
+    const uint8_t *state_body;        /* a state store's: the state and n_ckpt checkpoints (state.c) */
+    int n_ckpt;
 };
 /* A new sequence in state x with storage for every stored position, the
  * contents not written yet.  all_host: every layer in the host tier

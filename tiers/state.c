@@ -23,8 +23,11 @@
  */
 #include "tiers/kvstore_impl.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "util/le.h"
 
 struct kv_ckpt {
     int64_t pos;
@@ -323,4 +326,78 @@ void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host)
     size_t n = seq_state_bytes(q->s);
     *dev = (q->state->cur ? n : 0) + (q->state->next ? n : 0);
     *host = (state_on_host(q) ? n : 0) + (size_t)q->state->n_ckpt * n;
+}
+
+/* ---- images (image.c): after the header and a zero layer table, the
+ * state (n_layers * state_bytes, as the layers lay it out), then each
+ * checkpoint as u64 pos and its state, pos ascending. */
+
+size_t state_image_bytes(const kv_seq *q)
+{
+    size_t n = seq_state_bytes(q->s);
+    return n + (size_t)q->state->n_ckpt * (8 + n);
+}
+
+enum tier_status state_seq_save(const kv_seq *q, uint8_t *p)
+{
+    size_t n = seq_state_bytes(q->s);
+    bool dev;
+    const void *src = cur_of(q, &dev);
+    enum tier_status st = state_copy(q->s, p, false, src, dev);
+    p += n;
+    for (int i = 0; i < q->state->n_ckpt && st == TIER_OK; i++) {
+        put64(p, (uint64_t)q->state->ckpt[i].pos);
+        memcpy(p + 8, q->state->ckpt[i].host, n);
+        p += 8 + n;
+    }
+    return st;
+}
+
+/* The checkpoints of a body of size bytes, checked before anything is
+ * allocated: *n_ckpt of them, at positions ascending in (0, len]. */
+enum tier_status state_image_check(kv_store *s, const uint8_t *p, size_t size, int64_t len, int *n_ckpt)
+{
+    size_t n = seq_state_bytes(s);
+    if (size < n || (size - n) % (8 + n) || (size - n) / (8 + n) > INT32_MAX)
+        return kv_fail(s, TIER_EINVAL, "sequence image: a state body of %zu bytes is not a %zu-byte state and "
+                                       "checkpoints of %zu bytes each (field size)", size, n, 8 + n);
+    *n_ckpt = (int)((size - n) / (8 + n));
+    int64_t prev = 0;
+    for (int i = 0; i < *n_ckpt; i++) {
+        int64_t pos = (int64_t)get64(p + n + (size_t)i * (8 + n));
+        if (pos <= prev || pos > len)
+            return kv_fail(s, TIER_EINVAL, "sequence image: checkpoint %d: field pos is %lld, not in (%lld, %lld]", i,
+                           (long long)pos, (long long)prev, (long long)len);
+        prev = pos;
+    }
+    return TIER_OK;
+}
+
+/* q (params, strategy, len set; no storage) takes the state and the
+ * checkpoints of a checked body: in the host tier if host, else on the
+ * device. */
+enum tier_status state_seq_load(kv_seq *q, const uint8_t *p, int n_ckpt, bool host)
+{
+    kv_store *s = q->s;
+    size_t n = seq_state_bytes(s);
+    enum tier_status st = state_seq_init(q, host);
+    bool dev;
+    void *dst = st == TIER_OK ? cur_of(q, &dev) : NULL;
+    if (st == TIER_OK)
+        st = state_copy(s, dst, dev, p, false);
+    if (st == TIER_OK && n_ckpt) {
+        struct kv_state *x = q->state;
+        if (!(x->ckpt = malloc((size_t)n_ckpt * sizeof *x->ckpt)))
+            return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a state's checkpoints");
+        x->cap_ckpt = n_ckpt;
+    }
+    for (int i = 0; i < n_ckpt && st == TIER_OK; i++) {
+        const uint8_t *c = p + n + (size_t)i * (8 + n);
+        void *h;
+        if ((st = kv_host_alloc(s, n, &h)) == TIER_OK) {
+            memcpy(h, c + 8, n);
+            q->state->ckpt[q->state->n_ckpt++] = (struct kv_ckpt){.pos = (int64_t)get64(c), .host = h};
+        }
+    }
+    return st;
 }

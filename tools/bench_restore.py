@@ -367,7 +367,8 @@ def main():
         raise SystemExit("--prefills must be 1..--repeat, --import-sizes above --sizes")
     o.ctx = max(o.sizes + o.import_sizes) + 64
     with open(os.path.join(o.model, "config.json")) as f:
-        max_pos = json.load(f)["max_position_embeddings"]
+        # a state-space model (Mamba) has no positions and so no context limit
+        max_pos = json.load(f).get("max_position_embeddings", o.ctx)
     if o.ctx > max_pos:
         raise SystemExit("sizes up to %d need a context of %d; the model has %d (mkmodel.py --max-pos)"
                          % (o.ctx - 64, o.ctx, max_pos))

@@ -835,9 +835,8 @@ def round_to(x, dtype):
 # --------------------------------------------------------------------------
 # Q4_K (GGUF's GGML type 12): super-blocks of 256 weights, 8 sub-blocks of
 # 32 with 6-bit scales sc and mins m, 4-bit codes q; w ~ f16(d) * sc * q -
-# f16(dmin) * m.  Only the decoding is here: the blocks come from kvtier's
-# own quantizer (a search with no byte-exact replay), whose error bound
-# tests/test_q4k.c checks.
+# f16(dmin) * m.  The quantizer replays util/q4k.c's bytes
+# (tests/q4k_bytes.test.sh); its error bound is what tests/test_q4k.c checks.
 # --------------------------------------------------------------------------
 Q4_K_BLOCK = 256
 Q4_K_DTYPE = np.dtype([("d", "<u2"), ("dmin", "<u2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])  # 144 bytes
@@ -858,8 +857,10 @@ def q4_k_quantize(w):
     0.1, where a positive offset is clamped to 0; s and mn rounded to 6 bits
     against d = max s / 63 and dmin = max mn / 63 (f16), and the codes
     against those stored values.  Every step in the precision and order of
-    kvtier's C quantizer (float32 products, float64 sums element by element)
-    so the bytes match; vectorized over the blocks instead of looping."""
+    kvtier's C quantizer (float32 fit sums and products, the block's
+    float64 sum of squares, element by element; each candidate's error
+    expanded from its fit's sums) so the bytes match; vectorized over the
+    blocks instead of looping."""
     x = np.ascontiguousarray(w, dtype=np.float32)
     if x.shape[-1] % Q4_K_BLOCK:
         raise ValueError(f"Q4_K: rows of {x.shape[-1]} elements are not whole super-blocks of {Q4_K_BLOCK}")
@@ -877,36 +878,39 @@ def q4_k_quantize(w):
     hi = xs.max(axis=1)
     rng = (hi - lo).astype(f32)
     live = hi > lo
+    sw, sx, sxx = (np.zeros(len(xs), f32) for _ in range(3))
+    for i in range(32):
+        wi, xi = wt[:, i], xs[:, i]
+        sw += wi
+        sx += wi * xi
+        sxx += (wi * xi) * xi
     best_s = np.where(live, rng / f32(15), f32(0)).astype(f32)
     best_b = lo.copy()
     best_err = np.full(len(xs), np.inf, f32)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    two = f32(2)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for step in range(21):
             inv = ((f32(15) + f32(0.1) * f32(step - 10)) / rng).astype(f32)
-            q = _q4_k_code(((xs - lo[:, None]) * inv[:, None]).astype(f32), 15)
-            qf = q.astype(f32)
-            sw, sl, sll, sx, slx = (np.zeros(len(xs), f64) for _ in range(5))
+            v = (xs - lo[:, None]) * inv[:, None] + f32(0.5)  # x - lo >= 0: round by truncating
+            qf = np.where(v >= f32(16), f32(15), np.trunc(v)).astype(f32)
+            sl, sll, slx = (np.zeros(len(xs), f32) for _ in range(3))
             for i in range(32):
-                wi, qi, xi = wt[:, i], qf[:, i], xs[:, i]
-                sw += wi
-                sl += wi * qi
-                sll += (wi * qi) * qi
-                sx += wi * xi
-                slx += (wi * qi) * xi
+                wq = wt[:, i] * qf[:, i]
+                sl += wq
+                sll += wq * qf[:, i]
+                slx += wq * xs[:, i]
             det = sw * sll - sl * sl
             s = (sw * slx - sl * sx) / det
             b = (sll * sx - sl * slx) / det
-            pos = b > 0
-            b = np.where(pos, 0.0, b)
-            s = np.where(pos, slx / sll, s)
-            err = np.zeros(len(xs), f64)
-            for i in range(32):
-                e = s * q[:, i] + b - xs[:, i].astype(f64)
-                err += wt[:, i].astype(f64) * e * e
-            take = live & (det > 0) & ~(s < 0) & (err < best_err.astype(f64))
-            best_err = np.where(take, err.astype(f32), best_err)
-            best_s = np.where(take, s.astype(f32), best_s)
-            best_b = np.where(take, b.astype(f32), best_b)
+            pos = b > f32(0)
+            b = np.where(pos, f32(0), b).astype(f32)
+            s = np.where(pos, slx / sll, s).astype(f32)
+            # sum w (s q + b - x)^2 expanded, term by term as the C sums it
+            err = (s * s * sll + two * s * b * sl + b * b * sw - two * s * slx - two * b * sx + sxx).astype(f32)
+            take = live & (det > f32(0)) & ~(s < f32(0)) & (err < best_err)
+            best_err = np.where(take, err, best_err)
+            best_s = np.where(take, s, best_s)
+            best_b = np.where(take, b, best_b)
     sv, mn = best_s.reshape(nb, 8), (-best_b).astype(f32).reshape(nb, 8)
     d = (np.maximum(sv.max(axis=1), f32(0)) / f32(63)).astype(f32)
     dmin = (np.maximum(mn.max(axis=1), f32(0)) / f32(63)).astype(f32)

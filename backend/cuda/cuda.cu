@@ -3,11 +3,15 @@
  * and attention.cu).  be_open("cuda") loads this file's library with
  * dlopen and calls kvtier_backend_init; the core never links CUDA.
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "backend/cuda/cuda.h"
+
+#include <hwloc/cudart.h>
 
 /* Left free by the default budget: cuBLAS's workspace, the scratch of the
  * ops (a prefill's converted operands and attention partials), the
@@ -236,12 +240,32 @@ static void cu_dev_free(void *ctx, void *ptr, size_t size)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Page-locked, so the copy streams' DMA runs at the bus's speed. */
+/* Page-locked, so the copy streams' DMA runs at the bus's speed, and on
+ * the NUMA nodes nearest the GPU, so it does not cross the socket link:
+ * whole pages of their own, bound with hwloc before they are touched,
+ * then registered.  Where binding fails the pages go where they are first
+ * touched (said once); where registering fails, cudaHostAlloc. */
 static enum be_status cu_host_alloc(void *ctx, size_t size, void **ptr)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     if (c->dead || cudaSetDevice(c->dev) != cudaSuccess)
         return BE_EIO;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) {
+        if (c->topo &&
+            hwloc_set_area_membind(c->topo, p, size, c->near, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET) != 0 &&
+            !c->bind_warned) {
+            c->bind_warned = true;
+            fprintf(stderr, "kvtier: cuda: binding host buffers to the GPU's NUMA node failed (%s); pages go where "
+                            "they are first touched\n", strerror(errno));
+        }
+        if (cudaHostRegister(p, size, cudaHostRegisterPortable) == cudaSuccess) {
+            *ptr = p;
+            return BE_OK;
+        }
+        cudaGetLastError();
+        munmap(p, size);
+    }
     if (cudaHostAlloc(ptr, size, cudaHostAllocPortable) != cudaSuccess) {
         cudaGetLastError();
         return BE_ENOMEM_HOST;
@@ -249,10 +273,15 @@ static enum be_status cu_host_alloc(void *ctx, size_t size, void **ptr)
     return BE_OK;
 }
 
+/* A registered mapping, or else cudaHostAlloc's. */
 static void cu_host_free(void *ctx, void *ptr, size_t size)
 {
     (void)ctx;
-    (void)size;
+    if (cudaHostUnregister(ptr) == cudaSuccess) {
+        munmap(ptr, size);
+        return;
+    }
+    cudaGetLastError();
     cudaFreeHost(ptr);
 }
 
@@ -416,6 +445,9 @@ static void cu_free(void *ctx)
             cudaStreamDestroy(*streams[i]);
     cudaFree(c->arena);
     be_arena_release(&c->carve);
+    if (c->topo)
+        hwloc_topology_destroy(c->topo);
+    hwloc_bitmap_free(c->near);
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
@@ -532,9 +564,27 @@ static enum be_status pick_budget(const struct be_params *p, struct cu_ctx *c, s
     return BE_OK;
 }
 
+/* The NUMA nodes of the CPUs next to the GPU (its PCI device's local_cpus);
+ * without hwloc's answer the host buffers are left unbound. */
+static void load_topology(struct cu_ctx *c)
+{
+    hwloc_bitmap_t cpus = hwloc_bitmap_alloc();
+    c->near = hwloc_bitmap_alloc();
+    if (!cpus || !c->near || hwloc_topology_init(&c->topo) != 0) {
+        c->topo = NULL;
+    } else if (hwloc_topology_load(c->topo) != 0 || hwloc_cudart_get_device_cpuset(c->topo, c->dev, cpus) != 0) {
+        hwloc_topology_destroy(c->topo);
+        c->topo = NULL;
+    } else {
+        hwloc_cpuset_to_nodeset(c->topo, cpus, c->near);
+    }
+    hwloc_bitmap_free(cpus);
+}
+
 static enum be_status setup(const struct be_params *p, struct cu_ctx *c, size_t *budget)
 {
     BE_TRY_CU(pick_device(p, c));
+    load_topology(c);
     BE_TRY_CU(pick_budget(p, c, budget));
     size_t arena = (*budget + 4095) & ~(size_t)4095;
     cudaError_t e = cudaMalloc(&c->arena, arena);

@@ -18,6 +18,8 @@
 #ifndef KVTIER_CUDA_H
 #define KVTIER_CUDA_H
 
+#include <hwloc.h>
+
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,6 +46,10 @@ struct cu_ctx {
     pthread_mutex_t mu;             /* guards the arena: buffers are freed from any thread */
     char *arena;
     struct be_arena carve;
+
+    hwloc_topology_t topo;          /* NULL: host buffers are not bound */
+    hwloc_nodeset_t near;           /* the NUMA nodes nearest the GPU */
+    bool bind_warned;
 
     void *scratch;                  /* device scratch, grown on demand, compute-stream ordered */
     size_t scratch_size;
