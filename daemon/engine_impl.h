@@ -76,6 +76,8 @@ struct engine {
     /* ---- set before READY, read-only afterwards ---- */
     struct runtime rt;
     model *m;
+    encdec *ed; /* instead of m: an encoder-decoder model (the jobs' input, cross) */
+    struct model_config edmc; /* ed's decoder, which mc points to */
     tokenizer *tok;
     kv_store *store;
     const struct model_config *mc;

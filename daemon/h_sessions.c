@@ -11,6 +11,13 @@
 
 /* POST /v1/sessions on a worker: the prefix as ids (a system prompt goes
  * through the chat template), checked against the context. */
+/* A session would keep the decoder's cache alone: its encoder input's is not kept yet. */
+static enum ipc_status encdec_no_sessions(struct server *s, struct ipc_error *err)
+{
+    return ipc_fail(err, IPC_EINVAL, "", "sessions of an encoder-decoder model (%s) are not served yet",
+                    engine_model_config(s->eng)->arch_name);
+}
+
 enum ipc_status prep_session_create(struct req *r)
 {
     struct server *s = r->srv;
@@ -18,6 +25,8 @@ enum ipc_status prep_session_create(struct req *r)
     struct ipc_session_req q;
     struct ipc_error *err = &r->prep.err;
     struct tok_ids *ids = &r->prep.ids;
+    if (engine_encdec(s->eng))
+        return encdec_no_sessions(s, err);
     enum ipc_status st = ipc_session_req_parse(r->root, &lim, &q, err);
     if (st == IPC_OK && q.system) {
         json_t *m = json_pack("[{s:s,s:s%}]", "role", "system", "content", q.system, q.system_len);
@@ -188,6 +197,8 @@ enum MHD_Result h_session_export(struct req *r, const char *id)
  * model before anything is allocated for its KV. */
 enum ipc_status prep_session_import(struct req *r)
 {
+    if (engine_encdec(r->srv->eng))
+        return encdec_no_sessions(r->srv, &r->prep.err);
     return engine_kv_parse(r->srv->eng, r->body ? r->body : "", r->n_body, &r->prep.kvf, &r->prep.err);
 }
 
