@@ -469,7 +469,8 @@ static void retire(engine *e, struct job *j)
             kv_seq_free(c->kv);
         c->kv = NULL;
     }
-    kv_seq_free(j->cross);
+    if (!j->sess) /* a session keeps it */
+        kv_seq_free(j->cross);
     j->cross = NULL;
     /* A session keeps its KV together with the ids in it; when the two
      * disagree (setup failed half-way) the KV is dropped and recomputed. */
@@ -560,21 +561,74 @@ void resume_job(engine *e, struct job *j)
         start_job(e, j);
 }
 
+/* A session's encoder input, cross cache and the decoder's cache over it
+ * go: another input comes. */
+static void session_drop_input(struct session *s)
+{
+    kv_seq_free(s->kv);
+    kv_seq_free(s->cross);
+    free(s->input);
+    s->kv = s->cross = NULL;
+    s->input = NULL;
+    s->n_input = 0;
+}
+
 /* An encoder-decoder job's encoder input becomes its cross-attention
- * cache, which every choice's decoder reads.  False: j failed. */
+ * cache, which every choice's decoder reads: a session's, kept for its
+ * next requests, is reused when they give the same input or none.  Before
+ * the choices' setup, which reuses the session's decoder cache only over
+ * the same input.  False: j failed. */
 static bool encode_input(engine *e, struct job *j)
 {
+    struct session *s = j->sess;
+    const int32_t *in = j->input;
+    size_t n = j->n_input;
+    struct ipc_error err;
+    if (s && !in) {
+        if (!s->cross) {
+            ipc_fail(&err, IPC_EINVAL, "input", "session %s holds no encoder input yet: give \"input\"", s->id);
+            job_fail(e, j, &err);
+            return false;
+        }
+        in = s->input;
+        n = s->n_input;
+    }
+    pthread_mutex_lock(&e->mu);
+    j->res.n_encoder = n;
+    pthread_mutex_unlock(&e->mu);
+    if (s && s->cross && n == s->n_input && !memcmp(in, s->input, n * sizeof(*in))) {
+        j->cross = s->cross;
+        pthread_mutex_lock(&e->mu);
+        j->res.n_encoder_cached = n;
+        pthread_mutex_unlock(&e->mu);
+        return true;
+    }
+    int32_t *keep = NULL;
+    if (s) {
+        session_drop_input(s);
+        if (!(keep = malloc(n * sizeof(*keep)))) {
+            job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the session's input");
+            return false;
+        }
+        memcpy(keep, in, n * sizeof(*keep));
+    }
     struct kv_seq_params cp = {.no_prefix_cache = true};
     enum tier_status ts = kv_seq_create(e->store, &cp, &j->cross);
-    struct ipc_error err;
     if (ts != TIER_OK) {
+        free(keep);
         kv_error(e, ts, "input", &err);
         job_fail(e, j, &err);
         return false;
     }
-    enum model_status ms = encdec_encode(e->ed, j->cross, j->input, (int)j->n_input);
+    enum model_status ms = encdec_encode(e->ed, j->cross, in, (int)n);
+    if (ms == MODEL_OK && s) {
+        s->cross = j->cross;
+        s->input = keep;
+        s->n_input = n;
+    }
     if (ms == MODEL_OK)
         return true;
+    free(keep);
     if (ms == MODEL_EINVAL) /* BART's learned positions end */
         ipc_fail(&err, IPC_ECONTEXT, "input", "the input has %zu tokens; the encoder's positions end at %d", j->n_input,
                  encdec_get_config(e->ed)->max_positions);
@@ -631,6 +685,8 @@ void start_job(engine *e, struct job *j)
             return;
         }
     }
+    if (e->ed && !encode_input(e, j))
+        return;
     for (int i = 0; i < j->n; i++) {
         struct ipc_error err;
         if (seq_setup(e, j, &j->ch[i], i, &err) != IPC_OK) {
@@ -640,8 +696,6 @@ void start_job(engine *e, struct job *j)
     }
     if (j->kind == JOB_PREFILL && j->ch[0].n_fed == j->ch[0].seq.n_toks)
         j->ch[0].seq.finish = GEN_FINISH_LENGTH; /* nothing to compute */
-    if (e->ed && !encode_input(e, j))
-        return;
     pthread_mutex_lock(&e->mu);
     j->res.n_cached = (int)j->ch[0].n_fed;
     e->st.prompt_tokens += j->n_prompt * (size_t)j->n;

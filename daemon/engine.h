@@ -122,6 +122,9 @@ enum job_kind { JOB_GENERATE = 0, JOB_PREFILL, JOB_CROP, JOB_FORK, JOB_RECORD, J
 struct job_result {
     struct ipc_error err; /* err.st != IPC_OK: failed */
     int n_cached;         /* prompt tokens reused from the session's KV or the prefix cache */
+    /* an encoder-decoder model's encoder input, and those of its tokens
+     * whose cross-attention cache the session held (not encoded again) */
+    size_t n_encoder, n_encoder_cached;
     char reply_id[IPC_SESSION_ID_MAX + 1]; /* JOB_FORK: the new session */
     void *blob; /* JOB_EXPORT: the safetensors file (owned; the reply takes it) */
     size_t n_blob;

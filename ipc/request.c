@@ -992,7 +992,9 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     enum ipc_status rst = read_repeat(root, out, lim, err);
     if (rst != IPC_OK)
         return rst;
-    if (chat ? !out->messages : !out->text && !out->ids && !out->has_input)
+    /* an encoder-decoder model's session may give neither (its input again):
+     * a decoder-only model's prepare step requires the prompt then */
+    if (chat ? !out->messages : !out->text && !out->ids && !out->has_input && !out->session)
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");

@@ -79,8 +79,33 @@ def run(name, args, dec):
     refused("shared_prefix", "shares no prefix", input=ENC, prompt=[0, 5], shared_prefix=1)
     if name == "t5":
         refused("quantized", "relative position bias", input=ENC, cache={"implementation": "quantized"})
-    code, e = d.post("/v1/completions", dict(gen, input=ENC, session="s-none"))
-    check(code in (400, 404), "%s: a session -> %d" % (name, code))
+    # a session keeps the cross-attention cache: later requests with the
+    # same input, or none, encode nothing and give a fresh request's tokens
+    code, sess = d.post("/v1/sessions", {})
+    assert code == 200, (code, sess)
+    sid = sess["id"]
+    first = complete(input=ENC, session=sid)
+    p = first["usage"]["prompt_tokens_details"]
+    check(toks(first) == want and p["encoder_cached_tokens"] == 0,
+          "%s: a session's first generation encodes its input (%s)" % (name, p))
+    for kw, how in ((dict(input=ENC), "the same input"), ({}, "no input")):
+        r = complete(session=sid, **kw)
+        p = r["usage"]["prompt_tokens_details"]
+        check(toks(r) == want and p["encoder_cached_tokens"] == len(ENC) == p["encoder_tokens"],
+              "%s: the session again with %s: a fresh request's tokens, %d encoder tokens not recomputed" %
+              (name, how, p["encoder_cached_tokens"]))
+    other = ENC[::-1]
+    r = complete(session=sid, input=other)
+    check(toks(r) == toks(complete(input=other)) and r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == 0,
+          "%s: another input on the session is encoded afresh: a fresh request's tokens" % name)
+    code, e = d.post("/v1/sessions/%s/fork" % sid, {})
+    check(code == 400, "%s: fork of an encoder-decoder session -> 400: %s" % (name, e.get("error", {}).get("message")))
+    code, e = d.post("/v1/sessions", {"prompt": [1, 2]})
+    check(code == 400 and "starts empty" in e["error"]["message"], "%s: a session's prefix -> 400" % name)
+    code, sess = d.post("/v1/sessions", {})
+    code, e = d.post("/v1/completions", dict(gen, session=sess["id"]))
+    check(code == 400 and "no encoder input" in e["error"]["message"],
+          "%s: an empty session without input -> 400" % name)
     d.stop()
     d.cleanup()
 
