@@ -4,8 +4,12 @@ encoder's ids, "prompt" the decoder's) equal kvtier-encdec's, which
 tests/encdec.test.sh checks against tools/torchref.py; offloaded and static
 self caches give the same tokens; sampled generation is reproducible by
 seed, n > 1 included; usage counts the encoder input; a text input is
-tokenized; chat, sliding, sink, beams, T5's quantized cache and
-shared_prefix are refused with a 400 naming why."""
+tokenized; a session's later generations with the same input, or none,
+and after a crop give a fresh request's tokens with the encoder tokens
+reported as not recomputed, another input is encoded afresh; chat,
+sliding, sink, beams, T5's quantized cache, shared_prefix, a session's
+fork or prefix, and "input" to a decoder-only model are refused with a
+400 naming why."""
 import os
 import subprocess
 import sys
@@ -81,23 +85,34 @@ def run(name, args, dec):
         refused("quantized", "relative position bias", input=ENC, cache={"implementation": "quantized"})
     # a session keeps the cross-attention cache: later requests with the
     # same input, or none, encode nothing and give a fresh request's tokens
+    # (T5 with its decoder prompt: from the start token alone it repeats it)
+    dp = {"prompt": dec} if dec else {}
+    want = oracle_tokens(model, dec)
     code, sess = d.post("/v1/sessions", {})
     assert code == 200, (code, sess)
     sid = sess["id"]
-    first = complete(input=ENC, session=sid)
+    first = complete(input=ENC, session=sid, **dp)
     p = first["usage"]["prompt_tokens_details"]
     check(toks(first) == want and p["encoder_cached_tokens"] == 0,
           "%s: a session's first generation encodes its input (%s)" % (name, p))
     for kw, how in ((dict(input=ENC), "the same input"), ({}, "no input")):
-        r = complete(session=sid, **kw)
+        r = complete(session=sid, **kw, **dp)
         p = r["usage"]["prompt_tokens_details"]
         check(toks(r) == want and p["encoder_cached_tokens"] == len(ENC) == p["encoder_tokens"],
               "%s: the session again with %s: a fresh request's tokens, %d encoder tokens not recomputed" %
               (name, how, p["encoder_cached_tokens"]))
+    code, c = d.post("/v1/sessions/%s/crop" % sid, {"n": -3})
+    check(code == 200, "%s: crop of the decoder's cache (%s)" % (name, c))
+    r = complete(session=sid, **dp)
+    check(toks(r) == want and r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == len(ENC),
+          "%s: after a crop: a fresh request's tokens over the kept encoder output" % name)
     other = ENC[::-1]
-    r = complete(session=sid, input=other)
-    check(toks(r) == toks(complete(input=other)) and r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == 0,
-          "%s: another input on the session is encoded afresh: a fresh request's tokens" % name)
+    r = complete(session=sid, input=other, **dp)
+    check(toks(r) == toks(complete(input=other, **dp)) and
+          r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == 0 and
+          r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+          "%s: another input on the session is encoded afresh, the decoder's cache dropped: a fresh request's "
+          "tokens" % name)
     code, e = d.post("/v1/sessions/%s/fork" % sid, {})
     check(code == 400, "%s: fork of an encoder-decoder session -> 400: %s" % (name, e.get("error", {}).get("message")))
     code, e = d.post("/v1/sessions", {"prompt": [1, 2]})
