@@ -77,6 +77,7 @@ static void job_free(struct job *j)
     beam_free(j->bs);
     gram_free(j->grammar);
     free(j->prompt);
+    free(j->input);
     free(j->stop_buf);
     kvfile_release(&j->kvf);
     free(j->blob);
@@ -468,6 +469,9 @@ static void retire(engine *e, struct job *j)
             kv_seq_free(c->kv);
         c->kv = NULL;
     }
+    if (!j->sess) /* a session keeps it */
+        kv_seq_free(j->cross);
+    j->cross = NULL;
     /* A session keeps its KV together with the ids in it; when the two
      * disagree (setup failed half-way) the KV is dropped and recomputed. */
     struct session *s = j->sess;
@@ -557,6 +561,85 @@ void resume_job(engine *e, struct job *j)
         start_job(e, j);
 }
 
+/* A session's encoder input, cross cache and the decoder's cache over it
+ * go: another input comes. */
+static void session_drop_input(struct session *s)
+{
+    kv_seq_free(s->kv);
+    kv_seq_free(s->cross);
+    free(s->input);
+    s->kv = s->cross = NULL;
+    s->input = NULL;
+    s->n_input = 0;
+}
+
+/* An encoder-decoder job's encoder input becomes its cross-attention
+ * cache, which every choice's decoder reads: a session's, kept for its
+ * next requests, is reused when they give the same input or none.  Before
+ * the choices' setup, which reuses the session's decoder cache only over
+ * the same input.  False: j failed. */
+static bool encode_input(engine *e, struct job *j)
+{
+    struct session *s = j->sess;
+    const int32_t *in = j->input;
+    size_t n = j->n_input;
+    struct ipc_error err;
+    if (s && !in) {
+        if (!s->cross) {
+            ipc_fail(&err, IPC_EINVAL, "input", "session %s holds no encoder input yet: give \"input\"", s->id);
+            job_fail(e, j, &err);
+            return false;
+        }
+        in = s->input;
+        n = s->n_input;
+    }
+    pthread_mutex_lock(&e->mu);
+    j->res.n_encoder = n;
+    pthread_mutex_unlock(&e->mu);
+    if (s && s->cross && n == s->n_input && !memcmp(in, s->input, n * sizeof(*in))) {
+        j->cross = s->cross;
+        pthread_mutex_lock(&e->mu);
+        j->res.n_encoder_cached = n;
+        pthread_mutex_unlock(&e->mu);
+        return true;
+    }
+    int32_t *keep = NULL;
+    if (s) {
+        session_drop_input(s);
+        if (!(keep = malloc(n * sizeof(*keep)))) {
+            job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the session's input");
+            return false;
+        }
+        memcpy(keep, in, n * sizeof(*keep));
+    }
+    struct kv_seq_params cp = {.no_prefix_cache = true};
+    enum tier_status ts = kv_seq_create(e->store, &cp, &j->cross);
+    if (ts != TIER_OK) {
+        free(keep);
+        kv_error(e, ts, "input", &err);
+        job_fail(e, j, &err);
+        return false;
+    }
+    enum model_status ms = encdec_encode(e->ed, j->cross, in, (int)n);
+    if (ms == MODEL_OK && s) {
+        s->cross = j->cross;
+        s->input = keep;
+        s->n_input = n;
+    }
+    if (ms == MODEL_OK)
+        return true;
+    free(keep);
+    if (ms == MODEL_EINVAL) /* BART's learned positions end */
+        ipc_fail(&err, IPC_ECONTEXT, "input", "the input has %zu tokens; the encoder's positions end at %d", j->n_input,
+                 encdec_get_config(e->ed)->max_positions);
+    else if (ms == MODEL_ENOMEM || ms == MODEL_EDEVMEM)
+        ipc_fail(&err, IPC_ESTORAGE, "input", "no memory for the encoder's output: %s", kv_store_errmsg(e->store));
+    else
+        ipc_fail(&err, IPC_EINTERNAL, "input", "the encoder failed: %s", model_strerror(ms));
+    job_fail(e, j, &err);
+    return false;
+}
+
 void start_job(engine *e, struct job *j)
 {
     if (j->t_admit == 0) {
@@ -602,6 +685,8 @@ void start_job(engine *e, struct job *j)
             return;
         }
     }
+    if (e->ed && !encode_input(e, j))
+        return;
     for (int i = 0; i < j->n; i++) {
         struct ipc_error err;
         if (seq_setup(e, j, &j->ch[i], i, &err) != IPC_OK) {
@@ -1056,8 +1141,19 @@ static void step(engine *e)
     int nb = build_batch(e);
     if (!nb)
         return;
-    enum model_status st = model_forward(e->m, e->batch, nb);
-    if (st == MODEL_OK) {
+    enum model_status st = e->ed ? MODEL_OK : model_forward(e->m, e->batch, nb);
+    if (e->ed) {
+        /* the decoder runs a sequence at a time, each over its job's
+         * encoder output (it continues in the host tier itself) */
+        for (int i = 0; i < nb; i++) {
+            const struct fw_seq *f = &e->batch[i];
+            st = encdec_decode(e->ed, f->kv, e->batch_job[i]->cross, f->tokens, f->n_tokens, f->logits);
+            if (st == MODEL_OK)
+                advance(e, i, i + 1);
+            else
+                fail_forward(e, i, i + 1, st);
+        }
+    } else if (st == MODEL_OK) {
         advance(e, 0, nb);
     } else if (nb == 1) {
         fail_or_wait(e, 0, st);
@@ -1258,7 +1354,13 @@ static bool load(engine *e)
                                           .page_in = load_progress, .page_in_arg = e},
                                 .kv = {.host_mem = e->cfg.host_mem, .prefix_cache = !e->cfg.no_prefix_cache,
                                        .checkpoint_interval = e->cfg.checkpoint_interval},
-                                .size_seqs = e->cfg.max_seqs, .size_ctx = e->cfg.ctx};
+                                .size_seqs = e->cfg.max_seqs, .size_ctx = e->cfg.ctx, .allow_encdec = true};
+    /* a decoder's tokens say nothing of the encoder input they attend to:
+     * they are no prefix to share (encdec_decode) */
+    if (encdec_is_encdec(e->cfg.model_dir)) {
+        e->cfg.no_prefix_cache = true;
+        rp.kv.prefix_cache = false;
+    }
     if (runtime_open(e->cfg.model_dir, &rp, &e->rt, err) != MODEL_OK) {
         pthread_mutex_lock(&e->mu);
         e->state = ENGINE_FAILED;
@@ -1269,6 +1371,7 @@ static bool load(engine *e)
         return false;
     }
     e->m = e->rt.m;
+    e->ed = e->rt.ed;
     e->tok = e->rt.tok;
     e->store = e->rt.store;
     const struct runtime_budget *b = &e->rt.budget;
@@ -1282,9 +1385,10 @@ static bool load(engine *e)
         log_msg(LOG_INFO, "device budget %.1f MiB (%s)", dev_budget / 1048576.0,
                 e->cfg.device_mem ? "--device-mem"
                                   : "the backend's own: a GPU's free memory less a reserve; --device-mem overrides");
-    log_msg(LOG_INFO, "KV cache in %s (--kv-dtype), weights in %s, layers' in %s (--weights)",
-            be_dtype_name(kv_store_dtype(e->store)), be_dtype_name(model_get_config(e->m)->dtype),
-            be_dtype_name(model_get_weights(e->m)->layers[0].wq.dtype));
+    if (e->m)
+        log_msg(LOG_INFO, "KV cache in %s (--kv-dtype), weights in %s, layers' in %s (--weights)",
+                be_dtype_name(kv_store_dtype(e->store)), be_dtype_name(model_get_config(e->m)->dtype),
+                be_dtype_name(model_get_weights(e->m)->layers[0].wq.dtype));
     /* default: a quarter of the device budget may hold blocks only the
      * prefix cache keeps, so they never crowd out the running requests */
     size_t prefix_mem = e->cfg.prefix_mem ? e->cfg.prefix_mem : dev_budget / 4;
@@ -1293,7 +1397,15 @@ static bool load(engine *e)
         log_msg(LOG_INFO, "prefix cache: %.1f MiB of unreferenced blocks (--prefix-cache-mem), %s", prefix_mem / 1048576.0,
                 e->cfg.share_prefix_cache ? "shared by every uid (--share-prefix-cache)" : "one namespace per uid");
     }
-    e->mc = model_get_config(e->m);
+    if (e->ed && encdec_model_config(e->ed, &e->edmc) != MODEL_OK) {
+        pthread_mutex_lock(&e->mu);
+        e->state = ENGINE_FAILED;
+        e->load.phase = "failed";
+        snprintf(e->state_msg, sizeof(e->state_msg), "no host memory for the model's configuration");
+        pthread_mutex_unlock(&e->mu);
+        return false;
+    }
+    e->mc = e->ed ? &e->edmc : model_get_config(e->m);
     e->vocab = e->mc->vocab_size;
     e->ctx = model_context(e->mc, e->cfg.ctx);
     /* the model's id is its directory's name */
@@ -1347,8 +1459,12 @@ static bool load(engine *e)
               gs == TEXT_OK;
     if (!ok)
         snprintf(err, sizeof(err), "no host memory for %d sequences' logits or the token trie", e->cfg.max_seqs);
-    ok = ok && warm_up(e, err);
-    if (ok) {
+    /* an encoder-decoder model's first request pays the first-call costs */
+    ok = ok && (e->ed || warm_up(e, err));
+    if (ok && e->ed && (e->cfg.disk_dir || e->cfg.remote_url || e->cfg.remote_cluster))
+        log_msg(LOG_WARN, "the disk and remote tiers hold a decoder-only model's KV; an encoder-decoder model "
+                "runs without them");
+    else if (ok && !e->ed) {
         disk_open(e);
         prefix_remote_open(e);
     }
@@ -1435,6 +1551,7 @@ void engine_free(engine *e)
     free_dead_sessions(e->dead);
     free_dead_sessions(e->sessions);
     runtime_close(&e->rt);
+    model_config_release(&e->edmc);
     gram_vocab_free(e->gvocab);
     chat_tpl_free(e->chat);
     free(e->batch);
@@ -1472,6 +1589,16 @@ struct engine_load engine_load_progress(engine *e)
 const tokenizer *engine_tokenizer(const engine *e)
 {
     return e->tok;
+}
+
+const struct encdec_config *engine_encdec(const engine *e)
+{
+    return e->ed ? encdec_get_config(e->ed) : NULL;
+}
+
+const char *engine_encdec_quant_refusal(const engine *e)
+{
+    return e->ed ? encdec_quant_refusal(e->ed) : NULL;
 }
 
 const struct model_config *engine_model_config(const engine *e)

@@ -122,6 +122,9 @@ enum job_kind { JOB_GENERATE = 0, JOB_PREFILL, JOB_CROP, JOB_FORK, JOB_RECORD, J
 struct job_result {
     struct ipc_error err; /* err.st != IPC_OK: failed */
     int n_cached;         /* prompt tokens reused from the session's KV or the prefix cache */
+    /* an encoder-decoder model's encoder input, and those of its tokens
+     * whose cross-attention cache the session held (not encoded again) */
+    size_t n_encoder, n_encoder_cached;
     char reply_id[IPC_SESSION_ID_MAX + 1]; /* JOB_FORK: the new session */
     void *blob; /* JOB_EXPORT: the safetensors file (owned; the reply takes it) */
     size_t n_blob;
@@ -137,13 +140,16 @@ struct job_result {
 };
 
 struct session;
+struct encdec_config;
 
 struct job {
     /* ---- set by the submitter before engine_submit, read-only afterwards ---- */
     enum job_kind kind;
     uid_t uid;
-    int32_t *prompt; /* owned */
+    int32_t *prompt; /* owned; an encoder-decoder model's: the decoder's */
     size_t n_prompt;
+    int32_t *input; /* owned: an encoder-decoder model's encoder input (NULL: a decoder-only model) */
+    size_t n_input;
     int max_new;
     struct sampler_params sampling;
     const char *stops[IPC_MAX_STOPS]; /* into stop_buf */
@@ -195,6 +201,7 @@ struct job {
     uint64_t freed_copied;   /* copied_bytes of the beams' sequences freed so far */
     uint64_t kv_round;       /* the publish() round kv_step was summed in */
     struct kv_seq_stats kv_step; /* kv_now's next value, summed outside the lock */
+    struct kv_seq *cross;    /* an encoder-decoder model's: the encoder output's K and V, every choice's */
     int n;
     struct job_choice ch[];
 };
@@ -224,6 +231,12 @@ struct engine_load engine_load_progress(engine *e);
 /* Valid once ENGINE_READY; the tokenizer is read-only and safe from any thread. */
 const tokenizer *engine_tokenizer(const engine *e);
 const struct model_config *engine_model_config(const engine *e);
+/* An encoder-decoder model's configuration, NULL for a decoder-only one
+ * (whose engine_model_config is its own; an encoder-decoder model's is its
+ * decoder's, encdec_model_config). */
+const struct encdec_config *engine_encdec(const engine *e);
+/* Why m's self-attention cache cannot be quantized (encdec_quant_refusal), or NULL. */
+const char *engine_encdec_quant_refusal(const engine *e);
 int engine_context(const engine *e);
 /* --remote-share, and whether a remote tier is configured at all. */
 enum engine_remote_share engine_remote_share(const engine *e, bool *on);

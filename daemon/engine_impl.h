@@ -26,6 +26,11 @@ struct session {
     size_t n_toks;
     struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */
     struct kv_seq *kv; /* engine thread only */
+    /* an encoder-decoder model's: the encoder input whose cross-attention
+     * cache (engine thread only) kv's tokens attended to */
+    int32_t *input;
+    size_t n_input;
+    struct kv_seq *cross;
     char *request;     /* {"cache": ..., "use_cache": ...} as the client sent them: the file's meta */
     size_t disk_bytes; /* under mu: bytes of its file on disk (0: none) */
     /* ---- engine thread: the disk side (spill.c) ---- */
@@ -76,6 +81,8 @@ struct engine {
     /* ---- set before READY, read-only afterwards ---- */
     struct runtime rt;
     model *m;
+    encdec *ed; /* instead of m: an encoder-decoder model (the jobs' input, cross) */
+    struct model_config edmc; /* ed's decoder, which mc points to */
     tokenizer *tok;
     kv_store *store;
     const struct model_config *mc;

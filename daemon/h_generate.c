@@ -9,6 +9,7 @@
 #include <sys/random.h>
 
 #include "daemon/http.h"
+#include "model/encdec.h"
 
 /* The request's prompt as ids (owned by *ids). */
 static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g, struct tok_ids *ids,
@@ -23,6 +24,64 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
         return ipc_fail(err, IPC_ENOMEM, "prompt", "no memory for the prompt");
     memcpy(ids->ids, g->ids, g->n_ids * sizeof(*ids->ids));
     ids->n = ids->cap = g->n_ids;
+    return IPC_OK;
+}
+
+enum ipc_status encdec_cache_check(struct server *s, const struct kv_seq_params *cp, struct ipc_error *err)
+{
+    const char *qr = engine_encdec_quant_refusal(s->eng);
+    if (cp->sink || cp->window_length)
+        return ipc_fail(err, IPC_EINVAL, "cache", "an encoder-decoder model's decoder attends to all its tokens: "
+                        "a %s cache would drop some", cp->sink ? "sink" : "sliding");
+    if (cp->strategy == KV_QUANTIZED && qr)
+        return ipc_fail(err, IPC_EINVAL, "cache", "%s", qr);
+    return IPC_OK;
+}
+
+/* An encoder-decoder model's request: what it cannot serve is refused
+ * naming why; *in gets the encoder input's ids (none: a session's input
+ * again), *ids the decoder's prompt (its start token unless the request
+ * gives one). */
+static enum ipc_status encdec_ids(struct server *s, const struct ipc_gen_req *g, bool chat, struct tok_ids *in,
+                                  struct tok_ids *ids, struct ipc_error *err)
+{
+    const struct encdec_config *ec = engine_encdec(s->eng);
+    if (chat)
+        return ipc_fail(err, IPC_EINVAL, "messages", "%s is an encoder-decoder model without a chat template: send "
+                        "its encoder input to /v1/completions as \"input\"", ec->arch_name);
+    if (!g->has_input && !g->session)
+        return ipc_fail(err, IPC_EINVAL, "input", "%s is an encoder-decoder model: \"input\" (text or token ids) is "
+                        "its encoder's input, \"prompt\" the decoder's (optional)", ec->arch_name);
+    if (g->num_beams > 1)
+        return ipc_fail(err, IPC_EINVAL, "num_beams", "beam search over an encoder-decoder model is not supported");
+    enum ipc_status st = encdec_cache_check(s, &g->cache.params, err);
+    if (st != IPC_OK)
+        return st;
+    if (g->shared_tokens >= 0 || g->shared_text)
+        return ipc_fail(err, IPC_EINVAL, "shared_prefix", "a decoder's tokens depend on the encoder input: an "
+                        "encoder-decoder model shares no prefix");
+    st = g->input_text ? encode(s, g->input_text, g->input_text_len, true, "input", in, err) : IPC_OK;
+    if (st == IPC_OK && g->input_ids) {
+        if (!(in->ids = malloc(g->n_input_ids * sizeof(*in->ids))))
+            return ipc_fail(err, IPC_ENOMEM, "input", "no memory for the input");
+        memcpy(in->ids, g->input_ids, g->n_input_ids * sizeof(*in->ids));
+        in->n = in->cap = g->n_input_ids;
+    }
+    if (st == IPC_OK && g->has_input && !in->n)
+        st = ipc_fail(err, IPC_EINVAL, "input", "the input is empty (no tokens)");
+    if (st != IPC_OK)
+        return st;
+    /* the decoder's prompt goes on: no end-of-sequence appended */
+    if (g->text)
+        return encode(s, g->text, g->text_len, false, "prompt", ids, err);
+    size_t n = g->ids ? g->n_ids : 1;
+    if (!(ids->ids = malloc(n * sizeof(*ids->ids))))
+        return ipc_fail(err, IPC_ENOMEM, "prompt", "no memory for the prompt");
+    if (g->ids)
+        memcpy(ids->ids, g->ids, n * sizeof(*ids->ids));
+    else
+        ids->ids[0] = ec->decoder_start_token_id;
+    ids->n = ids->cap = n;
     return IPC_OK;
 }
 
@@ -105,7 +164,15 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     enum ipc_status st = ipc_gen_req_parse(r->root, chat, &lim, &g, err);
     if (st == IPC_OK && g.session && g.cache_given)
         st = ipc_fail(err, IPC_EINVAL, "cache", "a session's cache strategy is fixed when it is created");
-    if (st == IPC_OK)
+    struct tok_ids in = {0};
+    if (st == IPC_OK && engine_encdec(s->eng))
+        st = encdec_ids(s, &g, chat, &in, &ids, err);
+    else if (st == IPC_OK && g.has_input)
+        st = ipc_fail(err, IPC_EINVAL, "input", "input is an encoder-decoder model's encoder input; %s is "
+                      "decoder-only: send the text as prompt", engine_model_config(s->eng)->arch_name);
+    else if (st == IPC_OK && !chat && !g.text && !g.ids)
+        st = ipc_fail(err, IPC_EINVAL, "prompt", "prompt is required");
+    else if (st == IPC_OK)
         st = prompt_ids(s, &g, &ids, err);
     int ctx = engine_context(s->eng);
     if (st == IPC_OK && !ids.n)
@@ -143,6 +210,7 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
         st = ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
     if (st != IPC_OK) {
         free(ids.ids);
+        free(in.ids);
         ipc_gen_req_release(&g);
         return st;
     }
@@ -150,6 +218,8 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     j->uid = r->uid;
     j->prompt = ids.ids;
     j->n_prompt = ids.n;
+    j->input = in.ids;
+    j->n_input = in.n;
     j->max_new = max_new;
     j->sampling = g.sampling;
     if (!g.has_seed && getrandom(&j->sampling.seed, sizeof(j->sampling.seed), 0) < 0)

@@ -19,6 +19,13 @@ enum ipc_status prep_session_create(struct req *r)
     struct ipc_error *err = &r->prep.err;
     struct tok_ids *ids = &r->prep.ids;
     enum ipc_status st = ipc_session_req_parse(r->root, &lim, &q, err);
+    /* its first completion's input is encoded into it, the decoder's cache
+     * grows over that: nothing to start it with */
+    if (st == IPC_OK && engine_encdec(s->eng) && (q.system || q.prefix || q.ids || q.record))
+        st = ipc_fail(err, IPC_EINVAL, q.record ? "activate_past_recording" : q.field,
+                      "an encoder-decoder model's session starts empty%s", q.record ? " and does not record" : "");
+    if (st == IPC_OK && engine_encdec(s->eng))
+        st = encdec_cache_check(s, &q.cache.params, err);
     if (st == IPC_OK && q.system) {
         json_t *m = json_pack("[{s:s,s:s%}]", "role", "system", "content", q.system, q.system_len);
         st = m ? render(s, m, NULL, NULL, false, ids, err) : ipc_fail(err, IPC_ENOMEM, "system", "no memory");
@@ -188,6 +195,8 @@ enum MHD_Result h_session_export(struct req *r, const char *id)
  * model before anything is allocated for its KV. */
 enum ipc_status prep_session_import(struct req *r)
 {
+    if (engine_encdec(r->srv->eng))
+        return ipc_fail(&r->prep.err, IPC_EINVAL, "", "an encoder-decoder model's sessions are not imported");
     return engine_kv_parse(r->srv->eng, r->body ? r->body : "", r->n_body, &r->prep.kvf, &r->prep.err);
 }
 

@@ -24,7 +24,9 @@ struct ipc_limits limits(const struct server *s)
     return (struct ipc_limits){.vocab = tv < vocab ? tv : vocab, .max_context = engine_context(e),
                                .max_n = s->cfg->max_n, .max_messages = s->cfg->max_messages,
                                .sliding_window = engine_model_config(e)->sliding_window,
-                               .no_sink = model_sink_refusal(engine_model_config(e)),
+                               /* a sink cache shifts rotary positions: T5 and BART have none */
+                               .no_sink = engine_encdec(e) ? "an encoder-decoder model's positions are not rotary"
+                                                           : model_sink_refusal(engine_model_config(e)),
                                .model_id = engine_model_id(e), .model_dir = engine_model_dir(e)};
 }
 

@@ -222,6 +222,8 @@ typedef enum MHD_Result (*handler_fn)(struct req *r, const char *arg);
 /* Completions and chat from r->root; rest: without max_tokens, to the end
  * of the context (chat's default, Ollama's for both). */
 enum ipc_status prepare_generate(struct req *r, bool chat, bool rest);
+/* 400 for a cache strategy an encoder-decoder model's decoder cannot take. */
+enum ipc_status encdec_cache_check(struct server *s, const struct kv_seq_params *cp, struct ipc_error *err);
 void new_id(struct req *r, const char *prefix);
 enum ipc_status prep_completions(struct req *r);
 enum ipc_status prep_chat(struct req *r);

@@ -224,9 +224,15 @@ static int completion_tokens(const struct job *j)
 void write_usage(struct jw *w, const struct job *j)
 {
     int c = completion_tokens(j);
-    jw_fmt(w, "\"usage\":{\"prompt_tokens\":%zu,\"completion_tokens\":%d,\"total_tokens\":%zu,", j->n_prompt, c,
-           j->n_prompt + (size_t)c);
-    jw_fmt(w, "\"prompt_tokens_details\":{\"cached_tokens\":%d}}", job_result(j)->n_cached);
+    /* an encoder-decoder model's prompt is its encoder input and its decoder's prompt */
+    const struct job_result *res = job_result(j);
+    size_t np = res->n_encoder + j->n_prompt;
+    jw_fmt(w, "\"usage\":{\"prompt_tokens\":%zu,\"completion_tokens\":%d,\"total_tokens\":%zu,", np, c,
+           np + (size_t)c);
+    jw_fmt(w, "\"prompt_tokens_details\":{\"cached_tokens\":%d", res->n_cached);
+    if (res->n_encoder)
+        jw_fmt(w, ",\"encoder_tokens\":%zu,\"encoder_cached_tokens\":%zu", res->n_encoder, res->n_encoder_cached);
+    jw_fmt(w, "}}");
 }
 
 /* The measured prefetch of the steps that streamed this request's KV

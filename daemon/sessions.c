@@ -44,6 +44,8 @@ void free_dead_sessions(struct session *s)
     while (s) {
         struct session *next = s->next;
         kv_seq_free(s->kv);
+        kv_seq_free(s->cross);
+        free(s->input);
         free(s->toks);
         free(s->request);
         free(s);
@@ -648,6 +650,10 @@ void session_run_op(engine *e, struct job *j)
         else /* |op_n| is within KV_SEQ_MAX_LEN now */
             crop_refeed(e, s, j->op_n > 0 ? (j->op_n < len ? j->op_n : len) : (-j->op_n < len ? len + j->op_n : 0),
                         &err);
+    } else if (e->ed && j->kind != JOB_CROP) {
+        /* they would carry the decoder's cache without its encoder input's */
+        ipc_fail(&err, IPC_EINVAL, "", "an encoder-decoder model's sessions crop; they do not fork, record, export or "
+                 "import yet");
     } else if (j->kind == JOB_RECORD) {
         if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
             kv_error(e, ts, "", &err);

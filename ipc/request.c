@@ -381,6 +381,13 @@ static enum ipc_status f_noop(const json_t *v, const char *name, struct field_ct
     return ipc_fail(err, IPC_EINVAL, name, "%s must be one of none, minimal, low, medium, high", name);
 }
 
+static enum ipc_status f_input(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
+{
+    c->r->has_input = true;
+    return parse_prompt(v, name, c->lim, &c->r->input_text, &c->r->input_text_len, &c->r->input_ids,
+                        &c->r->n_input_ids, err);
+}
+
 static enum ipc_status f_prompt(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
     return parse_prompt(v, name, c->lim, &c->r->text, &c->r->text_len, &c->r->ids, &c->r->n_ids, err);
@@ -822,6 +829,7 @@ static const struct {
     {"model", F_BOTH, f_model},
     {"user", F_BOTH, f_string},
     {"prompt", F_COMPL, f_prompt},
+    {"input", F_COMPL, f_input},
     {"messages", F_CHAT, f_messages},
     {"max_tokens", F_BOTH, f_max_tokens},
     {"max_completion_tokens", F_CHAT, f_max_tokens},
@@ -984,7 +992,9 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     enum ipc_status rst = read_repeat(root, out, lim, err);
     if (rst != IPC_OK)
         return rst;
-    if (chat ? !out->messages : !out->text && !out->ids)
+    /* an encoder-decoder model's session may give neither (its input again):
+     * a decoder-only model's prepare step requires the prompt then */
+    if (chat ? !out->messages : !out->text && !out->ids && !out->has_input && !out->session)
         return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
@@ -1026,8 +1036,10 @@ void ipc_gen_req_release(struct ipc_gen_req *r)
     gram_free(r->grammar);
     r->grammar = NULL;
     free(r->ids);
+    free(r->input_ids);
     json_decref(r->messages);
     r->ids = NULL;
+    r->input_ids = NULL;
     r->messages = NULL;
 }
 

@@ -65,6 +65,14 @@ struct ipc_gen_req {
     int32_t *ids;
     size_t n_ids;
     json_t *messages;     /* owned: role, content (a string or null), tool_calls, ... */
+    /* completions' "input": an encoder-decoder model's encoder input, text
+     * (borrowed) or token ids (owned); the prompt is then optional (the
+     * decoder's, default its start token) */
+    bool has_input;
+    const char *input_text;
+    size_t input_text_len;
+    int32_t *input_ids;
+    size_t n_input_ids;
     int max_tokens; /* -1: not given */
     struct sampler_params sampling;
     bool has_seed;

@@ -266,7 +266,7 @@ static enum model_status read_arch(const struct jctx *c, const struct arch_info 
     return model_errf(c->err, MODEL_EUNSUPPORTED,
                       "%s: architectures[0]=\"%s\" is not supported (Llama, Mistral, Qwen2, Qwen3, Gemma2, "
                       "Gemma3, Phi3, Mamba ForCausalLM, GPT2LMHeadModel; T5 and BART encoder-decoder models "
-                      "run with kvtier-encdec, not the daemon yet)",
+                      "run with kvtierd or kvtier-encdec, not this tool)",
                       c->file, name);
 }
 

@@ -79,6 +79,25 @@ const struct encdec_config *encdec_get_config(const encdec *m)
     return &m->cfg;
 }
 
+enum model_status encdec_model_config(const encdec *m, struct model_config *out)
+{
+    const struct encdec_config *c = &m->cfg;
+    *out = (struct model_config){.arch_name = c->arch_name,
+                                 .vocab_size = c->vocab_size,
+                                 .hidden_size = c->d_model,
+                                 .n_layers = c->n_dec_layers,
+                                 .n_heads = c->n_heads,
+                                 .n_kv_heads = c->n_heads,
+                                 .head_dim = c->head_dim,
+                                 .max_position_embeddings = c->bart ? c->max_positions : ENCDEC_T5_CTX,
+                                 .dtype = c->dtype,
+                                 .n_eos = 1,
+                                 .eos_token_ids = {c->eos_token_id},
+                                 .config_hash = c->config_hash};
+    out->layer_window = calloc((size_t)c->n_dec_layers, sizeof(*out->layer_window));
+    return out->layer_window ? MODEL_OK : MODEL_ENOMEM;
+}
+
 struct kv_geom encdec_kv_geom(const encdec *m)
 {
     return (struct kv_geom){.n_layers = m->cfg.n_dec_layers, .n_kv_heads = m->cfg.n_heads,

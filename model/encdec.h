@@ -75,6 +75,13 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
  * of the encoder input they attend to). */
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n,
                                 float *logits);
+/* The decoder as generation and the daemon see it (gen_seq_init's eos
+ * and vocab, the context): the decoder's layers, all full, with BART's
+ * max_position_embeddings, or ENCDEC_T5_CTX for T5, whose relative
+ * positions have no end.  Release with model_config_release. */
+#define ENCDEC_T5_CTX (1 << 16)
+enum model_status encdec_model_config(const encdec *m, struct model_config *out);
+
 /* Why the self-attention cache of m cannot be quantized, or NULL (BART). */
 const char *encdec_quant_refusal(const encdec *m);
 

@@ -56,7 +56,9 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
     memset(rt, 0, sizeof(*rt));
     const char *name = p && p->backend ? p->backend : "cpu";
     struct be_params bp = p ? p->be : (struct be_params){0};
-    if (p && !bp.device_mem && p->size_seqs > 0) {
+    bool ed = p && p->allow_encdec && encdec_is_encdec(dir);
+    /* the sizing reads a decoder-only config: an encoder-decoder model takes the backend's default */
+    if (p && !bp.device_mem && p->size_seqs > 0 && !ed) {
         enum model_status st = size_budget(dir, name, p, &rt->budget, err);
         if (st != MODEL_OK)
             return st;
@@ -67,11 +69,12 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
         snprintf(err, MODEL_ERR_LEN, "backend %s: %s", name, *be_open_error() ? be_open_error() : be_strerror(bs));
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
-    enum model_status st = model_load(dir, rt->be, p ? &p->model : NULL, &rt->m, err);
+    enum model_status st = ed ? encdec_load(dir, rt->be, &p->model, &rt->ed, err)
+                              : model_load(dir, rt->be, p ? &p->model : NULL, &rt->m, err);
     if (st == MODEL_OK)
         st = model_tokenizer_load(dir, &rt->tok, err);
     if (st == MODEL_OK) {
-        struct kv_geom g = model_kv_geom(rt->m);
+        struct kv_geom g = ed ? encdec_kv_geom(rt->ed) : model_kv_geom(rt->m);
         enum tier_status ts = kv_store_open(rt->be, &g, p ? &p->kv : NULL, &rt->store);
         if (ts != TIER_OK) {
             snprintf(err, MODEL_ERR_LEN, "KV store: %s", tier_strerror(ts));
@@ -88,6 +91,7 @@ void runtime_close(struct runtime *rt)
     kv_store_free(rt->store);
     tokenizer_free(rt->tok);
     model_free(rt->m);
+    encdec_free(rt->ed);
     be_free(rt->be);
     memset(rt, 0, sizeof(*rt));
 }

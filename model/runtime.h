@@ -4,6 +4,7 @@
 #ifndef KVTIER_RUNTIME_H
 #define KVTIER_RUNTIME_H
 
+#include "model/encdec.h"
 #include "model/generate.h"
 
 #define RUNTIME_MIN_DEVICE_MEM ((size_t)64 << 20) /* the floor of a budget sized from the model */
@@ -18,6 +19,10 @@ struct runtime_params {
      * default, which may be half the machine's memory: size_seqs sequences
      * of size_ctx tokens (0: the model's context). */
     int size_seqs, size_ctx;
+    /* An encoder-decoder directory (encdec_is_encdec) opens as rt->ed, its
+     * store laid out by encdec_kv_geom, rt->m NULL; without it such a
+     * directory is refused as model_load refuses it. */
+    bool allow_encdec;
 };
 
 /* A device budget sized from the model: the sum of the parts and an eighth
@@ -36,6 +41,7 @@ struct runtime_budget {
 struct runtime {
     be_backend *be;
     model *m;
+    encdec *ed; /* instead of m: allow_encdec */
     tokenizer *tok;
     kv_store *store;
     struct runtime_budget budget;

@@ -1,0 +1,136 @@
+"""kvtierd with encoder-decoder models (T5, BART; tiny random ones from
+tools/mkmodel.py): greedy tokens through /v1/completions ("input" the
+encoder's ids, "prompt" the decoder's) equal kvtier-encdec's, which
+tests/encdec.test.sh checks against tools/torchref.py; offloaded and static
+self caches give the same tokens; sampled generation is reproducible by
+seed, n > 1 included; usage counts the encoder input; a text input is
+tokenized; a session's later generations with the same input, or none,
+and after a crop give a fresh request's tokens with the encoder tokens
+reported as not recomputed, another input is encoded afresh; chat,
+sliding, sink, beams, T5's quantized cache, shared_prefix, a session's
+fork or prefix, and "input" to a decoder-only model are refused with a
+400 naming why."""
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, "tests")
+from daemon_harness import BUILD, Daemon, check, skip  # noqa: E402
+sys.path.insert(0, "tools")
+import mkmodel  # noqa: E402
+
+ENC = [3, 141, 59, 26, 53, 58, 97, 93, 238, 46, 264, 33, 83, 279, 50, 288, 41, 97, 169, 39]
+N = 8
+gen = {"max_tokens": N, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+oracle = os.path.join(BUILD, "kvtier-encdec")
+if not os.access(oracle, os.X_OK):
+    skip(oracle + " not built")
+
+
+def oracle_tokens(model, dec=None):
+    cmd = [oracle, "-m", model, "--enc", ",".join(map(str, ENC)), "-n", str(N)]
+    if dec:
+        cmd += ["--dec", ",".join(map(str, dec))]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return [int(t) for t in r.stdout.split()[0].split(",")]
+
+
+def run(name, args, dec):
+    d = Daemon(model="made below")
+    model = d.model = d.tmp + "/" + name
+    mkmodel.main(["--out", model, "--seed", "5", "--layers", "2", "--dim", "64", "--heads", "4", "--ffn", "128",
+                  "--vocab", "320", "--max-pos", "128"] + args)
+    d.start()
+
+    def complete(**kw):
+        code, r = d.post("/v1/completions", dict(gen, **kw))
+        assert code == 200, (code, r)
+        return r
+
+    def refused(field, want, **kw):
+        code, e = d.post("/v1/completions" if field != "messages" else "/v1/chat/completions", dict(gen, **kw))
+        msg = e.get("error", {}).get("message", "")
+        check(code == 400 and want in msg, "%s %s -> 400: %s" % (name, field, msg[:100]))
+
+    toks = lambda r: r["choices"][0]["tokens"]  # noqa: E731
+    want = oracle_tokens(model)
+    r = complete(input=ENC)
+    check(toks(r) == want, "%s: greedy tokens from the decoder start token == kvtier-encdec's %s" % (name, want))
+    u = r["usage"]
+    check(u["prompt_tokens"] == len(ENC) + 1 and u["completion_tokens"] == N and
+          u["prompt_tokens_details"]["encoder_tokens"] == len(ENC),
+          "%s: usage counts the encoder input and the decoder's start token (%s)" % (name, u))
+    if dec:
+        check(toks(complete(input=ENC, prompt=dec)) == oracle_tokens(model, dec),
+              "%s: a decoder prompt %s: kvtier-encdec's tokens" % (name, dec))
+    for cache in ({"implementation": "offloaded"}, {"implementation": "static", "max_cache_len": 16}):
+        check(toks(complete(input=ENC, cache=cache)) == want,
+              "%s: %s self cache: the same tokens" % (name, cache["implementation"]))
+    s = dict(temperature=0.9, top_k=50, seed=7)
+    a, b = complete(input=ENC, n=2, **s), complete(input=ENC, n=2, **s)
+    ta = [c["tokens"] for c in a["choices"]]
+    check(ta == [c["tokens"] for c in b["choices"]] and all(len(t) == N for t in ta),
+          "%s: sampled, n=2: the same tokens for the same seed" % name)
+    r = complete(input="hello world")
+    check(r["usage"]["prompt_tokens_details"]["encoder_tokens"] > 0 and len(toks(r)) == N,
+          "%s: a text input is tokenized (%d tokens)" % (name, r["usage"]["prompt_tokens_details"]["encoder_tokens"]))
+    refused("messages", "encoder-decoder", messages=[{"role": "user", "content": "hi"}])
+    refused("input", "\"input\"", prompt=[1, 2])
+    refused("num_beams", "beam search", input=ENC, num_beams=2)
+    refused("sliding", "sliding", input=ENC, cache={"implementation": "sliding_window", "window_length": 8})
+    refused("sink", "not rotary", input=ENC, cache={"implementation": "sink", "window_length": 8, "num_sink_tokens": 4})
+    refused("shared_prefix", "shares no prefix", input=ENC, prompt=[0, 5], shared_prefix=1)
+    if name == "t5":
+        refused("quantized", "relative position bias", input=ENC, cache={"implementation": "quantized"})
+    # a session keeps the cross-attention cache: later requests with the
+    # same input, or none, encode nothing and give a fresh request's tokens
+    # (T5 with its decoder prompt: from the start token alone it repeats it)
+    dp = {"prompt": dec} if dec else {}
+    want = oracle_tokens(model, dec)
+    code, sess = d.post("/v1/sessions", {})
+    assert code == 200, (code, sess)
+    sid = sess["id"]
+    first = complete(input=ENC, session=sid, **dp)
+    p = first["usage"]["prompt_tokens_details"]
+    check(toks(first) == want and p["encoder_cached_tokens"] == 0,
+          "%s: a session's first generation encodes its input (%s)" % (name, p))
+    for kw, how in ((dict(input=ENC), "the same input"), ({}, "no input")):
+        r = complete(session=sid, **kw, **dp)
+        p = r["usage"]["prompt_tokens_details"]
+        check(toks(r) == want and p["encoder_cached_tokens"] == len(ENC) == p["encoder_tokens"],
+              "%s: the session again with %s: a fresh request's tokens, %d encoder tokens not recomputed" %
+              (name, how, p["encoder_cached_tokens"]))
+    code, c = d.post("/v1/sessions/%s/crop" % sid, {"n": -3})
+    check(code == 200, "%s: crop of the decoder's cache (%s)" % (name, c))
+    r = complete(session=sid, **dp)
+    check(toks(r) == want and r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == len(ENC),
+          "%s: after a crop: a fresh request's tokens over the kept encoder output" % name)
+    other = ENC[::-1]
+    r = complete(session=sid, input=other, **dp)
+    check(toks(r) == toks(complete(input=other, **dp)) and
+          r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == 0 and
+          r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+          "%s: another input on the session is encoded afresh, the decoder's cache dropped: a fresh request's "
+          "tokens" % name)
+    code, e = d.post("/v1/sessions/%s/fork" % sid, {})
+    check(code == 400, "%s: fork of an encoder-decoder session -> 400: %s" % (name, e.get("error", {}).get("message")))
+    code, e = d.post("/v1/sessions", {"prompt": [1, 2]})
+    check(code == 400 and "starts empty" in e["error"]["message"], "%s: a session's prefix -> 400" % name)
+    code, sess = d.post("/v1/sessions", {})
+    code, e = d.post("/v1/completions", dict(gen, session=sess["id"]))
+    check(code == 400 and "no encoder input" in e["error"]["message"],
+          "%s: an empty session without input -> 400" % name)
+    d.stop()
+    d.cleanup()
+
+
+run("t5", ["--arch", "t5", "--ffn-kind", "gated-gelu", "--tie", "--buckets", "16", "--max-distance", "12"],
+    [0, 17, 230, 91, 150])
+run("bart", ["--arch", "bart", "--tie"], None)
+
+# a decoder-only model refuses the encoder's field
+d = Daemon().start()
+code, e = d.post("/v1/completions", dict(gen, input=[1, 2, 3], prompt=[1, 2]))
+msg = e.get("error", {}).get("message", "")
+check(code == 400 and "decoder-only" in msg, "a decoder-only model: input -> 400: %s" % msg[:100])
