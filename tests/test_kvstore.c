@@ -1199,8 +1199,11 @@ static void test_state_prefix(void **state)
     /* oldest first: 16, 48, 32 (a), 32 (b, just used); a budget of two
      * evicts 16 and 48 */
     uint64_t ev = kv_store_stats(s).prefix_evictions;
+    assert_int_equal(kv_store_stats(s).prefix_entries, 4);
     kv_store_set_prefix_mem(s, 2 * seq);
     assert_int_equal(kv_store_stats(s).prefix_evictions, ev + 2);
+    assert_int_equal(kv_store_stats(s).prefix_entries, 2);
+    assert_int_equal(kv_store_stats(s).prefix_unref_bytes, 2 * seq);
     assert_int_equal(prefix_state_match(s, 7, a, 20, &mark), 0);
     assert_int_equal(prefix_state_match(s, 7, a, 60, &mark), 32); /* the deepest left, past a missing shallower one */
     assert_int_equal(mark, 2);

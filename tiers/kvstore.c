@@ -235,9 +235,10 @@ struct kv_store_stats kv_store_stats(const kv_store *s)
         .blocks_used = used,
         .fallbacks = s->fallbacks,
         .fallbacks_oom = s->fallbacks_oom,
-        .prefix_entries = s->n_entries,
-        .prefix_evictable = s->n_unref,
-        .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes,
+        .prefix_entries = s->n_entries + s->n_sckpt,
+        .prefix_evictable = s->n_unref + s->n_sckpt,
+        .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes +
+                              s->n_sckpt * (size_t)s->g.n_layers * s->g.state_bytes,
         .prefix_hit_tokens = s->prefix_hits,
         .prefix_evictions = s->prefix_evictions,
         .prefix_spill_dropped = s->spill_dropped,

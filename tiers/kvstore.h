@@ -180,6 +180,7 @@ struct kv_store_stats {
     uint64_t blocks_used;  /* pool blocks referenced by some sequence */
     uint64_t fallbacks;    /* sequences moved to the host tier after a device OOM */
     uint64_t fallbacks_oom; /* of those, a step or a load ran out (KV_FALLBACK_OOM); the rest: at creation */
+    /* a state store: its shared checkpoints, all evictable, in host bytes */
     uint64_t prefix_entries;   /* token blocks in the prefix cache (each one pool block per layer) */
     uint64_t prefix_evictable; /* of those, referenced by no sequence */
     size_t prefix_unref_bytes;  /* their device bytes, which kv_store_set_prefix_mem bounds */
