@@ -1213,6 +1213,42 @@ static void test_state_prefix(void **state)
     be_free(be);
 }
 
+/* A full host tier evicts shared checkpoints, least recently used first,
+ * for a sequence's own memory; a match with no room for the sequence's
+ * own checkpoint still starts from the shared one. */
+static void test_state_prefix_host(void **state)
+{
+    (void)state;
+    be_backend *be;
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
+    size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = seq / 2},
+                                   &(struct kv_store_params){.checkpoint_interval = 16, .prefix_cache = true,
+                                                             .host_mem = 4 * seq},
+                                   &s),
+                     TIER_OK);
+    int32_t a[40];
+    for (int i = 0; i < 40; i++)
+        a[i] = 100 + i;
+    kv_seq *q, *o;
+    assert_int_equal(kv_seq_create(s, NULL, &q), TIER_OK);
+    prefix_step(s, q, a, 16, 1);
+    prefix_step(s, q, a, 16, 2); /* its checkpoints and the shared ones fill the host tier */
+    assert_int_equal(kv_store_stats(s).prefix_entries, 2);
+    assert_int_equal(kv_store_stats(s).host_bytes, 4 * seq);
+    assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = KV_OFFLOADED}, &o), TIER_OK);
+    assert_int_equal(kv_store_stats(s).prefix_entries, 1);
+    int mark;
+    assert_int_equal(prefix_state_match(s, 0, a, 20, &mark), 0); /* the one at 16 went */
+    assert_int_equal(prefix_state_match(s, 0, a, 40, &mark), 32);
+    assert_int_equal(mark, 2);
+    kv_seq_free(o);
+    kv_seq_free(q);
+    kv_store_free(s);
+    be_free(be);
+}
+
 /* The host tier of a state: an offloaded sequence starts there; with the
  * device full, a new one falls back there, its step takes device copies
  * for its length only (and fails while another state holds the device,
@@ -1402,6 +1438,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
         cmocka_unit_test(test_state_store),
         cmocka_unit_test(test_state_prefix),
+        cmocka_unit_test(test_state_prefix_host),
         cmocka_unit_test(test_state_image),
         cmocka_unit_test(test_state_host_tier),
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),
