@@ -6,7 +6,8 @@ the strategies that act on single tokens are refused with a 400 naming why;
 a sequence's state bytes are the same at 1k and 16k tokens; with the device
 full, states go to the host tier (at creation, and an idle session's to
 make room for a step) with unchanged tokens (the disk tier:
-tests/daemon_mamba_disk.py)."""
+tests/daemon_mamba_disk.py); a request sharing 85 tokens with an earlier
+one starts from the shared checkpoint at 80 with the reference's tokens."""
 import subprocess
 import sys
 
@@ -57,6 +58,25 @@ with torch.no_grad():
     for _ in range(8):
         ids.append(int(ref(torch.tensor([ids]))[0, -1].argmax()))
 check(toks(fresh) == ids[100:], "a prompt fed in chunks ending at each checkpoint: the reference's greedy tokens")
+
+# ---- the prefix cache: two requests sharing 85 tokens ----------------------
+def greedy(ids, n=8):
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[-n:]
+
+
+shared = [(i * 31 + 11) % 1900 + 50 for i in range(85)]
+r1 = complete(shared + [7, 8, 9, 10, 11])
+check(r1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "prefix cache: the first request computes all")
+r2 = complete(shared + [12, 13, 14])
+cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+check(cached == 80, "prefix cache: the second starts from the shared checkpoint at 80, the last multiple of 16 "
+                    "within the 85 shared tokens (cached_tokens %d)" % cached)
+check(toks(r2) == greedy(shared + [12, 13, 14]) and toks(r1) == greedy(shared + [7, 8, 9, 10, 11]),
+      "prefix cache: both give the reference's greedy tokens")
 
 # ---- session reuse over a diverging input --------------------------------
 sid = session(prompt=prompt[:60])

@@ -1097,6 +1097,158 @@ static void test_state_store(void **state)
     be_free(be);
 }
 
+/* One step of n tokens ids[len, len + n) whose state is every byte `mark`
+ * (both layers), as the forward pass would write it. */
+static void prefix_step(kv_store *s, kv_seq *q, const int32_t *ids, int n, int mark)
+{
+    int64_t len = kv_seq_length(q);
+    assert_int_equal(kv_seq_reserve(q, n), TIER_OK);
+    if (ids)
+        kv_seq_tokens(q, ids + len);
+    kv_seq_chunk(q, len, len + n);
+    for (int l = 0; l < 2; l++) {
+        struct be_ssm_view v;
+        kv_seq_state_view(q, l, &v);
+        memset(v.out, mark, be_ssm_state_bytes(32, 16, 4));
+    }
+    assert_int_equal(kv_store_layer_end(s, 1), BE_OK);
+    assert_int_equal(kv_seq_commit(q), TIER_OK);
+}
+
+/* The mark of a sequence's committed state (its next step's input). */
+static int prefix_mark(kv_seq *q)
+{
+    struct be_ssm_view v;
+    assert_int_equal(kv_seq_reserve(q, 1), TIER_OK);
+    kv_seq_state_view(q, 1, &v);
+    int m = ((const unsigned char *)v.in)[0];
+    kv_seq_abort(q);
+    return m;
+}
+
+/* A fresh sequence matched against ids[0, n) in namespace ns: the tokens
+ * it starts from and, when any, its state's mark. */
+static int64_t prefix_state_match(kv_store *s, uint64_t ns, const int32_t *ids, int64_t n, int *mark)
+{
+    kv_seq *q;
+    int64_t got = -1;
+    assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.prefix_ns = ns}, &q), TIER_OK);
+    assert_int_equal(kv_seq_match_prefix(q, ids, n, &got), TIER_OK);
+    assert_int_equal(kv_seq_length(q), got);
+    *mark = got ? prefix_mark(q) : 0;
+    kv_seq_free(q);
+    return got;
+}
+
+/* Shared checkpoints of a state store: a fresh sequence starts from the
+ * deepest one whose namespace and ids equal its prompt's (the hash masked
+ * to one bit: every lookup collides, the ids decide), never at its last
+ * token; a crop and new ids publish another chain; a step without ids
+ * stops publishing; the LRU one goes first within the budget. */
+static void test_state_prefix(void **state)
+{
+    (void)state;
+    be_backend *be;
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
+    size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = seq / 2},
+                                   &(struct kv_store_params){.checkpoint_interval = 16, .prefix_cache = true,
+                                                             .prefix_hash_mask = 1},
+                                   &s),
+                     TIER_OK);
+    int32_t a[64], b[64];
+    for (int i = 0; i < 64; i++)
+        a[i] = b[i] = 100 + i;
+    for (int i = 20; i < 64; i++)
+        b[i] = 900 + i; /* b shares a's first 20 tokens */
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.prefix_ns = 7}, &q), TIER_OK);
+    for (int k = 1; k <= 3; k++) /* checkpoints at 16, 32, 48 marked 1, 2, 3 */
+        prefix_step(s, q, a, 16, k);
+    int mark;
+    int32_t a2[64];
+    memcpy(a2, a, sizeof a2);
+    a2[40] = 5;
+    assert_int_equal(prefix_state_match(s, 7, a2, 45, &mark), 32); /* 40 shared: the checkpoint at 32 */
+    assert_int_equal(mark, 2);
+    assert_int_equal(prefix_state_match(s, 7, a, 48, &mark), 32); /* never the last token */
+    assert_int_equal(prefix_state_match(s, 7, a, 49, &mark), 48);
+    assert_int_equal(mark, 3);
+    assert_int_equal(prefix_state_match(s, 8, a, 49, &mark), 0); /* another namespace */
+    a2[3] = 5;
+    assert_int_equal(prefix_state_match(s, 7, a2, 49, &mark), 0);
+    assert_int_equal(kv_store_stats(s).prefix_hit_tokens, 32 + 32 + 48);
+
+    /* a fork cropped to 20 (back to 16) goes on with b's ids: a second chain */
+    kv_seq *c;
+    assert_int_equal(kv_seq_fork(q, &c), TIER_OK);
+    assert_int_equal(kv_seq_crop(c, 20), TIER_OK);
+    assert_int_equal(kv_seq_length(c), 16);
+    prefix_step(s, c, b, 16, 9);
+    assert_int_equal(prefix_state_match(s, 7, b, 40, &mark), 32);
+    assert_int_equal(mark, 9);
+    assert_int_equal(prefix_state_match(s, 7, a, 40, &mark), 32);
+    assert_int_equal(mark, 2);
+    /* a step without ids: nothing published from here */
+    prefix_step(s, c, NULL, 16, 10);
+    assert_int_equal(prefix_state_match(s, 7, b, 60, &mark), 32);
+    kv_seq_free(c);
+    kv_seq_free(q);
+
+    /* oldest first: 16, 48, 32 (a), 32 (b, just used); a budget of two
+     * evicts 16 and 48 */
+    uint64_t ev = kv_store_stats(s).prefix_evictions;
+    assert_int_equal(kv_store_stats(s).prefix_entries, 4);
+    kv_store_set_prefix_mem(s, 2 * seq);
+    assert_int_equal(kv_store_stats(s).prefix_evictions, ev + 2);
+    assert_int_equal(kv_store_stats(s).prefix_entries, 2);
+    assert_int_equal(kv_store_stats(s).prefix_unref_bytes, 2 * seq);
+    assert_int_equal(prefix_state_match(s, 7, a, 20, &mark), 0);
+    assert_int_equal(prefix_state_match(s, 7, a, 60, &mark), 32); /* the deepest left, past a missing shallower one */
+    assert_int_equal(mark, 2);
+    assert_int_equal(prefix_state_match(s, 7, b, 60, &mark), 32);
+    assert_int_equal(mark, 9);
+    kv_store_free(s);
+    be_free(be);
+}
+
+/* A full host tier evicts shared checkpoints, least recently used first,
+ * for a sequence's own memory; a match with no room for the sequence's
+ * own checkpoint still starts from the shared one. */
+static void test_state_prefix_host(void **state)
+{
+    (void)state;
+    be_backend *be;
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
+    size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = seq / 2},
+                                   &(struct kv_store_params){.checkpoint_interval = 16, .prefix_cache = true,
+                                                             .host_mem = 4 * seq},
+                                   &s),
+                     TIER_OK);
+    int32_t a[40];
+    for (int i = 0; i < 40; i++)
+        a[i] = 100 + i;
+    kv_seq *q, *o;
+    assert_int_equal(kv_seq_create(s, NULL, &q), TIER_OK);
+    prefix_step(s, q, a, 16, 1);
+    prefix_step(s, q, a, 16, 2); /* its checkpoints and the shared ones fill the host tier */
+    assert_int_equal(kv_store_stats(s).prefix_entries, 2);
+    assert_int_equal(kv_store_stats(s).host_bytes, 4 * seq);
+    assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = KV_OFFLOADED}, &o), TIER_OK);
+    assert_int_equal(kv_store_stats(s).prefix_entries, 1);
+    int mark;
+    assert_int_equal(prefix_state_match(s, 0, a, 20, &mark), 0); /* the one at 16 went */
+    assert_int_equal(prefix_state_match(s, 0, a, 40, &mark), 32);
+    assert_int_equal(mark, 2);
+    kv_seq_free(o);
+    kv_seq_free(q);
+    kv_store_free(s);
+    be_free(be);
+}
+
 /* The host tier of a state: an offloaded sequence starts there; with the
  * device full, a new one falls back there, its step takes device copies
  * for its length only (and fails while another state holds the device,
@@ -1285,6 +1437,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
         cmocka_unit_test(test_state_store),
+        cmocka_unit_test(test_state_prefix),
+        cmocka_unit_test(test_state_prefix_host),
         cmocka_unit_test(test_state_image),
         cmocka_unit_test(test_state_host_tier),
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),

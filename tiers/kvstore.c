@@ -172,6 +172,7 @@ enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const st
     s->block_bytes = 2 * (size_t)g->n_kv_heads * (size_t)s->bt * (size_t)g->head_dim * be_dtype_size(g->dtype);
     s->host_budget = p->host_mem;
     s->prefix_on = p->prefix_cache && !state; /* a state has no blocks to share */
+    s->state_prefix = p->prefix_cache && state; /* it shares checkpoints instead */
     s->ckpt_interval = p->checkpoint_interval ? p->checkpoint_interval : 256;
     s->hash_mask = p->prefix_hash_mask ? p->prefix_hash_mask : UINT64_MAX;
     enum tier_status st = kv_stream_init(s);
@@ -188,6 +189,7 @@ void kv_store_free(kv_store *s)
     if (!s)
         return;
     prefix_release_all(s);
+    state_shared_release(s);
     kv_stream_release(s);
     hp_release(&s->hp);
     for (size_t i = 0; i < s->n_chunks; i++) {
@@ -233,9 +235,10 @@ struct kv_store_stats kv_store_stats(const kv_store *s)
         .blocks_used = used,
         .fallbacks = s->fallbacks,
         .fallbacks_oom = s->fallbacks_oom,
-        .prefix_entries = s->n_entries,
-        .prefix_evictable = s->n_unref,
-        .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes,
+        .prefix_entries = s->n_entries + s->n_sckpt,
+        .prefix_evictable = s->n_unref + s->n_sckpt,
+        .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes +
+                              s->n_sckpt * (size_t)s->g.n_layers * s->g.state_bytes,
         .prefix_hit_tokens = s->prefix_hits,
         .prefix_evictions = s->prefix_evictions,
         .prefix_spill_dropped = s->spill_dropped,
@@ -417,6 +420,9 @@ void kv_dev_free(kv_store *s, be_buffer *b, size_t bytes)
 
 enum tier_status kv_host_alloc(kv_store *s, size_t bytes, void **out)
 {
+    /* shared checkpoints (state.c) give way to a sequence's memory */
+    while (s->host_budget && bytes > s->host_budget - s->host_used && state_shared_evict_one(s))
+        ;
     if (s->host_budget && bytes > s->host_budget - s->host_used)
         return kv_fail(s, TIER_ENOMEM_HOST, "host tier budget of %zu bytes exhausted: %zu in use, %zu more needed",
                        s->host_budget, s->host_used, bytes);

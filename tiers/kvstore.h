@@ -126,7 +126,10 @@ struct kv_store_params {
     /* Automatic prefix cache: full blocks of dynamic sequences on
      * full-attention models are published by content hash at commit and
      * found again by kv_seq_match_prefix; unreferenced ones are evicted
-     * LRU-first when the device budget runs out. */
+     * LRU-first when the device budget runs out.  A state store shares its
+     * sequences' checkpoints instead (tiers/state.c), evicted LRU-first
+     * within kv_store_set_prefix_mem's budget and when the host tier runs
+     * out. */
     bool prefix_cache;
     /* Tests only: the chain hash is and-ed with this (0 = all 64 bits), so
      * that a small mask forces collisions. */
@@ -177,6 +180,7 @@ struct kv_store_stats {
     uint64_t blocks_used;  /* pool blocks referenced by some sequence */
     uint64_t fallbacks;    /* sequences moved to the host tier after a device OOM */
     uint64_t fallbacks_oom; /* of those, a step or a load ran out (KV_FALLBACK_OOM); the rest: at creation */
+    /* a state store: its shared checkpoints, all evictable, in host bytes */
     uint64_t prefix_entries;   /* token blocks in the prefix cache (each one pool block per layer) */
     uint64_t prefix_evictable; /* of those, referenced by no sequence */
     size_t prefix_unref_bytes;  /* their device bytes, which kv_store_set_prefix_mem bounds */
@@ -263,6 +267,8 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **child);
  * blocks equal to tokens[0, n) and sets *n_cached to the tokens attached
  * (a multiple of the block size, at most n - 1 so the caller still feeds
  * one token and gets logits; 0 when the sequence does not take part).
+ * A state store's sequence takes a copy of the deepest shared checkpoint
+ * instead (a multiple of checkpoint_interval, at most n - 1).
  * Matches compare the token ids, never only the hash. */
 enum tier_status kv_seq_match_prefix(kv_seq *q, const int32_t *tokens, int64_t n, int64_t *n_cached);
 /* ---- the prefix cache on disk (tiers/prefix.c "On disk") ---------------
@@ -324,7 +330,8 @@ enum tier_status kv_store_prefix_ship(kv_store *s, const struct kv_seq_params *p
 enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len);
 
 /* The token ids of the reserved positions (after kv_seq_reserve, before
- * the commit); a step without them stops the sequence publishing. */
+ * the commit); a step without them stops the sequence publishing (blocks,
+ * or a state's checkpoints). */
 void kv_seq_tokens(kv_seq *q, const int32_t *ids);
 
 enum tier_status kv_seq_reserve(kv_seq *q, int n_new);

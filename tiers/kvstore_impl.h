@@ -155,6 +155,10 @@ struct kv_store {
     size_t n_unref;
     size_t prefix_mem; /* budget of the n_unref entries' bytes; 0 = none */
     uint64_t prefix_hits, prefix_evictions;
+    /* a state store's shared checkpoints (state.c "Shared checkpoints") */
+    bool state_prefix;
+    struct kv_sckpt *sc_old, *sc_new; /* LRU list, oldest first */
+    size_t n_sckpt;
     /* evicted entries serialized for the caller (prefix.c "On disk") */
     size_t spill_max, spill_bytes; /* spill_max 0: none are kept */
     struct kv_pqueued *spill_head, *spill_tail; /* oldest first */
@@ -215,6 +219,12 @@ size_t state_image_bytes(const kv_seq *q);
 enum tier_status state_seq_save(const kv_seq *q, uint8_t *p);
 enum tier_status state_image_check(kv_store *s, const uint8_t *p, size_t size, int64_t len, int *n_ckpt);
 enum tier_status state_seq_load(kv_seq *q, const uint8_t *p, int n_ckpt, bool host);
+/* state.c "Shared checkpoints": the prefix cache of a state store */
+void state_seq_tokens(kv_seq *q, const int32_t *ids);
+enum tier_status state_seq_match(kv_seq *q, const int32_t *tokens, int64_t n, int64_t *n_cached);
+void state_shared_fit(kv_store *s); /* within prefix_mem */
+bool state_shared_evict_one(kv_store *s); /* the LRU shared checkpoint; false if none */
+void state_shared_release(kv_store *s);
 
 /* kvquant.c: the KV_QUANTIZED sequence's side of creation, the step
  * transaction (all layers or none), release and size */

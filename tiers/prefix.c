@@ -161,6 +161,7 @@ void kv_store_set_prefix_mem(kv_store *s, size_t bytes)
 {
     s->prefix_mem = bytes;
     fit_budget(s);
+    state_shared_fit(s);
 }
 
 /* ---- entries -------------------------------------------------------------- */
@@ -329,6 +330,10 @@ void prefix_reserve(kv_seq *q, int64_t end)
 
 void kv_seq_tokens(kv_seq *q, const int32_t *ids)
 {
+    if (q->state) {
+        state_seq_tokens(q, ids);
+        return;
+    }
     if (!q->publish || !q->pending)
         return;
     memcpy(q->ids + (q->len - q->pub_blocks * q->s->bt), ids, (size_t)q->pending * sizeof(*ids));
@@ -415,6 +420,8 @@ enum tier_status kv_seq_match_prefix(kv_seq *q, const int32_t *tokens, int64_t n
     if (q->pending || q->len)
         return kv_fail(s, TIER_EINVAL, "kv_seq_match_prefix needs an empty sequence (it holds %lld tokens%s)",
                        (long long)q->len, q->pending ? " and is inside a step" : "");
+    if (q->state)
+        return state_seq_match(q, tokens, n, n_cached);
     if (!q->publish || n <= 0)
         return TIER_OK;
     /* whole blocks only, and never the last token: its logits are needed */

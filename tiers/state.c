@@ -20,12 +20,26 @@
  * to the nearest checkpoint at or below where they want to be (position 0
  * is the zero state), and the caller feeds the tokens from there again: at
  * most one interval.
+ *
+ * Shared checkpoints (the prefix cache of a state store): at a commit, a
+ * sequence whose every step named its token ids (kv_seq_tokens) copies
+ * its new checkpoints into a table of the store, each keyed by the chain
+ * hash of the ids before it, interval by interval (seeded with the
+ * namespace, as prefix.c chains blocks), and holding those ids:
+ * kv_seq_match_prefix copies the deepest one whose namespace and ids equal
+ * the new prompt's into a fresh sequence, so a collision can only miss.
+ * An entry holds all its ids, not a parent: entries are independent and
+ * any of them can go, least recently used first, within
+ * kv_store_set_prefix_mem's budget or when the host tier needs room for a
+ * sequence's own checkpoint.  The table is a list: a store holds few
+ * states, each MiBs.
  */
 #include "tiers/kvstore_impl.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include "util/le.h"
 
@@ -39,6 +53,18 @@ struct kv_state {
     void *hcur;            /* the state in the host tier, or NULL when it is on the device */
     struct kv_ckpt *ckpt;  /* ascending pos */
     int n_ckpt, cap_ckpt;
+    /* shared checkpoints: q->ids holds the ids of [0, len + pending) while
+     * `share`; those up to shared_to are in the table (or were evicted) */
+    bool share;
+    int64_t shared_to;
+};
+
+struct kv_sckpt {
+    uint64_t hash, ns;
+    int64_t pos;
+    int32_t *tokens; /* [pos] */
+    void *host;      /* n_layers * state_bytes in the host tier */
+    struct kv_sckpt *older, *newer;
 };
 
 static size_t seq_state_bytes(const kv_store *s)
@@ -92,6 +118,22 @@ static void *cur_of(const kv_seq *q, bool *dev)
     return *dev ? be_buffer_data(q->state->cur) : q->state->hcur;
 }
 
+/* Room in q->ids for the ids of [0, need). */
+static bool ids_room(kv_seq *q, int64_t need)
+{
+    if (need <= q->ids_cap)
+        return true;
+    int64_t cap = q->ids_cap ? 2 * q->ids_cap : 4 * q->s->ckpt_interval;
+    while (cap < need)
+        cap *= 2;
+    int32_t *ids = realloc(q->ids, (size_t)cap * sizeof(*ids));
+    if (!ids)
+        return false;
+    q->ids = ids;
+    q->ids_cap = cap;
+    return true;
+}
+
 static enum tier_status state_zero(kv_seq *q)
 {
     bool dev;
@@ -135,6 +177,8 @@ enum tier_status state_seq_init(kv_seq *q, bool host)
     q->state = calloc(1, sizeof *q->state);
     if (!q->state)
         return kv_fail(q->s, TIER_ENOMEM_HOST, "host memory: a state sequence");
+    /* a loaded or forked sequence's ids are not known here */
+    q->state->share = q->s->state_prefix && !q->p.no_prefix_cache && q->len == 0;
     enum tier_status st = host ? kv_host_alloc(q->s, seq_state_bytes(q->s), &q->state->hcur) : dev_take(q);
     return st == TIER_OK ? state_zero(q) : st;
 }
@@ -166,6 +210,9 @@ void state_seq_release(kv_seq *q)
  * forward pass moves another sequence to the host tier and tries again). */
 enum tier_status state_seq_reserve(kv_seq *q)
 {
+    q->ids_set = false;
+    if (q->state->share && !ids_room(q, q->len + q->pending))
+        q->state->share = false;
     if (!state_on_host(q))
         return TIER_OK;
     enum tier_status st = dev_take(q);
@@ -197,9 +244,9 @@ static bool ckpt_room(struct kv_state *x)
     return true;
 }
 
-/* A copy of the state in b, at position pos, in the host tier; a failure
- * (host budget) only costs the recomputation it would have saved. */
-static void ckpt_take(kv_seq *q, const be_buffer *b, int64_t pos)
+/* A copy of the state at src, at position pos, in the host tier; a
+ * failure (host budget) only costs the recomputation it would have saved. */
+static void ckpt_take(kv_seq *q, const void *src, bool src_dev, int64_t pos)
 {
     kv_store *s = q->s;
     struct kv_state *x = q->state;
@@ -208,12 +255,145 @@ static void ckpt_take(kv_seq *q, const be_buffer *b, int64_t pos)
         s->err[0] = '\0';
         return;
     }
-    if (state_copy(s, host, false, be_buffer_data(b), true) != TIER_OK) {
+    if (state_copy(s, host, false, src, src_dev) != TIER_OK) {
         s->err[0] = '\0';
         kv_host_free(s, host, seq_state_bytes(s));
         return;
     }
     x->ckpt[x->n_ckpt++] = (struct kv_ckpt){.pos = pos, .host = host};
+}
+
+/* ---- shared checkpoints (NOTES) ---------------------------------------- */
+
+/* The chain one interval further: the ids at `ids`, seeded with h. */
+static uint64_t chain_step(const kv_store *s, uint64_t h, const int32_t *ids)
+{
+    return XXH3_64bits_withSeed(ids, (size_t)s->ckpt_interval * sizeof(int32_t), h) & s->hash_mask;
+}
+
+static struct kv_sckpt *sc_lookup(const kv_store *s, uint64_t h, uint64_t ns, const int32_t *ids, int64_t pos)
+{
+    for (struct kv_sckpt *e = s->sc_new; e; e = e->older)
+        if (e->hash == h && e->pos == pos && e->ns == ns && !memcmp(e->tokens, ids, (size_t)pos * sizeof(int32_t)))
+            return e;
+    return NULL;
+}
+
+static void sc_unlink(kv_store *s, struct kv_sckpt *e)
+{
+    *(e->older ? &e->older->newer : &s->sc_old) = e->newer;
+    *(e->newer ? &e->newer->older : &s->sc_new) = e->older;
+    e->older = e->newer = NULL;
+}
+
+static void sc_link_newest(kv_store *s, struct kv_sckpt *e)
+{
+    e->older = s->sc_new;
+    *(s->sc_new ? &s->sc_new->newer : &s->sc_old) = e;
+    s->sc_new = e;
+}
+
+bool state_shared_evict_one(kv_store *s)
+{
+    struct kv_sckpt *e = s->sc_old;
+    if (!e)
+        return false;
+    sc_unlink(s, e);
+    kv_host_free(s, e->host, seq_state_bytes(s));
+    free(e->tokens);
+    free(e);
+    s->n_sckpt--;
+    s->prefix_evictions++;
+    return true;
+}
+
+void state_shared_fit(kv_store *s)
+{
+    while (s->prefix_mem && s->n_sckpt * seq_state_bytes(s) > s->prefix_mem && state_shared_evict_one(s))
+        ;
+}
+
+void state_shared_release(kv_store *s)
+{
+    while (state_shared_evict_one(s))
+        ;
+}
+
+/* Puts q's checkpoint at pos (state at `state`, host) into the table, or
+ * makes the equal entry the most recently used.  Never fails: without
+ * memory the entry is just not shared. */
+static void sc_publish(kv_seq *q, int64_t pos, const void *state)
+{
+    kv_store *s = q->s;
+    uint64_t h = q->p.prefix_ns;
+    for (int64_t at = 0; at < pos; at += s->ckpt_interval)
+        h = chain_step(s, h, q->ids + at);
+    struct kv_sckpt *e = sc_lookup(s, h, q->p.prefix_ns, q->ids, pos);
+    if (e) {
+        sc_unlink(s, e);
+        sc_link_newest(s, e);
+        return;
+    }
+    if (!(e = calloc(1, sizeof *e)) || !(e->tokens = malloc((size_t)pos * sizeof(int32_t))) ||
+        kv_host_alloc(s, seq_state_bytes(s), &e->host) != TIER_OK) {
+        s->err[0] = '\0';
+        if (e)
+            free(e->tokens);
+        free(e);
+        return;
+    }
+    e->hash = h;
+    e->ns = q->p.prefix_ns;
+    e->pos = pos;
+    memcpy(e->tokens, q->ids, (size_t)pos * sizeof(int32_t));
+    memcpy(e->host, state, seq_state_bytes(s));
+    sc_link_newest(s, e);
+    s->n_sckpt++;
+    state_shared_fit(s);
+}
+
+void state_seq_tokens(kv_seq *q, const int32_t *ids)
+{
+    if (!q->state->share || !q->pending)
+        return;
+    memcpy(q->ids + q->len, ids, (size_t)q->pending * sizeof(*ids));
+    q->ids_set = true;
+}
+
+enum tier_status state_seq_match(kv_seq *q, const int32_t *tokens, int64_t n, int64_t *n_cached)
+{
+    kv_store *s = q->s;
+    struct kv_state *x = q->state;
+    if (!x->share)
+        return TIER_OK;
+    /* the deepest entry, whole intervals, never the last token: its logits
+     * are needed; a shallower one may have been evicted, so all are tried */
+    struct kv_sckpt *best = NULL, *e;
+    uint64_t h = q->p.prefix_ns;
+    for (int64_t pos = s->ckpt_interval; pos < n; pos += s->ckpt_interval) {
+        h = chain_step(s, h, tokens + pos - s->ckpt_interval);
+        if ((e = sc_lookup(s, h, q->p.prefix_ns, tokens, pos)))
+            best = e;
+    }
+    if (!best)
+        return TIER_OK;
+    if (!ids_room(q, best->pos))
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: token ids of a %lld-token prefix", (long long)best->pos);
+    bool dev;
+    void *dst = cur_of(q, &dev);
+    enum tier_status st = state_copy(s, dst, dev, best->host, false);
+    if (st != TIER_OK)
+        return st;
+    memcpy(q->ids, best->tokens, (size_t)best->pos * sizeof(int32_t));
+    q->len = x->shared_to = best->pos;
+    /* a checkpoint of its own, so that a crop goes back here, not to 0;
+     * off the list meanwhile: the host tier may evict entries for it */
+    sc_unlink(s, best);
+    ckpt_take(q, best->host, false, best->pos);
+    sc_link_newest(s, best);
+    s->prefix_hits += (uint64_t)q->len;
+    *n_cached = q->len;
+    return TIER_OK;
 }
 
 void state_chunk_end(kv_store *s)
@@ -224,7 +404,7 @@ void state_chunk_end(kv_store *s)
             continue;
         q->chunk_live = false;
         if (q->chunk_to % s->ckpt_interval == 0)
-            ckpt_take(q, q->state->next, q->chunk_to);
+            ckpt_take(q, be_buffer_data(q->state->next), true, q->chunk_to);
     }
 }
 
@@ -234,6 +414,13 @@ enum tier_status state_seq_commit(kv_seq *q)
     be_buffer *t = x->cur;
     x->cur = x->next;
     x->next = t;
+    if (x->share && !q->ids_set) /* a step without ids: the chain is unknown from here */
+        x->share = false;
+    for (int i = 0; i < x->n_ckpt && x->share; i++)
+        if (x->ckpt[i].pos > x->shared_to)
+            sc_publish(q, x->ckpt[i].pos, x->ckpt[i].host);
+    x->shared_to = q->len;
+    q->ids_set = false;
     if (!state_on_host(q))
         return TIER_OK;
     enum tier_status st = state_copy(q->s, x->hcur, false, be_buffer_data(x->cur), true);
@@ -284,6 +471,8 @@ enum tier_status state_seq_rewind(kv_seq *q, int64_t len)
     if (st != TIER_OK)
         return st;
     q->len = i ? x->ckpt[i - 1].pos : 0;
+    if (x->shared_to > q->len)
+        x->shared_to = q->len;
     ckpt_drop_from(q, i);
     return TIER_OK;
 }
@@ -308,6 +497,10 @@ enum tier_status state_seq_fork(const kv_seq *q, kv_seq *c)
     if ((st = state_copy(s, dst, ddev, src, sdev)) != TIER_OK)
         return st;
     c->copied_bytes += n;
+    c->state->share = q->state->share && ids_room(c, q->len);
+    if (c->state->share)
+        memcpy(c->ids, q->ids, (size_t)q->len * sizeof(*c->ids));
+    c->state->shared_to = q->state->shared_to;
     /* the child's rollbacks need the parent's checkpoints */
     for (int i = 0; i < q->state->n_ckpt; i++) {
         void *host;
