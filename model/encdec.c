@@ -546,13 +546,6 @@ void encdec_free(encdec *m)
 
 /* ---- the forward passes --------------------------------------------------- */
 
-#define BE_TRY(expr)                                                                                           \
-    do {                                                                                                       \
-        enum be_status be_try_st_ = (expr);                                                                    \
-        if (be_try_st_ != BE_OK)                                                                               \
-            return be_try_st_;                                                                                 \
-    } while (0)
-
 static enum be_status matmul(encdec *m, void *y, const void *x, const struct model_mat *w, const float *bias, int n)
 {
     return be_matmul(m->be, y, m->act, x, w->data, w->dtype, bias, n, w->cols, w->rows);
