@@ -35,6 +35,7 @@
 #include "text/tokenizer.h"
 #include "tiers/quant.h"
 #include "util/version.h"
+#include "util/median.h"
 
 struct cfg {
     const char *name;
@@ -292,12 +293,6 @@ out:
     return rc;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 #define N_SPEED 3
 #define MAX_ROUNDS 64
 
@@ -347,8 +342,8 @@ static int speed(const char *dir, int context, int steps, int rounds, int thread
     }
     printf("\n| cache | decode tokens/s (median) | ratio to bf16 (median of rounds) | KV bytes at the end |\n|---|---|---|---|\n");
     for (int i = 0; i < N_SPEED; i++) {
-        qsort(tps[i], (size_t)rounds, sizeof(double), cmp_double);
-        qsort(ratio[i], (size_t)rounds, sizeof(double), cmp_double);
+        qsort(tps[i], (size_t)rounds, sizeof(double), median_cmp_double);
+        qsort(ratio[i], (size_t)rounds, sizeof(double), median_cmp_double);
         printf("| %s | %.2f | %.3f | %zu |\n", cfgs[i].name, tps[i][rounds / 2], ratio[i][rounds / 2],
                kv_seq_bytes(q[i]));
     }

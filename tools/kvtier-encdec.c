@@ -38,6 +38,7 @@
 #include "tiers/quant.h"
 #include "util/args.h"
 #include "util/clock.h"
+#include "util/median.h"
 
 #define MAX_IDS 8192
 
@@ -69,12 +70,6 @@ static enum model_status greedy(struct run *r, kv_seq *self, kv_seq *cross, cons
             st = encdec_decode(r->m, self, cross, &out[i], 1, rows + (size_t)(i + 1) * r->vocab);
     }
     return st;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* One generation of n tokens on a fresh self cache over cross; with
@@ -123,8 +118,8 @@ static enum model_status bench(struct run *r, kv_store *store, const struct kv_s
                             &t[rounds + i]);
     }
     if (st == MODEL_OK) {
-        qsort(t, (size_t)rounds, sizeof(double), cmp_double);
-        qsort(t + rounds, (size_t)rounds, sizeof(double), cmp_double);
+        qsort(t, (size_t)rounds, sizeof(double), median_cmp_double);
+        qsort(t + rounds, (size_t)rounds, sizeof(double), median_cmp_double);
         double reuse = t[rounds / 2], again = t[rounds + rounds / 2];
         printf("encoder input %d tokens, %d generated per generation, %d rounds (medians)\n", n_enc, n, rounds);
         printf("first encode           %8.3f s\n", enc_s);
