@@ -39,17 +39,9 @@
 #include "util/args.h"
 #include "util/clock.h"
 #include "util/median.h"
+#include "util/argmax.h"
 
 #define MAX_IDS 8192
-
-static int argmax(const float *x, int n)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
-}
 
 struct run {
     encdec *m;
@@ -65,7 +57,7 @@ static enum model_status greedy(struct run *r, kv_seq *self, kv_seq *cross, cons
 {
     enum model_status st = encdec_decode(r->m, self, cross, prompt, np, rows + (size_t)from * r->vocab);
     for (int i = from; st == MODEL_OK && i < n; i++) {
-        out[i] = argmax(rows + (size_t)i * r->vocab, r->vocab);
+        out[i] = argmax_f32(rows + (size_t)i * r->vocab, r->vocab);
         if (i + 1 < n)
             st = encdec_decode(r->m, self, cross, &out[i], 1, rows + (size_t)(i + 1) * r->vocab);
     }
