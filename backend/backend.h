@@ -47,6 +47,15 @@ enum be_status {
 };
 const char *be_strerror(enum be_status st);
 
+/* Returns expr's status from the calling function unless it is BE_OK: for
+ * callers whose kernel failures are device faults, not input errors. */
+#define BE_TRY(expr)                                                                                           \
+    do {                                                                                                       \
+        enum be_status be_try_st_ = (expr);                                                                    \
+        if (be_try_st_ != BE_OK)                                                                               \
+            return be_try_st_;                                                                                 \
+    } while (0)
+
 /* BE_Q8_0 and BE_Q4_K are weight formats, not element types: GGUF's
  * blocks of 32 int8 codes and one f16 scale along a row (util/q8.h), and
  * its super-blocks of 256 4-bit codes with 6-bit scales and mins

@@ -565,13 +565,6 @@ void encdec_free(encdec *m)
 
 /* ---- the forward passes --------------------------------------------------- */
 
-#define BE_TRY(expr)                                                                                           \
-    do {                                                                                                       \
-        enum be_status be_try_st_ = (expr);                                                                    \
-        if (be_try_st_ != BE_OK)                                                                               \
-            return be_try_st_;                                                                                 \
-    } while (0)
-
 static enum be_status matmul(encdec *m, void *y, const void *x, const struct model_mat *w, const float *bias, int n)
 {
     return be_matmul(m->be, y, m->act, x, w->data, w->dtype, bias, n, w->cols, w->rows);
@@ -732,6 +725,20 @@ static bool ids_ok(const encdec *m, const int32_t *ids, int n)
     return n > 0 && ids;
 }
 
+/* Ends the store's step after a pass that returned st: q keeps what the
+ * pass wrote (committed once the write-backs landed) or, on any failure,
+ * is as it was before. */
+static enum model_status step_end(kv_store *store, kv_seq *q, enum model_status st)
+{
+    enum be_status drained = kv_store_step_end(store);
+    if (st == MODEL_OK)
+        st = model_from_be(drained);
+    if (st == MODEL_OK)
+        return model_from_tier(kv_seq_commit(q));
+    kv_seq_abort(q);
+    return st;
+}
+
 enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, int n)
 {
     if (!m || !cross || !ids_ok(m, ids, n) || kv_seq_length(cross) != 0)
@@ -754,13 +761,7 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
     st = model_from_tier(kv_store_step_begin(store));
     if (st == MODEL_OK)
         st = model_from_be(encode(m, cross, be_buffer_data(buf), ids, n));
-    enum be_status drained = kv_store_step_end(store);
-    if (st == MODEL_OK)
-        st = model_from_be(drained);
-    if (st == MODEL_OK)
-        st = model_from_tier(kv_seq_commit(cross));
-    else
-        kv_seq_abort(cross);
+    st = step_end(store, cross, st);
     be_buffer_free(buf);
     return st;
 }
@@ -833,14 +834,7 @@ static enum model_status decode_step(encdec *m, kv_seq *self, kv_seq *cross, con
     st = model_from_tier(kv_store_step_begin(store));
     if (st == MODEL_OK)
         st = model_from_be(decode(m, self, cross, ids, n, p0, logits));
-    enum be_status drained = kv_store_step_end(store);
-    if (st == MODEL_OK)
-        st = model_from_be(drained);
-    if (st == MODEL_OK)
-        st = model_from_tier(kv_seq_commit(self));
-    else
-        kv_seq_abort(self);
-    return st;
+    return step_end(store, self, st);
 }
 
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, float *logits)

@@ -578,13 +578,6 @@ void model_free(model *m)
 
 /* Failures of the kernels below are programming errors or device faults,
  * not input errors: the inputs were validated before the first kernel. */
-#define BE_TRY(expr)                                                                                           \
-    do {                                                                                                       \
-        enum be_status be_try_st_ = (expr);                                                                    \
-        if (be_try_st_ != BE_OK)                                                                               \
-            return be_try_st_;                                                                                 \
-    } while (0)
-
 static enum be_status matmul(model *m, void *y, const void *x, const struct model_mat *w, const float *bias, int n)
 {
     return be_matmul(m->be, y, m->rs.act, x, w->data, w->dtype, bias, n, w->cols, w->rows);

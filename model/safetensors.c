@@ -722,6 +722,35 @@ static enum model_status bind_layer(struct binder *b, int l, struct model_layer 
     return MODEL_OK;
 }
 
+/* The output head, tied to the embeddings or its own tensor; last, so
+ * w->layers is set only once every layer is bound. */
+static enum model_status bind_head(struct binder *b, struct model_weights *w)
+{
+    const struct model_config *c = b->cfg;
+    enum model_status st;
+    if (c->tie_word_embeddings)
+        w->lm_head = w->tok_embed;
+    else if ((st = bind_mat(b, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head)))
+        return st;
+    w->layers = b->mf->layers;
+    return MODEL_OK;
+}
+
+/* Embeddings, n_layers blocks bound by bind_block, the final norm (no
+ * bias) and the head: Llama's and Mamba's layout, under their names. */
+static enum model_status bind_stack(struct binder *b, struct model_weights *w, const char *embed,
+                                    enum model_status (*bind_block)(struct binder *, int, struct model_layer *),
+                                    const char *final_norm)
+{
+    const struct model_config *c = b->cfg;
+    enum model_status st = bind_mat(b, embed, c->vocab_size, c->hidden_size, &w->tok_embed);
+    for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
+        st = bind_block(b, l, &b->mf->layers[l]);
+    if (st == MODEL_OK)
+        st = bind_vec(b, final_norm, c->hidden_size, &w->final_norm);
+    return st == MODEL_OK ? bind_head(b, w) : st;
+}
+
 /* ---- GPT-2 ---------------------------------------------------------------- */
 
 static bool has_tensor(const struct binder *b, const char *name)
@@ -814,12 +843,7 @@ static enum model_status bind_gpt2(struct binder *b, struct model_weights *w)
     snprintf(n, sizeof n, "%sln_f.bias", pre);
     if ((st = bind_vec(b, n, c->hidden_size, &w->final_norm_b)))
         return st;
-    if (c->tie_word_embeddings)
-        w->lm_head = w->tok_embed;
-    else if ((st = bind_mat(b, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head)))
-        return st;
-    w->layers = b->mf->layers;
-    return MODEL_OK;
+    return bind_head(b, w);
 }
 
 /* One Mamba block: layers.N.{norm, mixer.{in_proj, conv1d, x_proj, dt_proj,
@@ -871,22 +895,9 @@ static enum model_status bind_mamba_layer(struct binder *b, int l, struct model_
  * at load too). */
 static enum model_status bind_mamba(struct binder *b, struct model_weights *w)
 {
-    const struct model_config *c = b->cfg;
     const char *emb = has_tensor(b, "backbone.embedding.weight") ? "backbone.embedding.weight"
                                                                  : "backbone.embeddings.weight";
-    enum model_status st = bind_mat(b, emb, c->vocab_size, c->hidden_size, &w->tok_embed);
-    for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
-        st = bind_mamba_layer(b, l, &b->mf->layers[l]);
-    if (st == MODEL_OK)
-        st = bind_vec(b, "backbone.norm_f.weight", c->hidden_size, &w->final_norm);
-    if (st != MODEL_OK)
-        return st;
-    if (c->tie_word_embeddings)
-        w->lm_head = w->tok_embed;
-    else if ((st = bind_mat(b, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head)))
-        return st;
-    w->layers = b->mf->layers;
-    return MODEL_OK;
+    return bind_stack(b, w, emb, bind_mamba_layer, "backbone.norm_f.weight");
 }
 
 static enum model_status bind_all(struct binder *b, struct model_weights *w)
@@ -903,20 +914,7 @@ static enum model_status bind_all(struct binder *b, struct model_weights *w)
         return bind_gpt2(b, w);
     if (c->arch == ARCH_MAMBA)
         return bind_mamba(b, w);
-
-    enum model_status st = bind_mat(b, "model.embed_tokens.weight", c->vocab_size, c->hidden_size, &w->tok_embed);
-    for (int l = 0; l < c->n_layers && st == MODEL_OK; l++)
-        st = bind_layer(b, l, &mf->layers[l]);
-    if (st == MODEL_OK)
-        st = bind_vec(b, "model.norm.weight", c->hidden_size, &w->final_norm);
-    if (st != MODEL_OK)
-        return st;
-    if (c->tie_word_embeddings)
-        w->lm_head = w->tok_embed;
-    else if ((st = bind_mat(b, "lm_head.weight", c->vocab_size, c->hidden_size, &w->lm_head)))
-        return st;
-    w->layers = mf->layers;
-    return MODEL_OK;
+    return bind_stack(b, w, "model.embed_tokens.weight", bind_layer, "model.norm.weight");
 }
 
 enum model_status model_files_keep(model_files *mf, void *p, char *err)

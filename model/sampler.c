@@ -4,6 +4,7 @@
  * All scratch is allocated once per sampler, never per token.
  */
 #include "model/sampler.h"
+#include "util/argmax.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -101,15 +102,6 @@ void sampler_free(sampler *s)
     free(s->seen);
     free(s->count);
     free(s);
-}
-
-static int argmax(const float *x, int n)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
 }
 
 static int by_logit_desc(const void *a, const void *b)
@@ -242,7 +234,7 @@ int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t
     if ((p->presence_penalty != 0 || p->frequency_penalty != 0) && n_prompt < n_hist)
         count_penalties(s, logits, history, n_prompt, n_hist);
     if (p->temperature == 0)
-        return argmax(logits, V);
+        return argmax_f32(logits, V);
 
     /* Candidates in vocabulary order.  top_k keeps every logit >= the k-th
      * (HF removes `scores < kth`, so ties stay); only top_p needs them
@@ -260,7 +252,7 @@ int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t
         }
     }
     if (n == 0) /* every logit NaN or -inf */
-        return argmax(logits, V);
+        return argmax_f32(logits, V);
     double sum = 0;
     for (int i = 0; i < n; i++) {
         s->cand[i].prob = (float)exp((s->cand[i].logit - mx) / p->temperature);

@@ -33,15 +33,11 @@ def metric(dm, name, labels=""):
 
 
 def complete(dm, ids, **kw):
-    code, r = dm.post("/v1/completions", dict(gen, prompt=ids, **kw))
-    assert code == 200, (code, r)
-    return r
+    return dm.post_ok("/v1/completions", dict(gen, prompt=ids, **kw))
 
 
 def session(dm, **body):
-    code, s = dm.post("/v1/sessions", body)
-    assert code == 200, (code, s)
-    return s["id"]
+    return dm.post_ok("/v1/sessions", body)["id"]
 
 
 def wait_spilled(dm, sid, timeout=20):

@@ -105,6 +105,12 @@ class Daemon:
     def post(self, path, body):
         return self.request("POST", path, body, {"Content-Type": "application/json"})
 
+    def post_ok(self, path, body):
+        """POST that must answer 200: the parsed reply."""
+        code, r = self.post(path, body)
+        assert code == 200, (code, r)
+        return r
+
     def stream(self, path, body):
         """POST with stream: the list of parsed SSE data payloads ('[DONE]' kept as a string)."""
         c = self.conn()

@@ -20,15 +20,11 @@ gen = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_tokens": T
 
 
 def complete(ids, **kw):
-    code, r = d.post("/v1/completions", dict(gen, prompt=ids, **kw))
-    assert code == 200, (code, r)
-    return r
+    return d.post_ok("/v1/completions", dict(gen, prompt=ids, **kw))
 
 
 def session(**body):
-    code, s = d.post("/v1/sessions", body)
-    assert code == 200, (code, s)
-    return s
+    return d.post_ok("/v1/sessions", body)
 
 
 def crop(sid, n):

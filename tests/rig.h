@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "model/model.h"
+#include "util/argmax.h"
 
 /* The shapes the tests use: full attention, every layer sliding by 8, and
  * a hybrid whose first layer is full. */
@@ -70,15 +71,6 @@ static inline void rig_close(struct rig *r)
     kv_store_free(r->store);
     model_free(r->m);
     be_free(r->be);
-}
-
-static inline int32_t argmax(const float *x, int n)
-{
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
 }
 
 /* One forward call of n tokens of q; row gets the last one's logits. */

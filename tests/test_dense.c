@@ -81,7 +81,7 @@ static void test_dense_is_the_view(void **state)
         prompt(ids);
         feed(&r, q, ids, N_PROMPT, row);
         for (int i = 0; i < 3; i++) {
-            ids[N_PROMPT + i] = argmax(row, r.V);
+            ids[N_PROMPT + i] = argmax_f32(row, r.V);
             feed(&r, q, &ids[N_PROMPT + i], 1, row);
         }
         int bt = kv_store_block_tokens(r.store), D = r.g.head_dim;
@@ -147,7 +147,7 @@ static void continue_identical(struct rig *r, const struct kv_seq_params *p, con
         assert_int_equal(rows[l], kv_store_dense_rows(r->store, p, l, N_PROMPT));
     kv_seq *b = import(r, p, k, v);
     for (int i = 0; i < N_GEN; i++) {
-        toks[i] = argmax(row, r->V);
+        toks[i] = argmax_f32(row, r->V);
         feed(r, a, &toks[i], 1, row);
         feed(r, b, &toks[i], 1, row2);
         if (memcmp(row, row2, (size_t)r->V * sizeof(float)))
@@ -229,7 +229,7 @@ static void test_quantized_export(void **state)
         assert_memory_equal(bk[l], k[l], layer_elems(&r, rows[l]) * sizeof(float));
         assert_memory_equal(bv[l], v[l], layer_elems(&r, rows[l]) * sizeof(float));
     }
-    int32_t t = argmax(row, r.V);
+    int32_t t = argmax_f32(row, r.V);
     feed(&r, qq, &t, 1, row);
     feed(&r, b, &t, 1, row2);
     float lmax = 0, ldiff = 0;
@@ -287,7 +287,7 @@ static void test_quantized_stored_form(void **state)
         prompt(ids);
         feed(&r, q, ids, N_PROMPT, row);
         for (int t = 0; t < 5; t++) {
-            ids[N_PROMPT + t] = argmax(row, r.V);
+            ids[N_PROMPT + t] = argmax_f32(row, r.V);
             feed(&r, q, &ids[N_PROMPT + t], 1, row);
         }
         float *k[8], *v[8];
@@ -401,7 +401,7 @@ static void test_quantized_load(void **state)
         prompt(ids);
         feed(&r, q, ids, N_PROMPT, row);
         for (int t = 0; t < 5; t++) {
-            ids[N_PROMPT + t] = argmax(row, r.V);
+            ids[N_PROMPT + t] = argmax_f32(row, r.V);
             feed(&r, q, &ids[N_PROMPT + t], 1, row);
         }
         int64_t len = N_PROMPT + 5;
@@ -416,7 +416,7 @@ static void test_quantized_load(void **state)
         }
         free_stored(L, back);
         for (int t = 5; t < 10; t++) {
-            ids[N_PROMPT + t] = argmax(row, r.V);
+            ids[N_PROMPT + t] = argmax_f32(row, r.V);
             feed(&r, q, &ids[N_PROMPT + t], 1, row);
             feed(&r, c, &ids[N_PROMPT + t], 1, row2);
             if (memcmp(row, row2, (size_t)r.V * sizeof(float)))

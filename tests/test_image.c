@@ -137,7 +137,7 @@ static void run_variant(const struct variant *v)
     if (v->act == A_OFFLOAD)
         assert_int_equal(kv_seq_offload(q, KV_FALLBACK_OOM), TIER_OK);
     for (int i = 0; i < K_BEFORE; i++) {
-        tok = argmax(ref, r.V);
+        tok = argmax_f32(ref, r.V);
         feed(&r, rq, &tok, 1, ref);
         feed(&r, q, &tok, 1, row);
     }
@@ -158,7 +158,7 @@ static void run_variant(const struct variant *v)
     /* a loaded sequence does not publish: the prefix cache is as it was */
     assert_int_equal(kv_store_stats(r.store).prefix_entries, ss.prefix_entries);
     for (int i = 0; i < N_AFTER; i++) {
-        tok = argmax(ref, r.V);
+        tok = argmax_f32(ref, r.V);
         feed(&r, rq, &tok, 1, ref);
         feed(&r, q, &tok, 1, row);
         if (memcmp(row, ref, (size_t)r.V * sizeof(float)))
@@ -393,7 +393,7 @@ static void test_load_falls_back(void **state)
         size_t size;
         uint8_t *img = save(r.store, q, &size);
         for (int i = 0; i < N_AFTER; i++) {
-            toks[i] = argmax(row, r.V);
+            toks[i] = argmax_f32(row, r.V);
             feed(&r, q, &toks[i], 1, row);
             memcpy(ref + (size_t)i * r.V, row, bytes);
         }
@@ -515,7 +515,7 @@ static void test_load_by_layer(void **state)
         feed(&r, q, ids, N_PROMPT, row);
         size_t size;
         uint8_t *img = save(r.store, q, &size);
-        int32_t tok = argmax(row, r.V);
+        int32_t tok = argmax_f32(row, r.V);
         feed(&r, q, &tok, 1, ref);
         kv_seq_free(q);
 

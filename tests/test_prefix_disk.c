@@ -144,7 +144,7 @@ static void test_evict_insert_continue(void **state)
     if (memcmp(row, ref, (size_t)b.V * sizeof(float)))
         fail_msg("logits of the prompt's last token differ from the reference");
     for (int i = 0; i < N_AFTER; i++) {
-        tok = argmax(ref, b.V);
+        tok = argmax_f32(ref, b.V);
         feed(&b, rq, &tok, 1, ref);
         feed(&b, q, &tok, 1, row);
         if (memcmp(row, ref, (size_t)b.V * sizeof(float)))

@@ -24,6 +24,7 @@
 
 #include "model/model.h"
 #include "tiers/quant.h"
+#include "util/argmax.h"
 
 #define N_PROMPT 20
 #define N_GEN 64
@@ -111,15 +112,6 @@ static int vocab(const struct rig *r)
     return model_get_config(r->m)->vocab_size;
 }
 
-static int32_t argmax(const float *x, int n)
-{
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
-}
-
 static void prompt_of(int salt, int32_t *ids)
 {
     for (int i = 0; i < N_PROMPT; i++)
@@ -138,7 +130,7 @@ static enum model_status greedy(struct rig *r, kv_seq *q, int salt, int32_t *tok
     struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = N_PROMPT, .logits = row};
     enum model_status st = model_forward(r->m, &fs, 1);
     for (int i = 0; i < N_GEN && st == MODEL_OK; i++) {
-        toks[i] = argmax(row, V);
+        toks[i] = argmax_f32(row, V);
         if (logits)
             memcpy(logits + (size_t)i * V, row, (size_t)V * sizeof(float));
         fs = (struct fw_seq){.kv = q, .tokens = &toks[i], .n_tokens = 1, .logits = row};
@@ -243,7 +235,7 @@ static void test_mixed_batch(void **state)
     assert_int_equal(model_forward(r.m, fs, B), MODEL_OK);
     for (int t = 0; t < N_GEN; t++) {
         for (int i = 0; i < B; i++) {
-            toks[i][t] = argmax(rows + i * V, V);
+            toks[i][t] = argmax_f32(rows + i * V, V);
             fs[i] = (struct fw_seq){.kv = q[i], .tokens = &toks[i][t], .n_tokens = 1, .logits = rows + i * V};
         }
         if (t + 1 < N_GEN)
@@ -298,7 +290,7 @@ static void test_longrope_batch(void **state)
             const float *want = c[i].logits + (size_t)t * V, *got = rows + i * V;
             for (int v = 0; v < V; v++)
                 worst = fmax(worst, fabs((double)got[v] - want[v]));
-            toks[i][t] = argmax(got, V);
+            toks[i][t] = argmax_f32(got, V);
         }
     }
     if (worst > 1e-5)
@@ -561,7 +553,7 @@ static void feed(struct rig *r, kv_seq *q, const int32_t *tokens, int n, float *
 static void decode(struct rig *r, kv_seq *q, float *row, int n, int32_t *toks)
 {
     for (int i = 0; i < n; i++) {
-        toks[i] = argmax(row, vocab(r));
+        toks[i] = argmax_f32(row, vocab(r));
         feed(r, q, &toks[i], 1, row);
     }
 }
@@ -573,7 +565,7 @@ static void greedy_logits(struct rig *r, kv_seq *q, int32_t *toks, int n, float 
     int nv = vocab(r);
     feed(r, q, toks, N_PROMPT, logits);
     for (int i = 0; i < n; i++) {
-        toks[N_PROMPT + i] = argmax(logits + (size_t)i * nv, nv);
+        toks[N_PROMPT + i] = argmax_f32(logits + (size_t)i * nv, nv);
         feed(r, q, &toks[N_PROMPT + i], 1, logits + (size_t)(i + 1) * nv);
     }
 }
@@ -663,7 +655,7 @@ static void test_forks_share(void **state)
         assert_int_equal(kv_seq_fork(parent, &kids[k]), TIER_OK);
     size_t all = kv_store_stats(r.store).blocks_used * block;
     assert_int_equal(all, one); /* nothing copied by forking */
-    int32_t first = argmax(prow, V);
+    int32_t first = argmax_f32(prow, V);
     for (int k = 0; k < F; k++)
         feed(&r, kids[k], &first, 1, row);
     all = kv_store_stats(r.store).blocks_used * block;
@@ -803,7 +795,7 @@ static void sink_bounded(struct rig *r, const struct kv_seq_params *p, size_t bo
         for (int v = 0; v < vocab(r); v++)
             if (!isfinite(row[v]))
                 fail_msg("logit %d after %d tokens is %f", v, i, row[v]);
-        tok = argmax(row, vocab(r));
+        tok = argmax_f32(row, vocab(r));
         feed(r, q, &tok, 1, row);
         size_t bytes = kv_seq_bytes(q);
         if (bytes > bound)
@@ -996,7 +988,7 @@ static void test_sink_forks(void **state)
     for (int i = 0; i < n; i++) {
         if (i == at)
             assert_int_equal(kv_seq_fork(parent, &late), TIER_OK);
-        toks[i] = argmax(rows + (size_t)i * nv, nv);
+        toks[i] = argmax_f32(rows + (size_t)i * nv, nv);
         feed(&r, parent, &toks[i], 1, rows + (size_t)(i + 1) * nv);
     }
     kv_seq_free(parent);

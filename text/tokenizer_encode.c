@@ -306,6 +306,16 @@ static int run_match(struct work *w, const pcre2_code *re, const char *s, size_t
     return rc;
 }
 
+/* run_match's error rc (not NOMATCH) as a status: what failed, on how
+ * many bytes, and PCRE2's words for it. */
+static enum text_status match_failed(struct work *w, int rc, const char *what, size_t n)
+{
+    PCRE2_UCHAR msg[128];
+    pcre2_get_error_message(rc, msg, sizeof msg);
+    return text_errf(w->err, rc == PCRE2_ERROR_NOMEMORY ? TEXT_ENOMEM : TEXT_EINVAL,
+                     "%s failed on a %zu-byte piece: %s", what, n, (const char *)msg);
+}
+
 static enum text_status split_level(struct work *w, int k, const char *s, size_t n);
 
 static enum text_status rewrite(struct tok_buf *dst, const char *prefix, size_t np, const char *s, size_t n,
@@ -395,10 +405,9 @@ static enum text_status split_level(struct work *w, int k, const char *s, size_t
         if (rc == PCRE2_ERROR_NOMATCH)
             break;
         if (rc < 0) {
-            PCRE2_UCHAR msg[128];
-            pcre2_get_error_message(rc, msg, sizeof msg);
-            return text_errf(w->err, rc == PCRE2_ERROR_NOMEMORY ? TEXT_ENOMEM : TEXT_EINVAL,
-                            "pre_tokenizer split %d failed on a %zu-byte piece: %s", k, n, (const char *)msg);
+            char what[40];
+            snprintf(what, sizeof what, "pre_tokenizer split %d", k);
+            return match_failed(w, rc, what, n);
         }
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(w->md);
         size_t ms = ov[0], me = ov[1];
@@ -458,12 +467,8 @@ static enum text_status replace_regex(struct work *w, const struct tok_norm *nm,
         int rc = run_match(w, nm->re, s, n, pos);
         if (rc == PCRE2_ERROR_NOMATCH)
             break;
-        if (rc < 0) {
-            PCRE2_UCHAR msg[128];
-            pcre2_get_error_message(rc, msg, sizeof msg);
-            return text_errf(w->err, rc == PCRE2_ERROR_NOMEMORY ? TEXT_ENOMEM : TEXT_EINVAL,
-                             "normalizer Replace failed on a %zu-byte piece: %s", n, (const char *)msg);
-        }
+        if (rc < 0)
+            return match_failed(w, rc, "normalizer Replace", n);
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(w->md);
         if (ov[1] == ov[0]) {
             uint32_t cp;

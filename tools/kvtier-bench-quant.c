@@ -35,6 +35,8 @@
 #include "text/tokenizer.h"
 #include "tiers/quant.h"
 #include "util/version.h"
+#include "util/median.h"
+#include "util/argmax.h"
 
 struct cfg {
     const char *name;
@@ -145,14 +147,6 @@ static void log_softmax(const float *x, int V, double *lp)
         lp[v] = (double)x[v] - lse;
 }
 
-static int argmax(const float *x, int V)
-{
-    int best = 0;
-    for (int v = 1; v < V; v++)
-        best = x[v] > x[best] ? v : best;
-    return best;
-}
-
 static int read_ids(const char *path, const char *tokdir, struct tok_ids *ids)
 {
     char err[MODEL_ERR_LEN] = "";
@@ -246,7 +240,7 @@ static int accuracy(const char *dir, const char *file, const char *tokdir, int m
             if (step(&b, cfgs, N_ACC, fs, tmp) != 0)
                 goto out;
             log_softmax(logits, b.V, lp_ref);
-            int top = argmax(logits, b.V);
+            int top = argmax_f32(logits, b.V);
             for (int i = 0; i < N_ACC; i++) {
                 const float *x = logits + (size_t)i * b.V;
                 log_softmax(x, b.V, lp);
@@ -255,7 +249,7 @@ static int accuracy(const char *dir, const char *file, const char *tokdir, int m
                     d += exp(lp_ref[v]) * (lp_ref[v] - lp[v]);
                 kl[i] += d;
                 nll[i] -= lp[c[t + 1]];
-                same[i] += argmax(x, b.V) == top;
+                same[i] += argmax_f32(x, b.V) == top;
                 if (t == W / 2)
                     half[i] = kv_seq_bytes(q[i]);
             }
@@ -290,12 +284,6 @@ out:
     free(lp);
     free(ids.ids);
     return rc;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 #define N_SPEED 3
@@ -347,8 +335,8 @@ static int speed(const char *dir, int context, int steps, int rounds, int thread
     }
     printf("\n| cache | decode tokens/s (median) | ratio to bf16 (median of rounds) | KV bytes at the end |\n|---|---|---|---|\n");
     for (int i = 0; i < N_SPEED; i++) {
-        qsort(tps[i], (size_t)rounds, sizeof(double), cmp_double);
-        qsort(ratio[i], (size_t)rounds, sizeof(double), cmp_double);
+        qsort(tps[i], (size_t)rounds, sizeof(double), median_cmp_double);
+        qsort(ratio[i], (size_t)rounds, sizeof(double), median_cmp_double);
         printf("| %s | %.2f | %.3f | %zu |\n", cfgs[i].name, tps[i][rounds / 2], ratio[i][rounds / 2],
                kv_seq_bytes(q[i]));
     }

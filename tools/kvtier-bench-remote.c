@@ -26,6 +26,7 @@
 #include "tiers/remote.h"
 #include "util/args.h"
 #include "util/clock.h"
+#include "util/median.h"
 
 #define MAX_ROUNDS 64
 
@@ -48,18 +49,6 @@ static double cpu_s(int who)
     getrusage(who, &ru);
     return (double)ru.ru_utime.tv_sec + (double)ru.ru_stime.tv_sec +
            ((double)ru.ru_utime.tv_usec + (double)ru.ru_stime.tv_usec) / 1e6;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 /* redis-benchmark's GET requests per second ("GET","rps",... in --csv), 0 if it did not run. */
@@ -209,8 +198,8 @@ int main(int argc, char **argv)
     }
     printf("best: kvtier %.0f MB/s, redis-benchmark %.0f MB/s, ratio %.2f\n", best_m, best_t,
            best_t > 0 ? best_m / best_t : 0);
-    double m = median(mine, rounds), t = median(theirs, rounds);
-    double mc = median(mine_cpu, rounds), tc = median(theirs_cpu, rounds);
+    double m = median_sort(mine, rounds), t = median_sort(theirs, rounds);
+    double mc = median_sort(mine_cpu, rounds), tc = median_sort(theirs_cpu, rounds);
     printf("median: kvtier %.0f MB/s (%.2f CPU ms/MB), redis-benchmark %.0f MB/s (%.2f CPU ms/MB); throughput ratio "
            "%.2f, CPU per MB ratio %.2f\n",
            m, mc, t, tc, t > 0 ? m / t : 0, tc > 0 ? mc / tc : 0);

@@ -38,6 +38,7 @@
 #include "util/csvout.h"
 #include "model/model.h"
 #include "util/version.h"
+#include "util/median.h"
 
 enum { RESIDENT, OFFLOADED, ADAPTIVE, N_MODES };
 enum { MAX_DTYPES = 4, MAX_ROUNDS = 1000 };
@@ -101,18 +102,11 @@ struct result {
     struct kv_xfer_stats x; /* of the timed steps */
 };
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static double median(const double *v, int n)
 {
     double s[MAX_ROUNDS];
     memcpy(s, v, (size_t)n * sizeof(*v));
-    qsort(s, (size_t)n, sizeof(*s), cmp_double);
-    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+    return median_sort(s, n);
 }
 
 /* One warm-up step (slots, caches), then n timed decode steps: their

@@ -28,6 +28,7 @@
 #include "util/q4k.h"
 #include "util/q8.h"
 #include "util/version.h"
+#include "util/median.h"
 
 enum { N_FMT = 3, MAX_LEVELS = 5, MAX_ROUNDS = 101 };
 static const char *const LEVELS[MAX_LEVELS] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512bf16"};
@@ -38,18 +39,6 @@ static double cpu_seconds(void)
     struct timespec t;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 static be_backend *open_level(const char *simd)
@@ -150,9 +139,9 @@ int main(int argc, char **argv)
                 ratio[r] = best[l][0][r] / best[l][f][r];
                 t[r] = best[l][f][r];
             }
-            double tm = median(t, rounds);
+            double tm = median_sort(t, rounds);
             printf("%-11s %-5s %10.3f %12.1f %9.2f\n", LEVELS[lv[l]], be_dtype_name(FMTS[f]), tm * 1e3,
-                   (double)(size_t)out * (double)be_row_bytes(FMTS[f], (size_t)in) / tm / 1e9, median(ratio, rounds));
+                   (double)(size_t)out * (double)be_row_bytes(FMTS[f], (size_t)in) / tm / 1e9, median_sort(ratio, rounds));
         }
     for (int l = 0; l < nl; l++)
         be_free(be[l]);

@@ -38,6 +38,7 @@
 #include "util/readbw.h"
 #include "model/runtime.h"
 #include "util/version.h"
+#include "util/median.h"
 
 #define MAX_BLOCK_SIZES 4
 
@@ -55,18 +56,6 @@ static double sgemm_gflops(const float *a, const float *b, float *c, int threads
     /* the CPU backend calls sgemm from each of its own workers, single-threaded */
     openblas_set_num_threads(1);
     return g;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 /* One fresh sequence in s: n_fill reserved tokens, the prompt, n_decode
@@ -275,19 +264,19 @@ int main(int argc, char **argv)
         printf("KV blocks        %d tokens\n", kv_store_block_tokens(stores[b]));
         for (int r = 0; r < repeat; r++)
             ratio[r] = t_pre[r * nb + b];
-        double prefill_med = median(ratio, repeat);
+        double prefill_med = median_sort(ratio, repeat);
         for (int r = 0; r < repeat; r++)
             ratio[r] = flops_tok * t_pre[r * nb + b] / 1e9 / r_sg[r];
-        double prefill_pct = 100 * median(ratio, repeat);
+        double prefill_pct = 100 * median_sort(ratio, repeat);
         printf("prefill          %d tokens: %.1f tokens/s (best), %.1f (median), %.0f %% of sgemm (median of rounds), "
                "%.0f %% best/best\n",
                n_prompt, prefill_tps, prefill_med, prefill_pct, 100 * flops_tok * prefill_tps / 1e9 / best_sg);
         for (int r = 0; r < repeat; r++)
             ratio[r] = t_dec[r * nb + b];
-        double decode_med = median(ratio, repeat);
+        double decode_med = median_sort(ratio, repeat);
         for (int r = 0; r < repeat; r++)
             ratio[r] = (wbytes + kv_bytes) * t_dec[r * nb + b] / 1e9 / r_bw[r];
-        double decode_pct = 100 * median(ratio, repeat);
+        double decode_pct = 100 * median_sort(ratio, repeat);
         printf("decode           %d tokens: %.2f tokens/s (best), %.2f (median), %.0f %% of the read ceiling with KV "
                "(median of rounds), %.0f %% best/best\n",
                n_decode, decode_tps, decode_med, decode_pct, 100 * (wbytes + kv_bytes) * decode_tps / 1e9 / best_bw);
@@ -300,7 +289,7 @@ int main(int argc, char **argv)
             ratio[r] = wbytes * t_dec[r * nb + b] / 1e9 / r_bw[r];
         printf("decode weights   %.2f GB/s (median), %.2f (best), %.0f %% of the read ceiling (median of rounds), "
                "%.0f %% best/best\n",
-               wbytes * decode_med / 1e9, wbytes * decode_tps / 1e9, 100 * median(ratio, repeat),
+               wbytes * decode_med / 1e9, wbytes * decode_tps / 1e9, 100 * median_sort(ratio, repeat),
                100 * wbytes * decode_tps / 1e9 / best_bw);
         if (b > 0) {
             double lo[2], hi[2], med[2];
@@ -308,7 +297,7 @@ int main(int argc, char **argv)
                 const double *t = d ? t_dec : t_pre;
                 for (int r = 0; r < repeat; r++)
                     ratio[r] = t[r * nb + b] / t[r * nb];
-                med[d] = median(ratio, repeat); /* sorts ratio */
+                med[d] = median_sort(ratio, repeat); /* sorts ratio */
                 lo[d] = ratio[0];
                 hi[d] = ratio[repeat - 1];
             }
@@ -316,12 +305,12 @@ int main(int argc, char **argv)
                    kv_store_block_tokens(stores[0]), med[0], lo[0], hi[0], med[1], lo[1], hi[1]);
         }
     }
-    /* last: median() sorts, and the ratios above pair the rounds */
+    /* last: median_sort() sorts, and the ratios above pair the rounds */
     printf("read ceiling     %.2f GB/s (median), %.2f (best): %d threads, %s loads, non-temporal best in %d of %d "
            "rounds, %.2f GiB buffer, best of %d passes per round\n",
-           median(r_bw, repeat), best_bw, threads, readbw_isa_name(readbw_best_isa()), n_stream, repeat,
+           median_sort(r_bw, repeat), best_bw, threads, readbw_isa_name(readbw_best_isa()), n_stream, repeat,
            readbw_bytes(rb) / (double)(1 << 30), bw_passes);
-    printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads, median)\n", median(r_sg, repeat), threads);
+    printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads, median)\n", median_sort(r_sg, repeat), threads);
     readbw_free(rb);
     free(sa);
     free(sb);

@@ -38,17 +38,10 @@
 #include "tiers/quant.h"
 #include "util/args.h"
 #include "util/clock.h"
+#include "util/median.h"
+#include "util/argmax.h"
 
 #define MAX_IDS 8192
-
-static int argmax(const float *x, int n)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
-}
 
 struct run {
     encdec *m;
@@ -64,17 +57,11 @@ static enum model_status greedy(struct run *r, kv_seq *self, kv_seq *cross, cons
 {
     enum model_status st = encdec_decode(r->m, self, cross, prompt, np, rows + (size_t)from * r->vocab);
     for (int i = from; st == MODEL_OK && i < n; i++) {
-        out[i] = argmax(rows + (size_t)i * r->vocab, r->vocab);
+        out[i] = argmax_f32(rows + (size_t)i * r->vocab, r->vocab);
         if (i + 1 < n)
             st = encdec_decode(r->m, self, cross, &out[i], 1, rows + (size_t)(i + 1) * r->vocab);
     }
     return st;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* One generation of n tokens on a fresh self cache over cross; with
@@ -123,8 +110,8 @@ static enum model_status bench(struct run *r, kv_store *store, const struct kv_s
                             &t[rounds + i]);
     }
     if (st == MODEL_OK) {
-        qsort(t, (size_t)rounds, sizeof(double), cmp_double);
-        qsort(t + rounds, (size_t)rounds, sizeof(double), cmp_double);
+        qsort(t, (size_t)rounds, sizeof(double), median_cmp_double);
+        qsort(t + rounds, (size_t)rounds, sizeof(double), median_cmp_double);
         double reuse = t[rounds / 2], again = t[rounds + rounds / 2];
         printf("encoder input %d tokens, %d generated per generation, %d rounds (medians)\n", n_enc, n, rounds);
         printf("first encode           %8.3f s\n", enc_s);

@@ -31,6 +31,7 @@
 #include "util/clock.h"
 #include "model/runtime.h"
 #include "util/version.h"
+#include "util/median.h"
 
 #define MAX_REPS 32
 #define MAX_COUNTS 16
@@ -191,19 +192,12 @@ static double local_rate(struct local *l, int n_tok)
     return rate;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* Median of x[0..n) (sorts a copy); n <= MAX_REPS. */
 static double median(const double *x, int n)
 {
     double c[MAX_REPS];
     memcpy(c, x, (size_t)n * sizeof(*c));
-    qsort(c, (size_t)n, sizeof(*c), cmp_double);
-    return n % 2 ? c[n / 2] : (c[n / 2 - 1] + c[n / 2]) / 2;
+    return median_sort(c, n);
 }
 
 int main(int argc, char **argv)

@@ -193,7 +193,7 @@ static enum be_status attend_chunk(struct cu_ctx *c, void *out, const void *q, c
     int nt = t1 - t0;
     size_t ib = (size_t)n_items * sizeof(struct item), fb = (size_t)(nt + 1) * sizeof(int);
     char *h, *d;
-    BE_TRY_CU(cu_meta_reserve(c, ib + fb, &h, &d));
+    BE_TRY(cu_meta_reserve(c, ib + fb, &h, &d));
     struct item *hi = (struct item *)h;
     int *hf = (int *)(h + ib), k = 0;
     for (int t = t0; t < t1; t++) {
@@ -203,10 +203,10 @@ static enum be_status attend_chunk(struct cu_ctx *c, void *out, const void *q, c
             hi[k++] = (struct item){.tok = t, .n = (int)(n - c0 < split ? n - c0 : split), .k0 = k0, .c0 = c0};
     }
     hf[nt] = k;
-    BE_TRY_CU(cu_meta_upload(c, h, d, ib + fb));
+    BE_TRY(cu_meta_upload(c, h, d, ib + fb));
     int nq = p->n_heads / p->n_kv_heads;
     void *part;
-    BE_TRY_CU(cu_scratch(c, (size_t)n_items * p->n_kv_heads * nq * (p->head_dim + 2) * sizeof(float), &part));
+    BE_TRY(cu_scratch(c, (size_t)n_items * p->n_kv_heads * nq * (p->head_dim + 2) * sizeof(float), &part));
     k_attn_part<<<dim3((unsigned)n_items, (unsigned)p->n_kv_heads), ATTN_WARPS * 32, smem, c->compute>>>(
         (float *)part, q, c->act, dv, dt, (const struct item *)d, *p);
     k_attn_merge<<<dim3((unsigned)nt, (unsigned)p->n_heads), 128, 0, c->compute>>>(
@@ -237,7 +237,7 @@ enum be_status cu_attention(void *ctx, void *out, const void *q, const struct be
                             const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "attention"));
+    BE_TRY(cu_enter(c, "attention"));
     if (p->bidirectional || p->rel_bias)
         return BE_ENOTSUP; /* the encoder-decoder masks and T5's position bias: CPU only yet */
     int nq = p->n_heads / p->n_kv_heads, D = p->head_dim;
@@ -259,14 +259,14 @@ enum be_status cu_attention(void *ctx, void *out, const void *q, const struct be
         t1 = chunk_end(p, views, toks, n_tok, t0, split, &n_items);
         meta += cu_meta_size((size_t)n_items * sizeof(struct item) + (size_t)(t1 - t0 + 1) * sizeof(int));
     }
-    BE_TRY_CU(cu_meta_ensure(c, meta));
+    BE_TRY(cu_meta_ensure(c, meta));
 
     const struct cu_view *dv;
     const struct be_tok *dt;
-    BE_TRY_CU(cu_upload_views(c, views, n_views, toks, n_tok, &dv, &dt));
+    BE_TRY(cu_upload_views(c, views, n_views, toks, n_tok, &dv, &dt));
     for (int t0 = 0, t1, n_items; t0 < n_tok; t0 = t1) {
         t1 = chunk_end(p, views, toks, n_tok, t0, split, &n_items);
-        BE_TRY_CU(attend_chunk(c, out, q, views, toks, dv, dt, t0, t1, n_items, split, p, smem));
+        BE_TRY(attend_chunk(c, out, q, views, toks, dv, dt, t0, t1, n_items, split, p, smem));
     }
     return cu_leave(c, "attention");
 }

@@ -96,7 +96,7 @@ enum be_status cu_enter(struct cu_ctx *c, const char *op)
 
 enum be_status cu_leave(struct cu_ctx *c, const char *op)
 {
-    BE_TRY_CU(cu_check(c, cudaGetLastError(), op));
+    BE_TRY(cu_check(c, cudaGetLastError(), op));
     return c->sync_each ? cu_check(c, cudaStreamSynchronize(c->compute), op) : BE_OK;
 }
 
@@ -151,7 +151,7 @@ enum be_status cu_meta_reserve(struct cu_ctx *c, size_t bytes, char **host, char
 {
     bytes = cu_meta_size(bytes);
     if (bytes > c->meta_half) {
-        BE_TRY_CU(cu_meta_ensure(c, bytes));
+        BE_TRY(cu_meta_ensure(c, bytes));
     } else if (c->meta_used + bytes > c->meta_half) {
         CU_TRY(c, cudaEventRecord(c->meta_left[c->meta_side], c->compute), "metadata");
         c->meta_side ^= 1;
@@ -185,7 +185,7 @@ enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views,
     size_t vb = (size_t)n_views * sizeof(struct cu_view), tb = (size_t)n_tok * sizeof(struct be_tok);
     size_t bytes = cu_views_bytes(views, n_views, n_tok);
     char *h, *d;
-    BE_TRY_CU(cu_meta_reserve(c, bytes, &h, &d));
+    BE_TRY(cu_meta_reserve(c, bytes, &h, &d));
     /* [views][toks][block tables] */
     struct cu_view *hv = (struct cu_view *)h;
     memcpy(h + vb, toks, tb);
@@ -300,8 +300,8 @@ static enum be_status cu_copy_async(void *ctx, void *dst, const void *src, size_
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     cudaStream_t s;
-    BE_TRY_CU(cu_enter(c, "copy_async"));
-    BE_TRY_CU(copy_stream(c, dir, &s));
+    BE_TRY(cu_enter(c, "copy_async"));
+    BE_TRY(copy_stream(c, dir, &s));
     return cu_check(c, cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s), "copy_async");
 }
 
@@ -310,7 +310,7 @@ static enum be_status cu_copy_async(void *ctx, void *dst, const void *src, size_
 static enum be_status cu_copy(void *ctx, void *dst, const void *src, size_t n, enum be_copy_dir dir)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "copy"));
+    BE_TRY(cu_enter(c, "copy"));
     CU_TRY(c, cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, c->compute), "copy");
     return dir == BE_D2D ? BE_OK : cu_check(c, cudaStreamSynchronize(c->compute), "copy");
 }
@@ -324,7 +324,7 @@ struct cu_event {
 static enum be_status cu_event_create(void *ctx, void **ev)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "event_create"));
+    BE_TRY(cu_enter(c, "event_create"));
     struct cu_event *e = (struct cu_event *)calloc(1, sizeof(*e));
     if (!e)
         return BE_ENOMEM_HOST;
@@ -352,7 +352,7 @@ static enum be_status cu_event_record(void *ctx, void *ev)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     struct cu_event *e = (struct cu_event *)ev;
-    BE_TRY_CU(cu_enter(c, "event_record"));
+    BE_TRY(cu_enter(c, "event_record"));
     CU_TRY(c, cudaEventRecord(e->e[0], c->h2d), "event_record");
     CU_TRY(c, cudaEventRecord(e->e[1], c->d2h), "event_record");
     e->recorded = true;
@@ -363,7 +363,7 @@ static enum be_status cu_event_wait(void *ctx, void *ev)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     struct cu_event *e = (struct cu_event *)ev;
-    BE_TRY_CU(cu_enter(c, "event_wait"));
+    BE_TRY(cu_enter(c, "event_wait"));
     if (!e->recorded)
         return BE_OK;
     CU_TRY(c, cudaStreamWaitEvent(c->compute, e->e[0], 0), "event_wait");
@@ -374,7 +374,7 @@ static enum be_status cu_event_sync(void *ctx, void *ev)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     struct cu_event *e = (struct cu_event *)ev;
-    BE_TRY_CU(cu_enter(c, "event_sync"));
+    BE_TRY(cu_enter(c, "event_sync"));
     if (!e->recorded)
         return BE_OK;
     CU_TRY(c, cudaEventSynchronize(e->e[0]), "event_sync");
@@ -399,7 +399,7 @@ static enum be_status cu_event_elapsed(void *ctx, void *start, void *end, double
 static enum be_status cu_sync(void *ctx)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "sync"));
+    BE_TRY(cu_enter(c, "sync"));
     CU_TRY(c, cudaStreamSynchronize(c->h2d), "sync");
     CU_TRY(c, cudaStreamSynchronize(c->d2h), "sync");
     return cu_check(c, cudaStreamSynchronize(c->compute), "sync");
@@ -583,9 +583,9 @@ static void load_topology(struct cu_ctx *c)
 
 static enum be_status setup(const struct be_params *p, struct cu_ctx *c, size_t *budget)
 {
-    BE_TRY_CU(pick_device(p, c));
+    BE_TRY(pick_device(p, c));
     load_topology(c);
-    BE_TRY_CU(pick_budget(p, c, budget));
+    BE_TRY(pick_budget(p, c, budget));
     size_t arena = (*budget + 4095) & ~(size_t)4095;
     cudaError_t e = cudaMalloc(&c->arena, arena);
     if (e != cudaSuccess) {
@@ -604,9 +604,9 @@ static enum be_status setup(const struct be_params *p, struct cu_ctx *c, size_t 
     CU_TRY(c, cudaEventCreateWithFlags(&c->order, cudaEventDisableTiming), op);
     for (int i = 0; i < 2; i++)
         CU_TRY(c, cudaEventCreateWithFlags(&c->meta_left[i], cudaEventDisableTiming), op);
-    BE_TRY_CU(meta_alloc(c, META_HALF_MIN));
-    BE_TRY_CU(cu_blas_check(c, cublasCreate(&c->blas), op));
-    BE_TRY_CU(cu_blas_check(c, cublasSetStream(c->blas, c->compute), op));
+    BE_TRY(meta_alloc(c, META_HALF_MIN));
+    BE_TRY(cu_blas_check(c, cublasCreate(&c->blas), op));
+    BE_TRY(cu_blas_check(c, cublasSetStream(c->blas, c->compute), op));
     CU_TRY(c, cudaMalloc(&c->blas_ws, BLAS_WORKSPACE), op);
     return cu_blas_check(c, cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WORKSPACE), op);
 }

@@ -79,18 +79,7 @@ enum be_status cu_enter(struct cu_ctx *c, const char *op);
  * KVTIER_CUDA_SYNC=1 the kernels' own, so a fault names its op. */
 enum be_status cu_leave(struct cu_ctx *c, const char *op);
 
-#define CU_TRY(c, call, op)                                                                                   \
-    do {                                                                                                      \
-        enum be_status st_ = cu_check((c), (call), (op));                                                     \
-        if (st_ != BE_OK)                                                                                     \
-            return st_;                                                                                       \
-    } while (0)
-#define BE_TRY_CU(expr)                                                                                       \
-    do {                                                                                                      \
-        enum be_status st_ = (expr);                                                                          \
-        if (st_ != BE_OK)                                                                                     \
-            return st_;                                                                                       \
-    } while (0)
+#define CU_TRY(c, call, op) BE_TRY(cu_check((c), (call), (op)))
 
 /* ---- scratch and metadata ---------------------------------------------------- */
 

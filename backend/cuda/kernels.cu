@@ -152,7 +152,7 @@ static enum be_status matmul_blas(struct cu_ctx *c, void *y, enum be_dtype yt, c
     size_t xbytes = convert ? (nx * cu_esz(wt) + 255) / 256 * 256 : 0, cbytes = direct ? 0 : ny * 4;
     void *scratch = NULL;
     if (xbytes + cbytes)
-        BE_TRY_CU(cu_scratch(c, xbytes + cbytes, &scratch));
+        BE_TRY(cu_scratch(c, xbytes + cbytes, &scratch));
     const void *b = x;
     if (convert) {
         k_convert<<<blocks_for(nx), THREADS, 0, c->compute>>>(scratch, wt, x, c->act, nx);
@@ -161,7 +161,7 @@ static enum be_status matmul_blas(struct cu_ctx *c, void *y, enum be_dtype yt, c
     void *cm = direct ? y : (char *)scratch + xbytes;
     enum be_dtype ct = direct ? yt : BE_F32;
     float one = 1.0f, zero = 0.0f;
-    BE_TRY_CU(cu_blas_check(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, blas_type(wt), in,
+    BE_TRY(cu_blas_check(c, cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, blas_type(wt), in,
                                             b, blas_type(wt), in, &zero, cm, blas_type(ct), out, CUBLAS_COMPUTE_32F,
                                             CUBLAS_GEMM_DEFAULT),
                             "matmul"));
@@ -174,12 +174,12 @@ enum be_status cu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, co
                          const float *bias, int n, int in, int out)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "matmul"));
+    BE_TRY(cu_enter(c, "matmul"));
     unsigned grid = (unsigned)((out + ROW_WARPS - 1) / ROW_WARPS);
     if (wt == BE_Q8_0) {
         size_t nb = (size_t)n * in / 32;
         void *xq;
-        BE_TRY_CU(cu_scratch(c, nb * sizeof(struct q8_act), &xq));
+        BE_TRY(cu_scratch(c, nb * sizeof(struct q8_act), &xq));
         k_q8_act<<<(unsigned)((nb + ROW_WARPS - 1) / ROW_WARPS), THREADS, 0, c->compute>>>((struct q8_act *)xq, x,
                                                                                            c->act, nb);
         k_matmul_q8<<<grid, THREADS, 0, c->compute>>>(y, yt, (const struct q8_act *)xq, (const uint8_t *)w, bias,
@@ -189,7 +189,7 @@ enum be_status cu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, co
          * cuBLAS GEMM would only give by rounding x */
         k_matmul_rows<<<grid, THREADS, 0, c->compute>>>(y, yt, x, c->act, w, wt, bias, n, in, out);
     } else {
-        BE_TRY_CU(matmul_blas(c, y, yt, x, w, wt, bias, n, in, out));
+        BE_TRY(matmul_blas(c, y, yt, x, w, wt, bias, n, in, out));
     }
     return cu_leave(c, "matmul");
 }
@@ -214,7 +214,7 @@ __global__ void k_rmsnorm(void *y, const void *x, enum be_dtype dt, const float 
 enum be_status cu_rmsnorm(void *ctx, void *y, const void *x, const float *w, int n, int dim, float eps)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "rmsnorm"));
+    BE_TRY(cu_enter(c, "rmsnorm"));
     k_rmsnorm<<<n, THREADS, 0, c->compute>>>(y, x, c->act, w, dim, eps);
     return cu_leave(c, "rmsnorm");
 }
@@ -242,7 +242,7 @@ enum be_status cu_layernorm(void *ctx, void *y, const void *x, const float *w, c
                             float eps)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "layernorm"));
+    BE_TRY(cu_enter(c, "layernorm"));
     k_layernorm<<<n, THREADS, 0, c->compute>>>(y, x, c->act, w, b, dim, eps);
     return cu_leave(c, "layernorm");
 }
@@ -272,12 +272,12 @@ enum be_status cu_rope(void *ctx, void *x, int n_tok, int n_heads, int head_dim,
                        const float *inv_freq, int rot_dim, float mscale, enum be_rope_layout layout)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "rope"));
+    BE_TRY(cu_enter(c, "rope"));
     size_t bytes = (size_t)n_tok * sizeof(int64_t);
     char *h, *d;
-    BE_TRY_CU(cu_meta_reserve(c, bytes, &h, &d));
+    BE_TRY(cu_meta_reserve(c, bytes, &h, &d));
     memcpy(h, pos, bytes);
-    BE_TRY_CU(cu_meta_upload(c, h, d, bytes));
+    BE_TRY(cu_meta_upload(c, h, d, bytes));
     int threads = rot_dim / 2 < 128 ? 64 : 128;
     k_rope<<<dim3((unsigned)n_tok, (unsigned)n_heads), threads, 0, c->compute>>>(
         x, c->act, n_heads, head_dim, (const int64_t *)d, inv_freq, rot_dim, mscale, layout);
@@ -309,7 +309,7 @@ static enum be_status elem(void *ctx, const char *name, void *y, const void *a, 
                            enum elem_op op)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, name));
+    BE_TRY(cu_enter(c, name));
     k_elem<<<blocks_for(n), THREADS, 0, c->compute>>>(y, a, b, c->act, n, s, op);
     return cu_leave(c, name);
 }
@@ -361,7 +361,7 @@ __global__ void k_softmax(void *x, enum be_dtype dt, int cols)
 enum be_status cu_softmax(void *ctx, void *x, int rows, int cols)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "softmax"));
+    BE_TRY(cu_enter(c, "softmax"));
     k_softmax<<<rows, THREADS, 0, c->compute>>>(x, c->act, cols);
     return cu_leave(c, "softmax");
 }
@@ -377,12 +377,12 @@ __global__ void k_embed(void *y, enum be_dtype yt, const void *table, enum be_dt
 enum be_status cu_embed(void *ctx, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n, int dim)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "embed"));
+    BE_TRY(cu_enter(c, "embed"));
     size_t bytes = (size_t)n * sizeof(int32_t);
     char *h, *d;
-    BE_TRY_CU(cu_meta_reserve(c, bytes, &h, &d));
+    BE_TRY(cu_meta_reserve(c, bytes, &h, &d));
     memcpy(h, ids, bytes);
-    BE_TRY_CU(cu_meta_upload(c, h, d, bytes));
+    BE_TRY(cu_meta_upload(c, h, d, bytes));
     k_embed<<<n, THREADS, 0, c->compute>>>(y, c->act, table, dt, (const int32_t *)d, dim);
     return cu_leave(c, "embed");
 }
@@ -433,11 +433,11 @@ __global__ void k_argmax(const void *x, enum be_dtype dt, int cols, int32_t *out
 enum be_status cu_argmax(void *ctx, const void *x, int rows, int cols, int32_t *out)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "argmax"));
+    BE_TRY(cu_enter(c, "argmax"));
     void *d;
-    BE_TRY_CU(cu_scratch(c, (size_t)rows * sizeof(int32_t), &d));
+    BE_TRY(cu_scratch(c, (size_t)rows * sizeof(int32_t), &d));
     k_argmax<<<rows, THREADS, 0, c->compute>>>(x, c->act, cols, (int32_t *)d);
-    BE_TRY_CU(cu_leave(c, "argmax"));
+    BE_TRY(cu_leave(c, "argmax"));
     CU_TRY(c, cudaMemcpyAsync(out, d, (size_t)rows * sizeof(int32_t), cudaMemcpyDeviceToHost, c->compute),
            "argmax");
     return cu_check(c, cudaStreamSynchronize(c->compute), "argmax");
@@ -465,10 +465,10 @@ enum be_status cu_kv_store(void *ctx, const struct be_kv_view *views, const stru
                            const void *k, const void *v, const struct be_attn_params *p)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    BE_TRY_CU(cu_enter(c, "kv_store"));
+    BE_TRY(cu_enter(c, "kv_store"));
     const struct cu_view *dv;
     const struct be_tok *dt;
-    BE_TRY_CU(cu_upload_views(c, views, cu_views_named(toks, n_tok), toks, n_tok, &dv, &dt));
+    BE_TRY(cu_upload_views(c, views, cu_views_named(toks, n_tok), toks, n_tok, &dv, &dt));
     k_kv_store<<<dim3((unsigned)n_tok, (unsigned)p->n_kv_heads), 128, 0, c->compute>>>(
         dv, dt, k, v, c->act, p->kv_dtype, p->n_kv_heads, p->head_dim);
     return cu_leave(c, "kv_store");

@@ -13,21 +13,12 @@
 #include "model/runtime.h"
 #include "tests/fuzz/fuzz_util.h"
 
-static unsigned touch(const void *p, size_t bytes)
-{
-    const volatile unsigned char *b = p;
-    unsigned sum = 0;
-    for (size_t i = 0; i < bytes; i++)
-        sum += b[i];
-    return sum;
-}
-
 static void check_mat(const struct model_mat *m, const char *what)
 {
     FUZZ_CHECK(m->data && m->rows > 0 && m->cols > 0, "%s: %dx%d", what, m->rows, m->cols);
     size_t row = be_row_bytes(m->dtype, (size_t)m->cols);
     FUZZ_CHECK(row > 0, "%s: dtype %d", what, (int)m->dtype);
-    touch(m->data, row * (size_t)m->rows);
+    fuzz_touch(m->data, row * (size_t)m->rows);
 }
 
 static void check_weights(const struct model_weights *w, const struct model_config *c)
@@ -35,13 +26,13 @@ static void check_weights(const struct model_weights *w, const struct model_conf
     check_mat(&w->tok_embed, "embed");
     FUZZ_CHECK(be_dtype_size(w->tok_embed.dtype) > 0, "a block-format embedding reached be_embed");
     check_mat(&w->lm_head, "lm_head");
-    touch(w->final_norm, (size_t)c->hidden_size * 4);
+    fuzz_touch(w->final_norm, (size_t)c->hidden_size * 4);
     for (int l = 0; l < c->n_layers; l++) {
         const struct model_layer *L = &w->layers[l];
         const struct model_mat *m[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
             check_mat(m[i], "layer matrix");
-        touch(L->attn_norm, (size_t)c->hidden_size * 4);
+        fuzz_touch(L->attn_norm, (size_t)c->hidden_size * 4);
     }
 }
 

@@ -89,15 +89,6 @@ static const char *index_dir(void)
     return dir;
 }
 
-static unsigned touch(const void *p, size_t bytes)
-{
-    const volatile unsigned char *b = p;
-    unsigned sum = 0;
-    for (size_t i = 0; i < bytes; i++)
-        sum += b[i];
-    return sum;
-}
-
 static size_t dtype_size(enum be_dtype d)
 {
     return d == BE_F32 ? 4 : 2;
@@ -108,13 +99,13 @@ static void check_mat(const struct model_mat *m, int rows, int cols, const struc
     FUZZ_CHECK(m->data && m->rows == rows && m->cols == cols && m->dtype == c->dtype, "%s: %dx%d dtype %d", what,
                m->rows, m->cols, (int)m->dtype);
     FUZZ_CHECK((uintptr_t)m->data % dtype_size(m->dtype) == 0, "%s is misaligned", what);
-    touch(m->data, (size_t)rows * (size_t)cols * dtype_size(m->dtype));
+    fuzz_touch(m->data, (size_t)rows * (size_t)cols * dtype_size(m->dtype));
 }
 
 static void check_vec(const float *v, int len, const char *what)
 {
     FUZZ_CHECK(v, "%s missing", what);
-    touch(v, (size_t)len * sizeof *v);
+    fuzz_touch(v, (size_t)len * sizeof *v);
 }
 
 static void check_weights(const struct model_weights *w, const struct model_config *c)

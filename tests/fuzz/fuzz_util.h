@@ -1,6 +1,7 @@
 /* fuzz_util.h - what the libFuzzer harnesses share: an invariant check that
  * aborts (so libFuzzer keeps the input), a scratch directory for the loaders
- * that read files, and a UTF-8 validator independent of the tokenizer's. */
+ * that read files, a read of every byte of a bound weight, and a UTF-8
+ * validator independent of the tokenizer's. */
 #ifndef KVTIER_FUZZ_UTIL_H
 #define KVTIER_FUZZ_UTIL_H
 
@@ -23,6 +24,17 @@
             abort();                                                                                                 \
         }                                                                                                            \
     } while (0)
+
+/* Reads every byte of p[0..bytes) so a bound weight that points past its
+ * mapping faults under the sanitizer. */
+static inline unsigned fuzz_touch(const void *p, size_t bytes)
+{
+    const volatile unsigned char *b = p;
+    unsigned sum = 0;
+    for (size_t i = 0; i < bytes; i++)
+        sum += b[i];
+    return sum;
+}
 
 static char fuzz_dir_path[128];
 
