@@ -243,6 +243,8 @@ static void run_state_sizes(const struct model_config *c, size_t e, int cap, siz
 {
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t rows = (size_t)cap, xb_dim = (size_t)c->hidden_size;
+    /* the RoPE tables; Mamba has no heads, and a buffer is never empty */
+    size_t rope = c->head_dim ? (size_t)c->head_dim / 2 * 4 : 4;
     if (c->arch == ARCH_MAMBA) { /* mamba_layer_forward: every buffer but x and xb has inner columns */
         q_dim = kv_dim = (size_t)c->intermediate_size;
         if (xb_dim < 2 * (size_t)c->ssm_state) /* xb holds B and C */
@@ -252,8 +254,7 @@ static void run_state_sizes(const struct model_config *c, size_t e, int cap, siz
         rows * c->hidden_size * e, rows * xb_dim * e, rows * q_dim * e,
         rows * kv_dim * e, rows * kv_dim * e, rows * q_dim * e,
         rows * c->intermediate_size * e, rows * c->intermediate_size * e,
-        (size_t)logit_rows(cap) * c->vocab_size * 4, (size_t)c->head_dim / 2 * 4 + 4, (size_t)c->head_dim / 2 * 4 + 4,
-        (size_t)c->head_dim / 2 * 4 + 4, /* + 4: Mamba has no heads, and a buffer is never empty */
+        (size_t)logit_rows(cap) * c->vocab_size * 4, rope, rope, rope,
     };
     memcpy(sizes, s, sizeof(s));
 }
