@@ -1109,7 +1109,12 @@ static void prefix_step(kv_store *s, kv_seq *q, const int32_t *ids, int n, int m
     for (int l = 0; l < 2; l++) {
         struct be_ssm_view v;
         kv_seq_state_view(q, l, &v);
-        memset(v.out, mark, be_ssm_state_bytes(32, 16, 4));
+        size_t n_state = be_ssm_state_bytes(32, 16, 4);
+        unsigned char *h = malloc(n_state);
+        assert_non_null(h);
+        memset(h, mark, n_state);
+        assert_int_equal(be_copy(g_be, v.out, h, n_state, BE_H2D), BE_OK); /* device memory: not the host's to touch */
+        free(h);
     }
     assert_int_equal(kv_store_layer_end(s, 1), BE_OK);
     assert_int_equal(kv_seq_commit(q), TIER_OK);
@@ -1121,7 +1126,8 @@ static int prefix_mark(kv_seq *q)
     struct be_ssm_view v;
     assert_int_equal(kv_seq_reserve(q, 1), TIER_OK);
     kv_seq_state_view(q, 1, &v);
-    int m = ((const unsigned char *)v.in)[0];
+    unsigned char m;
+    assert_int_equal(be_copy(g_be, &m, v.in, 1, BE_D2H), BE_OK);
     kv_seq_abort(q);
     return m;
 }
@@ -1150,6 +1156,7 @@ static void test_state_prefix(void **state)
     (void)state;
     be_backend *be;
     assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
+    g_be = be; /* prefix_step and prefix_mark copy through it */
     size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
     kv_store *s;
     assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = seq / 2},
@@ -1221,6 +1228,7 @@ static void test_state_prefix_host(void **state)
     (void)state;
     be_backend *be;
     assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
+    g_be = be; /* prefix_step and prefix_mark copy through it */
     size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
     kv_store *s;
     assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = seq / 2},
