@@ -1146,6 +1146,22 @@ static int64_t prefix_state_match(kv_store *s, uint64_t ns, const int32_t *ids, 
     return got;
 }
 
+/* A 2-layer state store with shared checkpoints every 16 tokens on a
+ * fresh CPU backend (g_be, which prefix_step and prefix_mark copy
+ * through); p adds to those settings. */
+static kv_store *open_prefix_store(struct kv_store_params p, be_backend **be)
+{
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, be), BE_OK);
+    g_be = *be;
+    p.checkpoint_interval = 16;
+    p.prefix_cache = true;
+    kv_store *s;
+    assert_int_equal(kv_store_open(*be, &(struct kv_geom){.n_layers = 2, .state_bytes = be_ssm_state_bytes(32, 16, 4)},
+                                   &p, &s),
+                     TIER_OK);
+    return s;
+}
+
 /* Shared checkpoints of a state store: a fresh sequence starts from the
  * deepest one whose namespace and ids equal its prompt's (the hash masked
  * to one bit: every lookup collides, the ids decide), never at its last
@@ -1155,15 +1171,8 @@ static void test_state_prefix(void **state)
 {
     (void)state;
     be_backend *be;
-    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
-    g_be = be; /* prefix_step and prefix_mark copy through it */
     size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
-    kv_store *s;
-    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = seq / 2},
-                                   &(struct kv_store_params){.checkpoint_interval = 16, .prefix_cache = true,
-                                                             .prefix_hash_mask = 1},
-                                   &s),
-                     TIER_OK);
+    kv_store *s = open_prefix_store((struct kv_store_params){.prefix_hash_mask = 1}, &be);
     int32_t a[64], b[64];
     for (int i = 0; i < 64; i++)
         a[i] = b[i] = 100 + i;
@@ -1227,15 +1236,8 @@ static void test_state_prefix_host(void **state)
 {
     (void)state;
     be_backend *be;
-    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
-    g_be = be; /* prefix_step and prefix_mark copy through it */
     size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
-    kv_store *s;
-    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = seq / 2},
-                                   &(struct kv_store_params){.checkpoint_interval = 16, .prefix_cache = true,
-                                                             .host_mem = 4 * seq},
-                                   &s),
-                     TIER_OK);
+    kv_store *s = open_prefix_store((struct kv_store_params){.host_mem = 4 * seq}, &be);
     int32_t a[40];
     for (int i = 0; i < 40; i++)
         a[i] = 100 + i;
