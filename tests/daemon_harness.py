@@ -32,7 +32,13 @@ def make_model(tmp):
     out = os.path.join(tmp, "model")
     if not os.path.exists("tools/mkmodel.py") or not os.path.exists("model/builtin/tokenizer.json"):
         skip("tools/mkmodel.py or model/builtin/tokenizer.json missing")
-    r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "llama", "--preset", "tiny", "--vocab", "2048",
+    return mkmodel(out, "--arch", "llama", "--preset", "tiny")
+
+
+def mkmodel(out, *args):
+    """tools/mkmodel.py ARGS into out, with the built-in tokenizer and a
+    2048-token vocabulary; the test is skipped when it fails."""
+    r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", *args, "--vocab", "2048",
                         "--tokenizer-from", "model/builtin", "--out", out], capture_output=True, text=True)
     if r.returncode != 0:
         skip("mkmodel failed: " + r.stderr[-300:])

@@ -8,19 +8,13 @@ full, states go to the host tier (at creation, and an idle session's to
 make room for a step) with unchanged tokens (the disk tier:
 tests/daemon_mamba_disk.py); a request sharing 85 tokens with an earlier
 one starts from the shared checkpoint at 80 with the reference's tokens."""
-import subprocess
 import sys
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, skip  # noqa: E402
+from daemon_harness import Daemon, check, mkmodel  # noqa: E402
 
 d = Daemon("--checkpoint-interval", "16")
-model = d.tmp + "/mamba"
-r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "mamba", "--layers", "2", "--dim", "64",
-                    "--vocab", "2048", "--tokenizer-from", "model/builtin", "--out", model],
-                   capture_output=True, text=True)
-if r.returncode != 0:
-    skip("mkmodel failed: " + r.stderr[-300:])
+model = mkmodel(d.tmp + "/mamba", "--arch", "mamba", "--layers", "2", "--dim", "64")
 d.model = model
 d.start()
 # what the daemon holds on the device with no sequence: activations (and,

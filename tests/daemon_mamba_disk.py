@@ -3,20 +3,14 @@ spills (its state and its checkpoints) and its next request continues from
 the restored state with a fresh run's tokens; a crop after the restore goes
 back to a checkpoint that came back from disk; a session survives a
 restart."""
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, skip  # noqa: E402
+from daemon_harness import Daemon, check, mkmodel  # noqa: E402
 
 sp = Daemon("--checkpoint-interval", "16", "--spill-after", "1")
-model = sp.tmp + "/mamba"
-r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "mamba", "--layers", "2", "--dim", "64",
-                    "--vocab", "2048", "--tokenizer-from", "model/builtin", "--out", model],
-                   capture_output=True, text=True)
-if r.returncode != 0:
-    skip("mkmodel failed: " + r.stderr[-300:])
+model = mkmodel(sp.tmp + "/mamba", "--arch", "mamba", "--layers", "2", "--dim", "64")
 sp.model = model
 sp.start()
 prompt = [(i * 53 + 7) % 1900 + 50 for i in range(100)]
