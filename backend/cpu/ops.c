@@ -702,6 +702,7 @@ struct elem_job {
     const float *a, *b;
     size_t n;
     float s;
+    enum be_act act; /* act_job's */
 };
 
 static void silu_mul_job(void *arg, int ith, int nth)
@@ -756,15 +757,15 @@ static void act_job(void *arg, int ith, int nth)
     split(j->n, ith, nth, 16, &lo, &hi);
     for (size_t i = lo; i < hi; i++) {
         float x = j->y[i];
-        /* s stands for the kind: 0 ReLU, 1 erf GELU x/2 * (1 + erf(x / sqrt 2)) */
-        j->y[i] = j->s == 0.0f ? (x > 0.0f ? x : 0.0f) : 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+        /* erf GELU: x/2 * (1 + erf(x / sqrt 2)) */
+        j->y[i] = j->act == BE_ACT_RELU ? (x > 0.0f ? x : 0.0f) : 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
     }
 }
 
 enum be_status cpu_act(void *ctx, void *x_, size_t n, enum be_act act)
 {
     float *x = x_;
-    struct elem_job j = {.c = ctx, .y = x, .n = n, .s = act == BE_ACT_RELU ? 0.0f : 1.0f};
+    struct elem_job j = {.c = ctx, .y = x, .n = n, .act = act};
     run(j.c, act_job, &j, n * 8);
     return BE_OK;
 }
