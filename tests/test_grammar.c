@@ -256,6 +256,63 @@ static void test_min_close_exact(void **state)
     gram_free(g);
 }
 
+/* The output nests at most GRAM_DEPTH values: in the last frame an object
+ * or array may open but take no value, a schema whose shortest value is
+ * deeper is refused, and the closing length stays exact at the limit. */
+static void test_depth_limit(void **state)
+{
+    (void)state;
+    gram *g = compile_str(NULL);
+    char doc[4 * GRAM_DEPTH + 8];
+    size_t n = 0;
+    doc[n++] = '{';
+    for (int i = 1; i < GRAM_DEPTH - 1; i++)
+        doc[n++] = '"', doc[n++] = '"', doc[n++] = ':', doc[n++] = '{';
+    memcpy(doc + n, "\"\":", 3);
+    n += 3;
+    doc[n] = '\0';
+    struct gram_state s;
+    gram_start(g, &s);
+    assert_true(gram_feed(&s, doc, n)); /* GRAM_DEPTH - 1 objects, a key */
+    struct gram_state t = s;
+    assert_true(gram_step(&t, '{'));     /* the last frame: empty only */
+    assert_false(gram_step(&t, '"'));
+    assert_true(gram_step(&t, '}'));
+    t = s;
+    assert_true(gram_step(&t, '['));
+    assert_false(gram_step(&t, '1'));
+    assert_true(gram_step(&t, ']'));
+    t = s;
+    assert_true(gram_step(&t, '1'));
+    assert_int_equal(gram_min_close(&t), GRAM_DEPTH - 1);
+    /* a key whose value cannot open: the closing count skips it */
+    t = s;
+    assert_true(gram_feed(&t, "{}", 2));
+    assert_false(gram_step(&t, ',') && gram_step(&t, '"') && gram_step(&t, '"') && gram_step(&t, ':') &&
+                 gram_step(&t, '{') && gram_step(&t, '"'));
+    for (uint64_t seed = 1; seed <= 100; seed++)
+        walk_and_close(g, seed * 0x9e3779b97f4a7c15ull);
+    gram_free(g);
+
+    /* required keys 30 deep: no document fits */
+    char sch[2048];
+    n = 0;
+    for (int i = 0; i < 30; i++)
+        n += (size_t)snprintf(sch + n, sizeof(sch) - n, "{\"type\":\"object\",\"required\":[\"a\"],\"properties\":{\"a\":");
+    n += (size_t)snprintf(sch + n, sizeof(sch) - n, "{\"type\":\"integer\"}");
+    for (int i = 0; i < 30; i++)
+        n += (size_t)snprintf(sch + n, sizeof(sch) - n, "}}");
+    json_t *j = json_loads(sch, 0, NULL);
+    assert_non_null(j);
+    const char *bad;
+    char err[TEXT_ERR_LEN];
+    g = NULL;
+    assert_int_equal(gram_compile(j, &g, &bad, err), TEXT_EUNSUPPORTED);
+    assert_null(g);
+    assert_non_null(strstr(err, "deeper than 24 levels"));
+    json_decref(j);
+}
+
 static void test_vocab_mask(void **state)
 {
     (void)state;
@@ -393,7 +450,7 @@ int main(void)
         cmocka_unit_test(test_json_object),      cmocka_unit_test(test_schema_object),
         cmocka_unit_test(test_refused_keywords), cmocka_unit_test(test_calls),
         cmocka_unit_test(test_min_close_exact),  cmocka_unit_test(test_vocab_mask),
-        cmocka_unit_test(test_mask_is_exact),
+        cmocka_unit_test(test_mask_is_exact),    cmocka_unit_test(test_depth_limit),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -39,6 +39,7 @@ struct node {
     int32_t items;
     uint32_t min_items, max_items, min_len, max_len;
     size_t minlen;          /* bytes of the shortest value */
+    int nest;               /* frames the shortest value needs: 1 for a scalar */
 };
 
 struct text {
@@ -90,7 +91,7 @@ static int new_node(gram *g)
         g->cap_nodes = cap;
     }
     g->nodes[g->n_nodes] = (struct node){.types = T_ALL, .additional = 0, .items = 0, .max_items = UINT32_MAX,
-                                         .max_len = UINT32_MAX};
+                                         .max_len = UINT32_MAX, .nest = 1};
     return g->n_nodes++;
 }
 
@@ -291,34 +292,67 @@ static size_t obj_min(const gram *g, const struct node *nd)
     return k ? n - 1 : n;
 }
 
+/* Frames an object of nd needs at least: its own and its deepest required
+ * value's. */
+static int obj_nest(const gram *g, const struct node *nd)
+{
+    int d = 0;
+    for (int i = 0; i < nd->n_props; i++)
+        if ((nd->required >> i & 1) && g->nodes[g->props[nd->prop0 + (uint32_t)i].child].nest > d)
+            d = g->nodes[g->props[nd->prop0 + (uint32_t)i].child].nest;
+    return 1 + d;
+}
+
+static int arr_nest(const gram *g, const struct node *nd)
+{
+    return nd->min_items ? 1 + g->nodes[nd->items].nest : 1;
+}
+
+/* Whether a value of node fits in the frames from slot on.  The output
+ * nests at most GRAM_DEPTH frames, so a value is only begun where its
+ * shortest completion fits: otherwise gram_min_close would count bytes
+ * that no sequence of steps can write. */
+static bool room(const gram *g, int slot, int node)
+{
+    return slot + g->nodes[node].nest <= GRAM_DEPTH;
+}
+
+/* Keeps the shorter of two candidate values, the shallower of equals. */
+static void shorter(size_t *len, int *nest, size_t l, int d)
+{
+    if (l < *len || (l == *len && d < *nest))
+        *len = l, *nest = d;
+}
+
 static void set_minlen(gram *g, int i)
 {
     struct node *nd = &g->nodes[i];
     size_t m = BIG;
+    int d = 1;
     if (nd->n_lits) {
         for (int k = 0; k < nd->n_lits; k++)
-            m = g->lits[nd->lit0 + (uint32_t)k].len < m ? g->lits[nd->lit0 + (uint32_t)k].len : m;
+            shorter(&m, &d, g->lits[nd->lit0 + (uint32_t)k].len, 1);
     } else if (nd->calls) {
         for (int k = 0; k < nd->n_props; k++) {
             const struct text *p = &g->props[nd->prop0 + (uint32_t)k];
-            size_t x = sat_add(p->len + 1, g->nodes[p->child].minlen);
-            m = x < m ? x : m;
+            shorter(&m, &d, sat_add(p->len + 1, g->nodes[p->child].minlen), 1 + g->nodes[p->child].nest);
         }
     } else {
         if (nd->types & (T_NUM | T_INT))
-            m = 1;
-        if (nd->types & T_ARR) {
-            size_t x = nd->min_items ? sat_mul(nd->min_items, sat_add(g->nodes[nd->items].minlen, 1)) + 1 : 2;
-            m = x < m ? x : m;
-        }
+            shorter(&m, &d, 1, 1);
+        if (nd->types & T_ARR)
+            shorter(&m, &d,
+                    nd->min_items ? sat_mul(nd->min_items, sat_add(g->nodes[nd->items].minlen, 1)) + 1 : 2,
+                    arr_nest(g, nd));
         if (nd->types & T_STR)
-            m = sat_add(nd->min_len, 2) < m ? sat_add(nd->min_len, 2) : m;
+            shorter(&m, &d, sat_add(nd->min_len, 2), 1);
         if (nd->types & (T_BOOL | T_NULL))
-            m = 4 < m ? 4 : m;
+            shorter(&m, &d, 4, 1);
         if (nd->types & T_OBJ)
-            m = obj_min(g, nd) < m ? obj_min(g, nd) : m;
+            shorter(&m, &d, obj_min(g, nd), obj_nest(g, nd));
     }
     nd->minlen = m;
+    nd->nest = d;
 }
 
 static bool is_ignored(const char *k)
@@ -461,6 +495,8 @@ enum text_status gram_compile(const json_t *schema, gram **out, const char **bad
         g->nodes[g->root].types = T_OBJ; /* json_object: any object */
         g->nodes[g->root].minlen = 2;
     }
+    if (st == TEXT_OK && g->nodes[g->root].nest > GRAM_DEPTH)
+        st = cfail(&c, TEXT_EUNSUPPORTED, "its shortest value nests deeper than 24 levels");
     if (st != TEXT_OK) {
         gram_free(g);
         return st;
@@ -492,6 +528,8 @@ enum text_status gram_compile_calls(const char *const *names, const json_t *cons
                 g->nodes[kids[i]].types = T_OBJ, g->nodes[kids[i]].minlen = 2;
         } else {
             st = compile(&c, params[i], 0, &kids[i]);
+            if (st == TEXT_OK && g->nodes[kids[i]].nest > GRAM_DEPTH - 1)
+                st = cfail(&c, TEXT_EUNSUPPORTED, "its shortest value nests deeper than 23 levels");
         }
     }
     int root = st == TEXT_OK ? new_node(g) : -1;
@@ -562,7 +600,7 @@ static bool plain_key(unsigned char c)
 
 static bool push(struct gram_state *s, int node)
 {
-    if (s->depth == GRAM_DEPTH)
+    if (!room(s->g, s->depth, node))
         return false;
     s->f[s->depth++] = (struct gram_frame){.node = (uint16_t)node, .kind = K_VALUE};
     return true;
@@ -607,9 +645,10 @@ static bool start_value(struct gram_state *s, struct gram_frame *f, unsigned cha
         return true;
     }
     uint16_t node = f->node;
-    if (c == '{' && (nd->types & T_OBJ)) {
+    int slot = s->depth - 1;
+    if (c == '{' && (nd->types & T_OBJ) && slot + obj_nest(g, nd) <= GRAM_DEPTH) {
         *f = (struct gram_frame){.node = node, .kind = K_OBJ, .phase = O_FIRST};
-    } else if (c == '[' && (nd->types & T_ARR)) {
+    } else if (c == '[' && (nd->types & T_ARR) && slot + arr_nest(g, nd) <= GRAM_DEPTH) {
         *f = (struct gram_frame){.node = node, .kind = K_ARR, .phase = A_FIRST};
     } else if (c == '"' && (nd->types & T_STR)) {
         *f = (struct gram_frame){.node = node, .kind = K_STR, .phase = S_CHAR};
@@ -782,20 +821,38 @@ static uint64_t unseen_mask(const struct node *nd, uint64_t seen)
     return all & ~seen;
 }
 
-/* Whether another key may follow in object frame f. */
-static bool key_possible(const struct node *nd, const struct gram_frame *f)
+/* The known keys whose values fit from slot on. */
+static uint64_t fit_mask(const gram *g, const struct node *nd, int slot)
 {
-    return nd->additional >= 0 || unseen_mask(nd, f->m);
+    uint64_t m = 0;
+    for (int i = 0; i < nd->n_props; i++)
+        if (room(g, slot, g->props[nd->prop0 + (uint32_t)i].child))
+            m |= (uint64_t)1 << i;
+    return m;
 }
 
-static bool obj_key_start(const struct node *nd, struct gram_frame *f)
+/* Whether an unknown key's value fits from slot on. */
+static bool free_fits(const gram *g, const struct node *nd, int slot)
 {
-    if (!key_possible(nd, f))
+    return nd->additional >= 0 && room(g, slot, nd->additional);
+}
+
+/* Whether another key may follow in object frame f, its values from slot on. */
+static bool key_possible(const gram *g, const struct node *nd, const struct gram_frame *f, int slot)
+{
+    return free_fits(g, nd, slot) || (unseen_mask(nd, f->m) & fit_mask(g, nd, slot));
+}
+
+static bool obj_key_start(const gram *g, const struct node *nd, struct gram_frame *f, int slot)
+{
+    if (!key_possible(g, nd, f, slot))
         return false;
     f->phase = O_KEY;
     f->n = 0;
-    f->a = 1; /* free: could still be an unknown key */
-    f->m2 = nd->additional >= 0 ? unseen_mask(nd, 0) : unseen_mask(nd, f->m);
+    f->a = free_fits(g, nd, slot); /* could still be an unknown key */
+    /* with unknown keys allowed every known name is followed, so that one
+     * already seen, or one whose value does not fit, is refused by name */
+    f->m2 = f->a ? unseen_mask(nd, 0) : unseen_mask(nd, f->m) & fit_mask(g, nd, slot);
     return true;
 }
 
@@ -811,11 +868,13 @@ static bool obj_step(struct gram_state *s, struct gram_frame *f, unsigned char c
                     exact |= (uint64_t)1 << i;
             if (exact & f->m)
                 return false; /* a known key twice */
+            if (exact & ~fit_mask(g, nd, s->depth))
+                return false; /* its value would nest too deep */
             if (exact) {
                 int i = __builtin_ctzll(exact);
                 f->m |= exact;
                 f->child = (uint16_t)g->props[nd->prop0 + (uint32_t)i].child;
-            } else if (f->a && nd->additional >= 0) {
+            } else if (f->a) {
                 f->child = (uint16_t)nd->additional;
             } else {
                 return false;
@@ -829,7 +888,7 @@ static bool obj_step(struct gram_state *s, struct gram_frame *f, unsigned char c
             if ((f->m2 >> i & 1) && f->n < p->len && (unsigned char)p->s[f->n] == c)
                 nm |= (uint64_t)1 << i;
         }
-        bool free_ok = f->a && nd->additional >= 0 && plain_key(c);
+        bool free_ok = f->a && plain_key(c);
         if (!nm && !free_ok)
             return false;
         f->m2 = nm;
@@ -849,9 +908,9 @@ static bool obj_step(struct gram_state *s, struct gram_frame *f, unsigned char c
             s->depth--;
             return true;
         }
-        return c == '"' && obj_key_start(nd, f);
+        return c == '"' && obj_key_start(g, nd, f, s->depth);
     case O_NEXT:
-        return c == '"' && obj_key_start(nd, f);
+        return c == '"' && obj_key_start(g, nd, f, s->depth);
     case O_COLON:
         if (c != ':')
             return false;
@@ -862,7 +921,7 @@ static bool obj_step(struct gram_state *s, struct gram_frame *f, unsigned char c
             s->depth--;
             return true;
         }
-        if (c == ',' && key_possible(nd, f)) {
+        if (c == ',' && key_possible(g, nd, f, s->depth)) {
             f->phase = O_NEXT;
             return true;
         }
@@ -909,7 +968,7 @@ static bool step(struct gram_state *s, unsigned char c)
                     s->depth--;
                     return true;
                 }
-                if (c == ',' && f->n < nd->max_items) {
+                if (c == ',' && f->n < nd->max_items && room(g, s->depth, nd->items)) {
                     f->phase = A_NEXT;
                     return true;
                 }
@@ -1056,7 +1115,8 @@ static size_t req_cost(const gram *g, const struct node *nd, uint64_t mask)
     return n;
 }
 
-static size_t obj_close(const gram *g, const struct gram_frame *f)
+/* f's frame is at slot - 1: its values go from slot on. */
+static size_t obj_close(const gram *g, const struct gram_frame *f, int slot)
 {
     const struct node *nd = &g->nodes[f->node];
     uint64_t rem = nd->required & ~f->m;
@@ -1071,8 +1131,8 @@ static size_t obj_close(const gram *g, const struct gram_frame *f)
     case O_NEXT: {
         if (rem)
             return rc;
-        size_t best = nd->additional >= 0 ? sat_add(3, g->nodes[nd->additional].minlen) : BIG;
-        uint64_t un = unseen_mask(nd, f->m);
+        size_t best = free_fits(g, nd, slot) ? sat_add(3, g->nodes[nd->additional].minlen) : BIG;
+        uint64_t un = unseen_mask(nd, f->m) & fit_mask(g, nd, slot);
         for (int i = 0; i < nd->n_props; i++) {
             if (!(un >> i & 1))
                 continue;
@@ -1090,13 +1150,13 @@ static size_t obj_close(const gram *g, const struct gram_frame *f)
                 continue;
             const struct text *p = &g->props[nd->prop0 + (uint32_t)i];
             exact_here |= p->len == f->n;
-            if (f->m >> i & 1)
+            if ((f->m >> i & 1) || !room(g, slot, p->child))
                 continue;
             size_t x = sat_add(sat_add(p->len - f->n + 3, g->nodes[p->child].minlen),
                                req_cost(g, nd, rem & ~((uint64_t)1 << i)));
             best = x < best ? x : best;
         }
-        if (f->a && nd->additional >= 0) {
+        if (f->a) {
             size_t x = sat_add(sat_add(3 + exact_here, g->nodes[nd->additional].minlen), rc);
             best = x < best ? x : best;
         }
@@ -1119,7 +1179,7 @@ size_t gram_min_close(const struct gram_state *s)
             x = nd->minlen;
             break;
         case K_OBJ:
-            x = obj_close(g, f);
+            x = obj_close(g, f, d + 1);
             break;
         case K_ARR: {
             size_t item = sat_add(g->nodes[nd->items].minlen, 1);

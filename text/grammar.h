@@ -28,7 +28,7 @@
 #include "text/status.h"
 #include "text/tokenizer.h"
 
-#define GRAM_DEPTH 24      /* nesting of the output's values */
+#define GRAM_DEPTH 24      /* nesting of the output's values: a container in the last level stays empty */
 #define GRAM_MAX_WS 2      /* whitespace bytes in a row */
 #define GRAM_MAX_PROPS 64  /* properties of one object schema */
 #define GRAM_MAX_LITS 64   /* values of one enum */
