@@ -88,8 +88,9 @@ static void *plugin_try(const char *path)
 }
 
 /* Candidates in order: $KVTIER_CUDA_PLUGIN (a file, or a directory holding
- * the plugin), then next to the running executable and one level up (tests
- * run from build/tests/, the plugin sits in build/). */
+ * the plugin), then next to the running executable, and one level up for a
+ * program in a tests/ directory (tests run from build/tests/, the plugin
+ * sits in build/; a daemon in build/asan/ must not take build/'s). */
 static void *open_cuda_plugin(void)
 {
     char exe[PATH_MAX], path[PATH_MAX + sizeof(CUDA_PLUGIN_NAME) + 8];
@@ -109,7 +110,7 @@ static void *open_cuda_plugin(void)
     exe[len] = '\0';
     for (int up = 0; up < 2; up++) {
         char *slash = strrchr(exe, '/');
-        if (!slash)
+        if (!slash || (up == 1 && strcmp(slash + 1, "tests") != 0))
             return NULL;
         *slash = '\0';
         snprintf(path, sizeof(path), "%s/%s", exe, CUDA_PLUGIN_NAME);
