@@ -57,6 +57,8 @@ static void roundtrip(size_t len, ZSTD_CCtx *cctx)
     assert_int_equal(out_len, len);
     assert_memory_equal(out, data, len);
     assert_true(cctx ? owned == out : owned == NULL);
+    free(owned);
+    owned = NULL;
     char why[DISK_WHY_LEN];
     assert_int_equal(disk_blob_decode(blob, n, &LAYOUT, "p3e9", "00000000deadbeef", len - 1, NULL, &out, &out_len,
                                       &owned, why),
