@@ -465,7 +465,8 @@ static void retire(engine *e, struct job *j)
             add_kv_stats(&kvs, c->kv, !any);
             any = true;
         }
-        if (!j->sess)
+        /* a session keeps its own; its beams' forks go */
+        if (!j->sess || (j->bs && c->kv != j->sess->kv))
             kv_seq_free(c->kv);
         c->kv = NULL;
     }
@@ -481,8 +482,10 @@ static void retire(engine *e, struct job *j)
     size_t n_keep = 0;
     if (s && admitted) {
         n_keep = s->kv ? (size_t)kv_seq_length(s->kv) : 0;
+        /* once beams forked it (beam_advance), the session's KV stayed at the prompt */
+        size_t fed = j->bs && c0->kv != s->kv ? j->n_prompt : c0->n_fed;
         /* a KV whose restore failed part-way is no KV */
-        if (n_keep != c0->n_fed || (s->kv && kv_seq_load_status(s->kv) != TIER_OK) ||
+        if (n_keep != fed || (s->kv && kv_seq_load_status(s->kv) != TIER_OK) ||
             (n_keep && !(keep = malloc(n_keep * sizeof(*keep))))) {
             kv_seq_free(s->kv);
             s->kv = NULL;
@@ -668,6 +671,13 @@ void start_job(engine *e, struct job *j)
             j->io_wait = true; /* prefix_remote_poll starts it again once the blocks are in */
             return;
         }
+    }
+    if (j->beam.num_beams > 1 && j->sess && j->sess->cache.params.strategy == KV_QUANTIZED) {
+        struct ipc_error err;
+        ipc_fail(&err, IPC_EINVAL, "num_beams", "num_beams > 1 needs KV sequences that fork; the session's "
+                 "quantized cache does not");
+        job_fail(e, j, &err);
+        return;
     }
     if (j->beam.num_beams > 1 && !j->bs) {
         char msg[MODEL_ERR_LEN] = "";
@@ -1102,7 +1112,16 @@ static void beam_advance(engine *e, struct job *j, double t)
         kv[i] = j->ch[i].kv;
         fed[i] = j->ch[i].n_fed;
     }
-    enum tier_status ts = beam_reorder(kv, nr, parent, nn, tmp, &j->freed_copied);
+    struct ipc_error err;
+    enum tier_status ts = TIER_OK;
+    /* a session's decoder cache stays at the prompt for its next request
+     * (retire): the beams go on from a fork of it */
+    if (j->sess && kv[0] == j->sess->kv && (ts = kv_seq_fork(j->sess->kv, &kv[0])) != TIER_OK) {
+        kv_error(e, ts, "num_beams", &err);
+        job_fail(e, j, &err);
+        return;
+    }
+    ts = beam_reorder(kv, nr, parent, nn, tmp, &j->freed_copied);
     size_t len = 0;
     for (int k = 0; k < nn; k++) {
         struct job_choice *c = &j->ch[k];
@@ -1114,15 +1133,19 @@ static void beam_advance(engine *e, struct job *j, double t)
         c->seq.gen = (int)(len - j->n_prompt);
     }
     if (ts != TIER_OK) {
-        struct ipc_error err;
         kv_error(e, ts, "num_beams", &err);
         job_fail(e, j, &err);
         return;
     }
+    enum be_dtype dt = kv_store_dtype(e->store);
+    uint64_t whole = beam_whole_reorder_bytes(e->mc, dt, nn, (int64_t)len - 1, j->cache.params.window_length);
+    /* an encoder-decoder model's reorder_cache gathers the beams' copies
+     * of the cross-attention cache too; here the beams read one */
+    if (j->cross)
+        whole += beam_whole_reorder_bytes(e->mc, dt, nn, kv_seq_length(j->cross), 0);
     pthread_mutex_lock(&e->mu);
     j->res.beam_steps++;
-    j->res.whole_reorder_bytes +=
-        beam_whole_reorder_bytes(e->mc, kv_store_dtype(e->store), nn, (int64_t)len - 1, j->cache.params.window_length);
+    j->res.whole_reorder_bytes += whole;
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -52,8 +52,6 @@ static enum ipc_status encdec_ids(struct server *s, const struct ipc_gen_req *g,
     if (!g->has_input && !g->session)
         return ipc_fail(err, IPC_EINVAL, "input", "%s is an encoder-decoder model: \"input\" (text or token ids) is "
                         "its encoder's input, \"prompt\" the decoder's (optional)", ec->arch_name);
-    if (g->num_beams > 1)
-        return ipc_fail(err, IPC_EINVAL, "num_beams", "beam search over an encoder-decoder model is not supported");
     enum ipc_status st = encdec_cache_check(s, &g->cache.params, err);
     if (st != IPC_OK)
         return st;
@@ -174,6 +172,12 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
         st = ipc_fail(err, IPC_EINVAL, "prompt", "prompt is required");
     else if (st == IPC_OK)
         st = prompt_ids(s, &g, &ids, err);
+    /* an encoder-decoder session is worth its encoded input, which beams
+     * read as any request does; a decoder-only one is the conversation it
+     * continues, which no beam's hypothesis extends */
+    if (st == IPC_OK && g.num_beams > 1 && g.session && !engine_encdec(s->eng))
+        st = ipc_fail(err, IPC_EINVAL, "session", "session is not available with num_beams > 1 on a decoder-only "
+                      "model (an encoder-decoder model's sessions take beams)");
     int ctx = engine_context(s->eng);
     if (st == IPC_OK && !ids.n)
         st = ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "the prompt is empty (no tokens)");

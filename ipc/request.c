@@ -905,7 +905,7 @@ static enum ipc_status check_beams(const json_t *root, struct ipc_gen_req *r, st
         return ipc_fail(err, IPC_EINVAL, "stream",
                         "stream is not available with num_beams > 1: the beams are reordered and replaced "
                         "until the search ends, so no token is final before then");
-    static const char *const refused[] = {"n", "best_of", "logprobs", "top_logprobs", "stop", "session"};
+    static const char *const refused[] = {"n", "best_of", "logprobs", "top_logprobs", "stop"};
     for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
         const json_t *v = json_object_get(root, refused[i]);
         bool off = !v || json_is_null(v) || json_is_false(v) || (json_is_integer(v) && json_integer_value(v) == 1 &&

@@ -6,10 +6,10 @@ self caches give the same tokens; sampled generation is reproducible by
 seed, n > 1 included; usage counts the encoder input; a text input is
 tokenized; a session's later generations with the same input, or none,
 and after a crop give a fresh request's tokens with the encoder tokens
-reported as not recomputed, another input is encoded afresh; chat,
-sliding, sink, beams, T5's quantized cache, shared_prefix, a session's
-fork or prefix, and "input" to a decoder-only model are refused with a
-400 naming why."""
+reported as not recomputed, so do beams on it and a request after them,
+another input is encoded afresh; chat, sliding, sink, T5's quantized
+cache, shared_prefix, a session's fork or prefix, and "input" or beams on a
+session to a decoder-only model are refused with a 400 naming why."""
 import os
 import subprocess
 import sys
@@ -77,7 +77,6 @@ def run(name, args, dec):
           "%s: a text input is tokenized (%d tokens)" % (name, r["usage"]["prompt_tokens_details"]["encoder_tokens"]))
     refused("messages", "encoder-decoder", messages=[{"role": "user", "content": "hi"}])
     refused("input", "\"input\"", prompt=[1, 2])
-    refused("num_beams", "beam search", input=ENC, num_beams=2)
     refused("sliding", "sliding", input=ENC, cache={"implementation": "sliding_window", "window_length": 8})
     refused("sink", "not rotary", input=ENC, cache={"implementation": "sink", "window_length": 8, "num_sink_tokens": 4})
     refused("shared_prefix", "shares no prefix", input=ENC, prompt=[0, 5], shared_prefix=1)
@@ -106,6 +105,15 @@ def run(name, args, dec):
     r = complete(session=sid, **dp)
     check(toks(r) == want and r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == len(ENC),
           "%s: after a crop: a fresh request's tokens over the kept encoder output" % name)
+    # beams on the session read its cross cache and fork its decoder's,
+    # which stays at the prompt (tests/daemon_encdec_beams.py checks the
+    # beams themselves against the reference)
+    bq = dict(num_beams=3, num_return_sequences=2, **dp)
+    r = complete(session=sid, **bq)
+    check([c["tokens"] for c in r["choices"]] == [c["tokens"] for c in complete(input=ENC, **bq)["choices"]] and
+          r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == len(ENC),
+          "%s: beams on the session: a fresh request's beams, the input not encoded again" % name)
+    check(toks(complete(session=sid, **dp)) == want, "%s: after the beams: a fresh request's tokens" % name)
     other = ENC[::-1]
     r = complete(session=sid, input=other, **dp)
     check(toks(r) == toks(complete(input=other, **dp)) and
@@ -129,8 +137,13 @@ run("t5", ["--arch", "t5", "--ffn-kind", "gated-gelu", "--tie", "--buckets", "16
     [0, 17, 230, 91, 150])
 run("bart", ["--arch", "bart", "--tie"], None)
 
-# a decoder-only model refuses the encoder's field
+# a decoder-only model refuses the encoder's field, and beams on a session
 d = Daemon().start()
 code, e = d.post("/v1/completions", dict(gen, input=[1, 2, 3], prompt=[1, 2]))
 msg = e.get("error", {}).get("message", "")
 check(code == 400 and "decoder-only" in msg, "a decoder-only model: input -> 400: %s" % msg[:100])
+code, sess = d.post("/v1/sessions", {})
+code, e = d.post("/v1/completions", dict(gen, prompt=[1, 2], num_beams=2, session=sess.get("id")))
+msg = e.get("error", {}).get("message", "")
+check(code == 400 and e["error"]["param"] == "session",
+      "a decoder-only model: beams on a session -> 400: %s" % msg[:100])

@@ -153,7 +153,9 @@ class Hyps:
         self.beams, self.worst = [], 1e9
 
     def add(self, ids, sum_logprobs, gen_len, eos):
-        score = sum_logprobs / (gen_len ** self.lp)
+        # a tensor over a Python number, as the scorer divides: a hypothesis
+        # finished at its first token (length 0) scores -inf, not an error
+        score = float(torch.tensor(sum_logprobs, dtype=torch.float64) / (gen_len ** self.lp))
         if len(self.beams) < self.n or score > self.worst:
             self.beams.append((score, ids, eos))
             if len(self.beams) > self.n:
