@@ -672,13 +672,6 @@ void start_job(engine *e, struct job *j)
             return;
         }
     }
-    if (j->beam.num_beams > 1 && j->sess && j->sess->cache.params.strategy == KV_QUANTIZED) {
-        struct ipc_error err;
-        ipc_fail(&err, IPC_EINVAL, "num_beams", "num_beams > 1 needs KV sequences that fork; the session's "
-                 "quantized cache does not");
-        job_fail(e, j, &err);
-        return;
-    }
     if (j->beam.num_beams > 1 && !j->bs) {
         char msg[MODEL_ERR_LEN] = "";
         j->beam.eos = j->eos;
