@@ -129,7 +129,7 @@ def run(name, args, dec):
     code, e = d.post("/v1/completions", dict(gen, session=sess["id"]))
     check(code == 400 and "no encoder input" in e["error"]["message"],
           "%s: an empty session without input -> 400" % name)
-    d.stop()
+    check(d.stop() == 0, "%s: kvtierd stops cleanly" % name)
     d.cleanup()
 
 

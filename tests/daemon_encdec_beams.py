@@ -172,7 +172,7 @@ def run(name, args, prompt):
     check(code == 200 and code2 == 200 and g1["choices"][0]["tokens"] == g2["choices"][0]["tokens"] and
           g1["usage"]["prompt_tokens_details"]["encoder_cached_tokens"] == len(ENC),
           "%s: greedy on the session after its beams: a fresh request's tokens" % name)
-    d.stop()
+    check(d.stop() == 0, "%s: kvtierd stops cleanly" % name)
     d.cleanup()
 
 
