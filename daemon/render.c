@@ -168,7 +168,9 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
                 jw_lit(w, a == 0 ? (t > from ? ",{\"token\":" : "{\"token\":") : a == 1 ? "\"top_logprobs\":[{\"token\":"
                                                                                        : ",{\"token\":");
                 jw_str(w, buf, n);
-                jw_fmt(w, ",\"logprob\":%.6g,\"bytes\":", lp[a].logprob);
+                jw_lit(w, ",\"logprob\":");
+                jw_real(w, lp[a].logprob, 6);
+                jw_lit(w, ",\"bytes\":");
                 jw_bytes(w, buf, n);
                 jw_lit(w, a == 0 ? "," : "}");
             }
@@ -191,7 +193,7 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
             if (part == 0)
                 jw_str(w, buf, n);
             else if (part == 1)
-                jw_fmt(w, "%.6g", lp[0].logprob);
+                jw_real(w, lp[0].logprob, 6);
             else if (part == 3)
                 jw_fmt(w, "%zu", off);
             else {
@@ -201,7 +203,8 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
                     if (a > 1)
                         jw_lit(w, ",");
                     jw_str(w, buf, m);
-                    jw_fmt(w, ":%.6g", lp[a].logprob);
+                    jw_lit(w, ":");
+                    jw_real(w, lp[a].logprob, 6);
                 }
                 jw_lit(w, "}");
             }
@@ -374,8 +377,10 @@ void write_choice(struct jw *w, struct req *r, int i, const char *text, size_t n
             jw_fmt(w, t > g0 ? ",%d" : "%d", gen[t]);
         jw_lit(w, "]");
     }
-    if (r->job->beam.num_beams > 1)
-        jw_fmt(w, ",\"sequence_score\":%.9g", (double)job_progress(r->job, i).score);
+    if (r->job->beam.num_beams > 1) {
+        jw_lit(w, ",\"sequence_score\":");
+        jw_real(w, job_progress(r->job, i).score, 9);
+    }
     jw_lit(w, ",\"finish_reason\":");
     if (finish)
         jw_fmt(w, "\"%s\"}", finish);

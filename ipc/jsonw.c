@@ -1,5 +1,6 @@
 #include "ipc/jsonw.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +63,14 @@ void jw_fmt(struct jw *w, const char *fmt, ...)
         return;
     }
     jw_raw(w, buf, (size_t)n);
+}
+
+void jw_real(struct jw *w, double v, int digits)
+{
+    if (isfinite(v))
+        jw_fmt(w, "%.*g", digits, v);
+    else
+        jw_lit(w, "null");
 }
 
 /* Length of the valid UTF-8 character at s[0..n), or 0 when invalid

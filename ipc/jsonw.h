@@ -22,6 +22,9 @@ void jw_dynamic(struct jw *w); /* free w->p when done */
 void jw_raw(struct jw *w, const char *s, size_t n);
 void jw_lit(struct jw *w, const char *s);
 void jw_fmt(struct jw *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* v with digits significant digits; null when v is not finite (JSON has
+ * no infinities: a log-probability of -inf is one) */
+void jw_real(struct jw *w, double v, int digits);
 /* "s[0..n)" escaped */
 void jw_str(struct jw *w, const char *s, size_t n);
 /* The bytes of s[0..n) as a JSON array of numbers (OpenAI logprobs "bytes"). */

@@ -2,6 +2,7 @@
  * templates against renders by @huggingface/jinja of the canonical
  * templates, the cache strategy table, request validation and the JSON
  * writer.  (The client side, libkvtier-client, has test_client.) */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -493,6 +494,18 @@ static void test_jsonw(void **state)
     assert_int_equal(jw_fit("ab\xC3\xA9", 4, 3), 2); /* never splits a character */
     assert_int_equal(jw_fit("ab\xC3\xA9", 4, 4), 4);
     assert_int_equal(jw_fit("\n\n", 2, 3), 1);
+    /* no infinities in JSON: a -inf log-probability is null */
+    jw_dynamic(&w);
+    jw_lit(&w, "[");
+    jw_real(&w, -0.8123456789, 6);
+    jw_lit(&w, ",");
+    jw_real(&w, -INFINITY, 6);
+    jw_lit(&w, ",");
+    jw_real(&w, NAN, 9);
+    jw_lit(&w, "]");
+    assert_false(w.failed);
+    assert_string_equal(w.p, "[-0.812346,null,null]");
+    free(w.p);
     char buf[8];
     jw_fixed(&w, buf, sizeof(buf));
     jw_lit(&w, "1234567");
