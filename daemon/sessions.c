@@ -44,13 +44,36 @@ void free_dead_sessions(struct session *s)
     while (s) {
         struct session *next = s->next;
         kv_seq_free(s->kv);
-        kv_seq_free(s->cross);
+        cross_unref(s->cross);
         free(s->input);
         free(s->toks);
         free(s->request);
         free(s);
         s = next;
     }
+}
+
+void cross_unref(struct cross_cache *c)
+{
+    if (!c || --c->refs > 0)
+        return;
+    kv_seq_free(c->kv);
+    free(c);
+}
+
+void session_drop_cross(engine *e, struct session *s, bool drop_input)
+{
+    cross_unref(s->cross);
+    s->cross = NULL;
+    int32_t *input = drop_input ? s->input : NULL;
+    pthread_mutex_lock(&e->mu);
+    s->cross_kvs = (struct kv_seq_stats){0};
+    if (drop_input) {
+        s->input = NULL;
+        s->n_input = 0;
+    }
+    pthread_mutex_unlock(&e->mu);
+    free(input);
 }
 
 struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, bool record, const json_t *request,
@@ -151,12 +174,18 @@ static json_t *session_to_json(const struct session *s)
 {
     /* before its first request a session has no KV: it will use what it asked for */
     const char *used = s->n_toks ? ipc_cache_strategy_name(&s->cache, s->kvs.strategy) : s->cache.name;
-    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:I}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
+    /* an encoder-decoder session's cross cache, which its forks share:
+     * the store holds it once */
+    json_t *enc = s->n_input ? json_pack("{s:I, s:{s:I, s:I}}", "tokens", (json_int_t)s->n_input, "bytes", "device",
+                                         (json_int_t)s->cross_kvs.dev_bytes, "host",
+                                         (json_int_t)s->cross_kvs.host_bytes)
+                             : NULL;
+    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:I}, s:s, s:s, s:s?, s:b, s:b, s:o*}", "id", s->id, "object",
                      "session", "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
                      (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk",
                      (json_int_t)s->disk_bytes, "strategy", used,
                      "requested_strategy", s->cache.name, "fallback", engine_fallback_name(s->kvs.fallback),
-                     "past_recording", s->record, "busy", s->busy);
+                     "past_recording", s->record, "busy", s->busy, "encoder", enc);
 }
 
 enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err)
@@ -255,7 +284,8 @@ static void session_publish(engine *e, struct session *s)
 }
 
 /* A session that shares s's KV blocks copy-on-write (extents are copied),
- * in the table under a new id. */
+ * in the table under a new id; an encoder-decoder session's cross cache is
+ * shared whole, never copied (it is only read). */
 static enum ipc_status session_fork(engine *e, struct session *s, struct session **out, struct ipc_error *err)
 {
     struct session *c = session_new(s->uid, &s->cache, s->record, NULL, err);
@@ -265,7 +295,8 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
     if (s->request && !(c->request = strdup(s->request)))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork");
     c->private_kv = s->private_kv;
-    if (s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks))))
+    if ((s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks)))) ||
+        (s->n_input && !(c->input = malloc(s->n_input * sizeof(*c->input)))))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
     enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;
     if (ts != TIER_OK)
@@ -275,6 +306,12 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
             memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
         c->n_toks = s->n_toks;
         c->kvs = c->kv ? kv_seq_stats(c->kv) : (struct kv_seq_stats){0};
+        if (s->n_input)
+            memcpy(c->input, s->input, s->n_input * sizeof(*c->input));
+        c->n_input = s->n_input;
+        if ((c->cross = s->cross))
+            c->cross->refs++;
+        c->cross_kvs = s->cross_kvs;
         st = session_insert(e, c, err);
     }
     if (st != IPC_OK) {
@@ -650,10 +687,10 @@ void session_run_op(engine *e, struct job *j)
         else /* |op_n| is within KV_SEQ_MAX_LEN now */
             crop_refeed(e, s, j->op_n > 0 ? (j->op_n < len ? j->op_n : len) : (-j->op_n < len ? len + j->op_n : 0),
                         &err);
-    } else if (e->ed && j->kind != JOB_CROP) {
-        /* they would carry the decoder's cache without its encoder input's */
-        ipc_fail(&err, IPC_EINVAL, "", "an encoder-decoder model's sessions crop; they do not fork, record, export or "
-                 "import yet");
+    } else if (e->ed && (j->kind == JOB_EXPORT || j->kind == JOB_IMPORT || j->kind == JOB_RECORD)) {
+        ipc_fail(&err, IPC_EINVAL, "", j->kind == JOB_RECORD ? "an encoder-decoder model's decoder attends to all its "
+                 "tokens: there are no past states to record" : "an encoder-decoder model's sessions are not exported "
+                 "or imported yet: the file's layout holds one cache, not the decoder's and the cross-attention one");
     } else if (j->kind == JOB_RECORD) {
         if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
             kv_error(e, ts, "", &err);
