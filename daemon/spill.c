@@ -1,9 +1,10 @@
 /* spill.c - the sessions' side of the disk tier (docs/persistence.md).
  *
  * A session is written to the disk tier as one object: its KV image
- * (kv_seq_save) and a JSON meta with what the table needs to list it again
- * (id, owner, creation time, the cache choice as the client sent it, past
- * recording, the token ids).  Files are kept per owner (namespace
+ * (kv_seq_save; an encoder-decoder session's, the decoder's image then its
+ * cross-attention cache's) and a JSON meta with what the table needs to
+ * list it again (id, owner, creation time, the cache choice as the client
+ * sent it, past recording, the token ids, the encoder input).  Files are kept per owner (namespace
  * "u<uid>"), so one uid's files are never named by another's requests.
  *
  * When: a session idle for --spill-after, or the least recently used idle

@@ -186,10 +186,11 @@ def run(name, args, dp):
           "%s: another input on a spilled session: encoded afresh, a fresh run's tokens" % name)
     del sess["static"]
 
-    for path in ("/v1/sessions/%s/kv" % b,):
-        code, e = d.get(path)
+    for how, (code, e) in (("export", d.get("/v1/sessions/%s/kv" % b)),
+                           ("import", d.request("POST", "/v1/sessions/import", b"\0" * 64,
+                                                {"Content-Type": "application/octet-stream"}))):
         check(code == 400 and "cross-attention" in e["error"]["message"],
-              "%s: export -> 400: %s" % (name, e["error"]["message"][:90]))
+              "%s: %s -> 400: %s" % (name, how, e["error"]["message"][:90]))
 
     # ---- restart: SIGTERM writes the sessions, the next daemon lists and continues them ----
     check(d.stop() == 0, "%s: SIGTERM: clean exit" % name)
@@ -222,8 +223,7 @@ def run(name, args, dp):
     check(toks(r) == want and details(r)["encoder_cached_tokens"] == 0 and
           glob.glob(os.path.join(d.sock + ".disk", "quarantine", "*")),
           "%s: a damaged file is quarantined; its session encodes its input again, a fresh run's tokens" % name)
-    ref.stop()
-    d.stop()
+    check(ref.stop() == 0 and d.stop() == 0, "%s: both daemons exit cleanly" % name)
     ref.cleanup()
 
 
