@@ -212,6 +212,8 @@ void prefix_disk_forget_job(struct job *j);
 
 /* The layout the disk and remote tiers record with every object. */
 struct kv_disk_layout engine_kv_layout(const engine *e);
+/* The model's fingerprint (model_fingerprint, encdec_fingerprint). */
+uint64_t engine_fingerprint(const engine *e);
 /* An I/O thread finished something: the engine loop looks (io_event). */
 void engine_io_notify(void *arg);
 

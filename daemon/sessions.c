@@ -326,7 +326,10 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
 
 size_t engine_kv_max_size(const engine *e)
 {
-    return kvfile_max_size(e->mc->n_layers, e->mc->n_kv_heads, e->mc->head_dim, e->ctx);
+    size_t n = kvfile_max_size(e->mc->n_layers, e->mc->n_kv_heads, e->mc->head_dim, e->ctx);
+    /* an encoder-decoder file adds the cross K and V of an input up to the
+     * context and its ids: as much again */
+    return e->ed && n <= SIZE_MAX / 2 ? 2 * n : e->ed ? 0 : n;
 }
 
 /* The rows an imported layer must have: a dynamic sequence's (the import's
@@ -380,11 +383,13 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
                                 struct ipc_error *err)
 {
     int tv = tokenizer_vocab_size(e->tok);
-    struct kvfile_expect x = {.fingerprint = model_fingerprint(e->m), .n_layers = e->mc->n_layers,
+    struct kvfile_expect x = {.fingerprint = engine_fingerprint(e), .n_layers = e->mc->n_layers,
                               .n_kv_heads = e->mc->n_kv_heads, .head_dim = e->mc->head_dim,
                               /* the next request feeds at least one token */
                               .max_tokens = e->ctx - 1, .vocab_size = tv < e->vocab ? tv : e->vocab,
-                              .rows = import_rows, .rows_ctx = (void *)e, .quant = import_quant};
+                              .rows = import_rows, .rows_ctx = (void *)e,
+                              /* an encoder-decoder session's cross cache; its self cache is dense */
+                              .max_input = e->ed ? e->ctx : 0, .quant = e->ed ? NULL : import_quant};
     char msg[MODEL_ERR_LEN];
     switch (kvfile_parse(buf, len, &x, out, msg)) {
     case MODEL_OK: return IPC_OK;
@@ -503,7 +508,7 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
     if (st == IPC_OK && (!cache || !lay))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
     const char *meta[] = {"layout", "quantized", "quantization", cache, "q_block_tokens", bt, "q_layers", lay, NULL};
-    struct kvfile_info in = {.fingerprint = model_fingerprint(e->m),
+    struct kvfile_info in = {.fingerprint = engine_fingerprint(e),
                              .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy),
                              .dtype = kv_store_dtype(e->store), .n_layers = L, .n_kv_heads = H, .head_dim = D,
                              .tokens = s->toks, .n_tokens = (int64_t)s->n_toks};
@@ -540,31 +545,37 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
 }
 
 /* The session's KV as a safetensors file in j->res.blob: dense layers as
- * stored, quantized ones decoded to f32 (or in their stored form, raw). */
+ * stored, quantized ones decoded to f32 (or in their stored form, raw);
+ * an encoder-decoder session's cross cache and input with it. */
 static enum ipc_status session_export(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
-    if (!s->kv || !s->n_toks)
+    if (!s->kv || !s->n_toks || (e->ed && !s->cross))
         return ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" holds no KV yet", s->id);
+    if (j->raw && s->kvs.strategy == KV_QUANTIZED && e->ed)
+        return ipc_fail(err, IPC_EINVAL, "raw", "an encoder-decoder session's file is dense: its cross-attention "
+                        "cache has no stored quantized form");
     if (j->raw && s->kvs.strategy == KV_QUANTIZED)
         return session_export_raw(e, s, j, err);
-    int L = e->mc->n_layers;
+    int L = e->mc->n_layers, per = e->ed ? 4 : 2; /* K and V, and the cross K and V */
     int64_t *rows = calloc((size_t)L, sizeof(*rows));
-    size_t *off = calloc(2 * (size_t)L, sizeof(*off));
+    size_t *off = calloc((size_t)per * (size_t)L, sizeof(*off));
     enum ipc_status st = rows && off ? IPC_OK : ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
     for (int l = 0; l < L && st == IPC_OK; l++)
         rows[l] = kv_seq_layer_rows(s->kv, l);
     enum be_dtype dt = s->kvs.strategy == KV_QUANTIZED ? BE_F32 : kv_store_dtype(e->store);
-    struct kvfile_info in = {.fingerprint = model_fingerprint(e->m),
+    struct kvfile_info in = {.fingerprint = engine_fingerprint(e),
                              .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy), .dtype = dt,
                              .n_layers = L, .n_kv_heads = e->mc->n_kv_heads, .head_dim = e->mc->head_dim,
-                             .rows = rows, .tokens = s->toks, .n_tokens = (int64_t)s->n_toks};
+                             .rows = rows, .tokens = s->toks, .n_tokens = (int64_t)s->n_toks,
+                             .input = e->ed ? s->input : NULL, .n_input = e->ed ? (int64_t)s->n_input : 0};
     char msg[MODEL_ERR_LEN];
     void *buf = NULL;
-    size_t size = 0;
-    if (st == IPC_OK && kvfile_build(&in, &buf, &size, off, off + L, msg) != MODEL_OK)
+    size_t size = 0, *voff = off + (size_t)per / 2 * (size_t)L;
+    if (st == IPC_OK && kvfile_build(&in, &buf, &size, off, voff, msg) != MODEL_OK)
         st = ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
-    for (int l = 0; l < L && st == IPC_OK; l++) {
-        enum tier_status ts = kv_seq_layer_dense(s->kv, l, dt, (char *)buf + off[l], (char *)buf + off[L + l]);
+    for (int i = 0; i < per / 2 * L && st == IPC_OK; i++) {
+        kv_seq *q = i < L ? s->kv : s->cross->kv;
+        enum tier_status ts = kv_seq_layer_dense(q, i % L, dt, (char *)buf + off[i], (char *)buf + voff[i]);
         if (ts != TIER_OK)
             st = kv_error(e, ts, "", err);
     }
@@ -616,7 +627,41 @@ static enum ipc_status import_raw(engine *e, const struct kvfile *f, const struc
     return st;
 }
 
-/* Fills the job's new session with the file's KV and tokens. */
+/* An encoder-decoder file's cross cache and input, for s (its input goes
+ * with it; f->input is left to the file). */
+static enum ipc_status import_cross(engine *e, struct session *s, const struct kvfile *f, struct ipc_error *err)
+{
+    struct cross_cache *cc = malloc(sizeof(*cc));
+    int32_t *input = malloc((size_t)f->n_input * sizeof(*input));
+    kv_seq *q = NULL;
+    if (!cc || !input) {
+        free(cc);
+        free(input);
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the imported encoder input");
+    }
+    enum tier_status ts = kv_seq_create(e->store, &(struct kv_seq_params){.no_prefix_cache = true}, &q);
+    if (ts == TIER_OK)
+        ts = kv_seq_import_dense(q, f->n_input, f->dtype, f->ck, f->cv);
+    if (ts != TIER_OK) {
+        kv_seq_free(q);
+        free(cc);
+        free(input);
+        return kv_error(e, ts, "", err);
+    }
+    memcpy(input, f->input, (size_t)f->n_input * sizeof(*input));
+    *cc = (struct cross_cache){.kv = q, .refs = 1};
+    struct kv_seq_stats k = kv_seq_stats(q);
+    s->cross = cc;
+    s->input = input;
+    pthread_mutex_lock(&e->mu);
+    s->n_input = (size_t)f->n_input;
+    s->cross_kvs = k;
+    pthread_mutex_unlock(&e->mu);
+    return IPC_OK;
+}
+
+/* Fills the job's new session with the file's KV and tokens (and an
+ * encoder-decoder file's cross cache and input). */
 static enum ipc_status session_import(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
     struct kvfile *f = &j->kvf;
@@ -628,6 +673,13 @@ static enum ipc_status session_import(engine *e, struct session *s, struct job *
     struct kv_seq_params p = s->cache.params;
     p.prefix_ns = e->cfg.share_prefix_cache ? 0 : (uint64_t)s->uid + 1;
     kv_seq *q = NULL;
+    if (f->n_input) {
+        enum ipc_status st = import_cross(e, s, f, err);
+        if (st != IPC_OK) {
+            free(toks);
+            return st;
+        }
+    }
     if (f->q) {
         enum ipc_status st = import_raw(e, f, &p, &q, err);
         if (st != IPC_OK) {
@@ -687,10 +739,9 @@ void session_run_op(engine *e, struct job *j)
         else /* |op_n| is within KV_SEQ_MAX_LEN now */
             crop_refeed(e, s, j->op_n > 0 ? (j->op_n < len ? j->op_n : len) : (-j->op_n < len ? len + j->op_n : 0),
                         &err);
-    } else if (e->ed && (j->kind == JOB_EXPORT || j->kind == JOB_IMPORT || j->kind == JOB_RECORD)) {
-        ipc_fail(&err, IPC_EINVAL, "", j->kind == JOB_RECORD ? "an encoder-decoder model's decoder attends to all its "
-                 "tokens: there are no past states to record" : "an encoder-decoder model's sessions are not exported "
-                 "or imported yet: the file's layout holds one cache, not the decoder's and the cross-attention one");
+    } else if (e->ed && j->kind == JOB_RECORD) {
+        ipc_fail(&err, IPC_EINVAL, "", "an encoder-decoder model's decoder attends to all its tokens: there are no "
+                 "past states to record");
     } else if (j->kind == JOB_RECORD) {
         if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
             kv_error(e, ts, "", &err);

@@ -821,10 +821,15 @@ static void on_file(void *arg, const char *ns, const char *name, const void *met
     sc->listed++;
 }
 
+uint64_t engine_fingerprint(const engine *e)
+{
+    return e->ed ? encdec_fingerprint(e->ed) : model_fingerprint(e->m);
+}
+
 struct kv_disk_layout engine_kv_layout(const engine *e)
 {
     const struct kv_geom g = e->ed ? encdec_kv_geom(e->ed) : model_kv_geom(e->m);
-    return (struct kv_disk_layout){.fingerprint = e->ed ? encdec_fingerprint(e->ed) : model_fingerprint(e->m),
+    return (struct kv_disk_layout){.fingerprint = engine_fingerprint(e),
                                    .dtype = (uint32_t)kv_store_dtype(e->store),
                                    .block_tokens = (uint32_t)kv_store_block_tokens(e->store),
                                    .n_layers = (uint32_t)g.n_layers,

@@ -17,11 +17,13 @@ static, offloaded; BART's quantized self cache); a spilled session forks;
 another input on a spilled session is encoded afresh; SIGTERM writes the
 sessions, a restart lists them with their input and they continue; a file
 whose data is damaged costs the session its caches, not its tokens (the
-kept input is encoded again).  Export and import are refused with a 400
-naming why."""
+kept input is encoded again).  Export carries both caches and the input,
+and an imported session continues as a fresh run, encoding nothing;
+BART's quantized self cache has no raw export (400)."""
 import glob
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -186,11 +188,39 @@ def run(name, args, dp):
           "%s: another input on a spilled session: encoded afresh, a fresh run's tokens" % name)
     del sess["static"]
 
-    for how, (code, e) in (("export", d.get("/v1/sessions/%s/kv" % b)),
-                           ("import", d.request("POST", "/v1/sessions/import", b"\0" * 64,
-                                                {"Content-Type": "application/octet-stream"}))):
-        check(code == 400 and "cross-attention" in e["error"]["message"],
-              "%s: %s -> 400: %s" % (name, how, e["error"]["message"][:90]))
+    # ---- export and import: both caches and the input travel in the file ----
+    for kind, (a, b, held) in sess.items():
+        if kind not in ("dynamic", "quantized"):
+            continue
+        code, blob = d.get("/v1/sessions/%s/kv" % b)
+        assert code == 200, (code, blob)
+        (hlen,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(blob[8:8 + hlen])
+        meta = header.pop("__metadata__")
+        shapes = {k: v["shape"] for k, v in header.items()}
+        L, H = 2, 4
+        check(json.loads(meta["encoder_input"]) == ENC and len(shapes) == 4 * L and
+              all(shapes["past_key_values.%d.cross_key" % l] == shapes["past_key_values.%d.cross_value" % l] ==
+                  [1, H, len(ENC), 16] for l in range(L)),
+              "%s %s: export -> the self and cross K and V of %d layers and the encoder input" % (name, kind, L))
+        code, imp = d.request("POST", "/v1/sessions/import", blob, {"Content-Type": "application/octet-stream"})
+        check(code == 201 and imp["encoder"]["tokens"] == len(ENC),
+              "%s %s: import -> a new session holding the input (%s)" % (name, kind, imp.get("encoder", imp)))
+        nxt = held + [33]
+        r = complete(d, prompt=nxt, session=imp["id"])
+        w = oracle_tokens(model, nxt) if kind != "quantized" else toks(complete(ref, prompt=nxt, session=a))
+        check(toks(r) == w and details(r)["encoder_cached_tokens"] == len(ENC) and
+              details(r)["cached_tokens"] == len(held) - 1,
+              "%s %s: the imported session continues with %s tokens, %d cached, nothing encoded" %
+              (name, kind, "a fresh run's" if kind != "quantized" else "the original's", details(r)["cached_tokens"]))
+        if kind == "quantized":
+            code, e = d.get("/v1/sessions/%s/kv?raw=1" % b)
+            check(code == 400 and e["error"]["param"] == "raw", "%s: raw export -> 400: %s" %
+                  (name, e["error"]["message"][:80]))
+            complete(d, prompt=nxt, session=b)  # the original and its reference stay in step
+        d.request("DELETE", "/v1/sessions/" + imp["id"])
+        if kind == "quantized":
+            sess[kind] = (a, b, nxt + toks(r))
 
     # ---- restart: SIGTERM writes the sessions, the next daemon lists and continues them ----
     check(d.stop() == 0, "%s: SIGTERM: clean exit" % name)
