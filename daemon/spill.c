@@ -84,17 +84,17 @@ static json_t *ids_json(const int32_t *ids, size_t n)
 
 /* {"kvtier_session": 1, "id", "uid", "created", "record", "request",
  *  "tokens": [...]}: what the table needs to list the session again.  An
- * encoder-decoder session whose cross cache the file holds adds
- * "encoder": {"input": [...], "self_image": bytes}: the encoder input the
- * cross cache is of, whose image follows the decoder cache's self_image
- * bytes in the data. */
+ * encoder-decoder session adds "encoder": {"input": [...], "self_image":
+ * bytes}: its encoder input, and where the input's cross cache's image
+ * starts in the data, after the decoder cache's (at its end: none, the
+ * cache was lost and the input will be encoded again). */
 static char *meta_json(const struct session *s, size_t self_image)
 {
     json_t *req = NULL, *toks = ids_json(s->toks, s->n_toks);
-    json_t *enc = s->cross ? json_pack("{s:o, s:I}", "input", ids_json(s->input, s->n_input), "self_image",
-                                       (json_int_t)self_image)
-                           : NULL;
-    if ((s->request && !(req = json_loads(s->request, 0, NULL))) || (s->cross && !enc)) {
+    json_t *enc = s->n_input ? json_pack("{s:o, s:I}", "input", ids_json(s->input, s->n_input), "self_image",
+                                         (json_int_t)self_image)
+                             : NULL;
+    if ((s->request && !(req = json_loads(s->request, 0, NULL))) || (s->n_input && !enc)) {
         json_decref(toks);
         json_decref(req);
         json_decref(enc);
@@ -433,8 +433,8 @@ void disk_restore_lost(engine *e, struct session *s)
 
 /* An encoder-decoder session's "encoder" meta (meta_json): the input's
  * ids in the vocabulary into *ids (malloc'd; *n 0 and *ids NULL when the
- * file holds no cross cache), the decoder cache's image bytes (at most
- * data_len) into *self_image; else why not. */
+ * meta has none), the decoder cache's image bytes (at most data_len; the
+ * cross cache's image is the rest) into *self_image; else why not. */
 static const char *meta_encoder(const engine *e, const json_t *o, size_t data_len, int32_t **ids, size_t *n,
                                 size_t *self_image)
 {
@@ -516,7 +516,7 @@ static void restore_done(engine *e, struct session *s)
             ts = TIER_EINVAL, snprintf(why, sizeof why, "its KV holds another number of tokens than its meta");
         else if (!n_self && s->n_toks)
             ts = TIER_EINVAL, snprintf(why, sizeof why, "the file holds no KV");
-        else if (n_input)
+        else if (n > n_self)
             ts = load_cross(e, (const char *)img + n_self, n - n_self, n_input, &cross, why);
     } else {
         snprintf(why, sizeof why, "%s", kv_disk_op_errmsg(s->op));
@@ -774,7 +774,7 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
     if (s && !*why) {
         s->input = input;
         s->n_input = n_input;
-        s->disk_cross = n_input;
+        s->disk_cross = data_len > self_image;
         input = NULL;
         snprintf(s->id, sizeof(s->id), "%s", name);
         s->created = (time_t)json_integer_value(created);
