@@ -627,32 +627,26 @@ static enum ipc_status import_raw(engine *e, const struct kvfile *f, const struc
     return st;
 }
 
-/* An encoder-decoder file's cross cache and input, for s (its input goes
- * with it; f->input is left to the file). */
-static enum ipc_status import_cross(engine *e, struct session *s, const struct kvfile *f, struct ipc_error *err)
+/* An encoder-decoder file's cross cache, for s, which takes its input. */
+static enum ipc_status import_cross(engine *e, struct session *s, struct kvfile *f, struct ipc_error *err)
 {
     struct cross_cache *cc = malloc(sizeof(*cc));
-    int32_t *input = malloc((size_t)f->n_input * sizeof(*input));
     kv_seq *q = NULL;
-    if (!cc || !input) {
-        free(cc);
-        free(input);
-        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the imported encoder input");
-    }
+    if (!cc)
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the imported cross-attention cache");
     enum tier_status ts = kv_seq_create(e->store, &(struct kv_seq_params){.no_prefix_cache = true}, &q);
     if (ts == TIER_OK)
         ts = kv_seq_import_dense(q, f->n_input, f->dtype, f->ck, f->cv);
     if (ts != TIER_OK) {
         kv_seq_free(q);
         free(cc);
-        free(input);
         return kv_error(e, ts, "", err);
     }
-    memcpy(input, f->input, (size_t)f->n_input * sizeof(*input));
     *cc = (struct cross_cache){.kv = q, .refs = 1};
     struct kv_seq_stats k = kv_seq_stats(q);
     s->cross = cc;
-    s->input = input;
+    s->input = f->input;
+    f->input = NULL;
     pthread_mutex_lock(&e->mu);
     s->n_input = (size_t)f->n_input;
     s->cross_kvs = k;
