@@ -610,6 +610,22 @@ static bool encode_input(engine *e, struct job *j)
         kv_seq_free(s->kv);
         s->kv = NULL;
         session_drop_cross(e, s, true);
+        /* another of the user's sessions may hold it (a fork given the
+         * same input, or another session): its cache serves both */
+        struct cross_cache *found = cross_find(e, s->uid, keep, n);
+        if (found) {
+            free(cc);
+            s->cross = found;
+            s->input = keep;
+            j->cross = found->kv;
+            struct kv_seq_stats k = kv_seq_stats(found->kv);
+            pthread_mutex_lock(&e->mu);
+            s->n_input = n;
+            s->cross_kvs = k;
+            j->res.n_encoder_cached = n;
+            pthread_mutex_unlock(&e->mu);
+            return true;
+        }
     }
     struct kv_seq_params cp = {.no_prefix_cache = true};
     enum tier_status ts = kv_seq_create(e->store, &cp, &j->cross);

@@ -148,6 +148,10 @@ void cross_unref(struct cross_cache *c);
 /* s's cross cache goes (spilled, or another input comes); its input's ids
  * stay for the disk side unless drop_input. */
 void session_drop_cross(engine *e, struct session *s, bool drop_input);
+/* Another session of uid's cross cache of ids[0, n), with a reference
+ * taken for the caller, or NULL (engine thread).  Only the same uid's: a
+ * cache found would tell a user what another one sent. */
+struct cross_cache *cross_find(engine *e, uid_t uid, const int32_t *ids, size_t n);
 /* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
 void session_unlink_locked(engine *e, struct session *s);
 /* Runs a JOB_CROP, JOB_FORK, JOB_RECORD, JOB_EXPORT or JOB_IMPORT job on its session (engine thread). */

@@ -76,6 +76,21 @@ void session_drop_cross(engine *e, struct session *s, bool drop_input)
     free(input);
 }
 
+struct cross_cache *cross_find(engine *e, uid_t uid, const int32_t *ids, size_t n)
+{
+    /* the engine thread owns every session's cross and input: the lock
+     * only keeps the table still */
+    struct cross_cache *c = NULL;
+    pthread_mutex_lock(&e->mu);
+    for (struct session *s = e->sessions; s && !c; s = s->next)
+        if (s->uid == uid && s->cross && s->n_input == n && !memcmp(s->input, ids, n * sizeof(*ids)))
+            c = s->cross;
+    pthread_mutex_unlock(&e->mu);
+    if (c)
+        c->refs++;
+    return c;
+}
+
 struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, bool record, const json_t *request,
                             struct ipc_error *err)
 {

@@ -516,7 +516,9 @@ static void restore_done(engine *e, struct session *s)
             ts = TIER_EINVAL, snprintf(why, sizeof why, "its KV holds another number of tokens than its meta");
         else if (!n_self && s->n_toks)
             ts = TIER_EINVAL, snprintf(why, sizeof why, "the file holds no KV");
-        else if (n > n_self)
+        /* a fork restored before it (or another of the user's sessions)
+         * may hold the same input's: one cache serves both */
+        else if (n > n_self && !(cross = cross_find(e, s->uid, input, n_input)))
             ts = load_cross(e, (const char *)img + n_self, n - n_self, n_input, &cross, why);
     } else {
         snprintf(why, sizeof why, "%s", kv_disk_op_errmsg(s->op));

@@ -9,6 +9,7 @@ of their decoder prompt; neither encodes the input again
 store's KV bytes (kvtier_kv_cache_bytes) do not grow by it (a static self
 cache's extents are copied, the cross cache is not); deleting the parent
 leaves the fork's cross cache in place, deleting the fork frees it.
+Another session of the user's given the same input shares it too.
 
 Disk: a session idle for --spill-after leaves memory (both caches), and its
 next request, without an input, continues with the fresh run's tokens and
@@ -137,6 +138,21 @@ def run(name, args, dp):
         check(left == base, "%s %s: the last session deleted frees the cross cache (%d KV bytes left)" %
               (name, kind, left))
 
+    # two sessions of one user given the same input: one cross cache serves both
+    base = dev_bytes(ref)
+    one, two = ref.post_ok("/v1/sessions", {})["id"], ref.post_ok("/v1/sessions", {})["id"]
+    complete(ref, input=ENC, prompt=dp, session=one)
+    mid = dev_bytes(ref)
+    r = complete(ref, input=ENC, prompt=dp, session=two)
+    self_bytes = ref.get("/v1/sessions/" + two)[1]["bytes"]["device"]
+    check(toks(r) == want and details(r)["encoder_cached_tokens"] == len(ENC) and
+          dev_bytes(ref) - mid == self_bytes > 0,
+          "%s: another session given the same input encodes nothing (%d encoder tokens cached) and adds only its "
+          "decoder cache (%d bytes)" % (name, details(r)["encoder_cached_tokens"], self_bytes))
+    for sid in (one, two):
+        ref.request("DELETE", "/v1/sessions/" + sid)
+    settle(ref, base)
+
     # ---- disk: spilled with both caches, restored without encoding ----
     caches = [("dynamic", None), ("static", {"implementation": "static", "max_cache_len": 64}),
               ("offloaded", {"implementation": "offloaded"})]
@@ -241,6 +257,11 @@ def run(name, args, dp):
         f.seek(at)
         f.write(bytes([blob[at] ^ 0x5A]))
     d.start()
+    # first, while no session holds that input's cache in memory
+    r = complete(d, prompt=dp, session=victim)
+    check(toks(r) == want and details(r)["encoder_cached_tokens"] == 0 and
+          glob.glob(os.path.join(d.sock + ".disk", "quarantine", "*")),
+          "%s: a damaged file is quarantined; its session encodes its input again, a fresh run's tokens" % name)
     for kind, (a, b, held) in sess.items():
         nxt = held + [91]
         ra, rb = complete(ref, prompt=nxt, session=a), complete(d, prompt=nxt, session=b)
@@ -249,10 +270,6 @@ def run(name, args, dp):
               details(rb)["cached_tokens"] == details(ra)["cached_tokens"] > 0,
               "%s %s: after the restart the session continues with the same tokens, %d cached, nothing encoded" %
               (name, kind, details(rb)["cached_tokens"]))
-    r = complete(d, prompt=dp, session=victim)
-    check(toks(r) == want and details(r)["encoder_cached_tokens"] == 0 and
-          glob.glob(os.path.join(d.sock + ".disk", "quarantine", "*")),
-          "%s: a damaged file is quarantined; its session encodes its input again, a fresh run's tokens" % name)
     check(ref.stop() == 0 and d.stop() == 0, "%s: both daemons exit cleanly" % name)
     ref.cleanup()
 
