@@ -20,7 +20,7 @@ sessions, a restart lists them with their input and they continue; a file
 whose data is damaged costs the session its caches, not its tokens (the
 kept input is encoded again).  Export carries both caches and the input,
 and an imported session continues as a fresh run, encoding nothing;
-BART's quantized self cache has no raw export (400)."""
+BART's quantized self cache has no raw export and does not fork (400s)."""
 import glob
 import json
 import os
@@ -233,6 +233,9 @@ def run(name, args, dp):
             code, e = d.get("/v1/sessions/%s/kv?raw=1" % b)
             check(code == 400 and e["error"]["param"] == "raw", "%s: raw export -> 400: %s" %
                   (name, e["error"]["message"][:80]))
+            code, e = d.post("/v1/sessions/%s/fork" % b, {})
+            check(code == 400 and "quantized" in e["error"]["message"],
+                  "%s: fork of a quantized self cache -> 400: %s" % (name, e["error"]["message"][:80]))
             complete(d, prompt=nxt, session=b)  # the original and its reference stay in step
         d.request("DELETE", "/v1/sessions/" + imp["id"])
         if kind == "quantized":
