@@ -504,6 +504,8 @@ static void retire(engine *e, struct job *j)
         s->toks = keep;
         s->n_toks = n_keep;
         s->kvs = s->kv ? kv_seq_stats(s->kv) : (struct kv_seq_stats){0};
+        /* a step may have moved it to the host tier */
+        s->cross_kvs = s->cross ? kv_seq_stats(s->cross->kv) : (struct kv_seq_stats){0};
         s->version++; /* its file, if any, no longer holds its KV */
     }
     if (s) {
@@ -564,23 +566,12 @@ void resume_job(engine *e, struct job *j)
         start_job(e, j);
 }
 
-/* A session's encoder input, cross cache and the decoder's cache over it
- * go: another input comes. */
-static void session_drop_input(struct session *s)
-{
-    kv_seq_free(s->kv);
-    kv_seq_free(s->cross);
-    free(s->input);
-    s->kv = s->cross = NULL;
-    s->input = NULL;
-    s->n_input = 0;
-}
-
 /* An encoder-decoder job's encoder input becomes its cross-attention
  * cache, which every choice's decoder reads: a session's, kept for its
- * next requests, is reused when they give the same input or none.  Before
- * the choices' setup, which reuses the session's decoder cache only over
- * the same input.  False: j failed. */
+ * next requests, is reused when they give the same input or none (one
+ * whose cache was lost is encoded again).  Another input drops the
+ * session's caches.  Before the choices' setup, which reuses the session's
+ * decoder cache only over the same input.  False: j failed. */
 static bool encode_input(engine *e, struct job *j)
 {
     struct session *s = j->sess;
@@ -588,7 +579,7 @@ static bool encode_input(engine *e, struct job *j)
     size_t n = j->n_input;
     struct ipc_error err;
     if (s && !in) {
-        if (!s->cross) {
+        if (!s->n_input) {
             ipc_fail(&err, IPC_EINVAL, "input", "session %s holds no encoder input yet: give \"input\"", s->id);
             job_fail(e, j, &err);
             return false;
@@ -600,40 +591,70 @@ static bool encode_input(engine *e, struct job *j)
     j->res.n_encoder = n;
     pthread_mutex_unlock(&e->mu);
     if (s && s->cross && n == s->n_input && !memcmp(in, s->input, n * sizeof(*in))) {
-        j->cross = s->cross;
+        j->cross = s->cross->kv;
         pthread_mutex_lock(&e->mu);
         j->res.n_encoder_cached = n;
         pthread_mutex_unlock(&e->mu);
         return true;
     }
     int32_t *keep = NULL;
+    struct cross_cache *cc = NULL;
     if (s) {
-        session_drop_input(s);
-        if (!(keep = malloc(n * sizeof(*keep)))) {
+        keep = malloc(n * sizeof(*keep));
+        cc = calloc(1, sizeof(*cc));
+        if (!keep || !cc) {
+            free(keep);
+            free(cc);
             job_fail_msg(e, j, IPC_ENOMEM, "no host memory for the session's input");
             return false;
         }
-        memcpy(keep, in, n * sizeof(*keep));
+        memcpy(keep, in, n * sizeof(*keep)); /* in may be s->input, which goes now */
+        in = keep;
+        kv_seq_free(s->kv);
+        s->kv = NULL;
+        session_drop_cross(e, s, true);
+        /* another of the user's sessions may hold it (a fork given the
+         * same input, or another session): its cache serves both */
+        struct cross_cache *found = cross_find(e, s->uid, keep, n);
+        if (found) {
+            free(cc);
+            s->cross = found;
+            s->input = keep;
+            j->cross = found->kv;
+            struct kv_seq_stats k = kv_seq_stats(found->kv);
+            pthread_mutex_lock(&e->mu);
+            s->n_input = n;
+            s->cross_kvs = k;
+            j->res.n_encoder_cached = n;
+            pthread_mutex_unlock(&e->mu);
+            return true;
+        }
     }
     struct kv_seq_params cp = {.no_prefix_cache = true};
     enum tier_status ts = kv_seq_create(e->store, &cp, &j->cross);
-    if (ts != TIER_OK) {
-        free(keep);
-        kv_error(e, ts, "input", &err);
-        job_fail(e, j, &err);
-        return false;
-    }
-    enum model_status ms = encdec_encode(e->ed, j->cross, in, (int)n);
-    if (ms == MODEL_OK && s) {
-        s->cross = j->cross;
-        s->input = keep;
-        s->n_input = n;
-    }
-    if (ms == MODEL_OK)
+    enum model_status ms = ts == TIER_OK ? encdec_encode(e->ed, j->cross, in, (int)n) : MODEL_OK;
+    if (ts == TIER_OK && ms == MODEL_OK) {
+        if (s) {
+            *cc = (struct cross_cache){.kv = j->cross, .refs = 1};
+            s->cross = cc;
+            s->input = keep;
+            struct kv_seq_stats k = kv_seq_stats(cc->kv);
+            pthread_mutex_lock(&e->mu);
+            s->n_input = n;
+            s->cross_kvs = k;
+            pthread_mutex_unlock(&e->mu);
+        }
         return true;
+    }
+    /* a session's job does not free it at retire */
+    kv_seq_free(j->cross);
+    j->cross = NULL;
     free(keep);
-    if (ms == MODEL_EINVAL) /* BART's learned positions end */
-        ipc_fail(&err, IPC_ECONTEXT, "input", "the input has %zu tokens; the encoder's positions end at %d", j->n_input,
+    free(cc);
+    if (ts != TIER_OK)
+        kv_error(e, ts, "input", &err);
+    else if (ms == MODEL_EINVAL) /* BART's learned positions end */
+        ipc_fail(&err, IPC_ECONTEXT, "input", "the input has %zu tokens; the encoder's positions end at %d", n,
                  encdec_get_config(e->ed)->max_positions);
     else if (ms == MODEL_ENOMEM || ms == MODEL_EDEVMEM)
         ipc_fail(&err, IPC_ESTORAGE, "input", "no memory for the encoder's output: %s", kv_store_errmsg(e->store));
@@ -1477,12 +1498,15 @@ static bool load(engine *e)
         snprintf(err, sizeof(err), "no host memory for %d sequences' logits or the token trie", e->cfg.max_seqs);
     /* an encoder-decoder model's first request pays the first-call costs */
     ok = ok && (e->ed || warm_up(e, err));
-    if (ok && e->ed && (e->cfg.disk_dir || e->cfg.remote_url || e->cfg.remote_cluster))
-        log_msg(LOG_WARN, "the disk and remote tiers hold a decoder-only model's KV; an encoder-decoder model "
-                "runs without them");
-    else if (ok && !e->ed) {
+    /* the remote tier holds prefix blocks, which an encoder-decoder model
+     * does not share; its sessions go to the disk tier with both caches */
+    if (ok && e->ed && (e->cfg.remote_url || e->cfg.remote_cluster))
+        log_msg(LOG_WARN, "the remote tier holds a decoder-only model's prefix blocks; an encoder-decoder model "
+                "runs without it");
+    if (ok) {
         disk_open(e);
-        prefix_remote_open(e);
+        if (!e->ed)
+            prefix_remote_open(e);
     }
     pthread_mutex_lock(&e->mu);
     e->state = ok ? ENGINE_READY : ENGINE_FAILED;

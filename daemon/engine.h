@@ -316,13 +316,15 @@ json_t *engine_request_list(engine *e, uid_t uid);
 
 /* KV export and import (docs/api.md "KV export and import").  The file an
  * import may send is at most engine_kv_max_size bytes (every layer holding
- * the context in f32).  engine_kv_parse checks a file against the model
+ * the context in f32; an encoder-decoder model's, twice that: the cross K
+ * and V of an input as long).  engine_kv_parse checks a file against the model
  * (kvfile_parse) from any thread once READY: IPC_ECONFLICT for another
  * model's KV (model_fingerprint), IPC_EINVAL naming what else is wrong.
  * A JOB_IMPORT job then fills its (new, empty) session with the file's KV
- * and tokens (a raw file's session is created with engine_kv_cache's
- * choice, and its KV loaded as stored: kv_seq_load_quant); a JOB_EXPORT job leaves the session's KV as a file in
- * res.blob. */
+ * and tokens (an encoder-decoder file's cross cache and input too; a raw
+ * file's session is created with engine_kv_cache's choice, and its KV
+ * loaded as stored: kv_seq_load_quant); a JOB_EXPORT job leaves the
+ * session's KV as a file in res.blob. */
 size_t engine_kv_max_size(const engine *e);
 enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, struct kvfile *out,
                                 struct ipc_error *err);

@@ -14,6 +14,14 @@
 #include "model/runtime.h"
 #include "tiers/disk.h"
 
+/* An encoder input's cross-attention cache: written once by the encoder,
+ * only read afterwards, so a session and its forks share it rather than
+ * copy it; freed with its last reference (engine thread). */
+struct cross_cache {
+    kv_seq *kv;
+    int refs;
+};
+
 struct session {
     char id[IPC_SESSION_ID_MAX + 1];
     uid_t uid;
@@ -26,11 +34,14 @@ struct session {
     size_t n_toks;
     struct kv_seq_stats kvs; /* of kv, as of the last request (0 when none) */
     struct kv_seq *kv; /* engine thread only */
-    /* an encoder-decoder model's: the encoder input whose cross-attention
-     * cache (engine thread only) kv's tokens attended to */
+    /* an encoder-decoder model's: the encoder input (n_input under mu)
+     * whose cross-attention cache kv's tokens attended to, kept while the
+     * cache is on disk; the cache itself (engine thread; NULL: none, or on
+     * disk), shared with the session's forks, and its figures (under mu) */
     int32_t *input;
     size_t n_input;
-    struct kv_seq *cross;
+    struct cross_cache *cross;
+    struct kv_seq_stats cross_kvs;
     char *request;     /* {"cache": ..., "use_cache": ...} as the client sent them: the file's meta */
     size_t disk_bytes; /* under mu: bytes of its file on disk (0: none) */
     /* ---- engine thread: the disk side (spill.c) ---- */
@@ -44,6 +55,8 @@ struct session {
     uint64_t op_version;   /* the version a spill in flight writes */
     enum engine_spill_why op_why; /* why a spill in flight writes */
     size_t op_len;         /* the bytes it writes */
+    bool op_cross;         /* a spill in flight writes the cross cache too */
+    bool disk_cross;       /* the file at disk_version holds the cross cache of input */
     double spill_retry_at; /* clock_ms() before which no spill is tried (after a failed one) */
     void *op_img;          /* the op's buffers: a spill's image (spill.c's image_alloc) */
     char *op_meta;
@@ -130,6 +143,15 @@ struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, boo
 enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *err);
 /* Frees a list of sessions and their KV (engine thread, or after it ended). */
 void free_dead_sessions(struct session *s);
+/* Drops a reference to c (NULL: none); the last one frees it. */
+void cross_unref(struct cross_cache *c);
+/* s's cross cache goes (spilled, or another input comes); its input's ids
+ * stay for the disk side unless drop_input. */
+void session_drop_cross(engine *e, struct session *s, bool drop_input);
+/* Another session of uid's cross cache of ids[0, n), with a reference
+ * taken for the caller, or NULL (engine thread).  Only the same uid's: a
+ * cache found would tell a user what another one sent. */
+struct cross_cache *cross_find(engine *e, uid_t uid, const int32_t *ids, size_t n);
 /* Takes s out of the table; the engine thread frees its KV (caller holds mu). */
 void session_unlink_locked(engine *e, struct session *s);
 /* Runs a JOB_CROP, JOB_FORK, JOB_RECORD, JOB_EXPORT or JOB_IMPORT job on its session (engine thread). */
@@ -194,6 +216,8 @@ void prefix_disk_forget_job(struct job *j);
 
 /* The layout the disk and remote tiers record with every object. */
 struct kv_disk_layout engine_kv_layout(const engine *e);
+/* The model's fingerprint (model_fingerprint, encdec_fingerprint). */
+uint64_t engine_fingerprint(const engine *e);
 /* An I/O thread finished something: the engine loop looks (io_event). */
 void engine_io_notify(void *arg);
 

@@ -195,8 +195,6 @@ enum MHD_Result h_session_export(struct req *r, const char *id)
  * model before anything is allocated for its KV. */
 enum ipc_status prep_session_import(struct req *r)
 {
-    if (engine_encdec(r->srv->eng))
-        return ipc_fail(&r->prep.err, IPC_EINVAL, "", "an encoder-decoder model's sessions are not imported");
     return engine_kv_parse(r->srv->eng, r->body ? r->body : "", r->n_body, &r->prep.kvf, &r->prep.err);
 }
 

@@ -44,13 +44,51 @@ void free_dead_sessions(struct session *s)
     while (s) {
         struct session *next = s->next;
         kv_seq_free(s->kv);
-        kv_seq_free(s->cross);
+        cross_unref(s->cross);
         free(s->input);
         free(s->toks);
         free(s->request);
         free(s);
         s = next;
     }
+}
+
+void cross_unref(struct cross_cache *c)
+{
+    if (!c || --c->refs > 0)
+        return;
+    kv_seq_free(c->kv);
+    free(c);
+}
+
+void session_drop_cross(engine *e, struct session *s, bool drop_input)
+{
+    cross_unref(s->cross);
+    s->cross = NULL;
+    int32_t *input = drop_input ? s->input : NULL;
+    pthread_mutex_lock(&e->mu);
+    s->cross_kvs = (struct kv_seq_stats){0};
+    if (drop_input) {
+        s->input = NULL;
+        s->n_input = 0;
+    }
+    pthread_mutex_unlock(&e->mu);
+    free(input);
+}
+
+struct cross_cache *cross_find(engine *e, uid_t uid, const int32_t *ids, size_t n)
+{
+    /* the engine thread owns every session's cross and input: the lock
+     * only keeps the table still */
+    struct cross_cache *c = NULL;
+    pthread_mutex_lock(&e->mu);
+    for (struct session *s = e->sessions; s && !c; s = s->next)
+        if (s->uid == uid && s->cross && s->n_input == n && !memcmp(s->input, ids, n * sizeof(*ids)))
+            c = s->cross;
+    pthread_mutex_unlock(&e->mu);
+    if (c)
+        c->refs++;
+    return c;
 }
 
 struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, bool record, const json_t *request,
@@ -151,12 +189,18 @@ static json_t *session_to_json(const struct session *s)
 {
     /* before its first request a session has no KV: it will use what it asked for */
     const char *used = s->n_toks ? ipc_cache_strategy_name(&s->cache, s->kvs.strategy) : s->cache.name;
-    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:I}, s:s, s:s, s:s?, s:b, s:b}", "id", s->id, "object",
+    /* an encoder-decoder session's cross cache, which its forks share:
+     * the store holds it once */
+    json_t *enc = s->n_input ? json_pack("{s:I, s:{s:I, s:I}}", "tokens", (json_int_t)s->n_input, "bytes", "device",
+                                         (json_int_t)s->cross_kvs.dev_bytes, "host",
+                                         (json_int_t)s->cross_kvs.host_bytes)
+                             : NULL;
+    return json_pack("{s:s, s:s, s:I, s:I, s:{s:I, s:I, s:I}, s:s, s:s, s:s?, s:b, s:b, s:o*}", "id", s->id, "object",
                      "session", "created", (json_int_t)s->created, "tokens", (json_int_t)s->n_toks, "bytes", "device",
                      (json_int_t)s->kvs.dev_bytes, "host", (json_int_t)s->kvs.host_bytes, "disk",
                      (json_int_t)s->disk_bytes, "strategy", used,
                      "requested_strategy", s->cache.name, "fallback", engine_fallback_name(s->kvs.fallback),
-                     "past_recording", s->record, "busy", s->busy);
+                     "past_recording", s->record, "busy", s->busy, "encoder", enc);
 }
 
 enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err)
@@ -255,7 +299,8 @@ static void session_publish(engine *e, struct session *s)
 }
 
 /* A session that shares s's KV blocks copy-on-write (extents are copied),
- * in the table under a new id. */
+ * in the table under a new id; an encoder-decoder session's cross cache is
+ * shared whole, never copied (it is only read). */
 static enum ipc_status session_fork(engine *e, struct session *s, struct session **out, struct ipc_error *err)
 {
     struct session *c = session_new(s->uid, &s->cache, s->record, NULL, err);
@@ -265,7 +310,8 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
     if (s->request && !(c->request = strdup(s->request)))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork");
     c->private_kv = s->private_kv;
-    if (s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks))))
+    if ((s->n_toks && !(c->toks = malloc(s->n_toks * sizeof(*c->toks)))) ||
+        (s->n_input && !(c->input = malloc(s->n_input * sizeof(*c->input)))))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
     enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;
     if (ts != TIER_OK)
@@ -275,6 +321,12 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
             memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));
         c->n_toks = s->n_toks;
         c->kvs = c->kv ? kv_seq_stats(c->kv) : (struct kv_seq_stats){0};
+        if (s->n_input)
+            memcpy(c->input, s->input, s->n_input * sizeof(*c->input));
+        c->n_input = s->n_input;
+        if ((c->cross = s->cross))
+            c->cross->refs++;
+        c->cross_kvs = s->cross_kvs;
         st = session_insert(e, c, err);
     }
     if (st != IPC_OK) {
@@ -289,7 +341,10 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
 
 size_t engine_kv_max_size(const engine *e)
 {
-    return kvfile_max_size(e->mc->n_layers, e->mc->n_kv_heads, e->mc->head_dim, e->ctx);
+    size_t n = kvfile_max_size(e->mc->n_layers, e->mc->n_kv_heads, e->mc->head_dim, e->ctx);
+    /* an encoder-decoder file adds the cross K and V of an input up to the
+     * context and its ids: as much again */
+    return e->ed && n <= SIZE_MAX / 2 ? 2 * n : e->ed ? 0 : n;
 }
 
 /* The rows an imported layer must have: a dynamic sequence's (the import's
@@ -343,11 +398,13 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
                                 struct ipc_error *err)
 {
     int tv = tokenizer_vocab_size(e->tok);
-    struct kvfile_expect x = {.fingerprint = model_fingerprint(e->m), .n_layers = e->mc->n_layers,
+    struct kvfile_expect x = {.fingerprint = engine_fingerprint(e), .n_layers = e->mc->n_layers,
                               .n_kv_heads = e->mc->n_kv_heads, .head_dim = e->mc->head_dim,
                               /* the next request feeds at least one token */
                               .max_tokens = e->ctx - 1, .vocab_size = tv < e->vocab ? tv : e->vocab,
-                              .rows = import_rows, .rows_ctx = (void *)e, .quant = import_quant};
+                              .rows = import_rows, .rows_ctx = (void *)e,
+                              /* an encoder-decoder session's cross cache; its self cache is dense */
+                              .max_input = e->ed ? e->ctx : 0, .quant = e->ed ? NULL : import_quant};
     char msg[MODEL_ERR_LEN];
     switch (kvfile_parse(buf, len, &x, out, msg)) {
     case MODEL_OK: return IPC_OK;
@@ -466,7 +523,7 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
     if (st == IPC_OK && (!cache || !lay))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
     const char *meta[] = {"layout", "quantized", "quantization", cache, "q_block_tokens", bt, "q_layers", lay, NULL};
-    struct kvfile_info in = {.fingerprint = model_fingerprint(e->m),
+    struct kvfile_info in = {.fingerprint = engine_fingerprint(e),
                              .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy),
                              .dtype = kv_store_dtype(e->store), .n_layers = L, .n_kv_heads = H, .head_dim = D,
                              .tokens = s->toks, .n_tokens = (int64_t)s->n_toks};
@@ -503,31 +560,37 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
 }
 
 /* The session's KV as a safetensors file in j->res.blob: dense layers as
- * stored, quantized ones decoded to f32 (or in their stored form, raw). */
+ * stored, quantized ones decoded to f32 (or in their stored form, raw);
+ * an encoder-decoder session's cross cache and input with it. */
 static enum ipc_status session_export(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
-    if (!s->kv || !s->n_toks)
+    if (!s->kv || !s->n_toks || (e->ed && !s->cross))
         return ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" holds no KV yet", s->id);
+    if (j->raw && s->kvs.strategy == KV_QUANTIZED && e->ed)
+        return ipc_fail(err, IPC_EINVAL, "raw", "an encoder-decoder session's file is dense: its cross-attention "
+                        "cache has no stored quantized form");
     if (j->raw && s->kvs.strategy == KV_QUANTIZED)
         return session_export_raw(e, s, j, err);
-    int L = e->mc->n_layers;
+    int L = e->mc->n_layers, per = e->ed ? 4 : 2; /* K and V, and the cross K and V */
     int64_t *rows = calloc((size_t)L, sizeof(*rows));
-    size_t *off = calloc(2 * (size_t)L, sizeof(*off));
+    size_t *off = calloc((size_t)per * (size_t)L, sizeof(*off));
     enum ipc_status st = rows && off ? IPC_OK : ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
     for (int l = 0; l < L && st == IPC_OK; l++)
         rows[l] = kv_seq_layer_rows(s->kv, l);
     enum be_dtype dt = s->kvs.strategy == KV_QUANTIZED ? BE_F32 : kv_store_dtype(e->store);
-    struct kvfile_info in = {.fingerprint = model_fingerprint(e->m),
+    struct kvfile_info in = {.fingerprint = engine_fingerprint(e),
                              .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy), .dtype = dt,
                              .n_layers = L, .n_kv_heads = e->mc->n_kv_heads, .head_dim = e->mc->head_dim,
-                             .rows = rows, .tokens = s->toks, .n_tokens = (int64_t)s->n_toks};
+                             .rows = rows, .tokens = s->toks, .n_tokens = (int64_t)s->n_toks,
+                             .input = e->ed ? s->input : NULL, .n_input = e->ed ? (int64_t)s->n_input : 0};
     char msg[MODEL_ERR_LEN];
     void *buf = NULL;
-    size_t size = 0;
-    if (st == IPC_OK && kvfile_build(&in, &buf, &size, off, off + L, msg) != MODEL_OK)
+    size_t size = 0, *voff = off + (size_t)per / 2 * (size_t)L;
+    if (st == IPC_OK && kvfile_build(&in, &buf, &size, off, voff, msg) != MODEL_OK)
         st = ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
-    for (int l = 0; l < L && st == IPC_OK; l++) {
-        enum tier_status ts = kv_seq_layer_dense(s->kv, l, dt, (char *)buf + off[l], (char *)buf + off[L + l]);
+    for (int i = 0; i < per / 2 * L && st == IPC_OK; i++) {
+        kv_seq *q = i < L ? s->kv : s->cross->kv;
+        enum tier_status ts = kv_seq_layer_dense(q, i % L, dt, (char *)buf + off[i], (char *)buf + voff[i]);
         if (ts != TIER_OK)
             st = kv_error(e, ts, "", err);
     }
@@ -579,7 +642,35 @@ static enum ipc_status import_raw(engine *e, const struct kvfile *f, const struc
     return st;
 }
 
-/* Fills the job's new session with the file's KV and tokens. */
+/* An encoder-decoder file's cross cache, for s, which takes its input. */
+static enum ipc_status import_cross(engine *e, struct session *s, struct kvfile *f, struct ipc_error *err)
+{
+    struct cross_cache *cc = malloc(sizeof(*cc));
+    kv_seq *q = NULL;
+    if (!cc)
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the imported cross-attention cache");
+    enum tier_status ts = kv_seq_create(e->store, &(struct kv_seq_params){.no_prefix_cache = true}, &q);
+    if (ts == TIER_OK)
+        ts = kv_seq_import_dense(q, f->n_input, f->dtype, f->ck, f->cv);
+    if (ts != TIER_OK) {
+        kv_seq_free(q);
+        free(cc);
+        return kv_error(e, ts, "", err);
+    }
+    *cc = (struct cross_cache){.kv = q, .refs = 1};
+    struct kv_seq_stats k = kv_seq_stats(q);
+    s->cross = cc;
+    s->input = f->input;
+    f->input = NULL;
+    pthread_mutex_lock(&e->mu);
+    s->n_input = (size_t)f->n_input;
+    s->cross_kvs = k;
+    pthread_mutex_unlock(&e->mu);
+    return IPC_OK;
+}
+
+/* Fills the job's new session with the file's KV and tokens (and an
+ * encoder-decoder file's cross cache and input). */
 static enum ipc_status session_import(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
     struct kvfile *f = &j->kvf;
@@ -591,6 +682,13 @@ static enum ipc_status session_import(engine *e, struct session *s, struct job *
     struct kv_seq_params p = s->cache.params;
     p.prefix_ns = e->cfg.share_prefix_cache ? 0 : (uint64_t)s->uid + 1;
     kv_seq *q = NULL;
+    if (f->n_input) {
+        enum ipc_status st = import_cross(e, s, f, err);
+        if (st != IPC_OK) {
+            free(toks);
+            return st;
+        }
+    }
     if (f->q) {
         enum ipc_status st = import_raw(e, f, &p, &q, err);
         if (st != IPC_OK) {
@@ -650,10 +748,9 @@ void session_run_op(engine *e, struct job *j)
         else /* |op_n| is within KV_SEQ_MAX_LEN now */
             crop_refeed(e, s, j->op_n > 0 ? (j->op_n < len ? j->op_n : len) : (-j->op_n < len ? len + j->op_n : 0),
                         &err);
-    } else if (e->ed && j->kind != JOB_CROP) {
-        /* they would carry the decoder's cache without its encoder input's */
-        ipc_fail(&err, IPC_EINVAL, "", "an encoder-decoder model's sessions crop; they do not fork, record, export or "
-                 "import yet");
+    } else if (e->ed && j->kind == JOB_RECORD) {
+        ipc_fail(&err, IPC_EINVAL, "", "an encoder-decoder model's decoder attends to all its tokens: there are no "
+                 "past states to record");
     } else if (j->kind == JOB_RECORD) {
         if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
             kv_error(e, ts, "", &err);

@@ -1,9 +1,10 @@
 /* spill.c - the sessions' side of the disk tier (docs/persistence.md).
  *
  * A session is written to the disk tier as one object: its KV image
- * (kv_seq_save) and a JSON meta with what the table needs to list it again
- * (id, owner, creation time, the cache choice as the client sent it, past
- * recording, the token ids).  Files are kept per owner (namespace
+ * (kv_seq_save; an encoder-decoder session's, the decoder's image then its
+ * cross-attention cache's) and a JSON meta with what the table needs to
+ * list it again (id, owner, creation time, the cache choice as the client
+ * sent it, past recording, the token ids, the encoder input).  Files are kept per owner (namespace
  * "u<uid>"), so one uid's files are never named by another's requests.
  *
  * When: a session idle for --spill-after, or the least recently used idle
@@ -49,6 +50,7 @@
 #include <string.h>
 
 #include "daemon/engine_impl.h"
+#include "model/encdec.h"
 #include "model/model.h"
 #include "util/clock.h"
 #include "util/log.h"
@@ -69,26 +71,43 @@ static void ns_of(uid_t uid, char out[24])
     snprintf(out, 24, "u%u", (unsigned)uid);
 }
 
-/* {"kvtier_session": 1, "id", "uid", "created", "record", "request",
- *  "tokens": [...]}: what the table needs to list the session again. */
-static char *meta_json(const struct session *s)
+static json_t *ids_json(const int32_t *ids, size_t n)
 {
-    json_t *req = NULL, *toks = json_array();
-    if (s->request && !(req = json_loads(s->request, 0, NULL))) {
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++)
+        if (json_array_append_new(a, json_integer(ids[i])) != 0) {
+            json_decref(a);
+            a = NULL;
+        }
+    return a;
+}
+
+/* {"kvtier_session": 1, "id", "uid", "created", "record", "request",
+ *  "tokens": [...]}: what the table needs to list the session again.  An
+ * encoder-decoder session adds "encoder": {"input": [...], "self_image":
+ * bytes}: its encoder input, and where the input's cross cache's image
+ * starts in the data, after the decoder cache's (at its end: none, the
+ * cache was lost and the input will be encoded again). */
+static char *meta_json(const struct session *s, size_t self_image)
+{
+    json_t *req = NULL, *toks = ids_json(s->toks, s->n_toks);
+    json_t *enc = s->n_input ? json_pack("{s:o, s:I}", "input", ids_json(s->input, s->n_input), "self_image",
+                                         (json_int_t)self_image)
+                             : NULL;
+    if ((s->request && !(req = json_loads(s->request, 0, NULL))) || (s->n_input && !enc)) {
         json_decref(toks);
+        json_decref(req);
+        json_decref(enc);
         return NULL;
     }
-    for (size_t i = 0; toks && i < s->n_toks; i++)
-        if (json_array_append_new(toks, json_integer(s->toks[i])) != 0) {
-            json_decref(toks);
-            toks = NULL;
-        }
-    json_t *o = toks ? json_pack("{s:i, s:s, s:I, s:I, s:b, s:o*, s:o}", "kvtier_session", META_FORMAT, "id", s->id,
-                                 "uid", (json_int_t)s->uid, "created", (json_int_t)s->created, "record", s->record,
-                                 "request", req, "tokens", toks)
+    json_t *o = toks ? json_pack("{s:i, s:s, s:I, s:I, s:b, s:o*, s:o, s:o*}", "kvtier_session", META_FORMAT, "id",
+                                 s->id, "uid", (json_int_t)s->uid, "created", (json_int_t)s->created, "record",
+                                 s->record, "request", req, "tokens", toks, "encoder", enc)
                      : NULL;
-    if (!o)
+    if (!o) {
         json_decref(req);
+        json_decref(enc);
+    }
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return text;
@@ -186,13 +205,15 @@ const char *engine_spill_why_name(enum engine_spill_why why)
 static bool spill_start(engine *e, struct session *s, enum engine_spill_why reason)
 {
     bool cold = reason == ENGINE_SPILL_IDLE;
-    size_t n = s->kv ? kv_seq_image_size(s->kv) : 0;
+    /* an encoder-decoder session's cross cache follows the decoder's */
+    size_t n_self = s->kv ? kv_seq_image_size(s->kv) : 0, n = n_self + (s->cross ? kv_seq_image_size(s->cross->kv) : 0);
     void *data = NULL, *img = n ? image_alloc(e, kv_disk_data_alloc_len(n), &data) : NULL;
-    char *meta = meta_json(s);
+    char *meta = meta_json(s, n_self);
     const char *why = NULL;
     if ((n && !img) || !meta)
         why = "no host memory for its image";
-    else if (n && kv_seq_save(s->kv, data, n) != TIER_OK)
+    else if ((n_self && kv_seq_save(s->kv, data, n_self) != TIER_OK) ||
+             (s->cross && kv_seq_save(s->cross->kv, (char *)data + n_self, n - n_self) != TIER_OK))
         why = kv_store_errmsg(e->store);
     char ns[24];
     ns_of(s->uid, ns);
@@ -213,6 +234,7 @@ static bool spill_start(engine *e, struct session *s, enum engine_spill_why reas
         return false;
     }
     s->op_len = n + strlen(meta);
+    s->op_cross = s->cross;
     s->op_restore = false;
     s->op_version = s->version;
     s->op_why = reason;
@@ -223,14 +245,23 @@ static bool spill_start(engine *e, struct session *s, enum engine_spill_why reas
     return true;
 }
 
-/* Drops s's KV from memory once its file holds it. */
+/* Drops s's KV (and its reference to a cross cache; the input's ids stay:
+ * listed, and encoded again should the file be lost) from memory once its
+ * file holds it. */
 static void spill_release(engine *e, struct session *s)
 {
     kv_seq_free(s->kv);
     s->kv = NULL;
+    session_drop_cross(e, s, false);
     pthread_mutex_lock(&e->mu);
     s->kvs = (struct kv_seq_stats){0};
     pthread_mutex_unlock(&e->mu);
+}
+
+/* Whether s holds KV in memory that its file could stand for. */
+static bool in_memory(const struct session *s)
+{
+    return s->kv || s->cross;
 }
 
 static void spill_done(engine *e, struct session *s)
@@ -245,13 +276,14 @@ static void spill_done(engine *e, struct session *s)
         return;
     }
     s->disk_version = s->op_version;
+    s->disk_cross = s->op_cross;
     pthread_mutex_lock(&e->mu);
     s->disk_bytes = s->op_len;
     bool unchanged = !s->busy && s->version == s->op_version;
     e->st.spills[s->op_why]++;
     pthread_mutex_unlock(&e->mu);
     op_clear(e, s);
-    if (unchanged && s->kv)
+    if (unchanged && in_memory(s))
         spill_release(e, s);
 }
 
@@ -286,6 +318,7 @@ static void restore_lost(engine *e, struct session *s, const char *why)
     log_msg(LOG_WARN, "session %s: restore from disk failed, its tokens will be computed again: %s", s->id, why);
     engine_count(e, &e->st.disk_errors);
     s->disk_version = 0;
+    s->disk_cross = false; /* an encoder-decoder session's input is encoded again */
     s->version++;
     pthread_mutex_lock(&e->mu);
     free(s->toks);
@@ -298,8 +331,11 @@ static void restore_lost(engine *e, struct session *s, const char *why)
 
 static void restore_restored(engine *e, struct session *s)
 {
+    struct kv_seq_stats k = s->kv ? kv_seq_stats(s->kv) : (struct kv_seq_stats){0};
+    struct kv_seq_stats c = s->cross ? kv_seq_stats(s->cross->kv) : (struct kv_seq_stats){0};
     pthread_mutex_lock(&e->mu);
-    s->kvs = kv_seq_stats(s->kv);
+    s->kvs = k;
+    s->cross_kvs = c;
     e->st.restores++;
     pthread_mutex_unlock(&e->mu);
 }
@@ -320,8 +356,10 @@ static bool head_in(const engine *e, const struct session *s, double now)
     (void)now;
     void *data;
     size_t len, head = kv_image_head_size(e->store);
-    /* a state image loads whole (tiers/image.c): restore_done takes it */
-    return !kv_store_state_bytes(e->store) && s->op && s->op_restore && !s->op_begun && !s->kv &&
+    /* a state image loads whole (tiers/image.c), and so does an
+     * encoder-decoder session's (the decoder reads its cross cache's every
+     * layer at the first step): restore_done takes them */
+    return !kv_store_state_bytes(e->store) && !e->ed && s->op && s->op_restore && !s->op_begun && !s->kv &&
            kv_disk_op_ready(s->op, &data, &len) >= (len < head ? len : head) && data;
 }
 
@@ -393,6 +431,63 @@ void disk_restore_lost(engine *e, struct session *s)
     restore_lost(e, s, why);
 }
 
+/* An encoder-decoder session's "encoder" meta (meta_json): the input's
+ * ids in the vocabulary into *ids (malloc'd; *n 0 and *ids NULL when the
+ * meta has none), the decoder cache's image bytes (at most data_len; the
+ * cross cache's image is the rest) into *self_image; else why not. */
+static const char *meta_encoder(const engine *e, const json_t *o, size_t data_len, int32_t **ids, size_t *n,
+                                size_t *self_image)
+{
+    json_t *enc = json_object_get(o, "encoder");
+    json_t *in = json_object_get(enc, "input"), *si = json_object_get(enc, "self_image");
+    *ids = NULL;
+    *n = 0;
+    *self_image = data_len;
+    if (!enc)
+        return NULL;
+    if (!e->ed)
+        return "an encoder input, and this model has no encoder";
+    if (!json_is_array(in) || !json_array_size(in) || json_array_size(in) > (size_t)KV_SEQ_MAX_LEN ||
+        !json_is_integer(si) || json_integer_value(si) < 0 || (uint64_t)json_integer_value(si) > data_len)
+        return "encoder fields out of range";
+    size_t k = json_array_size(in);
+    if (!(*ids = malloc(k * sizeof(**ids))))
+        return "no memory";
+    for (size_t i = 0; i < k; i++) {
+        json_t *v = json_array_get(in, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= e->vocab) {
+            free(*ids);
+            *ids = NULL;
+            return "an encoder input id out of range";
+        }
+        (*ids)[i] = (int32_t)json_integer_value(v);
+    }
+    *n = k;
+    *self_image = (size_t)json_integer_value(si);
+    return NULL;
+}
+
+/* The cross cache of an input of n_input tokens from its image; the
+ * store's refusal, or TIER_EINVAL naming why. */
+static enum tier_status load_cross(engine *e, const void *img, size_t len, size_t n_input, struct cross_cache **out,
+                                   char why[256])
+{
+    kv_seq *kv = NULL;
+    enum tier_status ts = kv_seq_load(e->store, img, len, &kv);
+    if (ts != TIER_OK)
+        snprintf(why, 256, "%s", kv_store_errmsg(e->store));
+    else if ((size_t)kv_seq_length(kv) != n_input)
+        ts = TIER_EINVAL, snprintf(why, 256, "its cross-attention cache is of another number of tokens than its input");
+    else if (!(*out = malloc(sizeof(**out))))
+        ts = TIER_ENOMEM_HOST, snprintf(why, 256, "no host memory for the cross-attention cache");
+    if (ts != TIER_OK) {
+        kv_seq_free(kv);
+        return ts;
+    }
+    **out = (struct cross_cache){.kv = kv, .refs = 1};
+    return TIER_OK;
+}
+
 static void restore_done(engine *e, struct session *s)
 {
     if (s->kv) {
@@ -401,24 +496,40 @@ static void restore_done(engine *e, struct session *s)
     }
     enum tier_status ts = kv_disk_op_status(s->op);
     void *meta = NULL, *img = NULL, *buf = NULL;
-    size_t meta_len = 0, n = 0;
+    size_t meta_len = 0, n = 0, n_self = 0, n_input = 0;
     kv_seq *kv = NULL;
+    struct cross_cache *cross = NULL;
+    int32_t *input = NULL;
     /* a copy: the op's message goes with the op, the store's with its next call */
     char why[256] = "";
     if (ts == TIER_OK) {
         kv_disk_op_take_buf(s->op, &meta, &meta_len, &buf, &img, &n);
-        if (n && (ts = kv_seq_load(e->store, img, n, &kv)) != TIER_OK)
+        json_t *o = e->ed ? json_loadb(meta, meta_len, 0, NULL) : NULL;
+        const char *bad = e->ed ? (o ? meta_encoder(e, o, n, &input, &n_input, &n_self) : "its meta is not JSON")
+                                : (n_self = n, NULL);
+        json_decref(o);
+        if (bad)
+            ts = TIER_EINVAL, snprintf(why, sizeof why, "%s", bad);
+        else if (n_self && (ts = kv_seq_load(e->store, img, n_self, &kv)) != TIER_OK)
             snprintf(why, sizeof why, "%s", kv_store_errmsg(e->store));
-        else if (n && (size_t)kv_seq_length(kv) != s->n_toks)
+        else if (n_self && (size_t)kv_seq_length(kv) != s->n_toks)
             ts = TIER_EINVAL, snprintf(why, sizeof why, "its KV holds another number of tokens than its meta");
-        else if (!n && s->n_toks)
+        else if (!n_self && s->n_toks)
             ts = TIER_EINVAL, snprintf(why, sizeof why, "the file holds no KV");
+        /* a fork restored before it (or another of the user's sessions)
+         * may hold the same input's: one cache serves both */
+        else if (n > n_self && !(cross = cross_find(e, s->uid, input, n_input)))
+            ts = load_cross(e, (const char *)img + n_self, n - n_self, n_input, &cross, why);
     } else {
         snprintf(why, sizeof why, "%s", kv_disk_op_errmsg(s->op));
     }
     free(meta);
     image_release(e, buf);
     op_clear(e, s);
+    if (ts != TIER_OK) {
+        kv_seq_free(kv);
+        free(input);
+    }
     if ((ts == TIER_ENOMEM_DEV || ts == TIER_ENOMEM_HOST) && disk_spill_for_memory(e))
         return; /* its jobs wait on; disk_poll reads it again once the spill is done */
     if (ts == TIER_ENOMEM_DEV || ts == TIER_ENOMEM_HOST) {
@@ -429,11 +540,20 @@ static void restore_done(engine *e, struct session *s)
         return;
     }
     if (ts != TIER_OK) {
-        kv_seq_free(kv);
         restore_lost(e, s, why[0] ? why : tier_strerror(ts));
-    } else if (kv) {
+    } else {
         s->kv = kv;
-        restore_restored(e, s);
+        s->disk_cross = cross; /* what the file turned out to hold */
+        if (cross) { /* the file's input is the one its cross cache is of */
+            session_drop_cross(e, s, true);
+            s->cross = cross;
+            s->input = input;
+            pthread_mutex_lock(&e->mu);
+            s->n_input = n_input;
+            pthread_mutex_unlock(&e->mu);
+        }
+        if (kv || cross)
+            restore_restored(e, s);
     }
     restore_wake(e, s, NULL, false);
 }
@@ -491,7 +611,7 @@ void disk_poll(engine *e)
 static bool spillable(const engine *e, const struct session *s, double now)
 {
     (void)e;
-    return !s->busy && !s->op && (s->kv || s->version != s->disk_version) && now >= s->spill_retry_at;
+    return !s->busy && !s->op && (in_memory(s) || s->version != s->disk_version) && now >= s->spill_retry_at;
 }
 
 double spill_idle_ms(const engine *e)
@@ -510,7 +630,7 @@ double disk_spill_idle(engine *e, double now)
     if (!e->disk)
         return 0;
     for (struct session *s; (s = find(e, idle_due, now));) {
-        if (s->kv && s->version == s->disk_version)
+        if (in_memory(s) && s->version == s->disk_version)
             spill_release(e, s); /* its file is current: nothing to write */
         else
             spill_start(e, s, ENGINE_SPILL_IDLE);
@@ -520,7 +640,7 @@ double disk_spill_idle(engine *e, double now)
     for (struct session *s = e->sessions; s; s = s->next) {
         double due = s->t_idle + spill_idle_ms(e);
         due = due > s->spill_retry_at ? due : s->spill_retry_at;
-        if (!s->busy && !s->op && (s->kv || s->version != s->disk_version) && (next == 0 || due < next))
+        if (!s->busy && !s->op && (in_memory(s) || s->version != s->disk_version) && (next == 0 || due < next))
             next = due;
     }
     pthread_mutex_unlock(&e->mu);
@@ -537,7 +657,7 @@ bool disk_spill_for_memory(engine *e)
     pthread_mutex_lock(&e->mu);
     struct session *lru = NULL;
     for (struct session *s = e->sessions; s; s = s->next)
-        if (s->kv && spillable(e, s, now) && (!lru || s->t_idle < lru->t_idle))
+        if (in_memory(s) && spillable(e, s, now) && (!lru || s->t_idle < lru->t_idle))
             lru = s;
     pthread_mutex_unlock(&e->mu);
     if (!lru)
@@ -552,7 +672,10 @@ bool disk_spill_for_memory(engine *e)
 
 bool disk_needs_restore(const engine *e, const struct session *s)
 {
-    return e->disk && !s->kv && s->disk_version && s->n_toks;
+    /* an encoder-decoder session's cross cache comes back with it, unless
+     * the session changed since (another input, which dropped it) */
+    return e->disk && !s->kv && s->disk_version &&
+           (s->n_toks || (s->disk_cross && !s->cross && s->version == s->disk_version));
 }
 
 void disk_restore(engine *e, struct session *s)
@@ -624,6 +747,10 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
         *why = "meta fields out of range";
     else if (data_len == 0 && json_array_size(toks))
         *why = "tokens without KV";
+    int32_t *input = NULL;
+    size_t n_input = 0, self_image;
+    if (!*why)
+        *why = meta_encoder(e, o, data_len, &input, &n_input, &self_image);
     struct ipc_cache_choice cache;
     struct ipc_error err;
     if (!*why && ipc_cache_parse(json_object_get(req, "cache"), json_object_get(req, "use_cache"),
@@ -647,12 +774,17 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
         s->n_toks = n;
     }
     if (s && !*why) {
+        s->input = input;
+        s->n_input = n_input;
+        s->disk_cross = data_len > self_image;
+        input = NULL;
         snprintf(s->id, sizeof(s->id), "%s", name);
         s->created = (time_t)json_integer_value(created);
         s->version = s->disk_version = 1;
         s->disk_bytes = data_len + meta_len;
     }
     json_decref(o);
+    free(input);
     if (*why) {
         free_dead_sessions(s);
         return NULL;
@@ -691,10 +823,15 @@ static void on_file(void *arg, const char *ns, const char *name, const void *met
     sc->listed++;
 }
 
+uint64_t engine_fingerprint(const engine *e)
+{
+    return e->ed ? encdec_fingerprint(e->ed) : model_fingerprint(e->m);
+}
+
 struct kv_disk_layout engine_kv_layout(const engine *e)
 {
-    const struct kv_geom g = model_kv_geom(e->m);
-    return (struct kv_disk_layout){.fingerprint = model_fingerprint(e->m),
+    const struct kv_geom g = e->ed ? encdec_kv_geom(e->ed) : model_kv_geom(e->m);
+    return (struct kv_disk_layout){.fingerprint = engine_fingerprint(e),
                                    .dtype = (uint32_t)kv_store_dtype(e->store),
                                    .block_tokens = (uint32_t)kv_store_block_tokens(e->store),
                                    .n_layers = (uint32_t)g.n_layers,

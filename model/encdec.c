@@ -104,6 +104,12 @@ struct kv_geom encdec_kv_geom(const encdec *m)
                             .head_dim = m->cfg.head_dim, .dtype = m->kv_dtype};
 }
 
+uint64_t encdec_fingerprint(const encdec *m)
+{
+    uint64_t h[2] = {m->cfg.config_hash, m->header_hash};
+    return XXH3_64bits(h, sizeof h);
+}
+
 /* ---- config.json ---------------------------------------------------------- */
 
 static const char *const ARCHS[2] = {"T5ForConditionalGeneration", "BartForConditionalGeneration"};

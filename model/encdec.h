@@ -53,6 +53,9 @@ void encdec_free(encdec *m); /* accepts NULL */
 const struct encdec_config *encdec_get_config(const encdec *m);
 /* The geometry of the store both sequences live in. */
 struct kv_geom encdec_kv_geom(const encdec *m);
+/* As model_fingerprint: a hash of config.json and the weights' names,
+ * dtypes and shapes, which the disk tier's files record. */
+uint64_t encdec_fingerprint(const encdec *m);
 
 /* Runs the encoder over ids[0, n) and writes every decoder layer's
  * cross-attention K and V of its output into cross, an empty sequence of a

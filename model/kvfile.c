@@ -89,9 +89,12 @@ static json_t *header_json(const struct kvfile_info *in, const char *const *meta
     snprintf(fp, sizeof(fp), "%016" PRIx64, in->fingerprint);
     snprintf(ver, sizeof(ver), "%d", KVFILE_VERSION);
     int bad = !h || !meta || !toks;
-    bad = bad || set_str(meta, "format", KVFILE_FORMAT) || set_str(meta, "version", ver) ||
+    char *input = in->n_input ? tokens_json(in->input, in->n_input) : NULL;
+    bad = bad || (in->n_input && !input) || set_str(meta, "format", KVFILE_FORMAT) || set_str(meta, "version", ver) ||
           set_str(meta, "model_fingerprint", fp) || set_str(meta, "tokens", toks) ||
-          set_str(meta, "strategy", in->strategy) || set_str(meta, "dtype", be_dtype_name(in->dtype));
+          set_str(meta, "strategy", in->strategy) || set_str(meta, "dtype", be_dtype_name(in->dtype)) ||
+          (input && set_str(meta, "encoder_input", input));
+    free(input);
     for (int i = 0; meta_kv && meta_kv[i] && !bad; i += 2)
         bad = set_str(meta, meta_kv[i], meta_kv[i + 1]);
     free(toks);
@@ -178,20 +181,23 @@ enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t 
     for (int l = 0; l < in->n_layers; l++)
         if (in->rows[l] < 0 || in->rows[l] > in->n_tokens)
             return model_errf(err, MODEL_EINVAL, "KV file: layer %d: %" PRId64 " rows", l, in->rows[l]);
-    struct kvfile_tensor *t = calloc(2 * (size_t)in->n_layers, sizeof(*t));
+    if (in->n_input < 0 || in->n_input > INT32_MAX)
+        return model_errf(err, MODEL_EINVAL, "KV file: %" PRId64 " encoder input tokens", in->n_input);
+    int per = in->n_input ? 4 : 2, L = in->n_layers;
+    struct kvfile_tensor *t = calloc((size_t)per * (size_t)L, sizeof(*t));
     if (!t)
         return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
-    for (int i = 0; i < 2 * in->n_layers; i++) {
-        snprintf(t[i].name, sizeof(t[i].name), "past_key_values.%d.%s", i / 2, i % 2 ? "value" : "key");
+    for (int i = 0; i < per * L; i++) {
+        static const char *const kind[4] = {"key", "value", "cross_key", "cross_value"};
+        snprintf(t[i].name, sizeof(t[i].name), "past_key_values.%d.%s", i / per, kind[i % per]);
         t[i].dtype = DT_NAME[in->dtype];
         t[i].ndim = 4;
-        memcpy(t[i].shape, (int64_t[]){1, in->n_kv_heads, in->rows[i / 2], in->head_dim}, 4 * sizeof(int64_t));
+        int64_t rows = i % per < 2 ? in->rows[i / per] : in->n_input;
+        memcpy(t[i].shape, (int64_t[]){1, in->n_kv_heads, rows, in->head_dim}, 4 * sizeof(int64_t));
     }
-    enum model_status st = kvfile_build_tensors(in, NULL, t, 2 * in->n_layers, out, size, err);
-    for (int l = 0; l < in->n_layers && st == MODEL_OK; l++) {
-        k_off[l] = t[2 * l].off;
-        v_off[l] = t[2 * l + 1].off;
-    }
+    enum model_status st = kvfile_build_tensors(in, NULL, t, per * L, out, size, err);
+    for (int i = 0; i < per * L && st == MODEL_OK; i++)
+        (i % 2 ? v_off : k_off)[i % per / 2 * L + i / per] = t[i].off;
     free(t);
     return st;
 }
@@ -203,25 +209,28 @@ static const char *meta_str(json_t *meta, const char *key)
     return json_string_value(json_object_get(meta, key));
 }
 
-static enum model_status parse_tokens(json_t *meta, const struct kvfile_expect *e, struct kvfile *f, char *err)
+/* __metadata__.key: a non-empty JSON array of at most max ids (what, in
+ * messages) in the vocabulary, into *ids (malloc'ed) and *n. */
+static enum model_status parse_ids(json_t *meta, const char *key, int64_t max, const char *what,
+                                   const struct kvfile_expect *e, int32_t **ids, int64_t *n_ids, char *err)
 {
-    const char *s = meta_str(meta, "tokens");
+    const char *s = meta_str(meta, key);
     if (!s)
-        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.tokens is missing");
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.%s is missing", key);
     json_error_t je;
     json_t *a = json_loads(s, JSON_DECODE_ANY, &je);
     if (!json_is_array(a) || !json_array_size(a)) {
         json_decref(a);
-        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.tokens is not a non-empty JSON array of ids");
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.%s is not a non-empty JSON array of ids", key);
     }
     size_t n = json_array_size(a);
-    if ((int64_t)n > e->max_tokens) {
+    if ((int64_t)n > max) {
         json_decref(a);
-        return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.tokens holds %zu tokens, over the context of %" PRId64,
-                          n, e->max_tokens);
+        return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.%s holds %zu tokens, over the %s of %" PRId64, key,
+                          n, what, max);
     }
-    f->tokens = malloc(n * sizeof(int32_t));
-    if (!f->tokens) {
+    *ids = malloc(n * sizeof(int32_t));
+    if (!*ids) {
         json_decref(a);
         return model_errf(err, MODEL_ENOMEM, "KV file: out of memory for %zu token ids", n);
     }
@@ -230,13 +239,13 @@ static enum model_status parse_tokens(json_t *meta, const struct kvfile_expect *
         json_int_t id = json_integer_value(t);
         if (!json_is_integer(t) || id < 0 || id >= e->vocab_size) {
             json_decref(a);
-            return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.tokens[%zu] is not a token id in [0, %d)", i,
+            return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.%s[%zu] is not a token id in [0, %d)", key, i,
                               e->vocab_size);
         }
-        f->tokens[i] = (int32_t)id;
+        (*ids)[i] = (int32_t)id;
     }
     json_decref(a);
-    f->n_tokens = (int64_t)n;
+    *n_ids = (int64_t)n;
     return MODEL_OK;
 }
 
@@ -341,7 +350,12 @@ static enum model_status parse_meta(json_t *h, const struct kvfile_expect *e, st
         f->dtype++;
     if (!dt || f->dtype > BE_BF16)
         return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.dtype is not f32, f16 or bf16");
-    enum model_status st = parse_tokens(meta, e, f, err);
+    enum model_status st = parse_ids(meta, "tokens", e->max_tokens, "context", e, &f->tokens, &f->n_tokens, err);
+    if (st == MODEL_OK && e->max_input)
+        st = parse_ids(meta, "encoder_input", e->max_input, "encoder's limit", e, &f->input, &f->n_input, err);
+    else if (st == MODEL_OK && meta_str(meta, "encoder_input"))
+        return model_errf(err, MODEL_ECONFIG, "KV file: __metadata__.encoder_input: an encoder-decoder model's cache, "
+                          "and this model is decoder-only");
     const char *layout = meta_str(meta, "layout");
     if (st != MODEL_OK || !layout)
         return st;
@@ -420,30 +434,35 @@ static enum model_status check_overlap(struct range *r, size_t n, char *err)
 static enum model_status parse_tensors(json_t *h, const uint8_t *buf, uint64_t data_at, uint64_t data_size,
                                        const struct kvfile_expect *e, struct kvfile *f, char *err)
 {
-    size_t n = 2 * (size_t)e->n_layers;
+    size_t per = f->n_input ? 4 : 2, n = per * (size_t)e->n_layers;
     if (json_object_size(h) != n + 1)
         return model_errf(err, MODEL_EFORMAT,
                           "KV file: %zu tensors, but this model needs exactly %zu (past_key_values.{0..%d}.key and "
-                          ".value)",
-                          json_object_size(h) - 1, n, e->n_layers - 1);
+                          ".value%s)",
+                          json_object_size(h) - 1, n, e->n_layers - 1, f->n_input ? ", .cross_key, .cross_value" : "");
     struct range *r = malloc(n * sizeof(*r));
-    f->k = calloc((size_t)e->n_layers, sizeof(*f->k));
-    f->v = calloc((size_t)e->n_layers, sizeof(*f->v));
-    if (!r || !f->k || !f->v) {
+    size_t L = (size_t)e->n_layers;
+    f->k = calloc(L, sizeof(*f->k));
+    f->v = calloc(L, sizeof(*f->v));
+    f->ck = f->n_input ? calloc(L, sizeof(*f->ck)) : NULL;
+    f->cv = f->n_input ? calloc(L, sizeof(*f->cv)) : NULL;
+    if (!r || !f->k || !f->v || (f->n_input && (!f->ck || !f->cv))) {
         free(r);
         return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
     }
     f->n_layers = e->n_layers;
     enum model_status st = MODEL_OK;
+    static const char *const kind[4] = {"key", "value", "cross_key", "cross_value"};
     for (size_t i = 0; i < n && st == MODEL_OK; i++) {
-        int l = (int)(i / 2);
+        int l = (int)(i / per);
         char name[64];
-        snprintf(name, sizeof(name), "past_key_values.%d.%s", l, i % 2 ? "value" : "key");
-        const uint64_t want[4] = {1, (uint64_t)e->n_kv_heads, (uint64_t)e->rows(e->rows_ctx, l, f->n_tokens),
-                                  (uint64_t)e->head_dim};
+        snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kind[i % per]);
+        uint64_t rows = i % per < 2 ? (uint64_t)e->rows(e->rows_ctx, l, f->n_tokens) : (uint64_t)f->n_input;
+        const uint64_t want[4] = {1, (uint64_t)e->n_kv_heads, rows, (uint64_t)e->head_dim};
         st = check_tensor(h, name, DT_NAME[f->dtype], 4, want, data_at, data_size, &r[i], err);
+        const void **dst = ((const void **[]){f->k, f->v, f->ck, f->cv})[i % per];
         if (st == MODEL_OK)
-            (i % 2 ? f->v : f->k)[l] = buf + data_at + r[i].begin;
+            dst[l] = buf + data_at + r[i].begin;
     }
     if (st == MODEL_OK)
         st = check_overlap(r, n, err);
@@ -522,9 +541,11 @@ enum model_status kvfile_parse(const void *buf_, size_t len, const struct kvfile
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--)
         hlen = hlen << 8 | buf[i];
-    if (hlen > kvfile_header_max(e->max_tokens))
+    /* an encoder-decoder file's header holds its input and twice the tensors */
+    size_t hmax = kvfile_header_max(e->max_tokens) + (e->max_input ? kvfile_header_max(e->max_input) : 0);
+    if (hlen > hmax)
         return model_errf(err, MODEL_EFORMAT, "KV file: header length %" PRIu64 " exceeds the %zu-byte limit", hlen,
-                          kvfile_header_max(e->max_tokens));
+                          hmax);
     if (hlen > len - 8)
         return model_errf(err, MODEL_EFORMAT, "KV file: truncated: header length %" PRIu64 " runs past the %zu bytes",
                           hlen, len);
@@ -547,8 +568,11 @@ enum model_status kvfile_parse(const void *buf_, size_t len, const struct kvfile
 void kvfile_release(struct kvfile *f)
 {
     free(f->tokens);
+    free(f->input);
     free(f->k);
     free(f->v);
+    free(f->ck);
+    free(f->cv);
     free(f->q);
     free(f->quantization);
     *f = (struct kvfile){0};

@@ -10,6 +10,12 @@
  * dtype.  The header is padded with spaces to a multiple of 8 bytes and
  * every tensor starts on an 8-byte boundary of the file, in the order
  * layer 0 key, layer 0 value, layer 1 key, ...
+ * An encoder-decoder model's file (Hugging Face's EncoderDecoderCache,
+ * whose legacy form is (key, value, cross key, cross value) per layer)
+ * adds the encoder input as __metadata__.encoder_input (a JSON array of
+ * ids, as a string) and, after each layer's value, the decoder's
+ * cross-attention past_key_values.{l}.cross_key and .cross_value of shape
+ * [1, n_kv_heads, input tokens, head_dim].
  * A quantized cache's raw export (docs/api.md "Raw quantized export") is
  * laid out by the daemon with kvfile_build_tensors; the parser reads it
  * back when the caller says which formats it takes (kvfile_expect.quant).
@@ -34,6 +40,8 @@ struct kvfile_info {
     const int64_t *rows;     /* [n_layers] */
     const int32_t *tokens;   /* [n_tokens] */
     int64_t n_tokens;
+    const int32_t *input;    /* an encoder-decoder cache's encoder input [n_input]; 0: none */
+    int64_t n_input;
 };
 
 /* The largest header a file for a context of ctx tokens may have: the
@@ -45,7 +53,9 @@ size_t kvfile_max_size(int n_layers, int n_kv_heads, int head_dim, int64_t ctx);
 
 /* Lays out a file for info: *out (malloc'ed, *size bytes) holds the header
  * and zeroed data; k_off[l], v_off[l] are where layer l's K and V start in
- * it, for the caller to fill ([n_kv_heads, rows_l, head_dim] each).
+ * it, for the caller to fill ([n_kv_heads, rows_l, head_dim] each), and
+ * with an encoder input k_off[n_layers + l], v_off[n_layers + l] its cross
+ * K and V ([n_kv_heads, n_input, head_dim]).
  * MODEL_ENOMEM, or MODEL_EINVAL for sizes that overflow. */
 enum model_status kvfile_build(const struct kvfile_info *info, void **out, size_t *size, size_t *k_off,
                                size_t *v_off, char *err);
@@ -73,6 +83,9 @@ struct kvfile_expect {
     uint64_t fingerprint;
     int n_layers, n_kv_heads, head_dim;
     int64_t max_tokens; /* the context */
+    /* > 0: an encoder-decoder model's file, which must carry an encoder
+     * input of at most this many ids and the cross K and V; 0: none may */
+    int64_t max_input;
     int vocab_size;     /* token ids in [0, vocab_size) */
     /* rows_l a file of n tokens must have for layer l */
     int64_t (*rows)(void *ctx, int layer, int64_t n);
@@ -107,6 +120,11 @@ struct kvfile {
     struct kvfile_qlayer *q;
     struct be_kvq_format fmt;
     char *quantization;
+    /* an encoder-decoder file's input (owned) and cross K and V [n_layers]
+     * into the buffer (owned arrays); NULL, 0 otherwise */
+    int32_t *input;
+    int64_t n_input;
+    const void **ck, **cv;
 };
 
 /* Checks buf[0, len) completely against e before anything the KV needs is

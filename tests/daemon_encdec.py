@@ -8,8 +8,9 @@ tokenized; a session's later generations with the same input, or none,
 and after a crop give a fresh request's tokens with the encoder tokens
 reported as not recomputed, so do beams on it and a request after them,
 another input is encoded afresh; chat, sliding, sink, T5's quantized
-cache, shared_prefix, a session's fork or prefix, and "input" or beams on a
-session to a decoder-only model are refused with a 400 naming why."""
+cache, shared_prefix, a session's prefix or past recording, and "input" or
+beams on a session to a decoder-only model are refused with a 400 naming
+why (forks and the disk tier: tests/daemon_encdec_sess.py)."""
 import os
 import subprocess
 import sys
@@ -121,8 +122,9 @@ def run(name, args, dec):
           r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
           "%s: another input on the session is encoded afresh, the decoder's cache dropped: a fresh request's "
           "tokens" % name)
-    code, e = d.post("/v1/sessions/%s/fork" % sid, {})
-    check(code == 400, "%s: fork of an encoder-decoder session -> 400: %s" % (name, e.get("error", {}).get("message")))
+    code, e = d.post("/v1/sessions/%s/activate_past_recording" % sid, {})
+    check(code == 400 and "no past states" in e["error"]["message"],
+          "%s: past recording on an encoder-decoder session -> 400" % name)
     code, e = d.post("/v1/sessions", {"prompt": [1, 2]})
     check(code == 400 and "starts empty" in e["error"]["message"], "%s: a session's prefix -> 400" % name)
     code, sess = d.post("/v1/sessions", {})

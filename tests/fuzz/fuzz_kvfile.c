@@ -4,12 +4,15 @@
  * kept (a dynamic window of 4).
  *
  * Raw quantized files name one of two formats of 4-token blocks: "q4"
- * (4-bit affine, per-token groups of 2) or "fp8".
+ * (4-bit affine, per-token groups of 2) or "fp8".  Each input is parsed
+ * twice: for that model, and for an encoder-decoder one of the same
+ * geometry (an encoder input of up to 15 ids, each layer's cross K and V).
  *
  * Invariants: an error has a message; an accepted file has 1..15 tokens,
  * all in the vocabulary, and every layer's K and V lie wholly inside the
  * input, aligned to their element size, with the rows the model needs for
- * that many tokens (a raw file: lo <= nq <= tokens, its blocks cover
+ * that many tokens, and an encoder-decoder file's input and cross K and V
+ * likewise (a raw file: lo <= nq <= tokens, its blocks cover
  * [first*T, nq), the residual is the rest, and the codes, parameters and
  * residual of that many blocks and rows lie inside the input, aligned);
  * no allocation is sized by a declared number before it is checked
@@ -80,31 +83,39 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!buf)
         return 0;
     memcpy(buf, data, size);
-    struct kvfile_expect e = {.fingerprint = 0x0123456789abcdefull, .n_layers = LAYERS, .n_kv_heads = HEADS,
-                              .head_dim = HEAD_DIM, .max_tokens = CTX - 1, .vocab_size = VOCAB, .rows = rows,
-                              .quant = quant};
-    struct kvfile f;
-    char err[MODEL_ERR_LEN] = "";
-    enum model_status st = kvfile_parse(buf, size, &e, &f, err);
-    if (st != MODEL_OK) {
-        FUZZ_CHECK(err[0], "status %d without a message", st);
-    } else {
-        FUZZ_CHECK(f.n_tokens >= 1 && f.n_tokens < CTX, "%lld tokens", (long long)f.n_tokens);
-        for (int64_t i = 0; i < f.n_tokens; i++)
-            FUZZ_CHECK(f.tokens[i] >= 0 && f.tokens[i] < VOCAB, "token %lld is %d", (long long)i, f.tokens[i]);
-        size_t esz = be_dtype_size(f.dtype);
-        FUZZ_CHECK(esz, "dtype %d", (int)f.dtype);
-        if (f.q)
-            check_raw(buf, size, &f);
-        for (int l = 0; l < LAYERS && !f.q; l++) {
-            size_t bytes = (size_t)HEADS * (size_t)rows(NULL, l, f.n_tokens) * HEAD_DIM * esz;
-            const uint8_t *p[2] = {f.k[l], f.v[l]};
-            for (int h = 0; h < 2; h++) {
-                FUZZ_CHECK(p[h] >= buf + 8 && p[h] + bytes <= buf + size, "layer %d half %d outside the input", l, h);
-                FUZZ_CHECK((uintptr_t)p[h] % esz == 0, "layer %d half %d unaligned", l, h);
+    for (int enc = 0; enc < 2; enc++) {
+        struct kvfile_expect e = {.fingerprint = 0x0123456789abcdefull, .n_layers = LAYERS, .n_kv_heads = HEADS,
+                                  .head_dim = HEAD_DIM, .max_tokens = CTX - 1, .vocab_size = VOCAB, .rows = rows,
+                                  .max_input = enc ? CTX - 1 : 0, .quant = enc ? NULL : quant};
+        struct kvfile f;
+        char err[MODEL_ERR_LEN] = "";
+        enum model_status st = kvfile_parse(buf, size, &e, &f, err);
+        if (st != MODEL_OK) {
+            FUZZ_CHECK(err[0], "status %d without a message", st);
+        } else {
+            FUZZ_CHECK(enc ? f.n_input >= 1 && f.n_input < CTX && !f.q : !f.n_input && !f.input && !f.ck,
+                       "%lld input tokens", (long long)f.n_input);
+            for (int64_t i = 0; i < f.n_input; i++)
+                FUZZ_CHECK(f.input[i] >= 0 && f.input[i] < VOCAB, "input %lld is %d", (long long)i, f.input[i]);
+            FUZZ_CHECK(f.n_tokens >= 1 && f.n_tokens < CTX, "%lld tokens", (long long)f.n_tokens);
+            for (int64_t i = 0; i < f.n_tokens; i++)
+                FUZZ_CHECK(f.tokens[i] >= 0 && f.tokens[i] < VOCAB, "token %lld is %d", (long long)i, f.tokens[i]);
+            size_t esz = be_dtype_size(f.dtype);
+            FUZZ_CHECK(esz, "dtype %d", (int)f.dtype);
+            if (f.q)
+                check_raw(buf, size, &f);
+            for (int l = 0; l < LAYERS && !f.q; l++) {
+                size_t bytes = (size_t)HEADS * (size_t)rows(NULL, l, f.n_tokens) * HEAD_DIM * esz;
+                size_t cross = (size_t)HEADS * (size_t)f.n_input * HEAD_DIM * esz;
+                const uint8_t *p[4] = {f.k[l], f.v[l], enc ? f.ck[l] : NULL, enc ? f.cv[l] : NULL};
+                for (int h = 0; h < (enc ? 4 : 2); h++) {
+                    FUZZ_CHECK(p[h] >= buf + 8 && p[h] + (h < 2 ? bytes : cross) <= buf + size,
+                               "layer %d part %d outside the input", l, h);
+                    FUZZ_CHECK((uintptr_t)p[h] % esz == 0, "layer %d part %d unaligned", l, h);
+                }
             }
+            kvfile_release(&f);
         }
-        kvfile_release(&f);
     }
     free(buf);
     return 0;
