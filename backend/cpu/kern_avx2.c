@@ -256,4 +256,5 @@ const struct cpu_kern cpu_kern_avx2 = {
     .q8_act = cpu_q8_act_avx2,
     .to_f32 = to_f32_avx2,
     .from_f32 = from_f32_avx2,
+    .ssm_scan = cpu_ssm_scan_scalar,
 };
