@@ -309,7 +309,8 @@ static void test_elementwise(void **state)
  * scalar level.  dt_raw spans +-30 so softplus meets its threshold (20)
  * and the inputs where 1 + exp(dt_raw) rounds to 1; the bound is
  * assert_close's over the magnitudes the state sums (exp(dt A) <= 1), tight
- * enough to see a 3e-4 change in one coefficient of the vector log. */
+ * enough to see a relative change of 3e-4 in one coefficient of the vector
+ * log. */
 static void check_ssm_scan(int di, int N)
 {
     enum { T = 11, V = 3 };
