@@ -160,6 +160,19 @@ if "$run" -m "$gdir" --ids "$prompt" -n 60 --greedy --ignore-eos --quiet --dump 
 else
     cat "$gdir/full.log"; echo "FAIL gpt2-n_positions: kvtier-run exited nonzero"; touch "$tmp/failed"
 fi
+# Mamba with --checkpoint-interval 4: its prefill runs in chunks of 4 tokens,
+# the state copied to the host tier at every multiple, and gives the
+# reference's logits as the uncut run does; an interval of 0 is refused.
+mdir=$tmp/mamba-f32-kvauto
+if KVTIER_SIMD=$f32_level "$run" -m "$mdir" --ids "$prompt" -n 33 --greedy --ignore-eos --quiet \
+       --checkpoint-interval 4 --dump "$mdir/ckpt.kvtl" > "$mdir/ckpt.log" 2>&1; then
+    $py tests/ref_compare.py "$mdir" "$mdir/ckpt.kvtl" --tol 1e-4 --expect-gen 33 --name mamba-checkpoint-interval ||
+        touch "$tmp/failed"
+else
+    cat "$mdir/ckpt.log"; echo "FAIL mamba-checkpoint-interval: kvtier-run exited nonzero"; touch "$tmp/failed"
+fi
+"$run" -m "$mdir" --ids 1 -n 1 --quiet --checkpoint-interval 0 > /dev/null 2>&1
+[ $? -eq 2 ] || { echo "FAIL mamba-checkpoint-interval: an interval of 0 was not refused"; touch "$tmp/failed"; }
 # 4. bf16 weights on avx512bf16 (when the CPU has it), the models of step 2
 # again, against the reference whose weight matrices take their input
 # rounded to bf16, within 0.1 (the worst seen: 4.9e-2); and at least 2 of

@@ -302,6 +302,110 @@ static void test_elementwise(void **state)
     }
 }
 
+/* ---- state-space scan ---------------------------------------------------- */
+
+/* be_ssm_scan over three views (rows 0-2, 3-9, 10; the last with in ==
+ * out) against the recurrence in double, at each level and against the
+ * scalar level.  dt_raw spans +-30 so softplus meets its threshold (20)
+ * and the inputs where 1 + exp(dt_raw) rounds to 1; the bound is
+ * assert_close's over the magnitudes the state sums (exp(dt A) <= 1), tight
+ * enough to see a relative change of 3e-4 in one coefficient of the vector
+ * log. */
+static void check_ssm_scan(int di, int N)
+{
+    enum { T = 11, V = 3 };
+    static const int view_of[T] = {0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2};
+    int K = 4;
+    size_t nr = (size_t)T * di, nh = (size_t)di * N, win = (size_t)(K - 1) * di;
+    size_t sb = be_ssm_state_bytes(di, N, K);
+    assert_true(sb == (win + nh) * sizeof(float));
+    float *x = malloc(nr * sizeof(float)), *dt = malloc(nr * sizeof(float)), *z = malloc(nr * sizeof(float));
+    float *B = malloc((size_t)T * N * sizeof(float)), *C = malloc((size_t)T * N * sizeof(float));
+    float *A = malloc(nh * sizeof(float)), *D = malloc((size_t)di * sizeof(float));
+    float *conv_w = calloc((size_t)di * K, sizeof(float)); /* checked by the seam, not read by the scan */
+    float *h0 = malloc(V * nh * sizeof(float)), *y_scalar = malloc(nr * sizeof(float));
+    float *h_scalar = malloc(V * nh * sizeof(float));
+    double *ref = malloc(nr * sizeof(double)), *mag = malloc(nr * sizeof(double));
+    double *href = malloc(V * nh * sizeof(double)), *hmag = malloc(V * nh * sizeof(double));
+    assert_non_null(x && dt && z && B && C && A && D && conv_w && h0 && y_scalar && h_scalar && ref && mag && href && hmag);
+    fill(x, nr, 2.0f);
+    fill(dt, nr, 30.0f);
+    fill(z, nr, 8.0f);
+    fill(B, (size_t)T * N, 1.0f);
+    fill(C, (size_t)T * N, 1.0f);
+    fill(D, (size_t)di, 1.0f);
+    fill(h0, V * nh, 1.0f);
+    for (size_t i = 0; i < nh; i++)
+        A[i] = -expf(2.0f * frand()); /* -exp(A_log) */
+    for (size_t i = 0; i < V * nh; i++)
+        href[i] = h0[i], hmag[i] = fabs(h0[i]);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < di; i++) {
+            size_t r = (size_t)t * di + i;
+            double d = dt[r] > 20.0f ? dt[r] : log1p(exp((double)dt[r])), acc = 0, m = 0;
+            double *h = href + (size_t)view_of[t] * nh + (size_t)i * N, *hm = hmag + (h - href);
+            for (int s = 0; s < N; s++) {
+                double u = d * B[t * N + s] * x[r];
+                h[s] = exp(d * A[(size_t)i * N + s]) * h[s] + u;
+                hm[s] += fabs(u);
+                acc += C[t * N + s] * h[s];
+                m += fabs(C[t * N + s]) * hm[s];
+            }
+            double g = z[r] / (1.0 + exp(-(double)z[r]));
+            ref[r] = (acc + D[i] * (double)x[r]) * g;
+            mag[r] = (m + fabs(D[i] * x[r])) * fabs(g);
+        }
+    struct be_ssm_params p = {.d_inner = di, .d_state = N, .d_conv = K, .conv_w = conv_w, .A = A, .D = D};
+    struct be_tok toks[T];
+    for (int t = 0; t < T; t++)
+        toks[t] = (struct be_tok){.view = view_of[t], .pos = t};
+    for (int l = 0; l < N_LEVELS; l++) {
+        if (!levels[l])
+            continue;
+        be_buffer *yb, *sb_in, *sb_out;
+        float *y = dev(levels[l], nr * sizeof(float), &yb);
+        char *st_in = dev(levels[l], V * sb, &sb_in), *st_out = dev(levels[l], V * sb, &sb_out);
+        struct be_ssm_view views[V];
+        for (int v = 0; v < V; v++) {
+            memcpy(st_in + v * sb + win * sizeof(float), h0 + v * nh, nh * sizeof(float));
+            views[v] = (struct be_ssm_view){.in = st_in + v * sb, .out = v == V - 1 ? st_in + v * sb : st_out + v * sb};
+        }
+        assert_int_equal(be_ssm_scan(levels[l], y, x, dt, B, C, z, views, toks, T, &p), BE_OK);
+        assert_int_equal(be_sync(levels[l]), BE_OK);
+        for (size_t r = 0; r < nr; r++) {
+            assert_close("ssm_scan y vs double", level_names[l], r, y[r], ref[r], mag[r]);
+            if (l > 0)
+                assert_close("ssm_scan y vs scalar", level_names[l], r, y[r], y_scalar[r], mag[r]);
+        }
+        for (int v = 0; v < V; v++) {
+            const float *h = (const float *)((const char *)views[v].out + win * sizeof(float));
+            for (size_t i = 0; i < nh; i++) {
+                size_t k = (size_t)v * nh + i;
+                assert_close("ssm_scan h vs double", level_names[l], k, h[i], href[k], hmag[k]);
+                if (l > 0)
+                    assert_close("ssm_scan h vs scalar", level_names[l], k, h[i], h_scalar[k], hmag[k]);
+                else
+                    h_scalar[k] = h[i];
+            }
+        }
+        if (l == 0)
+            memcpy(y_scalar, y, nr * sizeof(float));
+        be_buffer_free(yb), be_buffer_free(sb_in), be_buffer_free(sb_out);
+    }
+    free(x), free(dt), free(z), free(B), free(C), free(A), free(D), free(conv_w), free(h0), free(y_scalar), free(h_scalar);
+    free(ref), free(mag), free(href), free(hmag);
+}
+
+static void test_ssm_scan(void **state)
+{
+    (void)state;
+    check_ssm_scan(1, 16);
+    check_ssm_scan(40, 16);  /* a full vector of channels and a tail */
+    check_ssm_scan(64, 8);   /* the tests' models' state size */
+    check_ssm_scan(100, 5);  /* and one that fills no vector */
+    check_ssm_scan(1536, 16); /* mamba-130m's channels: both threads */
+}
+
 static void test_gelu_scale(void **state)
 {
     (void)state;
@@ -1028,6 +1132,7 @@ int main(void)
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_elementwise),
+        cmocka_unit_test(test_ssm_scan),
         cmocka_unit_test(test_gelu_scale),
         cmocka_unit_test(test_layernorm),
         cmocka_unit_test(test_softmax_argmax),

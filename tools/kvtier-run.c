@@ -7,6 +7,10 @@
  *              [--early-stopping true|false|never] [--min-new N] [--no-repeat-ngram N]
  *              [--num-beam-groups G --diversity-penalty D]
  *
+ * --checkpoint-interval N: a state-space model's tokens between the
+ * state's checkpoints (kvtierd's option; default 256): the prefill is cut
+ * at each multiple.  A transformer has no checkpoints and ignores it.
+ *
  * Beam search prints one line per returned hypothesis, best first:
  * "beam I score S eos 0|1 ids A,B,C" (the generated ids); each one's text
  * and the search's KV figures go to stderr (not with --quiet).
@@ -32,7 +36,7 @@ static void usage(FILE *f)
     fprintf(f, "usage: kvtier-run -m DIR (-p TEXT | --ids 1,2,3) [-n N] [--greedy | --temp T] [--top-k K]\n"
                "       [--top-p P] [--min-p P] [--rep-pen R] [--seed S] [--stop STR]... [--ignore-eos]\n"
                "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--weights auto|q8_0|q4_k] [--threads N] [--dump FILE]\n"
-               "       [--quiet]\n"
+               "       [--checkpoint-interval N] [--quiet]\n"
                "       [--num-beams B [--num-return R] [--length-penalty L] [--early-stopping true|false|never]\n"
                "        [--min-new N] [--no-repeat-ngram N] [--num-beam-groups G --diversity-penalty D]]\n");
 }
@@ -149,7 +153,7 @@ int main(int argc, char **argv)
     struct beam_params bp = {.num_return = 1, .length_penalty = 1};
     enum { O_IDS = 256, O_GREEDY, O_TEMP, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_IGN, O_NOCACHE,
            O_THREADS, O_DUMP, O_QUIET, O_KVDTYPE, O_BEAMS, O_NRET, O_LENPEN, O_EARLY, O_MINNEW, O_NGRAM,
-           O_GROUPS, O_DIVERSITY, O_WEIGHTS };
+           O_GROUPS, O_DIVERSITY, O_WEIGHTS, O_CKPT };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"max-new", required_argument, 0, 'n'}, {"ids", required_argument, 0, O_IDS},
@@ -164,7 +168,8 @@ int main(int argc, char **argv)
         {"length-penalty", required_argument, 0, O_LENPEN}, {"early-stopping", required_argument, 0, O_EARLY},
         {"min-new", required_argument, 0, O_MINNEW}, {"no-repeat-ngram", required_argument, 0, O_NGRAM},
         {"num-beam-groups", required_argument, 0, O_GROUPS}, {"diversity-penalty", required_argument, 0, O_DIVERSITY},
-        {"weights", required_argument, 0, O_WEIGHTS}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
+        {"weights", required_argument, 0, O_WEIGHTS}, {"checkpoint-interval", required_argument, 0, O_CKPT},
+        {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c, li = -1;
     while ((c = getopt_long(argc, argv, "m:p:n:h", opts, &li)) != -1) {
@@ -195,6 +200,7 @@ int main(int argc, char **argv)
         case O_QUIET: quiet = true; break;
         case O_KVDTYPE: ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
         case O_WEIGHTS: ok = model_weights_parse(optarg, &rp.model.weights); break;
+        case O_CKPT: ok = args_int(optarg, 1, 1 << 24, &rp.kv.checkpoint_interval); break;
         case O_BEAMS: ok = args_int(optarg, 2, BEAM_MAX_BEAMS, &bp.num_beams); break;
         case O_NRET: ok = args_int(optarg, 1, BEAM_MAX_BEAMS, &bp.num_return); break;
         case O_LENPEN: ok = args_float(optarg, -100, 100, &bp.length_penalty); break;

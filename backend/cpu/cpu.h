@@ -59,6 +59,20 @@ struct cpu_mm {
     const uint32_t *xb;
 };
 
+/* One view's rows of a be_ssm_scan call, as the op driver hands them to a
+ * table: rows t0..t1 of x, dt (before softplus), z and y (d_inner floats a
+ * row) and of B and C (d_state), the state h (d_inner, d_state) read from
+ * h_in before the first row and written to h_out after the last; h_in ==
+ * h_out is allowed. */
+struct cpu_ssm {
+    float *y;
+    const float *x, *dt, *B, *C, *z;
+    const float *h_in;
+    float *h_out;
+    int t0, t1;
+    const struct be_ssm_params *p;
+};
+
 /* Floats of scratch per thread: room for a panel of weight rows converted
  * to f32 (levels that use it size their panels to fit), or attention's
  * work area and its pieces' states (CPU_ATTN_WORK below). */
@@ -102,6 +116,9 @@ struct cpu_kern {
      * bf16 dot products: packs the n rows of x, rounded to bf16, for
      * matmul_rows (cpu_bf16_act_words(n, in) words at xb) */
     void (*bf16_pack_act)(uint32_t *xb, const float *x, int n, int in);
+    /* the selective scan (be_ssm_scan) of channels lo..hi through a's rows:
+     * a channel's recurrence is its own, so the driver splits them */
+    void (*ssm_scan)(const struct cpu_ssm *a, size_t lo, size_t hi);
 };
 
 extern const struct cpu_kern cpu_kern_scalar;
@@ -124,6 +141,7 @@ float cpu_max_scalar(const float *x, int n);
 float cpu_exp_sum_scalar(float *s, float m, int n);
 void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
 void cpu_q8_act_scalar(struct cpu_q8_act *y, const float *x, size_t n);
+void cpu_ssm_scan_scalar(const struct cpu_ssm *a, size_t lo, size_t hi);
 /* The quantized-weight matmul (a->wt cpu_wq) for AVX2, which the avx512
  * level uses too, and for AVX-512 VNNI (q8_avx2.c, wq_vnni.c over
  * wq_rows.h); the activation quantizer of both AVX levels. */

@@ -242,6 +242,106 @@ static void from_f32_avx2(void *y, enum be_dtype dt, const float *x, size_t n)
     cpu_from_f32_scalar((char *)y + body * be_dtype_size(dt), dt, x + body, n - body);
 }
 
+/* exp as kern_avx512.c's exp16, with 2^k built in two halves from the
+ * exponent bits (no scalef): each half stays a normal float, so the
+ * product rounds to a subnormal or overflows to inf as expf does. */
+static inline __m256 exp8(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x)); /* NaN stays */
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i ki = _mm256_cvtps_epi32(k), k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
+    __m256i bias = _mm256_set1_epi32(127);
+    __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+    __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+/* log(x) for finite x >= 1, as kern_avx512.c's log16 with the exponent and
+ * mantissa taken from the bits. */
+static inline __m256 log8(__m256 x)
+{
+    __m256i b = _mm256_castps_si256(x);
+    __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(127)));
+    __m256 m = _mm256_castsi256_ps(
+        _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffff)), _mm256_set1_epi32(0x3f800000)));
+    __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GT_OQ);
+    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+    e = _mm256_add_ps(e, _mm256_and_ps(big, _mm256_set1_ps(1.0f)));
+    __m256 r = _mm256_sub_ps(m, _mm256_set1_ps(1.0f)), r2 = _mm256_mul_ps(r, r);
+    __m256 p = _mm256_set1_ps(7.0376836292e-2f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-1.1514610310e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.1676998740e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-1.2420140846e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.4249322787e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-1.6668057665e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.0000714765e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(-2.4999993993e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(3.3333331174e-1f));
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, r), r2);
+    y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+    y = _mm256_fnmadd_ps(r2, _mm256_set1_ps(0.5f), y);
+    return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(r, y));
+}
+
+/* kern_avx512.c's softplus16: a NaN reaches the result through u / d. */
+static inline __m256 softplus8(__m256 x)
+{
+    __m256 one = _mm256_set1_ps(1.0f), u = exp8(x), w = _mm256_add_ps(one, u), d = _mm256_sub_ps(w, one);
+    __m256 l = _mm256_mul_ps(log8(w), _mm256_div_ps(u, d));
+    l = _mm256_blendv_ps(l, u, _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ));
+    return _mm256_blendv_ps(l, x, _mm256_cmp_ps(x, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
+}
+
+/* kern_avx512.c's ssm_scan_avx512 with eight channels a vector; h goes
+ * back lane by lane (AVX2 has gathers but no scatters). */
+static void ssm_scan_avx2(const struct cpu_ssm *a, size_t lo, size_t hi)
+{
+    const struct be_ssm_params *p = a->p;
+    size_t di = (size_t)p->d_inner;
+    int N = p->d_state;
+    const __m256i iota = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), lane = _mm256_mullo_epi32(iota, _mm256_set1_epi32(N));
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (size_t i = lo; i < hi; i += 8) {
+        int n = hi - i < 8 ? (int)(hi - i) : 8;
+        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota);
+        __m256 mf = _mm256_castsi256_ps(m), h[BE_SSM_MAX_STATE], A[BE_SSM_MAX_STATE];
+        for (int s = 0; s < N; s++) {
+            A[s] = _mm256_mask_i32gather_ps(zero, p->A + i * (size_t)N + s, lane, mf, 4);
+            h[s] = _mm256_mask_i32gather_ps(zero, a->h_in + i * (size_t)N + s, lane, mf, 4);
+        }
+        __m256 D = _mm256_maskload_ps(p->D + i, m);
+        for (int t = a->t0; t < a->t1; t++) {
+            size_t r = (size_t)t * di + i;
+            __m256 x = _mm256_maskload_ps(a->x + r, m), z = _mm256_maskload_ps(a->z + r, m);
+            __m256 dt = softplus8(_mm256_maskload_ps(a->dt + r, m)), dtx = _mm256_mul_ps(dt, x);
+            const float *B = a->B + (size_t)t * N, *C = a->C + (size_t)t * N;
+            __m256 acc = zero;
+            for (int s = 0; s < N; s++) {
+                h[s] = _mm256_fmadd_ps(exp8(_mm256_mul_ps(dt, A[s])), h[s], _mm256_mul_ps(dtx, _mm256_set1_ps(B[s])));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(C[s]), h[s], acc);
+            }
+            __m256 gate = _mm256_div_ps(z, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, z))));
+            _mm256_maskstore_ps(a->y + r, m, _mm256_mul_ps(_mm256_fmadd_ps(D, x, acc), gate));
+        }
+        for (int s = 0; s < N; s++) {
+            float v[8];
+            _mm256_storeu_ps(v, h[s]);
+            for (int c = 0; c < n; c++)
+                a->h_out[(i + (size_t)c) * (size_t)N + (size_t)s] = v[c];
+        }
+    }
+}
+
 const struct cpu_kern cpu_kern_avx2 = {
     .name = "avx2",
     .matmul_rows = matmul_rows_avx2,
@@ -256,4 +356,5 @@ const struct cpu_kern cpu_kern_avx2 = {
     .q8_act = cpu_q8_act_avx2,
     .to_f32 = to_f32_avx2,
     .from_f32 = from_f32_avx2,
+    .ssm_scan = ssm_scan_avx2,
 };

@@ -403,6 +403,81 @@ static float exp_sum_avx512(float *s, float m, int n)
     return _mm512_reduce_add_ps(sum);
 }
 
+/* log(x) for x >= 1 (softplus16's): x = 2^e m with m in [sqrt(1/2), sqrt(2)),
+ * log(m) by Cephes logf's polynomial in m - 1, e ln 2 in two parts: within
+ * 2 ulp of logf. */
+static inline __m512 log16(__m512 x)
+{
+    __m512 e = _mm512_getexp_ps(x), m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+    __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+    m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+    e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_sub_ps(m, _mm512_set1_ps(1.0f)), r2 = _mm512_mul_ps(r, r);
+    __m512 p = _mm512_set1_ps(7.0376836292e-2f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(-1.1514610310e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.1676998740e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(-1.2420140846e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.4249322787e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(-1.6668057665e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.0000714765e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(-2.4999993993e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(3.3333331174e-1f));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, r), r2);
+    y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+    y = _mm512_fnmadd_ps(r2, _mm512_set1_ps(0.5f), y);
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(r, y));
+}
+
+/* softplus as torch computes it: x above 20, else log1p(exp(x)), log1p(u)
+ * as log(w) u / (w - 1) with w = 1 + u, which keeps the bits of a small u
+ * that w rounds away (u itself where w rounds to 1); NaN stays NaN. */
+static inline __m512 softplus16(__m512 x)
+{
+    __m512 one = _mm512_set1_ps(1.0f), u = exp16(x), w = _mm512_add_ps(one, u), d = _mm512_sub_ps(w, one);
+    __m512 l = _mm512_mul_ps(log16(w), _mm512_div_ps(u, d));
+    l = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_EQ_OQ), l, u);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(20.0f), _CMP_GT_OQ), l, x);
+}
+
+/* Sixteen channels at a time, one per lane, rather than one channel's
+ * state across the lanes: a row's sum over the state is then a lane's own
+ * (no horizontal add per token), and softplus, D x and the SiLU gate are
+ * vector ops too.  A and h move in and out of that layout once per view. */
+static void ssm_scan_avx512(const struct cpu_ssm *a, size_t lo, size_t hi)
+{
+    const struct be_ssm_params *p = a->p;
+    size_t di = (size_t)p->d_inner;
+    int N = p->d_state;
+    const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(N));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (size_t i = lo; i < hi; i += 16) {
+        __mmask16 m = tail_mask(hi - i);
+        __m512 h[BE_SSM_MAX_STATE], A[BE_SSM_MAX_STATE];
+        for (int s = 0; s < N; s++) {
+            A[s] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, lane, p->A + i * (size_t)N + s, 4);
+            h[s] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, lane, a->h_in + i * (size_t)N + s, 4);
+        }
+        __m512 D = _mm512_maskz_loadu_ps(m, p->D + i);
+        for (int t = a->t0; t < a->t1; t++) {
+            size_t r = (size_t)t * di + i;
+            __m512 x = _mm512_maskz_loadu_ps(m, a->x + r), z = _mm512_maskz_loadu_ps(m, a->z + r);
+            __m512 dt = softplus16(_mm512_maskz_loadu_ps(m, a->dt + r)), dtx = _mm512_mul_ps(dt, x);
+            const float *B = a->B + (size_t)t * N, *C = a->C + (size_t)t * N;
+            __m512 acc = _mm512_setzero_ps();
+            for (int s = 0; s < N; s++) {
+                h[s] = _mm512_fmadd_ps(exp16(_mm512_mul_ps(dt, A[s])), h[s],
+                                       _mm512_mul_ps(dtx, _mm512_set1_ps(B[s])));
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(C[s]), h[s], acc);
+            }
+            __m512 gate = _mm512_div_ps(z, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+            _mm512_mask_storeu_ps(a->y + r, m, _mm512_mul_ps(_mm512_fmadd_ps(D, x, acc), gate));
+        }
+        for (int s = 0; s < N; s++)
+            _mm512_mask_i32scatter_ps(a->h_out + i * (size_t)N + s, m, lane, h[s], 4);
+    }
+}
+
 static float sumsq_avx512(const float *x, int n)
 {
     __m512 acc = _mm512_setzero_ps();
@@ -490,7 +565,8 @@ static void matmul_rows_avx512bf16(const struct cpu_mm *a, int r0, int r1, float
     .add = add_avx512,                                                                                                 \
     .q8_act = cpu_q8_act_avx2,                                                                                         \
     .to_f32 = to_f32_avx512,                                                                                           \
-    .from_f32 = from_f32_avx512
+    .from_f32 = from_f32_avx512,                                                                                       \
+    .ssm_scan = ssm_scan_avx512
 
 const struct cpu_kern cpu_kern_avx512 = {.name = "avx512", .matmul_rows = matmul_rows_avx512, AVX512_LOOPS};
 const struct cpu_kern cpu_kern_avx512vnni = {.name = "avx512vnni", .matmul_rows = matmul_rows_avx512vnni, AVX512_LOOPS};

@@ -3,6 +3,7 @@
  * written for obviousness, not speed.
  */
 #include <math.h>
+#include <string.h>
 
 #include "backend/cpu/cpu.h"
 #include "util/half.h"
@@ -204,6 +205,37 @@ void cpu_q8_act_scalar(struct cpu_q8_act *y, const float *x, size_t n)
     }
 }
 
+/* softplus as torch computes it (threshold 20: x itself above) */
+static float softplus(float x)
+{
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+void cpu_ssm_scan_scalar(const struct cpu_ssm *a, size_t lo, size_t hi)
+{
+    const struct be_ssm_params *p = a->p;
+    size_t di = (size_t)p->d_inner;
+    int N = p->d_state;
+    for (size_t i = lo; i < hi; i++) {
+        float h[BE_SSM_MAX_STATE];
+        const float *A = p->A + i * (size_t)N;
+        memcpy(h, a->h_in + i * (size_t)N, (size_t)N * sizeof(float));
+        for (int t = a->t0; t < a->t1; t++) {
+            size_t r = (size_t)t * di + i;
+            float dt = softplus(a->dt[r]), xv = a->x[r];
+            const float *B = a->B + (size_t)t * N, *C = a->C + (size_t)t * N;
+            float acc = 0.0f;
+            for (int s = 0; s < N; s++) {
+                h[s] = expf(dt * A[s]) * h[s] + dt * B[s] * xv;
+                acc += C[s] * h[s];
+            }
+            float z = a->z[r];
+            a->y[r] = (acc + p->D[i] * xv) * (z / (1.0f + expf(-z)));
+        }
+        memcpy(a->h_out + i * (size_t)N, h, (size_t)N * sizeof(float));
+    }
+}
+
 const struct cpu_kern cpu_kern_scalar = {
     .name = "scalar",
     .matmul_rows = cpu_matmul_rows_scalar,
@@ -218,4 +250,5 @@ const struct cpu_kern cpu_kern_scalar = {
     .q8_act = cpu_q8_act_scalar,
     .to_f32 = cpu_to_f32_scalar,
     .from_f32 = cpu_from_f32_scalar,
+    .ssm_scan = cpu_ssm_scan_scalar,
 };

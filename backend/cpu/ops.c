@@ -642,17 +642,13 @@ enum be_status cpu_ssm_conv(void *ctx, void *y, const void *x, const struct be_s
     return BE_OK;
 }
 
-/* softplus as torch computes it (threshold 20: x itself above) */
-static float softplus(float x)
-{
-    return x > 20.0f ? x : log1pf(expf(x));
-}
-
+/* The kernel table scans a thread's channels through each view's rows in
+ * turn (a view's rows are consecutive). */
 static void ssm_scan_job(void *arg, int ith, int nth)
 {
     const struct ssm_job *j = arg;
     const struct be_ssm_params *p = j->p;
-    int di = p->d_inner, N = p->d_state;
+    int di = p->d_inner;
     size_t h_off = (size_t)(p->d_conv - 1) * di; /* floats: h follows the window */
     size_t lo, hi;
     split((size_t)di, ith, nth, 16, &lo, &hi);
@@ -660,26 +656,10 @@ static void ssm_scan_job(void *arg, int ith, int nth)
         int v = j->toks[t0].view, t1 = t0;
         while (t1 < j->n_tok && j->toks[t1].view == v)
             t1++;
-        const float *h_in = (const float *)j->views[v].in + h_off;
-        float *h_out = (float *)j->views[v].out + h_off;
-        for (size_t i = lo; i < hi; i++) {
-            float h[BE_SSM_MAX_STATE];
-            const float *A = p->A + i * (size_t)N;
-            memcpy(h, h_in + i * (size_t)N, (size_t)N * sizeof(float));
-            for (int t = t0; t < t1; t++) {
-                size_t r = (size_t)t * di + i;
-                float dt = softplus(j->dt[r]), xv = j->x[r];
-                const float *B = j->B + (size_t)t * N, *C = j->C + (size_t)t * N;
-                float acc = 0.0f;
-                for (int s = 0; s < N; s++) {
-                    h[s] = expf(dt * A[s]) * h[s] + dt * B[s] * xv;
-                    acc += C[s] * h[s];
-                }
-                float z = j->z[r];
-                j->y[r] = (acc + p->D[i] * xv) * (z / (1.0f + expf(-z)));
-            }
-            memcpy(h_out + i * (size_t)N, h, (size_t)N * sizeof(float));
-        }
+        struct cpu_ssm a = {.y = j->y, .x = j->x, .dt = j->dt, .B = j->B, .C = j->C, .z = j->z,
+                            .h_in = (const float *)j->views[v].in + h_off, .h_out = (float *)j->views[v].out + h_off,
+                            .t0 = t0, .t1 = t1, .p = p};
+        cpu_ctx_kern(j->c)->ssm_scan(&a, lo, hi);
         t0 = t1;
     }
 }
