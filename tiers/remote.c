@@ -98,6 +98,7 @@ struct kv_remote_fetch {
     kv_remote *r;
     uint64_t ns;
     int n, found;
+    int ready; /* under r->mu: found as of the last batch taken */
     bool done; /* under r->mu */
     struct arena arena; /* the values */
     kv_remote_fetch *next;
@@ -153,6 +154,17 @@ static void count(kv_remote *r, enum kv_remote_err e)
 #define ARENA_CHUNK ((size_t)32 << 20)
 #define ARENA_KEEP ((size_t)128 << 20)
 
+static struct arena_chunk *chunk_map(size_t size)
+{
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    madvise(m, size, MADV_HUGEPAGE); /* advice: refused or ignored, it is 4 KiB pages */
+    struct arena_chunk *c = m;
+    c->size = size;
+    return c;
+}
+
 static struct arena_chunk *chunk_new(kv_remote *r, size_t size)
 {
     struct arena_chunk *c = NULL;
@@ -166,13 +178,7 @@ static struct arena_chunk *chunk_new(kv_remote *r, size_t size)
         if (c)
             return c;
     }
-    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED)
-        return NULL;
-    madvise(m, size, MADV_HUGEPAGE); /* advice: refused or ignored, it is 4 KiB pages */
-    c = m;
-    c->size = size;
-    return c;
+    return chunk_map(size);
 }
 
 static void *arena_alloc(kv_remote *r, struct arena *a, size_t len)
@@ -730,6 +736,12 @@ static void fetch_run(kv_remote *r, kv_remote_fetch *f)
         }
         run(&r->fl, cmds, n, &f->arena);
         going = take_batch(r, f, from, cmds, n);
+        /* the caller inserts these while the next batch is read */
+        pthread_mutex_lock(&r->mu);
+        f->ready = f->found;
+        pthread_mutex_unlock(&r->mu);
+        if (going && from + n < f->n && r->p.notify)
+            r->p.notify(r->p.notify_arg);
     }
     pthread_mutex_lock(&r->mu);
     r->st.lookups++;
@@ -739,9 +751,42 @@ static void fetch_run(kv_remote *r, kv_remote_fetch *f)
     pthread_mutex_unlock(&r->mu);
 }
 
+/* A link's connections (and a cluster's slot map), made before the first
+ * batch needs them. */
+static void link_connect(struct link *L)
+{
+    if (L->r->is_cluster)
+        slots_load(L);
+    for (int i = 0; i < L->n_nodes; i++)
+        node_ready(L, &L->nodes[i]);
+}
+
+/* Faults in the arena chunks lookups keep (ARENA_KEEP), before the first
+ * lookup: faulting a chunk in (and zeroing its huge pages) measured as the
+ * larger part of a daemon's first lookup (docs/remote.md). */
+static void arenas_warm(kv_remote *r)
+{
+    for (size_t kept = 0; kept + ARENA_CHUNK <= ARENA_KEEP; kept += ARENA_CHUNK) {
+        pthread_mutex_lock(&r->mu);
+        bool stop = r->stop || r->fq;
+        pthread_mutex_unlock(&r->mu);
+        struct arena_chunk *c = stop ? NULL : chunk_map(ARENA_CHUNK);
+        if (!c)
+            return;
+        for (size_t off = 64; off < ARENA_CHUNK; off += 4096)
+            ((volatile uint8_t *)c)[off] = 0;
+        c->next = NULL;
+        struct arena a = {.chunks = c};
+        arena_free(r, &a);
+    }
+}
+
 static void *fetch_main(void *arg)
 {
     kv_remote *r = arg;
+    link_connect(&r->fl);
+    if (r->p.warm)
+        arenas_warm(r);
     pthread_mutex_lock(&r->mu);
     for (;;) {
         while (!r->stop && !r->fq)
@@ -757,6 +802,7 @@ static void *fetch_main(void *arg)
         if (!stop)
             fetch_run(r, f);
         pthread_mutex_lock(&r->mu);
+        f->ready = f->found;
         f->done = true;
         pthread_cond_broadcast(&r->cv);
         pthread_mutex_unlock(&r->mu);
@@ -915,12 +961,13 @@ enum tier_status kv_remote_fetch_start(kv_remote *r, uint64_t ns, const uint64_t
     return TIER_OK;
 }
 
-bool kv_remote_fetch_done(kv_remote_fetch *f)
+int kv_remote_fetch_ready(kv_remote_fetch *f, bool *done)
 {
     pthread_mutex_lock(&f->r->mu);
-    bool d = f->done;
+    int n = f->ready;
+    *done = f->done;
     pthread_mutex_unlock(&f->r->mu);
-    return d;
+    return n;
 }
 
 void kv_remote_fetch_wait(kv_remote_fetch *f)
