@@ -28,6 +28,10 @@
 #include "daemon/engine_impl.h"
 #include "util/log.h"
 
+/* memory a lookup fills (its arenas, the store's blocks) faulted in at
+ * start rather than by the first lookups: a 2.8k-token prefix of the
+ * TinyLlama-1.1B shape */
+#define WARM_BYTES ((size_t)64 << 20)
 /* prompts kept for publishing; past this the oldest is given up */
 #define MAX_PENDING 64
 /* blocks serialized per call of pump: bounds the copies a loop iteration makes */
@@ -72,7 +76,7 @@ void prefix_remote_open(engine *e)
                                  .timeout_ms = c->remote_timeout_ms,
                                  .ttl_s = c->remote_ttl_s,
                                  .compress = c->remote_compress,
-                                 .warm = true,
+                                 .warm_bytes = WARM_BYTES,
                                  .block_bytes = kv_store_prefix_block_bytes(e->store),
                                  .layout = engine_kv_layout(e),
                                  .variant = c->weights == MODEL_WEIGHTS_Q8_0   ? "q8_0"
@@ -86,6 +90,7 @@ void prefix_remote_open(engine *e)
         log_msg(LOG_ERR, "remote tier not used: %s", err[0] ? err : tier_strerror(ts));
         return;
     }
+    kv_store_pool_warm(e->store, WARM_BYTES);
     log_msg(LOG_INFO, "remote tier %s: timeout %d ms, TTL %d s, values %s, publishing %s",
             c->remote_url ? c->remote_url : c->remote_cluster, c->remote_timeout_ms, c->remote_ttl_s,
             c->remote_compress ? "zstd-compressed" : "raw",

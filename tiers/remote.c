@@ -32,7 +32,12 @@
 #include "util/log.h"
 
 #define N_SLOTS 16384
-#define BATCH 32                /* keys per lookup round trip */
+#define BATCH 32                /* keys per lookup round trip, at most */
+/* values per round trip, at most: Redis buffers a batch's replies whole
+ * before it writes them, and a server's first batches of a size it has
+ * not served fault that buffer in (docs/remote.md, "A daemon's first
+ * lookup") */
+#define BATCH_BYTES ((size_t)4 << 20)
 #define PUB_BATCH 16            /* blocks per publish round trip */
 #define BACKOFF_MIN_MS 100.0
 #define BACKOFF_MAX_MS 5000.0
@@ -725,8 +730,10 @@ static void fetch_run(kv_remote *r, kv_remote_fetch *f)
     snprintf(ttl, sizeof(ttl), "%d", r->p.ttl_s);
     struct cmd cmds[BATCH];
     bool going = true;
-    for (int from = 0; going && from < f->n; from += BATCH) {
-        int n = f->n - from < BATCH ? f->n - from : BATCH;
+    size_t fit = r->p.block_bytes < SIZE_MAX ? BATCH_BYTES / (r->p.block_bytes + 1) : BATCH;
+    int batch = fit < 1 ? 1 : fit < BATCH ? (int)fit : BATCH;
+    for (int from = 0; going && from < f->n; from += batch) {
+        int n = f->n - from < batch ? f->n - from : batch;
         for (int i = 0; i < n; i++) {
             kv_remote_key(r, f->ns, f->blk[from + i].hash, keys[i]);
             /* GETEX refreshes the TTL of a hit in the same round trip */
@@ -761,12 +768,12 @@ static void link_connect(struct link *L)
         node_ready(L, &L->nodes[i]);
 }
 
-/* Faults in the arena chunks lookups keep (ARENA_KEEP), before the first
- * lookup: faulting a chunk in (and zeroing its huge pages) measured as the
- * larger part of a daemon's first lookup (docs/remote.md). */
+/* Faults in warm_bytes of the arena chunks lookups keep, before the first
+ * lookup: faulting a chunk in (and zeroing its huge pages) was a large
+ * part of a daemon's first lookup (docs/remote.md). */
 static void arenas_warm(kv_remote *r)
 {
-    for (size_t kept = 0; kept + ARENA_CHUNK <= ARENA_KEEP; kept += ARENA_CHUNK) {
+    for (size_t kept = 0; kept < r->p.warm_bytes && kept + ARENA_CHUNK <= ARENA_KEEP; kept += ARENA_CHUNK) {
         pthread_mutex_lock(&r->mu);
         bool stop = r->stop || r->fq;
         pthread_mutex_unlock(&r->mu);
@@ -785,8 +792,7 @@ static void *fetch_main(void *arg)
 {
     kv_remote *r = arg;
     link_connect(&r->fl);
-    if (r->p.warm)
-        arenas_warm(r);
+    arenas_warm(r);
     pthread_mutex_lock(&r->mu);
     for (;;) {
         while (!r->stop && !r->fq)

@@ -42,7 +42,7 @@ struct kv_remote_params {
     int ttl_s;            /* set on publish, refreshed on every hit; 0 = 86400 */
     size_t queue_bytes;   /* blocks waiting to be published; 0 = 64 MiB */
     bool compress;        /* publish values with zstd-compressed chunks (any value read may be) */
-    bool warm;            /* fault in the memory lookups keep (128 MiB) at start, not in the first lookups */
+    size_t warm_bytes;    /* memory for lookups faulted in at start, not by the first ones (at most 128 MiB) */
     size_t block_bytes;   /* a serialized block's size: a value claiming more is corrupt; 0 = no bound */
     struct kv_disk_layout layout;
     const char *variant;  /* what else changes the KV values (the weights' format): part of the key */
