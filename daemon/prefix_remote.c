@@ -7,7 +7,8 @@
  * Reading is the disk's path: at admission, after the disk tier's blocks
  * are in, the job waits (io_wait, j->rfetch) while the lookup thread
  * fetches and checks the chain's next blocks; they are inserted in chain
- * order up to the first one the store refuses, then the job starts and
+ * order as each batch of them arrives (while the lookup thread reads the
+ * next), up to the first one the store refuses, then the job starts and
  * kv_seq_match_prefix attaches them.  Every failure is a miss: the rest
  * of the prompt is computed.  Publishing: after each prefill chunk the
  * job's prompt up to its last whole block is kept (its ids), and the
@@ -27,6 +28,10 @@
 #include "daemon/engine_impl.h"
 #include "util/log.h"
 
+/* memory a lookup fills (its arenas, the store's blocks) faulted in at
+ * start rather than by the first lookups: a 2.8k-token prefix of the
+ * TinyLlama-1.1B shape */
+#define WARM_BYTES ((size_t)64 << 20)
 /* prompts kept for publishing; past this the oldest is given up */
 #define MAX_PENDING 64
 /* blocks serialized per call of pump: bounds the copies a loop iteration makes */
@@ -43,6 +48,10 @@ struct remote_pub {
 struct remote_fetch {
     struct job *j; /* NULL once the job retired */
     kv_remote_fetch *f;
+    int taken;     /* blocks inserted (or given up) so far */
+    int got;       /* of which inserted */
+    bool stopped;  /* a block was not inserted: the rest is a miss */
+    bool refused;  /* one that checked as a container but not as a block of its chain */
     struct remote_fetch *next;
 };
 
@@ -67,6 +76,7 @@ void prefix_remote_open(engine *e)
                                  .timeout_ms = c->remote_timeout_ms,
                                  .ttl_s = c->remote_ttl_s,
                                  .compress = c->remote_compress,
+                                 .warm_bytes = WARM_BYTES,
                                  .block_bytes = kv_store_prefix_block_bytes(e->store),
                                  .layout = engine_kv_layout(e),
                                  .variant = c->weights == MODEL_WEIGHTS_Q8_0   ? "q8_0"
@@ -80,6 +90,7 @@ void prefix_remote_open(engine *e)
         log_msg(LOG_ERR, "remote tier not used: %s", err[0] ? err : tier_strerror(ts));
         return;
     }
+    kv_store_pool_warm(e->store, WARM_BYTES);
     log_msg(LOG_INFO, "remote tier %s: timeout %d ms, TTL %d s, values %s, publishing %s",
             c->remote_url ? c->remote_url : c->remote_cluster, c->remote_timeout_ms, c->remote_ttl_s,
             c->remote_compress ? "zstd-compressed" : "raw",
@@ -88,31 +99,41 @@ void prefix_remote_open(engine *e)
                                                           : "every prompt block");
 }
 
-/* Inserts a finished lookup's blocks in chain order up to the first one
- * the store refuses, then starts its job. */
-static void fetch_finish(engine *e, struct remote_fetch *x)
+/* Inserts a lookup's blocks [x->taken, ready) in chain order, up to the
+ * first one the store refuses: the blocks a batch brought are inserted
+ * while the lookup thread reads the next one. */
+static void fetch_take(engine *e, struct remote_fetch *x, int ready)
 {
-    int found = kv_remote_fetch_found(x->f), got = 0;
-    bool refused = false;
-    for (int i = 0; i < found; i++) {
+    int first = x->taken;
+    for (; !x->stopped && x->taken < ready; x->taken++) {
         const void *data;
         size_t n;
-        kv_remote_fetch_block(x->f, i, &data, &n);
+        kv_remote_fetch_block(x->f, x->taken, &data, &n);
         enum tier_status ts = kv_store_prefix_insert(e->store, data, n);
-        if (ts != TIER_OK) {
-            /* a value that checked as a container but not as a block of this
-             * chain is one somebody wrote on purpose or by a bug: say so */
-            refused = ts == TIER_EINVAL;
-            log_msg(refused ? LOG_WARN : LOG_DEBUG, "remote tier: a block not used, the chain is a miss from there on: %s",
-                    kv_store_errmsg(e->store)[0] ? kv_store_errmsg(e->store) : tier_strerror(ts));
-            break;
+        if (ts == TIER_OK) {
+            x->got++;
+            continue;
         }
-        got++;
+        x->stopped = true;
+        /* a value that checked as a container but not as a block of this
+         * chain is one somebody wrote on purpose or by a bug: say so.  Not
+         * so the first block of a later round: the engine may have evicted
+         * its parent, unreferenced in the cache, in between */
+        x->refused = ts == TIER_EINVAL && (x->taken == 0 || x->taken > first);
+        log_msg(x->refused ? LOG_WARN : LOG_DEBUG,
+                "remote tier: a block not used, the chain is a miss from there on: %s",
+                kv_store_errmsg(e->store)[0] ? kv_store_errmsg(e->store) : tier_strerror(ts));
     }
+}
+
+/* Takes a finished lookup's last blocks, then starts its job. */
+static void fetch_finish(engine *e, struct remote_fetch *x)
+{
+    fetch_take(e, x, kv_remote_fetch_found(x->f));
     kv_remote_fetch_free(x->f);
     pthread_mutex_lock(&e->mu);
-    e->st.remote_hits += got > 0;
-    e->st.remote_refused += refused;
+    e->st.remote_hits += x->got > 0;
+    e->st.remote_refused += x->refused;
     pthread_mutex_unlock(&e->mu);
     struct job *j = x->j;
     free(x);
@@ -242,7 +263,10 @@ void prefix_remote_poll(engine *e)
     if (e->rpubs)
         pump(e);
     for (struct remote_fetch **xp = &e->rfetches, *x; (x = *xp);) {
-        if (!kv_remote_fetch_done(x->f)) {
+        bool done;
+        int ready = kv_remote_fetch_ready(x->f, &done);
+        if (!done) {
+            fetch_take(e, x, ready);
             xp = &x->next;
             continue;
         }

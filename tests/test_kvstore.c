@@ -246,6 +246,31 @@ static void test_budget_exhausted(void **state)
     teardown(&st);
 }
 
+/* kv_store_pool_warm grows the pool as far as the budget allows, in the
+ * pool's own chunk sizes, without an error; sequences then take exactly
+ * those blocks. */
+static void test_pool_warm(void **state)
+{
+    (void)state;
+    void *st;
+    setup_with(&st, 0, 10 * 256); /* blocks of 256 bytes (above) */
+    struct fixture *f = st;
+    /* 64, 32 and 16 blocks do not fit the budget: a chunk of 8 does */
+    assert_int_equal(kv_store_pool_warm(f->store, 256), 8 * 256);
+    assert_int_equal(kv_store_pool_warm(f->store, 1 << 20), 2 * 256); /* the rest: a chunk of 2 */
+    assert_int_equal(kv_store_pool_warm(f->store, 1 << 20), 0);
+    assert_string_equal(kv_store_errmsg(f->store), "");
+    assert_int_equal(be_mem_stats(f->be).dev_used, 10 * 256);
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    for (int i = 0; i < 5; i++) /* 5 blocks per layer: the 10 warmed */
+        assert_int_equal(step(q, 4), TIER_OK);
+    assert_int_equal(kv_seq_reserve(q, 4), TIER_ENOMEM_DEV);
+    check_positions(q, 0, 0, 20);
+    kv_seq_free(q);
+    teardown(&st);
+}
+
 static kv_seq *seq_new(struct fixture *f, enum kv_strategy st, int64_t max_cache_len)
 {
     kv_seq *q;
@@ -1433,6 +1458,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_sliding_memory_bounded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_reserve_transactional, setup_w4, teardown),
         cmocka_unit_test(test_budget_exhausted),
+        cmocka_unit_test(test_pool_warm),
         cmocka_unit_test_setup_teardown(test_static_full_layer, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_static_sliding_vectors, setup_w4, teardown),
         cmocka_unit_test(test_static_hybrid_vectors),

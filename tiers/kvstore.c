@@ -325,6 +325,19 @@ static void kv_store_trim(kv_store *s)
     s->n_chunks = keep;
 }
 
+size_t kv_store_pool_warm(kv_store *s, size_t bytes)
+{
+    size_t from = s->n_chunks, grown = 0;
+    while (grown < bytes && pool_grow(s) == TIER_OK)
+        grown += be_buffer_size(s->chunks[s->n_chunks - 1]);
+    s->err[0] = '\0'; /* the budget's end is where warming stops, not an error */
+    void *zero = grown ? calloc(1, KV_CHUNK_BLOCKS * s->block_bytes) : NULL;
+    for (size_t c = from; zero && c < s->n_chunks; c++)
+        be_copy(s->be, be_buffer_data(s->chunks[c]), zero, be_buffer_size(s->chunks[c]), BE_H2D);
+    free(zero);
+    return grown;
+}
+
 /* Evicts every unreferenced prefix-cache entry and returns the emptied
  * chunks: what a device allocation outside the pool tries before failing. */
 bool kv_store_reclaim(kv_store *s)

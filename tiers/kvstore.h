@@ -308,6 +308,12 @@ int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, 
                               uint64_t *hashes, int64_t *n_mem);
 /* The length of one serialized prefix-cache block (kv_prefix_block.len). */
 size_t kv_store_prefix_block_bytes(const kv_store *s);
+/* Grows the pool by free blocks of up to bytes in all (as far as the
+ * device budget allows, evicting nothing) and writes each new block once
+ * through the backend, so that the first blocks a lookup inserts do not
+ * fault their memory in on its critical path (docs/remote.md, "A
+ * daemon's first lookup").  The bytes grown. */
+size_t kv_store_pool_warm(kv_store *s, size_t bytes);
 /* Serializes the cached entries of the chain of tokens[0, n_blocks *
  * block_tokens) under p, from its first block on and up to the first one
  * not cached, into out[] (at most max_out), skipping those shipped

@@ -32,7 +32,12 @@
 #include "util/log.h"
 
 #define N_SLOTS 16384
-#define BATCH 32                /* keys per lookup round trip */
+#define BATCH 32                /* keys per lookup round trip, at most */
+/* values per round trip, at most: Redis buffers a batch's replies whole
+ * before it writes them, and a server's first batches of a size it has
+ * not served fault that buffer in (docs/remote.md, "A daemon's first
+ * lookup") */
+#define BATCH_BYTES ((size_t)4 << 20)
 #define PUB_BATCH 16            /* blocks per publish round trip */
 #define BACKOFF_MIN_MS 100.0
 #define BACKOFF_MAX_MS 5000.0
@@ -98,6 +103,7 @@ struct kv_remote_fetch {
     kv_remote *r;
     uint64_t ns;
     int n, found;
+    int ready; /* under r->mu: found as of the last batch taken */
     bool done; /* under r->mu */
     struct arena arena; /* the values */
     kv_remote_fetch *next;
@@ -153,6 +159,17 @@ static void count(kv_remote *r, enum kv_remote_err e)
 #define ARENA_CHUNK ((size_t)32 << 20)
 #define ARENA_KEEP ((size_t)128 << 20)
 
+static struct arena_chunk *chunk_map(size_t size)
+{
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    madvise(m, size, MADV_HUGEPAGE); /* advice: refused or ignored, it is 4 KiB pages */
+    struct arena_chunk *c = m;
+    c->size = size;
+    return c;
+}
+
 static struct arena_chunk *chunk_new(kv_remote *r, size_t size)
 {
     struct arena_chunk *c = NULL;
@@ -166,13 +183,7 @@ static struct arena_chunk *chunk_new(kv_remote *r, size_t size)
         if (c)
             return c;
     }
-    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED)
-        return NULL;
-    madvise(m, size, MADV_HUGEPAGE); /* advice: refused or ignored, it is 4 KiB pages */
-    c = m;
-    c->size = size;
-    return c;
+    return chunk_map(size);
 }
 
 static void *arena_alloc(kv_remote *r, struct arena *a, size_t len)
@@ -719,8 +730,10 @@ static void fetch_run(kv_remote *r, kv_remote_fetch *f)
     snprintf(ttl, sizeof(ttl), "%d", r->p.ttl_s);
     struct cmd cmds[BATCH];
     bool going = true;
-    for (int from = 0; going && from < f->n; from += BATCH) {
-        int n = f->n - from < BATCH ? f->n - from : BATCH;
+    size_t fit = r->p.block_bytes < SIZE_MAX ? BATCH_BYTES / (r->p.block_bytes + 1) : BATCH;
+    int batch = fit < 1 ? 1 : fit < BATCH ? (int)fit : BATCH;
+    for (int from = 0; going && from < f->n; from += batch) {
+        int n = f->n - from < batch ? f->n - from : batch;
         for (int i = 0; i < n; i++) {
             kv_remote_key(r, f->ns, f->blk[from + i].hash, keys[i]);
             /* GETEX refreshes the TTL of a hit in the same round trip */
@@ -730,6 +743,12 @@ static void fetch_run(kv_remote *r, kv_remote_fetch *f)
         }
         run(&r->fl, cmds, n, &f->arena);
         going = take_batch(r, f, from, cmds, n);
+        /* the caller inserts these while the next batch is read */
+        pthread_mutex_lock(&r->mu);
+        f->ready = f->found;
+        pthread_mutex_unlock(&r->mu);
+        if (going && from + n < f->n && r->p.notify)
+            r->p.notify(r->p.notify_arg);
     }
     pthread_mutex_lock(&r->mu);
     r->st.lookups++;
@@ -739,9 +758,41 @@ static void fetch_run(kv_remote *r, kv_remote_fetch *f)
     pthread_mutex_unlock(&r->mu);
 }
 
+/* A link's connections (and a cluster's slot map), made before the first
+ * batch needs them. */
+static void link_connect(struct link *L)
+{
+    if (L->r->is_cluster)
+        slots_load(L);
+    for (int i = 0; i < L->n_nodes; i++)
+        node_ready(L, &L->nodes[i]);
+}
+
+/* Faults in warm_bytes of the arena chunks lookups keep, before the first
+ * lookup: faulting a chunk in (and zeroing its huge pages) was a large
+ * part of a daemon's first lookup (docs/remote.md). */
+static void arenas_warm(kv_remote *r)
+{
+    for (size_t kept = 0; kept < r->p.warm_bytes && kept + ARENA_CHUNK <= ARENA_KEEP; kept += ARENA_CHUNK) {
+        pthread_mutex_lock(&r->mu);
+        bool stop = r->stop || r->fq;
+        pthread_mutex_unlock(&r->mu);
+        struct arena_chunk *c = stop ? NULL : chunk_map(ARENA_CHUNK);
+        if (!c)
+            return;
+        for (size_t off = 64; off < ARENA_CHUNK; off += 4096)
+            ((volatile uint8_t *)c)[off] = 0;
+        c->next = NULL;
+        struct arena a = {.chunks = c};
+        arena_free(r, &a);
+    }
+}
+
 static void *fetch_main(void *arg)
 {
     kv_remote *r = arg;
+    link_connect(&r->fl);
+    arenas_warm(r);
     pthread_mutex_lock(&r->mu);
     for (;;) {
         while (!r->stop && !r->fq)
@@ -757,6 +808,7 @@ static void *fetch_main(void *arg)
         if (!stop)
             fetch_run(r, f);
         pthread_mutex_lock(&r->mu);
+        f->ready = f->found;
         f->done = true;
         pthread_cond_broadcast(&r->cv);
         pthread_mutex_unlock(&r->mu);
@@ -915,12 +967,13 @@ enum tier_status kv_remote_fetch_start(kv_remote *r, uint64_t ns, const uint64_t
     return TIER_OK;
 }
 
-bool kv_remote_fetch_done(kv_remote_fetch *f)
+int kv_remote_fetch_ready(kv_remote_fetch *f, bool *done)
 {
     pthread_mutex_lock(&f->r->mu);
-    bool d = f->done;
+    int n = f->ready;
+    *done = f->done;
     pthread_mutex_unlock(&f->r->mu);
-    return d;
+    return n;
 }
 
 void kv_remote_fetch_wait(kv_remote_fetch *f)

@@ -42,6 +42,7 @@ struct kv_remote_params {
     int ttl_s;            /* set on publish, refreshed on every hit; 0 = 86400 */
     size_t queue_bytes;   /* blocks waiting to be published; 0 = 64 MiB */
     bool compress;        /* publish values with zstd-compressed chunks (any value read may be) */
+    size_t warm_bytes;    /* memory for lookups faulted in at start, not by the first ones (at most 128 MiB) */
     size_t block_bytes;   /* a serialized block's size: a value claiming more is corrupt; 0 = no bound */
     struct kv_disk_layout layout;
     const char *variant;  /* what else changes the KV values (the weights' format): part of the key */
@@ -73,8 +74,9 @@ struct kv_remote_stats {
     uint64_t errors[KV_REMOTE_N_ERR];
 };
 
-/* Starts the threads; nothing is connected yet (the first use connects).
- * TIER_EINVAL with err when the address does not parse, TIER_ENOMEM_HOST. */
+/* Starts the threads: the lookup thread connects at once (and warms its
+ * memory if asked), the publish thread at its first block.  TIER_EINVAL
+ * with err when the address does not parse, TIER_ENOMEM_HOST. */
 enum tier_status kv_remote_open(const struct kv_remote_params *p, kv_remote **out, char err[256]);
 /* Stops the threads (a lookup in flight ends as a miss); every fetch must
  * have been freed.  Accepts NULL. */
@@ -92,10 +94,14 @@ bool kv_remote_publish(kv_remote *r, struct kv_prefix_block *b);
 /* Looks up the chain hashes[0, n) of namespace ns in the background. */
 enum tier_status kv_remote_fetch_start(kv_remote *r, uint64_t ns, const uint64_t *hashes, int n,
                                        kv_remote_fetch **out);
-bool kv_remote_fetch_done(kv_remote_fetch *f);
+/* How many leading blocks are found and checked so far (the notify
+ * callback fires after each batch), and *done once there will be no
+ * more: a caller can take blocks [0, ready) while the rest is read. */
+int kv_remote_fetch_ready(kv_remote_fetch *f, bool *done);
 void kv_remote_fetch_wait(kv_remote_fetch *f);
-/* After done: how many leading blocks were found, and block i's
- * serialized entry (valid until the fetch is freed). */
+/* After done: how many leading blocks were found; block i's serialized
+ * entry, for i below what ready or found said (valid until the fetch is
+ * freed). */
 int kv_remote_fetch_found(const kv_remote_fetch *f);
 void kv_remote_fetch_block(const kv_remote_fetch *f, int i, const void **data, size_t *len);
 /* Waits for it if needed, then frees it; accepts NULL. */

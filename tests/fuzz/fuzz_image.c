@@ -6,101 +6,17 @@
  * test_image's full-attention model (2 layers, 2 KV heads, head_dim 16,
  * f32, blocks of 4 tokens); odd, the same with every layer sliding by 8.
  * The rest is the image.  The harness links no CPU backend, so the store
- * sits on a backend of plain host memory with copies only (enough for a
- * load: no kernel runs), a 1 MiB device budget and a 4 MiB host tier.
+ * sits on a backend of plain host memory with copies only (fuzz_mem.h:
+ * enough for a load, no kernel runs), a 1 MiB device budget and a 4 MiB
+ * host tier.
  * Seeds: images test_image writes with KVTIER_IMAGE_SEEDS=dir.
  *
  * Invariants: a refusal is TIER_EINVAL (or out of memory) with a message
  * and no sequence, leaving no block or host byte in use; a load that
  * succeeds without falling back to the host tier gives a sequence whose
  * image is the input, byte for byte. */
-#include "backend/backend_impl.h"
 #include "tiers/kvstore.h"
-#include "tests/fuzz/fuzz_util.h"
-
-static void mem_free_ctx(void *ctx)
-{
-    (void)ctx;
-}
-
-static struct be_caps mem_caps(void *ctx)
-{
-    (void)ctx;
-    return (struct be_caps){.name = "fuzz-mem", .simd = "scalar"};
-}
-
-static enum be_status mem_alloc(void *ctx, size_t size, void **ptr)
-{
-    (void)ctx;
-    *ptr = aligned_alloc(BE_ALIGN, size);
-    return *ptr ? BE_OK : BE_ENOMEM_HOST;
-}
-
-static void mem_release(void *ctx, void *ptr, size_t size)
-{
-    (void)ctx, (void)size;
-    free(ptr);
-}
-
-static enum be_status mem_copy(void *ctx, void *dst, const void *src, size_t n, enum be_copy_dir dir)
-{
-    (void)ctx, (void)dir;
-    memcpy(dst, src, n);
-    return BE_OK;
-}
-
-static enum be_status mem_event_create(void *ctx, void **ev)
-{
-    (void)ctx;
-    *ev = malloc(1);
-    return *ev ? BE_OK : BE_ENOMEM_HOST;
-}
-
-static void mem_event_free(void *ctx, void *ev)
-{
-    (void)ctx;
-    free(ev);
-}
-
-static enum be_status mem_event_op(void *ctx, void *ev)
-{
-    (void)ctx, (void)ev;
-    return BE_OK;
-}
-
-static enum be_status mem_sync(void *ctx)
-{
-    (void)ctx;
-    return BE_OK;
-}
-
-static const struct be_ops mem_ops = {
-    .api_version = BE_API_VERSION,
-    .name = "fuzz-mem",
-    .free = mem_free_ctx,
-    .caps = mem_caps,
-    .dev_alloc = mem_alloc,
-    .dev_free = mem_release,
-    .host_alloc = mem_alloc,
-    .host_free = mem_release,
-    .copy_async = mem_copy,
-    .copy = mem_copy,
-    .event_create = mem_event_create,
-    .event_free = mem_event_free,
-    .event_record = mem_event_op,
-    .event_sync = mem_event_op,
-    .sync = mem_sync,
-};
-
-static be_backend *mem_backend(void)
-{
-    be_backend *be = calloc(1, sizeof(*be));
-    FUZZ_CHECK(be, "out of memory");
-    be->ops = &mem_ops;
-    pthread_mutex_init(&be->lock, NULL);
-    be->stats.dev_budget = 1 << 20;
-    return be;
-}
+#include "tests/fuzz/fuzz_mem.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -108,7 +24,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     static be_backend *be;
     if (!be)
-        be = mem_backend();
+        be = mem_backend(1 << 20);
     int windows[2] = {data[0] & 1 ? 8 : 0, data[0] & 1 ? 8 : 0};
     struct kv_geom g = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 16, .layer_window = windows, .dtype = BE_F32};
     kv_store *s;
