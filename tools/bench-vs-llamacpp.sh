@@ -45,7 +45,7 @@ shift $((OPTIND - 1))
 [ $# -ge 2 ] || usage
 for v in "$rounds" "$threads" "$prompt" "$decode"; do
     case $v in '' | *[!0-9]*) usage ;; esac
-    [ "$v" -ge 1 ] && [ "$v" -le 100000 ] || usage
+    if [ "$v" -lt 1 ] || [ "$v" -gt 100000 ]; then usage; fi
 done
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -90,8 +90,11 @@ while [ "$r" -le "$rounds" ]; do
         dec=$(sed -n 's/^decode  .*: \([0-9.]*\) tokens\/s (best).*/\1/p' "$tmp/out")
         wgb=$(sed -n 's/^decode weights *\([0-9.]*\) GB\/s.*/\1/p' "$tmp/out")
         ceil=$(sed -n 's/^read ceiling *\([0-9.]*\) GB\/s.*/\1/p' "$tmp/out")
-        [ -n "$pre" ] && [ -n "$dec" ] && [ -n "$wgb" ] && [ -n "$ceil" ] ||
-            { cat "$tmp/out" >&2; echo "bench-vs-llamacpp: unexpected kvtier-bench output" >&2; exit 1; }
+        if [ -z "$pre" ] || [ -z "$dec" ] || [ -z "$wgb" ] || [ -z "$ceil" ]; then
+            cat "$tmp/out" >&2
+            echo "bench-vs-llamacpp: unexpected kvtier-bench output" >&2
+            exit 1
+        fi
         printf '%s\t%s\tkvtier\tprefill\t%s\n%s\t%s\tkvtier\tdecode\t%s\n%s\t%s\tkvtier\twgbs\t%s\n%s\t%s\tkvtier\tceiling\t%s\n' \
             "$r" "$f" "$pre" "$r" "$f" "$dec" "$r" "$f" "$wgb" "$r" "$f" "$ceil" >>"$rows"
         run "$llbench" -m "$f" -t "$threads" -p "$prompt" -n "$decode" -r 1 -o jsonl
