@@ -1,6 +1,7 @@
 /* Description: the read bandwidth ceiling reads every word of its buffer
- * with every ISA this CPU runs and both load kinds (the sums prove it),
- * sizes its buffer past the last-level cache, and refuses bad arguments.
+ * with every ISA this CPU runs, both load kinds and one, several or the
+ * most streams per thread (the sums prove it), sizes its buffer past the
+ * last-level cache, and refuses bad arguments.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -25,11 +26,18 @@ static void test_every_word_read(void **state)
     assert_non_null(rb);
     size_t words = readbw_bytes(rb) / 8;
     assert_true(words % (3 * 32) == 0);
+    /* each load kind with one stream and with several (3 and the most:
+     * parts that leave steps over); every pass reads 8x the last-level
+     * cache, so not every pairing */
+    static const struct {
+        enum readbw_load load;
+        int streams;
+    } kinds[] = {{READBW_PLAIN, 1}, {READBW_STREAM, 3}, {READBW_PLAIN, READBW_MAX_STREAMS}};
     int ran = 0;
     for (int isa = 0; isa < READBW_N_ISA; isa++)
-        for (int load = 0; load < READBW_N_LOAD; load++) {
+        for (int k = 0; k < 3; k++) {
             uint64_t sum = 0;
-            double g = readbw_pass(rb, (enum readbw_isa)isa, (enum readbw_load)load, &sum);
+            double g = readbw_pass(rb, (enum readbw_isa)isa, kinds[k].load, kinds[k].streams, &sum);
             if (!readbw_isa_ok((enum readbw_isa)isa)) {
                 assert_true(g == 0);
                 continue;
@@ -38,10 +46,18 @@ static void test_every_word_read(void **state)
             assert_int_equal(sum, triangle(words));
             ran++;
         }
-    assert_true(ran >= 2); /* scalar, both kinds, at least */
+    assert_true(ran >= 3); /* scalar, every kind, at least */
+    assert_true(readbw_pass(rb, READBW_SCALAR, READBW_PLAIN, 0, NULL) == 0);
+    assert_true(readbw_pass(rb, READBW_SCALAR, READBW_PLAIN, READBW_MAX_STREAMS + 1, NULL) == 0);
+    assert_true(readbw_pass(rb, READBW_SCALAR, READBW_N_LOAD, 1, NULL) == 0);
     enum readbw_load load = READBW_N_LOAD;
-    assert_true(readbw_ceiling(rb, 2, &load) > 0);
+    int best_streams = 0;
+    assert_true(readbw_ceiling(rb, 1, &load, &best_streams) > 0);
     assert_true(load == READBW_PLAIN || load == READBW_STREAM);
+    int listed = 0;
+    for (int s = 0; s < readbw_n_ceiling_streams; s++)
+        listed |= readbw_ceiling_streams[s] == best_streams;
+    assert_true(listed);
     readbw_free(rb);
 }
 

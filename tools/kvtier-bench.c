@@ -3,9 +3,11 @@
  *
  *   decode efficiency  = bytes read per token (weights + KV) x tokens/s
  *                        / memory read ceiling measured here (util/readbw:
- *                        the decode's thread count, the widest loads, plain
- *                        and non-temporal, a buffer >= 1 GiB and >= 8x the
- *                        last-level cache, the best of --bw-passes passes)
+ *                        a thread per online CPU (at least the decode's),
+ *                        the widest loads, plain and non-temporal, 1, 4 and
+ *                        16 streams per thread, a buffer >= 1 GiB and >= 8x
+ *                        the last-level cache, the best of --bw-passes
+ *                        passes)
  *   prefill efficiency = prefill GFLOP/s / OpenBLAS sgemm GFLOP/s measured here
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
@@ -31,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "util/clock.h"
 #include "util/args.h"
@@ -188,7 +191,11 @@ int main(int argc, char **argv)
      * each round gives its own ratios: on a shared machine a disturbance
      * then hits both sides of a ratio, and the median drops the outliers. */
     size_t runs = (size_t)repeat * (size_t)nb;
-    readbw *rb = readbw_create((size_t)1 << 30, threads);
+    /* every CPU reads: a ceiling for the decode's threads must not be lower
+     * than what the machine gives all of them */
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int bw_threads = cpus > threads ? (cpus < 256 ? (int)cpus : 256) : threads;
+    readbw *rb = readbw_create((size_t)1 << 30, bw_threads);
     float *sa = malloc(sizeof(float) * SG_M * SG_K), *sb = malloc(sizeof(float) * SG_K * SG_N),
           *sc = malloc(sizeof(float) * SG_M * SG_N);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
@@ -224,11 +231,18 @@ int main(int argc, char **argv)
         if (!run_once(m, stores[b], ids, n_fill, n_prompt, 1, c->vocab_size, logits, &tp, &td))
             return 1;
     }
-    int n_stream = 0; /* rounds whose ceiling came from non-temporal loads */
+    int n_stream = 0;   /* rounds whose ceiling came from non-temporal loads */
+    int best_streams = 0; /* streams per thread of the best round's ceiling */
+    double best_round = 0;
     for (int r = 0; r < repeat; r++) {
         enum readbw_load load;
-        r_bw[r] = readbw_ceiling(rb, bw_passes, &load);
+        int streams;
+        r_bw[r] = readbw_ceiling(rb, bw_passes, &load, &streams);
         n_stream += load == READBW_STREAM;
+        if (r_bw[r] > best_round) {
+            best_round = r_bw[r];
+            best_streams = streams;
+        }
         r_sg[r] = sgemm_gflops(sa, sb, sc, threads);
         for (int k = 0; k < nb; k++) {
             int b = (k + r) % nb;
@@ -306,9 +320,10 @@ int main(int argc, char **argv)
         }
     }
     /* last: median_sort() sorts, and the ratios above pair the rounds */
-    printf("read ceiling     %.2f GB/s (median), %.2f (best): %d threads, %s loads, non-temporal best in %d of %d "
-           "rounds, %.2f GiB buffer, best of %d passes per round\n",
-           median_sort(r_bw, repeat), best_bw, threads, readbw_isa_name(readbw_best_isa()), n_stream, repeat,
+    printf("read ceiling     %.2f GB/s (median), %.2f (best, %d streams per thread): %d threads, %s loads, "
+           "non-temporal best in %d of %d rounds, %.2f GiB buffer, best of %d passes per round\n",
+           median_sort(r_bw, repeat), best_bw, best_streams, bw_threads, readbw_isa_name(readbw_best_isa()), n_stream,
+           repeat,
            readbw_bytes(rb) / (double)(1 << 30), bw_passes);
     printf("sgemm            %.1f GFLOP/s (OpenBLAS, %d threads, median)\n", median_sort(r_sg, repeat), threads);
     readbw_free(rb);

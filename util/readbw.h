@@ -1,8 +1,10 @@
 /* readbw.h - the memory read bandwidth ceiling that decode is judged
  * against: several threads stream a buffer far larger than the last-level
- * cache with the widest loads the CPU has, plain and non-temporal, and the
- * best pass counts.  A ceiling that decode can beat says nothing, so every
- * choice here leans towards the higher figure.
+ * cache with the widest loads the CPU has, plain and non-temporal, each
+ * thread as one stream or as several side by side (as a matrix-vector
+ * product reads several rows at once), and the best pass counts.  A ceiling
+ * that decode can beat says nothing, so every choice here leans towards the
+ * higher figure.
  */
 #ifndef KVTIER_READBW_H
 #define KVTIER_READBW_H
@@ -13,11 +15,17 @@
 enum readbw_isa { READBW_SCALAR, READBW_AVX2, READBW_AVX512, READBW_N_ISA };
 enum readbw_load { READBW_PLAIN, READBW_STREAM, READBW_N_LOAD };
 
+/* A thread reads its slice as 1 to READBW_MAX_STREAMS equal parts side by
+ * side; the ceiling tries the counts in readbw_ceiling_streams. */
+#define READBW_MAX_STREAMS 16
+
 /* The read kernels: the 64-bit sum of n words at p (p 64-byte aligned, n a
- * multiple of 32), which keeps every load alive and lets a test check that
- * all of them happened.  STREAM uses non-temporal loads (vmovntdqa). */
-uint64_t readbw_sum_avx2(const uint64_t *p, size_t n, enum readbw_load load);
-uint64_t readbw_sum_avx512(const uint64_t *p, size_t n, enum readbw_load load);
+ * multiple of 32), read as streams equal parts side by side, 256 bytes of
+ * each in turn, then the few steps left over; the sum keeps every load
+ * alive and lets a test check that all of them happened.  STREAM uses
+ * non-temporal loads (vmovntdqa). */
+uint64_t readbw_sum_avx2(const uint64_t *p, size_t n, int streams, enum readbw_load load);
+uint64_t readbw_sum_avx512(const uint64_t *p, size_t n, int streams, enum readbw_load load);
 
 typedef struct readbw readbw;
 
@@ -34,13 +42,20 @@ int readbw_isa_ok(enum readbw_isa isa);
 const char *readbw_isa_name(enum readbw_isa isa);
 const char *readbw_load_name(enum readbw_load load);
 
-/* One timed pass of every thread over the buffer with isa and load, in
- * GB/s; 0 if isa does not run here or a thread could not start.  *sum (if
- * not NULL) gets the sum of all words read. */
-double readbw_pass(readbw *rb, enum readbw_isa isa, enum readbw_load load, uint64_t *sum);
+/* One timed pass of every thread over the buffer with isa and load, each
+ * thread reading streams parts side by side, in GB/s; 0 if isa does not run
+ * here, streams is not 1-READBW_MAX_STREAMS or a thread could not start.
+ * *sum (if not NULL) gets the sum of all words read. */
+double readbw_pass(readbw *rb, enum readbw_isa isa, enum readbw_load load, int streams, uint64_t *sum);
 
-/* The ceiling: passes passes of each load kind with the best ISA, the
- * fastest pass in GB/s; the load kind that gave it in *load if not NULL. */
-double readbw_ceiling(readbw *rb, int passes, enum readbw_load *load);
+/* The stream counts the ceiling tries, and how many there are. */
+extern const int readbw_ceiling_streams[];
+extern const int readbw_n_ceiling_streams;
+
+/* The ceiling: passes passes of each load kind and each stream count of
+ * readbw_ceiling_streams with the best ISA, the fastest pass in GB/s; the
+ * load kind and stream count that gave it in *load and *streams if not
+ * NULL. */
+double readbw_ceiling(readbw *rb, int passes, enum readbw_load *load, int *streams);
 
 #endif

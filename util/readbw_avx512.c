@@ -5,19 +5,28 @@
 
 /* Four accumulators, one 64-byte line each: enough loads in flight that the
  * adds never limit the stream. */
-#define BODY(LOAD)                                                                                  \
-    for (size_t i = 0; i < n; i += 32) {                                                            \
-        const __m512i *q = (const __m512i *)(p + i);                                                \
+#define STEP(LOAD, at)                                                                              \
+    do {                                                                                            \
+        const __m512i *q = (const __m512i *)(at);                                                   \
         a0 = _mm512_add_epi64(a0, LOAD(q + 0));                                                     \
         a1 = _mm512_add_epi64(a1, LOAD(q + 1));                                                     \
         a2 = _mm512_add_epi64(a2, LOAD(q + 2));                                                     \
         a3 = _mm512_add_epi64(a3, LOAD(q + 3));                                                     \
-    }
+    } while (0)
+
+/* 256 bytes of every part in turn, then what the equal parts left over */
+#define BODY(LOAD)                                                                                  \
+    for (size_t i = 0; i < per; i += 32)                                                            \
+        for (int s = 0; s < streams; s++)                                                           \
+            STEP(LOAD, p + (size_t)s * per + i);                                                    \
+    for (size_t i = per * (size_t)streams; i < n; i += 32)                                          \
+        STEP(LOAD, p + i);
 
 #define STREAM_LOAD(q) _mm512_stream_load_si512((void *)(q))
 
-uint64_t readbw_sum_avx512(const uint64_t *p, size_t n, enum readbw_load load)
+uint64_t readbw_sum_avx512(const uint64_t *p, size_t n, int streams, enum readbw_load load)
 {
+    size_t per = n / 32 / (size_t)streams * 32;
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     if (load == READBW_STREAM) {
         BODY(STREAM_LOAD)
