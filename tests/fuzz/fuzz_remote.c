@@ -31,6 +31,7 @@
  * Seeds: KVTIER_FUZZ_REMOTE_SEEDS=DIR build/fuzz/fuzz_remote -runs=0
  * writes the committed ones (tests/fuzz/remote/seed). */
 #include <inttypes.h>
+#include <errno.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -299,6 +300,17 @@ static void one_value(const uint8_t *in, size_t n, bool fix, int k)
     free(v);
 }
 
+/* poll for input on fd; libFuzzer's -timeout alarm interrupts it (EINTR),
+ * which is not the end of the wait. */
+static int wait_in(int fd, int ms)
+{
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    int r;
+    while ((r = poll(&pfd, 1, ms)) < 0 && errno == EINTR)
+        ;
+    return r;
+}
+
 /* The fake server's side of one connection: reads commands until it has
  * seen want GETEX (or the tier stops sending), then answers with out. */
 static void serve(int fd, int want, const uint8_t *out, size_t n)
@@ -307,10 +319,11 @@ static void serve(int fd, int want, const uint8_t *out, size_t n)
     char buf[4096], carry[sizeof(cmd)] = "";
     int seen = 0;
     while (seen < want) {
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        if (poll(&pfd, 1, 2000) <= 0)
+        if (wait_in(fd, 2000) <= 0)
             break;
         ssize_t got = read(fd, buf + 0, sizeof(buf) - 1);
+        if (got < 0 && errno == EINTR)
+            continue;
         if (got <= 0)
             break;
         buf[got] = '\0';
@@ -325,14 +338,27 @@ static void serve(int fd, int want, const uint8_t *out, size_t n)
     }
     for (size_t off = 0; off < n;) {
         ssize_t w = send(fd, out + off, n - off, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR)
+            continue;
         if (w <= 0)
             break;
         off += (size_t)w;
     }
 }
 
+/* Closes the connections left waiting by earlier inputs' tiers (one that
+ * reconnected before it was freed): unaccepted, they fill the backlog and
+ * the next tier's connect is refused, then retried only after a backoff. */
+static void drain(void)
+{
+    int fd;
+    while ((fd = accept(listen_fd, NULL, NULL)) >= 0)
+        close(fd);
+}
+
 static void one_lookup(int n_keys, const uint8_t *out, size_t n)
 {
+    drain();
     char url[128];
     snprintf(url, sizeof(url), "unix:%s", sock_path);
     struct kv_remote_params p = {.url = url, .timeout_ms = 2000, .block_bytes = block_bytes, .layout = layout,
@@ -340,8 +366,7 @@ static void one_lookup(int n_keys, const uint8_t *out, size_t n)
     kv_remote *r;
     char err[256];
     FUZZ_CHECK(kv_remote_open(&p, &r, err) == TIER_OK, "kv_remote_open: %s", err);
-    struct pollfd pfd = {.fd = listen_fd, .events = POLLIN};
-    FUZZ_CHECK(poll(&pfd, 1, 5000) == 1, "the lookup thread did not connect");
+    FUZZ_CHECK(wait_in(listen_fd, 5000) == 1, "the lookup thread did not connect");
     int fd = accept(listen_fd, NULL, NULL);
     FUZZ_CHECK(fd >= 0, "accept");
     kv_remote_fetch *f;
@@ -387,7 +412,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     snprintf(sock_path, sizeof(sock_path), "%s/redis.sock", fuzz_dir("remote"));
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     snprintf(a.sun_path, sizeof(a.sun_path), "%s", sock_path);
-    listen_fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
     FUZZ_CHECK(listen_fd >= 0 && bind(listen_fd, (struct sockaddr *)&a, sizeof(a)) == 0 && listen(listen_fd, 4) == 0,
                "the fake server's socket %s", sock_path);
     const char *seeds = getenv("KVTIER_FUZZ_REMOTE_SEEDS");
