@@ -724,52 +724,70 @@ static void test_attention(void **state)
     check_attention_ed(&cases[8], 0.0f, 128);
 }
 
-/* A token's attention is the same to the bit alone, in a batch, and on
- * one thread or three: a long context is cut into pieces by its length
- * only, whether the pieces run on one thread (many pairs) or spread over
- * all of them (a decode step) and are merged after. */
+/* A token's attention is the same to the bit alone (a decode step, its
+ * pieces spread over the threads), in a batch of a sequence's tokens (which
+ * share tiles), and on one thread or three: keys are cut into pieces and
+ * chunks at fixed positions, whatever the tile, batch or thread count.
+ * Checked for causal attention, a sliding window with a soft cap, and an
+ * encoder's bidirectional attention with T5's bias; the batch is a run of
+ * consecutive positions (a prompt) and positions far apart. */
 static void test_attention_invariance(void **state)
 {
     (void)state;
-    enum { H = 6, KVH = 2, HD = 64, T = 64, N = 2500, NB = (N + T - 1) / T, BATCH = 12 };
-    size_t half = (size_t)KVH * T * HD * sizeof(uint16_t);
+    enum { H = 6, KVH = 2, HD = 64, T = 64, N = 2500, NB = (N + T - 1) / T, BATCH = 90, SPAN = 8 };
+    size_t half = (size_t)KVH * T * HD * sizeof(uint16_t), qd = (size_t)H * HD;
     float *k = malloc((size_t)N * KVH * HD * sizeof(float)), *v = malloc((size_t)N * KVH * HD * sizeof(float));
-    float *q = malloc((size_t)BATCH * H * HD * sizeof(float)), *out[3];
+    float *q = malloc((size_t)BATCH * qd * sizeof(float)), *ref = malloc((size_t)BATCH * qd * sizeof(float));
+    float bias[H * (2 * SPAN + 1)];
     struct be_tok *st = malloc(N * sizeof(*st)), qt[BATCH];
-    assert_non_null(k && v && q && st);
+    assert_non_null(k && v && q && ref && st);
     fill(k, (size_t)N * KVH * HD, 1.0f);
     fill(v, (size_t)N * KVH * HD, 1.0f);
-    fill(q, (size_t)BATCH * H * HD, 1.0f);
+    fill(q, (size_t)BATCH * qd, 1.0f);
+    fill(bias, sizeof(bias) / sizeof(bias[0]), 2.0f);
     for (int t = 0; t < N; t++)
         st[t] = (struct be_tok){.view = 0, .pos = t};
-    for (int t = 0; t < BATCH; t++) /* the last token, then earlier ones */
-        qt[t] = (struct be_tok){.view = 0, .pos = N - 1 - 97 * t};
-    struct be_attn_params p = {.n_heads = H, .n_kv_heads = KVH, .head_dim = HD, .scale = 0.125f, .kv_dtype = BE_BF16};
-    const int threads[3] = {2, 1, 3}, batch[3] = {1, BATCH, 1};
-    for (int run = 0; run < 3; run++) {
-        be_backend *be;
-        assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = threads[run]}, &be), BE_OK);
-        be_buffer *bufs[NB], *ob;
-        void *blocks[NB];
-        for (int b = 0; b < NB; b++)
-            blocks[b] = dev(be, 2 * half, &bufs[b]);
-        struct be_kv_view view = {.blocks = blocks, .n_blocks = NB, .block_tokens = T, .v_offset = half, .hi = N};
-        assert_int_equal(be_kv_store(be, &view, st, N, k, v, &p), BE_OK);
-        float *o = dev(be, (size_t)BATCH * H * HD * sizeof(float), &ob);
-        assert_int_equal(be_attention(be, o, q, &view, qt, batch[run], &p), BE_OK);
-        out[run] = malloc((size_t)H * HD * sizeof(float));
-        assert_non_null(out[run]);
-        memcpy(out[run], o, (size_t)H * HD * sizeof(float));
-        be_buffer_free(ob);
-        for (int b = 0; b < NB; b++)
-            be_buffer_free(bufs[b]);
-        be_free(be);
+    for (int t = 0; t < BATCH; t++) /* a prompt's last 70 positions, then earlier ones far apart */
+        qt[t] = (struct be_tok){.view = 0, .pos = t < 70 ? N - 70 + t : N - 1 - 113 * (t - 69)};
+    for (int mode = 0; mode < 3; mode++) {
+        struct be_attn_params p = {.n_heads = H, .n_kv_heads = KVH, .head_dim = HD, .scale = 0.125f,
+                                   .kv_dtype = BE_BF16, .window = mode == 1 ? 700 : 0,
+                                   .softcap = mode == 1 ? 1.5f : 0.0f, .bidirectional = mode == 2,
+                                   .rel_span = mode == 2 ? SPAN : 0};
+        /* alone on 2 threads (the reference), then the batch on 1 and 3 */
+        const int threads[3] = {2, 1, 3};
+        for (int run = 0; run < 3; run++) {
+            be_backend *be;
+            assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = threads[run]}, &be), BE_OK);
+            be_buffer *bufs[NB], *ob, *bb;
+            void *blocks[NB];
+            for (int b = 0; b < NB; b++)
+                blocks[b] = dev(be, 2 * half, &bufs[b]);
+            float *db = dev(be, sizeof(bias), &bb);
+            memcpy(db, bias, sizeof(bias));
+            p.rel_bias = mode == 2 ? db : NULL;
+            struct be_kv_view view = {.blocks = blocks, .n_blocks = NB, .block_tokens = T, .v_offset = half, .hi = N};
+            assert_int_equal(be_kv_store(be, &view, st, N, k, v, &p), BE_OK);
+            float *o = dev(be, (size_t)BATCH * qd * sizeof(float), &ob);
+            if (run == 0) {
+                for (int t = 0; t < BATCH; t++)
+                    assert_int_equal(be_attention(be, o + t * qd, q + t * qd, &view, &qt[t], 1, &p), BE_OK);
+                memcpy(ref, o, (size_t)BATCH * qd * sizeof(float));
+            } else {
+                assert_int_equal(be_attention(be, o, q, &view, qt, BATCH, &p), BE_OK);
+                for (int t = 0; t < BATCH; t++)
+                    if (memcmp(ref + t * qd, o + t * qd, qd * sizeof(float)))
+                        fail_msg("mode %d, %d threads: token %d (position %lld) differs from its attention alone",
+                                 mode, threads[run], t, (long long)qt[t].pos);
+            }
+            be_buffer_free(ob);
+            be_buffer_free(bb);
+            for (int b = 0; b < NB; b++)
+                be_buffer_free(bufs[b]);
+            be_free(be);
+        }
     }
-    assert_memory_equal(out[0], out[1], (size_t)H * HD * sizeof(float));
-    assert_memory_equal(out[0], out[2], (size_t)H * HD * sizeof(float));
-    for (int i = 0; i < 3; i++)
-        free(out[i]);
-    free(k), free(v), free(q), free(st);
+    free(k), free(v), free(q), free(ref), free(st);
 }
 
 /* Keys whose scores are -inf weigh nothing, even when a whole piece of

@@ -339,7 +339,7 @@ static void attend_quantized(struct qattn *a, int64_t k0, int64_t k1)
         }
         key_scores(a, v->blocks[blk], pos, t0, n);
         cpu_attn_softcap(a->s, a->nq * n, a->p->softcap);
-        cpu_attn_fold(a->k, a->pt, a->s, a->nq, n, a->D);
+        cpu_attn_fold(a->k, a->pt, a->s, (size_t)n, a->nq, 0, n, a->D);
         value_accumulate(a, v->blocks[blk], t0, n);
         pos += n;
     }
@@ -370,10 +370,11 @@ static int64_t qkeys(const struct be_attn_params *p, const struct be_kvq_view *v
     return kk->sinks + (kk->qhi - kk->qlo) + (kk->rhi - kk->rlo);
 }
 
-static int64_t quant_n_keys(const struct cpu_attn_src *s, const struct be_tok *t)
+static void quant_keys(const struct cpu_attn_src *s, const struct be_tok *t, int64_t *c0, int64_t *c1)
 {
     struct qkeys kk;
-    return qkeys(s->p, (const struct be_kvq_view *)s->views + t->view, t->pos, &kk);
+    *c0 = 0;
+    *c1 = qkeys(s->p, (const struct be_kvq_view *)s->views + t->view, t->pos, &kk);
 }
 
 /* Lays a's arrays out from base, after cpu_attend_span's work area (NULL:
@@ -397,16 +398,18 @@ static size_t qattn_carve(struct qattn *a, float *base, size_t nq, size_t D, siz
     return used;
 }
 
-static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *t, int kvh,
+/* One token (the source shares no tiles): n is 1. */
+static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *t, int n, int kvh,
                         const float *q, int64_t c0, int64_t c1, struct cpu_attn_part *pt, float *scratch)
 {
+    (void)n;
     const struct be_kvq_view *v = (const struct be_kvq_view *)s->views + t->view;
     const struct be_attn_params *p = s->p;
     struct qkeys kk;
     qkeys(p, v, t->pos, &kk);
     int D = p->head_dim, nq = p->n_heads / p->n_kv_heads, rows = chunk_rows(v->fmt);
     struct qattn a = {.k = k, .qk = cpu_qkern_for(k), .p = p, .v = v, .kvh = kvh, .nq = nq, .D = D, .q = q, .pt = pt};
-    qattn_carve(&a, scratch + cpu_attend_span_work(p), (size_t)nq, (size_t)D, (size_t)rows);
+    qattn_carve(&a, scratch + cpu_attend_span_work(p, 1), (size_t)nq, (size_t)D, (size_t)rows);
     /* the three runs of the key order, each cut to [c0, c1) */
     int64_t n_q = kk.qhi - kk.qlo, at[4] = {0, kk.sinks, kk.sinks + n_q, kk.sinks + n_q + (kk.rhi - kk.rlo)};
     int64_t from[3] = {0, kk.qlo, kk.rlo};
@@ -419,7 +422,8 @@ static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
         if (run == 1)
             attend_quantized(&a, lo, hi);
         else
-            cpu_attend_span(k, p, &v->rest, kvh, q, t->pos, lo, hi, pt, scratch);
+            cpu_attend_span(k, p, &v->rest, kvh, &(struct cpu_attn_tile){.n = 1, .q = q, .pos = {t->pos}, .from = {lo}, .to = {hi}},
+                            pt, scratch);
     }
 }
 
@@ -432,9 +436,9 @@ enum be_status cpu_attention_quant(void *ctx, void *out_, const void *q_, const 
     for (int t = 0; t < n_tok; t++) {
         struct qattn a;
         size_t rows = (size_t)chunk_rows(views[toks[t].view].fmt);
-        if (cpu_attend_span_work(p) + qattn_carve(&a, NULL, nq, D, rows) > CPU_ATTN_WORK)
+        if (cpu_attend_span_work(p, 1) + qattn_carve(&a, NULL, nq, D, rows) > CPU_ATTN_WORK)
             return BE_ENOTSUP; /* far beyond any model: 60 query heads per kv head and 1024-token groups */
     }
-    struct cpu_attn_src src = {.p = p, .views = views, .n_keys = quant_n_keys, .piece = quant_piece};
+    struct cpu_attn_src src = {.p = p, .views = views, .keys = quant_keys, .piece = quant_piece};
     return cpu_attn_run(ctx, &src, out, q, toks, n_tok);
 }

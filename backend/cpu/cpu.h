@@ -263,48 +263,71 @@ static inline void cpu_prefetch(const void *p, size_t bytes)
 
 /* ---- attention driver (ops.c), for the dense and the quantized caches ---- */
 
-/* Attention runs per (token, kv head) for the nq = n_heads / n_kv_heads
- * query heads that read it, so each K and V row is read and widened once
- * for all of them.  A token's keys are cut into pieces of at most
- * CPU_ATTN_PIECE (the same cut whatever the batch or the thread count, so
- * a sequence's results do not depend on either), each piece with its own
- * softmax state, merged in order: a decode step's few (token, kv head)
- * pairs then spread over every thread. */
+/* Attention runs per (tile, kv head): the nq = n_heads / n_kv_heads query
+ * heads of up to CPU_ATTN_TILE tokens of one sequence (at most
+ * CPU_ATTN_TILE_ROWS query rows) read each K and V row once, widened once
+ * for all of them, so a long prompt reads its keys once per tile rather
+ * than once per token.  A source's keys are in one order (the positions,
+ * for a dense view without sinks), cut into pieces at the multiples of
+ * CPU_ATTN_PIECE and into chunks at the multiples of a chunk size: the
+ * same cuts whatever the tile, the batch or the thread count, so a token's
+ * result does not depend on them.  Each piece has its own softmax state,
+ * merged in order: a decode step's few (token, kv head) pairs then spread
+ * their pieces over every thread. */
 #define CPU_ATTN_PIECE 1024
+#define CPU_ATTN_TILE 64
+#define CPU_ATTN_TILE_ROWS 128
 
-/* One piece's state: running max m[g] and sum l[g] of the online softmax,
- * and the unnormalised output o[g * head_dim + i], for nq query heads. */
+/* The softmax state of a piece for some query rows: running max m[r] and
+ * sum l[r], and the unnormalised output o[r * head_dim + i]. */
 struct cpu_attn_part {
     float *m, *l, *o;
+};
+
+/* The queries of a tile: n tokens of one sequence, q[n][nq][head_dim];
+ * token j, at position pos[j], reads the keys [from[j], to[j]) (none when
+ * from[j] >= to[j]). */
+struct cpu_attn_tile {
+    int n;
+    const float *q;
+    int64_t pos[CPU_ATTN_TILE], from[CPU_ATTN_TILE], to[CPU_ATTN_TILE];
 };
 
 /* Caps n scaled scores in place: s -> cap * tanh(s / cap); cap 0 leaves
  * them as they are. */
 void cpu_attn_softcap(float *s, int n, float cap);
 
-/* Folds the raw scores s[g * n + i] of a chunk of n keys into pt: each
- * head's max and sum, rescaling its o when the max grows; leaves each
- * key's unnormalised weight in s. */
-void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, int nq, int n, int head_dim);
+/* Folds the raw scores of keys [a, b) of a chunk, row g's at s + g * ss,
+ * into nq rows of pt: each row's max and sum, rescaling its o when the max
+ * grows; leaves each key's unnormalised weight in s, 0 outside [a, b). */
+void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, size_t ss, int nq, int a, int b,
+                   int head_dim);
 
 /* Floats of scratch a piece may use (the rest holds the pieces' states). */
 #define CPU_ATTN_WORK (CPU_SCRATCH_FLOATS / 2)
 
-/* Positions [lo, hi) of a full-precision view (below v->sinks: its sink
- * block) of kv head kvh against q[nq][head_dim], folded into pt. */
+/* The keys a tile's tokens read from a full-precision view (positions;
+ * below v->sinks: its sink block) of kv head kvh, folded into pt (t->n * nq
+ * rows). */
 void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v, int kvh,
-                     const float *q, int64_t qpos, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch);
-/* Floats of scratch cpu_attend_span uses. */
-size_t cpu_attend_span_work(const struct be_attn_params *p);
+                     const struct cpu_attn_tile *t, struct cpu_attn_part *pt, float *scratch);
+/* Floats of scratch cpu_attend_span uses for a tile of n_tok tokens. */
+size_t cpu_attend_span_work(const struct be_attn_params *p, int n_tok);
 
-/* What the dense and the quantized caches differ in: how many keys a
- * token attends to, and attending keys [c0, c1) of them (in the cache's
- * order) into pt, which the driver has reset. */
+/* What the dense and the quantized caches differ in: which keys a token
+ * reads, whether a sequence's tokens share tiles, and attending keys
+ * [c0, c1) of them into pt, which the driver has reset. */
 struct cpu_attn_src {
     const struct be_attn_params *p;
     const void *views;
-    int64_t (*n_keys)(const struct cpu_attn_src *s, const struct be_tok *t);
-    void (*piece)(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *t, int kvh,
+    /* token t reads the keys [*c0, *c1) of the source's order */
+    void (*keys)(const struct cpu_attn_src *s, const struct be_tok *t, int64_t *c0, int64_t *c1);
+    /* NULL (never), or whether the tokens of view v may share a tile */
+    bool (*tiles)(const struct cpu_attn_src *s, int view);
+    /* the n tokens toks (one view; one unless tiles) with queries
+     * q[n][nq][head_dim], each reading its keys within [c0, c1), into pt
+     * (n * nq rows) */
+    void (*piece)(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *toks, int n, int kvh,
                   const float *q, int64_t c0, int64_t c1, struct cpu_attn_part *pt, float *scratch);
 };
 

@@ -8,6 +8,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "backend/cpu/cpu.h"
 
@@ -227,83 +228,133 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
     }
 }
 
-/* Row r's sum in lane r: the 16 accumulators added pairwise, each step
- * halving both the vectors and the lanes still to add (45 instructions
- * for 16 rows where a reduction per row costs about 8 each). */
-static inline __m512 hsum16(const __m512 a[16])
+/* The 16 x 16 block of w (16 rows, columns c .. c + 16) transposed into
+ * wt: wt[i * 16 + r] = w[r * CPU_ROWS16_COLS + c + i].  Three rounds of
+ * interleaves, 64 shuffles where scattering the elements costs 256 stores. */
+static inline void transpose16(float *wt, const float *w, int c)
 {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; i++) /* each 128-bit lane: rows 2i, 2i+1, two partials each */
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* each 128-bit lane: rows 4i .. 4i+3, one partial each */
-        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    __m512 a[16], b[16], t[16];
+    for (int r = 0; r < 16; r++)
+        a[r] = _mm512_load_ps(w + r * CPU_ROWS16_COLS + c);
+    for (int i = 0; i < 8; i++) { /* rows 2i, 2i+1 interleaved by element */
+        b[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
     }
-    /* the four 128-bit lanes of c[i] summed into lane i of the result */
-    __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                               _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                               _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 4; i++) { /* t[4i + j], lane l: column 4l + j of rows 4i .. 4i+3 */
+        __m512d x0 = _mm512_castps_pd(b[4 * i]), x1 = _mm512_castps_pd(b[4 * i + 1]);
+        __m512d y0 = _mm512_castps_pd(b[4 * i + 2]), y1 = _mm512_castps_pd(b[4 * i + 3]);
+        t[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, y0));
+        t[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, y0));
+        t[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, y1));
+        t[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, y1));
+    }
+    for (int j = 0; j < 4; j++) { /* column 4l + j: lane l of t[j], t[4 + j], t[8 + j], t[12 + j] */
+        __m512 lo01 = _mm512_shuffle_f32x4(t[j], t[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        __m512 lo23 = _mm512_shuffle_f32x4(t[8 + j], t[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        __m512 hi01 = _mm512_shuffle_f32x4(t[j], t[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        __m512 hi23 = _mm512_shuffle_f32x4(t[8 + j], t[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        _mm512_store_ps(wt + (j + 0) * 16, _mm512_shuffle_f32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_store_ps(wt + (j + 4) * 16, _mm512_shuffle_f32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm512_store_ps(wt + (j + 8) * 16, _mm512_shuffle_f32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_store_ps(wt + (j + 12) * 16, _mm512_shuffle_f32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+}
+
+/* GN heads (a constant after inlining) against the transposed tile: each
+ * head's 16 scores are n multiply-adds of its element i, broadcast, with
+ * column i of the tile, one chain per score, so a score's rounding is the
+ * same whichever heads or rows share the call. */
+static inline __attribute__((always_inline)) void dot16_heads(float *s, size_t ss, const float *x, size_t xs,
+                                                               const int GN, const float *wt, __mmask16 keep,
+                                                               int n, bool add)
+{
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int g = 0; g < GN; g++)
+        acc[g] = add ? _mm512_maskz_loadu_ps(keep, s + (size_t)g * ss) : _mm512_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        __m512 w = _mm512_load_ps(wt + i * 16);
+#pragma GCC unroll 8
+        for (int g = 0; g < GN; g++)
+            acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(x[(size_t)g * xs + (size_t)i]), w, acc[g]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GN; g++)
+        _mm512_mask_storeu_ps(s + (size_t)g * ss, keep, acc[g]);
 }
 
 /* s[g * ss + r] = (add ? s[g * ss + r] : 0) + x[g] . row r of the tile, r < nr */
 static void dot16(float *s, size_t ss, const float *x, size_t xs, int nq, const float *w, int nr, int n, bool add)
 {
+    _Alignas(64) float wt[CPU_ROWS16_COLS * 16];
+    for (int c = 0; c < n; c += 16)
+        transpose16(wt + c * 16, w, c);
     __mmask16 keep = (__mmask16)((1u << nr) - 1);
-    for (int g = 0; g < nq; g++, x += xs, s += ss) {
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; r++)
-            acc[r] = _mm512_setzero_ps();
-        for (int i = 0; i < n; i += 16) {
-            __mmask16 m = tail_mask((size_t)(n - i));
-            __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-#pragma GCC unroll 16
-            for (int r = 0; r < 16; r++) /* rows past nr load nothing */
-                acc[r] = _mm512_fmadd_ps(_mm512_maskz_load_ps(r < nr ? m : 0, w + r * CPU_ROWS16_COLS + i), xv, acc[r]);
-        }
-        __m512 sum = hsum16(acc);
-        if (add)
-            sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(keep, s));
-        _mm512_mask_storeu_ps(s, keep, sum);
-    }
+    int g = 0;
+    for (; g + 8 <= nq; g += 8)
+        dot16_heads(s + (size_t)g * ss, ss, x + (size_t)g * xs, xs, 8, wt, keep, n, add);
+    for (; g < nq; g++)
+        dot16_heads(s + (size_t)g * ss, ss, x + (size_t)g * xs, xs, 1, wt, keep, n, add);
 }
 
-/* GN heads at once (a constant after inlining): each row of w feeds GN
- * accumulators held in registers over all nr rows. */
-static inline __attribute__((always_inline)) void axpy16_heads(float *y, size_t ys, const float *a, size_t as,
-                                                                const int GN, const float *w, int nr, int n)
+/* GN heads by up to four column strips (constants after inlining): each
+ * row of w feeds GN x NS accumulators held in registers over all nr rows,
+ * one chain per output in the order of the rows. */
+static inline __attribute__((always_inline)) void axpy16_block(float *y, size_t ys, const float *a, size_t as,
+                                                                const int GN, const int NS, const float *w, int nr,
+                                                                int n)
 {
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 m = tail_mask((size_t)(n - i));
-        __m512 acc[4];
+    __m512 acc[4][4];
+    __mmask16 m[4];
 #pragma GCC unroll 4
-        for (int g = 0; g < GN; g++)
-            acc[g] = _mm512_maskz_loadu_ps(m, y + (size_t)g * ys + i);
-        for (int r = 0; r < nr; r++) {
-            __m512 v = _mm512_load_ps(w + r * CPU_ROWS16_COLS + i);
+    for (int j = 0; j < NS; j++)
+        m[j] = tail_mask((size_t)(n - 16 * j));
 #pragma GCC unroll 4
-            for (int g = 0; g < GN; g++)
-                acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(a[(size_t)g * as + (size_t)r]), v, acc[g]);
+    for (int g = 0; g < GN; g++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NS; j++)
+            acc[g][j] = _mm512_maskz_loadu_ps(m[j], y + (size_t)g * ys + 16 * j);
+    for (int r = 0; r < nr; r++) {
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NS; j++)
+            v[j] = _mm512_load_ps(w + r * CPU_ROWS16_COLS + 16 * j);
+#pragma GCC unroll 4
+        for (int g = 0; g < GN; g++) {
+            __m512 av = _mm512_set1_ps(a[(size_t)g * as + (size_t)r]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NS; j++)
+                acc[g][j] = _mm512_fmadd_ps(av, v[j], acc[g][j]);
         }
+    }
 #pragma GCC unroll 4
-        for (int g = 0; g < GN; g++)
-            _mm512_mask_storeu_ps(y + (size_t)g * ys + i, m, acc[g]);
+    for (int g = 0; g < GN; g++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NS; j++)
+            _mm512_mask_storeu_ps(y + (size_t)g * ys + 16 * j, m[j], acc[g][j]);
+}
+
+/* Up to 64 columns of GN heads: as many strips as the columns need. */
+static inline __attribute__((always_inline)) void axpy16_strips(float *y, size_t ys, const float *a, size_t as,
+                                                                 const int GN, const float *w, int nr, int n)
+{
+    switch ((n + 15) / 16) {
+    case 4: axpy16_block(y, ys, a, as, GN, 4, w, nr, n); break;
+    case 3: axpy16_block(y, ys, a, as, GN, 3, w, nr, n); break;
+    case 2: axpy16_block(y, ys, a, as, GN, 2, w, nr, n); break;
+    case 1: axpy16_block(y, ys, a, as, GN, 1, w, nr, n); break;
     }
 }
 
 /* y[g * ys + i] += sum over r < nr of a[g * as + r] * row r of the tile [i] */
 static void axpy16(float *y, size_t ys, const float *a, size_t as, int nq, const float *w, int nr, int n)
 {
-    int g = 0;
-    for (; g + 4 <= nq; g += 4)
-        axpy16_heads(y + (size_t)g * ys, ys, a + (size_t)g * as, as, 4, w, nr, n);
-    switch (nq - g) {
-    case 3: axpy16_heads(y + (size_t)g * ys, ys, a + (size_t)g * as, as, 3, w, nr, n); break;
-    case 2: axpy16_heads(y + (size_t)g * ys, ys, a + (size_t)g * as, as, 2, w, nr, n); break;
-    case 1: axpy16_heads(y + (size_t)g * ys, ys, a + (size_t)g * as, as, 1, w, nr, n); break;
+    for (int c = 0; c < n; c += 64) {
+        int nc = n - c < 64 ? n - c : 64, g = 0;
+        for (; g + 4 <= nq; g += 4)
+            axpy16_strips(y + (size_t)g * ys + c, ys, a + (size_t)g * as, as, 4, w + c, nr, nc);
+        for (; g < nq; g++)
+            axpy16_strips(y + (size_t)g * ys + c, ys, a + (size_t)g * as, as, 1, w + c, nr, nc);
     }
 }
 
@@ -316,6 +367,8 @@ void cpu_tiles_avx512(bool dot, float *out, size_t os, const float *in, size_t i
         for (int c0 = 0; c0 < n; c0 += CPU_ROWS16_COLS) {
             int nc = n - c0 < CPU_ROWS16_COLS ? n - c0 : CPU_ROWS16_COLS;
             widen(w, src, r0, nr, c0, nc);
+            for (int r = nr; dot && r < 16; r++) /* dot16 transposes all 16 rows */
+                memset(w + r * CPU_ROWS16_COLS, 0, (size_t)CPU_ROWS16_COLS * sizeof(float));
             if (dot)
                 dot16(out + r0, (size_t)rows, in + c0, is, nq, w, nr, nc, c0 > 0);
             else

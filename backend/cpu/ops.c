@@ -4,6 +4,7 @@
  */
 #include <math.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "backend/cpu/cpu.h"
@@ -295,10 +296,13 @@ void cpu_attn_softcap(float *s, int n, float cap)
             s[i] = cap * tanhf(s[i] / cap);
 }
 
-void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, int nq, int n, int head_dim)
+void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, size_t ss, int nq, int a, int b,
+                   int head_dim)
 {
     for (int g = 0; g < nq; g++) {
-        float *sg = s + (size_t)g * (size_t)n, m = pt->m[g], cm = k->max(sg, n);
+        float *sg = s + (size_t)g * ss, m = pt->m[g], cm = k->max(sg + a, b - a);
+        memset(sg, 0, (size_t)a * sizeof(float));
+        memset(sg + b, 0, (ss - (size_t)b) * sizeof(float));
         if (cm > m) {
             float f = expf(m - cm);
             pt->l[g] *= f;
@@ -306,10 +310,10 @@ void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s,
             pt->m[g] = m = cm;
         }
         if (m == -INFINITY) { /* no score above -inf yet: these keys weigh nothing */
-            memset(sg, 0, (size_t)n * sizeof(float));
+            memset(sg + a, 0, (size_t)(b - a) * sizeof(float));
             continue;
         }
-        pt->l[g] += k->exp_sum(sg, m, n); /* the scores become the values' weights */
+        pt->l[g] += k->exp_sum(sg + a, m, b - a); /* the scores become the values' weights */
     }
 }
 
@@ -328,50 +332,86 @@ static void prefetch_rows(const struct be_kv_view *v, int kvh, int D, size_t esz
     }
 }
 
-size_t cpu_attend_span_work(const struct be_attn_params *p)
+size_t cpu_attend_span_work(const struct be_attn_params *p, int n_tok)
 {
-    size_t nq = (size_t)(p->n_heads / p->n_kv_heads), d = (size_t)p->head_dim;
-    return ATTN_CHUNK * (nq + d) + d;
+    size_t rows = (size_t)n_tok * (size_t)(p->n_heads / p->n_kv_heads), d = (size_t)p->head_dim;
+    return ATTN_CHUNK * (rows + d) + d;
+}
+
+/* The rows of pt that hold token j's nq heads. */
+static struct cpu_attn_part part_rows(const struct cpu_attn_part *pt, int j, int nq, int D)
+{
+    size_t r = (size_t)j * (size_t)nq;
+    return (struct cpu_attn_part){.m = pt->m + r, .l = pt->l + r, .o = pt->o + r * (size_t)D};
+}
+
+/* Scales, caps and biases token j's scores of keys [a, b) of the chunk at
+ * u0 (row g at s + g * n). */
+static void shape_scores(const struct be_attn_params *p, int kvh, int nq, int64_t qpos, float *s, int n, int64_t u0,
+                         int a, int b)
+{
+    for (int g = 0; g < nq; g++) {
+        float *sg = s + (size_t)g * (size_t)n;
+        for (int i = a; i < b; i++)
+            sg[i] *= p->scale;
+        cpu_attn_softcap(sg + a, b - a, p->softcap);
+        if (p->rel_bias) { /* T5: the bias of the key's distance, per query head */
+            const float *bias = p->rel_bias + (size_t)(kvh * nq + g) * (size_t)(2 * p->rel_span + 1) + p->rel_span;
+            for (int i = a; i < b; i++) {
+                int64_t d = u0 + i - qpos;
+                sg[i] += bias[d < -p->rel_span ? -p->rel_span : d > p->rel_span ? p->rel_span : d];
+            }
+        }
+    }
 }
 
 void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, const struct be_kv_view *v, int kvh,
-                     const float *q, int64_t qpos, int64_t lo, int64_t hi, struct cpu_attn_part *pt, float *scratch)
+                     const struct cpu_attn_tile *t, struct cpu_attn_part *pt, float *scratch)
 {
-    int D = p->head_dim, nq = p->n_heads / p->n_kv_heads;
+    int D = p->head_dim, nq = p->n_heads / p->n_kv_heads, R = t->n * nq;
     size_t esz = be_dtype_size(p->kv_dtype);
-    float *s = scratch;                            /* [nq][ATTN_CHUNK] scores, then weights */
-    float *rot = s + (size_t)nq * ATTN_CHUNK;      /* [ATTN_CHUNK][D] keys rotated at read time */
+    int64_t lo = INT64_MAX, hi = INT64_MIN; /* the keys any token reads */
+    for (int j = 0; j < t->n; j++)
+        if (t->from[j] < t->to[j]) {
+            lo = t->from[j] < lo ? t->from[j] : lo;
+            hi = t->to[j] > hi ? t->to[j] : hi;
+        }
+    float *s = scratch;                              /* [R][a chunk] scores, then weights */
+    float *rot = s + (size_t)R * ATTN_CHUNK;         /* [ATTN_CHUNK][D] keys rotated at read time */
     float *x = rot + (size_t)ATTN_CHUNK * (size_t)D; /* one key before its rotation */
     const char *rows[ATTN_CHUNK], *keys[ATTN_CHUNK];
     int64_t ahead = lo; /* prefetched below this */
-    for (int64_t c0 = lo; c0 < hi; c0 += ATTN_CHUNK) {
-        int n = hi - c0 < ATTN_CHUNK ? (int)(hi - c0) : ATTN_CHUNK;
-        int64_t from = ahead > c0 + n ? ahead : c0 + n;
-        int64_t to = hi - c0 - n > CPU_PREFETCH_KEYS ? c0 + n + CPU_PREFETCH_KEYS : hi;
+    /* chunks on the multiples of ATTN_CHUNK, so a token's are the same in any tile */
+    for (int64_t c0 = lo < hi ? lo - lo % ATTN_CHUNK : hi; c0 < hi; c0 += ATTN_CHUNK) {
+        int64_t u0 = c0 > lo ? c0 : lo, u1 = c0 + ATTN_CHUNK < hi ? c0 + ATTN_CHUNK : hi;
+        int n = (int)(u1 - u0);
+        int64_t from = ahead > u1 ? ahead : u1;
+        int64_t to = hi - u1 > CPU_PREFETCH_KEYS ? u1 + CPU_PREFETCH_KEYS : hi;
         if (from < to) /* the next chunks, while this one computes */
             prefetch_rows(v, kvh, D, esz, from, ahead = to);
         for (int i = 0; i < n; i++) {
-            rows[i] = keys[i] = cpu_key_row(v, c0 + i, kvh, D, esz);
-            if (v->key_rope) { /* rotated at its index, once for all nq heads */
+            rows[i] = keys[i] = cpu_key_row(v, u0 + i, kvh, D, esz);
+            if (v->key_rope) { /* rotated at its index, once for every query row */
                 k->to_f32(x, rows[i], p->kv_dtype, (size_t)D);
-                cpu_key_rope(p, v, c0 + i, x, rot + (size_t)i * (size_t)D);
+                cpu_key_rope(p, v, u0 + i, x, rot + (size_t)i * (size_t)D);
                 keys[i] = (const char *)(rot + (size_t)i * (size_t)D);
             }
         }
-        k->dot(s, q, nq, keys, v->key_rope ? BE_F32 : p->kv_dtype, D, n);
-        for (int i = 0; i < nq * n; i++)
-            s[i] *= p->scale;
-        cpu_attn_softcap(s, nq * n, p->softcap);
-        if (p->rel_bias) /* T5: the bias of the key's distance, per query head */
-            for (int g = 0; g < nq; g++) {
-                const float *b = p->rel_bias + (size_t)(kvh * nq + g) * (size_t)(2 * p->rel_span + 1) + p->rel_span;
-                for (int i = 0; i < n; i++) {
-                    int64_t d = c0 + i - qpos;
-                    s[g * n + i] += b[d < -p->rel_span ? -p->rel_span : d > p->rel_span ? p->rel_span : d];
-                }
+        k->dot(s, t->q, R, keys, v->key_rope ? BE_F32 : p->kv_dtype, D, n);
+        for (int j = 0; j < t->n; j++) {
+            float *sj = s + (size_t)j * (size_t)nq * (size_t)n;
+            int64_t a = t->from[j] - u0, b = t->to[j] - u0;
+            a = a < 0 ? 0 : a;
+            b = b > n ? n : b;
+            if (a >= b) { /* none of this token's keys: its rows weigh nothing */
+                memset(sj, 0, (size_t)nq * (size_t)n * sizeof(float));
+                continue;
             }
-        cpu_attn_fold(k, pt, s, nq, n, D);
-        k->axpy(pt->o, s, nq, rows, v->v_offset, p->kv_dtype, D, n);
+            shape_scores(p, kvh, nq, t->pos[j], sj, n, u0, (int)a, (int)b);
+            struct cpu_attn_part pj = part_rows(pt, j, nq, D);
+            cpu_attn_fold(k, &pj, sj, (size_t)n, nq, (int)a, (int)b, D);
+        }
+        k->axpy(pt->o, s, R, rows, v->v_offset, p->kv_dtype, D, n);
     }
 }
 
@@ -379,7 +419,7 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
 
 /* At most this many (token, kv head) pairs have their pieces spread over
  * the threads: a decode step's, or a small batch's.  More pairs keep every
- * thread busy a pair at a time. */
+ * thread busy a tile at a time. */
 #define SPLIT_PAIRS 64
 
 struct attn_run {
@@ -388,41 +428,51 @@ struct attn_run {
     float *out;
     const float *q;
     const struct be_tok *toks;
-    int nq, D, n_kv, nth;
-    size_t n_pairs, n_items;   /* items: pairs, or with split, pieces */
-    size_t part;               /* floats of one piece's state */
+    int n_tok, nq, D, n_kv, nth;
+    int tile;                  /* tokens per tile */
+    size_t n_items;            /* items: (tile, kv head) pairs, or with split, pieces of (token, kv head) */
+    size_t part;               /* floats of one token's piece state */
     bool split;
     size_t first[SPLIT_PAIRS + 1]; /* split: pair u's pieces are items [first[u], first[u + 1]) */
     _Atomic size_t next;
 };
 
-static int64_t n_pieces(int64_t n_keys)
+/* The pieces keys [c0, c1) cross (one when there are none). */
+static int64_t n_pieces(int64_t c0, int64_t c1)
 {
-    return n_keys > CPU_ATTN_PIECE ? (n_keys + CPU_ATTN_PIECE - 1) / CPU_ATTN_PIECE : 1;
+    return c1 > c0 ? (c1 - 1) / CPU_ATTN_PIECE - c0 / CPU_ATTN_PIECE + 1 : 1;
 }
 
-/* pt over mem: m and l, then o unless o is given (the output itself). */
-static void part_at(struct cpu_attn_part *pt, float *mem, float *o, int nq)
+/* Piece i of keys [c0, c1), cut at the multiples of CPU_ATTN_PIECE. */
+static void piece_keys(int64_t c0, int64_t c1, int64_t i, int64_t *p0, int64_t *p1)
+{
+    int64_t at = (c0 / CPU_ATTN_PIECE + i) * CPU_ATTN_PIECE;
+    *p0 = at > c0 ? at : c0;
+    *p1 = at + CPU_ATTN_PIECE < c1 ? at + CPU_ATTN_PIECE : c1;
+}
+
+/* pt over mem for rows query rows: m and l, then o. */
+static void part_at(struct cpu_attn_part *pt, float *mem, int rows)
 {
     pt->m = mem;
-    pt->l = mem + nq;
-    pt->o = o ? o : mem + 2 * (size_t)nq;
+    pt->l = mem + rows;
+    pt->o = mem + 2 * (size_t)rows;
 }
 
-static void part_clear(struct cpu_attn_part *pt, int nq, int D)
+static void part_clear(struct cpu_attn_part *pt, int rows, int D)
 {
-    for (int g = 0; g < nq; g++) {
+    for (int g = 0; g < rows; g++) {
         pt->m[g] = -INFINITY;
         pt->l[g] = 0.0f;
     }
-    memset(pt->o, 0, (size_t)nq * (size_t)D * sizeof(float));
+    memset(pt->o, 0, (size_t)rows * (size_t)D * sizeof(float));
 }
 
 /* acc becomes the softmax over both pieces' keys (once per piece: a
- * plain loop). */
-static void part_merge(struct cpu_attn_part *acc, const struct cpu_attn_part *pt, int nq, int D)
+ * plain loop).  A row empty in either takes the other's exactly. */
+static void part_merge(struct cpu_attn_part *acc, const struct cpu_attn_part *pt, int rows, int D)
 {
-    for (int g = 0; g < nq; g++) {
+    for (int g = 0; g < rows; g++) {
         float m = acc->m[g] > pt->m[g] ? acc->m[g] : pt->m[g];
         if (m == -INFINITY) /* neither saw a key */
             continue;
@@ -436,26 +486,86 @@ static void part_merge(struct cpu_attn_part *acc, const struct cpu_attn_part *pt
     }
 }
 
-/* out[g] = o[g] / l[g]; a head that saw no key gets zeros. */
-static void part_finish(const struct cpu_kern *k, const struct cpu_attn_part *pt, float *out, int nq, int D)
+/* out[g] = o[g] / l[g] for token j's nq rows; a head that saw no key gets
+ * zeros. */
+static void part_finish(const struct cpu_kern *k, const struct cpu_attn_part *pt, int j, float *out, int nq, int D)
 {
+    struct cpu_attn_part pj = part_rows(pt, j, nq, D);
     for (int g = 0; g < nq; g++) {
-        float *y = out + (size_t)g * (size_t)D, *o = pt->o + (size_t)g * (size_t)D;
-        if (y != o)
-            memcpy(y, o, (size_t)D * sizeof(float));
-        if (pt->l[g] > 0.0f)
-            k->scale(y, 1.0f / pt->l[g], D);
+        float *y = out + (size_t)g * (size_t)D;
+        memcpy(y, pj.o + (size_t)g * (size_t)D, (size_t)D * sizeof(float));
+        if (pj.l[g] > 0.0f)
+            k->scale(y, 1.0f / pj.l[g], D);
     }
 }
 
-/* Keys [n*i/R, n*(i+1)/R) of pair u's n keys: piece i of R. */
-static void run_piece(struct attn_run *r, size_t u, int64_t n, int64_t i, int64_t R, struct cpu_attn_part *pt,
-                      float *scratch)
+static float *out_rows(const struct attn_run *r, int t, int kvh)
 {
-    const struct be_tok *tok = &r->toks[u / (size_t)r->n_kv];
-    part_clear(pt, r->nq, r->D);
-    r->src->piece(r->src, cpu_ctx_kern(r->c), tok, (int)(u % (size_t)r->n_kv), r->q + u * r->nq * (size_t)r->D,
-                  n * i / R, n * (i + 1) / R, pt, scratch);
+    return r->out + ((size_t)t * (size_t)r->n_kv + (size_t)kvh) * (size_t)r->nq * (size_t)r->D;
+}
+
+static const float *q_rows(const struct attn_run *r, int t, int kvh)
+{
+    return r->q + ((size_t)t * (size_t)r->n_kv + (size_t)kvh) * (size_t)r->nq * (size_t)r->D;
+}
+
+/* Floats a tile of n tokens keeps past CPU_ATTN_WORK: its queries and two
+ * piece states. */
+static size_t tile_floats(const struct attn_run *r, int n)
+{
+    return (size_t)n * ((size_t)r->nq * (size_t)r->D + 2 * r->part);
+}
+
+/* The n tokens from t0 (one view) against kv head kvh, every piece of
+ * their keys merged in order. */
+static void attend_tile(struct attn_run *r, int t0, int n, int kvh, float *scratch)
+{
+    const struct cpu_kern *k = cpu_ctx_kern(r->c);
+    int rows = n * r->nq;
+    float *q = scratch + CPU_ATTN_WORK, *mem = q + (size_t)rows * (size_t)r->D;
+    struct cpu_attn_part acc, pt;
+    part_at(&acc, mem, rows);
+    part_at(&pt, mem + (size_t)n * r->part, rows);
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int j = 0; j < n; j++) {
+        int64_t c0, c1;
+        r->src->keys(r->src, &r->toks[t0 + j], &c0, &c1);
+        if (c0 < c1) {
+            lo = c0 < lo ? c0 : lo;
+            hi = c1 > hi ? c1 : hi;
+        }
+        memcpy(q + (size_t)j * (size_t)r->nq * (size_t)r->D, q_rows(r, t0 + j, kvh),
+               (size_t)r->nq * (size_t)r->D * sizeof(float));
+    }
+    if (lo >= hi)
+        lo = hi = 0;
+    for (int64_t i = 0, np = n_pieces(lo, hi); i < np; i++) {
+        int64_t p0, p1;
+        piece_keys(lo, hi, i, &p0, &p1);
+        part_clear(i ? &pt : &acc, rows, r->D);
+        r->src->piece(r->src, k, &r->toks[t0], n, kvh, q, p0, p1, i ? &pt : &acc, scratch);
+        if (i)
+            part_merge(&acc, &pt, rows, r->D);
+    }
+    for (int j = 0; j < n; j++)
+        part_finish(k, &acc, j, out_rows(r, t0 + j, kvh), r->nq, r->D);
+}
+
+/* Item i: the tokens [tile * (i / n_kv), + tile) against kv head i % n_kv,
+ * a tile per run of one view's tokens (each token alone where its view's
+ * tokens do not share tiles). */
+static void attend_group(struct attn_run *r, size_t i, float *scratch)
+{
+    int kvh = (int)(i % (size_t)r->n_kv), t = (int)(i / (size_t)r->n_kv) * r->tile;
+    int end = t + r->tile < r->n_tok ? t + r->tile : r->n_tok;
+    while (t < end) {
+        int n = 1, view = r->toks[t].view;
+        if (r->src->tiles && r->src->tiles(r->src, view))
+            while (t + n < end && r->toks[t + n].view == view)
+                n++;
+        attend_tile(r, t, n, kvh, scratch);
+        t += n;
+    }
 }
 
 /* Where split item i keeps its state: spread over the threads' scratch,
@@ -465,32 +575,19 @@ static float *item_state(const struct attn_run *r, size_t i)
     return cpu_ctx_scratch(r->c, (int)(i % (size_t)r->nth)) + CPU_ATTN_WORK + i / (size_t)r->nth * r->part;
 }
 
-/* The whole of pair u, its pieces merged in order as the split merge does. */
-static void attend_pair(struct attn_run *r, size_t u, float *scratch)
-{
-    const struct cpu_kern *k = cpu_ctx_kern(r->c);
-    float *out = r->out + u * r->nq * (size_t)r->D, *mem = scratch + CPU_ATTN_WORK;
-    int64_t n = r->src->n_keys(r->src, &r->toks[u / (size_t)r->n_kv]), R = n_pieces(n);
-    struct cpu_attn_part acc, pt;
-    part_at(&acc, mem, R == 1 ? out : NULL, r->nq);
-    run_piece(r, u, n, 0, R, &acc, scratch);
-    for (int64_t i = 1; i < R; i++) {
-        part_at(&pt, mem + r->part, NULL, r->nq);
-        run_piece(r, u, n, i, R, &pt, scratch);
-        part_merge(&acc, &pt, r->nq, r->D);
-    }
-    part_finish(k, &acc, out, r->nq, r->D);
-}
-
 static void attend_item(struct attn_run *r, size_t i, float *scratch)
 {
     size_t u = 0;
     while (i >= r->first[u + 1])
         u++;
+    int t = (int)(u / (size_t)r->n_kv), kvh = (int)(u % (size_t)r->n_kv);
+    int64_t c0, c1, p0, p1;
+    r->src->keys(r->src, &r->toks[t], &c0, &c1);
+    piece_keys(c0, c1, (int64_t)(i - r->first[u]), &p0, &p1);
     struct cpu_attn_part pt;
-    part_at(&pt, item_state(r, i), NULL, r->nq);
-    run_piece(r, u, r->src->n_keys(r->src, &r->toks[u / (size_t)r->n_kv]), (int64_t)(i - r->first[u]),
-              (int64_t)(r->first[u + 1] - r->first[u]), &pt, scratch);
+    part_at(&pt, item_state(r, i), r->nq);
+    part_clear(&pt, r->nq, r->D);
+    r->src->piece(r->src, cpu_ctx_kern(r->c), &r->toks[t], 1, kvh, q_rows(r, t, kvh), p0, p1, &pt, scratch);
 }
 
 static void attn_job(void *arg, int ith, int nth)
@@ -503,7 +600,7 @@ static void attn_job(void *arg, int ith, int nth)
         if (r->split)
             attend_item(r, i, scratch);
         else
-            attend_pair(r, i, scratch);
+            attend_group(r, i, scratch);
     }
 }
 
@@ -511,22 +608,33 @@ enum be_status cpu_attn_run(struct cpu_ctx *c, const struct cpu_attn_src *src, f
                             const struct be_tok *toks, int n_tok)
 {
     const struct be_attn_params *p = src->p;
-    struct attn_run r = {.c = c, .src = src, .out = out, .q = q, .toks = toks, .nq = p->n_heads / p->n_kv_heads,
-                         .D = p->head_dim, .n_kv = p->n_kv_heads, .nth = cpu_pool_size(cpu_ctx_pool(c))};
+    struct attn_run r = {.c = c, .src = src, .out = out, .q = q, .toks = toks, .n_tok = n_tok,
+                         .nq = p->n_heads / p->n_kv_heads, .D = p->head_dim, .n_kv = p->n_kv_heads,
+                         .nth = cpu_pool_size(cpu_ctx_pool(c)), .tile = 1};
     size_t room = CPU_SCRATCH_FLOATS - CPU_ATTN_WORK;
     r.part = (size_t)r.nq * ((size_t)r.D + 2);
-    if (2 * r.part > room)
-        return BE_ENOTSUP; /* far beyond any model: a kv head read by 500 query heads of 256 */
-    r.n_pairs = r.n_items = (size_t)n_tok * (size_t)r.n_kv;
+    if (tile_floats(&r, 1) > room)
+        return BE_ENOTSUP; /* far beyond any model: a kv head read by 300 query heads of 256 */
+    if (src->tiles) /* as many tokens as fit the scratch, up to the row budget */
+        for (int t = CPU_ATTN_TILE_ROWS / r.nq < CPU_ATTN_TILE ? CPU_ATTN_TILE_ROWS / r.nq : CPU_ATTN_TILE; t > 1; t--)
+            if (tile_floats(&r, t) <= room && cpu_attend_span_work(p, t) <= CPU_ATTN_WORK) {
+                r.tile = t;
+                break;
+            }
+    size_t n_pairs = (size_t)n_tok * (size_t)r.n_kv;
+    r.n_items = ((size_t)n_tok + (size_t)r.tile - 1) / (size_t)r.tile * (size_t)r.n_kv;
     /* Too few pairs to keep every thread busy: hand out their pieces,
      * whose states then wait in the scratch for the merge below. */
-    if (r.nth > 1 && r.n_pairs < 4 * (size_t)r.nth && r.n_pairs <= SPLIT_PAIRS) {
+    if (r.nth > 1 && n_pairs < 4 * (size_t)r.nth && n_pairs <= SPLIT_PAIRS) {
         r.first[0] = 0;
-        for (size_t u = 0; u < r.n_pairs; u++)
-            r.first[u + 1] = r.first[u] + (size_t)n_pieces(src->n_keys(src, &toks[u / (size_t)r.n_kv]));
-        r.split = r.first[r.n_pairs] > r.n_pairs && r.first[r.n_pairs] <= room / r.part * (size_t)r.nth;
+        for (size_t u = 0; u < n_pairs; u++) {
+            int64_t c0, c1;
+            src->keys(src, &toks[u / (size_t)r.n_kv], &c0, &c1);
+            r.first[u + 1] = r.first[u] + (size_t)n_pieces(c0, c1);
+        }
+        r.split = r.first[n_pairs] > n_pairs && r.first[n_pairs] <= room / r.part * (size_t)r.nth;
         if (r.split)
-            r.n_items = r.first[r.n_pairs];
+            r.n_items = r.first[n_pairs];
     }
     atomic_init(&r.next, 0);
     /* even one decode token reads its whole context: always worth the pool */
@@ -534,48 +642,75 @@ enum be_status cpu_attn_run(struct cpu_ctx *c, const struct cpu_attn_src *src, f
     if (!r.split)
         return BE_OK;
     const struct cpu_kern *k = cpu_ctx_kern(c);
-    for (size_t u = 0; u < r.n_pairs; u++) {
+    for (size_t u = 0; u < n_pairs; u++) {
         struct cpu_attn_part acc, pt;
-        part_at(&acc, item_state(&r, r.first[u]), NULL, r.nq);
+        part_at(&acc, item_state(&r, r.first[u]), r.nq);
         for (size_t i = r.first[u] + 1; i < r.first[u + 1]; i++) {
-            part_at(&pt, item_state(&r, i), NULL, r.nq);
+            part_at(&pt, item_state(&r, i), r.nq);
             part_merge(&acc, &pt, r.nq, r.D);
         }
-        part_finish(k, &acc, out + u * r.nq * (size_t)r.D, r.nq, r.D);
+        part_finish(k, &acc, 0, out_rows(&r, (int)(u / (size_t)r.n_kv), (int)(u % (size_t)r.n_kv)), r.nq, r.D);
     }
     return BE_OK;
 }
 
 /* ---- the dense cache ---- */
 
-/* The keys of the token at qpos: the view's sinks, then [*k0, k1) (causal,
- * windowed, within [lo, hi)).  Returns how many. */
-static int64_t dense_keys(const struct be_attn_params *p, const struct be_kv_view *v, int64_t qpos, int64_t *k0)
+/* The keys of the token at qpos beyond the view's sinks: [*k0, *k1)
+ * (causal, windowed, within [lo, hi)), possibly empty. */
+static void dense_keys(const struct be_attn_params *p, const struct be_kv_view *v, int64_t qpos, int64_t *k0,
+                       int64_t *k1)
 {
-    int64_t lo = v->lo, k1 = qpos + 1 < v->hi && !p->bidirectional ? qpos + 1 : v->hi;
+    int64_t lo = v->lo, hi = qpos + 1 < v->hi && !p->bidirectional ? qpos + 1 : v->hi;
     int window = v->window ? v->window : p->window;
     if (window > 0 && qpos - window + 1 > lo)
         lo = qpos - window + 1;
     *k0 = lo;
-    return v->sinks + (k1 > lo ? k1 - lo : 0);
+    *k1 = hi > lo ? hi : lo;
 }
 
-static int64_t dense_n_keys(const struct cpu_attn_src *s, const struct be_tok *t)
-{
-    int64_t k0;
-    return dense_keys(s->p, (const struct be_kv_view *)s->views + t->view, t->pos, &k0);
-}
-
-static void dense_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *t, int kvh,
-                        const float *q, int64_t c0, int64_t c1, struct cpu_attn_part *pt, float *scratch)
+/* A view without sinks orders its keys by position; one with sinks puts
+ * them first, then the token's others: [0, sinks + k1 - k0). */
+static void dense_src_keys(const struct cpu_attn_src *s, const struct be_tok *t, int64_t *c0, int64_t *c1)
 {
     const struct be_kv_view *v = (const struct be_kv_view *)s->views + t->view;
-    int64_t k0, S = v->sinks;
-    dense_keys(s->p, v, t->pos, &k0);
-    if (c0 < S)
-        cpu_attend_span(k, s->p, v, kvh, q, t->pos, c0, c1 < S ? c1 : S, pt, scratch);
-    if (c1 > S)
-        cpu_attend_span(k, s->p, v, kvh, q, t->pos, k0 + (c0 > S ? c0 - S : 0), k0 + (c1 - S), pt, scratch);
+    dense_keys(s->p, v, t->pos, c0, c1);
+    if (v->sinks) {
+        *c1 = v->sinks + (*c1 - *c0);
+        *c0 = 0;
+    }
+}
+
+static bool dense_tiles(const struct cpu_attn_src *s, int view)
+{
+    return ((const struct be_kv_view *)s->views)[view].sinks == 0;
+}
+
+static void dense_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, const struct be_tok *toks, int n,
+                        int kvh, const float *q, int64_t c0, int64_t c1, struct cpu_attn_part *pt, float *scratch)
+{
+    const struct be_kv_view *v = (const struct be_kv_view *)s->views + toks[0].view;
+    struct cpu_attn_tile t = {.n = n, .q = q};
+    int64_t S = v->sinks, k0, k1;
+    if (!S) {
+        for (int j = 0; j < n; j++) {
+            dense_keys(s->p, v, toks[j].pos, &k0, &k1);
+            t.pos[j] = toks[j].pos;
+            t.from[j] = k0 > c0 ? k0 : c0;
+            t.to[j] = k1 < c1 ? k1 : c1;
+        }
+        cpu_attend_span(k, s->p, v, kvh, &t, pt, scratch);
+        return;
+    }
+    /* one token: the sinks within [c0, c1), then its other keys */
+    dense_keys(s->p, v, toks[0].pos, &k0, &k1);
+    t.pos[0] = toks[0].pos;
+    t.from[0] = c0;
+    t.to[0] = c1 < S ? c1 : S;
+    cpu_attend_span(k, s->p, v, kvh, &t, pt, scratch);
+    t.from[0] = k0 + (c0 > S ? c0 - S : 0);
+    t.to[0] = c1 > S ? k0 + (c1 - S) : t.from[0];
+    cpu_attend_span(k, s->p, v, kvh, &t, pt, scratch);
 }
 
 enum be_status cpu_attention(void *ctx, void *out_, const void *q_, const struct be_kv_view *views,
@@ -583,9 +718,9 @@ enum be_status cpu_attention(void *ctx, void *out_, const void *q_, const struct
 {
     float *out = out_;
     const float *q = q_;
-    if (cpu_attend_span_work(p) > CPU_ATTN_WORK)
+    if (cpu_attend_span_work(p, 1) > CPU_ATTN_WORK)
         return BE_ENOTSUP; /* far beyond any model: head_dim above 2000 */
-    struct cpu_attn_src src = {.p = p, .views = views, .n_keys = dense_n_keys, .piece = dense_piece};
+    struct cpu_attn_src src = {.p = p, .views = views, .keys = dense_src_keys, .tiles = dense_tiles, .piece = dense_piece};
     return cpu_attn_run(ctx, &src, out, q, toks, n_tok);
 }
 
