@@ -27,6 +27,15 @@ enum readbw_load { READBW_PLAIN, READBW_STREAM, READBW_N_LOAD };
 uint64_t readbw_sum_avx2(const uint64_t *p, size_t n, int streams, enum readbw_load load);
 uint64_t readbw_sum_avx512(const uint64_t *p, size_t n, int streams, enum readbw_load load);
 
+/* The kernels' walk over p: STEP(LOAD, at) reads the 256 bytes at at;
+ * per = n / 32 / streams * 32 words make a part. */
+#define READBW_WALK(STEP, LOAD, p, n, per, streams)                                                 \
+    for (size_t i_ = 0; i_ < (per); i_ += 32)                                                       \
+        for (int s_ = 0; s_ < (streams); s_++)                                                      \
+            STEP(LOAD, (p) + (size_t)s_ * (per) + i_);                                              \
+    for (size_t i_ = (per) * (size_t)(streams); i_ < (n); i_ += 32)                                 \
+        STEP(LOAD, (p) + i_);
+
 typedef struct readbw readbw;
 
 /* A buffer of at least min_bytes, and at least 8x the last-level cache,

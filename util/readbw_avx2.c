@@ -18,14 +18,6 @@
         a7 = _mm256_add_epi64(a7, LOAD(q + 7));                                                     \
     } while (0)
 
-/* 256 bytes of every part in turn, then what the equal parts left over */
-#define BODY(LOAD)                                                                                  \
-    for (size_t i = 0; i < per; i += 32)                                                            \
-        for (int s = 0; s < streams; s++)                                                           \
-            STEP(LOAD, p + (size_t)s * per + i);                                                    \
-    for (size_t i = per * (size_t)streams; i < n; i += 32)                                          \
-        STEP(LOAD, p + i);
-
 #define STREAM_LOAD(q) _mm256_stream_load_si256((__m256i *)(q))
 
 uint64_t readbw_sum_avx2(const uint64_t *p, size_t n, int streams, enum readbw_load load)
@@ -33,9 +25,9 @@ uint64_t readbw_sum_avx2(const uint64_t *p, size_t n, int streams, enum readbw_l
     size_t per = n / 32 / (size_t)streams * 32;
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     if (load == READBW_STREAM) {
-        BODY(STREAM_LOAD)
+        READBW_WALK(STEP, STREAM_LOAD, p, n, per, streams)
     } else {
-        BODY(_mm256_load_si256)
+        READBW_WALK(STEP, _mm256_load_si256, p, n, per, streams)
     }
     __m256i s = _mm256_add_epi64(_mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)),
                                  _mm256_add_epi64(_mm256_add_epi64(a4, a5), _mm256_add_epi64(a6, a7)));

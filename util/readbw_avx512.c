@@ -14,14 +14,6 @@
         a3 = _mm512_add_epi64(a3, LOAD(q + 3));                                                     \
     } while (0)
 
-/* 256 bytes of every part in turn, then what the equal parts left over */
-#define BODY(LOAD)                                                                                  \
-    for (size_t i = 0; i < per; i += 32)                                                            \
-        for (int s = 0; s < streams; s++)                                                           \
-            STEP(LOAD, p + (size_t)s * per + i);                                                    \
-    for (size_t i = per * (size_t)streams; i < n; i += 32)                                          \
-        STEP(LOAD, p + i);
-
 #define STREAM_LOAD(q) _mm512_stream_load_si512((void *)(q))
 
 uint64_t readbw_sum_avx512(const uint64_t *p, size_t n, int streams, enum readbw_load load)
@@ -29,9 +21,9 @@ uint64_t readbw_sum_avx512(const uint64_t *p, size_t n, int streams, enum readbw
     size_t per = n / 32 / (size_t)streams * 32;
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     if (load == READBW_STREAM) {
-        BODY(STREAM_LOAD)
+        READBW_WALK(STEP, STREAM_LOAD, p, n, per, streams)
     } else {
-        BODY(_mm512_load_si512)
+        READBW_WALK(STEP, _mm512_load_si512, p, n, per, streams)
     }
     return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
 }
