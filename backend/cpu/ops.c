@@ -347,13 +347,12 @@ static struct cpu_attn_part part_rows(const struct cpu_attn_part *pt, int j, int
 
 /* Scales, caps and biases token j's scores of keys [a, b) of the chunk at
  * u0 (row g at s + g * n). */
-static void shape_scores(const struct be_attn_params *p, int kvh, int nq, int64_t qpos, float *s, int n, int64_t u0,
-                         int a, int b)
+static void shape_scores(const struct cpu_kern *k, const struct be_attn_params *p, int kvh, int nq, int64_t qpos,
+                         float *s, int n, int64_t u0, int a, int b)
 {
     for (int g = 0; g < nq; g++) {
         float *sg = s + (size_t)g * (size_t)n;
-        for (int i = a; i < b; i++)
-            sg[i] *= p->scale;
+        k->scale(sg + a, p->scale, b - a);
         cpu_attn_softcap(sg + a, b - a, p->softcap);
         if (p->rel_bias) { /* T5: the bias of the key's distance, per query head */
             const float *bias = p->rel_bias + (size_t)(kvh * nq + g) * (size_t)(2 * p->rel_span + 1) + p->rel_span;
@@ -407,7 +406,7 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
                 memset(sj, 0, (size_t)nq * (size_t)n * sizeof(float));
                 continue;
             }
-            shape_scores(p, kvh, nq, t->pos[j], sj, n, u0, (int)a, (int)b);
+            shape_scores(k, p, kvh, nq, t->pos[j], sj, n, u0, (int)a, (int)b);
             struct cpu_attn_part pj = part_rows(pt, j, nq, D);
             cpu_attn_fold(k, &pj, sj, (size_t)n, nq, (int)a, (int)b, D);
         }
