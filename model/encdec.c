@@ -829,7 +829,10 @@ const char *encdec_quant_refusal(const encdec *m)
                          "kernel does not";
 }
 
-/* One attempt at a decoder step: self is as it was unless it succeeds. */
+/* One attempt at a decoder step: self is as it was unless it succeeds.
+ * cross joins the step only to be read: in the host tier, its layers
+ * stream through the device slots with self's, each copied in while the
+ * layer before computes. */
 static enum model_status decode_step(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, int64_t p0,
                                      float *logits)
 {
@@ -837,10 +840,16 @@ static enum model_status decode_step(encdec *m, kv_seq *self, kv_seq *cross, con
     enum model_status st = model_from_tier(kv_seq_reserve(self, n));
     if (st != MODEL_OK)
         return st;
+    if ((st = model_from_tier(kv_seq_reserve(cross, 0))) != MODEL_OK) {
+        kv_seq_abort(self);
+        return st;
+    }
     st = model_from_tier(kv_store_step_begin(store));
     if (st == MODEL_OK)
         st = model_from_be(decode(m, self, cross, ids, n, p0, logits));
-    return step_end(store, self, st);
+    st = step_end(store, self, st);
+    kv_seq_abort(cross); /* after the step's figures; nothing of it was written */
+    return st;
 }
 
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, float *logits)

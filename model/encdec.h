@@ -68,7 +68,8 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
 
 /* Feeds ids[0, n) to the decoder after self's tokens, attending to cross
  * (filled by encdec_encode; it may since have moved to the host tier,
- * kv_seq_offload, where it is read in place); logits (host, [vocab] f32,
+ * kv_seq_offload, from where each step streams it layer by layer through
+ * the device slots with self's streamed layers); logits (host, [vocab] f32,
  * may be NULL) of the last one.  Transactional as model_forward: on failure self is unchanged.
  * As model_forward, a step that runs out of device memory is redone with
  * the self cache, then the cross cache, moved to the host tier

@@ -250,8 +250,10 @@ int main(int argc, char **argv)
     }
     struct kv_seq_stats xs = kv_seq_stats(cross);
     struct kv_seq_stats ss = kv_seq_stats(self);
-    fprintf(stderr, "cross-attention cache: %lld tokens, device %zu bytes, host %zu bytes\n",
-            (long long)kv_seq_length(cross), xs.dev_bytes, xs.host_bytes);
+    fprintf(stderr, "cross-attention cache: %lld tokens, device %zu bytes, host %zu bytes, streamed through the "
+            "device slots in %llu steps%s\n", (long long)kv_seq_length(cross), xs.dev_bytes, xs.host_bytes,
+            (unsigned long long)xs.xfer.steps,
+            xs.fallback == KV_FALLBACK_OOM ? ", moved to the host tier by a device OOM" : "");
     fprintf(stderr, "self-attention cache: %lld tokens, device %zu bytes, host %zu bytes%s\n",
             (long long)kv_seq_length(self), ss.dev_bytes, ss.host_bytes,
             ss.fallback == KV_FALLBACK_OOM ? ", moved to the host tier by a device OOM" : "");
