@@ -45,8 +45,9 @@ bool encdec_is_encdec(const char *dir);
 typedef struct encdec encdec;
 
 /* Loads dir on be; p's max_batch_tokens and kv_dtype apply (NULL:
- * defaults).  The weights are read from the mmap: a backend that cannot
- * read host memory is refused (MODEL_EUNSUPPORTED). */
+ * defaults).  The weights are read from the mmap, or uploaded where the
+ * backend cannot read host memory (cpu-strict).  The CPU backends only:
+ * another is refused (MODEL_EUNSUPPORTED, err naming what it lacks). */
 enum model_status encdec_load(const char *dir, be_backend *be, const struct model_params *p, encdec **out,
                               char *err);
 void encdec_free(encdec *m); /* accepts NULL */

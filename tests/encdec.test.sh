@@ -22,7 +22,8 @@
 # device OOM moves it; every step then streams it through the device
 # slots), give the dynamic run's tokens and logits, bit for bit, and so
 # does a run of a T5 and of a BART model whose device budget runs out
-# mid-generation (both caches then continue in the host tier, streamed).  A quantized self cache:
+# mid-generation (both caches then continue in the host tier, streamed),
+# and an f32 run on the strict backend with the cross cache streamed.  A quantized self cache:
 # BART's within 5e-2 of the reference, T5's refused.
 #  t5relu: T5 v1.0 ReLU FFN, untied head
 #  t5tied: gated-GELU, tied head (x * d_model^-0.5), 16 buckets up to
@@ -89,10 +90,15 @@ for dtype in f32 bf16; do
             cat "$dir/log"; echo "FAIL $name-$dtype: kvtier-encdec"; touch "$tmp/failed"; continue
         fi
         echo "$dir $dir/out.kved $dtype $tol $name-$dtype ${d#--dec }" >> "$tmp/cases"
-        for s in static offloaded cross-host; do
-            o="--strategy $s"; [ $s = cross-host ] && o=--cross-host
+        strict=; [ "$dtype" = f32 ] && strict=strict
+        for s in static offloaded cross-host $strict; do
+            o="--strategy $s"; e=
+            [ $s = cross-host ] && o=--cross-host
+            # the strict backend (weights uploaded, device memory unreadable
+            # from the host), the cross cache streamed: the same numbers
+            [ $s = strict ] && o=--cross-host && e=KVTIER_BACKEND_STRICT=1
             # shellcheck disable=SC2086
-            "$run" -m "$dir" --enc "$enc" $d -n 33 $o --dump "$dir/$s.kved" > "$dir/$s.log" 2>&1 &&
+            env $e "$run" -m "$dir" --enc "$enc" $d -n 33 $o --dump "$dir/$s.kved" > "$dir/$s.log" 2>&1 &&
                 cmp -s "$dir/out.kved" "$dir/$s.kved" ||
                 { cat "$dir/$s.log"; echo "FAIL $name-$dtype: $s differs"; touch "$tmp/failed"; }
         done
