@@ -93,10 +93,10 @@ for dtype in f32 bf16; do
         strict=; [ "$dtype" = f32 ] && strict=strict
         for s in static offloaded cross-host $strict; do
             o="--strategy $s"; e=
-            [ $s = cross-host ] && o=--cross-host
+            [ "$s" = cross-host ] && o=--cross-host
             # the strict backend (weights uploaded, device memory unreadable
             # from the host), the cross cache streamed: the same numbers
-            [ $s = strict ] && o=--cross-host && e=KVTIER_BACKEND_STRICT=1
+            [ "$s" = strict ] && o=--cross-host && e=KVTIER_BACKEND_STRICT=1
             # shellcheck disable=SC2086
             env $e "$run" -m "$dir" --enc "$enc" $d -n 33 $o --dump "$dir/$s.kved" > "$dir/$s.log" 2>&1 &&
                 cmp -s "$dir/out.kved" "$dir/$s.kved" ||
@@ -131,7 +131,7 @@ for dtype in f32 bf16; do
         # (the budgets are this model's: the cross cache moves mid-way)
         case $name-$dtype in t5gg-f32) mem=900K ;; bartsc-f32) mem=730K ;; *) mem= ;; esac
         if [ -n "$mem" ]; then
-            "$run" -m "$dir" --enc "$enc" -n 33 --device-mem $mem --dump "$dir/oom.kved" > "$dir/oom.log" 2>&1 &&
+            "$run" -m "$dir" --enc "$enc" -n 33 --device-mem "$mem" --dump "$dir/oom.kved" > "$dir/oom.log" 2>&1 &&
                 cmp -s "$dir/out.kved" "$dir/oom.kved" &&
                 grep -q "self-attention cache: 33 tokens, device 0 bytes, host [1-9].*moved to the host tier by a device OOM" \
                     "$dir/oom.log" &&
