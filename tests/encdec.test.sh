@@ -24,7 +24,8 @@
 # does a run of a T5 and of a BART model whose device budget runs out
 # mid-generation (both caches then continue in the host tier, streamed),
 # and an f32 run on the strict backend with the cross cache streamed.  A quantized self cache:
-# BART's within 5e-2 of the reference, T5's refused.
+# BART's within 5e-2 of the reference (and the same with its cross cache
+# streamed), T5's refused.
 #  t5relu: T5 v1.0 ReLU FFN, untied head
 #  t5tied: gated-GELU, tied head (x * d_model^-0.5), 16 buckets up to
 #          distance 12, so the 20 + 37 positions reach the logarithmic and
@@ -113,7 +114,13 @@ for dtype in f32 bf16; do
                        echo "$dir $dir/quant.kved f32 5e-2 $name-quantized" >> "$tmp/cases"
                    else
                        cat "$dir/quant.log"; echo "FAIL $name: quantized did not run or did not quantize"; touch "$tmp/failed"
-                   fi ;;
+                   fi
+                   # its cross cache streamed beside the quantized blocks: the same dump
+                   # shellcheck disable=SC2086
+                   "$run" -m "$dir" --enc "$enc" $d -n 33 --strategy quantized --cross-host \
+                       --dump "$dir/quant-host.kved" > "$dir/quant-host.log" 2>&1 &&
+                       cmp -s "$dir/quant.kved" "$dir/quant-host.kved" ||
+                       { cat "$dir/quant-host.log"; echo "FAIL $name: quantized, cross cache streamed, differs"; touch "$tmp/failed"; } ;;
             *) grep -q "quantized: T5's self-attention adds a relative position bias" "$dir/quant.log" ||
                    { cat "$dir/quant.log"; echo "FAIL $name: quantized not refused"; touch "$tmp/failed"; } ;;
             esac
