@@ -633,6 +633,13 @@ static bool encode_input(engine *e, struct job *j)
     struct kv_seq_params cp = {.no_prefix_cache = true};
     enum tier_status ts = kv_seq_create(e->store, &cp, &j->cross);
     enum model_status ms = ts == TIER_OK ? encdec_encode(e->ed, j->cross, in, (int)n) : MODEL_OK;
+    /* an offloaded decoder cache keeps the encoder's output in the host
+     * tier too: every step streams it through the device slots with the
+     * self cache's layers (the encoder needed it on the device) */
+    const struct kv_seq_params *sp = s ? &s->cache.params : &j->cache.params;
+    if (ts == TIER_OK && ms == MODEL_OK &&
+        (sp->strategy == KV_OFFLOADED || sp->strategy == KV_OFFLOADED_STATIC || sp->offload))
+        ts = kv_seq_offload(j->cross, KV_FALLBACK_NONE);
     if (ts == TIER_OK && ms == MODEL_OK) {
         if (s) {
             *cc = (struct cross_cache){.kv = j->cross, .refs = 1};

@@ -68,6 +68,8 @@ struct encdec {
     enum be_dtype act;
     size_t esz;
     be_buffer *bufs[ED_BUFS];
+    be_buffer **wbufs;                /* the weights' device copies (no unified memory) */
+    int n_wbufs;
     void *x, *xb, *q, *k, *v, *att, *hb, *hb2; /* (cap, dim|H*hd|ffn) */
     void *logits;                     /* (1, vocab) f32 */
     struct be_tok *toks;              /* (cap) */
@@ -410,6 +412,73 @@ static enum model_status bind_encdec(struct binder *b, void *arg)
 
 /* ---- load ----------------------------------------------------------------- */
 
+/* Per layer at most: 8 attention matrices and 8 of their biases, 6 norm
+ * vectors, 3 FFN matrices and 2 biases. */
+#define ED_LAYER_TENSORS 27
+
+static enum model_status upload_attn(encdec *m, struct ed_attn *a, char *err)
+{
+    const struct encdec_config *c = &m->cfg;
+    int qd = c->n_heads * c->head_dim;
+    struct model_mat *mats[4] = {&a->q, &a->k, &a->v, &a->o};
+    const float **vecs[4] = {&a->bq, &a->bk, &a->bv, &a->bo};
+    enum model_status st = MODEL_OK;
+    for (int i = 0; i < 4 && st == MODEL_OK; i++)
+        st = model_upload_mat(m->be, mats[i], m->wbufs, &m->n_wbufs, err);
+    for (int i = 0; i < 4 && st == MODEL_OK; i++)
+        st = model_upload_vec(m->be, vecs[i], i < 3 ? qd : c->d_model, m->wbufs, &m->n_wbufs, err);
+    return st;
+}
+
+static enum model_status upload_stack(encdec *m, struct ed_stack *s, bool decoder, char *err)
+{
+    const struct encdec_config *c = &m->cfg;
+    int d = c->d_model;
+    enum model_status st = MODEL_OK;
+    for (int l = 0; l < s->n && st == MODEL_OK; l++) {
+        struct ed_layer *L = &s->layers[l];
+        st = upload_attn(m, &L->self, err);
+        if (st == MODEL_OK && decoder)
+            st = upload_attn(m, &L->cross, err);
+        struct model_mat *mats[3] = {&L->wi, &L->wi_1, &L->wo};
+        for (int i = 0; i < 3 && st == MODEL_OK; i++)
+            st = model_upload_mat(m->be, mats[i], m->wbufs, &m->n_wbufs, err);
+        const float **vecs[8] = {&L->self_norm, &L->self_norm_b, &L->cross_norm, &L->cross_norm_b,
+                                 &L->ffn_norm, &L->ffn_norm_b, &L->b_i, &L->b_o};
+        for (int i = 0; i < 8 && st == MODEL_OK; i++)
+            st = model_upload_vec(m->be, vecs[i], i == 6 ? c->ffn : d, m->wbufs, &m->n_wbufs, err);
+    }
+    const float **vecs[3] = {&s->final_norm, &s->emb_norm, &s->emb_norm_b};
+    for (int i = 0; i < 3 && st == MODEL_OK; i++)
+        st = model_upload_vec(m->be, vecs[i], d, m->wbufs, &m->n_wbufs, err);
+    if (st == MODEL_OK && s->pos.data)
+        st = model_upload_mat(m->be, &s->pos, m->wbufs, &m->n_wbufs, err);
+    return st;
+}
+
+/* A backend that cannot read the mapped weights gets a copy of each one
+ * the passes read (T5's relative bias tables are built from the mapped
+ * ones and uploaded on their own). */
+static enum model_status weights_upload(encdec *m, char *err)
+{
+    const struct encdec_config *c = &m->cfg;
+    /* and the embeddings, the head, each stack's 3 vectors and positions */
+    size_t n = ((size_t)c->n_enc_layers + (size_t)c->n_dec_layers) * ED_LAYER_TENSORS + 10;
+    if (!(m->wbufs = calloc(n, sizeof(*m->wbufs))))
+        return model_errf(err, MODEL_ENOMEM, "out of host memory for the weight table");
+    bool tied = m->lm_head.data == m->embed.data;
+    enum model_status st = model_upload_mat(m->be, &m->embed, m->wbufs, &m->n_wbufs, err);
+    if (st == MODEL_OK)
+        st = tied ? MODEL_OK : model_upload_mat(m->be, &m->lm_head, m->wbufs, &m->n_wbufs, err);
+    if (tied)
+        m->lm_head = m->embed;
+    if (st == MODEL_OK)
+        st = upload_stack(m, &m->enc, false, err);
+    if (st == MODEL_OK)
+        st = upload_stack(m, &m->dec, true, err);
+    return st;
+}
+
 static float elem_f32(const struct model_mat *w, size_t i)
 {
     if (w->dtype == BE_F32)
@@ -499,9 +568,13 @@ static enum model_status load(encdec *m, const char *dir, const struct model_par
     if (st != MODEL_OK)
         return st;
     const struct encdec_config *c = &m->cfg;
-    if (!be_get_caps(m->be).unified_memory)
-        return model_errf(err, MODEL_EUNSUPPORTED, "%s runs on backends that read the mapped weights (cpu)",
-                          c->arch_name);
+    /* the CUDA plugin has no bidirectional attention, position bias or
+     * be_act yet: refused here rather than at the first encoder step */
+    const char *be_name = be_get_caps(m->be).name;
+    if (strncmp(be_name, "cpu", 3) != 0)
+        return model_errf(err, MODEL_EUNSUPPORTED, "%s runs on the cpu and cpu-strict backends, not %s (its "
+                          "attention has no bidirectional mask or position bias, and no ReLU/GELU op, yet)",
+                          c->arch_name, be_name);
     m->kv_dtype = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, c->dtype);
     m->cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;
     m->act = be_get_caps(m->be).act_dtype;
@@ -526,6 +599,8 @@ static enum model_status load(encdec *m, const char *dir, const struct model_par
         st = bias_table(m, &m->enc, true, err);
     if (st == MODEL_OK && !c->bart)
         st = bias_table(m, &m->dec, false, err);
+    if (st == MODEL_OK && !be_get_caps(m->be).unified_memory)
+        st = weights_upload(m, err);
     if (st == MODEL_OK)
         st = buffers_alloc(m, err);
     return st;
@@ -558,6 +633,9 @@ void encdec_free(encdec *m)
         return;
     for (int i = 0; i < ED_BUFS; i++)
         be_buffer_free(m->bufs[i]);
+    for (int i = 0; i < m->n_wbufs; i++)
+        be_buffer_free(m->wbufs[i]);
+    free(m->wbufs);
     be_buffer_free(m->enc.bias_table);
     be_buffer_free(m->dec.bias_table);
     free(m->enc.layers);
@@ -829,7 +907,10 @@ const char *encdec_quant_refusal(const encdec *m)
                          "kernel does not";
 }
 
-/* One attempt at a decoder step: self is as it was unless it succeeds. */
+/* One attempt at a decoder step: self is as it was unless it succeeds.
+ * cross joins the step only to be read: in the host tier, its layers
+ * stream through the device slots with self's, each copied in while the
+ * layer before computes. */
 static enum model_status decode_step(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, int64_t p0,
                                      float *logits)
 {
@@ -837,10 +918,16 @@ static enum model_status decode_step(encdec *m, kv_seq *self, kv_seq *cross, con
     enum model_status st = model_from_tier(kv_seq_reserve(self, n));
     if (st != MODEL_OK)
         return st;
+    if ((st = model_from_tier(kv_seq_reserve(cross, 0))) != MODEL_OK) {
+        kv_seq_abort(self);
+        return st;
+    }
     st = model_from_tier(kv_store_step_begin(store));
     if (st == MODEL_OK)
         st = model_from_be(decode(m, self, cross, ids, n, p0, logits));
-    return step_end(store, self, st);
+    st = step_end(store, self, st);
+    kv_seq_abort(cross); /* after the step's figures; nothing of it was written */
+    return st;
 }
 
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, float *logits)

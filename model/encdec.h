@@ -45,8 +45,9 @@ bool encdec_is_encdec(const char *dir);
 typedef struct encdec encdec;
 
 /* Loads dir on be; p's max_batch_tokens and kv_dtype apply (NULL:
- * defaults).  The weights are read from the mmap: a backend that cannot
- * read host memory is refused (MODEL_EUNSUPPORTED). */
+ * defaults).  The weights are read from the mmap, or uploaded where the
+ * backend cannot read host memory (cpu-strict).  The CPU backends only:
+ * another is refused (MODEL_EUNSUPPORTED, err naming what it lacks). */
 enum model_status encdec_load(const char *dir, be_backend *be, const struct model_params *p, encdec **out,
                               char *err);
 void encdec_free(encdec *m); /* accepts NULL */
@@ -68,7 +69,8 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
 
 /* Feeds ids[0, n) to the decoder after self's tokens, attending to cross
  * (filled by encdec_encode; it may since have moved to the host tier,
- * kv_seq_offload, where it is read in place); logits (host, [vocab] f32,
+ * kv_seq_offload, from where each step streams it layer by layer through
+ * the device slots with self's streamed layers); logits (host, [vocab] f32,
  * may be NULL) of the last one.  Transactional as model_forward: on failure self is unchanged.
  * As model_forward, a step that runs out of device memory is redone with
  * the self cache, then the cross cache, moved to the host tier

@@ -23,6 +23,7 @@
  * so each weight matrix is read once per chunk, not once per sequence.
  */
 #include "model/model.h"
+#include "model/safetensors.h"
 #include "util/half.h"
 #include "util/q4k.h"
 
@@ -327,33 +328,42 @@ static enum model_status run_state_alloc(model *m, int cap, char *err)
     return MODEL_OK;
 }
 
-/* One tensor of n bytes into device memory; *p then names the copy. */
-static enum model_status upload(model *m, const void **p, size_t n, char *err)
+enum model_status model_upload(be_backend *be, const void **p, size_t n, be_buffer **bufs, int *n_bufs, char *err)
 {
+    if (!*p)
+        return MODEL_OK;
     be_buffer *buf = NULL;
-    enum be_status st = be_dev_alloc(m->be, n, &buf);
+    enum be_status st = be_dev_alloc(be, n, &buf);
     if (st == BE_OK)
-        st = be_copy(m->be, be_buffer_data(buf), *p, n, BE_H2D);
+        st = be_copy(be, be_buffer_data(buf), *p, n, BE_H2D);
     if (st != BE_OK) {
         be_buffer_free(buf);
         snprintf(err, MODEL_ERR_LEN, "uploading %zu bytes of weights: %s", n, be_strerror(st));
         return st == BE_ENOMEM_DEV ? MODEL_EDEVMEM : st == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
-    m->wbufs[m->n_wbufs++] = buf;
+    bufs[(*n_bufs)++] = buf;
     *p = be_buffer_data(buf);
     return MODEL_OK;
 }
 
-/* A matrix (one without data, as GPT-2's gate, stays so). */
-static enum model_status upload_mat(model *m, struct model_mat *w, char *err)
+enum model_status model_upload_mat(be_backend *be, struct model_mat *w, be_buffer **bufs, int *n_bufs, char *err)
 {
-    return w->data ? upload(m, &w->data, (size_t)w->rows * be_row_bytes(w->dtype, (size_t)w->cols), err) : MODEL_OK;
+    return model_upload(be, &w->data, (size_t)w->rows * be_row_bytes(w->dtype, (size_t)w->cols), bufs, n_bufs, err);
 }
 
-/* An optional f32 vector of n floats (NULL stays NULL). */
+enum model_status model_upload_vec(be_backend *be, const float **v, int n, be_buffer **bufs, int *n_bufs, char *err)
+{
+    return model_upload(be, (const void **)v, (size_t)n * sizeof(float), bufs, n_bufs, err);
+}
+
+static enum model_status upload_mat(model *m, struct model_mat *w, char *err)
+{
+    return model_upload_mat(m->be, w, m->wbufs, &m->n_wbufs, err);
+}
+
 static enum model_status upload_vec(model *m, const float **v, int n, char *err)
 {
-    return *v ? upload(m, (const void **)v, (size_t)n * sizeof(float), err) : MODEL_OK;
+    return model_upload_vec(m->be, v, n, m->wbufs, &m->n_wbufs, err);
 }
 
 /* Mamba's mixer: its matrices are row views (in_proj, x_proj), each

@@ -96,4 +96,15 @@ enum model_status model_files_open_with(const char *dir, const struct model_conf
 enum model_status model_bind_mat(struct binder *b, const char *name, int rows, int cols, struct model_mat *m);
 enum model_status model_bind_vec(struct binder *b, const char *name, int len, const float **out);
 
+/* A backend that cannot read host memory (caps.unified_memory false) gets
+ * its own copy of every weight, charged to its device budget: *p (n bytes
+ * of host memory) is copied into a new device buffer, stored at
+ * bufs[(*n_bufs)++] (the caller sized bufs), and *p then names the copy.
+ * NULL stays NULL (an absent bias; a matrix without data, as GPT-2's
+ * gate).  The _mat and _vec forms size a matrix by its rows and an f32
+ * vector of n floats. */
+enum model_status model_upload(be_backend *be, const void **p, size_t n, be_buffer **bufs, int *n_bufs, char *err);
+enum model_status model_upload_mat(be_backend *be, struct model_mat *w, be_buffer **bufs, int *n_bufs, char *err);
+enum model_status model_upload_vec(be_backend *be, const float **v, int n, be_buffer **bufs, int *n_bufs, char *err);
+
 #endif

@@ -9,7 +9,9 @@ of their decoder prompt; neither encodes the input again
 store's KV bytes (kvtier_kv_cache_bytes) do not grow by it (a static self
 cache's extents are copied, the cross cache is not); deleting the parent
 leaves the fork's cross cache in place, deleting the fork frees it.
-Another session of the user's given the same input shares it too.
+Another session of the user's given the same input shares it too.  An
+offloaded session keeps its input's cross cache in the host tier with its
+self cache (each step streams both) and continues as a fresh run.
 
 Disk: a session idle for --spill-after leaves memory (both caches), and its
 next request, without an input, continues with the fresh run's tokens and
@@ -151,6 +153,21 @@ def run(name, args, dp):
           "decoder cache (%d bytes)" % (name, details(r)["encoder_cached_tokens"], self_bytes))
     for sid in (one, two):
         ref.request("DELETE", "/v1/sessions/" + sid)
+    settle(ref, base)
+
+    # ---- offloaded: the input's cross cache in the host tier too, streamed ----
+    other = ENC[::-1]  # an input no other session holds
+    sid = ref.post_ok("/v1/sessions", {"cache": {"implementation": "offloaded"}})["id"]
+    r = complete(ref, input=other, prompt=dp, session=sid)
+    s = ref.get("/v1/sessions/" + sid)[1]
+    check(toks(r) == oracle_tokens(model, dp, other) and s["bytes"]["device"] == 0 and
+          s["encoder"]["bytes"]["device"] == 0 and s["encoder"]["bytes"]["host"] > 0,
+          "%s offloaded: a fresh run's tokens, both caches in the host tier (%s)" % (name, s["encoder"]))
+    nxt = dp + toks(r) + [5]
+    r = complete(ref, prompt=nxt, session=sid)
+    check(toks(r) == oracle_tokens(model, nxt, other) and details(r)["encoder_cached_tokens"] == len(other),
+          "%s offloaded: the session continues with a fresh run's tokens, nothing encoded" % name)
+    ref.request("DELETE", "/v1/sessions/" + sid)
     settle(ref, base)
 
     # ---- disk: spilled with both caches, restored without encoding ----

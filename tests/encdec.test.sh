@@ -19,10 +19,13 @@
 # same cross-attention cache: each gives the fresh run's tokens.  The
 # static and offloaded strategies of the self-attention cache, and the
 # cross-attention cache moved to the host tier after the encoder (as a
-# device OOM moves it), give the dynamic run's tokens and logits, bit for
-# bit, and so does a run whose device budget runs out mid-generation
-# (both caches then continue in the host tier).  A quantized self cache:
-# BART's within 5e-2 of the reference, T5's refused.
+# device OOM moves it; every step then streams it through the device
+# slots), give the dynamic run's tokens and logits, bit for bit, and so
+# does a run of a T5 and of a BART model whose device budget runs out
+# mid-generation (both caches then continue in the host tier, streamed),
+# and an f32 run on the strict backend with the cross cache streamed.  A quantized self cache:
+# BART's within 5e-2 of the reference (and the same with its cross cache
+# streamed), T5's refused.
 #  t5relu: T5 v1.0 ReLU FFN, untied head
 #  t5tied: gated-GELU, tied head (x * d_model^-0.5), 16 buckets up to
 #          distance 12, so the 20 + 37 positions reach the logarithmic and
@@ -33,7 +36,8 @@
 #  t5gg:   gated-GELU, untied, d_kv 24 != d_model / heads, 3 decoder layers
 #          over 2 encoder layers
 #  bart:   tied head, final_logits_bias
-#  bartsc: scale_embedding, untied head
+#  bartsc: scale_embedding, untied head, 4 decoder layers over 2 encoder
+#          layers (with two, the two streaming slots would hold all of them)
 # Exit 77 (skip) only when kvtier-encdec is not built.
 set -u
 build=${KVTIER_BUILD:-build}
@@ -51,7 +55,7 @@ t5relu -               --arch t5 --ffn-kind relu --no-tie
 t5tied 0,17,230,91,150 --arch t5 --ffn-kind gated-gelu --tie --buckets 16 --max-distance 12
 t5gg   -               --arch t5 --ffn-kind gated-gelu --no-tie --head-dim 24 --dec-layers 3
 bart   -               --arch bart --tie
-bartsc -               --arch bart --no-tie --scale-embedding
+bartsc -               --arch bart --no-tie --scale-embedding --dec-layers 4
 '
 enc=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
 
@@ -87,10 +91,15 @@ for dtype in f32 bf16; do
             cat "$dir/log"; echo "FAIL $name-$dtype: kvtier-encdec"; touch "$tmp/failed"; continue
         fi
         echo "$dir $dir/out.kved $dtype $tol $name-$dtype ${d#--dec }" >> "$tmp/cases"
-        for s in static offloaded cross-host; do
-            o="--strategy $s"; [ $s = cross-host ] && o=--cross-host
+        strict=; [ "$dtype" = f32 ] && strict=strict
+        for s in static offloaded cross-host $strict; do
+            o="--strategy $s"; e=
+            [ "$s" = cross-host ] && o=--cross-host
+            # the strict backend (weights uploaded, device memory unreadable
+            # from the host), the cross cache streamed: the same numbers
+            [ "$s" = strict ] && o=--cross-host && e=KVTIER_BACKEND_STRICT=1
             # shellcheck disable=SC2086
-            "$run" -m "$dir" --enc "$enc" $d -n 33 $o --dump "$dir/$s.kved" > "$dir/$s.log" 2>&1 &&
+            env $e "$run" -m "$dir" --enc "$enc" $d -n 33 $o --dump "$dir/$s.kved" > "$dir/$s.log" 2>&1 &&
                 cmp -s "$dir/out.kved" "$dir/$s.kved" ||
                 { cat "$dir/$s.log"; echo "FAIL $name-$dtype: $s differs"; touch "$tmp/failed"; }
         done
@@ -105,7 +114,13 @@ for dtype in f32 bf16; do
                        echo "$dir $dir/quant.kved f32 5e-2 $name-quantized" >> "$tmp/cases"
                    else
                        cat "$dir/quant.log"; echo "FAIL $name: quantized did not run or did not quantize"; touch "$tmp/failed"
-                   fi ;;
+                   fi
+                   # its cross cache streamed beside the quantized blocks: the same dump
+                   # shellcheck disable=SC2086
+                   "$run" -m "$dir" --enc "$enc" $d -n 33 --strategy quantized --cross-host \
+                       --dump "$dir/quant-host.kved" > "$dir/quant-host.log" 2>&1 &&
+                       cmp -s "$dir/quant.kved" "$dir/quant-host.kved" ||
+                       { cat "$dir/quant-host.log"; echo "FAIL $name: quantized, cross cache streamed, differs"; touch "$tmp/failed"; } ;;
             *) grep -q "quantized: T5's self-attention adds a relative position bias" "$dir/quant.log" ||
                    { cat "$dir/quant.log"; echo "FAIL $name: quantized not refused"; touch "$tmp/failed"; } ;;
             esac
@@ -117,17 +132,23 @@ for dtype in f32 bf16; do
                 { cat "$dir/pos.log"; echo "FAIL $name-$dtype: an input past max_position_embeddings"; touch "$tmp/failed"; }
         fi
         # a device budget of the activations and a few KV blocks: a step
-        # runs out, the self cache and then the cross cache move to the
-        # host tier, and the generation goes on with the same numbers
-        if [ "$name-$dtype" = t5gg-f32 ]; then
-            "$run" -m "$dir" --enc "$enc" -n 33 --device-mem 900K --dump "$dir/oom.kved" > "$dir/oom.log" 2>&1 &&
+        # runs out, the self cache and then, steps later, the cross cache
+        # move to the host tier, the cross cache then streaming through the
+        # device slots, and the generation goes on with the same numbers
+        # (the budgets are this model's: the cross cache moves mid-way)
+        case $name-$dtype in t5gg-f32) mem=900K ;; bartsc-f32) mem=730K ;; *) mem= ;; esac
+        if [ -n "$mem" ]; then
+            "$run" -m "$dir" --enc "$enc" -n 33 --device-mem "$mem" --dump "$dir/oom.kved" > "$dir/oom.log" 2>&1 &&
                 cmp -s "$dir/out.kved" "$dir/oom.kved" &&
                 grep -q "self-attention cache: 33 tokens, device 0 bytes, host [1-9].*moved to the host tier by a device OOM" \
-                    "$dir/oom.log" && grep -q "cross-attention cache: 20 tokens, device 0 bytes, host [1-9]" "$dir/oom.log" ||
+                    "$dir/oom.log" &&
+                grep -Eq "cross-attention cache: 20 tokens, device 0 bytes, host [1-9][0-9]* bytes, streamed through the device slots in ([2-9]|[12][0-9]) steps, moved to the host tier by a device OOM" \
+                    "$dir/oom.log" ||
                 { cat "$dir/oom.log"; echo "FAIL $name-$dtype: the OOM continuation"; touch "$tmp/failed"; }
         fi
-        grep -q "cross-attention cache: 20 tokens, device 0 bytes, host [1-9]" "$dir/cross-host.log" ||
-            { cat "$dir/cross-host.log"; echo "FAIL $name-$dtype: the cross cache is not in the host tier"; touch "$tmp/failed"; }
+        grep -q "cross-attention cache: 20 tokens, device 0 bytes, host [1-9][0-9]* bytes, streamed through the device slots in 33 steps" \
+            "$dir/cross-host.log" ||
+            { cat "$dir/cross-host.log"; echo "FAIL $name-$dtype: the cross cache is not streamed from the host tier"; touch "$tmp/failed"; }
     done
 done
 $py tests/encdec_compare.py --enc "$enc" "$tmp/cases" || touch "$tmp/failed"

@@ -19,6 +19,7 @@
 
 #include "tiers/kvstore.h"
 #include "tiers/kvstore_impl.h" /* the host pool and its counters */
+#include "tiers/quant.h"
 
 #define HEADS 2
 #define HD 4
@@ -427,6 +428,61 @@ static void test_offload_moves_everything(void **state)
     check_positions(q, 0, 0, 50);
     check_positions(q, 1, 47, 50);
     kv_seq_free(q);
+}
+
+/* kv_seq_reserve(q, 0): a sequence in the host tier that the step only
+ * reads (an encoder-decoder model's cross-attention cache) streams through
+ * the device slots with the writer's layers, its view there holding its
+ * positions; nothing of it goes back, and its commit leaves it as it was.
+ * Once per step; dense sequences only. */
+static void test_reserve_read(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *r = seq_new(f, KV_DYNAMIC, 0), *w = seq_new(f, KV_OFFLOADED, 0);
+    assert_int_equal(step(r, 9), TIER_OK);
+    assert_int_equal(kv_seq_offload(r, KV_FALLBACK_NONE), TIER_OK);
+    assert_int_equal(step(w, 3), TIER_OK);
+    struct kv_xfer_stats x0 = kv_store_stats(f->store).xfer;
+    assert_int_equal(kv_seq_reserve(w, 2), TIER_OK);
+    assert_int_equal(kv_seq_reserve(r, 0), TIER_OK);
+    assert_int_equal(kv_seq_reserve(r, 0), TIER_EINVAL);
+    assert_int_equal(kv_seq_reserve(r, -1), TIER_EINVAL);
+    assert_int_equal(kv_store_step_begin(f->store), TIER_OK);
+    for (int l = 0; l < 2; l++) {
+        assert_int_equal(kv_store_layer_begin(f->store, l), BE_OK);
+        struct be_kv_view v;
+        kv_seq_view(r, l, &v);
+        const char *slot = be_buffer_data(f->store->slot[f->store->slot_of[l]]);
+        assert_true((const char *)v.blocks[0] >= slot && (const char *)v.blocks[0] < slot + f->store->slot_cap);
+        check_positions(r, l, l ? 9 - 3 : 0, 9); /* the sliding layer keeps W - 1 */
+        write_positions(w, l, 3, 5);
+        assert_int_equal(kv_store_layer_end(f->store, l), BE_OK);
+    }
+    assert_int_equal(kv_store_step_end(f->store), BE_OK);
+    assert_int_equal(kv_seq_commit(w), TIER_OK);
+    assert_int_equal(kv_seq_commit(r), TIER_OK);
+    struct kv_xfer_stats x = kv_store_stats(f->store).xfer;
+    size_t bb = f->store->block_bytes;
+    assert_int_equal(x.bytes_d2h - x0.bytes_d2h, 2 * 2 * bb); /* w's blocks 0 and 1 of each layer, none of r's */
+    assert_true(x.bytes_h2d - x0.bytes_h2d >= (3 + 2) * bb);  /* r's blocks among them */
+    assert_int_equal(kv_seq_stats(r).xfer.steps, 1);
+    assert_int_equal(kv_seq_length(r), 9);
+    check_positions(r, 0, 0, 9);
+    check_positions(r, 1, 6, 9);
+    check_positions(w, 0, 0, 5);
+    /* a quantized sequence is not read this way (its kernel needs head_dim 8) */
+    kv_store *qs;
+    kv_seq *qz;
+    struct kv_geom g = {.n_layers = 1, .n_kv_heads = 1, .head_dim = 8};
+    struct kv_seq_params qp = {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_QUANTO)};
+    qp.quant.q_group_size = 8;
+    assert_int_equal(kv_store_open(f->be, &g, &(struct kv_store_params){.block_tokens = BT}, &qs), TIER_OK);
+    assert_int_equal(kv_seq_create(qs, &qp, &qz), TIER_OK);
+    assert_int_equal(kv_seq_reserve(qz, 0), TIER_ENOTSUP);
+    kv_seq_free(qz);
+    kv_store_free(qs);
+    kv_seq_free(r);
+    kv_seq_free(w);
 }
 
 /* The host tier's budget: a refusal names it and changes nothing, and the
@@ -1465,6 +1521,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_static_decode_never_allocates, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_offload_residency, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_offload_moves_everything, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_reserve_read, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_host_budget, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_hostpool_coalesce, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_hostpool_reuse, setup_w4, teardown),

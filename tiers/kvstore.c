@@ -1145,12 +1145,31 @@ static void active_remove(kv_store *s, kv_seq *q)
     }
 }
 
+/* kv_seq_reserve(q, 0): q joins the step's batch as it is, so that
+ * stream.c plans its host-tier layers into the slots with the others';
+ * its chunk is empty, so nothing of it is written back, and its commit
+ * changes nothing but the views. */
+static enum tier_status reserve_read(kv_seq *q)
+{
+    kv_store *s = q->s;
+    for (int i = 0; i < s->n_active; i++)
+        if (s->active[i] == q)
+            return kv_fail(s, TIER_EINVAL, "kv_seq_reserve of 0 tokens: the sequence is in the step already");
+    if (q->kvq || q->state)
+        return kv_fail(s, TIER_ENOTSUP, "kv_seq_reserve of 0 tokens: only a dense sequence is read without "
+                                        "writing");
+    q->chunk_from = q->chunk_to = q->len;
+    return active_add(s, q);
+}
+
 enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
 {
     kv_store *s = q->s;
     s->err[0] = '\0';
-    if (n_new <= 0 || q->pending)
+    if (n_new < 0 || q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_reserve of %d tokens%s", n_new, q->pending ? " inside a step" : "");
+    if (n_new == 0)
+        return reserve_read(q);
     int64_t end = q->len + n_new;
     if (end > KV_SEQ_MAX_LEN)
         return kv_fail(s, TIER_EINVAL, "kv_seq_reserve: %lld + %d tokens is over the %lld a sequence may see",
@@ -1299,6 +1318,10 @@ enum tier_status kv_seq_commit(kv_seq *q)
     kv_store *s = q->s;
     enum tier_status st = TIER_OK;
     int64_t from = q->len;
+    if (!q->pending && !q->kvq && !q->state) { /* read only (reserve_read): nothing to publish */
+        kv_seq_abort(q);
+        return TIER_OK;
+    }
     q->len += q->pending;
     q->pending = 0;
     active_remove(s, q);

@@ -340,6 +340,11 @@ enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len
  * or a state's checkpoints). */
 void kv_seq_tokens(kv_seq *q, const int32_t *ids);
 
+/* n_new == 0: the step only reads q (an encoder-decoder model's
+ * cross-attention cache): q joins the step's batch, so that its layers in
+ * the host tier stream through the device slots with the others' (the same
+ * prefetch), nothing of it goes back, and its commit or abort ends that.
+ * Dense sequences only (TIER_ENOTSUP), once per step (TIER_EINVAL). */
 enum tier_status kv_seq_reserve(kv_seq *q, int n_new);
 /* The view of layer l covering committed tokens plus the reserved ones
  * (positions [length, length + n_new)).  Between kv_store_step_begin and

@@ -27,7 +27,8 @@
  * vocab): R rounds, each one generation of N tokens over the session's
  * cross-attention cache (encoded once, before the rounds) and one that
  * encodes the input again first, alternating; prints the median of each
- * and the KV bytes of both caches.
+ * and the KV bytes: the cross cache's, and both tiers' (streaming slots
+ * included) at the end of a reusing generation.
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -65,10 +66,12 @@ static enum model_status greedy(struct run *r, kv_seq *self, kv_seq *cross, cons
 }
 
 /* One generation of n tokens on a fresh self cache over cross; with
- * encode, cross is emptied and the input encoded again first.  Seconds. */
+ * encode, cross is emptied and the input encoded again first.  Seconds,
+ * and the store's figures at the generation's end (both caches held). */
 static enum model_status bench_once(struct run *r, kv_store *store, const struct kv_seq_params *sp, kv_seq **cross,
                                     const int32_t *enc, int n_enc, const int32_t *dec, int n_dec, int n,
-                                    bool encode, bool cross_host, int32_t *out, float *rows, double *secs)
+                                    bool encode, bool cross_host, int32_t *out, float *rows, double *secs,
+                                    struct kv_store_stats *ks)
 {
     double t0 = clock_s();
     enum model_status st = MODEL_OK;
@@ -85,6 +88,7 @@ static enum model_status bench_once(struct run *r, kv_store *store, const struct
         st = kv_seq_create(store, sp, &self) == TIER_OK ? MODEL_OK : MODEL_ENOMEM;
     if (st == MODEL_OK)
         st = greedy(r, self, *cross, dec, n_dec, 0, n, out, rows);
+    *ks = kv_store_stats(store);
     kv_seq_free(self);
     *secs = clock_s() - t0;
     return st;
@@ -103,11 +107,12 @@ static enum model_status bench(struct run *r, kv_store *store, const struct kv_s
     if (st == MODEL_OK && cross_host)
         st = kv_seq_offload(*cross, KV_FALLBACK_OOM) == TIER_OK ? MODEL_OK : MODEL_ENOMEM;
     size_t cross_bytes = kv_seq_bytes(*cross);
+    struct kv_store_stats ks = {0}, ks_again;
     for (int i = 0; i < rounds && st == MODEL_OK; i++) {
-        st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, false, cross_host, out, rows, &t[i]);
+        st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, false, cross_host, out, rows, &t[i], &ks);
         if (st == MODEL_OK)
             st = bench_once(r, store, sp, cross, enc, n_enc, dec, n_dec, n, true, cross_host, out, rows,
-                            &t[rounds + i]);
+                            &t[rounds + i], &ks_again);
     }
     if (st == MODEL_OK) {
         qsort(t, (size_t)rounds, sizeof(double), median_cmp_double);
@@ -120,9 +125,8 @@ static enum model_status bench(struct run *r, kv_store *store, const struct kv_s
         printf("ratio                  %8.2fx\n", again / reuse);
         printf("cross-attention KV     %8.2f MiB (written once, read every step; %s tier)\n",
                cross_bytes / 1048576.0, cross_host ? "host" : "device");
-        struct kv_store_stats ks = kv_store_stats(store);
-        printf("store after the rounds device %.2f MiB, host %.2f MiB\n", ks.dev_bytes / 1048576.0,
-               ks.host_bytes / 1048576.0);
+        printf("KV at a generation's end: device %.2f MiB (of which streaming slots %.2f), host %.2f MiB\n",
+               ks.dev_bytes / 1048576.0, ks.slot_bytes / 1048576.0, ks.host_bytes / 1048576.0);
     }
     free(t);
     return st;
@@ -250,8 +254,10 @@ int main(int argc, char **argv)
     }
     struct kv_seq_stats xs = kv_seq_stats(cross);
     struct kv_seq_stats ss = kv_seq_stats(self);
-    fprintf(stderr, "cross-attention cache: %lld tokens, device %zu bytes, host %zu bytes\n",
-            (long long)kv_seq_length(cross), xs.dev_bytes, xs.host_bytes);
+    fprintf(stderr, "cross-attention cache: %lld tokens, device %zu bytes, host %zu bytes, streamed through the "
+            "device slots in %llu steps%s\n", (long long)kv_seq_length(cross), xs.dev_bytes, xs.host_bytes,
+            (unsigned long long)xs.xfer.steps,
+            xs.fallback == KV_FALLBACK_OOM ? ", moved to the host tier by a device OOM" : "");
     fprintf(stderr, "self-attention cache: %lld tokens, device %zu bytes, host %zu bytes%s\n",
             (long long)kv_seq_length(self), ss.dev_bytes, ss.host_bytes,
             ss.fallback == KV_FALLBACK_OOM ? ", moved to the host tier by a device OOM" : "");

@@ -1,0 +1,114 @@
+"""bench_encdec - an encoder-decoder session on kvtierd's disk tier: a
+generation on the session just back from disk (its cross-attention cache
+read back, the encoder not run) against one on a fresh session that
+encodes the same input, alternating, and one on the session while it is
+resident (the decoder alone).
+
+    /usr/bin/python3 tools/bench_encdec.py --model DIR [--enc-len 2048] [-n 16] [--rounds 3]
+                                           [--cache dynamic|offloaded] [--dir DIR]
+
+Starts build/kvtierd on a socket of its own with --spill-after 1 and a
+disk tier in --dir (a temporary directory by default).  The input is
+--enc-len token ids (i * 7919 mod vocab, as kvtier-encdec --enc-len), the
+decoder prompt the model's decoder_start_token_id, each generation -n
+greedy tokens.  Session S is made with the input first; then per round, once S has left
+memory (disk bytes > 0, device and host 0, its encoder's too):
+  re-encoding: a new session T given the input, timed, then deleted (so
+               that S's restore does not find T's cross cache in memory,
+               nor T S's);
+  restored:    the same generation on S, read back from disk;
+  resident:    the same on S at once, now in memory.
+Every generation checks encoder_cached_tokens (the input length on S, 0
+on T), so a restore that encoded again fails the run.  Prints the medians,
+the ratios and S's bytes per tier, resident and spilled."""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import kvclient
+from kvclient import log
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--enc-len", type=int, default=2048)
+    ap.add_argument("-n", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cache", choices=("dynamic", "offloaded"), default="dynamic")
+    ap.add_argument("--dir")
+    o = ap.parse_args()
+    work = o.dir or tempfile.mkdtemp(prefix="bench-encdec-")
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(o.model, "config.json")) as f:
+        cfg = json.load(f)
+    enc = [i * 7919 % cfg["vocab_size"] for i in range(o.enc_len)]
+    dec = [cfg["decoder_start_token_id"]]
+    d = kvclient.Daemon(os.path.join(work, "kvtierd.sock"), os.path.join(work, "kvtierd.log"),
+                        ["--model", o.model, "--disk-dir", os.path.join(work, "disk"), "--spill-after", "1",
+                         "--parallel", "2", "--max-body", "8M"])
+    log("kvtierd up in %.2f s" % d.start())
+    body = {} if o.cache == "dynamic" else {"cache": {"implementation": o.cache}}
+
+    def generate(sid, cached):
+        t0 = time.perf_counter()
+        r = d.ok("POST", "/v1/completions", {"input": enc, "prompt": dec, "session": sid, "max_tokens": o.n,
+                                             "temperature": 0, "ignore_eos": True, "return_tokens": True})
+        dt = time.perf_counter() - t0
+        got = r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"]
+        if got != cached or len(r["choices"][0]["tokens"]) != o.n:
+            raise SystemExit("session %s: encoder_cached_tokens %d, want %d" % (sid, got, cached))
+        return dt, r["choices"][0]["tokens"]
+
+    def spilled(sid):
+        end = time.time() + 300
+        while time.time() < end:
+            s = d.ok("GET", "/v1/sessions/" + sid)
+            b, e = s["bytes"], s["encoder"]["bytes"]
+            if b["disk"] > 0 and b["device"] == b["host"] == e["device"] == e["host"] == 0:
+                return s
+            time.sleep(0.1)
+        raise SystemExit("session %s never left memory" % sid)
+
+    try:
+        s = d.ok("POST", "/v1/sessions", body)["id"]
+        t, want = generate(s, 0)
+        log("session %s: first generation %.3f s (encodes the input)" % (s, t))
+        res = {"restored": [], "resident": [], "re-encoding": []}
+        for r in range(o.rounds):
+            on_disk = spilled(s)
+            # while S is on disk, so that T does not share its cross cache
+            tid = d.ok("POST", "/v1/sessions", body)["id"]
+            t, got3 = generate(tid, 0)
+            res["re-encoding"].append(t)
+            d.request("DELETE", "/v1/sessions/" + tid)
+            t, got = generate(s, o.enc_len)
+            res["restored"].append(t)
+            in_mem = d.ok("GET", "/v1/sessions/" + s)
+            t, got2 = generate(s, o.enc_len)
+            res["resident"].append(t)
+            if not got == got2 == got3 == want:
+                raise SystemExit("round %d: the generations differ" % r)
+            log("round %d: restored %.3f s, resident %.3f s, re-encoding %.3f s" %
+                (r + 1, res["restored"][-1], res["resident"][-1], res["re-encoding"][-1]))
+    finally:
+        d.stop()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print("encoder input %d tokens, %d generated per generation, %s self cache, %d rounds (medians)" %
+          (o.enc_len, o.n, o.cache, o.rounds))
+    for k in ("resident", "restored", "re-encoding"):
+        print("%-12s %8.3f s per generation, %7.1f tokens/s" % (k, med[k], o.n / med[k]))
+    print("re-encoding / restored %.2fx, restored / resident %.2fx" %
+          (med["re-encoding"] / med["restored"], med["restored"] / med["resident"]))
+    mib = 1048576.0
+    for name, s in (("resident", in_mem), ("spilled", on_disk)):
+        b, e = s["bytes"], s["encoder"]["bytes"]
+        print("%-8s self: device %.2f MiB, host %.2f MiB; cross: device %.2f MiB, host %.2f MiB; disk %.2f MiB" %
+              (name, b["device"] / mib, b["host"] / mib, e["device"] / mib, e["host"] / mib, b["disk"] / mib))
+
+
+if __name__ == "__main__":
+    main()
