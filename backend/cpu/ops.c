@@ -388,11 +388,17 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
         int64_t to = hi - u1 > CPU_PREFETCH_KEYS ? u1 + CPU_PREFETCH_KEYS : hi;
         if (from < to) /* the next chunks, while this one computes */
             prefetch_rows(v, kvh, D, esz, from, ahead = to);
-        for (int i = 0; i < n; i++) {
-            rows[i] = keys[i] = cpu_key_row(v, u0 + i, kvh, D, esz);
+        for (int i = 0, left = 0; i < n; i++, left--) {
+            int64_t pos = u0 + i;
+            if (left > 0) { /* a block's rows follow each other: one lookup per block */
+                rows[i] = keys[i] = rows[i - 1] + (size_t)D * esz;
+            } else {
+                rows[i] = keys[i] = cpu_key_row(v, pos, kvh, D, esz);
+                left = pos < v->sinks ? 1 : v->block_tokens - (int)((pos - v->base) % v->block_tokens);
+            }
             if (v->key_rope) { /* rotated at its index, once for every query row */
                 k->to_f32(x, rows[i], p->kv_dtype, (size_t)D);
-                cpu_key_rope(p, v, u0 + i, x, rot + (size_t)i * (size_t)D);
+                cpu_key_rope(p, v, pos, x, rot + (size_t)i * (size_t)D);
                 keys[i] = (const char *)(rot + (size_t)i * (size_t)D);
             }
         }
