@@ -5,7 +5,8 @@ fresh run's (each rewinds to a state checkpoint and feeds the rest);
 the strategies that act on single tokens are refused with a 400 naming why;
 a sequence's state bytes are the same at 1k and 16k tokens; with the device
 full, states go to the host tier (at creation, and an idle session's to
-make room for a step) with unchanged tokens (the disk tier:
+make room for a step) with unchanged tokens, and with a device budget below
+one state every step streams it layer by layer with unchanged tokens (the disk tier:
 tests/daemon_mamba_disk.py); a request sharing 85 tokens with an earlier
 one starts from the shared checkpoint at 80 with the reference's tokens."""
 import sys
@@ -138,4 +139,23 @@ check(sa["bytes"]["device"] == 0 and sa["bytes"]["host"] == state // 2,
 ra2 = complete(prompt[:30] + toks(ra) + [5], session=a)
 want = complete(prompt[:30] + toks(ra) + [5], cache={"implementation": "offloaded"})
 check(toks(ra2) == toks(want), "a continues from the host tier with a fresh run's tokens")
+check(d.stop() == 0, "stop")
+
+# ---- a device budget below one state: it streams layer by layer -------------
+# room for the two streaming slots (one layer's state each), not for the
+# state's two whole copies: every step streams the state through the slots
+small = Daemon("--device-mem", str(idle_bytes + state // 2 + 1024), model=model, tmp=d.tmp)
+small.sock = d.tmp + "/small.sock"
+small.start()
+d = small
+r = complete(prompt)
+check(toks(r) == toks(fresh) and r["kvtier"]["bytes"]["device"] == 0 and r["kvtier"]["fallback"] is not None,
+      "with less device memory than one state: the prompt (in chunks cut at each checkpoint) streams layer by "
+      "layer with a fresh run's tokens (fallback %s)" % r["kvtier"]["fallback"])
+sid = session(prompt=prompt[:40])
+complete(prompt[:40], session=sid)
+code, c = d.post("/v1/sessions/%s/crop" % sid, {"n": -7})
+r2 = complete(prompt[:40], session=sid)
+check(code == 200 and toks(r2) == toks(complete(prompt[:40])),
+      "a streamed session cropped back to its checkpoint regenerates a fresh run's tokens")
 check(d.stop() == 0, "stop")

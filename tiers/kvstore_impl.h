@@ -210,7 +210,12 @@ enum tier_status state_seq_reserve(kv_seq *q); /* a host state's device copies f
 enum tier_status state_seq_commit(kv_seq *q);
 void state_seq_abort(kv_seq *q);
 enum tier_status state_seq_offload(kv_seq *q); /* to the host tier; all or nothing */
-void state_chunk_end(kv_store *s); /* after a chunk's last layer: checkpoints at its sequences' ends */
+/* after a chunk's last layer (its write-backs queued): checkpoints at its sequences' ends */
+enum be_status state_chunk_end(kv_store *s);
+/* Streaming a host state (stream.c): layer l's copy into its slot region
+ * and back, for a sequence in the current chunk. */
+enum be_status state_copy_in(kv_seq *q, int layer, char *region, struct kv_xfer_stats *x);
+enum be_status state_write_back(kv_seq *q, int layer, const char *region, struct kv_xfer_stats *x);
 enum tier_status state_seq_rewind(kv_seq *q, int64_t len);
 enum tier_status state_seq_fork(const kv_seq *q, kv_seq *child);
 void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host);
