@@ -1507,6 +1507,74 @@ static void test_state_image(void **state)
     be_free(be);
 }
 
+/* An image arriving: the most bytes a load waited for so far. */
+struct state_arrival {
+    const uint8_t *img;
+    size_t asked;
+};
+
+static const void *state_arrive(void *arg, size_t n)
+{
+    struct state_arrival *a = arg;
+    if (n > a->asked)
+        a->asked = n;
+    return a->img;
+}
+
+/* A state image loads layer by layer: its head allocates, a step reads
+ * each layer's state as it reaches it without waiting for the
+ * checkpoints, and these load last, before the step's own: the sequence
+ * is then the saved one after the same step (the same image), on the
+ * device and in the host tier (streamed). */
+static void test_state_load_by_layer(void **state)
+{
+    (void)state;
+    be_backend *be;
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
+    size_t sb = be_ssm_state_bytes(32, 16, 4);
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb},
+                                   &(struct kv_store_params){.checkpoint_interval = 16}, &s),
+                     TIER_OK);
+    size_t head = kv_image_head_size(s);
+    for (int off = 0; off < 2; off++) {
+        kv_seq *q, *r;
+        assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = off ? KV_OFFLOADED : KV_DYNAMIC}, &q),
+                         TIER_OK);
+        for (int i = 0; i < 5; i++) /* 40 tokens: checkpoints at 16 and 32, the state 5 + layer */
+            state_step(be, s, q, 8, (float)(i + 1), sb);
+        size_t n, n2;
+        uint8_t *img = state_image(q, &n);
+        struct state_arrival a = {.img = img};
+        assert_int_equal(kv_seq_load_begin(s, img, n, &(struct kv_image_src){state_arrive, &a}, &r), TIER_OK);
+        assert_int_equal(a.asked, 0);
+        assert_true(kv_seq_loading(r));
+        /* 40..48 ends on a checkpoint: the step's own comes after the image's */
+        assert_int_equal(kv_seq_reserve(r, 8), TIER_OK);
+        assert_int_equal(kv_store_step_begin(s), TIER_OK);
+        state_chunk(be, s, r, 2, 40, 8, 5, 6, sb);
+        assert_int_equal(kv_store_step_end(s), BE_OK);
+        assert_int_equal(kv_seq_commit(r), TIER_OK);
+        assert_int_equal(a.asked, head + 2 * sb); /* the state, not the checkpoints */
+        assert_true(kv_seq_loading(r));
+        state_step(be, s, q, 8, 6, sb);
+        assert_int_equal(kv_seq_load_finish(r), TIER_OK);
+        assert_int_equal(a.asked, n);
+        assert_false(kv_seq_loading(r));
+        uint8_t *want = state_image(q, &n), *got = state_image(r, &n2);
+        assert_int_equal(n2, n);
+        assert_memory_equal(got, want, n);
+        free(want);
+        free(got);
+        free(img);
+        kv_seq_free(r);
+        kv_seq_free(q);
+    }
+    kv_store_free(s);
+    assert_int_equal(be_mem_stats(be).dev_used, 0);
+    be_free(be);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1530,6 +1598,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
         cmocka_unit_test(test_state_store),
+        cmocka_unit_test(test_state_load_by_layer),
         cmocka_unit_test(test_state_prefix),
         cmocka_unit_test(test_state_prefix_host),
         cmocka_unit_test(test_state_image),

@@ -369,8 +369,7 @@ void kv_seq_abort(kv_seq *q);
  * parameters, strategy (after any fallback), lengths, past recording, and
  * every stored position of every layer (dense blocks, quantized codes and
  * their residual, kept sinks); a state store's sequence, its state and
- * its checkpoints (which load whole: kv_seq_load_begin waits for the
- * image's last byte).  Little-endian, versioned, self-checking sizes; it
+ * its checkpoints.  Little-endian, versioned, self-checking sizes; it
  * names no pointer.  Only between steps.
  *
  * kv_seq_image_size: the bytes kv_seq_save needs for q.
@@ -399,6 +398,9 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
  *   kv_store_layer_begin for l (or for the layer before a streamed l, whose
  *   copy-in it starts), or any call that reads or copies the KV (save,
  *   crop, fork, offload, the dense and raw exports), which fills them all.
+ *   A state store's image fills its state layer by layer the same way, and
+ *   its checkpoints last, with everything (kv_seq_load_finish, a crop, a
+ *   fork, a save); their positions are checked then (TIER_EINVAL).
  *   A fill calls src->wait(src->arg, n), which blocks until the image's
  *   first n bytes are in and returns its first byte, or NULL if they never
  *   will be; a layer whose blocks do not check (rows that must be zero)

@@ -222,8 +222,9 @@ void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host);
 /* A state sequence's part of its image (state.c "images") */
 size_t state_image_bytes(const kv_seq *q);
 enum tier_status state_seq_save(const kv_seq *q, uint8_t *p);
-enum tier_status state_image_check(kv_store *s, const uint8_t *p, size_t size, int64_t len, int *n_ckpt);
-enum tier_status state_seq_load(kv_seq *q, const uint8_t *p, int n_ckpt, bool host);
+enum tier_status state_image_check(kv_store *s, size_t size, int *n_ckpt);
+enum tier_status state_fill_layer(kv_seq *q, int layer, const uint8_t *body);
+enum tier_status state_fill_ckpts(kv_seq *q, const uint8_t *body, int n_ckpt, int64_t len);
 /* state.c "Shared checkpoints": the prefix cache of a state store */
 void state_seq_tokens(kv_seq *q, const int32_t *ids);
 enum tier_status state_seq_match(kv_seq *q, const int32_t *tokens, int64_t n, int64_t *n_cached);
@@ -323,8 +324,7 @@ struct kv_seq_state {
     const enum kv_home *home;         /* [n_layers] (dense strategies) */
     const int64_t *lo;                /* [n_layers] each layer's oldest stored position */
     const struct kvq_layer_state *kvq;/* [n_layers] (quantized) */
-    const uint8_t *state_body;        /* a state store's: the state and n_ckpt checkpoints (state.c) */
-    int n_ckpt;
+    int n_ckpt;                       /* a state store's: its image's checkpoints (state.c) */
 };
 /* A new sequence in state x with storage for every stored position, the
  * contents not written yet.  all_host: every layer in the host tier

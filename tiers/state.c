@@ -105,16 +105,21 @@ enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p)
     return TIER_OK;
 }
 
-/* Copies a whole state between any two homes: a device buffer or host memory. */
-static enum tier_status state_copy(kv_store *s, void *dst, bool dst_dev, const void *src, bool src_dev)
+/* Copies n bytes of a state between any two homes: a device buffer or host memory. */
+static enum tier_status copy_bytes(kv_store *s, void *dst, bool dst_dev, const void *src, bool src_dev, size_t n)
 {
-    size_t n = seq_state_bytes(s);
     if (!dst_dev && !src_dev) {
         memcpy(dst, src, n);
         return TIER_OK;
     }
     enum be_status st = be_copy(s->be, dst, src, n, dst_dev ? (src_dev ? BE_D2D : BE_H2D) : BE_D2H);
     return st == BE_OK ? TIER_OK : kv_fail(s, TIER_EIO, "copying a %zu-byte state: %s", n, be_strerror(st));
+}
+
+/* Copies a whole state. */
+static enum tier_status state_copy(kv_store *s, void *dst, bool dst_dev, const void *src, bool src_dev)
+{
+    return copy_bytes(s, dst, dst_dev, src, src_dev, seq_state_bytes(s));
 }
 
 /* The state's committed copy, wherever it lives. */
@@ -594,51 +599,69 @@ enum tier_status state_seq_save(const kv_seq *q, uint8_t *p)
     return st;
 }
 
-/* The checkpoints of a body of size bytes, checked before anything is
- * allocated: *n_ckpt of them, at positions ascending in (0, len]. */
-enum tier_status state_image_check(kv_store *s, const uint8_t *p, size_t size, int64_t len, int *n_ckpt)
+/* A body of size bytes: the state and *n_ckpt checkpoints (their
+ * positions are checked as they load, state_fill_ckpts). */
+enum tier_status state_image_check(kv_store *s, size_t size, int *n_ckpt)
 {
     size_t n = seq_state_bytes(s);
     if (size < n || (size - n) % (8 + n) || (size - n) / (8 + n) > INT32_MAX)
         return kv_fail(s, TIER_EINVAL, "sequence image: a state body of %zu bytes is not a %zu-byte state and "
                                        "checkpoints of %zu bytes each (field size)", size, n, 8 + n);
     *n_ckpt = (int)((size - n) / (8 + n));
+    return TIER_OK;
+}
+
+/* Layer l of a loading sequence's state (state_seq_init gave it storage),
+ * from a body's state: where the state lives, the device or the host. */
+enum tier_status state_fill_layer(kv_seq *q, int layer, const uint8_t *body)
+{
+    size_t off = (size_t)layer * q->s->g.state_bytes;
+    bool dev;
+    char *dst = cur_of(q, &dev);
+    return copy_bytes(q->s, dst + off, dev, body + off, false, q->s->g.state_bytes);
+}
+
+/* A loading sequence takes the body's n_ckpt checkpoints, checked first:
+ * positions ascending in (0, len], len its length at the load.  They go
+ * before any its steps took since (those are past len). */
+enum tier_status state_fill_ckpts(kv_seq *q, const uint8_t *body, int n_ckpt, int64_t len)
+{
+    kv_store *s = q->s;
+    struct kv_state *x = q->state;
+    size_t n = seq_state_bytes(s);
+    const uint8_t *c = body + n;
     int64_t prev = 0;
-    for (int i = 0; i < *n_ckpt; i++) {
-        int64_t pos = (int64_t)get64(p + n + (size_t)i * (8 + n));
+    for (int i = 0; i < n_ckpt; i++) {
+        int64_t pos = (int64_t)get64(c + (size_t)i * (8 + n));
         if (pos <= prev || pos > len)
             return kv_fail(s, TIER_EINVAL, "sequence image: checkpoint %d: field pos is %lld, not in (%lld, %lld]", i,
                            (long long)pos, (long long)prev, (long long)len);
         prev = pos;
     }
-    return TIER_OK;
-}
-
-/* q (params, strategy, len set; no storage) takes the state and the
- * checkpoints of a checked body: in the host tier if host, else on the
- * device. */
-enum tier_status state_seq_load(kv_seq *q, const uint8_t *p, int n_ckpt, bool host)
-{
-    kv_store *s = q->s;
-    size_t n = seq_state_bytes(s);
-    enum tier_status st = state_seq_init(q, host);
-    bool dev;
-    void *dst = st == TIER_OK ? cur_of(q, &dev) : NULL;
-    if (st == TIER_OK)
-        st = state_copy(s, dst, dev, p, false);
-    if (st == TIER_OK && n_ckpt) {
-        struct kv_state *x = q->state;
-        if (!(x->ckpt = malloc((size_t)n_ckpt * sizeof *x->ckpt)))
-            return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a state's checkpoints");
-        x->cap_ckpt = n_ckpt;
-    }
-    for (int i = 0; i < n_ckpt && st == TIER_OK; i++) {
-        const uint8_t *c = p + n + (size_t)i * (8 + n);
-        void *h;
-        if ((st = kv_host_alloc(s, n, &h)) == TIER_OK) {
-            memcpy(h, c + 8, n);
-            q->state->ckpt[q->state->n_ckpt++] = (struct kv_ckpt){.pos = (int64_t)get64(c), .host = h};
+    if (!n_ckpt)
+        return TIER_OK;
+    if (x->n_ckpt > INT32_MAX - n_ckpt)
+        return kv_fail(s, TIER_EINVAL, "sequence image: %d checkpoints and %d more", n_ckpt, x->n_ckpt);
+    int total = n_ckpt + x->n_ckpt;
+    struct kv_ckpt *all = malloc((size_t)total * sizeof *all);
+    if (!all)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a state's checkpoints");
+    for (int i = 0; i < n_ckpt; i++) {
+        const uint8_t *e = c + (size_t)i * (8 + n);
+        enum tier_status st = kv_host_alloc(s, n, &all[i].host);
+        if (st != TIER_OK) {
+            while (i--)
+                kv_host_free(s, all[i].host, n);
+            free(all);
+            return st;
         }
+        all[i].pos = (int64_t)get64(e);
+        memcpy(all[i].host, e + 8, n);
     }
-    return st;
+    if (x->n_ckpt)
+        memcpy(all + n_ckpt, x->ckpt, (size_t)x->n_ckpt * sizeof *all);
+    free(x->ckpt);
+    x->ckpt = all;
+    x->n_ckpt = x->cap_ckpt = total;
+    return TIER_OK;
 }
