@@ -371,6 +371,16 @@ static void put_header(const kv_seq *q, uint8_t *b, size_t size)
 
 /* Layer l's table entry. */
 static void put_entry(const kv_store *s, uint8_t *b, int l, enum kv_home home, int64_t lo,
+                      const struct kvq_layer_state *k);
+
+/* A state sequence's table (FORMAT): state_bytes in each entry's lo. */
+static void put_state_table(const kv_store *s, uint8_t *b)
+{
+    for (int l = 0; l < s->g.n_layers; l++)
+        put_entry(s, b, l, KV_HOME_PAGED, (int64_t)s->g.state_bytes, &(struct kvq_layer_state){0});
+}
+
+static void put_entry(const kv_store *s, uint8_t *b, int l, enum kv_home home, int64_t lo,
                       const struct kvq_layer_state *k)
 {
     uint8_t *e = b + IMG_HDR + 4 * (size_t)s->g.n_layers + LT_ENTRY * (size_t)l;
@@ -398,8 +408,7 @@ enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size)
     struct io io = {.s = s, .p = (uint8_t *)buf + head_size(s)};
     put_header(q, buf, size);
     if (q->state) {
-        for (int l = 0; l < s->g.n_layers; l++)
-            put_entry(s, buf, l, KV_HOME_PAGED, (int64_t)s->g.state_bytes, &(struct kvq_layer_state){0});
+        put_state_table(s, buf);
         return state_seq_save(q, io.p);
     }
     for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
@@ -783,6 +792,32 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
         return st;
     }
     *out = q;
+    return st;
+}
+
+/* ---- a state from its values (the state import) --------------------------- */
+
+enum tier_status kv_seq_load_state(kv_store *s, const struct kv_seq_params *p, int64_t len, const void *state,
+                                   kv_seq **out)
+{
+    *out = NULL;
+    s->err[0] = '\0';
+    if (!s->g.state_bytes)
+        return kv_fail(s, TIER_EINVAL, "state import: this store holds KV, not states");
+    if (len < 0 || len > KV_SEQ_MAX_LEN)
+        return kv_fail(s, TIER_EINVAL, "state import: a length of %lld tokens is not in [0, %lld]", (long long)len,
+                       (long long)KV_SEQ_MAX_LEN);
+    size_t n = head_size(s) + (size_t)s->g.n_layers * s->g.state_bytes;
+    uint8_t *img = malloc(n);
+    if (!img)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a %zu-byte sequence image", n);
+    /* the image kv_seq_save writes for such a sequence: no fallback, no checkpoints */
+    struct kv_seq hdr = {.s = s, .p = *p, .strategy = p->strategy, .len = len};
+    put_header(&hdr, img, n);
+    put_state_table(s, img);
+    memcpy(img + head_size(s), state, n - head_size(s));
+    enum tier_status st = kv_seq_load(s, img, n, out);
+    free(img);
     return st;
 }
 

@@ -574,6 +574,22 @@ void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host)
     *host = (state_on_host(q) ? n : 0) + (q->state->hnext ? n : 0) + (size_t)q->state->n_ckpt * n;
 }
 
+enum tier_status kv_seq_state_read(kv_seq *q, void *dst, size_t size)
+{
+    kv_store *s = q->s;
+    s->err[0] = '\0';
+    if (!q->state || q->pending || size != seq_state_bytes(s))
+        return kv_fail(s, TIER_EINVAL, "kv_seq_state_read: %s", !q->state ? "a sequence of KV, not a state"
+                                                               : q->pending ? "during a step"
+                                                                            : "a buffer of another size");
+    enum tier_status st = kv_seq_load_finish(q);
+    if (st != TIER_OK)
+        return st;
+    bool dev;
+    const void *src = cur_of(q, &dev);
+    return state_copy(s, dst, false, src, dev);
+}
+
 /* ---- images (image.c): after the header and a zero layer table, the
  * state (n_layers * state_bytes, as the layers lay it out), then each
  * checkpoint as u64 pos and its state, pos ascending. */
