@@ -200,7 +200,7 @@ check(toks(rb) == toks(fresh) and rb["kvtier"]["fallback"] is not None,
       "tokens" % rb["kvtier"]["fallback"])
 sa = d.get("/v1/sessions/" + a)[1]
 check(sa["bytes"]["device"] == 0 and sa["bytes"]["host"] == state // 2,
-      "its steps' device copies made idle a's state move to the host tier (%s)" % sa["bytes"])
+      "its step's streaming slots made idle a's state move to the host tier (%s)" % sa["bytes"])
 ra2 = complete(prompt[:30] + toks(ra) + [5], session=a)
 want = complete(prompt[:30] + toks(ra) + [5], cache={"implementation": "offloaded"})
 check(toks(ra2) == toks(want), "a continues from the host tier with a fresh run's tokens")

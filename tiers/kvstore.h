@@ -488,15 +488,16 @@ enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, 
 
 /* ---- state-space models (tiers/state.c) ----------------------------------
  * A sequence of a store opened with kv_geom.state_bytes > 0 holds one
- * state per layer: fixed in size, whatever its length, on the device or,
- * between steps, in the host tier (an offloaded strategy, a fallback at
- * creation, kv_seq_offload; its step then takes device copies until the
- * commit).  The strategies that act on single tokens (sliding_window, sink,
- * quantized) are refused by kv_seq_create with TIER_ENOTSUP and a
- * kv_store_errmsg naming why.  kv_seq_crop and kv_seq_reuse go back
+ * state per layer: fixed in size, whatever its length, on the device or
+ * in the host tier (an offloaded strategy, a fallback at creation,
+ * kv_seq_offload; its steps then stream it layer by layer through the
+ * device slots, kv_store_step_begin and the layer hooks).  The
+ * strategies that act on single tokens (sliding_window, sink, quantized)
+ * are refused by kv_seq_create with TIER_ENOTSUP and a kv_store_errmsg
+ * naming why.  kv_seq_crop and kv_seq_reuse go back
  * to the nearest checkpoint at or below the length they would leave
  * (kv_seq_length says where), and the caller feeds the tokens from there;
- * the prefix cache, images and the dense exports do not apply (TIER_ENOTSUP).
+ * the dense exports do not apply (TIER_ENOTSUP; kv_seq_state_read below).
  *
  * kv_store_state_bytes: the device bytes of one sequence's state (both of
  *   its copies: the step's transaction writes the second).

@@ -206,7 +206,7 @@ enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p);
 enum tier_status state_seq_init(kv_seq *q, bool host); /* host: the state starts in the host tier */
 void state_seq_release(kv_seq *q); /* accepts q->state == NULL */
 bool state_on_host(const kv_seq *q);
-enum tier_status state_seq_reserve(kv_seq *q); /* a host state's device copies for the step */
+enum tier_status state_seq_reserve(kv_seq *q); /* a host state's second host copy for the step */
 enum tier_status state_seq_commit(kv_seq *q);
 void state_seq_abort(kv_seq *q);
 enum tier_status state_seq_offload(kv_seq *q); /* to the host tier; all or nothing */
