@@ -2,7 +2,7 @@
 spills (its state and its checkpoints) and its next request continues from
 the restored state with a fresh run's tokens; a crop after the restore goes
 back to a checkpoint that came back from disk; a session survives a
-restart; on a slow disk a restore computes with the state's layers while
+restart (and exports the same state file after it); on a slow disk a restore computes with the state's layers while
 the checkpoints after them are still being read."""
 import sys
 import time
@@ -55,10 +55,14 @@ check(r3["usage"]["prompt_tokens_details"]["cached_tokens"] == 32 and toks(r3) =
       "run's tokens" % r3["usage"]["prompt_tokens_details"]["cached_tokens"])
 held = nxt[:45] + toks(r3)
 n_held = sp.get("/v1/sessions/" + sid)[1]["tokens"]
+code, exported = sp.get("/v1/sessions/%s/kv" % sid)
+check(code == 200 and isinstance(exported, bytes), "the session's state exported before the restart")
 check(sp.stop() == 0, "SIGTERM writes the session")
 sp.start()
 s = sp.get("/v1/sessions/" + sid)[1]
 check(s.get("tokens") == n_held and s["bytes"]["disk"] > 0, "after a restart the session is listed, on disk (%s)" % s)
+code, again = sp.get("/v1/sessions/%s/kv" % sid)
+check(code == 200 and again == exported, "exported from the disk tier, the same file as before the restart")
 r4 = spcomplete(held + [9], session=sid)
 check(toks(r4) == toks(spcomplete(held + [9])) and r4["usage"]["prompt_tokens_details"]["cached_tokens"] == n_held,
       "after the restart it continues with a fresh run's tokens (cached_tokens %d, held %d)" %
