@@ -956,8 +956,8 @@ static void advance(engine *e, int from, int to);
 
 /* A state model's session is a few MiB whatever its length: when a step
  * finds the device full, the least recently used idle one whose state is
- * on the device moves it to the host tier (kv_seq_offload; its next step
- * takes the device copies back for its length) before any session waits
+ * on the device moves it to the host tier (kv_seq_offload; its steps
+ * stream it through the device slots layer by layer) before any session waits
  * for a spill to disk.  False when none could move. */
 static bool offload_idle_state(engine *e)
 {

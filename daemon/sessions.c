@@ -341,6 +341,9 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
 
 size_t engine_kv_max_size(const engine *e)
 {
+    const struct model_config *c = e->mc;
+    if (c->arch == ARCH_MAMBA) /* a state file: its size does not grow with the tokens, its header does */
+        return kvfile_state_max_size(c->n_layers, c->intermediate_size, c->ssm_state, c->ssm_conv, e->ctx);
     size_t n = kvfile_max_size(e->mc->n_layers, e->mc->n_kv_heads, e->mc->head_dim, e->ctx);
     /* an encoder-decoder file adds the cross K and V of an input up to the
      * context and its ids: as much again */
@@ -405,6 +408,11 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
                               .rows = import_rows, .rows_ctx = (void *)e,
                               /* an encoder-decoder session's cross cache; its self cache is dense */
                               .max_input = e->ed ? e->ctx : 0, .quant = e->ed ? NULL : import_quant};
+    if (e->mc->arch == ARCH_MAMBA) {
+        x.ssm_inner = e->mc->intermediate_size;
+        x.ssm_state = e->mc->ssm_state;
+        x.ssm_conv = e->mc->ssm_conv;
+    }
     char msg[MODEL_ERR_LEN];
     switch (kvfile_parse(buf, len, &x, out, msg)) {
     case MODEL_OK: return IPC_OK;
@@ -559,13 +567,44 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
     return IPC_OK;
 }
 
+/* A state model's session: its state (kvfile.h), not its checkpoints. */
+static enum ipc_status session_export_state(engine *e, struct session *s, struct job *j, struct ipc_error *err)
+{
+    const struct model_config *c = e->mc;
+    size_t n = kv_store_state_bytes(e->store) / 2;
+    float *state = malloc(n);
+    if (!state)
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
+    enum tier_status ts = kv_seq_state_read(s->kv, state, n);
+    enum ipc_status st = ts == TIER_OK ? IPC_OK : kv_error(e, ts, "", err);
+    struct kvfile_info in = {.fingerprint = engine_fingerprint(e),
+                             .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy), .dtype = BE_F32,
+                             /* the state's tokens: a crop whose feed failed left it short of them */
+                             .n_layers = c->n_layers, .tokens = s->toks, .n_tokens = kv_seq_length(s->kv)};
+    char msg[MODEL_ERR_LEN];
+    void *buf = NULL;
+    size_t size = 0;
+    if (st == IPC_OK && kvfile_build_state(&in, c->intermediate_size, c->ssm_state, c->ssm_conv, state, &buf, &size,
+                                           msg) != MODEL_OK)
+        st = ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
+    free(state);
+    if (st != IPC_OK)
+        return st;
+    j->res.blob = buf;
+    j->res.n_blob = size;
+    return IPC_OK;
+}
+
 /* The session's KV as a safetensors file in j->res.blob: dense layers as
  * stored, quantized ones decoded to f32 (or in their stored form, raw);
- * an encoder-decoder session's cross cache and input with it. */
+ * an encoder-decoder session's cross cache and input with it; a state
+ * model's state. */
 static enum ipc_status session_export(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
     if (!s->kv || !s->n_toks || (e->ed && !s->cross))
         return ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" holds no KV yet", s->id);
+    if (e->mc->arch == ARCH_MAMBA)
+        return session_export_state(e, s, j, err);
     if (j->raw && s->kvs.strategy == KV_QUANTIZED && e->ed)
         return ipc_fail(err, IPC_EINVAL, "raw", "an encoder-decoder session's file is dense: its cross-attention "
                         "cache has no stored quantized form");
@@ -694,6 +733,12 @@ static enum ipc_status session_import(engine *e, struct session *s, struct job *
         if (st != IPC_OK) {
             free(toks);
             return st;
+        }
+    } else if (f->state) {
+        enum tier_status ts = kv_seq_load_state(e->store, &p, f->n_tokens, f->state, &q);
+        if (ts != TIER_OK) {
+            free(toks);
+            return kv_error(e, ts, "", err);
         }
     } else {
         enum tier_status ts = kv_seq_create(e->store, &p, &q);

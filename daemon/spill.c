@@ -356,10 +356,10 @@ static bool head_in(const engine *e, const struct session *s, double now)
     (void)now;
     void *data;
     size_t len, head = kv_image_head_size(e->store);
-    /* a state image loads whole (tiers/image.c), and so does an
-     * encoder-decoder session's (the decoder reads its cross cache's every
-     * layer at the first step): restore_done takes them */
-    return !kv_store_state_bytes(e->store) && !e->ed && s->op && s->op_restore && !s->op_begun && !s->kv &&
+    /* an encoder-decoder session's image loads whole (the decoder reads
+     * its cross cache's every layer at the first step): restore_done
+     * takes it */
+    return !e->ed && s->op && s->op_restore && !s->op_begun && !s->kv &&
            kv_disk_op_ready(s->op, &data, &len) >= (len < head ? len : head) && data;
 }
 

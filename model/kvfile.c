@@ -48,6 +48,18 @@ static size_t round_up(size_t x)
     return (x + ALIGN - 1) / ALIGN * ALIGN;
 }
 
+size_t kvfile_state_max_size(int n_layers, int d_inner, int d_state, int d_conv, int64_t ctx)
+{
+    size_t per, total;
+    if (n_layers <= 0 || n_layers > MAX_LAYERS || d_inner <= 0 || d_state <= 0 || d_conv <= 1 || ctx <= 0 ||
+        ctx > (int64_t)1 << 40 ||
+        __builtin_mul_overflow((size_t)d_inner, ((size_t)d_conv - 1 + (size_t)d_state) * sizeof(float), &per) ||
+        __builtin_mul_overflow(per + 2 * ALIGN, (size_t)n_layers, &total) ||
+        __builtin_add_overflow(total, kvfile_header_max(ctx) + 8, &total))
+        return 0;
+    return total;
+}
+
 /* The token ids as the JSON array string of the metadata. */
 static char *tokens_json(const int32_t *t, int64_t n)
 {
@@ -198,6 +210,56 @@ enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t 
     enum model_status st = kvfile_build_tensors(in, NULL, t, per * L, out, size, err);
     for (int i = 0; i < per * L && st == MODEL_OK; i++)
         (i % 2 ? v_off : k_off)[i % per / 2 * L + i / per] = t[i].off;
+    free(t);
+    return st;
+}
+
+/* A state file's tensors: conv_states.{l} then ssm_states.{l}, per layer. */
+static void state_tensors(int L, int d_inner, int d_state, int d_conv, struct kvfile_tensor *t)
+{
+    for (int l = 0; l < L; l++) {
+        t[2 * l] = (struct kvfile_tensor){.dtype = "F32", .ndim = 3, .shape = {1, d_inner, d_conv - 1}};
+        snprintf(t[2 * l].name, sizeof(t[2 * l].name), "conv_states.%d", l);
+        t[2 * l + 1] = (struct kvfile_tensor){.dtype = "F32", .ndim = 3, .shape = {1, d_inner, d_state}};
+        snprintf(t[2 * l + 1].name, sizeof(t[2 * l + 1].name), "ssm_states.%d", l);
+    }
+}
+
+/* Between one layer's state as be_ssm lays it out (the window (K - 1,
+ * inner) then h (inner, N)) and the file's conv (inner, K - 1) and ssm
+ * (inner, N); to_file picks the direction.  The file's bytes may sit at
+ * any 4-byte boundary: memcpy. */
+static void state_move(float *st, char *conv, char *ssm, int inner, int N, int K, bool to_file)
+{
+    for (int k = 0; k < K - 1; k++)
+        for (int i = 0; i < inner; i++) {
+            float *w = st + (size_t)k * inner + i;
+            char *c = conv + ((size_t)i * (K - 1) + k) * sizeof(float);
+            memcpy(to_file ? (void *)c : (void *)w, to_file ? (void *)w : (void *)c, sizeof(float));
+        }
+    size_t hb = (size_t)inner * N * sizeof(float);
+    char *h = (char *)(st + (size_t)(K - 1) * inner);
+    memcpy(to_file ? ssm : h, to_file ? h : ssm, hb);
+}
+
+enum model_status kvfile_build_state(const struct kvfile_info *in, int d_inner, int d_state, int d_conv,
+                                     const float *state, void **out, size_t *size, char *err)
+{
+    *out = NULL;
+    int L = in->n_layers;
+    if (!kvfile_state_max_size(L, d_inner, d_state, d_conv, in->n_tokens > 0 ? in->n_tokens : 1))
+        return model_errf(err, MODEL_EINVAL, "KV file: a state of %d layers (%d, %d, %d)", L, d_inner, d_state,
+                          d_conv);
+    struct kvfile_tensor *t = calloc(2 * (size_t)L, sizeof(*t));
+    if (!t)
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
+    state_tensors(L, d_inner, d_state, d_conv, t);
+    const char *meta[] = {"layout", "state", NULL};
+    enum model_status st = kvfile_build_tensors(in, meta, t, 2 * L, out, size, err);
+    size_t per = (size_t)d_inner * ((size_t)d_conv - 1 + (size_t)d_state);
+    for (int l = 0; l < L && st == MODEL_OK; l++)
+        state_move((float *)(uintptr_t)(state + (size_t)l * per), (char *)*out + t[2 * l].off,
+                   (char *)*out + t[2 * l + 1].off, d_inner, d_state, d_conv, true);
     free(t);
     return st;
 }
@@ -357,7 +419,15 @@ static enum model_status parse_meta(json_t *h, const struct kvfile_expect *e, st
         return model_errf(err, MODEL_ECONFIG, "KV file: __metadata__.encoder_input: an encoder-decoder model's cache, "
                           "and this model is decoder-only");
     const char *layout = meta_str(meta, "layout");
-    if (st != MODEL_OK || !layout)
+    if (st == MODEL_OK && e->ssm_inner && (!layout || strcmp(layout, "state")))
+        return model_errf(err, MODEL_ECONFIG, "KV file: __metadata__.layout is not \"state\": a cache of K and V, "
+                          "and this model is a state-space model");
+    if (st == MODEL_OK && e->ssm_inner && f->dtype != BE_F32)
+        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.dtype of a state file must be f32");
+    if (st == MODEL_OK && layout && !strcmp(layout, "state") && !e->ssm_inner)
+        return model_errf(err, MODEL_ECONFIG, "KV file: __metadata__.layout \"state\": a state-space model's "
+                          "state, and this model's cache is K and V");
+    if (st != MODEL_OK || !layout || e->ssm_inner)
         return st;
     if (strcmp(layout, "quantized") || !e->quant)
         return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.layout \"%.32s\" is not %s", layout,
@@ -470,6 +540,45 @@ static enum model_status parse_tensors(json_t *h, const uint8_t *buf, uint64_t d
     return st;
 }
 
+/* A state file's conv_states and ssm_states per layer, gathered into
+ * f->state once all are checked. */
+static enum model_status parse_state_tensors(json_t *h, const uint8_t *buf, uint64_t data_at, uint64_t data_size,
+                                             const struct kvfile_expect *e, struct kvfile *f, char *err)
+{
+    size_t L = (size_t)e->n_layers, n = 2 * L;
+    if (json_object_size(h) != n + 1)
+        return model_errf(err, MODEL_EFORMAT,
+                          "KV file: %zu tensors, but a state file of this model needs exactly %zu (conv_states.{0..%d} "
+                          "and ssm_states.{0..%d})",
+                          json_object_size(h) - 1, n, e->n_layers - 1, e->n_layers - 1);
+    struct range *r = malloc(n * sizeof(*r));
+    struct kvfile_tensor *t = calloc(n, sizeof(*t));
+    if (!r || !t) {
+        free(r);
+        free(t);
+        return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
+    }
+    int inner = e->ssm_inner, N = e->ssm_state, K = e->ssm_conv;
+    state_tensors(e->n_layers, inner, N, K, t);
+    enum model_status st = MODEL_OK;
+    for (size_t i = 0; i < n && st == MODEL_OK; i++) {
+        const uint64_t want[3] = {1, (uint64_t)t[i].shape[1], (uint64_t)t[i].shape[2]};
+        st = check_tensor(h, t[i].name, "F32", 3, want, data_at, data_size, &r[i], err);
+        t[i].off = (size_t)(data_at + r[i].begin);
+    }
+    if (st == MODEL_OK)
+        st = check_overlap(r, n, err);
+    size_t per = (size_t)inner * ((size_t)K - 1 + (size_t)N);
+    if (st == MODEL_OK && !(f->state = malloc(L * per * sizeof(float))))
+        st = model_errf(err, MODEL_ENOMEM, "KV file: out of memory for a %zu-layer state", L);
+    for (size_t l = 0; l < L && st == MODEL_OK; l++)
+        state_move(f->state + l * per, (char *)(uintptr_t)buf + t[2 * l].off,
+                   (char *)(uintptr_t)buf + t[2 * l + 1].off, inner, N, K, false);
+    free(t);
+    free(r);
+    return st;
+}
+
 /* A raw file's tensors: per layer, K then V, its codes and scales, then
  * the residual's K and V (the daemon's export order). */
 #define RAW_PER_LAYER 6
@@ -558,7 +667,8 @@ enum model_status kvfile_parse(const void *buf_, size_t len, const struct kvfile
     }
     enum model_status st = parse_meta(h, e, f, err);
     if (st == MODEL_OK)
-        st = (f->q ? parse_raw_tensors : parse_tensors)(h, buf, 8 + hlen, len - 8 - hlen, e, f, err);
+        st = (e->ssm_inner ? parse_state_tensors : f->q ? parse_raw_tensors : parse_tensors)(h, buf, 8 + hlen,
+                                                                                          len - 8 - hlen, e, f, err);
     json_decref(h);
     if (st != MODEL_OK)
         kvfile_release(f);
@@ -575,5 +685,6 @@ void kvfile_release(struct kvfile *f)
     free(f->cv);
     free(f->q);
     free(f->quantization);
+    free(f->state);
     *f = (struct kvfile){0};
 }

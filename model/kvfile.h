@@ -16,6 +16,11 @@
  * ids, as a string) and, after each layer's value, the decoder's
  * cross-attention past_key_values.{l}.cross_key and .cross_value of shape
  * [1, n_kv_heads, input tokens, head_dim].
+ * A state-space model's file (Mamba; __metadata__.layout "state", dtype
+ * f32) holds its state instead, per layer conv_states.{l} [1, d_inner,
+ * d_conv - 1], the convolution's last inputs oldest first (Hugging Face's
+ * MambaCache.conv_states[l][..., 1:]: the oldest of its d_conv columns is
+ * never read again), and ssm_states.{l} [1, d_inner, d_state].
  * A quantized cache's raw export (docs/api.md "Raw quantized export") is
  * laid out by the daemon with kvfile_build_tensors; the parser reads it
  * back when the caller says which formats it takes (kvfile_expect.quant).
@@ -50,6 +55,16 @@ size_t kvfile_header_max(int64_t ctx);
 /* The largest file of a model's geometry and context: every layer holding
  * ctx f32 rows, plus the header and padding.  0 when it overflows. */
 size_t kvfile_max_size(int n_layers, int n_kv_heads, int head_dim, int64_t ctx);
+
+/* The largest file of a state-space model (layout "state") for a context
+ * of ctx tokens; 0 when it overflows. */
+size_t kvfile_state_max_size(int n_layers, int d_inner, int d_state, int d_conv, int64_t ctx);
+/* A state file for info (its tokens, strategy, fingerprint) holding
+ * `state`: n_layers states as be_ssm lays them out (the window as
+ * (d_conv - 1, d_inner), then h as (d_inner, d_state)), f32.  MODEL_ENOMEM,
+ * or MODEL_EINVAL for sizes out of range. */
+enum model_status kvfile_build_state(const struct kvfile_info *info, int d_inner, int d_state, int d_conv,
+                                     const float *state, void **out, size_t *size, char *err);
 
 /* Lays out a file for info: *out (malloc'ed, *size bytes) holds the header
  * and zeroed data; k_off[l], v_off[l] are where layer l's K and V start in
@@ -95,6 +110,9 @@ struct kvfile_expect {
      * err saying why not; called with rows_ctx.  NULL: raw files are
      * refused. */
     enum model_status (*quant)(void *ctx, const char *quantization, struct be_kvq_format *fmt, char *err);
+    /* > 0: a state-space model's, whose files have layout "state" and
+     * these dimensions (n_kv_heads, head_dim, rows are not read) */
+    int ssm_inner, ssm_state, ssm_conv;
 };
 
 /* A raw file's layer l: the fields of its q_layers entry, the block count
@@ -125,6 +143,9 @@ struct kvfile {
     int32_t *input;
     int64_t n_input;
     const void **ck, **cv;
+    /* a state file's state, as be_ssm lays it out per layer (owned); NULL
+     * otherwise */
+    float *state;
 };
 
 /* Checks buf[0, len) completely against e before anything the KV needs is
@@ -134,7 +155,8 @@ struct kvfile {
  * overlapping, the sizes their shapes need); for a raw file also its
  * quantization (e->quant), q_block_tokens and every q_layers entry against
  * the positions a quantized cache of the tokens holds, and the six tensors
- * per layer of the shapes they imply.  MODEL_ECONFIG when the file
+ * per layer of the shapes they imply; for a state file the two tensors per
+ * layer of e's dimensions, gathered into out->state.  MODEL_ECONFIG when the file
  * was written for another model (model_fingerprint or the geometry),
  * MODEL_EINVAL for more tokens than the context or an id out of the
  * vocabulary, MODEL_EFORMAT for anything else malformed, MODEL_ENOMEM;

@@ -26,6 +26,7 @@
 #include "model/safetensors.h"
 #include "util/half.h"
 #include "util/q4k.h"
+#include "util/q8.h"
 
 #include <math.h>
 #include <xxhash.h>
@@ -457,13 +458,16 @@ static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt
                      c->qk_norm ? (size_t)c->head_dim : 0, c->sandwich_norms ? dim : 0, c->sandwich_norms ? dim : 0,
                      ln ? dim : 0, ln ? dim : 0, c->ungated_mlp ? ffn : 0, c->ungated_mlp ? dim : 0};
     size_t layer = 0;
-    if (c->arch == ARCH_MAMBA) { /* mamba_upload's copies, as stored (model_load refuses q8_0) */
+    if (c->arch == ARCH_MAMBA) { /* mamba_upload's copies: as stored, or q8_0 where the rows are whole blocks */
         size_t inner = (size_t)c->intermediate_size, N = (size_t)c->ssm_state, R = (size_t)c->ssm_dt_rank;
         size_t mr[] = {inner, inner, R, N, N, inner, dim}, mc[] = {dim, dim, inner, inner, inner, R, inner};
         size_t mv[] = {dim, c->ssm_bias ? inner : 0, c->ssm_bias ? inner : 0, inner * (size_t)c->ssm_conv,
                        c->ssm_conv_bias ? inner : 0, inner, inner * N, inner, c->ssm_bias ? dim : 0};
-        for (size_t i = 0; i < sizeof(mr) / sizeof(mr[0]); i++)
-            layer += charged(mr[i] * mc[i] * dsz);
+        for (size_t i = 0; i < sizeof(mr) / sizeof(mr[0]); i++) {
+            enum be_dtype mt = wf == MODEL_WEIGHTS_AUTO || mc[i] % Q8_0_BLOCK ? c->dtype
+                                                                             : model_weights_mat_dtype(wf, (int)mc[i]);
+            layer += charged(mr[i] * be_row_bytes(mt, mc[i]));
+        }
         for (size_t i = 0; i < sizeof(mv) / sizeof(mv[0]); i++)
             layer += charged(mv[i] * 4);
         return total + (size_t)c->n_layers * layer;
@@ -542,9 +546,8 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     }
     m->be = be;
     enum model_status st = model_config_load(dir, &m->cfg, err);
-    if (st == MODEL_OK && m->cfg.arch == ARCH_MAMBA && p && p->weights != MODEL_WEIGHTS_AUTO) {
-        snprintf(err, MODEL_ERR_LEN, "weights %s: Mamba's matrices are not quantized yet",
-                 p->weights == MODEL_WEIGHTS_Q8_0 ? "q8_0" : "q4_k");
+    if (st == MODEL_OK && m->cfg.arch == ARCH_MAMBA && p && p->weights == MODEL_WEIGHTS_Q4_K) {
+        snprintf(err, MODEL_ERR_LEN, "weights q4_k: Mamba's matrices are quantized to q8_0 only");
         st = MODEL_EUNSUPPORTED;
     }
     if (st == MODEL_OK) {

@@ -1159,25 +1159,43 @@ static bool quantize_row(enum be_dtype dt, const float *x, void *out, int cols)
     return dt == BE_Q4_K ? q4_k_quantize(x, out, (size_t)cols) : q8_0_quantize(x, out, (size_t)cols);
 }
 
+/* The layer matrices --weights quantizes: Mamba's mixer (its in_proj and
+ * x_proj row views quantized row by row, as the whole tensors would be),
+ * else LAYER_MATS. */
+static const struct layer_mat MAMBA_MATS[] = {
+    {"mixer.in_proj.weight", offsetof(struct model_layer, ssm_in_x), D_DIM, D_DIM, ALWAYS},
+    {"mixer.in_proj.weight", offsetof(struct model_layer, ssm_in_z), D_DIM, D_DIM, ALWAYS},
+    {"mixer.x_proj.weight", offsetof(struct model_layer, ssm_x_dt), D_DIM, D_DIM, ALWAYS},
+    {"mixer.x_proj.weight", offsetof(struct model_layer, ssm_x_B), D_DIM, D_DIM, ALWAYS},
+    {"mixer.x_proj.weight", offsetof(struct model_layer, ssm_x_C), D_DIM, D_DIM, ALWAYS},
+    {"mixer.dt_proj.weight", offsetof(struct model_layer, ssm_dt), D_DIM, D_DIM, ALWAYS},
+    {"mixer.out_proj.weight", offsetof(struct model_layer, ssm_out), D_DIM, D_DIM, ALWAYS},
+};
+
 enum model_status model_weights_quantize(const struct model_config *cfg, struct model_weights *w,
                                          enum model_weights_fmt fmt, void **blocks, struct model_layer **layers,
                                          char *err)
 {
-    enum { N_MATS = sizeof LAYER_MATS / sizeof LAYER_MATS[0] };
+    bool mamba = cfg->arch == ARCH_MAMBA;
+    const struct layer_mat *mats = mamba ? MAMBA_MATS : LAYER_MATS;
+    size_t n_mats = mamba ? sizeof MAMBA_MATS / sizeof MAMBA_MATS[0] : sizeof LAYER_MATS / sizeof LAYER_MATS[0];
+    const char *prefix = mamba ? "backbone" : "model";
     size_t total = 0;
     int max_cols = 0;
     char name[128];
     for (int l = 0; l < cfg->n_layers; l++)
-        for (size_t k = 0; k < N_MATS; k++) {
-            const struct model_mat *m = (const struct model_mat *)((const char *)&w->layers[l] + LAYER_MATS[k].off);
+        for (size_t k = 0; k < n_mats; k++) {
+            const struct model_mat *m = (const struct model_mat *)((const char *)&w->layers[l] + mats[k].off);
             /* a matrix the architecture lacks (GPT-2's gate), or one a GGUF
-             * file holds in a block format already, kept as it is */
-            if (!m->data || !be_dtype_size(m->dtype))
+             * file holds in a block format already, kept as it is; so is
+             * Mamba's dt_proj when its dt_rank columns are not whole blocks
+             * (48 in mamba-130m: a small matrix) */
+            if (!m->data || !be_dtype_size(m->dtype) || (mamba && m->cols % Q8_0_BLOCK))
                 continue;
             if (m->cols % Q8_0_BLOCK)
                 return model_errf(err, MODEL_EUNSUPPORTED,
                                   "tensor model.layers.%d.%s: %d columns, not a multiple of %d (Q8_0 blocks)", l,
-                                  LAYER_MATS[k].suffix, m->cols, Q8_0_BLOCK);
+                                  mats[k].suffix, m->cols, Q8_0_BLOCK);
             total += (size_t)m->rows * be_row_bytes(model_weights_mat_dtype(fmt, m->cols), (size_t)m->cols);
             max_cols = m->cols > max_cols ? m->cols : max_cols;
         }
@@ -1192,15 +1210,15 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
     char *next = q;
     for (int l = 0; l < cfg->n_layers && st == MODEL_OK; l++) {
         ls[l] = w->layers[l];
-        for (size_t k = 0; k < N_MATS && st == MODEL_OK; k++) {
-            struct model_mat *m = (struct model_mat *)((char *)&ls[l] + LAYER_MATS[k].off);
-            if (!m->data || !be_dtype_size(m->dtype))
+        for (size_t k = 0; k < n_mats && st == MODEL_OK; k++) {
+            struct model_mat *m = (struct model_mat *)((char *)&ls[l] + mats[k].off);
+            if (!m->data || !be_dtype_size(m->dtype) || (mamba && m->cols % Q8_0_BLOCK))
                 continue;
             enum be_dtype dt = model_weights_mat_dtype(fmt, m->cols);
             size_t row = be_row_bytes(dt, (size_t)m->cols);
             for (int r = 0; r < m->rows && st == MODEL_OK; r++)
                 if (!quantize_row(dt, row_f32(m, r, buf), next + (size_t)r * row, m->cols)) {
-                    snprintf(name, sizeof name, "model.layers.%d.%s", l, LAYER_MATS[k].suffix);
+                    snprintf(name, sizeof name, "%s.layers.%d.%s", prefix, l, mats[k].suffix);
                     st = model_errf(err, MODEL_EFORMAT,
                                     "tensor %s has a non-finite value (NaN or infinity) or one too large for "
                                     "%s's f16 scales in row %d",

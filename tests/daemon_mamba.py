@@ -5,9 +5,13 @@ fresh run's (each rewinds to a state checkpoint and feeds the rest);
 the strategies that act on single tokens are refused with a 400 naming why;
 a sequence's state bytes are the same at 1k and 16k tokens; with the device
 full, states go to the host tier (at creation, and an idle session's to
-make room for a step) with unchanged tokens (the disk tier:
+make room for a step) with unchanged tokens, and with a device budget below
+one state every step streams it layer by layer with unchanged tokens (the disk tier:
 tests/daemon_mamba_disk.py); a request sharing 85 tokens with an earlier
-one starts from the shared checkpoint at 80 with the reference's tokens."""
+one starts from the shared checkpoint at 80 with the reference's tokens; a
+session's state exported as a file equals the reference's states, and
+imported (or the reference's states imported) continues with the same
+tokens."""
 import sys
 
 sys.path.insert(0, "tests")
@@ -110,6 +114,68 @@ r = complete(prompt, cache={"implementation": "offloaded"})
 check(toks(r) == toks(fresh) and r["kvtier"]["bytes"]["device"] == 0 and r["kvtier"]["bytes"]["host"] > 0,
       "offloaded: the state waits in the host tier between steps, the same tokens")
 
+# ---- export and import: the state as a file ---------------------------------
+import json  # noqa: E402
+import struct  # noqa: E402
+
+
+def parse(blob):
+    """(metadata, {name: tensor}) of a safetensors file of F32 tensors."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    h = json.loads(blob[8:8 + n])
+    meta, data = h.pop("__metadata__"), blob[8 + n:]
+    return meta, {k: torch.frombuffer(bytearray(data[v["data_offsets"][0]:v["data_offsets"][1]]),
+                                      dtype=torch.float32).reshape(v["shape"]) for k, v in h.items() if
+                  v["dtype"] == "F32"}
+
+
+def build(meta, tensors):
+    header, data = {"__metadata__": meta}, b""
+    for name, t in tensors.items():
+        raw = t.contiguous().to(torch.float32).numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw + b"\0" * ((-len(raw)) % 8)
+    h = json.dumps(header).encode()
+    h += b" " * ((-len(h)) % 8)
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def post_file(blob):
+    return d.request("POST", "/v1/sessions/import", blob, {"Content-Type": "application/octet-stream"})
+
+
+sid = session(prompt=prompt[:50])
+code, blob = d.get("/v1/sessions/%s/kv" % sid)
+meta, ts = parse(blob)
+with torch.no_grad():
+    _, want_states = ref.step(torch.tensor([prompt[:50]]))
+worst = max(float((ts["%s.%d" % (kind, l)] - st[i]).abs().max() / max(1.0, float(st[i].abs().max())))
+            for l, st in enumerate(want_states) for i, kind in enumerate(("conv_states", "ssm_states")))
+check(code == 200 and meta.get("layout") == "state" and json.loads(meta["tokens"]) == prompt[:50] and
+      len(ts) == 4 and worst < 1e-4,
+      "export: conv_states and ssm_states per layer equal torchref's states after the 50 tokens (worst %.2g)" % worst)
+more = prompt[:50] + [5, 6, 7]
+own = complete(more, session=sid)
+code, imp = post_file(blob)
+check(code == 201 and imp["tokens"] == 50, "import of the exported file -> 201, a session holding 50 tokens")
+r = complete(more, session=imp["id"])
+check(toks(r) == toks(own) == toks(complete(more)) and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 50,
+      "the imported session continues with the exporting session's (and a fresh run's) tokens, 50 cached")
+code, imp2 = post_file(build(meta, {"%s.%d" % (kind, l): st[i] for l, st in enumerate(want_states)
+                                    for i, kind in enumerate(("conv_states", "ssm_states"))}))
+r = complete(more, session=imp2["id"]) if code == 201 else {}
+check(code == 201 and toks(r) == toks(own), "torchref's states imported continue with the same tokens")
+kv_meta = dict(meta)
+del kv_meta["layout"]
+code, e = post_file(build(kv_meta, {}))
+check(code in (400, 409) and "state" in e.get("error", {}).get("message", ""),
+      "a file of K and V is refused naming the state layout (%d: %s)" % (code, e.get("error", {}).get("message")))
+bad = dict(ts)
+bad["ssm_states.1"] = bad["ssm_states.1"][:, :, :8]
+code, e = post_file(build(meta, bad))
+check(code == 400 and "ssm_states.1" in e.get("error", {}).get("message", ""),
+      "a state of another shape is refused naming the tensor (%d: %s)" % (code, e.get("error", {}).get("message")))
+
 # ---- constant state --------------------------------------------------------
 sizes = []
 for n in (1000, 16000):
@@ -134,8 +200,27 @@ check(toks(rb) == toks(fresh) and rb["kvtier"]["fallback"] is not None,
       "tokens" % rb["kvtier"]["fallback"])
 sa = d.get("/v1/sessions/" + a)[1]
 check(sa["bytes"]["device"] == 0 and sa["bytes"]["host"] == state // 2,
-      "its steps' device copies made idle a's state move to the host tier (%s)" % sa["bytes"])
+      "its step's streaming slots made idle a's state move to the host tier (%s)" % sa["bytes"])
 ra2 = complete(prompt[:30] + toks(ra) + [5], session=a)
 want = complete(prompt[:30] + toks(ra) + [5], cache={"implementation": "offloaded"})
 check(toks(ra2) == toks(want), "a continues from the host tier with a fresh run's tokens")
+check(d.stop() == 0, "stop")
+
+# ---- a device budget below one state: it streams layer by layer -------------
+# room for the two streaming slots (one layer's state each), not for the
+# state's two whole copies: every step streams the state through the slots
+small = Daemon("--device-mem", str(idle_bytes + state // 2 + 1024), model=model, tmp=d.tmp)
+small.sock = d.tmp + "/small.sock"
+small.start()
+d = small
+r = complete(prompt)
+check(toks(r) == toks(fresh) and r["kvtier"]["bytes"]["device"] == 0 and r["kvtier"]["fallback"] is not None,
+      "with less device memory than one state: the prompt (in chunks cut at each checkpoint) streams layer by "
+      "layer with a fresh run's tokens (fallback %s)" % r["kvtier"]["fallback"])
+sid = session(prompt=prompt[:40])
+complete(prompt[:40], session=sid)
+code, c = d.post("/v1/sessions/%s/crop" % sid, {"n": -7})
+r2 = complete(prompt[:40], session=sid)
+check(code == 200 and toks(r2) == toks(complete(prompt[:40])),
+      "a streamed session cropped back to its checkpoint regenerates a fresh run's tokens")
 check(d.stop() == 0, "stop")

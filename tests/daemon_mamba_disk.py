@@ -2,7 +2,8 @@
 spills (its state and its checkpoints) and its next request continues from
 the restored state with a fresh run's tokens; a crop after the restore goes
 back to a checkpoint that came back from disk; a session survives a
-restart."""
+restart (and exports the same state file after it); on a slow disk a restore computes with the state's layers while
+the checkpoints after them are still being read."""
 import sys
 import time
 
@@ -54,12 +55,58 @@ check(r3["usage"]["prompt_tokens_details"]["cached_tokens"] == 32 and toks(r3) =
       "run's tokens" % r3["usage"]["prompt_tokens_details"]["cached_tokens"])
 held = nxt[:45] + toks(r3)
 n_held = sp.get("/v1/sessions/" + sid)[1]["tokens"]
+code, exported = sp.get("/v1/sessions/%s/kv" % sid)
+check(code == 200 and isinstance(exported, bytes), "the session's state exported before the restart")
 check(sp.stop() == 0, "SIGTERM writes the session")
 sp.start()
 s = sp.get("/v1/sessions/" + sid)[1]
 check(s.get("tokens") == n_held and s["bytes"]["disk"] > 0, "after a restart the session is listed, on disk (%s)" % s)
+code, again = sp.get("/v1/sessions/%s/kv" % sid)
+check(code == 200 and again == exported, "exported from the disk tier, the same file as before the restart")
 r4 = spcomplete(held + [9], session=sid)
 check(toks(r4) == toks(spcomplete(held + [9])) and r4["usage"]["prompt_tokens_details"]["cached_tokens"] == n_held,
       "after the restart it continues with a fresh run's tokens (cached_tokens %d, held %d)" %
       (r4["usage"]["prompt_tokens_details"]["cached_tokens"], n_held))
+check(sp.stop() == 0, "stop")
+
+# ---- layer by layer: the state computes while the checkpoints are read ------
+# A 1024-token session of a wider Mamba (4 layers of 512 channels: 152 KiB
+# of state) with a checkpoint every 32 tokens: its image, the state then 32
+# checkpoints, spans two windows of the disk tier's reads, slowed to
+# 150 ms a window.  Its next request starts on the state's layers, in the
+# first window, before the read is done
+# (kvtier_session_restore_early_layers_total), with a fresh run's tokens.
+wide = mkmodel(sp.tmp + "/wide", "--arch", "mamba", "--layers", "4", "--dim", "256")
+ctx = [(i * 41 + 5) % 1900 + 50 for i in range(1024)]
+ids = ctx + [11, 12]
+ref = Daemon("--checkpoint-interval", "32", "--disk-dir", "none", model=wide, tmp=sp.tmp)
+ref.sock = sp.tmp + "/ref.sock"
+ref.start()
+want = ref.post_ok("/v1/completions", dict(gen, prompt=ids))
+check(ref.stop() == 0, "a fresh run on a daemon without a disk tier")
+slow = Daemon("--checkpoint-interval", "32", "--spill-after", "1", model=wide, tmp=sp.tmp)
+slow.sock = sp.tmp + "/slow.sock"
+slow.start(extra_env={"KVTIER_DISK_READ_DELAY_MS": "150"})
+sp = slow
+sid = sp.post("/v1/sessions", {"prompt": ctx})[1]["id"]
+s = spilled(sid, 60)
+check(s is not None and s["bytes"]["disk"] > 4 << 20, "the 1024-token session spilled: %s" % (s and s["bytes"]))
+
+
+def early():
+    for line in sp.get("/metrics")[1].decode().splitlines():
+        if line.startswith("kvtier_session_restore_early_layers_total "):
+            return float(line.split()[1])
+    raise KeyError("kvtier_session_restore_early_layers_total")
+
+
+before = early()
+r = spcomplete(ids, session=sid)
+end = time.time() + 20  # counted when the read ends, which can be after the reply
+while early() == before and time.time() < end:
+    time.sleep(0.1)
+grew = early() - before
+check(toks(r) == toks(want) and grew > 0 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 1024,
+      "restored on a slow disk: %d layer(s) computed before the read was done, a fresh run's tokens, 1024 cached"
+      % grew)
 check(sp.stop() == 0, "stop")

@@ -1340,26 +1340,75 @@ static void test_state_prefix_host(void **state)
     be_free(be);
 }
 
+/* One chunk [at, at + n) of a step, as the forward pass drives it: each of
+ * the n_layers layers' state, read after kv_store_layer_begin, must hold
+ * `in` + layer in every float (in < 0: not checked); the chunk writes
+ * v + layer into it (through the backend: the strict one faults on host
+ * access). */
+static void state_chunk(be_backend *be, kv_store *s, kv_seq *q, int n_layers, int64_t at, int64_t n, float in,
+                        float v, size_t sb)
+{
+    kv_seq_chunk(q, at, at + n);
+    float *h = malloc(sb);
+    assert_non_null(h);
+    for (int l = 0; l < n_layers; l++) {
+        struct be_ssm_view w;
+        assert_int_equal(kv_store_layer_begin(s, l), BE_OK);
+        kv_seq_state_view(q, l, &w);
+        assert_int_equal(be_copy(be, h, w.in, sb, BE_D2H), BE_OK);
+        if (in >= 0)
+            for (size_t i = 0; i < sb / sizeof(float); i++)
+                assert_true(h[i] == in + (float)l);
+        for (size_t i = 0; i < sb / sizeof(float); i++)
+            h[i] = v + (float)l;
+        assert_int_equal(be_copy(be, w.out, h, sb, BE_H2D), BE_OK);
+        assert_int_equal(kv_store_layer_end(s, l), BE_OK);
+    }
+    free(h);
+}
+
+/* A step of n tokens (one chunk) that writes v + layer into every float
+ * of the 2-layer state. */
+static void state_step(be_backend *be, kv_store *s, kv_seq *q, int64_t n, float v, size_t sb)
+{
+    int64_t at = kv_seq_length(q);
+    assert_int_equal(kv_seq_reserve(q, n), TIER_OK);
+    assert_int_equal(kv_store_step_begin(s), TIER_OK);
+    state_chunk(be, s, q, 2, at, n, -1, v, sb);
+    assert_int_equal(kv_store_step_end(s), BE_OK);
+    assert_int_equal(kv_seq_commit(q), TIER_OK);
+}
+
 /* The host tier of a state: an offloaded sequence starts there; with the
- * device full, a new one falls back there, its step takes device copies
- * for its length only (and fails while another state holds the device,
- * until kv_seq_offload moves that one out), and the commit puts it back. */
+ * device full, a new one falls back there.  Its steps stream it layer by
+ * layer through the two device slots, one layer's state each (the step
+ * fails while another state leaves no room for them, until kv_seq_offload
+ * moves that one out): each layer is copied in as the committed state in
+ * a step's first chunk and as the chunk before left it in a later one,
+ * written back to a second host copy, checkpointed where a chunk ends on
+ * a multiple of the interval, and the commit makes it the state while an
+ * abort leaves the old one. */
 static void test_state_host_tier(void **state)
 {
     (void)state;
-    size_t sb = be_ssm_state_bytes(32, 16, 4), seq = 2 * sb; /* 2 layers */
+    enum { L = 4 };
+    size_t sb = be_ssm_state_bytes(32, 16, 4), seq = L * sb;
     be_backend *be;
-    struct be_params bp = {.n_threads = 1, .device_mem = 3 * seq}; /* one sequence's two copies, and half */
+    /* one sequence's two device copies and one more layer's state: the
+     * two slots of a streamed one fit only once it has gone */
+    struct be_params bp = {.n_threads = 1, .device_mem = 2 * seq + sb};
     assert_int_equal(be_open("cpu", &bp, &be), BE_OK);
     kv_store *s;
-    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb}, NULL, &s), TIER_OK);
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = L, .state_bytes = sb},
+                                   &(struct kv_store_params){.checkpoint_interval = 16}, &s),
+                     TIER_OK);
 
     kv_seq *off;
     assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = KV_OFFLOADED}, &off), TIER_OK);
     struct kv_seq_stats st = kv_seq_stats(off);
     assert_int_equal(st.dev_bytes, 0);
     assert_int_equal(st.host_bytes, seq);
-    assert_int_equal(st.streamed_layers, 2);
+    assert_int_equal(st.streamed_layers, L);
     kv_seq_free(off);
 
     kv_seq *a, *b;
@@ -1371,53 +1420,61 @@ static void test_state_host_tier(void **state)
     assert_int_equal(st.strategy, KV_OFFLOADED);
     assert_int_equal(st.resident_layers, 0);
     assert_int_equal(st.host_bytes, seq);
-    assert_int_equal(kv_seq_reserve(b, 4), TIER_ENOMEM_DEV); /* a holds the device */
-    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    assert_int_equal(kv_seq_reserve(b, 4), TIER_OK);
+    assert_int_equal(kv_store_step_begin(s), TIER_ENOMEM_DEV); /* a holds the device */
+    kv_seq_abort(b);
+    assert_int_equal(kv_seq_stats(b).host_bytes, seq);
     assert_int_equal(kv_seq_offload(a, KV_FALLBACK_OOM), TIER_OK);
     st = kv_seq_stats(a);
     assert_int_equal(st.fallback, KV_FALLBACK_OOM);
     assert_int_equal(st.dev_bytes, 0);
     assert_int_equal(st.host_bytes, seq);
-    assert_int_equal(kv_seq_reserve(b, 4), TIER_OK);
-    assert_int_equal(kv_seq_stats(b).dev_bytes, 2 * seq); /* for the step */
+
+    /* 24 tokens in chunks [0, 16) and [16, 24): the second reads the first's */
+    assert_int_equal(kv_seq_reserve(b, 24), TIER_OK);
+    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    assert_int_equal(kv_seq_stats(b).host_bytes, 2 * seq); /* the state and the step's copy */
+    assert_int_equal(kv_store_step_begin(s), TIER_OK);
+    state_chunk(be, s, b, L, 0, 16, -1, 1, sb); /* from the zero state */
+    state_chunk(be, s, b, L, 16, 8, 1, 2, sb);
+    assert_int_equal(kv_store_step_end(s), BE_OK);
+    assert_true(be_mem_stats(be).dev_used <= 2 * seq + sb);
     assert_int_equal(kv_seq_commit(b), TIER_OK);
-    assert_int_equal(kv_seq_length(b), 4);
-    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    st = kv_seq_stats(b);
+    assert_int_equal(kv_seq_length(b), 24);
+    assert_int_equal(st.dev_bytes, 0);
+    assert_int_equal(st.host_bytes, 2 * seq); /* the state and the checkpoint at 16 */
+    assert_int_equal(st.xfer.bytes_h2d, 2 * seq); /* each layer in once per chunk, */
+    assert_int_equal(st.xfer.bytes_d2h, 2 * seq); /* and back */
+    /* an aborted step leaves the state as it was */
     assert_int_equal(kv_seq_reserve(b, 4), TIER_OK);
+    assert_int_equal(kv_store_step_begin(s), TIER_OK);
+    state_chunk(be, s, b, L, 24, 4, 2, 7, sb);
+    assert_int_equal(kv_store_step_end(s), BE_OK);
     kv_seq_abort(b);
-    assert_int_equal(kv_seq_length(b), 4);
-    assert_int_equal(kv_seq_stats(b).dev_bytes, 0);
+    assert_int_equal(kv_seq_stats(b).host_bytes, 2 * seq);
+    assert_int_equal(kv_seq_reserve(b, 4), TIER_OK);
+    assert_int_equal(kv_store_step_begin(s), TIER_OK);
+    state_chunk(be, s, b, L, 24, 4, 2, 3, sb);
+    assert_int_equal(kv_store_step_end(s), BE_OK);
+    assert_int_equal(kv_seq_commit(b), TIER_OK);
+    /* back to the checkpoint at 16: what the first chunk wrote */
+    assert_int_equal(kv_seq_crop(b, 20), TIER_OK);
+    assert_int_equal(kv_seq_length(b), 16);
+    assert_int_equal(kv_seq_reserve(b, 1), TIER_OK);
+    assert_int_equal(kv_store_step_begin(s), TIER_OK);
+    state_chunk(be, s, b, L, 16, 1, 1, 4, sb);
+    assert_int_equal(kv_store_step_end(s), BE_OK);
+    assert_int_equal(kv_seq_commit(b), TIER_OK);
     kv_seq *c;
-    assert_int_equal(kv_seq_fork(b, &c), TIER_OK); /* the device is free again: the child takes it */
-    assert_int_equal(kv_seq_stats(c).dev_bytes, 2 * seq);
-    assert_int_equal(kv_seq_length(c), 4);
+    assert_int_equal(kv_seq_fork(b, &c), TIER_OK);
+    assert_int_equal(kv_seq_length(c), 17);
     kv_seq_free(c);
     kv_seq_free(b);
     kv_seq_free(a);
-    assert_int_equal(be_mem_stats(be).dev_used, 0);
     kv_store_free(s);
+    assert_int_equal(be_mem_stats(be).dev_used, 0);
     be_free(be);
-}
-
-/* A step of n tokens that writes v + layer into every float of the state
- * (through the backend: the strict one faults on host access). */
-static void state_step(be_backend *be, kv_store *s, kv_seq *q, int64_t n, float v, size_t sb)
-{
-    int64_t at = kv_seq_length(q);
-    assert_int_equal(kv_seq_reserve(q, n), TIER_OK);
-    kv_seq_chunk(q, at, at + n);
-    float *h = malloc(sb);
-    assert_non_null(h);
-    for (int l = 0; l < 2; l++) {
-        struct be_ssm_view w;
-        kv_seq_state_view(q, l, &w);
-        for (size_t i = 0; i < sb / sizeof(float); i++)
-            h[i] = v + (float)l;
-        assert_int_equal(be_copy(be, w.out, h, sb, BE_H2D), BE_OK);
-    }
-    free(h);
-    assert_int_equal(kv_store_layer_end(s, 1), BE_OK);
-    assert_int_equal(kv_seq_commit(q), TIER_OK);
 }
 
 static uint8_t *state_image(kv_seq *q, size_t *n)
@@ -1506,6 +1563,74 @@ static void test_state_image(void **state)
     be_free(be);
 }
 
+/* An image arriving: the most bytes a load waited for so far. */
+struct state_arrival {
+    const uint8_t *img;
+    size_t asked;
+};
+
+static const void *state_arrive(void *arg, size_t n)
+{
+    struct state_arrival *a = arg;
+    if (n > a->asked)
+        a->asked = n;
+    return a->img;
+}
+
+/* A state image loads layer by layer: its head allocates, a step reads
+ * each layer's state as it reaches it without waiting for the
+ * checkpoints, and these load last, before the step's own: the sequence
+ * is then the saved one after the same step (the same image), on the
+ * device and in the host tier (streamed). */
+static void test_state_load_by_layer(void **state)
+{
+    (void)state;
+    be_backend *be;
+    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
+    size_t sb = be_ssm_state_bytes(32, 16, 4);
+    kv_store *s;
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb},
+                                   &(struct kv_store_params){.checkpoint_interval = 16}, &s),
+                     TIER_OK);
+    size_t head = kv_image_head_size(s);
+    for (int off = 0; off < 2; off++) {
+        kv_seq *q, *r;
+        assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = off ? KV_OFFLOADED : KV_DYNAMIC}, &q),
+                         TIER_OK);
+        for (int i = 0; i < 5; i++) /* 40 tokens: checkpoints at 16 and 32, the state 5 + layer */
+            state_step(be, s, q, 8, (float)(i + 1), sb);
+        size_t n, n2;
+        uint8_t *img = state_image(q, &n);
+        struct state_arrival a = {.img = img};
+        assert_int_equal(kv_seq_load_begin(s, img, n, &(struct kv_image_src){state_arrive, &a}, &r), TIER_OK);
+        assert_int_equal(a.asked, 0);
+        assert_true(kv_seq_loading(r));
+        /* 40..48 ends on a checkpoint: the step's own comes after the image's */
+        assert_int_equal(kv_seq_reserve(r, 8), TIER_OK);
+        assert_int_equal(kv_store_step_begin(s), TIER_OK);
+        state_chunk(be, s, r, 2, 40, 8, 5, 6, sb);
+        assert_int_equal(kv_store_step_end(s), BE_OK);
+        assert_int_equal(kv_seq_commit(r), TIER_OK);
+        assert_int_equal(a.asked, head + 2 * sb); /* the state, not the checkpoints */
+        assert_true(kv_seq_loading(r));
+        state_step(be, s, q, 8, 6, sb);
+        assert_int_equal(kv_seq_load_finish(r), TIER_OK);
+        assert_int_equal(a.asked, n);
+        assert_false(kv_seq_loading(r));
+        uint8_t *want = state_image(q, &n), *got = state_image(r, &n2);
+        assert_int_equal(n2, n);
+        assert_memory_equal(got, want, n);
+        free(want);
+        free(got);
+        free(img);
+        kv_seq_free(r);
+        kv_seq_free(q);
+    }
+    kv_store_free(s);
+    assert_int_equal(be_mem_stats(be).dev_used, 0);
+    be_free(be);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1530,6 +1655,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
         cmocka_unit_test(test_state_store),
+        cmocka_unit_test(test_state_load_by_layer),
         cmocka_unit_test(test_state_prefix),
         cmocka_unit_test(test_state_prefix_host),
         cmocka_unit_test(test_state_image),

@@ -49,7 +49,8 @@
  *   layer's table entry all 0 but lo, which holds state_bytes, then the
  *   state (n_layers x state_bytes, as the layers lay it out), then each
  *   checkpoint as u64 pos and its n_layers x state_bytes, pos ascending in
- *   (0, len] (tiers/state.c): a size that does not split so is refused.
+ *   (0, len] (tiers/state.c): a size that does not split so is refused, and
+ *   so is (when the checkpoints load) a position out of line.
  *   A dense block b is the store's block as be_kv_view lays it out (K, then
  *   V, each [n_kv_heads][T][head_dim] of dtype) for positions [bT, bT+T).
  *   The layer stores [0, S) and [lo, len) (S sinks once a sink sequence
@@ -77,9 +78,12 @@
  *   the image's; an image is accepted only if it is exactly what
  *   kv_seq_save writes for some state, so save(load(img)) == img unless the
  *   load fell back to the host tier.
- * - A state image loads whole: kv_seq_load_begin waits for all of it
- *   (src->wait(size)); it is a few MiB, and a layer's state is nothing
- *   without the others' at the same position.
+ * - A state image loads layer by layer too: its state's layers come first,
+ *   each filled as the forward pass reaches it; its checkpoints, most of
+ *   the image at a small interval but read only by crops, forks and saves,
+ *   are a last part that kv_seq_load_finish (or one of those) fills.  They
+ *   are checked then, not before the allocation: a step may already have
+ *   run, and its own checkpoints come after them.
  * - A loaded sequence holds private blocks and does not take part in the
  *   prefix cache (the image has no token ids to publish by).
  */
@@ -367,6 +371,16 @@ static void put_header(const kv_seq *q, uint8_t *b, size_t size)
 
 /* Layer l's table entry. */
 static void put_entry(const kv_store *s, uint8_t *b, int l, enum kv_home home, int64_t lo,
+                      const struct kvq_layer_state *k);
+
+/* A state sequence's table (FORMAT): state_bytes in each entry's lo. */
+static void put_state_table(const kv_store *s, uint8_t *b)
+{
+    for (int l = 0; l < s->g.n_layers; l++)
+        put_entry(s, b, l, KV_HOME_PAGED, (int64_t)s->g.state_bytes, &(struct kvq_layer_state){0});
+}
+
+static void put_entry(const kv_store *s, uint8_t *b, int l, enum kv_home home, int64_t lo,
                       const struct kvq_layer_state *k)
 {
     uint8_t *e = b + IMG_HDR + 4 * (size_t)s->g.n_layers + LT_ENTRY * (size_t)l;
@@ -394,8 +408,7 @@ enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size)
     struct io io = {.s = s, .p = (uint8_t *)buf + head_size(s)};
     put_header(q, buf, size);
     if (q->state) {
-        for (int l = 0; l < s->g.n_layers; l++)
-            put_entry(s, buf, l, KV_HOME_PAGED, (int64_t)s->g.state_bytes, &(struct kvq_layer_state){0});
+        put_state_table(s, buf);
         return state_seq_save(q, io.p);
     }
     for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
@@ -606,9 +619,8 @@ static enum tier_status parse_table(kv_store *s, const uint8_t *b, size_t size, 
     return TIER_OK;
 }
 
-/* A state image's table and body (FORMAT), the whole image waited for. */
-static enum tier_status parse_state_body(kv_store *s, size_t size, const struct kv_image_src *src,
-                                         struct kv_seq_state *x)
+/* A state image's table and body size (FORMAT). */
+static enum tier_status parse_state_body(kv_store *s, const uint8_t *b, size_t size, struct kv_seq_state *x)
 {
     enum tier_status st = state_check_params(s, &x->p);
     if (st != TIER_OK) {
@@ -618,9 +630,6 @@ static enum tier_status parse_state_body(kv_store *s, size_t size, const struct 
     }
     if (x->record_past)
         return BAD("field state_flags: past recording on a state-space model's sequence");
-    const uint8_t *b = src->wait(src->arg, size);
-    if (!b)
-        return kv_fail(s, TIER_EIO, "sequence image: the state never arrived (the image's read failed)");
     for (int l = 0; l < s->g.n_layers; l++) {
         const uint8_t *e = b + IMG_HDR + 4 * (size_t)s->g.n_layers + LT_ENTRY * (size_t)l;
         if (get64(e) != s->g.state_bytes)
@@ -630,19 +639,21 @@ static enum tier_status parse_state_body(kv_store *s, size_t size, const struct 
             if (get32(e + i))
                 return BAD("layer %d: a state layer's entry has %u at +%d, not 0", l, get32(e + i), i);
     }
-    x->state_body = b + head_size(s);
-    return state_image_check(s, x->state_body, size - head_size(s), x->len, &x->n_ckpt);
+    return state_image_check(s, size - head_size(s), &x->n_ckpt);
 }
 
 /* ---- a load, layer by layer ------------------------------------------------- */
 
 struct kv_seq_loader {
     struct kv_image_src src;
-    int next;                /* the first layer not filled yet */
+    int parts;               /* the layers, and a state's checkpoints after them */
+    int next;                /* the first part not filled yet */
     enum tier_status failed; /* TIER_OK, or why no layer is filled any more */
     char why[KV_ERR_LEN];
     struct plan *plan;       /* [n_layers] */
-    size_t *end;             /* [n_layers] where layer l's blocks end in the image */
+    size_t *end;             /* [parts] where part l's bytes end in the image */
+    int n_ckpt;              /* a state's checkpoints */
+    int64_t len;             /* the sequence's length at the load: its checkpoints' bound */
 };
 
 void kv_seq_loader_free(struct kv_seq_loader *ld)
@@ -662,14 +673,18 @@ enum tier_status kv_seq_fill(kv_seq *q, int layer)
     kv_store *s = q->s;
     if (ld->failed != TIER_OK)
         return kv_fail(s, ld->failed, "%s", ld->why);
-    if (layer >= s->g.n_layers)
-        layer = s->g.n_layers - 1;
+    if (layer >= ld->parts)
+        layer = ld->parts - 1;
     for (; ld->next <= layer; ld->next++) {
         int l = ld->next;
         const uint8_t *img = ld->src.wait(ld->src.arg, ld->end[l]);
         enum tier_status st;
         if (!img) {
-            st = kv_fail(s, TIER_EIO, "sequence image: layer %d's blocks never arrived (the image's read failed)", l);
+            st = kv_fail(s, TIER_EIO, "sequence image: %s %d's bytes never arrived (the image's read failed)",
+                         l < s->g.n_layers ? "layer" : "part", l);
+        } else if (s->g.state_bytes) {
+            st = l < s->g.n_layers ? state_fill_layer(q, l, img + head_size(s))
+                                   : state_fill_ckpts(q, img + head_size(s), ld->n_ckpt, ld->len);
         } else {
             struct io io = {.s = s, .p = (uint8_t *)(uintptr_t)img + (l ? ld->end[l - 1] : head_size(s)), .load = true};
             st = layer_io(&io, q, l, &ld->plan[l]);
@@ -680,7 +695,7 @@ enum tier_status kv_seq_fill(kv_seq *q, int layer)
             return st;
         }
     }
-    if (ld->next == s->g.n_layers) {
+    if (ld->next == ld->parts) {
         kv_seq_loader_free(ld);
         q->load = NULL;
     }
@@ -689,7 +704,7 @@ enum tier_status kv_seq_fill(kv_seq *q, int layer)
 
 enum tier_status kv_seq_load_finish(kv_seq *q)
 {
-    return kv_seq_fill(q, q->s->g.n_layers);
+    return kv_seq_fill(q, INT32_MAX);
 }
 
 bool kv_seq_loading(const kv_seq *q)
@@ -716,8 +731,9 @@ enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, c
     struct kvq_layer_state *kq = calloc(n, sizeof(*kq));
     struct kv_seq_loader *ld = calloc(1, sizeof(*ld));
     if (ld) {
+        ld->parts = (int)n + (s->g.state_bytes > 0);
         ld->plan = calloc(n, sizeof(*ld->plan));
-        ld->end = calloc(n, sizeof(*ld->end));
+        ld->end = calloc((size_t)ld->parts, sizeof(*ld->end));
     }
     enum tier_status st = TIER_OK;
     if (!home || !lo || !kq || !ld || !ld->plan || !ld->end)
@@ -727,8 +743,16 @@ enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, c
     int64_t T = 1;
     if (st == TIER_OK && (st = parse_geometry(s, b, size)) == TIER_OK &&
         (st = parse_params(s, b, &x.p, &qbb, &T)) == TIER_OK && (st = parse_state(s, b, &x)) == TIER_OK)
-        st = s->g.state_bytes ? parse_state_body(s, size, src, &x)
+        st = s->g.state_bytes ? parse_state_body(s, b, size, &x)
                               : parse_table(s, b, size, &x, home, lo, kq, qbb, T, ld->plan, ld->end);
+    /* a state's layers one after the other, then its checkpoints */
+    for (size_t l = 0; st == TIER_OK && s->g.state_bytes && l < n; l++)
+        ld->end[l] = head_size(s) + (l + 1) * s->g.state_bytes;
+    if (st == TIER_OK && s->g.state_bytes) {
+        ld->end[n] = size;
+        ld->n_ckpt = x.n_ckpt;
+        ld->len = x.len;
+    }
     kv_seq *q = NULL;
     if (st == TIER_OK)
         st = kv_seq_restore(s, &x, false, &q);
@@ -737,7 +761,7 @@ enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, c
         s->err[0] = '\0';
         st = kv_seq_restore(s, &x, true, &q);
     }
-    if (st == TIER_OK && !s->g.state_bytes) {
+    if (st == TIER_OK) {
         ld->src = *src;
         q->load = ld;
         ld = NULL;
@@ -768,6 +792,32 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
         return st;
     }
     *out = q;
+    return st;
+}
+
+/* ---- a state from its values (the state import) --------------------------- */
+
+enum tier_status kv_seq_load_state(kv_store *s, const struct kv_seq_params *p, int64_t len, const void *state,
+                                   kv_seq **out)
+{
+    *out = NULL;
+    s->err[0] = '\0';
+    if (!s->g.state_bytes)
+        return kv_fail(s, TIER_EINVAL, "state import: this store holds KV, not states");
+    if (len < 0 || len > KV_SEQ_MAX_LEN)
+        return kv_fail(s, TIER_EINVAL, "state import: a length of %lld tokens is not in [0, %lld]", (long long)len,
+                       (long long)KV_SEQ_MAX_LEN);
+    size_t n = head_size(s) + (size_t)s->g.n_layers * s->g.state_bytes;
+    uint8_t *img = malloc(n);
+    if (!img)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a %zu-byte sequence image", n);
+    /* the image kv_seq_save writes for such a sequence: no fallback, no checkpoints */
+    struct kv_seq hdr = {.s = s, .p = *p, .strategy = p->strategy, .len = len};
+    put_header(&hdr, img, n);
+    put_state_table(s, img);
+    memcpy(img + head_size(s), state, n - head_size(s));
+    enum tier_status st = kv_seq_load(s, img, n, out);
+    free(img);
     return st;
 }
 

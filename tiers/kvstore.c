@@ -1599,7 +1599,7 @@ enum tier_status kv_seq_restore(kv_store *s, const struct kv_seq_state *x, bool 
         q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
     enum tier_status st = TIER_OK;
     if (s->g.state_bytes)
-        st = state_seq_load(q, x->state_body, x->n_ckpt, is_offloaded(q->strategy));
+        st = state_seq_init(q, is_offloaded(q->strategy)); /* image.c fills it */
     if (quant && (st = kvq_seq_init(q)) == TIER_OK)
         st = kvq_seq_restore(q, x->kvq_host || all_host, x->kvq);
     if (quant && x->p.sink && st == TIER_OK)

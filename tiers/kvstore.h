@@ -374,8 +374,7 @@ void kv_seq_abort(kv_seq *q);
  * parameters, strategy (after any fallback), lengths, past recording, and
  * every stored position of every layer (dense blocks, quantized codes and
  * their residual, kept sinks); a state store's sequence, its state and
- * its checkpoints (which load whole: kv_seq_load_begin waits for the
- * image's last byte).  Little-endian, versioned, self-checking sizes; it
+ * its checkpoints.  Little-endian, versioned, self-checking sizes; it
  * names no pointer.  Only between steps.
  *
  * kv_seq_image_size: the bytes kv_seq_save needs for q.
@@ -404,6 +403,9 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
  *   kv_store_layer_begin for l (or for the layer before a streamed l, whose
  *   copy-in it starts), or any call that reads or copies the KV (save,
  *   crop, fork, offload, the dense and raw exports), which fills them all.
+ *   A state store's image fills its state layer by layer the same way, and
+ *   its checkpoints last, with everything (kv_seq_load_finish, a crop, a
+ *   fork, a save); their positions are checked then (TIER_EINVAL).
  *   A fill calls src->wait(src->arg, n), which blocks until the image's
  *   first n bytes are in and returns its first byte, or NULL if they never
  *   will be; a layer whose blocks do not check (rows that must be zero)
@@ -491,15 +493,16 @@ enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, 
 
 /* ---- state-space models (tiers/state.c) ----------------------------------
  * A sequence of a store opened with kv_geom.state_bytes > 0 holds one
- * state per layer: fixed in size, whatever its length, on the device or,
- * between steps, in the host tier (an offloaded strategy, a fallback at
- * creation, kv_seq_offload; its step then takes device copies until the
- * commit).  The strategies that act on single tokens (sliding_window, sink,
- * quantized) are refused by kv_seq_create with TIER_ENOTSUP and a
- * kv_store_errmsg naming why.  kv_seq_crop and kv_seq_reuse go back
+ * state per layer: fixed in size, whatever its length, on the device or
+ * in the host tier (an offloaded strategy, a fallback at creation,
+ * kv_seq_offload; its steps then stream it layer by layer through the
+ * device slots, kv_store_step_begin and the layer hooks).  The
+ * strategies that act on single tokens (sliding_window, sink, quantized)
+ * are refused by kv_seq_create with TIER_ENOTSUP and a kv_store_errmsg
+ * naming why.  kv_seq_crop and kv_seq_reuse go back
  * to the nearest checkpoint at or below the length they would leave
  * (kv_seq_length says where), and the caller feeds the tokens from there;
- * the prefix cache, images and the dense exports do not apply (TIER_ENOTSUP).
+ * the dense exports do not apply (TIER_ENOTSUP; kv_seq_state_read below).
  *
  * kv_store_state_bytes: the device bytes of one sequence's state (both of
  *   its copies: the step's transaction writes the second).
@@ -513,6 +516,18 @@ size_t kv_store_state_bytes(const kv_store *s);
  * sequence's tokens of the step. */
 int kv_store_checkpoint_interval(const kv_store *s);
 void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out);
+/* The state as values, for the session export and import:
+ * kv_seq_state_read: q's state (between steps) into dst[0, size), size
+ *   kv_store_state_bytes(s) / 2: each layer's state as be_ssm lays it out,
+ *   in layer order (TIER_EINVAL for a KV sequence or another size).
+ * kv_seq_load_state: a new sequence with params p that has seen len
+ *   tokens and holds `state` (as kv_seq_state_read gives it) and no
+ *   checkpoint (its crops go back to the zero state, or to checkpoints its
+ *   own steps take): kv_seq_load of that image, with its checks, memory
+ *   and fallback. */
+enum tier_status kv_seq_state_read(kv_seq *q, void *dst, size_t size);
+enum tier_status kv_seq_load_state(kv_store *s, const struct kv_seq_params *p, int64_t len, const void *state,
+                                   kv_seq **out);
 
 /* ---- streaming hooks of the forward pass (tiers/stream.c) ---------------
  * After every sequence of the step is reserved: plan the device slots for

@@ -206,19 +206,25 @@ enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p);
 enum tier_status state_seq_init(kv_seq *q, bool host); /* host: the state starts in the host tier */
 void state_seq_release(kv_seq *q); /* accepts q->state == NULL */
 bool state_on_host(const kv_seq *q);
-enum tier_status state_seq_reserve(kv_seq *q); /* a host state's device copies for the step */
+enum tier_status state_seq_reserve(kv_seq *q); /* a host state's second host copy for the step */
 enum tier_status state_seq_commit(kv_seq *q);
 void state_seq_abort(kv_seq *q);
 enum tier_status state_seq_offload(kv_seq *q); /* to the host tier; all or nothing */
-void state_chunk_end(kv_store *s); /* after a chunk's last layer: checkpoints at its sequences' ends */
+/* after a chunk's last layer (its write-backs queued): checkpoints at its sequences' ends */
+enum be_status state_chunk_end(kv_store *s);
+/* Streaming a host state (stream.c): layer l's copy into its slot region
+ * and back, for a sequence in the current chunk. */
+enum be_status state_copy_in(kv_seq *q, int layer, char *region, struct kv_xfer_stats *x);
+enum be_status state_write_back(kv_seq *q, int layer, const char *region, struct kv_xfer_stats *x);
 enum tier_status state_seq_rewind(kv_seq *q, int64_t len);
 enum tier_status state_seq_fork(const kv_seq *q, kv_seq *child);
 void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host);
 /* A state sequence's part of its image (state.c "images") */
 size_t state_image_bytes(const kv_seq *q);
 enum tier_status state_seq_save(const kv_seq *q, uint8_t *p);
-enum tier_status state_image_check(kv_store *s, const uint8_t *p, size_t size, int64_t len, int *n_ckpt);
-enum tier_status state_seq_load(kv_seq *q, const uint8_t *p, int n_ckpt, bool host);
+enum tier_status state_image_check(kv_store *s, size_t size, int *n_ckpt);
+enum tier_status state_fill_layer(kv_seq *q, int layer, const uint8_t *body);
+enum tier_status state_fill_ckpts(kv_seq *q, const uint8_t *body, int n_ckpt, int64_t len);
 /* state.c "Shared checkpoints": the prefix cache of a state store */
 void state_seq_tokens(kv_seq *q, const int32_t *ids);
 enum tier_status state_seq_match(kv_seq *q, const int32_t *tokens, int64_t n, int64_t *n_cached);
@@ -318,8 +324,7 @@ struct kv_seq_state {
     const enum kv_home *home;         /* [n_layers] (dense strategies) */
     const int64_t *lo;                /* [n_layers] each layer's oldest stored position */
     const struct kvq_layer_state *kvq;/* [n_layers] (quantized) */
-    const uint8_t *state_body;        /* a state store's: the state and n_ckpt checkpoints (state.c) */
-    int n_ckpt;
+    int n_ckpt;                       /* a state store's: its image's checkpoints (state.c) */
 };
 /* A new sequence in state x with storage for every stored position, the
  * contents not written yet.  all_host: every layer in the host tier

@@ -9,9 +9,14 @@
  *
  * Where it lives between steps: on the device (cur and next), or, when the
  * device tier ran out (at creation, or kv_seq_offload when a step did) or
- * an offloaded strategy asked for it, in the host tier (hcur); such a
- * state takes its two device copies for the length of a step only
- * (reserve to commit or abort), as an offloaded KV layer takes its slot.
+ * an offloaded strategy asked for it, in the host tier (hcur).  Such a
+ * state streams layer by layer as an offloaded KV layer does (stream.c):
+ * each layer's state is copied into the layer's device slot while the
+ * layer before computes, updated there in place (be_ssm_view allows
+ * in == out) and written back to a second host copy, hnext, taken at the
+ * reserve; a later chunk of the step copies in from hnext, and the commit
+ * makes hnext the state (an abort drops it).  On the device it needs one
+ * layer's state per slot, not the whole state twice.
  *
  * A state cannot be cut back to an earlier position the way KV blocks
  * can.  Where a chunk ends on a multiple of checkpoint_interval (the
@@ -51,6 +56,7 @@ struct kv_ckpt {
 struct kv_state {
     be_buffer *cur, *next; /* n_layers * state_bytes each, device; NULL between a host state's steps */
     void *hcur;            /* the state in the host tier, or NULL when it is on the device */
+    void *hnext;           /* a host state's step: where its layers' new state goes back */
     struct kv_ckpt *ckpt;  /* ascending pos */
     int n_ckpt, cap_ckpt;
     /* shared checkpoints: q->ids holds the ids of [0, len + pending) while
@@ -99,16 +105,21 @@ enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p)
     return TIER_OK;
 }
 
-/* Copies a whole state between any two homes: a device buffer or host memory. */
-static enum tier_status state_copy(kv_store *s, void *dst, bool dst_dev, const void *src, bool src_dev)
+/* Copies n bytes of a state between any two homes: a device buffer or host memory. */
+static enum tier_status copy_bytes(kv_store *s, void *dst, bool dst_dev, const void *src, bool src_dev, size_t n)
 {
-    size_t n = seq_state_bytes(s);
     if (!dst_dev && !src_dev) {
         memcpy(dst, src, n);
         return TIER_OK;
     }
     enum be_status st = be_copy(s->be, dst, src, n, dst_dev ? (src_dev ? BE_D2D : BE_H2D) : BE_D2H);
     return st == BE_OK ? TIER_OK : kv_fail(s, TIER_EIO, "copying a %zu-byte state: %s", n, be_strerror(st));
+}
+
+/* Copies a whole state. */
+static enum tier_status state_copy(kv_store *s, void *dst, bool dst_dev, const void *src, bool src_dev)
+{
+    return copy_bytes(s, dst, dst_dev, src, src_dev, seq_state_bytes(s));
 }
 
 /* The state's committed copy, wherever it lives. */
@@ -202,28 +213,31 @@ void state_seq_release(kv_seq *q)
     dev_release(q);
     if (x->hcur)
         kv_host_free(q->s, x->hcur, seq_state_bytes(q->s));
+    if (x->hnext)
+        kv_host_free(q->s, x->hnext, seq_state_bytes(q->s));
     free(x);
     q->state = NULL;
 }
 
-/* A host state's step takes its device copies here (TIER_ENOMEM_DEV: the
+/* A host state's step takes its second host copy here; its device room
+ * is the slots kv_store_step_begin plans (TIER_ENOMEM_DEV there: the
  * forward pass moves another sequence to the host tier and tries again). */
 enum tier_status state_seq_reserve(kv_seq *q)
 {
     q->ids_set = false;
     if (q->state->share && !ids_room(q, q->len + q->pending))
         q->state->share = false;
-    if (!state_on_host(q))
-        return TIER_OK;
-    enum tier_status st = dev_take(q);
-    if (st == TIER_OK)
-        st = state_copy(q->s, be_buffer_data(q->state->cur), true, q->state->hcur, false);
-    return st;
+    return state_on_host(q) ? kv_host_alloc(q->s, seq_state_bytes(q->s), &q->state->hnext) : TIER_OK;
 }
 
 void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out)
 {
     const struct kv_state *x = q->state;
+    if (state_on_host(q)) { /* in its slot, updated in place */
+        out->out = kv_slot_region(q->s, layer, &q->layers[layer]);
+        out->in = out->out;
+        return;
+    }
     size_t off = (size_t)layer * q->s->g.state_bytes;
     /* the step's first chunk starts from the committed state */
     const be_buffer *in = q->chunk_from == q->len ? x->cur : x->next;
@@ -396,16 +410,52 @@ enum tier_status state_seq_match(kv_seq *q, const int32_t *tokens, int64_t n, in
     return TIER_OK;
 }
 
-void state_chunk_end(kv_store *s)
+/* Layer l of a host state's chunk: its state in from the host (the
+ * committed copy in the step's first chunk, else what the chunk before
+ * wrote back), and back out to hnext; a sequence outside the chunk moves
+ * nothing.  On the copy stream, in order (stream.c invariant 1). */
+enum be_status state_copy_in(kv_seq *q, int layer, char *region, struct kv_xfer_stats *x)
 {
+    if (!q->chunk_live)
+        return BE_OK;
+    size_t sb = q->s->g.state_bytes;
+    const char *src = q->chunk_from == q->len ? q->state->hcur : q->state->hnext;
+    x->bytes_h2d += sb;
+    return be_copy_async(q->s->be, region, src + (size_t)layer * sb, sb, BE_H2D);
+}
+
+enum be_status state_write_back(kv_seq *q, int layer, const char *region, struct kv_xfer_stats *x)
+{
+    if (!q->chunk_live)
+        return BE_OK;
+    size_t sb = q->s->g.state_bytes;
+    x->bytes_d2h += sb;
+    return be_copy_async(q->s->be, (char *)q->state->hnext + (size_t)layer * sb, region, sb, BE_D2H);
+}
+
+enum be_status state_chunk_end(kv_store *s)
+{
+    bool synced = false;
     for (int i = 0; i < s->n_active; i++) {
         kv_seq *q = s->active[i];
         if (!q->state || !q->chunk_live)
             continue;
         q->chunk_live = false;
-        if (q->chunk_to % s->ckpt_interval == 0)
+        if (q->chunk_to % s->ckpt_interval)
+            continue;
+        if (!state_on_host(q)) {
             ckpt_take(q, be_buffer_data(q->state->next), true, q->chunk_to);
+            continue;
+        }
+        /* the layers' write-backs to hnext land first: rare (once an
+         * interval), so a drain rather than per-layer copies */
+        enum be_status st = synced ? BE_OK : be_sync(s->be);
+        if (st != BE_OK)
+            return st;
+        synced = true;
+        ckpt_take(q, q->state->hnext, false, q->chunk_to);
     }
+    return BE_OK;
 }
 
 enum tier_status state_seq_commit(kv_seq *q)
@@ -421,11 +471,13 @@ enum tier_status state_seq_commit(kv_seq *q)
             sc_publish(q, x->ckpt[i].pos, x->ckpt[i].host);
     x->shared_to = q->len;
     q->ids_set = false;
-    if (!state_on_host(q))
-        return TIER_OK;
-    enum tier_status st = state_copy(q->s, x->hcur, false, be_buffer_data(x->cur), true);
-    dev_release(q);
-    return st;
+    if (state_on_host(q)) { /* kv_store_step_end drained the write-backs */
+        void *h = x->hcur;
+        x->hcur = x->hnext;
+        x->hnext = NULL;
+        kv_host_free(q->s, h, seq_state_bytes(q->s));
+    }
+    return TIER_OK;
 }
 
 void state_seq_abort(kv_seq *q)
@@ -435,8 +487,9 @@ void state_seq_abort(kv_seq *q)
     while (i > 0 && x->ckpt[i - 1].pos > q->len)
         i--;
     ckpt_drop_from(q, i);
-    if (state_on_host(q))
-        dev_release(q);
+    if (x->hnext)
+        kv_host_free(q->s, x->hnext, seq_state_bytes(q->s));
+    x->hnext = NULL;
 }
 
 enum tier_status state_seq_offload(kv_seq *q)
@@ -518,7 +571,23 @@ void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host)
 {
     size_t n = seq_state_bytes(q->s);
     *dev = (q->state->cur ? n : 0) + (q->state->next ? n : 0);
-    *host = (state_on_host(q) ? n : 0) + (size_t)q->state->n_ckpt * n;
+    *host = (state_on_host(q) ? n : 0) + (q->state->hnext ? n : 0) + (size_t)q->state->n_ckpt * n;
+}
+
+enum tier_status kv_seq_state_read(kv_seq *q, void *dst, size_t size)
+{
+    kv_store *s = q->s;
+    s->err[0] = '\0';
+    if (!q->state || q->pending || size != seq_state_bytes(s))
+        return kv_fail(s, TIER_EINVAL, "kv_seq_state_read: %s", !q->state ? "a sequence of KV, not a state"
+                                                               : q->pending ? "during a step"
+                                                                            : "a buffer of another size");
+    enum tier_status st = kv_seq_load_finish(q);
+    if (st != TIER_OK)
+        return st;
+    bool dev;
+    const void *src = cur_of(q, &dev);
+    return state_copy(s, dst, false, src, dev);
 }
 
 /* ---- images (image.c): after the header and a zero layer table, the
@@ -546,51 +615,69 @@ enum tier_status state_seq_save(const kv_seq *q, uint8_t *p)
     return st;
 }
 
-/* The checkpoints of a body of size bytes, checked before anything is
- * allocated: *n_ckpt of them, at positions ascending in (0, len]. */
-enum tier_status state_image_check(kv_store *s, const uint8_t *p, size_t size, int64_t len, int *n_ckpt)
+/* A body of size bytes: the state and *n_ckpt checkpoints (their
+ * positions are checked as they load, state_fill_ckpts). */
+enum tier_status state_image_check(kv_store *s, size_t size, int *n_ckpt)
 {
     size_t n = seq_state_bytes(s);
     if (size < n || (size - n) % (8 + n) || (size - n) / (8 + n) > INT32_MAX)
         return kv_fail(s, TIER_EINVAL, "sequence image: a state body of %zu bytes is not a %zu-byte state and "
                                        "checkpoints of %zu bytes each (field size)", size, n, 8 + n);
     *n_ckpt = (int)((size - n) / (8 + n));
+    return TIER_OK;
+}
+
+/* Layer l of a loading sequence's state (state_seq_init gave it storage),
+ * from a body's state: where the state lives, the device or the host. */
+enum tier_status state_fill_layer(kv_seq *q, int layer, const uint8_t *body)
+{
+    size_t off = (size_t)layer * q->s->g.state_bytes;
+    bool dev;
+    char *dst = cur_of(q, &dev);
+    return copy_bytes(q->s, dst + off, dev, body + off, false, q->s->g.state_bytes);
+}
+
+/* A loading sequence takes the body's n_ckpt checkpoints, checked first:
+ * positions ascending in (0, len], len its length at the load.  They go
+ * before any its steps took since (those are past len). */
+enum tier_status state_fill_ckpts(kv_seq *q, const uint8_t *body, int n_ckpt, int64_t len)
+{
+    kv_store *s = q->s;
+    struct kv_state *x = q->state;
+    size_t n = seq_state_bytes(s);
+    const uint8_t *c = body + n;
     int64_t prev = 0;
-    for (int i = 0; i < *n_ckpt; i++) {
-        int64_t pos = (int64_t)get64(p + n + (size_t)i * (8 + n));
+    for (int i = 0; i < n_ckpt; i++) {
+        int64_t pos = (int64_t)get64(c + (size_t)i * (8 + n));
         if (pos <= prev || pos > len)
             return kv_fail(s, TIER_EINVAL, "sequence image: checkpoint %d: field pos is %lld, not in (%lld, %lld]", i,
                            (long long)pos, (long long)prev, (long long)len);
         prev = pos;
     }
-    return TIER_OK;
-}
-
-/* q (params, strategy, len set; no storage) takes the state and the
- * checkpoints of a checked body: in the host tier if host, else on the
- * device. */
-enum tier_status state_seq_load(kv_seq *q, const uint8_t *p, int n_ckpt, bool host)
-{
-    kv_store *s = q->s;
-    size_t n = seq_state_bytes(s);
-    enum tier_status st = state_seq_init(q, host);
-    bool dev;
-    void *dst = st == TIER_OK ? cur_of(q, &dev) : NULL;
-    if (st == TIER_OK)
-        st = state_copy(s, dst, dev, p, false);
-    if (st == TIER_OK && n_ckpt) {
-        struct kv_state *x = q->state;
-        if (!(x->ckpt = malloc((size_t)n_ckpt * sizeof *x->ckpt)))
-            return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a state's checkpoints");
-        x->cap_ckpt = n_ckpt;
-    }
-    for (int i = 0; i < n_ckpt && st == TIER_OK; i++) {
-        const uint8_t *c = p + n + (size_t)i * (8 + n);
-        void *h;
-        if ((st = kv_host_alloc(s, n, &h)) == TIER_OK) {
-            memcpy(h, c + 8, n);
-            q->state->ckpt[q->state->n_ckpt++] = (struct kv_ckpt){.pos = (int64_t)get64(c), .host = h};
+    if (!n_ckpt)
+        return TIER_OK;
+    if (x->n_ckpt > INT32_MAX - n_ckpt)
+        return kv_fail(s, TIER_EINVAL, "sequence image: %d checkpoints and %d more", n_ckpt, x->n_ckpt);
+    int total = n_ckpt + x->n_ckpt;
+    struct kv_ckpt *all = malloc((size_t)total * sizeof *all);
+    if (!all)
+        return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a state's checkpoints");
+    for (int i = 0; i < n_ckpt; i++) {
+        const uint8_t *e = c + (size_t)i * (8 + n);
+        enum tier_status st = kv_host_alloc(s, n, &all[i].host);
+        if (st != TIER_OK) {
+            while (i--)
+                kv_host_free(s, all[i].host, n);
+            free(all);
+            return st;
         }
+        all[i].pos = (int64_t)get64(e);
+        memcpy(all[i].host, e + 8, n);
     }
-    return st;
+    if (x->n_ckpt)
+        memcpy(all + n_ckpt, x->ckpt, (size_t)x->n_ckpt * sizeof *all);
+    free(x->ckpt);
+    x->ckpt = all;
+    x->n_ckpt = x->cap_ckpt = total;
+    return TIER_OK;
 }

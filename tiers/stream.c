@@ -17,7 +17,9 @@
  * sequence, two where its host ring wraps).  A quantized sequence in the
  * host tier (kvquant.c) streams every layer: its region is the layer's
  * quantized blocks then its residual blocks, one copy per block, and only
- * the residual blocks a chunk wrote go back.
+ * the residual blocks a chunk wrote go back.  A state in the host tier
+ * (state.c) streams every layer too: its region is the layer's state,
+ * copied in and written back whole by each chunk it is part of.
  *
  * Invariants:
  *   (1) copies run in order on the one copy stream, so the copy-in of the
@@ -109,7 +111,8 @@ void kv_stream_slots_release(kv_store *s)
  * that does not.  On failure the store holds none. */
 static enum tier_status slots_alloc(kv_store *s, size_t need)
 {
-    size_t round = KV_SLOT_ROUND_BLOCKS * s->block_bytes;
+    /* a state store's slots hold whole states */
+    size_t round = s->g.state_bytes ? s->g.state_bytes : KV_SLOT_ROUND_BLOCKS * s->block_bytes;
     size_t caps[2] = {(need + round - 1) / round * round, need};
     kv_stream_slots_release(s);
     enum be_status st = BE_ENOMEM_DEV;
@@ -155,9 +158,9 @@ enum tier_status kv_store_step_begin(kv_store *s)
         for (int i = 0; i < s->n_active; i++) {
             kv_seq *q = s->active[i];
             struct kv_layer *L = &q->layers[l];
-            if (kvq_seq_on_host(q)) {
+            if (kvq_seq_on_host(q) || (q->state && state_on_host(q))) {
                 L->slot_off = off;
-                off += kvq_seq_slot_bytes(q, l);
+                off += q->state ? s->g.state_bytes : kvq_seq_slot_bytes(q, l);
                 continue;
             }
             if (L->home != KV_HOME_HOST)
@@ -253,7 +256,9 @@ static enum be_status copy_in(kv_store *s, int l)
     for (int i = 0; i < s->n_active && st == BE_OK; i++) {
         kv_seq *q = s->active[i];
         const struct kv_layer *L = &q->layers[l];
-        if (kvq_seq_on_host(q))
+        if (q->state && state_on_host(q))
+            st = state_copy_in(q, l, kv_slot_region(s, l, L), &s->step);
+        else if (kvq_seq_on_host(q))
             st = kvq_seq_copy_in(q, l, kv_slot_region(s, l, L), &s->step);
         else if (L->home == KV_HOME_HOST)
             st = ring_copy(s, L, L->slot_b0, L->slot_b0 + L->slot_nb, BE_H2D);
@@ -306,12 +311,9 @@ enum be_status kv_store_layer_begin(kv_store *s, int layer)
     return st;
 }
 
-enum be_status kv_store_layer_end(kv_store *s, int layer)
+/* The write-back of a streamed layer l (NOTES). */
+static enum be_status write_back(kv_store *s, int layer)
 {
-    if (s->g.state_bytes && layer == s->g.n_layers - 1)
-        state_chunk_end(s);
-    if (!s->streaming || s->slot_of[layer] < 0)
-        return BE_OK;
     /* layer_begin timed the previous chunk's write-back of this layer */
     enum be_status st = record(s, layer, EV_WB_START, &s->wb_rec[layer]);
     for (int i = 0; i < s->n_active && st == BE_OK; i++) {
@@ -319,13 +321,24 @@ enum be_status kv_store_layer_end(kv_store *s, int layer)
         const struct kv_layer *L = &q->layers[layer];
         if (q->chunk_to <= q->chunk_from)
             continue;
-        if (kvq_seq_on_host(q))
+        if (q->state && state_on_host(q))
+            st = state_write_back(q, layer, kv_slot_region(s, layer, L), &s->step);
+        else if (kvq_seq_on_host(q))
             st = kvq_seq_write_back(q, layer, kv_slot_region(s, layer, L), q->chunk_from, q->chunk_to, &s->step);
         else if (L->home == KV_HOME_HOST)
             st = ring_copy(s, L, q->chunk_from / s->bt, (q->chunk_to + s->bt - 1) / s->bt, BE_D2H);
     }
     if (st == BE_OK)
         st = record(s, layer, EV_WB_END, NULL);
+    return st;
+}
+
+enum be_status kv_store_layer_end(kv_store *s, int layer)
+{
+    enum be_status st = s->streaming && s->slot_of[layer] >= 0 ? write_back(s, layer) : BE_OK;
+    /* a host state's checkpoint reads what the write-backs put in the host tier */
+    if (st == BE_OK && s->g.state_bytes && layer == s->g.n_layers - 1)
+        st = state_chunk_end(s);
     return st;
 }
 
@@ -341,7 +354,7 @@ enum be_status kv_store_step_end(kv_store *s)
     xfer_add(&s->total, &s->step);
     for (int i = 0; i < s->n_active; i++) {
         kv_seq *q = s->active[i];
-        bool streamed = kvq_seq_on_host(q);
+        bool streamed = kvq_seq_on_host(q) || (q->state && state_on_host(q));
         for (int l = 0; l < s->g.n_layers; l++) {
             if (q->layers[l].home == KV_HOME_HOST) {
                 streamed = true;

@@ -787,8 +787,10 @@ def load_config(d):
 # --------------------------------------------------------------------------
 Q8_0_BLOCK = 32
 Q8_0_DTYPE = np.dtype([("d", "<u2"), ("qs", "i1", (Q8_0_BLOCK,))])  # 34 bytes, as struct q8_0_block
-# the layer matrices kvtier --weights q8_0 quantizes (embeddings, norms and lm_head stay)
-Q8_0_LAYER_MATS = re.compile(r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)\.weight$")
+# the layer matrices kvtier --weights q8_0 quantizes (embeddings, norms and lm_head stay; a
+# Mamba matrix whose rows are not whole blocks, dt_proj of dt_rank columns, stays too)
+Q8_0_LAYER_MATS = re.compile(r"(model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)|"
+                             r"backbone\.layers\.\d+\.mixer\.(in|x|dt|out)_proj)\.weight$")
 
 
 def q8_0_quantize(w):
@@ -987,14 +989,15 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quant
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it
     if weights in ("q8_0", "q4_k"):
-        for k in [k for k in sd if Q8_0_LAYER_MATS.match(k)]:
+        whole = m.arch != "MambaForCausalLM"  # Mamba: only matrices whose rows are whole blocks
+        for k in [k for k in sd if Q8_0_LAYER_MATS.match(k) and (whole or sd[k].shape[-1] % Q8_0_BLOCK == 0)]:
             w = sd[k].float().numpy()
             if weights == "q4_k" and w.shape[-1] % Q4_K_BLOCK == 0:
                 sd[k] = torch.from_numpy(q4_k_dequantize(q4_k_quantize(w), w.shape))
             else:
                 sd[k] = torch.from_numpy(q8_0_dequantize(q8_0_quantize(w), w.shape))
         for name, mod in m.named_modules():
-            if Q8_0_LAYER_MATS.match(name + ".weight"):
+            if Q8_0_LAYER_MATS.match(name + ".weight") and (whole or mod.in_features % Q8_0_BLOCK == 0):
                 mod.register_forward_pre_hook(lambda _mod, args: (q8_act(args[0]),))
     elif weights != "auto":
         raise ValueError(f"weights {weights!r}: auto, q8_0 or q4_k")

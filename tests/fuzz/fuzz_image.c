@@ -4,7 +4,9 @@
  *
  * The input's first byte picks the store: even, the geometry of
  * test_image's full-attention model (2 layers, 2 KV heads, head_dim 16,
- * f32, blocks of 4 tokens); odd, the same with every layer sliding by 8.
+ * f32, blocks of 4 tokens); odd, the same with every layer sliding by 8;
+ * with bit 1 set, a state-space model's store instead (2 layers of a
+ * 64-byte state, a checkpoint every 4 tokens; seed image-state).
  * The rest is the image.  The harness links no CPU backend, so the store
  * sits on a backend of plain host memory with copies only (fuzz_mem.h:
  * enough for a load, no kernel runs), a 1 MiB device budget and a 4 MiB
@@ -27,9 +29,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         be = mem_backend(1 << 20);
     int windows[2] = {data[0] & 1 ? 8 : 0, data[0] & 1 ? 8 : 0};
     struct kv_geom g = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 16, .layer_window = windows, .dtype = BE_F32};
+    if (data[0] & 2)
+        g = (struct kv_geom){.n_layers = 2, .state_bytes = be_ssm_state_bytes(4, 2, 3), .dtype = BE_F32};
     kv_store *s;
-    FUZZ_CHECK(kv_store_open(be, &g, &(struct kv_store_params){.block_tokens = 4, .host_mem = 4 << 20}, &s) ==
-                   TIER_OK,
+    FUZZ_CHECK(kv_store_open(be, &g,
+                             &(struct kv_store_params){.block_tokens = 4, .host_mem = 4 << 20, .checkpoint_interval = 4},
+                             &s) == TIER_OK,
                "kv_store_open");
     kv_seq *q = (kv_seq *)1;
     enum tier_status st = kv_seq_load(s, data + 1, size - 1, &q);

@@ -5,8 +5,10 @@
  *
  * Raw quantized files name one of two formats of 4-token blocks: "q4"
  * (4-bit affine, per-token groups of 2) or "fp8".  Each input is parsed
- * twice: for that model, and for an encoder-decoder one of the same
- * geometry (an encoder input of up to 15 ids, each layer's cross K and V).
+ * three times: for that model, for an encoder-decoder one of the same
+ * geometry (an encoder input of up to 15 ids, each layer's cross K and V),
+ * and for a state-space model of 2 layers (3 channels, state 2, conv
+ * kernel 3).
  *
  * Invariants: an error has a message; an accepted file has 1..15 tokens,
  * all in the vocabulary, and every layer's K and V lie wholly inside the
@@ -14,13 +16,14 @@
  * that many tokens, and an encoder-decoder file's input and cross K and V
  * likewise (a raw file: lo <= nq <= tokens, its blocks cover
  * [first*T, nq), the residual is the rest, and the codes, parameters and
- * residual of that many blocks and rows lie inside the input, aligned);
+ * residual of that many blocks and rows lie inside the input, aligned;
+ * a state file: its state and no K or V);
  * no allocation is sized by a declared number before it is checked
  * (libFuzzer's -malloc_limit_mb catches one that is). */
 #include "model/kvfile.h"
 #include "tests/fuzz/fuzz_util.h"
 
-enum { LAYERS = 2, HEADS = 1, HEAD_DIM = 2, CTX = 16, VOCAB = 100, KEEP = 3, T = 4 };
+enum { LAYERS = 2, HEADS = 1, HEAD_DIM = 2, CTX = 16, VOCAB = 100, KEEP = 3, T = 4, INNER = 3, NSTATE = 2, KCONV = 3 };
 
 static int64_t rows(void *ctx, int layer, int64_t n)
 {
@@ -83,10 +86,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!buf)
         return 0;
     memcpy(buf, data, size);
-    for (int enc = 0; enc < 2; enc++) {
+    for (int kind = 0; kind < 3; kind++) {
+        bool enc = kind == 1, state = kind == 2;
         struct kvfile_expect e = {.fingerprint = 0x0123456789abcdefull, .n_layers = LAYERS, .n_kv_heads = HEADS,
                                   .head_dim = HEAD_DIM, .max_tokens = CTX - 1, .vocab_size = VOCAB, .rows = rows,
-                                  .max_input = enc ? CTX - 1 : 0, .quant = enc ? NULL : quant};
+                                  .max_input = enc ? CTX - 1 : 0, .quant = kind ? NULL : quant,
+                                  .ssm_inner = state ? INNER : 0, .ssm_state = state ? NSTATE : 0,
+                                  .ssm_conv = state ? KCONV : 0};
         struct kvfile f;
         char err[MODEL_ERR_LEN] = "";
         enum model_status st = kvfile_parse(buf, size, &e, &f, err);
@@ -102,9 +108,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 FUZZ_CHECK(f.tokens[i] >= 0 && f.tokens[i] < VOCAB, "token %lld is %d", (long long)i, f.tokens[i]);
             size_t esz = be_dtype_size(f.dtype);
             FUZZ_CHECK(esz, "dtype %d", (int)f.dtype);
+            FUZZ_CHECK(state == !!f.state && (!state || (!f.k && !f.q && f.dtype == BE_F32)),
+                       "a state file's state and nothing else");
+            volatile float sum = 0; /* every float of the gathered state is there (ASan) */
+            for (size_t i = 0; state && i < (size_t)LAYERS * INNER * (KCONV - 1 + NSTATE); i++)
+                sum += f.state[i];
             if (f.q)
                 check_raw(buf, size, &f);
-            for (int l = 0; l < LAYERS && !f.q; l++) {
+            for (int l = 0; l < LAYERS && !f.q && !state; l++) {
                 size_t bytes = (size_t)HEADS * (size_t)rows(NULL, l, f.n_tokens) * HEAD_DIM * esz;
                 size_t cross = (size_t)HEADS * (size_t)f.n_input * HEAD_DIM * esz;
                 const uint8_t *p[4] = {f.k[l], f.v[l], enc ? f.ck[l] : NULL, enc ? f.cv[l] : NULL};
