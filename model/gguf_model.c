@@ -21,6 +21,8 @@
 #include <xxhash.h>
 
 #include "model/gguf.h"
+#include "util/q6k.h"
+#include "util/q8.h"
 
 /* GGUF's tensor names and the Hugging Face ones the binder knows. */
 struct name_map {
@@ -571,7 +573,7 @@ static enum model_status adopt(model_files *mf, struct gguf *g, const struct ggu
     for (uint64_t i = 0; i < g->n_t; i++) {
         const struct gguf_tensor *t = &g->t[i];
         char *name = names + i * HF_NAME_MAX;
-        if (!hf_name(ai, t->name, name))
+        if (t->type->id == GGML_TYPE_Q6_K || !hf_name(ai, t->name, name))
             continue;
         struct st_tensor *s = &f->tensors[f->n_tensors++];
         *s = (struct st_tensor){.name = name, .dtype = &t->type->dt, .rank = t->n_dims, .begin = t->offset,
@@ -581,6 +583,69 @@ static enum model_status adopt(model_files *mf, struct gguf *g, const struct ggu
     }
     qsort(f->tensors, f->n_tensors, sizeof *f->tensors, by_name);
     return MODEL_OK;
+}
+
+/* No kernel reads Q6_K (llama.cpp's Q4_K_M files keep the output head and
+ * some ffn_down and attn_v matrices so): each such tensor becomes Q8_0 at
+ * load, row by row through f32, in mf's second table (after adopt filled
+ * the first), whose data is one owned buffer.  8.5 bits a weight instead of 6.56, and a second rounding
+ * (Q8_0's, at most half a step of max|x| / 127 per 32 elements) of values
+ * rounded once already. */
+static enum model_status adopt_q6k(model_files *mf, const struct gguf *g, const struct gguf_arch *ai, char *names,
+                                   char *err)
+{
+    uint64_t bytes = 0, n = 0, cols_max = 0;
+    for (uint64_t i = 0; i < g->n_t; i++) {
+        const struct gguf_tensor *t = &g->t[i];
+        if (t->type->id != GGML_TYPE_Q6_K || !hf_name(ai, t->name, names + i * HF_NAME_MAX))
+            continue;
+        /* 34 bytes per 32 elements is less than 210 per 256 plus one row's
+         * worth: no overflow where the file's own size did not */
+        bytes += t->bytes / t->type->block_bytes * (Q6_K_BLOCK / Q8_0_BLOCK) * sizeof(struct q8_0_block);
+        cols_max = t->ne[0] > cols_max ? t->ne[0] : cols_max;
+        n++;
+    }
+    if (!n)
+        return MODEL_OK;
+    struct st_file *f = &mf->files[mf->n_files++];
+    size_t nl = strlen(g->name) + sizeof " (Q6_K as Q8_0)";
+    uint8_t *buf = malloc(bytes);
+    float *row = malloc(cols_max * sizeof *row);
+    if (!(f->name = malloc(nl)) || !(f->tensors = calloc(n, sizeof *f->tensors)) || !buf || !row) {
+        free(buf);
+        free(row);
+        return model_errf(err, MODEL_ENOMEM, "%s: out of memory requantizing %llu Q6_K tensors (%llu bytes)", g->name,
+                          (unsigned long long)n, (unsigned long long)bytes);
+    }
+    snprintf(f->name, nl, "%s (Q6_K as Q8_0)", g->name);
+    f->data = buf;
+    f->data_size = bytes;
+    enum model_status st = model_files_keep(mf, buf, err);
+    const struct st_dtype *q8 = &gguf_block_type(BE_Q8_0)->dt;
+    uint64_t off = 0;
+    for (uint64_t i = 0; i < g->n_t && st == MODEL_OK; i++) {
+        const struct gguf_tensor *t = &g->t[i];
+        char *name = names + i * HF_NAME_MAX;
+        if (t->type->id != GGML_TYPE_Q6_K || !hf_name(ai, t->name, name))
+            continue;
+        size_t cols = (size_t)t->ne[0], rows = (size_t)(t->bytes / t->type->block_bytes / (cols / Q6_K_BLOCK));
+        size_t in_row = cols / Q6_K_BLOCK * sizeof(struct q6_k_block), out_row = cols / Q8_0_BLOCK * sizeof(struct q8_0_block);
+        const uint8_t *src = mf->files[0].data + t->offset; /* adopt moved g's map there */
+        for (size_t r = 0; r < rows && st == MODEL_OK; r++) {
+            q6_k_dequantize((const struct q6_k_block *)(src + r * in_row), row, cols);
+            if (!q8_0_quantize(row, (struct q8_0_block *)(buf + off + r * out_row), cols))
+                st = model_errf(err, MODEL_EFORMAT, "%s: tensor %s has a non-finite value in row %zu", g->name,
+                                t->name, r);
+        }
+        struct st_tensor *s = &f->tensors[f->n_tensors++];
+        *s = (struct st_tensor){.name = name, .dtype = q8, .rank = t->n_dims, .begin = off, .end = off + rows * out_row};
+        for (int d = 0; d < t->n_dims; d++)
+            s->shape[d] = t->ne[t->n_dims - 1 - d];
+        off += rows * out_row;
+    }
+    free(row);
+    qsort(f->tensors, f->n_tensors, sizeof *f->tensors, by_name);
+    return st;
 }
 
 enum model_status gguf_files_open(const char *path, const struct model_config *cfg, model_files **out,
@@ -595,7 +660,7 @@ enum model_status gguf_files_open(const char *path, const struct model_config *c
         return st;
     model_files *mf = calloc(1, sizeof *mf);
     char *names = malloc((g->n_t ? g->n_t : 1) * HF_NAME_MAX);
-    if (!mf || !names || !(mf->files = calloc(1, sizeof *mf->files)))
+    if (!mf || !names || !(mf->files = calloc(2, sizeof *mf->files)))
         st = model_errf(err, MODEL_ENOMEM, "%s: out of memory", path);
     if (st == MODEL_OK)
         st = find_arch(g, &ai, err);
@@ -604,6 +669,8 @@ enum model_status gguf_files_open(const char *path, const struct model_config *c
     uint64_t hash = w->header_hash;
     if (st == MODEL_OK)
         st = adopt(mf, g, ai, names, err);
+    if (st == MODEL_OK)
+        st = adopt_q6k(mf, g, ai, names, err);
     if (st == MODEL_OK)
         st = model_files_bind(mf, cfg, true, w, err);
     w->header_hash = hash;

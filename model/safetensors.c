@@ -387,6 +387,9 @@ static enum model_status locate(const struct binder *b, const char *name, const 
             return model_errf(b->err, MODEL_EFORMAT, INDEX_NAME ": weight_map has no tensor %s", name);
         f = file_named(b->mf, shard);
     }
+    /* a GGUF's requantized tensors are a second table (gguf_files_open) */
+    for (int i = 1; !b->weight_map && i < b->mf->n_files && !st_find(f, name); i++)
+        f = &b->mf->files[i];
     *file = f;
     *t = st_find(f, name);
     if (!*t)
@@ -755,7 +758,12 @@ static enum model_status bind_stack(struct binder *b, struct model_weights *w, c
 
 static bool has_tensor(const struct binder *b, const char *name)
 {
-    return b->weight_map ? json_object_get(b->weight_map, name) != NULL : st_find(&b->mf->files[0], name) != NULL;
+    if (b->weight_map)
+        return json_object_get(b->weight_map, name) != NULL;
+    for (int i = 0; i < b->mf->n_files; i++)
+        if (st_find(&b->mf->files[i], name))
+            return true;
+    return false;
 }
 
 /* A GPT-2 Conv1D weight, stored [in, out] (x W, not x W^T), bound as an

@@ -9,7 +9,8 @@
 # weights, Gemma 3's window period and linear RoPE scaling), and with Q8_0 layer
 # matrices the same as --weights q8_0 from safetensors, and with Q4_K ones
 # (st2gguf's numpy quantizer, written to produce util/q4k.c's blocks bit
-# for bit) the same as --weights q4_k; the tokenizer from the GGUF
+# for bit) the same as --weights q4_k, and Q6_K ones as their Q8_0
+# requantization; the tokenizer from the GGUF
 # metadata encodes as tokenizer.json does (tests/test_gguf.c); `kvtier
 # quantize` writes a GGUF that loads as --weights q8_0 (q4_k); a cut file
 # is refused with a message.  The random models need Debian's python3 with
@@ -81,6 +82,15 @@ for arch in llama phi3 gpt2; do
   $py tools/st2gguf.py --model "$work/$arch" --out "$work/$arch-q8.gguf" --type q8_0 >/dev/null || exit 1
   same "$work/$arch" "--weights q8_0" "$work/$arch-q8.gguf" ""
 done
+# Q6_K (no kernel reads it) is requantized to Q8_0 at load: the same as a
+# file of the Q8_0 blocks tools/torchref.py makes from its own Q6_K
+# dequantizer (written from the block layout; the rows must be whole
+# super-blocks, hence the wider model)
+$py tools/mkmodel.py --arch llama --layers 2 --dim 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 384 --dtype bf16 \
+  --seed 3 --out "$work/wide" >/dev/null || exit 1
+$py tools/st2gguf.py --model "$work/wide" --out "$work/wide-q6.gguf" --type q6_k >/dev/null || exit 1
+$py tools/st2gguf.py --model "$work/wide" --out "$work/wide-q6q8.gguf" --type q6_k --q6k-as-q8 >/dev/null || exit 1
+same "$work/wide-q6.gguf" "" "$work/wide-q6q8.gguf" ""
 # a query_pre_attn_scalar llama.cpp would not take is refused, not written
 $py tools/mkmodel.py --arch gemma2 --layers 2 --dim 64 --heads 4 --kv-heads 2 --head-dim 16 --ffn 160 --vocab 384 \
   --window 8 --qpas 24 --attn-softcap 5 --final-softcap 10 --tie --dtype bf16 --out "$work/gemma2q" >/dev/null || exit 1

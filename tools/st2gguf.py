@@ -3,7 +3,8 @@
 Hugging Face model (safetensors) as GGUF, so that llama.cpp runs the very weights kvtier runs, and kvtier's
 GGUF loader is tested against a writer it shares no code with.
 
-    /usr/bin/python3 tools/st2gguf.py --model DIR --out FILE.gguf [--type q8_0 [--q8-embed] | --type q4_k]
+    /usr/bin/python3 tools/st2gguf.py --model DIR --out FILE.gguf [--type q8_0 [--q8-embed] | --type q4_k |
+                                                                 --type q6_k [--q6k-as-q8]]
     /usr/bin/python3 tools/st2gguf.py --vocab-only --model DIR --out FILE.gguf
 
 What llama.cpp's convert_hf_to_gguf.py does for these classes, written
@@ -31,6 +32,9 @@ Q8_0 blocks and the rest as above, the split kvtier's --weights q8_0
 makes; --q8-embed quantizes token_embd and output too, as llama.cpp's
 Q8_0 files do.  --type q4_k writes those whose rows are whole 256-element
 super-blocks as Q4_K and the others as Q8_0, the split of --weights q4_k.
+--type q6_k does the same with Q6_K blocks (a simple quantizer, not
+llama.cpp's); --q6k-as-q8 writes instead the Q8_0 blocks of those Q6_K
+values, which is what kvtier's loader holds for a Q6_K tensor.
 Quantizing takes numpy and tools/torchref.py's quantizers.
 """
 import argparse
@@ -47,11 +51,11 @@ ALIGN = 32
 # GGUF metadata value types
 T_U32, T_I32, T_F32, T_BOOL, T_STR, T_ARR = 4, 5, 6, 7, 8, 9
 # ggml tensor types
-GGML = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "BF16": 30}
-# llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_Q4_K_M, MOSTLY_BF16
-FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 15, "BF16": 32}
+GGML = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
+# llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_Q4_K_M, MOSTLY_Q6_K, MOSTLY_BF16
+FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32}
 # bytes of a row of n elements of a block type: (elements per block, bytes per block)
-BLOCKS = {"Q8_0": (32, 34), "Q4_K": (256, 144)}
+BLOCKS = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 ELEM = {"F32": 4, "F16": 2, "BF16": 2}
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
         "gemma3": "gemma3", "phi3": "phi3", "gpt2": "gpt2"}
@@ -388,16 +392,20 @@ def bpe_kvs(tj, tokens, types):
     return out
 
 
-def block_bytes(out_type, data, dtype, shape):
-    """Q8_0 or Q4_K blocks of a matrix, quantized by tools/torchref.py's quantizers."""
+def block_bytes(out_type, data, dtype, shape, q6k_as_q8=False):
+    """Q8_0, Q4_K or Q6_K blocks of a matrix, quantized by tools/torchref.py's
+    quantizers; q6k_as_q8: the Q8_0 blocks of the matrix's Q6_K values."""
     import numpy as np
-    from torchref import q4_k_quantize, q8_0_quantize
+    from torchref import q4_k_quantize, q6_k_dequantize, q6_k_quantize, q8_0_quantize
     np_dtype = {"F32": np.float32, "F16": np.float16}.get(dtype)
     if np_dtype is None:  # bf16: the top half of an f32
         x = (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
         x = np.frombuffer(data, np_dtype).astype(np.float32)
-    return (q4_k_quantize if out_type == "Q4_K" else q8_0_quantize)(x.reshape(shape)).tobytes()
+    x = x.reshape(shape)
+    if q6k_as_q8:
+        return q8_0_quantize(q6_k_dequantize(q6_k_quantize(x), shape)).tobytes()
+    return {"Q4_K": q4_k_quantize, "Q6_K": q6_k_quantize, "Q8_0": q8_0_quantize}[out_type](x).tobytes()
 
 
 def vocab_only(model_dir, out):
@@ -416,10 +424,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF model directory (config.json, model.safetensors)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--type", choices=("auto", "q8_0", "q4_k"), default="auto",
+    ap.add_argument("--type", choices=("auto", "q8_0", "q4_k", "q6_k"), default="auto",
                     help="auto: matrices as stored; q8_0: layer matrices as Q8_0; q4_k: as Q4_K (Q8_0 where "
                     "rows are not whole super-blocks)")
     ap.add_argument("--q8-embed", action="store_true", help="with --type q8_0: token_embd and output too")
+    ap.add_argument("--q6k-as-q8", action="store_true",
+                    help="with --type q6_k: the Q8_0 blocks of the Q6_K values (what kvtier loads a Q6_K file as)")
     ap.add_argument("--vocab-only", action="store_true",
                     help="only the tokenizer's metadata, from --model's tokenizer.json (no config or weights needed)")
     o = ap.parse_args()
@@ -451,6 +461,8 @@ def main():
 
     if o.q8_embed and o.type != "q8_0":
         raise SystemExit("st2gguf: --q8-embed goes with --type q8_0")
+    if o.q6k_as_q8 and o.type != "q6_k":
+        raise SystemExit("st2gguf: --q6k-as-q8 goes with --type q6_k")
 
     def quantized(g, cols):
         """The block type of matrix g under --type, or None."""
@@ -460,7 +472,9 @@ def main():
             return "Q8_0" if o.q8_embed else None
         if not g.startswith("blk.") or g.split(".")[2] not in LAYER_MATS or not g.endswith(".weight"):
             return None
-        return "Q4_K" if o.type == "q4_k" and cols % 256 == 0 else "Q8_0"
+        if o.type in ("q4_k", "q6_k") and cols % 256 == 0:
+            return "Q8_0" if o.q6k_as_q8 else o.type.upper()
+        return "Q8_0"
 
     kvs = [kv("general.architecture", T_STR, arch),
            kv("general.name", T_STR, os.path.basename(os.path.normpath(o.model))),
@@ -521,7 +535,8 @@ def main():
                 if arch in ("gemma2", "gemma3") and g.endswith("norm.weight"):
                     data = plus_one(data)
             elif out_type in BLOCKS:
-                data = block_bytes(out_type, data, t["dtype"], shape)
+                data = block_bytes(out_type, data, t["dtype"], shape,
+                                   o.q6k_as_q8 and o.type == "q6_k" and shape[-1] % 256 == 0)
             if len(data) != nbytes:
                 raise SystemExit("st2gguf: %s: %d bytes, %d expected" % (h, len(data), nbytes))
             dst.write(data)
