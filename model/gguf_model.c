@@ -197,12 +197,12 @@ static enum model_status set(json_t *root, const char *key, json_t *v, const str
     return MODEL_OK;
 }
 
-/* The token ids, the vocabulary size and the embedding's dtype. */
-static enum model_status vocab_json(const struct gguf *g, json_t *root, const char *embd_name, char *err)
+/* The token ids, the vocabulary size, the embedding's dtype and the tie. */
+static enum model_status vocab_json(const struct gguf *g, json_t *root, char *err)
 {
-    const struct gguf_tensor *embd = gguf_tensor(g, embd_name);
+    const struct gguf_tensor *embd = gguf_tensor(g, "token_embd.weight");
     if (!embd)
-        return model_errf(err, MODEL_EFORMAT, "%s: missing tensor %s", g->name, embd_name);
+        return model_errf(err, MODEL_EFORMAT, "%s: missing tensor token_embd.weight", g->name);
     const struct gguf_kv *tokens;
     enum model_status st;
     if ((st = gguf_get_arr(g, "tokenizer.ggml.tokens", false, GGUF_STR, &tokens, err)))
@@ -266,7 +266,7 @@ static enum model_status gpt2_json(const struct gguf *g, json_t *root, char *err
     if (kv_heads >= 0 && kv_heads != heads)
         return model_errf(err, MODEL_EUNSUPPORTED, "%s: gpt2.attention.head_count_kv %lld differs from head_count %lld",
                           g->name, (long long)kv_heads, (long long)heads);
-    return vocab_json(g, root, "token_embd.weight", err);
+    return vocab_json(g, root, err);
 }
 
 /* rope_factors_long.weight or _short as a list of n floats. */
@@ -300,11 +300,11 @@ static enum model_status rope_factors(const struct gguf *g, const char *name, in
 static enum model_status phi3_json(const struct gguf *g, json_t *root, int64_t head_dim, int64_t rot, char *err)
 {
     enum model_status st;
-    int64_t window = 0, orig = -1;
+    int64_t window = 0;
     if ((st = gguf_get_int(g, "phi3.attention.sliding_window", false, 0, INT32_MAX, &window, err)) ||
         (st = set(root, "sliding_window", window > 0 ? json_integer(window) : json_null(), g, err)) ||
         (st = put_int(g, root, "phi3", "rope.scaling.original_context_length", "original_max_position_embeddings",
-                      false, &orig, err)))
+                      false, NULL, err)))
         return st;
     if (rot <= 0)
         rot = head_dim;
@@ -461,7 +461,7 @@ static enum model_status config_json(const struct gguf *g, json_t *root, char *e
         return st;
     if (ai->fam == FAM_PHI3 && (st = phi3_json(g, root, head_dim, rot, err)))
         return st;
-    return vocab_json(g, root, "token_embd.weight", err);
+    return vocab_json(g, root, err);
 }
 
 enum model_status gguf_config_load(const char *path, struct model_config *cfg, char *err)
