@@ -91,6 +91,19 @@ $py tools/mkmodel.py --arch llama --layers 2 --dim 256 --heads 4 --kv-heads 2 --
 $py tools/st2gguf.py --model "$work/wide" --out "$work/wide-q6.gguf" --type q6_k >/dev/null || exit 1
 $py tools/st2gguf.py --model "$work/wide" --out "$work/wide-q6q8.gguf" --type q6_k --q6k-as-q8 >/dev/null || exit 1
 same "$work/wide-q6.gguf" "" "$work/wide-q6q8.gguf" ""
+# refused with a message naming the field: an architecture not read, a
+# longrope file missing one factor tensor (bytes renamed in place)
+refused() {
+  $py -c 'import sys; b = open(sys.argv[1], "rb").read(); open(sys.argv[2], "wb").write(b.replace(sys.argv[3].encode(), sys.argv[4].encode(), 1))' \
+    "$work/$1.gguf" "$work/bad.gguf" "$2" "$3" || exit 1
+  "$run" -m "$work/bad.gguf" --ids $ids -n 1 --greedy --quiet >/dev/null 2>"$work/err"
+  rc=$?
+  if [ $rc -eq 0 ] || [ $rc -gt 128 ] || ! grep -q "$4" "$work/err"; then
+    echo "gguf.test.sh: $1 with $2 -> $3 gave rc $rc: $(cat "$work/err")"; exit 1
+  fi
+}
+refused gpt2 gpt2 gptx 'general.architecture "gptx" is not supported (llama, qwen2, qwen3, gemma2, gemma3, phi3, gpt2)'
+refused phi3 rope_factors_short.weight rope_factors_shorx.weight 'missing tensor rope_factors_short.weight'
 # a query_pre_attn_scalar llama.cpp would not take is refused, not written
 $py tools/mkmodel.py --arch gemma2 --layers 2 --dim 64 --heads 4 --kv-heads 2 --head-dim 16 --ffn 160 --vocab 384 \
   --window 8 --qpas 24 --attn-softcap 5 --final-softcap 10 --tie --dtype bf16 --out "$work/gemma2q" >/dev/null || exit 1
