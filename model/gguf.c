@@ -18,6 +18,7 @@
 #include "model/gguf.h"
 #include "util/file.h"
 #include "util/q4k.h"
+#include "util/q6k.h"
 #include "util/q8.h"
 
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "GGUF files are read in place as little-endian");
@@ -42,6 +43,11 @@ static void q4_k_to_f32(const void *blocks, float *out, size_t n)
     q4_k_dequantize(blocks, out, n);
 }
 
+static void q6_k_to_f32(const void *blocks, float *out, size_t n)
+{
+    q6_k_dequantize(blocks, out, n);
+}
+
 /* The tensor types the loader binds; others are refused by number and
  * tensor name.  One line adds a type the kernels take (a block format
  * with its dequantizer). */
@@ -51,6 +57,8 @@ static const struct gguf_type GGUF_TYPES[] = {
     {8, Q8_0_BLOCK, sizeof(struct q8_0_block), {"Q8_0", 0, BE_Q8_0}, q8_0_to_f32},
     {GGML_TYPE_Q4_K, Q4_K_BLOCK, sizeof(struct q4_k_block), {"Q4_K", 0, BE_Q4_K}, q4_k_to_f32},
     {30, 1, 2, {"BF16", 2, BE_BF16}, NULL},
+    /* no kernel reads it (be -1): gguf_files_open requantizes it to Q8_0 */
+    {GGML_TYPE_Q6_K, Q6_K_BLOCK, sizeof(struct q6_k_block), {"Q6_K", 0, -1}, q6_k_to_f32},
 };
 
 const struct gguf_type *gguf_block_type(int be)
@@ -262,7 +270,8 @@ static enum model_status read_tensor(struct cur *c, struct gguf *g, uint64_t i, 
     if ((st = rd(c, &type, 4, what)))
         return st;
     if (!(t->type = type_of(type)))
-        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: unsupported tensor type %u (%s)", g->name, type, t->name);
+        return model_errf(c->err, MODEL_EUNSUPPORTED, "%s: tensor %s has unsupported type %u (supported: F32, F16, "
+                          "BF16, Q8_0, Q4_K, Q6_K)", g->name, t->name, type);
     if (t->ne[0] % (uint64_t)t->type->block)
         return model_errf(c->err, MODEL_EFORMAT, "%s: tensor %s: rows of %llu elements are not whole %s blocks of %d",
                           g->name, t->name, (unsigned long long)t->ne[0], t->type->dt.name, t->type->block);

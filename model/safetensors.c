@@ -373,7 +373,7 @@ struct binder {
     const struct model_config *cfg;
     json_t *weight_map; /* NULL: the single model.safetensors */
     float *next_vector; /* where the next 1-D tensor's f32 copy goes */
-    bool mixed;         /* model_files_bind's */
+    bool gguf;          /* model_files_bind's: llama.cpp's layout */
     char *err;
 };
 
@@ -387,6 +387,9 @@ static enum model_status locate(const struct binder *b, const char *name, const 
             return model_errf(b->err, MODEL_EFORMAT, INDEX_NAME ": weight_map has no tensor %s", name);
         f = file_named(b->mf, shard);
     }
+    /* a GGUF's requantized tensors are a second table (gguf_files_open) */
+    for (int i = 1; !b->weight_map && i < b->mf->n_files && !st_find(f, name); i++)
+        f = &b->mf->files[i];
     *file = f;
     *t = st_find(f, name);
     if (!*t)
@@ -442,7 +445,7 @@ static enum model_status bind_mat(struct binder *b, const char *name, int rows, 
         return st;
     /* One dtype per checkpoint: the kernels, the memory budget and the
      * reference all take torch_dtype at its word. */
-    if (!b->mixed && t->dtype->be != (int)b->cfg->dtype)
+    if (!b->gguf && t->dtype->be != (int)b->cfg->dtype)
         return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has dtype %s but config.json says %s", f->name, name,
                           t->dtype->name, DTYPES[b->cfg->dtype].name);
     const uint8_t *p = f->data + t->begin;
@@ -565,9 +568,9 @@ static enum model_status vec_f32(struct binder *b, const struct st_file *f, cons
         return model_errf(b->err, MODEL_EFORMAT, "%s: tensor %s has a non-finite value (%g) at index %zu", f->name,
                           name, dst[bad], bad);
     /* Gemma's RMSNorm scales by 1 + weight, in f32 as here; every norm's
-     * name ends so, no bias's does */
+     * name ends so, no bias's does.  llama.cpp's converter stores the sum. */
     size_t nl = strlen(name), sl = strlen("norm.weight");
-    if (b->cfg->norm_plus_one && nl >= sl && strcmp(name + nl - sl, "norm.weight") == 0)
+    if (b->cfg->norm_plus_one && !b->gguf && nl >= sl && strcmp(name + nl - sl, "norm.weight") == 0)
         for (int i = 0; i < len; i++)
             dst[i] += 1.0f;
     b->next_vector += len;
@@ -704,7 +707,7 @@ static enum model_status bind_layer(struct binder *b, int l, struct model_layer 
         snprintf(name, sizeof name, "model.layers.%d.%s", l, f->suffix);
         if ((st = bind_mat(b, name, rows, cols, &whole)))
             return st;
-        size_t row_bytes = (size_t)cols * be_dtype_size(whole.dtype);
+        size_t row_bytes = be_row_bytes(whole.dtype, (size_t)cols); /* a GGUF's may be blocks */
         for (int p = 0, r0 = 0; p < f->n; r0 += dim_of(b->cfg, f->rows[p]), p++)
             *(struct model_mat *)((char *)L + f->off[p]) =
                 (struct model_mat){.data = (const char *)whole.data + (size_t)r0 * row_bytes, .dtype = whole.dtype,
@@ -755,13 +758,21 @@ static enum model_status bind_stack(struct binder *b, struct model_weights *w, c
 
 static bool has_tensor(const struct binder *b, const char *name)
 {
-    return b->weight_map ? json_object_get(b->weight_map, name) != NULL : st_find(&b->mf->files[0], name) != NULL;
+    if (b->weight_map)
+        return json_object_get(b->weight_map, name) != NULL;
+    for (int i = 0; i < b->mf->n_files; i++)
+        if (st_find(&b->mf->files[i], name))
+            return true;
+    return false;
 }
 
 /* A GPT-2 Conv1D weight, stored [in, out] (x W, not x W^T), bound as an
- * owned transposed copy [out, in], the layout the matmul reads. */
+ * owned transposed copy [out, in], the layout the matmul reads; llama.cpp's
+ * converter stores it so already (and perhaps quantized by rows). */
 static enum model_status bind_conv1d(struct binder *b, const char *name, int in, int out, struct model_mat *m)
 {
+    if (b->gguf)
+        return bind_mat(b, name, out, in, m);
     struct model_mat src;
     enum model_status st = bind_mat(b, name, in, out, &src);
     if (st != MODEL_OK)
@@ -804,7 +815,7 @@ static enum model_status bind_gpt2_layer(struct binder *b, const char *pre, int 
         (st = bind_vec(b, NAME("mlp.c_proj.bias"), dim, &L->b_down)))
         return st;
 #undef NAME
-    size_t part = (size_t)dim * (size_t)dim * be_dtype_size(qkv.dtype);
+    size_t part = (size_t)dim * be_row_bytes(qkv.dtype, (size_t)dim); /* a GGUF's may be blocks */
     struct model_mat *parts[] = {&L->wq, &L->wk, &L->wv};
     const float **biases[] = {&L->bq, &L->bk, &L->bv};
     for (int p = 0; p < 3; p++) {
@@ -933,10 +944,10 @@ enum model_status model_files_keep(model_files *mf, void *p, char *err)
     return MODEL_OK;
 }
 
-enum model_status model_files_bind(model_files *mf, const struct model_config *cfg, bool mixed,
+enum model_status model_files_bind(model_files *mf, const struct model_config *cfg, bool gguf,
                                    struct model_weights *w, char *err)
 {
-    struct binder b = {.mf = mf, .cfg = cfg, .mixed = mixed, .err = err};
+    struct binder b = {.mf = mf, .cfg = cfg, .gguf = gguf, .err = err};
     return bind_all(&b, w);
 }
 

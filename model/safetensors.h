@@ -72,10 +72,12 @@ struct model_files {
 
 /* Binds the tensors of mf's one file (its tensors table filled by another
  * format's reader, under the Hugging Face names) as model_files_open binds
- * a safetensors file.  mixed: a matrix may be of any type the kernels take
- * (GGUF keeps some matrices quantized, the others in a float type), not
- * only the config's dtype. */
-enum model_status model_files_bind(model_files *mf, const struct model_config *cfg, bool mixed,
+ * a safetensors file.  gguf: the tensors as llama.cpp's converter writes
+ * them: a matrix may be of any type the kernels take (GGUF keeps some
+ * matrices quantized, the others in a float type), not only the config's
+ * dtype; Gemma's norm weights hold 1 + w already; GPT-2's projections are
+ * [out, in], not Conv1D's [in, out]. */
+enum model_status model_files_bind(model_files *mf, const struct model_config *cfg, bool gguf,
                                    struct model_weights *w, char *err);
 /* Hands p (malloc'd) to mf, which frees it on close; frees p and fails
  * when the table cannot grow. */

@@ -466,7 +466,7 @@ static void test_fields(void **state)
         } else if (!strcmp(f->what, "tensor type")) {
             v32 = 2; /* Q4_0 */
             assert_int_equal(with(&w, f->off, &v32, 4, err), MODEL_EUNSUPPORTED);
-            assert_non_null(strstr(err, "unsupported tensor type 2 ("));
+            assert_non_null(strstr(err, "has unsupported type 2 (supported: "));
             v32 = 0xFFFFFFFF;
             st = with(&w, f->off, &v32, 4, err);
         } else if (!strcmp(f->what, "tensor offset")) {

@@ -963,6 +963,62 @@ def q4_k_dequantize(blocks, shape):
     return out.reshape(shape)
 
 
+# --------------------------------------------------------------------------
+# Q6_K (read only in kvtier, which requantizes it to Q8_0 at load): 256
+# elements in 16 groups of 16, x = (f16(d) * scale) * (q - 32), q a 6-bit
+# code whose low 4 bits are in ql and high 2 in qh.
+# --------------------------------------------------------------------------
+Q6_K_BLOCK = 256
+Q6_K_DTYPE = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<u2")])  # 210
+
+
+def _q6_k_layout():
+    """For each element e of a super-block: its ql byte and shift, its qh
+    byte and shift and its group's scale index, by the format: e = 128 h +
+    32 k + l (h the half, k the quarter, l < 32) takes the low (k < 2) or
+    high nibble of ql[64 h + 32 (k % 2) + l], bits 2k..2k+1 of qh[32 h + l]
+    and scales[8 h + 2 k + l // 16]."""
+    e = np.arange(Q6_K_BLOCK)
+    h, k, l = e // 128, (e % 128) // 32, e % 32
+    return 64 * h + 32 * (k % 2) + l, 4 * (k // 2), 32 * h + l, 2 * k, 8 * h + 2 * k + l // 16
+
+
+def q6_k_quantize(w):
+    """Q6_K blocks of w (rows of whole super-blocks): a simple valid
+    quantizer, not llama.cpp's (whose scale search a loader does not need):
+    each group's scale max|x| / 31 as an int8 multiple of d = the largest
+    scale / 127 (d stored as f16), codes round(x / (d * sc)) in [-32, 31]."""
+    x = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, Q6_K_BLOCK)
+    g = np.abs(x.reshape(len(x), 16, 16)).max(axis=2) / np.float32(31)
+    d = (g.max(axis=1) / np.float32(127)).astype(np.float16)
+    d32 = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32[:, None] > 0, np.rint(g / d32[:, None]), 0).clip(0, 127).astype(np.int8)
+    qb, qs, hb, hs, si = _q6_k_layout()
+    step = d32[:, None] * sc[:, si].astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.rint(x / step), 0).clip(-32, 31).astype(np.int32) + 32
+    out = np.zeros(len(x), Q6_K_DTYPE)
+    out["d"] = d.view(np.uint16)
+    out["scales"] = sc
+    ql = np.zeros((len(x), 128), np.int32)
+    qh = np.zeros((len(x), 64), np.int32)
+    np.add.at(ql, (slice(None), qb), (q & 15) << qs)
+    np.add.at(qh, (slice(None), hb), (q >> 4) << hs)
+    out["ql"], out["qh"] = ql.astype(np.uint8), qh.astype(np.uint8)
+    return out
+
+
+def q6_k_dequantize(blocks, shape):
+    """float32 array of shape from Q6_K blocks: (d * scale) * (q - 32) in
+    float32, element by element from _q6_k_layout."""
+    qb, qs, hb, hs, si = _q6_k_layout()
+    q = ((blocks["ql"][:, qb].astype(np.int32) >> qs) & 15) | (((blocks["qh"][:, hb].astype(np.int32) >> hs) & 3) << 4)
+    d = blocks["d"].view(np.float16).astype(np.float32)
+    step = d[:, None] * blocks["scales"][:, si].astype(np.float32)
+    return (step * (q - 32).astype(np.float32)).reshape(shape)
+
+
 def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quantize=None, matmul_input=None):
     """CausalLM of directory d with its weights upcast (or cast) to dtype;
     kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
