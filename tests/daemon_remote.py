@@ -2,8 +2,9 @@
 its own redis-server processes (a Unix socket in a temp dir, three loopback
 ports for a cluster) and kills only those.
 
-- two daemons, one Redis: B's first request on a prompt A computed gets
-  cached_tokens from the remote tier and A's (= a cold run's) tokens;
+- two daemons, one Redis: B's first request on a prompt A computed (90
+  tokens, then 2,032) gets cached_tokens from the remote tier and A's (= a
+  cold run's) tokens;
 - a private request publishes nothing, nor a private session (its start,
   its turns, its fork's);
   --remote-share prefix-only
@@ -194,6 +195,16 @@ try:
     check(metric(b, "remote_blocks_total", '{result="published"}') == 0 and
           wait_metric(b, "remote_blocks_total", '{result="published"}', 1, timeout=0.5) == 0,
           "blocks B got from the remote tier are not published again")
+
+    # ---- a 2k-token prefix: B's first request on it, from the remote tier ----
+    p2k = prompt_of(21, 2032)
+    base = metric(a, "remote_blocks_total", '{result="published"}')
+    toks, cached = complete(a, p2k)
+    check(toks == reference(p2k) and cached == 0, "daemon A computes a %d-token prompt" % len(p2k))
+    wait_metric(a, "remote_blocks_total", '{result="published"}', base + len(p2k) // BT)
+    toks, cached = complete(b, p2k)
+    check(toks == reference(p2k) and cached == (len(p2k) - 1) // BT * BT and cached >= 2000,
+          "daemon B's first request on that prefix: cached_tokens %d from the remote tier, a cold run's tokens" % cached)
 
     # ---- published as the prefill computes them, not when the request ends ----
     base = metric(a, "remote_blocks_total", '{result="published"}')
