@@ -216,7 +216,8 @@ int main(int argc, char **argv)
     int max_batch = 0;
     for (int i = 0; i < nbat; i++)
         max_batch = bats[i] > max_batch ? bats[i] : max_batch;
-    /* every decode step of the largest batch in one chunk (MAX_BATCH <= 512) */
+    /* every decode step of the largest batch in one chunk */
+    _Static_assert(MAX_BATCH <= 512, "a batch's decode step fits the chunk");
     long all_prompts = (long)n_prompt * max_batch;
     rp.model.max_batch_tokens = all_prompts < 512 ? (int)all_prompts : 512;
     rp.kv.block_tokens = bts[0];
