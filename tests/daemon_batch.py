@@ -1,14 +1,26 @@
-"""Continuous batching: 32 concurrent clients each get exactly the greedy
+"""Continuous batching: 32 (bf16: 16) concurrent clients each get exactly the greedy
 output they get alone, and the daemon shares forward passes between them
-(fewer steps than tokens)."""
+(fewer steps than tokens).  argv[1]: the weights' dtype (f32, or bf16,
+which a CPU with AVX512_BF16 multiplies on its own kernels)."""
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 import threading
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check  # noqa: E402
+from daemon_harness import Daemon, check, mkmodel  # noqa: E402
 
-d = Daemon("--parallel", "32", "--batch-tokens", "128").start()
-N, T = 32, 24
+dtype = sys.argv[1] if len(sys.argv) > 1 else "f32"
+model = None  # the harness's tiny f32 model
+if dtype != "f32":
+    tmp = tempfile.mkdtemp(prefix="kvtier-test.")
+    atexit.register(shutil.rmtree, tmp, True)
+    model = mkmodel(os.path.join(tmp, "model"), "--arch", "llama", "--preset", "tiny", "--dtype", dtype)
+d = Daemon("--parallel", "32", "--batch-tokens", "128", model=model).start()
+# the bf16 pass is a second daemon run: half the clients keep the test short
+N, T = (32 if dtype == "f32" else 16), 24
 words = ["In the beginning", "And God said", "The king", "Blessed are", "He that", "Now the", "Behold", "Thus saith"]
 reqs = [{"prompt": "%s %s" % (words[i % len(words)], " and" * (i // len(words) * 7)), "max_tokens": T,
          "temperature": 0, "ignore_eos": True, "return_tokens": True} for i in range(N)]

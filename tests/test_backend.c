@@ -185,6 +185,47 @@ static void test_matmul(void **state)
         }
 }
 
+/* Below the batched kernels' thresholds a token's outputs do not depend
+ * on the tokens beside it: every level sums each token's products in the
+ * same order whatever the batch, so n sequences decoded in one step give
+ * bit for bit what each gives alone (the daemon's batching relies on it).
+ * The shape cuts row blocks short and ends the columns mid-vector. */
+static void test_matmul_batch_invariance(void **state)
+{
+    (void)state;
+    enum { IN = 2 * 64 + 37, OUT = 130, N = CPU_BF16_GEMM_MIN_TOKENS - 1 };
+    _Static_assert(N < CPU_GEMM_MIN_TOKENS, "every level streams W below both thresholds");
+    for (int dt = BE_F32; dt <= BE_BF16; dt++) {
+        void *w = malloc((size_t)IN * OUT * be_dtype_size((enum be_dtype)dt));
+        float *wf = malloc((size_t)IN * OUT * sizeof(float)), *x = malloc((size_t)N * IN * sizeof(float));
+        assert_non_null(w && wf && x);
+        random_typed(w, (enum be_dtype)dt, wf, (size_t)IN * OUT, 0.5f);
+        fill(x, (size_t)N * IN, 2.0f);
+        for (int l = 0; l < N_LEVELS; l++) {
+            if (!levels[l])
+                continue;
+            be_buffer *ab, *bb;
+            float *alone = dev(levels[l], (size_t)N * OUT * sizeof(float), &ab);
+            float *batch = dev(levels[l], (size_t)N * OUT * sizeof(float), &bb);
+            for (int t = 0; t < N; t++)
+                assert_int_equal(be_matmul(levels[l], alone + (size_t)t * OUT, BE_F32, x + (size_t)t * IN, w,
+                                           (enum be_dtype)dt, NULL, 1, IN, OUT),
+                                 BE_OK);
+            for (int n = 2; n <= N; n++) {
+                assert_int_equal(be_matmul(levels[l], batch, BE_F32, x, w, (enum be_dtype)dt, NULL, n, IN, OUT), BE_OK);
+                for (size_t i = 0; i < (size_t)n * OUT; i++)
+                    if (memcmp(&batch[i], &alone[i], sizeof(float)))
+                        fail_msg("matmul of %d tokens, %s [%s], token %zu row %zu: %.9g, alone %.9g", n,
+                                 be_dtype_name((enum be_dtype)dt), level_names[l], i / OUT, i % OUT, batch[i],
+                                 alone[i]);
+            }
+            be_buffer_free(ab);
+            be_buffer_free(bb);
+        }
+        free(w), free(wf), free(x);
+    }
+}
+
 /* ---- rmsnorm, rope, element-wise ---------------------------------------- */
 
 static void test_rmsnorm(void **state)
@@ -1147,6 +1188,7 @@ int main(void)
     rng_state = 0x9e3779b97f4a7c15u; /* the inputs the tolerances were set on */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_batch_invariance),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_elementwise),

@@ -11,8 +11,9 @@
  *   prefill efficiency = prefill GFLOP/s / OpenBLAS sgemm GFLOP/s measured here
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
- *                [--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16]
- *                [--bw-passes 3] [--weights auto|q8_0|q4_k] [--csv FILE] [--backend cpu|cuda]
+ *                [--block-tokens N[,N...]] [--batch N[,N...]] [--fill N]
+ *                [--kv-dtype auto|f32|bf16|f16] [--bw-passes 3] [--weights auto|q8_0|q4_k]
+ *                [--csv FILE] [--backend cpu|cuda]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -23,7 +24,15 @@
  * positions before the prompt, reserved and committed without computing
  * them (a step's work does not depend on the KV's values), so that prefill
  * and decode run at a long context without paying for its prefill.
- * --csv FILE also writes one row per KV block size (util/csvout.h).
+ * --batch N runs N sequences side by side, as the daemon's scheduler does
+ * with N concurrent requests: their prompts (each its own tokens) in one
+ * forward call, then every decode step one call of one token per sequence,
+ * so the weights are read once for all N; tokens/s are then the aggregate
+ * over the N.  Several batch sizes are measured as several block sizes
+ * are (one list of the two may have more than one entry), and each size's
+ * tokens/s is also given as the median of the per-round ratios to the
+ * first size's.  --csv FILE also writes one row per KV block size or batch
+ * size (util/csvout.h).
  */
 #include <cblas.h>
 #include <errno.h>
@@ -44,6 +53,8 @@
 #include "util/median.h"
 
 #define MAX_BLOCK_SIZES 4
+#define MAX_BATCH_SIZES 8
+#define MAX_BATCH 256
 
 #define SG_M 512 /* the shape of a 512-token prefill chunk */
 #define SG_N 2048
@@ -61,32 +72,57 @@ static double sgemm_gflops(const float *a, const float *b, float *c, int threads
     return g;
 }
 
-/* One fresh sequence in s: n_fill reserved tokens, the prompt, n_decode
- * steps; their seconds in *tp and *td.  false (after a message) on error. */
-static bool run_once(model *m, kv_store *s, const int32_t *ids, int n_fill, int n_prompt, int n_decode, int vocab,
-                     float *logits, double *tp, double *td)
+/* The buffers of a run of up to MAX_BATCH sequences, allocated once. */
+struct batch_bufs {
+    kv_seq **q;
+    struct fw_seq *fs;
+    int32_t *ids;  /* each sequence's prompt: n_prompt tokens of its own */
+    int32_t *next; /* each sequence's decode token of the step */
+    float *logits; /* each sequence's row of vocab */
+};
+
+/* batch fresh sequences in s: n_fill reserved tokens each, their prompts in
+ * one forward call, n_decode steps of one token each; their seconds in *tp
+ * and *td, the decode's CPU seconds (all threads) in *tdc.  false (after a
+ * message) on error. */
+static bool run_once(model *m, kv_store *s, const struct batch_bufs *bb, int batch, int n_fill, int n_prompt,
+                     int n_decode, int vocab, double *tp, double *td, double *tdc)
 {
-    kv_seq *q = NULL;
-    if (kv_seq_create(s, NULL, &q) != TIER_OK || (n_fill && kv_seq_reserve(q, n_fill) != TIER_OK)) {
-        fprintf(stderr, "kvtier-bench: KV store: %s\n", kv_store_errmsg(s));
-        kv_seq_free(q);
-        return false;
+    enum model_status st = MODEL_OK;
+    int made = 0;
+    for (; made < batch; made++) {
+        bb->q[made] = NULL;
+        if (kv_seq_create(s, NULL, &bb->q[made]) != TIER_OK ||
+            (n_fill && kv_seq_reserve(bb->q[made], n_fill) != TIER_OK)) {
+            fprintf(stderr, "kvtier-bench: KV store: %s\n", kv_store_errmsg(s));
+            kv_seq_free(bb->q[made]);
+            st = MODEL_ENOMEM;
+            break;
+        }
+        if (n_fill)
+            kv_seq_commit(bb->q[made]);
+        bb->fs[made] = (struct fw_seq){.kv = bb->q[made], .tokens = bb->ids + (size_t)made * n_prompt,
+                                       .n_tokens = n_prompt, .logits = bb->logits + (size_t)made * vocab};
     }
-    if (n_fill)
-        kv_seq_commit(q);
-    struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = n_prompt, .logits = logits};
     double t0 = clock_s();
-    enum model_status st = model_forward(m, &fs, 1);
+    if (st == MODEL_OK)
+        st = model_forward(m, bb->fs, batch);
     *tp = clock_s() - t0;
     t0 = clock_s();
+    double c0 = clock_cpu_s();
     for (int i = 0; i < n_decode && st == MODEL_OK; i++) {
-        int32_t next = (int32_t)((i * 31 + 7) % vocab);
-        fs = (struct fw_seq){.kv = q, .tokens = &next, .n_tokens = 1, .logits = logits};
-        st = model_forward(m, &fs, 1);
+        for (int b = 0; b < batch; b++) {
+            bb->next[b] = (int32_t)((i * 31 + 7 + b * 13) % vocab);
+            bb->fs[b].tokens = &bb->next[b];
+            bb->fs[b].n_tokens = 1;
+        }
+        st = model_forward(m, bb->fs, batch);
     }
     *td = clock_s() - t0;
-    kv_seq_free(q);
-    if (st != MODEL_OK)
+    *tdc = clock_cpu_s() - c0;
+    for (int b = 0; b < made; b++)
+        kv_seq_free(bb->q[b]);
+    if (st != MODEL_OK && made == batch)
         fprintf(stderr, "kvtier-bench: forward: %s\n", model_strerror(st));
     return st == MODEL_OK;
 }
@@ -114,12 +150,20 @@ static void weight_totals(const struct model_config *c, const struct model_weigh
     }
 }
 
+/* Bytes one decode step of batch sequences reads: the weights once, each
+ * sequence's KV (kv_bytes at the run's mean context). */
+static double step_bytes(size_t wbytes, double kv_bytes, int batch)
+{
+    return (double)wbytes + batch * kv_bytes;
+}
+
 int main(int argc, char **argv)
 {
     if (version_requested(argc, argv, "kvtier-bench"))
         return 0;
     const char *dir = NULL;
     int n_prompt = 256, n_decode = 32, repeat = 3, bts[MAX_BLOCK_SIZES] = {0}, nb = 1, n_fill = 0, bw_passes = 3;
+    int bats[MAX_BATCH_SIZES] = {1}, nbat = 1;
     struct runtime_params rp = {0};
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
@@ -128,11 +172,11 @@ int main(int argc, char **argv)
         {"fill", required_argument, 0, 'f'},   {"kv-dtype", required_argument, 0, 'k'},
         {"bw-passes", required_argument, 0, 'P'}, {"weights", required_argument, 0, 'w'},
         {"csv", required_argument, 0, 'C'},   {"backend", required_argument, 0, 'B'},
-        {0, 0, 0, 0},
+        {"batch", required_argument, 0, 'n'}, {0, 0, 0, 0},
     };
     const char *csv_path = NULL;
     int o;
-    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:w:P:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:w:P:n:", opts, NULL)) != -1) {
         bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
@@ -141,6 +185,7 @@ int main(int argc, char **argv)
         case 't': ok = args_int(optarg, 0, 1024, &rp.be.n_threads); break;
         case 'r': ok = args_int(optarg, 1, 1000, &repeat); break;
         case 'b': ok = args_int_list(optarg, 1, 1 << 16, bts, MAX_BLOCK_SIZES, &nb); break;
+        case 'n': ok = args_int_list(optarg, 1, MAX_BATCH, bats, MAX_BATCH_SIZES, &nbat); break;
         case 'f': ok = args_int(optarg, 0, 1 << 24, &n_fill); break;
         case 'k': ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
         case 'P': ok = args_int(optarg, 1, 100, &bw_passes); break;
@@ -152,22 +197,29 @@ int main(int argc, char **argv)
         if (!ok)
             return args_invalid("kvtier-bench", opts, o, optarg);
     }
-    if (!dir || optind != argc) {
+    if (!dir || optind != argc || (nb > 1 && nbat > 1)) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
-                        "[--block-tokens N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] [--bw-passes N] "
+                        "[--block-tokens N[,N...] | --batch N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] "
+                        "[--bw-passes N] "
                         "[--weights auto|q8_0|q4_k] [--csv FILE] [--backend cpu|cuda]\n");
         return 2;
     }
     FILE *csv = NULL;
     if (csv_path && !(csv = csv_open(csv_path, argc, argv,
-                                     "block_tokens,fill,prompt,decode,prefill_tok_s_best,prefill_tok_s_median,"
+                                     "block_tokens,batch,fill,prompt,decode,prefill_tok_s_best,prefill_tok_s_median,"
                                      "prefill_pct_sgemm,decode_tok_s_best,decode_tok_s_median,decode_pct_read"))) {
         fprintf(stderr, "kvtier-bench: %s: %s\n", csv_path, strerror(errno));
         return 1;
     }
     char err[MODEL_ERR_LEN];
     struct runtime rt;
-    rp.model.max_batch_tokens = n_prompt < 512 ? n_prompt : 512;
+    int max_batch = 0;
+    for (int i = 0; i < nbat; i++)
+        max_batch = bats[i] > max_batch ? bats[i] : max_batch;
+    /* every decode step of the largest batch in one chunk */
+    _Static_assert(MAX_BATCH <= 512, "a batch's decode step fits the chunk");
+    long all_prompts = (long)n_prompt * max_batch;
+    rp.model.max_batch_tokens = all_prompts < 512 ? (int)all_prompts : 512;
     rp.kv.block_tokens = bts[0];
     enum model_status st = runtime_open(dir, &rp, &rt, err);
     if (st != MODEL_OK) {
@@ -190,7 +242,8 @@ int main(int argc, char **argv)
     /* Limits and model are measured in alternation, round by round, and
      * each round gives its own ratios: on a shared machine a disturbance
      * then hits both sides of a ratio, and the median drops the outliers. */
-    size_t runs = (size_t)repeat * (size_t)nb;
+    int nv = nb > 1 ? nb : nbat; /* the variants measured: block sizes or batch sizes */
+    size_t runs = (size_t)repeat * (size_t)nv;
     /* every CPU reads: a ceiling for the decode's threads must not be lower
      * than what the machine gives all of them */
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
@@ -198,13 +251,19 @@ int main(int argc, char **argv)
     readbw *rb = readbw_create((size_t)1 << 30, bw_threads);
     float *sa = malloc(sizeof(float) * SG_M * SG_K), *sb = malloc(sizeof(float) * SG_K * SG_N),
           *sc = malloc(sizeof(float) * SG_M * SG_N);
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
-    float *logits = malloc(sizeof(float) * (size_t)c->vocab_size);
+    struct batch_bufs bb = {
+        .q = calloc((size_t)max_batch, sizeof(*bb.q)),
+        .fs = calloc((size_t)max_batch, sizeof(*bb.fs)),
+        .ids = malloc(sizeof(int32_t) * (size_t)n_prompt * (size_t)max_batch),
+        .next = malloc(sizeof(int32_t) * (size_t)max_batch),
+        .logits = malloc(sizeof(float) * (size_t)c->vocab_size * (size_t)max_batch),
+    };
     double *r_bw = calloc((size_t)repeat, sizeof(double)), *r_sg = calloc((size_t)repeat, sizeof(double));
     /* per round and block size: tokens/s, then the ratios made of them */
     double *t_pre = calloc(runs, sizeof(double)), *t_dec = calloc(runs, sizeof(double));
+    double *c_dec = calloc(runs, sizeof(double)); /* decode tokens per CPU second */
     double *ratio = calloc((size_t)repeat, sizeof(double));
-    if (!rb || !sa || !sb || !sc || !ids || !logits || !r_bw || !r_sg || !t_pre || !t_dec || !ratio) {
+    if (!rb || !sa || !sb || !sc || !bb.q || !bb.fs || !bb.ids || !bb.next || !bb.logits || !r_bw || !r_sg || !t_pre || !t_dec || !c_dec || !ratio) {
         fprintf(stderr, "kvtier-bench: out of memory\n");
         return 1;
     }
@@ -213,8 +272,9 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < (size_t)SG_K * SG_N; i++)
         sb[i] = (float)(i % 5) * 0.1f;
     sgemm_gflops(sa, sb, sc, threads); /* warm-up: OpenBLAS starts its threads */
-    for (int i = 0; i < n_prompt; i++)
-        ids[i] = (int32_t)((i * 7919) % c->vocab_size);
+    /* sequence 0's prompt is the one-sequence runs' of earlier builds */
+    for (size_t i = 0; i < (size_t)n_prompt * (size_t)max_batch; i++)
+        bb.ids[i] = (int32_t)((i % (size_t)n_prompt * 7919 + i / (size_t)n_prompt * 104729) % (size_t)c->vocab_size);
 
     const struct model_weights *w = model_get_weights(m);
     size_t wbytes;
@@ -226,9 +286,10 @@ int main(int argc, char **argv)
                       (n_fill + n_prompt + n_decode / 2.0);
 
     /* untimed, so round 0's first store does not pay for cold pages and caches */
-    for (int b = 0; b < nb; b++) {
-        double tp, td;
-        if (!run_once(m, stores[b], ids, n_fill, n_prompt, 1, c->vocab_size, logits, &tp, &td))
+    for (int v = 0; v < nv; v++) {
+        double tp, td, tdc;
+        if (!run_once(m, stores[nb > 1 ? v : 0], &bb, bats[nbat > 1 ? v : 0], n_fill, n_prompt, 1, c->vocab_size,
+                      &tp, &td, &tdc))
             return 1;
     }
     int n_stream = 0;   /* rounds whose ceiling came from non-temporal loads */
@@ -237,24 +298,28 @@ int main(int argc, char **argv)
     for (int r = 0; r < repeat; r++) {
         enum readbw_load load;
         int streams;
+        /* sgemm first: OpenBLAS's threads spin for a while after it, and
+         * would count in the decode's CPU time */
+        r_sg[r] = sgemm_gflops(sa, sb, sc, threads);
         r_bw[r] = readbw_ceiling(rb, bw_passes, &load, &streams);
         n_stream += load == READBW_STREAM;
         if (r_bw[r] > best_round) {
             best_round = r_bw[r];
             best_streams = streams;
         }
-        r_sg[r] = sgemm_gflops(sa, sb, sc, threads);
-        for (int k = 0; k < nb; k++) {
-            int b = (k + r) % nb;
-            double tp, td;
-            if (!run_once(m, stores[b], ids, n_fill, n_prompt, n_decode, c->vocab_size, logits, &tp, &td))
+        for (int k = 0; k < nv; k++) {
+            int v = (k + r) % nv, batch = bats[nbat > 1 ? v : 0];
+            kv_store *s = stores[nb > 1 ? v : 0];
+            double tp, td, tdc;
+            if (!run_once(m, s, &bb, batch, n_fill, n_prompt, n_decode, c->vocab_size, &tp, &td, &tdc))
                 return 1;
-            t_pre[r * nb + b] = n_prompt / tp;
-            t_dec[r * nb + b] = n_decode / td;
-            fprintf(stderr, "round %d, blocks of %d: read %.1f GB/s, sgemm %.1f GFLOP/s, prefill %.0f %%, decode %.0f %%\n",
-                    r, kv_store_block_tokens(stores[b]), r_bw[r], r_sg[r],
-                    100 * flops_tok * t_pre[r * nb + b] / 1e9 / r_sg[r],
-                    100 * (wbytes + kv_bytes) * t_dec[r * nb + b] / 1e9 / r_bw[r]);
+            t_pre[r * nv + v] = (double)batch * n_prompt / tp;
+            t_dec[r * nv + v] = (double)batch * n_decode / td;
+            c_dec[r * nv + v] = (double)batch * n_decode / tdc;
+            fprintf(stderr, "round %d, blocks of %d, batch %d: read %.1f GB/s, sgemm %.1f GFLOP/s, prefill %.0f %%, "
+                    "decode %.0f %%\n", r, kv_store_block_tokens(s), batch, r_bw[r], r_sg[r],
+                    100 * flops_tok * t_pre[r * nv + v] / 1e9 / r_sg[r],
+                    100 * step_bytes(wbytes, kv_bytes, batch) * t_dec[r * nv + v] / batch / 1e9 / r_bw[r]);
         }
     }
     printf("model            %s (%s, %d layers, dim %d, %s weights, %.2f GB of matrices)\n", dir, c->arch_name,
@@ -269,54 +334,68 @@ int main(int argc, char **argv)
         best_bw = r_bw[r] > best_bw ? r_bw[r] : best_bw;
         best_sg = r_sg[r] > best_sg ? r_sg[r] : best_sg;
     }
-    for (int b = 0; b < nb; b++) {
+    for (int v = 0; v < nv; v++) {
+        int batch = bats[nbat > 1 ? v : 0];
+        kv_store *s = stores[nb > 1 ? v : 0];
+        /* bytes a decode step reads (weights once, every sequence's KV) per token */
+        double tok_bytes = step_bytes(wbytes, kv_bytes, batch) / batch;
         double prefill_tps = 0, decode_tps = 0;
         for (int r = 0; r < repeat; r++) {
-            prefill_tps = t_pre[r * nb + b] > prefill_tps ? t_pre[r * nb + b] : prefill_tps;
-            decode_tps = t_dec[r * nb + b] > decode_tps ? t_dec[r * nb + b] : decode_tps;
+            prefill_tps = t_pre[r * nv + v] > prefill_tps ? t_pre[r * nv + v] : prefill_tps;
+            decode_tps = t_dec[r * nv + v] > decode_tps ? t_dec[r * nv + v] : decode_tps;
         }
-        printf("KV blocks        %d tokens\n", kv_store_block_tokens(stores[b]));
+        printf("KV blocks        %d tokens\n", kv_store_block_tokens(s));
+        if (nbat > 1 || batch > 1)
+            printf("batch            %d sequences decoding together: tokens/s below are their sum\n", batch);
         for (int r = 0; r < repeat; r++)
-            ratio[r] = t_pre[r * nb + b];
+            ratio[r] = t_pre[r * nv + v];
         double prefill_med = median_sort(ratio, repeat);
         for (int r = 0; r < repeat; r++)
-            ratio[r] = flops_tok * t_pre[r * nb + b] / 1e9 / r_sg[r];
+            ratio[r] = flops_tok * t_pre[r * nv + v] / 1e9 / r_sg[r];
         double prefill_pct = 100 * median_sort(ratio, repeat);
         printf("prefill          %d tokens: %.1f tokens/s (best), %.1f (median), %.0f %% of sgemm (median of rounds), "
                "%.0f %% best/best\n",
                n_prompt, prefill_tps, prefill_med, prefill_pct, 100 * flops_tok * prefill_tps / 1e9 / best_sg);
         for (int r = 0; r < repeat; r++)
-            ratio[r] = t_dec[r * nb + b];
+            ratio[r] = t_dec[r * nv + v];
         double decode_med = median_sort(ratio, repeat);
         for (int r = 0; r < repeat; r++)
-            ratio[r] = (wbytes + kv_bytes) * t_dec[r * nb + b] / 1e9 / r_bw[r];
+            ratio[r] = tok_bytes * t_dec[r * nv + v] / 1e9 / r_bw[r];
         double decode_pct = 100 * median_sort(ratio, repeat);
         printf("decode           %d tokens: %.2f tokens/s (best), %.2f (median), %.0f %% of the read ceiling with KV "
                "(median of rounds), %.0f %% best/best\n",
-               n_decode, decode_tps, decode_med, decode_pct, 100 * (wbytes + kv_bytes) * decode_tps / 1e9 / best_bw);
+               n_decode, decode_tps, decode_med, decode_pct, 100 * tok_bytes * decode_tps / 1e9 / best_bw);
         if (csv)
-            fprintf(csv, "%d,%d,%d,%d,%.3f,%.3f,%.2f,%.3f,%.3f,%.2f\n", kv_store_block_tokens(stores[b]), n_fill,
+            fprintf(csv, "%d,%d,%d,%d,%d,%.3f,%.3f,%.2f,%.3f,%.3f,%.2f\n", kv_store_block_tokens(s), batch, n_fill,
                     n_prompt, n_decode, prefill_tps, prefill_med, prefill_pct, decode_tps, decode_med, decode_pct);
-        /* the weights alone: the figure comparable with another engine's,
-         * whose KV layout and size differ */
+        /* the weights alone, read once per step: the figure comparable
+         * with another engine's, whose KV layout and size differ */
         for (int r = 0; r < repeat; r++)
-            ratio[r] = wbytes * t_dec[r * nb + b] / 1e9 / r_bw[r];
+            ratio[r] = wbytes * t_dec[r * nv + v] / batch / 1e9 / r_bw[r];
         printf("decode weights   %.2f GB/s (median), %.2f (best), %.0f %% of the read ceiling (median of rounds), "
                "%.0f %% best/best\n",
-               wbytes * decode_med / 1e9, wbytes * decode_tps / 1e9, 100 * median_sort(ratio, repeat),
-               100 * wbytes * decode_tps / 1e9 / best_bw);
-        if (b > 0) {
-            double lo[2], hi[2], med[2];
-            for (int d = 0; d < 2; d++) {
-                const double *t = d ? t_dec : t_pre;
+               wbytes * decode_med / batch / 1e9, wbytes * decode_tps / batch / 1e9, 100 * median_sort(ratio, repeat),
+               100 * wbytes * decode_tps / batch / 1e9 / best_bw);
+        for (int r = 0; r < repeat; r++)
+            ratio[r] = 1e3 / c_dec[r * nv + v];
+        printf("decode CPU       %.1f ms of CPU time per token, all threads (median of rounds)\n",
+               median_sort(ratio, repeat));
+        if (v > 0) {
+            double lo[3], hi[3], med[3];
+            for (int d = 0; d < 3; d++) {
+                const double *t = d == 2 ? c_dec : d ? t_dec : t_pre;
                 for (int r = 0; r < repeat; r++)
-                    ratio[r] = t[r * nb + b] / t[r * nb];
+                    ratio[r] = t[r * nv + v] / t[r * nv];
                 med[d] = median_sort(ratio, repeat); /* sorts ratio */
                 lo[d] = ratio[0];
                 hi[d] = ratio[repeat - 1];
             }
-            printf("vs %d-token blocks: prefill %.3fx (median of rounds, %.3f-%.3f), decode %.3fx (%.3f-%.3f)\n",
-                   kv_store_block_tokens(stores[0]), med[0], lo[0], hi[0], med[1], lo[1], hi[1]);
+            if (nb > 1)
+                printf("vs %d-token blocks: ", kv_store_block_tokens(stores[0]));
+            else
+                printf("vs a batch of %d: ", bats[0]);
+            printf("prefill %.3fx (median of rounds, %.3f-%.3f), decode %.3fx (%.3f-%.3f), decode tokens per CPU "
+                   "second %.3fx (%.3f-%.3f)\n", med[0], lo[0], hi[0], med[1], lo[1], hi[1], med[2], lo[2], hi[2]);
         }
     }
     /* last: median_sort() sorts, and the ratios above pair the rounds */
@@ -334,9 +413,13 @@ int main(int argc, char **argv)
     free(r_sg);
     free(t_pre);
     free(t_dec);
+    free(c_dec);
     free(ratio);
-    free(ids);
-    free(logits);
+    free(bb.q);
+    free(bb.fs);
+    free(bb.ids);
+    free(bb.next);
+    free(bb.logits);
     for (int b = 1; b < nb; b++)
         kv_store_free(stores[b]);
     runtime_close(&rt);

@@ -54,51 +54,73 @@ void cpu_bf16_pack_act_avx512(uint32_t *xb, const float *x, int n, int in)
     }
 }
 
-/* Decode: y[t0 .. t0+TN) of rows [r0, r1), TN <= 4 tokens whose pairs are
- * rows of xb: every 64-byte load of weights feeds TN dot products, and the
- * rows four ahead are prefetched (a row is often a page of its own, where
- * the hardware prefetcher starts over).  TN is a constant after inlining. */
-static inline __attribute__((always_inline)) void matvec_tokens(const struct cpu_mm *a, int t0, const int TN,
-                                                                int r0, int r1)
+/* Decode: y[t0 .. t0+TN) of rows [r, r+RN), TN <= 4 tokens whose pairs
+ * are rows of xb: every 64-byte load of weights feeds TN dot products.  PF:
+ * this call streams the rows from memory, so it prefetches the rows four
+ * ahead (a row is often a page of its own, where the hardware prefetcher
+ * starts over); later calls on the same rows find them in cache.  TN, RN
+ * and PF are constants after inlining, so the TN x RN sums stay in
+ * registers. */
+static inline __attribute__((always_inline)) void matvec_block(const struct cpu_mm *a, int t0, const int TN, int r,
+                                                               const int RN, const bool PF)
 {
     size_t in = (size_t)a->in, pairs = cpu_bf16_pairs(a->in), body = in / 32 * 32;
     __mmask32 tail = (__mmask32)((1ull << (in - body)) - 1);
     const uint16_t *x = (const uint16_t *)(a->xb + (size_t)t0 * pairs);
     size_t xs = 2 * pairs; /* elements from one token's row to the next */
-    for (int r = r0; r < r1;) {
-        int nr = r1 - r >= 4 ? 4 : 1;
-        const uint16_t *w0 = (const uint16_t *)a->w + (size_t)r * in;
-        __m512 acc[4][4];
+    const uint16_t *w0 = (const uint16_t *)a->w + (size_t)r * in;
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < TN; t++)
+#pragma GCC unroll 4
+        for (int k = 0; k < RN; k++)
+            acc[t][k] = _mm512_setzero_ps();
+    for (size_t i = 0; i <= body; i += 32) {
+        __mmask32 m = i < body ? 0xffffffffu : tail;
+        if (!m)
+            break;
+        __m512bh xv[4];
 #pragma GCC unroll 4
         for (int t = 0; t < TN; t++)
+            xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + (size_t)t * xs + i);
 #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++)
-                acc[t][k] = _mm512_setzero_ps();
-        for (size_t i = 0; i <= body; i += 32) {
-            __mmask32 m = i < body ? 0xffffffffu : tail;
-            if (!m)
-                break;
-            __m512bh xv[4];
+        for (int k = 0; k < RN; k++) {
+            const uint16_t *wk = w0 + (size_t)k * in + i;
+            if (PF)
+                _mm_prefetch((const char *)(wk + 4 * in), _MM_HINT_T0);
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, wk);
 #pragma GCC unroll 4
             for (int t = 0; t < TN; t++)
-                xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + (size_t)t * xs + i);
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                if (k >= nr)
-                    break;
-                const uint16_t *wk = w0 + (size_t)k * in + i;
-                _mm_prefetch((const char *)(wk + 4 * in), _MM_HINT_T0);
-                __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, wk);
-#pragma GCC unroll 4
-                for (int t = 0; t < TN; t++)
-                    acc[t][k] = _mm512_dpbf16_ps(acc[t][k], wv, xv[t]);
-            }
+                acc[t][k] = _mm512_dpbf16_ps(acc[t][k], wv, xv[t]);
         }
+    }
 #pragma GCC unroll 4
-        for (int t = 0; t < TN; t++)
-            for (int k = 0; k < nr; k++)
-                a->y[(size_t)(t0 + t) * (size_t)a->out + (size_t)(r + k)] = _mm512_reduce_add_ps(acc[t][k]);
-        r += nr;
+    for (int t = 0; t < TN; t++)
+#pragma GCC unroll 4
+        for (int k = 0; k < RN; k++)
+            a->y[(size_t)(t0 + t) * (size_t)a->out + (size_t)(r + k)] = _mm512_reduce_add_ps(acc[t][k]);
+}
+
+/* Rows [r, r+RN) times every token, four at a time: the first four stream
+ * the rows from memory, the rest read them from cache, so W is read from
+ * memory once whatever the batch below CPU_BF16_GEMM_MIN_TOKENS.  Each
+ * token's sums run in the same order whatever the batch, so a token's
+ * output does not depend on the others beside it. */
+static inline __attribute__((always_inline)) void matvec_rows(const struct cpu_mm *a, int r, const int RN)
+{
+    int n = a->n, t = n >= 4 ? 4 : n;
+    switch (t) { /* the streaming call */
+    case 4: matvec_block(a, 0, 4, r, RN, true); break;
+    case 3: matvec_block(a, 0, 3, r, RN, true); break;
+    case 2: matvec_block(a, 0, 2, r, RN, true); break;
+    case 1: matvec_block(a, 0, 1, r, RN, true); break;
+    }
+    for (; t + 4 <= n; t += 4)
+        matvec_block(a, t, 4, r, RN, false);
+    switch (n - t) {
+    case 3: matvec_block(a, t, 3, r, RN, false); break;
+    case 2: matvec_block(a, t, 2, r, RN, false); break;
+    case 1: matvec_block(a, t, 1, r, RN, false); break;
     }
 }
 
@@ -207,12 +229,9 @@ void cpu_matmul_bf16_avx512(const struct cpu_mm *a, int r0, int r1, float *scrat
         gemm(a, r0, r1, scratch);
         return;
     }
-    int t = 0;
-    for (; t + 4 <= a->n; t += 4)
-        matvec_tokens(a, t, 4, r0, r1);
-    switch (a->n - t) {
-    case 3: matvec_tokens(a, t, 3, r0, r1); break;
-    case 2: matvec_tokens(a, t, 2, r0, r1); break;
-    case 1: matvec_tokens(a, t, 1, r0, r1); break;
-    }
+    int r = r0;
+    for (; r + 4 <= r1; r += 4)
+        matvec_rows(a, r, 4);
+    for (; r < r1; r++)
+        matvec_rows(a, r, 1);
 }
