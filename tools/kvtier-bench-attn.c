@@ -19,19 +19,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "util/args.h"
 #include "util/clock.h"
 #include "util/version.h"
-
-static double cpu_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 struct setup {
     int context, tokens, heads, kv_heads, head_dim, block_tokens, threads, repeat;
@@ -96,12 +88,12 @@ static int bench(const struct setup *s)
                                .scale = 0.125f, .kv_dtype = s->dt};
     /* one call first: the pool's threads started, the blocks in the TLB */
     st = be_attention(r.be, be_buffer_data(r.ob), q, &view, r.toks, s->tokens, &p);
-    double c0 = cpu_s(), w0 = clock_s();
+    double c0 = clock_cpu_s(), w0 = clock_s();
     for (int i = 0; st == BE_OK && i < s->repeat; i++)
         st = be_attention(r.be, be_buffer_data(r.ob), q, &view, r.toks, s->tokens, &p);
     if (st == BE_OK)
         st = be_sync(r.be);
-    double cpu = (cpu_s() - c0) / s->repeat, wall = (clock_s() - w0) / s->repeat;
+    double cpu = (clock_cpu_s() - c0) / s->repeat, wall = (clock_s() - w0) / s->repeat;
     run_free(&r);
     if (st != BE_OK) {
         fprintf(stderr, "kvtier-bench-attn: %s\n", be_strerror(st));

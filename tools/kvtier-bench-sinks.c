@@ -34,13 +34,6 @@
 #include "tiers/quant.h"
 #include "util/version.h"
 
-static double cpu_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static int parse_ids(const char *s, struct tok_ids *out)
 {
     for (char *end; *s; s = *end ? end + 1 : end) {
@@ -162,7 +155,7 @@ int main(int argc, char **argv)
         layer = block + ((live + T - 1) / T + 2) * f.block_bytes + ((R + bt - 1) / bt + 2) * block;
     }
     size_t bound = (size_t)geo.n_layers * layer;
-    double first_rate = 0, rate = 0, first_cpu = 0, cpu = 0, t0 = clock_s(), c0 = cpu_s();
+    double first_rate = 0, rate = 0, first_cpu = 0, cpu = 0, t0 = clock_s(), c0 = clock_cpu_s();
     const int32_t *feed = ids.ids;
     int n_feed = (int)n_prompt;
     for (int g = 1; g <= n_gen; g++) {
@@ -189,7 +182,7 @@ int main(int argc, char **argv)
         if (g % every == 0) {
             double t1 = clock_s();
             rate = (double)every / (t1 - t0);
-            cpu = (cpu_s() - c0) * 1e3 / every;
+            cpu = (clock_cpu_s() - c0) * 1e3 / every;
             size_t bytes = kv_seq_bytes(q);
             if (!first_rate) {
                 first_rate = rate;
@@ -201,7 +194,7 @@ int main(int argc, char **argv)
                 goto out;
             }
             t0 = clock_s(); /* the report itself is not timed */
-            c0 = cpu_s();
+            c0 = clock_cpu_s();
         }
     }
     if (first_rate)
