@@ -54,6 +54,9 @@ struct cpu_mm {
      * once by the driver, and x itself is then those blocks dequantized
      * (d * q) */
     const struct cpu_q8_act *xq;
+    /* with xq: the sum of each block's 32 codes, which the products of
+     * unsigned weight codes (Q4_K's, Q8_0's + 128) are corrected by */
+    const int32_t *xsum;
     /* wt BE_BF16 on a level with bf16_pack_act: x rounded to bf16 and
      * packed by it, once by the driver */
     const uint32_t *xb;
@@ -148,6 +151,13 @@ void cpu_ssm_scan_scalar(const struct cpu_ssm *a, size_t lo, size_t hi);
 void cpu_matmul_wq_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch);
 void cpu_matmul_wq_vnni(const struct cpu_mm *a, int r0, int r1, float *scratch);
 void cpu_q8_act_avx2(struct cpu_q8_act *y, const float *x, size_t n);
+/* From CPU_WQ_GEMM_MIN_TOKENS tokens, on rows of at most CPU_WQ_GEMM_MAX_IN
+ * weights (a packed panel of them fits a thread's scratch), the VNNI level
+ * multiplies quantized weights by a blocked int8 GEMM (wq_vnni.c) whose
+ * result equals the scalar level's bit for bit; otherwise by the loops of
+ * wq_rows.h. */
+#define CPU_WQ_GEMM_MIN_TOKENS 16
+#define CPU_WQ_GEMM_MAX_IN 16384
 
 /* Batched matmul for the SIMD levels (gemm.c): panels of W converted to
  * f32 by to_f32 into scratch, multiplied by OpenBLAS sgemm.  Needs

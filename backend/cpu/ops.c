@@ -79,19 +79,27 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
     if (cpu_wq(wt)) { /* once here, not once per thread and row chunk */
         size_t elems = (size_t)n * (size_t)in, bfl = elems / 32 * (sizeof(struct cpu_q8_act) / sizeof(float));
         _Static_assert(sizeof(struct cpu_q8_act) % sizeof(float) == 0, "blocks tile a float work area");
-        float *work = cpu_ctx_rows(j.c, bfl + elems);
+        _Static_assert(sizeof(int32_t) == sizeof(float), "block sums fill a float work area");
+        float *work = cpu_ctx_rows(j.c, bfl + elems + elems / 32);
         if (!work)
             return BE_ENOMEM_HOST;
         struct cpu_q8_act *xq = (struct cpu_q8_act *)work;
         float *xd = work + bfl;
+        int32_t *xsum = (int32_t *)(xd + elems);
         cpu_ctx_kern(j.c)->q8_act(xq, x, elems);
         /* the panels' sgemm multiplies floats: it gets x as rounded too,
          * so every path and batch size computes the same product */
-        for (size_t b = 0; b < elems / 32; b++)
-            for (int i = 0; i < 32; i++)
+        for (size_t b = 0; b < elems / 32; b++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
                 xd[b * 32 + (size_t)i] = xq[b].d * (float)xq[b].qs[i];
+                sum += xq[b].qs[i];
+            }
+            xsum[b] = sum;
+        }
         j.mm.xq = xq;
         j.mm.x = xd;
+        j.mm.xsum = xsum;
     }
     const struct cpu_kern *k = cpu_ctx_kern(j.c);
     if (wt == BE_BF16 && k->bf16_pack_act) { /* once here, as for Q8_0 */
