@@ -245,10 +245,16 @@ static void wq_to_f32(float *y, const void *x, enum be_dtype dt, size_t n)
     }
 }
 
+/* Whether wq_matmul takes gemm.c's panels (over a->x) for n tokens of in. */
+static inline bool wq_panels(int n, int in)
+{
+    return n >= CPU_GEMM_MIN_TOKENS && in <= CPU_SCRATCH_FLOATS;
+}
+
 /* The matmul of a level whose Q4_K rows are q4k (q4k_rows256 or a wider one). */
 static inline void wq_matmul(const struct cpu_mm *a, int r0, int r1, float *scratch, q4k_rows_fn *q4k)
 {
-    if (a->n >= CPU_GEMM_MIN_TOKENS && a->in <= CPU_SCRATCH_FLOATS) {
+    if (wq_panels(a->n, a->in)) {
         cpu_matmul_panels(a, r0, r1, scratch, wq_to_f32);
         return;
     }

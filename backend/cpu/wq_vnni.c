@@ -271,12 +271,22 @@ static void wq_gemm(const struct cpu_mm *a, int r0, int r1, char *panel)
     }
 }
 
+static bool wq_gemm_takes(int n, int in)
+{
+    return n >= CPU_WQ_GEMM_MIN_TOKENS && in <= CPU_WQ_GEMM_MAX_IN;
+}
+
+bool cpu_wq_f32_vnni(int n, int in)
+{
+    return !wq_gemm_takes(n, in) && wq_panels(n, in);
+}
+
 void cpu_matmul_wq_vnni(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
     _Static_assert(CPU_WQ_GEMM_MIN_TOKENS >= MR, "a batch fills at least one tile");
     _Static_assert(CPU_WQ_GEMM_MAX_IN / 32 * (8 * NR * 4 + 2 * NR * 4) <= CPU_SCRATCH_FLOATS * sizeof(float),
                    "a panel fits a thread's scratch");
-    if (a->n >= CPU_WQ_GEMM_MIN_TOKENS && a->in <= CPU_WQ_GEMM_MAX_IN) {
+    if (wq_gemm_takes(a->n, a->in)) {
         wq_gemm(a, r0, r1, (char *)scratch);
         return;
     }
