@@ -29,8 +29,12 @@ trap 'rm -rf "$tmp"' EXIT INT TERM
 
 tol=0.15
 prompt=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
+# llama1: one layer, so no earlier layer's f32 summation order can move an
+# activation across an int8 rounding boundary; it stays within 1e-4 at
+# every level (the others drift by one code somewhere: 0.04-0.11)
 cases='
 llama   bf16 --arch llama --layers 2 --dim 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 512
+llama1  f32  --arch llama --layers 1 --dim 256 --heads 4 --kv-heads 2 --ffn 256 --vocab 384
 qwen3   f32  --arch qwen3 --layers 2 --dim 256 --heads 4 --kv-heads 2 --head-dim 64 --ffn 256 --vocab 384
 builtin f32
 '
@@ -58,7 +62,7 @@ echo "$cases" | while read -r name dtype args; do
     awk -v e="$err" 'BEGIN { exit !(e + 0 <= 1e-4) }' && echo "$name" >> "$tmp/exact"
 done
 exact=$(cat "$tmp/exact" 2>/dev/null | wc -l)
-echo "q4kref.test: $exact of 3 cases within 1e-4 of the reference"
+echo "q4kref.test: $exact of 4 cases within 1e-4 of the reference"
 [ "$exact" -ge 1 ] || touch "$tmp/failed"
 if [ -e "$tmp/failed" ]; then
     echo "q4kref.test: FAILED"

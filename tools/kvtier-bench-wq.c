@@ -1,6 +1,7 @@
-/* kvtier-bench-wq - the decode matmul of the weight formats (bf16, Q8_0,
- * Q4_K) at each SIMD level, in CPU time, so that the ratios hold on a
- * shared machine where wall-clock decode figures do not.
+/* kvtier-bench-wq - the matmul of the weight formats (bf16, Q8_0, Q4_K)
+ * at each SIMD level, for decode (a few tokens) or a prefill batch, in
+ * CPU time, so that the ratios hold on a shared machine where wall-clock
+ * figures do not.
  *
  *   kvtier-bench-wq [--in 2048] [--out 22528] [--tokens 1] [--rounds 5] [--calls 20]
  *
@@ -68,12 +69,12 @@ int main(int argc, char **argv)
         switch (c) {
         case 'i': ok = args_int(optarg, Q4_K_BLOCK, 1 << 20, &in) && in % Q4_K_BLOCK == 0; break;
         case 'o': ok = args_int(optarg, 1, 1 << 22, &out); break;
-        case 't': ok = args_int(optarg, 1, 31, &tokens); break;
+        case 't': ok = args_int(optarg, 1, 4096, &tokens); break;
         case 'r': ok = args_int(optarg, 1, MAX_ROUNDS, &rounds); break;
         case 'c': ok = args_int(optarg, 1, 100000, &calls); break;
         default:
             fprintf(c == 'h' ? stdout : stderr,
-                    "usage: kvtier-bench-wq [--in N (multiple of 256)] [--out N] [--tokens 1..31] [--rounds N] "
+                    "usage: kvtier-bench-wq [--in N (multiple of 256)] [--out N] [--tokens 1..4096] [--rounds N] "
                     "[--calls N]\n");
             return c == 'h' ? 0 : 2;
         }

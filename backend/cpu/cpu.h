@@ -52,8 +52,11 @@ struct cpu_mm {
     int n, in, out;
     /* wt BE_Q8_0 or BE_Q4_K (cpu_wq): x as n * in / 32 blocks, quantized
      * once by the driver, and x itself is then those blocks dequantized
-     * (d * q) */
+     * (d * q) where the level's wq_f32 asks for it, else NULL */
     const struct cpu_q8_act *xq;
+    /* with xq: the sum of each block's 32 codes, which the products of
+     * unsigned weight codes (Q4_K's, Q8_0's + 128) are corrected by */
+    const int32_t *xsum;
     /* wt BE_BF16 on a level with bf16_pack_act: x rounded to bf16 and
      * packed by it, once by the driver */
     const uint32_t *xb;
@@ -105,9 +108,13 @@ struct cpu_kern {
     void (*add)(float *y, const float *x, size_t n);
     /* y[i / 32] = x[i] in blocks of 32 (n a multiple of 32): d = max|x| /
      * 127, q = x * (1 / d) rounded to nearest even; a block holding a NaN
-     * or an infinity gets d = NaN so the products show it.  Every level
-     * writes identical bytes. */
-    void (*q8_act)(struct cpu_q8_act *y, const float *x, size_t n);
+     * or an infinity gets d = NaN so the products show it; sum[i / 32] =
+     * the sum of the block's codes.  Every level writes identical bytes. */
+    void (*q8_act)(struct cpu_q8_act *y, int32_t *sum, const float *x, size_t n);
+    /* NULL, or whether matmul_rows multiplies n tokens of in columns by
+     * quantized weights in f32 (a->x, gemm.c's panels) rather than from
+     * a->xq: the driver makes a->x only then */
+    bool (*wq_f32)(int n, int in);
     /* y[i] = x[i] converted from dt */
     void (*to_f32)(float *y, const void *x, enum be_dtype dt, size_t n);
     /* y[i] = x[i] converted to dt, round to nearest even */
@@ -140,14 +147,23 @@ void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n);
 float cpu_max_scalar(const float *x, int n);
 float cpu_exp_sum_scalar(float *s, float m, int n);
 void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n);
-void cpu_q8_act_scalar(struct cpu_q8_act *y, const float *x, size_t n);
+void cpu_q8_act_scalar(struct cpu_q8_act *y, int32_t *sum, const float *x, size_t n);
 void cpu_ssm_scan_scalar(const struct cpu_ssm *a, size_t lo, size_t hi);
 /* The quantized-weight matmul (a->wt cpu_wq) for AVX2, which the avx512
  * level uses too, and for AVX-512 VNNI (q8_avx2.c, wq_vnni.c over
  * wq_rows.h); the activation quantizer of both AVX levels. */
 void cpu_matmul_wq_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch);
 void cpu_matmul_wq_vnni(const struct cpu_mm *a, int r0, int r1, float *scratch);
-void cpu_q8_act_avx2(struct cpu_q8_act *y, const float *x, size_t n);
+bool cpu_wq_f32_avx2(int n, int in);
+bool cpu_wq_f32_vnni(int n, int in);
+void cpu_q8_act_avx2(struct cpu_q8_act *y, int32_t *sum, const float *x, size_t n);
+/* From CPU_WQ_GEMM_MIN_TOKENS tokens, on rows of at most CPU_WQ_GEMM_MAX_IN
+ * weights (a packed panel of them fits a thread's scratch), the VNNI level
+ * multiplies quantized weights by a blocked int8 GEMM (wq_vnni.c) whose
+ * result equals the scalar level's bit for bit; otherwise by the loops of
+ * wq_rows.h. */
+#define CPU_WQ_GEMM_MIN_TOKENS 16
+#define CPU_WQ_GEMM_MAX_IN 16384
 
 /* Batched matmul for the SIMD levels (gemm.c): panels of W converted to
  * f32 by to_f32 into scratch, multiplied by OpenBLAS sgemm.  Needs

@@ -354,6 +354,7 @@ const struct cpu_kern cpu_kern_avx2 = {
     .norm_mul = norm_mul_avx2,
     .add = add_avx2,
     .q8_act = cpu_q8_act_avx2,
+    .wq_f32 = cpu_wq_f32_avx2,
     .to_f32 = to_f32_avx2,
     .from_f32 = from_f32_avx2,
     .ssm_scan = ssm_scan_avx2,

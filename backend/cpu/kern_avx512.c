@@ -621,9 +621,12 @@ static void matmul_rows_avx512bf16(const struct cpu_mm *a, int r0, int r1, float
     .from_f32 = from_f32_avx512,                                                                                       \
     .ssm_scan = ssm_scan_avx512
 
-const struct cpu_kern cpu_kern_avx512 = {.name = "avx512", .matmul_rows = matmul_rows_avx512, AVX512_LOOPS};
-const struct cpu_kern cpu_kern_avx512vnni = {.name = "avx512vnni", .matmul_rows = matmul_rows_avx512vnni, AVX512_LOOPS};
+const struct cpu_kern cpu_kern_avx512 = {
+    .name = "avx512", .matmul_rows = matmul_rows_avx512, .wq_f32 = cpu_wq_f32_avx2, AVX512_LOOPS};
+const struct cpu_kern cpu_kern_avx512vnni = {
+    .name = "avx512vnni", .matmul_rows = matmul_rows_avx512vnni, .wq_f32 = cpu_wq_f32_vnni, AVX512_LOOPS};
 const struct cpu_kern cpu_kern_avx512bf16 = {.name = "avx512bf16",
                                              .matmul_rows = matmul_rows_avx512bf16,
+                                             .wq_f32 = cpu_wq_f32_vnni,
                                              AVX512_LOOPS,
                                              .bf16_pack_act = cpu_bf16_pack_act_avx512};

@@ -189,7 +189,7 @@ void cpu_from_f32_scalar(void *y, enum be_dtype dt, const float *x, size_t n)
     }
 }
 
-void cpu_q8_act_scalar(struct cpu_q8_act *y, const float *x, size_t n)
+void cpu_q8_act_scalar(struct cpu_q8_act *y, int32_t *sum, const float *x, size_t n)
 {
     for (size_t b = 0; b < n / 32; b++, x += 32) {
         float amax = 0.0f;
@@ -200,8 +200,11 @@ void cpu_q8_act_scalar(struct cpu_q8_act *y, const float *x, size_t n)
         }
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         y[b].d = finite ? d : NAN;
-        for (int i = 0; i < 32; i++)
+        sum[b] = 0;
+        for (int i = 0; i < 32; i++) {
             y[b].qs[i] = finite ? (int8_t)nearbyintf(x[i] * id) : 0;
+            sum[b] += y[b].qs[i];
+        }
     }
 }
 

@@ -65,6 +65,32 @@ static void matmul_job(void *arg, int ith, int nth)
     }
 }
 
+/* The activations of a quantized-weight matmul, blocks split over the
+ * threads: int8 blocks and their sums, and x as those blocks dequantized
+ * where xd is not NULL. */
+struct wq_act_job {
+    struct cpu_ctx *c;
+    const float *x;
+    struct cpu_q8_act *xq;
+    int32_t *xsum;
+    float *xd;
+    size_t blocks;
+};
+
+static void wq_act_job(void *arg, int ith, int nth)
+{
+    struct wq_act_job *j = arg;
+    size_t lo, hi;
+    split(j->blocks, ith, nth, 16, &lo, &hi);
+    if (lo >= hi)
+        return;
+    cpu_ctx_kern(j->c)->q8_act(j->xq + lo, j->xsum + lo, j->x + lo * 32, (hi - lo) * 32);
+    if (j->xd)
+        for (size_t b = lo; b < hi; b++)
+            for (int i = 0; i < 32; i++)
+                j->xd[b * 32 + (size_t)i] = j->xq[b].d * (float)j->xq[b].qs[i];
+}
+
 enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_, const void *w, enum be_dtype wt, const float *bias,
                           int n, int in, int out)
 {
@@ -80,19 +106,19 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
     if (cpu_wq(wt)) { /* once here, not once per thread and row chunk */
         size_t elems = (size_t)n * (size_t)in, bfl = elems / 32 * (sizeof(struct cpu_q8_act) / sizeof(float));
         _Static_assert(sizeof(struct cpu_q8_act) % sizeof(float) == 0, "blocks tile a float work area");
-        float *work = cpu_ctx_rows(j.c, bfl + elems);
-        if (!work)
-            return BE_ENOMEM_HOST;
-        struct cpu_q8_act *xq = (struct cpu_q8_act *)work;
-        float *xd = work + bfl;
-        cpu_ctx_kern(j.c)->q8_act(xq, x, elems);
+        _Static_assert(sizeof(int32_t) == sizeof(float), "block sums fill a float work area");
         /* the panels' sgemm multiplies floats: it gets x as rounded too,
          * so every path and batch size computes the same product */
-        for (size_t b = 0; b < elems / 32; b++)
-            for (int i = 0; i < 32; i++)
-                xd[b * 32 + (size_t)i] = xq[b].d * (float)xq[b].qs[i];
-        j.mm.xq = xq;
-        j.mm.x = xd;
+        bool f32 = cpu_ctx_kern(j.c)->wq_f32 && cpu_ctx_kern(j.c)->wq_f32(n, in);
+        float *work = cpu_ctx_rows(j.c, bfl + elems / 32 + (f32 ? elems : 0));
+        if (!work)
+            return BE_ENOMEM_HOST;
+        struct wq_act_job aj = {.c = j.c, .x = x, .xq = (struct cpu_q8_act *)work, .xsum = (int32_t *)(work + bfl),
+                                .xd = f32 ? work + bfl + elems / 32 : NULL, .blocks = elems / 32};
+        run(j.c, wq_act_job, &aj, elems);
+        j.mm.xq = aj.xq;
+        j.mm.xsum = aj.xsum;
+        j.mm.x = aj.xd;
     }
     const struct cpu_kern *k = cpu_ctx_kern(j.c);
     if (wt == BE_BF16 && k->bf16_pack_act) { /* once here, as for Q8_0 */

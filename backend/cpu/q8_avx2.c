@@ -21,9 +21,14 @@ void cpu_matmul_wq_avx2(const struct cpu_mm *a, int r0, int r1, float *scratch)
     wq_matmul(a, r0, r1, scratch, q4k_rows256);
 }
 
+bool cpu_wq_f32_avx2(int n, int in)
+{
+    return wq_panels(n, in);
+}
+
 /* As cpu_q8_act_scalar, byte for byte: the same max, the same f32 scale and
  * its reciprocal, and the same round-to-nearest-even. */
-void cpu_q8_act_avx2(struct cpu_q8_act *y, const float *x, size_t n)
+void cpu_q8_act_avx2(struct cpu_q8_act *y, int32_t *sum, const float *x, size_t n)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
     for (size_t b = 0; b < n / 32; b++, x += 32) {
@@ -42,6 +47,7 @@ void cpu_q8_act_avx2(struct cpu_q8_act *y, const float *x, size_t n)
         if (_mm256_movemask_ps(bad)) {
             y[b].d = NAN;
             _mm256_storeu_si256((__m256i *)y[b].qs, _mm256_setzero_si256());
+            sum[b] = 0;
             continue;
         }
         y[b].d = d;
@@ -54,5 +60,11 @@ void cpu_q8_act_avx2(struct cpu_q8_act *y, const float *x, size_t n)
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)y[b].qs, p);
+        /* the codes are within [-127, 127]: the packs saturated none */
+        __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+        sum[b] = _mm_cvtsi128_si32(h);
     }
 }

@@ -20,7 +20,8 @@
  * (q4k_acts).  Four weight rows share each activation load.  Batches of
  * CPU_GEMM_MIN_TOKENS and more take gemm.c's panels instead, with the
  * blocks dequantized to f32: sgemm multiplies the same rounded
- * activations (the driver's a->x).
+ * activations (the driver's a->x).  The VNNI level has a blocked int8
+ * GEMM of its own for batches (wq_vnni.c) and comes here for the rest.
  */
 #include <immintrin.h>
 
@@ -114,16 +115,10 @@ static struct q4k_acts q4k_acts_fill(const struct cpu_mm *a, float *scratch)
     size_t nb = (size_t)a->n * ((size_t)a->in / Q8_0_BLOCK);
     int8_t *codes = (int8_t *)scratch;
     float *dx = scratch + (size_t)a->n * (size_t)a->in / sizeof(float), *xs = dx + nb;
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
     for (size_t b = 0; b < nb; b++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)a->xq[b].qs);
-        _mm256_storeu_si256((__m256i *)(codes + b * 32), v);
-        /* the sum of signed codes: of the codes + 128 as unsigned (vpsadbw), less 32 * 128 */
-        __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, bias), _mm256_setzero_si256());
-        __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
-        long long sum = _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1) - 32 * 128;
+        _mm256_storeu_si256((__m256i *)(codes + b * 32), _mm256_loadu_si256((const __m256i *)a->xq[b].qs));
         dx[b] = a->xq[b].d;
-        xs[b] = a->xq[b].d * (float)sum;
+        xs[b] = a->xq[b].d * (float)a->xsum[b];
     }
     return (struct q4k_acts){.codes = codes, .dx = dx, .xs = xs};
 }
@@ -201,6 +196,7 @@ static void q4k_matmul(const struct cpu_mm *a, int r0, int r1, float *scratch, q
         part.n = a->n - t < (int)run ? a->n - t : (int)run;
         part.y = a->y + (size_t)t * (size_t)a->out;
         part.xq = a->xq + (size_t)t * nb;
+        part.xsum = a->xsum + (size_t)t * nb;
         struct q4k_acts x = q4k_acts_fill(&part, scratch);
         rows(&part, &x, r0, r1);
     }
@@ -249,10 +245,16 @@ static void wq_to_f32(float *y, const void *x, enum be_dtype dt, size_t n)
     }
 }
 
+/* Whether wq_matmul takes gemm.c's panels (over a->x) for n tokens of in. */
+static inline bool wq_panels(int n, int in)
+{
+    return n >= CPU_GEMM_MIN_TOKENS && in <= CPU_SCRATCH_FLOATS;
+}
+
 /* The matmul of a level whose Q4_K rows are q4k (q4k_rows256 or a wider one). */
 static inline void wq_matmul(const struct cpu_mm *a, int r0, int r1, float *scratch, q4k_rows_fn *q4k)
 {
-    if (a->n >= CPU_GEMM_MIN_TOKENS && a->in <= CPU_SCRATCH_FLOATS) {
+    if (wq_panels(a->n, a->in)) {
         cpu_matmul_panels(a, r0, r1, scratch, wq_to_f32);
         return;
     }
