@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/transpose16.h"
 
 /* 16 weights from element i of a row, as f32; lanes outside m read as 0. */
 static inline __attribute__((always_inline)) __m512 load16(const void *w, enum be_dtype dt, size_t i, __mmask16 m)
@@ -229,35 +230,15 @@ static void matmul_rows_avx512(const struct cpu_mm *a, int r0, int r1, float *sc
 }
 
 /* The 16 x 16 block of w (16 rows, columns c .. c + 16) transposed into
- * wt: wt[i * 16 + r] = w[r * CPU_ROWS16_COLS + c + i].  Three rounds of
- * interleaves, 64 shuffles where scattering the elements costs 256 stores. */
-static inline void transpose16(float *wt, const float *w, int c)
+ * wt: wt[i * 16 + r] = w[r * CPU_ROWS16_COLS + c + i]. */
+static inline void tile_transpose(float *wt, const float *w, int c)
 {
-    __m512 a[16], b[16], t[16];
-    for (int r = 0; r < 16; r++)
-        a[r] = _mm512_load_ps(w + r * CPU_ROWS16_COLS + c);
-    for (int i = 0; i < 8; i++) { /* rows 2i, 2i+1 interleaved by element */
-        b[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
-        b[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* t[4i + j], lane l: column 4l + j of rows 4i .. 4i+3 */
-        __m512d x0 = _mm512_castps_pd(b[4 * i]), x1 = _mm512_castps_pd(b[4 * i + 1]);
-        __m512d y0 = _mm512_castps_pd(b[4 * i + 2]), y1 = _mm512_castps_pd(b[4 * i + 3]);
-        t[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, y0));
-        t[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, y0));
-        t[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, y1));
-        t[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, y1));
-    }
-    for (int j = 0; j < 4; j++) { /* column 4l + j: lane l of t[j], t[4 + j], t[8 + j], t[12 + j] */
-        __m512 lo01 = _mm512_shuffle_f32x4(t[j], t[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
-        __m512 lo23 = _mm512_shuffle_f32x4(t[8 + j], t[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
-        __m512 hi01 = _mm512_shuffle_f32x4(t[j], t[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
-        __m512 hi23 = _mm512_shuffle_f32x4(t[8 + j], t[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
-        _mm512_store_ps(wt + (j + 0) * 16, _mm512_shuffle_f32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0)));
-        _mm512_store_ps(wt + (j + 4) * 16, _mm512_shuffle_f32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1)));
-        _mm512_store_ps(wt + (j + 8) * 16, _mm512_shuffle_f32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0)));
-        _mm512_store_ps(wt + (j + 12) * 16, _mm512_shuffle_f32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1)));
-    }
+    __m512i r[16];
+    for (int j = 0; j < 16; j++)
+        r[j] = _mm512_castps_si512(_mm512_load_ps(w + j * CPU_ROWS16_COLS + c));
+    transpose16(r);
+    for (int i = 0; i < 16; i++)
+        _mm512_store_ps(wt + i * 16, _mm512_castsi512_ps(r[i]));
 }
 
 /* GN heads (a constant after inlining) against the transposed tile: each
@@ -288,7 +269,7 @@ static void dot16(float *s, size_t ss, const float *x, size_t xs, int nq, const 
 {
     _Alignas(64) float wt[CPU_ROWS16_COLS * 16];
     for (int c = 0; c < n; c += 16)
-        transpose16(wt + c * 16, w, c);
+        tile_transpose(wt + c * 16, w, c);
     __mmask16 keep = (__mmask16)((1u << nr) - 1);
     int g = 0;
     for (; g + 8 <= nq; g += 8)

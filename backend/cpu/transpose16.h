@@ -1,7 +1,8 @@
 /* transpose16.h - the 16 x 16 transpose of 32-bit words that the AVX-512
  * GEMMs pack weight panels with (bf16_avx512.c: a word is a pair of bf16;
- * wq_vnni.c: four int8 codes).  Include from files compiled with the
- * AVX-512 flags only.
+ * wq_vnni.c: four int8 codes) and attention turns a tile of keys into
+ * columns with (kern_avx512.c: an f32).  Include from files compiled with
+ * the AVX-512 flags only.
  */
 #ifndef KVTIER_CPU_TRANSPOSE16_H
 #define KVTIER_CPU_TRANSPOSE16_H
