@@ -1,4 +1,4 @@
-"""/health measures progress: a prefill of 6,000 tokens in one forward
+"""/health measures progress: a prefill of 30,000 tokens in one forward
 step (--batch-tokens) takes seconds on the CPU, longer than a
 --stall-timeout of 1 s, so /health says "stalled" (503, logged once)
 while it runs, and "ok" again once the engine advances."""
@@ -12,7 +12,7 @@ import time
 
 from daemon_harness import Daemon, check
 
-N = 6000
+N = 30000
 tmp = tempfile.mkdtemp(prefix="kvtier-test.")
 atexit.register(shutil.rmtree, tmp, True)
 model = os.path.join(tmp, "model")
