@@ -1227,15 +1227,14 @@ static int64_t prefix_state_match(kv_store *s, uint64_t ns, const int32_t *ids, 
     return got;
 }
 
-/* A 2-layer state store with shared checkpoints every 16 tokens on a
- * fresh CPU backend (g_be, which prefix_step and prefix_mark copy
+/* A 2-layer state store with checkpoints every 16 tokens on a fresh
+ * CPU backend of 1 MiB (g_be, which prefix_step and prefix_mark copy
  * through); p adds to those settings. */
-static kv_store *open_prefix_store(struct kv_store_params p, be_backend **be)
+static kv_store *open_state_store(struct kv_store_params p, be_backend **be)
 {
     assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, be), BE_OK);
     g_be = *be;
     p.checkpoint_interval = 16;
-    p.prefix_cache = true;
     kv_store *s;
     assert_int_equal(kv_store_open(*be, &(struct kv_geom){.n_layers = 2, .state_bytes = be_ssm_state_bytes(32, 16, 4)},
                                    &p, &s),
@@ -1253,7 +1252,7 @@ static void test_state_prefix(void **state)
     (void)state;
     be_backend *be;
     size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
-    kv_store *s = open_prefix_store((struct kv_store_params){.prefix_hash_mask = 1}, &be);
+    kv_store *s = open_state_store((struct kv_store_params){.prefix_cache = true, .prefix_hash_mask = 1}, &be);
     int32_t a[64], b[64];
     for (int i = 0; i < 64; i++)
         a[i] = b[i] = 100 + i;
@@ -1318,7 +1317,7 @@ static void test_state_prefix_host(void **state)
     (void)state;
     be_backend *be;
     size_t seq = 2 * be_ssm_state_bytes(32, 16, 4);
-    kv_store *s = open_prefix_store((struct kv_store_params){.host_mem = 4 * seq}, &be);
+    kv_store *s = open_state_store((struct kv_store_params){.prefix_cache = true, .host_mem = 4 * seq}, &be);
     int32_t a[40];
     for (int i = 0; i < 40; i++)
         a[i] = 100 + i;
@@ -1495,12 +1494,8 @@ static void test_state_image(void **state)
 {
     (void)state;
     be_backend *be;
-    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
     size_t sb = be_ssm_state_bytes(32, 16, 4);
-    kv_store *s;
-    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb},
-                                   &(struct kv_store_params){.checkpoint_interval = 16}, &s),
-                     TIER_OK);
+    kv_store *s = open_state_store((struct kv_store_params){0}, &be);
     for (int off = 0; off < 2; off++) {
         kv_seq *q, *r;
         assert_int_equal(kv_seq_create(s, &(struct kv_seq_params){.strategy = off ? KV_OFFLOADED : KV_DYNAMIC}, &q),
@@ -1586,12 +1581,8 @@ static void test_state_load_by_layer(void **state)
 {
     (void)state;
     be_backend *be;
-    assert_int_equal(be_open("cpu", &(struct be_params){.n_threads = 1, .device_mem = 1 << 20}, &be), BE_OK);
     size_t sb = be_ssm_state_bytes(32, 16, 4);
-    kv_store *s;
-    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb},
-                                   &(struct kv_store_params){.checkpoint_interval = 16}, &s),
-                     TIER_OK);
+    kv_store *s = open_state_store((struct kv_store_params){0}, &be);
     size_t head = kv_image_head_size(s);
     for (int off = 0; off < 2; off++) {
         kv_seq *q, *r;
