@@ -276,6 +276,7 @@ class Attention(nn.Module):
         # cache holds them in the model's dtype, so f32 math over a 16-bit
         # cache rounds them once, right here (None: kept as computed).
         self.kv_dtype = None
+        self.attn_input = None  # load_model: what the query and the weights are rounded to
         # Qwen2: q/k/v biased, o not.  Llama/Qwen3: attention_bias on all
         # four.  Mistral: none.
         qkv_bias = arch == "Qwen2ForCausalLM" or (arch != "MistralForCausalLM" and cfg.get("attention_bias", False))
@@ -325,11 +326,11 @@ class Attention(nn.Module):
             k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
         rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, rep), repeat_kv(v, rep)
-        s = torch.matmul(q, k.transpose(2, 3)) * self.scale  # [B, H, T, T]
+        s = torch.matmul(round_to(q, self.attn_input), k.transpose(2, 3)) * self.scale  # [B, H, T, T]
         if self.softcap is not None:
             s = torch.tanh(s / self.softcap) * self.softcap
         s = s + masks[self.window]
-        p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        p = round_to(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), self.attn_input)
         o = torch.matmul(p, v).transpose(1, 2).reshape(b, t, self.n_heads * self.hd)  # [B, T, H*hd]
         return self.o_proj(o)
 
@@ -492,6 +493,7 @@ class GPT2Attention(nn.Module):
         self.n_heads = cfg["n_head"]
         self.hd = dim // self.n_heads
         self.kv_dtype = None  # as Attention.kv_dtype
+        self.attn_input = None  # as Attention.attn_input
         self.c_attn = Conv1D(dim, 3 * dim, device)  # q, k, v side by side
         self.c_proj = Conv1D(dim, dim, device)
 
@@ -500,8 +502,9 @@ class GPT2Attention(nn.Module):
         q, k, v = (y.view(b, t, self.n_heads, self.hd).transpose(1, 2) for y in self.c_attn(x).split(dim, dim=2))
         if self.kv_dtype is not None:
             k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
+        q = round_to(q, self.attn_input)
         s = torch.matmul(q, k.transpose(2, 3)) / (self.hd ** 0.5) + mask  # [B, H, T, T]
-        p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        p = round_to(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), self.attn_input)
         return self.c_proj(torch.matmul(p, v).transpose(1, 2).reshape(b, t, dim))
 
 
@@ -1031,7 +1034,9 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quant
     matmul_input (torch.bfloat16): the input of every weight matrix, the
     head's included, rounded to it, as PyTorch's bf16 matmul takes its bf16
     input (and kvtier's CPU backend rounds it for bf16 weights on
-    AVX512_BF16), the products summed in dtype."""
+    AVX512_BF16), the products summed in dtype; with kv_dtype bfloat16 also
+    attention's query and softmax weights, as that level's attention
+    rounds them for a bf16 cache."""
     m = build_model(load_config(d))
     m.head_input = matmul_input
     if matmul_input is not None:
@@ -1041,6 +1046,7 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quant
     for mod in m.modules():
         if isinstance(mod, (Attention, GPT2Attention)):
             mod.kv_dtype = kv_dtype
+            mod.attn_input = matmul_input if kv_dtype is torch.bfloat16 else None
     sd = load_checkpoint(d)
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it

@@ -209,3 +209,223 @@ void cpu_matmul_bf16_avx512(const struct cpu_mm *a, int r0, int r1, float *scrat
     for (; r < r1; r++)
         matvec_rows(a, r, 1);
 }
+
+/* ---- attention over bf16 keys and values ----
+ *
+ * A bf16 cache is read by the same instruction: the scores are dot
+ * products of the query, rounded to bf16, with the keys, and the output
+ * adds the values weighted by the softmax weights, rounded to bf16 (as a
+ * bf16 model's attention in PyTorch rounds its query and its weights).
+ * Nothing is widened: keys are transposed as pairs (a word holds two
+ * elements of one key), values interleaved as pairs of keys, so an
+ * instruction does 32 products where an f32 multiply-add does 16.
+ * Every score and every output element is one chain over its pairs in
+ * order, whatever rows or heads share a call, so a token's result does not
+ * depend on its tile. */
+
+/* Query rows or weights packed at once: a stack area of this many words. */
+#define ATTN_PAIRS_WORDS 4096
+
+/* Rows [0, nr) of x (row stride xs floats, n floats each) rounded to bf16
+ * as pairs after s (0 or 1) zeros: word p of row g at xb[g * pairs + p],
+ * pairs = (n + s + 1) / 2, zero past the row. */
+static void pack_pairs_from(uint32_t *xb, const float *x, size_t xs, int nr, int n, int s)
+{
+    int len = n + s;
+    size_t pairs = cpu_bf16_pairs(len);
+    for (int g = 0; g < nr; g++)
+        for (int i = 0; i < len; i += 32) {
+            const float *row = x + (size_t)g * xs + i; /* element i of the shifted row is row[-s] */
+            int left = len - i;
+            __mmask16 lo = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            __mmask16 hi = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+            __m512 l = i == 0 && s ? _mm512_maskz_expandloadu_ps(lo & 0xfffe, row) /* the zero first */
+                                   : _mm512_maskz_loadu_ps(lo, row - s);
+            __m512bh h = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + 16 - s), l);
+            int np = left >= 32 ? 16 : (left + 1) / 2;
+            _mm512_mask_storeu_epi32(xb + (size_t)g * pairs + i / 2, (__mmask16)((1u << np) - 1), (__m512i)h);
+        }
+}
+
+/* GN heads (a constant after inlining) against np pairs of a tile of 16
+ * keys transposed into kt (pair i of every key in kt[i]), adding to acc:
+ * per pair, one dot product per head with the pair broadcast. */
+static inline __attribute__((always_inline)) void dot_pairs_heads(__m512 *acc, const uint32_t *qb, size_t pairs,
+                                                                   const int GN, const __m512i *kt, size_t np)
+{
+    for (size_t i = 0; i < np; i++)
+#pragma GCC unroll 8
+        for (int h = 0; h < GN; h++)
+            acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)kt[i],
+                                      (__m512bh)_mm512_set1_epi32((int)qb[(size_t)h * pairs + i]));
+}
+
+/* Pairs [p, p + 16) of keys rows[0, nr) (zero past nr and past n
+ * elements) transposed: r[i] holds pair p + i of the 16 keys. */
+static inline __attribute__((always_inline)) void key_pairs16(__m512i r[16], const char *const *rows, int nr, int n,
+                                                               size_t p)
+{
+    __mmask32 m = 2 * p + 32 <= (size_t)n ? 0xffffffffu : (__mmask32)((1ull << (n - 2 * p)) - 1);
+    for (int j = 0; j < 16; j++)
+        r[j] = j < nr ? _mm512_maskz_loadu_epi16(m, (const uint16_t *)rows[j] + 2 * p) : _mm512_setzero_si512();
+    transpose16(r);
+}
+
+/* The scores of GN query rows (packed in qb) against a tile of keys:
+ * transposed as they are needed (kt NULL; a decode step's 8 or fewer
+ * heads per KV head), or already in kt (a prompt's many rows). */
+static inline __attribute__((always_inline)) void dot_pairs_rows(float *s, size_t ss, const uint32_t *qb,
+                                                                  const int GN, const char *const *rows, int nr,
+                                                                  int n, const __m512i *kt)
+{
+    size_t pairs = cpu_bf16_pairs(n);
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int h = 0; h < GN; h++)
+        acc[h] = _mm512_setzero_ps();
+    for (size_t p = 0; p < pairs; p += 16) {
+        size_t np = pairs - p < 16 ? pairs - p : 16;
+        __m512i r[16];
+        if (!kt)
+            key_pairs16(r, rows, nr, n, p);
+        dot_pairs_heads(acc, qb + p, pairs, GN, kt ? kt + p : r, np);
+    }
+    __mmask16 keep = (__mmask16)((1u << nr) - 1);
+#pragma GCC unroll 8
+    for (int h = 0; h < GN; h++)
+        _mm512_mask_storeu_ps(s + (size_t)h * ss, keep, acc[h]);
+}
+
+void cpu_attn_dot_bf16_avx512(float *s, const float *q, int nq, const char *const *rows, int n, int nrows)
+{
+    size_t pairs = cpu_bf16_pairs(n);
+    int group = (int)(ATTN_PAIRS_WORDS / pairs) / 8 * 8; /* query rows packed at once; pairs <= 512 */
+    _Alignas(64) uint32_t qb[ATTN_PAIRS_WORDS];
+    __m512i kt[512]; /* a transposed tile, when more than 8 rows read it */
+    for (int g0 = 0; g0 < nq; g0 += group) {
+        int gn = nq - g0 < group ? nq - g0 : group;
+        pack_pairs_from(qb, q + (size_t)g0 * (size_t)n, (size_t)n, gn, n, 0);
+        for (int r0 = 0; r0 < nrows; r0 += 16) {
+            int nr = nrows - r0 < 16 ? nrows - r0 : 16, g = 0;
+            float *sr = s + (size_t)g0 * (size_t)nrows + r0;
+            const __m512i *tile = NULL;
+            if (gn > 8) {
+                for (size_t p = 0; p < pairs; p += 16)
+                    key_pairs16(kt + p, rows + r0, nr, n, p);
+                tile = kt;
+            }
+            for (; g + 8 <= gn; g += 8)
+                dot_pairs_rows(sr + (size_t)g * (size_t)nrows, (size_t)nrows, qb + (size_t)g * pairs, 8, rows + r0, nr,
+                               n, tile);
+            for (; g < gn; g++)
+                dot_pairs_rows(sr + (size_t)g * (size_t)nrows, (size_t)nrows, qb + (size_t)g * pairs, 1, rows + r0, nr,
+                               n, tile);
+        }
+    }
+}
+
+/* Keys r and r + 1 of a strip of 32 columns as pairs: lo holds columns
+ * 0-15 (word i: key r's column i, then key r + 1's), hi columns 16-31. */
+static inline void interleave_pairs(__m512i a, __m512i b, __m512i *lo, __m512i *hi)
+{
+    const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    *lo = _mm512_permutex2var_epi16(a, ilo, b);
+    *hi = _mm512_permutex2var_epi16(a, ihi, b);
+}
+
+/* GN heads by NS strips of 16 columns (constants after inlining): the
+ * sums of every pair of keys, in order, held in registers. */
+static inline __attribute__((always_inline)) void axpy_pairs_block(float *y, size_t ys, const uint32_t *ab,
+                                                                    size_t as, const int GN, const int NS,
+                                                                    const uint32_t *vt, size_t kp, int n)
+{
+    __m512 acc[4][4];
+    __mmask16 m[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < NS; j++)
+        m[j] = n - 16 * j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - 16 * j)) - 1);
+#pragma GCC unroll 4
+    for (int g = 0; g < GN; g++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NS; j++)
+            acc[g][j] = _mm512_maskz_loadu_ps(m[j], y + (size_t)g * ys + 16 * j);
+    for (size_t p = 0; p < kp; p++) {
+        __m512bh v[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NS; j++)
+            v[j] = (__m512bh)_mm512_load_si512(vt + (p * 4 + (size_t)j) * 16);
+#pragma GCC unroll 4
+        for (int g = 0; g < GN; g++) {
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)ab[(size_t)g * as + p]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NS; j++)
+                acc[g][j] = _mm512_dpbf16_ps(acc[g][j], v[j], w);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GN; g++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NS; j++)
+            _mm512_mask_storeu_ps(y + (size_t)g * ys + 16 * j, m[j], acc[g][j]);
+}
+
+static inline __attribute__((always_inline)) void axpy_pairs_strips(float *y, size_t ys, const uint32_t *ab,
+                                                                     size_t as, const int GN, const uint32_t *vt,
+                                                                     size_t kp, int n)
+{
+    switch ((n + 15) / 16) {
+    case 4: axpy_pairs_block(y, ys, ab, as, GN, 4, vt, kp, n); break;
+    case 3: axpy_pairs_block(y, ys, ab, as, GN, 3, vt, kp, n); break;
+    case 2: axpy_pairs_block(y, ys, ab, as, GN, 2, vt, kp, n); break;
+    case 1: axpy_pairs_block(y, ys, ab, as, GN, 1, vt, kp, n); break;
+    }
+}
+
+/* Keys pair up from even indices of the source's order, so the sums of a
+ * key do not depend on where its chunk began: odd says rows[0] is the
+ * second of its pair (the first reads as zero).  Keys go 64 at a time
+ * (y holds the sums between batches, exactly as registers would). */
+void cpu_attn_axpy_bf16_avx512(float *y, const float *a, int nq, const char *const *rows, size_t off, int n,
+                               int nrows, bool odd)
+{
+    enum { BATCH = 64 }; /* keys interleaved at once */
+    _Alignas(64) uint32_t ab[ATTN_PAIRS_WORDS];
+    _Alignas(64) uint32_t vt[BATCH / 2 * 4 * 16]; /* pair p's strip j at vt[(p * 4 + j) * 16] */
+    int s = odd ? 1 : 0;
+    for (int k0 = 0; k0 < nrows; k0 += BATCH - s, s = 0) {
+        int nk = nrows - k0 < BATCH - s ? nrows - k0 : BATCH - s; /* keys of the batch, after s zero ones */
+        size_t kp = cpu_bf16_pairs(nk + s);
+        int group = (int)(ATTN_PAIRS_WORDS / kp) / 4 * 4;
+        const char *const *rk = rows + k0;
+        for (int g0 = 0; g0 < nq; g0 += group) {
+            int gn = nq - g0 < group ? nq - g0 : group;
+            /* weights shifted by s: pair p holds keys 2p - s and 2p + 1 - s */
+            pack_pairs_from(ab, a + (size_t)g0 * (size_t)nrows + k0, (size_t)nrows, gn, nk, s);
+            for (int c0 = 0; c0 < n; c0 += 64) {
+                int nc = n - c0 < 64 ? n - c0 : 64;
+                for (size_t p = 0; p < kp; p++) {
+                    int ka = (int)(2 * p) - s, kb = ka + 1;
+                    for (int h = 0; h < nc; h += 32) {
+                        __mmask32 m = nc - h >= 32 ? 0xffffffffu : (__mmask32)((1u << (nc - h)) - 1);
+                        __m512i va = ka >= 0 ? _mm512_maskz_loadu_epi16(m, (const uint16_t *)(rk[ka] + off) + c0 + h)
+                                             : _mm512_setzero_si512();
+                        __m512i vb = kb < nk ? _mm512_maskz_loadu_epi16(m, (const uint16_t *)(rk[kb] + off) + c0 + h)
+                                             : _mm512_setzero_si512();
+                        __m512i lo, hi;
+                        interleave_pairs(va, vb, &lo, &hi);
+                        _mm512_store_si512(vt + (p * 4 + (size_t)h / 16) * 16, lo);
+                        _mm512_store_si512(vt + (p * 4 + (size_t)h / 16 + 1) * 16, hi);
+                    }
+                }
+                float *yg = y + (size_t)g0 * (size_t)n + c0;
+                int g = 0;
+                for (; g + 4 <= gn; g += 4)
+                    axpy_pairs_strips(yg + (size_t)g * (size_t)n, (size_t)n, ab + (size_t)g * kp, kp, 4, vt, kp, nc);
+                for (; g < gn; g++)
+                    axpy_pairs_strips(yg + (size_t)g * (size_t)n, (size_t)n, ab + (size_t)g * kp, kp, 1, vt, kp, nc);
+            }
+        }
+    }
+}

@@ -91,9 +91,11 @@ struct cpu_kern {
      * of keys per call, and each row read and widened once for all nq */
     void (*dot)(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n, int nrows);
     /* y[g * n + i] += sum over r of a[g * nrows + r] * (rows[r] + off)[i]:
-     * a chunk of values (off: V after K in a block) into nq outputs */
+     * a chunk of values (off: V after K in a block) into nq outputs; odd:
+     * rows[0] has an odd index in the source's key order (a level that
+     * sums keys in pairs pairs them from even indices) */
     void (*axpy)(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
-                 int nrows);
+                 int nrows, bool odd);
     /* y[i] *= a */
     void (*scale)(float *y, float a, int n);
     /* the largest x[i] that is a number, -inf if none: a chunk's softmax max */
@@ -142,7 +144,7 @@ extern const struct cpu_kern cpu_kern_avx512bf16;
 void cpu_matmul_rows_scalar(const struct cpu_mm *a, int r0, int r1, float *scratch);
 void cpu_dot_scalar(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n, int nrows);
 void cpu_axpy_scalar(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
-                     int nrows);
+                     int nrows, bool odd);
 void cpu_to_f32_scalar(float *y, const void *x, enum be_dtype dt, size_t n);
 float cpu_max_scalar(const float *x, int n);
 float cpu_exp_sum_scalar(float *s, float m, int n);
@@ -198,6 +200,11 @@ static inline size_t cpu_bf16_act_words(int n, int in)
 }
 void cpu_bf16_pack_act_avx512(uint32_t *xb, const float *x, int n, int in);
 void cpu_matmul_bf16_avx512(const struct cpu_mm *a, int r0, int r1, float *scratch);
+/* The avx512bf16 level's dot and axpy for a bf16 cache (bf16_avx512.c):
+ * queries and weights rounded to bf16, products on vdpbf16ps. */
+void cpu_attn_dot_bf16_avx512(float *s, const float *q, int nq, const char *const *rows, int n, int nrows);
+void cpu_attn_axpy_bf16_avx512(float *y, const float *a, int nq, const char *const *rows, size_t off, int n,
+                               int nrows, bool odd);
 
 /* AVX-512 tiles, shared by the dense and the quantized kernels: rows are
  * widened 16 at a time, up to CPU_ROWS16_COLS columns each, into an f32

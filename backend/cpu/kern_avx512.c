@@ -381,8 +381,9 @@ static void dot_avx512(float *s, const float *q, int nq, const char *const *rows
 }
 
 static void axpy_avx512(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
-                        int nrows)
+                        int nrows, bool odd)
 {
+    (void)odd; /* one key at a time */
     struct typed_rows t = {.rows = rows, .off = off, .dt = dt};
     cpu_tiles_avx512(false, y, (size_t)n, a, 0, nq, widen_typed, &t, n, nrows);
 }
@@ -587,10 +588,28 @@ static void matmul_rows_avx512bf16(const struct cpu_mm *a, int r0, int r1, float
         matmul_rows_avx512vnni(a, r0, r1, scratch);
 }
 
-/* Everything but the name and the matmul, which VNNI and BF16 change. */
+/* A bf16 cache on the bf16 dot products; anything else widened. */
+static void dot_avx512bf16(float *s, const float *q, int nq, const char *const *rows, enum be_dtype dt, int n,
+                           int nrows)
+{
+    if (dt == BE_BF16)
+        cpu_attn_dot_bf16_avx512(s, q, nq, rows, n, nrows);
+    else
+        dot_avx512(s, q, nq, rows, dt, n, nrows);
+}
+
+static void axpy_avx512bf16(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt,
+                            int n, int nrows, bool odd)
+{
+    if (dt == BE_BF16)
+        cpu_attn_axpy_bf16_avx512(y, a, nq, rows, off, n, nrows, odd);
+    else
+        axpy_avx512(y, a, nq, rows, off, dt, n, nrows, odd);
+}
+
+/* Everything but the name, the matmul and attention's products, which
+ * VNNI and BF16 change. */
 #define AVX512_LOOPS                                                                                                   \
-    .dot = dot_avx512,                                                                                                 \
-    .axpy = axpy_avx512,                                                                                               \
     .scale = scale_avx512,                                                                                             \
     .max = max_avx512,                                                                                                 \
     .exp_sum = exp_sum_avx512,                                                                                         \
@@ -602,12 +621,22 @@ static void matmul_rows_avx512bf16(const struct cpu_mm *a, int r0, int r1, float
     .from_f32 = from_f32_avx512,                                                                                       \
     .ssm_scan = ssm_scan_avx512
 
-const struct cpu_kern cpu_kern_avx512 = {
-    .name = "avx512", .matmul_rows = matmul_rows_avx512, .wq_f32 = cpu_wq_f32_avx2, AVX512_LOOPS};
-const struct cpu_kern cpu_kern_avx512vnni = {
-    .name = "avx512vnni", .matmul_rows = matmul_rows_avx512vnni, .wq_f32 = cpu_wq_f32_vnni, AVX512_LOOPS};
+const struct cpu_kern cpu_kern_avx512 = {.name = "avx512",
+                                         .matmul_rows = matmul_rows_avx512,
+                                         .wq_f32 = cpu_wq_f32_avx2,
+                                         .dot = dot_avx512,
+                                         .axpy = axpy_avx512,
+                                         AVX512_LOOPS};
+const struct cpu_kern cpu_kern_avx512vnni = {.name = "avx512vnni",
+                                             .matmul_rows = matmul_rows_avx512vnni,
+                                             .wq_f32 = cpu_wq_f32_vnni,
+                                             .dot = dot_avx512,
+                                             .axpy = axpy_avx512,
+                                             AVX512_LOOPS};
 const struct cpu_kern cpu_kern_avx512bf16 = {.name = "avx512bf16",
                                              .matmul_rows = matmul_rows_avx512bf16,
                                              .wq_f32 = cpu_wq_f32_vnni,
+                                             .dot = dot_avx512bf16,
+                                             .axpy = axpy_avx512bf16,
                                              AVX512_LOOPS,
                                              .bf16_pack_act = cpu_bf16_pack_act_avx512};

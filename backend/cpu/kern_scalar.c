@@ -118,8 +118,9 @@ void cpu_dot_scalar(float *s, const float *q, int nq, const char *const *rows, e
 }
 
 void cpu_axpy_scalar(float *y, const float *a, int nq, const char *const *rows, size_t off, enum be_dtype dt, int n,
-                     int nrows)
+                     int nrows, bool odd)
 {
+    (void)odd; /* one key at a time */
     for (int g = 0; g < nq; g++)
         for (int r = 0; r < nrows; r++)
             for (int i = 0; i < n; i++)

@@ -442,7 +442,7 @@ void cpu_attend_span(const struct cpu_kern *k, const struct be_attn_params *p, c
             struct cpu_attn_part pj = part_rows(pt, j, nq, D);
             cpu_attn_fold(k, &pj, sj, (size_t)n, nq, (int)a, (int)b, D);
         }
-        k->axpy(pt->o, s, R, rows, v->v_offset, p->kv_dtype, D, n);
+        k->axpy(pt->o, s, R, rows, v->v_offset, p->kv_dtype, D, n, u0 % 2 != 0);
     }
 }
 
