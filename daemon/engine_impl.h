@@ -16,10 +16,12 @@
 
 /* An encoder input's cross-attention cache: written once by the encoder,
  * only read afterwards, so a session and its forks share it rather than
- * copy it; freed with its last reference (engine thread). */
+ * copy it; freed with its last reference (engine thread), or, when the
+ * store keeps it (kept: the encoder cache), left there for later requests. */
 struct cross_cache {
     kv_seq *kv;
     int refs;
+    kv_kept *kept; /* the store's entry of kv, one reference held; NULL: kv is ours */
 };
 
 struct session {
@@ -95,6 +97,7 @@ struct engine {
     struct runtime rt;
     model *m;
     encdec *ed; /* instead of m: an encoder-decoder model (the jobs' input, cross) */
+    bool enc_cache; /* ed's cross caches are kept in the store by input (kv_store_keep) */
     struct model_config edmc; /* ed's decoder, which mc points to */
     tokenizer *tok;
     kv_store *store;

@@ -1692,7 +1692,7 @@ static void test_kept(void **state)
     kv_kept_unref(kb);
     kv_kept_unref(k); /* the last reference: over the budget, it goes at once */
     assert_int_equal(kv_store_stats(f->store).prefix_entries, 0);
-    /* a kept sequence still referenced when the store goes is freed with it */
+    /* an unreferenced kept sequence goes with the store */
     assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
     assert_int_equal(kv_store_keep(f->store, 3, b, 20, q, &kb), TIER_OK);
     kv_kept_unref(kb);
