@@ -569,11 +569,18 @@ void resume_job(engine *e, struct job *j)
         start_job(e, j);
 }
 
+/* Whether j reads and fills the encoder cache: not a request outside a
+ * session that asked for no cache (use_cache: false), as the prefix cache. */
+static bool uses_enc_cache(const engine *e, const struct job *j)
+{
+    return e->enc_cache && (j->sess || j->cache.use_cache);
+}
+
 /* The encoder cache's entry for (uid's namespace, ids[0, n)), referenced
- * for the caller; NULL: none, or no encoder cache. */
+ * for the caller; NULL: none. */
 static kv_kept *kept_find(engine *e, uid_t uid, const int32_t *ids, size_t n)
 {
-    return e->enc_cache ? kv_store_kept_find(e->store, prefix_ns_of(e, uid), ids, (int64_t)n) : NULL;
+    return kv_store_kept_find(e->store, prefix_ns_of(e, uid), ids, (int64_t)n);
 }
 
 /* An encoder-decoder job's encoder input becomes its cross-attention
@@ -630,7 +637,7 @@ static bool encode_input(engine *e, struct job *j)
         /* another of the user's sessions may hold it (a fork given the
          * same input, or another session): its cache serves both */
         struct cross_cache *found = cross_find(e, s->uid, keep, n);
-        if (!found && (kept = kept_find(e, s->uid, keep, n))) {
+        if (!found && uses_enc_cache(e, j) && (kept = kept_find(e, s->uid, keep, n))) {
             *cc = (struct cross_cache){.kv = kv_kept_seq(kept), .refs = 1, .kept = kept};
             found = cc;
             cc = NULL;
@@ -648,7 +655,7 @@ static bool encode_input(engine *e, struct job *j)
             pthread_mutex_unlock(&e->mu);
             return true;
         }
-    } else if ((kept = kept_find(e, j->uid, in, n))) {
+    } else if (uses_enc_cache(e, j) && (kept = kept_find(e, j->uid, in, n))) {
         j->cross_kept = kept;
         j->cross = kv_kept_seq(kept);
         pthread_mutex_lock(&e->mu);
@@ -670,7 +677,7 @@ static bool encode_input(engine *e, struct job *j)
         /* into the encoder cache for the next request with this input; a
          * cache the store cannot keep (no host memory for the ids) stays
          * this job's or session's alone */
-        if (e->enc_cache && kv_store_keep(e->store, prefix_ns_of(e, s ? s->uid : j->uid), in, (int64_t)n, j->cross,
+        if (uses_enc_cache(e, j) && kv_store_keep(e->store, prefix_ns_of(e, s ? s->uid : j->uid), in, (int64_t)n, j->cross,
                                           &kept) != TIER_OK)
             log_msg(LOG_DEBUG, "engine: encoder cache: %s", kv_store_errmsg(e->store));
         if (s) {

@@ -5,7 +5,7 @@ of running the encoder (encoder_cached_tokens == the input's length), and
 its tokens and log-probabilities are the first request's bit for bit and
 kvtier-encdec's tokens; an input one id off at the end, a prefix of it and
 one it is a prefix of do not hit (each gives kvtier-encdec's tokens for
-itself); a session's cross cache serves a request outside it and the other
+itself), nor does a request with use_cache false; a session's cross cache serves a request outside it and the other
 way round; an offloaded request reads a cache kept on the device; under a
 small --prefix-cache-mem the least recently used cache goes (and
 /metrics counts the eviction); --no-prefix-cache turns it off."""
@@ -74,6 +74,8 @@ def run(name, args):
         r = complete(d, input=enc)
         check(cached(r) == 0 and toks(r) == oracle_tokens(model, enc),
               "%s: an input with %s: encoded, kvtier-encdec's tokens for it" % (name, what))
+    r = complete(d, input=ENC, use_cache=False)
+    check(cached(r) == 0 and toks(r) == want, "%s: use_cache false: the input encoded, the same tokens" % name)
     r = complete(d, input=ENC, cache={"implementation": "offloaded"})
     check(cached(r) == len(ENC) and toks(r) == want,
           "%s: an offloaded request reads the kept cache: the same tokens" % name)

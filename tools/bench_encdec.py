@@ -5,7 +5,7 @@ encodes the same input, alternating, and one on the session while it is
 resident (the decoder alone).
 
     /usr/bin/python3 tools/bench_encdec.py --model DIR [--enc-len 2048] [-n 16] [--rounds 3]
-                                           [--cache dynamic|offloaded] [--dir DIR]
+                                           [--cache dynamic|offloaded] [--dir DIR] [--requests]
 
 Starts build/kvtierd on a socket of its own with --spill-after 1 and a
 disk tier in --dir (a temporary directory by default).  The input is
@@ -20,7 +20,16 @@ memory (disk bytes > 0, device and host 0, its encoder's too):
   resident:    the same on S at once, now in memory.
 Every generation checks encoder_cached_tokens (the input length on S, 0
 on T), so a restore that encoded again fails the run.  Prints the medians,
-the ratios and S's bytes per tier, resident and spilled."""
+the ratios and S's bytes per tier, resident and spilled.  The daemon runs
+with --no-prefix-cache, so that T encodes (the encoder cache would
+otherwise still hold S's cross cache).
+
+--requests measures the encoder cache instead (requests outside sessions,
+no disk tier): per round a request with an input no request gave before
+(its first id the round's number), which encodes it (miss), then the same
+request again, which reads its cross cache from the encoder cache (hit:
+encoder_cached_tokens checked, and the same tokens).  Prints the medians
+of each and their ratio."""
 import argparse
 import json
 import os
@@ -40,6 +49,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache", choices=("dynamic", "offloaded"), default="dynamic")
     ap.add_argument("--dir")
+    ap.add_argument("--requests", action="store_true", help="the encoder cache: a request's hit against its miss")
     o = ap.parse_args()
     work = o.dir or tempfile.mkdtemp(prefix="bench-encdec-")
     os.makedirs(work, exist_ok=True)
@@ -48,10 +58,15 @@ def main():
     enc = [i * 7919 % cfg["vocab_size"] for i in range(o.enc_len)]
     dec = [cfg["decoder_start_token_id"]]
     d = kvclient.Daemon(os.path.join(work, "kvtierd.sock"), os.path.join(work, "kvtierd.log"),
-                        ["--model", o.model, "--disk-dir", os.path.join(work, "disk"), "--spill-after", "1",
-                         "--parallel", "2", "--max-body", "8M"])
+                        ["--model", o.model, "--max-body", "8M"] +
+                        (["--disk-dir", "none", "--parallel", "1"] if o.requests else
+                         ["--disk-dir", os.path.join(work, "disk"), "--spill-after", "1", "--parallel", "2",
+                          "--no-prefix-cache"]))
     log("kvtierd up in %.2f s" % d.start())
     body = {} if o.cache == "dynamic" else {"cache": {"implementation": o.cache}}
+    if o.requests:
+        bench_requests(d, o, enc, dec, body)
+        return
 
     def generate(sid, cached):
         t0 = time.perf_counter()
@@ -108,6 +123,38 @@ def main():
         b, e = s["bytes"], s["encoder"]["bytes"]
         print("%-8s self: device %.2f MiB, host %.2f MiB; cross: device %.2f MiB, host %.2f MiB; disk %.2f MiB" %
               (name, b["device"] / mib, b["host"] / mib, e["device"] / mib, e["host"] / mib, b["disk"] / mib))
+
+
+def bench_requests(d, o, enc, dec, body):
+    def generate(inp, cached):
+        t0 = time.perf_counter()
+        r = d.ok("POST", "/v1/completions", dict(body, input=inp, prompt=dec, max_tokens=o.n, temperature=0,
+                                                 ignore_eos=True, return_tokens=True))
+        dt = time.perf_counter() - t0
+        got = r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"]
+        if got != cached or len(r["choices"][0]["tokens"]) != o.n:
+            raise SystemExit("encoder_cached_tokens %d, want %d" % (got, cached))
+        return dt, r["choices"][0]["tokens"]
+
+    res = {"miss": [], "hit": []}
+    try:
+        for r in range(o.rounds):
+            inp = [r + 1] + enc[1:]
+            t, miss = generate(inp, 0)
+            res["miss"].append(t)
+            t, hit = generate(inp, len(inp))
+            res["hit"].append(t)
+            if hit != miss:
+                raise SystemExit("round %d: the hit's tokens differ from the miss's" % r)
+            log("round %d: miss %.3f s, hit %.3f s" % (r + 1, res["miss"][-1], res["hit"][-1]))
+    finally:
+        d.stop()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print("encoder input %d tokens, %d generated per request, %s self cache, %d rounds (medians)" %
+          (o.enc_len, o.n, o.cache, o.rounds))
+    for k in ("hit", "miss"):
+        print("%-5s %8.3f s per request, %7.1f tokens/s" % (k, med[k], o.n / med[k]))
+    print("miss / hit %.2fx" % (med["miss"] / med["hit"]))
 
 
 if __name__ == "__main__":
