@@ -617,6 +617,18 @@ static bool encode_input(engine *e, struct job *j)
         pthread_mutex_unlock(&e->mu);
         return true;
     }
+    uint64_t ns = prefix_ns_of(e, s ? s->uid : j->uid);
+    /* in no memory: the remote tier may have it (the job waits, then comes
+     * back here holding what it found, j->cross_kept) */
+    if (e->remote && uses_enc_cache(e, j) && !j->xfetched) {
+        j->xfetched = true;
+        kv_kept *peek = kept_find(e, s ? s->uid : j->uid, in, n);
+        kv_kept_unref(peek);
+        if (!peek && encoder_remote_fetch(e, j, ns, in, n)) {
+            j->io_wait = true; /* prefix_remote_poll starts it again */
+            return false;
+        }
+    }
     int32_t *keep = NULL;
     struct cross_cache *cc = NULL;
     kv_kept *kept = NULL;
@@ -655,7 +667,7 @@ static bool encode_input(engine *e, struct job *j)
             pthread_mutex_unlock(&e->mu);
             return true;
         }
-    } else if (uses_enc_cache(e, j) && (kept = kept_find(e, j->uid, in, n))) {
+    } else if (uses_enc_cache(e, j) && (kept = j->cross_kept ? j->cross_kept : kept_find(e, j->uid, in, n))) {
         j->cross_kept = kept;
         j->cross = kv_kept_seq(kept);
         pthread_mutex_lock(&e->mu);
@@ -677,9 +689,10 @@ static bool encode_input(engine *e, struct job *j)
         /* into the encoder cache for the next request with this input; a
          * cache the store cannot keep (no host memory for the ids) stays
          * this job's or session's alone */
-        if (uses_enc_cache(e, j) && kv_store_keep(e->store, prefix_ns_of(e, s ? s->uid : j->uid), in, (int64_t)n, j->cross,
-                                          &kept) != TIER_OK)
+        if (uses_enc_cache(e, j) && kv_store_keep(e->store, ns, in, (int64_t)n, j->cross, &kept) != TIER_OK)
             log_msg(LOG_DEBUG, "engine: encoder cache: %s", kv_store_errmsg(e->store));
+        if (uses_enc_cache(e, j))
+            encoder_remote_publish(e, j, ns, in, n, j->cross);
         if (s) {
             *cc = (struct cross_cache){.kv = j->cross, .refs = 1, .kept = kept};
             s->cross = cc;
@@ -1549,15 +1562,11 @@ static bool load(engine *e)
         snprintf(err, sizeof(err), "no host memory for %d sequences' logits or the token trie", e->cfg.max_seqs);
     /* an encoder-decoder model's first request pays the first-call costs */
     ok = ok && (e->ed || warm_up(e, err));
-    /* the remote tier holds prefix blocks, which an encoder-decoder model
-     * does not share; its sessions go to the disk tier with both caches */
-    if (ok && e->ed && (e->cfg.remote_url || e->cfg.remote_cluster))
-        log_msg(LOG_WARN, "the remote tier holds a decoder-only model's prefix blocks; an encoder-decoder model "
-                "runs without it");
+    /* an encoder-decoder model's remote tier holds its encoder cache's
+     * cross-attention caches (prefix_remote.c) */
     if (ok) {
         disk_open(e);
-        if (!e->ed)
-            prefix_remote_open(e);
+        prefix_remote_open(e);
     }
     pthread_mutex_lock(&e->mu);
     e->state = ok ? ENGINE_READY : ENGINE_FAILED;

@@ -194,6 +194,7 @@ struct job {
     bool pfetched; /* its prompt's prefix blocks on disk were looked for */
     struct prefix_fetch *pfetch; /* their reads in flight (io_wait) */
     bool rfetched; /* the remote tier was asked for the blocks after those */
+    bool xfetched; /* the remote tier was asked for the input's cross-attention cache */
     struct remote_fetch *rfetch; /* that lookup in flight (io_wait) */
     int64_t rpub_blocks;         /* its prompt's blocks handed to prefix_remote_publish */
     uint64_t order;

@@ -245,6 +245,15 @@ void prefix_remote_forget_job(engine *e, struct job *j);
  * none: called after every prefill chunk. */
 void prefix_remote_publish(engine *e, struct job *j, size_t n_done);
 
+/* An encoder-decoder model's cross caches on the remote tier (the encoder
+ * cache's, docs/remote.md): at admission, when j's input ids[0, n) of
+ * namespace ns is in no memory, asks the remote tier for its cross cache
+ * and returns true (j waits: io_wait, j->rfetch); the cache found is kept
+ * in the store, j holding a reference (j->cross_kept).  After j encoded
+ * an input, its cross cache q is published under the same key. */
+bool encoder_remote_fetch(engine *e, struct job *j, uint64_t ns, const int32_t *ids, size_t n);
+void encoder_remote_publish(engine *e, const struct job *j, uint64_t ns, const int32_t *ids, size_t n, kv_seq *q);
+
 /* ---- engine.c, for spill.c and prefix_disk.c ---- */
 void start_job(engine *e, struct job *j);
 /* j's prefix fetch (disk or remote) is done: it goes on unless killed meanwhile. */

@@ -39,7 +39,7 @@ struct kv_kept {
     struct kv_kept *lru_prev, *lru_next; /* evictable ones, oldest first */
 };
 
-static uint64_t ids_hash(uint64_t ns, const int32_t *ids, int64_t n)
+uint64_t kv_store_kept_hash(uint64_t ns, const int32_t *ids, int64_t n)
 {
     return XXH3_64bits_withSeed(ids, (size_t)n * sizeof(*ids), ns);
 }
@@ -103,7 +103,7 @@ enum tier_status kv_store_keep(kv_store *s, uint64_t ns, const int32_t *ids, int
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: the %lld ids of a kept sequence", (long long)n);
     }
     memcpy(copy, ids, (size_t)n * sizeof(*copy));
-    *k = (struct kv_kept){.s = s, .q = q, .ns = ns, .hash = ids_hash(ns, ids, n), .ids = copy, .n = n, .refs = 1};
+    *k = (struct kv_kept){.s = s, .q = q, .ns = ns, .hash = kv_store_kept_hash(ns, ids, n), .ids = copy, .n = n, .refs = 1};
     k->next = s->kept;
     if (s->kept)
         s->kept->prev = k;
@@ -117,7 +117,7 @@ kv_kept *kv_store_kept_find(kv_store *s, uint64_t ns, const int32_t *ids, int64_
 {
     if (n <= 0 || !s->kept)
         return NULL;
-    uint64_t h = ids_hash(ns, ids, n);
+    uint64_t h = kv_store_kept_hash(ns, ids, n);
     for (struct kv_kept *k = s->kept; k; k = k->next) {
         if (k->hash != h || k->ns != ns || k->n != n || memcmp(k->ids, ids, (size_t)n * sizeof(*ids)))
             continue;

@@ -354,12 +354,16 @@ enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len
  *   (ns, ids[0, n)), compared id by id (a hash collision only misses),
  *   with a reference taken for the caller; NULL if none.
  * kv_kept_unref: drops a reference (NULL: none); the entry stays, evictable.
- * kv_kept_seq: the sequence, valid while the caller's reference is. */
+ * kv_kept_seq: the sequence, valid while the caller's reference is.
+ * kv_store_kept_hash: the hash entries are looked up by: xxh3 of the ids
+ *   (as int32 in host order) seeded with ns, the same in every process
+ *   (the remote tier's key). */
 typedef struct kv_kept kv_kept;
 enum tier_status kv_store_keep(kv_store *s, uint64_t ns, const int32_t *ids, int64_t n, kv_seq *q, kv_kept **out);
 kv_kept *kv_store_kept_find(kv_store *s, uint64_t ns, const int32_t *ids, int64_t n);
 void kv_kept_unref(kv_kept *k);
 kv_seq *kv_kept_seq(const kv_kept *k);
+uint64_t kv_store_kept_hash(uint64_t ns, const int32_t *ids, int64_t n);
 
 /* The token ids of the reserved positions (after kv_seq_reserve, before
  * the commit); a step without them stops the sequence publishing (blocks,
