@@ -118,7 +118,7 @@ try:
         check(cached(r) == 0 and toks(r) == oracle_tokens(model, enc),
               "daemon C: a value of another input under this input's key is refused by its ids: encoded, the "
               "right tokens")
-    c.stop()
+    check(c.stop() == 0, "daemon C stops cleanly")
     for k in keys:
         resp(rsock, "SET", k, b"not a value")
     c = daemon("c2")
@@ -130,6 +130,8 @@ try:
     complete(o, input=ENC)
     time.sleep(0.3)
     check(not xkeys(rsock), "--remote-share off publishes no cross cache")
+    for name, dm in (("A", a), ("B", b), ("C2", c), ("O", o)):
+        check(dm.stop() == 0, "daemon %s stops cleanly" % name)
 finally:
     rp.kill()
     rp.wait()
