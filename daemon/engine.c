@@ -589,9 +589,10 @@ static kv_kept *kept_find(engine *e, uid_t uid, const int32_t *ids, size_t n)
  * whose cache was lost is encoded again).  Another input drops the
  * session's caches.  Before encoding, the input is looked for among the
  * user's sessions, then in the encoder cache (the store's kept sequences,
- * in the uid's prefix namespace), where an input just encoded goes too.
- * Before the choices' setup, which reuses the session's decoder cache only
- * over the same input.  False: j failed. */
+ * in the uid's prefix namespace), where an input just encoded goes too,
+ * then on the remote tier.  Before the choices' setup, which reuses the
+ * session's decoder cache only over the same input.  False: j failed, or
+ * waits for the remote tier (io_wait; it comes back here). */
 static bool encode_input(engine *e, struct job *j)
 {
     struct session *s = j->sess;
