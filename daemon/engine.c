@@ -470,9 +470,12 @@ static void retire(engine *e, struct job *j)
             kv_seq_free(c->kv);
         c->kv = NULL;
     }
-    if (!j->sess) /* a session keeps it */
+    if (j->cross_kept) /* the encoder cache keeps it */
+        kv_kept_unref(j->cross_kept);
+    else if (!j->sess) /* a session keeps it */
         kv_seq_free(j->cross);
     j->cross = NULL;
+    j->cross_kept = NULL;
     /* A session keeps its KV together with the ids in it; when the two
      * disagree (setup failed half-way) the KV is dropped and recomputed. */
     struct session *s = j->sess;
@@ -566,12 +569,30 @@ void resume_job(engine *e, struct job *j)
         start_job(e, j);
 }
 
+/* Whether j reads and fills the encoder cache: not a request outside a
+ * session that asked for no cache (use_cache: false), as the prefix cache. */
+static bool uses_enc_cache(const engine *e, const struct job *j)
+{
+    return e->enc_cache && (j->sess || j->cache.use_cache);
+}
+
+/* The encoder cache's entry for (uid's namespace, ids[0, n)), referenced
+ * for the caller; NULL: none. */
+static kv_kept *kept_find(engine *e, uid_t uid, const int32_t *ids, size_t n)
+{
+    return kv_store_kept_find(e->store, prefix_ns_of(e, uid), ids, (int64_t)n);
+}
+
 /* An encoder-decoder job's encoder input becomes its cross-attention
  * cache, which every choice's decoder reads: a session's, kept for its
  * next requests, is reused when they give the same input or none (one
  * whose cache was lost is encoded again).  Another input drops the
- * session's caches.  Before the choices' setup, which reuses the session's
- * decoder cache only over the same input.  False: j failed. */
+ * session's caches.  Before encoding, the input is looked for among the
+ * user's sessions, then in the encoder cache (the store's kept sequences,
+ * in the uid's prefix namespace), where an input just encoded goes too,
+ * then on the remote tier.  Before the choices' setup, which reuses the
+ * session's decoder cache only over the same input.  False: j failed, or
+ * waits for the remote tier (io_wait; it comes back here). */
 static bool encode_input(engine *e, struct job *j)
 {
     struct session *s = j->sess;
@@ -597,8 +618,21 @@ static bool encode_input(engine *e, struct job *j)
         pthread_mutex_unlock(&e->mu);
         return true;
     }
+    uint64_t ns = prefix_ns_of(e, s ? s->uid : j->uid);
+    /* in no memory: the remote tier may have it (the job waits, then comes
+     * back here holding what it found, j->cross_kept) */
+    if (e->remote && uses_enc_cache(e, j) && !j->xfetched) {
+        j->xfetched = true;
+        kv_kept *peek = kept_find(e, s ? s->uid : j->uid, in, n);
+        kv_kept_unref(peek);
+        if (!peek && encoder_remote_fetch(e, j, ns, in, n)) {
+            j->io_wait = true; /* prefix_remote_poll starts it again */
+            return false;
+        }
+    }
     int32_t *keep = NULL;
     struct cross_cache *cc = NULL;
+    kv_kept *kept = NULL;
     if (s) {
         keep = malloc(n * sizeof(*keep));
         cc = calloc(1, sizeof(*cc));
@@ -616,6 +650,11 @@ static bool encode_input(engine *e, struct job *j)
         /* another of the user's sessions may hold it (a fork given the
          * same input, or another session): its cache serves both */
         struct cross_cache *found = cross_find(e, s->uid, keep, n);
+        if (!found && uses_enc_cache(e, j) && (kept = kept_find(e, s->uid, keep, n))) {
+            *cc = (struct cross_cache){.kv = kv_kept_seq(kept), .refs = 1, .kept = kept};
+            found = cc;
+            cc = NULL;
+        }
         if (found) {
             free(cc);
             s->cross = found;
@@ -629,6 +668,13 @@ static bool encode_input(engine *e, struct job *j)
             pthread_mutex_unlock(&e->mu);
             return true;
         }
+    } else if (uses_enc_cache(e, j) && (kept = j->cross_kept ? j->cross_kept : kept_find(e, j->uid, in, n))) {
+        j->cross_kept = kept;
+        j->cross = kv_kept_seq(kept);
+        pthread_mutex_lock(&e->mu);
+        j->res.n_encoder_cached = n;
+        pthread_mutex_unlock(&e->mu);
+        return true;
     }
     struct kv_seq_params cp = {.no_prefix_cache = true};
     enum tier_status ts = kv_seq_create(e->store, &cp, &j->cross);
@@ -641,8 +687,15 @@ static bool encode_input(engine *e, struct job *j)
         (sp->strategy == KV_OFFLOADED || sp->strategy == KV_OFFLOADED_STATIC || sp->offload))
         ts = kv_seq_offload(j->cross, KV_FALLBACK_NONE);
     if (ts == TIER_OK && ms == MODEL_OK) {
+        /* into the encoder cache for the next request with this input; a
+         * cache the store cannot keep (no host memory for the ids) stays
+         * this job's or session's alone */
+        if (uses_enc_cache(e, j) && kv_store_keep(e->store, ns, in, (int64_t)n, j->cross, &kept) != TIER_OK)
+            log_msg(LOG_DEBUG, "engine: encoder cache: %s", kv_store_errmsg(e->store));
+        if (uses_enc_cache(e, j))
+            encoder_remote_publish(e, j, ns, in, n, j->cross);
         if (s) {
-            *cc = (struct cross_cache){.kv = j->cross, .refs = 1};
+            *cc = (struct cross_cache){.kv = j->cross, .refs = 1, .kept = kept};
             s->cross = cc;
             s->input = keep;
             struct kv_seq_stats k = kv_seq_stats(cc->kv);
@@ -650,6 +703,8 @@ static bool encode_input(engine *e, struct job *j)
             s->n_input = n;
             s->cross_kvs = k;
             pthread_mutex_unlock(&e->mu);
+        } else {
+            j->cross_kept = kept;
         }
         return true;
     }
@@ -1402,6 +1457,7 @@ static bool load(engine *e)
     /* a decoder's tokens say nothing of the encoder input they attend to:
      * they are no prefix to share (encdec_decode) */
     if (encdec_is_encdec(e->cfg.model_dir)) {
+        e->enc_cache = !e->cfg.no_prefix_cache;
         e->cfg.no_prefix_cache = true;
         rp.kv.prefix_cache = false;
     }
@@ -1436,9 +1492,11 @@ static bool load(engine *e)
     /* default: a quarter of the device budget may hold blocks only the
      * prefix cache keeps, so they never crowd out the running requests */
     size_t prefix_mem = e->cfg.prefix_mem ? e->cfg.prefix_mem : dev_budget / 4;
-    if (!e->cfg.no_prefix_cache) {
+    if (!e->cfg.no_prefix_cache || e->enc_cache) {
         kv_store_set_prefix_mem(e->store, prefix_mem);
-        log_msg(LOG_INFO, "prefix cache: %.1f MiB of unreferenced blocks (--prefix-cache-mem), %s", prefix_mem / 1048576.0,
+        log_msg(LOG_INFO, "%s: %.1f MiB of unreferenced %s (--prefix-cache-mem), %s",
+                e->enc_cache ? "encoder cache" : "prefix cache", prefix_mem / 1048576.0,
+                e->enc_cache ? "cross-attention caches" : "blocks",
                 e->cfg.share_prefix_cache ? "shared by every uid (--share-prefix-cache)" : "one namespace per uid");
     }
     if (e->ed && encdec_model_config(e->ed, &e->edmc) != MODEL_OK) {
@@ -1505,15 +1563,11 @@ static bool load(engine *e)
         snprintf(err, sizeof(err), "no host memory for %d sequences' logits or the token trie", e->cfg.max_seqs);
     /* an encoder-decoder model's first request pays the first-call costs */
     ok = ok && (e->ed || warm_up(e, err));
-    /* the remote tier holds prefix blocks, which an encoder-decoder model
-     * does not share; its sessions go to the disk tier with both caches */
-    if (ok && e->ed && (e->cfg.remote_url || e->cfg.remote_cluster))
-        log_msg(LOG_WARN, "the remote tier holds a decoder-only model's prefix blocks; an encoder-decoder model "
-                "runs without it");
+    /* an encoder-decoder model's remote tier holds its encoder cache's
+     * cross-attention caches (prefix_remote.c) */
     if (ok) {
         disk_open(e);
-        if (!e->ed)
-            prefix_remote_open(e);
+        prefix_remote_open(e);
     }
     pthread_mutex_lock(&e->mu);
     e->state = ok ? ENGINE_READY : ENGINE_FAILED;

@@ -123,7 +123,8 @@ struct job_result {
     struct ipc_error err; /* err.st != IPC_OK: failed */
     int n_cached;         /* prompt tokens reused from the session's KV or the prefix cache */
     /* an encoder-decoder model's encoder input, and those of its tokens
-     * whose cross-attention cache the session held (not encoded again) */
+     * whose cross-attention cache was found (the session's, or the encoder
+     * cache's: not encoded again) */
     size_t n_encoder, n_encoder_cached;
     char reply_id[IPC_SESSION_ID_MAX + 1]; /* JOB_FORK: the new session */
     void *blob; /* JOB_EXPORT: the safetensors file (owned; the reply takes it) */
@@ -193,6 +194,7 @@ struct job {
     bool pfetched; /* its prompt's prefix blocks on disk were looked for */
     struct prefix_fetch *pfetch; /* their reads in flight (io_wait) */
     bool rfetched; /* the remote tier was asked for the blocks after those */
+    bool xfetched; /* the remote tier was asked for the input's cross-attention cache */
     struct remote_fetch *rfetch; /* that lookup in flight (io_wait) */
     int64_t rpub_blocks;         /* its prompt's blocks handed to prefix_remote_publish */
     uint64_t order;
@@ -202,6 +204,7 @@ struct job {
     uint64_t kv_round;       /* the publish() round kv_step was summed in */
     struct kv_seq_stats kv_step; /* kv_now's next value, summed outside the lock */
     struct kv_seq *cross;    /* an encoder-decoder model's: the encoder output's K and V, every choice's */
+    struct kv_kept *cross_kept; /* the store's entry holding cross, a reference of the job's (NULL: none) */
     int n;
     struct job_choice ch[];
 };

@@ -16,10 +16,12 @@
 
 /* An encoder input's cross-attention cache: written once by the encoder,
  * only read afterwards, so a session and its forks share it rather than
- * copy it; freed with its last reference (engine thread). */
+ * copy it; freed with its last reference (engine thread), or, when the
+ * store keeps it (kept: the encoder cache), left there for later requests. */
 struct cross_cache {
     kv_seq *kv;
     int refs;
+    kv_kept *kept; /* the store's entry of kv, one reference held; NULL: kv is ours */
 };
 
 struct session {
@@ -95,6 +97,7 @@ struct engine {
     struct runtime rt;
     model *m;
     encdec *ed; /* instead of m: an encoder-decoder model (the jobs' input, cross) */
+    bool enc_cache; /* ed's cross caches are kept in the store by input (kv_store_keep) */
     struct model_config edmc; /* ed's decoder, which mc points to */
     tokenizer *tok;
     kv_store *store;
@@ -241,6 +244,15 @@ void prefix_remote_forget_job(engine *e, struct job *j);
  * the remote tier, as the publish queue has room.  Cheap when there are
  * none: called after every prefill chunk. */
 void prefix_remote_publish(engine *e, struct job *j, size_t n_done);
+
+/* An encoder-decoder model's cross caches on the remote tier (the encoder
+ * cache's, docs/remote.md): at admission, when j's input ids[0, n) of
+ * namespace ns is in no memory, asks the remote tier for its cross cache
+ * and returns true (j waits: io_wait, j->rfetch); the cache found is kept
+ * in the store, j holding a reference (j->cross_kept).  After j encoded
+ * an input, its cross cache q is published under the same key. */
+bool encoder_remote_fetch(engine *e, struct job *j, uint64_t ns, const int32_t *ids, size_t n);
+void encoder_remote_publish(engine *e, const struct job *j, uint64_t ns, const int32_t *ids, size_t n, kv_seq *q);
 
 /* ---- engine.c, for spill.c and prefix_disk.c ---- */
 void start_job(engine *e, struct job *j);

@@ -19,6 +19,23 @@
  * can find a long prompt's first blocks while the first still computes
  * the rest; a block evicted meanwhile is not published.  The network is
  * the publish thread's.  Everything here runs on the engine thread.
+ *
+ * An encoder-decoder model shares no prefix blocks but whole cross-
+ * attention caches (the encoder cache, docs/encdec.md): one value per
+ * input, under the hash the store keys it by (kv_store_kept_hash of the
+ * uid's namespace and the ids), published once the encoder computed it,
+ * and looked up at admission when the input is in no memory; the job
+ * waits as for blocks.  The value holds the ids with the cache's image,
+ * and a value whose namespace or ids are not exactly the input's is a
+ * miss: a collision of the key's hash never loads another input's cache.
+ *
+ * FORMAT of a cross cache's value (inside the remote tier's container;
+ * version 1, little-endian):
+ *    0  8  magic "KVTXCR\r\n"
+ *    8  u32 version, 12 u32 reserved (0)
+ *   16  u64 namespace, 24 u64 n (the input's ids)
+ *   32  i32 ids [n]
+ *   then the cross cache's image (kv_seq_save), the rest of the value
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -26,6 +43,7 @@
 #include <string.h>
 
 #include "daemon/engine_impl.h"
+#include "util/le.h"
 #include "util/log.h"
 
 /* memory a lookup fills (its arenas, the store's blocks) faulted in at
@@ -36,6 +54,9 @@
 #define MAX_PENDING 64
 /* blocks serialized per call of pump: bounds the copies a loop iteration makes */
 #define SHIP_BATCH 16
+#define XC_MAGIC "KVTXCR\r\n"
+#define XC_VERSION 1
+#define XC_HDR 32
 
 struct remote_pub {
     struct kv_seq_params p;
@@ -52,6 +73,11 @@ struct remote_fetch {
     int got;       /* of which inserted */
     bool stopped;  /* a block was not inserted: the rest is a miss */
     bool refused;  /* one that checked as a container but not as a block of its chain */
+    /* a cross cache's lookup (encoder_remote_fetch): its input */
+    bool cross;
+    uint64_t ns;
+    int32_t *ids;
+    size_t n_ids;
     struct remote_fetch *next;
 };
 
@@ -65,8 +91,9 @@ void prefix_remote_open(engine *e)
     const struct engine_config *c = &e->cfg;
     if (!c->remote_url && !c->remote_cluster)
         return;
-    if (c->no_prefix_cache) {
-        log_msg(LOG_WARN, "remote tier not used: it holds prefix-cache blocks and --no-prefix-cache is set");
+    if (c->no_prefix_cache && !e->enc_cache) {
+        log_msg(LOG_WARN, "remote tier not used: it holds prefix-cache blocks%s and --no-prefix-cache is set",
+                e->ed ? " (an encoder-decoder model's: cross-attention caches)" : "");
         return;
     }
     struct kv_remote_params p = {.url = c->remote_url,
@@ -104,6 +131,8 @@ void prefix_remote_open(engine *e)
  * while the lookup thread reads the next one. */
 static void fetch_take(engine *e, struct remote_fetch *x, int ready)
 {
+    if (x->cross) /* one value, taken at the end */
+        return;
     int first = x->taken;
     for (; !x->stopped && x->taken < ready; x->taken++) {
         const void *data;
@@ -126,11 +155,56 @@ static void fetch_take(engine *e, struct remote_fetch *x, int ready)
     }
 }
 
+/* A cross cache's value, checked against the input looked up, into the
+ * encoder cache; its job (if it still waits) takes the reference.  Every
+ * failure is a miss: the job encodes. */
+static void cross_take(engine *e, struct remote_fetch *x)
+{
+    if (kv_remote_fetch_found(x->f) < 1)
+        return;
+    const uint8_t *p;
+    size_t len;
+    kv_remote_fetch_block(x->f, 0, (const void **)&p, &len);
+    const char *bad = NULL;
+    if (len < XC_HDR || memcmp(p, XC_MAGIC, 8) || get32(p + 8) != XC_VERSION || get32(p + 12))
+        bad = "not a cross-attention cache of this version";
+    else if (get64(p + 16) != x->ns || get64(p + 24) != x->n_ids || (len - XC_HDR) / 4 < x->n_ids)
+        bad = "another namespace or input length";
+    for (size_t i = 0; !bad && i < x->n_ids; i++)
+        if ((int32_t)get32(p + XC_HDR + 4 * i) != x->ids[i])
+            bad = "another input";
+    size_t at = XC_HDR + 4 * x->n_ids;
+    kv_seq *q = NULL;
+    kv_kept *k = NULL;
+    enum tier_status ts = TIER_OK;
+    if (!bad && (ts = kv_seq_load(e->store, p + at, len - at, &q)) == TIER_OK &&
+        (kv_seq_length(q) != (int64_t)x->n_ids || (ts = kv_store_keep(e->store, x->ns, x->ids, (int64_t)x->n_ids,
+                                                                         q, &k)) != TIER_OK)) {
+        bad = ts == TIER_OK ? "a cache of another length than its input" : NULL;
+        kv_seq_free(q);
+    }
+    if (bad || ts != TIER_OK) {
+        x->refused = bad != NULL;
+        log_msg(bad ? LOG_WARN : LOG_DEBUG, "remote tier: a cross-attention cache not used: %s",
+                bad ? bad : kv_store_errmsg(e->store));
+        return;
+    }
+    x->got = 1;
+    if (x->j)
+        x->j->cross_kept = k;
+    else
+        kv_kept_unref(k);
+}
+
 /* Takes a finished lookup's last blocks, then starts its job. */
 static void fetch_finish(engine *e, struct remote_fetch *x)
 {
-    fetch_take(e, x, kv_remote_fetch_found(x->f));
+    if (x->cross)
+        cross_take(e, x);
+    else
+        fetch_take(e, x, kv_remote_fetch_found(x->f));
     kv_remote_fetch_free(x->f);
+    free(x->ids);
     pthread_mutex_lock(&e->mu);
     e->st.remote_hits += x->got > 0;
     e->st.remote_refused += x->refused;
@@ -167,6 +241,52 @@ bool prefix_remote_fetch(engine *e, struct job *j)
     e->rfetches = x;
     j->rfetch = x;
     return true;
+}
+
+bool encoder_remote_fetch(engine *e, struct job *j, uint64_t ns, const int32_t *ids, size_t n)
+{
+    if (!e->remote || !n)
+        return false;
+    /* a value claiming more than twice the cache's blocks (and their
+     * tables) is corrupt */
+    size_t bt = (size_t)kv_store_block_tokens(e->store), nb = (n + bt - 1) / bt;
+    size_t max = XC_HDR + 4 * n + kv_image_head_size(e->store) + 2 * nb * kv_store_prefix_block_bytes(e->store);
+    struct remote_fetch *x = calloc(1, sizeof(*x));
+    int32_t *copy = x ? malloc(n * sizeof(*copy)) : NULL;
+    if (!copy || kv_remote_fetch_seq_start(e->remote, ns, kv_store_kept_hash(ns, ids, (int64_t)n), max, &x->f) !=
+                     TIER_OK) {
+        free(copy);
+        free(x);
+        return false;
+    }
+    memcpy(copy, ids, n * sizeof(*copy));
+    *x = (struct remote_fetch){.j = j, .f = x->f, .cross = true, .ns = ns, .ids = copy, .n_ids = n,
+                               .next = e->rfetches};
+    e->rfetches = x;
+    j->rfetch = x;
+    return true;
+}
+
+void encoder_remote_publish(engine *e, const struct job *j, uint64_t ns, const int32_t *ids, size_t n, kv_seq *q)
+{
+    if (!e->remote || e->cfg.remote_share == REMOTE_SHARE_OFF || !j->remote_shareable)
+        return;
+    size_t img = kv_seq_image_size(q), at = XC_HDR + 4 * n;
+    uint8_t *p = img <= SIZE_MAX - at ? malloc(at + img) : NULL;
+    if (!p || kv_seq_save(q, p + at, img) != TIER_OK) {
+        log_msg(LOG_DEBUG, "remote tier: a cross-attention cache not published: %s",
+                p ? kv_store_errmsg(e->store) : "no host memory");
+        free(p);
+        return;
+    }
+    memcpy(p, XC_MAGIC, 8);
+    put32(p + 8, XC_VERSION);
+    put32(p + 12, 0);
+    put64(p + 16, ns);
+    put64(p + 24, n);
+    for (size_t i = 0; i < n; i++)
+        put32(p + XC_HDR + 4 * i, (uint32_t)ids[i]);
+    kv_remote_publish_seq(e->remote, ns, kv_store_kept_hash(ns, ids, (int64_t)n), p, at + img);
 }
 
 void prefix_remote_forget_job(engine *e, struct job *j)

@@ -57,7 +57,10 @@ void cross_unref(struct cross_cache *c)
 {
     if (!c || --c->refs > 0)
         return;
-    kv_seq_free(c->kv);
+    if (c->kept)
+        kv_kept_unref(c->kept);
+    else
+        kv_seq_free(c->kv);
     free(c);
 }
 

@@ -83,7 +83,8 @@ def settle(d, want, timeout=10):
 
 
 def run(name, args, dp):
-    ref = Daemon("--disk-dir", "none", model="made below")
+    # an encoder cache of no bytes: a cross cache goes with its last session
+    ref = Daemon("--disk-dir", "none", "--prefix-cache-mem", "1", model="made below")
     model = ref.model = ref.tmp + "/" + name
     mkmodel.main(["--out", model, "--seed", "5", "--layers", "2", "--dim", "64", "--heads", "4", "--ffn", "128",
                   "--vocab", "320", "--max-pos", "128"] + args)

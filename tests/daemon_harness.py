@@ -184,3 +184,41 @@ def check(cond, what):
     if not cond:
         raise AssertionError(what)
     print("ok -", what.split("\n")[0][:120])
+
+
+def resp(addr, *args, timeout=5):
+    """One command over RESP; returns the reply (bytes, int, list, None) or raises on an error reply."""
+    s = socket.socket(socket.AF_UNIX if isinstance(addr, str) else socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(addr)
+    out = b"*%d\r\n" % len(args)
+    for a in args:
+        a = a if isinstance(a, bytes) else str(a).encode()
+        out += b"$%d\r\n%s\r\n" % (len(a), a)
+    s.sendall(out)
+    f = s.makefile("rb")
+
+    def read():
+        line = f.readline()
+        t, rest = line[:1], line[1:-2]
+        if t == b"+":
+            return rest
+        if t == b"-":
+            raise RuntimeError(rest.decode())
+        if t == b":":
+            return int(rest)
+        if t == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            v = f.read(n + 2)[:-2]
+            return v
+        if t == b"*":
+            n = int(rest)
+            return None if n < 0 else [read() for _ in range(n)]
+        raise RuntimeError("bad reply %r" % line)
+
+    try:
+        return read()
+    finally:
+        s.close()

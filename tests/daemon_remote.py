@@ -37,7 +37,7 @@ import threading
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, skip  # noqa: E402
+from daemon_harness import Daemon, check, resp, skip  # noqa: E402
 
 REDIS = shutil.which("redis-server")
 if not REDIS:
@@ -46,44 +46,6 @@ if not REDIS:
 BT = 16
 GEN = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_tokens": True}
 procs = []
-
-
-def resp(addr, *args, timeout=5):
-    """One command over RESP; returns the reply (bytes, int, list, None) or raises on an error reply."""
-    s = socket.socket(socket.AF_UNIX if isinstance(addr, str) else socket.AF_INET, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    s.connect(addr)
-    out = b"*%d\r\n" % len(args)
-    for a in args:
-        a = a if isinstance(a, bytes) else str(a).encode()
-        out += b"$%d\r\n%s\r\n" % (len(a), a)
-    s.sendall(out)
-    f = s.makefile("rb")
-
-    def read():
-        line = f.readline()
-        t, rest = line[:1], line[1:-2]
-        if t == b"+":
-            return rest
-        if t == b"-":
-            raise RuntimeError(rest.decode())
-        if t == b":":
-            return int(rest)
-        if t == b"$":
-            n = int(rest)
-            if n < 0:
-                return None
-            v = f.read(n + 2)[:-2]
-            return v
-        if t == b"*":
-            n = int(rest)
-            return None if n < 0 else [read() for _ in range(n)]
-        raise RuntimeError("bad reply %r" % line)
-
-    try:
-        return read()
-    finally:
-        s.close()
 
 
 def start_redis(tmp, name, *extra, port=None, conf=None):

@@ -6,7 +6,7 @@
  * stored rows, overflow), no device allocation in a static decode loop,
  * offload residency, the move to the host tier and the host-tier budget;
  * crop, reuse and forks; the host pool's slabs (carving, coalescing, reuse,
- * release, few backend allocations).
+ * release, few backend allocations); kept sequences.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -1622,6 +1622,83 @@ static void test_state_load_by_layer(void **state)
     be_free(be);
 }
 
+/* Kept sequences (keep.c): found again only by their namespace and every
+ * id (not a prefix, not a longer input, not one id off), shared without a
+ * copy; once unreferenced they go least recently used first within the
+ * prefix budget, or when the device needs room, never while referenced. */
+static void test_kept(void **state)
+{
+    (void)state;
+    void *st;
+    /* room for 8 blocks of 256 bytes: a sequence of 8 tokens holds 4 */
+    setup_store(&st, 0, 8 * 256, &(struct kv_store_params){.block_tokens = BT});
+    struct fixture *f = st;
+    int32_t a[21], b[20];
+    ids_of(a, 21, 1);
+    ids_of(b, 20, 2);
+    kv_seq *q, *r;
+    kv_kept *ka, *kb, *k;
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, NULL), TIER_OK);
+    assert_int_equal(kv_store_keep(f->store, 1, a, 20, q, &ka), TIER_OK);
+    assert_ptr_equal(kv_kept_seq(ka), q);
+    assert_ptr_equal(kv_store_kept_find(f->store, 1, a, 20), ka);
+    kv_kept_unref(ka);
+    assert_null(kv_store_kept_find(f->store, 1, a, 19)); /* a prefix */
+    assert_null(kv_store_kept_find(f->store, 1, a, 21)); /* longer */
+    assert_null(kv_store_kept_find(f->store, 2, a, 20)); /* another namespace */
+    int32_t last[20];
+    memcpy(last, a, sizeof(last));
+    last[19]++;
+    assert_null(kv_store_kept_find(f->store, 1, last, 20));
+    kv_kept_unref(ka);
+    struct kv_store_stats ss = kv_store_stats(f->store);
+    assert_int_equal(ss.prefix_entries, 1);
+    assert_int_equal(ss.prefix_evictable, 1);
+    assert_int_equal(ss.prefix_unref_bytes, 4 * 256);
+    /* unreferenced, it stays, and a find gives it back as it was */
+    assert_non_null(k = kv_store_kept_find(f->store, 1, a, 20));
+    check_positions(kv_kept_seq(k), 0, 0, 8);
+    assert_int_equal(kv_store_stats(f->store).prefix_evictable, 0);
+    kv_kept_unref(k);
+
+    /* the device needs room: the unreferenced one goes */
+    assert_int_equal(kv_seq_create(f->store, NULL, &r), TIER_OK);
+    assert_int_equal(kv_seq_reserve(r, 12), TIER_OK); /* 6 blocks of 8, 4 held by the kept one */
+    kv_seq_abort(r);
+    assert_int_equal(kv_store_stats(f->store).prefix_evictions, 1);
+    assert_null(kv_store_kept_find(f->store, 1, a, 20));
+    kv_seq_free(r);
+
+    /* the budget: of two unreferenced, the least recently used goes */
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, NULL), TIER_OK);
+    assert_int_equal(kv_store_keep(f->store, 1, a, 20, q, &ka), TIER_OK);
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, NULL), TIER_OK);
+    assert_int_equal(kv_store_keep(f->store, 1, b, 20, q, &kb), TIER_OK);
+    kv_store_set_prefix_mem(f->store, 6 * 256);
+    kv_kept_unref(ka);
+    kv_kept_unref(kb);
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 1);
+    assert_null(kv_store_kept_find(f->store, 1, a, 20));
+    assert_ptr_equal(k = kv_store_kept_find(f->store, 1, b, 20), kb);
+    /* referenced, it stays whatever the budget, and so does the device's refusal */
+    kv_store_set_prefix_mem(f->store, 1);
+    assert_int_equal(kv_seq_create(f->store, NULL, &r), TIER_OK);
+    assert_int_equal(kv_seq_reserve(r, 20), TIER_ENOMEM_DEV);
+    kv_seq_free(r);
+    assert_ptr_equal(kv_store_kept_find(f->store, 1, b, 20), kb);
+    kv_kept_unref(kb);
+    kv_kept_unref(k); /* the last reference: over the budget, it goes at once */
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 0);
+    /* an unreferenced kept sequence goes with the store */
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_store_keep(f->store, 3, b, 20, q, &kb), TIER_OK);
+    kv_kept_unref(kb);
+    teardown(&st);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1663,6 +1740,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefix_match, setup_prefix, teardown),
         cmocka_unit_test(test_prefix_collisions),
         cmocka_unit_test(test_prefix_eviction),
+        cmocka_unit_test(test_kept),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

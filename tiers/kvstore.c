@@ -190,6 +190,7 @@ void kv_store_free(kv_store *s)
         return;
     prefix_release_all(s);
     state_shared_release(s);
+    kept_release_all(s);
     kv_stream_release(s);
     hp_release(&s->hp);
     for (size_t i = 0; i < s->n_chunks; i++) {
@@ -235,10 +236,10 @@ struct kv_store_stats kv_store_stats(const kv_store *s)
         .blocks_used = used,
         .fallbacks = s->fallbacks,
         .fallbacks_oom = s->fallbacks_oom,
-        .prefix_entries = s->n_entries + s->n_sckpt,
-        .prefix_evictable = s->n_unref + s->n_sckpt,
+        .prefix_entries = s->n_entries + s->n_sckpt + s->n_kept,
+        .prefix_evictable = s->n_unref + s->n_sckpt + s->n_kept_unref,
         .prefix_unref_bytes = s->n_unref * (size_t)s->g.n_layers * s->block_bytes +
-                              s->n_sckpt * (size_t)s->g.n_layers * s->g.state_bytes,
+                              s->n_sckpt * (size_t)s->g.n_layers * s->g.state_bytes + s->kept_unref_bytes,
         .prefix_hit_tokens = s->prefix_hits,
         .prefix_evictions = s->prefix_evictions,
         .prefix_spill_dropped = s->spill_dropped,
@@ -343,7 +344,7 @@ size_t kv_store_pool_warm(kv_store *s, size_t bytes)
 bool kv_store_reclaim(kv_store *s)
 {
     bool any = false;
-    while (prefix_evict_one(s))
+    while (prefix_evict_one(s) || kept_evict_one(s))
         any = true;
     kv_store_trim(s);
     return any;
@@ -374,7 +375,7 @@ enum tier_status pool_take(kv_store *s, struct kv_block **out)
         enum tier_status st = pool_grow(s);
         if (st == TIER_OK)
             break;
-        if (st != TIER_ENOMEM_DEV || !prefix_evict_one(s))
+        if (st != TIER_ENOMEM_DEV || !(prefix_evict_one(s) || kept_evict_one(s)))
             return st;
         s->err[0] = '\0';
     }
@@ -433,8 +434,9 @@ void kv_dev_free(kv_store *s, be_buffer *b, size_t bytes)
 
 enum tier_status kv_host_alloc(kv_store *s, size_t bytes, void **out)
 {
-    /* shared checkpoints (state.c) give way to a sequence's memory */
-    while (s->host_budget && bytes > s->host_budget - s->host_used && state_shared_evict_one(s))
+    /* shared checkpoints (state.c) and kept sequences give way to a sequence's memory */
+    while (s->host_budget && bytes > s->host_budget - s->host_used &&
+           (state_shared_evict_one(s) || kept_evict_one(s)))
         ;
     if (s->host_budget && bytes > s->host_budget - s->host_used)
         return kv_fail(s, TIER_ENOMEM_HOST, "host tier budget of %zu bytes exhausted: %zu in use, %zu more needed",

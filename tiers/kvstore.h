@@ -335,6 +335,36 @@ enum tier_status kv_store_prefix_ship(kv_store *s, const struct kv_seq_params *p
  * free, TIER_EIO on a device fault; the cache is then as it was. */
 enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len);
 
+/* ---- kept sequences (tiers/keep.c) -------------------------------------
+ * Whole sequences, written once and only read afterwards, that the store
+ * shares by the ids they were computed from: an encoder-decoder model's
+ * cross-attention cache, a function of its encoder input alone.  A kept
+ * sequence is never written, cropped or forked again; any number of
+ * holders read it at once.  The entries no holder references follow the
+ * prefix cache's rules: within kv_store_set_prefix_mem's budget (their
+ * bytes in both tiers), least recently used first, and evicted before a
+ * device or host allocation fails; kv_store_stats counts them with the
+ * prefix cache's entries, evictions and hit tokens.
+ *
+ * kv_store_keep: hands q (of s, between steps) to the store under (ns,
+ *   ids[0, n)), with a reference for the caller in *out; the store frees
+ *   q when the entry goes.  TIER_ENOMEM_HOST (the ids' copy) leaves q the
+ *   caller's.
+ * kv_store_kept_find: the most recent entry whose namespace and ids equal
+ *   (ns, ids[0, n)), compared id by id (a hash collision only misses),
+ *   with a reference taken for the caller; NULL if none.
+ * kv_kept_unref: drops a reference (NULL: none); the entry stays, evictable.
+ * kv_kept_seq: the sequence, valid while the caller's reference is.
+ * kv_store_kept_hash: the hash entries are looked up by: xxh3 of the ids
+ *   (as int32 in host order) seeded with ns, the same in every process
+ *   (the remote tier's key). */
+typedef struct kv_kept kv_kept;
+enum tier_status kv_store_keep(kv_store *s, uint64_t ns, const int32_t *ids, int64_t n, kv_seq *q, kv_kept **out);
+kv_kept *kv_store_kept_find(kv_store *s, uint64_t ns, const int32_t *ids, int64_t n);
+void kv_kept_unref(kv_kept *k);
+kv_seq *kv_kept_seq(const kv_kept *k);
+uint64_t kv_store_kept_hash(uint64_t ns, const int32_t *ids, int64_t n);
+
 /* The token ids of the reserved positions (after kv_seq_reserve, before
  * the commit); a step without them stops the sequence publishing (blocks,
  * or a state's checkpoints). */

@@ -159,6 +159,9 @@ struct kv_store {
     bool state_prefix;
     struct kv_sckpt *sc_old, *sc_new; /* LRU list, oldest first */
     size_t n_sckpt;
+    /* kept sequences (keep.c): all, newest first; the unreferenced on an LRU list */
+    struct kv_kept *kept, *kept_old, *kept_new;
+    size_t n_kept, n_kept_unref, kept_unref_bytes;
     /* evicted entries serialized for the caller (prefix.c "On disk") */
     size_t spill_max, spill_bytes; /* spill_max 0: none are kept */
     struct kv_pqueued *spill_head, *spill_tail; /* oldest first */
@@ -231,6 +234,11 @@ enum tier_status state_seq_match(kv_seq *q, const int32_t *tokens, int64_t n, in
 void state_shared_fit(kv_store *s); /* within prefix_mem */
 bool state_shared_evict_one(kv_store *s); /* the LRU shared checkpoint; false if none */
 void state_shared_release(kv_store *s);
+
+/* keep.c: kept sequences */
+void kept_fit(kv_store *s);          /* within prefix_mem */
+bool kept_evict_one(kv_store *s);    /* the LRU unreferenced one; false if none */
+void kept_release_all(kv_store *s);
 
 /* kvquant.c: the KV_QUANTIZED sequence's side of creation, the step
  * transaction (all layers or none), release and size */

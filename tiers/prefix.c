@@ -162,6 +162,7 @@ void kv_store_set_prefix_mem(kv_store *s, size_t bytes)
     s->prefix_mem = bytes;
     fit_budget(s);
     state_shared_fit(s);
+    kept_fit(s);
 }
 
 /* ---- entries -------------------------------------------------------------- */

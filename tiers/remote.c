@@ -94,14 +94,18 @@ struct arena {
 };
 
 
+/* kind: 'p' a prefix-cache block, 'x' a kept sequence (kv_remote_publish_seq) */
 struct pub {
     struct kv_prefix_block b;
+    char kind;
     struct pub *next;
 };
 
 struct kv_remote_fetch {
     kv_remote *r;
     uint64_t ns;
+    char kind;        /* as struct pub's */
+    size_t max_bytes; /* a value claiming more is corrupt; SIZE_MAX: no bound */
     int n, found;
     int ready; /* under r->mu: found as of the last batch taken */
     bool done; /* under r->mu */
@@ -234,10 +238,15 @@ static void reply_free(redisReply *r, bool in_arena)
 
 /* ---- keys and slots ---------------------------------------------------- */
 
+static void key_of(const kv_remote *r, char kind, uint64_t ns, uint64_t hash, char out[160])
+{
+    snprintf(out, 160, "kvt:%016" PRIx64 ":%s:%c%" PRIx64 ":%016" PRIx64, r->p.layout.fingerprint, r->layout_key,
+             kind, ns, hash);
+}
+
 void kv_remote_key(const kv_remote *r, uint64_t ns, uint64_t hash, char out[160])
 {
-    snprintf(out, 160, "kvt:%016" PRIx64 ":%s:p%" PRIx64 ":%016" PRIx64, r->p.layout.fingerprint, r->layout_key, ns,
-             hash);
+    key_of(r, 'p', ns, hash, out);
 }
 
 static uint16_t crc16(const char *buf, size_t len)
@@ -614,8 +623,9 @@ static redisReply *reply_read(kv_remote *rr, struct node *n, size_t max_bulk, st
 /* ---- batches --------------------------------------------------------------- */
 
 /* Sends cmds[0, n) and reads their replies; a's arena (NULL: malloc)
- * holds the strings reply_read reads. */
-static void run(struct link *L, struct cmd *cmds, int n, struct arena *a)
+ * holds the strings reply_read reads.  max_value: the longest value that
+ * can check (SIZE_MAX: no bound). */
+static void run(struct link *L, struct cmd *cmds, int n, struct arena *a, size_t max_value)
 {
     if (L->r->is_cluster && L->stale)
         slots_load(L);
@@ -642,8 +652,8 @@ static void run(struct link *L, struct cmd *cmds, int n, struct arena *a)
             if (redisBufferWrite(nd->c, &done) != REDIS_OK)
                 node_fail(L, nd, io_kind(nd->c), nd->c->errstr);
     }
-    /* a value that would not check anyway (longer than a block's container) is not kept */
-    size_t max_bulk = L->r->p.block_bytes < SIZE_MAX / 2 ? 2 * L->r->p.block_bytes + ((size_t)64 << 10) : SIZE_MAX;
+    /* a value that would not check anyway (longer than its container) is not kept */
+    size_t max_bulk = max_value < SIZE_MAX / 2 ? 2 * max_value + ((size_t)64 << 10) : SIZE_MAX;
     for (int i = 0; i < n; i++) {
         struct cmd *c = &cmds[i];
         if (c->node < 0)
@@ -692,9 +702,9 @@ static bool take_batch(kv_remote *r, kv_remote_fetch *f, int from, struct cmd *c
         enum kv_remote_err bad = KV_REMOTE_N_ERR;
         if (going && rep && rep->type == REDIS_REPLY_STRING) {
             char ns[24], name[24], why[DISK_WHY_LEN];
-            snprintf(ns, sizeof(ns), "p%" PRIx64, f->ns);
+            snprintf(ns, sizeof(ns), "%c%" PRIx64, f->kind, f->ns);
             snprintf(name, sizeof(name), "%016" PRIx64, f->blk[k].hash);
-            enum disk_check dc = disk_blob_decode(rep->str, rep->len, &r->p.layout, ns, name, r->p.block_bytes, r->dctx,
+            enum disk_check dc = disk_blob_decode(rep->str, rep->len, &r->p.layout, ns, name, f->max_bytes, r->dctx,
                                                   &f->blk[k].data, &f->blk[k].len, &f->blk[k].owned, why);
             if (dc == DISK_VALID) {
                 f->blk[k].rep = f->blk[k].owned ? NULL : rep;
@@ -730,18 +740,18 @@ static void fetch_run(kv_remote *r, kv_remote_fetch *f)
     snprintf(ttl, sizeof(ttl), "%d", r->p.ttl_s);
     struct cmd cmds[BATCH];
     bool going = true;
-    size_t fit = r->p.block_bytes < SIZE_MAX ? BATCH_BYTES / (r->p.block_bytes + 1) : BATCH;
+    size_t fit = f->max_bytes < SIZE_MAX ? BATCH_BYTES / (f->max_bytes + 1) : BATCH;
     int batch = fit < 1 ? 1 : fit < BATCH ? (int)fit : BATCH;
     for (int from = 0; going && from < f->n; from += batch) {
         int n = f->n - from < batch ? f->n - from : batch;
         for (int i = 0; i < n; i++) {
-            kv_remote_key(r, f->ns, f->blk[from + i].hash, keys[i]);
+            key_of(r, f->kind, f->ns, f->blk[from + i].hash, keys[i]);
             /* GETEX refreshes the TTL of a hit in the same round trip */
             cmds[i] = (struct cmd){.argv = {"GETEX", keys[i], "EX", ttl}, .argc = 4};
             for (int a = 0; a < 4; a++)
                 cmds[i].len[a] = strlen(cmds[i].argv[a]);
         }
-        run(&r->fl, cmds, n, &f->arena);
+        run(&r->fl, cmds, n, &f->arena, f->max_bytes);
         going = take_batch(r, f, from, cmds, n);
         /* the caller inserts these while the next batch is read */
         pthread_mutex_lock(&r->mu);
@@ -833,19 +843,19 @@ static void publish_batch(kv_remote *r, struct pub **items, int n)
         const struct kv_prefix_block *b = &items[i]->b;
         char ns[24], name[24];
         size_t len = 0;
-        snprintf(ns, sizeof(ns), "p%" PRIx64, b->ns);
+        snprintf(ns, sizeof(ns), "%c%" PRIx64, items[i]->kind, b->ns);
         snprintf(name, sizeof(name), "%016" PRIx64, b->hash);
         if (!(blobs[m] = disk_blob_encode(&r->p.layout, ns, name, b->buf, b->len, r->cctx, &len))) {
             count(r, KV_REMOTE_E_DROPPED);
             continue;
         }
-        kv_remote_key(r, b->ns, b->hash, keys[m]);
+        key_of(r, items[i]->kind, b->ns, b->hash, keys[m]);
         cmds[m] = (struct cmd){.argv = {"SET", keys[m], blobs[m], "EX", ttl}, .argc = 5};
         for (int a = 0; a < 5; a++)
             cmds[m].len[a] = a == 2 ? len : strlen(cmds[m].argv[a]);
         m++;
     }
-    run(&r->pl, cmds, m, NULL);
+    run(&r->pl, cmds, m, NULL, SIZE_MAX);
     uint64_t ok = 0, bytes = 0;
     bool oom = false;
     for (int i = 0; i < m; i++) {
@@ -918,13 +928,14 @@ size_t kv_remote_publish_room(kv_remote *r)
     return room;
 }
 
-bool kv_remote_publish(kv_remote *r, struct kv_prefix_block *b)
+static bool publish(kv_remote *r, struct kv_prefix_block *b, char kind)
 {
     struct pub *p = malloc(sizeof(*p));
     pthread_mutex_lock(&r->mu);
     bool ok = p && r->pq_bytes + b->len <= r->p.queue_bytes;
     if (ok) {
         p->b = *b;
+        p->kind = kind;
         p->next = NULL;
         *r->pq_tail = p;
         r->pq_tail = &p->next;
@@ -942,10 +953,20 @@ bool kv_remote_publish(kv_remote *r, struct kv_prefix_block *b)
     return ok;
 }
 
+bool kv_remote_publish(kv_remote *r, struct kv_prefix_block *b)
+{
+    return publish(r, b, 'p');
+}
+
+bool kv_remote_publish_seq(kv_remote *r, uint64_t ns, uint64_t hash, void *buf, size_t len)
+{
+    return publish(r, &(struct kv_prefix_block){.buf = buf, .len = len, .ns = ns, .hash = hash}, 'x');
+}
+
 /* ---- fetches --------------------------------------------------------------- */
 
-enum tier_status kv_remote_fetch_start(kv_remote *r, uint64_t ns, const uint64_t *hashes, int n,
-                                       kv_remote_fetch **out)
+static enum tier_status fetch_start(kv_remote *r, char kind, uint64_t ns, const uint64_t *hashes, int n,
+                                    size_t max_bytes, kv_remote_fetch **out)
 {
     *out = NULL;
     if (n <= 0)
@@ -955,6 +976,8 @@ enum tier_status kv_remote_fetch_start(kv_remote *r, uint64_t ns, const uint64_t
         return TIER_ENOMEM_HOST;
     f->r = r;
     f->ns = ns;
+    f->kind = kind;
+    f->max_bytes = max_bytes;
     f->n = n;
     for (int i = 0; i < n; i++)
         f->blk[i].hash = hashes[i];
@@ -965,6 +988,18 @@ enum tier_status kv_remote_fetch_start(kv_remote *r, uint64_t ns, const uint64_t
     pthread_mutex_unlock(&r->mu);
     *out = f;
     return TIER_OK;
+}
+
+enum tier_status kv_remote_fetch_start(kv_remote *r, uint64_t ns, const uint64_t *hashes, int n,
+                                       kv_remote_fetch **out)
+{
+    return fetch_start(r, 'p', ns, hashes, n, r->p.block_bytes, out);
+}
+
+enum tier_status kv_remote_fetch_seq_start(kv_remote *r, uint64_t ns, uint64_t hash, size_t max_bytes,
+                                           kv_remote_fetch **out)
+{
+    return fetch_start(r, 'x', ns, &hash, 1, max_bytes ? max_bytes : SIZE_MAX, out);
 }
 
 int kv_remote_fetch_ready(kv_remote_fetch *f, bool *done)

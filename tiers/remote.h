@@ -107,6 +107,19 @@ void kv_remote_fetch_block(const kv_remote_fetch *f, int i, const void **data, s
 /* Waits for it if needed, then frees it; accepts NULL. */
 void kv_remote_fetch_free(kv_remote_fetch *f);
 
+/* Whole sequences (the store's kept ones, kv_store_keep: an
+ * encoder-decoder model's cross-attention caches), one key each,
+ * "kvt:<model fingerprint>:<layout>:x<namespace>:<hash>", in the same
+ * container, queue, TTL and checks as blocks: publish_seq queues buf[0,
+ * len) (taken, freed in any case; false when the queue was full), and
+ * fetch_seq_start looks one up, a value claiming more than max_bytes (0:
+ * no bound) being corrupt; kv_remote_fetch_found says 1 when it was
+ * found, kv_remote_fetch_block(f, 0) gives it.  What the bytes hold is
+ * the caller's to check. */
+bool kv_remote_publish_seq(kv_remote *r, uint64_t ns, uint64_t hash, void *buf, size_t len);
+enum tier_status kv_remote_fetch_seq_start(kv_remote *r, uint64_t ns, uint64_t hash, size_t max_bytes,
+                                           kv_remote_fetch **out);
+
 /* Test and tool hook: the key of block (ns, hash). */
 void kv_remote_key(const kv_remote *r, uint64_t ns, uint64_t hash, char out[160]);
 /* The CRC16 hash slot of a key (Redis Cluster's, with {hash tags}). */

@@ -6,6 +6,7 @@ resident (the decoder alone).
 
     /usr/bin/python3 tools/bench_encdec.py --model DIR [--enc-len 2048] [-n 16] [--rounds 3]
                                            [--cache dynamic|offloaded] [--dir DIR]
+                                           [--requests [--remote URL]]
 
 Starts build/kvtierd on a socket of its own with --spill-after 1 and a
 disk tier in --dir (a temporary directory by default).  The input is
@@ -20,7 +21,20 @@ memory (disk bytes > 0, device and host 0, its encoder's too):
   resident:    the same on S at once, now in memory.
 Every generation checks encoder_cached_tokens (the input length on S, 0
 on T), so a restore that encoded again fails the run.  Prints the medians,
-the ratios and S's bytes per tier, resident and spilled."""
+the ratios and S's bytes per tier, resident and spilled.  The daemon runs
+with --no-prefix-cache, so that T encodes (the encoder cache would
+otherwise still hold S's cross cache).
+
+--requests measures the encoder cache instead (requests outside sessions,
+no disk tier): per round a request with an input no request gave before
+(its first id the round's number), which encodes it (miss), then the same
+request again, which reads its cross cache from the encoder cache (hit:
+encoder_cached_tokens checked, and the same tokens).  Prints the medians
+of each and their ratio.  With --remote URL (a Redis both daemons use,
+docs/remote.md) a second daemon B then gets the same request, which reads
+the cross cache A published (a remote hit, encoder_cached_tokens checked,
+after A's value is in: the lookup does not wait for a publish in flight),
+timed too."""
 import argparse
 import json
 import os
@@ -40,6 +54,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache", choices=("dynamic", "offloaded"), default="dynamic")
     ap.add_argument("--dir")
+    ap.add_argument("--requests", action="store_true", help="the encoder cache: a request's hit against its miss")
+    ap.add_argument("--remote", help="with --requests: a Redis URL; a second daemon's remote hit is timed too")
     o = ap.parse_args()
     work = o.dir or tempfile.mkdtemp(prefix="bench-encdec-")
     os.makedirs(work, exist_ok=True)
@@ -48,10 +64,24 @@ def main():
     enc = [i * 7919 % cfg["vocab_size"] for i in range(o.enc_len)]
     dec = [cfg["decoder_start_token_id"]]
     d = kvclient.Daemon(os.path.join(work, "kvtierd.sock"), os.path.join(work, "kvtierd.log"),
-                        ["--model", o.model, "--disk-dir", os.path.join(work, "disk"), "--spill-after", "1",
-                         "--parallel", "2", "--max-body", "8M"])
-    log("kvtierd up in %.2f s" % d.start())
+                        ["--model", o.model, "--max-body", "8M"] +
+                        (["--disk-dir", "none", "--parallel", "1"] if o.requests else
+                         ["--disk-dir", os.path.join(work, "disk"), "--spill-after", "1", "--parallel", "2",
+                          "--no-prefix-cache"]))
     body = {} if o.cache == "dynamic" else {"cache": {"implementation": o.cache}}
+    if o.requests:
+        b = None
+        if o.remote:
+            d.args += ["--remote", o.remote]
+            b = kvclient.Daemon(os.path.join(work, "b.sock"), os.path.join(work, "b.log"),
+                                ["--model", o.model, "--max-body", "8M", "--disk-dir", "none", "--parallel", "1",
+                                 "--remote", o.remote])
+        log("kvtierd up in %.2f s" % d.start())
+        if b:
+            log("second kvtierd up in %.2f s" % b.start())
+        bench_requests(d, b, o, enc, dec, body)
+        return
+    log("kvtierd up in %.2f s" % d.start())
 
     def generate(sid, cached):
         t0 = time.perf_counter()
@@ -108,6 +138,61 @@ def main():
         b, e = s["bytes"], s["encoder"]["bytes"]
         print("%-8s self: device %.2f MiB, host %.2f MiB; cross: device %.2f MiB, host %.2f MiB; disk %.2f MiB" %
               (name, b["device"] / mib, b["host"] / mib, e["device"] / mib, e["host"] / mib, b["disk"] / mib))
+
+
+def bench_requests(d, b, o, enc, dec, body):
+    def generate(inp, cached, dm=d):
+        t0 = time.perf_counter()
+        r = dm.ok("POST", "/v1/completions", dict(body, input=inp, prompt=dec, max_tokens=o.n, temperature=0,
+                                                 ignore_eos=True, return_tokens=True))
+        dt = time.perf_counter() - t0
+        got = r["usage"]["prompt_tokens_details"]["encoder_cached_tokens"]
+        if got != cached or len(r["choices"][0]["tokens"]) != o.n:
+            raise SystemExit("encoder_cached_tokens %d, want %d" % (got, cached))
+        return dt, r["choices"][0]["tokens"]
+
+    res = {"miss": [], "hit": []}
+    if b:
+        res["remote hit"] = []
+    try:
+        for r in range(o.rounds):
+            inp = [r + 1] + enc[1:]
+            t, miss = generate(inp, 0)
+            res["miss"].append(t)
+            t, hit = generate(inp, len(inp))
+            res["hit"].append(t)
+            if hit != miss:
+                raise SystemExit("round %d: the hit's tokens differ from the miss's" % r)
+            if b:
+                end = time.time() + 60
+                while published(d.ok("GET", "/metrics")) < r + 1:
+                    if time.time() > end:
+                        raise SystemExit("round %d: A's cross cache never reached Redis" % r)
+                    time.sleep(0.05)
+                t, remote = generate(inp, len(inp), b)
+                res["remote hit"].append(t)
+                if remote != miss:
+                    raise SystemExit("round %d: the remote hit's tokens differ from the miss's" % r)
+            log("round %d: %s" % (r + 1, ", ".join("%s %.3f s" % (k, v[-1]) for k, v in res.items())))
+    finally:
+        d.stop()
+        if b:
+            b.stop()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print("encoder input %d tokens, %d generated per request, %s self cache, %d rounds (medians)" %
+          (o.enc_len, o.n, o.cache, o.rounds))
+    for k in med:
+        print("%-10s %8.3f s per request, %7.1f tokens/s" % (k, med[k], o.n / med[k]))
+    print("miss / hit %.2fx" % (med["miss"] / med["hit"]))
+    if b:
+        print("miss / remote hit %.2fx" % (med["miss"] / med["remote hit"]))
+
+
+def published(metrics):
+    for line in metrics.decode().splitlines():
+        if line.startswith('kvtier_remote_blocks_total{result="published"} '):
+            return float(line.split()[1])
+    return 0.0
 
 
 if __name__ == "__main__":
