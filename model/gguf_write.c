@@ -438,8 +438,10 @@ static struct model_mat fused(const struct model_mat *a, const struct model_mat 
     return m;
 }
 
-/* Tensors one layer may have, at most (Gemma with biases). */
-#define LAYER_TENSORS 19
+/* Names plan() may give one layer's tensors, so a bound on any family's
+ * count; and the names outside the layers. */
+#define LAYER_TENSORS 21
+#define TOP_TENSORS 7
 
 /* The tensors in file order, under llama.cpp's names: what its converter
  * writes for each architecture (tools/st2gguf.py lists the same). */
@@ -780,7 +782,7 @@ enum model_status model_gguf_write(const char *dir, const char *out, enum model_
         st = model_files_open(dir, &c, &mf, &w, err);
     if (st == MODEL_OK)
         st = read_vocab(dir, c.vocab_size, &v, err);
-    int cap = c.n_layers * LAYER_TENSORS + 7;
+    int cap = c.n_layers * LAYER_TENSORS + TOP_TENSORS;
     if (st == MODEL_OK) {
         t = calloc((size_t)cap, sizeof *t);
         buf = malloc((size_t)(c.intermediate_size > c.vocab_size ? c.intermediate_size : c.vocab_size) * 4 +
