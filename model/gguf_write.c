@@ -389,6 +389,8 @@ struct plan {
 
 static struct wt *plan_add(struct plan *p, const char *name, int layer)
 {
+    if (p->st != MODEL_OK) /* the first error is the one reported */
+        return NULL;
     if (p->n == p->cap) { /* plan()'s bound is wrong: a bug, not an input */
         p->st = model_errf(p->err, MODEL_EINVAL, "%s: more tensors than planned", name);
         return NULL;

@@ -6,7 +6,8 @@ safetensors computes with --weights q8_0, q4_k, or as stored for bf16; the
 bf16 file holds what tools/st2gguf.py (the independent writer, written as
 llama.cpp's converter writes) holds: the same tensors under the same names,
 shapes, types and bytes, and the same metadata.  Architectures the loader
-does not read, and shapes llama.cpp would compute differently, are refused
+does not read, shapes llama.cpp would compute differently and rows that are
+not whole Q8_0 blocks are refused
 with a message naming them.
 
     /usr/bin/python3 tests/gguf_quantize.py BUILD WORKDIR
@@ -127,6 +128,15 @@ def main():
     rc, err = quantize(build, d, os.path.join(work, "gemma2q.gguf"), "q8_0")
     if rc == 0 or "query_pre_attn_scalar" not in err:
         fail(f"gemma2 with query_pre_attn_scalar 24: rc {rc}, {err.strip()!r}")
+    # rows that are not whole Q8_0 blocks: refused naming the tensor (bf16 is written)
+    d = os.path.join(work, "narrow")
+    mkmodel.main(["--arch", "llama", "--dtype", "bf16", "--out", d, "--layers", "1", "--dim", "48", "--heads", "4",
+                  "--ffn", "96", "--vocab", "384"])
+    rc, err = quantize(build, d, os.path.join(work, "narrow.gguf"), "q8_0")
+    if rc == 0 or "blk.0.attn_q.weight: 48 columns, not a multiple of 32" not in err:
+        fail(f"rows of 48 as Q8_0: rc {rc}, {err.strip()!r}")
+    if quantize(build, d, os.path.join(work, "narrow.gguf"), "bf16")[0] != 0:
+        fail("rows of 48 as bf16 refused")
     refused(build, work, "mamba", {"architectures": ["MambaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
                                    "vocab_size": 384, "torch_dtype": "float32"}, "MambaForCausalLM is not written to GGUF")
     refused(build, work, "mistral", {"architectures": ["MistralForCausalLM"], "hidden_size": 64,
