@@ -7,8 +7,7 @@ bf16 file holds what tools/st2gguf.py (the independent writer, written as
 llama.cpp's converter writes) holds: the same tensors under the same names,
 shapes, types and bytes, and the same metadata.  Architectures the loader
 does not read, shapes llama.cpp would compute differently and rows that are
-not whole Q8_0 blocks are refused
-with a message naming them.
+not whole Q8_0 blocks are refused with a message naming them.
 
     /usr/bin/python3 tests/gguf_quantize.py BUILD WORKDIR
 """
