@@ -12,9 +12,15 @@
  * file computes exactly what --weights q8_0 computes from the directory;
  * Q4_K likewise what --weights q4_k computes (Q8_0 for rows that are not
  * whole super-blocks); the embeddings and lm_head keep their type
- * (docs/quantization.md).
+ * (docs/quantization.md).  Every decoder-only architecture the loader
+ * reads (gguf_model.c) is written as llama.cpp's converter writes it:
+ * Gemma's norms as 1 + w (the binder's copy already is), Phi-3's and
+ * GPT-2's fused projections fused again from the binder's row views,
+ * GPT-2's Conv1D weights [out, in] (the binder's transposed copy), what
+ * llama.cpp derives rather than reads checked instead of written.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +40,7 @@ enum { TT_NORMAL = 1, TT_UNKNOWN = 2, TT_CONTROL = 3, TT_USER = 4, TT_BYTE = 6 }
 /* One tensor to write: a matrix of the bound weights or an f32 vector. */
 struct wt {
     char name[64];
-    const struct model_mat *m; /* NULL: vec */
+    struct model_mat m;        /* no data: vec */
     const float *vec;
     int len;                   /* vec's */
     uint32_t type;             /* ggml type */
@@ -47,11 +53,13 @@ struct writer {
     const char *path;
     char *err;
     enum model_status st;
+    bool dry;      /* counting the metadata entries only: nothing written */
+    uint64_t n_kv; /* metadata entries begun */
 };
 
 static void wr(struct writer *w, const void *p, size_t n)
 {
-    if (w->st == MODEL_OK && n && fwrite(p, 1, n, w->f) != n)
+    if (!w->dry && w->st == MODEL_OK && n && fwrite(p, 1, n, w->f) != n)
         w->st = model_errf(w->err, MODEL_EIO, "%s: write: %s", w->path, strerror(errno));
 }
 
@@ -66,6 +74,7 @@ static void wr_str(struct writer *w, const char *s, size_t n)
 
 static void kv_head(struct writer *w, const char *key, uint32_t type)
 {
+    w->n_kv++;
     wr_str(w, key, strlen(key));
     wr_u32(w, type);
 }
@@ -343,13 +352,6 @@ static void write_tokenizer(struct writer *w, const struct model_config *c, cons
         kv_str(w, "tokenizer.chat_template", tpl);
 }
 
-/* Metadata entries write_tokenizer writes. */
-static uint64_t tokenizer_kvs(const struct model_config *c, const struct vocab *v)
-{
-    return 6 + (v->spm ? 1 + (v->unk >= 0) : 0) + (c->bos_token_id >= 0) + (c->n_eos > 0) + (c->n_eos > 1) + (c->pad_token_id >= 0) +
-           (json_string_value(json_object_get(v->tc, "chat_template")) != NULL);
-}
-
 /* ---- tensors ------------------------------------------------------------------- */
 
 /* A layer matrix's ggml type under t: q4_k's Q4_K where the rows are whole
@@ -375,62 +377,143 @@ static uint64_t mat_bytes(uint32_t type, const struct model_mat *m)
     return row * (uint64_t)m->rows;
 }
 
-/* The tensors in file order. */
+/* The tensors of the file, in order, as plan() lists them. */
+struct plan {
+    struct wt *t;
+    int n, cap;
+    enum model_gguf_type type;
+    uint32_t embed_type; /* token_embd, position_embd and output */
+    char *err;
+    enum model_status st;
+};
+
+static struct wt *plan_add(struct plan *p, const char *name, int layer)
+{
+    if (p->st != MODEL_OK) /* the first error is the one reported */
+        return NULL;
+    if (p->n == p->cap) { /* plan()'s bound is wrong: a bug, not an input */
+        p->st = model_errf(p->err, MODEL_EINVAL, "%s: more tensors than planned", name);
+        return NULL;
+    }
+    struct wt *x = &p->t[p->n++];
+    *x = (struct wt){0};
+    if (layer >= 0)
+        snprintf(x->name, sizeof x->name, "blk.%d.%s", layer, name);
+    else
+        snprintf(x->name, sizeof x->name, "%s", name);
+    return x;
+}
+
+/* A 1-D tensor, unless the model lacks it (v NULL). */
+static void plan_vec(struct plan *p, const char *name, int layer, const float *v, int len, int heads)
+{
+    struct wt *x = v ? plan_add(p, name, layer) : NULL;
+    if (x) {
+        x->vec = v;
+        x->len = len;
+        x->heads = heads;
+    }
+}
+
+/* A matrix, unless the model lacks it; a layer matrix is quantized under
+ * q8_0 and q4_k, the others keep the embeddings' type. */
+static void plan_mat(struct plan *p, const char *name, int layer, const struct model_mat *m, int heads)
+{
+    struct wt *x = m->data ? plan_add(p, name, layer) : NULL;
+    if (!x)
+        return;
+    x->m = *m;
+    x->heads = heads;
+    x->type = layer >= 0 ? ggml_type(p->type, m->cols) : p->embed_type;
+    if (x->type == 8 && m->cols % Q8_0_BLOCK)
+        p->st = model_errf(p->err, MODEL_EUNSUPPORTED, "%s: %d columns, not a multiple of %d (Q8_0 blocks)", x->name,
+                           m->cols, Q8_0_BLOCK);
+}
+
+/* Row views the binder made of one fused tensor (Phi-3's qkv_proj and
+ * gate_up_proj, GPT-2's c_attn) as that tensor again: the parts are
+ * consecutive rows of one buffer. */
+static struct model_mat fused(const struct model_mat *a, const struct model_mat *b, const struct model_mat *c)
+{
+    struct model_mat m = *a;
+    m.rows += b->rows + (c ? c->rows : 0);
+    return m;
+}
+
+/* Names plan() may give one layer's tensors, so a bound on any family's
+ * count; and the names outside the layers. */
+#define LAYER_TENSORS 21
+#define TOP_TENSORS 7
+
+/* The tensors in file order, under llama.cpp's names: what its converter
+ * writes for each architecture (tools/st2gguf.py lists the same). */
 static enum model_status plan(const struct model_config *c, const struct model_weights *w, enum model_gguf_type t,
-                              bool permute, struct wt *out, int *n, char *err)
+                              struct wt *out, int cap, int *n, char *err)
 {
     /* embeddings and lm_head: as stored under q8_0 and q4_k, else the chosen float type */
     bool quant = t == MODEL_GGUF_Q8_0 || t == MODEL_GGUF_Q4_K;
-    uint32_t embed_type = quant ? (c->dtype == BE_F16 ? 1 : c->dtype == BE_BF16 ? 30 : 0) : ggml_type(t, 0);
-    int k = 0;
-    out[k++] = (struct wt){.name = "token_embd.weight", .m = &w->tok_embed, .type = embed_type};
-    for (int l = 0; l < c->n_layers; l++) {
+    struct plan p = {.t = out, .cap = cap, .type = t, .err = err,
+                     .embed_type = quant ? (c->dtype == BE_F16 ? 1 : c->dtype == BE_BF16 ? 30 : 0) : ggml_type(t, 0)};
+    /* llama.cpp's llama rope reads q and k rows in interleaved pairs */
+    bool permute = c->arch == ARCH_LLAMA || c->arch == ARCH_MISTRAL;
+    int qh = permute ? c->n_heads : 0, kh = permute ? c->n_kv_heads : 0;
+    int dim = c->hidden_size, q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
+    bool gpt2 = c->arch == ARCH_GPT2;
+    plan_mat(&p, "token_embd.weight", -1, &w->tok_embed, 0);
+    plan_mat(&p, "position_embd.weight", -1, &w->pos_embed, 0);
+    for (int l = 0; l < c->n_layers && p.st == MODEL_OK; l++) {
         const struct model_layer *L = &w->layers[l];
-        const struct {
-            const char *name;
-            const struct model_mat *m;
-            const float *vec;
-            int len, heads;
-        } parts[] = {
-            {"attn_norm.weight", NULL, L->attn_norm, c->hidden_size, 0},
-            {"attn_q.weight", &L->wq, NULL, 0, permute ? c->n_heads : 0},
-            {"attn_q.bias", NULL, L->bq, c->n_heads * c->head_dim, permute ? c->n_heads : 0},
-            {"attn_k.weight", &L->wk, NULL, 0, permute ? c->n_kv_heads : 0},
-            {"attn_k.bias", NULL, L->bk, c->n_kv_heads * c->head_dim, permute ? c->n_kv_heads : 0},
-            {"attn_v.weight", &L->wv, NULL, 0, 0},
-            {"attn_v.bias", NULL, L->bv, c->n_kv_heads * c->head_dim, 0},
-            {"attn_output.weight", &L->wo, NULL, 0, 0},
-            {"attn_output.bias", NULL, L->bo, c->hidden_size, 0},
-            {"attn_q_norm.weight", NULL, L->q_norm, c->head_dim, 0},
-            {"attn_k_norm.weight", NULL, L->k_norm, c->head_dim, 0},
-            {"ffn_norm.weight", NULL, L->ffn_norm, c->hidden_size, 0},
-            {"ffn_gate.weight", &L->w_gate, NULL, 0, 0},
-            {"ffn_up.weight", &L->w_up, NULL, 0, 0},
-            {"ffn_down.weight", &L->w_down, NULL, 0, 0},
-        };
-        for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
-            if (!parts[i].vec && !parts[i].m)
-                continue;
-            struct wt *x = &out[k++];
-            *x = (struct wt){.m = parts[i].m, .vec = parts[i].vec, .len = parts[i].len, .heads = parts[i].heads,
-                             .type = parts[i].m ? ggml_type(t, parts[i].m->cols) : 0};
-            snprintf(x->name, sizeof x->name, "blk.%d.%s", l, parts[i].name);
-            if (x->type == 8 && x->m->cols % Q8_0_BLOCK)
-                return model_errf(err, MODEL_EUNSUPPORTED, "%s: %d columns, not a multiple of %d (Q8_0 blocks)",
-                                  x->name, x->m->cols, Q8_0_BLOCK);
+        plan_vec(&p, "attn_norm.weight", l, L->attn_norm, dim, 0);
+        plan_vec(&p, "attn_norm.bias", l, L->attn_norm_b, dim, 0);
+        if (c->fused_qkv || gpt2) {
+            struct model_mat qkv = fused(&L->wq, &L->wk, &L->wv);
+            plan_mat(&p, "attn_qkv.weight", l, &qkv, 0);
+            plan_vec(&p, "attn_qkv.bias", l, L->bq, q_dim + 2 * kv_dim, 0); /* GPT-2's: one buffer too */
+        } else {
+            plan_mat(&p, "attn_q.weight", l, &L->wq, qh);
+            plan_vec(&p, "attn_q.bias", l, L->bq, q_dim, qh);
+            plan_mat(&p, "attn_k.weight", l, &L->wk, kh);
+            plan_vec(&p, "attn_k.bias", l, L->bk, kv_dim, kh);
+            plan_mat(&p, "attn_v.weight", l, &L->wv, 0);
+            plan_vec(&p, "attn_v.bias", l, L->bv, kv_dim, 0);
         }
+        plan_mat(&p, "attn_output.weight", l, &L->wo, 0);
+        plan_vec(&p, "attn_output.bias", l, L->bo, dim, 0);
+        /* Gemma's norms are 1 + w here already (the binder's copy), as
+         * llama.cpp's converter stores them */
+        plan_vec(&p, "post_attention_norm.weight", l, L->post_attn_norm, dim, 0);
+        plan_vec(&p, "attn_q_norm.weight", l, L->q_norm, c->head_dim, 0);
+        plan_vec(&p, "attn_k_norm.weight", l, L->k_norm, c->head_dim, 0);
+        plan_vec(&p, "ffn_norm.weight", l, L->ffn_norm, dim, 0);
+        plan_vec(&p, "ffn_norm.bias", l, L->ffn_norm_b, dim, 0);
+        if (c->fused_gate_up) {
+            struct model_mat gate_up = fused(&L->w_gate, &L->w_up, NULL);
+            plan_mat(&p, "ffn_up.weight", l, &gate_up, 0);
+        } else {
+            plan_mat(&p, "ffn_gate.weight", l, &L->w_gate, 0);
+            plan_mat(&p, "ffn_up.weight", l, &L->w_up, 0);
+        }
+        plan_vec(&p, "ffn_up.bias", l, L->b_up, c->intermediate_size, 0);
+        plan_mat(&p, "ffn_down.weight", l, &L->w_down, 0);
+        plan_vec(&p, "ffn_down.bias", l, L->b_down, dim, 0);
+        plan_vec(&p, "post_ffw_norm.weight", l, L->post_ffn_norm, dim, 0);
     }
-    out[k++] = (struct wt){.name = "output_norm.weight", .vec = w->final_norm, .len = c->hidden_size};
+    plan_vec(&p, "output_norm.weight", -1, w->final_norm, dim, 0);
+    plan_vec(&p, "output_norm.bias", -1, w->final_norm_b, dim, 0);
     if (!c->tie_word_embeddings)
-        out[k++] = (struct wt){.name = "output.weight", .m = &w->lm_head, .type = embed_type};
+        plan_mat(&p, "output.weight", -1, &w->lm_head, 0);
+    if (c->rope_scaling == ROPE_SCALING_LONGROPE) { /* Phi-3's factors travel as tensors */
+        plan_vec(&p, "rope_factors_long.weight", -1, c->rope_long_factor, c->rot_dim / 2, 0);
+        plan_vec(&p, "rope_factors_short.weight", -1, c->rope_short_factor, c->rot_dim / 2, 0);
+    }
     uint64_t off = 0;
-    for (int i = 0; i < k; i++) {
-        out[i].bytes = out[i].m ? mat_bytes(out[i].type, out[i].m) : (uint64_t)out[i].len * 4;
+    for (int i = 0; i < p.n; i++) {
+        out[i].bytes = out[i].m.data ? mat_bytes(out[i].type, &out[i].m) : (uint64_t)out[i].len * 4;
         out[i].off = off;
         off += (out[i].bytes + ALIGN - 1) / ALIGN * ALIGN;
     }
-    *n = k;
-    return MODEL_OK;
+    *n = p.n;
+    return p.st;
 }
 
 /* Row r of the file: Hugging Face's row of it when permuted for llama.cpp's
@@ -446,13 +529,13 @@ static int src_row(int r, int rows, int heads)
 static void write_tensor(struct writer *w, const struct wt *t, float *buf, void *out)
 {
     static const unsigned char zero[ALIGN];
-    if (!t->m) {
+    if (!t->m.data) {
         for (int r = 0; r < t->len; r++)
             wr(w, &t->vec[src_row(r, t->len, t->heads)], 4);
         wr(w, zero, (size_t)(-t->bytes % ALIGN));
         return;
     }
-    const struct model_mat *m = t->m;
+    const struct model_mat *m = &t->m;
     size_t cols = (size_t)m->cols, esz = be_dtype_size(m->dtype);
     size_t row_out = (size_t)(t->bytes / (uint64_t)m->rows);
     for (int r = 0; r < m->rows && w->st == MODEL_OK; r++) {
@@ -495,55 +578,122 @@ static const char *arch_name(const struct model_config *c)
     case ARCH_MISTRAL: return c->sliding_window ? NULL : "llama"; /* llama.cpp's llama has no window */
     case ARCH_QWEN2: return "qwen2";
     case ARCH_QWEN3: return "qwen3";
-    default: return NULL;
+    case ARCH_GEMMA2: return "gemma2";
+    case ARCH_GEMMA3: return "gemma3";
+    case ARCH_PHI3: return "phi3";
+    case ARCH_GPT2: return "gpt2";
+    case ARCH_MAMBA: return NULL; /* the GGUF loader reads no state-space model */
     }
+    return NULL;
+}
+
+/* llama.cpp's period of Gemma's sliding layers, when not the default */
+static int gemma_period_default(const struct model_config *c)
+{
+    return c->arch == ARCH_GEMMA2 ? 2 : 6;
+}
+
+/* The period P of Gemma's layers (layer i slides unless i % P = P - 1),
+ * the one form GGUF holds them in; 0 when no period gives c's layers.
+ * P = 1 is every layer full, P > n_layers every layer sliding. */
+static int gemma_period(const struct model_config *c)
+{
+    int def = gemma_period_default(c);
+    for (int k = 0; k <= c->n_layers + 1; k++) {
+        int p = k ? k : def, i = 0; /* the default first: then no key is written */
+        while (i < c->n_layers && (c->layer_window[i] != 0) == (i % p < p - 1) &&
+               (!c->layer_window[i] || c->layer_window[i] == c->sliding_window))
+            i++;
+        if (i == c->n_layers)
+            return p;
+    }
+    return 0;
+}
+
+/* {arch}.* as llama.cpp's converter writes them for c's family. */
+static void write_hparams(struct writer *w, const struct model_config *c, const char *a)
+{
+    char key[96];
+#define KEY(s) (snprintf(key, sizeof key, "%s.%s", a, s), key)
+    kv_u32(w, KEY("context_length"), (uint32_t)c->max_position_embeddings);
+    kv_u32(w, KEY("embedding_length"), (uint32_t)c->hidden_size);
+    kv_u32(w, KEY("block_count"), (uint32_t)c->n_layers);
+    kv_u32(w, KEY("feed_forward_length"), (uint32_t)c->intermediate_size);
+    kv_u32(w, KEY("attention.head_count"), (uint32_t)c->n_heads);
+    if (c->arch == ARCH_GPT2) { /* LayerNorm, learned positions: no RoPE keys */
+        kv_f32(w, KEY("attention.layer_norm_epsilon"), c->rms_norm_eps);
+        return;
+    }
+    bool gemma = c->arch == ARCH_GEMMA2 || c->arch == ARCH_GEMMA3;
+    kv_u32(w, KEY("vocab_size"), (uint32_t)c->vocab_size);
+    kv_u32(w, KEY("rope.dimension_count"), (uint32_t)c->rot_dim);
+    kv_u32(w, KEY("attention.head_count_kv"), (uint32_t)c->n_kv_heads);
+    kv_f32(w, KEY("attention.layer_norm_rms_epsilon"), c->rms_norm_eps);
+    kv_f32(w, KEY("rope.freq_base"), c->rope_theta);
+    if (gemma || c->head_dim * c->n_heads != c->hidden_size) {
+        kv_u32(w, KEY("attention.key_length"), (uint32_t)c->head_dim);
+        kv_u32(w, KEY("attention.value_length"), (uint32_t)c->head_dim);
+    }
+    if (c->rope_scaling == ROPE_SCALING_LINEAR) {
+        kv_str(w, KEY("rope.scaling.type"), "linear");
+        kv_f32(w, KEY("rope.scaling.factor"), c->rope_factor);
+    }
+    if (gemma) {
+        int period = gemma_period(c);
+        kv_u32(w, KEY("attention.sliding_window"), (uint32_t)c->sliding_window);
+        if (period != gemma_period_default(c))
+            kv_u32(w, KEY("attention.sliding_window_pattern"), (uint32_t)period);
+        if (c->arch == ARCH_GEMMA2)
+            kv_f32(w, KEY("attn_logit_softcapping"), c->attn_softcap);
+        if (c->final_softcap > 0)
+            kv_f32(w, KEY("final_logit_softcapping"), c->final_softcap);
+        if (c->arch == ARCH_GEMMA3)
+            kv_f32(w, KEY("rope.freq_base_swa"), c->rope_local_theta);
+    }
+    if (c->arch == ARCH_PHI3) {
+        kv_u32(w, KEY("rope.scaling.original_context_length"),
+               (uint32_t)(c->rope_original_max_pos > 0 ? c->rope_original_max_pos : c->max_position_embeddings));
+        kv_u32(w, KEY("attention.sliding_window"), (uint32_t)c->sliding_window);
+        if (c->rope_scaling == ROPE_SCALING_LONGROPE)
+            kv_f32(w, KEY("rope.scaling.attn_factor"), c->rope_attn_factor);
+    }
+#undef KEY
+}
+
+static void write_meta(struct writer *w, const struct model_config *c, const struct vocab *v, const char *name,
+                       enum model_gguf_type type)
+{
+    static const uint32_t FILE_TYPE[] = {[MODEL_GGUF_F32] = 0, [MODEL_GGUF_F16] = 1, [MODEL_GGUF_BF16] = 32,
+                                         [MODEL_GGUF_Q8_0] = 7, [MODEL_GGUF_Q4_K] = 15};
+    const char *a = arch_name(c);
+    kv_str(w, "general.architecture", a);
+    kv_str(w, "general.name", name);
+    kv_u32(w, "general.file_type", FILE_TYPE[type]);
+    kv_u32(w, "general.alignment", ALIGN);
+    write_hparams(w, c, a);
+    write_tokenizer(w, c, v);
 }
 
 static void write_file(struct writer *w, const struct model_config *c, const struct vocab *v, const char *name,
                        enum model_gguf_type type, const struct wt *t, int n)
 {
-    const char *a = arch_name(c);
-    char key[96];
-    bool head_dim = c->head_dim * c->n_heads != c->hidden_size;
-    bool linear = c->rope_scaling == ROPE_SCALING_LINEAR;
-    static const uint32_t FILE_TYPE[] = {[MODEL_GGUF_F32] = 0, [MODEL_GGUF_F16] = 1, [MODEL_GGUF_BF16] = 32,
-                                         [MODEL_GGUF_Q8_0] = 7, [MODEL_GGUF_Q4_K] = 15};
+    /* the entry count comes first: a dry pass counts them */
+    w->dry = true;
+    w->n_kv = 0;
+    write_meta(w, c, v, name, type);
+    w->dry = false;
     wr(w, "GGUF", 4);
     wr_u32(w, 3);
     wr_u64(w, (uint64_t)n);
-    wr_u64(w, 14 + (head_dim ? 2 : 0) + (linear ? 2 : 0) + tokenizer_kvs(c, v));
-    kv_str(w, "general.architecture", a);
-    kv_str(w, "general.name", name);
-    kv_u32(w, "general.file_type", FILE_TYPE[type]);
-    kv_u32(w, "general.alignment", ALIGN);
-#define KEY(s) (snprintf(key, sizeof key, "%s.%s", a, s), key)
-    kv_u32(w, KEY("vocab_size"), (uint32_t)c->vocab_size);
-    kv_u32(w, KEY("context_length"), (uint32_t)c->max_position_embeddings);
-    kv_u32(w, KEY("embedding_length"), (uint32_t)c->hidden_size);
-    kv_u32(w, KEY("block_count"), (uint32_t)c->n_layers);
-    kv_u32(w, KEY("feed_forward_length"), (uint32_t)c->intermediate_size);
-    kv_u32(w, KEY("rope.dimension_count"), (uint32_t)c->head_dim);
-    kv_u32(w, KEY("attention.head_count"), (uint32_t)c->n_heads);
-    kv_u32(w, KEY("attention.head_count_kv"), (uint32_t)c->n_kv_heads);
-    kv_f32(w, KEY("attention.layer_norm_rms_epsilon"), c->rms_norm_eps);
-    kv_f32(w, KEY("rope.freq_base"), c->rope_theta);
-    if (head_dim) {
-        kv_u32(w, KEY("attention.key_length"), (uint32_t)c->head_dim);
-        kv_u32(w, KEY("attention.value_length"), (uint32_t)c->head_dim);
-    }
-    if (linear) {
-        kv_str(w, KEY("rope.scaling.type"), "linear");
-        kv_f32(w, KEY("rope.scaling.factor"), c->rope_factor);
-    }
-#undef KEY
-    write_tokenizer(w, c, v);
+    wr_u64(w, w->n_kv);
+    write_meta(w, c, v, name, type);
     for (int i = 0; i < n; i++) {
         const struct wt *x = &t[i];
         wr_str(w, x->name, strlen(x->name));
-        wr_u32(w, x->m ? 2 : 1);
-        wr_u64(w, x->m ? (uint64_t)x->m->cols : (uint64_t)x->len);
-        if (x->m)
-            wr_u64(w, (uint64_t)x->m->rows);
+        wr_u32(w, x->m.data ? 2 : 1);
+        wr_u64(w, x->m.data ? (uint64_t)x->m.cols : (uint64_t)x->len);
+        if (x->m.data)
+            wr_u64(w, (uint64_t)x->m.rows);
         wr_u32(w, x->type);
         wr_u64(w, x->off);
     }
@@ -553,18 +703,51 @@ static void write_file(struct writer *w, const struct model_config *c, const str
         wr(w, zero, (size_t)(-(unsigned long)pos % ALIGN));
 }
 
+/* Gemma as llama.cpp derives it: the attention scale from the shape
+ * (no key holds query_pre_attn_scalar), Gemma 2 always capped, Gemma 3
+ * never capped in attention, the sliding layers in one period. */
+static enum model_status check_gemma(const struct model_config *c, char *err)
+{
+    bool big = c->n_layers == (c->arch == ARCH_GEMMA2 ? 46 : 62);
+    int want = big ? c->hidden_size / c->n_heads : c->head_dim;
+    if (c->attn_scale != (float)(1.0 / sqrt((double)want)))
+        return model_errf(err, MODEL_EUNSUPPORTED,
+                          "%s: query_pre_attn_scalar other than %d, which llama.cpp takes for this shape, is not "
+                          "written to GGUF", c->arch_name, want);
+    if (c->arch == ARCH_GEMMA2 && (c->attn_softcap <= 0 || c->final_softcap <= 0))
+        return model_errf(err, MODEL_EUNSUPPORTED, "%s without a soft cap is not written to GGUF (llama.cpp always caps)",
+                          c->arch_name);
+    if (c->arch == ARCH_GEMMA3 && c->attn_softcap > 0)
+        return model_errf(err, MODEL_EUNSUPPORTED,
+                          "%s with attn_logit_softcapping is not written to GGUF (llama.cpp has none)", c->arch_name);
+    if (!gemma_period(c))
+        return model_errf(err, MODEL_EUNSUPPORTED,
+                          "%s: layer_types that no period of sliding layers gives are not written to GGUF", c->arch_name);
+    return MODEL_OK;
+}
+
 static enum model_status check_model(const struct model_config *c, char *err)
 {
     if (!arch_name(c))
         return model_errf(err, MODEL_EUNSUPPORTED,
-                          "%s%s: only Llama, Mistral without a sliding window, Qwen2 and Qwen3 are written to GGUF",
+                          "%s%s is not written to GGUF (Llama, Mistral without a sliding window, Qwen2, Qwen3, Gemma 2, "
+                          "Gemma 3, Phi-3 and GPT-2 are)",
                           c->arch_name, c->arch == ARCH_MISTRAL ? " with a sliding window" : "");
-    for (int l = 0; l < c->n_layers; l++)
-        if (c->layer_window[l])
-            return model_errf(err, MODEL_EUNSUPPORTED, "layer %d has a sliding window, which GGUF's %s does not carry", l,
-                              arch_name(c));
-    if (c->rope_scaling != ROPE_SCALING_NONE && c->rope_scaling != ROPE_SCALING_LINEAR)
-        return model_errf(err, MODEL_EUNSUPPORTED, "rope_scaling other than linear is not written to GGUF");
+    if (c->arch == ARCH_GEMMA2 || c->arch == ARCH_GEMMA3) {
+        enum model_status st = check_gemma(c, err);
+        if (st != MODEL_OK)
+            return st;
+    } else if (c->arch != ARCH_PHI3) { /* Phi-3's window is every layer's, one key */
+        for (int l = 0; l < c->n_layers; l++)
+            if (c->layer_window[l])
+                return model_errf(err, MODEL_EUNSUPPORTED, "layer %d has a sliding window, which GGUF's %s does not carry",
+                                  l, arch_name(c));
+    }
+    bool ok = c->rope_scaling == ROPE_SCALING_NONE || c->rope_scaling == ROPE_SCALING_LINEAR ||
+              (c->rope_scaling == ROPE_SCALING_LONGROPE && c->arch == ARCH_PHI3);
+    if (!ok)
+        return model_errf(err, MODEL_EUNSUPPORTED, "%s: rope_scaling other than linear%s is not written to GGUF",
+                          c->arch_name, c->arch == ARCH_PHI3 ? " and longrope" : "");
     return MODEL_OK;
 }
 
@@ -601,8 +784,9 @@ enum model_status model_gguf_write(const char *dir, const char *out, enum model_
         st = model_files_open(dir, &c, &mf, &w, err);
     if (st == MODEL_OK)
         st = read_vocab(dir, c.vocab_size, &v, err);
+    int cap = c.n_layers * LAYER_TENSORS + TOP_TENSORS;
     if (st == MODEL_OK) {
-        t = calloc((size_t)c.n_layers * 15 + 3, sizeof *t);
+        t = calloc((size_t)cap, sizeof *t);
         buf = malloc((size_t)(c.intermediate_size > c.vocab_size ? c.intermediate_size : c.vocab_size) * 4 +
                      (size_t)c.n_heads * (size_t)c.head_dim * 4 + (size_t)c.hidden_size * 4);
         row = malloc((size_t)(c.intermediate_size + c.hidden_size + c.n_heads * c.head_dim) * 4);
@@ -610,7 +794,7 @@ enum model_status model_gguf_write(const char *dir, const char *out, enum model_
             st = model_errf(err, MODEL_ENOMEM, "out of memory");
     }
     if (st == MODEL_OK)
-        st = plan(&c, &w, type, c.arch == ARCH_LLAMA || c.arch == ARCH_MISTRAL, t, &n, err);
+        st = plan(&c, &w, type, t, cap, &n, err);
     struct writer wr_ = {.path = out, .err = err, .st = st};
     if (st == MODEL_OK && !(wr_.f = fopen(tmp, "wb")))
         st = wr_.st = model_errf(err, MODEL_EIO, "%s: %s", tmp, strerror(errno));

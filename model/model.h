@@ -256,8 +256,8 @@ enum model_status model_weights_quantize(const struct model_config *cfg, struct 
  * Hugging Face directory (`kvtier quantize`): q8_0 and q4_k quantize the
  * layer matrices as --weights q8_0 and q4_k do and keep the embeddings and
  * lm_head as stored; the float types convert every matrix.  Llama, Mistral without a
- * sliding window, Qwen2 and Qwen3 with a byte-level or SentencePiece-style
- * BPE tokenizer. */
+ * sliding window, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and GPT-2 with a
+ * byte-level or SentencePiece-style BPE tokenizer. */
 enum model_gguf_type { MODEL_GGUF_Q8_0 = 0, MODEL_GGUF_BF16, MODEL_GGUF_F16, MODEL_GGUF_F32, MODEL_GGUF_Q4_K };
 /* "q8_0", "q4_k", "bf16", "f16" or "f32"; false (and *out unchanged) otherwise. */
 bool model_gguf_type_parse(const char *s, enum model_gguf_type *out);

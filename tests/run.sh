@@ -80,11 +80,11 @@ no_backend="$no_backend daemon_remote.test.sh test_remote test_cuda cuda_nodev.t
 # the encoder-decoder oracles (PyTorch, beam decisions) run once; the
 # daemon's encoder-decoder tests, over kvtier-encdec's tokens, run strict too
 no_backend="$no_backend test_jinja jinja.test.sh encdec.test.sh daemon_encdec_beams.test.sh "
-no_backend="$no_backend test_gguf gguf.test.sh gguf_tokenizer.test.sh q4k_bytes.test.sh "
+no_backend="$no_backend test_gguf gguf.test.sh gguf_tokenizer.test.sh q4k_bytes.test.sh gguf_quantize.test.sh "
 oracles=" reference.test.sh q8ref.test.sh q4kref.test.sh beams.test.sh sinks.test.sh quant.test.sh builtin.test.sh "
 oracles="$oracles tokenizer.test.sh unigram.test.sh st2gguf.test.sh "
 oracles="$oracles daemon_penalties.test.sh daemon_json.test.sh jinja.test.sh daemon_mamba.test.sh encdec.test.sh "
-oracles="$oracles gguf.test.sh gguf_tokenizer.test.sh q4k_bytes.test.sh daemon_encdec_beams.test.sh "
+oracles="$oracles gguf.test.sh gguf_tokenizer.test.sh q4k_bytes.test.sh daemon_encdec_beams.test.sh gguf_quantize.test.sh "
 # The longest tests start first, so the last minutes are not one long test
 # running alone.
 first=" reference.test.sh test_tiers test_disk daemon_disk_faults.test.sh daemon_slow.test.sh "

@@ -3,7 +3,8 @@ with an independent GGUF reader: the metadata llama.cpp loads, every
 tensor's name, shape, type and bytes, and the q/k row permutation checked
 by what it is for: attention scores under llama.cpp's interleaved rope on
 the converted rows equal those under Hugging Face's rotate-half rope on
-the original rows.  Also bench_llamacpp's count of the bytes decode reads.
+the original rows.  Also bench_llamacpp's count of the bytes decode reads
+and of llama.cpp's KV bytes per token.
 
     /usr/bin/python3 tests/st2gguf_check.py WORKDIR
 """
@@ -185,6 +186,9 @@ def main():
     pad = 32 * len(tensors)
     got = bench_llamacpp.gguf_stream_bytes(out)
     assert mats + norms <= got <= mats + norms + pad, (got, mats + norms)
+    # and llama.cpp's f16 KV per token, from the metadata (--depth's tables)
+    kv = 2 * L * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
+    assert bench_llamacpp.llama_kv_token_bytes(out) == kv, (bench_llamacpp.llama_kv_token_bytes(out), kv)
     print("st2gguf: ok (%d tensors, q/k rope permutation checked on %d layers)" % (len(tensors), L))
 
 

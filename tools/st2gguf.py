@@ -420,7 +420,7 @@ def vocab_only(model_dir, out):
         f.write(head + b"\0" * (-len(head) % ALIGN))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF model directory (config.json, model.safetensors)")
     ap.add_argument("--out", required=True)
@@ -432,7 +432,7 @@ def main():
                     help="with --type q6_k: the Q8_0 blocks of the Q6_K values (what kvtier loads a Q6_K file as)")
     ap.add_argument("--vocab-only", action="store_true",
                     help="only the tokenizer's metadata, from --model's tokenizer.json (no config or weights needed)")
-    o = ap.parse_args()
+    o = ap.parse_args(argv)
     if o.vocab_only:
         return vocab_only(o.model, o.out)
     with open(os.path.join(o.model, "config.json")) as f:

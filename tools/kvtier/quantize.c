@@ -15,7 +15,8 @@ const char cli_quantize_usage[] =
     "  q4_k: Q4_K blocks where rows are whole 256-element super-blocks (else Q8_0), what\n"
     "  --weights q4_k computes.  The embeddings and lm_head keep their dtype under both.\n"
     "  bf16, f16, f32: every matrix converted.\n"
-    "  Llama, Mistral (no sliding window), Qwen2 and Qwen3 with BPE tokenizers.\n";
+    "  Llama, Mistral (no sliding window), Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and GPT-2\n"
+    "  with BPE tokenizers.\n";
 
 int cmd_quantize(int argc, char **argv)
 {
