@@ -934,14 +934,32 @@ static void fail_forward(engine *e, int from, int to, enum model_status st)
         job_fail(e, e->batch_job[i], &err);
 }
 
+/* Whether entry i failed for its session's restore from disk: its KV, or
+ * its job's cross cache, lost a layer on its way. */
+static bool restore_failed(const engine *e, int i)
+{
+    const struct job *j = e->batch_job[i];
+    return j->sess && (kv_seq_load_status(e->batch_ch[i]->kv) != TIER_OK ||
+                       (j->cross && kv_seq_load_status(j->cross) != TIER_OK));
+}
+
 /* Entry i's session KV lost a layer on its way from disk: the job starts
- * over on a fresh KV, computing what the session held again. */
+ * over on a fresh KV, computing what the session held again (and, for a
+ * lost cross cache, encoding the input again). */
 static void restart_session(engine *e, int i)
 {
     struct job *j = e->batch_job[i];
     struct job_choice *c = e->batch_ch[i];
     disk_restore_lost(e, j->sess);
     c->n_fed = 0;
+    if (e->ed && !j->sess->cross) {
+        j->cross = NULL;
+        pthread_mutex_lock(&e->mu);
+        j->res.n_encoder_cached = 0;
+        pthread_mutex_unlock(&e->mu);
+        if (!encode_input(e, j))
+            return;
+    }
     struct ipc_error err;
     if (session_kv_open(e, j, c, &err) != IPC_OK) {
         job_fail(e, j, &err);
@@ -985,7 +1003,7 @@ static bool offload_idle_state(engine *e)
  * again at once. */
 static void fail_or_wait(engine *e, int i, enum model_status st)
 {
-    if (e->batch_job[i]->sess && kv_seq_load_status(e->batch_ch[i]->kv) != TIER_OK) {
+    if (restore_failed(e, i)) {
         restart_session(e, i);
         return;
     }
@@ -1194,6 +1212,8 @@ static void step(engine *e)
             st = encdec_decode(e->ed, f->kv, e->batch_job[i]->cross, f->tokens, f->n_tokens, f->logits);
             if (st == MODEL_OK)
                 advance(e, i, i + 1);
+            else if (restore_failed(e, i))
+                restart_session(e, i);
             else
                 fail_forward(e, i, i + 1, st);
         }

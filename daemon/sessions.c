@@ -79,11 +79,14 @@ void session_drop_cross(engine *e, struct session *s, bool drop_input)
 struct cross_cache *cross_find(engine *e, uid_t uid, const int32_t *ids, size_t n)
 {
     /* the engine thread owns every session's cross and input: the lock
-     * only keeps the table still */
+     * only keeps the table still.  One still loading from a restore (or
+     * that failed to) stays its session's alone: it lives as long as the
+     * read that fills it. */
     struct cross_cache *c = NULL;
     pthread_mutex_lock(&e->mu);
     for (struct session *s = e->sessions; s && !c; s = s->next)
-        if (s->uid == uid && s->cross && s->n_input == n && !memcmp(s->input, ids, n * sizeof(*ids)))
+        if (s->uid == uid && s->cross && s->n_input == n && !memcmp(s->input, ids, n * sizeof(*ids)) &&
+            !kv_seq_loading(s->cross->kv) && kv_seq_load_status(s->cross->kv) == TIER_OK)
             c = s->cross;
     pthread_mutex_unlock(&e->mu);
     if (c)
