@@ -1442,9 +1442,10 @@ static bool load(engine *e)
     size_t dev_budget = be_mem_stats(e->rt.be).dev_budget;
     if (b->total)
         log_msg(LOG_INFO, "device budget %.1f MiB (sized from the model: weights %.1f + activations %.1f + KV %.1f "
-                "for %d sequences of %d tokens + margin %.1f MiB, at least %zu MiB; --device-mem overrides)",
+                "for %d sequences of %d tokens%s + margin %.1f MiB, at least %zu MiB; --device-mem overrides)",
                 dev_budget / 1048576.0, b->weights / 1048576.0, b->activations / 1048576.0, b->kv / 1048576.0,
-                b->seqs, b->ctx, b->margin / 1048576.0, RUNTIME_MIN_DEVICE_MEM >> 20);
+                b->seqs, b->ctx, b->encdec ? " and inputs of as many" : "", b->margin / 1048576.0,
+                RUNTIME_MIN_DEVICE_MEM >> 20);
     else
         log_msg(LOG_INFO, "device budget %.1f MiB (%s)", dev_budget / 1048576.0,
                 e->cfg.device_mem ? "--device-mem"
