@@ -107,6 +107,11 @@ struct be_caps be_get_caps(const be_backend *be);
 
 /* ---- memory ------------------------------------------------------------ */
 #define BE_ALIGN 64 /* every allocation is aligned to and charged in multiples of this */
+/* The bytes an allocation of n is charged (for budgets sized ahead). */
+static inline size_t be_charged(size_t n)
+{
+    return (n + BE_ALIGN - 1) / BE_ALIGN * BE_ALIGN;
+}
 enum be_status be_dev_alloc(be_backend *be, size_t size, be_buffer **out);
 enum be_status be_host_alloc(be_backend *be, size_t size, be_buffer **out);
 void be_buffer_free(be_buffer *buf); /* accepts NULL */

@@ -989,14 +989,32 @@ static void fail_forward(engine *e, int from, int to, enum model_status st)
         job_fail(e, e->batch_job[i], &err);
 }
 
+/* Whether entry i failed for its session's restore from disk: its KV, or
+ * its job's cross cache, lost a layer on its way. */
+static bool restore_failed(const engine *e, int i)
+{
+    const struct job *j = e->batch_job[i];
+    return j->sess && (kv_seq_load_status(e->batch_ch[i]->kv) != TIER_OK ||
+                       (j->cross && kv_seq_load_status(j->cross) != TIER_OK));
+}
+
 /* Entry i's session KV lost a layer on its way from disk: the job starts
- * over on a fresh KV, computing what the session held again. */
+ * over on a fresh KV, computing what the session held again (and, for a
+ * lost cross cache, encoding the input again). */
 static void restart_session(engine *e, int i)
 {
     struct job *j = e->batch_job[i];
     struct job_choice *c = e->batch_ch[i];
     disk_restore_lost(e, j->sess);
     c->n_fed = 0;
+    if (e->ed && !j->sess->cross) {
+        j->cross = NULL;
+        pthread_mutex_lock(&e->mu);
+        j->res.n_encoder_cached = 0;
+        pthread_mutex_unlock(&e->mu);
+        if (!encode_input(e, j))
+            return;
+    }
     struct ipc_error err;
     if (session_kv_open(e, j, c, &err) != IPC_OK) {
         job_fail(e, j, &err);
@@ -1040,7 +1058,7 @@ static bool offload_idle_state(engine *e)
  * again at once. */
 static void fail_or_wait(engine *e, int i, enum model_status st)
 {
-    if (e->batch_job[i]->sess && kv_seq_load_status(e->batch_ch[i]->kv) != TIER_OK) {
+    if (restore_failed(e, i)) {
         restart_session(e, i);
         return;
     }
@@ -1249,6 +1267,8 @@ static void step(engine *e)
             st = encdec_decode(e->ed, f->kv, e->batch_job[i]->cross, f->tokens, f->n_tokens, f->logits);
             if (st == MODEL_OK)
                 advance(e, i, i + 1);
+            else if (restore_failed(e, i))
+                restart_session(e, i);
             else
                 fail_forward(e, i, i + 1, st);
         }
@@ -1478,9 +1498,10 @@ static bool load(engine *e)
     size_t dev_budget = be_mem_stats(e->rt.be).dev_budget;
     if (b->total)
         log_msg(LOG_INFO, "device budget %.1f MiB (sized from the model: weights %.1f + activations %.1f + KV %.1f "
-                "for %d sequences of %d tokens + margin %.1f MiB, at least %zu MiB; --device-mem overrides)",
+                "for %d sequences of %d tokens%s + margin %.1f MiB, at least %zu MiB; --device-mem overrides)",
                 dev_budget / 1048576.0, b->weights / 1048576.0, b->activations / 1048576.0, b->kv / 1048576.0,
-                b->seqs, b->ctx, b->margin / 1048576.0, RUNTIME_MIN_DEVICE_MEM >> 20);
+                b->seqs, b->ctx, b->encdec ? " and inputs of as many" : "", b->margin / 1048576.0,
+                RUNTIME_MIN_DEVICE_MEM >> 20);
     else
         log_msg(LOG_INFO, "device budget %.1f MiB (%s)", dev_budget / 1048576.0,
                 e->cfg.device_mem ? "--device-mem"

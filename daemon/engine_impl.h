@@ -53,6 +53,9 @@ struct session {
     kv_disk_op *op;        /* a spill or restore in flight */
     bool op_restore;
     bool op_begun;         /* a restore's KV was begun layer by layer (or could not be) */
+    bool op_layered;       /* it was: kv and cross (those still loading) fill from the op's data */
+    size_t op_need;        /* the data's bytes a begin needs (an encoder-decoder's, from the meta; 0: not known) */
+    size_t op_self;        /* where an encoder-decoder image's cross cache starts in the data */
     uint32_t op_early;     /* layers its steps asked for while that read was still in flight */
     uint64_t op_version;   /* the version a spill in flight writes */
     enum engine_spill_why op_why; /* why a spill in flight writes */

@@ -82,11 +82,14 @@ void session_drop_cross(engine *e, struct session *s, bool drop_input)
 struct cross_cache *cross_find(engine *e, uid_t uid, const int32_t *ids, size_t n)
 {
     /* the engine thread owns every session's cross and input: the lock
-     * only keeps the table still */
+     * only keeps the table still.  One still loading from a restore (or
+     * that failed to) stays its session's alone: it lives as long as the
+     * read that fills it. */
     struct cross_cache *c = NULL;
     pthread_mutex_lock(&e->mu);
     for (struct session *s = e->sessions; s && !c; s = s->next)
-        if (s->uid == uid && s->cross && s->n_input == n && !memcmp(s->input, ids, n * sizeof(*ids)))
+        if (s->uid == uid && s->cross && s->n_input == n && !memcmp(s->input, ids, n * sizeof(*ids)) &&
+            !kv_seq_loading(s->cross->kv) && kv_seq_load_status(s->cross->kv) == TIER_OK)
             c = s->cross;
     pthread_mutex_unlock(&e->mu);
     if (c)
@@ -377,6 +380,9 @@ enum ipc_status engine_kv_cache(const engine *e, const char *quantization, struc
         (out->params.strategy != KV_QUANTIZED || out->params.sink || out->params.offload || !out->use_cache))
         st = ipc_fail(err, IPC_EINVAL, "quantization", "%s is not a quantized cache without sinks or offload",
                       out->name);
+    const char *qr = e->ed ? encdec_quant_refusal(e->ed) : NULL;
+    if (st == IPC_OK && qr)
+        st = ipc_fail(err, IPC_EINVAL, "quantization", "%s", qr);
     return st;
 }
 
@@ -409,8 +415,8 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
                               /* the next request feeds at least one token */
                               .max_tokens = e->ctx - 1, .vocab_size = tv < e->vocab ? tv : e->vocab,
                               .rows = import_rows, .rows_ctx = (void *)e,
-                              /* an encoder-decoder session's cross cache; its self cache is dense */
-                              .max_input = e->ed ? e->ctx : 0, .quant = e->ed ? NULL : import_quant};
+                              /* an encoder-decoder session's cross cache */
+                              .max_input = e->ed ? e->ctx : 0, .quant = import_quant};
     if (e->mc->arch == ARCH_MAMBA) {
         x.ssm_inner = e->mc->intermediate_size;
         x.ssm_state = e->mc->ssm_state;
@@ -506,12 +512,13 @@ static void raw_fill(char *file, const struct kv_quant_layer *ql, const struct k
 }
 
 /* ?raw=1 on a quantized session: the stored form (docs/api.md "Raw
- * quantized export"). */
+ * quantized export"); an encoder-decoder session's cross cache, dense,
+ * after each layer's. */
 static enum ipc_status session_export_raw(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
-    int L = e->mc->n_layers, H = e->mc->n_kv_heads, D = e->mc->head_dim;
+    int L = e->mc->n_layers, H = e->mc->n_kv_heads, D = e->mc->head_dim, per = RAW_PER_LAYER + (e->ed ? 2 : 0);
     struct kv_quant_layer *ql = calloc((size_t)L, sizeof(*ql));
-    struct kvfile_tensor *t = calloc((size_t)L * RAW_PER_LAYER, sizeof(*t));
+    struct kvfile_tensor *t = calloc((size_t)L * (size_t)per, sizeof(*t));
     json_t *layers = json_array();
     enum ipc_status st = ql && t && layers ? IPC_OK : ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
     size_t max_blocks = 0;
@@ -521,7 +528,12 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
             st = kv_error(e, ts, "raw", err);
             break;
         }
-        raw_tensors(&ql[l], l, H, D, t + (size_t)l * RAW_PER_LAYER);
+        raw_tensors(&ql[l], l, H, D, t + (size_t)l * (size_t)per);
+        for (int half = 0; half < per - RAW_PER_LAYER; half++) {
+            struct kvfile_tensor *c = t + (size_t)l * (size_t)per + RAW_PER_LAYER + half;
+            *c = (struct kvfile_tensor){.dtype = "F32", .ndim = 4, .shape = {1, H, (int64_t)s->n_input, D}};
+            snprintf(c->name, sizeof(c->name), "past_key_values.%d.%s", l, half ? "cross_value" : "cross_key");
+        }
         size_t nb = (size_t)ql[l].n_blocks * ql[l].fmt->block_bytes;
         max_blocks = nb > max_blocks ? nb : max_blocks;
         if (json_array_append_new(layers, json_pack("[I,I,I]", (json_int_t)ql[l].lo, (json_int_t)ql[l].nq,
@@ -537,19 +549,22 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
     struct kvfile_info in = {.fingerprint = engine_fingerprint(e),
                              .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy),
                              .dtype = kv_store_dtype(e->store), .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                             .tokens = s->toks, .n_tokens = (int64_t)s->n_toks};
+                             .tokens = s->toks, .n_tokens = (int64_t)s->n_toks,
+                             .input = e->ed ? s->input : NULL, .n_input = e->ed ? (int64_t)s->n_input : 0};
     char msg[MODEL_ERR_LEN];
     void *buf = NULL, *blocks = NULL;
     size_t size = 0;
-    if (st == IPC_OK && kvfile_build_tensors(&in, meta, t, L * RAW_PER_LAYER, &buf, &size, msg) != MODEL_OK)
+    if (st == IPC_OK && kvfile_build_tensors(&in, meta, t, L * per, &buf, &size, msg) != MODEL_OK)
         st = ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
     /* a sliding layer may hold no block; malloc(0) may return NULL */
     if (st == IPC_OK && !(blocks = malloc(max_blocks ? max_blocks : 1)))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
     for (int l = 0; l < L && st == IPC_OK; l++) {
-        const struct kvfile_tensor *lt = t + (size_t)l * RAW_PER_LAYER;
+        const struct kvfile_tensor *lt = t + (size_t)l * (size_t)per;
         enum tier_status ts = kv_seq_layer_quant_read(s->kv, l, blocks, (char *)buf + lt[4].off,
                                                       (char *)buf + lt[5].off);
+        if (ts == TIER_OK && e->ed)
+            ts = kv_seq_layer_dense(s->cross->kv, l, BE_F32, (char *)buf + lt[6].off, (char *)buf + lt[7].off);
         if (ts != TIER_OK)
             st = kv_error(e, ts, "", err);
         else
@@ -608,9 +623,6 @@ static enum ipc_status session_export(engine *e, struct session *s, struct job *
         return ipc_fail(err, IPC_ECONFLICT, "session", "session \"%s\" holds no KV yet", s->id);
     if (e->mc->arch == ARCH_MAMBA)
         return session_export_state(e, s, j, err);
-    if (j->raw && s->kvs.strategy == KV_QUANTIZED && e->ed)
-        return ipc_fail(err, IPC_EINVAL, "raw", "an encoder-decoder session's file is dense: its cross-attention "
-                        "cache has no stored quantized form");
     if (j->raw && s->kvs.strategy == KV_QUANTIZED)
         return session_export_raw(e, s, j, err);
     int L = e->mc->n_layers, per = e->ed ? 4 : 2; /* K and V, and the cross K and V */

@@ -17,8 +17,11 @@
  * request that only appends to its tokens starts: each layer is filled
  * from the image when the forward pass reaches it, waiting there for its
  * bytes if they are still on their way (restore_src), so the first
- * layers compute while the last are read.  A request that would rewind the
- * KV (or copy it: fork, export) waits for the whole read instead.  At exit every session whose file is
+ * layers compute while the last are read; an encoder-decoder session's
+ * cross cache, whose image follows the decoder's, the same way once its
+ * head is in too (the meta says where it starts).  A request that would
+ * rewind the KV (or copy it: fork, export) waits for the whole read
+ * instead.  At exit every session whose file is
  * not current is written; at start the files a previous run left are
  * listed as sessions again and restored by their first request.
  *
@@ -152,13 +155,23 @@ static void image_release(engine *e, void *img)
         kv_disk_defer(e->disk, free_image, e, img);
 }
 
+/* Whether s's cross cache is still loading from s's op: a loading cache
+ * is never shared (cross_find), so one s holds is its own restore's. */
+static bool cross_loading(const struct session *s)
+{
+    return s->cross && kv_seq_loading(s->cross->kv);
+}
+
 static void op_clear(engine *e, struct session *s)
 {
     /* a sequence loading from the op's buffer is filled (or fails) first:
      * none outlives its source */
-    if (s->op_restore && s->kv && kv_seq_loading(s->kv)) {
+    if (s->op_restore && ((s->kv && kv_seq_loading(s->kv)) || cross_loading(s))) {
         kv_disk_op_wait(s->op);
-        kv_seq_load_finish(s->kv);
+        if (s->kv)
+            kv_seq_load_finish(s->kv);
+        if (s->cross)
+            kv_seq_load_finish(s->cross->kv);
     }
     kv_disk_op_free(s->op);
     s->op = NULL;
@@ -289,11 +302,13 @@ static void spill_done(engine *e, struct session *s)
 
 /* Whether j, waiting for its session's KV, only appends to its tokens: it
  * keeps every one of them (kv_seq_reuse keeps all and computes at least
- * the last prompt token), so it may start on a KV still loading. */
+ * the last prompt token), and an encoder-decoder job the session's input
+ * (another drops both caches), so it may start on a KV still loading. */
 static bool appends(const struct job *j, const struct session *s)
 {
     return (j->kind == JOB_GENERATE || j->kind == JOB_PREFILL) && j->n_prompt > s->n_toks &&
-           !memcmp(j->prompt, s->toks, s->n_toks * sizeof(*s->toks));
+           !memcmp(j->prompt, s->toks, s->n_toks * sizeof(*s->toks)) &&
+           (!j->input || (j->n_input == s->n_input && !memcmp(j->input, s->input, s->n_input * sizeof(*s->input))));
 }
 
 /* Jobs waiting for s's restore start now (or fail with err); with
@@ -340,97 +355,6 @@ static void restore_restored(engine *e, struct session *s)
     pthread_mutex_unlock(&e->mu);
 }
 
-/* The restore's source: the image's first n bytes, once the disk tier has
- * read and checked them (NULL: it never will). */
-static const void *restore_src(void *arg, size_t n)
-{
-    struct session *s = arg;
-    bool early = !kv_disk_op_done(s->op);
-    const void *img = kv_disk_op_wait_ready(s->op, n);
-    s->op_early += early && img;
-    return img;
-}
-
-static bool head_in(const engine *e, const struct session *s, double now)
-{
-    (void)now;
-    void *data;
-    size_t len, head = kv_image_head_size(e->store);
-    /* an encoder-decoder session's image loads whole (the decoder reads
-     * its cross cache's every layer at the first step): restore_done
-     * takes it */
-    return !e->ed && s->op && s->op_restore && !s->op_begun && !s->kv &&
-           kv_disk_op_ready(s->op, &data, &len) >= (len < head ? len : head) && data;
-}
-
-/* The head of s's image is in: s gets its KV, to be filled layer by layer,
- * and the jobs that only append to it start.  A head that does not load
- * (memory, a bad image) is left to restore_done, which reads it whole. */
-static void restore_begin(engine *e, struct session *s)
-{
-    s->op_begun = true;
-    void *data;
-    size_t len;
-    kv_disk_op_ready(s->op, &data, &len);
-    kv_seq *kv = NULL;
-    if (kv_seq_load_begin(e->store, data, len, &(struct kv_image_src){restore_src, s}, &kv) != TIER_OK)
-        return;
-    if ((size_t)kv_seq_length(kv) != s->n_toks) {
-        kv_seq_free(kv);
-        return;
-    }
-    s->kv = kv;
-    pthread_mutex_lock(&e->mu);
-    s->kvs = kv_seq_stats(kv);
-    pthread_mutex_unlock(&e->mu);
-    restore_wake(e, s, NULL, true);
-}
-
-/* Whether a started job holds s's KV (its choice 0 runs on it). */
-static bool kv_in_use(const engine *e, const struct session *s)
-{
-    for (const struct job *j = e->active; j; j = j->next)
-        if (j->sess == s && j->ch[0].kv && j->ch[0].kv == s->kv)
-            return true;
-    return false;
-}
-
-/* The read of a restore begun layer by layer is done: the layers no step
- * has reached yet are filled now, or the KV is lost. */
-static void restore_finish(engine *e, struct session *s)
-{
-    enum tier_status ts = kv_seq_load_finish(s->kv); /* before op_clear: the source is the op */
-    char why[256];
-    snprintf(why, sizeof why, "%s", ts == TIER_OK ? "" : kv_disk_op_status(s->op) != TIER_OK
-                                                        ? kv_disk_op_errmsg(s->op)
-                                                        : kv_store_errmsg(e->store));
-    op_clear(e, s);
-    if (ts == TIER_OK) {
-        restore_restored(e, s);
-        restore_wake(e, s, NULL, false);
-        return;
-    }
-    /* a job running on it fails its next step and starts over
-     * (disk_restore_lost); otherwise the KV goes now */
-    if (kv_in_use(e, s))
-        return;
-    kv_seq_free(s->kv);
-    s->kv = NULL;
-    restore_lost(e, s, why);
-    restore_wake(e, s, NULL, false);
-}
-
-void disk_restore_lost(engine *e, struct session *s)
-{
-    char why[256];
-    snprintf(why, sizeof why, "%s", kv_store_errmsg(e->store));
-    kv_seq_free(s->kv);
-    s->kv = NULL;
-    if (s->op)
-        op_clear(e, s);
-    restore_lost(e, s, why);
-}
-
 /* An encoder-decoder session's "encoder" meta (meta_json): the input's
  * ids in the vocabulary into *ids (malloc'd; *n 0 and *ids NULL when the
  * meta has none), the decoder cache's image bytes (at most data_len; the
@@ -467,13 +391,49 @@ static const char *meta_encoder(const engine *e, const json_t *o, size_t data_le
     return NULL;
 }
 
-/* The cross cache of an input of n_input tokens from its image; the
- * store's refusal, or TIER_EINVAL naming why. */
-static enum tier_status load_cross(engine *e, const void *img, size_t len, size_t n_input, struct cross_cache **out,
-                                   char why[256])
+/* The restore's source: the image's first n bytes, once the disk tier has
+ * read and checked them (NULL: it never will). */
+static const void *restore_src(void *arg, size_t n)
+{
+    struct session *s = arg;
+    bool early = !kv_disk_op_done(s->op);
+    const void *img = kv_disk_op_wait_ready(s->op, n);
+    s->op_early += early && img;
+    return img;
+}
+
+/* An encoder-decoder restore's cross cache's source: its image follows
+ * the decoder cache's. */
+static const void *restore_src_cross(void *arg, size_t n)
+{
+    struct session *s = arg;
+    const char *img = restore_src(arg, s->op_self + n);
+    return img ? img + s->op_self : NULL;
+}
+
+/* Whether the bytes a begin needs are in: the decoder-only image's head;
+ * an encoder-decoder one's meta first (restore_begin reads what it needs
+ * from it), then both caches' heads. */
+static bool head_in(const engine *e, const struct session *s, double now)
+{
+    (void)now;
+    void *data;
+    size_t len, head = kv_image_head_size(e->store);
+    if (!s->op || !s->op_restore || s->op_begun || s->kv)
+        return false;
+    size_t ready = kv_disk_op_ready(s->op, &data, &len);
+    size_t need = s->op_need ? s->op_need : e->ed ? 0 : len < head ? len : head;
+    return data && ready >= need;
+}
+
+/* The cross cache of an input of n_input tokens from its image img[0,
+ * len), there whole (src NULL) or still arriving (filled layer by layer
+ * from src); the store's refusal, or TIER_EINVAL naming why. */
+static enum tier_status load_cross(engine *e, const void *img, size_t len, const struct kv_image_src *src,
+                                   size_t n_input, struct cross_cache **out, char why[256])
 {
     kv_seq *kv = NULL;
-    enum tier_status ts = kv_seq_load(e->store, img, len, &kv);
+    enum tier_status ts = src ? kv_seq_load_begin(e->store, img, len, src, &kv) : kv_seq_load(e->store, img, len, &kv);
     if (ts != TIER_OK)
         snprintf(why, 256, "%s", kv_store_errmsg(e->store));
     else if ((size_t)kv_seq_length(kv) != n_input)
@@ -488,9 +448,145 @@ static enum tier_status load_cross(engine *e, const void *img, size_t len, size_
     return TIER_OK;
 }
 
+/* s takes a restore's caches: the decoder's kv, and an encoder-decoder
+ * file's cross cache of input[0, n_input) (taken; NULL: the file held
+ * none).  What the file turned out to hold is what its disk_cross says. */
+static void restore_take(engine *e, struct session *s, kv_seq *kv, struct cross_cache *cross, int32_t *input,
+                         size_t n_input)
+{
+    s->kv = kv;
+    s->disk_cross = cross;
+    if (cross) { /* the file's input is the one its cross cache is of */
+        session_drop_cross(e, s, true);
+        s->cross = cross;
+        s->input = input;
+        pthread_mutex_lock(&e->mu);
+        s->n_input = n_input;
+        pthread_mutex_unlock(&e->mu);
+    }
+}
+
+/* The heads of s's image are in: s gets its caches, to be filled layer by
+ * layer, and the jobs that only append to them start.  An
+ * encoder-decoder image is the decoder cache's then the cross cache's
+ * (whose layer l a step reads with the decoder's layer l); the first call
+ * reads where the second starts from the meta, and returns until its head
+ * is in too.  What does not begin (memory, a bad image or meta) is left to
+ * restore_done, which reads it whole and says why. */
+static void restore_begin(engine *e, struct session *s)
+{
+    void *data;
+    size_t len, n_self, n_input = 0, head = kv_image_head_size(e->store);
+    size_t ready = kv_disk_op_ready(s->op, &data, &len);
+    int32_t *input = NULL;
+    if (e->ed) {
+        size_t meta_len;
+        const void *meta = kv_disk_op_meta(s->op, &meta_len);
+        json_t *o = meta ? json_loadb(meta, meta_len, 0, NULL) : NULL;
+        const char *bad = o ? meta_encoder(e, o, len, &input, &n_input, &n_self) : "no meta";
+        json_decref(o);
+        if (bad) {
+            s->op_begun = true;
+            return;
+        }
+        size_t last = len > n_self ? n_self : 0; /* where the last image starts */
+        s->op_self = n_self;
+        s->op_need = last + (len - last < head ? len - last : head);
+        if (ready < s->op_need) {
+            free(input);
+            return;
+        }
+    } else {
+        n_self = len;
+    }
+    s->op_begun = true;
+    kv_seq *kv = NULL;
+    struct cross_cache *cross = NULL;
+    char why[256];
+    bool ok = !s->n_toks;
+    if (n_self)
+        ok = kv_seq_load_begin(e->store, data, n_self, &(struct kv_image_src){restore_src, s}, &kv) == TIER_OK &&
+             (size_t)kv_seq_length(kv) == s->n_toks;
+    /* another of the user's sessions may hold the input's cache (cross_find) */
+    if (ok && len > n_self && !(cross = cross_find(e, s->uid, input, n_input)))
+        ok = load_cross(e, (const char *)data + n_self, len - n_self, &(struct kv_image_src){restore_src_cross, s},
+                        n_input, &cross, why) == TIER_OK;
+    if (!ok) {
+        kv_seq_free(kv);
+        cross_unref(cross);
+        free(input);
+        return;
+    }
+    restore_take(e, s, kv, cross, input, n_input);
+    if (!cross)
+        free(input);
+    s->op_layered = true;
+    struct kv_seq_stats k = kv ? kv_seq_stats(kv) : (struct kv_seq_stats){0};
+    struct kv_seq_stats c = s->cross ? kv_seq_stats(s->cross->kv) : (struct kv_seq_stats){0};
+    pthread_mutex_lock(&e->mu);
+    s->kvs = k;
+    s->cross_kvs = c;
+    pthread_mutex_unlock(&e->mu);
+    restore_wake(e, s, NULL, true);
+}
+
+/* Whether a started job holds s's caches (its choice 0 runs on its KV, or
+ * its decoder reads its cross cache). */
+static bool kv_in_use(const engine *e, const struct session *s)
+{
+    for (const struct job *j = e->active; j; j = j->next)
+        if (j->sess == s &&
+            ((j->ch[0].kv && j->ch[0].kv == s->kv) || (j->cross && s->cross && j->cross == s->cross->kv)))
+            return true;
+    return false;
+}
+
+/* The read of a restore begun layer by layer is done: the layers no step
+ * has reached yet are filled now, or the caches are lost. */
+static void restore_finish(engine *e, struct session *s)
+{
+    /* before op_clear: the source is the op */
+    enum tier_status ts = s->kv ? kv_seq_load_finish(s->kv) : TIER_OK;
+    if (ts == TIER_OK && s->cross)
+        ts = kv_seq_load_finish(s->cross->kv);
+    char why[256];
+    snprintf(why, sizeof why, "%s", ts == TIER_OK ? "" : kv_disk_op_status(s->op) != TIER_OK
+                                                        ? kv_disk_op_errmsg(s->op)
+                                                        : kv_store_errmsg(e->store));
+    op_clear(e, s);
+    if (ts == TIER_OK) {
+        restore_restored(e, s);
+        restore_wake(e, s, NULL, false);
+        return;
+    }
+    /* a job running on it fails its next step and starts over
+     * (disk_restore_lost); otherwise the KV goes now */
+    if (kv_in_use(e, s))
+        return;
+    kv_seq_free(s->kv);
+    s->kv = NULL;
+    session_drop_cross(e, s, false);
+    restore_lost(e, s, why);
+    restore_wake(e, s, NULL, false);
+}
+
+void disk_restore_lost(engine *e, struct session *s)
+{
+    char why[256];
+    snprintf(why, sizeof why, "%s", kv_store_errmsg(e->store));
+    kv_seq_free(s->kv);
+    s->kv = NULL;
+    if (s->op)
+        op_clear(e, s);
+    /* a cross cache lost with it goes too: the kept input is encoded again */
+    if (s->cross && kv_seq_load_status(s->cross->kv) != TIER_OK)
+        session_drop_cross(e, s, false);
+    restore_lost(e, s, why);
+}
+
 static void restore_done(engine *e, struct session *s)
 {
-    if (s->kv) {
+    if (s->op_layered) {
         restore_finish(e, s);
         return;
     }
@@ -519,7 +615,7 @@ static void restore_done(engine *e, struct session *s)
         /* a fork restored before it (or another of the user's sessions)
          * may hold the same input's: one cache serves both */
         else if (n > n_self && !(cross = cross_find(e, s->uid, input, n_input)))
-            ts = load_cross(e, (const char *)img + n_self, n - n_self, n_input, &cross, why);
+            ts = load_cross(e, (const char *)img + n_self, n - n_self, NULL, n_input, &cross, why);
     } else {
         snprintf(why, sizeof why, "%s", kv_disk_op_errmsg(s->op));
     }
@@ -542,16 +638,9 @@ static void restore_done(engine *e, struct session *s)
     if (ts != TIER_OK) {
         restore_lost(e, s, why[0] ? why : tier_strerror(ts));
     } else {
-        s->kv = kv;
-        s->disk_cross = cross; /* what the file turned out to hold */
-        if (cross) { /* the file's input is the one its cross cache is of */
-            session_drop_cross(e, s, true);
-            s->cross = cross;
-            s->input = input;
-            pthread_mutex_lock(&e->mu);
-            s->n_input = n_input;
-            pthread_mutex_unlock(&e->mu);
-        }
+        restore_take(e, s, kv, cross, input, n_input);
+        if (!cross)
+            free(input);
         if (kv || cross)
             restore_restored(e, s);
     }
@@ -692,7 +781,8 @@ void disk_restore(engine *e, struct session *s)
         return;
     }
     s->op_restore = true;
-    s->op_begun = false;
+    s->op_begun = s->op_layered = false;
+    s->op_need = 0;
     s->op_early = 0;
     e->n_ops++;
 }

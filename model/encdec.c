@@ -81,6 +81,11 @@ const struct encdec_config *encdec_get_config(const encdec *m)
     return &m->cfg;
 }
 
+int encdec_context(const struct encdec_config *c)
+{
+    return c->bart ? c->max_positions : ENCDEC_T5_CTX;
+}
+
 enum model_status encdec_model_config(const encdec *m, struct model_config *out)
 {
     const struct encdec_config *c = &m->cfg;
@@ -91,7 +96,7 @@ enum model_status encdec_model_config(const encdec *m, struct model_config *out)
                                  .n_heads = c->n_heads,
                                  .n_kv_heads = c->n_heads,
                                  .head_dim = c->head_dim,
-                                 .max_position_embeddings = c->bart ? c->max_positions : ENCDEC_T5_CTX,
+                                 .max_position_embeddings = encdec_context(c),
                                  .dtype = c->dtype,
                                  .n_eos = 1,
                                  .eos_token_ids = {c->eos_token_id},
@@ -269,6 +274,21 @@ static enum model_status parse_config(json_t *root, struct encdec_config *c, cha
     c->ffn = ef;
     c->eps = 1e-5f; /* nn.LayerNorm's default, which BART does not change */
     return MODEL_OK;
+}
+
+enum model_status encdec_config_load(const char *dir, struct encdec_config *c, char *err)
+{
+    json_t *root;
+    enum model_status st = model_json_load(dir, "config.json", false, &root, err);
+    if (st != MODEL_OK)
+        return st;
+    st = parse_config(root, c, err);
+    char *canon = st == MODEL_OK ? json_dumps(root, JSON_SORT_KEYS | JSON_COMPACT) : NULL;
+    if (canon)
+        c->config_hash = XXH3_64bits(canon, strlen(canon));
+    free(canon);
+    json_decref(root);
+    return st;
 }
 
 /* ---- weights -------------------------------------------------------------- */
@@ -531,13 +551,62 @@ static enum model_status bias_table(encdec *m, struct ed_stack *s, bool bidirect
     return MODEL_OK;
 }
 
+/* The bytes of each step buffer (the order of encdec.bufs) for cap rows
+ * of e-byte activations, shared with encdec_device_bytes. */
+static void buffer_sizes(const struct encdec_config *c, size_t e, int cap, size_t sizes[ED_BUFS])
+{
+    size_t rows = (size_t)cap, qd = (size_t)c->n_heads * c->head_dim;
+    size_t s[ED_BUFS] = {rows * c->d_model * e, rows * c->d_model * e, rows * qd * e, rows * qd * e,
+                         rows * qd * e, rows * qd * e, rows * c->ffn * e, rows * c->ffn * e,
+                         (size_t)c->vocab_size * 4};
+    memcpy(sizes, s, sizeof(s));
+}
+
+/* The step's rows: max_batch_tokens, 256 by default. */
+static int batch_rows(const struct model_params *p)
+{
+    return p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;
+}
+
+/* What weights_upload charges: every matrix as stored (torch_dtype, which
+ * the binder checks), every vector f32. */
+static size_t uploads_bytes(const struct encdec_config *c)
+{
+    size_t d = (size_t)c->d_model, f = (size_t)c->ffn, qd = (size_t)c->n_heads * c->head_dim, vec = be_charged(d * 4);
+    size_t attn = 3 * be_charged(qd * be_row_bytes(c->dtype, d)) + be_charged(d * be_row_bytes(c->dtype, qd)) +
+                  (c->bart ? 3 * be_charged(qd * 4) + vec : 0);
+    size_t ffn = (c->gated ? 2 : 1) * be_charged(f * be_row_bytes(c->dtype, d)) +
+                 be_charged(d * be_row_bytes(c->dtype, f)) + (c->bart ? be_charged(f * 4) + vec : 0);
+    size_t norm = (c->bart ? 2 : 1) * vec; /* T5's weight; BART's weight and bias */
+    size_t enc_layer = attn + ffn + 2 * norm, dec_layer = enc_layer + attn + norm; /* + cross-attention */
+    /* T5: the final norm; BART: layernorm_embedding and the positions */
+    size_t stack = c->bart ? 2 * vec + be_charged((size_t)(c->max_positions + 2) * be_row_bytes(c->dtype, d)) : vec;
+    size_t embed = be_charged((size_t)c->vocab_size * be_row_bytes(c->dtype, d));
+    return (c->tie ? 1 : 2) * embed + 2 * stack + (size_t)c->n_enc_layers * enc_layer +
+           (size_t)c->n_dec_layers * dec_layer;
+}
+
+struct model_device_bytes encdec_device_bytes(const struct encdec_config *c, struct be_caps caps,
+                                              const struct model_params *p, int64_t max_input)
+{
+    size_t sizes[ED_BUFS], esz = be_dtype_size(caps.act_dtype), act = 0;
+    buffer_sizes(c, esz, batch_rows(p), sizes);
+    for (int i = 0; i < ED_BUFS; i++)
+        act += be_charged(sizes[i]);
+    size_t tables = c->bart ? 0 : 2 * be_charged((size_t)c->n_heads * (2 * (size_t)c->max_distance + 1) * 4);
+    enum be_dtype kv = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, c->dtype);
+    return (struct model_device_bytes){
+        .weights = (caps.unified_memory ? 0 : uploads_bytes(c)) + tables,
+        .activations = act + be_charged((size_t)max_input * c->d_model * esz), /* encode's residual stream */
+        .kv_per_token = (size_t)c->n_dec_layers * 2 * (size_t)c->n_heads * (size_t)c->head_dim * be_dtype_size(kv),
+    };
+}
+
 static enum model_status buffers_alloc(encdec *m, char *err)
 {
     const struct encdec_config *c = &m->cfg;
-    size_t rows = (size_t)m->cap, e = m->esz, qd = (size_t)c->n_heads * c->head_dim;
-    size_t sizes[ED_BUFS] = {rows * c->d_model * e, rows * c->d_model * e, rows * qd * e, rows * qd * e,
-                             rows * qd * e, rows * qd * e, rows * c->ffn * e, rows * c->ffn * e,
-                             (size_t)c->vocab_size * 4};
+    size_t rows = (size_t)m->cap, sizes[ED_BUFS];
+    buffer_sizes(c, m->esz, m->cap, sizes);
     void **ptrs[ED_BUFS] = {&m->x, &m->xb, &m->q, &m->k, &m->v, &m->att, &m->hb, &m->hb2, &m->logits};
     for (int i = 0; i < ED_BUFS; i++) {
         enum be_status st = be_dev_alloc(m->be, sizes[i], &m->bufs[i]);
@@ -555,16 +624,7 @@ static enum model_status buffers_alloc(encdec *m, char *err)
 
 static enum model_status load(encdec *m, const char *dir, const struct model_params *p, char *err)
 {
-    json_t *root;
-    enum model_status st = model_json_load(dir, "config.json", false, &root, err);
-    if (st != MODEL_OK)
-        return st;
-    st = parse_config(root, &m->cfg, err);
-    char *canon = st == MODEL_OK ? json_dumps(root, JSON_SORT_KEYS | JSON_COMPACT) : NULL;
-    if (canon)
-        m->cfg.config_hash = XXH3_64bits(canon, strlen(canon));
-    free(canon);
-    json_decref(root);
+    enum model_status st = encdec_config_load(dir, &m->cfg, err);
     if (st != MODEL_OK)
         return st;
     const struct encdec_config *c = &m->cfg;
@@ -576,7 +636,7 @@ static enum model_status load(encdec *m, const char *dir, const struct model_par
                           "attention has no bidirectional mask or position bias, and no ReLU/GELU op, yet)",
                           c->arch_name, be_name);
     m->kv_dtype = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, c->dtype);
-    m->cap = p && p->max_batch_tokens > 0 ? p->max_batch_tokens : 256;
+    m->cap = batch_rows(p);
     m->act = be_get_caps(m->be).act_dtype;
     m->esz = be_dtype_size(m->act);
     /* vectors: per layer at most 10 (norms, biases) of at most max(dim, ffn) floats */

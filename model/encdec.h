@@ -16,6 +16,8 @@
 
 #include "model/model.h"
 
+#define ENCDEC_T5_CTX (1 << 16)
+
 struct encdec_config {
     bool bart;                 /* else T5 */
     const char *arch_name;     /* "T5ForConditionalGeneration", ... (static) */
@@ -43,6 +45,22 @@ struct encdec_config {
 bool encdec_is_encdec(const char *dir);
 
 typedef struct encdec encdec;
+
+/* dir's config.json, checked as encdec_load checks it. */
+enum model_status encdec_config_load(const char *dir, struct encdec_config *c, char *err);
+/* The decoder's positions: BART's max_position_embeddings, or
+ * ENCDEC_T5_CTX for T5, whose relative positions have no end. */
+int encdec_context(const struct encdec_config *c);
+/* model_device_bytes' counterpart, from the config alone: what
+ * encdec_load and the passes charge a backend of caps, with p's
+ * max_batch_tokens and kv_dtype.  weights: the copies a backend without
+ * unified memory gets, plus T5's two position bias tables, which every
+ * backend holds; activations: the step's buffers and encdec_encode's
+ * residual stream for an input of max_input tokens; kv_per_token: one
+ * token of either cache (every decoder layer's K and V), a decoder
+ * token's in the self cache, an input token's in the cross cache. */
+struct model_device_bytes encdec_device_bytes(const struct encdec_config *c, struct be_caps caps,
+                                              const struct model_params *p, int64_t max_input);
 
 /* Loads dir on be; p's max_batch_tokens and kv_dtype apply (NULL:
  * defaults).  The weights are read from the mmap, or uploaded where the
@@ -81,10 +99,8 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n,
                                 float *logits);
 /* The decoder as generation and the daemon see it (gen_seq_init's eos
- * and vocab, the context): the decoder's layers, all full, with BART's
- * max_position_embeddings, or ENCDEC_T5_CTX for T5, whose relative
- * positions have no end.  Release with model_config_release. */
-#define ENCDEC_T5_CTX (1 << 16)
+ * and vocab, the context): the decoder's layers, all full, with
+ * encdec_context's positions.  Release with model_config_release. */
 enum model_status encdec_model_config(const encdec *m, struct model_config *out);
 
 /* Why the self-attention cache of m cannot be quantized, or NULL (BART). */

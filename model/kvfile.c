@@ -580,20 +580,26 @@ static enum model_status parse_state_tensors(json_t *h, const uint8_t *buf, uint
 }
 
 /* A raw file's tensors: per layer, K then V, its codes and scales, then
- * the residual's K and V (the daemon's export order). */
+ * the residual's K and V (the daemon's export order), then an
+ * encoder-decoder file's cross K and V, dense. */
 #define RAW_PER_LAYER 6
 
 static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64_t data_at, uint64_t data_size,
                                            const struct kvfile_expect *e, struct kvfile *f, char *err)
 {
-    size_t n = RAW_PER_LAYER * (size_t)e->n_layers;
+    size_t L = (size_t)e->n_layers, n = (RAW_PER_LAYER + (f->n_input ? 2 : 0)) * L;
     if (json_object_size(h) != n + 1)
         return model_errf(err, MODEL_EFORMAT,
-                          "KV file: %zu tensors, but a quantized file of this model needs exactly %zu",
-                          json_object_size(h) - 1, n);
+                          "KV file: %zu tensors, but a quantized file of this model needs exactly %zu%s",
+                          json_object_size(h) - 1, n,
+                          f->n_input ? " (six per layer, then its .cross_key and .cross_value)" : "");
     struct range *r = malloc(n * sizeof(*r));
-    if (!r)
+    f->ck = f->n_input ? calloc(L, sizeof(*f->ck)) : NULL;
+    f->cv = f->n_input ? calloc(L, sizeof(*f->cv)) : NULL;
+    if (!r || (f->n_input && (!f->ck || !f->cv))) {
+        free(r);
         return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
+    }
     const struct be_kvq_format *fm = &f->fmt;
     bool e4m3 = fm->kind == BE_KVQ_E4M3;
     uint64_t H = (uint64_t)e->n_kv_heads, D = (uint64_t)e->head_dim, T = (uint64_t)fm->block_tokens;
@@ -632,6 +638,14 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             st = check_tensor(h, name, "F32", 4, res, data_at, data_size, &r[i], err);
             if (st == MODEL_OK)
                 q->res[half] = buf + data_at + r[i++].begin;
+        }
+        for (int half = 0; half < 2 && f->n_input && st == MODEL_OK; half++) {
+            const uint64_t cross[4] = {1, H, (uint64_t)f->n_input, D};
+            char name[64];
+            snprintf(name, sizeof(name), "past_key_values.%d.%s", l, half ? "cross_value" : "cross_key");
+            st = check_tensor(h, name, "F32", 4, cross, data_at, data_size, &r[i], err);
+            if (st == MODEL_OK)
+                (half ? f->cv : f->ck)[l] = buf + data_at + r[i++].begin;
         }
     }
     if (st == MODEL_OK)

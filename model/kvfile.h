@@ -24,6 +24,8 @@
  * A quantized cache's raw export (docs/api.md "Raw quantized export") is
  * laid out by the daemon with kvfile_build_tensors; the parser reads it
  * back when the caller says which formats it takes (kvfile_expect.quant).
+ * An encoder-decoder one adds the encoder input and, after each layer's
+ * six tensors, its cross_key and cross_value as above (F32).
  */
 #ifndef KVTIER_KVFILE_H
 #define KVTIER_KVFILE_H
@@ -139,7 +141,7 @@ struct kvfile {
     struct be_kvq_format fmt;
     char *quantization;
     /* an encoder-decoder file's input (owned) and cross K and V [n_layers]
-     * into the buffer (owned arrays); NULL, 0 otherwise */
+     * into the buffer (owned arrays; a raw file's too); NULL, 0 otherwise */
     int32_t *input;
     int64_t n_input;
     const void **ck, **cv;
@@ -155,7 +157,8 @@ struct kvfile {
  * overlapping, the sizes their shapes need); for a raw file also its
  * quantization (e->quant), q_block_tokens and every q_layers entry against
  * the positions a quantized cache of the tokens holds, and the six tensors
- * per layer of the shapes they imply; for a state file the two tensors per
+ * per layer of the shapes they imply (and an encoder-decoder file's cross
+ * K and V); for a state file the two tensors per
  * layer of e's dimensions, gathered into out->state.  MODEL_ECONFIG when the file
  * was written for another model (model_fingerprint or the geometry),
  * MODEL_EINVAL for more tokens than the context or an id out of the

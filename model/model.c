@@ -433,10 +433,9 @@ static enum model_status weights_upload(model *m, char *err)
     return st;
 }
 
-/* Bytes the backend charges for an allocation of n. */
 static size_t charged(size_t n)
 {
-    return (n + BE_ALIGN - 1) / BE_ALIGN * BE_ALIGN;
+    return be_charged(n);
 }
 
 /* What weights_upload charges, from the config alone: every matrix is of

@@ -8,14 +8,20 @@
 
 /* The budget for p's sequences from dir's config.json.  Whether the weights
  * count depends on the backend's caps, which only an open backend tells: a
- * probe is opened for them, with a budget too small to reserve anything. */
-static enum model_status size_budget(const char *dir, const char *name, const struct runtime_params *p,
+ * probe is opened for them, with a budget too small to reserve anything.
+ * An encoder-decoder model's sequence holds two caches: the decoder's of
+ * ctx tokens and the cross-attention cache of an input of as many (and the
+ * encoder's activations are sized for that input). */
+static enum model_status size_budget(const char *dir, const char *name, const struct runtime_params *p, bool ed,
                                      struct runtime_budget *b, char *err)
 {
-    struct model_config cfg;
-    enum model_status st = model_config_load(dir, &cfg, err);
+    struct model_config cfg = {0};
+    struct encdec_config ec;
+    enum model_status st = ed ? encdec_config_load(dir, &ec, err) : model_config_load(dir, &cfg, err);
     if (st != MODEL_OK)
         return st;
+    if (ed) /* model_context reads no more of it */
+        cfg.max_position_embeddings = encdec_context(&ec);
     struct be_params bp = p->be;
     bp.device_mem = BE_ALIGN;
     be_backend *probe;
@@ -26,7 +32,6 @@ static enum model_status size_budget(const char *dir, const char *name, const st
         return bs == BE_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
     }
     struct be_caps caps = be_get_caps(probe);
-    struct model_device_bytes d = model_device_bytes(&cfg, caps, &p->model);
     be_free(probe);
     if (caps.dedicated_memory) { /* the backend's own default: its free memory */
         model_config_release(&cfg);
@@ -34,10 +39,13 @@ static enum model_status size_budget(const char *dir, const char *name, const st
     }
     b->seqs = p->size_seqs;
     b->ctx = model_context(&cfg, p->size_ctx);
+    b->encdec = ed;
+    struct model_device_bytes d = ed ? encdec_device_bytes(&ec, caps, &p->model, b->ctx)
+                                     : model_device_bytes(&cfg, caps, &p->model);
     model_config_release(&cfg);
     b->weights = d.weights;
     b->activations = d.activations;
-    b->kv = (size_t)b->seqs * ((size_t)b->ctx * d.kv_per_token + d.state_per_seq);
+    b->kv = (size_t)b->seqs * ((size_t)b->ctx * (ed ? 2 : 1) * d.kv_per_token + d.state_per_seq);
     size_t sum = b->weights + b->activations + b->kv;
     b->margin = sum / 8;
     b->total = sum + b->margin > RUNTIME_MIN_DEVICE_MEM ? sum + b->margin : RUNTIME_MIN_DEVICE_MEM;
@@ -57,9 +65,8 @@ enum model_status runtime_open(const char *dir, const struct runtime_params *p, 
     const char *name = p && p->backend ? p->backend : "cpu";
     struct be_params bp = p ? p->be : (struct be_params){0};
     bool ed = p && p->allow_encdec && encdec_is_encdec(dir);
-    /* the sizing reads a decoder-only config: an encoder-decoder model takes the backend's default */
-    if (p && !bp.device_mem && p->size_seqs > 0 && !ed) {
-        enum model_status st = size_budget(dir, name, p, &rt->budget, err);
+    if (p && !bp.device_mem && p->size_seqs > 0) {
+        enum model_status st = size_budget(dir, name, p, ed, &rt->budget, err);
         if (st != MODEL_OK)
             return st;
         bp.device_mem = rt->budget.total;

@@ -36,6 +36,7 @@ struct runtime_budget {
     size_t margin;
     size_t total;
     int seqs, ctx;
+    bool encdec;        /* each sequence also holds the cross cache of an input of ctx tokens */
 };
 
 struct runtime {

@@ -10,8 +10,12 @@ reported as not recomputed, so do beams on it and a request after them,
 another input is encoded afresh; chat, sliding, sink, T5's quantized
 cache, shared_prefix, a session's prefix or past recording, and "input" or
 beams on a session to a decoder-only model are refused with a 400 naming
-why (forks and the disk tier: tests/daemon_encdec_sess.py)."""
+why (forks and the disk tier: tests/daemon_encdec_sess.py).  Started
+without --device-mem, the daemon's budget is sized from the model, both
+caches counted."""
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -58,6 +62,20 @@ def run(name, args, dec):
     want = oracle_tokens(model)
     r = complete(input=ENC)
     check(toks(r) == want, "%s: greedy tokens from the decoder start token == kvtier-encdec's %s" % (name, want))
+    # without --device-mem the budget is sized from the model: per sequence
+    # the self cache of a context's tokens and the cross cache of an input
+    # of as many, each every decoder layer's K and V (f32 here)
+    with open(model + "/config.json") as f:
+        cfg = json.load(f)
+    layers = cfg.get("num_decoder_layers", cfg.get("decoder_layers", cfg.get("num_layers")))
+    heads = cfg.get("num_heads", cfg.get("decoder_attention_heads"))
+    hd = cfg.get("d_kv", cfg["d_model"] // heads)
+    m = re.search(r"device budget ([0-9.]+) MiB \(sized from the model: .* KV ([0-9.]+) for (\d+) sequences of "
+                  r"(\d+) tokens and inputs of as many", d.logtext())
+    kv = m and int(m.group(3)) * 2 * int(m.group(4)) * layers * 2 * heads * hd * 4 / 1048576
+    check(m and abs(float(m.group(2)) - kv) < 0.06 and float(m.group(1)) > kv,
+          "%s: without --device-mem the device budget is sized from the model (%s)" %
+          (name, m and m.group(0)[:150]))
     u = r["usage"]
     check(u["prompt_tokens"] == len(ENC) + 1 and u["completion_tokens"] == N and
           u["prompt_tokens_details"]["encoder_tokens"] == len(ENC),

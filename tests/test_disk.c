@@ -888,10 +888,10 @@ static void test_fault_from_n(void **state)
 }
 
 /* A get's data as it arrives: the bytes kv_disk_op_wait_ready hands out
- * are the object's and stay put, the notify callback fires as they grow,
- * and a read that fails part-way keeps its checked bytes readable until
- * the op is freed, hands out no buffer, and says NULL to a wait for the
- * rest.  Raw and compressed chunks. */
+ * are the object's and stay put (its meta is in before them), the notify
+ * callback fires as they grow, and a read that fails part-way keeps its
+ * checked bytes readable until the op is freed, hands out no buffer, and
+ * says NULL to a wait for the rest.  Raw and compressed chunks. */
 static void test_progress(void **state)
 {
     char dir[256];
@@ -907,6 +907,10 @@ static void test_progress(void **state)
         uint8_t *first = kv_disk_op_wait_ready(op, MIB);
         assert_non_null(first);
         assert_memory_equal(first, v, MIB);
+        size_t early_len; /* the meta is in before the data */
+        const void *early = kv_disk_op_meta(op, &early_len);
+        assert_int_equal(early_len, 1);
+        assert_memory_equal(early, "m", 1);
         uint8_t *all = kv_disk_op_wait_ready(op, n);
         assert_ptr_equal(all, first);
         assert_memory_equal(all, v, n);
@@ -922,6 +926,7 @@ static void test_progress(void **state)
         size_t ml, dl;
         take(op, &m, &ml, &buf, &dd, &dl);
         assert_ptr_equal(dd, first);
+        assert_ptr_equal(m, early);
         free(m);
         drop_data(buf);
         kv_disk_op_free(op);

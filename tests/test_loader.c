@@ -22,8 +22,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "model/encdec.h"
 #include "model/model.h"
 #include "text/tokenizer.h"
+#include "tiers/kvstore.h"
 #include "util/q4k.h"
 #include "util/q8.h"
 
@@ -1067,6 +1069,155 @@ static void test_device_bytes(void **state)
     check_charged("MambaForCausalLM");
 }
 
+/* A tiny T5 (untied, relu or gated-gelu) or BART (tied) of 2 encoder and
+ * 3 decoder layers; head_dim 8 over 4 heads, not dim / heads, for T5. */
+static void write_encdec(bool bart, bool gated)
+{
+    const char *dt = "BF16";
+    int vocab = 40, d = 16, f = 24, H = 4, hd = bart ? 4 : 8, qd = H * hd, enc = 2, dec = 3, maxpos = 64;
+    json_t *c = bart ? json_pack("{s:[s], s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:s, s:s}", "architectures",
+                                 "BartForConditionalGeneration", "vocab_size", vocab, "d_model", d, "encoder_layers",
+                                 enc, "decoder_layers", dec, "encoder_attention_heads", H, "decoder_attention_heads",
+                                 H, "encoder_ffn_dim", f, "decoder_ffn_dim", f, "max_position_embeddings", maxpos,
+                                 "activation_function", "gelu", "torch_dtype", "bfloat16")
+                     : json_pack("{s:[s], s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:s, s:s, s:b}",
+                                 "architectures", "T5ForConditionalGeneration", "vocab_size", vocab, "d_model", d,
+                                 "num_heads", H, "d_kv", hd, "d_ff", f, "num_layers", enc, "num_decoder_layers", dec,
+                                 "relative_attention_num_buckets", 8, "relative_attention_max_distance", 20,
+                                 "feed_forward_proj", gated ? "gated-gelu" : "relu", "torch_dtype", "bfloat16",
+                                 "tie_word_embeddings", false);
+    assert_non_null(c);
+    write_json("config.json", c);
+    json_decref(c);
+    struct stw w;
+    stw_init(&w);
+    char n[160];
+#define T(rows, cols, ...)                          \
+    do {                                            \
+        snprintf(n, sizeof n, __VA_ARGS__);         \
+        stw_add(&w, n, dt, rows, cols);             \
+    } while (0)
+    T(vocab, d, bart ? "model.shared.weight" : "shared.weight");
+    for (int s = 0; s < 2; s++) {
+        const char *stack = s ? "decoder" : "encoder";
+        for (int l = 0; l < (s ? dec : enc); l++) {
+            for (int a = 0; a < 1 + s; a++) { /* self-attention, then the decoder's cross-attention */
+                const char *pre = bart ? (a ? "encoder_attn" : "self_attn")
+                                       : a  ? "1.EncDecAttention"
+                                            : "0.SelfAttention";
+                for (int i = 0; i < 4; i++) {
+                    const char *proj = (const char *[]){"q", "k", "v", bart ? "out" : "o"}[i];
+                    if (bart) {
+                        T(i < 3 ? qd : d, i < 3 ? d : qd, "model.%s.layers.%d.%s.%s_proj.weight", stack, l, pre, proj);
+                        T(i < 3 ? qd : d, 0, "model.%s.layers.%d.%s.%s_proj.bias", stack, l, pre, proj);
+                    } else {
+                        T(i < 3 ? qd : d, i < 3 ? d : qd, "%s.block.%d.layer.%s.%s.weight", stack, l, pre, proj);
+                    }
+                }
+                if (bart) {
+                    T(d, 0, "model.%s.layers.%d.%s_layer_norm.weight", stack, l, pre);
+                    T(d, 0, "model.%s.layers.%d.%s_layer_norm.bias", stack, l, pre);
+                } else {
+                    T(d, 0, "%s.block.%d.layer.%d.layer_norm.weight", stack, l, a);
+                }
+            }
+            if (bart) {
+                T(f, d, "model.%s.layers.%d.fc1.weight", stack, l);
+                T(f, 0, "model.%s.layers.%d.fc1.bias", stack, l);
+                T(d, f, "model.%s.layers.%d.fc2.weight", stack, l);
+                T(d, 0, "model.%s.layers.%d.fc2.bias", stack, l);
+                T(d, 0, "model.%s.layers.%d.final_layer_norm.weight", stack, l);
+                T(d, 0, "model.%s.layers.%d.final_layer_norm.bias", stack, l);
+                continue;
+            }
+            int ff = 1 + s;
+            if (gated) {
+                T(f, d, "%s.block.%d.layer.%d.DenseReluDense.wi_0.weight", stack, l, ff);
+                T(f, d, "%s.block.%d.layer.%d.DenseReluDense.wi_1.weight", stack, l, ff);
+            } else {
+                T(f, d, "%s.block.%d.layer.%d.DenseReluDense.wi.weight", stack, l, ff);
+            }
+            T(d, f, "%s.block.%d.layer.%d.DenseReluDense.wo.weight", stack, l, ff);
+            T(d, 0, "%s.block.%d.layer.%d.layer_norm.weight", stack, l, ff);
+        }
+        if (bart) {
+            T(maxpos + 2, d, "model.%s.embed_positions.weight", stack);
+            T(d, 0, "model.%s.layernorm_embedding.weight", stack);
+            T(d, 0, "model.%s.layernorm_embedding.bias", stack);
+        } else {
+            T(8, H, "%s.block.0.layer.0.SelfAttention.relative_attention_bias.weight", stack);
+            T(d, 0, "%s.final_layer_norm.weight", stack);
+        }
+    }
+    if (bart)
+        T(1, vocab, "final_logits_bias");
+    else
+        T(vocab, d, "lm_head.weight");
+#undef T
+    stw_write(&w, "model.safetensors");
+}
+
+/* What encdec_device_bytes predicts from the config is what encdec_load
+ * charges a backend that cannot read the mmap, what encoding S tokens
+ * adds for the encoder's residual stream while it runs, and the bytes per
+ * token of the cross cache it writes and of the self cache a decode
+ * writes. */
+static void check_encdec_charged(const char *what)
+{
+    be_backend *be;
+    struct be_params bp = {.n_threads = 1};
+    assert_int_equal(be_open("cpu-strict", &bp, &be), BE_OK);
+    struct encdec_config ec;
+    char err[MODEL_ERR_LEN];
+    assert_int_equal(encdec_config_load(g_dir, &ec, err), MODEL_OK);
+    enum { S = 32, N = 16 }; /* whole blocks of the store's 16 tokens */
+    struct model_params mp = {.max_batch_tokens = 8};
+    struct model_device_bytes idle = encdec_device_bytes(&ec, be_get_caps(be), &mp, 0),
+                              full = encdec_device_bytes(&ec, be_get_caps(be), &mp, S);
+    size_t before = be_mem_stats(be).dev_used;
+    encdec *m;
+    if (encdec_load(g_dir, be, &mp, &m, err) != MODEL_OK)
+        fail_msg("%s: %s", what, err);
+    size_t used = be_mem_stats(be).dev_used - before;
+    if (used != idle.weights + idle.activations)
+        fail_msg("%s: encdec_load charged %zu bytes, encdec_device_bytes says %zu + %zu", what, used, idle.weights,
+                 idle.activations);
+    struct kv_geom g = encdec_kv_geom(m);
+    kv_store *st;
+    assert_int_equal(kv_store_open(be, &g, &(struct kv_store_params){.block_tokens = 16}, &st), TIER_OK);
+    kv_seq *cross, *self;
+    assert_int_equal(kv_seq_create(st, &(struct kv_seq_params){.no_prefix_cache = true}, &cross), TIER_OK);
+    assert_int_equal(kv_seq_create(st, &(struct kv_seq_params){.no_prefix_cache = true}, &self), TIER_OK);
+    int32_t ids[S];
+    for (int i = 0; i < S; i++)
+        ids[i] = 3 + i % 30;
+    be_reset_peak(be);
+    assert_int_equal(encdec_encode(m, cross, ids, S), MODEL_OK);
+    struct be_mem_stats ms = be_mem_stats(be);
+    if (ms.dev_peak - ms.dev_used != full.activations - idle.activations)
+        fail_msg("%s: encoding %d tokens took %zu bytes more while it ran, encdec_device_bytes says %zu", what, S,
+                 ms.dev_peak - ms.dev_used, full.activations - idle.activations);
+    assert_int_equal(encdec_decode(m, self, cross, ids, N, NULL), MODEL_OK);
+    assert_int_equal(kv_seq_stats(cross).dev_bytes, (size_t)S * full.kv_per_token);
+    assert_int_equal(kv_seq_stats(self).dev_bytes, (size_t)N * full.kv_per_token);
+    kv_seq_free(self);
+    kv_seq_free(cross);
+    kv_store_free(st);
+    encdec_free(m);
+    be_free(be);
+}
+
+static void test_encdec_device_bytes(void **state)
+{
+    (void)state;
+    write_encdec(false, false);
+    check_encdec_charged("T5 relu");
+    write_encdec(false, true);
+    check_encdec_charged("T5 gated-gelu");
+    write_encdec(true, false);
+    check_encdec_charged("BART");
+}
+
 static void test_defaults_and_generation_config(void **state)
 {
     (void)state;
@@ -1887,6 +2038,7 @@ int main(void)
         T(test_gpt2),
         T(test_mamba),
         T(test_device_bytes),
+        T(test_encdec_device_bytes),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),
         T(test_sharded),

@@ -883,6 +883,13 @@ static enum load_res load(kv_disk *d, const char *ns, const char *name, int want
             res = L_CORRUPT;
             goto out;
         }
+        if (op) { /* the op's from here on: a caller may read it before the data is in */
+            pthread_mutex_lock(&op->mu);
+            op->meta = l->meta;
+            op->meta_len = l->h.meta_len;
+            pthread_mutex_unlock(&op->mu);
+            l->meta = NULL;
+        }
     }
     if (want >= 2 && l->h.data_len) {
         size_t cap = kv_disk_data_alloc_len(l->h.data_len);
@@ -940,9 +947,7 @@ static void do_get(kv_disk *d, kv_disk_op *op)
         d->st.bytes_read += l.size;
     pthread_mutex_unlock(&d->mu);
     switch (r) {
-    case L_OK:
-        op->meta = l.meta;
-        op->meta_len = l.h.meta_len;
+    case L_OK: /* its meta is the op's already */
         disk_hdr_release(&l.h);
         op->st = TIER_OK;
         return;
@@ -1484,6 +1489,15 @@ size_t kv_disk_op_ready(kv_disk_op *op, void **data, size_t *data_len)
     *data_len = op->data_len;
     pthread_mutex_unlock(&op->mu);
     return n;
+}
+
+const void *kv_disk_op_meta(kv_disk_op *op, size_t *meta_len)
+{
+    pthread_mutex_lock(&op->mu);
+    const void *meta = op->meta;
+    *meta_len = op->meta_len;
+    pthread_mutex_unlock(&op->mu);
+    return meta;
 }
 
 void *kv_disk_op_wait_ready(kv_disk_op *op, size_t n)

@@ -138,6 +138,11 @@ const char *kv_disk_op_errmsg(const kv_disk_op *op);
  * a failed op's too.  For a restore that computes with the first layers
  * while the last are still being read. */
 size_t kv_disk_op_ready(kv_disk_op *op, void **data, size_t *data_len);
+/* A get's meta as soon as it has checked, before its data is read (so
+ * whenever kv_disk_op_ready's *data is not NULL): NULL until then, or for
+ * an object without one.  It stays the op's, in place, until
+ * kv_disk_op_take_buf takes it or the op is freed. */
+const void *kv_disk_op_meta(kv_disk_op *op, size_t *meta_len);
 /* Blocks until the first n bytes of a get's data are in or the op is done;
  * the data's first byte if they are, NULL if the op ended without them. */
 void *kv_disk_op_wait_ready(kv_disk_op *op, size_t n);
