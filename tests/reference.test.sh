@@ -175,11 +175,13 @@ fi
 [ $? -eq 2 ] || { echo "FAIL mamba-checkpoint-interval: an interval of 0 was not refused"; touch "$tmp/failed"; }
 # 4. bf16 weights on avx512bf16 (when the CPU has it), the models of step 2
 # again, against the reference whose weight matrices take their input
-# rounded to bf16, within 0.1 (the worst seen: 4.9e-2); and at least 2 of
-# them within 1e-4 in both runs (4 on the machine this was written on:
-# llamatie, mistral, qwen3, gpt2), which only the same rounding gives: the
-# unrounded reference was 3.7e-2 to 6.5e-2 away where checked (gpt2,
-# phi3, mistral).
+# rounded to bf16 (and, with their bf16 caches, attention's query and
+# weights), within 0.1 (the worst seen: 4.9e-2); and at least 4 of them
+# within 1e-4 in both runs (8 of the 12 on the machine this was written
+# on, the two Mamba models among them), which only the same rounding
+# gives: the unrounded
+# reference was 3.7e-2 to 6.5e-2 away where checked (gpt2, phi3, mistral),
+# and one rounding the weights after they are normalised 4e-2 to 1e-1.
 if [ -n "$f32_level" ]; then
     echo "$cases" | while read -r name args; do
         [ -n "$name" ] || continue
@@ -203,7 +205,7 @@ if [ -n "$f32_level" ]; then
     done
     exact=$(cat "$tmp/exact" 2>/dev/null | wc -l)
     echo "reference.test: $exact of $(echo "$cases" | grep -c .) bf16 cases on avx512bf16 within 1e-4 of the rounding reference"
-    [ "$exact" -ge 2 ] || touch "$tmp/failed"
+    [ "$exact" -ge 4 ] || touch "$tmp/failed"
 fi
 if [ -e "$tmp/failed" ]; then
     echo "reference.test: FAILED"

@@ -330,8 +330,7 @@ class Attention(nn.Module):
         if self.softcap is not None:
             s = torch.tanh(s / self.softcap) * self.softcap
         s = s + masks[self.window]
-        p = round_to(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), self.attn_input)
-        o = torch.matmul(p, v).transpose(1, 2).reshape(b, t, self.n_heads * self.hd)  # [B, T, H*hd]
+        o = weighted_values(s, v, self.attn_input).transpose(1, 2).reshape(b, t, self.n_heads * self.hd)  # [B, T, H*hd]
         return self.o_proj(o)
 
 
@@ -504,8 +503,7 @@ class GPT2Attention(nn.Module):
             k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
         q = round_to(q, self.attn_input)
         s = torch.matmul(q, k.transpose(2, 3)) / (self.hd ** 0.5) + mask  # [B, H, T, T]
-        p = round_to(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), self.attn_input)
-        return self.c_proj(torch.matmul(p, v).transpose(1, 2).reshape(b, t, dim))
+        return self.c_proj(weighted_values(s, v, self.attn_input).transpose(1, 2).reshape(b, t, dim))
 
 
 class GPT2Block(nn.Module):
@@ -835,6 +833,17 @@ def q8_act(x):
 def round_to(x, dtype):
     """x rounded to dtype (to nearest even) and back; dtype None: x."""
     return x if dtype is None else x.to(dtype).to(x.dtype)
+
+
+def weighted_values(s, v, rounding=None):
+    """softmax(s) v over the last axis of the scores s; rounding (a dtype):
+    the weights exp(s - max) rounded to it before they are normalised, as
+    kvtier's online softmax rounds them on a bf16 cache at the avx512bf16
+    level (the same weights while a row's keys fit one chunk of 64)."""
+    if rounding is None:
+        return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype), v)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return torch.matmul(round_to(e, rounding), v) / e.sum(-1, keepdim=True)
 
 
 # --------------------------------------------------------------------------
