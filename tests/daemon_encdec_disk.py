@@ -49,7 +49,9 @@ mkmodel.main(["--out", model, "--seed", "7", "--arch", "bart", "--tie", "--layer
 with open(model + "/config.json") as f:
     dp = [json.load(f)["decoder_start_token_id"]]
 ref.start()
-slow = Daemon("--spill-after", "1", "--kv-dtype", "f32", model=model, tmp=ref.tmp)
+# no encoder cache: it would keep the spilled sessions' cross caches in
+# memory and serve a restarted session's input from there
+slow = Daemon("--spill-after", "1", "--kv-dtype", "f32", "--no-prefix-cache", model=model, tmp=ref.tmp)
 slow.sock = os.path.join(ref.tmp, "slow.sock")
 slow.start(extra_env={"KVTIER_DISK_READ_DELAY_MS": "150"})
 
