@@ -349,7 +349,8 @@ size_t engine_kv_max_size(const engine *e)
 {
     const struct model_config *c = e->mc;
     if (c->arch == ARCH_MAMBA) /* a state file: its size does not grow with the tokens, its header does */
-        return kvfile_state_max_size(c->n_layers, c->intermediate_size, c->ssm_state, c->ssm_conv, e->ctx);
+        return kvfile_state_max_size(c->n_layers, c->intermediate_size, c->ssm_state, c->ssm_conv, e->ctx,
+                                     kv_store_checkpoint_interval(e->store));
     size_t n = kvfile_max_size(e->mc->n_layers, e->mc->n_kv_heads, e->mc->head_dim, e->ctx);
     /* an encoder-decoder file adds the cross K and V of an input up to the
      * context and its ids: as much again */
@@ -421,6 +422,7 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
         x.ssm_inner = e->mc->intermediate_size;
         x.ssm_state = e->mc->ssm_state;
         x.ssm_conv = e->mc->ssm_conv;
+        x.ssm_ckpt_interval = kv_store_checkpoint_interval(e->store);
     }
     char msg[MODEL_ERR_LEN];
     switch (kvfile_parse(buf, len, &x, out, msg)) {
@@ -585,15 +587,23 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
     return IPC_OK;
 }
 
-/* A state model's session: its state (kvfile.h), not its checkpoints. */
+/* A state model's session: its state and checkpoints (kvfile.h). */
 static enum ipc_status session_export_state(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
     const struct model_config *c = e->mc;
     size_t n = kv_store_state_bytes(e->store) / 2;
-    float *state = malloc(n);
-    if (!state)
-        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export");
-    enum tier_status ts = kv_seq_state_read(s->kv, state, n);
+    int n_ckpt = 0;
+    enum tier_status ts = kv_seq_state_checkpoints(s->kv, &n_ckpt);
+    if (ts != TIER_OK)
+        return kv_error(e, ts, "", err);
+    float *state = malloc((1 + (size_t)n_ckpt) * n);
+    int64_t *pos = malloc(((size_t)n_ckpt + 1) * sizeof(*pos));
+    if (!state || !pos) {
+        free(state);
+        free(pos);
+        return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the export of a state and %d checkpoints", n_ckpt);
+    }
+    ts = kv_seq_state_read(s->kv, state, (1 + (size_t)n_ckpt) * n, pos, n_ckpt);
     enum ipc_status st = ts == TIER_OK ? IPC_OK : kv_error(e, ts, "", err);
     struct kvfile_info in = {.fingerprint = engine_fingerprint(e),
                              .strategy = ipc_cache_strategy_name(&s->cache, s->kvs.strategy), .dtype = BE_F32,
@@ -602,10 +612,11 @@ static enum ipc_status session_export_state(engine *e, struct session *s, struct
     char msg[MODEL_ERR_LEN];
     void *buf = NULL;
     size_t size = 0;
-    if (st == IPC_OK && kvfile_build_state(&in, c->intermediate_size, c->ssm_state, c->ssm_conv, state, &buf, &size,
-                                           msg) != MODEL_OK)
+    if (st == IPC_OK && kvfile_build_state(&in, c->intermediate_size, c->ssm_state, c->ssm_conv, state, pos, n_ckpt,
+                                           &buf, &size, msg) != MODEL_OK)
         st = ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
     free(state);
+    free(pos);
     if (st != IPC_OK)
         return st;
     j->res.blob = buf;
@@ -616,7 +627,7 @@ static enum ipc_status session_export_state(engine *e, struct session *s, struct
 /* The session's KV as a safetensors file in j->res.blob: dense layers as
  * stored, quantized ones decoded to f32 (or in their stored form, raw);
  * an encoder-decoder session's cross cache and input with it; a state
- * model's state. */
+ * model's state and checkpoints. */
 static enum ipc_status session_export(engine *e, struct session *s, struct job *j, struct ipc_error *err)
 {
     if (!s->kv || !s->n_toks || (e->ed && !s->cross))
@@ -750,7 +761,7 @@ static enum ipc_status session_import(engine *e, struct session *s, struct job *
             return st;
         }
     } else if (f->state) {
-        enum tier_status ts = kv_seq_load_state(e->store, &p, f->n_tokens, f->state, &q);
+        enum tier_status ts = kv_seq_load_state(e->store, &p, f->n_tokens, f->state, f->ckpt_pos, f->n_ckpt, &q);
         if (ts != TIER_OK) {
             free(toks);
             return kv_error(e, ts, "", err);

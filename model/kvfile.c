@@ -48,28 +48,40 @@ static size_t round_up(size_t x)
     return (x + ALIGN - 1) / ALIGN * ALIGN;
 }
 
-size_t kvfile_state_max_size(int n_layers, int d_inner, int d_state, int d_conv, int64_t ctx)
+/* A state file's header: kvfile_header_max's, and per checkpoint (at most
+ * one per interval of the context) its position and two tensor entries per
+ * layer. */
+static size_t state_header_max(int n_layers, int64_t ctx, int interval)
+{
+    size_t c = interval > 0 ? (size_t)(ctx / interval) : 0;
+    return kvfile_header_max(ctx) + c * ((size_t)n_layers * 2 * HEADER_PER_LAYER + ID_CHARS);
+}
+
+size_t kvfile_state_max_size(int n_layers, int d_inner, int d_state, int d_conv, int64_t ctx, int interval)
 {
     size_t per, total;
     if (n_layers <= 0 || n_layers > MAX_LAYERS || d_inner <= 0 || d_state <= 0 || d_conv <= 1 || ctx <= 0 ||
-        ctx > (int64_t)1 << 40 ||
+        ctx > (int64_t)1 << 40 || interval < 0 ||
         __builtin_mul_overflow((size_t)d_inner, ((size_t)d_conv - 1 + (size_t)d_state) * sizeof(float), &per) ||
         __builtin_mul_overflow(per + 2 * ALIGN, (size_t)n_layers, &total) ||
-        __builtin_add_overflow(total, kvfile_header_max(ctx) + 8, &total))
+        __builtin_mul_overflow(total, 1 + (interval ? (size_t)(ctx / interval) : 0), &total) ||
+        __builtin_add_overflow(total, state_header_max(n_layers, ctx, interval) + 8, &total))
         return 0;
     return total;
 }
 
-/* The token ids as the JSON array string of the metadata. */
-static char *tokens_json(const int32_t *t, int64_t n)
+/* Token ids (int32) or checkpoint positions (wide: int64) as the JSON
+ * array string of the metadata. */
+static char *ids_json(const void *v, int64_t n, bool wide)
 {
-    size_t cap = 3 + (size_t)n * ID_CHARS, at = 0;
+    size_t cap = 3 + (size_t)n * (wide ? 21 : ID_CHARS), at = 0;
     char *s = malloc(cap);
     if (!s)
         return NULL;
     s[at++] = '[';
     for (int64_t i = 0; i < n; i++)
-        at += (size_t)snprintf(s + at, cap - at, i ? ",%" PRId32 : "%" PRId32, t[i]);
+        at += (size_t)snprintf(s + at, cap - at, i ? ",%" PRId64 : "%" PRId64,
+                               wide ? ((const int64_t *)v)[i] : (int64_t)((const int32_t *)v)[i]);
     s[at++] = ']';
     s[at] = '\0';
     return s;
@@ -97,11 +109,11 @@ static json_t *header_json(const struct kvfile_info *in, const char *const *meta
                            int n, const size_t *bytes, size_t *data_size)
 {
     json_t *h = json_object(), *meta = json_object();
-    char fp[17], ver[16], *toks = tokens_json(in->tokens, in->n_tokens);
+    char fp[17], ver[16], *toks = ids_json(in->tokens, in->n_tokens, false);
     snprintf(fp, sizeof(fp), "%016" PRIx64, in->fingerprint);
     snprintf(ver, sizeof(ver), "%d", KVFILE_VERSION);
     int bad = !h || !meta || !toks;
-    char *input = in->n_input ? tokens_json(in->input, in->n_input) : NULL;
+    char *input = in->n_input ? ids_json(in->input, in->n_input, false) : NULL;
     bad = bad || (in->n_input && !input) || set_str(meta, "format", KVFILE_FORMAT) || set_str(meta, "version", ver) ||
           set_str(meta, "model_fingerprint", fp) || set_str(meta, "tokens", toks) ||
           set_str(meta, "strategy", in->strategy) || set_str(meta, "dtype", be_dtype_name(in->dtype)) ||
@@ -214,15 +226,20 @@ enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t 
     return st;
 }
 
-/* A state file's tensors: conv_states.{l} then ssm_states.{l}, per layer. */
-static void state_tensors(int L, int d_inner, int d_state, int d_conv, struct kvfile_tensor *t)
+/* A state file's tensors: conv_states.{l} then ssm_states.{l}, per layer,
+ * then the same for each of n_ckpt checkpoints, prefixed checkpoint.{i}. */
+static void state_tensors(int L, int d_inner, int d_state, int d_conv, int n_ckpt, struct kvfile_tensor *t)
 {
-    for (int l = 0; l < L; l++) {
-        t[2 * l] = (struct kvfile_tensor){.dtype = "F32", .ndim = 3, .shape = {1, d_inner, d_conv - 1}};
-        snprintf(t[2 * l].name, sizeof(t[2 * l].name), "conv_states.%d", l);
-        t[2 * l + 1] = (struct kvfile_tensor){.dtype = "F32", .ndim = 3, .shape = {1, d_inner, d_state}};
-        snprintf(t[2 * l + 1].name, sizeof(t[2 * l + 1].name), "ssm_states.%d", l);
-    }
+    for (int c = -1; c < n_ckpt; c++)
+        for (int l = 0; l < L; l++, t += 2) {
+            char pre[32] = "";
+            if (c >= 0)
+                snprintf(pre, sizeof(pre), "checkpoint.%d.", c);
+            t[0] = (struct kvfile_tensor){.dtype = "F32", .ndim = 3, .shape = {1, d_inner, d_conv - 1}};
+            snprintf(t[0].name, sizeof(t[0].name), "%sconv_states.%d", pre, l);
+            t[1] = (struct kvfile_tensor){.dtype = "F32", .ndim = 3, .shape = {1, d_inner, d_state}};
+            snprintf(t[1].name, sizeof(t[1].name), "%sssm_states.%d", pre, l);
+        }
 }
 
 /* Between one layer's state as be_ssm lays it out (the window (K - 1,
@@ -243,23 +260,31 @@ static void state_move(float *st, char *conv, char *ssm, int inner, int N, int K
 }
 
 enum model_status kvfile_build_state(const struct kvfile_info *in, int d_inner, int d_state, int d_conv,
-                                     const float *state, void **out, size_t *size, char *err)
+                                     const float *state, const int64_t *ckpt_pos, int n_ckpt, void **out,
+                                     size_t *size, char *err)
 {
     *out = NULL;
     int L = in->n_layers;
-    if (!kvfile_state_max_size(L, d_inner, d_state, d_conv, in->n_tokens > 0 ? in->n_tokens : 1))
-        return model_errf(err, MODEL_EINVAL, "KV file: a state of %d layers (%d, %d, %d)", L, d_inner, d_state,
-                          d_conv);
-    struct kvfile_tensor *t = calloc(2 * (size_t)L, sizeof(*t));
-    if (!t)
+    if (!kvfile_state_max_size(L, d_inner, d_state, d_conv, in->n_tokens > 0 ? in->n_tokens : 1, 0) ||
+        n_ckpt < 0 || (size_t)n_ckpt >= KVFILE_MAX_TENSORS / 2 / (size_t)L)
+        return model_errf(err, MODEL_EINVAL, "KV file: a state of %d layers (%d, %d, %d), %d checkpoints", L,
+                          d_inner, d_state, d_conv, n_ckpt);
+    size_t n = 2 * (size_t)L * (1 + (size_t)n_ckpt);
+    struct kvfile_tensor *t = calloc(n, sizeof(*t));
+    char *pos = n_ckpt ? ids_json(ckpt_pos, n_ckpt, true) : NULL;
+    if (!t || (n_ckpt && !pos)) {
+        free(t);
+        free(pos);
         return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
-    state_tensors(L, d_inner, d_state, d_conv, t);
-    const char *meta[] = {"layout", "state", NULL};
-    enum model_status st = kvfile_build_tensors(in, meta, t, 2 * L, out, size, err);
+    }
+    state_tensors(L, d_inner, d_state, d_conv, n_ckpt, t);
+    const char *meta[] = {"layout", "state", n_ckpt ? "checkpoint_positions" : NULL, pos, NULL};
+    enum model_status st = kvfile_build_tensors(in, meta, t, (int)n, out, size, err);
     size_t per = (size_t)d_inner * ((size_t)d_conv - 1 + (size_t)d_state);
-    for (int l = 0; l < L && st == MODEL_OK; l++)
-        state_move((float *)(uintptr_t)(state + (size_t)l * per), (char *)*out + t[2 * l].off,
-                   (char *)*out + t[2 * l + 1].off, d_inner, d_state, d_conv, true);
+    for (size_t i = 0; i < n / 2 && st == MODEL_OK; i++)
+        state_move((float *)(uintptr_t)(state + i * per), (char *)*out + t[2 * i].off, (char *)*out + t[2 * i + 1].off,
+                   d_inner, d_state, d_conv, true);
+    free(pos);
     free(t);
     return st;
 }
@@ -540,17 +565,57 @@ static enum model_status parse_tensors(json_t *h, const uint8_t *buf, uint64_t d
     return st;
 }
 
-/* A state file's conv_states and ssm_states per layer, gathered into
- * f->state once all are checked. */
+/* A state file's __metadata__.checkpoint_positions (absent: none) into
+ * f->ckpt_pos, f->n_ckpt: ascending multiples of the interval in (0,
+ * tokens], counted before anything is allocated for them. */
+static enum model_status parse_ckpt_pos(json_t *h, const struct kvfile_expect *e, struct kvfile *f, char *err)
+{
+    const char *s = meta_str(json_object_get(h, "__metadata__"), "checkpoint_positions");
+    if (!s)
+        return MODEL_OK;
+    int64_t iv = e->ssm_ckpt_interval, max = iv > 0 ? f->n_tokens / iv : 0;
+    json_error_t je;
+    json_t *a = json_loads(s, JSON_DECODE_ANY, &je);
+    enum model_status st = MODEL_OK;
+    if (!json_is_array(a))
+        st = model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.checkpoint_positions is not a JSON array");
+    else if ((int64_t)json_array_size(a) > max)
+        st = model_errf(err, MODEL_EINVAL,
+                        "KV file: __metadata__.checkpoint_positions holds %zu positions, more than the %" PRId64
+                        " multiples of the checkpoint interval %" PRId64 " within its %" PRId64 " tokens",
+                        json_array_size(a), max, iv, f->n_tokens);
+    else if (json_array_size(a) && !(f->ckpt_pos = malloc(json_array_size(a) * sizeof(*f->ckpt_pos))))
+        st = model_errf(err, MODEL_ENOMEM, "KV file: out of memory for %zu checkpoints", json_array_size(a));
+    for (size_t i = 0; i < json_array_size(a) && st == MODEL_OK; i++) {
+        json_t *v = json_array_get(a, i);
+        json_int_t p = json_integer_value(v), prev = i ? f->ckpt_pos[i - 1] : 0;
+        if (!json_is_integer(v) || p <= prev || p > f->n_tokens || p % iv)
+            st = model_errf(err, MODEL_EINVAL,
+                            "KV file: __metadata__.checkpoint_positions[%zu] is not a multiple of the checkpoint "
+                            "interval %" PRId64 " in (%" PRId64 ", %" PRId64 "] (ascending, at most the tokens)",
+                            i, iv, (int64_t)prev, f->n_tokens);
+        else
+            f->ckpt_pos[f->n_ckpt++] = (int64_t)p;
+    }
+    json_decref(a);
+    return st;
+}
+
+/* A state file's conv_states and ssm_states per layer, and its
+ * checkpoints', gathered into f->state once all are checked. */
 static enum model_status parse_state_tensors(json_t *h, const uint8_t *buf, uint64_t data_at, uint64_t data_size,
                                              const struct kvfile_expect *e, struct kvfile *f, char *err)
 {
-    size_t L = (size_t)e->n_layers, n = 2 * L;
+    enum model_status st = parse_ckpt_pos(h, e, f, err);
+    if (st != MODEL_OK)
+        return st;
+    size_t L = (size_t)e->n_layers, n = 2 * L * (1 + (size_t)f->n_ckpt);
     if (json_object_size(h) != n + 1)
         return model_errf(err, MODEL_EFORMAT,
-                          "KV file: %zu tensors, but a state file of this model needs exactly %zu (conv_states.{0..%d} "
-                          "and ssm_states.{0..%d})",
-                          json_object_size(h) - 1, n, e->n_layers - 1, e->n_layers - 1);
+                          "KV file: %zu tensors, but a state file of this model with %d checkpoints needs exactly %zu "
+                          "(conv_states.{0..%d} and ssm_states.{0..%d}, and checkpoint.{i}. before each per "
+                          "checkpoint_positions)",
+                          json_object_size(h) - 1, f->n_ckpt, n, e->n_layers - 1, e->n_layers - 1);
     struct range *r = malloc(n * sizeof(*r));
     struct kvfile_tensor *t = calloc(n, sizeof(*t));
     if (!r || !t) {
@@ -559,8 +624,7 @@ static enum model_status parse_state_tensors(json_t *h, const uint8_t *buf, uint
         return model_errf(err, MODEL_ENOMEM, "KV file: out of memory");
     }
     int inner = e->ssm_inner, N = e->ssm_state, K = e->ssm_conv;
-    state_tensors(e->n_layers, inner, N, K, t);
-    enum model_status st = MODEL_OK;
+    state_tensors(e->n_layers, inner, N, K, f->n_ckpt, t);
     for (size_t i = 0; i < n && st == MODEL_OK; i++) {
         const uint64_t want[3] = {1, (uint64_t)t[i].shape[1], (uint64_t)t[i].shape[2]};
         st = check_tensor(h, t[i].name, "F32", 3, want, data_at, data_size, &r[i], err);
@@ -569,9 +633,10 @@ static enum model_status parse_state_tensors(json_t *h, const uint8_t *buf, uint
     if (st == MODEL_OK)
         st = check_overlap(r, n, err);
     size_t per = (size_t)inner * ((size_t)K - 1 + (size_t)N);
-    if (st == MODEL_OK && !(f->state = malloc(L * per * sizeof(float))))
-        st = model_errf(err, MODEL_ENOMEM, "KV file: out of memory for a %zu-layer state", L);
-    for (size_t l = 0; l < L && st == MODEL_OK; l++)
+    if (st == MODEL_OK && !(f->state = malloc(n / 2 * per * sizeof(float))))
+        st = model_errf(err, MODEL_ENOMEM, "KV file: out of memory for a %zu-layer state and %d checkpoints", L,
+                        f->n_ckpt);
+    for (size_t l = 0; l < n / 2 && st == MODEL_OK; l++)
         state_move(f->state + l * per, (char *)(uintptr_t)buf + t[2 * l].off,
                    (char *)(uintptr_t)buf + t[2 * l + 1].off, inner, N, K, false);
     free(t);
@@ -665,7 +730,8 @@ enum model_status kvfile_parse(const void *buf_, size_t len, const struct kvfile
     for (int i = 7; i >= 0; i--)
         hlen = hlen << 8 | buf[i];
     /* an encoder-decoder file's header holds its input and twice the tensors */
-    size_t hmax = kvfile_header_max(e->max_tokens) + (e->max_input ? kvfile_header_max(e->max_input) : 0);
+    size_t hmax = e->ssm_inner ? state_header_max(e->n_layers, e->max_tokens, e->ssm_ckpt_interval)
+                               : kvfile_header_max(e->max_tokens) + (e->max_input ? kvfile_header_max(e->max_input) : 0);
     if (hlen > hmax)
         return model_errf(err, MODEL_EFORMAT, "KV file: header length %" PRIu64 " exceeds the %zu-byte limit", hlen,
                           hmax);
@@ -700,5 +766,6 @@ void kvfile_release(struct kvfile *f)
     free(f->q);
     free(f->quantization);
     free(f->state);
+    free(f->ckpt_pos);
     *f = (struct kvfile){0};
 }

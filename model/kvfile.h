@@ -20,7 +20,13 @@
  * f32) holds its state instead, per layer conv_states.{l} [1, d_inner,
  * d_conv - 1], the convolution's last inputs oldest first (Hugging Face's
  * MambaCache.conv_states[l][..., 1:]: the oldest of its d_conv columns is
- * never read again), and ssm_states.{l} [1, d_inner, d_state].
+ * never read again), and ssm_states.{l} [1, d_inner, d_state].  The
+ * session's checkpoints follow, each under the same names prefixed with
+ * checkpoint.{i}. (checkpoint.{i}.conv_states.{l}, ...), and their
+ * positions are __metadata__.checkpoint_positions (a JSON array as a
+ * string, ascending multiples of the checkpoint interval, at most the
+ * tokens; absent or empty: none): a client that knows MambaCache's names
+ * only reads the state and ignores them.
  * A quantized cache's raw export (docs/api.md "Raw quantized export") is
  * laid out by the daemon with kvfile_build_tensors; the parser reads it
  * back when the caller says which formats it takes (kvfile_expect.quant).
@@ -59,14 +65,17 @@ size_t kvfile_header_max(int64_t ctx);
 size_t kvfile_max_size(int n_layers, int n_kv_heads, int head_dim, int64_t ctx);
 
 /* The largest file of a state-space model (layout "state") for a context
- * of ctx tokens; 0 when it overflows. */
-size_t kvfile_state_max_size(int n_layers, int d_inner, int d_state, int d_conv, int64_t ctx);
+ * of ctx tokens, with a checkpoint every `interval` of them; 0 when it
+ * overflows. */
+size_t kvfile_state_max_size(int n_layers, int d_inner, int d_state, int d_conv, int64_t ctx, int interval);
 /* A state file for info (its tokens, strategy, fingerprint) holding
  * `state`: n_layers states as be_ssm lays them out (the window as
- * (d_conv - 1, d_inner), then h as (d_inner, d_state)), f32.  MODEL_ENOMEM,
- * or MODEL_EINVAL for sizes out of range. */
+ * (d_conv - 1, d_inner), then h as (d_inner, d_state)), f32, followed by
+ * n_ckpt more, the checkpoints at ckpt_pos (not checked: the store's own).
+ * MODEL_ENOMEM, or MODEL_EINVAL for sizes out of range. */
 enum model_status kvfile_build_state(const struct kvfile_info *info, int d_inner, int d_state, int d_conv,
-                                     const float *state, void **out, size_t *size, char *err);
+                                     const float *state, const int64_t *ckpt_pos, int n_ckpt, void **out,
+                                     size_t *size, char *err);
 
 /* Lays out a file for info: *out (malloc'ed, *size bytes) holds the header
  * and zeroed data; k_off[l], v_off[l] are where layer l's K and V start in
@@ -81,7 +90,7 @@ enum model_status kvfile_build(const struct kvfile_info *info, void **out, size_
  * safetensors dtype ("F32", "F16", "BF16", "U8") and shape; off is set to
  * where its data starts in the file. */
 #define KVFILE_MAX_DIMS 5
-#define KVFILE_MAX_TENSORS (4096 * 8)
+#define KVFILE_MAX_TENSORS (1 << 24) /* a state file: two per layer and checkpoint */
 struct kvfile_tensor {
     char name[64];
     const char *dtype;
@@ -115,6 +124,7 @@ struct kvfile_expect {
     /* > 0: a state-space model's, whose files have layout "state" and
      * these dimensions (n_kv_heads, head_dim, rows are not read) */
     int ssm_inner, ssm_state, ssm_conv;
+    int ssm_ckpt_interval; /* checkpoint positions are multiples of it; 0: none taken */
 };
 
 /* A raw file's layer l: the fields of its q_layers entry, the block count
@@ -145,9 +155,11 @@ struct kvfile {
     int32_t *input;
     int64_t n_input;
     const void **ck, **cv;
-    /* a state file's state, as be_ssm lays it out per layer (owned); NULL
-     * otherwise */
+    /* a state file's state, as be_ssm lays it out per layer, followed by
+     * n_ckpt checkpoints' at ckpt_pos (both owned); NULL, 0 otherwise */
     float *state;
+    int64_t *ckpt_pos;
+    int n_ckpt;
 };
 
 /* Checks buf[0, len) completely against e before anything the KV needs is
@@ -158,8 +170,10 @@ struct kvfile {
  * quantization (e->quant), q_block_tokens and every q_layers entry against
  * the positions a quantized cache of the tokens holds, and the six tensors
  * per layer of the shapes they imply (and an encoder-decoder file's cross
- * K and V); for a state file the two tensors per
- * layer of e's dimensions, gathered into out->state.  MODEL_ECONFIG when the file
+ * K and V); for a state file its checkpoint positions (ascending multiples
+ * of e->ssm_ckpt_interval in (0, tokens]) and the two tensors per layer of
+ * e's dimensions for the state and each checkpoint, gathered into
+ * out->state.  MODEL_ECONFIG when the file
  * was written for another model (model_fingerprint or the geometry),
  * MODEL_EINVAL for more tokens than the context or an id out of the
  * vocabulary, MODEL_EFORMAT for anything else malformed, MODEL_ENOMEM;

@@ -457,7 +457,7 @@ static size_t weights_bytes(const struct model_config *c, enum model_weights_fmt
                      c->qk_norm ? (size_t)c->head_dim : 0, c->sandwich_norms ? dim : 0, c->sandwich_norms ? dim : 0,
                      ln ? dim : 0, ln ? dim : 0, c->ungated_mlp ? ffn : 0, c->ungated_mlp ? dim : 0};
     size_t layer = 0;
-    if (c->arch == ARCH_MAMBA) { /* mamba_upload's copies: as stored, or q8_0 where the rows are whole blocks */
+    if (c->arch == ARCH_MAMBA) { /* mamba_upload's copies: as stored, or quantized where the rows are whole Q8_0 blocks */
         size_t inner = (size_t)c->intermediate_size, N = (size_t)c->ssm_state, R = (size_t)c->ssm_dt_rank;
         size_t mr[] = {inner, inner, R, N, N, inner, dim}, mc[] = {dim, dim, inner, inner, inner, R, inner};
         size_t mv[] = {dim, c->ssm_bias ? inner : 0, c->ssm_bias ? inner : 0, inner * (size_t)c->ssm_conv,
@@ -545,10 +545,6 @@ enum model_status model_load(const char *dir, be_backend *be, const struct model
     }
     m->be = be;
     enum model_status st = model_config_load(dir, &m->cfg, err);
-    if (st == MODEL_OK && m->cfg.arch == ARCH_MAMBA && p && p->weights == MODEL_WEIGHTS_Q4_K) {
-        snprintf(err, MODEL_ERR_LEN, "weights q4_k: Mamba's matrices are quantized to q8_0 only");
-        st = MODEL_EUNSUPPORTED;
-    }
     if (st == MODEL_OK) {
         m->kv_dtype = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, m->cfg.dtype);
         st = model_files_open(dir, &m->cfg, &m->files, &m->w, err);

@@ -11,7 +11,12 @@ tests/daemon_mamba_disk.py); a request sharing 85 tokens with an earlier
 one starts from the shared checkpoint at 80 with the reference's tokens; a
 session's state exported as a file equals the reference's states, and
 imported (or the reference's states imported) continues with the same
-tokens."""
+tokens; the file's checkpoints equal the reference's states at 16, 32 and
+48, an imported session reused or cropped goes back to them (a crop to 40
+leaves the same state and checkpoints as cropping the exporting session,
+the reference's state after 40 tokens), a file without them still
+imports (and goes back to the zero state), and bad checkpoint fields are
+refused naming them."""
 import sys
 
 sys.path.insert(0, "tests")
@@ -144,27 +149,108 @@ def post_file(blob):
     return d.request("POST", "/v1/sessions/import", blob, {"Content-Type": "application/octet-stream"})
 
 
-sid = session(prompt=prompt[:50])
+# a text no earlier request published checkpoints of: the session takes its own at 16, 32, 48
+xp = [(i * 37 + 3) % 1900 + 50 for i in range(50)]
+sid = session(prompt=xp)
 code, blob = d.get("/v1/sessions/%s/kv" % sid)
 meta, ts = parse(blob)
-with torch.no_grad():
-    _, want_states = ref.step(torch.tensor([prompt[:50]]))
-worst = max(float((ts["%s.%d" % (kind, l)] - st[i]).abs().max() / max(1.0, float(st[i].abs().max())))
-            for l, st in enumerate(want_states) for i, kind in enumerate(("conv_states", "ssm_states")))
-check(code == 200 and meta.get("layout") == "state" and json.loads(meta["tokens"]) == prompt[:50] and
-      len(ts) == 4 and worst < 1e-4,
+code_f, fk = d.post("/v1/sessions/%s/fork" % sid, {})  # the exporting session as it is, to crop later
+
+
+def ref_states(n):
+    with torch.no_grad():
+        return ref.step(torch.tensor([xp[:n]]))[1]
+
+
+def state_err(ts, states, pre=""):
+    """Worst relative difference of ts's tensors named pre + conv_states.{l}
+    and ssm_states.{l} from the reference's states."""
+    return max(float((ts["%s%s.%d" % (pre, kind, l)] - st[i]).abs().max() / max(1.0, float(st[i].abs().max())))
+               for l, st in enumerate(states) for i, kind in enumerate(("conv_states", "ssm_states")))
+
+
+want_states = ref_states(50)
+worst = state_err(ts, want_states)
+check(code == 200 and meta.get("layout") == "state" and json.loads(meta["tokens"]) == xp and
+      len(ts) == 16 and worst < 1e-4,
       "export: conv_states and ssm_states per layer equal torchref's states after the 50 tokens (worst %.2g)" % worst)
-more = prompt[:50] + [5, 6, 7]
+worst = max(state_err(ts, ref_states(p), "checkpoint.%d." % i) for i, p in enumerate((16, 32, 48)))
+check(json.loads(meta.get("checkpoint_positions", "[]")) == [16, 32, 48] and worst < 1e-4,
+      "export: checkpoint_positions [16, 32, 48] and checkpoint.{i}.conv_states/ssm_states equal torchref's states "
+      "there (worst %.2g)" % worst)
+more = xp + [5, 6, 7]
 own = complete(more, session=sid)
 code, imp = post_file(blob)
 check(code == 201 and imp["tokens"] == 50, "import of the exported file -> 201, a session holding 50 tokens")
 r = complete(more, session=imp["id"])
 check(toks(r) == toks(own) == toks(complete(more)) and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 50,
       "the imported session continues with the exporting session's (and a fresh run's) tokens, 50 cached")
-code, imp2 = post_file(build(meta, {"%s.%d" % (kind, l): st[i] for l, st in enumerate(want_states)
+# a client that knows MambaCache's names only: no checkpoints
+bare = {k: v for k, v in meta.items() if k != "checkpoint_positions"}
+code, imp2 = post_file(build(bare, {"%s.%d" % (kind, l): st[i] for l, st in enumerate(want_states)
                                     for i, kind in enumerate(("conv_states", "ssm_states"))}))
 r = complete(more, session=imp2["id"]) if code == 201 else {}
-check(code == 201 and toks(r) == toks(own), "torchref's states imported continue with the same tokens")
+check(code == 201 and toks(r) == toks(own), "torchref's states imported (no checkpoints) continue with the same tokens")
+
+
+def export(sid):
+    code, blob = d.get("/v1/sessions/%s/kv" % sid)
+    assert code == 200, (code, blob)
+    return parse(blob)
+
+
+def same_file(a, b):
+    return a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+# the checkpoints came back: the imported session exports the same file,
+# and a reuse diverging at 40 goes back to the one at 32
+code, imp3 = post_file(blob)
+check(code == 201 and same_file(export(imp3["id"]), (meta, ts)),
+      "an imported session exports the file it came from, checkpoints included")
+div = xp[:40] + [9, 10, 11]
+r = complete(div, session=imp3["id"])
+check(toks(r) == toks(complete(div)) and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 32,
+      "an imported session reused over an input diverging at 40 goes back to the imported checkpoint at 32, a fresh "
+      "run's tokens (cached_tokens %d)" % r["usage"]["prompt_tokens_details"]["cached_tokens"])
+code, imp4 = post_file(build(bare, {k: v for k, v in ts.items() if not k.startswith("checkpoint.")}))
+r = complete(div, session=imp4["id"]) if code == 201 else {}
+check(code == 201 and toks(r) == toks(complete(div)) and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+      "the exported file without its checkpoints imports; its reuse goes back to the zero state (cached_tokens %s)" %
+      r.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens"))
+
+# crop to 40, between the checkpoints at 32 and 48: the imported session and
+# the exporting one (its fork taken at the export) end the same
+code, impc = post_file(blob)
+orig = fk["id"]
+for s in (impc["id"], orig):
+    code, c = d.post("/v1/sessions/%s/crop" % s, {"n": 40})
+    check(code == 200 and c["tokens"] == 40, "crop to 40: the session holds 40 tokens (%s)" % c.get("tokens"))
+fa, fb = export(impc["id"]), export(orig)
+worst = state_err(fa[1], ref_states(40))
+check(same_file(fa, fb) and json.loads(fa[0]["checkpoint_positions"]) == [16, 32] and worst < 1e-4,
+      "crop to 40: the imported session's state and checkpoints [16, 32] equal the exporting session's cropped the "
+      "same way, and torchref's state after 40 tokens (worst %.2g)" % worst)
+r = complete(div, session=impc["id"])
+check(toks(r) == toks(complete(div, session=orig)) == toks(complete(div)),
+      "crop to 40: the imported session continues with the exporting session's and a fresh run's tokens")
+
+# bad checkpoint fields, refused naming them
+for pos, tensors, field in (("[16,33,48]", ts, "checkpoint_positions[1]"),
+                            ("[32,16,48]", ts, "checkpoint_positions[1]"),
+                            ("[16,32,64]", ts, "checkpoint_positions[2]"),
+                            ("[0,16,32]", ts, "checkpoint_positions[0]"),
+                            ("[16,32,\"48\"]", ts, "checkpoint_positions[2]"),
+                            ("{\"a\": 16}", ts, "checkpoint_positions"),
+                            ("[16,32,48,64]", ts, "checkpoint_positions"),
+                            ("[16,32]", ts, "checkpoint_positions"),
+                            ("[16,32,48]", dict(ts, **{"checkpoint.1.ssm_states.0": ts["ssm_states.0"][:, :, :8]}),
+                             "checkpoint.1.ssm_states.0"),
+                            ("[16,32,48]", {k: v for k, v in ts.items() if k != "checkpoint.2.conv_states.1"},
+                             "checkpoint_positions")):
+    code, e = post_file(build(dict(meta, checkpoint_positions=pos), tensors))
+    msg = e.get("error", {}).get("message", "") if isinstance(e, dict) else ""
+    check(code == 400 and field in msg, "checkpoint_positions %s -> 400 naming %s (%d: %s)" % (pos, field, code, msg))
 kv_meta = dict(meta)
 del kv_meta["layout"]
 code, e = post_file(build(kv_meta, {}))

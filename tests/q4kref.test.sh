@@ -31,11 +31,16 @@ tol=0.15
 prompt=3,141,59,26,53,58,97,93,238,46,264,33,83,279,50,288,41,97,169,39
 # llama1: one layer, so no earlier layer's f32 summation order can move an
 # activation across an int8 rounding boundary; it stays within 1e-4 at
-# every level (the others drift by one code somewhere: 0.04-0.11)
+# every level (the others drift by one code somewhere: 0.04-0.11).
+# mamba1: in_proj, x_proj and out_proj Q4_K, dt_proj (32 columns) Q8_0;
+# mamba: in_proj (128 columns) Q8_0, x_proj and out_proj Q4_K, dt_proj (8
+# columns, not a whole block) as stored, on both sides
 cases='
 llama   bf16 --arch llama --layers 2 --dim 256 --heads 4 --kv-heads 2 --ffn 512 --vocab 512
 llama1  f32  --arch llama --layers 1 --dim 256 --heads 4 --kv-heads 2 --ffn 256 --vocab 384
 qwen3   f32  --arch qwen3 --layers 2 --dim 256 --heads 4 --kv-heads 2 --head-dim 64 --ffn 256 --vocab 384
+mamba1  f32  --arch mamba --layers 1 --dim 512 --vocab 384
+mamba   bf16 --arch mamba --layers 2 --dim 128 --vocab 384 --tie
 builtin f32
 '
 echo "$cases" | while read -r name dtype args; do
@@ -62,7 +67,7 @@ echo "$cases" | while read -r name dtype args; do
     awk -v e="$err" 'BEGIN { exit !(e + 0 <= 1e-4) }' && echo "$name" >> "$tmp/exact"
 done
 exact=$(cat "$tmp/exact" 2>/dev/null | wc -l)
-echo "q4kref.test: $exact of 4 cases within 1e-4 of the reference"
+echo "q4kref.test: $exact of 6 cases within 1e-4 of the reference"
 [ "$exact" -ge 1 ] || touch "$tmp/failed"
 if [ -e "$tmp/failed" ]; then
     echo "q4kref.test: FAILED"

@@ -1558,6 +1558,68 @@ static void test_state_image(void **state)
     be_free(be);
 }
 
+/* The state as values (the session export and import): a sequence's state
+ * and checkpoints read out and loaded into a new one give the same image,
+ * on the device and in the host tier, and both crop back to the same
+ * checkpoint; fewer checkpoints load too, a wrong size, more checkpoints
+ * than held and positions out of order are refused. */
+static void test_state_values(void **state)
+{
+    (void)state;
+    be_backend *be;
+    size_t sb = be_ssm_state_bytes(32, 16, 4), one = 2 * sb;
+    kv_store *s = open_state_store((struct kv_store_params){0}, &be);
+    for (int off = 0; off < 2; off++) {
+        struct kv_seq_params p = {.strategy = off ? KV_OFFLOADED : KV_DYNAMIC};
+        kv_seq *q, *r = NULL;
+        assert_int_equal(kv_seq_create(s, &p, &q), TIER_OK);
+        for (int i = 0; i < 5; i++) /* 8 tokens a step: checkpoints at 16 and 32 */
+            state_step(be, s, q, 8, (float)(i + 1), sb);
+        int nc = -1;
+        assert_int_equal(kv_seq_state_checkpoints(q, &nc), TIER_OK);
+        assert_int_equal(nc, 2);
+        uint8_t *v = malloc(3 * one);
+        int64_t pos[3] = {0};
+        assert_non_null(v);
+        assert_int_equal(kv_seq_state_read(q, v, 2 * one, pos, 2), TIER_EINVAL);
+        assert_int_equal(kv_seq_state_read(q, v, 4 * one, pos, 3), TIER_EINVAL);
+        assert_int_equal(kv_seq_state_read(q, v, 3 * one, pos, 2), TIER_OK);
+        assert_true(pos[0] == 16 && pos[1] == 32);
+        assert_int_equal(kv_seq_load_state(s, &p, 40, v, pos, 2, &r), TIER_OK);
+        size_t n, n2;
+        uint8_t *a = state_image(q, &n), *b = state_image(r, &n2);
+        assert_int_equal(n2, n);
+        assert_memory_equal(a, b, n);
+        free(a);
+        free(b);
+        assert_int_equal(kv_seq_crop(q, 35), TIER_OK);
+        assert_int_equal(kv_seq_crop(r, 35), TIER_OK);
+        assert_int_equal(kv_seq_length(r), 32);
+        a = state_image(q, &n);
+        b = state_image(r, &n2);
+        assert_int_equal(n2, n);
+        assert_memory_equal(a, b, n);
+        free(a);
+        free(b);
+        kv_seq_free(r);
+        /* the first checkpoint only: a crop to 35 goes back to 16 */
+        assert_int_equal(kv_seq_load_state(s, &p, 40, v, pos, 1, &r), TIER_OK);
+        assert_int_equal(kv_seq_crop(r, 35), TIER_OK);
+        assert_int_equal(kv_seq_length(r), 16);
+        kv_seq_free(r);
+        r = NULL;
+        pos[0] = 32, pos[1] = 16;
+        assert_int_equal(kv_seq_load_state(s, &p, 40, v, pos, 2, &r), TIER_EINVAL);
+        assert_non_null(strstr(kv_store_errmsg(s), "pos"));
+        assert_null(r);
+        free(v);
+        kv_seq_free(q);
+    }
+    assert_int_equal(be_mem_stats(be).dev_used, 0);
+    kv_store_free(s);
+    be_free(be);
+}
+
 /* An image arriving: the most bytes a load waited for so far. */
 struct state_arrival {
     const uint8_t *img;
@@ -1727,6 +1789,7 @@ int main(void)
         cmocka_unit_test(test_state_prefix),
         cmocka_unit_test(test_state_prefix_host),
         cmocka_unit_test(test_state_image),
+        cmocka_unit_test(test_state_values),
         cmocka_unit_test(test_state_host_tier),
         cmocka_unit_test_setup_teardown(test_crop_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_sliding_recorded, setup_w4, teardown),

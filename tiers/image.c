@@ -798,7 +798,7 @@ enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq *
 /* ---- a state from its values (the state import) --------------------------- */
 
 enum tier_status kv_seq_load_state(kv_store *s, const struct kv_seq_params *p, int64_t len, const void *state,
-                                   kv_seq **out)
+                                   const int64_t *ckpt_pos, int n_ckpt, kv_seq **out)
 {
     *out = NULL;
     s->err[0] = '\0';
@@ -807,15 +807,25 @@ enum tier_status kv_seq_load_state(kv_store *s, const struct kv_seq_params *p, i
     if (len < 0 || len > KV_SEQ_MAX_LEN)
         return kv_fail(s, TIER_EINVAL, "state import: a length of %lld tokens is not in [0, %lld]", (long long)len,
                        (long long)KV_SEQ_MAX_LEN);
-    size_t n = head_size(s) + (size_t)s->g.n_layers * s->g.state_bytes;
+    size_t one = (size_t)s->g.n_layers * s->g.state_bytes, n;
+    if (n_ckpt < 0 || __builtin_mul_overflow((size_t)n_ckpt, 8 + one, &n) ||
+        __builtin_add_overflow(n, head_size(s) + one, &n))
+        return kv_fail(s, TIER_EINVAL, "state import: %d checkpoints", n_ckpt);
     uint8_t *img = malloc(n);
     if (!img)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a %zu-byte sequence image", n);
-    /* the image kv_seq_save writes for such a sequence: no fallback, no checkpoints */
+    /* the image kv_seq_save writes for such a sequence: no fallback; the
+     * checkpoints' positions are checked as it loads */
     struct kv_seq hdr = {.s = s, .p = *p, .strategy = p->strategy, .len = len};
     put_header(&hdr, img, n);
     put_state_table(s, img);
-    memcpy(img + head_size(s), state, n - head_size(s));
+    uint8_t *o = img + head_size(s);
+    memcpy(o, state, one);
+    for (int i = 0; i < n_ckpt; i++) {
+        o += i ? 8 + one : one;
+        put64(o, (uint64_t)ckpt_pos[i]);
+        memcpy(o + 8, (const uint8_t *)state + (1 + (size_t)i) * one, one);
+    }
     enum tier_status st = kv_seq_load(s, img, n, out);
     free(img);
     return st;

@@ -546,18 +546,25 @@ size_t kv_store_state_bytes(const kv_store *s);
  * sequence's tokens of the step. */
 int kv_store_checkpoint_interval(const kv_store *s);
 void kv_seq_state_view(const kv_seq *q, int layer, struct be_ssm_view *out);
-/* The state as values, for the session export and import:
- * kv_seq_state_read: q's state (between steps) into dst[0, size), size
- *   kv_store_state_bytes(s) / 2: each layer's state as be_ssm lays it out,
- *   in layer order (TIER_EINVAL for a KV sequence or another size).
+/* The state as values, for the session export and import (a state is
+ * kv_store_state_bytes(s) / 2 bytes: each layer's as be_ssm lays it out,
+ * in layer order):
+ * kv_seq_state_checkpoints: how many checkpoints q holds (a sequence
+ *   loading from an image has its own in first).
+ * kv_seq_state_read: q's state (between steps), then its first n_ckpt
+ *   checkpoints, into dst[0, size), size (1 + n_ckpt) states; their
+ *   positions (ascending) into ckpt_pos[0, n_ckpt).  TIER_EINVAL for a KV
+ *   sequence, another size or more checkpoints than q holds.
  * kv_seq_load_state: a new sequence with params p that has seen len
- *   tokens and holds `state` (as kv_seq_state_read gives it) and no
- *   checkpoint (its crops go back to the zero state, or to checkpoints its
- *   own steps take): kv_seq_load of that image, with its checks, memory
+ *   tokens and holds `state` followed by n_ckpt checkpoints at ckpt_pos
+ *   (as kv_seq_state_read gives them; its crops go back to those, else to
+ *   the zero state, or to checkpoints its own steps take): kv_seq_load of
+ *   that image, with its checks (positions ascending in (0, len]), memory
  *   and fallback. */
-enum tier_status kv_seq_state_read(kv_seq *q, void *dst, size_t size);
+enum tier_status kv_seq_state_checkpoints(kv_seq *q, int *n_ckpt);
+enum tier_status kv_seq_state_read(kv_seq *q, void *dst, size_t size, int64_t *ckpt_pos, int n_ckpt);
 enum tier_status kv_seq_load_state(kv_store *s, const struct kv_seq_params *p, int64_t len, const void *state,
-                                   kv_seq **out);
+                                   const int64_t *ckpt_pos, int n_ckpt, kv_seq **out);
 
 /* ---- streaming hooks of the forward pass (tiers/stream.c) ---------------
  * After every sequence of the step is reserved: plan the device slots for

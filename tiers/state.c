@@ -574,20 +574,41 @@ void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host)
     *host = (state_on_host(q) ? n : 0) + (q->state->hnext ? n : 0) + (size_t)q->state->n_ckpt * n;
 }
 
-enum tier_status kv_seq_state_read(kv_seq *q, void *dst, size_t size)
+enum tier_status kv_seq_state_checkpoints(kv_seq *q, int *n_ckpt)
+{
+    *n_ckpt = 0;
+    q->s->err[0] = '\0';
+    if (!q->state)
+        return kv_fail(q->s, TIER_EINVAL, "kv_seq_state_checkpoints: a sequence of KV, not a state");
+    enum tier_status st = kv_seq_load_finish(q);
+    if (st == TIER_OK)
+        *n_ckpt = q->state->n_ckpt;
+    return st;
+}
+
+enum tier_status kv_seq_state_read(kv_seq *q, void *dst, size_t size, int64_t *ckpt_pos, int n_ckpt)
 {
     kv_store *s = q->s;
     s->err[0] = '\0';
-    if (!q->state || q->pending || size != seq_state_bytes(s))
+    size_t n = seq_state_bytes(s);
+    if (!q->state || q->pending || n_ckpt < 0 || size / n != 1 + (size_t)n_ckpt || size % n)
         return kv_fail(s, TIER_EINVAL, "kv_seq_state_read: %s", !q->state ? "a sequence of KV, not a state"
                                                                : q->pending ? "during a step"
                                                                             : "a buffer of another size");
     enum tier_status st = kv_seq_load_finish(q);
     if (st != TIER_OK)
         return st;
+    if (n_ckpt > q->state->n_ckpt)
+        return kv_fail(s, TIER_EINVAL, "kv_seq_state_read: %d checkpoints asked, %d held", n_ckpt,
+                       q->state->n_ckpt);
     bool dev;
     const void *src = cur_of(q, &dev);
-    return state_copy(s, dst, false, src, dev);
+    st = state_copy(s, dst, false, src, dev);
+    for (int i = 0; i < n_ckpt && st == TIER_OK; i++) {
+        ckpt_pos[i] = q->state->ckpt[i].pos;
+        memcpy((char *)dst + (1 + (size_t)i) * n, q->state->ckpt[i].host, n);
+    }
+    return st;
 }
 
 /* ---- images (image.c): after the header and a zero layer table, the

@@ -8,7 +8,7 @@
  * three times: for that model, for an encoder-decoder one of the same
  * geometry (an encoder input of up to 15 ids, each layer's cross K and V),
  * and for a state-space model of 2 layers (3 channels, state 2, conv
- * kernel 3).
+ * kernel 3) with a checkpoint every 4 tokens.
  *
  * Invariants: an error has a message; an accepted file has 1..15 tokens,
  * all in the vocabulary, and every layer's K and V lie wholly inside the
@@ -17,13 +17,26 @@
  * likewise (a raw file: lo <= nq <= tokens, its blocks cover
  * [first*T, nq), the residual is the rest, and the codes, parameters and
  * residual of that many blocks and rows lie inside the input, aligned;
- * a state file: its state and no K or V);
+ * a state file: its state and no K or V, and its checkpoints at ascending
+ * multiples of 4 within its tokens, each a whole state);
  * no allocation is sized by a declared number before it is checked
  * (libFuzzer's -malloc_limit_mb catches one that is). */
 #include "model/kvfile.h"
 #include "tests/fuzz/fuzz_util.h"
 
-enum { LAYERS = 2, HEADS = 1, HEAD_DIM = 2, CTX = 16, VOCAB = 100, KEEP = 3, T = 4, INNER = 3, NSTATE = 2, KCONV = 3 };
+enum {
+    LAYERS = 2,
+    HEADS = 1,
+    HEAD_DIM = 2,
+    CTX = 16,
+    VOCAB = 100,
+    KEEP = 3,
+    T = 4,
+    INNER = 3,
+    NSTATE = 2,
+    KCONV = 3,
+    CKPT = 4
+};
 
 static int64_t rows(void *ctx, int layer, int64_t n)
 {
@@ -92,7 +105,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                   .head_dim = HEAD_DIM, .max_tokens = CTX - 1, .vocab_size = VOCAB, .rows = rows,
                                   .max_input = enc ? CTX - 1 : 0, .quant = kind ? NULL : quant,
                                   .ssm_inner = state ? INNER : 0, .ssm_state = state ? NSTATE : 0,
-                                  .ssm_conv = state ? KCONV : 0};
+                                  .ssm_conv = state ? KCONV : 0, .ssm_ckpt_interval = state ? CKPT : 0};
         struct kvfile f;
         char err[MODEL_ERR_LEN] = "";
         enum model_status st = kvfile_parse(buf, size, &e, &f, err);
@@ -110,8 +123,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             FUZZ_CHECK(esz, "dtype %d", (int)f.dtype);
             FUZZ_CHECK(state == !!f.state && (!state || (!f.k && !f.q && f.dtype == BE_F32)),
                        "a state file's state and nothing else");
-            volatile float sum = 0; /* every float of the gathered state is there (ASan) */
-            for (size_t i = 0; state && i < (size_t)LAYERS * INNER * (KCONV - 1 + NSTATE); i++)
+            FUZZ_CHECK(f.n_ckpt >= 0 && f.n_ckpt <= f.n_tokens / CKPT && (state || !f.n_ckpt) &&
+                           !f.ckpt_pos == !f.n_ckpt,
+                       "%d checkpoints of %lld tokens", f.n_ckpt, (long long)f.n_tokens);
+            for (int i = 0; i < f.n_ckpt; i++)
+                FUZZ_CHECK(f.ckpt_pos[i] > (i ? f.ckpt_pos[i - 1] : 0) && f.ckpt_pos[i] <= f.n_tokens &&
+                               f.ckpt_pos[i] % CKPT == 0,
+                           "checkpoint %d at %lld", i, (long long)f.ckpt_pos[i]);
+            volatile float sum = 0; /* every float of the gathered states is there (ASan) */
+            for (size_t i = 0; state && i < (1 + (size_t)f.n_ckpt) * LAYERS * INNER * (KCONV - 1 + NSTATE); i++)
                 sum += f.state[i];
             if (f.q)
                 check_raw(buf, size, &f);
