@@ -20,12 +20,29 @@ memory (disk bytes > 0, device and host 0, its encoder's too):
   resident:    the same on S at once, now in memory.
 Every generation checks encoder_cached_tokens (the input length on S, 0
 on T), so a restore that encoded again fails the run.  Prints the medians,
-the ratios and S's bytes per tier, resident and spilled."""
+the ratios and S's bytes per tier, resident and spilled.
+
+    /usr/bin/python3 tools/bench_encdec.py --model DIR --concurrent N [--enc-len 32] [-n 64] [--rounds 3]
+                                           [--threads T]
+
+--concurrent N measures batched decoding instead (no sessions, no disk
+tier): per round, one request alone, then N requests at once (each its
+own input: token k of request r is (k * 7919 + r * 31) mod vocab), each
+generating -n greedy tokens; the aggregate tokens/s is every request's
+tokens over the wall time from the first send to the last answer (the
+encoder's run over the input included: keep --enc-len short to see the
+decoder).  Request 0's tokens together must equal its tokens alone.
+Beside wall time, the daemon's own CPU time (user + system, from
+/proc/PID/stat) gives tokens per CPU second, which other jobs on a shared
+machine disturb far less.  Prints the medians, the ratios N-at-once /
+alone, and the forward passes (kvtier_forward_steps_total) each
+concurrent round took."""
 import argparse
 import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 import kvclient
@@ -40,7 +57,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache", choices=("dynamic", "offloaded"), default="dynamic")
     ap.add_argument("--dir")
+    ap.add_argument("--concurrent", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="kvtierd --threads (default: its own)")
     o = ap.parse_args()
+    if o.concurrent:
+        return concurrent(o)
     work = o.dir or tempfile.mkdtemp(prefix="bench-encdec-")
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(o.model, "config.json")) as f:
@@ -108,6 +129,84 @@ def main():
         b, e = s["bytes"], s["encoder"]["bytes"]
         print("%-8s self: device %.2f MiB, host %.2f MiB; cross: device %.2f MiB, host %.2f MiB; disk %.2f MiB" %
               (name, b["device"] / mib, b["host"] / mib, e["device"] / mib, e["host"] / mib, b["disk"] / mib))
+
+
+def concurrent(o):
+    """--concurrent: one request alone against o.concurrent at once, alternating."""
+    work = o.dir or tempfile.mkdtemp(prefix="bench-encdec-")
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(o.model, "config.json")) as f:
+        cfg = json.load(f)
+    n_req = o.concurrent
+    inputs = [[(k * 7919 + r * 31) % cfg["vocab_size"] for k in range(o.enc_len)] for r in range(n_req)]
+    d = kvclient.Daemon(os.path.join(work, "kvtierd.sock"), os.path.join(work, "kvtierd.log"),
+                        ["--model", o.model, "--disk-dir", "none", "--parallel", str(max(n_req, 2)),
+                         "--max-body", "8M"] + (["--threads", str(o.threads)] if o.threads else []))
+    log("kvtierd up in %.2f s" % d.start())
+
+    def generate(r):
+        out = d.ok("POST", "/v1/completions", {"input": inputs[r], "max_tokens": o.n, "temperature": 0,
+                                               "ignore_eos": True, "return_tokens": True})
+        toks = out["choices"][0]["tokens"]
+        if len(toks) != o.n:
+            raise SystemExit("request %d: %d tokens, want %d" % (r, len(toks), o.n))
+        return toks
+
+    def passes():
+        for line in d.raw("GET", "/metrics")[1].decode().splitlines():
+            if line.startswith("kvtier_forward_steps_total "):
+                return int(float(line.split()[1]))
+        raise SystemExit("no kvtier_forward_steps_total in /metrics")
+
+    def cpu_s():
+        with open("/proc/%d/stat" % d.proc.pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    res = {"alone": [], "together": [], "passes": [], "alone_cpu": [], "together_cpu": []}
+    try:
+        want = generate(0)  # warms the daemon up
+        for rnd in range(o.rounds):
+            t0, c0 = time.perf_counter(), cpu_s()
+            if generate(0) != want:
+                raise SystemExit("round %d: request 0 alone changed its tokens" % (rnd + 1))
+            res["alone"].append(o.n / (time.perf_counter() - t0))
+            res["alone_cpu"].append(o.n / max(cpu_s() - c0, 1e-3))
+            got = [None] * n_req
+            p0 = passes()
+            barrier = threading.Barrier(n_req + 1)
+
+            def client(r):
+                barrier.wait()
+                got[r] = generate(r)
+
+            threads = [threading.Thread(target=client, args=(r,)) for r in range(n_req)]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            t0, c0 = time.perf_counter(), cpu_s()
+            for t in threads:
+                t.join()
+            res["together"].append(n_req * o.n / (time.perf_counter() - t0))
+            res["together_cpu"].append(n_req * o.n / max(cpu_s() - c0, 1e-3))
+            res["passes"].append(passes() - p0)
+            if got[0] != want or any(g is None for g in got):
+                raise SystemExit("round %d: request 0 at once differs from alone" % (rnd + 1))
+            log("round %d: alone %.1f tokens/s, %d at once %.1f tokens/s (%.2fx); per CPU second %.1f and %.1f "
+                "(%.2fx); %d forward passes" %
+                (rnd + 1, res["alone"][-1], n_req, res["together"][-1], res["together"][-1] / res["alone"][-1],
+                 res["alone_cpu"][-1], res["together_cpu"][-1], res["together_cpu"][-1] / res["alone_cpu"][-1],
+                 res["passes"][-1]))
+    finally:
+        d.stop()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print("encoder input %d tokens, %d generated per request, %d rounds (medians)" % (o.enc_len, o.n, o.rounds))
+    print("alone        %8.1f tokens/s, %8.1f per CPU second" % (med["alone"], med["alone_cpu"]))
+    print("%d at once    %8.1f tokens/s aggregate, %8.1f per CPU second, %d forward passes for %d tokens" %
+          (n_req, med["together"], med["together_cpu"], med["passes"], n_req * o.n))
+    for unit, a, b in (("wall", "alone", "together"), ("CPU", "alone_cpu", "together_cpu")):
+        print("%d at once / alone, %s: %.2fx (rounds: %s)" % (n_req, unit, med[b] / med[a], ", ".join(
+            "%.2fx" % (y / x) for x, y in zip(res[a], res[b]))))
 
 
 if __name__ == "__main__":
