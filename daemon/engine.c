@@ -966,7 +966,8 @@ static void publish(engine *e, int nb)
         publish_choice_locked(e, e->batch_ch[i]);
         e->batch_job[i]->kv_now = e->batch_job[i]->kv_step;
     }
-    e->st.steps += nb > 0;
+    e->st.steps += (uint64_t)e->passes; /* published once */
+    e->passes = 0;
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -1026,6 +1027,7 @@ static void restart_session(engine *e, int i)
 }
 
 static void advance(engine *e, int from, int to);
+static enum model_status forward(engine *e, int from, int to);
 
 /* A state model's session is a few MiB whatever its length: when a step
  * finds the device full, the least recently used idle one whose state is
@@ -1063,7 +1065,7 @@ static void fail_or_wait(engine *e, int i, enum model_status st)
         return;
     }
     while (st == MODEL_EDEVMEM && offload_idle_state(e))
-        if ((st = model_forward(e->m, &e->batch[i], 1)) == MODEL_OK) {
+        if ((st = forward(e, i, i + 1)) == MODEL_OK) {
             advance(e, i, i + 1);
             return;
         }
@@ -1253,42 +1255,58 @@ static void beams_decide(engine *e)
             beam_advance(e, j, t);
 }
 
+/* One forward pass over batch entries [from, to), weights read once: the
+ * decoder-only model's, or the encoder-decoder model's decoder, each entry
+ * over its job's encoder output (it continues in the host tier itself). */
+static enum model_status forward(engine *e, int from, int to)
+{
+    e->passes++;
+    if (!e->ed)
+        return model_forward(e->m, &e->batch[from], to - from);
+    for (int i = from; i < to; i++) {
+        const struct fw_seq *f = &e->batch[i];
+        e->ed_batch[i] = (struct encdec_seq){.self = f->kv, .cross = e->batch_job[i]->cross, .ids = f->tokens,
+                                             .n = f->n_tokens, .logits = f->logits};
+    }
+    return encdec_decode_batch(e->ed, &e->ed_batch[from], to - from);
+}
+
+/* Entry i's pass failed: an encoder-decoder entry fails (its decoder
+ * already moved what it could to the host tier) unless its session's
+ * restore lost a layer; another may wait for memory (fail_or_wait, which
+ * also restarts a session whose restore failed). */
+static void fail_entry(engine *e, int i, enum model_status st)
+{
+    if (e->ed && !restore_failed(e, i))
+        fail_forward(e, i, i + 1, st);
+    else
+        fail_or_wait(e, i, st);
+}
+
 static void step(engine *e)
 {
     int nb = build_batch(e);
     if (!nb)
         return;
-    enum model_status st = e->ed ? MODEL_OK : model_forward(e->m, e->batch, nb);
-    if (e->ed) {
-        /* the decoder runs a sequence at a time, each over its job's
-         * encoder output (it continues in the host tier itself) */
-        for (int i = 0; i < nb; i++) {
-            const struct fw_seq *f = &e->batch[i];
-            st = encdec_decode(e->ed, f->kv, e->batch_job[i]->cross, f->tokens, f->n_tokens, f->logits);
-            if (st == MODEL_OK)
-                advance(e, i, i + 1);
-            else if (restore_failed(e, i))
-                restart_session(e, i);
-            else
-                fail_forward(e, i, i + 1, st);
-        }
-    } else if (st == MODEL_OK) {
+    enum model_status st = forward(e, 0, nb);
+    if (st == MODEL_OK) {
         advance(e, 0, nb);
     } else if (nb == 1) {
-        fail_or_wait(e, 0, st);
+        fail_entry(e, 0, st);
     } else {
-        /* The failed step changed no KV (model_forward is transactional),
-         * so redoing it one sequence at a time finds whose tokens do not
-         * fit; the others advance as if the step had succeeded. */
+        /* The failed step changed no KV (model_forward and
+         * encdec_decode_batch are transactional), so redoing it one
+         * sequence at a time finds whose tokens do not fit; the others
+         * advance as if the step had succeeded. */
         log_msg(LOG_DEBUG, "engine: a %d-sequence step failed (%s); redoing it one by one", nb, model_strerror(st));
         for (int i = 0; i < nb; i++) {
             if (e->batch_job[i]->mem_wait)
                 continue; /* another choice of its job found memory full */
-            st = model_forward(e->m, &e->batch[i], 1);
+            st = forward(e, i, i + 1);
             if (st == MODEL_OK)
                 advance(e, i, i + 1);
             else
-                fail_or_wait(e, i, st);
+                fail_entry(e, i, st);
         }
     }
     beams_decide(e);
@@ -1573,12 +1591,13 @@ static bool load(engine *e)
     e->batch = calloc(n, sizeof(*e->batch));
     e->batch_ch = calloc(n, sizeof(*e->batch_ch));
     e->batch_job = calloc(n, sizeof(*e->batch_job));
+    e->ed_batch = e->ed ? calloc(n, sizeof(*e->ed_batch)) : NULL;
     e->logits = malloc(n * (size_t)e->vocab * sizeof(*e->logits));
     e->scratch = malloc((size_t)e->vocab * sizeof(*e->scratch));
     e->share = malloc((size_t)e->vocab * sizeof(*e->share));
     e->share_tmp = malloc((size_t)e->vocab * sizeof(*e->share_tmp));
     enum text_status gs = gram_vocab_create(e->tok, &e->gvocab);
-    bool ok = e->batch && e->batch_ch && e->batch_job && e->logits && e->scratch && e->share && e->share_tmp &&
+    bool ok = e->batch && e->batch_ch && e->batch_job && (e->ed_batch || !e->ed) && e->logits && e->scratch && e->share && e->share_tmp &&
               gs == TEXT_OK;
     if (!ok)
         snprintf(err, sizeof(err), "no host memory for %d sequences' logits or the token trie", e->cfg.max_seqs);
@@ -1679,6 +1698,7 @@ void engine_free(engine *e)
     free(e->batch);
     free(e->batch_ch);
     free(e->batch_job);
+    free(e->ed_batch);
     free(e->logits);
     free(e->scratch);
     free(e->share);

@@ -116,6 +116,8 @@ struct engine {
     struct fw_seq *batch;
     struct job_choice **batch_ch;
     struct job **batch_job;
+    struct encdec_seq *ed_batch; /* an encoder-decoder model's view of batch */
+    int passes;     /* forward passes of this step (st.steps counts them) */
     float *logits;  /* [max_seqs, vocab] */
     float *scratch; /* [vocab]: raw logits kept for logprobs */
     float *share, *share_tmp; /* [vocab] each: a shared prefill's logits, a copy to sample from */

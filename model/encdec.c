@@ -53,6 +53,7 @@ struct ed_stack {
 };
 
 #define ED_BUFS 9
+#define ED_LOGIT_ROWS 16
 
 struct encdec {
     struct encdec_config cfg;
@@ -71,9 +72,19 @@ struct encdec {
     be_buffer **wbufs;                /* the weights' device copies (no unified memory) */
     int n_wbufs;
     void *x, *xb, *q, *k, *v, *att, *hb, *hb2; /* (cap, dim|H*hd|ffn) */
-    void *logits;                     /* (1, vocab) f32 */
+    void *logits;                     /* (logit_rows, vocab) f32 */
+    int logit_rows;                   /* the head's rows at a time: min(ED_LOGIT_ROWS, cap) */
     struct be_tok *toks;              /* (cap) */
-    int32_t *ids;                     /* (cap) */
+    int32_t *ids;                     /* (cap) BART's position rows */
+    /* a decoder step's chunk, row by row (cap): its token, position and
+     * sequence; and per sequence in it (at most cap) its views of a layer */
+    int32_t *row_ids;
+    int64_t *row_pos;
+    int *row_seq;
+    struct be_kvq_view *qviews;       /* self, as be_attention_quant reads it */
+    struct be_kv_view *sviews, *cviews; /* self's dense part (where be_kv_store writes), cross */
+    int64_t *start;                   /* (start_cap) each sequence's length before the step */
+    int start_cap;
 };
 
 const struct encdec_config *encdec_get_config(const encdec *m)
@@ -551,6 +562,12 @@ static enum model_status bias_table(encdec *m, struct ed_stack *s, bool bidirect
     return MODEL_OK;
 }
 
+/* The head's rows at a time for a step of cap rows. */
+static int logit_rows(int cap)
+{
+    return cap < ED_LOGIT_ROWS ? cap : ED_LOGIT_ROWS;
+}
+
 /* The bytes of each step buffer (the order of encdec.bufs) for cap rows
  * of e-byte activations, shared with encdec_device_bytes. */
 static void buffer_sizes(const struct encdec_config *c, size_t e, int cap, size_t sizes[ED_BUFS])
@@ -558,7 +575,7 @@ static void buffer_sizes(const struct encdec_config *c, size_t e, int cap, size_
     size_t rows = (size_t)cap, qd = (size_t)c->n_heads * c->head_dim;
     size_t s[ED_BUFS] = {rows * c->d_model * e, rows * c->d_model * e, rows * qd * e, rows * qd * e,
                          rows * qd * e, rows * qd * e, rows * c->ffn * e, rows * c->ffn * e,
-                         (size_t)c->vocab_size * 4};
+                         (size_t)logit_rows(cap) * c->vocab_size * 4};
     memcpy(sizes, s, sizeof(s));
 }
 
@@ -606,6 +623,7 @@ static enum model_status buffers_alloc(encdec *m, char *err)
 {
     const struct encdec_config *c = &m->cfg;
     size_t rows = (size_t)m->cap, sizes[ED_BUFS];
+    m->logit_rows = logit_rows(m->cap);
     buffer_sizes(c, m->esz, m->cap, sizes);
     void **ptrs[ED_BUFS] = {&m->x, &m->xb, &m->q, &m->k, &m->v, &m->att, &m->hb, &m->hb2, &m->logits};
     for (int i = 0; i < ED_BUFS; i++) {
@@ -617,7 +635,13 @@ static enum model_status buffers_alloc(encdec *m, char *err)
     }
     m->toks = malloc(rows * sizeof *m->toks);
     m->ids = malloc(rows * sizeof *m->ids);
-    if (!m->toks || !m->ids)
+    m->row_ids = malloc(rows * sizeof *m->row_ids);
+    m->row_pos = malloc(rows * sizeof *m->row_pos);
+    m->row_seq = malloc(rows * sizeof *m->row_seq);
+    m->qviews = malloc(rows * sizeof *m->qviews);
+    m->sviews = malloc(rows * sizeof *m->sviews);
+    m->cviews = malloc(rows * sizeof *m->cviews);
+    if (!m->toks || !m->ids || !m->row_ids || !m->row_pos || !m->row_seq || !m->qviews || !m->sviews || !m->cviews)
         return model_errf(err, MODEL_ENOMEM, "out of host memory");
     return MODEL_OK;
 }
@@ -703,6 +727,13 @@ void encdec_free(encdec *m)
     free(m->logits_bias);
     free(m->toks);
     free(m->ids);
+    free(m->row_ids);
+    free(m->row_pos);
+    free(m->row_seq);
+    free(m->qviews);
+    free(m->sviews);
+    free(m->cviews);
+    free(m->start);
     model_files_close(m->files);
     free(m);
 }
@@ -774,8 +805,9 @@ static enum be_status ffn(encdec *m, void *x, const struct ed_layer *L, int n)
     return residual(m, x, L->ffn_norm, L->ffn_norm_b, n);
 }
 
-/* x (n, dim) = embed(ids) of positions [p0, p0 + n) in stack s. */
-static enum be_status embed(encdec *m, const struct ed_stack *s, void *x, const int32_t *ids, int n, int64_t p0)
+/* x (n, dim) = embed(ids) of positions pos[0, n) in stack s. */
+static enum be_status embed(encdec *m, const struct ed_stack *s, void *x, const int32_t *ids, int n,
+                            const int64_t *pos)
 {
     const struct encdec_config *c = &m->cfg;
     size_t nd = (size_t)n * c->d_model;
@@ -785,33 +817,49 @@ static enum be_status embed(encdec *m, const struct ed_stack *s, void *x, const 
     if (c->scale_embedding)
         BE_TRY(be_scale(m->be, x, nd, sqrtf((float)c->d_model)));
     for (int i = 0; i < n; i++) /* BART's learned positions start at row 2 */
-        m->ids[i] = (int32_t)(p0 + i + 2);
+        m->ids[i] = (int32_t)(pos[i] + 2);
     BE_TRY(be_embed(m->be, m->xb, s->pos.data, s->pos.dtype, m->ids, n, c->d_model));
     BE_TRY(be_add(m->be, x, m->xb, nd));
     return be_layernorm(m->be, x, x, s->emb_norm, s->emb_norm_b, n, c->d_model, c->eps);
 }
 
-/* K and V of rows x (n, dim) at positions [p0, p0 + n) into view. */
-static enum be_status store_kv(encdec *m, const struct ed_attn *a, const void *x, const struct be_kv_view *view,
-                               int64_t p0, int n, const struct be_attn_params *ap)
+/* The encoder's rows: n tokens of view 0 at positions [p0, p0 + n), in
+ * toks and row_pos. */
+static void encoder_rows(encdec *m, int64_t p0, int n)
+{
+    for (int i = 0; i < n; i++) {
+        m->row_pos[i] = p0 + i;
+        m->toks[i] = (struct be_tok){.view = 0, .pos = p0 + i};
+    }
+}
+
+/* K and V of rows x (n, dim) into views, where toks place them. */
+static enum be_status store_kv(encdec *m, const struct ed_attn *a, const void *x, const struct be_kv_view *views,
+                               int n, const struct be_attn_params *ap)
 {
     BE_TRY(matmul(m, m->k, x, &a->k, a->bk, n));                             /* k (n, H*hd) */
     BE_TRY(matmul(m, m->v, x, &a->v, a->bv, n));                             /* v (n, H*hd) */
-    for (int i = 0; i < n; i++)
-        m->toks[i] = (struct be_tok){.view = 0, .pos = p0 + i};
-    return be_kv_store(m->be, view, m->toks, n, m->k, m->v, ap);
+    return be_kv_store(m->be, views, m->toks, n, m->k, m->v, ap);
 }
 
-/* xb (n, dim) = attention of queries from rows in (n, dim) at positions
- * [p0, p0 + n) over view, or over qv when it has quantized blocks. */
-static enum be_status attend(encdec *m, const struct ed_attn *a, const void *in, const struct be_kv_view *view,
-                             const struct be_kvq_view *qv, int64_t p0, int n, const struct be_attn_params *ap)
+/* xb (n, dim) = attention of queries from rows in (n, dim) over the views
+ * toks name, or over qviews (NULL: none) for a sequence with quantized
+ * blocks.  A row reads its view with the kernel it would read it alone:
+ * the runs of rows of quantized and of dense sequences attend apart. */
+static enum be_status attend(encdec *m, const struct ed_attn *a, const void *in, const struct be_kv_view *views,
+                             const struct be_kvq_view *qviews, int n, const struct be_attn_params *ap)
 {
     BE_TRY(matmul(m, m->q, in, &a->q, a->bq, n));                            /* q (n, H*hd) */
-    for (int i = 0; i < n; i++)
-        m->toks[i] = (struct be_tok){.view = 0, .pos = p0 + i};
-    BE_TRY(qv && qv->fmt ? be_attention_quant(m->be, m->att, m->q, qv, m->toks, n, ap)
-                         : be_attention(m->be, m->att, m->q, view, m->toks, n, ap)); /* att (n, H*hd) */
+    size_t row = (size_t)m->cfg.n_heads * m->cfg.head_dim * m->esz;
+    for (int r0 = 0, r; r0 < n; r0 = r) {
+        bool quant = qviews && qviews[m->toks[r0].view].fmt;
+        for (r = r0 + 1; r < n && (qviews && qviews[m->toks[r].view].fmt) == quant; r++)
+            ;
+        void *att = (char *)m->att + (size_t)r0 * row;
+        const void *q = (const char *)m->q + (size_t)r0 * row;
+        BE_TRY(quant ? be_attention_quant(m->be, att, q, qviews, m->toks + r0, r - r0, ap)
+                     : be_attention(m->be, att, q, views, m->toks + r0, r - r0, ap)); /* att (n, H*hd) */
+    }
     return matmul(m, m->xb, m->att, &a->o, a->bo, n);                        /* xb (n, dim) */
 }
 
@@ -824,7 +872,8 @@ static enum be_status encode(encdec *m, kv_seq *cross, void *xs, const int32_t *
     struct be_attn_params ap = attn_params(m, &m->enc, true);
     for (int r0 = 0; r0 < S; r0 += m->cap) {
         int n = S - r0 < m->cap ? S - r0 : m->cap;
-        BE_TRY(embed(m, &m->enc, (char *)xs + (size_t)r0 * row, ids + r0, n, r0));
+        encoder_rows(m, r0, n);
+        BE_TRY(embed(m, &m->enc, (char *)xs + (size_t)r0 * row, ids + r0, n, m->row_pos));
     }
     for (int l = 0; l < c->n_enc_layers; l++) {
         const struct ed_layer *L = &m->enc.layers[l];
@@ -833,14 +882,16 @@ static enum be_status encode(encdec *m, kv_seq *cross, void *xs, const int32_t *
         const void *in;
         for (int r0 = 0; r0 < S; r0 += m->cap) { /* every key first: each query sees them all */
             int n = S - r0 < m->cap ? S - r0 : m->cap;
+            encoder_rows(m, r0, n);
             BE_TRY(sub_input(m, (char *)xs + (size_t)r0 * row, L->self_norm, n, &in));
-            BE_TRY(store_kv(m, &L->self, in, &view, r0, n, &ap));
+            BE_TRY(store_kv(m, &L->self, in, &view, n, &ap));
         }
         for (int r0 = 0; r0 < S; r0 += m->cap) {
             int n = S - r0 < m->cap ? S - r0 : m->cap;
             void *x = (char *)xs + (size_t)r0 * row;
+            encoder_rows(m, r0, n);
             BE_TRY(sub_input(m, x, L->self_norm, n, &in));
-            BE_TRY(attend(m, &L->self, in, &view, NULL, r0, n, &ap));
+            BE_TRY(attend(m, &L->self, in, &view, NULL, n, &ap));
             BE_TRY(residual(m, x, L->self_norm, L->self_norm_b, n));
             BE_TRY(ffn(m, x, L, n));
         }
@@ -854,7 +905,8 @@ static enum be_status encode(encdec *m, kv_seq *cross, void *xs, const int32_t *
         kv_seq_view(cross, l, &view);
         for (int r0 = 0; r0 < S; r0 += m->cap) {
             int n = S - r0 < m->cap ? S - r0 : m->cap;
-            BE_TRY(store_kv(m, &m->dec.layers[l].cross, (char *)xs + (size_t)r0 * row, &view, r0, n, &cp));
+            encoder_rows(m, r0, n);
+            BE_TRY(store_kv(m, &m->dec.layers[l].cross, (char *)xs + (size_t)r0 * row, &view, n, &cp));
         }
         BE_TRY(kv_store_layer_end(kv_seq_store(cross), l));
     }
@@ -863,10 +915,12 @@ static enum be_status encode(encdec *m, kv_seq *cross, void *xs, const int32_t *
 
 static bool ids_ok(const encdec *m, const int32_t *ids, int n)
 {
+    if (n <= 0 || !ids)
+        return false;
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= m->cfg.vocab_size)
             return false;
-    return n > 0 && ids;
+    return true;
 }
 
 /* Ends the store's step after a pass that returned st: q keeps what the
@@ -910,54 +964,91 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
     return st;
 }
 
-/* The decoder over ids [0, n) at positions [p0, p0 + n): self's K and V of
- * these rows are stored as the step goes, cross is read. */
-static enum be_status decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, int64_t p0,
-                             float *logits)
+/* The head over the chunk's rows [0, n) that end a sequence asking for
+ * logits, logit_rows at a time: each row gathered into xb, normed (T5), and
+ * multiplied with the head as it would be alone. */
+static enum be_status chunk_logits(encdec *m, const struct encdec_seq *seqs, int n)
 {
     const struct encdec_config *c = &m->cfg;
-    kv_store *store = kv_seq_store(self);
-    struct be_attn_params sp = attn_params(m, &m->dec, false), cp = attn_params(m, NULL, true);
-    size_t row = (size_t)c->d_model * m->esz;
-    for (int r0 = 0; r0 < n; r0 += m->cap) {
-        int k = n - r0 < m->cap ? n - r0 : m->cap;
-        int64_t at = p0 + r0;
-        BE_TRY(embed(m, &m->dec, m->x, ids + r0, k, at));
-        for (int l = 0; l < c->n_dec_layers; l++) {
-            const struct ed_layer *L = &m->dec.layers[l];
-            struct be_kvq_view qv; /* a quantized self cache (BART): its codes and its full-precision rest */
-            struct be_kv_view sv, cv;
-            const void *in;
-            BE_TRY(kv_store_layer_begin(store, l));
-            kv_seq_qview(self, l, &qv);
-            sv = qv.rest; /* where this step's K and V go */
-            kv_seq_view(cross, l, &cv);
-            BE_TRY(sub_input(m, m->x, L->self_norm, k, &in));
-            BE_TRY(store_kv(m, &L->self, in, &sv, at, k, &sp)); /* in (xb) is left as it was */
-            BE_TRY(attend(m, &L->self, in, &sv, &qv, at, k, &sp));
-            BE_TRY(residual(m, m->x, L->self_norm, L->self_norm_b, k));
-            BE_TRY(sub_input(m, m->x, L->cross_norm, k, &in));
-            BE_TRY(attend(m, &L->cross, in, &cv, NULL, 0, k, &cp)); /* every encoder position, whatever the query's */
-            BE_TRY(residual(m, m->x, L->cross_norm, L->cross_norm_b, k));
-            BE_TRY(ffn(m, m->x, L, k));
-            BE_TRY(kv_store_layer_end(store, l));
+    size_t row = (size_t)c->d_model * m->esz, vocab = (size_t)c->vocab_size;
+    int sel[ED_LOGIT_ROWS];
+    for (int r = 0; r < n;) {
+        int n_sel = 0;
+        for (; r < n && n_sel < m->logit_rows; r++) {
+            const struct encdec_seq *q = &seqs[m->row_seq[r]];
+            if (q->logits && m->row_pos[r] == m->start[m->row_seq[r]] + q->n - 1)
+                sel[n_sel++] = r;
         }
-        if (r0 + k < n || !logits)
+        if (!n_sel)
             continue;
-        void *last = (char *)m->x + (size_t)(k - 1) * row;
+        for (int i = 0; i < n_sel; i++)
+            BE_TRY(be_copy(m->be, (char *)m->xb + (size_t)i * row, (char *)m->x + (size_t)sel[i] * row, row,
+                           BE_D2D));
         if (!c->bart) {
-            BE_TRY(be_rmsnorm(m->be, m->xb, last, m->dec.final_norm, 1, c->d_model, c->eps));
+            BE_TRY(be_rmsnorm(m->be, m->xb, m->xb, m->dec.final_norm, n_sel, c->d_model, c->eps));
             if (c->tie) /* T5 rescales before a head it shares with the input */
-                BE_TRY(be_scale(m->be, m->xb, (size_t)c->d_model, 1.0f / sqrtf((float)c->d_model)));
-            last = m->xb;
+                BE_TRY(be_scale(m->be, m->xb, (size_t)n_sel * c->d_model, 1.0f / sqrtf((float)c->d_model)));
         }
-        BE_TRY(be_matmul(m->be, m->logits, BE_F32, last, m->lm_head.data, m->lm_head.dtype, NULL, 1,
+        BE_TRY(be_matmul(m->be, m->logits, BE_F32, m->xb, m->lm_head.data, m->lm_head.dtype, NULL, n_sel,
                          m->lm_head.cols, m->lm_head.rows));
-        BE_TRY(be_copy(m->be, logits, m->logits, (size_t)c->vocab_size * sizeof(float), BE_D2H));
-        for (int i = 0; m->logits_bias && i < c->vocab_size; i++)
-            logits[i] += m->logits_bias[i];
+        for (int i = 0; i < n_sel; i++) {
+            float *dst = seqs[m->row_seq[sel[i]]].logits;
+            BE_TRY(be_copy(m->be, dst, (float *)m->logits + (size_t)i * vocab, vocab * sizeof(float), BE_D2H));
+            for (size_t j = 0; m->logits_bias && j < vocab; j++)
+                dst[j] += m->logits_bias[j];
+        }
     }
     return BE_OK;
+}
+
+/* The decoder over the next n rows of the step's token stream (each
+ * sequence's ids in turn, from token *t of entry *s, both advanced past
+ * them): a sequence's rows store their self K and V at its positions and
+ * read its own self and cross caches; the weights are read once for all. */
+static enum be_status decode_chunk(encdec *m, const struct encdec_seq *seqs, int *s, int *t, int n)
+{
+    const struct encdec_config *c = &m->cfg;
+    kv_store *store = kv_seq_store(seqs[0].self);
+    struct be_attn_params sp = attn_params(m, &m->dec, false), cp = attn_params(m, NULL, true);
+    int n_views = 0;
+    for (int r = 0; r < n; r++) {
+        while (*t == seqs[*s].n) {
+            (*s)++;
+            *t = 0;
+        }
+        if (r == 0 || m->row_seq[r - 1] != *s)
+            n_views++;
+        m->row_seq[r] = *s;
+        m->row_ids[r] = seqs[*s].ids[*t];
+        m->row_pos[r] = m->start[*s] + *t;
+        /* cross attention reads every encoder position whatever the query's */
+        m->toks[r] = (struct be_tok){.view = n_views - 1, .pos = m->row_pos[r]};
+        (*t)++;
+    }
+    BE_TRY(embed(m, &m->dec, m->x, m->row_ids, n, m->row_pos));
+    for (int l = 0; l < c->n_dec_layers; l++) {
+        const struct ed_layer *L = &m->dec.layers[l];
+        const void *in;
+        BE_TRY(kv_store_layer_begin(store, l));
+        for (int r = 0, v = 0; r < n; r++) {
+            if (r && m->row_seq[r - 1] == m->row_seq[r])
+                continue;
+            const struct encdec_seq *q = &seqs[m->row_seq[r]];
+            kv_seq_qview(q->self, l, &m->qviews[v]); /* a quantized self cache (BART): codes and the rest */
+            m->sviews[v] = m->qviews[v].rest;         /* where this step's K and V go */
+            kv_seq_view(q->cross, l, &m->cviews[v++]);
+        }
+        BE_TRY(sub_input(m, m->x, L->self_norm, n, &in));
+        BE_TRY(store_kv(m, &L->self, in, m->sviews, n, &sp)); /* in (xb) is left as it was */
+        BE_TRY(attend(m, &L->self, in, m->sviews, m->qviews, n, &sp));
+        BE_TRY(residual(m, m->x, L->self_norm, L->self_norm_b, n));
+        BE_TRY(sub_input(m, m->x, L->cross_norm, n, &in));
+        BE_TRY(attend(m, &L->cross, in, m->cviews, NULL, n, &cp));
+        BE_TRY(residual(m, m->x, L->cross_norm, L->cross_norm_b, n));
+        BE_TRY(ffn(m, m->x, L, n));
+        BE_TRY(kv_store_layer_end(store, l));
+    }
+    return chunk_logits(m, seqs, n);
 }
 
 const char *encdec_quant_refusal(const encdec *m)
@@ -967,49 +1058,120 @@ const char *encdec_quant_refusal(const encdec *m)
                          "kernel does not";
 }
 
-/* One attempt at a decoder step: self is as it was unless it succeeds.
- * cross joins the step only to be read: in the host tier, its layers
- * stream through the device slots with self's, each copied in while the
- * layer before computes. */
-static enum model_status decode_step(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, int64_t p0,
-                                     float *logits)
+/* Whether entry i is the first of seqs to read its cross cache (a job's
+ * choices and beams share one): each joins the step once. */
+static bool first_cross(const struct encdec_seq *seqs, int i)
 {
-    kv_store *store = kv_seq_store(self);
-    enum model_status st = model_from_tier(kv_seq_reserve(self, n));
-    if (st != MODEL_OK)
-        return st;
-    if ((st = model_from_tier(kv_seq_reserve(cross, 0))) != MODEL_OK) {
-        kv_seq_abort(self);
-        return st;
+    for (int k = 0; k < i; k++)
+        if (seqs[k].cross == seqs[i].cross)
+            return false;
+    return true;
+}
+
+/* One attempt at a decoder step over every entry: each self cache is as
+ * it was unless it succeeds.  The cross caches join the step only to be
+ * read: in the host tier, their layers stream through the device slots
+ * with the self caches' streamed layers, each copied in while the layer
+ * before computes. */
+static enum model_status decode_step(encdec *m, const struct encdec_seq *seqs, int n_seqs, int64_t total)
+{
+    kv_store *store = kv_seq_store(seqs[0].self);
+    enum model_status st = MODEL_OK;
+    int n_self = 0, n_cross = 0; /* entries whose self, whose cross, joined the step */
+    for (; n_self < n_seqs; n_self++) {
+        m->start[n_self] = kv_seq_length(seqs[n_self].self);
+        if ((st = model_from_tier(kv_seq_reserve(seqs[n_self].self, seqs[n_self].n))) != MODEL_OK)
+            break;
     }
-    st = model_from_tier(kv_store_step_begin(store));
+    for (; st == MODEL_OK && n_cross < n_seqs; n_cross++)
+        if (first_cross(seqs, n_cross) &&
+            (st = model_from_tier(kv_seq_reserve(seqs[n_cross].cross, 0))) != MODEL_OK)
+            break;
     if (st == MODEL_OK)
-        st = model_from_be(decode(m, self, cross, ids, n, p0, logits));
-    st = step_end(store, self, st);
-    kv_seq_abort(cross); /* after the step's figures; nothing of it was written */
+        st = model_from_tier(kv_store_step_begin(store));
+    int s = 0, t = 0;
+    for (int64_t done = 0; st == MODEL_OK && done < total;) {
+        int n = total - done < m->cap ? (int)(total - done) : m->cap;
+        st = model_from_be(decode_chunk(m, seqs, &s, &t, n));
+        done += n;
+    }
+    enum be_status drained = kv_store_step_end(store); /* write-backs land before the commit */
+    if (st == MODEL_OK)
+        st = model_from_be(drained);
+    /* a commit fails only on a device fault, which no retry mends: the
+     * step reports it, the other sequences commit as computed */
+    enum model_status committed = MODEL_OK;
+    for (int i = 0; i < n_self; i++) {
+        if (st != MODEL_OK)
+            kv_seq_abort(seqs[i].self);
+        else if (kv_seq_commit(seqs[i].self) != TIER_OK)
+            committed = MODEL_EBACKEND;
+    }
+    for (int i = 0; i < n_cross; i++) /* after the step's figures; nothing of them was written */
+        if (first_cross(seqs, i))
+            kv_seq_abort(seqs[i].cross);
+    return st == MODEL_OK ? committed : st;
+}
+
+/* After a step ran out of device memory: moves a self cache, else a cross
+ * cache, of the step to the host tier so it can be redone.  False when
+ * nothing could move (*st is then the offload's failure, if any). */
+static bool continue_offloaded(const struct encdec_seq *seqs, int n_seqs, enum model_status *st)
+{
+    for (int k = 0; k < 2 * n_seqs; k++) {
+        kv_seq *q = k < n_seqs ? seqs[k].self : seqs[k - n_seqs].cross;
+        struct kv_seq_stats qs = kv_seq_stats(q);
+        if (k < n_seqs ? !qs.resident_layers : !qs.dev_bytes)
+            continue;
+        enum tier_status ts = kv_seq_offload(q, KV_FALLBACK_OOM);
+        if (ts == TIER_OK)
+            return true;
+        if (ts != TIER_ENOTSUP) { /* no_fallback sequences refuse; try the next */
+            *st = model_from_tier(ts);
+            return false;
+        }
+    }
+    return false;
+}
+
+enum model_status encdec_decode_batch(encdec *m, const struct encdec_seq *seqs, int n_seqs)
+{
+    if (!m || !seqs || n_seqs <= 0)
+        return MODEL_EINVAL;
+    int64_t total = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        const struct encdec_seq *q = &seqs[i];
+        if (!q->self || !q->cross || !ids_ok(m, q->ids, q->n) || kv_seq_length(q->cross) == 0 ||
+            kv_seq_store(q->self) != kv_seq_store(q->cross) || kv_seq_store(q->self) != kv_seq_store(seqs[0].self))
+            return MODEL_EINVAL;
+        for (int k = 0; k < i; k++)
+            if (seqs[k].self == q->self) /* a sequence takes one place in a step */
+                return MODEL_EINVAL;
+        if (!m->cfg.bart && kv_seq_stats(q->self).strategy == KV_QUANTIZED)
+            return MODEL_EUNSUPPORTED; /* encdec_quant_refusal */
+        if (m->cfg.bart && kv_seq_length(q->self) + q->n > m->cfg.max_positions) /* learned positions end there */
+            return MODEL_EINVAL;
+        total += q->n;
+    }
+    if (n_seqs > m->start_cap) { /* grows with the largest batch seen, not per call */
+        int64_t *p = realloc(m->start, (size_t)n_seqs * sizeof(*p));
+        if (!p)
+            return MODEL_ENOMEM;
+        m->start = p;
+        m->start_cap = n_seqs;
+    }
+    /* Out of device memory is not the end of the generation, as for
+     * model_forward: the step is redone with the self caches, then the
+     * cross caches, moved to the host tier one at a time (nothing
+     * recomputed) until it fits or nothing is left to move. */
+    enum model_status st;
+    while ((st = decode_step(m, seqs, n_seqs, total)) == MODEL_EDEVMEM && continue_offloaded(seqs, n_seqs, &st))
+        ;
     return st;
 }
 
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n, float *logits)
 {
-    if (!m || !self || !cross || !ids_ok(m, ids, n) || kv_seq_length(cross) == 0 ||
-        kv_seq_store(self) != kv_seq_store(cross))
-        return MODEL_EINVAL;
-    if (!m->cfg.bart && kv_seq_stats(self).strategy == KV_QUANTIZED)
-        return MODEL_EUNSUPPORTED; /* encdec_quant_refusal */
-    int64_t p0 = kv_seq_length(self);
-    if (m->cfg.bart && p0 + n > m->cfg.max_positions) /* learned positions end there */
-        return MODEL_EINVAL;
-    enum model_status st;
-    /* Out of device memory is not the end of the generation, as for
-     * model_forward: the step is redone with the self cache, then the
-     * cross cache, moved to the host tier (nothing recomputed) until it
-     * fits or nothing is left to move. */
-    while ((st = decode_step(m, self, cross, ids, n, p0, logits)) == MODEL_EDEVMEM) {
-        kv_seq *q = kv_seq_stats(self).resident_layers ? self : kv_seq_stats(cross).dev_bytes ? cross : NULL;
-        enum tier_status ts = q ? kv_seq_offload(q, KV_FALLBACK_OOM) : TIER_ENOTSUP;
-        if (ts != TIER_OK)
-            return ts == TIER_ENOTSUP ? st : model_from_tier(ts);
-    }
-    return st;
+    struct encdec_seq q = {.self = self, .cross = cross, .ids = ids, .n = n, .logits = logits};
+    return encdec_decode_batch(m, &q, 1);
 }

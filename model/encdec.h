@@ -98,6 +98,25 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
  * of the encoder input they attend to). */
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n,
                                 float *logits);
+
+/* One sequence of a batched decoder step: ids[0, n) after self's tokens,
+ * attending to cross; logits (host, [vocab] f32, may be NULL) of ids[n - 1]. */
+struct encdec_seq {
+    kv_seq *self, *cross;
+    const int32_t *ids;
+    int n;
+    float *logits;
+};
+/* encdec_decode over every entry of seqs in one decoder pass: the rows of
+ * all of them go through each layer together, so the weights are read
+ * once per step, not once per sequence; each row keeps its own position,
+ * caches, T5 bias and BART position, and its kernels give the bits it
+ * gets alone.  Entries may share a cross cache (a request's choices), not
+ * a self cache; every self and cross in one store.  Transactional: on
+ * failure no self cache changed.  Out of device memory, the self caches,
+ * then the cross caches, move to the host tier one at a time and the step
+ * is redone (encdec_decode's continuation). */
+enum model_status encdec_decode_batch(encdec *m, const struct encdec_seq *seqs, int n_seqs);
 /* The decoder as generation and the daemon see it (gen_seq_init's eos
  * and vocab, the context): the decoder's layers, all full, with
  * encdec_context's positions.  Release with model_config_release. */

@@ -34,12 +34,30 @@ of each and their ratio.  With --remote URL (a Redis both daemons use,
 docs/remote.md) a second daemon B then gets the same request, which reads
 the cross cache A published (a remote hit, encoder_cached_tokens checked,
 after A's value is in: the lookup does not wait for a publish in flight),
-timed too."""
+timed too.
+
+    /usr/bin/python3 tools/bench_encdec.py --model DIR --concurrent N [--enc-len 32] [-n 64] [--rounds 3]
+                                           [--threads T]
+
+--concurrent N measures batched decoding instead (no sessions, no disk
+tier, no encoder cache): per round, one request alone, then N requests
+at once (each its own input: token k of request r is (k * 7919 + r * 31)
+mod vocab), each
+generating -n greedy tokens; the aggregate tokens/s is every request's
+tokens over the wall time from the first send to the last answer (the
+encoder's run over the input included: keep --enc-len short to see the
+decoder).  Request 0's tokens together must equal its tokens alone.
+Beside wall time, the daemon's own CPU time (user + system, from
+/proc/PID/stat) gives tokens per CPU second, which other jobs on a shared
+machine disturb far less.  Prints the medians, the ratios N-at-once /
+alone, and the forward passes (kvtier_forward_steps_total) each
+concurrent round took."""
 import argparse
 import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 import kvclient
@@ -56,7 +74,11 @@ def main():
     ap.add_argument("--dir")
     ap.add_argument("--requests", action="store_true", help="the encoder cache: a request's hit against its miss")
     ap.add_argument("--remote", help="with --requests: a Redis URL; a second daemon's remote hit is timed too")
+    ap.add_argument("--concurrent", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="kvtierd --threads (default: its own)")
     o = ap.parse_args()
+    if o.concurrent:
+        return concurrent(o)
     work = o.dir or tempfile.mkdtemp(prefix="bench-encdec-")
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(o.model, "config.json")) as f:
@@ -193,6 +215,84 @@ def published(metrics):
         if line.startswith('kvtier_remote_blocks_total{result="published"} '):
             return float(line.split()[1])
     return 0.0
+
+
+def concurrent(o):
+    """--concurrent: one request alone against o.concurrent at once, alternating."""
+    work = o.dir or tempfile.mkdtemp(prefix="bench-encdec-")
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(o.model, "config.json")) as f:
+        cfg = json.load(f)
+    n_req = o.concurrent
+    inputs = [[(k * 7919 + r * 31) % cfg["vocab_size"] for k in range(o.enc_len)] for r in range(n_req)]
+    d = kvclient.Daemon(os.path.join(work, "kvtierd.sock"), os.path.join(work, "kvtierd.log"),
+                        ["--model", o.model, "--disk-dir", "none", "--parallel", str(max(n_req, 2)),
+                         "--max-body", "8M", "--no-prefix-cache"] + (["--threads", str(o.threads)] if o.threads else []))
+    log("kvtierd up in %.2f s" % d.start())
+
+    def generate(r):
+        out = d.ok("POST", "/v1/completions", {"input": inputs[r], "max_tokens": o.n, "temperature": 0,
+                                               "ignore_eos": True, "return_tokens": True})
+        toks = out["choices"][0]["tokens"]
+        if len(toks) != o.n:
+            raise SystemExit("request %d: %d tokens, want %d" % (r, len(toks), o.n))
+        return toks
+
+    def passes():
+        for line in d.raw("GET", "/metrics")[1].decode().splitlines():
+            if line.startswith("kvtier_forward_steps_total "):
+                return int(float(line.split()[1]))
+        raise SystemExit("no kvtier_forward_steps_total in /metrics")
+
+    def cpu_s():
+        with open("/proc/%d/stat" % d.proc.pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    res = {"alone": [], "together": [], "passes": [], "alone_cpu": [], "together_cpu": []}
+    try:
+        want = generate(0)  # warms the daemon up
+        for rnd in range(o.rounds):
+            t0, c0 = time.perf_counter(), cpu_s()
+            if generate(0) != want:
+                raise SystemExit("round %d: request 0 alone changed its tokens" % (rnd + 1))
+            res["alone"].append(o.n / (time.perf_counter() - t0))
+            res["alone_cpu"].append(o.n / max(cpu_s() - c0, 1e-3))
+            got = [None] * n_req
+            p0 = passes()
+            barrier = threading.Barrier(n_req + 1)
+
+            def client(r):
+                barrier.wait()
+                got[r] = generate(r)
+
+            threads = [threading.Thread(target=client, args=(r,)) for r in range(n_req)]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            t0, c0 = time.perf_counter(), cpu_s()
+            for t in threads:
+                t.join()
+            res["together"].append(n_req * o.n / (time.perf_counter() - t0))
+            res["together_cpu"].append(n_req * o.n / max(cpu_s() - c0, 1e-3))
+            res["passes"].append(passes() - p0)
+            if got[0] != want or any(g is None for g in got):
+                raise SystemExit("round %d: request 0 at once differs from alone" % (rnd + 1))
+            log("round %d: alone %.1f tokens/s, %d at once %.1f tokens/s (%.2fx); per CPU second %.1f and %.1f "
+                "(%.2fx); %d forward passes" %
+                (rnd + 1, res["alone"][-1], n_req, res["together"][-1], res["together"][-1] / res["alone"][-1],
+                 res["alone_cpu"][-1], res["together_cpu"][-1], res["together_cpu"][-1] / res["alone_cpu"][-1],
+                 res["passes"][-1]))
+    finally:
+        d.stop()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print("encoder input %d tokens, %d generated per request, %d rounds (medians)" % (o.enc_len, o.n, o.rounds))
+    print("alone        %8.1f tokens/s, %8.1f per CPU second" % (med["alone"], med["alone_cpu"]))
+    print("%d at once    %8.1f tokens/s aggregate, %8.1f per CPU second, %d forward passes for %d tokens" %
+          (n_req, med["together"], med["together_cpu"], med["passes"], n_req * o.n))
+    for unit, a, b in (("wall", "alone", "together"), ("CPU", "alone_cpu", "together_cpu")):
+        print("%d at once / alone, %s: %.2fx (rounds: %s)" % (n_req, unit, med[b] / med[a], ", ".join(
+            "%.2fx" % (y / x) for x, y in zip(res[a], res[b]))))
 
 
 if __name__ == "__main__":
