@@ -143,6 +143,9 @@ def main(argv=None):
     ap.add_argument("--q4k-quantizer", metavar="PROG", help="with --weights q4_k: PROG --quantize IN OUT")
     ap.add_argument("--matmul-input", choices=("f32", "bf16"), default="f32",
                     help="bf16: every weight matrix's input rounded to bf16 (torchref.load_model)")
+    ap.add_argument("--attn-input", choices=("f32", "bf16"), default="f32",
+                    help="bf16: with a bf16 cache, attention's query and weights rounded to bf16, as kvtier's "
+                    "avx512bf16 level rounds them (torchref.load_model)")
     ap.add_argument("--apart", action="store_true", help="with --weights q8_0|q4_k: the unquantized reference must fail")
     o = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -151,8 +154,9 @@ def main(argv=None):
         dumps = [(o.dump, *read_dump(o.dump))] + [(p, *read_dump(p)) for p in o.same_tokens + o.no_cache]
         kv = {"f32": None, "bf16": torch.bfloat16, "f16": torch.float16}[o.kv_dtype]
         mm_in = {"f32": None, "bf16": torch.bfloat16}[o.matmul_input]
+        at_in = {"f32": None, "bf16": torch.bfloat16}[o.attn_input]
         model = torchref.load_model(o.dir, torch.float32, kv, o.weights,
-                                    lambda w: q4_k_blocks(o.q4k_quantizer, w), mm_in)
+                                    lambda w: q4_k_blocks(o.q4k_quantizer, w), mm_in, at_in)
     except (BadDump, OSError, ValueError, KeyError, RuntimeError, subprocess.CalledProcessError) as e:
         print(f"FAIL {name}: {e}")
         return 2

@@ -196,6 +196,7 @@ if [ -n "$f32_level" ]; then
         done
         $py tests/ref_compare.py "$dir" "$dir/bf16-cache.kvtl" --tol 0.1 --expect-gen 33 "$nc" \
             "$dir/bf16-no-cache.kvtl" --name "$name-bf16 [avx512bf16]" --kv-dtype bf16 --matmul-input bf16 \
+            --attn-input bf16 \
             > "$dir/bf16.txt"
         rc=$?
         cat "$dir/bf16.txt"

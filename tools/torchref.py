@@ -1031,7 +1031,8 @@ def q6_k_dequantize(blocks, shape):
     return (step * (q - 32).astype(np.float32)).reshape(shape)
 
 
-def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quantize=None, matmul_input=None):
+def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quantize=None, matmul_input=None,
+               attn_input=None):
     """CausalLM of directory d with its weights upcast (or cast) to dtype;
     kv_dtype (e.g. torch.bfloat16): K and V rounded to it, as a cache of
     that type keeps them; weights "q8_0": every layer matrix replaced by
@@ -1043,9 +1044,10 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quant
     matmul_input (torch.bfloat16): the input of every weight matrix, the
     head's included, rounded to it, as PyTorch's bf16 matmul takes its bf16
     input (and kvtier's CPU backend rounds it for bf16 weights on
-    AVX512_BF16), the products summed in dtype; with kv_dtype bfloat16 also
-    attention's query and softmax weights, as that level's attention
-    rounds them for a bf16 cache."""
+    AVX512_BF16), the products summed in dtype; attn_input (torch.bfloat16),
+    with kv_dtype bfloat16: attention's query and softmax weights rounded to
+    it, as that level's attention rounds them over a bf16 cache whatever the
+    weights (weighted_values)."""
     m = build_model(load_config(d))
     m.head_input = matmul_input
     if matmul_input is not None:
@@ -1055,7 +1057,7 @@ def load_model(d, dtype=torch.float32, kv_dtype=None, weights="auto", q4_k_quant
     for mod in m.modules():
         if isinstance(mod, (Attention, GPT2Attention)):
             mod.kv_dtype = kv_dtype
-            mod.attn_input = matmul_input if kv_dtype is torch.bfloat16 else None
+            mod.attn_input = attn_input if kv_dtype is torch.bfloat16 else None
     sd = load_checkpoint(d)
     if m.tied:
         sd.pop("lm_head.weight", None)  # some tied checkpoints still carry it
