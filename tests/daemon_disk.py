@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, skip  # noqa: E402
+from daemon_harness import Daemon, check, damage_spill, skip, wait_spilled  # noqa: E402
 
 ref = Daemon("--disk-dir", "none")
 ref.start()
@@ -39,15 +39,6 @@ def complete(dm, ids, **kw):
 def session(dm, **body):
     return dm.post_ok("/v1/sessions", body)["id"]
 
-
-def wait_spilled(dm, sid, timeout=20):
-    end = time.time() + timeout
-    while time.time() < end:
-        s = dm.get("/v1/sessions/" + sid)[1]
-        if s["bytes"]["disk"] > 0 and s["bytes"]["device"] == 0 and s["bytes"]["host"] == 0:
-            return s
-        time.sleep(0.2)
-    raise AssertionError("session %s never left memory: %s" % (sid, dm.get("/v1/sessions/" + sid)[1]))
 
 
 STRATEGIES = [
@@ -259,13 +250,7 @@ for damage in (False, True):
     a, b = session(wref, prompt=ctx), session(slow, prompt=ctx)
     s = wait_spilled(slow, b)
     if damage:
-        path = os.path.join(slow.sock + ".disk", "u%d" % os.getuid(), b + ".kvt")
-        size = os.path.getsize(path)
-        with open(path, "r+b") as f:
-            f.seek(size - 5000)
-            byte = f.read(1)
-            f.seek(size - 5000)
-            f.write(bytes([byte[0] ^ 0x5A]))
+        damage_spill(slow, b)
     early = metric(slow, "session_restore_early_layers_total")
     ids = ctx + [11, 12]
     ra, rb = complete(wref, ids, session=a), complete(slow, ids, session=b)

@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check  # noqa: E402
+from daemon_harness import Daemon, check, damage_spill, wait_spilled  # noqa: E402
 sys.path.insert(0, "tools")
 import mkmodel  # noqa: E402
 
@@ -30,16 +30,6 @@ def metric(d, name):
             return float(line.split()[1])
     raise KeyError(name)
 
-
-def wait_spilled(d, sid, timeout=30):
-    end = time.time() + timeout
-    while time.time() < end:
-        s = d.get("/v1/sessions/" + sid)[1]
-        if s["bytes"]["disk"] > 0 and s["bytes"]["device"] == s["bytes"]["host"] == 0 and \
-                s["encoder"]["bytes"]["device"] == s["encoder"]["bytes"]["host"] == 0:
-            return s
-        time.sleep(0.1)
-    raise AssertionError("session %s never left memory: %s" % (sid, d.get("/v1/sessions/" + sid)[1]))
 
 
 ref = Daemon("--disk-dir", "none", "--kv-dtype", "f32", model="made below")
@@ -63,13 +53,7 @@ for damage in (False, True):
     held = dp + ra["choices"][0]["tokens"]
     s = wait_spilled(slow, b)
     if damage:
-        path = os.path.join(slow.sock + ".disk", "u%d" % os.getuid(), b + ".kvt")
-        size = os.path.getsize(path)
-        with open(path, "r+b") as f:
-            f.seek(size - 5000)
-            byte = f.read(1)
-            f.seek(size - 5000)
-            f.write(bytes([byte[0] ^ 0x5A]))
+        damage_spill(slow, b)
     early = metric(slow, "session_restore_early_layers_total")
     nxt = held + [77]
     ra = ref.post_ok("/v1/completions", dict(gen, prompt=nxt, session=a))

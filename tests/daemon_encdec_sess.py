@@ -34,7 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import BUILD, Daemon, check, skip  # noqa: E402
+from daemon_harness import BUILD, Daemon, check, skip, wait_spilled  # noqa: E402
 sys.path.insert(0, "tools")
 import mkmodel  # noqa: E402
 
@@ -63,16 +63,6 @@ def metric(d, name, labels=""):
 def dev_bytes(d):
     return metric(d, "kv_cache_bytes", '{tier="device"}') + metric(d, "kv_cache_bytes", '{tier="host"}')
 
-
-def wait_spilled(d, sid, timeout=15):
-    end = time.time() + timeout
-    while time.time() < end:
-        s = d.get("/v1/sessions/" + sid)[1]
-        if s["bytes"]["disk"] > 0 and s["bytes"]["device"] == s["bytes"]["host"] == 0 and \
-                s["encoder"]["bytes"]["device"] == s["encoder"]["bytes"]["host"] == 0:
-            return s
-        time.sleep(0.1)
-    raise AssertionError("session %s never left memory: %s" % (sid, d.get("/v1/sessions/" + sid)[1]))
 
 
 def rebuilt(blob, edit):

@@ -180,6 +180,30 @@ class Daemon:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def wait_spilled(d, sid, timeout=30):
+    """Session sid's info once all of it (an encoder-decoder session's
+    cross cache too) is on disk and none in memory."""
+    end = time.time() + timeout
+    while time.time() < end:
+        s = d.get("/v1/sessions/" + sid)[1]
+        enc = s.get("encoder", {"bytes": {"device": 0, "host": 0}})["bytes"]
+        if s["bytes"]["disk"] > 0 and s["bytes"]["device"] == s["bytes"]["host"] == enc["device"] == enc["host"] == 0:
+            return s
+        time.sleep(0.1)
+    raise AssertionError("session %s never left memory: %s" % (sid, d.get("/v1/sessions/" + sid)[1]))
+
+
+def damage_spill(d, sid, back=5000):
+    """Flips a byte of session sid's file on d's disk tier, back bytes
+    before its end."""
+    path = os.path.join(d.sock + ".disk", "u%d" % os.getuid(), sid + ".kvt")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - back)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
 def check(cond, what):
     if not cond:
         raise AssertionError(what)
