@@ -237,6 +237,9 @@ def run(name, args, dp):
               "encoded again" % (name, kind, s["bytes"]["disk"], "a fresh run's" if kind != "quantized"
                                  else "the never-spilled session's", details(rb)["cached_tokens"]))
         sess[kind] = (a, b, nxt + toks(rb))
+    end = time.time() + 20  # a restore is counted when its read ends, which can be after the reply
+    while metric(d, "session_restores_total") - restores < len(caches) and time.time() < end:
+        time.sleep(0.1)
     check(metric(d, "session_restores_total") - restores == len(caches),
           "%s: /metrics counts the %d restores" % (name, len(caches)))
 
