@@ -7,29 +7,34 @@
  * is one the rest of the loader can size things by: every dimension in
  * range, head_dim even (but GPT-2's: no RoPE), num_attention_heads a multiple of
  * num_key_value_heads, one window per layer (none wider than
- * sliding_window), special token ids inside the vocabulary. */
+ * sliding_window), special token ids inside the vocabulary; a Mamba config
+ * has no attention and its state and convolution inside the kernels' bounds. */
 #include <math.h>
 
 #include "model/model.h"
 #include "tests/fuzz/fuzz_util.h"
 
-static void check_config(const struct model_config *c)
+/* Mamba has no attention: a state of ssm_state per channel, a convolution
+ * of ssm_conv taps, x_proj's dt rows no wider than the inner width. */
+static void check_mamba(const struct model_config *c)
 {
-    FUZZ_CHECK(c->arch_name && c->arch_name[0], "no architecture name");
-    FUZZ_CHECK(c->vocab_size >= 1 && c->vocab_size <= 1 << 24, "vocab_size %d", c->vocab_size);
-    FUZZ_CHECK(c->hidden_size >= 1 && c->hidden_size <= 1 << 16, "hidden_size %d", c->hidden_size);
-    FUZZ_CHECK(c->intermediate_size >= 1 && c->intermediate_size <= 1 << 20, "intermediate_size %d",
-               c->intermediate_size);
-    FUZZ_CHECK(c->n_layers >= 1 && c->n_layers <= 1024, "n_layers %d", c->n_layers);
+    FUZZ_CHECK(c->n_heads == 0 && c->n_kv_heads == 0 && c->head_dim == 0 && c->rot_dim == 0, "attention %d/%d/%d/%d",
+               c->n_heads, c->n_kv_heads, c->head_dim, c->rot_dim);
+    FUZZ_CHECK(c->ssm_state >= 1 && c->ssm_state <= BE_SSM_MAX_STATE, "ssm_state %d", c->ssm_state);
+    FUZZ_CHECK(c->ssm_conv >= 1 && c->ssm_conv <= BE_SSM_MAX_CONV, "ssm_conv %d", c->ssm_conv);
+    FUZZ_CHECK(c->ssm_dt_rank >= 1 && c->ssm_dt_rank <= c->intermediate_size, "ssm_dt_rank %d of %d",
+               c->ssm_dt_rank, c->intermediate_size);
+    FUZZ_CHECK(c->attn_scale == 0.0f, "attn_scale %g", c->attn_scale);
+}
+
+static void check_attention(const struct model_config *c)
+{
     FUZZ_CHECK(c->n_heads >= 1 && c->n_kv_heads >= 1 && c->n_heads % c->n_kv_heads == 0, "heads %d / %d",
                c->n_heads, c->n_kv_heads);
     /* RoPE rotates pairs; GPT-2 has none */
     FUZZ_CHECK(c->head_dim >= 2 && (c->learned_pos || c->head_dim % 2 == 0) && c->head_dim <= 1024, "head_dim %d",
                c->head_dim);
     FUZZ_CHECK((long long)c->n_heads * c->head_dim <= 1 << 17, "q dim %d * %d", c->n_heads, c->head_dim);
-    FUZZ_CHECK(c->max_position_embeddings >= 1, "max_position_embeddings %d", c->max_position_embeddings);
-    FUZZ_CHECK(isfinite(c->rms_norm_eps) && c->rms_norm_eps > 0 && c->rms_norm_eps <= 1, "rms_norm_eps %g",
-               c->rms_norm_eps);
     FUZZ_CHECK(isfinite(c->rope_theta) && c->rope_theta > 0, "rope_theta %g", c->rope_theta);
     FUZZ_CHECK(isfinite(c->rope_factor) && c->rope_factor > 0, "rope_factor %g", c->rope_factor);
     if (c->rope_scaling == ROPE_SCALING_LLAMA3)
@@ -48,12 +53,29 @@ static void check_config(const struct model_config *c)
                    c->final_softcap >= 0,
                "soft caps %g %g", c->attn_softcap, c->final_softcap);
     FUZZ_CHECK(isfinite(c->embed_scale) && c->embed_scale >= 0, "embed_scale %g", c->embed_scale);
-    FUZZ_CHECK(c->dtype == BE_F32 || c->dtype == BE_F16 || c->dtype == BE_BF16, "dtype %d", (int)c->dtype);
     FUZZ_CHECK(c->sliding_window >= 0, "sliding_window %d", c->sliding_window);
-    FUZZ_CHECK(c->layer_window, "no layer windows");
     for (int i = 0; i < c->n_layers; i++)
         FUZZ_CHECK(c->layer_window[i] == 0 || c->layer_window[i] == c->sliding_window, "layer_window[%d] = %d", i,
                    c->layer_window[i]);
+}
+
+static void check_config(const struct model_config *c)
+{
+    FUZZ_CHECK(c->arch_name && c->arch_name[0], "no architecture name");
+    FUZZ_CHECK(c->vocab_size >= 1 && c->vocab_size <= 1 << 24, "vocab_size %d", c->vocab_size);
+    FUZZ_CHECK(c->hidden_size >= 1 && c->hidden_size <= 1 << 16, "hidden_size %d", c->hidden_size);
+    FUZZ_CHECK(c->intermediate_size >= 1 && c->intermediate_size <= 1 << 20, "intermediate_size %d",
+               c->intermediate_size);
+    FUZZ_CHECK(c->n_layers >= 1 && c->n_layers <= 1024, "n_layers %d", c->n_layers);
+    FUZZ_CHECK(c->max_position_embeddings >= 1, "max_position_embeddings %d", c->max_position_embeddings);
+    FUZZ_CHECK(isfinite(c->rms_norm_eps) && c->rms_norm_eps > 0 && c->rms_norm_eps <= 1, "rms_norm_eps %g",
+               c->rms_norm_eps);
+    FUZZ_CHECK(c->dtype == BE_F32 || c->dtype == BE_F16 || c->dtype == BE_BF16, "dtype %d", (int)c->dtype);
+    FUZZ_CHECK(c->layer_window, "no layer windows");
+    if (c->arch == ARCH_MAMBA)
+        check_mamba(c);
+    else
+        check_attention(c);
     FUZZ_CHECK(c->bos_token_id >= -1 && c->bos_token_id < c->vocab_size, "bos %d", c->bos_token_id);
     FUZZ_CHECK(c->pad_token_id >= -1 && c->pad_token_id < c->vocab_size, "pad %d", c->pad_token_id);
     FUZZ_CHECK(c->n_eos >= 0 && c->n_eos <= MODEL_MAX_EOS, "n_eos %d", c->n_eos);

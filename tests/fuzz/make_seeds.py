@@ -27,6 +27,9 @@ cfg("mistral", architectures=["MistralForCausalLM"], sliding_window=None, torch_
 cfg("llama3_rope", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
 cfg("rope_params", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}, torch_dtype="float16")
+put("config", "mamba", json.dumps({"architectures": ["MambaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+    "num_hidden_layers": 2, "state_size": 4, "conv_kernel": 4, "time_step_rank": "auto", "torch_dtype": "float32",
+    "eos_token_id": 0}))
 
 # ---- safetensors (mode byte + file) -----------------------------------------
 def safetensors(tensors, pad=True, dtype="F32"):
