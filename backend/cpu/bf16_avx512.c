@@ -24,6 +24,10 @@
 #include "backend/cpu/transpose16.h"
 
 #define MR CPU_BF16_MR
+/* Longest weight row one token streams alone (TinyLlama's 2048 columns:
+ * yes; its down projection's 5632: no); docs/benchmarks.md, "bf16
+ * decode: one row at a time". */
+#define CPU_BF16_LONG_ROW 4096
 #define NR 32
 /* Column pairs per packed block: the panel (NR rows of KB pairs, 128 KiB)
  * stays in L2 while every token tile streams it. */
@@ -37,7 +41,8 @@ void cpu_bf16_pack_act_avx512(uint32_t *xb, const float *x, int n, int in)
     memset(xb, 0, cpu_bf16_act_words(n, in) * sizeof(*xb));
     for (int t = 0; t < n; t++) {
         /* word of pair 0 and the step between pairs */
-        uint32_t *dst = tiled ? xb + (size_t)(t / MR) * pairs * MR + (size_t)(t % MR) : xb + (size_t)t * pairs;
+        uint32_t *dst = tiled ? xb + (size_t)(t / MR) * pairs * MR + (size_t)(t % MR)
+                              : xb + (size_t)t * cpu_bf16_row_words(in);
         size_t step = tiled ? MR : 1;
         const float *row = x + (size_t)t * (size_t)in;
         for (int i = 0; i < in; i += 32) {
@@ -65,10 +70,10 @@ void cpu_bf16_pack_act_avx512(uint32_t *xb, const float *x, int n, int in)
 static inline __attribute__((always_inline)) void matvec_block(const struct cpu_mm *a, int t0, const int TN, int r,
                                                                const int RN, const bool PF)
 {
-    size_t in = (size_t)a->in, pairs = cpu_bf16_pairs(a->in), body = in / 32 * 32;
+    size_t in = (size_t)a->in, rw = cpu_bf16_row_words(a->in), body = in / 32 * 32;
     __mmask32 tail = (__mmask32)((1ull << (in - body)) - 1);
-    const uint16_t *x = (const uint16_t *)(a->xb + (size_t)t0 * pairs);
-    size_t xs = 2 * pairs; /* elements from one token's row to the next */
+    const uint16_t *x = (const uint16_t *)(a->xb + (size_t)t0 * rw);
+    size_t xs = 2 * rw; /* elements from one token's row to the next */
     const uint16_t *w0 = (const uint16_t *)a->w + (size_t)r * in;
     __m512 acc[4][4];
 #pragma GCC unroll 4
@@ -203,9 +208,18 @@ void cpu_matmul_bf16_avx512(const struct cpu_mm *a, int r0, int r1, float *scrat
         gemm(a, r0, r1, scratch);
         return;
     }
+    /* One token reads rows of up to CPU_BF16_LONG_ROW elements one at a
+     * time: blocks of four rows a page apart share L1 sets with each
+     * other and with the four rows prefetched ahead, and evict lines
+     * before they are read; one row streams faster, and the out-of-order
+     * core overlaps one short row's chain of sums with the next's.  A
+     * longer row's single chain is bound by the latency of its sums, so
+     * it keeps blocks of four, as a batch does (each load of its tokens
+     * then feeds four rows).  Either way a row's sums run in one order. */
     int r = r0;
-    for (; r + 4 <= r1; r += 4)
-        matvec_rows(a, r, 4);
+    if (a->n > 1 || a->in > CPU_BF16_LONG_ROW)
+        for (; r + 4 <= r1; r += 4)
+            matvec_rows(a, r, 4);
     for (; r < r1; r++)
         matvec_rows(a, r, 1);
 }

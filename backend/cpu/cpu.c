@@ -77,9 +77,11 @@ float *cpu_ctx_scratch(struct cpu_ctx *c, int ith)
 float *cpu_ctx_rows(struct cpu_ctx *c, size_t n)
 {
     if (n > c->rows_cap) {
-        float *p = realloc(c->rows, n * sizeof(float));
-        if (!p)
+        /* cache-line aligned: the matmuls load whole lines from it */
+        void *p;
+        if (posix_memalign(&p, 64, n * sizeof(float)) != 0)
             return NULL;
+        free(c->rows);
         c->rows = p;
         c->rows_cap = n;
     }

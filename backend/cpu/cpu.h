@@ -181,7 +181,8 @@ void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
 /* bf16 weights times tokens rounded to bf16 (bf16_avx512.c), on AVX512_BF16.
  * Tokens as 32-bit words of column pairs (elements 2p, 2p+1, the last
  * padded with zero): below CPU_BF16_GEMM_MIN_TOKENS tokens (decode) one
- * row of words per token, streamed against every weight row; from there in
+ * row of words per token (cpu_bf16_row_words apart), streamed against every
+ * weight row; from there in
  * tiles of CPU_BF16_MR tokens, pair-major (word p * CPU_BF16_MR + t for
  * token t of a tile, tokens past n zero), for the blocked product.  The
  * threshold is where the two cost the same: both read W from memory once,
@@ -194,8 +195,17 @@ static inline size_t cpu_bf16_pairs(int in)
 {
     return ((size_t)in + 1) / 2;
 }
+/* An odd number of 64-byte lines: token rows a multiple of 4 KiB apart
+ * would share L1 sets with each other and with the weight rows streamed
+ * against them (themselves often 4 KiB), and evict one another. */
+static inline size_t cpu_bf16_row_words(int in)
+{
+    return ((cpu_bf16_pairs(in) + 15) / 16 | 1) * 16;
+}
 static inline size_t cpu_bf16_act_words(int n, int in)
 {
+    if (n < CPU_BF16_GEMM_MIN_TOKENS)
+        return (size_t)n * cpu_bf16_row_words(in);
     return ((size_t)n + CPU_BF16_MR - 1) / CPU_BF16_MR * CPU_BF16_MR * cpu_bf16_pairs(in);
 }
 void cpu_bf16_pack_act_avx512(uint32_t *xb, const float *x, int n, int in);
@@ -230,8 +240,9 @@ struct cpu_ctx;
 struct cpu_pool *cpu_ctx_pool(struct cpu_ctx *c);
 const struct cpu_kern *cpu_ctx_kern(struct cpu_ctx *c);
 float *cpu_ctx_scratch(struct cpu_ctx *c, int ith); /* CPU_SCRATCH_FLOATS floats */
-/* A caller-thread work area of at least n floats, grown (never shrunk) on
- * demand: NULL when host memory runs out. */
+/* A caller-thread work area of at least n floats, 64-byte aligned, grown
+ * (never shrunk, its contents not kept) on demand: NULL when host memory
+ * runs out. */
 float *cpu_ctx_rows(struct cpu_ctx *c, size_t n);
 
 enum be_status cpu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, const void *w, enum be_dtype wt, const float *bias,
