@@ -208,16 +208,17 @@ void cpu_matmul_bf16_avx512(const struct cpu_mm *a, int r0, int r1, float *scrat
         gemm(a, r0, r1, scratch);
         return;
     }
-    /* One token reads rows of up to CPU_BF16_LONG_ROW elements one at a
-     * time: blocks of four rows a page apart share L1 sets with each
+    /* Up to four tokens read rows of up to CPU_BF16_LONG_ROW elements one
+     * at a time: blocks of four rows a page apart share L1 sets with each
      * other and with the four rows prefetched ahead, and evict lines
      * before they are read; one row streams faster, and the out-of-order
      * core overlaps one short row's chain of sums with the next's.  A
-     * longer row's single chain is bound by the latency of its sums, so
-     * it keeps blocks of four, as a batch does (each load of its tokens
-     * then feeds four rows).  Either way a row's sums run in one order. */
+     * longer row's single chain is bound by the latency of its sums, and
+     * more tokens by the loads of their pairs, so they keep blocks of
+     * four rows (each load of a token's pairs then feeds four rows).
+     * Either way a row's sums run in one order. */
     int r = r0;
-    if (a->n > 1 || a->in > CPU_BF16_LONG_ROW)
+    if (a->n > 4 || a->in > CPU_BF16_LONG_ROW)
         for (; r + 4 <= r1; r += 4)
             matvec_rows(a, r, 4);
     for (; r < r1; r++)
