@@ -133,9 +133,10 @@ enum be_status cpu_matmul(void *ctx, void *y_, enum be_dtype yt, const void *x_,
     /* grabs per thread: a batch takes about 8, small enough to rebalance,
      * large enough that each grab's per-call setup (x deinterleave, sgemm
      * panel) stays negligible; a few tokens stream W, and each grab starts
-     * its stream cold (the kernels prefetch rows ahead only inside it), so
-     * they take 2 longer runs (docs/benchmarks.md, "bf16 decode") */
-    size_t grabs = n < CPU_BF16_GEMM_MIN_TOKENS ? 2 : 8;
+     * its stream cold, so they take 6 longer runs: enough that a thread
+     * slowed by another tenant does not hold the other back for long
+     * (docs/benchmarks.md, "bf16 decode") */
+    size_t grabs = n < CPU_BF16_GEMM_MIN_TOKENS ? 6 : 8;
     size_t per = (size_t)out / (grabs * (size_t)cpu_pool_size(cpu_ctx_pool(j.c))) / 16 * 16;
     j.chunk = per < 64 ? 64 : per;
     atomic_init(&j.next, 0);
