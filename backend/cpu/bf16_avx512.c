@@ -24,9 +24,9 @@
 #include "backend/cpu/transpose16.h"
 
 #define MR CPU_BF16_MR
-/* Longest weight row one token streams alone (TinyLlama's 2048 columns:
- * yes; its down projection's 5632: no); docs/benchmarks.md, "bf16
- * decode: one row at a time". */
+/* Longest weight row that up to four tokens stream one row at a time
+ * (TinyLlama's 2048 columns: yes; its down projection's 5632: no);
+ * docs/benchmarks.md, "Kept: one token streams short rows one at a time". */
 #define CPU_BF16_LONG_ROW 4096
 #define NR 32
 /* Column pairs per packed block: the panel (NR rows of KB pairs, 128 KiB)

@@ -181,14 +181,14 @@ void cpu_matmul_panels(const struct cpu_mm *a, int r0, int r1, float *scratch,
 /* bf16 weights times tokens rounded to bf16 (bf16_avx512.c), on AVX512_BF16.
  * Tokens as 32-bit words of column pairs (elements 2p, 2p+1, the last
  * padded with zero): below CPU_BF16_GEMM_MIN_TOKENS tokens (decode) one
- * row of words per token (cpu_bf16_row_words apart), streamed against every
- * weight row; from there in
- * tiles of CPU_BF16_MR tokens, pair-major (word p * CPU_BF16_MR + t for
- * token t of a tile, tokens past n zero), for the blocked product.  The
- * threshold is where the two cost the same: both read W from memory once,
- * and on 2048 x 5632 and 5632 x 2048 matmuls streaming cost less CPU time
- * than the blocked product (packing its panels) up to 24 tokens, as much
- * at 31-32, more from 48 (docs/benchmarks.md, "Batched decode"). */
+ * row of words per token (cpu_bf16_row_words apart), streamed against
+ * every weight row; from there in tiles of CPU_BF16_MR tokens, pair-major
+ * (word p * CPU_BF16_MR + t for token t of a tile, tokens past n zero), for
+ * the blocked product.  The threshold is where the two cost the same: both
+ * read W from memory once, and on 2048 x 5632 and 5632 x 2048 matmuls
+ * streaming cost less CPU time than the blocked product (packing its
+ * panels) up to 24 tokens, as much at 31-32, more from 48
+ * (docs/benchmarks.md, "Batched decode"). */
 #define CPU_BF16_MR 12
 #define CPU_BF16_GEMM_MIN_TOKENS 32
 static inline size_t cpu_bf16_pairs(int in)
