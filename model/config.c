@@ -305,6 +305,10 @@ static enum model_status read_sizes(const struct jctx *c, const struct arch_info
     int def_hd = ai->head_dim ? ai->head_dim : cfg->hidden_size / cfg->n_heads;
     if ((st = get_int(c, "head_dim", false, def_hd, 1, MAX_HEAD_DIM, &cfg->head_dim)))
         return st;
+    /* the default is not a field the range check above saw */
+    if (cfg->head_dim > MAX_HEAD_DIM)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: hidden_size=%d / num_attention_heads=%d = %d exceeds head_dim's "
+                          "limit %d", c->file, cfg->hidden_size, cfg->n_heads, cfg->head_dim, MAX_HEAD_DIM);
     /* RoPE rotates pairs of dimensions. */
     if (cfg->head_dim % 2 != 0)
         return model_errf(c->err, MODEL_ECONFIG, "%s: head_dim=%d is odd (RoPE needs pairs)", c->file,
