@@ -679,6 +679,10 @@ static enum model_status read_mamba(const struct jctx *c, struct model_config *c
         (st = get_int(c, "intermediate_size", false, (long long)expand * cfg->hidden_size, 1, MAX_FFN,
                       &cfg->intermediate_size)))
         return st;
+    /* the default, expand * hidden_size, is not a field get_int checked */
+    if (cfg->intermediate_size > MAX_FFN)
+        return model_errf(c->err, MODEL_ECONFIG, "%s: expand=%d * hidden_size=%d = %d exceeds intermediate_size's "
+                          "limit %d", c->file, expand, cfg->hidden_size, cfg->intermediate_size, MAX_FFN);
     json_t *rank = field(c, "time_step_rank");
     if (json_is_string(rank) && strcmp(json_string_value(rank), "auto") == 0)
         cfg->ssm_dt_rank = (cfg->hidden_size + 15) / 16;
