@@ -62,7 +62,9 @@ for t in threads:
 steps = metric("forward_steps_total") - steps0
 same = sum(1 for a, b in zip(alone, together) if a["tokens"] == b.get("tokens") and a["text"] == b.get("text"))
 check(same == N, "%d of %d concurrent greedy outputs identical to the same request alone" % (same, N))
-# unbatched, every token is a step of its own; on a loaded machine the
-# clients' threads reach the daemon spread out, so only half is asked
-check(steps < N * T / 2, "%d forward steps for %d tokens: requests were batched" % (steps, N * T))
+# unbatched, every token is a step of its own (N * T steps and more); on a
+# loaded machine the clients' threads reach the daemon spread out and a
+# small model's steps are a millisecond, so only three quarters is asked
+# (a CI run saw 245 steps for 384 tokens with batching working)
+check(steps < N * T * 3 / 4, "%d forward steps for %d tokens: requests were batched" % (steps, N * T))
 check(d.stop() == 0, "stop")
