@@ -125,6 +125,11 @@ try:
     r = complete(c, input=ENC)
     check(cached(r) == 0 and toks(r) == want and metric(c, "remote_errors_total", '{kind="corrupt"}') >= 1,
           "a corrupted value: a counted miss, encoded")
+    # C2 publishes the input it encoded on its own thread: let that land before the flush, or it would be
+    # counted against the daemon below
+    end = time.time() + 10
+    while metric(c, "remote_blocks_total", '{result="published"}') < 1 and time.time() < end:
+        time.sleep(0.05)
     resp(rsock, "FLUSHALL")
     o = daemon("o", "--remote-share", "off")
     complete(o, input=ENC)
