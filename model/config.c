@@ -154,19 +154,21 @@ static enum model_status typed(const struct jctx *c, const char *key, enum kind 
     return MODEL_OK;
 }
 
-/* An integer field in [lo, hi]; absent means def when !required. */
+/* An integer field in [lo, hi]; absent means def when !required.  A default
+ * is checked too: many are derived from other fields (hidden_size /
+ * num_attention_heads), so the kernels' limits hold whichever way the value
+ * came. */
 static enum model_status get_int(const struct jctx *c, const char *key, bool required, long long def, long long lo,
                                  long long hi, int *out)
 {
     json_t *v;
     enum model_status st = typed(c, key, K_INT, required, &v);
-    *out = (int)def;
-    if (st != MODEL_OK || !v)
+    if (st != MODEL_OK)
         return st;
-    long long x = json_integer_value(v);
+    long long x = v ? json_integer_value(v) : def;
     if (x < lo || x > hi)
-        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%lld out of range [%lld, %lld]", c->file, c->prefix, key,
-                          x, lo, hi);
+        return model_errf(c->err, MODEL_ECONFIG, "%s: %s%s=%lld%s out of range [%lld, %lld]", c->file, c->prefix,
+                          key, x, v ? "" : " (its default, from the fields it derives from)", lo, hi);
     *out = (int)x;
     return MODEL_OK;
 }
@@ -305,10 +307,6 @@ static enum model_status read_sizes(const struct jctx *c, const struct arch_info
     int def_hd = ai->head_dim ? ai->head_dim : cfg->hidden_size / cfg->n_heads;
     if ((st = get_int(c, "head_dim", false, def_hd, 1, MAX_HEAD_DIM, &cfg->head_dim)))
         return st;
-    /* the default is not a field the range check above saw */
-    if (cfg->head_dim > MAX_HEAD_DIM)
-        return model_errf(c->err, MODEL_ECONFIG, "%s: hidden_size=%d / num_attention_heads=%d = %d exceeds head_dim's "
-                          "limit %d", c->file, cfg->hidden_size, cfg->n_heads, cfg->head_dim, MAX_HEAD_DIM);
     /* RoPE rotates pairs of dimensions. */
     if (cfg->head_dim % 2 != 0)
         return model_errf(c->err, MODEL_ECONFIG, "%s: head_dim=%d is odd (RoPE needs pairs)", c->file,
@@ -679,10 +677,6 @@ static enum model_status read_mamba(const struct jctx *c, struct model_config *c
         (st = get_int(c, "intermediate_size", false, (long long)expand * cfg->hidden_size, 1, MAX_FFN,
                       &cfg->intermediate_size)))
         return st;
-    /* the default, expand * hidden_size, is not a field get_int checked */
-    if (cfg->intermediate_size > MAX_FFN)
-        return model_errf(c->err, MODEL_ECONFIG, "%s: expand=%d * hidden_size=%d = %d exceeds intermediate_size's "
-                          "limit %d", c->file, expand, cfg->hidden_size, cfg->intermediate_size, MAX_FFN);
     json_t *rank = field(c, "time_step_rank");
     if (json_is_string(rank) && strcmp(json_string_value(rank), "auto") == 0)
         cfg->ssm_dt_rank = (cfg->hidden_size + 15) / 16;
@@ -719,7 +713,8 @@ static enum model_status read_mamba(const struct jctx *c, struct model_config *c
  * def (Mistral, Qwen: 4096, Phi-3: none), null is "no window". */
 static enum model_status read_window_size(const struct jctx *c, int def, int *out)
 {
-    if (json_is_null(json_object_get(c->obj, "sliding_window"))) {
+    json_t *v = json_object_get(c->obj, "sliding_window");
+    if (json_is_null(v) || (!v && def == 0)) {
         *out = 0;
         return MODEL_OK;
     }

@@ -1733,6 +1733,18 @@ static void test_bad_config(void **state)
     json_decref(c);
     expect_fail(MODEL_ECONFIG, "config.json", "hidden_size=16", NULL);
 
+    /* a derived default is range-checked as a field is: head_dim absent,
+     * hidden_size / num_attention_heads wider than the kernels take */
+    s = spec_of("LlamaForCausalLM");
+    c = spec_config(&s);
+    json_object_del(c, "head_dim");
+    json_object_set_new(c, "hidden_size", json_integer(2048));
+    json_object_set_new(c, "num_attention_heads", json_integer(1));
+    json_object_set_new(c, "num_key_value_heads", json_integer(1));
+    write_json("config.json", c);
+    json_decref(c);
+    expect_fail(MODEL_ECONFIG, "config.json", "head_dim=2048 (its default", "[1, 1024]", NULL);
+
     /* a broken generation_config.json names itself */
     config_with("eos_token_id", json_integer(2));
     write_file("generation_config.json", "{\"eos_token_id\": -3}", 20);
