@@ -38,7 +38,8 @@ check((503, "stalled") in seen, "/health said stalled during the step: %s" % sor
 time.sleep(1.5)
 check(d.get("/health") == (200, {"status": "ok"}), "ok again once the engine advanced")
 check(d.logtext().count("the engine is stalled") == 1, "logged once")
-# exit writes the 30,000 tokens' prefix-cache blocks to the disk tier
-# (1,875 blocks, about 14 s on the strict backend of an idle machine):
-# more than the harness's default wait on a loaded one
+# exit writes the 30,000 tokens' prefix-cache blocks to the disk tier:
+# 1,875 blocks take 1.7 s on the CPU backend but 14 s on the strict one,
+# which mprotects its arena around every op -- more than the harness's
+# default wait on a loaded machine
 check(d.stop(timeout=120) == 0, "clean stop")
