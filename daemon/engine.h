@@ -73,6 +73,7 @@ struct engine_config {
     int spill_after_s;       /* idle sessions go to disk after this long */
     int session_ttl_s;       /* a session idle this long is spilled (disk tier) or dropped; 0: never */
     int disk_compress;       /* enum kv_disk_compress */
+    int prefix_exit_s;       /* at exit, seconds the prefix cache's blocks may take to write; the rest are dropped */
     /* The remote tier (docs/remote.md): prefix-cache blocks shared through
      * Redis; remote_url and remote_cluster NULL: none. */
     const char *remote_url, *remote_cluster, *remote_user;

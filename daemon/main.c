@@ -78,6 +78,8 @@ static void usage(FILE *f)
             "  --session-ttl S      a session idle S seconds goes to disk, or is dropped without a disk tier\n"
             "                       (default 3600; 0: never)\n"
             "  --disk-compress M    auto (idle spills compressed, others raw), always or never (default auto)\n"
+            "  --prefix-exit-seconds S  at exit, write prefix-cache blocks to the disk tier for at most S seconds;\n"
+            "                       the rest are dropped (default 20; 0: none)\n"
             "  --remote URL         share prefix-cache blocks through Redis: redis://host[:port][/db] or unix:PATH\n"
             "  --remote-cluster H:P,...  the same through a Redis Cluster, from these seed nodes\n"
             "  --remote-user NAME   Redis ACL user;  --remote-password-file FILE: AUTH with its first line\n"
@@ -183,7 +185,7 @@ int main(int argc, char **argv)
     const char *env_model = getenv("KVTIER_MODEL");
     struct engine_config ec = {.model_dir = env_model && *env_model ? env_model : NULL, .backend = "cpu",
                                .max_seqs = 32, .batch_tokens = 256, .max_queue = 256, .max_sessions = 64,
-                               .spill_after_s = 600, .session_ttl_s = 3600,
+                               .spill_after_s = 600, .session_ttl_s = 3600, .prefix_exit_s = 20,
                                .remote_timeout_ms = 500, .remote_ttl_s = 86400};
     static char password[1024];
     struct server_config sc = {.max_clients = 256, .max_body = 4u << 20, .max_output = 1u << 20, .max_n = SERVER_MAX_N,
@@ -198,7 +200,7 @@ int main(int argc, char **argv)
         O_MODEL = 256, O_SOCKET, O_SYSTEM, O_GROUP, O_BACKEND, O_THREADS, O_DEVMEM, O_HOSTMEM, O_NOPREFIX, O_PREFIXMEM, O_SHAREPREFIX, O_VERIFY, O_CTX, O_PARALLEL, O_BATCH, O_CKPT,
         O_QUEUE, O_CLIENTS, O_PER_UID, O_PER_PID, O_HEADER, O_RATE, O_STALL, O_BODY, O_OUTPUT, O_SESSIONS, O_DRAIN, O_IDLE, O_LOG, O_VERBOSE, O_HELP,
         O_DISKDIR, O_DISKMEM, O_SPILL, O_COMPRESS, O_KVDTYPE, O_WEIGHTS, O_LISTEN, O_APIKEY, O_KEYFILE,
-        O_SESSIONTTL, O_VERSION, O_PRINTSOCK,
+        O_SESSIONTTL, O_VERSION, O_PRINTSOCK, O_PREFIXEXIT,
         O_REMOTE, O_RCLUSTER, O_RUSER, O_RPASS, O_RTIMEOUT, O_RTTL, O_RSHARE, O_RCOMPRESS
     };
     static const struct option opts[] = {
@@ -224,7 +226,7 @@ int main(int argc, char **argv)
         {"kv-dtype", required_argument, 0, O_KVDTYPE}, {"weights", required_argument, 0, O_WEIGHTS},
         {"listen", required_argument, 0, O_LISTEN}, {"api-key", required_argument, 0, O_APIKEY},
         {"api-key-file", required_argument, 0, O_KEYFILE},
-        {"session-ttl", required_argument, 0, O_SESSIONTTL},
+        {"session-ttl", required_argument, 0, O_SESSIONTTL}, {"prefix-exit-seconds", required_argument, 0, O_PREFIXEXIT},
         {"version", no_argument, 0, O_VERSION}, {"print-socket", no_argument, 0, O_PRINTSOCK},
         {"remote", required_argument, 0, O_REMOTE}, {"remote-cluster", required_argument, 0, O_RCLUSTER},
         {"remote-user", required_argument, 0, O_RUSER}, {"remote-password-file", required_argument, 0, O_RPASS},
@@ -255,6 +257,7 @@ int main(int argc, char **argv)
         case O_DISKMEM: ok = args_size(optarg, &ec.disk_mem) && ec.disk_mem > 0; break;
         case O_SPILL: ok = args_int(optarg, 0, 1 << 30, &ec.spill_after_s); break;
         case O_SESSIONTTL: ok = args_int(optarg, 0, 1 << 30, &ec.session_ttl_s); break;
+        case O_PREFIXEXIT: ok = args_int(optarg, 0, 86400, &ec.prefix_exit_s); break;
         case O_COMPRESS:
             ok = !strcmp(optarg, "auto") || !strcmp(optarg, "always") || !strcmp(optarg, "never");
             ec.disk_compress = !strcmp(optarg, "always") ? KV_DISK_COMPRESS_ALWAYS

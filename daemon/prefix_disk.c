@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "daemon/engine_impl.h"
+#include "util/clock.h"
 #include "util/log.h"
 
 #define META_FORMAT 1
@@ -494,13 +495,17 @@ void prefix_disk_close(engine *e)
         x->j = NULL;
         fetch_finish(e, x);
     }
-    /* the blocks evicted but not written yet, then every one still cached */
+    /* the blocks evicted but not written yet, then every one still cached,
+     * for at most --prefix-exit-seconds: a cache is not worth a slow stop
+     * (the writes in flight then still land) */
     pd->exiting = true;
     uint64_t before = engine_get_stats(e).prefix_disk_written;
+    double deadline = clock_s() + e->cfg.prefix_exit_s;
+    bool cut = false;
     for (;;) {
         reap(e, true);
         bool more = false;
-        while (pd->put_bytes < QUEUE_BYTES) {
+        while (pd->put_bytes < QUEUE_BYTES && !cut) {
             struct kv_prefix_block b;
             bool got = kv_store_prefix_take_evicted(e->store, &b);
             if (!got && kv_store_prefix_export(e->store, &b, &got) != TIER_OK) {
@@ -509,6 +514,10 @@ void prefix_disk_close(engine *e)
             }
             if (!got)
                 break;
+            if ((cut = clock_s() >= deadline)) {
+                free(b.buf);
+                break;
+            }
             put_block(e, b, false);
             more = true;
         }
@@ -519,6 +528,9 @@ void prefix_disk_close(engine *e)
     uint64_t written = engine_get_stats(e).prefix_disk_written - before;
     if (written)
         log_msg(LOG_INFO, "disk tier: %" PRIu64 " prefix-cache block(s) written at exit", written);
+    if (cut)
+        log_msg(LOG_INFO, "disk tier: prefix-cache writes at exit stopped after %d s (--prefix-exit-seconds): the "
+                "blocks not written are dropped", e->cfg.prefix_exit_s);
     while (pd->oldest)
         index_del(pd, pd->oldest);
     free(pd->buckets);

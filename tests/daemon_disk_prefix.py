@@ -4,7 +4,8 @@ in whole blocks) with the tokens of a daemon without a disk tier; the
 blocks are files of the requester's namespace only, so another uid's same
 prompt finds nothing (as root: a client runs as another uid); a corrupt
 block file is a miss with a log line and the same tokens; /metrics counts
-the blocks written and read and the hits."""
+the blocks written and read and the hits.  --prefix-exit-seconds 0 writes
+none at exit."""
 import glob
 import grp
 import json
@@ -114,6 +115,16 @@ toks, cached = complete(nd, prompt)
 check(toks == want and cached == 0, "--no-prefix-cache: no hit from disk")
 check(nd.stop() == 0 and len(glob.glob(os.path.join(disk_dir, my_ns, "*.kvt"))) == n_before,
       "--no-prefix-cache: no prefix file written or removed")
+
+# --prefix-exit-seconds 0: the stop writes no prefix block (a cache is not
+# worth a slow stop) and says so
+z = Daemon("--prefix-exit-seconds", "0", model=ref.model, tmp=ref.tmp)
+z.sock = os.path.join(ref.tmp, "z.sock")
+z.start()
+complete(z, prompt)
+check(z.stop() == 0 and not glob.glob(os.path.join(z.sock + ".disk", my_ns, "*.kvt")) and
+      "prefix-cache writes at exit stopped after 0 s" in z.logtext(),
+      "--prefix-exit-seconds 0: a clean stop that writes no prefix block and logs the cut")
 
 # a --disk-mem that holds a few blocks: a later run's blocks take the room of
 # the least recently used files of an earlier one; the daemon serves throughout
