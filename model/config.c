@@ -281,7 +281,6 @@ static enum model_status read_arch(const struct jctx *c, const struct arch_info 
 #define MAX_FFN (1 << 20)
 #define MAX_LAYERS 1024
 #define MAX_HEADS 1024
-#define MAX_HEAD_DIM 1024
 #define MAX_QDIM (1 << 17)
 #define MAX_VOCAB (1 << 24)
 #define MAX_POS (1 << 24)
@@ -305,7 +304,7 @@ static enum model_status read_sizes(const struct jctx *c, const struct arch_info
                           "%s: no head_dim and num_attention_heads=%d does not divide hidden_size=%d", c->file,
                           cfg->n_heads, cfg->hidden_size);
     int def_hd = ai->head_dim ? ai->head_dim : cfg->hidden_size / cfg->n_heads;
-    if ((st = get_int(c, "head_dim", false, def_hd, 1, MAX_HEAD_DIM, &cfg->head_dim)))
+    if ((st = get_int(c, "head_dim", false, def_hd, 1, MODEL_MAX_HEAD_DIM, &cfg->head_dim)))
         return st;
     /* RoPE rotates pairs of dimensions. */
     if (cfg->head_dim % 2 != 0)
@@ -626,9 +625,9 @@ static enum model_status read_gpt2(const struct jctx *c, struct model_config *cf
         return st;
     cfg->n_kv_heads = cfg->n_heads;
     cfg->head_dim = cfg->hidden_size / cfg->n_heads;
-    if (cfg->head_dim < 2 || cfg->head_dim > MAX_HEAD_DIM)
+    if (cfg->head_dim < 2 || cfg->head_dim > MODEL_MAX_HEAD_DIM)
         return model_errf(c->err, MODEL_ECONFIG, "%s: n_embd / n_head = %d out of range [2, %d]", c->file,
-                          cfg->head_dim, MAX_HEAD_DIM);
+                          cfg->head_dim, MODEL_MAX_HEAD_DIM);
     const char *act;
     if ((st = get_str(c, "activation_function", &act)))
         return st;

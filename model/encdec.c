@@ -151,20 +151,25 @@ bool encdec_is_encdec(const char *dir)
     return yes;
 }
 
-/* An integer field in [lo, hi]: def when absent (def < lo: required). */
+/* An integer field in [lo, hi]: def when absent (def < lo: required).  A
+ * default is checked too: some depend on other fields (a token id against
+ * vocab_size). */
 static enum model_status get_int(json_t *root, const char *key, long long def, long long lo, long long hi, int *out,
                                  char *err)
 {
     json_t *v = json_object_get(root, key);
-    if (!v || json_is_null(v)) {
-        if (def < lo)
-            return model_errf(err, MODEL_ECONFIG, "config.json: %s is missing", key);
-        *out = (int)def;
-        return MODEL_OK;
-    }
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
+    bool absent = !v || json_is_null(v);
+    if (absent && def < lo)
+        return model_errf(err, MODEL_ECONFIG, "config.json: %s is missing", key);
+    if (!absent && !json_is_integer(v))
         return model_errf(err, MODEL_ECONFIG, "config.json: %s must be an integer in [%lld, %lld]", key, lo, hi);
-    *out = (int)json_integer_value(v);
+    long long x = absent ? def : json_integer_value(v);
+    if (absent && x > hi)
+        return model_errf(err, MODEL_ECONFIG, "config.json: %s is absent and its default %lld is outside [%lld, %lld]",
+                          key, x, lo, hi);
+    if (x < lo || x > hi)
+        return model_errf(err, MODEL_ECONFIG, "config.json: %s must be an integer in [%lld, %lld]", key, lo, hi);
+    *out = (int)x;
     return MODEL_OK;
 }
 
@@ -229,7 +234,7 @@ static enum model_status parse_config(json_t *root, struct encdec_config *c, cha
         static const char *const ffn[] = {"relu", "gated-gelu", NULL};
         int kind, dec;
         if ((st = get_int(root, "num_heads", -1, 1, 1024, &c->n_heads, err)) ||
-            (st = get_int(root, "d_kv", -1, 1, 4096, &c->head_dim, err)) ||
+            (st = get_int(root, "d_kv", -1, 1, MODEL_MAX_HEAD_DIM, &c->head_dim, err)) ||
             (st = get_int(root, "d_ff", -1, 1, 1 << 20, &c->ffn, err)) ||
             (st = get_int(root, "num_layers", -1, 1, 1024, &c->n_enc_layers, err)) ||
             (st = get_int(root, "num_decoder_layers", c->n_enc_layers, 1, 1024, &dec, err)) ||
@@ -280,6 +285,9 @@ static enum model_status parse_config(json_t *root, struct encdec_config *c, cha
     if (d_model % eh)
         return model_errf(err, MODEL_ECONFIG, "config.json: d_model %d is not a multiple of the heads %d", d_model,
                           eh);
+    if (d_model / eh > MODEL_MAX_HEAD_DIM)
+        return model_errf(err, MODEL_ECONFIG, "config.json: d_model %d / encoder_attention_heads %d = %d exceeds the "
+                          "widest head the kernels take (%d)", d_model, eh, d_model / eh, MODEL_MAX_HEAD_DIM);
     c->n_heads = eh;
     c->head_dim = d_model / eh;
     c->ffn = ef;

@@ -16,6 +16,9 @@
 
 #define MODEL_ERR_LEN 512
 #define MODEL_MAX_EOS 8
+/* The widest attention head a config may give: the kernels' scratch is
+ * sized for it. */
+#define MODEL_MAX_HEAD_DIM 1024
 
 enum model_status {
     MODEL_OK = 0,

@@ -1218,6 +1218,41 @@ static void test_encdec_device_bytes(void **state)
     check_encdec_charged("BART");
 }
 
+/* write_encdec's config.json with key set to v (NULL: removed), then
+ * encdec_config_load must fail naming want. */
+static void encdec_config_fails(bool bart, const char *key, json_t *v, const char *want)
+{
+    write_encdec(bart, false);
+    char path[128], err[MODEL_ERR_LEN];
+    snprintf(path, sizeof path, "%s/config.json", g_dir);
+    json_t *c = json_load_file(path, 0, NULL);
+    assert_non_null(c);
+    if (v)
+        json_object_set_new(c, key, v);
+    else
+        json_object_del(c, key);
+    write_json("config.json", c);
+    json_decref(c);
+    struct encdec_config ec;
+    if (encdec_config_load(g_dir, &ec, err) != MODEL_ECONFIG)
+        fail_msg("%s: loaded (%s)", key, err);
+    if (!strstr(err, want))
+        fail_msg("%s: \"%s\" does not say \"%s\"", key, err, want);
+}
+
+/* Heads wider than the attention kernels take, and defaults that do not fit
+ * the fields they depend on, are refused at load with the field named. */
+static void test_encdec_bad_config(void **state)
+{
+    (void)state;
+    encdec_config_fails(false, "d_kv", json_integer(2048), "d_kv must be an integer in [1, 1024]");
+    encdec_config_fails(true, "d_model", json_integer(8192), "exceeds the widest head the kernels take (1024)");
+    /* T5's eos_token_id defaults to 1, BART's decoder_start_token_id to 2 */
+    json_t *tiny = json_integer(1);
+    encdec_config_fails(false, "vocab_size", json_incref(tiny), "eos_token_id is absent and its default 1");
+    encdec_config_fails(true, "vocab_size", tiny, "decoder_start_token_id is absent and its default 2");
+}
+
 static void test_defaults_and_generation_config(void **state)
 {
     (void)state;
@@ -2051,6 +2086,7 @@ int main(void)
         T(test_mamba),
         T(test_device_bytes),
         T(test_encdec_device_bytes),
+        T(test_encdec_bad_config),
         T(test_defaults_and_generation_config),
         T(test_rope_scaling),
         T(test_sharded),

@@ -1,5 +1,6 @@
 /* fuzz_config.c - config.json and generation_config.json of a model
- * directory (model_config_load).  The input is config.json, then
+ * directory (model_config_load), and config.json as an encoder-decoder
+ * model's (encdec_config_load).  The input is config.json, then
  * optionally a NUL and generation_config.json; both are written to a
  * scratch directory, since the loader reads a directory.
  *
@@ -8,9 +9,13 @@
  * range, head_dim even (but GPT-2's: no RoPE), num_attention_heads a multiple of
  * num_key_value_heads, one window per layer (none wider than
  * sliding_window), special token ids inside the vocabulary; a Mamba config
- * has no attention and its state and convolution inside the kernels' bounds. */
+ * has no attention and its state and convolution inside the kernels' bounds.
+ * An accepted encoder-decoder config has every size in range, heads no
+ * wider than the kernels take, T5's buckets a usable log range, and its
+ * start and end tokens inside the vocabulary. */
 #include <math.h>
 
+#include "model/encdec.h"
 #include "model/model.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -84,6 +89,28 @@ static void check_config(const struct model_config *c)
                    c->eos_token_ids[i]);
 }
 
+static void check_encdec(const struct encdec_config *c)
+{
+    FUZZ_CHECK(c->arch_name && c->arch_name[0], "no architecture name");
+    FUZZ_CHECK(c->vocab_size >= 1 && c->d_model >= 1 && c->d_model <= 1 << 16 && c->ffn >= 1, "sizes %d %d %d",
+               c->vocab_size, c->d_model, c->ffn);
+    FUZZ_CHECK(c->n_heads >= 1 && c->head_dim >= 1 && c->head_dim <= MODEL_MAX_HEAD_DIM, "heads %d x %d",
+               c->n_heads, c->head_dim);
+    FUZZ_CHECK(c->n_enc_layers >= 1 && c->n_enc_layers <= 1024 && c->n_dec_layers >= 1 && c->n_dec_layers <= 1024,
+               "layers %d %d", c->n_enc_layers, c->n_dec_layers);
+    FUZZ_CHECK(isfinite(c->eps) && c->eps > 0 && c->eps < 1, "eps %g", c->eps);
+    FUZZ_CHECK(c->dtype == BE_F32 || c->dtype == BE_F16 || c->dtype == BE_BF16, "dtype %d", (int)c->dtype);
+    FUZZ_CHECK(c->decoder_start_token_id >= 0 && c->decoder_start_token_id < c->vocab_size &&
+                   c->eos_token_id >= 0 && c->eos_token_id < c->vocab_size,
+               "start %d eos %d of %d", c->decoder_start_token_id, c->eos_token_id, c->vocab_size);
+    if (c->bart)
+        FUZZ_CHECK(c->max_positions >= 1 && c->head_dim * c->n_heads == c->d_model, "bart positions %d, %d x %d",
+                   c->max_positions, c->n_heads, c->head_dim);
+    else
+        FUZZ_CHECK(c->num_buckets >= 4 && c->max_distance > c->num_buckets / 2, "buckets %d distance %d",
+                   c->num_buckets, c->max_distance);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size > 1 << 16)
@@ -106,5 +133,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         FUZZ_CHECK(!c.layer_window, "layer windows left after an error");
     }
     model_config_release(&c);
+
+    struct encdec_config e;
+    err[0] = '\0';
+    st = encdec_config_load(dir, &e, err);
+    if (st == MODEL_OK)
+        check_encdec(&e);
+    else
+        FUZZ_CHECK((st == MODEL_EFORMAT || st == MODEL_ECONFIG || st == MODEL_EUNSUPPORTED || st == MODEL_ENOMEM) &&
+                       strstr(err, "config.json"),
+                   "encdec status %d (%s)", st, err);
     return 0;
 }

@@ -31,6 +31,16 @@ put("config", "mamba", json.dumps({"architectures": ["MambaForCausalLM"], "vocab
     "num_hidden_layers": 2, "state_size": 4, "conv_kernel": 4, "time_step_rank": "auto", "torch_dtype": "float32",
     "eos_token_id": 0}))
 
+put("config", "t5", json.dumps({"architectures": ["T5ForConditionalGeneration"], "vocab_size": 320, "d_model": 64,
+    "num_heads": 4, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2,
+    "relative_attention_num_buckets": 16, "relative_attention_max_distance": 12, "feed_forward_proj": "gated-gelu",
+    "layer_norm_epsilon": 1e-6, "decoder_start_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32"}))
+put("config", "bart", json.dumps({"architectures": ["BartForConditionalGeneration"], "vocab_size": 320, "d_model": 64,
+    "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_position_embeddings": 128, "activation_function": "gelu",
+    "scale_embedding": False, "decoder_start_token_id": 2, "eos_token_id": 2, "pad_token_id": 1,
+    "torch_dtype": "float32"}))
+
 # ---- safetensors (mode byte + file) -----------------------------------------
 def safetensors(tensors, pad=True, dtype="F32"):
     size = {"F32": 4, "F16": 2, "BF16": 2}[dtype]
