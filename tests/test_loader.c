@@ -70,6 +70,19 @@ static void write_json(const char *name, json_t *j)
     free(s);
 }
 
+/* Writes config c (taken) as config.json with key set to v (taken; NULL:
+ * removed). */
+static void write_config_with(json_t *c, const char *key, json_t *v)
+{
+    assert_non_null(c);
+    if (v)
+        json_object_set_new(c, key, v);
+    else
+        json_object_del(c, key);
+    write_json("config.json", c);
+    json_decref(c);
+}
+
 /* ---- tensor values ------------------------------------------------------- */
 
 static uint32_t name_hash(const char *s)
@@ -1225,14 +1238,7 @@ static void encdec_config_fails(bool bart, const char *key, json_t *v, const cha
     write_encdec(bart, false);
     char path[128], err[MODEL_ERR_LEN];
     snprintf(path, sizeof path, "%s/config.json", g_dir);
-    json_t *c = json_load_file(path, 0, NULL);
-    assert_non_null(c);
-    if (v)
-        json_object_set_new(c, key, v);
-    else
-        json_object_del(c, key);
-    write_json("config.json", c);
-    json_decref(c);
+    write_config_with(json_load_file(path, 0, NULL), key, v);
     struct encdec_config ec;
     if (encdec_config_load(g_dir, &ec, err) != MODEL_ECONFIG)
         fail_msg("%s: loaded (%s)", key, err);
@@ -1687,13 +1693,7 @@ static void test_bad_tensors(void **state)
 static void config_with(const char *key, json_t *v)
 {
     struct spec s = spec_of("LlamaForCausalLM");
-    json_t *c = spec_config(&s);
-    if (v)
-        json_object_set_new(c, key, v);
-    else
-        json_object_del(c, key);
-    write_json("config.json", c);
-    json_decref(c);
+    write_config_with(spec_config(&s), key, v);
 }
 
 static void test_bad_config(void **state)
