@@ -164,9 +164,17 @@ enum be_status be_open(const char *name, const struct be_params *p, be_backend *
             return BE_ENODEV;
         }
         open_error[0] = '\0'; /* a candidate before it may have failed */
+        const struct be_ops *(*table)(void);
         *(void **)&init = dlsym(plugin, BE_PLUGIN_INIT_SYMBOL);
-        if (!init) {
-            snprintf(open_error, sizeof(open_error), "the CUDA plugin has no %s", BE_PLUGIN_INIT_SYMBOL);
+        *(void **)&table = dlsym(plugin, BE_PLUGIN_OPS_SYMBOL);
+        if (!init || !table) {
+            snprintf(open_error, sizeof(open_error), "the CUDA plugin has no %s",
+                     init ? BE_PLUGIN_OPS_SYMBOL : BE_PLUGIN_INIT_SYMBOL);
+            dlclose(plugin);
+            return BE_ENODEV;
+        }
+        if (!ops_complete(table())) {
+            snprintf(open_error, sizeof(open_error), "the cuda backend is from another build of kvtier");
             dlclose(plugin);
             return BE_ENODEV;
         }

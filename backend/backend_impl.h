@@ -18,8 +18,12 @@
  * refuses a plugin built against another version. */
 #define BE_API_VERSION 9
 
-/* The one symbol a backend plugin (libkvtier-cuda.so) exports. */
+/* The symbols a backend plugin (libkvtier-cuda.so) exports: its init, and
+ * const struct be_ops *kvtier_backend_ops(void), its table, which be_open()
+ * checks for every required slot before init, so a table with a hole is
+ * refused on every machine, not only on one where init succeeds. */
 #define BE_PLUGIN_INIT_SYMBOL "kvtier_backend_init"
+#define BE_PLUGIN_OPS_SYMBOL "kvtier_backend_ops"
 /* And, optionally, const char *kvtier_backend_error(void): why its init
  * last failed, which be_open_error() then repeats. */
 #define BE_PLUGIN_ERROR_SYMBOL "kvtier_backend_error"

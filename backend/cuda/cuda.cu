@@ -289,20 +289,14 @@ static void cu_host_free(void *ctx, void *ptr, size_t size)
 
 /* A copy queued now must see what the kernels queued before it wrote, as
  * on the CPU backend, where they ran before the call returned. */
-static enum be_status copy_stream(struct cu_ctx *c, enum be_copy_dir dir, cudaStream_t *s)
-{
-    *s = dir == BE_D2H ? c->d2h : c->h2d;
-    CU_TRY(c, cudaEventRecord(c->order, c->compute), "copy_async");
-    return cu_check(c, cudaStreamWaitEvent(*s, c->order, 0), "copy_async");
-}
-
 static enum be_status cu_copy_async(void *ctx, void *dst, const void *src, size_t n, enum be_copy_dir dir)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
-    cudaStream_t s;
+    (void)dir;
     BE_TRY(cu_enter(c, "copy_async"));
-    BE_TRY(copy_stream(c, dir, &s));
-    return cu_check(c, cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s), "copy_async");
+    CU_TRY(c, cudaEventRecord(c->order, c->compute), "copy_async");
+    CU_TRY(c, cudaStreamWaitEvent(c->copy, c->order, 0), "copy_async");
+    return cu_check(c, cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, c->copy), "copy_async");
 }
 
 /* On the compute stream, so it follows the kernels before it; a copy that
@@ -315,9 +309,9 @@ static enum be_status cu_copy(void *ctx, void *dst, const void *src, size_t n, e
     return dir == BE_D2D ? BE_OK : cu_check(c, cudaStreamSynchronize(c->compute), "copy");
 }
 
-/* An event marks both copy streams: a fence for every copy queued before. */
+/* An event marks the copy stream: a fence for every copy queued before. */
 struct cu_event {
-    cudaEvent_t e[2]; /* h2d, d2h */
+    cudaEvent_t e;
     bool recorded;
 };
 
@@ -328,9 +322,7 @@ static enum be_status cu_event_create(void *ctx, void **ev)
     struct cu_event *e = (struct cu_event *)calloc(1, sizeof(*e));
     if (!e)
         return BE_ENOMEM_HOST;
-    enum be_status st = cu_check(c, cudaEventCreate(&e->e[0]), "event_create");
-    if (st == BE_OK && (st = cu_check(c, cudaEventCreate(&e->e[1]), "event_create")) != BE_OK)
-        cudaEventDestroy(e->e[0]);
+    enum be_status st = cu_check(c, cudaEventCreate(&e->e), "event_create");
     if (st != BE_OK) {
         free(e);
         return st;
@@ -343,8 +335,7 @@ static void cu_event_free(void *ctx, void *ev)
 {
     (void)ctx;
     struct cu_event *e = (struct cu_event *)ev;
-    cudaEventDestroy(e->e[0]);
-    cudaEventDestroy(e->e[1]);
+    cudaEventDestroy(e->e);
     free(e);
 }
 
@@ -353,8 +344,7 @@ static enum be_status cu_event_record(void *ctx, void *ev)
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     struct cu_event *e = (struct cu_event *)ev;
     BE_TRY(cu_enter(c, "event_record"));
-    CU_TRY(c, cudaEventRecord(e->e[0], c->h2d), "event_record");
-    CU_TRY(c, cudaEventRecord(e->e[1], c->d2h), "event_record");
+    CU_TRY(c, cudaEventRecord(e->e, c->copy), "event_record");
     e->recorded = true;
     return BE_OK;
 }
@@ -366,8 +356,7 @@ static enum be_status cu_event_wait(void *ctx, void *ev)
     BE_TRY(cu_enter(c, "event_wait"));
     if (!e->recorded)
         return BE_OK;
-    CU_TRY(c, cudaStreamWaitEvent(c->compute, e->e[0], 0), "event_wait");
-    return cu_check(c, cudaStreamWaitEvent(c->compute, e->e[1], 0), "event_wait");
+    return cu_check(c, cudaStreamWaitEvent(c->compute, e->e, 0), "event_wait");
 }
 
 static enum be_status cu_event_sync(void *ctx, void *ev)
@@ -377,22 +366,18 @@ static enum be_status cu_event_sync(void *ctx, void *ev)
     BE_TRY(cu_enter(c, "event_sync"));
     if (!e->recorded)
         return BE_OK;
-    CU_TRY(c, cudaEventSynchronize(e->e[0]), "event_sync");
-    return cu_check(c, cudaEventSynchronize(e->e[1]), "event_sync");
+    return cu_check(c, cudaEventSynchronize(e->e), "event_sync");
 }
 
-/* The longer of the two directions' spans: the fence waits for both. */
 static enum be_status cu_event_elapsed(void *ctx, void *start, void *end, double *seconds)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     struct cu_event *a = (struct cu_event *)start, *b = (struct cu_event *)end;
     if (!a->recorded || !b->recorded)
         return BE_EINVAL;
-    float ms[2];
-    for (int i = 0; i < 2; i++)
-        CU_TRY(c, cudaEventElapsedTime(&ms[i], a->e[i], b->e[i]), "event_elapsed");
-    double m = ms[0] > ms[1] ? ms[0] : ms[1];
-    *seconds = m > 0 ? m / 1e3 : 0.0;
+    float ms;
+    CU_TRY(c, cudaEventElapsedTime(&ms, a->e, b->e), "event_elapsed");
+    *seconds = ms > 0 ? ms / 1e3 : 0.0;
     return BE_OK;
 }
 
@@ -400,8 +385,7 @@ static enum be_status cu_sync(void *ctx)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     BE_TRY(cu_enter(c, "sync"));
-    CU_TRY(c, cudaStreamSynchronize(c->h2d), "sync");
-    CU_TRY(c, cudaStreamSynchronize(c->d2h), "sync");
+    CU_TRY(c, cudaStreamSynchronize(c->copy), "sync");
     return cu_check(c, cudaStreamSynchronize(c->compute), "sync");
 }
 
@@ -439,8 +423,8 @@ static void cu_free(void *ctx)
             cudaEventDestroy(c->meta_left[i]);
     if (c->order)
         cudaEventDestroy(c->order);
-    cudaStream_t *streams[] = {&c->compute, &c->h2d, &c->d2h};
-    for (int i = 0; i < 3; i++)
+    cudaStream_t *streams[] = {&c->compute, &c->copy};
+    for (int i = 0; i < 2; i++)
         if (*streams[i])
             cudaStreamDestroy(*streams[i]);
     cudaFree(c->arena);
@@ -478,8 +462,7 @@ static const struct be_ops cu_ops = {
     .silu_mul = cu_silu_mul,
     .gelu_mul = cu_gelu_mul,
     .scale = cu_scale,
-    /* no ReLU / erf-GELU kernels yet: encoder-decoder models report BE_ENOTSUP */
-    .act = NULL,
+    .act = cu_act,
     .layernorm = cu_layernorm,
     .add = cu_add,
     .softmax = cu_softmax,
@@ -599,8 +582,7 @@ static enum be_status setup(const struct be_params *p, struct cu_ctx *c, size_t 
         return BE_ENOMEM_HOST;
     const char *op = "init";
     CU_TRY(c, cudaStreamCreateWithFlags(&c->compute, cudaStreamNonBlocking), op);
-    CU_TRY(c, cudaStreamCreateWithFlags(&c->h2d, cudaStreamNonBlocking), op);
-    CU_TRY(c, cudaStreamCreateWithFlags(&c->d2h, cudaStreamNonBlocking), op);
+    CU_TRY(c, cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking), op);
     CU_TRY(c, cudaEventCreateWithFlags(&c->order, cudaEventDisableTiming), op);
     for (int i = 0; i < 2; i++)
         CU_TRY(c, cudaEventCreateWithFlags(&c->meta_left[i], cudaEventDisableTiming), op);
@@ -609,6 +591,11 @@ static enum be_status setup(const struct be_params *p, struct cu_ctx *c, size_t 
     BE_TRY(cu_blas_check(c, cublasSetStream(c->blas, c->compute), op));
     CU_TRY(c, cudaMalloc(&c->blas_ws, BLAS_WORKSPACE), op);
     return cu_blas_check(c, cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WORKSPACE), op);
+}
+
+extern "C" __attribute__((visibility("default"))) const struct be_ops *kvtier_backend_ops(void)
+{
+    return &cu_ops;
 }
 
 extern "C" __attribute__((visibility("default"))) enum be_status

@@ -38,7 +38,11 @@ struct cu_ctx {
     bool sync_each;                 /* KVTIER_CUDA_SYNC=1: every op waits for its kernels */
     bool dead;                      /* a sticky error: every later op fails */
 
-    cudaStream_t compute, h2d, d2h; /* kernels; copies per direction */
+    /* kernels; copies, both directions in one stream: the store relies on
+     * copies landing in the order they were queued (a slot's write-back is
+     * read before the next layer's copy-in overwrites it), as backend.h
+     * promises */
+    cudaStream_t compute, copy;
     cudaEvent_t order;              /* the compute stream's tail, which copies wait for */
     cublasHandle_t blas;
     void *blas_ws;                  /* cuBLAS workspace */
@@ -151,6 +155,7 @@ enum be_status cu_rope(void *ctx, void *x, int n_tok, int n_heads, int head_dim,
 enum be_status cu_silu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
 enum be_status cu_gelu_mul(void *ctx, void *y, const void *gate, const void *up, size_t n);
 enum be_status cu_scale(void *ctx, void *x, size_t n, float s);
+enum be_status cu_act(void *ctx, void *x, size_t n, enum be_act act);
 enum be_status cu_add(void *ctx, void *y, const void *x, size_t n);
 enum be_status cu_softmax(void *ctx, void *x, int rows, int cols);
 enum be_status cu_embed(void *ctx, void *y, const void *table, enum be_dtype dt, const int32_t *ids, int n, int dim);

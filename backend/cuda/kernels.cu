@@ -175,6 +175,8 @@ enum be_status cu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, co
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     BE_TRY(cu_enter(c, "matmul"));
+    if (wt == BE_Q4_K) /* no kernel reads its blocks yet (backend_impl.h: refuse what it cannot read) */
+        return BE_ENOTSUP;
     unsigned grid = (unsigned)((out + ROW_WARPS - 1) / ROW_WARPS);
     if (wt == BE_Q8_0) {
         size_t nb = (size_t)n * in / 32;
@@ -286,7 +288,7 @@ enum be_status cu_rope(void *ctx, void *x, int n_tok, int n_heads, int head_dim,
 
 /* ---- element-wise -------------------------------------------------------- */
 
-enum elem_op { SILU_MUL, GELU_MUL, GELU, SCALE, ADD };
+enum elem_op { SILU_MUL, GELU_MUL, GELU, SCALE, ADD, RELU, GELU_ERF };
 
 /* y[i] = op(a[i], b[i]) in f32 */
 __global__ void k_elem(void *y, const void *a, const void *b, enum be_dtype dt, size_t n, float s, enum elem_op op)
@@ -299,6 +301,8 @@ __global__ void k_elem(void *y, const void *a, const void *b, enum be_dtype dt, 
         case GELU_MUL: v = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * ld(b, i, dt); break;
         case GELU: v = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))); break;
         case SCALE: v = g * s; break;
+        case RELU: v = g > 0.0f ? g : 0.0f; break;
+        case GELU_ERF: v = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)); break;
         default: v = ld(y, i, dt) + g; break; /* ADD: y += a */
         }
         st(y, i, dt, v);
@@ -327,6 +331,11 @@ enum be_status cu_gelu_mul(void *ctx, void *y, const void *gate, const void *up,
 enum be_status cu_scale(void *ctx, void *x, size_t n, float s)
 {
     return elem(ctx, "scale", x, x, NULL, n, s, SCALE);
+}
+
+enum be_status cu_act(void *ctx, void *x, size_t n, enum be_act act)
+{
+    return elem(ctx, "act", x, x, NULL, n, 0.0f, act == BE_ACT_RELU ? RELU : GELU_ERF);
 }
 
 enum be_status cu_add(void *ctx, void *y, const void *x, size_t n)
