@@ -30,8 +30,13 @@ while probe.proc.poll() is None and time.time() < t:
         time.sleep(0.1)
 if probe.proc.poll() is not None:
     line = [x for x in probe.logtext().splitlines() if "--backend cuda:" in x]
-    print(line[-1].split("--backend cuda: ", 1)[1] if line else "no CUDA device (kvtierd exited %d)" %
-          probe.proc.returncode)
+    why = line[-1].split("--backend cuda: ", 1)[1] if line else ""
+    # skipped only where there is no GPU or no plugin: a plugin that loads
+    # and then fails to open, or a daemon that dies otherwise, is a failure
+    if not why.startswith(("no CUDA device", "no CUDA plugin")):
+        print("FAIL cuda: kvtierd --backend cuda exited %d: %s" % (probe.proc.returncode, why or probe.logtext()[-500:]))
+        sys.exit(1)
+    print(why)
     sys.exit(77)
 probe.cleanup()
 

@@ -18,6 +18,8 @@ from kvclient import UnixHTTP  # noqa: E402  (tests/ may use tools/, the layer b
 
 BUILD = os.environ.get("KVTIER_BUILD", "build")
 KVTIERD = os.path.join(BUILD, "kvtierd")
+# the Python with torch for tools/mkmodel.py (tests/python.h says why)
+PYTHON = os.environ.get("KVTIER_PYTHON") or "/usr/bin/python3"
 
 
 def skip(why):
@@ -38,7 +40,7 @@ def make_model(tmp):
 def mkmodel(out, *args):
     """tools/mkmodel.py ARGS into out, with the built-in tokenizer and a
     2048-token vocabulary; the test is skipped when it fails."""
-    r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", *args, "--vocab", "2048",
+    r = subprocess.run([PYTHON, "tools/mkmodel.py", *args, "--vocab", "2048",
                         "--tokenizer-from", "model/builtin", "--out", out], capture_output=True, text=True)
     if r.returncode != 0:
         skip("mkmodel failed: " + r.stderr[-300:])

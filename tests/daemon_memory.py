@@ -13,13 +13,13 @@ import threading
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, skip  # noqa: E402
+from daemon_harness import PYTHON, Daemon, check, skip  # noqa: E402
 
 # a deeper model than the harness's (8 layers) so two streaming slots are a
 # small part of the KV: 8 layers x 2 KV heads x 16 dims x 4 bytes x 2 = 2 KiB a token
 probe = Daemon()
 model = os.path.join(probe.tmp, "deep")
-r = subprocess.run(["/usr/bin/python3", "tools/mkmodel.py", "--arch", "llama", "--preset", "tiny", "--layers", "8",
+r = subprocess.run([PYTHON, "tools/mkmodel.py", "--arch", "llama", "--preset", "tiny", "--layers", "8",
                     "--vocab", "2048", "--tokenizer-from", "model/builtin", "--out", model],
                    capture_output=True, text=True)
 if r.returncode:

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "model/model.h"
+#include "tests/python.h"
 #include "util/argmax.h"
 
 /* The shapes the tests use: full attention, every layer sliding by 8, and
@@ -28,7 +29,7 @@ static inline int make_models(const char *const *args, int n)
         return -1;
     for (int i = 0; i < n; i++) {
         char cmd[512];
-        snprintf(cmd, sizeof(cmd), "/usr/bin/python3 tools/mkmodel.py --out %s/m%d --seed %d %s > /dev/null 2>&1",
+        snprintf(cmd, sizeof(cmd), "%s tools/mkmodel.py --out %s/m%d --seed %d %s > /dev/null 2>&1", test_python(),
                  g_dir, i, 7 + i, args[i]);
         if (system(cmd) != 0)
             return -1;

@@ -21,6 +21,7 @@
 #include <cmocka.h>
 
 #include "model/model.h"
+#include "tests/python.h"
 #include "tiers/quant.h"
 
 #define N_PROMPT 40
@@ -44,7 +45,7 @@ static int setup(void **state)
         return -1;
     for (int i = 0; i < N_MODELS; i++) {
         char cmd[512];
-        snprintf(cmd, sizeof(cmd), "/usr/bin/python3 tools/mkmodel.py --out %s/m%d --seed %d %s > /dev/null 2>&1",
+        snprintf(cmd, sizeof(cmd), "%s tools/mkmodel.py --out %s/m%d --seed %d %s > /dev/null 2>&1", test_python(),
                  g_dir, i, 11 + i, model_args[i]);
         if (system(cmd) != 0)
             return -1;

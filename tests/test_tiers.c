@@ -24,6 +24,7 @@
 
 #include "model/model.h"
 #include "tiers/quant.h"
+#include "tests/python.h"
 #include "util/argmax.h"
 
 #define N_PROMPT 20
@@ -61,7 +62,7 @@ static int make_models(void)
     for (int i = 0; i < N_MODELS; i++) {
         char dir[128], cmd[512];
         model_path(i, dir, sizeof(dir));
-        snprintf(cmd, sizeof(cmd), "/usr/bin/python3 tools/mkmodel.py --out %s --seed %d %s > /dev/null 2>&1", dir,
+        snprintf(cmd, sizeof(cmd), "%s tools/mkmodel.py --out %s --seed %d %s > /dev/null 2>&1", test_python(), dir,
                  7 + i, model_args[i]);
         if (system(cmd) != 0)
             return -1;
