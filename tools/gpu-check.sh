@@ -160,10 +160,22 @@ else
   FROM="built here (make CUDA=1)"
 fi
 export KVTIER_BUILD=$B KVTIER_DISK_DIR=none
+# cuBLAS: the plugin's rpath names /usr/local/cuda/lib64; where the machine
+# keeps it elsewhere (beside its nvcc, or in its python's nvidia wheels),
+# the loader is told
+if ldd "$B/kvtier-cuda-limits" 2>/dev/null | grep -q "not found"; then
+  nv=$(command -v nvcc || echo /nonexistent/bin/nvcc)
+  for d in "${nv%/bin/nvcc}/lib64" /usr/local/cuda/targets/x86_64-linux/lib \
+    $("$PY" -c 'import os, nvidia.cublas as c; print(os.path.join(c.__path__[0], "lib"))' 2>/dev/null); do
+    [ -d "$d" ] && LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d
+  done
+  export LD_LIBRARY_PATH
+fi
 {
   nvidia-smi 2>&1 | head -15
   sed -n 's/^PRETTY_NAME=//p' /etc/os-release 2>/dev/null
   "$B/kvtierd" --version 2>&1
+  ldd "$B/libkvtier-cuda.so" 2>&1 | grep -E "cublas|not found"
   echo "python3: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1))"
 } >"$LOGS/machine.log"
 
