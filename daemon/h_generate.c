@@ -142,16 +142,6 @@ void new_id(struct req *r, const char *prefix)
 }
 
 /* Decodes the request into a job (r->prep.job) and the reply's shape. */
-/* Whether some layer attends to every token, so that a static cache fills
- * (sliding layers keep a ring of their window). */
-static bool has_full_layer(const struct model_config *mc)
-{
-    for (int l = 0; l < mc->n_layers; l++)
-        if (!mc->layer_window[l])
-            return true;
-    return false;
-}
-
 enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
 {
     struct server *s = r->srv;
@@ -195,7 +185,7 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     bool is_static = cp->strategy == KV_STATIC || cp->strategy == KV_OFFLOADED_STATIC;
     /* both lengths are known now: refuse before any work what would fail
      * part-way (the last generated token is never stored) */
-    if (st == IPC_OK && is_static && !cp->window_length && has_full_layer(engine_model_config(s->eng)) &&
+    if (st == IPC_OK && is_static && !cp->window_length && model_has_full_layer(engine_model_config(s->eng)) &&
         (int64_t)ids.n + max_new - 1 > cp->max_cache_len)
         st = ipc_fail(err, IPC_EINVAL, "cache.max_cache_len",
                       "cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",

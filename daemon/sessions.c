@@ -148,6 +148,9 @@ enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *e
 enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
                                       const json_t *request, char *id, size_t cap, struct ipc_error *err)
 {
+    char why[160];
+    if (record && !kv_store_past_recording_ok(e->store, &cache->params, why, sizeof(why)))
+        return ipc_fail(err, IPC_EINVAL, "activate_past_recording", "%s", why);
     struct session *s = session_new(uid, cache, record, request, err);
     if (!s)
         return err->st;
@@ -823,8 +826,11 @@ void session_run_op(engine *e, struct job *j)
         ipc_fail(&err, IPC_EINVAL, "", "an encoder-decoder model's decoder attends to all its tokens: there are no "
                  "past states to record");
     } else if (j->kind == JOB_RECORD) {
+        char why[160];
         if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
-            kv_error(e, ts, "", &err);
+            kv_error(e, ts, "cache", &err);
+        else if (!s->kv && !kv_store_past_recording_ok(e->store, &s->cache.params, why, sizeof(why)))
+            ipc_fail(&err, IPC_EINVAL, "cache", "%s", why); /* refused now, not at its first request */
     } else if (j->kind == JOB_FORK) {
         session_fork(e, s, &child, &err);
     } else if (j->kind == JOB_EXPORT) {

@@ -521,6 +521,14 @@ int model_context(const struct model_config *c, int want)
     return want > 0 && want < max_pos ? want : max_pos;
 }
 
+bool model_has_full_layer(const struct model_config *c)
+{
+    for (int l = 0; l < c->n_layers; l++)
+        if (!c->layer_window[l])
+            return true;
+    return false;
+}
+
 static void weights_free(model *m)
 {
     for (int i = 0; i < m->n_wbufs; i++)

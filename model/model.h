@@ -208,6 +208,10 @@ const char *model_sink_refusal(const struct model_config *c);
  * model's max_position_embeddings. */
 int model_context(const struct model_config *c, int want);
 
+/* Whether some layer attends to every token, so that a static cache fills
+ * (sliding layers keep a ring of their window). */
+bool model_has_full_layer(const struct model_config *c);
+
 /* How the KV store keeps K and V (model_params.kv_dtype).  The default
  * keeps them in the checkpoint's precision, as Hugging Face's cache does:
  * f32 KV of a 16-bit model would double every sequence's bytes and the

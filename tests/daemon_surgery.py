@@ -212,6 +212,16 @@ check(long_["kvtier"]["strategy"] == "sink" and long_["kvtier"]["requested_strat
       "a sink request reports strategy \"sink\"")
 code, sess = d.post("/v1/sessions", {"prompt": prompt[:10], "cache": sink})
 check(code == 200 and sess["strategy"] == "sink", "a sink session reports strategy \"sink\"")
+# an empty session is refused what its first request could not do, not
+# accepted and then unusable
+code, e = d.post("/v1/sessions", {"cache": sink, "activate_past_recording": True})
+check(code == 400 and e["error"]["param"] == "activate_past_recording" and "sink" in e["error"]["message"],
+      "an empty sink session with past recording -> 400 at creation: " + str(e))
+code, q = d.post("/v1/sessions", {"cache": {"implementation": "quantized"}})
+code2, e = d.post("/v1/sessions/%s/activate_past_recording" % q["id"], {})
+code3, r = d.post("/v1/completions", dict(gen, prompt=prompt[:10], session=q["id"]))
+check(code == 200 and code2 == 400 and e["error"]["param"] == "cache" and "quantized" in e["error"]["message"] and
+      code3 == 200, "past recording on an empty quantized session -> 400 naming cache; the session still serves")
 
 # ---- what the docs promise about lengths and use_cache ----------------------------------
 d.stop()
@@ -235,5 +245,15 @@ code, e = small.post("/v1/completions", dict(gen, max_tokens=12, prompt=prompt[:
 check(code == 400 and e["error"]["param"] == "cache.max_cache_len" and
       small.get("/metrics")[1].decode().split("kvtier_generation_tokens_total ")[1].split()[0] == generated,
       "static: 10 + 12 - 1 tokens over max_cache_len 20 -> 400 before any token")
+# a static session: the same refusal, before its KV is cropped to the new
+# prompt's common prefix (a failed request leaves the session as it was)
+code, s = small.post("/v1/sessions", {"prompt": prompt[:9], "cache": static})
+sid = s["id"]
+code2, r = small.post("/v1/completions", dict(gen, max_tokens=5, prompt=prompt[:15], session=sid))
+before = small.get("/v1/sessions/" + sid)[1]["tokens"]
+code3, e = small.post("/v1/completions", dict(gen, max_tokens=5, prompt=prompt[:8] + prompt[40:58], session=sid))
+after = small.get("/v1/sessions/" + sid)[1]["tokens"]
+check((code, code2, code3) == (200, 200, 400) and e["error"]["param"] == "cache.max_cache_len" and before == after,
+      "static session: 26 + 5 - 1 tokens over max_cache_len 20 -> 400, the session untouched (%s tokens)" % after)
 d = small
 check(d.stop() == 0, "stop")

@@ -1371,25 +1371,44 @@ void kv_seq_abort(kv_seq *q)
 
 /* ---- cache surgery -------------------------------------------------------- */
 
+bool kv_store_past_recording_ok(const kv_store *s, const struct kv_seq_params *p, char *why, size_t cap)
+{
+    if (s->g.state_bytes) /* its checkpoints are its past */
+        return true;
+    if (p->sink) {
+        snprintf(why, cap, "past recording + sink is not supported: a sink sequence drops evicted tokens at commit "
+                           "(crop works until the first eviction)");
+        return false;
+    }
+    if (p->strategy == KV_QUANTIZED) {
+        snprintf(why, cap, "past recording of a quantized cache is not supported yet");
+        return false;
+    }
+    for (int l = 0; l < s->g.n_layers && is_static(p->strategy); l++) {
+        int window, keep;
+        kv_layer_shape(s, p, l, &window, &keep);
+        if (window) {
+            snprintf(why, cap, "past recording needs a dynamic strategy: the sliding layers of %s keep a fixed %d "
+                               "states", kv_strategy_name(p->strategy), keep);
+            return false;
+        }
+    }
+    return true;
+}
+
 enum tier_status kv_seq_activate_past_recording(kv_seq *q)
 {
     kv_store *s = q->s;
     s->err[0] = '\0';
     if (q->pending)
         return kv_fail(s, TIER_EINVAL, "activate_past_recording during a step");
-    if (q->state) /* its checkpoints are its past */
-        return TIER_OK;
-    if (q->p.sink)
-        return kv_fail(s, TIER_ENOTSUP, "past recording + sink is not supported: a sink sequence drops evicted "
-                                        "tokens at commit (crop works until the first eviction)");
+    char why[160];
+    if (!kv_store_past_recording_ok(s, &q->p, why, sizeof(why)))
+        return kv_fail(s, TIER_ENOTSUP, "%s", why);
     if (q->kvq)
         return kvq_unsupported(q, "past recording");
-    for (int l = 0; l < s->g.n_layers; l++)
-        if (is_static(q->strategy) && q->layers[l].window)
-            return kv_fail(s, TIER_ENOTSUP,
-                           "past recording needs a dynamic strategy: the sliding layers of %s keep a fixed %d states",
-                           kv_strategy_name(q->strategy), q->layers[l].keep);
-    q->record_past = true;
+    if (!q->state)
+        q->record_past = true;
     return TIER_OK;
 }
 

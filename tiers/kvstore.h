@@ -247,6 +247,11 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n);
  * activate_past_recording).  TIER_ENOTSUP on a static strategy with
  * sliding layers (their capacity is fixed). */
 enum tier_status kv_seq_activate_past_recording(kv_seq *q);
+/* Whether a sequence opened with p could record its past (why not, in
+ * why, when it cannot): what kv_seq_activate_past_recording checks, before
+ * any sequence exists.  Reads only what the store fixed at creation, so
+ * any thread may ask. */
+bool kv_store_past_recording_ok(const kv_store *s, const struct kv_seq_params *p, char *why, size_t cap);
 /* A new input[0, n_input) for a sequence that holds the KV of held[0,
  * kv_seq_length(q)): crops q to the longest common prefix of the two and
  * sets *n_keep to its length, the tokens that need not be fed again.  At
