@@ -46,6 +46,14 @@ for cmd in ["generate", "chat", "sessions", "session", "status", "batch", "top"]
           and r.stderr == "", "%s --help: usage on stdout, exit 0, no daemon needed" % cmd)
 r = kv(os.path.join(tmp, "none.sock"), "--help")
 check(r.returncode == 0 and "top" in r.stdout and r.stdout.endswith("\n"), "kvtier --help lists top")
+# a number out of range is a usage error (exit 2) naming the option, before
+# any daemon is asked: NaN and infinities too, which comparisons let through
+for args, opt in ((["generate", "-t", "inf", "hi"], "-t"), (["generate", "-t", "nan", "hi"], "-t"),
+                  (["generate", "-t", "-1", "hi"], "-t"), (["generate", "--seed", "18446744073709551616", "hi"],
+                                                           "--seed"),
+                  (["generate", "-n", "0", "hi"], "-n"), (["top", "-d", "nan"], "usage: kvtier top")):
+    r = kv(os.path.join(tmp, "none.sock"), *args)
+    check(r.returncode == 2 and opt in r.stderr, "kvtier %s: exit 2 naming %s" % (" ".join(args), opt))
 
 # ---- a daemon still loading: the CLI waits -------------------------------
 # A stand-in answers 503 "loading" (with progress) to the first requests,

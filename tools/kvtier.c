@@ -17,6 +17,7 @@
 #include <getopt.h>
 #include <jansson.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,8 +25,9 @@
 #include <unistd.h>
 
 #include "tools/kvtier/cli.h"
-#include "util/clock.h"
 #include "ipc/sockpath.h"
+#include "util/args.h"
+#include "util/clock.h"
 #include "util/version.h"
 
 kvtier_client *cli;
@@ -145,19 +147,31 @@ bool cli_gen_opts(int argc, char **argv, struct cli_gen *o)
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "n:t:", opts, NULL)) != -1) {
-        char *end = NULL;
-        long n;
+        float t;
         switch (c) {
         case 'n':
-            n = strtol(optarg, &end, 10);
-            if (n < 1 || n > 1 << 24) {
+            if (!args_int(optarg, 1, 1 << 24, &o->p.max_tokens)) {
                 fprintf(stderr, "kvtier: -n must be 1 to %d\n", 1 << 24);
                 return false;
             }
-            o->p.max_tokens = (int)n;
             break;
-        case 't': o->p.temperature = strtod(optarg, &end); break;
-        case 's': o->p.seed = strtoll(optarg, &end, 10), o->p.has_seed = true; break;
+        case 't': /* the API's range: NaN, infinities and negatives are usage errors here */
+            if (!args_float(optarg, 0.0f, 2.0f, &t)) {
+                fprintf(stderr, "kvtier: -t must be a number from 0 to 2\n");
+                return false;
+            }
+            o->p.temperature = t;
+            break;
+        case 's': {
+            uint64_t seed;
+            if (!args_u64(optarg, &seed) || seed > INT64_MAX) {
+                fprintf(stderr, "kvtier: --seed must be an integer from 0 to %lld\n", (long long)INT64_MAX);
+                return false;
+            }
+            o->p.seed = (long long)seed;
+            o->p.has_seed = true;
+            break;
+        }
         case 'S':
             if (o->p.n_stop == sizeof(o->stops) / sizeof(o->stops[0])) {
                 fprintf(stderr, "kvtier: at most %zu --stop strings\n", o->p.n_stop);
@@ -169,10 +183,6 @@ bool cli_gen_opts(int argc, char **argv, struct cli_gen *o)
         case 'i': o->p.session = optarg; break;
         case 'y': o->system = optarg; break;
         default: return false;
-        }
-        if (end && *end) {
-            fprintf(stderr, "kvtier: invalid number \"%s\"\n", optarg);
-            return false;
         }
     }
     return true;

@@ -246,7 +246,7 @@ int cmd_top(int argc, char **argv)
             interval = strtod(optarg, &end);
         else if (c == 'n')
             frames = strtol(optarg, &end, 10);
-        if (c == '?' || !end || *end || interval < 0.2 || interval > 60 || frames < 0) {
+        if (c == '?' || !end || *end || !(interval >= 0.2 && interval <= 60) || frames < 0) {
             fputs(cli_top_usage, stderr);
             return EXIT_USAGE;
         }
