@@ -267,7 +267,7 @@ enum ipc_status kv_error(engine *e, enum tier_status ts, const char *param, stru
         why = tier_strerror(ts);
     switch (ts) {
     case TIER_EINVAL: return ipc_fail(err, IPC_EINVAL, param, "%s", why);
-    case TIER_ENOTSUP: return ipc_fail(err, IPC_EINVAL, param, "%s", why);
+    case TIER_ENOTSUP: return ipc_fail(err, IPC_ENOTIMPL, param, "%s", why); /* not the client's mistake */
     case TIER_ECONFLICT: return ipc_fail(err, IPC_ECONFLICT, param, "%s", why);
     case TIER_ENOMEM_DEV:
     case TIER_ENOMEM_HOST: return ipc_fail(err, IPC_ESTORAGE, "", "%s", why);
