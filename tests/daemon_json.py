@@ -127,6 +127,18 @@ check(code == 200 and bad is None, "tool_choice named: 20 of 20 calls of get_wea
 code, r = d.post("/v1/chat/completions", dict(body, seed=4, tool_choice="required"))
 bad = calls_valid(r["choices"], schemas) if code == 200 else r
 check(code == 200 and bad is None, "tool_choice required: 20 of 20 calls validate: %s" % bad)
+# parameters {} allows any value, but a call's arguments are an object; a
+# schema with no object in it cannot be called
+anyp = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+code, r = d.post("/v1/chat/completions", dict(body, n=8, seed=6, tools=anyp, tool_choice="required"))
+schemas["f"] = {"type": "object"}
+bad = calls_valid(r["choices"], ["f"]) if code == 200 else r
+check(code == 200 and bad is None, "parameters {}: 8 of 8 forced calls have object arguments: %s" % bad)
+for sch in ({"type": "string"}, {"anyOf": [{"type": "integer"}, {"type": "array"}]}, {"enum": [1, 2]}):
+    code, e = d.post("/v1/chat/completions", dict(body, n=1, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": sch}}], tool_choice="required"))
+    check(code == 400 and e["error"]["param"] == "tools" and "object" in e["error"]["message"],
+          "parameters %s with a forced call -> 400 naming tools: %s" % (json.dumps(sch), e))
 code, r = d.post("/v1/chat/completions", dict(body, seed=4, n=1))
 m = r["choices"][0]["message"] if code == 200 else {}
 check(code == 200 and isinstance(m.get("content"), str) and "tool_calls" not in m,

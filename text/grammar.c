@@ -526,8 +526,15 @@ enum text_status gram_compile_calls(const char *const *names, const json_t *cons
                 st = cfail(&c, TEXT_ENOMEM, "out of memory");
             else
                 g->nodes[kids[i]].types = T_OBJ, g->nodes[kids[i]].minlen = 2;
-        } else {
-            st = compile(&c, params[i], 0, &kids[i]);
+        } else if ((st = compile(&c, params[i], 0, &kids[i])) == TEXT_OK) {
+            /* a call's arguments are a JSON object whatever else the schema
+             * allows ({} allows anything): the object part of it, if any */
+            struct node *nd = &g->nodes[kids[i]];
+            nd->types &= T_OBJ;
+            if (nd->n_lits || !nd->types)
+                st = cfail(&c, TEXT_EINVAL, "a call's arguments are a JSON object, which this schema does not allow");
+            else
+                set_minlen(g, kids[i]);
             if (st == TEXT_OK && g->nodes[kids[i]].nest > GRAM_DEPTH - 1)
                 st = cfail(&c, TEXT_EUNSUPPORTED, "its shortest value nests deeper than 23 levels");
         }
