@@ -67,8 +67,9 @@ static enum ipc_status put_options(const json_t *opts, json_t *out, int ctx, str
             else if (json_object_set(out, key, v) != 0)
                 return ipc_fail(err, IPC_ENOMEM, "options", "no memory for the options");
         } else if (!strcmp(key, "num_predict")) {
-            if (!json_is_integer(v))
-                return ipc_fail(err, IPC_EINVAL, "options.num_predict", "options.num_predict must be an integer");
+            if (!json_is_integer(v) || json_integer_value(v) < -2)
+                return ipc_fail(err, IPC_EINVAL, "options.num_predict", "options.num_predict must be an integer: "
+                                "-1 (until the end), -2 (until the context is full) or the tokens to generate");
             /* -1: until the end; -2: until the context is full; both the default here */
             if (json_integer_value(v) >= 0 &&
                 json_object_set_new(out, "max_tokens", json_integer(json_integer_value(v) ? json_integer_value(v) : 1)))
@@ -77,8 +78,9 @@ static enum ipc_status put_options(const json_t *opts, json_t *out, int ctx, str
             if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > ctx)
                 return ipc_fail(err, IPC_EINVAL, "options.num_ctx", "options.num_ctx must be from 1 to %d, the "
                                 "context kvtierd was started with (--ctx-size)", ctx);
-        } else if (IN(key, runner)) {
-            continue;
+        } else if (IN(key, runner)) { /* ignored, but still of their type */
+            if (!json_is_number(v) && !json_is_boolean(v) && !json_is_null(v))
+                return ipc_fail(err, IPC_EINVAL, "options", "options.%.48s must be a number or a boolean", key);
         } else if (!strcmp(key, "mirostat")) {
             if (!off(v))
                 return ipc_fail(err, IPC_ENOTIMPL, "options.mirostat", "options.mirostat is not supported by kvtier");
@@ -158,11 +160,13 @@ static enum ipc_status translate(struct req *r, bool chat_api, json_t *out, bool
 }
 
 /* The load-only request: Ollama answers an empty prompt (or no messages)
- * with done_reason "load" once the model is in memory, as it is here. */
+ * with done_reason "load" once the model is in memory, as it is here.  A
+ * value of another type is not "empty": the request's checks refuse it. */
 static bool load_only(const json_t *root, bool chat_api)
 {
     const json_t *v = json_object_get(root, chat_api ? "messages" : "prompt");
-    return off(v);
+    return !v || json_is_null(v) || (chat_api ? json_is_array(v) && !json_array_size(v)
+                                              : json_is_string(v) && !json_string_length(v));
 }
 
 static enum ipc_status prep_ollama(struct req *r, bool chat_api)
@@ -187,10 +191,15 @@ static enum ipc_status prep_ollama(struct req *r, bool chat_api)
     json_decref(r->root);
     r->root = out;
     st = prepare_generate(r, chat, true);
-    if (st != IPC_OK && IN(err->param, same_name)) { /* name the field as the client wrote it */
-        char p[IPC_PARAM_LEN];
-        snprintf(p, sizeof(p), "options.%.40s", err->param);
+    /* name the field as the client wrote it, in the message too: Ollama's
+     * error envelope carries only the message */
+    const char *as = !strcmp(err->param, "max_tokens") ? "num_predict" : IN(err->param, same_name) ? err->param : NULL;
+    if (st != IPC_OK && as) {
+        char p[IPC_PARAM_LEN], m[IPC_MSG_LEN];
+        snprintf(p, sizeof(p), "options.%.40s", as);
+        snprintf(m, sizeof(m), "%s: %.*s", p, (int)(sizeof(m) - sizeof(p) - 3), err->msg);
         memcpy(err->param, p, sizeof(p));
+        memcpy(err->msg, m, sizeof(m));
     }
     r->kind = chat_api ? REPLY_OLLAMA_CHAT : REPLY_OLLAMA_GENERATE;
     return st;

@@ -80,8 +80,16 @@ ok('another model: 404 naming it');
 await assert.rejects(ollama.chat({ model, messages, options: { mirostat: 2 } }),
   (e) => e.status_code === 400 && /mirostat/.test(e.error));
 await assert.rejects(ollama.chat({ model, messages, options: { temperature: 9 } }),
-  (e) => e.status_code === 400 && /temperature/.test(e.error));
-ok('unsupported and invalid options: 400 naming them');
+  (e) => e.status_code === 400 && /^options\.temperature: /.test(e.error));
+// the envelope carries only the message: it names the option as written
+await assert.rejects(ollama.generate({ model, prompt: 'Hi', options: { num_predict: 100000 } }),
+  (e) => e.status_code === 400 && /^options\.num_predict: /.test(e.error));
+await assert.rejects(ollama.generate({ model, prompt: 'Hi', options: { num_predict: -3 } }),
+  (e) => e.status_code === 400 && /num_predict/.test(e.error));
+await assert.rejects(ollama.generate({ model, prompt: 'Hi', options: { num_thread: 'lots' } }),
+  (e) => e.status_code === 400 && /num_thread/.test(e.error));
+await assert.rejects(ollama.chat({ model, messages: false }), (e) => e.status_code === 400 && /messages/.test(e.error));
+ok('unsupported and invalid options and messages: 400 naming them as written');
 
 const sess = await (await dial('http://localhost/v1/sessions', {
   method: 'POST', headers: { 'content-type': 'application/json' },
