@@ -1142,7 +1142,10 @@ static void beam_finish(engine *e, struct job *j)
     int n = beam_results(j->bs);
     struct gen_seq out[BEAM_MAX_BEAMS];
     memset(out, 0, sizeof(out));
-    struct gen_seq_params gp = {.max_new = j->max_new, .ctx = INT_MAX, .text_lock = &e->mu};
+    /* the hypotheses' tokens replayed as the search read them: with
+     * ignore_eos an eos id was one more token, not the end */
+    struct gen_seq_params gp = {.max_new = j->max_new, .ctx = INT_MAX, .ignore_eos = j->ignore_eos,
+                                .text_lock = &e->mu};
     sampler_params_default(&gp.sampling);
     enum model_status ms = MODEL_OK;
     for (int i = 0; i < n && ms == MODEL_OK; i++) {

@@ -190,4 +190,15 @@ check(k.get("strategy") == "offloaded" and k.get("fallback") == "offloaded" and 
 log = tight.logtext()
 check("failed" not in log and "redoing" not in log and "exhausted" not in log, "no step failed or was redone")
 tight.stop()
+
+# ignore_eos: an eos id the search kept is one more token, not the end.
+# The built-in model under a 2-token window falls into eos ids (2047).
+b = Daemon(model="model/builtin").start()
+code, r = b.post("/v1/completions", {"prompt": "Hi there friend", "max_tokens": 20, "ignore_eos": True, "num_beams": 3,
+                                     "return_tokens": True,
+                                     "cache": {"implementation": "sliding_window", "window_length": 2}})
+c = r["choices"][0] if code == 200 else {}
+check(code == 200 and 2047 in c["tokens"] and len(c["tokens"]) == 20 and c["finish_reason"] == "length",
+      "beams with ignore_eos: eos ids among the 20 tokens, finish_reason length (%s)" % c)
+b.stop()
 print("daemon_beams: ok")
