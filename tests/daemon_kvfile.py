@@ -192,6 +192,11 @@ refused(build(base_meta, t4), "an extra tensor", (400,), "tensors")
 refused(build(dict(base_meta, format="other"), tensors), "another format", (400,), "format")
 refused(build(dict(base_meta, tokens="[1, -3]"), tensors), "a negative token id", (400,), "tokens")
 refused(b"", "an empty body", (400,), "truncated")
+for bad_value in (float("nan"), float("inf")):
+    t5 = dict(tensors)
+    t5["past_key_values.1.key"] = tensors["past_key_values.1.key"].clone()
+    t5["past_key_values.1.key"][0, 1, 3, 5] = bad_value
+    refused(build(base_meta, t5), "a key that is %s" % bad_value, (400,), "past_key_values.1.key")
 code = d.raw(b"POST /v1/sessions/import HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 40) + b"\0" * 64)
 check(code == 413, "a body over the KV size cap -> 413")
 code, lst = d.get("/v1/sessions")
