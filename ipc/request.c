@@ -1023,8 +1023,13 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
                                                                    .sliding_window = lim->sliding_window,
                                                                    .no_sink = lim->no_sink},
                                          &out->cache, err);
+    /* one length, named once: both may be sent only with one value */
+    const json_t *mt = json_object_get(root, "max_tokens"), *mct = json_object_get(root, "max_completion_tokens");
+    if (st == IPC_OK && json_is_integer(mt) && json_is_integer(mct) && !json_equal(mt, mct))
+        return ipc_fail(err, IPC_EINVAL, "max_completion_tokens", "max_tokens (%lld) and max_completion_tokens (%lld) "
+                        "disagree; send one", (long long)json_integer_value(mt), (long long)json_integer_value(mct));
     if (st == IPC_OK && !out->cache.params.sink && out->max_tokens > lim->max_context) {
-        const char *field = json_object_get(root, "max_tokens") ? "max_tokens" : "max_completion_tokens";
+        const char *field = json_is_integer(mct) ? "max_completion_tokens" : "max_tokens";
         return ipc_fail(err, IPC_EINVAL, field, "%s must be between 1 and %d (got %d); only a sink cache generates "
                         "past the context", field, lim->max_context, out->max_tokens);
     }

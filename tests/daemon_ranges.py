@@ -128,6 +128,13 @@ probe("/tokenize", {"content": "hi"}, "add_special", [0, 1, "true", None])
 check(not failures, "%d edge values: every answer is 200 or a 400 naming the field%s" %
       (count, "" if not failures else "; failures:\n" + "\n".join(failures[:40])))
 
+# max_tokens and its alias: one length, so two different ones are a 400
+code, e = d.post("/v1/chat/completions", dict(chat, max_tokens=3, max_completion_tokens=600))
+check(code == 400 and e["error"]["param"] == "max_completion_tokens" and "disagree" in e["error"]["message"],
+      "max_tokens 3 with max_completion_tokens 600 -> 400 naming max_completion_tokens")
+code, r = d.post("/v1/chat/completions", dict(chat, max_tokens=2, max_completion_tokens=2))
+check(code == 200 and r["usage"]["completion_tokens"] <= 2, "the two with one value: served")
+
 # ---- still serving ----------------------------------------------------------
 check(d.proc.poll() is None, "kvtierd is still running")
 code, r = d.post("/v1/completions", dict(compl, max_tokens=4))
