@@ -336,15 +336,6 @@ static enum ipc_status session_kv_open(engine *e, struct job *j, struct job_choi
 static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
 {
     struct session *s = j->sess;
-    /* A static session cannot grow past max_cache_len: what would not fit
-     * is refused first, before anything of the session is touched (the
-     * reuse below crops it to the new prompt's common prefix). */
-    const struct kv_seq_params *sp = s ? &s->cache.params : NULL;
-    if (sp && (sp->strategy == KV_STATIC || sp->strategy == KV_OFFLOADED_STATIC) && !sp->window_length &&
-        model_has_full_layer(e->mc) && (int64_t)j->n_prompt + j->max_new - 1 > sp->max_cache_len)
-        return ipc_fail(err, IPC_EINVAL, "cache.max_cache_len",
-                        "the session's cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens "
-                        "(%d) - 1", (long long)sp->max_cache_len, j->n_prompt, j->max_new);
     if (j->logprobs && !(c->lps = malloc((size_t)j->max_new * (size_t)(1 + j->top_logprobs) * sizeof(*c->lps))))
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the request's buffers");
     struct gen_seq_params gp = {.sampling = j->sampling,
@@ -748,6 +739,21 @@ void start_job(engine *e, struct job *j)
     }
     if (j->kind >= JOB_CROP) {
         session_run_op(e, j);
+        return;
+    }
+    /* A static session cannot grow past max_cache_len: what would not fit
+     * is refused before anything of the session is touched (a new encoder
+     * input replaces its caches, a new prompt crops its KV to the common
+     * prefix).  The last generated token is never stored. */
+    const struct kv_seq_params *sp = j->sess ? &j->sess->cache.params : NULL;
+    int64_t need = (int64_t)j->n_prompt + (j->max_new > 0 ? j->max_new - 1 : 0);
+    if (sp && (sp->strategy == KV_STATIC || sp->strategy == KV_OFFLOADED_STATIC) && !sp->window_length &&
+        model_has_full_layer(e->mc) && need > sp->max_cache_len) {
+        struct ipc_error err;
+        ipc_fail(&err, IPC_EINVAL, "cache.max_cache_len",
+                 "the session's cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
+                 (long long)sp->max_cache_len, j->n_prompt, j->max_new);
+        job_fail(e, j, &err);
         return;
     }
     if (!j->pfetched) {

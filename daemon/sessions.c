@@ -150,7 +150,7 @@ enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cac
 {
     char why[160];
     if (record && !kv_store_past_recording_ok(e->store, &cache->params, why, sizeof(why)))
-        return ipc_fail(err, IPC_EINVAL, "activate_past_recording", "%s", why);
+        return ipc_fail(err, IPC_ENOTIMPL, "activate_past_recording", "%s", why);
     struct session *s = session_new(uid, cache, record, request, err);
     if (!s)
         return err->st;
@@ -830,7 +830,7 @@ void session_run_op(engine *e, struct job *j)
         if (s->kv && (ts = kv_seq_activate_past_recording(s->kv)) != TIER_OK)
             kv_error(e, ts, "cache", &err);
         else if (!s->kv && !kv_store_past_recording_ok(e->store, &s->cache.params, why, sizeof(why)))
-            ipc_fail(&err, IPC_EINVAL, "cache", "%s", why); /* refused now, not at its first request */
+            ipc_fail(&err, IPC_ENOTIMPL, "cache", "%s", why); /* refused now, not at its first request */
     } else if (j->kind == JOB_FORK) {
         session_fork(e, s, &child, &err);
     } else if (j->kind == JOB_EXPORT) {

@@ -476,10 +476,17 @@ static int cmp_range(const void *a, const void *b)
  * the data section and aligned to its element; *at is where they start in
  * buf.  The expected shapes are bounded by the model and the context, so
  * their product cannot overflow. */
-/* The first of bytes' elements of dtype that is NaN or infinite, or -1:
- * such a value in a cache poisons every attention that reads it. */
-static int64_t first_non_finite(const uint8_t *p, uint64_t bytes, const char *dtype)
+/* What a tensor's values may be: NaN or an infinite key or value poisons
+ * every attention that reads it.  A quantized cache's group parameters are
+ * not checked: the store's own raw exports hold infinities (HQQ) and NaN
+ * (quanto) among them. */
+enum values { V_ANY, V_FINITE };
+
+/* The first of bytes' elements of dtype that v refuses, or -1. */
+static int64_t first_refused(const uint8_t *p, uint64_t bytes, const char *dtype, enum values v)
 {
+    if (v == V_ANY)
+        return -1;
     if (!strcmp(dtype, "F32")) {
         for (uint64_t i = 0; i < bytes / 4; i++) {
             float x;
@@ -499,10 +506,8 @@ static int64_t first_non_finite(const uint8_t *p, uint64_t bytes, const char *dt
     return -1;
 }
 
-/* finite: every value must be (KV and states; not a quantized cache's
- * group parameters, which may be infinite by construction) */
 static enum model_status check_tensor(json_t *h, const char *name, const char *dtype, int ndim, const uint64_t *want,
-                                      bool finite, const uint8_t *buf, uint64_t data_at, uint64_t data_size,
+                                      enum values values, const uint8_t *buf, uint64_t data_at, uint64_t data_size,
                                       struct range *r, char *err)
 {
     json_t *t = json_object_get(h, name);
@@ -539,7 +544,7 @@ static enum model_status check_tensor(json_t *h, const char *name, const char *d
     if ((data_at + r->begin) % dtype_size(dtype))
         return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: data at byte %" PRIu64 " is not aligned to %zu",
                           name, data_at + r->begin, dtype_size(dtype));
-    int64_t bad = finite ? first_non_finite(buf + data_at + r->begin, bytes, dtype) : -1;
+    int64_t bad = first_refused(buf + data_at + r->begin, bytes, dtype, values);
     if (bad >= 0)
         return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: element %" PRId64 " is not finite (NaN or infinity)",
                           name, bad);
@@ -585,7 +590,7 @@ static enum model_status parse_tensors(json_t *h, const uint8_t *buf, uint64_t d
         snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kind[i % per]);
         uint64_t rows = i % per < 2 ? (uint64_t)e->rows(e->rows_ctx, l, f->n_tokens) : (uint64_t)f->n_input;
         const uint64_t want[4] = {1, (uint64_t)e->n_kv_heads, rows, (uint64_t)e->head_dim};
-        st = check_tensor(h, name, DT_NAME[f->dtype], 4, want, true, buf, data_at, data_size, &r[i], err);
+        st = check_tensor(h, name, DT_NAME[f->dtype], 4, want, V_FINITE, buf, data_at, data_size, &r[i], err);
         const void **dst = ((const void **[]){f->k, f->v, f->ck, f->cv})[i % per];
         if (st == MODEL_OK)
             dst[l] = buf + data_at + r[i].begin;
@@ -658,7 +663,7 @@ static enum model_status parse_state_tensors(json_t *h, const uint8_t *buf, uint
     state_tensors(e->n_layers, inner, N, K, f->n_ckpt, t);
     for (size_t i = 0; i < n && st == MODEL_OK; i++) {
         const uint64_t want[3] = {1, (uint64_t)t[i].shape[1], (uint64_t)t[i].shape[2]};
-        st = check_tensor(h, t[i].name, "F32", 3, want, true, buf, data_at, data_size, &r[i], err);
+        st = check_tensor(h, t[i].name, "F32", 3, want, V_FINITE, buf, data_at, data_size, &r[i], err);
         t[i].off = (size_t)(data_at + r[i].begin);
     }
     if (st == MODEL_OK)
@@ -716,13 +721,13 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
                 params[3] = D / (uint64_t)hf->gd;
             }
             snprintf(name, sizeof(name), "past_key_values.%d.%s.qdata", l, kv);
-            st = check_tensor(h, name, "U8", 4, codes, false, buf, data_at, data_size, &r[i], err);
+            st = check_tensor(h, name, "U8", 4, codes, V_ANY, buf, data_at, data_size, &r[i], err);
             if (st != MODEL_OK)
                 break;
             q->codes[half] = buf + data_at + r[i++].begin;
             snprintf(name, sizeof(name), "past_key_values.%d.%s.%s", l, kv, e4m3 ? "qscale" : "qparams");
-            st = e4m3 ? check_tensor(h, name, "F32", 1, one, false, buf, data_at, data_size, &r[i], err)
-                      : check_tensor(h, name, "F16", 5, params, false, buf, data_at, data_size, &r[i], err);
+            st = e4m3 ? check_tensor(h, name, "F32", 1, one, V_FINITE, buf, data_at, data_size, &r[i], err)
+                      : check_tensor(h, name, "F16", 5, params, V_ANY, buf, data_at, data_size, &r[i], err);
             if (st != MODEL_OK)
                 break;
             const uint8_t *sc = buf + data_at + r[i++].begin;
@@ -731,7 +736,7 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             else
                 q->params[half] = sc;
             snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kv);
-            st = check_tensor(h, name, "F32", 4, res, true, buf, data_at, data_size, &r[i], err);
+            st = check_tensor(h, name, "F32", 4, res, V_FINITE, buf, data_at, data_size, &r[i], err);
             if (st == MODEL_OK)
                 q->res[half] = buf + data_at + r[i++].begin;
         }
@@ -739,7 +744,7 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             const uint64_t cross[4] = {1, H, (uint64_t)f->n_input, D};
             char name[64];
             snprintf(name, sizeof(name), "past_key_values.%d.%s", l, half ? "cross_value" : "cross_key");
-            st = check_tensor(h, name, "F32", 4, cross, true, buf, data_at, data_size, &r[i], err);
+            st = check_tensor(h, name, "F32", 4, cross, V_FINITE, buf, data_at, data_size, &r[i], err);
             if (st == MODEL_OK)
                 (half ? f->cv : f->ck)[l] = buf + data_at + r[i++].begin;
         }

@@ -165,6 +165,13 @@ def run(name, args, dp):
               "%s %s: the fork adds %d KV bytes (its own self cache: %d), not the %d of the cross cache" %
               (name, kind, grown, own, parent["encoder"]["bytes"]["device"]))
         held = dp + toks(first)
+        if cache:  # a request the static self cache cannot hold, with a new input: refused before the input
+            code, e = ref.post("/v1/completions", dict(gen, input=ENC[:10], prompt=held, max_tokens=64, session=sid))
+            after = ref.get("/v1/sessions/" + sid)[1]
+            check(code == 400 and e["error"]["param"] == "cache.max_cache_len" and after["tokens"] == parent["tokens"]
+                  and after["encoder"]["tokens"] == len(ENC),
+                  "%s static: a request past max_cache_len with a new input -> 400, the session's input and tokens "
+                  "untouched" % name)
         for i, s in enumerate((sid, fork["id"])):
             nxt = held + [100 + 7 * i]
             r = complete(ref, prompt=nxt, session=s)

@@ -24,7 +24,8 @@
 # Every step runs under a timeout cut to what is left of the budget
 # (KVTIER_GPU_CHECK_SECONDS, default 330); what does not fit is reported as
 # not run.  KVTIER_GPU_CHECK_STEPS="test_cuda cuda_e2e ..." runs only the
-# steps named (a rerun after a fix).  $OUT gets results.md (the table, the
+# steps named (a rerun after a fix; a benchmark needs its model step named
+# too: "mkmodel_tinyllama bench_tinyllama").  $OUT gets results.md (the table, the
 # commands, the pass/fail of each step), rewritten after every step so a
 # cut-off run still reports, and logs.tar.gz (every step's whole output).
 set -u
@@ -166,7 +167,9 @@ export KVTIER_BUILD=$B KVTIER_DISK_DIR=none
 if ldd "$B/kvtier-cuda-limits" 2>/dev/null | grep -q "not found"; then
   nv=$(command -v nvcc || echo /nonexistent/bin/nvcc)
   for d in "${nv%/bin/nvcc}/lib64" /usr/local/cuda/targets/x86_64-linux/lib \
-    $("$PY" -c 'import os, nvidia.cublas as c; print(os.path.join(c.__path__[0], "lib"))' 2>/dev/null); do
+    $("$PY" -c 'import glob, os, site
+print(" ".join(sorted({os.path.dirname(p) for d in site.getsitepackages()
+                       for p in glob.glob(d + "/nvidia/**/libcublas.so*", recursive=True)})))' 2>/dev/null); do
     [ -d "$d" ] && LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d
   done
   export LD_LIBRARY_PATH
@@ -180,12 +183,13 @@ fi
 } >"$LOGS/machine.log"
 
 # ---- 2. limits ----
+# whether the machine has a GPU comes from the driver, not from the CUDA
+# runtime: a driver too old for it says "no CUDA device" too, and that is
+# a failure here, not a skip
+if nvidia-smi -L 2>/dev/null | grep -q '^GPU ' || [ -e /dev/nvidia0 ]; then GPU=1; fi
 ONLY_SAVED=$ONLY; ONLY=
 step limits 60 "$B/kvtier-cuda-limits" --passes 5
 ONLY=$ONLY_SAVED
-GPU=1
-grep -q "^no CUDA device" "$LOGS/limits.log" 2>/dev/null && GPU=0
-[ -f "$LOGS/limits.log" ] || GPU=0
 L=$LOGS/limits.log
 HBM=$(value hbm_copy_gbs "$L"); H2D=$(value h2d_pinned_gbs "$L"); D2H=$(value d2h_pinned_gbs "$L")
 GEMM=$(value gemm_bf16_tflops "$L")

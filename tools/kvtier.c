@@ -162,13 +162,15 @@ bool cli_gen_opts(int argc, char **argv, struct cli_gen *o)
             }
             o->p.temperature = t;
             break;
-        case 's': {
-            uint64_t seed;
-            if (!args_u64(optarg, &seed) || seed > INT64_MAX) {
-                fprintf(stderr, "kvtier: --seed must be an integer from 0 to %lld\n", (long long)INT64_MAX);
+        case 's': { /* any 64-bit integer, as the API takes */
+            char *end;
+            errno = 0;
+            o->p.seed = strtoll(optarg, &end, 10);
+            if (errno || end == optarg || *end) {
+                fprintf(stderr, "kvtier: --seed must be an integer from %lld to %lld\n", (long long)INT64_MIN,
+                        (long long)INT64_MAX);
                 return false;
             }
-            o->p.seed = (long long)seed;
             o->p.has_seed = true;
             break;
         }
