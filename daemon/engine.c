@@ -746,9 +746,7 @@ void start_job(engine *e, struct job *j)
      * input replaces its caches, a new prompt crops its KV to the common
      * prefix).  The last generated token is never stored. */
     const struct kv_seq_params *sp = j->sess ? &j->sess->cache.params : NULL;
-    int64_t need = (int64_t)j->n_prompt + (j->max_new > 0 ? j->max_new - 1 : 0);
-    if (sp && (sp->strategy == KV_STATIC || sp->strategy == KV_OFFLOADED_STATIC) && !sp->window_length &&
-        model_has_full_layer(e->mc) && need > sp->max_cache_len) {
+    if (sp && !engine_static_fits(e, sp, (int64_t)j->n_prompt, j->max_new)) {
         struct ipc_error err;
         ipc_fail(&err, IPC_EINVAL, "cache.max_cache_len",
                  "the session's cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
@@ -1769,6 +1767,13 @@ const struct model_config *engine_model_config(const engine *e)
 int engine_context(const engine *e)
 {
     return e->ctx;
+}
+
+bool engine_static_fits(const engine *e, const struct kv_seq_params *p, int64_t n_prompt, int max_new)
+{
+    bool is_static = p->strategy == KV_STATIC || p->strategy == KV_OFFLOADED_STATIC;
+    return !is_static || p->window_length || !model_has_full_layer(e->mc) ||
+           n_prompt + (max_new > 0 ? max_new - 1 : 0) <= p->max_cache_len;
 }
 
 enum engine_remote_share engine_remote_share(const engine *e, bool *on)

@@ -242,6 +242,10 @@ const struct encdec_config *engine_encdec(const engine *e);
 /* Why m's self-attention cache cannot be quantized (encdec_quant_refusal), or NULL. */
 const char *engine_encdec_quant_refusal(const engine *e);
 int engine_context(const engine *e);
+/* Whether a cache of p holds a prompt of n_prompt tokens and max_new
+ * generated ones: false only for a static cache whose full-attention
+ * layers would fill up (the last generated token is never stored). */
+bool engine_static_fits(const engine *e, const struct kv_seq_params *p, int64_t n_prompt, int max_new);
 /* --remote-share, and whether a remote tier is configured at all. */
 enum engine_remote_share engine_remote_share(const engine *e, bool *on);
 const char *engine_model_id(const engine *e);

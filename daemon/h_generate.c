@@ -182,11 +182,9 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
         st = ipc_fail(err, IPC_ECONTEXT, "max_tokens",
                       "the prompt (%zu tokens) + max_tokens (%d) exceeds the context (%d tokens)", ids.n, max_new, ctx);
     const struct kv_seq_params *cp = &g.cache.params;
-    bool is_static = cp->strategy == KV_STATIC || cp->strategy == KV_OFFLOADED_STATIC;
     /* both lengths are known now: refuse before any work what would fail
-     * part-way (the last generated token is never stored) */
-    if (st == IPC_OK && is_static && !cp->window_length && model_has_full_layer(engine_model_config(s->eng)) &&
-        (int64_t)ids.n + max_new - 1 > cp->max_cache_len)
+     * part-way (a session's cache is checked when its job starts) */
+    if (st == IPC_OK && !engine_static_fits(s->eng, cp, (int64_t)ids.n, max_new))
         st = ipc_fail(err, IPC_EINVAL, "cache.max_cache_len",
                       "cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
                       (long long)cp->max_cache_len, ids.n, max_new);
