@@ -11,7 +11,8 @@
 #    build here (tools/deps.sh, make CUDA=1) where the machine can.
 # 2. The GPU's limits (kvtier-cuda-limits): HBM copy, pinned host<->device
 #    bandwidth, cuBLAS bf16 GEMM peak on random data.
-# 3. Correctness first: the op conformance against the CPU (test_cuda), end
+# 3. Correctness first: the op conformance against the CPU (test_cuda, and
+#    again under compute-sanitizer's memcheck where the machine has it), end
 #    to end against the CPU with every strategy and a real OOM (cuda_e2e.py),
 #    the store and tier tests and the memory-budget test with every "cpu"
 #    backend the plugin (KVTIER_TEST_BACKEND=cuda, f32 activations).  On a
@@ -196,6 +197,15 @@ GEMM=$(value gemm_bf16_tflops "$L")
 
 # ---- 3. correctness ----
 step test_cuda 60 "$B/tests/test_cuda"
+# the same ops under compute-sanitizer's memcheck: an out-of-bounds access
+# in a kernel that never ran before shows here even where the numbers agree
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ $GPU = 1 ] && [ -n "$CS" ]; then
+  step memcheck_test_cuda 90 "$CS" --tool memcheck --error-exitcode 86 "$B/tests/test_cuda"
+elif [ $GPU = 1 ]; then
+  STEPS="$STEPS
+| memcheck_test_cuda | not run: no compute-sanitizer | |"
+fi
 step cuda_e2e 120 "$PY" tests/cuda_e2e.py
 if [ $GPU = 0 ]; then
   STEPS="$STEPS
