@@ -505,11 +505,38 @@ static void raw_move(const struct be_kvq_format *f, int n, char *const codes[2],
     }
 }
 
+/* Zeroes the code rows and group parameters of the positions attention
+ * does not read ([lo, nq) are read): the store leaves a block's unused rows
+ * as the memory was, which may have held another sequence's KV. */
+static void raw_clear_unused(const struct kv_quant_layer *ql, char *const codes[2], char *const params[2])
+{
+    const struct be_kvq_format *f = ql->fmt;
+    int64_t T = f->block_tokens, H = f->n_kv_heads;
+    size_t row = (size_t)f->head_dim * (size_t)f->nbits / 8, cb = (size_t)H * (size_t)T * row;
+    for (int half = 0; half < 2; half++) {
+        const struct be_kvq_half *h = half ? &f->v : &f->k;
+        int64_t gt = h->gt, gd = f->head_dim / h->gd;
+        size_t pr = (size_t)gd * 4, pb = f->kind == BE_KVQ_E4M3 ? 0 : (size_t)H * (size_t)(T / gt) * pr;
+        for (int b = 0; b < ql->n_blocks; b++) {
+            int64_t p0 = (ql->first_block + b) * T;
+            for (int64_t t = 0; t < T; t++)
+                if (p0 + t < ql->lo || p0 + t >= ql->nq)
+                    for (int64_t k = 0; k < H; k++)
+                        memset(codes[half] + (size_t)b * cb + (size_t)(k * T + t) * row, 0, row);
+            for (int64_t g = 0; pb && g < T / gt; g++) /* a group row is kept if any of its positions is read */
+                if (p0 + (g + 1) * gt <= ql->lo || p0 + g * gt >= ql->nq)
+                    for (int64_t k = 0; k < H; k++)
+                        memset(params[half] + (size_t)b * pb + (size_t)(k * (T / gt) + g) * pr, 0, pr);
+        }
+    }
+}
+
 /* Scatters a layer's whole blocks into its code and scale tensors. */
 static void raw_fill(char *file, const struct kv_quant_layer *ql, const struct kvfile_tensor *t, char *blocks)
 {
     char *const codes[2] = {file + t[0].off, file + t[2].off}, *const params[2] = {file + t[1].off, file + t[3].off};
     raw_move(ql->fmt, ql->n_blocks, codes, params, blocks, false);
+    raw_clear_unused(ql, codes, params);
     if (ql->fmt->kind == BE_KVQ_E4M3) {
         memcpy(file + t[1].off, &ql->scale_k, sizeof(float));
         memcpy(file + t[3].off, &ql->scale_v, sizeof(float));

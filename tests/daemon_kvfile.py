@@ -293,6 +293,17 @@ for cache in qcaches:
     check(rmeta["layout"] == "quantized" and json.loads(rmeta["tokens"]) == prompt and
           all(qmeta.get(k) == v for k, v in cache.items()) and all(isinstance(v, str) for v in rmeta.values()),
           "%s: raw metadata names the quantization %s" % (what, rmeta["quantization"]))
+    # the positions attention does not read are zeros, not whatever the
+    # block's memory held before
+    stale = 0
+    for l, (lo, nq, first) in enumerate(json.loads(rmeta["q_layers"])):
+        codes = raw_tensor(rts)("past_key_values.%d.key.qdata" % l)
+        T = codes.shape[2]
+        for b in range(codes.shape[0]):
+            for t in range(T):
+                if not lo <= (first + b) * T + t < nq:
+                    stale += int(codes[b, :, t].count_nonzero())
+    check(stale == 0, "%s: the raw export's unread rows are zeros (%d stale bytes)" % (what, stale))
     got = dequantize(rmeta, raw_tensor(rts))
     same = True
     for l, kv2 in enumerate(got):
