@@ -478,8 +478,8 @@ static int cmp_range(const void *a, const void *b)
  * their product cannot overflow. */
 /* What a tensor's values may be: NaN or an infinite key or value poisons
  * every attention that reads it.  A quantized cache's group parameters are
- * not checked: the store's own raw exports hold infinities (HQQ) and NaN
- * (quanto) among them. */
+ * checked only where attention reads them (check_read_groups): a block's
+ * unused rows were written as the memory was by earlier builds. */
 enum values { V_ANY, V_FINITE };
 
 /* The first of bytes' elements of dtype that v refuses, or -1. */
@@ -504,6 +504,29 @@ static int64_t first_refused(const uint8_t *p, uint64_t bytes, const char *dtype
         }
     }
     return -1;
+}
+
+/* The (scale, zero) pairs of the groups holding a position attention reads
+ * ([lo, nq) of blocks from first_block on) are finite. */
+static enum model_status check_read_groups(const struct kvfile_qlayer *q, const struct be_kvq_half *hf, uint64_t T,
+                                           uint64_t H, uint64_t D, const uint8_t *params, const char *name, char *err)
+{
+    uint64_t gt = (uint64_t)hf->gt, rows = T / gt, row = D / (uint64_t)hf->gd * 2; /* f16 per group row */
+    for (uint64_t b = 0; b < (uint64_t)q->n_blocks; b++)
+        for (uint64_t g = 0; g < rows; g++) {
+            int64_t p0 = ((int64_t)b + q->first_block) * (int64_t)T + (int64_t)(g * gt);
+            if (p0 + (int64_t)gt <= q->lo || p0 >= q->nq)
+                continue;
+            for (uint64_t k = 0; k < H; k++) {
+                uint64_t at = ((b * H + k) * rows + g) * row;
+                int64_t bad = first_refused(params + 2 * at, 2 * row, "F16", V_FINITE);
+                if (bad >= 0)
+                    return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: element %" PRIu64 ", a group "
+                                      "parameter attention reads, is not finite (NaN or infinity)", name,
+                                      at + (uint64_t)bad);
+            }
+        }
+    return MODEL_OK;
 }
 
 static enum model_status check_tensor(json_t *h, const char *name, const char *dtype, int ndim, const uint64_t *want,
@@ -733,8 +756,10 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             const uint8_t *sc = buf + data_at + r[i++].begin;
             if (e4m3)
                 memcpy(&q->scale[half], sc, sizeof(float));
-            else
+            else if ((st = check_read_groups(q, hf, T, H, D, sc, name, err)) == MODEL_OK)
                 q->params[half] = sc;
+            if (st != MODEL_OK)
+                break;
             snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kv);
             st = check_tensor(h, name, "F32", 4, res, V_FINITE, buf, data_at, data_size, &r[i], err);
             if (st == MODEL_OK)

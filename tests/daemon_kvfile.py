@@ -374,5 +374,14 @@ refused(build_raw(rmeta, t5), "raw: a qparams shape", (400,), "past_key_values.0
 t6 = dict(rts)
 del t6["past_key_values.1.value"]
 refused(build_raw(rmeta, t6), "raw: a missing residual", (400,), "tensors")
+# a NaN scale in the group of layer 0's first read position
+lo, nq, first = json.loads(rmeta["q_layers"])[0]
+t7 = dict(rts)
+name = "past_key_values.0.key.qparams"
+dt, shape, b = t7[name]  # [blocks, kv_heads, T/gt, D/gd, 2] f16
+T = int(rmeta["q_block_tokens"])
+at = 2 * (((lo // T - first) * shape[1]) * shape[2] + (lo % T) // (T // shape[2])) * shape[3] * 2
+t7[name] = (dt, shape, b[:at] + struct.pack("<H", 0x7e00) + b[at + 2:])
+refused(build_raw(rmeta, t7), "raw: a NaN scale of a group attention reads", (400,), name)
 code, n_after = d.get("/v1/sessions")
 check(len(n_after["data"]) == len(n_before["data"]) + 1, "failed raw imports leave no session behind")
