@@ -741,19 +741,6 @@ void start_job(engine *e, struct job *j)
         session_run_op(e, j);
         return;
     }
-    /* A static session cannot grow past max_cache_len: what would not fit
-     * is refused before anything of the session is touched (a new encoder
-     * input replaces its caches, a new prompt crops its KV to the common
-     * prefix).  The last generated token is never stored. */
-    const struct kv_seq_params *sp = j->sess ? &j->sess->cache.params : NULL;
-    if (sp && !engine_static_fits(e, sp, (int64_t)j->n_prompt, j->max_new)) {
-        struct ipc_error err;
-        ipc_fail(&err, IPC_EINVAL, "cache.max_cache_len",
-                 "the session's cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
-                 (long long)sp->max_cache_len, j->n_prompt, j->max_new);
-        job_fail(e, j, &err);
-        return;
-    }
     if (!j->pfetched) {
         j->pfetched = true;
         if (prefix_disk_fetch(e, j)) {
@@ -1769,11 +1756,10 @@ int engine_context(const engine *e)
     return e->ctx;
 }
 
-bool engine_static_fits(const engine *e, const struct kv_seq_params *p, int64_t n_prompt, int max_new)
+int64_t engine_static_limit(const engine *e, const struct kv_seq_params *p)
 {
     bool is_static = p->strategy == KV_STATIC || p->strategy == KV_OFFLOADED_STATIC;
-    return !is_static || p->window_length || !model_has_full_layer(e->mc) ||
-           n_prompt + (max_new > 0 ? max_new - 1 : 0) <= p->max_cache_len;
+    return is_static && !p->window_length && model_has_full_layer(e->mc) ? p->max_cache_len : INT64_MAX;
 }
 
 enum engine_remote_share engine_remote_share(const engine *e, bool *on)

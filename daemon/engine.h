@@ -242,10 +242,10 @@ const struct encdec_config *engine_encdec(const engine *e);
 /* Why m's self-attention cache cannot be quantized (encdec_quant_refusal), or NULL. */
 const char *engine_encdec_quant_refusal(const engine *e);
 int engine_context(const engine *e);
-/* Whether a cache of p holds a prompt of n_prompt tokens and max_new
- * generated ones: false only for a static cache whose full-attention
- * layers would fill up (the last generated token is never stored). */
-bool engine_static_fits(const engine *e, const struct kv_seq_params *p, int64_t n_prompt, int max_new);
+/* The most tokens a sequence of p may hold: max_cache_len for a static
+ * cache whose full-attention layers fill up, else INT64_MAX (a sliding
+ * ring never fills).  A generation stores all but its last token. */
+int64_t engine_static_limit(const engine *e, const struct kv_seq_params *p);
 /* --remote-share, and whether a remote tier is configured at all. */
 enum engine_remote_share engine_remote_share(const engine *e, bool *on);
 const char *engine_model_id(const engine *e);
@@ -316,6 +316,10 @@ enum ipc_status engine_session_delete(engine *e, uid_t uid, const char *id, stru
 /* {"id","object":"session","created","tokens","bytes":{"device","host","disk"},
  *  "strategy" (in use),"requested_strategy","fallback","busy"} */
 enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t **out, struct ipc_error *err);
+/* The cache parameters session id was created with (fixed for its life),
+ * for checks a request must pass before its reply starts. */
+enum ipc_status engine_session_cache(engine *e, uid_t uid, const char *id, struct kv_seq_params *out,
+                                     struct ipc_error *err);
 /* The caller's sessions as a JSON array (NULL on allocation failure). */
 json_t *engine_session_list(engine *e, uid_t uid);
 /* uid's generation requests, queued and running, for GET /v1/requests;

@@ -174,20 +174,33 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     else if (st == IPC_OK && ids.n >= (size_t)ctx)
         st = ipc_fail(err, IPC_ECONTEXT, chat ? "messages" : "prompt",
                       "the prompt has %zu tokens; the context holds %d", ids.n, ctx);
+    /* a session's cache is its own, fixed when it was created: checked
+     * here, before the reply starts and before anything of the session is
+     * touched (a new encoder input replaces its caches, a new prompt crops
+     * its KV to the common prefix) */
+    struct kv_seq_params sp;
+    const struct kv_seq_params *cp = &g.cache.params;
+    if (st == IPC_OK && g.session && (st = engine_session_cache(s->eng, r->uid, g.session, &sp, err)) == IPC_OK)
+        cp = &sp;
     int left = ctx - (int)ids.n;
-    /* OpenAI's defaults: 16 tokens for completions, the rest of the context for chat */
-    int max_new = g.max_tokens > 0 ? g.max_tokens : chat || rest ? left : left < 16 ? left : 16;
+    /* a static cache may end before the context (the last generated token
+     * is never stored) */
+    int64_t limit = engine_static_limit(s->eng, cp);
+    int64_t room = limit == INT64_MAX ? left : limit + 1 - (int64_t)ids.n;
+    /* OpenAI's defaults: 16 tokens for completions, the rest of the context
+     * (or of a static cache) for chat */
+    int chat_default = room < left ? (room > 1 ? (int)room : 1) : left;
+    int max_new = g.max_tokens > 0 ? g.max_tokens : chat || rest ? chat_default : chat_default < 16 ? chat_default : 16;
     /* a sink cache's positions are indices in its window: it goes past the context */
     if (st == IPC_OK && max_new > left && !g.cache.params.sink)
         st = ipc_fail(err, IPC_ECONTEXT, "max_tokens",
                       "the prompt (%zu tokens) + max_tokens (%d) exceeds the context (%d tokens)", ids.n, max_new, ctx);
-    const struct kv_seq_params *cp = &g.cache.params;
     /* both lengths are known now: refuse before any work what would fail
-     * part-way (a session's cache is checked when its job starts) */
-    if (st == IPC_OK && !engine_static_fits(s->eng, cp, (int64_t)ids.n, max_new))
+     * part-way */
+    if (st == IPC_OK && (int64_t)ids.n + max_new - 1 > limit)
         st = ipc_fail(err, IPC_EINVAL, "cache.max_cache_len",
-                      "cache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
-                      (long long)cp->max_cache_len, ids.n, max_new);
+                      "%scache.max_cache_len (%lld) cannot hold the prompt (%zu tokens) + max_tokens (%d) - 1",
+                      cp == &sp ? "the session's " : "", (long long)cp->max_cache_len, ids.n, max_new);
     bool beams = g.num_beams > 1;
     /* beams and shared samples fork the prompt's KV sequence */
     if (st == IPC_OK && beams && cp->strategy == KV_QUANTIZED)

@@ -40,6 +40,9 @@ enum ipc_status prep_session_create(struct req *r)
     if (st == IPC_OK && ids->n >= (size_t)engine_context(s->eng))
         st = ipc_fail(err, IPC_ECONTEXT, q.field, "%s has %zu tokens; a session's start must be shorter than the context (%d)",
                       q.field, ids->n, engine_context(s->eng));
+    else if (st == IPC_OK && (int64_t)ids->n > engine_static_limit(s->eng, &q.cache.params))
+        st = ipc_fail(err, IPC_EINVAL, "cache.max_cache_len", "cache.max_cache_len (%lld) cannot hold the %s (%zu "
+                      "tokens)", (long long)q.cache.params.max_cache_len, q.field, ids->n);
     r->prep.cache = q.cache;
     r->prep.record = q.record;
     /* a system prompt is what prefix-only shares; a raw prefix is not */

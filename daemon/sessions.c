@@ -223,6 +223,18 @@ enum ipc_status engine_session_json(engine *e, uid_t uid, const char *id, json_t
     return st;
 }
 
+enum ipc_status engine_session_cache(engine *e, uid_t uid, const char *id, struct kv_seq_params *out,
+                                     struct ipc_error *err)
+{
+    pthread_mutex_lock(&e->mu);
+    struct session *s;
+    enum ipc_status st = session_get(e, uid, id, &s, err);
+    if (st == IPC_OK)
+        *out = s->cache.params;
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
 json_t *engine_session_list(engine *e, uid_t uid)
 {
     json_t *arr = json_array();

@@ -255,5 +255,16 @@ code3, e = small.post("/v1/completions", dict(gen, max_tokens=5, prompt=prompt[:
 after = small.get("/v1/sessions/" + sid)[1]["tokens"]
 check((code, code2, code3) == (200, 200, 400) and e["error"]["param"] == "cache.max_cache_len" and before == after,
       "static session: 26 + 5 - 1 tokens over max_cache_len 20 -> 400, the session untouched (%s tokens)" % after)
+code, e = small.post("/v1/completions", dict(gen, max_tokens=5, prompt=prompt[:8] + prompt[40:58], session=sid,
+                                            stream=True))
+check(code == 400 and e["error"]["param"] == "cache.max_cache_len",
+      "the same, streamed: a 400 before the stream starts, not a 200 carrying an error event")
+# chat's default length is the rest of the context, or of a static cache
+code, s = small.post("/v1/sessions", {"cache": {"implementation": "static", "max_cache_len": 40}})
+code2, r = small.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "session": s["id"],
+                                               "temperature": 0, "ignore_eos": True})
+u = r.get("usage", {})
+check(code2 == 200 and u["prompt_tokens"] + u["completion_tokens"] - 1 == 40,
+      "chat on a static session without max_tokens: generates to max_cache_len (%s)" % u)
 d = small
 check(d.stop() == 0, "stop")
