@@ -197,7 +197,13 @@ static enum ipc_status prep_ollama(struct req *r, bool chat_api)
     if (st != IPC_OK && as) {
         char p[IPC_PARAM_LEN], m[IPC_MSG_LEN];
         snprintf(p, sizeof(p), "options.%.40s", as);
-        snprintf(m, sizeof(m), "%s: %.*s", p, (int)(sizeof(m) - sizeof(p) - 3), err->msg);
+        /* the length's message names max_tokens, which the client never sent */
+        const char *mt = strstr(err->msg, "max_tokens");
+        if (mt && as != err->param)
+            snprintf(m, sizeof(m), "%s: %.*snum_predict%.*s", p, (int)(mt - err->msg), err->msg,
+                     (int)(sizeof(m) - sizeof(p) - 40), mt + 10);
+        else
+            snprintf(m, sizeof(m), "%s: %.*s", p, (int)(sizeof(m) - sizeof(p) - 3), err->msg);
         memcpy(err->param, p, sizeof(p));
         memcpy(err->msg, m, sizeof(m));
     }

@@ -530,6 +530,8 @@ static void test_args(void **state)
     assert_true(args_float("0.5", 0, 1, &f) && f == 0.5f);
     assert_false(args_float("nan", 0, 1, &f));
     assert_false(args_float("1.5", 0, 1, &f));
+    assert_true(args_float("1e-50", 0, 1, &f) && f == 0.0f); /* an underflow rounds to 0, in range */
+    assert_false(args_float("1e50", 0, 1e30f, &f));
     size_t z;
     assert_true(args_size("3K", &z) && z == 3072);
     assert_true(args_size("2G", &z) && z == (size_t)2 << 30);

@@ -2,6 +2,7 @@
 #include "util/args.h"
 
 #include <errno.h>
+#include <float.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -35,6 +36,8 @@ bool args_float(const char *s, float lo, float hi, float *out)
     char *end;
     errno = 0;
     float v = strtof(s, &end);
+    if (errno == ERANGE && fabsf(v) <= FLT_MIN) /* an underflow is a number, rounded towards 0 */
+        errno = 0;
     if (errno || end == s || *end || !isfinite(v) || v < lo || v > hi)
         return false;
     *out = v;
