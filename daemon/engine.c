@@ -335,7 +335,6 @@ static enum ipc_status session_kv_open(engine *e, struct job *j, struct job_choi
 
 static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
 {
-    struct session *s = j->sess;
     if (j->logprobs && !(c->lps = malloc((size_t)j->max_new * (size_t)(1 + j->top_logprobs) * sizeof(*c->lps))))
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the request's buffers");
     struct gen_seq_params gp = {.sampling = j->sampling,
@@ -355,6 +354,7 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
         return ipc_fail(err, IPC_EINVAL, "", "invalid sampling parameters");
     if (ms != MODEL_OK)
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the request's buffers");
+    struct session *s = j->sess;
     if (idx > 0 && (j->bs || shares_prefill(j)))
         return IPC_OK; /* its KV comes from choice 0 (share_prefill, beam_reorder) */
     if (!s) {
