@@ -497,15 +497,27 @@ static void raw_tensors(const struct kv_quant_layer *ql, int l, int H, int D, st
 
 /* Moves a layer's n whole blocks to (or, to_blocks, from) its code and
  * affine parameter tensors; the e4m3 scales travel apart. */
+/* Bytes of one block's code rows (one token's: *row) and of one half's
+ * group parameters (one group row's: *prow; 0 for e4m3, which has none). */
+static size_t raw_code_bytes(const struct be_kvq_format *f, size_t *row)
+{
+    *row = (size_t)f->head_dim * (size_t)f->nbits / 8;
+    return (size_t)f->n_kv_heads * (size_t)f->block_tokens * *row;
+}
+
+static size_t raw_param_bytes(const struct be_kvq_format *f, const struct be_kvq_half *h, size_t *prow)
+{
+    *prow = f->kind == BE_KVQ_E4M3 ? 0 : (size_t)(f->head_dim / h->gd) * 4; /* an f16 pair per group */
+    return (size_t)f->n_kv_heads * (size_t)(f->block_tokens / h->gt) * *prow;
+}
+
 static void raw_move(const struct be_kvq_format *f, int n, char *const codes[2], char *const params[2], char *blocks,
                      bool to_blocks)
 {
-    size_t cb = (size_t)f->n_kv_heads * (size_t)f->block_tokens * (size_t)f->head_dim * (size_t)f->nbits / 8;
+    size_t row, prow, cb = raw_code_bytes(f, &row);
     for (int half = 0; half < 2; half++) {
         const struct be_kvq_half *h = half ? &f->v : &f->k;
-        size_t pb = f->kind == BE_KVQ_E4M3 ? 0
-                                           : (size_t)f->n_kv_heads * (size_t)(f->block_tokens / h->gt) *
-                                                 (size_t)(f->head_dim / h->gd) * 4;
+        size_t pb = raw_param_bytes(f, h, &prow);
         for (int b = 0; b < n; b++) {
             char *blk = blocks + (size_t)b * f->block_bytes, *c = codes[half] + (size_t)b * cb;
             memcpy(to_blocks ? blk + h->codes : c, to_blocks ? c : blk + h->codes, cb);
@@ -524,11 +536,11 @@ static void raw_clear_unused(const struct kv_quant_layer *ql, char *const codes[
 {
     const struct be_kvq_format *f = ql->fmt;
     int64_t T = f->block_tokens, H = f->n_kv_heads;
-    size_t row = (size_t)f->head_dim * (size_t)f->nbits / 8, cb = (size_t)H * (size_t)T * row;
+    size_t row, pr, cb = raw_code_bytes(f, &row);
     for (int half = 0; half < 2; half++) {
         const struct be_kvq_half *h = half ? &f->v : &f->k;
-        int64_t gt = h->gt, gd = f->head_dim / h->gd;
-        size_t pr = (size_t)gd * 4, pb = f->kind == BE_KVQ_E4M3 ? 0 : (size_t)H * (size_t)(T / gt) * pr;
+        int64_t gt = h->gt;
+        size_t pb = raw_param_bytes(f, h, &pr);
         for (int b = 0; b < ql->n_blocks; b++) {
             int64_t p0 = (ql->first_block + b) * T;
             for (int64_t t = 0; t < T; t++)
