@@ -91,6 +91,37 @@ static enum ipc_status put_options(const json_t *opts, json_t *out, int ctx, str
     return IPC_OK;
 }
 
+/* Ollama's messages as the OpenAI ones: a message's images and tool_calls
+ * are Ollama fields kvtier cannot use (no vision, no tools on this API), so
+ * an empty one is dropped and any other refused by name.  What is not an
+ * array of objects goes on as it is, for the request's checks to refuse. */
+static enum ipc_status put_messages(const json_t *msgs, json_t *out, struct ipc_error *err)
+{
+    json_t *copy = json_is_array(msgs) ? json_array() : json_incref((json_t *)msgs);
+    if (msgs && !copy)
+        return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages");
+    for (size_t i = 0; json_is_array(msgs) && i < json_array_size(msgs); i++) {
+        const json_t *m = json_array_get(msgs, i);
+        json_t *c = json_is_object(m) ? json_copy((json_t *)m) : json_incref((json_t *)m);
+        static const char *const drop[] = {"images", "tool_calls"};
+        for (size_t k = 0; c && json_is_object(m) && k < 2; k++) {
+            if (!off(json_object_get(m, drop[k]))) {
+                json_decref(c);
+                json_decref(copy);
+                return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu].%s is not supported by kvtier", i,
+                                drop[k]);
+            }
+            json_object_del(c, drop[k]);
+        }
+        if (json_array_append_new(copy, c)) {
+            json_decref(copy);
+            return ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages");
+        }
+    }
+    int bad = copy && json_object_set_new(out, "messages", copy);
+    return bad ? ipc_fail(err, IPC_ENOMEM, "messages", "no memory for messages") : IPC_OK;
+}
+
 /* The Ollama request r->root as the OpenAI one (*out), chat or raw prompt. */
 static enum ipc_status translate(struct req *r, bool chat_api, json_t *out, bool *chat, struct ipc_error *err)
 {
@@ -134,8 +165,7 @@ static enum ipc_status translate(struct req *r, bool chat_api, json_t *out, bool
         return st;
     *chat = true;
     if (chat_api)
-        return json_object_set(out, "messages", json_object_get(root, "messages")) ? ipc_fail(err, IPC_ENOMEM, "",
-                                                                                               "no memory") : IPC_OK;
+        return put_messages(json_object_get(root, "messages"), out, err);
     const json_t *prompt = json_object_get(root, "prompt"), *system = json_object_get(root, "system"),
                  *raw = json_object_get(root, "raw");
     if (prompt && !json_is_string(prompt) && !json_is_null(prompt))

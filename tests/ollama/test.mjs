@@ -64,6 +64,17 @@ for await (const part of await ollama.chat({ model, messages, options: greedy, s
 assert.equal(chatText, c.message.content);
 ok('chat: stream == single reply == /v1/chat/completions');
 
+// what the ollama client sends empty is the message without it; anything else is refused by name
+const empty = await ollama.chat({ model, options: greedy,
+  messages: [messages[0], { ...messages[1], images: [], tool_calls: null }] });
+assert.equal(empty.message.content, c.message.content);
+await assert.rejects(ollama.chat({ model, messages: [messages[0], { ...messages[1], images: ['aGk='] }] }),
+  (e) => e.status_code === 400 && /messages\[1\]\.images/.test(e.error));
+await assert.rejects(ollama.chat({ model, messages: [...messages,
+  { role: 'assistant', content: '', tool_calls: [{ function: { name: 'f', arguments: { a: 1 } } }] }] }),
+  (e) => e.status_code === 400 && /messages\[2\]\.tool_calls/.test(e.error));
+ok('chat: empty images and tool_calls are dropped, others refused naming them');
+
 const gs = await ollama.generate({ model, prompt: 'system says', system: 'Be brief.', options: greedy });
 const raw = await ollama.generate({ model, prompt: 'Once upon a time', raw: true, options: greedy });
 assert.equal(raw.eval_count, 8);
