@@ -444,7 +444,8 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
     case MODEL_OK: return IPC_OK;
     case MODEL_ECONFIG: return ipc_fail(err, IPC_ECONFLICT, "model_fingerprint", "%s", msg);
     case MODEL_ENOMEM: return ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
-    default: return ipc_fail(err, IPC_EINVAL, "", "%s", msg);
+    /* the file is the request's body; the message names its part */
+    default: return ipc_fail(err, IPC_EINVAL, "body", "%s", msg);
     }
 }
 
@@ -753,7 +754,7 @@ static enum ipc_status import_raw(engine *e, const struct kvfile *f, const struc
     else {
         enum tier_status ts = kv_seq_load_quant(e->store, p, f->n_tokens, in, out);
         if (ts != TIER_OK)
-            st = kv_error(e, ts, "", err);
+            st = kv_error(e, ts, "body", err);
     }
     for (int l = 0; in && l < L; l++)
         free((void *)in[l].blocks);
@@ -774,7 +775,7 @@ static enum ipc_status import_cross(engine *e, struct session *s, struct kvfile 
     if (ts != TIER_OK) {
         kv_seq_free(q);
         free(cc);
-        return kv_error(e, ts, "", err);
+        return kv_error(e, ts, "body", err);
     }
     *cc = (struct cross_cache){.kv = q, .refs = 1};
     struct kv_seq_stats k = kv_seq_stats(q);
@@ -818,7 +819,7 @@ static enum ipc_status session_import(engine *e, struct session *s, struct job *
         enum tier_status ts = kv_seq_load_state(e->store, &p, f->n_tokens, f->state, f->ckpt_pos, f->n_ckpt, &q);
         if (ts != TIER_OK) {
             free(toks);
-            return kv_error(e, ts, "", err);
+            return kv_error(e, ts, "body", err);
         }
     } else {
         enum tier_status ts = kv_seq_create(e->store, &p, &q);
@@ -827,7 +828,7 @@ static enum ipc_status session_import(engine *e, struct session *s, struct job *
         if (ts != TIER_OK) {
             kv_seq_free(q);
             free(toks);
-            return kv_error(e, ts, "", err);
+            return kv_error(e, ts, "body", err);
         }
     }
     memcpy(toks, f->tokens, (size_t)f->n_tokens * sizeof(*toks));

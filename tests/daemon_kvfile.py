@@ -169,7 +169,10 @@ check(code == 404, "GET kv of an unknown session -> 404")
 def refused(blob, what, want_code=(400,), field=None):
     code, e = d.request("POST", "/v1/sessions/import", blob, {"Content-Type": "application/octet-stream"})
     msg = json.dumps(e) if not isinstance(e, bytes) else e.decode(errors="replace")
-    check(code in want_code and (field is None or field in msg), "%s -> %d naming %s" % (what, code, field))
+    # the file is the body: a 400 says so in param, its message names the part
+    param = e.get("error", {}).get("param") if isinstance(e, dict) else None
+    check(code in want_code and (field is None or field in msg) and (code != 400 or param == "body"),
+          "%s -> %d naming %s (param %s)" % (what, code, field, param))
 
 
 bad = dict(base_meta, model_fingerprint="0123456789abcdef")
