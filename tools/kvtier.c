@@ -237,9 +237,9 @@ static char *read_all(FILE *f)
 static const char generate_usage[] =
     "usage: kvtier generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT...|-\n"
     "  streams a completion of PROMPT (the words joined by spaces; - reads stdin) to stdout\n"
-    "  -n, --max-tokens N   tokens to generate (default 128)\n"
-    "  -t, --temperature T  sampling temperature, 0 greedy (default 0.8)\n"
-    "  --seed S             sampling seed\n"
+    "  -n, --max-tokens N   tokens to generate, 1 to 16777216 (default 128)\n"
+    "  -t, --temperature T  sampling temperature, 0 (greedy) to 2 (default 0.8)\n"
+    "  --seed S             sampling seed, a 64-bit integer\n"
     "  --stop STR           stop at STR (repeatable)\n"
     "  --session ID         continue in a session (kvtier sessions)\n";
 
