@@ -322,15 +322,41 @@ static bool shares_prefill(const struct job *j)
            j->cache.params.strategy != KV_QUANTIZED;
 }
 
-/* A fresh KV for j's session, as its own (prefix-cache blocks for the start
- * of j's prompt: c->n_fed tokens need not be computed). */
-static enum ipc_status session_kv_open(engine *e, struct job *j, struct job_choice *c, struct ipc_error *err)
+/* A fresh KV for j's session to compute in (prefix-cache blocks for the
+ * start of j's prompt: c->n_fed tokens need not be computed). */
+static enum ipc_status session_kv_fresh(engine *e, struct job *j, struct job_choice *c, struct ipc_error *err)
 {
     struct session *s = j->sess;
-    enum ipc_status st = kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &s->kv, &c->n_fed,
-                                 err);
-    c->kv = s->kv;
+    kv_seq *q = NULL;
+    enum ipc_status st = kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &q, &c->n_fed, err);
+    c->kv = j->skv = q;
     return st;
+}
+
+/* The KV j's session computes in (j->skv, which the session takes at
+ * retire), reused as far as the session's KV is a real prefix of the new
+ * input (HF checks only the length): an edited turn rewinds it.  The
+ * rewind happens on a fork when that shares the KV, so a request that
+ * fails leaves the session as it was; a cache whose fork would copy it
+ * (static, offloaded) rewinds in place instead.  A sliding layer that
+ * already dropped the states to rewind to without past recording, or a
+ * cache that cannot rewind, starts over in a fresh KV beside the
+ * session's (prefix-cache blocks for the start of j's prompt). */
+static enum ipc_status session_kv_setup(engine *e, struct job *j, struct job_choice *c, struct ipc_error *err)
+{
+    const struct session *s = j->sess;
+    kv_seq *q = s->kv, *fork = NULL;
+    int64_t keep = 0, len = q ? kv_seq_length(q) : 0;
+    if (q && kv_seq_common(q, s->toks, j->prompt, (int64_t)j->n_prompt) < len && kv_seq_fork_shares(q))
+        q = kv_seq_fork(q, &fork) == TIER_OK ? fork : q; /* without memory for it: in place */
+    if (q && kv_seq_reuse(q, s->toks, j->prompt, (int64_t)j->n_prompt, &keep) != TIER_OK) {
+        log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
+        kv_seq_free(fork);
+        q = NULL;
+    }
+    c->n_fed = (size_t)keep;
+    c->kv = j->skv = q;
+    return q ? IPC_OK : session_kv_fresh(e, j, c, err);
 }
 
 static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c, int idx, struct ipc_error *err)
@@ -369,21 +395,7 @@ static enum ipc_status seq_setup(engine *e, struct job *j, struct job_choice *c,
             p.max_cache_len = (int64_t)j->n_prompt + (shares_prefill(j) ? j->n : 1) * own;
         return kv_open(e, &p, j->uid, false, j->prompt, j->n_prompt, &c->kv, &c->n_fed, err);
     }
-    /* The session's KV is reused as far as it is a real prefix of the new
-     * input (HF checks only the length): an edited turn rewinds it.  A
-     * sliding layer that already dropped the states to rewind to without
-     * past recording cannot, and the session starts over. */
-    int64_t keep = 0;
-    if (s->kv && kv_seq_reuse(s->kv, s->toks, j->prompt, (int64_t)j->n_prompt, &keep) != TIER_OK) {
-        log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
-        kv_seq_free(s->kv);
-        s->kv = NULL;
-    }
-    c->n_fed = (size_t)keep;
-    c->kv = s->kv;
-    if (s->kv)
-        return IPC_OK;
-    return session_kv_open(e, j, c, err);
+    return session_kv_setup(e, j, c, err);
 }
 
 /* What the response's kvtier object reports: choice 0's strategy and layer
@@ -465,8 +477,8 @@ static void retire(engine *e, struct job *j)
             add_kv_stats(&kvs, c->kv, !any);
             any = true;
         }
-        /* a session keeps its own; its beams' forks go */
-        if (!j->sess || (j->bs && c->kv != j->sess->kv))
+        /* a session's KV stays for below; its beams' forks go */
+        if (c->kv != j->skv)
             kv_seq_free(c->kv);
         c->kv = NULL;
     }
@@ -481,6 +493,18 @@ static void retire(engine *e, struct job *j)
     struct session *s = j->sess;
     struct job_choice *c0 = &j->ch[0];
     bool admitted = c0->seq.toks != NULL;
+    /* A job that computed in a KV beside the session's (a rewound fork, a
+     * fresh start) hands it over unless it failed: a failed request leaves
+     * the session as it was. */
+    bool failed = j->res.err.st != IPC_OK || !j->skv;
+    if (s && j->skv != s->kv) {
+        bool take = admitted && (!failed || !s->kv);
+        kv_seq_free(take ? s->kv : j->skv);
+        if (take)
+            s->kv = j->skv;
+        else
+            admitted = false; /* nothing of the session changes */
+    }
     int32_t *keep = NULL;
     size_t n_keep = 0;
     if (s && admitted) {
@@ -1006,7 +1030,8 @@ static void restart_session(engine *e, int i)
 {
     struct job *j = e->batch_job[i];
     struct job_choice *c = e->batch_ch[i];
-    disk_restore_lost(e, j->sess);
+    disk_restore_lost(e, j->sess); /* frees the KV c ran on */
+    c->kv = j->skv = NULL;
     c->n_fed = 0;
     if (e->ed && !j->sess->cross) {
         j->cross = NULL;
@@ -1017,7 +1042,7 @@ static void restart_session(engine *e, int i)
             return;
     }
     struct ipc_error err;
-    if (session_kv_open(e, j, c, &err) != IPC_OK) {
+    if (session_kv_fresh(e, j, c, &err) != IPC_OK) {
         job_fail(e, j, &err);
         return;
     }
@@ -1215,7 +1240,7 @@ static void beam_advance(engine *e, struct job *j, double t)
     enum tier_status ts = TIER_OK;
     /* a session's decoder cache stays at the prompt for its next request
      * (retire): the beams go on from a fork of it */
-    if (j->sess && kv[0] == j->sess->kv && (ts = kv_seq_fork(j->sess->kv, &kv[0])) != TIER_OK) {
+    if (j->sess && kv[0] == j->skv && (ts = kv_seq_fork(j->skv, &kv[0])) != TIER_OK) {
         kv_error(e, ts, "num_beams", &err);
         job_fail(e, j, &err);
         return;

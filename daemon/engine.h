@@ -206,6 +206,7 @@ struct job {
     struct kv_seq_stats kv_step; /* kv_now's next value, summed outside the lock */
     struct kv_seq *cross;    /* an encoder-decoder model's: the encoder output's K and V, every choice's */
     struct kv_kept *cross_kept; /* the store's entry holding cross, a reference of the job's (NULL: none) */
+    struct kv_seq *skv; /* a session's: the KV the session holds after the job (retire), choice 0's at setup */
     int n;
     struct job_choice ch[];
 };

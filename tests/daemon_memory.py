@@ -184,6 +184,22 @@ check(s2["tokens"] == held and not s2["busy"], "the session's KV is intact (%d t
 code, r = d.post("/v1/completions", dict(req, session=sid, prompt=prompt[:60], max_tokens=4))
 check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == held,
       "the session continues from its KV after the 507")
+# a turn that rewrites a session's history and then fails leaves that history as it was: the
+# rewind runs on a fork of the session's KV (on the device: the fork shares its blocks)
+turn = r["choices"][0]["tokens"]
+check(d.request("DELETE", "/v1/sessions/" + sid)[0] == 200, "the session deleted")
+code, s3 = d.post("/v1/sessions", {"prompt": prompt[:40]})
+sid = s3["id"]
+edited = prompt[:30] + prompt[30:][::-1]
+code, e = d.post("/v1/completions", dict(req, session=sid, prompt=edited))
+code2, s4 = d.get("/v1/sessions/" + sid)
+check(code == 507 and edited[30] != prompt[30] and s4["tokens"] == s3["tokens"] == 40 and
+      s4["bytes"] == s3["bytes"], "a turn that edits the history and fails: 507, the session as it was (%s, %s)" %
+      (s4["tokens"], s4["bytes"]))
+code, r = d.post("/v1/completions", dict(req, session=sid, prompt=prompt[:60], max_tokens=4))
+check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 40 and r["choices"][0]["tokens"] == turn,
+      "its KV is intact: the next turn reuses its 40 tokens (%d), the same tokens" %
+      r["usage"]["prompt_tokens_details"]["cached_tokens"])
 # in one batch with a request that fits, only the one that does not fit fails
 out = {}
 big = threading.Thread(target=lambda: out.update(big=d.post("/v1/completions", dict(req, max_tokens=40))))

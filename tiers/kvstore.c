@@ -1481,15 +1481,21 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
     return TIER_OK;
 }
 
+int64_t kv_seq_common(const kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input)
+{
+    int64_t k = 0;
+    while (k < q->len && k < n_input - 1 && held[k] == input[k])
+        k++;
+    return k;
+}
+
 enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input,
                               int64_t *n_keep)
 {
     *n_keep = 0;
     if (n_input <= 0)
         return kv_fail(q->s, TIER_EINVAL, "kv_seq_reuse of an empty input");
-    int64_t k = 0;
-    while (k < q->len && k < n_input - 1 && held[k] == input[k])
-        k++;
+    int64_t k = kv_seq_common(q, held, input, n_input);
     if (k < q->len) {
         enum tier_status st = kv_seq_crop(q, -(q->len - k));
         if (st != TIER_OK)
@@ -1497,6 +1503,16 @@ enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *inp
     }
     *n_keep = q->state ? q->len : k; /* a state goes back to a checkpoint */
     return TIER_OK;
+}
+
+bool kv_seq_fork_shares(const kv_seq *q)
+{
+    if (q->kvq || q->state)
+        return false;
+    for (int l = 0; l < q->s->g.n_layers; l++)
+        if (q->layers[l].home != KV_HOME_PAGED)
+            return false;
+    return true;
 }
 
 enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)

@@ -261,12 +261,18 @@ bool kv_store_past_recording_ok(const kv_store *s, const struct kv_seq_params *p
  * q is unchanged and *n_keep is 0. */
 enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input,
                               int64_t *n_keep);
+/* The length of the common prefix kv_seq_reuse would keep, q unchanged. */
+int64_t kv_seq_common(const kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input);
 
 /* A new sequence equal to q that shares q's device blocks copy-on-write:
  * nothing is copied until one of them writes into a shared block (the
  * partly filled last block, on the first step).  Extent layers (static,
  * offloaded) are copied: a ring has no blocks to share. */
 enum tier_status kv_seq_fork(kv_seq *q, kv_seq **child);
+/* Whether kv_seq_fork(q) would share all of q's KV, copying at most a
+ * partly filled block per layer (paged layers), rather than copy extents
+ * or a state, or refuse (a quantized cache). */
+bool kv_seq_fork_shares(const kv_seq *q);
 
 /* Attaches to a fresh sequence (length 0) the longest chain of cached full
  * blocks equal to tokens[0, n) and sets *n_cached to the tokens attached
