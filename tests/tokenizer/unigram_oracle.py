@@ -41,6 +41,16 @@ def train_text():
     return lines + EXTRA * 20
 
 
+def train(prefix, text, size, byte_fallback=False):
+    """Trains a Unigram model with T5's specials (<pad> </s> <unk> = 0, 1, 2,
+    no <s>) on the lines of text into prefix.model; returns its processor."""
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_prefix=prefix, model_type="unigram", vocab_size=size,
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=byte_fallback, num_threads=1,
+        hard_vocab_limit=False, minloglevel=2)
+    return spm.SentencePieceProcessor(model_file=prefix + ".model")
+
+
 def skip_reason(sp, text):
     """Why SentencePiece's ids for text are not Hugging Face's, or None:
     "special" when the text holds a special token's text (Hugging Face
@@ -69,14 +79,10 @@ def main():
     models = []
     for name, byte_fallback, size in (("t5", False, 800), ("t5-bytes", True, 1200)):
         prefix = os.path.join(out, name)
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(text), model_prefix=prefix, model_type="unigram", vocab_size=size,
-            pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=byte_fallback, num_threads=1,
-            hard_vocab_limit=False, minloglevel=2)
+        sp = train(prefix, text, size, byte_fallback)
         spm2hf.convert(prefix + ".model", os.path.join(out, name))
         if not byte_fallback:
             spm2hf.convert(prefix + ".model", os.path.join(out, name + "-strip-replace"), strip_replace=True)
-        sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
         ids = [sp.encode(t) + [sp.eos_id()] for t in corpus]
         models.append({"name": name, "dir": os.path.join(out, name), "ids": ids,
                        "decoded": [sp.decode(i) for i in ids],
