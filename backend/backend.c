@@ -627,7 +627,7 @@ enum be_status be_attention_quant(be_backend *be, void *out, const void *q, cons
     for (int t = 0; t < n_tok; t++)
         if (toks[t].view < 0 || toks[t].pos < 0 || !kvq_view_ok(&views[toks[t].view], p))
             return BE_EINVAL;
-    if (!be->ops->attention_quant || p->bidirectional || p->rel_bias)
+    if (!be->ops->attention_quant)
         return BE_ENOTSUP;
     return n_tok ? be->ops->attention_quant(be->ctx, out, q, views, toks, n_tok, p) : BE_OK;
 }

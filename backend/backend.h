@@ -225,8 +225,9 @@ struct be_attn_params {
      * 2 * rel_span + 1], NULL: none): row h, column clamp(k - q, -rel_span,
      * rel_span) + rel_span is added to query head h's scaled score of the
      * key at position k for the query at position q; past rel_span the
-     * bucket no longer changes, so the clamp is exact.  Neither is read by
-     * be_attention_quant (BE_ENOTSUP). */
+     * bucket no longer changes, so the clamp is exact.  be_attention_quant
+     * reads both as be_attention does; a backend without them answers
+     * BE_ENOTSUP. */
     bool bidirectional;
     const float *rel_bias;
     int rel_span;

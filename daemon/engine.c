@@ -1766,11 +1766,6 @@ const struct encdec_config *engine_encdec(const engine *e)
     return e->ed ? encdec_get_config(e->ed) : NULL;
 }
 
-const char *engine_encdec_quant_refusal(const engine *e)
-{
-    return e->ed ? encdec_quant_refusal(e->ed) : NULL;
-}
-
 const struct model_config *engine_model_config(const engine *e)
 {
     return e->mc;

@@ -240,8 +240,6 @@ const struct model_config *engine_model_config(const engine *e);
  * (whose engine_model_config is its own; an encoder-decoder model's is its
  * decoder's, encdec_model_config). */
 const struct encdec_config *engine_encdec(const engine *e);
-/* Why m's self-attention cache cannot be quantized (encdec_quant_refusal), or NULL. */
-const char *engine_encdec_quant_refusal(const engine *e);
 int engine_context(const engine *e);
 /* The most tokens a sequence of p may hold: max_cache_len for a static
  * cache whose full-attention layers fill up, else INT64_MAX (a sliding

@@ -27,14 +27,11 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
     return IPC_OK;
 }
 
-enum ipc_status encdec_cache_check(struct server *s, const struct kv_seq_params *cp, struct ipc_error *err)
+enum ipc_status encdec_cache_check(const struct kv_seq_params *cp, struct ipc_error *err)
 {
-    const char *qr = engine_encdec_quant_refusal(s->eng);
     if (cp->sink || cp->window_length)
         return ipc_fail(err, IPC_EINVAL, "cache", "an encoder-decoder model's decoder attends to all its tokens: "
                         "a %s cache would drop some", cp->sink ? "sink" : "sliding");
-    if (cp->strategy == KV_QUANTIZED && qr)
-        return ipc_fail(err, IPC_EINVAL, "cache", "%s", qr);
     return IPC_OK;
 }
 
@@ -52,7 +49,7 @@ static enum ipc_status encdec_ids(struct server *s, const struct ipc_gen_req *g,
     if (!g->has_input && !g->session)
         return ipc_fail(err, IPC_EINVAL, "input", "%s is an encoder-decoder model: \"input\" (text or token ids) is "
                         "its encoder's input, \"prompt\" the decoder's (optional)", ec->arch_name);
-    enum ipc_status st = encdec_cache_check(s, &g->cache.params, err);
+    enum ipc_status st = encdec_cache_check(&g->cache.params, err);
     if (st != IPC_OK)
         return st;
     if (g->shared_tokens >= 0 || g->shared_text)

@@ -25,7 +25,7 @@ enum ipc_status prep_session_create(struct req *r)
         st = ipc_fail(err, IPC_EINVAL, q.record ? "activate_past_recording" : q.field,
                       "an encoder-decoder model's session starts empty%s", q.record ? " and does not record" : "");
     if (st == IPC_OK && engine_encdec(s->eng))
-        st = encdec_cache_check(s, &q.cache.params, err);
+        st = encdec_cache_check(&q.cache.params, err);
     if (st == IPC_OK && q.system) {
         json_t *m = json_pack("[{s:s,s:s%}]", "role", "system", "content", q.system, q.system_len);
         st = m ? render(s, m, NULL, NULL, false, ids, err) : ipc_fail(err, IPC_ENOMEM, "system", "no memory");

@@ -223,7 +223,7 @@ typedef enum MHD_Result (*handler_fn)(struct req *r, const char *arg);
  * of the context (chat's default, Ollama's for both). */
 enum ipc_status prepare_generate(struct req *r, bool chat, bool rest);
 /* 400 for a cache strategy an encoder-decoder model's decoder cannot take. */
-enum ipc_status encdec_cache_check(struct server *s, const struct kv_seq_params *cp, struct ipc_error *err);
+enum ipc_status encdec_cache_check(const struct kv_seq_params *cp, struct ipc_error *err);
 void new_id(struct req *r, const char *prefix);
 enum ipc_status prep_completions(struct req *r);
 enum ipc_status prep_chat(struct req *r);

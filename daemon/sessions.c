@@ -396,9 +396,6 @@ enum ipc_status engine_kv_cache(const engine *e, const char *quantization, struc
         (out->params.strategy != KV_QUANTIZED || out->params.sink || out->params.offload || !out->use_cache))
         st = ipc_fail(err, IPC_EINVAL, "quantization", "%s is not a quantized cache without sinks or offload",
                       out->name);
-    const char *qr = e->ed ? encdec_quant_refusal(e->ed) : NULL;
-    if (st == IPC_OK && qr)
-        st = ipc_fail(err, IPC_EINVAL, "quantization", "%s", qr);
     return st;
 }
 

@@ -1042,7 +1042,7 @@ static enum be_status decode_chunk(encdec *m, const struct encdec_seq *seqs, int
             if (r && m->row_seq[r - 1] == m->row_seq[r])
                 continue;
             const struct encdec_seq *q = &seqs[m->row_seq[r]];
-            kv_seq_qview(q->self, l, &m->qviews[v]); /* a quantized self cache (BART): codes and the rest */
+            kv_seq_qview(q->self, l, &m->qviews[v]); /* a quantized self cache: codes and the rest */
             m->sviews[v] = m->qviews[v].rest;         /* where this step's K and V go */
             kv_seq_view(q->cross, l, &m->cviews[v++]);
         }
@@ -1057,13 +1057,6 @@ static enum be_status decode_chunk(encdec *m, const struct encdec_seq *seqs, int
         BE_TRY(kv_store_layer_end(store, l));
     }
     return chunk_logits(m, seqs, n);
-}
-
-const char *encdec_quant_refusal(const encdec *m)
-{
-    return m->cfg.bart ? NULL
-                       : "T5's self-attention adds a relative position bias, which the quantized attention "
-                         "kernel does not";
 }
 
 /* Whether entry i is the first of seqs to read its cross cache (a job's
@@ -1155,8 +1148,6 @@ enum model_status encdec_decode_batch(encdec *m, const struct encdec_seq *seqs, 
         for (int k = 0; k < i; k++)
             if (seqs[k].self == q->self) /* a sequence takes one place in a step */
                 return MODEL_EINVAL;
-        if (!m->cfg.bart && kv_seq_stats(q->self).strategy == KV_QUANTIZED)
-            return MODEL_EUNSUPPORTED; /* encdec_quant_refusal */
         if (m->cfg.bart && kv_seq_length(q->self) + q->n > m->cfg.max_positions) /* learned positions end there */
             return MODEL_EINVAL;
         total += q->n;

@@ -93,8 +93,8 @@ enum model_status encdec_encode(encdec *m, kv_seq *cross, const int32_t *ids, in
  * As model_forward, a step that runs out of device memory is redone with
  * the self cache, then the cross cache, moved to the host tier
  * (kv_seq_stats().fallback says so), nothing recomputed.
- * self: any strategy but quantized for T5 (encdec_quant_refusal), created
- * without the prefix cache's publishing (the decoder's tokens say nothing
+ * self: any strategy (a quantized one gets T5's position bias as a dense
+ * one does), created without the prefix cache's publishing (the decoder's tokens say nothing
  * of the encoder input they attend to). */
 enum model_status encdec_decode(encdec *m, kv_seq *self, kv_seq *cross, const int32_t *ids, int n,
                                 float *logits);
@@ -121,8 +121,5 @@ enum model_status encdec_decode_batch(encdec *m, const struct encdec_seq *seqs, 
  * and vocab, the context): the decoder's layers, all full, with
  * encdec_context's positions.  Release with model_config_release. */
 enum model_status encdec_model_config(const encdec *m, struct model_config *out);
-
-/* Why the self-attention cache of m cannot be quantized, or NULL (BART). */
-const char *encdec_quant_refusal(const encdec *m);
 
 #endif

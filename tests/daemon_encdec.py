@@ -7,8 +7,9 @@ seed, n > 1 included; usage counts the encoder input; a text input is
 tokenized; a session's later generations with the same input, or none,
 and after a crop give a fresh request's tokens with the encoder tokens
 reported as not recomputed, so do beams on it and a request after them,
-another input is encoded afresh; chat, sliding, sink, T5's quantized
-cache, shared_prefix, a session's prefix or past recording, and "input" or
+another input is encoded afresh; a quantized self cache (T5's read with
+its position bias) gives kvtier-encdec's quantized run's tokens; chat,
+sliding, sink, shared_prefix, a session's prefix or past recording, and "input" or
 beams on a session to a decoder-only model are refused with a 400 naming
 why (forks and the disk tier: tests/daemon_encdec_sess.py).  Started
 without --device-mem, the daemon's budget is sized from the model, both
@@ -32,8 +33,8 @@ if not os.access(oracle, os.X_OK):
     skip(oracle + " not built")
 
 
-def oracle_tokens(model, dec=None):
-    cmd = [oracle, "-m", model, "--enc", ",".join(map(str, ENC)), "-n", str(N)]
+def oracle_tokens(model, dec=None, n=N, strategy="dynamic"):
+    cmd = [oracle, "-m", model, "--enc", ",".join(map(str, ENC)), "-n", str(n), "--strategy", strategy]
     if dec:
         cmd += ["--dec", ",".join(map(str, dec))]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -99,12 +100,16 @@ def run(name, args, dec):
     refused("sliding", "sliding", input=ENC, cache={"implementation": "sliding_window", "window_length": 8})
     refused("sink", "not rotary", input=ENC, cache={"implementation": "sink", "window_length": 8, "num_sink_tokens": 4})
     refused("shared_prefix", "shares no prefix", input=ENC, prompt=[0, 5], shared_prefix=1)
-    if name == "t5":
-        refused("quantized", "relative position bias", input=ENC, cache={"implementation": "quantized"})
+    # kvtier-encdec's quantized cache (8-bit quanto, groups of 8, a
+    # residual of 8): 24 tokens reach past the residual, so the attention
+    # reads quantized blocks
+    q = {"implementation": "quantized", "backend": "quanto", "nbits": 8, "q_group_size": 8, "residual_length": 8}
+    dp = {"prompt": dec} if dec else {}
+    check(toks(complete(input=ENC, cache=q, max_tokens=24, **dp)) == oracle_tokens(model, dec, 24, "quantized"),
+          "%s: a quantized self cache: kvtier-encdec's quantized tokens" % name)
     # a session keeps the cross-attention cache: later requests with the
     # same input, or none, encode nothing and give a fresh request's tokens
     # (T5 with its decoder prompt: from the start token alone it repeats it)
-    dp = {"prompt": dec} if dec else {}
     want = oracle_tokens(model, dec)
     code, sess = d.post("/v1/sessions", {})
     assert code == 200, (code, sess)

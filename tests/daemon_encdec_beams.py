@@ -133,16 +133,16 @@ def run(name, args, prompt):
     for cache in ({"implementation": "static", "max_cache_len": 32}, {"implementation": "offloaded"}):
         check(hyps(beams(4, 4, 1.0, False, {}, cache=cache)) == fresh,
               "%s: %s self cache: the same hypotheses" % (name, cache["implementation"]))
-    if name == "bart":  # T5's quantized cache is refused before beams are looked at
-        code, e = d.post("/v1/completions", dict(base, num_beams=2, cache={"implementation": "quantized"}))
-        check(code == 400 and e["error"]["param"] == "num_beams", "%s: beams on a quantized cache -> 400" % name)
-        code, q = d.post("/v1/sessions", {"cache": {"implementation": "quantized"}})
-        code, e = d.post("/v1/completions", dict(base, num_beams=2, session=q.get("id")))
-        check(code == 400 and e["error"]["param"] == "num_beams" and "quantized" in e["error"]["message"],
-              "%s: beams on a session's quantized cache -> 400: %s" % (name, e["error"]["message"]))
-        # gone, so that the session below encodes the input itself (a
-        # session of the same user holding it would share its cache)
-        check(d.request("DELETE", "/v1/sessions/" + q["id"])[0] in (200, 204), "%s: the session deleted" % name)
+    # beams need a cache that forks: a quantized one, either model's, is refused
+    code, e = d.post("/v1/completions", dict(base, num_beams=2, cache={"implementation": "quantized"}))
+    check(code == 400 and e["error"]["param"] == "num_beams", "%s: beams on a quantized cache -> 400" % name)
+    code, q = d.post("/v1/sessions", {"cache": {"implementation": "quantized"}})
+    code, e = d.post("/v1/completions", dict(base, num_beams=2, session=q.get("id")))
+    check(code == 400 and e["error"]["param"] == "num_beams" and "quantized" in e["error"]["message"],
+          "%s: beams on a session's quantized cache -> 400: %s" % (name, e["error"]["message"]))
+    # gone, so that the session below encodes the input itself (a
+    # session of the same user holding it would share its cache)
+    check(d.request("DELETE", "/v1/sessions/" + q["id"])[0] in (200, 204), "%s: the session deleted" % name)
     # two searches over different inputs batched together: each its own cross cache
     other = dict(base, input=ENC[::-1], num_beams=3, num_return_sequences=3)
     alone = hyps(d.post_ok("/v1/completions", other))

@@ -16,13 +16,13 @@ self cache (each step streams both) and continues as a fresh run.
 Disk: a session idle for --spill-after leaves memory (both caches), and its
 next request, without an input, continues with the fresh run's tokens and
 the never-spilled session's cached_tokens, encoding nothing (dynamic,
-static, offloaded; BART's quantized self cache); a spilled session forks;
+static, offloaded, quantized); a spilled session forks;
 another input on a spilled session is encoded afresh; SIGTERM writes the
 sessions, a restart lists them with their input and they continue; a file
 whose data is damaged costs the session its caches, not its tokens (the
 kept input is encoded again).  Export carries both caches and the input,
 and an imported session continues as a fresh run, encoding nothing;
-BART's quantized self cache exports raw (its blocks as stored, the cross
+a quantized self cache (T5's and BART's) exports raw (its blocks as stored, the cross
 cache dense) and imports back to the same file and tokens, a mismatched
 raw file is a 400 naming the field; it does not fork (400)."""
 import glob
@@ -222,9 +222,8 @@ def run(name, args, dp):
 
     # ---- disk: spilled with both caches, restored without encoding ----
     caches = [("dynamic", None), ("static", {"implementation": "static", "max_cache_len": 64}),
-              ("offloaded", {"implementation": "offloaded"})]
-    if name == "bart":
-        caches.append(("quantized", {"implementation": "quantized", "nbits": 4, "residual_length": 4}))
+              ("offloaded", {"implementation": "offloaded"}),
+              ("quantized", {"implementation": "quantized", "nbits": 4, "residual_length": 4})]
     sess = {}
     for kind, cache in caches:
         body = {"cache": cache} if cache else {}
@@ -299,15 +298,6 @@ def run(name, args, dp):
               details(r)["cached_tokens"] == len(held) - 1,
               "%s %s: the imported session continues with %s tokens, %d cached, nothing encoded" %
               (name, kind, "a fresh run's" if kind != "quantized" else "the original's", details(r)["cached_tokens"]))
-        if name == "t5":  # a raw file is a quantized cache, which T5's cannot be
-            q = json.dumps({"implementation": "quantized", "nbits": 4, "residual_length": 4})
-            as_raw = lambda h: h["__metadata__"].update(layout="quantized", quantization=q,  # noqa: E731
-                                                        q_block_tokens="32", q_layers="[]")
-            code, e = d.request("POST", "/v1/sessions/import", rebuilt(blob, as_raw),
-                                {"Content-Type": "application/octet-stream"})
-            msg = e["error"]["message"] if code != 201 else ""
-            check(code == 400 and "quantization" in msg and "bias" in msg,
-                  "t5: a raw (quantized) file -> 400 naming quantization: %s" % msg[:100])
         if kind == "quantized":
             raw_roundtrip(d, b, nxt, held)
             code, e = d.post("/v1/sessions/%s/fork" % b, {})

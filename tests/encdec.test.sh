@@ -23,9 +23,12 @@
 # slots), give the dynamic run's tokens and logits, bit for bit, and so
 # does a run of a T5 and of a BART model whose device budget runs out
 # mid-generation (both caches then continue in the host tier, streamed),
-# and an f32 run on the strict backend with the cross cache streamed.  A quantized self cache:
-# BART's within 5e-2 of the reference (and the same with its cross cache
-# streamed), T5's refused.
+# and an f32 run on the strict backend with the cross cache streamed.  A quantized self cache
+# (T5's with its position bias in the quantized kernel): BART's within
+# 5e-2 of the reference, T5's within 3e-1 (its unscaled scores carry the
+# codes' rounding further: the worst seen is 0.18, and the quantized
+# kernel without the bias is 3.8 off), the same with its cross cache
+# streamed, and on the strict backend.
 #  t5relu: T5 v1.0 ReLU FFN, untied head
 #  t5tied: gated-GELU, tied head (x * d_model^-0.5), 16 buckets up to
 #          distance 12, so the 20 + 37 positions reach the logarithmic and
@@ -103,27 +106,27 @@ for dtype in f32 bf16; do
                 cmp -s "$dir/out.kved" "$dir/$s.kved" ||
                 { cat "$dir/$s.log"; echo "FAIL $name-$dtype: $s differs"; touch "$tmp/failed"; }
         done
-        # quantized self cache (8-bit quanto, residual 8): BART's within 5e-2 of the
-        # unquantized reference (its rounding is 2e-2 off), and not the
-        # dense run's dump; T5's refused, naming the position bias
+        # quantized self cache (8-bit quanto, residual 8), T5's read with its
+        # position bias: within the tolerance above of the unquantized
+        # reference (BART's rounding is 2e-2 off), and not the dense run's dump
         if [ "$dtype" = f32 ]; then
+            case $name in t5*) qtol=3e-1 ;; *) qtol=5e-2 ;; esac
             # shellcheck disable=SC2086
             "$run" -m "$dir" --enc "$enc" $d -n 33 --strategy quantized --dump "$dir/quant.kved" > "$dir/quant.log" 2>&1
-            case $name in
-            bart*) if [ -s "$dir/quant.kved" ] && ! cmp -s "$dir/out.kved" "$dir/quant.kved"; then
-                       echo "$dir $dir/quant.kved f32 5e-2 $name-quantized" >> "$tmp/cases"
-                   else
-                       cat "$dir/quant.log"; echo "FAIL $name: quantized did not run or did not quantize"; touch "$tmp/failed"
-                   fi
-                   # its cross cache streamed beside the quantized blocks: the same dump
-                   # shellcheck disable=SC2086
-                   "$run" -m "$dir" --enc "$enc" $d -n 33 --strategy quantized --cross-host \
-                       --dump "$dir/quant-host.kved" > "$dir/quant-host.log" 2>&1 &&
-                       cmp -s "$dir/quant.kved" "$dir/quant-host.kved" ||
-                       { cat "$dir/quant-host.log"; echo "FAIL $name: quantized, cross cache streamed, differs"; touch "$tmp/failed"; } ;;
-            *) grep -q "quantized: T5's self-attention adds a relative position bias" "$dir/quant.log" ||
-                   { cat "$dir/quant.log"; echo "FAIL $name: quantized not refused"; touch "$tmp/failed"; } ;;
-            esac
+            if [ -s "$dir/quant.kved" ] && ! cmp -s "$dir/out.kved" "$dir/quant.kved"; then
+                echo "$dir $dir/quant.kved f32 $qtol $name-quantized ${d#--dec }" >> "$tmp/cases"
+            else
+                cat "$dir/quant.log"; echo "FAIL $name: quantized did not run or did not quantize"; touch "$tmp/failed"
+            fi
+            # its cross cache streamed beside the quantized blocks, and the
+            # same on the strict backend: the same dump
+            for e in "" KVTIER_BACKEND_STRICT=1; do
+                # shellcheck disable=SC2086
+                env $e "$run" -m "$dir" --enc "$enc" $d -n 33 --strategy quantized --cross-host \
+                    --dump "$dir/quant-host.kved" > "$dir/quant-host.log" 2>&1 &&
+                    cmp -s "$dir/quant.kved" "$dir/quant-host.kved" ||
+                    { cat "$dir/quant-host.log"; echo "FAIL $name: quantized, cross cache streamed ${e:-}, differs"; touch "$tmp/failed"; }
+            done
         fi
         # BART's learned positions end at max_position_embeddings (128)
         if [ "$name-$dtype" = bart-f32 ]; then

@@ -474,24 +474,30 @@ static void test_reserve_all_or_nothing(void **state)
 
 /* ---- attention ---------------------------------------------------------------- */
 
-/* Dense reference in double over keys [k0, qpos] of rows K, V. */
-static void dense_attention(const float *q, const float *K, const float *V, int64_t k0, int64_t qpos, int H, int D,
-                            int kvh, float scale, double *o)
+/* Query q's scaled score of key t of rows K, plus bias[clamp(t - qpos,
+ * -span, span)] (bias NULL: none), in double. */
+static double dense_score(const float *q, const float *K, int64_t t, int64_t qpos, int H, int D, int kvh,
+                          float scale, const float *bias, int span)
+{
+    double s = 0.0;
+    for (int d = 0; d < D; d++)
+        s += (double)q[d] * K[((size_t)t * (size_t)H + (size_t)kvh) * (size_t)D + (size_t)d];
+    int64_t r = t - qpos < -span ? -span : t - qpos > span ? span : t - qpos;
+    return s * scale + (bias ? bias[r] : 0.0);
+}
+
+/* Dense reference in double over keys [k0, k1) of rows K, V for the query
+ * at qpos, each score biased as dense_score biases it. */
+static void dense_attention(const float *q, const float *K, const float *V, int64_t k0, int64_t k1, int64_t qpos,
+                            int H, int D, int kvh, float scale, const float *bias, int span, double *o)
 {
     double m = -INFINITY, l = 0.0;
-    for (int64_t t = k0; t <= qpos; t++) {
-        double s = 0.0;
-        for (int d = 0; d < D; d++)
-            s += (double)q[d] * K[((size_t)t * (size_t)H + (size_t)kvh) * (size_t)D + (size_t)d];
-        m = fmax(m, s * scale);
-    }
+    for (int64_t t = k0; t < k1; t++)
+        m = fmax(m, dense_score(q, K, t, qpos, H, D, kvh, scale, bias, span));
     for (int d = 0; d < D; d++)
         o[d] = 0.0;
-    for (int64_t t = k0; t <= qpos; t++) {
-        double s = 0.0;
-        for (int d = 0; d < D; d++)
-            s += (double)q[d] * K[((size_t)t * (size_t)H + (size_t)kvh) * (size_t)D + (size_t)d];
-        double e = exp(s * scale - m);
+    for (int64_t t = k0; t < k1; t++) {
+        double e = exp(dense_score(q, K, t, qpos, H, D, kvh, scale, bias, span) - m);
         l += e;
         for (int d = 0; d < D; d++)
             o[d] += e * V[((size_t)t * (size_t)H + (size_t)kvh) * (size_t)D + (size_t)d];
@@ -533,10 +539,14 @@ static void rope_row(const float *t, const float *x, int D, float *out)
  * read time): 3 full-precision sinks in a sink block, then the window from
  * position 30 on, quantized and rest, at cache indices 3, 4, ...  The
  * reference is the dense attention over the same keys decoded, rotated.
+ * t5: a relative position bias (T5's, rel_span 7: both the clamped and
+ * the exact distances), with T5_BIDIRECTIONAL every query reading every
+ * key, the 3 queries' own included.
  * N_TOK tokens: a prompt, then 59 decode steps, then 3 queries; past
  * 1024 keys the attention runs in pieces, spread over the threads. */
-static void attention_shape(be_backend *be, const struct kv_quant_params *p, int window, bool rope, const int N_TOK,
-                            const int H, const int NH, const int D)
+enum { T5_NONE, T5_BIAS, T5_BIDIRECTIONAL };
+static void attention_shape(be_backend *be, const struct kv_quant_params *p, int window, bool rope, int t5,
+                            const int N_TOK, const int H, const int NH, const int D)
 {
     const int BT = 8, N_Q = 3;
     struct layer_fixture fx;
@@ -588,6 +598,16 @@ static void attention_shape(be_backend *be, const struct kv_quant_params *p, int
         ap.key_rope_rows = N_TOK;
         ap.key_rope_layout = BE_ROPE_NEOX;
     }
+    const int SPAN = 7;
+    float bias[4 * (2 * SPAN + 1)];
+    assert_true(NH <= 4);
+    for (int i = 0; i < NH * (2 * SPAN + 1); i++)
+        bias[i] = 2.0f * frand();
+    if (t5 != T5_NONE) {
+        ap.rel_bias = bias;
+        ap.rel_span = SPAN;
+        ap.bidirectional = t5 == T5_BIDIRECTIONAL;
+    }
     assert_int_equal(be_attention_quant(be, out, q, &view, toks, N_Q, &ap), BE_OK);
     if (view.fmt && view.fmt->k.gt > 1 && view.fmt->v.gt > 1) { /* per-channel K and V of different heights */
         struct be_kvq_format odd = *view.fmt;
@@ -622,14 +642,16 @@ static void attention_shape(be_backend *be, const struct kv_quant_params *p, int
     for (int i = 0; i < N_Q; i++)
         for (int h = 0; h < NH; h++) {
             int64_t qpos = rope ? at + i - (L0 - S) : at + i, k0 = window ? (qpos - window + 1 > 0 ? qpos - window + 1 : 0) : 0;
-            dense_attention(q + ((size_t)i * NH + (size_t)h) * D, K, V, k0, qpos, H, D, h / (NH / H), ap.scale, o);
+            int64_t k1 = ap.bidirectional ? at + N_Q : qpos + 1;
+            dense_attention(q + ((size_t)i * NH + (size_t)h) * D, K, V, k0, k1, qpos, H, D, h / (NH / H), ap.scale,
+                            ap.rel_bias ? bias + h * (2 * SPAN + 1) + SPAN : NULL, SPAN, o);
             for (int d = 0; d < D; d++)
                 worst = fmax(worst, fabs(o[d] - out[((size_t)i * NH + (size_t)h) * D + (size_t)d]) / (1.0 + fabs(o[d])));
         }
     if (worst > 2e-5)
-        fail_msg("%s int%d axes %d/%d window %d%s: quantized attention differs from dense by %g",
+        fail_msg("%s int%d axes %d/%d window %d%s%s: quantized attention differs from dense by %g",
                  kv_quant_backend_name(p->backend), p->nbits, p->axis_key, p->axis_value, window,
-                 rope ? " key_rope" : "", worst);
+                 rope ? " key_rope" : "", (const char *[]){"", " rel_bias", " rel_bias bidirectional"}[t5], worst);
     free(k);
     free(v);
     free(K);
@@ -644,7 +666,7 @@ static void attention_shape(be_backend *be, const struct kv_quant_params *p, int
 /* 2 kv heads of 32 read by 4 query heads */
 static void attention_case(be_backend *be, const struct kv_quant_params *p, int window, bool rope, int n_tok)
 {
-    attention_shape(be, p, window, rope, n_tok, 2, 4, 32);
+    attention_shape(be, p, window, rope, T5_NONE, n_tok, 2, 4, 32);
 }
 
 static void attention_all(be_backend *be)
@@ -665,6 +687,8 @@ static void attention_all(be_backend *be)
         attention_case(be, &p, 0, false, 83);
         attention_case(be, &p, 19, false, 83);
         attention_case(be, &p, 0, true, 83);
+        attention_shape(be, &p, 0, false, T5_BIAS, 83, 2, 4, 32);
+        attention_shape(be, &p, 0, false, T5_BIDIRECTIONAL, 83, 2, 4, 32);
         if (i % 3 == 0 || cases[i].b == KVQ_FP8) { /* every third case and fp8, in pieces */
             attention_case(be, &p, 0, false, 2600);
             attention_case(be, &p, 1500, false, 2600);
@@ -676,8 +700,8 @@ static void attention_all(be_backend *be)
     for (int b = KVQ_QUANTO; b <= KVQ_HQQ; b++) {
         struct kv_quant_params p = params((enum kv_quant_backend)b, 4, b == KVQ_QUANTO ? -1 : 0,
                                           b == KVQ_QUANTO ? -1 : 0, 1024, 16);
-        attention_shape(be, &p, 0, false, 1200, 1, 4, 128);
-        attention_shape(be, &p, 0, true, 1200, 1, 4, 128);
+        attention_shape(be, &p, 0, false, T5_NONE, 1200, 1, 4, 128);
+        attention_shape(be, &p, 0, true, T5_NONE, 1200, 1, 4, 128);
     }
 }
 

@@ -16,6 +16,9 @@
  * online softmax (running max m and sum l, rescaling o when m grows) is
  * folded once per chunk, so the per-chunk accumulators need no rescaling.
  * The full-precision rest of the view continues the same softmax.
+ * Scores are shaped as be_attention shapes them: scaled, capped, then
+ * p->rel_bias added by the key's distance (T5); p->bidirectional lets a
+ * query read the keys after it too.
  * Views whose keys are stored before RoPE (rest.key_rope, the sink
  * strategy) are the exception: a rotation mixes the channels of a pair, so
  * each key is decoded into a row of its own (c*s + b per code, through the
@@ -135,6 +138,7 @@ struct qattn {
     const struct be_attn_params *p;
     const struct be_kvq_view *v;
     int kvh, nq, D;
+    int64_t qpos;   /* the token's position: the distance of each key, for p->rel_bias */
     const float *q; /* [nq][D] */
     struct cpu_attn_part *pt;
     float *s, *t;         /* [nq][a chunk of rows]: scores then weights; per-row partials */
@@ -339,6 +343,8 @@ static void attend_quantized(struct qattn *a, int64_t k0, int64_t k1)
         }
         key_scores(a, v->blocks[blk], pos, t0, n);
         cpu_attn_softcap(a->s, a->nq * n, a->p->softcap);
+        for (int g = 0; g < a->nq; g++)
+            cpu_attn_rel_bias(a->p, a->kvh * a->nq + g, a->qpos, a->s + (size_t)g * (size_t)n, pos, 0, n);
         cpu_attn_fold(a->k, a->pt, a->s, (size_t)n, a->nq, 0, n, a->D);
         value_accumulate(a, v->blocks[blk], t0, n);
         pos += n;
@@ -354,7 +360,7 @@ struct qkeys {
 
 static int64_t qkeys(const struct be_attn_params *p, const struct be_kvq_view *v, int64_t qpos, struct qkeys *kk)
 {
-    int64_t k0 = v->lo, k1 = qpos + 1;
+    int64_t k0 = v->lo, k1 = p->bidirectional ? INT64_MAX : qpos + 1; /* as dense_keys bounds them */
     int window = v->rest.window ? v->rest.window : p->window; /* a sequence's own window first */
     if (window > 0 && qpos - window + 1 > k0)
         k0 = qpos - window + 1;
@@ -408,7 +414,8 @@ static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
     struct qkeys kk;
     qkeys(p, v, t->pos, &kk);
     int D = p->head_dim, nq = p->n_heads / p->n_kv_heads, rows = chunk_rows(v->fmt);
-    struct qattn a = {.k = k, .qk = cpu_qkern_for(k), .p = p, .v = v, .kvh = kvh, .nq = nq, .D = D, .q = q, .pt = pt};
+    struct qattn a = {.k = k, .qk = cpu_qkern_for(k), .p = p, .v = v, .kvh = kvh, .nq = nq, .D = D, .qpos = t->pos,
+                      .q = q, .pt = pt};
     qattn_carve(&a, scratch + cpu_attend_span_work(p, 1), (size_t)nq, (size_t)D, (size_t)rows);
     /* the three runs of the key order, each cut to [c0, c1) */
     int64_t n_q = kk.qhi - kk.qlo, at[4] = {0, kk.sinks, kk.sinks + n_q, kk.sinks + n_q + (kk.rhi - kk.rlo)};

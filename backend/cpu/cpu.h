@@ -331,6 +331,10 @@ struct cpu_attn_tile {
 /* Caps n scaled scores in place: s -> cap * tanh(s / cap); cap 0 leaves
  * them as they are. */
 void cpu_attn_softcap(float *s, int n, float cap);
+/* Adds p->rel_bias (none: nothing) to the scores s[a, b) of the keys at
+ * positions u0 + a.. for the query at qpos, query head h: as be_attention
+ * and be_attention_quant both bias their scaled, capped scores. */
+void cpu_attn_rel_bias(const struct be_attn_params *p, int h, int64_t qpos, float *s, int64_t u0, int a, int b);
 
 /* Folds the raw scores of keys [a, b) of a chunk, row g's at s + g * ss,
  * into nq rows of pt: each row's max and sum, rescaling its o when the max

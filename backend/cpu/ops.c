@@ -323,6 +323,18 @@ void cpu_attn_softcap(float *s, int n, float cap)
             s[i] = cap * tanhf(s[i] / cap);
 }
 
+void cpu_attn_rel_bias(const struct be_attn_params *p, int h, int64_t qpos, float *s, int64_t u0, int a, int b)
+{
+    if (!p->rel_bias)
+        return;
+    /* T5: the bias of the key's distance, per query head */
+    const float *bias = p->rel_bias + (size_t)h * (size_t)(2 * p->rel_span + 1) + p->rel_span;
+    for (int i = a; i < b; i++) {
+        int64_t d = u0 + i - qpos;
+        s[i] += bias[d < -p->rel_span ? -p->rel_span : d > p->rel_span ? p->rel_span : d];
+    }
+}
+
 void cpu_attn_fold(const struct cpu_kern *k, struct cpu_attn_part *pt, float *s, size_t ss, int nq, int a, int b,
                    int head_dim)
 {
@@ -381,13 +393,7 @@ static void shape_scores(const struct cpu_kern *k, const struct be_attn_params *
         float *sg = s + (size_t)g * (size_t)n;
         k->scale(sg + a, p->scale, b - a);
         cpu_attn_softcap(sg + a, b - a, p->softcap);
-        if (p->rel_bias) { /* T5: the bias of the key's distance, per query head */
-            const float *bias = p->rel_bias + (size_t)(kvh * nq + g) * (size_t)(2 * p->rel_span + 1) + p->rel_span;
-            for (int i = a; i < b; i++) {
-                int64_t d = u0 + i - qpos;
-                sg[i] += bias[d < -p->rel_span ? -p->rel_span : d > p->rel_span ? p->rel_span : d];
-            }
-        }
+        cpu_attn_rel_bias(p, kvh * nq + g, qpos, sg, u0, a, b);
     }
 }
 
