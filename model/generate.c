@@ -245,13 +245,13 @@ void gen_seq_free(struct gen_seq *s)
 /* One forward step: feeds tokens[0..n) to seq and leaves the last row's
  * logits in logits.  Without a cache the whole history is recomputed on a
  * fresh sequence each step (HF use_cache=False). */
-static enum model_status step(model *m, kv_store *store, kv_seq **seq, bool use_cache, const int32_t *hist,
-                              size_t n_hist, size_t n_new, float *logits)
+static enum model_status step(model *m, kv_store *store, kv_seq **seq, const struct gen_params *p,
+                              const int32_t *hist, size_t n_hist, size_t n_new, float *logits)
 {
-    if (!use_cache) {
+    if (!p->use_cache) {
         kv_seq_free(*seq);
         *seq = NULL;
-        enum tier_status ts = kv_seq_create(store, NULL, seq);
+        enum tier_status ts = kv_seq_create(store, p->kv, seq);
         if (ts != TIER_OK)
             return ts == TIER_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EBACKEND;
         n_new = n_hist;
@@ -290,15 +290,21 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
     kv_seq *seq = NULL;
     float *logits = malloc((size_t)c->vocab_size * sizeof(float));
     enum model_status st = gen_seq_init(gs, c, tok, &gp, prompt, n);
-    if (st == MODEL_OK && (!logits || kv_seq_create(store, NULL, &seq) != TIER_OK))
+    if (st == MODEL_OK && !logits)
         st = MODEL_ENOMEM;
     if (st != MODEL_OK) {
         snprintf(err, MODEL_ERR_LEN, "%s", st == MODEL_EINVAL ? "invalid sampling parameters" : "out of memory");
         goto out;
     }
+    enum tier_status ts = kv_seq_create(store, p->kv, &seq);
+    if (ts != TIER_OK) { /* p->kv may name a strategy the model refuses: the store says why */
+        st = ts == TIER_ENOMEM_HOST ? MODEL_ENOMEM : MODEL_EINVAL;
+        snprintf(err, MODEL_ERR_LEN, "%s", *kv_store_errmsg(store) ? kv_store_errmsg(store) : "out of memory");
+        goto out;
+    }
 
     double t0 = clock_ms();
-    st = step(m, store, &seq, p->use_cache, gs->toks, n, n, logits);
+    st = step(m, store, &seq, p, gs->toks, n, n, logits);
     res->prefill_ms = clock_ms() - t0;
     double t1 = clock_ms();
     size_t shown = 0;
@@ -316,7 +322,7 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
             gs->finish = GEN_FINISH_CALLBACK;
             break;
         }
-        st = step(m, store, &seq, p->use_cache, gs->toks, gs->n_toks, 1, logits);
+        st = step(m, store, &seq, p, gs->toks, gs->n_toks, 1, logits);
     }
     res->decode_ms = clock_ms() - t1;
     if (st != MODEL_OK)

@@ -113,6 +113,7 @@ struct gen_params {
     int max_new_tokens;       /* 0 = until eos or the context is full */
     bool ignore_eos;
     bool use_cache;           /* false: recompute the whole prefix every step (HF use_cache=False) */
+    const struct kv_seq_params *kv; /* the sequence's strategy and its parameters; NULL: dynamic */
     const char *const *stops; /* stop strings */
     int n_stops;
     /* (optional) sees each step's raw logits before sampling (tests, dumps) */
@@ -134,7 +135,7 @@ struct gen_result {
     double prefill_ms, decode_ms;
 };
 
-/* Generates from prompt[0..n) with a fresh dynamic KV sequence in store. */
+/* Generates from prompt[0..n) with a fresh KV sequence in store (of p->kv). */
 enum model_status generate(model *m, const tokenizer *tok, kv_store *store, const int32_t *prompt, size_t n,
                            const struct gen_params *p, gen_text_cb cb, void *ud, struct gen_result *res,
                            char *err);

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, "tests")
-from daemon_harness import BUILD, Daemon, check, skip  # noqa: E402
+from daemon_harness import BUILD, Daemon, check, metric, skip  # noqa: E402
 sys.path.insert(0, "tools")
 import mkmodel  # noqa: E402
 
@@ -27,13 +27,6 @@ gen = {"max_tokens": N, "temperature": 0, "ignore_eos": True, "return_tokens": T
 oracle = os.path.join(BUILD, "kvtier-encdec")
 if not os.access(oracle, os.X_OK):
     skip(oracle + " not built")
-
-
-def metric(d, name, labels):
-    for line in d.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + name + labels + " "):
-            return float(line.split()[1])
-    raise KeyError(name + labels)
 
 
 def run(name, args, kv_bytes):

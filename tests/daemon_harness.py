@@ -195,6 +195,15 @@ def wait_spilled(d, sid, timeout=30):
     raise AssertionError("session %s never left memory: %s" % (sid, d.get("/v1/sessions/" + sid)[1]))
 
 
+def metric(d, name, labels=""):
+    """The value of d's /metrics sample kvtier_NAME (labels, e.g.
+    '{reason="oom"}', as the exposition writes them)."""
+    for line in d.get("/metrics")[1].decode().splitlines():
+        if line.startswith("kvtier_" + name + labels + " "):
+            return float(line.split()[1])
+    raise KeyError(name + labels)
+
+
 def damage_spill(d, sid, back=5000):
     """Flips a byte of session sid's file on d's disk tier, back bytes
     before its end."""

@@ -11,6 +11,10 @@
 #    every logit row within the tolerance of one reference forward, every
 #    token the reference argmax, and identical tokens from both runs
 #    (phi3long: the --no-cache run against its own reference, see below).
+#    The Mamba models run again with kvtier-run --cache static, offloaded
+#    and offloaded_static (every strategy a state accepts; the offloaded
+#    ones stream the state from the host tier layer by layer), each held
+#    to the same tolerance and the dynamic run's tokens.
 #    The KV dtype is the default (auto): f32 for f32 weights, compared
 #    with the f32 reference within 1e-4; bf16 for bf16 weights, compared
 #    with the reference whose K and V are rounded to bf16 (as Hugging
@@ -124,16 +128,25 @@ one_case() {
     if [ $nc = --no-cache ] && ! crosses "$dir"; then
         echo "FAIL $name: the run does not cross original_max_position_embeddings with distinct factors"; return 1
     fi
-    for mode in cache no-cache; do
-        flag=; [ $mode = no-cache ] && flag=--no-cache
-        # shellcheck disable=SC2086 # $flag is empty or one option
+    # a Mamba state also runs under every other strategy it accepts: each
+    # one's tokens the dynamic run's, its logits the reference's
+    strategies=; same=
+    case $name in mamba*) strategies='static offloaded offloaded_static' ;; esac
+    for mode in cache no-cache $strategies; do
+        case $mode in
+        cache) flag= ;;
+        no-cache) flag=--no-cache ;;
+        *) flag="--cache $mode"; same="$same --same-tokens $dir/$mode.kvtl" ;;
+        esac
+        # shellcheck disable=SC2086 # $flag is empty or one option and its value
         KVTIER_SIMD=$f32_level "$run" -m "$dir" --ids "$prompt" -n 33 --greedy --ignore-eos --quiet \
                --kv-dtype "$kv" $flag --dump "$dir/$mode.kvtl" > "$dir/$mode.log" 2>&1
         rc=$?
         [ $rc -eq 0 ] || { cat "$dir/$mode.log"; echo "FAIL $name: kvtier-run $flag exited $rc"; return 1; }
     done
+    # shellcheck disable=SC2086 # $same is a list of options
     $py tests/ref_compare.py "$dir" "$dir/cache.kvtl" --tol "$tol" --expect-gen 33 \
-        "$nc" "$dir/no-cache.kvtl" --name "$name" --kv-dtype "$ref_kv"
+        "$nc" "$dir/no-cache.kvtl" $same --name "$name" --kv-dtype "$ref_kv"
 }
 
 for dtype in f32 bf16; do

@@ -36,9 +36,21 @@ static void usage(FILE *f)
     fprintf(f, "usage: kvtier-run -m DIR (-p TEXT | --ids 1,2,3) [-n N] [--greedy | --temp T] [--top-k K]\n"
                "       [--top-p P] [--min-p P] [--rep-pen R] [--seed S] [--stop STR]... [--ignore-eos]\n"
                "       [--no-cache] [--kv-dtype auto|f32|bf16|f16] [--weights auto|q8_0|q4_k] [--threads N] [--dump FILE]\n"
-               "       [--checkpoint-interval N] [--quiet]\n"
+               "       [--checkpoint-interval N] [--cache dynamic|static|offloaded|offloaded_static] [--quiet]\n"
                "       [--num-beams B [--num-return R] [--length-penalty L] [--early-stopping true|false|never]\n"
                "        [--min-new N] [--no-repeat-ngram N] [--num-beam-groups G --diversity-penalty D]]\n");
+}
+
+/* The strategies a generation can take by name alone: quantized needs its
+ * own parameters, which kvtier-run has no options for. */
+static bool parse_strategy(const char *name, enum kv_strategy *out)
+{
+    for (enum kv_strategy st = KV_DYNAMIC; st <= KV_OFFLOADED_STATIC; st++)
+        if (!strcmp(name, kv_strategy_name(st))) {
+            *out = st;
+            return true;
+        }
+    return false;
 }
 
 /* Logits rows kept in memory until the dump is written. */
@@ -114,7 +126,7 @@ static bool run_beams(struct runtime *rt, const struct tok_ids *prompt, const st
     char err[MODEL_ERR_LEN] = "";
     beam_search *b = NULL;
     struct beam_kv_stats ks;
-    enum model_status st = beam_generate(rt->m, rt->store, NULL, prompt->ids, prompt->n, bp, &b, &ks, err);
+    enum model_status st = beam_generate(rt->m, rt->store, gp->kv, prompt->ids, prompt->n, bp, &b, &ks, err);
     if (st != MODEL_OK) {
         fprintf(stderr, "kvtier-run: %s\n", err);
         return false;
@@ -149,11 +161,12 @@ int main(int argc, char **argv)
     gp.max_new_tokens = 64;
     gp.stops = stops;
     struct runtime_params rp = {0};
+    struct kv_seq_params kp = {0};
     bool quiet = false;
     struct beam_params bp = {.num_return = 1, .length_penalty = 1};
     enum { O_IDS = 256, O_GREEDY, O_TEMP, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_IGN, O_NOCACHE,
            O_THREADS, O_DUMP, O_QUIET, O_KVDTYPE, O_BEAMS, O_NRET, O_LENPEN, O_EARLY, O_MINNEW, O_NGRAM,
-           O_GROUPS, O_DIVERSITY, O_WEIGHTS, O_CKPT };
+           O_GROUPS, O_DIVERSITY, O_WEIGHTS, O_CKPT, O_CACHE };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"max-new", required_argument, 0, 'n'}, {"ids", required_argument, 0, O_IDS},
@@ -169,6 +182,7 @@ int main(int argc, char **argv)
         {"min-new", required_argument, 0, O_MINNEW}, {"no-repeat-ngram", required_argument, 0, O_NGRAM},
         {"num-beam-groups", required_argument, 0, O_GROUPS}, {"diversity-penalty", required_argument, 0, O_DIVERSITY},
         {"weights", required_argument, 0, O_WEIGHTS}, {"checkpoint-interval", required_argument, 0, O_CKPT},
+        {"cache", required_argument, 0, O_CACHE},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c, li = -1;
@@ -201,6 +215,7 @@ int main(int argc, char **argv)
         case O_KVDTYPE: ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
         case O_WEIGHTS: ok = model_weights_parse(optarg, &rp.model.weights); break;
         case O_CKPT: ok = args_int(optarg, 1, 1 << 24, &rp.kv.checkpoint_interval); break;
+        case O_CACHE: ok = parse_strategy(optarg, &kp.strategy); break;
         case O_BEAMS: ok = args_int(optarg, 2, BEAM_MAX_BEAMS, &bp.num_beams); break;
         case O_NRET: ok = args_int(optarg, 1, BEAM_MAX_BEAMS, &bp.num_return); break;
         case O_LENPEN: ok = args_float(optarg, -100, 100, &bp.length_penalty); break;
@@ -247,6 +262,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvtier-run: bad prompt: %s\n", ids_arg ? "--ids wants comma-separated token ids" : err);
         goto out;
     }
+    /* a static strategy's capacity: the prompt and every token asked for */
+    if (kp.strategy == KV_STATIC || kp.strategy == KV_OFFLOADED_STATIC)
+        kp.max_cache_len = (int64_t)prompt.n + gp.max_new_tokens;
+    gp.kv = &kp;
     if (bp.num_beams) {
         rc = run_beams(&rt, &prompt, &gp, &bp, quiet) ? 0 : 1;
         goto out;
