@@ -336,19 +336,22 @@ static enum ipc_status session_kv_fresh(engine *e, struct job *j, struct job_cho
 /* The KV j's session computes in (j->skv, which the session takes at
  * retire), reused as far as the session's KV is a real prefix of the new
  * input (HF checks only the length): an edited turn rewinds it.  The
- * rewind happens on a fork when that shares the KV, so a request that
- * fails leaves the session as it was; a cache whose fork would copy it
- * (static, offloaded) rewinds in place instead.  A sliding layer that
- * already dropped the states to rewind to without past recording, or a
- * cache that cannot rewind, starts over in a fresh KV beside the
- * session's (prefix-cache blocks for the start of j's prompt). */
+ * rewind happens on a fork when that shares the KV and the device has
+ * room for what the request writes beside the session's old tail, so a
+ * request that fails leaves the session as it was.  Otherwise (a cache
+ * whose fork would copy it, static or offloaded; a device too full to
+ * keep the tail) it rewinds in place, freeing the tail, as memory comes
+ * first.  A sliding layer that already dropped the states to rewind to
+ * without past recording, or a cache that cannot rewind, starts over in
+ * a fresh KV beside the session's (prefix-cache blocks for the start of
+ * j's prompt). */
 static enum ipc_status session_kv_setup(engine *e, struct job *j, struct job_choice *c, struct ipc_error *err)
 {
     const struct session *s = j->sess;
     kv_seq *q = s->kv, *fork = NULL;
-    int64_t keep = 0, len = q ? kv_seq_length(q) : 0;
-    if (q && kv_seq_common(q, s->toks, j->prompt, (int64_t)j->n_prompt) < len && kv_seq_fork_shares(q))
-        q = kv_seq_fork(q, &fork) == TIER_OK ? fork : q; /* without memory for it: in place */
+    int64_t n = (int64_t)j->n_prompt, keep = q ? kv_seq_common(q, s->toks, j->prompt, n) : 0;
+    if (q && keep < kv_seq_length(q) && kv_seq_fork_fits(q, keep, n - keep + j->max_new))
+        q = kv_seq_fork(q, &fork) == TIER_OK ? fork : q; /* without host memory for it: in place */
     if (q && kv_seq_reuse(q, s->toks, j->prompt, (int64_t)j->n_prompt, &keep) != TIER_OK) {
         log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
         kv_seq_free(fork);
@@ -668,9 +671,19 @@ static bool encode_input(engine *e, struct job *j)
         }
         memcpy(keep, in, n * sizeof(*keep)); /* in may be s->input, which goes now */
         in = keep;
+        /* A new input replaces the session's caches before the encoder
+         * runs, which gets their memory; if it then fails the session
+         * holds nothing, and says so. */
         kv_seq_free(s->kv);
         s->kv = NULL;
         session_drop_cross(e, s, true);
+        pthread_mutex_lock(&e->mu);
+        free(s->toks);
+        s->toks = NULL;
+        s->n_toks = 0;
+        s->kvs = (struct kv_seq_stats){0};
+        s->version++; /* its file, if any, no longer holds its caches */
+        pthread_mutex_unlock(&e->mu);
         /* another of the user's sessions may hold it (a fork given the
          * same input, or another session): its cache serves both */
         struct cross_cache *found = cross_find(e, s->uid, keep, n);
@@ -1286,9 +1299,22 @@ static void beams_decide(engine *e)
 /* One forward pass over batch entries [from, to), weights read once: the
  * decoder-only model's, or the encoder-decoder model's decoder, each entry
  * over its job's encoder output (it continues in the host tier itself). */
+/* A fault the tests can place: what the engine does with a step that
+ * fails for no client's mistake (KVTIER_TEST_FAIL_TOKEN). */
+static bool poisoned(const engine *e, int from, int to)
+{
+    for (int i = from; e->fail_token >= 0 && i < to; i++)
+        for (int t = 0; t < e->batch[i].n_tokens; t++)
+            if (e->batch[i].tokens[t] == e->fail_token)
+                return true;
+    return false;
+}
+
 static enum model_status forward(engine *e, int from, int to)
 {
     e->passes++;
+    if (poisoned(e, from, to))
+        return MODEL_EBACKEND;
     if (!e->ed)
         return model_forward(e->m, &e->batch[from], to - from);
     for (int i = from; i < to; i++) {
@@ -1680,6 +1706,9 @@ enum ipc_status engine_create(const struct engine_config *cfg, int wake_fd, engi
     const char *delay = getenv("KVTIER_TEST_LOAD_DELAY_MS");
     if (delay && !args_int(delay, 0, 1000, &e->load_delay_ms))
         e->load_delay_ms = 0;
+    const char *poison = getenv("KVTIER_TEST_FAIL_TOKEN");
+    if (!poison || !args_int(poison, 0, INT32_MAX, &e->fail_token))
+        e->fail_token = -1;
     struct engine_hists *h = &e->hists;
     if (!hist_init(&h->queue_wait, LATENCY_BOUNDS, N_BOUNDS(LATENCY_BOUNDS)) ||
         !hist_init(&h->ttft, LATENCY_BOUNDS, N_BOUNDS(LATENCY_BOUNDS)) ||

@@ -82,6 +82,7 @@ struct engine {
     struct engine_load load; /* seconds: clock_ms() at the start until the load is over */
     double load_t0;
     int load_delay_ms; /* test hook KVTIER_TEST_LOAD_DELAY_MS: a pause per chunk of weights read */
+    int fail_token;    /* test hook KVTIER_TEST_FAIL_TOKEN: a step feeding this id fails as a backend fault; -1 none */
     bool stopping, draining;
     struct job *queue, **queue_tail; /* waiting for admission */
     int n_queued;

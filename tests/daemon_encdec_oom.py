@@ -64,6 +64,14 @@ def run(name, args, kv_bytes):
               (name, i + 1, s["bytes"], s["encoder"]["bytes"]))
         # the next one crops the self cache back into what the budget streams
         dec = [start] + c["tokens"][:8] + [5]
+    # a new input whose encoder output the budget cannot hold: the session's caches went first, to
+    # make room, and the session says it holds nothing
+    code, e = d.post("/v1/completions", dict(gen, input=list(range(3, 123)), session=sid))
+    s = d.get("/v1/sessions/" + sid)[1]
+    check(code == 507 and e["error"]["param"] == "input" and s["tokens"] == 0 and not s.get("encoder") and
+          s["bytes"]["device"] == s["bytes"]["host"] == 0,
+          "%s: a new input that cannot be encoded: %d, the session empty (%s tokens, %s, encoder %s)" %
+          (name, code, s["tokens"], s["bytes"], s.get("encoder")))
     check(ref.stop() == 0 and d.stop() == 0, "%s: both daemons exit cleanly" % name)
     ref.cleanup()
 

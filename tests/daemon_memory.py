@@ -184,21 +184,13 @@ check(s2["tokens"] == held and not s2["busy"], "the session's KV is intact (%d t
 code, r = d.post("/v1/completions", dict(req, session=sid, prompt=prompt[:60], max_tokens=4))
 check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == held,
       "the session continues from its KV after the 507")
-# a turn that rewrites a session's history and then fails leaves that history as it was: the
-# rewind runs on a fork of the session's KV (on the device: the fork shares its blocks)
+# a turn that rewinds a session's history and needs the device room its old tail holds: the rewind
+# frees the tail (in place), and the turn runs
 turn = r["choices"][0]["tokens"]
-check(d.request("DELETE", "/v1/sessions/" + sid)[0] == 200, "the session deleted")
-code, s3 = d.post("/v1/sessions", {"prompt": prompt[:40]})
-sid = s3["id"]
-edited = prompt[:30] + prompt[30:][::-1]
-code, e = d.post("/v1/completions", dict(req, session=sid, prompt=edited))
-code2, s4 = d.get("/v1/sessions/" + sid)
-check(code == 507 and edited[30] != prompt[30] and s4["tokens"] == s3["tokens"] == 40 and
-      s4["bytes"] == s3["bytes"], "a turn that edits the history and fails: 507, the session as it was (%s, %s)" %
-      (s4["tokens"], s4["bytes"]))
-code, r = d.post("/v1/completions", dict(req, session=sid, prompt=prompt[:60], max_tokens=4))
-check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 40 and r["choices"][0]["tokens"] == turn,
-      "its KV is intact: the next turn reuses its 40 tokens (%d), the same tokens" %
+code, s3 = d.get("/v1/sessions/" + sid)
+code, r = d.post("/v1/completions", dict(req, session=sid, prompt=prompt[:30] + prompt[30:60][::-1], max_tokens=4))
+check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 30,
+      "an edited turn on a session in the host tier rewinds in place: 200, 30 tokens reused (%d)" %
       r["usage"]["prompt_tokens_details"]["cached_tokens"])
 # in one batch with a request that fits, only the one that does not fit fails
 out = {}
@@ -210,4 +202,32 @@ big.join(60)
 small.join(60)
 check(out["big"][0] == 507 and out["small"][0] == 200 and out["small"][1]["choices"][0]["tokens"] == small_want,
       "concurrent: the request that does not fit gets 507, the other its tokens")
+check(d.stop() == 0, "stop")
+
+# a turn that rewinds a session's history and then fails (here a step feeding the test's poisoned
+# token fails as a backend fault) leaves the session as it was: the rewind ran on a fork of its KV
+POISON = prompt[50]
+d = Daemon(model=model, tmp=probe.tmp)
+d.sock = probe.tmp + "/poison.sock"
+d.start(extra_env={"KVTIER_TEST_FAIL_TOKEN": str(POISON)})
+clean = [t for t in prompt if t != POISON]
+code, s1 = d.post("/v1/sessions", {"prompt": clean[:40]})
+sid = s1["id"]
+code, e = d.post("/v1/completions", dict(req, session=sid, prompt=clean[:30] + [POISON] + clean[30:60]))
+code2, s2 = d.get("/v1/sessions/" + sid)
+check(code == 500 and s2["tokens"] == s1["tokens"] == 40 and s2["bytes"] == s1["bytes"],
+      "an edited turn whose step fails: %d, the session as it was (%s tokens, %s)" % (code, s2["tokens"], s2["bytes"]))
+code, r = d.post("/v1/completions", dict(req, session=sid, prompt=clean[:60], max_tokens=4))
+code, want = d.post("/v1/completions", dict(req, prompt=clean[:60], max_tokens=4))
+check(code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 40 and
+      r["choices"][0]["tokens"] == want["choices"][0]["tokens"],
+      "its KV is intact: the next turn reuses its 40 tokens (%d) with a fresh run's tokens" %
+      r["usage"]["prompt_tokens_details"]["cached_tokens"])
+held = clean[:60] + r["choices"][0]["tokens"]  # its last token has no KV yet
+code, e = d.post("/v1/completions", dict(req, session=sid, prompt=held + [POISON], max_tokens=4))
+code2, s3 = d.get("/v1/sessions/" + sid)
+code3, r = d.post("/v1/completions", dict(req, session=sid, prompt=held, max_tokens=4))
+check(code == 500 and s3["tokens"] == 63 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 63,
+      "a turn that extends the history and fails keeps the history (%s tokens, the next turn reuses %d)" %
+      (s3["tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
 check(d.stop() == 0, "stop")

@@ -881,6 +881,35 @@ static void test_fork_offloaded(void **state)
     assert_int_equal(kv_store_stats(f->store).host_bytes, 0);
 }
 
+/* A fork that keeps a prefix fits while the device has room for the
+ * blocks it writes beside all of its parent's; a fork that would copy
+ * extents never fits, nor an impossible prefix. */
+static void test_fork_fits(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *a, *big, *o = seq_new(f, KV_OFFLOADED, 0);
+    assert_int_equal(kv_seq_create(f->store, NULL, &a), TIER_OK);
+    assert_int_equal(step(a, 10), TIER_OK);
+    assert_true(kv_seq_fork_fits(a, 10, 1));
+    assert_true(kv_seq_fork_fits(a, 4, 6 * BT));
+    assert_false(kv_seq_fork_fits(a, 4, (int64_t)1 << 40)); /* past any budget */
+    assert_false(kv_seq_fork_fits(a, 11, 0));
+    assert_false(kv_seq_fork_fits(a, -1, 0));
+    assert_false(kv_seq_fork_fits(a, 4, -1));
+    /* a device filled by another sequence leaves no room for the fork's blocks */
+    assert_int_equal(kv_seq_create(f->store, NULL, &big), TIER_OK);
+    while (step(big, BT) == TIER_OK)
+        ;
+    assert_false(kv_seq_fork_fits(a, 4, 6 * BT));
+    kv_seq_free(big);
+    assert_true(kv_seq_fork_fits(a, 4, 6 * BT));
+    assert_int_equal(step(o, 9), TIER_OK);
+    assert_false(kv_seq_fork_fits(o, 4, 1)); /* its fork copies the host extents */
+    kv_seq_free(o);
+    kv_seq_free(a);
+    assert_int_equal(kv_store_stats(f->store).blocks_used, 0);
+}
+
 static int setup_prefix(void **state)
 {
     return setup_store(state, 0, 1 << 20, &(struct kv_store_params){.block_tokens = BT, .prefix_cache = true});
@@ -1800,6 +1829,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_reuse_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_cow, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_offloaded, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_fork_fits, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_match, setup_prefix, teardown),
         cmocka_unit_test(test_prefix_collisions),
         cmocka_unit_test(test_prefix_eviction),

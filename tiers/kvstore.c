@@ -1505,7 +1505,7 @@ enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *inp
     return TIER_OK;
 }
 
-bool kv_seq_fork_shares(const kv_seq *q)
+static bool fork_shares(const kv_seq *q)
 {
     if (q->kvq || q->state)
         return false;
@@ -1513,6 +1513,23 @@ bool kv_seq_fork_shares(const kv_seq *q)
         if (q->layers[l].home != KV_HOME_PAGED)
             return false;
     return true;
+}
+
+bool kv_seq_fork_fits(const kv_seq *q, int64_t keep, int64_t n_more)
+{
+    if (!fork_shares(q) || keep < 0 || keep > q->len || n_more < 0 || n_more > INT64_MAX / 2)
+        return false;
+    const kv_store *s = q->s;
+    int64_t room = (int64_t)(dev_available(s) / s->block_bytes), need = 0;
+    for (int l = 0; l < s->g.n_layers && need <= room; l++) {
+        /* the fork's own blocks: the partly filled one it copies and those
+         * it fills, at most what a sliding layer's window spans
+         * (layer_blocks_for) */
+        int64_t own = (keep % s->bt + n_more + s->bt - 1) / s->bt, win = q->layers[l].keep;
+        int64_t span = win ? (win + s->bt) / s->bt + 1 : own;
+        need += own < span ? own : span;
+    }
+    return need <= room;
 }
 
 enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)

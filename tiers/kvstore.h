@@ -269,10 +269,13 @@ int64_t kv_seq_common(const kv_seq *q, const int32_t *held, const int32_t *input
  * partly filled last block, on the first step).  Extent layers (static,
  * offloaded) are copied: a ring has no blocks to share. */
 enum tier_status kv_seq_fork(kv_seq *q, kv_seq **child);
-/* Whether kv_seq_fork(q) would share all of q's KV, copying at most a
- * partly filled block per layer (paged layers), rather than copy extents
- * or a state, or refuse (a quantized cache). */
-bool kv_seq_fork_shares(const kv_seq *q);
+/* Whether a fork of q that keeps its first keep tokens, then grows by
+ * n_more, shares all of q's KV (paged layers: at most a partly filled
+ * block per layer is copied, where extents or a state would be copied
+ * whole and a quantized cache cannot fork) and finds device room for the
+ * blocks it writes while q keeps all of its own: what a caller that keeps
+ * q as a fallback while the fork computes needs. */
+bool kv_seq_fork_fits(const kv_seq *q, int64_t keep, int64_t n_more);
 
 /* Attaches to a fresh sequence (length 0) the longest chain of cached full
  * blocks equal to tokens[0, n) and sets *n_cached to the tokens attached
