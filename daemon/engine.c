@@ -238,6 +238,9 @@ struct engine_stats engine_get_stats(engine *e)
     s.remote_on = e->remote != NULL;
     if (e->remote)
         s.remote = kv_remote_stats(e->remote);
+    /* read now: removals run on the disk thread and tell the engine nothing */
+    if (e->disk)
+        s.disk = kv_disk_stats(e->disk);
     pthread_mutex_unlock(&e->mu);
     return s;
 }
@@ -985,7 +988,6 @@ static void publish(engine *e, int nb)
     }
     struct kv_store_stats ks = kv_store_stats(e->store);
     struct be_mem_stats ms = be_mem_stats(e->rt.be);
-    struct kv_disk_stats ds = e->disk ? kv_disk_stats(e->disk) : (struct kv_disk_stats){0};
     pthread_mutex_lock(&e->mu);
     e->st.dev_budget = ms.dev_budget;
     e->st.dev_used = ms.dev_used;
@@ -997,8 +999,6 @@ static void publish(engine *e, int nb)
     e->st.prefix_hit_tokens = ks.prefix_hit_tokens;
     e->st.prefix_entries = ks.prefix_entries;
     e->st.prefix_evictions = ks.prefix_evictions;
-    if (e->disk)
-        e->st.disk = ds;
     for (int i = 0; i < nb; i++) {
         publish_choice_locked(e, e->batch_ch[i]);
         e->batch_job[i]->kv_now = e->batch_job[i]->kv_step;
@@ -1415,7 +1415,8 @@ static bool any_turn_locked(const engine *e)
 static void loop(engine *e)
 {
     for (;;) {
-        disk_poll(e);
+        if (disk_poll(e))
+            publish(e, 0); /* a spill's freed KV, a restore's loaded one */
         double now = clock_ms(), due = disk_spill_idle(e, now), expire = session_expire_idle(e, now);
         due = expire && (!due || expire < due) ? expire : due;
         pthread_mutex_lock(&e->mu);

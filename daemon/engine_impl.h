@@ -174,8 +174,9 @@ void disk_open(engine *e);
 /* Writes every session whose file is not current, waits, closes. */
 void disk_close(engine *e);
 /* Handles completed ops: a spill frees the KV it wrote (if the session was
- * not used meanwhile), a restore gives the session its KV back. */
-void disk_poll(engine *e);
+ * not used meanwhile), a restore gives the session its KV back.  True when
+ * one finished (what the metrics show changed). */
+bool disk_poll(engine *e);
 /* Starts spilling sessions idle for cfg.spill_after_s; returns the
  * clock_ms() at which the next one becomes due (0: none). */
 double disk_spill_idle(engine *e, double now);

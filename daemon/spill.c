@@ -666,7 +666,7 @@ static bool op_finished(const engine *e, const struct session *s, double now)
     return s->op && kv_disk_op_done(s->op);
 }
 
-void disk_poll(engine *e)
+bool disk_poll(engine *e)
 {
     pthread_mutex_lock(&e->mu);
     e->io_event = false;
@@ -674,17 +674,18 @@ void disk_poll(engine *e)
     prefix_disk_poll(e);
     prefix_remote_poll(e);
     if (!e->n_ops)
-        return;
+        return false;
     for (struct session *s; (s = find(e, head_in, 0));)
         restore_begin(e, s);
-    for (struct session *s; (s = find(e, op_finished, 0));) {
+    bool moved = false;
+    for (struct session *s; (s = find(e, op_finished, 0)); moved = true) {
         if (s->op_restore)
             restore_done(e, s);
         else
             spill_done(e, s);
     }
     if (e->n_spilling)
-        return;
+        return moved;
     /* memory freed: steps that found it full go again, and so do restores
      * that could not load */
     for (struct job *j = e->active; j; j = j->next) {
@@ -694,6 +695,7 @@ void disk_poll(engine *e)
             start_job(e, j);
         }
     }
+    return moved;
 }
 
 /* Idle, with its KV in memory and nothing in flight: it may go to disk. */
@@ -939,14 +941,17 @@ void disk_open(engine *e)
                                .layout = engine_kv_layout(e),
                                .notify = engine_io_notify,
                                .notify_arg = e};
-    enum tier_status ts = kv_disk_open(&p, &e->disk);
+    kv_disk *d = NULL;
+    enum tier_status ts = kv_disk_open(&p, &d);
     if (ts != TIER_OK) {
         log_msg(LOG_ERR, "disk tier %s not used (the line above says why): sessions live in memory only",
                 e->cfg.disk_dir);
-        kv_disk_free(e->disk);
-        e->disk = NULL;
+        kv_disk_free(d);
         return;
     }
+    pthread_mutex_lock(&e->mu); /* engine_get_stats reads it */
+    e->disk = d;
+    pthread_mutex_unlock(&e->mu);
     prefix_disk_open(e);
     struct scan sc = {.e = e};
     kv_disk_scan(e->disk, "", on_file, &sc);
@@ -984,6 +989,9 @@ void disk_close(engine *e)
     if (written || failed)
         log_msg(failed ? LOG_WARN : LOG_INFO, "disk tier: %d session(s) written at exit, %d failed", written, failed);
     prefix_disk_close(e);
-    kv_disk_free(e->disk);
+    pthread_mutex_lock(&e->mu);
+    kv_disk *d = e->disk;
     e->disk = NULL;
+    pthread_mutex_unlock(&e->mu);
+    kv_disk_free(d);
 }

@@ -269,3 +269,20 @@ for damage in (False, True):
               "cache), the same tokens" % (grew, rb["usage"]["prompt_tokens_details"]["cached_tokens"]))
 slow.stop()
 wref.stop()
+
+# ---- /metrics follows a spill and a delete at once, in an idle daemon ----
+m = Daemon("--spill-after", "1", "--no-prefix-cache", model=ref.model, tmp=ref.tmp)
+m.sock = os.path.join(ref.tmp, "metrics.sock")
+m.start()
+c = session(m, prompt=prompt[:60])
+s = wait_spilled(m, c)
+on_disk, dev = metric(m, "kv_cache_bytes", '{tier="disk"}'), metric(m, "kv_cache_bytes", '{tier="device"}')
+check(on_disk > 0 and dev == 0,
+      "spilled: /metrics shows the KV on disk (%d bytes, the session %d) and none on the device (%d)" %
+      (on_disk, s["bytes"]["disk"], dev))
+check(m.request("DELETE", "/v1/sessions/" + c)[0] == 200, "the spilled session deleted")
+end = time.time() + 5  # the file goes on the disk thread
+while metric(m, "kv_cache_bytes", '{tier="disk"}') and time.time() < end:
+    time.sleep(0.05)
+check(metric(m, "kv_cache_bytes", '{tier="disk"}') == 0, "deleted: /metrics shows no KV on disk")
+m.stop()
