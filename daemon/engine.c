@@ -649,14 +649,13 @@ static bool encode_input(engine *e, struct job *j)
         return true;
     }
     uint64_t ns = prefix_ns_of(e, s ? s->uid : j->uid);
-    /* in no memory: the remote tier may have it (the job waits, then comes
-     * back here holding what it found, j->cross_kept) */
-    if (e->remote && uses_enc_cache(e, j) && !j->xfetched) {
-        j->xfetched = true;
-        kv_kept *peek = kept_find(e, s ? s->uid : j->uid, in, n);
-        kv_kept_unref(peek);
-        if (!peek && encoder_remote_fetch(e, j, ns, in, n)) {
-            j->io_wait = true; /* prefix_remote_poll starts it again */
+    /* in no memory: the disk tier, then the remote tier may have it (the
+     * job waits, then comes back here holding what it found,
+     * j->cross_kept) */
+    while (uses_enc_cache(e, j) && !j->cross_kept && j->xlooked < 2 &&
+           !kv_store_kept_held(e->store, ns, in, (int64_t)n)) {
+        if (j->xlooked++ == 0 ? encoder_disk_fetch(e, j, ns, in, n) : encoder_remote_fetch(e, j, ns, in, n)) {
+            j->io_wait = true; /* prefix_disk_poll or prefix_remote_poll starts it again */
             return false;
         }
     }

@@ -193,9 +193,9 @@ struct job {
     bool io_wait;  /* its session's KV is being read back from disk */
     bool mem_wait; /* its step found the memory tiers full: waits for a spill to free them */
     bool pfetched; /* its prompt's prefix blocks on disk were looked for */
-    struct prefix_fetch *pfetch; /* their reads in flight (io_wait) */
+    struct prefix_fetch *pfetch; /* their reads, or its input's cross cache's, in flight (io_wait) */
     bool rfetched; /* the remote tier was asked for the blocks after those */
-    bool xfetched; /* the remote tier was asked for the input's cross-attention cache */
+    int xlooked; /* where its input's cross-attention cache was looked for: 1 the disk tier, 2 the remote tier too */
     struct remote_fetch *rfetch; /* that lookup in flight (io_wait) */
     int64_t rpub_blocks;         /* its prompt's blocks handed to prefix_remote_publish */
     uint64_t order;
@@ -376,6 +376,8 @@ struct engine_stats {
     /* prefix-cache blocks written to and read from disk, and the requests
      * whose prompt found blocks there */
     uint64_t prefix_disk_written, prefix_disk_read, prefix_disk_hits;
+    /* the encoder cache's cross-attention caches written to and read from disk */
+    uint64_t encoder_disk_written, encoder_disk_read;
     struct kv_disk_stats disk;
     /* the remote tier (remote_on), and the requests that got blocks from it */
     bool remote_on;

@@ -204,15 +204,16 @@ void engine_count(engine *e, uint64_t *counter);
 
 /* ---- prefix_disk.c: the prefix cache's blocks on disk (engine thread) ---- */
 
-/* After the disk tier opened (with the prefix cache on): evicted blocks
- * are queued for prefix_disk_poll from now on.  The scan hands each
- * prefix object ("p..." namespaces) to prefix_disk_file; prefix_disk_opened
- * logs the count. */
+/* After the disk tier opened (with the prefix or the encoder cache on):
+ * evicted blocks and cross caches are queued for prefix_disk_poll from now
+ * on.  The scan hands each prefix object ("p..." namespaces) and encoder-
+ * cache object ("x...") to prefix_disk_file; prefix_disk_opened logs the
+ * count. */
 void prefix_disk_open(engine *e);
 void prefix_disk_file(engine *e, const char *ns, const char *name, const void *meta, size_t meta_len,
                       size_t data_len);
 void prefix_disk_opened(engine *e);
-/* Every cached block not on disk yet is written; then the index goes.
+/* Every cached block or cross cache not on disk yet is written; then the index goes.
  * Before the disk tier closes. */
 void prefix_disk_close(engine *e);
 /* Each loop iteration: finished writes and reads (the jobs whose blocks
@@ -223,6 +224,11 @@ void prefix_disk_poll(engine *e);
 bool prefix_disk_fetch(engine *e, struct job *j);
 /* j retires: its reads finish without it. */
 void prefix_disk_forget_job(struct job *j);
+/* At admission: when j's input ids[0, n) of namespace ns is in no memory
+ * and its encoder-cache key is on disk, starts reading that cross cache
+ * and returns true (j waits: io_wait, j->pfetch); a cache that checks is
+ * kept in the store, j holding a reference (j->cross_kept). */
+bool encoder_disk_fetch(engine *e, struct job *j, uint64_t ns, const int32_t *ids, size_t n);
 
 /* The layout the disk and remote tiers record with every object. */
 struct kv_disk_layout engine_kv_layout(const engine *e);

@@ -156,6 +156,10 @@ enum MHD_Result h_metrics(struct req *r, const char *arg)
     metric(&w, "prefix_disk_blocks_total", "counter", NULL, "{op=\"read\"}", (double)st.prefix_disk_read);
     metric(&w, "prefix_disk_hits_total", "counter", "Requests whose prompt went on with prefix-cache blocks from disk.",
            NULL, (double)st.prefix_disk_hits);
+    metric(&w, "encoder_disk_caches_total", "counter",
+           "Encoder-cache cross-attention caches written to and read back from the disk tier.", "{op=\"write\"}",
+           (double)st.encoder_disk_written);
+    metric(&w, "encoder_disk_caches_total", "counter", NULL, "{op=\"read\"}", (double)st.encoder_disk_read);
     if (st.remote_on) {
         const struct kv_remote_stats *rs = &st.remote;
         metric(&w, "remote_lookups_total", "counter", "Prompt chains looked up in the remote tier.", NULL,

@@ -20,6 +20,17 @@
  * they are inserted in chain order, then the job starts and its
  * kv_seq_match_prefix finds them.  A missing, corrupt or refused block is
  * a miss from there on, with a log line, never an error.
+ *
+ * An encoder-decoder model's encoder cache goes the same way, an object
+ * per cross-attention cache: namespace "x<prefix namespace in hex>", name
+ * the hash the store keys it by (kv_store_kept_hash), data the store's
+ * image of it (kv_store_kept_image: its namespace and input ids, then the
+ * cache), meta {"kvtier_encoder": 1}.  The store queues those it evicts
+ * with the blocks; at admission an input in no memory whose key is on
+ * disk is read (encoder_disk_fetch) and checked against the input id by
+ * id: a collision of the hash is a miss that leaves the file, a file that
+ * is not what its name says is removed.  The model and the KV layout are
+ * the disk tier's to check (every file records them).
  * Everything here runs on the engine thread.
  */
 #include <inttypes.h>
@@ -39,6 +50,7 @@
 
 struct pfile {
     uint64_t ns, hash, parent;
+    bool kept; /* an encoder-cache entry, not a prefix block */
     bool has_parent;
     bool writing; /* its put is in flight: not readable yet */
     size_t bytes;
@@ -59,10 +71,13 @@ struct pop {
     struct pop *next;
 };
 
-/* The reads one job waits for, in chain order. */
+/* The reads one job waits for, in chain order; or the one read of its
+ * input's cross cache (ids: the input, which the file must hold). */
 struct prefix_fetch {
     struct job *j; /* NULL once the job retired */
     uint64_t ns;
+    int32_t *ids;
+    size_t n_ids;
     int n;
     struct prefix_fetch *next;
     struct {
@@ -81,10 +96,21 @@ struct prefix_disk {
     bool exiting; /* the shutdown waits for the writes: they go uncompressed */
 };
 
-static void names(uint64_t ns, uint64_t hash, char nsb[24], char name[24])
+static void names(bool kept, uint64_t ns, uint64_t hash, char nsb[24], char name[24])
 {
-    snprintf(nsb, 24, "p%" PRIx64, ns);
+    snprintf(nsb, 24, "%c%" PRIx64, kept ? 'x' : 'p', ns);
     snprintf(name, 24, "%016" PRIx64, hash);
+}
+
+/* for the log: an object's kind, and the daemon's in counts */
+static const char *what(bool kept)
+{
+    return kept ? "cross-attention cache" : "prefix block";
+}
+
+static const char *counted(const engine *e)
+{
+    return e->enc_cache ? "encoder-cache cross-attention cache" : "prefix-cache block";
 }
 
 /* ---- the index ------------------------------------------------------------- */
@@ -94,12 +120,12 @@ static size_t bucket_of(const struct prefix_disk *pd, uint64_t ns, uint64_t hash
     return (size_t)((hash ^ (ns * 0x9e3779b97f4a7c15u)) & (pd->n_buckets - 1));
 }
 
-static struct pfile *find(const struct prefix_disk *pd, uint64_t ns, uint64_t hash)
+static struct pfile *find(const struct prefix_disk *pd, bool kept, uint64_t ns, uint64_t hash)
 {
     if (!pd->n_buckets)
         return NULL;
     for (struct pfile *f = pd->buckets[bucket_of(pd, ns, hash)]; f; f = f->next)
-        if (f->ns == ns && f->hash == hash)
+        if (f->ns == ns && f->hash == hash && f->kept == kept)
             return f;
     return NULL;
 }
@@ -146,15 +172,16 @@ static void grow(struct prefix_disk *pd)
     free(old);
 }
 
-static struct pfile *index_add(struct prefix_disk *pd, uint64_t ns, uint64_t hash, bool has_parent, uint64_t parent,
-                               size_t bytes)
+static struct pfile *index_add(struct prefix_disk *pd, bool kept, uint64_t ns, uint64_t hash, bool has_parent,
+                               uint64_t parent, size_t bytes)
 {
     if (pd->n_files >= pd->n_buckets)
         grow(pd);
     struct pfile *f = pd->n_buckets ? calloc(1, sizeof(*f)) : NULL;
     if (!f)
         return NULL;
-    *f = (struct pfile){.ns = ns, .hash = hash, .parent = parent, .has_parent = has_parent, .bytes = bytes};
+    *f = (struct pfile){
+        .ns = ns, .hash = hash, .parent = parent, .kept = kept, .has_parent = has_parent, .bytes = bytes};
     size_t k = bucket_of(pd, ns, hash);
     f->next = pd->buckets[k];
     pd->buckets[k] = f;
@@ -180,7 +207,9 @@ static char *meta_json(const struct kv_prefix_block *b)
 {
     char parent[24];
     snprintf(parent, sizeof(parent), "%016" PRIx64, b->parent);
-    json_t *o = json_pack("{s:i, s:s?}", "kvtier_prefix", META_FORMAT, "parent", b->has_parent ? parent : NULL);
+    json_t *o = b->kept ? json_pack("{s:i}", "kvtier_encoder", META_FORMAT)
+                        : json_pack("{s:i, s:s?}", "kvtier_prefix", META_FORMAT, "parent",
+                                    b->has_parent ? parent : NULL);
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return text;
@@ -199,7 +228,7 @@ static kv_disk_op *make_room(engine *e, size_t need)
         next = f->newer;
         if (f->writing)
             continue;
-        names(f->ns, f->hash, ns, name);
+        names(f->kept, f->ns, f->hash, ns, name);
         kv_disk_remove(e->disk, ns, name);
         freed += f->bytes + FILE_SLACK;
         index_del(pd, f);
@@ -207,7 +236,8 @@ static kv_disk_op *make_room(engine *e, size_t need)
     }
     kv_disk_op *op = NULL;
     if (n)
-        log_msg(LOG_DEBUG, "disk tier full: %d least recently used prefix file(s) removed for a new one", n);
+        log_msg(LOG_DEBUG, "disk tier full: %d least recently used %s file(s) removed for a new one", n,
+                e->enc_cache ? "encoder-cache" : "prefix");
     if (n && kv_disk_get(e->disk, ns, name, &op) != TIER_OK)
         op = NULL;
     return op;
@@ -225,14 +255,14 @@ static void pop_link(struct prefix_disk *pd, struct pop *p)
 static void put_block(engine *e, struct kv_prefix_block b, bool retry)
 {
     struct prefix_disk *pd = e->pd;
-    struct pfile *f = find(pd, b.ns, b.hash);
+    struct pfile *f = find(pd, b.kept, b.ns, b.hash);
     if (f) {
         touch(pd, f);
         free(b.buf);
         return;
     }
     char ns[24], name[24];
-    names(b.ns, b.hash, ns, name);
+    names(b.kept, b.ns, b.hash, ns, name);
     struct pop *p = calloc(1, sizeof(*p));
     char *meta = p ? meta_json(&b) : NULL;
     enum tier_status ts = TIER_ENOMEM_HOST;
@@ -241,7 +271,7 @@ static void put_block(engine *e, struct kv_prefix_block b, bool retry)
                                  .cold = !pd->exiting};
         ts = kv_disk_put(e->disk, ns, name, &o, &p->op);
     }
-    if (ts == TIER_OK && !(f = index_add(pd, b.ns, b.hash, b.has_parent, b.parent, b.len + strlen(meta)))) {
+    if (ts == TIER_OK && !(f = index_add(pd, b.kept, b.ns, b.hash, b.has_parent, b.parent, b.len + strlen(meta)))) {
         kv_disk_op_wait(p->op); /* written, but unknown to the index: an orphan the budget ignores */
         kv_disk_op_free(p->op);
         ts = TIER_ENOMEM_HOST;
@@ -259,7 +289,7 @@ static void put_block(engine *e, struct kv_prefix_block b, bool retry)
         pop_link(pd, p);
         return;
     }
-    log_msg(LOG_DEBUG, "prefix block %s/%s not written to disk: %s", ns, name,
+    log_msg(LOG_DEBUG, "%s %s/%s not written to disk: %s", what(b.kept), ns, name,
             kv_disk_errmsg(e->disk)[0] ? kv_disk_errmsg(e->disk) : tier_strerror(ts));
     engine_count(e, &e->st.disk_errors);
     free(p);
@@ -286,9 +316,9 @@ static void reap(engine *e, bool wait)
         }
         if (ts == TIER_OK) {
             p->f->writing = false;
-            engine_count(e, &e->st.prefix_disk_written);
+            engine_count(e, p->blk.kept ? &e->st.encoder_disk_written : &e->st.prefix_disk_written);
         } else {
-            log_msg(LOG_DEBUG, "prefix block not written to disk: %s", kv_disk_op_errmsg(p->op));
+            log_msg(LOG_DEBUG, "%s not written to disk: %s", what(p->blk.kept), kv_disk_op_errmsg(p->op));
             engine_count(e, &e->st.disk_errors);
             index_del(pd, p->f);
         }
@@ -311,10 +341,13 @@ static void drain(engine *e)
 
 /* Inserts a finished fetch's blocks in chain order up to the first one
  * that is missing, corrupt or refused (which leaves the index; a refused
- * one the disk too), then starts its job. */
+ * one the disk too), then starts its job; a cross cache's read hands the
+ * job the entry (j->cross_kept). */
 static void fetch_finish(engine *e, struct prefix_fetch *x)
 {
     struct prefix_disk *pd = e->pd;
+    bool kept = x->ids != NULL;
+    kv_kept *k = NULL;
     int got = 0;
     bool miss = false;
     for (int i = 0; i < x->n; i++) {
@@ -326,17 +359,20 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
         bool refused = false;
         if (ts == TIER_OK && !miss) {
             kv_disk_op_take(op, &meta, &meta_len, &data, &n);
-            ts = kv_store_prefix_insert(e->store, data, n);
+            ts = kept ? kv_store_kept_insert(e->store, data, n, x->ns, x->ids, (int64_t)x->n_ids, true, &k)
+                      : kv_store_prefix_insert(e->store, data, n);
             why = kv_store_errmsg(e->store);
             refused = ts == TIER_EINVAL;
         }
         if (!miss && ts != TIER_OK) {
             char ns[24], name[24];
-            names(x->ns, x->blk[i].hash, ns, name);
-            log_msg(LOG_WARN, "prefix block %s/%s not used, the chain is a miss from there on: %s", ns, name,
+            names(kept, x->ns, x->blk[i].hash, ns, name);
+            log_msg(LOG_WARN, "%s %s/%s not used, %s: %s", what(kept), ns, name,
+                    kept ? "the input is encoded" : "the chain is a miss from there on",
                     why[0] ? why : tier_strerror(ts));
-            struct pfile *f = find(pd, x->ns, x->blk[i].hash);
-            if (f && !f->writing && ts != TIER_ENOMEM_DEV && ts != TIER_ENOMEM_HOST)
+            struct pfile *f = find(pd, kept, x->ns, x->blk[i].hash);
+            /* a collision's file is another input's, sound */
+            if (f && !f->writing && ts != TIER_ENOMEM_DEV && ts != TIER_ENOMEM_HOST && ts != TIER_ECONFLICT)
                 index_del(pd, f);
             if (refused)
                 kv_disk_remove(e->disk, ns, name);
@@ -349,15 +385,33 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
         kv_disk_op_free(op);
     }
     pthread_mutex_lock(&e->mu);
-    e->st.prefix_disk_read += (uint64_t)got;
-    e->st.prefix_disk_hits += got > 0;
+    if (kept) {
+        e->st.encoder_disk_read += (uint64_t)got;
+    } else {
+        e->st.prefix_disk_read += (uint64_t)got;
+        e->st.prefix_disk_hits += got > 0;
+    }
     pthread_mutex_unlock(&e->mu);
     struct job *j = x->j;
+    free(x->ids);
     free(x);
-    if (!j)
+    if (!j) {
+        kv_kept_unref(k);
         return;
+    }
+    j->cross_kept = k;
     j->pfetch = NULL;
     resume_job(e, j);
+}
+
+/* x (its reads started) becomes j's: j waits for it. */
+static void fetch_link(struct prefix_disk *pd, struct prefix_fetch *x, struct job *j, uint64_t ns)
+{
+    x->j = j;
+    x->ns = ns;
+    x->next = pd->fetches;
+    pd->fetches = x;
+    j->pfetch = x;
 }
 
 bool prefix_disk_fetch(engine *e, struct job *j)
@@ -373,15 +427,16 @@ bool prefix_disk_fetch(engine *e, struct job *j)
         return false;
     int64_t n_mem, nb = kv_store_prefix_chain(e->store, &p, j->prompt, (int64_t)j->n_prompt, h, &n_mem);
     int64_t k = n_mem;
-    for (struct pfile *f; k < nb && (f = find(pd, p.prefix_ns, h[k])) && !f->writing && f->has_parent == (k > 0) &&
-                          (!k || f->parent == h[k - 1]);
+    for (struct pfile *f;
+         k < nb && (f = find(pd, false, p.prefix_ns, h[k])) && !f->writing && f->has_parent == (k > 0) &&
+         (!k || f->parent == h[k - 1]);
          k++)
         ;
     struct prefix_fetch *x = k > n_mem ? calloc(1, sizeof(*x) + (size_t)(k - n_mem) * sizeof(x->blk[0])) : NULL;
     for (int64_t b = n_mem; x && b < k; b++) {
         char ns[24], name[24];
-        names(p.prefix_ns, h[b], ns, name);
-        touch(pd, find(pd, p.prefix_ns, h[b]));
+        names(false, p.prefix_ns, h[b], ns, name);
+        touch(pd, find(pd, false, p.prefix_ns, h[b]));
         x->blk[x->n].hash = h[b];
         if (kv_disk_get(e->disk, ns, name, &x->blk[x->n].op) != TIER_OK)
             break;
@@ -394,11 +449,33 @@ bool prefix_disk_fetch(engine *e, struct job *j)
     }
     if (!x)
         return false;
-    x->j = j;
-    x->ns = p.prefix_ns;
-    x->next = pd->fetches;
-    pd->fetches = x;
-    j->pfetch = x;
+    fetch_link(pd, x, j, p.prefix_ns);
+    return true;
+}
+
+bool encoder_disk_fetch(engine *e, struct job *j, uint64_t ns, const int32_t *ids, size_t n)
+{
+    struct prefix_disk *pd = e->pd;
+    uint64_t hash = kv_store_kept_hash(ns, ids, (int64_t)n);
+    struct pfile *f = pd ? find(pd, true, ns, hash) : NULL;
+    if (!f || f->writing)
+        return false;
+    char nsb[24], name[24];
+    names(true, ns, hash, nsb, name);
+    struct prefix_fetch *x = calloc(1, sizeof(*x) + sizeof(x->blk[0]));
+    int32_t *copy = x ? malloc(n * sizeof(*copy)) : NULL;
+    if (!copy || kv_disk_get(e->disk, nsb, name, &x->blk[0].op) != TIER_OK) {
+        free(copy);
+        free(x);
+        return false;
+    }
+    touch(pd, f);
+    memcpy(copy, ids, n * sizeof(*copy));
+    x->ids = copy;
+    x->n_ids = n;
+    x->n = 1;
+    x->blk[0].hash = hash;
+    fetch_link(pd, x, j, ns);
     return true;
 }
 
@@ -451,20 +528,21 @@ void prefix_disk_file(engine *e, const char *ns, const char *name, const void *m
     struct prefix_disk *pd = e->pd;
     if (!pd)
         return;
+    bool kept = ns[0] == 'x';
     uint64_t pns, hash, parent = 0;
-    char want[24];
+    char want[24], ignored[24];
     json_t *o = json_loadb(meta, meta_len, JSON_REJECT_DUPLICATES, NULL);
-    json_t *par = json_object_get(o, "parent");
+    json_t *par = kept ? NULL : json_object_get(o, "parent");
     const char *why = NULL;
-    if (!parse_hex(ns + 1, &pns) || (snprintf(want, sizeof(want), "p%" PRIx64, pns), strcmp(want, ns) != 0) ||
+    if (!parse_hex(ns + 1, &pns) || (names(kept, pns, 0, want, ignored), strcmp(want, ns) != 0) ||
         strlen(name) != 16 || !parse_hex(name, &hash))
-        why = "not a prefix block's name";
-    else if (!o || json_integer_value(json_object_get(o, "kvtier_prefix")) != META_FORMAT)
-        why = "meta is not a prefix block of this format";
+        why = kept ? "not an encoder-cache entry's name" : "not a prefix block's name";
+    else if (!o || json_integer_value(json_object_get(o, kept ? "kvtier_encoder" : "kvtier_prefix")) != META_FORMAT)
+        why = kept ? "meta is not an encoder-cache entry of this format" : "meta is not a prefix block of this format";
     else if (par && !json_is_null(par) &&
              (!json_is_string(par) || strlen(json_string_value(par)) != 16 || !parse_hex(json_string_value(par), &parent)))
         why = "meta's parent is not a hash";
-    else if (!index_add(pd, pns, hash, par && !json_is_null(par), parent, data_len + meta_len))
+    else if (!index_add(pd, kept, pns, hash, par && !json_is_null(par), parent, data_len + meta_len))
         why = "no memory";
     json_decref(o);
     if (why)
@@ -473,7 +551,7 @@ void prefix_disk_file(engine *e, const char *ns, const char *name, const void *m
 
 void prefix_disk_open(engine *e)
 {
-    if (e->cfg.no_prefix_cache || !(e->pd = calloc(1, sizeof(*e->pd))))
+    if ((e->cfg.no_prefix_cache && !e->enc_cache) || !(e->pd = calloc(1, sizeof(*e->pd))))
         return;
     kv_store_set_prefix_spill(e->store, QUEUE_BYTES);
 }
@@ -481,7 +559,7 @@ void prefix_disk_open(engine *e)
 void prefix_disk_opened(engine *e)
 {
     if (e->pd)
-        log_msg(LOG_INFO, "disk tier: %zu prefix-cache block(s) on disk", e->pd->n_files);
+        log_msg(LOG_INFO, "disk tier: %zu %s(s) on disk", e->pd->n_files, counted(e));
 }
 
 void prefix_disk_close(engine *e)
@@ -499,7 +577,8 @@ void prefix_disk_close(engine *e)
      * for at most --prefix-exit-seconds: a cache is not worth a slow stop
      * (the writes in flight then still land) */
     pd->exiting = true;
-    uint64_t before = engine_get_stats(e).prefix_disk_written;
+    struct engine_stats st = engine_get_stats(e);
+    uint64_t before = st.prefix_disk_written + st.encoder_disk_written;
     double deadline = clock_s() + e->cfg.prefix_exit_s;
     bool cut = false;
     for (;;) {
@@ -509,7 +588,8 @@ void prefix_disk_close(engine *e)
             struct kv_prefix_block b;
             bool got = kv_store_prefix_take_evicted(e->store, &b);
             if (!got && kv_store_prefix_export(e->store, &b, &got) != TIER_OK) {
-                log_msg(LOG_WARN, "prefix cache: not every block written at exit: %s", kv_store_errmsg(e->store));
+                log_msg(LOG_WARN, "%s: not every one written at exit: %s",
+                        e->enc_cache ? "encoder cache" : "prefix cache", kv_store_errmsg(e->store));
                 break;
             }
             if (!got)
@@ -525,12 +605,14 @@ void prefix_disk_close(engine *e)
             break;
     }
     kv_store_set_prefix_spill(e->store, 0);
-    uint64_t written = engine_get_stats(e).prefix_disk_written - before;
+    st = engine_get_stats(e);
+    uint64_t written = st.prefix_disk_written + st.encoder_disk_written - before;
     if (written)
-        log_msg(LOG_INFO, "disk tier: %" PRIu64 " prefix-cache block(s) written at exit", written);
+        log_msg(LOG_INFO, "disk tier: %" PRIu64 " %s(s) written at exit", written, counted(e));
     if (cut)
-        log_msg(LOG_INFO, "disk tier: prefix-cache writes at exit stopped after %d s (--prefix-exit-seconds): the "
-                "blocks not written are dropped", e->cfg.prefix_exit_s);
+        log_msg(LOG_INFO, "disk tier: %s writes at exit stopped after %d s (--prefix-exit-seconds): the %ss not "
+                "written are dropped", e->enc_cache ? "encoder-cache" : "prefix-cache", e->cfg.prefix_exit_s,
+                what(e->enc_cache));
     while (pd->oldest)
         index_del(pd, pd->oldest);
     free(pd->buckets);

@@ -28,14 +28,9 @@
  * waits as for blocks.  The value holds the ids with the cache's image,
  * and a value whose namespace or ids are not exactly the input's is a
  * miss: a collision of the key's hash never loads another input's cache.
- *
- * FORMAT of a cross cache's value (inside the remote tier's container;
- * version 1, little-endian):
- *    0  8  magic "KVTXCR\r\n"
- *    8  u32 version, 12 u32 reserved (0)
- *   16  u64 namespace, 24 u64 n (the input's ids)
- *   32  i32 ids [n]
- *   then the cross cache's image (kv_seq_save), the rest of the value
+ * The value, inside the remote tier's container, is the store's image of
+ * a kept sequence (kv_store_kept_image, tiers/keep.c "FORMAT"): its key,
+ * then the cross cache.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -43,7 +38,6 @@
 #include <string.h>
 
 #include "daemon/engine_impl.h"
-#include "util/le.h"
 #include "util/log.h"
 
 /* memory a lookup fills (its arenas, the store's blocks) faulted in at
@@ -54,9 +48,6 @@
 #define MAX_PENDING 64
 /* blocks serialized per call of pump: bounds the copies a loop iteration makes */
 #define SHIP_BATCH 16
-#define XC_MAGIC "KVTXCR\r\n"
-#define XC_VERSION 1
-#define XC_HDR 32
 
 struct remote_pub {
     struct kv_seq_params p;
@@ -162,31 +153,15 @@ static void cross_take(engine *e, struct remote_fetch *x)
 {
     if (kv_remote_fetch_found(x->f) < 1)
         return;
-    const uint8_t *p;
+    const void *p;
     size_t len;
-    kv_remote_fetch_block(x->f, 0, (const void **)&p, &len);
-    const char *bad = NULL;
-    if (len < XC_HDR || memcmp(p, XC_MAGIC, 8) || get32(p + 8) != XC_VERSION || get32(p + 12))
-        bad = "not a cross-attention cache of this version";
-    else if (get64(p + 16) != x->ns || get64(p + 24) != x->n_ids || (len - XC_HDR) / 4 < x->n_ids)
-        bad = "another namespace or input length";
-    for (size_t i = 0; !bad && i < x->n_ids; i++)
-        if ((int32_t)get32(p + XC_HDR + 4 * i) != x->ids[i])
-            bad = "another input";
-    size_t at = XC_HDR + 4 * x->n_ids;
-    kv_seq *q = NULL;
-    kv_kept *k = NULL;
-    enum tier_status ts = TIER_OK;
-    if (!bad && (ts = kv_seq_load(e->store, p + at, len - at, &q)) == TIER_OK &&
-        (kv_seq_length(q) != (int64_t)x->n_ids || (ts = kv_store_keep(e->store, x->ns, x->ids, (int64_t)x->n_ids,
-                                                                         q, &k)) != TIER_OK)) {
-        bad = ts == TIER_OK ? "a cache of another length than its input" : NULL;
-        kv_seq_free(q);
-    }
-    if (bad || ts != TIER_OK) {
-        x->refused = bad != NULL;
-        log_msg(bad ? LOG_WARN : LOG_DEBUG, "remote tier: a cross-attention cache not used: %s",
-                bad ? bad : kv_store_errmsg(e->store));
+    kv_remote_fetch_block(x->f, 0, &p, &len);
+    kv_kept *k;
+    enum tier_status ts = kv_store_kept_insert(e->store, p, len, x->ns, x->ids, (int64_t)x->n_ids, false, &k);
+    if (ts != TIER_OK) {
+        x->refused = ts == TIER_EINVAL || ts == TIER_ECONFLICT;
+        log_msg(x->refused ? LOG_WARN : LOG_DEBUG, "remote tier: a cross-attention cache not used: %s",
+                kv_store_errmsg(e->store));
         return;
     }
     x->got = 1;
@@ -247,10 +222,7 @@ bool encoder_remote_fetch(engine *e, struct job *j, uint64_t ns, const int32_t *
 {
     if (!e->remote || !n)
         return false;
-    /* a value claiming more than twice the cache's blocks (and their
-     * tables) is corrupt */
-    size_t bt = (size_t)kv_store_block_tokens(e->store), nb = (n + bt - 1) / bt;
-    size_t max = XC_HDR + 4 * n + kv_image_head_size(e->store) + 2 * nb * kv_store_prefix_block_bytes(e->store);
+    size_t max = kv_store_kept_image_bound(e->store, (int64_t)n);
     struct remote_fetch *x = calloc(1, sizeof(*x));
     int32_t *copy = x ? malloc(n * sizeof(*copy)) : NULL;
     if (!copy || kv_remote_fetch_seq_start(e->remote, ns, kv_store_kept_hash(ns, ids, (int64_t)n), max, &x->f) !=
@@ -271,22 +243,12 @@ void encoder_remote_publish(engine *e, const struct job *j, uint64_t ns, const i
 {
     if (!e->remote || e->cfg.remote_share == REMOTE_SHARE_OFF || !j->remote_shareable)
         return;
-    size_t img = kv_seq_image_size(q), at = XC_HDR + 4 * n;
-    uint8_t *p = img <= SIZE_MAX - at ? malloc(at + img) : NULL;
-    if (!p || kv_seq_save(q, p + at, img) != TIER_OK) {
-        log_msg(LOG_DEBUG, "remote tier: a cross-attention cache not published: %s",
-                p ? kv_store_errmsg(e->store) : "no host memory");
-        free(p);
+    struct kv_prefix_block b;
+    if (kv_store_kept_image(q, ns, ids, (int64_t)n, &b) != TIER_OK) {
+        log_msg(LOG_DEBUG, "remote tier: a cross-attention cache not published: %s", kv_store_errmsg(e->store));
         return;
     }
-    memcpy(p, XC_MAGIC, 8);
-    put32(p + 8, XC_VERSION);
-    put32(p + 12, 0);
-    put64(p + 16, ns);
-    put64(p + 24, n);
-    for (size_t i = 0; i < n; i++)
-        put32(p + XC_HDR + 4 * i, (uint32_t)ids[i]);
-    kv_remote_publish_seq(e->remote, ns, kv_store_kept_hash(ns, ids, (int64_t)n), p, at + img);
+    kv_remote_publish_seq(e->remote, ns, b.hash, b.buf, b.len);
 }
 
 void prefix_remote_forget_job(engine *e, struct job *j)

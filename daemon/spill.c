@@ -893,7 +893,7 @@ static void on_file(void *arg, const char *ns, const char *name, const void *met
 {
     struct scan *sc = arg;
     engine *e = sc->e;
-    if (ns[0] == 'p') {
+    if (ns[0] == 'p' || ns[0] == 'x') {
         prefix_disk_file(e, ns, name, meta, meta_len, data_len);
         return;
     }

@@ -103,7 +103,8 @@ def evict(name, args):
     heads x 16 x f32, K and V: 32 KiB; a budget of 40000 bytes holds one
     unreferenced."""
     d, model = make(name, args)
-    d.args = ["--prefix-cache-mem", "40000"]
+    # no disk tier, which would keep the evicted one (daemon_encdec_cache_disk)
+    d.args = ["--prefix-cache-mem", "40000", "--disk-dir", "none"]
     d.start()
     a, b = ENC, ENC[::-1]
     for enc in (a, b):

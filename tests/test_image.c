@@ -75,21 +75,40 @@ static uint8_t *save(kv_store *s, kv_seq *q, size_t *size)
 
 /* With KVTIER_IMAGE_SEEDS=dir, the images of the two-layer models go to
  * dir as seeds of tests/fuzz/fuzz_image.c: its store selector byte (odd:
- * sliding layers), then the image. */
-static void write_seed(int which, const uint8_t *img, size_t size)
+ * sliding layers), then the image; a full-attention one also as a kept
+ * sequence's image (selector 4) under the ids the harness looks up. */
+static void write_seed(int which, kv_seq *q, const uint8_t *img, size_t size)
 {
     static int n;
     const char *dir = getenv("KVTIER_IMAGE_SEEDS");
     if (!dir || which == M_QWEN2)
         return;
     char path[512];
-    snprintf(path, sizeof(path), "%s/image-%02d", dir, n++);
+    snprintf(path, sizeof(path), "%s/image-%02d", dir, n);
     FILE *f = fopen(path, "wb");
     assert_non_null(f);
     uint8_t sel = which == M_MISTRAL;
     assert_int_equal(fwrite(&sel, 1, 1, f), 1);
     assert_int_equal(fwrite(img, 1, size, f), size);
     assert_int_equal(fclose(f), 0);
+    int64_t len = kv_seq_length(q);
+    if (!sel && len > 0) {
+        int32_t *ids = malloc((size_t)len * sizeof(*ids));
+        assert_non_null(ids);
+        for (int64_t i = 0; i < len; i++)
+            ids[i] = (int32_t)i + 1;
+        struct kv_prefix_block b;
+        assert_int_equal(kv_store_kept_image(q, 1, ids, len, &b), TIER_OK);
+        snprintf(path, sizeof(path), "%s/kept-%02d", dir, n);
+        assert_non_null(f = fopen(path, "wb"));
+        sel = 4;
+        assert_int_equal(fwrite(&sel, 1, 1, f), 1);
+        assert_int_equal(fwrite(b.buf, 1, b.len, f), b.len);
+        assert_int_equal(fclose(f), 0);
+        free(b.buf);
+        free(ids);
+    }
+    n++;
 }
 
 enum action { A_NONE, A_RECORD, A_OFFLOAD, A_FORK, A_PREFIX };
@@ -144,7 +163,7 @@ static void run_variant(const struct variant *v)
     struct kv_seq_stats before = kv_seq_stats(q);
     size_t size;
     uint8_t *img = save(r.store, q, &size);
-    write_seed(v->model, img, size);
+    write_seed(v->model, q, img, size);
     kv_seq_free(q);
     kv_seq_free(parent);
     struct kv_store_stats ss = kv_store_stats(r.store);

@@ -1790,6 +1790,84 @@ static void test_kept(void **state)
     teardown(&st);
 }
 
+/* Kept sequences elsewhere (keep.c "FORMAT"): one the store evicts is
+ * queued as its image (unless it came from the caller's disk), and the
+ * image loads back only for its own namespace and ids, and only whole;
+ * the exit's export hands out the rest, referenced or not, once. */
+static void test_kept_images(void **state)
+{
+    (void)state;
+    void *st;
+    setup_store(&st, 0, 8 * 256, &(struct kv_store_params){.block_tokens = BT});
+    struct fixture *f = st;
+    int32_t a[8], last[8];
+    ids_of(a, 8, 1);
+    memcpy(last, a, sizeof(last));
+    last[7]++;
+    kv_seq *q;
+    kv_kept *k;
+    struct kv_prefix_block b, none;
+    bool got;
+    kv_store_set_prefix_spill(f->store, 1 << 20);
+    kv_store_set_prefix_mem(f->store, 1); /* an unreferenced one goes at once */
+    assert_int_equal(kv_seq_create(f->store, NULL, &q), TIER_OK);
+    assert_int_equal(step_ids(q, 8, NULL), TIER_OK);
+    assert_int_equal(kv_store_keep(f->store, 1, a, 8, q, &k), TIER_OK);
+    assert_false(kv_store_prefix_take_evicted(f->store, &b));
+    kv_kept_unref(k);
+    assert_false(kv_store_kept_held(f->store, 1, a, 8));
+    assert_true(kv_store_prefix_take_evicted(f->store, &b));
+    assert_true(b.kept);
+    assert_int_equal(b.ns, 1);
+    assert_int_equal(b.hash, kv_store_kept_hash(1, a, 8));
+
+    /* refused: another input, namespace or length, a damaged header, a
+     * short buffer; nothing is kept */
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len, 1, last, 8, true, &k), TIER_EINVAL);
+    assert_null(k);
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len, 2, a, 8, true, &k), TIER_EINVAL);
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len, 1, a, 7, true, &k), TIER_EINVAL);
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, 40, 1, a, 8, true, &k), TIER_EINVAL);
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len - 1, 1, a, 8, true, &k), TIER_EINVAL);
+    ((uint8_t *)b.buf)[0] ^= 1;
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len, 1, a, 8, true, &k), TIER_EINVAL);
+    ((uint8_t *)b.buf)[0] ^= 1;
+    assert_non_null(strstr(kv_store_errmsg(f->store), "kept sequence"));
+    assert_int_equal(kv_store_stats(f->store).prefix_entries, 0);
+    assert_int_equal(kv_store_stats(f->store).blocks_used, 0);
+
+    /* its own key: the same positions, kept; from the disk, its eviction
+     * queues nothing */
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len, 1, a, 8, true, &k), TIER_OK);
+    assert_true(kv_store_kept_held(f->store, 1, a, 8));
+    check_positions(kv_kept_seq(k), 0, 0, 8);
+    kv_kept_unref(k);
+    assert_false(kv_store_kept_held(f->store, 1, a, 8));
+    assert_false(kv_store_prefix_take_evicted(f->store, &none));
+    /* from elsewhere (the remote tier), it is queued */
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len, 1, a, 8, false, &k), TIER_OK);
+    kv_kept_unref(k);
+    assert_true(kv_store_prefix_take_evicted(f->store, &none));
+    assert_int_equal(none.len, b.len);
+    assert_memory_equal(none.buf, b.buf, b.len);
+    free(none.buf);
+
+    /* the export: a referenced one and one from the disk (not handed out), once */
+    kv_store_set_prefix_mem(f->store, 1 << 20);
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len, 1, a, 8, true, &k), TIER_OK);
+    kv_kept *k2;
+    assert_int_equal(kv_store_kept_insert(f->store, b.buf, b.len, 1, a, 8, false, &k2), TIER_OK);
+    assert_int_equal(kv_store_prefix_export(f->store, &none, &got), TIER_OK);
+    assert_true(got && none.kept && none.len == b.len);
+    free(none.buf);
+    assert_int_equal(kv_store_prefix_export(f->store, &none, &got), TIER_OK);
+    assert_false(got);
+    kv_kept_unref(k);
+    kv_kept_unref(k2);
+    free(b.buf);
+    teardown(&st);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1834,6 +1912,7 @@ int main(void)
         cmocka_unit_test(test_prefix_collisions),
         cmocka_unit_test(test_prefix_eviction),
         cmocka_unit_test(test_kept),
+        cmocka_unit_test(test_kept_images),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

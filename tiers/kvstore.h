@@ -297,18 +297,23 @@ struct kv_prefix_block {
     uint64_t ns, hash;
     bool has_parent; /* false for a chain's first block */
     uint64_t parent; /* the parent's hash */
+    bool kept;       /* a kept sequence's image (kv_store_kept_image) instead: ns and hash its key's */
 };
 /* From now on every entry the cache evicts (budget, device pressure) is
  * serialized (device bytes through be_copy) and queued, at most max_bytes
  * of them: past that the oldest are dropped and counted in
  * prefix_spill_dropped.  0 (the default) serializes none and frees the
- * queue.  Entries that came from kv_store_prefix_insert are not queued. */
+ * queue.  Entries that came from kv_store_prefix_insert are not queued.
+ * Kept sequences (below) the store evicts are queued the same way, as
+ * their images, unless they came from kv_store_kept_insert with on_disk;
+ * one whose image alone passes max_bytes is dropped. */
 void kv_store_set_prefix_spill(kv_store *s, size_t max_bytes);
 /* Hands out the oldest queued entry; false when none is. */
 bool kv_store_prefix_take_evicted(kv_store *s, struct kv_prefix_block *out);
 /* Serializes the next cached entry neither handed out before (evicted or
  * exported) nor inserted from disk, for a caller that keeps every entry
- * at exit; *got false when none is left.  Only between steps.
+ * at exit, then the kept sequences the same way, referenced or not; *got
+ * false when none is left.  Only between steps.
  * TIER_ENOMEM_HOST / TIER_EIO (device copy) leave that entry for the next
  * call. */
 enum tier_status kv_store_prefix_export(kv_store *s, struct kv_prefix_block *out, bool *got);
@@ -369,15 +374,43 @@ enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len
  *   with a reference taken for the caller; NULL if none.
  * kv_kept_unref: drops a reference (NULL: none); the entry stays, evictable.
  * kv_kept_seq: the sequence, valid while the caller's reference is.
+ * kv_store_kept_held: whether kv_store_kept_find would find one, with no
+ *   reference taken and nothing counted.
  * kv_store_kept_hash: the hash entries are looked up by: xxh3 of the ids
  *   (as int32 in host order) seeded with ns, the same in every process
- *   (the remote tier's key). */
+ *   (the remote and disk tiers' key).
+ *
+ * Kept sequences elsewhere (the remote and disk tiers) travel as images
+ * that carry their key, so that one found under a key is checked against
+ * the input it is looked up for, id by id, as in memory.
+ * kv_store_kept_image: q (between steps; kept or not) as the image of an
+ *   entry under (ns, ids[0, n)), in out (buf the caller's, kept set).
+ *   TIER_ENOMEM_HOST, TIER_EIO (a device copy).
+ * kv_store_kept_insert: such an image buf[0, len), looked up for (ns,
+ *   ids[0, n)), kept under that key with a reference for the caller in
+ *   *out.  Checked first: TIER_EINVAL naming the field for one that is not
+ *   a kept image of this version, whose sequence image does not load
+ *   (kv_seq_load's checks) or is not as long as its ids, or whose key is
+ *   not the input's and does not hash as it (not what was stored under
+ *   that hash); TIER_ECONFLICT for an image of another key of the same
+ *   hash (a collision: a miss, the rest of the image not looked at).  Memory as kv_seq_load.  on_disk:
+ *   the caller holds the image already, so the entry's eviction does not
+ *   queue it again.
+ * kv_store_kept_image_bound: the most bytes an image of n ids may take
+ *   (twice its blocks and their tables): a value that claims more is
+ *   corrupt. */
 typedef struct kv_kept kv_kept;
 enum tier_status kv_store_keep(kv_store *s, uint64_t ns, const int32_t *ids, int64_t n, kv_seq *q, kv_kept **out);
 kv_kept *kv_store_kept_find(kv_store *s, uint64_t ns, const int32_t *ids, int64_t n);
 void kv_kept_unref(kv_kept *k);
 kv_seq *kv_kept_seq(const kv_kept *k);
 uint64_t kv_store_kept_hash(uint64_t ns, const int32_t *ids, int64_t n);
+bool kv_store_kept_held(const kv_store *s, uint64_t ns, const int32_t *ids, int64_t n);
+enum tier_status kv_store_kept_image(kv_seq *q, uint64_t ns, const int32_t *ids, int64_t n,
+                                     struct kv_prefix_block *out);
+enum tier_status kv_store_kept_insert(kv_store *s, const void *buf, size_t len, uint64_t ns, const int32_t *ids,
+                                      int64_t n, bool on_disk, kv_kept **out);
+size_t kv_store_kept_image_bound(const kv_store *s, int64_t n);
 
 /* The token ids of the reserved positions (after kv_seq_reserve, before
  * the commit); a step without them stops the sequence publishing (blocks,

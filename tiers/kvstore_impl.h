@@ -239,6 +239,12 @@ void state_shared_release(kv_store *s);
 void kept_fit(kv_store *s);          /* within prefix_mem */
 bool kept_evict_one(kv_store *s);    /* the LRU unreferenced one; false if none */
 void kept_release_all(kv_store *s);
+/* kv_store_prefix_export's part for kept sequences: the next one neither
+ * read from the caller's disk nor handed out before */
+enum tier_status kept_export(kv_store *s, struct kv_prefix_block *out, bool *got);
+/* prefix.c: queues b (taking its buffer) for kv_store_prefix_take_evicted,
+ * dropping the oldest past spill_max; b itself is dropped if larger */
+void spill_push(kv_store *s, const struct kv_prefix_block *b);
 
 /* kvquant.c: the KV_QUANTIZED sequence's side of creation, the step
  * transaction (all layers or none), release and size */

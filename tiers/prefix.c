@@ -532,21 +532,30 @@ static void spill_drop_oldest(kv_store *s)
     free(q);
 }
 
-static void spill_queue(kv_store *s, const struct kv_pentry *e)
+void spill_push(kv_store *s, const struct kv_prefix_block *b)
 {
-    size_t n = entry_bytes_on_disk(s);
-    struct kv_pqueued *q = n <= s->spill_max ? malloc(sizeof(*q)) : NULL;
-    if (!q || entry_save(s, e, &q->b) != TIER_OK) {
-        free(q);
+    struct kv_pqueued *q = b->len <= s->spill_max ? malloc(sizeof(*q)) : NULL;
+    if (!q) {
+        free(b->buf);
         s->spill_dropped++;
         return;
     }
-    while (s->spill_head && s->spill_bytes + n > s->spill_max)
+    while (s->spill_head && s->spill_bytes + b->len > s->spill_max)
         spill_drop_oldest(s);
-    q->next = NULL;
+    *q = (struct kv_pqueued){.b = *b};
     *(s->spill_tail ? &s->spill_tail->next : &s->spill_head) = q;
     s->spill_tail = q;
-    s->spill_bytes += n;
+    s->spill_bytes += b->len;
+}
+
+static void spill_queue(kv_store *s, const struct kv_pentry *e)
+{
+    struct kv_prefix_block b;
+    if (entry_bytes_on_disk(s) > s->spill_max || entry_save(s, e, &b) != TIER_OK) {
+        s->spill_dropped++;
+        return;
+    }
+    spill_push(s, &b);
 }
 
 void kv_store_set_prefix_spill(kv_store *s, size_t max_bytes)
@@ -588,8 +597,10 @@ enum tier_status kv_store_prefix_export(kv_store *s, struct kv_prefix_block *out
             return TIER_OK;
         }
     }
-    s->export_at = 0;
-    return TIER_OK;
+    enum tier_status st = kept_export(s, out, got);
+    if (st == TIER_OK && !*got)
+        s->export_at = 0;
+    return st;
 }
 
 int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, const int32_t *tokens, int64_t n,

@@ -7,7 +7,11 @@
  * f32, blocks of 4 tokens); odd, the same with every layer sliding by 8;
  * with bit 1 set, a state-space model's store instead (2 layers of a
  * 64-byte state, a checkpoint every 4 tokens; seed image-state).
- * The rest is the image.  The harness links no CPU backend, so the store
+ * The rest is the image; with bit 2 set, a kept sequence's image instead
+ * (tiers/keep.c "FORMAT": the encoder cache's file on the disk tier and
+ * value on the remote tier), loaded by kv_store_kept_insert for the input
+ * 1, 2, ... of namespace 1, as long as the image claims when its ids fit
+ * in it (seeds kept-NN).  The harness links no CPU backend, so the store
  * sits on a backend of plain host memory with copies only (fuzz_mem.h:
  * enough for a load, no kernel runs), a 1 MiB device budget and a 4 MiB
  * host tier.
@@ -16,9 +20,40 @@
  * Invariants: a refusal is TIER_EINVAL (or out of memory) with a message
  * and no sequence, leaving no block or host byte in use; a load that
  * succeeds without falling back to the host tier gives a sequence whose
- * image is the input, byte for byte. */
+ * image is the input, byte for byte.  A kept image is refused the same
+ * way (or TIER_ECONFLICT), keeping nothing; one taken is kept under the
+ * input, as long as it. */
 #include "tiers/kvstore.h"
+#include "util/le.h"
 #include "tests/fuzz/fuzz_mem.h"
+
+static void kept(kv_store *s, const uint8_t *img, size_t size)
+{
+    uint64_t n = size >= 32 ? get64(img + 24) : 1;
+    n = n && n <= (size - 32) / 4 ? n : 1;
+    int32_t *ids = malloc(n * sizeof(*ids));
+    FUZZ_CHECK(ids, "out of memory");
+    for (uint64_t i = 0; i < n; i++)
+        ids[i] = (int32_t)i + 1;
+    kv_kept *k = (kv_kept *)1;
+    enum tier_status st = kv_store_kept_insert(s, img, size, 1, ids, (int64_t)n, true, &k);
+    struct kv_store_stats ss = kv_store_stats(s);
+    if (st != TIER_OK) {
+        FUZZ_CHECK(!k, "a refused kept image gave an entry");
+        FUZZ_CHECK(st == TIER_EINVAL || st == TIER_ECONFLICT || st == TIER_ENOMEM_DEV || st == TIER_ENOMEM_HOST,
+                   "status %d", (int)st);
+        FUZZ_CHECK(kv_store_errmsg(s)[0], "a refusal without a message");
+        FUZZ_CHECK(ss.blocks_used == 0 && ss.host_bytes == 0 && ss.prefix_entries == 0,
+                   "a refused kept image left %llu blocks, %zu host bytes, %llu entries",
+                   (unsigned long long)ss.blocks_used, ss.host_bytes, (unsigned long long)ss.prefix_entries);
+    } else {
+        FUZZ_CHECK(kv_seq_length(kv_kept_seq(k)) == (int64_t)n && kv_store_kept_held(s, 1, ids, (int64_t)n),
+                   "a kept image of %lld positions taken for %llu ids", (long long)kv_seq_length(kv_kept_seq(k)),
+                   (unsigned long long)n);
+        kv_kept_unref(k);
+    }
+    free(ids);
+}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -36,6 +71,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                              &(struct kv_store_params){.block_tokens = 4, .host_mem = 4 << 20, .checkpoint_interval = 4},
                              &s) == TIER_OK,
                "kv_store_open");
+    if (data[0] & 4) {
+        kept(s, data + 1, size - 1);
+        kv_store_free(s);
+        return 0;
+    }
     kv_seq *q = (kv_seq *)1;
     enum tier_status st = kv_seq_load(s, data + 1, size - 1, &q);
     if (st != TIER_OK) {
