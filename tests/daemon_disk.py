@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, damage_spill, skip, wait_spilled  # noqa: E402
+from daemon_harness import Daemon, check, damage_spill, metric, skip, wait_spilled  # noqa: E402
 
 ref = Daemon("--disk-dir", "none")
 ref.start()
@@ -25,20 +25,12 @@ prompt = [(i * 53 + 7) % 1900 + 50 for i in range(70)]
 gen = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_tokens": True}
 
 
-def metric(dm, name, labels=""):
-    for line in dm.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + name + labels + " "):
-            return float(line.split()[1])
-    raise KeyError(name + labels)
-
-
 def complete(dm, ids, **kw):
     return dm.post_ok("/v1/completions", dict(gen, prompt=ids, **kw))
 
 
 def session(dm, **body):
     return dm.post_ok("/v1/sessions", body)["id"]
-
 
 
 STRATEGIES = [

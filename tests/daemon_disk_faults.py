@@ -9,7 +9,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check  # noqa: E402
+from daemon_harness import Daemon, check, metric  # noqa: E402
 
 ref = Daemon("--disk-dir", "none")
 ref.start()
@@ -21,13 +21,6 @@ def complete(dm, ids, sid):
     code, r = dm.post("/v1/completions", dict(gen, prompt=ids, session=sid))
     assert code == 200, (code, r)
     return r["choices"][0]["tokens"]
-
-
-def metric(dm, name):
-    for line in dm.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
 
 
 def scenario(dm):

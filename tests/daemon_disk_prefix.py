@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check  # noqa: E402
+from daemon_harness import Daemon, check, metric  # noqa: E402
 
 BT = 16  # the store's default block
 ref = Daemon("--disk-dir", "none")
@@ -31,13 +31,6 @@ disk_dir = d.sock + ".disk"
 prompt = [(i * 61 + 11) % 1900 + 50 for i in range(90)]  # 5 whole blocks matchable
 gen = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_tokens": True}
 my_ns = "p%x" % (os.geteuid() + 1)
-
-
-def metric(dm, name, labels=""):
-    for line in dm.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + name + labels + " "):
-            return float(line.split()[1])
-    raise KeyError(name + labels)
 
 
 def complete(dm, ids):

@@ -12,7 +12,7 @@ import sys
 import threading
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check  # noqa: E402
+from daemon_harness import Daemon, check, metric  # noqa: E402
 sys.path.insert(0, "tools")
 import mkmodel  # noqa: E402
 
@@ -25,13 +25,6 @@ KV_BYTES = 1 << 20  # about half of what the four need at their ends
 
 def enc(seed, n):
     return [(seed * 37 + i * 101) % 590 + 5 for i in range(n)]
-
-
-def metric(d, key):
-    for line in d.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + key + " "):
-            return float(line.split()[1])
-    raise KeyError(key)
 
 
 def outputs(code, r):

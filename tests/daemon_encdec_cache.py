@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, "tests")
-from daemon_harness import BUILD, Daemon, check, skip  # noqa: E402
+from daemon_harness import BUILD, Daemon, check, metric, skip  # noqa: E402
 sys.path.insert(0, "tools")
 import mkmodel  # noqa: E402
 
@@ -31,13 +31,6 @@ def oracle_tokens(model, enc):
                        text=True)
     assert r.returncode == 0, r.stderr
     return [int(t) for t in r.stdout.split()[0].split(",")]
-
-
-def metric(d, name):
-    for line in d.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
 
 
 toks = lambda r: r["choices"][0]["tokens"]  # noqa: E731

@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check  # noqa: E402
+from daemon_harness import Daemon, check, metric  # noqa: E402
 sys.path.insert(0, "tools")
 import mkmodel  # noqa: E402
 
@@ -26,13 +26,6 @@ gen = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_tokens": T
 # one cross cache of 20 tokens: 2 layers x 2 blocks of 16 tokens x 4 heads x
 # 16 x f32, K and V: 32 KiB; 40000 bytes hold one unreferenced
 SMALL = ["--prefix-cache-mem", "40000"]
-
-
-def metric(d, name, labels=""):
-    for line in d.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + name + labels + " "):
-            return float(line.split()[1])
-    raise KeyError(name + labels)
 
 
 def written(d):

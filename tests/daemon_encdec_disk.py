@@ -17,19 +17,11 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, damage_spill, wait_spilled  # noqa: E402
+from daemon_harness import Daemon, check, damage_spill, metric, wait_spilled  # noqa: E402
 sys.path.insert(0, "tools")
 import mkmodel  # noqa: E402
 
 gen = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_tokens": True, "logprobs": 2}
-
-
-def metric(d, name):
-    for line in d.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
 
 
 ref = Daemon("--disk-dir", "none", "--kv-dtype", "f32", model="made below")

@@ -34,7 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import BUILD, Daemon, check, skip, wait_spilled  # noqa: E402
+from daemon_harness import BUILD, Daemon, check, metric, skip, wait_spilled  # noqa: E402
 sys.path.insert(0, "tools")
 import mkmodel  # noqa: E402
 
@@ -53,16 +53,8 @@ def oracle_tokens(model, dec, enc=ENC):
     return [int(t) for t in r.stdout.split()[0].split(",")]
 
 
-def metric(d, name, labels=""):
-    for line in d.get("/metrics")[1].decode().splitlines():
-        if line.startswith("kvtier_" + name + labels + " "):
-            return float(line.split()[1])
-    raise KeyError(name + labels)
-
-
 def dev_bytes(d):
     return metric(d, "kv_cache_bytes", '{tier="device"}') + metric(d, "kv_cache_bytes", '{tier="host"}')
-
 
 
 def rebuilt(blob, edit):

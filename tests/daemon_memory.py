@@ -13,7 +13,7 @@ import threading
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import PYTHON, Daemon, check, skip  # noqa: E402
+from daemon_harness import Daemon, PYTHON, check, metric, skip  # noqa: E402
 
 # a deeper model than the harness's (8 layers) so two streaming slots are a
 # small part of the KV: 8 layers x 2 KV heads x 16 dims x 4 bytes x 2 = 2 KiB a token
@@ -25,14 +25,6 @@ r = subprocess.run([PYTHON, "tools/mkmodel.py", "--arch", "llama", "--preset", "
 if r.returncode:
     skip("mkmodel failed: " + r.stderr[-300:])
 KV_PER_TOKEN = 8 * 2 * 16 * 4 * 2
-
-
-def metric(d, name, labels=""):
-    text = d.get("/metrics")[1].decode()
-    for line in text.splitlines():
-        if line.startswith("kvtier_" + name + labels + " "):
-            return float(line.split()[1])
-    raise KeyError(name + labels)
 
 
 # the prompt: ~400 tokens of ids, so the KV is ~1 MiB
