@@ -6,7 +6,9 @@ the C forward pass is compared with is itself checked.
   * a second, deliberately naive forward pass (float64 numpy, one token and
     one head at a time, RoPE as a rotation of the pairs (i, i + hd/2), GQA
     by index h // group, the window as an explicit range) must match
-    CausalLM for every architecture and feature;
+    CausalLM for every architecture and feature, and EncDecLM's decoder
+    logits for T5 (relu / gated tanh-GELU, tied / untied head, relative
+    position buckets) and BART (learned positions, scaled embeddings);
   * RoPE against the complex-number rotation, llama3 inv_freq against
     values worked out by hand, repeat_kv, the sliding mask;
   * which layers slide under HF's per-architecture rules;
@@ -31,6 +33,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(HERE, "..", "tools")
 sys.path.insert(0, TOOLS)
+import mkmodel as mkm  # noqa: E402
 import torchref as tr  # noqa: E402
 
 torch.set_num_threads(2)
@@ -331,6 +334,186 @@ def check_naive_mamba():
           "Mamba state dict: HF names and shapes (time_step_rank auto = ceil(24 / 16))")
 
 
+def naive_t5_bucket(rel, bidirectional, n, max_distance):
+    """T5's bucket of one relative position rel = key - query.  The encoder
+    splits the n buckets by sign (keys after the query in the upper half);
+    the decoder's keys are never after it and use all n for the distance
+    back.  In a range of m buckets, distances below m/2 have one each, then
+    the bucket grows with log(distance) up to max_distance, the range's
+    last bucket from there on."""
+    first = 0
+    if bidirectional:
+        n //= 2
+        first = n if rel > 0 else 0
+        r = abs(rel)
+    else:
+        r = max(-rel, 0)
+    exact = n // 2
+    if r < exact:
+        return first + r
+    return first + min(n - 1, exact + int(math.log(r / exact) / math.log(max_distance / exact) * (n - exact)))
+
+
+def naive_attend(q, keys, vals, heads, scale, bias):
+    """q's attention over the rows keys / vals, one head at a time:
+    softmax_j(scale * q_h . k_jh + bias(h, j)) weighting v_jh."""
+    hd = len(q) // heads
+    out = []
+    for h in range(heads):
+        sl = slice(h * hd, (h + 1) * hd)
+        sc = [scale * float(q[sl] @ k[sl]) + bias(h, j) for j, k in enumerate(keys)]
+        m = max(sc)
+        e = [math.exp(s - m) for s in sc]
+        out.append(sum(e[j] / sum(e) * vals[j][sl] for j in range(len(keys))))
+    return np.concatenate(out)
+
+
+def naive_t5(cfg, P, enc_ids, dec_ids):
+    """T5 from its definition: no positions but a per-head bias on the
+    unscaled scores, looked up by the bucket of key - query in the table of
+    the stack's first layer and added in every layer (the decoder's buckets
+    causal); before each sublayer x / rms(x) * w, after it the residual;
+    cross-attention with no bias over the encoder's normed output; FFN
+    relu(wi x) or gelu_tanh(wi_0 x) * wi_1 x; a tied head reads
+    x * d_model^-0.5."""
+    d, H = cfg["d_model"], cfg["num_heads"]
+    eps = cfg.get("layer_norm_epsilon", 1e-6)
+    nb, maxd = cfg.get("relative_attention_num_buckets", 32), cfg.get("relative_attention_max_distance", 128)
+    gated = cfg.get("feed_forward_proj", "relu") == "gated-gelu"
+
+    def norm(v, name):
+        return naive_rmsnorm(v, P[name + ".weight"], eps)
+
+    def W(name, v):
+        return P[name + ".weight"] @ v
+
+    def stack(name, ids, layers, enc=None):
+        decoder = enc is not None
+        table = P[name + ".block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+        x = [P["shared.weight"][t] for t in ids]
+        for li in range(layers):
+            pre = f"{name}.block.{li}.layer."
+            hN = [norm(v, pre + "0.layer_norm") for v in x]
+            ks = [W(pre + "0.SelfAttention.k", v) for v in hN]
+            vs = [W(pre + "0.SelfAttention.v", v) for v in hN]
+            new_x = []
+            for t in range(len(x)):
+                seen = t + 1 if decoder else len(x)
+                a = naive_attend(W(pre + "0.SelfAttention.q", hN[t]), ks[:seen], vs[:seen], H, 1.0,
+                                 lambda h, j: table[naive_t5_bucket(j - t, not decoder, nb, maxd), h])
+                new_x.append(x[t] + W(pre + "0.SelfAttention.o", a))
+            x = new_x
+            if decoder:
+                ck = [W(pre + "1.EncDecAttention.k", e) for e in enc]
+                cv = [W(pre + "1.EncDecAttention.v", e) for e in enc]
+                x = [v + W(pre + "1.EncDecAttention.o",
+                           naive_attend(W(pre + "1.EncDecAttention.q", norm(v, pre + "1.layer_norm")), ck, cv, H,
+                                        1.0, lambda h, j: 0.0)) for v in x]
+            ff = pre + ("2." if decoder else "1.")
+            new_x = []
+            for v in x:
+                hN = norm(v, ff + "layer_norm")
+                if gated:
+                    f = naive_gelu_tanh(W(ff + "DenseReluDense.wi_0", hN)) * W(ff + "DenseReluDense.wi_1", hN)
+                else:
+                    f = np.maximum(W(ff + "DenseReluDense.wi", hN), 0.0)
+                new_x.append(v + W(ff + "DenseReluDense.wo", f))
+            x = new_x
+        return [norm(v, name + ".final_layer_norm") for v in x]
+
+    enc = stack("encoder", enc_ids, cfg["num_layers"])
+    dec = stack("decoder", dec_ids, cfg.get("num_decoder_layers") or cfg["num_layers"], enc)
+    if cfg.get("tie_word_embeddings", True):
+        return np.stack([P["shared.weight"] @ (v * d ** -0.5) for v in dec])
+    return np.stack([P["lm_head.weight"] @ v for v in dec])
+
+
+def naive_bart(cfg, P, enc_ids, dec_ids):
+    """BART from its definition: token embedding (times sqrt(d_model) when
+    scale_embedding) plus the learned position's row p + 2, LayerNorm'd;
+    post-norm blocks LN(x + sublayer(x)) with biased projections, scores
+    divided by sqrt(head_dim), the decoder's causal, cross-attention over
+    the encoder's output; FFN fc2(gelu_erf(fc1 x)); logits from the shared
+    (tied) or own head plus final_logits_bias."""
+    d = cfg["d_model"]
+    emb_scale = math.sqrt(d) if cfg.get("scale_embedding", False) else 1.0
+
+    def ln(v, name):
+        mu = float(np.mean(v))
+        var = float(np.mean((v - mu) ** 2))
+        return (v - mu) / math.sqrt(var + 1e-5) * P[name + ".weight"] + P[name + ".bias"]
+
+    def lin(name, v):
+        return P[name + ".weight"] @ v + P[name + ".bias"]
+
+    def attend(name, q_in, src, heads, causal_t=None):
+        ks = [lin(name + ".k_proj", v) for v in src]
+        vs = [lin(name + ".v_proj", v) for v in src]
+        seen = len(src) if causal_t is None else causal_t + 1
+        a = naive_attend(lin(name + ".q_proj", q_in), ks[:seen], vs[:seen], heads, (d // heads) ** -0.5,
+                         lambda h, j: 0.0)
+        return lin(name + ".out_proj", a)
+
+    def stack(name, ids, enc=None):
+        decoder = enc is not None
+        side = "decoder" if decoder else "encoder"
+        heads = cfg[side + "_attention_heads"]
+        x = [ln(P["model.shared.weight"][tok] * emb_scale + P[f"model.{name}.embed_positions.weight"][p + 2],
+                f"model.{name}.layernorm_embedding") for p, tok in enumerate(ids)]
+        for li in range(cfg[side + "_layers"]):
+            pre = f"model.{name}.layers.{li}."
+            x = [ln(x[t] + attend(pre + "self_attn", x[t], x, heads, t if decoder else None),
+                    pre + "self_attn_layer_norm") for t in range(len(x))]
+            if decoder:
+                x = [ln(v + attend(pre + "encoder_attn", v, enc, heads), pre + "encoder_attn_layer_norm") for v in x]
+            x = [ln(v + lin(pre + "fc2", np.array([0.5 * u * (1 + math.erf(u / math.sqrt(2)))
+                                                      for u in lin(pre + "fc1", v)])),
+                    pre + "final_layer_norm") for v in x]
+        return x
+
+    dec = stack("decoder", dec_ids, stack("encoder", enc_ids))
+    head = P["model.shared.weight"] if cfg.get("tie_word_embeddings", True) else P["lm_head.weight"]
+    return np.stack([head @ v + P["final_logits_bias"][0] for v in dec])
+
+
+# Through the 9 encoder and 8 decoder tokens, the 8-bucket case's distances
+# reach the logarithmic and the last buckets of both signs, the others' stay
+# exact.
+ENCDEC_CASES = [
+    ("t5 relu, untied head", ["--arch", "t5", "--ffn-kind", "relu", "--no-tie"]),
+    ("t5 gated-gelu, tied head, 8 buckets to distance 6",
+     ["--arch", "t5", "--ffn-kind", "gated-gelu", "--tie", "--buckets", "8", "--max-distance", "6"]),
+    ("t5 gated-gelu, untied, d_kv 12 != 32/4, 3 decoder layers",
+     ["--arch", "t5", "--ffn-kind", "gated-gelu", "--no-tie", "--head-dim", "12", "--dec-layers", "3"]),
+    ("bart tied, final_logits_bias", ["--arch", "bart", "--tie"]),
+    ("bart scale_embedding, untied, 2 heads, 3 decoder layers",
+     ["--arch", "bart", "--no-tie", "--scale-embedding", "--heads", "2", "--dec-layers", "3"]),
+]
+
+
+def check_naive_encdec(tmp):
+    enc_ids, dec_ids = [3, 141, 59, 26, 53, 58, 97, 93, 238], [0, 17, 230, 91, 150, 8, 44, 201]
+    for i, (what, args) in enumerate(ENCDEC_CASES):
+        d = os.path.join(tmp, f"encdec{i}")
+        mkm.main(["--out", d, "--seed", str(20 + i), "--layers", "2", "--dim", "32", "--heads", "4",
+                  "--ffn", "64", "--vocab", "260", "--max-pos", "16"] + args)
+        cfg = tr.load_config(d)
+        m = tr.load_encdec(d)
+        with torch.no_grad():
+            enc = m.encode(enc_ids)
+            whole = m.decode(dec_ids, enc, m.new_cache())
+            cache = m.new_cache()
+            steps = torch.cat([m.decode(dec_ids[:6], enc, cache), m.decode(dec_ids[6:7], enc, cache),
+                               m.decode(dec_ids[7:], enc, cache)])
+        P = {k: v.double().numpy() for k, v in tr.load_checkpoint(d).items()}
+        naive = naive_bart if cfg["architectures"][0] == "BartForConditionalGeneration" else naive_t5
+        want = naive(cfg, P, enc_ids, dec_ids)
+        scale = float(np.abs(want).max())  # errors relative to the largest logit (3 to 10 here)
+        close(whole.numpy() / scale, want / scale, 1e-5, f"naive forward == EncDecLM, relative: {what}")
+        close(steps.numpy() / scale, whole.numpy() / scale, 1e-5,
+              f"EncDecLM: a 6-token prefill and 2 steps through the cache == one pass, relative: {what}")
+
+
 # ---------------------------------------------------------------------------
 # Pieces by hand
 # ---------------------------------------------------------------------------
@@ -504,6 +687,7 @@ def main():
         check_naive_forward()
         check_naive_gpt2()
         check_naive_mamba()
+        check_naive_encdec(tmp)
         check_safetensors(tmp)
         check_mkmodel(tmp)
         check_ref_compare(tmp)
