@@ -83,7 +83,7 @@ static void usage(FILE *f)
             "  --remote URL         share prefix-cache blocks through Redis: redis://host[:port][/db] or unix:PATH\n"
             "  --remote-cluster H:P,...  the same through a Redis Cluster, from these seed nodes\n"
             "  --remote-user NAME   Redis ACL user;  --remote-password-file FILE: AUTH with its first line\n"
-            "  --remote-timeout MS  bound of every Redis connect, read and write (default 500)\n"
+            "  --remote-timeout MS  bound of every Redis connect, read, write and reply (default 500)\n"
             "  --remote-ttl S       expiry of published blocks, renewed on each hit (default 86400)\n"
             "  --remote-share M     all (every prompt block), prefix-only (a chat's blocks before its first\n"
             "                       user message, a completion's before its shared_prefix) or off (read only)\n"

@@ -7,15 +7,24 @@
  * CRC16 hash slot matches Redis Cluster's (its reference vector, and
  * {hash tags}); a tier opened on an address nobody serves looks a chain
  * up as a miss within its timeout (nothing ready, done), and refuses
- * addresses that do not parse.  tests/daemon_remote.test.sh runs it against real servers.
+ * addresses that do not parse; a server that trickles a reply a byte
+ * at a time is a miss within about the timeout, and one that answers SET
+ * with a 100 GB bulk costs no allocation.  tests/daemon_remote.test.sh
+ * runs it against real servers.
  */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <cmocka.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
 #include <xxhash.h>
 #include <zstd.h>
 
@@ -192,6 +201,109 @@ static void test_unreachable(void **state)
     assert_int_equal(kv_remote_open(&p, &r, err), TIER_EINVAL);
 }
 
+/* A server that is no Redis: each command it is sent gets the mode's
+ * answer, on every connection, until the test closes its socket. */
+struct fake {
+    int lfd;
+    const char *reply; /* written whole */
+    bool trickle;      /* then a byte every 20 ms, forever */
+    pthread_t th;
+};
+
+static void *fake_main(void *arg)
+{
+    struct fake *f = arg;
+    int c;
+    while ((c = accept(f->lfd, NULL, NULL)) >= 0) {
+        char buf[65536];
+        while (read(c, buf, sizeof(buf)) > 0) { /* one reply per burst of commands */
+            if (send(c, f->reply, strlen(f->reply), MSG_NOSIGNAL) < 0)
+                break;
+            for (int i = 0; f->trickle && i < 500 && send(c, "x", 1, MSG_NOSIGNAL) == 1; i++)
+                usleep(20 * 1000);
+        }
+        close(c);
+    }
+    return NULL;
+}
+
+static void fake_start(struct fake *f, const char *path)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+    unlink(path);
+    assert_true((f->lfd = socket(AF_UNIX, SOCK_STREAM, 0)) >= 0);
+    assert_int_equal(bind(f->lfd, (struct sockaddr *)&a, sizeof(a)), 0);
+    assert_int_equal(listen(f->lfd, 8), 0);
+    assert_int_equal(pthread_create(&f->th, NULL, fake_main, f), 0);
+}
+
+static void fake_stop(struct fake *f, const char *path)
+{
+    shutdown(f->lfd, SHUT_RDWR);
+    close(f->lfd);
+    pthread_join(f->th, NULL);
+    unlink(path);
+}
+
+/* A server that answers a lookup one byte at a time, each byte sooner
+ * than the timeout: the reply as a whole is bounded by it, so the lookup
+ * ends as a miss within about that (and a stop is never held up). */
+static void test_trickle(void **state)
+{
+    (void)state;
+    char path[64];
+    snprintf(path, sizeof(path), "/tmp/kvtier-fake-%d.sock", (int)getpid());
+    struct fake f = {.reply = "$100000\r\n", .trickle = true};
+    fake_start(&f, path);
+    char url[80], err[256];
+    snprintf(url, sizeof(url), "unix:%s", path);
+    struct kv_remote_params p = {.url = url, .timeout_ms = 200, .layout = LAYOUT};
+    kv_remote *r;
+    assert_int_equal(kv_remote_open(&p, &r, err), TIER_OK);
+    uint64_t h = 1;
+    kv_remote_fetch *fe;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_int_equal(kv_remote_fetch_start(r, 1, &h, 1, &fe), TIER_OK);
+    kv_remote_fetch_wait(fe);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    assert_int_equal(kv_remote_fetch_found(fe), 0);
+    kv_remote_fetch_free(fe);
+    assert_true(kv_remote_stats(r).errors[KV_REMOTE_E_TIMEOUT] >= 1);
+    assert_true(s < 3.0); /* unbounded, 500 bytes at 20 ms each would take 10 s */
+    kv_remote_free(r);
+    fake_stop(&f, path);
+}
+
+/* A server that answers SET with a bulk claiming 100 GB: the publish
+ * reads past it without allocating it (sanitizers abort on the attempt). */
+static void test_set_huge_bulk(void **state)
+{
+    (void)state;
+    char path[64];
+    snprintf(path, sizeof(path), "/tmp/kvtier-fake-%d.sock", (int)getpid());
+    struct fake f = {.reply = "$99999999999\r\n"};
+    fake_start(&f, path);
+    char url[80], err[256];
+    snprintf(url, sizeof(url), "unix:%s", path);
+    struct kv_remote_params p = {.url = url, .timeout_ms = 200, .layout = LAYOUT};
+    kv_remote *r;
+    assert_int_equal(kv_remote_open(&p, &r, err), TIER_OK);
+    struct kv_prefix_block b = {.buf = calloc(1, 64), .len = 64, .ns = 1, .hash = 2};
+    assert_non_null(b.buf);
+    assert_true(kv_remote_publish(r, &b));
+    for (int i = 0; i < 300 && !(kv_remote_stats(r).errors[KV_REMOTE_E_TIMEOUT] +
+                                 kv_remote_stats(r).errors[KV_REMOTE_E_IO]); i++)
+        usleep(10 * 1000);
+    struct kv_remote_stats st = kv_remote_stats(r);
+    assert_int_equal(st.published, 0);
+    assert_true(st.errors[KV_REMOTE_E_TIMEOUT] + st.errors[KV_REMOTE_E_IO] >= 1);
+    kv_remote_free(r);
+    fake_stop(&f, path);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -199,6 +311,8 @@ int main(void)
         cmocka_unit_test(test_blob_bad_frame),
         cmocka_unit_test(test_slot),
         cmocka_unit_test(test_unreachable),
+        cmocka_unit_test(test_trickle),
+        cmocka_unit_test(test_set_huge_bulk),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

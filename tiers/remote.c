@@ -54,6 +54,7 @@ struct node {
     /* the batches' replies, read here rather than by hiredis (reply_read) */
     char *in;
     size_t in_pos, in_len;
+    double deadline; /* clock_ms() by which the reply being read must be in */
 };
 
 struct link {
@@ -486,9 +487,22 @@ static redisReply *run_one(struct link *L, int ni, struct cmd *c, bool ask)
  * hiredis's for everything else: a batch reads exactly its replies, so
  * neither reader ever holds the other's bytes. */
 
+/* Whether n's reply is overdue: each read waits at most the timeout, and
+ * this bounds a reply that trickles in a byte at a time. */
+static bool in_late(const struct node *n, enum kv_remote_err *kind, char *why, size_t cap)
+{
+    if (clock_ms() <= n->deadline)
+        return false;
+    *kind = KV_REMOTE_E_TIMEOUT;
+    snprintf(why, cap, "a reply not in within the timeout");
+    return true;
+}
+
 /* Reads more of n's stream into its buffer; false with *kind and why. */
 static bool in_fill(struct node *n, enum kv_remote_err *kind, char *why, size_t cap)
 {
+    if (in_late(n, kind, why, cap))
+        return false;
     if (n->in_pos == n->in_len)
         n->in_pos = n->in_len = 0;
     if (n->in_len == IN_CAP) { /* a header longer than the buffer: not Redis */
@@ -519,6 +533,8 @@ static bool in_take(struct node *n, char *dst, size_t len, enum kv_remote_err *k
         memcpy(dst, n->in + n->in_pos, have);
     n->in_pos += have;
     while (have < len) {
+        if (in_late(n, kind, why, cap))
+            return false;
         char sink[4096];
         size_t want = len - have;
         ssize_t got = dst ? read(n->c->fd, dst + have, want)
@@ -546,6 +562,7 @@ static redisReply *reply_read(kv_remote *rr, struct node *n, size_t max_bulk, st
         snprintf(why, cap, "out of memory for a read buffer");
         return NULL;
     }
+    n->deadline = clock_ms() + rr->p.timeout_ms;
     char *eol;
     while (!(eol = memchr(n->in + n->in_pos, '\n', n->in_len - n->in_pos)))
         if (!in_fill(n, kind, why, cap))
@@ -855,7 +872,7 @@ static void publish_batch(kv_remote *r, struct pub **items, int n)
             cmds[m].len[a] = a == 2 ? len : strlen(cmds[m].argv[a]);
         m++;
     }
-    run(&r->pl, cmds, m, NULL, SIZE_MAX);
+    run(&r->pl, cmds, m, NULL, 0); /* SET answers a status: a bulk is read past, never held */
     uint64_t ok = 0, bytes = 0;
     bool oom = false;
     for (int i = 0; i < m; i++) {
