@@ -977,8 +977,12 @@ void disk_close(engine *e)
             else
                 spill_done(e, s);
         }
-        if (s->version == s->disk_version || !spill_start(e, s, ENGINE_SPILL_EXIT))
+        if (s->version == s->disk_version)
             continue;
+        if (!spill_start(e, s, ENGINE_SPILL_EXIT)) { /* the disk is full or failing: it is lost, and said so */
+            failed++;
+            continue;
+        }
         kv_disk_op_wait(s->op);
         if (kv_disk_op_status(s->op) == TIER_OK)
             written++;

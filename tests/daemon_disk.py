@@ -151,7 +151,9 @@ check(s["bytes"]["disk"] == 0 and s["bytes"]["device"] > 0 and metric(tiny, "dis
       "--disk-mem 4k: the session stays in memory, /metrics counts the failed spill")
 r2 = complete(tiny, prompt[:40] + r1["choices"][0]["tokens"], session=sid)
 check(r2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "and keeps serving from memory")
-tiny.stop()
+# at exit the session cannot be written either: it is lost, and the log says so
+check(tiny.stop() == 0 and "0 session(s) written at exit, 1 failed" in tiny.logtext(),
+      "--disk-mem 4k: the session that fits no file is counted at exit as failed")
 
 # ---- a full host tier spills an idle session instead of answering 507 ----
 deep = os.path.join(ref.tmp, "deep")
