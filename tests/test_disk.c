@@ -1096,6 +1096,39 @@ static void test_lock(void **state)
     rm_rf(dir);
 }
 
+/* Directories of the tier that are links elsewhere are never written
+ * through: a namespace one fails the put (nothing lands at its target),
+ * a quarantine one fails the open. */
+static void test_symlinked_dirs(void **state)
+{
+    char dir[256], elsewhere[300], path[300];
+    scratch(state, dir, sizeof dir);
+    snprintf(elsewhere, sizeof elsewhere, "%s-elsewhere", dir);
+    assert_int_equal(mkdir(elsewhere, 0700), 0);
+    kv_disk *d = open_tier(dir, KV_DISK_COMPRESS_NEVER, 0, LAYOUT);
+    snprintf(path, sizeof path, "%s/u7", dir);
+    assert_int_equal(symlink(elsewhere, path), 0);
+    uint8_t *data = kv_bytes(4096, 7);
+    assert_int_equal(put(d, "u7", "obj", "{}", 2, data, 4096, false), TIER_EIO);
+    assert_int_equal(put(d, "u8", "obj", "{}", 2, data, 4096, false), TIER_OK);
+    free(data);
+    kv_disk_free(d);
+    DIR *e = opendir(elsewhere);
+    assert_non_null(e);
+    int n = 0;
+    for (struct dirent *x; (x = readdir(e));)
+        n += x->d_name[0] != '.';
+    closedir(e);
+    assert_int_equal(n, 0);
+    snprintf(path, sizeof path, "%s/quarantine", dir);
+    rm_rf(path);
+    assert_int_equal(symlink(elsewhere, path), 0);
+    struct kv_disk_params p = {.dir = dir, .layout = LAYOUT};
+    assert_int_equal(kv_disk_open(&p, &d), TIER_EIO);
+    rm_rf(dir);
+    rm_rf(elsewhere);
+}
+
 #define BOTH(fn)                                                                                                  \
     cmocka_unit_test_prestate(fn, "/tmp"), cmocka_unit_test_prestate(fn, "/dev/shm"),                           \
         cmocka_unit_test_prestate(fn, "/tmp+aligned"), cmocka_unit_test_prestate(fn, "/dev/shm+aligned"),       \
@@ -1107,7 +1140,7 @@ int main(void)
         BOTH(test_roundtrip),       BOTH(test_caller_buffers),   BOTH(test_replace_remove),   BOTH(test_scan),
         BOTH(test_damage),          BOTH(test_damage_at_open),   BOTH(test_layout_mismatch),
         BOTH(test_fault_sweep_eio), BOTH(test_fault_sweep_enospc), BOTH(test_fault_from_n),    BOTH(test_progress),
-        BOTH(test_budget),          BOTH(test_crash),            BOTH(test_lock),
+        BOTH(test_budget),          BOTH(test_crash),            BOTH(test_lock),             BOTH(test_symlinked_dirs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

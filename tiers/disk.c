@@ -759,6 +759,15 @@ static void loaded_release(struct loaded *l)
     l->meta = l->data = l->buf = NULL;
 }
 
+/* Whether DIR/name is a directory of its own, not a link to one
+ * elsewhere: the scan never follows one, so no write may either (it would
+ * put files where the daemon neither finds nor should write them). */
+static bool real_dir(const kv_disk *d, const char *name)
+{
+    struct stat sb;
+    return fstatat(d->dirfd, name, &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(sb.st_mode);
+}
+
 /* Moves DIR/ns/name.kvt into the quarantine with a log line. */
 static void quarantine(kv_disk *d, const char *ns, const char *name, const char *why, uint64_t size, bool counted)
 {
@@ -1026,6 +1035,10 @@ static void do_put(kv_disk *d, kv_disk_op *op)
         rc = r_fsync_dir(d, ".");
     if (rc < 0 && rc != -EEXIST) {
         step = "creating the namespace directory", err = -rc;
+        goto fail;
+    }
+    if (!real_dir(d, op->ns)) {
+        step = "the namespace directory (a symbolic link or not a directory)", err = ENOTDIR;
         goto fail;
     }
     fd = r_openat(d, tmp, O_WRONLY | O_CREAT | O_EXCL | (d->direct ? O_DIRECT : 0), 0600);
@@ -1657,6 +1670,10 @@ enum tier_status kv_disk_open(const struct kv_disk_params *p, kv_disk **out)
         (mkdirat(d->dirfd, QUARANTINE, 0700) != 0 && errno != EEXIST)) {
         st = disk_fail(d, TIER_EIO, "disk tier: %s: cannot use the directory: %s", d->dir,
                        strerror(rc < 0 ? -rc : errno));
+        goto fail;
+    }
+    if (!real_dir(d, QUARANTINE)) {
+        st = disk_fail(d, TIER_EIO, "disk tier: %s/" QUARANTINE " is a symbolic link or not a directory", d->dir);
         goto fail;
     }
     d->lockfd = openat(d->dirfd, ".lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
