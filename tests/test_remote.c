@@ -227,8 +227,11 @@ static void *fake_main(void *arg)
     return NULL;
 }
 
-static void fake_start(struct fake *f, const char *path)
+/* Starts f on a socket of its own (path, 64 bytes) and a tier on it
+ * whose timeout is 200 ms. */
+static kv_remote *fake_tier(struct fake *f, char *path)
 {
+    snprintf(path, 64, "/tmp/kvtier-fake-%d.sock", (int)getpid());
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
     unlink(path);
@@ -236,6 +239,12 @@ static void fake_start(struct fake *f, const char *path)
     assert_int_equal(bind(f->lfd, (struct sockaddr *)&a, sizeof(a)), 0);
     assert_int_equal(listen(f->lfd, 8), 0);
     assert_int_equal(pthread_create(&f->th, NULL, fake_main, f), 0);
+    char url[80], err[256];
+    snprintf(url, sizeof(url), "unix:%s", path);
+    struct kv_remote_params p = {.url = url, .timeout_ms = 200, .layout = LAYOUT};
+    kv_remote *r;
+    assert_int_equal(kv_remote_open(&p, &r, err), TIER_OK);
+    return r;
 }
 
 static void fake_stop(struct fake *f, const char *path)
@@ -253,14 +262,8 @@ static void test_trickle(void **state)
 {
     (void)state;
     char path[64];
-    snprintf(path, sizeof(path), "/tmp/kvtier-fake-%d.sock", (int)getpid());
     struct fake f = {.reply = "$100000\r\n", .trickle = true};
-    fake_start(&f, path);
-    char url[80], err[256];
-    snprintf(url, sizeof(url), "unix:%s", path);
-    struct kv_remote_params p = {.url = url, .timeout_ms = 200, .layout = LAYOUT};
-    kv_remote *r;
-    assert_int_equal(kv_remote_open(&p, &r, err), TIER_OK);
+    kv_remote *r = fake_tier(&f, path);
     uint64_t h = 1;
     kv_remote_fetch *fe;
     struct timespec t0, t1;
@@ -283,14 +286,8 @@ static void test_set_huge_bulk(void **state)
 {
     (void)state;
     char path[64];
-    snprintf(path, sizeof(path), "/tmp/kvtier-fake-%d.sock", (int)getpid());
     struct fake f = {.reply = "$99999999999\r\n"};
-    fake_start(&f, path);
-    char url[80], err[256];
-    snprintf(url, sizeof(url), "unix:%s", path);
-    struct kv_remote_params p = {.url = url, .timeout_ms = 200, .layout = LAYOUT};
-    kv_remote *r;
-    assert_int_equal(kv_remote_open(&p, &r, err), TIER_OK);
+    kv_remote *r = fake_tier(&f, path);
     struct kv_prefix_block b = {.buf = calloc(1, 64), .len = 64, .ns = 1, .hash = 2};
     assert_non_null(b.buf);
     assert_true(kv_remote_publish(r, &b));
