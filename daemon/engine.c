@@ -355,7 +355,7 @@ static enum ipc_status session_kv_setup(engine *e, struct job *j, struct job_cho
     int64_t n = (int64_t)j->n_prompt, keep = q ? kv_seq_common(q, s->toks, j->prompt, n) : 0;
     if (q && keep < kv_seq_length(q) && kv_seq_fork_fits(q, keep, n - keep + j->max_new))
         q = kv_seq_fork(q, &fork) == TIER_OK ? fork : q; /* without host memory for it: in place */
-    if (q && kv_seq_reuse(q, s->toks, j->prompt, (int64_t)j->n_prompt, &keep) != TIER_OK) {
+    if (q && kv_seq_reuse(q, s->toks, j->prompt, n, &keep) != TIER_OK) {
         log_msg(LOG_DEBUG, "session %s: recomputed from the start: %s", s->id, kv_store_errmsg(e->store));
         kv_seq_free(fork);
         q = NULL;
@@ -1295,9 +1295,6 @@ static void beams_decide(engine *e)
             beam_advance(e, j, t);
 }
 
-/* One forward pass over batch entries [from, to), weights read once: the
- * decoder-only model's, or the encoder-decoder model's decoder, each entry
- * over its job's encoder output (it continues in the host tier itself). */
 /* A fault the tests can place: what the engine does with a step that
  * fails for no client's mistake (KVTIER_TEST_FAIL_TOKEN). */
 static bool poisoned(const engine *e, int from, int to)
@@ -1309,6 +1306,9 @@ static bool poisoned(const engine *e, int from, int to)
     return false;
 }
 
+/* One forward pass over batch entries [from, to), weights read once: the
+ * decoder-only model's, or the encoder-decoder model's decoder, each entry
+ * over its job's encoder output (it continues in the host tier itself). */
 static enum model_status forward(engine *e, int from, int to)
 {
     e->passes++;
