@@ -124,7 +124,6 @@ static void fetch_take(engine *e, struct remote_fetch *x, int ready)
 {
     if (x->cross) /* one value, taken at the end */
         return;
-    int first = x->taken;
     for (; !x->stopped && x->taken < ready; x->taken++) {
         const void *data;
         size_t n;
@@ -136,10 +135,9 @@ static void fetch_take(engine *e, struct remote_fetch *x, int ready)
         }
         x->stopped = true;
         /* a value that checked as a container but not as a block of this
-         * chain is one somebody wrote on purpose or by a bug: say so.  Not
-         * so the first block of a later round: the engine may have evicted
-         * its parent, unreferenced in the cache, in between */
-        x->refused = ts == TIER_EINVAL && (x->taken == 0 || x->taken > first);
+         * chain is one somebody wrote on purpose or by a bug: say so (a
+         * parent evicted in between is TIER_ECONFLICT, no fault of it) */
+        x->refused = ts == TIER_EINVAL;
         log_msg(x->refused ? LOG_WARN : LOG_DEBUG,
                 "remote tier: a block not used, the chain is a miss from there on: %s",
                 kv_store_errmsg(e->store)[0] ? kv_store_errmsg(e->store) : tier_strerror(ts));

@@ -4,8 +4,9 @@ in whole blocks) with the tokens of a daemon without a disk tier; the
 blocks are files of the requester's namespace only, so another uid's same
 prompt finds nothing (as root: a client runs as another uid); a corrupt
 block file is a miss with a log line and the same tokens; /metrics counts
-the blocks written and read and the hits.  --prefix-exit-seconds 0 writes
-none at exit."""
+the blocks written and read and the hits; a --prefix-cache-mem smaller
+than the chain bounds the blocks read, refusing and removing none.
+--prefix-exit-seconds 0 writes none at exit."""
 import glob
 import grp
 import json
@@ -98,6 +99,27 @@ check("not used, the chain is a miss from there on" in d.logtext(), "the log nam
 toks, cached = complete(d, prompt)
 check(toks == want and cached > 0, "computed again, the prompt is a hit in memory (cached_tokens %d)" % cached)
 check(d.stop() == 0, "clean stop")
+
+# a --prefix-cache-mem that holds two and a half blocks: blocks read in stay
+# unreferenced until the request attaches them, so the lookup reads two;
+# reading more would have the budget evict their newest and refuse the next
+# (its parent gone) as corrupt, removing its sound file
+with open(os.path.join(ref.model, "config.json")) as fh:
+    cfg = json.load(fh)
+head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+esz = 2 if cfg.get("torch_dtype") in ("bfloat16", "float16") else 4
+entry = cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head * BT * esz
+n_files = len(glob.glob(os.path.join(disk_dir, my_ns, "*.kvt")))
+tight = Daemon("--prefix-cache-mem", str(entry * 5 // 2), *args, model=ref.model, tmp=ref.tmp)
+tight.sock = d.sock
+tight.log = os.path.join(ref.tmp, "tight.log")
+tight.start()
+toks, cached = complete(tight, prompt)
+check(toks == want and cached == 2 * BT and metric(tight, "prefix_disk_blocks_total", '{op="read"}') == 2,
+      "--prefix-cache-mem of 2.5 blocks: two blocks read from disk and attached (cached_tokens %d)" % cached)
+check("not used" not in tight.logtext() and tight.stop() == 0 and
+      len(glob.glob(os.path.join(disk_dir, my_ns, "*.kvt"))) >= n_files,
+      "no block refused, no file removed (%d files before)" % n_files)
 
 # a daemon with --no-prefix-cache leaves prefix files alone
 n_before = len(glob.glob(os.path.join(disk_dir, my_ns, "*.kvt")))

@@ -4,8 +4,9 @@
  * kv_seq_match_prefix, and the sequence that attaches them continues with
  * the tokens and bit-identical logits of one that computed everything;
  * kv_store_prefix_chain gives the cache's hashes; an insert is refused
- * naming the field for every damaged field, an unknown parent and another
- * geometry, leaving the cache as it was; the eviction queue keeps its
+ * naming the field for every damaged field and another geometry, and
+ * one whose parent is not cached as a state of the cache, leaving the
+ * cache as it was; the budget bounds the blocks a lookup reads in; the eviction queue keeps its
  * bound; the export hands out every entry once; another namespace does
  * not see an inserted block.
  * The model is a random one from tools/mkmodel.py (skip without it).
@@ -107,8 +108,9 @@ static void test_evict_insert_continue(void **state)
     assert_int_equal(n_mem, 0);
     for (int i = 0; i < N_BLOCKS; i++)
         assert_int_equal(hashes[i], blk[i].hash);
-    /* a child before its parent has no parent to hang from */
-    assert_int_equal(kv_store_prefix_insert(b.store, blk[1].buf, blk[1].len), TIER_EINVAL);
+    /* a child before its parent has no parent to hang from: a state of
+     * the cache, not a fault of the block */
+    assert_int_equal(kv_store_prefix_insert(b.store, blk[1].buf, blk[1].len), TIER_ECONFLICT);
     assert_non_null(strstr(kv_store_errmsg(b.store), "parent"));
     for (int i = 0; i < N_BLOCKS; i++)
         assert_int_equal(kv_store_prefix_insert(b.store, blk[i].buf, blk[i].len), TIER_OK);
@@ -170,10 +172,10 @@ static void test_evict_insert_continue(void **state)
     rig_close(&b);
 }
 
-/* Inserting a damaged copy of blk fails with TIER_EINVAL naming `what`;
- * the cache keeps its entries. */
-static void expect_refused(kv_store *s, const struct kv_prefix_block *blk, size_t off, uint8_t flip, size_t len,
-                           const char *what)
+/* Inserting a damaged copy of blk fails with want (TIER_EINVAL: refused
+ * as corrupt) naming `what`; the cache keeps its entries. */
+static void expect_fails(kv_store *s, const struct kv_prefix_block *blk, size_t off, uint8_t flip, size_t len,
+                         enum tier_status want, const char *what)
 {
     uint8_t *c = malloc(blk->len);
     assert_non_null(c);
@@ -181,12 +183,55 @@ static void expect_refused(kv_store *s, const struct kv_prefix_block *blk, size_
     if (off < blk->len)
         c[off] ^= flip;
     uint64_t before = kv_store_stats(s).prefix_entries;
-    if (kv_store_prefix_insert(s, c, len) != TIER_EINVAL)
-        fail_msg("a block damaged at %zu (len %zu) was not refused", off, len);
+    enum tier_status st = kv_store_prefix_insert(s, c, len);
+    if (st != want)
+        fail_msg("a block damaged at %zu (len %zu): %s, not %s", off, len, tier_strerror(st), tier_strerror(want));
     if (!strstr(kv_store_errmsg(s), what))
         fail_msg("damage at %zu: \"%s\" does not name %s", off, kv_store_errmsg(s), what);
     assert_int_equal(kv_store_stats(s).prefix_entries, before);
     free(c);
+}
+
+/* A chain read in under a small budget: the lookup asks for no more
+ * blocks than the budget keeps unreferenced, and a block whose parent the
+ * budget evicted is a state of the cache (TIER_ECONFLICT), not a corrupt
+ * block (TIER_EINVAL, which the daemon counts and deletes). */
+static void test_budget_bounds_chain(void **state)
+{
+    (void)state;
+    struct rig a, b;
+    rig_open_bt(&a, BT);
+    struct kv_prefix_block blk[2 * N_BLOCKS];
+    assert_int_equal(evict_chain(&a, 3, blk), N_BLOCKS);
+    rig_close(&a);
+
+    rig_open_bt(&b, BT);
+    int32_t ids[N_PROMPT];
+    prompt(ids);
+    uint64_t hashes[N_BLOCKS];
+    int64_t n_mem;
+    struct kv_seq_params p = {.strategy = KV_DYNAMIC, .prefix_ns = 3};
+    assert_int_equal(kv_store_prefix_insert(b.store, blk[0].buf, blk[0].len), TIER_OK);
+    size_t entry = kv_store_stats(b.store).prefix_unref_bytes;
+    assert_true(entry > 0);
+    kv_store_set_prefix_mem(b.store, 2 * entry + entry / 2);
+    /* one block cached, two more fit the budget */
+    assert_int_equal(kv_store_prefix_chain(b.store, &p, ids, N_PROMPT, hashes, &n_mem), 3);
+    assert_int_equal(n_mem, 1);
+    assert_int_equal(kv_store_prefix_insert(b.store, blk[1].buf, blk[1].len), TIER_OK);
+    /* a third is evicted as it goes in, newest first */
+    assert_int_equal(kv_store_prefix_insert(b.store, blk[2].buf, blk[2].len), TIER_OK);
+    assert_int_equal(kv_store_stats(b.store).prefix_entries, 2);
+    assert_int_equal(kv_store_prefix_insert(b.store, blk[3].buf, blk[3].len), TIER_ECONFLICT);
+    assert_non_null(strstr(kv_store_errmsg(b.store), "parent"));
+    assert_int_equal(kv_store_stats(b.store).prefix_entries, 2);
+    assert_int_equal(kv_store_prefix_chain(b.store, &p, ids, N_PROMPT, hashes, &n_mem), 4);
+    assert_int_equal(n_mem, 2);
+    /* no budget, no bound */
+    kv_store_set_prefix_mem(b.store, 0);
+    assert_int_equal(kv_store_prefix_chain(b.store, &p, ids, N_PROMPT, hashes, &n_mem), N_BLOCKS);
+    rig_close(&b);
+    free_blocks(blk, N_BLOCKS);
 }
 
 static void test_insert_refusals(void **state)
@@ -200,25 +245,27 @@ static void test_insert_refusals(void **state)
     rig_open_bt(&b, BT);
     assert_int_equal(kv_store_prefix_insert(b.store, blk[0].buf, blk[0].len), TIER_OK);
     const struct kv_prefix_block *k = &blk[1]; /* a child of the cached block */
-    expect_refused(b.store, k, 0, 1, k->len, "magic");
-    expect_refused(b.store, k, 8, 1, k->len, "version");
-    expect_refused(b.store, k, 12, 1, k->len, "n_layers");
-    expect_refused(b.store, k, 16, 1, k->len, "n_kv_heads");
-    expect_refused(b.store, k, 20, 1, k->len, "head_dim");
-    expect_refused(b.store, k, 24, 1, k->len, "dtype");
-    expect_refused(b.store, k, 28, 1, k->len, "block_tokens");
-    expect_refused(b.store, k, 32, 2, k->len, "flags");
-    expect_refused(b.store, k, 36, 1, k->len, "flags");
-    expect_refused(b.store, k, 80, 1, k->len, "size");
-    expect_refused(b.store, k, k->len, 0, k->len - 1, "size");
-    expect_refused(b.store, k, 64, 1, k->len, "parent"); /* parent hash */
-    expect_refused(b.store, k, 72, 1, k->len, "parent"); /* parent check */
-    expect_refused(b.store, k, 48, 1, k->len, "hash");
-    expect_refused(b.store, k, 56, 1, k->len, "check hash");
-    expect_refused(b.store, k, 88, 1, k->len, "hash"); /* a token id */
-    expect_refused(b.store, k, 40, 1, k->len, "parent"); /* another namespace: its parent is not there */
+    expect_fails(b.store, k, 0, 1, k->len, TIER_EINVAL, "magic");
+    expect_fails(b.store, k, 8, 1, k->len, TIER_EINVAL, "version");
+    expect_fails(b.store, k, 12, 1, k->len, TIER_EINVAL, "n_layers");
+    expect_fails(b.store, k, 16, 1, k->len, TIER_EINVAL, "n_kv_heads");
+    expect_fails(b.store, k, 20, 1, k->len, TIER_EINVAL, "head_dim");
+    expect_fails(b.store, k, 24, 1, k->len, TIER_EINVAL, "dtype");
+    expect_fails(b.store, k, 28, 1, k->len, TIER_EINVAL, "block_tokens");
+    expect_fails(b.store, k, 32, 2, k->len, TIER_EINVAL, "flags");
+    expect_fails(b.store, k, 36, 1, k->len, TIER_EINVAL, "flags");
+    expect_fails(b.store, k, 80, 1, k->len, TIER_EINVAL, "size");
+    expect_fails(b.store, k, k->len, 0, k->len - 1, TIER_EINVAL, "size");
+    /* a damaged parent hash names a parent the cache does not hold: from
+     * here no different from one it evicted */
+    expect_fails(b.store, k, 64, 1, k->len, TIER_ECONFLICT, "parent"); /* parent hash */
+    expect_fails(b.store, k, 72, 1, k->len, TIER_ECONFLICT, "parent"); /* parent check */
+    expect_fails(b.store, k, 48, 1, k->len, TIER_EINVAL, "hash");
+    expect_fails(b.store, k, 56, 1, k->len, TIER_EINVAL, "check hash");
+    expect_fails(b.store, k, 88, 1, k->len, TIER_EINVAL, "hash"); /* a token id */
+    expect_fails(b.store, k, 40, 1, k->len, TIER_ECONFLICT, "parent"); /* another namespace: its parent is not there */
     /* a first block that claims no parent but carries parent hashes */
-    expect_refused(b.store, &blk[0], 64, 1, blk[0].len, "parent hashes");
+    expect_fails(b.store, &blk[0], 64, 1, blk[0].len, TIER_EINVAL, "parent hashes");
     /* the KV itself is not hashed: a flipped KV byte still inserts (the
      * disk tier's checksums guard those bytes) */
     ((uint8_t *)k->buf)[k->len - 1] ^= 1;
@@ -228,7 +275,7 @@ static void test_insert_refusals(void **state)
 
     struct rig c; /* another block size */
     rig_open_bt(&c, 2 * BT);
-    expect_refused(c.store, &blk[0], blk[0].len, 0, blk[0].len, "block_tokens");
+    expect_fails(c.store, &blk[0], blk[0].len, 0, blk[0].len, TIER_EINVAL, "block_tokens");
     rig_close(&c);
     free_blocks(blk, N_BLOCKS);
 }
@@ -328,6 +375,7 @@ int main(void)
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_evict_insert_continue),
+        cmocka_unit_test(test_budget_bounds_chain),
         cmocka_unit_test(test_insert_refusals),
         cmocka_unit_test(test_queue_bound_and_export),
         cmocka_unit_test(test_namespaces),

@@ -320,9 +320,11 @@ enum tier_status kv_store_prefix_export(kv_store *s, struct kv_prefix_block *out
 /* The chain hashes of the full blocks of tokens[0, n) that
  * kv_seq_match_prefix could attach for a sequence created with p
  * (hashes[] has room for (n - 1) / block_tokens), and in *n_mem how many
- * leading ones the cache holds now.  Returns the number of blocks; 0 when
- * such a sequence would not take part in the cache (strategy, sliding
- * layers, no_prefix_cache, a store without one). */
+ * leading ones the cache holds now.  Returns the number of blocks worth
+ * reading in: at most *n_mem plus as many as the prefix-cache budget
+ * (kv_store_set_prefix_mem) holds unreferenced; 0 when such a sequence
+ * would not take part in the cache (strategy, sliding layers,
+ * no_prefix_cache, a store without one). */
 int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, const int32_t *tokens, int64_t n,
                               uint64_t *hashes, int64_t *n_mem);
 /* The length of one serialized prefix-cache block (kv_prefix_block.len). */
@@ -349,7 +351,9 @@ enum tier_status kv_store_prefix_ship(kv_store *s, const struct kv_seq_params *p
  * as any other; the prefix-cache budget applies at once).  It is checked
  * first: format and version, the store's geometry, the size, its parent
  * cached (same namespace, both hashes), and both hashes equal to what the
- * chain gives for its tokens; TIER_EINVAL naming the field otherwise.  An
+ * chain gives for its tokens; TIER_EINVAL naming the field otherwise, but
+ * TIER_ECONFLICT for a parent not cached (a sound block the cache cannot
+ * hang now: its parent was evicted or never read in).  An
  * entry already cached is TIER_OK.  TIER_ENOMEM_DEV when no pool block is
  * free, TIER_EIO on a device fault; the cache is then as it was. */
 enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len);

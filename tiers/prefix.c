@@ -627,6 +627,11 @@ int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, 
         else
             in_mem = false;
     }
+    /* blocks read in go in unreferenced: more than the budget holds would
+     * evict their own newest (it takes other chains first) */
+    size_t entry_bytes = (size_t)s->g.n_layers * s->block_bytes;
+    if (s->prefix_mem && (uint64_t)(nb - *n_mem) > s->prefix_mem / entry_bytes)
+        nb = *n_mem + (int64_t)(s->prefix_mem / entry_bytes);
     return nb;
 }
 
@@ -698,8 +703,9 @@ enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len
     if (!flags && (par_hash || par_check))
         return kv_fail(s, TIER_EINVAL, "prefix block: parent hashes without a parent");
     struct kv_pentry *parent = NULL;
+    /* a sound block whose parent the cache dropped: not the block's fault */
     if (flags && !(parent = find_by_hash(s, ns, par_hash, par_check)))
-        return kv_fail(s, TIER_EINVAL, "prefix block: parent %016llx is not cached", (unsigned long long)par_hash);
+        return kv_fail(s, TIER_ECONFLICT, "prefix block: parent %016llx is not cached", (unsigned long long)par_hash);
     struct kv_pentry *e = entry_alloc(s);
     if (!e)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a prefix-cache entry");

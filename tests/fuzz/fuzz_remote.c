@@ -23,7 +23,8 @@
  * accepted holds at most a block's bytes, inside the value (raw) or in a
  * buffer of its own (compressed), and re-encodes (raw) to a value that
  * decodes to the same bytes.  The store refuses a block with TIER_EINVAL
- * (or out of memory) and a message, holding nothing after it; a block it
+ * (TIER_ECONFLICT for a parent it does not hold, or out of memory) and a
+ * message, holding nothing after it; a block it
  * takes is the chain's (kv_store_prefix_chain finds it in memory).  A
  * lookup ends (bounded by the tier's timeout), finds at most what it asked
  * for, each found block at most a block's bytes, counted in its stats.
@@ -218,7 +219,8 @@ static bool insert(kv_store *s, const void *data, size_t len, int64_t held)
 {
     enum tier_status st = kv_store_prefix_insert(s, data, len);
     if (st != TIER_OK) {
-        FUZZ_CHECK(st == TIER_EINVAL || st == TIER_ENOMEM_DEV || st == TIER_ENOMEM_HOST, "insert status %d", (int)st);
+        FUZZ_CHECK(st == TIER_EINVAL || st == TIER_ECONFLICT || st == TIER_ENOMEM_DEV || st == TIER_ENOMEM_HOST,
+                   "insert status %d", (int)st);
         FUZZ_CHECK(kv_store_errmsg(s)[0], "a refused block without a message");
         FUZZ_CHECK(kv_store_stats(s).prefix_entries == (uint64_t)held, "a refused block left an entry");
         return false;
