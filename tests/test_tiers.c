@@ -22,6 +22,7 @@
 
 #include <cmocka.h>
 
+#include "model/generate.h"
 #include "model/model.h"
 #include "tiers/quant.h"
 #include "tests/python.h"
@@ -445,6 +446,33 @@ static void test_four_times_the_budget(void **state)
     kv_seq_free(q);
     rig_close(&r);
     free(c.logits);
+}
+
+/* generate() passes a device-budget refusal on as one (MODEL_EDEVMEM,
+ * the store's message naming the budget), not as a bad argument. */
+static void test_generate_device_refusal(void **state)
+{
+    (void)state;
+    struct rig probe;
+    rig_open(&probe, M_DEEP, 0, 0);
+    size_t act = probe.act_bytes;
+    rig_close(&probe);
+    struct rig r;
+    rig_open(&r, M_DEEP, act + 1, 0);
+    struct kv_seq_params kp = {.strategy = KV_STATIC, .max_cache_len = N_PROMPT + N_GEN, .no_fallback = true};
+    struct gen_params gp;
+    gen_params_default(&gp);
+    gp.max_new_tokens = N_GEN;
+    gp.kv = &kp;
+    int32_t prompt[N_PROMPT];
+    for (int i = 0; i < N_PROMPT; i++)
+        prompt[i] = 3 + i;
+    struct gen_result res = {0};
+    char err[MODEL_ERR_LEN];
+    assert_int_equal(generate(r.m, NULL, r.store, prompt, N_PROMPT, &gp, NULL, NULL, &res, err), MODEL_EDEVMEM);
+    assert_non_null(strstr(err, "device"));
+    gen_seq_free(&res.seq);
+    rig_close(&r);
 }
 
 /* Test 4: offloaded, the device holds the activations and two layers of
@@ -1134,6 +1162,7 @@ int main(void)
         cmocka_unit_test(test_longrope_batch),
         cmocka_unit_test(test_fault_sweep),
         cmocka_unit_test(test_four_times_the_budget),
+        cmocka_unit_test(test_generate_device_refusal),
         cmocka_unit_test(test_offloaded_peak),
         cmocka_unit_test(test_host_exhausted),
         cmocka_unit_test(test_prefetch_figures),
