@@ -189,6 +189,10 @@ def main():
     # and llama.cpp's f16 KV per token, from the metadata (--depth's tables)
     kv = 2 * L * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
     assert bench_llamacpp.llama_kv_token_bytes(out) == kv, (bench_llamacpp.llama_kv_token_bytes(out), kv)
+    # --kv-bits: q8_0 and q4_0 blocks of 32 elements in 34 and 18 bytes
+    for bits, block in ((8, 34), (4, 18)):
+        got = bench_llamacpp.llama_kv_token_bytes(out, bits)
+        assert got == kv // 2 * block // 32, (bits, got, kv)
     print("st2gguf: ok (%d tensors, q/k rope permutation checked on %d layers)" % (len(tensors), L))
 
 

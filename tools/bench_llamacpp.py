@@ -3,7 +3,8 @@
 alternating rounds on this machine; medians and ratios.
 
     /usr/bin/python3 tools/bench_llamacpp.py --llama PATH [-r ROUNDS] [-t THREADS] [-p PROMPT] [-n DECODE]
-        [--depth D[,D...]] [--model DIR [--quant TYPE[,TYPE...]]] [--work DIR] [--build DIR] [FILE.gguf ...]
+        [--depth D[,D...] [--kv-bits 8|4]] [--model DIR [--quant TYPE[,TYPE...]]] [--work DIR] [--build DIR]
+        [FILE.gguf ...]
 
 --llama is a llama.cpp build directory (with bin/llama-bench), a source
 tree, or a bare git mirror of one (--llama-branch, default upstream_master,
@@ -37,7 +38,11 @@ and depth, long-context decode: N tokens after D tokens of context,
 with each side's bytes per decode step: the weights plus D times its KV
 bytes per token (kvtier-bench prints its own; llama.cpp's default f16 KV
 is 2 * layers * kv_heads * head_dim * 2 bytes), and that traffic per
-second against the best read ceiling of the run.  Ratios kvtier /
+second against the best read ceiling of the run.  --kv-bits B runs the
+depths with a quantized KV on both sides: kvtier-bench --nbits B (quanto,
+per-token groups of 64, a 128-token full-precision residual) against
+llama-bench -ctk/-ctv q8_0 (B 8) or q4_0 (B 4), which needs -fa 1 (blocks
+of 32 elements, 34 and 18 bytes each).  Ratios kvtier /
 llama.cpp are the medians of the per-round ratios.  "weights GB/s" is the
 bytes of every tensor but the token embedding as stored in the file (what
 a decode step streams) times decode tokens/s.  Every command is printed
@@ -160,15 +165,17 @@ def gguf_stream_bytes(path):
     return sum(size for name, size in gguf_header(path)[1].items() if name != "token_embd.weight")
 
 
-def llama_kv_token_bytes(path):
-    """llama.cpp's KV bytes per token of a file: f16 K and V (its default
-    cache type) of every layer."""
+def llama_kv_token_bytes(path, bits=0):
+    """llama.cpp's KV bytes per token of a file: K and V of every layer in
+    f16 (its default cache type), or q8_0 / q4_0 (bits 8 / 4: 34 / 18 bytes
+    per block of 32)."""
     meta = gguf_header(path)[0]
     a = meta["general.architecture"]
     heads = meta[f"{a}.attention.head_count"]
     kv_heads = meta.get(f"{a}.attention.head_count_kv", heads)
     head_dim = meta.get(f"{a}.attention.key_length", meta[f"{a}.embedding_length"] // heads)
-    return 2 * meta[f"{a}.block_count"] * kv_heads * head_dim * 2
+    elems = 2 * meta[f"{a}.block_count"] * kv_heads * head_dim
+    return elems * {0: 64, 8: 34, 4: 18}[bits] // 32
 
 
 def field(pattern, out, what):
@@ -178,9 +185,10 @@ def field(pattern, out, what):
     return float(m.group(1))
 
 
-def kvtier_run(o, f, fill, prompt):
+def kvtier_run(o, f, fill, prompt, bits=0):
     """One kvtier-bench round (--repeat 1: its best is its one value)."""
     out = run([o.kvtier_bench, "-m", f] + (["--fill", str(fill)] if fill else []) +
+              (["--nbits", str(bits)] if bits else []) +
               ["--prompt", str(prompt), "--decode", str(o.decode), "--threads", str(o.threads), "--repeat", "1"])
     return {"prefill": field(r"^prefill .*?: ([\d.]+) tokens/s", out, "prefill"),
             "decode": field(r"^decode  .*?: ([\d.]+) tokens/s", out, "decode"),
@@ -215,6 +223,8 @@ def main():
     ap.add_argument("-p", "--prompt", type=int, default=256)
     ap.add_argument("-n", "--decode", type=int, default=64)
     ap.add_argument("--depth", default="", help="long-context decode after D tokens of context, D[,D...]")
+    ap.add_argument("--kv-bits", type=int, default=0, choices=(8, 4),
+                    help="the depths with a quantized KV: kvtier int8/int4 against llama.cpp q8_0/q4_0")
     ap.add_argument("--work", default="/tmp/llamabench", help="where converted and quantized files go")
     ap.add_argument("--build", default=os.environ.get("KVTIER_BUILD", os.path.join(os.path.dirname(HERE), "build")))
     o = ap.parse_args()
@@ -225,6 +235,8 @@ def main():
     if not 1 <= o.rounds <= 100 or not 1 <= o.threads <= 256 or not 1 <= o.prompt <= 1 << 20 or \
             not 1 <= o.decode <= 1 << 20 or any(not 2 <= d <= 1 << 24 for d in depths):
         raise SystemExit("bench_llamacpp: -r 1-100, -t 1-256, -p and -n 1-1048576, --depth 2-16777216")
+    if o.kv_bits and not depths:
+        raise SystemExit("bench_llamacpp: --kv-bits applies to the --depth runs")
     if o.quant and not o.model:
         raise SystemExit("bench_llamacpp: --quant quantizes --model's conversion")
     o.kvtier_bench = os.path.join(o.build, "kvtier-bench")
@@ -251,6 +263,8 @@ def main():
 
     # (file, program, measure) -> {round: value}; measures carry the depth
     v = collections.defaultdict(dict)
+    kv_type = {0: "f16", 8: "q8_0", 4: "q4_0"}[o.kv_bits]
+    kv_args = ["-ctk", kv_type, "-ctv", kv_type, "-fa", "1"] if o.kv_bits else []
     with open("/proc/loadavg") as f:
         log("load average at the start: " + " ".join(f.read().split()[:3]))
     for r in range(1, o.rounds + 1):
@@ -264,12 +278,12 @@ def main():
                    ("llama.cpp", "decode0"): llama_ts(pre, 0, o.decode),
                    ("llama.cpp", "decode"): llama_ts(dec, 0, o.decode)}
             for d in depths:
-                kd = kvtier_run(o, f, d - 1, 1)
+                kd = kvtier_run(o, f, d - 1, 1, o.kv_bits)
                 got["kvtier", f"decode@{d}"] = kd["decode"]
                 got["kvtier", f"kv_tok@{d}"] = kd["kv_tok"]
                 got["kvtier", "ceiling"] = max(got["kvtier", "ceiling"], kd["ceiling"])
                 got["llama.cpp", f"decode@{d}"] = llama_ts(llama_run(o, f, ["-p", "0", "-n", str(o.decode), "-d",
-                                                                            str(d)]), 0, o.decode)
+                                                                            str(d)] + kv_args), 0, o.decode)
             for (prog, what), x in got.items():
                 v[f, prog, what][r] = x
             log(f"round {r}, {f}: " + ", ".join(f"{p} {w} {x:.2f}" for (p, w), x in got.items()))
@@ -314,12 +328,12 @@ def main():
     if depths:
         print()
         print(f"long-context decode, {o.decode} tokens after D tokens of context; bytes a step reads: the weights "
-              "and D tokens of KV (kvtier: its KV dtype; llama.cpp: f16)")
+              f"and D tokens of KV (kvtier: {f'int{o.kv_bits}' if o.kv_bits else 'its KV dtype'}; llama.cpp: {kv_type})")
         print("| file | D | program | decode tok/s | KV bytes/token | MB read per step | GB/s | of best ceiling "
               "| kvtier/llama.cpp, per round |")
         print("|---|---|---|---|---|---|---|---|---|")
         for f in files:
-            llama_kv = llama_kv_token_bytes(f)
+            llama_kv = llama_kv_token_bytes(f, o.kv_bits)
             for d in depths:
                 rs = ratios(f, f"decode@{d}")
                 for prog in ("kvtier", "llama.cpp"):

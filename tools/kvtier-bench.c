@@ -12,8 +12,8 @@
  *
  *   kvtier-bench -m DIR [--prompt 256] [--decode 32] [--threads N] [--repeat 3]
  *                [--block-tokens N[,N...]] [--batch N[,N...]] [--fill N]
- *                [--kv-dtype auto|f32|bf16|f16] [--bw-passes 3] [--weights auto|q8_0|q4_k]
- *                [--csv FILE] [--backend cpu|cuda]
+ *                [--kv-dtype auto|f32|bf16|f16] [--nbits 8|4|2] [--bw-passes 3]
+ *                [--weights auto|q8_0|q4_k] [--csv FILE] [--backend cpu|cuda]
  *
  * Each round measures the limits and the model back to back and gives its
  * own ratios; reported are the medians of those over --repeat rounds and,
@@ -24,6 +24,10 @@
  * positions before the prompt, reserved and committed without computing
  * them (a step's work does not depend on the KV's values), so that prefill
  * and decode run at a long context without paying for its prefill.
+ * --nbits B runs every sequence with the quantized cache (quanto's
+ * defaults at B bits: keys and values in per-token groups of 64, a
+ * residual of 128 tokens in full precision); with --fill, the filled
+ * positions are quantized as they are committed.
  * --batch N runs N sequences side by side, as the daemon's scheduler does
  * with N concurrent requests: their prompts (each its own tokens) in one
  * forward call, then every decode step one call of one token per sequence,
@@ -49,6 +53,7 @@
 #include "util/csvout.h"
 #include "util/readbw.h"
 #include "model/runtime.h"
+#include "tiers/quant.h"
 #include "util/version.h"
 #include "util/median.h"
 
@@ -85,14 +90,14 @@ struct batch_bufs {
  * one forward call, n_decode steps of one token each; their seconds in *tp
  * and *td, the decode's CPU seconds (all threads) in *tdc.  false (after a
  * message) on error. */
-static bool run_once(model *m, kv_store *s, const struct batch_bufs *bb, int batch, int n_fill, int n_prompt,
-                     int n_decode, int vocab, double *tp, double *td, double *tdc)
+static bool run_once(model *m, kv_store *s, const struct kv_seq_params *sp, const struct batch_bufs *bb, int batch,
+                     int n_fill, int n_prompt, int n_decode, int vocab, double *tp, double *td, double *tdc)
 {
     enum model_status st = MODEL_OK;
     int made = 0;
     for (; made < batch; made++) {
         bb->q[made] = NULL;
-        if (kv_seq_create(s, NULL, &bb->q[made]) != TIER_OK ||
+        if (kv_seq_create(s, sp, &bb->q[made]) != TIER_OK ||
             (n_fill && kv_seq_reserve(bb->q[made], n_fill) != TIER_OK)) {
             fprintf(stderr, "kvtier-bench: KV store: %s\n", kv_store_errmsg(s));
             kv_seq_free(bb->q[made]);
@@ -163,7 +168,7 @@ int main(int argc, char **argv)
         return 0;
     const char *dir = NULL;
     int n_prompt = 256, n_decode = 32, repeat = 3, bts[MAX_BLOCK_SIZES] = {0}, nb = 1, n_fill = 0, bw_passes = 3;
-    int bats[MAX_BATCH_SIZES] = {1}, nbat = 1;
+    int bats[MAX_BATCH_SIZES] = {1}, nbat = 1, nbits = 0;
     struct runtime_params rp = {0};
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
@@ -172,11 +177,12 @@ int main(int argc, char **argv)
         {"fill", required_argument, 0, 'f'},   {"kv-dtype", required_argument, 0, 'k'},
         {"bw-passes", required_argument, 0, 'P'}, {"weights", required_argument, 0, 'w'},
         {"csv", required_argument, 0, 'C'},   {"backend", required_argument, 0, 'B'},
-        {"batch", required_argument, 0, 'n'}, {0, 0, 0, 0},
+        {"batch", required_argument, 0, 'n'}, {"nbits", required_argument, 0, 'q'},
+        {0, 0, 0, 0},
     };
     const char *csv_path = NULL;
     int o;
-    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:w:P:n:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "m:p:d:t:r:b:f:k:w:P:n:q:", opts, NULL)) != -1) {
         bool ok = true;
         switch (o) {
         case 'm': dir = optarg; break;
@@ -190,6 +196,7 @@ int main(int argc, char **argv)
         case 'k': ok = model_kv_dtype_parse(optarg, &rp.model.kv_dtype); break;
         case 'P': ok = args_int(optarg, 1, 100, &bw_passes); break;
         case 'w': ok = model_weights_parse(optarg, &rp.model.weights); break;
+        case 'q': ok = args_int(optarg, 2, 8, &nbits) && (nbits == 2 || nbits == 4 || nbits == 8); break;
         case 'C': csv_path = optarg; break;
         case 'B': rp.backend = optarg; break;
         default: return 2;
@@ -197,10 +204,11 @@ int main(int argc, char **argv)
         if (!ok)
             return args_invalid("kvtier-bench", opts, o, optarg);
     }
-    if (!dir || optind != argc || (nb > 1 && nbat > 1)) {
+    if (!dir || optind != argc || (nb > 1 && nbat > 1) || (nb > 1 && nbits)) {
         fprintf(stderr, "usage: kvtier-bench -m DIR [--prompt N] [--decode N] [--threads N] [--repeat N] "
-                        "[--block-tokens N[,N...] | --batch N[,N...]] [--fill N] [--kv-dtype auto|f32|bf16|f16] "
-                        "[--bw-passes N] "
+                        "[--block-tokens N[,N...] (not with --nbits) | --batch N[,N...]] [--fill N] "
+                        "[--kv-dtype auto|f32|bf16|f16] "
+                        "[--nbits 8|4|2] [--bw-passes N] "
                         "[--weights auto|q8_0|q4_k] [--csv FILE] [--backend cpu|cuda]\n");
         return 2;
     }
@@ -281,14 +289,31 @@ int main(int argc, char **argv)
     double welems;
     weight_totals(c, w, &wbytes, &welems);
     double flops_tok = 2.0 * welems; /* one multiply-add per weight per token */
+    /* KV bytes per token over all layers: K and V in the store's dtype, or
+     * a quantized block's codes and scales per token (its full-precision
+     * residual, 128 to 128 + a block of tokens, counted at that rate too) */
+    double kv_tok = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * (double)be_dtype_size(g.dtype);
+    struct kv_seq_params qp = {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_QUANTO)};
+    const struct kv_seq_params *sp = NULL;
+    if (nbits) {
+        qp.quant.nbits = nbits;
+        struct be_kvq_format f;
+        struct kvq_error e;
+        int T = kvq_block_tokens(&qp.quant, kv_store_block_tokens(rt.store));
+        if (kvq_format_init(&f, &qp.quant, g.n_kv_heads, g.head_dim, T, &e) != TIER_OK) {
+            fprintf(stderr, "kvtier-bench: --nbits %d: %s\n", nbits, e.msg);
+            return 1;
+        }
+        kv_tok = (double)c->n_layers * (double)f.block_bytes / T;
+        sp = &qp;
+    }
     /* KV read per decode token at the mean context of the decode run */
-    double kv_bytes = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * (double)be_dtype_size(g.dtype) *
-                      (n_fill + n_prompt + n_decode / 2.0);
+    double kv_bytes = kv_tok * (n_fill + n_prompt + n_decode / 2.0);
 
     /* untimed, so round 0's first store does not pay for cold pages and caches */
     for (int v = 0; v < nv; v++) {
         double tp, td, tdc;
-        if (!run_once(m, stores[nb > 1 ? v : 0], &bb, bats[nbat > 1 ? v : 0], n_fill, n_prompt, 1, c->vocab_size,
+        if (!run_once(m, stores[nb > 1 ? v : 0], sp, &bb, bats[nbat > 1 ? v : 0], n_fill, n_prompt, 1, c->vocab_size,
                       &tp, &td, &tdc))
             return 1;
     }
@@ -311,7 +336,7 @@ int main(int argc, char **argv)
             int v = (k + r) % nv, batch = bats[nbat > 1 ? v : 0];
             kv_store *s = stores[nb > 1 ? v : 0];
             double tp, td, tdc;
-            if (!run_once(m, s, &bb, batch, n_fill, n_prompt, n_decode, c->vocab_size, &tp, &td, &tdc))
+            if (!run_once(m, s, sp, &bb, batch, n_fill, n_prompt, n_decode, c->vocab_size, &tp, &td, &tdc))
                 return 1;
             t_pre[r * nv + v] = (double)batch * n_prompt / tp;
             t_dec[r * nv + v] = (double)batch * n_decode / td;
@@ -326,8 +351,12 @@ int main(int argc, char **argv)
            c->n_layers, c->hidden_size, be_dtype_name(c->dtype), wbytes / 1e9);
     printf("backend          %s, %d threads, simd %s, %d rounds, %d context tokens before the prompt\n", caps.name,
            threads, caps.simd, repeat, n_fill);
-    printf("KV               %s, %.0f bytes per token over all layers\n", be_dtype_name(g.dtype),
-           2.0 * c->n_layers * c->n_kv_heads * c->head_dim * (double)be_dtype_size(g.dtype));
+    if (nbits)
+        printf("KV               int%d, %.0f bytes per token over all layers (quanto, per-token groups of %d, the "
+               "last %d+ tokens %s)\n",
+               nbits, kv_tok, qp.quant.q_group_size, qp.quant.residual_length, be_dtype_name(g.dtype));
+    else
+        printf("KV               %s, %.0f bytes per token over all layers\n", be_dtype_name(g.dtype), kv_tok);
     /* best against best: each side's least disturbed round */
     double best_bw = 0, best_sg = 0;
     for (int r = 0; r < repeat; r++) {
