@@ -367,7 +367,9 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
         if (!miss && ts != TIER_OK) {
             char ns[24], name[24];
             names(kept, x->ns, x->blk[i].hash, ns, name);
-            log_msg(LOG_WARN, "%s %s/%s not used, %s: %s", what(kept), ns, name,
+            /* a parent the cache evicted meanwhile is no news */
+            log_msg(ts == TIER_ECONFLICT && !kept ? LOG_DEBUG : LOG_WARN, "%s %s/%s not used, %s: %s", what(kept), ns,
+                    name,
                     kept ? "the input is encoded" : "the chain is a miss from there on",
                     why[0] ? why : tier_strerror(ts));
             struct pfile *f = find(pd, kept, x->ns, x->blk[i].hash);
