@@ -349,12 +349,12 @@ enum tier_status kv_store_prefix_ship(kv_store *s, const struct kv_seq_params *p
                                       bool *done);
 /* Puts a serialized entry back into the cache, unreferenced (evictable
  * as any other; the prefix-cache budget applies at once).  It is checked
- * first: format and version, the store's geometry, the size, its parent
- * cached (same namespace, both hashes), and both hashes equal to what the
- * chain gives for its tokens; TIER_EINVAL naming the field otherwise, but
- * TIER_ECONFLICT for a parent not cached (a sound block the cache cannot
- * hang now: its parent was evicted or never read in).  An
- * entry already cached is TIER_OK.  TIER_ENOMEM_DEV when no pool block is
+ * first: format and version, the store's geometry, the size, and both
+ * hashes equal to what the chain gives for its tokens under the parent
+ * hashes it carries; TIER_EINVAL naming the field otherwise.  Then its
+ * parent must be cached (same namespace, both hashes): TIER_ECONFLICT if
+ * not, a sound block the cache cannot hang now (its parent was evicted or
+ * never read in).  An entry already cached is TIER_OK.  TIER_ENOMEM_DEV when no pool block is
  * free, TIER_EIO on a device fault; the cache is then as it was. */
 enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len);
 

@@ -88,9 +88,14 @@ static uint64_t chain_hash(const kv_store *s, const struct kv_pentry *parent, co
     return seeded_hash(s, parent ? parent->hash : ns, tokens);
 }
 
+static uint64_t seeded_check(const kv_store *s, uint64_t seed, const int32_t *tokens)
+{
+    return XXH3_64bits_withSeed(tokens, (size_t)s->bt * sizeof(int32_t), seed ^ CHECK_SALT);
+}
+
 static uint64_t chain_check(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens, uint64_t ns)
 {
-    return XXH3_64bits_withSeed(tokens, (size_t)s->bt * sizeof(int32_t), (parent ? parent->check : ns) ^ CHECK_SALT);
+    return seeded_check(s, parent ? parent->check : ns, tokens);
 }
 
 static struct kv_pentry *lookup(const kv_store *s, const struct kv_pentry *parent, const int32_t *tokens,
@@ -619,19 +624,23 @@ int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, 
     int64_t nb = (n - 1) / s->bt;
     const struct kv_pentry *tail = NULL;
     bool in_mem = true;
+    uint64_t unref = 0; /* of the cached ones, those no sequence holds */
     for (int64_t b = 0; b < nb; b++) {
         const int32_t *t = tokens + b * s->bt;
         hashes[b] = seeded_hash(s, b ? hashes[b - 1] : p->prefix_ns, t);
-        if (in_mem && (tail = lookup(s, tail, t, p->prefix_ns)) != NULL)
+        if (in_mem && (tail = lookup(s, tail, t, p->prefix_ns)) != NULL) {
             (*n_mem)++;
-        else
+            unref += tail->refs == 0;
+        } else {
             in_mem = false;
+        }
     }
-    /* blocks read in go in unreferenced: more than the budget holds would
-     * evict their own newest (it takes other chains first) */
-    size_t entry_bytes = (size_t)s->g.n_layers * s->block_bytes;
-    if (s->prefix_mem && (uint64_t)(nb - *n_mem) > s->prefix_mem / entry_bytes)
-        nb = *n_mem + (int64_t)(s->prefix_mem / entry_bytes);
+    /* blocks read in go in unreferenced, beside the chain's unreferenced
+     * cached ones: more than the budget holds would evict their own newest
+     * (it takes other chains first) */
+    uint64_t fit = s->prefix_mem / ((size_t)s->g.n_layers * s->block_bytes);
+    if (s->prefix_mem && (uint64_t)(nb - *n_mem) > (fit > unref ? fit - unref : 0))
+        nb = *n_mem + (int64_t)(fit > unref ? fit - unref : 0);
     return nb;
 }
 
@@ -702,18 +711,23 @@ enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len
     uint64_t par_hash = get64(p + 64), par_check = get64(p + 72);
     if (!flags && (par_hash || par_check))
         return kv_fail(s, TIER_EINVAL, "prefix block: parent hashes without a parent");
-    struct kv_pentry *parent = NULL;
-    /* a sound block whose parent the cache dropped: not the block's fault */
-    if (flags && !(parent = find_by_hash(s, ns, par_hash, par_check)))
-        return kv_fail(s, TIER_ECONFLICT, "prefix block: parent %016llx is not cached", (unsigned long long)par_hash);
     struct kv_pentry *e = entry_alloc(s);
     if (!e)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: a prefix-cache entry");
     for (int i = 0; i < s->bt; i++)
         e->tokens[i] = (int32_t)get32(p + PFX_HDR + 4 * (size_t)i);
-    const char *bad = chain_hash(s, parent, e->tokens, ns) != hash     ? "hash"
-                      : chain_check(s, parent, e->tokens, ns) != check ? "check hash"
-                                                                       : NULL;
+    /* its hashes against its tokens and the parent it names (the chain's
+     * seeds): damage to either is a corrupt block, checked before the
+     * parent is looked for */
+    const char *bad = seeded_hash(s, flags ? par_hash : ns, e->tokens) != hash     ? "hash"
+                      : seeded_check(s, flags ? par_check : ns, e->tokens) != check ? "check hash"
+                                                                                    : NULL;
+    struct kv_pentry *parent = NULL;
+    /* a sound block whose parent the cache dropped: not the block's fault */
+    if (!bad && flags && !(parent = find_by_hash(s, ns, par_hash, par_check))) {
+        free(e);
+        return kv_fail(s, TIER_ECONFLICT, "prefix block: parent %016llx is not cached", (unsigned long long)par_hash);
+    }
     if (bad || lookup(s, parent, e->tokens, ns)) {
         free(e);
         return bad ? kv_fail(s, TIER_EINVAL, "prefix block: its %s does not match its tokens and parent", bad)

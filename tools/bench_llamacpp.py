@@ -40,7 +40,7 @@ bytes per token (kvtier-bench prints its own; llama.cpp's default f16 KV
 is 2 * layers * kv_heads * head_dim * 2 bytes), and that traffic per
 second against the best read ceiling of the run.  --kv-bits B runs the
 depths with a quantized KV on both sides: kvtier-bench --nbits B (quanto,
-per-token groups of 64, a 128-token full-precision residual) against
+per-token groups of 64, under 128 recent tokens in full precision) against
 llama-bench -ctk/-ctv q8_0 (B 8) or q4_0 (B 4), which needs -fa 1 (blocks
 of 32 elements, 34 and 18 bytes each).  Ratios kvtier /
 llama.cpp are the medians of the per-round ratios.  "weights GB/s" is the

@@ -26,8 +26,8 @@
  * and decode run at a long context without paying for its prefill.
  * --nbits B runs every sequence with the quantized cache (quanto's
  * defaults at B bits: keys and values in per-token groups of 64, a
- * residual of 128 tokens in full precision); with --fill, the filled
- * positions are quantized as they are committed.
+ * residual of under 128 tokens in full precision); with --fill, the
+ * filled positions are quantized as they are committed.
  * --batch N runs N sequences side by side, as the daemon's scheduler does
  * with N concurrent requests: their prompts (each its own tokens) in one
  * forward call, then every decode step one call of one token per sequence,
@@ -290,8 +290,8 @@ int main(int argc, char **argv)
     weight_totals(c, w, &wbytes, &welems);
     double flops_tok = 2.0 * welems; /* one multiply-add per weight per token */
     /* KV bytes per token over all layers: K and V in the store's dtype, or
-     * a quantized block's codes and scales per token (its full-precision
-     * residual, 128 to 128 + a block of tokens, counted at that rate too) */
+     * a quantized block's codes and scales per token (the full-precision
+     * residual, under 128 tokens, counted at that rate too) */
     double kv_tok = 2.0 * c->n_layers * c->n_kv_heads * c->head_dim * (double)be_dtype_size(g.dtype);
     struct kv_seq_params qp = {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_QUANTO)};
     const struct kv_seq_params *sp = NULL;
@@ -352,8 +352,8 @@ int main(int argc, char **argv)
     printf("backend          %s, %d threads, simd %s, %d rounds, %d context tokens before the prompt\n", caps.name,
            threads, caps.simd, repeat, n_fill);
     if (nbits)
-        printf("KV               int%d, %.0f bytes per token over all layers (quanto, per-token groups of %d, the "
-               "last %d+ tokens %s)\n",
+        printf("KV               int%d, %.0f bytes per token over all layers (quanto, per-token groups of %d, "
+               "under %d recent tokens in %s)\n",
                nbits, kv_tok, qp.quant.q_group_size, qp.quant.residual_length, be_dtype_name(g.dtype));
     else
         printf("KV               %s, %.0f bytes per token over all layers\n", be_dtype_name(g.dtype), kv_tok);
