@@ -354,8 +354,9 @@ enum tier_status kv_store_prefix_ship(kv_store *s, const struct kv_seq_params *p
  * hashes it carries; TIER_EINVAL naming the field otherwise.  Then its
  * parent must be cached (same namespace, both hashes): TIER_ECONFLICT if
  * not, a sound block the cache cannot hang now (its parent was evicted or
- * never read in).  An entry already cached is TIER_OK.  TIER_ENOMEM_DEV when no pool block is
- * free, TIER_EIO on a device fault; the cache is then as it was. */
+ * never read in).  An entry already cached is TIER_OK.  TIER_ENOMEM_DEV
+ * when no pool block is free, TIER_EIO on a device fault; the cache is
+ * then as it was. */
 enum tier_status kv_store_prefix_insert(kv_store *s, const void *buf, size_t len);
 
 /* ---- kept sequences (tiers/keep.c) -------------------------------------

@@ -638,9 +638,9 @@ int64_t kv_store_prefix_chain(const kv_store *s, const struct kv_seq_params *p, 
     /* blocks read in go in unreferenced, beside the chain's unreferenced
      * cached ones: more than the budget holds would evict their own newest
      * (it takes other chains first) */
-    uint64_t fit = s->prefix_mem / ((size_t)s->g.n_layers * s->block_bytes);
-    if (s->prefix_mem && (uint64_t)(nb - *n_mem) > (fit > unref ? fit - unref : 0))
-        nb = *n_mem + (int64_t)(fit > unref ? fit - unref : 0);
+    uint64_t fit = s->prefix_mem / ((size_t)s->g.n_layers * s->block_bytes), room = fit > unref ? fit - unref : 0;
+    if (s->prefix_mem && (uint64_t)(nb - *n_mem) > room)
+        nb = *n_mem + (int64_t)room;
     return nb;
 }
 
