@@ -367,13 +367,14 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
         if (!miss && ts != TIER_OK) {
             char ns[24], name[24];
             names(kept, x->ns, x->blk[i].hash, ns, name);
-            /* a parent the cache evicted meanwhile is no news */
-            log_msg(ts == TIER_ECONFLICT && !kept ? LOG_DEBUG : LOG_WARN, "%s %s/%s not used, %s: %s", what(kept), ns,
-                    name,
+            /* TIER_ECONFLICT: a sound file, another input's whose key
+             * collides (a cross cache), or one whose parent the cache
+             * evicted while it was read (a block, no news) */
+            bool evicted = ts == TIER_ECONFLICT && !kept;
+            log_msg(evicted ? LOG_DEBUG : LOG_WARN, "%s %s/%s not used, %s: %s", what(kept), ns, name,
                     kept ? "the input is encoded" : "the chain is a miss from there on",
                     why[0] ? why : tier_strerror(ts));
             struct pfile *f = find(pd, kept, x->ns, x->blk[i].hash);
-            /* a collision's file is another input's, sound */
             if (f && !f->writing && ts != TIER_ENOMEM_DEV && ts != TIER_ENOMEM_HOST && ts != TIER_ECONFLICT)
                 index_del(pd, f);
             if (refused)
