@@ -60,6 +60,8 @@ def start_redis(tmp, name, *extra, port=None, conf=None):
     p = subprocess.Popen(args, stdout=open(os.path.join(d, "log"), "ab"), stderr=subprocess.STDOUT)
     procs.append(p)
     for _ in range(200):
+        if p.poll() is not None:
+            break
         try:
             resp(sock, "PING")
             return p, sock
@@ -75,6 +77,29 @@ def stop_redis(p):
         p.send_signal(signal.SIGCONT)
         p.kill()
         p.wait()
+
+
+def start_cluster_node(tmp, i, ports):
+    """A cluster node needs a fixed port and its bus at port + 10000. Both are drawn
+    below the kernel's ephemeral range, so no outgoing connection can take them, and
+    a port another program grabbed before the bind means another draw. Without full
+    coverage the masters left serve their slots once a dead one is marked failed."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for attempt in range(20):
+        port = random.randint(1024, max(low - 10001, 2048))
+        if port in ports:
+            continue
+        try:
+            node = start_redis(tmp, "c%d-%d" % (i, attempt), "--cluster-enabled", "yes",
+                               "--cluster-config-file", "nodes.conf",
+                               "--cluster-require-full-coverage", "no", port=port)
+        except AssertionError as err:
+            if "Address already in use" not in str(err):
+                raise
+            continue
+        ports.append(port)
+        return node
+    raise AssertionError("no free port pair for a cluster node in 20 draws")
 
 
 def _sleep(sock):
@@ -396,22 +421,9 @@ try:
     check(codes == [0] * 5, "SIGTERM: every daemon exits cleanly (%s)" % codes)
 
     # ---- a three-master cluster ----
-    ports = []
-    while len(ports) < 3:
-        port = random.randint(20000, 40000)
-        ok = True
-        for pp in (port, port + 10000):
-            s = socket.socket()
-            try:
-                s.bind(("127.0.0.1", pp))
-            except OSError:
-                ok = False
-            s.close()
-        if ok and port not in ports:
-            ports.append(port)
-    # without full coverage the masters left serve their slots once a dead one is marked failed
-    nodes = [start_redis(tmp, "c%d" % i, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                         "--cluster-require-full-coverage", "no", port=port) for i, port in enumerate(ports)]
+    nodes, ports = [], []
+    while len(nodes) < 3:
+        nodes.append(start_cluster_node(tmp, len(nodes), ports))
     for i, (_, sk) in enumerate(nodes):
         resp(sk, "CLUSTER", "ADDSLOTSRANGE", i * 5462, min(16383, i * 5462 + 5461))
     for port in ports[1:]:

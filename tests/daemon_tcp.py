@@ -5,6 +5,7 @@ read are refused at start; the Unix socket keeps working beside it."""
 import http.client
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -15,11 +16,19 @@ from daemon_harness import KVTIERD, Daemon, check  # noqa: E402
 
 
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    """A port below the kernel's ephemeral range: no outgoing connection of another
+    test can take it between this probe and the daemon's bind."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    while True:
+        port = random.randint(1024, max(low - 1, 2048))
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            pass
+        finally:
+            s.close()
 
 
 def tcp(method, path, key=None, body=None):
