@@ -183,6 +183,9 @@ static void test_matmul(void **state)
             check_matmul((enum be_dtype)dt, shapes[s][0], shapes[s][1], shapes[s][2], s % 2 == 0);
             check_matmul((enum be_dtype)dt, shapes[s][0], shapes[s][1], shapes[s][2], s % 2 == 1);
         }
+    /* every length of the last token tile, each its own kernel */
+    for (int n = CPU_BF16_GEMM_MIN_TOKENS; n < CPU_BF16_GEMM_MIN_TOKENS + CPU_BF16_MR; n++)
+        check_matmul(BE_BF16, n, 67, 35, n % 2 == 0);
 }
 
 /* Below the batched kernels' thresholds a token's outputs do not depend

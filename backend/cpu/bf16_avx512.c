@@ -33,6 +33,7 @@
  * stays in L2 while every token tile streams it. */
 #define KB 1024
 _Static_assert(NR * KB <= CPU_SCRATCH_FLOATS, "a packed block fits a thread's scratch");
+_Static_assert(MR == 12, "gemm's switch has a tile for every token count up to MR");
 
 void cpu_bf16_pack_act_avx512(uint32_t *xb, const float *x, int n, int in)
 {
@@ -142,10 +143,6 @@ static void pack_panel(uint32_t *bp, const uint16_t *w, size_t in, int nr, size_
             for (int j = 0; j < 16; j++) {
                 const uint16_t *row = w + (size_t)(j0 + j) * in + e;
                 r[j] = j0 + j < nr ? _mm512_maskz_loadu_epi16(m, row) : _mm512_setzero_si512();
-                /* the same pairs NR rows on: rows are pages apart, and the
-                 * hardware prefetcher starts over on every page */
-                if (j0 + j < nr)
-                    _mm_prefetch((const char *)(row + (size_t)NR * in), _MM_HINT_T1);
             }
             transpose16(r);
             size_t n16 = np - p < 16 ? np - p : 16;
@@ -154,17 +151,37 @@ static void pack_panel(uint32_t *bp, const uint16_t *w, size_t in, int nr, size_
         }
 }
 
-/* y[t][0..nr) (+)= tile a (MR tokens, np pairs) . panel b, for the rows of
- * the tile below mr; add: y holds an earlier block's sums. */
-static inline void tile(float *y, size_t ys, const uint32_t *a, const uint32_t *b, size_t np, int mr, int nr, bool add)
+/* The weight rows of the block packed next, which the tiles of this one
+ * prefetch a share each: rows [lo, hi) of w (row stride in elements),
+ * pairs [0, np).  Fetching the block while the last is multiplied, a line
+ * now and then, keeps the memory busy while the core computes; prefetched
+ * in one burst as it was packed, the core waited on those prefetches for
+ * over a quarter of a 64-token product. */
+struct next_block {
+    const uint16_t *w;
+    size_t in, np;
+    int lo, hi;
+};
+
+/* y[t][0..nr) (+)= the first MT tokens of tile a (MR tokens a pair, np
+ * pairs) . panel b; add: y holds an earlier block's sums.  MT is a
+ * constant after inlining, so a batch's last, partial tile does only its
+ * own tokens' products (a 64-token prefill's sixth tile has 4 of 12). */
+static inline __attribute__((always_inline)) void tile(float *y, size_t ys, const uint32_t *a, const uint32_t *b,
+                                                       size_t np, const int MT, int nr, bool add,
+                                                       const struct next_block *nb)
 {
     __m512 c0[MR], c1[MR];
-    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 16
+    for (int r = 0; r < MT; r++)
         c0[r] = c1[r] = _mm512_setzero_ps();
     for (size_t p = 0; p < np; p++, a += MR, b += NR) {
+        if (p % 16 == 0 && p < nb->np) /* 16 pairs: a line of each row */
+            for (int j = nb->lo; j < nb->hi; j++)
+                _mm_prefetch((const char *)(nb->w + (size_t)j * nb->in + 2 * p), _MM_HINT_T1);
         __m512bh b0 = (__m512bh)_mm512_load_si512(b), b1 = (__m512bh)_mm512_load_si512(b + 16);
 #pragma GCC unroll 16
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < MT; r++) {
             __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r]);
             c0[r] = _mm512_dpbf16_ps(c0[r], b0, ar);
             c1[r] = _mm512_dpbf16_ps(c1[r], b1, ar);
@@ -172,7 +189,7 @@ static inline void tile(float *y, size_t ys, const uint32_t *a, const uint32_t *
     }
     __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
     __mmask16 m1 = nr >= 32 ? 0xffff : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
-    for (int r = 0; r < mr; r++, y += ys) {
+    for (int r = 0; r < MT; r++, y += ys) {
         if (add) {
             c0[r] = _mm512_add_ps(c0[r], _mm512_maskz_loadu_ps(m0, y));
             c1[r] = _mm512_add_ps(c1[r], _mm512_maskz_loadu_ps(m1, y + 16));
@@ -187,16 +204,37 @@ static void gemm(const struct cpu_mm *a, int r0, int r1, float *scratch)
 {
     uint32_t *bp = (uint32_t *)scratch;
     size_t in = (size_t)a->in, pairs = cpu_bf16_pairs(a->in), ys = (size_t)a->out;
+    int tiles = (a->n + MR - 1) / MR;
     for (int n0 = r0; n0 < r1; n0 += NR) {
         int nr = r1 - n0 < NR ? r1 - n0 : NR;
         const uint16_t *w = (const uint16_t *)a->w + (size_t)n0 * in;
         for (size_t p0 = 0; p0 < pairs; p0 += KB) {
             size_t np = pairs - p0 < KB ? pairs - p0 : KB;
             pack_panel(bp, w, in, nr, p0, np);
+            /* the next block: the next pairs of these rows, else the next rows */
+            struct next_block nb = {.w = w, .in = in};
+            int nnr = 0;
+            if (p0 + np < pairs) {
+                nb.w = w + 2 * (p0 + np);
+                nb.np = pairs - p0 - np;
+                nnr = nr;
+            } else if (n0 + NR < r1) {
+                nb.w = w + (size_t)NR * in;
+                nb.np = pairs;
+                nnr = r1 - n0 - NR < NR ? r1 - n0 - NR : NR;
+            }
+            if (nb.np > KB)
+                nb.np = KB;
             for (int t = 0; t < a->n; t += MR) {
                 const uint32_t *xt = a->xb + (size_t)(t / MR) * pairs * MR + p0 * MR;
-                int mr = a->n - t < MR ? a->n - t : MR;
-                tile(a->y + (size_t)t * ys + (size_t)n0, ys, xt, bp, np, mr, nr, p0 > 0);
+                float *yt = a->y + (size_t)t * ys + (size_t)n0;
+                nb.lo = nnr * (t / MR) / tiles;
+                nb.hi = nnr * (t / MR + 1) / tiles;
+                switch (a->n - t < MR ? a->n - t : MR) {
+#define TILE(k) case k: tile(yt, ys, xt, bp, np, k, nr, p0 > 0, &nb); break;
+                TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
+#undef TILE
+                }
             }
         }
     }
