@@ -290,7 +290,9 @@ def long_request():
 
 th = threading.Thread(target=long_request)
 th.start()
-time.sleep(0.3)
+until = time.time() + 30  # admitted before the signal
+while not d.get("/v1/requests")[1]["data"] and "r" not in result and time.time() < until:
+    time.sleep(0.02)
 d.proc.send_signal(signal.SIGTERM)
 th.join(60)
 code, r = result["r"]

@@ -145,7 +145,9 @@ tiny.sock = os.path.join(ref.tmp, "tiny.sock")
 tiny.start()
 sid = session(tiny, prompt=prompt[:30])
 r1 = complete(tiny, prompt[:40], session=sid)
-time.sleep(3)
+until = time.time() + 30  # the spill is tried once the session has been idle a second
+while metric(tiny, "disk_errors_total") < 1 and time.time() < until:
+    time.sleep(0.1)
 s = tiny.get("/v1/sessions/" + sid)[1]
 check(s["bytes"]["disk"] == 0 and s["bytes"]["device"] > 0 and metric(tiny, "disk_errors_total") >= 1,
       "--disk-mem 4k: the session stays in memory, /metrics counts the failed spill")
@@ -200,10 +202,26 @@ a, b = session(href, prompt=bigger[:200]), session(hook, prompt=bigger[:200])
 v1 = wait_spilled(hook, b)
 complete(href, bigger, session=a)
 complete(hook, bigger, session=b)
-time.sleep(3)  # idle again: the v2 write starts and stops after its two chunks
+# idle again: the v2 write starts and stops after its two chunks
+udir = os.path.join(hook.sock + ".disk", "u%d" % os.getuid())
+
+
+def temp_bytes():
+    total = 0
+    for n in os.listdir(udir):
+        try:
+            total += os.path.getsize(os.path.join(udir, n)) if n.startswith(".") else 0
+        except FileNotFoundError:  # renamed meanwhile
+            pass
+    return total
+
+
+until, last = time.time() + 30, -1
+while time.time() < until and (temp_bytes() == 0 or temp_bytes() != last):  # written, and paused
+    last = temp_bytes()
+    time.sleep(0.5)
 hook.proc.kill()
 hook.proc.wait()
-udir = os.path.join(hook.sock + ".disk", "u%d" % os.getuid())
 check(any(n.startswith(".") for n in os.listdir(udir)), "killed with a temporary file half-way")
 hook.start()
 s = hook.get("/v1/sessions/" + b)[1]

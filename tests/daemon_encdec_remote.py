@@ -67,11 +67,14 @@ os.makedirs(rdir)
 rsock = os.path.join(rdir, "redis.sock")
 rp = subprocess.Popen([REDIS, "--port", "0", "--unixsocket", rsock, "--save", "", "--appendonly", "no", "--dir", rdir],
                       stdout=open(os.path.join(rdir, "log"), "ab"), stderr=subprocess.STDOUT)
-for _ in range(200):
+deadline = time.time() + 30
+while True:
     try:
         resp(rsock, "PING")
         break
     except OSError:
+        if time.time() > deadline or rp.poll() is not None:
+            raise AssertionError("redis-server did not start: " + open(os.path.join(rdir, "log")).read()[-500:])
         time.sleep(0.02)
 
 

@@ -72,7 +72,7 @@ class Daemon:
             self.wait_ready()
         return self
 
-    def wait_ready(self, timeout=20):
+    def wait_ready(self, timeout=60):
         t = time.time() + timeout
         while time.time() < t:
             if self.proc.poll() is not None:

@@ -148,7 +148,7 @@ try {
   assert.ok(e.name === 'APIUserAbortError' || e.name === 'AbortError', e.name);
 }
 let running = -1;
-for (let i = 0; i < 100 && running !== 0; i++) {
+for (let i = 0; i < 400 && running !== 0; i++) {
   const r = await undiciFetch('http://localhost/metrics', { dispatcher: agent });
   running = Number((await r.text()).match(/^kvtier_requests_running (\d+)/m)[1]);
   if (running) await new Promise((res) => setTimeout(res, 50));
