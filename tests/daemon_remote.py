@@ -392,12 +392,12 @@ try:
     rp, rsock2 = start_redis(tmp, "r1")
     # the reconnect backoff has grown with each failed connect (up to 5 s):
     # fresh prompts until one publishes
-    pub0, back = metric(d, "remote_blocks_total", '{result="published"}'), time.time() + 30
-    for i in range(1000):
-        complete(d, prompt_of(70 + i))
-        if ("is back" in d.logtext() and
-                wait_metric(d, "remote_blocks_total", '{result="published"}', pub0 + 1, timeout=0.5) > pub0) or \
-                time.time() > back:
+    pub0, back, seed = metric(d, "remote_blocks_total", '{result="published"}'), time.time() + 30, 70
+    while time.time() < back:
+        complete(d, prompt_of(seed))
+        seed += 1
+        if "is back" in d.logtext() and \
+                wait_metric(d, "remote_blocks_total", '{result="published"}', pub0 + 1, timeout=0.5) > pub0:
             break
         time.sleep(0.5)
     check(metric(d, "remote_blocks_total", '{result="published"}') > pub0 and "is back" in d.logtext(),
