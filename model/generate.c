@@ -253,7 +253,7 @@ static enum model_status step(model *m, kv_store *store, kv_seq **seq, const str
         *seq = NULL;
         enum tier_status ts = kv_seq_create(store, p->kv, seq);
         if (ts != TIER_OK)
-            return ts == TIER_ENOMEM_HOST ? MODEL_ENOMEM : ts == TIER_ENOMEM_DEV ? MODEL_EDEVMEM : MODEL_EBACKEND;
+            return model_from_tier(ts);
         n_new = n_hist;
     }
     struct fw_seq f = {.kv = *seq, .tokens = hist + n_hist - n_new, .n_tokens = (int)n_new, .logits = logits};
@@ -298,7 +298,7 @@ enum model_status generate(model *m, const tokenizer *tok, kv_store *store, cons
     }
     enum tier_status ts = kv_seq_create(store, p->kv, &seq);
     if (ts != TIER_OK) { /* p->kv may name a strategy the model refuses: the store says why */
-        st = ts == TIER_ENOMEM_HOST ? MODEL_ENOMEM : ts == TIER_ENOMEM_DEV ? MODEL_EDEVMEM : MODEL_EINVAL;
+        st = model_from_tier(ts);
         snprintf(err, MODEL_ERR_LEN, "%s", *kv_store_errmsg(store) ? kv_store_errmsg(store) : "out of memory");
         goto out;
     }
