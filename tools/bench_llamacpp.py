@@ -165,17 +165,21 @@ def gguf_stream_bytes(path):
     return sum(size for name, size in gguf_header(path)[1].items() if name != "token_embd.weight")
 
 
+# llama.cpp's KV cache type for --kv-bits (0: its default) and its bytes per
+# block of 32 elements
+LLAMA_KV = {0: ("f16", 64), 8: ("q8_0", 34), 4: ("q4_0", 18)}
+
+
 def llama_kv_token_bytes(path, bits=0):
     """llama.cpp's KV bytes per token of a file: K and V of every layer in
-    f16 (its default cache type), or q8_0 / q4_0 (bits 8 / 4: 34 / 18 bytes
-    per block of 32)."""
+    the cache type of LLAMA_KV[bits]."""
     meta = gguf_header(path)[0]
     a = meta["general.architecture"]
     heads = meta[f"{a}.attention.head_count"]
     kv_heads = meta.get(f"{a}.attention.head_count_kv", heads)
     head_dim = meta.get(f"{a}.attention.key_length", meta[f"{a}.embedding_length"] // heads)
     elems = 2 * meta[f"{a}.block_count"] * kv_heads * head_dim
-    return elems * {0: 64, 8: 34, 4: 18}[bits] // 32
+    return elems * LLAMA_KV[bits][1] // 32
 
 
 def field(pattern, out, what):
@@ -263,7 +267,7 @@ def main():
 
     # (file, program, measure) -> {round: value}; measures carry the depth
     v = collections.defaultdict(dict)
-    kv_type = {0: "f16", 8: "q8_0", 4: "q4_0"}[o.kv_bits]
+    kv_type = LLAMA_KV[o.kv_bits][0]
     kv_args = ["-ctk", kv_type, "-ctv", kv_type, "-fa", "1"] if o.kv_bits else []
     with open("/proc/loadavg") as f:
         log("load average at the start: " + " ".join(f.read().split()[:3]))
