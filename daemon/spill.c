@@ -267,7 +267,8 @@ static void spill_release(engine *e, struct session *s)
     s->kv = NULL;
     session_drop_cross(e, s, false);
     pthread_mutex_lock(&e->mu);
-    s->kvs = (struct kv_seq_stats){0};
+    /* listed with the strategy it ran with, nothing in memory */
+    s->kvs = (struct kv_seq_stats){.strategy = s->kvs.strategy, .fallback = s->kvs.fallback};
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -874,6 +875,7 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
         s->created = (time_t)json_integer_value(created);
         s->version = s->disk_version = 1;
         s->disk_bytes = data_len + meta_len;
+        s->kvs.strategy = cache.params.strategy; /* listed as asked for until its image is read */
     }
     json_decref(o);
     free(input);

@@ -50,7 +50,9 @@ for name, cache in STRATEGIES:
     a, b = session(ref, **body), session(d, **body)
     ra, rb = complete(ref, prompt[:40], session=a), complete(d, prompt[:40], session=b)
     check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"], name + ": the same tokens before any spill")
+    ran = d.get("/v1/sessions/" + b)[1]["strategy"]
     s = wait_spilled(d, b)
+    check(s["strategy"] == ran, "%s: listed on disk with the strategy it ran with (%s)" % (name, s["strategy"]))
     held = s["tokens"]
     nxt = prompt[:40] + ra["choices"][0]["tokens"] + [77, 78]
     ra, rb = complete(ref, nxt, session=a), complete(d, nxt, session=b)
@@ -59,7 +61,7 @@ for name, cache in STRATEGIES:
           and rb["usage"]["prompt_tokens_details"]["cached_tokens"] > 0,
           "%s: spilled (%d tokens, %d bytes on disk), restored, continued with the same tokens (%d cached)" %
           (name, held, s["bytes"]["disk"], rb["usage"]["prompt_tokens_details"]["cached_tokens"]))
-    pairs[name] = (a, b, nxt + ra["choices"][0]["tokens"])
+    pairs[name] = (a, b, nxt + ra["choices"][0]["tokens"], ran)
 # a restore begun layer by layer is counted when its read ends, which may
 # be after the reply of the request that started on its first layers
 end = time.time() + 20
@@ -85,9 +87,10 @@ check(len(files) == len(STRATEGIES) and all(os.stat(f).st_mode & 0o777 == 0o600 
 check(d.stop() == 0, "SIGTERM: clean exit")
 d.start()
 listed = {s["id"]: s for s in d.get("/v1/sessions")[1]["data"]}
-check(all(b in listed and listed[b]["bytes"]["disk"] > 0 for _, b, _ in pairs.values()),
-      "after a restart every session is listed, on disk")
-for name, (a, b, nxt) in pairs.items():
+check(all(b in listed and listed[b]["bytes"]["disk"] > 0 and listed[b]["strategy"] == ran
+          for _, b, _, ran in pairs.values()),
+      "after a restart every session is listed, on disk, with its strategy")
+for name, (a, b, nxt, _) in pairs.items():
     ra, rb = complete(ref, nxt, session=a), complete(d, nxt, session=b)
     check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and
           rb["usage"]["prompt_tokens_details"]["cached_tokens"] == ra["usage"]["prompt_tokens_details"]["cached_tokens"],
@@ -97,7 +100,7 @@ for name, (a, b, nxt) in pairs.items():
 check(d.stop() == 0, "stop before damaging the files")
 udir = os.path.join(disk_dir, "u%d" % os.getuid())
 victims = {}
-for (name, (a, b, nxt)), how in zip(pairs.items(), ["truncate", "zero", "swap", "data"]):
+for (name, (a, b, nxt, _)), how in zip(pairs.items(), ["truncate", "zero", "swap", "data"]):
     path = os.path.join(udir, b + ".kvt")
     size = os.path.getsize(path)
     if how == "truncate":
@@ -128,7 +131,7 @@ for name, (how, b) in victims.items():
     check(b not in listed and b in log and os.path.exists(os.path.join(disk_dir, "quarantine")),
           "%s file of %s: quarantined at start, named in the log, not listed" % (how, name))
 name = [n for n, (how, _) in victims.items() if how == "data"][0]
-a, b, nxt = pairs[name]
+a, b, nxt, _ = pairs[name]
 if b in listed:
     ra, rb = complete(ref, nxt, session=a), complete(d, nxt, session=b)
     check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and "quarantine" in d.logtext(),
@@ -298,3 +301,31 @@ while metric(m, "kv_cache_bytes", '{tier="disk"}') and time.time() < end:
     time.sleep(0.05)
 check(metric(m, "kv_cache_bytes", '{tier="disk"}') == 0, "deleted: /metrics shows no KV on disk")
 m.stop()
+
+# ---- a quantized cache over bf16 KV (the residual in bf16): spilled, restored, restarted ----
+qref = Daemon("--disk-dir", "none", "--kv-dtype", "bf16", model=ref.model, tmp=ref.tmp)
+qref.sock = os.path.join(ref.tmp, "qref.sock")
+qref.start()
+q = Daemon("--spill-after", "1", "--kv-dtype", "bf16", model=ref.model, tmp=ref.tmp)
+q.sock = os.path.join(ref.tmp, "qbf16.sock")
+q.start()
+cache = dict(STRATEGIES)["quantized"]
+a, b = session(qref, prompt=prompt[:30], cache=cache), session(q, prompt=prompt[:30], cache=cache)
+ra, rb = complete(qref, prompt[:40], session=a), complete(q, prompt[:40], session=b)
+wait_spilled(q, b)
+nxt = prompt[:40] + ra["choices"][0]["tokens"] + [77, 78]
+ra, rb = complete(qref, nxt, session=a), complete(q, nxt, session=b)
+cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (ra, rb)]
+check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and cached[0] == cached[1] > 0,
+      "bf16 KV, quantized: spilled, restored, the same tokens with the same %d tokens cached" % cached[1])
+nxt += ra["choices"][0]["tokens"]
+check(q.stop() == 0, "bf16 KV: SIGTERM writes the quantized session")
+seen = len(q.logtext())
+q.start()
+ra, rb = complete(qref, nxt, session=a), complete(q, nxt, session=b)
+cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (ra, rb)]
+check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and cached[0] == cached[1] > 0 and
+      "restore from disk failed" not in q.logtext()[seen:],
+      "bf16 KV, quantized: after a restart the same tokens with the same %d tokens cached" % cached[1])
+q.stop()
+qref.stop()

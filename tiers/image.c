@@ -499,8 +499,6 @@ static enum tier_status parse_params(kv_store *s, const uint8_t *b, struct kv_se
         return TIER_OK;
     struct kvq_error e;
     struct be_kvq_format f;
-    if (s->g.dtype != BE_F32)
-        return BAD("field strategy: a quantized image on a %s store", be_dtype_name(s->g.dtype));
     if (kv_quant_validate(&p->quant, &e) != TIER_OK ||
         kvq_format_init(&f, &p->quant, s->g.n_kv_heads, s->g.head_dim, kvq_block_tokens(&p->quant, s->bt), &e) !=
             TIER_OK)
