@@ -429,7 +429,8 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
                               .max_tokens = e->ctx - 1, .vocab_size = tv < e->vocab ? tv : e->vocab,
                               .rows = import_rows, .rows_ctx = (void *)e,
                               /* an encoder-decoder session's cross cache */
-                              .max_input = e->ed ? e->ctx : 0, .quant = import_quant};
+                              .max_input = e->ed ? e->ctx : 0, .quant = import_quant,
+                              .raw_dtype = kv_store_dtype(e->store)};
     if (e->mc->arch == ARCH_MAMBA) {
         x.ssm_inner = e->mc->intermediate_size;
         x.ssm_state = e->mc->ssm_state;
@@ -470,7 +471,8 @@ static char *quant_cache_json(const struct kv_seq_params *p)
  * pairs or the e4m3 tensor scale), then the residual's K and V. */
 #define RAW_PER_LAYER 6
 
-static void raw_tensors(const struct kv_quant_layer *ql, int l, int H, int D, struct kvfile_tensor *t)
+static void raw_tensors(const struct kv_quant_layer *ql, int l, int H, int D, enum be_dtype dt,
+                        struct kvfile_tensor *t)
 {
     const struct be_kvq_format *f = ql->fmt;
     for (int half = 0; half < 2; half++) {
@@ -488,7 +490,8 @@ static void raw_tensors(const struct kv_quant_layer *ql, int l, int H, int D, st
                                          .shape = {ql->n_blocks, H, f->block_tokens / h->gt, D / h->gd, 2}};
             snprintf(sc->name, sizeof(sc->name), "past_key_values.%d.%s.qparams", l, kv);
         }
-        t[4 + half] = (struct kvfile_tensor){.dtype = "F32", .ndim = 4, .shape = {1, H, ql->residual, D}};
+        t[4 + half] = (struct kvfile_tensor){.dtype = kvfile_dtype_name(dt), .ndim = 4,
+                                             .shape = {1, H, ql->residual, D}};
         snprintf(t[4 + half].name, sizeof(t[4 + half].name), "past_key_values.%d.%s", l, kv);
     }
 }
@@ -582,7 +585,7 @@ static enum ipc_status session_export_raw(engine *e, struct session *s, struct j
             st = kv_error(e, ts, "raw", err);
             break;
         }
-        raw_tensors(&ql[l], l, H, D, t + (size_t)l * (size_t)per);
+        raw_tensors(&ql[l], l, H, D, kv_store_dtype(e->store), t + (size_t)l * (size_t)per);
         for (int half = 0; half < per - RAW_PER_LAYER; half++) {
             struct kvfile_tensor *c = t + (size_t)l * (size_t)per + RAW_PER_LAYER + half;
             *c = (struct kvfile_tensor){.dtype = "F32", .ndim = 4, .shape = {1, H, (int64_t)s->n_input, D}};

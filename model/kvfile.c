@@ -26,7 +26,11 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is l
 #define ID_CHARS 12 /* an int32 id and its comma */
 #define MAX_LAYERS 4096
 
-static const char *const DT_NAME[] = {[BE_F32] = "F32", [BE_F16] = "F16", [BE_BF16] = "BF16"};
+const char *kvfile_dtype_name(enum be_dtype dt)
+{
+    static const char *const name[] = {[BE_F32] = "F32", [BE_F16] = "F16", [BE_BF16] = "BF16"};
+    return dt <= BE_BF16 ? name[dt] : NULL;
+}
 
 size_t kvfile_header_max(int64_t ctx)
 {
@@ -215,7 +219,7 @@ enum model_status kvfile_build(const struct kvfile_info *in, void **out, size_t 
     for (int i = 0; i < per * L; i++) {
         static const char *const kind[4] = {"key", "value", "cross_key", "cross_value"};
         snprintf(t[i].name, sizeof(t[i].name), "past_key_values.%d.%s", i / per, kind[i % per]);
-        t[i].dtype = DT_NAME[in->dtype];
+        t[i].dtype = kvfile_dtype_name(in->dtype);
         t[i].ndim = 4;
         int64_t rows = i % per < 2 ? in->rows[i / per] : in->n_input;
         memcpy(t[i].shape, (int64_t[]){1, in->n_kv_heads, rows, in->head_dim}, 4 * sizeof(int64_t));
@@ -355,8 +359,11 @@ static enum model_status parse_quant_meta(json_t *meta, const struct kvfile_expe
     if (!qz || !bt || !ql)
         return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.%s is missing",
                           !qz ? "quantization" : !bt ? "q_block_tokens" : "q_layers");
-    if (f->dtype != BE_F32)
-        return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.dtype of a quantized file must be f32");
+    if (f->dtype != e->raw_dtype)
+        return model_errf(err, MODEL_EFORMAT,
+                          "KV file: __metadata__.dtype %s of a quantized file is not this store's KV dtype %s "
+                          "(a raw file holds its residual as stored)", be_dtype_name(f->dtype),
+                          be_dtype_name(e->raw_dtype));
     char why[MODEL_ERR_LEN];
     if (e->quant(e->rows_ctx, qz, &f->fmt, why) != MODEL_OK)
         return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.quantization: %s", why);
@@ -613,7 +620,7 @@ static enum model_status parse_tensors(json_t *h, const uint8_t *buf, uint64_t d
         snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kind[i % per]);
         uint64_t rows = i % per < 2 ? (uint64_t)e->rows(e->rows_ctx, l, f->n_tokens) : (uint64_t)f->n_input;
         const uint64_t want[4] = {1, (uint64_t)e->n_kv_heads, rows, (uint64_t)e->head_dim};
-        st = check_tensor(h, name, DT_NAME[f->dtype], 4, want, V_FINITE, buf, data_at, data_size, &r[i], err);
+        st = check_tensor(h, name, kvfile_dtype_name(f->dtype), 4, want, V_FINITE, buf, data_at, data_size, &r[i], err);
         const void **dst = ((const void **[]){f->k, f->v, f->ck, f->cv})[i % per];
         if (st == MODEL_OK)
             dst[l] = buf + data_at + r[i].begin;
@@ -761,7 +768,7 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             if (st != MODEL_OK)
                 break;
             snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kv);
-            st = check_tensor(h, name, "F32", 4, res, V_FINITE, buf, data_at, data_size, &r[i], err);
+            st = check_tensor(h, name, kvfile_dtype_name(f->dtype), 4, res, V_FINITE, buf, data_at, data_size, &r[i], err);
             if (st == MODEL_OK)
                 q->res[half] = buf + data_at + r[i++].begin;
         }

@@ -30,6 +30,7 @@
  * A quantized cache's raw export (docs/api.md "Raw quantized export") is
  * laid out by the daemon with kvfile_build_tensors; the parser reads it
  * back when the caller says which formats it takes (kvfile_expect.quant).
+ * Its residual is in the store's KV dtype, the file's dtype.
  * An encoder-decoder one adds the encoder input and, after each layer's
  * six tensors, its cross_key and cross_value as above (F32).
  */
@@ -43,6 +44,9 @@
 
 #define KVFILE_FORMAT "kvtier-kv"
 #define KVFILE_VERSION 1
+
+/* The safetensors name of a KV dtype: "F32", "F16" or "BF16". */
+const char *kvfile_dtype_name(enum be_dtype dt);
 
 /* What a file says about its KV. */
 struct kvfile_info {
@@ -121,6 +125,9 @@ struct kvfile_expect {
      * err saying why not; called with rows_ctx.  NULL: raw files are
      * refused. */
     enum model_status (*quant)(void *ctx, const char *quantization, struct be_kvq_format *fmt, char *err);
+    /* A raw file's __metadata__.dtype and its residual tensors' dtype must
+     * be this: the store's KV dtype, the residual's bytes as stored. */
+    enum be_dtype raw_dtype;
     /* > 0: a state-space model's, whose files have layout "state" and
      * these dimensions (n_kv_heads, head_dim, rows are not read) */
     int ssm_inner, ssm_state, ssm_conv;

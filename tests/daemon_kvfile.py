@@ -13,6 +13,7 @@ hqq per channel, fp8) the stored form, dequantized by the rule docs/api.md
 gives, equals the default export bit for bit.
 The file is parsed here with a small reader: no safetensors package."""
 import json
+import math
 import os
 import struct
 import subprocess
@@ -388,3 +389,50 @@ t7[name] = (dt, shape, b[:at] + struct.pack("<H", 0x7e00) + b[at + 2:])
 refused(build_raw(rmeta, t7), "raw: a NaN scale of a group attention reads", (400,), name)
 code, n_after = d.get("/v1/sessions")
 check(len(n_after["data"]) == len(n_before["data"]) + 1, "failed raw imports leave no session behind")
+
+# A store of bf16 KV keeps a quantized cache's residual in bf16: its raw
+# export carries that residual as stored (dtype and tensors BF16), imports
+# back into the same store with the same continuation, and a store of
+# another KV dtype refuses it naming the dtype.
+b = Daemon("--ctx-size", str(CTX), "--kv-dtype", "bf16", model=d.model)
+b.start()
+TDT["BF16"] = torch.bfloat16
+cache = qcaches[0]
+code, qs = b.post("/v1/sessions", {"prompt": prompt, "cache": cache})
+check(code == 200 and qs["strategy"] == "quantized", "bf16 KV: a quantized session")
+# a continuation leaves the decoded tokens in the residual
+code, first = b.post("/v1/completions", dict(gen, prompt=more, session=qs["id"]))
+check(code == 200, "bf16 KV: the session continues (%d)" % code)
+held = more + first["choices"][0]["tokens"]
+code, raw = b.get("/v1/sessions/%s/kv?raw=1" % qs["id"])
+check(code == 200, "bf16 KV: raw=1 answers (%d)" % code)
+rmeta, rts = parse(raw)
+res = [rts["past_key_values.%d.%s" % (l, half)] for l in range(len(json.loads(rmeta["q_layers"])))
+       for half in ("key", "value")]
+check(rmeta["dtype"] == "bf16" and all(dt == "BF16" and len(r) == 2 * math.prod(shape) for dt, shape, r in res) and
+      all(shape[2] > 0 for dt, shape, r in res),
+      "bf16 KV: the raw file says bf16 and its residual tensors, not empty, are BF16 (%s, %s)" %
+      (rmeta["dtype"], [(dt, shape) for dt, shape, r in res[:2]]))
+code, deq = b.get("/v1/sessions/%s/kv" % qs["id"])
+dmeta, dts = parse(deq)
+got = dequantize(rmeta, raw_tensor(rts))
+same = True
+for l, kv2 in enumerate(got):
+    for half, x in zip(("key", "value"), kv2):
+        dt, shape, r = dts["past_key_values.%d.%s" % (l, half)]
+        want = torch.frombuffer(bytearray(r), dtype=TDT[dt]).reshape(shape)
+        same = same and list(x.shape) == shape and torch.equal(x.to(want.dtype), want)
+check(same, "bf16 KV: the raw form dequantized by the documented rule equals the dense export")
+code, qi = b.request("POST", "/v1/sessions/import", raw, {"Content-Type": "application/octet-stream"})
+check(code == 201 and qi["strategy"] == "quantized" and qi["tokens"] == len(held) - 1,
+      "bf16 KV: the raw file imports back (%d %s)" % (code, qi))
+code, raw2 = b.get("/v1/sessions/%s/kv?raw=1" % qi["id"])
+check(code == 200 and raw2 == raw, "bf16 KV: the imported session exports the same raw bytes")
+code, q_own = b.post("/v1/completions", dict(gen, prompt=held + [77], session=qs["id"]))
+code2, q_imp = b.post("/v1/completions", dict(gen, prompt=held + [77], session=qi["id"]))
+check(code == 200 and code2 == 200 and q_imp["choices"][0]["tokens"] == q_own["choices"][0]["tokens"] and
+      q_imp["usage"]["prompt_tokens_details"]["cached_tokens"] == q_own["usage"]["prompt_tokens_details"]["cached_tokens"]
+      > len(prompt),
+      "bf16 KV: the imported session continues with the original's tokens, as much cached")
+refused(raw, "raw: a bf16 file into a store of f32 KV", (400,), "dtype bf16")
+b.stop()
