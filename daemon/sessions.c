@@ -335,8 +335,8 @@ static enum ipc_status session_fork(engine *e, struct session *s, struct session
         (s->n_input && !(c->input = malloc(s->n_input * sizeof(*c->input)))))
         st = ipc_fail(err, IPC_ENOMEM, "", "no host memory for the fork's token ids");
     enum tier_status ts = st == IPC_OK && s->kv ? kv_seq_fork(s->kv, &c->kv) : TIER_OK;
-    if (ts != TIER_OK)
-        st = kv_error(e, ts, "", err);
+    if (ts != TIER_OK) /* a refusal is the session's cache strategy's */
+        st = kv_error(e, ts, "cache", err);
     if (st == IPC_OK) {
         if (s->n_toks) /* an empty session's toks is NULL, which memcpy may not take even for 0 bytes */
             memcpy(c->toks, s->toks, s->n_toks * sizeof(*c->toks));

@@ -132,9 +132,11 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
         if (k == N_KEYS && quant && kv_quant_is_param(key))
             continue;
         if (k == N_KEYS || !(cache_keys[k].key & strategies[row].takes)) {
+            char param[IPC_PARAM_LEN];
+            snprintf(param, sizeof(param), "cache.%.40s", key);
             list_names(strategies[row].takes, true, list, sizeof(list));
-            return ipc_fail(err, IPC_EINVAL, "cache", "cache.%.40s is not a parameter of \"%s\"; valid: %s%s%s", key,
-                            name, quant ? KV_QUANT_PARAM_NAMES : "", quant ? ", " : "", list);
+            return ipc_fail(err, IPC_EINVAL, param, "%s is not a parameter of \"%s\"; valid: %s%s%s", param, name,
+                            quant ? KV_QUANT_PARAM_NAMES : "", quant ? ", " : "", list);
         }
         enum ipc_status st = parse_key(name, k, v, m->max_len, p, err);
         if (st != IPC_OK)

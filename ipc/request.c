@@ -992,10 +992,11 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     enum ipc_status rst = read_repeat(root, out, lim, err);
     if (rst != IPC_OK)
         return rst;
-    /* an encoder-decoder model's session may give neither (its input again):
-     * a decoder-only model's prepare step requires the prompt then */
-    if (chat ? !out->messages : !out->text && !out->ids && !out->has_input && !out->session)
-        return ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "%s is required", chat ? "messages" : "prompt");
+    /* completions' prompt is checked by the prepare step, which knows the
+     * model: an encoder-decoder model needs "input" (or a session's)
+     * instead, a decoder-only one the prompt */
+    if (chat && !out->messages)
+        return ipc_fail(err, IPC_EINVAL, "messages", "messages is required");
     if (out->session && out->n != 1)
         return ipc_fail(err, IPC_EINVAL, "n", "n must be 1 with a session");
     /* a text that is not where the prompt starts marks nothing: refused
@@ -1078,7 +1079,8 @@ enum ipc_status ipc_session_req_parse(const json_t *root, const struct ipc_limit
             st = ipc_check_model(v, lim, err);
         } else if (strcmp(key, "cache") && strcmp(key, "use_cache")) {
             return ipc_fail(err, IPC_EINVAL, key,
-                            "unknown field \"%.48s\" (prefix, system, cache, activate_past_recording, private)",
+                            "unknown field \"%.48s\" (prefix, prompt, system, cache, use_cache, "
+                            "activate_past_recording, private, model)",
                             key);
         }
         if (st != IPC_OK)

@@ -94,16 +94,16 @@ check(code == 200 and q["choices"][0]["tokens"][:6] == dyn["choices"][0]["tokens
 code, q4 = d.post("/v1/completions", dict(greedy, cache={"implementation": "quantized"}))
 check(code == 200 and q4["kvtier"]["strategy"] == "quantized", "quantized with the reference defaults")
 for extra, param in (({"nbits": 3}, "cache.nbits"), ({"backend": "gptq"}, "cache.backend"),
-                     ({"max_cache_len": 64}, "cache"), ({"allow_offload": 1}, "cache.allow_offload")):
+                     ({"max_cache_len": 64}, "cache.max_cache_len"), ({"allow_offload": 1}, "cache.allow_offload")):
     code, e = d.post("/v1/completions", dict(greedy, cache=dict(extra, implementation="quantized")))
     check(code == 400 and e["error"]["param"] == param, "quantized %s -> 400 naming %s: %s" %
           (extra, param, e["error"]["message"]))
 code, s = d.post("/v1/sessions", {"prompt": "In the beginning was", "cache": q8})
 check(code == 200 and s["strategy"] == "quantized" and s["tokens"] > 0, "a quantized session")
-for op, body in (("crop", {"n": 1}), ("fork", {})):
+for op, body, param in (("crop", {"n": 1}, "n"), ("fork", {}, "cache")):
     code, e = d.post("/v1/sessions/%s/%s" % (s["id"], op), body)
-    check(code == 400 and op in e["error"]["message"], "%s of a quantized session -> 400 naming it: %s" %
-          (op, e["error"]["message"]))
+    check(code == 400 and op in e["error"]["message"] and e["error"]["param"] == param,
+          "%s of a quantized session -> 400 naming it and %s: %s" % (op, param, e["error"]["message"]))
 check(d.request("DELETE", "/v1/sessions/" + s["id"])[0] == 200, "delete the quantized session")
 # sinks + quantized: num_sink_tokens on a quantized cache; the window bounds its KV
 qsink = dict(q8, window_length=32, num_sink_tokens=4, residual_length=16)

@@ -54,10 +54,11 @@ def run(name, args, dec):
         assert code == 200, (code, r)
         return r
 
-    def refused(field, want, **kw):
+    def refused(field, want, param=None, **kw):
         code, e = d.post("/v1/completions" if field != "messages" else "/v1/chat/completions", dict(gen, **kw))
         msg = e.get("error", {}).get("message", "")
-        check(code == 400 and want in msg, "%s %s -> 400: %s" % (name, field, msg[:100]))
+        check(code == 400 and want in msg and (param is None or e["error"]["param"] == param),
+              "%s %s -> 400: %s" % (name, field, msg[:100]))
 
     toks = lambda r: r["choices"][0]["tokens"]  # noqa: E731
     want = oracle_tokens(model)
@@ -96,7 +97,8 @@ def run(name, args, dec):
     check(r["usage"]["prompt_tokens_details"]["encoder_tokens"] > 0 and len(toks(r)) == N,
           "%s: a text input is tokenized (%d tokens)" % (name, r["usage"]["prompt_tokens_details"]["encoder_tokens"]))
     refused("messages", "encoder-decoder", messages=[{"role": "user", "content": "hi"}])
-    refused("input", "\"input\"", prompt=[1, 2])
+    refused("input", "\"input\"", "input", prompt=[1, 2])
+    refused("input", "\"input\"", "input")  # neither input nor prompt: the missing field is input
     refused("sliding", "sliding", input=ENC, cache={"implementation": "sliding_window", "window_length": 8})
     refused("sink", "not rotary", input=ENC, cache={"implementation": "sink", "window_length": 8, "num_sink_tokens": 4})
     refused("shared_prefix", "shares no prefix", input=ENC, prompt=[0, 5], shared_prefix=1)

@@ -109,7 +109,7 @@ check(code == 200 and r["choices"][0]["tokens"] == q8_want and k["strategy"] == 
       k["fallback"] is None and k["bytes"]["device"] == 0 and 0 < k["bytes"]["host"] < kv / 2 + residual and
       k["streamed_layers"] == 8 and k["prefetch"]["steps"] > 0 and k["prefetch"]["bytes_d2h"] > 0,
       "quantized int8 + offload: the resident run's tokens, KV in the host tier (%s)" % k)
-for extra, param in (({"offload": "yes"}, "cache.offload"), ({"adaptive": True}, "cache")):
+for extra, param in (({"offload": "yes"}, "cache.offload"), ({"adaptive": True}, "cache.adaptive")):
     code, e = free.post("/v1/completions", dict(req, cache=dict(q8, **extra)))
     check(code == 400 and e["error"]["param"] == param, "quantized %s -> 400 naming %s: %s" %
           (extra, param, e["error"]["message"]))

@@ -133,6 +133,7 @@ static void test_cache_table(void **state)
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"adaptive\":true}}", &c, &err),
                      IPC_EINVAL);
     assert_non_null(strstr(err.msg, "cache.adaptive is not a parameter of \"quantized\"; valid: backend, nbits"));
+    assert_string_equal(err.param, "cache.adaptive");
     assert_non_null(strstr(err.msg, "residual_length, allow_offload, window_length, num_sink_tokens, offload"));
     /* sinks + quantized: num_sink_tokens turns the sinks on (window 256 by default) */
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"quantized\",\"nbits\":2,\"num_sink_tokens\":4}}", &c,
@@ -151,7 +152,8 @@ static void test_cache_table(void **state)
     assert_string_equal(err.param, "cache.window_length");
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"dynamic\",\"offload\":true}}", &c, &err),
                      IPC_EINVAL);
-    assert_non_null(strstr(err.msg, "offload is not a parameter of \"dynamic\""));
+    assert_non_null(strstr(err.msg, "cache.offload is not a parameter of \"dynamic\""));
+    assert_string_equal(err.param, "cache.offload");
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"warp\"}}", &c, &err), IPC_EINVAL);
     assert_non_null(strstr(err.msg, "dynamic, static, offloaded"));
     assert_string_equal(err.param, "cache.implementation");

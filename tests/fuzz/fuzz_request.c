@@ -72,8 +72,8 @@ static void check_gen(const struct ipc_gen_req *r, bool chat, const struct ipc_l
         }
         FUZZ_CHECK(!r->tools || (json_is_array(r->tools) && json_array_size(r->tools)), "tools");
     } else {
-        /* an encoder-decoder session may give neither: its input again */
-        FUZZ_CHECK(r->text || r->ids || r->has_input || r->session, "no prompt");
+        /* whether a prompt is needed depends on the model (an encoder-decoder
+         * one takes "input"): the daemon's prepare step checks it */
         check_ids(r->ids, r->n_ids, lim);
     }
     FUZZ_CHECK(r->max_tokens == -1 || (r->max_tokens >= 1 && r->max_tokens <= lim->max_context), "max_tokens %d",
