@@ -1,7 +1,7 @@
 """kvtierd cache surgery: POST /v1/sessions/{id}/crop with HF's
 crop(n) semantics, crop-then-regenerate equal to never having generated,
 the partial rewind of a session whose input diverges (only the suffix after
-the common prefix is computed, §7.3's "whole input re-sent" included),
+the common prefix is computed, the whole input re-sent included),
 copy-on-write forks (generating from a fork == a fresh prefill), past
 recording on a sliding model (409 with the reference's explanation without
 it), and the automatic prefix cache (usage.cached_tokens for requests that
@@ -113,7 +113,7 @@ held = tokens_of(sid)
 ids_held = prompt[:50] + [9, 9, 9] + r["choices"][0]["tokens"][:7]
 r = complete(ids_held, session=sid)
 check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == held - 1 and tokens_of(sid) == held - 1 + 8,
-      "re-sending exactly the cached tokens recomputes only the last one (§7.3)")
+      "re-sending exactly the cached tokens recomputes only the last one")
 
 # ---- forks --------------------------------------------------------------------
 s = session(prompt=prompt)

@@ -1,7 +1,7 @@
 /* Description: the quantized cache inside the store and the forward pass
  *: logits of quantized sequences against the dense cache within
  * per-format bounds (and the int8 bound failing for int2, so the bounds
- * bite); HF's residual counting (cache-semantics §10.7) observed through
+ * bite); HF's residual counting (QuantizedLayer.update) observed through
  * kv_seq_qview; the step transaction under injected device-allocation
  * faults (bit-identical to a clean run afterwards); sliding layers dropping
  * quantized blocks; mixed batches; the refusals (bad parameters, crop,
@@ -192,7 +192,7 @@ static void test_logits_vs_dense(void **state)
     }
 }
 
-/* cache-semantics §10.7 through the store: the prompt is quantized at the
+/* HF's residual counting through the store: the prompt is quantized at the
  * first update, single-token decodes leave k mod R in the residual, R = 0
  * alternates 1, 0, and a chunk appended to a non-empty residual below the
  * threshold grows it past R - 1. */

@@ -374,7 +374,7 @@ static void step(struct layer_fixture *fx, const float *k, const float *v, int n
     assert_int_equal(kvq_layer_commit(fx->l), BE_OK);
 }
 
-/* §10.7: R = 4, prefill 5; the first update leaves the residual empty, after
+/* HF's residual counting: R = 4, prefill 5; the first update leaves the residual empty, after
  * decode step k the residual holds k mod 4 and get_seq_length is 5 + k. */
 static void test_residual_counting(void **state)
 {

@@ -672,14 +672,14 @@ static int cmd_batch(int argc, char **argv)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: kvtier [--socket PATH] [--json] COMMAND ...   (kvtier --version: the version)\n"
-               "  generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT|-   stream a completion\n"
-               "  chat [--system TEXT] [-n N] [-t T]        interactive chat in one session\n"
+               "  generate [-n N] [-t T] [--seed S] [--stop STR] [--session ID] PROMPT...|-   stream a completion\n"
+               "  chat [--system TEXT] [-n N] [-t T] [--seed S] [--stop STR]   interactive chat in one session\n"
                "  sessions [rm ID]                          list or delete your sessions\n"
                "  session export ID FILE                    save a session's KV as safetensors\n"
                "  session import FILE                       a new session from such a file (prints its id)\n"
                "  status                                    daemon health and model\n"
                "  batch IN.jsonl [-o OUT.jsonl] [-j N]      OpenAI batch lines, results in input order\n"
-               "  top [-d SECONDS]                          live view of sessions, requests and tiers\n"
+               "  top [-d SECONDS] [-n FRAMES]              live view of sessions, requests and tiers\n"
                "  quantize [--type T] MODEL_DIR OUT.gguf    a model directory as a (Q8_0) GGUF file\n"
                "kvtier COMMAND --help describes a command.\n"
                "exit codes: 0 ok, 1 daemon error, 2 usage, 3 kvtierd unreachable, 4 malformed reply\n");
