@@ -27,6 +27,7 @@
 
 #include "backend/backend.h"
 #include "util/half.h"
+#include "util/q4k.h"
 #include "util/q8.h"
 
 struct dut {
@@ -172,21 +173,21 @@ static void check_matmul(enum be_dtype wt, int n, int in, int out, bool bias, en
              be_dtype_name(yt_dev));
     float *x = randv((size_t)n * in, 1.0f), *w = randv((size_t)out * in, 0.2f), *b = randv((size_t)out, 0.5f);
     round_to(cur->act, x, (size_t)n * in);
-    struct q8_0_block *q = NULL;
-    if (wt == BE_Q8_0) {
-        q = malloc((size_t)out * in / 32 * sizeof(*q));
-        if (!q || !q8_0_quantize(w, q, (size_t)out * in))
-            abort();
-    } else {
+    void *q = NULL; /* the quantized blocks, as GGUF lays them out */
+    size_t qbytes = be_row_bytes(wt, (size_t)in) * (size_t)out;
+    if (wt == BE_Q8_0 && (!(q = malloc(qbytes)) || !q8_0_quantize(w, q, (size_t)out * in)))
+        abort();
+    else if (wt == BE_Q4_K && (!(q = malloc(qbytes)) || !q4_k_quantize(w, q, (size_t)out * in)))
+        abort();
+    else if (!q)
         round_to(wt, w, (size_t)out * in);
-    }
     float *want = malloc((size_t)n * out * 4), *got = malloc((size_t)n * out * 4);
     be_backend *bes[2] = {oracle, cur->be};
     for (int k = 0; k < 2; k++) {
         be_backend *be = bes[k];
         enum be_dtype at = k ? cur->act : BE_F32, yt = k ? yt_dev : BE_F32;
         be_buffer *bx = put(be, at, x, (size_t)n * in);
-        be_buffer *bw = q ? put_bytes(be, q, (size_t)out * in / 32 * sizeof(*q)) : put(be, wt, w, (size_t)out * in);
+        be_buffer *bw = q ? put_bytes(be, q, qbytes) : put(be, wt, w, (size_t)out * in);
         be_buffer *bb = put(be, BE_F32, b, (size_t)out);
         be_buffer *by = zeros(be, (size_t)n * out * be_dtype_size(yt));
         must(be_matmul(be, be_buffer_data(by), yt, be_buffer_data(bx), be_buffer_data(bw), wt,
@@ -213,6 +214,10 @@ static void test_matmul(void)
         }
     for (int r = 0; r < 3; r++)
         check_matmul(wts[irand(0, 3)], irand(1, 40), 32 * irand(1, 12), irand(1, 300), r & 1, cur->act);
+    /* Q4_K rows are whole super-blocks of 256 */
+    const int q4k[][3] = {{1, 256, 1}, {1, 512, 130}, {3, 256, 77}, {8, 768, 64}, {17, 1024, 255}, {64, 512, 384}};
+    for (int s = 0; s < 6; s++)
+        check_matmul(BE_Q4_K, q4k[s][0], q4k[s][1], q4k[s][2], s % 2, s == 2 ? BE_F32 : cur->act);
 }
 
 /* Unary row and element ops: op(be, act, y, x[, x2]) over n values. */

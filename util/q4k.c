@@ -4,17 +4,6 @@
 #include "util/half.h"
 #include "util/q4k.h"
 
-void q4_k_scale_min(const uint8_t scales[12], int j, int *sc, int *m)
-{
-    if (j < 4) {
-        *sc = scales[j] & 63;
-        *m = scales[j + 4] & 63;
-    } else {
-        *sc = (scales[j + 4] & 0x0f) | (scales[j - 4] >> 6) << 4;
-        *m = (scales[j + 4] >> 4) | (scales[j] >> 6) << 4;
-    }
-}
-
 /* v rounded (halves up) into [0, hi]; compared before converting, so no
  * value overflows the int. */
 static int clamp_code(float v, int hi)

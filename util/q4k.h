@@ -33,7 +33,11 @@ struct q4_k_block {
     uint8_t scales[12];
     uint8_t qs[Q4_K_BLOCK / 2];
 };
+#ifdef __cplusplus /* the CUDA plugin's C++ */
+static_assert(sizeof(struct q4_k_block) == 144, "Q4_K blocks are 144 bytes, unpadded");
+#else
 _Static_assert(sizeof(struct q4_k_block) == 144, "Q4_K blocks are 144 bytes, unpadded");
+#endif
 
 /* Bytes of a row of n elements; 0 when n is not whole super-blocks. */
 static inline size_t q4_k_row_bytes(size_t n)
@@ -41,8 +45,23 @@ static inline size_t q4_k_row_bytes(size_t n)
     return n % Q4_K_BLOCK ? 0 : n / Q4_K_BLOCK * sizeof(struct q4_k_block);
 }
 
+#ifdef __CUDACC__
+#define Q4K_INLINE __host__ __device__ static inline /* the CUDA plugin's kernels read the blocks too */
+#else
+#define Q4K_INLINE static inline
+#endif
+
 /* Sub-block j's (0..7) 6-bit scale and min, by the definition above. */
-void q4_k_scale_min(const uint8_t scales[12], int j, int *sc, int *m);
+Q4K_INLINE void q4_k_scale_min(const uint8_t scales[12], int j, int *sc, int *m)
+{
+    if (j < 4) {
+        *sc = scales[j] & 63;
+        *m = scales[j + 4] & 63;
+    } else {
+        *sc = (scales[j + 4] & 0x0f) | (scales[j - 4] >> 6) << 4;
+        *m = (scales[j + 4] >> 4) | (scales[j] >> 6) << 4;
+    }
+}
 
 /* The same for all eight at once, as bytes: sc of sub-block j is byte j
  * of out[0..1], its m byte j of out[2..3] (little-endian words), for the

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "backend/cuda/cuda.h"
+#include "util/q4k.h"
 
 #define THREADS 256
 
@@ -66,11 +67,27 @@ __global__ void k_matmul_rows(void *y, enum be_dtype yt, const void *x, enum be_
 
 /* An activation row's block of 32 rounded to int8, as the CPU backend
  * rounds it (cpu_q8_act_scalar): d = max|x| / 127, q = rint(x / d); a
- * block with a NaN or an infinity gets d = NaN. */
+ * block with a NaN or an infinity gets d = NaN.  sum: of the codes, what
+ * Q4_K's mins multiply. */
 struct q8_act {
     float d;
+    int sum;
     int8_t qs[32];
 };
+
+__device__ __forceinline__ int warp_isum(int v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float f16_bits(uint16_t h)
+{
+    __half_raw hr;
+    hr.x = h;
+    return __half2float(__half(hr));
+}
 
 /* One warp per block of 32: lane i holds element i. */
 __global__ void k_q8_act(struct q8_act *q, const void *x, enum be_dtype xt, size_t n_blocks)
@@ -82,9 +99,12 @@ __global__ void k_q8_act(struct q8_act *q, const void *x, enum be_dtype xt, size
     float v = ld(x, b * 32 + lane, xt);
     bool finite = __all_sync(0xffffffffu, fabsf(v) < INFINITY);
     float d = warp_max(fabsf(v)) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    q[b].qs[lane] = finite ? (int8_t)__float2int_rn(v * id) : 0;
-    if (lane == 0)
+    int c = finite ? __float2int_rn(v * id) : 0, sum = warp_isum(c);
+    q[b].qs[lane] = (int8_t)c;
+    if (lane == 0) {
         q[b].d = finite ? d : NAN;
+        q[b].sum = sum;
+    }
 }
 
 /* y[t, r] = sum over blocks of f16(wd) * xd * (integer dot of the codes),
@@ -102,12 +122,41 @@ __global__ void k_matmul_q8(void *y, enum be_dtype yt, const struct q8_act *xq, 
         float acc = 0.0f;
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = row + (size_t)b * 34;
-            int prod = (int)(int8_t)blk[2 + lane] * (int)xq[(size_t)t * nb + b].qs[lane];
-            for (int o = 16; o > 0; o >>= 1)
-                prod += __shfl_xor_sync(0xffffffffu, prod, o);
-            __half_raw hr;
-            hr.x = (unsigned short)(blk[0] | blk[1] << 8);
-            acc += __half2float(__half(hr)) * xq[(size_t)t * nb + b].d * (float)prod;
+            int prod = warp_isum((int)(int8_t)blk[2 + lane] * (int)xq[(size_t)t * nb + b].qs[lane]);
+            acc += f16_bits((uint16_t)(blk[0] | blk[1] << 8)) * xq[(size_t)t * nb + b].d * (float)prod;
+        }
+        if (lane == 0)
+            st(y, (size_t)t * out + r, yt, acc + (bias ? bias[r] : 0.0f));
+    }
+}
+
+/* The same for GGUF's Q4_K super-blocks (util/q4k.h), summed as the CPU
+ * backend's oracle sums them: per sub-block j of 32 the integer dot
+ * product of the 4-bit codes with the activation codes, then
+ *     d sc_j dx isum_j - dmin m_j (dx xsum_j)
+ * in sub-block order.  A warp per row, lane i takes element i of every
+ * sub-block. */
+__global__ void k_matmul_q4k(void *y, enum be_dtype yt, const struct q8_act *xq, const struct q4_k_block *w,
+                             const float *bias, int n, int in, int out)
+{
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (r >= out)
+        return;
+    int nsb = in / Q4_K_BLOCK, nb = in / Q4_K_SUB;
+    const struct q4_k_block *row = w + (size_t)r * nsb;
+    for (int t = 0; t < n; t++) {
+        const struct q8_act *x = xq + (size_t)t * nb;
+        float acc = 0.0f;
+        for (int b = 0; b < nsb; b++) {
+            const struct q4_k_block *blk = &row[b];
+            float d = f16_bits(blk->d), dmin = f16_bits(blk->dmin);
+            for (int j = 0; j < Q4_K_BLOCK / Q4_K_SUB; j++) {
+                const struct q8_act *xb = &x[b * (Q4_K_BLOCK / Q4_K_SUB) + j];
+                uint8_t byte = blk->qs[j / 2 * Q4_K_SUB + lane];
+                int isum = warp_isum((j % 2 ? byte >> 4 : byte & 0x0f) * (int)xb->qs[lane]), sc, m;
+                q4_k_scale_min(blk->scales, j, &sc, &m);
+                acc += d * (float)sc * xb->d * (float)isum - dmin * (float)m * (xb->d * (float)xb->sum);
+            }
         }
         if (lane == 0)
             st(y, (size_t)t * out + r, yt, acc + (bias ? bias[r] : 0.0f));
@@ -175,17 +224,19 @@ enum be_status cu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, co
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     BE_TRY(cu_enter(c, "matmul"));
-    if (wt == BE_Q4_K) /* no kernel reads its blocks yet (backend_impl.h: refuse what it cannot read) */
-        return BE_ENOTSUP;
     unsigned grid = (unsigned)((out + ROW_WARPS - 1) / ROW_WARPS);
-    if (wt == BE_Q8_0) {
+    if (wt == BE_Q8_0 || wt == BE_Q4_K) { /* the activations rounded to int8 blocks first, as on the CPU */
         size_t nb = (size_t)n * in / 32;
         void *xq;
         BE_TRY(cu_scratch(c, nb * sizeof(struct q8_act), &xq));
         k_q8_act<<<(unsigned)((nb + ROW_WARPS - 1) / ROW_WARPS), THREADS, 0, c->compute>>>((struct q8_act *)xq, x,
                                                                                            c->act, nb);
-        k_matmul_q8<<<grid, THREADS, 0, c->compute>>>(y, yt, (const struct q8_act *)xq, (const uint8_t *)w, bias,
-                                                      n, in, out);
+        if (wt == BE_Q8_0)
+            k_matmul_q8<<<grid, THREADS, 0, c->compute>>>(y, yt, (const struct q8_act *)xq, (const uint8_t *)w,
+                                                          bias, n, in, out);
+        else
+            k_matmul_q4k<<<grid, THREADS, 0, c->compute>>>(y, yt, (const struct q8_act *)xq,
+                                                           (const struct q4_k_block *)w, bias, n, in, out);
     } else if (n < GEMM_MIN_TOKENS || (c->act == BE_F32 && wt != BE_F32)) {
         /* f32 activations keep f32 products with 16-bit weights, which a
          * cuBLAS GEMM would only give by rounding x */
