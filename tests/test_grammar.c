@@ -256,6 +256,22 @@ static void test_min_close_exact(void **state)
     gram_free(g);
 }
 
+/* A key that spells a quote: the escaped quote is part of it, not its end. */
+static void test_escaped_keys(void **state)
+{
+    (void)state;
+    gram *g = compile_str("{\"type\":\"object\",\"properties\":{\"a\\\"b\":{\"type\":\"null\"},\"a\":{\"type\":\"null\"}},"
+                          "\"required\":[\"a\\\"b\"],\"additionalProperties\":false}");
+    ACCEPT(g, "{\"a\\\"b\":null}");
+    ACCEPT(g, "{\"a\":null,\"a\\\"b\":null}");
+    REFUSE(g, "{\"a\\\"c");
+    REFUSE(g, "{\"a\\\"\"");
+    PREFIX(g, "{\"a\\\"");
+    for (uint64_t seed = 1; seed <= 64; seed++)
+        walk_and_close(g, seed);
+    gram_free(g);
+}
+
 /* The output nests at most GRAM_DEPTH values: in the last frame an object
  * or array may open but take no value, a schema whose shortest value is
  * deeper is refused, and the closing length stays exact at the limit. */
@@ -449,7 +465,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_object),      cmocka_unit_test(test_schema_object),
         cmocka_unit_test(test_refused_keywords), cmocka_unit_test(test_calls),
-        cmocka_unit_test(test_min_close_exact),  cmocka_unit_test(test_vocab_mask),
+        cmocka_unit_test(test_min_close_exact),
+        cmocka_unit_test(test_escaped_keys),  cmocka_unit_test(test_vocab_mask),
         cmocka_unit_test(test_mask_is_exact),    cmocka_unit_test(test_depth_limit),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -863,12 +863,25 @@ static bool obj_key_start(const gram *g, const struct node *nd, struct gram_fram
     return true;
 }
 
+/* Whether a known key's spelling in f goes on with a quote: the quote is
+ * then its escaped \" (a spelling holds a quote only after a backslash
+ * that starts an escape, so no other candidate can end there). */
+static bool quote_in_key(const gram *g, const struct node *nd, const struct gram_frame *f)
+{
+    for (int i = 0; i < nd->n_props; i++) {
+        const struct text *p = &g->props[nd->prop0 + (uint32_t)i];
+        if ((f->m2 >> i & 1) && f->n < p->len && p->s[f->n] == '"')
+            return true;
+    }
+    return false;
+}
+
 static bool obj_step(struct gram_state *s, struct gram_frame *f, unsigned char c)
 {
     const gram *g = s->g;
     const struct node *nd = &g->nodes[f->node];
     if (f->phase == O_KEY) {
-        if (c == '"') {
+        if (c == '"' && !quote_in_key(g, nd, f)) {
             uint64_t exact = 0;
             for (int i = 0; i < nd->n_props; i++)
                 if ((f->m2 >> i & 1) && g->props[nd->prop0 + (uint32_t)i].len == f->n)
