@@ -182,6 +182,14 @@ static void test_format_errors(void **state)
     p = params(KVQ_HQQ, 4, 1, 1, 256, 128); /* a group wider than head_dim is one head row */
     assert_int_equal(kvq_format_init(&f, &p, 2, 64, 32, &e), TIER_OK);
     assert_int_equal(f.k.gd, 64);
+    /* per-channel groups of one element are per-token groups of one: whole
+     * bytes only, else the backend could not read the format */
+    p = params(KVQ_HQQ, 2, 0, 1, 1, 128);
+    assert_int_equal(kvq_format_init(&f, &p, 2, 64, 32, &e), TIER_EINVAL);
+    assert_string_equal(e.param, "cache.q_group_size");
+    p = params(KVQ_HQQ, 8, 0, 0, 1, 128);
+    assert_int_equal(kvq_format_init(&f, &p, 2, 64, 32, &e), TIER_OK);
+    assert_true(f.k.gt == 1 && f.k.gd == 1 && f.v.gt == 1 && f.v.gd == 1);
 }
 
 /* ---- round trip ------------------------------------------------------------ */

@@ -196,6 +196,12 @@ static enum tier_status half_init(struct be_kvq_half *h, const struct kv_quant_p
             return fail(err, "cache.q_group_size",
                         "cache.q_group_size (%d) must divide the quantized block (%d tokens) for per-channel %s groups",
                         g, block_tokens, which);
+        /* groups of one element are per-token groups of one as well, which
+         * start each group's codes on a byte */
+        if (g == 1 && p->nbits % 8)
+            return fail(err, "cache.q_group_size",
+                        "cache.q_group_size 1 makes per-channel %s groups of one element, whose %d-bit codes would "
+                        "not start on a byte: use 2 or more, or nbits 8", which, p->nbits);
         h->gt = g;
         h->gd = 1;
     } else {
