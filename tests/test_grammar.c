@@ -157,6 +157,25 @@ static void test_refused_keywords(void **state)
     char err[TEXT_ERR_LEN];
     assert_int_equal(gram_compile(j, &g, &bad, err), TEXT_EUNSUPPORTED);
     json_decref(j);
+    /* 64 objects of 64 integers: 4,161 nodes, past the limit, which is the
+     * schema's fault (a 400), not a lack of memory */
+    json_t *props = json_object();
+    for (int i = 0; i < 64; i++) {
+        json_t *inner = json_object();
+        for (int k = 0; k < 64; k++) {
+            char key[8];
+            snprintf(key, sizeof(key), "q%d", k);
+            json_object_set_new(inner, key, json_pack("{s:s}", "type", "integer"));
+        }
+        char key[8];
+        snprintf(key, sizeof(key), "p%d", i);
+        json_object_set_new(props, key, json_pack("{s:s, s:o}", "type", "object", "properties", inner));
+    }
+    j = json_pack("{s:s, s:o}", "type", "object", "properties", props);
+    assert_int_equal(gram_compile(j, &g, &bad, err), TEXT_EUNSUPPORTED);
+    assert_null(g);
+    assert_non_null(strstr(err, "4096 nodes"));
+    json_decref(j);
 }
 
 static void test_calls(void **state)

@@ -128,6 +128,15 @@ static enum text_status cfail(struct cctx *c, enum text_status st, const char *w
     return text_errf(c->err, st, "response schema at \"%s\": %s", c->path[0] ? c->path : "/", what);
 }
 
+/* Why new_node failed: the client's schema is too large (a 400), or
+ * memory ran out. */
+static enum text_status node_fail(struct cctx *c)
+{
+    if (c->g->n_nodes == MAX_NODES)
+        return cfail(c, TEXT_EUNSUPPORTED, "the schema needs more than 4096 nodes, kvtier's limit");
+    return cfail(c, TEXT_ENOMEM, "out of memory for the grammar");
+}
+
 static enum text_status compile(struct cctx *c, const json_t *sch, int depth, int *out);
 
 /* Compiles sub at path + "/" + seg, restoring the path after. */
@@ -394,7 +403,7 @@ static enum text_status compile(struct cctx *c, const json_t *sch, int depth, in
     }
     int self = new_node(g);
     if (self < 0)
-        return cfail(c, TEXT_ENOMEM, "too many schema nodes or out of memory");
+        return node_fail(c);
     enum text_status st = TEXT_OK;
     const json_t *e = json_object_get(sch, "enum"), *k = json_object_get(sch, "const");
     if (e || k) {
@@ -490,7 +499,7 @@ enum text_status gram_compile(const json_t *schema, gram **out, const char **bad
     if (schema) {
         st = compile(&c, schema, 0, &g->root);
     } else if ((g->root = new_node(g)) < 0) {
-        st = cfail(&c, TEXT_ENOMEM, "out of memory");
+        st = node_fail(&c);
     } else {
         g->nodes[g->root].types = T_OBJ; /* json_object: any object */
         g->nodes[g->root].minlen = 2;
@@ -523,7 +532,7 @@ enum text_status gram_compile_calls(const char *const *names, const json_t *cons
         if (!params[i]) {
             kids[i] = new_node(g);
             if (kids[i] < 0)
-                st = cfail(&c, TEXT_ENOMEM, "out of memory");
+                st = node_fail(&c);
             else
                 g->nodes[kids[i]].types = T_OBJ, g->nodes[kids[i]].minlen = 2;
         } else if ((st = compile(&c, params[i], 0, &kids[i])) == TEXT_OK) {
@@ -541,7 +550,7 @@ enum text_status gram_compile_calls(const char *const *names, const json_t *cons
     }
     int root = st == TEXT_OK ? new_node(g) : -1;
     if (st == TEXT_OK && root < 0)
-        st = text_errf(err, TEXT_ENOMEM, "out of memory for a grammar");
+        st = node_fail(&c);
     if (st == TEXT_OK) {
         g->nodes[root].calls = true;
         g->nodes[root].prop0 = g->n_props;
