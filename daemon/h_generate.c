@@ -147,8 +147,10 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     struct ipc_error *err = &r->prep.err;
     struct tok_ids ids = {0};
     enum ipc_status st = ipc_gen_req_parse(r->root, chat, &lim, &g, err);
-    if (st == IPC_OK && g.session && g.cache_given)
-        st = ipc_fail(err, IPC_EINVAL, "cache", "a session's cache strategy is fixed when it is created");
+    if (st == IPC_OK && g.session && g.cache_given) {
+        const char *f = json_object_get(r->root, "cache") ? "cache" : "use_cache";
+        st = ipc_fail(err, IPC_EINVAL, f, "%s: a session's cache strategy is fixed when it is created", f);
+    }
     struct tok_ids in = {0};
     if (st == IPC_OK && engine_encdec(s->eng))
         st = encdec_ids(s, &g, chat, &in, &ids, err);
@@ -177,8 +179,10 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
      * its KV to the common prefix) */
     struct kv_seq_params sp;
     const struct kv_seq_params *cp = &g.cache.params;
-    if (st == IPC_OK && g.session && (st = engine_session_cache(s->eng, r->uid, g.session, &sp, err)) == IPC_OK)
+    if (st == IPC_OK && g.session && (st = engine_session_cache(s->eng, r->uid, g.session, &sp, err)) == IPC_OK) {
         cp = &sp;
+        st = ipc_max_tokens_check(&g, cp->sink, ctx, err);
+    }
     int left = ctx - (int)ids.n;
     /* a static cache may end before the context (the last generated token
      * is never stored) */
@@ -189,7 +193,7 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     int chat_default = room < left ? (room > 1 ? (int)room : 1) : left;
     int max_new = g.max_tokens > 0 ? g.max_tokens : chat || rest ? chat_default : chat_default < 16 ? chat_default : 16;
     /* a sink cache's positions are indices in its window: it goes past the context */
-    if (st == IPC_OK && max_new > left && !g.cache.params.sink)
+    if (st == IPC_OK && max_new > left && !cp->sink)
         st = ipc_fail(err, IPC_ECONTEXT, "max_tokens",
                       "the prompt (%zu tokens) + max_tokens (%d) exceeds the context (%d tokens)", ids.n, max_new, ctx);
     /* both lengths are known now: refuse before any work what would fail

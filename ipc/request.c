@@ -409,6 +409,7 @@ static enum ipc_status f_max_tokens(const json_t *v, const char *name, struct fi
     int hi = c->lim->max_context > IPC_MAX_SINK_TOKENS ? c->lim->max_context : IPC_MAX_SINK_TOKENS;
     enum ipc_status st = get_int(v, name, 1, hi, &x, err);
     c->r->max_tokens = (int)x;
+    c->r->max_tokens_field = name;
     return st;
 }
 
@@ -1029,12 +1030,17 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     if (st == IPC_OK && json_is_integer(mt) && json_is_integer(mct) && !json_equal(mt, mct))
         return ipc_fail(err, IPC_EINVAL, "max_completion_tokens", "max_tokens (%lld) and max_completion_tokens (%lld) "
                         "disagree; send one", (long long)json_integer_value(mt), (long long)json_integer_value(mct));
-    if (st == IPC_OK && !out->cache.params.sink && out->max_tokens > lim->max_context) {
-        const char *field = json_is_integer(mct) ? "max_completion_tokens" : "max_tokens";
-        return ipc_fail(err, IPC_EINVAL, field, "%s must be between 1 and %d (got %d); only a sink cache generates "
-                        "past the context", field, lim->max_context, out->max_tokens);
-    }
+    if (st == IPC_OK && !out->session) /* a session's own cache decides (ipc_max_tokens_check) */
+        st = ipc_max_tokens_check(out, out->cache.params.sink, lim->max_context, err);
     return st;
+}
+
+enum ipc_status ipc_max_tokens_check(const struct ipc_gen_req *r, bool sink, int max_context, struct ipc_error *err)
+{
+    if (sink || r->max_tokens <= max_context)
+        return IPC_OK;
+    return ipc_fail(err, IPC_EINVAL, r->max_tokens_field, "%s must be between 1 and %d (got %d); only a sink cache "
+                    "generates past the context", r->max_tokens_field, max_context, r->max_tokens);
 }
 
 void ipc_gen_req_release(struct ipc_gen_req *r)

@@ -74,6 +74,7 @@ struct ipc_gen_req {
     int32_t *input_ids;
     size_t n_input_ids;
     int max_tokens; /* -1: not given */
+    const char *max_tokens_field; /* the name it was given under (max_completion_tokens is an alias) */
     struct sampler_params sampling;
     bool has_seed;
     const char *stops[IPC_MAX_STOPS];
@@ -112,6 +113,10 @@ struct ipc_gen_req {
 enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,
                                   struct ipc_error *err);
 void ipc_gen_req_release(struct ipc_gen_req *r); /* accepts a zeroed or released request */
+/* max_tokens against the context: only a sink cache generates past it.
+ * ipc_gen_req_parse checks it against the request's cache; a request on a
+ * session is checked by the caller against the session's (sink). */
+enum ipc_status ipc_max_tokens_check(const struct ipc_gen_req *r, bool sink, int max_context, struct ipc_error *err);
 
 /* POST /v1/sessions: an optional prefix (text or ids, prefilled at once) or
  * system prompt (rendered by the chat template), and the cache strategy. */

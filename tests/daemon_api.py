@@ -200,6 +200,8 @@ check(code == 200 and c3["usage"]["prompt_tokens_details"]["cached_tokens"] < he
       "a prompt that is not a continuation is recomputed from the first mismatch (prefix check)")
 code, e = d.post("/v1/completions", dict(greedy, session=sid, cache={"implementation": "dynamic"}))
 check(code == 400 and e["error"]["param"] == "cache", "session + cache -> 400")
+code, e = d.post("/v1/completions", dict(greedy, session=sid, use_cache=False))
+check(code == 400 and e["error"]["param"] == "use_cache", "session + use_cache -> 400 naming use_cache")
 code, lst = d.get("/v1/sessions")
 check(code == 200 and [x["id"] for x in lst["data"]] == [sid], "GET /v1/sessions")
 ids = [d.post("/v1/sessions", {})[1]["id"] for _ in range(2)]

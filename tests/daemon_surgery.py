@@ -233,6 +233,19 @@ check(code == 200 and len(r["choices"][0]["tokens"]) == 300,
       "sink: 10 + 300 tokens on a 128-token context (positions stay in the window)")
 code, e = small.post("/v1/completions", dict(gen, max_tokens=300, prompt=prompt[:10]))
 check(code == 400 and e["error"]["param"] == "max_tokens", "dynamic: max_tokens past the context -> 400")
+# a session's sink cache goes past the context as a request's does; a
+# dense session's max_tokens is held to it
+code, ss = small.post("/v1/sessions", {"cache": sink})
+code2, r = small.post("/v1/completions", dict(gen, max_tokens=300, prompt=prompt[:10], session=ss["id"]))
+check(code == 200 and code2 == 200 and len(r["choices"][0]["tokens"]) == 300,
+      "a sink session: 10 + 300 tokens on a 128-token context (%d %s)" % (code2, r if code2 != 200 else ""))
+code, r = small.post("/v1/completions", dict(gen, max_tokens=110, prompt=prompt[:10], session=ss["id"]))
+check(code == 200 and len(r["choices"][0]["tokens"]) == 110,
+      "a sink session: prompt + max_tokens past the context again (%d)" % code)
+code, ds = small.post("/v1/sessions", {})
+code2, e = small.post("/v1/completions", dict(gen, max_tokens=300, prompt=prompt[:10], session=ds["id"]))
+check(code == 200 and code2 == 400 and e["error"]["param"] == "max_tokens" and "sink" in e["error"]["message"],
+      "a dynamic session: max_tokens past the context -> 400 naming max_tokens")
 for impl in ({"implementation": "quantized"}, sink):
     code, e = small.post("/v1/completions", dict(gen, prompt=prompt[:10], cache=impl, use_cache=False))
     check(code == 400 and e["error"]["param"] == "use_cache",
