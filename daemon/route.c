@@ -82,7 +82,9 @@ static const struct route *route_find(const char *method, const char *url, bool 
         if (!path_match(rt->path, url, seg))
             continue;
         *path_ok = true;
-        if (!strcmp(method, rt->method))
+        /* HEAD is GET without the body (libmicrohttpd leaves it out), as
+         * monitors probe /health */
+        if (!strcmp(method, rt->method) || (!strcmp(method, "HEAD") && !strcmp(rt->method, "GET")))
             return rt;
     }
     return NULL;
