@@ -1012,8 +1012,12 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
     if (out->tool_choice == IPC_TOOLS_NONE)
         out->tools = NULL; /* hidden from the template, so no call is read back either */
     /* a grammar masks what gen_seq samples: beams pick their own tokens,
-     * and a document that never ends has no grammar */
-    const char *why = out->num_beams > 1 ? "num_beams" : out->ignore_eos ? "ignore_eos" : NULL;
+     * a document that never ends has no grammar, and a complete document
+     * ends the choice whatever min_tokens asks */
+    const char *why = out->num_beams > 1  ? "num_beams"
+                      : out->ignore_eos    ? "ignore_eos"
+                      : out->min_tokens > 0 ? "min_tokens"
+                                            : NULL;
     if (out->grammar && why)
         return ipc_fail(err, IPC_EINVAL, why, "%s cannot be combined with constrained output (response_format or a "
                         "forced tool_choice)", why);

@@ -92,6 +92,9 @@ for kw, schema in (("pattern", {"type": "string", "pattern": "^a"}),
           % (kw, e))
 code, e = d.post("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_object"}, "num_beams": 2})
 check(code == 400 and e["error"]["param"] == "num_beams", "response_format with num_beams is a 400")
+code, e = d.post("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_object"}, "min_tokens": 20})
+check(code == 400 and e["error"]["param"] == "min_tokens",
+      "response_format with min_tokens is a 400 (a complete document ends the choice)")
 
 # ---- tools ----
 # small: the tools go into the prompt, and the built-in model's context is 512 tokens
