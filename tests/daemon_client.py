@@ -93,4 +93,10 @@ with open(inp, "a") as f:
 r = kv("batch", inp, "-o", out)
 check(r.returncode == 1 and json.loads(open(out).read().splitlines()[-1])["error"]["code"] == "invalid_line",
       "batch: a bad line is reported in its place, exit 1")
+with open(inp, "a") as f:
+    f.write('{"custom_id":"get","method":"GET","url":"/v1/completions","body":{"prompt":"x","max_tokens":1}}\n')
+r = kv("batch", inp, "-o", out)
+last = json.loads(open(out).read().splitlines()[-1])
+check(r.returncode == 1 and last["custom_id"] == "get" and last["error"]["code"] == "invalid_line" and
+      "POST" in last["error"]["message"], "batch: a line whose method is not POST is refused in its place")
 check(d.stop() == 0, "stop")

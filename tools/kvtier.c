@@ -456,10 +456,13 @@ static char *batch_result(kvtier_client *kc, size_t idx, const char *line, unsig
     json_t *in = json_loads(line, 0, NULL);
     const json_t *custom = json_object_get(in, "custom_id");
     const char *url = json_string_value(json_object_get(in, "url"));
-    const json_t *body = json_object_get(in, "body");
+    const json_t *body = json_object_get(in, "body"), *method = json_object_get(in, "method");
     json_t *res = json_pack("{s:o,s:O}", "id", json_sprintf("batch_req_%zu", idx), "custom_id",
                             custom ? custom : json_null());
+    /* OpenAI's batch lines are POSTs; a method left out means that too */
     const char *why = !in ? "the line is not JSON" : !json_is_object(body) ? "body must be an object"
+                      : method && (!json_is_string(method) || strcmp(json_string_value(method), "POST"))
+                          ? "method must be POST"
                       : !url || (strcmp(url, "/v1/completions") && strcmp(url, "/v1/chat/completions"))
                           ? "url must be /v1/completions or /v1/chat/completions"
                           : NULL;
