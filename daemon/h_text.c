@@ -83,7 +83,9 @@ enum ipc_status prep_tokenize(struct req *r)
                                                                                       : NULL;
         if (!strcmp(key, "content") || !strcmp(key, "prompt")) {
             if (!json_is_string(v))
-                return ipc_fail(err, IPC_EINVAL, key, "content must be a string");
+                return ipc_fail(err, IPC_EINVAL, key, "%s must be a string", key);
+            if (text)
+                return ipc_fail(err, IPC_EINVAL, key, "send content (llama.cpp's) or prompt (vLLM's), not both");
             text = v;
             vllm = !strcmp(key, "prompt");
         } else if (flag) {
@@ -95,7 +97,8 @@ enum ipc_status prep_tokenize(struct req *r)
             if (ipc_check_model(v, &lim, err) != IPC_OK)
                 return err->st;
         } else {
-            return unknown_field(key, "content, add_special, with_pieces", err);
+            return unknown_field(key, "content or prompt, add_special or add_special_tokens, with_pieces, model",
+                                 err);
         }
     }
     if (!text)

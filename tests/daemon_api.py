@@ -39,6 +39,8 @@ code, dt = d.post("/detokenize", {"tokens": t["tokens"]})
 check(code == 200 and dt["content"] == "Hello world", "/detokenize round trip")
 code, t2 = d.post("/tokenize", {"prompt": "Hello world"})
 check(code == 200 and t2["tokens"][1:] == t["tokens"], "vLLM shape adds BOS by default")
+code, e = d.post("/tokenize", {"content": "Hello", "prompt": "world"})
+check(code == 400 and e["error"]["param"] in ("content", "prompt"), "/tokenize with content and prompt -> 400")
 
 greedy = {"prompt": "In the beginning", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_tokens": True}
 code, r = d.post("/v1/completions", greedy)
