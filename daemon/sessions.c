@@ -770,8 +770,9 @@ static enum ipc_status import_cross(engine *e, struct session *s, struct kvfile 
     if (!cc)
         return ipc_fail(err, IPC_ENOMEM, "", "no host memory for the imported cross-attention cache");
     enum tier_status ts = kv_seq_create(e->store, &(struct kv_seq_params){.no_prefix_cache = true}, &q);
+    /* a raw file's dtype is its residual's; its cross K and V are f32 */
     if (ts == TIER_OK)
-        ts = kv_seq_import_dense(q, f->n_input, f->dtype, f->ck, f->cv);
+        ts = kv_seq_import_dense(q, f->n_input, f->q ? BE_F32 : f->dtype, f->ck, f->cv);
     if (ts != TIER_OK) {
         kv_seq_free(q);
         free(cc);

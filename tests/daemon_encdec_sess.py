@@ -334,6 +334,16 @@ def run(name, args, dp):
               "%s %s: after the restart the session continues with the same tokens, %d cached, nothing encoded" %
               (name, kind, details(rb)["cached_tokens"]))
     check(ref.stop() == 0 and d.stop() == 0, "%s: both daemons exit cleanly" % name)
+
+    # ---- a quantized self cache over bf16 KV: the raw file's residual is
+    # bf16, its cross K and V f32, and both come back as they were ----
+    bd = Daemon("--disk-dir", "none", "--kv-dtype", "bf16", model=model, tmp=ref.tmp)
+    bd.sock = os.path.join(ref.tmp, "bf16.sock")
+    bd.start()
+    sid = bd.post_ok("/v1/sessions", {"cache": {"implementation": "quantized", "nbits": 4, "residual_length": 4}})["id"]
+    held = dp + toks(complete(bd, input=ENC, prompt=dp, session=sid))
+    raw_roundtrip(bd, sid, held + [33], held)
+    check(bd.stop() == 0, "%s: the bf16 daemon exits cleanly" % name)
     ref.cleanup()
 
 
