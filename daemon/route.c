@@ -24,12 +24,18 @@ struct route {
     enum route_needs needs; /* checked before the handler runs: model loaded, JSON object body (or none) */
 };
 
+/* HEAD, which monitors probe with, where the GET is cheap: libmicrohttpd
+ * leaves the body out.  Not on the GETs that run work (a session's export). */
 static const struct route routes[] = {
     {"GET", "/health", NULL, h_health, NEEDS_NOTHING},
+    {"HEAD", "/health", NULL, h_health, NEEDS_NOTHING},
     {"GET", "/v1/health", NULL, h_health, NEEDS_NOTHING},
+    {"HEAD", "/v1/health", NULL, h_health, NEEDS_NOTHING},
     {"GET", "/v1/models", NULL, h_models, NEEDS_MODEL},
+    {"HEAD", "/v1/models", NULL, h_models, NEEDS_MODEL},
     {"GET", "/v1/models/*", NULL, h_model, NEEDS_MODEL},
     {"GET", "/metrics", NULL, h_metrics, NEEDS_NOTHING},
+    {"HEAD", "/metrics", NULL, h_metrics, NEEDS_NOTHING},
     {"POST", "/v1/completions", prep_completions, h_generate, NEEDS_BODY},
     {"POST", "/v1/chat/completions", prep_chat, h_generate, NEEDS_BODY},
     {"POST", "/tokenize", prep_tokenize, h_prepared, NEEDS_BODY},
@@ -50,6 +56,7 @@ static const struct route routes[] = {
     {"GET", "/api/ps", NULL, h_ollama_ps, NEEDS_MODEL},
     {"POST", "/api/show", NULL, h_ollama_show, NEEDS_BODY},
     {"GET", "/api/version", NULL, h_ollama_version, NEEDS_NOTHING},
+    {"HEAD", "/api/version", NULL, h_ollama_version, NEEDS_NOTHING},
     {"GET", "/v1/requests", NULL, h_request_list, NEEDS_NOTHING},
 };
 
@@ -82,9 +89,7 @@ static const struct route *route_find(const char *method, const char *url, bool 
         if (!path_match(rt->path, url, seg))
             continue;
         *path_ok = true;
-        /* HEAD is GET without the body (libmicrohttpd leaves it out), as
-         * monitors probe /health */
-        if (!strcmp(method, rt->method) || (!strcmp(method, "HEAD") && !strcmp(rt->method, "GET")))
+        if (!strcmp(method, rt->method))
             return rt;
     }
     return NULL;

@@ -204,7 +204,9 @@ code, e = d.post("/v1/completions", dict(greedy, session=sid, cache={"implementa
 check(code == 400 and e["error"]["param"] == "cache", "session + cache -> 400")
 code, body = d.request("HEAD", "/health")
 code2, e = d.request("HEAD", "/v1/completions")
-check(code == 200 and body == b"" and code2 == 405, "HEAD /health: 200 without a body; HEAD on a POST route: 405")
+code3, e = d.request("HEAD", "/v1/sessions/%s/kv" % sid)
+check(code == 200 and body == b"" and code2 == 405 and code3 == 405,
+      "HEAD /health: 200 without a body; HEAD on a POST route or a session's export: 405")
 code, e = d.post("/v1/completions", dict(greedy, session=sid, use_cache=False))
 check(code == 400 and e["error"]["param"] == "use_cache", "session + use_cache -> 400 naming use_cache")
 code, lst = d.get("/v1/sessions")
