@@ -176,6 +176,28 @@ static void test_refused_keywords(void **state)
     assert_null(g);
     assert_non_null(strstr(err, "4096 nodes"));
     json_decref(j);
+    /* 17 objects of 64 enums of 64 values: 1,106 nodes, but more values
+     * than frames index */
+    json_t *vals = json_array();
+    for (int k = 0; k < 64; k++)
+        json_array_append_new(vals, json_integer(k));
+    props = json_object();
+    for (int i = 0; i < 17; i++) {
+        json_t *inner = json_object();
+        for (int k = 0; k < 64; k++) {
+            char key[8];
+            snprintf(key, sizeof(key), "e%d", k);
+            json_object_set_new(inner, key, json_pack("{s:O}", "enum", vals));
+        }
+        char key[8];
+        snprintf(key, sizeof(key), "o%d", i);
+        json_object_set_new(props, key, json_pack("{s:s, s:o}", "type", "object", "properties", inner));
+    }
+    json_decref(vals);
+    j = json_pack("{s:s, s:o}", "type", "object", "properties", props);
+    assert_int_equal(gram_compile(j, &g, &bad, err), TEXT_EUNSUPPORTED);
+    assert_non_null(strstr(err, "65535"));
+    json_decref(j);
 }
 
 static void test_calls(void **state)

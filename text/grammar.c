@@ -194,7 +194,9 @@ static enum text_status compile_lits(struct cctx *c, const json_t *vals, struct 
         bool ok = s && add_text(&g->lits, &g->n_lits, &g->cap_lits, s, strlen(s), -1);
         free(s);
         if (!ok)
-            return cfail(c, TEXT_ENOMEM, "out of memory");
+            return g->n_lits == UINT16_MAX ? cfail(c, TEXT_EUNSUPPORTED, "the schema has more than 65535 enum and "
+                                                   "const values in all, kvtier's limit")
+                                           : cfail(c, TEXT_ENOMEM, "out of memory");
     }
     nd->n_lits = (int)n;
     return TEXT_OK;
