@@ -141,7 +141,8 @@ CUDA_ARCH  ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=
 NVCCFLAGS  := -O2 -std=c++17 -I. -D_GNU_SOURCE -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra \
               --Werror all-warnings $(CUDA_ARCH)
 cuda: $(BUILD)/libkvtier-cuda.so $(BUILD)/kvtier-cuda-limits
-$(BUILD)/obj/backend/cuda/%.o: backend/cuda/%.cu $(wildcard backend/cuda/*.h) backend/backend.h backend/backend_impl.h backend/arena.h
+$(BUILD)/obj/backend/cuda/%.o: backend/cuda/%.cu $(wildcard backend/cuda/*.h) backend/backend.h backend/backend_impl.h \
+                               backend/arena.h util/q4k.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 $(BUILD)/libkvtier-cuda.so: $(CUDA_OBJ) $(BUILD)/obj/backend/arena.o backend/cuda/plugin.map

@@ -99,8 +99,9 @@ __global__ void k_q8_act(struct q8_act *q, const void *x, enum be_dtype xt, size
     float v = ld(x, b * 32 + lane, xt);
     bool finite = __all_sync(0xffffffffu, fabsf(v) < INFINITY);
     float d = warp_max(fabsf(v)) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int c = finite ? __float2int_rn(v * id) : 0, sum = warp_isum(c);
-    q[b].qs[lane] = (int8_t)c;
+    int8_t c = finite ? (int8_t)__float2int_rn(v * id) : 0; /* the sum is of the codes as stored */
+    int sum = warp_isum(c);
+    q[b].qs[lane] = c;
     if (lane == 0) {
         q[b].d = finite ? d : NAN;
         q[b].sum = sum;
