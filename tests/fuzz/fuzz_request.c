@@ -76,7 +76,12 @@ static void check_gen(const struct ipc_gen_req *r, bool chat, const struct ipc_l
          * one takes "input"): the daemon's prepare step checks it */
         check_ids(r->ids, r->n_ids, lim);
     }
-    FUZZ_CHECK(r->max_tokens == -1 || (r->max_tokens >= 1 && r->max_tokens <= lim->max_context), "max_tokens %d",
+    /* past the context only for a sink cache, the request's or (checked
+     * by the daemon) its session's */
+    int max_new = r->session || r->cache.params.sink
+                      ? (lim->max_context > IPC_MAX_SINK_TOKENS ? lim->max_context : IPC_MAX_SINK_TOKENS)
+                      : lim->max_context;
+    FUZZ_CHECK(r->max_tokens == -1 || (r->max_tokens >= 1 && r->max_tokens <= max_new), "max_tokens %d",
                r->max_tokens);
     FUZZ_CHECK(r->n >= 1 && r->n <= lim->max_n, "n %d", r->n);
     FUZZ_CHECK(!r->session || r->n == 1, "n %d with a session", r->n);
