@@ -163,11 +163,11 @@ static void test_refused_keywords(void **state)
     for (int i = 0; i < 64; i++) {
         json_t *inner = json_object();
         for (int k = 0; k < 64; k++) {
-            char key[8];
+            char key[16];
             snprintf(key, sizeof(key), "q%d", k);
             json_object_set_new(inner, key, json_pack("{s:s}", "type", "integer"));
         }
-        char key[8];
+        char key[16];
         snprintf(key, sizeof(key), "p%d", i);
         json_object_set_new(props, key, json_pack("{s:s, s:o}", "type", "object", "properties", inner));
     }
@@ -185,11 +185,11 @@ static void test_refused_keywords(void **state)
     for (int i = 0; i < 17; i++) {
         json_t *inner = json_object();
         for (int k = 0; k < 64; k++) {
-            char key[8];
+            char key[16];
             snprintf(key, sizeof(key), "e%d", k);
             json_object_set_new(inner, key, json_pack("{s:O}", "enum", vals));
         }
-        char key[8];
+        char key[16];
         snprintf(key, sizeof(key), "o%d", i);
         json_object_set_new(props, key, json_pack("{s:s, s:o}", "type", "object", "properties", inner));
     }
