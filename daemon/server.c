@@ -474,8 +474,8 @@ static void answer_raw(int fd, int code, const char *why)
                          : code == 408 ? "Request Timeout"
                                        : "Service Unavailable";
     /* no request field is at fault: the connection or its head is */
-    int bn = snprintf(body, sizeof(body), "{\"error\":{\"code\":%d,\"message\":\"%s\",\"type\":\"%s\",\"param\":null}}\n",
-                      code, why,
+    int bn = snprintf(body, sizeof(body),
+                      "{\"error\":{\"code\":%d,\"message\":\"%s\",\"type\":\"%s\",\"param\":null}}\n", code, why,
                       code == 403 ? "permission_error" : code >= 500 ? "unavailable_error" : "invalid_request_error");
     int n = snprintf(buf, sizeof(buf),
                      "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n"

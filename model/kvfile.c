@@ -768,7 +768,8 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             if (st != MODEL_OK)
                 break;
             snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kv);
-            st = check_tensor(h, name, kvfile_dtype_name(f->dtype), 4, res, V_FINITE, buf, data_at, data_size, &r[i], err);
+            st = check_tensor(h, name, kvfile_dtype_name(f->dtype), 4, res, V_FINITE, buf, data_at, data_size, &r[i],
+                              err);
             if (st == MODEL_OK)
                 q->res[half] = buf + data_at + r[i++].begin;
         }

@@ -301,8 +301,8 @@ static void test_min_close_exact(void **state)
 static void test_escaped_keys(void **state)
 {
     (void)state;
-    gram *g = compile_str("{\"type\":\"object\",\"properties\":{\"a\\\"b\":{\"type\":\"null\"},\"a\":{\"type\":\"null\"}},"
-                          "\"required\":[\"a\\\"b\"],\"additionalProperties\":false}");
+    gram *g = compile_str("{\"type\":\"object\",\"properties\":{\"a\\\"b\":{\"type\":\"null\"},"
+                          "\"a\":{\"type\":\"null\"}},\"required\":[\"a\\\"b\"],\"additionalProperties\":false}");
     ACCEPT(g, "{\"a\\\"b\":null}");
     ACCEPT(g, "{\"a\":null,\"a\\\"b\":null}");
     REFUSE(g, "{\"a\\\"c");
