@@ -19,6 +19,7 @@
 #include <errno.h>
 #include <math.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -310,10 +311,11 @@ static struct st_file *file_named(model_files *mf, const char *name)
     return NULL;
 }
 
-/* A shard name from the index must stay inside the model directory. */
+/* A shard name from the index must stay inside the model directory, and
+ * be a name a file can have (open would say ENAMETOOLONG, an I/O error). */
 static bool shard_name_ok(const char *s)
 {
-    return s[0] && !strchr(s, '/') && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+    return s[0] && strlen(s) <= NAME_MAX && !strchr(s, '/') && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
 
 /* Opens every shard the weight map names, each once. */
