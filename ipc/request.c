@@ -1043,8 +1043,9 @@ enum ipc_status ipc_max_tokens_check(const struct ipc_gen_req *r, bool sink, int
 {
     if (sink || r->max_tokens <= max_context)
         return IPC_OK;
-    return ipc_fail(err, IPC_EINVAL, r->max_tokens_field, "%s must be between 1 and %d (got %d); only a sink cache "
-                    "generates past the context", r->max_tokens_field, max_context, r->max_tokens);
+    const char *field = r->max_tokens_field ? r->max_tokens_field : "max_tokens";
+    return ipc_fail(err, IPC_EINVAL, field, "%s must be between 1 and %d (got %d); only a sink cache generates past "
+                    "the context", field, max_context, r->max_tokens);
 }
 
 void ipc_gen_req_release(struct ipc_gen_req *r)

@@ -132,9 +132,11 @@ static enum text_status cfail(struct cctx *c, enum text_status st, const char *w
  * memory ran out. */
 static enum text_status node_fail(struct cctx *c)
 {
-    if (c->g->n_nodes == MAX_NODES)
-        return cfail(c, TEXT_EUNSUPPORTED, "the schema needs more than 4096 nodes, kvtier's limit");
-    return cfail(c, TEXT_ENOMEM, "out of memory for the grammar");
+    if (c->g->n_nodes < MAX_NODES)
+        return cfail(c, TEXT_ENOMEM, "out of memory for the grammar");
+    char what[80];
+    snprintf(what, sizeof(what), "the schema needs more than %d nodes, kvtier's limit", MAX_NODES);
+    return cfail(c, TEXT_EUNSUPPORTED, what);
 }
 
 static enum text_status compile(struct cctx *c, const json_t *sch, int depth, int *out);
@@ -193,10 +195,14 @@ static enum text_status compile_lits(struct cctx *c, const json_t *vals, struct 
         char *s = json_dumps(json_array_get(vals, i), JSON_COMPACT | JSON_ENCODE_ANY);
         bool ok = s && add_text(&g->lits, &g->n_lits, &g->cap_lits, s, strlen(s), -1);
         free(s);
-        if (!ok)
-            return g->n_lits == UINT16_MAX ? cfail(c, TEXT_EUNSUPPORTED, "the schema has more than 65535 enum and "
-                                                   "const values in all, kvtier's limit")
-                                           : cfail(c, TEXT_ENOMEM, "out of memory");
+        if (!ok && g->n_lits < UINT16_MAX)
+            return cfail(c, TEXT_ENOMEM, "out of memory");
+        if (!ok) {
+            char what[96];
+            snprintf(what, sizeof(what), "the schema has more than %d enum and const values in all, kvtier's limit",
+                     UINT16_MAX);
+            return cfail(c, TEXT_EUNSUPPORTED, what);
+        }
     }
     nd->n_lits = (int)n;
     return TEXT_OK;
