@@ -20,7 +20,7 @@
 #include <cmocka.h>
 
 #include "backend/cpu/cpu.h"
-#include "backend/cpu/kvq_format.h"
+#include "backend/kvq_format.h"
 #include "tiers/quant.h"
 #include "tests/levels.h"
 

@@ -8,26 +8,32 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline uint32_t f32_bits(float f)
+#ifdef __CUDACC__
+#define HALF_INLINE __host__ __device__ static inline /* the CUDA plugin decodes quantized KV with these */
+#else
+#define HALF_INLINE static inline
+#endif
+
+HALF_INLINE uint32_t f32_bits(float f)
 {
     uint32_t u;
     memcpy(&u, &f, sizeof(u));
     return u;
 }
 
-static inline float f32_from_bits(uint32_t u)
+HALF_INLINE float f32_from_bits(uint32_t u)
 {
     float f;
     memcpy(&f, &u, sizeof(f));
     return f;
 }
 
-static inline float bf16_to_f32(uint16_t h)
+HALF_INLINE float bf16_to_f32(uint16_t h)
 {
     return f32_from_bits((uint32_t)h << 16);
 }
 
-static inline uint16_t f32_to_bf16(float f)
+HALF_INLINE uint16_t f32_to_bf16(float f)
 {
     uint32_t u = f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u)
@@ -35,7 +41,7 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-static inline float f16_to_f32(uint16_t h)
+HALF_INLINE float f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -48,7 +54,7 @@ static inline float f16_to_f32(uint16_t h)
     return f32_from_bits(sign | ((exp + 112) << 23) | (man << 13));
 }
 
-static inline uint16_t f32_to_f16(float f)
+HALF_INLINE uint16_t f32_to_f16(float f)
 {
     uint32_t u = f32_bits(f);
     uint16_t sign = (uint16_t)((u >> 16) & 0x8000);

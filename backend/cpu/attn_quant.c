@@ -30,7 +30,7 @@
 #include <string.h>
 
 #include "backend/cpu/cpu.h"
-#include "backend/cpu/kvq_format.h"
+#include "backend/kvq_format.h"
 
 /* Keys per chunk when no per-channel group fixes it. */
 #define QATTN_CHUNK 64
@@ -351,36 +351,11 @@ static void attend_quantized(struct qattn *a, int64_t k0, int64_t k1)
     }
 }
 
-/* The keys of the token at qpos, in the order attention reads them: the
- * sinks (positions [0, sinks) of the rest), the quantized positions
- * [qlo, qhi), then the full-precision rest [rlo, rhi). */
-struct qkeys {
-    int64_t sinks, qlo, qhi, rlo, rhi;
-};
-
-static int64_t qkeys(const struct be_attn_params *p, const struct be_kvq_view *v, int64_t qpos, struct qkeys *kk)
-{
-    int64_t k0 = v->lo, k1 = p->bidirectional ? INT64_MAX : qpos + 1; /* as dense_keys bounds them */
-    int window = v->rest.window ? v->rest.window : p->window; /* a sequence's own window first */
-    if (window > 0 && qpos - window + 1 > k0)
-        k0 = qpos - window + 1;
-    kk->sinks = v->rest.sinks;
-    kk->qlo = k0;
-    kk->qhi = v->fmt && k1 < v->hi ? k1 : v->fmt ? v->hi : k0; /* no format: a dense sequence of a mixed batch */
-    kk->rlo = k0 > v->rest.lo ? k0 : v->rest.lo;
-    kk->rhi = k1 < v->rest.hi ? k1 : v->rest.hi;
-    if (kk->qhi < kk->qlo)
-        kk->qhi = kk->qlo;
-    if (kk->rhi < kk->rlo)
-        kk->rhi = kk->rlo;
-    return kk->sinks + (kk->qhi - kk->qlo) + (kk->rhi - kk->rlo);
-}
-
 static void quant_keys(const struct cpu_attn_src *s, const struct be_tok *t, int64_t *c0, int64_t *c1)
 {
-    struct qkeys kk;
+    struct kvq_keys kk;
     *c0 = 0;
-    *c1 = qkeys(s->p, (const struct be_kvq_view *)s->views + t->view, t->pos, &kk);
+    *c1 = kvq_keys(s->p, (const struct be_kvq_view *)s->views + t->view, t->pos, &kk);
 }
 
 /* Lays a's arrays out from base, after cpu_attend_span's work area (NULL:
@@ -411,8 +386,8 @@ static void quant_piece(const struct cpu_attn_src *s, const struct cpu_kern *k, 
     (void)n;
     const struct be_kvq_view *v = (const struct be_kvq_view *)s->views + t->view;
     const struct be_attn_params *p = s->p;
-    struct qkeys kk;
-    qkeys(p, v, t->pos, &kk);
+    struct kvq_keys kk;
+    kvq_keys(p, v, t->pos, &kk);
     int D = p->head_dim, nq = p->n_heads / p->n_kv_heads, rows = chunk_rows(v->fmt);
     struct qattn a = {.k = k, .qk = cpu_qkern_for(k), .p = p, .v = v, .kvh = kvh, .nq = nq, .D = D, .qpos = t->pos,
                       .q = q, .pt = pt};

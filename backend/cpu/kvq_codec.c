@@ -24,23 +24,9 @@
 #include <string.h>
 
 #include "backend/cpu/cpu.h"
-#include "backend/cpu/kvq_format.h"
+#include "backend/kvq_format.h"
 
 #define KVQ_MAX_GROUP_ROWS 1024 /* the largest per-channel group tiers accept */
-
-
-/* f16 saturating at +-65504 rather than overflowing to inf, so an extreme
- * group degrades instead of turning into NaNs. */
-static uint16_t param_f16(float x)
-{
-    return f32_to_f16(x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x);
-}
-
-static unsigned clamp_code(float r, int nbits)
-{
-    float top = (float)((1 << nbits) - 1);
-    return !(r >= 0.0f) ? 0u : r > top ? (unsigned)top : (unsigned)r; /* NaN -> 0 */
-}
 
 /* One affine group of n values x[i*stride]: writes its f16 pair to pr and
  * code i through put(i, code). */
@@ -59,40 +45,15 @@ static void quantize_group(const struct be_kvq_format *f, const float *x, size_t
         mn = e < mn ? e : mn;
         mx = e > mx ? e : mx;
     }
-    float top = (float)((1 << f->nbits) - 1), s, z;
-    bool quanto = f->kind == BE_KVQ_AFFINE_SHIFT;
-    if (quanto) {
-        pr[0] = param_f16((mx - mn) / top);
-        pr[1] = param_f16(-mn);
-        s = f16_to_f32(pr[0]);
-        z = f16_to_f32(pr[1]);
-    } else {
-        /* hqq works with the inverse scale; torch evaluates its
-         * max_v / (max - min) (a number over a tensor) as a reciprocal times
-         * max_v, which rounds differently from a division */
-        s = (1.0f / (mx - mn)) * top;
-        if (!(s <= 2e4f))
-            s = 2e4f;
-        z = -mn * s;
-        pr[0] = param_f16(1.0f / s);
-        pr[1] = param_f16(z);
-    }
+    float s, z;
+    kvq_affine_params(f->kind, f->nbits, mn, mx, pr, &s, &z);
     for (int i = 0; i < n; i++) {
-        float e = x[(size_t)i * stride];
-        /* quanto with a constant group divides 0 by 0; code 0 decodes to min */
-        unsigned c = quanto ? (s == 0.0f ? 0u : clamp_code(rintf((e + z) / s), f->nbits))
-                            : clamp_code(rintf(e * s + z), f->nbits);
+        unsigned c = kvq_affine_code(f->kind, f->nbits, x[(size_t)i * stride], s, z);
         if (io->per_row)
             kvq_code_put(io->rows[i], f->nbits, io->first, c);
         else
             kvq_code_put(io->rows[0], f->nbits, io->first + i, c);
     }
-}
-
-static float dequant_code(const struct be_kvq_format *f, unsigned c, const uint16_t *pr)
-{
-    float s = f16_to_f32(pr[0]), z = f16_to_f32(pr[1]);
-    return f->kind == BE_KVQ_AFFINE_SHIFT ? (float)c * s - z : ((float)c - z) * s;
 }
 
 static void quantize_half(const struct be_kvq_format *f, const struct be_kvq_half *h, void *blk, int t0, int t1,
@@ -138,13 +99,9 @@ static void dequantize_half(const struct be_kvq_format *f, const struct be_kvq_h
     int D = f->head_dim;
     for (int kvh = 0; kvh < f->n_kv_heads; kvh++)
         for (int t = t0; t < t1; t++) {
-            const uint8_t *c = kvq_code_row(f, h, blk, kvh, t);
             float *r = x + (size_t)(t - t0) * stride + (size_t)kvh * (size_t)D;
             for (int d = 0; d < D; d++)
-                r[d] = f->kind == BE_KVQ_E4M3
-                           ? e4m3_to_f32(c[d]) * scale
-                           : dequant_code(f, kvq_code_get(c, f->nbits, d),
-                                          kvq_group_params(f, h, blk, kvh, t / h->gt, d / h->gd));
+                r[d] = kvq_decode(f, h, blk, kvh, t, d, scale);
         }
 }
 
@@ -160,14 +117,6 @@ void kvq_dequantize(const struct be_kvq_format *f, const void *block, int t0, in
 {
     dequantize_half(f, &f->k, block, t0, t1, k, row_stride, scale_k);
     dequantize_half(f, &f->v, block, t0, t1, v, row_stride, scale_v);
-}
-
-/* First position a flush from nq must re-quantize in half h: the start of
- * nq's group row for per-channel groups (its earlier tokens are decoded and
- * quantized again with the new ones), nq itself otherwise. */
-static int64_t reopen_from(const struct be_kvq_half *h, enum be_kvq_codes kind, int64_t nq)
-{
-    return kind != BE_KVQ_E4M3 && h->gt > 1 ? nq / h->gt * h->gt : nq;
 }
 
 /* The rows of positions [p0, p1) of a full-precision view of dt, as f32
@@ -195,7 +144,7 @@ enum be_status cpu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t 
     float *rows_v = rows_k + (size_t)T * stride;
     for (int64_t b = nq / T; b * T < end; b++) {
         int64_t lo = nq > b * T ? nq : b * T, hi = end < (b + 1) * T ? end : (b + 1) * T;
-        int64_t k0 = reopen_from(&f->k, f->kind, lo), v0 = reopen_from(&f->v, f->kind, lo);
+        int64_t k0 = kvq_reopen_from(&f->k, f->kind, lo), v0 = kvq_reopen_from(&f->v, f->kind, lo);
         int64_t r0 = k0 < v0 ? k0 : v0; /* rows[0] is position r0 */
         void *blk = v->blocks[(b * T - v->base) / T];
         if (k0 < lo)
