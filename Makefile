@@ -142,7 +142,7 @@ NVCCFLAGS  := -O2 -std=c++17 -I. -D_GNU_SOURCE -Xcompiler -fPIC,-fvisibility=hid
               --Werror all-warnings $(CUDA_ARCH)
 cuda: $(BUILD)/libkvtier-cuda.so $(BUILD)/kvtier-cuda-limits
 $(BUILD)/obj/backend/cuda/%.o: backend/cuda/%.cu $(wildcard backend/cuda/*.h) backend/backend.h backend/backend_impl.h \
-                               backend/arena.h util/q4k.h
+                               backend/arena.h backend/kvq_format.h util/q4k.h util/half.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 $(BUILD)/libkvtier-cuda.so: $(CUDA_OBJ) $(BUILD)/obj/backend/arena.o backend/cuda/plugin.map

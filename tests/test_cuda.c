@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "tiers/quant.h"
 #include "util/half.h"
 #include "util/q4k.h"
 #include "util/q8.h"
@@ -357,6 +358,15 @@ static void test_embed_argmax(void)
     free(x);
 }
 
+static void fail_if(bool bad, const char *what)
+{
+    cases++;
+    if (bad) {
+        failures++;
+        printf("FAIL %s %s\n", cur->name, what);
+    }
+}
+
 /* ---- paged KV and attention ------------------------------------------------------ */
 
 struct attn_case {
@@ -507,16 +517,213 @@ static void test_attention(void)
     check_attention(&r);
 }
 
-/* ---- copies, events, memory ---------------------------------------------------------- */
+/* ---- quantized KV ---------------------------------------------------------------- */
 
-static void fail_if(bool bad, const char *what)
+struct kvq_case {
+    enum kv_quant_backend backend;
+    int nbits, axis_key, axis_value, group;
+    enum be_dtype kv; /* the full-precision rest's */
+    int head_dim, n_kv, gqa, window;
+    bool rope;        /* keys stored before RoPE (f32 activations only) */
+};
+
+/* One backend's quantized sequence: the rest (every position written by
+ * be_kv_store, the view reading [hi, n) of it) and the quantized blocks. */
+struct qseq {
+    be_buffer *rest[16], *qblocks[16];
+    void *rest_ptrs[16], *qptrs[16];
+    int n_rest, n_q;
+    struct be_kvq_view view;
+};
+
+static void qseq_free(struct qseq *s)
 {
-    cases++;
-    if (bad) {
-        failures++;
-        printf("FAIL %s %s\n", cur->name, what);
-    }
+    for (int i = 0; i < s->n_rest; i++)
+        be_buffer_free(s->rest[i]);
+    for (int i = 0; i < s->n_q; i++)
+        be_buffer_free(s->qblocks[i]);
 }
+
+/* The bytes of the quantized blocks, one after the other. */
+static unsigned char *qseq_bytes(be_backend *be, const struct qseq *s, size_t block_bytes)
+{
+    unsigned char *h = malloc((size_t)s->n_q * block_bytes);
+    if (!h)
+        abort();
+    for (int i = 0; i < s->n_q; i++)
+        must(be_copy(be, h + (size_t)i * block_bytes, s->qptrs[i], block_bytes, BE_D2H), "copy out");
+    return h;
+}
+
+/* The same K, V through both backends: be_kv_absmax (fp8's scales), two
+ * flushes (the second reopening a per-channel group row the first left
+ * part filled), the blocks compared byte for byte, be_kvq_dequantize
+ * compared exactly, be_kv_copy, and be_attention_quant over the quantized
+ * part and the rest, beside a dense sequence in the same batch. */
+static void check_kvq(const struct kvq_case *c)
+{
+    struct kv_quant_params qp = kv_quant_defaults(c->backend);
+    if (c->backend != KVQ_FP8) {
+        qp.nbits = c->nbits;
+        qp.axis_key = c->axis_key;
+        qp.axis_value = c->axis_value;
+        qp.q_group_size = c->group;
+    }
+    int D = c->head_dim, H = c->n_kv, n_heads = H * c->gqa, T = kvq_block_tokens(&qp, BT);
+    struct be_kvq_format f;
+    struct kvq_error e;
+    if (kvq_format_init(&f, &qp, H, D, T, &e) != TIER_OK) {
+        printf("FAIL %s kvq case: %s\n", cur->name, e.msg);
+        failures++;
+        return;
+    }
+    char what[192];
+    snprintf(what, sizeof(what), "kvq %s int%d gt=%d/%d gd=%d/%d hd=%d kv=%d gqa=%d %s window=%d rope=%d",
+             kv_quant_backend_name(c->backend), f.nbits, f.k.gt, f.v.gt, f.k.gd, f.v.gd, D, H, c->gqa,
+             be_dtype_name(c->kv), c->window, c->rope);
+    int n = 3 * T + 5, n1 = T + 3, n2 = n - 7; /* flushes [0, n1) and [n1, n2); [n2, n) stays full precision */
+    size_t row = (size_t)H * D, esz = be_dtype_size(c->kv), half = (size_t)H * BT * D * esz;
+    float *k = randv((size_t)n * row, 1.0f), *v = randv((size_t)n * row, 1.0f);
+    round_to(cur->act, k, (size_t)n * row);
+    round_to(cur->act, v, (size_t)n * row);
+    struct be_tok toks[64];
+    int n_tok = 0;
+    for (int64_t pos = n2 - 3; pos < n; pos++) /* queries on both sides of the quantized part's end */
+        toks[n_tok++] = (struct be_tok){.view = 0, .pos = pos};
+    toks[n_tok++] = (struct be_tok){.view = 1, .pos = n - 1}; /* the dense sequence */
+    size_t nq = (size_t)n_tok * n_heads * D;
+    float *q = randv(nq, 1.0f), *out[2], *deq[2];
+    round_to(cur->act, q, nq);
+    int64_t rows = n + 64;
+    float *rope = malloc((size_t)rows * D * 4);
+    for (int64_t j = 0; j < rows; j++)
+        for (int i = 0; i < D / 2; i++) {
+            float a = (float)j * powf(10000.0f, -2.0f * i / D);
+            rope[j * D + i] = cosf(a);
+            rope[j * D + i + D / 2] = sinf(a);
+        }
+    unsigned char *bytes[2];
+    float amax[2][2] = {{0}}, copied[2][2 * BT * 256]; /* H * D <= 256 in every case */
+    be_backend *bes[2] = {oracle, cur->be};
+    for (int b = 0; b < 2; b++) {
+        be_backend *be = bes[b];
+        enum be_dtype at = b ? cur->act : BE_F32;
+        be_buffer *br = put(be, BE_F32, rope, (size_t)rows * D);
+        struct be_attn_params p = {.n_heads = n_heads, .n_kv_heads = H, .head_dim = D,
+                                   .scale = 1.0f / sqrtf((float)D), .window = c->window, .kv_dtype = c->kv,
+                                   .key_rope = c->rope ? be_buffer_data(br) : NULL, .key_rope_rows = rows,
+                                   .key_rope_layout = BE_ROPE_NEOX};
+        struct qseq s = {.n_rest = (n + BT - 1) / BT, .n_q = (n + T - 1) / T};
+        for (int i = 0; i < s.n_rest; i++) {
+            s.rest[i] = zeros(be, 2 * half);
+            s.rest_ptrs[i] = be_buffer_data(s.rest[i]);
+        }
+        for (int i = 0; i < s.n_q; i++) {
+            s.qblocks[i] = zeros(be, f.block_bytes);
+            s.qptrs[i] = be_buffer_data(s.qblocks[i]);
+        }
+        struct be_kv_view rest = {.blocks = s.rest_ptrs, .n_blocks = s.n_rest, .block_tokens = BT,
+                                  .v_offset = half, .lo = 0, .hi = n, .key_rope = c->rope};
+        struct be_tok st[256];
+        for (int t = 0; t < n; t++)
+            st[t] = (struct be_tok){.view = 0, .pos = t};
+        be_buffer *bk = put(be, at, k, (size_t)n * row), *bv = put(be, at, v, (size_t)n * row);
+        must(be_kv_store(be, &rest, st, n, be_buffer_data(bk), be_buffer_data(bv), &p), "kv_store");
+        be_buffer_free(bk), be_buffer_free(bv);
+        must(be_kv_absmax(be, &rest, c->kv, H, D, 0, n, amax[b]), "kv_absmax");
+
+        s.view = (struct be_kvq_view){.fmt = &f, .blocks = s.qptrs, .n_blocks = s.n_q, .rest = rest,
+                                      .rest_dtype = c->kv, .scale_k = 1.0f, .scale_v = 1.0f};
+        if (f.kind == BE_KVQ_E4M3) { /* the oracle's scales on both, so the codes can agree */
+            s.view.scale_k = amax[0][0] / BE_E4M3_MAX;
+            s.view.scale_v = amax[0][1] / BE_E4M3_MAX;
+        }
+        s.view.rest.lo = 0;
+        must(be_kvq_quantize(be, &s.view, n1), "kvq_quantize");
+        s.view.hi = s.view.rest.lo = n1;
+        must(be_kvq_quantize(be, &s.view, n2), "kvq_quantize again");
+        s.view.hi = s.view.rest.lo = n2;
+        bytes[b] = qseq_bytes(be, &s, f.block_bytes);
+
+        /* the quantized part decoded into an f32 view */
+        struct qseq d = {.n_rest = (n2 + BT - 1) / BT};
+        size_t half32 = (size_t)H * BT * D * 4;
+        for (int i = 0; i < d.n_rest; i++) {
+            d.rest[i] = zeros(be, 2 * half32);
+            d.rest_ptrs[i] = be_buffer_data(d.rest[i]);
+        }
+        struct be_kv_view dv = {.blocks = d.rest_ptrs, .n_blocks = d.n_rest, .block_tokens = BT, .v_offset = half32,
+                                .lo = 0, .hi = n2};
+        must(be_kvq_dequantize(be, &s.view, 0, n2, &dv), "kvq_dequantize");
+        deq[b] = malloc((size_t)d.n_rest * 2 * half32);
+        if (!deq[b])
+            abort();
+        for (int i = 0; i < d.n_rest; i++)
+            get(be, d.rest[i], BE_F32, 2 * half32 / 4, deq[b] + (size_t)i * 2 * half32 / 4);
+
+        /* rows [3, 9) of the rest copied into the first block of the decoded view (f32 when the rest is) */
+        if (c->kv == BE_F32) {
+            must(be_kv_copy(be, &dv, &rest, 3, 9, &p), "kv_copy");
+            get(be, d.rest[0], BE_F32, 2 * half32 / 4, copied[b]);
+        }
+        qseq_free(&d);
+
+        struct be_kvq_view views[2] = {s.view, {.rest = rest, .rest_dtype = c->kv}};
+        be_buffer *bq = put(be, at, q, nq), *bo = zeros(be, nq * 4);
+        must(be_attention_quant(be, be_buffer_data(bo), be_buffer_data(bq), views, toks, n_tok, &p), what);
+        out[b] = malloc(nq * 4);
+        if (!out[b])
+            abort();
+        get(be, bo, at, nq, out[b]);
+        be_buffer_free(bq), be_buffer_free(bo), be_buffer_free(br);
+        qseq_free(&s);
+    }
+    char sub[256];
+    snprintf(sub, sizeof(sub), "%s: kv_absmax", what);
+    fail_if(memcmp(amax[0], amax[1], sizeof(amax[0])) != 0, sub);
+    snprintf(sub, sizeof(sub), "%s: kvq_quantize's blocks byte for byte", what);
+    fail_if(memcmp(bytes[0], bytes[1], (size_t)((n + T - 1) / T) * f.block_bytes) != 0, sub);
+    snprintf(sub, sizeof(sub), "%s: kvq_dequantize exactly", what);
+    fail_if(memcmp(deq[0], deq[1], (size_t)((n2 + BT - 1) / BT) * 2 * H * BT * D * 4) != 0, sub);
+    if (c->kv == BE_F32) {
+        snprintf(sub, sizeof(sub), "%s: kv_copy", what);
+        fail_if(memcmp(copied[0], copied[1], 2 * (size_t)H * BT * D * 4) != 0, sub);
+    }
+    compare(what, out[0], out[1], nq);
+    for (int b = 0; b < 2; b++)
+        free(bytes[b]), free(deq[b]), free(out[b]);
+    free(k), free(v), free(q), free(rope);
+}
+
+static void test_kvq(void)
+{
+    const struct kvq_case all[] = {
+        /* quanto: per-token groups of 64; K per channel, V per token; 2 bits */
+        {.backend = KVQ_QUANTO, .nbits = 4, .axis_key = 0, .axis_value = 0, .group = 64, .kv = BE_BF16,
+         .head_dim = 128, .n_kv = 2, .gqa = 4},
+        {.backend = KVQ_QUANTO, .nbits = 2, .axis_key = -1, .axis_value = 0, .group = 32, .kv = BE_F32,
+         .head_dim = 64, .n_kv = 2, .gqa = 1, .window = 40},
+        /* hqq: 3 bits per token (codes across bytes), per channel both, 8 bits per token */
+        {.backend = KVQ_HQQ, .nbits = 3, .axis_key = 1, .axis_value = 1, .group = 64, .kv = BE_F16,
+         .head_dim = 64, .n_kv = 1, .gqa = 8},
+        {.backend = KVQ_HQQ, .nbits = 4, .axis_key = 0, .axis_value = 0, .group = 16, .kv = BE_F32,
+         .head_dim = 128, .n_kv = 2, .gqa = 4},
+        {.backend = KVQ_HQQ, .nbits = 8, .axis_key = 1, .axis_value = 1, .group = 128, .kv = BE_BF16,
+         .head_dim = 256, .n_kv = 1, .gqa = 4},
+        /* fp8 with its tensor scales */
+        {.backend = KVQ_FP8, .kv = BE_F32, .head_dim = 64, .n_kv = 4, .gqa = 2},
+        /* keys stored before RoPE (the sink strategy), rotated as they are read */
+        {.backend = KVQ_QUANTO, .nbits = 4, .axis_key = 0, .axis_value = 0, .group = 32, .kv = BE_F32,
+         .head_dim = 64, .n_kv = 2, .gqa = 2, .rope = true},
+        {.backend = KVQ_HQQ, .nbits = 2, .axis_key = 0, .axis_value = 1, .group = 32, .kv = BE_F32,
+         .head_dim = 128, .n_kv = 1, .gqa = 4, .rope = true},
+    };
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        if (!all[i].rope || cur->act == BE_F32) /* the rotation table is f32: f32 activations only, as in model.c */
+            check_kvq(&all[i]);
+}
+
+/* ---- copies, events, memory ---------------------------------------------------------- */
 
 /* A copy queued behind a kernel sees what the kernel wrote; an event
  * fences the copy streams; the budget and the injected fault refuse with
@@ -576,6 +783,7 @@ static void run_all(struct dut *d)
     test_rope();
     test_embed_argmax();
     test_attention();
+    test_kvq();
     test_streams_memory();
     printf("%s (%s activations): %d cases, %d failed\n", d->name, be_dtype_name(d->act), cases - cases_before,
            failures - before);

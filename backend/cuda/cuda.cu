@@ -170,28 +170,35 @@ enum be_status cu_meta_upload(struct cu_ctx *c, const char *host, const char *de
     return cu_check(c, cudaMemcpyAsync((void *)dev, host, bytes, cudaMemcpyHostToDevice, c->compute), "metadata");
 }
 
-size_t cu_views_bytes(const struct be_kv_view *views, int n_views, int n_tok)
+/* View i of a strided array: a plain one, or a be_kvq_view array's rests. */
+static const struct be_kv_view *view_at(const struct be_kv_view *first, size_t stride, int i)
+{
+    return (const struct be_kv_view *)((const char *)first + (size_t)i * stride);
+}
+
+size_t cu_views_bytes_at(const struct be_kv_view *first, size_t stride, int n_views, int n_tok)
 {
     size_t n_ptrs = 0;
     for (int i = 0; i < n_views; i++)
-        n_ptrs += (size_t)views[i].n_blocks;
+        n_ptrs += (size_t)view_at(first, stride, i)->n_blocks;
     return (size_t)n_views * sizeof(struct cu_view) + (size_t)n_tok * sizeof(struct be_tok) + n_ptrs * sizeof(void *);
 }
 
-enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views, int n_views,
-                               const struct be_tok *toks, int n_tok, const struct cu_view **dviews,
-                               const struct be_tok **dtoks)
+enum be_status cu_upload_views_at(struct cu_ctx *c, const struct be_kv_view *first, size_t stride, int n_views,
+                                  const struct be_tok *toks, int n_tok, const struct cu_view **dviews,
+                                  const struct be_tok **dtoks)
 {
     size_t vb = (size_t)n_views * sizeof(struct cu_view), tb = (size_t)n_tok * sizeof(struct be_tok);
-    size_t bytes = cu_views_bytes(views, n_views, n_tok);
+    size_t bytes = cu_views_bytes_at(first, stride, n_views, n_tok);
     char *h, *d;
     BE_TRY(cu_meta_reserve(c, bytes, &h, &d));
     /* [views][toks][block tables] */
     struct cu_view *hv = (struct cu_view *)h;
-    memcpy(h + vb, toks, tb);
+    if (tb)
+        memcpy(h + vb, toks, tb);
     size_t ptr_off = vb + tb;
     for (int i = 0; i < n_views; i++) {
-        const struct be_kv_view *v = &views[i];
+        const struct be_kv_view *v = view_at(first, stride, i);
         if (v->n_blocks)
             memcpy(h + ptr_off, v->blocks, (size_t)v->n_blocks * sizeof(void *));
         hv[i] = (struct cu_view){
@@ -211,7 +218,8 @@ enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views,
         ptr_off += (size_t)v->n_blocks * sizeof(void *);
     }
     *dviews = (const struct cu_view *)d;
-    *dtoks = (const struct be_tok *)(d + vb);
+    if (dtoks)
+        *dtoks = (const struct be_tok *)(d + vb);
     return cu_meta_upload(c, h, d, bytes);
 }
 
@@ -468,15 +476,14 @@ static const struct be_ops cu_ops = {
     .softmax = cu_softmax,
     .embed = cu_embed,
     .argmax = cu_argmax,
-    /* no quantized KV yet: the quantized strategy reports BE_ENOTSUP */
-    .attention_quant = NULL,
-    .kvq_quantize = NULL,
-    .kvq_dequantize = NULL,
-    .kv_absmax = NULL,
+    .attention_quant = cu_attention_quant,
+    .kvq_quantize = cu_kvq_quantize,
+    .kvq_dequantize = cu_kvq_dequantize,
+    .kv_absmax = cu_kv_absmax,
     /* no state-space ops yet: a Mamba model reports BE_ENOTSUP here */
     .ssm_conv = NULL,
     .ssm_scan = NULL,
-    .kv_copy = NULL,
+    .kv_copy = cu_kv_copy,
 };
 
 static enum be_status fail(enum be_status st, const char *fmt, const char *a, const char *b)

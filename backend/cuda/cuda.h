@@ -187,13 +187,28 @@ static inline int cu_views_named(const struct be_tok *toks, int n_tok)
     return n;
 }
 
-/* The metadata bytes cu_upload_views reserves. */
-size_t cu_views_bytes(const struct be_kv_view *views, int n_views, int n_tok);
-/* Uploads views [0, n_views) and their block tables, and toks: *dviews and
- * *dtoks are device addresses valid for this op's kernels. */
-enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views, int n_views,
-                               const struct be_tok *toks, int n_tok, const struct cu_view **dviews,
-                               const struct be_tok **dtoks);
+/* The metadata bytes cu_upload_views_at reserves for n_views views, the
+ * first at `first` and each `stride` bytes after the one before (a plain
+ * array, or a be_kvq_view array's rests), and n_tok tokens. */
+size_t cu_views_bytes_at(const struct be_kv_view *first, size_t stride, int n_views, int n_tok);
+/* Uploads those views and their block tables, and toks: *dviews and
+ * *dtoks (NULL: not wanted) are device addresses valid for this op's
+ * kernels. */
+enum be_status cu_upload_views_at(struct cu_ctx *c, const struct be_kv_view *first, size_t stride, int n_views,
+                                  const struct be_tok *toks, int n_tok, const struct cu_view **dviews,
+                                  const struct be_tok **dtoks);
+
+static inline size_t cu_views_bytes(const struct be_kv_view *views, int n_views, int n_tok)
+{
+    return cu_views_bytes_at(views, sizeof(*views), n_views, n_tok);
+}
+
+static inline enum be_status cu_upload_views(struct cu_ctx *c, const struct be_kv_view *views, int n_views,
+                                             const struct be_tok *toks, int n_tok, const struct cu_view **dviews,
+                                             const struct be_tok **dtoks)
+{
+    return cu_upload_views_at(c, views, sizeof(*views), n_views, toks, n_tok, dviews, dtoks);
+}
 
 /* The K row of (position, kv head) in v (V at + v_offset), as cpu_kv_row. */
 __device__ __forceinline__ const char *kv_row(const struct cu_view *v, int64_t pos, int kvh, int D, size_t esz)
@@ -202,5 +217,43 @@ __device__ __forceinline__ const char *kv_row(const struct cu_view *v, int64_t p
     int64_t blk = rel / v->block_tokens, slot = rel % v->block_tokens;
     return v->blocks[blk] + ((size_t)kvh * (size_t)v->block_tokens + (size_t)slot) * (size_t)D * esz;
 }
+
+/* ---- quantized KV on the device (kvq.cu) ------------------------------------ */
+
+/* The quantized part of a be_kvq_view as the kernels read it (its rest is
+ * uploaded as a cu_view beside it): quantized false for a dense sequence
+ * of a mixed batch. */
+struct cu_qview {
+    struct be_kvq_format fmt;
+    const char *const *blocks;
+    int64_t base;
+    float scale_k, scale_v;
+    bool quantized;
+};
+
+/* The metadata bytes cu_upload_qviews reserves. */
+size_t cu_qviews_bytes(const struct be_kvq_view *views, int n_views);
+/* Uploads the quantized parts of views [0, n_views) and their block
+ * tables: *dq is valid for this op's kernels. */
+enum be_status cu_upload_qviews(struct cu_ctx *c, const struct be_kvq_view *views, int n_views,
+                                const struct cu_qview **dq);
+
+/* The block holding quantized position pos, and the position's row in it. */
+__device__ __forceinline__ const char *cu_qblock(const struct cu_qview *q, int64_t pos, int *t)
+{
+    int64_t rel = pos - q->base, T = q->fmt.block_tokens;
+    *t = (int)(rel % T);
+    return q->blocks[rel / T];
+}
+
+enum be_status cu_attention_quant(void *ctx, void *out, const void *q, const struct be_kvq_view *views,
+                                  const struct be_tok *toks, int n_tok, const struct be_attn_params *p);
+enum be_status cu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t end);
+enum be_status cu_kvq_dequantize(void *ctx, const struct be_kvq_view *v, int64_t p0, int64_t p1,
+                                 const struct be_kv_view *dst);
+enum be_status cu_kv_absmax(void *ctx, const struct be_kv_view *v, enum be_dtype dt, int n_kv_heads, int head_dim,
+                            int64_t p0, int64_t p1, float amax[2]);
+enum be_status cu_kv_copy(void *ctx, const struct be_kv_view *dst, const struct be_kv_view *src, int64_t p0,
+                          int64_t p1, const struct be_attn_params *p);
 
 #endif
