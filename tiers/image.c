@@ -65,8 +65,13 @@
  *   bytes arrive (kv_seq_load_begin): the disk tier's restores compute
  *   the first layers while the last are still being read.
  * - Blocks move whole, one copy each between the image and where the layer
- *   keeps them (be_copy for device blocks): no staging, no reordering, so
- *   a restore goes image -> device with nothing in between.  The save
+ *   keeps them: no staging, no reordering, so a restore goes image ->
+ *   device with nothing in between.  A load queues a layer's device blocks
+ *   on the copy stream (be_copy_async) and fences them with an event the
+ *   compute stream waits for, so the host goes on to the layer's kernels;
+ *   it waits itself only when the load ends or fails, before the image and
+ *   the blocks may go.  A save copies with be_copy: the bytes must be in
+ *   the image before it is written.  The save
  *   zeroes the rows the layer does not store (whatever a recycled block
  *   held there); the load refuses an image whose such rows are not zero.
  *   Quantized blocks go whole, unused rows included as they were: their
@@ -212,8 +217,10 @@ static size_t plan_bytes(const kv_store *s, const struct plan *pl, size_t qbb)
 
 struct io {
     kv_store *s;
-    uint8_t *p; /* the image, at the next block */
-    bool load;  /* image -> sequence; else sequence -> image */
+    uint8_t *p;     /* the image, at the next block */
+    bool load;      /* image -> sequence; else sequence -> image */
+    bool async;     /* a load's device blocks go up on the copy stream (the loader fences them) */
+    bool queued;    /* some did */
 };
 
 /* A block of bytes, whole, between where the layer keeps it (host: host
@@ -221,10 +228,14 @@ struct io {
 static enum tier_status block_io(struct io *io, void *blk, bool host, size_t bytes)
 {
     enum be_status st = BE_OK;
-    if (host)
+    if (host) {
         memcpy(io->load ? blk : (void *)io->p, io->load ? (void *)io->p : blk, bytes);
-    else
+    } else if (io->load && io->async) {
+        st = be_copy_async(io->s->be, blk, io->p, bytes, BE_H2D);
+        io->queued = true;
+    } else {
         st = io->load ? be_copy(io->s->be, blk, io->p, bytes, BE_H2D) : be_copy(io->s->be, io->p, blk, bytes, BE_D2H);
+    }
     io->p += bytes;
     return st == BE_OK ? TIER_OK
                        : kv_fail(io->s, TIER_EIO, "sequence image: copying a KV block %s the device: %s",
@@ -644,6 +655,8 @@ static enum tier_status parse_state_body(kv_store *s, const uint8_t *b, size_t s
 
 struct kv_seq_loader {
     struct kv_image_src src;
+    be_event *ev;            /* after the copies queued so far; NULL: blocks go up with be_copy */
+    bool in_flight;          /* copies were queued since the host last waited for ev */
     int parts;               /* the layers, and a state's checkpoints after them */
     int next;                /* the first part not filled yet */
     enum tier_status failed; /* TIER_OK, or why no layer is filled any more */
@@ -654,10 +667,21 @@ struct kv_seq_loader {
     int64_t len;             /* the sequence's length at the load: its checkpoints' bound */
 };
 
+/* The host waits for every upload the loader queued: before the image or
+ * the blocks they touch may go. */
+static void loader_drain(struct kv_seq_loader *ld)
+{
+    if (ld->in_flight)
+        be_event_sync(ld->ev);
+    ld->in_flight = false;
+}
+
 void kv_seq_loader_free(struct kv_seq_loader *ld)
 {
     if (!ld)
         return;
+    loader_drain(ld);
+    be_event_free(ld->ev);
     free(ld->plan);
     free(ld->end);
     free(ld);
@@ -684,10 +708,20 @@ enum tier_status kv_seq_fill(kv_seq *q, int layer)
             st = l < s->g.n_layers ? state_fill_layer(q, l, img + head_size(s))
                                    : state_fill_ckpts(q, img + head_size(s), ld->n_ckpt, ld->len);
         } else {
-            struct io io = {.s = s, .p = (uint8_t *)(uintptr_t)img + (l ? ld->end[l - 1] : head_size(s)), .load = true};
+            struct io io = {.s = s, .p = (uint8_t *)(uintptr_t)img + (l ? ld->end[l - 1] : head_size(s)), .load = true,
+                            .async = ld->ev != NULL};
             st = layer_io(&io, q, l, &ld->plan[l]);
+            /* the layer's compute waits for its blocks on the device, not the host */
+            enum be_status bs = BE_OK;
+            ld->in_flight |= io.queued;
+            if (io.queued && ((bs = be_event_record(s->be, ld->ev)) != BE_OK || (bs = be_event_wait(s->be, ld->ev)))) {
+                be_sync(s->be); /* no fence: wait for everything instead */
+                ld->in_flight = false;
+                st = kv_fail(s, TIER_EIO, "sequence image: fencing layer %d's upload: %s", l, be_strerror(bs));
+            }
         }
         if (st != TIER_OK) {
+            loader_drain(ld);
             ld->failed = st;
             snprintf(ld->why, sizeof(ld->why), "%s", s->err);
             return st;
@@ -729,6 +763,8 @@ enum tier_status kv_seq_load_begin(kv_store *s, const void *head, size_t size, c
     struct kvq_layer_state *kq = calloc(n, sizeof(*kq));
     struct kv_seq_loader *ld = calloc(1, sizeof(*ld));
     if (ld) {
+        if (be_event_create(s->be, &ld->ev) != BE_OK) /* uploads with be_copy then */
+            ld->ev = NULL;
         ld->parts = (int)n + (s->g.state_bytes > 0);
         ld->plan = calloc(n, sizeof(*ld->plan));
         ld->end = calloc((size_t)ld->parts, sizeof(*ld->end));

@@ -906,10 +906,10 @@ void kv_seq_free(kv_seq *q)
         return;
     if (q->pending)
         kv_seq_abort(q);
+    kv_seq_loader_free(q->load); /* its uploads land before the blocks go */
     layers_release(q);
     kvq_seq_release(q);
     state_seq_release(q);
-    kv_seq_loader_free(q->load);
     free(q->layers);
     free(q->ids);
     free(q);
