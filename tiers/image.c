@@ -510,9 +510,7 @@ static enum tier_status parse_params(kv_store *s, const uint8_t *b, struct kv_se
         return TIER_OK;
     struct kvq_error e;
     struct be_kvq_format f;
-    if (kv_quant_validate(&p->quant, &e) != TIER_OK ||
-        kvq_format_init(&f, &p->quant, s->g.n_kv_heads, s->g.head_dim, kvq_block_tokens(&p->quant, s->bt), &e) !=
-            TIER_OK)
+    if (kvq_store_format(s, &p->quant, &f, &e) != TIER_OK)
         return BAD("params: %s", e.msg);
     *qbb = f.block_bytes;
     *T = f.block_tokens;
@@ -924,9 +922,7 @@ enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, i
     enum tier_status st = kv_check_params(s, p);
     if (st != TIER_OK)
         return st;
-    if (kv_quant_validate(&p->quant, &e) != TIER_OK ||
-        kvq_format_init(&f, &p->quant, s->g.n_kv_heads, s->g.head_dim, kvq_block_tokens(&p->quant, s->bt), &e) !=
-            TIER_OK)
+    if (kvq_store_format(s, &p->quant, &f, &e) != TIER_OK)
         return kv_fail(s, TIER_EINVAL, "raw import: field params: %s", e.msg);
     size_t size = head_size(s);
     int64_t *lo = malloc((size_t)s->g.n_layers * sizeof(*lo));

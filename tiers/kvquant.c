@@ -147,11 +147,20 @@ void kvq_seq_release(kv_seq *q)
     q->kvq = NULL;
 }
 
+enum tier_status kvq_store_format(const kv_store *s, const struct kv_quant_params *p, struct be_kvq_format *f,
+                                  struct kvq_error *err)
+{
+    return kvq_format_init(f, p, s->g.n_kv_heads, s->g.head_dim, kvq_block_tokens(p, s->bt), err);
+}
+
 enum tier_status kvq_seq_init(kv_seq *q)
 {
     kv_store *s = q->s;
     struct kvq_error e;
-    if (kv_quant_validate(&q->p.quant, &e) != TIER_OK)
+    struct be_kvq_format f;
+    /* the check a session's creation makes too: both refuse the same caches
+     * with the same message */
+    if (kvq_store_format(s, &q->p.quant, &f, &e) != TIER_OK)
         return kv_fail(s, TIER_EINVAL, "%s", e.msg);
     struct kvq_seq *k = calloc(1, sizeof(*k));
     if (!k)

@@ -65,6 +65,13 @@ int kvq_block_tokens(const struct kv_quant_params *p, int store_bt);
  * number of bytes of codes; per-channel groups must divide block_tokens. */
 enum tier_status kvq_format_init(struct be_kvq_format *f, const struct kv_quant_params *p, int n_kv_heads,
                                  int head_dim, int block_tokens, struct kvq_error *err);
+/* kvq_format_init for a sequence of store s: its geometry and its blocks
+ * (kvq_block_tokens of its block size), the format every quantized
+ * sequence of s is built with.  It reads only what s fixed when it opened
+ * and keeps no message in s, so any thread may ask, before a sequence
+ * exists: a cache refused here is refused by kv_seq_create. */
+enum tier_status kvq_store_format(const kv_store *s, const struct kv_quant_params *p, struct be_kvq_format *f,
+                                  struct kvq_error *err);
 
 /* The fp8 tensor scale of x[n]: max|x| / 448, or 1 when x is all zeros. */
 float kvq_e4m3_scale(const float *x, size_t n);
