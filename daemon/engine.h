@@ -306,8 +306,9 @@ void engine_abort_all(engine *e, enum ipc_status st, const char *msg);
 /* Sessions.  create: registers an empty session owned by uid (429 when the
  * table is full), keeping request ({"cache", "use_cache"} as the client
  * sent them, or NULL) for its file on disk; its prefix, if any, is prefilled by a JOB_PREFILL job the
- * caller submits with session_id set.  record: activate_past_recording on
- * its KV.  Crop, fork and recording later are JOB_CROP / JOB_FORK /
+ * caller submits with session_id set.  A quantized cache whose format the
+ * store refuses is the 400 a request with that cache gets, and no session.
+ * record: activate_past_recording on its KV.  Crop, fork and recording later are JOB_CROP / JOB_FORK /
  * JOB_RECORD jobs naming the session. */
 enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
                                       const json_t *request, char *id, size_t cap, struct ipc_error *err);

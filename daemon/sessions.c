@@ -151,6 +151,17 @@ enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cac
     char why[160];
     if (record && !kv_store_past_recording_ok(e->store, &cache->params, why, sizeof(why)))
         return ipc_fail(err, IPC_ENOTIMPL, "activate_past_recording", "%s", why);
+    /* an empty session opens its KV only at its first request: a format the
+     * store refuses would otherwise be found there, the session left behind
+     * unusable.  The store's message and field, as kv_open gives them. */
+    struct be_kvq_format fmt;
+    struct kvq_error ke;
+    if (cache->params.strategy == KV_QUANTIZED &&
+        kvq_store_format(e->store, &cache->params.quant, &fmt, &ke) != TIER_OK) {
+        char param[IPC_PARAM_LEN];
+        ipc_cache_param_of(ke.msg, param);
+        return ipc_fail(err, IPC_EINVAL, param, "%s", ke.msg);
+    }
     struct session *s = session_new(uid, cache, record, request, err);
     if (!s)
         return err->st;
@@ -410,9 +421,7 @@ static enum model_status import_quant(void *ctx, const char *quantization, struc
         snprintf(err, MODEL_ERR_LEN, "%s: %s", ie.param, ie.msg);
         return MODEL_EINVAL;
     }
-    const struct kv_quant_params *q = &c.params.quant;
-    if (kvq_format_init(fmt, q, e->mc->n_kv_heads, e->mc->head_dim,
-                        kvq_block_tokens(q, kv_store_block_tokens(e->store)), &ke) != TIER_OK) {
+    if (kvq_store_format(e->store, &c.params.quant, fmt, &ke) != TIER_OK) {
         snprintf(err, MODEL_ERR_LEN, "%s", ke.msg);
         return MODEL_EINVAL;
     }

@@ -107,6 +107,21 @@ for op, body, param in (("crop", {"n": 1}, "n"), ("fork", {}, "cache")):
     check(code == 400 and op in e["error"]["message"] and e["error"]["param"] == param,
           "%s of a quantized session -> 400 naming it and %s: %s" % (op, param, e["error"]["message"]))
 check(d.request("DELETE", "/v1/sessions/" + s["id"])[0] == 200, "delete the quantized session")
+# a format the store refuses for this model (groups whose codes split a
+# byte, or that do not divide the head) is refused when a session is
+# created, empty or not, with the 400 a completion with that cache gets,
+# and leaves no session
+before = sorted(x["id"] for x in d.get("/v1/sessions")[1]["data"])
+for bad in ({"nbits": 4, "axis_key": -1, "q_group_size": 1}, {"nbits": 4, "q_group_size": 3},
+            {"backend": "hqq", "nbits": 3, "axis_key": 1, "axis_value": 1, "q_group_size": 4}):
+    cache = dict(bad, implementation="quantized")
+    gcode, ge = d.post("/v1/completions", dict(greedy, cache=cache))
+    for body in ({"cache": cache}, {"prompt": "In the beginning was", "cache": cache}):
+        code, e = d.post("/v1/sessions", body)
+        check(gcode == code == 400 and e == ge and e["error"]["param"] == "cache.q_group_size",
+              "session %s -> the completion's 400 naming cache.q_group_size: %s" %
+              (body, e.get("error", {}).get("message")))
+check(sorted(x["id"] for x in d.get("/v1/sessions")[1]["data"]) == before, "the refused caches left no session")
 # sinks + quantized: num_sink_tokens on a quantized cache; the window bounds its KV
 qsink = dict(q8, window_length=32, num_sink_tokens=4, residual_length=16)
 long = dict(greedy, max_tokens=64)
