@@ -4,7 +4,8 @@
  * reference) and against a dense product in double whose distance from the
  * kernels is bounded by the activations' rounding to int8.  Also the
  * shapes the seam refuses and the rounding ties of the activation
- * quantizer, which every level must break the same way.
+ * quantizer, which every level must break the same way, and its blocks
+ * too small for their scale's reciprocal.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -276,6 +277,87 @@ static void test_q8_nan(void **state)
     }
 }
 
+/* The activation quantizer of each level, for the byte-level checks. */
+static const struct cpu_kern *const level_kerns[N_LEVELS] = {&cpu_kern_scalar, &cpu_kern_avx2, &cpu_kern_avx512,
+                                                            &cpu_kern_avx512vnni, &cpu_kern_avx512bf16};
+
+/* Activation blocks so small that 1 / (max|x| / 127) overflows f32 (max|x|
+ * below about 3.7e-37: 1e-38, subnormals, one tiny value among zeros)
+ * round as an all-zero block does, d 0 and every code 0, where the
+ * reciprocal would make the codes garbage; at every level byte for byte,
+ * and beside ordinary blocks (one just above the bound) that keep theirs.
+ * A product over them is finite and the scalar level's. */
+static void test_q8_tiny(void **state)
+{
+    (void)state;
+    enum { NB = 8, IN = NB * Q8_0_BLOCK, OUT = 9, MAXN = 40 };
+    static const bool tiny[NB] = {true, true, true, false, true, false, true, false};
+    float row[IN];
+    for (int i = 0; i < IN; i++) {
+        int b = i / Q8_0_BLOCK, k = i % Q8_0_BLOCK;
+        switch (b) {
+        case 0: row[i] = frand() * 1e-38f; break;                    /* normal floats, 1 / d is inf */
+        case 1: row[i] = k == 5 ? 0x1p-149f : frand() * 1e-40f; break; /* subnormals, the smallest among them */
+        case 2: row[i] = k == 17 ? -3.6e-37f : 0.0f; break;         /* one value just below the bound */
+        case 4: row[i] = k % 2 ? -0.0f : 1e-39f; break;
+        case 6: row[i] = k == 0 ? 0x1p-149f : 0.0f; break;          /* d rounds to 0 itself */
+        case 7: row[i] = k == 3 ? 4e-37f : frand() * 1e-37f; break;  /* just above: codes as usual */
+        default: row[i] = frand() * 3.0f; break;
+        }
+    }
+    struct cpu_q8_act ref[NB], q[NB];
+    int32_t rsum[NB], sum[NB];
+    cpu_kern_scalar.q8_act(ref, rsum, row, IN);
+    for (int b = 0; b < NB; b++) {
+        assert_true(isfinite(ref[b].d));
+        if (!tiny[b]) {
+            assert_true(ref[b].d > 0.0f);
+            continue;
+        }
+        assert_true(ref[b].d == 0.0f);
+        assert_int_equal(rsum[b], 0);
+        for (int i = 0; i < Q8_0_BLOCK; i++)
+            assert_int_equal(ref[b].qs[i], 0);
+    }
+    assert_int_equal(abs(ref[7].qs[3]), 127);
+    for (int l = 1; l < N_LEVELS; l++) {
+        if (!levels[l])
+            continue;
+        memset(q, 0x55, sizeof q);
+        level_kerns[l]->q8_act(q, sum, row, IN);
+        for (int b = 0; b < NB; b++)
+            if (memcmp(&q[b].d, &ref[b].d, sizeof q[b].d) || memcmp(q[b].qs, ref[b].qs, sizeof q[b].qs) ||
+                sum[b] != rsum[b])
+                fail_msg("%s block %d: d %g sum %d, scalar d %g sum %d", level_names[l], b, q[b].d, sum[b], ref[b].d,
+                         rsum[b]);
+    }
+    /* through be_matmul: one token and a batch past the int8 GEMM's and
+     * sgemm's thresholds; odd tokens hold only the tiny blocks */
+    float x[MAXN * IN], w[OUT * IN], y0[MAXN * OUT], y[MAXN * OUT];
+    struct q8_0_block wq[OUT * IN / Q8_0_BLOCK];
+    fill_weights(w, OUT * IN);
+    assert_true(q8_0_quantize(w, wq, OUT * IN));
+    for (int t = 0; t < MAXN; t++)
+        for (int i = 0; i < IN; i++)
+            x[t * IN + i] = t % 2 && !tiny[i / Q8_0_BLOCK] ? 0.0f : row[i];
+    static const int ns[] = {1, 2, MAXN};
+    for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+        int n = ns[k];
+        run_level(levels[0], y0, x, wq, n, IN, OUT, NULL);
+        for (int l = 0; l < N_LEVELS; l++) {
+            if (!levels[l])
+                continue;
+            run_level(levels[l], y, x, wq, n, IN, OUT, NULL);
+            for (int i = 0; i < n * OUT; i++) {
+                if (!isfinite(y[i]) || fabsf(y[i] - y0[i]) > fabsf(y0[i]) * 2e-5f)
+                    fail_msg("%s n=%d [%d]: %.9g, scalar %.9g", level_names[l], n, i, y[i], y0[i]);
+                if (i / OUT % 2 && y[i] != 0.0f)
+                    fail_msg("%s n=%d [%d]: %.9g from tiny activations alone, not 0", level_names[l], n, i, y[i]);
+            }
+        }
+    }
+}
+
 static void test_q8_bad_args(void **state)
 {
     (void)state;
@@ -309,6 +391,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_row_bytes),
         cmocka_unit_test(test_q8_matmul),
         cmocka_unit_test(test_q8_nan),
+        cmocka_unit_test(test_q8_tiny),
         cmocka_unit_test(test_q8_bad_args),
     };
     return cmocka_run_group_tests(tests, setup_levels, teardown_levels);

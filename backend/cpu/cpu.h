@@ -109,9 +109,11 @@ struct cpu_kern {
     /* y[i] += x[i] */
     void (*add)(float *y, const float *x, size_t n);
     /* y[i / 32] = x[i] in blocks of 32 (n a multiple of 32): d = max|x| /
-     * 127, q = x * (1 / d) rounded to nearest even; a block holding a NaN
-     * or an infinity gets d = NaN so the products show it; sum[i / 32] =
-     * the sum of the block's codes.  Every level writes identical bytes. */
+     * 127, q = x * (1 / d) rounded to nearest even; a block whose 1 / d is
+     * 0 or overflows (max|x| below about 3.7e-37) gets d = 0 and zero
+     * codes, as an all-zero block; a block holding a NaN or an infinity
+     * gets d = NaN so the products show it; sum[i / 32] = the sum of the
+     * block's codes.  Every level writes identical bytes. */
     void (*q8_act)(struct cpu_q8_act *y, int32_t *sum, const float *x, size_t n);
     /* NULL, or whether matmul_rows multiplies n tokens of in columns by
      * quantized weights in f32 (a->x, gemm.c's panels) rather than from

@@ -200,6 +200,11 @@ void cpu_q8_act_scalar(struct cpu_q8_act *y, int32_t *sum, const float *x, size_
             amax = fmaxf(amax, fabsf(x[i]));
         }
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* below max|x| of about 3.7e-37 the reciprocal overflows and the
+         * codes would be inf times x: such a block rounds as an all-zero
+         * one does, its contribution being far below any product's ulp */
+        if (isinf(id))
+            d = id = 0.0f;
         y[b].d = finite ? d : NAN;
         sum[b] = 0;
         for (int i = 0; i < 32; i++) {

@@ -44,6 +44,8 @@ void cpu_q8_act_avx2(struct cpu_q8_act *y, int32_t *sum, const float *x, size_t 
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         float amax = _mm_cvtss_f32(m4);
         float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        if (isinf(id)) /* max|x| too small for its reciprocal: zero, as the scalar level */
+            d = id = 0.0f;
         if (_mm256_movemask_ps(bad)) {
             y[b].d = NAN;
             _mm256_storeu_si256((__m256i *)y[b].qs, _mm256_setzero_si256());

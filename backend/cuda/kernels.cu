@@ -67,8 +67,9 @@ __global__ void k_matmul_rows(void *y, enum be_dtype yt, const void *x, enum be_
 
 /* An activation row's block of 32 rounded to int8, as the CPU backend
  * rounds it (cpu_q8_act_scalar): d = max|x| / 127, q = rint(x / d); a
- * block with a NaN or an infinity gets d = NaN.  sum: of the codes, what
- * Q4_K's mins multiply. */
+ * block too small for 1 / d (max|x| below about 3.7e-37) gets d = 0 and
+ * zero codes; a block with a NaN or an infinity gets d = NaN.  sum: of
+ * the codes, what Q4_K's mins multiply. */
 struct q8_act {
     float d;
     int sum;
@@ -99,6 +100,8 @@ __global__ void k_q8_act(struct q8_act *q, const void *x, enum be_dtype xt, size
     float v = ld(x, b * 32 + lane, xt);
     bool finite = __all_sync(0xffffffffu, fabsf(v) < INFINITY);
     float d = warp_max(fabsf(v)) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    if (isinf(id)) /* max|x| too small for its reciprocal: zero, as the CPU levels */
+        d = id = 0.0f;
     int8_t c = finite ? (int8_t)__float2int_rn(v * id) : 0; /* the sum is of the codes as stored */
     int sum = warp_isum(c);
     q[b].qs[lane] = c;
