@@ -429,6 +429,22 @@ static void fill_kv(be_backend *be, enum be_dtype at, const struct attn_case *c,
     }
 }
 
+/* A key_rope table of rows rows (NEOX pairs): row j holds cos, sin of
+ * j * inv_freq[i] at the pair's two slots. */
+static float *rope_table(int64_t rows, int D)
+{
+    float *rope = malloc((size_t)rows * D * 4);
+    if (!rope)
+        abort();
+    for (int64_t j = 0; j < rows; j++)
+        for (int i = 0; i < D / 2; i++) {
+            float a = (float)j * powf(10000.0f, -2.0f * i / D);
+            rope[j * D + i] = cosf(a);
+            rope[j * D + i + D / 2] = sinf(a);
+        }
+    return rope;
+}
+
 static void check_attention(const struct attn_case *c)
 {
     char what[192];
@@ -452,15 +468,8 @@ static void check_attention(const struct attn_case *c)
     size_t nq = (size_t)n_tok * n_heads * D;
     float *q = randv(nq, 1.0f), *want = malloc(nq * 4), *got = malloc(nq * 4);
     round_to(cur->act, q, nq);
-    /* the sinks' rotation table: row j holds cos, sin of j * inv_freq[i] at the pair's two slots */
     int64_t rows = c->lens[0] + c->lens[1] + c->sinks + 64;
-    float *rope = malloc((size_t)rows * D * 4);
-    for (int64_t j = 0; j < rows; j++)
-        for (int i = 0; i < D / 2; i++) {
-            float a = (float)j * powf(10000.0f, -2.0f * i / D);
-            rope[j * D + i] = cosf(a);
-            rope[j * D + i + D / 2] = sinf(a);
-        }
+    float *rope = rope_table(rows, D);
     be_backend *bes[2] = {oracle, cur->be};
     for (int b = 0; b < 2; b++) {
         be_backend *be = bes[b];
@@ -595,13 +604,7 @@ static void check_kvq(const struct kvq_case *c)
     float *q = randv(nq, 1.0f), *out[2], *deq[2];
     round_to(cur->act, q, nq);
     int64_t rows = n + 64;
-    float *rope = malloc((size_t)rows * D * 4);
-    for (int64_t j = 0; j < rows; j++)
-        for (int i = 0; i < D / 2; i++) {
-            float a = (float)j * powf(10000.0f, -2.0f * i / D);
-            rope[j * D + i] = cosf(a);
-            rope[j * D + i + D / 2] = sinf(a);
-        }
+    float *rope = rope_table(rows, D);
     unsigned char *bytes[2];
     float amax[2][2] = {{0}}, copied[2][2 * BT * 256]; /* H * D <= 256 in every case */
     be_backend *bes[2] = {oracle, cur->be};
