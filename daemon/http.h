@@ -138,6 +138,17 @@ struct log_gate {
     unsigned suppressed; /* lines not written since */
 };
 
+/* A refused connection kept open after its answer (server.c, refuse): its
+ * request is read and dropped until the client closes or the deadline. */
+struct refused {
+    struct server *srv;
+    int fd; /* -1: free */
+    size_t dropped;
+    struct ev_io io;
+    struct ev_timer t;
+};
+#define LINGER_SLOTS 32
+
 struct server {
     engine *eng;
     const struct server_config *cfg;
@@ -161,6 +172,7 @@ struct server {
     struct log_gate gates[LOG_GATES]; /* render.c: 4xx log lines per client */
     char *piece; /* one token's text for logprobs: engine_max_piece bytes */
     size_t piece_cap;
+    struct refused lingering[LINGER_SLOTS];
 };
 
 /* ---- server.c ---- */

@@ -485,10 +485,63 @@ static void answer_raw(int fd, int code, const char *why)
         log_msg(LOG_DEBUG, "answer not sent: %s", strerror(errno));
 }
 
-static void refuse(int fd, int code, const char *why)
+/* A refusal is sent at accept, usually before the client's request has
+ * arrived.  Closing at once would reset the connection: a client whose
+ * request comes in after the close fails to send it (EPIPE), and one whose
+ * request sits unread when the socket closes reads ECONNRESET in place of
+ * the answer.  So the answer is followed by a shutdown of the sending side
+ * only, and what the client sends is read and dropped until it closes,
+ * LINGER_BYTES have come, or LINGER_MS pass.  The slots are few and fixed:
+ * a flood of refused connections must not hold descriptors, so past them
+ * a refusal closes at once, as before. */
+#define LINGER_MS 2000
+#define LINGER_BYTES ((size_t)64 << 10)
+
+static void linger_end(struct refused *l)
+{
+    ev_io_stop(l->srv->loop, &l->io);
+    ev_timer_stop(l->srv->loop, &l->t);
+    close(l->fd);
+    l->fd = -1;
+}
+
+static void on_linger_timeout(void *data)
+{
+    linger_end(data);
+}
+
+static void on_linger_read(void *data, unsigned events)
+{
+    (void)events;
+    struct refused *l = data;
+    char buf[4096];
+    for (;;) {
+        ssize_t n = recvfrom(l->fd, buf, sizeof(buf), MSG_DONTWAIT, NULL, NULL);
+        if (n > 0 && (l->dropped += (size_t)n) < LINGER_BYTES)
+            continue;
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        linger_end(l); /* the client closed, failed, or sends too much */
+        return;
+    }
+}
+
+static void refuse(struct server *s, int fd, int code, const char *why)
 {
     answer_raw(fd, code, why);
-    close(fd);
+    struct refused *l = NULL;
+    for (int i = 0; i < LINGER_SLOTS && !l; i++)
+        if (s->lingering[i].fd < 0)
+            l = &s->lingering[i];
+    if (!l || shutdown(fd, SHUT_WR) != 0 || ev_io_start(s->loop, &l->io, fd, EV_READ, on_linger_read, l) != 0) {
+        close(fd);
+        return;
+    }
+    l->fd = fd;
+    l->dropped = 0;
+    ev_timer_start(s->loop, &l->t, LINGER_MS, on_linger_timeout, l);
 }
 
 /* The running server, for recv() below; NULL outside server_run.  Only
@@ -624,7 +677,7 @@ static void accept_on(struct server *s, int lfd, bool tcp)
             log_msg(LOG_WARN, "refused a connection from uid %u pid %d: not the daemon's user or --allow-group",
                     (unsigned)cr.uid, (int)cr.pid);
             s->refused++;
-            refuse(fd, 403, "this uid may not use kvtierd");
+            refuse(s, fd, 403, "this uid may not use kvtierd");
             continue;
         }
         const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
@@ -642,7 +695,7 @@ static void accept_on(struct server *s, int lfd, bool tcp)
                     (int)cr.pid, full ? full : "out of memory", open, by_uid, by_pid, s->cfg->max_clients,
                     s->cfg->max_per_uid, s->cfg->max_per_pid);
             s->refused++;
-            refuse(fd, 503, full ? full : "out of memory");
+            refuse(s, fd, 503, full ? full : "out of memory");
             continue;
         }
         *c = (struct conn){.srv = s, .uid = cr.uid, .pid = cr.pid, .fd = fd, .head_since = clock_ms(),
@@ -856,6 +909,8 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
         return SERVER_EFATAL;
     }
     ev_set_before_sleep(s.loop, before_sleep, &s);
+    for (int i = 0; i < LINGER_SLOTS; i++)
+        s.lingering[i] = (struct refused){.srv = &s, .fd = -1};
     nul_guard_thread = pthread_self();
     nul_guard = &s;
     ev_timer_start(s.loop, &s.t_sweep, 1000, on_sweep, &s);
@@ -876,6 +931,9 @@ enum server_exit server_run(engine *e, const struct server_config *cfg, int list
     }
     MHD_run(s.mhd);
     MHD_stop_daemon(s.mhd);
+    for (int i = 0; i < LINGER_SLOTS; i++)
+        if (s.lingering[i].fd >= 0)
+            linger_end(&s.lingering[i]);
     nul_guard = NULL;
     stop_listening(&s);
     workers_free(s.workers);

@@ -133,6 +133,45 @@ p.kill()
 p.wait()
 check(d2.stop() == 0, "clean stop")
 
+# A client over --max-clients-per-pid that sends its request at once reads
+# the 503 (the daemon reads and drops the request before it closes), not a
+# reset or a broken pipe: whether the request arrives before or after the
+# refusal.  Over the slots kept for that, a refusal may still reset.
+d4 = Daemon("--max-clients-per-pid", "1", "--header-timeout", "30")
+d4.start()
+hold = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+hold.connect(d4.sock)
+got = {}
+for i in range(40):
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(10)
+    c.connect(d4.sock)
+    if i % 2:
+        time.sleep(0.02)  # the refusal is sent before the request
+    try:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 13\r\n\r\n{\"prompt\":1}")
+        buf = b""
+        while True:
+            chunk = c.recv(4096)
+            if not chunk:
+                break
+            buf += chunk
+        k = buf.split(b"\r\n")[0].decode()
+    except OSError as e:
+        k = "%s (%s)" % (type(e).__name__, e.errno)
+    got[k] = got.get(k, 0) + 1
+    c.close()
+check(got == {"HTTP/1.1 503 Service Unavailable": 40},
+      "40 requests over --max-clients-per-pid, sent at once or after the refusal: each reads its 503 (%s)" % got)
+hold.close()
+for _ in range(50):  # once the daemon has seen the close
+    code, _ = d4.get("/health")
+    if code == 200:
+        break
+    time.sleep(0.1)
+check(code == 200, "the held connection closed: served again")
+check(d4.stop() == 0, "clean stop")
+
 
 # ---- two uids: A trickles 1,000 connections, B must be served ----
 if os.geteuid() != 0:
