@@ -660,13 +660,6 @@ static enum model_status load(encdec *m, const char *dir, const struct model_par
     if (st != MODEL_OK)
         return st;
     const struct encdec_config *c = &m->cfg;
-    /* the CUDA plugin has no bidirectional attention or position bias
-     * yet: refused here rather than at the first encoder step */
-    const char *be_name = be_get_caps(m->be).name;
-    if (strncmp(be_name, "cpu", 3) != 0)
-        return model_errf(err, MODEL_EUNSUPPORTED, "%s runs on the cpu and cpu-strict backends, not %s (its "
-                          "attention has no bidirectional mask or position bias yet)",
-                          c->arch_name, be_name);
     m->kv_dtype = model_kv_dtype_resolve(p ? p->kv_dtype : MODEL_KV_AUTO, c->dtype);
     m->cap = batch_rows(p);
     m->act = be_get_caps(m->be).act_dtype;

@@ -5,7 +5,8 @@ the built-in model and a random Llama and Qwen3, under every strategy
 sinks, quantized KV (quanto int4 per token, hqq int2 with per-channel
 keys, fp8, and a quantized window with sinks), forks (n=2), the prefix
 cache); with bf16 activations (sinks aside: they need f32) the chosen
-tokens' logprobs within 0.1 of the CPU's while the tokens agree.  Then a
+tokens' logprobs within 0.1 of the CPU's while the tokens agree.  A T5
+and a BART model: greedy tokens with f32 activations equal to the CPU's.  Then a
 real out-of-memory: a --device-mem that holds the weights and a third of
 the request's KV completes offloaded with the unconstrained run's tokens.
 Where the CUDA backend does not open (no GPU, driver or plugin) it prints
@@ -115,6 +116,29 @@ for label, path in MODELS:
         check(worst < 0.1, "%s, %s: bf16 logprobs within 0.1 of cpu's while the tokens agree (%.3g)" %
               (label, name, worst))
     bf.cleanup()
+
+# encoder-decoder models (T5 with its relative position bias, BART): the
+# encoder's bidirectional attention and the cross-attention on the device,
+# greedy tokens with f32 activations equal to the CPU's
+sys.path.insert(0, "tools")
+import mkmodel  # noqa: E402
+ENC = [3, 141, 59, 26, 53, 58, 97, 93, 238, 46, 264, 33, 83, 279, 50, 288, 41, 97, 169, 39]
+for arch, args in (("t5", ["--ffn-kind", "gated-gelu", "--tie", "--buckets", "16", "--max-distance", "12"]),
+                   ("bart", ["--tie"])):
+    path = os.path.join(probe_tmp, arch)
+    mkmodel.main(["--out", path, "--arch", arch, "--seed", "5", "--layers", "2", "--dim", "64", "--heads", "4",
+                  "--ffn", "128", "--vocab", "320", "--max-pos", "128"] + args)
+    body = {"input": ENC, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    runs = {}
+    for backend in ("cpu", "cuda"):
+        d = Daemon("--backend", backend, model=path, tmp=probe_tmp).start(extra_env={"KVTIER_CUDA_ACT": "f32"})
+        for name, extra in (("dynamic", {}), ("offloaded", {"cache": {"implementation": "offloaded"}})):
+            code, r = d.post("/v1/completions", dict(body, **extra))
+            check(code == 200, "%s on %s, %s: %d %s" % (arch, backend, name, code, str(r)[:200]))
+            runs[backend, name] = r["choices"][0]["tokens"]
+        d.cleanup()
+    for name in ("dynamic", "offloaded"):
+        check(runs["cuda", name] == runs["cpu", name], "%s, %s: cuda f32 greedy tokens = cpu's" % (arch, name))
 
 # a real OOM: what the unconstrained run used less two thirds of its KV
 path = dict(MODELS)["llama"]

@@ -377,6 +377,8 @@ struct attn_case {
     int window;
     float softcap;
     int sinks;     /* > 0: a key_rope view with this many sinks (f32 activations only) */
+    bool bidir;    /* every key of the view visible to every query (an encoder) */
+    int rel_span;  /* > 0: a T5 relative position bias of this span */
 };
 
 #define BT 16 /* tokens per block */
@@ -449,9 +451,10 @@ static void check_attention(const struct attn_case *c)
 {
     char what[192];
     int D = c->head_dim, n_heads = c->n_kv * c->gqa;
-    snprintf(what, sizeof(what), "attention hd=%d kv=%d gqa=%d %s lens=%d,%d %s window=%d softcap=%g sinks=%d", D,
+    snprintf(what, sizeof(what),
+             "attention hd=%d kv=%d gqa=%d %s lens=%d,%d %s window=%d softcap=%g sinks=%d bidir=%d rel_span=%d", D,
              c->n_kv, c->gqa, be_dtype_name(c->kv), c->lens[0], c->lens[1], c->prefill ? "prefill" : "decode",
-             c->window, c->softcap, c->sinks);
+             c->window, c->softcap, c->sinks, c->bidir, c->rel_span);
     size_t row = (size_t)c->n_kv * D;
     float *k[2], *v[2];
     struct be_tok toks[2048];
@@ -470,15 +473,18 @@ static void check_attention(const struct attn_case *c)
     round_to(cur->act, q, nq);
     int64_t rows = c->lens[0] + c->lens[1] + c->sinks + 64;
     float *rope = rope_table(rows, D);
+    size_t n_bias = (size_t)n_heads * (2 * (size_t)c->rel_span + 1);
+    float *bias = randv(n_bias, 2.0f);
     be_backend *bes[2] = {oracle, cur->be};
     for (int b = 0; b < 2; b++) {
         be_backend *be = bes[b];
         enum be_dtype at = b ? cur->act : BE_F32;
-        be_buffer *br = put(be, BE_F32, rope, (size_t)rows * D);
+        be_buffer *br = put(be, BE_F32, rope, (size_t)rows * D), *bb = put(be, BE_F32, bias, n_bias);
         struct be_attn_params p = {.n_heads = n_heads, .n_kv_heads = c->n_kv, .head_dim = D,
                                    .scale = 1.0f / sqrtf((float)D), .softcap = c->softcap, .window = c->window,
                                    .kv_dtype = c->kv, .key_rope = c->sinks ? be_buffer_data(br) : NULL,
-                                   .key_rope_rows = rows, .key_rope_layout = BE_ROPE_NEOX};
+                                   .key_rope_rows = rows, .key_rope_layout = BE_ROPE_NEOX, .bidirectional = c->bidir,
+                                   .rel_bias = c->rel_span ? be_buffer_data(bb) : NULL, .rel_span = c->rel_span};
         struct seq_kv kv[2];
         struct be_kv_view views[2];
         for (int s = 0; s < 2; s++) {
@@ -488,7 +494,7 @@ static void check_attention(const struct attn_case *c)
         be_buffer *bq = put(be, at, q, nq), *bo = zeros(be, nq * 4);
         must(be_attention(be, be_buffer_data(bo), be_buffer_data(bq), views, toks, n_tok, &p), what);
         get(be, bo, at, nq, b ? got : want);
-        be_buffer_free(bq), be_buffer_free(bo), be_buffer_free(br);
+        be_buffer_free(bq), be_buffer_free(bo), be_buffer_free(br), be_buffer_free(bb);
         for (int s = 0; s < 2; s++) {
             for (int i = 0; i < kv[s].n_blocks; i++)
                 be_buffer_free(kv[s].blocks[i]);
@@ -496,7 +502,7 @@ static void check_attention(const struct attn_case *c)
         }
     }
     compare(what, want, got, nq);
-    free(k[0]), free(k[1]), free(v[0]), free(v[1]), free(q), free(want), free(got), free(rope);
+    free(k[0]), free(k[1]), free(v[0]), free(v[1]), free(q), free(want), free(got), free(rope), free(bias);
 }
 
 static void test_attention(void)
@@ -516,6 +522,12 @@ static void test_attention(void)
         {.head_dim = 64, .n_kv = 4, .gqa = 1, .kv = BE_F16, .lens = {300, 33}, .prefill = false, .softcap = 30.0f},
         {.head_dim = 128, .n_kv = 2, .gqa = 8, .kv = BE_F32, .lens = {1100, 1}, .prefill = false, .window = 700},
         {.head_dim = 64, .n_kv = 2, .gqa = 4, .kv = BE_F32, .lens = {40, 70}, .prefill = true, .sinks = 4},
+        /* encoder-decoder: an encoder's bidirectional self-attention with T5's
+         * bias, a decoder's causal one with it, cross-attention without */
+        {.head_dim = 64, .n_kv = 4, .gqa = 1, .kv = BE_F32, .lens = {20, 300}, .prefill = true, .bidir = true,
+         .rel_span = 12},
+        {.head_dim = 64, .n_kv = 2, .gqa = 2, .kv = BE_BF16, .lens = {17, 40}, .prefill = true, .rel_span = 8},
+        {.head_dim = 128, .n_kv = 2, .gqa = 1, .kv = BE_F16, .lens = {33, 600}, .prefill = false, .bidir = true},
     };
     for (size_t i = 0; i < sizeof(edge) / sizeof(edge[0]); i++)
         if (!edge[i].sinks || cur->act == BE_F32) /* the sinks' table is f32: f32 activations only, as in model.c */

@@ -12,7 +12,10 @@
  * they are read, at their index in the cache.  Over quantized views
  * (be_attention_quant) the same kernels read the sinks, the quantized
  * positions and the full-precision rest in that order (kvq_keys), each
- * quantized element decoded in registers as it is loaded.
+ * quantized element decoded in registers as it is loaded.  Encoder-decoder
+ * models: a bidirectional view's tokens read every key of [lo, hi), and
+ * T5's relative position bias is added to each scaled (and capped) score
+ * by the key's distance from the query, as on the CPU.
  */
 #include <math.h>
 #include <string.h>
@@ -52,7 +55,7 @@ struct item {
 static void dense_keys(const struct be_attn_params *p, const void *views, const struct be_tok *t, struct tok_keys *k)
 {
     const struct be_kv_view *v = (const struct be_kv_view *)views + t->view;
-    int64_t lo = v->lo, k1 = t->pos + 1 < v->hi ? t->pos + 1 : v->hi;
+    int64_t lo = v->lo, k1 = t->pos + 1 < v->hi && !p->bidirectional ? t->pos + 1 : v->hi;
     int window = v->window ? v->window : p->window;
     if (window > 0 && t->pos - window + 1 > lo)
         lo = t->pos - window + 1;
@@ -159,6 +162,11 @@ __global__ void k_attn_part(float *part, const void *q, enum be_dtype qt, const 
             s = warp_sum(s) * p.scale;
             if (p.softcap > 0.0f)
                 s = p.softcap * tanhf(s / p.softcap);
+            if (p.rel_bias) { /* T5: the bias of the key's distance, per query head */
+                int64_t dist = pos - toks[it.tok].pos, span = p.rel_span;
+                dist = dist < -span ? -span : dist > span ? span : dist;
+                s += p.rel_bias[(size_t)(kvh * nq + g) * (size_t)(2 * span + 1) + (size_t)(dist + span)];
+            }
             float m = wm[g], mn = fmaxf(m, s);
             float f = m == -INFINITY ? 0.0f : expf(m - mn), pw = mn == -INFINITY ? 0.0f : expf(s - mn);
             for (int e = 0; e < ATTN_E; e++) {
@@ -293,8 +301,6 @@ static int chunk_end(const struct be_attn_params *p, const struct attn_src *src,
 static enum be_status attend(struct cu_ctx *c, void *out, const void *q, const void *views, bool quant,
                              const struct be_tok *toks, int n_tok, const struct be_attn_params *p)
 {
-    if (p->bidirectional || p->rel_bias)
-        return BE_ENOTSUP; /* the encoder-decoder masks and T5's position bias: CPU only yet */
     int nq = p->n_heads / p->n_kv_heads, D = p->head_dim;
     size_t smem = ((size_t)nq * D + (size_t)ATTN_WARPS * nq * (D + 2)) * sizeof(float);
     int max_smem = 0;
