@@ -5,8 +5,9 @@ the built-in model and a random Llama and Qwen3, under every strategy
 sinks, quantized KV (quanto int4 per token, hqq int2 with per-channel
 keys, fp8, and a quantized window with sinks), forks (n=2), the prefix
 cache); with bf16 activations (sinks aside: they need f32) the chosen
-tokens' logprobs within 0.1 of the CPU's while the tokens agree.  A T5
-and a BART model: greedy tokens with f32 activations equal to the CPU's.  Then a
+tokens' logprobs within 0.1 of the CPU's while the tokens agree.  A T5,
+a BART and a Mamba model: greedy tokens with f32 activations equal to the
+CPU's.  Then a
 real out-of-memory: a --device-mem that holds the weights and a third of
 the request's KV completes offloaded with the unconstrained run's tokens.
 Where the CUDA backend does not open (no GPU, driver or plugin) it prints
@@ -139,6 +140,20 @@ for arch, args in (("t5", ["--ffn-kind", "gated-gelu", "--tie", "--buckets", "16
         d.cleanup()
     for name in ("dynamic", "offloaded"):
         check(runs["cuda", name] == runs["cpu", name], "%s, %s: cuda f32 greedy tokens = cpu's" % (arch, name))
+
+# a Mamba model: the state-space ops on the device, greedy tokens with f32
+# activations equal to the CPU's
+path = os.path.join(probe_tmp, "mamba")
+mkmodel.main(["--out", path, "--arch", "mamba", "--preset", "tiny", "--vocab", "2048", "--tokenizer-from",
+              "model/builtin"])
+runs = {}
+for backend in ("cpu", "cuda"):
+    d = Daemon("--backend", backend, model=path, tmp=probe_tmp).start(extra_env={"KVTIER_CUDA_ACT": "f32"})
+    code, r = d.post("/v1/completions", base)
+    check(code == 200, "mamba on %s: %d %s" % (backend, code, str(r)[:200]))
+    runs[backend] = r["choices"][0]["tokens"]
+    d.cleanup()
+check(runs["cuda"] == runs["cpu"], "mamba: cuda f32 greedy tokens = cpu's")
 
 # a real OOM: what the unconstrained run used less two thirds of its KV
 path = dict(MODELS)["llama"]

@@ -738,6 +738,84 @@ static void test_kvq(void)
             check_kvq(&all[i]);
 }
 
+/* ---- state-space layers ---------------------------------------------------------- */
+
+/* be_ssm_conv then be_ssm_scan over a batch of views (runs of lens[v] rows;
+ * view 0 writes its state elsewhere, the others in place), as a Mamba
+ * layer calls them: the outputs and the states after. */
+static void check_ssm(int di, int N, int K, const int *lens, int n_views)
+{
+    char what[128];
+    snprintf(what, sizeof(what), "ssm d_inner=%d d_state=%d d_conv=%d views=%d", di, N, K, n_views);
+    int n_tok = 0;
+    struct be_tok toks[64];
+    for (int v = 0; v < n_views; v++)
+        for (int i = 0; i < lens[v]; i++)
+            toks[n_tok++] = (struct be_tok){.view = v, .pos = i};
+    size_t sf = be_ssm_state_bytes(di, N, K) / sizeof(float), nx = (size_t)n_tok * di, nb = (size_t)n_tok * N;
+    float *x = randv(nx, 1.0f), *dt = randv(nx, 2.0f), *B = randv(nb, 1.0f), *C = randv(nb, 1.0f);
+    float *z = randv(nx, 1.0f), *cw = randv((size_t)di * K, 0.5f), *cb = randv((size_t)di, 0.5f);
+    float *A = randv((size_t)di * N, 1.0f), *D = randv((size_t)di, 1.0f), *st0 = randv((size_t)n_views * sf, 0.5f);
+    for (size_t i = 0; i < (size_t)di * N; i++)
+        A[i] = -1.0f - fabsf(A[i]); /* -exp(A_log) */
+    float *in[5] = {x, dt, B, C, z};
+    size_t len[5] = {nx, nx, nb, nb, nx};
+    for (int i = 0; i < 5; i++)
+        round_to(cur->act, in[i], len[i]);
+    size_t nout = 2 * nx + (size_t)n_views * sf;
+    float *res[2];
+    be_backend *bes[2] = {oracle, cur->be};
+    for (int b = 0; b < 2; b++) {
+        be_backend *be = bes[b];
+        enum be_dtype at = b ? cur->act : BE_F32;
+        be_buffer *bin[5], *bp[4], *bst[8], *bout = zeros(be, sf * sizeof(float));
+        for (int i = 0; i < 5; i++)
+            bin[i] = put(be, at, in[i], len[i]);
+        bp[0] = put(be, BE_F32, cw, (size_t)di * K), bp[1] = put(be, BE_F32, cb, (size_t)di);
+        bp[2] = put(be, BE_F32, A, (size_t)di * N), bp[3] = put(be, BE_F32, D, (size_t)di);
+        struct be_ssm_view views[8];
+        for (int v = 0; v < n_views; v++) {
+            bst[v] = put(be, BE_F32, st0 + (size_t)v * sf, sf);
+            views[v] = (struct be_ssm_view){.in = be_buffer_data(bst[v]),
+                                            .out = v ? be_buffer_data(bst[v]) : be_buffer_data(bout)};
+        }
+        struct be_ssm_params p = {.d_inner = di, .d_state = N, .d_conv = K, .conv_w = be_buffer_data(bp[0]),
+                                  .conv_b = be_buffer_data(bp[1]), .A = be_buffer_data(bp[2]),
+                                  .D = be_buffer_data(bp[3])};
+        be_buffer *yc = zeros(be, nx * 4), *ys = zeros(be, nx * 4);
+        must(be_ssm_conv(be, be_buffer_data(yc), be_buffer_data(bin[0]), views, toks, n_tok, &p), "ssm_conv");
+        must(be_ssm_scan(be, be_buffer_data(ys), be_buffer_data(yc), be_buffer_data(bin[1]), be_buffer_data(bin[2]),
+                         be_buffer_data(bin[3]), be_buffer_data(bin[4]), views, toks, n_tok, &p),
+             "ssm_scan");
+        res[b] = malloc(nout * sizeof(float));
+        if (!res[b])
+            abort();
+        get(be, yc, at, nx, res[b]);
+        get(be, ys, at, nx, res[b] + nx);
+        for (int v = 0; v < n_views; v++)
+            get(be, v ? bst[v] : bout, BE_F32, sf, res[b] + 2 * nx + (size_t)v * sf);
+        for (int i = 0; i < 5; i++)
+            be_buffer_free(bin[i]);
+        for (int i = 0; i < 4; i++)
+            be_buffer_free(bp[i]);
+        for (int v = 0; v < n_views; v++)
+            be_buffer_free(bst[v]);
+        be_buffer_free(bout), be_buffer_free(yc), be_buffer_free(ys);
+    }
+    compare(what, res[0], res[1], nout);
+    free(res[0]), free(res[1]);
+    for (int i = 0; i < 5; i++)
+        free(in[i]);
+    free(cw), free(cb), free(A), free(D), free(st0);
+}
+
+static void test_ssm(void)
+{
+    check_ssm(96, 16, 4, (const int[]){5, 1, 3}, 3); /* a prefill, a decode, another prefill */
+    check_ssm(1536, 16, 4, (const int[]){1, 1}, 2);  /* mamba-130m's channels, two decodes */
+    check_ssm(64, 8, 2, (const int[]){17}, 1);
+}
+
 /* ---- copies, events, memory ---------------------------------------------------------- */
 
 /* A copy queued behind a kernel sees what the kernel wrote; an event
@@ -799,6 +877,7 @@ static void run_all(struct dut *d)
     test_embed_argmax();
     test_attention();
     test_kvq();
+    test_ssm();
     test_streams_memory();
     printf("%s (%s activations): %d cases, %d failed\n", d->name, be_dtype_name(d->act), cases - cases_before,
            failures - before);

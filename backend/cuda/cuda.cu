@@ -480,9 +480,8 @@ static const struct be_ops cu_ops = {
     .kvq_quantize = cu_kvq_quantize,
     .kvq_dequantize = cu_kvq_dequantize,
     .kv_absmax = cu_kv_absmax,
-    /* no state-space ops yet: a Mamba model reports BE_ENOTSUP here */
-    .ssm_conv = NULL,
-    .ssm_scan = NULL,
+    .ssm_conv = cu_ssm_conv,
+    .ssm_scan = cu_ssm_scan,
     .kv_copy = cu_kv_copy,
 };
 

@@ -218,6 +218,14 @@ __device__ __forceinline__ const char *kv_row(const struct cu_view *v, int64_t p
     return v->blocks[blk] + ((size_t)kvh * (size_t)v->block_tokens + (size_t)slot) * (size_t)D * esz;
 }
 
+/* ---- state-space layers (ssm.cu) ---------------------------------------------- */
+
+enum be_status cu_ssm_conv(void *ctx, void *y, const void *x, const struct be_ssm_view *views,
+                           const struct be_tok *toks, int n_tok, const struct be_ssm_params *p);
+enum be_status cu_ssm_scan(void *ctx, void *y, const void *x, const void *dt_raw, const void *B, const void *C,
+                           const void *z, const struct be_ssm_view *views, const struct be_tok *toks, int n_tok,
+                           const struct be_ssm_params *p);
+
 /* ---- quantized KV on the device (kvq.cu) ------------------------------------ */
 
 /* The quantized part of a be_kvq_view as the kernels read it (its rest is
