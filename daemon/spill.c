@@ -836,7 +836,7 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
              (ns_of((uid_t)json_integer_value(uid), want_ns), strcmp(want_ns, ns) != 0))
         *why = "meta names another owner";
     else if (!json_is_integer(created) || !json_is_boolean(record) || !json_is_array(toks) ||
-             json_array_size(toks) >= (size_t)e->ctx || (req && !json_is_object(req) && !json_is_null(req)))
+             json_array_size(toks) > (size_t)INT32_MAX || (req && !json_is_object(req) && !json_is_null(req)))
         *why = "meta fields out of range";
     else if (data_len == 0 && json_array_size(toks))
         *why = "tokens without KV";
@@ -851,6 +851,10 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
                                                            .no_sink = model_sink_refusal(e->mc)},
                                  &cache, &err) != IPC_OK)
         *why = "its cache choice is not valid for this model";
+    /* a sink cache's positions are indices in its window: its session may
+     * have generated past the context */
+    if (!*why && !cache.params.sink && json_array_size(toks) >= (size_t)e->ctx)
+        *why = "meta fields out of range";
     if (!*why && !(s = session_new((uid_t)json_integer_value(uid), &cache, json_is_true(record), req, &err)))
         *why = "no memory";
     size_t n = json_array_size(toks);

@@ -329,3 +329,20 @@ check(ra["choices"][0]["tokens"] == rb["choices"][0]["tokens"] and cached[0] == 
       "bf16 KV, quantized: after a restart the same tokens with the same %d tokens cached" % cached[1])
 q.stop()
 qref.stop()
+
+# ---- a sink session that generated past the context survives a restart ----
+sk = Daemon("--ctx-size", "256", model=ref.model, tmp=ref.tmp)
+sk.sock = os.path.join(ref.tmp, "sink.sock")
+sk.start()
+sid = session(sk, cache={"implementation": "sink", "window_length": 64, "num_sink_tokens": 4})
+long_gen = dict(gen, max_tokens=300)
+r = sk.post_ok("/v1/completions", dict(long_gen, prompt=prompt, session=sid))
+held = sk.get("/v1/sessions/" + sid)[1]["tokens"]
+check(held > 256, "a sink session generated past the context: %d tokens" % held)
+check(sk.stop() == 0, "sink: SIGTERM writes the session")
+seen = len(sk.logtext())
+sk.start()
+code, s = sk.get("/v1/sessions/" + sid)
+check(code == 200 and s["tokens"] == held and "not listed" not in sk.logtext()[seen:],
+      "after a restart the sink session past the context is listed with its %d tokens" % held)
+sk.stop()
