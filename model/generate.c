@@ -217,8 +217,14 @@ enum model_status gen_seq_accept(struct gen_seq *s, int32_t id)
     }
     if (s->finish == GEN_FINISH_NONE && s->gen >= s->max_new)
         s->finish = GEN_FINISH_LENGTH;
-    if (s->finish != GEN_FINISH_NONE && s->finish != GEN_FINISH_STOP)
+    if (s->finish != GEN_FINISH_NONE && s->finish != GEN_FINISH_STOP) {
+        /* a character the last tokens left incomplete ends the text as U+FFFD */
+        if (st == MODEL_OK && text_reserve(s, s->raw + 4))
+            s->raw += tokenizer_decode_flush(&s->ts, s->text + s->raw, s->text_cap - s->raw - 1);
+        else
+            st = MODEL_ENOMEM;
         s->vis = s->raw; /* text held back for a stop string that can no longer come */
+    }
     return st;
 }
 

@@ -37,6 +37,16 @@ code, t = d.post("/tokenize", {"content": "Hello world"})
 check(code == 200 and t["count"] == len(t["tokens"]) > 0, "/tokenize")
 code, dt = d.post("/detokenize", {"tokens": t["tokens"]})
 check(code == 200 and dt["content"] == "Hello world", "/detokenize round trip")
+# a character left incomplete at the end is U+FFFD, as transformers decodes
+# with errors="replace": detokenized, and as a completion's last token
+# (the schema forces '"' and then the byte tokens of U+00E9: cut after the first)
+code, r = d.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "return_tokens": True,
+                                     "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "e", "schema": {"enum": ["\u00e9"]}}}})
+check(code == 200 and r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["text"] == '"\ufffd',
+      "a completion that ends inside a character ends with U+FFFD (%r)" % r["choices"][0].get("text"))
+code, dt3 = d.post("/detokenize", {"tokens": r["choices"][0]["tokens"]})
+check(code == 200 and dt3["content"] == '"\ufffd', "/detokenize of tokens that end inside a character: U+FFFD")
 code, t2 = d.post("/tokenize", {"prompt": "Hello world"})
 check(code == 200 and t2["tokens"][1:] == t["tokens"], "vLLM shape adds BOS by default")
 code, e = d.post("/tokenize", {"content": "Hello", "prompt": "world"})

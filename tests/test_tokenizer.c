@@ -211,6 +211,9 @@ static char *decode_streamed(const tokenizer *t, const int32_t *ids, size_t n, b
         memcpy(all + len, chunk, k);
         len += k;
     }
+    all = realloc(all, len + 4);
+    assert_non_null(all);
+    len += tokenizer_decode_flush(&st, all + len, 3);
     all[len] = '\0';
     free(chunk);
     return all;
@@ -763,12 +766,22 @@ static void test_stream_decode(void **state)
     assert_int_equal(tokenizer_decode_stream(t, &st, -5, true, out, sizeof out), 0);
     free(ids.ids);
 
-    /* A broken sequence becomes one U+FFFD; a dangling lead byte at the end is dropped. */
+    /* A broken sequence becomes one U+FFFD, and so does a character left
+     * incomplete at the end (held back by the stream until it ends). */
     const int32_t bad[] = {0xE6, 0x97, 'A', 0xFF, 0xE6};
-    expect_decode(t, bad, 5, true, "\ufffdA\ufffd");
+    expect_decode(t, bad, 5, true, "\ufffdA\ufffd\ufffd");
     char *streamed = decode_streamed(t, bad, 5, true);
-    assert_string_equal(streamed, "\ufffdA\ufffd");
+    assert_string_equal(streamed, "\ufffdA\ufffd\ufffd");
     free(streamed);
+    const int32_t cut[] = {0xE6, 0x97};
+    expect_decode(t, cut, 2, true, "\ufffd");
+    struct tok_stream fs = {0};
+    assert_int_equal(tokenizer_decode_stream(t, &fs, 0xE6, true, out, sizeof out), 0);
+    assert_int_equal(tokenizer_decode_flush(&fs, out, 2), 3); /* too small: told, nothing changes */
+    assert_int_equal(fs.n_pending, 1);
+    assert_int_equal(tokenizer_decode_flush(&fs, out, sizeof out), 3);
+    assert_memory_equal(out, "\ufffd", 3);
+    assert_int_equal(tokenizer_decode_flush(&fs, out, sizeof out), 0);
     const int32_t out_of_range[] = {'a', 4000};
     char *never = NULL;
     assert_int_equal(tokenizer_decode(t, out_of_range, 2, true, &never, NULL), TEXT_EINVAL);

@@ -70,6 +70,12 @@ struct tok_stream {
 size_t tokenizer_decode_stream(const tokenizer *t, struct tok_stream *st, int32_t id, bool skip_special, char *out,
                                size_t cap);
 
+/* Ends a stream: a character it left incomplete becomes one U+FFFD, as a
+ * UTF-8 decoder makes of a truncated sequence (transformers decodes with
+ * errors="replace").  Returns the bytes it makes, 0 or 3, written to out
+ * when cap holds them (else nothing changes). */
+size_t tokenizer_decode_flush(struct tok_stream *st, char *out, size_t cap);
+
 /* The raw bytes id decodes to, before UTF-8 reassembly and the decoder's
  * leading-space strip (NULL when id is out of range); *special: a special
  * token, which skip_special drops. */

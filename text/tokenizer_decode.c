@@ -2,7 +2,8 @@
  * (tok_span dec); what is left is the decoder's leading-space strip and
  * reassembling UTF-8 across tokens: a character split over byte tokens is
  * held back until complete, and bytes that cannot form one become U+FFFD
- * (one per maximal invalid subsequence, as the WHATWG decoder does). */
+ * (one per maximal invalid subsequence, as the WHATWG decoder does), a
+ * character still incomplete at the end included. */
 #include "text/tokenizer_internal.h"
 
 struct utf8_state {
@@ -18,9 +19,10 @@ static size_t emit(char *out, size_t at, const void *p, size_t n)
     return n;
 }
 
+static const unsigned char fffd[3] = {0xEF, 0xBF, 0xBD};
+
 static size_t feed(struct utf8_state *s, unsigned char b, char *out, size_t at)
 {
-    static const unsigned char fffd[3] = {0xEF, 0xBF, 0xBD};
     if (s->n > 0) {
         if (b >= s->lo && b <= s->hi) {
             s->cur[s->n++] = b;
@@ -88,6 +90,17 @@ size_t tokenizer_decode_stream(const tokenizer *t, struct tok_stream *st, int32_
     return need;
 }
 
+size_t tokenizer_decode_flush(struct tok_stream *st, char *out, size_t cap)
+{
+    if (!st->n_pending)
+        return 0;
+    if (cap >= sizeof fffd) {
+        memcpy(out, fffd, sizeof fffd);
+        st->n_pending = 0;
+    }
+    return sizeof fffd;
+}
+
 const char *tokenizer_token_bytes(const tokenizer *t, int32_t id, size_t *len, bool *special)
 {
     if (id < 0 || id >= t->n_ids)
@@ -118,10 +131,11 @@ enum text_status tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t
         }
         b.n += tokenizer_decode_stream(t, &st, ids[i], skip_special, b.p + b.n, room);
     }
-    if (!tok_buf_reserve(&b, 1)) {
+    if (!tok_buf_reserve(&b, sizeof fffd + 1)) {
         free(b.p);
         return TEXT_ENOMEM;
     }
+    b.n += tokenizer_decode_flush(&st, b.p + b.n, sizeof fffd);
     b.p[b.n] = '\0';
     *out = b.p;
     if (len)
