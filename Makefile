@@ -138,6 +138,8 @@ CUDA_SRC   := $(filter-out backend/cuda/limits.cu,$(wildcard backend/cuda/*.cu))
 CUDA_OBJ   := $(CUDA_SRC:%.cu=$(BUILD)/obj/%.o)
 CUDA_ARCH  ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_89,code=sm_89 \
               -gencode arch=compute_90,code=[sm_90,compute_90]
+# No --use_fast_math or -ftz: the quantized-KV codec (backend/kvq_format.h)
+# must round and keep subnormals as the CPU does, byte for byte.
 NVCCFLAGS  := -O2 -std=c++17 -I. -D_GNU_SOURCE -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra \
               --Werror all-warnings $(CUDA_ARCH)
 cuda: $(BUILD)/libkvtier-cuda.so $(BUILD)/kvtier-cuda-limits

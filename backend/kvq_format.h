@@ -133,7 +133,7 @@ KVQ_INLINE void kvq_affine_params(enum be_kvq_codes kind, int nbits, float mn, f
         *s = (1.0f / (mx - mn)) * top;
         if (!(*s <= 2e4f))
             *s = 2e4f;
-        *z = -mn * *s;
+        *z = KVQ_MUL(-mn, *s);
         pr[0] = kvq_param_f16(1.0f / *s);
         pr[1] = kvq_param_f16(*z);
     }

@@ -725,6 +725,8 @@ static void test_kvq(void)
          .head_dim = 128, .n_kv = 2, .gqa = 4},
         {.backend = KVQ_HQQ, .nbits = 8, .axis_key = 1, .axis_value = 1, .group = 128, .kv = BE_BF16,
          .head_dim = 256, .n_kv = 1, .gqa = 4},
+        {.backend = KVQ_HQQ, .nbits = 1, .axis_key = 1, .axis_value = 0, .group = 64, .kv = BE_F32,
+         .head_dim = 64, .n_kv = 2, .gqa = 2},
         /* fp8 with its tensor scales */
         {.backend = KVQ_FP8, .kv = BE_F32, .head_dim = 64, .n_kv = 4, .gqa = 2},
         /* keys stored before RoPE (the sink strategy), rotated as they are read */

@@ -184,24 +184,49 @@ __global__ void k_flush_pack(struct flush fl, const struct cu_qview *q, int half
     }
 }
 
+/* The launches of one flush over [fl->r0, fl->end). */
+static void flush_run(struct cu_ctx *c, const struct flush *fl, const struct be_kvq_format *f,
+                      const struct cu_qview *dq, const struct cu_view *dr, enum be_dtype rt)
+{
+    size_t per = (size_t)(fl->end - fl->r0) * fl->H * fl->D;
+    k_flush_gather<<<grid_for(2 * per), THREADS, 0, c->compute>>>(*fl, dq, dr, rt);
+    for (int half = 0; half < 2; half++) {
+        const struct be_kvq_half *h = half ? &f->v : &f->k;
+        size_t rows = (size_t)(fl->end - fl->h0[half]), n;
+        if (f->kind == BE_KVQ_E4M3)
+            n = rows * fl->H * fl->D;
+        else if (h->gt == 1)
+            n = rows * fl->H * (size_t)(fl->D / h->gd);
+        else
+            n = (rows + (size_t)h->gt - 1) / (size_t)h->gt * fl->H * fl->D;
+        k_flush_groups<<<grid_for(n), THREADS, 0, c->compute>>>(*fl, dq, half, n);
+    }
+    for (int half = 0; half < 2; half++) {
+        size_t n = (size_t)(fl->end - fl->h0[half]) * fl->H * kvq_row_bytes(f);
+        k_flush_pack<<<grid_for(n), THREADS, 0, c->compute>>>(*fl, dq, half, n);
+    }
+}
+
+/* The scratch of one flush run, at most (a prompt's first flush covers
+ * all of it): longer flushes go in runs of whole quantized blocks, which
+ * no group row straddles, so only the first run reopens one. */
+#define FLUSH_SCRATCH ((size_t)64 << 20)
+
 enum be_status cu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t end)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
     BE_TRY(cu_enter(c, "kvq_quantize"));
     const struct be_kvq_format *f = v->fmt;
-    struct flush fl = {};
-    fl.hi = v->hi;
-    fl.end = end;
-    fl.H = f->n_kv_heads;
-    fl.D = f->head_dim;
-    fl.h0[0] = kvq_reopen_from(&f->k, f->kind, v->hi);
-    fl.h0[1] = kvq_reopen_from(&f->v, f->kind, v->hi);
-    fl.r0 = fl.h0[0] < fl.h0[1] ? fl.h0[0] : fl.h0[1];
-    size_t per = (size_t)(end - fl.r0) * fl.H * fl.D;
+    int64_t T = f->block_tokens, first = kvq_reopen_from(&f->k, f->kind, v->hi);
+    int64_t v0 = kvq_reopen_from(&f->v, f->kind, v->hi);
+    first = v0 < first ? v0 : first;
+    size_t pos_bytes = 2 * (size_t)f->n_kv_heads * (size_t)f->head_dim * (sizeof(float) + 1);
+    int64_t run = (int64_t)(FLUSH_SCRATCH / pos_bytes) / T * T;
+    run = run < T ? T : run;
+    /* a run ends on a block boundary past its start: at most run + T positions from the reopened row */
+    int64_t most = end - first < run + T ? end - first : run + T;
     void *scr;
-    BE_TRY(cu_scratch(c, 2 * per * (sizeof(float) + 1), &scr));
-    fl.x = (float *)scr;
-    fl.code = (uint8_t *)(fl.x + 2 * per);
+    BE_TRY(cu_scratch(c, (size_t)most * pos_bytes, &scr));
 
     BE_TRY(cu_meta_ensure(c, cu_meta_size(cu_qviews_bytes(v, 1)) + cu_meta_size(cu_views_bytes(&v->rest, 1, 0))));
     const struct cu_qview *dq;
@@ -209,21 +234,22 @@ enum be_status cu_kvq_quantize(void *ctx, const struct be_kvq_view *v, int64_t e
     BE_TRY(cu_upload_qviews(c, v, 1, &dq));
     BE_TRY(cu_upload_views(c, &v->rest, 1, NULL, 0, &dr, NULL));
 
-    k_flush_gather<<<grid_for(2 * per), THREADS, 0, c->compute>>>(fl, dq, dr, v->rest_dtype);
-    for (int half = 0; half < 2; half++) {
-        const struct be_kvq_half *h = half ? &f->v : &f->k;
-        size_t rows = (size_t)(end - fl.h0[half]), n;
-        if (f->kind == BE_KVQ_E4M3)
-            n = rows * fl.H * fl.D;
-        else if (h->gt == 1)
-            n = rows * fl.H * (size_t)(fl.D / h->gd);
-        else
-            n = (rows + (size_t)h->gt - 1) / (size_t)h->gt * fl.H * fl.D;
-        k_flush_groups<<<grid_for(n), THREADS, 0, c->compute>>>(fl, dq, half, n);
-    }
-    for (int half = 0; half < 2; half++) {
-        size_t n = (size_t)(end - fl.h0[half]) * fl.H * kvq_row_bytes(f);
-        k_flush_pack<<<grid_for(n), THREADS, 0, c->compute>>>(fl, dq, half, n);
+    for (int64_t lo = v->hi; lo < end;) {
+        int64_t hi = (lo + run) / T * T; /* a block boundary past lo */
+        hi = hi <= lo ? lo + T : hi;
+        struct flush fl = {};
+        fl.hi = v->hi; /* positions below it are decoded (the first run's reopened rows) */
+        fl.end = hi < end ? hi : end;
+        fl.H = f->n_kv_heads;
+        fl.D = f->head_dim;
+        fl.h0[0] = kvq_reopen_from(&f->k, f->kind, lo);
+        fl.h0[1] = kvq_reopen_from(&f->v, f->kind, lo);
+        fl.r0 = fl.h0[0] < fl.h0[1] ? fl.h0[0] : fl.h0[1];
+        size_t per = (size_t)(fl.end - fl.r0) * fl.H * fl.D;
+        fl.x = (float *)scr;
+        fl.code = (uint8_t *)(fl.x + 2 * per);
+        flush_run(c, &fl, f, dq, dr, v->rest_dtype);
+        lo = fl.end;
     }
     return cu_leave(c, "kvq_quantize");
 }
