@@ -68,3 +68,28 @@ while clean_runs < 3 and n < 80:
     d.stop()
 check(hits >= 10, "fault sweep: %d submissions failed in turn (%d hit the scenario), every request got the clean "
       "tokens, every restart served" % (n, hits))
+
+# A full file system: a spill's data write comes back short, which is the
+# disk being full, and the log says so (not an I/O error).  Needs a small
+# tmpfs, so root where mounts are allowed; skipped otherwise.
+full = Daemon(model="model/builtin")
+mnt = os.path.join(full.tmp, "tiny")
+os.makedirs(mnt)
+if os.geteuid() == 0 and os.system("mount -t tmpfs -o size=600k tmpfs %s 2>/dev/null" % mnt) == 0:
+    try:
+        full.args += ["--disk-dir", os.path.join(mnt, "d"), "--disk-mem", "100000000", "--spill-after", "1"]
+        full.start()
+        for i in range(4):
+            full.post_ok("/v1/sessions", {"prompt": [(j * 7 + i) % 1900 + 50 for j in range(400)]})
+        end = time.time() + 15
+        while "spill to disk failed" not in full.logtext() and time.time() < end:
+            time.sleep(0.2)
+        log = full.logtext()
+        check("No space left on device" in log and "Input/output error" not in log and
+              full.get("/health")[0] == 200,
+              "a full file system: spills fail with 'No space left on device', the KV stays, the daemon serves")
+        full.stop()
+    finally:
+        os.system("umount %s" % mnt)
+else:
+    print("skip: the full file system case needs root and tmpfs mounts")

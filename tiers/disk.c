@@ -448,7 +448,8 @@ static int r_mkdir(kv_disk *d, const char *path)
 }
 
 /* Reads or writes len bytes at off from an aligned buffer: 0, or -errno
- * (-EIO for a short transfer).  Reads may be allowed short (want < len). */
+ * (a short write is -ENOSPC, a short read -EIO).  Reads may be allowed
+ * short (want < len). */
 static int r_rw(kv_disk *d, bool wr, int fd, void *buf, size_t len, uint64_t off, size_t want)
 {
     struct io_uring_sqe *s = sqe_get(d);
@@ -457,7 +458,7 @@ static int r_rw(kv_disk *d, bool wr, int fd, void *buf, size_t len, uint64_t off
     else
         io_uring_prep_read(s, fd, buf, (unsigned)len, off);
     int rc = ring_sync(d, s);
-    return rc < 0 ? rc : (size_t)rc < want ? -EIO : rc;
+    return rc < 0 ? rc : (size_t)rc < want ? (wr ? -ENOSPC : -EIO) : rc;
 }
 
 /* fsyncs the directory at path (relative to the tier's). */
@@ -633,8 +634,8 @@ static void xfer_reap(struct xfer *x)
     ring_reap(x->d, &slot, &res, &injected);
     x->inflight[slot / HALF]--;
     if (res < 0 || (uint32_t)res != x->expect[slot]) {
-        if (!x->err)
-            x->err = res < 0 ? -res : EIO;
+        if (!x->err) /* a write cut short: the file system is full (the next one would say so) */
+            x->err = res < 0 ? -res : x->wr ? ENOSPC : EIO;
         x->half_err[slot / HALF] = true;
         return;
     }
