@@ -318,8 +318,8 @@ static enum model_status parse_ids(json_t *meta, const char *key, int64_t max, c
     size_t n = json_array_size(a);
     if ((int64_t)n > max) {
         json_decref(a);
-        return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.%s holds %zu tokens, over the %s of %" PRId64, key,
-                          n, what, max);
+        return model_errf(err, MODEL_EINVAL, "KV file: __metadata__.%s holds %zu tokens; the %s allows at most "
+                          "%" PRId64, key, n, what, max);
     }
     *ids = malloc(n * sizeof(int32_t));
     if (!*ids) {
@@ -445,6 +445,7 @@ static enum model_status parse_meta(json_t *h, const struct kvfile_expect *e, st
         f->dtype++;
     if (!dt || f->dtype > BE_BF16)
         return model_errf(err, MODEL_EFORMAT, "KV file: __metadata__.dtype is not f32, f16 or bf16");
+    /* a session holds fewer tokens than the context: the next one needs a position */
     enum model_status st = parse_ids(meta, "tokens", e->max_tokens, "context", e, &f->tokens, &f->n_tokens, err);
     if (st == MODEL_OK && e->max_input)
         st = parse_ids(meta, "encoder_input", e->max_input, "encoder's limit", e, &f->input, &f->n_input, err);
