@@ -361,6 +361,45 @@ static enum ipc_status f_model(const json_t *v, const char *name, struct field_c
     return ipc_check_model(v, c->lim, err);
 }
 
+/* A duration as Go's time.ParseDuration reads it, which Ollama parses a
+ * keep_alive string with: an optional sign, then "0" or one or more
+ * numbers (digits, a fraction or both) each with a unit. */
+static bool go_duration(const char *s)
+{
+    static const char *const units[] = {"ns", "us", "\u00b5s", "\u03bcs", "ms", "s", "m", "h"};
+    if (*s == '-' || *s == '+')
+        s++;
+    if (!strcmp(s, "0"))
+        return true;
+    if (!*s)
+        return false;
+    while (*s) {
+        const char *d = s;
+        while (*s >= '0' && *s <= '9')
+            s++;
+        bool whole = s > d;
+        if (*s == '.') {
+            const char *f = ++s;
+            while (*s >= '0' && *s <= '9')
+                s++;
+            if (!whole && s == f)
+                return false;
+        } else if (!whole) {
+            return false;
+        }
+        size_t best = 0; /* the longest unit that matches: "ms", not "m" then "s" */
+        for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
+            size_t n = strlen(units[i]);
+            if (n > best && !strncmp(s, units[i], n))
+                best = n;
+        }
+        if (!best)
+            return false;
+        s += best;
+    }
+    return true;
+}
+
 /* Fields other servers accept that change nothing here: the type is
  * checked, the value documented as having no effect. */
 static enum ipc_status f_noop(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
@@ -372,9 +411,10 @@ static enum ipc_status f_noop(const json_t *v, const char *name, struct field_ct
     if (!strcmp(name, "cache_prompt"))
         return json_is_boolean(v) ? IPC_OK : ipc_fail(err, IPC_EINVAL, name, "%s must be true or false", name);
     if (!strcmp(name, "keep_alive"))
-        return json_is_string(v) || json_is_number(v)
+        return (json_is_string(v) && go_duration(json_string_value(v))) || json_is_number(v)
                    ? IPC_OK
-                   : ipc_fail(err, IPC_EINVAL, name, "%s must be a duration string or a number of seconds", name);
+                   : ipc_fail(err, IPC_EINVAL, name, "%s must be a duration (\"5m\", \"1h30m\", \"-1s\") or a "
+                              "number of seconds", name);
     for (size_t i = 0; i < sizeof(efforts) / sizeof(efforts[0]); i++)
         if (str_is(v, efforts[i]))
             return IPC_OK;

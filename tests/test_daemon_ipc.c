@@ -392,6 +392,22 @@ static void test_request(void **state)
     assert_int_equal(r.min_tokens, 4);
     ipc_gen_req_release(&r);
     json_decref(root);
+    /* keep_alive: what Ollama (Go's time.ParseDuration) reads, or seconds */
+    static const char *const alive_ok[] = {"\"5m\"", "\"1h30m\"", "\"-1s\"", "\"0\"", "\".5s\"", "\"1.5ms\"",
+                                           "\"300us\"", "\"2\u00b5s\"", "-1", "300", "1.5"};
+    static const char *const alive_bad[] = {"\"xyz\"", "\"5\"", "\"\"", "\"-\"", "\"5mx\"", "\".s\"", "\"1d\"",
+                                            "\"5 m\"", "true", "[1]"};
+    for (size_t i = 0; i < sizeof(alive_ok) / sizeof(alive_ok[0]) + sizeof(alive_bad) / sizeof(alive_bad[0]); i++) {
+        bool ok = i < sizeof(alive_ok) / sizeof(alive_ok[0]);
+        const char *v = ok ? alive_ok[i] : alive_bad[i - sizeof(alive_ok) / sizeof(alive_ok[0])];
+        char body[96];
+        snprintf(body, sizeof(body), "{\"prompt\":\"x\",\"keep_alive\":%s}", v);
+        enum ipc_status st = parse(body, false, &r, &err, &root);
+        if (ok ? st != IPC_OK : st != IPC_EINVAL || strcmp(err.param, "keep_alive"))
+            fail_msg("keep_alive %s: got %d (%s)", v, st, err.msg);
+        ipc_gen_req_release(&r);
+        json_decref(root);
+    }
     assert_int_equal(parse("{\"prompt\":\"x\",\"model\":\"model/builtin\",\"repeat_penalty\":1.3,"
                            "\"repeat_last_n\":0}", false, &r, &err, &root), IPC_OK);
     assert_float_equal(r.sampling.repetition_penalty, 1, 0);
