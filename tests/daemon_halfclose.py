@@ -4,7 +4,7 @@ daemon tells a half-close (EPOLLRDHUP) from a hang-up (EPOLLHUP)."""
 import json
 import socket
 
-from daemon_harness import Daemon, check
+from daemon_harness import Daemon, check, read_to_eof
 
 d = Daemon()
 d.start()
@@ -21,12 +21,7 @@ def half_closed(method, path, body=None, timeout=30):
     s.connect(d.sock)
     s.sendall(head.encode() + b"\r\n" + data)
     s.shutdown(socket.SHUT_WR)
-    buf = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
+    buf = read_to_eof(s)
     s.close()
     if not buf.startswith(b"HTTP/1."):
         return 0, buf

@@ -215,6 +215,16 @@ def damage_spill(d, sid, back=5000):
         f.write(bytes([byte[0] ^ 0x5A]))
 
 
+def read_to_eof(sock):
+    """Every byte the peer sends until it closes or shuts down its side."""
+    buf = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return buf
+        buf += chunk
+
+
 def check(cond, what):
     if not cond:
         raise AssertionError(what)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from daemon_harness import Daemon, check
+from daemon_harness import Daemon, check, read_to_eof
 
 d = Daemon("--header-timeout", "4", "--idle-timeout", "300")
 d.start()
@@ -167,13 +167,7 @@ for i in range(40):
         time.sleep(0.02)  # the refusal is sent before the request
     try:
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 12\r\n\r\n{\"prompt\":1}")
-        buf = b""
-        while True:
-            chunk = c.recv(4096)
-            if not chunk:
-                break
-            buf += chunk
-        k = buf.split(b"\r\n")[0].decode()
+        k = read_to_eof(c).split(b"\r\n")[0].decode()
     except OSError as e:
         k = "%s (%s)" % (type(e).__name__, e.errno)
     got[k] = got.get(k, 0) + 1
