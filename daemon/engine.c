@@ -771,15 +771,13 @@ void start_job(engine *e, struct job *j)
         j->t_admit = clock_ms();
         hist_observe(&e->hists.queue_wait, (j->t_admit - j->t_submit) / 1e3);
     }
-    if (j->sess && j->sess->op && j->sess->op_restore) {
-        /* a restore begun for another job (one since cancelled, say) is in
-         * flight: this one waits for it rather than reading the file again */
-        j->io_wait = true;
-        return;
-    }
     if (j->sess && disk_needs_restore(e, j->sess)) {
         j->io_wait = true; /* disk_poll starts it again once the KV is back */
-        disk_restore(e, j->sess);
+        /* a restore begun for another job (one since cancelled, say) may be
+         * in flight: this one waits for it rather than reading the file
+         * again over it */
+        if (!j->sess->op)
+            disk_restore(e, j->sess);
         return;
     }
     if (j->kind >= JOB_CROP) {
