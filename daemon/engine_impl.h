@@ -143,6 +143,10 @@ struct engine {
 
 /* Owner check shared by every session endpoint: 404 unknown, 403 not yours (caller holds mu). */
 enum ipc_status session_get(engine *e, uid_t uid, const char *id, struct session **out, struct ipc_error *err);
+/* What a session's cache choice and past recording must pass at creation,
+ * and again when a session is read back from its file at start. */
+enum ipc_status session_choice_check(engine *e, const struct ipc_cache_choice *cache, bool record,
+                                     struct ipc_error *err);
 /* A session not in the table yet, with a fresh random id; request is the
  * client's {"cache", "use_cache"} (NULL: none), kept for its file. */
 struct session *session_new(uid_t uid, const struct ipc_cache_choice *cache, bool record, const json_t *request,

@@ -145,8 +145,8 @@ enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *e
     return st;
 }
 
-enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
-                                      const json_t *request, char *id, size_t cap, struct ipc_error *err)
+enum ipc_status session_choice_check(engine *e, const struct ipc_cache_choice *cache, bool record,
+                                     struct ipc_error *err)
 {
     char why[160];
     if (record && !kv_store_past_recording_ok(e->store, &cache->params, why, sizeof(why)))
@@ -162,6 +162,14 @@ enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cac
         ipc_cache_param_of(ke.msg, param);
         return ipc_fail(err, IPC_EINVAL, param, "%s", ke.msg);
     }
+    return IPC_OK;
+}
+
+enum ipc_status engine_session_create(engine *e, uid_t uid, const struct ipc_cache_choice *cache, bool record,
+                                      const json_t *request, char *id, size_t cap, struct ipc_error *err)
+{
+    if (session_choice_check(e, cache, record, err) != IPC_OK)
+        return err->st;
     struct session *s = session_new(uid, cache, record, request, err);
     if (!s)
         return err->st;

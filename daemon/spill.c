@@ -851,6 +851,8 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
                                                            .no_sink = model_sink_refusal(e->mc)},
                                  &cache, &err) != IPC_OK)
         *why = "its cache choice is not valid for this model";
+    else if (!*why && session_choice_check(e, &cache, json_is_true(record), &err) != IPC_OK)
+        *why = "its cache choice or past recording is refused at creation";
     /* a sink cache's positions are indices in its window: its session may
      * have generated past the context */
     if (!*why && !cache.params.sink && json_array_size(toks) >= (size_t)e->ctx)

@@ -5,7 +5,7 @@ a corrupt, truncated, zero-filled or swapped file is quarantined with a log
 line naming it and the daemon keeps serving (a session whose data is bad
 recomputes, with the same tokens); a tiny --disk-mem keeps sessions in
 memory and says why; a full host tier spills an idle session instead of
-answering 507."""
+answering 507; a forged meta the creation checks refuse is not listed."""
 import glob
 import os
 import subprocess
@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, damage_spill, metric, skip, wait_spilled  # noqa: E402
+from daemon_harness import Daemon, check, damage_spill, forge_spill_meta, metric, skip, wait_spilled  # noqa: E402
 
 ref = Daemon("--disk-dir", "none")
 ref.start()
@@ -345,4 +345,13 @@ sk.start()
 code, s = sk.get("/v1/sessions/" + sid)
 check(code == 200 and s["tokens"] == held and "not listed" not in sk.logtext()[seen:],
       "after a restart the sink session past the context is listed with its %d tokens" % held)
+# a hand-edited meta asking past recording of the sink cache, which creation
+# refuses: not listed, rather than listed and refusing every request
+check(sk.stop() == 0, "sink: stopped again")
+forge_spill_meta(sk, sid, lambda m: m.__setitem__("record", True))
+seen = len(sk.logtext())
+sk.start()
+code, _ = sk.get("/v1/sessions/" + sid)
+check(code == 404 and sid + ".kvt not listed" in sk.logtext()[seen:],
+      "a forged meta asking past recording of a sink cache: not listed, named in the log")
 sk.stop()
