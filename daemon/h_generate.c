@@ -170,9 +170,9 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     int ctx = engine_context(s->eng);
     if (st == IPC_OK && !ids.n)
         st = ipc_fail(err, IPC_EINVAL, chat ? "messages" : "prompt", "the prompt is empty (no tokens)");
-    else if (st == IPC_OK && ids.n >= (size_t)ctx)
-        st = ipc_fail(err, IPC_ECONTEXT, chat ? "messages" : "prompt",
-                      "the prompt has %zu tokens; the context holds %d", ids.n, ctx);
+    else if (st == IPC_OK && ids.n > IPC_MAX_SINK_TOKENS)
+        st = ipc_fail(err, IPC_ECONTEXT, chat ? "messages" : "prompt", "the prompt has %zu tokens; the context "
+                      "holds %d (a sink session's whole conversation, %d)", ids.n, ctx, IPC_MAX_SINK_TOKENS);
     /* a session's cache is its own, fixed when it was created: checked
      * here, before the reply starts and before anything of the session is
      * touched (a new encoder input replaces its caches, a new prompt crops
@@ -183,7 +183,14 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
         cp = &sp;
         st = ipc_max_tokens_check(&g, cp->sink, ctx, err);
     }
-    int left = ctx - (int)ids.n;
+    /* a sink session's positions stay in its window: its conversation may
+     * be resent past the context, as long as the session still holds the
+     * start of it (checked on the engine thread, which owns its tokens) */
+    bool past_ctx = ids.n >= (size_t)ctx;
+    if (st == IPC_OK && past_ctx && !(g.session && cp->sink))
+        st = ipc_fail(err, IPC_ECONTEXT, chat ? "messages" : "prompt",
+                      "the prompt has %zu tokens; the context holds %d", ids.n, ctx);
+    int left = past_ctx ? 0 : ctx - (int)ids.n;
     /* a static cache may end before the context (the last generated token
      * is never stored) */
     int64_t limit = engine_static_limit(s->eng, cp);
@@ -191,6 +198,8 @@ enum ipc_status prepare_generate(struct req *r, bool chat, bool rest)
     /* OpenAI's defaults: 16 tokens for completions, the rest of the context
      * (or of a static cache) for chat */
     int chat_default = room < left ? (room > 1 ? (int)room : 1) : left;
+    if (past_ctx) /* a sink session past the context: no "rest" to fill */
+        chat_default = 16;
     int max_new = g.max_tokens > 0 ? g.max_tokens : chat || rest ? chat_default : chat_default < 16 ? chat_default : 16;
     /* a sink cache's positions are indices in its window: it goes past the context */
     if (st == IPC_OK && max_new > left && !cp->sink)

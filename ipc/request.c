@@ -430,7 +430,13 @@ static enum ipc_status f_input(const json_t *v, const char *name, struct field_c
 
 static enum ipc_status f_prompt(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    return parse_prompt(v, name, c->lim, &c->r->text, &c->r->text_len, &c->r->ids, &c->r->n_ids, err);
+    /* a sink session's whole conversation may be longer than the context:
+     * the bound here is the sink's, the context's is checked once the
+     * session's cache is known */
+    struct ipc_limits wide = *c->lim;
+    if (wide.max_context < IPC_MAX_SINK_TOKENS)
+        wide.max_context = IPC_MAX_SINK_TOKENS;
+    return parse_prompt(v, name, &wide, &c->r->text, &c->r->text_len, &c->r->ids, &c->r->n_ids, err);
 }
 
 static enum ipc_status f_messages(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)

@@ -337,6 +337,9 @@ sk.start()
 sid = session(sk, cache={"implementation": "sink", "window_length": 64, "num_sink_tokens": 4})
 long_gen = dict(gen, max_tokens=300)
 r = sk.post_ok("/v1/completions", dict(long_gen, prompt=prompt, session=sid))
+first = r["choices"][0]["tokens"]
+one = sk.post_ok("/v1/completions", dict(long_gen, max_tokens=360, prompt=prompt,
+                                         cache={"implementation": "sink", "window_length": 64, "num_sink_tokens": 4}))
 held = sk.get("/v1/sessions/" + sid)[1]["tokens"]
 check(held > 256, "a sink session generated past the context: %d tokens" % held)
 check(sk.stop() == 0, "sink: SIGTERM writes the session")
@@ -345,6 +348,23 @@ sk.start()
 code, s = sk.get("/v1/sessions/" + sid)
 check(code == 200 and s["tokens"] == held and "not listed" not in sk.logtext()[seen:],
       "after a restart the sink session past the context is listed with its %d tokens" % held)
+# the whole conversation sent again, past the context: the session holds its
+# start, so it goes on with the tokens of one request that generated them all
+whole = prompt + first
+r = sk.post_ok("/v1/completions", dict(long_gen, max_tokens=60, prompt=whole, session=sid))
+check(first == one["choices"][0]["tokens"][:300] and r["choices"][0]["tokens"] == one["choices"][0]["tokens"][300:] and
+      r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(whole) - 1,
+      "a sink session continued with its whole %d-token conversation: one request's tokens, one token computed"
+      % len(whole))
+for what, body in (("a one-shot request", dict(gen, prompt=whole)),
+                   ("a session that departs from its start", dict(gen, prompt=[whole[0] ^ 1] + whole[1:],
+                                                                  session=sid)),
+                   ("a session that departs after its first eviction",
+                    dict(gen, prompt=whole[:-5] + [whole[-5] ^ 1] + whole[-4:], session=sid))):
+    code, e = sk.post("/v1/completions", body)
+    check(code == 400 and e["error"]["type"] == "exceed_context_size_error" and "256" in e["error"]["message"],
+          "%s past the context: 400 naming it: %s" % (what, e.get("error", {}).get("message")))
+check(sk.get("/v1/sessions/" + sid)[1]["tokens"] == len(whole) + 59, "the refused request left the session as it was")
 # a hand-edited meta asking past recording of the sink cache, which creation
 # refuses: not listed, rather than listed and refusing every request
 check(sk.stop() == 0, "sink: stopped again")
