@@ -285,6 +285,19 @@ uint64_t prefix_ns_of(const engine *e, uid_t uid)
     return e->cfg.share_prefix_cache ? 0 : (uint64_t)uid + 1;
 }
 
+uint64_t *prefix_chain_of(engine *e, const struct job *j, uint64_t *ns, int64_t *n_mem, int64_t *n_blocks)
+{
+    if (j->n_prompt < 2 || (j->sess && j->sess->kv))
+        return NULL;
+    struct kv_seq_params p = j->cache.params;
+    p.prefix_ns = *ns = prefix_ns_of(e, j->uid);
+    size_t bt = (size_t)kv_store_block_tokens(e->store);
+    uint64_t *h = malloc(((j->n_prompt - 1) / bt + 1) * sizeof(*h));
+    if (h)
+        *n_blocks = kv_store_prefix_chain(e->store, &p, j->prompt, (int64_t)j->n_prompt, h, n_mem);
+    return h;
+}
+
 /* A new KV sequence for ids[0, n): the strategy, past recording when the
  * session asks for it, and the prefix cache's blocks for the start of ids
  * (*n_cached tokens that need not be computed). */

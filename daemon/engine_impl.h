@@ -277,6 +277,10 @@ void start_job(engine *e, struct job *j);
 void resume_job(engine *e, struct job *j);
 /* The prefix-cache namespace of uid's sequences. */
 uint64_t prefix_ns_of(const engine *e, uid_t uid);
+/* The block hashes of j's prompt for a prefix fetch (malloc'd; NULL: none
+ * to fetch, a session with KV, or no memory), its namespace in *ns, and
+ * how many of the *n_blocks are in memory already (*n_mem). */
+uint64_t *prefix_chain_of(engine *e, const struct job *j, uint64_t *ns, int64_t *n_mem, int64_t *n_blocks);
 
 /* ---- engine.c, for sessions.c ---- */
 

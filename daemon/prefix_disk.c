@@ -420,26 +420,22 @@ static void fetch_link(struct prefix_disk *pd, struct prefix_fetch *x, struct jo
 bool prefix_disk_fetch(engine *e, struct job *j)
 {
     struct prefix_disk *pd = e->pd;
-    if (!pd || j->n_prompt < 2 || (j->sess && j->sess->kv))
-        return false;
-    struct kv_seq_params p = j->cache.params;
-    p.prefix_ns = prefix_ns_of(e, j->uid);
-    size_t bt = (size_t)kv_store_block_tokens(e->store);
-    uint64_t *h = malloc(((j->n_prompt - 1) / bt + 1) * sizeof(*h));
+    uint64_t pns;
+    int64_t n_mem, nb;
+    uint64_t *h = pd ? prefix_chain_of(e, j, &pns, &n_mem, &nb) : NULL;
     if (!h)
         return false;
-    int64_t n_mem, nb = kv_store_prefix_chain(e->store, &p, j->prompt, (int64_t)j->n_prompt, h, &n_mem);
     int64_t k = n_mem;
     for (struct pfile *f;
-         k < nb && (f = find(pd, false, p.prefix_ns, h[k])) && !f->writing && f->has_parent == (k > 0) &&
+         k < nb && (f = find(pd, false, pns, h[k])) && !f->writing && f->has_parent == (k > 0) &&
          (!k || f->parent == h[k - 1]);
          k++)
         ;
     struct prefix_fetch *x = k > n_mem ? calloc(1, sizeof(*x) + (size_t)(k - n_mem) * sizeof(x->blk[0])) : NULL;
     for (int64_t b = n_mem; x && b < k; b++) {
         char ns[24], name[24];
-        names(false, p.prefix_ns, h[b], ns, name);
-        touch(pd, find(pd, false, p.prefix_ns, h[b]));
+        names(false, pns, h[b], ns, name);
+        touch(pd, find(pd, false, pns, h[b]));
         x->blk[x->n].hash = h[b];
         if (kv_disk_get(e->disk, ns, name, &x->blk[x->n].op) != TIER_OK)
             break;
@@ -452,7 +448,7 @@ bool prefix_disk_fetch(engine *e, struct job *j)
     }
     if (!x)
         return false;
-    fetch_link(pd, x, j, p.prefix_ns);
+    fetch_link(pd, x, j, pns);
     return true;
 }
 

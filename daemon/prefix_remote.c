@@ -192,17 +192,13 @@ static void fetch_finish(engine *e, struct remote_fetch *x)
 
 bool prefix_remote_fetch(engine *e, struct job *j)
 {
-    if (!e->remote || j->n_prompt < 2 || (j->sess && j->sess->kv))
-        return false;
-    struct kv_seq_params p = j->cache.params;
-    p.prefix_ns = prefix_ns_of(e, j->uid);
-    size_t bt = (size_t)kv_store_block_tokens(e->store);
-    uint64_t *h = malloc(((j->n_prompt - 1) / bt + 1) * sizeof(*h));
+    uint64_t pns;
+    int64_t n_mem, nb;
+    uint64_t *h = e->remote ? prefix_chain_of(e, j, &pns, &n_mem, &nb) : NULL;
     if (!h)
         return false;
-    int64_t n_mem, nb = kv_store_prefix_chain(e->store, &p, j->prompt, (int64_t)j->n_prompt, h, &n_mem);
     struct remote_fetch *x = nb > n_mem && nb - n_mem <= INT32_MAX ? calloc(1, sizeof(*x)) : NULL;
-    if (x && kv_remote_fetch_start(e->remote, p.prefix_ns, h + n_mem, (int)(nb - n_mem), &x->f) != TIER_OK) {
+    if (x && kv_remote_fetch_start(e->remote, pns, h + n_mem, (int)(nb - n_mem), &x->f) != TIER_OK) {
         free(x);
         x = NULL;
     }
