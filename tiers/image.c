@@ -99,6 +99,7 @@
 #include <string.h>
 
 #include "tiers/quant.h"
+#include "util/half.h"
 #include "util/le.h"
 
 #define IMG_MAGIC "KVTSEQ\r\n"
@@ -108,20 +109,6 @@
 
 enum { PF_ADAPTIVE = 1, PF_NO_FALLBACK = 2, PF_NO_PREFIX = 4, PF_OFFLOAD = 8, PF_SINK = 16, PF_ALL = 31 };
 enum { SF_RECORD_PAST = 1, SF_KVQ_HOST = 2, SF_ALL = 3 };
-
-static uint32_t float_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    return u;
-}
-
-static float bits_float(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
 
 static int64_t min64(int64_t a, int64_t b)
 {
@@ -399,8 +386,8 @@ static void put_entry(const kv_store *s, uint8_t *b, int l, enum kv_home home, i
     put64(e + 8, (uint64_t)k->nq);
     put64(e + 16, (uint64_t)k->qoff);
     put32(e + 24, (uint32_t)home);
-    put32(e + 28, float_bits(k->scale_k));
-    put32(e + 32, float_bits(k->scale_v));
+    put32(e + 28, f32_bits(k->scale_k));
+    put32(e + 32, f32_bits(k->scale_v));
     put32(e + 36, 0);
 }
 
@@ -595,7 +582,7 @@ static enum tier_status parse_table(kv_store *s, const uint8_t *b, size_t size, 
             return BAD("layer %d: field reserved is %u", l, get32(h + 36));
         if (quant) {
             struct kvq_layer_state *k = &kq[l];
-            *k = (struct kvq_layer_state){.nq = nq, .qoff = qoff, .scale_k = bits_float(sk), .scale_v = bits_float(sv)};
+            *k = (struct kvq_layer_state){.nq = nq, .qoff = qoff, .scale_k = f32_from_bits(sk), .scale_v = f32_from_bits(sv)};
             if (hm != KV_HOME_PAGED)
                 return BAD("layer %d: field home is %u for a quantized sequence", l, hm);
             if (k->nq < 0 || k->nq > x->len || (k->nq == 0) != (x->len == 0))
