@@ -19,7 +19,9 @@
  * what memory holds, the job waits (io_wait) while those blocks are read;
  * they are inserted in chain order, then the job starts and its
  * kv_seq_match_prefix finds them.  A missing, corrupt or refused block is
- * a miss from there on, with a log line, never an error.
+ * a miss from there on, with a log line, never an error.  The reads land
+ * in the staging ring (below), so that on a GPU a block's upload is a DMA
+ * straight from page-locked memory.
  *
  * An encoder-decoder model's encoder cache goes the same way, an object
  * per cross-attention cache: namespace "x<prefix namespace in hex>", name
@@ -31,9 +33,11 @@
  * id: a collision of the hash is a miss that leaves the file, a file that
  * is not what its name says is removed.  The model and the KV layout are
  * the disk tier's to check (every file records them).
- * Everything here runs on the engine thread.
+ * Everything here runs on the engine thread, but the staging ring's
+ * allocation, which runs on the disk tier's I/O thread.
  */
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,7 +90,27 @@ struct prefix_fetch {
     } blk[];
 };
 
+/* Where prefix-block reads land: slots of one block file's data, carved
+ * from one buffer of host memory that is page-locked on a GPU backend
+ * (be_host_alloc), so that inserting a block uploads each layer straight
+ * from it.  Page-locking costs far more than a block's copy, so the buffer
+ * is locked once and its slots reused.  A read that finds every slot taken
+ * gets ordinary memory.  The I/O thread takes slots, the engine thread
+ * gives them back: a mutex. */
+#define STAGE_BYTES ((size_t)32 << 20)
+#define STAGE_SLOTS 64 /* bits of used */
+
+struct stage {
+    pthread_mutex_t mu;
+    be_buffer *buf; /* NULL: no ring, every read in ordinary memory */
+    char *base;
+    size_t slot; /* bytes */
+    int n;
+    uint64_t used; /* bit i: slot i holds a read's data */
+};
+
 struct prefix_disk {
+    struct stage stage;
     struct pfile **buckets;
     size_t n_buckets, n_files;
     struct pfile *oldest, *newest;
@@ -111,6 +135,59 @@ static const char *what(bool kept)
 static const char *counted(const engine *e)
 {
     return e->enc_cache ? "encoder-cache cross-attention cache" : "prefix-cache block";
+}
+
+/* ---- the staging ring -------------------------------------------------------- */
+
+/* The ring for blocks of block_bytes, or none when the backend has no host
+ * memory for it (the reads then take ordinary memory). */
+static void stage_open(engine *e, struct stage *st, size_t block_bytes)
+{
+    pthread_mutex_init(&st->mu, NULL);
+    st->slot = kv_disk_data_alloc_len(block_bytes);
+    size_t n = st->slot ? STAGE_BYTES / st->slot : 0;
+    st->n = n > STAGE_SLOTS ? STAGE_SLOTS : (int)n;
+    if (st->n && be_host_alloc(e->rt.be, (size_t)st->n * st->slot, &st->buf) != BE_OK) {
+        st->buf = NULL;
+        st->n = 0;
+    }
+    st->base = st->buf ? be_buffer_data(st->buf) : NULL;
+}
+
+static void stage_close(struct stage *st)
+{
+    be_buffer_free(st->buf);
+    pthread_mutex_destroy(&st->mu);
+}
+
+/* kv_disk_alloc's alloc: a free slot, else ordinary memory. */
+static void *stage_alloc(void *arg, size_t len, void **data)
+{
+    struct stage *st = arg;
+    pthread_mutex_lock(&st->mu);
+    int i = 0;
+    while (i < st->n && (st->used >> i & 1))
+        i++;
+    bool in_ring = i < st->n && len <= st->slot;
+    if (in_ring)
+        st->used |= 1ull << i;
+    pthread_mutex_unlock(&st->mu);
+    if (in_ring)
+        return *data = st->base + (size_t)i * st->slot;
+    return posix_memalign(data, 4096, len) ? NULL : *data;
+}
+
+static void stage_free(void *arg, void *buf)
+{
+    struct stage *st = arg;
+    char *p = buf;
+    if (!st->n || p < st->base || p >= st->base + (size_t)st->n * st->slot) {
+        free(buf);
+        return;
+    }
+    pthread_mutex_lock(&st->mu);
+    st->used &= ~(1ull << ((size_t)(p - st->base) / st->slot));
+    pthread_mutex_unlock(&st->mu);
 }
 
 /* ---- the index ------------------------------------------------------------- */
@@ -352,13 +429,13 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
     bool miss = false;
     for (int i = 0; i < x->n; i++) {
         kv_disk_op *op = x->blk[i].op;
-        void *meta = NULL, *data = NULL;
+        void *meta = NULL, *buf = NULL, *data = NULL;
         size_t meta_len = 0, n = 0;
         enum tier_status ts = kv_disk_op_wait(op);
         const char *why = kv_disk_op_errmsg(op);
         bool refused = false;
         if (ts == TIER_OK && !miss) {
-            kv_disk_op_take(op, &meta, &meta_len, &data, &n);
+            kv_disk_op_take_buf(op, &meta, &meta_len, &buf, &data, &n);
             ts = kept ? kv_store_kept_insert(e->store, data, n, x->ns, x->ids, (int64_t)x->n_ids, true, &k)
                       : kv_store_prefix_insert(e->store, data, n);
             why = kv_store_errmsg(e->store);
@@ -384,7 +461,7 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
             got++;
         }
         free(meta);
-        free(data);
+        stage_free(&pd->stage, buf); /* a cross cache's read: ordinary memory */
         kv_disk_op_free(op);
     }
     pthread_mutex_lock(&e->mu);
@@ -437,7 +514,8 @@ bool prefix_disk_fetch(engine *e, struct job *j)
         names(false, pns, h[b], ns, name);
         touch(pd, find(pd, false, pns, h[b]));
         x->blk[x->n].hash = h[b];
-        if (kv_disk_get(e->disk, ns, name, &x->blk[x->n].op) != TIER_OK)
+        if (kv_disk_get_into(e->disk, ns, name, &(struct kv_disk_alloc){stage_alloc, stage_free, &pd->stage},
+                             &x->blk[x->n].op) != TIER_OK)
             break;
         x->n++;
     }
@@ -552,6 +630,7 @@ void prefix_disk_open(engine *e)
 {
     if ((e->cfg.no_prefix_cache && !e->enc_cache) || !(e->pd = calloc(1, sizeof(*e->pd))))
         return;
+    stage_open(e, &e->pd->stage, e->enc_cache ? 0 : kv_store_prefix_block_bytes(e->store));
     kv_store_set_prefix_spill(e->store, QUEUE_BYTES);
 }
 
@@ -615,6 +694,7 @@ void prefix_disk_close(engine *e)
     while (pd->oldest)
         index_del(pd, pd->oldest);
     free(pd->buckets);
+    stage_close(&pd->stage);
     free(pd);
     e->pd = NULL;
 }

@@ -6,7 +6,8 @@ prompt finds nothing (as root: a client runs as another uid); a corrupt
 block file is a miss with a log line and the same tokens; /metrics counts
 the blocks written and read and the hits; a --prefix-cache-mem smaller
 than the chain bounds the blocks read, refusing and removing none.
---prefix-exit-seconds 0 writes none at exit."""
+--prefix-exit-seconds 0 writes none at exit; chains longer than the
+staging ring read back right."""
 import glob
 import grp
 import json
@@ -164,4 +165,23 @@ check(kept and not (kept & first) and sum(os.path.getsize(f) for f in kept) <= b
       "prefix file(s) removed for a new one" in small.logtext(),
       "its blocks took the room of the earlier files (%d kept, none of the first run's, within the budget)" %
       len(kept))
+# a chain longer than the staging ring's 64 slots: the reads past them land
+# in ordinary memory, and two such chains read one after the other (the
+# second in the slots the first gave back) are hits with the tokens of a
+# daemon without a disk tier
+chains = [[(i * k + 3) % 1900 + 50 for i in range(BT * 70 + 5)] for k in (29, 43)]
+wants = [complete(ref, c)[0] for c in chains]
+lg = Daemon(model=ref.model, tmp=ref.tmp)
+lg.sock = os.path.join(ref.tmp, "long.sock")
+lg.start()
+for c in chains:
+    complete(lg, c)
+check(lg.stop() == 0, "two 70-block chains computed, written at exit")
+lg.start()
+for c, w in zip(chains, wants):
+    toks, cached = complete(lg, c)
+    check(toks == w and cached == len(c) // BT * BT,
+          "a 70-block chain read back past the ring's slots: cached_tokens %d, the reference's tokens" % cached)
+check(metric(lg, "prefix_disk_blocks_total", '{op="read"}') == 2 * (len(chains[0]) // BT) and lg.stop() == 0,
+      "every block of both chains read from disk; clean exit")
 ref.stop()
