@@ -436,7 +436,11 @@ static enum ipc_status f_prompt(const json_t *v, const char *name, struct field_
     struct ipc_limits wide = *c->lim;
     if (wide.max_context < IPC_MAX_SINK_TOKENS)
         wide.max_context = IPC_MAX_SINK_TOKENS;
-    return parse_prompt(v, name, &wide, &c->r->text, &c->r->text_len, &c->r->ids, &c->r->n_ids, err);
+    enum ipc_status st = parse_prompt(v, name, &wide, &c->r->text, &c->r->text_len, &c->r->ids, &c->r->n_ids, err);
+    if (st == IPC_ECONTEXT)
+        st = ipc_fail(err, st, name, "%s has more than %d tokens; the context holds %d (a sink session's whole "
+                      "conversation, %d)", name, wide.max_context, c->lim->max_context, wide.max_context);
+    return st;
 }
 
 static enum ipc_status f_messages(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
