@@ -106,6 +106,12 @@ check(toks(a) == toks(complete(prompt + [21, 22])) and a["usage"]["prompt_tokens
       "generating from a fork == a fresh run of the same text")
 b = complete(prompt + [23], session=sid)
 check(b["usage"]["prompt_tokens_details"]["cached_tokens"] == 100, "the parent is untouched by the fork's steps")
+# a session cropped to nothing still forks (an empty state, no token ids to copy)
+code, c = d.post("/v1/sessions/%s/crop" % sid, {"n": -1000})
+code2, f0 = d.post("/v1/sessions/%s/fork" % sid, {})
+check(code == 200 and c["tokens"] == 0 and code2 == 200 and f0["tokens"] == 0 and
+      toks(complete(prompt, session=f0["id"])) == toks(complete(prompt)),
+      "a session cropped to 0 tokens forks: an empty session that generates as a fresh run")
 
 # ---- strategies that make no sense for a state ------------------------------
 for cache, why in (({"implementation": "sliding_window", "window_length": 8}, "sliding_window"),

@@ -551,7 +551,7 @@ enum tier_status state_seq_fork(const kv_seq *q, kv_seq *c)
         return st;
     c->copied_bytes += n;
     c->state->share = q->state->share && ids_room(c, q->len);
-    if (c->state->share)
+    if (c->state->share && q->len) /* a state cropped to nothing has no ids, nor room for them */
         memcpy(c->ids, q->ids, (size_t)q->len * sizeof(*c->ids));
     c->state->shared_to = q->state->shared_to;
     /* the child's rollbacks need the parent's checkpoints */
