@@ -64,6 +64,12 @@ static enum ipc_status encdec_ids(struct server *s, const struct ipc_gen_req *g,
     }
     if (st == IPC_OK && g->has_input && !in->n)
         st = ipc_fail(err, IPC_EINVAL, "input", "the input is empty (no tokens)");
+    /* the bound the ids of an input get when they are parsed, for a text
+     * one once it is tokenized: an encoder pass grows with the square of
+     * the input, and the engine thread does it */
+    else if (st == IPC_OK && in->n > (size_t)engine_context(s->eng))
+        st = ipc_fail(err, IPC_ECONTEXT, "input", "input has %zu tokens; the context holds %d", in->n,
+                      engine_context(s->eng));
     if (st != IPC_OK)
         return st;
     /* the decoder's prompt goes on: no end-of-sequence appended */

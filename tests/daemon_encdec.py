@@ -99,6 +99,9 @@ def run(name, args, dec):
     refused("messages", "encoder-decoder", messages=[{"role": "user", "content": "hi"}])
     refused("input", "\"input\"", "input", prompt=[1, 2])
     refused("input", "\"input\"", "input")  # neither input nor prompt: the missing field is input
+    # a text input is held to the context once tokenized, as ids are when parsed
+    n_ctx = d.get("/v1/models")[1]["data"][0]["meta"]["n_ctx"]
+    refused("input", "the context holds %d" % n_ctx, "input", input="in the beginning " * n_ctx)
     refused("sliding", "sliding", input=ENC, cache={"implementation": "sliding_window", "window_length": 8})
     refused("sink", "not rotary", input=ENC, cache={"implementation": "sink", "window_length": 8, "num_sink_tokens": 4})
     refused("shared_prefix", "shares no prefix", input=ENC, prompt=[0, 5], shared_prefix=1)
