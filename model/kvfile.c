@@ -16,6 +16,7 @@
 #include <jansson.h>
 
 #include "model/safetensors.h"
+#include "util/half.h"
 
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is little-endian");
 
@@ -485,10 +486,15 @@ static int cmp_range(const void *a, const void *b)
  * buf.  The expected shapes are bounded by the model and the context, so
  * their product cannot overflow. */
 /* What a tensor's values may be: NaN or an infinite key or value poisons
- * every attention that reads it.  A quantized cache's group parameters are
- * checked only where attention reads them (check_read_groups): a block's
- * unused rows were written as the memory was by earlier builds. */
-enum values { V_ANY, V_FINITE };
+ * every attention that reads it, and so does a finite one too large for
+ * the sums over it (3e38 overflows the first dot product).  Keys, values
+ * and states are held to what an f16 cache holds, +-65504: every model
+ * served in f16 keeps them in that range, so no sound cache is refused.  A
+ * quantized cache's group parameters are checked only where attention
+ * reads them (check_read_groups): a block's unused rows were written as
+ * the memory was by earlier builds. */
+enum values { V_ANY, V_FINITE, V_CACHE };
+#define CACHE_MAX 65504.0f
 
 /* The first of bytes' elements of dtype that v refuses, or -1. */
 static int64_t first_refused(const uint8_t *p, uint64_t bytes, const char *dtype, enum values v)
@@ -499,15 +505,22 @@ static int64_t first_refused(const uint8_t *p, uint64_t bytes, const char *dtype
         for (uint64_t i = 0; i < bytes / 4; i++) {
             float x;
             memcpy(&x, p + 4 * i, 4);
-            if (!isfinite(x))
+            if (!isfinite(x) || (v == V_CACHE && fabsf(x) > CACHE_MAX))
                 return (int64_t)i;
         }
-    } else if (!strcmp(dtype, "F16") || !strcmp(dtype, "BF16")) {
-        uint16_t exp = !strcmp(dtype, "F16") ? 0x7c00 : 0x7f80; /* all ones: infinity or NaN */
+    } else if (!strcmp(dtype, "F16")) {
         for (uint64_t i = 0; i < bytes / 2; i++) {
             uint16_t x;
             memcpy(&x, p + 2 * i, 2);
-            if ((x & exp) == exp)
+            if ((x & 0x7c00) == 0x7c00) /* all ones: infinity or NaN */
+                return (int64_t)i;
+        }
+    } else if (!strcmp(dtype, "BF16")) {
+        for (uint64_t i = 0; i < bytes / 2; i++) {
+            uint16_t x;
+            memcpy(&x, p + 2 * i, 2);
+            float f = bf16_to_f32(x);
+            if (!isfinite(f) || (v == V_CACHE && fabsf(f) > CACHE_MAX))
                 return (int64_t)i;
         }
     }
@@ -577,8 +590,8 @@ static enum model_status check_tensor(json_t *h, const char *name, const char *d
                           name, data_at + r->begin, dtype_size(dtype));
     int64_t bad = first_refused(buf + data_at + r->begin, bytes, dtype, values);
     if (bad >= 0)
-        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: element %" PRId64 " is not finite (NaN or infinity)",
-                          name, bad);
+        return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: element %" PRId64 " is not finite (NaN or infinity)%s",
+                          name, bad, values == V_CACHE ? " or beyond +-65504 (what an f16 cache holds)" : "");
     r->name = json_object_iter_key(json_object_iter_at(h, name));
     return MODEL_OK;
 }
@@ -621,7 +634,7 @@ static enum model_status parse_tensors(json_t *h, const uint8_t *buf, uint64_t d
         snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kind[i % per]);
         uint64_t rows = i % per < 2 ? (uint64_t)e->rows(e->rows_ctx, l, f->n_tokens) : (uint64_t)f->n_input;
         const uint64_t want[4] = {1, (uint64_t)e->n_kv_heads, rows, (uint64_t)e->head_dim};
-        st = check_tensor(h, name, kvfile_dtype_name(f->dtype), 4, want, V_FINITE, buf, data_at, data_size, &r[i], err);
+        st = check_tensor(h, name, kvfile_dtype_name(f->dtype), 4, want, V_CACHE, buf, data_at, data_size, &r[i], err);
         const void **dst = ((const void **[]){f->k, f->v, f->ck, f->cv})[i % per];
         if (st == MODEL_OK)
             dst[l] = buf + data_at + r[i].begin;
@@ -694,7 +707,7 @@ static enum model_status parse_state_tensors(json_t *h, const uint8_t *buf, uint
     state_tensors(e->n_layers, inner, N, K, f->n_ckpt, t);
     for (size_t i = 0; i < n && st == MODEL_OK; i++) {
         const uint64_t want[3] = {1, (uint64_t)t[i].shape[1], (uint64_t)t[i].shape[2]};
-        st = check_tensor(h, t[i].name, "F32", 3, want, V_FINITE, buf, data_at, data_size, &r[i], err);
+        st = check_tensor(h, t[i].name, "F32", 3, want, V_CACHE, buf, data_at, data_size, &r[i], err);
         t[i].off = (size_t)(data_at + r[i].begin);
     }
     if (st == MODEL_OK)
@@ -769,7 +782,7 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             if (st != MODEL_OK)
                 break;
             snprintf(name, sizeof(name), "past_key_values.%d.%s", l, kv);
-            st = check_tensor(h, name, kvfile_dtype_name(f->dtype), 4, res, V_FINITE, buf, data_at, data_size, &r[i],
+            st = check_tensor(h, name, kvfile_dtype_name(f->dtype), 4, res, V_CACHE, buf, data_at, data_size, &r[i],
                               err);
             if (st == MODEL_OK)
                 q->res[half] = buf + data_at + r[i++].begin;
@@ -778,7 +791,7 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             const uint64_t cross[4] = {1, H, (uint64_t)f->n_input, D};
             char name[64];
             snprintf(name, sizeof(name), "past_key_values.%d.%s", l, half ? "cross_value" : "cross_key");
-            st = check_tensor(h, name, "F32", 4, cross, V_FINITE, buf, data_at, data_size, &r[i], err);
+            st = check_tensor(h, name, "F32", 4, cross, V_CACHE, buf, data_at, data_size, &r[i], err);
             if (st == MODEL_OK)
                 (half ? f->cv : f->ck)[l] = buf + data_at + r[i++].begin;
         }
