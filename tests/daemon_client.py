@@ -88,6 +88,21 @@ with open(out) as f:
 check(r2.returncode == 0 and "resuming after 3" in r2.stderr, "batch -o: resumes after the finished lines")
 check([x["custom_id"] for x in got] == ["r%d" % i for i in range(8)] and requests(m1) - requests(m0) == 5,
       "batch resume: 5 requests sent, 8 results in order")
+# -o naming the input would write results over the requests: refused, the
+# input as it was; an output file holding request lines resumes after none
+before = open(inp).read()
+r3 = kv("batch", inp, "-o", inp)
+check(r3.returncode == 2 and "is the input file" in r3.stderr and open(inp).read() == before,
+      "batch -o IN.jsonl: refused, the input untouched")
+copy = os.path.join(d.tmp, "copy.jsonl")
+with open(copy, "w") as f:
+    f.write(before)
+r3 = kv("batch", inp, "-o", copy, "-j", "4")
+with open(copy) as f:
+    got = [json.loads(x) for x in f]
+check(r3.returncode == 0 and "resuming" not in r3.stderr and [x["custom_id"] for x in got] == ["r%d" % i for i in range(8)]
+      and all(x["response"]["status_code"] == 200 for x in got),
+      "batch -o over a file of request lines: none taken as finished, 8 results")
 with open(inp, "a") as f:
     f.write('{"custom_id":"bad","url":"/etc/passwd","body":{}}\n')
 r = kv("batch", inp, "-o", out)

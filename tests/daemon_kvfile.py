@@ -229,6 +229,10 @@ check(r.returncode == 0 and code == 200 and got["tokens"] == len(prompt), "kvtie
 r = subprocess.run([kvtier, "--socket", d.sock, "session", "import", os.path.join(d.tmp, "missing")],
                    capture_output=True, text=True)
 check(r.returncode == 2, "kvtier session import of a missing file -> exit 2")
+# a device has no size: read whole, /dev/zero would grow without end
+r = subprocess.run([kvtier, "--socket", d.sock, "session", "import", "/dev/zero"], capture_output=True, text=True,
+                   timeout=30)
+check(r.returncode == 2 and "not a regular file" in r.stderr, "kvtier session import /dev/zero -> exit 2 at once")
 
 # ?raw=1 on a quantized session: the stored form.  Dequantized by the rule
 # docs/api.md gives (the function below is that snippet), it equals the

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -329,34 +330,31 @@ static int cmd_sessions(int argc, char **argv)
 }
 
 /* Reads all of path into *buf (malloc'd). */
+/* A regular file whole: one that has a size, so that a device or a pipe
+ * (/dev/zero) cannot grow the buffer without end. */
 static int read_file(const char *path, char **buf, size_t *len)
 {
     FILE *f = fopen(path, "rb");
-    char *b = NULL;
-    size_t n = 0, cap = 0;
-    while (f) {
-        if (n == cap) {
-            char *nb = realloc(b, cap = cap ? 2 * cap : 1 << 20);
-            if (!nb)
-                break;
-            b = nb;
-        }
-        size_t got = fread(b + n, 1, cap - n, f);
-        n += got;
-        if (got == 0 && !ferror(f)) {
-            fclose(f);
-            *buf = b;
-            *len = n;
-            return 0;
-        }
-        if (ferror(f))
-            break;
-    }
-    fprintf(stderr, "kvtier: %s: %s\n", path, f ? "read failed or out of memory" : strerror(errno));
+    struct stat st;
+    const char *why = !f ? strerror(errno) : fstat(fileno(f), &st) ? strerror(errno)
+                                           : !S_ISREG(st.st_mode) ? "not a regular file"
+                                                                  : NULL;
+    size_t n = why ? 0 : (size_t)st.st_size;
+    char *b = why ? NULL : malloc(n ? n : 1);
+    if (!why && !b)
+        why = "out of memory";
+    if (!why && fread(b, 1, n, f) != n)
+        why = "read failed";
     if (f)
         fclose(f);
-    free(b);
-    return EXIT_USAGE;
+    if (why) {
+        fprintf(stderr, "kvtier: %s: %s\n", path, why);
+        free(b);
+        return EXIT_USAGE;
+    }
+    *buf = b;
+    *len = n;
+    return 0;
 }
 
 static const char session_usage[] =
@@ -540,7 +538,9 @@ static void progress(struct batch *b, size_t start, double t0, bool final)
             final ? "\n" : "");
 }
 
-/* Lines of out already written for the same inputs: resume after them. */
+/* Lines of out already written for the same inputs: resume after them.
+ * A finished line is a result of this input line (its id, custom_id, and
+ * a response and an error, one of them null), never a request line. */
 static size_t resume_point(FILE *out, char **lines, size_t n, long *keep)
 {
     char *line = NULL;
@@ -549,7 +549,11 @@ static size_t resume_point(FILE *out, char **lines, size_t n, long *keep)
     *keep = 0;
     while (k < n && (len = getline(&line, &cap, out)) > 0 && line[len - 1] == '\n') {
         json_t *o = json_loads(line, 0, NULL), *in = json_loads(lines[k], 0, NULL);
-        bool same = o && json_equal(json_object_get(o, "custom_id"), json_object_get(in, "custom_id"));
+        char id[32];
+        snprintf(id, sizeof(id), "batch_req_%zu", k);
+        const char *got = json_string_value(json_object_get(o, "id"));
+        bool same = o && got && !strcmp(got, id) && json_object_get(o, "response") && json_object_get(o, "error") &&
+                    json_equal(json_object_get(o, "custom_id"), json_object_get(in, "custom_id"));
         json_decref(o);
         json_decref(in);
         if (!same)
@@ -592,6 +596,14 @@ static int cmd_batch(int argc, char **argv)
     FILE *in = fopen(argv[optind], "r");
     if (!in) {
         fprintf(stderr, "kvtier: cannot open %s: %s\n", argv[optind], strerror(errno));
+        return EXIT_USAGE;
+    }
+    /* the results written over the requests would lose them */
+    struct stat si, so;
+    if (out_path && fstat(fileno(in), &si) == 0 && stat(out_path, &so) == 0 && si.st_dev == so.st_dev &&
+        si.st_ino == so.st_ino) {
+        fprintf(stderr, "kvtier: -o %s is the input file: the results would overwrite the requests\n", out_path);
+        fclose(in);
         return EXIT_USAGE;
     }
     struct batch b = {.window = (size_t)jobs * 4, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
