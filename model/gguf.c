@@ -8,6 +8,7 @@
  * alignment (general.alignment, else 32); the data section.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -517,6 +518,9 @@ enum model_status gguf_get_float(const struct gguf *g, const char *key, bool req
     } else {
         return wrong_type(g, key, kv, "a float", err);
     }
+    /* every float key is a hyperparameter, which arithmetic and the config's JSON need finite */
+    if (!isfinite(*out))
+        return model_errf(err, MODEL_EFORMAT, "%s: %s is not finite (%g)", g->name, key, *out);
     return MODEL_OK;
 }
 

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,7 +91,7 @@ static void kv_f32(struct file *w, const char *key, float v)
 {
     put_str(w, key, "key length");
     put_u32(w, GGUF_F32, "value type");
-    put(w, &v, 4, NULL);
+    put(w, &v, 4, "f32 value");
 }
 
 /* The model: one llama layer of dim 32, 2 heads of 16, 1 KV head, ffn 256
@@ -482,6 +483,14 @@ static void test_fields(void **state)
             v64 = old64 - 32; /* onto the tensor before it */
             st = with(&w, f->off, &v64, 8, err);
             assert_non_null(strstr(err, "overlap"));
+        } else if (!strcmp(f->what, "f32 value")) {
+            /* a hyperparameter that arithmetic and the config need finite */
+            float bad = NAN;
+            assert_int_equal(with(&w, f->off, &bad, 4, err), MODEL_EFORMAT);
+            assert_non_null(strstr(err, "is not finite"));
+            bad = INFINITY;
+            st = with(&w, f->off, &bad, 4, err);
+            assert_non_null(strstr(err, "is not finite"));
         } else if (!strcmp(f->what, "value type") || !strcmp(f->what, "array element type")) {
             v32 = 13;
             st = with(&w, f->off, &v32, 4, err);
