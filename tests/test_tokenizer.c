@@ -685,11 +685,15 @@ static void test_malformed(void **state)
         {PRECOMPILED(", \"precompiled_charsmap\": \"BAAAAAAAAABhYg==\""), NULL, TEXT_EFORMAT, "do not end with NUL"},
         {PRECOMPILED(", \"precompiled_charsmap\": \"BAAAAAAAAAD/AA==\""), NULL,
          TEXT_EFORMAT, "replacement byte 0 is not UTF-8"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", TEXT_EFORMAT, "bos_token \"<s>\""},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": \"<s>\"}", TEXT_EFORMAT,
+         "tokenizer_config.json: bos_token \"<s>\""},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"bos_token\": 5}", TEXT_EFORMAT,
+         "tokenizer_config.json: bos_token is not a string"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"add_bos_token\": ", TEXT_EFORMAT, "tokenizer_config.json:1:"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"chat_template\": [{\"name\": \"default\"}]}", TEXT_EFORMAT,
          "chat_template is neither"},
-        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"chat_template\": 7}", TEXT_EFORMAT, "chat_template is neither"},
+        {"{\"model\": {\"vocab\": {\"a\": 0}}}", "{\"chat_template\": 7}", TEXT_EFORMAT,
+         "tokenizer_config.json: chat_template is neither"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char err[TEXT_ERR_LEN];

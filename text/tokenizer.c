@@ -1248,10 +1248,10 @@ static enum text_status read_file(struct loader *L, const char *path, char **dat
 }
 
 /* The load both entry points share: the tokenizer.json text, then the
- * parsed tokenizer_config.json (NULL: none); file names the first in
- * messages. */
-static enum text_status load_both(const char *file, const char *text, size_t len, json_t *config, tokenizer **out,
-                                  char *err)
+ * parsed tokenizer_config.json (NULL: none); file and config_file name
+ * them in messages. */
+static enum text_status load_both(const char *file, const char *config_file, const char *text, size_t len,
+                                  json_t *config, tokenizer **out, char *err)
 {
     *out = NULL;
     tokenizer *t = calloc(1, sizeof *t);
@@ -1261,6 +1261,7 @@ static enum text_status load_both(const char *file, const char *text, size_t len
     struct loader L = {.t = t, .file = file, .err = err};
     enum text_status st = load_tokenizer_json(&L, text, len);
     if (st == TEXT_OK && config) {
+        L.file = config_file;
         st = load_config(&L, config);
     } else if (st == TEXT_OK) {
         /* No tokenizer_config.json: the template's tokens are the best guess. */
@@ -1290,7 +1291,7 @@ enum text_status tokenizer_load(const char *dir, tokenizer **out, char *err)
     if (st == TEXT_OK)
         st = read_config(&L, cpath, &root);
     if (st == TEXT_OK)
-        st = load_both(path, text, len, root, out, err);
+        st = load_both(path, cpath, text, len, root, out, err);
     free(text);
     json_decref(root);
     return st;
@@ -1301,7 +1302,7 @@ enum text_status tokenizer_load_json(const char *name, const char *json, size_t 
 {
     if (config && !json_is_object(config))
         return text_errf(err, TEXT_EFORMAT, "%s: the tokenizer configuration is not a JSON object", name);
-    return load_both(name, json, len, config, out, err);
+    return load_both(name, name, json, len, config, out, err);
 }
 
 void tokenizer_free(tokenizer *t)
