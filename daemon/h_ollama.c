@@ -70,9 +70,9 @@ static enum ipc_status put_options(const json_t *opts, json_t *out, int ctx, str
             if (!json_is_integer(v) || json_integer_value(v) < -2)
                 return ipc_fail(err, IPC_EINVAL, "options.num_predict", "options.num_predict must be an integer: "
                                 "-1 (until the end), -2 (until the context is full) or the tokens to generate");
-            /* -1: until the end; -2: until the context is full; both the default here */
-            if (json_integer_value(v) >= 0 &&
-                json_object_set_new(out, "max_tokens", json_integer(json_integer_value(v) ? json_integer_value(v) : 1)))
+            /* -1: until the end; -2: until the context is full; 0: no limit,
+             * as Ollama's runner counts it; all three the default here */
+            if (json_integer_value(v) > 0 && json_object_set_new(out, "max_tokens", json_integer(json_integer_value(v))))
                 return ipc_fail(err, IPC_ENOMEM, "options", "no memory for the options");
         } else if (!strcmp(key, "num_ctx")) {
             if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > ctx)

@@ -1,5 +1,5 @@
 """kvtierd's Ollama-compatible API driven by the ollama npm package over the
-Unix socket (tests/ollama/test.mjs)."""
+Unix socket (tests/ollama/test.mjs); num_predict 0 is no limit."""
 import os
 import shutil
 import subprocess
@@ -20,3 +20,14 @@ r = subprocess.run(["node", "tests/ollama/test.mjs", d.sock], capture_output=Tru
 print(r.stdout, end="")
 check(r.returncode == 0, "ollama-js test\n" + r.stderr[-2000:])
 check(d.stop() == 0, "stop")
+# num_predict 0 is no limit, as Ollama's runner counts it: the same reply as -1
+small = Daemon("--ctx-size", "48", model=d.model, tmp=d.tmp)
+small.sock = os.path.join(d.tmp, "small.sock")
+small.start()
+body = {"model": "model", "prompt": "In the beginning", "stream": False,
+        "options": {"temperature": 0, "repeat_penalty": 1}}
+got = {n: small.post("/api/generate", dict(body, options=dict(body["options"], num_predict=n))) for n in (0, -1, 1)}
+check(all(code == 200 for code, _ in got.values()) and got[0][1]["response"] == got[-1][1]["response"] and
+      got[0][1]["eval_count"] == got[-1][1]["eval_count"] > got[1][1]["eval_count"] == 1,
+      "num_predict 0 generates as -1 does (%d tokens), not one" % got[0][1]["eval_count"])
+check(small.stop() == 0, "stop")
