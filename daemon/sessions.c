@@ -457,7 +457,11 @@ enum ipc_status engine_kv_parse(const engine *e, const void *buf, size_t len, st
     char msg[MODEL_ERR_LEN];
     switch (kvfile_parse(buf, len, &x, out, msg)) {
     case MODEL_OK: return IPC_OK;
-    case MODEL_ECONFIG: return ipc_fail(err, IPC_ECONFLICT, "model_fingerprint", "%s", msg);
+    /* another model's KV, or a state where K and V are wanted (or the
+     * reverse): the part of the file that says so */
+    case MODEL_ECONFIG:
+        return ipc_fail(err, IPC_ECONFLICT, strstr(msg, "__metadata__.layout") ? "layout" : "model_fingerprint", "%s",
+                        msg);
     case MODEL_ENOMEM: return ipc_fail(err, IPC_ENOMEM, "", "%s", msg);
     /* the file is the request's body; the message names its part */
     default: return ipc_fail(err, IPC_EINVAL, "body", "%s", msg);
