@@ -1169,6 +1169,21 @@ static void share_prefill(engine *e, struct job *j, const float *logits, double 
     }
 }
 
+/* Whether a step's logits row can be sampled: a NaN or an infinity comes
+ * only from unsound weights or KV (a finite row stays finite through the
+ * forward pass of sound ones), and sampling it would answer 200 with
+ * arbitrary tokens.  The request fails instead, saying why. */
+static bool logits_sound(engine *e, struct job *j, const float *logits)
+{
+    for (int i = 0; i < e->vocab; i++)
+        if (!isfinite(logits[i])) {
+            job_fail_msg(e, j, IPC_EINTERNAL, "the model's logits are not finite (NaN or infinity): its weights, "
+                         "or the KV this request reads, are unsound");
+            return false;
+        }
+    return true;
+}
+
 /* Entries [from, to) were computed: take their tokens and sample. */
 static void advance(engine *e, int from, int to)
 {
@@ -1180,7 +1195,9 @@ static void advance(engine *e, int from, int to)
         /* the blocks this chunk completed go out now, not when the request ends */
         if (c == &j->ch[0] && c->n_fed - (size_t)e->batch[i].n_tokens < j->n_prompt)
             prefix_remote_publish(e, j, c->n_fed);
-        if (e->batch[i].logits && j->bs) {
+        if (e->batch[i].logits && !logits_sound(e, j, e->batch[i].logits)) {
+            continue;
+        } else if (e->batch[i].logits && j->bs) {
             c->beam_logits = e->batch[i].logits; /* beams_decide, once every beam has its own */
         } else if (e->batch[i].logits) {
             if (c == &j->ch[0] && !c->seq.gen && shares_prefill(j))

@@ -4,8 +4,12 @@ huge floats, NaN and Infinity as JSON extensions and as strings, floats for
 integers, huge strings, arrays nested 10,000 deep).  Each answer must be 200
 or a 400 naming the field (a body jansson itself refuses names no field:
 its message gives the column), never 5xx, and the daemon must still serve
-afterwards (docs/reliability.md "Input ranges")."""
+afterwards (docs/reliability.md "Input ranges").  A model whose logits
+overflow gets a 500 naming them, not sampled tokens."""
 import json
+import os
+import shutil
+import struct
 import sys
 
 sys.path.insert(0, "tests")
@@ -140,3 +144,27 @@ check(d.proc.poll() is None, "kvtierd is still running")
 code, r = d.post("/v1/completions", dict(compl, max_tokens=4))
 check(code == 200 and r["usage"]["completion_tokens"] == 4, "kvtierd still serves a completion")
 check(d.get("/health")[0] == 200, "/health is 200")
+
+# ---- a model whose logits overflow: 500 saying why, never sampled ----------
+# the final norm's weights set to 3e38 (finite, so the load takes them):
+# every logit is then infinite or NaN, which no sampler can draw from
+d.stop()
+bad = os.path.join(d.tmp, "overflow")
+shutil.copytree(d.model, bad)
+with open(os.path.join(bad, "model.safetensors"), "r+b") as f:
+    hlen = struct.unpack("<Q", f.read(8))[0]
+    head = json.loads(f.read(hlen))
+    t = head["model.norm.weight"]
+    assert t["dtype"] == "F32", t
+    lo, hi = t["data_offsets"]
+    f.seek(8 + hlen + lo)
+    f.write(struct.pack("<f", 3e38) * ((hi - lo) // 4))
+o = Daemon(model=bad, tmp=d.tmp)
+o.sock = os.path.join(d.tmp, "overflow.sock")
+o.start()
+for body in (dict(compl, max_tokens=4), dict(compl, max_tokens=4, num_beams=2)):
+    code, e = o.post("/v1/completions", body)
+    check(code == 500 and "logits are not finite" in e["error"]["message"],
+          "logits that overflow (%s): 500 naming them, not tokens: %s" %
+          ("beams" if "num_beams" in body else "sampled", e.get("error", {}).get("message", e)))
+check(o.get("/health")[0] == 200 and o.stop() == 0, "the daemon serves on and stops cleanly")
