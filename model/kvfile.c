@@ -488,13 +488,16 @@ static int cmp_range(const void *a, const void *b)
 /* What a tensor's values may be: NaN or an infinite key or value poisons
  * every attention that reads it, and so does a finite one too large for
  * the sums over it (3e38 overflows the first dot product).  Keys, values
- * and states are held to what an f16 cache holds, +-65504: every model
- * served in f16 keeps them in that range, so no sound cache is refused.  A
+ * and states are held to +-1e9: a product of two such values summed over
+ * any head or hidden vector stays below 1e24, far inside f32, while no
+ * sound model comes near (an f16 cache cannot hold more than 65504, and
+ * the models served in bf16 alone stay within a few thousand).  A
  * quantized cache's group parameters are checked only where attention
  * reads them (check_read_groups): a block's unused rows were written as
  * the memory was by earlier builds. */
 enum values { V_ANY, V_FINITE, V_CACHE };
-#define CACHE_MAX 65504.0f
+#define CACHE_MAX 1e9f
+#define E4M3_CODE_MAX 480.0f /* the largest e4m3 code reads as 480 (0x7f, never written, decoded as is) */
 
 /* The first of bytes' elements of dtype that v refuses, or -1. */
 static int64_t first_refused(const uint8_t *p, uint64_t bytes, const char *dtype, enum values v)
@@ -591,7 +594,7 @@ static enum model_status check_tensor(json_t *h, const char *name, const char *d
     int64_t bad = first_refused(buf + data_at + r->begin, bytes, dtype, values);
     if (bad >= 0)
         return model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: element %" PRId64 " is not finite (NaN or infinity)%s",
-                          name, bad, values == V_CACHE ? " or beyond +-65504 (what an f16 cache holds)" : "");
+                          name, bad, values == V_CACHE ? " or beyond +-1e9" : "");
     r->name = json_object_iter_key(json_object_iter_at(h, name));
     return MODEL_OK;
 }
@@ -775,8 +778,13 @@ static enum model_status parse_raw_tensors(json_t *h, const uint8_t *buf, uint64
             if (st != MODEL_OK)
                 break;
             const uint8_t *sc = buf + data_at + r[i++].begin;
-            if (e4m3)
+            if (e4m3) {
                 memcpy(&q->scale[half], sc, sizeof(float));
+                /* the values it decodes to, code times scale, held as a dense cache's are */
+                if (!(fabsf(q->scale[half]) * E4M3_CODE_MAX <= CACHE_MAX))
+                    st = model_errf(err, MODEL_EFORMAT, "KV file: tensor %s: scale %g decodes values beyond +-1e9",
+                                    name, (double)q->scale[half]);
+            }
             else if ((st = check_read_groups(q, hf, T, H, D, sc, name, err)) == MODEL_OK)
                 q->params[half] = sc;
             if (st != MODEL_OK)

@@ -196,20 +196,20 @@ refused(build(base_meta, t4), "an extra tensor", (400,), "tensors")
 refused(build(dict(base_meta, format="other"), tensors), "another format", (400,), "format")
 refused(build(dict(base_meta, tokens="[1, -3]"), tensors), "a negative token id", (400,), "tokens")
 refused(b"", "an empty body", (400,), "truncated")
-# NaN, infinity, or finite but more than an f16 cache holds (3e38 overflows
-# the first dot product: every later token would be garbage); 65504 itself is in
-for bad_value in (float("nan"), float("inf"), 3e38, -65600.0):
+# NaN, infinity, or finite but beyond +-1e9 (3e38 overflows the first dot
+# product: every later token would be garbage); -1e9 itself is in
+for bad_value in (float("nan"), float("inf"), 3e38, -2e9):
     t5 = dict(tensors)
     t5["past_key_values.1.key"] = tensors["past_key_values.1.key"].clone()
     t5["past_key_values.1.key"][0, 1, 3, 5] = bad_value
     refused(build(base_meta, t5), "a key that is %s" % bad_value, (400,), "past_key_values.1.key")
 t5 = dict(tensors)
 t5["past_key_values.0.value"] = tensors["past_key_values.0.value"].clone()
-t5["past_key_values.0.value"][0, 0, 0, 0] = -65504.0
+t5["past_key_values.0.value"][0, 0, 0, 0] = -1e9
 code, edge = d.request("POST", "/v1/sessions/import", build(base_meta, t5),
                        {"Content-Type": "application/octet-stream"})
 check(code == 201 and d.request("DELETE", "/v1/sessions/" + edge["id"])[0] == 200,
-      "a value of -65504, the f16 cache's edge, is imported")
+      "a value of -1e9, the bound, is imported")
 code = d.raw(b"POST /v1/sessions/import HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 40) + b"\0" * 64)
 check(code == 413, "a body over the KV size cap -> 413")
 code, lst = d.get("/v1/sessions")
@@ -359,6 +359,11 @@ def build_raw(meta, ts):
     return struct.pack("<Q", len(h)) + h + data
 
 
+# an fp8 scale that decodes the codes past +-1e9, as a dense cache's values are held
+fmeta, fts = raw_files["fp8"]
+dt, shape, _ = fts["past_key_values.0.key.qscale"]
+refused(build_raw(fmeta, dict(fts, **{"past_key_values.0.key.qscale": (dt, shape, struct.pack("<f", 3e38))})),
+        "fp8: a scale of 3e38", (400,), "past_key_values.0.key.qscale")
 rmeta, rts = raw_files["quanto"]
 code, n_before = d.get("/v1/sessions")
 code, qi = d.request("POST", "/v1/sessions/import", build_raw(rmeta, rts), {"Content-Type": "application/octet-stream"})
