@@ -338,10 +338,19 @@ static bool shares_prefill(const struct job *j)
            j->cache.params.strategy != KV_QUANTIZED;
 }
 
+/* A sink session's conversation past the context (the only prompt that
+ * long the request checks let through) goes on only from the KV that holds
+ * its start: computed afresh, its positions would pass the context. */
+#define SINK_PAST "; a sink session goes past it only with a prompt that extends the tokens it holds"
+
 /* A fresh KV for j's session to compute in (prefix-cache blocks for the
  * start of j's prompt: c->n_fed tokens need not be computed). */
 static enum ipc_status session_kv_fresh(engine *e, struct job *j, struct job_choice *c, struct ipc_error *err)
 {
+    if (j->n_prompt >= (size_t)e->ctx)
+        return ipc_fail(err, IPC_ECONTEXT, "prompt", "the prompt has %zu tokens; the context holds %d, and the "
+                        "session's KV no longer holds the prompt's start (it departs before the last eviction, "
+                        "or the KV was lost)" SINK_PAST, j->n_prompt, e->ctx);
     struct session *s = j->sess;
     kv_seq *q = NULL;
     enum ipc_status st = kv_open(e, &s->cache.params, s->uid, s->record, j->prompt, j->n_prompt, &q, &c->n_fed, err);
@@ -366,14 +375,9 @@ static enum ipc_status session_kv_setup(engine *e, struct job *j, struct job_cho
     const struct session *s = j->sess;
     kv_seq *q = s->kv, *fork = NULL;
     int64_t n = (int64_t)j->n_prompt, keep = q ? kv_seq_common(q, s->toks, j->prompt, n) : 0;
-    /* A sink session's conversation past the context (the only prompt
-     * that long the request checks let through) can go on only from the
-     * KV that holds its start: computed afresh its positions would pass
-     * the context. */
-    const char *past = "; a sink session goes past it only with a prompt that extends the tokens it holds";
     if (n >= e->ctx && n - keep >= e->ctx)
         return ipc_fail(err, IPC_ECONTEXT, "prompt", "the prompt has %lld tokens, %lld of them new; the context holds "
-                        "%d%s", (long long)n, (long long)(n - keep), e->ctx, past);
+                        "%d" SINK_PAST, (long long)n, (long long)(n - keep), e->ctx);
     if (q && keep < kv_seq_length(q) && kv_seq_fork_fits(q, keep, n - keep + j->max_new))
         q = kv_seq_fork(q, &fork) == TIER_OK ? fork : q; /* without host memory for it: in place */
     if (q && kv_seq_reuse(q, s->toks, j->prompt, n, &keep) != TIER_OK) {
@@ -381,10 +385,6 @@ static enum ipc_status session_kv_setup(engine *e, struct job *j, struct job_cho
         kv_seq_free(fork);
         q = NULL;
     }
-    if (!q && n >= e->ctx)
-        return ipc_fail(err, IPC_ECONTEXT, "prompt", "the prompt has %lld tokens; the context holds %d, and the "
-                        "session's KV cannot be rewound to where the prompt departs from it%s", (long long)n,
-                        e->ctx, past);
     c->n_fed = (size_t)keep;
     c->kv = j->skv = q;
     return q ? IPC_OK : session_kv_fresh(e, j, c, err);
