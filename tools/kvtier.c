@@ -329,9 +329,9 @@ static int cmd_sessions(int argc, char **argv)
     return 0;
 }
 
-/* Reads all of path into *buf (malloc'd). */
-/* A regular file whole: one that has a size, so that a device or a pipe
- * (/dev/zero) cannot grow the buffer without end. */
+/* Reads all of path into *buf (malloc'd): a regular file, one that has a
+ * size, so that a device or a pipe (/dev/zero) cannot grow the buffer
+ * without end. */
 static int read_file(const char *path, char **buf, size_t *len)
 {
     FILE *f = fopen(path, "rb");
@@ -481,6 +481,7 @@ static char *batch_result(kvtier_client *kc, size_t idx, const char *line, unsig
             kvtier_reply_free(&r);
         } else {
             why = st == KVTIER_ENOMEM ? "out of memory" : kvtier_errmsg(kc);
+            json_object_set_new(res, "response", json_null());
             json_object_set_new(res, "error", json_pack("{s:s,s:s}", "code", st == KVTIER_ENOMEM ? "no_memory"
                                                                              : st == KVTIER_EPROTO ? "protocol" : "io",
                                                         "message", why));
@@ -539,8 +540,10 @@ static void progress(struct batch *b, size_t start, double t0, bool final)
 }
 
 /* Lines of out already written for the same inputs: resume after them.
- * A finished line is a result of this input line (its id, custom_id, and
- * a response and an error, one of them null), never a request line. */
+ * A finished line is a result of this input line (its id and custom_id,
+ * an absent one as null) that the daemon answered, or an invalid line's;
+ * never a request line, nor one the daemon never got (io, protocol,
+ * no_memory), which a rerun sends again. */
 static size_t resume_point(FILE *out, char **lines, size_t n, long *keep)
 {
     char *line = NULL;
@@ -552,8 +555,11 @@ static size_t resume_point(FILE *out, char **lines, size_t n, long *keep)
         char id[32];
         snprintf(id, sizeof(id), "batch_req_%zu", k);
         const char *got = json_string_value(json_object_get(o, "id"));
-        bool same = o && got && !strcmp(got, id) && json_object_get(o, "response") && json_object_get(o, "error") &&
-                    json_equal(json_object_get(o, "custom_id"), json_object_get(in, "custom_id"));
+        const json_t *oc = json_object_get(o, "custom_id"), *ic = json_object_get(in, "custom_id");
+        const char *code = json_string_value(json_object_get(json_object_get(o, "error"), "code"));
+        bool answered = json_is_object(json_object_get(o, "response")) || (code && !strcmp(code, "invalid_line"));
+        bool same = o && got && !strcmp(got, id) && answered &&
+                    json_equal(oc ? oc : json_null(), ic ? ic : json_null());
         json_decref(o);
         json_decref(in);
         if (!same)
