@@ -172,6 +172,10 @@ void session_run_op(engine *e, struct job *j);
 
 /* ---- spill.c: sessions on disk (engine thread unless noted) ---- */
 
+/* Whether what the disk tier reads goes to the backend's page-locked host
+ * memory (a device apart from the host), or to ordinary memory (unified). */
+bool image_pinned(const engine *e);
+
 /* Opens the disk tier (cfg.disk_dir) and lists the sessions a previous run
  * left there; without one the engine runs in memory alone.  At load. */
 void disk_open(engine *e);

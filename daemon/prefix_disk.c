@@ -90,13 +90,14 @@ struct prefix_fetch {
     } blk[];
 };
 
-/* Where prefix-block reads land: slots of one block file's data, carved
- * from one buffer of host memory that is page-locked on a GPU backend
- * (be_host_alloc), so that inserting a block uploads each layer straight
- * from it.  Page-locking costs far more than a block's copy, so the buffer
- * is locked once and its slots reused.  A read that finds every slot taken
- * gets ordinary memory.  The I/O thread takes slots, the engine thread
- * gives them back: a mutex. */
+/* Where prefix-block reads land on a backend whose device is apart from
+ * the host: slots of one block file's data, carved from one buffer of its
+ * page-locked host memory (be_host_alloc), so that inserting a block
+ * uploads each layer straight from it.  Page-locking costs far more than a
+ * block's copy, so the buffer is locked once and its slots reused.  A read
+ * that finds every slot taken gets ordinary memory, as every read does on
+ * a unified backend.  The I/O thread takes slots; the engine thread gives
+ * them back, or the I/O thread for a read that failed: a mutex. */
 #define STAGE_BYTES ((size_t)32 << 20)
 #define STAGE_SLOTS 64 /* bits of used */
 
@@ -177,11 +178,17 @@ static void *stage_alloc(void *arg, size_t len, void **data)
     return posix_memalign(data, 4096, len) ? NULL : *data;
 }
 
+static bool in_stage(const struct stage *st, const void *buf)
+{
+    uintptr_t p = (uintptr_t)buf, base = (uintptr_t)st->base;
+    return st->n && p >= base && p < base + (size_t)st->n * st->slot;
+}
+
 static void stage_free(void *arg, void *buf)
 {
     struct stage *st = arg;
     char *p = buf;
-    if (!st->n || p < st->base || p >= st->base + (size_t)st->n * st->slot) {
+    if (!in_stage(st, buf)) {
         free(buf);
         return;
     }
@@ -425,7 +432,7 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
     struct prefix_disk *pd = e->pd;
     bool kept = x->ids != NULL;
     kv_kept *k = NULL;
-    int got = 0;
+    int got = 0, staged = 0;
     bool miss = false;
     for (int i = 0; i < x->n; i++) {
         kv_disk_op *op = x->blk[i].op;
@@ -461,9 +468,12 @@ static void fetch_finish(engine *e, struct prefix_fetch *x)
             got++;
         }
         free(meta);
+        staged += in_stage(&pd->stage, buf);
         stage_free(&pd->stage, buf); /* a cross cache's read: ordinary memory */
         kv_disk_op_free(op);
     }
+    if (!kept)
+        log_msg(LOG_DEBUG, "prefix blocks read from disk: %d, %d of them into the staging ring", x->n, staged);
     pthread_mutex_lock(&e->mu);
     if (kept) {
         e->st.encoder_disk_read += (uint64_t)got;
@@ -630,7 +640,7 @@ void prefix_disk_open(engine *e)
 {
     if ((e->cfg.no_prefix_cache && !e->enc_cache) || !(e->pd = calloc(1, sizeof(*e->pd))))
         return;
-    stage_open(e, &e->pd->stage, e->enc_cache ? 0 : kv_store_prefix_block_bytes(e->store));
+    stage_open(e, &e->pd->stage, e->enc_cache || !image_pinned(e) ? 0 : kv_store_prefix_block_bytes(e->store));
     kv_store_set_prefix_spill(e->store, QUEUE_BYTES);
 }
 

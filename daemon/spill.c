@@ -116,8 +116,7 @@ static char *meta_json(const struct session *s, size_t self_image)
     return text;
 }
 
-/* Whether images are the backend's page-locked host memory (see the top). */
-static bool image_pinned(const engine *e)
+bool image_pinned(const engine *e)
 {
     return !be_get_caps(e->rt.be).unified_memory;
 }
