@@ -901,6 +901,7 @@ static void note_token(engine *e, struct job *j, struct job_choice *c, double t)
 static void sample_one(engine *e, struct job *j, struct job_choice *c, float *logits, double t)
 {
     note_token(e, j, c, t);
+    c->refeeding = false;
     bool rank = j->n_out < j->n;
     if (j->logprobs || rank)
         memcpy(e->scratch, logits, (size_t)e->vocab * sizeof(*logits));
@@ -914,13 +915,16 @@ static void sample_one(engine *e, struct job *j, struct job_choice *c, float *lo
 }
 
 /* use_cache=false (HF semantics): a choice about to decode drops its KV
- * and feeds its whole history again, as a prefill.  False when the new
- * sequence cannot be made (the job then fails). */
+ * and feeds its whole history again, as a prefill, in as many chunks as
+ * the step's budget needs; until that ends in its next token it is
+ * refeeding, even when a chunk leaves one token to feed.  False when the
+ * new sequence cannot be made (the job then fails). */
 static bool restart_uncached(engine *e, struct job *j, struct job_choice *c)
 {
     kv_seq_free(c->kv);
     c->kv = NULL;
     c->n_fed = 0;
+    c->refeeding = true;
     enum tier_status ts = kv_seq_create(e->store, &j->cache.params, &c->kv);
     if (ts == TIER_OK)
         return true;
@@ -941,7 +945,8 @@ static int build_batch(engine *e)
             struct job_choice *c = &j->ch[i];
             if (c->seq.finish != GEN_FINISH_NONE || !c->seq.toks || !c->kv)
                 continue;
-            if (!j->cache.use_cache && c->n_fed && c->seq.n_toks - c->n_fed == 1 && !restart_uncached(e, j, c))
+            if (!j->cache.use_cache && c->n_fed && !c->refeeding && c->seq.n_toks - c->n_fed == 1 &&
+                !restart_uncached(e, j, c))
                 continue;
             if (c->seq.n_toks - c->n_fed == 1) {
                 float *logits = j->kind == JOB_GENERATE ? e->logits + (size_t)nb * e->vocab : NULL;

@@ -109,6 +109,7 @@ struct tok_logprob {
     double lp_sum;        /* best_of: the log-probabilities of its tokens, summed */
     const float *beam_logits; /* beam search: this step's logits, until the beams' decision */
     double t_last;        /* clock_ms() of its last token (0: none yet), for the inter-token histogram */
+    bool refeeding;       /* use_cache=false: its history is being fed again, until its next token */
 };
 
 /* JOB_CROP and later are operations on the job's session that the engine

@@ -165,6 +165,14 @@ check(code == 400 and "dynamic" in e["error"]["message"] and "static" in e["erro
 code, nc = d.post("/v1/completions", dict(greedy, use_cache=False))
 check(code == 200 and nc["choices"][0]["tokens"] == dyn["choices"][0]["tokens"] and
       nc["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "use_cache=false: the dynamic run's tokens")
+# a history that grows past a step's token budget (--batch-tokens, 256 by
+# default) is fed again in several chunks, one of which leaves a single
+# token: still a refeed, not a decode to restart (it used to loop there)
+long_ids = [(i * 37 + 11) % 1900 + 50 for i in range(250)]
+code, nc = d.post("/v1/completions", dict(greedy, prompt=long_ids, max_tokens=12, ignore_eos=True, use_cache=False))
+code2, dc = d.post("/v1/completions", dict(greedy, prompt=long_ids, max_tokens=12, ignore_eos=True))
+check(code == code2 == 200 and nc["choices"][0]["tokens"] == dc["choices"][0]["tokens"],
+      "use_cache=false past the step budget (250 + 12 tokens): it ends, with the cached run's tokens")
 code, e = d.post("/v1/sessions", {"prompt": "In the beginning", "use_cache": False})
 check(code == 400 and e["error"]["param"] == "use_cache", "a session with use_cache=false -> 400")
 code, e = d.post("/v1/completions", dict(greedy, logit_bias={"5": 1}))
