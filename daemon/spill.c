@@ -856,6 +856,11 @@ static struct session *session_of_meta(engine *e, const char *ns, const char *na
      * have generated past the context */
     if (!*why && !cache.params.sink && json_array_size(toks) >= (size_t)e->ctx)
         *why = "meta fields out of range";
+    /* the image is read into memory of its size: one larger than its
+     * tokens' KV can be (a sparse file claiming a terabyte) is not read */
+    if (!*why && (self_image > kv_seq_image_bound(e->store, &cache.params, (int64_t)json_array_size(toks)) ||
+                  data_len - self_image > kv_seq_image_bound(e->store, &(struct kv_seq_params){0}, (int64_t)n_input)))
+        *why = "its KV image is larger than the KV of its tokens can be";
     if (!*why && !(s = session_new((uid_t)json_integer_value(uid), &cache, json_is_true(record), req, &err)))
         *why = "no memory";
     size_t n = json_array_size(toks);

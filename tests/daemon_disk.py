@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import Daemon, check, damage_spill, forge_spill_meta, metric, skip, wait_spilled  # noqa: E402
+from daemon_harness import Daemon, check, damage_spill, forge_sparse_session, forge_spill_meta, metric, skip, wait_spilled  # noqa: E402
 
 ref = Daemon("--disk-dir", "none")
 ref.start()
@@ -383,12 +383,19 @@ for what, body in (("a one-shot request", dict(gen, prompt=whole)),
           "%s past the context: 400 naming it: %s" % (what, e.get("error", {}).get("message")))
 check(sk.get("/v1/sessions/" + sid)[1]["tokens"] == len(whole) + 59, "the refused request left the session as it was")
 # a hand-edited meta asking past recording of the sink cache, which creation
-# refuses: not listed, rather than listed and refusing every request
+# refuses: not listed, rather than listed and refusing every request; and
+# a valid container claiming 6 GiB of KV for the session's tokens (a
+# sparse file): not listed, rather than read into 6 GiB of memory
 check(sk.stop() == 0, "sink: stopped again")
+big = "sess-00000000000000ab"
+forge_sparse_session(sk, sid, big, 6144)
 forge_spill_meta(sk, sid, lambda m: m.__setitem__("record", True))
 seen = len(sk.logtext())
 sk.start()
 code, _ = sk.get("/v1/sessions/" + sid)
 check(code == 404 and sid + ".kvt not listed" in sk.logtext()[seen:],
       "a forged meta asking past recording of a sink cache: not listed, named in the log")
+code, _ = sk.get("/v1/sessions/" + big)
+check(code == 404 and big + ".kvt not listed: its KV image is larger" in sk.logtext()[seen:],
+      "a file claiming 6 GiB of KV for its tokens: not listed, named in the log")
 sk.stop()

@@ -244,6 +244,45 @@ def forge_spill_meta(d, sid, edit):
         f.write(data)
 
 
+def forge_sparse_session(d, template, sid, chunks):
+    """Writes session sid's file on d's disk tier as a valid container
+    (header, hashes) whose data is `chunks` raw MiB of zeros, a sparse
+    file, with the geometry and meta (its id made sid) of session
+    template's file: a file that claims far more KV than its tokens."""
+    import ctypes
+    import struct
+    xxh = ctypes.CDLL("libxxhash.so.0")
+    xxh.XXH3_64bits.restype = ctypes.c_uint64
+    xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    h = lambda b: xxh.XXH3_64bits(bytes(b), len(b))  # noqa: E731
+    udir = os.path.join(d.sock + ".disk", "u%d" % os.getuid())
+    with open(os.path.join(udir, template + ".kvt"), "rb") as f:
+        t = f.read()
+    off, length = struct.unpack_from("<QQ", t, 176)
+    meta = json.loads(t[off:off + length])
+    meta["id"] = sid
+    meta = json.dumps(meta).encode()
+    align = lambda n: (n + 4095) // 4096 * 4096  # noqa: E731
+    mib = 1 << 20
+    hl = 224 + 32 * chunks + 8
+    hdr = bytearray(hl)
+    hdr[:112] = t[:112]  # magic, version, geometry, namespace
+    struct.pack_into("<I", hdr, 12, hl)
+    hdr[112:176] = sid.encode().ljust(64, b"\0")
+    meta_off = align(hl)
+    data_off = meta_off + align(len(meta))
+    struct.pack_into("<QQQQIIQ", hdr, 176, meta_off, len(meta), h(meta), chunks * mib, mib, chunks, 0)
+    zero = h(bytes(mib))
+    for i in range(chunks):
+        struct.pack_into("<QIIIIQ", hdr, 224 + 32 * i, data_off + i * mib, mib, mib, 0, 0, zero)
+    struct.pack_into("<Q", hdr, hl - 8, h(hdr[:hl - 8]))
+    with open(os.path.join(udir, sid + ".kvt"), "wb") as f:
+        f.write(hdr)
+        f.seek(meta_off)
+        f.write(meta)
+        f.truncate(data_off + chunks * mib)
+
+
 def read_to_eof(sock):
     """Every byte the peer sends until it closes or shuts down its side."""
     buf = b""

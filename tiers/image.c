@@ -332,6 +332,26 @@ size_t kv_seq_image_size(const kv_seq *q)
     return n;
 }
 
+size_t kv_seq_image_bound(const kv_store *s, const struct kv_seq_params *p, int64_t n)
+{
+    if (n < 0)
+        return 0;
+    if (s->g.state_bytes) /* the state, and a checkpoint every interval at most */
+        return head_size(s) + state_image_bound(s, n);
+    /* a layer: its sinks' block, and the blocks its n positions span, one
+     * more where they start inside a block; quantized ones as many again,
+     * of the format's blocks, past a residual of dense blocks */
+    size_t dense = (size_t)(n / s->bt + 2) + 1, per_layer = dense * s->block_bytes;
+    if (p->strategy == KV_QUANTIZED) {
+        struct be_kvq_format f;
+        struct kvq_error ke;
+        if (kvq_store_format(s, &p->quant, &f, &ke) != TIER_OK)
+            return 0;
+        per_layer += (size_t)(n / f.block_tokens + 2) * f.block_bytes;
+    }
+    return head_size(s) + (size_t)s->g.n_layers * per_layer;
+}
+
 static void put_header(const kv_seq *q, uint8_t *b, size_t size)
 {
     const kv_store *s = q->s;

@@ -470,8 +470,13 @@ void kv_seq_abort(kv_seq *q);
  *   range): TIER_EINVAL with kv_store_errmsg naming the field.  Memory as
  *   kv_seq_create and kv_seq_offload: a device-resident image that does not
  *   fit the device budget loads offloaded (fallback KV_FALLBACK_OOM),
- *   unless it was saved with no_fallback; TIER_ENOMEM_* otherwise. */
+ *   unless it was saved with no_fallback; TIER_ENOMEM_* otherwise.
+ * kv_seq_image_bound: at least the bytes of the image of any sequence of
+ *   n tokens with parameters p on s, whatever its layers hold (a stored
+ *   image that claims more is not one: its size is checked with this
+ *   before memory is taken for it).  0 for parameters s refuses. */
 size_t kv_seq_image_size(const kv_seq *q);
+size_t kv_seq_image_bound(const kv_store *s, const struct kv_seq_params *p, int64_t n);
 enum tier_status kv_seq_save(kv_seq *q, void *buf, size_t size);
 enum tier_status kv_seq_load(kv_store *s, const void *buf, size_t size, kv_seq **out);
 

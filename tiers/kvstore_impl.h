@@ -224,6 +224,8 @@ enum tier_status state_seq_fork(const kv_seq *q, kv_seq *child);
 void state_seq_bytes(const kv_seq *q, size_t *dev, size_t *host);
 /* A state sequence's part of its image (state.c "images") */
 size_t state_image_bytes(const kv_seq *q);
+/* At least state_image_bytes of any sequence of len tokens on s. */
+size_t state_image_bound(const kv_store *s, int64_t len);
 enum tier_status state_seq_save(const kv_seq *q, uint8_t *p);
 enum tier_status state_image_check(kv_store *s, size_t size, int *n_ckpt);
 enum tier_status state_fill_layer(kv_seq *q, int layer, const uint8_t *body);

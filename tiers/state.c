@@ -621,6 +621,14 @@ size_t state_image_bytes(const kv_seq *q)
     return n + (size_t)q->state->n_ckpt * (8 + n);
 }
 
+size_t state_image_bound(const kv_store *s, int64_t len)
+{
+    /* a checkpoint at every position at most: an image written under a
+     * finer --checkpoint-interval than this run's still loads */
+    size_t n = seq_state_bytes(s);
+    return n + (size_t)(len + 1) * (8 + n);
+}
+
 enum tier_status state_seq_save(const kv_seq *q, uint8_t *p)
 {
     size_t n = seq_state_bytes(q->s);
