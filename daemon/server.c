@@ -743,6 +743,10 @@ static void stop_listening(struct server *s)
 
 /* The drain deadline: first the jobs still running fail (their clients get
  * the error), then, 2 s later, the loop ends whatever is left. */
+/* After a second signal, the time the error replies get to go out: a
+ * client reads its 503 rather than a closed connection. */
+#define SECOND_SIGNAL_GRACE_MS 300
+
 static void on_drain_timeout(void *data)
 {
     struct server *s = data;
@@ -767,10 +771,13 @@ static void on_signal(void *data, unsigned events)
             log_msg(rc ? LOG_ERR : LOG_INFO, "SIGHUP: log reopened%s%s", rc ? ": " : "", rc ? strerror(-rc) : "");
             continue;
         }
-        if (s->draining) { /* a second TERM/INT: stop now */
-            log_msg(LOG_WARN, "second signal %u: exiting without waiting", sig);
-            engine_abort_all(s->eng, IPC_EUNAVAIL, "kvtierd is shutting down");
-            ev_stop(s->loop);
+        if (s->draining) { /* a second TERM/INT: stop now, once the 503s of what was in flight are out */
+            log_msg(LOG_WARN, "second signal %u: failing %d request(s) in flight and exiting", sig,
+                    engine_pending(s->eng));
+            if (!s->aborted)
+                engine_abort_all(s->eng, IPC_EUNAVAIL, "kvtierd is shutting down");
+            s->aborted = true;
+            ev_timer_start(s->loop, &s->t_drain, SECOND_SIGNAL_GRACE_MS, on_drain_timeout, s);
             continue;
         }
         int n = engine_pending(s->eng);

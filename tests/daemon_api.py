@@ -14,7 +14,7 @@ import threading
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import KVTIERD, Daemon, check  # noqa: E402
+from daemon_harness import KVTIERD, Daemon, check, wait_spilled  # noqa: E402
 
 notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 d = Daemon("--max-sessions", "3", "--max-body", "100000")
@@ -362,6 +362,26 @@ check(r.returncode == 2, "usage error: exit 2")
 r = subprocess.run([KVTIERD, "--max-queue", "0"], capture_output=True, text=True)
 check(r.returncode == 2 and "--max-queue" in r.stderr, "--max-queue 0 (every request would be 429) is a usage error")
 check(d2.stop() == 0, "stop")
+# a second SIGTERM stops at once, but a request in flight still reads its
+# 503: one that waits for its spilled session's KV from a slowed disk
+d3 = Daemon("--spill-after", "1", model=d.model, tmp=d.tmp)
+d3.sock = os.path.join(d.tmp, "sig2.sock")
+d3.start(extra_env={"KVTIER_DISK_READ_DELAY_MS": "3000"})
+sid3 = d3.post("/v1/sessions", {"prompt": "In the beginning"})[1]["id"]
+wait_spilled(d3, sid3)
+result = {}
+th = threading.Thread(target=lambda: result.update(r=d3.post("/v1/completions", dict(greedy, session=sid3))))
+th.start()
+until = time.time() + 30
+while not d3.get("/v1/requests")[1]["data"] and "r" not in result and time.time() < until:
+    time.sleep(0.02)
+d3.proc.send_signal(signal.SIGTERM)
+time.sleep(0.3)
+d3.proc.send_signal(signal.SIGTERM)
+th.join(60)
+code, r = result.get("r", (None, None))
+check(code == 503 and "shutting down" in r["error"]["message"] and d3.proc.wait(30) == 0,
+      "a second SIGTERM: the request in flight gets 503, exit 0 (got %s)" % code)
 
 # Token texts far longer than the stream's per-token guess (and than 256
 # bytes): logprobs spell them out whole, and a streamed chat with 20
