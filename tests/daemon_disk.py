@@ -289,17 +289,17 @@ wref.stop()
 # start is lost, and computing it afresh would pass the context), so it is
 # the 400 naming the context, whether the damage is found before the step
 # or by a step already begun on the first layers
-sk2 = Daemon("--ctx-size", "256", "--spill-after", "1", "--kv-dtype", "f32", model=wide, tmp=ref.tmp)
+sk2 = Daemon("--ctx-size", "210", "--spill-after", "1", "--kv-dtype", "f32", model=wide, tmp=ref.tmp)
 sk2.sock = os.path.join(ref.tmp, "sink2.sock")
 sk2.start(extra_env={"KVTIER_DISK_READ_DELAY_MS": "150"})
 sid2 = session(sk2, cache={"implementation": "sink", "window_length": 200, "num_sink_tokens": 4})
-gone = sk2.post_ok("/v1/completions", dict(gen, max_tokens=300, prompt=ctx[:70], session=sid2))["choices"][0]["tokens"]
+gone = sk2.post_ok("/v1/completions", dict(gen, max_tokens=10, prompt=ctx[:205], session=sid2))["choices"][0]["tokens"]
 wait_spilled(sk2, sid2)
-damage_spill(sk2, sid2)
-code, e = sk2.post("/v1/completions", dict(gen, prompt=ctx[:70] + gone, session=sid2))
+damage_spill(sk2, sid2, back=100000)  # inside the last layer, not the padding
+code, e = sk2.post("/v1/completions", dict(gen, prompt=ctx[:205] + gone, session=sid2))
 check(code == 400 and e["error"]["type"] == "exceed_context_size_error" and "restore from disk failed" in sk2.logtext(),
       "a damaged sink session past the context, sent whole again: 400 naming the context (%s)" %
-      e.get("error", {}).get("message", e)[30:130])
+      str(e.get("error", {}).get("message", e))[30:130])
 check(sk2.stop() == 0, "and the daemon stops cleanly")
 
 # ---- /metrics follows a spill and a delete at once, in an idle daemon ----
