@@ -179,6 +179,8 @@ int kvq_block_tokens(const struct kv_quant_params *p, int store_bt)
     if (p->backend == KVQ_FP8 || (!per_channel(p->backend, p->axis_key) && !per_channel(p->backend, p->axis_value)))
         return store_bt;
     int g = p->q_group_size;
+    if (g < 1 || g > KVQ_MAX_GROUP) /* unchecked yet (an image's header): kvq_format_init refuses it */
+        return store_bt;
     return (store_bt + g - 1) / g * g;
 }
 
