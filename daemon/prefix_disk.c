@@ -175,7 +175,7 @@ static void *stage_alloc(void *arg, size_t len, void **data)
     pthread_mutex_unlock(&st->mu);
     if (in_ring)
         return *data = st->base + (size_t)i * st->slot;
-    return posix_memalign(data, 4096, len) ? NULL : *data;
+    return kv_disk_heap_alloc(NULL, len, data);
 }
 
 static bool in_stage(const struct stage *st, const void *buf)

@@ -134,11 +134,8 @@ static void free_image(void *arg, void *p)
 static void *image_alloc(void *arg, size_t len, void **data)
 {
     engine *e = arg;
-    if (!image_pinned(e)) {
-        if (posix_memalign(data, 4096, len) != 0)
-            return NULL;
-        return *data;
-    }
+    if (!image_pinned(e))
+        return kv_disk_heap_alloc(NULL, len, data);
     be_buffer *b = NULL;
     if (be_host_alloc(e->rt.be, len, &b) != BE_OK)
         return NULL;

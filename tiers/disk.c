@@ -1412,9 +1412,7 @@ size_t kv_disk_data_alloc_len(size_t len)
     return len > SIZE_MAX - DISK_ALIGN ? SIZE_MAX : (size_t)disk_align(len);
 }
 
-/* kv_disk_get's allocator: aligned, so that raw chunks are read in place,
- * and freeable with free(). */
-static void *heap_alloc(void *arg, size_t len, void **data)
+void *kv_disk_heap_alloc(void *arg, size_t len, void **data)
 {
     (void)arg;
     void *p = NULL;
@@ -1450,7 +1448,7 @@ enum tier_status kv_disk_get_into(kv_disk *d, const char *ns, const char *name, 
 
 enum tier_status kv_disk_get(kv_disk *d, const char *ns, const char *name, kv_disk_op **op)
 {
-    return kv_disk_get_into(d, ns, name, &(struct kv_disk_alloc){heap_alloc, heap_free, NULL}, op);
+    return kv_disk_get_into(d, ns, name, &(struct kv_disk_alloc){kv_disk_heap_alloc, heap_free, NULL}, op);
 }
 
 void kv_disk_defer(kv_disk *d, void (*fn)(void *arg, void *p), void *arg, void *p)

@@ -98,6 +98,9 @@ enum tier_status kv_disk_get(kv_disk *d, const char *ns, const char *name, kv_di
 /* The bytes a get's data buffer holds for data of len bytes: whole 4 KiB
  * pages, so the tail chunk is read in place too. */
 size_t kv_disk_data_alloc_len(size_t len);
+/* kv_disk_get's allocator (struct kv_disk_alloc's alloc; arg unused): ordinary
+ * memory aligned so that raw chunks are read in place, freed with free(). */
+void *kv_disk_heap_alloc(void *arg, size_t len, void **data);
 
 /* Where a get's data goes.  alloc runs on the I/O thread once the header
  * has checked, for data_len > 0 only: it returns a buffer handle of at
