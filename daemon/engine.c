@@ -265,7 +265,11 @@ void engine_count_error(engine *e, enum ipc_status st)
  * field the call came from. */
 enum ipc_status kv_error(engine *e, enum tier_status ts, const char *param, struct ipc_error *err)
 {
-    const char *why = kv_store_errmsg(e->store);
+    return tier_error(ts, param, kv_store_errmsg(e->store), err);
+}
+
+enum ipc_status tier_error(enum tier_status ts, const char *param, const char *why, struct ipc_error *err)
+{
     if (!why[0])
         why = tier_strerror(ts);
     switch (ts) {

@@ -288,8 +288,10 @@ uint64_t *prefix_chain_of(engine *e, const struct job *j, uint64_t *ns, int64_t 
 
 /* ---- engine.c, for sessions.c ---- */
 
-/* The store's refusal ts as a client error naming param. */
+/* The store's refusal ts as a client error naming param: its message
+ * why (kv_error: the store's last one). */
 enum ipc_status kv_error(engine *e, enum tier_status ts, const char *param, struct ipc_error *err);
+enum ipc_status tier_error(enum tier_status ts, const char *param, const char *why, struct ipc_error *err);
 /* Records err as j's failure (first one wins); the engine retires it at the next step. */
 void job_fail(engine *e, struct job *j, const struct ipc_error *err);
 

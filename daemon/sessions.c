@@ -148,17 +148,22 @@ enum ipc_status session_insert(engine *e, struct session *s, struct ipc_error *e
 enum ipc_status session_choice_check(engine *e, const struct ipc_cache_choice *cache, bool record,
                                      struct ipc_error *err)
 {
-    char why[160];
+    /* an empty session opens its KV only at its first request: params or a
+     * format the store refuses would otherwise be found there, the session
+     * left behind unusable.  The store's message and field, as kv_open
+     * gives them. */
+    char why[256], param[IPC_PARAM_LEN];
+    enum tier_status ts = kv_store_check_params(e->store, &cache->params, why, sizeof(why));
+    if (ts != TIER_OK) {
+        ipc_cache_param_of(why, param);
+        return tier_error(ts, param, why, err);
+    }
     if (record && !kv_store_past_recording_ok(e->store, &cache->params, why, sizeof(why)))
         return ipc_fail(err, IPC_ENOTIMPL, "activate_past_recording", "%s", why);
-    /* an empty session opens its KV only at its first request: a format the
-     * store refuses would otherwise be found there, the session left behind
-     * unusable.  The store's message and field, as kv_open gives them. */
     struct be_kvq_format fmt;
     struct kvq_error ke;
     if (cache->params.strategy == KV_QUANTIZED &&
         kvq_store_format(e->store, &cache->params.quant, &fmt, &ke) != TIER_OK) {
-        char param[IPC_PARAM_LEN];
         ipc_cache_param_of(ke.msg, param);
         return ipc_fail(err, IPC_EINVAL, param, "%s", ke.msg);
     }

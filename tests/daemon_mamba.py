@@ -2,7 +2,8 @@
 in chunks cut at every checkpoint equal tools/torchref.py's; those of a session
 reused over a diverging input, of a cropped session and of a fork equal a
 fresh run's (each rewinds to a state checkpoint and feeds the rest);
-the strategies that act on single tokens are refused with a 400 naming why;
+the strategies that act on single tokens are refused with a 400 naming why,
+by a request and by the creation of a session;
 a sequence's state bytes are the same at 1k and 16k tokens; with the device
 full, states go to the host tier (at creation, and an idle session's to
 make room for a step) with unchanged tokens, and with a device budget below
@@ -120,6 +121,14 @@ for cache, why in (({"implementation": "sliding_window", "window_length": 8}, "s
     code, e = d.post("/v1/completions", dict(gen, prompt=prompt[:10], cache=cache))
     msg = e.get("error", {}).get("message", "")
     check(code == 400 and msg.startswith(why) and "state" in msg, "%s -> 400: %s" % (why, msg[:90]))
+    # an empty session would hold the choice until its first request
+    param = e.get("error", {}).get("param")
+    n_sessions = len(d.get("/v1/sessions")[1]["data"])
+    code, e = d.post("/v1/sessions", {"cache": cache})
+    err = e.get("error", {})
+    check(code == 400 and err.get("message") == msg and err.get("param") == param and
+          len(d.get("/v1/sessions")[1]["data"]) == n_sessions,
+          "%s: a session is refused at creation with the same 400 (%d, param %s)" % (why, code, err.get("param")))
 
 r = complete(prompt, cache={"implementation": "offloaded"})
 check(toks(r) == toks(fresh) and r["kvtier"]["bytes"]["device"] == 0 and r["kvtier"]["bytes"]["host"] > 0,

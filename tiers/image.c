@@ -77,7 +77,7 @@
  *   Quantized blocks go whole, unused rows included as they were: their
  *   layout is the backend's.
  * - The load checks every field before it allocates: the geometry, the
- *   params (kv_check_params, and the quantized format), the state against
+ *   params (kv_store_check_params, and the quantized format), the state against
  *   the params, each layer's lo against the rule that produced it
  *   (kvstore.c invariants 1 and 8), the sizes the table implies against
  *   the image's; an image is accepted only if it is exactly what
@@ -508,11 +508,9 @@ static enum tier_status parse_params(kv_store *s, const uint8_t *b, struct kv_se
         .sink = flags & PF_SINK,
         .num_sink_tokens = (int32_t)get32(b + 52),
     };
-    if (kv_check_params(s, p) != TIER_OK) {
-        char why[KV_ERR_LEN];
-        snprintf(why, sizeof(why), "%s", s->err);
+    char why[KV_ERR_LEN];
+    if (kv_store_check_params(s, p, why, sizeof(why)) != TIER_OK)
         return BAD("params: %s", why);
-    }
     if (p->strategy != KV_QUANTIZED)
         return TIER_OK;
     struct kvq_error e;
@@ -636,12 +634,6 @@ static enum tier_status parse_table(kv_store *s, const uint8_t *b, size_t size, 
 /* A state image's table and body size (FORMAT). */
 static enum tier_status parse_state_body(kv_store *s, const uint8_t *b, size_t size, struct kv_seq_state *x)
 {
-    enum tier_status st = state_check_params(s, &x->p);
-    if (st != TIER_OK) {
-        char why[KV_ERR_LEN];
-        snprintf(why, sizeof(why), "%s", s->err);
-        return BAD("params: %s", why);
-    }
     if (x->record_past)
         return BAD("field state_flags: past recording on a state-space model's sequence");
     for (int l = 0; l < s->g.n_layers; l++) {
@@ -926,7 +918,7 @@ enum tier_status kv_seq_load_quant(kv_store *s, const struct kv_seq_params *p, i
                        (long long)KV_SEQ_MAX_LEN);
     struct kvq_error e;
     struct be_kvq_format f;
-    enum tier_status st = kv_check_params(s, p);
+    enum tier_status st = kv_store_check_params(s, p, s->err, sizeof(s->err));
     if (st != TIER_OK)
         return st;
     if (kvq_store_format(s, &p->quant, &f, &e) != TIER_OK)

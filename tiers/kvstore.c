@@ -131,6 +131,15 @@ enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...)
     return st;
 }
 
+enum tier_status why_fail(char *why, size_t cap, enum tier_status st, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, cap, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
 static bool is_static(enum kv_strategy st)
 {
     return st == KV_STATIC || st == KV_OFFLOADED_STATIC;
@@ -724,27 +733,27 @@ void kv_layer_shape(const kv_store *s, const struct kv_seq_params *p, int l, int
 
 /* The sink strategy's own limits (see kv_seq_params.sink): why each
  * combination is refused is in docs/strategies.md "Sinks". */
-static enum tier_status check_sink(kv_store *s, const struct kv_seq_params *p)
+static enum tier_status check_sink(const kv_store *s, const struct kv_seq_params *p, char *why, size_t cap)
 {
     if (p->strategy != KV_DYNAMIC && p->strategy != KV_QUANTIZED)
-        return kv_fail(s, TIER_ENOTSUP,
+        return why_fail(why, cap, TIER_ENOTSUP,
                        "sink + %s is not supported: attention sinks keep their bounded KV on the device, paged "
                        "(dynamic) or quantized",
                        kv_strategy_name(p->strategy));
     if (p->offload)
-        return kv_fail(s, TIER_ENOTSUP, "sink + offloaded quantized is not supported: a sink sequence stays on the "
+        return why_fail(why, cap, TIER_ENOTSUP, "sink + offloaded quantized is not supported: a sink sequence stays on the "
                                         "device (its KV is bounded by window_length)");
     if (p->window_length <= 0)
-        return kv_fail(s, TIER_EINVAL, "sink needs window_length > 0 (got %d)", p->window_length);
+        return why_fail(why, cap, TIER_EINVAL, "sink needs window_length > 0 (got %d)", p->window_length);
     if (p->num_sink_tokens < 0 || p->num_sink_tokens >= p->window_length)
-        return kv_fail(s, TIER_EINVAL, "sink: num_sink_tokens %d must be in [0, window_length %d)",
+        return why_fail(why, cap, TIER_EINVAL, "sink: num_sink_tokens %d must be in [0, window_length %d)",
                        p->num_sink_tokens, p->window_length);
     if (p->num_sink_tokens > s->bt)
-        return kv_fail(s, TIER_EINVAL, "sink: num_sink_tokens %d exceeds the KV block of %d tokens",
+        return why_fail(why, cap, TIER_EINVAL, "sink: num_sink_tokens %d exceeds the KV block of %d tokens",
                        p->num_sink_tokens, s->bt);
     for (int l = 0; l < s->g.n_layers; l++)
         if (s->layer_window[l])
-            return kv_fail(s, TIER_ENOTSUP,
+            return why_fail(why, cap, TIER_ENOTSUP,
                            "sink + sliding layers is not supported: layer %d of the model slides by %d tokens", l,
                            s->layer_window[l]);
     return TIER_OK;
@@ -762,32 +771,34 @@ static enum tier_status sink_blocks_take(kv_seq *q)
     return TIER_OK;
 }
 
-enum tier_status kv_check_params(kv_store *s, const struct kv_seq_params *p)
+enum tier_status kv_store_check_params(const kv_store *s, const struct kv_seq_params *p, char *why, size_t cap)
 {
     if ((unsigned)p->strategy > KV_QUANTIZED)
-        return kv_fail(s, TIER_EINVAL, "unknown KV strategy %d", (int)p->strategy);
+        return why_fail(why, cap, TIER_EINVAL, "unknown KV strategy %d", (int)p->strategy);
     if ((unsigned)p->offload_sliding > KV_OFFLOAD_SLIDING_NO)
-        return kv_fail(s, TIER_EINVAL, "unknown offload_sliding value %d", (int)p->offload_sliding);
+        return why_fail(why, cap, TIER_EINVAL, "unknown offload_sliding value %d", (int)p->offload_sliding);
     if (p->max_cache_len < 0 || p->max_cache_len > INT32_MAX)
-        return kv_fail(s, TIER_EINVAL, "max_cache_len %lld out of range", (long long)p->max_cache_len);
+        return why_fail(why, cap, TIER_EINVAL, "max_cache_len %lld out of range", (long long)p->max_cache_len);
     if (is_static(p->strategy) && !p->max_cache_len)
-        return kv_fail(s, TIER_EINVAL, "%s needs max_cache_len > 0", kv_strategy_name(p->strategy));
+        return why_fail(why, cap, TIER_EINVAL, "%s needs max_cache_len > 0", kv_strategy_name(p->strategy));
     if (p->offload && p->strategy != KV_QUANTIZED)
-        return kv_fail(s, TIER_EINVAL, "offload applies to the quantized strategy, not %s (%s is offloaded already)",
+        return why_fail(why, cap, TIER_EINVAL, "offload applies to the quantized strategy, not %s (%s is offloaded already)",
                        kv_strategy_name(p->strategy),
                        kv_strategy_name(is_static(p->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED));
     if (p->adaptive && !is_offloaded(p->strategy))
-        return kv_fail(s, TIER_EINVAL, "adaptive residency applies to offloaded strategies, not %s",
+        return why_fail(why, cap, TIER_EINVAL, "adaptive residency applies to offloaded strategies, not %s",
                        kv_strategy_name(p->strategy));
     if (p->window_length < 0)
-        return kv_fail(s, TIER_EINVAL, "window_length %d must be positive (0: the model's windows)", p->window_length);
+        return why_fail(why, cap, TIER_EINVAL, "window_length %d must be positive (0: the model's windows)", p->window_length);
     if (p->adaptive && !p->max_cache_len)
-        return kv_fail(s, TIER_EINVAL, "adaptive residency needs max_cache_len (the expected length) to size the device share");
+        return why_fail(why, cap, TIER_EINVAL, "adaptive residency needs max_cache_len (the expected length) to size the device share");
     if (p->sink) {
-        enum tier_status st = check_sink(s, p);
+        enum tier_status st = check_sink(s, p, why, cap);
         if (st != TIER_OK)
             return st;
     }
+    if (s->g.state_bytes)
+        return state_check_params(p, why, cap);
     int min_window = 0;
     for (int l = 0; l < s->g.n_layers; l++) {
         int w = layer_window(s, p, l);
@@ -798,7 +809,7 @@ enum tier_status kv_check_params(kv_store *s, const struct kv_seq_params *p)
     }
     /* every layer slides: HF would narrow the window to max_cache_len */
     if (is_static(p->strategy) && p->max_cache_len < min_window)
-        return kv_fail(s, TIER_EINVAL, "max_cache_len %lld is below the sliding window %d of a model whose every layer slides",
+        return why_fail(why, cap, TIER_EINVAL, "max_cache_len %lld is below the sliding window %d of a model whose every layer slides",
                        (long long)p->max_cache_len, min_window);
     return TIER_OK;
 }
@@ -830,9 +841,7 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
     s->err[0] = '\0';
     if (!p)
         p = &defaults;
-    enum tier_status st = kv_check_params(s, p);
-    if (st == TIER_OK && s->g.state_bytes)
-        st = state_check_params(s, p);
+    enum tier_status st = kv_store_check_params(s, p, s->err, sizeof(s->err));
     if (st != TIER_OK)
         return st;
     kv_seq *q = seq_new(s, p);

@@ -252,6 +252,10 @@ enum tier_status kv_seq_activate_past_recording(kv_seq *q);
  * any sequence exists.  Reads only what the store fixed at creation, so
  * any thread may ask. */
 bool kv_store_past_recording_ok(const kv_store *s, const struct kv_seq_params *p, char *why, size_t cap);
+/* kv_seq_create's checks of p: TIER_EINVAL or TIER_ENOTSUP with a message
+ * naming the field in why.  Reads only what the store fixed at creation,
+ * so any thread may ask (an empty session is checked before it exists). */
+enum tier_status kv_store_check_params(const kv_store *s, const struct kv_seq_params *p, char *why, size_t cap);
 /* A new input[0, n_input) for a sequence that holds the KV of held[0,
  * kv_seq_length(q)): crops q to the longest common prefix of the two and
  * sets *n_keep to its length, the tokens that need not be fed again.  At

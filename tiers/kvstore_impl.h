@@ -205,7 +205,7 @@ void prefix_crop(kv_seq *q, int64_t new_len);
 enum tier_status prefix_fork(const kv_seq *q, kv_seq *child);
 
 /* state.c: a state store's sequences */
-enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p);
+enum tier_status state_check_params(const struct kv_seq_params *p, char *why, size_t cap);
 enum tier_status state_seq_init(kv_seq *q, bool host); /* host: the state starts in the host tier */
 void state_seq_release(kv_seq *q); /* accepts q->state == NULL */
 bool state_on_host(const kv_seq *q);
@@ -324,8 +324,6 @@ void kv_host_free(kv_store *s, void *ptr, size_t bytes);
  * with a message naming the budget and `what` the bytes were for. */
 enum tier_status kv_dev_alloc(kv_store *s, size_t bytes, const char *what, be_buffer **out);
 void kv_dev_free(kv_store *s, be_buffer *b, size_t bytes);
-/* kv_seq_create's checks of p (TIER_EINVAL / TIER_ENOTSUP naming the field). */
-enum tier_status kv_check_params(kv_store *s, const struct kv_seq_params *p);
 /* Layer l's window and keep (struct kv_layer) in a sequence with params p. */
 void kv_layer_shape(const kv_store *s, const struct kv_seq_params *p, int l, int *window, int *keep);
 
@@ -361,5 +359,8 @@ void kv_seq_loader_free(struct kv_seq_loader *ld);
 
 /* Records the message for kv_store_errmsg and returns st. */
 enum tier_status kv_fail(kv_store *s, enum tier_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* kv_fail into a caller's buffer: for checks any thread may run */
+enum tier_status why_fail(char *why, size_t cap, enum tier_status st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 
 #endif

@@ -91,16 +91,16 @@ bool state_on_host(const kv_seq *q)
 /* A refusal of p on a state store, naming why the strategy does not apply
  * to a state; TIER_OK for those that do (dynamic and static: a state's
  * size is fixed either way; offloaded: it waits in the host tier). */
-enum tier_status state_check_params(kv_store *s, const struct kv_seq_params *p)
+enum tier_status state_check_params(const struct kv_seq_params *p, char *why, size_t cap)
 {
     if (p->sink)
-        return kv_fail(s, TIER_ENOTSUP, "sink: a state-space model has no tokens to keep as sinks (its state is "
+        return why_fail(why, cap, TIER_ENOTSUP, "sink: a state-space model has no tokens to keep as sinks (its state is "
                                         "fixed in size and summarizes every token)");
     if (p->window_length)
-        return kv_fail(s, TIER_ENOTSUP, "sliding_window (window_length): a state-space model's state already has a "
+        return why_fail(why, cap, TIER_ENOTSUP, "sliding_window (window_length): a state-space model's state already has a "
                                         "fixed size and cannot drop single old tokens");
     if (p->strategy == KV_QUANTIZED)
-        return kv_fail(s, TIER_ENOTSUP, "quantized: the cache of a state-space model is a recurrent state, not KV; "
+        return why_fail(why, cap, TIER_ENOTSUP, "quantized: the cache of a state-space model is a recurrent state, not KV; "
                                         "quantizing it would compound its error at every token");
     return TIER_OK;
 }
