@@ -305,12 +305,16 @@ bool has_news(const struct req *r)
 }
 
 /* Generated text the client has not read yet, over the limit: the reader
- * is too slow (or stopped), so its generation ends rather than buffering. */
+ * is too slow (or stopped), so its generation ends rather than buffering.
+ * Text held back for tool calls is no backlog of the reader's: it is sent
+ * at the end, and the job holds it anyway. */
 bool over_limit(const struct req *r, size_t max)
 {
+    if (!r->stream || r->tools)
+        return false;
     size_t backlog = 0;
     for (int i = 0; i < r->job->n; i++)
         backlog += job_progress(r->job, i).n_text - r->sent_text[i];
-    return r->stream && backlog > max;
+    return backlog > max;
 }
 
