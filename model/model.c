@@ -932,6 +932,8 @@ static enum model_status forward_step(model *m, struct fw_seq *seqs, int n_seqs,
     *culprit = -1;
     for (; reserved < n_seqs; reserved++) {
         start[reserved] = kv_seq_length(seqs[reserved].kv);
+        if (seqs[reserved].call_len > start[reserved] + seqs[reserved].n_tokens)
+            kv_seq_update_continues(seqs[reserved].kv); /* a prefill's part */
         st = model_from_tier(kv_seq_reserve(seqs[reserved].kv, seqs[reserved].n_tokens));
         if (st != MODEL_OK) {
             *culprit = reserved;

@@ -316,9 +316,10 @@ uint64_t model_fingerprint(const model *m);
  * its current length.  logits: host buffer; when want_all_logits it receives
  * [n_tokens, vocab], else [1, vocab] for the last token; NULL = no logits.
  * call_len: the length transformers' forward call for these tokens would
- * reach, for longrope's choice of table: a prefill fed over several steps
- * passes its whole prompt's; 0 (or less than the sequence's length after
- * this entry): that length. */
+ * reach: a prefill fed over several steps passes its whole prompt's, so
+ * that longrope picks its table and a quantized cache applies its rule
+ * (kv_seq_update_continues) as that one call would; 0 (or less than the
+ * sequence's length after this entry): that length. */
 struct fw_seq {
     kv_seq *kv;
     const int32_t *tokens;

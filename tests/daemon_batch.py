@@ -1,6 +1,7 @@
 """Continuous batching: 32 (bf16: 16) concurrent clients each get exactly the greedy
 output they get alone, and the daemon shares forward passes between them
-(fewer steps than tokens).  argv[1]: the weights' dtype (f32, or bf16,
+(fewer steps than tokens); a quantized cache's greedy tokens do not depend
+on how the steps cut its prompt.  argv[1]: the weights' dtype (f32, or bf16,
 which a CPU with AVX512_BF16 multiplies on its own kernels)."""
 import atexit
 import os
@@ -67,4 +68,21 @@ check(same == N, "%d of %d concurrent greedy outputs identical to the same reque
 # small model's steps are a millisecond, so only three quarters is asked
 # (a CI run saw 245 steps for 384 tokens with batching working)
 check(steps < N * T * 3 / 4, "%d forward steps for %d tokens: requests were batched" % (steps, N * T))
+
+# A quantized cache applies its rule once per update, as transformers does
+# for one forward call over the prompt: how the step budget cuts a prompt
+# (here 128 + 72 alone; the two choices of n = 2 share the steps and are
+# cut otherwise) must not change what is quantized, so neither the tokens
+# nor their log-probabilities (which show a difference a greedy token of
+# this model may not).
+prompt = [(i * 37 + 11) % 1900 + 50 for i in range(200)]
+for cache in ({"implementation": "quantized", "nbits": 4}, {"implementation": "quantized", "backend": "fp8"}):
+    body = {"prompt": prompt, "max_tokens": T, "temperature": 0, "ignore_eos": True, "return_tokens": True,
+            "logprobs": 1, "cache": cache}
+    solo = d.post_ok("/v1/completions", body)["choices"][0]
+    two = d.post_ok("/v1/completions", dict(body, n=2))["choices"]
+    check(all(c["tokens"] == solo["tokens"] and c["logprobs"]["token_logprobs"] == solo["logprobs"]["token_logprobs"]
+              for c in two),
+          "%s: the two greedy choices of n = 2, whose prompts are cut into other steps, give the tokens and "
+          "log-probabilities of the request alone" % cache)
 check(d.stop() == 0, "stop")

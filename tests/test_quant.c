@@ -377,7 +377,7 @@ static void write_rest(struct layer_fixture *fx, const float *k, const float *v,
 
 static void step(struct layer_fixture *fx, const float *k, const float *v, int n)
 {
-    assert_int_equal(kvq_layer_reserve(fx->l, n), TIER_OK);
+    assert_int_equal(kvq_layer_reserve(fx->l, n, false), TIER_OK);
     write_rest(fx, k, v, n);
     assert_int_equal(kvq_layer_commit(fx->l), BE_OK);
 }
@@ -393,7 +393,7 @@ static void test_residual_counting(void **state)
     float k[5 * 16], v[5 * 16];
     fill_rows(k, 5, 1, 16);
     fill_rows(v, 5, 1, 16);
-    assert_int_equal(kvq_layer_reserve(fx.l, 5), TIER_OK);
+    assert_int_equal(kvq_layer_reserve(fx.l, 5, false), TIER_OK);
     struct be_kvq_view view;
     kvq_layer_view(fx.l, &view);
     /* the prefill's own attention reads it in full precision */
@@ -448,6 +448,87 @@ static void test_residual_counting(void **state)
     layer_close(&fx);
 }
 
+/* Feeds rows [from, from + n) of k, v as one part of an update. */
+static void part(struct layer_fixture *fx, const float *k, const float *v, int from, int n, bool more)
+{
+    size_t off = (size_t)from * (size_t)fx->H * (size_t)fx->D;
+    assert_int_equal(kvq_layer_reserve(fx->l, n, more), TIER_OK);
+    write_rest(fx, k + off, v + off, n);
+    assert_int_equal(kvq_layer_commit(fx->l), BE_OK);
+}
+
+/* Two layers hold the same state: lengths, scales, the quantized blocks'
+ * bytes and the residual's rows. */
+static void assert_same_layer(struct layer_fixture *a, struct layer_fixture *b)
+{
+    assert_int_equal(kvq_layer_length(a->l), kvq_layer_length(b->l));
+    assert_int_equal(kvq_layer_quantized(a->l), kvq_layer_quantized(b->l));
+    assert_int_equal(kvq_layer_residual(a->l), kvq_layer_residual(b->l));
+    struct be_kvq_view va, vb;
+    kvq_layer_view(a->l, &va);
+    kvq_layer_view(b->l, &vb);
+    assert_true(va.scale_k == vb.scale_k && va.scale_v == vb.scale_v);
+    assert_int_equal(va.n_blocks, vb.n_blocks);
+    for (int i = 0; i < va.n_blocks; i++)
+        assert_memory_equal(va.blocks[i], vb.blocks[i], va.fmt->block_bytes);
+    size_t row = (size_t)a->D * sizeof(float);
+    for (int64_t pos = va.rest.lo; pos < va.rest.hi; pos++)
+        for (int h = 0; h < a->H; h++)
+            for (int kv = 0; kv < 2; kv++) {
+                const struct be_kv_view *r[2] = {&va.rest, &vb.rest};
+                const char *p[2];
+                for (int x = 0; x < 2; x++) {
+                    int64_t rel = pos - r[x]->base;
+                    p[x] = (const char *)r[x]->blocks[rel / r[x]->block_tokens] + (kv ? r[x]->v_offset : 0) +
+                           ((size_t)h * (size_t)r[x]->block_tokens + (size_t)(rel % r[x]->block_tokens)) * row;
+                }
+                assert_memory_equal(p[0], p[1], row);
+            }
+}
+
+/* An update fed in parts (a prompt over several steps) leaves the state
+ * one reserve of all its tokens leaves, for the first update and a later
+ * one, whatever the parts: the parts wait in the residual unquantized. */
+static void test_update_in_parts(void **state)
+{
+    (void)state;
+    struct kv_quant_params ps[] = {params(KVQ_QUANTO, 4, 0, 0, 16, 4), params(KVQ_HQQ, 2, 1, 1, 8, 8),
+                                   params(KVQ_QUANTO, 8, -1, 0, 8, 0), params(KVQ_FP8, 8, 0, 0, 0, 0)};
+    enum { H = 2, D = 16, N = 13 + 9 + 5 };
+    float k[N * H * D], v[N * H * D];
+    fill_rows(k, N, H, D);
+    fill_rows(v, N, H, D);
+    for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++) {
+        struct layer_fixture whole, parts;
+        layer_open(&whole, &ps[i], H, D, 4);
+        layer_open(&parts, &ps[i], H, D, 4);
+        part(&whole, k, v, 0, 13, false);
+        part(&parts, k, v, 0, 5, true);
+        /* a part in waiting is residual, read in full precision */
+        assert_int_equal(kvq_layer_quantized(parts.l), 0);
+        assert_int_equal(kvq_layer_residual(parts.l), 5);
+        part(&parts, k, v, 5, 1, true);
+        part(&parts, k, v, 6, 7, false);
+        assert_same_layer(&whole, &parts);
+        for (int t = 13; t < 16; t++) { /* a residual of 3 (1 for R = 0, none for fp8) */
+            part(&whole, k, v, t, 1, false);
+            part(&parts, k, v, t, 1, false);
+        }
+        assert_same_layer(&whole, &parts);
+        part(&whole, k, v, 16, 9, false);
+        part(&parts, k, v, 16, 4, true);
+        part(&parts, k, v, 20, 5, false);
+        assert_same_layer(&whole, &parts);
+        for (int t = 25; t < N; t++) {
+            part(&whole, k, v, t, 1, false);
+            part(&parts, k, v, t, 1, false);
+            assert_same_layer(&whole, &parts);
+        }
+        layer_close(&whole);
+        layer_close(&parts);
+    }
+}
+
 /* A reserve that cannot get a block leaves the layer as it was. */
 static void test_reserve_all_or_nothing(void **state)
 {
@@ -463,7 +544,7 @@ static void test_reserve_all_or_nothing(void **state)
     int live0 = fx.ta.live[0], live1 = fx.ta.live[1];
     for (int fail_in = 1; fail_in <= 3; fail_in++) {
         fx.ta.fail_in = fail_in;
-        enum tier_status st = kvq_layer_reserve(fx.l, 20);
+        enum tier_status st = kvq_layer_reserve(fx.l, 20, false);
         if (st == TIER_OK) {
             kvq_layer_abort(fx.l);
         } else {
@@ -575,7 +656,7 @@ static void attention_shape(be_backend *be, const struct kv_quant_params *p, int
     step(&fx, k, v, at);
     for (; at < N_TOK - N_Q; at++)
         step(&fx, k + (size_t)at * stride, v + (size_t)at * stride, 1);
-    assert_int_equal(kvq_layer_reserve(fx.l, N_Q), TIER_OK);
+    assert_int_equal(kvq_layer_reserve(fx.l, N_Q, false), TIER_OK);
     write_rest(&fx, k + (size_t)at * stride, v + (size_t)at * stride, N_Q);
     struct be_kvq_view view;
     kvq_layer_view(fx.l, &view);
@@ -950,6 +1031,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_round_trip_bounds),
         cmocka_unit_test(test_e4m3_codec),
         cmocka_unit_test(test_residual_counting),
+        cmocka_unit_test(test_update_in_parts),
         cmocka_unit_test(test_reserve_all_or_nothing),
         cmocka_unit_test(test_code_loops),
         cmocka_unit_test(test_softmax_and_param_loops),

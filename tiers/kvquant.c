@@ -210,11 +210,11 @@ enum tier_status kvq_seq_restore(kv_seq *q, bool host, const struct kvq_layer_st
     return TIER_OK;
 }
 
-enum tier_status kvq_seq_reserve(kv_seq *q, int n_new)
+enum tier_status kvq_seq_reserve(kv_seq *q, int n_new, bool more)
 {
     struct kvq_seq *k = q->kvq;
     for (int l = 0; l < q->s->g.n_layers; l++) {
-        enum tier_status st = kvq_layer_reserve(k->layers[l], n_new);
+        enum tier_status st = kvq_layer_reserve(k->layers[l], n_new, more);
         if (st == TIER_OK)
             continue;
         while (l-- > 0)

@@ -1173,9 +1173,16 @@ static enum tier_status reserve_read(kv_seq *q)
     return active_add(s, q);
 }
 
+void kv_seq_update_continues(kv_seq *q)
+{
+    q->more = true;
+}
+
 enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
 {
     kv_store *s = q->s;
+    bool more = q->more;
+    q->more = false;
     s->err[0] = '\0';
     if (n_new < 0 || q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_reserve of %d tokens%s", n_new, q->pending ? " inside a step" : "");
@@ -1204,7 +1211,7 @@ enum tier_status kv_seq_reserve(kv_seq *q, int n_new)
         return TIER_OK;
     }
     if (q->kvq)
-        st = kvq_seq_reserve(q, n_new);
+        st = kvq_seq_reserve(q, n_new, more);
     for (int l = 0; l < s->g.n_layers && st == TIER_OK && !q->kvq; l++) {
         struct kv_layer *L = &q->layers[l];
         st = L->home == KV_HOME_PAGED ? paged_reserve(q, L, q->len, end) : ext_reserve(q, L, end);

@@ -426,6 +426,14 @@ size_t kv_store_kept_image_bound(const kv_store *s, int64_t n);
  * or a state's checkpoints). */
 void kv_seq_tokens(kv_seq *q, const int32_t *ids);
 
+/* The next kv_seq_reserve's tokens are a part of one update that a later
+ * step's tokens complete: an input fed over several steps, which
+ * transformers would run as one forward call.  A quantized cache keeps
+ * them in its residual and applies its rule once, at the last part, so
+ * that neither the step size nor the other sequences of a step change
+ * what it quantizes; the other caches store the same either way.  The
+ * reserve consumes the mark. */
+void kv_seq_update_continues(kv_seq *q);
 /* n_new == 0: the step only reads q (an encoder-decoder model's
  * cross-attention cache): q joins the step's batch, so that its layers in
  * the host tier stream through the device slots with the others' (the same

@@ -108,6 +108,7 @@ struct kv_seq {
     enum kv_fallback fallback;
     int64_t len;  /* committed tokens (HF get_seq_length) */
     int pending;  /* reserved, not yet committed */
+    bool more;    /* kv_seq_update_continues: for the next reserve */
     int64_t chunk_from, chunk_to; /* positions the current chunk writes */
     bool record_past; /* sliding layers keep every state until the next crop */
     /* prefix cache (prefix.c): the first pub_blocks blocks are published,
@@ -252,7 +253,7 @@ void spill_push(kv_store *s, const struct kv_prefix_block *b);
  * transaction (all layers or none), release and size */
 enum tier_status kvq_seq_init(kv_seq *q);
 void kvq_seq_release(kv_seq *q); /* accepts q->kvq == NULL */
-enum tier_status kvq_seq_reserve(kv_seq *q, int n_new);
+enum tier_status kvq_seq_reserve(kv_seq *q, int n_new, bool more);
 enum tier_status kvq_seq_commit(kv_seq *q); /* after the store's commit set each layer's lo */
 void kvq_seq_abort(kv_seq *q);
 size_t kvq_seq_bytes(const kv_seq *q); /* bytes of its blocks in its tier, free ones included */

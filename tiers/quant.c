@@ -296,6 +296,9 @@ struct kvq_layer {
     bool reserved;
     bool started;      /* the first update is committed */
     bool flush;        /* the pending commit quantizes [nq, len + pending) */
+    bool more;         /* the pending commit is not the update's last */
+    bool open;         /* an update's earlier parts are committed, its last is not */
+    int64_t res0;      /* the residual when the open update began */
     float scale_k, scale_v;
     struct blocks q;   /* quantized blocks from block qoff (position qoff * T) */
     int64_t qoff;      /* blocks dropped below a sliding window (kvq_layer_drop) */
@@ -416,16 +419,20 @@ static enum tier_status take(kvq_ctx *c, enum kvq_block_kind kind, struct blocks
     return TIER_OK;
 }
 
-enum tier_status kvq_layer_reserve(kvq_layer *l, int n_new)
+enum tier_status kvq_layer_reserve(kvq_layer *l, int n_new, bool more)
 {
     kvq_ctx *c = l->c;
     if (n_new < 0 || l->reserved)
         return TIER_EINVAL;
-    int64_t res = l->len - l->nq, end = l->len + n_new;
+    int64_t res = l->open ? l->res0 : l->len - l->nq, end = l->len + n_new;
     /* HF's QuantizedLayer.update: the first update quantizes everything;
      * later the residual is flushed when it is non-empty and one short of
-     * residual_length (keys.dim() == 4 is false for the empty residual). */
-    l->flush = !l->started || c->p.backend == KVQ_FP8 || (res > 0 && res + 1 >= c->p.residual_length);
+     * residual_length (keys.dim() == 4 is false for the empty residual).
+     * An update's earlier parts wait in the residual, unquantized, as the
+     * whole input of one HF forward call would be: the rule then acts once,
+     * at the last part, with the residual the update began with. */
+    l->more = more;
+    l->flush = !more && (!l->started || c->p.backend == KVQ_FP8 || (res > 0 && res + 1 >= c->p.residual_length));
     l->q.mark = l->q.n;
     l->f.mark = l->f.n;
     int64_t T = c->fmt.block_tokens;
@@ -495,8 +502,11 @@ enum be_status kvq_layer_commit(kvq_layer *l)
         put_from(c, KVQ_BLOCK_FULL, &l->f, 0);
         l->fbase = end / c->fbt * c->fbt;
     }
+    if (!l->open)
+        l->res0 = l->len - l->nq;
+    l->open = l->more;
     l->len = end;
-    l->started = true;
+    l->started |= !l->more;
     l->pending = 0;
     l->reserved = false;
     return BE_OK;

@@ -114,9 +114,12 @@ int64_t kvq_layer_residual(const kvq_layer *l);
 size_t kvq_layer_bytes(const kvq_layer *l);
 
 /* Room for n_new tokens at positions [length, length + n_new) in view.rest,
- * plus the quantized blocks the commit may fill.  TIER_ENOMEM_DEV leaves the
- * layer as it was. */
-enum tier_status kvq_layer_reserve(kvq_layer *l, int n_new);
+ * plus the quantized blocks the commit may fill.  more: these tokens are
+ * not the last part of their update (one forward call of HF's over an
+ * input fed here in several steps), so the commit keeps them in the
+ * residual and the rule below acts at the last part.  TIER_ENOMEM_DEV
+ * leaves the layer as it was. */
+enum tier_status kvq_layer_reserve(kvq_layer *l, int n_new, bool more);
 /* The view attention reads; valid until the next reserve, commit or abort. */
 void kvq_layer_view(const kvq_layer *l, struct be_kvq_view *out);
 /* Makes the reserved tokens part of the layer.  The first update quantizes
