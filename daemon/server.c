@@ -580,13 +580,16 @@ ssize_t recv(int fd, void *buf, size_t len, int flags)
     return -1;
 }
 
-/* Connections held by this uid and by this pid. */
-static void count_peer(const struct server *s, const struct ucred *cr, int *by_uid, int *by_pid)
+/* Connections held by this uid and by this pid; tcp: by --listen's
+ * clients, all of them, whose share is apart from every uid's. */
+static void count_peer(const struct server *s, const struct ucred *cr, bool tcp, int *by_uid, int *by_pid)
 {
     *by_uid = *by_pid = 0;
     for (const struct conn *c = s->conns; c; c = c->next) {
-        *by_uid += c->uid == cr->uid;
-        *by_pid += c->pid == cr->pid;
+        if (c->tcp != tcp)
+            continue;
+        *by_uid += tcp || c->uid == cr->uid;
+        *by_pid += !tcp && c->pid == cr->pid;
     }
 }
 
@@ -655,8 +658,11 @@ static void on_sweep(void *data)
 
 /* Accepts on the Unix socket or, tcp, on --listen's, whose clients have
  * no peer credentials: they act as the daemon's uid once their key is
- * checked (on_request), with pid 0, so the per-process limit does not
- * apply to them; the per-uid one counts them with the daemon's user. */
+ * checked (on_request), with pid 0.  A connection holds its slot from
+ * here, before any key, so TCP's are not counted with the daemon's user:
+ * together they are one peer of their own, with a uid's share
+ * (--max-clients-per-uid) and no per-process limit, and a port anyone can
+ * reach never takes the slots of a local uid. */
 static void accept_on(struct server *s, int lfd, bool tcp)
 {
     for (;;) {
@@ -683,17 +689,23 @@ static void accept_on(struct server *s, int lfd, bool tcp)
         const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
         unsigned open = di ? di->num_connections : 0;
         int by_uid, by_pid;
-        count_peer(s, &cr, &by_uid, &by_pid);
+        count_peer(s, &cr, tcp, &by_uid, &by_pid);
         const char *full = open >= (unsigned)s->cfg->max_clients + HEALTH_RESERVE ? "too many clients connected"
                            : !tcp && by_pid >= s->cfg->max_per_pid ? "too many connections from this process"
-                           : by_uid >= s->cfg->max_per_uid ? "too many connections from this uid"
+                           : by_uid >= s->cfg->max_per_uid ? (tcp ? "too many TCP connections"
+                                                                  : "too many connections from this uid")
                                                            : NULL;
         struct conn *c = full ? NULL : calloc(1, sizeof(*c));
-        if (!c) {
+        if (!c && tcp)
+            log_msg(LOG_WARN, "refused a TCP connection: %s (%u open, %d over TCP; --max-clients %d, "
+                    "--max-clients-per-uid %d)", full ? full : "out of memory", open, by_uid, s->cfg->max_clients,
+                    s->cfg->max_per_uid);
+        else if (!c)
             log_msg(LOG_WARN, "refused a connection from uid %u pid %d: %s (%u open, %d of its uid, %d of its pid; "
                     "--max-clients %d, --max-clients-per-uid %d, --max-clients-per-pid %d)", (unsigned)cr.uid,
                     (int)cr.pid, full ? full : "out of memory", open, by_uid, by_pid, s->cfg->max_clients,
                     s->cfg->max_per_uid, s->cfg->max_per_pid);
+        if (!c) {
             s->refused++;
             refuse(s, fd, 503, full ? full : "out of memory");
             continue;

@@ -39,7 +39,7 @@ struct server_config {
     int max_messages;     /* chat messages per request */
     int drain_timeout_s;  /* SIGTERM: how long in-flight requests may finish */
     int idle_timeout_s;   /* idle keep-alive connections are closed */
-    int max_per_uid;      /* open connections of one uid, below max_clients */
+    int max_per_uid;      /* open connections of one uid, and of TCP's together, below max_clients */
     int max_per_pid;      /* open connections of one process */
     int header_timeout_s; /* a request head must arrive within this of its first byte */
     size_t body_rate;     /* bytes/s a body must average after a header_timeout_s grace */
