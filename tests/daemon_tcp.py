@@ -1,7 +1,8 @@
 """kvtierd's optional TCP listener: --listen on 127.0.0.1 with an API key
 (Bearer auth, 401 otherwise) through curl, http.client and the openai npm
 package; a non-loopback address without a key and a key file others can
-read are refused at start; the Unix socket keeps working beside it."""
+read are refused at start; the Unix socket keeps working beside it, also
+while idle TCP connections without a key hold every slot TCP may have."""
 import http.client
 import json
 import os
@@ -58,7 +59,7 @@ r = subprocess.run([KVTIERD, "--model", d.model, "--socket", d.sock, "--listen",
 check(r.returncode == 2 and "api-key" in r.stderr and not os.path.exists(d.sock),
       "a non-loopback address without a key is refused, its socket removed: " + r.stderr.strip()[-200:])
 os.chmod(keyfile, 0o600)
-d.args = ["--listen", "127.0.0.1:%d" % port, "--api-key-file", keyfile]
+d.args = ["--listen", "127.0.0.1:%d" % port, "--api-key-file", keyfile, "--max-clients", "16"]
 d.start()
 
 code, auth, e = tcp("GET", "/v1/models")
@@ -88,4 +89,38 @@ if shutil.which("node") and os.path.isdir("tests/openai/node_modules/openai"):
     check(r.returncode == 0, "openai-node over TCP\n" + r.stderr[-1500:])
 else:
     print("note: tests/openai/node_modules missing; the openai package over TCP not run")
+
+# TCP connections hold a slot from the accept, before any key: together they
+# have one uid's share (--max-clients 16: 14) of their own, not the daemon
+# user's, so 20 idle ones without a key leave that user's socket working.
+def answer(s):
+    s.setblocking(False)
+    try:
+        return s.recv(4096)
+    except BlockingIOError:
+        return b""
+
+
+idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+code, m = d.get("/v1/models")  # accepted after all of them
+check(code == 200, "the socket's uid gets 200 while TCP holds its share: %s %s" % (code, m))
+answers = [answer(s) for s in idle]
+held = [s for s, a in zip(idle, answers) if not a]
+refused = [a for a in answers if a]
+check(len(held) == 14 and all(a.startswith(b"HTTP/1.1 503") and b"too many TCP connections" in a for a in refused),
+      "20 idle TCP connections: 14 held, 6 refused with 503 (%d held; %r)" % (len(held), refused[:1]))
+code, c = d.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
+check(code == 200, "a completion over the socket meanwhile: %s" % code)
+code, _, e = tcp("GET", "/v1/models", KEY)
+check(code == 503 and "too many TCP connections" in e["error"]["message"], "past TCP's share even the key gets 503")
+check("refused a TCP connection: too many TCP connections" in d.logtext(), "the refusal is logged")
+socks = [socket.socket(socket.AF_UNIX) for _ in range(2)]
+for s in socks:
+    s.connect(d.sock)  # 14 + 2: --max-clients is full
+code, _ = d.get("/health")
+check(code == 200, "/health from the reserve: %s" % code)
+code, _ = d.get("/v1/models")
+check(code == 503, "other routes in the reserve: 503, got %s" % code)
+for s in socks + idle:
+    s.close()
 check(d.stop() == 0, "stop")
