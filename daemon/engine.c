@@ -1104,19 +1104,33 @@ static void restart_session(engine *e, int i)
 static void advance(engine *e, int from, int to);
 static enum model_status forward(engine *e, int from, int to);
 
-/* A state model's session is a few MiB whatever its length: when a step
- * finds the device full, the least recently used idle one whose state is
- * on the device moves it to the host tier (kv_seq_offload; its steps
- * stream it through the device slots layer by layer) before any session waits
- * for a spill to disk.  False when none could move. */
-static bool offload_idle_state(engine *e)
+/* Whether s's KV is on no step's way: the session is idle, or its request
+ * starts over in a KV of its own (session_kv_setup) and keeps the old one
+ * only to leave the session as it was should the request fail. */
+static bool kv_set_aside(const engine *e, const struct session *s)
 {
-    if (!kv_store_state_bytes(e->store))
-        return false;
+    if (!s->busy)
+        return true;
+    for (const struct job *j = e->active; j; j = j->next)
+        if (j->sess == s)
+            return j->skv != s->kv;
+    return false;
+}
+
+/* When a step finds the device full, a KV set aside moves to the host tier
+ * (kv_seq_offload; its later steps stream it through the device slots
+ * layer by layer), the least recently used first: a session's old KV
+ * beside its request's fresh one, and a state model's idle sessions (a
+ * state is a few MiB whatever its length), before any session waits for
+ * a spill to disk.  False when none could move. */
+static bool offload_set_aside(engine *e)
+{
+    bool states = kv_store_state_bytes(e->store) > 0;
     pthread_mutex_lock(&e->mu);
     struct session *lru = NULL;
     for (struct session *s = e->sessions; s; s = s->next)
-        if (s->kv && !s->busy && !s->op && kv_seq_stats(s->kv).resident_layers && (!lru || s->t_idle < lru->t_idle))
+        if (s->kv && !s->op && (states || s->busy) && kv_set_aside(e, s) &&
+            kv_seq_stats(s->kv).resident_layers && (!lru || s->t_idle < lru->t_idle))
             lru = s;
     pthread_mutex_unlock(&e->mu);
     if (!lru || kv_seq_offload(lru->kv, KV_FALLBACK_OOM) != TIER_OK)
@@ -1125,21 +1139,22 @@ static bool offload_idle_state(engine *e)
     pthread_mutex_lock(&e->mu);
     lru->kvs = kvs;
     pthread_mutex_unlock(&e->mu);
-    log_msg(LOG_DEBUG, "engine: session %s: its state moved to the host tier to make room", lru->id);
+    log_msg(LOG_DEBUG, "engine: session %s: its %s moved to the host tier to make room", lru->id,
+            states ? "state" : "old KV");
     return true;
 }
 
 /* Entry i found the memory tiers full: with a disk tier, an idle session
  * goes to disk and the entry's job waits to be retried, else it fails.  A
- * state model's idle sessions move to the host tier and the entry runs
- * again at once. */
+ * KV set aside (offload_set_aside) moves to the host tier first and the
+ * entry runs again at once. */
 static void fail_or_wait(engine *e, int i, enum model_status st)
 {
     if (restore_failed(e, i)) {
         restart_session(e, i);
         return;
     }
-    while (st == MODEL_EDEVMEM && offload_idle_state(e))
+    while (st == MODEL_EDEVMEM && offload_set_aside(e))
         if ((st = forward(e, i, i + 1)) == MODEL_OK) {
             advance(e, i, i + 1);
             return;

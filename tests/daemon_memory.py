@@ -223,3 +223,29 @@ check(code == 500 and s3["tokens"] == 63 and r["usage"]["prompt_tokens_details"]
       "a turn that extends the history and fails keeps the history (%s tokens, the next turn reuses %d)" %
       (s3["tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
 check(d.stop() == 0, "stop")
+
+# An edited turn on a session whose sliding window (every layer's, 16
+# tokens) dropped what it would rewind to starts over in a fresh KV beside
+# the old one, which it keeps to leave the session as it was should the
+# turn fail.  Past recording keeps every state from the turn that re-sent
+# the prefilled prompt (its crop of one token trims them); the edit goes
+# back past that.  With room on the device for the old KV and not for the
+# fresh one's streaming slots too, the old one moves to the host tier: the
+# turn gets the tokens of the same prompt one-shot.
+win = {"implementation": "dynamic", "window_length": 16}
+turn = dict(req, max_tokens=30, cache=win)
+P, edit = prompt[:70], prompt[:60] + prompt[200:205]
+ref = Daemon(model=model, tmp=probe.tmp).start()
+want_edit = ref.post_ok("/v1/completions", dict(turn, prompt=edit))["choices"][0]["tokens"]
+ref.stop()
+# room for the session's 100 tokens of KV and some 40 more
+d = Daemon("--device-mem", str(int(model_bytes + 140 * KV_PER_TOKEN)), model=model, tmp=probe.tmp).start()
+sid = d.post_ok("/v1/sessions", {"prompt": P, "cache": win, "activate_past_recording": True})["id"]
+r = d.post_ok("/v1/completions", dict(req, max_tokens=30, session=sid, prompt=P))
+check(r["kvtier"]["bytes"]["device"] > 0 and r["kvtier"]["bytes"]["host"] == 0, "the session's turn, on the device")
+code, r = d.post("/v1/completions", dict(req, max_tokens=30, session=sid, prompt=edit))
+check(code == 200 and r["choices"][0]["tokens"] == want_edit and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+      "an edited turn past what the window kept starts over beside the old KV, which moves to the host tier: the "
+      "one-shot run's tokens (%d: %s)" % (code, r.get("error", {}).get("message", "")))
+check(d.get("/v1/sessions/" + sid)[1]["tokens"] == len(edit) + 29, "the session holds the edited history")
+check(d.stop() == 0, "stop")
