@@ -163,6 +163,16 @@ code, c = crop(s["id"], -7)
 check(code == 200 and c["tokens"] == 40, "with recording, crop works on a sliding model")
 r2 = complete(prompt[:40], session=s["id"])
 check(r2["choices"][0]["tokens"] == r1["choices"][0]["tokens"], "with recording, crop then regenerate is identical")
+# the rewinds of the session's own requests keep what recording kept: a
+# turn re-sending exactly what it holds (a rewind of one token, to
+# recompute the last), then one departing at token 20, which the window of
+# 16 dropped without recording
+s = session(prompt=prompt[:40], activate_past_recording=True)
+complete(prompt[:40], session=s["id"])
+r = complete(prompt[:20] + [5, 5], session=s["id"])
+check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 20,
+      "with recording, a turn rewinds past a re-sent turn's own rewind (cached_tokens %d)" %
+      r["usage"]["prompt_tokens_details"]["cached_tokens"])
 s2 = session()
 code, x = d.post("/v1/sessions/%s/activate_past_recording" % s2["id"], {})
 check(code == 200 and x["past_recording"], "POST /v1/sessions/{id}/activate_past_recording")

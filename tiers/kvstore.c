@@ -1428,7 +1428,10 @@ enum tier_status kv_seq_activate_past_recording(kv_seq *q)
     return TIER_OK;
 }
 
-enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
+/* kv_seq_crop; trim: the crop ends what past recording kept so far (HF's
+ * crop), else it keeps it (the rewind of a session's reuse, which the
+ * client did not ask for and must not cost it the states it records). */
+static enum tier_status crop(kv_seq *q, int64_t n, bool trim)
 {
     kv_store *s = q->s;
     s->err[0] = '\0';
@@ -1487,7 +1490,7 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
     q->len = len;
     for (int l = 0; l < s->g.n_layers; l++) {
         struct kv_layer *L = &q->layers[l];
-        if (L->keep && len - L->keep > L->lo) /* crop(0) shrinks recorded states back to keep */
+        if (trim && L->keep && len - L->keep > L->lo) /* crop(0) shrinks recorded states back to keep */
             L->lo = len - L->keep;
         if (L->home == KV_HOME_PAGED)
             paged_trim(s, L, len);
@@ -1495,6 +1498,11 @@ enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
             ext_view_refresh(q, L);
     }
     return TIER_OK;
+}
+
+enum tier_status kv_seq_crop(kv_seq *q, int64_t n)
+{
+    return crop(q, n, true);
 }
 
 int64_t kv_seq_common(const kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input)
@@ -1513,7 +1521,7 @@ enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *inp
         return kv_fail(q->s, TIER_EINVAL, "kv_seq_reuse of an empty input");
     int64_t k = kv_seq_common(q, held, input, n_input);
     if (k < q->len) {
-        enum tier_status st = kv_seq_crop(q, -(q->len - k));
+        enum tier_status st = crop(q, -(q->len - k), false);
         if (st != TIER_OK)
             return st;
     }

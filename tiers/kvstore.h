@@ -260,9 +260,10 @@ enum tier_status kv_store_check_params(const kv_store *s, const struct kv_seq_pa
  * kv_seq_length(q)): crops q to the longest common prefix of the two and
  * sets *n_keep to its length, the tokens that need not be fed again.  At
  * most n_input - 1 tokens are kept, so the last input token is always
- * recomputed and yields logits (an input re-sent whole).  On failure (the
- * crop's, e.g. TIER_ECONFLICT where a sliding layer dropped the states)
- * q is unchanged and *n_keep is 0. */
+ * recomputed and yields logits (an input re-sent whole).  Unlike
+ * kv_seq_crop, the rewind keeps every state past recording kept.  On
+ * failure (the crop's, e.g. TIER_ECONFLICT where a sliding layer dropped
+ * the states) q is unchanged and *n_keep is 0. */
 enum tier_status kv_seq_reuse(kv_seq *q, const int32_t *held, const int32_t *input, int64_t n_input,
                               int64_t *n_keep);
 /* The length of the common prefix kv_seq_reuse would keep, q unchanged. */
