@@ -30,7 +30,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: kvtierd [options]\n"
-            "  --model DIR          Hugging Face model directory (default $KVTIER_MODEL, else the built-in model\n"
+            "  --model DIR|FILE     Hugging Face model directory or GGUF file (default $KVTIER_MODEL, else the built-in model\n"
             "                       beside this binary: ../share/kvtier/builtin, or ../model/builtin in the source tree)\n"
             "  --socket PATH        listen here (default $KVTIER_SOCKET, else $XDG_RUNTIME_DIR/kvtier/kvtierd.sock,\n"
             "                       else /run/user/UID/kvtier/kvtierd.sock, else /run/kvtier/kvtierd.sock for root,\n"
