@@ -99,6 +99,7 @@ struct req {
     pid_t pid;
     char *body;
     size_t n_body, cap_body;
+    size_t over;    /* bytes past max_body, read and dropped until the 413 can go out */
     size_t max_body; /* 413 above: --max-body, or the KV import's own limit (body_limit) */
     json_t *root;
     struct work work; /* route_prepare on a worker */

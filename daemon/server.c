@@ -27,6 +27,11 @@
  * does not queue the small requests behind it. */
 #define PREP_WORKERS 2
 
+/* Bytes of a body past its limit read and dropped before its 413: reading
+ * costs a local daemon little, and a client that cannot stop its upload
+ * (a chunked stream) still learns why it failed. */
+#define DISCARD_MAX ((size_t)64 << 20)
+
 static void server_exit(struct server *s, enum server_exit rc)
 {
     s->rc = rc;
@@ -341,11 +346,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (*upload_size) {
         size_t n = *upload_size;
         *upload_size = 0;
-        if (r->n_body + n > r->max_body) {
-            struct ipc_error e;
-            ipc_fail(&e, IPC_ETOOLARGE, "", "the body is over the limit of %zu bytes%s", r->max_body,
-                     r->max_body == s->cfg->max_body ? " (--max-body)" : " (the KV of the whole context)");
-            return reply_error(r, &e);
+        /* A body without a length (chunked) passes the limit while it
+         * arrives, when libmicrohttpd cannot queue a reply yet: the rest is
+         * read and dropped, up to DISCARD_MAX or another limit's worth, for
+         * the 413 to go out once it ends; a client that sends more loses
+         * the connection. */
+        if (r->over || r->n_body + n > r->max_body) {
+            r->over += n;
+            r->close = true;
+            return r->over > (r->max_body > DISCARD_MAX ? r->max_body : DISCARD_MAX) ? MHD_NO : MHD_YES;
         }
         if (r->n_body + n > r->cap_body || !r->body) {
             size_t cap = r->cap_body > r->n_body + n ? r->cap_body : (r->n_body + n) * 2;
@@ -359,6 +368,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         memcpy(r->body + r->n_body, upload, n);
         r->n_body += n;
         return MHD_YES;
+    }
+    if (r->over) {
+        struct ipc_error e;
+        ipc_fail(&e, IPC_ETOOLARGE, "", "the body is over the limit of %zu bytes%s", r->max_body,
+                 r->max_body == s->cfg->max_body ? " (--max-body)" : " (the KV of the whole context)");
+        return reply_error(r, &e);
     }
     if (r->hup)
         return MHD_NO; /* resumed to be closed */

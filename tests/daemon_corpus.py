@@ -132,6 +132,14 @@ for data in [b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nC
     d.raw(data, timeout=0.5)
     alive()
 
+# a chunked body has no length to refuse up front: it passes the limit while
+# it arrives, and still gets its 413 (not a dropped connection)
+chunk = b"a" * 32768
+code = d.raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
+             (b"8000\r\n" + chunk + b"\r\n") * 5 + b"0\r\n\r\n")
+check(code == 413, "a chunked body of 160 KiB over --max-body 64 KiB -> 413 (%d)" % code)
+alive()
+
 code, reply = d.post(C, compl(max_tokens=4))
 check(code == 200 and reply["usage"]["completion_tokens"] == 4, "a valid completion after %d hostile requests" % n)
 code, reply = d.get("/metrics")
