@@ -146,7 +146,9 @@ static enum ipc_status parse_params(size_t row, const json_t *cache, const struc
     unsigned missing = strategies[row].needs & ~given;
     if (missing) {
         list_names(missing, true, list, sizeof(list));
-        return ipc_fail(err, IPC_EINVAL, "cache", "\"%s\" needs cache.%s", name, list);
+        char param[IPC_PARAM_LEN];
+        ipc_cache_param_of(list, param); /* the first one missing */
+        return ipc_fail(err, IPC_EINVAL, param, "\"%s\" needs cache.%s", name, list);
     }
     if (p->adaptive && !(given & K_MAX_CACHE_LEN))
         return ipc_fail(err, IPC_EINVAL, "cache.adaptive",

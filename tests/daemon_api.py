@@ -145,7 +145,8 @@ check(code == code2 == 200 and qs2["usage"]["completion_tokens"] == 192 and qs1[
       "sinks + quantized int8: the dense sink cache's first tokens, KV bounded (%d bytes after 64 tokens, %d after 192)"
       % (b1, b2))
 code, e = d.post("/v1/completions", dict(long, cache=dict(qsink, offload=True)))
-check(code == 400 and "sink" in e["error"]["message"], "sinks + offloaded quantized -> 400: " + e["error"]["message"])
+check(code == 400 and "sink" in e["error"]["message"] and e["error"]["param"] == "cache.offload",
+      "sinks + offloaded quantized -> 400 naming cache.offload: " + e["error"]["message"])
 # sink and quantized sequences share forward batches (the quantized kernel
 # rotates sink keys): concurrent requests of both kinds all succeed
 out = {}

@@ -196,6 +196,7 @@ static void test_cache_params(void **state)
     /* static without its capacity: names the parameter */
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"static\"}}", &c, &err), IPC_EINVAL);
     assert_non_null(strstr(err.msg, "needs cache.max_cache_len"));
+    assert_string_equal(err.param, "cache.max_cache_len");
     /* a parameter of another strategy: lists this one's */
     assert_int_equal(cache_of("{\"cache\":{\"implementation\":\"static\",\"max_cache_len\":8,\"adaptive\":true}}",
                               &c, &err), IPC_EINVAL);

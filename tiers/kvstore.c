@@ -741,8 +741,8 @@ static enum tier_status check_sink(const kv_store *s, const struct kv_seq_params
                        "(dynamic) or quantized",
                        kv_strategy_name(p->strategy));
     if (p->offload)
-        return why_fail(why, cap, TIER_ENOTSUP, "sink + offloaded quantized is not supported: a sink sequence stays on the "
-                                        "device (its KV is bounded by window_length)");
+        return why_fail(why, cap, TIER_ENOTSUP, "sink + offloaded quantized is not supported (offload): a sink sequence "
+                                        "stays on the device (its KV is bounded by window_length)");
     if (p->window_length <= 0)
         return why_fail(why, cap, TIER_EINVAL, "sink needs window_length > 0 (got %d)", p->window_length);
     if (p->num_sink_tokens < 0 || p->num_sink_tokens >= p->window_length)
