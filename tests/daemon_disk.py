@@ -398,4 +398,6 @@ check(code == 404 and sid + ".kvt not listed" in sk.logtext()[seen:],
 code, _ = sk.get("/v1/sessions/" + big)
 check(code == 404 and big + ".kvt not listed: its KV image is larger" in sk.logtext()[seen:],
       "a file claiming 6 GiB of KV for its tokens: not listed, named in the log")
+on_disk = metric(sk, "kv_cache_bytes", '{tier="disk"}')
+check(on_disk < 64 << 20, "the disk budget counts the sparse file's blocks, not the 6 GiB it claims (%d bytes)" % on_disk)
 sk.stop()

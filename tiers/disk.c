@@ -735,12 +735,22 @@ enum load_res { L_OK, L_MISSING, L_FOREIGN, L_CORRUPT, L_IOERR, L_NOMEM };
 struct loaded {
     struct disk_hdr h;
     uint64_t size;
+    uint64_t stored; /* stored_bytes: what it takes of --disk-mem */
     void *meta, *data;
     const struct kv_disk_alloc *alloc; /* where data came from */
     void *buf;                         /* its handle */
     char why[DISK_WHY_LEN];
     int err; /* L_IOERR, L_MISSING */
 };
+
+/* The bytes a file takes on the disk, for the budget: its length, or its
+ * allocated blocks where fewer (a sparse file, which kvtier never writes,
+ * claims any length for nothing and must not fill the budget). */
+static uint64_t stored_bytes(const struct stat *sb)
+{
+    uint64_t blocks = (uint64_t)sb->st_blocks * 512;
+    return blocks < (uint64_t)sb->st_size ? blocks : (uint64_t)sb->st_size;
+}
 
 static void *aligned_alloc_zero(uint64_t len)
 {
@@ -770,7 +780,7 @@ static bool real_dir(const kv_disk *d, const char *name)
 }
 
 /* Moves DIR/ns/name.kvt into the quarantine with a log line. */
-static void quarantine(kv_disk *d, const char *ns, const char *name, const char *why, uint64_t size, bool counted)
+static void quarantine(kv_disk *d, const char *ns, const char *name, const char *why, uint64_t stored, bool counted)
 {
     char from[2 * DISK_NAME_MAX + 8], to[2 * DISK_NAME_MAX + 64];
     snprintf(from, sizeof from, "%s/%s.kvt", ns, name);
@@ -790,7 +800,7 @@ static void quarantine(kv_disk *d, const char *ns, const char *name, const char 
     pthread_mutex_lock(&d->mu);
     d->st.quarantined++;
     if (counted) {
-        d->st.used -= size < d->st.used ? size : d->st.used;
+        d->st.used -= stored < d->st.used ? stored : d->st.used;
         d->st.files -= d->st.files > 0;
     }
     pthread_mutex_unlock(&d->mu);
@@ -828,6 +838,7 @@ static enum load_res load(kv_disk *d, const char *ns, const char *name, int want
         goto out;
     }
     l->size = (uint64_t)sb.st_size;
+    l->stored = stored_bytes(&sb);
     uint64_t first = l->size < DISK_ALIGN ? disk_align(l->size) : DISK_ALIGN;
     if (!(hbuf = aligned_alloc_zero(first))) {
         res = L_NOMEM;
@@ -968,7 +979,7 @@ static void do_get(kv_disk *d, kv_disk_op *op)
         op_fail(op, TIER_EINVAL, "%s/%s/%s.kvt: %s", d->dir, op->ns, op->name, l.why);
         return;
     case L_CORRUPT:
-        quarantine(d, op->ns, op->name, l.why, l.size, true);
+        quarantine(d, op->ns, op->name, l.why, l.stored, true);
         op_fail(op, TIER_EIO, "%s/%s/%s.kvt: %s (moved to %s/" QUARANTINE ")", d->dir, op->ns, op->name, l.why,
                 d->dir);
         return;
@@ -1098,7 +1109,7 @@ static void do_put(kv_disk *d, kv_disk_op *op)
     pthread_mutex_lock(&d->mu);
     d->st.used += size;
     if (replaced)
-        d->st.used -= (uint64_t)old.st_size < d->st.used ? (uint64_t)old.st_size : d->st.used;
+        d->st.used -= stored_bytes(&old) < d->st.used ? stored_bytes(&old) : d->st.used;
     else
         d->st.files++;
     d->st.puts++;
@@ -1145,7 +1156,7 @@ static void do_remove(kv_disk *d, kv_disk_op *op)
         return;
     }
     pthread_mutex_lock(&d->mu);
-    d->st.used -= (uint64_t)sb.st_size < d->st.used ? (uint64_t)sb.st_size : d->st.used;
+    d->st.used -= stored_bytes(&sb) < d->st.used ? stored_bytes(&sb) : d->st.used;
     d->st.files -= d->st.files > 0;
     pthread_mutex_unlock(&d->mu);
 }
@@ -1215,7 +1226,7 @@ static void walk_ns(kv_disk *d, kv_disk_op *op, const char *ns)
         struct loaded l;
         enum load_res r = load(d, ns, name, start ? 0 : 1, NULL, NULL, &l);
         if (r == L_CORRUPT) {
-            quarantine(d, ns, name, l.why, l.size, !start);
+            quarantine(d, ns, name, l.why, l.stored, !start);
         } else if (r == L_FOREIGN && start) {
             log_msg(LOG_INFO, "disk tier: %s/%s/%s.kvt: %s; left alone", d->dir, ns, name, l.why);
         } else if (r == L_IOERR || r == L_NOMEM) {
@@ -1225,7 +1236,7 @@ static void walk_ns(kv_disk *d, kv_disk_op *op, const char *ns)
         }
         if (start && (r == L_OK || r == L_FOREIGN)) {
             pthread_mutex_lock(&d->mu);
-            d->st.used += l.size;
+            d->st.used += l.stored;
             d->st.files += r == L_OK;
             pthread_mutex_unlock(&d->mu);
         }
