@@ -150,6 +150,13 @@ static bool is_offloaded(enum kv_strategy st)
     return st == KV_OFFLOADED || st == KV_OFFLOADED_STATIC;
 }
 
+/* What a sequence of st continues as in the host tier (a fallback keeps
+ * its static shapes). */
+static enum kv_strategy offloaded_of(enum kv_strategy st)
+{
+    return is_static(st) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+}
+
 /* ---- the store ------------------------------------------------------------ */
 
 enum tier_status kv_store_open(be_backend *be, const struct kv_geom *g, const struct kv_store_params *p,
@@ -687,7 +694,7 @@ static void plan_homes(kv_seq *q, enum kv_strategy st, bool all_host)
             L->home = KV_HOME_DEV;
         L->ext_fixed = is_static(st) && !L->window;
     }
-    q->strategy = all_host ? (is_static(st) ? KV_OFFLOADED_STATIC : KV_OFFLOADED) : st;
+    q->strategy = all_host ? offloaded_of(st) : st;
 }
 
 static void layers_release(kv_seq *q)
@@ -784,7 +791,7 @@ enum tier_status kv_store_check_params(const kv_store *s, const struct kv_seq_pa
     if (p->offload && p->strategy != KV_QUANTIZED)
         return why_fail(why, cap, TIER_EINVAL, "offload applies to the quantized strategy, not %s (%s is offloaded already)",
                        kv_strategy_name(p->strategy),
-                       kv_strategy_name(is_static(p->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED));
+                       kv_strategy_name(offloaded_of(p->strategy)));
     if (p->adaptive && !is_offloaded(p->strategy))
         return why_fail(why, cap, TIER_EINVAL, "adaptive residency applies to offloaded strategies, not %s",
                        kv_strategy_name(p->strategy));
@@ -853,7 +860,7 @@ enum tier_status kv_seq_create(kv_store *s, const struct kv_seq_params *p, kv_se
         st = state_seq_init(q, host);
         if (st == TIER_ENOMEM_DEV && !p->no_fallback) {
             state_seq_release(q);
-            q->strategy = p->strategy == KV_STATIC ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+            q->strategy = offloaded_of(p->strategy);
             s->err[0] = '\0';
             if ((st = state_seq_init(q, true)) == TIER_OK)
                 note_fallback(q, KV_FALLBACK_SIZED);
@@ -991,7 +998,7 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
     if (q->kvq || q->state) {
         enum tier_status st = q->kvq ? kvq_seq_offload(q) : state_seq_offload(q);
         if (st == TIER_OK && q->state && !is_offloaded(q->strategy))
-            q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+            q->strategy = offloaded_of(q->strategy);
         if (st == TIER_OK)
             note_fallback(q, why);
         return st;
@@ -1025,7 +1032,7 @@ enum tier_status kv_seq_offload(kv_seq *q, enum kv_fallback why)
         return st;
     kv_store_trim(s);
     prefix_stop(q);
-    q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+    q->strategy = offloaded_of(q->strategy);
     note_fallback(q, why);
     return TIER_OK;
 }
@@ -1576,7 +1583,7 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
         c->len = q->len;
         enum tier_status st = state_seq_fork(q, c);
         if (st == TIER_OK && state_on_host(c) && !is_offloaded(c->strategy)) /* fell back as kv_seq_create does */
-            c->strategy = is_static(c->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+            c->strategy = offloaded_of(c->strategy);
         if (st != TIER_OK) {
             kv_seq_free(c);
             return st;
@@ -1674,7 +1681,7 @@ enum tier_status kv_seq_restore(kv_store *s, const struct kv_seq_state *x, bool 
     q->record_past = x->record_past;
     bool quant = x->p.strategy == KV_QUANTIZED;
     if (all_host && !quant)
-        q->strategy = is_static(q->strategy) ? KV_OFFLOADED_STATIC : KV_OFFLOADED;
+        q->strategy = offloaded_of(q->strategy);
     enum tier_status st = TIER_OK;
     if (s->g.state_bytes)
         st = state_seq_init(q, is_offloaded(q->strategy)); /* image.c fills it */
