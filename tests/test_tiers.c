@@ -5,7 +5,8 @@
  * hybrid models, multi-chunk prefills and mixed batches; the SQLite-style
  * device-allocation fault sweep (fail once, fail from N on); a request
  * needing 4x the device budget; the peak device bytes of offloaded mode;
- * host-tier exhaustion; the measured prefetch figures.
+ * host-tier exhaustion; the measured prefetch figures; forks of device
+ * extents that fall back to the host tier.
  * The models are random ones from tools/mkmodel.py (skip without it).
  * Every test runs twice: with f32 KV, then with bf16 KV (the default of a
  * bf16 model), where the strategies store the same bf16 values and must
@@ -722,6 +723,106 @@ static void test_forks_share(void **state)
     rig_close(&r);
 }
 
+/* A fork of KV in device extents, on a device with room for the parent
+ * and the streaming slots but not for a second copy, starts in the host
+ * tier (the offloaded form of the parent's strategy, KV_FALLBACK_SIZED) and
+ * decodes with the logits of the same fork made on a free device, bit for
+ * bit; the parent is untouched and decodes the same.  With no_fallback the
+ * fork is refused and the store is as before. */
+static void test_fork_fallback(void **state)
+{
+    (void)state;
+    enum { G = 24 };
+    static const struct kv_seq_params fps[] = {
+        {.strategy = KV_STATIC, .max_cache_len = N_PROMPT + N_GEN},
+        {.strategy = KV_STATIC, .max_cache_len = N_PROMPT + N_GEN, .window_length = 16},
+        {.strategy = KV_OFFLOADED, .adaptive = true, .max_cache_len = N_PROMPT + N_GEN},
+        {.strategy = KV_OFFLOADED_STATIC, .adaptive = true, .max_cache_len = N_PROMPT + N_GEN},
+    };
+    int32_t ids[N_PROMPT];
+    prompt_of(5, ids);
+    for (size_t v = 0; v < sizeof(fps) / sizeof(fps[0]); v++) {
+        /* the reference: the same fork with the device free */
+        struct rig r;
+        rig_open(&r, M_DEEP, 0, 0);
+        int V = vocab(&r);
+        size_t bytes = (size_t)G * V * sizeof(float);
+        float *row = malloc((size_t)V * sizeof(float)), *want = malloc(bytes), *got = malloc(bytes);
+        assert_true(row && want && got);
+        kv_seq *parent, *kid;
+        assert_int_equal(kv_seq_create(r.store, &fps[v], &parent), TIER_OK);
+        feed(&r, parent, ids, N_PROMPT, row);
+        size_t parent_dev = kv_seq_stats(parent).dev_bytes, act = r.act_bytes;
+        assert_true(parent_dev > 0);
+        assert_int_equal(kv_seq_fork(parent, &kid), TIER_OK);
+        assert_int_equal(kv_seq_stats(kid).fallback, KV_FALLBACK_NONE);
+        int32_t first = argmax_f32(row, V), tok = first;
+        for (int i = 0; i < G; i++) {
+            feed(&r, kid, &tok, 1, want + (size_t)i * V);
+            tok = argmax_f32(want + (size_t)i * V, V);
+        }
+        kv_seq_free(kid);
+        kv_seq_free(parent);
+        rig_close(&r);
+
+        /* room for the parent and half as much again: the slots of a
+         * streamed fork (two layers) fit, its copy of every layer does not */
+        for (int nofb = 1; nofb >= 0; nofb--) {
+            rig_open(&r, M_DEEP, act + parent_dev + parent_dev / 2, 0);
+            struct kv_seq_params p = fps[v];
+            p.no_fallback = nofb;
+            assert_int_equal(kv_seq_create(r.store, &p, &parent), TIER_OK);
+            assert_int_equal(kv_seq_stats(parent).dev_bytes, parent_dev);
+            feed(&r, parent, ids, N_PROMPT, row);
+            struct kv_store_stats before = kv_store_stats(r.store);
+            if (nofb) {
+                assert_int_equal(kv_seq_fork(parent, &kid), TIER_ENOMEM_DEV);
+                assert_null(kid);
+                assert_non_null(strstr(kv_store_errmsg(r.store), "device tier budget"));
+                struct kv_store_stats after = kv_store_stats(r.store);
+                assert_int_equal(after.dev_bytes, before.dev_bytes);
+                assert_int_equal(after.host_bytes, before.host_bytes);
+                assert_int_equal(after.fallbacks, 0);
+                kv_seq_free(parent);
+                rig_close(&r);
+                continue;
+            }
+            assert_int_equal(kv_seq_fork(parent, &kid), TIER_OK);
+            struct kv_seq_stats ks = kv_seq_stats(kid);
+            assert_int_equal(ks.fallback, KV_FALLBACK_SIZED);
+            assert_int_equal(ks.requested, fps[v].strategy);
+            assert_int_equal(ks.strategy, fps[v].strategy == KV_OFFLOADED ? KV_OFFLOADED : KV_OFFLOADED_STATIC);
+            assert_int_equal(ks.dev_bytes, 0);
+            assert_int_equal(ks.streamed_layers, model_get_config(r.m)->n_layers);
+            assert_int_equal(kv_store_stats(r.store).fallbacks, 1);
+            assert_int_equal(kv_store_stats(r.store).fallbacks_oom, 0);
+            assert_int_equal(kv_seq_stats(parent).fallback, KV_FALLBACK_NONE);
+            assert_int_equal(kv_seq_stats(parent).dev_bytes, parent_dev);
+            tok = first;
+            for (int i = 0; i < G; i++) {
+                feed(&r, kid, &tok, 1, got + (size_t)i * V);
+                tok = argmax_f32(got + (size_t)i * V, V);
+            }
+            if (memcmp(got, want, bytes))
+                fail_msg("%s variant %zu: the fork in the host tier differs from the resident one",
+                         kv_strategy_name(fps[v].strategy), v);
+            tok = first;
+            for (int i = 0; i < G; i++) {
+                feed(&r, parent, &tok, 1, got + (size_t)i * V);
+                tok = argmax_f32(got + (size_t)i * V, V);
+            }
+            if (memcmp(got, want, bytes))
+                fail_msg("%s variant %zu: the parent differs after the fork", kv_strategy_name(fps[v].strategy), v);
+            kv_seq_free(kid);
+            kv_seq_free(parent);
+            rig_close(&r);
+        }
+        free(row);
+        free(want);
+        free(got);
+    }
+}
+
 /* The prefix cache: a second request with the same 2k-token prefix feeds
  * only its suffix and gets the first request's logits and tokens. */
 static void test_prefix_cache(void **state)
@@ -1168,6 +1269,7 @@ int main(void)
         cmocka_unit_test(test_prefetch_figures),
         cmocka_unit_test(test_crop_regenerate),
         cmocka_unit_test(test_forks_share),
+        cmocka_unit_test(test_fork_fallback),
         cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_sliding_window_strategy),
         cmocka_unit_test(test_sink_bounded),

@@ -579,9 +579,11 @@ static enum tier_status ext_build(kv_seq *q, const struct kv_layer *L, enum kv_h
         st = kv_fail(s, TIER_ENOMEM_HOST, "host memory: a KV block table of %d entries", nb);
     if (st == TIER_OK && L->n_blocks > 0)
         st = copy_blocks(s, n, L, L->base / s->bt, L->base / s->bt + L->n_blocks);
-    if (st != TIER_OK) {
+    if (st != TIER_OK) { /* *n holds nothing, so that freeing the layer it is in frees nothing twice */
         ext_release(s, home, &n->ext);
         free(n->blocks);
+        n->ext = (struct kv_ext){0};
+        n->blocks = NULL;
     }
     return st;
 }
@@ -1563,6 +1565,38 @@ bool kv_seq_fork_fits(const kv_seq *q, int64_t keep, int64_t n_more)
     return need <= room;
 }
 
+/* Gives the fork c q's layers: paged ones share q's blocks, extents are
+ * copied (into the host tier when all_host; a ring has no blocks to
+ * share).  On failure c's layers hold what was built, for the caller to
+ * release. */
+static enum tier_status fork_layers(const kv_seq *q, kv_seq *c, bool all_host)
+{
+    kv_store *s = q->s;
+    enum tier_status st = TIER_OK;
+    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
+        const struct kv_layer *L = &q->layers[l];
+        struct kv_layer *C = &c->layers[l];
+        if (L->home != KV_HOME_PAGED) {
+            st = ext_build(c, L, all_host ? KV_HOME_HOST : L->home, L->ext_blocks, C);
+            if (st == TIER_OK) {
+                ext_view_refresh(c, C);
+                c->copied_bytes += (uint64_t)L->n_blocks * s->block_bytes;
+            }
+            continue;
+        }
+        *C = (struct kv_layer){.home = KV_HOME_PAGED, .window = L->window, .keep = L->keep, .base = L->base,
+                               .lo = L->lo, .sink_blk = L->sink_blk};
+        if (C->sink_blk)
+            blk_get(s, C->sink_blk);
+        st = paged_table(C, L->n_blocks);
+        for (int b = 0; b < L->n_blocks && st == TIER_OK; b++) {
+            blk_get(s, L->pb[b]);
+            paged_set(C, C->n_blocks++, L->pb[b]);
+        }
+    }
+    return st;
+}
+
 enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
 {
     kv_store *s = q->s;
@@ -1605,26 +1639,16 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
     c->fallback = q->fallback;
     c->len = q->len;
     c->record_past = q->record_past;
-    enum tier_status st = TIER_OK;
-    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++) {
-        const struct kv_layer *L = &q->layers[l];
-        struct kv_layer *C = &c->layers[l];
-        if (L->home != KV_HOME_PAGED) {
-            st = ext_build(c, L, L->home, L->ext_blocks, C);
-            if (st == TIER_OK) {
-                ext_view_refresh(c, C);
-                c->copied_bytes += (uint64_t)L->n_blocks * s->block_bytes;
-            }
-            continue;
-        }
-        *C = (struct kv_layer){.home = KV_HOME_PAGED, .window = L->window, .keep = L->keep, .base = L->base,
-                               .lo = L->lo, .sink_blk = L->sink_blk};
-        if (C->sink_blk)
-            blk_get(s, C->sink_blk);
-        st = paged_table(C, L->n_blocks);
-        for (int b = 0; b < L->n_blocks && st == TIER_OK; b++) {
-            blk_get(s, L->pb[b]);
-            paged_set(C, C->n_blocks++, L->pb[b]);
+    enum tier_status st = fork_layers(q, c, false);
+    /* A fork is a new sequence: where the device cannot hold a copy of the
+     * extents it starts in the host tier, as kv_seq_create does. */
+    if (st == TIER_ENOMEM_DEV && !c->p.no_fallback) {
+        layers_release(c);
+        c->copied_bytes = 0;
+        s->err[0] = '\0';
+        if ((st = fork_layers(q, c, true)) == TIER_OK) {
+            c->strategy = offloaded_of(c->strategy);
+            note_fallback(c, KV_FALLBACK_SIZED);
         }
     }
     if (st == TIER_OK)

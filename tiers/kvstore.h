@@ -272,7 +272,11 @@ int64_t kv_seq_common(const kv_seq *q, const int32_t *held, const int32_t *input
 /* A new sequence equal to q that shares q's device blocks copy-on-write:
  * nothing is copied until one of them writes into a shared block (the
  * partly filled last block, on the first step).  Extent layers (static,
- * offloaded) are copied: a ring has no blocks to share. */
+ * offloaded) are copied: a ring has no blocks to share.  Where the device
+ * budget cannot hold the copy of q's device extents, the fork starts in
+ * the host tier as kv_seq_create's would (every layer streamed, static ->
+ * offloaded_static, fallback KV_FALLBACK_SIZED) unless q has no_fallback:
+ * then TIER_ENOMEM_DEV.  q is never changed. */
 enum tier_status kv_seq_fork(kv_seq *q, kv_seq **child);
 /* Whether a fork of q that keeps its first keep tokens, then grows by
  * n_more, shares all of q's KV (paged layers: at most a partly filled
