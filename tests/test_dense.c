@@ -8,8 +8,9 @@
  * its quantized rows stay within the int8 bound) and its import into a
  * dynamic sequence holds exactly the export; its stored form (the raw
  * export), decoded by the documented rule, is the dequantized export bit
- * for bit.  Refusals leave the sequence
- * fresh.  The models are random ones from tools/mkmodel.py (skip without).
+ * for bit.  An import the device cannot take goes to the host tier and
+ * continues the same.  Refusals leave the sequence fresh.  The models are
+ * random ones from tools/mkmodel.py (skip without).
  */
 #include <math.h>
 #include <setjmp.h>
@@ -116,23 +117,36 @@ static void test_dense_is_the_view(void **state)
 }
 
 /* Imports k/v (the export of a sequence after the prompt) into a fresh
- * dynamic sequence created with p. */
-static kv_seq *import(struct rig *r, const struct kv_seq_params *p, float **k, float **v)
+ * dynamic sequence created with p; with no_device, every device
+ * allocation fails meanwhile, so that the import goes to the host tier. */
+static kv_seq *import(struct rig *r, const struct kv_seq_params *p, float **k, float **v, bool no_device)
 {
     kv_seq *q;
     assert_int_equal(kv_seq_create(r->store, p, &q), TIER_OK);
     for (int l = 0; l < r->g.n_layers; l++)
         assert_int_equal(kv_seq_layer_rows(q, l), 0);
+    if (no_device)
+        be_fault_dev_alloc(r->be, 1, true);
     enum tier_status st = kv_seq_import_dense(q, N_PROMPT, BE_F32, (const void *const *)k, (const void *const *)v);
+    be_fault_dev_alloc(r->be, 0, false);
     if (st != TIER_OK)
         fail_msg("import: %s: %s", tier_strerror(st), kv_store_errmsg(r->store));
     assert_int_equal(kv_seq_length(q), N_PROMPT);
+    struct kv_seq_stats ks = kv_seq_stats(q);
+    assert_int_equal(ks.fallback, no_device ? KV_FALLBACK_OOM : KV_FALLBACK_NONE);
+    assert_int_equal(ks.strategy, no_device ? KV_OFFLOADED : KV_DYNAMIC);
+    if (no_device)
+        assert_int_equal(ks.dev_bytes, 0);
     return q;
 }
 
 /* The original continues greedily from its prompt; the import of its
- * export, fed the same tokens, gives bit-identical logits at every step. */
-static void continue_identical(struct rig *r, const struct kv_seq_params *p, const char *what)
+ * export, fed the same tokens, gives bit-identical logits at every step.
+ * into: NULL imports into r's store; else a fresh rig of the same model
+ * whose device allocations all fail during the import (its pool has no
+ * block yet), so that the import goes to the host tier and continues
+ * from there. */
+static void continue_identical(struct rig *r, const struct kv_seq_params *p, struct rig *into, const char *what)
 {
     kv_seq *a;
     assert_int_equal(kv_seq_create(r->store, p, &a), TIER_OK);
@@ -145,13 +159,13 @@ static void continue_identical(struct rig *r, const struct kv_seq_params *p, con
     export_all(r, a, k, v, rows);
     for (int l = 0; l < r->g.n_layers; l++)
         assert_int_equal(rows[l], kv_store_dense_rows(r->store, p, l, N_PROMPT));
-    kv_seq *b = import(r, p, k, v);
+    kv_seq *b = import(into ? into : r, p, k, v, into != NULL);
     for (int i = 0; i < N_GEN; i++) {
         toks[i] = argmax_f32(row, r->V);
         feed(r, a, &toks[i], 1, row);
-        feed(r, b, &toks[i], 1, row2);
+        feed(into ? into : r, b, &toks[i], 1, row2);
         if (memcmp(row, row2, (size_t)r->V * sizeof(float)))
-            fail_msg("%s: logits of the imported sequence differ at step %d", what, i);
+            fail_msg("%s%s: logits of the imported sequence differ at step %d", what, into ? " (host tier)" : "", i);
     }
     free_all(r, k, v);
     free(row);
@@ -165,12 +179,17 @@ static void test_import_continues(void **state)
     (void)state;
     static const char *const names[N_MODELS] = {"llama", "mistral (sliding)", "qwen2 (hybrid)"};
     for (int which = 0; which < N_MODELS; which++) {
-        struct rig r;
+        struct rig r, fresh;
         rig_open(&r, which, NULL);
-        continue_identical(&r, &(struct kv_seq_params){.strategy = KV_DYNAMIC}, names[which]);
-        if (which == M_LLAMA) /* the sliding_window strategy on a full model */
-            continue_identical(&r, &(struct kv_seq_params){.strategy = KV_DYNAMIC, .window_length = 6},
-                               "llama, window_length 6");
+        /* llama also under the sliding_window strategy */
+        const struct kv_seq_params ps[2] = {{.strategy = KV_DYNAMIC}, {.strategy = KV_DYNAMIC, .window_length = 6}};
+        const char *const what[2] = {names[which], "llama, window_length 6"};
+        for (int i = 0; i < (which == M_LLAMA ? 2 : 1); i++) {
+            continue_identical(&r, &ps[i], NULL, what[i]);
+            rig_open(&fresh, which, NULL);
+            continue_identical(&r, &ps[i], &fresh, what[i]);
+            rig_close(&fresh);
+        }
         rig_close(&r);
     }
 }
@@ -220,7 +239,7 @@ static void test_quantized_export(void **state)
     assert_true(err > 0.0f);
     if (err > 0.01f * amax)
         fail_msg("dequantized layer 0 off by %g (largest magnitude %g)", (double)err, (double)amax);
-    kv_seq *b = import(&r, NULL, k, v);
+    kv_seq *b = import(&r, NULL, k, v, false);
     float *bk[8], *bv[8];
     int64_t brows[8];
     export_all(&r, b, bk, bv, brows);
@@ -475,8 +494,8 @@ static void test_quantized_load(void **state)
 }
 
 /* Refusals: a sequence that is not fresh or not dynamic, 0 tokens; the
- * sequence is unchanged after each, and a failed reserve (device budget)
- * leaves it fresh. */
+ * sequence is unchanged after each, and a failed reserve (device budget,
+ * a sequence that may not fall back to the host tier) leaves it fresh. */
 static void test_import_refusals(void **state)
 {
     (void)state;
@@ -496,13 +515,15 @@ static void test_import_refusals(void **state)
     assert_int_equal(kv_seq_import_dense(q, N_PROMPT, BE_F32, K, Vv), TIER_EINVAL);
     assert_non_null(strstr(kv_store_errmsg(r.store), "fresh dynamic"));
     kv_seq_free(q);
-    assert_int_equal(kv_seq_create(r.store, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_create(r.store, &(struct kv_seq_params){.no_fallback = true}, &q), TIER_OK);
     assert_int_equal(kv_seq_import_dense(q, 0, BE_F32, K, Vv), TIER_EINVAL);
     assert_int_equal(kv_seq_length(q), 0);
     be_fault_dev_alloc(r.be, 1, true);
     assert_int_equal(kv_seq_import_dense(q, N_PROMPT, BE_F32, K, Vv), TIER_ENOMEM_DEV);
     be_fault_dev_alloc(r.be, 0, false);
     assert_int_equal(kv_seq_length(q), 0);
+    assert_int_equal(kv_seq_stats(q).strategy, KV_DYNAMIC);
+    assert_int_equal(kv_store_stats(r.store).fallbacks, 0);
     assert_int_equal(kv_seq_import_dense(q, N_PROMPT, BE_F32, K, Vv), TIER_OK);
     assert_int_equal(kv_seq_import_dense(q, N_PROMPT, BE_F32, K, Vv), TIER_EINVAL); /* not fresh */
     assert_int_equal(kv_seq_length(q), N_PROMPT);

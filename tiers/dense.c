@@ -19,7 +19,11 @@
  *   sliding rule (kvstore.c invariant 1), so the positions of a sliding
  *   layer that the file does not hold are never written and dropped at
  *   once; a failure before the commit aborts, which returns the sequence to
- *   length 0 (all or nothing).  The peak is a one-step prefill's.
+ *   length 0 (all or nothing).  The peak is a one-step prefill's.  When the
+ *   device budget refuses the step, the still empty sequence moves to the
+ *   host tier (kv_seq_offload) and the step is redone there, as
+ *   model_forward redoes a step; a streamed layer's view is host memory
+ *   between steps and is written directly.
  * - The imported KV is never published in the prefix cache: it was computed
  *   elsewhere, so no other sequence's prompt may be served from it.  The
  *   step names no token ids (kv_seq_tokens), which stops the publishing.
@@ -268,6 +272,7 @@ static enum tier_status write_layer(kv_seq *q, int layer, int64_t n, int64_t row
     size_t es = be_dtype_size(dt), ses = be_dtype_size(s->g.dtype);
     struct be_kv_view view;
     kv_seq_view(q, layer, &view);
+    bool host = q->layers[layer].home == KV_HOME_HOST; /* outside a step its view is host memory */
     for (int64_t p = n - rows; p < n;) {
         int64_t rel = p - view.base, bi = rel / view.block_tokens, slot = rel % view.block_tokens;
         int64_t cnt = view.block_tokens - slot < n - p ? view.block_tokens - slot : n - p;
@@ -278,6 +283,10 @@ static enum tier_status write_layer(kv_seq *q, int layer, int64_t n, int64_t row
                     (half ? v : k) + ((size_t)h * (size_t)rows + (size_t)(p - (n - rows))) * (size_t)D * es;
                 char *dst = (char *)view.blocks[bi] + (half ? view.v_offset : 0) +
                             ((size_t)h * (size_t)view.block_tokens + (size_t)slot) * (size_t)D * ses;
+                if (host) {
+                    convert(dst, s->g.dtype, src, dt, elems);
+                    continue;
+                }
                 convert(stage, s->g.dtype, src, dt, elems);
                 enum be_status st = be_copy(s->be, dst, stage, elems * ses, BE_H2D);
                 if (st != BE_OK)
@@ -288,12 +297,31 @@ static enum tier_status write_layer(kv_seq *q, int layer, int64_t n, int64_t row
     return TIER_OK;
 }
 
+/* The import's one step: every layer's rows, then the commit; a failure
+ * aborts it. */
+static enum tier_status import_step(kv_seq *q, int64_t n, enum be_dtype dtype, const void *const *k,
+                                    const void *const *v, void *stage)
+{
+    kv_store *s = q->s;
+    enum tier_status st = kv_seq_reserve(q, (int)n);
+    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++)
+        st = write_layer(q, l, n, kv_store_dense_rows(s, &q->p, l, n), dtype, k[l], v[l], stage);
+    if (st != TIER_OK) {
+        if (q->pending)
+            kv_seq_abort(q);
+        return st;
+    }
+    return kv_seq_commit(q);
+}
+
 enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, const void *const *k,
                                      const void *const *v)
 {
     kv_store *s = q->s;
     s->err[0] = '\0';
-    if (q->strategy != KV_DYNAMIC || q->kvq || q->state || q->p.sink || q->len || q->pending)
+    /* the requested strategy: a dynamic sequence fallen back to the host
+     * tier keeps the same rows (kvstore.c invariant 1) */
+    if (q->p.strategy != KV_DYNAMIC || q->kvq || q->state || q->p.sink || q->len || q->pending)
         return kv_fail(s, TIER_EINVAL, "kv_seq_import_dense: needs a fresh dynamic sequence (%s, length %lld)",
                        kv_strategy_name(q->strategy), (long long)q->len);
     /* one step: its length is an int (kv_seq_reserve) */
@@ -306,14 +334,11 @@ enum tier_status kv_seq_import_dense(kv_seq *q, int64_t n, enum be_dtype dtype, 
     void *stage = malloc((size_t)s->bt * (size_t)s->g.head_dim * sizeof(float));
     if (!stage)
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: staging a KV import");
-    enum tier_status st = kv_seq_reserve(q, (int)n);
-    for (int l = 0; l < s->g.n_layers && st == TIER_OK; l++)
-        st = write_layer(q, l, n, kv_store_dense_rows(s, &q->p, l, n), dtype, k[l], v[l], stage);
+    enum tier_status st = import_step(q, n, dtype, k, v, stage);
+    /* KV computed elsewhere arrives as a restored image does (kv_seq_load):
+     * what the device cannot hold goes to the host tier */
+    if (st == TIER_ENOMEM_DEV && !q->p.no_fallback && (st = kv_seq_offload(q, KV_FALLBACK_OOM)) == TIER_OK)
+        st = import_step(q, n, dtype, k, v, stage);
     free(stage);
-    if (st != TIER_OK) {
-        if (q->pending)
-            kv_seq_abort(q);
-        return st;
-    }
-    return kv_seq_commit(q);
+    return st;
 }

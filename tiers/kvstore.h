@@ -543,15 +543,19 @@ enum tier_status kv_seq_load_status(const kv_seq *q);
  *   offloaded to the host tier.
  * kv_store_dense_rows: rows_l below for a dynamic sequence created with p
  *   and n tokens, so that a caller checks a file before creating anything.
- * kv_seq_import_dense: fills a fresh dynamic sequence (length 0; not sink,
- *   not fallen back to offloaded) with n tokens of KV computed elsewhere:
+ * kv_seq_import_dense: fills a fresh dynamic sequence (length 0; not sink;
+ *   one fallen back to offloaded is filled in the host tier) with n tokens
+ *   of KV computed elsewhere:
  *   k[l], v[l] are layer l's [n_kv_heads, rows_l, head_dim] in dtype,
  *   rows_l = n for a full layer and min(n, what the layer keeps) for a
  *   sliding one, its last rows (kv_store_dense_rows).  One step of n
  *   tokens (n <= INT_MAX): it then continues exactly as if it had computed
- *   those tokens, and never publishes them in the prefix cache.  All or
- *   nothing (on failure q is fresh again); TIER_EINVAL for a sequence that
- *   is not fresh or dynamic, TIER_ENOMEM_* as kv_seq_reserve. */
+ *   those tokens, and never publishes them in the prefix cache.  As
+ *   kv_seq_load: KV the device budget cannot hold moves q to the host tier
+ *   (kv_seq_offload, fallback KV_FALLBACK_OOM) and goes there, unless q
+ *   has no_fallback.  All or nothing (on failure q is fresh again, in the
+ *   host tier if it moved); TIER_EINVAL for a sequence that is not fresh
+ *   or dynamic, TIER_ENOMEM_* as kv_seq_reserve and kv_seq_offload. */
 int64_t kv_seq_layer_rows(const kv_seq *q, int layer);
 /* A quantized layer's stored form (the raw export):
  * kv_seq_layer_quant: describes layer l of a quantized sequence: n_blocks
