@@ -2,7 +2,9 @@
 times what --device-mem leaves after the model continues offloaded with
 the unconstrained run's tokens and reports the fallback (response, /metrics);
 the offloaded strategies give the same tokens with their prefetch figures;
-host-tier exhaustion (--host-mem) is a 507 naming the budget, the session's
+forks of a static cache that the device has no room to copy (n choices,
+beams, POST /fork) and an imported session's KV over the budget continue
+in the host tier with the same tokens; host-tier exhaustion (--host-mem) is a 507 naming the budget, the session's
 KV stays intact and the daemon keeps serving."""
 import json
 import os
@@ -123,6 +125,21 @@ check(code == 400 and "valid: max_cache_len, offload_only_non_sliding, adaptive,
       e["error"]["message"], "unknown parameter -> 400 listing the valid ones")
 code, e = free.post("/v1/completions", dict(req, cache={"implementation": "static", "max_cache_len": 10 ** 9}))
 check(code == 400 and e["error"]["param"] == "cache.max_cache_len", "max_cache_len beyond the context -> 400")
+# references for the budgets below: forks of a static cache (n choices, beams) and a session's
+# exported KV with its continuation
+STATIC = {"implementation": "static", "max_cache_len": 512}
+code, r = free.post("/v1/completions", dict(req, n=3, cache=STATIC))
+check(code == 200 and all(c["tokens"] == want for c in r["choices"]) and r["kvtier"]["fallback"] is None,
+      "static, n=3: every choice has the dynamic run's tokens")
+code, r = free.post("/v1/completions", dict(req, num_beams=3, cache=STATIC))
+check(code == 200, "static, num_beams=3")
+beams_want = [c["tokens"] for c in r["choices"]]
+code, s = free.post("/v1/sessions", {"prompt": prompt})
+code, blob = free.request("GET", "/v1/sessions/%s/kv" % s["id"])
+check(code == 200 and isinstance(blob, bytes), "a session's KV exported")
+code, r = free.post("/v1/completions", dict(req, session=s["id"], prompt=prompt + [5]))
+cont_want = r["choices"][0]["tokens"]
+free.request("DELETE", "/v1/sessions/" + s["id"])  # or the disk tier keeps it for the daemons below
 free.stop()
 
 # --device-mem: the model plus a third of the request's KV
@@ -153,6 +170,46 @@ check(code == 507 and "device tier budget" in e["error"]["message"],
       "quantized, allow_offload=false: 507 naming the device budget: " + e["error"]["message"])
 code, r = d.post("/v1/completions", dict(req, prompt=prompt[:20]))
 check(code == 200 and len(r["choices"][0]["tokens"]) == 24, "the daemon keeps serving (%s)" % r["kvtier"]["strategy"])
+# an exported session's KV, 3x what the device has room for, imports into the host tier
+code, imp = d.request("POST", "/v1/sessions/import", blob, {"Content-Type": "application/octet-stream"})
+check(code == 201 and imp["strategy"] == "offloaded" and imp["fallback"] == "offloaded" and
+      imp["bytes"]["device"] == 0 and imp["bytes"]["host"] > 0,
+      "import of KV over the device budget: 201, the session in the host tier (%s)" % imp)
+check(metric(d, "kv_fallbacks_total", '{reason="oom"}') == 2, "/metrics counts the import's fallback")
+code, r = d.post("/v1/completions", dict(req, session=imp.get("id"), prompt=prompt + [5]))
+check(code == 200 and r["choices"][0]["tokens"] == cont_want and
+      r["usage"]["prompt_tokens_details"]["cached_tokens"] == imp["tokens"],
+      "the imported session continues as the exported one, reusing its KV")
+d.request("DELETE", "/v1/sessions/" + imp["id"])
+d.stop()
+
+# room for one static cache (and the streaming slots), not for a copy of it: its forks start in the
+# host tier, with the tokens of the free daemon's
+static_kv = STATIC["max_cache_len"] * KV_PER_TOKEN
+d = Daemon("--device-mem", str(int(model_bytes + static_kv * 3 // 2)), model=model, tmp=probe.tmp).start()
+code, r = d.post("/v1/completions", dict(req, n=3, cache=STATIC))
+k = r.get("kvtier", {})
+check(code == 200 and all(c["tokens"] == want for c in r["choices"]) and k["fallback"] == "offloaded" and
+      k["bytes"]["host"] >= 2 * static_kv and k["prefetch"]["steps"] > 0,
+      "static, n=3, room for one copy: the forked choices continue in the host tier (%s)" %
+      (k or r["error"]["message"]))
+check(metric(d, "kv_fallbacks_total", '{reason="sized"}') == 2, "/metrics counts each fork's fallback")
+code, r = d.post("/v1/completions", dict(req, num_beams=3, cache=STATIC))
+check(code == 200 and [c["tokens"] for c in r["choices"]] == beams_want and r["kvtier"]["fallback"] == "offloaded",
+      "static, num_beams=3: the free daemon's beams, forks in the host tier")
+code, e = d.post("/v1/completions", dict(req, n=3, cache=dict(STATIC, allow_offload=False)))
+check(code == 507 and "device tier budget" in e["error"]["message"],
+      "static, n=3, allow_offload=false: 507 naming the device budget: " + e["error"]["message"])
+code, s = d.post("/v1/sessions", {"prompt": prompt, "cache": STATIC})
+code, f = d.post("/v1/sessions/%s/fork" % s["id"], {})
+check(code == 200 and f["strategy"] == "offloaded_static" and f["fallback"] == "offloaded",
+      "POST /fork of a static session: the fork in the host tier (%s)" % f)
+code, r = d.post("/v1/completions", dict(req, session=f.get("id"), prompt=prompt + [5]))
+code2, r2 = d.post("/v1/completions", dict(req, session=s["id"], prompt=prompt + [5]))
+check(code == code2 == 200 and r["choices"][0]["tokens"] == r2["choices"][0]["tokens"] == cont_want,
+      "the fork and its parent continue alike")
+for sid in (s["id"], f["id"]):
+    d.request("DELETE", "/v1/sessions/" + sid)
 d.stop()
 
 # --host-mem too small for the request: 507 naming the host budget; sessions keep their KV
