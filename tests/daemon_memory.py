@@ -284,22 +284,27 @@ check(d.stop() == 0, "stop")
 # An edited turn on a session whose sliding window (every layer's, 16
 # tokens) dropped what it would rewind to starts over in a fresh KV beside
 # the old one, which it keeps to leave the session as it was should the
-# turn fail.  Past recording keeps every state from the turn that re-sent
-# the prefilled prompt (its crop of one token trims them); the edit goes
-# back past that.  With room on the device for the old KV and not for the
-# fresh one's streaming slots too, the old one moves to the host tier: the
-# turn gets the tokens of the same prompt one-shot.
+# turn fail.  Past recording, switched on after the first turn, keeps the
+# states of the turns after it: a large old KV that cannot go back to the
+# edit at token 60.  With room on the device for the old KV and not for
+# the fresh one's streaming slots too, the old one moves to the host tier:
+# the turn gets the tokens of the same prompt one-shot.
 win = {"implementation": "dynamic", "window_length": 16}
-turn = dict(req, max_tokens=30, cache=win)
 P, edit = prompt[:70], prompt[:60] + prompt[200:205]
 ref = Daemon(model=model, tmp=probe.tmp).start()
-want_edit = ref.post_ok("/v1/completions", dict(turn, prompt=edit))["choices"][0]["tokens"]
+want_edit = ref.post_ok("/v1/completions", dict(req, max_tokens=30, prompt=edit, cache=win))["choices"][0]["tokens"]
 ref.stop()
-# room for the session's 100 tokens of KV and some 40 more
-d = Daemon("--device-mem", str(int(model_bytes + 140 * KV_PER_TOKEN)), model=model, tmp=probe.tmp).start()
-sid = d.post_ok("/v1/sessions", {"prompt": P, "cache": win, "activate_past_recording": True})["id"]
-r = d.post_ok("/v1/completions", dict(req, max_tokens=30, session=sid, prompt=P))
-check(r["kvtier"]["bytes"]["device"] > 0 and r["kvtier"]["bytes"]["host"] == 0, "the session's turn, on the device")
+d = Daemon("--device-mem", str(int(model_bytes + 166 * KV_PER_TOKEN)), model=model, tmp=probe.tmp).start()
+sid = d.post_ok("/v1/sessions", {"prompt": P, "cache": win})["id"]
+held = P
+for t in range(3):
+    r = d.post_ok("/v1/completions", dict(req, max_tokens=30, session=sid, prompt=held))
+    held = held + r["choices"][0]["tokens"] + prompt[100 + 40 * t:140 + 40 * t]
+    if t == 0:
+        check(d.post("/v1/sessions/%s/activate_past_recording" % sid, {})[0] == 200, "recording from the second turn")
+info = d.get("/v1/sessions/" + sid)[1]
+check(info["bytes"]["device"] > 120 * KV_PER_TOKEN and info["bytes"]["host"] == 0,
+      "three turns: the session's KV on the device (%s)" % info["bytes"])
 code, r = d.post("/v1/completions", dict(req, max_tokens=30, session=sid, prompt=edit))
 check(code == 200 and r["choices"][0]["tokens"] == want_edit and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
       "an edited turn past what the window kept starts over beside the old KV, which moves to the host tier: the "
