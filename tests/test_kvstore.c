@@ -1207,6 +1207,34 @@ static void test_state_store(void **state)
     be_free(be);
 }
 
+/* A fork of a state the device has no room to copy starts in the host
+ * tier, counted as a fallback as kv_seq_create's is. */
+static void test_state_fork_fallback(void **state)
+{
+    (void)state;
+    size_t sb = be_ssm_state_bytes(32, 16, 4);
+    be_backend *be;
+    kv_store *s;
+    kv_seq *q, *c;
+    struct be_params bp = {.n_threads = 1, .device_mem = 6 * sb}; /* one sequence's 2 x 2 states, not two */
+    assert_int_equal(be_open("cpu", &bp, &be), BE_OK);
+    assert_int_equal(kv_store_open(be, &(struct kv_geom){.n_layers = 2, .state_bytes = sb},
+                                   &(struct kv_store_params){0}, &s), TIER_OK);
+    assert_int_equal(kv_seq_create(s, NULL, &q), TIER_OK);
+    assert_int_equal(kv_seq_stats(q).fallback, KV_FALLBACK_NONE);
+    assert_int_equal(kv_seq_fork(q, &c), TIER_OK);
+    struct kv_seq_stats cs = kv_seq_stats(c);
+    assert_int_equal(cs.strategy, KV_OFFLOADED);
+    assert_int_equal(cs.fallback, KV_FALLBACK_SIZED);
+    assert_int_equal(cs.dev_bytes, 0);
+    assert_int_equal(kv_store_stats(s).fallbacks, 1);
+    assert_int_equal(kv_store_stats(s).fallbacks_oom, 0);
+    kv_seq_free(c);
+    kv_seq_free(q);
+    kv_store_free(s);
+    be_free(be);
+}
+
 /* One step of n tokens ids[len, len + n) whose state is every byte `mark`
  * (both layers), as the forward pass would write it. */
 static void prefix_step(kv_store *s, kv_seq *q, const int32_t *ids, int n, int mark)
@@ -1892,6 +1920,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_params, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_crop_dynamic, setup_w4, teardown),
         cmocka_unit_test(test_state_store),
+        cmocka_unit_test(test_state_fork_fallback),
         cmocka_unit_test(test_state_load_by_layer),
         cmocka_unit_test(test_state_prefix),
         cmocka_unit_test(test_state_prefix_host),

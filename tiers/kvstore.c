@@ -1616,8 +1616,10 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
         c->strategy = q->strategy;
         c->len = q->len;
         enum tier_status st = state_seq_fork(q, c);
-        if (st == TIER_OK && state_on_host(c) && !is_offloaded(c->strategy)) /* fell back as kv_seq_create does */
+        if (st == TIER_OK && state_on_host(c) && !is_offloaded(c->strategy)) { /* fell back as kv_seq_create does */
             c->strategy = offloaded_of(c->strategy);
+            note_fallback(c, KV_FALLBACK_SIZED);
+        }
         if (st != TIER_OK) {
             kv_seq_free(c);
             return st;

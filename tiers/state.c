@@ -540,8 +540,7 @@ enum tier_status state_seq_fork(const kv_seq *q, kv_seq *c)
     if (st == TIER_ENOMEM_DEV && !c->p.no_fallback) {
         state_seq_release(c);
         s->err[0] = '\0';
-        if ((st = state_seq_init(c, true)) == TIER_OK)
-            c->fallback = KV_FALLBACK_SIZED;
+        st = state_seq_init(c, true); /* kv_seq_fork notes the fallback */
     }
     if (st != TIER_OK)
         return st;
