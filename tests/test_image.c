@@ -111,7 +111,7 @@ static void write_seed(int which, kv_seq *q, const uint8_t *img, size_t size)
     n++;
 }
 
-enum action { A_NONE, A_RECORD, A_OFFLOAD, A_FORK, A_PREFIX };
+enum action { A_NONE, A_RECORD, A_OFFLOAD, A_FORK, A_PREFIX, A_PARTS };
 
 struct variant {
     const char *name;
@@ -120,8 +120,18 @@ struct variant {
     enum action act;
 };
 
+/* The first part of the prompt, in one forward call that says the whole
+ * prompt is N_PROMPT tokens (a quantized cache waits for the rest). */
+static void feed_part(struct rig *r, kv_seq *q, const int32_t *ids, float *row)
+{
+    struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = N_PROMPT / 2, .logits = row, .call_len = N_PROMPT};
+    assert_int_equal(model_forward(r->m, &fs, 1), MODEL_OK);
+}
+
 /* Prefill + K_BEFORE tokens on q and a reference, save q, free it, load,
- * then N_AFTER tokens on both: the same logits, bit for bit. */
+ * then N_AFTER tokens on both: the same logits, bit for bit.  A_PARTS
+ * saves between the two parts of the prompt instead, then feeds the
+ * second part to both. */
 static void run_variant(const struct variant *v)
 {
     struct rig r;
@@ -150,12 +160,18 @@ static void run_variant(const struct variant *v)
         assert_int_equal(kv_seq_create(r.store, &v->p, &q), TIER_OK);
         if (v->act == A_RECORD)
             assert_int_equal(kv_seq_activate_past_recording(q), TIER_OK);
-        feed(&r, q, ids, N_PROMPT, row);
+        if (v->act == A_PARTS)
+            feed_part(&r, q, ids, row);
+        else
+            feed(&r, q, ids, N_PROMPT, row);
     }
-    feed(&r, rq, ids, N_PROMPT, ref);
+    if (v->act == A_PARTS)
+        feed_part(&r, rq, ids, ref);
+    else
+        feed(&r, rq, ids, N_PROMPT, ref);
     if (v->act == A_OFFLOAD)
         assert_int_equal(kv_seq_offload(q, KV_FALLBACK_OOM), TIER_OK);
-    for (int i = 0; i < K_BEFORE; i++) {
+    for (int i = 0; i < K_BEFORE && v->act != A_PARTS; i++) {
         tok = argmax_f32(ref, r.V);
         feed(&r, rq, &tok, 1, ref);
         feed(&r, q, &tok, 1, row);
@@ -173,7 +189,11 @@ static void run_variant(const struct variant *v)
     assert_int_equal(after.requested, before.requested);
     assert_int_equal(after.fallback, before.fallback);
     assert_int_equal(after.streamed_layers, before.streamed_layers);
-    assert_int_equal(kv_seq_length(q), N_PROMPT + K_BEFORE);
+    assert_int_equal(kv_seq_length(q), v->act == A_PARTS ? N_PROMPT / 2 : N_PROMPT + K_BEFORE);
+    if (v->act == A_PARTS) {
+        feed(&r, rq, ids + N_PROMPT / 2, N_PROMPT - N_PROMPT / 2, ref);
+        feed(&r, q, ids + N_PROMPT / 2, N_PROMPT - N_PROMPT / 2, row);
+    }
     /* a loaded sequence does not publish: the prefix cache is as it was */
     assert_int_equal(kv_store_stats(r.store).prefix_entries, ss.prefix_entries);
     for (int i = 0; i < N_AFTER; i++) {
@@ -243,6 +263,10 @@ static const struct variant *variants(size_t *n)
                               {.strategy = KV_QUANTIZED, .quant = hqq_channel()}, A_NONE};
     v[k++] = (struct variant){"quantized fp8", M_LLAMA,
                               {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_FP8)}, A_NONE};
+    v[k++] = (struct variant){"quantized, saved between its prompt's parts", M_LLAMA,
+                              {.strategy = KV_QUANTIZED, .quant = quanto()}, A_PARTS};
+    v[k++] = (struct variant){"quantized fp8, saved between its prompt's parts", M_LLAMA,
+                              {.strategy = KV_QUANTIZED, .quant = kv_quant_defaults(KVQ_FP8)}, A_PARTS};
     v[k++] = (struct variant){"quantized offload", M_LLAMA,
                               {.strategy = KV_QUANTIZED, .quant = quanto(), .offload = true}, A_NONE};
     v[k++] = (struct variant){"quantized after fallback", M_LLAMA, {.strategy = KV_QUANTIZED, .quant = quanto()},

@@ -603,7 +603,8 @@ static enum tier_status parse_table(kv_store *s, const uint8_t *b, size_t size, 
             *k = (struct kvq_layer_state){.nq = nq, .qoff = qoff, .scale_k = f32_from_bits(sk), .scale_v = f32_from_bits(sv)};
             if (hm != KV_HOME_PAGED)
                 return BAD("layer %d: field home is %u for a quantized sequence", l, hm);
-            if (k->nq < 0 || k->nq > x->len || (k->nq == 0) != (x->len == 0))
+            /* nq == 0 < len: the parts of a first update, not quantized yet */
+            if (k->nq < 0 || k->nq > x->len)
                 return BAD("layer %d: field nq is %lld (len %lld)", l, (long long)k->nq, (long long)x->len);
             if (k->qoff != min64(lo[l] / T, k->nq / T)) /* kvq_layer_drop after every commit */
                 return BAD("layer %d: field qoff is %lld (lo %lld, nq %lld, %lld-token blocks)", l,

@@ -549,7 +549,7 @@ enum tier_status kvq_layer_restore(kvq_layer *l, int64_t len, int64_t nq, int64_
     l->nq = nq;
     l->qoff = qoff;
     l->fbase = fbase;
-    l->started = len > 0; /* every commit holds at least one token */
+    l->started = nq > 0; /* nothing quantized: a first update's parts, which the next update completes */
     l->scale_k = scale_k;
     l->scale_v = scale_v;
     return TIER_OK;

@@ -138,7 +138,9 @@ void kvq_layer_drop(kvq_layer *l, int64_t lo);
  * (tiers/image.c), with the blocks that state holds: the quantized ones
  * from block qoff to the one holding nq - 1 and, when nq < len, the
  * full-precision ones from the block holding nq to the one holding len - 1.
- * Their contents are the caller's to write through kvq_layer_view.
+ * Their contents are the caller's to write through kvq_layer_view.  nq ==
+ * 0 < len is a first update whose parts were committed and nothing yet
+ * quantized: the next update completes it.
  * TIER_EINVAL unless 0 <= nq <= len and 0 <= qoff <= nq / block_tokens;
  * TIER_ENOMEM_DEV (any failed get) leaves the layer fresh. */
 enum tier_status kvq_layer_restore(kvq_layer *l, int64_t len, int64_t nq, int64_t qoff, float scale_k,
