@@ -170,6 +170,8 @@ struct server {
     enum server_exit rc;
     time_t started;
     uint64_t ids, http_requests, refused, timed_out;
+    double tcp_refused_log_ms; /* when the last TCP refusal was logged */
+    unsigned tcp_refused_quiet; /* TCP refusals since, not logged */
     struct log_gate gates[LOG_GATES]; /* render.c: 4xx log lines per client */
     char *piece; /* one token's text for logprobs: engine_max_piece bytes */
     size_t piece_cap;

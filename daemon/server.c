@@ -705,17 +705,26 @@ static void accept_on(struct server *s, int lfd, bool tcp)
         unsigned open = di ? di->num_connections : 0;
         int by_uid, by_pid;
         count_peer(s, &cr, tcp, &by_uid, &by_pid);
-        const char *full = open >= (unsigned)s->cfg->max_clients + HEALTH_RESERVE ? "too many clients connected"
+        /* the reserve is the local monitor's: a TCP peer holds its slot
+         * before its key is read */
+        const char *full = open >= (unsigned)s->cfg->max_clients + (tcp ? 0 : HEALTH_RESERVE)
+                               ? "too many clients connected"
                            : !tcp && by_pid >= s->cfg->max_per_pid ? "too many connections from this process"
                            : by_uid >= s->cfg->max_per_uid ? (tcp ? "too many TCP connections"
                                                                   : "too many connections from this uid")
                                                            : NULL;
         struct conn *c = full ? NULL : calloc(1, sizeof(*c));
-        if (!c && tcp)
+        double now = clock_ms();
+        /* one line a second at most: anyone who reaches the port could fill the log */
+        if (!c && tcp && now - s->tcp_refused_log_ms < 1000) {
+            s->tcp_refused_quiet++;
+        } else if (!c && tcp) {
             log_msg(LOG_WARN, "refused a TCP connection: %s (%u open, %d over TCP; --max-clients %d, "
-                    "--max-clients-per-uid %d)", full ? full : "out of memory", open, by_uid, s->cfg->max_clients,
-                    s->cfg->max_per_uid);
-        else if (!c)
+                    "--max-clients-per-uid %d; %u more refused since the last such line)", full ? full : "out of memory",
+                    open, by_uid, s->cfg->max_clients, s->cfg->max_per_uid, s->tcp_refused_quiet);
+            s->tcp_refused_log_ms = now;
+            s->tcp_refused_quiet = 0;
+        } else if (!c)
             log_msg(LOG_WARN, "refused a connection from uid %u pid %d: %s (%u open, %d of its uid, %d of its pid; "
                     "--max-clients %d, --max-clients-per-uid %d, --max-clients-per-pid %d)", (unsigned)cr.uid,
                     (int)cr.pid, full ? full : "out of memory", open, by_uid, by_pid, s->cfg->max_clients,

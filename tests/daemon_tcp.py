@@ -11,9 +11,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import KVTIERD, Daemon, check  # noqa: E402
+from daemon_harness import KVTIERD, Daemon, check, metric  # noqa: E402
 
 
 def free_port():
@@ -122,5 +123,27 @@ check(code == 200, "/health from the reserve: %s" % code)
 code, _ = d.get("/v1/models")
 check(code == 503, "other routes in the reserve: 503, got %s" % code)
 for s in socks + idle:
+    s.close()
+# the 8 reserved slots are the local monitor's: with 3 local connections
+# and TCP's share (14) not used up, TCP still stops at --max-clients (16)
+deadline = time.time() + 10
+while metric(d, "connections") > 1 and time.time() < deadline:  # this scrape's own
+    time.sleep(0.05)
+local = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+for s in local:
+    s.connect(d.sock)
+idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(14)]
+deadline = time.time() + 10
+answers = [b""] * len(idle)
+while not any(answers) and time.time() < deadline:  # the refusal's answer, once accepted
+    time.sleep(0.1)
+    answers = [answer(s) for s in idle]
+refused = [a for a in answers if a]
+check(refused and all(b"too many clients connected" in a for a in refused),
+      "TCP connections beside 3 local ones stop at --max-clients: %d of 14 refused, none given a reserved slot (%r)"
+      % (len(refused), refused[:1]))
+code, _ = d.get("/health")
+check(code == 200, "/health over the socket still has the reserve: %s" % code)
+for s in local + idle:
     s.close()
 check(d.stop() == 0, "stop")
