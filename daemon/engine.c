@@ -1117,24 +1117,37 @@ static bool kv_set_aside(const engine *e, const struct session *s)
     return false;
 }
 
+/* Whether a is used less recently than b, in a total order. */
+static bool before(const struct session *a, const struct session *b)
+{
+    return a->t_idle < b->t_idle || (a->t_idle == b->t_idle && (uintptr_t)a < (uintptr_t)b);
+}
+
 /* When a step finds the device full, a KV set aside moves to the host tier
  * (kv_seq_offload; its later steps stream it through the device slots
- * layer by layer), the least recently used first: a session's old KV
- * beside its request's fresh one, and a state model's idle sessions (a
- * state is a few MiB whatever its length), before any session waits for
- * a spill to disk.  False when none could move. */
+ * layer by layer), the least recently used first, the next when one
+ * cannot move (a sink cache, allow_offload false): a session's old KV
+ * beside its request's fresh one (a fork of it shares its blocks, and
+ * only the tail past them leaves the device), and a state model's idle
+ * sessions (a state is a few MiB whatever its length), before any
+ * session waits for a spill to disk.  False when none could move. */
 static bool offload_set_aside(engine *e)
 {
     bool states = kv_store_state_bytes(e->store) > 0;
-    pthread_mutex_lock(&e->mu);
-    struct session *lru = NULL;
-    for (struct session *s = e->sessions; s; s = s->next)
-        if (s->kv && !s->op && (states || s->busy) && kv_set_aside(e, s) &&
-            kv_seq_stats(s->kv).resident_layers && (!lru || s->t_idle < lru->t_idle))
-            lru = s;
-    pthread_mutex_unlock(&e->mu);
-    if (!lru || kv_seq_offload(lru->kv, KV_FALLBACK_OOM) != TIER_OK)
-        return false;
+    const struct session *tried = NULL; /* the last that could not move */
+    struct session *lru;
+    do {
+        pthread_mutex_lock(&e->mu);
+        lru = NULL;
+        for (struct session *s = e->sessions; s; s = s->next)
+            if (s->kv && !s->op && (states || s->busy) && kv_set_aside(e, s) &&
+                kv_seq_stats(s->kv).resident_layers && (!tried || before(tried, s)) && (!lru || before(s, lru)))
+                lru = s;
+        pthread_mutex_unlock(&e->mu);
+        if (!lru)
+            return false;
+        tried = lru;
+    } while (kv_seq_offload(lru->kv, KV_FALLBACK_OOM) != TIER_OK);
     struct kv_seq_stats kvs = kv_seq_stats(lru->kv);
     pthread_mutex_lock(&e->mu);
     lru->kvs = kvs;

@@ -6,7 +6,8 @@ the strategies that act on single tokens are refused with a 400 naming why,
 by a request and by the creation of a session;
 a sequence's state bytes are the same at 1k and 16k tokens; with the device
 full, states go to the host tier (at creation, and an idle session's to
-make room for a step) with unchanged tokens, and with a device budget below
+make room for a step, the next idle one when the least recently used
+asked for no fallback) with unchanged tokens, and with a device budget below
 one state every step streams it layer by layer with unchanged tokens (the disk tier:
 tests/daemon_mamba_disk.py); a request sharing 85 tokens with an earlier
 one starts from the shared checkpoint at 80 with the reference's tokens; a
@@ -305,6 +306,24 @@ check(sa["bytes"]["device"] == 0 and sa["bytes"]["host"] == state // 2,
 ra2 = complete(prompt[:30] + toks(ra) + [5], session=a)
 want = complete(prompt[:30] + toks(ra) + [5], cache={"implementation": "offloaded"})
 check(toks(ra2) == toks(want), "a continues from the host tier with a fresh run's tokens")
+check(d.stop() == 0, "stop")
+
+# room for two states, no disk tier to wait for: the least recently used
+# idle session asked for no fallback, so the next one's state moves instead
+two = Daemon("--device-mem", str(idle_bytes + 2 * state + 8192), "--disk-dir", "none", model=model, tmp=d.tmp)
+two.sock = d.tmp + "/two.sock"
+two.start()
+d = two
+x = session(prompt=prompt[:30], cache={"implementation": "dynamic", "allow_offload": False})
+complete(prompt[:30], session=x)
+a = session(prompt=prompt[:30])
+complete(prompt[:30], session=a)
+check(all(d.get("/v1/sessions/" + s)[1]["bytes"]["device"] == state for s in (x, a)), "two idle states on the device")
+code, rb = d.post("/v1/completions", dict(gen, prompt=prompt))
+check(code == 200 and toks(rb) == toks(fresh) and d.get("/v1/sessions/" + x)[1]["bytes"]["device"] == state and
+      d.get("/v1/sessions/" + a)[1]["bytes"]["device"] == 0,
+      "the least recently used state may not move: the next one does, and the request gets a fresh run's tokens "
+      "(%d)" % code)
 check(d.stop() == 0, "stop")
 
 # ---- a device budget below one state: it streams layer by layer -------------
