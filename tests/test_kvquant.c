@@ -259,6 +259,47 @@ static void test_residual_counting(void **state)
     rig_close(&r);
 }
 
+/* A prompt fed in two parts, the first marked as not the last
+ * (call_len): the full-attention layer keeps it unquantized until the
+ * last part, then quantizes it whole as one update would; the sliding
+ * layers quantize each part, so their memory stays a window's. */
+static void test_prompt_in_parts(void **state)
+{
+    (void)state;
+    struct rig r;
+    rig_open(&r, M_HYBRID, BE_F32);
+    const int32_t *ids = input_ids();
+    float *row = malloc((size_t)r.V * sizeof(float));
+    assert_non_null(row);
+    struct kv_seq_params p = qparams(KVQ_QUANTO, 4, -1, 0, 4);
+    kv_seq *q;
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    struct fw_seq fs = {.kv = q, .tokens = ids, .n_tokens = 12, .logits = row, .call_len = 20};
+    assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+    int64_t nq, res;
+    counts(q, 0, &nq, &res);
+    assert_int_equal(nq, 0);
+    assert_int_equal(res, 12);
+    for (int l = 1; l < 3; l++) {
+        counts(q, l, &nq, &res);
+        assert_int_equal(nq, 12);
+        assert_int_equal(res, 0);
+    }
+    fs = (struct fw_seq){.kv = q, .tokens = ids + 12, .n_tokens = 8, .logits = row, .call_len = 20};
+    assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+    counts(q, 0, &nq, &res); /* its first update, whole */
+    assert_int_equal(nq, 20);
+    assert_int_equal(res, 0);
+    for (int l = 1; l < 3; l++) { /* their second update: the empty residual takes it */
+        counts(q, l, &nq, &res);
+        assert_int_equal(nq, 12);
+        assert_int_equal(res, 8);
+    }
+    kv_seq_free(q);
+    free(row);
+    rig_close(&r);
+}
+
 /* Decoding takes its f32 residual blocks back from the sequence's free
  * list after each flush instead of the device: over a residual's worth of
  * steps (residual 48, three 16-token blocks a layer) the device sees only
@@ -648,6 +689,7 @@ int main(void)
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_logits_vs_dense), cmocka_unit_test(test_residual_counting),
+        cmocka_unit_test(test_prompt_in_parts),
         cmocka_unit_test(test_fault_sweep),     cmocka_unit_test(test_sliding),
         cmocka_unit_test(test_mixed_batch),     cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_half_store),

@@ -15,7 +15,9 @@
  *   blocks (each flush returns the residual's, which the next tokens take
  *   again); after a commit the free lists keep a residual's f32 blocks
  *   and one quantized block per layer, not the f32 blocks of a whole
- *   prompt.
+ *   prompt.  A prompt fed in parts (kv_seq_update_continues) holds its
+ *   full-attention layers' parts in f32 blocks until its last part, the
+ *   peak a dense cache has; a windowed layer quantizes every part.
  * - Offloaded (host set: kv_seq_params.offload, or kv_seq_offload after the
  *   device ran out): blocks are host-tier ranges (kv_host_alloc), and each
  *   layer streams through the store's device slots (stream.c): its
@@ -214,7 +216,10 @@ enum tier_status kvq_seq_reserve(kv_seq *q, int n_new, bool more)
 {
     struct kvq_seq *k = q->kvq;
     for (int l = 0; l < q->s->g.n_layers; l++) {
-        enum tier_status st = kvq_layer_reserve(k->layers[l], n_new, more);
+        /* A windowed layer (sliding, sink) applies the rule at every part:
+         * waiting for the last would hold the whole prompt unquantized where
+         * the layer keeps a window, and it has no reference to match. */
+        enum tier_status st = kvq_layer_reserve(k->layers[l], n_new, more && !q->layers[l].window);
         if (st == TIER_OK)
             continue;
         while (l-- > 0)

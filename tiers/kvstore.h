@@ -436,8 +436,9 @@ void kv_seq_tokens(kv_seq *q, const int32_t *ids);
  * transformers would run as one forward call.  A quantized cache keeps
  * them in its residual and applies its rule once, at the last part, so
  * that neither the step size nor the other sequences of a step change
- * what it quantizes; the other caches store the same either way.  The
- * reserve consumes the mark. */
+ * what it quantizes (full-attention layers: a windowed one quantizes
+ * every part, keeping its memory a window's); the other caches store the
+ * same either way.  The reserve consumes the mark. */
 void kv_seq_update_continues(kv_seq *q);
 /* n_new == 0: the step only reads q (an encoder-decoder model's
  * cross-attention cache): q joins the step's batch, so that its layers in
