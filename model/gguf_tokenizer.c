@@ -192,7 +192,7 @@ static enum model_status spm_merges(const struct vocab *v, json_t *vocab, json_t
                                     (int32_t)json_integer_value(r)};
         }
     }
-    if (st == MODEL_OK)
+    if (st == MODEL_OK && n) /* m is NULL without merges */
         qsort(m, n, sizeof *m, merge_cmp);
     for (size_t i = 0; i < n && st == MODEL_OK; i++) {
         const struct gguf_str a = v->tok[m[i].left], b = v->tok[m[i].right];

@@ -628,6 +628,8 @@ static void test_malformed(void **state)
         {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [[\"a\"]]}}", NULL, TEXT_EFORMAT,
          "model.merges[0]"},
         {"{\"model\": {\"vocab\": {\"a\": 0}, \"merges\": 5}}", NULL, TEXT_EFORMAT, "model.merges is not an array"},
+        {"{\"model\": {\"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"\", \"a b\"]}}", NULL,
+         TEXT_EFORMAT, "model.merges[0] \"\" is not two pieces"},
         {"{\"model\": {\"vocab\": {\"a\": 0}, \"unk_token\": \"<unk>\"}}", NULL, TEXT_EFORMAT, "model.unk_token"},
         {"{\"model\": {\"type\": \"WordPiece\", \"vocab\": {\"a\": 0}}}", NULL, TEXT_EUNSUPPORTED, "model.type"},
         {"{\"model\": {\"vocab\": {\"a\": 0}}, \"added_tokens\": [{\"id\": 99999999, \"content\": \"x\"}]}", NULL,

@@ -339,7 +339,7 @@ static enum text_status read_merge(struct loader *L, struct tok_json *j, size_t 
     if (j->p < j->end && *j->p == '"') {
         if (!tj_string(j, a))
             return syntax(L, j, "model.merges");
-        char *sp = memchr(a->p, ' ', a->n);
+        char *sp = a->n ? memchr(a->p, ' ', a->n) : NULL; /* "" leaves a->p NULL */
         if (!sp || sp == a->p || sp == a->p + a->n - 1 || memchr(sp + 1, ' ', (size_t)(a->p + a->n - sp - 1)))
             return LFAIL(L, TEXT_EFORMAT, "%s: model.merges[%zu] \"%.*s\" is not two pieces separated by one space",
                          L->file, i, (int)(a->n > 64 ? 64 : a->n), a->p);
