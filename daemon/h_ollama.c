@@ -182,8 +182,9 @@ static enum ipc_status translate(struct req *r, bool chat_api, json_t *out, bool
         return json_object_set(out, "prompt", (json_t *)prompt) ? ipc_fail(err, IPC_ENOMEM, "", "no memory")
                                                                 : IPC_OK;
     }
-    json_t *msgs = json_is_string(system) ? json_pack("[{s:s,s:O}]", "role", "system", "content", system)
-                                          : json_array();
+    /* Ollama adds a system turn only for a non-empty system text */
+    json_t *msgs = json_string_length(system) ? json_pack("[{s:s,s:O}]", "role", "system", "content", system)
+                                              : json_array();
     bad |= json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "user", "content", prompt));
     bad |= json_object_set_new(out, "messages", msgs);
     return bad ? ipc_fail(err, IPC_ENOMEM, "", "no memory for the request") : IPC_OK;

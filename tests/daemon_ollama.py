@@ -30,4 +30,9 @@ got = {n: small.post("/api/generate", dict(body, options=dict(body["options"], n
 check(all(code == 200 for code, _ in got.values()) and got[0][1]["response"] == got[-1][1]["response"] and
       got[0][1]["eval_count"] == got[-1][1]["eval_count"] > got[1][1]["eval_count"] == 1,
       "num_predict 0 generates as -1 does (%d tokens), not one" % got[0][1]["eval_count"])
+# as Ollama, an empty system text adds no system turn; a non-empty one does
+one = dict(body, options=dict(body["options"], num_predict=1))
+counts = [small.post("/api/generate", dict(one, **extra))[1]["prompt_eval_count"]
+          for extra in ({}, {"system": ""}, {"system": "Be brief."})]
+check(counts[0] == counts[1] < counts[2], "system \"\" adds no system turn: prompt_eval_count %s" % counts)
 check(small.stop() == 0, "stop")

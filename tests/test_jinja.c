@@ -205,6 +205,14 @@ static void test_chat_tpl(void **state)
     free(out);
     chat_tpl_free(t);
     json_decref(str_only);
+    /* failing with "" too, the template's own message, not the null's */
+    json_t *strict = json_string("{% for m in messages %}{{ 'x' in m.content }}{% endfor %}"
+                                 "{{ raise_exception('roles must alternate') }}");
+    assert_int_equal(chat_tpl_load(strict, &t, why, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, calls, NULL, NULL, false, "", "", 0, &out, &len, err), TEXT_EINVAL);
+    assert_non_null(strstr(err, "roles must alternate"));
+    chat_tpl_free(t);
+    json_decref(strict);
     json_decref(calls);
 
     /* unparsable, but with ChatML's markers: the family renders it */

@@ -402,10 +402,16 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
      * llama.cpp does, while one that tests `content is none` keeps null. */
     json_t *copy = st == TEXT_EINVAL ? with_empty_content(messages) : NULL;
     if (copy) {
+        /* failing again, the template says what else is wrong: its own
+         * message, not the null content's */
         char err2[TEXT_ERR_LEN];
         vars = chat_vars(copy, with_tools ? tools : NULL, documents, add_generation_prompt, bos, eos);
-        if (vars && jinja_render(tpl, vars, &o, out, len, err2) == TEXT_OK)
-            st = TEXT_OK;
+        enum text_status st2 = vars ? jinja_render(tpl, vars, &o, out, len, err2) : TEXT_ENOMEM;
+        if (st2 == TEXT_OK || st2 == TEXT_EINVAL) {
+            st = st2;
+            if (st2 == TEXT_EINVAL)
+                snprintf(err, TEXT_ERR_LEN, "%s", err2);
+        }
         json_decref(vars);
         json_decref(copy);
     }
