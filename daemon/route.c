@@ -134,6 +134,11 @@ static enum ipc_status parse_body(struct req *r, bool empty_ok, struct ipc_error
         return IPC_OK;
     json_error_t je;
     r->root = json_loadb(r->body ? r->body : "", r->n_body, JSON_REJECT_DUPLICATES, &je);
+    /* jansson names its flag for a NUL: the client is told what to change
+     * (strings here are C strings, which end at a NUL) */
+    if (!r->root && json_error_code(&je) == json_error_null_character)
+        return ipc_fail(err, IPC_EINVAL, "", "invalid JSON body at line %d column %d: a string holds \\u0000 (NUL), "
+                        "which kvtierd does not accept", je.line, je.column);
     if (!r->root)
         return ipc_fail(err, IPC_EINVAL, "", "invalid JSON body at line %d column %d: %s", je.line, je.column,
                         je.text);

@@ -140,6 +140,10 @@ code = d.raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: ch
 check(code == 413, "a chunked body of 160 KiB over --max-body 64 KiB -> 413 (%d)" % code)
 alive()
 
+code, e = d.request("POST", C, b'{"prompt":"a\\u0000b"}', {"Content-Type": "application/json"})
+check(code == 400 and "holds \\u0000 (NUL)" in e["error"]["message"] and "JSON_ALLOW_NUL" not in e["error"]["message"],
+      "a NUL in a string: 400 saying so, not jansson's flag: " + e["error"]["message"])
+
 code, reply = d.post(C, compl(max_tokens=4))
 check(code == 200 and reply["usage"]["completion_tokens"] == 4, "a valid completion after %d hostile requests" % n)
 code, reply = d.get("/metrics")
