@@ -296,6 +296,21 @@ static void test_prompt_in_parts(void **state)
         assert_int_equal(res, 8);
     }
     kv_seq_free(q);
+    rig_close(&r);
+
+    /* a sink cache keeps a window on every layer: every part is quantized */
+    rig_open(&r, M_LLAMA, BE_F32);
+    p.sink = true;
+    p.window_length = 8;
+    p.num_sink_tokens = 2;
+    assert_int_equal(kv_seq_create(r.store, &p, &q), TIER_OK);
+    fs = (struct fw_seq){.kv = q, .tokens = ids, .n_tokens = 12, .logits = row, .call_len = 20};
+    assert_int_equal(model_forward(r.m, &fs, 1), MODEL_OK);
+    for (int l = 0; l < 2; l++) {
+        counts(q, l, &nq, &res);
+        assert_int_equal(nq, 12);
+    }
+    kv_seq_free(q);
     free(row);
     rig_close(&r);
 }

@@ -219,7 +219,7 @@ enum tier_status kvq_seq_reserve(kv_seq *q, int n_new, bool more)
         /* A windowed layer (sliding, sink) applies the rule at every part:
          * waiting for the last would hold the whole prompt unquantized where
          * the layer keeps a window, and it has no reference to match. */
-        enum tier_status st = kvq_layer_reserve(k->layers[l], n_new, more && !q->layers[l].window);
+        enum tier_status st = kvq_layer_reserve(k->layers[l], n_new, more && !q->layers[l].window && !q->p.sink);
         if (st == TIER_OK)
             continue;
         while (l-- > 0)
