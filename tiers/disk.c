@@ -743,9 +743,11 @@ struct loaded {
     int err; /* L_IOERR, L_MISSING */
 };
 
-/* The bytes a file takes on the disk, for the budget: its length, or its
- * allocated blocks where fewer (a sparse file, which kvtier never writes,
- * claims any length for nothing and must not fill the budget). */
+/* The bytes a file takes on the disk, for the budget, the same measure
+ * when it is written, found at start, replaced or removed: its length, or
+ * its allocated blocks where fewer (a sparse file claims any length for
+ * nothing and must not fill the budget; a compressing filesystem stores
+ * less than the length). */
 static uint64_t stored_bytes(const struct stat *sb)
 {
     uint64_t blocks = (uint64_t)sb->st_blocks * 512;
@@ -1093,6 +1095,10 @@ static void do_put(kv_disk *d, kv_disk_op *op)
         step = "fsync", err = -rc;
         goto fail;
     }
+    /* charged as its removal will be: what it takes, which a compressing
+     * filesystem makes less than its length */
+    struct stat sb;
+    uint64_t charged = fstat(fd, &sb) == 0 ? stored_bytes(&sb) : size;
     rc = r_close(d, fd);
     fd = -1;
     if (rc < 0) {
@@ -1107,7 +1113,7 @@ static void do_put(kv_disk *d, kv_disk_op *op)
     }
     rc = r_fsync_dir(d, op->ns);
     pthread_mutex_lock(&d->mu);
-    d->st.used += size;
+    d->st.used += charged;
     if (replaced)
         d->st.used -= stored_bytes(&old) < d->st.used ? stored_bytes(&old) : d->st.used;
     else
