@@ -390,8 +390,9 @@ static enum model_status parse_quant_meta(json_t *meta, const struct kvfile_expe
         bool ok = json_array_size(x) == 3;
         for (int i = 0; i < 3 && ok; i++)
             ok = json_u64(json_array_get(x, (size_t)i), &v[i]) && v[i] <= (uint64_t)n;
-        /* lo <= nq; the blocks start at first, at most at the one holding lo */
-        ok = ok && v[0] <= v[1] && v[2] * (uint64_t)T <= v[0] && (v[1] == 0) == (n == 0);
+        /* lo <= nq; the blocks start at first, at most at the one holding
+         * lo; nq 0 < n: a first update's parts, nothing quantized yet */
+        ok = ok && v[0] <= v[1] && v[2] * (uint64_t)T <= v[0];
         if (!ok) {
             st = model_errf(err, MODEL_EFORMAT,
                             "KV file: __metadata__.q_layers[%d] is not [lo, nq, first] with first*%" PRId64
