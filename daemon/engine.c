@@ -1136,6 +1136,7 @@ static bool offload_set_aside(engine *e)
     bool states = kv_store_state_bytes(e->store) > 0;
     const struct session *tried = NULL; /* the last that could not move */
     struct session *lru;
+    enum tier_status st;
     do {
         pthread_mutex_lock(&e->mu);
         lru = NULL;
@@ -1147,7 +1148,11 @@ static bool offload_set_aside(engine *e)
         if (!lru)
             return false;
         tried = lru;
-    } while (kv_seq_offload(lru->kv, KV_FALLBACK_OOM) != TIER_OK);
+        /* a full host tier or a fault ends the search: the next would fail
+         * the same way, after copying */
+    } while ((st = kv_seq_offload(lru->kv, KV_FALLBACK_OOM)) == TIER_ENOTSUP);
+    if (st != TIER_OK)
+        return false;
     struct kv_seq_stats kvs = kv_seq_stats(lru->kv);
     pthread_mutex_lock(&e->mu);
     lru->kvs = kvs;

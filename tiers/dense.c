@@ -272,7 +272,7 @@ static enum tier_status write_layer(kv_seq *q, int layer, int64_t n, int64_t row
     size_t es = be_dtype_size(dt), ses = be_dtype_size(s->g.dtype);
     struct be_kv_view view;
     kv_seq_view(q, layer, &view);
-    bool host = q->layers[layer].home == KV_HOME_HOST; /* outside a step its view is host memory */
+    bool host = q->layers[layer].home == KV_HOME_HOST; /* no streamed step runs: its view is host memory */
     for (int64_t p = n - rows; p < n;) {
         int64_t rel = p - view.base, bi = rel / view.block_tokens, slot = rel % view.block_tokens;
         int64_t cnt = view.block_tokens - slot < n - p ? view.block_tokens - slot : n - p;

@@ -1614,6 +1614,7 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
         if (!c)
             return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a sequence");
         c->strategy = q->strategy;
+        c->fallback = q->fallback; /* as the KV branch's child reports its parent's */
         c->len = q->len;
         enum tier_status st = state_seq_fork(q, c);
         if (st == TIER_OK && state_on_host(c) && !is_offloaded(c->strategy)) { /* fell back as kv_seq_create does */
