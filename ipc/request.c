@@ -814,6 +814,38 @@ static enum ipc_status f_documents(const json_t *v, const char *name, struct fie
     return IPC_OK;
 }
 
+/* The variables a chat template sees already, which the client's own
+ * cannot replace. */
+static const char *const template_vars[] = {"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                            "eos_token"};
+
+static enum ipc_status f_template_kwargs(const json_t *v, const char *name, struct field_ctx *c,
+                                         struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (!json_is_object(v) || json_object_size(v) > IPC_MAX_TEMPLATE_KWARGS)
+        return ipc_fail(err, IPC_EINVAL, name, "chat_template_kwargs must be an object of at most %d variables",
+                        IPC_MAX_TEMPLATE_KWARGS);
+    for (size_t i = 0; i < sizeof template_vars / sizeof template_vars[0]; i++)
+        if (json_object_get(v, template_vars[i]))
+            return ipc_fail(err, IPC_EINVAL, name, "chat_template_kwargs.%s is set by the request itself",
+                            template_vars[i]);
+    c->r->template_kwargs = json_object_size(v) ? v : NULL;
+    return IPC_OK;
+}
+
+static enum ipc_status f_add_generation_prompt(const json_t *v, const char *name, struct field_ctx *c,
+                                               struct ipc_error *err)
+{
+    if (json_is_null(v))
+        return IPC_OK;
+    if (!json_is_boolean(v))
+        return ipc_fail(err, IPC_EINVAL, name, "add_generation_prompt must be true or false");
+    c->r->no_generation_prompt = json_is_false(v);
+    return IPC_OK;
+}
+
 /* tool_choice is read once the walk is done: it needs the tools. */
 static enum ipc_status tool_choice(const json_t *root, struct ipc_gen_req *r, struct ipc_error *err)
 {
@@ -929,6 +961,8 @@ static const struct {
     {"diversity_penalty", F_BOTH, f_diversity_penalty},
     {"tools", F_CHAT, f_tools},
     {"documents", F_CHAT, f_documents},
+    {"chat_template_kwargs", F_CHAT, f_template_kwargs},
+    {"add_generation_prompt", F_CHAT, f_add_generation_prompt},
     {"functions", F_CHAT, f_must_be_off},
     {"tool_choice", F_CHAT, f_ignore},
     {"response_format", F_BOTH, f_response_format},

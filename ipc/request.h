@@ -56,6 +56,7 @@ enum ipc_tool_choice { IPC_TOOLS_AUTO = 0, IPC_TOOLS_NONE, IPC_TOOLS_REQUIRED, I
 
 #define IPC_MAX_TOOLS 64
 #define IPC_MAX_DOCUMENTS 64
+#define IPC_MAX_TEMPLATE_KWARGS 64
 
 struct ipc_gen_req {
     bool chat;
@@ -108,6 +109,10 @@ struct ipc_gen_req {
     /* borrowed: chat's documents (objects of strings) for the template's
      * `documents`, as transformers passes them to RAG templates; NULL: none */
     const json_t *documents;
+    /* borrowed: chat_template_kwargs, the template's other variables (as
+     * vLLM and transformers pass them: Qwen3's enable_thinking); NULL: none */
+    const json_t *template_kwargs;
+    bool no_generation_prompt; /* add_generation_prompt false: no assistant header after the messages */
 };
 
 enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,

@@ -14,7 +14,7 @@ import threading
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import KVTIERD, Daemon, check, wait_spilled  # noqa: E402
+from daemon_harness import KVTIERD, Daemon, check, mkmodel, wait_spilled  # noqa: E402
 
 notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 d = Daemon("--max-sessions", "3", "--max-body", "100000")
@@ -414,3 +414,35 @@ check(ev[-1] == "[DONE]" and toks == content and
       "".join(e["choices"][0]["delta"].get("content", "") for e in ev[:-1]) == c["choices"][0]["message"]["content"],
       "a streamed chat with top_logprobs 20 on long tokens completes with the whole reply")
 check(dl.stop() == 0, "stop")
+
+# ---- the template's other variables and the generation prompt ---------------
+# a template that shows both: chat_template_kwargs reach it as variables
+# (Qwen3's enable_thinking), add_generation_prompt false leaves the
+# assistant header out, and the variables the request sets are refused
+tm = Daemon("--disk-dir", "none")
+tm.model = mkmodel(tm.tmp + "/tpl", "--arch", "llama", "--layers", "1", "--dim", "32")
+cfg_path = tm.model + "/tokenizer_config.json"
+with open(cfg_path) as f:
+    cfg = json.load(f)
+cfg["chat_template"] = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                        "{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
+                        "{% if add_generation_prompt %}[gen]{% endif %}")
+with open(cfg_path, "w") as f:
+    json.dump(cfg, f)
+tm.start()
+hi = {"messages": [{"role": "user", "content": "Hi"}]}
+prompts = [tm.post_ok("/apply-template", dict(hi, **extra))["prompt"]
+           for extra in ({}, {"add_generation_prompt": False}, {"chat_template_kwargs": {"enable_thinking": False}})]
+check(prompts == ["Hi[gen]", "Hi", "Hi[no-think][gen]"], "apply-template: %s" % prompts)
+r = tm.post_ok("/v1/chat/completions", dict(hi, max_tokens=1, chat_template_kwargs={"enable_thinking": False},
+                                            add_generation_prompt=False))
+n_tok = len(tm.post_ok("/tokenize", {"content": "Hi[no-think]", "add_special": False})["tokens"])
+check(r["usage"]["prompt_tokens"] == n_tok, "a chat completion renders its prompt with them (%d tokens, %d)" %
+      (r["usage"]["prompt_tokens"], n_tok))
+for bad, why in (({"messages": []}, "set by the request"), ("x", "an object"), ({"add_generation_prompt": 1}, "set by")):
+    code, e = tm.post("/v1/chat/completions", dict(hi, max_tokens=1, chat_template_kwargs=bad))
+    check(code == 400 and e["error"]["param"] == "chat_template_kwargs" and why in e["error"]["message"],
+          "chat_template_kwargs %s -> 400 naming it: %s" % (json.dumps(bad), e["error"]["message"]))
+code, e = tm.post("/v1/chat/completions", dict(hi, max_tokens=1, add_generation_prompt="no"))
+check(code == 400 and e["error"]["param"] == "add_generation_prompt", "add_generation_prompt \"no\" -> 400")
+check(tm.stop() == 0, "stop")

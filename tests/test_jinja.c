@@ -160,13 +160,13 @@ static void test_chat_tpl(void **state)
     size_t len;
     assert_int_equal(chat_tpl_load(list, &t, why, err), TEXT_OK);
     assert_string_equal(chat_tpl_kind(t), "jinja");
-    assert_int_equal(chat_tpl_render(t, msgs, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, msgs, NULL, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
     assert_string_equal(out, "D1false");
     free(out);
-    assert_int_equal(chat_tpl_render(t, msgs, empty, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, msgs, empty, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
     assert_string_equal(out, "D1false");
     free(out);
-    assert_int_equal(chat_tpl_render(t, msgs, tools, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, msgs, tools, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
     assert_string_equal(out, "T1");
     free(out);
     chat_tpl_free(t);
@@ -176,10 +176,10 @@ static void test_chat_tpl(void **state)
                               "{% endfor %}{% else %}none{% endif %}");
     json_t *docs = json_loads("[{\"title\": \"a\", \"text\": \"x\"}, {\"title\": \"b\", \"text\": \"y\"}]", 0, NULL);
     assert_int_equal(chat_tpl_load(rag, &t, why, err), TEXT_OK);
-    assert_int_equal(chat_tpl_render(t, msgs, NULL, docs, true, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, msgs, NULL, docs, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
     assert_string_equal(out, "[a: x][b: y]");
     free(out);
-    assert_int_equal(chat_tpl_render(t, msgs, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, msgs, NULL, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
     assert_string_equal(out, "none");
     free(out);
     chat_tpl_free(t);
@@ -190,7 +190,7 @@ static void test_chat_tpl(void **state)
                               " {\"name\": \"tool_use\", \"template\": \"{% bogus %}\"}]", 0, NULL);
     assert_int_equal(chat_tpl_load(half, &t, why, err), TEXT_OK);
     assert_non_null(strstr(why, "bogus"));
-    assert_int_equal(chat_tpl_render(t, msgs, tools, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, msgs, tools, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
     assert_string_equal(out, "D");
     free(out);
     chat_tpl_free(t);
@@ -200,7 +200,7 @@ static void test_chat_tpl(void **state)
     json_t *str_only = json_string("{% for m in messages %}{{ 'x' in m.content }}{% endfor %}");
     json_t *calls = json_loads("[{\"role\": \"assistant\", \"content\": null, \"tool_calls\": []}]", 0, NULL);
     assert_int_equal(chat_tpl_load(str_only, &t, why, err), TEXT_OK);
-    assert_int_equal(chat_tpl_render(t, calls, NULL, NULL, false, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, calls, NULL, NULL, NULL, false, "", "", 0, &out, &len, err), TEXT_OK);
     assert_string_equal(out, "false");
     free(out);
     chat_tpl_free(t);
@@ -209,7 +209,7 @@ static void test_chat_tpl(void **state)
     json_t *strict = json_string("{% for m in messages %}{{ 'x' in m.content }}{% endfor %}"
                                  "{{ raise_exception('roles must alternate') }}");
     assert_int_equal(chat_tpl_load(strict, &t, why, err), TEXT_OK);
-    assert_int_equal(chat_tpl_render(t, calls, NULL, NULL, false, "", "", 0, &out, &len, err), TEXT_EINVAL);
+    assert_int_equal(chat_tpl_render(t, calls, NULL, NULL, NULL, false, "", "", 0, &out, &len, err), TEXT_EINVAL);
     assert_non_null(strstr(err, "roles must alternate"));
     chat_tpl_free(t);
     json_decref(strict);
@@ -220,11 +220,11 @@ static void test_chat_tpl(void **state)
     assert_int_equal(chat_tpl_load(bad, &t, why, err), TEXT_OK);
     assert_non_null(strstr(why, "unknown statement"));
     assert_string_equal(chat_tpl_kind(t), "chatml");
-    assert_int_equal(chat_tpl_render(t, msgs, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
+    assert_int_equal(chat_tpl_render(t, msgs, NULL, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_OK);
     assert_string_equal(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     free(out);
     /* a family renders no documents: refused, not dropped */
-    assert_int_equal(chat_tpl_render(t, msgs, NULL, docs, true, "", "", 0, &out, &len, err), TEXT_EUNSUPPORTED);
+    assert_int_equal(chat_tpl_render(t, msgs, NULL, docs, NULL, true, "", "", 0, &out, &len, err), TEXT_EUNSUPPORTED);
     assert_null(out);
     chat_tpl_free(t);
     json_decref(docs);
@@ -232,7 +232,7 @@ static void test_chat_tpl(void **state)
     /* none at all */
     assert_int_equal(chat_tpl_load(NULL, &t, why, err), TEXT_OK);
     assert_string_equal(chat_tpl_kind(t), "none");
-    assert_int_equal(chat_tpl_render(t, msgs, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_EUNSUPPORTED);
+    assert_int_equal(chat_tpl_render(t, msgs, NULL, NULL, NULL, true, "", "", 0, &out, &len, err), TEXT_EUNSUPPORTED);
     chat_tpl_free(t);
     json_t *num = json_integer(3);
     assert_int_equal(chat_tpl_load(num, &t, why, err), TEXT_EFORMAT);
@@ -272,6 +272,7 @@ static void test_oracle(void **state)
         if (st == TEXT_OK) {
             json_t *tools = json_object_get(c, "tools");
             json_t *vars = chat_vars(json_object_get(c, "messages"), json_is_array(tools) ? tools : NULL, NULL,
+                                     json_object_get(c, "kwargs"),
                                      json_is_true(json_object_get(c, "add_generation_prompt")),
                                      json_string_value(json_object_get(c, "bos")),
                                      json_string_value(json_object_get(c, "eos")));

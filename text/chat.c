@@ -307,14 +307,15 @@ static json_t *str_or_empty(const char *s)
     return json_string(s ? s : "");
 }
 
-json_t *chat_vars(const json_t *messages, const json_t *tools, const json_t *documents, bool add_generation_prompt,
-                  const char *bos, const char *eos)
+json_t *chat_vars(const json_t *messages, const json_t *tools, const json_t *documents, const json_t *kwargs,
+                  bool add_generation_prompt, const char *bos, const char *eos)
 {
     json_t *v = json_pack("{sosbsoso}", "messages", messages ? json_incref((json_t *)messages) : json_array(),
                           "add_generation_prompt", add_generation_prompt, "bos_token", str_or_empty(bos),
                           "eos_token", str_or_empty(eos));
     if (v && ((json_is_array(tools) && json_object_set(v, "tools", (json_t *)tools)) ||
-              (json_is_array(documents) && json_object_set(v, "documents", (json_t *)documents)))) {
+              (json_is_array(documents) && json_object_set(v, "documents", (json_t *)documents)) ||
+              (json_is_object(kwargs) && json_object_update_missing(v, (json_t *)kwargs)))) {
         json_decref(v);
         return NULL;
     }
@@ -366,8 +367,8 @@ static json_t *with_empty_content(const json_t *messages)
 }
 
 enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, const json_t *tools,
-                                 const json_t *documents, bool add_generation_prompt, const char *bos, const char *eos, time_t now,
-                                 char **out, size_t *len, char *err)
+                                 const json_t *documents, const json_t *kwargs, bool add_generation_prompt,
+                                 const char *bos, const char *eos, time_t now, char **out, size_t *len, char *err)
 {
     *out = NULL;
     *len = 0;
@@ -389,7 +390,7 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
         return st;
     }
     bool with_tools = json_array_size(tools) > 0;
-    json_t *vars = chat_vars(messages, with_tools ? tools : NULL, documents, add_generation_prompt, bos, eos);
+    json_t *vars = chat_vars(messages, with_tools ? tools : NULL, documents, kwargs, add_generation_prompt, bos, eos);
     if (!vars)
         return text_errf(err, TEXT_ENOMEM, "no memory to render the chat template");
     struct jinja_opts o = {.now = now};
@@ -405,7 +406,7 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
         /* failing again, the template says what else is wrong: its own
          * message, not the null content's */
         char err2[TEXT_ERR_LEN];
-        vars = chat_vars(copy, with_tools ? tools : NULL, documents, add_generation_prompt, bos, eos);
+        vars = chat_vars(copy, with_tools ? tools : NULL, documents, kwargs, add_generation_prompt, bos, eos);
         enum text_status st2 = vars ? jinja_render(tpl, vars, &o, out, len, err2) : TEXT_ENOMEM;
         if (st2 == TEXT_OK || st2 == TEXT_EINVAL) {
             st = st2;

@@ -75,13 +75,15 @@ bool chat_tpl_bare_tool_calls(const chat_tpl *t);
 
 /* The variables a template sees: messages, tools and documents (each only
  * when an array; templates test `tools is defined`/`if documents`),
- * add_generation_prompt, bos_token and eos_token.  NULL when out of memory. */
-json_t *chat_vars(const json_t *messages, const json_t *tools, const json_t *documents, bool add_generation_prompt,
-                  const char *bos, const char *eos);
+ * add_generation_prompt, bos_token and eos_token, then the client's
+ * kwargs (NULL or an object: chat_template_kwargs, Qwen3's
+ * enable_thinking) where they name none of those.  NULL when out of memory. */
+json_t *chat_vars(const json_t *messages, const json_t *tools, const json_t *documents, const json_t *kwargs,
+                  bool add_generation_prompt, const char *bos, const char *eos);
 
 /* Renders messages (a JSON array of {role, content, tool_calls, ...}) and
  * tools (NULL or a JSON array) and documents (NULL or a JSON array of
- * objects, RAG templates' `documents`) as the prompt text (malloc'd, NUL-terminated)
+ * objects, RAG templates' `documents`) and kwargs (chat_vars) as the prompt text (malloc'd, NUL-terminated)
  * with the template named "tool_use" when there are tools and the model has
  * one, else its default.  now is what strftime_now() formats.  Errors:
  * TEXT_EUNSUPPORTED when the model has no usable template (or only a
@@ -89,7 +91,7 @@ json_t *chat_vars(const json_t *messages, const json_t *tools, const json_t *doc
  * conversation the template rejects (raise_exception's message, roles out of
  * order), TEXT_ENOMEM; err says why. */
 enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, const json_t *tools,
-                                 const json_t *documents, bool add_generation_prompt, const char *bos, const char *eos, time_t now,
-                                 char **out, size_t *len, char *err);
+                                 const json_t *documents, const json_t *kwargs, bool add_generation_prompt,
+                                 const char *bos, const char *eos, time_t now, char **out, size_t *len, char *err);
 
 #endif

@@ -43,7 +43,9 @@ for (const t of templates) {
   const tpl = new Template(t.source);
   for (const conv of corpus.conversations) {
     for (const gen of [false, true]) {
-      const vars = { messages: conv.messages, add_generation_prompt: gen, bos_token: t.bos, eos_token: t.eos };
+      // a conversation's kwargs are the template's other variables (chat_template_kwargs)
+      const vars = { ...(conv.kwargs ?? {}), messages: conv.messages, add_generation_prompt: gen, bos_token: t.bos,
+        eos_token: t.eos };
       if (conv.tools) vars.tools = corpus.tools;
       let out = null, error = null;
       try {
@@ -54,7 +56,8 @@ for (const t of templates) {
         error = String(e.message ?? e);
       }
       cases.push({ template: t.name, source: t.source, case: conv.name + (gen ? "+gen" : ""),
-        messages: conv.messages, tools: conv.tools ? corpus.tools : null, add_generation_prompt: gen,
+        messages: conv.messages, tools: conv.tools ? corpus.tools : null, kwargs: conv.kwargs ?? null,
+        add_generation_prompt: gen,
         bos: t.bos, eos: t.eos, text: out, error });
     }
   }
