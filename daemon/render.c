@@ -147,6 +147,19 @@ const char *finish_name(enum gen_finish f)
     return f == GEN_FINISH_LENGTH ? "length" : f == GEN_FINISH_NONE ? NULL : "stop";
 }
 
+/* The token's own bytes, for logprobs' "bytes": a token that holds part of
+ * a character has them, where its text (piece) has U+FFFD or nothing. */
+static void write_token_bytes(struct jw *w, const struct server *s, int32_t id, const char *piece, size_t n)
+{
+    size_t len;
+    bool special;
+    const char *raw = tokenizer_token_bytes(engine_tokenizer(s->eng), id, &len, &special);
+    if (raw && !special)
+        jw_bytes(w, raw, len);
+    else
+        jw_bytes(w, piece, n);
+}
+
 /* logprobs of generated tokens [from, to) of choice i, in the endpoint's shape */
 static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
 {
@@ -171,7 +184,7 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
                 jw_lit(w, ",\"logprob\":");
                 jw_real(w, lp[a].logprob, 6);
                 jw_lit(w, ",\"bytes\":");
-                jw_bytes(w, buf, n);
+                write_token_bytes(w, s, lp[a].id, buf, n);
                 jw_lit(w, a == 0 ? "," : "}");
             }
             jw_lit(w, k ? "]}" : "\"top_logprobs\":[]}");
