@@ -1700,6 +1700,20 @@ static bool load(engine *e)
     const char *slash = strrchr(dir, '/');
     snprintf(e->model_id, sizeof(e->model_id), "%s", slash && slash[1] ? slash + 1 : dir);
     int32_t ids[2] = {tokenizer_bos_id(e->tok), tokenizer_eos_id(e->tok)};
+    /* a special token the model has no embedding row for would fail every
+     * request that starts or ends with it */
+    for (int i = 0; i < 2; i++)
+        if (ids[i] >= e->vocab) {
+            pthread_mutex_lock(&e->mu);
+            e->state = ENGINE_FAILED;
+            snprintf(e->state_msg, sizeof(e->state_msg), "the tokenizer's %s id %d is past the model's %d embedding "
+                     "rows (vocab_size)", i ? "eos_token" : "bos_token", ids[i], e->vocab);
+            pthread_mutex_unlock(&e->mu);
+            return false;
+        }
+    if (tokenizer_vocab_size(e->tok) > e->vocab)
+        log_msg(LOG_WARN, "the tokenizer's ids %d to %d have no embedding row in the model (vocab_size %d): a text "
+                "that tokenizes to one is refused", e->vocab, tokenizer_vocab_size(e->tok) - 1, e->vocab);
     char *dst[2] = {e->bos, e->eos};
     for (int i = 0; i < 2; i++) {
         char *s = NULL;

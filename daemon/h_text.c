@@ -30,14 +30,32 @@ struct ipc_limits limits(const struct server *s)
                                .model_id = engine_model_id(e), .model_dir = engine_model_dir(e)};
 }
 
-enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,
-                       struct tok_ids *ids, struct ipc_error *err)
+/* The tokenizer's ids of text, whatever the model (/tokenize). */
+static enum ipc_status tokenize_text(struct server *s, const char *text, size_t len, bool add_special,
+                                     const char *field, struct tok_ids *ids, struct ipc_error *err)
 {
     char msg[TEXT_ERR_LEN];
     enum text_status ts = tokenizer_encode(engine_tokenizer(s->eng), text, len, add_special, ids, msg);
     if (ts == TEXT_OK)
         return IPC_OK;
     return ipc_fail(err, ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL, field, "%s: %s", field, msg);
+}
+
+enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,
+                       struct tok_ids *ids, struct ipc_error *err)
+{
+    enum ipc_status st = tokenize_text(s, text, len, add_special, field, ids, err);
+    /* a tokenizer may name ids past the model's embedding rows */
+    int vocab = engine_model_config(s->eng)->vocab_size;
+    for (size_t i = 0; st == IPC_OK && i < ids->n; i++)
+        if (ids->ids[i] >= vocab) {
+            int32_t id = ids->ids[i];
+            free(ids->ids);
+            *ids = (struct tok_ids){0};
+            return ipc_fail(err, IPC_EINVAL, field, "%s: token id %d has no embedding row in the model (vocab_size %d)",
+                            field, id, vocab);
+        }
+    return st;
 }
 
 static enum ipc_status render_text(struct server *s, const json_t *messages, const json_t *tools,
@@ -111,7 +129,7 @@ enum ipc_status prep_tokenize(struct req *r)
     if (pieces && !buf)
         return ipc_fail(err, IPC_ENOMEM, "", "no memory for a token text buffer");
     struct tok_ids ids = {0};
-    if (encode(r->srv, json_string_value(text), json_string_length(text), add, "content", &ids, err) != IPC_OK) {
+    if (tokenize_text(r->srv, json_string_value(text), json_string_length(text), add, "content", &ids, err) != IPC_OK) {
         free(buf);
         return err->st;
     }

@@ -168,3 +168,38 @@ for body in (dict(compl, max_tokens=4), dict(compl, max_tokens=4, num_beams=2)):
           "logits that overflow (%s): 500 naming them, not tokens: %s" %
           ("beams" if "num_beams" in body else "sampled", e.get("error", {}).get("message", e)))
 check(o.get("/health")[0] == 200 and o.stop() == 0, "the daemon serves on and stops cleanly")
+
+# ---- a tokenizer with ids past the model's embedding rows ------------------
+# the built-in tokenizer's ids run to 2047 (<|im_start|> 2046, <|im_end|> 2047)
+import subprocess  # noqa: E402
+from daemon_harness import KVTIERD, PYTHON  # noqa: E402
+
+
+def rows(out, n):
+    """A one-layer llama with n embedding rows and the built-in tokenizer
+    (copied in: mkmodel refuses a tokenizer past its vocabulary)."""
+    subprocess.run([PYTHON, "tools/mkmodel.py", "--arch", "llama", "--layers", "1", "--dim", "32", "--vocab", str(n),
+                    "--out", out], check=True, capture_output=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy("model/builtin/" + f, out)
+    return out
+
+
+short = Daemon("--disk-dir", "none")
+short.model = rows(short.tmp + "/short", 2046)
+short.start()
+code, e = short.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+check(code == 400 and e["error"]["param"] == "messages" and "2046" in e["error"]["message"],
+      "a chat template's <|im_start|> has no embedding row: 400 naming the messages: %s" % e.get("error", e))
+code, t = short.post("/tokenize", {"content": "<|im_start|>"})
+check(code == 200 and [x if isinstance(x, int) else x["id"] for x in t["tokens"]] == [2046],
+      "/tokenize still gives the tokenizer's ids: %s" % t)
+r = short.post_ok("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
+check(r["usage"]["completion_tokens"] == 2, "other texts are served")
+check(short.stop() == 0, "stop")
+tiny = rows(short.tmp + "/tiny", 2000)
+r = subprocess.run([KVTIERD, "--model", tiny, "--socket", short.tmp + "/tiny.sock", "--disk-dir", "none"],
+                   capture_output=True, text=True, timeout=60)
+check(r.returncode == 3 and "bos_token id 2044 is past the model's 2000 embedding rows" in r.stderr,
+      "a BOS id without an embedding row: the model is refused at start naming it (%d): %s" %
+      (r.returncode, r.stderr.strip().splitlines()[-2:]))
