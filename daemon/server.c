@@ -734,7 +734,7 @@ static void accept_on(struct server *s, int lfd, bool tcp)
             refuse(s, fd, 503, full ? full : "out of memory");
             continue;
         }
-        *c = (struct conn){.srv = s, .uid = cr.uid, .pid = cr.pid, .fd = fd, .head_since = clock_ms(),
+        *c = (struct conn){.srv = s, .uid = cr.uid, .pid = cr.pid, .fd = fd, .head_since = now,
                            .reserve = open >= (unsigned)s->cfg->max_clients, .in_head = true, .tcp = tcp};
         s->accepting = c;
         struct sockaddr_un sa = {.sun_family = AF_UNIX};

@@ -746,25 +746,25 @@ static enum tier_status check_sink(const kv_store *s, const struct kv_seq_params
 {
     if (p->strategy != KV_DYNAMIC && p->strategy != KV_QUANTIZED)
         return why_fail(why, cap, TIER_ENOTSUP,
-                       "sink + %s is not supported: attention sinks keep their bounded KV on the device, paged "
-                       "(dynamic) or quantized",
-                       kv_strategy_name(p->strategy));
+                        "sink + %s is not supported: attention sinks keep their bounded KV on the device, paged "
+                        "(dynamic) or quantized",
+                        kv_strategy_name(p->strategy));
     if (p->offload)
         return why_fail(why, cap, TIER_ENOTSUP, "sink + offloaded quantized is not supported (offload): a sink sequence "
-                                        "stays on the device (its KV is bounded by window_length)");
+                                                "stays on the device (its KV is bounded by window_length)");
     if (p->window_length <= 0)
         return why_fail(why, cap, TIER_EINVAL, "sink needs window_length > 0 (got %d)", p->window_length);
     if (p->num_sink_tokens < 0 || p->num_sink_tokens >= p->window_length)
         return why_fail(why, cap, TIER_EINVAL, "sink: num_sink_tokens %d must be in [0, window_length %d)",
-                       p->num_sink_tokens, p->window_length);
+                        p->num_sink_tokens, p->window_length);
     if (p->num_sink_tokens > s->bt)
         return why_fail(why, cap, TIER_EINVAL, "sink: num_sink_tokens %d exceeds the KV block of %d tokens",
-                       p->num_sink_tokens, s->bt);
+                        p->num_sink_tokens, s->bt);
     for (int l = 0; l < s->g.n_layers; l++)
         if (s->layer_window[l])
             return why_fail(why, cap, TIER_ENOTSUP,
-                           "sink + sliding layers is not supported: layer %d of the model slides by %d tokens", l,
-                           s->layer_window[l]);
+                            "sink + sliding layers is not supported: layer %d of the model slides by %d tokens", l,
+                            s->layer_window[l]);
     return TIER_OK;
 }
 
@@ -792,11 +792,11 @@ enum tier_status kv_store_check_params(const kv_store *s, const struct kv_seq_pa
         return why_fail(why, cap, TIER_EINVAL, "%s needs max_cache_len > 0", kv_strategy_name(p->strategy));
     if (p->offload && p->strategy != KV_QUANTIZED)
         return why_fail(why, cap, TIER_EINVAL, "offload applies to the quantized strategy, not %s (%s is offloaded already)",
-                       kv_strategy_name(p->strategy),
-                       kv_strategy_name(offloaded_of(p->strategy)));
+                        kv_strategy_name(p->strategy),
+                        kv_strategy_name(offloaded_of(p->strategy)));
     if (p->adaptive && !is_offloaded(p->strategy))
         return why_fail(why, cap, TIER_EINVAL, "adaptive residency applies to offloaded strategies, not %s",
-                       kv_strategy_name(p->strategy));
+                        kv_strategy_name(p->strategy));
     if (p->window_length < 0)
         return why_fail(why, cap, TIER_EINVAL, "window_length %d must be positive (0: the model's windows)", p->window_length);
     if (p->adaptive && !p->max_cache_len)
@@ -819,7 +819,7 @@ enum tier_status kv_store_check_params(const kv_store *s, const struct kv_seq_pa
     /* every layer slides: HF would narrow the window to max_cache_len */
     if (is_static(p->strategy) && p->max_cache_len < min_window)
         return why_fail(why, cap, TIER_EINVAL, "max_cache_len %lld is below the sliding window %d of a model whose every layer slides",
-                       (long long)p->max_cache_len, min_window);
+                        (long long)p->max_cache_len, min_window);
     return TIER_OK;
 }
 

@@ -95,13 +95,13 @@ enum tier_status state_check_params(const struct kv_seq_params *p, char *why, si
 {
     if (p->sink)
         return why_fail(why, cap, TIER_ENOTSUP, "sink: a state-space model has no tokens to keep as sinks (its state is "
-                                        "fixed in size and summarizes every token)");
+                                                "fixed in size and summarizes every token)");
     if (p->window_length)
         return why_fail(why, cap, TIER_ENOTSUP, "sliding_window (window_length): a state-space model's state already has a "
-                                        "fixed size and cannot drop single old tokens");
+                                                "fixed size and cannot drop single old tokens");
     if (p->strategy == KV_QUANTIZED)
         return why_fail(why, cap, TIER_ENOTSUP, "quantized: the cache of a state-space model is a recurrent state, not KV; "
-                                        "quantizing it would compound its error at every token");
+                                                "quantizing it would compound its error at every token");
     return TIER_OK;
 }
 
