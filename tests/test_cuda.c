@@ -213,6 +213,9 @@ static void test_matmul(void)
             if (s == 2 || s == 5) /* logits: f32 out whatever the activations */
                 check_matmul(wts[w], shapes[s][0], shapes[s][1], shapes[s][2], false, BE_F32);
         }
+    /* 16-bit rows that are not whole 16-byte vectors take the element kernel */
+    check_matmul(BE_BF16, 2, 100, 33, true, cur->act);
+    check_matmul(BE_F16, 5, 36, 70, false, cur->act);
     for (int r = 0; r < 3; r++)
         check_matmul(wts[irand(0, 3)], irand(1, 40), 32 * irand(1, 12), irand(1, 300), r & 1, cur->act);
     /* Q4_K rows are whole super-blocks of 256 */

@@ -65,6 +65,88 @@ __global__ void k_matmul_rows(void *y, enum be_dtype yt, const void *x, enum be_
     }
 }
 
+/* Eight 16-bit values of one 16-byte vector as f32 (a bf16's bits are
+ * an f32's high half, so that widening is a shift). */
+__device__ __forceinline__ void unpack8(uint4 v, enum be_dtype dt, float f[8])
+{
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        if (dt == BE_BF16) {
+            f[2 * k] = __uint_as_float(u[k] << 16);
+            f[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+        } else {
+            __half2_raw h;
+            h.x = (unsigned short)(u[k] & 0xffffu);
+            h.y = (unsigned short)(u[k] >> 16);
+            float2 g = __half22float2(__half2(h));
+            f[2 * k] = g.x;
+            f[2 * k + 1] = g.y;
+        }
+    }
+}
+
+/* Elements [i, i + 8) of x (f32 or 16-bit, 16-byte aligned there). */
+__device__ __forceinline__ void load8(const void *x, size_t i, enum be_dtype xt, float f[8])
+{
+    if (xt == BE_F32) {
+        float4 a = *(const float4 *)((const float *)x + i), b = *(const float4 *)((const float *)x + i + 4);
+        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+    } else {
+        unpack8(*(const uint4 *)((const uint16_t *)x + i), xt, f);
+    }
+}
+
+/* As k_matmul_rows, for 16-bit weights whose rows are whole 16-byte
+ * vectors: each lane loads eight weights at once and two vectors per
+ * pass, so a warp has 1 KiB of its row in flight where the element
+ * kernel has 64 bytes, which one-token decode needs to stream W at HBM
+ * bandwidth rather than at load-issue rate. */
+__global__ void k_matmul_vec(void *y, enum be_dtype yt, const void *x, enum be_dtype xt, const uint4 *w,
+                             enum be_dtype wt, const float *bias, int n, int in, int out)
+{
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (r >= out)
+        return;
+    int nv = in / 8; /* vectors per row */
+    const uint4 *row = w + (size_t)r * nv;
+    for (int t0 = 0; t0 < n; t0 += ROW_TOKENS) {
+        float acc[ROW_TOKENS] = {};
+        int nt = n - t0 < ROW_TOKENS ? n - t0 : ROW_TOKENS;
+        for (int v = lane; v < nv; v += 64) {
+            bool two = v + 32 < nv;
+            uint4 a = __ldg(row + v), b = two ? __ldg(row + v + 32) : make_uint4(0, 0, 0, 0);
+            float fa[8], fb[8], xv[8];
+            unpack8(a, wt, fa);
+            unpack8(b, wt, fb);
+#pragma unroll
+            for (int u = 0; u < ROW_TOKENS; u++) {
+                if (u >= nt)
+                    break;
+                size_t xi = (size_t)(t0 + u) * in + (size_t)v * 8;
+                load8(x, xi, xt, xv);
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    acc[u] += fa[k] * xv[k];
+                if (two) {
+                    load8(x, xi + 256, xt, xv);
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        acc[u] += fb[k] * xv[k];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ROW_TOKENS; u++) {
+            if (u >= nt)
+                break;
+            float s = warp_sum(acc[u]);
+            if (lane == 0)
+                st(y, (size_t)(t0 + u) * out + r, yt, s + (bias ? bias[r] : 0.0f));
+        }
+    }
+}
+
 /* An activation row's block of 32 rounded to int8, as the CPU backend
  * rounds it (cpu_q8_act_scalar): d = max|x| / 127, q = rint(x / d); a
  * block too small for 1 / d (max|x| below about 3.7e-37) gets d = 0 and
@@ -244,7 +326,11 @@ enum be_status cu_matmul(void *ctx, void *y, enum be_dtype yt, const void *x, co
     } else if (n < GEMM_MIN_TOKENS || (c->act == BE_F32 && wt != BE_F32)) {
         /* f32 activations keep f32 products with 16-bit weights, which a
          * cuBLAS GEMM would only give by rounding x */
-        k_matmul_rows<<<grid, THREADS, 0, c->compute>>>(y, yt, x, c->act, w, wt, bias, n, in, out);
+        bool vec = (wt == BE_BF16 || wt == BE_F16) && in % 8 == 0 && ((uintptr_t)w | (uintptr_t)x) % 16 == 0;
+        if (vec)
+            k_matmul_vec<<<grid, THREADS, 0, c->compute>>>(y, yt, x, c->act, (const uint4 *)w, wt, bias, n, in, out);
+        else
+            k_matmul_rows<<<grid, THREADS, 0, c->compute>>>(y, yt, x, c->act, w, wt, bias, n, in, out);
     } else {
         BE_TRY(matmul_blas(c, y, yt, x, w, wt, bias, n, in, out));
     }
