@@ -69,7 +69,7 @@ no_backend="$no_backend test_readbw st2gguf.test.sh q8ref.test.sh q4kref.test.sh
 no_backend="$no_backend daemon_ollama.test.sh daemon_tcp.test.sh daemon_penalties.test.sh "
 no_backend="$no_backend install.test.sh sockpath.test.sh "
 no_backend="$no_backend test_grammar test_toolcall daemon_json.test.sh "
-no_backend="$no_backend test_hist plots.test.sh "
+no_backend="$no_backend test_hist plots.test.sh daemon_alloc.test.sh "
 # test_tiers and daemon_loop run once too: on machines where mprotect is
 # slow their strict pass (every op opens and closes the arena, thousands
 # of decode steps) takes 8 to over 15 minutes, past CI's budget, and
