@@ -112,6 +112,64 @@ static int by_logit_desc(const void *a, const void *b)
     return x->id - y->id; /* equal logits keep vocabulary order */
 }
 
+static bool better(const struct cand *x, const struct cand *y)
+{
+    return by_logit_desc(x, y) < 0;
+}
+
+/* Sift c[i] down the heap c[0, n) whose root is its worst candidate. */
+static void sift_worst(struct cand *c, int n, int i)
+{
+    for (;;) {
+        int l = 2 * i + 1, m = i;
+        if (l < n && better(&c[m], &c[l]))
+            m = l;
+        if (l + 1 < n && better(&c[m], &c[l + 1]))
+            m = l + 1;
+        if (m == i)
+            return;
+        struct cand t = c[i];
+        c[i] = c[m];
+        c[m] = t;
+        i = m;
+    }
+}
+
+/* Puts the k best of c[0, n) in by_logit_desc order at c[0, k), the rest
+ * after them in no order: a heap of k with the worst at its root, then
+ * heap sort, O(n log k) and nothing allocated (glibc's qsort allocates a
+ * buffer for arrays over 1 KiB).  The filters below want the shortest
+ * sorted prefix that holds some mass, which is usually a few tokens:
+ * sorting the whole vocabulary per token would cost more than that. */
+static void sort_best(struct cand *c, int n, int k)
+{
+    for (int i = k / 2 - 1; i >= 0; i--)
+        sift_worst(c, k, i);
+    for (int i = k; i < n; i++) {
+        if (better(&c[i], &c[0])) {
+            struct cand t = c[0];
+            c[0] = c[i];
+            c[i] = t;
+            sift_worst(c, k, 0);
+        }
+    }
+    for (int end = k - 1; end > 0; end--) {
+        struct cand t = c[0];
+        c[0] = c[end];
+        c[end] = t;
+        sift_worst(c, end, 0);
+    }
+}
+
+/* The next prefix length to sort when k sorted candidates of n were too
+ * few: four times as many, so a whole sort takes a few passes at most. */
+static int more_sorted(int k, int n)
+{
+    return k > n / 4 ? n : 4 * k;
+}
+
+#define SORT_FIRST 64
+
 static void sift_down(float *h, int n, int i)
 {
     for (;;) {
@@ -196,22 +254,30 @@ static int typical_filter(sampler *s, int n)
         double q = s->cand[i].prob / sum;
         s->cand[i].logit = q > 0 ? (float)-fabs(-log(q) - ent) : -INFINITY;
     }
-    qsort(s->cand, (size_t)n, sizeof(*s->cand), by_logit_desc);
     /* HF keeps every token whose shift is at most that of the first one at
-     * which the cumulative mass reaches typical_p */
-    double cum = 0;
-    int last = n - 1;
-    for (int i = 0; i < n; i++) {
-        cum += s->cand[i].prob / sum;
-        if (!(cum < s->p.typical_p)) {
-            last = i;
-            break;
+     * which the cumulative mass reaches typical_p: a sorted prefix that
+     * holds that token and the ties after it */
+    for (int k = n < SORT_FIRST ? n : SORT_FIRST;; k = more_sorted(k, n)) {
+        sort_best(s->cand, n, k);
+        double cum = 0;
+        int last = -1;
+        for (int i = 0; i < k; i++) {
+            cum += s->cand[i].prob / sum;
+            if (!(cum < s->p.typical_p)) {
+                last = i;
+                break;
+            }
         }
+        if (last < 0 && k < n)
+            continue;
+        if (last < 0)
+            last = n - 1;
+        int keep = last + 1;
+        while (keep < k && s->cand[keep].logit == s->cand[last].logit)
+            keep++;
+        if (keep < k || k == n)
+            return keep;
     }
-    int keep = last + 1;
-    while (keep < n && s->cand[keep].logit == s->cand[last].logit)
-        keep++;
-    return keep;
 }
 
 int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t n_hist, size_t n_prompt)
@@ -259,12 +325,17 @@ int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t
         sum += s->cand[i].prob;
     }
     if (p->top_p < 1) { /* smallest prefix whose mass reaches top_p (HF removes cum <= 1 - top_p from the tail) */
-        qsort(s->cand, (size_t)n, sizeof(*s->cand), by_logit_desc);
-        double cum = 0;
-        for (int i = 0; i < n; i++) {
-            cum += s->cand[i].prob / sum;
-            if (cum >= p->top_p) {
-                n = i + 1;
+        for (int k = n < SORT_FIRST ? n : SORT_FIRST;; k = more_sorted(k, n)) {
+            sort_best(s->cand, n, k);
+            double cum = 0;
+            int cut = 0;
+            for (int i = 0; i < k && !cut; i++) {
+                cum += s->cand[i].prob / sum;
+                if (cum >= p->top_p)
+                    cut = i + 1;
+            }
+            if (cut || k == n) {
+                n = cut ? cut : n;
                 break;
             }
         }

@@ -1,11 +1,13 @@
 """Decoding allocates nothing per token: a shim preloaded into kvtierd and
 kvtier-run counts malloc, calloc and realloc calls (tests/alloc_count.c),
-and the same requests with 8 and with 200 new tokens must differ by less
-than half an allocation per extra token.  What may grow with the length is
-per KV block of 16 tokens (a block's table entry, a buffer that doubles),
-about a third of an allocation per token here; one allocation in every
-token's path gives at least one per token.  Skipped under the sanitizers,
-whose allocator the shim would hide."""
+and a request with 8 and with 200 new tokens must differ by less than half
+an allocation per extra token: kvtier-run, and in kvtierd each of a stream,
+a chat reply with log-probabilities, a session's turn and a draw through
+the sampling filters, each in a daemon of its own.  What may grow with the
+length is per KV block of 16 tokens (a block's table entry, a buffer that
+doubles), about a tenth of an allocation per token here; one allocation in
+every token's path gives at least one per token.  Skipped under the
+sanitizers, whose allocator the shim would hide."""
 import os
 import re
 import subprocess
@@ -33,23 +35,43 @@ def counts(text):
     return sum(int(x) for x in m[0])
 
 
-def daemon_allocs(n):
-    """Allocations of a daemon's whole life that serves three requests of n new tokens each."""
+def stream(d, gen):
+    events = d.stream("/v1/completions", dict(gen, prompt="Once upon a time", stream=True,
+                                              stream_options={"include_usage": True}))
+    check(events[-1] == "[DONE]", "a stream ends with [DONE]")
+    return events[-2]["usage"]["completion_tokens"]
+
+
+def chat(d, gen):
+    code, r = d.post("/v1/chat/completions", dict(gen, messages=[{"role": "user", "content": "Hello"}],
+                                                  logprobs=True, top_logprobs=3))
+    check(code == 200, "a chat reply with log-probabilities (%d)" % code)
+    return r["usage"]["completion_tokens"]
+
+
+def session_turn(d, gen):
+    sid = d.post_ok("/v1/sessions", {})["id"]
+    code, r = d.post("/v1/completions", dict(gen, prompt="Once upon a time", session=sid))
+    check(code == 200, "a session's turn (%d)" % code)
+    return r["usage"]["completion_tokens"]
+
+
+def filtered(d, gen):
+    code, r = d.post("/v1/completions", dict(gen, prompt="Once upon a time", temperature=0.9, top_p=0.9,
+                                             typical_p=0.95, min_p=0.01, seed=7))
+    check(code == 200, "a draw through top_p, min_p and typical_p (%d)" % code)
+    return r["usage"]["completion_tokens"]
+
+
+def daemon_allocs(request, n):
+    """Allocations of a daemon's whole life that serves one request of n new tokens."""
     # no disk tier: at exit it writes every cached prefix block to disk,
     # about a dozen allocations per 16-token block, which is shutdown's
     # work and not decoding's
     d = Daemon("--disk-dir", "none", model=model, tmp=tempfile.mkdtemp(dir=tmp))
     d.start(extra_env={"LD_PRELOAD": shim})
-    gen = {"max_tokens": n, "temperature": 0, "ignore_eos": True}
-    events = d.stream("/v1/completions", dict(gen, prompt="Once upon a time", stream=True,
-                                              stream_options={"include_usage": True}))
-    check(events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == n, "a stream of %d tokens" % n)
-    code, r = d.post("/v1/chat/completions", dict(gen, messages=[{"role": "user", "content": "Hello"}],
-                                                  logprobs=True, top_logprobs=3))
-    check(code == 200 and r["usage"]["completion_tokens"] == n, "a chat reply with log-probabilities (%d)" % code)
-    sid = d.post_ok("/v1/sessions", {})["id"]
-    code, r = d.post("/v1/completions", dict(gen, prompt="Once upon a time", session=sid))
-    check(code == 200 and r["usage"]["completion_tokens"] == n, "a session's turn (%d)" % code)
+    got = request(d, {"max_tokens": n, "temperature": 0, "ignore_eos": True})
+    check(got == n, "%s: %d new tokens" % (request.__name__, got))
     check(d.stop() == 0, "stop")
     return counts(d.logtext())
 
@@ -62,9 +84,10 @@ def run_allocs(n):
     return counts(r.stderr)
 
 
-for name, fn, requests in (("kvtier-run", run_allocs, 1), ("kvtierd", daemon_allocs, 3)):
+cases = [("kvtier-run", run_allocs)]
+cases += [("kvtierd " + r.__name__, lambda n, r=r: daemon_allocs(r, n)) for r in (stream, chat, session_turn, filtered)]
+for name, fn in cases:
     a, b = fn(SHORT), fn(LONG)
-    extra = requests * (LONG - SHORT)
-    check(b - a < PER_TOKEN * extra,
-          "%s: %d allocations with %d new tokens per request, %d with %d: %.2f per extra token (below %.1f)" %
-          (name, a, SHORT, b, LONG, (b - a) / extra, PER_TOKEN))
+    check(b - a < PER_TOKEN * (LONG - SHORT),
+          "%s: %d allocations with %d new tokens, %d with %d: %.2f per extra token (below %.1f)" %
+          (name, a, SHORT, b, LONG, (b - a) / (LONG - SHORT), PER_TOKEN))

@@ -3,6 +3,7 @@
  * frequencies against the softmax, seeding, and the stop-string matcher.
  */
 #include <math.h>
+#include <stdbool.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -183,6 +184,108 @@ static void test_filters(void **state)
     sampler_free(s);
 }
 
+/* A vocabulary whose kept set runs far past the first sorted prefix: the
+ * filters sort only as many candidates as they need, growing the prefix,
+ * and must keep what a whole sort keeps, ties in vocabulary order. */
+static void test_large_vocab_filters(void **state)
+{
+    (void)state;
+    enum { V = 1000, DRAWS = 20000 };
+    float *l = malloc(V * sizeof(*l)), *tmp = malloc(V * sizeof(*tmp));
+    int *hits = calloc(V, sizeof(*hits));
+    assert_non_null(l);
+    assert_non_null(tmp);
+    assert_non_null(hits);
+    /* equal logits (the odd ids below -inf): top_p 0.5 keeps the first half
+     * of the 900 finite ones in id order, 450 tokens */
+    for (int i = 0; i < V; i++)
+        l[i] = i % 10 == 9 ? -INFINITY : 0.25f;
+    sampler *s = make(1, 0, 0.5f, 0, 1, 11, V);
+    for (int d = 0; d < DRAWS; d++) {
+        memcpy(tmp, l, V * sizeof(*l));
+        hits[sampler_sample(s, tmp, NULL, 0, 0)]++;
+    }
+    int distinct = 0, last = 0;
+    for (int i = 0; i < V; i++)
+        if (hits[i]) {
+            distinct++;
+            last = i;
+            assert_true(i % 10 != 9);
+        }
+    /* the 450th finite id is 498 */
+    assert_int_equal(last, 498);
+    assert_true(distinct > 440);
+    sampler_free(s);
+    /* a falling staircase of 100 steps of 10 equal logits: top_p keeps
+     * whole steps up to the one that reaches the mass, then that step's
+     * first tokens in id order; check against the mass directly */
+    memset(hits, 0, V * sizeof(*hits));
+    double mass = 0, total = 0;
+    for (int i = 0; i < V; i++) {
+        l[i] = -0.01f * (float)(i / 10);
+        total += exp((double)l[i]);
+    }
+    int cut = 0;
+    for (; cut < V && mass / total < 0.9; cut++)
+        mass += exp((double)l[cut]);
+    s = make(1, 0, 0.9f, 0, 1, 12, V);
+    for (int d = 0; d < DRAWS; d++) {
+        memcpy(tmp, l, V * sizeof(*l));
+        hits[sampler_sample(s, tmp, NULL, 0, 0)]++;
+    }
+    last = 0;
+    for (int i = 0; i < V; i++)
+        if (hits[i])
+            last = i;
+    assert_true(last < cut && last >= cut - 20);
+    sampler_free(s);
+    /* typical_p over the same staircase: the set a whole sort by the
+     * distance of each surprisal from the entropy gives (ties kept), built
+     * here by definition; every token drawn is in it and most of it shows */
+    struct sampler_params p;
+    sampler_params_default(&p);
+    p.temperature = 1;
+    p.typical_p = 0.9f;
+    p.seed = 13;
+    assert_int_equal(sampler_create(&p, V, &s), MODEL_OK);
+    memset(hits, 0, V * sizeof(*hits));
+    for (int d = 0; d < DRAWS; d++) {
+        memcpy(tmp, l, V * sizeof(*l));
+        hits[sampler_sample(s, tmp, NULL, 0, 0)]++;
+    }
+    double ent = 0;
+    for (int i = 0; i < V; i++) {
+        double q = exp((double)l[i]) / total;
+        ent -= q * log(q);
+    }
+    /* the staircase's steps are whole ties, so the kept set is whole steps:
+     * those nearest the entropy, added until their mass reaches 0.9 */
+    bool kept[V / 10] = {false};
+    double got = 0;
+    while (got < 0.9) {
+        int best = -1;
+        double bd = INFINITY;
+        for (int st = 0; st < V / 10; st++) {
+            double d = fabs(-log(exp((double)l[st * 10]) / total) - ent);
+            if (!kept[st] && d < bd)
+                bd = d, best = st;
+        }
+        kept[best] = true;
+        got += 10 * exp((double)l[best * 10]) / total;
+    }
+    int in_set = 0, shown = 0;
+    for (int i = 0; i < V; i++) {
+        in_set += kept[i / 10];
+        shown += hits[i] > 0;
+        assert_true(!hits[i] || kept[i / 10]);
+    }
+    assert_true(in_set > 500 && shown > in_set * 9 / 10);
+    sampler_free(s);
+    free(l);
+    free(tmp);
+    free(hits);
+}
+
 static void test_seed_reproducible(void **state)
 {
     (void)state;
@@ -260,6 +363,7 @@ int main(void)
         cmocka_unit_test(test_seed_reproducible), cmocka_unit_test(test_bad_params),
         cmocka_unit_test(test_stop_strings), cmocka_unit_test(test_presence_frequency),
         cmocka_unit_test(test_penalty_window), cmocka_unit_test(test_typical),
+        cmocka_unit_test(test_large_vocab_filters),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
