@@ -492,10 +492,23 @@ enum tier_status beam_reorder(kv_seq **kv, int n_old, const int *parent, int n_n
             tmp[k] = kv[parent[k]];
         }
     }
-    /* the other children fork it, while every parent is still alive */
-    for (int k = 0; k < n_new; k++)
-        if (!tmp[k] && st == TIER_OK)
+    /* the other children fork it, while every parent is still alive, each
+     * into a sequence no child took (none is a parent), whose memory the
+     * fork reuses */
+    for (int k = 0, spare = 0; k < n_new; k++) {
+        if (tmp[k] || st != TIER_OK)
+            continue;
+        while (spare < n_old && taken[spare])
+            spare++;
+        if (spare == n_old) {
             st = kv_seq_fork(kv[parent[k]], &tmp[k]);
+            continue;
+        }
+        *freed_copied += kv_seq_stats(kv[spare]).copied_bytes;
+        taken[spare] = true;
+        tmp[k] = kv[spare];
+        st = kv_seq_refork(kv[parent[k]], &tmp[k]);
+    }
     for (int i = 0; i < n_old; i++) {
         if (!taken[i]) {
             *freed_copied += kv_seq_stats(kv[i]).copied_bytes;

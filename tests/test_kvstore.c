@@ -861,6 +861,50 @@ static void test_fork_cow(void **state)
     }
 }
 
+/* A re-fork rebuilds an unwanted sequence as a fork in place: its blocks
+ * go back, its block tables stay (nothing allocated), and it then reads
+ * and writes as kv_seq_fork's child would.  A sequence with extents, or
+ * none, gets a plain fork. */
+static void test_refork(void **state)
+{
+    struct fixture *f = *state;
+    kv_seq *a, *c;
+    assert_int_equal(kv_seq_create(f->store, NULL, &a), TIER_OK);
+    assert_int_equal(step(a, 10), TIER_OK);
+    uint64_t used = kv_store_stats(f->store).blocks_used;
+    assert_int_equal(kv_seq_create(f->store, NULL, &c), TIER_OK);
+    assert_int_equal(step(c, 30), TIER_OK); /* a longer table than a's */
+    kv_seq *was = c;
+    struct kv_block **table = c->layers[0].pb;
+    assert_int_equal(kv_seq_refork(a, &c), TIER_OK);
+    assert_ptr_equal(c, was);
+    assert_ptr_equal(c->layers[0].pb, table);
+    assert_int_equal(kv_store_stats(f->store).blocks_used, used); /* c's own blocks went back, a's are shared */
+    assert_int_equal(kv_seq_length(c), 10);
+    check_positions(c, 0, 0, 10);
+    check_positions(c, 1, 7, 10);
+    /* copy on write, as a fork's: c's position 10 goes into its own block */
+    assert_int_equal(kv_seq_reserve(c, 1), TIER_OK);
+    struct be_kv_view v;
+    kv_seq_view(c, 0, &v);
+    put_f(v.blocks[2], 1 * HD, 1000.0f);
+    kv_seq_commit(c);
+    check_positions(a, 0, 0, 10);
+    /* an offloaded sequence (extents) and no sequence get a fork of their own */
+    kv_seq *o = seq_new(f, KV_OFFLOADED, 0), *none = NULL;
+    assert_int_equal(step(o, 5), TIER_OK);
+    assert_int_equal(kv_seq_refork(a, &o), TIER_OK);
+    assert_int_equal(kv_store_stats(f->store).host_bytes, 0);
+    check_positions(o, 0, 0, 10);
+    assert_int_equal(kv_seq_refork(a, &none), TIER_OK);
+    check_positions(none, 1, 7, 10);
+    kv_seq_free(a);
+    kv_seq_free(c);
+    kv_seq_free(o);
+    kv_seq_free(none);
+    assert_int_equal(kv_store_stats(f->store).blocks_used, 0);
+}
+
 /* A fork of an offloaded sequence copies its host extents. */
 static void test_fork_offloaded(void **state)
 {
@@ -1935,6 +1979,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_reuse, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_reuse_sliding_unrecorded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_cow, setup_w4, teardown),
+        cmocka_unit_test_setup_teardown(test_refork, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_offloaded, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_fork_fits, setup_w4, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_match, setup_prefix, teardown),

@@ -1584,8 +1584,12 @@ static enum tier_status fork_layers(const kv_seq *q, kv_seq *c, bool all_host)
             }
             continue;
         }
+        /* the table a re-forked sequence kept (kv_seq_refork), else none */
+        void **blocks = C->blocks;
+        struct kv_block **pb = C->pb;
+        int cap = C->cap;
         *C = (struct kv_layer){.home = KV_HOME_PAGED, .window = L->window, .keep = L->keep, .base = L->base,
-                               .lo = L->lo, .sink_blk = L->sink_blk};
+                               .lo = L->lo, .sink_blk = L->sink_blk, .blocks = blocks, .pb = pb, .cap = cap};
         if (C->sink_blk)
             blk_get(s, C->sink_blk);
         st = paged_table(C, L->n_blocks);
@@ -1595,6 +1599,35 @@ static enum tier_status fork_layers(const kv_seq *q, kv_seq *c, bool all_host)
         }
     }
     return st;
+}
+
+/* c (zeroed but for a re-forked sequence's layer array, block tables and
+ * ids) becomes a fork of q: the paged layers share q's blocks, extents are
+ * copied.  On failure c holds what was built, for kv_seq_free. */
+static enum tier_status fork_into(kv_seq *q, kv_seq *c)
+{
+    kv_store *s = q->s;
+    c->s = s;
+    c->p = q->p;
+    c->strategy = q->strategy;
+    c->fallback = q->fallback;
+    c->len = q->len;
+    c->record_past = q->record_past;
+    enum tier_status st = fork_layers(q, c, false);
+    /* A fork is a new sequence: where the device cannot hold a copy of the
+     * extents it starts in the host tier, as kv_seq_create does. */
+    if (st == TIER_ENOMEM_DEV && !c->p.no_fallback) {
+        layers_release(c);
+        c->copied_bytes = 0;
+        s->err[0] = '\0';
+        if ((st = fork_layers(q, c, true)) == TIER_OK) {
+            c->strategy = offloaded_of(c->strategy);
+            note_fallback(c, KV_FALLBACK_SIZED);
+        }
+    }
+    if (st == TIER_OK)
+        st = prefix_fork(q, c);
+    return st == TIER_ENOMEM_HOST && !s->err[0] ? kv_fail(s, st, "host memory: forking a sequence") : st;
 }
 
 enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
@@ -1636,32 +1669,55 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **out)
         free(c);
         return kv_fail(s, TIER_ENOMEM_HOST, "host memory: forking a sequence");
     }
-    c->s = s;
-    c->p = q->p;
-    c->strategy = q->strategy;
-    c->fallback = q->fallback;
-    c->len = q->len;
-    c->record_past = q->record_past;
-    enum tier_status st = fork_layers(q, c, false);
-    /* A fork is a new sequence: where the device cannot hold a copy of the
-     * extents it starts in the host tier, as kv_seq_create does. */
-    if (st == TIER_ENOMEM_DEV && !c->p.no_fallback) {
-        layers_release(c);
-        c->copied_bytes = 0;
-        s->err[0] = '\0';
-        if ((st = fork_layers(q, c, true)) == TIER_OK) {
-            c->strategy = offloaded_of(c->strategy);
-            note_fallback(c, KV_FALLBACK_SIZED);
-        }
-    }
-    if (st == TIER_OK)
-        st = prefix_fork(q, c);
+    enum tier_status st = fork_into(q, c);
     if (st != TIER_OK) {
         kv_seq_free(c);
-        return st == TIER_ENOMEM_HOST && !s->err[0] ? kv_fail(s, st, "host memory: forking a sequence") : st;
+        return st;
     }
     *out = c;
     return TIER_OK;
+}
+
+/* Whether kv_seq_refork can rebuild c as a fork of q in place: both KV
+ * sequences of one store, every layer paged (an extent's copy is a new
+ * allocation anyway), neither inside a step nor still loading. */
+static bool refork_in_place(const kv_seq *q, const kv_seq *c)
+{
+    if (c->s != q->s || q->pending || c->pending || q->load || c->load || q->kvq || c->kvq || q->state || c->state)
+        return false;
+    for (int l = 0; l < q->s->g.n_layers; l++)
+        if (q->layers[l].home != KV_HOME_PAGED || c->layers[l].home != KV_HOME_PAGED)
+            return false;
+    return true;
+}
+
+enum tier_status kv_seq_refork(kv_seq *q, kv_seq **c)
+{
+    kv_seq *r = *c;
+    if (!r || !refork_in_place(q, r)) {
+        kv_seq_free(r);
+        *c = NULL;
+        return kv_seq_fork(q, c);
+    }
+    kv_store *s = q->s;
+    s->err[0] = '\0';
+    /* r's blocks go back; its layer array, block tables and ids stay */
+    struct kv_layer *layers = r->layers;
+    for (int l = 0; l < s->g.n_layers; l++) {
+        struct kv_layer *L = &layers[l];
+        while (L->n_blocks > 0)
+            blk_put(s, L->pb[--L->n_blocks]);
+        if (L->sink_blk)
+            blk_put(s, L->sink_blk);
+        *L = (struct kv_layer){.home = KV_HOME_PAGED, .blocks = L->blocks, .pb = L->pb, .cap = L->cap};
+    }
+    *r = (struct kv_seq){.layers = layers, .ids = r->ids, .ids_cap = r->ids_cap};
+    enum tier_status st = fork_into(q, r);
+    if (st != TIER_OK) {
+        kv_seq_free(r);
+        *c = NULL;
+    }
+    return st;
 }
 
 /* ---- images: the storage of a restored sequence ---------------------------- */

@@ -278,6 +278,12 @@ int64_t kv_seq_common(const kv_seq *q, const int32_t *held, const int32_t *input
  * offloaded_static, fallback KV_FALLBACK_SIZED) unless q has no_fallback:
  * then TIER_ENOMEM_DEV.  q is never changed. */
 enum tier_status kv_seq_fork(kv_seq *q, kv_seq **child);
+/* As kv_seq_fork, into *child, which held a sequence of the same store (or
+ * NULL) that is no longer wanted: it becomes the fork, keeping its own
+ * layer array, block tables and token ids where it can, so that beam
+ * search, which re-forks beams every step, allocates nothing per token.
+ * Its blocks go back first.  On failure *child is freed and NULL. */
+enum tier_status kv_seq_refork(kv_seq *q, kv_seq **child);
 /* Whether a fork of q that keeps its first keep tokens, then grows by
  * n_more, shares all of q's KV (paged layers: at most a partly filled
  * block per layer is copied, where extents or a state would be copied

@@ -410,10 +410,13 @@ enum tier_status prefix_fork(const kv_seq *q, kv_seq *c)
     if (!q->publish)
         return TIER_OK;
     int64_t n = q->len - q->pub_blocks * q->s->bt;
-    c->ids_cap = q->ids_cap;
-    c->ids = malloc((size_t)c->ids_cap * sizeof(*c->ids));
-    if (!c->ids)
-        return TIER_ENOMEM_HOST;
+    if (c->ids_cap < q->ids_cap) { /* a re-forked sequence may have room already */
+        int32_t *ids = realloc(c->ids, (size_t)q->ids_cap * sizeof(*ids));
+        if (!ids)
+            return TIER_ENOMEM_HOST;
+        c->ids = ids;
+        c->ids_cap = q->ids_cap;
+    }
     memcpy(c->ids, q->ids, (size_t)n * sizeof(*c->ids));
     return TIER_OK;
 }
