@@ -642,12 +642,20 @@ static void watch_progress(struct server *s, double now)
 }
 
 /* Once a second: heads past --header-timeout from their first byte, bodies
- * slower than --body-rate after that same grace, the engine's progress. */
+ * slower than --body-rate after that same grace, the engine's progress,
+ * the TCP refusals not yet logged. */
 static void on_sweep(void *data)
 {
     struct server *s = data;
     double now = clock_ms(), grace = s->cfg->header_timeout_s * 1e3;
     watch_progress(s, now);
+    /* a burst of TCP refusals logs its count once it is over, not at the
+     * next refusal, which may never come */
+    if (s->tcp_refused_quiet && now - s->tcp_refused_log_ms >= 1000) {
+        log_msg(LOG_WARN, "refused %u more TCP connections since the last such line", s->tcp_refused_quiet);
+        s->tcp_refused_log_ms = now;
+        s->tcp_refused_quiet = 0;
+    }
     if (!s->ready) {
         /* systemctl status shows how far the load is; while the read moves
          * on, the unit's start timeout is pushed a minute past now, so the
