@@ -81,7 +81,10 @@ struct conn {
     /* recv() follows the byte stream (server.c: head_scan) */
     bool in_head;       /* the bytes read belong to a request head */
     bool head_line;     /* the head's request line has begun */
-    unsigned char line_len, line_last; /* the current head line: 0, 1 (its byte) or 2 = more */
+    /* the current head line's first bytes (enough for a Content-Length
+     * header with any count), and its length, up to one past them */
+    char line[40];
+    unsigned char line_len;
     size_t past_head;   /* bytes read after the head's blank line */
     size_t body_len;    /* the body those may be (Content-Length) */
     struct conn *prev, *next;

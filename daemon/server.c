@@ -177,6 +177,9 @@ static size_t unescape(void *cls, struct MHD_Connection *conn, char *val)
     return MHD_http_unescape(val);
 }
 
+/* A Content-Length header's name and colon, as head_scan sees the line. */
+#define CONTENT_LENGTH "content-length:"
+
 /* The number of Content-Length and of Transfer-Encoding headers. */
 struct framing {
     int n_cl, n_te;
@@ -227,33 +230,58 @@ static size_t body_limit(const struct server *s, const char *method, const char 
     return kv ? kv : s->cfg->max_body;
 }
 
+/* Whether a Content-Length header's line, its bytes up to the LF,
+ * holds one decimal count of at most 19 digits (any count fits 64 bits)
+ * after blanks: what libmicrohttpd reads as a count (it refuses blanks
+ * after one). */
+static bool content_length_ok(const char *line, size_t n)
+{
+    size_t i = sizeof(CONTENT_LENGTH) - 1, digits = 0;
+    if (n && line[n - 1] == '\r')
+        n--;
+    while (i < n && (line[i] == ' ' || line[i] == '\t'))
+        i++;
+    for (; i < n && line[i] >= '0' && line[i] <= '9'; i++)
+        digits++;
+    return i == n && digits >= 1 && digits <= 19;
+}
+
 /* Follows the request head through the bytes read, as libmicrohttpd
  * splits it (lines end at LF or CR LF; empty lines before the request line
- * are skipped; an empty line after it ends the head): false when a byte of
- * the head is a NUL.  The bytes after the head are counted in past_head,
- * until on_completed starts the next head. */
-static bool head_scan(struct conn *c, const unsigned char *p, size_t n)
+ * are skipped; an empty line after it ends the head): why the head cannot
+ * be served, or NULL.  It cannot when a byte of it is a NUL, or when a
+ * Content-Length header is not a count: libmicrohttpd's own 400 for that
+ * sends its status line and headers twice.  The bytes after the head are
+ * counted in past_head, until on_completed starts the next head. */
+static const char *head_scan(struct conn *c, const unsigned char *p, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         if (!c->in_head) {
             c->past_head += n - i;
-            return true;
+            return NULL;
         }
         if (!p[i])
-            return false;
+            return "the request head holds a NUL byte";
         if (p[i] != '\n') {
-            c->line_len = c->line_len < 2 ? c->line_len + 1 : 2;
-            c->line_last = p[i];
+            if (c->line_len < sizeof(c->line))
+                c->line[c->line_len] = (char)p[i];
+            if (c->line_len <= sizeof(c->line))
+                c->line_len++;
             continue;
         }
-        bool empty = !c->line_len || (c->line_len == 1 && c->line_last == '\r');
+        size_t len = c->line_len;
         c->line_len = 0;
+        bool empty = !len || (len == 1 && c->line[0] == '\r');
+        if (!empty && c->head_line && len >= sizeof(CONTENT_LENGTH) - 1 &&
+            !strncasecmp(c->line, CONTENT_LENGTH, sizeof(CONTENT_LENGTH) - 1) &&
+            (len > sizeof(c->line) || !content_length_ok(c->line, len)))
+            return "Content-Length must be a decimal byte count";
         if (!empty)
             c->head_line = true;
         else if (c->head_line)
             c->in_head = false;
     }
-    return true;
+    return NULL;
 }
 
 /* The next head starts where this request ends. */
@@ -571,8 +599,9 @@ static pthread_t nul_guard_thread;
  * gone; peeking at the socket before it reads would miss the heads that
  * follow on a kept-alive connection.  What it does do is read every byte a
  * client sends with recv(), which kvtierd defines here: a head holding a
- * NUL gets a 400, and libmicrohttpd is told the connection was reset, so
- * it closes it without parsing the bytes.  Bodies may hold NULs (a KV
+ * NUL (or a Content-Length that is not a count, head_scan) gets a 400,
+ * and libmicrohttpd is told the connection was reset, so it closes it
+ * without parsing the bytes.  Bodies may hold NULs (a KV
  * import is binary); a request sent behind another before its reply
  * (pipelined) would be read with that one's body, so pipelined_close()
  * ends the connection after that reply instead. */
@@ -585,12 +614,12 @@ ssize_t recv(int fd, void *buf, size_t len, int flags)
     struct conn *c = s->conns;
     while (c && c->fd != fd)
         c = c->next;
-    if (!c || head_scan(c, buf, (size_t)n))
-        return n; /* not a client's bytes, or no NUL in a head */
-    log_msg(LOG_INFO, "uid %u pid %d: a NUL byte in the request head, connection closed", (unsigned)c->uid,
-            (int)c->pid);
+    const char *why = c ? head_scan(c, buf, (size_t)n) : NULL;
+    if (!why)
+        return n; /* not a client's bytes, or a head that can be parsed */
+    log_msg(LOG_INFO, "uid %u pid %d: %s, connection closed", (unsigned)c->uid, (int)c->pid, why);
     engine_count_error(s->eng, IPC_EINVAL);
-    answer_raw(fd, 400, "the request head holds a NUL byte");
+    answer_raw(fd, 400, why);
     errno = ECONNRESET;
     return -1;
 }

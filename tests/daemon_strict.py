@@ -1,4 +1,5 @@
-"""HTTP framing kvtierd refuses: two Content-Lengths, Content-Length with
+"""HTTP framing kvtierd refuses: two Content-Lengths, a Content-Length that
+is not a count (one JSON reply, not libmicrohttpd's doubled head), Content-Length with
 chunked, a NUL (%00) in the path, a raw NUL byte anywhere in the request
 head (method, path, version, header names and values, a line of its own),
 on the first request of a connection, a later one on the same kept-alive
@@ -65,6 +66,27 @@ for what, data in cases.items():
     code, closed = send(data)
     check(code == 400 and closed, "%s -> 400 and closed (%d, %s)" % (what, code, closed))
 
+# A Content-Length that is not a count: kvtierd's own 400 (libmicrohttpd's
+# sends its status line and headers twice), once, as JSON; blanks before
+# the count, leading zeros, any case of the name and bare LFs are served
+for what, data in {"Content-Length: abc": H + b"Content-Length: abc\r\n\r\n",
+                   "Content-Length: -5": H + b"content-length: -5\r\n\r\n{}",
+                   "Content-Length: +2": H + b"Content-Length: +2\r\n\r\n{}",
+                   "Content-Length: 2x": H + b"Content-Length: 2x\r\n\r\n{}",
+                   "a blank after the count": H + b"Content-Length: 2 \r\n\r\n{}",
+                   "no count": H + b"Content-Length:\r\n\r\n{}",
+                   "20 digits": H + b"Content-Length: 99999999999999999999\r\n\r\n{}",
+                   "a count past the line kept": H + b"Content-Length: " + b" " * 40 + b"2\r\n\r\n{}",
+                   "split over two writes": [H + b"Content-Le", b"ngth: 1e3\r\n\r\n{}"]}.items():
+    code, closed = send(data)
+    check(replies == [400] and closed, "%s -> one 400 and closed (%s, %s)" % (what, replies, closed))
+for what, data in {"blanks before the count": H + b"Content-Length: \t 16\r\n\r\n{\"content\":\"hi\"}",
+                   "leading zeros, a lower-case name, bare LFs":
+                       b"POST /tokenize HTTP/1.1\nHost: x\ncontent-length:0016\n\n{\"content\":\"hi\"}"}.items():
+    code, closed = send(data, timeout=1)
+    check(replies == [200], "%s: served (%s)" % (what, replies))
+check(d.logtext().count("Content-Length must be a decimal byte count") == 9, "each refusal logged")
+
 # A raw NUL: libmicrohttpd would read the strings up to it (GET /health\0junk
 # would be served as /health; a NUL-led line would end the head)
 G = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -98,7 +120,7 @@ code, closed = send(G, first=G)
 check(code == 200 and not closed, "an ordinary second request on a kept-alive connection is served (%d)" % code)
 code, closed = send(G, first=H + b"Content-Length: 16\r\n\r\n{\"content\":\"hi\"}")
 check(code == 200 and not closed, "... and after a request with a body (%d)" % code)
-check(d.logtext().count("a NUL byte in the request head") == len(nul) + 1, "each logged")
+check(d.logtext().count("the request head holds a NUL byte") == len(nul) + 1, "each logged")
 check(invalid_total() - before == len(nul) + 1, "each counted as an invalid request in /metrics")
 # a request sent behind another before its reply was read with that one's
 # bytes, unchecked: the first is answered, the connection closed, and the
