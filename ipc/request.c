@@ -237,6 +237,12 @@ static enum ipc_status parse_tool_calls(const json_t *v, size_t i, json_t **out,
     return IPC_OK;
 }
 
+/* An assistant message's fields OpenAI defines that kvtier cannot render:
+ * a null one is what the SDKs send back of a reply that had none (openai-node's
+ * stream helpers write "refusal": null into every message they assemble), so it
+ * is accepted and dropped; any other value is refused by name. */
+static const char *const absent_ok[] = {"refusal", "audio", "function_call"};
+
 /* One message as the chat template sees it: role, content and, when given,
  * name, tool_calls, tool_call_id and reasoning_content. */
 static enum ipc_status parse_message(const json_t *m, size_t i, json_t *out, struct ipc_error *err)
@@ -247,6 +253,16 @@ static enum ipc_status parse_message(const json_t *m, size_t i, json_t *out, str
     json_t *val;
     json_object_foreach((json_t *)m, key, val)
     {
+        bool absent = false;
+        for (size_t k = 0; k < sizeof(absent_ok) / sizeof(absent_ok[0]); k++)
+            if (!strcmp(key, absent_ok[k])) {
+                if (!json_is_null(val))
+                    return ipc_fail(err, IPC_ENOTIMPL, "messages", "messages[%zu].%s is not supported by kvtier "
+                                    "(only null)", i, key);
+                absent = true;
+            }
+        if (absent)
+            continue;
         if (strcmp(key, "role") && strcmp(key, "content") && strcmp(key, "name") && strcmp(key, "tool_calls") &&
             strcmp(key, "tool_call_id") && strcmp(key, "reasoning_content"))
             return ipc_fail(err, IPC_EINVAL, "messages", "messages[%zu]: field \"%.32s\" is not supported", i, key);
