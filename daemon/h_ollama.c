@@ -60,6 +60,12 @@ static enum ipc_status put_options(const json_t *opts, json_t *out, int ctx, str
     json_t *v;
     json_object_foreach((json_t *)opts, key, v)
     {
+        /* a known option that is null is left out, as Ollama's clients drop
+         * unset ones: its Ollama default stays (temperature 0.8, not 1) */
+        bool known = IN(key, same_name) || IN(key, runner) || !strcmp(key, "num_predict") ||
+                     !strcmp(key, "num_ctx") || !strcmp(key, "mirostat");
+        if (known && json_is_null(v))
+            continue;
         if (IN(key, same_name)) {
             /* Ollama's seed -1 (and a null) is a random one */
             if (!strcmp(key, "seed") && json_is_integer(v) && json_integer_value(v) == -1)

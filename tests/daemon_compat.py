@@ -5,7 +5,10 @@ socket without the libraries.
 - An assistant message with "refusal": null, as openai-node's stream
   helpers assemble it, goes into the next request as it is; null audio and
   function_call too. A refusal, audio or function_call with a value is a
-  400 naming messages, never a silent drop."""
+  400 naming messages, never a silent drop.
+- Ollama options that are null are left out, as Ollama's clients drop
+  unset ones: Ollama's defaults stay (temperature 0.8, top_k 40, ...), and
+  a null num_predict or num_ctx is no 400."""
 import sys
 
 sys.path.insert(0, "tests")
@@ -38,5 +41,21 @@ for extra, name in (({"refusal": "I cannot help with that."}, "refusal"),
     code, got = chat(messages=[USER, dict(turn, **extra), {"role": "user", "content": "More"}])
     check(code == 400 and got["error"]["param"] == "messages" and name in got["error"]["message"],
           "a %s with a value is a 400 naming it: %s %s" % (name, code, got))
+
+# -- Ollama: a null option is an absent one
+OPTS = {"seed": 7, "num_predict": 8}
+ref = d.post("/api/generate", {"model": "model", "prompt": "In the beginning", "stream": False, "options": OPTS})
+check(ref[0] == 200, "generate with a seed: %s" % (ref,))
+nulls = dict(OPTS, temperature=None, top_k=None, top_p=None, repeat_penalty=None, repeat_last_n=None, stop=None,
+             num_ctx=None, mirostat=None, num_thread=None)
+code, got = d.post("/api/generate", {"model": "model", "prompt": "In the beginning", "stream": False, "options": nulls})
+check(code == 200 and got["response"] == ref[1]["response"],
+      "null options keep Ollama's defaults, the same reply as without them: %s %r vs %r"
+      % (code, got.get("response", got), ref[1]["response"]))
+code, got = d.post("/api/generate", {"model": "model", "prompt": "In the beginning", "stream": False,
+                                     "options": {"seed": 7, "num_predict": None}})
+check(code == 200 and got["done"], "a null num_predict is no limit, not a 400: %s %s" % (code, got))
+code, got = d.post("/api/generate", {"model": "model", "prompt": "x", "stream": False, "options": {"nosuch": None}})
+check(code == 400 and "nosuch" in got["error"], "an unknown option is still a 400 when null: %s %s" % (code, got))
 
 check(d.stop() == 0, "stop")
