@@ -4,11 +4,12 @@
  *
  * A generation request is rewritten into the OpenAI form the other
  * endpoints take (options.* become the sampling fields of the same name,
- * num_predict max_tokens), so it is checked, tokenized and run by the same
- * code; only the reply differs.  Ollama's option defaults apply to what the
- * request leaves out (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty
- * 1.1 over the last 64 tokens), and without num_predict a reply may run to
- * the end of the context.  Errors are Ollama's {"error": "..."}. */
+ * num_predict max_tokens, format response_format), so it is checked,
+ * tokenized and run by the same code; only the reply differs.  Ollama's
+ * option defaults apply to what the request leaves out (temperature 0.8,
+ * top_k 40, top_p 0.9, repeat_penalty 1.1 over the last 64 tokens), and
+ * without num_predict a reply may run to the end of the context.  Errors
+ * are Ollama's {"error": "..."}. */
 #include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -145,7 +146,7 @@ static enum ipc_status translate(struct req *r, bool chat_api, json_t *out, bool
         if (!known)
             return ipc_fail(err, IPC_EINVAL, key, "unknown field \"%.48s\"", key);
         /* what kvtier cannot do yet is refused by name, never ignored */
-        bool unsupported = !strcmp(key, "format") || !strcmp(key, "think") || !strcmp(key, "tools") ||
+        bool unsupported = !strcmp(key, "think") || !strcmp(key, "tools") ||
                            !strcmp(key, "suffix") || !strcmp(key, "images") || !strcmp(key, "template") ||
                            !strcmp(key, "context");
         if (unsupported && !off(v))
@@ -164,6 +165,17 @@ static enum ipc_status translate(struct req *r, bool chat_api, json_t *out, bool
         bad |= json_object_set(out, "model", json_object_get(root, "model"));
     if (json_object_get(root, "keep_alive"))
         bad |= json_object_set(out, "keep_alive", json_object_get(root, "keep_alive"));
+    /* format is Ollama's constrained output: "json" an object, an object a
+     * JSON schema; both are response_format's, so the same grammar runs */
+    const json_t *format = json_object_get(root, "format");
+    if (json_is_string(format) && !strcmp(json_string_value(format), "json"))
+        bad |= json_object_set_new(out, "response_format", json_pack("{s:s}", "type", "json_object"));
+    else if (json_is_object(format))
+        bad |= json_object_set_new(out, "response_format", json_pack("{s:s,s:{s:s,s:O}}", "type", "json_schema",
+                                                                     "json_schema", "name", "format", "schema",
+                                                                     format));
+    else if (!off(format))
+        return ipc_fail(err, IPC_EINVAL, "format", "format must be \"json\" or a JSON schema (an object)");
     if (bad)
         return ipc_fail(err, IPC_ENOMEM, "", "no memory for the request");
     enum ipc_status st = put_options(json_object_get(root, "options"), out, engine_context(r->srv->eng), err);
@@ -231,7 +243,17 @@ static enum ipc_status prep_ollama(struct req *r, bool chat_api)
     /* name the field as the client wrote it, in the message too: Ollama's
      * error envelope carries only the message */
     const char *as = !strcmp(err->param, "max_tokens") ? "num_predict" : IN(err->param, same_name) ? err->param : NULL;
-    if (st != IPC_OK && as) {
+    if (st != IPC_OK && !strcmp(err->param, "response_format")) {
+        /* the schema's refusals name the field the client sent */
+        char m[IPC_MSG_LEN];
+        const char *rest = !strncmp(err->msg, "response_format", 15) ? err->msg + 15 : NULL;
+        if (rest)
+            snprintf(m, sizeof(m), "format%s", rest);
+        else
+            snprintf(m, sizeof(m), "format: %.*s", (int)(sizeof(m) - 9), err->msg);
+        snprintf(err->param, sizeof(err->param), "format");
+        memcpy(err->msg, m, sizeof(m));
+    } else if (st != IPC_OK && as) {
         char p[IPC_PARAM_LEN], m[IPC_MSG_LEN];
         snprintf(p, sizeof(p), "options.%.40s", as);
         /* the length's message names max_tokens, which the client never sent */

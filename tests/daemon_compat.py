@@ -8,7 +8,12 @@ socket without the libraries.
   400 naming messages, never a silent drop.
 - Ollama options that are null are left out, as Ollama's clients drop
   unset ones: Ollama's defaults stay (temperature 0.8, top_k 40, ...), and
-  a null num_predict or num_ctx is no 400."""
+  a null num_predict or num_ctx is no 400.
+- Ollama's format: "json" is one JSON object and a schema object a value
+  valid for it, on /api/generate and /api/chat, streamed or not (the
+  grammar of response_format); another string, or a schema keyword outside
+  the subset, is a 400 whose message names format."""
+import json
 import sys
 
 sys.path.insert(0, "tests")
@@ -57,5 +62,41 @@ code, got = d.post("/api/generate", {"model": "model", "prompt": "In the beginni
 check(code == 200 and got["done"], "a null num_predict is no limit, not a 400: %s %s" % (code, got))
 code, got = d.post("/api/generate", {"model": "model", "prompt": "x", "stream": False, "options": {"nosuch": None}})
 check(code == 400 and "nosuch" in got["error"], "an unknown option is still a 400 when null: %s %s" % (code, got))
+
+# -- Ollama: format
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "w": {"type": "string", "maxLength": 6}},
+          "required": ["n", "w"], "additionalProperties": False}
+for path, body, field in (("/api/generate", {"prompt": "Describe a city."}, "response"),
+                          ("/api/chat", {"messages": [{"role": "user", "content": "Describe a city."}]}, "message")):
+    for fmt in ("json", SCHEMA):
+        for seed in (1, 2):
+            req = dict(body, model="model", format=fmt, options={"seed": seed, "num_predict": 60, "temperature": 1})
+            code, got = d.post(path, dict(req, stream=False))
+            text = got.get(field) if code == 200 else got
+            text = text["content"] if isinstance(text, dict) and field == "message" else text
+            try:
+                doc = json.loads(text)
+            except (TypeError, ValueError):
+                doc = None
+            ok = isinstance(doc, dict) and (fmt == "json" or (isinstance(doc.get("n"), int) and
+                                                              isinstance(doc.get("w"), str) and set(doc) == {"n", "w"}))
+            check(code == 200 and ok, "%s format %s seed %d: a valid document: %s %r"
+                  % (path, "json" if fmt == "json" else "schema", seed, code, text))
+            # streamed: the pieces join into the same document
+            c = d.conn()
+            c.request("POST", path, body=json.dumps(dict(req, stream=True)), headers={"Content-Type": "application/json"})
+            lines = [json.loads(x) for x in c.getresponse().read().decode().splitlines() if x.strip()]
+            c.close()
+            joined = "".join(x["response"] if field == "response" else x["message"]["content"] for x in lines)
+            check(lines[-1]["done"] and joined == text, "%s streamed with format: the same document %r" % (path, joined))
+code, got = d.post("/api/generate", {"model": "model", "prompt": "x", "format": "xml"})
+check(code == 400 and got["error"].startswith("format"), "format \"xml\" is a 400 naming format: %s %s" % (code, got))
+code, got = d.post("/api/chat", {"model": "model", "messages": [USER], "format": {"type": "string", "pattern": "a+"}})
+check(code == 400 and got["error"].startswith("format") and "pattern" in got["error"],
+      "a schema keyword outside the subset is a 400 naming format and the keyword: %s %s" % (code, got))
+for off in ("", None):
+    code, got = d.post("/api/generate", {"model": "model", "prompt": "x", "format": off, "stream": False,
+                                         "options": {"num_predict": 2}})
+    check(code == 200, "format %r is free text: %s" % (off, code))
 
 check(d.stop() == 0, "stop")
