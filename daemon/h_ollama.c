@@ -82,9 +82,12 @@ static enum ipc_status put_options(const json_t *opts, json_t *out, int ctx, str
             if (json_integer_value(v) > 0 && json_object_set_new(out, "max_tokens", json_integer(json_integer_value(v))))
                 return ipc_fail(err, IPC_ENOMEM, "options", "no memory for the options");
         } else if (!strcmp(key, "num_ctx")) {
-            if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > ctx)
-                return ipc_fail(err, IPC_EINVAL, "options.num_ctx", "options.num_ctx must be from 1 to %d, the "
-                                "context kvtierd was started with (--ctx-size)", ctx);
+            /* no effect: kvtierd's context applies, as Ollama clamps a num_ctx
+             * above the model's trained context to it (clients such as
+             * editors send their own figure with every request) */
+            if (!json_is_integer(v) || json_integer_value(v) < 1)
+                return ipc_fail(err, IPC_EINVAL, "options.num_ctx", "options.num_ctx must be a positive integer "
+                                "(kvtierd's context is %d tokens, --ctx-size)", ctx);
         } else if (IN(key, runner)) { /* ignored, but still of their type */
             if (!json_is_number(v) && !json_is_boolean(v) && !json_is_null(v))
                 return ipc_fail(err, IPC_EINVAL, "options", "options.%.48s must be a number or a boolean", key);

@@ -12,7 +12,10 @@ socket without the libraries.
 - Ollama's format: "json" is one JSON object and a schema object a value
   valid for it, on /api/generate and /api/chat, streamed or not (the
   grammar of response_format); another string, or a schema keyword outside
-  the subset, is a 400 whose message names format."""
+  the subset, is a 400 whose message names format.
+- Ollama's num_ctx above kvtierd's context is taken (no effect), as Ollama
+  clamps it to the model's trained context; one that is not a positive
+  integer is still a 400."""
 import json
 import sys
 
@@ -98,5 +101,15 @@ for off in ("", None):
     code, got = d.post("/api/generate", {"model": "model", "prompt": "x", "format": off, "stream": False,
                                          "options": {"num_predict": 2}})
     check(code == 200, "format %r is free text: %s" % (off, code))
+
+# -- Ollama: num_ctx past the context
+ctx = d.get("/v1/models")[1]["data"][0]["meta"]["n_ctx"]
+for n in (ctx, ctx + 1, 131072):
+    code, got = d.post("/api/chat", {"model": "model", "messages": [USER], "stream": False,
+                                     "options": {"num_ctx": n, "num_predict": 2}})
+    check(code == 200 and got["done"], "num_ctx %d (context %d) is taken: %s %s" % (n, ctx, code, got))
+for n in (0, -1, 1.5, "8k"):
+    code, got = d.post("/api/chat", {"model": "model", "messages": [USER], "options": {"num_ctx": n}})
+    check(code == 400 and got["error"].startswith("options.num_ctx"), "num_ctx %r is a 400: %s %s" % (n, code, got))
 
 check(d.stop() == 0, "stop")
