@@ -483,6 +483,16 @@ enum MHD_Result h_ollama_show(struct req *r, const char *arg)
     return reply_jw(r, 200, &w);
 }
 
+/* GET / is the probe Ollama's clients and scripts send to see whether a
+ * server is up; Ollama answers it with this text. */
+enum MHD_Result h_ollama_root(struct req *r, const char *arg)
+{
+    (void)arg;
+    static const char text[] = "Ollama is running";
+    char *body = strdup(text);
+    return body ? queue(r, 200, body, sizeof(text) - 1, "text/plain; charset=utf-8") : MHD_NO;
+}
+
 enum MHD_Result h_ollama_version(struct req *r, const char *arg)
 {
     (void)arg;

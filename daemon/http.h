@@ -276,6 +276,7 @@ enum MHD_Result h_ollama_tags(struct req *r, const char *arg);
 enum MHD_Result h_ollama_ps(struct req *r, const char *arg);
 enum MHD_Result h_ollama_show(struct req *r, const char *arg);
 enum MHD_Result h_ollama_version(struct req *r, const char *arg);
+enum MHD_Result h_ollama_root(struct req *r, const char *arg);
 /* One NDJSON object's head (model, created_at, the text) up to "done";
  * the final object with its statistics; the whole stream:false reply. */
 void ollama_write_chunk(struct jw *w, struct req *r, const char *text, size_t n);

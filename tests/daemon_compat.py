@@ -15,7 +15,9 @@ socket without the libraries.
   the subset, is a 400 whose message names format.
 - Ollama's num_ctx above kvtierd's context is taken (no effect), as Ollama
   clamps it to the model's trained context; one that is not a positive
-  integer is still a 400."""
+  integer is still a 400.
+- GET / (and HEAD /, HEAD /api/tags), the probe Ollama's clients send to
+  see whether a server is up, answers 200 "Ollama is running" as Ollama."""
 import json
 import sys
 
@@ -111,5 +113,21 @@ for n in (ctx, ctx + 1, 131072):
 for n in (0, -1, 1.5, "8k"):
     code, got = d.post("/api/chat", {"model": "model", "messages": [USER], "options": {"num_ctx": n}})
     check(code == 400 and got["error"].startswith("options.num_ctx"), "num_ctx %r is a 400: %s %s" % (n, code, got))
+
+# -- Ollama: the liveness probe
+c = d.conn()
+c.request("GET", "/")
+r = c.getresponse()
+body = r.read()
+c.close()
+check(r.status == 200 and body == b"Ollama is running" and r.getheader("Content-Type").startswith("text/plain"),
+      "GET /: 200 \"Ollama is running\" (%d %r)" % (r.status, body))
+for path in ("/", "/api/tags"):
+    c = d.conn()
+    c.request("HEAD", path)
+    r = c.getresponse()
+    check(r.status == 200 and r.read() == b"", "HEAD %s: 200 without a body (%d)" % (path, r.status))
+    c.close()
+check(d.post("/", {})[0] == 405, "POST / is a 405")
 
 check(d.stop() == 0, "stop")
