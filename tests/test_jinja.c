@@ -6,7 +6,9 @@
  *
  * With KVTIER_JINJA_ORACLE=expected.json (written by tests/jinja/oracle.mjs,
  * run by tests/jinja.test.sh) it instead renders every case of the corpus
- * and compares the bytes with @huggingface/jinja's.
+ * and compares the bytes with @huggingface/jinja's, and the case mapping of
+ * every code point with JavaScript's (KVTIER_JINJA_CASING=casing.json,
+ * written by tests/jinja/casing.mjs).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -19,6 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <utf8proc.h>
+
+#include "text/casemap.h"
 #include "text/chat.h"
 #include "text/jinja.h"
 
@@ -90,6 +95,37 @@ static void test_basics(void **state)
     expect_text("{{ x is defined }}{{ x is not defined }}{{ strftime_now is defined }}", NULL, "falsetruetrue");
     /* training templates' generation markers are dropped */
     expect_text("a {%- generation -%} b {% endgeneration %} c", NULL, "ab  c"); /* as @huggingface/jinja */
+}
+
+/* upper, lower, capitalize, title and the case tests as @huggingface/jinja
+ * (JavaScript) has them; jinja.test.sh compares every code point */
+static void test_case(void **state)
+{
+    (void)state;
+    expect_text("{{ 'straße' | upper }} {{ 'ǰ'.upper() }} {{ 'ﬃ' | upper }}", NULL, "STRASSE J̌ FFI");
+    expect_text("{{ 'İI' | lower }} {{ 'ıi'.upper() }}", NULL, "i̇i II"); /* no Turkish rules */
+    expect_text("{{ 'ΟΔΥΣΣΕΥΣ ΣΑ Σ' | lower }} {{ 'ΑΣ.' | lower }} {{ 'ΑΣ\\'Α' | lower }}", NULL,
+                "οδυσσευς σα σ ας. ασ'α");
+    /* capitalize: the first UTF-16 unit, the rest untouched; title: ASCII */
+    expect_text("{{ 'ßa' | capitalize }} {{ '𐐨a' | capitalize }} {{ 'éLAN' | capitalize }}", NULL, "SSa 𐐨a ÉLAN");
+    expect_text("{{ 'élan vital' | title }} {{ 'ǆ' | title }}", NULL, "éLan Vital ǆ");
+    expect_text("{{ 'ÉTÉ' is upper }} {{ 'été' is lower }} {{ 'ß' is upper }} {{ '日本' is lower }}", NULL,
+                "true true false true");
+    /* bytes that are not UTF-8 pass through; the characters around them map */
+    const char *src = "{{ s | upper }}|{{ s | capitalize }}|{{ t | capitalize }}";
+    jinja_tpl *t;
+    char err[TEXT_ERR_LEN], *out;
+    size_t len;
+    assert_int_equal(jinja_parse(src, strlen(src), &t, err), TEXT_OK);
+    json_t *vars = json_pack("{s:o,s:o}", "s", json_stringn_nocheck("\xff" "a\xc3\xc3\xa9", 5), "t",
+                             json_stringn_nocheck("\xc3" "a", 2));
+    assert_non_null(vars);
+    assert_int_equal(jinja_render(t, vars, &(struct jinja_opts){0}, &out, &len, err), TEXT_OK);
+    assert_int_equal(len, 5 + 1 + 5 + 1 + 2);
+    assert_memory_equal(out, "\xff" "A\xc3\xc3\x89|\xff" "a\xc3\xc3\xa9|\xc3" "a", len);
+    free(out);
+    json_decref(vars);
+    jinja_free(t);
 }
 
 static void test_errors(void **state)
@@ -302,16 +338,130 @@ static void test_oracle(void **state)
     assert_int_equal(failed, 0);
 }
 
+/* Marks the code points of ranges ([[first, last], ...]) in set. */
+static void mark(unsigned char *set, const json_t *ranges)
+{
+    size_t i;
+    const json_t *r;
+    json_array_foreach(ranges, i, r)
+    {
+        json_int_t last = json_integer_value(json_array_get(r, 1));
+        for (json_int_t c = json_integer_value(json_array_get(r, 0)); c <= last; c++)
+            set[c] = 1;
+    }
+}
+
+/* Whether s[0..n) maps to want[0..wn), else says how it differs. */
+static bool maps_to(const char *what, int32_t c, const char *s, size_t n, enum casemap how, const char *want,
+                    size_t wn)
+{
+    size_t len;
+    char *out = casemap(s, n, how, &len);
+    assert_non_null(out);
+    bool ok = len == wn && !memcmp(out, want, len);
+    if (!ok)
+        fprintf(stderr, "U+%04X %s: \"%s\", JavaScript \"%.*s\"\n", (unsigned)c, what, out, (int)wn, want);
+    free(out);
+    return ok;
+}
+
+/* The code points whose case Unicode changed after 15.0, the version of
+ * Debian 12's libutf8proc: ƛ, ɤ, ꟓ and ꟕ got capitals, ʕ stopped being a
+ * cased letter and U+1171E a mark.  A JavaScript of a later Unicode maps
+ * them otherwise; every other code point both versions assign must agree. */
+static const int32_t changed_after_15[] = {0x19b, 0x264, 0x295, 0xa7d3, 0xa7d5, 0x1171e};
+
+/* text/casemap.c against JavaScript's toUpperCase/toLowerCase for every
+ * code point assigned in both Unicode versions: alone, and around a
+ * capital sigma (whether it makes the sigma final). */
+static void test_casing(void **state)
+{
+    (void)state;
+    const char *path = getenv("KVTIER_JINJA_CASING");
+    if (!path)
+        fail_msg("KVTIER_JINJA_CASING is not set (tests/jinja.test.sh sets it)");
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    if (!root)
+        fail_msg("%s: %s", path, jerr.text);
+    unsigned char *skip = calloc(0x110000, 1), *cased = calloc(0x110000, 1), *ign = calloc(0x110000, 1);
+    const json_t **want = calloc(0x110000, sizeof(*want));
+    assert_true(skip && cased && ign && want);
+    mark(skip, json_object_get(root, "unassigned"));
+    mark(cased, json_object_get(root, "cased"));
+    mark(ign, json_object_get(root, "ignorable"));
+    for (size_t i = 0; i < sizeof(changed_after_15) / sizeof(changed_after_15[0]); i++)
+        skip[changed_after_15[i]] = 1;
+    size_t i;
+    const json_t *e;
+    json_array_foreach(json_object_get(root, "map"), i, e)
+    {
+        want[json_integer_value(json_array_get(e, 0))] = e;
+    }
+    size_t failed = 0, checked = 0;
+    for (int32_t c = 0; c <= 0x10ffff; c++) {
+        if ((c >= 0xd800 && c <= 0xdfff) || skip[c] || utf8proc_get_property(c)->category == UTF8PROC_CATEGORY_CN)
+            continue;
+        checked++;
+        char s[8], w[2][16], probe[16];
+        size_t n = (size_t)utf8proc_encode_char(c, (utf8proc_uint8_t *)s), wn[2] = {0, 0};
+        for (int k = 0; k < 2; k++) {
+            const json_t *cps = want[c] ? json_array_get(want[c], (size_t)k + 1) : NULL;
+            for (size_t j = 0; j < json_array_size(cps); j++)
+                wn[k] += (size_t)utf8proc_encode_char((int32_t)json_integer_value(json_array_get(cps, j)),
+                                                      (utf8proc_uint8_t *)w[k] + wn[k]);
+            if (!cps) {
+                memcpy(w[k], s, n);
+                wn[k] = n;
+            }
+        }
+        bool ok = maps_to("upper", c, s, n, CASEMAP_UPPER, w[0], wn[0]) &&
+                  maps_to("lower", c, s, n, CASEMAP_LOWER, w[1], wn[1]);
+        /* x + Σ: final after a cased x; A + x + Σ: after an ignorable one
+         * too; A + Σ + x: final unless x is cased (x lowercased alone, so
+         * not a sigma itself, which ends the word there) */
+        char wsig[16];
+        memcpy(probe, s, n);
+        memcpy(probe + n, "Σ", 2);
+        memcpy(wsig, w[1], wn[1]);
+        memcpy(wsig + wn[1], cased[c] ? "ς" : "σ", 2);
+        ok = ok && maps_to("before a sigma", c, probe, n + 2, CASEMAP_LOWER, wsig, wn[1] + 2);
+        probe[0] = 'A';
+        memcpy(probe + 1, s, n);
+        memcpy(probe + 1 + n, "Σ", 2);
+        wsig[0] = 'a';
+        memcpy(wsig + 1, w[1], wn[1]);
+        memcpy(wsig + 1 + wn[1], cased[c] || ign[c] ? "ς" : "σ", 2);
+        ok = ok && maps_to("between A and a sigma", c, probe, n + 3, CASEMAP_LOWER, wsig, wn[1] + 3);
+        memcpy(probe, "AΣ", 3);
+        memcpy(probe + 3, s, n);
+        memcpy(wsig, cased[c] ? "aσ" : "aς", 3);
+        memcpy(wsig + 3, w[1], wn[1]);
+        ok = ok && (c == 0x3a3 || maps_to("after A and a sigma", c, probe, n + 3, CASEMAP_LOWER, wsig, wn[1] + 3));
+        failed += !ok;
+    }
+    fprintf(stderr, "casing: %zu code points against JavaScript's Unicode %s, %zu differ\n", checked,
+            json_string_value(json_object_get(root, "unicode")), failed);
+    free(skip);
+    free(cased);
+    free(ign);
+    free(want);
+    json_decref(root);
+    assert_true(checked > 250000);
+    assert_int_equal(failed, 0);
+}
+
 int main(void)
 {
     setenv("TZ", "UTC", 1);
     tzset();
     if (getenv("KVTIER_JINJA_ORACLE")) {
-        const struct CMUnitTest oracle[] = {cmocka_unit_test(test_oracle)};
+        const struct CMUnitTest oracle[] = {cmocka_unit_test(test_oracle), cmocka_unit_test(test_casing)};
         return cmocka_run_group_tests(oracle, NULL, NULL);
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_basics),
+        cmocka_unit_test(test_case),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_chat_tpl),

@@ -4,6 +4,7 @@
  * a tree in one arena, and an evaluator over jansson values.  Undefined is
  * a NULL json_t; macros and builtins are resolved by name at the call. */
 #include "text/jinja.h"
+#include "text/casemap.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -12,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <utf8proc.h>
 
 /* Nesting of the parser's recursion (brackets, operators, blocks) and of the
  * evaluator's (the same, plus macro calls): far above any real template,
@@ -1865,26 +1867,50 @@ static json_t *strip(const json_t *v, const json_t *chars, bool lead, bool trail
     return str_new(s + a, e - a);
 }
 
-static json_t *change_case(const json_t *v, int mode /* 0 lower, 1 upper, 2 title, 3 capitalize */)
+/* upper, lower, title and capitalize as @huggingface/jinja's: upper and
+ * lower are JavaScript's toUpperCase/toLowerCase (text/casemap.h);
+ * capitalize uppercases charAt(0), the first UTF-16 unit, so the first
+ * character unless it lies past the BMP, and leaves the rest as it is;
+ * title's /\b\w/ is ASCII, so it uppercases the ASCII letters that follow
+ * anything but an ASCII letter, digit or underscore. */
+enum case_op { CASE_LOWER, CASE_UPPER, CASE_TITLE, CASE_CAPITALIZE };
+
+static enum case_op case_op(const char *name)
 {
-    size_t n;
+    return name[0] == 'l' ? CASE_LOWER : name[0] == 'u' ? CASE_UPPER : name[0] == 't' ? CASE_TITLE : CASE_CAPITALIZE;
+}
+
+static json_t *change_case(const json_t *v, enum case_op op)
+{
+    size_t n, len;
     const char *s = sval(v, &n);
-    char *p = malloc(n + 1);
+    if (op == CASE_TITLE) {
+        char *p = malloc(n + 1);
+        if (!p)
+            return NULL;
+        for (size_t i = 0; i < n; i++)
+            p[i] = s[i] >= 'a' && s[i] <= 'z' && (!i || !is_word((unsigned char)s[i - 1])) ? (char)(s[i] - 32) : s[i];
+        json_t *out = str_new(p, n);
+        free(p);
+        return out;
+    }
+    /* capitalize: the first character when it is in the BMP; none when
+     * the string starts with a byte that is not UTF-8 */
+    size_t head = n;
+    if (op == CASE_CAPITALIZE) {
+        utf8proc_int32_t c;
+        utf8proc_ssize_t l = n ? utf8proc_iterate((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n, &c) : 0;
+        head = l > 0 && c < 0x10000 ? (size_t)l : 0;
+    }
+    char *p = casemap(s, head, op == CASE_LOWER ? CASEMAP_LOWER : CASEMAP_UPPER, &len);
     if (!p)
         return NULL;
-    bool word = false;
-    for (size_t i = 0; i < n; i++) {
-        char c = s[i];
-        bool up = mode == 1 || (mode == 2 && !word) || (mode == 3 && i == 0);
-        if (up && c >= 'a' && c <= 'z')
-            c = (char)(c - 32);
-        else if (mode == 0 && c >= 'A' && c <= 'Z')
-            c = (char)(c + 32);
-        p[i] = c;
-        word = is_word((unsigned char)s[i]);
-    }
-    json_t *out = str_new(p, n);
+    struct sbuf b = {.limit = SIZE_MAX / 4};
+    sb_put(&b, p, len);
+    sb_put(&b, s + head, n - head);
     free(p);
+    json_t *out = b.oom ? NULL : str_new(b.p, b.n);
+    free(b.p);
     return out;
 }
 
@@ -2006,7 +2032,7 @@ static bool method(struct rt *r, const struct node *at, json_t *self, const char
         if (streq(m, ml, "strip") || streq(m, ml, "lstrip") || streq(m, ml, "rstrip"))
             return set_out(r, out, strip(self, arg(a, 0, "chars"), m[0] != 'r', m[0] != 'l'));
         if (streq(m, ml, "upper") || streq(m, ml, "lower") || streq(m, ml, "title") || streq(m, ml, "capitalize"))
-            return set_out(r, out, change_case(self, m[0] == 'l' ? 0 : m[0] == 'u' ? 1 : m[0] == 't' ? 2 : 3));
+            return set_out(r, out, change_case(self, case_op(m)));
         if (streq(m, ml, "startswith") || streq(m, ml, "endswith")) {
             if (!arg(a, 0, NULL))
                 return rfail(r, at, "%.*s() needs an argument", (int)ml, m);
@@ -2117,12 +2143,14 @@ static bool apply_test(struct rt *r, const struct node *at, const char *t, size_
     } else if (streq(t, tl, "lower") || streq(t, tl, "upper")) {
         if (!json_is_string(v))
             return rfail(r, at, "'%.*s' needs a string", (int)tl, t);
-        size_t n;
+        /* as @huggingface/jinja: the string is its own lowercase (uppercase) */
+        size_t n, len;
         const char *s = sval(v, &n);
-        *res = true;
-        for (size_t i = 0; i < n; i++)
-            if (t[0] == 'l' ? (s[i] >= 'A' && s[i] <= 'Z') : (s[i] >= 'a' && s[i] <= 'z'))
-                *res = false;
+        char *p = casemap(s, n, t[0] == 'l' ? CASEMAP_LOWER : CASEMAP_UPPER, &len);
+        if (!p)
+            return nomem(r);
+        *res = len == n && !memcmp(p, s, n);
+        free(p);
     } else
         return rfail(r, at, "unknown test '%.*s'", (int)tl, t);
     return true;
@@ -2434,7 +2462,7 @@ static bool filter(struct rt *r, const struct node *at, const char *f, size_t fl
         if (streq(f, fl, "trim"))
             return set_out(r, out, strip(v, arg(a, 0, "chars"), true, true));
         if (streq(f, fl, "upper") || streq(f, fl, "lower") || streq(f, fl, "title") || streq(f, fl, "capitalize"))
-            return set_out(r, out, change_case(v, f[0] == 'l' ? 0 : f[0] == 'u' ? 1 : f[0] == 't' ? 2 : 3));
+            return set_out(r, out, change_case(v, case_op(f)));
         if (streq(f, fl, "replace")) {
             long long count;
             if (!json_is_string(arg(a, 0, NULL)) || !json_is_string(arg(a, 1, NULL)))

@@ -10,7 +10,7 @@
  * first/last/length/previtem/nextitem), break/continue, set (names,
  * attributes, tuples, blocks), macros with defaults and keyword arguments,
  * filter blocks, generation markers (dropped), the usual filters, tests and
- * string/mapping methods,
+ * string/mapping methods (upper and lower as JavaScript's: text/casemap.h),
  * namespace(), range(), raise_exception() and strftime_now().
  *
  * Rendering is bounded: output bytes, nesting depth and evaluation steps
