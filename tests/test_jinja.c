@@ -280,6 +280,53 @@ static void test_chat_tpl(void **state)
     json_decref(empty);
 }
 
+/* chat_continue_final over text: want, or NULL for TEXT_EINVAL naming
+ * continue_final_message. */
+static void expect_cut(const char *messages, const char *text, const char *want)
+{
+    json_t *m = json_loads(messages, 0, NULL);
+    assert_non_null(m);
+    char *buf = strdup(text), err[TEXT_ERR_LEN] = "";
+    assert_non_null(buf);
+    size_t len = strlen(buf);
+    enum text_status st = chat_continue_final(m, buf, &len, err);
+    if (want && (st != TEXT_OK || len != strlen(want) || strcmp(buf, want)))
+        fail_msg("%s over \"%s\": \"%s\" (%s), want \"%s\"", messages, text, buf, err, want);
+    if (!want && (st != TEXT_EINVAL || !strstr(err, "continue_final_message")))
+        fail_msg("%s over \"%s\": %d \"%s\", want an error", messages, text, st, err);
+    free(buf);
+    json_decref(m);
+}
+
+/* transformers' cut: after the last occurrence of the stripped content,
+ * keeping its trailing whitespace only where the template printed it whole */
+static void test_continue_final(void **state)
+{
+    (void)state;
+    const char *chat = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is<|im_end|>\n";
+    expect_cut("[{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"The answer is\"}]",
+               chat, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is");
+    /* any role, as transformers allows */
+    expect_cut("[{\"role\": \"user\", \"content\": \"Hi\"}]", "<u>Hi</u>", "<u>Hi");
+    expect_cut("[{\"role\": \"assistant\", \"content\": \"Sure, \"}]", "<a>Sure, </a>", "<a>Sure, ");
+    expect_cut("[{\"role\": \"assistant\", \"content\": \"Sure, \"}]", "<a>Sure,</a>", "<a>Sure,");
+    /* leading whitespace: the trailing whitespace goes even when printed */
+    expect_cut("[{\"role\": \"assistant\", \"content\": \" Sure \"}]", "<a> Sure </a>", "<a> Sure");
+    /* Python's whitespace: U+0085 and U+3000 are stripped, U+FEFF is not */
+    expect_cut("[{\"role\": \"assistant\", \"content\": \"ok\\u0085\\u3000\"}]", "<a>ok</a>", "<a>ok");
+    expect_cut("[{\"role\": \"assistant\", \"content\": \"ok\\ufeff\"}]", "<a>ok</a>", NULL);
+    expect_cut("[{\"role\": \"user\", \"content\": \"yes\"}, {\"role\": \"assistant\", \"content\": \"yes\"}]",
+               "<u>yes</u><a>yes</a><a>", "<u>yes</u><a>yes");
+    /* nothing to find is found at the end: nothing is cut */
+    expect_cut("[{\"role\": \"assistant\", \"content\": \"\"}]", "<a></a>", "<a></a>");
+    expect_cut("[{\"role\": \"assistant\", \"content\": \" \\n\"}]", "<a></a>", "<a></a>");
+    /* a template that changed the message, a message without text */
+    expect_cut("[{\"role\": \"assistant\", \"content\": \"a\\nb\"}]", "<a>a b</a>", NULL);
+    expect_cut("[{\"role\": \"assistant\", \"content\": \"longer than the text\"}]", "<a>", NULL);
+    expect_cut("[{\"role\": \"assistant\", \"content\": null, \"tool_calls\": []}]", "<a></a>", NULL);
+    expect_cut("[]", "", NULL);
+}
+
 /* Every case of the oracle's corpus, byte for byte. */
 static void test_oracle(void **state)
 {
@@ -316,6 +363,8 @@ static void test_oracle(void **state)
             struct jinja_opts o = {.now = now};
             st = jinja_render(t, vars, &o, &out, &len, err);
             json_decref(vars);
+            if (st == TEXT_OK && json_is_true(json_object_get(c, "continue_final_message")))
+                st = chat_continue_final(json_object_get(c, "messages"), out, &len, err);
         }
         jinja_free(t);
         if (json_is_string(want)) {
@@ -465,6 +514,7 @@ int main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_chat_tpl),
+        cmocka_unit_test(test_continue_final),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <utf8proc.h>
 
 static const char *role_names[] = {[CHAT_ROLE_SYSTEM] = "system", [CHAT_ROLE_USER] = "user",
                                    [CHAT_ROLE_ASSISTANT] = "assistant"};
@@ -417,4 +418,82 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
         json_decref(copy);
     }
     return st;
+}
+
+/* Python's str.isspace(): a space separator, or a character of the bidi
+ * classes WS, B or S (which adds U+001C..U+001F and U+0085 to JavaScript's
+ * trim() set, and leaves out U+FEFF). */
+static bool py_space(utf8proc_int32_t c)
+{
+    const utf8proc_property_t *p = utf8proc_get_property(c);
+    return p->category == UTF8PROC_CATEGORY_ZS || p->bidi_class == UTF8PROC_BIDI_CLASS_WS ||
+           p->bidi_class == UTF8PROC_BIDI_CLASS_B || p->bidi_class == UTF8PROC_BIDI_CLASS_S;
+}
+
+/* Where s[0..n).strip() starts and ends (*a == *e when it is empty). */
+static void py_strip(const char *s, size_t n, size_t *a, size_t *e)
+{
+    const utf8proc_uint8_t *u = (const utf8proc_uint8_t *)s;
+    bool found = false;
+    *a = *e = n;
+    for (size_t i = 0; i < n;) {
+        utf8proc_int32_t c;
+        utf8proc_ssize_t l = utf8proc_iterate(u + i, (utf8proc_ssize_t)(n - i), &c);
+        size_t step = l > 0 ? (size_t)l : 1;
+        if (l < 1 || !py_space(c)) {
+            if (!found)
+                *a = i;
+            found = true;
+            *e = i + step;
+        }
+        i += step;
+    }
+}
+
+/* The offset of the last occurrence of needle in hay (hn when needle is
+ * empty, as Python's rindex), or -1 (ENOMEM: -2).  Reversed, it is the
+ * first occurrence, which memmem finds in linear time: scanning backwards
+ * compares up to the needle's length at every offset. */
+static long long last_occurrence(const char *hay, size_t hn, const char *needle, size_t nn)
+{
+    if (!nn)
+        return (long long)hn;
+    if (nn > hn)
+        return -1;
+    char *rh = malloc(hn + nn);
+    if (!rh)
+        return -2;
+    char *rn = rh + hn;
+    for (size_t i = 0; i < hn; i++)
+        rh[i] = hay[hn - 1 - i];
+    for (size_t i = 0; i < nn; i++)
+        rn[i] = needle[nn - 1 - i];
+    const char *hit = memmem(rh, hn, rn, nn);
+    long long at = hit ? (long long)(hn - (size_t)(hit - rh) - nn) : -1;
+    free(rh);
+    return at;
+}
+
+enum text_status chat_continue_final(const json_t *messages, char *text, size_t *len, char *err)
+{
+    size_t count = json_array_size(messages);
+    const json_t *content = count ? json_object_get(json_array_get(messages, count - 1), "content") : NULL;
+    if (!json_is_string(content))
+        return text_errf(err, TEXT_EINVAL, "continue_final_message: the final message has no text content to "
+                         "continue");
+    size_t n = json_string_length(content), a, e;
+    const char *c = json_string_value(content);
+    py_strip(c, n, &a, &e);
+    long long at = last_occurrence(text, *len, c + a, e - a);
+    if (at == -2)
+        return text_errf(err, TEXT_ENOMEM, "no memory to find the final message");
+    if (at < 0)
+        return text_errf(err, TEXT_EINVAL, "continue_final_message: the final message's text is not in the "
+                         "prompt the chat template rendered (the template changed it), so there is no place to cut");
+    /* the content printed whole (no leading whitespace the template could
+     * have dropped): the prompt keeps its trailing whitespace too */
+    bool whole = a == 0 && (size_t)at + n <= *len && !memcmp(text + at, c, n);
+    *len = (size_t)at + (whole ? n : e - a);
+    text[*len] = '\0';
+    return TEXT_OK;
 }

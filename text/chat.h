@@ -94,4 +94,17 @@ enum text_status chat_tpl_render(const chat_tpl *t, const json_t *messages, cons
                                  const json_t *documents, const json_t *kwargs, bool add_generation_prompt,
                                  const char *bos, const char *eos, time_t now, char **out, size_t *len, char *err);
 
+/* transformers' apply_chat_template(continue_final_message=True) on text,
+ * the messages as rendered without the generation prompt: cut right after
+ * the final message's content (*len shortened, text NUL-terminated again),
+ * so the model continues that message instead of starting a new one.  The
+ * content is found as the last occurrence of it stripped (the whitespace
+ * of Python's str.strip(), which transformers calls), and its trailing
+ * whitespace stays when the template printed the content whole.  Whatever
+ * the final message's role; one whose content is empty or all whitespace
+ * cuts nothing, as in transformers.  Errors: TEXT_EINVAL when the final
+ * message has no text content, or when the template changed it so that
+ * the text does not hold it; TEXT_ENOMEM.  err says which. */
+enum text_status chat_continue_final(const json_t *messages, char *text, size_t *len, char *err);
+
 #endif

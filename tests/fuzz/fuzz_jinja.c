@@ -7,10 +7,13 @@
  * no input runs long) either succeeds with text NUL-terminated at its
  * length and within the output limit, or fails with a message; a second
  * render of the same template and variables gives the same bytes (no state
- * leaks between renders, the variables are not modified).
+ * leaks between renders, the variables are not modified); continuing the
+ * final message (continue_final_message) then cuts the text to a prefix of
+ * itself or refuses with a message.
  *
  * Seeds: the templates tests/jinja renders (its committed ones, the
  * tokenizer packages' and the built-in model's), kept with -merge=1. */
+#include "text/chat.h"
 #include "text/jinja.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -59,8 +62,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         FUZZ_CHECK(len[k] <= o.max_output, "%zu bytes past the %zu limit", len[k], o.max_output);
     }
     FUZZ_CHECK(rs[0] == rs[1], "two renders disagree: %d then %d", rs[0], rs[1]);
-    if (rs[0] == TEXT_OK)
+    if (rs[0] == TEXT_OK) {
         FUZZ_CHECK(len[0] == len[1] && !memcmp(out[0], out[1], len[0]), "two renders give different text");
+        size_t cut = len[1];
+        err[0] = '\0';
+        enum text_status cs = chat_continue_final(json_object_get(vars, "messages"), out[1], &cut, err);
+        FUZZ_CHECK(cs == TEXT_OK ? cut <= len[0] && out[1][cut] == '\0' && !memcmp(out[1], out[0], cut)
+                                 : cs != TEXT_EINVAL || strstr(err, "continue_final_message"),
+                   "continuing the final message: %d, %zu of %zu bytes (%s)", cs, cut, len[0], err);
+    }
     char *after = json_dumps(vars, JSON_SORT_KEYS | JSON_ENCODE_ANY);
     FUZZ_CHECK(!before || !after || !strcmp(before, after), "rendering changed the variables");
     free(before);

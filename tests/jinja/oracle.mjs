@@ -1,9 +1,10 @@
 // oracle.mjs OUT - renders every template below over every conversation of
-// corpus.json (with and without the generation prompt) with
-// @huggingface/jinja, the reference JavaScript implementation, and writes
-// OUT/expected.json for test_jinja: per case the template, the variables
-// and the text (or that the template raised an error).  strftime_now sees a
-// fixed date (the same NOW the C test passes), so the output is stable.
+// corpus.json (with and without the generation prompt, and continuing the
+// final message) with @huggingface/jinja, the reference JavaScript
+// implementation, and writes OUT/expected.json for test_jinja: per case the
+// template, the variables and the text (or that the template, or the cut,
+// raised an error).  strftime_now sees a fixed date (the same NOW the C test
+// passes), so the output is stable.
 import fs from "node:fs";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -36,13 +37,34 @@ for (const f of fs.readdirSync(path.join(here, "templates")).sort()) {
     bos: "<s>", eos: "</s>" });
 }
 
+// transformers' apply_chat_template(continue_final_message=True), applied to
+// the text rendered without the generation prompt: cut after the last
+// occurrence of the final message's content, stripped as Python strips (its
+// whitespace is not trim()'s), keeping the content's trailing whitespace
+// when the template printed the content whole.
+const PY_SPACE = "[\\t\\n\\v\\f\\r\\x1c-\\x1f \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]";
+const lstrip = (s) => s.replace(new RegExp("^" + PY_SPACE + "+"), "");
+const strip = (s) => lstrip(s).replace(new RegExp(PY_SPACE + "+$"), "");
+function continueFinal(text, messages) {
+  const content = messages[messages.length - 1].content;
+  if (typeof content !== "string") throw new Error("continue_final_message: the final message has no text content");
+  if (!text.includes(strip(content))) throw new Error("continue_final_message: the final message is not in the text");
+  const at = text.lastIndexOf(strip(content));
+  const whole = text.slice(at, at + lstrip(content).length) === content;
+  return text.slice(0, at + (whole ? lstrip(content) : strip(content)).length);
+}
+
 const corpus = JSON.parse(fs.readFileSync(path.join(here, "corpus.json"), "utf8"));
 const cases = [];
 let rendered = 0;
 for (const t of templates) {
   const tpl = new Template(t.source);
   for (const conv of corpus.conversations) {
-    for (const gen of [false, true]) {
+    // kvtier's requests join a message's content parts into one string, so
+    // a final message of parts is never continued
+    const last = conv.messages[conv.messages.length - 1].content;
+    for (const mode of Array.isArray(last) ? ["", "gen"] : ["", "gen", "continue"]) {
+      const gen = mode === "gen";
       // a conversation's kwargs are the template's other variables (chat_template_kwargs)
       const vars = { ...(conv.kwargs ?? {}), messages: conv.messages, add_generation_prompt: gen, bos_token: t.bos,
         eos_token: t.eos };
@@ -51,13 +73,15 @@ for (const t of templates) {
       try {
         // a deep copy: templates may assign into what they are given
         out = tpl.render(JSON.parse(JSON.stringify(vars)));
+        if (mode === "continue") out = continueFinal(out, conv.messages);
         rendered++;
       } catch (e) {
+        out = null;
         error = String(e.message ?? e);
       }
-      cases.push({ template: t.name, source: t.source, case: conv.name + (gen ? "+gen" : ""),
+      cases.push({ template: t.name, source: t.source, case: conv.name + (mode ? "+" + mode : ""),
         messages: conv.messages, tools: conv.tools ? corpus.tools : null, kwargs: conv.kwargs ?? null,
-        add_generation_prompt: gen,
+        add_generation_prompt: gen, continue_final_message: mode === "continue",
         bos: t.bos, eos: t.eos, text: out, error });
     }
   }
