@@ -14,7 +14,7 @@ import threading
 import time
 
 sys.path.insert(0, "tests")
-from daemon_harness import KVTIERD, Daemon, check, mkmodel, wait_spilled  # noqa: E402
+from daemon_harness import KVTIERD, Daemon, check, template_model, wait_spilled  # noqa: E402
 
 notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 d = Daemon("--max-sessions", "3", "--max-body", "100000")
@@ -420,15 +420,9 @@ check(dl.stop() == 0, "stop")
 # (Qwen3's enable_thinking), add_generation_prompt false leaves the
 # assistant header out, and the variables the request sets are refused
 tm = Daemon("--disk-dir", "none")
-tm.model = mkmodel(tm.tmp + "/tpl", "--arch", "llama", "--layers", "1", "--dim", "32")
-cfg_path = tm.model + "/tokenizer_config.json"
-with open(cfg_path) as f:
-    cfg = json.load(f)
-cfg["chat_template"] = ("{% for m in messages %}{{ m.content }}{% endfor %}"
-                        "{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
-                        "{% if add_generation_prompt %}[gen]{% endif %}")
-with open(cfg_path, "w") as f:
-    json.dump(cfg, f)
+tm.model = template_model(tm.tmp + "/tpl", "{% for m in messages %}{{ m.content }}{% endfor %}"
+                          "{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
+                          "{% if add_generation_prompt %}[gen]{% endif %}")
 tm.start()
 hi = {"messages": [{"role": "user", "content": "Hi"}]}
 prompts = [tm.post_ok("/apply-template", dict(hi, **extra))["prompt"]

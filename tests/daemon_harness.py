@@ -47,6 +47,19 @@ def mkmodel(out, *args):
     return out
 
 
+def template_model(out, template):
+    """A one-layer model (mkmodel) whose tokenizer_config.json carries the
+    chat_template template."""
+    mkmodel(out, "--arch", "llama", "--layers", "1", "--dim", "32")
+    path = os.path.join(out, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = template
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return out
+
+
 class Daemon:
     def __init__(self, *args, model=None, tmp=None):
         if not os.access(KVTIERD, os.X_OK):
