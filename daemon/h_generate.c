@@ -16,7 +16,7 @@ static enum ipc_status prompt_ids(struct server *s, const struct ipc_gen_req *g,
                                   struct ipc_error *err)
 {
     if (g->chat)
-        return render(s, g->messages, g->tools, g->documents, g->template_kwargs, !g->no_generation_prompt, ids, err);
+        return render(s, g->messages, g->tools, g->documents, g->template_kwargs, g->chat_end, ids, err);
     if (g->text)
         return encode(s, g->text, g->text_len, true, "prompt", ids, err);
     ids->ids = malloc(g->n_ids * sizeof(*ids->ids));
@@ -130,7 +130,7 @@ static size_t shareable(struct server *s, const struct ipc_gen_req *g, const str
     struct tok_ids pre = {0};
     struct ipc_error err;
     size_t n = 0;
-    if (json_array_size(head) && render(s, head, NULL, NULL, g->template_kwargs, false, &pre, &err) == IPC_OK)
+    if (json_array_size(head) && render(s, head, NULL, NULL, g->template_kwargs, IPC_CHAT_CLOSED, &pre, &err) == IPC_OK)
         n = agree(&pre, ids);
     json_decref(head);
     free(pre.ids);

@@ -28,7 +28,8 @@ enum ipc_status prep_session_create(struct req *r)
         st = encdec_cache_check(&q.cache.params, err);
     if (st == IPC_OK && q.system) {
         json_t *m = json_pack("[{s:s,s:s%}]", "role", "system", "content", q.system, q.system_len);
-        st = m ? render(s, m, NULL, NULL, NULL, false, ids, err) : ipc_fail(err, IPC_ENOMEM, "system", "no memory");
+        st = m ? render(s, m, NULL, NULL, NULL, IPC_CHAT_CLOSED, ids, err)
+               : ipc_fail(err, IPC_ENOMEM, "system", "no memory");
         json_decref(m);
     } else if (st == IPC_OK && q.prefix) {
         st = encode(s, q.prefix, q.prefix_len, true, "prefix", ids, err);

@@ -59,25 +59,34 @@ enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_
 }
 
 static enum ipc_status render_text(struct server *s, const json_t *messages, const json_t *tools,
-                                   const json_t *documents, const json_t *kwargs, bool gen_prompt, char **text,
+                                   const json_t *documents, const json_t *kwargs, enum ipc_chat_end end, char **text,
                                    size_t *len, struct ipc_error *err)
 {
     char msg[TEXT_ERR_LEN];
-    enum text_status ts = chat_tpl_render(engine_chat_template(s->eng), messages, tools, documents, kwargs, gen_prompt,
-                                          engine_bos_text(s->eng), engine_eos_text(s->eng), time(NULL), text, len,
-                                          msg);
+    enum text_status ts = chat_tpl_render(engine_chat_template(s->eng), messages, tools, documents, kwargs,
+                                          end == IPC_CHAT_GENERATE, engine_bos_text(s->eng), engine_eos_text(s->eng),
+                                          time(NULL), text, len, msg);
+    const char *field = "messages";
+    if (ts == TEXT_OK && end == IPC_CHAT_CONTINUE) {
+        ts = chat_continue_final(messages, *text, len, msg);
+        field = "continue_final_message";
+        if (ts != TEXT_OK) {
+            free(*text);
+            *text = NULL;
+        }
+    }
     if (ts == TEXT_OK)
         return IPC_OK;
     enum ipc_status st = ts == TEXT_EUNSUPPORTED ? IPC_ENOTIMPL : ts == TEXT_ENOMEM ? IPC_ENOMEM : IPC_EINVAL;
-    return ipc_fail(err, st, "messages", "%s", msg);
+    return ipc_fail(err, st, field, "%s", msg);
 }
 
 enum ipc_status render(struct server *s, const json_t *messages, const json_t *tools, const json_t *documents,
-                       const json_t *kwargs, bool gen_prompt, struct tok_ids *ids, struct ipc_error *err)
+                       const json_t *kwargs, enum ipc_chat_end end, struct tok_ids *ids, struct ipc_error *err)
 {
     char *text;
     size_t len;
-    enum ipc_status st = render_text(s, messages, tools, documents, kwargs, gen_prompt, &text, &len, err);
+    enum ipc_status st = render_text(s, messages, tools, documents, kwargs, end, &text, &len, err);
     if (st != IPC_OK)
         return st;
     /* the template spells the special tokens out, so none are added */
@@ -211,8 +220,8 @@ enum ipc_status prep_apply_template(struct req *r)
     size_t len = 0;
     enum ipc_status st = ipc_gen_req_parse(r->root, true, &lim, &g, &r->prep.err);
     if (st == IPC_OK)
-        st = render_text(r->srv, g.messages, g.tools, g.documents, g.template_kwargs, !g.no_generation_prompt, &text,
-                         &len, &r->prep.err);
+        st = render_text(r->srv, g.messages, g.tools, g.documents, g.template_kwargs, g.chat_end, &text, &len,
+                         &r->prep.err);
     ipc_gen_req_release(&g);
     if (st != IPC_OK)
         return st;

@@ -229,9 +229,11 @@ bool over_limit(const struct req *r, size_t max);
 struct ipc_limits limits(const struct server *s);
 enum ipc_status encode(struct server *s, const char *text, size_t len, bool add_special, const char *field,
                        struct tok_ids *ids, struct ipc_error *err);
-/* kwargs: the template's other variables (chat_template_kwargs), or NULL */
+/* kwargs: the template's other variables (chat_template_kwargs), or NULL;
+ * end: where the prompt ends (continuing the final message, a failed cut
+ * is a 400 naming continue_final_message) */
 enum ipc_status render(struct server *s, const json_t *messages, const json_t *tools, const json_t *documents,
-                       const json_t *kwargs, bool gen_prompt, struct tok_ids *ids, struct ipc_error *err);
+                       const json_t *kwargs, enum ipc_chat_end end, struct tok_ids *ids, struct ipc_error *err);
 enum ipc_status unknown_field(const char *key, const char *known, struct ipc_error *err);
 
 /* ---- prepare steps (on a worker) and handlers (loop thread) ---- */

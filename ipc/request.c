@@ -832,8 +832,8 @@ static enum ipc_status f_documents(const json_t *v, const char *name, struct fie
 
 /* The variables a chat template sees already, which the client's own
  * cannot replace. */
-static const char *const template_vars[] = {"messages", "tools", "documents", "add_generation_prompt", "bos_token",
-                                            "eos_token"};
+static const char *const template_vars[] = {"messages", "tools", "documents", "add_generation_prompt",
+                                            "continue_final_message", "bos_token", "eos_token"};
 
 static enum ipc_status f_template_kwargs(const json_t *v, const char *name, struct field_ctx *c,
                                          struct ipc_error *err)
@@ -851,14 +851,31 @@ static enum ipc_status f_template_kwargs(const json_t *v, const char *name, stru
     return IPC_OK;
 }
 
-static enum ipc_status f_add_generation_prompt(const json_t *v, const char *name, struct field_ctx *c,
-                                               struct ipc_error *err)
+/* add_generation_prompt and continue_final_message: checked here, read
+ * together once the walk is done (chat_end). */
+static enum ipc_status f_chat_end(const json_t *v, const char *name, struct field_ctx *c, struct ipc_error *err)
 {
-    if (json_is_null(v))
+    (void)c;
+    if (!json_is_null(v) && !json_is_boolean(v))
+        return ipc_fail(err, IPC_EINVAL, name, "%s must be true or false", name);
+    return IPC_OK;
+}
+
+/* Continuing the final message leaves the assistant's header out:
+ * add_generation_prompt defaults to false then, and true with it is
+ * refused, as vLLM and transformers refuse it. */
+static enum ipc_status chat_end(const json_t *root, struct ipc_gen_req *r, struct ipc_error *err)
+{
+    const json_t *gen = json_object_get(root, "add_generation_prompt");
+    if (!json_is_true(json_object_get(root, "continue_final_message"))) {
+        r->chat_end = json_is_false(gen) ? IPC_CHAT_CLOSED : IPC_CHAT_GENERATE;
         return IPC_OK;
-    if (!json_is_boolean(v))
-        return ipc_fail(err, IPC_EINVAL, name, "add_generation_prompt must be true or false");
-    c->r->no_generation_prompt = json_is_false(v);
+    }
+    if (json_is_true(gen))
+        return ipc_fail(err, IPC_EINVAL, "continue_final_message", "continue_final_message and "
+                        "add_generation_prompt cannot both be true: the first continues the final message, the "
+                        "second starts a new assistant message after it");
+    r->chat_end = IPC_CHAT_CONTINUE;
     return IPC_OK;
 }
 
@@ -978,7 +995,8 @@ static const struct {
     {"tools", F_CHAT, f_tools},
     {"documents", F_CHAT, f_documents},
     {"chat_template_kwargs", F_CHAT, f_template_kwargs},
-    {"add_generation_prompt", F_CHAT, f_add_generation_prompt},
+    {"add_generation_prompt", F_CHAT, f_chat_end},
+    {"continue_final_message", F_CHAT, f_chat_end},
     {"functions", F_CHAT, f_must_be_off},
     {"tool_choice", F_CHAT, f_ignore},
     {"response_format", F_BOTH, f_response_format},
@@ -1106,7 +1124,9 @@ enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ip
                              memcmp(out->text, out->shared_text, out->shared_text_len)))
         return ipc_fail(err, IPC_EINVAL, "shared_prefix", "shared_prefix as text must be the start of prompt (a string "
                         "prompt); give a number of tokens for a prompt of token ids");
-    enum ipc_status tst = chat ? tool_choice(root, out, err) : IPC_OK;
+    enum ipc_status tst = chat ? chat_end(root, out, err) : IPC_OK;
+    if (tst == IPC_OK && chat)
+        tst = tool_choice(root, out, err);
     if (tst != IPC_OK)
         return tst;
     if (out->tool_choice == IPC_TOOLS_NONE)

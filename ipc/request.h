@@ -54,6 +54,12 @@ enum ipc_status ipc_check_model(const json_t *v, const struct ipc_limits *lim, s
 /* tool_choice: whether the model may, must, or must not call a tool. */
 enum ipc_tool_choice { IPC_TOOLS_AUTO = 0, IPC_TOOLS_NONE, IPC_TOOLS_REQUIRED, IPC_TOOLS_NAMED };
 
+/* Where a rendered chat ends: after the assistant's header, which starts
+ * its turn (add_generation_prompt, the default); after the last message
+ * (add_generation_prompt false); or inside the final message, cut right
+ * after its text so the model continues it (continue_final_message). */
+enum ipc_chat_end { IPC_CHAT_GENERATE = 0, IPC_CHAT_CLOSED, IPC_CHAT_CONTINUE };
+
 #define IPC_MAX_TOOLS 64
 #define IPC_MAX_DOCUMENTS 64
 #define IPC_MAX_TEMPLATE_KWARGS 64
@@ -112,7 +118,7 @@ struct ipc_gen_req {
     /* borrowed: chat_template_kwargs, the template's other variables (as
      * vLLM and transformers pass them: Qwen3's enable_thinking); NULL: none */
     const json_t *template_kwargs;
-    bool no_generation_prompt; /* add_generation_prompt false: no assistant header after the messages */
+    enum ipc_chat_end chat_end; /* from add_generation_prompt and continue_final_message */
 };
 
 enum ipc_status ipc_gen_req_parse(const json_t *root, bool chat, const struct ipc_limits *lim, struct ipc_gen_req *out,

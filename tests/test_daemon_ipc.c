@@ -368,6 +368,13 @@ static void test_request(void **state)
          "documents"},
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"documents\":[{\"text\":1}]}", true,
          IPC_EINVAL, "documents"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"continue_final_message\":1}", true,
+         IPC_EINVAL, "continue_final_message"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"add_generation_prompt\":true,"
+         "\"continue_final_message\":true}", true, IPC_EINVAL, "continue_final_message"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"chat_template_kwargs\":"
+         "{\"continue_final_message\":true}}", true, IPC_EINVAL, "chat_template_kwargs"},
+        {"{\"prompt\":\"x\",\"continue_final_message\":true}", false, IPC_EINVAL, "continue_final_message"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         enum ipc_status st = parse(bad[i].json, bad[i].chat, &r, &err, &root);
@@ -488,6 +495,29 @@ static void test_request(void **state)
     assert_int_equal(json_array_size(r.tools), 1);
     ipc_gen_req_release(&r);
     json_decref(root);
+    /* where the prompt ends: continuing the final message leaves the
+     * generation prompt out (both true is refused, above) */
+    static const struct {
+        const char *fields;
+        enum ipc_chat_end end;
+    } ends[] = {
+        {"", IPC_CHAT_GENERATE},
+        {",\"add_generation_prompt\":false", IPC_CHAT_CLOSED},
+        {",\"add_generation_prompt\":null,\"continue_final_message\":null", IPC_CHAT_GENERATE},
+        {",\"continue_final_message\":true", IPC_CHAT_CONTINUE},
+        {",\"continue_final_message\":true,\"add_generation_prompt\":false", IPC_CHAT_CONTINUE},
+        {",\"continue_final_message\":false,\"add_generation_prompt\":true", IPC_CHAT_GENERATE},
+        {",\"continue_final_message\":false,\"add_generation_prompt\":false", IPC_CHAT_CLOSED},
+    };
+    for (size_t i = 0; i < sizeof(ends) / sizeof(ends[0]); i++) {
+        char body[160];
+        snprintf(body, sizeof(body), "{\"messages\":[{\"role\":\"assistant\",\"content\":\"x\"}]%s}", ends[i].fields);
+        assert_int_equal(parse(body, true, &r, &err, &root), IPC_OK);
+        if (r.chat_end != ends[i].end)
+            fail_msg("%s: chat_end %d, want %d", body, r.chat_end, ends[i].end);
+        ipc_gen_req_release(&r);
+        json_decref(root);
+    }
     /* documents reach the template as given */
     assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"documents\":[{\"title\":\"t\","
                            "\"text\":\"d\"}]}", true, &r, &err, &root), IPC_OK);
