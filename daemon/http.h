@@ -122,6 +122,9 @@ struct req {
     /* stream progress */
     bool role_sent[SERVER_MAX_N], fin_sent[SERVER_MAX_N];
     size_t sent_text[SERVER_MAX_N], text_offset[SERVER_MAX_N];
+    /* each choice's text decoded as far as text_offset counts it, as the
+     * generation decodes it (render.c text_chars) */
+    struct tok_stream text_ts[SERVER_MAX_N];
     int sent_gen[SERVER_MAX_N];
     enum stream_phase phase;
     char *snap; /* STREAM_BLOCK bytes: unsent text copied under the engine lock */

@@ -160,7 +160,20 @@ static void write_token_bytes(struct jw *w, const struct server *s, int32_t id, 
         jw_bytes(w, piece, n);
 }
 
-/* logprobs of generated tokens [from, to) of choice i, in the endpoint's shape */
+/* The characters token id adds to its choice's text: decoded through the
+ * choice's stream as the generation decodes it (special tokens dropped, a
+ * character split over tokens counted at the token that completes it). */
+static size_t text_chars(struct server *s, struct tok_stream *ts, int32_t id)
+{
+    size_t n = tokenizer_decode_stream(engine_tokenizer(s->eng), ts, id, true, s->piece, s->piece_cap), chars = 0;
+    for (size_t b = 0; b < n && n <= s->piece_cap; b++)
+        chars += ((unsigned char)s->piece[b] & 0xc0) != 0x80;
+    return chars;
+}
+
+/* logprobs of generated tokens [from, to) of choice i, in the endpoint's
+ * shape; a completion's text_offset counts characters (code points) of the
+ * choice's text, as vLLM's, in which each token starts */
 static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
 {
     const struct job *j = r->job;
@@ -200,16 +213,17 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
         size_t off = r->text_offset[i];
         for (int t = from; t < to; t++) {
             const struct tok_logprob *lp = lps + (size_t)t * (size_t)(1 + k);
-            size_t n = piece(s, lp[0].id);
             if (t > from)
                 jw_lit(w, ",");
-            if (part == 0)
+            if (part == 0) {
+                size_t n = piece(s, lp[0].id);
                 jw_str(w, buf, n);
-            else if (part == 1)
+            } else if (part == 1)
                 jw_real(w, lp[0].logprob, 6);
-            else if (part == 3)
+            else if (part == 3) {
                 jw_fmt(w, "%zu", off);
-            else {
+                off += text_chars(s, &r->text_ts[i], lp[0].id);
+            } else {
                 jw_lit(w, "{");
                 for (int a = 1; a <= k; a++) {
                     size_t m = piece(s, lp[a].id);
@@ -221,7 +235,6 @@ static void write_logprobs(struct jw *w, struct req *r, int i, int from, int to)
                 }
                 jw_lit(w, "}");
             }
-            off += n;
         }
         if (part == 3)
             r->text_offset[i] = off;

@@ -142,6 +142,7 @@ static size_t stream_events(struct req *r, const struct stream_view *v, char *bu
                 return w.n; /* not even one piece fits: wait for the socket to drain */
             }
             size_t offset = r->text_offset[i]; /* write_logprobs moves it on */
+            struct tok_stream text_ts = r->text_ts[i];
             for (;;) {
                 bool last = fin && i == j->n - 1;
                 size_t mark = event_begin(&w);
@@ -159,6 +160,7 @@ static size_t stream_events(struct req *r, const struct stream_view *v, char *bu
                 if (event_end(&w, mark))
                     break;
                 r->text_offset[i] = offset;
+                r->text_ts[i] = text_ts;
                 if (mark > 0)
                     return w.n; /* send what is there; the retry gets an empty buffer */
                 /* Longer token texts than guessed: fewer tokens, then the

@@ -83,6 +83,27 @@ check(isinstance(json.loads(text), dict), "json_object streamed: the deltas join
 code, r = d.post("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}, "max_tokens": 30})
 check(code == 200 and isinstance(json.loads(r["choices"][0]["text"]), dict), "completions take response_format too")
 
+# text_offset counts characters of the text: a constant of multi-byte
+# characters (some split over tokens, which count where they complete)
+# puts every whole token's text at its offset, streamed or not
+rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "\U0001F389\u4e2d\u6587\u00f1 \u00e9!"}}}
+for stream in (False, True):
+    body = {"prompt": "x", "response_format": rf, "max_tokens": 40, "logprobs": 1, "seed": 3}
+    if stream:
+        ev = [e for e in d.stream("/v1/completions", dict(body, stream=True)) if e != "[DONE]" and e["choices"]]
+        text = "".join(e["choices"][0]["text"] for e in ev)
+        lp = [e["choices"][0]["logprobs"] for e in ev if e["choices"][0]["logprobs"]]
+        toks = [t for x in lp for t in x["tokens"]]
+        offs = [o for x in lp for o in x["text_offset"]]
+    else:
+        code, r = d.post("/v1/completions", body)
+        text, toks, offs = r["choices"][0]["text"], r["choices"][0]["logprobs"]["tokens"], \
+            r["choices"][0]["logprobs"]["text_offset"]
+    whole = [(t, o) for t, o in zip(toks, offs) if t and "\ufffd" not in t and o < len(text)]  # not <|im_end|>
+    check(json.loads(text) == "\U0001F389\u4e2d\u6587\u00f1 \u00e9!" and offs[0] == 0 and offs == sorted(offs) and
+          len(whole) < len(toks) and offs[-1] <= len(text) and all(text[o:o + len(t)] == t for t, o in whole),
+          "text_offset in characters of %r (stream %s): %s at %s" % (text, stream, toks, offs))
+
 for kw, schema in (("pattern", {"type": "string", "pattern": "^a"}),
                    ("$ref", {"type": "object", "properties": {"a": {"$ref": "#/x"}}})):
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
