@@ -161,11 +161,13 @@ static void sort_best(struct cand *c, int n, int k)
     }
 }
 
-/* The next prefix length to sort when k sorted candidates of n were too
- * few: four times as many, so a whole sort takes a few passes at most. */
-static int more_sorted(int k, int n)
+/* The next prefix length to sort when the k best of n candidates held
+ * too little of the mass a filter wants: four times as many, or all of
+ * them when they held under half of it (a flat distribution keeps most of
+ * the vocabulary, and growing a prefix there would sort it several times). */
+static int more_sorted(int k, int n, double held, double want)
 {
-    return k > n / 4 ? n : 4 * k;
+    return held < want / 2 || k > n / 4 ? n : 4 * k;
 }
 
 #define SORT_FIRST 64
@@ -257,9 +259,10 @@ static int typical_filter(sampler *s, int n)
     /* HF keeps every token whose shift is at most that of the first one at
      * which the cumulative mass reaches typical_p: a sorted prefix that
      * holds that token and the ties after it */
-    for (int k = n < SORT_FIRST ? n : SORT_FIRST;; k = more_sorted(k, n)) {
+    double cum = 0;
+    for (int k = n < SORT_FIRST ? n : SORT_FIRST;; k = more_sorted(k, n, cum, s->p.typical_p)) {
         sort_best(s->cand, n, k);
-        double cum = 0;
+        cum = 0;
         int last = -1;
         for (int i = 0; i < k; i++) {
             cum += s->cand[i].prob / sum;
@@ -325,9 +328,10 @@ int32_t sampler_sample(sampler *s, float *logits, const int32_t *history, size_t
         sum += s->cand[i].prob;
     }
     if (p->top_p < 1) { /* smallest prefix whose mass reaches top_p (HF removes cum <= 1 - top_p from the tail) */
-        for (int k = n < SORT_FIRST ? n : SORT_FIRST;; k = more_sorted(k, n)) {
+        double cum = 0;
+        for (int k = n < SORT_FIRST ? n : SORT_FIRST;; k = more_sorted(k, n, cum, p->top_p)) {
             sort_best(s->cand, n, k);
-            double cum = 0;
+            cum = 0;
             int cut = 0;
             for (int i = 0; i < k && !cut; i++) {
                 cum += s->cand[i].prob / sum;
