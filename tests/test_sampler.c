@@ -216,6 +216,26 @@ static void test_large_vocab_filters(void **state)
     assert_int_equal(last, 498);
     assert_true(distinct > 440);
     sampler_free(s);
+    /* 32 tokens ten times as likely as 200 others, both after the rest in
+     * id order: the best 64 hold 68 % of the mass, so the sorted prefix
+     * grows fourfold, to 256, and top_p 0.9 keeps the 32 (ids 968..999)
+     * and the first 148 of the others (ids 500..647) */
+    memset(hits, 0, V * sizeof(*hits));
+    for (int i = 0; i < V; i++)
+        l[i] = i >= 968 ? logf(10) : i >= 500 && i < 700 ? 0 : -INFINITY;
+    s = make(1, 0, 0.9f, 0, 1, 14, V);
+    for (int d = 0; d < DRAWS; d++) {
+        memcpy(tmp, l, V * sizeof(*l));
+        hits[sampler_sample(s, tmp, NULL, 0, 0)]++;
+    }
+    last = 0;
+    for (int i = 0; i < 968; i++)
+        if (hits[i]) {
+            assert_true(i >= 500);
+            last = i;
+        }
+    assert_int_equal(last, 647);
+    sampler_free(s);
     /* a falling staircase of 100 steps of 10 equal logits: top_p keeps
      * whole steps up to the one that reaches the mass, then that step's
      * first tokens in id order; check against the mass directly */
