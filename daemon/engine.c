@@ -1743,6 +1743,7 @@ static bool load(engine *e)
         size_t need = tokenizer_decode_stream(e->tok, &ts, id, false, none, 0);
         e->max_piece = need > e->max_piece ? need : e->max_piece;
     }
+    e->max_piece += 3; /* a character the token leaves unfinished, flushed as U+FFFD */
     size_t n = (size_t)e->cfg.max_seqs;
     e->batch = calloc(n, sizeof(*e->batch));
     e->batch_ch = calloc(n, sizeof(*e->batch_ch));

@@ -152,9 +152,15 @@ enum ipc_status prep_tokenize(struct req *r)
             jw_fmt(&w, "%d", ids.ids[i]);
             continue;
         }
-        size_t n = token_piece(r->srv->eng, ids.ids[i], buf, cap);
+        bool whole;
+        size_t n = token_piece(r->srv->eng, ids.ids[i], buf, cap, &whole), len;
+        bool special;
+        const char *raw = tokenizer_token_bytes(engine_tokenizer(r->srv->eng), ids.ids[i], &len, &special);
         jw_fmt(&w, "{\"id\":%d,\"piece\":", ids.ids[i]);
-        jw_str(&w, buf, n);
+        if (whole || !raw)
+            jw_str(&w, buf, n);
+        else /* part of a character: its bytes, as llama.cpp's server gives them */
+            jw_bytes(&w, raw, len);
         jw_lit(&w, "}");
     }
     jw_fmt(&w, "],\"count\":%zu,\"max_model_len\":%d}", ids.n, engine_context(r->srv->eng));

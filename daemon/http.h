@@ -217,9 +217,12 @@ const struct ipc_tool_calls *read_calls(struct req *r, int i);
 void write_usage(struct jw *w, const struct job *j);
 void write_kvtier(struct jw *w, const struct job *j);
 const char *finish_name(enum gen_finish f);
-/* The text of one token as the tokenizer spells it alone, into buf (of at
- * least engine_max_piece bytes, so it always fits); its length. */
-size_t token_piece(const engine *e, int32_t id, char *buf, size_t cap);
+/* The text of one token as the tokenizer decodes it alone, into buf (of at
+ * least engine_max_piece bytes, so it always fits); its length.  A part of
+ * a character is U+FFFD, as transformers' decode of that one id gives it;
+ * *whole (if not NULL): the text is the token's own bytes, whole
+ * characters, not a U+FFFD standing for some. */
+size_t token_piece(const engine *e, int32_t id, char *buf, size_t cap, bool *whole);
 
 /* ---- stream.c ---- */
 #define STREAM_BLOCK (64 * 1024)

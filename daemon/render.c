@@ -130,16 +130,23 @@ enum MHD_Result fail(struct req *r, enum ipc_status st, const char *param, const
 
 /* ---- bodies shared by whole replies and stream events ---- */
 
-size_t token_piece(const engine *e, int32_t id, char *buf, size_t cap)
+size_t token_piece(const engine *e, int32_t id, char *buf, size_t cap, bool *whole)
 {
     struct tok_stream ts = {.started = true};
-    return tokenizer_decode_stream(engine_tokenizer(e), &ts, id, false, buf, cap);
+    size_t n = tokenizer_decode_stream(engine_tokenizer(e), &ts, id, false, buf, cap), raw_len;
+    if (n > cap) /* nothing written: engine_max_piece was not the buffer's size */
+        return n;
+    bool special;
+    const char *raw = tokenizer_token_bytes(engine_tokenizer(e), id, &raw_len, &special);
+    if (whole) /* what the stream wrote is the token's own bytes: no U+FFFD for a bad byte, none pending */
+        *whole = !ts.n_pending && (special || (raw && raw_len == n && !memcmp(raw, buf, n)));
+    return n + tokenizer_decode_flush(&ts, buf + n, cap - n);
 }
 
 /* token_piece into the loop thread's s->piece (valid until the next call). */
 static size_t piece(struct server *s, int32_t id)
 {
-    return token_piece(s->eng, id, s->piece, s->piece_cap);
+    return token_piece(s->eng, id, s->piece, s->piece_cap, NULL);
 }
 
 const char *finish_name(enum gen_finish f)

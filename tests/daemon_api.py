@@ -47,6 +47,24 @@ check(code == 200 and r["choices"][0]["finish_reason"] == "length" and r["choice
       "a completion that ends inside a character ends with U+FFFD (%r)" % r["choices"][0].get("text"))
 code, dt3 = d.post("/detokenize", {"tokens": r["choices"][0]["tokens"]})
 check(code == 200 and dt3["content"] == '"\ufffd', "/detokenize of tokens that end inside a character: U+FFFD")
+# a token that holds part of a character: its logprobs text is U+FFFD (as
+# transformers decodes that one id), whichever part it holds, and its bytes
+# its own; /tokenize's piece is its bytes, as llama.cpp's server gives them
+code, r = d.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12,
+                                          "logprobs": True, "response_format": {
+                                              "type": "json_schema",
+                                              "json_schema": {"name": "e", "schema": {"enum": ["\U0001F389\u4e2d"]}}}})
+lp = r["choices"][0]["logprobs"]["content"] if code == 200 else []
+split = [x for x in lp if bytes(x["bytes"]).decode("utf-8", "replace") != bytes(x["bytes"]).decode("utf-8", "ignore")]
+check(len(split) >= 2 and all(x["token"] == "\ufffd" for x in split) and
+      b"".join(bytes(x["bytes"]) for x in lp).decode().startswith('"\U0001F389\u4e2d"'),
+      "chat logprobs: the tokens of split characters read U+FFFD, their bytes join up (%s)" %
+      [(x["token"], x["bytes"]) for x in lp])
+code, tp = d.post("/tokenize", {"content": '"\U0001F389\u4e2d', "with_pieces": True})
+pieces = [x["piece"] for x in tp["tokens"]] if code == 200 else []
+check(any(isinstance(p, list) for p in pieces) and
+      b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in pieces) == '"\U0001F389\u4e2d'.encode(),
+      "/tokenize with_pieces: a part of a character is its bytes, whole ones their text (%s)" % pieces)
 code, t2 = d.post("/tokenize", {"prompt": "Hello world"})
 check(code == 200 and t2["tokens"][1:] == t["tokens"], "vLLM shape adds BOS by default")
 code, e = d.post("/tokenize", {"content": "Hello", "prompt": "world"})
