@@ -81,10 +81,12 @@ struct conn {
     /* recv() follows the byte stream (server.c: head_scan) */
     bool in_head;       /* the bytes read belong to a request head */
     bool head_line;     /* the head's request line has begun */
-    /* the current head line's first bytes (enough for a Content-Length
-     * header with any count), and its length, up to one past them */
-    char line[40];
-    unsigned char line_len;
+    unsigned char line_len, line_last; /* the current head line: 0, 1 (its byte) or 2 = more */
+    /* a header line read as Content-Length (server.c: cl_feed): how much of
+     * the name matched (CL_NOT: another header), then its count */
+    unsigned char cl_at;
+    bool cl_digits, cl_cr, cl_bad, cl_over;
+    uint64_t cl_val;
     size_t past_head;   /* bytes read after the head's blank line */
     size_t body_len;    /* the body those may be (Content-Length) */
     struct conn *prev, *next;

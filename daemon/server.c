@@ -7,6 +7,7 @@
  */
 #include "daemon/server.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -230,31 +231,54 @@ static size_t body_limit(const struct server *s, const char *method, const char 
     return kv ? kv : s->cfg->max_body;
 }
 
-/* Whether a Content-Length header's line, its bytes up to the LF,
- * holds one decimal count of at most 19 digits (any count fits 64 bits)
- * after blanks: what libmicrohttpd reads as a count (it refuses blanks
- * after one). */
-static bool content_length_ok(const char *line, size_t n)
+#define CL_NOT 0xff /* cl_at: the line is not a Content-Length header */
+
+/* A header line's next byte b (not its LF) for the Content-Length check:
+ * the name, then blanks, then a decimal count (leading zeros and all, as
+ * libmicrohttpd reads it), then at most a CR, which only the LF follows. */
+static void cl_feed(struct conn *c, unsigned char b)
 {
-    size_t i = sizeof(CONTENT_LENGTH) - 1, digits = 0;
-    if (n && line[n - 1] == '\r')
-        n--;
-    while (i < n && (line[i] == ' ' || line[i] == '\t'))
-        i++;
-    for (; i < n && line[i] >= '0' && line[i] <= '9'; i++)
-        digits++;
-    return i == n && digits >= 1 && digits <= 19;
+    static const char name[] = CONTENT_LENGTH;
+    if (c->cl_at == CL_NOT)
+        return;
+    if (c->cl_at < sizeof(name) - 1) {
+        c->cl_at = (unsigned char)tolower(b) == (unsigned char)name[c->cl_at] ? (unsigned char)(c->cl_at + 1) : CL_NOT;
+    } else if (c->cl_cr) {
+        c->cl_bad = true;
+    } else if (b == '\r') {
+        c->cl_cr = true;
+    } else if (b == ' ' || b == '\t') {
+        c->cl_bad |= c->cl_digits; /* libmicrohttpd refuses a blank after the count */
+    } else if (b >= '0' && b <= '9') {
+        unsigned d = b - '0';
+        c->cl_over |= c->cl_val > (UINT64_MAX - d) / 10;
+        c->cl_val = c->cl_over ? 0 : c->cl_val * 10 + d;
+        c->cl_digits = true;
+    } else {
+        c->cl_bad = true;
+    }
+}
+
+/* The next line starts: a header line (the request line went before it)
+ * is read as a Content-Length header until its name differs. */
+static void cl_start(struct conn *c)
+{
+    c->cl_at = c->head_line ? 0 : CL_NOT;
+    c->cl_digits = c->cl_cr = c->cl_bad = c->cl_over = false;
+    c->cl_val = 0;
 }
 
 /* Follows the request head through the bytes read, as libmicrohttpd
  * splits it (lines end at LF or CR LF; empty lines before the request line
  * are skipped; an empty line after it ends the head): why the head cannot
- * be served, or NULL.  It cannot when a byte of it is a NUL, or when a
- * Content-Length header is not a count: libmicrohttpd's own 400 for that
- * sends its status line and headers twice.  The bytes after the head are
- * counted in past_head, until on_completed starts the next head. */
-static const char *head_scan(struct conn *c, const unsigned char *p, size_t n)
+ * be served (and *code, its status), or NULL.  It cannot when a byte of it
+ * is a NUL, or when a Content-Length header is not a count or one past
+ * any body: libmicrohttpd's own 400 or 413 for those sends its status line
+ * and headers twice.  The bytes after the head are counted in past_head,
+ * until on_completed starts the next head. */
+static const char *head_scan(struct conn *c, const unsigned char *p, size_t n, int *code)
 {
+    *code = 400;
     for (size_t i = 0; i < n; i++) {
         if (!c->in_head) {
             c->past_head += n - i;
@@ -263,23 +287,26 @@ static const char *head_scan(struct conn *c, const unsigned char *p, size_t n)
         if (!p[i])
             return "the request head holds a NUL byte";
         if (p[i] != '\n') {
-            if (c->line_len < sizeof(c->line))
-                c->line[c->line_len] = (char)p[i];
-            if (c->line_len <= sizeof(c->line))
-                c->line_len++;
+            c->line_len = c->line_len < 2 ? c->line_len + 1 : 2;
+            c->line_last = p[i];
+            cl_feed(c, p[i]);
             continue;
         }
-        size_t len = c->line_len;
+        if (c->cl_at == sizeof(CONTENT_LENGTH) - 1) {
+            if (c->cl_bad || !c->cl_digits)
+                return "Content-Length must be a decimal byte count";
+            if (c->cl_over || c->cl_val == UINT64_MAX) {
+                *code = 413;
+                return "Content-Length is past any body kvtierd takes";
+            }
+        }
+        bool empty = !c->line_len || (c->line_len == 1 && c->line_last == '\r');
         c->line_len = 0;
-        bool empty = !len || (len == 1 && c->line[0] == '\r');
-        if (!empty && c->head_line && len >= sizeof(CONTENT_LENGTH) - 1 &&
-            !strncasecmp(c->line, CONTENT_LENGTH, sizeof(CONTENT_LENGTH) - 1) &&
-            (len > sizeof(c->line) || !content_length_ok(c->line, len)))
-            return "Content-Length must be a decimal byte count";
         if (!empty)
             c->head_line = true;
         else if (c->head_line)
             c->in_head = false;
+        cl_start(c);
     }
     return NULL;
 }
@@ -290,6 +317,7 @@ static void head_reset(struct conn *c)
     c->in_head = true;
     c->head_line = false;
     c->line_len = 0;
+    cl_start(c);
     c->past_head = c->body_len = 0;
 }
 
@@ -515,6 +543,7 @@ static void answer_raw(int fd, int code, const char *why)
     const char *reason = code == 400   ? "Bad Request"
                          : code == 403 ? "Forbidden"
                          : code == 408 ? "Request Timeout"
+                         : code == 413 ? "Content Too Large"
                                        : "Service Unavailable";
     /* no request field is at fault: the connection or its head is */
     int bn = snprintf(body, sizeof(body),
@@ -614,12 +643,13 @@ ssize_t recv(int fd, void *buf, size_t len, int flags)
     struct conn *c = s->conns;
     while (c && c->fd != fd)
         c = c->next;
-    const char *why = c ? head_scan(c, buf, (size_t)n) : NULL;
+    int code;
+    const char *why = c ? head_scan(c, buf, (size_t)n, &code) : NULL;
     if (!why)
         return n; /* not a client's bytes, or a head that can be parsed */
     log_msg(LOG_INFO, "uid %u pid %d: %s, connection closed", (unsigned)c->uid, (int)c->pid, why);
-    engine_count_error(s->eng, IPC_EINVAL);
-    answer_raw(fd, 400, why);
+    engine_count_error(s->eng, code == 413 ? IPC_ETOOLARGE : IPC_EINVAL);
+    answer_raw(fd, code, why);
     errno = ECONNRESET;
     return -1;
 }

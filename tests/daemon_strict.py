@@ -66,26 +66,34 @@ for what, data in cases.items():
     code, closed = send(data)
     check(code == 400 and closed, "%s -> 400 and closed (%d, %s)" % (what, code, closed))
 
-# A Content-Length that is not a count: kvtierd's own 400 (libmicrohttpd's
-# sends its status line and headers twice), once, as JSON; blanks before
-# the count, leading zeros, any case of the name and bare LFs are served
-for what, data in {"Content-Length: abc": H + b"Content-Length: abc\r\n\r\n",
-                   "Content-Length: -5": H + b"content-length: -5\r\n\r\n{}",
-                   "Content-Length: +2": H + b"Content-Length: +2\r\n\r\n{}",
-                   "Content-Length: 2x": H + b"Content-Length: 2x\r\n\r\n{}",
-                   "a blank after the count": H + b"Content-Length: 2 \r\n\r\n{}",
-                   "no count": H + b"Content-Length:\r\n\r\n{}",
-                   "20 digits": H + b"Content-Length: 99999999999999999999\r\n\r\n{}",
-                   "a count past the line kept": H + b"Content-Length: " + b" " * 40 + b"2\r\n\r\n{}",
-                   "split over two writes": [H + b"Content-Le", b"ngth: 1e3\r\n\r\n{}"]}.items():
+# A Content-Length that is not a count, or one past any 64-bit count:
+# kvtierd's own 400 or 413 (libmicrohttpd's sends its status line and
+# headers twice), once, as JSON; any number of blanks before the count,
+# leading zeros, any case of the name and bare LFs are served, and a count
+# over --max-body is the route's 413
+for what, data, want in (("Content-Length: abc", H + b"Content-Length: abc\r\n\r\n", 400),
+                          ("Content-Length: -5", H + b"content-length: -5\r\n\r\n{}", 400),
+                          ("Content-Length: +2", H + b"Content-Length: +2\r\n\r\n{}", 400),
+                          ("Content-Length: 2x", H + b"Content-Length: 2x\r\n\r\n{}", 400),
+                          ("a blank after the count", H + b"Content-Length: 2 \r\n\r\n{}", 400),
+                          ("a CR inside the line", H + b"Content-Length: 2\r\r\n\r\n{}", 400),
+                          ("no count", H + b"Content-Length:\r\n\r\n{}", 400),
+                          ("a count past 64 bits", H + b"Content-Length: 18446744073709551616\r\n\r\n{}", 413),
+                          ("split over two writes", [H + b"Content-Le", b"ngth: 1e3\r\n\r\n{}"], 400)):
     code, closed = send(data)
-    check(replies == [400] and closed, "%s -> one 400 and closed (%s, %s)" % (what, replies, closed))
-for what, data in {"blanks before the count": H + b"Content-Length: \t 16\r\n\r\n{\"content\":\"hi\"}",
-                   "leading zeros, a lower-case name, bare LFs":
-                       b"POST /tokenize HTTP/1.1\nHost: x\ncontent-length:0016\n\n{\"content\":\"hi\"}"}.items():
+    check(replies == [want] and closed, "%s -> one %d and closed (%s, %s)" % (what, want, replies, closed))
+body = b'{"content":"hi"}'
+for what, data, want in (("blanks before the count", H + b"Content-Length: \t 16\r\n\r\n" + body, 200),
+                         ("40 blanks, over three writes", [H + b"Content-Length: " + b" " * 20, b" " * 20,
+                                                           b"16\r\n\r\n" + body], 200),
+                         ("leading zeros, a lower-case name, bare LFs",
+                          b"POST /tokenize HTTP/1.1\nHost: x\ncontent-length:0000000000000000000016\n\n" + body, 200),
+                         ("a count over --max-body", H + b"Content-Length: 10000000000000000000\r\n\r\n", 413)):
     code, closed = send(data, timeout=1)
-    check(replies == [200], "%s: served (%s)" % (what, replies))
-check(d.logtext().count("Content-Length must be a decimal byte count") == 9, "each refusal logged")
+    check(replies == [want], "%s: %s (%s)" % (what, want, replies))
+log = d.logtext()
+check(log.count("Content-Length must be a decimal byte count") == 8 and
+      log.count("Content-Length is past any body kvtierd takes") == 1, "each refusal logged")
 
 # A raw NUL: libmicrohttpd would read the strings up to it (GET /health\0junk
 # would be served as /health; a NUL-led line would end the head)
