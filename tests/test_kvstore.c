@@ -896,6 +896,9 @@ static void test_refork(void **state)
     assert_int_equal(kv_seq_refork(a, &o), TIER_OK);
     assert_int_equal(kv_store_stats(f->store).host_bytes, 0);
     check_positions(o, 0, 0, 10);
+    kv_seq *self = a;
+    assert_int_equal(kv_seq_refork(a, &self), TIER_EINVAL); /* a fork of itself: refused, a untouched */
+    check_positions(a, 0, 0, 10);
     assert_int_equal(kv_seq_refork(a, &none), TIER_OK);
     check_positions(none, 1, 7, 10);
     kv_seq_free(a);

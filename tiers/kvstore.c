@@ -1694,6 +1694,8 @@ static bool refork_in_place(const kv_seq *q, const kv_seq *c)
 enum tier_status kv_seq_refork(kv_seq *q, kv_seq **c)
 {
     kv_seq *r = *c;
+    if (r == q)
+        return kv_fail(q->s, TIER_EINVAL, "kv_seq_refork of a sequence into itself");
     if (!r || !refork_in_place(q, r)) {
         kv_seq_free(r);
         *c = NULL;

@@ -282,7 +282,9 @@ enum tier_status kv_seq_fork(kv_seq *q, kv_seq **child);
  * NULL) that is no longer wanted: it becomes the fork, keeping its own
  * layer array, block tables and token ids where it can, so that beam
  * search, which re-forks beams every step, allocates nothing per token.
- * Its blocks go back first.  On failure *child is freed and NULL. */
+ * Its blocks go back first, and its kv_seq_stats start over (read its
+ * copied_bytes before).  On failure *child is freed and NULL, except that
+ * *child == q is TIER_EINVAL and changes nothing. */
 enum tier_status kv_seq_refork(kv_seq *q, kv_seq **child);
 /* Whether a fork of q that keeps its first keep tokens, then grows by
  * n_more, shares all of q's KV (paged layers: at most a partly filled
