@@ -628,9 +628,9 @@ static pthread_t nul_guard_thread;
  * gone; peeking at the socket before it reads would miss the heads that
  * follow on a kept-alive connection.  What it does do is read every byte a
  * client sends with recv(), which kvtierd defines here: a head holding a
- * NUL (or a Content-Length that is not a count, head_scan) gets a 400,
- * and libmicrohttpd is told the connection was reset, so it closes it
- * without parsing the bytes.  Bodies may hold NULs (a KV
+ * NUL (or a Content-Length that is not a count: head_scan) gets a 400
+ * (or 413), and libmicrohttpd is told the connection was reset, so it
+ * closes it without parsing the bytes.  Bodies may hold NULs (a KV
  * import is binary); a request sent behind another before its reply
  * (pipelined) would be read with that one's body, so pipelined_close()
  * ends the connection after that reply instead. */
@@ -802,7 +802,7 @@ static void accept_on(struct server *s, int lfd, bool tcp)
             continue;
         }
         *c = (struct conn){.srv = s, .uid = cr.uid, .pid = cr.pid, .fd = fd, .head_since = now,
-                           .reserve = open >= (unsigned)s->cfg->max_clients, .in_head = true, .tcp = tcp};
+                           .reserve = open >= (unsigned)s->cfg->max_clients, .in_head = true, .tcp = tcp, .cl_at = CL_NOT};
         s->accepting = c;
         struct sockaddr_un sa = {.sun_family = AF_UNIX};
         if (MHD_add_connection(s->mhd, fd, tcp ? (struct sockaddr *)&peer : (struct sockaddr *)&sa,
