@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "backend/backend_impl.h"
+#include "util/clock.h"
 #include "util/q4k.h"
 #include "util/q8.h"
 
@@ -405,6 +406,7 @@ enum be_status be_event_create(be_backend *be, be_event **out)
     if (!ev)
         return BE_ENOMEM_HOST;
     ev->be = be;
+    ev->stall_s = 0;
     enum be_status st = be->ops->event_create(be->ctx, &ev->h);
     if (st != BE_OK) {
         free(ev);
@@ -433,9 +435,26 @@ enum be_status be_event_wait(be_backend *be, be_event *ev)
 {
     if (!be || !ev || ev->be != be)
         return BE_EINVAL;
-    if (!be->ops->event_wait)
-        return be->ops->event_sync(be->ctx, ev->h);
-    return be->ops->event_wait(be->ctx, ev->h);
+    if (be->ops->event_wait)
+        return be->ops->event_wait(be->ctx, ev->h);
+    double t0 = clock_s();
+    enum be_status st = be->ops->event_sync(be->ctx, ev->h);
+    ev->stall_s += clock_s() - t0;
+    return st;
+}
+
+enum be_status be_event_stall(be_event *ev, double *seconds)
+{
+    if (!ev || !seconds)
+        return BE_EINVAL;
+    const struct be_ops *o = ev->be->ops;
+    if (o->event_stall)
+        return o->event_stall(ev->be->ctx, ev->h, seconds);
+    if (o->event_wait) /* a device that cannot time its waits */
+        return BE_ENOTSUP;
+    *seconds = ev->stall_s;
+    ev->stall_s = 0;
+    return BE_OK;
 }
 
 enum be_status be_event_sync(be_event *ev)

@@ -145,6 +145,12 @@ enum be_status be_event_sync(be_event *ev);                  /* host waits */
  * recorded after start); waits for end.  BE_ENOTSUP where the backend
  * cannot time its copy stream. */
 enum be_status be_event_elapsed(be_event *start, be_event *end, double *seconds);
+/* Seconds the compute stream spent waiting at be_event_wait on ev since
+ * the last call, summed; read after be_sync.  On a device the host only
+ * queues the wait, so the backend times the compute stream itself; where
+ * the host computes, it is the host's wait.  BE_ENOTSUP where the backend
+ * cannot tell. */
+enum be_status be_event_stall(be_event *ev, double *seconds);
 enum be_status be_sync(be_backend *be);                      /* all streams drained */
 
 /* ---- kernels ------------------------------------------------------------ */

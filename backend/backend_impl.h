@@ -52,6 +52,10 @@ struct be_ops {
     enum be_status (*event_wait)(void *ctx, void *ev); // (optional) NULL: the compute stream is the host, so event_sync
     enum be_status (*event_sync)(void *ctx, void *ev);
     enum be_status (*event_elapsed)(void *ctx, void *start, void *end, double *seconds); // (optional) both fired
+    // (optional, with event_wait) the seconds the compute stream waited at
+    // its event_waits on ev since the last call, summed; NULL: be_event_wait
+    // times the host's event_sync itself
+    enum be_status (*event_stall)(void *ctx, void *ev, double *seconds);
     enum be_status (*sync)(void *ctx);
 
     // kernels: shapes > 0, pointers non-NULL (bias may be NULL), dtypes valid (matmul's wt may be
@@ -131,7 +135,8 @@ struct be_buffer {
 
 struct be_event {
     be_backend *be;
-    void *h; // backend's handle
+    void *h;        // backend's handle
+    double stall_s; // where the host is the compute stream: its waits since be_event_stall
 };
 
 #endif

@@ -1024,6 +1024,9 @@ static void test_copies_events(void **state)
     assert_int_equal(be_event_create(be, &ev), BE_OK);
     assert_int_equal(be_event_create(be, &never), BE_OK);
     assert_int_equal(be_event_sync(never), BE_OK); /* never recorded: already complete */
+    double stall = -1, again = -1;
+    assert_int_equal(be_event_stall(ev, &stall), BE_OK); /* never waited on: no stall */
+    assert_true(stall == 0);
     for (int round = 0; round < 3; round++) {
         for (size_t i = 0; i < N; i++)
             h[i] = (unsigned char)(i * 7 + round);
@@ -1039,6 +1042,10 @@ static void test_copies_events(void **state)
         assert_memory_equal(d2, h, N);
         assert_int_equal(be_sync(be), BE_OK);
         assert_memory_equal(h2, h, N);
+        /* the wait's time, once: read, it starts over */
+        assert_int_equal(be_event_stall(ev, &stall), BE_OK);
+        assert_int_equal(be_event_stall(ev, &again), BE_OK);
+        assert_true(stall >= 0 && stall < 60 && again == 0);
     }
     /* more copies than the ring holds, all to one place: the last wins */
     for (int i = 0; i < 3000; i++) {

@@ -858,6 +858,12 @@ static void test_streams_memory(void)
     for (size_t i = 0; i < n; i++)
         want[i] *= 2.0f;
     compare("scale, copy_async d2h, h2d, event_wait, scale", want, got, n);
+    /* the compute stream's wait was timed: a figure once, then zero */
+    double stall = -1, again = -1;
+    must(be_sync(be), "sync");
+    must(be_event_stall(e0, &stall), "event_stall");
+    must(be_event_stall(e0, &again), "event_stall");
+    fail_if(!(stall >= 0 && stall < 60 && again == 0), "event_stall: the wait's seconds, then 0");
     be_event_free(e0), be_event_free(e1), be_buffer_free(d), be_buffer_free(d2), be_buffer_free(h);
 
     be_buffer *b = NULL;

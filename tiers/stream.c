@@ -36,8 +36,10 @@
  *       and reallocated at any step_begin, and they are freed as soon as
  *       the last host extent is (kvstore.c ext_release).
  * Figures: the copy stream's busy time per batch of copies is measured
- * with a pair of events around it (be_event_elapsed), stall is the host
- * time spent waiting for a copy-in, compute the rest of the step.
+ * with a pair of events around it (be_event_elapsed), stall is the time
+ * the compute stream waited for the copy-ins (be_event_stall: on a device
+ * the compute stream's own wait, which the host only queues), compute the
+ * rest of the step.
  */
 #include "tiers/kvstore_impl.h"
 
@@ -55,6 +57,17 @@ enum { EV_IN_START = 0, EV_IN_END, EV_WB_START, EV_WB_END, EV_PER_LAYER };
 static be_event *ev(const kv_store *s, int layer, int which)
 {
     return s->ev[layer * EV_PER_LAYER + which];
+}
+
+/* Adds to *stall the compute stream's waits for layer's copy-ins since the
+ * last call (none: nothing); a backend that cannot time them adds none. */
+static enum be_status add_stall(kv_store *s, int layer, double *stall)
+{
+    double t;
+    enum be_status st = be_event_stall(ev(s, layer, EV_IN_END), &t);
+    if (st == BE_OK)
+        *stall += t;
+    return st == BE_ENOTSUP ? BE_OK : st;
 }
 
 enum tier_status kv_stream_init(kv_store *s)
@@ -184,6 +197,11 @@ enum tier_status kv_store_step_begin(kv_store *s)
             return st;
         }
     }
+    /* waits of a step that failed before its end are not this step's */
+    double before = 0;
+    for (int l = 0; l < s->g.n_layers; l++)
+        if (add_stall(s, l, &before) != BE_OK)
+            return kv_fail(s, TIER_EIO, "reading the copy-in waits of a failed step");
     s->step = (struct kv_xfer_stats){.steps = 1};
     for (int i = 0; i < s->n_active; i++) {
         kv_seq *q = s->active[i];
@@ -292,10 +310,8 @@ enum be_status kv_store_layer_begin(kv_store *s, int layer)
     if (s->slot_of[layer] >= 0) {
         if (!s->issued[layer])
             st = copy_in(s, layer);
-        double t0 = clock_s();
         if (st == BE_OK)
             st = be_event_wait(s->be, ev(s, layer, EV_IN_END));
-        s->step.stall_s += clock_s() - t0;
         if (st == BE_OK)
             st = add_transfer(s, layer, EV_IN_START);
         /* write-backs queued before this copy-in have finished too */
@@ -350,6 +366,8 @@ enum be_status kv_store_step_end(kv_store *s)
     for (int m = 0; m < s->g.n_layers && st == BE_OK; m++)
         if (s->wb_rec[m])
             st = add_transfer(s, m, EV_WB_START);
+    for (int m = 0; m < s->g.n_layers && st == BE_OK; m++)
+        st = add_stall(s, m, &s->step.stall_s);
     s->step.compute_s = clock_s() - s->step_t0 - s->step.stall_s;
     xfer_add(&s->total, &s->step);
     for (int i = 0; i < s->n_active; i++) {

@@ -317,10 +317,14 @@ static enum be_status cu_copy(void *ctx, void *dst, const void *src, size_t n, e
     return dir == BE_D2D ? BE_OK : cu_check(c, cudaStreamSynchronize(c->compute), "copy");
 }
 
-/* An event marks the copy stream: a fence for every copy queued before. */
+/* An event marks the copy stream: a fence for every copy queued before.
+ * A wait on it is bracketed by two events on the compute stream, whose
+ * interval is the time the compute stream stood still there (the host
+ * only queued the wait), summed in stall_s for be_event_stall. */
 struct cu_event {
-    cudaEvent_t e;
-    bool recorded;
+    cudaEvent_t e, before, after;
+    bool recorded, waited;
+    double stall_s;
 };
 
 static enum be_status cu_event_create(void *ctx, void **ev)
@@ -331,6 +335,12 @@ static enum be_status cu_event_create(void *ctx, void **ev)
     if (!e)
         return BE_ENOMEM_HOST;
     enum be_status st = cu_check(c, cudaEventCreate(&e->e), "event_create");
+    if (st == BE_OK && (st = cu_check(c, cudaEventCreate(&e->before), "event_create")) != BE_OK)
+        cudaEventDestroy(e->e);
+    if (st == BE_OK && (st = cu_check(c, cudaEventCreate(&e->after), "event_create")) != BE_OK) {
+        cudaEventDestroy(e->e);
+        cudaEventDestroy(e->before);
+    }
     if (st != BE_OK) {
         free(e);
         return st;
@@ -344,6 +354,8 @@ static void cu_event_free(void *ctx, void *ev)
     (void)ctx;
     struct cu_event *e = (struct cu_event *)ev;
     cudaEventDestroy(e->e);
+    cudaEventDestroy(e->before);
+    cudaEventDestroy(e->after);
     free(e);
 }
 
@@ -357,6 +369,20 @@ static enum be_status cu_event_record(void *ctx, void *ev)
     return BE_OK;
 }
 
+/* Adds the last wait's interval to stall_s, before its events are reused
+ * (it waits for the compute stream to pass that wait). */
+static enum be_status take_stall(struct cu_ctx *c, struct cu_event *e)
+{
+    if (!e->waited)
+        return BE_OK;
+    float ms;
+    CU_TRY(c, cudaEventSynchronize(e->after), "event_stall");
+    CU_TRY(c, cudaEventElapsedTime(&ms, e->before, e->after), "event_stall");
+    e->stall_s += ms > 0 ? ms / 1e3 : 0.0;
+    e->waited = false;
+    return BE_OK;
+}
+
 static enum be_status cu_event_wait(void *ctx, void *ev)
 {
     struct cu_ctx *c = (struct cu_ctx *)ctx;
@@ -364,7 +390,23 @@ static enum be_status cu_event_wait(void *ctx, void *ev)
     BE_TRY(cu_enter(c, "event_wait"));
     if (!e->recorded)
         return BE_OK;
-    return cu_check(c, cudaStreamWaitEvent(c->compute, e->e, 0), "event_wait");
+    BE_TRY(take_stall(c, e));
+    CU_TRY(c, cudaEventRecord(e->before, c->compute), "event_wait");
+    CU_TRY(c, cudaStreamWaitEvent(c->compute, e->e, 0), "event_wait");
+    CU_TRY(c, cudaEventRecord(e->after, c->compute), "event_wait");
+    e->waited = true;
+    return BE_OK;
+}
+
+static enum be_status cu_event_stall(void *ctx, void *ev, double *seconds)
+{
+    struct cu_ctx *c = (struct cu_ctx *)ctx;
+    struct cu_event *e = (struct cu_event *)ev;
+    BE_TRY(cu_enter(c, "event_stall"));
+    BE_TRY(take_stall(c, e));
+    *seconds = e->stall_s;
+    e->stall_s = 0;
+    return BE_OK;
 }
 
 static enum be_status cu_event_sync(void *ctx, void *ev)
@@ -461,6 +503,7 @@ static const struct be_ops cu_ops = {
     .event_wait = cu_event_wait,
     .event_sync = cu_event_sync,
     .event_elapsed = cu_event_elapsed,
+    .event_stall = cu_event_stall,
     .sync = cu_sync,
     .matmul = cu_matmul,
     .rmsnorm = cu_rmsnorm,
