@@ -104,17 +104,11 @@ void sampler_free(sampler *s)
     free(s);
 }
 
-static int by_logit_desc(const void *a, const void *b)
-{
-    const struct cand *x = a, *y = b;
-    if (x->logit != y->logit)
-        return x->logit > y->logit ? -1 : 1;
-    return x->id - y->id; /* equal logits keep vocabulary order */
-}
-
+/* The candidates' order: the higher logit first, equal logits in
+ * vocabulary order (a total order: candidates are never NaN). */
 static bool better(const struct cand *x, const struct cand *y)
 {
-    return by_logit_desc(x, y) < 0;
+    return x->logit != y->logit ? x->logit > y->logit : x->id < y->id;
 }
 
 /* Sift c[i] down the heap c[0, n) whose root is its worst candidate. */
@@ -135,7 +129,7 @@ static void sift_worst(struct cand *c, int n, int i)
     }
 }
 
-/* Puts the k best of c[0, n) in by_logit_desc order at c[0, k), the rest
+/* Puts the k best of c[0, n) in better's order at c[0, k), the rest
  * after them in no order: a heap of k with the worst at its root, then
  * heap sort, O(n log k) and nothing allocated (glibc's qsort allocates a
  * buffer for arrays over 1 KiB).  The filters below want the shortest

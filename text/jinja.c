@@ -1905,12 +1905,17 @@ static json_t *change_case(const json_t *v, enum case_op op)
     char *p = casemap(s, head, op == CASE_LOWER ? CASEMAP_LOWER : CASEMAP_UPPER, &len);
     if (!p)
         return NULL;
-    struct sbuf b = {.limit = SIZE_MAX / 4};
-    sb_put(&b, p, len);
-    sb_put(&b, s + head, n - head);
+    json_t *out = NULL;
+    if (head == n) {
+        out = str_new(p, len);
+    } else { /* capitalize: the mapped head, then the rest as it was */
+        struct sbuf b = {.limit = SIZE_MAX / 4};
+        sb_put(&b, p, len);
+        sb_put(&b, s + head, n - head);
+        out = b.oom ? NULL : str_new(b.p, b.n);
+        free(b.p);
+    }
     free(p);
-    json_t *out = b.oom ? NULL : str_new(b.p, b.n);
-    free(b.p);
     return out;
 }
 
