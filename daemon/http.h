@@ -220,7 +220,8 @@ void write_usage(struct jw *w, const struct job *j);
 void write_kvtier(struct jw *w, const struct job *j);
 const char *finish_name(enum gen_finish f);
 /* The text of one token as the tokenizer decodes it alone, into buf (of at
- * least engine_max_piece bytes, so it always fits); its length.  A part of
+ * least engine_max_piece bytes, so it always fits; else nothing, 0); its
+ * length.  A part of
  * a character is U+FFFD, as transformers' decode of that one id gives it;
  * *whole (if not NULL): the text is the token's own bytes, whole
  * characters, not a U+FFFD standing for some. */

@@ -134,8 +134,10 @@ size_t token_piece(const engine *e, int32_t id, char *buf, size_t cap, bool *who
 {
     struct tok_stream ts = {.started = true};
     size_t n = tokenizer_decode_stream(engine_tokenizer(e), &ts, id, false, buf, cap), raw_len;
+    if (whole)
+        *whole = false;
     if (n > cap) /* nothing written: engine_max_piece was not the buffer's size */
-        return n;
+        return 0;
     bool special;
     const char *raw = tokenizer_token_bytes(engine_tokenizer(e), id, &raw_len, &special);
     if (whole) /* what the stream wrote is the token's own bytes: no U+FFFD for a bad byte, none pending */
